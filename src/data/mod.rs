@@ -1,0 +1,160 @@
+//! Datasets: where samples come from, and how a global batch is gathered.
+//!
+//! A [`Dataset`] holds every sample of one split in host memory, features stored in the
+//! dtype they came in (u8 images stay u8: a quarter of the memory) and converted to f32
+//! only when a batch is gathered. Shuffling, sharding and device placement belong to the
+//! trainer (`train::sampler`, `train::scatter`); this module only knows samples.
+
+pub mod digits;
+pub mod safetensors_file;
+pub mod toy;
+
+use crate::error::{Error, Result};
+use crate::tensor::Shape;
+
+/// Feature values of every sample, row-major, sample after sample.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Features {
+    /// f32 values, used as they are.
+    F32(Vec<f32>),
+    /// Raw bytes (e.g. 0..255 pixels), converted to f32 without scaling: a model that
+    /// wants 0..1 starts with a Rescaling layer, as Keras models do.
+    U8(Vec<u8>),
+}
+
+impl Features {
+    fn len(&self) -> usize {
+        match self {
+            Features::F32(v) => v.len(),
+            Features::U8(v) => v.len(),
+        }
+    }
+}
+
+/// Samples and labels of one split.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Dataset {
+    name: String,
+    /// Shape of ONE sample, e.g. `(1, 28, 28)` for an image or `(2,)` for the toy points.
+    sample_shape: Shape,
+    features: Features,
+    /// Class ids, one per sample, each `< num_classes`.
+    labels: Vec<u32>,
+    num_classes: usize,
+}
+
+impl Dataset {
+    /// Builds a dataset, checking that sizes agree and every label is in range.
+    pub fn new(
+        name: impl Into<String>,
+        sample_shape: impl Into<Shape>,
+        features: Features,
+        labels: Vec<u32>,
+        num_classes: usize,
+    ) -> Result<Dataset> {
+        let name = name.into();
+        let sample_shape = sample_shape.into();
+        let per = sample_shape.numel();
+        let err = |detail: String| Error::Data { name: name.clone(), detail };
+        if per == 0 {
+            return Err(err(format!("sample shape {sample_shape} has no elements")));
+        }
+        if features.len() != per * labels.len() {
+            return Err(err(format!(
+                "{} feature values for {} labels of shape {sample_shape} (expected {})",
+                features.len(),
+                labels.len(),
+                per * labels.len()
+            )));
+        }
+        if num_classes == 0 {
+            return Err(err("zero classes".into()));
+        }
+        if let Some((i, &l)) = labels.iter().enumerate().find(|(_, &l)| l as usize >= num_classes) {
+            return Err(err(format!(
+                "label {l} of sample {i} is out of range (classes 0..{num_classes})"
+            )));
+        }
+        Ok(Dataset { name, sample_shape, features, labels, num_classes })
+    }
+
+    /// The dataset's name, used in messages.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Number of samples.
+    pub fn len(&self) -> usize {
+        self.labels.len()
+    }
+
+    /// True when there is no sample.
+    pub fn is_empty(&self) -> bool {
+        self.labels.is_empty()
+    }
+
+    /// Shape of one sample.
+    pub fn sample_shape(&self) -> &Shape {
+        &self.sample_shape
+    }
+
+    /// Number of classes.
+    pub fn num_classes(&self) -> usize {
+        self.num_classes
+    }
+
+    /// All labels.
+    pub fn labels(&self) -> &[u32] {
+        &self.labels
+    }
+
+    /// The stored features.
+    pub fn features(&self) -> &Features {
+        &self.features
+    }
+
+    /// Copies the samples `indices` (in that order) into `x` as f32 and their labels into
+    /// `y`. `x` must hold `indices.len()` samples.
+    pub fn gather_into(&self, indices: &[usize], x: &mut [f32], y: &mut [u32]) {
+        let per = self.sample_shape.numel();
+        debug_assert_eq!(x.len(), indices.len() * per);
+        for ((&i, xr), yr) in indices.iter().zip(x.chunks_exact_mut(per)).zip(y.iter_mut()) {
+            match &self.features {
+                Features::F32(v) => xr.copy_from_slice(&v[i * per..(i + 1) * per]),
+                Features::U8(v) => {
+                    for (o, &b) in xr.iter_mut().zip(&v[i * per..(i + 1) * per]) {
+                        *o = f32::from(b);
+                    }
+                }
+            }
+            *yr = self.labels[i];
+        }
+    }
+
+    /// A new dataset with the samples `indices`, in that order.
+    pub fn subset(&self, name: impl Into<String>, indices: &[usize]) -> Dataset {
+        let per = self.sample_shape.numel();
+        let features = match &self.features {
+            Features::F32(v) => {
+                Features::F32(indices.iter().flat_map(|&i| &v[i * per..(i + 1) * per]).copied().collect())
+            }
+            Features::U8(v) => {
+                Features::U8(indices.iter().flat_map(|&i| &v[i * per..(i + 1) * per]).copied().collect())
+            }
+        };
+        Dataset {
+            name: name.into(),
+            sample_shape: self.sample_shape.clone(),
+            features,
+            labels: indices.iter().map(|&i| self.labels[i]).collect(),
+            num_classes: self.num_classes,
+        }
+    }
+}
+
+/// A training split and an optional test (validation) split.
+#[derive(Clone, Debug)]
+pub struct Splits {
+    pub train: Dataset,
+    pub test: Option<Dataset>,
+}

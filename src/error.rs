@@ -1,0 +1,115 @@
+//! The one error type of the library.
+//!
+//! Every fallible function in lockstep returns [`Result<T>`]. Variants carry what a user
+//! needs to act on the failure: the op and the shapes involved, the path of a file, the
+//! name of a tensor, the device and step of a worker. `anyhow` appears only in `main.rs`,
+//! which maps these errors to exit codes.
+
+use std::path::PathBuf;
+
+/// The library's result type.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything that can go wrong in lockstep.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// Two shapes that an op needs to agree do not.
+    #[error("{op}: shape mismatch: {detail}")]
+    Shape { op: &'static str, detail: String },
+
+    /// An op was given tensors that live on different devices.
+    #[error("{op}: expected all tensors to be on the same device, found {lhs} and {rhs}")]
+    DeviceMismatch { op: &'static str, lhs: String, rhs: String },
+
+    /// A configuration value is out of range or inconsistent with another.
+    #[error("invalid {what}: {detail}")]
+    Config { what: &'static str, detail: String },
+
+    /// A device specification (`--devices`) could not be parsed or satisfied.
+    #[error("invalid device spec '{spec}': {detail}")]
+    DeviceSpec { spec: String, detail: String },
+
+    /// A file could not be read or written.
+    #[error("{path}: {source}")]
+    Io { path: PathBuf, #[source] source: std::io::Error },
+
+    /// A file was read but its contents are not what lockstep expects.
+    #[error("{path}: {detail}")]
+    Format { path: PathBuf, detail: String },
+
+    /// A weights file does not match the model; every problem is listed.
+    #[error("{path}: weights do not match the model:\n  {}", problems.join("\n  "))]
+    WeightsMismatch { path: PathBuf, problems: Vec<String> },
+
+    /// A dataset is unusable (empty, labels out of range, inconsistent sizes).
+    #[error("dataset {name}: {detail}")]
+    Data { name: String, detail: String },
+
+    /// A worker failed; names the device and the step.
+    #[error("{device}, step {step}: {cause}")]
+    Worker { device: String, step: u64, cause: String },
+
+    /// The loss became NaN or infinite.
+    #[error("non-finite loss {loss} at step {step} (epoch {epoch})")]
+    NonFiniteLoss { step: u64, epoch: usize, loss: f64 },
+
+    /// Replicas that must be bitwise identical are not.
+    #[error("replica check failed at step {step}: replica {replica} differs from replica 0 in tensor '{tensor}'")]
+    ReplicaMismatch { step: u64, replica: usize, tensor: String },
+
+    /// A collective was aborted because another worker failed.
+    #[error("collective aborted: another worker failed")]
+    Aborted,
+
+    /// A CUDA library is missing, or asked-for GPUs are not there.
+    #[error("{0}")]
+    CudaUnavailable(String),
+
+    /// An error reported by the CUDA driver.
+    #[error("CUDA driver: {0}")]
+    Driver(#[from] cudarc::driver::DriverError),
+
+    /// An NVRTC compile failure, with the kernel file's name and the compiler log.
+    #[error("NVRTC compiling {file}: {log}")]
+    Nvrtc { file: String, log: String },
+
+    /// An error reported by cuBLAS.
+    #[error("cuBLAS: {0}")]
+    Cublas(#[from] cudarc::cublas::result::CublasError),
+
+    /// An error reported by NCCL.
+    #[error("NCCL: {0:?}")]
+    Nccl(cudarc::nccl::result::NcclError),
+
+    /// Training was interrupted by the user (SIGINT).
+    #[error("interrupted at step {step}")]
+    Interrupted { step: u64 },
+}
+
+impl From<cudarc::nccl::result::NcclError> for Error {
+    fn from(e: cudarc::nccl::result::NcclError) -> Self {
+        Error::Nccl(e)
+    }
+}
+
+impl Error {
+    /// Wraps an `io::Error` with the path it concerns.
+    pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        Error::Io { path: path.into(), source }
+    }
+
+    /// A [`Error::Config`] in one call.
+    pub fn config(what: &'static str, detail: impl Into<String>) -> Self {
+        Error::Config { what, detail: detail.into() }
+    }
+
+    /// A [`Error::Format`] in one call.
+    pub fn format(path: impl Into<PathBuf>, detail: impl Into<String>) -> Self {
+        Error::Format { path: path.into(), detail: detail.into() }
+    }
+
+    /// A [`Error::Shape`] in one call.
+    pub fn shape(op: &'static str, detail: impl Into<String>) -> Self {
+        Error::Shape { op, detail: detail.into() }
+    }
+}

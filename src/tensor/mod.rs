@@ -1,0 +1,239 @@
+//! Shapes and tensors.
+//!
+//! A [`Tensor`] is a shape, the device it lives on and its storage. Images are NCHW,
+//! row-major (C order), the layout PyTorch uses, so weights and data move between the
+//! two without transposes. Shape legend used in comments across the crate:
+//! N batch, C channels, H height, W width, K kernel size, O outputs (filters or units),
+//! F features.
+//!
+//! Storage is an enum so that device storage joins the host variant without changing
+//! the layer code: layers ask for [`Tensor::host`] views through the op functions in
+//! `backend`, and the op functions dispatch on the variant. The tensor does not own
+//! parameters: those live in the flat buffers of `nn::ParamStore`.
+
+use std::fmt;
+
+use crate::error::{Error, Result};
+
+/// Dimensions of a tensor, outermost first.
+#[derive(Clone, PartialEq, Eq, Hash, Default)]
+pub struct Shape(Vec<usize>);
+
+impl Shape {
+    /// A shape from its dimensions, outermost first.
+    pub fn new(dims: impl Into<Vec<usize>>) -> Self {
+        Shape(dims.into())
+    }
+
+    /// The dimensions, outermost first.
+    pub fn dims(&self) -> &[usize] {
+        &self.0
+    }
+
+    /// Number of dimensions.
+    pub fn rank(&self) -> usize {
+        self.0.len()
+    }
+
+    /// Number of elements (1 for a scalar).
+    pub fn numel(&self) -> usize {
+        self.0.iter().product()
+    }
+
+    /// The leading dimension (the batch for activations).
+    pub fn batch(&self) -> usize {
+        self.0.first().copied().unwrap_or(1)
+    }
+
+    /// Elements per sample: the product of every dimension after the first.
+    pub fn per_sample(&self) -> usize {
+        self.0.iter().skip(1).product()
+    }
+
+    /// The same shape with the leading dimension replaced.
+    pub fn with_batch(&self, n: usize) -> Shape {
+        let mut d = self.0.clone();
+        if d.is_empty() {
+            d.push(n);
+        } else {
+            d[0] = n;
+        }
+        Shape(d)
+    }
+
+    /// The dimensions as `(N, C, H, W)`, or an error naming `op` if the rank is not 4.
+    pub fn nchw(&self, op: &'static str) -> Result<(usize, usize, usize, usize)> {
+        match self.0[..] {
+            [n, c, h, w] => Ok((n, c, h, w)),
+            _ => Err(Error::shape(op, format!("expected (N, C, H, W), got {self}"))),
+        }
+    }
+
+    /// The dimensions as `(N, F)`, or an error naming `op` if the rank is not 2.
+    pub fn nf(&self, op: &'static str) -> Result<(usize, usize)> {
+        match self.0[..] {
+            [n, f] => Ok((n, f)),
+            _ => Err(Error::shape(op, format!("expected (N, F), got {self}"))),
+        }
+    }
+}
+
+impl fmt::Display for Shape {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "(")?;
+        for (i, d) in self.0.iter().enumerate() {
+            if i > 0 {
+                write!(f, ", ")?;
+            }
+            write!(f, "{d}")?;
+        }
+        write!(f, ")")
+    }
+}
+
+impl fmt::Debug for Shape {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(self, f)
+    }
+}
+
+impl From<&[usize]> for Shape {
+    fn from(d: &[usize]) -> Self {
+        Shape(d.to_vec())
+    }
+}
+
+impl<const K: usize> From<[usize; K]> for Shape {
+    fn from(d: [usize; K]) -> Self {
+        Shape(d.to_vec())
+    }
+}
+
+/// Where a tensor lives.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+pub enum Device {
+    /// Host memory owned by CPU device `ordinal` (CPU devices stand in for GPUs).
+    Cpu(usize),
+    /// Memory of CUDA GPU `ordinal`.
+    Cuda(usize),
+}
+
+impl fmt::Display for Device {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Device::Cpu(i) => write!(f, "cpu:{i}"),
+            Device::Cuda(i) => write!(f, "cuda:{i}"),
+        }
+    }
+}
+
+/// The memory behind a tensor.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Storage {
+    /// f32 values in host memory, row-major.
+    Host(Vec<f32>),
+}
+
+/// An f32 tensor: shape, device and storage.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Tensor {
+    shape: Shape,
+    device: Device,
+    storage: Storage,
+}
+
+impl Tensor {
+    /// A host tensor on `cpu:0` from values and a shape; errors if the sizes differ.
+    pub fn from_vec(data: Vec<f32>, shape: impl Into<Shape>) -> Result<Tensor> {
+        Tensor::from_vec_on(data, shape, Device::Cpu(0))
+    }
+
+    /// A host tensor on the given CPU device.
+    pub fn from_vec_on(data: Vec<f32>, shape: impl Into<Shape>, device: Device) -> Result<Tensor> {
+        let shape = shape.into();
+        if shape.numel() != data.len() {
+            return Err(Error::shape(
+                "Tensor::from_vec",
+                format!("{} values do not fill shape {shape}", data.len()),
+            ));
+        }
+        Ok(Tensor { shape, device, storage: Storage::Host(data) })
+    }
+
+    /// A tensor of zeros on `device`.
+    pub fn zeros(shape: impl Into<Shape>, device: Device) -> Tensor {
+        let shape = shape.into();
+        let n = shape.numel();
+        Tensor { shape, device, storage: Storage::Host(vec![0.0; n]) }
+    }
+
+    /// The shape.
+    pub fn shape(&self) -> &Shape {
+        &self.shape
+    }
+
+    /// The device the tensor lives on.
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    /// Number of elements.
+    pub fn numel(&self) -> usize {
+        self.shape.numel()
+    }
+
+    /// The values, when the tensor lives in host memory.
+    pub fn host(&self) -> &[f32] {
+        match &self.storage {
+            Storage::Host(v) => v,
+        }
+    }
+
+    /// The values, mutably, when the tensor lives in host memory.
+    pub fn host_mut(&mut self) -> &mut [f32] {
+        match &mut self.storage {
+            Storage::Host(v) => v,
+        }
+    }
+
+    /// Consumes the tensor and returns its host values.
+    pub fn into_vec(self) -> Vec<f32> {
+        match self.storage {
+            Storage::Host(v) => v,
+        }
+    }
+
+    /// The same values seen with another shape of the same size.
+    pub fn reshape(self, shape: impl Into<Shape>) -> Result<Tensor> {
+        let shape = shape.into();
+        if shape.numel() != self.shape.numel() {
+            return Err(Error::shape(
+                "reshape",
+                format!("cannot view {} as {shape}", self.shape),
+            ));
+        }
+        Ok(Tensor { shape, ..self })
+    }
+
+    /// A copy of the tensor on `device`. Host-to-host moves between CPU devices copy.
+    pub fn to(&self, device: Device) -> Result<Tensor> {
+        match device {
+            Device::Cpu(_) => Ok(Tensor { device, ..self.clone() }),
+            Device::Cuda(_) => Err(Error::CudaUnavailable(format!(
+                "cannot move a tensor to {device}: GPU tensors are created by the CUDA worker of that device"
+            ))),
+        }
+    }
+
+    /// Errors with [`Error::DeviceMismatch`] unless `self` and `other` share a device.
+    pub fn same_device(&self, op: &'static str, other: &Tensor) -> Result<()> {
+        if self.device != other.device {
+            return Err(Error::DeviceMismatch {
+                op,
+                lhs: self.device.to_string(),
+                rhs: other.device.to_string(),
+            });
+        }
+        Ok(())
+    }
+}
