@@ -2,6 +2,7 @@
 #![forbid(unsafe_op_in_unsafe_fn)]
 
 pub mod data;
+pub mod rng;
 pub mod error;
 pub mod tensor;
 
