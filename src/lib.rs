@@ -1,10 +1,16 @@
 //! lockstep: synchronous data-parallel training inside one process.
 #![forbid(unsafe_op_in_unsafe_fn)]
 
+pub mod backend;
 pub mod data;
-pub mod rng;
 pub mod error;
+pub mod fsutil;
+pub mod models;
+pub mod nn;
+pub mod optim;
+pub mod rng;
 pub mod tensor;
+pub mod weights;
 
 pub use error::{Error, Result};
 pub use tensor::{Device, Shape, Tensor};

@@ -65,7 +65,10 @@ impl Shape {
     pub fn nchw(&self, op: &'static str) -> Result<(usize, usize, usize, usize)> {
         match self.0[..] {
             [n, c, h, w] => Ok((n, c, h, w)),
-            _ => Err(Error::shape(op, format!("expected (N, C, H, W), got {self}"))),
+            _ => Err(Error::shape(
+                op,
+                format!("expected (N, C, H, W), got {self}"),
+            )),
         }
     }
 
@@ -157,14 +160,22 @@ impl Tensor {
                 format!("{} values do not fill shape {shape}", data.len()),
             ));
         }
-        Ok(Tensor { shape, device, storage: Storage::Host(data) })
+        Ok(Tensor {
+            shape,
+            device,
+            storage: Storage::Host(data),
+        })
     }
 
     /// A tensor of zeros on `device`.
     pub fn zeros(shape: impl Into<Shape>, device: Device) -> Tensor {
         let shape = shape.into();
         let n = shape.numel();
-        Tensor { shape, device, storage: Storage::Host(vec![0.0; n]) }
+        Tensor {
+            shape,
+            device,
+            storage: Storage::Host(vec![0.0; n]),
+        }
     }
 
     /// The shape.

@@ -1,0 +1,391 @@
+//! CPU kernels: GEMM, im2col/col2im and the few reductions the layers need.
+//!
+//! Determinism is a contract here, not a hope: the result of every kernel is bitwise the
+//! same whatever the number of threads in the device's pool. GEMM is split by the `gemm`
+//! crate over output blocks only (the k loop is never split between threads), and every
+//! reduction over the batch runs in a fixed order chosen from the sizes alone. The
+//! trainer relies on this to make 1, 2 or 4 devices give bitwise-identical weights.
+//!
+//! The GEMM crate was chosen by measurement (`benches/gemm.rs`): see the README.
+
+use gemm::Parallelism;
+
+/// A read-only matrix view: `rows × cols`, element (i, j) at `data[i*rs + j*cs]`.
+#[derive(Clone, Copy)]
+pub struct Mat<'a> {
+    pub data: &'a [f32],
+    pub rows: usize,
+    pub cols: usize,
+    pub rs: usize,
+    pub cs: usize,
+}
+
+impl<'a> Mat<'a> {
+    /// A row-major `rows × cols` matrix.
+    pub fn rows(data: &'a [f32], rows: usize, cols: usize) -> Self {
+        Mat {
+            data,
+            rows,
+            cols,
+            rs: cols,
+            cs: 1,
+        }
+    }
+
+    /// The transpose, as a view (no copy).
+    pub fn t(self) -> Self {
+        Mat {
+            data: self.data,
+            rows: self.cols,
+            cols: self.rows,
+            rs: self.cs,
+            cs: self.rs,
+        }
+    }
+
+    fn check(&self, what: &str) {
+        if self.rows > 0 && self.cols > 0 {
+            let last = (self.rows - 1) * self.rs + (self.cols - 1) * self.cs;
+            assert!(last < self.data.len(), "gemm: {what} view out of bounds");
+        }
+    }
+}
+
+/// What GEMM does with the destination's previous contents.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Accumulate {
+    /// `c = a·b`
+    Overwrite,
+    /// `c += a·b` (parameter gradients accumulate: see `nn`'s contract)
+    Add,
+}
+
+/// Below this many multiply-adds a GEMM runs on the calling thread: waking the pool
+/// costs more than it saves.
+const PARALLEL_MIN_FLOPS: usize = 1 << 18;
+
+/// `c (m × n, row-major, row stride c_rs) (+)= a (m × k) · b (k × n)`.
+///
+/// Runs on the current rayon pool (the device's), splitting only over blocks of `c`.
+pub fn gemm(a: Mat<'_>, b: Mat<'_>, c: &mut [f32], c_rs: usize, acc: Accumulate) {
+    gemm_with(a, b, c, c_rs, acc, Threads::Pool)
+}
+
+/// Who runs a GEMM.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Threads {
+    /// The current rayon pool, when the product is large enough to pay for it.
+    Pool,
+    /// The calling thread only: for GEMMs issued from inside a parallel loop.
+    Caller,
+}
+
+/// [`gemm`] with an explicit choice of threads.
+pub fn gemm_with(
+    a: Mat<'_>,
+    b: Mat<'_>,
+    c: &mut [f32],
+    c_rs: usize,
+    acc: Accumulate,
+    threads: Threads,
+) {
+    let (m, k, n) = (a.rows, a.cols, b.cols);
+    assert_eq!(
+        b.rows, k,
+        "gemm: inner dimensions {k} and {} differ",
+        b.rows
+    );
+    a.check("lhs");
+    b.check("rhs");
+    if m == 0 || n == 0 {
+        return;
+    }
+    assert!(
+        (m - 1) * c_rs + n <= c.len(),
+        "gemm: destination out of bounds"
+    );
+    if k == 0 {
+        if acc == Accumulate::Overwrite {
+            for row in c.chunks_mut(c_rs).take(m) {
+                row[..n].fill(0.0);
+            }
+        }
+        return;
+    }
+    let pool = rayon::current_num_threads();
+    let par = if threads == Threads::Pool && pool > 1 && m * n * k >= PARALLEL_MIN_FLOPS {
+        Parallelism::Rayon(pool)
+    } else {
+        Parallelism::None
+    };
+    // SAFETY: the three views were bounds-checked above against the largest index the
+    // kernel touches ((rows-1)*rs + (cols-1)*cs); `c` is borrowed mutably, so it cannot
+    // alias `a` or `b`; strides fit in isize because they index existing slices.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            c.as_mut_ptr(),
+            1,
+            c_rs as isize,
+            acc == Accumulate::Add,
+            a.data.as_ptr(),
+            a.cs as isize,
+            a.rs as isize,
+            b.data.as_ptr(),
+            b.cs as isize,
+            b.rs as isize,
+            1.0,
+            1.0,
+            false,
+            false,
+            false,
+            par,
+        )
+    }
+}
+
+/// Geometry of a 2-D convolution over one sample.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ConvGeom {
+    pub c: usize,
+    pub h: usize,
+    pub w: usize,
+    pub kh: usize,
+    pub kw: usize,
+    pub stride: usize,
+    pub pad_top: usize,
+    pub pad_left: usize,
+    pub oh: usize,
+    pub ow: usize,
+}
+
+impl ConvGeom {
+    /// Rows of the column matrix: C·KH·KW.
+    pub fn col_rows(&self) -> usize {
+        self.c * self.kh * self.kw
+    }
+
+    /// Columns of the column matrix: OH·OW.
+    pub fn col_cols(&self) -> usize {
+        self.oh * self.ow
+    }
+}
+
+/// Unfolds one sample. x: (C, H, W) → col: (C·KH·KW, OH·OW), row (c·KH + i)·KW + j holds
+/// x[c, oy·s + i − pad_top, ox·s + j − pad_left] (0 outside the image).
+pub fn im2col(x: &[f32], g: &ConvGeom, col: &mut [f32]) {
+    let p = g.col_cols();
+    debug_assert_eq!(x.len(), g.c * g.h * g.w);
+    debug_assert_eq!(col.len(), g.col_rows() * p);
+    let mut row = 0;
+    for c in 0..g.c {
+        let xc = &x[c * g.h * g.w..(c + 1) * g.h * g.w];
+        for i in 0..g.kh {
+            for j in 0..g.kw {
+                let dst = &mut col[row * p..(row + 1) * p];
+                for oy in 0..g.oh {
+                    let iy = (oy * g.stride + i) as isize - g.pad_top as isize;
+                    let out = &mut dst[oy * g.ow..(oy + 1) * g.ow];
+                    if iy < 0 || iy >= g.h as isize {
+                        out.fill(0.0);
+                        continue;
+                    }
+                    let xr = &xc[iy as usize * g.w..(iy as usize + 1) * g.w];
+                    for (ox, o) in out.iter_mut().enumerate() {
+                        let ix = (ox * g.stride + j) as isize - g.pad_left as isize;
+                        *o = if ix >= 0 && (ix as usize) < g.w {
+                            xr[ix as usize]
+                        } else {
+                            0.0
+                        };
+                    }
+                }
+                row += 1;
+            }
+        }
+    }
+}
+
+/// Folds a column matrix back, adding overlapping entries: the adjoint of [`im2col`].
+/// dcol: (C·KH·KW, OH·OW) → dx: (C, H, W), accumulated into `dx` (zero it first).
+pub fn col2im(dcol: &[f32], g: &ConvGeom, dx: &mut [f32]) {
+    let p = g.col_cols();
+    let mut row = 0;
+    for c in 0..g.c {
+        let dxc = &mut dx[c * g.h * g.w..(c + 1) * g.h * g.w];
+        for i in 0..g.kh {
+            for j in 0..g.kw {
+                let src = &dcol[row * p..(row + 1) * p];
+                for oy in 0..g.oh {
+                    let iy = (oy * g.stride + i) as isize - g.pad_top as isize;
+                    if iy < 0 || iy >= g.h as isize {
+                        continue;
+                    }
+                    let dr = &mut dxc[iy as usize * g.w..(iy as usize + 1) * g.w];
+                    for (ox, &v) in src[oy * g.ow..(oy + 1) * g.ow].iter().enumerate() {
+                        let ix = (ox * g.stride + j) as isize - g.pad_left as isize;
+                        if ix >= 0 && (ix as usize) < g.w {
+                            dr[ix as usize] += v;
+                        }
+                    }
+                }
+                row += 1;
+            }
+        }
+    }
+}
+
+/// The fixed partition of `n` batch rows into groups for reductions over the batch.
+/// It depends on `n` alone, never on the thread count, so partial sums are formed and
+/// combined in the same order on every machine.
+pub fn batch_groups(n: usize) -> Vec<std::ops::Range<usize>> {
+    const GROUPS: usize = 16;
+    let g = GROUPS.min(n.max(1));
+    (0..g)
+        .map(|i| (i * n / g)..((i + 1) * n / g))
+        .filter(|r| !r.is_empty())
+        .collect()
+}
+
+/// Adds `parts` into `out` in index order: `out += ((p0 + p1) + p2) + ...`.
+pub fn add_partials(out: &mut [f32], parts: &[Vec<f32>]) {
+    if parts.is_empty() {
+        return;
+    }
+    let mut total = parts[0].clone();
+    for p in &parts[1..] {
+        for (t, v) in total.iter_mut().zip(p) {
+            *t += v;
+        }
+    }
+    for (o, t) in out.iter_mut().zip(&total) {
+        *o += t;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn naive(a: &[f32], b: &[f32], m: usize, k: usize, n: usize) -> Vec<f32> {
+        let mut c = vec![0.0f32; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                let mut s = 0.0f64;
+                for p in 0..k {
+                    s += a[i * k + p] as f64 * b[p * n + j] as f64;
+                }
+                c[i * n + j] = s as f32;
+            }
+        }
+        c
+    }
+
+    fn data(len: usize, seed: u64) -> Vec<f32> {
+        let mut g = crate::rng::SplitMix64::new(seed);
+        (0..len).map(|_| g.next_f32() * 2.0 - 1.0).collect()
+    }
+
+    #[test]
+    fn gemm_matches_naive_with_transposes_and_accumulation() {
+        let (m, k, n) = (37, 53, 29);
+        let a = data(m * k, 1);
+        let b = data(k * n, 2);
+        let want = naive(&a, &b, m, k, n);
+        let mut c = vec![0.0; m * n];
+        gemm(
+            Mat::rows(&a, m, k),
+            Mat::rows(&b, k, n),
+            &mut c,
+            n,
+            Accumulate::Overwrite,
+        );
+        // Tolerance: k = 53 products of values in [-1, 1]; f32 rounding ≤ 53·2^-24 ≈ 3e-6.
+        for (x, y) in c.iter().zip(&want) {
+            assert!((x - y).abs() < 1e-5, "{x} vs {y}");
+        }
+        // a stored transposed (k × m) and viewed back with .t()
+        let mut at = vec![0.0; k * m];
+        for i in 0..m {
+            for p in 0..k {
+                at[p * m + i] = a[i * k + p];
+            }
+        }
+        let mut c2 = vec![1.0; m * n];
+        gemm(
+            Mat::rows(&at, k, m).t(),
+            Mat::rows(&b, k, n),
+            &mut c2,
+            n,
+            Accumulate::Add,
+        );
+        for (x, y) in c2.iter().zip(&want) {
+            assert!((x - (y + 1.0)).abs() < 1e-5);
+        }
+    }
+
+    #[test]
+    fn gemm_is_bitwise_identical_across_thread_counts() {
+        let (m, k, n) = (96, 700, 300);
+        let a = data(m * k, 3);
+        let b = data(k * n, 4);
+        let run = |threads| {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap();
+            let mut c = vec![0.0; m * n];
+            pool.install(|| {
+                gemm(
+                    Mat::rows(&a, m, k),
+                    Mat::rows(&b, k, n),
+                    &mut c,
+                    n,
+                    Accumulate::Overwrite,
+                )
+            });
+            c
+        };
+        let one = run(1);
+        assert_eq!(one, run(2));
+        assert_eq!(one, run(3));
+    }
+
+    #[test]
+    fn col2im_is_the_adjoint_of_im2col() {
+        // <im2col(x), y> == <x, col2im(y)> for any x, y: the defining property of the
+        // backward pass of an unfold.
+        let g = ConvGeom {
+            c: 2,
+            h: 7,
+            w: 6,
+            kh: 3,
+            kw: 2,
+            stride: 2,
+            pad_top: 1,
+            pad_left: 0,
+            oh: 4,
+            ow: 3,
+        };
+        let x = data(g.c * g.h * g.w, 5);
+        let y = data(g.col_rows() * g.col_cols(), 6);
+        let mut col = vec![0.0; y.len()];
+        im2col(&x, &g, &mut col);
+        let mut dx = vec![0.0; x.len()];
+        col2im(&y, &g, &mut dx);
+        let lhs: f64 = col.iter().zip(&y).map(|(a, b)| *a as f64 * *b as f64).sum();
+        let rhs: f64 = x.iter().zip(&dx).map(|(a, b)| *a as f64 * *b as f64).sum();
+        assert!((lhs - rhs).abs() < 1e-5, "{lhs} vs {rhs}");
+    }
+
+    #[test]
+    fn batch_groups_cover_the_batch_in_order() {
+        for n in [0, 1, 5, 16, 17, 256] {
+            let g = batch_groups(n);
+            let flat: Vec<usize> = g.iter().flat_map(|r| r.clone()).collect();
+            assert_eq!(flat, (0..n).collect::<Vec<_>>());
+        }
+    }
+}

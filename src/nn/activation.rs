@@ -1,0 +1,146 @@
+//! Elementwise layers: ReLU and Rescaling (Keras `Rescaling(scale, offset)`).
+
+use super::{Ctx, InputGrad, Layer, Mode, Params, ParamsMut};
+use crate::error::{Error, Result};
+use crate::tensor::{Shape, Tensor};
+
+/// max(x, 0). The gradient at exactly 0 is 0, as in PyTorch.
+#[derive(Clone, Debug, Default)]
+pub struct Relu {
+    /// Which inputs were positive, from the training forward. (any shape, flattened)
+    positive: Vec<bool>,
+}
+
+impl Relu {
+    pub fn new() -> Relu {
+        Relu::default()
+    }
+}
+
+impl Layer for Relu {
+    fn kind(&self) -> &'static str {
+        "relu"
+    }
+
+    fn output_shape(&self, input: &Shape) -> Result<Shape> {
+        Ok(input.clone())
+    }
+
+    // x: any shape → y: same shape
+    fn forward(
+        &mut self,
+        mut x: Tensor,
+        _p: Params<'_>,
+        _b: ParamsMut<'_>,
+        ctx: &Ctx,
+    ) -> Result<Tensor> {
+        if ctx.mode == Mode::Train {
+            self.positive.clear();
+            self.positive.extend(x.host().iter().map(|&v| v > 0.0));
+        }
+        for v in x.host_mut() {
+            *v = v.max(0.0);
+        }
+        Ok(x)
+    }
+
+    fn backward(
+        &mut self,
+        mut dout: Tensor,
+        _p: Params<'_>,
+        _dp: ParamsMut<'_>,
+        input_grad: InputGrad,
+        _ctx: &Ctx,
+    ) -> Result<Option<Tensor>> {
+        if input_grad == InputGrad::Skip {
+            return Ok(None);
+        }
+        if dout.numel() != self.positive.len() {
+            return Err(Error::shape(
+                "ReLU backward",
+                format!(
+                    "dout {} for {} cached inputs",
+                    dout.shape(),
+                    self.positive.len()
+                ),
+            ));
+        }
+        for (d, &p) in dout.host_mut().iter_mut().zip(&self.positive) {
+            if !p {
+                *d = 0.0;
+            }
+        }
+        Ok(Some(dout))
+    }
+
+    fn boxed_clone(&self) -> Box<dyn Layer> {
+        Box::new(Relu::new())
+    }
+
+    fn describe(&self) -> String {
+        "ReLU".into()
+    }
+}
+
+/// y = x·scale + offset (Keras `Rescaling`; the convnet divides pixels by 255).
+#[derive(Clone, Debug)]
+pub struct Rescaling {
+    scale: f32,
+    offset: f32,
+}
+
+impl Rescaling {
+    pub fn new(scale: f32, offset: f32) -> Rescaling {
+        Rescaling { scale, offset }
+    }
+}
+
+impl Layer for Rescaling {
+    fn kind(&self) -> &'static str {
+        "rescaling"
+    }
+
+    fn output_shape(&self, input: &Shape) -> Result<Shape> {
+        Ok(input.clone())
+    }
+
+    // x: any shape → y: same shape
+    fn forward(
+        &mut self,
+        mut x: Tensor,
+        _p: Params<'_>,
+        _b: ParamsMut<'_>,
+        _ctx: &Ctx,
+    ) -> Result<Tensor> {
+        let (s, o) = (self.scale, self.offset);
+        for v in x.host_mut() {
+            *v = *v * s + o;
+        }
+        Ok(x)
+    }
+
+    fn backward(
+        &mut self,
+        mut dout: Tensor,
+        _p: Params<'_>,
+        _dp: ParamsMut<'_>,
+        input_grad: InputGrad,
+        _ctx: &Ctx,
+    ) -> Result<Option<Tensor>> {
+        if input_grad == InputGrad::Skip {
+            return Ok(None);
+        }
+        for v in dout.host_mut() {
+            *v *= self.scale;
+        }
+        Ok(Some(dout))
+    }
+
+    fn boxed_clone(&self) -> Box<dyn Layer> {
+        Box::new(self.clone())
+    }
+
+    fn describe(&self) -> String {
+        format!("Rescaling(×{}, +{})", self.scale, self.offset)
+    }
+}

@@ -1,0 +1,328 @@
+//! BatchNorm2d with Keras's options: `scale` (a learned γ) and `center` (a learned β).
+//!
+//! Training normalises with the statistics of the batch the layer sees, over (N, H, W)
+//! with the BIASED variance, and updates the running statistics Keras-style,
+//! r ← momentum·r + (1 − momentum)·batch, using the UNBIASED variance for `running_var`
+//! (PyTorch's convention, which the reference cases follow). Evaluation uses the running
+//! statistics. With logical replicas, "the batch the layer sees" is the logical
+//! replica's shard, as in DDP without SyncBatchNorm; the trainer then averages the
+//! running statistics over the logical replicas so every replica holds the same buffers.
+
+use rayon::prelude::*;
+
+use super::{Ctx, Init, InputGrad, Layer, Mode, ParamSpec, Params, ParamsMut};
+use crate::error::{Error, Result};
+use crate::tensor::{Shape, Tensor};
+
+/// Batch normalisation over the channels of NCHW activations.
+#[derive(Clone, Debug)]
+pub struct BatchNorm2d {
+    channels: usize,
+    eps: f32,
+    momentum: f32,
+    scale: bool,
+    center: bool,
+    /// x̂: (N, C, H, W) and 1/sqrt(var + eps): (C), from the training forward.
+    cache: Option<(Tensor, Vec<f32>)>,
+}
+
+/// Per-channel sums over (N, H, W) in f64, one channel per task; within a channel the
+/// order is fixed (sample by sample), so the result does not depend on the threads.
+fn per_channel<F>(c: usize, f: F) -> Vec<(f64, f64)>
+where
+    F: Fn(usize) -> (f64, f64) + Sync + Send,
+{
+    (0..c).into_par_iter().map(f).collect()
+}
+
+impl BatchNorm2d {
+    /// Keras defaults: eps 1e-3, momentum 0.99, `scale` and `center` on.
+    pub fn new(channels: usize) -> BatchNorm2d {
+        BatchNorm2d {
+            channels,
+            eps: 1e-3,
+            momentum: 0.99,
+            scale: true,
+            center: true,
+            cache: None,
+        }
+    }
+
+    /// Sets eps (added to the variance).
+    pub fn eps(mut self, eps: f32) -> Self {
+        self.eps = eps;
+        self
+    }
+
+    /// Sets the Keras momentum (the weight of the old running value).
+    pub fn momentum(mut self, momentum: f32) -> Self {
+        self.momentum = momentum;
+        self
+    }
+
+    /// Keras `scale`: learn γ.
+    pub fn scale(mut self, on: bool) -> Self {
+        self.scale = on;
+        self
+    }
+
+    /// Keras `center`: learn β.
+    pub fn center(mut self, on: bool) -> Self {
+        self.center = on;
+        self
+    }
+
+    fn gamma_beta<'a>(&self, params: &Params<'a>) -> (Option<&'a [f32]>, Option<&'a [f32]>) {
+        let gamma = self.scale.then(|| params.get(0));
+        let beta = self.center.then(|| params.get(usize::from(self.scale)));
+        (gamma, beta)
+    }
+}
+
+impl Layer for BatchNorm2d {
+    fn kind(&self) -> &'static str {
+        "bn"
+    }
+
+    fn output_shape(&self, input: &Shape) -> Result<Shape> {
+        let (_, c, _, _) = input.nchw("BatchNorm2d")?;
+        if c != self.channels {
+            return Err(Error::shape(
+                "BatchNorm2d",
+                format!("expected {} channels, got {input}", self.channels),
+            ));
+        }
+        Ok(input.clone())
+    }
+
+    fn params(&self) -> Vec<ParamSpec> {
+        let shape = Shape::new([self.channels]);
+        let mut p = Vec::new();
+        if self.scale {
+            p.push(ParamSpec {
+                name: "gamma",
+                shape: shape.clone(),
+                init: Init::Ones,
+            });
+        }
+        if self.center {
+            p.push(ParamSpec {
+                name: "beta",
+                shape,
+                init: Init::Zeros,
+            });
+        }
+        p
+    }
+
+    fn buffers(&self) -> Vec<ParamSpec> {
+        let shape = Shape::new([self.channels]);
+        vec![
+            ParamSpec {
+                name: "running_mean",
+                shape: shape.clone(),
+                init: Init::Zeros,
+            },
+            ParamSpec {
+                name: "running_var",
+                shape,
+                init: Init::Ones,
+            },
+        ]
+    }
+
+    // x: (N, C, H, W) → y: (N, C, H, W)
+    fn forward(
+        &mut self,
+        mut x: Tensor,
+        params: Params<'_>,
+        mut buffers: ParamsMut<'_>,
+        ctx: &Ctx,
+    ) -> Result<Tensor> {
+        let (n, c, h, w) = x.shape().nchw("BatchNorm2d")?;
+        self.output_shape(x.shape())?;
+        let hw = h * w;
+        let m = n * hw;
+        let (gamma, beta) = self.gamma_beta(&params);
+        let (mean, invstd): (Vec<f32>, Vec<f32>) = match ctx.mode {
+            Mode::Train => {
+                if m == 0 {
+                    return Err(Error::shape(
+                        "BatchNorm2d",
+                        format!("no values per channel in {}", x.shape()),
+                    ));
+                }
+                let xs = x.host();
+                let stats = per_channel(c, |ch| {
+                    let plane = |s: usize| &xs[(s * c + ch) * hw..(s * c + ch + 1) * hw];
+                    let sum: f64 = (0..n)
+                        .map(|s| plane(s).iter().map(|&v| v as f64).sum::<f64>())
+                        .sum();
+                    let mean = sum / m as f64;
+                    let sq: f64 = (0..n)
+                        .map(|s| {
+                            plane(s)
+                                .iter()
+                                .map(|&v| (v as f64 - mean).powi(2))
+                                .sum::<f64>()
+                        })
+                        .sum();
+                    (mean, sq / m as f64)
+                });
+                let (mom, unbias) = (
+                    self.momentum as f64,
+                    if m > 1 {
+                        m as f64 / (m as f64 - 1.0)
+                    } else {
+                        1.0
+                    },
+                );
+                let (rm, rv) = buffers.pair(0, 1);
+                for ((&(mean, var), r_mean), r_var) in
+                    stats.iter().zip(rm.iter_mut()).zip(rv.iter_mut())
+                {
+                    *r_mean = (mom * *r_mean as f64 + (1.0 - mom) * mean) as f32;
+                    *r_var = (mom * *r_var as f64 + (1.0 - mom) * var * unbias) as f32;
+                }
+                stats
+                    .iter()
+                    .map(|&(mean, var)| {
+                        (mean as f32, (1.0 / (var + self.eps as f64).sqrt()) as f32)
+                    })
+                    .unzip()
+            }
+            Mode::Eval => {
+                let (rm, rv) = buffers.pair(0, 1);
+                (
+                    rm.to_vec(),
+                    rv.iter().map(|&v| 1.0 / (v + self.eps).sqrt()).collect(),
+                )
+            }
+        };
+        // x̂ = (x − mean)·invstd, in place; y = γ·x̂ + β.
+        x.host_mut().par_chunks_mut(c * hw).for_each(|sample| {
+            for (ch, plane) in sample.chunks_exact_mut(hw).enumerate() {
+                let (mu, is) = (mean[ch], invstd[ch]);
+                for v in plane {
+                    *v = (*v - mu) * is;
+                }
+            }
+        });
+        if ctx.mode == Mode::Train {
+            let xhat = x.clone();
+            self.cache = Some((xhat, invstd));
+        }
+        if gamma.is_some() || beta.is_some() {
+            x.host_mut().par_chunks_mut(c * hw).for_each(|sample| {
+                for (ch, plane) in sample.chunks_exact_mut(hw).enumerate() {
+                    let g = gamma.map_or(1.0, |g| g[ch]);
+                    let b = beta.map_or(0.0, |b| b[ch]);
+                    for v in plane {
+                        *v = *v * g + b;
+                    }
+                }
+            });
+        }
+        Ok(x)
+    }
+
+    // dout: (N, C, H, W) → dx = γ·invstd·(dout − mean(dout) − x̂·mean(dout·x̂));
+    // dγ += Σ dout·x̂, dβ += Σ dout (sums over N, H, W)
+    fn backward(
+        &mut self,
+        mut dout: Tensor,
+        params: Params<'_>,
+        mut dparams: ParamsMut<'_>,
+        input_grad: InputGrad,
+        _ctx: &Ctx,
+    ) -> Result<Option<Tensor>> {
+        let (xhat, invstd) = self.cache.take().ok_or_else(|| {
+            Error::config(
+                "BatchNorm2d backward",
+                "no training forward to differentiate",
+            )
+        })?;
+        if dout.shape() != xhat.shape() {
+            return Err(Error::shape(
+                "BatchNorm2d backward",
+                format!("dout {} for input {}", dout.shape(), xhat.shape()),
+            ));
+        }
+        let (n, c, h, w) = xhat.shape().nchw("BatchNorm2d backward")?;
+        let hw = h * w;
+        let m = (n * hw) as f64;
+        let (xs, ds) = (xhat.host(), dout.host());
+        let sums = per_channel(c, |ch| {
+            let (mut sd, mut sdx) = (0.0f64, 0.0f64);
+            for s in 0..n {
+                let r = (s * c + ch) * hw..(s * c + ch + 1) * hw;
+                for (&d, &xh) in ds[r.clone()].iter().zip(&xs[r]) {
+                    sd += d as f64;
+                    sdx += d as f64 * xh as f64;
+                }
+            }
+            (sd, sdx)
+        });
+        let (gamma, _) = self.gamma_beta(&params);
+        let mut i = 0;
+        if self.scale {
+            for (g, &(_, sdx)) in dparams.get(0).iter_mut().zip(&sums) {
+                *g += sdx as f32;
+            }
+            i = 1;
+        }
+        if self.center {
+            for (g, &(sd, _)) in dparams.get(i).iter_mut().zip(&sums) {
+                *g += sd as f32;
+            }
+        }
+        if input_grad == InputGrad::Skip {
+            return Ok(None);
+        }
+        let coef: Vec<(f32, f32, f32)> = sums
+            .iter()
+            .enumerate()
+            .map(|(ch, &(sd, sdx))| {
+                (
+                    gamma.map_or(1.0, |g| g[ch]) * invstd[ch],
+                    (sd / m) as f32,
+                    (sdx / m) as f32,
+                )
+            })
+            .collect();
+        dout.host_mut()
+            .par_chunks_mut(c * hw)
+            .zip(xs.par_chunks(c * hw))
+            .for_each(|(dsample, xsample)| {
+                for (ch, (dplane, xplane)) in dsample
+                    .chunks_exact_mut(hw)
+                    .zip(xsample.chunks_exact(hw))
+                    .enumerate()
+                {
+                    let (k, md, mdx) = coef[ch];
+                    for (d, &xh) in dplane.iter_mut().zip(xplane) {
+                        *d = k * (*d - md - xh * mdx);
+                    }
+                }
+            });
+        Ok(Some(dout))
+    }
+
+    fn boxed_clone(&self) -> Box<dyn Layer> {
+        Box::new(BatchNorm2d {
+            cache: None,
+            ..self.clone()
+        })
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "BatchNorm2d({}, eps {}, momentum {}{}{})",
+            self.channels,
+            self.eps,
+            self.momentum,
+            if self.scale { ", scale" } else { "" },
+            if self.center { ", center" } else { "" }
+        )
+    }
+}

@@ -1,0 +1,107 @@
+//! Inverted dropout: in training, each value is zeroed with probability `rate` and the
+//! survivors are scaled by 1/(1 − rate); in evaluation the layer is the identity.
+//!
+//! The mask is a pure function of (seed, step, logical replica, layer, element index)
+//! through `rng::hash64`, so it does not depend on the device count, the thread count or
+//! the order in which elements are visited (the CUDA kernel computes the same function).
+
+use super::{Ctx, InputGrad, Layer, Mode, Params, ParamsMut};
+use crate::error::{Error, Result};
+use crate::rng::{derive_key, hash64, unit_f32};
+use crate::tensor::{Shape, Tensor};
+
+#[derive(Clone, Debug)]
+pub struct Dropout {
+    rate: f32,
+    /// Per-element multiplier of the training forward: 0 or 1/(1 − rate). Empty when the
+    /// forward dropped nothing (eval, or rate 0).
+    scale: Vec<f32>,
+}
+
+impl Dropout {
+    /// Dropout with probability `rate` in [0, 1).
+    pub fn new(rate: f32) -> Result<Dropout> {
+        if !(0.0..1.0).contains(&rate) {
+            return Err(Error::config(
+                "dropout rate",
+                format!("{rate} is not in [0, 1)"),
+            ));
+        }
+        Ok(Dropout {
+            rate,
+            scale: Vec::new(),
+        })
+    }
+
+    /// The drop probability.
+    pub fn rate(&self) -> f32 {
+        self.rate
+    }
+}
+
+impl Layer for Dropout {
+    fn kind(&self) -> &'static str {
+        "dropout"
+    }
+
+    fn output_shape(&self, input: &Shape) -> Result<Shape> {
+        Ok(input.clone())
+    }
+
+    // x: any shape → y: same shape
+    fn forward(
+        &mut self,
+        mut x: Tensor,
+        _p: Params<'_>,
+        _b: ParamsMut<'_>,
+        ctx: &Ctx,
+    ) -> Result<Tensor> {
+        self.scale.clear();
+        if ctx.mode == Mode::Eval || self.rate == 0.0 {
+            return Ok(x);
+        }
+        let key = derive_key(ctx.stream_key, &[ctx.layer_index as u64]);
+        let keep = 1.0 / (1.0 - self.rate);
+        self.scale.extend((0..x.numel() as u64).map(|i| {
+            if unit_f32(hash64(key, i)) >= self.rate {
+                keep
+            } else {
+                0.0
+            }
+        }));
+        for (v, s) in x.host_mut().iter_mut().zip(&self.scale) {
+            *v *= s;
+        }
+        Ok(x)
+    }
+
+    fn backward(
+        &mut self,
+        mut dout: Tensor,
+        _p: Params<'_>,
+        _dp: ParamsMut<'_>,
+        input_grad: InputGrad,
+        _ctx: &Ctx,
+    ) -> Result<Option<Tensor>> {
+        if input_grad == InputGrad::Skip {
+            return Ok(None);
+        }
+        if !self.scale.is_empty() {
+            for (d, s) in dout.host_mut().iter_mut().zip(&self.scale) {
+                *d *= s;
+            }
+        }
+        Ok(Some(dout))
+    }
+
+    fn boxed_clone(&self) -> Box<dyn Layer> {
+        Box::new(Dropout {
+            rate: self.rate,
+            scale: Vec::new(),
+        })
+    }
+
+    fn describe(&self) -> String {
+        format!("Dropout({})", self.rate)
+    }
+}

@@ -1,0 +1,177 @@
+//! Linear (Keras Dense): y = x·Wᵀ + b, weight (O, F) as in PyTorch.
+
+use super::{InputGrad, Layer, ParamSpec, Params, ParamsMut};
+use crate::backend::cpu::{gemm, Accumulate, Mat};
+use crate::error::{Error, Result};
+use crate::nn::{Ctx, Init, Mode};
+use crate::tensor::{Shape, Tensor};
+
+/// A fully connected layer.
+#[derive(Clone, Debug)]
+pub struct Linear {
+    in_features: usize,
+    out_features: usize,
+    use_bias: bool,
+    /// x: (N, F), kept from the training forward for dweight.
+    x: Option<Tensor>,
+}
+
+impl Linear {
+    /// `in_features → out_features`, with a bias.
+    pub fn new(in_features: usize, out_features: usize) -> Linear {
+        Linear {
+            in_features,
+            out_features,
+            use_bias: true,
+            x: None,
+        }
+    }
+
+    /// The same layer without a bias.
+    pub fn without_bias(mut self) -> Linear {
+        self.use_bias = false;
+        self
+    }
+}
+
+impl Layer for Linear {
+    fn kind(&self) -> &'static str {
+        "dense"
+    }
+
+    fn output_shape(&self, input: &Shape) -> Result<Shape> {
+        let (n, f) = input.nf("Linear")?;
+        if f != self.in_features {
+            return Err(Error::shape(
+                "Linear",
+                format!("expected {} input features, got {input}", self.in_features),
+            ));
+        }
+        Ok(Shape::new([n, self.out_features]))
+    }
+
+    fn params(&self) -> Vec<ParamSpec> {
+        let (f, o) = (self.in_features, self.out_features);
+        let mut p = vec![ParamSpec {
+            name: "weight",
+            shape: Shape::new([o, f]),
+            init: Init::GlorotUniform {
+                fan_in: f,
+                fan_out: o,
+            },
+        }];
+        if self.use_bias {
+            p.push(ParamSpec {
+                name: "bias",
+                shape: Shape::new([o]),
+                init: Init::Zeros,
+            });
+        }
+        p
+    }
+
+    // x: (N, F) → y: (N, O)
+    fn forward(
+        &mut self,
+        x: Tensor,
+        params: Params<'_>,
+        _buffers: ParamsMut<'_>,
+        ctx: &Ctx,
+    ) -> Result<Tensor> {
+        let out_shape = self.output_shape(x.shape())?;
+        let (n, f, o) = (x.shape().batch(), self.in_features, self.out_features);
+        let w = params.get(0);
+        let mut y = vec![0.0f32; n * o];
+        if self.use_bias {
+            let b = params.get(1);
+            for row in y.chunks_exact_mut(o) {
+                row.copy_from_slice(b);
+            }
+        }
+        let acc = if self.use_bias {
+            Accumulate::Add
+        } else {
+            Accumulate::Overwrite
+        };
+        gemm(
+            Mat::rows(x.host(), n, f),
+            Mat::rows(w, o, f).t(),
+            &mut y,
+            o,
+            acc,
+        );
+        let y = Tensor::from_vec_on(y, out_shape, x.device())?;
+        self.x = (ctx.mode == Mode::Train).then_some(x);
+        Ok(y)
+    }
+
+    // dout: (N, O) → dx: (N, F); dweight (O, F) += doutᵀ·x; dbias (O) += Σ_n dout
+    fn backward(
+        &mut self,
+        dout: Tensor,
+        params: Params<'_>,
+        mut dparams: ParamsMut<'_>,
+        input_grad: InputGrad,
+        _ctx: &Ctx,
+    ) -> Result<Option<Tensor>> {
+        let x = self.x.take().ok_or_else(|| {
+            Error::config("Linear backward", "no training forward to differentiate")
+        })?;
+        x.same_device("Linear backward", &dout)?;
+        let (n, f, o) = (x.shape().batch(), self.in_features, self.out_features);
+        if dout.shape().dims() != [n, o] {
+            return Err(Error::shape(
+                "Linear backward",
+                format!("dout {} for output ({n}, {o})", dout.shape()),
+            ));
+        }
+        let d = dout.host();
+        gemm(
+            Mat::rows(d, n, o).t(),
+            Mat::rows(x.host(), n, f),
+            dparams.get(0),
+            f,
+            Accumulate::Add,
+        );
+        if self.use_bias {
+            let db = dparams.get(1);
+            for row in d.chunks_exact(o) {
+                for (g, v) in db.iter_mut().zip(row) {
+                    *g += v;
+                }
+            }
+        }
+        if input_grad == InputGrad::Skip {
+            return Ok(None);
+        }
+        let mut dx = vec![0.0f32; n * f];
+        gemm(
+            Mat::rows(d, n, o),
+            Mat::rows(params.get(0), o, f),
+            &mut dx,
+            f,
+            Accumulate::Overwrite,
+        );
+        Ok(Some(Tensor::from_vec_on(
+            dx,
+            x.shape().clone(),
+            x.device(),
+        )?))
+    }
+
+    fn boxed_clone(&self) -> Box<dyn Layer> {
+        Box::new(Linear {
+            x: None,
+            ..self.clone()
+        })
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "Dense({}→{}{})",
+            self.in_features,
+            self.out_features,
+            if self.use_bias { "" } else { ", no bias" }
+        )
+    }
+}

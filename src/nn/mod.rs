@@ -1,0 +1,197 @@
+//! Layers, the Sequential container, parameters and their names.
+//!
+//! A layer owns its hyper-parameters and the activations it caches between forward and
+//! backward, and nothing else: its parameters, their gradients and its buffers
+//! (BatchNorm running statistics) live in flat `Vec<f32>`s owned by the replica
+//! ([`ParamStore`]), laid out by [`Sequential`]. Flat storage is what makes the rest
+//! cheap: the all-reduce moves one buffer, the optimiser is one elementwise loop, the
+//! replica check hashes one slice, and safetensors I/O maps names to ranges.
+//!
+//! # The gradient contract
+//! `backward` ACCUMULATES (`+=`) into parameter gradients; it never overwrites them.
+//! The trainer zeroes a gradient buffer once per logical replica and step, so a shard's
+//! gradient is the sum over its samples of the per-sample loss gradients.
+
+pub mod activation;
+pub mod batchnorm;
+pub mod conv2d;
+pub mod dropout;
+pub mod linear;
+pub mod loss;
+pub mod reshape;
+mod sequential;
+
+use std::ops::Range;
+
+pub use activation::{Relu, Rescaling};
+pub use batchnorm::BatchNorm2d;
+pub use conv2d::{Conv2d, Padding};
+pub use dropout::Dropout;
+pub use linear::Linear;
+pub use reshape::{Flatten, GlobalAvgPool2d};
+pub use sequential::{ParamStore, Sequential, TensorInfo};
+
+use crate::error::Result;
+use crate::tensor::{Shape, Tensor};
+
+/// Training or evaluation: decides BatchNorm's statistics and whether dropout drops.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Mode {
+    Train,
+    Eval,
+}
+
+/// Whether a layer's backward must produce the gradient of its input. The first layer
+/// of a network skips it: nobody reads the gradient of the data.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum InputGrad {
+    Needed,
+    Skip,
+}
+
+/// How a parameter or buffer starts.
+#[derive(Clone, Copy, PartialEq, Debug)]
+pub enum Init {
+    /// Glorot (Xavier) uniform, Keras's default kernel initialiser:
+    /// U(−a, a), a = sqrt(6 / (fan_in + fan_out)).
+    GlorotUniform {
+        fan_in: usize,
+        fan_out: usize,
+    },
+    Zeros,
+    Ones,
+}
+
+/// One named tensor a layer needs stored for it.
+#[derive(Clone, PartialEq, Debug)]
+pub struct ParamSpec {
+    /// The suffix after the layer's name: `weight`, `bias`, `beta`, `running_mean`, ...
+    pub name: &'static str,
+    pub shape: Shape,
+    pub init: Init,
+}
+
+/// What a layer may know about the step it runs in.
+#[derive(Clone, Copy, Debug)]
+pub struct Ctx {
+    pub mode: Mode,
+    /// Key of the dropout streams of this (seed, step, logical replica); each layer
+    /// derives its own stream from it and its index.
+    pub stream_key: u64,
+    /// Index of the layer in its Sequential (set by Sequential).
+    pub layer_index: usize,
+}
+
+impl Ctx {
+    /// A context for evaluation (no randomness is drawn in eval mode).
+    pub fn eval() -> Ctx {
+        Ctx {
+            mode: Mode::Eval,
+            stream_key: 0,
+            layer_index: 0,
+        }
+    }
+}
+
+/// Read-only view of one layer's tensors inside a flat buffer.
+#[derive(Clone, Copy)]
+pub struct Params<'a> {
+    flat: &'a [f32],
+    ranges: &'a [Range<usize>],
+}
+
+impl<'a> Params<'a> {
+    pub(crate) fn new(flat: &'a [f32], ranges: &'a [Range<usize>]) -> Self {
+        Params { flat, ranges }
+    }
+
+    /// The `i`-th tensor, in the order of [`Layer::params`] (or `buffers`).
+    pub fn get(&self, i: usize) -> &'a [f32] {
+        &self.flat[self.ranges[i].clone()]
+    }
+}
+
+/// Mutable view of one layer's tensors inside a flat buffer.
+pub struct ParamsMut<'a> {
+    flat: &'a mut [f32],
+    ranges: &'a [Range<usize>],
+}
+
+impl<'a> ParamsMut<'a> {
+    pub(crate) fn new(flat: &'a mut [f32], ranges: &'a [Range<usize>]) -> Self {
+        ParamsMut { flat, ranges }
+    }
+
+    /// The `i`-th tensor, mutably.
+    pub fn get(&mut self, i: usize) -> &mut [f32] {
+        &mut self.flat[self.ranges[i].clone()]
+    }
+
+    /// Two different tensors at once (`i < j`), e.g. a weight and a bias gradient.
+    pub fn pair(&mut self, i: usize, j: usize) -> (&mut [f32], &mut [f32]) {
+        assert!(i < j, "ParamsMut::pair needs i < j");
+        let (ri, rj) = (self.ranges[i].clone(), self.ranges[j].clone());
+        let (lo, hi) = self.flat.split_at_mut(rj.start);
+        (&mut lo[ri], &mut hi[..rj.len()])
+    }
+
+    /// The number of tensors.
+    pub fn len(&self) -> usize {
+        self.ranges.len()
+    }
+
+    /// True for a layer without tensors.
+    pub fn is_empty(&self) -> bool {
+        self.ranges.is_empty()
+    }
+}
+
+/// One layer: forward and backward side by side.
+///
+/// Shapes include the batch: `forward` takes `(N, ...)` and returns `(N, ...)`. A layer
+/// may cache what its backward needs during a `Mode::Train` forward; backward is called
+/// at most once per forward, with `dout` shaped like forward's output.
+pub trait Layer: Send {
+    /// The kind, used to name the layer: layers are numbered per kind (`conv0`, `bn1`).
+    fn kind(&self) -> &'static str;
+
+    /// The output shape for an input shape (batch included), or an error naming the
+    /// layer's expectation.
+    fn output_shape(&self, input: &Shape) -> Result<Shape>;
+
+    /// Trainable parameters, in a fixed order. Default: none.
+    fn params(&self) -> Vec<ParamSpec> {
+        Vec::new()
+    }
+
+    /// Non-trainable state saved with the weights (running statistics). Default: none.
+    fn buffers(&self) -> Vec<ParamSpec> {
+        Vec::new()
+    }
+
+    /// Computes the output. `buffers` may be updated in `Mode::Train` (running stats).
+    fn forward(
+        &mut self,
+        x: Tensor,
+        params: Params<'_>,
+        buffers: ParamsMut<'_>,
+        ctx: &Ctx,
+    ) -> Result<Tensor>;
+
+    /// Accumulates parameter gradients into `dparams` and returns the input gradient
+    /// (or `None` when `input_grad` is `Skip`).
+    fn backward(
+        &mut self,
+        dout: Tensor,
+        params: Params<'_>,
+        dparams: ParamsMut<'_>,
+        input_grad: InputGrad,
+        ctx: &Ctx,
+    ) -> Result<Option<Tensor>>;
+
+    /// A fresh copy of the layer (hyper-parameters only, no cache): one per replica.
+    fn boxed_clone(&self) -> Box<dyn Layer>;
+
+    /// A short description for summaries, e.g. `Conv2d(12, 3x3, same)`.
+    fn describe(&self) -> String;
+}

@@ -1,0 +1,141 @@
+//! Layers that change the shape: Flatten and GlobalAveragePooling2d.
+
+use super::{Ctx, InputGrad, Layer, Params, ParamsMut};
+use crate::error::{Error, Result};
+use crate::tensor::{Shape, Tensor};
+
+/// (N, ...) → (N, F): the values are already in that order, so it is a view.
+#[derive(Clone, Debug, Default)]
+pub struct Flatten {
+    /// Input shape of the last forward, to restore in backward.
+    input: Option<Shape>,
+}
+
+impl Flatten {
+    pub fn new() -> Flatten {
+        Flatten::default()
+    }
+}
+
+impl Layer for Flatten {
+    fn kind(&self) -> &'static str {
+        "flatten"
+    }
+
+    fn output_shape(&self, input: &Shape) -> Result<Shape> {
+        Ok(Shape::new([input.batch(), input.per_sample()]))
+    }
+
+    fn forward(
+        &mut self,
+        x: Tensor,
+        _p: Params<'_>,
+        _b: ParamsMut<'_>,
+        _ctx: &Ctx,
+    ) -> Result<Tensor> {
+        let out = self.output_shape(x.shape())?;
+        self.input = Some(x.shape().clone());
+        x.reshape(out)
+    }
+
+    fn backward(
+        &mut self,
+        dout: Tensor,
+        _p: Params<'_>,
+        _dp: ParamsMut<'_>,
+        input_grad: InputGrad,
+        _ctx: &Ctx,
+    ) -> Result<Option<Tensor>> {
+        let shape = self
+            .input
+            .take()
+            .ok_or_else(|| Error::config("Flatten backward", "no forward to differentiate"))?;
+        if input_grad == InputGrad::Skip {
+            return Ok(None);
+        }
+        dout.reshape(shape).map(Some)
+    }
+
+    fn boxed_clone(&self) -> Box<dyn Layer> {
+        Box::new(Flatten::new())
+    }
+
+    fn describe(&self) -> String {
+        "Flatten".into()
+    }
+}
+
+/// Mean over H and W: (N, C, H, W) → (N, C).
+#[derive(Clone, Debug, Default)]
+pub struct GlobalAvgPool2d {
+    input: Option<Shape>,
+}
+
+impl GlobalAvgPool2d {
+    pub fn new() -> GlobalAvgPool2d {
+        GlobalAvgPool2d::default()
+    }
+}
+
+impl Layer for GlobalAvgPool2d {
+    fn kind(&self) -> &'static str {
+        "gap"
+    }
+
+    fn output_shape(&self, input: &Shape) -> Result<Shape> {
+        let (n, c, _, _) = input.nchw("GlobalAvgPool2d")?;
+        Ok(Shape::new([n, c]))
+    }
+
+    // x: (N, C, H, W) → y: (N, C)
+    fn forward(
+        &mut self,
+        x: Tensor,
+        _p: Params<'_>,
+        _b: ParamsMut<'_>,
+        _ctx: &Ctx,
+    ) -> Result<Tensor> {
+        let (n, c, h, w) = x.shape().nchw("GlobalAvgPool2d")?;
+        let hw = h * w;
+        let inv = 1.0 / hw as f32;
+        let y: Vec<f32> = x
+            .host()
+            .chunks_exact(hw)
+            .map(|plane| plane.iter().sum::<f32>() * inv)
+            .collect();
+        self.input = Some(x.shape().clone());
+        Tensor::from_vec_on(y, [n, c], x.device())
+    }
+
+    // dout: (N, C) → dx: (N, C, H, W), each plane filled with dout/(H·W)
+    fn backward(
+        &mut self,
+        dout: Tensor,
+        _p: Params<'_>,
+        _dp: ParamsMut<'_>,
+        input_grad: InputGrad,
+        _ctx: &Ctx,
+    ) -> Result<Option<Tensor>> {
+        let shape = self.input.take().ok_or_else(|| {
+            Error::config("GlobalAvgPool2d backward", "no forward to differentiate")
+        })?;
+        if input_grad == InputGrad::Skip {
+            return Ok(None);
+        }
+        let (_, _, h, w) = shape.nchw("GlobalAvgPool2d backward")?;
+        let inv = 1.0 / (h * w) as f32;
+        let mut dx = Vec::with_capacity(shape.numel());
+        for &d in dout.host() {
+            dx.extend(std::iter::repeat_n(d * inv, h * w));
+        }
+        Tensor::from_vec_on(dx, shape, dout.device()).map(Some)
+    }
+
+    fn boxed_clone(&self) -> Box<dyn Layer> {
+        Box::new(GlobalAvgPool2d::new())
+    }
+
+    fn describe(&self) -> String {
+        "GlobalAvgPool2d".into()
+    }
+}

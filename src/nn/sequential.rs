@@ -1,0 +1,305 @@
+//! [`Sequential`]: a stack of layers, their stable names, and the flat layout of their
+//! parameters and buffers ([`ParamStore`]).
+//!
+//! Names are the layer's kind numbered per kind in order (`conv0`, `bn0`, `conv1`, ...,
+//! `dense0`), then the tensor (`conv0.weight`, `bn1.running_mean`): the names PyTorch's
+//! `state_dict` gives the reference models, so weights move between the two by name.
+
+use std::collections::HashMap;
+use std::ops::Range;
+
+use super::{Ctx, Init, InputGrad, Layer, Mode, Params, ParamsMut};
+use crate::error::{Error, Result};
+use crate::rng::{derive_key, purpose, SplitMix64};
+use crate::tensor::{Shape, Tensor};
+
+/// A named tensor inside a flat buffer.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TensorInfo {
+    /// Full name, e.g. `conv2.bias`.
+    pub name: String,
+    pub shape: Shape,
+    /// Where it lives in the flat buffer.
+    pub range: Range<usize>,
+    pub init: Init,
+}
+
+/// A replica's state: every parameter in one flat buffer, every buffer in another.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ParamStore {
+    pub params: Vec<f32>,
+    pub buffers: Vec<f32>,
+}
+
+struct Slots {
+    /// This layer's slice of the flat parameter buffer.
+    param_span: Range<usize>,
+    /// Each parameter's range inside that slice.
+    param_ranges: Vec<Range<usize>>,
+    buffer_span: Range<usize>,
+    buffer_ranges: Vec<Range<usize>>,
+}
+
+/// Layers applied in order.
+pub struct Sequential {
+    /// Shape of one input sample (no batch dimension).
+    input_shape: Shape,
+    layers: Vec<Box<dyn Layer>>,
+    names: Vec<String>,
+    slots: Vec<Slots>,
+    params: Vec<TensorInfo>,
+    buffers: Vec<TensorInfo>,
+    /// Shape of one output sample.
+    output_shape: Shape,
+}
+
+impl Clone for Sequential {
+    fn clone(&self) -> Self {
+        Sequential::new(
+            self.input_shape.clone(),
+            self.layers.iter().map(|l| l.boxed_clone()).collect(),
+        )
+        .expect("a Sequential that was valid once stays valid")
+    }
+}
+
+impl std::fmt::Debug for Sequential {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Sequential")
+            .field("layers", &self.names)
+            .finish()
+    }
+}
+
+impl Sequential {
+    /// Builds the stack for inputs of per-sample shape `input_shape` (e.g. `[1, 28, 28]`),
+    /// checking that every layer accepts the previous layer's output.
+    pub fn new(input_shape: impl Into<Shape>, layers: Vec<Box<dyn Layer>>) -> Result<Sequential> {
+        let input_shape = input_shape.into();
+        if layers.is_empty() {
+            return Err(Error::config(
+                "model",
+                "a Sequential needs at least one layer",
+            ));
+        }
+        let mut counts: HashMap<&'static str, usize> = HashMap::new();
+        let mut names = Vec::with_capacity(layers.len());
+        let mut slots = Vec::with_capacity(layers.len());
+        let (mut params, mut buffers) = (Vec::new(), Vec::new());
+        // Shapes are checked with a batch of 2: BatchNorm needs more than one value.
+        let mut shape = batched(2, &input_shape);
+        let (mut p_off, mut b_off) = (0, 0);
+        for layer in &layers {
+            let n = counts.entry(layer.kind()).or_insert(0);
+            let name = format!("{}{}", layer.kind(), n);
+            *n += 1;
+            shape = layer
+                .output_shape(&shape)
+                .map_err(|e| Error::config("model", format!("layer {name}: {e}")))?;
+            let lay =
+                |specs: Vec<super::ParamSpec>, off: &mut usize, infos: &mut Vec<TensorInfo>| {
+                    let start = *off;
+                    let ranges = specs
+                        .into_iter()
+                        .map(|s| {
+                            let len = s.shape.numel();
+                            let r = (*off - start)..(*off - start + len);
+                            infos.push(TensorInfo {
+                                name: format!("{name}.{}", s.name),
+                                shape: s.shape,
+                                range: *off..*off + len,
+                                init: s.init,
+                            });
+                            *off += len;
+                            r
+                        })
+                        .collect::<Vec<_>>();
+                    (start..*off, ranges)
+                };
+            let (param_span, param_ranges) = lay(layer.params(), &mut p_off, &mut params);
+            let (buffer_span, buffer_ranges) = lay(layer.buffers(), &mut b_off, &mut buffers);
+            slots.push(Slots {
+                param_span,
+                param_ranges,
+                buffer_span,
+                buffer_ranges,
+            });
+            names.push(name);
+        }
+        let output_shape = Shape::new(&shape.dims()[1..]);
+        Ok(Sequential {
+            input_shape,
+            layers,
+            names,
+            slots,
+            params,
+            buffers,
+            output_shape,
+        })
+    }
+
+    /// Per-sample input shape.
+    pub fn input_shape(&self) -> &Shape {
+        &self.input_shape
+    }
+
+    /// Per-sample output shape (the number of classes for a classifier).
+    pub fn output_shape(&self) -> &Shape {
+        &self.output_shape
+    }
+
+    /// Layer names, in order.
+    pub fn layer_names(&self) -> &[String] {
+        &self.names
+    }
+
+    /// The layers, in order.
+    pub fn layers(&self) -> &[Box<dyn Layer>] {
+        &self.layers
+    }
+
+    /// Trainable tensors, in the optimiser's order.
+    pub fn param_infos(&self) -> &[TensorInfo] {
+        &self.params
+    }
+
+    /// Buffers (running statistics), in order.
+    pub fn buffer_infos(&self) -> &[TensorInfo] {
+        &self.buffers
+    }
+
+    /// Number of trainable values.
+    pub fn num_params(&self) -> usize {
+        self.params.last().map_or(0, |t| t.range.end)
+    }
+
+    /// Number of buffer values.
+    pub fn num_buffers(&self) -> usize {
+        self.buffers.last().map_or(0, |t| t.range.end)
+    }
+
+    /// Fresh parameters and buffers from `seed`, Keras's defaults: glorot-uniform
+    /// weights, zero biases and beta, running mean 0 and variance 1. Each tensor draws
+    /// from its own stream keyed by (seed, its index), so adding a layer at the end
+    /// leaves the others' initial values unchanged.
+    pub fn init(&self, seed: u64) -> ParamStore {
+        let fill = |infos: &[TensorInfo], base: u64| {
+            let mut flat = vec![0.0f32; infos.last().map_or(0, |t| t.range.end)];
+            for (i, t) in infos.iter().enumerate() {
+                let dst = &mut flat[t.range.clone()];
+                match t.init {
+                    Init::Zeros => dst.fill(0.0),
+                    Init::Ones => dst.fill(1.0),
+                    Init::GlorotUniform { fan_in, fan_out } => {
+                        let a = (6.0 / (fan_in + fan_out) as f64).sqrt();
+                        let mut g =
+                            SplitMix64::new(derive_key(seed, &[purpose::INIT, base, i as u64]));
+                        for v in dst {
+                            *v = ((g.next_f64() * 2.0 - 1.0) * a) as f32;
+                        }
+                    }
+                }
+            }
+            flat
+        };
+        ParamStore {
+            params: fill(&self.params, 0),
+            buffers: fill(&self.buffers, 1),
+        }
+    }
+
+    /// Runs every layer. x: (N, *input_shape) → (N, *output_shape).
+    pub fn forward(
+        &mut self,
+        x: Tensor,
+        params: &[f32],
+        buffers: &mut [f32],
+        mode: Mode,
+        stream_key: u64,
+    ) -> Result<Tensor> {
+        let mut x = x;
+        for (i, (layer, s)) in self.layers.iter_mut().zip(&self.slots).enumerate() {
+            let ctx = Ctx {
+                mode,
+                stream_key,
+                layer_index: i,
+            };
+            let p = Params::new(&params[s.param_span.clone()], &s.param_ranges);
+            let b = ParamsMut::new(&mut buffers[s.buffer_span.clone()], &s.buffer_ranges);
+            x = layer.forward(x, p, b, &ctx)?;
+        }
+        Ok(x)
+    }
+
+    /// Back-propagates `dout` (the gradient of the loss with respect to the output of the
+    /// last forward, which must have run in `Mode::Train`), accumulating into `grads`.
+    pub fn backward(
+        &mut self,
+        dout: Tensor,
+        params: &[f32],
+        grads: &mut [f32],
+        stream_key: u64,
+    ) -> Result<()> {
+        // Layers before the first one with parameters need no gradient at all.
+        let first = self
+            .slots
+            .iter()
+            .position(|s| !s.param_span.is_empty())
+            .unwrap_or(0);
+        let mut d = Some(dout);
+        for (i, (layer, s)) in self
+            .layers
+            .iter_mut()
+            .zip(&self.slots)
+            .enumerate()
+            .skip(first)
+            .rev()
+        {
+            let ctx = Ctx {
+                mode: Mode::Train,
+                stream_key,
+                layer_index: i,
+            };
+            let p = Params::new(&params[s.param_span.clone()], &s.param_ranges);
+            let g = ParamsMut::new(&mut grads[s.param_span.clone()], &s.param_ranges);
+            let need = if i == first {
+                InputGrad::Skip
+            } else {
+                InputGrad::Needed
+            };
+            let dout = d
+                .take()
+                .expect("every layer but the first returns an input gradient");
+            d = layer.backward(dout, p, g, need, &ctx)?;
+        }
+        Ok(())
+    }
+
+    /// A one-line-per-layer summary: name, description, output shape, parameter count.
+    pub fn summary(&self) -> String {
+        let mut out = String::new();
+        let mut shape = batched(1, &self.input_shape);
+        for ((layer, name), s) in self.layers.iter().zip(&self.names).zip(&self.slots) {
+            shape = layer.output_shape(&shape).unwrap_or_default();
+            out.push_str(&format!(
+                "{name:<12} {:<36} {:<16} {:>8}\n",
+                layer.describe(),
+                Shape::new(&shape.dims()[1..]).to_string(),
+                s.param_span.len()
+            ));
+        }
+        out.push_str(&format!(
+            "total trainable parameters: {}\n",
+            self.num_params()
+        ));
+        out
+    }
+}
+
+/// `(n, *sample)`.
+pub(crate) fn batched(n: usize, sample: &Shape) -> Shape {
+    let mut d = Vec::with_capacity(sample.rank() + 1);
+    d.push(n);
+    d.extend_from_slice(sample.dims());
+    Shape::new(d)
+}

@@ -1,0 +1,317 @@
+//! Optimisers over flat parameter buffers: SGD (momentum, weight decay) and Adam, with
+//! PyTorch's semantics op for op.
+//!
+//! An optimiser never sees layers: parameters, gradients and its state are flat buffers
+//! laid out by `nn::Sequential`, so one step is one elementwise loop. The loop can run
+//! over the whole buffer or over the chunks of it that the all-reduce hands out; the
+//! result is the same, element by element. Gradients arrive SUMMED over the global batch;
+//! `grad_divisor` (the real size of that batch) turns them into the mean's gradient.
+
+use crate::error::{Error, Result};
+
+/// Which optimiser, with its hyper-parameters.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum OptimizerConfig {
+    /// p ← p − lr·buf, buf = momentum·buf + (g + wd·p) (buf = g when momentum is 0).
+    Sgd {
+        lr: f32,
+        momentum: f32,
+        weight_decay: f32,
+    },
+    /// Adam, PyTorch form: bias-corrected, eps added after the square root.
+    Adam {
+        lr: f32,
+        beta1: f32,
+        beta2: f32,
+        eps: f32,
+        weight_decay: f32,
+    },
+}
+
+impl OptimizerConfig {
+    /// Plain SGD.
+    pub fn sgd(lr: f32) -> Self {
+        OptimizerConfig::Sgd {
+            lr,
+            momentum: 0.0,
+            weight_decay: 0.0,
+        }
+    }
+
+    /// Adam with PyTorch's defaults β = (0.9, 0.999), eps = 1e-8.
+    pub fn adam(lr: f32) -> Self {
+        OptimizerConfig::Adam {
+            lr,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.0,
+        }
+    }
+
+    /// Checks every hyper-parameter's range.
+    pub fn validate(&self) -> Result<()> {
+        let bad =
+            |what: &'static str, v: f32| Err(Error::config(what, format!("{v} is out of range")));
+        let (lr, wd) = match *self {
+            OptimizerConfig::Sgd {
+                lr,
+                momentum,
+                weight_decay,
+            } => {
+                if !(0.0..1.0).contains(&momentum) {
+                    return bad("momentum (expected 0 <= m < 1)", momentum);
+                }
+                (lr, weight_decay)
+            }
+            OptimizerConfig::Adam {
+                lr,
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+            } => {
+                if !(0.0..1.0).contains(&beta1) {
+                    return bad("adam beta1 (expected 0 <= b1 < 1)", beta1);
+                }
+                if !(0.0..1.0).contains(&beta2) {
+                    return bad("adam beta2 (expected 0 <= b2 < 1)", beta2);
+                }
+                if !(eps > 0.0 && eps.is_finite()) {
+                    return bad("adam eps (expected > 0)", eps);
+                }
+                (lr, weight_decay)
+            }
+        };
+        if !(lr > 0.0 && lr.is_finite()) {
+            return bad("learning rate (expected > 0)", lr);
+        }
+        if !(wd >= 0.0 && wd.is_finite()) {
+            return bad("weight decay (expected >= 0)", wd);
+        }
+        Ok(())
+    }
+
+    /// The learning rate.
+    pub fn lr(&self) -> f32 {
+        match *self {
+            OptimizerConfig::Sgd { lr, .. } | OptimizerConfig::Adam { lr, .. } => lr,
+        }
+    }
+}
+
+/// An optimiser and its state for one replica.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Optimizer {
+    config: OptimizerConfig,
+    /// Steps taken (Adam's t after `begin_step`).
+    t: u64,
+    /// SGD: the momentum buffer (empty without momentum). Adam: the first moment m.
+    m: Vec<f32>,
+    /// Adam: the second moment v. SGD: empty.
+    v: Vec<f32>,
+}
+
+impl Optimizer {
+    /// Zero state for `num_params` values.
+    pub fn new(config: OptimizerConfig, num_params: usize) -> Optimizer {
+        let (m, v) = match config {
+            OptimizerConfig::Sgd { momentum, .. } => (
+                if momentum > 0.0 {
+                    vec![0.0; num_params]
+                } else {
+                    Vec::new()
+                },
+                Vec::new(),
+            ),
+            OptimizerConfig::Adam { .. } => (vec![0.0; num_params], vec![0.0; num_params]),
+        };
+        Optimizer { config, t: 0, m, v }
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &OptimizerConfig {
+        &self.config
+    }
+
+    /// Steps taken so far.
+    pub fn steps(&self) -> u64 {
+        self.t
+    }
+
+    /// Named state tensors for checkpoints: (`"m"`, values), (`"v"`, values) as present.
+    pub fn state(&self) -> Vec<(&'static str, &[f32])> {
+        let mut s = Vec::new();
+        if !self.m.is_empty() {
+            s.push(("m", self.m.as_slice()));
+        }
+        if !self.v.is_empty() {
+            s.push(("v", self.v.as_slice()));
+        }
+        s
+    }
+
+    /// Restores state saved by [`Optimizer::state`] and the step count.
+    pub fn restore(&mut self, t: u64, state: &[(&str, Vec<f32>)]) -> Result<()> {
+        for (name, values) in state {
+            let dst = match *name {
+                "m" => &mut self.m,
+                "v" => &mut self.v,
+                other => {
+                    return Err(Error::config(
+                        "optimizer state",
+                        format!("unknown tensor '{other}'"),
+                    ))
+                }
+            };
+            if dst.len() != values.len() {
+                return Err(Error::config(
+                    "optimizer state",
+                    format!(
+                        "'{name}' has {} values, expected {}",
+                        values.len(),
+                        dst.len()
+                    ),
+                ));
+            }
+            dst.copy_from_slice(values);
+        }
+        self.t = t;
+        Ok(())
+    }
+
+    /// Starts a step: call once, before [`Optimizer::update`] on any chunk.
+    pub fn begin_step(&mut self) {
+        self.t += 1;
+    }
+
+    /// Updates `params` (the values at `offset..offset + params.len()` of the flat
+    /// buffer) from `grad_sum`, the gradient summed over the global batch.
+    pub fn update(
+        &mut self,
+        offset: usize,
+        params: &mut [f32],
+        grad_sum: &[f32],
+        grad_divisor: f32,
+    ) {
+        debug_assert_eq!(params.len(), grad_sum.len());
+        let range = offset..offset + params.len();
+        match self.config {
+            OptimizerConfig::Sgd {
+                lr,
+                momentum,
+                weight_decay,
+            } => {
+                if momentum > 0.0 {
+                    for ((p, &gs), buf) in params.iter_mut().zip(grad_sum).zip(&mut self.m[range]) {
+                        let g = gs / grad_divisor + weight_decay * *p;
+                        *buf = if self.t == 1 { g } else { momentum * *buf + g };
+                        *p -= lr * *buf;
+                    }
+                } else {
+                    for (p, &gs) in params.iter_mut().zip(grad_sum) {
+                        let g = gs / grad_divisor + weight_decay * *p;
+                        *p -= lr * g;
+                    }
+                }
+            }
+            OptimizerConfig::Adam {
+                lr,
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+            } => {
+                // Bias corrections in f64, as PyTorch computes them (Python floats).
+                let t = self.t as i32;
+                let bc1 = 1.0 - (beta1 as f64).powi(t);
+                let bc2 = 1.0 - (beta2 as f64).powi(t);
+                let step_size = (lr as f64 / bc1) as f32;
+                let bc2_sqrt = bc2.sqrt() as f32;
+                let (m, v) = (&mut self.m[range.clone()], &mut self.v[range]);
+                for (((p, &gs), m), v) in params.iter_mut().zip(grad_sum).zip(m).zip(v) {
+                    let g = gs / grad_divisor + weight_decay * *p;
+                    *m += (1.0 - beta1) * (g - *m);
+                    *v = beta2 * *v + (1.0 - beta2) * g * g;
+                    let denom = v.sqrt() / bc2_sqrt + eps;
+                    *p -= step_size * (*m / denom);
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn adam_first_step_moves_each_weight_by_about_lr() {
+        // With m = v = 0, step 1: m = 0.1 g, v = 0.001 g², m̂ = g, v̂ = g², so the update
+        // is lr·g/(|g| + eps) = lr·sign(g) up to eps.
+        let mut o = Optimizer::new(OptimizerConfig::adam(1e-3), 2);
+        let mut p = [1.0f32, -1.0];
+        o.begin_step();
+        o.update(0, &mut p, &[0.5 * 4.0, -2.0 * 4.0], 4.0);
+        assert!((p[0] - (1.0 - 1e-3)).abs() < 1e-7, "{}", p[0]);
+        assert!((p[1] - (-1.0 + 1e-3)).abs() < 1e-7, "{}", p[1]);
+    }
+
+    #[test]
+    fn sgd_momentum_follows_pytorch() {
+        // PyTorch: buf₁ = g₁; buf₂ = μ·buf₁ + g₂; p -= lr·buf. With g = 1 both steps,
+        // μ = 0.9, lr = 0.1: p = 0 − 0.1 − 0.19 = −0.29.
+        let cfg = OptimizerConfig::Sgd {
+            lr: 0.1,
+            momentum: 0.9,
+            weight_decay: 0.0,
+        };
+        let mut o = Optimizer::new(cfg, 1);
+        let mut p = [0.0f32];
+        for _ in 0..2 {
+            o.begin_step();
+            o.update(0, &mut p, &[1.0], 1.0);
+        }
+        assert!((p[0] + 0.29).abs() < 1e-7);
+    }
+
+    #[test]
+    fn chunked_updates_equal_one_update() {
+        let cfg = OptimizerConfig::Adam {
+            lr: 0.01,
+            beta1: 0.8,
+            beta2: 0.99,
+            eps: 1e-6,
+            weight_decay: 0.01,
+        };
+        let g: Vec<f32> = (0..10).map(|i| i as f32 - 4.5).collect();
+        let (mut a, mut b) = (Optimizer::new(cfg, 10), Optimizer::new(cfg, 10));
+        let (mut pa, mut pb) = (vec![0.3f32; 10], vec![0.3f32; 10]);
+        for _ in 0..3 {
+            a.begin_step();
+            a.update(0, &mut pa, &g, 3.0);
+            b.begin_step();
+            b.update(0, &mut pb[..4], &g[..4], 3.0);
+            b.update(4, &mut pb[4..], &g[4..], 3.0);
+        }
+        assert_eq!(pa, pb);
+    }
+
+    #[test]
+    fn bad_hyper_parameters_are_named() {
+        let e = OptimizerConfig::sgd(0.0)
+            .validate()
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("learning rate"), "{e}");
+        let e = OptimizerConfig::Sgd {
+            lr: 0.1,
+            momentum: 1.5,
+            weight_decay: 0.0,
+        }
+        .validate()
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("momentum"), "{e}");
+    }
+}
