@@ -81,17 +81,22 @@ impl SplitMix64 {
         ((self.next_u64() >> 32) * n as u64 >> 32) as usize
     }
 
-    /// A uniformly shuffled `0..n` (Fisher–Yates).
-    pub fn permutation(&mut self, n: usize) -> Vec<usize> {
-        let mut p: Vec<usize> = (0..n).collect();
-        for i in (1..n).rev() {
-            let j = if n <= u32::MAX as usize {
+    /// Fisher–Yates shuffle, last position first.
+    pub fn shuffle<T>(&mut self, items: &mut [T]) {
+        for i in (1..items.len()).rev() {
+            let j = if items.len() <= u32::MAX as usize {
                 self.below(i + 1)
             } else {
                 (self.next_u64() % (i as u64 + 1)) as usize
             };
-            p.swap(i, j);
+            items.swap(i, j);
         }
+    }
+
+    /// A uniformly shuffled `0..n`.
+    pub fn permutation(&mut self, n: usize) -> Vec<usize> {
+        let mut p: Vec<usize> = (0..n).collect();
+        self.shuffle(&mut p);
         p
     }
 }
@@ -107,6 +112,19 @@ mod tests {
         let mut g = SplitMix64::new(0);
         assert_eq!(g.next_u64(), 0xE220_A839_7B1D_CDAF);
         assert_eq!(g.next_u64(), 0x6E78_9E6A_A1B9_65F4);
+        // Seed 1234567, also from this Python transcription of splitmix64.c:
+        //   s = (s + 0x9E3779B97F4A7C15) % 2**64; z = s
+        //   z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+        //   z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % 2**64; out = z ^ (z >> 31)
+        let mut g = SplitMix64::new(1234567);
+        assert_eq!(
+            [g.next_u64(), g.next_u64(), g.next_u64()],
+            [
+                6457827717110365317,
+                3203168211198807973,
+                9817491932198370423
+            ]
+        );
     }
 
     #[test]

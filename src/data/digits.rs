@@ -4,9 +4,8 @@
 //! labels 0..9; provenance, licence and sha256 in `data/digits/README.md`), its parser,
 //! the two layouts a model can ask for ([`DigitsLayout`]), the bilinear resize that
 //! turns 8×8 into MNIST-sized 28×28 images, and the fixed train/test split.
-//! It also owns [`SplitMix64`], the small seeded generator of the data module (the toy
-//! set draws its noise from it): the split must not depend on any crate's RNG, whose
-//! streams may change between versions.
+//! The split draws from the crate's own [`crate::rng::SplitMix64`]: it must not depend
+//! on any other crate's RNG, whose streams may change between versions.
 //!
 //! It leaves to others: shuffling per epoch and sharding (the trainer's sampler), and
 //! scaling u8 pixels to 0..1 (the model's Rescaling layer, as in the Keras convnet).
@@ -21,6 +20,7 @@ use flate2::read::GzDecoder;
 
 use super::{Dataset, Features, Splits};
 use crate::error::{Error, Result};
+use crate::rng::SplitMix64;
 
 /// The gzip-compressed CSV, as shipped inside scikit-learn (see `data/digits/README.md`).
 const DIGITS_CSV_GZ: &[u8] = include_bytes!(concat!(
@@ -250,7 +250,7 @@ fn linear_taps(in_len: usize, out_len: usize) -> Vec<(usize, usize, f32)> {
 /// gives `test_len · n_c / N` of them to the test set, the fractional parts apportioned
 /// by largest remainder (ties to the lower class), so the test set has exactly
 /// `test_len` samples and every class within one of its share. Inside a class the
-/// samples are shuffled with [`SplitMix64`] seeded by `seed` (classes in order 0, 1, ...),
+/// samples are shuffled with [`crate::rng::SplitMix64`] seeded by `seed` (classes in order 0, 1, ...),
 /// the first ones go to test. Both lists are returned in ascending order.
 fn split_stratified(
     labels: &[u32],
@@ -292,49 +292,6 @@ fn split_stratified(
     train.sort_unstable();
     test.sort_unstable();
     (train, test)
-}
-
-/// SplitMix64 (Steele, Lea and Flood, 2014; Vigna's reference `splitmix64.c`): a 64-bit
-/// state advanced by a Weyl increment and finalised by a mixing function. Small, fast,
-/// every seed is good, and its output is fixed forever — what a reproducible split
-/// and reproducible synthetic data need. Not for cryptography.
-#[derive(Clone, Debug)]
-pub(crate) struct SplitMix64 {
-    state: u64,
-}
-
-impl SplitMix64 {
-    pub(crate) fn new(seed: u64) -> Self {
-        SplitMix64 { state: seed }
-    }
-
-    pub(crate) fn next_u64(&mut self) -> u64 {
-        self.state = self.state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in [0, 1) with 53 random bits (every f64 multiple of 2⁻⁵³).
-    pub(crate) fn next_f64(&mut self) -> f64 {
-        (self.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
-    }
-
-    /// Uniform in 0..n, 0 < n ≤ 2³², by Lemire's multiply-shift on the high 32 bits
-    /// (bias below n/2³², invisible at these sizes; what matters is that it is fixed).
-    pub(crate) fn below(&mut self, n: usize) -> usize {
-        debug_assert!(n > 0 && n as u64 <= 1 << 32);
-        (((self.next_u64() >> 32) * n as u64) >> 32) as usize
-    }
-
-    /// Fisher–Yates shuffle, last position first.
-    pub(crate) fn shuffle<T>(&mut self, items: &mut [T]) {
-        for i in (1..items.len()).rev() {
-            let j = self.below(i + 1);
-            items.swap(i, j);
-        }
-    }
 }
 
 #[cfg(test)]
@@ -582,36 +539,5 @@ mod tests {
         let f = load_digits(DigitsLayout::Flat8).unwrap();
         assert_eq!(x.train.labels(), f.train.labels());
         assert!(x.train.labels().iter().all(|&l| l < 10));
-    }
-
-    #[test]
-    fn splitmix64_matches_the_reference_outputs() {
-        // Outputs of Vigna's splitmix64.c for seed 1234567, also computed with
-        // this Python transcription:
-        //   s = (s + 0x9E3779B97F4A7C15) % 2**64; z = s
-        //   z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
-        //   z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % 2**64; out = z ^ (z >> 31)
-        let mut g = SplitMix64::new(1234567);
-        assert_eq!(
-            [g.next_u64(), g.next_u64(), g.next_u64()],
-            [
-                6457827717110365317,
-                3203168211198807973,
-                9817491932198370423
-            ]
-        );
-        assert_eq!(SplitMix64::new(0).next_u64(), 0xE220_A839_7B1D_CDAF);
-    }
-
-    #[test]
-    fn shuffle_is_a_permutation_and_below_stays_in_range() {
-        let mut g = SplitMix64::new(7);
-        let mut v: Vec<usize> = (0..100).collect();
-        g.shuffle(&mut v);
-        assert_ne!(v, (0..100).collect::<Vec<_>>());
-        v.sort_unstable();
-        assert_eq!(v, (0..100).collect::<Vec<_>>());
-        assert!((0..1000).all(|_| g.below(3) < 3));
-        assert!((0..1000).all(|_| (0.0..1.0).contains(&g.next_f64())));
     }
 }

@@ -16,9 +16,9 @@
 //! from (factor, seed) but are not the lesson's exact numbers (those depend on the
 //! PyTorch RNG state of the run). The lesson's MLP (2-30-20-2) lives in `nn`/examples.
 
-use super::digits::SplitMix64;
 use super::{Dataset, Features, Splits};
 use crate::error::{Error, Result};
+use crate::rng::SplitMix64;
 
 /// The lesson's training points: x (5, 2).
 const X_TRAIN: [[f32; 2]; 5] = [
