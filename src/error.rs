@@ -19,11 +19,7 @@ pub enum Error {
 
     /// An op was given tensors that live on different devices.
     #[error("{op}: expected all tensors to be on the same device, found {lhs} and {rhs}")]
-    DeviceMismatch {
-        op: &'static str,
-        lhs: String,
-        rhs: String,
-    },
+    DeviceMismatch { op: &'static str, lhs: String, rhs: String },
 
     /// A configuration value is out of range or inconsistent with another.
     #[error("invalid {what}: {detail}")]
@@ -47,10 +43,7 @@ pub enum Error {
 
     /// A weights file does not match the model; every problem is listed.
     #[error("{path}: weights do not match the model:\n  {}", problems.join("\n  "))]
-    WeightsMismatch {
-        path: PathBuf,
-        problems: Vec<String>,
-    },
+    WeightsMismatch { path: PathBuf, problems: Vec<String> },
 
     /// A dataset is unusable (empty, labels out of range, inconsistent sizes).
     #[error("dataset {name}: {detail}")]
@@ -58,11 +51,7 @@ pub enum Error {
 
     /// A worker failed; names the device and the step.
     #[error("{device}, step {step}: {cause}")]
-    Worker {
-        device: String,
-        step: u64,
-        cause: String,
-    },
+    Worker { device: String, step: u64, cause: String },
 
     /// The loss became NaN or infinite.
     #[error("non-finite loss {loss} at step {step} (epoch {epoch})")]
@@ -70,11 +59,7 @@ pub enum Error {
 
     /// Replicas that must be bitwise identical are not.
     #[error("replica check failed at step {step}: replica {replica} differs from replica 0 in tensor '{tensor}'")]
-    ReplicaMismatch {
-        step: u64,
-        replica: usize,
-        tensor: String,
-    },
+    ReplicaMismatch { step: u64, replica: usize, tensor: String },
 
     /// A collective was aborted because another worker failed.
     #[error("collective aborted: another worker failed")]
@@ -114,33 +99,21 @@ impl From<cudarc::nccl::result::NcclError> for Error {
 impl Error {
     /// Wraps an `io::Error` with the path it concerns.
     pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
-        Error::Io {
-            path: path.into(),
-            source,
-        }
+        Error::Io { path: path.into(), source }
     }
 
     /// A [`Error::Config`] in one call.
     pub fn config(what: &'static str, detail: impl Into<String>) -> Self {
-        Error::Config {
-            what,
-            detail: detail.into(),
-        }
+        Error::Config { what, detail: detail.into() }
     }
 
     /// A [`Error::Format`] in one call.
     pub fn format(path: impl Into<PathBuf>, detail: impl Into<String>) -> Self {
-        Error::Format {
-            path: path.into(),
-            detail: detail.into(),
-        }
+        Error::Format { path: path.into(), detail: detail.into() }
     }
 
     /// A [`Error::Shape`] in one call.
     pub fn shape(op: &'static str, detail: impl Into<String>) -> Self {
-        Error::Shape {
-            op,
-            detail: detail.into(),
-        }
+        Error::Shape { op, detail: detail.into() }
     }
 }

@@ -14,10 +14,7 @@
 //! | convnet-nobn | as convnet without the `bn*` tensors |
 
 use crate::error::Result;
-use crate::nn::{
-    BatchNorm2d, Conv2d, Dropout, GlobalAvgPool2d, Layer, Linear, Padding, Relu, Rescaling,
-    Sequential,
-};
+use crate::nn::{BatchNorm2d, Conv2d, Dropout, GlobalAvgPool2d, Layer, Linear, Padding, Relu, Rescaling, Sequential};
 
 /// Whether the convnet normalises after each convolution.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -41,12 +38,7 @@ pub struct ConvnetOptions {
 
 impl Default for ConvnetOptions {
     fn default() -> Self {
-        ConvnetOptions {
-            norm: Norm::BatchNorm,
-            dropout: 0.5,
-            input: (1, 28, 28),
-            classes: 10,
-        }
+        ConvnetOptions { norm: Norm::BatchNorm, dropout: 0.5, input: (1, 28, 28), classes: 10 }
     }
 }
 
@@ -69,45 +61,18 @@ pub fn convnet(opts: ConvnetOptions) -> Result<Sequential> {
     let (c, h, w) = opts.input;
     let bn = |ch| -> Vec<Box<dyn Layer>> {
         match opts.norm {
-            Norm::BatchNorm => vec![Box::new(
-                BatchNorm2d::new(ch)
-                    .scale(false)
-                    .center(true)
-                    .eps(1e-3)
-                    .momentum(0.99),
-            )],
+            Norm::BatchNorm => vec![Box::new(BatchNorm2d::new(ch).scale(false).center(true).eps(1e-3).momentum(0.99))],
             Norm::None => vec![],
         }
     };
     let mut layers: Vec<Box<dyn Layer>> = vec![Box::new(Rescaling::new(1.0 / 255.0, 0.0))];
-    layers.push(Box::new(Conv2d::new(
-        c,
-        12,
-        (3, 3),
-        1,
-        Padding::Same,
-        false,
-    )?));
+    layers.push(Box::new(Conv2d::new(c, 12, (3, 3), 1, Padding::Same, false)?));
     layers.extend(bn(12));
     layers.push(Box::new(Relu::new()));
-    layers.push(Box::new(Conv2d::new(
-        12,
-        24,
-        (6, 6),
-        2,
-        Padding::Valid,
-        false,
-    )?));
+    layers.push(Box::new(Conv2d::new(12, 24, (6, 6), 2, Padding::Valid, false)?));
     layers.extend(bn(24));
     layers.push(Box::new(Relu::new()));
-    layers.push(Box::new(Conv2d::new(
-        24,
-        32,
-        (6, 6),
-        2,
-        Padding::Same,
-        true,
-    )?));
+    layers.push(Box::new(Conv2d::new(24, 32, (6, 6), 2, Padding::Same, true)?));
     layers.extend(bn(32));
     layers.push(Box::new(Relu::new()));
     layers.push(Box::new(GlobalAvgPool2d::new()));

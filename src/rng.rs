@@ -27,10 +27,7 @@ pub fn hash64(key: u64, idx: u64) -> u64 {
 
 /// Derives a stream key from a seed and a path of integers (purpose, step, replica, ...).
 pub fn derive_key(seed: u64, path: &[u64]) -> u64 {
-    path.iter()
-        .fold(mix64(seed ^ 0x6C6F_636B_7374_6570), |k, &p| {
-            mix64(k ^ mix64(p.wrapping_add(GOLDEN)))
-        })
+    path.iter().fold(mix64(seed ^ 0x6C6F_636B_7374_6570), |k, &p| mix64(k ^ mix64(p.wrapping_add(GOLDEN))))
 }
 
 /// Uniform f32 in [0, 1) from 64 random bits (24 significant bits, exactly representable).
@@ -119,11 +116,7 @@ mod tests {
         let mut g = SplitMix64::new(1234567);
         assert_eq!(
             [g.next_u64(), g.next_u64(), g.next_u64()],
-            [
-                6457827717110365317,
-                3203168211198807973,
-                9817491932198370423
-            ]
+            [6457827717110365317, 3203168211198807973, 9817491932198370423]
         );
     }
 

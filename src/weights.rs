@@ -39,22 +39,13 @@ pub fn to_safetensors_bytes(
 /// Saves every parameter and buffer of `model` from `store` to `path` (atomically).
 pub fn save(model: &Sequential, store: &ParamStore, path: &Path) -> Result<()> {
     let mut tensors = Vec::new();
-    for (infos, flat) in [
-        (model.param_infos(), &store.params),
-        (model.buffer_infos(), &store.buffers),
-    ] {
+    for (infos, flat) in [(model.param_infos(), &store.params), (model.buffer_infos(), &store.buffers)] {
         for t in infos {
-            tensors.push((
-                t.name.clone(),
-                t.shape.dims().to_vec(),
-                &flat[t.range.clone()],
-            ));
+            tensors.push((t.name.clone(), t.shape.dims().to_vec(), &flat[t.range.clone()]));
         }
     }
-    let meta = HashMap::from([
-        ("format".to_string(), "pt".to_string()),
-        ("producer".to_string(), "lockstep".to_string()),
-    ]);
+    let meta =
+        HashMap::from([("format".to_string(), "pt".to_string()), ("producer".to_string(), "lockstep".to_string())]);
     write_atomic(path, &to_safetensors_bytes(&tensors, Some(meta))?)
 }
 
@@ -65,16 +56,12 @@ pub fn read_file(path: &Path) -> Result<Vec<u8>> {
 
 /// Parses safetensors bytes, naming the file on error.
 pub fn parse<'a>(path: &Path, bytes: &'a [u8]) -> Result<SafeTensors<'a>> {
-    SafeTensors::deserialize(bytes)
-        .map_err(|e| Error::format(path, format!("not a valid safetensors file: {e}")))
+    SafeTensors::deserialize(bytes).map_err(|e| Error::format(path, format!("not a valid safetensors file: {e}")))
 }
 
 /// f32 values of a tensor view (little-endian bytes).
 pub fn f32_values(view: &TensorView<'_>) -> Vec<f32> {
-    view.data()
-        .chunks_exact(4)
-        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-        .collect()
+    view.data().chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect()
 }
 
 /// Loads weights for `model` from `path`. Every problem is listed in one error.
@@ -82,26 +69,15 @@ pub fn load(model: &Sequential, path: &Path) -> Result<ParamStore> {
     let bytes = read_file(path)?;
     let st = parse(path, &bytes)?;
     let mut problems = Vec::new();
-    let mut store = ParamStore {
-        params: vec![0.0; model.num_params()],
-        buffers: vec![0.0; model.num_buffers()],
-    };
-    let expected: Vec<(&TensorInfo, bool)> = model
-        .param_infos()
-        .iter()
-        .map(|t| (t, true))
-        .chain(model.buffer_infos().iter().map(|t| (t, false)))
-        .collect();
+    let mut store = ParamStore { params: vec![0.0; model.num_params()], buffers: vec![0.0; model.num_buffers()] };
+    let expected: Vec<(&TensorInfo, bool)> =
+        model.param_infos().iter().map(|t| (t, true)).chain(model.buffer_infos().iter().map(|t| (t, false))).collect();
     for (info, is_param) in &expected {
         match st.tensor(&info.name) {
             Err(_) => problems.push(format!("missing tensor '{}' {}", info.name, info.shape)),
             Ok(view) => {
                 if view.dtype() != Dtype::F32 {
-                    problems.push(format!(
-                        "tensor '{}' has dtype {:?}, expected F32",
-                        info.name,
-                        view.dtype()
-                    ));
+                    problems.push(format!("tensor '{}' has dtype {:?}, expected F32", info.name, view.dtype()));
                 } else if view.shape() != info.shape.dims() {
                     problems.push(format!(
                         "tensor '{}' has shape {:?}, expected {}",
@@ -110,31 +86,19 @@ pub fn load(model: &Sequential, path: &Path) -> Result<ParamStore> {
                         info.shape
                     ));
                 } else {
-                    let dst = if *is_param {
-                        &mut store.params
-                    } else {
-                        &mut store.buffers
-                    };
+                    let dst = if *is_param { &mut store.params } else { &mut store.buffers };
                     dst[info.range.clone()].copy_from_slice(&f32_values(&view));
                 }
             }
         }
     }
-    let known: std::collections::HashSet<&str> =
-        expected.iter().map(|(t, _)| t.name.as_str()).collect();
-    let mut unexpected: Vec<String> = st
-        .names()
-        .into_iter()
-        .filter(|n| !known.contains(n))
-        .map(|n| format!("unexpected tensor '{n}'"))
-        .collect();
+    let known: std::collections::HashSet<&str> = expected.iter().map(|(t, _)| t.name.as_str()).collect();
+    let mut unexpected: Vec<String> =
+        st.names().into_iter().filter(|n| !known.contains(n)).map(|n| format!("unexpected tensor '{n}'")).collect();
     unexpected.sort();
     problems.extend(unexpected);
     if !problems.is_empty() {
-        return Err(Error::WeightsMismatch {
-            path: path.to_path_buf(),
-            problems,
-        });
+        return Err(Error::WeightsMismatch { path: path.to_path_buf(), problems });
     }
     Ok(store)
 }
@@ -143,11 +107,8 @@ pub fn load(model: &Sequential, path: &Path) -> Result<ParamStore> {
 pub fn inspect(path: &Path) -> Result<Vec<(String, String, Vec<usize>)>> {
     let bytes = read_file(path)?;
     let st = parse(path, &bytes)?;
-    let mut rows: Vec<_> = st
-        .tensors()
-        .into_iter()
-        .map(|(n, v)| (n, format!("{:?}", v.dtype()), v.shape().to_vec()))
-        .collect();
+    let mut rows: Vec<_> =
+        st.tensors().into_iter().map(|(n, v)| (n, format!("{:?}", v.dtype()), v.shape().to_vec())).collect();
     rows.sort();
     Ok(rows)
 }

@@ -23,24 +23,12 @@ pub struct Mat<'a> {
 impl<'a> Mat<'a> {
     /// A row-major `rows × cols` matrix.
     pub fn rows(data: &'a [f32], rows: usize, cols: usize) -> Self {
-        Mat {
-            data,
-            rows,
-            cols,
-            rs: cols,
-            cs: 1,
-        }
+        Mat { data, rows, cols, rs: cols, cs: 1 }
     }
 
     /// The transpose, as a view (no copy).
     pub fn t(self) -> Self {
-        Mat {
-            data: self.data,
-            rows: self.cols,
-            cols: self.rows,
-            rs: self.cs,
-            cs: self.rs,
-        }
+        Mat { data: self.data, rows: self.cols, cols: self.rows, rs: self.cs, cs: self.rs }
     }
 
     fn check(&self, what: &str) {
@@ -81,29 +69,15 @@ pub enum Threads {
 }
 
 /// [`gemm`] with an explicit choice of threads.
-pub fn gemm_with(
-    a: Mat<'_>,
-    b: Mat<'_>,
-    c: &mut [f32],
-    c_rs: usize,
-    acc: Accumulate,
-    threads: Threads,
-) {
+pub fn gemm_with(a: Mat<'_>, b: Mat<'_>, c: &mut [f32], c_rs: usize, acc: Accumulate, threads: Threads) {
     let (m, k, n) = (a.rows, a.cols, b.cols);
-    assert_eq!(
-        b.rows, k,
-        "gemm: inner dimensions {k} and {} differ",
-        b.rows
-    );
+    assert_eq!(b.rows, k, "gemm: inner dimensions {k} and {} differ", b.rows);
     a.check("lhs");
     b.check("rhs");
     if m == 0 || n == 0 {
         return;
     }
-    assert!(
-        (m - 1) * c_rs + n <= c.len(),
-        "gemm: destination out of bounds"
-    );
+    assert!((m - 1) * c_rs + n <= c.len(), "gemm: destination out of bounds");
     if k == 0 {
         if acc == Accumulate::Overwrite {
             for row in c.chunks_mut(c_rs).take(m) {
@@ -195,11 +169,7 @@ pub fn im2col(x: &[f32], g: &ConvGeom, col: &mut [f32]) {
                     let xr = &xc[iy as usize * g.w..(iy as usize + 1) * g.w];
                     for (ox, o) in out.iter_mut().enumerate() {
                         let ix = (ox * g.stride + j) as isize - g.pad_left as isize;
-                        *o = if ix >= 0 && (ix as usize) < g.w {
-                            xr[ix as usize]
-                        } else {
-                            0.0
-                        };
+                        *o = if ix >= 0 && (ix as usize) < g.w { xr[ix as usize] } else { 0.0 };
                     }
                 }
                 row += 1;
@@ -243,10 +213,7 @@ pub fn col2im(dcol: &[f32], g: &ConvGeom, dx: &mut [f32]) {
 pub fn batch_groups(n: usize) -> Vec<std::ops::Range<usize>> {
     const GROUPS: usize = 16;
     let g = GROUPS.min(n.max(1));
-    (0..g)
-        .map(|i| (i * n / g)..((i + 1) * n / g))
-        .filter(|r| !r.is_empty())
-        .collect()
+    (0..g).map(|i| (i * n / g)..((i + 1) * n / g)).filter(|r| !r.is_empty()).collect()
 }
 
 /// Adds `parts` into `out` in index order: `out += ((p0 + p1) + p2) + ...`.
@@ -295,13 +262,7 @@ mod tests {
         let b = data(k * n, 2);
         let want = naive(&a, &b, m, k, n);
         let mut c = vec![0.0; m * n];
-        gemm(
-            Mat::rows(&a, m, k),
-            Mat::rows(&b, k, n),
-            &mut c,
-            n,
-            Accumulate::Overwrite,
-        );
+        gemm(Mat::rows(&a, m, k), Mat::rows(&b, k, n), &mut c, n, Accumulate::Overwrite);
         // Tolerance: k = 53 products of values in [-1, 1]; f32 rounding ≤ 53·2^-24 ≈ 3e-6.
         for (x, y) in c.iter().zip(&want) {
             assert!((x - y).abs() < 1e-5, "{x} vs {y}");
@@ -314,13 +275,7 @@ mod tests {
             }
         }
         let mut c2 = vec![1.0; m * n];
-        gemm(
-            Mat::rows(&at, k, m).t(),
-            Mat::rows(&b, k, n),
-            &mut c2,
-            n,
-            Accumulate::Add,
-        );
+        gemm(Mat::rows(&at, k, m).t(), Mat::rows(&b, k, n), &mut c2, n, Accumulate::Add);
         for (x, y) in c2.iter().zip(&want) {
             assert!((x - (y + 1.0)).abs() < 1e-5);
         }
@@ -332,20 +287,9 @@ mod tests {
         let a = data(m * k, 3);
         let b = data(k * n, 4);
         let run = |threads| {
-            let pool = rayon::ThreadPoolBuilder::new()
-                .num_threads(threads)
-                .build()
-                .unwrap();
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
             let mut c = vec![0.0; m * n];
-            pool.install(|| {
-                gemm(
-                    Mat::rows(&a, m, k),
-                    Mat::rows(&b, k, n),
-                    &mut c,
-                    n,
-                    Accumulate::Overwrite,
-                )
-            });
+            pool.install(|| gemm(Mat::rows(&a, m, k), Mat::rows(&b, k, n), &mut c, n, Accumulate::Overwrite));
             c
         };
         let one = run(1);
@@ -357,18 +301,7 @@ mod tests {
     fn col2im_is_the_adjoint_of_im2col() {
         // <im2col(x), y> == <x, col2im(y)> for any x, y: the defining property of the
         // backward pass of an unfold.
-        let g = ConvGeom {
-            c: 2,
-            h: 7,
-            w: 6,
-            kh: 3,
-            kw: 2,
-            stride: 2,
-            pad_top: 1,
-            pad_left: 0,
-            oh: 4,
-            ow: 3,
-        };
+        let g = ConvGeom { c: 2, h: 7, w: 6, kh: 3, kw: 2, stride: 2, pad_top: 1, pad_left: 0, oh: 4, ow: 3 };
         let x = data(g.c * g.h * g.w, 5);
         let y = data(g.col_rows() * g.col_cols(), 6);
         let mut col = vec![0.0; y.len()];

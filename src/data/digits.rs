@@ -23,10 +23,7 @@ use crate::error::{Error, Result};
 use crate::rng::SplitMix64;
 
 /// The gzip-compressed CSV, as shipped inside scikit-learn (see `data/digits/README.md`).
-const DIGITS_CSV_GZ: &[u8] = include_bytes!(concat!(
-    env!("CARGO_MANIFEST_DIR"),
-    "/data/digits/digits.csv.gz"
-));
+const DIGITS_CSV_GZ: &[u8] = include_bytes!(concat!(env!("CARGO_MANIFEST_DIR"), "/data/digits/digits.csv.gz"));
 
 /// The name the embedded file goes by in error messages.
 const EMBEDDED_PATH: &str = "data/digits/digits.csv.gz (embedded)";
@@ -68,17 +65,9 @@ pub enum DigitsLayout {
 pub fn load_digits(layout: DigitsLayout) -> Result<Splits> {
     let path = Path::new(EMBEDDED_PATH);
     let raw = parse_digits_csv(&decompress(DIGITS_CSV_GZ, path)?, path)?;
-    let (train_idx, test_idx) = split_stratified(
-        &raw.labels,
-        DIGITS_CLASSES,
-        DIGITS_TEST_LEN,
-        DIGITS_SPLIT_SEED,
-    );
+    let (train_idx, test_idx) = split_stratified(&raw.labels, DIGITS_CLASSES, DIGITS_TEST_LEN, DIGITS_SPLIT_SEED);
     let all = raw.into_dataset(layout)?;
-    Ok(Splits {
-        train: all.subset("digits/train", &train_idx),
-        test: Some(all.subset("digits/test", &test_idx)),
-    })
+    Ok(Splits { train: all.subset("digits/train", &train_idx), test: Some(all.subset("digits/test", &test_idx)) })
 }
 
 /// The file as parsed: pixels 0..16 and labels 0..9.
@@ -94,19 +83,9 @@ impl RawDigits {
         let n = self.labels.len();
         match layout {
             DigitsLayout::Flat8 => {
-                let x: Vec<f32> = self
-                    .pixels
-                    .iter()
-                    .map(|&p| f32::from(p) / f32::from(PIXEL_MAX))
-                    .collect();
+                let x: Vec<f32> = self.pixels.iter().map(|&p| f32::from(p) / f32::from(PIXEL_MAX)).collect();
                 // x: (N, 64)
-                Dataset::new(
-                    "digits",
-                    [SIDE8 * SIDE8],
-                    Features::F32(x),
-                    self.labels,
-                    DIGITS_CLASSES,
-                )
+                Dataset::new("digits", [SIDE8 * SIDE8], Features::F32(x), self.labels, DIGITS_CLASSES)
             }
             DigitsLayout::Image28 => {
                 let scale = 255.0 / f32::from(PIXEL_MAX);
@@ -119,20 +98,10 @@ impl RawDigits {
                     let img28 = resize_bilinear(&img8, (SIDE8, SIDE8), (SIDE28, SIDE28));
                     // Bilinear weights are a convex combination, so the values stay in
                     // 0..255 up to one rounding; the clamp only guards that rounding.
-                    x.extend(
-                        img28
-                            .iter()
-                            .map(|&v| v.round_ties_even().clamp(0.0, 255.0) as u8),
-                    );
+                    x.extend(img28.iter().map(|&v| v.round_ties_even().clamp(0.0, 255.0) as u8));
                 }
                 // x: (N, 1, 28, 28)
-                Dataset::new(
-                    "digits",
-                    [1, SIDE28, SIDE28],
-                    Features::U8(x),
-                    self.labels,
-                    DIGITS_CLASSES,
-                )
+                Dataset::new("digits", [1, SIDE28, SIDE28], Features::U8(x), self.labels, DIGITS_CLASSES)
             }
         }
     }
@@ -164,20 +133,14 @@ fn parse_digits_csv(text: &str, path: &Path) -> Result<RawDigits> {
         if fields.len() != FIELDS {
             return Err(Error::format(
                 path,
-                format!(
-                    "line {line_no}: expected {FIELDS} comma-separated values, found {}",
-                    fields.len()
-                ),
+                format!("line {line_no}: expected {FIELDS} comma-separated values, found {}", fields.len()),
             ));
         }
         for (col, field) in fields.iter().enumerate() {
             let value: u32 = field.trim().parse().map_err(|_| {
                 Error::format(
                     path,
-                    format!(
-                        "line {line_no}, value {}: '{field}' is not a non-negative integer",
-                        col + 1
-                    ),
+                    format!("line {line_no}, value {}: '{field}' is not a non-negative integer", col + 1),
                 )
             })?;
             if col < FIELDS - 1 {
@@ -211,11 +174,7 @@ fn parse_digits_csv(text: &str, path: &Path) -> Result<RawDigits> {
 /// of the last bit.
 ///
 /// src: (H, W) → returns (OH, OW)
-pub(crate) fn resize_bilinear(
-    src: &[f32],
-    (h, w): (usize, usize),
-    (oh, ow): (usize, usize),
-) -> Vec<f32> {
+pub(crate) fn resize_bilinear(src: &[f32], (h, w): (usize, usize), (oh, ow): (usize, usize)) -> Vec<f32> {
     debug_assert_eq!(src.len(), h * w);
     let taps_h = linear_taps(h, oh);
     let taps_w = linear_taps(w, ow);
@@ -252,29 +211,16 @@ fn linear_taps(in_len: usize, out_len: usize) -> Vec<(usize, usize, f32)> {
 /// `test_len` samples and every class within one of its share. Inside a class the
 /// samples are shuffled with [`crate::rng::SplitMix64`] seeded by `seed` (classes in order 0, 1, ...),
 /// the first ones go to test. Both lists are returned in ascending order.
-fn split_stratified(
-    labels: &[u32],
-    num_classes: usize,
-    test_len: usize,
-    seed: u64,
-) -> (Vec<usize>, Vec<usize>) {
+fn split_stratified(labels: &[u32], num_classes: usize, test_len: usize, seed: u64) -> (Vec<usize>, Vec<usize>) {
     let n = labels.len();
     let mut by_class: Vec<Vec<usize>> = vec![Vec::new(); num_classes];
     for (i, &l) in labels.iter().enumerate() {
         by_class[l as usize].push(i);
     }
     // Hamilton apportionment in integers: quota_c = test_len·n_c / n exactly.
-    let mut quota: Vec<usize> = by_class
-        .iter()
-        .map(|c| c.len() * test_len / n.max(1))
-        .collect();
+    let mut quota: Vec<usize> = by_class.iter().map(|c| c.len() * test_len / n.max(1)).collect();
     let mut order: Vec<usize> = (0..num_classes).collect();
-    order.sort_by_key(|&c| {
-        (
-            std::cmp::Reverse(by_class[c].len() * test_len % n.max(1)),
-            c,
-        )
-    });
+    order.sort_by_key(|&c| (std::cmp::Reverse(by_class[c].len() * test_len % n.max(1)), c));
     let missing = test_len.saturating_sub(quota.iter().sum());
     for &c in order.iter().take(missing) {
         quota[c] += 1;
@@ -346,32 +292,15 @@ mod tests {
     #[test]
     fn malformed_rows_are_errors_naming_the_line() {
         let good = row("1", "3");
-        assert_eq!(
-            parse_digits_csv(&format!("{good}\n{good}\n"), Path::new("t.csv"))
-                .unwrap()
-                .labels,
-            [3, 3]
-        );
-        assert_eq!(
-            parse_digits_csv(&format!("{good}\r\n{good}"), Path::new("t.csv"))
-                .unwrap()
-                .labels,
-            [3, 3]
-        );
+        assert_eq!(parse_digits_csv(&format!("{good}\n{good}\n"), Path::new("t.csv")).unwrap().labels, [3, 3]);
+        assert_eq!(parse_digits_csv(&format!("{good}\r\n{good}"), Path::new("t.csv")).unwrap().labels, [3, 3]);
 
         let e = parse_err(&format!("{good}\n1,2,3\n"));
-        assert!(
-            e.contains("t.csv")
-                && e.contains("line 2: expected 65 comma-separated values, found 3"),
-            "{e}"
-        );
+        assert!(e.contains("t.csv") && e.contains("line 2: expected 65 comma-separated values, found 3"), "{e}");
         let e = parse_err(&format!("{good}\n\n{good}\n"));
         assert!(e.contains("line 2: expected 65"), "{e}");
         let e = parse_err(&format!("{good}\n{good}\n{}\n", row("x", "1")));
-        assert!(
-            e.contains("line 3, value 1: 'x' is not a non-negative integer"),
-            "{e}"
-        );
+        assert!(e.contains("line 3, value 1: 'x' is not a non-negative integer"), "{e}");
         let e = parse_err(&row("-1", "1"));
         assert!(e.contains("line 1, value 1: '-1'"), "{e}");
         let e = parse_err(&row("17", "1"));
@@ -384,9 +313,7 @@ mod tests {
 
     #[test]
     fn corrupt_gzip_is_an_error() {
-        let e = decompress(&DIGITS_CSV_GZ[..100], Path::new("x.gz"))
-            .unwrap_err()
-            .to_string();
+        let e = decompress(&DIGITS_CSV_GZ[..100], Path::new("x.gz")).unwrap_err().to_string();
         assert!(e.starts_with("x.gz: cannot decompress"), "{e}");
     }
 
@@ -441,9 +368,7 @@ mod tests {
         let splits = load_digits(DigitsLayout::Image28).unwrap();
         let ds = splits.train;
         assert_eq!(ds.sample_shape().dims(), &[1, 28, 28]);
-        let Features::U8(x) = ds.features() else {
-            panic!("Image28 must be u8")
-        };
+        let Features::U8(x) = ds.features() else { panic!("Image28 must be u8") };
         assert_eq!(x.len(), DIGITS_TRAIN_LEN * 28 * 28);
         // Mean brightness of the whole train split, before (scaled by 255/16) and after
         // the resize. Bilinear interpolation preserves the mean of the interior; the edge
@@ -459,24 +384,13 @@ mod tests {
             .sum::<f64>()
             / (train_idx.len() * 64) as f64;
         let mean28: f64 = x.iter().map(|&p| f64::from(p)).sum::<f64>() / x.len() as f64;
-        assert!(
-            (mean28 - mean8).abs() / mean8 < 1e-3,
-            "mean 8x8 {mean8}, 28x28 {mean28}"
-        );
+        assert!((mean28 - mean8).abs() / mean8 < 1e-3, "mean 8x8 {mean8}, 28x28 {mean28}");
         // Corners of the first train image copy the source corners, scaled and rounded
         // half to even (see bilinear_8_to_28_maps_corners_and_half_pixel_centres).
         let i = train_idx[0];
-        let p =
-            |k: usize| (f32::from(raw.pixels[i * 64 + k]) * 255.0 / 16.0).round_ties_even() as u8;
-        assert_eq!(
-            [x[0], x[27], x[27 * 28], x[28 * 28 - 1]],
-            [p(0), p(7), p(56), p(63)]
-        );
-        assert_eq!(
-            x.iter().max(),
-            Some(&255),
-            "a 16 pixel in a flat region must reach 255"
-        );
+        let p = |k: usize| (f32::from(raw.pixels[i * 64 + k]) * 255.0 / 16.0).round_ties_even() as u8;
+        assert_eq!([x[0], x[27], x[27 * 28], x[28 * 28 - 1]], [p(0), p(7), p(56), p(63)]);
+        assert_eq!(x.iter().max(), Some(&255), "a 16 pixel in a flat region must reach 255");
     }
 
     #[test]
@@ -485,9 +399,7 @@ mod tests {
         let splits = load_digits(DigitsLayout::Flat8).unwrap();
         let test = splits.test.unwrap();
         assert_eq!(test.sample_shape().dims(), &[64]);
-        let Features::F32(x) = test.features() else {
-            panic!("Flat8 must be f32")
-        };
+        let Features::F32(x) = test.features() else { panic!("Flat8 must be f32") };
         let (_, test_idx) = split_stratified(&raw.labels, 10, DIGITS_TEST_LEN, DIGITS_SPLIT_SEED);
         for (k, &i) in test_idx.iter().enumerate() {
             for j in 0..64 {
@@ -505,11 +417,7 @@ mod tests {
         assert_eq!((train.len(), test.len()), (1437, 360));
         let mut all: Vec<usize> = train.iter().chain(&test).copied().collect();
         all.sort_unstable();
-        assert_eq!(
-            all,
-            (0..DIGITS_LEN).collect::<Vec<_>>(),
-            "every sample exactly once"
-        );
+        assert_eq!(all, (0..DIGITS_LEN).collect::<Vec<_>>(), "every sample exactly once");
         // Test counts per class, by hand: quota_c = 360·n_c/1797. Floors (35, 36, 35, 36,
         // 36, 36, 36, 35, 34, 36) sum to 355; the 5 left go to the largest remainders
         // 360·n_c mod 1797: classes 7 and 8 (1548), 0 and 3 (1185), then 1 and 5 tie at

@@ -55,10 +55,7 @@ impl Dataset {
         let name = name.into();
         let sample_shape = sample_shape.into();
         let per = sample_shape.numel();
-        let err = |detail: String| Error::Data {
-            name: name.clone(),
-            detail,
-        };
+        let err = |detail: String| Error::Data { name: name.clone(), detail };
         if per == 0 {
             return Err(err(format!("sample shape {sample_shape} has no elements")));
         }
@@ -73,22 +70,10 @@ impl Dataset {
         if num_classes == 0 {
             return Err(err("zero classes".into()));
         }
-        if let Some((i, &l)) = labels
-            .iter()
-            .enumerate()
-            .find(|(_, &l)| l as usize >= num_classes)
-        {
-            return Err(err(format!(
-                "label {l} of sample {i} is out of range (classes 0..{num_classes})"
-            )));
+        if let Some((i, &l)) = labels.iter().enumerate().find(|(_, &l)| l as usize >= num_classes) {
+            return Err(err(format!("label {l} of sample {i} is out of range (classes 0..{num_classes})")));
         }
-        Ok(Dataset {
-            name,
-            sample_shape,
-            features,
-            labels,
-            num_classes,
-        })
+        Ok(Dataset { name, sample_shape, features, labels, num_classes })
     }
 
     /// The dataset's name, used in messages.
@@ -131,11 +116,7 @@ impl Dataset {
     pub fn gather_into(&self, indices: &[usize], x: &mut [f32], y: &mut [u32]) {
         let per = self.sample_shape.numel();
         debug_assert_eq!(x.len(), indices.len() * per);
-        for ((&i, xr), yr) in indices
-            .iter()
-            .zip(x.chunks_exact_mut(per))
-            .zip(y.iter_mut())
-        {
+        for ((&i, xr), yr) in indices.iter().zip(x.chunks_exact_mut(per)).zip(y.iter_mut()) {
             match &self.features {
                 Features::F32(v) => xr.copy_from_slice(&v[i * per..(i + 1) * per]),
                 Features::U8(v) => {
@@ -152,20 +133,12 @@ impl Dataset {
     pub fn subset(&self, name: impl Into<String>, indices: &[usize]) -> Dataset {
         let per = self.sample_shape.numel();
         let features = match &self.features {
-            Features::F32(v) => Features::F32(
-                indices
-                    .iter()
-                    .flat_map(|&i| &v[i * per..(i + 1) * per])
-                    .copied()
-                    .collect(),
-            ),
-            Features::U8(v) => Features::U8(
-                indices
-                    .iter()
-                    .flat_map(|&i| &v[i * per..(i + 1) * per])
-                    .copied()
-                    .collect(),
-            ),
+            Features::F32(v) => {
+                Features::F32(indices.iter().flat_map(|&i| &v[i * per..(i + 1) * per]).copied().collect())
+            }
+            Features::U8(v) => {
+                Features::U8(indices.iter().flat_map(|&i| &v[i * per..(i + 1) * per]).copied().collect())
+            }
         };
         Dataset {
             name: name.into(),

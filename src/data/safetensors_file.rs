@@ -41,10 +41,7 @@ pub fn load_safetensors_dataset(path: &Path) -> Result<Dataset> {
 /// `num_classes` entry in the file's header is ignored.
 pub fn load_safetensors_dataset_with_classes(path: &Path, num_classes: usize) -> Result<Dataset> {
     if num_classes < 2 {
-        return Err(Error::config(
-            "num_classes",
-            format!("{num_classes} (a classifier needs at least 2)"),
-        ));
+        return Err(Error::config("num_classes", format!("{num_classes} (a classifier needs at least 2)")));
     }
     load(path, Some(num_classes))
 }
@@ -55,10 +52,7 @@ pub fn load_safetensors_dataset_with_classes(path: &Path, num_classes: usize) ->
 /// half-written file.
 pub fn save_safetensors_dataset(ds: &Dataset, path: &Path) -> Result<()> {
     if ds.is_empty() {
-        return Err(Error::Data {
-            name: ds.name().into(),
-            detail: "cannot save an empty dataset".into(),
-        });
+        return Err(Error::Data { name: ds.name().into(), detail: "cannot save an empty dataset".into() });
     }
     let mut x_shape = vec![ds.len()];
     x_shape.extend_from_slice(ds.sample_shape().dims());
@@ -66,14 +60,8 @@ pub fn save_safetensors_dataset(ds: &Dataset, path: &Path) -> Result<()> {
         Features::F32(v) => (Dtype::F32, v.iter().flat_map(|f| f.to_le_bytes()).collect()),
         Features::U8(v) => (Dtype::U8, v.clone()),
     };
-    let y_bytes: Vec<u8> = ds
-        .labels()
-        .iter()
-        .flat_map(|&l| i64::from(l).to_le_bytes())
-        .collect();
-    let bad_view = |e: safetensors::SafeTensorError| {
-        Error::format(path, format!("cannot build the tensors: {e}"))
-    };
+    let y_bytes: Vec<u8> = ds.labels().iter().flat_map(|&l| i64::from(l).to_le_bytes()).collect();
+    let bad_view = |e: safetensors::SafeTensorError| Error::format(path, format!("cannot build the tensors: {e}"));
     // x: (N, ...), y: (N,)
     let x = TensorView::new(x_dtype, x_shape, &x_bytes).map_err(bad_view)?;
     let y = TensorView::new(Dtype::I64, vec![ds.len()], &y_bytes).map_err(bad_view)?;
@@ -87,15 +75,8 @@ pub fn save_safetensors_dataset(ds: &Dataset, path: &Path) -> Result<()> {
 /// renames it to `path`; on any failure the temporary file is removed.
 fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
     static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let file_name = path
-        .file_name()
-        .ok_or_else(|| Error::format(path, "not a file path"))?
-        .to_string_lossy();
-    let unique = format!(
-        ".{file_name}.tmp-{}-{}",
-        std::process::id(),
-        COUNTER.fetch_add(1, Ordering::Relaxed)
-    );
+    let file_name = path.file_name().ok_or_else(|| Error::format(path, "not a file path"))?.to_string_lossy();
+    let unique = format!(".{file_name}.tmp-{}-{}", std::process::id(), COUNTER.fetch_add(1, Ordering::Relaxed));
     let tmp: PathBuf = path.with_file_name(unique);
     let result = (|| {
         let mut f = fs::File::create(&tmp)?;
@@ -112,18 +93,14 @@ fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
 fn load(path: &Path, num_classes: Option<usize>) -> Result<Dataset> {
     let bytes = fs::read(path).map_err(|e| Error::io(path, e))?;
     let bad = |detail: String| Error::format(path, detail);
-    let (_, header) = SafeTensors::read_metadata(&bytes)
-        .map_err(|e| bad(format!("not a valid safetensors file: {e}")))?;
-    let st = SafeTensors::deserialize(&bytes)
-        .map_err(|e| bad(format!("not a valid safetensors file: {e}")))?;
+    let (_, header) =
+        SafeTensors::read_metadata(&bytes).map_err(|e| bad(format!("not a valid safetensors file: {e}")))?;
+    let st = SafeTensors::deserialize(&bytes).map_err(|e| bad(format!("not a valid safetensors file: {e}")))?;
     let tensor = |name: &str| {
         st.tensor(name).map_err(|_| {
             let mut found: Vec<&str> = st.names();
             found.sort_unstable();
-            bad(format!(
-                "no tensor '{name}' (the file holds: [{}]); a dataset needs 'x' and 'y'",
-                found.join(", ")
-            ))
+            bad(format!("no tensor '{name}' (the file holds: [{}]); a dataset needs 'x' and 'y'", found.join(", ")))
         })
     };
     let x = tensor("x")?;
@@ -140,59 +117,33 @@ fn load(path: &Path, num_classes: Option<usize>) -> Result<Dataset> {
     let n = x_shape[0];
     let sample_shape = &x_shape[1..];
     let features = match x.dtype() {
-        Dtype::F32 => Features::F32(
-            x.data()
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect(),
-        ),
-        Dtype::U8 => Features::U8(x.data().to_vec()),
-        other => {
-            return Err(bad(format!(
-                "tensor 'x' has dtype {other}; expected F32 or U8"
-            )))
+        Dtype::F32 => {
+            Features::F32(x.data().chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect())
         }
+        Dtype::U8 => Features::U8(x.data().to_vec()),
+        other => return Err(bad(format!("tensor 'x' has dtype {other}; expected F32 or U8"))),
     };
 
     // y: (N,)
     if y.shape().len() != 1 {
-        return Err(bad(format!(
-            "tensor 'y' has rank {} (shape {:?}); expected (N,)",
-            y.shape().len(),
-            y.shape()
-        )));
+        return Err(bad(format!("tensor 'y' has rank {} (shape {:?}); expected (N,)", y.shape().len(), y.shape())));
     }
     if y.shape()[0] != n {
-        return Err(bad(format!(
-            "tensor 'x' has {n} samples but 'y' has {} labels",
-            y.shape()[0]
-        )));
+        return Err(bad(format!("tensor 'x' has {n} samples but 'y' has {} labels", y.shape()[0])));
     }
     if n == 0 {
         return Err(bad("empty dataset: 'x' and 'y' have 0 samples".into()));
     }
     if sample_shape.contains(&0) {
-        return Err(bad(format!(
-            "tensor 'x' has shape {x_shape:?}: a sample has no elements"
-        )));
+        return Err(bad(format!("tensor 'x' has shape {x_shape:?}: a sample has no elements")));
     }
     let labels: Vec<i64> = match y.dtype() {
-        Dtype::I64 => y
-            .data()
-            .chunks_exact(8)
-            .map(|b| i64::from_le_bytes(std::array::from_fn(|k| b[k])))
-            .collect(),
-        Dtype::I32 => y
-            .data()
-            .chunks_exact(4)
-            .map(|b| i64::from(i32::from_le_bytes([b[0], b[1], b[2], b[3]])))
-            .collect(),
-        Dtype::U8 => y.data().iter().map(|&b| i64::from(b)).collect(),
-        other => {
-            return Err(bad(format!(
-                "tensor 'y' has dtype {other}; expected I64, I32 or U8"
-            )))
+        Dtype::I64 => y.data().chunks_exact(8).map(|b| i64::from_le_bytes(std::array::from_fn(|k| b[k]))).collect(),
+        Dtype::I32 => {
+            y.data().chunks_exact(4).map(|b| i64::from(i32::from_le_bytes([b[0], b[1], b[2], b[3]]))).collect()
         }
+        Dtype::U8 => y.data().iter().map(|&b| i64::from(b)).collect(),
+        other => return Err(bad(format!("tensor 'y' has dtype {other}; expected I64, I32 or U8"))),
     };
 
     if let Some((i, l)) = labels.iter().enumerate().find(|(_, &l)| l < 0) {
@@ -201,46 +152,24 @@ fn load(path: &Path, num_classes: Option<usize>) -> Result<Dataset> {
     let max_label = labels.iter().copied().max().unwrap_or(0);
     let num_classes = match num_classes {
         Some(k) => k,
-        None => match header
-            .metadata()
-            .as_ref()
-            .and_then(|m| m.get(NUM_CLASSES_KEY))
-        {
+        None => match header.metadata().as_ref().and_then(|m| m.get(NUM_CLASSES_KEY)) {
             Some(text) => match text.parse::<usize>() {
                 Ok(k) if k >= 2 => k,
-                _ => {
-                    return Err(bad(format!(
-                        "metadata {NUM_CLASSES_KEY} = '{text}' is not an integer ≥ 2"
-                    )))
-                }
+                _ => return Err(bad(format!("metadata {NUM_CLASSES_KEY} = '{text}' is not an integer ≥ 2"))),
             },
-            None => usize::try_from(max_label)
-                .map_or(usize::MAX, |m| m.saturating_add(1))
-                .max(2),
+            None => usize::try_from(max_label).map_or(usize::MAX, |m| m.saturating_add(1)).max(2),
         },
     };
-    if let Some((i, l)) = labels
-        .iter()
-        .enumerate()
-        .find(|(_, &l)| l as u64 >= num_classes as u64)
-    {
+    if let Some((i, l)) = labels.iter().enumerate().find(|(_, &l)| l as u64 >= num_classes as u64) {
         return Err(bad(format!(
             "label {l} of sample {i} is out of range for {num_classes} classes (0..{num_classes})"
         )));
     }
     if num_classes > u32::MAX as usize {
-        return Err(bad(format!(
-            "{num_classes} classes: labels must fit in 32 bits"
-        )));
+        return Err(bad(format!("{num_classes} classes: labels must fit in 32 bits")));
     }
     let labels: Vec<u32> = labels.into_iter().map(|l| l as u32).collect();
-    Dataset::new(
-        path.display().to_string(),
-        sample_shape,
-        features,
-        labels,
-        num_classes,
-    )
+    Dataset::new(path.display().to_string(), sample_shape, features, labels, num_classes)
 }
 
 #[cfg(test)]
@@ -258,9 +187,7 @@ mod tests {
     fn write(tag: &str, tensors: &[(&str, Dtype, Vec<usize>, Vec<u8>)]) -> PathBuf {
         let views: Vec<(&str, TensorView)> = tensors
             .iter()
-            .map(|(name, dtype, shape, data)| {
-                (*name, TensorView::new(*dtype, shape.clone(), data).unwrap())
-            })
+            .map(|(name, dtype, shape, data)| (*name, TensorView::new(*dtype, shape.clone(), data).unwrap()))
             .collect();
         let path = temp_path(tag);
         fs::write(&path, safetensors::serialize(views, None).unwrap()).unwrap();
@@ -279,23 +206,13 @@ mod tests {
 
     /// The error text of loading `path`, which must fail; checks it names the path.
     fn load_err(path: &Path) -> String {
-        let e = load_safetensors_dataset(path)
-            .expect_err("expected an error")
-            .to_string();
-        assert!(
-            e.contains(&path.display().to_string()),
-            "error does not name the path: {e}"
-        );
+        let e = load_safetensors_dataset(path).expect_err("expected an error").to_string();
+        assert!(e.contains(&path.display().to_string()), "error does not name the path: {e}");
         e
     }
 
     fn good_x() -> (&'static str, Dtype, Vec<usize>, Vec<u8>) {
-        (
-            "x",
-            Dtype::F32,
-            vec![3, 2],
-            f32s(&[0.5, -1.0, 2.0, 3.0, -4.5, 6.25]),
-        )
+        ("x", Dtype::F32, vec![3, 2], f32s(&[0.5, -1.0, 2.0, 3.0, -4.5, 6.25]))
     }
 
     #[test]
@@ -303,47 +220,30 @@ mod tests {
         // x: (2, 1, 2, 3) bytes 0..12; y: [1, 4] → 5 classes (max + 1).
         let path = write(
             "u8_nchw_i64",
-            &[
-                ("x", Dtype::U8, vec![2, 1, 2, 3], (0..12).collect()),
-                ("y", Dtype::I64, vec![2], i64s(&[1, 4])),
-            ],
+            &[("x", Dtype::U8, vec![2, 1, 2, 3], (0..12).collect()), ("y", Dtype::I64, vec![2], i64s(&[1, 4]))],
         );
         let ds = load_safetensors_dataset(&path).unwrap();
         assert_eq!(ds.sample_shape().dims(), &[1, 2, 3]);
         assert_eq!(ds.features(), &Features::U8((0..12).collect()));
         assert_eq!(ds.labels(), &[1, 4]);
         assert_eq!(ds.num_classes(), 5);
-        assert_eq!(
-            load_safetensors_dataset_with_classes(&path, 10)
-                .unwrap()
-                .num_classes(),
-            10
-        );
+        assert_eq!(load_safetensors_dataset_with_classes(&path, 10).unwrap().num_classes(), 10);
     }
 
     #[test]
     fn loads_f32_nf_with_i32_labels_and_at_least_two_classes() {
         // All labels 0: max + 1 = 1, raised to the minimum of 2.
-        let path = write(
-            "f32_nf_i32",
-            &[good_x(), ("y", Dtype::I32, vec![3], i32s(&[0, 0, 0]))],
-        );
+        let path = write("f32_nf_i32", &[good_x(), ("y", Dtype::I32, vec![3], i32s(&[0, 0, 0]))]);
         let ds = load_safetensors_dataset(&path).unwrap();
         assert_eq!(ds.sample_shape().dims(), &[2]);
-        assert_eq!(
-            ds.features(),
-            &Features::F32(vec![0.5, -1.0, 2.0, 3.0, -4.5, 6.25])
-        );
+        assert_eq!(ds.features(), &Features::F32(vec![0.5, -1.0, 2.0, 3.0, -4.5, 6.25]));
         assert_eq!(ds.labels(), &[0, 0, 0]);
         assert_eq!(ds.num_classes(), 2);
     }
 
     #[test]
     fn loads_u8_labels() {
-        let path = write(
-            "u8_labels",
-            &[good_x(), ("y", Dtype::U8, vec![3], vec![2, 0, 255])],
-        );
+        let path = write("u8_labels", &[good_x(), ("y", Dtype::U8, vec![3], vec![2, 0, 255])]);
         let ds = load_safetensors_dataset(&path).unwrap();
         assert_eq!(ds.labels(), &[2, 0, 255]);
         assert_eq!(ds.num_classes(), 256);
@@ -366,137 +266,68 @@ mod tests {
         fs::write(&path, b"abc").unwrap();
         assert!(load_err(&path).contains("header too small"));
 
-        let good = write(
-            "to_truncate",
-            &[good_x(), ("y", Dtype::I64, vec![3], i64s(&[0, 1, 0]))],
-        );
+        let good = write("to_truncate", &[good_x(), ("y", Dtype::I64, vec![3], i64s(&[0, 1, 0]))]);
         let bytes = fs::read(&good).unwrap();
         let cut = temp_path("truncated");
         fs::write(&cut, &bytes[..bytes.len() - 5]).unwrap();
         let e = load_err(&cut);
-        assert!(
-            e.contains("not a valid safetensors file: incomplete metadata"),
-            "{e}"
-        );
+        assert!(e.contains("not a valid safetensors file: incomplete metadata"), "{e}");
         fs::write(&cut, &bytes[..20]).unwrap();
         assert!(load_err(&cut).contains("invalid header length"));
     }
 
     #[test]
     fn missing_tensors_are_named() {
-        let path = write(
-            "no_y",
-            &[good_x(), ("labels", Dtype::I64, vec![3], i64s(&[0, 1, 0]))],
-        );
+        let path = write("no_y", &[good_x(), ("labels", Dtype::I64, vec![3], i64s(&[0, 1, 0]))]);
         let e = load_err(&path);
-        assert!(
-            e.contains("no tensor 'y' (the file holds: [labels, x]); a dataset needs 'x' and 'y'"),
-            "{e}"
-        );
+        assert!(e.contains("no tensor 'y' (the file holds: [labels, x]); a dataset needs 'x' and 'y'"), "{e}");
         let path = write("no_x", &[("y", Dtype::I64, vec![3], i64s(&[0, 1, 0]))]);
         assert!(load_err(&path).contains("no tensor 'x' (the file holds: [y])"));
     }
 
     #[test]
     fn wrong_dtypes_are_named_with_the_accepted_ones() {
-        let path = write(
-            "x_f64",
-            &[
-                ("x", Dtype::F64, vec![1, 1], vec![0; 8]),
-                ("y", Dtype::I64, vec![1], i64s(&[0])),
-            ],
-        );
+        let path = write("x_f64", &[("x", Dtype::F64, vec![1, 1], vec![0; 8]), ("y", Dtype::I64, vec![1], i64s(&[0]))]);
         assert!(load_err(&path).contains("tensor 'x' has dtype F64; expected F32 or U8"));
-        let path = write(
-            "y_f32",
-            &[good_x(), ("y", Dtype::F32, vec![3], f32s(&[0.0, 1.0, 0.0]))],
-        );
+        let path = write("y_f32", &[good_x(), ("y", Dtype::F32, vec![3], f32s(&[0.0, 1.0, 0.0]))]);
         assert!(load_err(&path).contains("tensor 'y' has dtype F32; expected I64, I32 or U8"));
     }
 
     #[test]
     fn wrong_ranks_are_errors() {
-        let path = write(
-            "x_rank3",
-            &[
-                ("x", Dtype::U8, vec![2, 2, 2], vec![0; 8]),
-                ("y", Dtype::U8, vec![2], vec![0, 1]),
-            ],
-        );
-        assert!(load_err(&path)
-            .contains("tensor 'x' has rank 3 (shape [2, 2, 2]); expected (N, C, H, W) or (N, F)"));
-        let path = write(
-            "x_rank1",
-            &[
-                ("x", Dtype::U8, vec![2], vec![0; 2]),
-                ("y", Dtype::U8, vec![2], vec![0, 1]),
-            ],
-        );
+        let path =
+            write("x_rank3", &[("x", Dtype::U8, vec![2, 2, 2], vec![0; 8]), ("y", Dtype::U8, vec![2], vec![0, 1])]);
+        assert!(load_err(&path).contains("tensor 'x' has rank 3 (shape [2, 2, 2]); expected (N, C, H, W) or (N, F)"));
+        let path = write("x_rank1", &[("x", Dtype::U8, vec![2], vec![0; 2]), ("y", Dtype::U8, vec![2], vec![0, 1])]);
         assert!(load_err(&path).contains("tensor 'x' has rank 1"));
-        let path = write(
-            "y_rank2",
-            &[good_x(), ("y", Dtype::I64, vec![3, 1], i64s(&[0, 1, 0]))],
-        );
+        let path = write("y_rank2", &[good_x(), ("y", Dtype::I64, vec![3, 1], i64s(&[0, 1, 0]))]);
         assert!(load_err(&path).contains("tensor 'y' has rank 2 (shape [3, 1]); expected (N,)"));
     }
 
     #[test]
     fn sample_counts_must_agree_and_be_positive() {
-        let path = write(
-            "n_mismatch",
-            &[good_x(), ("y", Dtype::I64, vec![2], i64s(&[0, 1]))],
-        );
+        let path = write("n_mismatch", &[good_x(), ("y", Dtype::I64, vec![2], i64s(&[0, 1]))]);
         assert!(load_err(&path).contains("tensor 'x' has 3 samples but 'y' has 2 labels"));
-        let path = write(
-            "empty",
-            &[
-                ("x", Dtype::F32, vec![0, 2], vec![]),
-                ("y", Dtype::I64, vec![0], vec![]),
-            ],
-        );
+        let path = write("empty", &[("x", Dtype::F32, vec![0, 2], vec![]), ("y", Dtype::I64, vec![0], vec![])]);
         assert!(load_err(&path).contains("empty dataset: 'x' and 'y' have 0 samples"));
-        let path = write(
-            "zero_features",
-            &[
-                ("x", Dtype::F32, vec![2, 0], vec![]),
-                ("y", Dtype::U8, vec![2], vec![0, 1]),
-            ],
-        );
+        let path =
+            write("zero_features", &[("x", Dtype::F32, vec![2, 0], vec![]), ("y", Dtype::U8, vec![2], vec![0, 1])]);
         assert!(load_err(&path).contains("tensor 'x' has shape [2, 0]: a sample has no elements"));
     }
 
     #[test]
     fn bad_labels_name_the_sample() {
-        let path = write(
-            "negative",
-            &[good_x(), ("y", Dtype::I64, vec![3], i64s(&[0, 1, -3]))],
-        );
+        let path = write("negative", &[good_x(), ("y", Dtype::I64, vec![3], i64s(&[0, 1, -3]))]);
         assert!(load_err(&path).contains("label -3 of sample 2 is negative"));
-        let path = write(
-            "negative_i32",
-            &[good_x(), ("y", Dtype::I32, vec![3], i32s(&[-1, 1, 0]))],
-        );
+        let path = write("negative_i32", &[good_x(), ("y", Dtype::I32, vec![3], i32s(&[-1, 1, 0]))]);
         assert!(load_err(&path).contains("label -1 of sample 0 is negative"));
-        let path = write(
-            "too_big",
-            &[good_x(), ("y", Dtype::I64, vec![3], i64s(&[0, 5, 1]))],
-        );
-        let e = load_safetensors_dataset_with_classes(&path, 3)
-            .unwrap_err()
-            .to_string();
-        assert!(
-            e.contains("label 5 of sample 1 is out of range for 3 classes (0..3)"),
-            "{e}"
-        );
+        let path = write("too_big", &[good_x(), ("y", Dtype::I64, vec![3], i64s(&[0, 5, 1]))]);
+        let e = load_safetensors_dataset_with_classes(&path, 3).unwrap_err().to_string();
+        assert!(e.contains("label 5 of sample 1 is out of range for 3 classes (0..3)"), "{e}");
         assert!(e.contains("too_big.safetensors"), "{e}");
-        let e = load_safetensors_dataset_with_classes(&path, 1)
-            .unwrap_err()
-            .to_string();
+        let e = load_safetensors_dataset_with_classes(&path, 1).unwrap_err().to_string();
         assert_eq!(e, "invalid num_classes: 1 (a classifier needs at least 2)");
-        let path = write(
-            "huge",
-            &[good_x(), ("y", Dtype::I64, vec![3], i64s(&[0, 1 << 40, 1]))],
-        );
+        let path = write("huge", &[good_x(), ("y", Dtype::I64, vec![3], i64s(&[0, 1 << 40, 1]))]);
         assert!(load_err(&path).contains("labels must fit in 32 bits"));
     }
 
@@ -518,10 +349,7 @@ mod tests {
     fn no_byte_pattern_panics() {
         // Every single-byte corruption (three values per byte) of a small valid file, and
         // every prefix of it: each must load or fail with an error, never panic.
-        let good = write(
-            "fuzz_base",
-            &[good_x(), ("y", Dtype::I64, vec![3], i64s(&[0, 1, 0]))],
-        );
+        let good = write("fuzz_base", &[good_x(), ("y", Dtype::I64, vec![3], i64s(&[0, 1, 0]))]);
         let bytes = fs::read(&good).unwrap();
         let path = temp_path("fuzz");
         let mut loaded = 0;
@@ -533,10 +361,7 @@ mod tests {
                 loaded += usize::from(load_safetensors_dataset(&path).is_ok());
             }
             fs::write(&path, &bytes[..i]).unwrap();
-            assert!(
-                load_safetensors_dataset(&path).is_err(),
-                "a prefix of {i} bytes loaded"
-            );
+            assert!(load_safetensors_dataset(&path).is_err(), "a prefix of {i} bytes loaded");
         }
         // Any bit pattern of the 24 bytes of x (3·2 f32, NaN included) is a valid
         // feature, so corrupting those alone gives 24 · 3 = 72 files that load.
@@ -545,43 +370,23 @@ mod tests {
 
     #[test]
     fn save_then_load_round_trips() {
-        let u8_ds = Dataset::new(
-            "imgs",
-            [1, 2, 2],
-            Features::U8(vec![0, 9, 128, 255, 1, 2, 3, 4]),
-            vec![3, 0],
-            7,
-        )
-        .unwrap();
+        let u8_ds =
+            Dataset::new("imgs", [1, 2, 2], Features::U8(vec![0, 9, 128, 255, 1, 2, 3, 4]), vec![3, 0], 7).unwrap();
         let path = temp_path("round_trip_u8");
         save_safetensors_dataset(&u8_ds, &path).unwrap();
         let back = load_safetensors_dataset(&path).unwrap();
         assert_eq!(back.features(), u8_ds.features());
         assert_eq!(back.labels(), u8_ds.labels());
         assert_eq!(back.sample_shape(), u8_ds.sample_shape());
-        assert_eq!(
-            back.num_classes(),
-            7,
-            "num_classes survives through the metadata"
-        );
+        assert_eq!(back.num_classes(), 7, "num_classes survives through the metadata");
 
-        let f32_ds = Dataset::new(
-            "pts",
-            [2],
-            Features::F32(vec![0.1, -2.5, f32::MIN_POSITIVE, 1e30]),
-            vec![1, 1],
-            2,
-        )
-        .unwrap();
+        let f32_ds =
+            Dataset::new("pts", [2], Features::F32(vec![0.1, -2.5, f32::MIN_POSITIVE, 1e30]), vec![1, 1], 2).unwrap();
         let path = temp_path("round_trip_f32");
         save_safetensors_dataset(&f32_ds, &path).unwrap();
         save_safetensors_dataset(&f32_ds, &path).unwrap(); // overwriting is fine
         let back = load_safetensors_dataset(&path).unwrap();
-        assert_eq!(
-            back.features(),
-            f32_ds.features(),
-            "f32 bits are kept exactly"
-        );
+        assert_eq!(back.features(), f32_ds.features(), "f32 bits are kept exactly");
         assert_eq!(back.labels(), &[1, 1]);
         // y is stored as I64, whatever the dtype it was loaded from.
         let bytes = fs::read(&path).unwrap();
@@ -605,9 +410,7 @@ mod tests {
         let e = save_safetensors_dataset(&ds, &path).unwrap_err();
         assert!(matches!(e, Error::Io { .. }), "{e:?}");
         let empty = ds.subset("none", &[]);
-        let e = save_safetensors_dataset(&empty, &temp_path("empty_save"))
-            .unwrap_err()
-            .to_string();
+        let e = save_safetensors_dataset(&empty, &temp_path("empty_save")).unwrap_err().to_string();
         assert_eq!(e, "dataset none: cannot save an empty dataset");
     }
 
@@ -616,19 +419,14 @@ mod tests {
         // Shapes and dtypes as documented in shared/oracle/README.md: toy f32 (N, 2),
         // convnet u8 (N, 1, 28, 28), y i64; N = K·B (toy 50·64, convnet 20·64).
         let oracle = concat!(env!("CARGO_MANIFEST_DIR"), "/../shared/oracle");
-        let toy = load_safetensors_dataset(Path::new(&format!(
-            "{oracle}/toy_s0_k50_b64_w1/data.safetensors"
-        )))
-        .unwrap();
+        let toy = load_safetensors_dataset(Path::new(&format!("{oracle}/toy_s0_k50_b64_w1/data.safetensors"))).unwrap();
         assert_eq!(toy.len(), 3200);
         assert_eq!(toy.sample_shape().dims(), &[2]);
         assert!(matches!(toy.features(), Features::F32(_)));
         assert_eq!(toy.num_classes(), 2);
 
-        let conv = load_safetensors_dataset(Path::new(&format!(
-            "{oracle}/convnet_s0_k20_b64_w1/data.safetensors"
-        )))
-        .unwrap();
+        let conv =
+            load_safetensors_dataset(Path::new(&format!("{oracle}/convnet_s0_k20_b64_w1/data.safetensors"))).unwrap();
         assert_eq!(conv.len(), 1280);
         assert_eq!(conv.sample_shape().dims(), &[1, 28, 28]);
         assert!(matches!(conv.features(), Features::U8(v) if v.len() == 1280 * 28 * 28));

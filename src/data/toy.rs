@@ -21,13 +21,7 @@ use crate::error::{Error, Result};
 use crate::rng::SplitMix64;
 
 /// The lesson's training points: x (5, 2).
-const X_TRAIN: [[f32; 2]; 5] = [
-    [-1.2, 3.1],
-    [-0.9, 2.9],
-    [-0.5, 2.6],
-    [2.3, -1.1],
-    [2.7, -1.5],
-];
+const X_TRAIN: [[f32; 2]; 5] = [[-1.2, 3.1], [-0.9, 2.9], [-0.5, 2.6], [2.3, -1.1], [2.7, -1.5]];
 /// The lesson's training labels: y (5,).
 const Y_TRAIN: [u32; 5] = [0, 0, 0, 1, 1];
 /// The lesson's test points: x (2, 2).
@@ -43,13 +37,9 @@ pub fn toy() -> Splits {
     let build = |name: &str, x: &[[f32; 2]], y: &[u32]| {
         // x: (N, 2)
         let flat: Vec<f32> = x.iter().flatten().copied().collect();
-        Dataset::new(name, [2], Features::F32(flat), y.to_vec(), 2)
-            .expect("the lesson's constants are consistent")
+        Dataset::new(name, [2], Features::F32(flat), y.to_vec(), 2).expect("the lesson's constants are consistent")
     };
-    Splits {
-        train: build("toy/train", &X_TRAIN, &Y_TRAIN),
-        test: Some(build("toy/test", &X_TEST, &Y_TEST)),
-    }
+    Splits { train: build("toy/train", &X_TRAIN, &Y_TRAIN), test: Some(build("toy/test", &X_TEST, &Y_TEST)) }
 }
 
 /// The lesson's enlarged dataset: `factor` noisy copies of the training points (5·factor
@@ -80,10 +70,7 @@ pub fn toy_enlarged(factor: usize, seed: u64) -> Result<Splits> {
     };
     let train = build("toy/train", &X_TRAIN, &Y_TRAIN)?;
     let test = build("toy/test", &X_TEST, &Y_TEST)?;
-    Ok(Splits {
-        train,
-        test: Some(test),
-    })
+    Ok(Splits { train, test: Some(test) })
 }
 
 /// Standard normal samples by the Box–Muller transform, two per pair of uniforms:
@@ -96,10 +83,7 @@ struct Normal {
 
 impl Normal {
     fn new(seed: u64) -> Self {
-        Normal {
-            rng: SplitMix64::new(seed),
-            spare: None,
-        }
+        Normal { rng: SplitMix64::new(seed), spare: None }
     }
 
     fn sample(&mut self) -> f64 {
@@ -132,10 +116,7 @@ mod tests {
         let s = toy();
         assert_eq!(s.train.sample_shape().dims(), &[2]);
         assert_eq!(s.train.num_classes(), 2);
-        assert_eq!(
-            f32s(&s.train),
-            &[-1.2, 3.1, -0.9, 2.9, -0.5, 2.6, 2.3, -1.1, 2.7, -1.5]
-        );
+        assert_eq!(f32s(&s.train), &[-1.2, 3.1, -0.9, 2.9, -0.5, 2.6, 2.3, -1.1, 2.7, -1.5]);
         assert_eq!(s.train.labels(), &[0, 0, 0, 1, 1]);
         let test = s.test.unwrap();
         assert_eq!(f32s(&test), &[-0.8, 2.8, 2.6, -1.6]);
@@ -146,10 +127,7 @@ mod tests {
     #[test]
     fn factor_zero_is_an_error() {
         let e = toy_enlarged(0, 0).unwrap_err().to_string();
-        assert_eq!(
-            e,
-            "dataset toy_enlarged: factor must be at least 1 (factor 0 gives no samples)"
-        );
+        assert_eq!(e, "dataset toy_enlarged: factor must be at least 1 (factor 0 gives no samples)");
     }
 
     #[test]
@@ -157,10 +135,7 @@ mod tests {
         let s = toy_enlarged(4, 0).unwrap();
         let test = s.test.as_ref().unwrap();
         assert_eq!((s.train.len(), test.len()), (20, 8));
-        assert_eq!(
-            s.train.labels(),
-            &[0, 0, 0, 1, 1, 0, 0, 0, 1, 1, 0, 0, 0, 1, 1, 0, 0, 0, 1, 1]
-        );
+        assert_eq!(s.train.labels(), &[0, 0, 0, 1, 1, 0, 0, 0, 1, 1, 0, 0, 0, 1, 1, 0, 0, 0, 1, 1]);
         assert_eq!(test.labels(), &[0, 1, 0, 1, 0, 1, 0, 1]);
         // The first four normals of seed 0 and the noisy points, from this Python
         // transcription of SplitMix64 + Box–Muller (f64 throughout):
@@ -183,10 +158,7 @@ mod tests {
         let s = toy_enlarged(factor, 42).unwrap();
         let base = toy();
         let mut noise = Vec::new();
-        for (big, small) in [
-            (&s.train, &base.train),
-            (s.test.as_ref().unwrap(), base.test.as_ref().unwrap()),
-        ] {
+        for (big, small) in [(&s.train, &base.train), (s.test.as_ref().unwrap(), base.test.as_ref().unwrap())] {
             let clean = f32s(small);
             for copy in f32s(big).chunks_exact(clean.len()) {
                 noise.extend(copy.iter().zip(clean).map(|(a, b)| f64::from(a - b)));
@@ -203,10 +175,7 @@ mod tests {
         // A Gaussian puts 68.3% of draws within one sigma; binomial standard error
         // √(0.683·0.317/28000) ≈ 2.8e-3, tolerance 1.5e-2.
         let within = noise.iter().filter(|z| z.abs() < 0.1).count() as f64 / n;
-        assert!(
-            (within - 0.6827).abs() < 1.5e-2,
-            "within one sigma {within}"
-        );
+        assert!((within - 0.6827).abs() < 1.5e-2, "within one sigma {within}");
     }
 
     #[test]

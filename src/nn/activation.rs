@@ -27,13 +27,7 @@ impl Layer for Relu {
     }
 
     // x: any shape → y: same shape
-    fn forward(
-        &mut self,
-        mut x: Tensor,
-        _p: Params<'_>,
-        _b: ParamsMut<'_>,
-        ctx: &Ctx,
-    ) -> Result<Tensor> {
+    fn forward(&mut self, mut x: Tensor, _p: Params<'_>, _b: ParamsMut<'_>, ctx: &Ctx) -> Result<Tensor> {
         if ctx.mode == Mode::Train {
             self.positive.clear();
             self.positive.extend(x.host().iter().map(|&v| v > 0.0));
@@ -58,11 +52,7 @@ impl Layer for Relu {
         if dout.numel() != self.positive.len() {
             return Err(Error::shape(
                 "ReLU backward",
-                format!(
-                    "dout {} for {} cached inputs",
-                    dout.shape(),
-                    self.positive.len()
-                ),
+                format!("dout {} for {} cached inputs", dout.shape(), self.positive.len()),
             ));
         }
         for (d, &p) in dout.host_mut().iter_mut().zip(&self.positive) {
@@ -105,13 +95,7 @@ impl Layer for Rescaling {
     }
 
     // x: any shape → y: same shape
-    fn forward(
-        &mut self,
-        mut x: Tensor,
-        _p: Params<'_>,
-        _b: ParamsMut<'_>,
-        _ctx: &Ctx,
-    ) -> Result<Tensor> {
+    fn forward(&mut self, mut x: Tensor, _p: Params<'_>, _b: ParamsMut<'_>, _ctx: &Ctx) -> Result<Tensor> {
         let (s, o) = (self.scale, self.offset);
         for v in x.host_mut() {
             *v = *v * s + o;

@@ -38,14 +38,7 @@ where
 impl BatchNorm2d {
     /// Keras defaults: eps 1e-3, momentum 0.99, `scale` and `center` on.
     pub fn new(channels: usize) -> BatchNorm2d {
-        BatchNorm2d {
-            channels,
-            eps: 1e-3,
-            momentum: 0.99,
-            scale: true,
-            center: true,
-            cache: None,
-        }
+        BatchNorm2d { channels, eps: 1e-3, momentum: 0.99, scale: true, center: true, cache: None }
     }
 
     /// Sets eps (added to the variance).
@@ -87,10 +80,7 @@ impl Layer for BatchNorm2d {
     fn output_shape(&self, input: &Shape) -> Result<Shape> {
         let (_, c, _, _) = input.nchw("BatchNorm2d")?;
         if c != self.channels {
-            return Err(Error::shape(
-                "BatchNorm2d",
-                format!("expected {} channels, got {input}", self.channels),
-            ));
+            return Err(Error::shape("BatchNorm2d", format!("expected {} channels, got {input}", self.channels)));
         }
         Ok(input.clone())
     }
@@ -99,18 +89,10 @@ impl Layer for BatchNorm2d {
         let shape = Shape::new([self.channels]);
         let mut p = Vec::new();
         if self.scale {
-            p.push(ParamSpec {
-                name: "gamma",
-                shape: shape.clone(),
-                init: Init::Ones,
-            });
+            p.push(ParamSpec { name: "gamma", shape: shape.clone(), init: Init::Ones });
         }
         if self.center {
-            p.push(ParamSpec {
-                name: "beta",
-                shape,
-                init: Init::Zeros,
-            });
+            p.push(ParamSpec { name: "beta", shape, init: Init::Zeros });
         }
         p
     }
@@ -118,27 +100,13 @@ impl Layer for BatchNorm2d {
     fn buffers(&self) -> Vec<ParamSpec> {
         let shape = Shape::new([self.channels]);
         vec![
-            ParamSpec {
-                name: "running_mean",
-                shape: shape.clone(),
-                init: Init::Zeros,
-            },
-            ParamSpec {
-                name: "running_var",
-                shape,
-                init: Init::Ones,
-            },
+            ParamSpec { name: "running_mean", shape: shape.clone(), init: Init::Zeros },
+            ParamSpec { name: "running_var", shape, init: Init::Ones },
         ]
     }
 
     // x: (N, C, H, W) → y: (N, C, H, W)
-    fn forward(
-        &mut self,
-        mut x: Tensor,
-        params: Params<'_>,
-        mut buffers: ParamsMut<'_>,
-        ctx: &Ctx,
-    ) -> Result<Tensor> {
+    fn forward(&mut self, mut x: Tensor, params: Params<'_>, mut buffers: ParamsMut<'_>, ctx: &Ctx) -> Result<Tensor> {
         let (n, c, h, w) = x.shape().nchw("BatchNorm2d")?;
         self.output_shape(x.shape())?;
         let hw = h * w;
@@ -147,56 +115,28 @@ impl Layer for BatchNorm2d {
         let (mean, invstd): (Vec<f32>, Vec<f32>) = match ctx.mode {
             Mode::Train => {
                 if m == 0 {
-                    return Err(Error::shape(
-                        "BatchNorm2d",
-                        format!("no values per channel in {}", x.shape()),
-                    ));
+                    return Err(Error::shape("BatchNorm2d", format!("no values per channel in {}", x.shape())));
                 }
                 let xs = x.host();
                 let stats = per_channel(c, |ch| {
                     let plane = |s: usize| &xs[(s * c + ch) * hw..(s * c + ch + 1) * hw];
-                    let sum: f64 = (0..n)
-                        .map(|s| plane(s).iter().map(|&v| v as f64).sum::<f64>())
-                        .sum();
+                    let sum: f64 = (0..n).map(|s| plane(s).iter().map(|&v| v as f64).sum::<f64>()).sum();
                     let mean = sum / m as f64;
-                    let sq: f64 = (0..n)
-                        .map(|s| {
-                            plane(s)
-                                .iter()
-                                .map(|&v| (v as f64 - mean).powi(2))
-                                .sum::<f64>()
-                        })
-                        .sum();
+                    let sq: f64 =
+                        (0..n).map(|s| plane(s).iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>()).sum();
                     (mean, sq / m as f64)
                 });
-                let (mom, unbias) = (
-                    self.momentum as f64,
-                    if m > 1 {
-                        m as f64 / (m as f64 - 1.0)
-                    } else {
-                        1.0
-                    },
-                );
+                let (mom, unbias) = (self.momentum as f64, if m > 1 { m as f64 / (m as f64 - 1.0) } else { 1.0 });
                 let (rm, rv) = buffers.pair(0, 1);
-                for ((&(mean, var), r_mean), r_var) in
-                    stats.iter().zip(rm.iter_mut()).zip(rv.iter_mut())
-                {
+                for ((&(mean, var), r_mean), r_var) in stats.iter().zip(rm.iter_mut()).zip(rv.iter_mut()) {
                     *r_mean = (mom * *r_mean as f64 + (1.0 - mom) * mean) as f32;
                     *r_var = (mom * *r_var as f64 + (1.0 - mom) * var * unbias) as f32;
                 }
-                stats
-                    .iter()
-                    .map(|&(mean, var)| {
-                        (mean as f32, (1.0 / (var + self.eps as f64).sqrt()) as f32)
-                    })
-                    .unzip()
+                stats.iter().map(|&(mean, var)| (mean as f32, (1.0 / (var + self.eps as f64).sqrt()) as f32)).unzip()
             }
             Mode::Eval => {
                 let (rm, rv) = buffers.pair(0, 1);
-                (
-                    rm.to_vec(),
-                    rv.iter().map(|&v| 1.0 / (v + self.eps).sqrt()).collect(),
-                )
+                (rm.to_vec(), rv.iter().map(|&v| 1.0 / (v + self.eps).sqrt()).collect())
             }
         };
         // x̂ = (x − mean)·invstd, in place; y = γ·x̂ + β.
@@ -236,12 +176,10 @@ impl Layer for BatchNorm2d {
         input_grad: InputGrad,
         _ctx: &Ctx,
     ) -> Result<Option<Tensor>> {
-        let (xhat, invstd) = self.cache.take().ok_or_else(|| {
-            Error::config(
-                "BatchNorm2d backward",
-                "no training forward to differentiate",
-            )
-        })?;
+        let (xhat, invstd) = self
+            .cache
+            .take()
+            .ok_or_else(|| Error::config("BatchNorm2d backward", "no training forward to differentiate"))?;
         if dout.shape() != xhat.shape() {
             return Err(Error::shape(
                 "BatchNorm2d backward",
@@ -282,37 +220,21 @@ impl Layer for BatchNorm2d {
         let coef: Vec<(f32, f32, f32)> = sums
             .iter()
             .enumerate()
-            .map(|(ch, &(sd, sdx))| {
-                (
-                    gamma.map_or(1.0, |g| g[ch]) * invstd[ch],
-                    (sd / m) as f32,
-                    (sdx / m) as f32,
-                )
-            })
+            .map(|(ch, &(sd, sdx))| (gamma.map_or(1.0, |g| g[ch]) * invstd[ch], (sd / m) as f32, (sdx / m) as f32))
             .collect();
-        dout.host_mut()
-            .par_chunks_mut(c * hw)
-            .zip(xs.par_chunks(c * hw))
-            .for_each(|(dsample, xsample)| {
-                for (ch, (dplane, xplane)) in dsample
-                    .chunks_exact_mut(hw)
-                    .zip(xsample.chunks_exact(hw))
-                    .enumerate()
-                {
-                    let (k, md, mdx) = coef[ch];
-                    for (d, &xh) in dplane.iter_mut().zip(xplane) {
-                        *d = k * (*d - md - xh * mdx);
-                    }
+        dout.host_mut().par_chunks_mut(c * hw).zip(xs.par_chunks(c * hw)).for_each(|(dsample, xsample)| {
+            for (ch, (dplane, xplane)) in dsample.chunks_exact_mut(hw).zip(xsample.chunks_exact(hw)).enumerate() {
+                let (k, md, mdx) = coef[ch];
+                for (d, &xh) in dplane.iter_mut().zip(xplane) {
+                    *d = k * (*d - md - xh * mdx);
                 }
-            });
+            }
+        });
         Ok(Some(dout))
     }
 
     fn boxed_clone(&self) -> Box<dyn Layer> {
-        Box::new(BatchNorm2d {
-            cache: None,
-            ..self.clone()
-        })
+        Box::new(BatchNorm2d { cache: None, ..self.clone() })
     }
 
     fn describe(&self) -> String {

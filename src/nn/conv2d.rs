@@ -9,9 +9,7 @@
 use rayon::prelude::*;
 
 use super::{Ctx, Init, InputGrad, Layer, Mode, ParamSpec, Params, ParamsMut};
-use crate::backend::cpu::{
-    add_partials, batch_groups, col2im, gemm_with, im2col, Accumulate, ConvGeom, Mat, Threads,
-};
+use crate::backend::cpu::{add_partials, batch_groups, col2im, gemm_with, im2col, Accumulate, ConvGeom, Mat, Threads};
 use crate::error::{Error, Result};
 use crate::tensor::{Shape, Tensor};
 
@@ -66,49 +64,20 @@ impl Conv2d {
                 format!("channels, filters, kernel and stride must be positive (got {in_channels}, {filters}, {kernel:?}, {stride})"),
             ));
         }
-        Ok(Conv2d {
-            in_channels,
-            filters,
-            kernel,
-            stride,
-            padding,
-            use_bias,
-            x: None,
-        })
+        Ok(Conv2d { in_channels, filters, kernel, stride, padding, use_bias, x: None })
     }
 
     fn geometry(&self, input: &Shape) -> Result<(usize, ConvGeom)> {
         let (n, c, h, w) = input.nchw("Conv2d")?;
         if c != self.in_channels {
-            return Err(Error::shape(
-                "Conv2d",
-                format!("expected {} input channels, got {input}", self.in_channels),
-            ));
+            return Err(Error::shape("Conv2d", format!("expected {} input channels, got {input}", self.in_channels)));
         }
         let (kh, kw) = self.kernel;
-        let too_small = || {
-            Error::shape(
-                "Conv2d",
-                format!("input {input} is smaller than the {kh}x{kw} kernel with valid padding"),
-            )
-        };
+        let too_small =
+            || Error::shape("Conv2d", format!("input {input} is smaller than the {kh}x{kw} kernel with valid padding"));
         let (pad_top, _, oh) = pads(h, kh, self.stride, self.padding).ok_or_else(too_small)?;
         let (pad_left, _, ow) = pads(w, kw, self.stride, self.padding).ok_or_else(too_small)?;
-        Ok((
-            n,
-            ConvGeom {
-                c,
-                h,
-                w,
-                kh,
-                kw,
-                stride: self.stride,
-                pad_top,
-                pad_left,
-                oh,
-                ow,
-            },
-        ))
+        Ok((n, ConvGeom { c, h, w, kh, kw, stride: self.stride, pad_top, pad_left, oh, ow }))
     }
 }
 
@@ -127,60 +96,38 @@ impl Layer for Conv2d {
         let mut p = vec![ParamSpec {
             name: "weight",
             shape: Shape::new([o, c, kh, kw]),
-            init: Init::GlorotUniform {
-                fan_in: c * kh * kw,
-                fan_out: o * kh * kw,
-            },
+            init: Init::GlorotUniform { fan_in: c * kh * kw, fan_out: o * kh * kw },
         }];
         if self.use_bias {
-            p.push(ParamSpec {
-                name: "bias",
-                shape: Shape::new([o]),
-                init: Init::Zeros,
-            });
+            p.push(ParamSpec { name: "bias", shape: Shape::new([o]), init: Init::Zeros });
         }
         p
     }
 
     // x: (N, C, H, W) → y: (N, O, OH, OW); per sample y_n (O, OH·OW) = W (O, C·KH·KW) · col_n
-    fn forward(
-        &mut self,
-        x: Tensor,
-        params: Params<'_>,
-        _buffers: ParamsMut<'_>,
-        ctx: &Ctx,
-    ) -> Result<Tensor> {
+    fn forward(&mut self, x: Tensor, params: Params<'_>, _buffers: ParamsMut<'_>, ctx: &Ctx) -> Result<Tensor> {
         let (n, g) = self.geometry(x.shape())?;
         let (o, ckk, p) = (self.filters, g.col_rows(), g.col_cols());
         let w = params.get(0);
         let bias = self.use_bias.then(|| params.get(1));
         let mut y = vec![0.0f32; n * o * p];
         let per_in = g.c * g.h * g.w;
-        y.par_chunks_mut(o * p)
-            .zip(x.host().par_chunks(per_in))
-            .for_each_init(
-                || vec![0.0f32; ckk * p],
-                |col, (yn, xn)| {
-                    im2col(xn, &g, col);
-                    let acc = match bias {
-                        Some(b) => {
-                            for (row, &bo) in yn.chunks_exact_mut(p).zip(b) {
-                                row.fill(bo);
-                            }
-                            Accumulate::Add
+        y.par_chunks_mut(o * p).zip(x.host().par_chunks(per_in)).for_each_init(
+            || vec![0.0f32; ckk * p],
+            |col, (yn, xn)| {
+                im2col(xn, &g, col);
+                let acc = match bias {
+                    Some(b) => {
+                        for (row, &bo) in yn.chunks_exact_mut(p).zip(b) {
+                            row.fill(bo);
                         }
-                        None => Accumulate::Overwrite,
-                    };
-                    gemm_with(
-                        Mat::rows(w, o, ckk),
-                        Mat::rows(col, ckk, p),
-                        yn,
-                        p,
-                        acc,
-                        Threads::Caller,
-                    );
-                },
-            );
+                        Accumulate::Add
+                    }
+                    None => Accumulate::Overwrite,
+                };
+                gemm_with(Mat::rows(w, o, ckk), Mat::rows(col, ckk, p), yn, p, acc, Threads::Caller);
+            },
+        );
         let y = Tensor::from_vec_on(y, [n, o, g.oh, g.ow], x.device())?;
         self.x = (ctx.mode == Mode::Train).then_some(x);
         Ok(y)
@@ -196,21 +143,15 @@ impl Layer for Conv2d {
         input_grad: InputGrad,
         _ctx: &Ctx,
     ) -> Result<Option<Tensor>> {
-        let x = self.x.take().ok_or_else(|| {
-            Error::config("Conv2d backward", "no training forward to differentiate")
-        })?;
+        let x =
+            self.x.take().ok_or_else(|| Error::config("Conv2d backward", "no training forward to differentiate"))?;
         x.same_device("Conv2d backward", &dout)?;
         let (n, g) = self.geometry(x.shape())?;
         let (o, ckk, p) = (self.filters, g.col_rows(), g.col_cols());
         if dout.shape().dims() != [n, o, g.oh, g.ow] {
             return Err(Error::shape(
                 "Conv2d backward",
-                format!(
-                    "dout {} for output ({n}, {o}, {}, {})",
-                    dout.shape(),
-                    g.oh,
-                    g.ow
-                ),
+                format!("dout {} for output ({n}, {o}, {}, {})", dout.shape(), g.oh, g.ow),
             ));
         }
         let per_in = g.c * g.h * g.w;
@@ -250,34 +191,25 @@ impl Layer for Conv2d {
         }
         let w = params.get(0);
         let mut dx = vec![0.0f32; n * per_in];
-        dx.par_chunks_mut(per_in)
-            .zip(ds.par_chunks(o * p))
-            .for_each_init(
-                || vec![0.0f32; ckk * p],
-                |dcol, (dxn, dn)| {
-                    gemm_with(
-                        Mat::rows(w, o, ckk).t(),
-                        Mat::rows(dn, o, p),
-                        dcol,
-                        p,
-                        Accumulate::Overwrite,
-                        Threads::Caller,
-                    );
-                    col2im(dcol, &g, dxn);
-                },
-            );
-        Ok(Some(Tensor::from_vec_on(
-            dx,
-            x.shape().clone(),
-            x.device(),
-        )?))
+        dx.par_chunks_mut(per_in).zip(ds.par_chunks(o * p)).for_each_init(
+            || vec![0.0f32; ckk * p],
+            |dcol, (dxn, dn)| {
+                gemm_with(
+                    Mat::rows(w, o, ckk).t(),
+                    Mat::rows(dn, o, p),
+                    dcol,
+                    p,
+                    Accumulate::Overwrite,
+                    Threads::Caller,
+                );
+                col2im(dcol, &g, dxn);
+            },
+        );
+        Ok(Some(Tensor::from_vec_on(dx, x.shape().clone(), x.device())?))
     }
 
     fn boxed_clone(&self) -> Box<dyn Layer> {
-        Box::new(Conv2d {
-            x: None,
-            ..self.clone()
-        })
+        Box::new(Conv2d { x: None, ..self.clone() })
     }
 
     fn describe(&self) -> String {

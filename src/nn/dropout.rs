@@ -22,15 +22,9 @@ impl Dropout {
     /// Dropout with probability `rate` in [0, 1).
     pub fn new(rate: f32) -> Result<Dropout> {
         if !(0.0..1.0).contains(&rate) {
-            return Err(Error::config(
-                "dropout rate",
-                format!("{rate} is not in [0, 1)"),
-            ));
+            return Err(Error::config("dropout rate", format!("{rate} is not in [0, 1)")));
         }
-        Ok(Dropout {
-            rate,
-            scale: Vec::new(),
-        })
+        Ok(Dropout { rate, scale: Vec::new() })
     }
 
     /// The drop probability.
@@ -49,26 +43,22 @@ impl Layer for Dropout {
     }
 
     // x: any shape → y: same shape
-    fn forward(
-        &mut self,
-        mut x: Tensor,
-        _p: Params<'_>,
-        _b: ParamsMut<'_>,
-        ctx: &Ctx,
-    ) -> Result<Tensor> {
+    fn forward(&mut self, mut x: Tensor, _p: Params<'_>, _b: ParamsMut<'_>, ctx: &Ctx) -> Result<Tensor> {
         self.scale.clear();
         if ctx.mode == Mode::Eval || self.rate == 0.0 {
             return Ok(x);
         }
         let key = derive_key(ctx.stream_key, &[ctx.layer_index as u64]);
         let keep = 1.0 / (1.0 - self.rate);
-        self.scale.extend((0..x.numel() as u64).map(|i| {
-            if unit_f32(hash64(key, i)) >= self.rate {
-                keep
-            } else {
-                0.0
-            }
-        }));
+        self.scale.extend((0..x.numel() as u64).map(
+            |i| {
+                if unit_f32(hash64(key, i)) >= self.rate {
+                    keep
+                } else {
+                    0.0
+                }
+            },
+        ));
         for (v, s) in x.host_mut().iter_mut().zip(&self.scale) {
             *v *= s;
         }
@@ -95,10 +85,7 @@ impl Layer for Dropout {
     }
 
     fn boxed_clone(&self) -> Box<dyn Layer> {
-        Box::new(Dropout {
-            rate: self.rate,
-            scale: Vec::new(),
-        })
+        Box::new(Dropout { rate: self.rate, scale: Vec::new() })
     }
 
     fn describe(&self) -> String {

@@ -19,12 +19,7 @@ pub struct Linear {
 impl Linear {
     /// `in_features → out_features`, with a bias.
     pub fn new(in_features: usize, out_features: usize) -> Linear {
-        Linear {
-            in_features,
-            out_features,
-            use_bias: true,
-            x: None,
-        }
+        Linear { in_features, out_features, use_bias: true, x: None }
     }
 
     /// The same layer without a bias.
@@ -42,10 +37,7 @@ impl Layer for Linear {
     fn output_shape(&self, input: &Shape) -> Result<Shape> {
         let (n, f) = input.nf("Linear")?;
         if f != self.in_features {
-            return Err(Error::shape(
-                "Linear",
-                format!("expected {} input features, got {input}", self.in_features),
-            ));
+            return Err(Error::shape("Linear", format!("expected {} input features, got {input}", self.in_features)));
         }
         Ok(Shape::new([n, self.out_features]))
     }
@@ -55,29 +47,16 @@ impl Layer for Linear {
         let mut p = vec![ParamSpec {
             name: "weight",
             shape: Shape::new([o, f]),
-            init: Init::GlorotUniform {
-                fan_in: f,
-                fan_out: o,
-            },
+            init: Init::GlorotUniform { fan_in: f, fan_out: o },
         }];
         if self.use_bias {
-            p.push(ParamSpec {
-                name: "bias",
-                shape: Shape::new([o]),
-                init: Init::Zeros,
-            });
+            p.push(ParamSpec { name: "bias", shape: Shape::new([o]), init: Init::Zeros });
         }
         p
     }
 
     // x: (N, F) → y: (N, O)
-    fn forward(
-        &mut self,
-        x: Tensor,
-        params: Params<'_>,
-        _buffers: ParamsMut<'_>,
-        ctx: &Ctx,
-    ) -> Result<Tensor> {
+    fn forward(&mut self, x: Tensor, params: Params<'_>, _buffers: ParamsMut<'_>, ctx: &Ctx) -> Result<Tensor> {
         let out_shape = self.output_shape(x.shape())?;
         let (n, f, o) = (x.shape().batch(), self.in_features, self.out_features);
         let w = params.get(0);
@@ -88,18 +67,8 @@ impl Layer for Linear {
                 row.copy_from_slice(b);
             }
         }
-        let acc = if self.use_bias {
-            Accumulate::Add
-        } else {
-            Accumulate::Overwrite
-        };
-        gemm(
-            Mat::rows(x.host(), n, f),
-            Mat::rows(w, o, f).t(),
-            &mut y,
-            o,
-            acc,
-        );
+        let acc = if self.use_bias { Accumulate::Add } else { Accumulate::Overwrite };
+        gemm(Mat::rows(x.host(), n, f), Mat::rows(w, o, f).t(), &mut y, o, acc);
         let y = Tensor::from_vec_on(y, out_shape, x.device())?;
         self.x = (ctx.mode == Mode::Train).then_some(x);
         Ok(y)
@@ -114,25 +83,15 @@ impl Layer for Linear {
         input_grad: InputGrad,
         _ctx: &Ctx,
     ) -> Result<Option<Tensor>> {
-        let x = self.x.take().ok_or_else(|| {
-            Error::config("Linear backward", "no training forward to differentiate")
-        })?;
+        let x =
+            self.x.take().ok_or_else(|| Error::config("Linear backward", "no training forward to differentiate"))?;
         x.same_device("Linear backward", &dout)?;
         let (n, f, o) = (x.shape().batch(), self.in_features, self.out_features);
         if dout.shape().dims() != [n, o] {
-            return Err(Error::shape(
-                "Linear backward",
-                format!("dout {} for output ({n}, {o})", dout.shape()),
-            ));
+            return Err(Error::shape("Linear backward", format!("dout {} for output ({n}, {o})", dout.shape())));
         }
         let d = dout.host();
-        gemm(
-            Mat::rows(d, n, o).t(),
-            Mat::rows(x.host(), n, f),
-            dparams.get(0),
-            f,
-            Accumulate::Add,
-        );
+        gemm(Mat::rows(d, n, o).t(), Mat::rows(x.host(), n, f), dparams.get(0), f, Accumulate::Add);
         if self.use_bias {
             let db = dparams.get(1);
             for row in d.chunks_exact(o) {
@@ -145,33 +104,15 @@ impl Layer for Linear {
             return Ok(None);
         }
         let mut dx = vec![0.0f32; n * f];
-        gemm(
-            Mat::rows(d, n, o),
-            Mat::rows(params.get(0), o, f),
-            &mut dx,
-            f,
-            Accumulate::Overwrite,
-        );
-        Ok(Some(Tensor::from_vec_on(
-            dx,
-            x.shape().clone(),
-            x.device(),
-        )?))
+        gemm(Mat::rows(d, n, o), Mat::rows(params.get(0), o, f), &mut dx, f, Accumulate::Overwrite);
+        Ok(Some(Tensor::from_vec_on(dx, x.shape().clone(), x.device())?))
     }
 
     fn boxed_clone(&self) -> Box<dyn Layer> {
-        Box::new(Linear {
-            x: None,
-            ..self.clone()
-        })
+        Box::new(Linear { x: None, ..self.clone() })
     }
 
     fn describe(&self) -> String {
-        format!(
-            "Dense({}→{}{})",
-            self.in_features,
-            self.out_features,
-            if self.use_bias { "" } else { ", no bias" }
-        )
+        format!("Dense({}→{}{})", self.in_features, self.out_features, if self.use_bias { "" } else { ", no bias" })
     }
 }

@@ -46,10 +46,7 @@ fn check(logits: &Tensor, labels: &[u32]) -> Result<(usize, usize)> {
         ));
     }
     if let Some(&l) = labels.iter().find(|&&l| l as usize >= k) {
-        return Err(Error::shape(
-            "softmax_cross_entropy",
-            format!("label {l} out of range for {k} classes"),
-        ));
+        return Err(Error::shape("softmax_cross_entropy", format!("label {l} out of range for {k} classes")));
     }
     Ok((n, k))
 }
@@ -58,21 +55,18 @@ fn check(logits: &Tensor, labels: &[u32]) -> Result<(usize, usize)> {
 /// logits: (N, K); labels: (N) with values < K; dlogits: (N·K)
 fn run(logits: &Tensor, labels: &[u32], mut dlogits: Option<&mut [f32]>) -> Result<Metrics> {
     let (n, k) = check(logits, labels)?;
-    let mut m = Metrics {
-        count: n as u64,
-        ..Metrics::default()
-    };
+    let mut m = Metrics { count: n as u64, ..Metrics::default() };
     for (i, (row, &y)) in logits.host().chunks_exact(k).zip(labels).enumerate() {
-        let (arg, max) = row
-            .iter()
-            .enumerate()
-            .fold((0, f32::NEG_INFINITY), |(a, mx), (j, &v)| {
+        let (arg, max) = row.iter().enumerate().fold(
+            (0, f32::NEG_INFINITY),
+            |(a, mx), (j, &v)| {
                 if v > mx {
                     (j, v)
                 } else {
                     (a, mx)
                 }
-            });
+            },
+        );
         let sum: f32 = row.iter().map(|&v| (v - max).exp()).sum();
         let lse = max + sum.ln();
         m.loss_sum += (lse - row[y as usize]) as f64;
@@ -91,10 +85,7 @@ fn run(logits: &Tensor, labels: &[u32], mut dlogits: Option<&mut [f32]>) -> Resu
 pub fn softmax_cross_entropy(logits: &Tensor, labels: &[u32]) -> Result<(Metrics, Tensor)> {
     let mut d = vec![0.0f32; logits.numel()];
     let m = run(logits, labels, Some(&mut d))?;
-    Ok((
-        m,
-        Tensor::from_vec_on(d, logits.shape().clone(), logits.device())?,
-    ))
+    Ok((m, Tensor::from_vec_on(d, logits.shape().clone(), logits.device())?))
 }
 
 /// Metrics only (evaluation). logits: (N, K)

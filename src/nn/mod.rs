@@ -32,7 +32,7 @@ pub use reshape::{Flatten, GlobalAvgPool2d};
 pub use sequential::{ParamStore, Sequential, TensorInfo};
 
 use crate::error::Result;
-use crate::tensor::{Shape, Tensor};
+use crate::tensor::{Device, Shape, Tensor};
 
 /// Training or evaluation: decides BatchNorm's statistics and whether dropout drops.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -75,21 +75,30 @@ pub struct ParamSpec {
 #[derive(Clone, Copy, Debug)]
 pub struct Ctx {
     pub mode: Mode,
-    /// Key of the dropout streams of this (seed, step, logical replica); each layer
+    /// Key of the random streams of this (seed, step, logical replica); each layer
     /// derives its own stream from it and its index.
     pub stream_key: u64,
     /// Index of the layer in its Sequential (set by Sequential).
     pub layer_index: usize,
+    /// The global step (0-based) of a training forward.
+    pub step: u64,
+    /// The logical replica whose shard this is.
+    pub replica: usize,
+    /// The device running it.
+    pub device: Device,
 }
 
 impl Ctx {
-    /// A context for evaluation (no randomness is drawn in eval mode).
-    pub fn eval() -> Ctx {
-        Ctx {
-            mode: Mode::Eval,
-            stream_key: 0,
-            layer_index: 0,
-        }
+    /// A context for evaluation on `device` (no randomness is drawn in eval mode).
+    pub fn eval(device: Device) -> Ctx {
+        Ctx { mode: Mode::Eval, stream_key: 0, layer_index: 0, step: 0, replica: 0, device }
+    }
+
+    /// A context for training step `step` of logical replica `replica`, whose random
+    /// streams derive from `seed`.
+    pub fn train(seed: u64, step: u64, replica: usize, device: Device) -> Ctx {
+        let stream_key = crate::rng::derive_key(seed, &[crate::rng::purpose::DROPOUT, step, replica as u64]);
+        Ctx { mode: Mode::Train, stream_key, layer_index: 0, step, replica, device }
     }
 }
 
@@ -170,13 +179,7 @@ pub trait Layer: Send {
     }
 
     /// Computes the output. `buffers` may be updated in `Mode::Train` (running stats).
-    fn forward(
-        &mut self,
-        x: Tensor,
-        params: Params<'_>,
-        buffers: ParamsMut<'_>,
-        ctx: &Ctx,
-    ) -> Result<Tensor>;
+    fn forward(&mut self, x: Tensor, params: Params<'_>, buffers: ParamsMut<'_>, ctx: &Ctx) -> Result<Tensor>;
 
     /// Accumulates parameter gradients into `dparams` and returns the input gradient
     /// (or `None` when `input_grad` is `Skip`).

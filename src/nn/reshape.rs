@@ -26,13 +26,7 @@ impl Layer for Flatten {
         Ok(Shape::new([input.batch(), input.per_sample()]))
     }
 
-    fn forward(
-        &mut self,
-        x: Tensor,
-        _p: Params<'_>,
-        _b: ParamsMut<'_>,
-        _ctx: &Ctx,
-    ) -> Result<Tensor> {
+    fn forward(&mut self, x: Tensor, _p: Params<'_>, _b: ParamsMut<'_>, _ctx: &Ctx) -> Result<Tensor> {
         let out = self.output_shape(x.shape())?;
         self.input = Some(x.shape().clone());
         x.reshape(out)
@@ -46,10 +40,8 @@ impl Layer for Flatten {
         input_grad: InputGrad,
         _ctx: &Ctx,
     ) -> Result<Option<Tensor>> {
-        let shape = self
-            .input
-            .take()
-            .ok_or_else(|| Error::config("Flatten backward", "no forward to differentiate"))?;
+        let shape =
+            self.input.take().ok_or_else(|| Error::config("Flatten backward", "no forward to differentiate"))?;
         if input_grad == InputGrad::Skip {
             return Ok(None);
         }
@@ -88,21 +80,11 @@ impl Layer for GlobalAvgPool2d {
     }
 
     // x: (N, C, H, W) → y: (N, C)
-    fn forward(
-        &mut self,
-        x: Tensor,
-        _p: Params<'_>,
-        _b: ParamsMut<'_>,
-        _ctx: &Ctx,
-    ) -> Result<Tensor> {
+    fn forward(&mut self, x: Tensor, _p: Params<'_>, _b: ParamsMut<'_>, _ctx: &Ctx) -> Result<Tensor> {
         let (n, c, h, w) = x.shape().nchw("GlobalAvgPool2d")?;
         let hw = h * w;
         let inv = 1.0 / hw as f32;
-        let y: Vec<f32> = x
-            .host()
-            .chunks_exact(hw)
-            .map(|plane| plane.iter().sum::<f32>() * inv)
-            .collect();
+        let y: Vec<f32> = x.host().chunks_exact(hw).map(|plane| plane.iter().sum::<f32>() * inv).collect();
         self.input = Some(x.shape().clone());
         Tensor::from_vec_on(y, [n, c], x.device())
     }
@@ -116,9 +98,10 @@ impl Layer for GlobalAvgPool2d {
         input_grad: InputGrad,
         _ctx: &Ctx,
     ) -> Result<Option<Tensor>> {
-        let shape = self.input.take().ok_or_else(|| {
-            Error::config("GlobalAvgPool2d backward", "no forward to differentiate")
-        })?;
+        let shape = self
+            .input
+            .take()
+            .ok_or_else(|| Error::config("GlobalAvgPool2d backward", "no forward to differentiate"))?;
         if input_grad == InputGrad::Skip {
             return Ok(None);
         }

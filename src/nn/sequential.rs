@@ -55,19 +55,14 @@ pub struct Sequential {
 
 impl Clone for Sequential {
     fn clone(&self) -> Self {
-        Sequential::new(
-            self.input_shape.clone(),
-            self.layers.iter().map(|l| l.boxed_clone()).collect(),
-        )
-        .expect("a Sequential that was valid once stays valid")
+        Sequential::new(self.input_shape.clone(), self.layers.iter().map(|l| l.boxed_clone()).collect())
+            .expect("a Sequential that was valid once stays valid")
     }
 }
 
 impl std::fmt::Debug for Sequential {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Sequential")
-            .field("layers", &self.names)
-            .finish()
+        f.debug_struct("Sequential").field("layers", &self.names).finish()
     }
 }
 
@@ -77,10 +72,7 @@ impl Sequential {
     pub fn new(input_shape: impl Into<Shape>, layers: Vec<Box<dyn Layer>>) -> Result<Sequential> {
         let input_shape = input_shape.into();
         if layers.is_empty() {
-            return Err(Error::config(
-                "model",
-                "a Sequential needs at least one layer",
-            ));
+            return Err(Error::config("model", "a Sequential needs at least one layer"));
         }
         let mut counts: HashMap<&'static str, usize> = HashMap::new();
         let mut names = Vec::with_capacity(layers.len());
@@ -93,49 +85,33 @@ impl Sequential {
             let n = counts.entry(layer.kind()).or_insert(0);
             let name = format!("{}{}", layer.kind(), n);
             *n += 1;
-            shape = layer
-                .output_shape(&shape)
-                .map_err(|e| Error::config("model", format!("layer {name}: {e}")))?;
-            let lay =
-                |specs: Vec<super::ParamSpec>, off: &mut usize, infos: &mut Vec<TensorInfo>| {
-                    let start = *off;
-                    let ranges = specs
-                        .into_iter()
-                        .map(|s| {
-                            let len = s.shape.numel();
-                            let r = (*off - start)..(*off - start + len);
-                            infos.push(TensorInfo {
-                                name: format!("{name}.{}", s.name),
-                                shape: s.shape,
-                                range: *off..*off + len,
-                                init: s.init,
-                            });
-                            *off += len;
-                            r
-                        })
-                        .collect::<Vec<_>>();
-                    (start..*off, ranges)
-                };
+            shape = layer.output_shape(&shape).map_err(|e| Error::config("model", format!("layer {name}: {e}")))?;
+            let lay = |specs: Vec<super::ParamSpec>, off: &mut usize, infos: &mut Vec<TensorInfo>| {
+                let start = *off;
+                let ranges = specs
+                    .into_iter()
+                    .map(|s| {
+                        let len = s.shape.numel();
+                        let r = (*off - start)..(*off - start + len);
+                        infos.push(TensorInfo {
+                            name: format!("{name}.{}", s.name),
+                            shape: s.shape,
+                            range: *off..*off + len,
+                            init: s.init,
+                        });
+                        *off += len;
+                        r
+                    })
+                    .collect::<Vec<_>>();
+                (start..*off, ranges)
+            };
             let (param_span, param_ranges) = lay(layer.params(), &mut p_off, &mut params);
             let (buffer_span, buffer_ranges) = lay(layer.buffers(), &mut b_off, &mut buffers);
-            slots.push(Slots {
-                param_span,
-                param_ranges,
-                buffer_span,
-                buffer_ranges,
-            });
+            slots.push(Slots { param_span, param_ranges, buffer_span, buffer_ranges });
             names.push(name);
         }
         let output_shape = Shape::new(&shape.dims()[1..]);
-        Ok(Sequential {
-            input_shape,
-            layers,
-            names,
-            slots,
-            params,
-            buffers,
-            output_shape,
-        })
+        Ok(Sequential { input_shape, layers, names, slots, params, buffers, output_shape })
     }
 
     /// Per-sample input shape.
@@ -192,8 +168,7 @@ impl Sequential {
                     Init::Ones => dst.fill(1.0),
                     Init::GlorotUniform { fan_in, fan_out } => {
                         let a = (6.0 / (fan_in + fan_out) as f64).sqrt();
-                        let mut g =
-                            SplitMix64::new(derive_key(seed, &[purpose::INIT, base, i as u64]));
+                        let mut g = SplitMix64::new(derive_key(seed, &[purpose::INIT, base, i as u64]));
                         for v in dst {
                             *v = ((g.next_f64() * 2.0 - 1.0) * a) as f32;
                         }
@@ -202,13 +177,11 @@ impl Sequential {
             }
             flat
         };
-        ParamStore {
-            params: fill(&self.params, 0),
-            buffers: fill(&self.buffers, 1),
-        }
+        ParamStore { params: fill(&self.params, 0), buffers: fill(&self.buffers, 1) }
     }
 
-    /// Runs every layer. x: (N, *input_shape) → (N, *output_shape).
+    /// Runs every layer. x: (N, *input_shape) → (N, *output_shape). `ctx.layer_index`
+    /// is set per layer.
     pub fn forward(
         &mut self,
         x: Tensor,
@@ -219,11 +192,7 @@ impl Sequential {
     ) -> Result<Tensor> {
         let mut x = x;
         for (i, (layer, s)) in self.layers.iter_mut().zip(&self.slots).enumerate() {
-            let ctx = Ctx {
-                mode,
-                stream_key,
-                layer_index: i,
-            };
+            let ctx = Ctx { mode, stream_key, layer_index: i };
             let p = Params::new(&params[s.param_span.clone()], &s.param_ranges);
             let b = ParamsMut::new(&mut buffers[s.buffer_span.clone()], &s.buffer_ranges);
             x = layer.forward(x, p, b, &ctx)?;
@@ -233,43 +202,16 @@ impl Sequential {
 
     /// Back-propagates `dout` (the gradient of the loss with respect to the output of the
     /// last forward, which must have run in `Mode::Train`), accumulating into `grads`.
-    pub fn backward(
-        &mut self,
-        dout: Tensor,
-        params: &[f32],
-        grads: &mut [f32],
-        stream_key: u64,
-    ) -> Result<()> {
+    pub fn backward(&mut self, dout: Tensor, params: &[f32], grads: &mut [f32], stream_key: u64) -> Result<()> {
         // Layers before the first one with parameters need no gradient at all.
-        let first = self
-            .slots
-            .iter()
-            .position(|s| !s.param_span.is_empty())
-            .unwrap_or(0);
+        let first = self.slots.iter().position(|s| !s.param_span.is_empty()).unwrap_or(0);
         let mut d = Some(dout);
-        for (i, (layer, s)) in self
-            .layers
-            .iter_mut()
-            .zip(&self.slots)
-            .enumerate()
-            .skip(first)
-            .rev()
-        {
-            let ctx = Ctx {
-                mode: Mode::Train,
-                stream_key,
-                layer_index: i,
-            };
+        for (i, (layer, s)) in self.layers.iter_mut().zip(&self.slots).enumerate().skip(first).rev() {
+            let ctx = Ctx { mode: Mode::Train, stream_key, layer_index: i };
             let p = Params::new(&params[s.param_span.clone()], &s.param_ranges);
             let g = ParamsMut::new(&mut grads[s.param_span.clone()], &s.param_ranges);
-            let need = if i == first {
-                InputGrad::Skip
-            } else {
-                InputGrad::Needed
-            };
-            let dout = d
-                .take()
-                .expect("every layer but the first returns an input gradient");
+            let need = if i == first { InputGrad::Skip } else { InputGrad::Needed };
+            let dout = d.take().expect("every layer but the first returns an input gradient");
             d = layer.backward(dout, p, g, need, &ctx)?;
         }
         Ok(())
@@ -288,10 +230,7 @@ impl Sequential {
                 s.param_span.len()
             ));
         }
-        out.push_str(&format!(
-            "total trainable parameters: {}\n",
-            self.num_params()
-        ));
+        out.push_str(&format!("total trainable parameters: {}\n", self.num_params()));
         out
     }
 }

@@ -13,64 +13,33 @@ use crate::error::{Error, Result};
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum OptimizerConfig {
     /// p ← p − lr·buf, buf = momentum·buf + (g + wd·p) (buf = g when momentum is 0).
-    Sgd {
-        lr: f32,
-        momentum: f32,
-        weight_decay: f32,
-    },
+    Sgd { lr: f32, momentum: f32, weight_decay: f32 },
     /// Adam, PyTorch form: bias-corrected, eps added after the square root.
-    Adam {
-        lr: f32,
-        beta1: f32,
-        beta2: f32,
-        eps: f32,
-        weight_decay: f32,
-    },
+    Adam { lr: f32, beta1: f32, beta2: f32, eps: f32, weight_decay: f32 },
 }
 
 impl OptimizerConfig {
     /// Plain SGD.
     pub fn sgd(lr: f32) -> Self {
-        OptimizerConfig::Sgd {
-            lr,
-            momentum: 0.0,
-            weight_decay: 0.0,
-        }
+        OptimizerConfig::Sgd { lr, momentum: 0.0, weight_decay: 0.0 }
     }
 
     /// Adam with PyTorch's defaults β = (0.9, 0.999), eps = 1e-8.
     pub fn adam(lr: f32) -> Self {
-        OptimizerConfig::Adam {
-            lr,
-            beta1: 0.9,
-            beta2: 0.999,
-            eps: 1e-8,
-            weight_decay: 0.0,
-        }
+        OptimizerConfig::Adam { lr, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 }
     }
 
     /// Checks every hyper-parameter's range.
     pub fn validate(&self) -> Result<()> {
-        let bad =
-            |what: &'static str, v: f32| Err(Error::config(what, format!("{v} is out of range")));
+        let bad = |what: &'static str, v: f32| Err(Error::config(what, format!("{v} is out of range")));
         let (lr, wd) = match *self {
-            OptimizerConfig::Sgd {
-                lr,
-                momentum,
-                weight_decay,
-            } => {
+            OptimizerConfig::Sgd { lr, momentum, weight_decay } => {
                 if !(0.0..1.0).contains(&momentum) {
                     return bad("momentum (expected 0 <= m < 1)", momentum);
                 }
                 (lr, weight_decay)
             }
-            OptimizerConfig::Adam {
-                lr,
-                beta1,
-                beta2,
-                eps,
-                weight_decay,
-            } => {
+            OptimizerConfig::Adam { lr, beta1, beta2, eps, weight_decay } => {
                 if !(0.0..1.0).contains(&beta1) {
                     return bad("adam beta1 (expected 0 <= b1 < 1)", beta1);
                 }
@@ -116,14 +85,9 @@ impl Optimizer {
     /// Zero state for `num_params` values.
     pub fn new(config: OptimizerConfig, num_params: usize) -> Optimizer {
         let (m, v) = match config {
-            OptimizerConfig::Sgd { momentum, .. } => (
-                if momentum > 0.0 {
-                    vec![0.0; num_params]
-                } else {
-                    Vec::new()
-                },
-                Vec::new(),
-            ),
+            OptimizerConfig::Sgd { momentum, .. } => {
+                (if momentum > 0.0 { vec![0.0; num_params] } else { Vec::new() }, Vec::new())
+            }
             OptimizerConfig::Adam { .. } => (vec![0.0; num_params], vec![0.0; num_params]),
         };
         Optimizer { config, t: 0, m, v }
@@ -157,21 +121,12 @@ impl Optimizer {
             let dst = match *name {
                 "m" => &mut self.m,
                 "v" => &mut self.v,
-                other => {
-                    return Err(Error::config(
-                        "optimizer state",
-                        format!("unknown tensor '{other}'"),
-                    ))
-                }
+                other => return Err(Error::config("optimizer state", format!("unknown tensor '{other}'"))),
             };
             if dst.len() != values.len() {
                 return Err(Error::config(
                     "optimizer state",
-                    format!(
-                        "'{name}' has {} values, expected {}",
-                        values.len(),
-                        dst.len()
-                    ),
+                    format!("'{name}' has {} values, expected {}", values.len(), dst.len()),
                 ));
             }
             dst.copy_from_slice(values);
@@ -187,21 +142,11 @@ impl Optimizer {
 
     /// Updates `params` (the values at `offset..offset + params.len()` of the flat
     /// buffer) from `grad_sum`, the gradient summed over the global batch.
-    pub fn update(
-        &mut self,
-        offset: usize,
-        params: &mut [f32],
-        grad_sum: &[f32],
-        grad_divisor: f32,
-    ) {
+    pub fn update(&mut self, offset: usize, params: &mut [f32], grad_sum: &[f32], grad_divisor: f32) {
         debug_assert_eq!(params.len(), grad_sum.len());
         let range = offset..offset + params.len();
         match self.config {
-            OptimizerConfig::Sgd {
-                lr,
-                momentum,
-                weight_decay,
-            } => {
+            OptimizerConfig::Sgd { lr, momentum, weight_decay } => {
                 if momentum > 0.0 {
                     for ((p, &gs), buf) in params.iter_mut().zip(grad_sum).zip(&mut self.m[range]) {
                         let g = gs / grad_divisor + weight_decay * *p;
@@ -215,13 +160,7 @@ impl Optimizer {
                     }
                 }
             }
-            OptimizerConfig::Adam {
-                lr,
-                beta1,
-                beta2,
-                eps,
-                weight_decay,
-            } => {
+            OptimizerConfig::Adam { lr, beta1, beta2, eps, weight_decay } => {
                 // Bias corrections in f64, as PyTorch computes them (Python floats).
                 let t = self.t as i32;
                 let bc1 = 1.0 - (beta1 as f64).powi(t);
@@ -261,11 +200,7 @@ mod tests {
     fn sgd_momentum_follows_pytorch() {
         // PyTorch: buf₁ = g₁; buf₂ = μ·buf₁ + g₂; p -= lr·buf. With g = 1 both steps,
         // μ = 0.9, lr = 0.1: p = 0 − 0.1 − 0.19 = −0.29.
-        let cfg = OptimizerConfig::Sgd {
-            lr: 0.1,
-            momentum: 0.9,
-            weight_decay: 0.0,
-        };
+        let cfg = OptimizerConfig::Sgd { lr: 0.1, momentum: 0.9, weight_decay: 0.0 };
         let mut o = Optimizer::new(cfg, 1);
         let mut p = [0.0f32];
         for _ in 0..2 {
@@ -277,13 +212,7 @@ mod tests {
 
     #[test]
     fn chunked_updates_equal_one_update() {
-        let cfg = OptimizerConfig::Adam {
-            lr: 0.01,
-            beta1: 0.8,
-            beta2: 0.99,
-            eps: 1e-6,
-            weight_decay: 0.01,
-        };
+        let cfg = OptimizerConfig::Adam { lr: 0.01, beta1: 0.8, beta2: 0.99, eps: 1e-6, weight_decay: 0.01 };
         let g: Vec<f32> = (0..10).map(|i| i as f32 - 4.5).collect();
         let (mut a, mut b) = (Optimizer::new(cfg, 10), Optimizer::new(cfg, 10));
         let (mut pa, mut pb) = (vec![0.3f32; 10], vec![0.3f32; 10]);
@@ -299,19 +228,9 @@ mod tests {
 
     #[test]
     fn bad_hyper_parameters_are_named() {
-        let e = OptimizerConfig::sgd(0.0)
-            .validate()
-            .unwrap_err()
-            .to_string();
+        let e = OptimizerConfig::sgd(0.0).validate().unwrap_err().to_string();
         assert!(e.contains("learning rate"), "{e}");
-        let e = OptimizerConfig::Sgd {
-            lr: 0.1,
-            momentum: 1.5,
-            weight_decay: 0.0,
-        }
-        .validate()
-        .unwrap_err()
-        .to_string();
+        let e = OptimizerConfig::Sgd { lr: 0.1, momentum: 1.5, weight_decay: 0.0 }.validate().unwrap_err().to_string();
         assert!(e.contains("momentum"), "{e}");
     }
 }

@@ -65,10 +65,7 @@ impl Shape {
     pub fn nchw(&self, op: &'static str) -> Result<(usize, usize, usize, usize)> {
         match self.0[..] {
             [n, c, h, w] => Ok((n, c, h, w)),
-            _ => Err(Error::shape(
-                op,
-                format!("expected (N, C, H, W), got {self}"),
-            )),
+            _ => Err(Error::shape(op, format!("expected (N, C, H, W), got {self}"))),
         }
     }
 
@@ -155,27 +152,16 @@ impl Tensor {
     pub fn from_vec_on(data: Vec<f32>, shape: impl Into<Shape>, device: Device) -> Result<Tensor> {
         let shape = shape.into();
         if shape.numel() != data.len() {
-            return Err(Error::shape(
-                "Tensor::from_vec",
-                format!("{} values do not fill shape {shape}", data.len()),
-            ));
+            return Err(Error::shape("Tensor::from_vec", format!("{} values do not fill shape {shape}", data.len())));
         }
-        Ok(Tensor {
-            shape,
-            device,
-            storage: Storage::Host(data),
-        })
+        Ok(Tensor { shape, device, storage: Storage::Host(data) })
     }
 
     /// A tensor of zeros on `device`.
     pub fn zeros(shape: impl Into<Shape>, device: Device) -> Tensor {
         let shape = shape.into();
         let n = shape.numel();
-        Tensor {
-            shape,
-            device,
-            storage: Storage::Host(vec![0.0; n]),
-        }
+        Tensor { shape, device, storage: Storage::Host(vec![0.0; n]) }
     }
 
     /// The shape.
@@ -218,10 +204,7 @@ impl Tensor {
     pub fn reshape(self, shape: impl Into<Shape>) -> Result<Tensor> {
         let shape = shape.into();
         if shape.numel() != self.shape.numel() {
-            return Err(Error::shape(
-                "reshape",
-                format!("cannot view {} as {shape}", self.shape),
-            ));
+            return Err(Error::shape("reshape", format!("cannot view {} as {shape}", self.shape)));
         }
         Ok(Tensor { shape, ..self })
     }
@@ -239,11 +222,7 @@ impl Tensor {
     /// Errors with [`Error::DeviceMismatch`] unless `self` and `other` share a device.
     pub fn same_device(&self, op: &'static str, other: &Tensor) -> Result<()> {
         if self.device != other.device {
-            return Err(Error::DeviceMismatch {
-                op,
-                lhs: self.device.to_string(),
-                rhs: other.device.to_string(),
-            });
+            return Err(Error::DeviceMismatch { op, lhs: self.device.to_string(), rhs: other.device.to_string() });
         }
         Ok(())
     }
