@@ -180,19 +180,13 @@ impl Sequential {
         ParamStore { params: fill(&self.params, 0), buffers: fill(&self.buffers, 1) }
     }
 
-    /// Runs every layer. x: (N, *input_shape) → (N, *output_shape). `ctx.layer_index`
+    /// Runs every layer. x: (N, *input_shape) → (N, *output_shape). The layer index of
+    /// `ctx` is set per layer. `ctx.layer_index`
     /// is set per layer.
-    pub fn forward(
-        &mut self,
-        x: Tensor,
-        params: &[f32],
-        buffers: &mut [f32],
-        mode: Mode,
-        stream_key: u64,
-    ) -> Result<Tensor> {
+    pub fn forward(&mut self, x: Tensor, params: &[f32], buffers: &mut [f32], ctx: &Ctx) -> Result<Tensor> {
         let mut x = x;
         for (i, (layer, s)) in self.layers.iter_mut().zip(&self.slots).enumerate() {
-            let ctx = Ctx { mode, stream_key, layer_index: i };
+            let ctx = Ctx { layer_index: i, ..*ctx };
             let p = Params::new(&params[s.param_span.clone()], &s.param_ranges);
             let b = ParamsMut::new(&mut buffers[s.buffer_span.clone()], &s.buffer_ranges);
             x = layer.forward(x, p, b, &ctx)?;
@@ -202,12 +196,12 @@ impl Sequential {
 
     /// Back-propagates `dout` (the gradient of the loss with respect to the output of the
     /// last forward, which must have run in `Mode::Train`), accumulating into `grads`.
-    pub fn backward(&mut self, dout: Tensor, params: &[f32], grads: &mut [f32], stream_key: u64) -> Result<()> {
+    pub fn backward(&mut self, dout: Tensor, params: &[f32], grads: &mut [f32], ctx: &Ctx) -> Result<()> {
         // Layers before the first one with parameters need no gradient at all.
         let first = self.slots.iter().position(|s| !s.param_span.is_empty()).unwrap_or(0);
         let mut d = Some(dout);
         for (i, (layer, s)) in self.layers.iter_mut().zip(&self.slots).enumerate().skip(first).rev() {
-            let ctx = Ctx { mode: Mode::Train, stream_key, layer_index: i };
+            let ctx = Ctx { mode: Mode::Train, layer_index: i, ..*ctx };
             let p = Params::new(&params[s.param_span.clone()], &s.param_ranges);
             let g = ParamsMut::new(&mut grads[s.param_span.clone()], &s.param_ranges);
             let need = if i == first { InputGrad::Skip } else { InputGrad::Needed };
