@@ -1,0 +1,209 @@
+//! Device specifications: what `--devices` accepts and what it resolves to.
+//!
+//! `auto` (every GPU when a CUDA driver and GPUs are present, else one CPU device with
+//! every core), `cpu` (= `cpu:1`), `cpu:N` (N CPU devices, cores/N threads each, at
+//! least 1), `cpu:NxT` (N devices of T threads), `cuda` (every GPU), `cuda:0,1`
+//! (those ordinals). Parsing is pure; [`DeviceSpec::resolve`] asks the machine.
+
+use std::fmt;
+use std::str::FromStr;
+
+use crate::error::{Error, Result};
+use crate::tensor::Device;
+
+const ACCEPTED: &str = "accepted: auto, cpu, cpu:N, cpu:NxT (N devices of T threads), cuda, cuda:I[,J...]";
+
+/// A parsed `--devices` value.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DeviceSpec {
+    Auto,
+    Cpu { count: usize, threads: Option<usize> },
+    CudaAll,
+    Cuda(Vec<usize>),
+}
+
+impl FromStr for DeviceSpec {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self> {
+        let bad = |detail: &str| Error::DeviceSpec { spec: s.to_string(), detail: format!("{detail}; {ACCEPTED}") };
+        let positive = |t: &str, what: &str| -> Result<usize> {
+            match t.parse::<usize>() {
+                Ok(0) => Err(bad(&format!("{what} must be at least 1"))),
+                Ok(n) => Ok(n),
+                Err(_) => Err(bad(&format!("'{t}' is not a {what}"))),
+            }
+        };
+        match s.trim() {
+            "auto" => Ok(DeviceSpec::Auto),
+            "cpu" => Ok(DeviceSpec::Cpu { count: 1, threads: None }),
+            "cuda" => Ok(DeviceSpec::CudaAll),
+            t if t.starts_with("cpu:") => {
+                let rest = &t[4..];
+                match rest.split_once('x') {
+                    Some((n, th)) => Ok(DeviceSpec::Cpu {
+                        count: positive(n, "device count")?,
+                        threads: Some(positive(th, "thread count")?),
+                    }),
+                    None => Ok(DeviceSpec::Cpu { count: positive(rest, "device count")?, threads: None }),
+                }
+            }
+            t if t.starts_with("cuda:") => {
+                let ords = t[5..]
+                    .split(',')
+                    .map(|o| o.trim().parse::<usize>().map_err(|_| bad(&format!("'{o}' is not a GPU ordinal"))))
+                    .collect::<Result<Vec<_>>>()?;
+                Ok(DeviceSpec::Cuda(ords))
+            }
+            _ => Err(bad("unknown device kind")),
+        }
+    }
+}
+
+impl fmt::Display for DeviceSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            DeviceSpec::Auto => write!(f, "auto"),
+            DeviceSpec::Cpu { count, threads: None } => write!(f, "cpu:{count}"),
+            DeviceSpec::Cpu { count, threads: Some(t) } => write!(f, "cpu:{count}x{t}"),
+            DeviceSpec::CudaAll => write!(f, "cuda"),
+            DeviceSpec::Cuda(o) => {
+                write!(f, "cuda:{}", o.iter().map(|i| i.to_string()).collect::<Vec<_>>().join(","))
+            }
+        }
+    }
+}
+
+/// Resolved devices: what the trainer runs on.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Devices {
+    devices: Vec<Device>,
+    /// Threads of each CPU device's pool.
+    threads_per_device: usize,
+}
+
+impl Devices {
+    /// `n` CPU devices of `threads` threads each.
+    pub fn cpu(n: usize, threads: usize) -> Result<Devices> {
+        if n == 0 || threads == 0 {
+            return Err(Error::DeviceSpec {
+                spec: format!("cpu:{n}x{threads}"),
+                detail: "device and thread counts must be at least 1".into(),
+            });
+        }
+        Ok(Devices { devices: (0..n).map(Device::Cpu).collect(), threads_per_device: threads })
+    }
+
+    /// `n` CPU devices sharing the machine's cores (cores / n threads each, at least 1).
+    pub fn cpu_auto_threads(n: usize) -> Result<Devices> {
+        Devices::cpu(n, (available_cores() / n.max(1)).max(1))
+    }
+
+    /// The devices, in rank order.
+    pub fn list(&self) -> &[Device] {
+        &self.devices
+    }
+
+    /// Number of devices.
+    pub fn len(&self) -> usize {
+        self.devices.len()
+    }
+
+    /// Never true for a resolved set.
+    pub fn is_empty(&self) -> bool {
+        self.devices.is_empty()
+    }
+
+    /// Threads in each CPU device's pool.
+    pub fn threads_per_device(&self) -> usize {
+        self.threads_per_device
+    }
+}
+
+impl fmt::Display for Devices {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let names: Vec<String> = self.devices.iter().map(|d| d.to_string()).collect();
+        write!(f, "{}", names.join(", "))?;
+        if matches!(self.devices.first(), Some(Device::Cpu(_))) {
+            write!(f, " ({} thread{} each)", self.threads_per_device, if self.threads_per_device == 1 { "" } else { "s" })?;
+        }
+        Ok(())
+    }
+}
+
+/// Cores this process may use.
+pub fn available_cores() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+impl DeviceSpec {
+    /// The devices this spec names on this machine.
+    pub fn resolve(&self) -> Result<Devices> {
+        match self {
+            DeviceSpec::Cpu { count, threads: Some(t) } => Devices::cpu(*count, *t),
+            DeviceSpec::Cpu { count, threads: None } => Devices::cpu_auto_threads(*count),
+            DeviceSpec::Auto => match crate::cuda::gpu_count() {
+                Ok(n) if n > 0 => Err(Error::CudaUnavailable(format!(
+                    "{n} GPU(s) found, but this build trains on CPU devices only; use --devices cpu:N"
+                ))),
+                _ => Devices::cpu_auto_threads(1),
+            },
+            DeviceSpec::CudaAll | DeviceSpec::Cuda(_) => {
+                let n = crate::cuda::gpu_count()?;
+                if let DeviceSpec::Cuda(ords) = self {
+                    if let Some(bad) = ords.iter().find(|&&o| o >= n) {
+                        return Err(Error::CudaUnavailable(format!(
+                            "GPU {bad} does not exist; this machine has {n} GPU(s): cuda:0..{}",
+                            n.saturating_sub(1)
+                        )));
+                    }
+                }
+                Err(Error::CudaUnavailable(
+                    "the CUDA training worker is not built yet; use --devices cpu:N".into(),
+                ))
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn good_specs_parse() {
+        assert_eq!("auto".parse::<DeviceSpec>().unwrap(), DeviceSpec::Auto);
+        assert_eq!("cpu".parse::<DeviceSpec>().unwrap(), DeviceSpec::Cpu { count: 1, threads: None });
+        assert_eq!("cpu:4".parse::<DeviceSpec>().unwrap(), DeviceSpec::Cpu { count: 4, threads: None });
+        assert_eq!("cpu:4x1".parse::<DeviceSpec>().unwrap(), DeviceSpec::Cpu { count: 4, threads: Some(1) });
+        assert_eq!("cuda".parse::<DeviceSpec>().unwrap(), DeviceSpec::CudaAll);
+        assert_eq!("cuda:0,1".parse::<DeviceSpec>().unwrap(), DeviceSpec::Cuda(vec![0, 1]));
+        assert_eq!(DeviceSpec::Cpu { count: 3, threads: Some(2) }.to_string(), "cpu:3x2");
+    }
+
+    #[test]
+    fn bad_specs_say_what_is_accepted() {
+        for (spec, why) in [
+            ("cpu:0", "device count must be at least 1"),
+            ("cpu:x", "'x' is not a device count"),
+            ("gpu:1", "unknown device kind"),
+            ("cpu:2x0", "thread count must be at least 1"),
+            ("cuda:a", "'a' is not a GPU ordinal"),
+            ("", "unknown device kind"),
+        ] {
+            let e = spec.parse::<DeviceSpec>().unwrap_err().to_string();
+            assert!(e.contains(why), "{spec}: {e}");
+            assert!(e.contains("accepted: auto, cpu, cpu:N"), "{spec}: {e}");
+            assert!(!e.contains('\n'), "one line: {e}");
+        }
+    }
+
+    #[test]
+    fn cpu_devices_share_the_cores() {
+        let d = "cpu:2x3".parse::<DeviceSpec>().unwrap().resolve().unwrap();
+        assert_eq!(d.list(), &[Device::Cpu(0), Device::Cpu(1)]);
+        assert_eq!(d.threads_per_device(), 3);
+        let auto = DeviceSpec::Cpu { count: 64, threads: None }.resolve().unwrap();
+        assert_eq!(auto.threads_per_device(), 1);
+    }
+}
