@@ -1,6 +1,7 @@
 //! lockstep: synchronous data-parallel training inside one process.
 #![forbid(unsafe_op_in_unsafe_fn)]
 
+pub mod cuda;
 pub mod data;
 pub mod error;
 pub mod tensor;
