@@ -142,14 +142,14 @@ impl DeviceSpec {
         match self {
             DeviceSpec::Cpu { count, threads: Some(t) } => Devices::cpu(*count, *t),
             DeviceSpec::Cpu { count, threads: None } => Devices::cpu_auto_threads(*count),
-            DeviceSpec::Auto => match crate::cuda::gpu_count() {
+            DeviceSpec::Auto => match crate::cuda::probe::gpu_count() {
                 Ok(n) if n > 0 => Err(Error::CudaUnavailable(format!(
                     "{n} GPU(s) found, but this build trains on CPU devices only; use --devices cpu:N"
                 ))),
                 _ => Devices::cpu_auto_threads(1),
             },
             DeviceSpec::CudaAll | DeviceSpec::Cuda(_) => {
-                let n = crate::cuda::gpu_count()?;
+                let n = crate::cuda::probe::gpu_count()?;
                 if let DeviceSpec::Cuda(ords) = self {
                     if let Some(bad) = ords.iter().find(|&&o| o >= n) {
                         return Err(Error::CudaUnavailable(format!(

@@ -3,7 +3,9 @@
 
 pub mod backend;
 pub mod comm;
+pub mod cuda;
 pub mod data;
+pub mod devices;
 pub mod error;
 pub mod fsutil;
 pub mod models;

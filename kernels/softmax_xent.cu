@@ -1,0 +1,44 @@
+// softmax_xent.cu — fused softmax + cross-entropy on logits, forward and gradient at once.
+//
+// Owns: the loss head of classifiers. The loss is the SUM over samples (DESIGN.md: the
+// replicas back-propagate sums and the trainer divides by the global batch size once,
+// after the all-reduce), so dlogits here is the gradient of the sum: softmax - onehot,
+// with no 1/N. It is one kernel named `_fwd` because the gradient costs nothing extra
+// once the softmax is known; there is no separate `_bwd`.
+// Numerics: log-sum-exp with the row max subtracted, in float32.
+// Ties in the argmax go to the lowest index, as in the CPU backend and torch.argmax.
+
+#define GRID_STRIDE(i, n) \
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < (n); \
+         i += (size_t)blockDim.x * gridDim.x)
+
+// One thread per sample (K, the class count, is small: 2 or 10 in the built-in models).
+// logits: (N, K), labels: (N) u32 -> loss: (N), dlogits: (N, K), correct: (N) u32 in {0, 1}
+// A label >= K gives loss = NaN (the trainer's non-finite check then stops the run).
+extern "C" __global__ void softmax_xent_fwd_f32(const float* logits, const unsigned int* labels,
+                                                float* loss, float* dlogits,
+                                                unsigned int* correct, size_t n, int k) {
+    GRID_STRIDE(s, n) {
+        const float* z = logits + s * (size_t)k;
+        float* dz = dlogits + s * (size_t)k;
+        int arg = 0;
+        float mx = z[0];
+        for (int j = 1; j < k; ++j) {
+            if (z[j] > mx) { mx = z[j]; arg = j; }
+        }
+        float sum = 0.0f;
+        for (int j = 0; j < k; ++j) sum += expf(z[j] - mx);
+        const float lse = logf(sum) + mx;
+        const unsigned int label = labels[s];
+        for (int j = 0; j < k; ++j) {
+            dz[j] = expf(z[j] - lse) - ((unsigned int)j == label ? 1.0f : 0.0f);
+        }
+        if (label < (unsigned int)k) {
+            loss[s] = lse - z[label];
+            correct[s] = (unsigned int)arg == label ? 1u : 0u;
+        } else {
+            loss[s] = __int_as_float(0x7fc00000);  // quiet NaN
+            correct[s] = 0u;
+        }
+    }
+}

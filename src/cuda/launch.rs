@@ -1,0 +1,764 @@
+//! Launching the kernels of `kernels/` on one GPU, with every argument checked first.
+//!
+//! Owns: [`Gpu`], one device's context, compute stream and loaded modules, and one safe
+//! method per kernel. Each method checks the lengths of its buffers against the shapes
+//! it is given (a wrong length is [`Error::Shape`], never an out-of-bounds write on the
+//! device), then launches on the compute stream, asynchronously. The backend and the
+//! layers decide *what* to launch; this file only makes each launch sound.
+//! A `Gpu` belongs to the worker thread that created it (DESIGN.md: one thread per device).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
+use parking_lot::Mutex;
+
+use super::kernels::{cached_ptx, kernel_name, Dir};
+use super::probe::driver_available;
+use crate::{Error, Result};
+
+/// Threads per block of the block-per-channel reductions; must equal `REDUCE_BLOCK` in
+/// kernels/elementwise.cu and kernels/batchnorm.cu.
+pub const REDUCE_BLOCK: u32 = 256;
+/// Threads per block of the grid-stride element loops.
+const ELEM_BLOCK: u32 = 256;
+/// Cap on blocks of an element loop; the grid-stride loop covers the rest.
+const MAX_BLOCKS: usize = 65_535;
+
+/// Launch shape for a grid-stride loop over `n` elements (`n > 0`).
+fn elem_cfg(n: usize) -> LaunchConfig {
+    let blocks = n.div_ceil(ELEM_BLOCK as usize).clamp(1, MAX_BLOCKS) as u32;
+    LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (ELEM_BLOCK, 1, 1), shared_mem_bytes: 0 }
+}
+
+/// Launch shape for the block-per-channel reductions: grid = (C), REDUCE_BLOCK threads.
+fn channel_cfg(c: i32) -> LaunchConfig {
+    LaunchConfig { grid_dim: (c as u32, 1, 1), block_dim: (REDUCE_BLOCK, 1, 1), shared_mem_bytes: 0 }
+}
+
+/// Errors unless buffer `what` of `op` holds exactly `want` elements.
+fn check_len<T>(op: &'static str, what: &str, buf: &CudaSlice<T>, want: usize) -> Result<()> {
+    if buf.len() == want {
+        Ok(())
+    } else {
+        Err(Error::shape(op, format!("{what} has {} elements, expected {want}", buf.len())))
+    }
+}
+
+/// A dimension as the `int` the kernels take.
+fn dim(op: &'static str, what: &str, v: usize) -> Result<i32> {
+    i32::try_from(v).map_err(|_| Error::shape(op, format!("{what} = {v} does not fit in i32")))
+}
+
+/// Geometry of a 2-D convolution on NCHW input, padding asymmetric, no dilation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ConvGeom {
+    pub n: usize,
+    pub c: usize,
+    pub h: usize,
+    pub w: usize,
+    pub kh: usize,
+    pub kw: usize,
+    pub stride_h: usize,
+    pub stride_w: usize,
+    pub pad_top: usize,
+    pub pad_left: usize,
+    pub pad_bottom: usize,
+    pub pad_right: usize,
+}
+
+impl ConvGeom {
+    /// Output height: (H + PT + PB - KH) / SH + 1 (0 when the kernel does not fit).
+    pub fn oh(&self) -> usize {
+        (self.h + self.pad_top + self.pad_bottom).checked_sub(self.kh).map_or(0, |v| v / self.stride_h + 1)
+    }
+    /// Output width: (W + PL + PR - KW) / SW + 1 (0 when the kernel does not fit).
+    pub fn ow(&self) -> usize {
+        (self.w + self.pad_left + self.pad_right).checked_sub(self.kw).map_or(0, |v| v / self.stride_w + 1)
+    }
+    /// Elements of x: N*C*H*W.
+    pub fn x_len(&self) -> usize {
+        self.n * self.c * self.h * self.w
+    }
+    /// Elements of col: N * (C*KH*KW) * (OH*OW).
+    pub fn col_len(&self) -> usize {
+        self.n * self.c * self.kh * self.kw * self.oh() * self.ow()
+    }
+}
+
+/// Which of the optional BatchNorm parameters exist (Keras `scale` and `center`).
+#[derive(Debug, Clone, Copy)]
+pub struct BnParams<'a> {
+    /// gamma: (C), None for `scale=False`.
+    pub gamma: Option<&'a CudaSlice<f32>>,
+    /// beta: (C), None for `center=False`.
+    pub beta: Option<&'a CudaSlice<f32>>,
+}
+
+/// One GPU as one worker thread sees it: context, compute stream, loaded kernel modules.
+pub struct Gpu {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    arch: String,
+    modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
+}
+
+impl Gpu {
+    /// Opens GPU `ordinal` (its primary context) with a fresh, non-default compute stream.
+    /// No driver is a [`Error::CudaUnavailable`], never a panic.
+    pub fn new(ordinal: usize) -> Result<Self> {
+        driver_available()?;
+        let count = super::probe::gpu_count()?;
+        if ordinal >= count {
+            return Err(Error::CudaUnavailable(format!("cuda:{ordinal} asked for, but {count} GPU(s) are visible")));
+        }
+        let ctx = CudaContext::new(ordinal)?;
+        let (major, minor) = ctx.compute_capability()?;
+        let stream = ctx.new_stream()?;
+        Ok(Gpu { ctx, stream, arch: format!("sm_{major}{minor}"), modules: Mutex::new(HashMap::new()) })
+    }
+
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// The stream every launch of this `Gpu` goes to.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// NVRTC target of this GPU, e.g. `sm_90`.
+    pub fn arch(&self) -> &str {
+        &self.arch
+    }
+
+    /// Kernel `<op>_<dir>_f32` of kernel file `file`, compiling and loading the file on
+    /// first use.
+    pub fn function(&self, file: &'static str, op: &str, dir: Dir) -> Result<CudaFunction> {
+        let module = {
+            let mut modules = self.modules.lock();
+            match modules.get(file) {
+                Some(m) => m.clone(),
+                None => {
+                    let ptx = cached_ptx(file, &self.arch)?;
+                    let m = self.ctx.load_module((*ptx).clone())?;
+                    modules.insert(file, m.clone());
+                    m
+                }
+            }
+        };
+        Ok(module.load_function(&kernel_name(op, dir, "f32"))?)
+    }
+
+    /// Blocks until all work queued on the compute stream is done.
+    pub fn synchronize(&self) -> Result<()> {
+        Ok(self.stream.synchronize()?)
+    }
+
+    // ---- elementwise.cu -------------------------------------------------------------
+
+    /// y = max(x, 0). x, y: (n)
+    pub fn relu_fwd(&self, x: &CudaSlice<f32>, y: &mut CudaSlice<f32>) -> Result<()> {
+        let n = x.len();
+        check_len("relu_fwd", "y", y, n)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let f = self.function("elementwise.cu", "relu", Dir::Fwd)?;
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(x).arg(y).arg(&n);
+        // SAFETY: arguments match relu_fwd_f32(const float*, float*, size_t); x and y hold
+        // n floats each (checked above), and the kernel touches indices < n only.
+        unsafe { b.launch(elem_cfg(n)) }?;
+        Ok(())
+    }
+
+    /// dx = dy where x > 0, else 0. x, dy, dx: (n)
+    pub fn relu_bwd(&self, x: &CudaSlice<f32>, dy: &CudaSlice<f32>, dx: &mut CudaSlice<f32>) -> Result<()> {
+        let n = x.len();
+        check_len("relu_bwd", "dy", dy, n)?;
+        check_len("relu_bwd", "dx", dx, n)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let f = self.function("elementwise.cu", "relu", Dir::Bwd)?;
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(x).arg(dy).arg(dx).arg(&n);
+        // SAFETY: arguments match relu_bwd_f32(const float*, const float*, float*, size_t);
+        // all three buffers hold n floats (checked above).
+        unsafe { b.launch(elem_cfg(n)) }?;
+        Ok(())
+    }
+
+    /// y = x * scale + offset. x, y: (n)
+    pub fn rescale_fwd(&self, x: &CudaSlice<f32>, y: &mut CudaSlice<f32>, scale: f32, offset: f32) -> Result<()> {
+        let n = x.len();
+        check_len("rescale_fwd", "y", y, n)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let f = self.function("elementwise.cu", "rescale", Dir::Fwd)?;
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(x).arg(y).arg(&scale).arg(&offset).arg(&n);
+        // SAFETY: arguments match rescale_fwd_f32(const float*, float*, float, float, size_t);
+        // x and y hold n floats (checked above).
+        unsafe { b.launch(elem_cfg(n)) }?;
+        Ok(())
+    }
+
+    /// dx = dy * scale. dy, dx: (n)
+    pub fn rescale_bwd(&self, dy: &CudaSlice<f32>, dx: &mut CudaSlice<f32>, scale: f32) -> Result<()> {
+        let n = dy.len();
+        check_len("rescale_bwd", "dx", dx, n)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let f = self.function("elementwise.cu", "rescale", Dir::Bwd)?;
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(dy).arg(dx).arg(&scale).arg(&n);
+        // SAFETY: arguments match rescale_bwd_f32(const float*, float*, float, size_t);
+        // dy and dx hold n floats (checked above).
+        unsafe { b.launch(elem_cfg(n)) }?;
+        Ok(())
+    }
+
+    /// y += bias[c], in place. y: (N, C, H, W) with hw = H*W; bias: (C)
+    pub fn bias_nchw_fwd(&self, y: &mut CudaSlice<f32>, bias: &CudaSlice<f32>, n: usize, c: usize, hw: usize) -> Result<()> {
+        let total = n * c * hw;
+        check_len("bias_nchw_fwd", "y", y, total)?;
+        check_len("bias_nchw_fwd", "bias", bias, c)?;
+        if total == 0 {
+            return Ok(());
+        }
+        let ci = dim("bias_nchw_fwd", "C", c)?;
+        let f = self.function("elementwise.cu", "bias_nchw", Dir::Fwd)?;
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(y).arg(bias).arg(&ci).arg(&hw).arg(&total);
+        // SAFETY: arguments match bias_nchw_fwd_f32(float*, const float*, int, size_t,
+        // size_t); y holds N*C*HW floats and bias C (checked), and (i / hw) % C < C.
+        unsafe { b.launch(elem_cfg(total)) }?;
+        Ok(())
+    }
+
+    /// dbias[c] += sum over (n, h, w) of dy. dy: (N, C, H, W) with hw = H*W; dbias: (C)
+    pub fn bias_nchw_bwd(&self, dy: &CudaSlice<f32>, dbias: &mut CudaSlice<f32>, n: usize, c: usize, hw: usize) -> Result<()> {
+        check_len("bias_nchw_bwd", "dy", dy, n * c * hw)?;
+        check_len("bias_nchw_bwd", "dbias", dbias, c)?;
+        if c == 0 {
+            return Ok(());
+        }
+        let (ni, ci) = (dim("bias_nchw_bwd", "N", n)?, dim("bias_nchw_bwd", "C", c)?);
+        let f = self.function("elementwise.cu", "bias_nchw", Dir::Bwd)?;
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(dy).arg(dbias).arg(&ni).arg(&ci).arg(&hw);
+        // SAFETY: arguments match bias_nchw_bwd_f32(const float*, float*, int, int, size_t);
+        // one block of REDUCE_BLOCK threads per channel as the kernel requires; dy holds
+        // N*C*HW floats and dbias C (checked).
+        unsafe { b.launch(channel_cfg(ci)) }?;
+        Ok(())
+    }
+
+    /// y += bias[o], in place. y: (N, O); bias: (O)
+    pub fn bias_cols_fwd(&self, y: &mut CudaSlice<f32>, bias: &CudaSlice<f32>, n: usize, o: usize) -> Result<()> {
+        let total = n * o;
+        check_len("bias_cols_fwd", "y", y, total)?;
+        check_len("bias_cols_fwd", "bias", bias, o)?;
+        if total == 0 {
+            return Ok(());
+        }
+        let oi = dim("bias_cols_fwd", "O", o)?;
+        let f = self.function("elementwise.cu", "bias_cols", Dir::Fwd)?;
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(y).arg(bias).arg(&oi).arg(&total);
+        // SAFETY: arguments match bias_cols_fwd_f32(float*, const float*, int, size_t);
+        // y holds N*O floats, bias O (checked), and i % O < O.
+        unsafe { b.launch(elem_cfg(total)) }?;
+        Ok(())
+    }
+
+    /// dbias[o] += sum over n of dy[n, o]. dy: (N, O); dbias: (O)
+    pub fn bias_cols_bwd(&self, dy: &CudaSlice<f32>, dbias: &mut CudaSlice<f32>, n: usize, o: usize) -> Result<()> {
+        check_len("bias_cols_bwd", "dy", dy, n * o)?;
+        check_len("bias_cols_bwd", "dbias", dbias, o)?;
+        if o == 0 {
+            return Ok(());
+        }
+        let (ni, oi) = (dim("bias_cols_bwd", "N", n)?, dim("bias_cols_bwd", "O", o)?);
+        let f = self.function("elementwise.cu", "bias_cols", Dir::Bwd)?;
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(dy).arg(dbias).arg(&ni).arg(&oi);
+        // SAFETY: arguments match bias_cols_bwd_f32(const float*, float*, int, int);
+        // dy holds N*O floats and dbias O (checked).
+        unsafe { b.launch(elem_cfg(o)) }?;
+        Ok(())
+    }
+
+    /// x *= s, in place. x: (n)
+    pub fn scale(&self, x: &mut CudaSlice<f32>, s: f32) -> Result<()> {
+        let n = x.len();
+        if n == 0 {
+            return Ok(());
+        }
+        let f = self.function("elementwise.cu", "scale", Dir::Plain)?;
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(x).arg(&s).arg(&n);
+        // SAFETY: arguments match scale_f32(float*, float, size_t); n is x's length.
+        unsafe { b.launch(elem_cfg(n)) }?;
+        Ok(())
+    }
+
+    /// x = v everywhere. x: (n)
+    pub fn fill(&self, x: &mut CudaSlice<f32>, v: f32) -> Result<()> {
+        let n = x.len();
+        if n == 0 {
+            return Ok(());
+        }
+        let f = self.function("elementwise.cu", "fill", Dir::Plain)?;
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(x).arg(&v).arg(&n);
+        // SAFETY: arguments match fill_f32(float*, float, size_t); n is x's length.
+        unsafe { b.launch(elem_cfg(n)) }?;
+        Ok(())
+    }
+
+    // ---- conv.cu --------------------------------------------------------------------
+
+    fn conv_args(g: &ConvGeom, op: &'static str) -> Result<[i32; 12]> {
+        if g.stride_h == 0 || g.stride_w == 0 {
+            return Err(Error::shape(op, format!("stride must be positive, got {g:?}")));
+        }
+        Ok([
+            dim(op, "N", g.n)?,
+            dim(op, "C", g.c)?,
+            dim(op, "H", g.h)?,
+            dim(op, "W", g.w)?,
+            dim(op, "KH", g.kh)?,
+            dim(op, "KW", g.kw)?,
+            dim(op, "SH", g.stride_h)?,
+            dim(op, "SW", g.stride_w)?,
+            dim(op, "PT", g.pad_top)?,
+            dim(op, "PL", g.pad_left)?,
+            dim(op, "OH", g.oh())?,
+            dim(op, "OW", g.ow())?,
+        ])
+    }
+
+    /// x: (N, C, H, W) -> col: (N, C*KH*KW, OH*OW), the CPU backend's layout.
+    pub fn im2col_fwd(&self, x: &CudaSlice<f32>, col: &mut CudaSlice<f32>, g: &ConvGeom) -> Result<()> {
+        let a = Self::conv_args(g, "im2col_fwd")?;
+        check_len("im2col_fwd", "x", x, g.x_len())?;
+        check_len("im2col_fwd", "col", col, g.col_len())?;
+        if g.col_len() == 0 {
+            return Ok(());
+        }
+        let f = self.function("conv.cu", "im2col", Dir::Fwd)?;
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(x).arg(col);
+        for v in &a {
+            b.arg(v);
+        }
+        // SAFETY: arguments match im2col_fwd_f32(const float*, float*, 12 x int); x and col
+        // have the lengths the geometry implies (checked), and the kernel reads x only at
+        // in-bounds (y, x) and writes col below N*C*KH*KW*OH*OW.
+        unsafe { b.launch(elem_cfg(g.col_len())) }?;
+        Ok(())
+    }
+
+    /// col2im: dcol: (N, C*KH*KW, OH*OW) -> dx: (N, C, H, W), dx written.
+    pub fn im2col_bwd(&self, dcol: &CudaSlice<f32>, dx: &mut CudaSlice<f32>, g: &ConvGeom) -> Result<()> {
+        let a = Self::conv_args(g, "im2col_bwd")?;
+        check_len("im2col_bwd", "dcol", dcol, g.col_len())?;
+        check_len("im2col_bwd", "dx", dx, g.x_len())?;
+        if g.x_len() == 0 {
+            return Ok(());
+        }
+        let f = self.function("conv.cu", "im2col", Dir::Bwd)?;
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(dcol).arg(dx);
+        for v in &a {
+            b.arg(v);
+        }
+        // SAFETY: arguments match im2col_bwd_f32(const float*, float*, 12 x int); lengths
+        // checked; the kernel reads dcol only at oy < OH, ox < OW, and writes dx below N*C*H*W.
+        unsafe { b.launch(elem_cfg(g.x_len())) }?;
+        Ok(())
+    }
+
+    // ---- batchnorm.cu ---------------------------------------------------------------
+
+    fn check_bn_params(op: &'static str, p: &BnParams<'_>, c: usize) -> Result<()> {
+        if let Some(g) = p.gamma {
+            check_len(op, "gamma", g, c)?;
+        }
+        if let Some(b) = p.beta {
+            check_len(op, "beta", b, c)?;
+        }
+        Ok(())
+    }
+
+    /// Training forward: batch statistics over (N, H, W), running stats updated with
+    /// `running = momentum * running + (1 - momentum) * batch` (unbiased variance).
+    /// x, y: (N, C, H, W) with hw = H*W; running_*, save_mean, save_invstd: (C)
+    #[allow(clippy::too_many_arguments)]
+    pub fn batchnorm_train_fwd(
+        &self,
+        x: &CudaSlice<f32>,
+        y: &mut CudaSlice<f32>,
+        params: BnParams<'_>,
+        running_mean: &mut CudaSlice<f32>,
+        running_var: &mut CudaSlice<f32>,
+        save_mean: &mut CudaSlice<f32>,
+        save_invstd: &mut CudaSlice<f32>,
+        (n, c, hw): (usize, usize, usize),
+        momentum: f32,
+        eps: f32,
+    ) -> Result<()> {
+        let op = "batchnorm_train_fwd";
+        check_len(op, "x", x, n * c * hw)?;
+        check_len(op, "y", y, n * c * hw)?;
+        Self::check_bn_params(op, &params, c)?;
+        for (what, buf) in [("running_mean", &*running_mean), ("running_var", &*running_var), ("save_mean", &*save_mean), ("save_invstd", &*save_invstd)] {
+            check_len(op, what, buf, c)?;
+        }
+        if c == 0 {
+            return Ok(());
+        }
+        let (ni, ci) = (dim(op, "N", n)?, dim(op, "C", c)?);
+        let null: u64 = 0;
+        let f = self.function("batchnorm.cu", "batchnorm_train", Dir::Fwd)?;
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(x).arg(y);
+        match params.gamma {
+            Some(g) => b.arg(g),
+            None => b.arg(&null),
+        };
+        match params.beta {
+            Some(v) => b.arg(v),
+            None => b.arg(&null),
+        };
+        b.arg(running_mean).arg(running_var).arg(save_mean).arg(save_invstd);
+        b.arg(&ni).arg(&ci).arg(&hw).arg(&momentum).arg(&eps);
+        // SAFETY: arguments match batchnorm_train_fwd_f32 (2 tensors, 2 nullable params as
+        // device pointers or a 64-bit 0 the kernel tests for NULL, 4 stat buffers, int, int,
+        // size_t, float, float); every buffer length checked; grid = (C), REDUCE_BLOCK threads.
+        unsafe { b.launch(channel_cfg(ci)) }?;
+        Ok(())
+    }
+
+    /// Eval forward with running statistics. x, y: (N, C, H, W), hw = H*W; running_*: (C)
+    #[allow(clippy::too_many_arguments)]
+    pub fn batchnorm_eval_fwd(
+        &self,
+        x: &CudaSlice<f32>,
+        y: &mut CudaSlice<f32>,
+        params: BnParams<'_>,
+        running_mean: &CudaSlice<f32>,
+        running_var: &CudaSlice<f32>,
+        (n, c, hw): (usize, usize, usize),
+        eps: f32,
+    ) -> Result<()> {
+        let op = "batchnorm_eval_fwd";
+        let total = n * c * hw;
+        check_len(op, "x", x, total)?;
+        check_len(op, "y", y, total)?;
+        Self::check_bn_params(op, &params, c)?;
+        check_len(op, "running_mean", running_mean, c)?;
+        check_len(op, "running_var", running_var, c)?;
+        if total == 0 {
+            return Ok(());
+        }
+        let ci = dim(op, "C", c)?;
+        let null: u64 = 0;
+        let f = self.function("batchnorm.cu", "batchnorm_eval", Dir::Fwd)?;
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(x).arg(y);
+        match params.gamma {
+            Some(g) => b.arg(g),
+            None => b.arg(&null),
+        };
+        match params.beta {
+            Some(v) => b.arg(v),
+            None => b.arg(&null),
+        };
+        b.arg(running_mean).arg(running_var).arg(&ci).arg(&hw).arg(&total).arg(&eps);
+        // SAFETY: arguments match batchnorm_eval_fwd_f32; lengths checked; the channel
+        // index (i / hw) % C is below C.
+        unsafe { b.launch(elem_cfg(total)) }?;
+        Ok(())
+    }
+
+    /// Training backward: dx written; dgamma, dbeta accumulated (given exactly when gamma,
+    /// beta exist). x, dy, dx: (N, C, H, W), hw = H*W; save_*, dgamma, dbeta: (C)
+    #[allow(clippy::too_many_arguments)]
+    pub fn batchnorm_train_bwd(
+        &self,
+        x: &CudaSlice<f32>,
+        dy: &CudaSlice<f32>,
+        dx: &mut CudaSlice<f32>,
+        gamma: Option<&CudaSlice<f32>>,
+        save_mean: &CudaSlice<f32>,
+        save_invstd: &CudaSlice<f32>,
+        dgamma: Option<&mut CudaSlice<f32>>,
+        dbeta: Option<&mut CudaSlice<f32>>,
+        (n, c, hw): (usize, usize, usize),
+    ) -> Result<()> {
+        let op = "batchnorm_train_bwd";
+        for (what, buf) in [("x", x), ("dy", dy), ("dx", &*dx)] {
+            check_len(op, what, buf, n * c * hw)?;
+        }
+        for (what, buf) in [("save_mean", save_mean), ("save_invstd", save_invstd)] {
+            check_len(op, what, buf, c)?;
+        }
+        if gamma.is_some() != dgamma.is_some() {
+            return Err(Error::shape(op, "dgamma must be given exactly when gamma is"));
+        }
+        if let Some(g) = gamma {
+            check_len(op, "gamma", g, c)?;
+        }
+        if let Some(g) = dgamma.as_deref() {
+            check_len(op, "dgamma", g, c)?;
+        }
+        if let Some(g) = dbeta.as_deref() {
+            check_len(op, "dbeta", g, c)?;
+        }
+        if c == 0 {
+            return Ok(());
+        }
+        let (ni, ci) = (dim(op, "N", n)?, dim(op, "C", c)?);
+        let null: u64 = 0;
+        let f = self.function("batchnorm.cu", "batchnorm_train", Dir::Bwd)?;
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(x).arg(dy).arg(dx);
+        match gamma {
+            Some(g) => b.arg(g),
+            None => b.arg(&null),
+        };
+        b.arg(save_mean).arg(save_invstd);
+        match dgamma {
+            Some(g) => b.arg(g),
+            None => b.arg(&null),
+        };
+        match dbeta {
+            Some(g) => b.arg(g),
+            None => b.arg(&null),
+        };
+        b.arg(&ni).arg(&ci).arg(&hw);
+        // SAFETY: arguments match batchnorm_train_bwd_f32; lengths checked; absent optional
+        // buffers are passed as a 64-bit 0 which the kernel tests for NULL before use;
+        // grid = (C), REDUCE_BLOCK threads as the kernel requires.
+        unsafe { b.launch(channel_cfg(ci)) }?;
+        Ok(())
+    }
+
+    // ---- pooling.cu -----------------------------------------------------------------
+
+    /// x: (N, C, H, W) with nc = N*C, hw = H*W -> y: (N, C), the spatial mean.
+    pub fn global_avgpool_fwd(&self, x: &CudaSlice<f32>, y: &mut CudaSlice<f32>, nc: usize, hw: usize) -> Result<()> {
+        check_len("global_avgpool_fwd", "x", x, nc * hw)?;
+        check_len("global_avgpool_fwd", "y", y, nc)?;
+        if nc == 0 {
+            return Ok(());
+        }
+        let f = self.function("pooling.cu", "global_avgpool", Dir::Fwd)?;
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(x).arg(y).arg(&nc).arg(&hw);
+        // SAFETY: arguments match global_avgpool_fwd_f32(const float*, float*, size_t,
+        // size_t); x holds nc*hw floats and y nc (checked).
+        unsafe { b.launch(elem_cfg(nc)) }?;
+        Ok(())
+    }
+
+    /// dy: (N, C) -> dx: (N, C, H, W) = dy / (H*W), written.
+    pub fn global_avgpool_bwd(&self, dy: &CudaSlice<f32>, dx: &mut CudaSlice<f32>, nc: usize, hw: usize) -> Result<()> {
+        check_len("global_avgpool_bwd", "dy", dy, nc)?;
+        check_len("global_avgpool_bwd", "dx", dx, nc * hw)?;
+        if nc * hw == 0 {
+            return Ok(());
+        }
+        let f = self.function("pooling.cu", "global_avgpool", Dir::Bwd)?;
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(dy).arg(dx).arg(&nc).arg(&hw);
+        // SAFETY: arguments match global_avgpool_bwd_f32(const float*, float*, size_t,
+        // size_t); lengths checked.
+        unsafe { b.launch(elem_cfg(nc * hw)) }?;
+        Ok(())
+    }
+
+    // ---- softmax_xent.cu ------------------------------------------------------------
+
+    /// logits: (N, K), labels: (N) -> loss: (N), dlogits: (N, K) = softmax - onehot
+    /// (gradient of the summed loss), correct: (N) in {0, 1}.
+    pub fn softmax_xent_fwd(
+        &self,
+        logits: &CudaSlice<f32>,
+        labels: &CudaSlice<u32>,
+        loss: &mut CudaSlice<f32>,
+        dlogits: &mut CudaSlice<f32>,
+        correct: &mut CudaSlice<u32>,
+        k: usize,
+    ) -> Result<()> {
+        let op = "softmax_xent_fwd";
+        let n = labels.len();
+        if k == 0 {
+            return Err(Error::shape(op, "K (number of classes) must be positive"));
+        }
+        check_len(op, "logits", logits, n * k)?;
+        check_len(op, "dlogits", dlogits, n * k)?;
+        check_len(op, "loss", loss, n)?;
+        check_len(op, "correct", correct, n)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let ki = dim(op, "K", k)?;
+        let f = self.function("softmax_xent.cu", "softmax_xent", Dir::Fwd)?;
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(logits).arg(labels).arg(loss).arg(dlogits).arg(correct).arg(&n).arg(&ki);
+        // SAFETY: arguments match softmax_xent_fwd_f32(const float*, const unsigned*,
+        // float*, float*, unsigned*, size_t, int); lengths checked; out-of-range labels
+        // are never used as an index by the kernel.
+        unsafe { b.launch(elem_cfg(n)) }?;
+        Ok(())
+    }
+
+    // ---- optim.cu -------------------------------------------------------------------
+
+    /// PyTorch SGD (momentum, weight decay) on one flat parameter buffer; `grad_scale` is
+    /// applied to grad first (the trainer passes 1/B). p, grad, buf: (n)
+    #[allow(clippy::too_many_arguments)]
+    pub fn sgd_step(&self, p: &mut CudaSlice<f32>, grad: &CudaSlice<f32>, buf: &mut CudaSlice<f32>, lr: f32, momentum: f32, weight_decay: f32, grad_scale: f32) -> Result<()> {
+        let n = p.len();
+        check_len("sgd_step", "grad", grad, n)?;
+        check_len("sgd_step", "momentum buffer", buf, n)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let f = self.function("optim.cu", "sgd_step", Dir::Plain)?;
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(p).arg(grad).arg(buf).arg(&lr).arg(&momentum).arg(&weight_decay).arg(&grad_scale).arg(&n);
+        // SAFETY: arguments match sgd_step_f32(float*, const float*, float*, 4 x float,
+        // size_t); all three buffers hold n floats (checked).
+        unsafe { b.launch(elem_cfg(n)) }?;
+        Ok(())
+    }
+
+    /// PyTorch Adam on one flat parameter buffer at 1-based step `t`; the bias
+    /// corrections are computed here in f64. p, grad, m, v: (n)
+    #[allow(clippy::too_many_arguments)]
+    pub fn adam_step(
+        &self,
+        p: &mut CudaSlice<f32>,
+        grad: &CudaSlice<f32>,
+        m: &mut CudaSlice<f32>,
+        v: &mut CudaSlice<f32>,
+        hp: AdamHyper,
+        t: u64,
+        grad_scale: f32,
+    ) -> Result<()> {
+        let n = p.len();
+        check_len("adam_step", "grad", grad, n)?;
+        check_len("adam_step", "m", m, n)?;
+        check_len("adam_step", "v", v, n)?;
+        if t == 0 {
+            return Err(Error::config("adam step", "t is 1-based; got 0"));
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        let (bc1, bc2_sqrt) = hp.bias_corrections(t);
+        let f = self.function("optim.cu", "adam_step", Dir::Plain)?;
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(p).arg(grad).arg(m).arg(v);
+        b.arg(&hp.lr).arg(&hp.beta1).arg(&hp.beta2).arg(&hp.eps).arg(&hp.weight_decay);
+        b.arg(&grad_scale).arg(&bc1).arg(&bc2_sqrt).arg(&n);
+        // SAFETY: arguments match adam_step_f32(float*, const float*, float*, float*,
+        // 8 x float, size_t); all four buffers hold n floats (checked).
+        unsafe { b.launch(elem_cfg(n)) }?;
+        Ok(())
+    }
+
+    // ---- reduce.cu ------------------------------------------------------------------
+
+    /// dst = scale * (src[0] + ... + src[K-1]), left to right. src: (K, n) -> dst: (n)
+    pub fn reduce_sum(&self, src: &CudaSlice<f32>, dst: &mut CudaSlice<f32>, k: usize, scale: f32) -> Result<()> {
+        let n = dst.len();
+        check_len("reduce_sum", "src", src, k * n)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let ki = dim("reduce_sum", "K", k)?;
+        let f = self.function("reduce.cu", "reduce_sum", Dir::Plain)?;
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(src).arg(dst).arg(&ki).arg(&scale).arg(&n);
+        // SAFETY: arguments match reduce_sum_f32(const float*, float*, int, float, size_t);
+        // src holds K*n floats and dst n (checked); two CudaSlices never alias.
+        unsafe { b.launch(elem_cfg(n)) }?;
+        Ok(())
+    }
+
+    // ---- dropout.cu -----------------------------------------------------------------
+
+    /// Inverted dropout; the mask is the hash of (key, element index). x, y: (n)
+    pub fn dropout_fwd(&self, x: &CudaSlice<f32>, y: &mut CudaSlice<f32>, rate: f32, key: DropoutKey) -> Result<()> {
+        self.dropout(Dir::Fwd, x, y, rate, key)
+    }
+
+    /// Backward of [`Gpu::dropout_fwd`] with the same `rate` and `key`. dy, dx: (n)
+    pub fn dropout_bwd(&self, dy: &CudaSlice<f32>, dx: &mut CudaSlice<f32>, rate: f32, key: DropoutKey) -> Result<()> {
+        self.dropout(Dir::Bwd, dy, dx, rate, key)
+    }
+
+    fn dropout(&self, dir: Dir, src: &CudaSlice<f32>, dst: &mut CudaSlice<f32>, rate: f32, key: DropoutKey) -> Result<()> {
+        let n = src.len();
+        check_len("dropout", "output", dst, n)?;
+        if !(0.0..=1.0).contains(&rate) {
+            return Err(Error::config("dropout rate", format!("{rate} is outside [0, 1]")));
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        let f = self.function("dropout.cu", "dropout", dir)?;
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(src).arg(dst).arg(&rate).arg(&key.seed).arg(&key.step).arg(&key.replica).arg(&key.layer).arg(&n);
+        // SAFETY: arguments match dropout_{fwd,bwd}_f32(const float*, float*, float,
+        // 4 x unsigned long long, size_t); both buffers hold n floats (checked).
+        unsafe { b.launch(elem_cfg(n)) }?;
+        Ok(())
+    }
+}
+
+/// What a dropout mask is a function of (DESIGN.md: randomness derives from the seed,
+/// the step and the logical replica), plus the layer's index in the model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DropoutKey {
+    pub seed: u64,
+    pub step: u64,
+    pub replica: u64,
+    pub layer: u64,
+}
+
+/// Adam's hyper-parameters (PyTorch names and defaults).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamHyper {
+    pub lr: f32,
+    pub beta1: f32,
+    pub beta2: f32,
+    pub eps: f32,
+    pub weight_decay: f32,
+}
+
+impl Default for AdamHyper {
+    fn default() -> Self {
+        AdamHyper { lr: 1e-3, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 }
+    }
+}
+
+impl AdamHyper {
+    /// (1 - beta1^t, sqrt(1 - beta2^t)) computed in f64 then rounded, as the CPU
+    /// optimizer must do too for the two backends to agree.
+    pub fn bias_corrections(&self, t: u64) -> (f32, f32) {
+        let t = t.min(i32::MAX as u64) as i32;
+        let bc1 = 1.0 - (self.beta1 as f64).powi(t);
+        let bc2 = 1.0 - (self.beta2 as f64).powi(t);
+        (bc1 as f32, bc2.sqrt() as f32)
+    }
+}

@@ -1,0 +1,18 @@
+//! CUDA support: finding the libraries, the kernels of `kernels/`, and launching them.
+//!
+//! Everything CUDA is loaded at run time (cudarc's dynamic loading), so lockstep builds
+//! and runs on machines without a GPU; there, every function here returns
+//! [`crate::Error::CudaUnavailable`] and nothing panics. Submodules:
+//! - [`probe`]: is the driver / NVRTC / NCCL there, how many GPUs, what to do if not;
+//! - [`kernels`]: the kernel sources, the naming helper, NVRTC compilation and its cache;
+//! - [`launch`]: [`launch::Gpu`], one device's context and stream, one checked method
+//!   per kernel.
+//! The backend (src/backend/cuda.rs) and the NCCL collective (src/comm/) build on these.
+
+pub mod kernels;
+pub mod launch;
+pub mod probe;
+
+pub use kernels::{kernel_name, Dir};
+pub use launch::{AdamHyper, BnParams, ConvGeom, DropoutKey, Gpu};
+pub use probe::{driver_available, gpu_count, gpus, nccl_status, nvrtc_available, GpuInfo, NcclStatus};

@@ -1,0 +1,215 @@
+//! Finding the CUDA libraries at run time, before anything can panic.
+//!
+//! lockstep loads the CUDA driver, NVRTC and NCCL with cudarc's dynamic loading, so one
+//! binary builds and runs everywhere. The catch: cudarc's loader (`sys::culib()`)
+//! *panics* when a library is missing. Every entry point of [`crate::cuda`] therefore
+//! goes through a probe here first, which asks cudarc's own non-panicking
+//! `is_culib_present()` (the very same list of names its loader will try), and turns a
+//! missing library into [`Error::CudaUnavailable`] with the fix spelled out.
+//!
+//! # NCCL's library name
+//!
+//! cudarc looks for NCCL under the names of `cudarc::get_lib_name_candidates("nccl")`:
+//! `libnccl.so`, `libnccl64*.so`, `libnccl.so.13` (the CUDA major version), `.12`, `.11`,
+//! `.10`, `.9`, `.1` — never `libnccl.so.2`, the SONAME of NCCL 2 and the only name the
+//! `nvidia-nccl-cu12/cu13` wheels ship. Preloading `libnccl.so.2` does not help (glibc's
+//! `dlopen("libnccl.so")` matches loaded objects by file name or SONAME, and the SONAME is
+//! `libnccl.so.2`), and glibc reads `LD_LIBRARY_PATH` once at process start, so the
+//! process cannot fix its own search path either. The one clean fix is a `libnccl.so`
+//! symlink in a directory on the loader path. [`nccl_status`] finds `libnccl.so.2` when
+//! cudarc cannot, reports [`NcclStatus::NeedsLink`] with the exact commands, and
+//! [`make_nccl_link`] creates the link. Until then the trainer uses the fallback
+//! all-reduce (device-to-device copies), which is correct, only slower.
+
+use std::path::{Path, PathBuf};
+
+use crate::{Error, Result};
+
+/// The message when the CUDA driver library is not on this machine.
+pub const NO_DRIVER: &str = "no CUDA driver found (libcuda.so.1); use --devices cpu:N";
+
+/// The message when NVRTC (the runtime compiler for kernels/) is not found.
+pub const NO_NVRTC: &str = "NVRTC not found (libnvrtc.so.13), needed to compile lockstep's CUDA kernels: \
+run `pip install nvidia-cuda-nvrtc` (or scripts/install-nvrtc.sh) and add \
+.../site-packages/nvidia/cu13/lib to LD_LIBRARY_PATH";
+
+/// Ok when the CUDA driver library (libcuda) can be loaded; no driver call is made.
+pub fn driver_available() -> Result<()> {
+    // SAFETY: is_culib_present only dlopens candidate names and drops the handles; it
+    // calls no CUDA function and does not touch cudarc's loader state.
+    if unsafe { cudarc::driver::sys::is_culib_present() } {
+        Ok(())
+    } else {
+        Err(Error::CudaUnavailable(NO_DRIVER.to_string()))
+    }
+}
+
+/// Ok when NVRTC can be loaded (cudarc tries `libnvrtc.so`, `libnvrtc.so.13`, ...).
+pub fn nvrtc_available() -> Result<()> {
+    // SAFETY: as in driver_available: a dlopen probe of candidate names, nothing more.
+    if unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        Ok(())
+    } else {
+        Err(Error::CudaUnavailable(NO_NVRTC.to_string()))
+    }
+}
+
+/// Number of CUDA GPUs visible to this process (honours `CUDA_VISIBLE_DEVICES`).
+/// A driver that reports no device gives `Ok(0)`; no driver at all is an error.
+pub fn gpu_count() -> Result<usize> {
+    driver_available()?;
+    use cudarc::driver::{result, sys::CUresult};
+    match result::init().and_then(|()| result::device::get_count()) {
+        Ok(n) => Ok(usize::try_from(n).unwrap_or(0)),
+        Err(e) if e.0 == CUresult::CUDA_ERROR_NO_DEVICE => Ok(0),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// What the driver says about one GPU.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GpuInfo {
+    /// Index in the driver's numbering (after `CUDA_VISIBLE_DEVICES`).
+    pub ordinal: usize,
+    pub name: String,
+    pub total_memory_bytes: usize,
+    /// (major, minor), e.g. (9, 0) for an H100/H200.
+    pub compute_capability: (u32, u32),
+}
+
+impl GpuInfo {
+    /// NVRTC target for this GPU, e.g. `sm_90`.
+    pub fn arch(&self) -> String {
+        format!("sm_{}{}", self.compute_capability.0, self.compute_capability.1)
+    }
+}
+
+/// Every visible GPU, without creating a context on any of them (a context costs memory
+/// on the device and would be made by the worker thread anyway).
+pub fn gpus() -> Result<Vec<GpuInfo>> {
+    use cudarc::driver::{result::device, sys::CUdevice_attribute as A};
+    let count = gpu_count()?;
+    let mut out = Vec::with_capacity(count);
+    for ordinal in 0..count {
+        let dev = device::get(ordinal as i32)?;
+        let name = device::get_name(dev)?;
+        // SAFETY: `dev` was just returned by cuDeviceGet for an ordinal below the count.
+        let (total, major, minor) = unsafe {
+            (
+                device::total_mem(dev)?,
+                device::get_attribute(dev, A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
+                device::get_attribute(dev, A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
+            )
+        };
+        out.push(GpuInfo {
+            ordinal,
+            name,
+            total_memory_bytes: total,
+            compute_capability: (major as u32, minor as u32),
+        });
+    }
+    Ok(out)
+}
+
+/// Whether NCCL can be used, and if not, what to do.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum NcclStatus {
+    /// cudarc's loader finds NCCL: the NCCL all-reduce is used.
+    Available,
+    /// Only `libnccl.so.2` exists (the name pip's NCCL wheels ship), which cudarc never
+    /// tries. `found` is its real path; [`NcclStatus::fix`] says how to link it.
+    NeedsLink { found: PathBuf },
+    /// No NCCL anywhere the loader looks; `tried` lists the names.
+    Missing { tried: Vec<String> },
+}
+
+impl NcclStatus {
+    /// One paragraph for logs and `lockstep` diagnostics: what was found and what to do.
+    pub fn fix(&self) -> String {
+        match self {
+            NcclStatus::Available => "NCCL found".to_string(),
+            NcclStatus::NeedsLink { found } => {
+                let dir = default_link_dir();
+                format!(
+                    "found {} but cudarc only loads it as libnccl.so; using the fallback all-reduce. \
+                     To use NCCL: mkdir -p {d} && ln -sf {f} {d}/libnccl.so && export LD_LIBRARY_PATH={d}:$LD_LIBRARY_PATH",
+                    found.display(),
+                    f = found.display(),
+                    d = dir.display()
+                )
+            }
+            NcclStatus::Missing { tried } => format!(
+                "NCCL not found (tried {}); using the fallback all-reduce. \
+                 To use NCCL: pip install nvidia-nccl-cu13, then link its libnccl.so.2 as libnccl.so \
+                 in a directory on LD_LIBRARY_PATH",
+                tried.join(", ")
+            ),
+        }
+    }
+}
+
+/// Where [`NcclStatus::fix`] suggests putting the `libnccl.so` link:
+/// `$LOCKSTEP_NCCL_LINK_DIR`, else `$HOME/.cache/lockstep/nccl`.
+pub fn default_link_dir() -> PathBuf {
+    if let Some(d) = std::env::var_os("LOCKSTEP_NCCL_LINK_DIR") {
+        return PathBuf::from(d);
+    }
+    let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(std::env::temp_dir);
+    home.join(".cache/lockstep/nccl")
+}
+
+/// Probes NCCL the way cudarc will load it, then looks for `libnccl.so.2`.
+pub fn nccl_status() -> NcclStatus {
+    // SAFETY: a dlopen probe of cudarc's candidate names; no NCCL function is called.
+    if unsafe { cudarc::nccl::sys::is_culib_present() } {
+        return NcclStatus::Available;
+    }
+    let mut tried = cudarc::get_lib_name_candidates("nccl");
+    tried.push("libnccl.so.2".to_string());
+    match find_nccl_so2() {
+        Some(found) => NcclStatus::NeedsLink { found },
+        None => NcclStatus::Missing { tried },
+    }
+}
+
+/// The real path of a loadable `libnccl.so.2`: first the directories of
+/// `LD_LIBRARY_PATH`, then whatever `dlopen("libnccl.so.2")` resolves to (ld.so.cache,
+/// system directories), read back from `/proc/self/maps`.
+fn find_nccl_so2() -> Option<PathBuf> {
+    if let Some(paths) = std::env::var_os("LD_LIBRARY_PATH") {
+        for dir in std::env::split_paths(&paths) {
+            let candidate = dir.join("libnccl.so.2");
+            if candidate.is_file() {
+                return Some(candidate);
+            }
+        }
+    }
+    // SAFETY: loading NCCL runs its ELF initialisers, which only set up internal state
+    // (NCCL does no work until a communicator is created); the handle is dropped below.
+    let lib = unsafe { libloading::Library::new("libnccl.so.2") }.ok()?;
+    let maps = std::fs::read_to_string("/proc/self/maps").ok();
+    drop(lib);
+    let maps = maps?;
+    maps.lines()
+        .filter_map(|line| line.split_whitespace().nth(5))
+        .find(|path| path.contains("/libnccl.so"))
+        .map(PathBuf::from)
+}
+
+/// Creates `dir/libnccl.so` pointing at `found` (the fix for [`NcclStatus::NeedsLink`]),
+/// replacing an older link. Takes effect for processes started with `dir` on
+/// `LD_LIBRARY_PATH`; returns the link's path.
+pub fn make_nccl_link(found: &Path, dir: &Path) -> Result<PathBuf> {
+    std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+    let link = dir.join("libnccl.so");
+    match std::fs::remove_file(&link) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(Error::io(&link, e)),
+    }
+    #[cfg(unix)]
+    std::os::unix::fs::symlink(found, &link).map_err(|e| Error::io(&link, e))?;
+    #[cfg(not(unix))]
+    std::fs::copy(found, &link).map_err(|e| Error::io(&link, e))?;
+    Ok(link)
+}
