@@ -41,11 +41,11 @@ impl FromStr for DeviceSpec {
             t if t.starts_with("cpu:") => {
                 let rest = &t[4..];
                 match rest.split_once('x') {
-                    Some((n, th)) => Ok(DeviceSpec::Cpu {
+                    Some((n, th)) if !n.is_empty() && !th.is_empty() => Ok(DeviceSpec::Cpu {
                         count: positive(n, "device count")?,
                         threads: Some(positive(th, "thread count")?),
                     }),
-                    None => Ok(DeviceSpec::Cpu { count: positive(rest, "device count")?, threads: None }),
+                    _ => Ok(DeviceSpec::Cpu { count: positive(rest, "device count")?, threads: None }),
                 }
             }
             t if t.starts_with("cuda:") => {
@@ -125,7 +125,12 @@ impl fmt::Display for Devices {
         let names: Vec<String> = self.devices.iter().map(|d| d.to_string()).collect();
         write!(f, "{}", names.join(", "))?;
         if matches!(self.devices.first(), Some(Device::Cpu(_))) {
-            write!(f, " ({} thread{} each)", self.threads_per_device, if self.threads_per_device == 1 { "" } else { "s" })?;
+            write!(
+                f,
+                " ({} thread{} each)",
+                self.threads_per_device,
+                if self.threads_per_device == 1 { "" } else { "s" }
+            )?;
         }
         Ok(())
     }
@@ -158,9 +163,7 @@ impl DeviceSpec {
                         )));
                     }
                 }
-                Err(Error::CudaUnavailable(
-                    "the CUDA training worker is not built yet; use --devices cpu:N".into(),
-                ))
+                Err(Error::CudaUnavailable("the CUDA training worker is not built yet; use --devices cpu:N".into()))
             }
         }
     }

@@ -13,6 +13,7 @@ pub mod nn;
 pub mod optim;
 pub mod rng;
 pub mod tensor;
+pub mod train;
 pub mod weights;
 
 pub use error::{Error, Result};

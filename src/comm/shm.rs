@@ -306,7 +306,10 @@ mod tests {
                             let me = ex.rank(d);
                             for j in 0..shards / ranks {
                                 let shard = d * (shards / ranks) + j;
-                                me.shard_buffer(j).iter_mut().enumerate().for_each(|(i, v)| *v = (shard * len + i) as f32);
+                                me.shard_buffer(j)
+                                    .iter_mut()
+                                    .enumerate()
+                                    .for_each(|(i, v)| *v = (shard * len + i) as f32);
                             }
                             me.reduce_scatter().unwrap();
                             let mut out = vec![0.0; len];

@@ -85,10 +85,7 @@ pub const KERNEL_FILES: &[KernelFile] = &[
         ]
     ),
     kernel_file!("conv.cu", [("im2col", Fwd), ("im2col", Bwd)]),
-    kernel_file!(
-        "batchnorm.cu",
-        [("batchnorm_train", Fwd), ("batchnorm_train", Bwd), ("batchnorm_eval", Fwd)]
-    ),
+    kernel_file!("batchnorm.cu", [("batchnorm_train", Fwd), ("batchnorm_train", Bwd), ("batchnorm_eval", Fwd)]),
     kernel_file!("pooling.cu", [("global_avgpool", Fwd), ("global_avgpool", Bwd)]),
     kernel_file!("softmax_xent.cu", [("softmax_xent", Fwd)]),
     kernel_file!("optim.cu", [("sgd_step", Plain), ("adam_step", Plain)]),
@@ -115,10 +112,7 @@ pub struct Compiled {
 /// Options given to NVRTC for every kernel file. `arch` is a real architecture such as
 /// `sm_80`; NVRTC still emits PTX for it, which the driver finishes for the exact GPU.
 fn nvrtc_options(arch: &str) -> Vec<String> {
-    vec![
-        format!("--gpu-architecture={arch}"),
-        "--std=c++17".to_string(),
-    ]
+    vec![format!("--gpu-architecture={arch}"), "--std=c++17".to_string()]
 }
 
 /// Compiles one kernel file for `arch` (e.g. `sm_80`) and returns its PTX with NVRTC's
@@ -126,12 +120,10 @@ fn nvrtc_options(arch: &str) -> Vec<String> {
 pub fn compile_with_log(file: &str, src: &str, arch: &str) -> Result<Compiled> {
     nvrtc_available()?;
     let nvrtc_err = |log: String| Error::Nvrtc { file: file.to_string(), log };
-    let src_c = std::ffi::CString::new(src)
-        .map_err(|_| nvrtc_err("source contains a NUL byte".to_string()))?;
-    let name_c = std::ffi::CString::new(file)
-        .map_err(|_| nvrtc_err("file name contains a NUL byte".to_string()))?;
-    let prog = result::create_program(&src_c, Some(&name_c))
-        .map_err(|e| nvrtc_err(format!("nvrtcCreateProgram: {e:?}")))?;
+    let src_c = std::ffi::CString::new(src).map_err(|_| nvrtc_err("source contains a NUL byte".to_string()))?;
+    let name_c = std::ffi::CString::new(file).map_err(|_| nvrtc_err("file name contains a NUL byte".to_string()))?;
+    let prog =
+        result::create_program(&src_c, Some(&name_c)).map_err(|e| nvrtc_err(format!("nvrtcCreateProgram: {e:?}")))?;
     // Destroys the program on every path out of this function.
     struct Program(cudarc::nvrtc::sys::nvrtcProgram);
     impl Drop for Program {
@@ -145,15 +137,12 @@ pub fn compile_with_log(file: &str, src: &str, arch: &str) -> Result<Compiled> {
     // SAFETY: prog.0 is a live program; the options are owned strings NVRTC copies.
     let compiled = unsafe { result::compile_program(prog.0, &options) };
     // SAFETY: prog.0 is a live program; the log exists after a compile, failed or not.
-    let log = unsafe { result::get_program_log(prog.0) }
-        .map(|raw| c_chars_to_string(&raw))
-        .unwrap_or_default();
+    let log = unsafe { result::get_program_log(prog.0) }.map(|raw| c_chars_to_string(&raw)).unwrap_or_default();
     if let Err(e) = compiled {
         return Err(nvrtc_err(format!("{e:?} with options {options:?}\n{log}")));
     }
     // SAFETY: prog.0 compiled successfully, so its PTX is available.
-    let ptx = unsafe { result::get_ptx(prog.0) }
-        .map_err(|e| nvrtc_err(format!("nvrtcGetPTX: {e:?}")))?;
+    let ptx = unsafe { result::get_ptx(prog.0) }.map_err(|e| nvrtc_err(format!("nvrtcGetPTX: {e:?}")))?;
     Ok(Compiled { ptx: Ptx::from_src(c_chars_to_string(&ptx)), log })
 }
 

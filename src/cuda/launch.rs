@@ -223,7 +223,14 @@ impl Gpu {
     }
 
     /// y += bias[c], in place. y: (N, C, H, W) with hw = H*W; bias: (C)
-    pub fn bias_nchw_fwd(&self, y: &mut CudaSlice<f32>, bias: &CudaSlice<f32>, n: usize, c: usize, hw: usize) -> Result<()> {
+    pub fn bias_nchw_fwd(
+        &self,
+        y: &mut CudaSlice<f32>,
+        bias: &CudaSlice<f32>,
+        n: usize,
+        c: usize,
+        hw: usize,
+    ) -> Result<()> {
         let total = n * c * hw;
         check_len("bias_nchw_fwd", "y", y, total)?;
         check_len("bias_nchw_fwd", "bias", bias, c)?;
@@ -241,7 +248,14 @@ impl Gpu {
     }
 
     /// dbias[c] += sum over (n, h, w) of dy. dy: (N, C, H, W) with hw = H*W; dbias: (C)
-    pub fn bias_nchw_bwd(&self, dy: &CudaSlice<f32>, dbias: &mut CudaSlice<f32>, n: usize, c: usize, hw: usize) -> Result<()> {
+    pub fn bias_nchw_bwd(
+        &self,
+        dy: &CudaSlice<f32>,
+        dbias: &mut CudaSlice<f32>,
+        n: usize,
+        c: usize,
+        hw: usize,
+    ) -> Result<()> {
         check_len("bias_nchw_bwd", "dy", dy, n * c * hw)?;
         check_len("bias_nchw_bwd", "dbias", dbias, c)?;
         if c == 0 {
@@ -417,7 +431,12 @@ impl Gpu {
         check_len(op, "x", x, n * c * hw)?;
         check_len(op, "y", y, n * c * hw)?;
         Self::check_bn_params(op, &params, c)?;
-        for (what, buf) in [("running_mean", &*running_mean), ("running_var", &*running_var), ("save_mean", &*save_mean), ("save_invstd", &*save_invstd)] {
+        for (what, buf) in [
+            ("running_mean", &*running_mean),
+            ("running_var", &*running_var),
+            ("save_mean", &*save_mean),
+            ("save_invstd", &*save_invstd),
+        ] {
             check_len(op, what, buf, c)?;
         }
         if c == 0 {
@@ -625,7 +644,16 @@ impl Gpu {
     /// PyTorch SGD (momentum, weight decay) on one flat parameter buffer; `grad_scale` is
     /// applied to grad first (the trainer passes 1/B). p, grad, buf: (n)
     #[allow(clippy::too_many_arguments)]
-    pub fn sgd_step(&self, p: &mut CudaSlice<f32>, grad: &CudaSlice<f32>, buf: &mut CudaSlice<f32>, lr: f32, momentum: f32, weight_decay: f32, grad_scale: f32) -> Result<()> {
+    pub fn sgd_step(
+        &self,
+        p: &mut CudaSlice<f32>,
+        grad: &CudaSlice<f32>,
+        buf: &mut CudaSlice<f32>,
+        lr: f32,
+        momentum: f32,
+        weight_decay: f32,
+        grad_scale: f32,
+    ) -> Result<()> {
         let n = p.len();
         check_len("sgd_step", "grad", grad, n)?;
         check_len("sgd_step", "momentum buffer", buf, n)?;
@@ -707,7 +735,14 @@ impl Gpu {
         self.dropout(Dir::Bwd, dy, dx, rate, key)
     }
 
-    fn dropout(&self, dir: Dir, src: &CudaSlice<f32>, dst: &mut CudaSlice<f32>, rate: f32, key: DropoutKey) -> Result<()> {
+    fn dropout(
+        &self,
+        dir: Dir,
+        src: &CudaSlice<f32>,
+        dst: &mut CudaSlice<f32>,
+        rate: f32,
+        key: DropoutKey,
+    ) -> Result<()> {
         let n = src.len();
         check_len("dropout", "output", dst, n)?;
         if !(0.0..=1.0).contains(&rate) {

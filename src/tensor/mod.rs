@@ -97,6 +97,12 @@ impl fmt::Debug for Shape {
     }
 }
 
+impl From<Vec<usize>> for Shape {
+    fn from(d: Vec<usize>) -> Self {
+        Shape(d)
+    }
+}
+
 impl From<&[usize]> for Shape {
     fn from(d: &[usize]) -> Self {
         Shape(d.to_vec())

@@ -1,0 +1,690 @@
+//! Synchronous data-parallel training: [`train_data_parallel`], and [`with_trainer`] for
+//! loops written by the user.
+//!
+//! Threads and ownership: the caller's thread is the coordinator (sampler, metrics,
+//! logging, replica checks); a loader thread gathers global batches ahead of time into
+//! a bounded channel; one worker thread per device owns a replica and the device's
+//! thread pool. Workers are built first, then run under `std::thread::scope`, so no
+//! thread outlives the call. Commands reach workers through bounded crossbeam channels;
+//! gradients never do: they meet in the shared-memory exchange (`comm::shm`).
+//!
+//! Faults: an error or a panic in any worker aborts the exchange, which releases every
+//! other worker from its collective with `Error::Aborted`; the coordinator returns the
+//! root cause, naming the device and the step, and the scope joins every thread.
+
+pub mod scatter;
+pub mod worker;
+
+use std::ops::Range;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{bounded, Receiver, Sender};
+
+pub use scatter::{LastBatch, Shuffle};
+use worker::{Replica, StepOutcome, StepWork};
+
+use crate::comm::shm::ShmExchange;
+use crate::data::Dataset;
+use crate::devices::Devices;
+use crate::error::{Error, Result};
+use crate::nn::loss::Metrics;
+use crate::nn::{ParamStore, Sequential};
+use crate::optim::{Optimizer, OptimizerConfig};
+use crate::tensor::{Device, Shape};
+
+/// A global batch gathered on the host: x (B, *sample_shape) as f32, y (B).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Batch {
+    pub x: Vec<f32>,
+    pub y: Vec<u32>,
+    pub sample_shape: Shape,
+}
+
+impl Batch {
+    /// Gathers the samples `indices` of `data`, in that order.
+    pub fn gather(data: &Dataset, indices: &[usize]) -> Batch {
+        let per = data.sample_shape().numel();
+        let mut x = vec![0.0; indices.len() * per];
+        let mut y = vec![0; indices.len()];
+        data.gather_into(indices, &mut x, &mut y);
+        Batch { x, y, sample_shape: data.sample_shape().clone() }
+    }
+
+    /// Number of samples.
+    pub fn len(&self) -> usize {
+        self.y.len()
+    }
+
+    /// True for a batch without samples.
+    pub fn is_empty(&self) -> bool {
+        self.y.is_empty()
+    }
+}
+
+/// What to do when the loss is NaN or infinite.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum NonFinite {
+    /// Stop with `Error::NonFiniteLoss`, naming the step.
+    Error,
+    /// Keep training.
+    Allow,
+}
+
+/// Everything about a run but the model, the data and the devices.
+#[derive(Clone, Debug)]
+pub struct TrainConfig {
+    pub epochs: usize,
+    /// Stop after this many steps in all, if fewer than the epochs hold.
+    pub max_steps: Option<u64>,
+    /// The GLOBAL batch size: samples per step whatever the number of devices.
+    pub batch_size: usize,
+    pub optimizer: OptimizerConfig,
+    pub seed: u64,
+    pub shuffle: Shuffle,
+    pub last_batch: LastBatch,
+    /// Logical replicas R (default: the number of devices); must be a multiple of it.
+    pub replicas: Option<usize>,
+    /// Compare every replica's tensors every K steps (and at the end).
+    pub check_replicas_every: Option<u64>,
+    pub non_finite: NonFinite,
+    /// Weights to start from instead of a seeded initialisation.
+    pub initial: Option<ParamStore>,
+    /// Samples per forward pass in evaluation.
+    pub eval_batch: usize,
+    /// Global batches the loader may gather ahead of the step being trained.
+    pub prefetch: usize,
+}
+
+impl Default for TrainConfig {
+    fn default() -> Self {
+        TrainConfig {
+            epochs: 1,
+            max_steps: None,
+            batch_size: 64,
+            optimizer: OptimizerConfig::adam(1e-3),
+            seed: 0,
+            shuffle: Shuffle::Seeded,
+            last_batch: LastBatch::Keep,
+            replicas: None,
+            check_replicas_every: if cfg!(debug_assertions) { Some(1) } else { None },
+            non_finite: NonFinite::Error,
+            initial: None,
+            eval_batch: 512,
+            prefetch: 4,
+        }
+    }
+}
+
+impl TrainConfig {
+    /// Checks the values that do not depend on the data.
+    pub fn validate(&self) -> Result<()> {
+        if self.batch_size == 0 {
+            return Err(Error::config("batch size", "must be at least 1"));
+        }
+        if self.eval_batch == 0 {
+            return Err(Error::config("evaluation batch size", "must be at least 1"));
+        }
+        if self.replicas == Some(0) {
+            return Err(Error::config("replicas", "must be at least 1"));
+        }
+        if self.check_replicas_every == Some(0) {
+            return Err(Error::config("check-replicas-every", "must be at least 1"));
+        }
+        self.optimizer.validate()
+    }
+}
+
+/// One replica's share of a step, as reported to observers.
+#[derive(Clone, Debug)]
+pub struct ShardReport {
+    pub device: Device,
+    /// Logical replica index.
+    pub replica: usize,
+    pub metrics: Metrics,
+}
+
+/// What happened in one step.
+#[derive(Clone, Debug)]
+pub struct StepReport {
+    /// Global step index (0-based).
+    pub step: u64,
+    /// Metrics of the whole global batch (loss computed before the update).
+    pub metrics: Metrics,
+    pub shards: Vec<ShardReport>,
+    /// Slowest worker's compute (forward, backward, update) and reduce-scatter time.
+    pub compute: Duration,
+    pub reduce: Duration,
+    /// Wall time of the step, as seen by the coordinator.
+    pub wall: Duration,
+}
+
+/// A step event for observers.
+#[derive(Clone, Debug)]
+pub struct StepEvent<'a> {
+    pub report: &'a StepReport,
+    /// 0-based epoch and its number of steps.
+    pub epoch: usize,
+    pub epochs: usize,
+    pub step_in_epoch: usize,
+    pub steps_in_epoch: usize,
+    /// Time the coordinator waited for the loader.
+    pub data_wait: Duration,
+}
+
+/// Summary of one epoch.
+#[derive(Clone, Debug)]
+pub struct EpochReport {
+    /// 0-based.
+    pub epoch: usize,
+    pub epochs: usize,
+    pub train: Metrics,
+    pub test: Option<Metrics>,
+    pub steps: u64,
+    pub seconds: f64,
+    pub samples_per_sec: f64,
+}
+
+/// Receives progress from the coordinator thread (so output never interleaves).
+pub trait Observer {
+    fn on_step(&mut self, _event: &StepEvent<'_>) {}
+    fn on_epoch(&mut self, _event: &EpochReport) {}
+}
+
+/// An observer that ignores everything.
+pub struct Silent;
+impl Observer for Silent {}
+
+/// What a run returns.
+#[derive(Clone, Debug)]
+pub struct TrainReport {
+    /// Final parameters and buffers (identical on every replica).
+    pub weights: ParamStore,
+    /// Final optimiser state (identical on every replica).
+    pub optimizer: Optimizer,
+    pub epochs: Vec<EpochReport>,
+    /// Mean loss of every step, computed before its update.
+    pub losses: Vec<f64>,
+    pub steps: u64,
+    pub seconds: f64,
+    /// Training samples per second over the whole run (evaluation excluded).
+    pub samples_per_sec: f64,
+}
+
+enum Command {
+    Step(Arc<StepWork>),
+    Eval(Arc<Batch>, Range<usize>, usize),
+    Predict(Arc<Batch>, Range<usize>),
+    Fingerprints,
+    Snapshot,
+}
+
+enum Reply {
+    Step(StepOutcome),
+    Eval(Metrics),
+    Predict(Vec<f32>),
+    Fingerprints(Vec<(String, u64)>),
+    Snapshot(Box<(ParamStore, Optimizer)>),
+}
+
+/// The coordinator's handle on running workers: drive training step by step.
+///
+/// Obtained inside [`with_trainer`]; every call is synchronous (it returns when every
+/// worker has answered). After a worker fails, every call returns an error.
+pub struct Trainer<'s> {
+    commands: Vec<Sender<Command>>,
+    replies: Receiver<(usize, Result<Reply>)>,
+    exchange: &'s ShmExchange,
+    devices: Vec<Device>,
+    replicas: usize,
+    step: u64,
+    failed: Option<String>,
+}
+
+impl Trainer<'_> {
+    /// Devices, in rank order.
+    pub fn devices(&self) -> &[Device] {
+        &self.devices
+    }
+
+    /// Logical replicas R.
+    pub fn replicas(&self) -> usize {
+        self.replicas
+    }
+
+    /// Steps taken.
+    pub fn steps(&self) -> u64 {
+        self.step
+    }
+
+    fn ask(&mut self, make: impl Fn(usize) -> Command) -> Result<Vec<Reply>> {
+        if let Some(cause) = &self.failed {
+            return Err(Error::config("trainer", format!("a worker failed earlier ({cause}); start a new run")));
+        }
+        for (d, tx) in self.commands.iter().enumerate() {
+            tx.send(make(d)).map_err(|_| Error::Worker {
+                device: self.devices[d].to_string(),
+                step: self.step,
+                cause: "worker thread has exited".into(),
+            })?;
+        }
+        let mut replies: Vec<Option<Reply>> = (0..self.commands.len()).map(|_| None).collect();
+        let mut root: Option<Error> = None;
+        for _ in 0..self.commands.len() {
+            let (d, r) = self.replies.recv().map_err(|_| Error::Worker {
+                device: "coordinator".into(),
+                step: self.step,
+                cause: "every worker has exited".into(),
+            })?;
+            match r {
+                Ok(reply) => replies[d] = Some(reply),
+                // The first real cause wins over the aborts it triggered elsewhere.
+                Err(e) => {
+                    let is_abort = matches!(&e, Error::Worker { cause, .. } if cause == &Error::Aborted.to_string());
+                    if root.is_none()
+                        || (!is_abort
+                            && matches!(&root, Some(Error::Worker { cause, .. }) if cause == &Error::Aborted.to_string()))
+                    {
+                        root = Some(e);
+                    }
+                }
+            }
+        }
+        if let Some(e) = root {
+            self.exchange.abort();
+            self.failed = Some(e.to_string());
+            return Err(e);
+        }
+        Ok(replies.into_iter().map(|r| r.expect("every worker replied")).collect())
+    }
+
+    /// Trains one step on a global batch: scatter to R logical replicas, forward,
+    /// backward, all-reduce, update.
+    pub fn step(&mut self, batch: Batch) -> Result<StepReport> {
+        self.step_at(batch, 0)
+    }
+
+    fn step_at(&mut self, batch: Batch, epoch: usize) -> Result<StepReport> {
+        if batch.is_empty() {
+            return Err(Error::config("batch", "a training step needs at least one sample"));
+        }
+        let t0 = Instant::now();
+        let shards = scatter::shards(batch.len(), self.replicas);
+        let work = Arc::new(StepWork { step: self.step, epoch, batch: Arc::new(batch), shards });
+        let replies = self.ask(|_| Command::Step(Arc::clone(&work)))?;
+        let k = self.replicas / self.devices.len();
+        let mut report = StepReport {
+            step: self.step,
+            metrics: Metrics::default(),
+            shards: Vec::with_capacity(self.replicas),
+            compute: Duration::ZERO,
+            reduce: Duration::ZERO,
+            wall: Duration::ZERO,
+        };
+        for (d, r) in replies.into_iter().enumerate() {
+            let Reply::Step(o) = r else { unreachable!("a step command gets a step reply") };
+            report.compute = report.compute.max(o.compute);
+            report.reduce = report.reduce.max(o.reduce);
+            for (j, m) in o.shards.into_iter().enumerate() {
+                report.metrics.add(&m);
+                report.shards.push(ShardReport { device: self.devices[d], replica: d * k + j, metrics: m });
+            }
+        }
+        self.step += 1;
+        report.wall = t0.elapsed();
+        Ok(report)
+    }
+
+    /// Loss and accuracy on `data` in evaluation mode, the samples split across devices.
+    pub fn evaluate(&mut self, data: &Dataset, eval_batch: usize) -> Result<Metrics> {
+        let all: Vec<usize> = (0..data.len()).collect();
+        let batch = Arc::new(Batch::gather(data, &all));
+        let parts = scatter::shards(data.len(), self.devices.len());
+        let replies = self.ask(|d| Command::Eval(Arc::clone(&batch), parts[d].clone(), eval_batch))?;
+        let mut total = Metrics::default();
+        for r in replies {
+            let Reply::Eval(m) = r else { unreachable!("an eval command gets an eval reply") };
+            total.add(&m);
+        }
+        Ok(total)
+    }
+
+    /// Class probabilities (N, K) for every sample of `batch`, split across devices.
+    pub fn predict(&mut self, batch: Batch) -> Result<Vec<f32>> {
+        let parts = scatter::shards(batch.len(), self.devices.len());
+        let batch = Arc::new(batch);
+        let replies = self.ask(|d| Command::Predict(Arc::clone(&batch), parts[d].clone()))?;
+        Ok(replies
+            .into_iter()
+            .flat_map(|r| {
+                let Reply::Predict(p) = r else { unreachable!("a predict command gets a predict reply") };
+                p
+            })
+            .collect())
+    }
+
+    /// Hashes every replica's tensors and fails, naming the first tensor that differs,
+    /// unless all replicas are bitwise identical.
+    pub fn check_replicas(&mut self) -> Result<()> {
+        let replies = self.ask(|_| Command::Fingerprints)?;
+        let prints: Vec<_> = replies
+            .into_iter()
+            .map(|r| {
+                let Reply::Fingerprints(p) = r else { unreachable!("a fingerprint command gets fingerprints") };
+                p
+            })
+            .collect();
+        worker::check_replicas(self.step, &prints)
+    }
+
+    /// The weights and optimiser state of replica 0.
+    pub fn weights(&mut self) -> Result<(ParamStore, Optimizer)> {
+        let replies = self.ask(|_| Command::Snapshot)?;
+        let Some(Reply::Snapshot(s)) = replies.into_iter().next() else {
+            unreachable!("a snapshot command gets a snapshot")
+        };
+        Ok(*s)
+    }
+}
+
+fn worker_loop(
+    mut replica: Replica,
+    rank: usize,
+    exchange: &ShmExchange,
+    shards_here: usize,
+    commands: Receiver<Command>,
+    replies: Sender<(usize, Result<Reply>)>,
+) {
+    let comm = exchange.rank(rank);
+    let device = replica.device;
+    let mut step = 0u64;
+    while let Ok(cmd) = commands.recv() {
+        let result = catch_unwind(AssertUnwindSafe(|| -> Result<Reply> {
+            Ok(match &cmd {
+                Command::Step(work) => {
+                    step = work.step;
+                    Reply::Step(replica.step(work, &comm, rank * shards_here, shards_here)?)
+                }
+                Command::Eval(batch, rows, chunk) => Reply::Eval(replica.evaluate(batch, rows.clone(), *chunk)?),
+                Command::Predict(batch, rows) => Reply::Predict(replica.predict(batch, rows.clone())?),
+                Command::Fingerprints => Reply::Fingerprints(replica.fingerprints()),
+                Command::Snapshot => Reply::Snapshot(Box::new((replica.store.clone(), replica.optimizer.clone()))),
+            })
+        }));
+        let result = match result {
+            Ok(Ok(r)) => Ok(r),
+            Ok(Err(e)) => Err(e.to_string()),
+            Err(panic) => Err(format!("panicked: {}", panic_message(&panic))),
+        }
+        .map_err(|cause| {
+            exchange.abort();
+            Error::Worker { device: device.to_string(), step, cause }
+        });
+        let failed = result.is_err();
+        if replies.send((rank, result)).is_err() || failed {
+            return;
+        }
+    }
+}
+
+fn panic_message(p: &Box<dyn std::any::Any + Send>) -> String {
+    p.downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| p.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "unknown panic".into())
+}
+
+/// Builds one replica per device from `model` (the initial weights made once on the
+/// host, from `config.initial` or the seed, and copied to every replica), runs the
+/// workers, and calls `f` with the coordinator's handle. Every thread has ended when it
+/// returns.
+pub fn with_trainer<T>(
+    model: &Sequential,
+    devices: &Devices,
+    config: &TrainConfig,
+    f: impl FnOnce(&mut Trainer<'_>) -> Result<T>,
+) -> Result<T> {
+    config.validate()?;
+    let n = devices.len();
+    let replicas = config.replicas.unwrap_or(n);
+    if replicas % n != 0 {
+        return Err(Error::config(
+            "replicas",
+            format!("{replicas} logical replicas cannot be shared evenly by {n} devices"),
+        ));
+    }
+    let initial = match &config.initial {
+        Some(w) => {
+            if w.params.len() != model.num_params() || w.buffers.len() != model.num_buffers() {
+                return Err(Error::config("initial weights", "they do not match the model's tensors"));
+            }
+            w.clone()
+        }
+        None => model.init(config.seed),
+    };
+    let exchange = ShmExchange::new(n, replicas, model.num_params() + model.num_buffers())?;
+    // Build every worker first: replicas, channels, pools' sizes.
+    let mut starts = Vec::with_capacity(n);
+    let mut commands = Vec::with_capacity(n);
+    let (reply_tx, reply_rx) = bounded(n * 2);
+    for &device in devices.list() {
+        let replica = Replica {
+            device,
+            model: model.clone(),
+            store: initial.clone(),
+            optimizer: Optimizer::new(config.optimizer, model.num_params()),
+            seed: config.seed,
+        };
+        let (tx, rx) = bounded::<Command>(2);
+        commands.push(tx);
+        starts.push((replica, rx));
+    }
+    let threads = devices.threads_per_device();
+    let k = replicas / n;
+    std::thread::scope(|s| {
+        for (rank, (replica, rx)) in starts.into_iter().enumerate() {
+            let (exchange, replies) = (&exchange, reply_tx.clone());
+            std::thread::Builder::new()
+                .name(format!("lockstep-{}", replica.device))
+                .spawn_scoped(s, move || {
+                    let pool = rayon::ThreadPoolBuilder::new()
+                        .num_threads(threads)
+                        .use_current_thread()
+                        .thread_name(move |i| format!("lockstep-cpu{rank}-{i}"))
+                        .build();
+                    match pool {
+                        Ok(pool) => pool.install(|| worker_loop(replica, rank, exchange, k, rx, replies)),
+                        Err(e) => {
+                            exchange.abort();
+                            let _ = replies.send((
+                                rank,
+                                Err(Error::Worker {
+                                    device: replica.device.to_string(),
+                                    step: 0,
+                                    cause: format!("cannot start its thread pool: {e}"),
+                                }),
+                            ));
+                        }
+                    }
+                })
+                .map_err(|e| Error::config("threads", format!("cannot spawn a worker thread: {e}")))?;
+        }
+        drop(reply_tx);
+        let mut trainer = Trainer {
+            commands,
+            replies: reply_rx,
+            exchange: &exchange,
+            devices: devices.list().to_vec(),
+            replicas,
+            step: 0,
+            failed: None,
+        };
+        let out = f(&mut trainer);
+        if out.is_err() {
+            exchange.abort();
+        }
+        drop(trainer); // closes the command channels: workers leave their loops
+        out
+    })
+}
+
+/// Trains `model` on `train` (evaluating on `test` after every epoch, if given) on
+/// `devices`, synchronously data-parallel. One step on N devices equals one step on one
+/// device with the whole global batch (up to float summation order; bitwise with a
+/// fixed number of logical replicas).
+///
+/// ```
+/// use lockstep::{data::toy, devices::Devices, models, train::{train_data_parallel, TrainConfig}};
+/// use lockstep::optim::OptimizerConfig;
+///
+/// let data = toy::toy();
+/// let model = models::toy_mlp(2, 2).unwrap();
+/// let config = TrainConfig { epochs: 3, batch_size: 2, optimizer: OptimizerConfig::sgd(0.5), ..TrainConfig::default() };
+/// let report = train_data_parallel(&model, &data.train, data.test.as_ref(), &Devices::cpu(2, 1).unwrap(), &config).unwrap();
+/// assert_eq!(report.steps, 9);
+/// ```
+pub fn train_data_parallel(
+    model: &Sequential,
+    train: &Dataset,
+    test: Option<&Dataset>,
+    devices: &Devices,
+    config: &TrainConfig,
+) -> Result<TrainReport> {
+    train_data_parallel_with(model, train, test, devices, config, &mut Silent)
+}
+
+/// [`train_data_parallel`] reporting progress to `observer`.
+pub fn train_data_parallel_with(
+    model: &Sequential,
+    train: &Dataset,
+    test: Option<&Dataset>,
+    devices: &Devices,
+    config: &TrainConfig,
+    observer: &mut dyn Observer,
+) -> Result<TrainReport> {
+    config.validate()?;
+    check_data(model, train)?;
+    if let Some(t) = test {
+        check_data(model, t)?;
+    }
+    let steps_per_epoch = scatter::steps_per_epoch(train.len(), config.batch_size, config.last_batch);
+    if steps_per_epoch == 0 {
+        return Err(Error::Data {
+            name: train.name().into(),
+            detail: format!("{} samples make no full batch of {} (drop-last is on)", train.len(), config.batch_size),
+        });
+    }
+    let total_steps = (steps_per_epoch as u64 * config.epochs as u64).min(config.max_steps.unwrap_or(u64::MAX));
+    with_trainer(model, devices, config, |trainer| {
+        let start = Instant::now();
+        let mut losses = Vec::with_capacity(total_steps as usize);
+        let mut epochs = Vec::new();
+        let mut train_time = Duration::ZERO;
+        let mut trained_samples = 0u64;
+        std::thread::scope(|s| -> Result<()> {
+            let (batch_tx, batch_rx) = bounded::<(usize, usize, Batch)>(config.prefetch.max(1));
+            s.spawn(move || {
+                let mut step = 0u64;
+                for epoch in 0..config.epochs {
+                    let order = scatter::epoch_order(train.len(), config.seed, epoch, config.shuffle);
+                    for (i, idx) in order.chunks(config.batch_size).take(steps_per_epoch).enumerate() {
+                        if step >= total_steps || batch_tx.send((epoch, i, Batch::gather(train, idx))).is_err() {
+                            return;
+                        }
+                        step += 1;
+                    }
+                }
+            });
+            let mut epoch_metrics = Metrics::default();
+            let mut epoch_start = Instant::now();
+            let mut epoch_steps = 0u64;
+            let mut epoch_train_time = Duration::ZERO;
+            for _ in 0..total_steps {
+                let t_wait = Instant::now();
+                let Ok((epoch, i, batch)) = batch_rx.recv() else { break };
+                let data_wait = t_wait.elapsed();
+                let t_step = Instant::now();
+                let report = trainer.step_at(batch, epoch)?;
+                let dt = t_step.elapsed();
+                train_time += dt;
+                epoch_train_time += dt;
+                trained_samples += report.metrics.count;
+                let loss = report.metrics.mean_loss();
+                if !loss.is_finite() && config.non_finite == NonFinite::Error {
+                    return Err(Error::NonFiniteLoss { step: report.step, epoch, loss });
+                }
+                losses.push(loss);
+                epoch_metrics.add(&report.metrics);
+                epoch_steps += 1;
+                observer.on_step(&StepEvent {
+                    report: &report,
+                    epoch,
+                    epochs: config.epochs,
+                    step_in_epoch: i,
+                    steps_in_epoch: steps_per_epoch,
+                    data_wait,
+                });
+                if let Some(k) = config.check_replicas_every {
+                    if trainer.steps() % k == 0 {
+                        trainer.check_replicas()?;
+                    }
+                }
+                let last_of_epoch = i + 1 == steps_per_epoch || trainer.steps() == total_steps;
+                if last_of_epoch {
+                    let test_metrics = test.map(|t| trainer.evaluate(t, config.eval_batch)).transpose()?;
+                    let e = EpochReport {
+                        epoch,
+                        epochs: config.epochs,
+                        train: epoch_metrics,
+                        test: test_metrics,
+                        steps: epoch_steps,
+                        seconds: epoch_start.elapsed().as_secs_f64(),
+                        samples_per_sec: epoch_metrics.count as f64 / epoch_train_time.as_secs_f64().max(1e-12),
+                    };
+                    observer.on_epoch(&e);
+                    epochs.push(e);
+                    epoch_metrics = Metrics::default();
+                    epoch_start = Instant::now();
+                    epoch_steps = 0;
+                    epoch_train_time = Duration::ZERO;
+                }
+            }
+            Ok(())
+        })?;
+        if config.check_replicas_every.is_some() {
+            trainer.check_replicas()?;
+        }
+        let (weights, optimizer) = trainer.weights()?;
+        Ok(TrainReport {
+            weights,
+            optimizer,
+            epochs,
+            losses,
+            steps: trainer.steps(),
+            seconds: start.elapsed().as_secs_f64(),
+            samples_per_sec: trained_samples as f64 / train_time.as_secs_f64().max(1e-12),
+        })
+    })
+}
+
+/// The dataset must be non-empty and shaped like the model's input, with labels the
+/// model can output.
+pub fn check_data(model: &Sequential, data: &Dataset) -> Result<()> {
+    let err = |detail: String| Error::Data { name: data.name().into(), detail };
+    if data.is_empty() {
+        return Err(err("has no samples".into()));
+    }
+    if data.sample_shape() != model.input_shape() {
+        return Err(err(format!(
+            "samples of shape {} do not fit the model's input {}",
+            data.sample_shape(),
+            model.input_shape()
+        )));
+    }
+    let classes = model.output_shape().numel();
+    if data.num_classes() > classes {
+        return Err(err(format!("has {} classes but the model outputs {classes}", data.num_classes())));
+    }
+    Ok(())
+}

@@ -1,0 +1,89 @@
+//! The sampler and the scatter stage.
+//!
+//! The sampler orders an epoch's samples: a permutation seeded by (seed, epoch), so
+//! there is no `set_epoch` to forget and a resumed run sees the same order. The scatter
+//! cuts each global batch into R logical shards of contiguous rows whose sizes differ
+//! by at most one (the first B mod R shards get the extra row); device d runs shards
+//! d·R/N .. (d+1)·R/N. Nothing is padded, duplicated or dropped.
+
+use std::ops::Range;
+
+use crate::rng::{derive_key, purpose, SplitMix64};
+
+/// Whether each epoch visits the samples in a fresh seeded order.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Shuffle {
+    /// A permutation seeded by (seed, epoch).
+    Seeded,
+    /// File order, every epoch.
+    None,
+}
+
+/// Whether a short last batch of an epoch is trained on or dropped.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum LastBatch {
+    Keep,
+    Drop,
+}
+
+/// The sample indices of one epoch, in visiting order.
+pub fn epoch_order(len: usize, seed: u64, epoch: usize, shuffle: Shuffle) -> Vec<usize> {
+    match shuffle {
+        Shuffle::None => (0..len).collect(),
+        Shuffle::Seeded => SplitMix64::new(derive_key(seed, &[purpose::SHUFFLE, epoch as u64])).permutation(len),
+    }
+}
+
+/// Number of steps in an epoch of `len` samples.
+pub fn steps_per_epoch(len: usize, batch: usize, last: LastBatch) -> usize {
+    match last {
+        LastBatch::Keep => len.div_ceil(batch),
+        LastBatch::Drop => len / batch,
+    }
+}
+
+/// Row ranges of the R logical shards of a batch of `b` rows.
+pub fn shards(b: usize, r: usize) -> Vec<Range<usize>> {
+    let (base, extra) = (b / r, b % r);
+    let mut start = 0;
+    (0..r)
+        .map(|j| {
+            let len = base + usize::from(j < extra);
+            let range = start..start + len;
+            start += len;
+            range
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shards_differ_by_at_most_one_and_cover_the_batch() {
+        assert_eq!(shards(7, 3), vec![0..3, 3..5, 5..7]);
+        assert_eq!(shards(3, 3), vec![0..1, 1..2, 2..3]);
+        assert_eq!(shards(1, 3), vec![0..1, 1..1, 1..1]);
+        for b in 0..40 {
+            for r in 1..9 {
+                let s = shards(b, r);
+                assert_eq!(s.len(), r);
+                assert_eq!(s.iter().map(|x| x.len()).sum::<usize>(), b);
+                let (mn, mx) = (s.iter().map(|x| x.len()).min().unwrap(), s.iter().map(|x| x.len()).max().unwrap());
+                assert!(mx - mn <= 1);
+                assert!(s.windows(2).all(|w| w[0].end == w[1].start));
+            }
+        }
+    }
+
+    #[test]
+    fn epochs_are_seeded_by_seed_and_epoch() {
+        assert_eq!(epoch_order(50, 3, 1, Shuffle::Seeded), epoch_order(50, 3, 1, Shuffle::Seeded));
+        assert_ne!(epoch_order(50, 3, 1, Shuffle::Seeded), epoch_order(50, 3, 2, Shuffle::Seeded));
+        assert_ne!(epoch_order(50, 3, 1, Shuffle::Seeded), epoch_order(50, 4, 1, Shuffle::Seeded));
+        assert_eq!(epoch_order(5, 3, 1, Shuffle::None), vec![0, 1, 2, 3, 4]);
+        assert_eq!(steps_per_epoch(7, 4, LastBatch::Keep), 2);
+        assert_eq!(steps_per_epoch(7, 4, LastBatch::Drop), 1);
+    }
+}
