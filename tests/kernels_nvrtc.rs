@@ -44,13 +44,21 @@ fn every_kernel_file_compiles_without_warnings() {
             match compile_with_log(file.name, file.source, arch) {
                 Ok(c) => {
                     let ptx = c.ptx.to_src();
-                    eprintln!("{} [{arch}]: {} bytes of PTX, log: {:?}", file.name, ptx.len(), c.log);
+                    eprintln!(
+                        "{} [{arch}]: {} bytes of PTX, log: {:?}",
+                        file.name,
+                        ptx.len(),
+                        c.log
+                    );
                     if !c.log.is_empty() {
                         failures.push(format!("{} [{arch}] warnings:\n{}", file.name, c.log));
                     }
                     for name in file.kernel_names("f32") {
                         if !ptx.contains(&format!(".entry {name}(")) {
-                            failures.push(format!("{} [{arch}]: no entry point {name} in the PTX", file.name));
+                            failures.push(format!(
+                                "{} [{arch}]: no entry point {name} in the PTX",
+                                file.name
+                            ));
                         }
                     }
                 }
@@ -62,7 +70,12 @@ fn every_kernel_file_compiles_without_warnings() {
             }
         }
     }
-    assert!(failures.is_empty(), "{} problem(s):\n{}", failures.len(), failures.join("\n"));
+    assert!(
+        failures.is_empty(),
+        "{} problem(s):\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
 }
 
 #[test]
@@ -74,7 +87,10 @@ fn a_broken_kernel_is_an_nvrtc_error_with_the_log() {
     match compile_with_log("oops.cu", src, "sm_80") {
         Err(Error::Nvrtc { file, log }) => {
             assert_eq!(file, "oops.cu");
-            assert!(log.contains("undeclared_thing"), "log should name the bad identifier: {log}");
+            assert!(
+                log.contains("undeclared_thing"),
+                "log should name the bad identifier: {log}"
+            );
         }
         other => panic!("expected Error::Nvrtc, got {other:?}"),
     }
@@ -87,9 +103,14 @@ fn a_warning_shows_up_in_the_log() {
     }
     // An unused variable: a warning, not an error. The compile test relies on warnings
     // reaching Compiled::log, so check that they do.
-    let src = "extern \"C\" __global__ void warn_fwd_f32(float* x) { int unused_var = 3; x[0] = 1.0f; }";
+    let src =
+        "extern \"C\" __global__ void warn_fwd_f32(float* x) { int unused_var = 3; x[0] = 1.0f; }";
     let c = compile_with_log("warn.cu", src, "sm_80").expect("a warning is not an error");
-    assert!(c.log.contains("unused_var"), "expected a warning naming unused_var, log: {:?}", c.log);
+    assert!(
+        c.log.contains("unused_var"),
+        "expected a warning naming unused_var, log: {:?}",
+        c.log
+    );
 }
 
 /// The `extern "C"` kernel names a source defines, read from the text:
@@ -101,7 +122,12 @@ fn extern_c_kernels(source: &str) -> Vec<String> {
     while let Some(pos) = rest.find(DECL) {
         rest = &rest[pos + DECL.len()..];
         let decl: String = rest.chars().take_while(|&c| c != '(').collect();
-        names.push(decl.split_whitespace().last().unwrap_or_default().to_string());
+        names.push(
+            decl.split_whitespace()
+                .last()
+                .unwrap_or_default()
+                .to_string(),
+        );
     }
     names
 }
@@ -118,8 +144,14 @@ fn parse_name(name: &str) -> Option<(String, Dir, String)> {
         Some((op, "bwd")) => (op, Dir::Bwd),
         _ => (rest, Dir::Plain),
     };
-    let word_ok = |w: &str| !w.is_empty() && w.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit());
-    op.split('_').all(word_ok).then(|| (op.to_string(), dir, dtype.to_string()))
+    let word_ok = |w: &str| {
+        !w.is_empty()
+            && w.chars()
+                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit())
+    };
+    op.split('_')
+        .all(word_ok)
+        .then(|| (op.to_string(), dir, dtype.to_string()))
 }
 
 #[test]
@@ -133,18 +165,31 @@ fn kernel_names_follow_the_rule_and_match_the_table() {
     for file in KERNEL_FILES {
         let in_source: BTreeSet<String> = extern_c_kernels(file.source).into_iter().collect();
         let in_table: BTreeSet<String> = file.kernel_names("f32").into_iter().collect();
-        assert_eq!(in_source, in_table, "{}: extern \"C\" kernels vs the KERNEL_FILES table", file.name);
+        assert_eq!(
+            in_source, in_table,
+            "{}: extern \"C\" kernels vs the KERNEL_FILES table",
+            file.name
+        );
         for name in &in_source {
-            let (op, dir, dtype) =
-                parse_name(name).unwrap_or_else(|| panic!("{}: '{name}' breaks the naming rule", file.name));
-            assert_eq!(&kernel_name(&op, dir, &dtype), name, "the name rebuilds through the one helper");
+            let (op, dir, dtype) = parse_name(name)
+                .unwrap_or_else(|| panic!("{}: '{name}' breaks the naming rule", file.name));
+            assert_eq!(
+                &kernel_name(&op, dir, &dtype),
+                name,
+                "the name rebuilds through the one helper"
+            );
             assert!(all.insert(name.clone()), "{name} is defined in two files");
         }
         for &(op, dir) in file.kernels {
-            assert!(!op.ends_with("_fwd") && !op.ends_with("_bwd"), "{op}: the direction belongs in Dir");
+            assert!(
+                !op.ends_with("_fwd") && !op.ends_with("_bwd"),
+                "{op}: the direction belongs in Dir"
+            );
             if dir == Dir::Plain {
                 assert!(
-                    file.kernels.iter().all(|&(o, d)| o != op || d == Dir::Plain),
+                    file.kernels
+                        .iter()
+                        .all(|&(o, d)| o != op || d == Dir::Plain),
                     "{op} is both plain and directional"
                 );
             }

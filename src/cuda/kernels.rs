@@ -53,7 +53,10 @@ pub struct KernelFile {
 impl KernelFile {
     /// The `extern "C"` names this file must define, from [`kernel_name`].
     pub fn kernel_names(&self, dtype: &str) -> Vec<String> {
-        self.kernels.iter().map(|&(op, dir)| kernel_name(op, dir, dtype)).collect()
+        self.kernels
+            .iter()
+            .map(|&(op, dir)| kernel_name(op, dir, dtype))
+            .collect()
     }
 }
 
@@ -87,9 +90,16 @@ pub const KERNEL_FILES: &[KernelFile] = &[
     kernel_file!("conv.cu", [("im2col", Fwd), ("im2col", Bwd)]),
     kernel_file!(
         "batchnorm.cu",
-        [("batchnorm_train", Fwd), ("batchnorm_train", Bwd), ("batchnorm_eval", Fwd)]
+        [
+            ("batchnorm_train", Fwd),
+            ("batchnorm_train", Bwd),
+            ("batchnorm_eval", Fwd)
+        ]
     ),
-    kernel_file!("pooling.cu", [("global_avgpool", Fwd), ("global_avgpool", Bwd)]),
+    kernel_file!(
+        "pooling.cu",
+        [("global_avgpool", Fwd), ("global_avgpool", Bwd)]
+    ),
     kernel_file!("softmax_xent.cu", [("softmax_xent", Fwd)]),
     kernel_file!("optim.cu", [("sgd_step", Plain), ("adam_step", Plain)]),
     kernel_file!("reduce.cu", [("reduce_sum", Plain)]),
@@ -125,7 +135,10 @@ fn nvrtc_options(arch: &str) -> Vec<String> {
 /// log (warnings). A compile error is [`Error::Nvrtc`] carrying the file and the log.
 pub fn compile_with_log(file: &str, src: &str, arch: &str) -> Result<Compiled> {
     nvrtc_available()?;
-    let nvrtc_err = |log: String| Error::Nvrtc { file: file.to_string(), log };
+    let nvrtc_err = |log: String| Error::Nvrtc {
+        file: file.to_string(),
+        log,
+    };
     let src_c = std::ffi::CString::new(src)
         .map_err(|_| nvrtc_err("source contains a NUL byte".to_string()))?;
     let name_c = std::ffi::CString::new(file)
@@ -152,9 +165,12 @@ pub fn compile_with_log(file: &str, src: &str, arch: &str) -> Result<Compiled> {
         return Err(nvrtc_err(format!("{e:?} with options {options:?}\n{log}")));
     }
     // SAFETY: prog.0 compiled successfully, so its PTX is available.
-    let ptx = unsafe { result::get_ptx(prog.0) }
-        .map_err(|e| nvrtc_err(format!("nvrtcGetPTX: {e:?}")))?;
-    Ok(Compiled { ptx: Ptx::from_src(c_chars_to_string(&ptx)), log })
+    let ptx =
+        unsafe { result::get_ptx(prog.0) }.map_err(|e| nvrtc_err(format!("nvrtcGetPTX: {e:?}")))?;
+    Ok(Compiled {
+        ptx: Ptx::from_src(c_chars_to_string(&ptx)),
+        log,
+    })
 }
 
 /// Compiles one kernel file for `arch`; warnings are dropped here (the test fails on them).
@@ -164,7 +180,11 @@ pub fn compile(file: &str, src: &str, arch: &str) -> Result<Ptx> {
 
 /// NVRTC returns NUL-terminated C strings; trims at the first NUL.
 fn c_chars_to_string(raw: &[std::ffi::c_char]) -> String {
-    let bytes: Vec<u8> = raw.iter().map(|&c| c as u8).take_while(|&b| b != 0).collect();
+    let bytes: Vec<u8> = raw
+        .iter()
+        .map(|&c| c as u8)
+        .take_while(|&b| b != 0)
+        .collect();
     String::from_utf8_lossy(&bytes).trim_end().to_string()
 }
 

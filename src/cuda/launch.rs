@@ -10,7 +10,9 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
+};
 use parking_lot::Mutex;
 
 use super::kernels::{cached_ptx, kernel_name, Dir};
@@ -28,12 +30,20 @@ const MAX_BLOCKS: usize = 65_535;
 /// Launch shape for a grid-stride loop over `n` elements (`n > 0`).
 fn elem_cfg(n: usize) -> LaunchConfig {
     let blocks = n.div_ceil(ELEM_BLOCK as usize).clamp(1, MAX_BLOCKS) as u32;
-    LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (ELEM_BLOCK, 1, 1), shared_mem_bytes: 0 }
+    LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (ELEM_BLOCK, 1, 1),
+        shared_mem_bytes: 0,
+    }
 }
 
 /// Launch shape for the block-per-channel reductions: grid = (C), REDUCE_BLOCK threads.
 fn channel_cfg(c: i32) -> LaunchConfig {
-    LaunchConfig { grid_dim: (c as u32, 1, 1), block_dim: (REDUCE_BLOCK, 1, 1), shared_mem_bytes: 0 }
+    LaunchConfig {
+        grid_dim: (c as u32, 1, 1),
+        block_dim: (REDUCE_BLOCK, 1, 1),
+        shared_mem_bytes: 0,
+    }
 }
 
 /// Errors unless buffer `what` of `op` holds exactly `want` elements.
@@ -41,7 +51,10 @@ fn check_len<T>(op: &'static str, what: &str, buf: &CudaSlice<T>, want: usize) -
     if buf.len() == want {
         Ok(())
     } else {
-        Err(Error::shape(op, format!("{what} has {} elements, expected {want}", buf.len())))
+        Err(Error::shape(
+            op,
+            format!("{what} has {} elements, expected {want}", buf.len()),
+        ))
     }
 }
 
@@ -70,11 +83,15 @@ pub struct ConvGeom {
 impl ConvGeom {
     /// Output height: (H + PT + PB - KH) / SH + 1 (0 when the kernel does not fit).
     pub fn oh(&self) -> usize {
-        (self.h + self.pad_top + self.pad_bottom).checked_sub(self.kh).map_or(0, |v| v / self.stride_h + 1)
+        (self.h + self.pad_top + self.pad_bottom)
+            .checked_sub(self.kh)
+            .map_or(0, |v| v / self.stride_h + 1)
     }
     /// Output width: (W + PL + PR - KW) / SW + 1 (0 when the kernel does not fit).
     pub fn ow(&self) -> usize {
-        (self.w + self.pad_left + self.pad_right).checked_sub(self.kw).map_or(0, |v| v / self.stride_w + 1)
+        (self.w + self.pad_left + self.pad_right)
+            .checked_sub(self.kw)
+            .map_or(0, |v| v / self.stride_w + 1)
     }
     /// Elements of x: N*C*H*W.
     pub fn x_len(&self) -> usize {
@@ -110,12 +127,19 @@ impl Gpu {
         driver_available()?;
         let count = super::probe::gpu_count()?;
         if ordinal >= count {
-            return Err(Error::CudaUnavailable(format!("cuda:{ordinal} asked for, but {count} GPU(s) are visible")));
+            return Err(Error::CudaUnavailable(format!(
+                "cuda:{ordinal} asked for, but {count} GPU(s) are visible"
+            )));
         }
         let ctx = CudaContext::new(ordinal)?;
         let (major, minor) = ctx.compute_capability()?;
         let stream = ctx.new_stream()?;
-        Ok(Gpu { ctx, stream, arch: format!("sm_{major}{minor}"), modules: Mutex::new(HashMap::new()) })
+        Ok(Gpu {
+            ctx,
+            stream,
+            arch: format!("sm_{major}{minor}"),
+            modules: Mutex::new(HashMap::new()),
+        })
     }
 
     pub fn context(&self) -> &Arc<CudaContext> {
@@ -174,7 +198,12 @@ impl Gpu {
     }
 
     /// dx = dy where x > 0, else 0. x, dy, dx: (n)
-    pub fn relu_bwd(&self, x: &CudaSlice<f32>, dy: &CudaSlice<f32>, dx: &mut CudaSlice<f32>) -> Result<()> {
+    pub fn relu_bwd(
+        &self,
+        x: &CudaSlice<f32>,
+        dy: &CudaSlice<f32>,
+        dx: &mut CudaSlice<f32>,
+    ) -> Result<()> {
         let n = x.len();
         check_len("relu_bwd", "dy", dy, n)?;
         check_len("relu_bwd", "dx", dx, n)?;
@@ -191,7 +220,13 @@ impl Gpu {
     }
 
     /// y = x * scale + offset. x, y: (n)
-    pub fn rescale_fwd(&self, x: &CudaSlice<f32>, y: &mut CudaSlice<f32>, scale: f32, offset: f32) -> Result<()> {
+    pub fn rescale_fwd(
+        &self,
+        x: &CudaSlice<f32>,
+        y: &mut CudaSlice<f32>,
+        scale: f32,
+        offset: f32,
+    ) -> Result<()> {
         let n = x.len();
         check_len("rescale_fwd", "y", y, n)?;
         if n == 0 {
@@ -207,7 +242,12 @@ impl Gpu {
     }
 
     /// dx = dy * scale. dy, dx: (n)
-    pub fn rescale_bwd(&self, dy: &CudaSlice<f32>, dx: &mut CudaSlice<f32>, scale: f32) -> Result<()> {
+    pub fn rescale_bwd(
+        &self,
+        dy: &CudaSlice<f32>,
+        dx: &mut CudaSlice<f32>,
+        scale: f32,
+    ) -> Result<()> {
         let n = dy.len();
         check_len("rescale_bwd", "dx", dx, n)?;
         if n == 0 {
@@ -223,7 +263,14 @@ impl Gpu {
     }
 
     /// y += bias[c], in place. y: (N, C, H, W) with hw = H*W; bias: (C)
-    pub fn bias_nchw_fwd(&self, y: &mut CudaSlice<f32>, bias: &CudaSlice<f32>, n: usize, c: usize, hw: usize) -> Result<()> {
+    pub fn bias_nchw_fwd(
+        &self,
+        y: &mut CudaSlice<f32>,
+        bias: &CudaSlice<f32>,
+        n: usize,
+        c: usize,
+        hw: usize,
+    ) -> Result<()> {
         let total = n * c * hw;
         check_len("bias_nchw_fwd", "y", y, total)?;
         check_len("bias_nchw_fwd", "bias", bias, c)?;
@@ -241,7 +288,14 @@ impl Gpu {
     }
 
     /// dbias[c] += sum over (n, h, w) of dy. dy: (N, C, H, W) with hw = H*W; dbias: (C)
-    pub fn bias_nchw_bwd(&self, dy: &CudaSlice<f32>, dbias: &mut CudaSlice<f32>, n: usize, c: usize, hw: usize) -> Result<()> {
+    pub fn bias_nchw_bwd(
+        &self,
+        dy: &CudaSlice<f32>,
+        dbias: &mut CudaSlice<f32>,
+        n: usize,
+        c: usize,
+        hw: usize,
+    ) -> Result<()> {
         check_len("bias_nchw_bwd", "dy", dy, n * c * hw)?;
         check_len("bias_nchw_bwd", "dbias", dbias, c)?;
         if c == 0 {
@@ -259,7 +313,13 @@ impl Gpu {
     }
 
     /// y += bias[o], in place. y: (N, O); bias: (O)
-    pub fn bias_cols_fwd(&self, y: &mut CudaSlice<f32>, bias: &CudaSlice<f32>, n: usize, o: usize) -> Result<()> {
+    pub fn bias_cols_fwd(
+        &self,
+        y: &mut CudaSlice<f32>,
+        bias: &CudaSlice<f32>,
+        n: usize,
+        o: usize,
+    ) -> Result<()> {
         let total = n * o;
         check_len("bias_cols_fwd", "y", y, total)?;
         check_len("bias_cols_fwd", "bias", bias, o)?;
@@ -277,7 +337,13 @@ impl Gpu {
     }
 
     /// dbias[o] += sum over n of dy[n, o]. dy: (N, O); dbias: (O)
-    pub fn bias_cols_bwd(&self, dy: &CudaSlice<f32>, dbias: &mut CudaSlice<f32>, n: usize, o: usize) -> Result<()> {
+    pub fn bias_cols_bwd(
+        &self,
+        dy: &CudaSlice<f32>,
+        dbias: &mut CudaSlice<f32>,
+        n: usize,
+        o: usize,
+    ) -> Result<()> {
         check_len("bias_cols_bwd", "dy", dy, n * o)?;
         check_len("bias_cols_bwd", "dbias", dbias, o)?;
         if o == 0 {
@@ -325,7 +391,10 @@ impl Gpu {
 
     fn conv_args(g: &ConvGeom, op: &'static str) -> Result<[i32; 12]> {
         if g.stride_h == 0 || g.stride_w == 0 {
-            return Err(Error::shape(op, format!("stride must be positive, got {g:?}")));
+            return Err(Error::shape(
+                op,
+                format!("stride must be positive, got {g:?}"),
+            ));
         }
         Ok([
             dim(op, "N", g.n)?,
@@ -344,7 +413,12 @@ impl Gpu {
     }
 
     /// x: (N, C, H, W) -> col: (N, C*KH*KW, OH*OW), the CPU backend's layout.
-    pub fn im2col_fwd(&self, x: &CudaSlice<f32>, col: &mut CudaSlice<f32>, g: &ConvGeom) -> Result<()> {
+    pub fn im2col_fwd(
+        &self,
+        x: &CudaSlice<f32>,
+        col: &mut CudaSlice<f32>,
+        g: &ConvGeom,
+    ) -> Result<()> {
         let a = Self::conv_args(g, "im2col_fwd")?;
         check_len("im2col_fwd", "x", x, g.x_len())?;
         check_len("im2col_fwd", "col", col, g.col_len())?;
@@ -365,7 +439,12 @@ impl Gpu {
     }
 
     /// col2im: dcol: (N, C*KH*KW, OH*OW) -> dx: (N, C, H, W), dx written.
-    pub fn im2col_bwd(&self, dcol: &CudaSlice<f32>, dx: &mut CudaSlice<f32>, g: &ConvGeom) -> Result<()> {
+    pub fn im2col_bwd(
+        &self,
+        dcol: &CudaSlice<f32>,
+        dx: &mut CudaSlice<f32>,
+        g: &ConvGeom,
+    ) -> Result<()> {
         let a = Self::conv_args(g, "im2col_bwd")?;
         check_len("im2col_bwd", "dcol", dcol, g.col_len())?;
         check_len("im2col_bwd", "dx", dx, g.x_len())?;
@@ -417,7 +496,12 @@ impl Gpu {
         check_len(op, "x", x, n * c * hw)?;
         check_len(op, "y", y, n * c * hw)?;
         Self::check_bn_params(op, &params, c)?;
-        for (what, buf) in [("running_mean", &*running_mean), ("running_var", &*running_var), ("save_mean", &*save_mean), ("save_invstd", &*save_invstd)] {
+        for (what, buf) in [
+            ("running_mean", &*running_mean),
+            ("running_var", &*running_var),
+            ("save_mean", &*save_mean),
+            ("save_invstd", &*save_invstd),
+        ] {
             check_len(op, what, buf, c)?;
         }
         if c == 0 {
@@ -436,7 +520,10 @@ impl Gpu {
             Some(v) => b.arg(v),
             None => b.arg(&null),
         };
-        b.arg(running_mean).arg(running_var).arg(save_mean).arg(save_invstd);
+        b.arg(running_mean)
+            .arg(running_var)
+            .arg(save_mean)
+            .arg(save_invstd);
         b.arg(&ni).arg(&ci).arg(&hw).arg(&momentum).arg(&eps);
         // SAFETY: arguments match batchnorm_train_fwd_f32 (2 tensors, 2 nullable params as
         // device pointers or a 64-bit 0 the kernel tests for NULL, 4 stat buffers, int, int,
@@ -480,7 +567,12 @@ impl Gpu {
             Some(v) => b.arg(v),
             None => b.arg(&null),
         };
-        b.arg(running_mean).arg(running_var).arg(&ci).arg(&hw).arg(&total).arg(&eps);
+        b.arg(running_mean)
+            .arg(running_var)
+            .arg(&ci)
+            .arg(&hw)
+            .arg(&total)
+            .arg(&eps);
         // SAFETY: arguments match batchnorm_eval_fwd_f32; lengths checked; the channel
         // index (i / hw) % C is below C.
         unsafe { b.launch(elem_cfg(total)) }?;
@@ -510,7 +602,10 @@ impl Gpu {
             check_len(op, what, buf, c)?;
         }
         if gamma.is_some() != dgamma.is_some() {
-            return Err(Error::shape(op, "dgamma must be given exactly when gamma is"));
+            return Err(Error::shape(
+                op,
+                "dgamma must be given exactly when gamma is",
+            ));
         }
         if let Some(g) = gamma {
             check_len(op, "gamma", g, c)?;
@@ -553,7 +648,13 @@ impl Gpu {
     // ---- pooling.cu -----------------------------------------------------------------
 
     /// x: (N, C, H, W) with nc = N*C, hw = H*W -> y: (N, C), the spatial mean.
-    pub fn global_avgpool_fwd(&self, x: &CudaSlice<f32>, y: &mut CudaSlice<f32>, nc: usize, hw: usize) -> Result<()> {
+    pub fn global_avgpool_fwd(
+        &self,
+        x: &CudaSlice<f32>,
+        y: &mut CudaSlice<f32>,
+        nc: usize,
+        hw: usize,
+    ) -> Result<()> {
         check_len("global_avgpool_fwd", "x", x, nc * hw)?;
         check_len("global_avgpool_fwd", "y", y, nc)?;
         if nc == 0 {
@@ -569,7 +670,13 @@ impl Gpu {
     }
 
     /// dy: (N, C) -> dx: (N, C, H, W) = dy / (H*W), written.
-    pub fn global_avgpool_bwd(&self, dy: &CudaSlice<f32>, dx: &mut CudaSlice<f32>, nc: usize, hw: usize) -> Result<()> {
+    pub fn global_avgpool_bwd(
+        &self,
+        dy: &CudaSlice<f32>,
+        dx: &mut CudaSlice<f32>,
+        nc: usize,
+        hw: usize,
+    ) -> Result<()> {
         check_len("global_avgpool_bwd", "dy", dy, nc)?;
         check_len("global_avgpool_bwd", "dx", dx, nc * hw)?;
         if nc * hw == 0 {
@@ -612,7 +719,13 @@ impl Gpu {
         let ki = dim(op, "K", k)?;
         let f = self.function("softmax_xent.cu", "softmax_xent", Dir::Fwd)?;
         let mut b = self.stream.launch_builder(&f);
-        b.arg(logits).arg(labels).arg(loss).arg(dlogits).arg(correct).arg(&n).arg(&ki);
+        b.arg(logits)
+            .arg(labels)
+            .arg(loss)
+            .arg(dlogits)
+            .arg(correct)
+            .arg(&n)
+            .arg(&ki);
         // SAFETY: arguments match softmax_xent_fwd_f32(const float*, const unsigned*,
         // float*, float*, unsigned*, size_t, int); lengths checked; out-of-range labels
         // are never used as an index by the kernel.
@@ -625,7 +738,16 @@ impl Gpu {
     /// PyTorch SGD (momentum, weight decay) on one flat parameter buffer; `grad_scale` is
     /// applied to grad first (the trainer passes 1/B). p, grad, buf: (n)
     #[allow(clippy::too_many_arguments)]
-    pub fn sgd_step(&self, p: &mut CudaSlice<f32>, grad: &CudaSlice<f32>, buf: &mut CudaSlice<f32>, lr: f32, momentum: f32, weight_decay: f32, grad_scale: f32) -> Result<()> {
+    pub fn sgd_step(
+        &self,
+        p: &mut CudaSlice<f32>,
+        grad: &CudaSlice<f32>,
+        buf: &mut CudaSlice<f32>,
+        lr: f32,
+        momentum: f32,
+        weight_decay: f32,
+        grad_scale: f32,
+    ) -> Result<()> {
         let n = p.len();
         check_len("sgd_step", "grad", grad, n)?;
         check_len("sgd_step", "momentum buffer", buf, n)?;
@@ -634,7 +756,14 @@ impl Gpu {
         }
         let f = self.function("optim.cu", "sgd_step", Dir::Plain)?;
         let mut b = self.stream.launch_builder(&f);
-        b.arg(p).arg(grad).arg(buf).arg(&lr).arg(&momentum).arg(&weight_decay).arg(&grad_scale).arg(&n);
+        b.arg(p)
+            .arg(grad)
+            .arg(buf)
+            .arg(&lr)
+            .arg(&momentum)
+            .arg(&weight_decay)
+            .arg(&grad_scale)
+            .arg(&n);
         // SAFETY: arguments match sgd_step_f32(float*, const float*, float*, 4 x float,
         // size_t); all three buffers hold n floats (checked).
         unsafe { b.launch(elem_cfg(n)) }?;
@@ -668,7 +797,11 @@ impl Gpu {
         let f = self.function("optim.cu", "adam_step", Dir::Plain)?;
         let mut b = self.stream.launch_builder(&f);
         b.arg(p).arg(grad).arg(m).arg(v);
-        b.arg(&hp.lr).arg(&hp.beta1).arg(&hp.beta2).arg(&hp.eps).arg(&hp.weight_decay);
+        b.arg(&hp.lr)
+            .arg(&hp.beta1)
+            .arg(&hp.beta2)
+            .arg(&hp.eps)
+            .arg(&hp.weight_decay);
         b.arg(&grad_scale).arg(&bc1).arg(&bc2_sqrt).arg(&n);
         // SAFETY: arguments match adam_step_f32(float*, const float*, float*, float*,
         // 8 x float, size_t); all four buffers hold n floats (checked).
@@ -679,7 +812,13 @@ impl Gpu {
     // ---- reduce.cu ------------------------------------------------------------------
 
     /// dst = scale * (src[0] + ... + src[K-1]), left to right. src: (K, n) -> dst: (n)
-    pub fn reduce_sum(&self, src: &CudaSlice<f32>, dst: &mut CudaSlice<f32>, k: usize, scale: f32) -> Result<()> {
+    pub fn reduce_sum(
+        &self,
+        src: &CudaSlice<f32>,
+        dst: &mut CudaSlice<f32>,
+        k: usize,
+        scale: f32,
+    ) -> Result<()> {
         let n = dst.len();
         check_len("reduce_sum", "src", src, k * n)?;
         if n == 0 {
@@ -698,27 +837,56 @@ impl Gpu {
     // ---- dropout.cu -----------------------------------------------------------------
 
     /// Inverted dropout; the mask is the hash of (key, element index). x, y: (n)
-    pub fn dropout_fwd(&self, x: &CudaSlice<f32>, y: &mut CudaSlice<f32>, rate: f32, key: DropoutKey) -> Result<()> {
+    pub fn dropout_fwd(
+        &self,
+        x: &CudaSlice<f32>,
+        y: &mut CudaSlice<f32>,
+        rate: f32,
+        key: DropoutKey,
+    ) -> Result<()> {
         self.dropout(Dir::Fwd, x, y, rate, key)
     }
 
     /// Backward of [`Gpu::dropout_fwd`] with the same `rate` and `key`. dy, dx: (n)
-    pub fn dropout_bwd(&self, dy: &CudaSlice<f32>, dx: &mut CudaSlice<f32>, rate: f32, key: DropoutKey) -> Result<()> {
+    pub fn dropout_bwd(
+        &self,
+        dy: &CudaSlice<f32>,
+        dx: &mut CudaSlice<f32>,
+        rate: f32,
+        key: DropoutKey,
+    ) -> Result<()> {
         self.dropout(Dir::Bwd, dy, dx, rate, key)
     }
 
-    fn dropout(&self, dir: Dir, src: &CudaSlice<f32>, dst: &mut CudaSlice<f32>, rate: f32, key: DropoutKey) -> Result<()> {
+    fn dropout(
+        &self,
+        dir: Dir,
+        src: &CudaSlice<f32>,
+        dst: &mut CudaSlice<f32>,
+        rate: f32,
+        key: DropoutKey,
+    ) -> Result<()> {
         let n = src.len();
         check_len("dropout", "output", dst, n)?;
         if !(0.0..=1.0).contains(&rate) {
-            return Err(Error::config("dropout rate", format!("{rate} is outside [0, 1]")));
+            return Err(Error::config(
+                "dropout rate",
+                format!("{rate} is outside [0, 1]"),
+            ));
         }
         if n == 0 {
             return Ok(());
         }
         let f = self.function("dropout.cu", "dropout", dir)?;
         let mut b = self.stream.launch_builder(&f);
-        b.arg(src).arg(dst).arg(&rate).arg(&key.seed).arg(&key.step).arg(&key.replica).arg(&key.layer).arg(&n);
+        b.arg(src)
+            .arg(dst)
+            .arg(&rate)
+            .arg(&key.seed)
+            .arg(&key.step)
+            .arg(&key.replica)
+            .arg(&key.layer)
+            .arg(&n);
         // SAFETY: arguments match dropout_{fwd,bwd}_f32(const float*, float*, float,
         // 4 x unsigned long long, size_t); both buffers hold n floats (checked).
         unsafe { b.launch(elem_cfg(n)) }?;
@@ -748,7 +916,13 @@ pub struct AdamHyper {
 
 impl Default for AdamHyper {
     fn default() -> Self {
-        AdamHyper { lr: 1e-3, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 }
+        AdamHyper {
+            lr: 1e-3,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.0,
+        }
     }
 }
 

@@ -7,6 +7,7 @@
 //! - [`kernels`]: the kernel sources, the naming helper, NVRTC compilation and its cache;
 //! - [`launch`]: [`launch::Gpu`], one device's context and stream, one checked method
 //!   per kernel.
+//!
 //! The backend (src/backend/cuda.rs) and the NCCL collective (src/comm/) build on these.
 
 pub mod kernels;
@@ -15,4 +16,6 @@ pub mod probe;
 
 pub use kernels::{kernel_name, Dir};
 pub use launch::{AdamHyper, BnParams, ConvGeom, DropoutKey, Gpu};
-pub use probe::{driver_available, gpu_count, gpus, nccl_status, nvrtc_available, GpuInfo, NcclStatus};
+pub use probe::{
+    driver_available, gpu_count, gpus, nccl_status, nvrtc_available, GpuInfo, NcclStatus,
+};

@@ -29,7 +29,8 @@ use crate::{Error, Result};
 pub const NO_DRIVER: &str = "no CUDA driver found (libcuda.so.1); use --devices cpu:N";
 
 /// The message when NVRTC (the runtime compiler for kernels/) is not found.
-pub const NO_NVRTC: &str = "NVRTC not found (libnvrtc.so.13), needed to compile lockstep's CUDA kernels: \
+pub const NO_NVRTC: &str =
+    "NVRTC not found (libnvrtc.so.13), needed to compile lockstep's CUDA kernels: \
 run `pip install nvidia-cuda-nvrtc` (or scripts/install-nvrtc.sh) and add \
 .../site-packages/nvidia/cu13/lib to LD_LIBRARY_PATH";
 
@@ -80,7 +81,10 @@ pub struct GpuInfo {
 impl GpuInfo {
     /// NVRTC target for this GPU, e.g. `sm_90`.
     pub fn arch(&self) -> String {
-        format!("sm_{}{}", self.compute_capability.0, self.compute_capability.1)
+        format!(
+            "sm_{}{}",
+            self.compute_capability.0, self.compute_capability.1
+        )
     }
 }
 
@@ -154,7 +158,9 @@ pub fn default_link_dir() -> PathBuf {
     if let Some(d) = std::env::var_os("LOCKSTEP_NCCL_LINK_DIR") {
         return PathBuf::from(d);
     }
-    let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(std::env::temp_dir);
+    let home = std::env::var_os("HOME")
+        .map(PathBuf::from)
+        .unwrap_or_else(std::env::temp_dir);
     home.join(".cache/lockstep/nccl")
 }
 
