@@ -7,6 +7,7 @@
 //! - [`kernels`]: the kernel sources, the naming helper, NVRTC compilation and its cache;
 //! - [`launch`]: [`launch::Gpu`], one device's context and stream, one checked method
 //!   per kernel.
+//!
 //! The backend (src/backend/cuda.rs) and the NCCL collective (src/comm/) build on these.
 
 pub mod kernels;

@@ -1,0 +1,645 @@
+//! Every CUDA kernel against a plain Rust reference written here (STYLE.md: the CPU is
+//! the oracle), on small random inputs, plus the no-driver behaviour of the probes.
+//!
+//! Without a CUDA driver (CI, laptops) each GPU test writes "skipped: no CUDA driver" to
+//! stderr, visibly, and returns: that is the expected outcome there. The probe tests run
+//! everywhere. References are computed in f64 from the same f32 inputs; tolerances are
+//! stated per test: |gpu - ref| <= atol + rtol * |ref|.
+
+use std::io::Write;
+
+use cudarc::driver::CudaSlice;
+use lockstep::cuda::launch::{AdamHyper, BnParams, ConvGeom, DropoutKey, Gpu};
+use lockstep::cuda::probe::{self, NcclStatus, NO_DRIVER};
+use lockstep::Error;
+
+// ---- harness ----------------------------------------------------------------------
+
+/// The GPU, or None after a loud skip line when this machine has no driver or no GPU.
+fn gpu_or_skip(test: &str) -> Option<Gpu> {
+    // Written to the stderr handle, not eprintln!, so the harness does not swallow it.
+    let loud = |why: &str| {
+        let _ = writeln!(std::io::stderr(), "{test}: skipped: {why}");
+    };
+    if probe::driver_available().is_err() {
+        loud("no CUDA driver");
+        return None;
+    }
+    match probe::gpu_count() {
+        Ok(0) => {
+            loud("no CUDA GPU");
+            None
+        }
+        Ok(_) => Some(Gpu::new(0).expect("driver and GPU present, but Gpu::new(0) failed")),
+        Err(e) => panic!("the CUDA driver is present but cannot count GPUs: {e}"),
+    }
+}
+
+/// SplitMix64, for test inputs only.
+struct Rng(u64);
+impl Rng {
+    fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        mix64(self.0)
+    }
+    /// Uniform in [-1, 1).
+    fn uniform(&mut self) -> f32 {
+        ((self.next_u64() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+    fn vec(&mut self, n: usize) -> Vec<f32> {
+        (0..n).map(|_| self.uniform()).collect()
+    }
+}
+
+fn mix64(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+fn up<T: cudarc::driver::DeviceRepr>(gpu: &Gpu, v: &[T]) -> CudaSlice<T> {
+    gpu.stream().clone_htod(v).expect("host to device copy")
+}
+
+fn down<T: cudarc::driver::DeviceRepr + Default + Clone>(gpu: &Gpu, d: &CudaSlice<T>) -> Vec<T> {
+    gpu.stream().clone_dtoh(d).expect("device to host copy")
+}
+
+#[track_caller]
+fn assert_close(what: &str, got: &[f32], want: &[f64], rtol: f64, atol: f64) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        let err = (g as f64 - w).abs();
+        assert!(
+            err <= atol + rtol * w.abs(),
+            "{what}[{i}]: got {g}, want {w} (|err| {err:e} > {atol:e} + {rtol:e}*|want|)"
+        );
+    }
+}
+
+fn f64s(v: &[f32]) -> Vec<f64> {
+    v.iter().map(|&x| x as f64).collect()
+}
+
+// Elementwise results are one or two float ops: 1e-6 relative covers f32 rounding of
+// the reference's f64 result; sums of up to ~100 terms get 1e-5.
+const RTOL_ELEM: f64 = 1e-6;
+const ATOL_ELEM: f64 = 1e-7;
+const RTOL_SUM: f64 = 1e-5;
+const ATOL_SUM: f64 = 1e-5;
+
+// ---- probes: run everywhere ------------------------------------------------------
+
+#[test]
+fn without_a_driver_probes_give_one_clear_error_and_no_panic() {
+    if probe::driver_available().is_ok() {
+        // A driver here: the probes must agree with each other instead.
+        let count = probe::gpu_count().expect("gpu_count with a driver");
+        let gpus = probe::gpus().expect("gpus with a driver");
+        assert_eq!(gpus.len(), count);
+        for (i, g) in gpus.iter().enumerate() {
+            assert_eq!(g.ordinal, i);
+            assert!(g.total_memory_bytes > 0 && g.compute_capability.0 >= 5, "{g:?}");
+        }
+        return;
+    }
+    let msg = "no CUDA driver found (libcuda.so.1); use --devices cpu:N";
+    assert_eq!(NO_DRIVER, msg);
+    match probe::driver_available() {
+        Err(Error::CudaUnavailable(m)) => assert_eq!(m, msg),
+        other => panic!("expected CudaUnavailable, got {other:?}"),
+    }
+    assert_eq!(probe::driver_available().unwrap_err().to_string(), msg, "Display is the one line");
+    assert!(matches!(probe::gpu_count(), Err(Error::CudaUnavailable(m)) if m == msg));
+    assert!(matches!(probe::gpus(), Err(Error::CudaUnavailable(m)) if m == msg));
+    assert!(matches!(Gpu::new(0), Err(Error::CudaUnavailable(m)) if m == msg));
+}
+
+#[test]
+fn nccl_status_never_panics_and_names_what_it_tried() {
+    match probe::nccl_status() {
+        NcclStatus::Available => {}
+        NcclStatus::NeedsLink { found } => {
+            assert!(found.exists(), "{found:?}");
+            assert!(probe::nccl_status().fix().contains("ln -sf"));
+        }
+        NcclStatus::Missing { tried } => {
+            // cudarc's own names, then the SONAME pip's wheels ship, which cudarc never tries.
+            assert!(tried.iter().any(|t| t == "libnccl.so"), "{tried:?}");
+            assert_eq!(tried.last().map(String::as_str), Some("libnccl.so.2"), "{tried:?}");
+        }
+    }
+}
+
+#[test]
+fn needs_link_says_exactly_what_to_run_and_make_nccl_link_does_it() {
+    let dir = std::env::temp_dir().join(format!("lockstep-nccl-link-{}", std::process::id()));
+    let fake = dir.join("wheel/libnccl.so.2");
+    std::fs::create_dir_all(fake.parent().unwrap()).unwrap();
+    std::fs::write(&fake, b"not really a library").unwrap();
+    let status = NcclStatus::NeedsLink { found: fake.clone() };
+    let fix = status.fix();
+    assert!(fix.contains(&format!("ln -sf {} ", fake.display())), "{fix}");
+    assert!(fix.contains("/libnccl.so && export LD_LIBRARY_PATH="), "{fix}");
+    let link_dir = dir.join("links");
+    let link = probe::make_nccl_link(&fake, &link_dir).unwrap();
+    assert_eq!(link, link_dir.join("libnccl.so"));
+    assert_eq!(std::fs::read(&link).unwrap(), b"not really a library");
+    // Idempotent: a second call replaces the link.
+    probe::make_nccl_link(&fake, &link_dir).unwrap();
+    assert_eq!(std::fs::read_link(&link).unwrap(), fake);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+// ---- elementwise.cu ------------------------------------------------------------------
+
+#[test]
+fn relu_and_rescale_match_the_reference() {
+    let Some(gpu) = gpu_or_skip("relu_and_rescale_match_the_reference") else {
+        return;
+    };
+    let mut rng = Rng(1);
+    let n = 1000;
+    let (x, dy) = (rng.vec(n), rng.vec(n));
+    let (dx_d, dy_d) = (up(&gpu, &x), up(&gpu, &dy));
+    let mut y_d = up(&gpu, &vec![0.0f32; n]);
+    let mut dx_out = up(&gpu, &vec![0.0f32; n]);
+    gpu.relu_fwd(&dx_d, &mut y_d).unwrap();
+    gpu.relu_bwd(&dx_d, &dy_d, &mut dx_out).unwrap();
+    let want_y: Vec<f64> = x.iter().map(|&v| v.max(0.0) as f64).collect();
+    let want_dx: Vec<f64> = x.iter().zip(&dy).map(|(&v, &g)| if v > 0.0 { g as f64 } else { 0.0 }).collect();
+    assert_close("relu y", &down(&gpu, &y_d), &want_y, 0.0, 0.0);
+    assert_close("relu dx", &down(&gpu, &dx_out), &want_dx, 0.0, 0.0);
+
+    let (scale, offset) = (1.0 / 255.0, -0.5);
+    gpu.rescale_fwd(&dx_d, &mut y_d, scale, offset).unwrap();
+    gpu.rescale_bwd(&dy_d, &mut dx_out, scale).unwrap();
+    let want_y: Vec<f64> = x.iter().map(|&v| v as f64 * scale as f64 + offset as f64).collect();
+    let want_dx: Vec<f64> = dy.iter().map(|&g| g as f64 * scale as f64).collect();
+    assert_close("rescale y", &down(&gpu, &y_d), &want_y, RTOL_ELEM, ATOL_ELEM);
+    assert_close("rescale dx", &down(&gpu, &dx_out), &want_dx, RTOL_ELEM, ATOL_ELEM);
+
+    gpu.scale(&mut y_d, 0.25).unwrap();
+    let want: Vec<f64> = want_y.iter().map(|v| v * 0.25).collect();
+    assert_close("scale", &down(&gpu, &y_d), &want, RTOL_ELEM, ATOL_ELEM);
+    gpu.fill(&mut y_d, 3.5).unwrap();
+    assert_close("fill", &down(&gpu, &y_d), &vec![3.5; n], 0.0, 0.0);
+    // A wrong length is a shape error, not a launch.
+    let mut short = up(&gpu, &vec![0.0f32; n - 1]);
+    assert!(matches!(gpu.relu_fwd(&dx_d, &mut short), Err(Error::Shape { op: "relu_fwd", .. })));
+}
+
+#[test]
+fn bias_add_and_its_reduction_match_the_reference() {
+    let Some(gpu) = gpu_or_skip("bias_add_and_its_reduction_match_the_reference") else {
+        return;
+    };
+    let mut rng = Rng(2);
+    // NCHW: N=3, C=5, H=W=7 (hw = 49, so a block of 256 threads covers 147 terms).
+    let (n, c, hw) = (3, 5, 49);
+    let (y0, bias, dy, dbias0) = (rng.vec(n * c * hw), rng.vec(c), rng.vec(n * c * hw), rng.vec(c));
+    let mut y_d = up(&gpu, &y0);
+    gpu.bias_nchw_fwd(&mut y_d, &up(&gpu, &bias), n, c, hw).unwrap();
+    let want: Vec<f64> = (0..n * c * hw).map(|i| y0[i] as f64 + bias[(i / hw) % c] as f64).collect();
+    assert_close("bias_nchw y", &down(&gpu, &y_d), &want, RTOL_ELEM, ATOL_ELEM);
+    let mut db_d = up(&gpu, &dbias0);
+    gpu.bias_nchw_bwd(&up(&gpu, &dy), &mut db_d, n, c, hw).unwrap();
+    let want: Vec<f64> = (0..c)
+        .map(|ch| {
+            dbias0[ch] as f64
+                + (0..n)
+                    .flat_map(|s| (0..hw).map(move |p| (s, p)))
+                    .map(|(s, p)| dy[(s * c + ch) * hw + p] as f64)
+                    .sum::<f64>()
+        })
+        .collect();
+    assert_close("bias_nchw dbias (accumulated)", &down(&gpu, &db_d), &want, RTOL_SUM, ATOL_SUM);
+
+    // (N, O): N=6, O=10.
+    let (n, o) = (6, 10);
+    let (y0, bias, dy, dbias0) = (rng.vec(n * o), rng.vec(o), rng.vec(n * o), rng.vec(o));
+    let mut y_d = up(&gpu, &y0);
+    gpu.bias_cols_fwd(&mut y_d, &up(&gpu, &bias), n, o).unwrap();
+    let want: Vec<f64> = (0..n * o).map(|i| y0[i] as f64 + bias[i % o] as f64).collect();
+    assert_close("bias_cols y", &down(&gpu, &y_d), &want, RTOL_ELEM, ATOL_ELEM);
+    let mut db_d = up(&gpu, &dbias0);
+    gpu.bias_cols_bwd(&up(&gpu, &dy), &mut db_d, n, o).unwrap();
+    let want: Vec<f64> = (0..o).map(|j| dbias0[j] as f64 + (0..n).map(|s| dy[s * o + j] as f64).sum::<f64>()).collect();
+    assert_close("bias_cols dbias (accumulated)", &down(&gpu, &db_d), &want, RTOL_SUM, ATOL_SUM);
+}
+
+// ---- conv.cu -----------------------------------------------------------------------
+
+/// The CPU layout: col[n][(c*KH + kh)*KW + kw][oh*OW + ow].
+fn im2col_ref(x: &[f32], g: &ConvGeom) -> Vec<f64> {
+    let (oh, ow) = (g.oh(), g.ow());
+    let mut col = vec![0.0; g.col_len()];
+    let rows = g.c * g.kh * g.kw;
+    for s in 0..g.n {
+        for ch in 0..g.c {
+            for ky in 0..g.kh {
+                for kx in 0..g.kw {
+                    let row = (ch * g.kh + ky) * g.kw + kx;
+                    for oy in 0..oh {
+                        for ox in 0..ow {
+                            let y = (oy * g.stride_h + ky) as isize - g.pad_top as isize;
+                            let xx = (ox * g.stride_w + kx) as isize - g.pad_left as isize;
+                            if y >= 0 && (y as usize) < g.h && xx >= 0 && (xx as usize) < g.w {
+                                col[(s * rows + row) * oh * ow + oy * ow + ox] =
+                                    x[((s * g.c + ch) * g.h + y as usize) * g.w + xx as usize] as f64;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    col
+}
+
+/// col2im by scatter-add: the transpose of im2col_ref, element by element.
+fn col2im_ref(dcol: &[f32], g: &ConvGeom) -> Vec<f64> {
+    let (oh, ow) = (g.oh(), g.ow());
+    let mut dx = vec![0.0; g.x_len()];
+    let rows = g.c * g.kh * g.kw;
+    for s in 0..g.n {
+        for row in 0..rows {
+            let (ch, ky, kx) = (row / (g.kh * g.kw), (row / g.kw) % g.kh, row % g.kw);
+            for oy in 0..oh {
+                for ox in 0..ow {
+                    let y = (oy * g.stride_h + ky) as isize - g.pad_top as isize;
+                    let xx = (ox * g.stride_w + kx) as isize - g.pad_left as isize;
+                    if y >= 0 && (y as usize) < g.h && xx >= 0 && (xx as usize) < g.w {
+                        dx[((s * g.c + ch) * g.h + y as usize) * g.w + xx as usize] +=
+                            dcol[(s * rows + row) * oh * ow + oy * ow + ox] as f64;
+                    }
+                }
+            }
+        }
+    }
+    dx
+}
+
+#[test]
+fn im2col_and_col2im_match_the_reference_with_stride_and_asymmetric_padding() {
+    let Some(gpu) = gpu_or_skip("im2col_and_col2im_match_the_reference_with_stride_and_asymmetric_padding") else {
+        return;
+    };
+    let mut rng = Rng(3);
+    let geoms = [
+        // The Keras convnet's first layer: 3x3, stride 1, no padding.
+        ConvGeom {
+            n: 2,
+            c: 1,
+            h: 28,
+            w: 28,
+            kh: 3,
+            kw: 3,
+            stride_h: 1,
+            stride_w: 1,
+            pad_top: 0,
+            pad_left: 0,
+            pad_bottom: 0,
+            pad_right: 0,
+        },
+        // TF "same" padding with stride 2 on an even size: 0 top/left, 1 bottom/right.
+        ConvGeom {
+            n: 2,
+            c: 3,
+            h: 8,
+            w: 6,
+            kh: 3,
+            kw: 3,
+            stride_h: 2,
+            stride_w: 2,
+            pad_top: 0,
+            pad_left: 0,
+            pad_bottom: 1,
+            pad_right: 1,
+        },
+        // Everything different: 2x4 kernel, strides 2/3, padding 1/2/0/1.
+        ConvGeom {
+            n: 3,
+            c: 2,
+            h: 7,
+            w: 9,
+            kh: 2,
+            kw: 4,
+            stride_h: 2,
+            stride_w: 3,
+            pad_top: 1,
+            pad_left: 2,
+            pad_bottom: 0,
+            pad_right: 1,
+        },
+    ];
+    for g in &geoms {
+        let x = rng.vec(g.x_len());
+        let mut col_d = up(&gpu, &vec![f32::NAN; g.col_len()]);
+        gpu.im2col_fwd(&up(&gpu, &x), &mut col_d, g).unwrap();
+        // Pure copies and zeros: exact.
+        assert_close(&format!("im2col {g:?}"), &down(&gpu, &col_d), &im2col_ref(&x, g), 0.0, 0.0);
+        let dcol = rng.vec(g.col_len());
+        let mut dx_d = up(&gpu, &vec![f32::NAN; g.x_len()]);
+        gpu.im2col_bwd(&up(&gpu, &dcol), &mut dx_d, g).unwrap();
+        // At most KH*KW terms per element.
+        assert_close(&format!("col2im {g:?}"), &down(&gpu, &dx_d), &col2im_ref(&dcol, g), RTOL_SUM, ATOL_SUM);
+    }
+}
+
+// ---- batchnorm.cu -------------------------------------------------------------------
+
+#[test]
+fn batchnorm_train_eval_and_backward_match_the_reference() {
+    let Some(gpu) = gpu_or_skip("batchnorm_train_eval_and_backward_match_the_reference") else {
+        return;
+    };
+    let mut rng = Rng(4);
+    let (n, c, hw) = (4, 3, 25);
+    let (momentum, eps) = (0.99f32, 1e-3f32);
+    let m = (n * hw) as f64;
+    let at = |s: usize, ch: usize, p: usize| (s * c + ch) * hw + p;
+    for (with_gamma, with_beta) in [(true, true), (false, true), (true, false), (false, false)] {
+        let x: Vec<f32> = rng.vec(n * c * hw).iter().map(|v| 2.0 * v + 0.5).collect();
+        let dy = rng.vec(n * c * hw);
+        let gamma: Vec<f32> = rng.vec(c).iter().map(|v| 1.0 + 0.5 * v).collect();
+        let beta = rng.vec(c);
+        let (rm0, rv0): (Vec<f32>, Vec<f32>) = (rng.vec(c), rng.vec(c).iter().map(|v| 1.0 + 0.5 * v).collect());
+        let (dgamma0, dbeta0) = (rng.vec(c), rng.vec(c));
+        let (g_d, b_d) = (up(&gpu, &gamma), up(&gpu, &beta));
+        let params = BnParams { gamma: with_gamma.then_some(&g_d), beta: with_beta.then_some(&b_d) };
+        let x_d = up(&gpu, &x);
+        let mut y_d = up(&gpu, &vec![0.0f32; x.len()]);
+        let (mut rm_d, mut rv_d) = (up(&gpu, &rm0), up(&gpu, &rv0));
+        let (mut sm_d, mut si_d) = (up(&gpu, &vec![0.0f32; c]), up(&gpu, &vec![0.0f32; c]));
+        gpu.batchnorm_train_fwd(
+            &x_d,
+            &mut y_d,
+            params,
+            &mut rm_d,
+            &mut rv_d,
+            &mut sm_d,
+            &mut si_d,
+            (n, c, hw),
+            momentum,
+            eps,
+        )
+        .unwrap();
+
+        // Reference in f64: biased variance normalises, unbiased variance feeds running_var.
+        let (mut want_y, mut want_dx) = (vec![0.0; x.len()], vec![0.0; x.len()]);
+        let (mut want_rm, mut want_rv, mut want_dg, mut want_db) =
+            (vec![0.0; c], vec![0.0; c], vec![0.0; c], vec![0.0; c]);
+        for ch in 0..c {
+            let idx: Vec<usize> = (0..n).flat_map(|s| (0..hw).map(move |p| at(s, ch, p))).collect();
+            let mean = idx.iter().map(|&i| x[i] as f64).sum::<f64>() / m;
+            let var = idx.iter().map(|&i| (x[i] as f64 - mean).powi(2)).sum::<f64>() / m;
+            let invstd = 1.0 / (var + eps as f64).sqrt();
+            let g = if with_gamma { gamma[ch] as f64 } else { 1.0 };
+            let b = if with_beta { beta[ch] as f64 } else { 0.0 };
+            for &i in &idx {
+                want_y[i] = (x[i] as f64 - mean) * invstd * g + b;
+            }
+            let mo = momentum as f64;
+            want_rm[ch] = mo * rm0[ch] as f64 + (1.0 - mo) * mean;
+            want_rv[ch] = mo * rv0[ch] as f64 + (1.0 - mo) * var * m / (m - 1.0);
+            let sum_dy: f64 = idx.iter().map(|&i| dy[i] as f64).sum();
+            let sum_dyx: f64 = idx.iter().map(|&i| dy[i] as f64 * (x[i] as f64 - mean) * invstd).sum();
+            for &i in &idx {
+                let xhat = (x[i] as f64 - mean) * invstd;
+                want_dx[i] = g * invstd / m * (m * dy[i] as f64 - sum_dy - xhat * sum_dyx);
+            }
+            want_dg[ch] = dgamma0[ch] as f64 + sum_dyx;
+            want_db[ch] = dbeta0[ch] as f64 + sum_dy;
+        }
+        let case = format!("gamma {with_gamma}, beta {with_beta}");
+        // 100 terms per channel through mean and variance: 1e-4 relative, 1e-5 absolute.
+        assert_close(&format!("bn y ({case})"), &down(&gpu, &y_d), &want_y, 1e-4, 1e-5);
+        assert_close(&format!("bn running_mean ({case})"), &down(&gpu, &rm_d), &want_rm, 1e-5, 1e-6);
+        assert_close(&format!("bn running_var ({case})"), &down(&gpu, &rv_d), &want_rv, 1e-5, 1e-6);
+
+        let mut dx_d = up(&gpu, &vec![0.0f32; x.len()]);
+        let (mut dg_d, mut db_d) = (up(&gpu, &dgamma0), up(&gpu, &dbeta0));
+        gpu.batchnorm_train_bwd(
+            &x_d,
+            &up(&gpu, &dy),
+            &mut dx_d,
+            params.gamma,
+            &sm_d,
+            &si_d,
+            with_gamma.then_some(&mut dg_d),
+            with_beta.then_some(&mut db_d),
+            (n, c, hw),
+        )
+        .unwrap();
+        assert_close(&format!("bn dx ({case})"), &down(&gpu, &dx_d), &want_dx, 1e-4, 1e-5);
+        // Absent parameters leave their gradient buffers untouched.
+        let dg_want = if with_gamma { want_dg.clone() } else { f64s(&dgamma0) };
+        let db_want = if with_beta { want_db.clone() } else { f64s(&dbeta0) };
+        assert_close(&format!("bn dgamma ({case})"), &down(&gpu, &dg_d), &dg_want, 1e-4, 1e-5);
+        assert_close(&format!("bn dbeta ({case})"), &down(&gpu, &db_d), &db_want, 1e-4, 1e-5);
+
+        // Eval with the running stats just updated.
+        let (rm, rv) = (down(&gpu, &rm_d), down(&gpu, &rv_d));
+        gpu.batchnorm_eval_fwd(&x_d, &mut y_d, params, &rm_d, &rv_d, (n, c, hw), eps).unwrap();
+        let want: Vec<f64> = (0..x.len())
+            .map(|i| {
+                let ch = (i / hw) % c;
+                let g = if with_gamma { gamma[ch] as f64 } else { 1.0 };
+                let b = if with_beta { beta[ch] as f64 } else { 0.0 };
+                (x[i] as f64 - rm[ch] as f64) / (rv[ch] as f64 + eps as f64).sqrt() * g + b
+            })
+            .collect();
+        assert_close(&format!("bn eval y ({case})"), &down(&gpu, &y_d), &want, 1e-5, 1e-6);
+    }
+}
+
+// ---- pooling.cu, softmax_xent.cu -----------------------------------------------------
+
+#[test]
+fn global_average_pool_matches_the_reference() {
+    let Some(gpu) = gpu_or_skip("global_average_pool_matches_the_reference") else {
+        return;
+    };
+    let mut rng = Rng(5);
+    let (nc, hw) = (2 * 64, 5 * 5);
+    let (x, dy) = (rng.vec(nc * hw), rng.vec(nc));
+    let mut y_d = up(&gpu, &vec![0.0f32; nc]);
+    gpu.global_avgpool_fwd(&up(&gpu, &x), &mut y_d, nc, hw).unwrap();
+    let want: Vec<f64> =
+        (0..nc).map(|i| x[i * hw..(i + 1) * hw].iter().map(|&v| v as f64).sum::<f64>() / hw as f64).collect();
+    assert_close("avgpool y", &down(&gpu, &y_d), &want, RTOL_SUM, ATOL_SUM);
+    let mut dx_d = up(&gpu, &vec![0.0f32; nc * hw]);
+    gpu.global_avgpool_bwd(&up(&gpu, &dy), &mut dx_d, nc, hw).unwrap();
+    let want: Vec<f64> = (0..nc * hw).map(|i| dy[i / hw] as f64 / hw as f64).collect();
+    assert_close("avgpool dx", &down(&gpu, &dx_d), &want, RTOL_ELEM, ATOL_ELEM);
+}
+
+#[test]
+fn softmax_cross_entropy_matches_the_reference() {
+    let Some(gpu) = gpu_or_skip("softmax_cross_entropy_matches_the_reference") else {
+        return;
+    };
+    let mut rng = Rng(6);
+    let (n, k) = (33, 10);
+    let logits: Vec<f32> = rng.vec(n * k).iter().map(|v| 4.0 * v).collect();
+    let mut labels: Vec<u32> = (0..n).map(|_| (rng.next_u64() % k as u64) as u32).collect();
+    // Make sample 0 certainly correct and sample 1 certainly wrong.
+    let argmax = |s: usize| (0..k).fold(0, |a, j| if logits[s * k + j] > logits[s * k + a] { j } else { a });
+    labels[0] = argmax(0) as u32;
+    labels[1] = ((argmax(1) + 1) % k) as u32;
+    let mut loss_d = up(&gpu, &vec![0.0f32; n]);
+    let mut dl_d = up(&gpu, &vec![0.0f32; n * k]);
+    let mut ok_d = up(&gpu, &vec![7u32; n]);
+    gpu.softmax_xent_fwd(&up(&gpu, &logits), &up(&gpu, &labels), &mut loss_d, &mut dl_d, &mut ok_d, k).unwrap();
+    let (mut want_loss, mut want_dl, mut want_ok) = (vec![0.0; n], vec![0.0; n * k], vec![0u32; n]);
+    for s in 0..n {
+        let z: Vec<f64> = logits[s * k..(s + 1) * k].iter().map(|&v| v as f64).collect();
+        let mx = z.iter().cloned().fold(f64::MIN, f64::max);
+        let lse = z.iter().map(|v| (v - mx).exp()).sum::<f64>().ln() + mx;
+        want_loss[s] = lse - z[labels[s] as usize];
+        for j in 0..k {
+            want_dl[s * k + j] = (z[j] - lse).exp() - if j == labels[s] as usize { 1.0 } else { 0.0 };
+        }
+        want_ok[s] = (argmax(s) == labels[s] as usize) as u32;
+    }
+    // expf/logf are within 2 ulp in CUDA; 1e-5 relative plus 1e-6 absolute.
+    assert_close("xent loss", &down(&gpu, &loss_d), &want_loss, 1e-5, 1e-6);
+    assert_close("xent dlogits", &down(&gpu, &dl_d), &want_dl, 1e-5, 1e-6);
+    let ok = down(&gpu, &ok_d);
+    assert_eq!(ok, want_ok);
+    assert_eq!((ok[0], ok[1]), (1, 0));
+}
+
+// ---- optim.cu, reduce.cu ------------------------------------------------------------
+
+#[test]
+fn sgd_and_adam_follow_pytorch_over_several_steps() {
+    let Some(gpu) = gpu_or_skip("sgd_and_adam_follow_pytorch_over_several_steps") else {
+        return;
+    };
+    let mut rng = Rng(7);
+    let n = 257;
+    let p0 = rng.vec(n);
+    let grads: Vec<Vec<f32>> = (0..3).map(|_| rng.vec(n).iter().map(|v| 32.0 * v).collect()).collect();
+    let grad_scale = 1.0 / 32.0; // the trainer's 1/B for B = 32
+
+    // SGD: torch.optim.SGD(lr=0.1, momentum=0.9, weight_decay=1e-4), formulas in optim.cu.
+    let (lr, mu, wd) = (0.1f32, 0.9f32, 1e-4f32);
+    let (mut p_d, mut buf_d) = (up(&gpu, &p0), up(&gpu, &vec![0.0f32; n]));
+    let (mut p, mut buf) = (f64s(&p0), vec![0.0f64; n]);
+    for gr in &grads {
+        gpu.sgd_step(&mut p_d, &up(&gpu, gr), &mut buf_d, lr, mu, wd, grad_scale).unwrap();
+        for i in 0..n {
+            let g = gr[i] as f64 * grad_scale as f64 + wd as f64 * p[i];
+            buf[i] = mu as f64 * buf[i] + g;
+            p[i] -= lr as f64 * buf[i];
+        }
+    }
+    assert_close("sgd p after 3 steps", &down(&gpu, &p_d), &p, 1e-5, 1e-6);
+    assert_close("sgd momentum buffer", &down(&gpu, &buf_d), &buf, 1e-5, 1e-6);
+
+    // Adam: torch.optim.Adam(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2).
+    let hp = AdamHyper { weight_decay: 1e-2, ..AdamHyper::default() };
+    let (mut p_d, mut m_d, mut v_d) = (up(&gpu, &p0), up(&gpu, &vec![0.0f32; n]), up(&gpu, &vec![0.0f32; n]));
+    let (mut p, mut m, mut v) = (f64s(&p0), vec![0.0f64; n], vec![0.0f64; n]);
+    let (b1, b2) = (hp.beta1 as f64, hp.beta2 as f64);
+    for (t, gr) in grads.iter().enumerate() {
+        let t = t as u64 + 1;
+        gpu.adam_step(&mut p_d, &up(&gpu, gr), &mut m_d, &mut v_d, hp, t, grad_scale).unwrap();
+        let (bc1, bc2) = (1.0 - b1.powi(t as i32), 1.0 - b2.powi(t as i32));
+        for i in 0..n {
+            let g = gr[i] as f64 * grad_scale as f64 + hp.weight_decay as f64 * p[i];
+            m[i] += (1.0 - b1) * (g - m[i]);
+            v[i] = b2 * v[i] + (1.0 - b2) * g * g;
+            p[i] -= (hp.lr as f64 / bc1) * m[i] / (v[i].sqrt() / bc2.sqrt() + hp.eps as f64);
+        }
+    }
+    // Each Adam step moves p by about lr = 1e-3, so 1e-6 absolute is 0.1% of a step.
+    assert_close("adam p after 3 steps", &down(&gpu, &p_d), &p, 1e-5, 1e-6);
+    assert_close("adam m", &down(&gpu, &m_d), &m, 1e-5, 1e-6);
+    assert_close("adam v", &down(&gpu, &v_d), &v, 1e-5, 1e-9);
+    assert!(matches!(
+        gpu.adam_step(&mut p_d, &up(&gpu, &grads[0]), &mut m_d, &mut v_d, hp, 0, 1.0),
+        Err(Error::Config { .. })
+    ));
+}
+
+#[test]
+fn reduce_sum_adds_the_buffers_in_order_and_scales() {
+    let Some(gpu) = gpu_or_skip("reduce_sum_adds_the_buffers_in_order_and_scales") else {
+        return;
+    };
+    let mut rng = Rng(8);
+    let (k, n) = (4, 1001);
+    let src = rng.vec(k * n);
+    let mut dst_d = up(&gpu, &vec![0.0f32; n]);
+    gpu.reduce_sum(&up(&gpu, &src), &mut dst_d, k, 0.125).unwrap();
+    let got = down(&gpu, &dst_d);
+    // Bitwise: the kernel's order is buffer 0, 1, 2, 3 in f32, then the scale; redo it.
+    for i in 0..n {
+        let mut acc = 0.0f32;
+        for r in 0..k {
+            acc += src[r * n + i];
+        }
+        assert_eq!(got[i].to_bits(), (acc * 0.125).to_bits(), "element {i}");
+    }
+}
+
+// ---- dropout.cu ----------------------------------------------------------------------
+
+/// The Rust copy of dropout.cu's hash (the CPU backend must run these same lines).
+fn dropout_keep(key: DropoutKey, idx: u64, rate: f32) -> bool {
+    const G: u64 = 0x9E37_79B9_7F4A_7C15;
+    let k = mix64(
+        mix64(mix64(key.seed.wrapping_add(key.step.wrapping_mul(G))).wrapping_add(key.replica.wrapping_mul(G)))
+            .wrapping_add(key.layer.wrapping_mul(G)),
+    );
+    let z = mix64(k.wrapping_add(idx.wrapping_mul(G)));
+    (z >> 40) as f32 * (1.0 / 16_777_216.0) >= rate
+}
+
+#[test]
+fn dropout_mask_is_the_documented_hash_and_backward_reuses_it() {
+    let Some(gpu) = gpu_or_skip("dropout_mask_is_the_documented_hash_and_backward_reuses_it") else {
+        return;
+    };
+    let mut rng = Rng(9);
+    let n = 10_000;
+    let rate = 0.3f32;
+    let key = DropoutKey { seed: 42, step: 7, replica: 1, layer: 3 };
+    let x: Vec<f32> = rng.vec(n).iter().map(|v| v + 2.0).collect(); // never 0, so drops are visible
+    let dy = rng.vec(n);
+    let mut y_d = up(&gpu, &vec![0.0f32; n]);
+    let mut dx_d = up(&gpu, &vec![0.0f32; n]);
+    gpu.dropout_fwd(&up(&gpu, &x), &mut y_d, rate, key).unwrap();
+    gpu.dropout_bwd(&up(&gpu, &dy), &mut dx_d, rate, key).unwrap();
+    let (y, dx) = (down(&gpu, &y_d), down(&gpu, &dx_d));
+    let scale = 1.0f32 / (1.0 - rate);
+    let mut kept = 0;
+    for i in 0..n {
+        let keep = dropout_keep(key, i as u64, rate);
+        kept += keep as usize;
+        // Bitwise: one f32 multiply by the same f32 scale.
+        assert_eq!(y[i].to_bits(), if keep { x[i] * scale } else { 0.0 }.to_bits(), "y[{i}]");
+        assert_eq!(dx[i].to_bits(), if keep { dy[i] * scale } else { 0.0 }.to_bits(), "dx[{i}]");
+    }
+    // Binomial(10000, 0.7): sd = 46, so +-4 sd is 0.7 +- 0.0184.
+    let frac = kept as f64 / n as f64;
+    assert!((frac - 0.7).abs() < 0.0184, "kept fraction {frac}");
+    // Another replica gets another mask.
+    gpu.dropout_fwd(&up(&gpu, &x), &mut y_d, rate, DropoutKey { replica: 2, ..key }).unwrap();
+    assert_ne!(down(&gpu, &y_d), y);
+}
+
+/// Runs everywhere: the Rust copy of the hash against values worked out by hand from the
+/// SplitMix64 definition (mix64(0x9E3779B97F4A7C15) = 0xE220A8397B1DCDAF is the first
+/// output of SplitMix64 seeded with 0, Vigna's reference splitmix64.c).
+#[test]
+fn dropout_hash_reference_is_splitmix64() {
+    assert_eq!(mix64(0x9E37_79B9_7F4A_7C15), 0xE220_A839_7B1D_CDAF);
+    let key = DropoutKey { seed: 0, step: 0, replica: 0, layer: 0 };
+    // rate 0 keeps everything; rate 1 drops everything.
+    assert!((0..1000).all(|i| dropout_keep(key, i, 0.0)));
+    assert!((0..1000).all(|i| !dropout_keep(key, i, 1.0)));
+}
