@@ -25,6 +25,15 @@ pub fn hash64(key: u64, idx: u64) -> u64 {
     mix64(key.wrapping_add(idx.wrapping_mul(GOLDEN)))
 }
 
+/// Key of the dropout stream of one layer of one logical replica at one step. The CUDA
+/// kernel (`kernels/dropout.cu`) computes the same function, so masks agree bit for bit:
+/// key = mix64(mix64(mix64(seed + step·G) + replica·G) + layer·G), G the golden ratio.
+pub fn dropout_key(seed: u64, step: u64, replica: u64, layer: u64) -> u64 {
+    let k = mix64(seed.wrapping_add(step.wrapping_mul(GOLDEN)));
+    let k = mix64(k.wrapping_add(replica.wrapping_mul(GOLDEN)));
+    mix64(k.wrapping_add(layer.wrapping_mul(GOLDEN)))
+}
+
 /// Derives a stream key from a seed and a path of integers (purpose, step, replica, ...).
 pub fn derive_key(seed: u64, path: &[u64]) -> u64 {
     path.iter().fold(mix64(seed ^ 0x6C6F_636B_7374_6570), |k, &p| mix64(k ^ mix64(p.wrapping_add(GOLDEN))))
@@ -40,7 +49,6 @@ pub fn unit_f32(bits: u64) -> f32 {
 pub mod purpose {
     pub const INIT: u64 = 1;
     pub const SHUFFLE: u64 = 2;
-    pub const DROPOUT: u64 = 3;
     pub const SPLIT: u64 = 4;
 }
 

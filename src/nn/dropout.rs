@@ -7,7 +7,7 @@
 
 use super::{Ctx, InputGrad, Layer, Mode, Params, ParamsMut};
 use crate::error::{Error, Result};
-use crate::rng::{derive_key, hash64, unit_f32};
+use crate::rng::{dropout_key, hash64, unit_f32};
 use crate::tensor::{Shape, Tensor};
 
 #[derive(Clone, Debug)]
@@ -48,7 +48,7 @@ impl Layer for Dropout {
         if ctx.mode == Mode::Eval || self.rate == 0.0 {
             return Ok(x);
         }
-        let key = derive_key(ctx.stream_key, &[ctx.layer_index as u64]);
+        let key = dropout_key(ctx.seed, ctx.step, ctx.replica as u64, ctx.layer_index as u64);
         let keep = 1.0 / (1.0 - self.rate);
         self.scale.extend((0..x.numel() as u64).map(
             |i| {

@@ -75,9 +75,8 @@ pub struct ParamSpec {
 #[derive(Clone, Copy, Debug)]
 pub struct Ctx {
     pub mode: Mode,
-    /// Key of the random streams of this (seed, step, logical replica); each layer
-    /// derives its own stream from it and its index.
-    pub stream_key: u64,
+    /// Seed of the run: random streams derive from (seed, step, replica, layer).
+    pub seed: u64,
     /// Index of the layer in its Sequential (set by Sequential).
     pub layer_index: usize,
     /// The global step (0-based) of a training forward.
@@ -91,14 +90,13 @@ pub struct Ctx {
 impl Ctx {
     /// A context for evaluation on `device` (no randomness is drawn in eval mode).
     pub fn eval(device: Device) -> Ctx {
-        Ctx { mode: Mode::Eval, stream_key: 0, layer_index: 0, step: 0, replica: 0, device }
+        Ctx { mode: Mode::Eval, seed: 0, layer_index: 0, step: 0, replica: 0, device }
     }
 
     /// A context for training step `step` of logical replica `replica`, whose random
     /// streams derive from `seed`.
     pub fn train(seed: u64, step: u64, replica: usize, device: Device) -> Ctx {
-        let stream_key = crate::rng::derive_key(seed, &[crate::rng::purpose::DROPOUT, step, replica as u64]);
-        Ctx { mode: Mode::Train, stream_key, layer_index: 0, step, replica, device }
+        Ctx { mode: Mode::Train, seed, layer_index: 0, step, replica, device }
     }
 }
 
