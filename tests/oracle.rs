@@ -142,7 +142,7 @@ fn check_training(case: &str, devices: Devices, replicas: usize, final_tol: f32)
         assert!(d <= final_tol, "{case} on {devices}: final {name} differs by {d:e} (tolerance {final_tol:e})");
     }
     // The README states no tolerance for the optimiser state. Without BatchNorm, m and v
-    // agree to 2% of each tensor's largest value after 20 steps (measured: < 1%); with
+    // agree to 2% of each tensor's largest value after 20 steps; with
     // BatchNorm the rounding noise of conv2.bias feeds back through the running
     // statistics, so only the parameters are compared there.
     let opt_file = dir.join("final_optimizer.safetensors");
