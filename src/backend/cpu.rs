@@ -147,32 +147,57 @@ impl ConvGeom {
     }
 }
 
+/// Output columns `ox` whose input column `ox·s + j − pad` lies inside `0..w`.
+#[inline]
+fn valid_cols(j: usize, pad: usize, s: usize, w: usize, ow: usize) -> std::ops::Range<usize> {
+    // ox·s + j ≥ pad  ⇔  ox ≥ ⌈(pad − j)/s⌉;  ox·s + j − pad ≤ w − 1  ⇔  ox ≤ ⌊(w − 1 + pad − j)/s⌋
+    let lo = pad.saturating_sub(j).div_ceil(s).min(ow);
+    let hi = if w + pad > j { ((w - 1 + pad - j) / s + 1).min(ow) } else { 0 };
+    lo..hi.max(lo)
+}
+
+/// Per kernel column j: the valid output columns and the input column of the first.
+fn column_plan(g: &ConvGeom) -> Vec<(std::ops::Range<usize>, usize)> {
+    (0..g.kw)
+        .map(|j| {
+            let cols = valid_cols(j, g.pad_left, g.stride, g.w, g.ow);
+            let first = (cols.start * g.stride + j).saturating_sub(g.pad_left);
+            (cols, first)
+        })
+        .collect()
+}
+
 /// Unfolds one sample. x: (C, H, W) → col: (C·KH·KW, OH·OW), row (c·KH + i)·KW + j holds
 /// x[c, oy·s + i − pad_top, ox·s + j − pad_left] (0 outside the image).
 pub fn im2col(x: &[f32], g: &ConvGeom, col: &mut [f32]) {
     let p = g.col_cols();
     debug_assert_eq!(x.len(), g.c * g.h * g.w);
     debug_assert_eq!(col.len(), g.col_rows() * p);
-    let mut row = 0;
+    let (s, ow) = (g.stride, g.ow);
+    let plan = column_plan(g);
     for c in 0..g.c {
         let xc = &x[c * g.h * g.w..(c + 1) * g.h * g.w];
         for i in 0..g.kh {
-            for j in 0..g.kw {
-                let dst = &mut col[row * p..(row + 1) * p];
-                for oy in 0..g.oh {
-                    let iy = (oy * g.stride + i) as isize - g.pad_top as isize;
-                    let out = &mut dst[oy * g.ow..(oy + 1) * g.ow];
-                    if iy < 0 || iy >= g.h as isize {
+            let rows = &mut col[(c * g.kh + i) * g.kw * p..(c * g.kh + i + 1) * g.kw * p];
+            for oy in 0..g.oh {
+                let iy = (oy * s + i) as isize - g.pad_top as isize;
+                let inside = iy >= 0 && iy < g.h as isize;
+                let xr = if inside { &xc[iy as usize * g.w..(iy as usize + 1) * g.w] } else { &xc[..0] };
+                for (j, (cols, first)) in plan.iter().enumerate() {
+                    let out = &mut rows[j * p + oy * ow..j * p + (oy + 1) * ow];
+                    if !inside || cols.is_empty() {
                         out.fill(0.0);
                         continue;
                     }
-                    let xr = &xc[iy as usize * g.w..(iy as usize + 1) * g.w];
-                    for (ox, o) in out.iter_mut().enumerate() {
-                        let ix = (ox * g.stride + j) as isize - g.pad_left as isize;
-                        *o = if ix >= 0 && (ix as usize) < g.w { xr[ix as usize] } else { 0.0 };
+                    out[..cols.start].fill(0.0);
+                    out[cols.end..].fill(0.0);
+                    let dst = &mut out[cols.clone()];
+                    let n = dst.len();
+                    let src = &xr[*first..first + (n - 1) * s + 1];
+                    for k in 0..n {
+                        dst[k] = src[k * s];
                     }
                 }
-                row += 1;
             }
         }
     }
@@ -182,26 +207,29 @@ pub fn im2col(x: &[f32], g: &ConvGeom, col: &mut [f32]) {
 /// dcol: (C·KH·KW, OH·OW) → dx: (C, H, W), accumulated into `dx` (zero it first).
 pub fn col2im(dcol: &[f32], g: &ConvGeom, dx: &mut [f32]) {
     let p = g.col_cols();
-    let mut row = 0;
+    let (s, ow) = (g.stride, g.ow);
+    let plan = column_plan(g);
     for c in 0..g.c {
         let dxc = &mut dx[c * g.h * g.w..(c + 1) * g.h * g.w];
         for i in 0..g.kh {
-            for j in 0..g.kw {
-                let src = &dcol[row * p..(row + 1) * p];
-                for oy in 0..g.oh {
-                    let iy = (oy * g.stride + i) as isize - g.pad_top as isize;
-                    if iy < 0 || iy >= g.h as isize {
+            let rows = &dcol[(c * g.kh + i) * g.kw * p..(c * g.kh + i + 1) * g.kw * p];
+            for oy in 0..g.oh {
+                let iy = (oy * s + i) as isize - g.pad_top as isize;
+                if iy < 0 || iy >= g.h as isize {
+                    continue;
+                }
+                let dr = &mut dxc[iy as usize * g.w..(iy as usize + 1) * g.w];
+                for (j, (cols, first)) in plan.iter().enumerate() {
+                    if cols.is_empty() {
                         continue;
                     }
-                    let dr = &mut dxc[iy as usize * g.w..(iy as usize + 1) * g.w];
-                    for (ox, &v) in src[oy * g.ow..(oy + 1) * g.ow].iter().enumerate() {
-                        let ix = (ox * g.stride + j) as isize - g.pad_left as isize;
-                        if ix >= 0 && (ix as usize) < g.w {
-                            dr[ix as usize] += v;
-                        }
+                    let src = &rows[j * p + oy * ow + cols.start..j * p + oy * ow + cols.end];
+                    let n = src.len();
+                    let dst = &mut dr[*first..first + (n - 1) * s + 1];
+                    for k in 0..n {
+                        dst[k * s] += src[k];
                     }
                 }
-                row += 1;
             }
         }
     }
@@ -295,6 +323,42 @@ mod tests {
         let one = run(1);
         assert_eq!(one, run(2));
         assert_eq!(one, run(3));
+    }
+
+    /// The reference: the definition, element by element.
+    fn im2col_naive(x: &[f32], g: &ConvGeom) -> Vec<f32> {
+        let mut col = Vec::new();
+        for c in 0..g.c {
+            for i in 0..g.kh {
+                for j in 0..g.kw {
+                    for oy in 0..g.oh {
+                        for ox in 0..g.ow {
+                            let iy = (oy * g.stride + i) as isize - g.pad_top as isize;
+                            let ix = (ox * g.stride + j) as isize - g.pad_left as isize;
+                            let inside = (0..g.h as isize).contains(&iy) && (0..g.w as isize).contains(&ix);
+                            col.push(if inside { x[(c * g.h + iy as usize) * g.w + ix as usize] } else { 0.0 });
+                        }
+                    }
+                }
+            }
+        }
+        col
+    }
+
+    #[test]
+    fn im2col_matches_its_definition() {
+        let geoms = [
+            ConvGeom { c: 2, h: 7, w: 6, kh: 3, kw: 2, stride: 2, pad_top: 1, pad_left: 0, oh: 4, ow: 3 },
+            ConvGeom { c: 1, h: 5, w: 5, kh: 4, kw: 4, stride: 1, pad_top: 1, pad_left: 1, oh: 5, ow: 5 },
+            ConvGeom { c: 3, h: 12, w: 12, kh: 6, kw: 6, stride: 2, pad_top: 2, pad_left: 2, oh: 6, ow: 6 },
+            ConvGeom { c: 2, h: 3, w: 3, kh: 3, kw: 3, stride: 3, pad_top: 2, pad_left: 2, oh: 2, ow: 2 },
+        ];
+        for g in geoms {
+            let x = data(g.c * g.h * g.w, 9);
+            let mut col = vec![f32::NAN; g.col_rows() * g.col_cols()];
+            im2col(&x, &g, &mut col);
+            assert_eq!(col, im2col_naive(&x, &g), "{g:?}");
+        }
     }
 
     #[test]
