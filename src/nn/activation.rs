@@ -7,8 +7,8 @@ use crate::tensor::{Shape, Tensor};
 /// max(x, 0). The gradient at exactly 0 is 0, as in PyTorch.
 #[derive(Clone, Debug, Default)]
 pub struct Relu {
-    /// Which inputs were positive, from the training forward. (any shape, flattened)
-    positive: Vec<bool>,
+    /// 1 where the input was positive, from the training forward (any shape, flattened).
+    positive: Vec<u8>,
 }
 
 impl Relu {
@@ -28,15 +28,18 @@ impl Layer for Relu {
 
     // x: any shape → y: same shape
     fn forward(&mut self, mut x: Tensor, _p: Params<'_>, _b: ParamsMut<'_>, ctx: &Ctx) -> Result<Tensor> {
-        if ctx.mode == Mode::Train {
-            self.positive.clear();
-            self.positive.extend(x.host().iter().map(|&v| v > 0.0));
-        }
         // `v < 0` is false for NaN: a NaN passes through, as in PyTorch, so that a
         // diverging run shows a NaN loss instead of silently training on zeros.
-        for v in x.host_mut() {
-            if *v < 0.0 {
-                *v = 0.0;
+        let xs = x.host_mut();
+        if ctx.mode == Mode::Train {
+            self.positive.resize(xs.len(), 0);
+            for (v, m) in xs.iter_mut().zip(self.positive.iter_mut()) {
+                *m = u8::from(*v > 0.0);
+                *v = if *v < 0.0 { 0.0 } else { *v };
+            }
+        } else {
+            for v in xs.iter_mut() {
+                *v = if *v < 0.0 { 0.0 } else { *v };
             }
         }
         Ok(x)
@@ -60,9 +63,7 @@ impl Layer for Relu {
             ));
         }
         for (d, &p) in dout.host_mut().iter_mut().zip(&self.positive) {
-            if !p {
-                *d = 0.0;
-            }
+            *d = if p != 0 { *d } else { 0.0 };
         }
         Ok(Some(dout))
     }

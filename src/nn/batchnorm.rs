@@ -22,8 +22,55 @@ pub struct BatchNorm2d {
     momentum: f32,
     scale: bool,
     center: bool,
-    /// x̂: (N, C, H, W) and 1/sqrt(var + eps): (C), from the training forward.
-    cache: Option<(Tensor, Vec<f32>)>,
+    /// x̂: (N, C, H, W) and 1/sqrt(var + eps): (C), from the training forward. The
+    /// vectors keep their capacity from step to step.
+    xhat: Vec<f32>,
+    invstd: Vec<f32>,
+    cached: Option<Shape>,
+}
+
+/// Σ v in f64, with eight independent accumulators (vectorisable; the order is fixed by
+/// the length alone).
+fn sum_f64(v: &[f32]) -> f64 {
+    let mut acc = [0.0f64; 8];
+    let chunks = v.chunks_exact(8);
+    let tail: f64 = chunks.remainder().iter().map(|&x| x as f64).sum();
+    for c in chunks {
+        for (a, &x) in acc.iter_mut().zip(c) {
+            *a += x as f64;
+        }
+    }
+    acc.iter().sum::<f64>() + tail
+}
+
+/// Σ (v − m)² in f64, as [`sum_f64`].
+fn sum_sq_dev_f64(v: &[f32], m: f64) -> f64 {
+    let mut acc = [0.0f64; 8];
+    let chunks = v.chunks_exact(8);
+    let tail: f64 = chunks.remainder().iter().map(|&x| (x as f64 - m) * (x as f64 - m)).sum();
+    for c in chunks {
+        for (a, &x) in acc.iter_mut().zip(c) {
+            let d = x as f64 - m;
+            *a += d * d;
+        }
+    }
+    acc.iter().sum::<f64>() + tail
+}
+
+/// (Σ d, Σ d·x̂) in f64, as [`sum_f64`].
+fn sums_dy_dyx(d: &[f32], xh: &[f32]) -> (f64, f64) {
+    let (mut a, mut b) = ([0.0f64; 8], [0.0f64; 8]);
+    let (dc, xc) = (d.chunks_exact(8), xh.chunks_exact(8));
+    let (dr, xr) = (dc.remainder(), xc.remainder());
+    for (dd, xx) in dc.zip(xc) {
+        for k in 0..8 {
+            a[k] += dd[k] as f64;
+            b[k] += dd[k] as f64 * xx[k] as f64;
+        }
+    }
+    let ta: f64 = dr.iter().map(|&v| v as f64).sum();
+    let tb: f64 = dr.iter().zip(xr).map(|(&v, &w)| v as f64 * w as f64).sum();
+    (a.iter().sum::<f64>() + ta, b.iter().sum::<f64>() + tb)
 }
 
 /// Per-channel sums over (N, H, W) in f64, one channel per task; within a channel the
@@ -38,7 +85,7 @@ where
 impl BatchNorm2d {
     /// Keras defaults: eps 1e-3, momentum 0.99, `scale` and `center` on.
     pub fn new(channels: usize) -> BatchNorm2d {
-        BatchNorm2d { channels, eps: 1e-3, momentum: 0.99, scale: true, center: true, cache: None }
+        BatchNorm2d { channels, eps: 1e-3, momentum: 0.99, scale: true, center: true, xhat: Vec::new(), invstd: Vec::new(), cached: None }
     }
 
     /// Sets eps (added to the variance).
@@ -120,10 +167,9 @@ impl Layer for BatchNorm2d {
                 let xs = x.host();
                 let stats = per_channel(c, |ch| {
                     let plane = |s: usize| &xs[(s * c + ch) * hw..(s * c + ch + 1) * hw];
-                    let sum: f64 = (0..n).map(|s| plane(s).iter().map(|&v| v as f64).sum::<f64>()).sum();
+                    let sum: f64 = (0..n).map(|s| sum_f64(plane(s))).sum();
                     let mean = sum / m as f64;
-                    let sq: f64 =
-                        (0..n).map(|s| plane(s).iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>()).sum();
+                    let sq: f64 = (0..n).map(|s| sum_sq_dev_f64(plane(s), mean)).sum();
                     (mean, sq / m as f64)
                 });
                 let (mom, unbias) = (self.momentum as f64, if m > 1 { m as f64 / (m as f64 - 1.0) } else { 1.0 });
@@ -139,29 +185,37 @@ impl Layer for BatchNorm2d {
                 (rm.to_vec(), rv.iter().map(|&v| 1.0 / (v + self.eps).sqrt()).collect())
             }
         };
-        // x̂ = (x − mean)·invstd, in place; y = γ·x̂ + β.
-        x.host_mut().par_chunks_mut(c * hw).for_each(|sample| {
-            for (ch, plane) in sample.chunks_exact_mut(hw).enumerate() {
-                let (mu, is) = (mean[ch], invstd[ch]);
-                for v in plane {
-                    *v = (*v - mu) * is;
-                }
-            }
-        });
-        if ctx.mode == Mode::Train {
-            let xhat = x.clone();
-            self.cache = Some((xhat, invstd));
+        // One pass: x̂ = (x − mean)·invstd (kept for backward in training), y = γ·x̂ + β.
+        let train = ctx.mode == Mode::Train;
+        if train {
+            self.xhat.resize(x.numel(), 0.0);
         }
-        if gamma.is_some() || beta.is_some() {
-            x.host_mut().par_chunks_mut(c * hw).for_each(|sample| {
-                for (ch, plane) in sample.chunks_exact_mut(hw).enumerate() {
-                    let g = gamma.map_or(1.0, |g| g[ch]);
-                    let b = beta.map_or(0.0, |b| b[ch]);
+        let xhat: &mut [f32] = if train { &mut self.xhat } else { &mut [] };
+        let per = c * hw;
+        let write = |sample: &mut [f32], cache: &mut [f32]| {
+            for ch in 0..c {
+                let (mu, is) = (mean[ch], invstd[ch]);
+                let g = gamma.map_or(1.0, |g| g[ch]);
+                let b = beta.map_or(0.0, |b| b[ch]);
+                let plane = &mut sample[ch * hw..(ch + 1) * hw];
+                if cache.is_empty() {
                     for v in plane {
-                        *v = *v * g + b;
+                        *v = (*v - mu) * is * g + b;
+                    }
+                } else {
+                    for (v, xh) in plane.iter_mut().zip(&mut cache[ch * hw..(ch + 1) * hw]) {
+                        *xh = (*v - mu) * is;
+                        *v = *xh * g + b;
                     }
                 }
-            });
+            }
+        };
+        if train {
+            x.host_mut().par_chunks_mut(per).zip(xhat.par_chunks_mut(per)).for_each(|(s, xh)| write(s, xh));
+            self.invstd = invstd;
+            self.cached = Some(x.shape().clone());
+        } else {
+            x.host_mut().par_chunks_mut(per).for_each(|s| write(s, &mut []));
         }
         Ok(x)
     }
@@ -176,28 +230,25 @@ impl Layer for BatchNorm2d {
         input_grad: InputGrad,
         _ctx: &Ctx,
     ) -> Result<Option<Tensor>> {
-        let (xhat, invstd) = self
-            .cache
+        let shape = self
+            .cached
             .take()
             .ok_or_else(|| Error::config("BatchNorm2d backward", "no training forward to differentiate"))?;
-        if dout.shape() != xhat.shape() {
-            return Err(Error::shape(
-                "BatchNorm2d backward",
-                format!("dout {} for input {}", dout.shape(), xhat.shape()),
-            ));
+        if dout.shape() != &shape {
+            return Err(Error::shape("BatchNorm2d backward", format!("dout {} for input {shape}", dout.shape())));
         }
-        let (n, c, h, w) = xhat.shape().nchw("BatchNorm2d backward")?;
+        let (n, c, h, w) = shape.nchw("BatchNorm2d backward")?;
+        let invstd = &self.invstd;
         let hw = h * w;
         let m = (n * hw) as f64;
-        let (xs, ds) = (xhat.host(), dout.host());
+        let (xs, ds) = (self.xhat.as_slice(), dout.host());
         let sums = per_channel(c, |ch| {
             let (mut sd, mut sdx) = (0.0f64, 0.0f64);
             for s in 0..n {
                 let r = (s * c + ch) * hw..(s * c + ch + 1) * hw;
-                for (&d, &xh) in ds[r.clone()].iter().zip(&xs[r]) {
-                    sd += d as f64;
-                    sdx += d as f64 * xh as f64;
-                }
+                let (a, b) = sums_dy_dyx(&ds[r.clone()], &xs[r]);
+                sd += a;
+                sdx += b;
             }
             (sd, sdx)
         });
@@ -234,7 +285,7 @@ impl Layer for BatchNorm2d {
     }
 
     fn boxed_clone(&self) -> Box<dyn Layer> {
-        Box::new(BatchNorm2d { cache: None, ..self.clone() })
+        Box::new(BatchNorm2d { xhat: Vec::new(), invstd: Vec::new(), cached: None, ..self.clone() })
     }
 
     fn describe(&self) -> String {
