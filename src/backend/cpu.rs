@@ -326,6 +326,19 @@ pub fn batch_groups(n: usize) -> Vec<std::ops::Range<usize>> {
     (0..g).map(|i| (i * n / g)..((i + 1) * n / g)).filter(|r| !r.is_empty()).collect()
 }
 
+/// Splits `buf` ((n·per) values, sample after sample) into the slices of the
+/// [`batch_groups`] of `n`, so that each group can be written by its own task.
+pub fn split_by_groups(buf: &mut [f32], n: usize, per: usize) -> Vec<&mut [f32]> {
+    let mut parts = Vec::new();
+    let mut rest = buf;
+    for r in batch_groups(n) {
+        let (head, tail) = rest.split_at_mut(r.len() * per);
+        parts.push(head);
+        rest = tail;
+    }
+    parts
+}
+
 /// `((p0 + p1) + p2) + ...`, element-wise, in index order (empty for no part).
 pub fn sum_partials(parts: &[Vec<f32>]) -> Vec<f32> {
     let Some((first, rest)) = parts.split_first() else { return Vec::new() };

@@ -12,7 +12,7 @@ use rayon::prelude::*;
 
 use super::{Ctx, Init, InputGrad, Layer, Mode, ParamSpec, Params, ParamsMut};
 use crate::backend::cpu::{
-    add_partials, batch_groups, chw_to_hwc, gemm_strided, hwc_to_chw, im2row, row2im, sum_partials, Accumulate, ConvGeom, Mat,
+    add_partials, batch_groups, chw_to_hwc, gemm_with, hwc_to_chw, im2row, row2im, split_by_groups, sum_partials, Accumulate, ConvGeom, Mat,
     Threads,
 };
 use crate::error::{Error, Result};
@@ -123,41 +123,47 @@ impl Layer for Conv2d {
         p
     }
 
-    // x: (N, C, H, W) → y: (N, O, OH, OW). Per sample, channels-last: the input is
-    // transposed to (H, W, C), unfolded into rows (OH·OW, KH·KW·C) and multiplied by the
-    // weight as (KH·KW·C, O); the product is written transposed, straight into NCHW.
+    // x: (N, C, H, W) → y: (N, O, OH, OW). In groups of samples (`batch_groups`), each
+    // sample transposed to channels-last (H, W, C) and unfolded into rows (OH·OW,
+    // KH·KW·C); one GEMM per group multiplies the stacked rows (G·OH·OW, KH·KW·C) by the
+    // weight seen as (KH·KW·C, O), and each sample's (OH·OW, O) block is transposed
+    // back into NCHW.
     fn forward(&mut self, x: Tensor, params: Params<'_>, _buffers: ParamsMut<'_>, ctx: &Ctx) -> Result<Tensor> {
         let (n, g) = self.geometry(x.shape())?;
         let (o, kkc, p) = (self.filters, g.col_rows(), g.col_cols());
         let wt = oihw_to_hwio(params.get(0), o, g.c, g.kh * g.kw);
         let bias = self.use_bias.then(|| params.get(1));
-        let mut y = vec![0.0f32; n * o * p];
         let per_in = g.c * g.h * g.w;
-        y.par_chunks_mut(o * p).zip(x.host().par_chunks(per_in)).for_each_init(
-            || (vec![0.0f32; per_in], vec![0.0f32; p * kkc]),
-            |(xt, rows), (yn, xn)| {
-                chw_to_hwc(xn, g.c, xt);
-                im2row(xt, &g, rows);
-                let acc = match bias {
-                    Some(b) => {
-                        for (plane, &bo) in yn.chunks_exact_mut(p).zip(b) {
-                            plane.fill(bo);
-                        }
-                        Accumulate::Add
+        let mut y = vec![0.0f32; n * o * p];
+        let groups = batch_groups(n);
+        let xs = x.host();
+        groups.into_par_iter().zip(split_by_groups(&mut y, n, o * p)).for_each(|(range, y_group)| {
+            let gs = range.len();
+            let (mut xt, mut rows) = (vec![0.0f32; per_in], vec![0.0f32; gs * p * kkc]);
+            for (k, s) in range.enumerate() {
+                chw_to_hwc(&xs[s * per_in..(s + 1) * per_in], g.c, &mut xt);
+                im2row(&xt, &g, &mut rows[k * p * kkc..(k + 1) * p * kkc]);
+            }
+            let mut out = vec![0.0f32; gs * p * o];
+            gemm_with(Mat::rows(&rows, gs * p, kkc), Mat::rows(&wt, kkc, o), &mut out, o, Accumulate::Overwrite, Threads::Caller);
+            for (yn, on) in y_group.chunks_exact_mut(o * p).zip(out.chunks_exact(p * o)) {
+                hwc_to_chw(on, o, yn);
+                if let Some(b) = bias {
+                    for (plane, &bo) in yn.chunks_exact_mut(p).zip(b) {
+                        plane.iter_mut().for_each(|v| *v += bo);
                     }
-                    None => Accumulate::Overwrite,
-                };
-                gemm_strided(Mat::rows(rows, p, kkc), Mat::rows(&wt, kkc, o), yn, (1, p), acc, Threads::Caller);
-            },
-        );
+                }
+            }
+        });
         let y = Tensor::from_vec_on(y, [n, o, g.oh, g.ow], x.device())?;
         self.x = (ctx.mode == Mode::Train).then_some(x);
         Ok(y)
     }
 
-    // dout: (N, O, OH, OW) → dx: (N, C, H, W). Per sample, with rows as in forward:
-    // dweight (KH·KW·C, O) += rowsᵀ · doutᵀ; drows (OH·OW, KH·KW·C) = doutᵀ · weightᵀ,
-    // folded back with row2im; dbias (O) += Σ_p dout[o, p].
+    // dout: (N, O, OH, OW) → dx: (N, C, H, W). Per group, with the stacked rows of
+    // forward and doutᵀ stacked as (G·OH·OW, O): dweight (KH·KW·C, O) += rowsᵀ · doutᵀ;
+    // drows = doutᵀ · weightᵀ, folded back per sample with row2im; dbias (O) += Σ dout.
+    // Group partial sums are added in group order.
     fn backward(
         &mut self,
         dout: Tensor,
@@ -181,38 +187,36 @@ impl Layer for Conv2d {
         let (xs, ds) = (x.host(), dout.host());
         let (use_bias, need_dx) = (self.use_bias, input_grad == InputGrad::Needed);
         let mut dx = vec![0.0f32; if need_dx { n * per_in } else { 0 }];
-        // Each group of samples gets its own slice of dx and its own partial sums.
         let groups = batch_groups(n);
-        let mut dx_parts = Vec::with_capacity(groups.len());
-        let mut rest = dx.as_mut_slice();
-        for r in &groups {
-            let (head, tail) = rest.split_at_mut(if need_dx { r.len() * per_in } else { 0 });
-            dx_parts.push(head);
-            rest = tail;
-        }
+        let dx_parts = split_by_groups(&mut dx, n, if need_dx { per_in } else { 0 });
         let partials: Vec<(Vec<f32>, Vec<f32>)> = groups
             .into_par_iter()
             .zip(dx_parts)
             .map(|(range, dx_group)| {
-                let mut dwt = vec![0.0f32; kkc * o];
+                let gs = range.len();
+                let mut xt = vec![0.0f32; per_in];
+                let mut rows = vec![0.0f32; gs * p * kkc];
+                let mut dout_t = vec![0.0f32; gs * p * o];
                 let mut db = vec![0.0f32; if use_bias { o } else { 0 }];
-                let (mut xt, mut rows) = (vec![0.0f32; per_in], vec![0.0f32; p * kkc]);
-                let mut drows = vec![0.0f32; if need_dx { p * kkc } else { 0 }];
                 for (k, s) in range.enumerate() {
                     let dn = &ds[s * o * p..(s + 1) * o * p];
-                    let dn_t = Mat { data: dn, rows: p, cols: o, rs: 1, cs: p };
                     chw_to_hwc(&xs[s * per_in..(s + 1) * per_in], g.c, &mut xt);
-                    im2row(&xt, &g, &mut rows);
-                    gemm_strided(Mat::rows(&rows, p, kkc).t(), dn_t, &mut dwt, (o, 1), Accumulate::Add, Threads::Caller);
+                    im2row(&xt, &g, &mut rows[k * p * kkc..(k + 1) * p * kkc]);
+                    chw_to_hwc(dn, o, &mut dout_t[k * p * o..(k + 1) * p * o]);
                     for (b, plane) in db.iter_mut().zip(dn.chunks_exact(p)) {
                         *b += plane.iter().sum::<f32>();
                     }
-                    if need_dx {
-                        let wt_t = Mat::rows(&wt, kkc, o).t();
-                        gemm_strided(dn_t, wt_t, &mut drows, (kkc, 1), Accumulate::Overwrite, Threads::Caller);
+                }
+                let mut dwt = vec![0.0f32; kkc * o];
+                let dout_mat = Mat::rows(&dout_t, gs * p, o);
+                gemm_with(Mat::rows(&rows, gs * p, kkc).t(), dout_mat, &mut dwt, o, Accumulate::Overwrite, Threads::Caller);
+                if need_dx {
+                    // rows is no longer needed: reuse it for drows.
+                    gemm_with(dout_mat, Mat::rows(&wt, kkc, o).t(), &mut rows, kkc, Accumulate::Overwrite, Threads::Caller);
+                    for (k, dxn) in dx_group.chunks_exact_mut(per_in).enumerate() {
                         xt.fill(0.0);
-                        row2im(&drows, &g, &mut xt);
-                        hwc_to_chw(&xt, g.c, &mut dx_group[k * per_in..(k + 1) * per_in]);
+                        row2im(&rows[k * p * kkc..(k + 1) * p * kkc], &g, &mut xt);
+                        hwc_to_chw(&xt, g.c, dxn);
                     }
                 }
                 (dwt, db)
