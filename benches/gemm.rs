@@ -38,8 +38,20 @@ fn bench(c: &mut Criterion) {
                 // SAFETY: a is m×k, b is k×n, out is m×n, all row-major and in bounds.
                 unsafe {
                     matrixmultiply::sgemm(
-                        m, k, n, 1.0, a.as_ptr(), k as isize, 1, b.as_ptr(), n as isize, 1, 0.0,
-                        out.as_mut_ptr(), n as isize, 1,
+                        m,
+                        k,
+                        n,
+                        1.0,
+                        a.as_ptr(),
+                        k as isize,
+                        1,
+                        b.as_ptr(),
+                        n as isize,
+                        1,
+                        0.0,
+                        out.as_mut_ptr(),
+                        n as isize,
+                        1,
                     )
                 }
             })
@@ -47,7 +59,14 @@ fn bench(c: &mut Criterion) {
         if m * k * n >= 1 << 20 {
             group.bench_with_input(BenchmarkId::new("gemm-crate/all-cores", name), &(), |bench, _| {
                 bench.iter(|| {
-                    gemm_with(Mat::rows(&a, m, k), Mat::rows(&b, k, n), &mut out, n, Accumulate::Overwrite, Threads::Pool)
+                    gemm_with(
+                        Mat::rows(&a, m, k),
+                        Mat::rows(&b, k, n),
+                        &mut out,
+                        n,
+                        Accumulate::Overwrite,
+                        Threads::Pool,
+                    )
                 })
             });
         }

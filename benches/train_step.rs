@@ -23,7 +23,8 @@ fn bench_model(c: &mut Criterion, name: &str, model: &Sequential, data: &Dataset
         layouts.push((format!("cpu:{cores}x1"), Devices::cpu(cores, 1).unwrap()));
     }
     for (label, devices) in layouts {
-        let cfg = TrainConfig { batch_size: batch, optimizer: opt, check_replicas_every: None, ..TrainConfig::default() };
+        let cfg =
+            TrainConfig { batch_size: batch, optimizer: opt, check_replicas_every: None, ..TrainConfig::default() };
         group.bench_function(BenchmarkId::from_parameter(&label), |b| {
             with_trainer(model, &devices, &cfg, |t| {
                 b.iter(|| t.step(global.clone()).unwrap());

@@ -75,7 +75,14 @@ pub fn gemm_with(a: Mat<'_>, b: Mat<'_>, c: &mut [f32], c_rs: usize, acc: Accumu
 
 /// [`gemm_with`] into a destination with any strides `(row stride, column stride)`:
 /// `(1, m)` writes the product transposed, column-major.
-pub fn gemm_strided(a: Mat<'_>, b: Mat<'_>, c: &mut [f32], c_strides: (usize, usize), acc: Accumulate, threads: Threads) {
+pub fn gemm_strided(
+    a: Mat<'_>,
+    b: Mat<'_>,
+    c: &mut [f32],
+    c_strides: (usize, usize),
+    acc: Accumulate,
+    threads: Threads,
+) {
     let (m, k, n) = (a.rows, a.cols, b.cols);
     let (c_rs, c_cs) = c_strides;
     assert_eq!(b.rows, k, "gemm: inner dimensions {k} and {} differ", b.rows);

@@ -85,7 +85,16 @@ where
 impl BatchNorm2d {
     /// Keras defaults: eps 1e-3, momentum 0.99, `scale` and `center` on.
     pub fn new(channels: usize) -> BatchNorm2d {
-        BatchNorm2d { channels, eps: 1e-3, momentum: 0.99, scale: true, center: true, xhat: Vec::new(), invstd: Vec::new(), cached: None }
+        BatchNorm2d {
+            channels,
+            eps: 1e-3,
+            momentum: 0.99,
+            scale: true,
+            center: true,
+            xhat: Vec::new(),
+            invstd: Vec::new(),
+            cached: None,
+        }
     }
 
     /// Sets eps (added to the variance).

@@ -12,8 +12,8 @@ use rayon::prelude::*;
 
 use super::{Ctx, Init, InputGrad, Layer, Mode, ParamSpec, Params, ParamsMut};
 use crate::backend::cpu::{
-    add_partials, batch_groups, chw_to_hwc, gemm_with, hwc_to_chw, im2row, row2im, split_by_groups, sum_partials, Accumulate, ConvGeom, Mat,
-    Threads,
+    add_partials, batch_groups, chw_to_hwc, gemm_with, hwc_to_chw, im2row, row2im, split_by_groups, sum_partials,
+    Accumulate, ConvGeom, Mat, Threads,
 };
 use crate::error::{Error, Result};
 use crate::tensor::{Shape, Tensor};
@@ -39,6 +39,28 @@ pub struct Conv2d {
     use_bias: bool,
     /// x: (N, C, H, W) of the training forward.
     x: Option<Tensor>,
+    /// Work buffers, one per group of samples, kept from step to step.
+    scratch: Vec<Scratch>,
+}
+
+/// One group's work buffers (contents are overwritten before every use).
+#[derive(Clone, Debug, Default)]
+struct Scratch {
+    /// One sample, channels-last: (H, W, C).
+    xt: Vec<f32>,
+    /// The group's stacked rows: (G·OH·OW, KH·KW·C).
+    rows: Vec<f32>,
+    /// The group's output or output gradient, channels-last: (G·OH·OW, O).
+    out: Vec<f32>,
+}
+
+impl Scratch {
+    fn sized(&mut self, xt: usize, rows: usize, out: usize) -> (&mut [f32], &mut [f32], &mut [f32]) {
+        self.xt.resize(xt, 0.0);
+        self.rows.resize(rows, 0.0);
+        self.out.resize(out, 0.0);
+        (&mut self.xt, &mut self.rows, &mut self.out)
+    }
 }
 
 /// Pads of one dimension: (before, after, output size), or None if the input is too small.
@@ -83,7 +105,7 @@ impl Conv2d {
                 format!("channels, filters, kernel and stride must be positive (got {in_channels}, {filters}, {kernel:?}, {stride})"),
             ));
         }
-        Ok(Conv2d { in_channels, filters, kernel, stride, padding, use_bias, x: None })
+        Ok(Conv2d { in_channels, filters, kernel, stride, padding, use_bias, x: None, scratch: Vec::new() })
     }
 
     fn geometry(&self, input: &Shape) -> Result<(usize, ConvGeom)> {
@@ -136,16 +158,24 @@ impl Layer for Conv2d {
         let per_in = g.c * g.h * g.w;
         let mut y = vec![0.0f32; n * o * p];
         let groups = batch_groups(n);
+        self.scratch.resize_with(groups.len().max(self.scratch.len()), Scratch::default);
         let xs = x.host();
-        groups.into_par_iter().zip(split_by_groups(&mut y, n, o * p)).for_each(|(range, y_group)| {
+        let work = groups.into_par_iter().zip(split_by_groups(&mut y, n, o * p)).zip(&mut self.scratch[..]);
+        work.for_each(|((range, y_group), scratch)| {
             let gs = range.len();
-            let (mut xt, mut rows) = (vec![0.0f32; per_in], vec![0.0f32; gs * p * kkc]);
+            let (xt, rows, out) = scratch.sized(per_in, gs * p * kkc, gs * p * o);
             for (k, s) in range.enumerate() {
-                chw_to_hwc(&xs[s * per_in..(s + 1) * per_in], g.c, &mut xt);
-                im2row(&xt, &g, &mut rows[k * p * kkc..(k + 1) * p * kkc]);
+                chw_to_hwc(&xs[s * per_in..(s + 1) * per_in], g.c, xt);
+                im2row(xt, &g, &mut rows[k * p * kkc..(k + 1) * p * kkc]);
             }
-            let mut out = vec![0.0f32; gs * p * o];
-            gemm_with(Mat::rows(&rows, gs * p, kkc), Mat::rows(&wt, kkc, o), &mut out, o, Accumulate::Overwrite, Threads::Caller);
+            gemm_with(
+                Mat::rows(rows, gs * p, kkc),
+                Mat::rows(&wt, kkc, o),
+                out,
+                o,
+                Accumulate::Overwrite,
+                Threads::Caller,
+            );
             for (yn, on) in y_group.chunks_exact_mut(o * p).zip(out.chunks_exact(p * o)) {
                 hwc_to_chw(on, o, yn);
                 if let Some(b) = bias {
@@ -172,7 +202,8 @@ impl Layer for Conv2d {
         input_grad: InputGrad,
         _ctx: &Ctx,
     ) -> Result<Option<Tensor>> {
-        let x = self.x.take().ok_or_else(|| Error::config("Conv2d backward", "no training forward to differentiate"))?;
+        let x =
+            self.x.take().ok_or_else(|| Error::config("Conv2d backward", "no training forward to differentiate"))?;
         x.same_device("Conv2d backward", &dout)?;
         let (n, g) = self.geometry(x.shape())?;
         let (o, kkc, p) = (self.filters, g.col_rows(), g.col_cols());
@@ -189,34 +220,41 @@ impl Layer for Conv2d {
         let mut dx = vec![0.0f32; if need_dx { n * per_in } else { 0 }];
         let groups = batch_groups(n);
         let dx_parts = split_by_groups(&mut dx, n, if need_dx { per_in } else { 0 });
+        self.scratch.resize_with(groups.len().max(self.scratch.len()), Scratch::default);
         let partials: Vec<(Vec<f32>, Vec<f32>)> = groups
             .into_par_iter()
             .zip(dx_parts)
-            .map(|(range, dx_group)| {
+            .zip(&mut self.scratch[..])
+            .map(|((range, dx_group), scratch)| {
                 let gs = range.len();
-                let mut xt = vec![0.0f32; per_in];
-                let mut rows = vec![0.0f32; gs * p * kkc];
-                let mut dout_t = vec![0.0f32; gs * p * o];
+                let (xt, rows, dout_t) = scratch.sized(per_in, gs * p * kkc, gs * p * o);
                 let mut db = vec![0.0f32; if use_bias { o } else { 0 }];
                 for (k, s) in range.enumerate() {
                     let dn = &ds[s * o * p..(s + 1) * o * p];
-                    chw_to_hwc(&xs[s * per_in..(s + 1) * per_in], g.c, &mut xt);
-                    im2row(&xt, &g, &mut rows[k * p * kkc..(k + 1) * p * kkc]);
+                    chw_to_hwc(&xs[s * per_in..(s + 1) * per_in], g.c, xt);
+                    im2row(xt, &g, &mut rows[k * p * kkc..(k + 1) * p * kkc]);
                     chw_to_hwc(dn, o, &mut dout_t[k * p * o..(k + 1) * p * o]);
                     for (b, plane) in db.iter_mut().zip(dn.chunks_exact(p)) {
                         *b += plane.iter().sum::<f32>();
                     }
                 }
                 let mut dwt = vec![0.0f32; kkc * o];
-                let dout_mat = Mat::rows(&dout_t, gs * p, o);
-                gemm_with(Mat::rows(&rows, gs * p, kkc).t(), dout_mat, &mut dwt, o, Accumulate::Overwrite, Threads::Caller);
+                let dout_mat = Mat::rows(dout_t, gs * p, o);
+                gemm_with(
+                    Mat::rows(rows, gs * p, kkc).t(),
+                    dout_mat,
+                    &mut dwt,
+                    o,
+                    Accumulate::Overwrite,
+                    Threads::Caller,
+                );
                 if need_dx {
                     // rows is no longer needed: reuse it for drows.
-                    gemm_with(dout_mat, Mat::rows(&wt, kkc, o).t(), &mut rows, kkc, Accumulate::Overwrite, Threads::Caller);
+                    gemm_with(dout_mat, Mat::rows(&wt, kkc, o).t(), rows, kkc, Accumulate::Overwrite, Threads::Caller);
                     for (k, dxn) in dx_group.chunks_exact_mut(per_in).enumerate() {
                         xt.fill(0.0);
-                        row2im(&rows[k * p * kkc..(k + 1) * p * kkc], &g, &mut xt);
-                        hwc_to_chw(&xt, g.c, dxn);
+                        row2im(&rows[k * p * kkc..(k + 1) * p * kkc], &g, xt);
+                        hwc_to_chw(xt, g.c, dxn);
                     }
                 }
                 (dwt, db)
@@ -242,7 +280,7 @@ impl Layer for Conv2d {
     }
 
     fn boxed_clone(&self) -> Box<dyn Layer> {
-        Box::new(Conv2d { x: None, ..self.clone() })
+        Box::new(Conv2d { x: None, scratch: Vec::new(), ..self.clone() })
     }
 
     fn describe(&self) -> String {

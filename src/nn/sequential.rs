@@ -229,12 +229,7 @@ impl Sequential {
     /// Per layer: (name, forward time, backward time) accumulated since
     /// [`Sequential::start_profile`]; empty when profiling is off.
     pub fn profile(&self) -> Vec<(String, std::time::Duration, std::time::Duration)> {
-        self.profile
-            .iter()
-            .flatten()
-            .zip(&self.names)
-            .map(|(&(f, b), n)| (n.clone(), f, b))
-            .collect()
+        self.profile.iter().flatten().zip(&self.names).map(|(&(f, b), n)| (n.clone(), f, b)).collect()
     }
 
     /// A one-line-per-layer summary: name, description, output shape, parameter count.
