@@ -34,6 +34,14 @@ use lockstep::train::{
 };
 use lockstep::weights;
 
+/// `println!` that ignores a closed stdout (`lockstep ... | head`) instead of panicking.
+macro_rules! outln {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stdout(), $($arg)*);
+    }};
+}
+
 /// Exit code of a usage or input error (clap's own code for bad arguments).
 const EXIT_USAGE: u8 = 2;
 /// Exit code of a failure while running.
@@ -447,7 +455,7 @@ impl Observer for Progress {
         let width = e.epochs.to_string().len().max(3);
         for s in &e.report.shards {
             let loss = if s.metrics.count == 0 { "-".to_string() } else { format!("{:.2}", s.metrics.mean_loss()) };
-            println!(
+            outln!(
                 "[{}] Epoch: {:0width$}/{:0width$} | Batchsize {:03} | Train/Val Loss: {loss}",
                 s.device,
                 e.epoch + 1,
@@ -470,7 +478,7 @@ impl Observer for Progress {
             let _ = write!(line, " | test loss {:.4} acc {:.4}", t.mean_loss(), t.accuracy());
         }
         let _ = write!(line, " | {:.0} samples/s | {:.2}s", e.samples_per_sec, e.seconds);
-        println!("{line}");
+        outln!("{line}");
     }
 }
 
@@ -566,7 +574,7 @@ fn cmd_train(a: TrainArgs) -> CliResult {
     config.validate().map_err(Failure::usage)?;
 
     let replicas = a.replicas.unwrap_or(devices.len());
-    println!(
+    outln!(
         "lockstep: {} ({} parameters) | devices: {} | replicas: {replicas} | data: {} {} samples{}",
         a.model.as_str(),
         model.num_params(),
@@ -575,7 +583,7 @@ fn cmd_train(a: TrainArgs) -> CliResult {
         splits.train.len(),
         splits.test.as_ref().map_or(String::new(), |t| format!(", {} {} samples", t.name(), t.len()))
     );
-    println!(
+    outln!(
         "lockstep: {} | global batch {batch_size} | epochs {epochs}{} | seed {}{}",
         optimizer_text(&optimizer),
         a.steps.map_or(String::new(), |k| format!(" (at most {k} steps)")),
@@ -587,16 +595,16 @@ fn cmd_train(a: TrainArgs) -> CliResult {
     let report =
         train_data_parallel_with(&model, &splits.train, splits.test.as_ref(), &devices, &config, &mut progress)
             .map_err(Failure::runtime)?;
-    println!("trained {} steps in {:.2}s ({:.0} samples/s)", report.steps, report.seconds, report.samples_per_sec);
+    outln!("trained {} steps in {:.2}s ({:.0} samples/s)", report.steps, report.seconds, report.samples_per_sec);
     if let Some(last) = report.epochs.last() {
-        println!("final train loss {:.4} accuracy {:.4}", last.train.mean_loss(), last.train.accuracy());
+        outln!("final train loss {:.4} accuracy {:.4}", last.train.mean_loss(), last.train.accuracy());
         if let Some(t) = &last.test {
-            println!("final test accuracy: {:.4} ({}/{})", t.accuracy(), t.correct, t.count);
+            outln!("final test accuracy: {:.4} ({}/{})", t.accuracy(), t.correct, t.count);
         }
     }
     if let Some(p) = &a.save {
         weights::save(&model, &report.weights, p).map_err(Failure::runtime)?;
-        println!("weights saved to {}", p.display());
+        outln!("weights saved to {}", p.display());
     }
     Ok(())
 }
@@ -638,8 +646,8 @@ fn cmd_eval(a: EvalArgs) -> CliResult {
         Ok((m, p))
     })
     .map_err(Failure::runtime)?;
-    println!("{} on {} ({} samples) on {}", a.weights.display(), data.name(), data.len(), devices);
-    println!(
+    outln!("{} on {} ({} samples) on {}", a.weights.display(), data.name(), data.len(), devices);
+    outln!(
         "loss {:.4} | accuracy {:.4} ({}/{})",
         metrics.mean_loss(),
         metrics.accuracy(),
@@ -653,19 +661,19 @@ fn cmd_eval(a: EvalArgs) -> CliResult {
         confusion[y as usize][pred] += 1;
     }
     let w = data.len().to_string().len().max(3);
-    println!("confusion matrix (rows: true class, columns: predicted class)");
+    outln!("confusion matrix (rows: true class, columns: predicted class)");
     let mut head = format!("{:>w$} |", "");
     for c in 0..classes {
         let _ = write!(head, " {c:>w$}");
     }
-    println!("{head}");
-    println!("{}", "-".repeat(head.len()));
+    outln!("{head}");
+    outln!("{}", "-".repeat(head.len()));
     for (c, row) in confusion.iter().enumerate() {
         let mut line = format!("{c:>w$} |");
         for v in row {
             let _ = write!(line, " {v:>w$}");
         }
-        println!("{line}");
+        outln!("{line}");
     }
     Ok(())
 }
@@ -679,25 +687,25 @@ fn cmd_inspect(file: &Path) -> CliResult {
     }
     let rows = weights::inspect(file).map_err(Failure::usage)?;
     let name_w = rows.iter().map(|r| r.0.len()).max().unwrap_or(4).max(4);
-    println!("{:<name_w$}  {:<5}  shape", "name", "dtype");
+    outln!("{:<name_w$}  {:<5}  shape", "name", "dtype");
     let mut total = 0usize;
     for (name, dtype, shape) in &rows {
         total += shape.iter().product::<usize>();
         let dims: Vec<String> = shape.iter().map(|d| d.to_string()).collect();
-        println!("{name:<name_w$}  {dtype:<5}  ({})", dims.join(", "));
+        outln!("{name:<name_w$}  {dtype:<5}  ({})", dims.join(", "));
     }
-    println!("{} tensors, {total} values", rows.len());
+    outln!("{} tensors, {total} values", rows.len());
     Ok(())
 }
 
 fn cmd_devices() -> CliResult {
     use lockstep::cuda::probe;
-    println!("cpu: {} cores available (cpu:N makes N devices sharing them)", available_cores());
+    outln!("cpu: {} cores available (cpu:N makes N devices sharing them)", available_cores());
     match probe::gpus() {
-        Ok(gpus) if gpus.is_empty() => println!("cuda: the driver reports no GPU"),
+        Ok(gpus) if gpus.is_empty() => outln!("cuda: the driver reports no GPU"),
         Ok(gpus) => {
             for g in &gpus {
-                println!(
+                outln!(
                     "cuda:{}: {} | {:.1} GiB | compute capability {}.{} ({})",
                     g.ordinal,
                     g.name,
@@ -707,13 +715,13 @@ fn cmd_devices() -> CliResult {
                     g.arch()
                 );
             }
-            println!("nccl: {}", probe::nccl_status().fix());
+            outln!("nccl: {}", probe::nccl_status().fix());
         }
-        Err(e) => println!("cuda: none ({e})"),
+        Err(e) => outln!("cuda: none ({e})"),
     }
     match "auto".parse::<DeviceSpec>().and_then(|s| s.resolve()) {
-        Ok(d) => println!("--devices auto: {d}"),
-        Err(e) => println!("--devices auto: unavailable ({e})"),
+        Ok(d) => outln!("--devices auto: {d}"),
+        Err(e) => outln!("--devices auto: unavailable ({e})"),
     }
     Ok(())
 }
@@ -830,22 +838,22 @@ fn cmd_bench_allreduce(a: BenchAllreduceArgs) -> CliResult {
         return Err(Failure::usage(anyhow!("--iters must be at least 1")));
     }
     let bus = 2.0 * (ranks as f64 - 1.0) / ranks as f64;
-    println!(
+    outln!(
         "# lockstep bench allreduce: {ranks} rank(s) (threads, cpu:0..{}), shared memory, f32 sum, median of {} iterations after {} warm-up",
         ranks - 1,
         a.iters,
         a.warmup
     );
-    println!(
+    outln!(
         "# trainer: buffers filled once, then reduce-scatter (the trainer's path; ranks read the result in place)"
     );
-    println!("# classic: in-place all_reduce_sum (copy in + reduce-scatter + all-gather)");
-    println!("# algbw = size / time; busbw = algbw * 2(n-1)/n");
-    println!(
+    outln!("# classic: in-place all_reduce_sum (copy in + reduce-scatter + all-gather)");
+    outln!("# algbw = size / time; busbw = algbw * 2(n-1)/n");
+    outln!(
         "# {:>12} {:>12} | {:>10} {:>11} {:>11} | {:>10} {:>11} {:>11}",
         "", "", "trainer", "", "", "classic", "", ""
     );
-    println!(
+    outln!(
         "# {:>12} {:>12} | {:>10} {:>11} {:>11} | {:>10} {:>11} {:>11}",
         "size(B)", "count(f32)", "time(us)", "algbw(GB/s)", "busbw(GB/s)", "time(us)", "algbw(GB/s)", "busbw(GB/s)"
     );
@@ -858,7 +866,7 @@ fn cmd_bench_allreduce(a: BenchAllreduceArgs) -> CliResult {
             let algbw = bytes as f64 / secs / 1e9;
             let _ = write!(cells, " | {:>10.1} {:>11.2} {:>11.2}", secs * 1e6, algbw, algbw * bus);
         }
-        println!("  {bytes:>12} {count:>12}{cells}");
+        outln!("  {bytes:>12} {count:>12}{cells}");
     }
     Ok(())
 }
@@ -886,7 +894,7 @@ fn cmd_bench_step(a: BenchStepArgs) -> CliResult {
             Batch::gather(&data, &idx)
         })
         .collect();
-    println!(
+    outln!(
         "lockstep bench step: {} ({} parameters) | devices: {} | global batch {batch_size} | {} steps after {} warm-up",
         a.model.as_str(),
         model.num_params(),
@@ -909,7 +917,7 @@ fn cmd_bench_step(a: BenchStepArgs) -> CliResult {
     .map_err(Failure::runtime)?;
     let sum: Duration = walls.iter().sum();
     let step = median(walls);
-    println!(
+    outln!(
         "{:.0} samples/s | median step {:.3} ms (compute {:.3} ms, reduce {:.3} ms, slowest worker) | mean step {:.3} ms",
         (batch_size as u64 * a.steps) as f64 / sum.as_secs_f64().max(1e-12),
         step.as_secs_f64() * 1e3,
