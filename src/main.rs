@@ -141,19 +141,19 @@ struct TrainArgs {
     #[arg(long, value_enum)]
     optimizer: Option<OptimizerName>,
     /// Learning rate [default: sgd 0.5 for toy, 0.05 for convnet; adam 0.001].
-    #[arg(long)]
+    #[arg(allow_negative_numbers = true, long)]
     lr: Option<f32>,
     /// SGD momentum, in [0, 1).
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(allow_negative_numbers = true, long, default_value_t = 0.0)]
     momentum: f32,
     /// L2 penalty added to the gradient (PyTorch's weight_decay).
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(allow_negative_numbers = true, long, default_value_t = 0.0)]
     weight_decay: f32,
     /// Adam's epsilon.
-    #[arg(long, default_value_t = 1e-8)]
+    #[arg(allow_negative_numbers = true, long, default_value_t = 1e-8)]
     adam_eps: f32,
     /// Dropout rate of the convnet, in [0, 1) (0 removes the layer).
-    #[arg(long, default_value_t = 0.5)]
+    #[arg(allow_negative_numbers = true, long, default_value_t = 0.5)]
     dropout: f32,
     /// Seed of the initial weights, the shuffling and dropout.
     #[arg(long, default_value_t = 0)]
@@ -844,18 +844,30 @@ fn cmd_bench_allreduce(a: BenchAllreduceArgs) -> CliResult {
         a.iters,
         a.warmup
     );
-    outln!(
-        "# trainer: buffers filled once, then reduce-scatter (the trainer's path; ranks read the result in place)"
-    );
+    outln!("# trainer: buffers filled once, then reduce-scatter (the trainer's path; ranks read the result in place)");
     outln!("# classic: in-place all_reduce_sum (copy in + reduce-scatter + all-gather)");
     outln!("# algbw = size / time; busbw = algbw * 2(n-1)/n");
     outln!(
         "# {:>12} {:>12} | {:>10} {:>11} {:>11} | {:>10} {:>11} {:>11}",
-        "", "", "trainer", "", "", "classic", "", ""
+        "",
+        "",
+        "trainer",
+        "",
+        "",
+        "classic",
+        "",
+        ""
     );
     outln!(
         "# {:>12} {:>12} | {:>10} {:>11} {:>11} | {:>10} {:>11} {:>11}",
-        "size(B)", "count(f32)", "time(us)", "algbw(GB/s)", "busbw(GB/s)", "time(us)", "algbw(GB/s)", "busbw(GB/s)"
+        "size(B)",
+        "count(f32)",
+        "time(us)",
+        "algbw(GB/s)",
+        "busbw(GB/s)",
+        "time(us)",
+        "algbw(GB/s)",
+        "busbw(GB/s)"
     );
     for bytes in sizes {
         let count = bytes / 4;
