@@ -1,1 +1,63 @@
-fn main() {}
+//! GEMM GFLOP/s at the convnet's shapes: the `gemm` crate (what lockstep uses, through
+//! `backend::cpu::gemm`) against `matrixmultiply`, single-threaded and on the machine's
+//! cores. The shapes are the per-sample products of the convnet's convolutions
+//! (weight (O, C·K·K) × columns (C·K·K, OH·OW)) and the batched Dense layers.
+
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use lockstep::backend::cpu::{gemm_with, Accumulate, Mat, Threads};
+
+/// (name, m, k, n)
+const SHAPES: &[(&str, usize, usize, usize)] = &[
+    ("conv0 fwd 12x9x784", 12, 9, 784),
+    ("conv1 fwd 24x432x144", 24, 432, 144),
+    ("conv2 fwd 32x864x36", 32, 864, 36),
+    ("conv1 dW 24x144x432", 24, 144, 432),
+    ("conv1 dcol 432x24x144", 432, 24, 144),
+    ("dense0 fwd B256 256x32x256", 256, 32, 256),
+    ("square 512", 512, 512, 512),
+];
+
+fn data(len: usize) -> Vec<f32> {
+    let mut g = lockstep::rng::SplitMix64::new(len as u64);
+    (0..len).map(|_| g.next_f32() - 0.5).collect()
+}
+
+fn bench(c: &mut Criterion) {
+    let mut group = c.benchmark_group("gemm");
+    for &(name, m, k, n) in SHAPES {
+        let (a, b) = (data(m * k), data(k * n));
+        let mut out = vec![0.0f32; m * n];
+        group.throughput(Throughput::Elements((2 * m * k * n) as u64));
+        group.bench_with_input(BenchmarkId::new("gemm-crate/1-thread", name), &(), |bench, _| {
+            bench.iter(|| {
+                gemm_with(Mat::rows(&a, m, k), Mat::rows(&b, k, n), &mut out, n, Accumulate::Overwrite, Threads::Caller)
+            })
+        });
+        group.bench_with_input(BenchmarkId::new("matrixmultiply/1-thread", name), &(), |bench, _| {
+            bench.iter(|| {
+                // SAFETY: a is m×k, b is k×n, out is m×n, all row-major and in bounds.
+                unsafe {
+                    matrixmultiply::sgemm(
+                        m, k, n, 1.0, a.as_ptr(), k as isize, 1, b.as_ptr(), n as isize, 1, 0.0,
+                        out.as_mut_ptr(), n as isize, 1,
+                    )
+                }
+            })
+        });
+        if m * k * n >= 1 << 20 {
+            group.bench_with_input(BenchmarkId::new("gemm-crate/all-cores", name), &(), |bench, _| {
+                bench.iter(|| {
+                    gemm_with(Mat::rows(&a, m, k), Mat::rows(&b, k, n), &mut out, n, Accumulate::Overwrite, Threads::Pool)
+                })
+            });
+        }
+    }
+    group.finish();
+}
+
+criterion_group! {
+    name = benches;
+    config = Criterion::default().sample_size(30).measurement_time(std::time::Duration::from_secs(1)).warm_up_time(std::time::Duration::from_millis(300));
+    targets = bench
+}
+criterion_main!(benches);

@@ -83,7 +83,7 @@ impl SplitMix64 {
     /// Uniform integer in `0..n` (Lemire's multiply-shift; the bias is below 2^-32 for
     /// the sizes used here, and the result is deterministic, which is what matters).
     pub fn below(&mut self, n: usize) -> usize {
-        ((self.next_u64() >> 32) * n as u64 >> 32) as usize
+        (((self.next_u64() >> 32) * n as u64) >> 32) as usize
     }
 
     /// Fisher–Yates shuffle, last position first.

@@ -70,18 +70,27 @@ pub enum Threads {
 
 /// [`gemm`] with an explicit choice of threads.
 pub fn gemm_with(a: Mat<'_>, b: Mat<'_>, c: &mut [f32], c_rs: usize, acc: Accumulate, threads: Threads) {
+    gemm_strided(a, b, c, (c_rs, 1), acc, threads)
+}
+
+/// [`gemm_with`] into a destination with any strides `(row stride, column stride)`:
+/// `(1, m)` writes the product transposed, column-major.
+pub fn gemm_strided(a: Mat<'_>, b: Mat<'_>, c: &mut [f32], c_strides: (usize, usize), acc: Accumulate, threads: Threads) {
     let (m, k, n) = (a.rows, a.cols, b.cols);
+    let (c_rs, c_cs) = c_strides;
     assert_eq!(b.rows, k, "gemm: inner dimensions {k} and {} differ", b.rows);
     a.check("lhs");
     b.check("rhs");
     if m == 0 || n == 0 {
         return;
     }
-    assert!((m - 1) * c_rs + n <= c.len(), "gemm: destination out of bounds");
+    assert!((m - 1) * c_rs + (n - 1) * c_cs < c.len(), "gemm: destination out of bounds");
     if k == 0 {
         if acc == Accumulate::Overwrite {
-            for row in c.chunks_mut(c_rs).take(m) {
-                row[..n].fill(0.0);
+            for i in 0..m {
+                for j in 0..n {
+                    c[i * c_rs + j * c_cs] = 0.0;
+                }
             }
         }
         return;
@@ -101,7 +110,7 @@ pub fn gemm_with(a: Mat<'_>, b: Mat<'_>, c: &mut [f32], c_rs: usize, acc: Accumu
             n,
             k,
             c.as_mut_ptr(),
-            1,
+            c_cs as isize,
             c_rs as isize,
             acc == Accumulate::Add,
             a.data.as_ptr(),
@@ -147,32 +156,57 @@ impl ConvGeom {
     }
 }
 
+/// Output columns `ox` whose input column `ox·s + j − pad` lies inside `0..w`.
+#[inline]
+fn valid_cols(j: usize, pad: usize, s: usize, w: usize, ow: usize) -> std::ops::Range<usize> {
+    // ox·s + j ≥ pad  ⇔  ox ≥ ⌈(pad − j)/s⌉;  ox·s + j − pad ≤ w − 1  ⇔  ox ≤ ⌊(w − 1 + pad − j)/s⌋
+    let lo = pad.saturating_sub(j).div_ceil(s).min(ow);
+    let hi = if w + pad > j { ((w - 1 + pad - j) / s + 1).min(ow) } else { 0 };
+    lo..hi.max(lo)
+}
+
+/// Per kernel column j: the valid output columns and the input column of the first.
+fn column_plan(g: &ConvGeom) -> Vec<(std::ops::Range<usize>, usize)> {
+    (0..g.kw)
+        .map(|j| {
+            let cols = valid_cols(j, g.pad_left, g.stride, g.w, g.ow);
+            let first = (cols.start * g.stride + j).saturating_sub(g.pad_left);
+            (cols, first)
+        })
+        .collect()
+}
+
 /// Unfolds one sample. x: (C, H, W) → col: (C·KH·KW, OH·OW), row (c·KH + i)·KW + j holds
 /// x[c, oy·s + i − pad_top, ox·s + j − pad_left] (0 outside the image).
 pub fn im2col(x: &[f32], g: &ConvGeom, col: &mut [f32]) {
     let p = g.col_cols();
     debug_assert_eq!(x.len(), g.c * g.h * g.w);
     debug_assert_eq!(col.len(), g.col_rows() * p);
-    let mut row = 0;
+    let (s, ow) = (g.stride, g.ow);
+    let plan = column_plan(g);
     for c in 0..g.c {
         let xc = &x[c * g.h * g.w..(c + 1) * g.h * g.w];
         for i in 0..g.kh {
-            for j in 0..g.kw {
-                let dst = &mut col[row * p..(row + 1) * p];
-                for oy in 0..g.oh {
-                    let iy = (oy * g.stride + i) as isize - g.pad_top as isize;
-                    let out = &mut dst[oy * g.ow..(oy + 1) * g.ow];
-                    if iy < 0 || iy >= g.h as isize {
+            let rows = &mut col[(c * g.kh + i) * g.kw * p..(c * g.kh + i + 1) * g.kw * p];
+            for oy in 0..g.oh {
+                let iy = (oy * s + i) as isize - g.pad_top as isize;
+                let inside = iy >= 0 && iy < g.h as isize;
+                let xr = if inside { &xc[iy as usize * g.w..(iy as usize + 1) * g.w] } else { &xc[..0] };
+                for (j, (cols, first)) in plan.iter().enumerate() {
+                    let out = &mut rows[j * p + oy * ow..j * p + (oy + 1) * ow];
+                    if !inside || cols.is_empty() {
                         out.fill(0.0);
                         continue;
                     }
-                    let xr = &xc[iy as usize * g.w..(iy as usize + 1) * g.w];
-                    for (ox, o) in out.iter_mut().enumerate() {
-                        let ix = (ox * g.stride + j) as isize - g.pad_left as isize;
-                        *o = if ix >= 0 && (ix as usize) < g.w { xr[ix as usize] } else { 0.0 };
+                    out[..cols.start].fill(0.0);
+                    out[cols.end..].fill(0.0);
+                    let dst = &mut out[cols.clone()];
+                    let n = dst.len();
+                    let src = &xr[*first..first + (n - 1) * s + 1];
+                    for k in 0..n {
+                        dst[k] = src[k * s];
                     }
                 }
-                row += 1;
             }
         }
     }
@@ -182,26 +216,102 @@ pub fn im2col(x: &[f32], g: &ConvGeom, col: &mut [f32]) {
 /// dcol: (C·KH·KW, OH·OW) → dx: (C, H, W), accumulated into `dx` (zero it first).
 pub fn col2im(dcol: &[f32], g: &ConvGeom, dx: &mut [f32]) {
     let p = g.col_cols();
-    let mut row = 0;
+    let (s, ow) = (g.stride, g.ow);
+    let plan = column_plan(g);
     for c in 0..g.c {
         let dxc = &mut dx[c * g.h * g.w..(c + 1) * g.h * g.w];
         for i in 0..g.kh {
-            for j in 0..g.kw {
-                let src = &dcol[row * p..(row + 1) * p];
-                for oy in 0..g.oh {
-                    let iy = (oy * g.stride + i) as isize - g.pad_top as isize;
-                    if iy < 0 || iy >= g.h as isize {
+            let rows = &dcol[(c * g.kh + i) * g.kw * p..(c * g.kh + i + 1) * g.kw * p];
+            for oy in 0..g.oh {
+                let iy = (oy * s + i) as isize - g.pad_top as isize;
+                if iy < 0 || iy >= g.h as isize {
+                    continue;
+                }
+                let dr = &mut dxc[iy as usize * g.w..(iy as usize + 1) * g.w];
+                for (j, (cols, first)) in plan.iter().enumerate() {
+                    if cols.is_empty() {
                         continue;
                     }
-                    let dr = &mut dxc[iy as usize * g.w..(iy as usize + 1) * g.w];
-                    for (ox, &v) in src[oy * g.ow..(oy + 1) * g.ow].iter().enumerate() {
-                        let ix = (ox * g.stride + j) as isize - g.pad_left as isize;
-                        if ix >= 0 && (ix as usize) < g.w {
-                            dr[ix as usize] += v;
-                        }
+                    let src = &rows[j * p + oy * ow + cols.start..j * p + oy * ow + cols.end];
+                    let n = src.len();
+                    let dst = &mut dr[*first..first + (n - 1) * s + 1];
+                    for k in 0..n {
+                        dst[k * s] += src[k];
                     }
                 }
-                row += 1;
+            }
+        }
+    }
+}
+
+/// One sample from channels-first to channels-last. x: (C, P) → xt: (P, C)
+pub fn chw_to_hwc(x: &[f32], c: usize, xt: &mut [f32]) {
+    let p = x.len() / c.max(1);
+    for (ch, plane) in x.chunks_exact(p).enumerate() {
+        for (i, &v) in plane.iter().enumerate() {
+            xt[i * c + ch] = v;
+        }
+    }
+}
+
+/// One sample from channels-last to channels-first. xt: (P, C) → x: (C, P)
+pub fn hwc_to_chw(xt: &[f32], c: usize, x: &mut [f32]) {
+    let p = xt.len() / c.max(1);
+    for (i, pixel) in xt.chunks_exact(c).enumerate() {
+        for (ch, &v) in pixel.iter().enumerate() {
+            x[ch * p + i] = v;
+        }
+    }
+}
+
+/// Unfolds one channels-last sample into rows, one per output pixel.
+/// xt: (H, W, C) → rows: (OH·OW, KH·KW·C), row (oy, ox) holding, for i, j, c in that
+/// order, xt[oy·s + i − pad_top, ox·s + j − pad_left, c] (0 outside the image). Each
+/// kernel row i is one contiguous copy of up to KW·C values: the reason for this layout.
+pub fn im2row(xt: &[f32], g: &ConvGeom, rows: &mut [f32]) {
+    let (c, kwc) = (g.c, g.kw * g.c);
+    let kkc = g.kh * kwc;
+    debug_assert_eq!(rows.len(), g.oh * g.ow * kkc);
+    for (p, row) in rows.chunks_exact_mut(kkc).enumerate() {
+        let (oy, ox) = (p / g.ow, p % g.ow);
+        let ix0 = (ox * g.stride) as isize - g.pad_left as isize;
+        let j_lo = (-ix0).clamp(0, g.kw as isize) as usize;
+        let j_hi = (g.w as isize - ix0).clamp(j_lo as isize, g.kw as isize) as usize;
+        for (i, seg) in row.chunks_exact_mut(kwc).enumerate() {
+            let iy = (oy * g.stride + i) as isize - g.pad_top as isize;
+            if iy < 0 || iy >= g.h as isize || j_lo == j_hi {
+                seg.fill(0.0);
+                continue;
+            }
+            seg[..j_lo * c].fill(0.0);
+            seg[j_hi * c..].fill(0.0);
+            let start = (iy as usize * g.w + (ix0 + j_lo as isize) as usize) * c;
+            seg[j_lo * c..j_hi * c].copy_from_slice(&xt[start..start + (j_hi - j_lo) * c]);
+        }
+    }
+}
+
+/// The adjoint of [`im2row`]: adds every row entry back to the input value it came from.
+/// drows: (OH·OW, KH·KW·C) → dxt: (H, W, C), accumulated (zero it first).
+pub fn row2im(drows: &[f32], g: &ConvGeom, dxt: &mut [f32]) {
+    let (c, kwc) = (g.c, g.kw * g.c);
+    let kkc = g.kh * kwc;
+    for (p, row) in drows.chunks_exact(kkc).enumerate() {
+        let (oy, ox) = (p / g.ow, p % g.ow);
+        let ix0 = (ox * g.stride) as isize - g.pad_left as isize;
+        let j_lo = (-ix0).clamp(0, g.kw as isize) as usize;
+        let j_hi = (g.w as isize - ix0).clamp(j_lo as isize, g.kw as isize) as usize;
+        if j_lo == j_hi {
+            continue;
+        }
+        for (i, seg) in row.chunks_exact(kwc).enumerate() {
+            let iy = (oy * g.stride + i) as isize - g.pad_top as isize;
+            if iy < 0 || iy >= g.h as isize {
+                continue;
+            }
+            let start = (iy as usize * g.w + (ix0 + j_lo as isize) as usize) * c;
+            for (d, v) in dxt[start..start + (j_hi - j_lo) * c].iter_mut().zip(&seg[j_lo * c..j_hi * c]) {
+                *d += v;
             }
         }
     }
@@ -216,18 +326,21 @@ pub fn batch_groups(n: usize) -> Vec<std::ops::Range<usize>> {
     (0..g).map(|i| (i * n / g)..((i + 1) * n / g)).filter(|r| !r.is_empty()).collect()
 }
 
-/// Adds `parts` into `out` in index order: `out += ((p0 + p1) + p2) + ...`.
-pub fn add_partials(out: &mut [f32], parts: &[Vec<f32>]) {
-    if parts.is_empty() {
-        return;
-    }
-    let mut total = parts[0].clone();
-    for p in &parts[1..] {
+/// `((p0 + p1) + p2) + ...`, element-wise, in index order (empty for no part).
+pub fn sum_partials(parts: &[Vec<f32>]) -> Vec<f32> {
+    let Some((first, rest)) = parts.split_first() else { return Vec::new() };
+    let mut total = first.clone();
+    for p in rest {
         for (t, v) in total.iter_mut().zip(p) {
             *t += v;
         }
     }
-    for (o, t) in out.iter_mut().zip(&total) {
+    total
+}
+
+/// Adds `parts` into `out` in index order: `out += ((p0 + p1) + p2) + ...`.
+pub fn add_partials(out: &mut [f32], parts: &[Vec<f32>]) {
+    for (o, t) in out.iter_mut().zip(&sum_partials(parts)) {
         *o += t;
     }
 }
@@ -295,6 +408,74 @@ mod tests {
         let one = run(1);
         assert_eq!(one, run(2));
         assert_eq!(one, run(3));
+    }
+
+    /// The reference: the definition, element by element.
+    fn im2col_naive(x: &[f32], g: &ConvGeom) -> Vec<f32> {
+        let mut col = Vec::new();
+        for c in 0..g.c {
+            for i in 0..g.kh {
+                for j in 0..g.kw {
+                    for oy in 0..g.oh {
+                        for ox in 0..g.ow {
+                            let iy = (oy * g.stride + i) as isize - g.pad_top as isize;
+                            let ix = (ox * g.stride + j) as isize - g.pad_left as isize;
+                            let inside = (0..g.h as isize).contains(&iy) && (0..g.w as isize).contains(&ix);
+                            col.push(if inside { x[(c * g.h + iy as usize) * g.w + ix as usize] } else { 0.0 });
+                        }
+                    }
+                }
+            }
+        }
+        col
+    }
+
+    #[test]
+    fn im2col_matches_its_definition() {
+        let geoms = [
+            ConvGeom { c: 2, h: 7, w: 6, kh: 3, kw: 2, stride: 2, pad_top: 1, pad_left: 0, oh: 4, ow: 3 },
+            ConvGeom { c: 1, h: 5, w: 5, kh: 4, kw: 4, stride: 1, pad_top: 1, pad_left: 1, oh: 5, ow: 5 },
+            ConvGeom { c: 3, h: 12, w: 12, kh: 6, kw: 6, stride: 2, pad_top: 2, pad_left: 2, oh: 6, ow: 6 },
+            ConvGeom { c: 2, h: 3, w: 3, kh: 3, kw: 3, stride: 3, pad_top: 2, pad_left: 2, oh: 2, ow: 2 },
+        ];
+        for g in geoms {
+            let x = data(g.c * g.h * g.w, 9);
+            let mut col = vec![f32::NAN; g.col_rows() * g.col_cols()];
+            im2col(&x, &g, &mut col);
+            assert_eq!(col, im2col_naive(&x, &g), "{g:?}");
+        }
+    }
+
+    #[test]
+    fn im2row_is_im2col_in_channels_last_order() {
+        let g = ConvGeom { c: 3, h: 7, w: 6, kh: 3, kw: 2, stride: 2, pad_top: 1, pad_left: 1, oh: 4, ow: 3 };
+        let x = data(g.c * g.h * g.w, 10);
+        let mut xt = vec![0.0; x.len()];
+        chw_to_hwc(&x, g.c, &mut xt);
+        let mut rows = vec![f32::NAN; g.col_rows() * g.col_cols()];
+        im2row(&xt, &g, &mut rows);
+        let col = im2col_naive(&x, &g);
+        let p = g.col_cols();
+        for pix in 0..p {
+            for c in 0..g.c {
+                for i in 0..g.kh {
+                    for j in 0..g.kw {
+                        let r = rows[pix * g.col_rows() + (i * g.kw + j) * g.c + c];
+                        assert_eq!(r, col[((c * g.kh + i) * g.kw + j) * p + pix]);
+                    }
+                }
+            }
+        }
+        let mut back = vec![0.0; x.len()];
+        hwc_to_chw(&xt, g.c, &mut back);
+        assert_eq!(back, x);
+        // adjoint: <im2row(xt), y> == <xt, row2im(y)>
+        let y = data(rows.len(), 11);
+        let mut dxt = vec![0.0; xt.len()];
+        row2im(&y, &g, &mut dxt);
+        let lhs: f64 = rows.iter().zip(&y).map(|(a, b)| *a as f64 * *b as f64).sum();
+        let rhs: f64 = xt.iter().zip(&dxt).map(|(a, b)| *a as f64 * *b as f64).sum();
+        assert!((lhs - rhs).abs() < 1e-5, "{lhs} vs {rhs}");
     }
 
     #[test]

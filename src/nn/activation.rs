@@ -32,8 +32,12 @@ impl Layer for Relu {
             self.positive.clear();
             self.positive.extend(x.host().iter().map(|&v| v > 0.0));
         }
+        // `v < 0` is false for NaN: a NaN passes through, as in PyTorch, so that a
+        // diverging run shows a NaN loss instead of silently training on zeros.
         for v in x.host_mut() {
-            *v = v.max(0.0);
+            if *v < 0.0 {
+                *v = 0.0;
+            }
         }
         Ok(x)
     }

@@ -1,15 +1,20 @@
 //! Conv2d: 2-D cross-correlation over NCHW, weight (O, C, KH, KW) as in PyTorch, with
 //! Keras's `valid` and `same` padding.
 //!
-//! Each sample is unfolded (im2col) and multiplied by the weight viewed as (O, C·KH·KW);
-//! samples run in parallel on the device's pool. The weight gradient sums over the
+//! Each sample is transposed to channels-last and unfolded into one row per output
+//! pixel (`im2row`: every kernel row is one contiguous copy of KW·C values), then
+//! multiplied by the weight seen as (KH·KW·C, O); samples run in parallel on the
+//! device's pool. The weight gradient sums over the
 //! batch in the fixed groups of `backend::cpu::batch_groups`, so it is bitwise the same
 //! whatever the thread count.
 
 use rayon::prelude::*;
 
 use super::{Ctx, Init, InputGrad, Layer, Mode, ParamSpec, Params, ParamsMut};
-use crate::backend::cpu::{add_partials, batch_groups, col2im, gemm_with, im2col, Accumulate, ConvGeom, Mat, Threads};
+use crate::backend::cpu::{
+    add_partials, batch_groups, chw_to_hwc, gemm_strided, hwc_to_chw, im2row, row2im, sum_partials, Accumulate, ConvGeom, Mat,
+    Threads,
+};
 use crate::error::{Error, Result};
 use crate::tensor::{Shape, Tensor};
 
@@ -46,6 +51,20 @@ fn pads(size: usize, k: usize, s: usize, padding: Padding) -> Option<(usize, usi
             Some((total / 2, total - total / 2, out))
         }
     }
+}
+
+/// The weight from (O, C, KH·KW) to channels-last (KH·KW, C, O), i.e. a
+/// (KH·KW·C, O) matrix whose row order matches [`im2row`].
+fn oihw_to_hwio(w: &[f32], o: usize, c: usize, kk: usize) -> Vec<f32> {
+    let mut wt = vec![0.0f32; w.len()];
+    for oo in 0..o {
+        for ch in 0..c {
+            for k in 0..kk {
+                wt[(k * c + ch) * o + oo] = w[(oo * c + ch) * kk + k];
+            }
+        }
+    }
+    wt
 }
 
 impl Conv2d {
@@ -104,28 +123,31 @@ impl Layer for Conv2d {
         p
     }
 
-    // x: (N, C, H, W) → y: (N, O, OH, OW); per sample y_n (O, OH·OW) = W (O, C·KH·KW) · col_n
+    // x: (N, C, H, W) → y: (N, O, OH, OW). Per sample, channels-last: the input is
+    // transposed to (H, W, C), unfolded into rows (OH·OW, KH·KW·C) and multiplied by the
+    // weight as (KH·KW·C, O); the product is written transposed, straight into NCHW.
     fn forward(&mut self, x: Tensor, params: Params<'_>, _buffers: ParamsMut<'_>, ctx: &Ctx) -> Result<Tensor> {
         let (n, g) = self.geometry(x.shape())?;
-        let (o, ckk, p) = (self.filters, g.col_rows(), g.col_cols());
-        let w = params.get(0);
+        let (o, kkc, p) = (self.filters, g.col_rows(), g.col_cols());
+        let wt = oihw_to_hwio(params.get(0), o, g.c, g.kh * g.kw);
         let bias = self.use_bias.then(|| params.get(1));
         let mut y = vec![0.0f32; n * o * p];
         let per_in = g.c * g.h * g.w;
         y.par_chunks_mut(o * p).zip(x.host().par_chunks(per_in)).for_each_init(
-            || vec![0.0f32; ckk * p],
-            |col, (yn, xn)| {
-                im2col(xn, &g, col);
+            || (vec![0.0f32; per_in], vec![0.0f32; p * kkc]),
+            |(xt, rows), (yn, xn)| {
+                chw_to_hwc(xn, g.c, xt);
+                im2row(xt, &g, rows);
                 let acc = match bias {
                     Some(b) => {
-                        for (row, &bo) in yn.chunks_exact_mut(p).zip(b) {
-                            row.fill(bo);
+                        for (plane, &bo) in yn.chunks_exact_mut(p).zip(b) {
+                            plane.fill(bo);
                         }
                         Accumulate::Add
                     }
                     None => Accumulate::Overwrite,
                 };
-                gemm_with(Mat::rows(w, o, ckk), Mat::rows(col, ckk, p), yn, p, acc, Threads::Caller);
+                gemm_strided(Mat::rows(rows, p, kkc), Mat::rows(&wt, kkc, o), yn, (1, p), acc, Threads::Caller);
             },
         );
         let y = Tensor::from_vec_on(y, [n, o, g.oh, g.ow], x.device())?;
@@ -133,8 +155,9 @@ impl Layer for Conv2d {
         Ok(y)
     }
 
-    // dout: (N, O, OH, OW) → dx: (N, C, H, W)
-    // dweight (O, C·KH·KW) += Σ_n dout_n · col_nᵀ;  dbias (O) += Σ_n Σ_p dout_n[o, p]
+    // dout: (N, O, OH, OW) → dx: (N, C, H, W). Per sample, with rows as in forward:
+    // dweight (KH·KW·C, O) += rowsᵀ · doutᵀ; drows (OH·OW, KH·KW·C) = doutᵀ · weightᵀ,
+    // folded back with row2im; dbias (O) += Σ_p dout[o, p].
     fn backward(
         &mut self,
         dout: Tensor,
@@ -143,11 +166,10 @@ impl Layer for Conv2d {
         input_grad: InputGrad,
         _ctx: &Ctx,
     ) -> Result<Option<Tensor>> {
-        let x =
-            self.x.take().ok_or_else(|| Error::config("Conv2d backward", "no training forward to differentiate"))?;
+        let x = self.x.take().ok_or_else(|| Error::config("Conv2d backward", "no training forward to differentiate"))?;
         x.same_device("Conv2d backward", &dout)?;
         let (n, g) = self.geometry(x.shape())?;
-        let (o, ckk, p) = (self.filters, g.col_rows(), g.col_cols());
+        let (o, kkc, p) = (self.filters, g.col_rows(), g.col_cols());
         if dout.shape().dims() != [n, o, g.oh, g.ow] {
             return Err(Error::shape(
                 "Conv2d backward",
@@ -155,56 +177,63 @@ impl Layer for Conv2d {
             ));
         }
         let per_in = g.c * g.h * g.w;
+        let wt = oihw_to_hwio(params.get(0), o, g.c, g.kh * g.kw);
         let (xs, ds) = (x.host(), dout.host());
-        let use_bias = self.use_bias;
-        let partials: Vec<(Vec<f32>, Vec<f32>)> = batch_groups(n)
+        let (use_bias, need_dx) = (self.use_bias, input_grad == InputGrad::Needed);
+        let mut dx = vec![0.0f32; if need_dx { n * per_in } else { 0 }];
+        // Each group of samples gets its own slice of dx and its own partial sums.
+        let groups = batch_groups(n);
+        let mut dx_parts = Vec::with_capacity(groups.len());
+        let mut rest = dx.as_mut_slice();
+        for r in &groups {
+            let (head, tail) = rest.split_at_mut(if need_dx { r.len() * per_in } else { 0 });
+            dx_parts.push(head);
+            rest = tail;
+        }
+        let partials: Vec<(Vec<f32>, Vec<f32>)> = groups
             .into_par_iter()
-            .map(|range| {
-                let mut dw = vec![0.0f32; o * ckk];
+            .zip(dx_parts)
+            .map(|(range, dx_group)| {
+                let mut dwt = vec![0.0f32; kkc * o];
                 let mut db = vec![0.0f32; if use_bias { o } else { 0 }];
-                let mut col = vec![0.0f32; ckk * p];
-                for s in range {
+                let (mut xt, mut rows) = (vec![0.0f32; per_in], vec![0.0f32; p * kkc]);
+                let mut drows = vec![0.0f32; if need_dx { p * kkc } else { 0 }];
+                for (k, s) in range.enumerate() {
                     let dn = &ds[s * o * p..(s + 1) * o * p];
-                    im2col(&xs[s * per_in..(s + 1) * per_in], &g, &mut col);
-                    gemm_with(
-                        Mat::rows(dn, o, p),
-                        Mat::rows(&col, ckk, p).t(),
-                        &mut dw,
-                        ckk,
-                        Accumulate::Add,
-                        Threads::Caller,
-                    );
-                    for (b, row) in db.iter_mut().zip(dn.chunks_exact(p)) {
-                        *b += row.iter().sum::<f32>();
+                    let dn_t = Mat { data: dn, rows: p, cols: o, rs: 1, cs: p };
+                    chw_to_hwc(&xs[s * per_in..(s + 1) * per_in], g.c, &mut xt);
+                    im2row(&xt, &g, &mut rows);
+                    gemm_strided(Mat::rows(&rows, p, kkc).t(), dn_t, &mut dwt, (o, 1), Accumulate::Add, Threads::Caller);
+                    for (b, plane) in db.iter_mut().zip(dn.chunks_exact(p)) {
+                        *b += plane.iter().sum::<f32>();
+                    }
+                    if need_dx {
+                        let wt_t = Mat::rows(&wt, kkc, o).t();
+                        gemm_strided(dn_t, wt_t, &mut drows, (kkc, 1), Accumulate::Overwrite, Threads::Caller);
+                        xt.fill(0.0);
+                        row2im(&drows, &g, &mut xt);
+                        hwc_to_chw(&xt, g.c, &mut dx_group[k * per_in..(k + 1) * per_in]);
                     }
                 }
-                (dw, db)
+                (dwt, db)
             })
             .collect();
-        let (dws, dbs): (Vec<_>, Vec<_>) = partials.into_iter().unzip();
-        add_partials(dparams.get(0), &dws);
+        let (dwts, dbs): (Vec<_>, Vec<_>) = partials.into_iter().unzip();
+        let dwt = sum_partials(&dwts);
+        let dweight = dparams.get(0);
+        for (r, row) in dwt.chunks_exact(o).enumerate() {
+            // row r = (i·KW + j)·C + c of the channels-last weight; dweight is (O, C, KH·KW).
+            let (kk, c) = (r / g.c, r % g.c);
+            for (oo, &v) in row.iter().enumerate() {
+                dweight[(oo * g.c + c) * g.kh * g.kw + kk] += v;
+            }
+        }
         if use_bias {
             add_partials(dparams.get(1), &dbs);
         }
-        if input_grad == InputGrad::Skip {
+        if !need_dx {
             return Ok(None);
         }
-        let w = params.get(0);
-        let mut dx = vec![0.0f32; n * per_in];
-        dx.par_chunks_mut(per_in).zip(ds.par_chunks(o * p)).for_each_init(
-            || vec![0.0f32; ckk * p],
-            |dcol, (dxn, dn)| {
-                gemm_with(
-                    Mat::rows(w, o, ckk).t(),
-                    Mat::rows(dn, o, p),
-                    dcol,
-                    p,
-                    Accumulate::Overwrite,
-                    Threads::Caller,
-                );
-                col2im(dcol, &g, dxn);
-            },
-        );
         Ok(Some(Tensor::from_vec_on(dx, x.shape().clone(), x.device())?))
     }
 

@@ -109,7 +109,8 @@ impl Layer for GlobalAvgPool2d {
         let inv = 1.0 / (h * w) as f32;
         let mut dx = Vec::with_capacity(shape.numel());
         for &d in dout.host() {
-            dx.extend(std::iter::repeat_n(d * inv, h * w));
+            // `repeat(..).take(..)`, not `repeat_n`: that is Rust 1.82 and the MSRV is 1.80.
+            dx.extend(std::iter::repeat(d * inv).take(h * w));
         }
         Tensor::from_vec_on(dx, shape, dout.device()).map(Some)
     }

@@ -51,6 +51,8 @@ pub struct Sequential {
     buffers: Vec<TensorInfo>,
     /// Shape of one output sample.
     output_shape: Shape,
+    /// Per-layer (forward, backward) time, when profiling is on.
+    profile: Option<Vec<(std::time::Duration, std::time::Duration)>>,
 }
 
 impl Clone for Sequential {
@@ -111,7 +113,7 @@ impl Sequential {
             names.push(name);
         }
         let output_shape = Shape::new(&shape.dims()[1..]);
-        Ok(Sequential { input_shape, layers, names, slots, params, buffers, output_shape })
+        Ok(Sequential { input_shape, layers, names, slots, params, buffers, output_shape, profile: None })
     }
 
     /// Per-sample input shape.
@@ -189,7 +191,11 @@ impl Sequential {
             let ctx = Ctx { layer_index: i, ..*ctx };
             let p = Params::new(&params[s.param_span.clone()], &s.param_ranges);
             let b = ParamsMut::new(&mut buffers[s.buffer_span.clone()], &s.buffer_ranges);
+            let t = self.profile.is_some().then(std::time::Instant::now);
             x = layer.forward(x, p, b, &ctx)?;
+            if let (Some(prof), Some(t)) = (self.profile.as_mut(), t) {
+                prof[i].0 += t.elapsed();
+            }
         }
         Ok(x)
     }
@@ -206,9 +212,29 @@ impl Sequential {
             let g = ParamsMut::new(&mut grads[s.param_span.clone()], &s.param_ranges);
             let need = if i == first { InputGrad::Skip } else { InputGrad::Needed };
             let dout = d.take().expect("every layer but the first returns an input gradient");
+            let t = self.profile.is_some().then(std::time::Instant::now);
             d = layer.backward(dout, p, g, need, &ctx)?;
+            if let (Some(prof), Some(t)) = (self.profile.as_mut(), t) {
+                prof[i].1 += t.elapsed();
+            }
         }
         Ok(())
+    }
+
+    /// Starts (or restarts) timing every layer's forward and backward.
+    pub fn start_profile(&mut self) {
+        self.profile = Some(vec![Default::default(); self.layers.len()]);
+    }
+
+    /// Per layer: (name, forward time, backward time) accumulated since
+    /// [`Sequential::start_profile`]; empty when profiling is off.
+    pub fn profile(&self) -> Vec<(String, std::time::Duration, std::time::Duration)> {
+        self.profile
+            .iter()
+            .flatten()
+            .zip(&self.names)
+            .map(|(&(f, b), n)| (n.clone(), f, b))
+            .collect()
     }
 
     /// A one-line-per-layer summary: name, description, output shape, parameter count.

@@ -1,0 +1,141 @@
+//! Faults never hang: an error or a panic in one worker, in forward or in backward,
+//! while the other workers already wait in the all-reduce, aborts the collective; the
+//! call returns promptly with an error naming the device and the step, and every worker
+//! thread has ended.
+//!
+//! The tests in this file run one at a time (a lock), so that counting the process's
+//! worker threads is not disturbed by another test's workers.
+
+use std::time::{Duration, Instant};
+
+use lockstep::data::toy;
+use lockstep::devices::Devices;
+use lockstep::error::{Error, Result};
+use lockstep::nn::{Ctx, InputGrad, Layer, Linear, Params, ParamsMut, Relu, Sequential};
+use lockstep::optim::OptimizerConfig;
+use lockstep::tensor::{Device, Shape, Tensor};
+use lockstep::train::{train_data_parallel, TrainConfig};
+
+static ONE_AT_A_TIME: parking_lot::Mutex<()> = parking_lot::Mutex::new(());
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Phase {
+    Forward,
+    Backward,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum How {
+    Error,
+    Panic,
+}
+
+/// The identity, except on `device` at `step`, where it fails as told.
+#[derive(Clone, Debug)]
+struct Faulty {
+    device: Device,
+    step: u64,
+    phase: Phase,
+    how: How,
+}
+
+impl Faulty {
+    fn maybe_fail(&self, ctx: &Ctx, phase: Phase) -> Result<()> {
+        if ctx.device == self.device && ctx.step == self.step && phase == self.phase {
+            match self.how {
+                How::Error => return Err(Error::config("test layer", "injected failure")),
+                How::Panic => panic!("injected panic"),
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Layer for Faulty {
+    fn kind(&self) -> &'static str {
+        "faulty"
+    }
+    fn output_shape(&self, input: &Shape) -> Result<Shape> {
+        Ok(input.clone())
+    }
+    fn forward(&mut self, x: Tensor, _p: Params<'_>, _b: ParamsMut<'_>, ctx: &Ctx) -> Result<Tensor> {
+        self.maybe_fail(ctx, Phase::Forward)?;
+        Ok(x)
+    }
+    fn backward(
+        &mut self,
+        d: Tensor,
+        _p: Params<'_>,
+        _g: ParamsMut<'_>,
+        _i: InputGrad,
+        ctx: &Ctx,
+    ) -> Result<Option<Tensor>> {
+        self.maybe_fail(ctx, Phase::Backward)?;
+        Ok(Some(d))
+    }
+    fn boxed_clone(&self) -> Box<dyn Layer> {
+        Box::new(self.clone())
+    }
+    fn describe(&self) -> String {
+        "Faulty".into()
+    }
+}
+
+fn worker_threads() -> usize {
+    std::fs::read_dir("/proc/self/task")
+        .map(|d| {
+            d.filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+                .filter(|name| name.starts_with("lockstep-"))
+                .count()
+        })
+        .unwrap_or(0)
+}
+
+fn run_with_fault(phase: Phase, how: How) -> (Error, Duration) {
+    let model = Sequential::new(
+        [2],
+        vec![
+            Box::new(Linear::new(2, 8)),
+            Box::new(Relu::new()),
+            Box::new(Faulty { device: Device::Cpu(2), step: 5, phase, how }),
+            Box::new(Linear::new(8, 2)),
+        ],
+    )
+    .unwrap();
+    let data = toy::toy_enlarged(20, 1).unwrap().train;
+    let cfg = TrainConfig { epochs: 5, batch_size: 8, optimizer: OptimizerConfig::sgd(0.1), ..Default::default() };
+    let start = Instant::now();
+    let result = train_data_parallel(&model, &data, None, &Devices::cpu(4, 1).unwrap(), &cfg);
+    (result.err().expect("the injected fault must stop training"), start.elapsed())
+}
+
+fn check(phase: Phase, how: How, cause: &str) {
+    let _one = ONE_AT_A_TIME.lock();
+    let (err, took) = run_with_fault(phase, how);
+    let text = err.to_string();
+    assert!(matches!(&err, Error::Worker { device, step: 5, .. } if device == "cpu:2"), "{text}");
+    assert!(text.starts_with("cpu:2, step 5: "), "{text}");
+    assert!(text.contains(cause), "{text}");
+    assert!(took < Duration::from_secs(1), "took {took:?}");
+    assert_eq!(worker_threads(), 0, "worker threads left running");
+}
+
+#[test]
+fn an_error_in_forward_on_device_2_at_step_5() {
+    check(Phase::Forward, How::Error, "injected failure");
+}
+
+#[test]
+fn an_error_in_backward_on_device_2_at_step_5() {
+    check(Phase::Backward, How::Error, "injected failure");
+}
+
+#[test]
+fn a_panic_in_forward_on_device_2_at_step_5() {
+    check(Phase::Forward, How::Panic, "panicked: injected panic");
+}
+
+#[test]
+fn a_panic_in_backward_on_device_2_at_step_5() {
+    check(Phase::Backward, How::Panic, "panicked: injected panic");
+}
