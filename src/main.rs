@@ -1,1 +1,941 @@
-fn main() {}
+//! The `lockstep` command line: parse → validate → call the library.
+//!
+//! Owns: the subcommands (`train`, `eval`, `inspect`, `devices`, `bench allreduce`,
+//! `bench step`), their defaults, the checks of every input BEFORE any work starts, the
+//! progress lines, and the mapping of failures to exit codes: 2 for a usage or input
+//! error (a bad flag, a missing or malformed file, a device that is not there), 1 for a
+//! failure while running (a worker error, a non-finite loss, a replica mismatch). Every
+//! failure is one line `error: ...` on stderr.
+//!
+//! It leaves everything numerical to the library: models (`lockstep::models`), data
+//! (`lockstep::data`), the trainer (`lockstep::train`), weights files
+//! (`lockstep::weights`). This is the only file of the crate that uses `anyhow`.
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use anyhow::anyhow;
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+use lockstep::comm::shm::ShmExchange;
+use lockstep::comm::Collective;
+use lockstep::data::digits::{load_digits, DigitsLayout};
+use lockstep::data::safetensors_file::load_safetensors_dataset;
+use lockstep::data::{toy, Dataset, Splits};
+use lockstep::devices::{available_cores, DeviceSpec, Devices};
+use lockstep::models::{self, ConvnetOptions, Norm};
+use lockstep::nn::{ParamStore, Sequential};
+use lockstep::optim::OptimizerConfig;
+use lockstep::train::{
+    train_data_parallel_with, with_trainer, Batch, EpochReport, LastBatch, NonFinite, Observer, Shuffle, StepEvent,
+    TrainConfig,
+};
+use lockstep::weights;
+
+/// `println!` that ignores a closed stdout (`lockstep ... | head`) instead of panicking.
+macro_rules! outln {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stdout(), $($arg)*);
+    }};
+}
+
+/// Exit code of a usage or input error (clap's own code for bad arguments).
+const EXIT_USAGE: u8 = 2;
+/// Exit code of a failure while running.
+const EXIT_RUNTIME: u8 = 1;
+
+/// Noisy copies of the lesson's points in `--data toy-enlarged`.
+const TOY_ENLARGE_FACTOR: usize = 4;
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "lockstep",
+    version,
+    about = "Synchronous data-parallel training in one process: one thread per device"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Train a model data-parallel on every device given (default: the convnet on the embedded digits).
+    Train(TrainArgs),
+    /// Loss, accuracy and confusion matrix of saved weights on a dataset.
+    Eval(EvalArgs),
+    /// List the tensors of a safetensors file: name, dtype, shape.
+    Inspect {
+        /// The safetensors file (weights or a dataset).
+        file: PathBuf,
+    },
+    /// The CPU cores and GPUs this machine offers.
+    Devices,
+    /// Measure the collective or the training step.
+    #[command(subcommand)]
+    Bench(BenchCommand),
+}
+
+#[derive(Subcommand, Debug)]
+enum BenchCommand {
+    /// The shared-memory all-reduce of CPU devices, nccl-tests style.
+    Allreduce(BenchAllreduceArgs),
+    /// Samples per second of training steps.
+    Step(BenchStepArgs),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum ModelName {
+    /// The lesson's 2-30-20-2 MLP.
+    Toy,
+    /// The Keras guide's MNIST convnet, with BatchNorm.
+    Convnet,
+    /// The convnet without BatchNorm.
+    ConvnetNobn,
+}
+
+impl ModelName {
+    fn as_str(self) -> &'static str {
+        match self {
+            ModelName::Toy => "toy",
+            ModelName::Convnet => "convnet",
+            ModelName::ConvnetNobn => "convnet-nobn",
+        }
+    }
+
+    fn default_data(self) -> &'static str {
+        match self {
+            ModelName::Toy => "toy",
+            ModelName::Convnet | ModelName::ConvnetNobn => "digits",
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum OptimizerName {
+    Sgd,
+    Adam,
+}
+
+#[derive(Args, Debug)]
+struct TrainArgs {
+    /// The model.
+    #[arg(long, value_enum, default_value = "convnet")]
+    model: ModelName,
+    /// toy, toy-enlarged, digits, or a FILE.safetensors (tensors x and y) [default: toy for the toy model, digits otherwise]
+    #[arg(long)]
+    data: Option<String>,
+    /// A separate test split for --data FILE (evaluated after every epoch).
+    #[arg(long, value_name = "FILE")]
+    test_data: Option<PathBuf>,
+    /// Passes over the training data [default: toy 3, convnet 20].
+    #[arg(long)]
+    epochs: Option<usize>,
+    /// GLOBAL batch size: samples per step, whatever the number of devices [default: toy 2, convnet 16].
+    #[arg(long)]
+    batch_size: Option<usize>,
+    /// [default: toy sgd, convnet adam]
+    #[arg(long, value_enum)]
+    optimizer: Option<OptimizerName>,
+    /// Learning rate [default: sgd 0.5 for toy, 0.05 for convnet; adam 0.001].
+    #[arg(allow_negative_numbers = true, long)]
+    lr: Option<f32>,
+    /// SGD momentum, in [0, 1).
+    #[arg(allow_negative_numbers = true, long, default_value_t = 0.0)]
+    momentum: f32,
+    /// L2 penalty added to the gradient (PyTorch's weight_decay).
+    #[arg(allow_negative_numbers = true, long, default_value_t = 0.0)]
+    weight_decay: f32,
+    /// Adam's epsilon.
+    #[arg(allow_negative_numbers = true, long, default_value_t = 1e-8)]
+    adam_eps: f32,
+    /// Dropout rate of the convnet, in [0, 1) (0 removes the layer).
+    #[arg(allow_negative_numbers = true, long, default_value_t = 0.5)]
+    dropout: f32,
+    /// Seed of the initial weights, the shuffling and dropout.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Start from these weights instead of a seeded initialisation.
+    #[arg(long, value_name = "FILE")]
+    init: Option<PathBuf>,
+    /// Save the final weights here (written atomically).
+    #[arg(long, value_name = "FILE")]
+    save: Option<PathBuf>,
+    /// Visit the samples in file order every epoch.
+    #[arg(long)]
+    no_shuffle: bool,
+    /// Drop the short last batch of each epoch.
+    #[arg(long)]
+    drop_last: bool,
+    /// Stop after this many steps in all.
+    #[arg(long, value_name = "K")]
+    steps: Option<u64>,
+    /// auto, cpu, cpu:N, cpu:NxT, cuda, cuda:I[,J...]
+    #[arg(long, default_value = "auto", value_name = "SPEC")]
+    devices: String,
+    /// Logical replicas R (a multiple of the device count) [default: the device count].
+    #[arg(long, value_name = "R")]
+    replicas: Option<usize>,
+    /// Check that every replica is bitwise identical every K steps (and at the end).
+    #[arg(long, value_name = "K")]
+    check_replicas_every: Option<u64>,
+    /// Keep training when the loss becomes NaN or infinite.
+    #[arg(long)]
+    allow_nonfinite: bool,
+    /// Print every replica's shard loss at every step, in the lesson's form.
+    #[arg(long)]
+    log_every_step: bool,
+}
+
+#[derive(Args, Debug)]
+struct EvalArgs {
+    /// The weights to evaluate.
+    #[arg(long, value_name = "FILE")]
+    weights: PathBuf,
+    #[arg(long, value_enum, default_value = "convnet")]
+    model: ModelName,
+    /// toy, toy-enlarged, digits (their test split), or a FILE.safetensors [default: the model's data]
+    #[arg(long)]
+    data: Option<String>,
+    #[arg(long, default_value = "auto", value_name = "SPEC")]
+    devices: String,
+    /// Seed of toy-enlarged's noise.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+}
+
+#[derive(Args, Debug)]
+struct BenchAllreduceArgs {
+    /// CPU devices, one rank each: cpu:N.
+    #[arg(long, default_value = "cpu:2", value_name = "SPEC")]
+    devices: String,
+    /// Buffer sizes in bytes, comma-separated, with K/M/G suffixes (powers of 1024).
+    #[arg(long, default_value = "4K,256K,4M,64M")]
+    sizes: String,
+    /// Timed iterations per size (after warm-up); the median is reported.
+    #[arg(long, default_value_t = 20)]
+    iters: usize,
+    /// Untimed iterations before the timed ones.
+    #[arg(long, default_value_t = 5)]
+    warmup: usize,
+}
+
+#[derive(Args, Debug)]
+struct BenchStepArgs {
+    #[arg(long, value_enum, default_value = "convnet")]
+    model: ModelName,
+    /// GLOBAL batch size [default: toy 64, convnet 128].
+    #[arg(long)]
+    batch_size: Option<usize>,
+    #[arg(long, default_value = "auto", value_name = "SPEC")]
+    devices: String,
+    /// Timed steps (after warm-up).
+    #[arg(long, default_value_t = 20, value_name = "K")]
+    steps: u64,
+    /// Untimed steps before the timed ones.
+    #[arg(long, default_value_t = 3)]
+    warmup: u64,
+}
+
+// ---------------------------------------------------------------------------------------
+// Failures and exit codes
+
+/// A failure and the exit code it maps to.
+#[derive(Debug)]
+struct Failure {
+    code: u8,
+    error: anyhow::Error,
+}
+
+impl Failure {
+    /// A usage or input error: exit 2.
+    fn usage(e: impl Into<anyhow::Error>) -> Failure {
+        Failure { code: EXIT_USAGE, error: e.into() }
+    }
+
+    /// A failure while running: exit 1.
+    fn runtime(e: impl Into<anyhow::Error>) -> Failure {
+        Failure { code: EXIT_RUNTIME, error: e.into() }
+    }
+}
+
+/// Library errors met after validation: input-shaped ones still exit 2.
+impl From<lockstep::Error> for Failure {
+    fn from(e: lockstep::Error) -> Failure {
+        use lockstep::Error as E;
+        let code = match &e {
+            E::Config { .. }
+            | E::DeviceSpec { .. }
+            | E::Format { .. }
+            | E::WeightsMismatch { .. }
+            | E::Data { .. }
+            | E::CudaUnavailable(_) => EXIT_USAGE,
+            _ => EXIT_RUNTIME,
+        };
+        Failure { code, error: e.into() }
+    }
+}
+
+type CliResult<T = ()> = Result<T, Failure>;
+
+/// One line: the error chain joined by ": ", a multi-line cause joined by "; ".
+fn one_line(e: &anyhow::Error) -> String {
+    let text = format!("{e:#}");
+    let lines: Vec<&str> = text.lines().map(str::trim).filter(|l| !l.is_empty()).collect();
+    lines.join("; ").replace(":; ", ": ")
+}
+
+fn main() -> ExitCode {
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            use clap::error::ErrorKind;
+            if matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion) {
+                let _ = e.print();
+                return ExitCode::SUCCESS;
+            }
+            if e.kind() == ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand {
+                let _ = e.print();
+                return ExitCode::from(EXIT_USAGE);
+            }
+            // clap's message up to its first blank line ("Usage:", "For more information"),
+            // as one line.
+            let text = e.render().to_string();
+            let msg: Vec<&str> =
+                text.lines().take_while(|l| !l.trim().is_empty()).map(str::trim).filter(|l| !l.is_empty()).collect();
+            let msg = msg.join(" ");
+            let msg = msg.strip_prefix("error: ").unwrap_or(&msg);
+            eprintln!("error: {msg}");
+            return ExitCode::from(EXIT_USAGE);
+        }
+    };
+    let result = match cli.command {
+        Command::Train(a) => cmd_train(a),
+        Command::Eval(a) => cmd_eval(a),
+        Command::Inspect { file } => cmd_inspect(&file),
+        Command::Devices => cmd_devices(),
+        Command::Bench(BenchCommand::Allreduce(a)) => cmd_bench_allreduce(a),
+        Command::Bench(BenchCommand::Step(a)) => cmd_bench_step(a),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(f) => {
+            eprintln!("error: {}", one_line(&f.error));
+            ExitCode::from(f.code)
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Inputs shared by the subcommands
+
+/// Builds `name` for samples of `sample_shape` and `classes` classes.
+fn build_model(name: ModelName, sample: &[usize], classes: usize, dropout: f32) -> CliResult<Sequential> {
+    match name {
+        ModelName::Toy => match sample {
+            [features] => Ok(models::toy_mlp(*features, classes)?),
+            _ => Err(Failure::usage(anyhow!(
+                "the toy model takes flat samples (F,), the data has samples of shape {sample:?}"
+            ))),
+        },
+        ModelName::Convnet | ModelName::ConvnetNobn => match sample {
+            [c, h, w] => Ok(models::convnet(ConvnetOptions {
+                norm: if name == ModelName::Convnet { Norm::BatchNorm } else { Norm::None },
+                dropout,
+                input: (*c, *h, *w),
+                classes,
+            })?),
+            _ => Err(Failure::usage(anyhow!(
+                "the {} model takes images (C, H, W), the data has samples of shape {sample:?}",
+                name.as_str()
+            ))),
+        },
+    }
+}
+
+/// Loads `--data`: a built-in name, or a safetensors file (plus an optional test file).
+fn load_data(spec: &str, model: ModelName, seed: u64, test_file: Option<&Path>) -> CliResult<Splits> {
+    let builtin = match spec {
+        "toy" => Some(toy::toy()),
+        "toy-enlarged" => Some(toy::toy_enlarged(TOY_ENLARGE_FACTOR, seed).map_err(Failure::usage)?),
+        "digits" => Some(
+            load_digits(if model == ModelName::Toy { DigitsLayout::Flat8 } else { DigitsLayout::Image28 })
+                .map_err(Failure::usage)?,
+        ),
+        _ => None,
+    };
+    if let Some(splits) = builtin {
+        if test_file.is_some() {
+            return Err(Failure::usage(anyhow!("--test-data goes with --data FILE, not the built-in '{spec}'")));
+        }
+        return Ok(splits);
+    }
+    let path = Path::new(spec);
+    if !path.is_file() {
+        return Err(Failure::usage(anyhow!(
+            "--data '{spec}': no such file (expected toy, toy-enlarged, digits or a FILE.safetensors)"
+        )));
+    }
+    let train = load_safetensors_dataset(path).map_err(Failure::usage)?;
+    let test = test_file
+        .map(|p| {
+            if !p.is_file() {
+                return Err(Failure::usage(anyhow!("--test-data '{}': no such file", p.display())));
+            }
+            load_safetensors_dataset(p).map_err(Failure::usage)
+        })
+        .transpose()?;
+    Ok(Splits { train, test })
+}
+
+/// Parses and resolves `--devices`.
+fn resolve_devices(spec: &str) -> CliResult<Devices> {
+    let parsed: DeviceSpec = spec.parse().map_err(Failure::usage)?;
+    parsed.resolve().map_err(Failure::usage)
+}
+
+/// Fails unless `path` can be created: its directory exists and accepts a new file, and
+/// the path itself is not a directory. Leaves nothing behind.
+fn check_writable(path: &Path) -> CliResult {
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    if path.file_name().is_none() || path.is_dir() {
+        return Err(Failure::usage(anyhow!("--save '{}': is a directory, not a file path", path.display())));
+    }
+    if !dir.is_dir() {
+        return Err(Failure::usage(anyhow!(
+            "--save '{}': directory '{}' does not exist",
+            path.display(),
+            dir.display()
+        )));
+    }
+    let probe = dir.join(format!(".lockstep-write-probe-{}", std::process::id()));
+    match std::fs::File::create(&probe) {
+        Ok(_) => {
+            let _ = std::fs::remove_file(&probe);
+            Ok(())
+        }
+        Err(e) => Err(Failure::usage(anyhow!(
+            "--save '{}': directory '{}' is not writable: {e}",
+            path.display(),
+            dir.display()
+        ))),
+    }
+}
+
+fn optimizer_text(o: &OptimizerConfig) -> String {
+    match *o {
+        OptimizerConfig::Sgd { lr, momentum, weight_decay } => {
+            format!("sgd lr {lr} momentum {momentum} weight decay {weight_decay}")
+        }
+        OptimizerConfig::Adam { lr, beta1, beta2, eps, weight_decay } => {
+            format!("adam lr {lr} betas ({beta1}, {beta2}) eps {eps} weight decay {weight_decay}")
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// train
+
+/// Prints one line per epoch and, when asked, one line per replica and step.
+struct Progress {
+    log_every_step: bool,
+}
+
+impl Observer for Progress {
+    fn on_step(&mut self, e: &StepEvent<'_>) {
+        if !self.log_every_step {
+            return;
+        }
+        let width = e.epochs.to_string().len().max(3);
+        for s in &e.report.shards {
+            let loss = if s.metrics.count == 0 { "-".to_string() } else { format!("{:.2}", s.metrics.mean_loss()) };
+            outln!(
+                "[{}] Epoch: {:0width$}/{:0width$} | Batchsize {:03} | Train/Val Loss: {loss}",
+                s.device,
+                e.epoch + 1,
+                e.epochs,
+                s.metrics.count
+            );
+        }
+    }
+
+    fn on_epoch(&mut self, e: &EpochReport) {
+        let width = e.epochs.to_string().len();
+        let mut line = format!(
+            "epoch {:>width$}/{} | train loss {:.4} acc {:.4}",
+            e.epoch + 1,
+            e.epochs,
+            e.train.mean_loss(),
+            e.train.accuracy()
+        );
+        if let Some(t) = &e.test {
+            let _ = write!(line, " | test loss {:.4} acc {:.4}", t.mean_loss(), t.accuracy());
+        }
+        let _ = write!(line, " | {:.0} samples/s | {:.2}s", e.samples_per_sec, e.seconds);
+        outln!("{line}");
+    }
+}
+
+fn cmd_train(a: TrainArgs) -> CliResult {
+    // Every check comes before any work.
+    let toy = a.model == ModelName::Toy;
+    let epochs = a.epochs.unwrap_or(if toy { 3 } else { 20 });
+    let batch_size = a.batch_size.unwrap_or(if toy { 2 } else { 16 });
+    let optimizer = a.optimizer.unwrap_or(if toy { OptimizerName::Sgd } else { OptimizerName::Adam });
+    let lr = a.lr.unwrap_or(match (optimizer, toy) {
+        (OptimizerName::Sgd, true) => 0.5,
+        (OptimizerName::Sgd, false) => 0.05,
+        (OptimizerName::Adam, _) => 1e-3,
+    });
+    if epochs == 0 {
+        return Err(Failure::usage(anyhow!("--epochs must be at least 1")));
+    }
+    if batch_size == 0 {
+        return Err(Failure::usage(anyhow!("--batch-size must be at least 1")));
+    }
+    if !(lr > 0.0 && lr.is_finite()) {
+        return Err(Failure::usage(anyhow!("--lr must be a positive number, got {lr}")));
+    }
+    if !(0.0..1.0).contains(&a.dropout) {
+        return Err(Failure::usage(anyhow!("--dropout must be in [0, 1), got {}", a.dropout)));
+    }
+    if a.steps == Some(0) {
+        return Err(Failure::usage(anyhow!("--steps must be at least 1")));
+    }
+    if a.replicas == Some(0) {
+        return Err(Failure::usage(anyhow!("--replicas must be at least 1")));
+    }
+    if a.check_replicas_every == Some(0) {
+        return Err(Failure::usage(anyhow!("--check-replicas-every must be at least 1")));
+    }
+    if optimizer == OptimizerName::Adam && a.momentum != 0.0 {
+        return Err(Failure::usage(anyhow!("--momentum is an SGD setting; Adam uses its betas")));
+    }
+    let optimizer = match optimizer {
+        OptimizerName::Sgd => OptimizerConfig::Sgd { lr, momentum: a.momentum, weight_decay: a.weight_decay },
+        OptimizerName::Adam => {
+            OptimizerConfig::Adam { lr, beta1: 0.9, beta2: 0.999, eps: a.adam_eps, weight_decay: a.weight_decay }
+        }
+    };
+    optimizer.validate().map_err(Failure::usage)?;
+    let devices = resolve_devices(&a.devices)?;
+    if let Some(r) = a.replicas {
+        if r % devices.len() != 0 {
+            return Err(Failure::usage(anyhow!(
+                "--replicas {r} cannot be shared evenly by {} devices (use a multiple of {})",
+                devices.len(),
+                devices.len()
+            )));
+        }
+    }
+    if let Some(p) = &a.save {
+        check_writable(p)?;
+    }
+    let data_spec = a.data.clone().unwrap_or_else(|| a.model.default_data().to_string());
+    let splits = load_data(&data_spec, a.model, a.seed, a.test_data.as_deref())?;
+    let classes = splits.train.num_classes().max(splits.test.as_ref().map_or(0, Dataset::num_classes));
+    let model = build_model(a.model, splits.train.sample_shape().dims(), classes, a.dropout)?;
+    lockstep::train::check_data(&model, &splits.train).map_err(Failure::usage)?;
+    if let Some(t) = &splits.test {
+        lockstep::train::check_data(&model, t).map_err(Failure::usage)?;
+    }
+    let initial = a
+        .init
+        .as_ref()
+        .map(|p| weights::load(&model, p).map_err(Failure::usage).map_err(|f| f.with_context("--init")))
+        .transpose()?;
+    let last_batch = if a.drop_last { LastBatch::Drop } else { LastBatch::Keep };
+    if lockstep::train::scatter::steps_per_epoch(splits.train.len(), batch_size, last_batch) == 0 {
+        return Err(Failure::usage(anyhow!(
+            "{} training samples make no full batch of {batch_size} with --drop-last",
+            splits.train.len()
+        )));
+    }
+    let config = TrainConfig {
+        epochs,
+        max_steps: a.steps,
+        batch_size,
+        optimizer,
+        seed: a.seed,
+        shuffle: if a.no_shuffle { Shuffle::None } else { Shuffle::Seeded },
+        last_batch,
+        replicas: a.replicas,
+        check_replicas_every: a.check_replicas_every.or(TrainConfig::default().check_replicas_every),
+        non_finite: if a.allow_nonfinite { NonFinite::Allow } else { NonFinite::Error },
+        initial,
+        ..TrainConfig::default()
+    };
+    config.validate().map_err(Failure::usage)?;
+
+    let replicas = a.replicas.unwrap_or(devices.len());
+    outln!(
+        "lockstep: {} ({} parameters) | devices: {} | replicas: {replicas} | data: {} {} samples{}",
+        a.model.as_str(),
+        model.num_params(),
+        devices,
+        splits.train.name(),
+        splits.train.len(),
+        splits.test.as_ref().map_or(String::new(), |t| format!(", {} {} samples", t.name(), t.len()))
+    );
+    outln!(
+        "lockstep: {} | global batch {batch_size} | epochs {epochs}{} | seed {}{}",
+        optimizer_text(&optimizer),
+        a.steps.map_or(String::new(), |k| format!(" (at most {k} steps)")),
+        a.seed,
+        a.init.as_ref().map_or(String::new(), |p| format!(" | initial weights {}", p.display()))
+    );
+
+    let mut progress = Progress { log_every_step: a.log_every_step };
+    let report =
+        train_data_parallel_with(&model, &splits.train, splits.test.as_ref(), &devices, &config, &mut progress)
+            .map_err(Failure::runtime)?;
+    outln!("trained {} steps in {:.2}s ({:.0} samples/s)", report.steps, report.seconds, report.samples_per_sec);
+    if let Some(last) = report.epochs.last() {
+        outln!("final train loss {:.4} accuracy {:.4}", last.train.mean_loss(), last.train.accuracy());
+        if let Some(t) = &last.test {
+            outln!("final test accuracy: {:.4} ({}/{})", t.accuracy(), t.correct, t.count);
+        }
+    }
+    if let Some(p) = &a.save {
+        weights::save(&model, &report.weights, p).map_err(Failure::runtime)?;
+        outln!("weights saved to {}", p.display());
+    }
+    Ok(())
+}
+
+impl Failure {
+    fn with_context(self, what: &'static str) -> Failure {
+        Failure { code: self.code, error: self.error.context(what) }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// eval
+
+fn cmd_eval(a: EvalArgs) -> CliResult {
+    let devices = resolve_devices(&a.devices)?;
+    if !a.weights.is_file() {
+        return Err(Failure::usage(anyhow!("--weights '{}': no such file", a.weights.display())));
+    }
+    let data_spec = a.data.clone().unwrap_or_else(|| a.model.default_data().to_string());
+    let splits = load_data(&data_spec, a.model, a.seed, None)?;
+    // Built-in data: its test split; a file: all of it.
+    let data = splits.test.unwrap_or(splits.train);
+    let model = build_model(a.model, data.sample_shape().dims(), data.num_classes(), 0.5)?;
+    lockstep::train::check_data(&model, &data).map_err(Failure::usage)?;
+    let store: ParamStore =
+        weights::load(&model, &a.weights).map_err(Failure::usage).map_err(|f| f.with_context("--weights"))?;
+    // No more ranks than samples: a device with no sample has nothing to predict.
+    let devices = if devices.len() > data.len() {
+        Devices::cpu(data.len(), devices.threads_per_device()).map_err(Failure::usage)?
+    } else {
+        devices
+    };
+    let classes = model.output_shape().numel();
+    let config = TrainConfig { initial: Some(store), check_replicas_every: None, ..TrainConfig::default() };
+    let all: Vec<usize> = (0..data.len()).collect();
+    let (metrics, probs) = with_trainer(&model, &devices, &config, |t| {
+        let m = t.evaluate(&data, config.eval_batch)?;
+        let p = t.predict(Batch::gather(&data, &all))?;
+        Ok((m, p))
+    })
+    .map_err(Failure::runtime)?;
+    outln!("{} on {} ({} samples) on {}", a.weights.display(), data.name(), data.len(), devices);
+    outln!(
+        "loss {:.4} | accuracy {:.4} ({}/{})",
+        metrics.mean_loss(),
+        metrics.accuracy(),
+        metrics.correct,
+        metrics.count
+    );
+    // confusion[true][predicted]
+    let mut confusion = vec![vec![0u64; classes]; classes];
+    for (row, &y) in probs.chunks_exact(classes).zip(data.labels()) {
+        let pred = row.iter().enumerate().fold(0, |best, (i, &v)| if v > row[best] { i } else { best });
+        confusion[y as usize][pred] += 1;
+    }
+    let w = data.len().to_string().len().max(3);
+    outln!("confusion matrix (rows: true class, columns: predicted class)");
+    let mut head = format!("{:>w$} |", "");
+    for c in 0..classes {
+        let _ = write!(head, " {c:>w$}");
+    }
+    outln!("{head}");
+    outln!("{}", "-".repeat(head.len()));
+    for (c, row) in confusion.iter().enumerate() {
+        let mut line = format!("{c:>w$} |");
+        for v in row {
+            let _ = write!(line, " {v:>w$}");
+        }
+        outln!("{line}");
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------
+// inspect, devices
+
+fn cmd_inspect(file: &Path) -> CliResult {
+    if !file.is_file() {
+        return Err(Failure::usage(anyhow!("'{}': no such file", file.display())));
+    }
+    let rows = weights::inspect(file).map_err(Failure::usage)?;
+    let name_w = rows.iter().map(|r| r.0.len()).max().unwrap_or(4).max(4);
+    outln!("{:<name_w$}  {:<5}  shape", "name", "dtype");
+    let mut total = 0usize;
+    for (name, dtype, shape) in &rows {
+        total += shape.iter().product::<usize>();
+        let dims: Vec<String> = shape.iter().map(|d| d.to_string()).collect();
+        outln!("{name:<name_w$}  {dtype:<5}  ({})", dims.join(", "));
+    }
+    outln!("{} tensors, {total} values", rows.len());
+    Ok(())
+}
+
+fn cmd_devices() -> CliResult {
+    use lockstep::cuda::probe;
+    outln!("cpu: {} cores available (cpu:N makes N devices sharing them)", available_cores());
+    match probe::gpus() {
+        Ok(gpus) if gpus.is_empty() => outln!("cuda: the driver reports no GPU"),
+        Ok(gpus) => {
+            for g in &gpus {
+                outln!(
+                    "cuda:{}: {} | {:.1} GiB | compute capability {}.{} ({})",
+                    g.ordinal,
+                    g.name,
+                    g.total_memory_bytes as f64 / (1u64 << 30) as f64,
+                    g.compute_capability.0,
+                    g.compute_capability.1,
+                    g.arch()
+                );
+            }
+            outln!("nccl: {}", probe::nccl_status().fix());
+        }
+        Err(e) => outln!("cuda: none ({e})"),
+    }
+    match "auto".parse::<DeviceSpec>().and_then(|s| s.resolve()) {
+        Ok(d) => outln!("--devices auto: {d}"),
+        Err(e) => outln!("--devices auto: unavailable ({e})"),
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------
+// bench
+
+/// Parses `4K,256K,4M` into byte counts (K/M/G are powers of 1024).
+fn parse_sizes(text: &str) -> CliResult<Vec<usize>> {
+    text.split(',')
+        .map(|t| {
+            let t = t.trim();
+            let (num, mult) = match t.char_indices().last() {
+                Some((i, 'K' | 'k')) => (&t[..i], 1usize << 10),
+                Some((i, 'M' | 'm')) => (&t[..i], 1 << 20),
+                Some((i, 'G' | 'g')) => (&t[..i], 1 << 30),
+                _ => (t, 1),
+            };
+            let bytes = num
+                .parse::<usize>()
+                .ok()
+                .and_then(|n| n.checked_mul(mult))
+                .ok_or_else(|| Failure::usage(anyhow!("--sizes: '{t}' is not a size (e.g. 4K, 256K, 4M, 64M)")))?;
+            if bytes == 0 || bytes % 4 != 0 {
+                return Err(Failure::usage(anyhow!("--sizes: {t} is not a positive multiple of 4 bytes (f32 values)")));
+            }
+            Ok(bytes)
+        })
+        .collect()
+}
+
+fn median(mut v: Vec<Duration>) -> Duration {
+    v.sort();
+    v[v.len() / 2]
+}
+
+/// Which collective a timing loop runs.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum AllreducePath {
+    /// Fill the shard buffers once, then reduce-scatter again and again: what a training
+    /// step pays (every rank reading the reduced chunks in place belongs to its update).
+    Trainer,
+    /// Classic in-place all-reduce: copy in, reduce-scatter, all-gather.
+    Classic,
+}
+
+/// Median time of one collective over `ranks` threads; rank 0 times between barriers.
+fn time_allreduce(ranks: usize, count: usize, iters: usize, warmup: usize, path: AllreducePath) -> CliResult<Duration> {
+    let ex = ShmExchange::new(ranks, ranks, count)?;
+    let times = std::thread::scope(|s| -> lockstep::Result<Vec<Duration>> {
+        let handles: Vec<_> = (0..ranks)
+            .map(|r| {
+                let ex = &ex;
+                s.spawn(move || -> lockstep::Result<Vec<Duration>> {
+                    let me = ex.rank(r);
+                    let run = || -> lockstep::Result<Vec<Duration>> {
+                        let mut buf = vec![(r + 1) as f32; count];
+                        me.shard_buffer(0).fill((r + 1) as f32);
+                        let mut times = Vec::with_capacity(iters);
+                        for i in 0..warmup + iters {
+                            me.barrier()?;
+                            let t0 = Instant::now();
+                            match path {
+                                AllreducePath::Trainer => me.reduce_scatter()?,
+                                AllreducePath::Classic => {
+                                    me.all_reduce_sum(&mut buf)?;
+                                    me.barrier()?;
+                                }
+                            }
+                            if i >= warmup {
+                                times.push(t0.elapsed());
+                            }
+                        }
+                        Ok(times)
+                    };
+                    let out = run();
+                    if out.is_err() {
+                        ex.abort();
+                    }
+                    out
+                })
+            })
+            .collect();
+        let mut rank0 = Vec::new();
+        for (r, h) in handles.into_iter().enumerate() {
+            let t = h.join().map_err(|_| lockstep::Error::Worker {
+                device: format!("cpu:{r}"),
+                step: 0,
+                cause: "benchmark rank panicked".into(),
+            })??;
+            if r == 0 {
+                rank0 = t;
+            }
+        }
+        Ok(rank0)
+    })
+    .map_err(Failure::runtime)?;
+    Ok(median(times))
+}
+
+fn cmd_bench_allreduce(a: BenchAllreduceArgs) -> CliResult {
+    let spec: DeviceSpec = a.devices.parse().map_err(Failure::usage)?;
+    let ranks = match spec {
+        DeviceSpec::Cpu { count, .. } => count,
+        _ => {
+            return Err(Failure::usage(anyhow!(
+                "--devices '{}': bench allreduce measures the CPU collective; use cpu:N",
+                a.devices
+            )))
+        }
+    };
+    let sizes = parse_sizes(&a.sizes)?;
+    if a.iters == 0 {
+        return Err(Failure::usage(anyhow!("--iters must be at least 1")));
+    }
+    let bus = 2.0 * (ranks as f64 - 1.0) / ranks as f64;
+    outln!(
+        "# lockstep bench allreduce: {ranks} rank(s) (threads, cpu:0..{}), shared memory, f32 sum, median of {} iterations after {} warm-up",
+        ranks - 1,
+        a.iters,
+        a.warmup
+    );
+    outln!("# trainer: buffers filled once, then reduce-scatter (the trainer's path; ranks read the result in place)");
+    outln!("# classic: in-place all_reduce_sum (copy in + reduce-scatter + all-gather)");
+    outln!("# algbw = size / time; busbw = algbw * 2(n-1)/n");
+    outln!(
+        "# {:>12} {:>12} | {:>10} {:>11} {:>11} | {:>10} {:>11} {:>11}",
+        "",
+        "",
+        "trainer",
+        "",
+        "",
+        "classic",
+        "",
+        ""
+    );
+    outln!(
+        "# {:>12} {:>12} | {:>10} {:>11} {:>11} | {:>10} {:>11} {:>11}",
+        "size(B)",
+        "count(f32)",
+        "time(us)",
+        "algbw(GB/s)",
+        "busbw(GB/s)",
+        "time(us)",
+        "algbw(GB/s)",
+        "busbw(GB/s)"
+    );
+    for bytes in sizes {
+        let count = bytes / 4;
+        let mut cells = String::new();
+        for path in [AllreducePath::Trainer, AllreducePath::Classic] {
+            let t = time_allreduce(ranks, count, a.iters, a.warmup, path)?;
+            let secs = t.as_secs_f64().max(1e-9);
+            let algbw = bytes as f64 / secs / 1e9;
+            let _ = write!(cells, " | {:>10.1} {:>11.2} {:>11.2}", secs * 1e6, algbw, algbw * bus);
+        }
+        outln!("  {bytes:>12} {count:>12}{cells}");
+    }
+    Ok(())
+}
+
+fn cmd_bench_step(a: BenchStepArgs) -> CliResult {
+    let toy = a.model == ModelName::Toy;
+    let batch_size = a.batch_size.unwrap_or(if toy { 64 } else { 128 });
+    if batch_size == 0 {
+        return Err(Failure::usage(anyhow!("--batch-size must be at least 1")));
+    }
+    if a.steps == 0 {
+        return Err(Failure::usage(anyhow!("--steps must be at least 1")));
+    }
+    let devices = resolve_devices(&a.devices)?;
+    let data_name = if toy { "toy-enlarged" } else { "digits" };
+    let splits = load_data(data_name, a.model, 0, None)?;
+    let data = splits.train;
+    let model = build_model(a.model, data.sample_shape().dims(), data.num_classes(), 0.5)?;
+    let optimizer = if toy { OptimizerConfig::sgd(0.05) } else { OptimizerConfig::adam(1e-3) };
+    let config = TrainConfig { batch_size, optimizer, check_replicas_every: None, ..TrainConfig::default() };
+    let total = a.warmup + a.steps;
+    let batches: Vec<Batch> = (0..total.min(8) as usize)
+        .map(|s| {
+            let idx: Vec<usize> = (0..batch_size).map(|i| (s * batch_size + i) % data.len()).collect();
+            Batch::gather(&data, &idx)
+        })
+        .collect();
+    outln!(
+        "lockstep bench step: {} ({} parameters) | devices: {} | global batch {batch_size} | {} steps after {} warm-up",
+        a.model.as_str(),
+        model.num_params(),
+        devices,
+        a.steps,
+        a.warmup
+    );
+    let (walls, computes, reduces) = with_trainer(&model, &devices, &config, |t| {
+        let (mut walls, mut computes, mut reduces) = (Vec::new(), Vec::new(), Vec::new());
+        for s in 0..total {
+            let r = t.step(batches[s as usize % batches.len()].clone())?;
+            if s >= a.warmup {
+                walls.push(r.wall);
+                computes.push(r.compute);
+                reduces.push(r.reduce);
+            }
+        }
+        Ok((walls, computes, reduces))
+    })
+    .map_err(Failure::runtime)?;
+    let sum: Duration = walls.iter().sum();
+    let step = median(walls);
+    outln!(
+        "{:.0} samples/s | median step {:.3} ms (compute {:.3} ms, reduce {:.3} ms, slowest worker) | mean step {:.3} ms",
+        (batch_size as u64 * a.steps) as f64 / sum.as_secs_f64().max(1e-12),
+        step.as_secs_f64() * 1e3,
+        median(computes).as_secs_f64() * 1e3,
+        median(reduces).as_secs_f64() * 1e3,
+        sum.as_secs_f64() * 1e3 / a.steps as f64
+    );
+    Ok(())
+}
