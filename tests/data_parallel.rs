@@ -176,10 +176,12 @@ fn bad_configurations_are_refused() {
 fn a_nan_loss_stops_training_naming_the_step() {
     let mut x: Vec<f32> = (0..40).map(|i| i as f32 * 0.1).collect();
     x[2 * 7] = f32::NAN; // sample 7: in the second batch of 4 without shuffling
-    let data = Dataset::new("with-nan", [2], Features::F32(x), vec![0, 1].repeat(10), 2).unwrap();
+    let data = Dataset::new("with-nan", [2], Features::F32(x), [0, 1].repeat(10), 2).unwrap();
     let model = models::toy_mlp(2, 2).unwrap();
     let cfg = TrainConfig { epochs: 1, batch_size: 4, shuffle: Shuffle::None, ..Default::default() };
-    let err = train_data_parallel(&model, &data, None, &cpu(2), &cfg).err().expect("a NaN loss must stop training");
+    let Err(err) = train_data_parallel(&model, &data, None, &cpu(2), &cfg) else {
+        panic!("a NaN loss must stop training")
+    };
     assert!(matches!(err, Error::NonFiniteLoss { step: 1, .. }), "{err}");
     assert!(err.to_string().contains("at step 1"), "{err}");
     let allowed = lockstep::train::NonFinite::Allow;

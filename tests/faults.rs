@@ -106,7 +106,10 @@ fn run_with_fault(phase: Phase, how: How) -> (Error, Duration) {
     let cfg = TrainConfig { epochs: 5, batch_size: 8, optimizer: OptimizerConfig::sgd(0.1), ..Default::default() };
     let start = Instant::now();
     let result = train_data_parallel(&model, &data, None, &Devices::cpu(4, 1).unwrap(), &cfg);
-    (result.err().expect("the injected fault must stop training"), start.elapsed())
+    match result {
+        Ok(_) => panic!("the injected fault must stop training"),
+        Err(e) => (e, start.elapsed()),
+    }
 }
 
 fn check(phase: Phase, how: How, cause: &str) {
