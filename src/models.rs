@@ -34,11 +34,14 @@ pub struct ConvnetOptions {
     /// Input image (channels, height, width); the guide's MNIST is (1, 28, 28).
     pub input: (usize, usize, usize),
     pub classes: usize,
+    /// Keras momentum of the BatchNorm running statistics (the weight of the old value;
+    /// Keras's default 0.99 averages over ~100 steps).
+    pub bn_momentum: f32,
 }
 
 impl Default for ConvnetOptions {
     fn default() -> Self {
-        ConvnetOptions { norm: Norm::BatchNorm, dropout: 0.5, input: (1, 28, 28), classes: 10 }
+        ConvnetOptions { norm: Norm::BatchNorm, dropout: 0.5, input: (1, 28, 28), classes: 10, bn_momentum: 0.99 }
     }
 }
 
@@ -61,7 +64,7 @@ pub fn convnet(opts: ConvnetOptions) -> Result<Sequential> {
     let (c, h, w) = opts.input;
     let bn = |ch| -> Vec<Box<dyn Layer>> {
         match opts.norm {
-            Norm::BatchNorm => vec![Box::new(BatchNorm2d::new(ch).scale(false).center(true).eps(1e-3).momentum(0.99))],
+            Norm::BatchNorm => vec![Box::new(BatchNorm2d::new(ch).scale(false).center(true).eps(1e-3).momentum(opts.bn_momentum))],
             Norm::None => vec![],
         }
     };

@@ -69,12 +69,38 @@ impl OptimizerConfig {
     }
 }
 
+/// How the learning rate changes over a run.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum LrSchedule {
+    /// The configured learning rate at every step.
+    Constant,
+    /// Cosine decay from the configured rate to `floor` times it over the run:
+    /// scale(t) = floor + (1 − floor)·(1 + cos(π·t/T))/2 for step t of T.
+    Cosine { floor: f32 },
+}
+
+impl LrSchedule {
+    /// The learning-rate multiplier of step `step` (0-based) of `total`.
+    pub fn scale(&self, step: u64, total: u64) -> f32 {
+        match *self {
+            LrSchedule::Constant => 1.0,
+            LrSchedule::Cosine { floor } => {
+                let frac = if total <= 1 { 0.0 } else { step.min(total - 1) as f64 / (total - 1) as f64 };
+                let c = 0.5 * (1.0 + (std::f64::consts::PI * frac).cos());
+                (floor as f64 + (1.0 - floor as f64) * c) as f32
+            }
+        }
+    }
+}
+
 /// An optimiser and its state for one replica.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Optimizer {
     config: OptimizerConfig,
     /// Steps taken (Adam's t after `begin_step`).
     t: u64,
+    /// Multiplier of the learning rate for the current step (a schedule's value).
+    lr_scale: f32,
     /// SGD: the momentum buffer (empty without momentum). Adam: the first moment m.
     m: Vec<f32>,
     /// Adam: the second moment v. SGD: empty.
@@ -90,7 +116,7 @@ impl Optimizer {
             }
             OptimizerConfig::Adam { .. } => (vec![0.0; num_params], vec![0.0; num_params]),
         };
-        Optimizer { config, t: 0, m, v }
+        Optimizer { config, t: 0, lr_scale: 1.0, m, v }
     }
 
     /// The configuration.
@@ -135,9 +161,11 @@ impl Optimizer {
         Ok(())
     }
 
-    /// Starts a step: call once, before [`Optimizer::update`] on any chunk.
-    pub fn begin_step(&mut self) {
+    /// Starts a step whose learning rate is `lr_scale` times the configured one: call
+    /// once, before [`Optimizer::update`] on any chunk.
+    pub fn begin_step(&mut self, lr_scale: f32) {
         self.t += 1;
+        self.lr_scale = lr_scale;
     }
 
     /// Updates `params` (the values at `offset..offset + params.len()` of the flat
@@ -147,6 +175,7 @@ impl Optimizer {
         let range = offset..offset + params.len();
         match self.config {
             OptimizerConfig::Sgd { lr, momentum, weight_decay } => {
+                let lr = lr * self.lr_scale;
                 if momentum > 0.0 {
                     for ((p, &gs), buf) in params.iter_mut().zip(grad_sum).zip(&mut self.m[range]) {
                         let g = gs / grad_divisor + weight_decay * *p;
@@ -161,6 +190,7 @@ impl Optimizer {
                 }
             }
             OptimizerConfig::Adam { lr, beta1, beta2, eps, weight_decay } => {
+                let lr = lr * self.lr_scale;
                 // Bias corrections in f64, as PyTorch computes them (Python floats).
                 let t = self.t as i32;
                 let bc1 = 1.0 - (beta1 as f64).powi(t);
@@ -190,7 +220,7 @@ mod tests {
         // is lr·g/(|g| + eps) = lr·sign(g) up to eps.
         let mut o = Optimizer::new(OptimizerConfig::adam(1e-3), 2);
         let mut p = [1.0f32, -1.0];
-        o.begin_step();
+        o.begin_step(1.0);
         o.update(0, &mut p, &[0.5 * 4.0, -2.0 * 4.0], 4.0);
         assert!((p[0] - (1.0 - 1e-3)).abs() < 1e-7, "{}", p[0]);
         assert!((p[1] - (-1.0 + 1e-3)).abs() < 1e-7, "{}", p[1]);
@@ -204,7 +234,7 @@ mod tests {
         let mut o = Optimizer::new(cfg, 1);
         let mut p = [0.0f32];
         for _ in 0..2 {
-            o.begin_step();
+            o.begin_step(1.0);
             o.update(0, &mut p, &[1.0], 1.0);
         }
         assert!((p[0] + 0.29).abs() < 1e-7);
@@ -217,13 +247,23 @@ mod tests {
         let (mut a, mut b) = (Optimizer::new(cfg, 10), Optimizer::new(cfg, 10));
         let (mut pa, mut pb) = (vec![0.3f32; 10], vec![0.3f32; 10]);
         for _ in 0..3 {
-            a.begin_step();
+            a.begin_step(1.0);
             a.update(0, &mut pa, &g, 3.0);
-            b.begin_step();
+            b.begin_step(1.0);
             b.update(0, &mut pb[..4], &g[..4], 3.0);
             b.update(4, &mut pb[4..], &g[4..], 3.0);
         }
         assert_eq!(pa, pb);
+    }
+
+    #[test]
+    fn cosine_schedule_runs_from_one_to_the_floor() {
+        let s = LrSchedule::Cosine { floor: 0.1 };
+        assert_eq!(s.scale(0, 11), 1.0);
+        // halfway: 0.1 + 0.9 · (1 + cos(π/2))/2 = 0.55
+        assert!((s.scale(5, 11) - 0.55).abs() < 1e-6);
+        assert!((s.scale(10, 11) - 0.1).abs() < 1e-6);
+        assert_eq!(LrSchedule::Constant.scale(3, 10), 1.0);
     }
 
     #[test]

@@ -31,7 +31,7 @@ use crate::devices::Devices;
 use crate::error::{Error, Result};
 use crate::nn::loss::Metrics;
 use crate::nn::{ParamStore, Sequential};
-use crate::optim::{Optimizer, OptimizerConfig};
+use crate::optim::{LrSchedule, Optimizer, OptimizerConfig};
 use crate::tensor::{Device, Shape};
 
 /// A global batch gathered on the host: x (B, *sample_shape) as f32, y (B).
@@ -81,6 +81,8 @@ pub struct TrainConfig {
     /// The GLOBAL batch size: samples per step whatever the number of devices.
     pub batch_size: usize,
     pub optimizer: OptimizerConfig,
+    /// How the learning rate changes over the run's steps.
+    pub schedule: LrSchedule,
     pub seed: u64,
     pub shuffle: Shuffle,
     pub last_batch: LastBatch,
@@ -104,6 +106,7 @@ impl Default for TrainConfig {
             max_steps: None,
             batch_size: 64,
             optimizer: OptimizerConfig::adam(1e-3),
+            schedule: LrSchedule::Constant,
             seed: 0,
             shuffle: Shuffle::Seeded,
             last_batch: LastBatch::Keep,
@@ -300,18 +303,23 @@ impl Trainer<'_> {
     }
 
     /// Trains one step on a global batch: scatter to R logical replicas, forward,
-    /// backward, all-reduce, update.
+    /// backward, all-reduce, update (at the configured learning rate).
     pub fn step(&mut self, batch: Batch) -> Result<StepReport> {
-        self.step_at(batch, 0)
+        self.step_at(batch, 0, 1.0)
     }
 
-    fn step_at(&mut self, batch: Batch, epoch: usize) -> Result<StepReport> {
+    /// [`Trainer::step`] with the learning rate multiplied by `lr_scale` for this step.
+    pub fn step_scaled(&mut self, batch: Batch, lr_scale: f32) -> Result<StepReport> {
+        self.step_at(batch, 0, lr_scale)
+    }
+
+    fn step_at(&mut self, batch: Batch, epoch: usize, lr_scale: f32) -> Result<StepReport> {
         if batch.is_empty() {
             return Err(Error::config("batch", "a training step needs at least one sample"));
         }
         let t0 = Instant::now();
         let shards = scatter::shards(batch.len(), self.replicas);
-        let work = Arc::new(StepWork { step: self.step, epoch, batch: Arc::new(batch), shards });
+        let work = Arc::new(StepWork { step: self.step, epoch, batch: Arc::new(batch), shards, lr_scale });
         let replies = self.ask(|_| Command::Step(Arc::clone(&work)))?;
         let k = self.replicas / self.devices.len();
         let mut report = StepReport {
@@ -605,7 +613,8 @@ pub fn train_data_parallel_with(
                 let Ok((epoch, i, batch)) = batch_rx.recv() else { break };
                 let data_wait = t_wait.elapsed();
                 let t_step = Instant::now();
-                let report = trainer.step_at(batch, epoch)?;
+                let lr_scale = config.schedule.scale(trainer.steps(), total_steps);
+                let report = trainer.step_at(batch, epoch, lr_scale)?;
                 let dt = t_step.elapsed();
                 train_time += dt;
                 epoch_train_time += dt;

@@ -29,6 +29,8 @@ pub struct StepWork {
     pub batch: Arc<Batch>,
     /// Rows of each logical replica (R ranges).
     pub shards: Vec<std::ops::Range<usize>>,
+    /// Learning-rate multiplier of this step (the schedule's value).
+    pub lr_scale: f32,
 }
 
 /// What one step produced on one worker.
@@ -94,7 +96,7 @@ impl Replica {
         let t2 = Instant::now();
         let total = work.batch.len() as f32;
         let with_data = work.shards.iter().filter(|r| !r.is_empty()).count() as f32;
-        self.optimizer.begin_step();
+        self.optimizer.begin_step(work.lr_scale);
         let (params, buffers, optimizer) = (&mut self.store.params, &mut self.store.buffers, &mut self.optimizer);
         comm.for_each_reduced(|off, values| {
             let end = off + values.len();
