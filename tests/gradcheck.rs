@@ -416,7 +416,7 @@ fn convnet_gradients_match_finite_differences() {
     // (pad_total = 2 + 6 − 4 = 4 → 2 / 2); GAP → 32; dense 256; dense 10.
     // Inputs are pixels in [0, 255) (Rescaling ×1/255 follows the probe), so the input
     // step is h = 1e-2 pixel units; weights take h = 1e-4 (why: see the tolerance below).
-    let opts = ConvnetOptions { norm: Norm::BatchNorm, dropout: 0.5, input: (1, 12, 12), classes: 10 };
+    let opts = ConvnetOptions { norm: Norm::BatchNorm, dropout: 0.5, input: (1, 12, 12), classes: 10, bn_momentum: 0.99 };
     let net = models::convnet(opts).unwrap();
     let store = net.init(70);
     let mut g = SplitMix64::new(71);
@@ -455,7 +455,7 @@ fn convnet_gradients_match_finite_differences() {
 #[test]
 fn convnet_without_batchnorm_gradients_match_finite_differences() {
     // As above with Norm::None and no dropout: (2, 1, 12, 12).
-    let opts = ConvnetOptions { norm: Norm::None, dropout: 0.0, input: (1, 12, 12), classes: 10 };
+    let opts = ConvnetOptions { norm: Norm::None, dropout: 0.0, input: (1, 12, 12), classes: 10, bn_momentum: 0.99 };
     let net = models::convnet(opts).unwrap();
     let store = net.init(80);
     let mut g = SplitMix64::new(81);
