@@ -348,7 +348,13 @@ fn main() -> ExitCode {
 // Inputs shared by the subcommands
 
 /// Builds `name` for samples of `sample_shape` and `classes` classes.
-fn build_model(name: ModelName, sample: &[usize], classes: usize, dropout: f32, bn_momentum: f32) -> CliResult<Sequential> {
+fn build_model(
+    name: ModelName,
+    sample: &[usize],
+    classes: usize,
+    dropout: f32,
+    bn_momentum: f32,
+) -> CliResult<Sequential> {
     match name {
         ModelName::Toy => match sample {
             [features] => Ok(models::toy_mlp(*features, classes)?),
@@ -794,18 +800,31 @@ enum AllreducePath {
 /// Median time of one collective over `ranks` threads; rank 0 times between barriers.
 fn time_allreduce(ranks: usize, count: usize, iters: usize, warmup: usize, path: AllreducePath) -> CliResult<Duration> {
     let ex = ShmExchange::new(ranks, ranks, count)?;
+    let warm = std::sync::atomic::AtomicBool::new(false);
     let times = std::thread::scope(|s| -> lockstep::Result<Vec<Duration>> {
         let handles: Vec<_> = (0..ranks)
             .map(|r| {
-                let ex = &ex;
+                let (ex, warm) = (&ex, &warm);
                 s.spawn(move || -> lockstep::Result<Vec<Duration>> {
                     let me = ex.rank(r);
                     let run = || -> lockstep::Result<Vec<Duration>> {
                         let mut buf = vec![(r + 1) as f32; count];
                         me.shard_buffer(0).fill((r + 1) as f32);
                         let mut times = Vec::with_capacity(iters);
-                        for i in 0..warmup + iters {
+                        // Warm up for at least `warmup` iterations and 50 ms, so that the
+                        // scheduler has spread the ranks over the cores before timing. Rank
+                        // 0 decides; the others read its decision after the same barrier.
+                        let start = Instant::now();
+                        let mut i = 0usize;
+                        let mut timed = 0usize;
+                        while timed < iters {
+                            if r == 0 && i >= warmup && start.elapsed() >= Duration::from_millis(50) {
+                                warm.store(true, std::sync::atomic::Ordering::Release);
+                            }
                             me.barrier()?;
+                            let measuring = warm.load(std::sync::atomic::Ordering::Acquire);
+                            me.barrier()?;
+                            i += 1;
                             let t0 = Instant::now();
                             match path {
                                 AllreducePath::Trainer => me.reduce_scatter()?,
@@ -814,8 +833,9 @@ fn time_allreduce(ranks: usize, count: usize, iters: usize, warmup: usize, path:
                                     me.barrier()?;
                                 }
                             }
-                            if i >= warmup {
+                            if measuring {
                                 times.push(t0.elapsed());
+                                timed += 1;
                             }
                         }
                         Ok(times)

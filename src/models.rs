@@ -64,7 +64,9 @@ pub fn convnet(opts: ConvnetOptions) -> Result<Sequential> {
     let (c, h, w) = opts.input;
     let bn = |ch| -> Vec<Box<dyn Layer>> {
         match opts.norm {
-            Norm::BatchNorm => vec![Box::new(BatchNorm2d::new(ch).scale(false).center(true).eps(1e-3).momentum(opts.bn_momentum))],
+            Norm::BatchNorm => {
+                vec![Box::new(BatchNorm2d::new(ch).scale(false).center(true).eps(1e-3).momentum(opts.bn_momentum))]
+            }
             Norm::None => vec![],
         }
     };

@@ -416,7 +416,8 @@ fn convnet_gradients_match_finite_differences() {
     // (pad_total = 2 + 6 − 4 = 4 → 2 / 2); GAP → 32; dense 256; dense 10.
     // Inputs are pixels in [0, 255) (Rescaling ×1/255 follows the probe), so the input
     // step is h = 1e-2 pixel units; weights take h = 1e-4 (why: see the tolerance below).
-    let opts = ConvnetOptions { norm: Norm::BatchNorm, dropout: 0.5, input: (1, 12, 12), classes: 10, bn_momentum: 0.99 };
+    let opts =
+        ConvnetOptions { norm: Norm::BatchNorm, dropout: 0.5, input: (1, 12, 12), classes: 10, bn_momentum: 0.99 };
     let net = models::convnet(opts).unwrap();
     let store = net.init(70);
     let mut g = SplitMix64::new(71);
