@@ -12,7 +12,7 @@ use rayon::prelude::*;
 
 use super::{Ctx, Init, InputGrad, Layer, Mode, ParamSpec, Params, ParamsMut};
 use crate::backend::cpu::{
-    add_partials, batch_groups, chw_to_hwc, gemm_with, hwc_to_chw, im2row, row2im, split_by_groups, sum_partials,
+    add_partials, batch_groups, chw_to_hwc, col2im, gemm_with, im2col, hwc_to_chw, im2row, row2im, split_by_groups, sum_partials,
     Accumulate, ConvGeom, Mat, Threads,
 };
 use crate::error::{Error, Result};
@@ -75,6 +75,27 @@ fn pads(size: usize, k: usize, s: usize, padding: Padding) -> Option<(usize, usi
     }
 }
 
+/// How a convolution unfolds its input.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Unfold {
+    /// Channels-first columns (C·KH·KW, OH·OW) per sample, one GEMM per sample: for a
+    /// small C·KH·KW (the first layer of an image model), where stacking rows would make
+    /// a GEMM with a tiny inner dimension.
+    Columns,
+    /// Channels-last rows (OH·OW, KH·KW·C), one GEMM per group of samples.
+    Rows,
+}
+
+/// The unfolding for a geometry: a function of the layer's shape alone, so that the
+/// arithmetic (and its rounding) never depends on the batch or the machine.
+fn unfold(g: &ConvGeom) -> Unfold {
+    if g.col_rows() <= 32 {
+        Unfold::Columns
+    } else {
+        Unfold::Rows
+    }
+}
+
 /// The weight from (O, C, KH·KW) to channels-last (KH·KW, C, O), i.e. a
 /// (KH·KW·C, O) matrix whose row order matches [`im2row`].
 fn oihw_to_hwio(w: &[f32], o: usize, c: usize, kk: usize) -> Vec<f32> {
@@ -106,6 +127,93 @@ impl Conv2d {
             ));
         }
         Ok(Conv2d { in_channels, filters, kernel, stride, padding, use_bias, x: None, scratch: Vec::new() })
+    }
+
+    /// Forward for [`Unfold::Columns`]: per sample, y_n (O, OH·OW) = W (O, C·KH·KW) ·
+    /// im2col(x_n) (C·KH·KW, OH·OW), written straight into NCHW.
+    fn forward_columns(&mut self, x: &Tensor, n: usize, g: &ConvGeom, params: &Params<'_>) -> Result<Tensor> {
+        let (o, ckk, p) = (self.filters, g.col_rows(), g.col_cols());
+        let (w, bias) = (params.get(0), self.use_bias.then(|| params.get(1)));
+        let per_in = g.c * g.h * g.w;
+        let mut y = vec![0.0f32; n * o * p];
+        let groups = batch_groups(n);
+        self.scratch.resize_with(groups.len().max(self.scratch.len()), Scratch::default);
+        let xs = x.host();
+        let work = groups.into_par_iter().zip(split_by_groups(&mut y, n, o * p)).zip(&mut self.scratch[..]);
+        work.for_each(|((range, y_group), scratch)| {
+            let (_, col, _) = scratch.sized(0, ckk * p, 0);
+            for (s, yn) in range.zip(y_group.chunks_exact_mut(o * p)) {
+                im2col(&xs[s * per_in..(s + 1) * per_in], g, col);
+                let acc = match bias {
+                    Some(b) => {
+                        for (plane, &bo) in yn.chunks_exact_mut(p).zip(b) {
+                            plane.fill(bo);
+                        }
+                        Accumulate::Add
+                    }
+                    None => Accumulate::Overwrite,
+                };
+                gemm_with(Mat::rows(w, o, ckk), Mat::rows(col, ckk, p), yn, p, acc, Threads::Caller);
+            }
+        });
+        Tensor::from_vec_on(y, [n, o, g.oh, g.ow], x.device())
+    }
+
+    /// Backward for [`Unfold::Columns`]: per sample, dweight (O, C·KH·KW) += dout_n ·
+    /// im2col(x_n)ᵀ and dcol = Wᵀ · dout_n folded back with col2im.
+    #[allow(clippy::too_many_arguments)]
+    fn backward_columns(
+        &mut self,
+        x: &Tensor,
+        dout: &Tensor,
+        n: usize,
+        g: &ConvGeom,
+        params: &Params<'_>,
+        dparams: &mut ParamsMut<'_>,
+        input_grad: InputGrad,
+    ) -> Result<Option<Tensor>> {
+        let (o, ckk, p) = (self.filters, g.col_rows(), g.col_cols());
+        let per_in = g.c * g.h * g.w;
+        let w = params.get(0);
+        let (xs, ds) = (x.host(), dout.host());
+        let (use_bias, need_dx) = (self.use_bias, input_grad == InputGrad::Needed);
+        let mut dx = vec![0.0f32; if need_dx { n * per_in } else { 0 }];
+        let groups = batch_groups(n);
+        let dx_parts = split_by_groups(&mut dx, n, if need_dx { per_in } else { 0 });
+        self.scratch.resize_with(groups.len().max(self.scratch.len()), Scratch::default);
+        let partials: Vec<(Vec<f32>, Vec<f32>)> = groups
+            .into_par_iter()
+            .zip(dx_parts)
+            .zip(&mut self.scratch[..])
+            .map(|((range, dx_group), scratch)| {
+                let (_, col, dcol) = scratch.sized(0, ckk * p, if need_dx { ckk * p } else { 0 });
+                let mut dw = vec![0.0f32; o * ckk];
+                let mut db = vec![0.0f32; if use_bias { o } else { 0 }];
+                for (k, s) in range.enumerate() {
+                    let dn = &ds[s * o * p..(s + 1) * o * p];
+                    im2col(&xs[s * per_in..(s + 1) * per_in], g, col);
+                    let dn_mat = Mat::rows(dn, o, p);
+                    gemm_with(dn_mat, Mat::rows(col, ckk, p).t(), &mut dw, ckk, Accumulate::Add, Threads::Caller);
+                    for (b, plane) in db.iter_mut().zip(dn.chunks_exact(p)) {
+                        *b += plane.iter().sum::<f32>();
+                    }
+                    if need_dx {
+                        gemm_with(Mat::rows(w, o, ckk).t(), dn_mat, dcol, p, Accumulate::Overwrite, Threads::Caller);
+                        col2im(dcol, g, &mut dx_group[k * per_in..(k + 1) * per_in]);
+                    }
+                }
+                (dw, db)
+            })
+            .collect();
+        let (dws, dbs): (Vec<_>, Vec<_>) = partials.into_iter().unzip();
+        add_partials(dparams.get(0), &dws);
+        if use_bias {
+            add_partials(dparams.get(1), &dbs);
+        }
+        if !need_dx {
+            return Ok(None);
+        }
+        Ok(Some(Tensor::from_vec_on(dx, x.shape().clone(), x.device())?))
     }
 
     fn geometry(&self, input: &Shape) -> Result<(usize, ConvGeom)> {
@@ -152,6 +260,11 @@ impl Layer for Conv2d {
     // back into NCHW.
     fn forward(&mut self, x: Tensor, params: Params<'_>, _buffers: ParamsMut<'_>, ctx: &Ctx) -> Result<Tensor> {
         let (n, g) = self.geometry(x.shape())?;
+        if unfold(&g) == Unfold::Columns {
+            let y = self.forward_columns(&x, n, &g, &params)?;
+            self.x = (ctx.mode == Mode::Train).then_some(x);
+            return Ok(y);
+        }
         let (o, kkc, p) = (self.filters, g.col_rows(), g.col_cols());
         let wt = oihw_to_hwio(params.get(0), o, g.c, g.kh * g.kw);
         let bias = self.use_bias.then(|| params.get(1));
@@ -214,6 +327,9 @@ impl Layer for Conv2d {
             ));
         }
         let per_in = g.c * g.h * g.w;
+        if unfold(&g) == Unfold::Columns {
+            return self.backward_columns(&x, &dout, n, &g, &params, &mut dparams, input_grad);
+        }
         let wt = oihw_to_hwio(params.get(0), o, g.c, g.kh * g.kw);
         let (xs, ds) = (x.host(), dout.host());
         let (use_bias, need_dx) = (self.use_bias, input_grad == InputGrad::Needed);
