@@ -12,6 +12,12 @@ use lockstep::nn::Sequential;
 use lockstep::optim::OptimizerConfig;
 use lockstep::train::{with_trainer, Batch, TrainConfig};
 
+/// mimalloc keeps freed pages for reuse: each step allocates activations of megabytes,
+/// which the system allocator would return to the kernel and fault back in every step
+/// (measured: ~20% of a convnet step).
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn bench_model(c: &mut Criterion, name: &str, model: &Sequential, data: &Dataset, batch: usize, opt: OptimizerConfig) {
     let cores = lockstep::devices::available_cores();
     let mut group = c.benchmark_group(format!("step/{name}/B{batch}"));

@@ -12,8 +12,8 @@ use rayon::prelude::*;
 
 use super::{Ctx, Init, InputGrad, Layer, Mode, ParamSpec, Params, ParamsMut};
 use crate::backend::cpu::{
-    add_partials, batch_groups, chw_to_hwc, col2im, gemm_with, im2col, hwc_to_chw, im2row, row2im, split_by_groups, sum_partials,
-    Accumulate, ConvGeom, Mat, Threads,
+    add_partials, batch_groups, chw_to_hwc, col2im, gemm_with, hwc_to_chw, im2col, im2row, row2im, split_by_groups,
+    sum_partials, Accumulate, ConvGeom, Mat, Threads,
 };
 use crate::error::{Error, Result};
 use crate::tensor::{Shape, Tensor};
