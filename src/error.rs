@@ -85,9 +85,12 @@ pub enum Error {
     #[error("NCCL: {0:?}")]
     Nccl(cudarc::nccl::result::NcclError),
 
-    /// Training was interrupted by the user (SIGINT).
-    #[error("interrupted at step {step}")]
-    Interrupted { step: u64 },
+    /// Training was stopped on request (SIGINT) after a step.
+    #[error("interrupted after step {step}{}", match checkpoint {
+        Some(p) => format!("; checkpoint written to {}", p.display()),
+        None => String::new(),
+    })]
+    Interrupted { step: u64, checkpoint: Option<PathBuf> },
 }
 
 impl From<cudarc::nccl::result::NcclError> for Error {

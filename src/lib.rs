@@ -2,6 +2,7 @@
 #![forbid(unsafe_op_in_unsafe_fn)]
 
 pub mod backend;
+pub mod checkpoint;
 pub mod comm;
 pub mod cuda;
 pub mod data;

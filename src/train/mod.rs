@@ -17,6 +17,7 @@ pub mod worker;
 
 use std::ops::Range;
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -25,6 +26,7 @@ use crossbeam_channel::{bounded, Receiver, Sender};
 pub use scatter::{LastBatch, Shuffle};
 use worker::{Replica, StepOutcome, StepWork};
 
+use crate::checkpoint::{self, CheckpointPolicy, Resume};
 use crate::comm::shm::ShmExchange;
 use crate::data::Dataset;
 use crate::devices::Devices;
@@ -93,6 +95,13 @@ pub struct TrainConfig {
     pub non_finite: NonFinite,
     /// Weights to start from instead of a seeded initialisation.
     pub initial: Option<ParamStore>,
+    /// Continue a run from this state (weights, optimiser, position) instead of starting.
+    pub resume: Option<Resume>,
+    /// Write checkpoints as this says.
+    pub checkpoint: Option<CheckpointPolicy>,
+    /// Raised (e.g. by a SIGINT handler) to stop after the current step; a checkpoint
+    /// is written if a policy is set, and the run returns `Error::Interrupted`.
+    pub stop: Option<Arc<AtomicBool>>,
     /// Samples per forward pass in evaluation.
     pub eval_batch: usize,
     /// Global batches the loader may gather ahead of the step being trained.
@@ -114,6 +123,9 @@ impl Default for TrainConfig {
             check_replicas_every: if cfg!(debug_assertions) { Some(1) } else { None },
             non_finite: NonFinite::Error,
             initial: None,
+            resume: None,
+            checkpoint: None,
+            stop: None,
             eval_batch: 512,
             prefetch: 4,
         }
@@ -462,7 +474,7 @@ pub fn with_trainer<T>(
             format!("{replicas} logical replicas cannot be shared evenly by {n} devices"),
         ));
     }
-    let initial = match &config.initial {
+    let initial = match config.resume.as_ref().map(|r| &r.weights).or(config.initial.as_ref()) {
         Some(w) => {
             if w.params.len() != model.num_params() || w.buffers.len() != model.num_buffers() {
                 return Err(Error::config("initial weights", "they do not match the model's tensors"));
@@ -481,7 +493,10 @@ pub fn with_trainer<T>(
             device,
             model: model.clone(),
             store: initial.clone(),
-            optimizer: Optimizer::new(config.optimizer, model.num_params()),
+            optimizer: match &config.resume {
+                Some(r) => r.optimizer.clone(),
+                None => Optimizer::new(config.optimizer, model.num_params()),
+            },
             seed: config.seed,
         };
         let (tx, rx) = bounded::<Command>(2);
@@ -525,7 +540,7 @@ pub fn with_trainer<T>(
             exchange: &exchange,
             devices: devices.list().to_vec(),
             replicas,
-            step: 0,
+            step: config.resume.as_ref().map_or(0, |r| r.step),
             failed: None,
         };
         let out = f(&mut trainer);
@@ -584,19 +599,28 @@ pub fn train_data_parallel_with(
         });
     }
     let total_steps = (steps_per_epoch as u64 * config.epochs as u64).min(config.max_steps.unwrap_or(u64::MAX));
+    let start = match &config.resume {
+        Some(r) => Position { step: r.step, epoch: r.epoch, step_in_epoch: r.step_in_epoch },
+        None => Position { step: 0, epoch: 0, step_in_epoch: 0 },
+    };
+    if let Some(p) = &config.checkpoint {
+        checkpoint::prepare_dir(&p.dir)?;
+    }
     with_trainer(model, devices, config, |trainer| {
-        let start = Instant::now();
-        let mut losses = Vec::with_capacity(total_steps as usize);
+        let started = Instant::now();
+        let mut losses = Vec::with_capacity(total_steps.saturating_sub(start.step) as usize);
         let mut epochs = Vec::new();
         let mut train_time = Duration::ZERO;
         let mut trained_samples = 0u64;
         std::thread::scope(|s| -> Result<()> {
             let (batch_tx, batch_rx) = bounded::<(usize, usize, Batch)>(config.prefetch.max(1));
             s.spawn(move || {
-                let mut step = 0u64;
-                for epoch in 0..config.epochs {
+                let mut step = start.step;
+                for epoch in start.epoch..config.epochs {
                     let order = scatter::epoch_order(train.len(), config.seed, epoch, config.shuffle);
-                    for (i, idx) in order.chunks(config.batch_size).take(steps_per_epoch).enumerate() {
+                    let skip = if epoch == start.epoch { start.step_in_epoch } else { 0 };
+                    let batches = order.chunks(config.batch_size).take(steps_per_epoch).enumerate().skip(skip);
+                    for (i, idx) in batches {
                         if step >= total_steps || batch_tx.send((epoch, i, Batch::gather(train, idx))).is_err() {
                             return;
                         }
@@ -608,7 +632,7 @@ pub fn train_data_parallel_with(
             let mut epoch_start = Instant::now();
             let mut epoch_steps = 0u64;
             let mut epoch_train_time = Duration::ZERO;
-            for _ in 0..total_steps {
+            while trainer.steps() < total_steps {
                 let t_wait = Instant::now();
                 let Ok((epoch, i, batch)) = batch_rx.recv() else { break };
                 let data_wait = t_wait.elapsed();
@@ -658,6 +682,22 @@ pub fn train_data_parallel_with(
                     epoch_steps = 0;
                     epoch_train_time = Duration::ZERO;
                 }
+                let next = if i + 1 == steps_per_epoch {
+                    Position { step: trainer.steps(), epoch: epoch + 1, step_in_epoch: 0 }
+                } else {
+                    Position { step: trainer.steps(), epoch, step_in_epoch: i + 1 }
+                };
+                let interrupted = config.stop.as_ref().is_some_and(|f| f.load(Ordering::SeqCst));
+                let done = trainer.steps() == total_steps;
+                let mut written = None;
+                if let Some(policy) = &config.checkpoint {
+                    if interrupted || done || trainer.steps() % policy.every.max(1) == 0 {
+                        written = Some(save_checkpoint(trainer, model, policy, next)?);
+                    }
+                }
+                if interrupted && !done {
+                    return Err(Error::Interrupted { step: trainer.steps(), checkpoint: written });
+                }
             }
             Ok(())
         })?;
@@ -671,10 +711,30 @@ pub fn train_data_parallel_with(
             epochs,
             losses,
             steps: trainer.steps(),
-            seconds: start.elapsed().as_secs_f64(),
+            seconds: started.elapsed().as_secs_f64(),
             samples_per_sec: trained_samples as f64 / train_time.as_secs_f64().max(1e-12),
         })
     })
+}
+
+/// Where the next step of a run starts.
+#[derive(Clone, Copy, Debug)]
+struct Position {
+    /// Global steps taken.
+    step: u64,
+    epoch: usize,
+    step_in_epoch: usize,
+}
+
+fn save_checkpoint(
+    trainer: &mut Trainer<'_>,
+    model: &Sequential,
+    policy: &CheckpointPolicy,
+    at: Position,
+) -> Result<std::path::PathBuf> {
+    let (weights, optimizer) = trainer.weights()?;
+    let state = Resume { weights, optimizer, step: at.step, epoch: at.epoch, step_in_epoch: at.step_in_epoch };
+    checkpoint::save(model, &state, policy)
 }
 
 /// The dataset must be non-empty and shaped like the model's input, with labels the

@@ -1,0 +1,130 @@
+//! Exact resume: a run continued from any of its checkpoints ends with bitwise the
+//! weights of the run that was never interrupted, on the same or another number of CPU
+//! devices (the logical replicas fixed), BatchNorm and dropout included; and a run
+//! stopped on request writes a checkpoint and says where.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use lockstep::checkpoint::{self, CheckpointPolicy, Fallback};
+use lockstep::data::digits::{load_digits, DigitsLayout};
+use lockstep::data::Dataset;
+use lockstep::devices::Devices;
+use lockstep::models::{self, ConvnetOptions};
+use lockstep::nn::Sequential;
+use lockstep::optim::{LrSchedule, Optimizer};
+use lockstep::train::{train_data_parallel, train_data_parallel_with, Observer, StepEvent, TrainConfig};
+use lockstep::Error;
+
+fn tmp(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("lockstep-resume-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    d
+}
+
+fn setup() -> (Sequential, Dataset, TrainConfig) {
+    let model = models::convnet(ConvnetOptions::default()).unwrap(); // BatchNorm and dropout 0.5
+    let data = load_digits(DigitsLayout::Image28).unwrap().train;
+    let data = data.subset("digits-100", &(0..100).collect::<Vec<_>>());
+    // 100 samples, batch 24: 5 steps per epoch (the last one has 4 samples), 3 epochs.
+    let cfg = TrainConfig {
+        epochs: 3,
+        batch_size: 24,
+        replicas: Some(2),
+        seed: 9,
+        schedule: LrSchedule::Cosine { floor: 0.1 },
+        check_replicas_every: Some(1),
+        ..TrainConfig::default()
+    };
+    (model, data, cfg)
+}
+
+fn policy(dir: &PathBuf, every: u64) -> CheckpointPolicy {
+    let config = BTreeMap::from([("model".to_string(), "convnet".to_string()), ("replicas".into(), "2".into())]);
+    CheckpointPolicy { dir: dir.clone(), every, keep: 100, config }
+}
+
+#[test]
+fn resuming_from_every_checkpoint_gives_bitwise_the_uninterrupted_weights() {
+    let (model, data, cfg) = setup();
+    let dir = tmp("every");
+    let full = train_data_parallel(
+        &model,
+        &data,
+        None,
+        &Devices::cpu(2, 1).unwrap(),
+        &TrainConfig { checkpoint: Some(policy(&dir, 1)), ..cfg.clone() },
+    )
+    .unwrap();
+    assert_eq!(full.steps, 15);
+    let files = checkpoint::list(&dir).unwrap();
+    assert_eq!(files.iter().map(|(s, _)| *s).collect::<Vec<_>>(), (1..=15).collect::<Vec<_>>());
+    let fresh = Optimizer::new(cfg.optimizer, model.num_params());
+    // Mid-epoch (3, 7), an epoch boundary (5, 10), the step before the end (14); on
+    // 1, 2 and 1 devices with 2 threads.
+    for (step, devices) in
+        [(3, Devices::cpu(1, 1)), (5, Devices::cpu(2, 1)), (7, Devices::cpu(1, 2)), (14, Devices::cpu(2, 1))]
+    {
+        let path = &files.iter().find(|(s, _)| *s == step).unwrap().1;
+        let resume = checkpoint::load(&model, path, &policy(&dir, 1).config, &fresh).unwrap();
+        let rest = train_data_parallel(
+            &model,
+            &data,
+            None,
+            &devices.unwrap(),
+            &TrainConfig { resume: Some(resume), ..cfg.clone() },
+        )
+        .unwrap();
+        assert_eq!(rest.steps, 15);
+        assert!(rest.weights == full.weights, "resumed from step {step}: weights differ");
+        assert!(rest.optimizer == full.optimizer, "resumed from step {step}: optimiser state differs");
+        assert_eq!(rest.losses[..], full.losses[step as usize..], "resumed from step {step}: losses differ");
+    }
+}
+
+/// Raises the stop flag after a given step, as the SIGINT handler does.
+struct StopAfter(u64, Arc<AtomicBool>);
+impl Observer for StopAfter {
+    fn on_step(&mut self, e: &StepEvent<'_>) {
+        if e.report.step + 1 == self.0 {
+            self.1.store(true, Ordering::SeqCst);
+        }
+    }
+}
+
+#[test]
+fn a_stopped_run_writes_a_checkpoint_and_resumes_exactly() {
+    let (model, data, cfg) = setup();
+    let reference = train_data_parallel(&model, &data, None, &Devices::cpu(2, 1).unwrap(), &cfg).unwrap();
+    let dir = tmp("stop");
+    let flag = Arc::new(AtomicBool::new(false));
+    let stopping = TrainConfig { checkpoint: Some(policy(&dir, 1000)), stop: Some(flag.clone()), ..cfg.clone() };
+    let err = match train_data_parallel_with(
+        &model,
+        &data,
+        None,
+        &Devices::cpu(2, 1).unwrap(),
+        &stopping,
+        &mut StopAfter(6, flag),
+    ) {
+        Ok(_) => panic!("the run must stop"),
+        Err(e) => e,
+    };
+    let Error::Interrupted { step: 6, checkpoint: Some(path) } = &err else { panic!("{err}") };
+    assert!(err.to_string().contains("checkpoint written to"), "{err}");
+    let fresh = Optimizer::new(cfg.optimizer, model.num_params());
+    let (resume, found, _) =
+        checkpoint::load_latest(&model, &dir, &policy(&dir, 1000).config, &fresh, Fallback::Refuse).unwrap().unwrap();
+    assert_eq!(&found, path);
+    let rest = train_data_parallel(
+        &model,
+        &data,
+        None,
+        &Devices::cpu(1, 1).unwrap(),
+        &TrainConfig { resume: Some(resume), ..cfg },
+    )
+    .unwrap();
+    assert!(rest.weights == reference.weights);
+}
