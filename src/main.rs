@@ -11,14 +11,18 @@
 //! (`lockstep::data`), the trainer (`lockstep::train`), weights files
 //! (`lockstep::weights`). This is the only file of the crate that uses `anyhow`.
 
+use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::anyhow;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
+use lockstep::checkpoint::{CheckpointPolicy, Fallback};
 use lockstep::comm::shm::ShmExchange;
 use lockstep::comm::Collective;
 use lockstep::data::digits::{load_digits, DigitsLayout};
@@ -27,7 +31,7 @@ use lockstep::data::{toy, Dataset, Splits};
 use lockstep::devices::{available_cores, DeviceSpec, Devices};
 use lockstep::models::{self, ConvnetOptions, Norm};
 use lockstep::nn::{ParamStore, Sequential};
-use lockstep::optim::{LrSchedule, OptimizerConfig};
+use lockstep::optim::{LrSchedule, Optimizer, OptimizerConfig};
 use lockstep::train::{
     train_data_parallel_with, with_trainer, Batch, EpochReport, LastBatch, NonFinite, Observer, Shuffle, StepEvent,
     TrainConfig,
@@ -209,6 +213,21 @@ struct TrainArgs {
     /// Print every replica's shard loss at every step, in the lesson's form.
     #[arg(long)]
     log_every_step: bool,
+    /// Write checkpoints (weights, optimiser state, position, configuration) here.
+    #[arg(long, value_name = "DIR")]
+    checkpoint_dir: Option<PathBuf>,
+    /// Steps between checkpoints [default: one epoch]. One is also written at the end and on Ctrl-C.
+    #[arg(long, value_name = "N")]
+    checkpoint_every: Option<u64>,
+    /// Checkpoints kept, newest first.
+    #[arg(long, value_name = "K", default_value_t = 3)]
+    keep_checkpoints: usize,
+    /// Continue the run whose checkpoints are in DIR (give the same arguments as the run).
+    #[arg(long, value_name = "DIR")]
+    resume: Option<PathBuf>,
+    /// With --resume: if the newest checkpoint is corrupt, continue from the newest intact one.
+    #[arg(long, requires = "resume")]
+    resume_fallback: bool,
 }
 
 #[derive(Args, Debug)]
@@ -568,6 +587,25 @@ fn cmd_train(a: TrainArgs) -> CliResult {
     if let Some(p) = &a.save {
         check_writable(p)?;
     }
+    if a.checkpoint_every == Some(0) {
+        return Err(Failure::usage(anyhow!("--checkpoint-every must be at least 1")));
+    }
+    if a.keep_checkpoints == 0 {
+        return Err(Failure::usage(anyhow!("--keep-checkpoints must be at least 1")));
+    }
+    if a.checkpoint_every.is_some() && a.checkpoint_dir.is_none() && a.resume.is_none() {
+        return Err(Failure::usage(anyhow!("--checkpoint-every needs --checkpoint-dir (or --resume)")));
+    }
+    if let Some(d) = a.resume.as_ref() {
+        if !d.is_dir() {
+            return Err(Failure::usage(anyhow!("--resume '{}': no such directory", d.display())));
+        }
+    }
+    // Checkpoints go to --checkpoint-dir, or back into the directory being resumed.
+    let checkpoint_dir = a.checkpoint_dir.clone().or_else(|| a.resume.clone());
+    if let Some(d) = &checkpoint_dir {
+        lockstep::checkpoint::prepare_dir(d).map_err(Failure::usage).map_err(|f| f.with_context("--checkpoint-dir"))?;
+    }
     let data_spec = a.data.clone().unwrap_or_else(|| a.model.default_data().to_string());
     let splits = load_data(&data_spec, a.model, a.seed, a.test_data.as_deref())?;
     let classes = splits.train.num_classes().max(splits.test.as_ref().map_or(0, Dataset::num_classes));
@@ -607,6 +645,46 @@ fn cmd_train(a: TrainArgs) -> CliResult {
         ..TrainConfig::default()
     };
     config.validate().map_err(Failure::usage)?;
+    let run_config = run_fingerprint(&a, &data_spec, &config, a.replicas.unwrap_or(devices.len()));
+    let steps_per_epoch = lockstep::train::scatter::steps_per_epoch(splits.train.len(), batch_size, last_batch) as u64;
+    let policy = checkpoint_dir.map(|dir| CheckpointPolicy {
+        dir,
+        every: a.checkpoint_every.unwrap_or(steps_per_epoch),
+        keep: a.keep_checkpoints,
+        config: run_config.clone(),
+    });
+    let resume = match &a.resume {
+        None => None,
+        Some(dir) => {
+            let fallback = if a.resume_fallback { Fallback::NewestGood } else { Fallback::Refuse };
+            let fresh = Optimizer::new(config.optimizer, model.num_params());
+            match lockstep::checkpoint::load_latest(&model, dir, &run_config, &fresh, fallback)
+                .map_err(Failure::usage)?
+            {
+                None => return Err(Failure::usage(anyhow!("--resume '{}': no checkpoint in it", dir.display()))),
+                Some((r, path, skipped)) => {
+                    for s in skipped {
+                        eprintln!("lockstep: skipping corrupt checkpoint {}", s.display());
+                    }
+                    outln!("lockstep: resuming {} at step {} (epoch {})", path.display(), r.step, r.epoch + 1);
+                    Some(r)
+                }
+            }
+        }
+    };
+    // Ctrl-C: finish the step, write a checkpoint if there is a directory, exit non-zero.
+    // A second Ctrl-C ends the process at once.
+    let stop = Arc::new(AtomicBool::new(false));
+    {
+        let stop = Arc::clone(&stop);
+        let _ = ctrlc::set_handler(move || {
+            if stop.swap(true, Ordering::SeqCst) {
+                std::process::exit(130);
+            }
+            eprintln!("lockstep: interrupt: stopping after this step (Ctrl-C again to quit now)");
+        });
+    }
+    let config = TrainConfig { resume, checkpoint: policy, stop: Some(stop), ..config };
 
     let replicas = a.replicas.unwrap_or(devices.len());
     outln!(
@@ -642,6 +720,27 @@ fn cmd_train(a: TrainArgs) -> CliResult {
         outln!("weights saved to {}", p.display());
     }
     Ok(())
+}
+
+/// The arguments that decide a run's arithmetic: a checkpoint is only resumed by a run
+/// that agrees on every one (the device count is free: the logical replicas are here).
+fn run_fingerprint(a: &TrainArgs, data_spec: &str, c: &TrainConfig, replicas: usize) -> BTreeMap<String, String> {
+    let entries = [
+        ("model", a.model.as_str().to_string()),
+        ("data", data_spec.to_string()),
+        ("epochs", c.epochs.to_string()),
+        ("steps", format!("{:?}", c.max_steps)),
+        ("batch_size", c.batch_size.to_string()),
+        ("optimizer", format!("{:?}", c.optimizer)),
+        ("schedule", format!("{:?}", c.schedule)),
+        ("seed", c.seed.to_string()),
+        ("shuffle", format!("{:?}", c.shuffle)),
+        ("last_batch", format!("{:?}", c.last_batch)),
+        ("replicas", replicas.to_string()),
+        ("dropout", a.dropout.to_string()),
+        ("bn_momentum", a.bn_momentum.to_string()),
+    ];
+    entries.into_iter().map(|(k, v)| (k.to_string(), v)).collect()
 }
 
 impl Failure {

@@ -1,0 +1,133 @@
+//! The command line's checkpoints: a run killed with SIGKILL at an arbitrary moment and
+//! resumed (on another number of devices, the logical replicas fixed) saves bitwise the
+//! weights of the run that was never interrupted; Ctrl-C (SIGINT) finishes the step,
+//! writes a checkpoint, says where and exits non-zero; bad checkpoint input is refused.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn bin() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_lockstep"))
+}
+
+fn tmp(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("lockstep-cli-resume-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// The run under test: the convnet on the digits, 40 steps of 32, 2 logical replicas.
+fn train_args(extra: &[&str]) -> Vec<String> {
+    let base = ["train", "--steps", "40", "--replicas", "2", "--seed", "3"];
+    base.iter().chain(extra).map(|s| s.to_string()).collect()
+}
+
+/// Every tensor of a safetensors file, by name (the header's metadata order may vary).
+fn tensors(path: &Path) -> Vec<(String, Vec<u8>)> {
+    let bytes = std::fs::read(path).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut v: Vec<_> = st.tensors().into_iter().map(|(n, t)| (n, t.data().to_vec())).collect();
+    v.sort();
+    v
+}
+
+fn checkpoints(dir: &Path) -> usize {
+    std::fs::read_dir(dir).map_or(0, |d| {
+        d.filter(|e| e.as_ref().is_ok_and(|e| e.file_name().to_string_lossy().starts_with("checkpoint-"))).count()
+    })
+}
+
+#[test]
+fn sigkill_then_resume_on_other_devices_gives_the_same_weights() {
+    let dir = tmp("kill");
+    let (full, resumed, ck) = (dir.join("full.safetensors"), dir.join("resumed.safetensors"), dir.join("ck"));
+    let out = bin().args(train_args(&["--devices", "cpu:2", "--save", full.to_str().unwrap()])).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+
+    let ck_s = ck.to_str().unwrap();
+    let mut child = bin()
+        .args(train_args(&[
+            "--devices",
+            "cpu:2",
+            "--checkpoint-dir",
+            ck_s,
+            "--checkpoint-every",
+            "1",
+            "--keep-checkpoints",
+            "100",
+        ]))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    // Kill it somewhere in the middle: once a few checkpoints exist.
+    let t0 = Instant::now();
+    while checkpoints(&ck) < 5 && t0.elapsed() < Duration::from_secs(20) {
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    child.kill().unwrap(); // SIGKILL
+    let status = child.wait().unwrap();
+    assert!(!status.success(), "the run was meant to be killed before it finished");
+
+    let out = bin()
+        .args(train_args(&["--devices", "cpu:1", "--resume", ck_s, "--save", resumed.to_str().unwrap()]))
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("resuming"), "{stdout}");
+    assert!(tensors(&full) == tensors(&resumed), "resumed weights differ from the uninterrupted run's");
+}
+
+#[test]
+fn ctrl_c_writes_a_checkpoint_and_exits_non_zero() {
+    let dir = tmp("int");
+    let ck = dir.join("ck");
+    let ck_s = ck.to_str().unwrap();
+    let child = bin()
+        .args([
+            "train",
+            "--epochs",
+            "50",
+            "--devices",
+            "cpu:1",
+            "--checkpoint-dir",
+            ck_s,
+            "--checkpoint-every",
+            "1000000",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(1500));
+    let ok = Command::new("kill").args(["-INT", &child.id().to_string()]).status().unwrap();
+    assert!(ok.success());
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("interrupted after step") && stderr.contains("checkpoint written to"), "{stderr}");
+    assert_eq!(checkpoints(&ck), 1);
+}
+
+#[test]
+fn checkpoint_input_errors_are_one_line() {
+    let dir = tmp("bad");
+    let missing = dir.join("nope");
+    let out = bin().args(["train", "--resume", missing.to_str().unwrap()]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(err.contains("no such directory") && err.lines().count() == 1, "{err}");
+
+    let empty = dir.join("empty");
+    std::fs::create_dir_all(&empty).unwrap();
+    let out = bin().args(["train", "--resume", empty.to_str().unwrap()]).output().unwrap();
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no checkpoint in it"));
+
+    let out = bin().args(["train", "--checkpoint-dir", "/proc/lockstep-unwritable/ck"]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("--checkpoint-dir"), "{err}");
+}
