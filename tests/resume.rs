@@ -41,9 +41,9 @@ fn setup() -> (Sequential, Dataset, TrainConfig) {
     (model, data, cfg)
 }
 
-fn policy(dir: &PathBuf, every: u64) -> CheckpointPolicy {
+fn policy(dir: &std::path::Path, every: u64) -> CheckpointPolicy {
     let config = BTreeMap::from([("model".to_string(), "convnet".to_string()), ("replicas".into(), "2".into())]);
-    CheckpointPolicy { dir: dir.clone(), every, keep: 100, config }
+    CheckpointPolicy { dir: dir.to_path_buf(), every, keep: 100, config }
 }
 
 #[test]
