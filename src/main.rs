@@ -74,7 +74,7 @@ struct Cli {
 #[derive(Subcommand, Debug)]
 enum Command {
     /// Train a model data-parallel on every device given (default: the convnet on the embedded digits).
-    Train(TrainArgs),
+    Train(Box<TrainArgs>),
     /// Loss, accuracy and confusion matrix of saved weights on a dataset.
     Eval(EvalArgs),
     /// List the tensors of a safetensors file: name, dtype, shape.
@@ -353,7 +353,7 @@ fn main() -> ExitCode {
         }
     };
     let result = match cli.command {
-        Command::Train(a) => cmd_train(a),
+        Command::Train(a) => cmd_train(*a),
         Command::Eval(a) => cmd_eval(a),
         Command::Inspect { file } => cmd_inspect(&file),
         Command::Devices => cmd_devices(),
