@@ -1,12 +1,17 @@
 //! Conv2d: 2-D cross-correlation over NCHW, weight (O, C, KH, KW) as in PyTorch, with
 //! Keras's `valid` and `same` padding.
 //!
-//! Each sample is transposed to channels-last and unfolded into one row per output
-//! pixel (`im2row`: every kernel row is one contiguous copy of KW·C values), then
-//! multiplied by the weight seen as (KH·KW·C, O); samples run in parallel on the
-//! device's pool. The weight gradient sums over the
-//! batch in the fixed groups of `backend::cpu::batch_groups`, so it is bitwise the same
-//! whatever the thread count.
+//! The batch is cut into the fixed groups of `backend::cpu::batch_groups`, which run in
+//! parallel on the device's pool; within a group, convolution is GEMM over unfolded
+//! inputs, in one of two layouts chosen from the layer's shape alone ([`Unfold`]):
+//! channels-first columns for a small C·KH·KW (the first layer of an image model), and
+//! channels-last rows otherwise (every kernel row of a pixel is one contiguous copy of
+//! KW·C values, and a whole group is one GEMM). Gradients of the weight and bias are
+//! summed per group and the groups added in group order, so the result is bitwise the
+//! same whatever the thread count.
+
+use std::borrow::Cow;
+use std::ops::Range;
 
 use rayon::prelude::*;
 
@@ -28,6 +33,54 @@ pub enum Padding {
     Same,
 }
 
+/// Pads of one dimension: (before, after, output size), or None if the input is too small.
+fn pads(size: usize, k: usize, s: usize, padding: Padding) -> Option<(usize, usize, usize)> {
+    match padding {
+        Padding::Valid => (size >= k).then(|| (0, 0, (size - k) / s + 1)),
+        Padding::Same => {
+            let out = size.div_ceil(s);
+            let total = ((out - 1) * s + k).saturating_sub(size);
+            Some((total / 2, total - total / 2, out))
+        }
+    }
+}
+
+/// How a convolution unfolds its input.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Unfold {
+    /// Channels-first columns (C·KH·KW, OH·OW) per sample, one GEMM per sample with the
+    /// weight as (O, C·KH·KW), written straight into NCHW: for a small C·KH·KW, where
+    /// stacked rows would make GEMMs with a tiny inner dimension.
+    Columns,
+    /// Channels-last rows (OH·OW, KH·KW·C) per sample, stacked for the whole group, one
+    /// GEMM per group with the weight as (KH·KW·C, O).
+    Rows,
+}
+
+/// The unfolding for a geometry: a function of the layer's shape alone, so that the
+/// arithmetic (and its rounding) never depends on the batch or the machine.
+fn unfold(g: &ConvGeom) -> Unfold {
+    if g.col_rows() <= 32 {
+        Unfold::Columns
+    } else {
+        Unfold::Rows
+    }
+}
+
+/// The weight from (O, C, KH·KW) to channels-last (KH·KW, C, O), i.e. a
+/// (KH·KW·C, O) matrix whose row order matches `im2row`.
+fn oihw_to_hwio(w: &[f32], o: usize, c: usize, kk: usize) -> Vec<f32> {
+    let mut wt = vec![0.0f32; w.len()];
+    for oo in 0..o {
+        for ch in 0..c {
+            for k in 0..kk {
+                wt[(k * c + ch) * o + oo] = w[(oo * c + ch) * kk + k];
+            }
+        }
+    }
+    wt
+}
+
 /// A 2-D convolution layer.
 #[derive(Clone, Debug)]
 pub struct Conv2d {
@@ -46,68 +99,156 @@ pub struct Conv2d {
 /// One group's work buffers (contents are overwritten before every use).
 #[derive(Clone, Debug, Default)]
 struct Scratch {
-    /// One sample, channels-last: (H, W, C).
+    /// Rows: one sample, channels-last (H, W, C).
     xt: Vec<f32>,
-    /// The group's stacked rows: (G·OH·OW, KH·KW·C).
-    rows: Vec<f32>,
-    /// The group's output or output gradient, channels-last: (G·OH·OW, O).
+    /// Rows: the group's stacked rows (G·OH·OW, KH·KW·C). Columns: one sample's columns.
+    unfolded: Vec<f32>,
+    /// Rows: the group's output or output gradient, channels-last (G·OH·OW, O).
+    /// Columns: one sample's column gradient.
     out: Vec<f32>,
 }
 
 impl Scratch {
-    fn sized(&mut self, xt: usize, rows: usize, out: usize) -> (&mut [f32], &mut [f32], &mut [f32]) {
+    fn sized(&mut self, xt: usize, unfolded: usize, out: usize) -> (&mut [f32], &mut [f32], &mut [f32]) {
         self.xt.resize(xt, 0.0);
-        self.rows.resize(rows, 0.0);
+        self.unfolded.resize(unfolded, 0.0);
         self.out.resize(out, 0.0);
-        (&mut self.xt, &mut self.rows, &mut self.out)
+        (&mut self.xt, &mut self.unfolded, &mut self.out)
     }
 }
 
-/// Pads of one dimension: (before, after, output size), or None if the input is too small.
-fn pads(size: usize, k: usize, s: usize, padding: Padding) -> Option<(usize, usize, usize)> {
-    match padding {
-        Padding::Valid => (size >= k).then(|| (0, 0, (size - k) / s + 1)),
-        Padding::Same => {
-            let out = size.div_ceil(s);
-            let total = ((out - 1) * s + k).saturating_sub(size);
-            Some((total / 2, total - total / 2, out))
-        }
+/// What every group of one forward or backward shares.
+struct Job<'a> {
+    g: ConvGeom,
+    o: usize,
+    /// The weight in the layout of `unfold`: (O, C·KH·KW) for columns, (KH·KW·C, O) for rows.
+    weight: &'a [f32],
+    /// x: (N, C, H, W)
+    xs: &'a [f32],
+    unfold: Unfold,
+}
+
+impl Job<'_> {
+    fn per_in(&self) -> usize {
+        self.g.c * self.g.h * self.g.w
     }
-}
 
-/// How a convolution unfolds its input.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-enum Unfold {
-    /// Channels-first columns (C·KH·KW, OH·OW) per sample, one GEMM per sample: for a
-    /// small C·KH·KW (the first layer of an image model), where stacking rows would make
-    /// a GEMM with a tiny inner dimension.
-    Columns,
-    /// Channels-last rows (OH·OW, KH·KW·C), one GEMM per group of samples.
-    Rows,
-}
-
-/// The unfolding for a geometry: a function of the layer's shape alone, so that the
-/// arithmetic (and its rounding) never depends on the batch or the machine.
-fn unfold(g: &ConvGeom) -> Unfold {
-    if g.col_rows() <= 32 {
-        Unfold::Columns
-    } else {
-        Unfold::Rows
-    }
-}
-
-/// The weight from (O, C, KH·KW) to channels-last (KH·KW, C, O), i.e. a
-/// (KH·KW·C, O) matrix whose row order matches [`im2row`].
-fn oihw_to_hwio(w: &[f32], o: usize, c: usize, kk: usize) -> Vec<f32> {
-    let mut wt = vec![0.0f32; w.len()];
-    for oo in 0..o {
-        for ch in 0..c {
-            for k in 0..kk {
-                wt[(k * c + ch) * o + oo] = w[(oo * c + ch) * kk + k];
+    // y_group: (G, O, OH·OW) for the samples in `range`
+    fn forward(&self, range: Range<usize>, y_group: &mut [f32], bias: Option<&[f32]>, scratch: &mut Scratch) {
+        let (g, o, per_in) = (&self.g, self.o, self.per_in());
+        let (kkc, p) = (g.col_rows(), g.col_cols());
+        match self.unfold {
+            Unfold::Columns => {
+                let (_, col, _) = scratch.sized(0, kkc * p, 0);
+                for (s, yn) in range.zip(y_group.chunks_exact_mut(o * p)) {
+                    im2col(&self.xs[s * per_in..(s + 1) * per_in], g, col);
+                    let acc = fill_bias(yn, bias, p);
+                    gemm_with(Mat::rows(self.weight, o, kkc), Mat::rows(col, kkc, p), yn, p, acc, Threads::Caller);
+                }
+            }
+            Unfold::Rows => {
+                let gs = range.len();
+                let (xt, rows, out) = scratch.sized(per_in, gs * p * kkc, gs * p * o);
+                for (k, s) in range.enumerate() {
+                    chw_to_hwc(&self.xs[s * per_in..(s + 1) * per_in], g.c, xt);
+                    im2row(xt, g, &mut rows[k * p * kkc..(k + 1) * p * kkc]);
+                }
+                let (rows, weight) = (Mat::rows(rows, gs * p, kkc), Mat::rows(self.weight, kkc, o));
+                gemm_with(rows, weight, out, o, Accumulate::Overwrite, Threads::Caller);
+                for (yn, on) in y_group.chunks_exact_mut(o * p).zip(out.chunks_exact(p * o)) {
+                    hwc_to_chw(on, o, yn);
+                    if let Some(b) = bias {
+                        for (plane, &bo) in yn.chunks_exact_mut(p).zip(b) {
+                            plane.iter_mut().for_each(|v| *v += bo);
+                        }
+                    }
+                }
             }
         }
     }
-    wt
+
+    /// The group's (dweight in the layout of `weight`, dbias). dout: (N, O, OH·OW);
+    /// dx_group, when given: (G, C, H, W), written (not accumulated).
+    fn backward(
+        &self,
+        range: Range<usize>,
+        ds: &[f32],
+        mut dx_group: Option<&mut [f32]>,
+        with_bias: bool,
+        scratch: &mut Scratch,
+    ) -> (Vec<f32>, Vec<f32>) {
+        let (g, o, per_in) = (&self.g, self.o, self.per_in());
+        let (kkc, p) = (g.col_rows(), g.col_cols());
+        let mut dw = vec![0.0f32; o * kkc];
+        let mut db = vec![0.0f32; if with_bias { o } else { 0 }];
+        let dout = |s: usize| &ds[s * o * p..(s + 1) * o * p];
+        for s in range.clone() {
+            for (b, plane) in db.iter_mut().zip(dout(s).chunks_exact(p)) {
+                *b += plane.iter().sum::<f32>();
+            }
+        }
+        match self.unfold {
+            Unfold::Columns => {
+                let need_dx = dx_group.is_some();
+                let (_, col, dcol) = scratch.sized(0, kkc * p, if need_dx { kkc * p } else { 0 });
+                for (k, s) in range.enumerate() {
+                    // dweight (O, C·KH·KW) += dout_n (O, P) · col_nᵀ (P, C·KH·KW)
+                    im2col(&self.xs[s * per_in..(s + 1) * per_in], g, col);
+                    let dn = Mat::rows(dout(s), o, p);
+                    gemm_with(dn, Mat::rows(col, kkc, p).t(), &mut dw, kkc, Accumulate::Add, Threads::Caller);
+                    if let Some(dx) = dx_group.as_deref_mut() {
+                        // dcol (C·KH·KW, P) = Wᵀ · dout_n, folded back into dx_n
+                        let wt = Mat::rows(self.weight, o, kkc).t();
+                        gemm_with(wt, dn, dcol, p, Accumulate::Overwrite, Threads::Caller);
+                        col2im(dcol, g, &mut dx[k * per_in..(k + 1) * per_in]);
+                    }
+                }
+            }
+            Unfold::Rows => {
+                let gs = range.len();
+                let (xt, rows, dout_t) = scratch.sized(per_in, gs * p * kkc, gs * p * o);
+                for (k, s) in range.enumerate() {
+                    chw_to_hwc(&self.xs[s * per_in..(s + 1) * per_in], g.c, xt);
+                    im2row(xt, g, &mut rows[k * p * kkc..(k + 1) * p * kkc]);
+                    chw_to_hwc(dout(s), o, &mut dout_t[k * p * o..(k + 1) * p * o]);
+                }
+                // dweight (KH·KW·C, O) = rowsᵀ (KH·KW·C, G·P) · doutᵀ (G·P, O)
+                let dout_mat = Mat::rows(dout_t, gs * p, o);
+                gemm_with(
+                    Mat::rows(rows, gs * p, kkc).t(),
+                    dout_mat,
+                    &mut dw,
+                    o,
+                    Accumulate::Overwrite,
+                    Threads::Caller,
+                );
+                if let Some(dx) = dx_group {
+                    // drows (G·P, KH·KW·C) = doutᵀ · weightᵀ, into the no longer needed rows
+                    let wt = Mat::rows(self.weight, kkc, o).t();
+                    gemm_with(dout_mat, wt, rows, kkc, Accumulate::Overwrite, Threads::Caller);
+                    for (k, dxn) in dx.chunks_exact_mut(per_in).enumerate() {
+                        xt.fill(0.0);
+                        row2im(&rows[k * p * kkc..(k + 1) * p * kkc], g, xt);
+                        hwc_to_chw(xt, g.c, dxn);
+                    }
+                }
+            }
+        }
+        (dw, db)
+    }
+}
+
+/// Fills each output plane with its bias; says how GEMM must then treat the output.
+fn fill_bias(yn: &mut [f32], bias: Option<&[f32]>, p: usize) -> Accumulate {
+    match bias {
+        Some(b) => {
+            for (plane, &bo) in yn.chunks_exact_mut(p).zip(b) {
+                plane.fill(bo);
+            }
+            Accumulate::Add
+        }
+        None => Accumulate::Overwrite,
+    }
 }
 
 impl Conv2d {
@@ -129,93 +270,6 @@ impl Conv2d {
         Ok(Conv2d { in_channels, filters, kernel, stride, padding, use_bias, x: None, scratch: Vec::new() })
     }
 
-    /// Forward for [`Unfold::Columns`]: per sample, y_n (O, OH·OW) = W (O, C·KH·KW) ·
-    /// im2col(x_n) (C·KH·KW, OH·OW), written straight into NCHW.
-    fn forward_columns(&mut self, x: &Tensor, n: usize, g: &ConvGeom, params: &Params<'_>) -> Result<Tensor> {
-        let (o, ckk, p) = (self.filters, g.col_rows(), g.col_cols());
-        let (w, bias) = (params.get(0), self.use_bias.then(|| params.get(1)));
-        let per_in = g.c * g.h * g.w;
-        let mut y = vec![0.0f32; n * o * p];
-        let groups = batch_groups(n);
-        self.scratch.resize_with(groups.len().max(self.scratch.len()), Scratch::default);
-        let xs = x.host();
-        let work = groups.into_par_iter().zip(split_by_groups(&mut y, n, o * p)).zip(&mut self.scratch[..]);
-        work.for_each(|((range, y_group), scratch)| {
-            let (_, col, _) = scratch.sized(0, ckk * p, 0);
-            for (s, yn) in range.zip(y_group.chunks_exact_mut(o * p)) {
-                im2col(&xs[s * per_in..(s + 1) * per_in], g, col);
-                let acc = match bias {
-                    Some(b) => {
-                        for (plane, &bo) in yn.chunks_exact_mut(p).zip(b) {
-                            plane.fill(bo);
-                        }
-                        Accumulate::Add
-                    }
-                    None => Accumulate::Overwrite,
-                };
-                gemm_with(Mat::rows(w, o, ckk), Mat::rows(col, ckk, p), yn, p, acc, Threads::Caller);
-            }
-        });
-        Tensor::from_vec_on(y, [n, o, g.oh, g.ow], x.device())
-    }
-
-    /// Backward for [`Unfold::Columns`]: per sample, dweight (O, C·KH·KW) += dout_n ·
-    /// im2col(x_n)ᵀ and dcol = Wᵀ · dout_n folded back with col2im.
-    #[allow(clippy::too_many_arguments)]
-    fn backward_columns(
-        &mut self,
-        x: &Tensor,
-        dout: &Tensor,
-        n: usize,
-        g: &ConvGeom,
-        params: &Params<'_>,
-        dparams: &mut ParamsMut<'_>,
-        input_grad: InputGrad,
-    ) -> Result<Option<Tensor>> {
-        let (o, ckk, p) = (self.filters, g.col_rows(), g.col_cols());
-        let per_in = g.c * g.h * g.w;
-        let w = params.get(0);
-        let (xs, ds) = (x.host(), dout.host());
-        let (use_bias, need_dx) = (self.use_bias, input_grad == InputGrad::Needed);
-        let mut dx = vec![0.0f32; if need_dx { n * per_in } else { 0 }];
-        let groups = batch_groups(n);
-        let dx_parts = split_by_groups(&mut dx, n, if need_dx { per_in } else { 0 });
-        self.scratch.resize_with(groups.len().max(self.scratch.len()), Scratch::default);
-        let partials: Vec<(Vec<f32>, Vec<f32>)> = groups
-            .into_par_iter()
-            .zip(dx_parts)
-            .zip(&mut self.scratch[..])
-            .map(|((range, dx_group), scratch)| {
-                let (_, col, dcol) = scratch.sized(0, ckk * p, if need_dx { ckk * p } else { 0 });
-                let mut dw = vec![0.0f32; o * ckk];
-                let mut db = vec![0.0f32; if use_bias { o } else { 0 }];
-                for (k, s) in range.enumerate() {
-                    let dn = &ds[s * o * p..(s + 1) * o * p];
-                    im2col(&xs[s * per_in..(s + 1) * per_in], g, col);
-                    let dn_mat = Mat::rows(dn, o, p);
-                    gemm_with(dn_mat, Mat::rows(col, ckk, p).t(), &mut dw, ckk, Accumulate::Add, Threads::Caller);
-                    for (b, plane) in db.iter_mut().zip(dn.chunks_exact(p)) {
-                        *b += plane.iter().sum::<f32>();
-                    }
-                    if need_dx {
-                        gemm_with(Mat::rows(w, o, ckk).t(), dn_mat, dcol, p, Accumulate::Overwrite, Threads::Caller);
-                        col2im(dcol, g, &mut dx_group[k * per_in..(k + 1) * per_in]);
-                    }
-                }
-                (dw, db)
-            })
-            .collect();
-        let (dws, dbs): (Vec<_>, Vec<_>) = partials.into_iter().unzip();
-        add_partials(dparams.get(0), &dws);
-        if use_bias {
-            add_partials(dparams.get(1), &dbs);
-        }
-        if !need_dx {
-            return Ok(None);
-        }
-        Ok(Some(Tensor::from_vec_on(dx, x.shape().clone(), x.device())?))
-    }
-
     fn geometry(&self, input: &Shape) -> Result<(usize, ConvGeom)> {
         let (n, c, h, w) = input.nchw("Conv2d")?;
         if c != self.in_channels {
@@ -227,6 +281,14 @@ impl Conv2d {
         let (pad_top, _, oh) = pads(h, kh, self.stride, self.padding).ok_or_else(too_small)?;
         let (pad_left, _, ow) = pads(w, kw, self.stride, self.padding).ok_or_else(too_small)?;
         Ok((n, ConvGeom { c, h, w, kh, kw, stride: self.stride, pad_top, pad_left, oh, ow }))
+    }
+
+    /// The weight in the layout `unfold` multiplies by.
+    fn weight_for<'a>(&self, w: &'a [f32], g: &ConvGeom, unfold: Unfold) -> Cow<'a, [f32]> {
+        match unfold {
+            Unfold::Columns => Cow::Borrowed(w),
+            Unfold::Rows => Cow::Owned(oihw_to_hwio(w, self.filters, g.c, g.kh * g.kw)),
+        }
     }
 }
 
@@ -253,60 +315,26 @@ impl Layer for Conv2d {
         p
     }
 
-    // x: (N, C, H, W) → y: (N, O, OH, OW). In groups of samples (`batch_groups`), each
-    // sample transposed to channels-last (H, W, C) and unfolded into rows (OH·OW,
-    // KH·KW·C); one GEMM per group multiplies the stacked rows (G·OH·OW, KH·KW·C) by the
-    // weight seen as (KH·KW·C, O), and each sample's (OH·OW, O) block is transposed
-    // back into NCHW.
+    // x: (N, C, H, W) → y: (N, O, OH, OW)
     fn forward(&mut self, x: Tensor, params: Params<'_>, _buffers: ParamsMut<'_>, ctx: &Ctx) -> Result<Tensor> {
         let (n, g) = self.geometry(x.shape())?;
-        if unfold(&g) == Unfold::Columns {
-            let y = self.forward_columns(&x, n, &g, &params)?;
-            self.x = (ctx.mode == Mode::Train).then_some(x);
-            return Ok(y);
-        }
-        let (o, kkc, p) = (self.filters, g.col_rows(), g.col_cols());
-        let wt = oihw_to_hwio(params.get(0), o, g.c, g.kh * g.kw);
+        let (o, p) = (self.filters, g.col_cols());
+        let how = unfold(&g);
+        let weight = self.weight_for(params.get(0), &g, how);
+        let job = Job { g, o, weight: &weight, xs: x.host(), unfold: how };
         let bias = self.use_bias.then(|| params.get(1));
-        let per_in = g.c * g.h * g.w;
         let mut y = vec![0.0f32; n * o * p];
         let groups = batch_groups(n);
         self.scratch.resize_with(groups.len().max(self.scratch.len()), Scratch::default);
-        let xs = x.host();
         let work = groups.into_par_iter().zip(split_by_groups(&mut y, n, o * p)).zip(&mut self.scratch[..]);
-        work.for_each(|((range, y_group), scratch)| {
-            let gs = range.len();
-            let (xt, rows, out) = scratch.sized(per_in, gs * p * kkc, gs * p * o);
-            for (k, s) in range.enumerate() {
-                chw_to_hwc(&xs[s * per_in..(s + 1) * per_in], g.c, xt);
-                im2row(xt, &g, &mut rows[k * p * kkc..(k + 1) * p * kkc]);
-            }
-            gemm_with(
-                Mat::rows(rows, gs * p, kkc),
-                Mat::rows(&wt, kkc, o),
-                out,
-                o,
-                Accumulate::Overwrite,
-                Threads::Caller,
-            );
-            for (yn, on) in y_group.chunks_exact_mut(o * p).zip(out.chunks_exact(p * o)) {
-                hwc_to_chw(on, o, yn);
-                if let Some(b) = bias {
-                    for (plane, &bo) in yn.chunks_exact_mut(p).zip(b) {
-                        plane.iter_mut().for_each(|v| *v += bo);
-                    }
-                }
-            }
-        });
+        work.for_each(|((range, y_group), scratch)| job.forward(range, y_group, bias, scratch));
         let y = Tensor::from_vec_on(y, [n, o, g.oh, g.ow], x.device())?;
         self.x = (ctx.mode == Mode::Train).then_some(x);
         Ok(y)
     }
 
-    // dout: (N, O, OH, OW) → dx: (N, C, H, W). Per group, with the stacked rows of
-    // forward and doutᵀ stacked as (G·OH·OW, O): dweight (KH·KW·C, O) += rowsᵀ · doutᵀ;
-    // drows = doutᵀ · weightᵀ, folded back per sample with row2im; dbias (O) += Σ dout.
-    // Group partial sums are added in group order.
+    // dout: (N, O, OH, OW) → dx: (N, C, H, W)
+    // dweight (O, C, KH, KW) += Σ_n dout_n ⋆ x_n;  dbias (O) += Σ_n Σ_p dout_n[o, p]
     fn backward(
         &mut self,
         dout: Tensor,
@@ -319,80 +347,49 @@ impl Layer for Conv2d {
             self.x.take().ok_or_else(|| Error::config("Conv2d backward", "no training forward to differentiate"))?;
         x.same_device("Conv2d backward", &dout)?;
         let (n, g) = self.geometry(x.shape())?;
-        let (o, kkc, p) = (self.filters, g.col_rows(), g.col_cols());
+        let (o, kk) = (self.filters, g.kh * g.kw);
         if dout.shape().dims() != [n, o, g.oh, g.ow] {
             return Err(Error::shape(
                 "Conv2d backward",
                 format!("dout {} for output ({n}, {o}, {}, {})", dout.shape(), g.oh, g.ow),
             ));
         }
-        let per_in = g.c * g.h * g.w;
-        if unfold(&g) == Unfold::Columns {
-            return self.backward_columns(&x, &dout, n, &g, &params, &mut dparams, input_grad);
-        }
-        let wt = oihw_to_hwio(params.get(0), o, g.c, g.kh * g.kw);
-        let (xs, ds) = (x.host(), dout.host());
-        let (use_bias, need_dx) = (self.use_bias, input_grad == InputGrad::Needed);
+        let how = unfold(&g);
+        let weight = self.weight_for(params.get(0), &g, how);
+        let job = Job { g, o, weight: &weight, xs: x.host(), unfold: how };
+        let need_dx = input_grad == InputGrad::Needed;
+        let per_in = job.per_in();
         let mut dx = vec![0.0f32; if need_dx { n * per_in } else { 0 }];
         let groups = batch_groups(n);
         let dx_parts = split_by_groups(&mut dx, n, if need_dx { per_in } else { 0 });
         self.scratch.resize_with(groups.len().max(self.scratch.len()), Scratch::default);
+        let (ds, with_bias) = (dout.host(), self.use_bias);
         let partials: Vec<(Vec<f32>, Vec<f32>)> = groups
             .into_par_iter()
             .zip(dx_parts)
             .zip(&mut self.scratch[..])
             .map(|((range, dx_group), scratch)| {
-                let gs = range.len();
-                let (xt, rows, dout_t) = scratch.sized(per_in, gs * p * kkc, gs * p * o);
-                let mut db = vec![0.0f32; if use_bias { o } else { 0 }];
-                for (k, s) in range.enumerate() {
-                    let dn = &ds[s * o * p..(s + 1) * o * p];
-                    chw_to_hwc(&xs[s * per_in..(s + 1) * per_in], g.c, xt);
-                    im2row(xt, &g, &mut rows[k * p * kkc..(k + 1) * p * kkc]);
-                    chw_to_hwc(dn, o, &mut dout_t[k * p * o..(k + 1) * p * o]);
-                    for (b, plane) in db.iter_mut().zip(dn.chunks_exact(p)) {
-                        *b += plane.iter().sum::<f32>();
-                    }
-                }
-                let mut dwt = vec![0.0f32; kkc * o];
-                let dout_mat = Mat::rows(dout_t, gs * p, o);
-                gemm_with(
-                    Mat::rows(rows, gs * p, kkc).t(),
-                    dout_mat,
-                    &mut dwt,
-                    o,
-                    Accumulate::Overwrite,
-                    Threads::Caller,
-                );
-                if need_dx {
-                    // rows is no longer needed: reuse it for drows.
-                    gemm_with(dout_mat, Mat::rows(&wt, kkc, o).t(), rows, kkc, Accumulate::Overwrite, Threads::Caller);
-                    for (k, dxn) in dx_group.chunks_exact_mut(per_in).enumerate() {
-                        xt.fill(0.0);
-                        row2im(&rows[k * p * kkc..(k + 1) * p * kkc], &g, xt);
-                        hwc_to_chw(xt, g.c, dxn);
-                    }
-                }
-                (dwt, db)
+                job.backward(range, ds, need_dx.then_some(dx_group), with_bias, scratch)
             })
             .collect();
-        let (dwts, dbs): (Vec<_>, Vec<_>) = partials.into_iter().unzip();
-        let dwt = sum_partials(&dwts);
-        let dweight = dparams.get(0);
-        for (r, row) in dwt.chunks_exact(o).enumerate() {
-            // row r = (i·KW + j)·C + c of the channels-last weight; dweight is (O, C, KH·KW).
-            let (kk, c) = (r / g.c, r % g.c);
-            for (oo, &v) in row.iter().enumerate() {
-                dweight[(oo * g.c + c) * g.kh * g.kw + kk] += v;
+        let (dws, dbs): (Vec<_>, Vec<_>) = partials.into_iter().unzip();
+        match how {
+            Unfold::Columns => add_partials(dparams.get(0), &dws),
+            Unfold::Rows => {
+                let dweight = dparams.get(0);
+                for (r, row) in sum_partials(&dws).chunks_exact(o).enumerate() {
+                    // row r = (i·KW + j)·C + c of the channels-last weight; dweight is (O, C, KH·KW)
+                    let (k, c) = (r / g.c, r % g.c);
+                    for (oo, &v) in row.iter().enumerate() {
+                        dweight[(oo * g.c + c) * kk + k] += v;
+                    }
+                }
             }
         }
-        if use_bias {
+        if with_bias {
             add_partials(dparams.get(1), &dbs);
         }
-        if !need_dx {
-            return Ok(None);
-        }
-        Ok(Some(Tensor::from_vec_on(dx, x.shape().clone(), x.device())?))
+        Ok(need_dx.then(|| Tensor::from_vec_on(dx, x.shape().clone(), x.device())).transpose()?)
     }
 
     fn boxed_clone(&self) -> Box<dyn Layer> {
@@ -434,5 +431,42 @@ mod tests {
         assert_eq!(pads(6, 3, 2, Padding::Same), Some((0, 1, 3)));
         assert_eq!(pads(2, 3, 1, Padding::Valid), None);
         assert_eq!(pads(28, 6, 2, Padding::Valid), Some((0, 0, 12)));
+    }
+
+    #[test]
+    fn both_unfoldings_compute_the_same_convolution() {
+        // The same layer run through columns and rows: equal up to summation order
+        // (|Δ| ≤ 1e-5 on values of order 1, sums of 2·3·3 = 18 products).
+        let g = ConvGeom { c: 2, h: 7, w: 6, kh: 3, kw: 3, stride: 2, pad_top: 1, pad_left: 1, oh: 4, ow: 3 };
+        let (n, o) = (3, 4);
+        let mut r = crate::rng::SplitMix64::new(5);
+        let mut rand = |len: usize| (0..len).map(|_| r.next_f32() - 0.5).collect::<Vec<f32>>();
+        let (x, w, dout) = (rand(n * 2 * 7 * 6), rand(o * 18), rand(n * o * 12));
+        let wt = oihw_to_hwio(&w, o, 2, 9);
+        let run = |unfold, weight: &[f32]| {
+            let job = Job { g, o, weight, xs: &x, unfold };
+            let mut y = vec![0.0; n * o * 12];
+            let mut dx = vec![0.0; x.len()];
+            job.forward(0..n, &mut y, None, &mut Scratch::default());
+            let (dw, _) = job.backward(0..n, &dout, Some(&mut dx), false, &mut Scratch::default());
+            (y, dx, dw)
+        };
+        let (y1, dx1, dw1) = run(Unfold::Columns, &w);
+        let (y2, dx2, dw2) = run(Unfold::Rows, &wt);
+        let close = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(p, q)| (p - q).abs() <= 1e-5);
+        assert!(close(&y1, &y2) && close(&dx1, &dx2));
+        assert!(close(&dw1, &oihw_to_hwio_inverse(&dw2, o, 2, 9)));
+    }
+
+    fn oihw_to_hwio_inverse(wt: &[f32], o: usize, c: usize, kk: usize) -> Vec<f32> {
+        let mut w = vec![0.0; wt.len()];
+        for oo in 0..o {
+            for ch in 0..c {
+                for k in 0..kk {
+                    w[(oo * c + ch) * kk + k] = wt[(k * c + ch) * o + oo];
+                }
+            }
+        }
+        w
     }
 }
