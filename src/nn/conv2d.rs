@@ -389,7 +389,7 @@ impl Layer for Conv2d {
         if with_bias {
             add_partials(dparams.get(1), &dbs);
         }
-        Ok(need_dx.then(|| Tensor::from_vec_on(dx, x.shape().clone(), x.device())).transpose()?)
+        need_dx.then(|| Tensor::from_vec_on(dx, x.shape().clone(), x.device())).transpose()
     }
 
     fn boxed_clone(&self) -> Box<dyn Layer> {
