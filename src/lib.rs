@@ -1,4 +1,47 @@
-//! lockstep: synchronous data-parallel training inside one process.
+//! lockstep: synchronous data-parallel training of neural networks inside ONE process.
+//!
+//! One OS thread per device (a CUDA GPU, or a CPU "device" that stands in for one), each
+//! owning a full replica of the model; a scatter stage splits every global batch across
+//! the replicas; the gradients are all-reduced; every replica applies the same update,
+//! so the replicas stay bitwise identical. What PyTorch's DistributedDataParallel does,
+//! without one process per device, launchers, ports or rendezvous:
+//!
+//! ```
+//! use lockstep::{data::toy, devices::Devices, models, optim::OptimizerConfig};
+//! use lockstep::train::{train_data_parallel, TrainConfig};
+//!
+//! let data = toy::toy(); // the lesson's 5 training and 2 test points
+//! let model = models::toy_mlp(2, 2).unwrap();
+//! let config = TrainConfig { epochs: 3, batch_size: 2, optimizer: OptimizerConfig::sgd(0.5), ..TrainConfig::default() };
+//! let report = train_data_parallel(&model, &data.train, data.test.as_ref(), &Devices::cpu(2, 1).unwrap(), &config).unwrap();
+//! assert_eq!(report.epochs.last().unwrap().test.unwrap().accuracy(), 1.0);
+//! ```
+//!
+//! # The contract
+//! - The batch size is GLOBAL: B samples per step whatever the number of devices.
+//! - Replicas back-propagate the SUM of their samples' losses, the all-reduce sums, and
+//!   the optimiser divides by the real size of the global batch: one step on N devices
+//!   is one step on one device with the whole batch, up to float summation order.
+//! - With a fixed number of logical replicas R (`TrainConfig::replicas`), the summation
+//!   order is fixed too: 1, 2 or 4 devices give bitwise the same weights.
+//! - Every random number is a function of (seed, epoch, step, logical replica), so a run
+//!   resumed from a checkpoint ends exactly where the uninterrupted run would.
+//!
+//! # Where things are
+//! | module | owns |
+//! |---|---|
+//! | [`tensor`] | shapes, devices, tensors |
+//! | [`backend`] | the CPU kernels (GEMM, unfolding), the reference for every other backend |
+//! | [`nn`] | layers (forward and backward side by side), `Sequential`, the loss |
+//! | [`optim`] | SGD and Adam over flat buffers, learning-rate schedules |
+//! | [`models`] | the seed models and their tensor names |
+//! | [`data`] | datasets: the embedded digits, the lesson's toy set, safetensors files |
+//! | [`comm`] | the collective trait and the shared-memory all-reduce |
+//! | [`train`] | `train_data_parallel`, `with_trainer`, the workers, scatter and sampler |
+//! | [`checkpoint`] | checkpoints and exact resume |
+//! | [`weights`] | safetensors weights in PyTorch's names and layouts |
+//! | [`devices`] | `--devices` specifications |
+//! | [`cuda`] | run-time probing of the CUDA driver, NVRTC and NCCL; the CUDA kernels |
 #![forbid(unsafe_op_in_unsafe_fn)]
 
 pub mod backend;

@@ -458,7 +458,27 @@ fn panic_message(p: &Box<dyn std::any::Any + Send>) -> String {
 /// Builds one replica per device from `model` (the initial weights made once on the
 /// host, from `config.initial` or the seed, and copied to every replica), runs the
 /// workers, and calls `f` with the coordinator's handle. Every thread has ended when it
-/// returns.
+/// returns. For loops written by the user, notebook-style:
+///
+/// ```
+/// use lockstep::{data::toy, devices::Devices, models, optim::OptimizerConfig};
+/// use lockstep::train::{with_trainer, Batch, TrainConfig};
+///
+/// let data = toy::toy();
+/// let model = models::toy_mlp(2, 2).unwrap();
+/// let config = TrainConfig { optimizer: OptimizerConfig::sgd(0.5), ..TrainConfig::default() };
+/// let accuracy = with_trainer(&model, &Devices::cpu(2, 1).unwrap(), &config, |t| {
+///     for step in 0..30 {
+///         let rows = [(2 * step) % 5, (2 * step + 1) % 5];
+///         let report = t.step(Batch::gather(&data.train, &rows))?; // one global batch of 2
+///         assert!(report.metrics.mean_loss().is_finite());
+///     }
+///     t.check_replicas()?; // every replica bitwise identical
+///     Ok(t.evaluate(data.test.as_ref().unwrap(), 64)?.accuracy())
+/// })
+/// .unwrap();
+/// assert_eq!(accuracy, 1.0);
+/// ```
 pub fn with_trainer<T>(
     model: &Sequential,
     devices: &Devices,
