@@ -95,6 +95,8 @@ enum BenchCommand {
     Allreduce(BenchAllreduceArgs),
     /// Samples per second of training steps.
     Step(BenchStepArgs),
+    /// Where a training step's time goes: forward and backward of every layer.
+    Layers(BenchLayersArgs),
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -280,6 +282,21 @@ struct BenchStepArgs {
     warmup: u64,
 }
 
+#[derive(Args, Debug)]
+struct BenchLayersArgs {
+    #[arg(long, value_enum, default_value = "convnet")]
+    model: ModelName,
+    /// Samples per forward/backward (one device's share of a step) [default: toy 64, convnet 256].
+    #[arg(long)]
+    batch_size: Option<usize>,
+    /// Threads of the device's pool [default: every core].
+    #[arg(long)]
+    threads: Option<usize>,
+    /// Timed passes (after one untimed).
+    #[arg(long, default_value_t = 10)]
+    steps: u32,
+}
+
 // ---------------------------------------------------------------------------------------
 // Failures and exit codes
 
@@ -359,6 +376,7 @@ fn main() -> ExitCode {
         Command::Devices => cmd_devices(),
         Command::Bench(BenchCommand::Allreduce(a)) => cmd_bench_allreduce(a),
         Command::Bench(BenchCommand::Step(a)) => cmd_bench_step(a),
+        Command::Bench(BenchCommand::Layers(a)) => cmd_bench_layers(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -1085,5 +1103,70 @@ fn cmd_bench_step(a: BenchStepArgs) -> CliResult {
         median(reduces).as_secs_f64() * 1e3,
         sum.as_secs_f64() * 1e3 / a.steps as f64
     );
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------
+// bench layers
+
+/// Times forward, loss and backward of one device's share of a step, layer by layer, on
+/// a pool of `--threads` threads (the optimiser and the all-reduce are `bench step`'s).
+fn cmd_bench_layers(a: BenchLayersArgs) -> CliResult {
+    let toy = a.model == ModelName::Toy;
+    let batch_size = a.batch_size.unwrap_or(if toy { 64 } else { 256 });
+    let threads = a.threads.unwrap_or_else(available_cores);
+    if batch_size == 0 || threads == 0 || a.steps == 0 {
+        return Err(Failure::usage(anyhow!("--batch-size, --threads and --steps must be at least 1")));
+    }
+    let data = load_data(if toy { "toy-enlarged" } else { "digits" }, a.model, 0, None)?.train;
+    let mut model = build_model(a.model, data.sample_shape().dims(), data.num_classes(), 0.5, 0.99)?;
+    let idx: Vec<usize> = (0..batch_size).map(|i| i % data.len()).collect();
+    let batch = Batch::gather(&data, &idx);
+    let mut store = model.init(0);
+    let mut grads = vec![0.0f32; model.num_params()];
+    let pool =
+        rayon::ThreadPoolBuilder::new().num_threads(threads).build().map_err(|e| Failure::runtime(anyhow!(e)))?;
+    let mut dims = vec![batch_size];
+    dims.extend_from_slice(batch.sample_shape.dims());
+    let mut total = Duration::ZERO;
+    pool.install(|| -> lockstep::Result<()> {
+        for pass in 0..=a.steps {
+            if pass == 1 {
+                model.start_profile();
+            }
+            let t0 = Instant::now();
+            let x = lockstep::Tensor::from_vec(batch.x.clone(), dims.clone())?;
+            let ctx = lockstep::nn::Ctx::train(0, pass as u64, 0, lockstep::Device::Cpu(0));
+            let logits = model.forward(x, &store.params, &mut store.buffers, &ctx)?;
+            let (_, dlogits) = lockstep::nn::loss::softmax_cross_entropy(&logits, &batch.y)?;
+            grads.fill(0.0);
+            model.backward(dlogits, &store.params, &mut grads, &ctx)?;
+            if pass > 0 {
+                total += t0.elapsed();
+            }
+        }
+        Ok(())
+    })
+    .map_err(Failure::runtime)?;
+    let per = |d: Duration| d.as_secs_f64() * 1e3 / a.steps as f64;
+    outln!(
+        "lockstep bench layers: {} | {batch_size} samples | {threads} thread(s) | mean of {} passes",
+        a.model.as_str(),
+        a.steps
+    );
+    outln!("{:<12} {:<52} {:>10} {:>10} {:>7}", "layer", "", "fwd (ms)", "bwd (ms)", "share");
+    let profile = model.profile();
+    for ((name, f, b), layer) in profile.iter().zip(model.layers()) {
+        outln!(
+            "{name:<12} {:<52} {:>10.3} {:>10.3} {:>6.1}%",
+            layer.describe(),
+            per(*f),
+            per(*b),
+            100.0 * (f.as_secs_f64() + b.as_secs_f64()) / total.as_secs_f64().max(1e-12)
+        );
+    }
+    let layers: Duration = profile.iter().map(|(_, f, b)| *f + *b).sum();
+    outln!("{:<65} {:>10.3} ms (loss and the rest: {:.3} ms)", "pass", per(total), per(total.saturating_sub(layers)));
+    outln!("{:.0} samples/s on this pass alone", batch_size as f64 * a.steps as f64 / total.as_secs_f64().max(1e-12));
     Ok(())
 }
