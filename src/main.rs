@@ -29,9 +29,7 @@ use lockstep::models::{self, ConvnetOptions, Norm};
 use lockstep::nn::{ParamStore, Sequential};
 use lockstep::observe::{CsvMetrics, Fanout, JsonLines, Progress, StepLines, Stream};
 use lockstep::optim::{LrSchedule, OptimizerConfig};
-use lockstep::train::{
-    train_data_parallel_with, with_trainer, Batch, LastBatch, NonFinite, Shuffle, TrainConfig,
-};
+use lockstep::train::{train_data_parallel_with, with_trainer, Batch, LastBatch, NonFinite, Shuffle, TrainConfig};
 use lockstep::weights;
 
 /// mimalloc keeps freed pages for reuse: each step allocates activations of megabytes,
@@ -337,7 +335,16 @@ type CliResult<T = ()> = Result<T, Failure>;
 
 /// One line: the error chain joined by ": ", a multi-line cause joined by "; ".
 fn one_line(e: &anyhow::Error) -> String {
-    let text = format!("{e:#}");
+    // A cause that its parent's message already ends with (an io::Error that both
+    // displays and sources) is said once.
+    let mut parts: Vec<String> = Vec::new();
+    for cause in e.chain() {
+        let t = cause.to_string();
+        if !parts.last().is_some_and(|p| p.ends_with(&t)) {
+            parts.push(t);
+        }
+    }
+    let text = parts.join(": ");
     let lines: Vec<&str> = text.lines().map(str::trim).filter(|l| !l.is_empty()).collect();
     lines.join("; ").replace(":; ", ": ")
 }

@@ -38,8 +38,9 @@ fn number(x: f64) -> Value {
     }
 }
 
+/// Milliseconds from whole nanoseconds (one rounding, so 50 ns prints as 5e-5).
 fn millis(d: Duration) -> f64 {
-    d.as_secs_f64() * 1e3
+    d.as_nanos() as f64 / 1e6
 }
 
 /// Samples per second of one step, from its wall time.
@@ -173,11 +174,10 @@ impl Progress {
             };
             let bar = ProgressBar::with_draw_target(Some(total), target);
             bar.set_style(
-                ProgressStyle::with_template(
-                    "{bar:30.cyan/blue} step {pos}/{len} | {msg} | {elapsed_precise} elapsed, ETA {eta_precise}",
-                )
-                .expect("the template is valid")
-                .progress_chars("=> "),
+                // One line of at most 80 columns: the bar takes what the rest leaves.
+                ProgressStyle::with_template("{pos:>5}/{len} [{wide_bar:.cyan/blue}] {msg} | ETA {eta}")
+                    .expect("the template is valid")
+                    .progress_chars("=> "),
             );
             bar
         })
@@ -501,7 +501,7 @@ mod tests {
         let m = Metrics { loss_sum: 16.0, correct: 24, count: 32 };
         StepReport {
             step: 4,
-            metrics: m.clone(),
+            metrics: m,
             shards: vec![ShardReport { device: Device::Cpu(0), replica: 0, metrics: m }],
             compute: Duration::from_millis(6),
             reduce: Duration::from_millis(2),
@@ -526,7 +526,7 @@ mod tests {
             epoch: 1,
             epochs: 3,
             train: Metrics { loss_sum: 40.0, correct: 90, count: 100 },
-            test: test.then(|| Metrics { loss_sum: 3.0, correct: 9, count: 10 }),
+            test: test.then_some(Metrics { loss_sum: 3.0, correct: 9, count: 10 }),
             steps: 3,
             seconds: 0.5,
             samples_per_sec: 200.0,

@@ -71,7 +71,10 @@ pub fn read_metrics_csv(path: &Path) -> Result<MetricsTable> {
     let mut col = [0usize; COLUMNS.len()];
     for (i, c) in COLUMNS.iter().enumerate() {
         col[i] = names.iter().position(|n| n == c).ok_or_else(|| {
-            Error::format(path, format!("line 1: header has no '{c}' column (expected '{}')", crate::observe::CSV_HEADER))
+            Error::format(
+                path,
+                format!("line 1: header has no '{c}' column (expected '{}')", crate::observe::CSV_HEADER),
+            )
         })?;
     }
     let mut table = MetricsTable::default();
@@ -249,7 +252,16 @@ fn draw(table: &MetricsTable, title: &str, path: &Path, x: XAxis) -> DrawResult 
 
     let loss_hi = loss.iter().flat_map(|c| c.points.iter().map(|p| p.1)).fold(0.0f64, f64::max);
     let loss_hi = if loss_hi > 0.0 { loss_hi * 1.05 } else { 1.0 };
-    panel(&panels[0], "Loss", x_desc, "mean cross-entropy", (x_lo, x_hi), (0.0, loss_hi), &loss, SeriesLabelPosition::UpperRight)?;
+    panel(
+        &panels[0],
+        "Loss",
+        x_desc,
+        "mean cross-entropy",
+        (x_lo, x_hi),
+        (0.0, loss_hi),
+        &loss,
+        SeriesLabelPosition::UpperRight,
+    )?;
 
     let acc_lo = acc.iter().flat_map(|c| c.points.iter().map(|p| p.1)).fold(1.0f64, f64::min);
     // Room below the lowest point, on a 0.05 grid, so that 0.95 vs 0.99 stays visible.
