@@ -252,7 +252,7 @@ impl<W: Write> JsonLines<W> {
 
     /// `{"kind":"step","step","epoch","loss","accuracy","samples","samples_per_sec",
     /// "compute_ms","allreduce_ms","data_wait_ms"}`; compute and all-reduce are the slowest
-    /// worker's.
+    /// worker's, samples/s is the batch over the step's wall time on the coordinator.
     pub fn step_object(e: &StepEvent<'_>) -> Value {
         let r = e.report;
         json!({
