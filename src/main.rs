@@ -1,6 +1,6 @@
 //! The `lockstep` command line: parse → validate → call the library.
 //!
-//! Owns: the subcommands (`train`, `eval`, `inspect`, `devices`, `bench allreduce`,
+//! Owns: the subcommands (`train`, `eval`, `inspect`, `devices`, `plot`, `bench allreduce`,
 //! `bench step`), their defaults, the checks of every input BEFORE any work starts, the
 //! progress lines, and the mapping of failures to exit codes: 2 for a usage or input
 //! error (a bad flag, a missing or malformed file, a device that is not there), 1 for a
@@ -31,11 +31,9 @@ use lockstep::data::{toy, Dataset, Splits};
 use lockstep::devices::{available_cores, DeviceSpec, Devices};
 use lockstep::models::{self, ConvnetOptions, Norm};
 use lockstep::nn::{ParamStore, Sequential};
+use lockstep::observe::{CsvMetrics, Fanout, JsonLines, Progress, StepLines, Stream};
 use lockstep::optim::{LrSchedule, Optimizer, OptimizerConfig};
-use lockstep::train::{
-    train_data_parallel_with, with_trainer, Batch, EpochReport, LastBatch, NonFinite, Observer, Shuffle, StepEvent,
-    TrainConfig,
-};
+use lockstep::train::{train_data_parallel_with, with_trainer, Batch, LastBatch, NonFinite, Shuffle, TrainConfig};
 use lockstep::weights;
 
 /// mimalloc keeps freed pages for reuse: each step allocates activations of megabytes,
@@ -87,6 +85,8 @@ enum Command {
     /// Measure the collective or the training step.
     #[command(subcommand)]
     Bench(BenchCommand),
+    /// Draw the loss and accuracy curves of a `train --metrics-out` CSV into a PNG.
+    Plot(PlotArgs),
 }
 
 #[derive(Subcommand, Debug)]
@@ -230,6 +230,37 @@ struct TrainArgs {
     /// With --resume: if the newest checkpoint is corrupt, continue from the newest intact one.
     #[arg(long, requires = "resume")]
     resume_fallback: bool,
+    /// text: human lines on stdout (a progress bar on a terminal); json: one JSON object
+    /// per step and per epoch on stdout, the human lines on stderr.
+    #[arg(long, value_enum, default_value = "text")]
+    log_format: LogFormat,
+    /// Write step and epoch metrics to this CSV (flushed every epoch; `lockstep plot` draws it).
+    #[arg(long, value_name = "FILE.csv")]
+    metrics_out: Option<PathBuf>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum PlotX {
+    Step,
+    Epoch,
+}
+
+#[derive(Args, Debug)]
+struct PlotArgs {
+    /// A metrics CSV written by `train --metrics-out`.
+    csv: PathBuf,
+    /// The PNG to write (atomically).
+    #[arg(short, long, value_name = "FILE.png")]
+    out: PathBuf,
+    /// What the horizontal axis counts.
+    #[arg(long = "x", value_enum, default_value = "step")]
+    x: PlotX,
 }
 
 #[derive(Args, Debug)]
@@ -340,7 +371,16 @@ type CliResult<T = ()> = Result<T, Failure>;
 
 /// One line: the error chain joined by ": ", a multi-line cause joined by "; ".
 fn one_line(e: &anyhow::Error) -> String {
-    let text = format!("{e:#}");
+    // A cause that its parent's message already ends with (an io::Error that both
+    // displays and sources) is said once.
+    let mut parts: Vec<String> = Vec::new();
+    for cause in e.chain() {
+        let t = cause.to_string();
+        if !parts.last().is_some_and(|p| p.ends_with(&t)) {
+            parts.push(t);
+        }
+    }
+    let text = parts.join(": ");
     let lines: Vec<&str> = text.lines().map(str::trim).filter(|l| !l.is_empty()).collect();
     lines.join("; ").replace(":; ", ": ")
 }
@@ -377,6 +417,7 @@ fn main() -> ExitCode {
         Command::Bench(BenchCommand::Allreduce(a)) => cmd_bench_allreduce(a),
         Command::Bench(BenchCommand::Step(a)) => cmd_bench_step(a),
         Command::Bench(BenchCommand::Layers(a)) => cmd_bench_layers(a),
+        Command::Plot(a) => cmd_plot(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -464,17 +505,17 @@ fn resolve_devices(spec: &str) -> CliResult<Devices> {
 
 /// Fails unless `path` can be created: its directory exists and accepts a new file, and
 /// the path itself is not a directory. Leaves nothing behind.
-fn check_writable(path: &Path) -> CliResult {
+fn check_writable(flag: &str, path: &Path) -> CliResult {
     let dir = match path.parent() {
         Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
         _ => PathBuf::from("."),
     };
     if path.file_name().is_none() || path.is_dir() {
-        return Err(Failure::usage(anyhow!("--save '{}': is a directory, not a file path", path.display())));
+        return Err(Failure::usage(anyhow!("{flag} '{}': is a directory, not a file path", path.display())));
     }
     if !dir.is_dir() {
         return Err(Failure::usage(anyhow!(
-            "--save '{}': directory '{}' does not exist",
+            "{flag} '{}': directory '{}' does not exist",
             path.display(),
             dir.display()
         )));
@@ -486,7 +527,7 @@ fn check_writable(path: &Path) -> CliResult {
             Ok(())
         }
         Err(e) => Err(Failure::usage(anyhow!(
-            "--save '{}': directory '{}' is not writable: {e}",
+            "{flag} '{}': directory '{}' is not writable: {e}",
             path.display(),
             dir.display()
         ))),
@@ -506,46 +547,6 @@ fn optimizer_text(o: &OptimizerConfig) -> String {
 
 // ---------------------------------------------------------------------------------------
 // train
-
-/// Prints one line per epoch and, when asked, one line per replica and step.
-struct Progress {
-    log_every_step: bool,
-}
-
-impl Observer for Progress {
-    fn on_step(&mut self, e: &StepEvent<'_>) {
-        if !self.log_every_step {
-            return;
-        }
-        let width = e.epochs.to_string().len().max(3);
-        for s in &e.report.shards {
-            let loss = if s.metrics.count == 0 { "-".to_string() } else { format!("{:.2}", s.metrics.mean_loss()) };
-            outln!(
-                "[{}] Epoch: {:0width$}/{:0width$} | Batchsize {:03} | Train/Val Loss: {loss}",
-                s.device,
-                e.epoch + 1,
-                e.epochs,
-                s.metrics.count
-            );
-        }
-    }
-
-    fn on_epoch(&mut self, e: &EpochReport) {
-        let width = e.epochs.to_string().len();
-        let mut line = format!(
-            "epoch {:>width$}/{} | train loss {:.4} acc {:.4}",
-            e.epoch + 1,
-            e.epochs,
-            e.train.mean_loss(),
-            e.train.accuracy()
-        );
-        if let Some(t) = &e.test {
-            let _ = write!(line, " | test loss {:.4} acc {:.4}", t.mean_loss(), t.accuracy());
-        }
-        let _ = write!(line, " | {:.0} samples/s | {:.2}s", e.samples_per_sec, e.seconds);
-        outln!("{line}");
-    }
-}
 
 fn cmd_train(a: TrainArgs) -> CliResult {
     // Every check comes before any work.
@@ -603,7 +604,10 @@ fn cmd_train(a: TrainArgs) -> CliResult {
         }
     }
     if let Some(p) = &a.save {
-        check_writable(p)?;
+        check_writable("--save", p)?;
+    }
+    if let Some(p) = &a.metrics_out {
+        check_writable("--metrics-out", p)?;
     }
     if a.checkpoint_every == Some(0) {
         return Err(Failure::usage(anyhow!("--checkpoint-every must be at least 1")));
@@ -705,7 +709,12 @@ fn cmd_train(a: TrainArgs) -> CliResult {
     let config = TrainConfig { resume, checkpoint: policy, stop: Some(stop), ..config };
 
     let replicas = a.replicas.unwrap_or(devices.len());
-    outln!(
+    // With --log-format json, stdout carries only JSON; the human lines go to stderr.
+    let human = if a.log_format == LogFormat::Json { Stream::Stderr } else { Stream::Stdout };
+    macro_rules! say {
+        ($($arg:tt)*) => { human.line(&format!($($arg)*)) };
+    }
+    say!(
         "lockstep: {} ({} parameters) | devices: {} | replicas: {replicas} | data: {} {} samples{}",
         a.model.as_str(),
         model.num_params(),
@@ -714,7 +723,7 @@ fn cmd_train(a: TrainArgs) -> CliResult {
         splits.train.len(),
         splits.test.as_ref().map_or(String::new(), |t| format!(", {} {} samples", t.name(), t.len()))
     );
-    outln!(
+    say!(
         "lockstep: {} | global batch {batch_size} | epochs {epochs}{} | seed {}{}",
         optimizer_text(&optimizer),
         a.steps.map_or(String::new(), |k| format!(" (at most {k} steps)")),
@@ -722,20 +731,39 @@ fn cmd_train(a: TrainArgs) -> CliResult {
         a.init.as_ref().map_or(String::new(), |p| format!(" | initial weights {}", p.display()))
     );
 
-    let mut progress = Progress { log_every_step: a.log_every_step };
-    let report =
-        train_data_parallel_with(&model, &splits.train, splits.test.as_ref(), &devices, &config, &mut progress)
-            .map_err(Failure::runtime)?;
-    outln!("trained {} steps in {:.2}s ({:.0} samples/s)", report.steps, report.seconds, report.samples_per_sec);
+    let step_lines = if a.log_every_step { StepLines::Lesson } else { StepLines::Off };
+    let mut progress = Progress::new(human, step_lines);
+    let mut json = (a.log_format == LogFormat::Json).then(|| JsonLines::new(std::io::stdout()));
+    let mut csv = a.metrics_out.as_deref().map(CsvMetrics::create).transpose().map_err(Failure::usage)?;
+    let mut observers = Fanout::new();
+    observers.push(&mut progress);
+    if let Some(j) = &mut json {
+        observers.push(j);
+    }
+    if let Some(c) = &mut csv {
+        observers.push(c);
+    }
+    let trained =
+        train_data_parallel_with(&model, &splits.train, splits.test.as_ref(), &devices, &config, &mut observers);
+    drop(observers);
+    progress.finish();
+    // The rows of a failed run are kept too; a closed stdout does not fail the run.
+    let csv_done = csv.map(CsvMetrics::finish).transpose();
+    let report = trained.map_err(Failure::runtime)?;
+    csv_done.map_err(Failure::runtime)?;
+    if let Some(p) = &a.metrics_out {
+        say!("metrics written to {}", p.display());
+    }
+    say!("trained {} steps in {:.2}s ({:.0} samples/s)", report.steps, report.seconds, report.samples_per_sec);
     if let Some(last) = report.epochs.last() {
-        outln!("final train loss {:.4} accuracy {:.4}", last.train.mean_loss(), last.train.accuracy());
+        say!("final train loss {:.4} accuracy {:.4}", last.train.mean_loss(), last.train.accuracy());
         if let Some(t) = &last.test {
-            outln!("final test accuracy: {:.4} ({}/{})", t.accuracy(), t.correct, t.count);
+            say!("final test accuracy: {:.4} ({}/{})", t.accuracy(), t.correct, t.count);
         }
     }
     if let Some(p) = &a.save {
         weights::save(&model, &report.weights, p).map_err(Failure::runtime)?;
-        outln!("weights saved to {}", p.display());
+        say!("weights saved to {}", p.display());
     }
     Ok(())
 }
@@ -1168,5 +1196,18 @@ fn cmd_bench_layers(a: BenchLayersArgs) -> CliResult {
     let layers: Duration = profile.iter().map(|(_, f, b)| *f + *b).sum();
     outln!("{:<65} {:>10.3} ms (loss and the rest: {:.3} ms)", "pass", per(total), per(total.saturating_sub(layers)));
     outln!("{:.0} samples/s on this pass alone", batch_size as f64 * a.steps as f64 / total.as_secs_f64().max(1e-12));
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------
+// plot
+
+fn cmd_plot(a: PlotArgs) -> CliResult {
+    let x = match a.x {
+        PlotX::Step => lockstep::plot::XAxis::Step,
+        PlotX::Epoch => lockstep::plot::XAxis::Epoch,
+    };
+    lockstep::plot::plot_metrics_csv(&a.csv, &a.out, x).map_err(Failure::usage)?;
+    outln!("curves written to {}", a.out.display());
     Ok(())
 }

@@ -1,0 +1,403 @@
+//! Training curves from a metrics CSV (`observe::CsvMetrics`, `lockstep train
+//! --metrics-out`): [`plot_metrics_csv`] reads the file and draws a PNG with two panels,
+//! loss and accuracy, train and validation.
+//!
+//! Owns: reading the CSV back (with errors that name the line), the layout of the figure,
+//! and writing the PNG atomically (drawn into a temporary `.png` in the destination's
+//! directory, then renamed over it, so a reader never sees half an image).
+//!
+//! Text needs a font, and this crate must draw the same on every machine without asking
+//! the system for one: DejaVu Sans is embedded (`assets/fonts`, Bitstream Vera licence)
+//! and handed to plotters' `ab_glyph` renderer. Leaves the CSV's format to `observe`.
+
+use std::error::Error as StdError;
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+use plotters::prelude::*;
+use plotters::style::FontStyle;
+
+use crate::error::{Error, Result};
+
+/// What the horizontal axis counts.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum XAxis {
+    /// Steps: train loss and accuracy of every step, epoch means and validation at the
+    /// step that ends each epoch.
+    Step,
+    /// Epochs: one point per epoch, train and validation.
+    Epoch,
+}
+
+/// One `step` row: steps done, loss and accuracy of that step's global batch.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StepRow {
+    pub step: f64,
+    pub loss: f64,
+    pub accuracy: f64,
+}
+
+/// One `epoch` row: steps done by its end, epoch (1-based), train and validation metrics.
+#[derive(Clone, Debug, PartialEq)]
+pub struct EpochRow {
+    pub step: f64,
+    pub epoch: f64,
+    pub loss: f64,
+    pub accuracy: f64,
+    pub val_loss: Option<f64>,
+    pub val_accuracy: Option<f64>,
+}
+
+/// The rows of a metrics CSV.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct MetricsTable {
+    pub steps: Vec<StepRow>,
+    pub epochs: Vec<EpochRow>,
+}
+
+/// The columns `plot` needs (others are ignored, in any order).
+const COLUMNS: [&str; 7] = ["kind", "step", "epoch", "loss", "accuracy", "val_loss", "val_accuracy"];
+
+/// Reads a metrics CSV. Errors name the file and, for a malformed line, its number
+/// (1-based, the header being line 1).
+pub fn read_metrics_csv(path: &Path) -> Result<MetricsTable> {
+    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+    let mut lines = text.lines().enumerate();
+    let header = match lines.next() {
+        Some((_, h)) => h,
+        None => return Err(Error::format(path, "empty file: expected the header of a lockstep metrics CSV")),
+    };
+    let names: Vec<&str> = header.split(',').map(str::trim).collect();
+    let mut col = [0usize; COLUMNS.len()];
+    for (i, c) in COLUMNS.iter().enumerate() {
+        col[i] = names.iter().position(|n| n == c).ok_or_else(|| {
+            Error::format(
+                path,
+                format!("line 1: header has no '{c}' column (expected '{}')", crate::observe::CSV_HEADER),
+            )
+        })?;
+    }
+    let mut table = MetricsTable::default();
+    for (i, line) in lines {
+        let n = i + 1;
+        if line.trim().is_empty() {
+            continue;
+        }
+        let cells: Vec<&str> = line.split(',').map(str::trim).collect();
+        if cells.len() != names.len() {
+            return Err(Error::format(
+                path,
+                format!("line {n}: {} cells, the header has {}", cells.len(), names.len()),
+            ));
+        }
+        let cell = |k: usize| -> Result<Option<f64>> {
+            let c = cells[col[k]];
+            if c.is_empty() {
+                return Ok(None);
+            }
+            c.parse::<f64>()
+                .map(Some)
+                .map_err(|_| Error::format(path, format!("line {n}: {} '{c}' is not a number", COLUMNS[k])))
+        };
+        let need = |k: usize| -> Result<f64> {
+            cell(k)?.ok_or_else(|| Error::format(path, format!("line {n}: {} is empty", COLUMNS[k])))
+        };
+        match cells[col[0]] {
+            "step" => table.steps.push(StepRow { step: need(1)?, loss: need(3)?, accuracy: need(4)? }),
+            "epoch" => table.epochs.push(EpochRow {
+                step: need(1)?,
+                epoch: need(2)?,
+                loss: need(3)?,
+                accuracy: need(4)?,
+                val_loss: cell(5)?,
+                val_accuracy: cell(6)?,
+            }),
+            other => {
+                return Err(Error::format(path, format!("line {n}: kind '{other}' is neither 'step' nor 'epoch'")))
+            }
+        }
+    }
+    if table.steps.is_empty() && table.epochs.is_empty() {
+        return Err(Error::format(path, "no data rows after the header"));
+    }
+    Ok(table)
+}
+
+/// Reads `csv` and writes training curves to `out` as a PNG (whatever its extension),
+/// atomically. Errors: a missing or malformed CSV (naming the line), no data rows, no
+/// epoch rows with [`XAxis::Epoch`], an output that cannot be written.
+pub fn plot_metrics_csv(csv: &Path, out: &Path, x: XAxis) -> Result<()> {
+    let table = read_metrics_csv(csv)?;
+    if x == XAxis::Epoch && table.epochs.is_empty() {
+        return Err(Error::format(csv, "no epoch rows to plot per epoch (the run ended inside its first epoch?)"));
+    }
+    let title = format!("Training curves: {}", csv.file_name().map_or(String::new(), |n| n.to_string_lossy().into()));
+    plot_table(&table, &title, out, x)
+}
+
+/// Draws `table` to `out` (PNG, atomically).
+pub fn plot_table(table: &MetricsTable, title: &str, out: &Path, x: XAxis) -> Result<()> {
+    register_font()?;
+    let dir = match out.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    let name = out.file_name().ok_or_else(|| Error::format(out, "not a file path"))?;
+    if out.is_dir() {
+        return Err(Error::format(out, "is a directory, not a file path"));
+    }
+    // The `.png` ending picks the encoder.
+    let tmp = dir.join(format!(".{}.tmp-{}.png", name.to_string_lossy(), std::process::id()));
+    std::fs::File::create(&tmp).map_err(|e| Error::io(out, e))?;
+    let result = draw(table, title, &tmp, x)
+        .map_err(|e| Error::io(out, std::io::Error::other(e.to_string())))
+        .and_then(|()| std::fs::rename(&tmp, out).map_err(|e| Error::io(out, e)));
+    if result.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    result
+}
+
+/// The embedded font, registered once as "sans-serif".
+fn register_font() -> Result<()> {
+    static FONT: OnceLock<bool> = OnceLock::new();
+    let ok = *FONT.get_or_init(|| {
+        let bytes: &'static [u8] = include_bytes!("../assets/fonts/DejaVuSans.ttf");
+        plotters::style::register_font("sans-serif", FontStyle::Normal, bytes).is_ok()
+    });
+    if ok {
+        Ok(())
+    } else {
+        Err(Error::format("assets/fonts/DejaVuSans.ttf", "the embedded font cannot be read"))
+    }
+}
+
+const WIDTH: u32 = 1400;
+const HEIGHT: u32 = 560;
+/// matplotlib's first two colours, so the figure reads like the usual ones.
+const TRAIN: RGBColor = RGBColor(31, 119, 180);
+const VAL: RGBColor = RGBColor(255, 127, 14);
+
+/// One curve of a panel.
+struct Curve {
+    label: &'static str,
+    points: Vec<(f64, f64)>,
+    style: ShapeStyle,
+    markers: bool,
+}
+
+fn finite(points: impl IntoIterator<Item = (f64, f64)>) -> Vec<(f64, f64)> {
+    points.into_iter().filter(|(x, y)| x.is_finite() && y.is_finite()).collect()
+}
+
+type DrawResult = std::result::Result<(), Box<dyn StdError>>;
+
+fn draw(table: &MetricsTable, title: &str, path: &Path, x: XAxis) -> DrawResult {
+    let epoch_x = |e: &EpochRow| if x == XAxis::Step { e.step } else { e.epoch };
+    let mut loss = Vec::new();
+    let mut acc = Vec::new();
+    if x == XAxis::Step && !table.steps.is_empty() {
+        let thin = TRAIN.mix(0.35).stroke_width(1);
+        loss.push(Curve {
+            label: "train (each step)",
+            points: finite(table.steps.iter().map(|s| (s.step, s.loss))),
+            style: thin,
+            markers: false,
+        });
+        acc.push(Curve {
+            label: "train (each step)",
+            points: finite(table.steps.iter().map(|s| (s.step, s.accuracy))),
+            style: thin,
+            markers: false,
+        });
+    }
+    let train_label = if x == XAxis::Step { "train (epoch mean)" } else { "train" };
+    let bold = |c: RGBColor| c.stroke_width(2);
+    loss.push(Curve {
+        label: train_label,
+        points: finite(table.epochs.iter().map(|e| (epoch_x(e), e.loss))),
+        style: bold(TRAIN),
+        markers: true,
+    });
+    acc.push(Curve {
+        label: train_label,
+        points: finite(table.epochs.iter().map(|e| (epoch_x(e), e.accuracy))),
+        style: bold(TRAIN),
+        markers: true,
+    });
+    loss.push(Curve {
+        label: "validation",
+        points: finite(table.epochs.iter().filter_map(|e| Some((epoch_x(e), e.val_loss?)))),
+        style: bold(VAL),
+        markers: true,
+    });
+    acc.push(Curve {
+        label: "validation",
+        points: finite(table.epochs.iter().filter_map(|e| Some((epoch_x(e), e.val_accuracy?)))),
+        style: bold(VAL),
+        markers: true,
+    });
+
+    let all = || loss.iter().chain(&acc).flat_map(|c| c.points.iter().map(|p| p.0));
+    let (x_lo, x_hi) = match x {
+        XAxis::Step => (0.0, all().fold(1.0f64, f64::max)),
+        XAxis::Epoch => (all().fold(f64::INFINITY, f64::min).min(1.0) - 0.5, all().fold(1.0f64, f64::max) + 0.5),
+    };
+    let x_desc = if x == XAxis::Step { "step" } else { "epoch" };
+
+    let root = BitMapBackend::new(path, (WIDTH, HEIGHT)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let root = root.titled(title, ("sans-serif", 28))?;
+    let panels = root.split_evenly((1, 2));
+
+    let loss_hi = loss.iter().flat_map(|c| c.points.iter().map(|p| p.1)).fold(0.0f64, f64::max);
+    let loss_hi = if loss_hi > 0.0 { loss_hi * 1.05 } else { 1.0 };
+    panel(
+        &panels[0],
+        "Loss",
+        x_desc,
+        "mean cross-entropy",
+        (x_lo, x_hi),
+        (0.0, loss_hi),
+        &loss,
+        SeriesLabelPosition::UpperRight,
+    )?;
+
+    let acc_lo = acc.iter().flat_map(|c| c.points.iter().map(|p| p.1)).fold(1.0f64, f64::min);
+    // Room below the lowest point, on a 0.05 grid, so that 0.95 vs 0.99 stays visible.
+    let acc_lo = ((acc_lo - 0.02).max(0.0) / 0.05).floor() * 0.05;
+    panel(
+        &panels[1],
+        "Accuracy",
+        x_desc,
+        "fraction correct",
+        (x_lo, x_hi),
+        (acc_lo, 1.005),
+        &acc,
+        SeriesLabelPosition::LowerRight,
+    )?;
+    root.present()?;
+    Ok(())
+}
+
+#[allow(clippy::too_many_arguments)]
+fn panel(
+    area: &DrawingArea<BitMapBackend<'_>, plotters::coord::Shift>,
+    caption: &str,
+    x_desc: &str,
+    y_desc: &str,
+    (x_lo, x_hi): (f64, f64),
+    (y_lo, y_hi): (f64, f64),
+    curves: &[Curve],
+    legend_at: SeriesLabelPosition,
+) -> DrawResult {
+    let mut chart = ChartBuilder::on(area)
+        .caption(caption, ("sans-serif", 22))
+        .margin(18)
+        .x_label_area_size(48)
+        .y_label_area_size(64)
+        .build_cartesian_2d(x_lo..x_hi, y_lo..y_hi)?;
+    chart
+        .configure_mesh()
+        .x_desc(x_desc)
+        .y_desc(y_desc)
+        .label_style(("sans-serif", 15))
+        .axis_desc_style(("sans-serif", 17))
+        .light_line_style(RGBColor(235, 235, 235))
+        .y_label_formatter(&|v| format!("{v:.2}"))
+        .x_label_formatter(&|v| if (v - v.round()).abs() < 1e-9 { format!("{v:.0}") } else { format!("{v:.1}") })
+        .draw()?;
+    for c in curves.iter().filter(|c| !c.points.is_empty()) {
+        let style = c.style;
+        chart
+            .draw_series(LineSeries::new(c.points.iter().copied(), style))?
+            .label(c.label)
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 24, y)], style));
+        if c.markers {
+            chart.draw_series(c.points.iter().map(|&p| Circle::new(p, 3, style.color.filled())))?;
+        }
+    }
+    chart
+        .configure_series_labels()
+        .position(legend_at)
+        .label_font(("sans-serif", 15))
+        .background_style(WHITE.mix(0.85))
+        .border_style(RGBColor(160, 160, 160))
+        .draw()?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn scratch(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("lockstep-plot-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    const CSV: &str = "kind,step,epoch,loss,accuracy,val_loss,val_accuracy,samples_per_sec\n\
+        step,1,1,2.3,0.1,,,1000\n\
+        step,2,1,1.5,0.5,,,1000\n\
+        epoch,2,1,1.9,0.3,1.2,0.6,1000\n\
+        step,3,2,0.9,0.7,,,1000\n\
+        step,4,2,0.5,0.9,,,1000\n\
+        epoch,4,2,0.7,0.8,0.4,0.88,1000\n";
+
+    #[test]
+    fn reads_step_and_epoch_rows() {
+        let dir = scratch("read");
+        let p = dir.join("m.csv");
+        std::fs::write(&p, CSV).unwrap();
+        let t = read_metrics_csv(&p).unwrap();
+        assert_eq!(t.steps.len(), 4);
+        assert_eq!(t.steps[3], StepRow { step: 4.0, loss: 0.5, accuracy: 0.9 });
+        assert_eq!(
+            t.epochs[1],
+            EpochRow { step: 4.0, epoch: 2.0, loss: 0.7, accuracy: 0.8, val_loss: Some(0.4), val_accuracy: Some(0.88) }
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn malformed_lines_are_named() {
+        let dir = scratch("bad");
+        let p = dir.join("m.csv");
+        let cases = [
+            (format!("{CSV}step,5,2,zero,0.9,,,1\n"), "line 8: loss 'zero' is not a number"),
+            (CSV.replace("step,3,2,0.9,0.7,,,1000", "step,3,2"), "line 5: 3 cells, the header has 8"),
+            (CSV.replace("epoch,2,1", "epoc,2,1"), "line 4: kind 'epoc'"),
+            ("kind,step\n".to_string(), "line 1: header has no 'epoch' column"),
+            (crate::observe::CSV_HEADER.to_string() + "\n", "no data rows"),
+            (String::new(), "empty file"),
+        ];
+        for (text, needle) in cases {
+            std::fs::write(&p, text).unwrap();
+            let e = read_metrics_csv(&p).unwrap_err().to_string();
+            assert!(e.contains(needle) && e.contains("m.csv"), "{e} (expected '{needle}')");
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn writes_a_png_and_leaves_no_temporary_file() {
+        let dir = scratch("png");
+        let p = dir.join("m.csv");
+        std::fs::write(&p, CSV).unwrap();
+        for (x, name) in [(XAxis::Step, "s.png"), (XAxis::Epoch, "e.png")] {
+            let out = dir.join(name);
+            plot_metrics_csv(&p, &out, x).unwrap();
+            let png = std::fs::read(&out).unwrap();
+            // The PNG signature (RFC 2083, 3.1).
+            assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n");
+        }
+        let mut names: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name()).collect();
+        names.sort();
+        assert_eq!(names, ["e.png", "m.csv", "s.png"]);
+        let e = plot_metrics_csv(&p, &dir.join("missing/c.png"), XAxis::Step).unwrap_err().to_string();
+        assert!(e.contains("missing/c.png"), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
