@@ -12,6 +12,7 @@ pub mod models;
 pub mod nn;
 pub mod optim;
 pub mod rng;
+pub mod spec;
 pub mod tensor;
 pub mod train;
 pub mod weights;
