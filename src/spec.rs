@@ -262,7 +262,7 @@ impl ModelSpec {
                 }
                 shape = layer.output_shape(&shape).map_err(|e| bad(i, l, e.to_string()))?;
                 let per: Option<usize> = shape.dims()[1..].iter().try_fold(1usize, |a, &d| a.checked_mul(d));
-                if per.is_none_or(|p| p > MAX_ELEMENTS) {
+                if !matches!(per, Some(p) if p <= MAX_ELEMENTS) {
                     return Err(bad(i, l, format!("its output has more than {MAX_ELEMENTS} values per sample")));
                 }
             }
