@@ -58,6 +58,7 @@ pub mod observe;
 pub mod optim;
 pub mod plot;
 pub mod rng;
+pub mod spec;
 pub mod tensor;
 pub mod train;
 pub mod weights;

@@ -1,7 +1,8 @@
 //! The `lockstep` command line: parse → validate → call the library.
 //!
-//! Owns: the subcommands (`train`, `eval`, `inspect`, `devices`, `plot`, `bench allreduce`,
-//! `bench step`), their defaults, the checks of every input BEFORE any work starts, the
+//! Owns: the subcommands (`train`, `eval`, `predict`, `inspect`, `devices`, `plot`,
+//! `bench allreduce`, `bench step`, `bench layers`), their defaults, the checks of every
+//! input BEFORE any work starts, the
 //! progress lines, and the mapping of failures to exit codes: 2 for a usage or input
 //! error (a bad flag, a missing or malformed file, a device that is not there), 1 for a
 //! failure while running (a worker error, a non-finite loss, a replica mismatch). Every
@@ -26,13 +27,15 @@ use lockstep::checkpoint::{CheckpointPolicy, Fallback};
 use lockstep::comm::shm::ShmExchange;
 use lockstep::comm::Collective;
 use lockstep::data::digits::{load_digits, DigitsLayout};
+use lockstep::data::idx::{load_idx_images, load_mnist_dir};
 use lockstep::data::safetensors_file::load_safetensors_dataset;
-use lockstep::data::{toy, Dataset, Splits};
+use lockstep::data::{toy, Dataset, Features, Splits};
 use lockstep::devices::{available_cores, DeviceSpec, Devices};
 use lockstep::models::{self, ConvnetOptions, Norm};
 use lockstep::nn::{ParamStore, Sequential};
 use lockstep::observe::{CsvMetrics, Fanout, JsonLines, Progress, StepLines, Stream};
 use lockstep::optim::{LrSchedule, Optimizer, OptimizerConfig};
+use lockstep::spec::ModelSpec;
 use lockstep::train::{train_data_parallel_with, with_trainer, Batch, LastBatch, NonFinite, Shuffle, TrainConfig};
 use lockstep::weights;
 
@@ -75,6 +78,8 @@ enum Command {
     Train(Box<TrainArgs>),
     /// Loss, accuracy and confusion matrix of saved weights on a dataset.
     Eval(EvalArgs),
+    /// The top class and its probability for every input, one line each: `index  class  probability`.
+    Predict(PredictArgs),
     /// List the tensors of a safetensors file: name, dtype, shape.
     Inspect {
         /// The safetensors file (weights or a dataset).
@@ -117,11 +122,71 @@ impl ModelName {
             ModelName::ConvnetNobn => "convnet-nobn",
         }
     }
+}
 
-    fn default_data(self) -> &'static str {
+/// `--model`: a built-in name, or a model spec file (anything ending in `.json`, or an
+/// existing file; see `lockstep::spec`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum ModelChoice {
+    Builtin(ModelName),
+    Spec(PathBuf),
+}
+
+fn parse_model_choice(text: &str) -> Result<ModelChoice, String> {
+    if let Ok(name) = ModelName::from_str(text, false) {
+        return Ok(ModelChoice::Builtin(name));
+    }
+    let path = Path::new(text);
+    if text.ends_with(".json") || path.is_file() {
+        return Ok(ModelChoice::Spec(path.to_path_buf()));
+    }
+    Err("expected toy, convnet, convnet-nobn or a model spec FILE.json".into())
+}
+
+/// `--model` once its spec file, if any, has been read and checked.
+enum ModelSource {
+    Builtin(ModelName),
+    Spec(PathBuf, ModelSpec),
+}
+
+impl ModelChoice {
+    fn resolve(&self) -> CliResult<ModelSource> {
         match self {
-            ModelName::Toy => "toy",
-            ModelName::Convnet | ModelName::ConvnetNobn => "digits",
+            ModelChoice::Builtin(name) => Ok(ModelSource::Builtin(*name)),
+            ModelChoice::Spec(path) => {
+                if !path.is_file() {
+                    return Err(Failure::usage(anyhow!("--model '{}': no such file", path.display())));
+                }
+                let spec = ModelSpec::from_file(path).map_err(Failure::usage)?;
+                Ok(ModelSource::Spec(path.clone(), spec))
+            }
+        }
+    }
+}
+
+impl ModelSource {
+    /// Whether the model takes flat samples (F,): the toy MLP, or a spec whose input
+    /// shape has one dimension. Flat models get the toy's defaults (data, optimizer,
+    /// batch size, epochs), image models the convnet's.
+    fn flat(&self) -> bool {
+        match self {
+            ModelSource::Builtin(name) => *name == ModelName::Toy,
+            ModelSource::Spec(_, spec) => spec.input_shape.len() == 1,
+        }
+    }
+
+    fn name(&self) -> String {
+        match self {
+            ModelSource::Builtin(name) => name.as_str().to_string(),
+            ModelSource::Spec(path, _) => path.display().to_string(),
+        }
+    }
+
+    fn default_data(&self) -> &'static str {
+        if self.flat() {
+            "toy"
+        } else {
+            "digits"
         }
     }
 }
@@ -142,15 +207,24 @@ enum OptimizerName {
 
 #[derive(Args, Debug)]
 struct TrainArgs {
-    /// The model.
-    #[arg(long, value_enum, default_value = "convnet")]
-    model: ModelName,
-    /// toy, toy-enlarged, digits, or a FILE.safetensors (tensors x and y) [default: toy for the toy model, digits otherwise]
+    /// toy, convnet, convnet-nobn, or a model spec FILE.json (see examples/*.json).
+    #[arg(long, default_value = "convnet", value_name = "NAME|FILE.json", value_parser = parse_model_choice)]
+    model: ModelChoice,
+    /// toy, toy-enlarged, digits, mnist:DIR (IDX files, plain or .gz), or a FILE.safetensors (tensors x and y) [default: toy for flat models, digits otherwise]
     #[arg(long)]
     data: Option<String>,
     /// A separate test split for --data FILE (evaluated after every epoch).
     #[arg(long, value_name = "FILE")]
     test_data: Option<PathBuf>,
+    /// Hold out this fraction (0 < F < 1) of the training samples as the validation set,
+    /// evaluated after every epoch in place of the test split: the LAST F of the samples
+    /// after a fixed shuffle drawn from --seed (independent of the epoch shuffles).
+    #[arg(long, value_name = "F", conflicts_with_all = ["val_data", "test_data"])]
+    validation_split: Option<f64>,
+    /// A validation split evaluated after every epoch in place of the test split: a
+    /// FILE.safetensors or mnist:DIR (its t10k files).
+    #[arg(long, value_name = "FILE|mnist:DIR", conflicts_with = "test_data")]
+    val_data: Option<String>,
     /// Passes over the training data [default: toy 3, convnet 15].
     #[arg(long)]
     epochs: Option<usize>,
@@ -175,7 +249,7 @@ struct TrainArgs {
     /// Adam's epsilon.
     #[arg(allow_negative_numbers = true, long, default_value_t = 1e-8)]
     adam_eps: f32,
-    /// Dropout rate of the convnet, in [0, 1) (0 removes the layer).
+    /// Dropout rate of the built-in convnet, in [0, 1) (0 removes the layer); a spec file sets its own.
     #[arg(allow_negative_numbers = true, long, default_value_t = 0.5)]
     dropout: f32,
     /// Momentum of the convnet's BatchNorm running statistics, in [0, 1). Keras uses 0.99;
@@ -268,9 +342,10 @@ struct EvalArgs {
     /// The weights to evaluate.
     #[arg(long, value_name = "FILE")]
     weights: PathBuf,
-    #[arg(long, value_enum, default_value = "convnet")]
-    model: ModelName,
-    /// toy, toy-enlarged, digits (their test split), or a FILE.safetensors [default: the model's data]
+    /// toy, convnet, convnet-nobn, or a model spec FILE.json.
+    #[arg(long, default_value = "convnet", value_name = "NAME|FILE.json", value_parser = parse_model_choice)]
+    model: ModelChoice,
+    /// toy, toy-enlarged, digits, mnist:DIR (their test split), or a FILE.safetensors [default: the model's data]
     #[arg(long)]
     data: Option<String>,
     #[arg(long, default_value = "auto", value_name = "SPEC")]
@@ -278,6 +353,25 @@ struct EvalArgs {
     /// Seed of toy-enlarged's noise.
     #[arg(long, default_value_t = 0)]
     seed: u64,
+}
+
+#[derive(Args, Debug)]
+struct PredictArgs {
+    /// The trained weights.
+    #[arg(long, value_name = "FILE")]
+    weights: PathBuf,
+    /// toy, convnet, convnet-nobn, or a model spec FILE.json.
+    #[arg(long, default_value = "convnet", value_name = "NAME|FILE.json", value_parser = parse_model_choice)]
+    model: ModelChoice,
+    /// The inputs: a FILE.safetensors (its x), an IDX images file (idx3, plain or .gz; no
+    /// labels needed), mnist:DIR (its t10k images), or toy, toy-enlarged, digits (their test split).
+    #[arg(long, value_name = "FILE|mnist:DIR")]
+    data: String,
+    /// Only the first N inputs.
+    #[arg(long, value_name = "N")]
+    limit: Option<usize>,
+    #[arg(long, default_value = "auto", value_name = "SPEC")]
+    devices: String,
 }
 
 #[derive(Args, Debug)]
@@ -412,6 +506,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Train(a) => cmd_train(*a),
         Command::Eval(a) => cmd_eval(a),
+        Command::Predict(a) => cmd_predict(a),
         Command::Inspect { file } => cmd_inspect(&file),
         Command::Devices => cmd_devices(),
         Command::Bench(BenchCommand::Allreduce(a)) => cmd_bench_allreduce(a),
@@ -433,12 +528,17 @@ fn main() -> ExitCode {
 
 /// Builds `name` for samples of `sample_shape` and `classes` classes.
 fn build_model(
-    name: ModelName,
+    source: &ModelSource,
     sample: &[usize],
     classes: usize,
     dropout: f32,
     bn_momentum: f32,
 ) -> CliResult<Sequential> {
+    let name = match source {
+        ModelSource::Builtin(name) => *name,
+        // A spec fixes its own shapes; check_data compares them with the data's.
+        ModelSource::Spec(_, spec) => return spec.build().map_err(Failure::usage),
+    };
     match name {
         ModelName::Toy => match sample {
             [features] => Ok(models::toy_mlp(*features, classes)?),
@@ -463,15 +563,18 @@ fn build_model(
 }
 
 /// Loads `--data`: a built-in name, or a safetensors file (plus an optional test file).
-fn load_data(spec: &str, model: ModelName, seed: u64, test_file: Option<&Path>) -> CliResult<Splits> {
+/// Built-in data takes the layout of a flat model (`flat`) or of an image model.
+fn load_data(spec: &str, flat: bool, seed: u64, test_file: Option<&Path>) -> CliResult<Splits> {
     let builtin = match spec {
         "toy" => Some(toy::toy()),
         "toy-enlarged" => Some(toy::toy_enlarged(TOY_ENLARGE_FACTOR, seed).map_err(Failure::usage)?),
-        "digits" => Some(
-            load_digits(if model == ModelName::Toy { DigitsLayout::Flat8 } else { DigitsLayout::Image28 })
-                .map_err(Failure::usage)?,
-        ),
-        _ => None,
+        "digits" => {
+            Some(load_digits(if flat { DigitsLayout::Flat8 } else { DigitsLayout::Image28 }).map_err(Failure::usage)?)
+        }
+        _ => match spec.strip_prefix("mnist:") {
+            Some(dir) => Some(load_mnist_dir(Path::new(dir)).map_err(Failure::usage)?),
+            None => None,
+        },
     };
     if let Some(splits) = builtin {
         if test_file.is_some() {
@@ -482,7 +585,7 @@ fn load_data(spec: &str, model: ModelName, seed: u64, test_file: Option<&Path>) 
     let path = Path::new(spec);
     if !path.is_file() {
         return Err(Failure::usage(anyhow!(
-            "--data '{spec}': no such file (expected toy, toy-enlarged, digits or a FILE.safetensors)"
+            "--data '{spec}': no such file (expected toy, toy-enlarged, digits, mnist:DIR or a FILE.safetensors)"
         )));
     }
     let train = load_safetensors_dataset(path).map_err(Failure::usage)?;
@@ -550,7 +653,8 @@ fn optimizer_text(o: &OptimizerConfig) -> String {
 
 fn cmd_train(a: TrainArgs) -> CliResult {
     // Every check comes before any work.
-    let toy = a.model == ModelName::Toy;
+    let source = a.model.resolve()?;
+    let toy = source.flat();
     let epochs = a.epochs.unwrap_or(if toy { 3 } else { 15 });
     let batch_size = a.batch_size.unwrap_or(if toy { 2 } else { 32 });
     let optimizer = a.optimizer.unwrap_or(if toy { OptimizerName::Sgd } else { OptimizerName::Adam });
@@ -628,10 +732,11 @@ fn cmd_train(a: TrainArgs) -> CliResult {
     if let Some(d) = &checkpoint_dir {
         lockstep::checkpoint::prepare_dir(d).map_err(Failure::usage).map_err(|f| f.with_context("--checkpoint-dir"))?;
     }
-    let data_spec = a.data.clone().unwrap_or_else(|| a.model.default_data().to_string());
-    let splits = load_data(&data_spec, a.model, a.seed, a.test_data.as_deref())?;
+    let data_spec = a.data.clone().unwrap_or_else(|| source.default_data().to_string());
+    let splits = load_data(&data_spec, toy, a.seed, a.test_data.as_deref())?;
+    let (splits, eval_name) = with_validation(splits, a.validation_split, a.val_data.as_deref(), a.seed)?;
     let classes = splits.train.num_classes().max(splits.test.as_ref().map_or(0, Dataset::num_classes));
-    let model = build_model(a.model, splits.train.sample_shape().dims(), classes, a.dropout, a.bn_momentum)?;
+    let model = build_model(&source, splits.train.sample_shape().dims(), classes, a.dropout, a.bn_momentum)?;
     lockstep::train::check_data(&model, &splits.train).map_err(Failure::usage)?;
     if let Some(t) = &splits.test {
         lockstep::train::check_data(&model, t).map_err(Failure::usage)?;
@@ -667,7 +772,8 @@ fn cmd_train(a: TrainArgs) -> CliResult {
         ..TrainConfig::default()
     };
     config.validate().map_err(Failure::usage)?;
-    let run_config = run_fingerprint(&a, &data_spec, &config, a.replicas.unwrap_or(devices.len()));
+    let run_config =
+        run_fingerprint(&a, &source.name(), &model, &data_spec, &config, a.replicas.unwrap_or(devices.len()));
     let steps_per_epoch = lockstep::train::scatter::steps_per_epoch(splits.train.len(), batch_size, last_batch) as u64;
     let policy = checkpoint_dir.map(|dir| CheckpointPolicy {
         dir,
@@ -716,7 +822,7 @@ fn cmd_train(a: TrainArgs) -> CliResult {
     }
     say!(
         "lockstep: {} ({} parameters) | devices: {} | replicas: {replicas} | data: {} {} samples{}",
-        a.model.as_str(),
+        source.name(),
         model.num_params(),
         devices,
         splits.train.name(),
@@ -758,7 +864,7 @@ fn cmd_train(a: TrainArgs) -> CliResult {
     if let Some(last) = report.epochs.last() {
         say!("final train loss {:.4} accuracy {:.4}", last.train.mean_loss(), last.train.accuracy());
         if let Some(t) = &last.test {
-            say!("final test accuracy: {:.4} ({}/{})", t.accuracy(), t.correct, t.count);
+            say!("final {eval_name} accuracy: {:.4} ({}/{})", t.accuracy(), t.correct, t.count);
         }
     }
     if let Some(p) = &a.save {
@@ -770,9 +876,18 @@ fn cmd_train(a: TrainArgs) -> CliResult {
 
 /// The arguments that decide a run's arithmetic: a checkpoint is only resumed by a run
 /// that agrees on every one (the device count is free: the logical replicas are here).
-fn run_fingerprint(a: &TrainArgs, data_spec: &str, c: &TrainConfig, replicas: usize) -> BTreeMap<String, String> {
+fn run_fingerprint(
+    a: &TrainArgs,
+    model_name: &str,
+    model: &Sequential,
+    data_spec: &str,
+    c: &TrainConfig,
+    replicas: usize,
+) -> BTreeMap<String, String> {
+    let tensors: Vec<String> = model.param_infos().iter().map(|t| format!("{}{}", t.name, t.shape)).collect();
     let entries = [
-        ("model", a.model.as_str().to_string()),
+        ("model", model_name.to_string()),
+        ("tensors", tensors.join(" ")),
         ("data", data_spec.to_string()),
         ("epochs", c.epochs.to_string()),
         ("steps", format!("{:?}", c.max_steps)),
@@ -803,11 +918,12 @@ fn cmd_eval(a: EvalArgs) -> CliResult {
     if !a.weights.is_file() {
         return Err(Failure::usage(anyhow!("--weights '{}': no such file", a.weights.display())));
     }
-    let data_spec = a.data.clone().unwrap_or_else(|| a.model.default_data().to_string());
-    let splits = load_data(&data_spec, a.model, a.seed, None)?;
+    let source = a.model.resolve()?;
+    let data_spec = a.data.clone().unwrap_or_else(|| source.default_data().to_string());
+    let splits = load_data(&data_spec, source.flat(), a.seed, None)?;
     // Built-in data: its test split; a file: all of it.
     let data = splits.test.unwrap_or(splits.train);
-    let model = build_model(a.model, data.sample_shape().dims(), data.num_classes(), 0.5, 0.99)?;
+    let model = build_model(&source, data.sample_shape().dims(), data.num_classes(), 0.5, 0.99)?;
     lockstep::train::check_data(&model, &data).map_err(Failure::usage)?;
     let store: ParamStore =
         weights::load(&model, &a.weights).map_err(Failure::usage).map_err(|f| f.with_context("--weights"))?;
@@ -1088,9 +1204,9 @@ fn cmd_bench_step(a: BenchStepArgs) -> CliResult {
     }
     let devices = resolve_devices(&a.devices)?;
     let data_name = if toy { "toy-enlarged" } else { "digits" };
-    let splits = load_data(data_name, a.model, 0, None)?;
+    let splits = load_data(data_name, toy, 0, None)?;
     let data = splits.train;
-    let model = build_model(a.model, data.sample_shape().dims(), data.num_classes(), 0.5, 0.99)?;
+    let model = build_model(&ModelSource::Builtin(a.model), data.sample_shape().dims(), data.num_classes(), 0.5, 0.99)?;
     let optimizer = if toy { OptimizerConfig::sgd(0.05) } else { OptimizerConfig::adam(1e-3) };
     let config = TrainConfig { batch_size, optimizer, check_replicas_every: None, ..TrainConfig::default() };
     let total = a.warmup + a.steps;
@@ -1146,8 +1262,9 @@ fn cmd_bench_layers(a: BenchLayersArgs) -> CliResult {
     if batch_size == 0 || threads == 0 || a.steps == 0 {
         return Err(Failure::usage(anyhow!("--batch-size, --threads and --steps must be at least 1")));
     }
-    let data = load_data(if toy { "toy-enlarged" } else { "digits" }, a.model, 0, None)?.train;
-    let mut model = build_model(a.model, data.sample_shape().dims(), data.num_classes(), 0.5, 0.99)?;
+    let data = load_data(if toy { "toy-enlarged" } else { "digits" }, toy, 0, None)?.train;
+    let source = ModelSource::Builtin(a.model);
+    let mut model = build_model(&source, data.sample_shape().dims(), data.num_classes(), 0.5, 0.99)?;
     let idx: Vec<usize> = (0..batch_size).map(|i| i % data.len()).collect();
     let batch = Batch::gather(&data, &idx);
     let mut store = model.init(0);
@@ -1209,5 +1326,112 @@ fn cmd_plot(a: PlotArgs) -> CliResult {
     };
     lockstep::plot::plot_metrics_csv(&a.csv, &a.out, x).map_err(Failure::usage)?;
     outln!("curves written to {}", a.out.display());
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------
+// validation sets
+
+/// Applies `--validation-split` or `--val-data`: the validation set takes the place of
+/// the test split in the per-epoch evaluation and the final line. Returns the splits and
+/// the name of what is evaluated ("validation" or "test").
+fn with_validation(
+    splits: Splits,
+    fraction: Option<f64>,
+    val_data: Option<&str>,
+    seed: u64,
+) -> CliResult<(Splits, &'static str)> {
+    if let Some(f) = fraction {
+        if !(f > 0.0 && f < 1.0) {
+            return Err(Failure::usage(anyhow!("--validation-split must be strictly between 0 and 1, got {f}")));
+        }
+        let (train, val) = splits.train.split_validation(f, seed).map_err(Failure::usage)?;
+        return Ok((Splits { train, test: Some(val) }, "validation"));
+    }
+    let Some(spec) = val_data else { return Ok((splits, "test")) };
+    let val = match spec.strip_prefix("mnist:") {
+        Some(dir) => load_mnist_dir(Path::new(dir))
+            .map_err(Failure::usage)?
+            .test
+            .ok_or_else(|| Failure::usage(anyhow!("--val-data '{spec}': no test split")))?,
+        None => {
+            let path = Path::new(spec);
+            if !path.is_file() {
+                return Err(Failure::usage(anyhow!(
+                    "--val-data '{spec}': no such file (expected a FILE.safetensors or mnist:DIR)"
+                )));
+            }
+            load_safetensors_dataset(path).map_err(Failure::usage)?
+        }
+    };
+    Ok((Splits { train: splits.train, test: Some(val) }, "validation"))
+}
+
+// ---------------------------------------------------------------------------------------
+// predict
+
+/// Inputs per `Trainer::predict` call: bounds the activations held at once.
+const PREDICT_CHUNK: usize = 1024;
+
+/// The inputs of `predict` and whether they came with labels. An IDX images file has
+/// none: its samples get label 0 of 1 class, which nothing reads.
+fn load_inputs(spec: &str, flat: bool) -> CliResult<(Dataset, bool)> {
+    let path = Path::new(spec);
+    if spec.starts_with("mnist:") || !path.exists() {
+        let splits = load_data(spec, flat, 0, None)?;
+        return Ok((splits.test.unwrap_or(splits.train), true));
+    }
+    if !path.is_file() {
+        return Err(Failure::usage(anyhow!("--data '{spec}': not a file")));
+    }
+    if path.extension().is_some_and(|e| e == "safetensors") {
+        return Ok((load_safetensors_dataset(path).map_err(Failure::usage)?, true));
+    }
+    let (pixels, [n, h, w]) = load_idx_images(path).map_err(Failure::usage)?;
+    let data = Dataset::new(spec, [1, h, w], Features::U8(pixels), vec![0; n], 1).map_err(Failure::usage)?;
+    Ok((data, false))
+}
+
+fn cmd_predict(a: PredictArgs) -> CliResult {
+    if a.limit == Some(0) {
+        return Err(Failure::usage(anyhow!("--limit must be at least 1")));
+    }
+    let devices = resolve_devices(&a.devices)?;
+    if !a.weights.is_file() {
+        return Err(Failure::usage(anyhow!("--weights '{}': no such file", a.weights.display())));
+    }
+    let source = a.model.resolve()?;
+    let (data, labelled) = load_inputs(&a.data, source.flat())?;
+    let n = a.limit.map_or(data.len(), |l| l.min(data.len()));
+    // Unlabelled images give no class count: a built-in model then outputs MNIST's 10
+    // (a weights file of another count is refused by name when it is loaded).
+    let classes = if labelled { data.num_classes() } else { lockstep::data::idx::MNIST_CLASSES };
+    let model = build_model(&source, data.sample_shape().dims(), classes, 0.5, 0.99)?;
+    lockstep::train::check_data(&model, &data).map_err(Failure::usage)?;
+    let store: ParamStore =
+        weights::load(&model, &a.weights).map_err(Failure::usage).map_err(|f| f.with_context("--weights"))?;
+    // No more ranks than inputs: every rank gets at least one sample of every chunk.
+    let devices = if devices.len() > n {
+        Devices::cpu(n, devices.threads_per_device()).map_err(Failure::usage)?
+    } else {
+        devices
+    };
+    let k = model.output_shape().numel();
+    let config = TrainConfig { initial: Some(store), check_replicas_every: None, ..TrainConfig::default() };
+    // ceil(n / PREDICT_CHUNK) chunks of near-equal sizes, each ≥ n / chunks ≥ the ranks.
+    let chunks = n.div_ceil(PREDICT_CHUNK);
+    let probs = with_trainer(&model, &devices, &config, |t| {
+        let mut out = Vec::with_capacity(n * k);
+        for c in 0..chunks {
+            let rows: Vec<usize> = (c * n / chunks..(c + 1) * n / chunks).collect();
+            out.extend(t.predict(Batch::gather(&data, &rows))?);
+        }
+        Ok(out)
+    })
+    .map_err(Failure::runtime)?;
+    for (i, row) in probs.chunks_exact(k).enumerate() {
+        let top = row.iter().enumerate().fold(0, |best, (c, &p)| if p > row[best] { c } else { best });
+        outln!("{i}  {top}  {:.4}", row[top]);
+    }
     Ok(())
 }

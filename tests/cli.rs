@@ -1,5 +1,6 @@
 //! The `lockstep` binary from the outside: the lesson's run through `train --model toy`,
-//! the lesson-form step lines, `inspect` and `bench allreduce`, and every bad input
+//! the lesson-form step lines, `inspect` and `bench allreduce`, MNIST directories,
+//! model spec files and `predict`, and every bad input
 //! the CLI must refuse with a non-zero exit code, ONE line on stderr naming the
 //! problem, and no panic.
 //!
@@ -156,4 +157,121 @@ fn bench_allreduce_prints_a_table_with_busbw() {
     assert_eq!(numbers.len(), 8, "{row:?}");
     // Two ranks: busbw = algbw · 2(n−1)/n = algbw.
     assert!(numbers[2] > 0.0 && (numbers[3] - numbers[4]).abs() <= 0.01, "{row:?}");
+}
+
+/// Writes a tiny MNIST directory: `n_train` and `n_test` 28×28 images whose label is
+/// the row of their single bright stripe (0..9), so that a classifier has something to
+/// learn; returns the directory.
+fn tiny_mnist(name: &str, n_train: usize, n_test: usize) -> PathBuf {
+    use lockstep::data::idx::{save_idx_images, save_idx_labels};
+    let dir = scratch(name);
+    for (prefix, n, gz) in [("train", n_train, false), ("t10k", n_test, true)] {
+        let labels: Vec<u8> = (0..n).map(|i| (i % 10) as u8).collect();
+        let mut px = vec![0u8; n * 28 * 28];
+        for (img, &l) in px.chunks_exact_mut(28 * 28).zip(&labels) {
+            img[(2 + 2 * l as usize) * 28..(3 + 2 * l as usize) * 28].fill(255);
+        }
+        let sfx = if gz { ".gz" } else { "" };
+        save_idx_images(&dir.join(format!("{prefix}-images-idx3-ubyte{sfx}")), &px, [n, 28, 28]).unwrap();
+        save_idx_labels(&dir.join(format!("{prefix}-labels-idx1-ubyte{sfx}")), &labels).unwrap();
+    }
+    dir
+}
+
+#[test]
+fn train_then_predict_on_an_mnist_directory() {
+    let dir = tiny_mnist("mnist", 64, 16);
+    let data = format!("mnist:{}", dir.display());
+    let w = dir.join("w.safetensors");
+    let spec = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/mnist_convnet.json");
+    let o = lockstep(&[
+        "train",
+        "--model",
+        spec,
+        "--data",
+        &data,
+        "--epochs",
+        "1",
+        "--devices",
+        "cpu:2",
+        "--save",
+        w.to_str().unwrap(),
+    ]);
+    let out = stdout(&o);
+    assert!(o.status.success(), "{out}{}", stderr(&o));
+    // 64 training and 16 test samples, as written above.
+    assert!(out.contains("64 samples") && out.contains("16 samples"), "{out}");
+    let acc = final_test_accuracy(&out);
+    assert!((0.0..=1.0).contains(&acc), "{out}");
+
+    // predict: one line `index  class  probability` per input, in order; --limit cuts.
+    let images = dir.join("t10k-images-idx3-ubyte.gz");
+    for (data, limit, lines) in [(data.as_str(), "5", 5), (images.to_str().unwrap(), "100", 16)] {
+        let o =
+            lockstep(&["predict", "--weights", w.to_str().unwrap(), "--model", spec, "--data", data, "--limit", limit]);
+        let out = stdout(&o);
+        assert!(o.status.success(), "{}", stderr(&o));
+        assert_eq!(out.lines().count(), lines, "{out}");
+        for (i, line) in out.lines().enumerate() {
+            let f: Vec<&str> = line.split("  ").collect();
+            assert_eq!(f.len(), 3, "{line}");
+            assert_eq!(f[0].parse::<usize>().unwrap(), i, "{line}");
+            assert!(f[1].parse::<usize>().unwrap() < 10, "{line}");
+            let p: f64 = f[2].parse().unwrap();
+            // The top probability of 10 classes is at least 1/10 (rounded to 4 places).
+            assert!((0.0999..=1.0).contains(&p), "{line}");
+        }
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_spec_file_trains_like_the_built_in_toy() {
+    let spec = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/toy_mlp.json");
+    let o = lockstep(&["train", "--model", spec, "--data", "toy"]);
+    let out = stdout(&o);
+    assert!(o.status.success(), "{}", stderr(&o));
+    // The lesson's result, as for --model toy above (flat specs get the toy's defaults).
+    assert_eq!(final_test_accuracy(&out), 1.0, "{out}");
+    let o =
+        lockstep(&["train", "--model", "toy", "--data", "toy-enlarged", "--epochs", "1", "--validation-split", "0.5"]);
+    let out = stdout(&o);
+    assert!(o.status.success(), "{}", stderr(&o));
+    // The held-out half replaces the test split in the evaluation and the final line.
+    assert!(out.contains("final validation accuracy:"), "{out}");
+}
+
+#[test]
+fn bad_mnist_files_and_specs_are_refused_in_one_line() {
+    let dir = tiny_mnist("mnist-bad", 4, 2);
+    let data = format!("mnist:{}", dir.display());
+    let labels = dir.join("train-labels-idx1-ubyte");
+    let images = dir.join("train-images-idx3-ubyte");
+    // Count mismatch: 3 labels for 4 images.
+    std::fs::write(&labels, [0, 0, 8, 1, 0, 0, 0, 3, 1, 2, 3]).unwrap();
+    assert_refused(&["train", "--data", &data], "train-labels-idx1-ubyte: 3 labels for the 4 images");
+    // Wrong magic: an images header in the labels file.
+    std::fs::write(&labels, [0, 0, 8, 3, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 1, 7]).unwrap();
+    assert_refused(&["train", "--data", &data], "wrong magic number 0x00000803, expected 0x00000801");
+    // Truncated: the header promises 4 images of 28×28, the file stops after 10 bytes.
+    let bytes = std::fs::read(&images).unwrap();
+    std::fs::write(&images, &bytes[..26]).unwrap();
+    assert_refused(&["train", "--data", &data], "train-images-idx3-ubyte: truncated data: 10 values");
+    assert_refused(&["predict", "--weights", "w", "--data", images.to_str().unwrap()], "no such file");
+    assert_refused(&["train", "--data", "mnist:/nonexistent"], "/nonexistent: not a directory");
+
+    let spec = dir.join("bad.json");
+    std::fs::write(
+        &spec,
+        r#"{"input_shape": [1, 28, 28], "layers": [{"type": "relu"}, {"type": "relu"}, {"type": "relu"},
+            {"type": "conv2d", "filters": -1, "kernel_size": 3}]}"#,
+    )
+    .unwrap();
+    assert_refused(
+        &["train", "--model", spec.to_str().unwrap()],
+        "bad.json: layer 3 (conv2d): field 'filters' must be a positive integer",
+    );
+    assert_refused(&["train", "--model", "toy", "--validation-split", "1.5"], "--validation-split");
+    assert_refused(&["train", "--model", "toy", "--val-data", "/nonexistent.safetensors"], "no such file");
+    std::fs::remove_dir_all(&dir).unwrap();
 }

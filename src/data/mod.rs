@@ -6,10 +6,12 @@
 //! trainer (`train::sampler`, `train::scatter`); this module only knows samples.
 
 pub mod digits;
+pub mod idx;
 pub mod safetensors_file;
 pub mod toy;
 
 use crate::error::{Error, Result};
+use crate::rng::{derive_key, purpose, SplitMix64};
 use crate::tensor::Shape;
 
 /// Feature values of every sample, row-major, sample after sample.
@@ -150,9 +152,67 @@ impl Dataset {
     }
 }
 
+impl Dataset {
+    /// Splits off a validation set: the samples are put in a fixed order drawn from
+    /// `seed` (a Fisher–Yates shuffle keyed by (seed, `purpose::SPLIT`), independent of
+    /// the epoch shuffles), and the LAST `round(fraction · N)` of that order become the
+    /// validation set, the rest (in that shuffled order) the training set. `fraction` must
+    /// lie strictly between 0 and 1 and leave at least one sample on each side.
+    pub fn split_validation(&self, fraction: f64, seed: u64) -> Result<(Dataset, Dataset)> {
+        if !(fraction > 0.0 && fraction < 1.0) {
+            return Err(Error::config("validation split", format!("{fraction} is not strictly between 0 and 1")));
+        }
+        let n = self.len();
+        let n_val = (n as f64 * fraction).round() as usize;
+        if n_val == 0 || n_val >= n {
+            return Err(Error::Data {
+                name: self.name.clone(),
+                detail: format!(
+                    "a validation split of {fraction} of {n} samples leaves {n_val} for validation and {} for training (each needs at least 1)",
+                    n - n_val.min(n)
+                ),
+            });
+        }
+        let mut order: Vec<usize> = (0..n).collect();
+        let mut g = SplitMix64::new(derive_key(seed, &[purpose::SPLIT]));
+        g.shuffle(&mut order);
+        let (train, val) = order.split_at(n - n_val);
+        Ok((
+            self.subset(format!("{} (training part)", self.name), train),
+            self.subset(format!("{} (validation part)", self.name), val),
+        ))
+    }
+}
+
 /// A training split and an optional test (validation) split.
 #[derive(Clone, Debug)]
 pub struct Splits {
     pub train: Dataset,
     pub test: Option<Dataset>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn validation_split_is_disjoint_complete_and_seeded() {
+        let ds = Dataset::new("d", [1], Features::U8((0..10).collect()), (0..10).map(|i| i % 2).collect(), 2).unwrap();
+        let (train, val) = ds.split_validation(0.2, 7).unwrap();
+        // round(0.2 · 10) = 2 validation samples.
+        assert_eq!((train.len(), val.len()), (8, 2));
+        let (Features::U8(a), Features::U8(b)) = (train.features(), val.features()) else { panic!() };
+        let mut all: Vec<u8> = a.iter().chain(b).copied().collect();
+        all.sort_unstable();
+        assert_eq!(all, (0..10).collect::<Vec<u8>>(), "every sample exactly once");
+        for (x, y) in a.iter().zip(train.labels()).chain(b.iter().zip(val.labels())) {
+            assert_eq!(u32::from(*x) % 2, *y, "labels travel with their samples");
+        }
+        assert_eq!(ds.split_validation(0.2, 7).unwrap().1, val, "the same seed, the same split");
+        assert!(ds.split_validation(0.0, 7).is_err());
+        assert!(ds.split_validation(1.0, 7).is_err());
+        assert!(ds.split_validation(f64::NAN, 7).is_err());
+        let e = ds.split_validation(0.01, 7).unwrap_err().to_string();
+        assert!(e.contains("leaves 0 for validation"), "{e}");
+    }
 }
