@@ -67,6 +67,13 @@ fn unfold(g: &ConvGeom) -> Unfold {
     }
 }
 
+/// Samples unfolded at a time in [`Unfold::Rows`]: as many as keep the rows within
+/// 512 KiB, so that they are still in the core's L2 cache when GEMM reads them (at least
+/// one). A function of the geometry alone, like everything that orders a sum here.
+fn chunk_samples(g: &ConvGeom) -> usize {
+    ((512 << 10) / (g.col_rows() * g.col_cols() * 4)).max(1)
+}
+
 /// The weight from (O, C, KH·KW) to channels-last (KH·KW, C, O), i.e. a
 /// (KH·KW·C, O) matrix whose row order matches `im2row`.
 fn oihw_to_hwio(w: &[f32], o: usize, c: usize, kk: usize) -> Vec<f32> {
@@ -147,19 +154,23 @@ impl Job<'_> {
                 }
             }
             Unfold::Rows => {
-                let gs = range.len();
-                let (xt, rows, out) = scratch.sized(per_in, gs * p * kkc, gs * p * o);
-                for (k, s) in range.enumerate() {
-                    chw_to_hwc(&self.xs[s * per_in..(s + 1) * per_in], g.c, xt);
-                    im2row(xt, g, &mut rows[k * p * kkc..(k + 1) * p * kkc]);
-                }
-                let (rows, weight) = (Mat::rows(rows, gs * p, kkc), Mat::rows(self.weight, kkc, o));
-                gemm_with(rows, weight, out, o, Accumulate::Overwrite, Threads::Caller);
-                for (yn, on) in y_group.chunks_exact_mut(o * p).zip(out.chunks_exact(p * o)) {
-                    hwc_to_chw(on, o, yn);
-                    if let Some(b) = bias {
-                        for (plane, &bo) in yn.chunks_exact_mut(p).zip(b) {
-                            plane.iter_mut().for_each(|v| *v += bo);
+                let sub = chunk_samples(g);
+                let (xt, rows, out) = scratch.sized(per_in, sub * p * kkc, sub * p * o);
+                let samples: Vec<usize> = range.collect();
+                for (chunk, y_chunk) in samples.chunks(sub).zip(y_group.chunks_mut(sub * o * p)) {
+                    let cs = chunk.len();
+                    for (k, &s) in chunk.iter().enumerate() {
+                        chw_to_hwc(&self.xs[s * per_in..(s + 1) * per_in], g.c, xt);
+                        im2row(xt, g, &mut rows[k * p * kkc..(k + 1) * p * kkc]);
+                    }
+                    let (rows, weight) = (Mat::rows(rows, cs * p, kkc), Mat::rows(self.weight, kkc, o));
+                    gemm_with(rows, weight, &mut out[..cs * p * o], o, Accumulate::Overwrite, Threads::Caller);
+                    for (yn, on) in y_chunk.chunks_exact_mut(o * p).zip(out.chunks_exact(p * o)) {
+                        hwc_to_chw(on, o, yn);
+                        if let Some(b) = bias {
+                            for (plane, &bo) in yn.chunks_exact_mut(p).zip(b) {
+                                plane.iter_mut().for_each(|v| *v += bo);
+                            }
                         }
                     }
                 }
@@ -205,31 +216,30 @@ impl Job<'_> {
                 }
             }
             Unfold::Rows => {
-                let gs = range.len();
-                let (xt, rows, dout_t) = scratch.sized(per_in, gs * p * kkc, gs * p * o);
-                for (k, s) in range.enumerate() {
-                    chw_to_hwc(&self.xs[s * per_in..(s + 1) * per_in], g.c, xt);
-                    im2row(xt, g, &mut rows[k * p * kkc..(k + 1) * p * kkc]);
-                    chw_to_hwc(dout(s), o, &mut dout_t[k * p * o..(k + 1) * p * o]);
-                }
-                // dweight (KH·KW·C, O) = rowsᵀ (KH·KW·C, G·P) · doutᵀ (G·P, O)
-                let dout_mat = Mat::rows(dout_t, gs * p, o);
-                gemm_with(
-                    Mat::rows(rows, gs * p, kkc).t(),
-                    dout_mat,
-                    &mut dw,
-                    o,
-                    Accumulate::Overwrite,
-                    Threads::Caller,
-                );
-                if let Some(dx) = dx_group {
-                    // drows (G·P, KH·KW·C) = doutᵀ · weightᵀ, into the no longer needed rows
-                    let wt = Mat::rows(self.weight, kkc, o).t();
-                    gemm_with(dout_mat, wt, rows, kkc, Accumulate::Overwrite, Threads::Caller);
-                    for (k, dxn) in dx.chunks_exact_mut(per_in).enumerate() {
-                        xt.fill(0.0);
-                        row2im(&rows[k * p * kkc..(k + 1) * p * kkc], g, xt);
-                        hwc_to_chw(xt, g.c, dxn);
+                let sub = chunk_samples(g);
+                let (xt, rows, dout_t) = scratch.sized(per_in, sub * p * kkc, sub * p * o);
+                let samples: Vec<usize> = range.collect();
+                let mut dx_chunks = dx_group.map(|dx| dx.chunks_mut(sub * per_in));
+                for chunk in samples.chunks(sub) {
+                    let cs = chunk.len();
+                    for (k, &s) in chunk.iter().enumerate() {
+                        chw_to_hwc(&self.xs[s * per_in..(s + 1) * per_in], g.c, xt);
+                        im2row(xt, g, &mut rows[k * p * kkc..(k + 1) * p * kkc]);
+                        chw_to_hwc(dout(s), o, &mut dout_t[k * p * o..(k + 1) * p * o]);
+                    }
+                    // dweight (KH·KW·C, O) += rowsᵀ (KH·KW·C, cs·P) · doutᵀ (cs·P, O)
+                    let dout_mat = Mat::rows(&dout_t[..cs * p * o], cs * p, o);
+                    let rows_t = Mat::rows(&rows[..cs * p * kkc], cs * p, kkc).t();
+                    gemm_with(rows_t, dout_mat, &mut dw, o, Accumulate::Add, Threads::Caller);
+                    if let Some(dx) = dx_chunks.as_mut().and_then(|c| c.next()) {
+                        // drows (cs·P, KH·KW·C) = doutᵀ · weightᵀ, into the no longer needed rows
+                        let wt = Mat::rows(self.weight, kkc, o).t();
+                        gemm_with(dout_mat, wt, &mut rows[..cs * p * kkc], kkc, Accumulate::Overwrite, Threads::Caller);
+                        for (k, dxn) in dx.chunks_exact_mut(per_in).enumerate() {
+                            xt.fill(0.0);
+                            row2im(&rows[k * p * kkc..(k + 1) * p * kkc], g, xt);
+                            hwc_to_chw(xt, g.c, dxn);
+                        }
                     }
                 }
             }
