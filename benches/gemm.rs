@@ -1,20 +1,24 @@
 //! GEMM GFLOP/s at the convnet's shapes: the `gemm` crate (what lockstep uses, through
-//! `backend::cpu::gemm`) against `matrixmultiply`, single-threaded and on the machine's
-//! cores. The shapes are the per-sample products of the convnet's convolutions
-//! (weight (O, C·K·K) × columns (C·K·K, OH·OW)) and the batched Dense layers.
+//! `backend::cpu::gemm`) against `matrixmultiply`, single-threaded (how the layers call
+//! it: one group of samples per thread) and on the machine's cores. Criterion's
+//! "elements" are FLOPs (2·m·k·n per product), so its Gelem/s read as GFLOP/s.
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use lockstep::backend::cpu::{gemm_with, Accumulate, Mat, Threads};
 
-/// (name, m, k, n)
+/// (name, m, k, n): the products the convnet's layers issue (see `nn::conv2d`): conv0
+/// unfolds into channels-first columns, one sample at a time; conv1 and conv2 into
+/// channels-last rows, 2 and 4 samples at a time (their `chunk_samples`).
 const SHAPES: &[(&str, usize, usize, usize)] = &[
-    ("conv0 fwd 12x9x784", 12, 9, 784),
-    ("conv1 fwd 24x432x144", 24, 432, 144),
-    ("conv2 fwd 32x864x36", 32, 864, 36),
-    ("conv1 dW 24x144x432", 24, 144, 432),
-    ("conv1 dcol 432x24x144", 432, 24, 144),
+    ("conv0 fwd W·col 12x9x784", 12, 9, 784),
+    ("conv0 dW dout·colT 12x784x9", 12, 784, 9),
+    ("conv1 fwd rows·W 288x432x24", 288, 432, 24),
+    ("conv1 dW rowsT·dout 432x288x24", 432, 288, 24),
+    ("conv1 drows dout·WT 288x24x432", 288, 24, 432),
+    ("conv2 fwd rows·W 144x864x32", 144, 864, 32),
+    ("conv2 dW rowsT·dout 864x144x32", 864, 144, 32),
     ("dense0 fwd B256 256x32x256", 256, 32, 256),
-    ("square 512", 512, 512, 512),
+    ("square 512 (reference)", 512, 512, 512),
 ];
 
 fn data(len: usize) -> Vec<f32> {
