@@ -112,3 +112,70 @@ pub fn inspect(path: &Path) -> Result<Vec<(String, String, Vec<usize>)>> {
     rows.sort();
     Ok(rows)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::models;
+
+    fn tmp(name: &str) -> std::path::PathBuf {
+        let d = std::env::temp_dir().join(format!("lockstep-weights-{}", std::process::id()));
+        std::fs::create_dir_all(&d).unwrap();
+        d.join(name)
+    }
+
+    #[test]
+    fn weights_round_trip_bitwise_and_inspect_lists_them() {
+        let model = models::convnet(models::ConvnetOptions::default()).unwrap();
+        let store = model.init(3);
+        let path = tmp("convnet.safetensors");
+        save(&model, &store, &path).unwrap();
+        assert_eq!(load(&model, &path).unwrap(), store);
+        let rows = inspect(&path).unwrap();
+        assert!(rows.contains(&("bn1.running_var".to_string(), "F32".to_string(), vec![24])));
+        assert!(rows.contains(&("conv0.weight".to_string(), "F32".to_string(), vec![12, 1, 3, 3])));
+        assert_eq!(rows.len(), model.param_infos().len() + model.buffer_infos().len());
+    }
+
+    #[test]
+    fn every_problem_is_listed_and_nothing_is_loaded() {
+        let model = models::toy_mlp(2, 2).unwrap();
+        let store = model.init(1);
+        let mut tensors: Vec<(String, Vec<usize>, &[f32])> = Vec::new();
+        for t in model.param_infos() {
+            match t.name.as_str() {
+                "dense2.bias" => {} // missing
+                "dense0.weight" => tensors.push((t.name.clone(), vec![2, 30], &store.params[t.range.clone()])), // transposed
+                _ => tensors.push((t.name.clone(), t.shape.dims().to_vec(), &store.params[t.range.clone()])),
+            }
+        }
+        tensors.retain(|(n, _, _)| n != "dense1.bias");
+        let extra = [1.0f32];
+        tensors.push(("head.weight".into(), vec![1], &extra));
+        let mut bytes_views: Vec<(String, Vec<usize>, Vec<u8>, Dtype)> =
+            tensors.iter().map(|(n, s, v)| (n.clone(), s.clone(), le_bytes(v), Dtype::F32)).collect();
+        // dense1.bias as f64: the right shape, the wrong dtype
+        let b1 = &store.params[model.param_infos()[3].range.clone()];
+        bytes_views.push((
+            "dense1.bias".into(),
+            vec![20],
+            b1.iter().flat_map(|v| (*v as f64).to_le_bytes()).collect(),
+            Dtype::F64,
+        ));
+        let views: Vec<(String, TensorView<'_>)> =
+            bytes_views.iter().map(|(n, s, b, d)| (n.clone(), TensorView::new(*d, s.clone(), b).unwrap())).collect();
+        let path = tmp("bad-toy.safetensors");
+        std::fs::write(&path, safetensors::serialize(views, None).unwrap()).unwrap();
+        let err = load(&model, &path).unwrap_err();
+        let Error::WeightsMismatch { problems, .. } = &err else { panic!("{err}") };
+        assert_eq!(
+            problems,
+            &vec![
+                "tensor 'dense0.weight' has shape [2, 30], expected (30, 2)".to_string(),
+                "tensor 'dense1.bias' has dtype F64, expected F32".to_string(),
+                "missing tensor 'dense2.bias' (2)".to_string(),
+                "unexpected tensor 'head.weight'".to_string(),
+            ]
+        );
+    }
+}
