@@ -1,0 +1,347 @@
+//! `lockstep bench`: the shared-memory all-reduce (nccl-tests style), whole training
+//! steps, and the per-layer time of one device's share of a step. Timings are medians
+//! after a warm-up, measured between barriers, never asserted anywhere.
+
+use crate::*;
+
+#[derive(Args, Debug)]
+pub(crate) struct BenchAllreduceArgs {
+    /// CPU devices, one rank each: cpu:N.
+    #[arg(long, default_value = "cpu:2", value_name = "SPEC")]
+    devices: String,
+    /// Buffer sizes in bytes, comma-separated, with K/M/G suffixes (powers of 1024).
+    #[arg(long, default_value = "4K,256K,4M,64M")]
+    sizes: String,
+    /// Timed iterations per size (after warm-up); the median is reported.
+    #[arg(long, default_value_t = 20)]
+    iters: usize,
+    /// Untimed iterations before the timed ones.
+    #[arg(long, default_value_t = 5)]
+    warmup: usize,
+}
+
+#[derive(Args, Debug)]
+pub(crate) struct BenchStepArgs {
+    #[arg(long, value_enum, default_value = "convnet")]
+    model: ModelName,
+    /// GLOBAL batch size [default: toy 64, convnet 128].
+    #[arg(long)]
+    batch_size: Option<usize>,
+    #[arg(long, default_value = "auto", value_name = "SPEC")]
+    devices: String,
+    /// Timed steps (after warm-up).
+    #[arg(long, default_value_t = 20, value_name = "K")]
+    steps: u64,
+    /// Untimed steps before the timed ones.
+    #[arg(long, default_value_t = 3)]
+    warmup: u64,
+}
+
+#[derive(Args, Debug)]
+pub(crate) struct BenchLayersArgs {
+    #[arg(long, value_enum, default_value = "convnet")]
+    model: ModelName,
+    /// Samples per forward/backward (one device's share of a step) [default: toy 64, convnet 256].
+    #[arg(long)]
+    batch_size: Option<usize>,
+    /// Threads of the device's pool [default: every core].
+    #[arg(long)]
+    threads: Option<usize>,
+    /// Timed passes (after one untimed).
+    #[arg(long, default_value_t = 10)]
+    steps: u32,
+}
+
+// ---------------------------------------------------------------------------------------
+// bench
+
+/// Parses `4K,256K,4M` into byte counts (K/M/G are powers of 1024).
+fn parse_sizes(text: &str) -> CliResult<Vec<usize>> {
+    text.split(',')
+        .map(|t| {
+            let t = t.trim();
+            let (num, mult) = match t.char_indices().last() {
+                Some((i, 'K' | 'k')) => (&t[..i], 1usize << 10),
+                Some((i, 'M' | 'm')) => (&t[..i], 1 << 20),
+                Some((i, 'G' | 'g')) => (&t[..i], 1 << 30),
+                _ => (t, 1),
+            };
+            let bytes = num
+                .parse::<usize>()
+                .ok()
+                .and_then(|n| n.checked_mul(mult))
+                .ok_or_else(|| Failure::usage(anyhow!("--sizes: '{t}' is not a size (e.g. 4K, 256K, 4M, 64M)")))?;
+            if bytes == 0 || bytes % 4 != 0 {
+                return Err(Failure::usage(anyhow!("--sizes: {t} is not a positive multiple of 4 bytes (f32 values)")));
+            }
+            Ok(bytes)
+        })
+        .collect()
+}
+
+fn median(mut v: Vec<Duration>) -> Duration {
+    v.sort();
+    v[v.len() / 2]
+}
+
+/// Which collective a timing loop runs.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum AllreducePath {
+    /// Fill the shard buffers once, then reduce-scatter again and again: what a training
+    /// step pays (every rank reading the reduced chunks in place belongs to its update).
+    Trainer,
+    /// Classic in-place all-reduce: copy in, reduce-scatter, all-gather.
+    Classic,
+}
+
+/// Median time of one collective over `ranks` threads; rank 0 times between barriers.
+fn time_allreduce(ranks: usize, count: usize, iters: usize, warmup: usize, path: AllreducePath) -> CliResult<Duration> {
+    let ex = ShmExchange::new(ranks, ranks, count)?;
+    let warm = std::sync::atomic::AtomicBool::new(false);
+    let times = std::thread::scope(|s| -> lockstep::Result<Vec<Duration>> {
+        let handles: Vec<_> = (0..ranks)
+            .map(|r| {
+                let (ex, warm) = (&ex, &warm);
+                s.spawn(move || -> lockstep::Result<Vec<Duration>> {
+                    let me = ex.rank(r);
+                    let run = || -> lockstep::Result<Vec<Duration>> {
+                        let mut buf = vec![(r + 1) as f32; count];
+                        me.shard_buffer(0).fill((r + 1) as f32);
+                        let mut times = Vec::with_capacity(iters);
+                        // Warm up for at least `warmup` iterations and 50 ms, so that the
+                        // scheduler has spread the ranks over the cores before timing. Rank
+                        // 0 decides; the others read its decision after the same barrier.
+                        let start = Instant::now();
+                        let mut i = 0usize;
+                        let mut timed = 0usize;
+                        while timed < iters {
+                            if r == 0 && i >= warmup && start.elapsed() >= Duration::from_millis(50) {
+                                warm.store(true, std::sync::atomic::Ordering::Release);
+                            }
+                            me.barrier()?;
+                            let measuring = warm.load(std::sync::atomic::Ordering::Acquire);
+                            me.barrier()?;
+                            i += 1;
+                            let t0 = Instant::now();
+                            match path {
+                                AllreducePath::Trainer => me.reduce_scatter()?,
+                                AllreducePath::Classic => {
+                                    me.all_reduce_sum(&mut buf)?;
+                                    me.barrier()?;
+                                }
+                            }
+                            if measuring {
+                                times.push(t0.elapsed());
+                                timed += 1;
+                            }
+                        }
+                        Ok(times)
+                    };
+                    let out = run();
+                    if out.is_err() {
+                        ex.abort();
+                    }
+                    out
+                })
+            })
+            .collect();
+        let mut rank0 = Vec::new();
+        for (r, h) in handles.into_iter().enumerate() {
+            let t = h.join().map_err(|_| lockstep::Error::Worker {
+                device: format!("cpu:{r}"),
+                step: 0,
+                cause: "benchmark rank panicked".into(),
+            })??;
+            if r == 0 {
+                rank0 = t;
+            }
+        }
+        Ok(rank0)
+    })
+    .map_err(Failure::runtime)?;
+    Ok(median(times))
+}
+
+pub(crate) fn cmd_bench_allreduce(a: BenchAllreduceArgs) -> CliResult {
+    let spec: DeviceSpec = a.devices.parse().map_err(Failure::usage)?;
+    let ranks = match spec {
+        DeviceSpec::Cpu { count, .. } => count,
+        _ => {
+            return Err(Failure::usage(anyhow!(
+                "--devices '{}': bench allreduce measures the CPU collective; use cpu:N",
+                a.devices
+            )))
+        }
+    };
+    let sizes = parse_sizes(&a.sizes)?;
+    if a.iters == 0 {
+        return Err(Failure::usage(anyhow!("--iters must be at least 1")));
+    }
+    let bus = 2.0 * (ranks as f64 - 1.0) / ranks as f64;
+    outln!(
+        "# lockstep bench allreduce: {ranks} rank(s) (threads, cpu:0..{}), shared memory, f32 sum, median of {} iterations after {} warm-up",
+        ranks - 1,
+        a.iters,
+        a.warmup
+    );
+    outln!("# trainer: buffers filled once, then reduce-scatter (the trainer's path; ranks read the result in place)");
+    outln!("# classic: in-place all_reduce_sum (copy in + reduce-scatter + all-gather)");
+    outln!("# algbw = size / time; busbw = algbw * 2(n-1)/n");
+    outln!(
+        "# {:>12} {:>12} | {:>10} {:>11} {:>11} | {:>10} {:>11} {:>11}",
+        "",
+        "",
+        "trainer",
+        "",
+        "",
+        "classic",
+        "",
+        ""
+    );
+    outln!(
+        "# {:>12} {:>12} | {:>10} {:>11} {:>11} | {:>10} {:>11} {:>11}",
+        "size(B)",
+        "count(f32)",
+        "time(us)",
+        "algbw(GB/s)",
+        "busbw(GB/s)",
+        "time(us)",
+        "algbw(GB/s)",
+        "busbw(GB/s)"
+    );
+    for bytes in sizes {
+        let count = bytes / 4;
+        let mut cells = String::new();
+        for path in [AllreducePath::Trainer, AllreducePath::Classic] {
+            let t = time_allreduce(ranks, count, a.iters, a.warmup, path)?;
+            let secs = t.as_secs_f64().max(1e-9);
+            let algbw = bytes as f64 / secs / 1e9;
+            let _ = write!(cells, " | {:>10.1} {:>11.2} {:>11.2}", secs * 1e6, algbw, algbw * bus);
+        }
+        outln!("  {bytes:>12} {count:>12}{cells}");
+    }
+    Ok(())
+}
+
+pub(crate) fn cmd_bench_step(a: BenchStepArgs) -> CliResult {
+    let toy = a.model == ModelName::Toy;
+    let batch_size = a.batch_size.unwrap_or(if toy { 64 } else { 128 });
+    if batch_size == 0 {
+        return Err(Failure::usage(anyhow!("--batch-size must be at least 1")));
+    }
+    if a.steps == 0 {
+        return Err(Failure::usage(anyhow!("--steps must be at least 1")));
+    }
+    let devices = resolve_devices(&a.devices)?;
+    let data_name = if toy { "toy-enlarged" } else { "digits" };
+    let splits = load_data(data_name, toy, 0, None)?;
+    let data = splits.train;
+    let model = build_model(&ModelSource::Builtin(a.model), data.sample_shape().dims(), data.num_classes(), 0.5, 0.99)?;
+    let optimizer = if toy { OptimizerConfig::sgd(0.05) } else { OptimizerConfig::adam(1e-3) };
+    let config = TrainConfig { batch_size, optimizer, check_replicas_every: None, ..TrainConfig::default() };
+    let total = a.warmup + a.steps;
+    let batches: Vec<Batch> = (0..total.min(8) as usize)
+        .map(|s| {
+            let idx: Vec<usize> = (0..batch_size).map(|i| (s * batch_size + i) % data.len()).collect();
+            Batch::gather(&data, &idx)
+        })
+        .collect();
+    outln!(
+        "lockstep bench step: {} ({} parameters) | devices: {} | global batch {batch_size} | {} steps after {} warm-up",
+        a.model.as_str(),
+        model.num_params(),
+        devices,
+        a.steps,
+        a.warmup
+    );
+    let (walls, computes, reduces) = with_trainer(&model, &devices, &config, |t| {
+        let (mut walls, mut computes, mut reduces) = (Vec::new(), Vec::new(), Vec::new());
+        for s in 0..total {
+            let r = t.step(batches[s as usize % batches.len()].clone())?;
+            if s >= a.warmup {
+                walls.push(r.wall);
+                computes.push(r.compute);
+                reduces.push(r.reduce);
+            }
+        }
+        Ok((walls, computes, reduces))
+    })
+    .map_err(Failure::runtime)?;
+    let sum: Duration = walls.iter().sum();
+    let step = median(walls);
+    outln!(
+        "{:.0} samples/s | median step {:.3} ms (compute {:.3} ms, reduce {:.3} ms, slowest worker) | mean step {:.3} ms",
+        (batch_size as u64 * a.steps) as f64 / sum.as_secs_f64().max(1e-12),
+        step.as_secs_f64() * 1e3,
+        median(computes).as_secs_f64() * 1e3,
+        median(reduces).as_secs_f64() * 1e3,
+        sum.as_secs_f64() * 1e3 / a.steps as f64
+    );
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------
+// bench layers
+
+/// Times forward, loss and backward of one device's share of a step, layer by layer, on
+/// a pool of `--threads` threads (the optimiser and the all-reduce are `bench step`'s).
+pub(crate) fn cmd_bench_layers(a: BenchLayersArgs) -> CliResult {
+    let toy = a.model == ModelName::Toy;
+    let batch_size = a.batch_size.unwrap_or(if toy { 64 } else { 256 });
+    let threads = a.threads.unwrap_or_else(available_cores);
+    if batch_size == 0 || threads == 0 || a.steps == 0 {
+        return Err(Failure::usage(anyhow!("--batch-size, --threads and --steps must be at least 1")));
+    }
+    let data = load_data(if toy { "toy-enlarged" } else { "digits" }, toy, 0, None)?.train;
+    let source = ModelSource::Builtin(a.model);
+    let mut model = build_model(&source, data.sample_shape().dims(), data.num_classes(), 0.5, 0.99)?;
+    let idx: Vec<usize> = (0..batch_size).map(|i| i % data.len()).collect();
+    let batch = Batch::gather(&data, &idx);
+    let mut store = model.init(0);
+    let mut grads = vec![0.0f32; model.num_params()];
+    let pool =
+        rayon::ThreadPoolBuilder::new().num_threads(threads).build().map_err(|e| Failure::runtime(anyhow!(e)))?;
+    let mut dims = vec![batch_size];
+    dims.extend_from_slice(batch.sample_shape.dims());
+    let mut total = Duration::ZERO;
+    pool.install(|| -> lockstep::Result<()> {
+        for pass in 0..=a.steps {
+            if pass == 1 {
+                model.start_profile();
+            }
+            let t0 = Instant::now();
+            let x = lockstep::Tensor::from_vec(batch.x.clone(), dims.clone())?;
+            let ctx = lockstep::nn::Ctx::train(0, pass as u64, 0, lockstep::Device::Cpu(0));
+            let logits = model.forward(x, &store.params, &mut store.buffers, &ctx)?;
+            let (_, dlogits) = lockstep::nn::loss::softmax_cross_entropy(&logits, &batch.y)?;
+            grads.fill(0.0);
+            model.backward(dlogits, &store.params, &mut grads, &ctx)?;
+            if pass > 0 {
+                total += t0.elapsed();
+            }
+        }
+        Ok(())
+    })
+    .map_err(Failure::runtime)?;
+    let per = |d: Duration| d.as_secs_f64() * 1e3 / a.steps as f64;
+    outln!(
+        "lockstep bench layers: {} | {batch_size} samples | {threads} thread(s) | mean of {} passes",
+        a.model.as_str(),
+        a.steps
+    );
+    outln!("{:<12} {:<52} {:>10} {:>10} {:>7}", "layer", "", "fwd (ms)", "bwd (ms)", "share");
+    let profile = model.profile();
+    for ((name, f, b), layer) in profile.iter().zip(model.layers()) {
+        outln!(
+            "{name:<12} {:<52} {:>10.3} {:>10.3} {:>6.1}%",
+            layer.describe(),
+            per(*f),
+            per(*b),
+            100.0 * (f.as_secs_f64() + b.as_secs_f64()) / total.as_secs_f64().max(1e-12)
+        );
+    }
+    let layers: Duration = profile.iter().map(|(_, f, b)| *f + *b).sum();
+    outln!("{:<65} {:>10.3} ms (loss and the rest: {:.3} ms)", "pass", per(total), per(total.saturating_sub(layers)));
+    outln!("{:.0} samples/s on this pass alone", batch_size as f64 * a.steps as f64 / total.as_secs_f64().max(1e-12));
+    Ok(())
+}

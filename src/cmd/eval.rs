@@ -1,0 +1,174 @@
+//! `lockstep eval` and `lockstep predict`: saved weights applied to a dataset, on every
+//! device given (the samples split across them).
+
+use crate::*;
+
+#[derive(Args, Debug)]
+pub(crate) struct EvalArgs {
+    /// The weights to evaluate.
+    #[arg(long, value_name = "FILE")]
+    weights: PathBuf,
+    /// toy, convnet, convnet-nobn, or a model spec FILE.json.
+    #[arg(long, default_value = "convnet", value_name = "NAME|FILE.json", value_parser = parse_model_choice)]
+    model: ModelChoice,
+    /// toy, toy-enlarged, digits, mnist:DIR (their test split), or a FILE.safetensors [default: the model's data]
+    #[arg(long)]
+    data: Option<String>,
+    #[arg(long, default_value = "auto", value_name = "SPEC")]
+    devices: String,
+    /// Seed of toy-enlarged's noise.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+}
+
+#[derive(Args, Debug)]
+pub(crate) struct PredictArgs {
+    /// The trained weights.
+    #[arg(long, value_name = "FILE")]
+    weights: PathBuf,
+    /// toy, convnet, convnet-nobn, or a model spec FILE.json.
+    #[arg(long, default_value = "convnet", value_name = "NAME|FILE.json", value_parser = parse_model_choice)]
+    model: ModelChoice,
+    /// The inputs: a FILE.safetensors (its x), an IDX images file (idx3, plain or .gz; no
+    /// labels needed), mnist:DIR (its t10k images), or toy, toy-enlarged, digits (their test split).
+    #[arg(long, value_name = "FILE|mnist:DIR")]
+    data: String,
+    /// Only the first N inputs.
+    #[arg(long, value_name = "N")]
+    limit: Option<usize>,
+    #[arg(long, default_value = "auto", value_name = "SPEC")]
+    devices: String,
+}
+
+// ---------------------------------------------------------------------------------------
+// eval
+
+pub(crate) fn cmd_eval(a: EvalArgs) -> CliResult {
+    let devices = resolve_devices(&a.devices)?;
+    if !a.weights.is_file() {
+        return Err(Failure::usage(anyhow!("--weights '{}': no such file", a.weights.display())));
+    }
+    let source = a.model.resolve()?;
+    let data_spec = a.data.clone().unwrap_or_else(|| source.default_data().to_string());
+    let splits = load_data(&data_spec, source.flat(), a.seed, None)?;
+    // Built-in data: its test split; a file: all of it.
+    let data = splits.test.unwrap_or(splits.train);
+    let model = build_model(&source, data.sample_shape().dims(), data.num_classes(), 0.5, 0.99)?;
+    lockstep::train::check_data(&model, &data).map_err(Failure::usage)?;
+    let store: ParamStore =
+        weights::load(&model, &a.weights).map_err(Failure::usage).map_err(|f| f.with_context("--weights"))?;
+    // No more ranks than samples: a device with no sample has nothing to predict.
+    let devices = if devices.len() > data.len() {
+        Devices::cpu(data.len(), devices.threads_per_device()).map_err(Failure::usage)?
+    } else {
+        devices
+    };
+    let classes = model.output_shape().numel();
+    let config = TrainConfig { initial: Some(store), check_replicas_every: None, ..TrainConfig::default() };
+    let all: Vec<usize> = (0..data.len()).collect();
+    let (metrics, probs) = with_trainer(&model, &devices, &config, |t| {
+        let m = t.evaluate(&data, config.eval_batch)?;
+        let p = t.predict(Batch::gather(&data, &all))?;
+        Ok((m, p))
+    })
+    .map_err(Failure::runtime)?;
+    outln!("{} on {} ({} samples) on {}", a.weights.display(), data.name(), data.len(), devices);
+    outln!(
+        "loss {:.4} | accuracy {:.4} ({}/{})",
+        metrics.mean_loss(),
+        metrics.accuracy(),
+        metrics.correct,
+        metrics.count
+    );
+    // confusion[true][predicted]
+    let mut confusion = vec![vec![0u64; classes]; classes];
+    for (row, &y) in probs.chunks_exact(classes).zip(data.labels()) {
+        let pred = row.iter().enumerate().fold(0, |best, (i, &v)| if v > row[best] { i } else { best });
+        confusion[y as usize][pred] += 1;
+    }
+    let w = data.len().to_string().len().max(3);
+    outln!("confusion matrix (rows: true class, columns: predicted class)");
+    let mut head = format!("{:>w$} |", "");
+    for c in 0..classes {
+        let _ = write!(head, " {c:>w$}");
+    }
+    outln!("{head}");
+    outln!("{}", "-".repeat(head.len()));
+    for (c, row) in confusion.iter().enumerate() {
+        let mut line = format!("{c:>w$} |");
+        for v in row {
+            let _ = write!(line, " {v:>w$}");
+        }
+        outln!("{line}");
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------
+// predict
+
+/// Inputs per `Trainer::predict` call: bounds the activations held at once.
+const PREDICT_CHUNK: usize = 1024;
+
+/// The inputs of `predict` and whether they came with labels. An IDX images file has
+/// none: its samples get label 0 of 1 class, which nothing reads.
+fn load_inputs(spec: &str, flat: bool) -> CliResult<(Dataset, bool)> {
+    let path = Path::new(spec);
+    if spec.starts_with("mnist:") || !path.exists() {
+        let splits = load_data(spec, flat, 0, None)?;
+        return Ok((splits.test.unwrap_or(splits.train), true));
+    }
+    if !path.is_file() {
+        return Err(Failure::usage(anyhow!("--data '{spec}': not a file")));
+    }
+    if path.extension().is_some_and(|e| e == "safetensors") {
+        return Ok((load_safetensors_dataset(path).map_err(Failure::usage)?, true));
+    }
+    let (pixels, [n, h, w]) = load_idx_images(path).map_err(Failure::usage)?;
+    let data = Dataset::new(spec, [1, h, w], Features::U8(pixels), vec![0; n], 1).map_err(Failure::usage)?;
+    Ok((data, false))
+}
+
+pub(crate) fn cmd_predict(a: PredictArgs) -> CliResult {
+    if a.limit == Some(0) {
+        return Err(Failure::usage(anyhow!("--limit must be at least 1")));
+    }
+    let devices = resolve_devices(&a.devices)?;
+    if !a.weights.is_file() {
+        return Err(Failure::usage(anyhow!("--weights '{}': no such file", a.weights.display())));
+    }
+    let source = a.model.resolve()?;
+    let (data, labelled) = load_inputs(&a.data, source.flat())?;
+    let n = a.limit.map_or(data.len(), |l| l.min(data.len()));
+    // Unlabelled images give no class count: a built-in model then outputs MNIST's 10
+    // (a weights file of another count is refused by name when it is loaded).
+    let classes = if labelled { data.num_classes() } else { lockstep::data::idx::MNIST_CLASSES };
+    let model = build_model(&source, data.sample_shape().dims(), classes, 0.5, 0.99)?;
+    lockstep::train::check_data(&model, &data).map_err(Failure::usage)?;
+    let store: ParamStore =
+        weights::load(&model, &a.weights).map_err(Failure::usage).map_err(|f| f.with_context("--weights"))?;
+    // No more ranks than inputs: every rank gets at least one sample of every chunk.
+    let devices = if devices.len() > n {
+        Devices::cpu(n, devices.threads_per_device()).map_err(Failure::usage)?
+    } else {
+        devices
+    };
+    let k = model.output_shape().numel();
+    let config = TrainConfig { initial: Some(store), check_replicas_every: None, ..TrainConfig::default() };
+    // ceil(n / PREDICT_CHUNK) chunks of near-equal sizes, each ≥ n / chunks ≥ the ranks.
+    let chunks = n.div_ceil(PREDICT_CHUNK);
+    let probs = with_trainer(&model, &devices, &config, |t| {
+        let mut out = Vec::with_capacity(n * k);
+        for c in 0..chunks {
+            let rows: Vec<usize> = (c * n / chunks..(c + 1) * n / chunks).collect();
+            out.extend(t.predict(Batch::gather(&data, &rows))?);
+        }
+        Ok(out)
+    })
+    .map_err(Failure::runtime)?;
+    for (i, row) in probs.chunks_exact(k).enumerate() {
+        let top = row.iter().enumerate().fold(0, |best, (c, &p)| if p > row[best] { c } else { best });
+        outln!("{i}  {top}  {:.4}", row[top]);
+    }
+    Ok(())
+}
