@@ -124,6 +124,17 @@ pub enum Device {
     Cuda(usize),
 }
 
+impl Device {
+    /// A GPU if there is one, else the CPU: the portable default ("cuda:0" when a CUDA
+    /// driver reports a GPU, "cpu:0" otherwise, including when no driver is installed).
+    pub fn cuda_if_available() -> Device {
+        match crate::cuda::probe::gpu_count() {
+            Ok(n) if n > 0 => Device::Cuda(0),
+            _ => Device::Cpu(0),
+        }
+    }
+}
+
 impl fmt::Display for Device {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
@@ -231,5 +242,28 @@ impl Tensor {
             return Err(Error::DeviceMismatch { op, lhs: self.device.to_string(), rhs: other.device.to_string() });
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_portable_default_is_the_cpu_without_a_gpu() {
+        // This follows the machine: a GPU where the driver reports one.
+        let expected = match crate::cuda::probe::gpu_count() {
+            Ok(n) if n > 0 => Device::Cuda(0),
+            _ => Device::Cpu(0),
+        };
+        assert_eq!(Device::cuda_if_available(), expected);
+        assert_eq!(Device::Cpu(3).to_string(), "cpu:3");
+    }
+
+    #[test]
+    fn moving_to_a_gpu_without_the_cuda_worker_is_an_error_not_a_panic() {
+        let t = Tensor::from_vec(vec![1.0, 2.0], [2]).unwrap();
+        assert_eq!(t.to(Device::Cpu(1)).unwrap().device(), Device::Cpu(1));
+        assert!(t.to(Device::Cuda(0)).is_err());
     }
 }
