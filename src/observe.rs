@@ -167,7 +167,7 @@ impl Progress {
     fn bar(&mut self, e: &StepEvent<'_>) -> &ProgressBar {
         let stream = self.stream;
         self.bar.get_or_insert_with(|| {
-            let total = (e.epochs * e.steps_in_epoch) as u64;
+            let total = e.total_steps;
             let target = match stream {
                 Stream::Stdout => ProgressDrawTarget::stdout(),
                 Stream::Stderr => ProgressDrawTarget::stderr(),
@@ -516,6 +516,7 @@ mod tests {
             epochs: 3,
             step_in_epoch: 1,
             steps_in_epoch: 3,
+            total_steps: 9,
             data_wait: Duration::from_millis(1),
         }
     }

@@ -184,6 +184,8 @@ pub struct StepEvent<'a> {
     pub epochs: usize,
     pub step_in_epoch: usize,
     pub steps_in_epoch: usize,
+    /// Steps the whole run will have taken at its end (resumed steps included).
+    pub total_steps: u64,
     /// Time the coordinator waited for the loader.
     pub data_wait: Duration,
 }
@@ -713,6 +715,7 @@ pub fn train_data_parallel_with(
                     epochs: config.epochs,
                     step_in_epoch: i,
                     steps_in_epoch: steps_per_epoch,
+                    total_steps,
                     data_wait,
                 });
                 if let Some(k) = config.check_replicas_every {
