@@ -53,7 +53,8 @@ fn step_rate(e: &StepEvent<'_>) -> f64 {
 
 /// The epoch line of the CLI:
 /// `epoch  3/15 | train loss 0.1234 acc 0.9612 | test loss 0.0981 acc 0.9722 | 5210 samples/s | 0.66s`.
-pub fn epoch_line(e: &EpochReport) -> String {
+/// `held_out` names what the per-epoch evaluation ran on: "test" or "validation".
+pub fn epoch_line(e: &EpochReport, held_out: &str) -> String {
     let width = e.epochs.to_string().len();
     let mut line = format!(
         "epoch {:>width$}/{} | train loss {:.4} acc {:.4}",
@@ -63,7 +64,7 @@ pub fn epoch_line(e: &EpochReport) -> String {
         e.train.accuracy()
     );
     if let Some(t) = &e.test {
-        let _ = write!(line, " | test loss {:.4} acc {:.4}", t.mean_loss(), t.accuracy());
+        let _ = write!(line, " | {held_out} loss {:.4} acc {:.4}", t.mean_loss(), t.accuracy());
     }
     let _ = write!(line, " | {:.0} samples/s | {:.2}s", e.samples_per_sec, e.seconds);
     line
@@ -142,6 +143,8 @@ pub struct Progress {
     /// Metrics and training time of the epoch so far (for the bar's loss and rate).
     epoch: Metrics,
     epoch_time: Duration,
+    /// What the per-epoch evaluation runs on, for the epoch lines.
+    held_out: &'static str,
 }
 
 impl Progress {
@@ -153,7 +156,21 @@ impl Progress {
 
     /// Forces the drawing (tests; a terminal that should get plain lines).
     pub fn with_drawing(stream: Stream, step_lines: StepLines, drawing: Drawing) -> Progress {
-        Progress { stream, step_lines, drawing, bar: None, epoch: Metrics::default(), epoch_time: Duration::ZERO }
+        Progress {
+            stream,
+            step_lines,
+            drawing,
+            bar: None,
+            epoch: Metrics::default(),
+            epoch_time: Duration::ZERO,
+            held_out: "test",
+        }
+    }
+
+    /// Names the per-epoch evaluation set in the epoch lines ("test" by default).
+    pub fn held_out(mut self, name: &'static str) -> Progress {
+        self.held_out = name;
+        self
     }
 
     fn print(&self, text: &str) {
@@ -226,7 +243,7 @@ impl Observer for Progress {
     }
 
     fn on_epoch(&mut self, e: &EpochReport) {
-        self.print(&epoch_line(e));
+        self.print(&epoch_line(e, self.held_out));
         if e.epoch + 1 == e.epochs {
             self.finish();
         }
@@ -633,7 +650,7 @@ mod tests {
     #[test]
     fn epoch_and_lesson_lines_keep_the_cli_format() {
         assert_eq!(
-            epoch_line(&epoch(true)),
+            epoch_line(&epoch(true), "test"),
             "epoch 2/3 | train loss 0.4000 acc 0.9000 | test loss 0.3000 acc 0.9000 | 200 samples/s | 0.50s"
         );
         let r = report();

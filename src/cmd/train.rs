@@ -308,7 +308,7 @@ pub(crate) fn cmd_train(a: TrainArgs) -> CliResult {
     );
 
     let step_lines = if a.log_every_step { StepLines::Lesson } else { StepLines::Off };
-    let mut progress = Progress::new(human, step_lines);
+    let mut progress = Progress::new(human, step_lines).held_out(eval_name);
     let mut json = (a.log_format == LogFormat::Json).then(|| JsonLines::new(std::io::stdout()));
     let mut csv = a.metrics_out.as_deref().map(CsvMetrics::create).transpose().map_err(Failure::usage)?;
     let mut observers = Fanout::new();
