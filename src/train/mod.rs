@@ -288,7 +288,7 @@ impl Trainer<'_> {
             })?;
         }
         let mut replies: Vec<Option<Reply>> = (0..self.commands.len()).map(|_| None).collect();
-        let mut root: Option<Error> = None;
+        let (mut root, mut aborted) = (None, None);
         for _ in 0..self.commands.len() {
             let (d, r) = recv_spinning(&self.replies, self.wait).map_err(|_| Error::Worker {
                 device: "coordinator".into(),
@@ -297,19 +297,20 @@ impl Trainer<'_> {
             })?;
             match r {
                 Ok(reply) => replies[d] = Some(reply),
-                // The first real cause wins over the aborts it triggered elsewhere.
+                // The cause wins over the aborts it triggered in the other workers.
+                Err(Error::Aborted) => {
+                    aborted.get_or_insert(d);
+                }
                 Err(e) => {
-                    let is_abort = matches!(&e, Error::Worker { cause, .. } if cause == &Error::Aborted.to_string());
-                    if root.is_none()
-                        || (!is_abort
-                            && matches!(&root, Some(Error::Worker { cause, .. }) if cause == &Error::Aborted.to_string()))
-                    {
-                        root = Some(e);
-                    }
+                    root.get_or_insert(e);
                 }
             }
         }
-        if let Some(e) = root {
+        let device = |d: usize| self.devices[d].to_string();
+        let failure = root.or_else(|| {
+            aborted.map(|d| Error::Worker { device: device(d), step: self.step, cause: Error::Aborted.to_string() })
+        });
+        if let Some(e) = failure {
             self.exchange.abort();
             self.failed = Some(e.to_string());
             return Err(e);
@@ -436,15 +437,18 @@ fn worker_loop(
                 Command::Snapshot => Reply::Snapshot(Box::new((replica.store.clone(), replica.optimizer.clone()))),
             })
         }));
+        // A worker released from a collective by another's failure says only that
+        // (`Error::Aborted`); the one that failed names itself, the step and the cause.
+        let failure = |cause: String| Error::Worker { device: device.to_string(), step, cause };
         let result = match result {
             Ok(Ok(r)) => Ok(r),
-            Ok(Err(e)) => Err(e.to_string()),
-            Err(panic) => Err(format!("panicked: {}", panic_message(&panic))),
-        }
-        .map_err(|cause| {
+            Ok(Err(Error::Aborted)) => Err(Error::Aborted),
+            Ok(Err(e)) => Err(failure(e.to_string())),
+            Err(panic) => Err(failure(format!("panicked: {}", panic_message(&panic)))),
+        };
+        if result.is_err() {
             exchange.abort();
-            Error::Worker { device: device.to_string(), step, cause }
-        });
+        }
         let failed = result.is_err();
         if replies.send((rank, result)).is_err() || failed {
             return;
