@@ -79,7 +79,7 @@ pub(crate) struct TrainArgs {
     /// Logical replicas R (a multiple of the device count) [default: the device count].
     #[arg(long, value_name = "R")]
     replicas: Option<usize>,
-    /// Check that every replica is bitwise identical every K steps (and at the end).
+    /// Check that every replica is bitwise identical every K steps and at the end [default: 100].
     #[arg(long, value_name = "K")]
     check_replicas_every: Option<u64>,
     /// Keep training when the loss becomes NaN or infinite.
