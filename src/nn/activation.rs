@@ -1,6 +1,12 @@
 //! Elementwise layers: ReLU and Rescaling (Keras `Rescaling(scale, offset)`).
 
+use rayon::prelude::*;
+
 use super::{Ctx, InputGrad, Layer, Mode, Params, ParamsMut};
+
+/// Elements per parallel task of the elementwise layers: large enough that a task costs
+/// more than handing it to another thread.
+const CHUNK: usize = 1 << 16;
 use crate::error::{Error, Result};
 use crate::tensor::{Shape, Tensor};
 
@@ -33,14 +39,18 @@ impl Layer for Relu {
         let xs = x.host_mut();
         if ctx.mode == Mode::Train {
             self.positive.resize(xs.len(), 0);
-            for (v, m) in xs.iter_mut().zip(self.positive.iter_mut()) {
-                *m = u8::from(*v > 0.0);
-                *v = if *v < 0.0 { 0.0 } else { *v };
-            }
+            xs.par_chunks_mut(CHUNK).zip(self.positive.par_chunks_mut(CHUNK)).for_each(|(xs, ms)| {
+                for (v, m) in xs.iter_mut().zip(ms.iter_mut()) {
+                    *m = u8::from(*v > 0.0);
+                    *v = if *v < 0.0 { 0.0 } else { *v };
+                }
+            });
         } else {
-            for v in xs.iter_mut() {
-                *v = if *v < 0.0 { 0.0 } else { *v };
-            }
+            xs.par_chunks_mut(CHUNK).for_each(|xs| {
+                for v in xs.iter_mut() {
+                    *v = if *v < 0.0 { 0.0 } else { *v };
+                }
+            });
         }
         Ok(x)
     }
@@ -62,9 +72,11 @@ impl Layer for Relu {
                 format!("dout {} for {} cached inputs", dout.shape(), self.positive.len()),
             ));
         }
-        for (d, &p) in dout.host_mut().iter_mut().zip(&self.positive) {
-            *d = if p != 0 { *d } else { 0.0 };
-        }
+        dout.host_mut().par_chunks_mut(CHUNK).zip(self.positive.par_chunks(CHUNK)).for_each(|(ds, ms)| {
+            for (d, &p) in ds.iter_mut().zip(ms) {
+                *d = if p != 0 { *d } else { 0.0 };
+            }
+        });
         Ok(Some(dout))
     }
 
