@@ -588,15 +588,11 @@ fn reduce_sum_adds_the_buffers_in_order_and_scales() {
 
 // ---- dropout.cu ----------------------------------------------------------------------
 
-/// The Rust copy of dropout.cu's hash (the CPU backend must run these same lines).
+/// dropout.cu's keep decision, as the CPU layer (`nn::Dropout`) computes it: the two
+/// must agree bit for bit, so the test asks the library rather than a copy.
 fn dropout_keep(key: DropoutKey, idx: u64, rate: f32) -> bool {
-    const G: u64 = 0x9E37_79B9_7F4A_7C15;
-    let k = mix64(
-        mix64(mix64(key.seed.wrapping_add(key.step.wrapping_mul(G))).wrapping_add(key.replica.wrapping_mul(G)))
-            .wrapping_add(key.layer.wrapping_mul(G)),
-    );
-    let z = mix64(k.wrapping_add(idx.wrapping_mul(G)));
-    (z >> 40) as f32 * (1.0 / 16_777_216.0) >= rate
+    use lockstep::rng::{dropout_key, hash64, unit_f32};
+    unit_f32(hash64(dropout_key(key.seed, key.step, key.replica, key.layer), idx)) >= rate
 }
 
 #[test]
