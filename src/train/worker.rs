@@ -190,3 +190,42 @@ pub fn check_replicas(step: u64, prints: &[Vec<(String, u64)>]) -> Result<()> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_replica_that_differs_is_named_with_the_first_tensor_that_differs() {
+        let a = vec![
+            ("dense0.weight".to_string(), 1u64),
+            ("dense0.bias".to_string(), 2),
+            ("bn0.running_mean".to_string(), 3),
+        ];
+        let mut b = a.clone();
+        b[1].1 = 20;
+        b[2].1 = 30;
+        assert!(check_replicas(7, &[a.clone(), a.clone(), a.clone()]).is_ok());
+        let e = check_replicas(7, &[a.clone(), a.clone(), b]).unwrap_err();
+        assert!(matches!(&e, Error::ReplicaMismatch { step: 7, replica: 2, tensor } if tensor == "dense0.bias"), "{e}");
+        assert_eq!(
+            e.to_string(),
+            "replica check failed at step 7: replica 2 differs from replica 0 in tensor 'dense0.bias'"
+        );
+    }
+
+    #[test]
+    fn fingerprints_change_with_any_bit() {
+        let model = crate::models::toy_mlp(2, 2).unwrap();
+        let store = model.init(0);
+        let optimizer = Optimizer::new(crate::optim::OptimizerConfig::sgd(0.1), model.num_params());
+        let mut r = Replica { device: Device::Cpu(0), model, store, optimizer, seed: 0 };
+        let before = r.fingerprints();
+        r.store.params[5] = f32::from_bits(r.store.params[5].to_bits() ^ 1); // one ulp
+        let after = r.fingerprints();
+        assert_eq!(before.len(), after.len());
+        let changed: Vec<&str> =
+            before.iter().zip(&after).filter(|(x, y)| x.1 != y.1).map(|(x, _)| x.0.as_str()).collect();
+        assert_eq!(changed, vec!["dense0.weight"]);
+    }
+}
