@@ -330,6 +330,38 @@ mod tests {
     }
 
     #[test]
+    fn classic_all_reduce_and_broadcast_give_every_rank_the_same_values() {
+        let (ranks, len) = (3, 100);
+        let ex = ShmExchange::new(ranks, ranks, len).unwrap();
+        let out: Vec<(Vec<f32>, Vec<f32>)> = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..ranks)
+                .map(|r| {
+                    let ex = &ex;
+                    s.spawn(move || {
+                        let me = ex.rank(r);
+                        let mut sum: Vec<f32> = (0..len).map(|i| (r * 1000 + i) as f32).collect();
+                        me.all_reduce_sum(&mut sum).unwrap();
+                        let mut b = vec![r as f32; len];
+                        me.broadcast(&mut b, 1).unwrap();
+                        (sum, b)
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for (sum, b) in &out {
+            // ((0·1000 + i) + (1000 + i)) + (2000 + i) = 3000 + 3i, exact in f32
+            assert!(sum.iter().enumerate().all(|(i, &v)| v == (3000 + 3 * i) as f32));
+            assert!(b.iter().all(|&v| v == 1.0), "rank 1's values everywhere");
+        }
+        // One rank: nothing to do, nothing changes.
+        let one = ShmExchange::new(1, 1, 4).unwrap();
+        let mut v = vec![1.0, 2.0, 3.0, 4.0];
+        one.rank(0).all_reduce_sum(&mut v).unwrap();
+        assert_eq!(v, vec![1.0, 2.0, 3.0, 4.0]);
+    }
+
+    #[test]
     fn abort_releases_a_waiting_rank() {
         let ex = ShmExchange::new(2, 2, 4).unwrap();
         std::thread::scope(|s| {
