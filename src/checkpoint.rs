@@ -71,6 +71,13 @@ fn checksum<'a>(parts: impl IntoIterator<Item = &'a [u8]>) -> u64 {
     h
 }
 
+/// The checksum of a checkpoint: every metadata entry (position, configuration) and
+/// every tensor's name, dtype, shape and bytes, in sorted order.
+fn digest<'a>(meta: &'a BTreeMap<String, String>, tensors: impl Iterator<Item = (&'a str, &'a [u8])>) -> u64 {
+    let entries = meta.iter().flat_map(|(k, v)| [k.as_bytes(), b"=", v.as_bytes(), b"\n"]);
+    checksum(entries.chain(tensors.flat_map(|(d, b)| [d.as_bytes(), b])))
+}
+
 fn file_name(step: u64) -> String {
     format!("{PREFIX}{step:012}{SUFFIX}")
 }
@@ -92,11 +99,19 @@ pub fn list(dir: &Path) -> Result<Vec<(u64, PathBuf)>> {
 }
 
 /// Checks that `dir` exists (creating it) and is writable, before any training.
+/// Also removes the temporary files of writes that a killed process never finished.
 pub fn prepare_dir(dir: &Path) -> Result<()> {
     std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
     let probe = dir.join(format!(".write-test-{}", std::process::id()));
     std::fs::write(&probe, b"").map_err(|e| Error::io(dir, e))?;
-    std::fs::remove_file(&probe).map_err(|e| Error::io(&probe, e))
+    std::fs::remove_file(&probe).map_err(|e| Error::io(&probe, e))?;
+    for e in std::fs::read_dir(dir).map_err(|e| Error::io(dir, e))?.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if name.starts_with(&format!(".{PREFIX}")) && name.contains(".tmp-") {
+            std::fs::remove_file(e.path()).map_err(|err| Error::io(e.path(), err))?;
+        }
+    }
+    Ok(())
 }
 
 /// Writes a checkpoint of `state` and removes all but the newest `policy.keep`.
@@ -116,13 +131,15 @@ pub fn save(model: &Sequential, state: &Resume, policy: &CheckpointPolicy) -> Re
     }
     tensors.sort_by(|a, b| a.0.cmp(&b.0));
     let le: Vec<Vec<u8>> = tensors.iter().map(|(_, _, v)| v.iter().flat_map(|x| x.to_le_bytes()).collect()).collect();
-    let sum = checksum(tensors.iter().zip(&le).flat_map(|((n, _, _), b)| [n.as_bytes(), b.as_slice()]));
-    let mut meta: std::collections::HashMap<String, String> =
+    let mut meta: BTreeMap<String, String> =
         policy.config.iter().map(|(k, v)| (format!("config.{k}"), v.clone())).collect();
     meta.insert("lockstep.step".into(), state.step.to_string());
     meta.insert("lockstep.epoch".into(), state.epoch.to_string());
     meta.insert("lockstep.step_in_epoch".into(), state.step_in_epoch.to_string());
     meta.insert("lockstep.optimizer_steps".into(), state.optimizer.steps().to_string());
+    let described: Vec<String> = tensors.iter().map(|(n, shape, _)| format!("{n} F32 {shape:?}")).collect();
+    let sum = digest(&meta, described.iter().map(String::as_str).zip(le.iter().map(Vec::as_slice)));
+    let mut meta: std::collections::HashMap<String, String> = meta.into_iter().collect();
     meta.insert("lockstep.checksum".into(), format!("{sum:016x}"));
     let bytes = to_safetensors_bytes(&tensors, Some(meta))?;
     let path = policy.dir.join(file_name(state.step));
@@ -130,9 +147,12 @@ pub fn save(model: &Sequential, state: &Resume, policy: &CheckpointPolicy) -> Re
     if let Ok(d) = std::fs::File::open(&policy.dir) {
         let _ = d.sync_all(); // the rename itself reaches the disk
     }
-    let all = list(&policy.dir)?;
-    for (_, old) in all.iter().take(all.len().saturating_sub(policy.keep.max(1))) {
-        std::fs::remove_file(old).map_err(|e| Error::io(old, e))?;
+    // Checkpoints past this step belong to a future this run abandoned (it resumed from
+    // an earlier one); of the rest, the newest `keep` stay, this one always among them.
+    let (past, future): (Vec<_>, Vec<_>) = list(&policy.dir)?.into_iter().partition(|(s, _)| *s <= state.step);
+    let old = past.len().saturating_sub(policy.keep.max(1));
+    for (_, p) in past.iter().take(old).chain(&future) {
+        std::fs::remove_file(p).map_err(|e| Error::io(p, e))?;
     }
     Ok(path)
 }
@@ -160,7 +180,10 @@ pub fn load(
         .map(|n| st.tensor(n).map(|v| (n.clone(), v)))
         .collect::<Result<_, _>>()
         .map_err(|e| Error::format(path, format!("unreadable tensor: {e}")))?;
-    let sum = checksum(views.iter().flat_map(|(n, v)| [n.as_bytes(), v.data()]));
+    let described: Vec<String> = views.iter().map(|(n, v)| format!("{n} {:?} {:?}", v.dtype(), v.shape())).collect();
+    let signed: BTreeMap<String, String> =
+        meta.iter().filter(|(k, _)| k.as_str() != "lockstep.checksum").map(|(k, v)| (k.clone(), v.clone())).collect();
+    let sum = digest(&signed, described.iter().map(String::as_str).zip(views.iter().map(|(_, v)| v.data())));
     if get("lockstep.checksum")? != &format!("{sum:016x}") {
         return Err(Error::format(path, "checksum mismatch: the checkpoint is corrupt"));
     }
@@ -326,6 +349,45 @@ mod tests {
         let fresh = Optimizer::new(OptimizerConfig::adam(1e-3), model.num_params());
         let e = load_latest(&model, &dir, &other, &fresh, Fallback::NewestGood).unwrap_err().to_string();
         assert!(e.contains("batch_size is 8 there, 16 here"), "{e}");
+    }
+
+    #[test]
+    fn a_resumed_run_replaces_the_abandoned_future_and_never_deletes_what_it_wrote() {
+        let model = models::toy_mlp(2, 2).unwrap();
+        let dir = tmp("future");
+        let p = policy(&dir, 1);
+        for step in [10, 30] {
+            save(&model, &state(&model, step), &CheckpointPolicy { keep: 5, ..p.clone() }).unwrap();
+        }
+        // Resumed from 10 (30 was, say, corrupt): writing 11 removes 30 and keeps 11 alone.
+        let written = save(&model, &state(&model, 11), &p).unwrap();
+        assert!(written.exists());
+        assert_eq!(list(&dir).unwrap().into_iter().map(|(s, _)| s).collect::<Vec<_>>(), vec![11]);
+        // A killed write's temporary file goes when the directory is prepared again.
+        let stale = dir.join(".checkpoint-000000000012.safetensors.tmp-99999");
+        std::fs::write(&stale, b"half").unwrap();
+        prepare_dir(&dir).unwrap();
+        assert!(!stale.exists());
+    }
+
+    #[test]
+    fn the_checksum_covers_the_position_and_the_configuration() {
+        let model = models::toy_mlp(2, 2).unwrap();
+        let dir = tmp("meta");
+        let p = policy(&dir, 1);
+        let path = save(&model, &state(&model, 4), &p).unwrap();
+        // Same length, another position: "step_in_epoch":"3" → "4" in the JSON header.
+        let mut bytes = std::fs::read(&path).unwrap();
+        let header_end = 8 + u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+        let header = String::from_utf8(bytes[8..header_end].to_vec()).unwrap();
+        let at = header.find("\"lockstep.step_in_epoch\":\"3\"").expect("the field is in the header");
+        let digit = 8 + at + "\"lockstep.step_in_epoch\":\"".len();
+        assert_eq!(bytes[digit], b'3');
+        bytes[digit] = b'4';
+        std::fs::write(&path, &bytes).unwrap();
+        let fresh = Optimizer::new(OptimizerConfig::adam(1e-3), model.num_params());
+        let e = load(&model, &path, &p.config, &fresh).unwrap_err().to_string();
+        assert!(e.contains("checksum mismatch"), "{e}");
     }
 
     #[test]

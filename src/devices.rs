@@ -91,6 +91,13 @@ impl Devices {
                 detail: "device and thread counts must be at least 1".into(),
             });
         }
+        let limit = 64 * available_cores();
+        if n.saturating_mul(threads) > limit {
+            return Err(Error::DeviceSpec {
+                spec: format!("cpu:{n}x{threads}"),
+                detail: format!("{} threads in all is more than 64 per core ({limit} here)", n.saturating_mul(threads)),
+            });
+        }
         Ok(Devices { devices: (0..n).map(Device::Cpu).collect(), threads_per_device: threads })
     }
 
@@ -208,5 +215,7 @@ mod tests {
         assert_eq!(d.threads_per_device(), 3);
         let auto = DeviceSpec::Cpu { count: 64, threads: None }.resolve().unwrap();
         assert_eq!(auto.threads_per_device(), 1);
+        let e = "cpu:1x100000".parse::<DeviceSpec>().unwrap().resolve().unwrap_err().to_string();
+        assert!(e.contains("more than 64 per core"), "{e}");
     }
 }

@@ -514,8 +514,9 @@ mod tests {
         );
         assert!(err(r#"{"input_shape": [5], "layers": [{"type": "conv2d", "filters": 1, "kernel_size": 1}]}"#)
             .contains("layer 0 (conv2d): expects images (C, H, W), got samples of shape (5)"));
-        assert!(err(&with_layers(r#"{"type": "relu"}, {"type": "conv2d", "filters": 1, "kernel_size": 9}"#))
-            .contains("layer 1 (conv2d): Conv2d: shape mismatch: input (2, 1, 8, 8) is smaller than the 9x9 kernel"));
+        assert!(err(&with_layers(r#"{"type": "relu"}, {"type": "conv2d", "filters": 1, "kernel_size": 9}"#)).contains(
+            "layer 1 (conv2d): Conv2d: shape mismatch: input (2, 1, 8, 8) is empty or smaller than the 9x9 kernel"
+        ));
         assert!(err(&with_layers(r#"{"type": "flatten"}, {"type": "batch_normalization"}"#))
             .contains("layer 1 (batch_normalization): expects images"));
         // 2^20 filters of a 2^20×1 kernel: 2^40 parameters, refused before any product

@@ -113,6 +113,15 @@ fn ctrl_c_writes_a_checkpoint_and_exits_non_zero() {
 }
 
 #[test]
+fn an_absurd_epoch_count_is_capped_by_steps_not_a_crash() {
+    let out =
+        bin().args(["train", "--model", "toy", "--epochs", "18446744073709551615", "--steps", "3"]).output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("trained 3 steps"), "{stdout}");
+}
+
+#[test]
 fn checkpoint_input_errors_are_one_line() {
     let dir = tmp("bad");
     let missing = dir.join("nope");
@@ -125,6 +134,21 @@ fn checkpoint_input_errors_are_one_line() {
     std::fs::create_dir_all(&empty).unwrap();
     let out = bin().args(["train", "--resume", empty.to_str().unwrap()]).output().unwrap();
     assert!(String::from_utf8_lossy(&out.stderr).contains("no checkpoint in it"));
+
+    // A new run into a directory that holds another run's checkpoints would mix the two.
+    let used = dir.join("used");
+    let out = bin()
+        .args(["train", "--model", "toy", "--checkpoint-dir", used.to_str().unwrap(), "--checkpoint-every", "2"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = bin()
+        .args(["train", "--model", "toy", "--seed", "5", "--checkpoint-dir", used.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("already holds checkpoints of a run (newest: step 9)") && err.contains("--resume"), "{err}");
 
     let out = bin().args(["train", "--checkpoint-dir", "/proc/lockstep-unwritable/ck"]).output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);

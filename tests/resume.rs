@@ -128,3 +128,23 @@ fn a_stopped_run_writes_a_checkpoint_and_resumes_exactly() {
     .unwrap();
     assert!(rest.weights == reference.weights);
 }
+
+#[test]
+fn a_position_that_is_not_one_of_this_run_is_refused() {
+    let (model, data, cfg) = setup();
+    let optimizer = Optimizer::new(cfg.optimizer, model.num_params());
+    // 5 steps per epoch: step 7 is epoch 1, step 2 in it — not epoch 1, step 3.
+    let resume =
+        lockstep::checkpoint::Resume { weights: model.init(9), optimizer, step: 7, epoch: 1, step_in_epoch: 3 };
+    let err = match train_data_parallel(
+        &model,
+        &data,
+        None,
+        &Devices::cpu(1, 1).unwrap(),
+        &TrainConfig { resume: Some(resume), ..cfg },
+    ) {
+        Ok(_) => panic!("an inconsistent position must be refused"),
+        Err(e) => e.to_string(),
+    };
+    assert!(err.contains("is not a position of this run (5 steps per epoch)"), "{err}");
+}

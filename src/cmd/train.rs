@@ -201,6 +201,14 @@ pub(crate) fn cmd_train(a: TrainArgs) -> CliResult {
     let checkpoint_dir = a.checkpoint_dir.clone().or_else(|| a.resume.clone());
     if let Some(d) = &checkpoint_dir {
         lockstep::checkpoint::prepare_dir(d).map_err(Failure::usage).map_err(|f| f.with_context("--checkpoint-dir"))?;
+        if a.resume.is_none() {
+            if let Some((step, _)) = lockstep::checkpoint::list(d).map_err(Failure::usage)?.last() {
+                return Err(Failure::usage(anyhow!(
+                    "--checkpoint-dir '{}' already holds checkpoints of a run (newest: step {step}); continue it with --resume, or choose another directory",
+                    d.display()
+                )));
+            }
+        }
     }
     let data_spec = a.data.clone().unwrap_or_else(|| source.default_data().to_string());
     let splits = load_data(&data_spec, toy, a.seed, a.test_data.as_deref())?;
@@ -242,8 +250,15 @@ pub(crate) fn cmd_train(a: TrainArgs) -> CliResult {
         ..TrainConfig::default()
     };
     config.validate().map_err(Failure::usage)?;
-    let run_config =
-        run_fingerprint(&a, &source.name(), &model, &data_spec, &config, a.replicas.unwrap_or(devices.len()));
+    let run_config = run_fingerprint(
+        &a,
+        &source.name(),
+        &model,
+        &data_spec,
+        &splits.train,
+        &config,
+        a.replicas.unwrap_or(devices.len()),
+    );
     let steps_per_epoch = lockstep::train::scatter::steps_per_epoch(splits.train.len(), batch_size, last_batch) as u64;
     let policy = checkpoint_dir.map(|dir| CheckpointPolicy {
         dir,
@@ -351,14 +366,18 @@ fn run_fingerprint(
     model_name: &str,
     model: &Sequential,
     data_spec: &str,
+    train: &Dataset,
     c: &TrainConfig,
     replicas: usize,
 ) -> BTreeMap<String, String> {
-    let tensors: Vec<String> = model.param_infos().iter().map(|t| format!("{}{}", t.name, t.shape)).collect();
+    let layers: Vec<String> = model.layers().iter().map(|l| l.describe()).collect();
     let entries = [
         ("model", model_name.to_string()),
-        ("tensors", tensors.join(" ")),
+        ("layers", layers.join(" → ")),
         ("data", data_spec.to_string()),
+        ("train_samples", train.len().to_string()),
+        ("train_digest", format!("{:016x}", train.digest())),
+        ("validation_split", format!("{:?}", a.validation_split)),
         ("epochs", c.epochs.to_string()),
         ("steps", format!("{:?}", c.max_steps)),
         ("batch_size", c.batch_size.to_string()),

@@ -113,6 +113,27 @@ impl Dataset {
         &self.features
     }
 
+    /// A 64-bit digest (FNV-1a) of the sample shape, every feature value and every label:
+    /// two datasets with the same digest hold, for all practical purposes, the same
+    /// samples in the same order. Checkpoints use it to refuse resuming on other data.
+    pub fn digest(&self) -> u64 {
+        let mut h = 0xcbf2_9ce4_8422_2325u64;
+        let mut eat = |bytes: &[u8]| {
+            for &b in bytes {
+                h = (h ^ b as u64).wrapping_mul(0x100_0000_01b3);
+            }
+        };
+        for d in self.sample_shape.dims() {
+            eat(&(*d as u64).to_le_bytes());
+        }
+        match &self.features {
+            Features::F32(v) => v.iter().for_each(|x| eat(&x.to_le_bytes())),
+            Features::U8(v) => eat(v),
+        }
+        self.labels.iter().for_each(|l| eat(&l.to_le_bytes()));
+        h
+    }
+
     /// Copies the samples `indices` (in that order) into `x` as f32 and their labels into
     /// `y`. `x` must hold `indices.len()` samples.
     pub fn gather_into(&self, indices: &[usize], x: &mut [f32], y: &mut [u32]) {

@@ -170,8 +170,12 @@ impl Layer for BatchNorm2d {
         let (gamma, beta) = self.gamma_beta(&params);
         let (mean, invstd): (Vec<f32>, Vec<f32>) = match ctx.mode {
             Mode::Train => {
-                if m == 0 {
-                    return Err(Error::shape("BatchNorm2d", format!("no values per channel in {}", x.shape())));
+                if m < 2 {
+                    // As PyTorch: one value per channel has no variance to normalise by.
+                    return Err(Error::shape(
+                        "BatchNorm2d",
+                        format!("training needs more than one value per channel, got {}", x.shape()),
+                    ));
                 }
                 let xs = x.host();
                 let stats = per_channel(c, |ch| {
@@ -306,5 +310,23 @@ impl Layer for BatchNorm2d {
             if self.scale { ", scale" } else { "" },
             if self.center { ", center" } else { "" }
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::nn::Sequential;
+    use crate::tensor::Device;
+
+    #[test]
+    fn one_value_per_channel_cannot_be_normalised_in_training() {
+        let mut m = Sequential::new([2, 1, 1], vec![Box::new(BatchNorm2d::new(2))]).unwrap();
+        let mut st = m.init(0);
+        let x = Tensor::from_vec(vec![1.0, 2.0], [1, 2, 1, 1]).unwrap();
+        let e = m.forward(x.clone(), &st.params, &mut st.buffers, &Ctx::train(0, 0, 0, Device::Cpu(0))).unwrap_err();
+        assert!(e.to_string().contains("more than one value per channel"), "{e}");
+        // Evaluation uses the running statistics: fine with one value.
+        assert!(m.forward(x, &st.params, &mut st.buffers, &Ctx::eval(Device::Cpu(0))).is_ok());
     }
 }

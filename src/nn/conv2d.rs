@@ -38,6 +38,9 @@ fn pads(size: usize, k: usize, s: usize, padding: Padding) -> Option<(usize, usi
     match padding {
         Padding::Valid => (size >= k).then(|| (0, 0, (size - k) / s + 1)),
         Padding::Same => {
+            if size == 0 {
+                return None;
+            }
             let out = size.div_ceil(s);
             let total = ((out - 1) * s + k).saturating_sub(size);
             Some((total / 2, total - total / 2, out))
@@ -287,7 +290,7 @@ impl Conv2d {
         }
         let (kh, kw) = self.kernel;
         let too_small =
-            || Error::shape("Conv2d", format!("input {input} is smaller than the {kh}x{kw} kernel with valid padding"));
+            || Error::shape("Conv2d", format!("input {input} is empty or smaller than the {kh}x{kw} kernel"));
         let (pad_top, _, oh) = pads(h, kh, self.stride, self.padding).ok_or_else(too_small)?;
         let (pad_left, _, ow) = pads(w, kw, self.stride, self.padding).ok_or_else(too_small)?;
         Ok((n, ConvGeom { c, h, w, kh, kw, stride: self.stride, pad_top, pad_left, oh, ow }))

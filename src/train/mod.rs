@@ -282,36 +282,52 @@ impl Trainer<'_> {
         if let Some(cause) = &self.failed {
             return Err(Error::config("trainer", format!("a worker failed earlier ({cause}); start a new run")));
         }
+        let (mut sent, mut gone) = (0, None);
         for (d, tx) in self.commands.iter().enumerate() {
-            tx.send(make(d)).map_err(|_| Error::Worker {
-                device: self.devices[d].to_string(),
-                step: self.step,
-                cause: "worker thread has exited".into(),
-            })?;
+            match tx.send(make(d)) {
+                Ok(()) => sent += 1,
+                Err(_) => {
+                    gone.get_or_insert(d);
+                }
+            }
+        }
+        if gone.is_some() {
+            // The others must not wait for the missing worker in a collective.
+            self.exchange.abort();
         }
         let mut replies: Vec<Option<Reply>> = (0..self.commands.len()).map(|_| None).collect();
         let (mut root, mut aborted) = (None, None);
-        for _ in 0..self.commands.len() {
+        let mut note = |d: usize, r: Result<Reply>, replies: &mut Vec<Option<Reply>>| match r {
+            Ok(reply) => replies[d] = Some(reply),
+            // The cause wins over the aborts it triggered in the other workers.
+            Err(Error::Aborted) => {
+                aborted.get_or_insert(d);
+            }
+            Err(e) => {
+                root.get_or_insert(e);
+            }
+        };
+        for _ in 0..sent {
             let (d, r) = recv_spinning(&self.replies, self.wait).map_err(|_| Error::Worker {
                 device: "coordinator".into(),
                 step: self.step,
                 cause: "every worker has exited".into(),
             })?;
-            match r {
-                Ok(reply) => replies[d] = Some(reply),
-                // The cause wins over the aborts it triggered in the other workers.
-                Err(Error::Aborted) => {
-                    aborted.get_or_insert(d);
-                }
-                Err(e) => {
-                    root.get_or_insert(e);
-                }
+            note(d, r, &mut replies);
+        }
+        if gone.is_some() {
+            // A worker that left said why before it did: read what is already queued.
+            while let Ok((d, r)) = self.replies.try_recv() {
+                note(d, r, &mut replies);
             }
         }
         let device = |d: usize| self.devices[d].to_string();
-        let failure = root.or_else(|| {
-            aborted.map(|d| Error::Worker { device: device(d), step: self.step, cause: Error::Aborted.to_string() })
-        });
+        let step = self.step;
+        let failure = root
+            .or_else(|| {
+                gone.map(|d| Error::Worker { device: device(d), step, cause: "worker thread has exited".into() })
+            })
+            .or_else(|| aborted.map(|d| Error::Worker { device: device(d), step, cause: Error::Aborted.to_string() }));
         if let Some(e) = failure {
             self.exchange.abort();
             self.failed = Some(e.to_string());
@@ -663,17 +679,29 @@ pub fn train_data_parallel_with(
             detail: format!("{} samples make no full batch of {} (drop-last is on)", train.len(), config.batch_size),
         });
     }
-    let total_steps = (steps_per_epoch as u64 * config.epochs as u64).min(config.max_steps.unwrap_or(u64::MAX));
+    let total_steps =
+        (steps_per_epoch as u64).saturating_mul(config.epochs as u64).min(config.max_steps.unwrap_or(u64::MAX));
     let start = match &config.resume {
         Some(r) => Position { step: r.step, epoch: r.epoch, step_in_epoch: r.step_in_epoch },
         None => Position { step: 0, epoch: 0, step_in_epoch: 0 },
     };
+    if start.step_in_epoch >= steps_per_epoch
+        || start.step != (start.epoch as u64).saturating_mul(steps_per_epoch as u64) + start.step_in_epoch as u64
+    {
+        return Err(Error::config(
+            "resume position",
+            format!(
+                "step {} (epoch {}, step {} in it) is not a position of this run ({steps_per_epoch} steps per epoch)",
+                start.step, start.epoch, start.step_in_epoch
+            ),
+        ));
+    }
     if let Some(p) = &config.checkpoint {
         checkpoint::prepare_dir(&p.dir)?;
     }
     with_trainer(model, devices, config, |trainer| {
         let started = Instant::now();
-        let mut losses = Vec::with_capacity(total_steps.saturating_sub(start.step) as usize);
+        let mut losses = Vec::with_capacity(total_steps.saturating_sub(start.step).min(1 << 16) as usize);
         let mut epochs = Vec::new();
         let mut train_time = Duration::ZERO;
         let mut trained_samples = 0u64;
@@ -764,6 +792,12 @@ pub fn train_data_parallel_with(
                 if interrupted && !done {
                     return Err(Error::Interrupted { step: trainer.steps(), checkpoint: written });
                 }
+            }
+            if trainer.steps() < total_steps {
+                return Err(Error::Data {
+                    name: train.name().into(),
+                    detail: format!("ran out of batches after step {} of {total_steps}", trainer.steps()),
+                });
             }
             Ok(())
         })?;
