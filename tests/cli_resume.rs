@@ -86,7 +86,7 @@ fn ctrl_c_writes_a_checkpoint_and_exits_non_zero() {
     let dir = tmp("int");
     let ck = dir.join("ck");
     let ck_s = ck.to_str().unwrap();
-    let child = bin()
+    let mut child = bin()
         .args([
             "train",
             "--epochs",
@@ -102,10 +102,17 @@ fn ctrl_c_writes_a_checkpoint_and_exits_non_zero() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    std::thread::sleep(Duration::from_millis(1500));
+    // The first line comes after the handler is installed; then let it train a little.
+    let mut stdout = std::io::BufReader::new(child.stdout.take().unwrap());
+    let mut first = String::new();
+    std::io::BufRead::read_line(&mut stdout, &mut first).unwrap();
+    assert!(first.starts_with("lockstep:"), "{first}");
+    std::thread::sleep(Duration::from_millis(300));
     let ok = Command::new("kill").args(["-INT", &child.id().to_string()]).status().unwrap();
     assert!(ok.success());
+    let drain = std::thread::spawn(move || std::io::Read::read_to_end(&mut stdout, &mut Vec::new()));
     let out = child.wait_with_output().unwrap();
+    drain.join().unwrap().unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     assert!(stderr.contains("interrupted after step") && stderr.contains("checkpoint written to"), "{stderr}");
