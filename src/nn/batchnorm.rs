@@ -180,10 +180,20 @@ impl Layer for BatchNorm2d {
                 let xs = x.host();
                 let stats = per_channel(c, |ch| {
                     let plane = |s: usize| &xs[(s * c + ch) * hw..(s * c + ch + 1) * hw];
-                    let sum: f64 = (0..n).map(|s| sum_f64(plane(s))).sum();
-                    let mean = sum / m as f64;
-                    let sq: f64 = (0..n).map(|s| sum_sq_dev_f64(plane(s), mean)).sum();
-                    (mean, sq / m as f64)
+                    // Each plane is read from memory once: its mean and squared deviations
+                    // are taken while it is in L1, and planes are merged in sample order
+                    // with Chan et al.'s pairwise update (as stable as two passes).
+                    let (mut count, mut mean, mut m2) = (0.0f64, 0.0f64, 0.0f64);
+                    for s in 0..n {
+                        let p = plane(s);
+                        let (k, pm) = (p.len() as f64, sum_f64(p) / p.len() as f64);
+                        let pm2 = sum_sq_dev_f64(p, pm);
+                        let (delta, total) = (pm - mean, count + k);
+                        mean += delta * k / total;
+                        m2 += pm2 + delta * delta * count * k / total;
+                        count = total;
+                    }
+                    (mean, m2 / count)
                 });
                 let (mom, unbias) = (self.momentum as f64, if m > 1 { m as f64 / (m as f64 - 1.0) } else { 1.0 });
                 let (rm, rv) = buffers.pair(0, 1);
