@@ -70,34 +70,18 @@ pub enum Threads {
 
 /// [`gemm`] with an explicit choice of threads.
 pub fn gemm_with(a: Mat<'_>, b: Mat<'_>, c: &mut [f32], c_rs: usize, acc: Accumulate, threads: Threads) {
-    gemm_strided(a, b, c, (c_rs, 1), acc, threads)
-}
-
-/// [`gemm_with`] into a destination with any strides `(row stride, column stride)`:
-/// `(1, m)` writes the product transposed, column-major.
-pub fn gemm_strided(
-    a: Mat<'_>,
-    b: Mat<'_>,
-    c: &mut [f32],
-    c_strides: (usize, usize),
-    acc: Accumulate,
-    threads: Threads,
-) {
     let (m, k, n) = (a.rows, a.cols, b.cols);
-    let (c_rs, c_cs) = c_strides;
     assert_eq!(b.rows, k, "gemm: inner dimensions {k} and {} differ", b.rows);
     a.check("lhs");
     b.check("rhs");
     if m == 0 || n == 0 {
         return;
     }
-    assert!((m - 1) * c_rs + (n - 1) * c_cs < c.len(), "gemm: destination out of bounds");
+    assert!((m - 1) * c_rs + n <= c.len(), "gemm: destination out of bounds");
     if k == 0 {
         if acc == Accumulate::Overwrite {
-            for i in 0..m {
-                for j in 0..n {
-                    c[i * c_rs + j * c_cs] = 0.0;
-                }
+            for row in c.chunks_mut(c_rs).take(m) {
+                row[..n].fill(0.0);
             }
         }
         return;
@@ -117,7 +101,7 @@ pub fn gemm_strided(
             n,
             k,
             c.as_mut_ptr(),
-            c_cs as isize,
+            1,
             c_rs as isize,
             acc == Accumulate::Add,
             a.data.as_ptr(),

@@ -164,11 +164,6 @@ impl ShmExchange {
         self.aborted.store(true, Ordering::SeqCst);
     }
 
-    /// True once aborted.
-    pub fn is_aborted(&self) -> bool {
-        self.aborted.load(Ordering::SeqCst)
-    }
-
     fn shards_per_rank(&self) -> usize {
         self.shards.len() / self.ranks
     }

@@ -50,17 +50,6 @@ impl Shape {
         self.0.iter().skip(1).product()
     }
 
-    /// The same shape with the leading dimension replaced.
-    pub fn with_batch(&self, n: usize) -> Shape {
-        let mut d = self.0.clone();
-        if d.is_empty() {
-            d.push(n);
-        } else {
-            d[0] = n;
-        }
-        Shape(d)
-    }
-
     /// The dimensions as `(N, C, H, W)`, or an error naming `op` if the rank is not 4.
     pub fn nchw(&self, op: &'static str) -> Result<(usize, usize, usize, usize)> {
         match self.0[..] {

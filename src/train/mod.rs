@@ -339,21 +339,21 @@ impl Trainer<'_> {
     /// Trains one step on a global batch: scatter to R logical replicas, forward,
     /// backward, all-reduce, update (at the configured learning rate).
     pub fn step(&mut self, batch: Batch) -> Result<StepReport> {
-        self.step_at(batch, 0, 1.0)
+        self.step_at(batch, 1.0)
     }
 
     /// [`Trainer::step`] with the learning rate multiplied by `lr_scale` for this step.
     pub fn step_scaled(&mut self, batch: Batch, lr_scale: f32) -> Result<StepReport> {
-        self.step_at(batch, 0, lr_scale)
+        self.step_at(batch, lr_scale)
     }
 
-    fn step_at(&mut self, batch: Batch, epoch: usize, lr_scale: f32) -> Result<StepReport> {
+    fn step_at(&mut self, batch: Batch, lr_scale: f32) -> Result<StepReport> {
         if batch.is_empty() {
             return Err(Error::config("batch", "a training step needs at least one sample"));
         }
         let t0 = Instant::now();
         let shards = scatter::shards(batch.len(), self.replicas);
-        let work = Arc::new(StepWork { step: self.step, epoch, batch: Arc::new(batch), shards, lr_scale });
+        let work = Arc::new(StepWork { step: self.step, batch: Arc::new(batch), shards, lr_scale });
         let replies = self.ask(|_| Command::Step(Arc::clone(&work)))?;
         let k = self.replicas / self.devices.len();
         let mut report = StepReport {
@@ -731,7 +731,7 @@ pub fn train_data_parallel_with(
                 let data_wait = t_wait.elapsed();
                 let t_step = Instant::now();
                 let lr_scale = config.schedule.scale(trainer.steps(), total_steps);
-                let report = trainer.step_at(batch, epoch, lr_scale)?;
+                let report = trainer.step_at(batch, lr_scale)?;
                 let dt = t_step.elapsed();
                 train_time += dt;
                 epoch_train_time += dt;

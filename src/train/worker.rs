@@ -25,7 +25,6 @@ use super::Batch;
 pub struct StepWork {
     /// Global step index (0-based).
     pub step: u64,
-    pub epoch: usize,
     pub batch: Arc<Batch>,
     /// Rows of each logical replica (R ranges).
     pub shards: Vec<std::ops::Range<usize>>,
