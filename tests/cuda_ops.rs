@@ -367,7 +367,7 @@ fn batchnorm_train_eval_and_backward_match_the_reference() {
         let (rm0, rv0): (Vec<f32>, Vec<f32>) = (rng.vec(c), rng.vec(c).iter().map(|v| 1.0 + 0.5 * v).collect());
         let (dgamma0, dbeta0) = (rng.vec(c), rng.vec(c));
         let (g_d, b_d) = (up(&gpu, &gamma), up(&gpu, &beta));
-        let params = BnParams { gamma: with_gamma.then_some(&g_d), beta: with_beta.then_some(&b_d) };
+        let params = || BnParams { gamma: with_gamma.then(|| g_d.as_view()), beta: with_beta.then(|| b_d.as_view()) };
         let x_d = up(&gpu, &x);
         let mut y_d = up(&gpu, &vec![0.0f32; x.len()]);
         let (mut rm_d, mut rv_d) = (up(&gpu, &rm0), up(&gpu, &rv0));
@@ -375,7 +375,7 @@ fn batchnorm_train_eval_and_backward_match_the_reference() {
         gpu.batchnorm_train_fwd(
             &x_d,
             &mut y_d,
-            params,
+            params(),
             &mut rm_d,
             &mut rv_d,
             &mut sm_d,
@@ -424,7 +424,7 @@ fn batchnorm_train_eval_and_backward_match_the_reference() {
             &x_d,
             &up(&gpu, &dy),
             &mut dx_d,
-            params.gamma,
+            with_gamma.then_some(&g_d),
             &sm_d,
             &si_d,
             with_gamma.then_some(&mut dg_d),
@@ -441,7 +441,7 @@ fn batchnorm_train_eval_and_backward_match_the_reference() {
 
         // Eval with the running stats just updated.
         let (rm, rv) = (down(&gpu, &rm_d), down(&gpu, &rv_d));
-        gpu.batchnorm_eval_fwd(&x_d, &mut y_d, params, &rm_d, &rv_d, (n, c, hw), eps).unwrap();
+        gpu.batchnorm_eval_fwd(&x_d, &mut y_d, params(), &rm_d, &rv_d, (n, c, hw), eps).unwrap();
         let want: Vec<f64> = (0..x.len())
             .map(|i| {
                 let ch = (i / hw) % c;

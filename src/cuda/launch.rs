@@ -10,7 +10,10 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, CudaView, CudaViewMut, DeviceSlice, LaunchConfig,
+    PushKernelArg,
+};
 use parking_lot::Mutex;
 
 use super::kernels::{cached_ptx, kernel_name, Dir};
@@ -36,8 +39,49 @@ fn channel_cfg(c: i32) -> LaunchConfig {
     LaunchConfig { grid_dim: (c as u32, 1, 1), block_dim: (REDUCE_BLOCK, 1, 1), shared_mem_bytes: 0 }
 }
 
+/// A device buffer of f32 that a kernel reads: a whole allocation or a view into one
+/// (a tensor inside a replica's flat parameter buffer).
+pub trait DevIn: DeviceSlice<f32> {
+    fn view(&self) -> CudaView<'_, f32>;
+}
+
+/// A device buffer of f32 that a kernel writes: a whole allocation or a mutable view.
+pub trait DevOut: DeviceSlice<f32> {
+    fn view_mut(&mut self) -> CudaViewMut<'_, f32>;
+}
+
+impl DevIn for CudaSlice<f32> {
+    fn view(&self) -> CudaView<'_, f32> {
+        self.as_view()
+    }
+}
+
+impl DevIn for CudaView<'_, f32> {
+    fn view(&self) -> CudaView<'_, f32> {
+        self.slice(..)
+    }
+}
+
+impl DevIn for CudaViewMut<'_, f32> {
+    fn view(&self) -> CudaView<'_, f32> {
+        self.as_view()
+    }
+}
+
+impl DevOut for CudaSlice<f32> {
+    fn view_mut(&mut self) -> CudaViewMut<'_, f32> {
+        self.as_view_mut()
+    }
+}
+
+impl DevOut for CudaViewMut<'_, f32> {
+    fn view_mut(&mut self) -> CudaViewMut<'_, f32> {
+        self.slice_mut(..)
+    }
+}
+
 /// Errors unless buffer `what` of `op` holds exactly `want` elements.
-fn check_len<T>(op: &'static str, what: &str, buf: &CudaSlice<T>, want: usize) -> Result<()> {
+fn check_len<T>(op: &'static str, what: &str, buf: &impl DeviceSlice<T>, want: usize) -> Result<()> {
     if buf.len() == want {
         Ok(())
     } else {
@@ -87,12 +131,12 @@ impl ConvGeom {
 }
 
 /// Which of the optional BatchNorm parameters exist (Keras `scale` and `center`).
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug)]
 pub struct BnParams<'a> {
     /// gamma: (C), None for `scale=False`.
-    pub gamma: Option<&'a CudaSlice<f32>>,
+    pub gamma: Option<CudaView<'a, f32>>,
     /// beta: (C), None for `center=False`.
-    pub beta: Option<&'a CudaSlice<f32>>,
+    pub beta: Option<CudaView<'a, f32>>,
 }
 
 /// One GPU as one worker thread sees it: context, compute stream, loaded kernel modules.
@@ -158,7 +202,9 @@ impl Gpu {
     // ---- elementwise.cu -------------------------------------------------------------
 
     /// y = max(x, 0). x, y: (n)
-    pub fn relu_fwd(&self, x: &CudaSlice<f32>, y: &mut CudaSlice<f32>) -> Result<()> {
+    pub fn relu_fwd(&self, x: &impl DevIn, y: &mut impl DevOut) -> Result<()> {
+        let x = &x.view();
+        let y = &mut y.view_mut();
         let n = x.len();
         check_len("relu_fwd", "y", y, n)?;
         if n == 0 {
@@ -174,7 +220,10 @@ impl Gpu {
     }
 
     /// dx = dy where x > 0, else 0. x, dy, dx: (n)
-    pub fn relu_bwd(&self, x: &CudaSlice<f32>, dy: &CudaSlice<f32>, dx: &mut CudaSlice<f32>) -> Result<()> {
+    pub fn relu_bwd(&self, x: &impl DevIn, dy: &impl DevIn, dx: &mut impl DevOut) -> Result<()> {
+        let x = &x.view();
+        let dy = &dy.view();
+        let dx = &mut dx.view_mut();
         let n = x.len();
         check_len("relu_bwd", "dy", dy, n)?;
         check_len("relu_bwd", "dx", dx, n)?;
@@ -191,7 +240,9 @@ impl Gpu {
     }
 
     /// y = x * scale + offset. x, y: (n)
-    pub fn rescale_fwd(&self, x: &CudaSlice<f32>, y: &mut CudaSlice<f32>, scale: f32, offset: f32) -> Result<()> {
+    pub fn rescale_fwd(&self, x: &impl DevIn, y: &mut impl DevOut, scale: f32, offset: f32) -> Result<()> {
+        let x = &x.view();
+        let y = &mut y.view_mut();
         let n = x.len();
         check_len("rescale_fwd", "y", y, n)?;
         if n == 0 {
@@ -207,7 +258,9 @@ impl Gpu {
     }
 
     /// dx = dy * scale. dy, dx: (n)
-    pub fn rescale_bwd(&self, dy: &CudaSlice<f32>, dx: &mut CudaSlice<f32>, scale: f32) -> Result<()> {
+    pub fn rescale_bwd(&self, dy: &impl DevIn, dx: &mut impl DevOut, scale: f32) -> Result<()> {
+        let dy = &dy.view();
+        let dx = &mut dx.view_mut();
         let n = dy.len();
         check_len("rescale_bwd", "dx", dx, n)?;
         if n == 0 {
@@ -223,14 +276,9 @@ impl Gpu {
     }
 
     /// y += bias[c], in place. y: (N, C, H, W) with hw = H*W; bias: (C)
-    pub fn bias_nchw_fwd(
-        &self,
-        y: &mut CudaSlice<f32>,
-        bias: &CudaSlice<f32>,
-        n: usize,
-        c: usize,
-        hw: usize,
-    ) -> Result<()> {
+    pub fn bias_nchw_fwd(&self, y: &mut impl DevOut, bias: &impl DevIn, n: usize, c: usize, hw: usize) -> Result<()> {
+        let y = &mut y.view_mut();
+        let bias = &bias.view();
         let total = n * c * hw;
         check_len("bias_nchw_fwd", "y", y, total)?;
         check_len("bias_nchw_fwd", "bias", bias, c)?;
@@ -248,14 +296,9 @@ impl Gpu {
     }
 
     /// dbias[c] += sum over (n, h, w) of dy. dy: (N, C, H, W) with hw = H*W; dbias: (C)
-    pub fn bias_nchw_bwd(
-        &self,
-        dy: &CudaSlice<f32>,
-        dbias: &mut CudaSlice<f32>,
-        n: usize,
-        c: usize,
-        hw: usize,
-    ) -> Result<()> {
+    pub fn bias_nchw_bwd(&self, dy: &impl DevIn, dbias: &mut impl DevOut, n: usize, c: usize, hw: usize) -> Result<()> {
+        let dy = &dy.view();
+        let dbias = &mut dbias.view_mut();
         check_len("bias_nchw_bwd", "dy", dy, n * c * hw)?;
         check_len("bias_nchw_bwd", "dbias", dbias, c)?;
         if c == 0 {
@@ -273,7 +316,9 @@ impl Gpu {
     }
 
     /// y += bias[o], in place. y: (N, O); bias: (O)
-    pub fn bias_cols_fwd(&self, y: &mut CudaSlice<f32>, bias: &CudaSlice<f32>, n: usize, o: usize) -> Result<()> {
+    pub fn bias_cols_fwd(&self, y: &mut impl DevOut, bias: &impl DevIn, n: usize, o: usize) -> Result<()> {
+        let y = &mut y.view_mut();
+        let bias = &bias.view();
         let total = n * o;
         check_len("bias_cols_fwd", "y", y, total)?;
         check_len("bias_cols_fwd", "bias", bias, o)?;
@@ -291,7 +336,9 @@ impl Gpu {
     }
 
     /// dbias[o] += sum over n of dy[n, o]. dy: (N, O); dbias: (O)
-    pub fn bias_cols_bwd(&self, dy: &CudaSlice<f32>, dbias: &mut CudaSlice<f32>, n: usize, o: usize) -> Result<()> {
+    pub fn bias_cols_bwd(&self, dy: &impl DevIn, dbias: &mut impl DevOut, n: usize, o: usize) -> Result<()> {
+        let dy = &dy.view();
+        let dbias = &mut dbias.view_mut();
         check_len("bias_cols_bwd", "dy", dy, n * o)?;
         check_len("bias_cols_bwd", "dbias", dbias, o)?;
         if o == 0 {
@@ -308,7 +355,8 @@ impl Gpu {
     }
 
     /// x *= s, in place. x: (n)
-    pub fn scale(&self, x: &mut CudaSlice<f32>, s: f32) -> Result<()> {
+    pub fn scale(&self, x: &mut impl DevOut, s: f32) -> Result<()> {
+        let x = &mut x.view_mut();
         let n = x.len();
         if n == 0 {
             return Ok(());
@@ -322,7 +370,8 @@ impl Gpu {
     }
 
     /// x = v everywhere. x: (n)
-    pub fn fill(&self, x: &mut CudaSlice<f32>, v: f32) -> Result<()> {
+    pub fn fill(&self, x: &mut impl DevOut, v: f32) -> Result<()> {
+        let x = &mut x.view_mut();
         let n = x.len();
         if n == 0 {
             return Ok(());
@@ -358,7 +407,9 @@ impl Gpu {
     }
 
     /// x: (N, C, H, W) -> col: (N, C*KH*KW, OH*OW), the CPU backend's layout.
-    pub fn im2col_fwd(&self, x: &CudaSlice<f32>, col: &mut CudaSlice<f32>, g: &ConvGeom) -> Result<()> {
+    pub fn im2col_fwd(&self, x: &impl DevIn, col: &mut impl DevOut, g: &ConvGeom) -> Result<()> {
+        let x = &x.view();
+        let col = &mut col.view_mut();
         let a = Self::conv_args(g, "im2col_fwd")?;
         check_len("im2col_fwd", "x", x, g.x_len())?;
         check_len("im2col_fwd", "col", col, g.col_len())?;
@@ -379,7 +430,9 @@ impl Gpu {
     }
 
     /// col2im: dcol: (N, C*KH*KW, OH*OW) -> dx: (N, C, H, W), dx written.
-    pub fn im2col_bwd(&self, dcol: &CudaSlice<f32>, dx: &mut CudaSlice<f32>, g: &ConvGeom) -> Result<()> {
+    pub fn im2col_bwd(&self, dcol: &impl DevIn, dx: &mut impl DevOut, g: &ConvGeom) -> Result<()> {
+        let dcol = &dcol.view();
+        let dx = &mut dx.view_mut();
         let a = Self::conv_args(g, "im2col_bwd")?;
         check_len("im2col_bwd", "dcol", dcol, g.col_len())?;
         check_len("im2col_bwd", "dx", dx, g.x_len())?;
@@ -401,10 +454,10 @@ impl Gpu {
     // ---- batchnorm.cu ---------------------------------------------------------------
 
     fn check_bn_params(op: &'static str, p: &BnParams<'_>, c: usize) -> Result<()> {
-        if let Some(g) = p.gamma {
+        if let Some(g) = &p.gamma {
             check_len(op, "gamma", g, c)?;
         }
-        if let Some(b) = p.beta {
+        if let Some(b) = &p.beta {
             check_len(op, "beta", b, c)?;
         }
         Ok(())
@@ -416,17 +469,23 @@ impl Gpu {
     #[allow(clippy::too_many_arguments)]
     pub fn batchnorm_train_fwd(
         &self,
-        x: &CudaSlice<f32>,
-        y: &mut CudaSlice<f32>,
+        x: &impl DevIn,
+        y: &mut impl DevOut,
         params: BnParams<'_>,
-        running_mean: &mut CudaSlice<f32>,
-        running_var: &mut CudaSlice<f32>,
-        save_mean: &mut CudaSlice<f32>,
-        save_invstd: &mut CudaSlice<f32>,
+        running_mean: &mut impl DevOut,
+        running_var: &mut impl DevOut,
+        save_mean: &mut impl DevOut,
+        save_invstd: &mut impl DevOut,
         (n, c, hw): (usize, usize, usize),
         momentum: f32,
         eps: f32,
     ) -> Result<()> {
+        let x = &x.view();
+        let y = &mut y.view_mut();
+        let running_mean = &mut running_mean.view_mut();
+        let running_var = &mut running_var.view_mut();
+        let save_mean = &mut save_mean.view_mut();
+        let save_invstd = &mut save_invstd.view_mut();
         let op = "batchnorm_train_fwd";
         check_len(op, "x", x, n * c * hw)?;
         check_len(op, "y", y, n * c * hw)?;
@@ -447,11 +506,11 @@ impl Gpu {
         let f = self.function("batchnorm.cu", "batchnorm_train", Dir::Fwd)?;
         let mut b = self.stream.launch_builder(&f);
         b.arg(x).arg(y);
-        match params.gamma {
+        match &params.gamma {
             Some(g) => b.arg(g),
             None => b.arg(&null),
         };
-        match params.beta {
+        match &params.beta {
             Some(v) => b.arg(v),
             None => b.arg(&null),
         };
@@ -468,14 +527,18 @@ impl Gpu {
     #[allow(clippy::too_many_arguments)]
     pub fn batchnorm_eval_fwd(
         &self,
-        x: &CudaSlice<f32>,
-        y: &mut CudaSlice<f32>,
+        x: &impl DevIn,
+        y: &mut impl DevOut,
         params: BnParams<'_>,
-        running_mean: &CudaSlice<f32>,
-        running_var: &CudaSlice<f32>,
+        running_mean: &impl DevIn,
+        running_var: &impl DevIn,
         (n, c, hw): (usize, usize, usize),
         eps: f32,
     ) -> Result<()> {
+        let x = &x.view();
+        let y = &mut y.view_mut();
+        let running_mean = &running_mean.view();
+        let running_var = &running_var.view();
         let op = "batchnorm_eval_fwd";
         let total = n * c * hw;
         check_len(op, "x", x, total)?;
@@ -491,11 +554,11 @@ impl Gpu {
         let f = self.function("batchnorm.cu", "batchnorm_eval", Dir::Fwd)?;
         let mut b = self.stream.launch_builder(&f);
         b.arg(x).arg(y);
-        match params.gamma {
+        match &params.gamma {
             Some(g) => b.arg(g),
             None => b.arg(&null),
         };
-        match params.beta {
+        match &params.beta {
             Some(v) => b.arg(v),
             None => b.arg(&null),
         };
@@ -511,33 +574,42 @@ impl Gpu {
     #[allow(clippy::too_many_arguments)]
     pub fn batchnorm_train_bwd(
         &self,
-        x: &CudaSlice<f32>,
-        dy: &CudaSlice<f32>,
-        dx: &mut CudaSlice<f32>,
-        gamma: Option<&CudaSlice<f32>>,
-        save_mean: &CudaSlice<f32>,
-        save_invstd: &CudaSlice<f32>,
-        dgamma: Option<&mut CudaSlice<f32>>,
-        dbeta: Option<&mut CudaSlice<f32>>,
+        x: &impl DevIn,
+        dy: &impl DevIn,
+        dx: &mut impl DevOut,
+        gamma: Option<&impl DevIn>,
+        save_mean: &impl DevIn,
+        save_invstd: &impl DevIn,
+        dgamma: Option<&mut impl DevOut>,
+        dbeta: Option<&mut impl DevOut>,
         (n, c, hw): (usize, usize, usize),
     ) -> Result<()> {
+        let x = &x.view();
+        let dy = &dy.view();
+        let dx = &mut dx.view_mut();
+        let save_mean = &save_mean.view();
+        let save_invstd = &save_invstd.view();
+        let gamma = gamma.map(|g| g.view());
+        let mut dgamma = dgamma.map(|g| g.view_mut());
+        let mut dbeta = dbeta.map(|g| g.view_mut());
         let op = "batchnorm_train_bwd";
-        for (what, buf) in [("x", x), ("dy", dy), ("dx", &*dx)] {
+        for (what, buf) in [("x", x), ("dy", dy)] {
             check_len(op, what, buf, n * c * hw)?;
         }
+        check_len(op, "dx", dx, n * c * hw)?;
         for (what, buf) in [("save_mean", save_mean), ("save_invstd", save_invstd)] {
             check_len(op, what, buf, c)?;
         }
         if gamma.is_some() != dgamma.is_some() {
             return Err(Error::shape(op, "dgamma must be given exactly when gamma is"));
         }
-        if let Some(g) = gamma {
+        if let Some(g) = &gamma {
             check_len(op, "gamma", g, c)?;
         }
-        if let Some(g) = dgamma.as_deref() {
+        if let Some(g) = &dgamma {
             check_len(op, "dgamma", g, c)?;
         }
-        if let Some(g) = dbeta.as_deref() {
+        if let Some(g) = &dbeta {
             check_len(op, "dbeta", g, c)?;
         }
         if c == 0 {
@@ -548,16 +620,16 @@ impl Gpu {
         let f = self.function("batchnorm.cu", "batchnorm_train", Dir::Bwd)?;
         let mut b = self.stream.launch_builder(&f);
         b.arg(x).arg(dy).arg(dx);
-        match gamma {
+        match &gamma {
             Some(g) => b.arg(g),
             None => b.arg(&null),
         };
         b.arg(save_mean).arg(save_invstd);
-        match dgamma {
+        match &mut dgamma {
             Some(g) => b.arg(g),
             None => b.arg(&null),
         };
-        match dbeta {
+        match &mut dbeta {
             Some(g) => b.arg(g),
             None => b.arg(&null),
         };
@@ -572,7 +644,9 @@ impl Gpu {
     // ---- pooling.cu -----------------------------------------------------------------
 
     /// x: (N, C, H, W) with nc = N*C, hw = H*W -> y: (N, C), the spatial mean.
-    pub fn global_avgpool_fwd(&self, x: &CudaSlice<f32>, y: &mut CudaSlice<f32>, nc: usize, hw: usize) -> Result<()> {
+    pub fn global_avgpool_fwd(&self, x: &impl DevIn, y: &mut impl DevOut, nc: usize, hw: usize) -> Result<()> {
+        let x = &x.view();
+        let y = &mut y.view_mut();
         check_len("global_avgpool_fwd", "x", x, nc * hw)?;
         check_len("global_avgpool_fwd", "y", y, nc)?;
         if nc == 0 {
@@ -588,7 +662,9 @@ impl Gpu {
     }
 
     /// dy: (N, C) -> dx: (N, C, H, W) = dy / (H*W), written.
-    pub fn global_avgpool_bwd(&self, dy: &CudaSlice<f32>, dx: &mut CudaSlice<f32>, nc: usize, hw: usize) -> Result<()> {
+    pub fn global_avgpool_bwd(&self, dy: &impl DevIn, dx: &mut impl DevOut, nc: usize, hw: usize) -> Result<()> {
+        let dy = &dy.view();
+        let dx = &mut dx.view_mut();
         check_len("global_avgpool_bwd", "dy", dy, nc)?;
         check_len("global_avgpool_bwd", "dx", dx, nc * hw)?;
         if nc * hw == 0 {
@@ -609,13 +685,16 @@ impl Gpu {
     /// (gradient of the summed loss), correct: (N) in {0, 1}.
     pub fn softmax_xent_fwd(
         &self,
-        logits: &CudaSlice<f32>,
+        logits: &impl DevIn,
         labels: &CudaSlice<u32>,
-        loss: &mut CudaSlice<f32>,
-        dlogits: &mut CudaSlice<f32>,
+        loss: &mut impl DevOut,
+        dlogits: &mut impl DevOut,
         correct: &mut CudaSlice<u32>,
         k: usize,
     ) -> Result<()> {
+        let logits = &logits.view();
+        let loss = &mut loss.view_mut();
+        let dlogits = &mut dlogits.view_mut();
         let op = "softmax_xent_fwd";
         let n = labels.len();
         if k == 0 {
@@ -646,14 +725,17 @@ impl Gpu {
     #[allow(clippy::too_many_arguments)]
     pub fn sgd_step(
         &self,
-        p: &mut CudaSlice<f32>,
-        grad: &CudaSlice<f32>,
-        buf: &mut CudaSlice<f32>,
+        p: &mut impl DevOut,
+        grad: &impl DevIn,
+        buf: &mut impl DevOut,
         lr: f32,
         momentum: f32,
         weight_decay: f32,
         grad_scale: f32,
     ) -> Result<()> {
+        let p = &mut p.view_mut();
+        let grad = &grad.view();
+        let buf = &mut buf.view_mut();
         let n = p.len();
         check_len("sgd_step", "grad", grad, n)?;
         check_len("sgd_step", "momentum buffer", buf, n)?;
@@ -674,14 +756,18 @@ impl Gpu {
     #[allow(clippy::too_many_arguments)]
     pub fn adam_step(
         &self,
-        p: &mut CudaSlice<f32>,
-        grad: &CudaSlice<f32>,
-        m: &mut CudaSlice<f32>,
-        v: &mut CudaSlice<f32>,
+        p: &mut impl DevOut,
+        grad: &impl DevIn,
+        m: &mut impl DevOut,
+        v: &mut impl DevOut,
         hp: AdamHyper,
         t: u64,
         grad_scale: f32,
     ) -> Result<()> {
+        let p = &mut p.view_mut();
+        let grad = &grad.view();
+        let m = &mut m.view_mut();
+        let v = &mut v.view_mut();
         let n = p.len();
         check_len("adam_step", "grad", grad, n)?;
         check_len("adam_step", "m", m, n)?;
@@ -707,7 +793,9 @@ impl Gpu {
     // ---- reduce.cu ------------------------------------------------------------------
 
     /// dst = scale * (src[0] + ... + src[K-1]), left to right. src: (K, n) -> dst: (n)
-    pub fn reduce_sum(&self, src: &CudaSlice<f32>, dst: &mut CudaSlice<f32>, k: usize, scale: f32) -> Result<()> {
+    pub fn reduce_sum(&self, src: &impl DevIn, dst: &mut impl DevOut, k: usize, scale: f32) -> Result<()> {
+        let src = &src.view();
+        let dst = &mut dst.view_mut();
         let n = dst.len();
         check_len("reduce_sum", "src", src, k * n)?;
         if n == 0 {
@@ -726,23 +814,22 @@ impl Gpu {
     // ---- dropout.cu -----------------------------------------------------------------
 
     /// Inverted dropout; the mask is the hash of (key, element index). x, y: (n)
-    pub fn dropout_fwd(&self, x: &CudaSlice<f32>, y: &mut CudaSlice<f32>, rate: f32, key: DropoutKey) -> Result<()> {
+    pub fn dropout_fwd(&self, x: &impl DevIn, y: &mut impl DevOut, rate: f32, key: DropoutKey) -> Result<()> {
+        let x = &x.view();
+        let y = &mut y.view_mut();
         self.dropout(Dir::Fwd, x, y, rate, key)
     }
 
     /// Backward of [`Gpu::dropout_fwd`] with the same `rate` and `key`. dy, dx: (n)
-    pub fn dropout_bwd(&self, dy: &CudaSlice<f32>, dx: &mut CudaSlice<f32>, rate: f32, key: DropoutKey) -> Result<()> {
+    pub fn dropout_bwd(&self, dy: &impl DevIn, dx: &mut impl DevOut, rate: f32, key: DropoutKey) -> Result<()> {
+        let dy = &dy.view();
+        let dx = &mut dx.view_mut();
         self.dropout(Dir::Bwd, dy, dx, rate, key)
     }
 
-    fn dropout(
-        &self,
-        dir: Dir,
-        src: &CudaSlice<f32>,
-        dst: &mut CudaSlice<f32>,
-        rate: f32,
-        key: DropoutKey,
-    ) -> Result<()> {
+    fn dropout(&self, dir: Dir, src: &impl DevIn, dst: &mut impl DevOut, rate: f32, key: DropoutKey) -> Result<()> {
+        let src = &src.view();
+        let dst = &mut dst.view_mut();
         let n = src.len();
         check_len("dropout", "output", dst, n)?;
         if !(0.0..=1.0).contains(&rate) {
