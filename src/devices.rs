@@ -101,6 +101,24 @@ impl Devices {
         Ok(Devices { devices: (0..n).map(Device::Cpu).collect(), threads_per_device: threads })
     }
 
+    /// The GPUs `ordinals`, one replica each, in that order. An ordinal may repeat
+    /// (`cuda:0,0`): several replicas then share one GPU, exchanging gradients by device
+    /// copies instead of NCCL. Fails, naming the GPUs that exist, when one does not.
+    pub fn cuda(ordinals: &[usize]) -> Result<Devices> {
+        if ordinals.is_empty() {
+            return Err(Error::config("devices", "no GPU named"));
+        }
+        let n = crate::cuda::probe::gpu_count()?;
+        if let Some(bad) = ordinals.iter().find(|&&o| o >= n) {
+            return Err(Error::CudaUnavailable(if n == 0 {
+                format!("GPU {bad} does not exist; the CUDA driver sees no GPU")
+            } else {
+                format!("GPU {bad} does not exist; this machine has {n} GPU(s): cuda:0..{}", n - 1)
+            }));
+        }
+        Ok(Devices { devices: ordinals.iter().map(|&o| Device::Cuda(o)).collect(), threads_per_device: 1 })
+    }
+
     /// `n` CPU devices sharing the machine's cores (cores / n threads each, at least 1).
     pub fn cpu_auto_threads(n: usize) -> Result<Devices> {
         Devices::cpu(n, (available_cores() / n.max(1)).max(1))
@@ -155,23 +173,17 @@ impl DeviceSpec {
             DeviceSpec::Cpu { count, threads: Some(t) } => Devices::cpu(*count, *t),
             DeviceSpec::Cpu { count, threads: None } => Devices::cpu_auto_threads(*count),
             DeviceSpec::Auto => match crate::cuda::probe::gpu_count() {
-                Ok(n) if n > 0 => Err(Error::CudaUnavailable(format!(
-                    "{n} GPU(s) found, but this build trains on CPU devices only; use --devices cpu:N"
-                ))),
+                Ok(n) if n > 0 => Devices::cuda(&(0..n).collect::<Vec<_>>()),
                 _ => Devices::cpu_auto_threads(1),
             },
-            DeviceSpec::CudaAll | DeviceSpec::Cuda(_) => {
+            DeviceSpec::CudaAll => {
                 let n = crate::cuda::probe::gpu_count()?;
-                if let DeviceSpec::Cuda(ords) = self {
-                    if let Some(bad) = ords.iter().find(|&&o| o >= n) {
-                        return Err(Error::CudaUnavailable(format!(
-                            "GPU {bad} does not exist; this machine has {n} GPU(s): cuda:0..{}",
-                            n.saturating_sub(1)
-                        )));
-                    }
+                if n == 0 {
+                    return Err(Error::CudaUnavailable("the CUDA driver sees no GPU; use --devices cpu:N".into()));
                 }
-                Err(Error::CudaUnavailable("the CUDA training worker is not built yet; use --devices cpu:N".into()))
+                Devices::cuda(&(0..n).collect::<Vec<_>>())
             }
+            DeviceSpec::Cuda(ords) => Devices::cuda(ords),
         }
     }
 }

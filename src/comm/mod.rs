@@ -10,6 +10,7 @@
 //! gradient in shared chunks that every replica's optimiser reads in place (no
 //! all-gather copy back into each replica's buffer).
 
+pub mod gpu;
 pub mod shm;
 
 use crate::error::Result;

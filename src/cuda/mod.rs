@@ -13,6 +13,7 @@
 pub mod kernels;
 pub mod launch;
 pub mod probe;
+pub mod replica;
 
 pub use kernels::{kernel_name, Dir};
 pub use launch::{AdamHyper, BnParams, ConvGeom, DropoutKey, Gpu};

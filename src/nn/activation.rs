@@ -24,6 +24,10 @@ impl Relu {
 }
 
 impl Layer for Relu {
+    fn op(&self) -> Option<super::LayerOp> {
+        Some(super::LayerOp::Relu)
+    }
+
     fn kind(&self) -> &'static str {
         "relu"
     }
@@ -103,6 +107,10 @@ impl Rescaling {
 }
 
 impl Layer for Rescaling {
+    fn op(&self) -> Option<super::LayerOp> {
+        Some(super::LayerOp::Rescaling { scale: self.scale, offset: self.offset })
+    }
+
     fn kind(&self) -> &'static str {
         "rescaling"
     }

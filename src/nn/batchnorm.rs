@@ -129,6 +129,16 @@ impl BatchNorm2d {
 }
 
 impl Layer for BatchNorm2d {
+    fn op(&self) -> Option<super::LayerOp> {
+        Some(super::LayerOp::BatchNorm2d {
+            channels: self.channels,
+            eps: self.eps,
+            momentum: self.momentum,
+            scale: self.scale,
+            center: self.center,
+        })
+    }
+
     fn kind(&self) -> &'static str {
         "bn"
     }

@@ -34,7 +34,7 @@ pub enum Padding {
 }
 
 /// Pads of one dimension: (before, after, output size), or None if the input is too small.
-fn pads(size: usize, k: usize, s: usize, padding: Padding) -> Option<(usize, usize, usize)> {
+pub(crate) fn pads(size: usize, k: usize, s: usize, padding: Padding) -> Option<(usize, usize, usize)> {
     match padding {
         Padding::Valid => (size >= k).then(|| (0, 0, (size - k) / s + 1)),
         Padding::Same => {
@@ -306,6 +306,17 @@ impl Conv2d {
 }
 
 impl Layer for Conv2d {
+    fn op(&self) -> Option<super::LayerOp> {
+        Some(super::LayerOp::Conv2d {
+            in_channels: self.in_channels,
+            filters: self.filters,
+            kernel: self.kernel,
+            stride: self.stride,
+            padding: self.padding,
+            bias: self.use_bias,
+        })
+    }
+
     fn kind(&self) -> &'static str {
         "conv"
     }

@@ -34,6 +34,10 @@ impl Dropout {
 }
 
 impl Layer for Dropout {
+    fn op(&self) -> Option<super::LayerOp> {
+        Some(super::LayerOp::Dropout { rate: self.rate })
+    }
+
     fn kind(&self) -> &'static str {
         "dropout"
     }

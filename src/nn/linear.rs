@@ -30,6 +30,14 @@ impl Linear {
 }
 
 impl Layer for Linear {
+    fn op(&self) -> Option<super::LayerOp> {
+        Some(super::LayerOp::Linear {
+            in_features: self.in_features,
+            out_features: self.out_features,
+            bias: self.use_bias,
+        })
+    }
+
     fn kind(&self) -> &'static str {
         "dense"
     }

@@ -93,6 +93,22 @@ pub fn score(logits: &Tensor, labels: &[u32]) -> Result<Metrics> {
     run(logits, labels, None)
 }
 
+/// Softmax of each row of `logits` (rows of `k` values), in place: class probabilities.
+pub fn softmax_rows(mut logits: Vec<f32>, k: usize) -> Vec<f32> {
+    for row in logits.chunks_exact_mut(k.max(1)) {
+        let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let sum: f32 = row
+            .iter_mut()
+            .map(|v| {
+                *v = (*v - max).exp();
+                *v
+            })
+            .sum();
+        row.iter_mut().for_each(|v| *v /= sum);
+    }
+    logits
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

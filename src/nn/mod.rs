@@ -153,6 +153,51 @@ impl<'a> ParamsMut<'a> {
     }
 }
 
+/// What a built-in layer computes, as plain data: how a backend that runs the network
+/// its own way (the CUDA replica, `cuda::replica`) learns what to launch. The layer's
+/// forward and backward remain the CPU reference of that computation; a layer that
+/// returns no `LayerOp` runs on CPU devices only, and a CUDA run names it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum LayerOp {
+    /// y = x·Wᵀ + b, W: (out_features, in_features).
+    Linear {
+        in_features: usize,
+        out_features: usize,
+        bias: bool,
+    },
+    /// NCHW convolution, W: (filters, in_channels, KH, KW), no dilation.
+    Conv2d {
+        in_channels: usize,
+        filters: usize,
+        kernel: (usize, usize),
+        stride: usize,
+        padding: Padding,
+        bias: bool,
+    },
+    /// Keras BatchNorm over (N, H, W) per channel; `momentum` weighs the old running value.
+    BatchNorm2d {
+        channels: usize,
+        eps: f32,
+        momentum: f32,
+        scale: bool,
+        center: bool,
+    },
+    Relu,
+    /// y = x·scale + offset.
+    Rescaling {
+        scale: f32,
+        offset: f32,
+    },
+    /// Inverted dropout whose mask is `rng::dropout_key`'s hash (the kernel's too).
+    Dropout {
+        rate: f32,
+    },
+    /// (N, ...) → (N, ∏...): no arithmetic.
+    Flatten,
+    /// (N, C, H, W) → (N, C), the spatial mean.
+    GlobalAvgPool2d,
+}
+
 /// One layer: forward and backward side by side.
 ///
 /// Shapes include the batch: `forward` takes `(N, ...)` and returns `(N, ...)`. A layer
@@ -195,4 +240,10 @@ pub trait Layer: Send {
 
     /// A short description for summaries, e.g. `Conv2d(12, 3x3, same)`.
     fn describe(&self) -> String;
+
+    /// The computation as plain data, for backends other than the CPU's. Default: none
+    /// (the layer runs on CPU devices only).
+    fn op(&self) -> Option<LayerOp> {
+        None
+    }
 }

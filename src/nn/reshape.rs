@@ -18,6 +18,10 @@ impl Flatten {
 }
 
 impl Layer for Flatten {
+    fn op(&self) -> Option<super::LayerOp> {
+        Some(super::LayerOp::Flatten)
+    }
+
     fn kind(&self) -> &'static str {
         "flatten"
     }
@@ -70,6 +74,10 @@ impl GlobalAvgPool2d {
 }
 
 impl Layer for GlobalAvgPool2d {
+    fn op(&self) -> Option<super::LayerOp> {
+        Some(super::LayerOp::GlobalAvgPool2d)
+    }
+
     fn kind(&self) -> &'static str {
         "gap"
     }

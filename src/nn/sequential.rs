@@ -116,6 +116,23 @@ impl Sequential {
         Ok(Sequential { input_shape, layers, names, slots, params, buffers, output_shape, profile: None })
     }
 
+    /// Where layer `i`'s tensors live: the absolute ranges of its parameters inside the
+    /// flat parameter buffer and of its buffers inside the flat buffer, in the order of
+    /// [`Layer::params`] and [`Layer::buffers`].
+    pub fn layer_ranges(&self, i: usize) -> (Vec<Range<usize>>, Vec<Range<usize>>) {
+        let s = &self.slots[i];
+        let abs = |span: &Range<usize>, rs: &[Range<usize>]| {
+            rs.iter().map(|r| span.start + r.start..span.start + r.end).collect::<Vec<_>>()
+        };
+        (abs(&s.param_span, &s.param_ranges), abs(&s.buffer_span, &s.buffer_ranges))
+    }
+
+    /// Index of the first layer that has parameters: backward stops there (the layers
+    /// before it need no gradient, and it needs none of its input).
+    pub fn first_trained_layer(&self) -> usize {
+        self.slots.iter().position(|s| !s.param_span.is_empty()).unwrap_or(0)
+    }
+
     /// Per-sample input shape.
     pub fn input_shape(&self) -> &Shape {
         &self.input_shape
@@ -204,7 +221,7 @@ impl Sequential {
     /// last forward, which must have run in `Mode::Train`), accumulating into `grads`.
     pub fn backward(&mut self, dout: Tensor, params: &[f32], grads: &mut [f32], ctx: &Ctx) -> Result<()> {
         // Layers before the first one with parameters need no gradient at all.
-        let first = self.slots.iter().position(|s| !s.param_span.is_empty()).unwrap_or(0);
+        let first = self.first_trained_layer();
         let mut d = Some(dout);
         for (i, (layer, s)) in self.layers.iter_mut().zip(&self.slots).enumerate().skip(first).rev() {
             let ctx = Ctx { mode: Mode::Train, layer_index: i, ..*ctx };

@@ -6,7 +6,8 @@
 //! a bounded channel; one worker thread per device owns a replica and the device's
 //! thread pool. Workers are built first, then run under `std::thread::scope`, so no
 //! thread outlives the call. Commands reach workers through bounded crossbeam channels;
-//! gradients never do: they meet in the shared-memory exchange (`comm::shm`).
+//! gradients never do: they meet in the exchange — shared memory between CPU devices
+//! (`comm::shm`), NCCL or device copies between GPUs (`comm::gpu`).
 //!
 //! Faults: an error or a panic in any worker aborts the exchange, which releases every
 //! other worker from its collective with `Error::Aborted`; the coordinator returns the
@@ -27,7 +28,9 @@ pub use scatter::{LastBatch, Shuffle};
 use worker::{Replica, StepOutcome, StepWork};
 
 use crate::checkpoint::{self, CheckpointPolicy, Resume};
-use crate::comm::shm::ShmExchange;
+use crate::comm::gpu::{GpuGroup, GpuRank};
+use crate::comm::shm::{ShmExchange, ShmRank};
+use crate::cuda::replica::GpuReplica;
 use crate::data::Dataset;
 use crate::devices::Devices;
 use crate::error::{Error, Result};
@@ -254,7 +257,7 @@ enum Reply {
 pub struct Trainer<'s> {
     commands: Vec<Sender<Command>>,
     replies: Receiver<(usize, Result<Reply>)>,
-    exchange: &'s ShmExchange,
+    exchange: &'s Exchange,
     devices: Vec<Device>,
     replicas: usize,
     step: u64,
@@ -430,29 +433,111 @@ impl Trainer<'_> {
     }
 }
 
-fn worker_loop(
-    mut replica: Replica,
-    rank: usize,
-    exchange: &ShmExchange,
+/// Where the gradients of a run meet.
+enum Exchange {
+    Shm(ShmExchange),
+    Gpu(GpuGroup),
+}
+
+impl Exchange {
+    /// Releases every worker waiting in (or later entering) a collective.
+    fn abort(&self) {
+        match self {
+            Exchange::Shm(x) => x.abort(),
+            Exchange::Gpu(g) => g.abort(),
+        }
+    }
+}
+
+/// What a worker thread does with each command, whatever its device.
+trait Worker {
+    fn device(&self) -> Device;
+    fn step(&mut self, work: &StepWork) -> Result<StepOutcome>;
+    fn evaluate(&mut self, batch: &Batch, rows: Range<usize>, chunk: usize) -> Result<Metrics>;
+    fn predict(&mut self, batch: &Batch, rows: Range<usize>) -> Result<Vec<f32>>;
+    fn fingerprints(&mut self) -> Result<Vec<(String, u64)>>;
+    fn snapshot(&mut self) -> Result<(ParamStore, Optimizer)>;
+}
+
+/// A CPU device: its replica and its rank in the shared-memory exchange.
+struct CpuWorker<'e> {
+    replica: Replica,
+    comm: ShmRank<'e>,
+    first_shard: usize,
     shards_here: usize,
+}
+
+impl Worker for CpuWorker<'_> {
+    fn device(&self) -> Device {
+        self.replica.device
+    }
+    fn step(&mut self, work: &StepWork) -> Result<StepOutcome> {
+        self.replica.step(work, &self.comm, self.first_shard, self.shards_here)
+    }
+    fn evaluate(&mut self, batch: &Batch, rows: Range<usize>, chunk: usize) -> Result<Metrics> {
+        self.replica.evaluate(batch, rows, chunk)
+    }
+    fn predict(&mut self, batch: &Batch, rows: Range<usize>) -> Result<Vec<f32>> {
+        self.replica.predict(batch, rows)
+    }
+    fn fingerprints(&mut self) -> Result<Vec<(String, u64)>> {
+        Ok(self.replica.fingerprints())
+    }
+    fn snapshot(&mut self) -> Result<(ParamStore, Optimizer)> {
+        Ok((self.replica.store.clone(), self.replica.optimizer.clone()))
+    }
+}
+
+/// A GPU: its replica and its rank in the GPU collective.
+struct GpuWorker<'g> {
+    replica: GpuReplica,
+    comm: GpuRank<'g>,
+    first_shard: usize,
+    shards_here: usize,
+}
+
+impl Worker for GpuWorker<'_> {
+    fn device(&self) -> Device {
+        self.replica.device
+    }
+    fn step(&mut self, work: &StepWork) -> Result<StepOutcome> {
+        self.replica.step(work, &mut self.comm, self.first_shard, self.shards_here)
+    }
+    fn evaluate(&mut self, batch: &Batch, rows: Range<usize>, chunk: usize) -> Result<Metrics> {
+        self.replica.evaluate(batch, rows, chunk)
+    }
+    fn predict(&mut self, batch: &Batch, rows: Range<usize>) -> Result<Vec<f32>> {
+        self.replica.predict(batch, rows)
+    }
+    fn fingerprints(&mut self) -> Result<Vec<(String, u64)>> {
+        self.replica.fingerprints()
+    }
+    fn snapshot(&mut self) -> Result<(ParamStore, Optimizer)> {
+        self.replica.snapshot()
+    }
+}
+
+fn worker_loop(
+    mut worker: impl Worker,
+    rank: usize,
+    exchange: &Exchange,
     wait: Wait,
     commands: Receiver<Command>,
     replies: Sender<(usize, Result<Reply>)>,
 ) {
-    let comm = exchange.rank(rank);
-    let device = replica.device;
+    let device = worker.device();
     let mut step = 0u64;
     while let Ok(cmd) = recv_spinning(&commands, wait) {
         let result = catch_unwind(AssertUnwindSafe(|| -> Result<Reply> {
             Ok(match &cmd {
                 Command::Step(work) => {
                     step = work.step;
-                    Reply::Step(replica.step(work, &comm, rank * shards_here, shards_here)?)
+                    Reply::Step(worker.step(work)?)
                 }
-                Command::Eval(batch, rows, chunk) => Reply::Eval(replica.evaluate(batch, rows.clone(), *chunk)?),
-                Command::Predict(batch, rows) => Reply::Predict(replica.predict(batch, rows.clone())?),
-                Command::Fingerprints => Reply::Fingerprints(replica.fingerprints()),
-                Command::Snapshot => Reply::Snapshot(Box::new((replica.store.clone(), replica.optimizer.clone()))),
+                Command::Eval(batch, rows, chunk) => Reply::Eval(worker.evaluate(batch, rows.clone(), *chunk)?),
+                Command::Predict(batch, rows) => Reply::Predict(worker.predict(batch, rows.clone())?),
+                Command::Fingerprints => Reply::Fingerprints(worker.fingerprints()?),
+                Command::Snapshot => Reply::Snapshot(Box::new(worker.snapshot()?)),
             })
         }));
         // A worker released from a collective by another's failure says only that
@@ -470,6 +555,80 @@ fn worker_loop(
         let failed = result.is_err();
         if replies.send((rank, result)).is_err() || failed {
             return;
+        }
+    }
+}
+
+/// Lets GPU workers join the collective only once every one of them has built its
+/// replica: NCCL's communicator set-up waits for every rank, so a rank that failed
+/// before joining would leave the others waiting forever.
+struct SetupGate {
+    state: parking_lot::Mutex<(usize, bool)>,
+    all: parking_lot::Condvar,
+    n: usize,
+}
+
+impl SetupGate {
+    fn new(n: usize) -> SetupGate {
+        SetupGate { state: parking_lot::Mutex::new((0, false)), all: parking_lot::Condvar::new(), n }
+    }
+
+    /// Releases every waiting worker with a failure (a worker thread could not start).
+    fn abandon(&self) {
+        let mut s = self.state.lock();
+        *s = (self.n, true);
+        self.all.notify_all();
+    }
+
+    /// Reports this worker's set-up (`ok`) and waits for every other's; true when all
+    /// succeeded.
+    fn arrive(&self, ok: bool) -> bool {
+        let mut s = self.state.lock();
+        s.0 += 1;
+        s.1 |= !ok;
+        if s.0 == self.n {
+            self.all.notify_all();
+        }
+        while s.0 < self.n {
+            self.all.wait(&mut s);
+        }
+        !s.1
+    }
+}
+
+/// Runs a GPU worker on its own thread: builds the replica, waits at `gate`, joins the
+/// collective, then serves commands. A failure before serving is sent as the reply to
+/// the first command, as a worker's failure always is.
+#[allow(clippy::too_many_arguments)]
+fn gpu_worker(
+    (rank, ordinal): (usize, usize),
+    start: (Sequential, ParamStore, Optimizer, u64),
+    (first_shard, shards_here): (usize, usize),
+    exchange: &Exchange,
+    gate: &SetupGate,
+    wait: Wait,
+    commands: Receiver<Command>,
+    replies: Sender<(usize, Result<Reply>)>,
+) {
+    let Exchange::Gpu(group) = exchange else { unreachable!("GPU workers share a GPU exchange") };
+    let (model, store, optimizer, seed) = start;
+    let built = GpuReplica::new(ordinal, model, &store, &optimizer, seed, shards_here);
+    let joined = match (gate.arrive(built.is_ok()), built) {
+        (true, Ok(replica)) => group.join(rank, replica.stream()).map(|comm| (replica, comm)),
+        (_, Err(e)) => Err(e),
+        (false, Ok(_)) => Err(Error::Aborted),
+    };
+    match joined {
+        Ok((replica, comm)) => {
+            worker_loop(GpuWorker { replica, comm, first_shard, shards_here }, rank, exchange, wait, commands, replies)
+        }
+        Err(e) => {
+            exchange.abort();
+            let e = match e {
+                Error::Aborted => Error::Aborted,
+                e => Error::Worker { device: Device::Cuda(ordinal).to_string(), step: 0, cause: e.to_string() },
+            };
+            let _ = replies.send((rank, Err(e)));
         }
     }
 }
@@ -560,58 +719,82 @@ pub fn with_trainer<T>(
         }
         None => model.init(config.seed),
     };
-    let exchange = ShmExchange::new(n, replicas, model.num_params() + model.num_buffers())?;
-    // Build every worker first: replicas, channels, pools' sizes.
+    let width = model.num_params() + model.num_buffers();
+    let gpus: Vec<usize> =
+        devices.list().iter().filter_map(|d| if let Device::Cuda(o) = d { Some(*o) } else { None }).collect();
+    let exchange = match gpus.len() {
+        0 => Exchange::Shm(ShmExchange::new(n, replicas, width)?),
+        g if g == n => Exchange::Gpu(GpuGroup::new(&gpus, width, false)?),
+        _ => return Err(Error::config("devices", "a run trains on CPU devices or on GPUs, not on both")),
+    };
+    // Build every worker's start first: replicas' state, channels, pools' sizes.
     let mut starts = Vec::with_capacity(n);
     let mut commands = Vec::with_capacity(n);
     let (reply_tx, reply_rx) = bounded(n * 2);
     for &device in devices.list() {
-        let replica = Replica {
-            device,
-            model: model.clone(),
-            store: initial.clone(),
-            optimizer: match &config.resume {
-                Some(r) => r.optimizer.clone(),
-                None => Optimizer::new(config.optimizer, model.num_params()),
-            },
-            seed: config.seed,
+        let optimizer = match &config.resume {
+            Some(r) => r.optimizer.clone(),
+            None => Optimizer::new(config.optimizer, model.num_params()),
         };
         let (tx, rx) = bounded::<Command>(2);
         commands.push(tx);
-        starts.push((replica, rx));
+        starts.push((device, (model.clone(), initial.clone(), optimizer), rx));
     }
     let threads = devices.threads_per_device();
     let k = replicas / n;
     // Between steps the pools' helper threads are idle; the coordinator may spin if a
     // core is left over once every worker thread has one.
     let wait = if n < crate::devices::available_cores() { Wait::Spin } else { Wait::Park };
+    let gate = SetupGate::new(n);
     std::thread::scope(|s| {
-        for (rank, (replica, rx)) in starts.into_iter().enumerate() {
-            let (exchange, replies) = (&exchange, reply_tx.clone());
-            std::thread::Builder::new()
-                .name(format!("lockstep-{}", replica.device))
-                .spawn_scoped(s, move || {
+        for (rank, (device, (model, store, optimizer), rx)) in starts.into_iter().enumerate() {
+            let (exchange, gate, replies) = (&exchange, &gate, reply_tx.clone());
+            let seed = config.seed;
+            let run = move || match (device, exchange) {
+                (Device::Cuda(ordinal), _) => gpu_worker(
+                    (rank, ordinal),
+                    (model, store, optimizer, seed),
+                    (rank * k, k),
+                    exchange,
+                    gate,
+                    wait,
+                    rx,
+                    replies,
+                ),
+                (Device::Cpu(_), Exchange::Shm(shm)) => {
                     let pool = rayon::ThreadPoolBuilder::new()
                         .num_threads(threads)
                         .use_current_thread()
                         .thread_name(move |i| format!("lockstep-cpu{rank}-{i}"))
                         .build();
                     match pool {
-                        Ok(pool) => pool.install(|| worker_loop(replica, rank, exchange, k, wait, rx, replies)),
+                        Ok(pool) => pool.install(|| {
+                            let replica = Replica { device, model, store, optimizer, seed };
+                            let worker =
+                                CpuWorker { replica, comm: shm.rank(rank), first_shard: rank * k, shards_here: k };
+                            worker_loop(worker, rank, exchange, wait, rx, replies)
+                        }),
                         Err(e) => {
                             exchange.abort();
                             let _ = replies.send((
                                 rank,
                                 Err(Error::Worker {
-                                    device: replica.device.to_string(),
+                                    device: device.to_string(),
                                     step: 0,
                                     cause: format!("cannot start its thread pool: {e}"),
                                 }),
                             ));
                         }
                     }
-                })
-                .map_err(|e| Error::config("threads", format!("cannot spawn a worker thread: {e}")))?;
+                }
+                (Device::Cpu(_), Exchange::Gpu(_)) => unreachable!("CPU devices share the shared-memory exchange"),
+            };
+            std::thread::Builder::new().name(format!("lockstep-{device}")).spawn_scoped(s, run).map_err(|e| {
+                // The workers already started must not wait for this one.
+                gate.abandon();
+                exchange.abort();
+                Error::config("threads", format!("cannot spawn a worker thread: {e}"))
+            })?;
         }
         drop(reply_tx);
         let mut trainer = Trainer {

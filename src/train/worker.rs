@@ -144,39 +144,33 @@ impl Replica {
         let mut scratch = self.store.buffers.clone();
         let logits = self.model.forward(x, &self.store.params, &mut scratch, &Ctx::eval(self.device))?;
         let k = logits.shape().per_sample();
-        let mut out = logits.into_vec();
-        for row in out.chunks_exact_mut(k) {
-            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let sum: f32 = row
-                .iter_mut()
-                .map(|v| {
-                    *v = (*v - max).exp();
-                    *v
-                })
-                .sum();
-            row.iter_mut().for_each(|v| *v /= sum);
-        }
-        Ok(out)
+        Ok(crate::nn::loss::softmax_rows(logits.into_vec(), k))
     }
 
     /// Per-tensor fingerprints of parameters, buffers and optimiser state, for the
     /// replica check (FNV-1a over the bit patterns: equal bits, equal hash).
     pub fn fingerprints(&self) -> Vec<(String, u64)> {
-        let fnv = |v: &[f32]| {
-            v.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, x| (h ^ x.to_bits() as u64).wrapping_mul(0x100_0000_01b3))
-        };
-        let mut out = Vec::new();
-        for t in self.model.param_infos() {
-            out.push((t.name.clone(), fnv(&self.store.params[t.range.clone()])));
-        }
-        for t in self.model.buffer_infos() {
-            out.push((t.name.clone(), fnv(&self.store.buffers[t.range.clone()])));
-        }
-        for (name, v) in self.optimizer.state() {
-            out.push((format!("optimizer.{name}"), fnv(v)));
-        }
-        out
+        fingerprints(&self.model, &self.store, &self.optimizer)
     }
+}
+
+/// Per-tensor fingerprints of a replica's parameters, buffers and optimiser state (FNV-1a
+/// over the bit patterns: equal bits, equal hash), named as the checkpoints name them.
+pub fn fingerprints(model: &Sequential, store: &ParamStore, optimizer: &Optimizer) -> Vec<(String, u64)> {
+    let fnv = |v: &[f32]| {
+        v.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, x| (h ^ x.to_bits() as u64).wrapping_mul(0x100_0000_01b3))
+    };
+    let mut out = Vec::new();
+    for t in model.param_infos() {
+        out.push((t.name.clone(), fnv(&store.params[t.range.clone()])));
+    }
+    for t in model.buffer_infos() {
+        out.push((t.name.clone(), fnv(&store.buffers[t.range.clone()])));
+    }
+    for (name, v) in optimizer.state() {
+        out.push((format!("optimizer.{name}"), fnv(v)));
+    }
+    out
 }
 
 /// Compares every replica's fingerprints with replica 0's; names the first difference.

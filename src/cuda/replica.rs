@@ -1,0 +1,875 @@
+//! A model replica on one GPU: parameters, gradients, BatchNorm buffers and optimiser
+//! state in flat device buffers, the layers run by kernels of `kernels/` and cuBLAS.
+//!
+//! Owns: [`GpuReplica`], what a CUDA worker thread holds (DESIGN.md: one thread per
+//! device, each with its context, streams and full replica). The network is the same
+//! [`Sequential`] the CPU replica runs: each layer describes its computation as a
+//! [`LayerOp`], and this file launches it. Flat buffers use the CPU layout exactly
+//! (`Sequential::layer_ranges`), so weights, checkpoints and replica fingerprints move
+//! between the two backends unchanged.
+//!
+//! A training step queues everything on the compute stream without waiting: one copy of
+//! this worker's rows from pinned host memory, then per logical replica (shard) forward,
+//! fused softmax cross-entropy and backward into that shard's gradient slot; the slots
+//! are summed in shard order, the collective sums across GPUs, and the fused optimiser
+//! updates the parameters. The host waits once, at the end, to read the losses it
+//! reports.
+//!
+//! Layouts: activations NCHW as on the CPU; convolution unfolds to columns
+//! (N, C·KH·KW, OH·OW) and runs one strided-batched GEMM per pass; its weight gradient
+//! is summed over the samples' per-sample products by the `reduce_sum` kernel, in sample
+//! order. Parameter gradients of a shard are written once per step into a zeroed slot.
+
+use std::ops::Range;
+
+use cudarc::cublas::sys::cublasOperation_t;
+use cudarc::cublas::{CudaBlas, Gemm, GemmConfig, StridedBatchedConfig};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, PinnedHostSlice};
+
+use super::launch::{AdamHyper, BnParams, ConvGeom, DropoutKey, Gpu};
+use crate::comm::gpu::GpuRank;
+use crate::nn::conv2d::pads;
+use crate::nn::loss::Metrics;
+use crate::nn::{LayerOp, Mode, ParamStore, Sequential};
+use crate::optim::{Optimizer, OptimizerConfig};
+use crate::tensor::{Device, Shape};
+use crate::train::worker::{StepOutcome, StepWork};
+use crate::train::Batch;
+use crate::{Error, Result};
+
+/// One layer as the GPU runs it.
+struct Node {
+    op: LayerOp,
+    name: String,
+    /// Per-sample input and output element counts and shapes.
+    input: Shape,
+    output: Shape,
+    params: Vec<Range<usize>>,
+    buffers: Vec<Range<usize>>,
+}
+
+/// Per-layer device memory of one forward/backward at one batch size.
+struct Activations {
+    /// Batch size these buffers are sized for.
+    n: usize,
+    /// acts[0] = the input, acts[i + 1] = layer i's output.
+    acts: Vec<CudaSlice<f32>>,
+    /// Unfolded input of each convolution (None for other layers).
+    cols: Vec<Option<CudaSlice<f32>>>,
+    /// BatchNorm batch mean and 1/sqrt(var + eps) of each BatchNorm (None for others).
+    saved: Vec<Option<(CudaSlice<f32>, CudaSlice<f32>)>>,
+    /// Two gradient buffers that backward alternates between.
+    grads: [CudaSlice<f32>; 2],
+    /// Per-sample products of a convolution's weight gradient (N, O, C·KH·KW).
+    partial: CudaSlice<f32>,
+    /// Column gradient of a convolution (N, C·KH·KW, OH·OW).
+    dcol: CudaSlice<f32>,
+    labels: CudaSlice<u32>,
+    loss: CudaSlice<f32>,
+    correct: CudaSlice<u32>,
+}
+
+/// A device's replica on a GPU.
+pub struct GpuReplica {
+    pub device: Device,
+    gpu: Gpu,
+    blas: CudaBlas,
+    model: Sequential,
+    nodes: Vec<Node>,
+    np: usize,
+    nb: usize,
+    params: CudaSlice<f32>,
+    buffers: CudaSlice<f32>,
+    /// One slot of [gradient sum | updated BatchNorm buffers] per local logical replica.
+    slots: CudaSlice<f32>,
+    /// The slots' sum, all-reduced (used when a device runs more than one shard).
+    reduced: CudaSlice<f32>,
+    config: OptimizerConfig,
+    /// Optimiser state: SGD momentum or Adam's m, and Adam's v (empty for SGD).
+    m: CudaSlice<f32>,
+    v: CudaSlice<f32>,
+    t: u64,
+    seed: u64,
+    /// Training activations, kept between steps while the shard size stays the same.
+    train: Option<Activations>,
+    /// Per-sample losses and hits of this worker's rows in the current step.
+    step_loss: Option<CudaSlice<f32>>,
+    step_hits: Option<CudaSlice<u32>>,
+    /// Pinned staging for the rows of one step or evaluation chunk, and their labels.
+    pinned_x: Option<PinnedHostSlice<f32>>,
+    pinned_y: Option<PinnedHostSlice<u32>>,
+    x_dev: Option<CudaSlice<f32>>,
+    y_dev: Option<CudaSlice<u32>>,
+}
+
+impl GpuReplica {
+    /// Builds the replica on GPU `ordinal`: checks that every layer has a CUDA form,
+    /// uploads `store` and the optimiser state of `optimizer`, and makes room for
+    /// `shards_here` gradient slots.
+    pub fn new(
+        ordinal: usize,
+        model: Sequential,
+        store: &ParamStore,
+        optimizer: &Optimizer,
+        seed: u64,
+        shards_here: usize,
+    ) -> Result<GpuReplica> {
+        let nodes = plan(&model)?;
+        let gpu = Gpu::new(ordinal)?;
+        let stream = gpu.stream().clone();
+        let blas = CudaBlas::new(stream.clone())?;
+        let (np, nb) = (model.num_params(), model.num_buffers());
+        if store.params.len() != np || store.buffers.len() != nb {
+            return Err(Error::config("initial weights", "they do not match the model's tensors"));
+        }
+        let config = *optimizer.config();
+        let state = optimizer.state();
+        let pick = |name: &str| state.iter().find(|(n, _)| *n == name).map(|(_, v)| v.to_vec());
+        let m = pick("m").unwrap_or_else(|| vec![0.0; np]);
+        let v = match config {
+            OptimizerConfig::Adam { .. } => pick("v").unwrap_or_else(|| vec![0.0; np]),
+            OptimizerConfig::Sgd { .. } => Vec::new(),
+        };
+        let width = np + nb;
+        Ok(GpuReplica {
+            device: Device::Cuda(ordinal),
+            params: upload(&stream, &store.params)?,
+            buffers: upload(&stream, &store.buffers)?,
+            slots: stream.alloc_zeros(width * shards_here.max(1))?,
+            reduced: stream.alloc_zeros(width.max(1))?,
+            m: upload(&stream, &m)?,
+            v: upload(&stream, &v)?,
+            t: optimizer.steps(),
+            config,
+            seed,
+            np,
+            nb,
+            nodes,
+            model,
+            gpu,
+            blas,
+            train: None,
+            step_loss: None,
+            step_hits: None,
+            pinned_x: None,
+            pinned_y: None,
+            x_dev: None,
+            y_dev: None,
+        })
+    }
+
+    /// The stream every launch of this replica goes to (the collective orders itself
+    /// after it).
+    pub fn stream(&self) -> &std::sync::Arc<cudarc::driver::CudaStream> {
+        self.gpu.stream()
+    }
+
+    /// Trains one step: this worker's shards `first_shard..first_shard + shards_here`
+    /// of `work`, the collective `comm` over every GPU, then the update.
+    pub fn step(
+        &mut self,
+        work: &StepWork,
+        comm: &mut GpuRank<'_>,
+        first_shard: usize,
+        shards_here: usize,
+    ) -> Result<StepOutcome> {
+        let t0 = std::time::Instant::now();
+        let (np, nb, width) = (self.np, self.nb, self.np + self.nb);
+        let mine = &work.shards[first_shard..first_shard + shards_here];
+        let rows = mine.first().map_or(0, |r| r.start)..mine.last().map_or(0, |r| r.end);
+        self.stage(&work.batch, rows.clone())?;
+        let stream = self.gpu.stream().clone();
+        stream.memset_zeros(&mut self.slots)?;
+        if self.step_loss.as_ref().map(|l| l.len()) != Some(rows.len().max(1)) {
+            self.step_loss = Some(stream.alloc_zeros(rows.len().max(1))?);
+            self.step_hits = Some(stream.alloc_zeros(rows.len().max(1))?);
+        }
+        for (local, shard) in mine.iter().enumerate() {
+            if shard.is_empty() {
+                // An empty shard still joins the collective, with zeros.
+                continue;
+            }
+            let n = shard.len();
+            self.ensure_train(n)?;
+            let acts = self.train.as_mut().expect("sized above");
+            let per = self.model.input_shape().numel();
+            let off = shard.start - rows.start;
+            let x = self.x_dev.as_ref().expect("staged");
+            let y = self.y_dev.as_ref().expect("staged");
+            stream.memcpy_dtod(&x.slice(off * per..(off + n) * per), &mut acts.acts[0])?;
+            stream.memcpy_dtod(&y.slice(off..off + n), &mut acts.labels)?;
+            let slot = local * width;
+            // The shard's BatchNorm buffers start from this replica's and are updated in
+            // its slot by the training forward.
+            stream.memcpy_dtod(&self.buffers, &mut self.slots.slice_mut(slot + np..slot + width))?;
+            let ctx = StepCtx { mode: Mode::Train, seed: self.seed, step: work.step, replica: first_shard + local };
+            forward(
+                &self.gpu,
+                &self.blas,
+                &self.nodes,
+                acts,
+                &self.params,
+                Some((&mut self.slots, slot + np)),
+                None,
+                &ctx,
+            )?;
+            let k = self.model.output_shape().numel();
+            let last = acts.acts.len() - 1;
+            let step_loss = self.step_loss.as_mut().expect("sized above");
+            self.gpu.softmax_xent_fwd(
+                &acts.acts[last],
+                &acts.labels,
+                &mut step_loss.slice_mut(off..off + n),
+                &mut acts.grads[0].slice_mut(0..n * k),
+                &mut acts.correct,
+                k,
+            )?;
+            stream.memcpy_dtod(
+                &acts.correct,
+                &mut self.step_hits.as_mut().expect("sized above").slice_mut(off..off + n),
+            )?;
+            let first = self.model.first_trained_layer();
+            backward(&self.gpu, &self.blas, &self.nodes, acts, &self.params, &mut self.slots, slot, &ctx, first)?;
+        }
+        // Sum this device's shards in shard order, then across devices.
+        let t1 = std::time::Instant::now();
+        let total = work.batch.len() as f32;
+        let with_data = work.shards.iter().filter(|r| !r.is_empty()).count() as f32;
+        let summed = if shards_here == 1 {
+            &mut self.slots
+        } else {
+            self.gpu.reduce_sum(&self.slots, &mut self.reduced, shards_here, 1.0)?;
+            &mut self.reduced
+        };
+        comm.all_reduce_sum(summed)?;
+        let summed: &CudaSlice<f32> = summed;
+        let t2 = std::time::Instant::now();
+        self.t += 1;
+        let lr = self.config.lr() * work.lr_scale;
+        let grad = summed.slice(0..np);
+        match self.config {
+            OptimizerConfig::Sgd { momentum, weight_decay, .. } => {
+                self.gpu.sgd_step(&mut self.params, &grad, &mut self.m, lr, momentum, weight_decay, 1.0 / total)?
+            }
+            OptimizerConfig::Adam { beta1, beta2, eps, weight_decay, .. } => self.gpu.adam_step(
+                &mut self.params,
+                &grad,
+                &mut self.m,
+                &mut self.v,
+                AdamHyper { lr, beta1, beta2, eps, weight_decay },
+                self.t,
+                1.0 / total,
+            )?,
+        }
+        if nb > 0 {
+            // Running statistics: the mean over the logical replicas that saw data.
+            let bufs = summed.slice(np..width);
+            self.gpu.reduce_sum(&bufs, &mut self.buffers, 1, 1.0 / with_data)?;
+        }
+        // The one wait of the step: the losses it reports.
+        let loss = stream.clone_dtoh(self.step_loss.as_ref().expect("sized above"))?;
+        let hits = stream.clone_dtoh(self.step_hits.as_ref().expect("sized above"))?;
+        let mut outcome = StepOutcome::default();
+        for shard in mine {
+            let r = shard.start - rows.start..shard.end - rows.start;
+            outcome.shards.push(metrics(&loss[r.clone()], &hits[r]));
+        }
+        let t3 = std::time::Instant::now();
+        outcome.compute = (t1 - t0) + (t3 - t2);
+        outcome.reduce = t2 - t1;
+        Ok(outcome)
+    }
+
+    /// Loss and accuracy in evaluation mode on `rows` of `batch`, in chunks of at most
+    /// `chunk` samples.
+    pub fn evaluate(&mut self, batch: &Batch, rows: Range<usize>, chunk: usize) -> Result<Metrics> {
+        let mut total = Metrics::default();
+        let mut start = rows.start;
+        while start < rows.end {
+            let end = (start + chunk.max(1)).min(rows.end);
+            let (loss, correct, _) = self.infer(batch, start..end)?;
+            total.add(&metrics(&loss, &correct));
+            start = end;
+        }
+        Ok(total)
+    }
+
+    /// Class probabilities (softmax of the logits) for `rows` of `batch`: (rows, K).
+    pub fn predict(&mut self, batch: &Batch, rows: Range<usize>) -> Result<Vec<f32>> {
+        let (_, _, logits) = self.infer(batch, rows)?;
+        Ok(crate::nn::loss::softmax_rows(logits, self.model.output_shape().numel()))
+    }
+
+    /// Evaluation-mode forward of `rows`: per-sample losses, hits and the logits.
+    fn infer(&mut self, batch: &Batch, rows: Range<usize>) -> Result<(Vec<f32>, Vec<u32>, Vec<f32>)> {
+        let n = rows.len();
+        if n == 0 {
+            return Ok((Vec::new(), Vec::new(), Vec::new()));
+        }
+        self.stage(batch, rows)?;
+        let mut acts = Activations::new(&self.gpu, &self.nodes, n)?;
+        let stream = self.gpu.stream().clone();
+        stream.memcpy_dtod(self.x_dev.as_ref().expect("staged"), &mut acts.acts[0])?;
+        stream.memcpy_dtod(self.y_dev.as_ref().expect("staged"), &mut acts.labels)?;
+        let ctx = StepCtx { mode: Mode::Eval, seed: self.seed, step: 0, replica: 0 };
+        forward(&self.gpu, &self.blas, &self.nodes, &mut acts, &self.params, None, Some(&self.buffers), &ctx)?;
+        let last = acts.acts.len() - 1;
+        let k = self.model.output_shape().numel();
+        self.gpu.softmax_xent_fwd(
+            &acts.acts[last],
+            &acts.labels,
+            &mut acts.loss,
+            &mut acts.grads[0].slice_mut(0..n * k),
+            &mut acts.correct,
+            k,
+        )?;
+        let logits = stream.clone_dtoh(&acts.acts[last].slice(0..n * k))?;
+        Ok((stream.clone_dtoh(&acts.loss)?, stream.clone_dtoh(&acts.correct)?, logits))
+    }
+
+    /// Parameters, buffers and optimiser state, copied to the host (waits for the GPU).
+    pub fn snapshot(&self) -> Result<(ParamStore, Optimizer)> {
+        let stream = self.gpu.stream();
+        let store = ParamStore { params: stream.clone_dtoh(&self.params)?, buffers: stream.clone_dtoh(&self.buffers)? };
+        let mut optimizer = Optimizer::new(self.config, self.np);
+        let mut state = Vec::new();
+        match self.config {
+            OptimizerConfig::Sgd { momentum, .. } if momentum > 0.0 => state.push(("m", stream.clone_dtoh(&self.m)?)),
+            OptimizerConfig::Sgd { .. } => {}
+            OptimizerConfig::Adam { .. } => {
+                state.push(("m", stream.clone_dtoh(&self.m)?));
+                state.push(("v", stream.clone_dtoh(&self.v)?));
+            }
+        }
+        optimizer.restore(self.t, &state)?;
+        Ok((store, optimizer))
+    }
+
+    /// Per-tensor fingerprints, as [`crate::train::worker::fingerprints`] computes them
+    /// on the CPU.
+    pub fn fingerprints(&self) -> Result<Vec<(String, u64)>> {
+        let (store, optimizer) = self.snapshot()?;
+        Ok(crate::train::worker::fingerprints(&self.model, &store, &optimizer))
+    }
+
+    /// Copies `rows` of `batch` to the GPU through pinned memory (asynchronously).
+    fn stage(&mut self, batch: &Batch, rows: Range<usize>) -> Result<()> {
+        let per = batch.sample_shape.numel();
+        let (xs, ys) = (&batch.x[rows.start * per..rows.end * per], &batch.y[rows.clone()]);
+        let ctx = self.gpu.context().clone();
+        let stream = self.gpu.stream().clone();
+        if self.pinned_x.as_ref().map(|p| p.len()) != Some(xs.len()) {
+            // SAFETY: the memory is written below before any read.
+            self.pinned_x = Some(unsafe { ctx.alloc_pinned::<f32>(xs.len().max(1)) }?);
+            self.pinned_y = Some(unsafe { ctx.alloc_pinned::<u32>(ys.len().max(1)) }?);
+            self.x_dev = Some(stream.alloc_zeros(xs.len().max(1))?);
+            self.y_dev = Some(stream.alloc_zeros(ys.len().max(1))?);
+        }
+        let (px, py) = (self.pinned_x.as_mut().expect("set"), self.pinned_y.as_mut().expect("set"));
+        // `as_mut_slice` waits for the previous copy out of this buffer to finish.
+        px.as_mut_slice()?[..xs.len()].copy_from_slice(xs);
+        py.as_mut_slice()?[..ys.len()].copy_from_slice(ys);
+        stream.memcpy_htod(&*px, self.x_dev.as_mut().expect("set"))?;
+        stream.memcpy_htod(&*py, self.y_dev.as_mut().expect("set"))?;
+        Ok(())
+    }
+
+    fn ensure_train(&mut self, n: usize) -> Result<()> {
+        if self.train.as_ref().map(|a| a.n) != Some(n) {
+            self.train = Some(Activations::new(&self.gpu, &self.nodes, n)?);
+        }
+        Ok(())
+    }
+}
+
+/// What a layer may know about the pass it runs in.
+struct StepCtx {
+    mode: Mode,
+    seed: u64,
+    step: u64,
+    replica: usize,
+}
+
+fn upload<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+    stream: &std::sync::Arc<cudarc::driver::CudaStream>,
+    host: &[T],
+) -> Result<CudaSlice<T>> {
+    if host.is_empty() {
+        // A zero-length allocation is refused by the driver: keep one unused element.
+        return Ok(stream.alloc_zeros(1)?);
+    }
+    Ok(stream.clone_htod(host)?)
+}
+
+fn metrics(loss: &[f32], correct: &[u32]) -> Metrics {
+    Metrics {
+        loss_sum: loss.iter().map(|&l| l as f64).sum(),
+        correct: correct.iter().map(|&c| c as u64).sum(),
+        count: loss.len() as u64,
+    }
+}
+
+/// The network as the GPU runs it, or an error naming the first layer without a CUDA form.
+fn plan(model: &Sequential) -> Result<Vec<Node>> {
+    let mut shape = model.input_shape().clone();
+    let mut nodes = Vec::with_capacity(model.layers().len());
+    for (i, layer) in model.layers().iter().enumerate() {
+        let name = model.layer_names()[i].clone();
+        let op = layer.op().ok_or_else(|| {
+            Error::config("model", format!("layer {name} ({}) has no CUDA implementation", layer.describe()))
+        })?;
+        let mut batched = vec![2];
+        batched.extend_from_slice(shape.dims());
+        let out = layer.output_shape(&Shape::new(batched))?;
+        let output = Shape::new(&out.dims()[1..]);
+        let (params, buffers) = model.layer_ranges(i);
+        nodes.push(Node { op, name, input: shape, output: output.clone(), params, buffers });
+        shape = output;
+    }
+    Ok(nodes)
+}
+
+/// Convolution geometry of `node` for a batch of `n`.
+fn conv_geom(node: &Node, n: usize) -> Result<ConvGeom> {
+    let LayerOp::Conv2d { in_channels, kernel: (kh, kw), stride, padding, .. } = node.op else {
+        unreachable!("conv_geom of a convolution")
+    };
+    let d = node.input.dims();
+    let (h, w) = (d[1], d[2]);
+    let too_small = || Error::shape("conv2d", format!("{}: input {h}x{w} is smaller than the kernel", node.name));
+    let (pt, pb, _) = pads(h, kh, stride, padding).ok_or_else(too_small)?;
+    let (pl, pr, _) = pads(w, kw, stride, padding).ok_or_else(too_small)?;
+    Ok(ConvGeom {
+        n,
+        c: in_channels,
+        h,
+        w,
+        kh,
+        kw,
+        stride_h: stride,
+        stride_w: stride,
+        pad_top: pt,
+        pad_left: pl,
+        pad_bottom: pb,
+        pad_right: pr,
+    })
+}
+
+impl Activations {
+    fn new(gpu: &Gpu, nodes: &[Node], n: usize) -> Result<Activations> {
+        let stream = gpu.stream();
+        let alloc = |len: usize| -> Result<CudaSlice<f32>> { Ok(stream.alloc_zeros::<f32>(len.max(1))?) };
+        let mut acts = vec![alloc(n * nodes[0].input.numel())?];
+        let (mut cols, mut saved) = (Vec::new(), Vec::new());
+        let (mut widest, mut partial, mut dcol) = (n * nodes[0].input.numel(), 1, 1);
+        for node in nodes {
+            acts.push(alloc(n * node.output.numel())?);
+            widest = widest.max(n * node.output.numel());
+            match node.op {
+                LayerOp::Conv2d { filters, .. } => {
+                    let g = conv_geom(node, n)?;
+                    cols.push(Some(alloc(g.col_len())?));
+                    dcol = dcol.max(g.col_len());
+                    partial = partial.max(n * filters * g.c * g.kh * g.kw);
+                    saved.push(None);
+                }
+                LayerOp::BatchNorm2d { channels, .. } => {
+                    cols.push(None);
+                    saved.push(Some((alloc(channels)?, alloc(channels)?)));
+                }
+                _ => {
+                    cols.push(None);
+                    saved.push(None);
+                }
+            }
+        }
+        let k = nodes.last().expect("a model has a layer").output.numel();
+        widest = widest.max(n * k);
+        Ok(Activations {
+            n,
+            acts,
+            cols,
+            saved,
+            grads: [alloc(widest)?, alloc(widest)?],
+            partial: alloc(partial)?,
+            dcol: alloc(dcol)?,
+            labels: stream.alloc_zeros::<u32>(n)?,
+            loss: alloc(n)?,
+            correct: stream.alloc_zeros::<u32>(n)?,
+        })
+    }
+}
+
+/// The forward pass of every layer on `a.acts[0]`. In training, BatchNorm updates the
+/// running statistics held at `train_bufs` (the shard's slot, at the offset where the
+/// buffers start); in evaluation it reads them from `eval_bufs`.
+#[allow(clippy::too_many_arguments)]
+fn forward(
+    gpu: &Gpu,
+    blas: &CudaBlas,
+    nodes: &[Node],
+    a: &mut Activations,
+    params: &CudaSlice<f32>,
+    mut train_bufs: Option<(&mut CudaSlice<f32>, usize)>,
+    eval_bufs: Option<&CudaSlice<f32>>,
+    ctx: &StepCtx,
+) -> Result<()> {
+    let n = a.n;
+    let stream = gpu.stream();
+    for (i, node) in nodes.iter().enumerate() {
+        let (before, after) = a.acts.split_at_mut(i + 1);
+        let (x, y) = (&before[i], &mut after[0]);
+        let p = |j: usize| params.slice(node.params[j].clone());
+        match node.op {
+            LayerOp::Linear { in_features: f, out_features: o, bias } => {
+                // y (N, O) = x (N, F) · Wᵀ, W: (O, F)
+                rm_gemm(blas, (false, true), (n, o, f), (x, f), (&p(0), f), (y, o), 0.0)?;
+                if bias {
+                    gpu.bias_cols_fwd(y, &p(1), n, o)?;
+                }
+            }
+            LayerOp::Conv2d { filters: o, bias, .. } => {
+                let g = conv_geom(node, n)?;
+                let (ckk, pp) = (g.c * g.kh * g.kw, g.oh() * g.ow());
+                let col = a.cols[i].as_mut().expect("a convolution has columns");
+                gpu.im2col_fwd(x, col, &g)?;
+                // per sample: y_n (O, P) = W (O, CKK) · col_n (CKK, P)
+                rm_gemm_batched(
+                    blas,
+                    (false, false),
+                    (o, pp, ckk),
+                    (&p(0), ckk, 0),
+                    (&*col, pp, ckk * pp),
+                    (y, pp, o * pp),
+                    n,
+                )?;
+                if bias {
+                    gpu.bias_nchw_fwd(y, &p(1), n, o, pp)?;
+                }
+            }
+            LayerOp::BatchNorm2d { channels: c, eps, momentum, scale, center } => {
+                let hw = node.input.numel() / c;
+                let params = BnParams { gamma: scale.then(|| p(0)), beta: center.then(|| p(usize::from(scale))) };
+                let (rm, rv) = (&node.buffers[0], &node.buffers[1]);
+                if ctx.mode == Mode::Train {
+                    if n * hw < 2 {
+                        return Err(Error::shape(
+                            "batchnorm",
+                            format!("{}: training needs more than one value per channel, got {}", node.name, n * hw),
+                        ));
+                    }
+                    let (bufs, off) = train_bufs.as_mut().expect("a training forward has buffers");
+                    let mut stats = bufs.slice_mut(*off + rm.start..*off + rv.end);
+                    let (mut mean, mut var) = stats.split_at_mut(c);
+                    let (save_mean, save_invstd) = a.saved[i].as_mut().expect("a BatchNorm has saved statistics");
+                    gpu.batchnorm_train_fwd(
+                        x,
+                        y,
+                        params,
+                        &mut mean,
+                        &mut var,
+                        save_mean,
+                        save_invstd,
+                        (n, c, hw),
+                        momentum,
+                        eps,
+                    )?;
+                } else {
+                    let bufs = eval_bufs.expect("an evaluation forward reads the running statistics");
+                    gpu.batchnorm_eval_fwd(
+                        x,
+                        y,
+                        params,
+                        &bufs.slice(rm.clone()),
+                        &bufs.slice(rv.clone()),
+                        (n, c, hw),
+                        eps,
+                    )?;
+                }
+            }
+            LayerOp::Relu => gpu.relu_fwd(x, y)?,
+            LayerOp::Rescaling { scale, offset } => gpu.rescale_fwd(x, y, scale, offset)?,
+            LayerOp::Dropout { rate } if ctx.mode == Mode::Train && rate > 0.0 => {
+                gpu.dropout_fwd(x, y, rate, dropout_key(ctx, i))?
+            }
+            LayerOp::Dropout { .. } | LayerOp::Flatten => stream.memcpy_dtod(x, y)?,
+            LayerOp::GlobalAvgPool2d => {
+                let c = node.output.numel();
+                gpu.global_avgpool_fwd(x, y, n * c, node.input.numel() / c)?
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The backward pass from the gradient of the summed loss in `a.grads[0]` down to layer
+/// `first`, writing the parameter gradients into the slot of `slots` at `slot`.
+#[allow(clippy::too_many_arguments)]
+fn backward(
+    gpu: &Gpu,
+    blas: &CudaBlas,
+    nodes: &[Node],
+    a: &mut Activations,
+    params: &CudaSlice<f32>,
+    slots: &mut CudaSlice<f32>,
+    slot: usize,
+    ctx: &StepCtx,
+    first: usize,
+) -> Result<()> {
+    let n = a.n;
+    let stream = gpu.stream();
+    let mut cur = 0;
+    for i in (first..nodes.len()).rev() {
+        let node = &nodes[i];
+        let need = i > first;
+        let [g0, g1] = &mut a.grads;
+        let (dy_buf, dx_buf) = if cur == 0 { (&*g0, g1) } else { (&*g1, g0) };
+        let dy = dy_buf.slice(0..n * node.output.numel());
+        let mut dx = dx_buf.slice_mut(0..n * node.input.numel());
+        let x = &a.acts[i];
+        let p = |j: usize| params.slice(node.params[j].clone());
+        let at = |j: usize| slot + node.params[j].start..slot + node.params[j].end;
+        match node.op {
+            LayerOp::Linear { in_features: f, out_features: o, bias } => {
+                // dW (O, F) = dyᵀ (O, N) · x (N, F); db (O) = Σ_n dy; dx (N, F) = dy · W
+                rm_gemm(blas, (true, false), (o, f, n), (&dy, o), (x, f), (&mut slots.slice_mut(at(0)), f), 0.0)?;
+                if bias {
+                    gpu.bias_cols_bwd(&dy, &mut slots.slice_mut(at(1)), n, o)?;
+                }
+                if need {
+                    rm_gemm(blas, (false, false), (n, f, o), (&dy, o), (&p(0), f), (&mut dx, f), 0.0)?;
+                }
+            }
+            LayerOp::Conv2d { filters: o, bias, .. } => {
+                let g = conv_geom(node, n)?;
+                let (ckk, pp) = (g.c * g.kh * g.kw, g.oh() * g.ow());
+                let col = a.cols[i].as_ref().expect("a convolution has columns");
+                // per sample: dW_n (O, CKK) = dy_n (O, P) · col_nᵀ; dW = Σ_n dW_n in sample order
+                let mut part = a.partial.slice_mut(0..n * o * ckk);
+                rm_gemm_batched(
+                    blas,
+                    (false, true),
+                    (o, ckk, pp),
+                    (&dy, pp, o * pp),
+                    (col, pp, ckk * pp),
+                    (&mut part, ckk, o * ckk),
+                    n,
+                )?;
+                gpu.reduce_sum(&part, &mut slots.slice_mut(at(0)), n, 1.0)?;
+                if bias {
+                    gpu.bias_nchw_bwd(&dy, &mut slots.slice_mut(at(1)), n, o, pp)?;
+                }
+                if need {
+                    // per sample: dcol_n (CKK, P) = Wᵀ (CKK, O) · dy_n (O, P), then col2im
+                    let mut dcol = a.dcol.slice_mut(0..g.col_len());
+                    rm_gemm_batched(
+                        blas,
+                        (true, false),
+                        (ckk, pp, o),
+                        (&p(0), ckk, 0),
+                        (&dy, pp, o * pp),
+                        (&mut dcol, pp, ckk * pp),
+                        n,
+                    )?;
+                    gpu.im2col_bwd(&dcol, &mut dx, &g)?;
+                }
+            }
+            LayerOp::BatchNorm2d { channels: c, scale, center, .. } => {
+                let hw = node.input.numel() / c;
+                let (save_mean, save_invstd) = a.saved[i].as_ref().expect("a BatchNorm has saved statistics");
+                let gamma = scale.then(|| p(0));
+                // gamma's and beta's gradients are adjacent in the slot.
+                let count = usize::from(scale) + usize::from(center);
+                let mut region = slots.slice_mut(slot + node.params[0].start..slot + node.params[0].start + count * c);
+                let (mut dgamma, mut dbeta) = match (scale, center) {
+                    (true, true) => {
+                        let (g, b) = region.split_at_mut(c);
+                        (Some(g), Some(b))
+                    }
+                    (true, false) => (Some(region.slice_mut(..)), None),
+                    (false, true) => (None, Some(region.slice_mut(..))),
+                    (false, false) => (None, None),
+                };
+                gpu.batchnorm_train_bwd(
+                    x,
+                    &dy,
+                    &mut dx,
+                    gamma.as_ref(),
+                    save_mean,
+                    save_invstd,
+                    dgamma.as_mut(),
+                    dbeta.as_mut(),
+                    (n, c, hw),
+                )?;
+            }
+            LayerOp::Relu => gpu.relu_bwd(x, &dy, &mut dx)?,
+            LayerOp::Rescaling { scale, .. } => gpu.rescale_bwd(&dy, &mut dx, scale)?,
+            LayerOp::Dropout { rate } if rate > 0.0 => gpu.dropout_bwd(&dy, &mut dx, rate, dropout_key(ctx, i))?,
+            LayerOp::Dropout { .. } | LayerOp::Flatten => stream.memcpy_dtod(&dy, &mut dx)?,
+            LayerOp::GlobalAvgPool2d => {
+                let c = node.output.numel();
+                gpu.global_avgpool_bwd(&dy, &mut dx, n * c, node.input.numel() / c)?
+            }
+        }
+        cur = 1 - cur;
+    }
+    Ok(())
+}
+
+fn dropout_key(ctx: &StepCtx, layer: usize) -> DropoutKey {
+    DropoutKey { seed: ctx.seed, step: ctx.step, replica: ctx.replica as u64, layer: layer as u64 }
+}
+
+/// A GEMM dimension as cuBLAS's `int`.
+fn int(v: usize) -> Result<i32> {
+    i32::try_from(v).map_err(|_| Error::shape("gemm", format!("dimension {v} does not fit in i32")))
+}
+
+/// Elements a row-major matrix of `rows` × `cols` with leading dimension `ld` spans.
+fn span(rows: usize, cols: usize, ld: usize) -> usize {
+    if rows == 0 || cols == 0 {
+        0
+    } else {
+        (rows - 1) * ld + cols
+    }
+}
+
+fn op(t: bool) -> cublasOperation_t {
+    if t {
+        cublasOperation_t::CUBLAS_OP_T
+    } else {
+        cublasOperation_t::CUBLAS_OP_N
+    }
+}
+
+/// Checks that each operand of a row-major GEMM holds what the GEMM reads or writes.
+#[allow(clippy::too_many_arguments)]
+fn check_gemm(
+    (ta, tb): (bool, bool),
+    (m, n, k): (usize, usize, usize),
+    (a_len, lda, sa): (usize, usize, usize),
+    (b_len, ldb, sb): (usize, usize, usize),
+    (c_len, ldc, sc): (usize, usize, usize),
+    batch: usize,
+) -> Result<()> {
+    let last = batch.saturating_sub(1);
+    let (ar, ac) = if ta { (k, m) } else { (m, k) };
+    let (br, bc) = if tb { (n, k) } else { (k, n) };
+    for (what, len, rows, cols, ld, stride) in
+        [("A", a_len, ar, ac, lda, sa), ("B", b_len, br, bc, ldb, sb), ("C", c_len, m, n, ldc, sc)]
+    {
+        if ld < cols || len < last * stride + span(rows, cols, ld) {
+            return Err(Error::shape(
+                "gemm",
+                format!("{what} ({rows}x{cols}, ld {ld}, {batch} x stride {stride}) does not fit in {len} elements"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Row-major C (m×n) = op(A)·op(B) + beta·C, with A (m×k or k×m when transposed) and B
+/// (k×n or n×k) stored row-major with leading dimensions lda, ldb. cuBLAS is
+/// column-major, where a row-major matrix reads as its transpose: it computes
+/// Cᵀ = op(B)ᵀ·op(A)ᵀ, i.e. the operands swap and keep their transpose flags.
+fn rm_gemm<A: DevicePtr<f32>, B: DevicePtr<f32>, C: DevicePtrMut<f32>>(
+    blas: &CudaBlas,
+    (ta, tb): (bool, bool),
+    (m, n, k): (usize, usize, usize),
+    (a, lda): (&A, usize),
+    (b, ldb): (&B, usize),
+    (c, ldc): (&mut C, usize),
+    beta: f32,
+) -> Result<()> {
+    check_gemm((ta, tb), (m, n, k), (a.len(), lda, 0), (b.len(), ldb, 0), (c.len(), ldc, 0), 1)?;
+    if m == 0 || n == 0 {
+        return Ok(());
+    }
+    let cfg = GemmConfig {
+        transa: op(tb),
+        transb: op(ta),
+        m: int(n)?,
+        n: int(m)?,
+        k: int(k)?,
+        alpha: 1.0f32,
+        lda: int(ldb)?,
+        ldb: int(lda)?,
+        beta,
+        ldc: int(ldc)?,
+    };
+    // SAFETY: every operand holds the elements the GEMM addresses (checked above), and
+    // all three live on the stream the handle was created with.
+    unsafe { blas.gemm(cfg, b, a, c) }?;
+    Ok(())
+}
+
+/// [`rm_gemm`] over `batch` matrices at strides sa, sb, sc (0: the same matrix for
+/// every item), beta = 0.
+#[allow(clippy::too_many_arguments)]
+fn rm_gemm_batched<A: DevicePtr<f32>, B: DevicePtr<f32>, C: DevicePtrMut<f32>>(
+    blas: &CudaBlas,
+    (ta, tb): (bool, bool),
+    (m, n, k): (usize, usize, usize),
+    (a, lda, sa): (&A, usize, usize),
+    (b, ldb, sb): (&B, usize, usize),
+    (c, ldc, sc): (&mut C, usize, usize),
+    batch: usize,
+) -> Result<()> {
+    check_gemm((ta, tb), (m, n, k), (a.len(), lda, sa), (b.len(), ldb, sb), (c.len(), ldc, sc), batch)?;
+    if m == 0 || n == 0 || batch == 0 {
+        return Ok(());
+    }
+    let stride = |s: usize| i64::try_from(s).map_err(|_| Error::shape("gemm", format!("stride {s} too large")));
+    let cfg = StridedBatchedConfig {
+        gemm: GemmConfig {
+            transa: op(tb),
+            transb: op(ta),
+            m: int(n)?,
+            n: int(m)?,
+            k: int(k)?,
+            alpha: 1.0f32,
+            lda: int(ldb)?,
+            ldb: int(lda)?,
+            beta: 0.0,
+            ldc: int(ldc)?,
+        },
+        batch_size: int(batch)?,
+        stride_a: stride(sb)?,
+        stride_b: stride(sa)?,
+        stride_c: stride(sc)?,
+    };
+    // SAFETY: as for rm_gemm, for every item of the batch (checked with the strides).
+    unsafe { blas.gemm_strided_batched(cfg, b, a, c) }?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gemm_bounds_are_checked_for_every_operand_and_batch_item() {
+        // (2x3)·(3x4) row-major, dense.
+        assert!(check_gemm((false, false), (2, 4, 3), (6, 3, 0), (12, 4, 0), (8, 4, 0), 1).is_ok());
+        // B transposed: stored 4x3.
+        assert!(check_gemm((false, true), (2, 4, 3), (6, 3, 0), (12, 3, 0), (8, 4, 0), 1).is_ok());
+        let e = check_gemm((false, false), (2, 4, 3), (6, 3, 0), (11, 4, 0), (8, 4, 0), 1).unwrap_err();
+        assert!(e.to_string().contains("B (3x4"), "{e}");
+        // A shared by the batch (stride 0), B and C strided.
+        assert!(check_gemm((false, false), (2, 4, 3), (6, 3, 0), (36, 4, 12), (24, 4, 8), 3).is_ok());
+        assert!(check_gemm((false, false), (2, 4, 3), (6, 3, 0), (36, 4, 12), (23, 4, 8), 3).is_err());
+        // A leading dimension below the row length is refused.
+        assert!(check_gemm((false, false), (2, 4, 3), (6, 2, 0), (12, 4, 0), (8, 4, 0), 1).is_err());
+    }
+
+    #[test]
+    fn every_built_in_layer_has_a_cuda_form() {
+        use crate::models::{convnet, ConvnetOptions};
+        let nodes = plan(&convnet(ConvnetOptions { dropout: 0.25, ..ConvnetOptions::default() }).unwrap()).unwrap();
+        assert!(nodes.iter().any(|n| matches!(n.op, LayerOp::Conv2d { .. })));
+        assert!(nodes.iter().any(|n| matches!(n.op, LayerOp::BatchNorm2d { .. })));
+        assert!(nodes.iter().any(|n| matches!(n.op, LayerOp::Dropout { .. })));
+        let toy = plan(&crate::models::toy_mlp(2, 2).unwrap()).unwrap();
+        assert_eq!(toy.last().unwrap().output.numel(), 2);
+    }
+}
