@@ -248,6 +248,7 @@ impl GpuReplica {
         let lr = self.config.lr() * work.lr_scale;
         let grad = summed.slice(0..np);
         match self.config {
+            _ if np == 0 => {}
             OptimizerConfig::Sgd { momentum, weight_decay, .. } => {
                 self.gpu.sgd_step(&mut self.params, &grad, &mut self.m, lr, momentum, weight_decay, 1.0 / total)?
             }
@@ -680,7 +681,8 @@ fn backward(
                 let gamma = scale.then(|| p(0));
                 // gamma's and beta's gradients are adjacent in the slot.
                 let count = usize::from(scale) + usize::from(center);
-                let mut region = slots.slice_mut(slot + node.params[0].start..slot + node.params[0].start + count * c);
+                let start = node.params.first().map_or(0, |r| slot + r.start);
+                let mut region = slots.slice_mut(start..start + count * c);
                 let (mut dgamma, mut dbeta) = match (scale, center) {
                     (true, true) => {
                         let (g, b) = region.split_at_mut(c);

@@ -1,0 +1,162 @@
+//! Training on GPUs: the CUDA replica against the CPU one, replicas sharing a GPU, and
+//! what a run on GPUs reports and refuses.
+//!
+//! Without a CUDA driver or GPU (CI, laptops) each test writes "skipped: ..." to stderr
+//! and returns: visibly skipped, never a silent pass. `scripts/gpu-check.sh` runs them
+//! on a GPU machine. The PyTorch reference cases run on the GPU in tests/oracle.rs.
+
+use std::io::Write;
+
+use lockstep::data::digits::{load_digits, DigitsLayout};
+use lockstep::data::Dataset;
+use lockstep::devices::Devices;
+use lockstep::models::{self, ConvnetOptions, Norm};
+use lockstep::nn::Sequential;
+use lockstep::optim::OptimizerConfig;
+use lockstep::train::{train_data_parallel, with_trainer, Batch, LastBatch, Shuffle, TrainConfig, TrainReport};
+
+/// True where a CUDA GPU can be used; otherwise says loudly that `test` is skipped.
+fn gpu_present(test: &str) -> bool {
+    let why = match lockstep::cuda::probe::gpu_count() {
+        Ok(n) if n > 0 => return true,
+        Ok(_) => "no CUDA GPU".to_string(),
+        Err(e) => format!("no CUDA driver ({e})"),
+    };
+    let _ = writeln!(std::io::stderr(), "{test}: skipped: {why}");
+    false
+}
+
+fn digits_subset(n: usize) -> Dataset {
+    let d = load_digits(DigitsLayout::Image28).unwrap().train;
+    d.subset("digits-subset", &(0..n).collect::<Vec<_>>())
+}
+
+fn convnet(norm: Norm, dropout: f32) -> Sequential {
+    models::convnet(ConvnetOptions { norm, dropout, ..ConvnetOptions::default() }).unwrap()
+}
+
+fn config(steps: u64, replicas: usize) -> TrainConfig {
+    TrainConfig {
+        epochs: 100,
+        max_steps: Some(steps),
+        batch_size: 32,
+        optimizer: OptimizerConfig::adam(1e-3),
+        seed: 3,
+        shuffle: Shuffle::Seeded,
+        last_batch: LastBatch::Keep,
+        replicas: Some(replicas),
+        check_replicas_every: Some(1),
+        ..TrainConfig::default()
+    }
+}
+
+fn run(model: &Sequential, data: &Dataset, devices: Devices, cfg: &TrainConfig) -> TrainReport {
+    train_data_parallel(model, data, None, &devices, cfg).unwrap_or_else(|e| panic!("on {devices}: {e}"))
+}
+
+fn max_abs(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}
+
+#[test]
+fn a_gpu_trains_like_the_cpu() {
+    if !gpu_present("a_gpu_trains_like_the_cpu") {
+        return;
+    }
+    // Same seed, data order, initial weights and dropout masks: only float summation
+    // orders differ, so 30 Adam steps agree to 1e-3 in loss (the oracle's tolerance
+    // against PyTorch) and 2e-3 in weights.
+    let data = digits_subset(480);
+    for (norm, dropout) in [(Norm::None, 0.0), (Norm::BatchNorm, 0.0), (Norm::BatchNorm, 0.25)] {
+        let model = convnet(norm, dropout);
+        let cfg = config(30, 1);
+        let cpu = run(&model, &data, Devices::cpu(1, 2).unwrap(), &cfg);
+        let gpu = run(&model, &data, Devices::cuda(&[0]).unwrap(), &cfg);
+        for (k, (a, b)) in cpu.losses.iter().zip(&gpu.losses).enumerate() {
+            assert!((a - b).abs() <= 1e-3, "{norm:?}, dropout {dropout}: loss of step {k}: cpu {a} vs gpu {b}");
+        }
+        for t in model.param_infos() {
+            if norm == Norm::BatchNorm && t.name == "conv2.bias" {
+                continue; // an exactly-zero gradient: Adam-amplified rounding noise (tests/oracle.rs)
+            }
+            let d = max_abs(&cpu.weights.params[t.range.clone()], &gpu.weights.params[t.range.clone()]);
+            assert!(d <= 2e-3, "{norm:?}, dropout {dropout}: {} differs by {d:e}", t.name);
+        }
+        let d = max_abs(&cpu.weights.buffers, &gpu.weights.buffers);
+        assert!(d <= 2e-3, "{norm:?}: BatchNorm running statistics differ by {d:e}");
+    }
+}
+
+#[test]
+fn replicas_sharing_a_gpu_equal_one_replica_running_both_shards() {
+    if !gpu_present("replicas_sharing_a_gpu_equal_one_replica_running_both_shards") {
+        return;
+    }
+    // With R = 2 logical replicas, cuda:0 sums the two shards' gradients in shard order
+    // and cuda:0,0 sums them in rank order through device copies: the same additions,
+    // so bitwise the same weights.
+    let data = digits_subset(200);
+    let model = convnet(Norm::BatchNorm, 0.25);
+    let cfg = config(12, 2);
+    let one = run(&model, &data, Devices::cuda(&[0]).unwrap(), &cfg);
+    let two = run(&model, &data, Devices::cuda(&[0, 0]).unwrap(), &cfg);
+    assert_eq!(one.losses, two.losses);
+    assert!(one.weights == two.weights, "weights differ between cuda:0 (R=2) and cuda:0,0");
+    assert_eq!(one.optimizer, two.optimizer);
+}
+
+#[test]
+fn ragged_batches_and_more_shards_than_samples_on_a_gpu() {
+    if !gpu_present("ragged_batches_and_more_shards_than_samples_on_a_gpu") {
+        return;
+    }
+    let data = digits_subset(7);
+    let model = convnet(Norm::None, 0.0);
+    for (batch, replicas) in [(4, 3), (2, 4)] {
+        let cfg = TrainConfig { batch_size: batch, ..config(6, replicas) };
+        let gpu =
+            run(&model, &data, Devices::cuda(&[0, 0]).unwrap(), &TrainConfig { replicas: Some(2), ..cfg.clone() });
+        let cpu = run(&model, &data, Devices::cpu(1, 1).unwrap(), &TrainConfig { replicas: Some(2), ..cfg });
+        for (a, b) in cpu.losses.iter().zip(&gpu.losses) {
+            assert!((a - b).abs() <= 1e-4, "batch {batch}: cpu {a} vs gpu {b}");
+        }
+    }
+}
+
+#[test]
+fn evaluation_and_prediction_on_a_gpu_match_the_cpu() {
+    if !gpu_present("evaluation_and_prediction_on_a_gpu_match_the_cpu") {
+        return;
+    }
+    let data = digits_subset(300);
+    let model = convnet(Norm::BatchNorm, 0.0);
+    let cfg = config(20, 1);
+    let rows: Vec<usize> = (0..300).collect();
+    let on = |devices: Devices| {
+        with_trainer(&model, &devices, &TrainConfig { initial: Some(model.init(1)), ..cfg.clone() }, |t| {
+            for s in 0..5 {
+                t.step(Batch::gather(&data, &rows[s * 32..(s + 1) * 32]))?;
+            }
+            t.check_replicas()?;
+            Ok((t.evaluate(&data, 64)?, t.predict(Batch::gather(&data, &rows[..50]))?))
+        })
+        .unwrap()
+    };
+    let (cpu_m, cpu_p) = on(Devices::cpu(1, 2).unwrap());
+    let (gpu_m, gpu_p) = on(Devices::cuda(&[0, 0]).unwrap());
+    assert_eq!(cpu_m.count, gpu_m.count);
+    assert!((cpu_m.mean_loss() - gpu_m.mean_loss()).abs() <= 1e-4, "{cpu_m:?} vs {gpu_m:?}");
+    assert!(cpu_m.correct.abs_diff(gpu_m.correct) <= 1, "{cpu_m:?} vs {gpu_m:?}");
+    assert!(max_abs(&cpu_p, &gpu_p) <= 1e-4);
+}
+
+#[test]
+fn a_gpu_that_does_not_exist_is_named_with_those_that_do() {
+    // Runs everywhere: without a driver it is the driver's absence that is reported.
+    let e = Devices::cuda(&[0, 97]).unwrap_err().to_string();
+    match lockstep::cuda::probe::gpu_count() {
+        Ok(n) if n > 0 => assert!(e.contains("GPU 97 does not exist") && e.contains("cuda:0"), "{e}"),
+        _ => assert!(e.contains("CUDA"), "{e}"),
+    }
+}
