@@ -2,21 +2,35 @@
 # build-gpu-check.sh — run HERE (a machine with Rust): builds the release binary and the
 # CUDA test executables and copies them into .gpu/ (git-ignored), which the device tool
 # carries to the GPU machine, where scripts/gpu-check.sh runs them. Both machines are
-# x86-64 Linux; the GPU machine has no Rust toolchain.
+# x86-64 Linux; the GPU machine has no Rust toolchain. The test executables are
+# kernels_nvrtc and every tests/cuda_*.rs (cuda_ops, cuda_collectives, cuda_train, ...:
+# a new one is picked up by its file name). The Python scripts gpu-check.sh runs
+# (scripts/torch_convnet.py, scripts/compare_losses.py) travel with the working tree.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+rm -rf .gpu
 mkdir -p .gpu
 cargo build --release --bin lockstep
 cp target/release/lockstep .gpu/
+tests=(--test kernels_nvrtc)
+shopt -s nullglob
+for f in tests/cuda_*.rs; do
+    tests+=(--test "$(basename "$f" .rs)")
+done
+shopt -u nullglob
 # `cargo test --no-run --message-format=json` names every test executable it built.
-cargo test --release --no-run --test cuda_ops --test kernels_nvrtc --message-format=json 2>/dev/null |
+# Compiler errors come inside the JSON: print them.
+cargo test --release --no-run "${tests[@]}" --message-format=json |
     python3 -c '
 import json, shutil, sys
 for line in sys.stdin:
     m = json.loads(line)
+    if m.get("reason") == "compiler-message" and m["message"].get("level") == "error":
+        print(m["message"].get("rendered") or m["message"].get("message"), file=sys.stderr)
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["test"]:
         shutil.copy(m["executable"], ".gpu/" + m["target"]["name"])
         print(".gpu/" + m["target"]["name"])
 '
 strip .gpu/* # debug info would exceed what the device tool carries (64 MiB)
 ls -la .gpu
+echo "total: $(du -sh .gpu | cut -f1) (the device tool carries at most 64 MiB, the working tree included)"

@@ -1,16 +1,40 @@
 #!/usr/bin/env bash
 # gpu-check.sh — run on the lent GPU machine (bare: no Rust, no internet), from the
 # repository root, after scripts/build-gpu-check.sh filled .gpu/ here:
-#   run(command="bash scripts/gpu-check.sh", carry=[".gpu"], timeout_s=300)
+#   run(command="bash scripts/gpu-check.sh", carry=[".gpu"], timeout_s=330)
 # It finds CUDA 13's NVRTC and NCCL in the site-packages of the machine's python3
 # (PyTorch's wheels), makes the libnccl.so link cudarc needs (the wheels ship only
-# libnccl.so.2), then: lists the devices, compiles every kernel with NVRTC for the GPU,
-# and checks every kernel against the CPU reference (tests/cuda_ops.rs). Output is
-# copied to $OUT/gpu-check.log when OUT is set.
+# libnccl.so.2), then runs, each section under `timeout` and counted PASS or FAIL:
+#   1. the devices; every kernel compiled with NVRTC for the GPU (kernels_nvrtc); every
+#      CUDA test executable in .gpu/ (cuda_ops: every kernel against the CPU reference;
+#      cuda_collectives, cuda_train, ...: whatever tests/cuda_*.rs build-gpu-check.sh found);
+#   2. the CPU all-reduce on the machine's cores (bench allreduce --devices cpu:4);
+#   3. `lockstep train` (the default: convnet, digits, 15 epochs, seed 0) on cpu:1 and on
+#      cuda:0 (1 logical replica each), compared step by step by scripts/compare_losses.py
+#      (loss within 1e-3 scaled over the first 20 steps; why in its doc) and on the final
+#      test accuracy (within 2 points);
+#   4. the same on cpu:2 and cuda:0,0 (2 logical replicas each: the same BatchNorm shards
+#      and dropout streams, so the same losses; the run also checks that both replicas are
+#      bitwise identical every 100 steps and at the end);
+#   5. `lockstep bench allreduce --devices cuda:0,0` beside the device-to-device copy
+#      bandwidth PyTorch measures on the same GPU (a 1-rank cuda:0 all-reduce moves
+#      nothing, busbw = algbw · 2(n−1)/n = 0, so it is not run);
+#   6. `lockstep bench step --model convnet --batch-size 256 --devices cuda:0` against
+#      scripts/torch_convnet.py (PyTorch eager, same network and batch; also its
+#      CUDA-graph figure, for information) and the ratio (target: ≥ 1.5× eager).
+# A summary with every figure ends the log. Exit 0 when every section passed. A missed
+# speed target is printed as MISSED and does not fail the check (timings are not
+# correctness). The whole run keeps under GPU_CHECK_BUDGET_S (default 290 s): a section
+# gets at most what is left, and one that cannot start in time counts as FAIL (not run).
+# Output is copied to $OUT/gpu-check.log, and the runs' own logs to
+# $OUT/gpu-check-logs.tar.gz, when OUT is set.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 2
 log="${OUT:-/tmp}/gpu-check.log"
 exec > >(tee "$log") 2>&1
+tee_pid=$!
+budget="${GPU_CHECK_BUDGET_S:-290}"
+work="$(mktemp -d)"
 
 site="$(python3 -c 'import site; print(site.getsitepackages()[0])' 2>/dev/null)"
 libs=""
@@ -18,18 +42,229 @@ for d in "$site"/nvidia/*/lib "$site"/nvidia/cu13/lib; do
     [[ -d "$d" ]] && libs="$libs:$d"
 done
 linkdir="$(mktemp -d)"
-nccl="$(ls "$site"/nvidia/nccl/lib/libnccl.so.2 "$site"/nvidia/*/lib/libnccl.so.2 2>/dev/null | head -1)"
+nccl=""
+for f in "$site"/nvidia/nccl/lib/libnccl.so.2 "$site"/nvidia/*/lib/libnccl.so.2; do
+    [[ -e $f ]] && nccl="$f" && break
+done
 if [[ -n "$nccl" ]]; then
     ln -sf "$nccl" "$linkdir/libnccl.so"
 fi
 export LD_LIBRARY_PATH="$linkdir${libs}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-echo "== nvidia-smi"; nvidia-smi --query-gpu=name,memory.total,driver_version,compute_cap --format=csv || true
+export PYTHONUNBUFFERED=1
+
+results=()  # one line per section: verdict, title, seconds
+figures=()  # one line per figure
+fails=0
+
+# section [--stdout FILE] TITLE LIMIT_S CMD...: runs CMD under `timeout` (at most what is
+# left of the budget), its stdout to FILE when given (else stdout and stderr to the log
+# and to $work/last.out), and records PASS or FAIL. Returns CMD's exit status.
+section() {
+    local out=""
+    if [[ $1 == --stdout ]]; then out="$2"; shift 2; fi
+    local title="$1" limit="$2"; shift 2
+    local left=$((budget - SECONDS)) t0=$SECONDS rc verdict
+    echo
+    echo "== $title"
+    if ((left < 5)); then
+        verdict="FAIL (not run: the ${budget}s budget is spent)"
+        rc=125
+    else
+        ((limit > left)) && limit=$left
+        if [[ -n $out ]]; then
+            timeout -k 5 "$limit" "$@" >"$out"
+            rc=$?
+            echo "($(wc -l <"$out") lines of stdout in $(basename "$out"))"
+        else
+            timeout -k 5 "$limit" "$@" 2>&1 | tee "$work/last.out"
+            rc=$?
+        fi
+        if ((rc == 124 || rc == 137)); then
+            verdict="FAIL (timed out after ${limit}s)"
+        elif ((rc != 0)); then
+            verdict="FAIL (exit $rc)"
+        else
+            verdict=PASS
+        fi
+    fi
+    record "$title" "$verdict" $((SECONDS - t0))
+    return $rc
+}
+
+# record TITLE VERDICT SECONDS: counts a section (VERDICT is PASS or "FAIL (why)").
+record() {
+    [[ $2 == PASS ]] || fails=$((fails + 1))
+    echo "-- $1: $2 ($3s)"
+    local why="${2#PASS}"
+    results+=("$(printf '%-4s %4ss  %s%s' "${2%% *}" "$3" "$1" "${why#FAIL}")")
+}
+
+figure() { figures+=("$(printf '%-44s %s' "$1" "$2")"); }
+
+# py EXPR-PROGRAM ARGS...: a small python3 computation; prints n/a when it fails.
+py() {
+    local prog="$1"
+    shift
+    python3 -c "$prog" "$@" 2>/dev/null || echo n/a
+}
+
+# The last epoch of a `train --log-format json` log: "val_accuracy samples_per_sec".
+last_epoch() {
+    py '
+import json, sys
+e = [o for o in map(json.loads, (l for l in open(sys.argv[1]) if l.startswith("{"))) if o.get("kind") == "epoch"][-1]
+print("%.4f %.0f" % (e["val_accuracy"], e["samples_per_sec"]))' "$1"
+}
+
+# The largest and smallest rows of a `bench allreduce` table: "BYTES busbw_trainer
+# busbw_classic | BYTES time_trainer_us time_classic_us".
+allreduce_figures() {
+    py '
+import sys
+rows = []
+for l in open(sys.argv[1]):
+    if l.startswith("#") or "|" not in l:
+        continue
+    cells = [c.split() for c in l.split("|")]
+    rows.append((int(cells[0][0]), cells[1], cells[2]))
+rows.sort()
+big, small = rows[-1], rows[0]
+print(f"{big[0]} {float(big[1][2]):.2f} {float(big[2][2]):.2f} | {small[0]} {float(small[1][0]):.1f} {float(small[2][0]):.1f}")' "$1"
+}
+
+# A key=value field of the first line of FILE that starts with TAG.
+field() {
+    py '
+import re, sys
+for l in open(sys.argv[1]):
+    if l.split(" ", 1)[0] == sys.argv[2]:
+        m = re.search(r"(?:^| )" + sys.argv[3] + r"=(\S+)", l)
+        print(m.group(1) if m else "n/a")
+        break
+else:
+    print("n/a")' "$1" "$2" "$3"
+}
+
+echo "== gpu-check $(date -u +%FT%TZ) on $(hostname), budget ${budget}s, commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+echo "== nvidia-smi"
+timeout 30 nvidia-smi --query-gpu=name,memory.total,driver_version,compute_cap --format=csv || true
 echo "== LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
-status=0
-echo "== lockstep devices"; .gpu/lockstep devices || status=1
-echo "== kernels compile (NVRTC)"; .gpu/kernels_nvrtc --test-threads 1 || status=1
-echo "== kernels against the CPU reference"; .gpu/cuda_ops --test-threads 1 --nocapture || status=1
-echo "== CPU all-reduce on the GPU machine's cores"
-.gpu/lockstep bench allreduce --devices cpu:4 --sizes 4K,256K,4M,64M --iters 50 || status=1
-echo "== gpu-check: $([[ $status == 0 ]] && echo PASS || echo FAIL)"
+
+# --- 1. devices, kernels, CUDA tests ----------------------------------------------------
+section "lockstep devices" 30 .gpu/lockstep devices
+section "kernels compile (NVRTC): kernels_nvrtc" 90 .gpu/kernels_nvrtc --test-threads 1
+for t in .gpu/cuda_*; do
+    [[ -x $t ]] || continue
+    if section "CUDA tests: $(basename "$t")" 120 "$t" --test-threads 1 --nocapture &&
+        grep -q 'skipped: no CUDA' "$work/last.out"; then
+        # Without a driver each GPU test passes with "skipped: ..."; here that is a failure.
+        record "CUDA tests: $(basename "$t") ran on a GPU" "FAIL (tests skipped: no CUDA driver seen)" 0
+    fi
+done
+
+# --- 2. CPU all-reduce ------------------------------------------------------------------
+if section "CPU all-reduce (bench allreduce --devices cpu:4)" 30 \
+    .gpu/lockstep bench allreduce --devices cpu:4 --sizes 4K,256K,4M,64M --iters 50; then
+    read -r bytes bus_t bus_c _ small t_t t_c <<<"$(allreduce_figures "$work/last.out")"
+    figure "cpu:4 all-reduce busbw at ${bytes:-?} B" "trainer ${bus_t:-n/a} GB/s, classic ${bus_c:-n/a} GB/s"
+    figure "cpu:4 all-reduce time at ${small:-?} B" "trainer ${t_t:-n/a} us, classic ${t_c:-n/a} us"
+fi
+
+# --- 3 and 4. training on the GPU against the same run on CPU ----------------------------
+# train_pair CPU_SPEC CUDA_SPEC: the default training on both, then the comparison.
+train_pair() {
+    local cpu="$1" gpu="$2" ok=1 cmp
+    for spec in "$cpu" "$gpu"; do
+        if section --stdout "$work/train-$spec.jsonl" "train convnet --devices $spec (JSON log)" 90 \
+            .gpu/lockstep train --devices "$spec" --log-format json; then
+            read -r acc sps <<<"$(last_epoch "$work/train-$spec.jsonl")"
+            figure "train $spec: test accuracy, samples/s" "${acc:-n/a}, ${sps:-n/a} (last epoch)"
+        else
+            ok=0
+        fi
+    done
+    if ((ok)); then
+        section "per-step loss: $gpu vs $cpu (compare_losses.py)" 20 \
+            python3 scripts/compare_losses.py "$work/train-$cpu.jsonl" "$work/train-$gpu.jsonl" --acc-tol 0.02
+        cmp="$work/last.out"
+        figure "loss dev. $gpu vs $cpu, steps 1..20" \
+            "$(field "$cmp" compare_losses max_dev) at step $(field "$cmp" compare_losses at_step) (tol $(field "$cmp" compare_losses tol))"
+        figure "loss dev. $gpu vs $cpu, every step" \
+            "$(field "$cmp" compare_losses max_dev_all) at step $(field "$cmp" compare_losses at_step_all) of $(field "$cmp" compare_losses all_steps) (information)"
+    else
+        echo
+        echo "== per-step loss: $gpu vs $cpu (compare_losses.py)"
+        record "per-step loss: $gpu vs $cpu (compare_losses.py)" "FAIL (not run: a training run failed)" 0
+    fi
+}
+train_pair cpu:1 cuda:0
+train_pair cpu:2 cuda:0,0
+
+# --- 5. all-reduce on the GPU -----------------------------------------------------------
+busbw_gpu=n/a
+if section "GPU all-reduce (bench allreduce --devices cuda:0,0)" 60 \
+    .gpu/lockstep bench allreduce --devices cuda:0,0 --sizes 4K,256K,4M,64M --iters 50; then
+    read -r bytes bus_t bus_c _ small t_t t_c <<<"$(allreduce_figures "$work/last.out")"
+    busbw_gpu="${bus_t:-n/a}"
+    figure "cuda:0,0 all-reduce busbw at ${bytes:-?} B" "trainer ${bus_t:-n/a} GB/s, classic ${bus_c:-n/a} GB/s"
+    figure "cuda:0,0 all-reduce time at ${small:-?} B" "trainer ${t_t:-n/a} us, classic ${t_c:-n/a} us"
+fi
+copy_bw=n/a
+# Device-to-device copy of 64 MiB (the bench's largest size) through PyTorch: bytes / time,
+# the way algbw counts (the copy reads and writes them: twice that crosses HBM).
+if section "device-to-device copy bandwidth (PyTorch, 64 MiB)" 60 python3 -c '
+import torch
+n = 64 << 20
+x = torch.empty(n, dtype=torch.uint8, device="cuda"); y = torch.empty_like(x)
+for _ in range(10):
+    y.copy_(x)
+ts = []
+for _ in range(50):
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record(); y.copy_(x); b.record(); b.synchronize(); ts.append(a.elapsed_time(b) / 1e3)
+t = sorted(ts)[len(ts) // 2]
+print(f"d2d_copy bytes={n} median_us={t * 1e6:.1f} gb_per_s={n / t / 1e9:.1f}")'; then
+    copy_bw="$(field "$work/last.out" d2d_copy gb_per_s)"
+    figure "device-to-device copy, 64 MiB (PyTorch)" "$copy_bw GB/s (bytes/time; HBM traffic is twice that)"
+fi
+figure "cuda:0,0 busbw / d2d copy bandwidth" \
+    "$(py 'import sys; print(f"{float(sys.argv[1]) / float(sys.argv[2]):.3g}")' "$busbw_gpu" "$copy_bw")"
+
+# --- 6. training throughput against PyTorch --------------------------------------------
+lk=n/a
+if section "lockstep bench step --model convnet --batch-size 256 --devices cuda:0" 90 \
+    .gpu/lockstep bench step --model convnet --batch-size 256 --devices cuda:0 --steps 200 --warmup 20; then
+    lk="$(py '
+import re, sys
+m = re.search(r"^([0-9.]+) samples/s", open(sys.argv[1]).read(), re.M)
+print(m.group(1))' "$work/last.out")"
+fi
+figure "lockstep convnet B=256 cuda:0" "$lk samples/s"
+pt=n/a
+pt_graph=n/a
+if section "PyTorch eager, same convnet (scripts/torch_convnet.py --batch 256)" 120 \
+    python3 scripts/torch_convnet.py --batch 256 --steps 200 --warmup 20 --device cuda:0 --cuda-graph; then
+    pt="$(field "$work/last.out" torch_convnet samples_per_s)"
+    pt_graph="$(field "$work/last.out" torch_convnet_cudagraph samples_per_s)"
+fi
+figure "PyTorch eager convnet B=256" "$pt samples/s"
+figure "PyTorch CUDA graph convnet B=256" "$pt_graph samples/s (information)"
+ratio="$(py 'import sys; print(f"{float(sys.argv[1]) / float(sys.argv[2]):.2f}x")' "$lk" "$pt")"
+target="$(py 'import sys; print("MET" if float(sys.argv[1].rstrip("x")) >= 1.5 else "MISSED")' "$ratio")"
+figure "lockstep / PyTorch eager (target >= 1.5x)" "$ratio $target"
+figure "lockstep / PyTorch CUDA graph" "$(py 'import sys; print(f"{float(sys.argv[1]) / float(sys.argv[2]):.2f}x")' "$lk" "$pt_graph") (information)"
+
+# --- summary ---------------------------------------------------------------------------
+echo
+echo "== summary ($SECONDS s of ${budget}s)"
+printf '%s\n' "${results[@]}"
+echo "-- figures"
+printf '%s\n' "${figures[@]}"
+if [[ -n ${OUT:-} ]]; then
+    tar -C "$work" -czf "$OUT/gpu-check-logs.tar.gz" . 2>/dev/null
+fi
+status=$((fails > 0))
+echo "== gpu-check: $([[ $status == 0 ]] && echo PASS || echo "FAIL ($fails section(s))")"
+exec >&- 2>&-
+wait "$tee_pid" 2>/dev/null
 exit $status
