@@ -162,6 +162,15 @@ for t in .gpu/cuda_*; do
     fi
 done
 
+if [[ -x .gpu/oracle_tests ]]; then
+    # The PyTorch reference cases on cuda:0 and on two replicas sharing it.
+    if section "PyTorch reference cases on the GPU: oracle" 120 \
+        env LOCKSTEP_ORACLE_DIR=.gpu/oracle .gpu/oracle_tests --test-threads 1 --nocapture gpu &&
+        grep -q 'skipped: no CUDA' "$work/last.out"; then
+        record "PyTorch reference cases ran on a GPU" "FAIL (tests skipped: no CUDA driver seen)" 0
+    fi
+fi
+
 # --- 2. CPU all-reduce ------------------------------------------------------------------
 if section "CPU all-reduce (bench allreduce --devices cpu:4)" 30 \
     .gpu/lockstep bench allreduce --devices cpu:4 --sizes 4K,256K,4M,64M --iters 50; then
