@@ -11,7 +11,7 @@
 //!
 //! Two transports, chosen once by [`GpuGroup::new`]:
 //! - **NCCL** (distinct GPUs and a loadable NCCL 2.18 or later): one communicator per
-//!   rank, created on the rank's thread in non-blocking mode (see [`super::nccl`] for why).
+//!   rank, created on the rank's thread in non-blocking mode (src/comm/nccl.rs says why).
 //!   The handles live in the group, not in the ranks, so that [`GpuGroup::abort`] can call
 //!   `ncclCommAbort` on every one of them from any thread: whoever takes a handle out of
 //!   its slot frees it, so none is freed twice. The host never waits for the GPU here.

@@ -11,7 +11,7 @@
 //! all-gather copy back into each replica's buffer).
 //!
 //! [`gpu`] is the GPU workers' collective: buffers on the devices, ordered against each
-//! replica's compute stream with events, over NCCL ([`nccl`] wraps its handle) or, where
+//! replica's compute stream with events, over NCCL (nccl.rs wraps its handle) or, where
 //! NCCL cannot serve, device-to-device copies in the same reduce-scatter / all-gather
 //! scheme as [`shm`].
 
