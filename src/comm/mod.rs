@@ -9,8 +9,14 @@
 //! cheaper path than the classic all-reduce: the reduce-scatter leaves the reduced
 //! gradient in shared chunks that every replica's optimiser reads in place (no
 //! all-gather copy back into each replica's buffer).
+//!
+//! [`gpu`] is the GPU workers' collective: buffers on the devices, ordered against each
+//! replica's compute stream with events, over NCCL (nccl.rs wraps its handle) or, where
+//! NCCL cannot serve, device-to-device copies in the same reduce-scatter / all-gather
+//! scheme as [`shm`].
 
 pub mod gpu;
+mod nccl;
 pub mod shm;
 
 use crate::error::Result;
