@@ -82,7 +82,7 @@ pub enum Error {
     Cublas(#[from] cudarc::cublas::result::CublasError),
 
     /// An error reported by NCCL.
-    #[error("NCCL: {0:?}")]
+    #[error("NCCL: {:?}", .0.0)]
     Nccl(cudarc::nccl::result::NcclError),
 
     /// Training was stopped on request (SIGINT) after a step.

@@ -6,7 +6,8 @@ use crate::*;
 
 #[derive(Args, Debug)]
 pub(crate) struct BenchAllreduceArgs {
-    /// CPU devices, one rank each: cpu:N.
+    /// One rank per device: cpu:N (shared memory), or GPUs cuda:I,J,... (NCCL where it
+    /// serves; device copies when an ordinal repeats, e.g. cuda:0,0).
     #[arg(long, default_value = "cpu:2", value_name = "SPEC")]
     devices: String,
     /// Buffer sizes in bytes, comma-separated, with K/M/G suffixes (powers of 1024).
@@ -164,19 +165,27 @@ fn time_allreduce(ranks: usize, count: usize, iters: usize, warmup: usize, path:
 
 pub(crate) fn cmd_bench_allreduce(a: BenchAllreduceArgs) -> CliResult {
     let spec: DeviceSpec = a.devices.parse().map_err(Failure::usage)?;
-    let ranks = match spec {
-        DeviceSpec::Cpu { count, .. } => count,
-        _ => {
-            return Err(Failure::usage(anyhow!(
-                "--devices '{}': bench allreduce measures the CPU collective; use cpu:N",
-                a.devices
-            )))
-        }
-    };
     let sizes = parse_sizes(&a.sizes)?;
     if a.iters == 0 {
         return Err(Failure::usage(anyhow!("--iters must be at least 1")));
     }
+    let ranks = match spec {
+        DeviceSpec::Cpu { count, .. } => count,
+        DeviceSpec::Auto => {
+            return Err(Failure::usage(anyhow!(
+                "--devices auto: name the ranks of bench allreduce (cpu:N or cuda:I,J,...)"
+            )))
+        }
+        DeviceSpec::CudaAll | DeviceSpec::Cuda(_) => {
+            let devices = resolve_devices(&a.devices)?;
+            let ordinals: Vec<usize> = devices
+                .list()
+                .iter()
+                .filter_map(|d| if let lockstep::Device::Cuda(o) = d { Some(*o) } else { None })
+                .collect();
+            return bench_gpu_allreduce(&ordinals, &sizes, a.iters, a.warmup);
+        }
+    };
     let bus = 2.0 * (ranks as f64 - 1.0) / ranks as f64;
     outln!(
         "# lockstep bench allreduce: {ranks} rank(s) (threads, cpu:0..{}), shared memory, f32 sum, median of {} iterations after {} warm-up",
@@ -221,6 +230,128 @@ pub(crate) fn cmd_bench_allreduce(a: BenchAllreduceArgs) -> CliResult {
         outln!("  {bytes:>12} {count:>12}{cells}");
     }
     Ok(())
+}
+
+/// The GPU collective over `ordinals` (one rank and thread each), nccl-tests style:
+/// after the warm-up each rank queues `iters` all-reduces and synchronises once; rank
+/// 0's mean time per all-reduce is reported with busbw, beside the device-to-device copy bandwidth of GPU 0 at the same
+/// size (read + write of `size` bytes), the memory bound busbw is compared with.
+fn bench_gpu_allreduce(ordinals: &[usize], sizes: &[usize], iters: usize, warmup: usize) -> CliResult {
+    use lockstep::comm::gpu::GpuGroup;
+    let ranks = ordinals.len();
+    let bus = 2.0 * (ranks as f64 - 1.0) / ranks as f64;
+    let names: Vec<String> = ordinals.iter().map(|o| o.to_string()).collect();
+    let transport = GpuGroup::new(ordinals, 1, false).map_err(Failure::runtime)?.transport();
+    outln!(
+        "# lockstep bench allreduce: {ranks} rank(s) on cuda:{} ({transport}), f32 sum, mean of {iters} iterations after {warmup} warm-up",
+        names.join(",")
+    );
+    outln!("# algbw = size / time; busbw = algbw * 2(n-1)/n; copy = device-to-device copy of the same size on GPU {} (size / time)", ordinals[0]);
+    outln!(
+        "# {:>12} {:>12} | {:>10} {:>11} {:>11} | {:>11} {:>10}",
+        "size(B)",
+        "count(f32)",
+        "time(us)",
+        "algbw(GB/s)",
+        "busbw(GB/s)",
+        "copy(GB/s)",
+        "busbw/copy"
+    );
+    for &bytes in sizes {
+        let count = (bytes / 4).max(1);
+        let t = time_gpu_allreduce(ordinals, count, iters, warmup).map_err(Failure::runtime)?;
+        let c = time_gpu_copy(ordinals[0], count, iters, warmup).map_err(Failure::runtime)?;
+        let secs = t.as_secs_f64().max(1e-9);
+        let algbw = bytes as f64 / secs / 1e9;
+        let copy = bytes as f64 / c.as_secs_f64().max(1e-9) / 1e9;
+        outln!(
+            "  {bytes:>12} {count:>12} | {:>10.1} {:>11.2} {:>11.2} | {:>11.2} {:>10.2}",
+            secs * 1e6,
+            algbw,
+            algbw * bus,
+            copy,
+            algbw * bus / copy
+        );
+    }
+    Ok(())
+}
+
+fn time_gpu_allreduce(ordinals: &[usize], count: usize, iters: usize, warmup: usize) -> lockstep::Result<Duration> {
+    use cudarc::driver::CudaContext;
+    use lockstep::comm::gpu::GpuGroup;
+    let group = GpuGroup::new(ordinals, count, false)?;
+    let time = std::thread::scope(|s| -> lockstep::Result<Duration> {
+        let handles: Vec<_> = ordinals
+            .iter()
+            .enumerate()
+            .map(|(r, &ordinal)| {
+                let group = &group;
+                s.spawn(move || -> lockstep::Result<Duration> {
+                    // No host barrier: the collective itself paces the ranks, and an
+                    // abort releases every one of them.
+                    let run = || -> lockstep::Result<Duration> {
+                        let ctx = CudaContext::new(ordinal)?;
+                        let stream = ctx.new_stream()?;
+                        let mut buf = stream.clone_htod(&vec![(r + 1) as f32; count])?;
+                        let mut me = group.join(r, &stream)?;
+                        for _ in 0..warmup {
+                            me.all_reduce_sum(&mut buf)?;
+                        }
+                        stream.synchronize()?;
+                        let t0 = Instant::now();
+                        for _ in 0..iters {
+                            me.all_reduce_sum(&mut buf)?;
+                        }
+                        stream.synchronize()?;
+                        Ok(t0.elapsed() / iters as u32)
+                    };
+                    let out = run();
+                    if out.is_err() {
+                        group.abort();
+                    }
+                    out
+                })
+            })
+            .collect();
+        let mut rank0 = Duration::ZERO;
+        let mut first_error = None;
+        for (r, h) in handles.into_iter().enumerate() {
+            match h.join() {
+                Ok(Ok(t)) if r == 0 => rank0 = t,
+                Ok(Ok(_)) => {}
+                Ok(Err(e)) => {
+                    first_error.get_or_insert(e);
+                }
+                Err(_) => {
+                    first_error.get_or_insert(lockstep::Error::Worker {
+                        device: format!("cuda:{}", ordinals[r]),
+                        step: 0,
+                        cause: "benchmark rank panicked".into(),
+                    });
+                }
+            }
+        }
+        first_error.map_or(Ok(rank0), Err)
+    })?;
+    Ok(time)
+}
+
+/// Mean time of one device-to-device copy of `count` f32 on GPU `ordinal`.
+fn time_gpu_copy(ordinal: usize, count: usize, iters: usize, warmup: usize) -> lockstep::Result<Duration> {
+    let ctx = cudarc::driver::CudaContext::new(ordinal)?;
+    let stream = ctx.new_stream()?;
+    let src = stream.alloc_zeros::<f32>(count)?;
+    let mut dst = stream.alloc_zeros::<f32>(count)?;
+    for _ in 0..warmup {
+        stream.memcpy_dtod(&src, &mut dst)?;
+    }
+    stream.synchronize()?;
+    let t0 = Instant::now();
+    for _ in 0..iters {
+        stream.memcpy_dtod(&src, &mut dst)?;
+    }
+    stream.synchronize()?;
+    Ok(t0.elapsed() / iters as u32)
 }
 
 pub(crate) fn cmd_bench_step(a: BenchStepArgs) -> CliResult {

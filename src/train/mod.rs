@@ -488,10 +488,12 @@ impl Worker for CpuWorker<'_> {
     }
 }
 
-/// A GPU: its replica and its rank in the GPU collective.
+/// A GPU: its replica and its rank in the GPU collective. The rank is declared first so
+/// that it is dropped first: the collective's last use of the replica's buffers ends
+/// before they are freed.
 struct GpuWorker<'g> {
-    replica: GpuReplica,
     comm: GpuRank<'g>,
+    replica: GpuReplica,
     first_shard: usize,
     shards_here: usize,
 }
