@@ -523,8 +523,7 @@ fn forward(
         let p = |j: usize| params.slice(node.params[j].clone());
         match node.op {
             LayerOp::Linear { in_features: f, out_features: o, bias } => {
-                // y (N, O) = x (N, F) · Wᵀ, W: (O, F)
-                rm_gemm(blas, (false, true), (n, o, f), (x, f), (&p(0), f), (y, o), 0.0)?;
+                gemm(blas, &RmGemm::linear_fwd(n, f, o), x, &p(0), y)?;
                 if bias {
                     gpu.bias_cols_fwd(y, &p(1), n, o)?;
                 }
@@ -534,16 +533,7 @@ fn forward(
                 let (ckk, pp) = (g.c * g.kh * g.kw, g.oh() * g.ow());
                 let col = a.cols[i].as_mut().expect("a convolution has columns");
                 gpu.im2col_fwd(x, col, &g)?;
-                // per sample: y_n (O, P) = W (O, CKK) · col_n (CKK, P)
-                rm_gemm_batched(
-                    blas,
-                    (false, false),
-                    (o, pp, ckk),
-                    (&p(0), ckk, 0),
-                    (&*col, pp, ckk * pp),
-                    (y, pp, o * pp),
-                    n,
-                )?;
+                gemm(blas, &RmGemm::conv_fwd(n, o, ckk, pp), &p(0), &*col, y)?;
                 if bias {
                     gpu.bias_nchw_fwd(y, &p(1), n, o, pp)?;
                 }
@@ -632,46 +622,28 @@ fn backward(
         let at = |j: usize| slot + node.params[j].start..slot + node.params[j].end;
         match node.op {
             LayerOp::Linear { in_features: f, out_features: o, bias } => {
-                // dW (O, F) = dyᵀ (O, N) · x (N, F); db (O) = Σ_n dy; dx (N, F) = dy · W
-                rm_gemm(blas, (true, false), (o, f, n), (&dy, o), (x, f), (&mut slots.slice_mut(at(0)), f), 0.0)?;
+                gemm(blas, &RmGemm::linear_dw(n, f, o), &dy, x, &mut slots.slice_mut(at(0)))?;
                 if bias {
                     gpu.bias_cols_bwd(&dy, &mut slots.slice_mut(at(1)), n, o)?;
                 }
                 if need {
-                    rm_gemm(blas, (false, false), (n, f, o), (&dy, o), (&p(0), f), (&mut dx, f), 0.0)?;
+                    gemm(blas, &RmGemm::linear_dx(n, f, o), &dy, &p(0), &mut dx)?;
                 }
             }
             LayerOp::Conv2d { filters: o, bias, .. } => {
                 let g = conv_geom(node, n)?;
                 let (ckk, pp) = (g.c * g.kh * g.kw, g.oh() * g.ow());
                 let col = a.cols[i].as_ref().expect("a convolution has columns");
-                // per sample: dW_n (O, CKK) = dy_n (O, P) · col_nᵀ; dW = Σ_n dW_n in sample order
+                // dW = Σ_n dW_n in sample order
                 let mut part = a.partial.slice_mut(0..n * o * ckk);
-                rm_gemm_batched(
-                    blas,
-                    (false, true),
-                    (o, ckk, pp),
-                    (&dy, pp, o * pp),
-                    (col, pp, ckk * pp),
-                    (&mut part, ckk, o * ckk),
-                    n,
-                )?;
+                gemm(blas, &RmGemm::conv_dw(n, o, ckk, pp), &dy, col, &mut part)?;
                 gpu.reduce_sum(&part, &mut slots.slice_mut(at(0)), n, 1.0)?;
                 if bias {
                     gpu.bias_nchw_bwd(&dy, &mut slots.slice_mut(at(1)), n, o, pp)?;
                 }
                 if need {
-                    // per sample: dcol_n (CKK, P) = Wᵀ (CKK, O) · dy_n (O, P), then col2im
                     let mut dcol = a.dcol.slice_mut(0..g.col_len());
-                    rm_gemm_batched(
-                        blas,
-                        (true, false),
-                        (ckk, pp, o),
-                        (&p(0), ckk, 0),
-                        (&dy, pp, o * pp),
-                        (&mut dcol, pp, ckk * pp),
-                        n,
-                    )?;
+                    gemm(blas, &RmGemm::conv_dcol(n, o, ckk, pp), &p(0), &dy, &mut dcol)?;
                     gpu.im2col_bwd(&dcol, &mut dx, &g)?;
                 }
             }
@@ -744,104 +716,133 @@ fn op(t: bool) -> cublasOperation_t {
     }
 }
 
-/// Checks that each operand of a row-major GEMM holds what the GEMM reads or writes.
-#[allow(clippy::too_many_arguments)]
-fn check_gemm(
-    (ta, tb): (bool, bool),
-    (m, n, k): (usize, usize, usize),
-    (a_len, lda, sa): (usize, usize, usize),
-    (b_len, ldb, sb): (usize, usize, usize),
-    (c_len, ldc, sc): (usize, usize, usize),
+/// One row-major GEMM, or a strided batch of them: C (m×n) = op(A)·op(B) with A (m×k,
+/// or k×m stored when `ta`) and B (k×n, or n×k stored when `tb`) stored row-major with
+/// leading dimensions lda, ldb, ldc, item i at offsets i·sa, i·sb, i·sc (a stride of 0
+/// shares the operand across the batch). C is overwritten. Each layer's GEMMs are
+/// named constructors, so their shapes are tested apart from the GPU.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct RmGemm {
+    ta: bool,
+    tb: bool,
+    m: usize,
+    n: usize,
+    k: usize,
+    lda: usize,
+    ldb: usize,
+    ldc: usize,
+    sa: usize,
+    sb: usize,
+    sc: usize,
     batch: usize,
-) -> Result<()> {
-    let last = batch.saturating_sub(1);
-    let (ar, ac) = if ta { (k, m) } else { (m, k) };
-    let (br, bc) = if tb { (n, k) } else { (k, n) };
-    for (what, len, rows, cols, ld, stride) in
-        [("A", a_len, ar, ac, lda, sa), ("B", b_len, br, bc, ldb, sb), ("C", c_len, m, n, ldc, sc)]
-    {
-        if ld < cols || len < last * stride + span(rows, cols, ld) {
-            return Err(Error::shape(
-                "gemm",
-                format!("{what} ({rows}x{cols}, ld {ld}, {batch} x stride {stride}) does not fit in {len} elements"),
-            ));
+}
+
+impl RmGemm {
+    fn single(ta: bool, tb: bool, (m, n, k): (usize, usize, usize), (lda, ldb, ldc): (usize, usize, usize)) -> Self {
+        RmGemm { ta, tb, m, n, k, lda, ldb, ldc, sa: 0, sb: 0, sc: 0, batch: 1 }
+    }
+
+    /// Linear forward: y (N, O) = x (N, F) · Wᵀ, W: (O, F).
+    fn linear_fwd(n: usize, f: usize, o: usize) -> Self {
+        RmGemm::single(false, true, (n, o, f), (f, f, o))
+    }
+
+    /// Linear weight gradient: dW (O, F) = dyᵀ (O, N) · x (N, F).
+    fn linear_dw(n: usize, f: usize, o: usize) -> Self {
+        RmGemm::single(true, false, (o, f, n), (o, f, f))
+    }
+
+    /// Linear input gradient: dx (N, F) = dy (N, O) · W (O, F).
+    fn linear_dx(n: usize, f: usize, o: usize) -> Self {
+        RmGemm::single(false, false, (n, f, o), (o, f, f))
+    }
+
+    /// Convolution forward, per sample: y_n (O, P) = W (O, CKK) · col_n (CKK, P).
+    fn conv_fwd(batch: usize, o: usize, ckk: usize, p: usize) -> Self {
+        RmGemm { sa: 0, sb: ckk * p, sc: o * p, batch, ..RmGemm::single(false, false, (o, p, ckk), (ckk, p, p)) }
+    }
+
+    /// Convolution weight gradient, per sample: dW_n (O, CKK) = dy_n (O, P) · col_nᵀ.
+    fn conv_dw(batch: usize, o: usize, ckk: usize, p: usize) -> Self {
+        RmGemm { sa: o * p, sb: ckk * p, sc: o * ckk, batch, ..RmGemm::single(false, true, (o, ckk, p), (p, p, ckk)) }
+    }
+
+    /// Convolution column gradient, per sample: dcol_n (CKK, P) = Wᵀ (CKK, O) · dy_n (O, P).
+    fn conv_dcol(batch: usize, o: usize, ckk: usize, p: usize) -> Self {
+        RmGemm { sa: 0, sb: o * p, sc: ckk * p, batch, ..RmGemm::single(true, false, (ckk, p, o), (ckk, p, p)) }
+    }
+
+    /// Errors unless each operand holds what the GEMM reads or writes.
+    fn check(&self, a_len: usize, b_len: usize, c_len: usize) -> Result<()> {
+        let last = self.batch.saturating_sub(1);
+        let (ar, ac) = if self.ta { (self.k, self.m) } else { (self.m, self.k) };
+        let (br, bc) = if self.tb { (self.n, self.k) } else { (self.k, self.n) };
+        for (what, len, rows, cols, ld, stride) in [
+            ("A", a_len, ar, ac, self.lda, self.sa),
+            ("B", b_len, br, bc, self.ldb, self.sb),
+            ("C", c_len, self.m, self.n, self.ldc, self.sc),
+        ] {
+            if ld < cols || len < last * stride + span(rows, cols, ld) {
+                return Err(Error::shape(
+                    "gemm",
+                    format!(
+                        "{what} ({rows}x{cols}, ld {ld}, {} x stride {stride}) does not fit in {len} elements",
+                        self.batch
+                    ),
+                ));
+            }
         }
+        Ok(())
     }
-    Ok(())
+
+    /// The same product as cuBLAS (column-major) computes it. A row-major matrix read
+    /// column-major is its transpose, so cuBLAS computes Cᵀ = op(B)ᵀ·op(A)ᵀ: the operands
+    /// swap (B becomes cuBLAS's A) and keep their transpose flags, and m and n swap.
+    fn cublas(&self) -> Result<StridedBatchedConfig<f32>> {
+        let stride = |s: usize| i64::try_from(s).map_err(|_| Error::shape("gemm", format!("stride {s} too large")));
+        Ok(StridedBatchedConfig {
+            gemm: GemmConfig {
+                transa: op(self.tb),
+                transb: op(self.ta),
+                m: int(self.n)?,
+                n: int(self.m)?,
+                k: int(self.k)?,
+                alpha: 1.0f32,
+                lda: int(self.ldb)?,
+                ldb: int(self.lda)?,
+                beta: 0.0,
+                ldc: int(self.ldc)?,
+            },
+            batch_size: int(self.batch)?,
+            stride_a: stride(self.sb)?,
+            stride_b: stride(self.sa)?,
+            stride_c: stride(self.sc)?,
+        })
+    }
 }
 
-/// Row-major C (m×n) = op(A)·op(B) + beta·C, with A (m×k or k×m when transposed) and B
-/// (k×n or n×k) stored row-major with leading dimensions lda, ldb. cuBLAS is
-/// column-major, where a row-major matrix reads as its transpose: it computes
-/// Cᵀ = op(B)ᵀ·op(A)ᵀ, i.e. the operands swap and keep their transpose flags.
-fn rm_gemm<A: DevicePtr<f32>, B: DevicePtr<f32>, C: DevicePtrMut<f32>>(
+/// Runs `g` on the replica's stream: C = op(A)·op(B), overwritten.
+fn gemm<A: DevicePtr<f32>, B: DevicePtr<f32>, C: DevicePtrMut<f32>>(
     blas: &CudaBlas,
-    (ta, tb): (bool, bool),
-    (m, n, k): (usize, usize, usize),
-    (a, lda): (&A, usize),
-    (b, ldb): (&B, usize),
-    (c, ldc): (&mut C, usize),
-    beta: f32,
+    g: &RmGemm,
+    a: &A,
+    b: &B,
+    c: &mut C,
 ) -> Result<()> {
-    check_gemm((ta, tb), (m, n, k), (a.len(), lda, 0), (b.len(), ldb, 0), (c.len(), ldc, 0), 1)?;
-    if m == 0 || n == 0 {
+    g.check(a.len(), b.len(), c.len())?;
+    if g.m == 0 || g.n == 0 || g.batch == 0 {
         return Ok(());
     }
-    let cfg = GemmConfig {
-        transa: op(tb),
-        transb: op(ta),
-        m: int(n)?,
-        n: int(m)?,
-        k: int(k)?,
-        alpha: 1.0f32,
-        lda: int(ldb)?,
-        ldb: int(lda)?,
-        beta,
-        ldc: int(ldc)?,
-    };
-    // SAFETY: every operand holds the elements the GEMM addresses (checked above), and
-    // all three live on the stream the handle was created with.
-    unsafe { blas.gemm(cfg, b, a, c) }?;
-    Ok(())
-}
-
-/// [`rm_gemm`] over `batch` matrices at strides sa, sb, sc (0: the same matrix for
-/// every item), beta = 0.
-#[allow(clippy::too_many_arguments)]
-fn rm_gemm_batched<A: DevicePtr<f32>, B: DevicePtr<f32>, C: DevicePtrMut<f32>>(
-    blas: &CudaBlas,
-    (ta, tb): (bool, bool),
-    (m, n, k): (usize, usize, usize),
-    (a, lda, sa): (&A, usize, usize),
-    (b, ldb, sb): (&B, usize, usize),
-    (c, ldc, sc): (&mut C, usize, usize),
-    batch: usize,
-) -> Result<()> {
-    check_gemm((ta, tb), (m, n, k), (a.len(), lda, sa), (b.len(), ldb, sb), (c.len(), ldc, sc), batch)?;
-    if m == 0 || n == 0 || batch == 0 {
-        return Ok(());
-    }
-    let stride = |s: usize| i64::try_from(s).map_err(|_| Error::shape("gemm", format!("stride {s} too large")));
-    let cfg = StridedBatchedConfig {
-        gemm: GemmConfig {
-            transa: op(tb),
-            transb: op(ta),
-            m: int(n)?,
-            n: int(m)?,
-            k: int(k)?,
-            alpha: 1.0f32,
-            lda: int(ldb)?,
-            ldb: int(lda)?,
-            beta: 0.0,
-            ldc: int(ldc)?,
-        },
-        batch_size: int(batch)?,
-        stride_a: stride(sb)?,
-        stride_b: stride(sa)?,
-        stride_c: stride(sc)?,
-    };
-    // SAFETY: as for rm_gemm, for every item of the batch (checked with the strides).
-    unsafe { blas.gemm_strided_batched(cfg, b, a, c) }?;
+    let cfg = g.cublas()?;
+    // SAFETY: every operand holds the elements the GEMM addresses for every item of the
+    // batch (checked above), and all three live on the stream the handle was created on.
+    unsafe {
+        if g.batch == 1 {
+            blas.gemm(cfg.gemm, b, a, c)
+        } else {
+            blas.gemm_strided_batched(cfg, b, a, c)
+        }
+    }?;
     Ok(())
 }
 
@@ -849,19 +850,109 @@ fn rm_gemm_batched<A: DevicePtr<f32>, B: DevicePtr<f32>, C: DevicePtrMut<f32>>(
 mod tests {
     use super::*;
 
+    /// cuBLAS's sgemm / sgemmStridedBatched on the host: column-major, as documented.
+    fn cublas_reference(cfg: &StridedBatchedConfig<f32>, a: &[f32], b: &[f32], c: &mut [f32]) {
+        let g = &cfg.gemm;
+        let (m, n, k) = (g.m as usize, g.n as usize, g.k as usize);
+        let (lda, ldb, ldc) = (g.lda as usize, g.ldb as usize, g.ldc as usize);
+        let t = |o: cublasOperation_t| o == cublasOperation_t::CUBLAS_OP_T;
+        for item in 0..cfg.batch_size as usize {
+            let (a, b) = (&a[item * cfg.stride_a as usize..], &b[item * cfg.stride_b as usize..]);
+            let c = &mut c[item * cfg.stride_c as usize..];
+            for j in 0..n {
+                for i in 0..m {
+                    let mut acc = 0.0f64;
+                    for l in 0..k {
+                        let av = if t(g.transa) { a[l + i * lda] } else { a[i + l * lda] };
+                        let bv = if t(g.transb) { b[j + l * ldb] } else { b[l + j * ldb] };
+                        acc += av as f64 * bv as f64;
+                    }
+                    c[i + j * ldc] = g.alpha * acc as f32 + g.beta * c[i + j * ldc];
+                }
+            }
+        }
+    }
+
+    fn values(len: usize, seed: u64) -> Vec<f32> {
+        let mut g = crate::rng::SplitMix64::new(seed);
+        (0..len).map(|_| g.next_f64() as f32 - 0.5).collect()
+    }
+
+    /// Row-major `rows x inner` times `inner x cols` on the host.
+    fn matmul(a: &[f32], b: &[f32], rows: usize, inner: usize, cols: usize) -> Vec<f32> {
+        let mut c = vec![0.0; rows * cols];
+        for i in 0..rows {
+            for j in 0..cols {
+                c[i * cols + j] =
+                    (0..inner).map(|l| a[i * inner + l] as f64 * b[l * cols + j] as f64).sum::<f64>() as f32;
+            }
+        }
+        c
+    }
+
+    fn transpose(a: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+        (0..cols * rows).map(|i| a[(i % rows) * cols + i / rows]).collect()
+    }
+
+    /// Runs `g` through the cuBLAS reference exactly as `gemm` hands it to cuBLAS.
+    fn through_cublas(g: &RmGemm, a: &[f32], b: &[f32], c_len: usize) -> Vec<f32> {
+        g.check(a.len(), b.len(), c_len).unwrap();
+        let mut c = vec![0.0; c_len];
+        // Operands in the order `gemm` passes them: cuBLAS's A is our B.
+        cublas_reference(&g.cublas().unwrap(), b, a, &mut c);
+        c
+    }
+
+    fn assert_close(what: &str, got: &[f32], want: &[f32]) {
+        assert_eq!(got.len(), want.len(), "{what}");
+        for (i, (g, w)) in got.iter().zip(want).enumerate() {
+            assert!((g - w).abs() <= 1e-5, "{what}: element {i}: {g} vs {w}");
+        }
+    }
+
+    #[test]
+    fn the_linear_gemms_compute_the_layer_products() {
+        let (n, f, o) = (5, 7, 3);
+        let (x, w, dy) = (values(n * f, 1), values(o * f, 2), values(n * o, 3));
+        let y = through_cublas(&RmGemm::linear_fwd(n, f, o), &x, &w, n * o);
+        assert_close("linear y = x·Wᵀ", &y, &matmul(&x, &transpose(&w, o, f), n, f, o));
+        let dw = through_cublas(&RmGemm::linear_dw(n, f, o), &dy, &x, o * f);
+        assert_close("linear dW = dyᵀ·x", &dw, &matmul(&transpose(&dy, n, o), &x, o, n, f));
+        let dx = through_cublas(&RmGemm::linear_dx(n, f, o), &dy, &w, n * f);
+        assert_close("linear dx = dy·W", &dx, &matmul(&dy, &w, n, o, f));
+    }
+
+    #[test]
+    fn the_convolution_gemms_compute_the_per_sample_products() {
+        let (batch, o, ckk, p) = (3, 4, 6, 5);
+        let (w, col, dy) = (values(o * ckk, 4), values(batch * ckk * p, 5), values(batch * o * p, 6));
+        let y = through_cublas(&RmGemm::conv_fwd(batch, o, ckk, p), &w, &col, batch * o * p);
+        let dw = through_cublas(&RmGemm::conv_dw(batch, o, ckk, p), &dy, &col, batch * o * ckk);
+        let dcol = through_cublas(&RmGemm::conv_dcol(batch, o, ckk, p), &w, &dy, batch * ckk * p);
+        for s in 0..batch {
+            let (col_s, dy_s) = (&col[s * ckk * p..][..ckk * p], &dy[s * o * p..][..o * p]);
+            assert_close("conv y_n = W·col_n", &y[s * o * p..][..o * p], &matmul(&w, col_s, o, ckk, p));
+            let want = matmul(dy_s, &transpose(col_s, ckk, p), o, p, ckk);
+            assert_close("conv dW_n = dy_n·col_nᵀ", &dw[s * o * ckk..][..o * ckk], &want);
+            let want = matmul(&transpose(&w, o, ckk), dy_s, ckk, o, p);
+            assert_close("conv dcol_n = Wᵀ·dy_n", &dcol[s * ckk * p..][..ckk * p], &want);
+        }
+    }
+
     #[test]
     fn gemm_bounds_are_checked_for_every_operand_and_batch_item() {
-        // (2x3)·(3x4) row-major, dense.
-        assert!(check_gemm((false, false), (2, 4, 3), (6, 3, 0), (12, 4, 0), (8, 4, 0), 1).is_ok());
-        // B transposed: stored 4x3.
-        assert!(check_gemm((false, true), (2, 4, 3), (6, 3, 0), (12, 3, 0), (8, 4, 0), 1).is_ok());
-        let e = check_gemm((false, false), (2, 4, 3), (6, 3, 0), (11, 4, 0), (8, 4, 0), 1).unwrap_err();
-        assert!(e.to_string().contains("B (3x4"), "{e}");
-        // A shared by the batch (stride 0), B and C strided.
-        assert!(check_gemm((false, false), (2, 4, 3), (6, 3, 0), (36, 4, 12), (24, 4, 8), 3).is_ok());
-        assert!(check_gemm((false, false), (2, 4, 3), (6, 3, 0), (36, 4, 12), (23, 4, 8), 3).is_err());
+        let g = RmGemm::linear_fwd(2, 3, 4); // (2x3)·(4x3)ᵀ
+        assert!(g.check(6, 12, 8).is_ok());
+        let e = g.check(6, 11, 8).unwrap_err();
+        assert!(e.to_string().contains("B (4x3"), "{e}");
+        assert!(g.check(6, 12, 7).is_err());
+        // W shared by the batch (stride 0), columns and outputs strided.
+        let g = RmGemm::conv_fwd(3, 2, 3, 4);
+        assert!(g.check(6, 36, 24).is_ok());
+        assert!(g.check(6, 36, 23).is_err());
+        assert!(g.check(6, 35, 24).is_err());
         // A leading dimension below the row length is refused.
-        assert!(check_gemm((false, false), (2, 4, 3), (6, 2, 0), (12, 4, 0), (8, 4, 0), 1).is_err());
+        assert!(RmGemm { lda: 2, ..RmGemm::linear_fwd(2, 3, 4) }.check(6, 12, 8).is_err());
     }
 
     #[test]
