@@ -36,12 +36,12 @@
 //! | [`optim`] | SGD and Adam over flat buffers, learning-rate schedules |
 //! | [`models`] | the seed models and their tensor names |
 //! | [`data`] | datasets: the embedded digits, the lesson's toy set, safetensors files |
-//! | [`comm`] | the collective trait and the shared-memory all-reduce |
+//! | [`comm`] | the collective trait, the shared-memory all-reduce, the GPU collective (NCCL or device copies) |
 //! | [`train`] | `train_data_parallel`, `with_trainer`, the workers, scatter and sampler |
 //! | [`checkpoint`] | checkpoints and exact resume |
 //! | [`weights`] | safetensors weights in PyTorch's names and layouts |
 //! | [`devices`] | `--devices` specifications |
-//! | [`cuda`] | run-time probing of the CUDA driver, NVRTC and NCCL; the CUDA kernels |
+//! | [`cuda`] | run-time probing of the CUDA driver, NVRTC and NCCL; the CUDA kernels; the GPU replica |
 #![forbid(unsafe_op_in_unsafe_fn)]
 
 pub mod backend;

@@ -114,7 +114,7 @@ const TYPES: &str = "rescaling, conv2d, batch_normalization, relu, dense, dropou
 /// A parsed and checked spec: building it cannot fail on shapes.
 #[derive(Clone, PartialEq, Debug)]
 pub struct ModelSpec {
-    /// Shape of one input sample, e.g. [1, 28, 28] or [2].
+    /// Shape of one input sample, e.g. `[1, 28, 28]` or `[2]`.
     pub input_shape: Vec<usize>,
     pub layers: Vec<LayerSpec>,
     /// Where the spec came from (a path, or a name given by the caller), for messages.

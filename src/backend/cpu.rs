@@ -68,7 +68,7 @@ pub enum Threads {
     Caller,
 }
 
-/// [`gemm`] with an explicit choice of threads.
+/// `gemm` with an explicit choice of threads.
 pub fn gemm_with(a: Mat<'_>, b: Mat<'_>, c: &mut [f32], c_rs: usize, acc: Accumulate, threads: Threads) {
     let (m, k, n) = (a.rows, a.cols, b.cols);
     assert_eq!(b.rows, k, "gemm: inner dimensions {k} and {} differ", b.rows);

@@ -2,7 +2,7 @@
 //!
 //! [`Collective`] is the small contract the trainer needs from any transport: rank and
 //! world, a SUM all-reduce, a broadcast, a barrier, and `abort`, which makes every
-//! pending and future call of every rank return [`Error::Aborted`] so that no rank
+//! pending and future call of every rank return [`Error::Aborted`](crate::Error::Aborted) so that no rank
 //! waits forever for one that failed. It returns at once on one rank.
 //!
 //! [`shm`] implements it for CPU devices in shared memory, and also offers the trainer a

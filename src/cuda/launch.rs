@@ -275,7 +275,7 @@ impl Gpu {
         Ok(())
     }
 
-    /// y += bias[c], in place. y: (N, C, H, W) with hw = H*W; bias: (C)
+    /// `y += bias[c]`, in place. y: (N, C, H, W) with hw = H*W; bias: (C)
     pub fn bias_nchw_fwd(&self, y: &mut impl DevOut, bias: &impl DevIn, n: usize, c: usize, hw: usize) -> Result<()> {
         let y = &mut y.view_mut();
         let bias = &bias.view();
@@ -295,7 +295,7 @@ impl Gpu {
         Ok(())
     }
 
-    /// dbias[c] += sum over (n, h, w) of dy. dy: (N, C, H, W) with hw = H*W; dbias: (C)
+    /// `dbias[c] += Σ_(n,h,w) dy`. dy: (N, C, H, W) with hw = H*W; dbias: (C)
     pub fn bias_nchw_bwd(&self, dy: &impl DevIn, dbias: &mut impl DevOut, n: usize, c: usize, hw: usize) -> Result<()> {
         let dy = &dy.view();
         let dbias = &mut dbias.view_mut();
@@ -315,7 +315,7 @@ impl Gpu {
         Ok(())
     }
 
-    /// y += bias[o], in place. y: (N, O); bias: (O)
+    /// `y += bias[o]`, in place. y: (N, O); bias: (O)
     pub fn bias_cols_fwd(&self, y: &mut impl DevOut, bias: &impl DevIn, n: usize, o: usize) -> Result<()> {
         let y = &mut y.view_mut();
         let bias = &bias.view();
@@ -335,7 +335,7 @@ impl Gpu {
         Ok(())
     }
 
-    /// dbias[o] += sum over n of dy[n, o]. dy: (N, O); dbias: (O)
+    /// `dbias[o] += Σ_n dy[n, o]`. dy: (N, O); dbias: (O)
     pub fn bias_cols_bwd(&self, dy: &impl DevIn, dbias: &mut impl DevOut, n: usize, o: usize) -> Result<()> {
         let dy = &dy.view();
         let dbias = &mut dbias.view_mut();
@@ -792,7 +792,7 @@ impl Gpu {
 
     // ---- reduce.cu ------------------------------------------------------------------
 
-    /// dst = scale * (src[0] + ... + src[K-1]), left to right. src: (K, n) -> dst: (n)
+    /// `dst = scale * (src[0] + ... + src[K-1])`, left to right. src: (K, n) -> dst: (n)
     pub fn reduce_sum(&self, src: &impl DevIn, dst: &mut impl DevOut, k: usize, scale: f32) -> Result<()> {
         let src = &src.view();
         let dst = &mut dst.view_mut();

@@ -116,6 +116,13 @@ impl GpuReplica {
     ) -> Result<GpuReplica> {
         let nodes = plan(&model)?;
         let gpu = Gpu::new(ordinal)?;
+        // SAFETY: cudarc's per-buffer event tracking (an event recorded or waited on for
+        // every buffer of every launch once a context has a second stream) is not needed:
+        // every buffer of a replica is used by its compute stream alone, pinned staging is
+        // rewritten only after the step's closing wait, and the collective orders its own
+        // stream against the compute stream with explicit events (`comm::gpu`). Replicas
+        // sharing a GPU share its primary context, and the same holds for each of them.
+        unsafe { gpu.context().disable_event_tracking() };
         let stream = gpu.stream().clone();
         let blas = CudaBlas::new(stream.clone())?;
         let (np, nb) = (model.num_params(), model.num_buffers());

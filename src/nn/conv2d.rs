@@ -3,7 +3,7 @@
 //!
 //! The batch is cut into the fixed groups of `backend::cpu::batch_groups`, which run in
 //! parallel on the device's pool; within a group, convolution is GEMM over unfolded
-//! inputs, in one of two layouts chosen from the layer's shape alone ([`Unfold`]):
+//! inputs, in one of two layouts chosen from the layer's shape alone (`Unfold`):
 //! channels-first columns for a small C·KH·KW (the first layer of an image model), and
 //! channels-last rows otherwise (every kernel row of a pixel is one contiguous copy of
 //! KW·C values, and a whole group is one GEMM). Gradients of the weight and bias are

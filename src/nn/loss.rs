@@ -10,7 +10,7 @@ use crate::tensor::Tensor;
 /// What a batch contributed: summed, so that shards add up exactly.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Metrics {
-    /// Sum over samples of −log softmax(logits)[label].
+    /// Sum over samples of `−log softmax(logits)[label]`.
     pub loss_sum: f64,
     /// Samples whose arg-max logit is the label (ties: the first maximum).
     pub correct: u64,
