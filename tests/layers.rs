@@ -294,6 +294,18 @@ fn tensors_on_different_cpu_devices_are_an_error_naming_both() {
 }
 
 #[test]
+fn a_model_given_an_input_from_another_device_names_both() {
+    let mut net = one(&[3], Linear::new(3, 2));
+    let mut store = net.init(0);
+    let ctx = Ctx::train(0, 0, 0, Device::Cpu(0));
+    let err = net.forward(Tensor::zeros([2, 3], Device::Cpu(1)), &store.params, &mut store.buffers, &ctx).unwrap_err();
+    assert!(
+        matches!(&err, Error::DeviceMismatch { op: "Sequential forward", lhs, rhs } if lhs == "cpu:1" && rhs.starts_with("cpu:0")),
+        "{err}"
+    );
+}
+
+#[test]
 fn backward_with_dout_on_another_device_is_an_error_naming_both() {
     // Linear: forward on cpu:1, then dout arrives from cpu:0.
     let mut net = one(&[3], Linear::new(3, 2));

@@ -203,6 +203,19 @@ impl Sequential {
     /// `ctx` is set per layer. `ctx.layer_index`
     /// is set per layer.
     pub fn forward(&mut self, x: Tensor, params: &[f32], buffers: &mut [f32], ctx: &Ctx) -> Result<Tensor> {
+        if x.device() != ctx.device {
+            return Err(Error::DeviceMismatch {
+                op: "Sequential forward",
+                lhs: x.device().to_string(),
+                rhs: format!("{} (the model's)", ctx.device),
+            });
+        }
+        if matches!(ctx.device, crate::tensor::Device::Cuda(_)) {
+            return Err(Error::config(
+                "device",
+                format!("Sequential::forward runs the CPU layers; on {} a model runs as a GPU replica", ctx.device),
+            ));
+        }
         let mut x = x;
         for (i, (layer, s)) in self.layers.iter_mut().zip(&self.slots).enumerate() {
             let ctx = Ctx { layer_index: i, ..*ctx };

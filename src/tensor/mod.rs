@@ -12,6 +12,9 @@
 //! parameters: those live in the flat buffers of `nn::ParamStore`.
 
 use std::fmt;
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 
 use crate::error::{Error, Result};
 
@@ -134,10 +137,25 @@ impl fmt::Display for Device {
 }
 
 /// The memory behind a tensor.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug)]
 pub enum Storage {
     /// f32 values in host memory, row-major.
     Host(Vec<f32>),
+    /// f32 values in the memory of a GPU, row-major, shared (tensors are values: nothing
+    /// writes through a GPU tensor, so copies of it may share the allocation).
+    Cuda(Arc<CudaSlice<f32>>),
+}
+
+impl PartialEq for Storage {
+    /// Host values compare by value; GPU memory compares by identity (reading it back
+    /// would make `==` a device transfer): copy to the host to compare values.
+    fn eq(&self, other: &Storage) -> bool {
+        match (self, other) {
+            (Storage::Host(a), Storage::Host(b)) => a == b,
+            (Storage::Cuda(a), Storage::Cuda(b)) => Arc::ptr_eq(a, b),
+            _ => false,
+        }
+    }
 }
 
 /// An f32 tensor: shape, device and storage.
@@ -186,24 +204,55 @@ impl Tensor {
     }
 
     /// The values, when the tensor lives in host memory.
+    ///
+    /// # Panics
+    /// On a GPU tensor: the CPU layers never receive one (`Sequential::forward` checks
+    /// the input's device first); elsewhere, call [`Tensor::to`] or [`Tensor::to_vec`].
     pub fn host(&self) -> &[f32] {
         match &self.storage {
             Storage::Host(v) => v,
+            Storage::Cuda(_) => panic!("{}", self.not_on_host()),
         }
     }
 
     /// The values, mutably, when the tensor lives in host memory.
+    ///
+    /// # Panics
+    /// On a GPU tensor, as [`Tensor::host`].
     pub fn host_mut(&mut self) -> &mut [f32] {
+        if matches!(self.storage, Storage::Cuda(_)) {
+            panic!("{}", self.not_on_host());
+        }
         match &mut self.storage {
             Storage::Host(v) => v,
+            Storage::Cuda(_) => unreachable!("checked above"),
         }
     }
 
     /// Consumes the tensor and returns its host values.
+    ///
+    /// # Panics
+    /// On a GPU tensor, as [`Tensor::host`].
     pub fn into_vec(self) -> Vec<f32> {
         match self.storage {
             Storage::Host(v) => v,
+            Storage::Cuda(_) => panic!("{}", self.not_on_host()),
         }
+    }
+
+    /// The values copied to the host, wherever the tensor lives.
+    pub fn to_vec(&self) -> Result<Vec<f32>> {
+        match &self.storage {
+            Storage::Host(v) => Ok(v.clone()),
+            Storage::Cuda(d) => Ok(d.stream().clone_dtoh(d.as_ref())?),
+        }
+    }
+
+    fn not_on_host(&self) -> String {
+        format!(
+            "tensor {} lives on {}: copy it to the host first (`tensor.to(Device::Cpu(0))` or `to_vec()`)",
+            self.shape, self.device
+        )
     }
 
     /// The same values seen with another shape of the same size.
@@ -215,14 +264,29 @@ impl Tensor {
         Ok(Tensor { shape, ..self })
     }
 
-    /// A copy of the tensor on `device`. Host-to-host moves between CPU devices copy.
+    /// The tensor on `device`: host ↔ GPU and GPU ↔ GPU moves copy the values (GPU to
+    /// GPU directly, through peer access where the driver offers it); a move between CPU
+    /// devices copies the host values; a tensor already on `device` is returned as is
+    /// (sharing its memory). A GPU that does not exist, or no CUDA driver, is an error.
     pub fn to(&self, device: Device) -> Result<Tensor> {
-        match device {
-            Device::Cpu(_) => Ok(Tensor { device, ..self.clone() }),
-            Device::Cuda(_) => Err(Error::CudaUnavailable(format!(
-                "cannot move a tensor to {device}: GPU tensors are created by the CUDA worker of that device"
-            ))),
+        if device == self.device {
+            return Ok(self.clone());
         }
+        let storage = match (&self.storage, device) {
+            (Storage::Host(v), Device::Cpu(_)) => Storage::Host(v.clone()),
+            (Storage::Cuda(_), Device::Cpu(_)) => Storage::Host(self.to_vec()?),
+            (storage, Device::Cuda(ordinal)) => {
+                let stream = cuda_stream(ordinal)?;
+                let slice = match storage {
+                    Storage::Host(v) if v.is_empty() => stream.null()?,
+                    Storage::Host(v) => stream.clone_htod(v)?,
+                    Storage::Cuda(d) if d.is_empty() => stream.null()?,
+                    Storage::Cuda(d) => stream.clone_dtod(d.as_ref())?,
+                };
+                Storage::Cuda(Arc::new(slice))
+            }
+        };
+        Ok(Tensor { shape: self.shape.clone(), device, storage })
     }
 
     /// Errors with [`Error::DeviceMismatch`] unless `self` and `other` share a device.
@@ -232,6 +296,17 @@ impl Tensor {
         }
         Ok(())
     }
+}
+
+/// The default stream of GPU `ordinal`'s primary context, after checking that the
+/// driver is present and the GPU exists (cudarc panics otherwise).
+fn cuda_stream(ordinal: usize) -> Result<Arc<CudaStream>> {
+    crate::cuda::probe::driver_available()?;
+    let n = crate::cuda::probe::gpu_count()?;
+    if ordinal >= n {
+        return Err(Error::CudaUnavailable(format!("cuda:{ordinal} does not exist; this machine has {n} GPU(s)")));
+    }
+    Ok(CudaContext::new(ordinal)?.default_stream())
 }
 
 #[cfg(test)]
@@ -250,9 +325,12 @@ mod tests {
     }
 
     #[test]
-    fn moving_to_a_gpu_without_the_cuda_worker_is_an_error_not_a_panic() {
+    fn moving_to_a_gpu_that_is_not_there_is_an_error_not_a_panic() {
         let t = Tensor::from_vec(vec![1.0, 2.0], [2]).unwrap();
         assert_eq!(t.to(Device::Cpu(1)).unwrap().device(), Device::Cpu(1));
-        assert!(t.to(Device::Cuda(0)).is_err());
+        assert_eq!(t.to(Device::Cpu(1)).unwrap().host(), t.host());
+        let gpus = crate::cuda::probe::gpu_count().unwrap_or(0);
+        let e = t.to(Device::Cuda(gpus)).unwrap_err();
+        assert!(matches!(e, Error::CudaUnavailable(_)), "{e}");
     }
 }
