@@ -58,6 +58,19 @@ pub(crate) fn cmd_devices() -> CliResult {
                     g.arch()
                 );
             }
+            for a in 0..gpus.len() {
+                let peers: Vec<String> = (0..gpus.len())
+                    .filter(|&b| b != a)
+                    .map(|b| match probe::peer_access(a, b) {
+                        Ok(true) => format!("cuda:{b} yes"),
+                        Ok(false) => format!("cuda:{b} no (through the host)"),
+                        Err(e) => format!("cuda:{b} unknown ({e})"),
+                    })
+                    .collect();
+                if !peers.is_empty() {
+                    outln!("cuda:{a}: peer access to {}", peers.join(", "));
+                }
+            }
             outln!("nccl: {}", probe::nccl_status().fix());
         }
         Err(e) => outln!("cuda: none ({e})"),

@@ -111,6 +111,17 @@ pub fn gpus() -> Result<Vec<GpuInfo>> {
     Ok(out)
 }
 
+/// Whether GPU `a` can read and write GPU `b`'s memory directly (peer access), as the
+/// driver reports it; without it, copies between them go through the host.
+pub fn peer_access(a: usize, b: usize) -> Result<bool> {
+    use cudarc::driver::{result::device, sys};
+    let (da, db) = (device::get(a as i32)?, device::get(b as i32)?);
+    let mut can = 0i32;
+    // SAFETY: both handles come from cuDeviceGet; `can` is a valid out-pointer.
+    unsafe { sys::cuDeviceCanAccessPeer(&mut can, da, db) }.result()?;
+    Ok(can != 0)
+}
+
 /// Whether NCCL can be used, and if not, what to do.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum NcclStatus {
