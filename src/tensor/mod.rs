@@ -268,6 +268,17 @@ impl Tensor {
     /// GPU directly, through peer access where the driver offers it); a move between CPU
     /// devices copies the host values; a tensor already on `device` is returned as is
     /// (sharing its memory). A GPU that does not exist, or no CUDA driver, is an error.
+    ///
+    /// The portable pattern: a GPU if there is one, else the CPU.
+    /// ```
+    /// use lockstep::{Device, Tensor};
+    ///
+    /// let device = Device::cuda_if_available(); // cuda:0, or cpu:0 without a GPU
+    /// let x = Tensor::from_vec(vec![1.0, 2.0, 3.0], [3])?.to(device)?;
+    /// assert_eq!(x.device(), device);
+    /// assert_eq!(x.to(Device::Cpu(0))?.host(), &[1.0, 2.0, 3.0]);
+    /// # Ok::<(), lockstep::Error>(())
+    /// ```
     pub fn to(&self, device: Device) -> Result<Tensor> {
         if device == self.device {
             return Ok(self.clone());
