@@ -533,6 +533,24 @@ impl GpuRank<'_> {
         self.group.world()
     }
 
+    /// Waits until everything queued so far on `stream` (a stream of this rank's GPU) has
+    /// run, or until the group is aborted ([`Error::Aborted`]): the host's waits for the
+    /// GPU go through here, so that a rank whose peer failed is never stuck behind a
+    /// collective that cannot complete.
+    pub fn wait_for(&self, stream: &CudaStream) -> Result<()> {
+        let event = stream.record_event(None)?;
+        let mut backoff = Backoff::new();
+        loop {
+            if event.try_is_complete()? {
+                return Ok(());
+            }
+            if self.group.is_aborted() {
+                return Err(Error::Aborted);
+            }
+            backoff.snooze();
+        }
+    }
+
     /// In place SUM all-reduce of `buf` (this rank's GPU, `len` values): ordered after all
     /// work already queued on the compute stream, and the compute stream waits for its end
     /// before any later work. Every rank ends with bitwise the same values. NCCL path: the

@@ -145,6 +145,9 @@ pub struct Gpu {
     stream: Arc<CudaStream>,
     arch: String,
     modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
+    /// Functions looked up once: a step launches dozens of kernels, and a lookup by name
+    /// in the driver on each launch would cost more than some of the kernels.
+    functions: Mutex<HashMap<(&'static str, &'static str, Dir), CudaFunction>>,
 }
 
 impl Gpu {
@@ -159,7 +162,13 @@ impl Gpu {
         let ctx = CudaContext::new(ordinal)?;
         let (major, minor) = ctx.compute_capability()?;
         let stream = ctx.new_stream()?;
-        Ok(Gpu { ctx, stream, arch: format!("sm_{major}{minor}"), modules: Mutex::new(HashMap::new()) })
+        Ok(Gpu {
+            ctx,
+            stream,
+            arch: format!("sm_{major}{minor}"),
+            modules: Mutex::new(HashMap::new()),
+            functions: Mutex::new(HashMap::new()),
+        })
     }
 
     pub fn context(&self) -> &Arc<CudaContext> {
@@ -178,7 +187,10 @@ impl Gpu {
 
     /// Kernel `<op>_<dir>_f32` of kernel file `file`, compiling and loading the file on
     /// first use.
-    pub fn function(&self, file: &'static str, op: &str, dir: Dir) -> Result<CudaFunction> {
+    pub fn function(&self, file: &'static str, op: &'static str, dir: Dir) -> Result<CudaFunction> {
+        if let Some(f) = self.functions.lock().get(&(file, op, dir)) {
+            return Ok(f.clone());
+        }
         let module = {
             let mut modules = self.modules.lock();
             match modules.get(file) {
@@ -191,7 +203,9 @@ impl Gpu {
                 }
             }
         };
-        Ok(module.load_function(&kernel_name(op, dir, "f32"))?)
+        let f = module.load_function(&kernel_name(op, dir, "f32"))?;
+        self.functions.lock().insert((file, op, dir), f.clone());
+        Ok(f)
     }
 
     /// Blocks until all work queued on the compute stream is done.
@@ -876,7 +890,9 @@ impl Default for AdamHyper {
 
 impl AdamHyper {
     /// (1 - beta1^t, sqrt(1 - beta2^t)) computed in f64 then rounded, as the CPU
-    /// optimizer must do too for the two backends to agree.
+    /// optimiser computes them too. The updates themselves associate differently (the CPU
+    /// folds lr/bc1 in f64; the kernel scales the gradient by 1/B where the CPU divides),
+    /// so the two backends agree to rounding, not bit for bit.
     pub fn bias_corrections(&self, t: u64) -> (f32, f32) {
         let t = t.min(i32::MAX as u64) as i32;
         let bc1 = 1.0 - (self.beta1 as f64).powi(t);

@@ -54,6 +54,20 @@ pub fn nvrtc_available() -> Result<()> {
     }
 }
 
+/// The message when cuBLAS (the GPU replicas' GEMMs) is not found.
+pub const NO_CUBLAS: &str = "cuBLAS not found (libcublas.so.13), needed to train on GPUs: \
+run `pip install nvidia-cublas` and add .../site-packages/nvidia/cu13/lib to LD_LIBRARY_PATH";
+
+/// Ok when cuBLAS can be loaded.
+pub fn cublas_available() -> Result<()> {
+    // SAFETY: as in driver_available: a dlopen probe of candidate names, nothing more.
+    if unsafe { cudarc::cublas::sys::is_culib_present() } {
+        Ok(())
+    } else {
+        Err(Error::CudaUnavailable(NO_CUBLAS.to_string()))
+    }
+}
+
 /// Number of CUDA GPUs visible to this process (honours `CUDA_VISIBLE_DEVICES`).
 /// A driver that reports no device gives `Ok(0)`; no driver at all is an error.
 pub fn gpu_count() -> Result<usize> {

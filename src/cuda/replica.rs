@@ -74,6 +74,8 @@ pub struct GpuReplica {
     pub device: Device,
     gpu: Gpu,
     blas: CudaBlas,
+    /// cuBLAS's workspace, set on `blas` (declared after it: dropped after it).
+    _workspace: CudaSlice<u8>,
     model: Sequential,
     nodes: Vec<Node>,
     np: usize,
@@ -90,8 +92,9 @@ pub struct GpuReplica {
     v: CudaSlice<f32>,
     t: u64,
     seed: u64,
-    /// Training activations, kept between steps while the shard size stays the same.
-    train: Option<Activations>,
+    /// Activations of the last pass (training or evaluation), kept while the batch size
+    /// stays the same: nothing in them outlives a pass.
+    acts: Option<Activations>,
     /// Per-sample losses and hits of this worker's rows in the current step.
     step_loss: Option<CudaSlice<f32>>,
     step_hits: Option<CudaSlice<u32>>,
@@ -115,6 +118,7 @@ impl GpuReplica {
         shards_here: usize,
     ) -> Result<GpuReplica> {
         let nodes = plan(&model)?;
+        super::probe::cublas_available()?;
         let gpu = Gpu::new(ordinal)?;
         // SAFETY: cudarc's per-buffer event tracking (an event recorded or waited on for
         // every buffer of every launch once a context has a second stream) is not needed:
@@ -125,6 +129,16 @@ impl GpuReplica {
         unsafe { gpu.context().disable_event_tracking() };
         let stream = gpu.stream().clone();
         let blas = CudaBlas::new(stream.clone())?;
+        // A workspace of the replica's own: cuBLAS is reproducible bit for bit only when
+        // streams that run at once (replicas sharing a GPU) do not share its default one.
+        let workspace = stream.alloc_zeros::<u8>(CUBLAS_WORKSPACE)?;
+        {
+            let (ptr, _sync) = workspace.device_ptr(&stream);
+            // SAFETY: the workspace lives as long as the handle (both fields of the
+            // replica, the handle dropped first) and is used on the handle's stream only.
+            unsafe { cudarc::cublas::sys::cublasSetWorkspace_v2(*blas.handle(), ptr as *mut _, CUBLAS_WORKSPACE) }
+                .result()?;
+        }
         let (np, nb) = (model.num_params(), model.num_buffers());
         if store.params.len() != np || store.buffers.len() != nb {
             return Err(Error::config("initial weights", "they do not match the model's tensors"));
@@ -155,7 +169,8 @@ impl GpuReplica {
             model,
             gpu,
             blas,
-            train: None,
+            _workspace: workspace,
+            acts: None,
             step_loss: None,
             step_hits: None,
             pinned_x: None,
@@ -197,8 +212,8 @@ impl GpuReplica {
                 continue;
             }
             let n = shard.len();
-            self.ensure_train(n)?;
-            let acts = self.train.as_mut().expect("sized above");
+            self.ensure_acts(n)?;
+            let acts = self.acts.as_mut().expect("sized above");
             let per = self.model.input_shape().numel();
             let off = shard.start - rows.start;
             let x = self.x_dev.as_ref().expect("staged");
@@ -208,7 +223,9 @@ impl GpuReplica {
             let slot = local * width;
             // The shard's BatchNorm buffers start from this replica's and are updated in
             // its slot by the training forward.
-            stream.memcpy_dtod(&self.buffers, &mut self.slots.slice_mut(slot + np..slot + width))?;
+            if nb > 0 {
+                stream.memcpy_dtod(&self.buffers.slice(0..nb), &mut self.slots.slice_mut(slot + np..slot + width))?;
+            }
             let ctx = StepCtx { mode: Mode::Train, seed: self.seed, step: work.step, replica: first_shard + local };
             forward(
                 &self.gpu,
@@ -274,7 +291,8 @@ impl GpuReplica {
             let bufs = summed.slice(np..width);
             self.gpu.reduce_sum(&bufs, &mut self.buffers, 1, 1.0 / with_data)?;
         }
-        // The one wait of the step: the losses it reports.
+        // The one wait of the step: the losses it reports (released by an abort).
+        comm.wait_for(&stream)?;
         let loss = stream.clone_dtoh(self.step_loss.as_ref().expect("sized above"))?;
         let hits = stream.clone_dtoh(self.step_hits.as_ref().expect("sized above"))?;
         let mut outcome = StepOutcome::default();
@@ -315,12 +333,13 @@ impl GpuReplica {
             return Ok((Vec::new(), Vec::new(), Vec::new()));
         }
         self.stage(batch, rows)?;
-        let mut acts = Activations::new(&self.gpu, &self.nodes, n)?;
+        self.ensure_acts(n)?;
+        let acts = self.acts.as_mut().expect("sized above");
         let stream = self.gpu.stream().clone();
         stream.memcpy_dtod(self.x_dev.as_ref().expect("staged"), &mut acts.acts[0])?;
         stream.memcpy_dtod(self.y_dev.as_ref().expect("staged"), &mut acts.labels)?;
         let ctx = StepCtx { mode: Mode::Eval, seed: self.seed, step: 0, replica: 0 };
-        forward(&self.gpu, &self.blas, &self.nodes, &mut acts, &self.params, None, Some(&self.buffers), &ctx)?;
+        forward(&self.gpu, &self.blas, &self.nodes, acts, &self.params, None, Some(&self.buffers), &ctx)?;
         let last = acts.acts.len() - 1;
         let k = self.model.output_shape().numel();
         self.gpu.softmax_xent_fwd(
@@ -338,15 +357,22 @@ impl GpuReplica {
     /// Parameters, buffers and optimiser state, copied to the host (waits for the GPU).
     pub fn snapshot(&self) -> Result<(ParamStore, Optimizer)> {
         let stream = self.gpu.stream();
-        let store = ParamStore { params: stream.clone_dtoh(&self.params)?, buffers: stream.clone_dtoh(&self.buffers)? };
+        // Exact lengths: an empty tensor is held as one unused element on the device.
+        let (np, nb) = (self.np, self.nb);
+        let store = ParamStore {
+            params: stream.clone_dtoh(&self.params.slice(0..np))?,
+            buffers: stream.clone_dtoh(&self.buffers.slice(0..nb))?,
+        };
         let mut optimizer = Optimizer::new(self.config, self.np);
         let mut state = Vec::new();
         match self.config {
-            OptimizerConfig::Sgd { momentum, .. } if momentum > 0.0 => state.push(("m", stream.clone_dtoh(&self.m)?)),
+            OptimizerConfig::Sgd { momentum, .. } if momentum > 0.0 => {
+                state.push(("m", stream.clone_dtoh(&self.m.slice(0..np))?))
+            }
             OptimizerConfig::Sgd { .. } => {}
             OptimizerConfig::Adam { .. } => {
-                state.push(("m", stream.clone_dtoh(&self.m)?));
-                state.push(("v", stream.clone_dtoh(&self.v)?));
+                state.push(("m", stream.clone_dtoh(&self.m.slice(0..np))?));
+                state.push(("v", stream.clone_dtoh(&self.v.slice(0..np))?));
             }
         }
         optimizer.restore(self.t, &state)?;
@@ -364,6 +390,12 @@ impl GpuReplica {
     fn stage(&mut self, batch: &Batch, rows: Range<usize>) -> Result<()> {
         let per = batch.sample_shape.numel();
         let (xs, ys) = (&batch.x[rows.start * per..rows.end * per], &batch.y[rows.clone()]);
+        // The loss kernel never indexes with a bad label, but would give NaN for it: say
+        // what is wrong instead, as the CPU loss does.
+        let k = self.model.output_shape().numel();
+        if let Some(&l) = ys.iter().find(|&&l| l as usize >= k) {
+            return Err(Error::shape("softmax_cross_entropy", format!("label {l} out of range for {k} classes")));
+        }
         let ctx = self.gpu.context().clone();
         let stream = self.gpu.stream().clone();
         if self.pinned_x.as_ref().map(|p| p.len()) != Some(xs.len()) {
@@ -374,7 +406,8 @@ impl GpuReplica {
             self.y_dev = Some(stream.alloc_zeros(ys.len().max(1))?);
         }
         let (px, py) = (self.pinned_x.as_mut().expect("set"), self.pinned_y.as_mut().expect("set"));
-        // `as_mut_slice` waits for the previous copy out of this buffer to finish.
+        // No copy reads the staging any more: every step and evaluation ends with a wait
+        // for the GPU, and a replica that failed mid-step is dropped (which waits too).
         px.as_mut_slice()?[..xs.len()].copy_from_slice(xs);
         py.as_mut_slice()?[..ys.len()].copy_from_slice(ys);
         stream.memcpy_htod(&*px, self.x_dev.as_mut().expect("set"))?;
@@ -382,13 +415,27 @@ impl GpuReplica {
         Ok(())
     }
 
-    fn ensure_train(&mut self, n: usize) -> Result<()> {
-        if self.train.as_ref().map(|a| a.n) != Some(n) {
-            self.train = Some(Activations::new(&self.gpu, &self.nodes, n)?);
+    fn ensure_acts(&mut self, n: usize) -> Result<()> {
+        if self.acts.as_ref().map(|a| a.n) != Some(n) {
+            // Free the old ones first: both at once may not fit.
+            self.acts = None;
+            self.acts = Some(Activations::new(&self.gpu, &self.nodes, n)?);
         }
         Ok(())
     }
 }
+
+impl Drop for GpuReplica {
+    fn drop(&mut self) {
+        // With cudarc's event tracking off, nothing else keeps the pinned staging (or any
+        // buffer) alive until the copies and kernels queued on it have run: after an error
+        // mid-step they may still be in flight.
+        let _ = self.gpu.synchronize();
+    }
+}
+
+/// Bytes of each replica's cuBLAS workspace (NVIDIA's recommendation for Hopper).
+const CUBLAS_WORKSPACE: usize = 32 << 20;
 
 /// What a layer may know about the pass it runs in.
 struct StepCtx {

@@ -614,9 +614,17 @@ fn gpu_worker(
 ) {
     let Exchange::Gpu(group) = exchange else { unreachable!("GPU workers share a GPU exchange") };
     let (model, store, optimizer, seed) = start;
-    let built = GpuReplica::new(ordinal, model, &store, &optimizer, seed, shards_here);
+    // A panic (cudarc panics where a library lacks a symbol) is an error like any other:
+    // the gate must hear from every worker, or the others would wait for ever.
+    let caught =
+        |p: Box<dyn std::any::Any + Send>| Error::config("GPU worker", format!("panicked: {}", panic_message(&p)));
+    let built =
+        catch_unwind(AssertUnwindSafe(|| GpuReplica::new(ordinal, model, &store, &optimizer, seed, shards_here)))
+            .unwrap_or_else(|p| Err(caught(p)));
     let joined = match (gate.arrive(built.is_ok()), built) {
-        (true, Ok(replica)) => group.join(rank, replica.stream()).map(|comm| (replica, comm)),
+        (true, Ok(replica)) => catch_unwind(AssertUnwindSafe(|| group.join(rank, replica.stream())))
+            .unwrap_or_else(|p| Err(caught(p)))
+            .map(|comm| (replica, comm)),
         (_, Err(e)) => Err(e),
         (false, Ok(_)) => Err(Error::Aborted),
     };
@@ -1041,4 +1049,33 @@ pub fn check_data(model: &Sequential, data: &Dataset) -> Result<()> {
         return Err(err(format!("has {} classes but the model outputs {classes}", data.num_classes())));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_setup_gate_opens_only_when_every_worker_succeeded() {
+        for failing in [None, Some(0), Some(2)] {
+            let gate = SetupGate::new(3);
+            let verdicts: Vec<bool> = std::thread::scope(|s| {
+                let hs: Vec<_> =
+                    (0..3).map(|w| (w, &gate)).map(|(w, g)| s.spawn(move || g.arrive(Some(w) != failing))).collect();
+                hs.into_iter().map(|h| h.join().unwrap()).collect()
+            });
+            assert_eq!(verdicts, vec![failing.is_none(); 3], "failing worker {failing:?}");
+        }
+    }
+
+    #[test]
+    fn an_abandoned_gate_releases_the_workers_already_waiting() {
+        let gate = SetupGate::new(3);
+        std::thread::scope(|s| {
+            let waiting = s.spawn(|| gate.arrive(true));
+            std::thread::sleep(Duration::from_millis(20));
+            gate.abandon(); // the third worker never started
+            assert!(!waiting.join().unwrap());
+        });
+    }
 }
