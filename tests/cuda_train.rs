@@ -185,3 +185,26 @@ fn tensors_move_between_the_host_and_a_gpu() {
     let err = net.forward(gpu, &store.params, &mut store.buffers, &ctx).unwrap_err();
     assert!(matches!(&err, Error::DeviceMismatch { lhs, .. } if lhs == "cuda:0"), "{err}");
 }
+
+#[test]
+fn a_failure_on_one_gpu_is_reported_and_releases_the_other() {
+    if !gpu_present("a_failure_on_one_gpu_is_reported_and_releases_the_other") {
+        return;
+    }
+    // Rank 1's shard holds a label the model cannot output: rank 1 fails before the
+    // all-reduce while rank 0 waits in it; the abort must release rank 0.
+    let data = digits_subset(8);
+    let model = convnet(Norm::BatchNorm, 0.0);
+    let rows: Vec<usize> = (0..8).collect();
+    let start = std::time::Instant::now();
+    let err = with_trainer(&model, &Devices::cuda(&[0, 0]).unwrap(), &config(10, 2), |t| {
+        t.step(Batch::gather(&data, &rows))?;
+        let mut bad = Batch::gather(&data, &rows);
+        bad.y[6] = 99;
+        t.step(bad)
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("cuda:0") && err.contains("step 1") && err.contains("label 99"), "{err}");
+    assert!(start.elapsed() < std::time::Duration::from_secs(20), "took {:?}", start.elapsed());
+}
