@@ -15,7 +15,10 @@
 //   key  = mix64(mix64(mix64(seed + step * G) + replica * G) + layer * G), G = 0x9E3779B97F4A7C15
 //   z    = mix64(key + idx * G)
 //   keep = (z >> 40) / 2^24 >= rate      (24 uniform bits; exact in float32)
-// Kept elements are scaled by 1 / (1 - rate) (computed in float32); dropped ones are 0.
+// Each element is multiplied by its factor: 1 / (1 - rate) (computed in float32) where
+// kept, 0 where dropped. A dropped element is therefore x * 0, not a literal 0: -0 for a
+// negative x and NaN for a NaN, bit for bit what the CPU layer (nn::Dropout) computes, so
+// a non-finite value is not hidden on one backend and seen on the other.
 // All arithmetic is modulo 2^64.
 
 #define GRID_STRIDE(i, n) \
@@ -40,7 +43,7 @@ __device__ bool dropout_keep(unsigned long long key, unsigned long long idx, flo
     return (float)(z >> 40) * (1.0f / 16777216.0f) >= rate;
 }
 
-// y = keep ? x / (1 - rate) : 0
+// y = x * (keep ? 1 / (1 - rate) : 0)
 // x, y: (n)
 extern "C" __global__ void dropout_fwd_f32(const float* x, float* y, float rate,
                                            unsigned long long seed, unsigned long long step,
@@ -48,10 +51,10 @@ extern "C" __global__ void dropout_fwd_f32(const float* x, float* y, float rate,
                                            size_t n) {
     const unsigned long long key = dropout_key(seed, step, replica, layer);
     const float scale = 1.0f / (1.0f - rate);
-    GRID_STRIDE(i, n) { y[i] = dropout_keep(key, i, rate) ? x[i] * scale : 0.0f; }
+    GRID_STRIDE(i, n) { y[i] = x[i] * (dropout_keep(key, i, rate) ? scale : 0.0f); }
 }
 
-// dx = keep ? dy / (1 - rate) : 0, with the same mask as the forward (same arguments).
+// dx = dy * (keep ? 1 / (1 - rate) : 0), with the same mask as the forward (same arguments).
 // dy, dx: (n)
 extern "C" __global__ void dropout_bwd_f32(const float* dy, float* dx, float rate,
                                            unsigned long long seed, unsigned long long step,
@@ -59,5 +62,5 @@ extern "C" __global__ void dropout_bwd_f32(const float* dy, float* dx, float rat
                                            size_t n) {
     const unsigned long long key = dropout_key(seed, step, replica, layer);
     const float scale = 1.0f / (1.0f - rate);
-    GRID_STRIDE(i, n) { dx[i] = dropout_keep(key, i, rate) ? dy[i] * scale : 0.0f; }
+    GRID_STRIDE(i, n) { dx[i] = dy[i] * (dropout_keep(key, i, rate) ? scale : 0.0f); }
 }
