@@ -1,0 +1,1292 @@
+//! Every CUDA kernel of `kernels/`, run on the host, against a host reference.
+//!
+//! The kernels are otherwise only ever run on a GPU (tests/cuda_ops.rs), and most machines
+//! that build lockstep have none, so without this file a kernel could be wrong for a long
+//! time before anything ran it. Here the unmodified `kernels/*.cu` sources are compiled as
+//! C++20 by the system compiler, with `tests/kernels_host/cuda_host.h` force-included to
+//! supply the CUDA keywords, index variables and intrinsics they use, into a shared
+//! library that this test loads. A launch runs the grid block by block, each block as
+//! blockDim real threads that meet at a barrier for `__syncthreads()`: the same code NVRTC
+//! compiles, run the way the GPU runs it, minus the parallelism between blocks.
+//!
+//! What is checked:
+//!   * every kernel against a reference written here or the CPU backend's own code (the
+//!     CPU is the oracle), on small random inputs, under the launch shape src/cuda/launch.rs
+//!     uses and, for grid-stride loops, under a grid too small to cover the data once;
+//!   * the argument list of every launch: each call below passes its values in the order
+//!     and with the types the matching `Gpu` method of src/cuda/launch.rs pushes them, and
+//!     the harness checks them against the kernel's C++ signature (kind, constness, width);
+//!   * that no kernel writes outside its buffers or into a read-only one: every buffer is
+//!     staged between guard bands, checked after each launch.
+//!
+//! Without a C++ compiler (`$CXX`, else `c++`) each test writes "<test>: skipped: no C++
+//! compiler" to stderr, visibly, and returns. References are computed in f64 from the f32
+//! inputs; tolerances are stated per test as |got - ref| <= atol + rtol * |ref|. The host
+//! does not contract a*b + c into an FMA, and its expf/logf and 1/sqrt are the C
+//! library's rather than the GPU's (within 2 ulp), so host results can differ from the
+//! GPU's by rounding, which the tolerances allow. The
+//! bitwise checks of ReLU, copies, dropout and the ordered sums would hold on a GPU too;
+//! those of the optimisers against the CPU (at B = 32) hold here because nothing is
+//! contracted.
+
+use std::collections::BTreeSet;
+use std::ffi::{c_char, c_void, CStr, CString};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+
+use lockstep::backend::cpu;
+use lockstep::cuda::kernels::KERNEL_FILES;
+use lockstep::cuda::launch::{ConvGeom, REDUCE_BLOCK};
+use lockstep::nn::{loss, Ctx, Dropout, Layer, Sequential};
+use lockstep::optim::{Optimizer, OptimizerConfig};
+use lockstep::rng::{dropout_key, hash64, mix64, unit_f32};
+use lockstep::{Device, Tensor};
+
+// ---- building and loading the kernels ----------------------------------------------
+
+/// `lockstep_host_launch(name, gx, gy, gz, bx, by, bz, args)`: cuLaunchKernel's contract,
+/// args[i] points at the value of parameter i. 0 on success, 1 for an unknown name, 2 for
+/// an empty grid or block.
+type LaunchFn = unsafe extern "C" fn(*const c_char, u32, u32, u32, u32, u32, u32, *mut *mut c_void) -> i32;
+/// `lockstep_host_signature(name)`: one letter per parameter (see cuda_host.h), or NULL.
+type SignatureFn = unsafe extern "C" fn(*const c_char) -> *const c_char;
+
+/// The kernels compiled for the host, loaded for the life of the test process.
+struct HostKernels {
+    launch: LaunchFn,
+    signature: SignatureFn,
+    _lib: libloading::Library,
+}
+
+/// Why there are no host kernels: no compiler is a skip, anything else is a failure.
+enum Unavailable {
+    NoCompiler(String),
+    Failed(String),
+}
+
+fn kernels_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels")
+}
+
+/// Every `kernels/*.cu`, sorted by name, with its source.
+fn kernel_sources() -> Vec<(PathBuf, String)> {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(kernels_dir())
+        .expect("kernels/ is readable")
+        .map(|e| e.expect("kernels/ entry").path())
+        .filter(|p| p.extension().is_some_and(|e| e == "cu"))
+        .collect();
+    files.sort();
+    files.into_iter().map(|p| (p.clone(), std::fs::read_to_string(&p).expect("kernel source"))).collect()
+}
+
+/// The `extern "C" __global__ void NAME(` kernels a source defines, in order.
+fn kernel_names_in(source: &str) -> Vec<String> {
+    static RE: OnceLock<regex::Regex> = OnceLock::new();
+    let re = RE.get_or_init(|| {
+        regex::Regex::new(r#"extern\s+"C"\s+__global__\s+void\s+([A-Za-z_][A-Za-z0-9_]*)\s*\("#).unwrap()
+    });
+    re.captures_iter(source).map(|c| c[1].to_string()).collect()
+}
+
+/// The macros a source `#define`s, so the generated unit can forget them before the next
+/// file: NVRTC compiles each file as its own program, and two files may define one macro
+/// differently.
+fn macros_in(source: &str) -> BTreeSet<String> {
+    let re = regex::Regex::new(r"(?m)^\s*#\s*define\s+([A-Za-z_][A-Za-z0-9_]*)").unwrap();
+    re.captures_iter(source).map(|c| c[1].to_string()).collect()
+}
+
+/// The translation unit: each kernel file inside a namespace of its own (so helpers of
+/// the same name in two files stay apart, as in two NVRTC programs), its macros undefined
+/// after it, then the table of thunks and the two exported functions.
+fn translation_unit(sources: &[(PathBuf, String)]) -> String {
+    let mut tu = String::from("// Generated by tests/kernels_host.rs; cuda_host.h is force-included.\n\n");
+    let mut table = String::new();
+    for (path, source) in sources {
+        let stem = path.file_stem().unwrap().to_string_lossy();
+        let ns: String = format!("lockstep_kernels_{stem}")
+            .chars()
+            .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+            .collect();
+        tu += &format!("namespace {ns} {{\n#include \"{}\"\n}}  // namespace {ns}\n", path.display());
+        for m in macros_in(source) {
+            tu += &format!("#undef {m}\n");
+        }
+        tu += "\n";
+        for name in kernel_names_in(source) {
+            let f = format!("&{ns}::{name}");
+            table += &format!("    {{\"{name}\", &lockstep_host::thunk<{f}>, lockstep_host::signature({f})}},\n");
+        }
+    }
+    tu += &format!("static const lockstep_host::Kernel kernels[] = {{\n{table}}};\n");
+    tu += r#"
+static constexpr std::size_t kernel_count = sizeof kernels / sizeof kernels[0];
+
+extern "C" int lockstep_host_launch(const char* name, unsigned gx, unsigned gy, unsigned gz,
+                                    unsigned bx, unsigned by, unsigned bz, void** args) {
+    return lockstep_host::launch_by_name(kernels, kernel_count, name, dim3(gx, gy, gz),
+                                         dim3(bx, by, bz), args);
+}
+
+extern "C" const char* lockstep_host_signature(const char* name) {
+    return lockstep_host::signature_by_name(kernels, kernel_count, name);
+}
+"#;
+    tu
+}
+
+/// Compiles every kernel file into a shared library and loads it.
+fn build() -> Result<HostKernels, Unavailable> {
+    let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".to_string());
+    if Command::new(&cxx).arg("--version").output().is_err() {
+        return Err(Unavailable::NoCompiler(format!("`{cxx}` not found; set CXX")));
+    }
+    let dir = std::env::temp_dir().join(format!("lockstep-kernels-host-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).map_err(|e| Unavailable::Failed(format!("{}: {e}", dir.display())))?;
+    let (unit, lib_path) = (dir.join("kernels_host.cpp"), dir.join("libkernels_host.so"));
+    std::fs::write(&unit, translation_unit(&kernel_sources()))
+        .map_err(|e| Unavailable::Failed(format!("{}: {e}", unit.display())))?;
+    let header = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/kernels_host/cuda_host.h");
+    let out = Command::new(&cxx)
+        .args(["-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-include"])
+        .arg(&header)
+        .arg(&unit)
+        .arg("-o")
+        .arg(&lib_path)
+        .output()
+        .map_err(|e| Unavailable::Failed(format!("running {cxx}: {e}")))?;
+    if !out.status.success() {
+        return Err(Unavailable::Failed(format!(
+            "{cxx} failed ({}) on {}:\n{}",
+            out.status,
+            unit.display(),
+            String::from_utf8_lossy(&out.stderr)
+        )));
+    }
+    // SAFETY: the library was just built from kernels/ and cuda_host.h; loading it runs
+    // only the C++ runtime's static initialisers.
+    let lib = unsafe { libloading::Library::new(&lib_path) }
+        .map_err(|e| Unavailable::Failed(format!("loading {}: {e}", lib_path.display())))?;
+    // SAFETY: both symbols are defined by translation_unit() with exactly these types.
+    let (launch, signature) = unsafe {
+        let launch = *lib.get::<LaunchFn>(b"lockstep_host_launch\0").map_err(|e| Unavailable::Failed(e.to_string()))?;
+        let signature =
+            *lib.get::<SignatureFn>(b"lockstep_host_signature\0").map_err(|e| Unavailable::Failed(e.to_string()))?;
+        (launch, signature)
+    };
+    // The loaded library stays mapped; its files are no longer needed.
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(HostKernels { launch, signature, _lib: lib })
+}
+
+/// The host kernels, built once per test process; None after a loud skip line when there
+/// is no C++ compiler. A compiler that fails is a test failure, with its log.
+fn kernels_or_skip(test: &str) -> Option<&'static HostKernels> {
+    static KERNELS: OnceLock<Result<HostKernels, Unavailable>> = OnceLock::new();
+    match KERNELS.get_or_init(build) {
+        Ok(k) => Some(k),
+        Err(Unavailable::NoCompiler(why)) => {
+            // Written to the stderr handle, not eprintln!, so the harness does not swallow it.
+            let _ = writeln!(std::io::stderr(), "{test}: skipped: no C++ compiler ({why})");
+            None
+        }
+        Err(Unavailable::Failed(log)) => panic!("building the host kernels failed:\n{log}"),
+    }
+}
+
+// ---- launching -----------------------------------------------------------------------
+
+/// One kernel argument, as the matching `Gpu` method pushes it.
+enum Arg<'a> {
+    /// A buffer the kernel reads: `const float*` (launch.rs passes a `view()`).
+    In(&'a [f32]),
+    /// A buffer the kernel writes or updates: `float*` (a `view_mut()`).
+    Out(&'a mut [f32]),
+    /// `const unsigned*` (labels).
+    InU32(&'a [u32]),
+    /// `unsigned*` (the correct flags).
+    OutU32(&'a mut [u32]),
+    /// An absent optional buffer: a 64-bit 0 in a pointer slot, as launch.rs passes `&null`.
+    Null,
+    /// `int` (launch.rs's i32 dimensions).
+    I32(i32),
+    /// `float`.
+    F32(f32),
+    /// `size_t` or `unsigned long long` (launch.rs's usize lengths and u64 dropout keys).
+    U64(u64),
+}
+use Arg::{In, InU32, Null, Out, OutU32, F32, I32, U64};
+
+impl Arg<'_> {
+    /// Whether this value may fill a parameter of type `code` (cuda_host.h's letters).
+    fn fits(&self, code: u8) -> bool {
+        match self {
+            In(_) => code == b'r',
+            Out(_) => code == b'w',
+            InU32(_) => code == b'R',
+            OutU32(_) => code == b'W',
+            Null => b"rwRW".contains(&code),
+            I32(_) => code == b'i',
+            F32(_) => code == b'f',
+            U64(_) => code == b'z',
+        }
+    }
+
+    fn describe(&self) -> &'static str {
+        match self {
+            In(_) => "In (const float*)",
+            Out(_) => "Out (float*)",
+            InU32(_) => "InU32 (const unsigned*)",
+            OutU32(_) => "OutU32 (unsigned*)",
+            Null => "Null (64-bit 0)",
+            I32(_) => "I32 (int)",
+            F32(_) => "F32 (float)",
+            U64(_) => "U64 (size_t / unsigned long long)",
+        }
+    }
+}
+
+/// Grid and block, as a `LaunchConfig` has them.
+#[derive(Clone, Copy, Debug)]
+struct Cfg {
+    grid: (u32, u32, u32),
+    block: (u32, u32, u32),
+}
+
+/// launch.rs's ELEM_BLOCK and MAX_BLOCKS (private there).
+const ELEM_BLOCK: u32 = 256;
+const MAX_BLOCKS: usize = 65_535;
+
+/// launch.rs's `elem_cfg`: ceil(n / 256) blocks of 256 threads, clamped to 65535 blocks.
+fn elem_cfg(n: usize) -> Cfg {
+    let blocks = n.div_ceil(ELEM_BLOCK as usize).clamp(1, MAX_BLOCKS) as u32;
+    Cfg { grid: (blocks, 1, 1), block: (ELEM_BLOCK, 1, 1) }
+}
+
+/// launch.rs's `channel_cfg`: one block of REDUCE_BLOCK threads per channel.
+fn channel_cfg(c: i32) -> Cfg {
+    Cfg { grid: (c as u32, 1, 1), block: (REDUCE_BLOCK, 1, 1) }
+}
+
+/// 3 blocks of 32 threads: fewer threads than elements in every test that uses it, so
+/// each thread goes round its grid-stride loop several times.
+const FEW: Cfg = Cfg { grid: (3, 1, 1), block: (32, 1, 1) };
+
+/// The launch shape launch.rs uses for `n` elements, then [`FEW`].
+fn elem_cfgs(n: usize) -> [Cfg; 2] {
+    [elem_cfg(n), FEW]
+}
+
+/// Guard band on each side of every staged buffer, and what fills it (a NaN, for f32, so
+/// a stray read poisons the result too).
+const GUARD: usize = 64;
+const GUARD_BITS: u32 = 0x7FA0_0BAD;
+
+/// A buffer copied between guard bands for the duration of one launch.
+struct Staged {
+    bits: Vec<u32>,
+    len: usize,
+}
+
+impl Staged {
+    fn new(values: impl Iterator<Item = u32>, len: usize) -> Staged {
+        let mut bits = vec![GUARD_BITS; len + 2 * GUARD];
+        for (b, v) in bits[GUARD..GUARD + len].iter_mut().zip(values) {
+            *b = v;
+        }
+        Staged { bits, len }
+    }
+
+    fn body(&self) -> &[u32] {
+        &self.bits[GUARD..GUARD + self.len]
+    }
+
+    fn guards_intact(&self) -> bool {
+        self.bits[..GUARD].iter().chain(&self.bits[GUARD + self.len..]).all(|&b| b == GUARD_BITS)
+    }
+}
+
+/// One argument cell: the value's bytes first, as cuLaunchKernel reads `sizeof(param)`
+/// bytes from each pointer it is given.
+#[repr(C, align(8))]
+struct Cell([u8; 8]);
+
+impl Cell {
+    fn of(bytes: &[u8]) -> Cell {
+        let mut c = [0u8; 8];
+        c[..bytes.len()].copy_from_slice(bytes);
+        Cell(c)
+    }
+}
+
+impl HostKernels {
+    /// The kernel's parameter letters, or a panic naming an unknown kernel.
+    fn signature(&self, name: &str) -> String {
+        let c = CString::new(name).unwrap();
+        // SAFETY: lockstep_host_signature takes a NUL-terminated name and returns NULL or
+        // a pointer to a static NUL-terminated string.
+        let sig = unsafe { (self.signature)(c.as_ptr()) };
+        assert!(!sig.is_null(), "no kernel {name} in kernels/");
+        // SAFETY: non-null, static and NUL-terminated (above).
+        unsafe { CStr::from_ptr(sig) }.to_str().unwrap().to_string()
+    }
+
+    /// Launches kernel `name` on `cfg` with `args`, and waits for it. Panics if the
+    /// arguments do not match the kernel's parameters, or if the kernel wrote outside a
+    /// buffer or into a read-only one.
+    #[track_caller]
+    fn launch(&self, name: &str, cfg: Cfg, args: &mut [Arg<'_>]) {
+        let sig = self.signature(name);
+        assert_eq!(sig.len(), args.len(), "{name}({sig}): {} arguments given", args.len());
+        for (i, (a, &code)) in args.iter().zip(sig.as_bytes()).enumerate() {
+            assert!(
+                a.fits(code),
+                "{name}({sig}): argument {i} is {} but parameter {i} is '{}'",
+                a.describe(),
+                code as char
+            );
+        }
+        let mut staged: Vec<Option<Staged>> = args
+            .iter()
+            .map(|a| match a {
+                In(v) => Some(Staged::new(v.iter().map(|x| x.to_bits()), v.len())),
+                Out(v) => Some(Staged::new(v.iter().map(|x| x.to_bits()), v.len())),
+                InU32(v) => Some(Staged::new(v.iter().copied(), v.len())),
+                OutU32(v) => Some(Staged::new(v.iter().copied(), v.len())),
+                _ => None,
+            })
+            .collect();
+        let mut cells: Vec<Cell> = args
+            .iter()
+            .zip(&mut staged)
+            .map(|(a, s)| match (a, s) {
+                (_, Some(s)) => Cell::of(&(s.bits[GUARD..].as_mut_ptr() as u64).to_ne_bytes()),
+                (Null, None) => Cell::of(&0u64.to_ne_bytes()),
+                (I32(v), None) => Cell::of(&v.to_ne_bytes()),
+                (F32(v), None) => Cell::of(&v.to_ne_bytes()),
+                (U64(v), None) => Cell::of(&v.to_ne_bytes()),
+                _ => unreachable!("every buffer is staged"),
+            })
+            .collect();
+        let mut ptrs: Vec<*mut c_void> = cells.iter_mut().map(|c| c.0.as_mut_ptr().cast()).collect();
+        let c_name = CString::new(name).unwrap();
+        let ((gx, gy, gz), (bx, by, bz)) = (cfg.grid, cfg.block);
+        // SAFETY: every parameter's letter was checked against its argument above, so each
+        // pointer in `ptrs` points at a value of the parameter's type and width (an int or
+        // a float in the first bytes of its 8-byte cell); every buffer is a staged copy
+        // with the length launch.rs checks for this kernel, plus guard bands; `staged` and
+        // `cells` outlive the call, which returns after the last block has finished.
+        let rc = unsafe { (self.launch)(c_name.as_ptr(), gx, gy, gz, bx, by, bz, ptrs.as_mut_ptr()) };
+        assert_eq!(rc, 0, "{name}: launch on {cfg:?} refused");
+        for (i, (a, s)) in args.iter_mut().zip(&staged).enumerate() {
+            let Some(s) = s else { continue };
+            assert!(s.guards_intact(), "{name}: argument {i} was written outside its {} elements", s.len);
+            match a {
+                In(v) => assert!(
+                    v.iter().map(|x| x.to_bits()).eq(s.body().iter().copied()),
+                    "{name}: read-only argument {i} changed"
+                ),
+                InU32(v) => assert_eq!(*v, s.body(), "{name}: read-only argument {i} changed"),
+                Out(v) => v.iter_mut().zip(s.body()).for_each(|(x, &b)| *x = f32::from_bits(b)),
+                OutU32(v) => v.copy_from_slice(s.body()),
+                _ => {}
+            }
+        }
+    }
+}
+
+// ---- inputs and comparisons (as in tests/cuda_ops.rs) --------------------------------
+
+/// SplitMix64, for test inputs only.
+struct Rng(u64);
+impl Rng {
+    fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        mix64(self.0)
+    }
+    /// Uniform in [-1, 1).
+    fn uniform(&mut self) -> f32 {
+        ((self.next_u64() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+    fn vec(&mut self, n: usize) -> Vec<f32> {
+        (0..n).map(|_| self.uniform()).collect()
+    }
+}
+
+#[track_caller]
+fn assert_close(what: &str, got: &[f32], want: &[f64], rtol: f64, atol: f64) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        let err = (g as f64 - w).abs();
+        assert!(
+            err <= atol + rtol * w.abs(),
+            "{what}[{i}]: got {g}, want {w} (|err| {err:e} > {atol:e} + {rtol:e}*|want|)"
+        );
+    }
+}
+
+#[track_caller]
+fn assert_bits(what: &str, got: &[f32], want: &[f32]) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert_eq!(g.to_bits(), w.to_bits(), "{what}[{i}]: got {g}, want {w}");
+    }
+}
+
+fn f64s(v: &[f32]) -> Vec<f64> {
+    v.iter().map(|&x| x as f64).collect()
+}
+
+// Elementwise results are one or two float ops: 1e-6 relative covers f32 rounding of
+// the reference's f64 result; sums of up to a few hundred terms get 1e-5.
+const RTOL_ELEM: f64 = 1e-6;
+const ATOL_ELEM: f64 = 1e-7;
+const RTOL_SUM: f64 = 1e-5;
+const ATOL_SUM: f64 = 1e-5;
+
+// ---- coverage: runs everywhere -------------------------------------------------------
+
+/// The kernels this file checks, by the test that checks them.
+const CHECKED: &[&str] = &[
+    // relu_fwd_and_bwd_match_the_reference
+    "relu_fwd_f32",
+    "relu_bwd_f32",
+    // rescale_scale_and_fill_match_the_reference
+    "rescale_fwd_f32",
+    "rescale_bwd_f32",
+    "scale_f32",
+    "fill_f32",
+    // bias_adds_and_their_reductions_match_the_reference
+    "bias_nchw_fwd_f32",
+    "bias_nchw_bwd_f32",
+    "bias_cols_fwd_f32",
+    "bias_cols_bwd_f32",
+    // im2col_and_col2im_match_the_cpu_backend_with_stride_and_asymmetric_padding
+    "im2col_fwd_f32",
+    "im2col_bwd_f32",
+    // batchnorm_train_eval_and_backward_match_the_reference
+    "batchnorm_train_fwd_f32",
+    "batchnorm_eval_fwd_f32",
+    "batchnorm_train_bwd_f32",
+    // global_average_pool_matches_the_reference
+    "global_avgpool_fwd_f32",
+    "global_avgpool_bwd_f32",
+    // softmax_cross_entropy_matches_the_cpu_loss
+    "softmax_xent_fwd_f32",
+    // sgd_and_adam_match_the_cpu_optimizer_over_several_steps
+    "sgd_step_f32",
+    "adam_step_f32",
+    // reduce_sum_adds_the_buffers_left_to_right_and_scales
+    "reduce_sum_f32",
+    // dropout_masks_equal_the_cpu_layer_bit_for_bit
+    "dropout_fwd_f32",
+    "dropout_bwd_f32",
+];
+
+#[test]
+fn every_kernel_in_kernels_is_checked_here() {
+    let found: BTreeSet<String> = kernel_sources().iter().flat_map(|(_, s)| kernel_names_in(s)).collect();
+    let table: BTreeSet<String> = KERNEL_FILES.iter().flat_map(|f| f.kernel_names("f32")).collect();
+    assert_eq!(found, table, "kernels/ scanned here vs the KERNEL_FILES table");
+    let checked: BTreeSet<String> = CHECKED.iter().map(|s| s.to_string()).collect();
+    assert_eq!(found, checked, "a kernel without a host check here, or a check of a kernel that is gone");
+}
+
+// ---- elementwise.cu ------------------------------------------------------------------
+
+#[test]
+fn relu_fwd_and_bwd_match_the_reference() {
+    let Some(k) = kernels_or_skip("relu_fwd_and_bwd_match_the_reference") else {
+        return;
+    };
+    let mut rng = Rng(1);
+    let n = 3000;
+    let (mut x, dy) = (rng.vec(n), rng.vec(n));
+    // The kink: 0 and -0 are not positive, so both give y = +0 and dx = 0.
+    (x[0], x[1]) = (0.0, -0.0);
+    let want_y: Vec<f32> = x.iter().map(|&v| if v > 0.0 { v } else { 0.0 }).collect();
+    let want_dx: Vec<f32> = x.iter().zip(&dy).map(|(&v, &g)| if v > 0.0 { g } else { 0.0 }).collect();
+    for cfg in elem_cfgs(n) {
+        let (mut y, mut dx) = (vec![f32::NAN; n], vec![f32::NAN; n]);
+        // As Gpu::relu_fwd pushes them: x, y, n.
+        k.launch("relu_fwd_f32", cfg, &mut [In(&x), Out(&mut y), U64(n as u64)]);
+        // As Gpu::relu_bwd: x, dy, dx, n.
+        k.launch("relu_bwd_f32", cfg, &mut [In(&x), In(&dy), Out(&mut dx), U64(n as u64)]);
+        // A comparison and a copy: exact.
+        assert_bits(&format!("relu y {cfg:?}"), &y, &want_y);
+        assert_bits(&format!("relu dx {cfg:?}"), &dx, &want_dx);
+    }
+}
+
+#[test]
+fn rescale_scale_and_fill_match_the_reference() {
+    let Some(k) = kernels_or_skip("rescale_scale_and_fill_match_the_reference") else {
+        return;
+    };
+    let mut rng = Rng(2);
+    let n = 2500;
+    let x: Vec<f32> = rng.vec(n).iter().map(|v| 255.0 * v).collect();
+    let dy = rng.vec(n);
+    let (scale, offset) = (1.0f32 / 255.0, -0.5f32);
+    let want_y: Vec<f64> = x.iter().map(|&v| v as f64 * scale as f64 + offset as f64).collect();
+    let want_dx: Vec<f64> = dy.iter().map(|&g| g as f64 * scale as f64).collect();
+    for cfg in elem_cfgs(n) {
+        let (mut y, mut dx) = (vec![f32::NAN; n], vec![f32::NAN; n]);
+        // As Gpu::rescale_fwd: x, y, scale, offset, n.
+        k.launch("rescale_fwd_f32", cfg, &mut [In(&x), Out(&mut y), F32(scale), F32(offset), U64(n as u64)]);
+        // As Gpu::rescale_bwd: dy, dx, scale, n.
+        k.launch("rescale_bwd_f32", cfg, &mut [In(&dy), Out(&mut dx), F32(scale), U64(n as u64)]);
+        // x*scale rounds once and + offset once, each within half an ulp of a value of
+        // magnitude <= 1.5: 1e-6 relative plus 1e-7 absolute.
+        assert_close(&format!("rescale y {cfg:?}"), &y, &want_y, RTOL_ELEM, ATOL_ELEM);
+        assert_close(&format!("rescale dx {cfg:?}"), &dx, &want_dx, RTOL_ELEM, ATOL_ELEM);
+
+        // As Gpu::scale: x, s, n. One multiply by 0.25 (a power of two): exact.
+        k.launch("scale_f32", cfg, &mut [Out(&mut dx), F32(0.25), U64(n as u64)]);
+        let want: Vec<f32> = dy.iter().map(|&g| g * scale * 0.25).collect();
+        assert_bits(&format!("scale {cfg:?}"), &dx, &want);
+        // As Gpu::fill: x, v, n.
+        k.launch("fill_f32", cfg, &mut [Out(&mut y), F32(3.5), U64(n as u64)]);
+        assert_bits(&format!("fill {cfg:?}"), &y, &vec![3.5; n]);
+    }
+}
+
+#[test]
+fn bias_adds_and_their_reductions_match_the_reference() {
+    let Some(k) = kernels_or_skip("bias_adds_and_their_reductions_match_the_reference") else {
+        return;
+    };
+    let mut rng = Rng(3);
+    // NCHW with M = N*H*W below one block (3*49 = 147 of 256 threads busy) and above it
+    // (4*100 = 400: threads 0..143 sum two terms each before the tree).
+    for (n, c, hw) in [(3, 5, 49), (4, 3, 100)] {
+        let (y0, bias, dy, dbias0) = (rng.vec(n * c * hw), rng.vec(c), rng.vec(n * c * hw), rng.vec(c));
+        let total = n * c * hw;
+        let want: Vec<f64> = (0..total).map(|i| y0[i] as f64 + bias[(i / hw) % c] as f64).collect();
+        for cfg in elem_cfgs(total) {
+            let mut y = y0.clone();
+            // As Gpu::bias_nchw_fwd: y, bias, C (int), hw, total.
+            k.launch(
+                "bias_nchw_fwd_f32",
+                cfg,
+                &mut [Out(&mut y), In(&bias), I32(c as i32), U64(hw as u64), U64(total as u64)],
+            );
+            // One f32 add: half an ulp.
+            assert_close(&format!("bias_nchw y {cfg:?}"), &y, &want, RTOL_ELEM, ATOL_ELEM);
+        }
+        let mut dbias = dbias0.clone();
+        // As Gpu::bias_nchw_bwd: dy, dbias, N (int), C (int), hw; grid = (C).
+        let cfg = channel_cfg(c as i32);
+        k.launch(
+            "bias_nchw_bwd_f32",
+            cfg,
+            &mut [In(&dy), Out(&mut dbias), I32(n as i32), I32(c as i32), U64(hw as u64)],
+        );
+        let want: Vec<f64> = (0..c)
+            .map(|ch| {
+                dbias0[ch] as f64
+                    + (0..n)
+                        .flat_map(|s| (0..hw).map(move |p| (s, p)))
+                        .map(|(s, p)| dy[(s * c + ch) * hw + p] as f64)
+                        .sum::<f64>()
+            })
+            .collect();
+        // Up to 400 terms of magnitude <= 1, in f32: 1e-5 relative plus 1e-5 absolute.
+        assert_close(&format!("bias_nchw dbias (accumulated), N={n} C={c} HW={hw}"), &dbias, &want, RTOL_SUM, ATOL_SUM);
+    }
+
+    // (N, O) with O above one block (300 columns), so two blocks share the columns, and
+    // the FEW grid with fewer threads than columns.
+    let (n, o) = (7, 300);
+    let (y0, bias, dy, dbias0) = (rng.vec(n * o), rng.vec(o), rng.vec(n * o), rng.vec(o));
+    let total = n * o;
+    let want_y: Vec<f64> = (0..total).map(|i| y0[i] as f64 + bias[i % o] as f64).collect();
+    let want_db: Vec<f64> =
+        (0..o).map(|j| dbias0[j] as f64 + (0..n).map(|s| dy[s * o + j] as f64).sum::<f64>()).collect();
+    for (cfg_fwd, cfg_bwd) in [(elem_cfg(total), elem_cfg(o)), (FEW, FEW)] {
+        let mut y = y0.clone();
+        // As Gpu::bias_cols_fwd: y, bias, O (int), total.
+        k.launch("bias_cols_fwd_f32", cfg_fwd, &mut [Out(&mut y), In(&bias), I32(o as i32), U64(total as u64)]);
+        assert_close(&format!("bias_cols y {cfg_fwd:?}"), &y, &want_y, RTOL_ELEM, ATOL_ELEM);
+        let mut dbias = dbias0.clone();
+        // As Gpu::bias_cols_bwd: dy, dbias, N (int), O (int); one thread per column.
+        k.launch("bias_cols_bwd_f32", cfg_bwd, &mut [In(&dy), Out(&mut dbias), I32(n as i32), I32(o as i32)]);
+        // 7 rows summed in order, plus the old value.
+        assert_close(&format!("bias_cols dbias (accumulated) {cfg_bwd:?}"), &dbias, &want_db, RTOL_SUM, ATOL_SUM);
+    }
+}
+
+// ---- conv.cu -------------------------------------------------------------------------
+
+/// im2col with strides that may differ per axis (the CPU backend has one stride):
+/// col[n][(c*KH + kh)*KW + kw][oh*OW + ow] = x[n, c, oh*SH - PT + kh, ow*SW - PL + kw].
+fn im2col_ref(x: &[f32], g: &ConvGeom) -> Vec<f32> {
+    let (oh, ow) = (g.oh(), g.ow());
+    let mut col = vec![0.0; g.col_len()];
+    let rows = g.c * g.kh * g.kw;
+    for s in 0..g.n {
+        for row in 0..rows {
+            let (ch, ky, kx) = (row / (g.kh * g.kw), (row / g.kw) % g.kh, row % g.kw);
+            for oy in 0..oh {
+                for ox in 0..ow {
+                    let y = (oy * g.stride_h + ky) as isize - g.pad_top as isize;
+                    let xx = (ox * g.stride_w + kx) as isize - g.pad_left as isize;
+                    if y >= 0 && (y as usize) < g.h && xx >= 0 && (xx as usize) < g.w {
+                        col[(s * rows + row) * oh * ow + oy * ow + ox] =
+                            x[((s * g.c + ch) * g.h + y as usize) * g.w + xx as usize];
+                    }
+                }
+            }
+        }
+    }
+    col
+}
+
+/// col2im by scatter-add in f64: the transpose of im2col_ref, element by element.
+fn col2im_ref(dcol: &[f32], g: &ConvGeom) -> Vec<f64> {
+    let (oh, ow) = (g.oh(), g.ow());
+    let mut dx = vec![0.0; g.x_len()];
+    let rows = g.c * g.kh * g.kw;
+    for s in 0..g.n {
+        for row in 0..rows {
+            let (ch, ky, kx) = (row / (g.kh * g.kw), (row / g.kw) % g.kh, row % g.kw);
+            for oy in 0..oh {
+                for ox in 0..ow {
+                    let y = (oy * g.stride_h + ky) as isize - g.pad_top as isize;
+                    let xx = (ox * g.stride_w + kx) as isize - g.pad_left as isize;
+                    if y >= 0 && (y as usize) < g.h && xx >= 0 && (xx as usize) < g.w {
+                        dx[((s * g.c + ch) * g.h + y as usize) * g.w + xx as usize] +=
+                            dcol[(s * rows + row) * oh * ow + oy * ow + ox] as f64;
+                    }
+                }
+            }
+        }
+    }
+    dx
+}
+
+/// The CPU backend's geometry for one sample, when both strides agree.
+fn cpu_geom(g: &ConvGeom) -> Option<cpu::ConvGeom> {
+    (g.stride_h == g.stride_w).then(|| cpu::ConvGeom {
+        c: g.c,
+        h: g.h,
+        w: g.w,
+        kh: g.kh,
+        kw: g.kw,
+        stride: g.stride_h,
+        pad_top: g.pad_top,
+        pad_left: g.pad_left,
+        oh: g.oh(),
+        ow: g.ow(),
+    })
+}
+
+/// launch.rs's `conv_args`: N, C, H, W, KH, KW, SH, SW, PT, PL, OH, OW as ints.
+fn conv_args(g: &ConvGeom) -> [i32; 12] {
+    [g.n, g.c, g.h, g.w, g.kh, g.kw, g.stride_h, g.stride_w, g.pad_top, g.pad_left, g.oh(), g.ow()]
+        .map(|v| i32::try_from(v).unwrap())
+}
+
+#[test]
+fn im2col_and_col2im_match_the_cpu_backend_with_stride_and_asymmetric_padding() {
+    let Some(k) = kernels_or_skip("im2col_and_col2im_match_the_cpu_backend_with_stride_and_asymmetric_padding") else {
+        return;
+    };
+    let mut rng = Rng(4);
+    let geom = |(n, c, h, w), (kh, kw), (stride_h, stride_w), (pad_top, pad_left, pad_bottom, pad_right)| ConvGeom {
+        n,
+        c,
+        h,
+        w,
+        kh,
+        kw,
+        stride_h,
+        stride_w,
+        pad_top,
+        pad_left,
+        pad_bottom,
+        pad_right,
+    };
+    let geoms = [
+        // The Keras convnet's first layer, smaller: 3x3, stride 1, no padding.
+        geom((2, 1, 12, 12), (3, 3), (1, 1), (0, 0, 0, 0)),
+        // TF "same" padding with stride 2 on an even size: 0 top/left, 1 bottom/right.
+        geom((2, 3, 8, 6), (3, 3), (2, 2), (0, 0, 1, 1)),
+        // Stride 2, every pad different (1/2/0/1), a 3x2 kernel: the CPU backend's case.
+        geom((2, 2, 7, 9), (3, 2), (2, 2), (1, 2, 0, 1)),
+        // Everything different: 2x4 kernel, strides 2/3, padding 1/2/0/1 (no CPU twin).
+        geom((3, 2, 7, 9), (2, 4), (2, 3), (1, 2, 0, 1)),
+    ];
+    for g in &geoms {
+        let x = rng.vec(g.x_len());
+        let dcol = rng.vec(g.col_len());
+        let want_col = im2col_ref(&x, g);
+        let want_dx = col2im_ref(&dcol, g);
+        for cfg in [elem_cfg(g.col_len()), FEW] {
+            let mut col = vec![f32::NAN; g.col_len()];
+            let mut args = vec![In(&x), Out(&mut col)];
+            args.extend(conv_args(g).map(I32));
+            // As Gpu::im2col_fwd: x, col, then conv_args.
+            k.launch("im2col_fwd_f32", cfg, &mut args);
+            // Copies and zeros: exact.
+            assert_bits(&format!("im2col {g:?} {cfg:?}"), &col, &want_col);
+        }
+        for cfg in [elem_cfg(g.x_len()), FEW] {
+            let mut dx = vec![f32::NAN; g.x_len()];
+            let mut args = vec![In(&dcol), Out(&mut dx)];
+            args.extend(conv_args(g).map(I32));
+            // As Gpu::im2col_bwd: dcol, dx, then conv_args.
+            k.launch("im2col_bwd_f32", cfg, &mut args);
+            // At most KH*KW = 9 terms per element, in f32.
+            assert_close(&format!("col2im {g:?} {cfg:?}"), &dx, &want_dx, RTOL_SUM, ATOL_SUM);
+            let Some(cg) = cpu_geom(g) else { continue };
+            let (per_x, per_col) = (g.c * g.h * g.w, cg.col_rows() * cg.col_cols());
+            let mut cpu_col = vec![0.0; g.col_len()];
+            let mut cpu_dx = vec![0.0; g.x_len()];
+            for s in 0..g.n {
+                cpu::im2col(&x[s * per_x..(s + 1) * per_x], &cg, &mut cpu_col[s * per_col..(s + 1) * per_col]);
+                cpu::col2im(&dcol[s * per_col..(s + 1) * per_col], &cg, &mut cpu_dx[s * per_x..(s + 1) * per_x]);
+            }
+            // One layout for both backends (conv.cu's promise): the CPU's col equals the
+            // reference, and its col2im adds each dx element's terms in the kernel's
+            // order, (kh, kw) ascending from 0, so the two agree bit for bit.
+            assert_bits(&format!("cpu im2col {g:?}"), &cpu_col, &want_col);
+            assert_bits(&format!("col2im vs cpu::col2im {g:?} {cfg:?}"), &dx, &cpu_dx);
+        }
+    }
+}
+
+// ---- batchnorm.cu --------------------------------------------------------------------
+
+/// An optional read-only parameter: the buffer, or the 64-bit 0 launch.rs passes for None.
+fn opt(present: bool, v: &[f32]) -> Arg<'_> {
+    if present {
+        In(v)
+    } else {
+        Null
+    }
+}
+
+/// An optional gradient buffer: the buffer, or the 64-bit 0 launch.rs passes for None.
+fn opt_mut(present: bool, v: &mut [f32]) -> Arg<'_> {
+    if present {
+        Out(v)
+    } else {
+        Null
+    }
+}
+
+#[test]
+fn batchnorm_train_eval_and_backward_match_the_reference() {
+    let Some(k) = kernels_or_skip("batchnorm_train_eval_and_backward_match_the_reference") else {
+        return;
+    };
+    let mut rng = Rng(5);
+    let (momentum, eps) = (0.99f32, 1e-3f32);
+    // (N, C, HW, with gamma, with beta): every combination of the optional parameters at
+    // M = 100 (< REDUCE_BLOCK: idle threads add 0), then M = 400 (threads sum strided
+    // terms before the tree), M = 1 (the running variance takes the biased one) and
+    // M = 0 (nothing is written).
+    let cases = [
+        (4, 3, 25, true, true),
+        (4, 3, 25, false, true),
+        (4, 3, 25, true, false),
+        (4, 3, 25, false, false),
+        (4, 2, 100, true, true),
+        (1, 2, 1, true, true),
+        (0, 2, 9, true, true),
+    ];
+    for (n, c, hw, with_gamma, with_beta) in cases {
+        let case = format!("N={n} C={c} HW={hw}, gamma {with_gamma}, beta {with_beta}");
+        let total = n * c * hw;
+        let m = (n * hw) as f64;
+        let at = |s: usize, ch: usize, p: usize| (s * c + ch) * hw + p;
+        let x: Vec<f32> = rng.vec(total).iter().map(|v| 2.0 * v + 0.5).collect();
+        let dy = rng.vec(total);
+        let gamma: Vec<f32> = rng.vec(c).iter().map(|v| 1.0 + 0.5 * v).collect();
+        let beta = rng.vec(c);
+        let (rm0, rv0): (Vec<f32>, Vec<f32>) = (rng.vec(c), rng.vec(c).iter().map(|v| 1.0 + 0.5 * v).collect());
+        let (dgamma0, dbeta0) = (rng.vec(c), rng.vec(c));
+        let (sm0, si0) = (vec![-7.0f32; c], vec![-7.0f32; c]);
+
+        let mut y = vec![f32::NAN; total];
+        let (mut rm, mut rv, mut sm, mut si) = (rm0.clone(), rv0.clone(), sm0.clone(), si0.clone());
+        // As Gpu::batchnorm_train_fwd: x, y, gamma or 0, beta or 0, running_mean,
+        // running_var, save_mean, save_invstd, N (int), C (int), hw, momentum, eps.
+        k.launch(
+            "batchnorm_train_fwd_f32",
+            channel_cfg(c as i32),
+            &mut [
+                In(&x),
+                Out(&mut y),
+                opt(with_gamma, &gamma),
+                opt(with_beta, &beta),
+                Out(&mut rm),
+                Out(&mut rv),
+                Out(&mut sm),
+                Out(&mut si),
+                I32(n as i32),
+                I32(c as i32),
+                U64(hw as u64),
+                F32(momentum),
+                F32(eps),
+            ],
+        );
+        let mut dx = vec![f32::NAN; total];
+        let (mut dgamma, mut dbeta) = (dgamma0.clone(), dbeta0.clone());
+        let (sm_fwd, si_fwd) = (sm.clone(), si.clone());
+        // As Gpu::batchnorm_train_bwd: x, dy, dx, gamma or 0, save_mean, save_invstd,
+        // dgamma or 0, dbeta or 0, N (int), C (int), hw; dgamma is given exactly when
+        // gamma is.
+        k.launch(
+            "batchnorm_train_bwd_f32",
+            channel_cfg(c as i32),
+            &mut [
+                In(&x),
+                In(&dy),
+                Out(&mut dx),
+                opt(with_gamma, &gamma),
+                In(&sm_fwd),
+                In(&si_fwd),
+                opt_mut(with_gamma, &mut dgamma),
+                opt_mut(with_beta, &mut dbeta),
+                I32(n as i32),
+                I32(c as i32),
+                U64(hw as u64),
+            ],
+        );
+        if n == 0 {
+            // M = 0: every statistic and parameter gradient is left as it was.
+            assert_bits(&format!("bn running_mean ({case})"), &rm, &rm0);
+            assert_bits(&format!("bn running_var ({case})"), &rv, &rv0);
+            assert_bits(&format!("bn save_mean ({case})"), &sm, &sm0);
+            assert_bits(&format!("bn save_invstd ({case})"), &si, &si0);
+            assert_bits(&format!("bn dgamma ({case})"), &dgamma, &dgamma0);
+            assert_bits(&format!("bn dbeta ({case})"), &dbeta, &dbeta0);
+            continue;
+        }
+
+        // Reference in f64 (tests/cuda_ops.rs's): biased variance normalises, unbiased
+        // variance (biased when M = 1) feeds running_var.
+        let (mut want_y, mut want_dx) = (vec![0.0; total], vec![0.0; total]);
+        let (mut want_rm, mut want_rv, mut want_sm, mut want_si) =
+            (vec![0.0; c], vec![0.0; c], vec![0.0; c], vec![0.0; c]);
+        let (mut want_dg, mut want_db) = (f64s(&dgamma0), f64s(&dbeta0));
+        for ch in 0..c {
+            let idx: Vec<usize> = (0..n).flat_map(|s| (0..hw).map(move |p| at(s, ch, p))).collect();
+            let mean = idx.iter().map(|&i| x[i] as f64).sum::<f64>() / m;
+            let var = idx.iter().map(|&i| (x[i] as f64 - mean).powi(2)).sum::<f64>() / m;
+            let invstd = 1.0 / (var + eps as f64).sqrt();
+            let g = if with_gamma { gamma[ch] as f64 } else { 1.0 };
+            let b = if with_beta { beta[ch] as f64 } else { 0.0 };
+            for &i in &idx {
+                want_y[i] = (x[i] as f64 - mean) * invstd * g + b;
+            }
+            let mo = momentum as f64;
+            let unbiased = if m > 1.0 { var * m / (m - 1.0) } else { var };
+            want_rm[ch] = mo * rm0[ch] as f64 + (1.0 - mo) * mean;
+            want_rv[ch] = mo * rv0[ch] as f64 + (1.0 - mo) * unbiased;
+            (want_sm[ch], want_si[ch]) = (mean, invstd);
+            let sum_dy: f64 = idx.iter().map(|&i| dy[i] as f64).sum();
+            let sum_dyx: f64 = idx.iter().map(|&i| dy[i] as f64 * (x[i] as f64 - mean) * invstd).sum();
+            for &i in &idx {
+                let xhat = (x[i] as f64 - mean) * invstd;
+                want_dx[i] = g * invstd / m * (m * dy[i] as f64 - sum_dy - xhat * sum_dyx);
+            }
+            if with_gamma {
+                want_dg[ch] += sum_dyx;
+            }
+            if with_beta {
+                want_db[ch] += sum_dy;
+            }
+        }
+        // Tolerances of tests/cuda_ops.rs: up to 400 terms per channel through mean and
+        // variance, 1e-4 relative and 1e-5 absolute; the running stats, one blend of
+        // those, 1e-5 and 1e-6.
+        assert_close(&format!("bn y ({case})"), &y, &want_y, 1e-4, 1e-5);
+        assert_close(&format!("bn running_mean ({case})"), &rm, &want_rm, 1e-5, 1e-6);
+        assert_close(&format!("bn running_var ({case})"), &rv, &want_rv, 1e-5, 1e-6);
+        assert_close(&format!("bn save_mean ({case})"), &sm, &want_sm, 1e-5, 1e-6);
+        // invstd = 1/sqrt(var + eps) is up to 1/sqrt(eps) ~ 32 (at M = 1, var = 0).
+        assert_close(&format!("bn save_invstd ({case})"), &si, &want_si, 1e-4, 1e-5);
+        assert_close(&format!("bn dx ({case})"), &dx, &want_dx, 1e-4, 1e-5);
+        // Absent parameters leave their gradient buffers untouched.
+        assert_close(&format!("bn dgamma ({case})"), &dgamma, &want_dg, 1e-4, 1e-5);
+        assert_close(&format!("bn dbeta ({case})"), &dbeta, &want_db, 1e-4, 1e-5);
+
+        // Eval with the running stats just updated.
+        let want: Vec<f64> = (0..total)
+            .map(|i| {
+                let ch = (i / hw) % c;
+                let g = if with_gamma { gamma[ch] as f64 } else { 1.0 };
+                let b = if with_beta { beta[ch] as f64 } else { 0.0 };
+                (x[i] as f64 - rm[ch] as f64) / (rv[ch] as f64 + eps as f64).sqrt() * g + b
+            })
+            .collect();
+        for cfg in elem_cfgs(total) {
+            let mut y = vec![f32::NAN; total];
+            // As Gpu::batchnorm_eval_fwd: x, y, gamma or 0, beta or 0, running_mean,
+            // running_var, C (int), hw, total, eps.
+            k.launch(
+                "batchnorm_eval_fwd_f32",
+                cfg,
+                &mut [
+                    In(&x),
+                    Out(&mut y),
+                    opt(with_gamma, &gamma),
+                    opt(with_beta, &beta),
+                    In(&rm),
+                    In(&rv),
+                    I32(c as i32),
+                    U64(hw as u64),
+                    U64(total as u64),
+                    F32(eps),
+                ],
+            );
+            // Four float ops per element: 1e-5 relative, 1e-6 absolute.
+            assert_close(&format!("bn eval y ({case}) {cfg:?}"), &y, &want, 1e-5, 1e-6);
+        }
+    }
+}
+
+// ---- pooling.cu ----------------------------------------------------------------------
+
+#[test]
+fn global_average_pool_matches_the_reference() {
+    let Some(k) = kernels_or_skip("global_average_pool_matches_the_reference") else {
+        return;
+    };
+    let mut rng = Rng(6);
+    let (nc, hw) = (2 * 64, 5 * 5);
+    let (x, dy) = (rng.vec(nc * hw), rng.vec(nc));
+    let want_y: Vec<f64> =
+        (0..nc).map(|i| x[i * hw..(i + 1) * hw].iter().map(|&v| v as f64).sum::<f64>() / hw as f64).collect();
+    let want_dx: Vec<f64> = (0..nc * hw).map(|i| dy[i / hw] as f64 / hw as f64).collect();
+    for (cfg_fwd, cfg_bwd) in [(elem_cfg(nc), elem_cfg(nc * hw)), (FEW, FEW)] {
+        let (mut y, mut dx) = (vec![f32::NAN; nc], vec![f32::NAN; nc * hw]);
+        // As Gpu::global_avgpool_fwd: x, y, nc, hw.
+        k.launch("global_avgpool_fwd_f32", cfg_fwd, &mut [In(&x), Out(&mut y), U64(nc as u64), U64(hw as u64)]);
+        // As Gpu::global_avgpool_bwd: dy, dx, nc, hw.
+        k.launch("global_avgpool_bwd_f32", cfg_bwd, &mut [In(&dy), Out(&mut dx), U64(nc as u64), U64(hw as u64)]);
+        // 25 terms then a division; one division.
+        assert_close(&format!("avgpool y {cfg_fwd:?}"), &y, &want_y, RTOL_SUM, ATOL_SUM);
+        assert_close(&format!("avgpool dx {cfg_bwd:?}"), &dx, &want_dx, RTOL_ELEM, ATOL_ELEM);
+    }
+}
+
+// ---- softmax_xent.cu -----------------------------------------------------------------
+
+#[test]
+fn softmax_cross_entropy_matches_the_cpu_loss() {
+    let Some(k) = kernels_or_skip("softmax_cross_entropy_matches_the_cpu_loss") else {
+        return;
+    };
+    let mut rng = Rng(7);
+    let (n, kk) = (300, 10);
+    let mut logits: Vec<f32> = rng.vec(n * kk).iter().map(|v| 4.0 * v).collect();
+    let mut labels: Vec<u32> = (0..n).map(|_| (rng.next_u64() % kk as u64) as u32).collect();
+    // Ties: samples 0 and 1 have their maximum 3.0 at classes 2 and 7. The first maximum
+    // (2) is the prediction, as in nn::loss and torch.argmax: label 2 is correct, label 7
+    // is not.
+    for s in [0, 1] {
+        logits[s * kk + 2] = 3.0;
+        logits[s * kk + 7] = 3.0;
+    }
+    (labels[0], labels[1]) = (2, 7);
+    // Large logits: the row maximum is subtracted before exp.
+    logits[2 * kk + 4] = 1000.0;
+    // Each sample alone through the CPU loss: its loss, its correct flag, its dlogits.
+    let cpu: Vec<(f64, u64, Vec<f32>)> = (0..n)
+        .map(|s| {
+            let row = Tensor::from_vec(logits[s * kk..(s + 1) * kk].to_vec(), [1, kk]).unwrap();
+            let (m, d) = loss::softmax_cross_entropy(&row, &labels[s..s + 1]).unwrap();
+            (m.loss_sum, m.correct, d.host().to_vec())
+        })
+        .collect();
+    assert_eq!((cpu[0].1, cpu[1].1), (1, 0), "the CPU loss breaks ties to the first maximum");
+
+    for cfg in elem_cfgs(n) {
+        let mut loss = vec![f32::NAN; n];
+        let mut dlogits = vec![f32::NAN; n * kk];
+        let mut correct = vec![7u32; n];
+        // As Gpu::softmax_xent_fwd: logits, labels, loss, dlogits, correct, n, K (int).
+        k.launch(
+            "softmax_xent_fwd_f32",
+            cfg,
+            &mut [
+                In(&logits),
+                InU32(&labels),
+                Out(&mut loss),
+                Out(&mut dlogits),
+                OutU32(&mut correct),
+                U64(n as u64),
+                I32(kk as i32),
+            ],
+        );
+        let (mut want_loss, mut want_dl) = (vec![0.0; n], vec![0.0; n * kk]);
+        for s in 0..n {
+            let z = f64s(&logits[s * kk..(s + 1) * kk]);
+            let mx = z.iter().cloned().fold(f64::MIN, f64::max);
+            let lse = z.iter().map(|v| (v - mx).exp()).sum::<f64>().ln() + mx;
+            want_loss[s] = lse - z[labels[s] as usize];
+            for j in 0..kk {
+                want_dl[s * kk + j] = (z[j] - lse).exp() - if j == labels[s] as usize { 1.0 } else { 0.0 };
+            }
+        }
+        // tests/cuda_ops.rs's tolerance (expf/logf within 2 ulp on the GPU): 1e-5
+        // relative plus 1e-6 absolute, against the f64 reference and the CPU loss alike.
+        assert_close(&format!("xent loss {cfg:?}"), &loss, &want_loss, 1e-5, 1e-6);
+        assert_close(&format!("xent dlogits {cfg:?}"), &dlogits, &want_dl, 1e-5, 1e-6);
+        let cpu_loss: Vec<f64> = cpu.iter().map(|c| c.0).collect();
+        let cpu_dl: Vec<f64> = cpu.iter().flat_map(|c| f64s(&c.2)).collect();
+        assert_close(&format!("xent loss vs nn::loss {cfg:?}"), &loss, &cpu_loss, 1e-5, 1e-6);
+        assert_close(&format!("xent dlogits vs nn::loss {cfg:?}"), &dlogits, &cpu_dl, 1e-5, 1e-6);
+        let cpu_correct: Vec<u32> = cpu.iter().map(|c| c.1 as u32).collect();
+        assert_eq!(correct, cpu_correct, "correct flags vs nn::loss {cfg:?}");
+    }
+
+    // A label >= K: loss NaN, not correct, and dlogits the softmax (no one-hot to
+    // subtract). The CPU loss refuses such a label before computing anything.
+    let (logits, labels) = (vec![1.0f32, 2.0, 3.0], vec![3u32]);
+    let (mut loss, mut dlogits, mut correct) = (vec![0.0f32], vec![0.0f32; 3], vec![7u32]);
+    k.launch(
+        "softmax_xent_fwd_f32",
+        elem_cfg(1),
+        &mut [In(&logits), InU32(&labels), Out(&mut loss), Out(&mut dlogits), OutU32(&mut correct), U64(1), I32(3)],
+    );
+    assert!(loss[0].is_nan() && correct[0] == 0, "loss {loss:?}, correct {correct:?}");
+    // softmax([1, 2, 3]) = e^[1,2,3] / (e + e² + e³) = [0.09003057, 0.24472847, 0.66524096]
+    assert_close("xent dlogits, bad label", &dlogits, &[0.090_030_57, 0.244_728_47, 0.665_240_96], 1e-5, 1e-6);
+}
+
+// ---- optim.cu ------------------------------------------------------------------------
+
+/// |got - want| <= rtol * max(|want|, floor) per element: relative, except for values
+/// that end close to 0, where what remains is the rounding of the larger values they
+/// passed through, at the scale `floor`.
+#[track_caller]
+fn assert_rel(what: &str, got: &[f32], want: &[f32], rtol: f64, floor: f64) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        let err = (g as f64 - w as f64).abs();
+        assert!(err <= rtol * (w.abs() as f64).max(floor), "{what}[{i}]: got {g}, want {w} (|err| {err:e})");
+    }
+}
+
+#[test]
+fn sgd_and_adam_match_the_cpu_optimizer_over_several_steps() {
+    let Some(k) = kernels_or_skip("sgd_and_adam_match_the_cpu_optimizer_over_several_steps") else {
+        return;
+    };
+    let mut rng = Rng(8);
+    let n = 1000;
+    let steps = 5;
+    let p0 = rng.vec(n);
+    // B = 32 makes the kernel's grad * (1/B) and the CPU's grad / B the same number;
+    // B = 3 does not (1/3 is rounded), which the tolerance must then cover.
+    for batch in [32.0f32, 3.0] {
+        let grads: Vec<Vec<f32>> = (0..steps).map(|_| rng.vec(n).iter().map(|v| batch * v).collect()).collect();
+        // The trainer's grad_scale (src/cuda/replica.rs): 1 / total, in f32.
+        let grad_scale = 1.0 / batch;
+        let configs = [
+            OptimizerConfig::Sgd { lr: 0.1, momentum: 0.9, weight_decay: 1e-4 },
+            OptimizerConfig::Sgd { lr: 0.05, momentum: 0.0, weight_decay: 0.0 },
+            OptimizerConfig::Adam { lr: 1e-3, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 1e-2 },
+            OptimizerConfig::Adam { lr: 1e-2, beta1: 0.8, beta2: 0.99, eps: 1e-6, weight_decay: 0.0 },
+        ];
+        for config in configs {
+            let mut cpu = Optimizer::new(config, n);
+            let mut cpu_p = p0.clone();
+            let mut p = p0.clone();
+            let (mut m, mut v) = (vec![0.0f32; n], vec![0.0f32; n]);
+            for (t, g) in grads.iter().enumerate() {
+                cpu.begin_step(1.0);
+                cpu.update(0, &mut cpu_p, g, batch);
+                let cfg = if t % 2 == 0 { elem_cfg(n) } else { FEW };
+                match config {
+                    OptimizerConfig::Sgd { lr, momentum, weight_decay } => {
+                        // As Gpu::sgd_step: p, grad, buf, lr, momentum, weight_decay,
+                        // grad_scale, n.
+                        k.launch(
+                            "sgd_step_f32",
+                            cfg,
+                            &mut [
+                                Out(&mut p),
+                                In(g),
+                                Out(&mut m),
+                                F32(lr),
+                                F32(momentum),
+                                F32(weight_decay),
+                                F32(grad_scale),
+                                U64(n as u64),
+                            ],
+                        );
+                    }
+                    OptimizerConfig::Adam { lr, beta1, beta2, eps, weight_decay } => {
+                        // launch.rs's AdamHyper::bias_corrections at 1-based step t + 1.
+                        let hp = lockstep::cuda::launch::AdamHyper { lr, beta1, beta2, eps, weight_decay };
+                        let (bc1, bc2_sqrt) = hp.bias_corrections(t as u64 + 1);
+                        // As Gpu::adam_step: p, grad, m, v, lr, beta1, beta2, eps,
+                        // weight_decay, grad_scale, bc1, bc2_sqrt, n.
+                        k.launch(
+                            "adam_step_f32",
+                            cfg,
+                            &mut [
+                                Out(&mut p),
+                                In(g),
+                                Out(&mut m),
+                                Out(&mut v),
+                                F32(lr),
+                                F32(beta1),
+                                F32(beta2),
+                                F32(eps),
+                                F32(weight_decay),
+                                F32(grad_scale),
+                                F32(bc1),
+                                F32(bc2_sqrt),
+                                U64(n as u64),
+                            ],
+                        );
+                    }
+                }
+            }
+            let what = format!("{config:?}, B = {batch}, after {steps} steps");
+            // With B = 32 the kernel (here, without FMA contraction; a GPU contracts) and
+            // the CPU compute g = grad/B + wd*p exactly alike, SGD and Adam's moments then
+            // run the same f32 operations in the same order (bitwise), and Adam's p differs only in how lr/bc1 is folded: in f64 then rounded on the
+            // CPU, in f32 in the kernel (AdamHyper::bias_corrections says so). With B = 3,
+            // 1/B is rounded before the multiply, so g itself differs by an ulp, and a
+            // value that ends near 0 keeps the roundings of the larger values it passed
+            // through: p started in [-1, 1], and the moment m follows gradients of at most
+            // 1 (after the 1/B), so both are relative to at least 1. v is a sum of squares
+            // and never cancels.
+            let exact = batch == 32.0;
+            let floor = if exact { 0.0 } else { 1.0 };
+            if exact && matches!(config, OptimizerConfig::Sgd { .. }) {
+                assert_bits(&format!("p: {what}"), &p, &cpu_p);
+            }
+            assert_rel(&format!("p: {what}"), &p, &cpu_p, 1e-6, floor);
+            let state = cpu.state();
+            for (name, values) in &state {
+                let (got, floor) = if *name == "m" { (&m, floor) } else { (&v, 0.0) };
+                if exact {
+                    assert_bits(&format!("{name}: {what}"), got, values);
+                }
+                assert_rel(&format!("{name}: {what}"), got, values, 1e-6, floor);
+            }
+            if matches!(config, OptimizerConfig::Sgd { momentum, .. } if momentum == 0.0) {
+                assert!(state.is_empty(), "plain SGD keeps no state on the CPU");
+            }
+        }
+    }
+}
+
+// ---- reduce.cu -----------------------------------------------------------------------
+
+#[test]
+fn reduce_sum_adds_the_buffers_left_to_right_and_scales() {
+    let Some(k) = kernels_or_skip("reduce_sum_adds_the_buffers_left_to_right_and_scales") else {
+        return;
+    };
+    let mut rng = Rng(9);
+    let n = 1001;
+    for (kk, scale) in [(4, 0.125f32), (1, 1.0), (3, 1.0 / 3.0)] {
+        let src = rng.vec(kk * n);
+        // Bitwise: the kernel's order is buffer 0, 1, ..., K-1 in f32, then the scale.
+        let want: Vec<f32> = (0..n).map(|i| (0..kk).fold(0.0f32, |acc, r| acc + src[r * n + i]) * scale).collect();
+        for cfg in elem_cfgs(n) {
+            let mut dst = vec![f32::NAN; n];
+            // As Gpu::reduce_sum: src, dst, K (int), scale, n.
+            k.launch("reduce_sum_f32", cfg, &mut [In(&src), Out(&mut dst), I32(kk as i32), F32(scale), U64(n as u64)]);
+            assert_bits(&format!("reduce_sum K={kk} {cfg:?}"), &dst, &want);
+        }
+    }
+}
+
+// ---- dropout.cu ----------------------------------------------------------------------
+
+/// What the CPU `Dropout` layer outputs for `x` (N, F) at layer index `layer` of a model,
+/// in training step `step` of logical replica `replica`: the layer runs inside a
+/// `Sequential` behind `layer` dropouts of rate 0 (the identity), which only move it to
+/// that index. Its backward multiplies dout by the very per-element factors its forward
+/// used, so the forward of dy is also what its backward returns for dy.
+fn cpu_dropout(x: &[f32], f: usize, rate: f32, seed: u64, step: u64, replica: usize, layer: usize) -> Vec<f32> {
+    let mut layers: Vec<Box<dyn Layer>> = (0..layer).map(|_| Box::new(Dropout::new(0.0).unwrap()) as _).collect();
+    layers.push(Box::new(Dropout::new(rate).unwrap()));
+    let mut net = Sequential::new([f], layers).unwrap();
+    let ctx = Ctx::train(seed, step, replica, Device::Cpu(0));
+    let x = Tensor::from_vec(x.to_vec(), [x.len() / f, f]).unwrap();
+    net.forward(x, &[], &mut [], &ctx).unwrap().into_vec()
+}
+
+#[test]
+fn dropout_masks_equal_the_cpu_layer_bit_for_bit() {
+    let Some(k) = kernels_or_skip("dropout_masks_equal_the_cpu_layer_bit_for_bit") else {
+        return;
+    };
+    let mut rng = Rng(10);
+    let (n, f) = (4000, 100);
+    let x: Vec<f32> = rng.vec(n).iter().map(|v| v + 2.0).collect(); // never 0, so drops are visible
+    let dy = rng.vec(n);
+    let (seed, step, replica, layer) = (42u64, 7u64, 1usize, 3usize);
+    let rate = 0.3f32;
+    let want_y = cpu_dropout(&x, f, rate, seed, step, replica, layer);
+    let want_dx = cpu_dropout(&dy, f, rate, seed, step, replica, layer);
+    let scale = 1.0f32 / (1.0 - rate);
+    for cfg in elem_cfgs(n) {
+        let (mut y, mut dx) = (vec![f32::NAN; n], vec![f32::NAN; n]);
+        let key = [U64(seed), U64(step), U64(replica as u64), U64(layer as u64)];
+        let mut args = vec![In(&x), Out(&mut y), F32(rate)];
+        args.extend(key);
+        args.push(U64(n as u64));
+        // As Gpu::dropout (fwd): x, y, rate, seed, step, replica, layer, n.
+        k.launch("dropout_fwd_f32", cfg, &mut args);
+        let key = [U64(seed), U64(step), U64(replica as u64), U64(layer as u64)];
+        let mut args = vec![In(&dy), Out(&mut dx), F32(rate)];
+        args.extend(key);
+        args.push(U64(n as u64));
+        // As Gpu::dropout (bwd): dy, dx, rate, seed, step, replica, layer, n.
+        k.launch("dropout_bwd_f32", cfg, &mut args);
+        // Bitwise: one mask, from the same integer hash, and one f32 multiply by the same
+        // f32 1/(1 - rate) on both sides.
+        assert_bits(&format!("dropout y vs nn::Dropout {cfg:?}"), &y, &want_y);
+        assert_bits(&format!("dropout dx vs nn::Dropout {cfg:?}"), &dx, &want_dx);
+        // And the mask is the documented function of rng (what cuda_ops.rs checks on a GPU).
+        let dkey = dropout_key(seed, step, replica as u64, layer as u64);
+        let mut kept = 0;
+        for i in 0..n {
+            let keep = unit_f32(hash64(dkey, i as u64)) >= rate;
+            kept += keep as usize;
+            assert_eq!(y[i].to_bits(), (x[i] * if keep { scale } else { 0.0 }).to_bits(), "y[{i}]");
+        }
+        // Binomial(4000, 0.7): sd = 29, so +-4 sd is 0.7 +- 0.029.
+        let frac = kept as f64 / n as f64;
+        assert!((frac - 0.7).abs() < 0.029, "kept fraction {frac}");
+    }
+
+    // Another replica, step or layer: another mask.
+    for (s, r, l) in [(step + 1, replica, layer), (step, replica + 1, layer), (step, replica, layer + 1)] {
+        let mut y = vec![0.0f32; n];
+        let mut args = vec![In(&x), Out(&mut y), F32(rate), U64(seed), U64(s), U64(r as u64), U64(l as u64)];
+        args.push(U64(n as u64));
+        k.launch("dropout_fwd_f32", elem_cfg(n), &mut args);
+        assert_bits(
+            &format!("dropout y, step {s} replica {r} layer {l}"),
+            &y,
+            &cpu_dropout(&x, f, rate, seed, s, r, l),
+        );
+        assert_ne!(y, want_y);
+    }
+    // launch.rs accepts rate 0 and 1 (the CPU layer refuses 1): all kept, unscaled; all
+    // dropped, to dy * 0 (so -0 for a negative dy) and never NaN although 1/(1 - rate) is
+    // infinite.
+    for (rate, want) in [(0.0f32, dy.clone()), (1.0, dy.iter().map(|v| v * 0.0).collect())] {
+        let mut dx = vec![f32::NAN; n];
+        let mut args = vec![In(&dy), Out(&mut dx), F32(rate), U64(seed), U64(step), U64(replica as u64)];
+        args.extend([U64(layer as u64), U64(n as u64)]);
+        k.launch("dropout_bwd_f32", elem_cfg(n), &mut args);
+        assert_bits(&format!("dropout dx at rate {rate}"), &dx, &want);
+    }
+}
