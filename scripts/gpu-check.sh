@@ -36,16 +36,33 @@ tee_pid=$!
 budget="${GPU_CHECK_BUDGET_S:-290}"
 work="$(mktemp -d)"
 
-site="$(python3 -c 'import site; print(site.getsitepackages()[0])' 2>/dev/null)"
+# The CUDA 13 libraries of PyTorch's wheels: every lib/ folder under each `nvidia`
+# package folder Python can see (site-packages, dist-packages, the user's site).
+nvidia_dirs="$(python3 -c '
+import site, os
+dirs = site.getsitepackages() + [site.getusersitepackages()]
+try:
+    import nvidia
+    dirs = list(nvidia.__path__) + [os.path.join(d, "nvidia") for d in dirs]
+except ImportError:
+    dirs = [os.path.join(d, "nvidia") for d in dirs]
+seen = []
+for d in dirs:
+    if os.path.isdir(d) and d not in seen:
+        seen.append(d)
+print("\n".join(seen))' 2>/dev/null)"
 libs=""
-for d in "$site"/nvidia/*/lib "$site"/nvidia/cu13/lib; do
-    [[ -d "$d" ]] && libs="$libs:$d"
-done
-linkdir="$(mktemp -d)"
 nccl=""
-for f in "$site"/nvidia/nccl/lib/libnccl.so.2 "$site"/nvidia/*/lib/libnccl.so.2; do
-    [[ -e $f ]] && nccl="$f" && break
-done
+while IFS= read -r nv; do
+    [[ -n "$nv" ]] || continue
+    for d in "$nv"/*/lib; do
+        [[ -d "$d" && ":$libs:" != *":$d:"* ]] && libs="$libs:$d"
+    done
+    for f in "$nv"/nccl/lib/libnccl.so.2 "$nv"/*/lib/libnccl.so.2; do
+        [[ -z "$nccl" && -e $f ]] && nccl="$f"
+    done
+done <<<"$nvidia_dirs"
+linkdir="$(mktemp -d)"
 if [[ -n "$nccl" ]]; then
     ln -sf "$nccl" "$linkdir/libnccl.so"
 fi

@@ -124,6 +124,12 @@ impl Devices {
         Devices::cpu(n, (available_cores() / n.max(1)).max(1))
     }
 
+    /// The first `n` devices (at least one), of the same kind and threads.
+    pub fn first(&self, n: usize) -> Devices {
+        let n = n.clamp(1, self.devices.len());
+        Devices { devices: self.devices[..n].to_vec(), threads_per_device: self.threads_per_device }
+    }
+
     /// The devices, in rank order.
     pub fn list(&self) -> &[Device] {
         &self.devices
@@ -172,8 +178,17 @@ impl DeviceSpec {
         match self {
             DeviceSpec::Cpu { count, threads: Some(t) } => Devices::cpu(*count, *t),
             DeviceSpec::Cpu { count, threads: None } => Devices::cpu_auto_threads(*count),
+            // GPUs only when they can train: the driver sees one, and the libraries the
+            // GPU replicas load (cuBLAS, NVRTC) are there; `lockstep devices` says which
+            // is missing otherwise.
             DeviceSpec::Auto => match crate::cuda::probe::gpu_count() {
-                Ok(n) if n > 0 => Devices::cuda(&(0..n).collect::<Vec<_>>()),
+                Ok(n)
+                    if n > 0
+                        && crate::cuda::probe::cublas_available().is_ok()
+                        && crate::cuda::probe::nvrtc_available().is_ok() =>
+                {
+                    Devices::cuda(&(0..n).collect::<Vec<_>>())
+                }
                 _ => Devices::cpu_auto_threads(1),
             },
             DeviceSpec::CudaAll => {

@@ -58,11 +58,7 @@ pub(crate) fn cmd_eval(a: EvalArgs) -> CliResult {
     let store: ParamStore =
         weights::load(&model, &a.weights).map_err(Failure::usage).map_err(|f| f.with_context("--weights"))?;
     // No more ranks than samples: a device with no sample has nothing to predict.
-    let devices = if devices.len() > data.len() {
-        Devices::cpu(data.len(), devices.threads_per_device()).map_err(Failure::usage)?
-    } else {
-        devices
-    };
+    let devices = devices.first(data.len());
     let classes = model.output_shape().numel();
     let config = TrainConfig { initial: Some(store), check_replicas_every: None, ..TrainConfig::default() };
     let all: Vec<usize> = (0..data.len()).collect();
@@ -148,11 +144,7 @@ pub(crate) fn cmd_predict(a: PredictArgs) -> CliResult {
     let store: ParamStore =
         weights::load(&model, &a.weights).map_err(Failure::usage).map_err(|f| f.with_context("--weights"))?;
     // No more ranks than inputs: every rank gets at least one sample of every chunk.
-    let devices = if devices.len() > n {
-        Devices::cpu(n, devices.threads_per_device()).map_err(Failure::usage)?
-    } else {
-        devices
-    };
+    let devices = devices.first(n);
     let k = model.output_shape().numel();
     let config = TrainConfig { initial: Some(store), check_replicas_every: None, ..TrainConfig::default() };
     // ceil(n / PREDICT_CHUNK) chunks of near-equal sizes, each ≥ n / chunks ≥ the ranks.

@@ -71,6 +71,12 @@ pub(crate) fn cmd_devices() -> CliResult {
                     outln!("cuda:{a}: peer access to {}", peers.join(", "));
                 }
             }
+            for (lib, status) in [("nvrtc", probe::nvrtc_available()), ("cublas", probe::cublas_available())] {
+                match status {
+                    Ok(()) => outln!("{lib}: found"),
+                    Err(e) => outln!("{lib}: {e}"),
+                }
+            }
             outln!("nccl: {}", probe::nccl_status().fix());
         }
         Err(e) => outln!("cuda: none ({e})"),

@@ -73,8 +73,9 @@ struct Activations {
 pub struct GpuReplica {
     pub device: Device,
     gpu: Gpu,
-    blas: CudaBlas,
-    /// cuBLAS's workspace, set on `blas` (declared after it: dropped after it).
+    /// Dropped by hand (see `Drop`), before the workspace it uses.
+    blas: std::mem::ManuallyDrop<CudaBlas>,
+    /// cuBLAS's workspace, set on `blas`.
     _workspace: CudaSlice<u8>,
     model: Sequential,
     nodes: Vec<Node>,
@@ -168,7 +169,7 @@ impl GpuReplica {
             nodes,
             model,
             gpu,
-            blas,
+            blas: std::mem::ManuallyDrop::new(blas),
             _workspace: workspace,
             acts: None,
             step_loss: None,
@@ -195,7 +196,12 @@ impl GpuReplica {
         first_shard: usize,
         shards_here: usize,
     ) -> Result<StepOutcome> {
-        let t0 = std::time::Instant::now();
+        // GPU time, not the host's: the host only queues work until the step's one wait.
+        let marked = self.gpu.stream().clone();
+        let mark = || -> Result<cudarc::driver::CudaEvent> {
+            Ok(marked.record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))?)
+        };
+        let t0 = mark()?;
         let (np, nb, width) = (self.np, self.nb, self.np + self.nb);
         let mine = &work.shards[first_shard..first_shard + shards_here];
         let rows = mine.first().map_or(0, |r| r.start)..mine.last().map_or(0, |r| r.end);
@@ -256,7 +262,7 @@ impl GpuReplica {
             backward(&self.gpu, &self.blas, &self.nodes, acts, &self.params, &mut self.slots, slot, &ctx, first)?;
         }
         // Sum this device's shards in shard order, then across devices.
-        let t1 = std::time::Instant::now();
+        let t1 = mark()?;
         let total = work.batch.len() as f32;
         let with_data = work.shards.iter().filter(|r| !r.is_empty()).count() as f32;
         let summed = if shards_here == 1 {
@@ -267,7 +273,7 @@ impl GpuReplica {
         };
         comm.all_reduce_sum(summed)?;
         let summed: &CudaSlice<f32> = summed;
-        let t2 = std::time::Instant::now();
+        let t2 = mark()?;
         self.t += 1;
         let lr = self.config.lr() * work.lr_scale;
         let grad = summed.slice(0..np);
@@ -291,6 +297,7 @@ impl GpuReplica {
             let bufs = summed.slice(np..width);
             self.gpu.reduce_sum(&bufs, &mut self.buffers, 1, 1.0 / with_data)?;
         }
+        let t3 = mark()?;
         // The one wait of the step: the losses it reports (released by an abort).
         comm.wait_for(&stream)?;
         let loss = stream.clone_dtoh(self.step_loss.as_ref().expect("sized above"))?;
@@ -300,9 +307,11 @@ impl GpuReplica {
             let r = shard.start - rows.start..shard.end - rows.start;
             outcome.shards.push(metrics(&loss[r.clone()], &hits[r]));
         }
-        let t3 = std::time::Instant::now();
-        outcome.compute = (t1 - t0) + (t3 - t2);
-        outcome.reduce = t2 - t1;
+        let ms = |a: &cudarc::driver::CudaEvent, b: &cudarc::driver::CudaEvent| -> Result<std::time::Duration> {
+            Ok(std::time::Duration::from_secs_f64(f64::from(a.elapsed_ms(b)?.max(0.0)) / 1e3))
+        };
+        outcome.compute = ms(&t0, &t1)? + ms(&t2, &t3)?;
+        outcome.reduce = ms(&t1, &t2)?;
         Ok(outcome)
     }
 
@@ -430,7 +439,17 @@ impl Drop for GpuReplica {
         // With cudarc's event tracking off, nothing else keeps the pinned staging (or any
         // buffer) alive until the copies and kernels queued on it have run: after an error
         // mid-step they may still be in flight.
-        let _ = self.gpu.synchronize();
+        if self.gpu.synchronize().is_err() {
+            // A sticky error (a faulting kernel) has broken the context: cuBLAS may then
+            // refuse to destroy its handle, which cudarc's drop turns into a panic, in the
+            // middle of reporting the error. The handle goes with the broken context.
+            // SAFETY: `blas` is not used again; the field is left for the leak only.
+            let blas = unsafe { std::mem::ManuallyDrop::take(&mut self.blas) };
+            std::mem::forget(blas);
+        } else {
+            // SAFETY: as above; dropped normally.
+            drop(unsafe { std::mem::ManuallyDrop::take(&mut self.blas) });
+        }
     }
 }
 

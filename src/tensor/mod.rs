@@ -244,6 +244,7 @@ impl Tensor {
     pub fn to_vec(&self) -> Result<Vec<f32>> {
         match &self.storage {
             Storage::Host(v) => Ok(v.clone()),
+            Storage::Cuda(_) if self.numel() == 0 => Ok(Vec::new()),
             Storage::Cuda(d) => Ok(d.stream().clone_dtoh(d.as_ref())?),
         }
     }
@@ -289,9 +290,10 @@ impl Tensor {
             (storage, Device::Cuda(ordinal)) => {
                 let stream = cuda_stream(ordinal)?;
                 let slice = match storage {
-                    Storage::Host(v) if v.is_empty() => stream.null()?,
+                    // Some drivers refuse a zero-byte allocation: an empty tensor holds one
+                    // unused element (its shape says it is empty).
+                    _ if self.numel() == 0 => stream.alloc_zeros(1)?,
                     Storage::Host(v) => stream.clone_htod(v)?,
-                    Storage::Cuda(d) if d.is_empty() => stream.null()?,
                     Storage::Cuda(d) => stream.clone_dtod(d.as_ref())?,
                 };
                 Storage::Cuda(Arc::new(slice))

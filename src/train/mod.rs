@@ -829,7 +829,10 @@ pub fn with_trainer<T>(
 /// Trains `model` on `train` (evaluating on `test` after every epoch, if given) on
 /// `devices`, synchronously data-parallel. One step on N devices equals one step on one
 /// device with the whole global batch (up to float summation order; bitwise with a
-/// fixed number of logical replicas).
+/// fixed number of logical replicas on CPU devices, which sum the R shard gradients in
+/// one tree whoever computed them). GPUs sum each device's shards in shard order, then
+/// across devices (NCCL's order, or rank order for device copies): bitwise across device
+/// counts only where the additions coincide, e.g. R = 2 on `cuda:0` and on `cuda:0,0`.
 ///
 /// ```
 /// use lockstep::{data::toy, devices::Devices, models, train::{train_data_parallel, TrainConfig}};
