@@ -1,17 +1,26 @@
-//! Every CUDA kernel against a plain Rust reference written here (STYLE.md: the CPU is
-//! the oracle), on small random inputs, plus the no-driver behaviour of the probes.
+//! Every CUDA kernel against a plain Rust reference (STYLE.md: the CPU is the oracle),
+//! written here or, where tests/kernels_host.rs holds the same kernel to it, in
+//! tests/common; on small random inputs, plus the no-driver behaviour of the probes.
 //!
 //! Without a CUDA driver (CI, laptops) each GPU test writes "skipped: no CUDA driver" to
 //! stderr, visibly, and returns: that is the expected outcome there. The probe tests run
 //! everywhere. References are computed in f64 from the same f32 inputs; tolerances are
 //! stated per test: |gpu - ref| <= atol + rtol * |ref|.
 
+mod common;
+
 use std::io::Write;
 
 use cudarc::driver::CudaSlice;
 use lockstep::cuda::launch::{AdamHyper, BnParams, ConvGeom, DropoutKey, Gpu};
 use lockstep::cuda::probe::{self, NcclStatus, NO_DRIVER};
+use lockstep::rng::mix64;
 use lockstep::Error;
+
+use common::{
+    assert_close, bias_nchw_bwd_ref, col2im_ref, dropout_keep, f64s, im2col_ref, softmax_xent_ref, BnInputs, Rng,
+    ATOL_ELEM, ATOL_SUM, RTOL_ELEM, RTOL_SUM,
+};
 
 // ---- harness ----------------------------------------------------------------------
 
@@ -35,28 +44,6 @@ fn gpu_or_skip(test: &str) -> Option<Gpu> {
     }
 }
 
-/// SplitMix64, for test inputs only.
-struct Rng(u64);
-impl Rng {
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        mix64(self.0)
-    }
-    /// Uniform in [-1, 1).
-    fn uniform(&mut self) -> f32 {
-        ((self.next_u64() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-    }
-    fn vec(&mut self, n: usize) -> Vec<f32> {
-        (0..n).map(|_| self.uniform()).collect()
-    }
-}
-
-fn mix64(mut z: u64) -> u64 {
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
-
 fn up<T: cudarc::driver::DeviceRepr>(gpu: &Gpu, v: &[T]) -> CudaSlice<T> {
     gpu.stream().clone_htod(v).expect("host to device copy")
 }
@@ -64,29 +51,6 @@ fn up<T: cudarc::driver::DeviceRepr>(gpu: &Gpu, v: &[T]) -> CudaSlice<T> {
 fn down<T: cudarc::driver::DeviceRepr + Default + Clone>(gpu: &Gpu, d: &CudaSlice<T>) -> Vec<T> {
     gpu.stream().clone_dtoh(d).expect("device to host copy")
 }
-
-#[track_caller]
-fn assert_close(what: &str, got: &[f32], want: &[f64], rtol: f64, atol: f64) {
-    assert_eq!(got.len(), want.len(), "{what}: length");
-    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
-        let err = (g as f64 - w).abs();
-        assert!(
-            err <= atol + rtol * w.abs(),
-            "{what}[{i}]: got {g}, want {w} (|err| {err:e} > {atol:e} + {rtol:e}*|want|)"
-        );
-    }
-}
-
-fn f64s(v: &[f32]) -> Vec<f64> {
-    v.iter().map(|&x| x as f64).collect()
-}
-
-// Elementwise results are one or two float ops: 1e-6 relative covers f32 rounding of
-// the reference's f64 result; sums of up to ~100 terms get 1e-5.
-const RTOL_ELEM: f64 = 1e-6;
-const ATOL_ELEM: f64 = 1e-7;
-const RTOL_SUM: f64 = 1e-5;
-const ATOL_SUM: f64 = 1e-5;
 
 // ---- probes: run everywhere ------------------------------------------------------
 
@@ -204,15 +168,7 @@ fn bias_add_and_its_reduction_match_the_reference() {
     assert_close("bias_nchw y", &down(&gpu, &y_d), &want, RTOL_ELEM, ATOL_ELEM);
     let mut db_d = up(&gpu, &dbias0);
     gpu.bias_nchw_bwd(&up(&gpu, &dy), &mut db_d, n, c, hw).unwrap();
-    let want: Vec<f64> = (0..c)
-        .map(|ch| {
-            dbias0[ch] as f64
-                + (0..n)
-                    .flat_map(|s| (0..hw).map(move |p| (s, p)))
-                    .map(|(s, p)| dy[(s * c + ch) * hw + p] as f64)
-                    .sum::<f64>()
-        })
-        .collect();
+    let want = bias_nchw_bwd_ref(&dy, &dbias0, (n, c, hw));
     assert_close("bias_nchw dbias (accumulated)", &down(&gpu, &db_d), &want, RTOL_SUM, ATOL_SUM);
 
     // (N, O): N=6, O=10.
@@ -229,56 +185,6 @@ fn bias_add_and_its_reduction_match_the_reference() {
 }
 
 // ---- conv.cu -----------------------------------------------------------------------
-
-/// The CPU layout: col[n][(c*KH + kh)*KW + kw][oh*OW + ow].
-fn im2col_ref(x: &[f32], g: &ConvGeom) -> Vec<f64> {
-    let (oh, ow) = (g.oh(), g.ow());
-    let mut col = vec![0.0; g.col_len()];
-    let rows = g.c * g.kh * g.kw;
-    for s in 0..g.n {
-        for ch in 0..g.c {
-            for ky in 0..g.kh {
-                for kx in 0..g.kw {
-                    let row = (ch * g.kh + ky) * g.kw + kx;
-                    for oy in 0..oh {
-                        for ox in 0..ow {
-                            let y = (oy * g.stride_h + ky) as isize - g.pad_top as isize;
-                            let xx = (ox * g.stride_w + kx) as isize - g.pad_left as isize;
-                            if y >= 0 && (y as usize) < g.h && xx >= 0 && (xx as usize) < g.w {
-                                col[(s * rows + row) * oh * ow + oy * ow + ox] =
-                                    x[((s * g.c + ch) * g.h + y as usize) * g.w + xx as usize] as f64;
-                            }
-                        }
-                    }
-                }
-            }
-        }
-    }
-    col
-}
-
-/// col2im by scatter-add: the transpose of im2col_ref, element by element.
-fn col2im_ref(dcol: &[f32], g: &ConvGeom) -> Vec<f64> {
-    let (oh, ow) = (g.oh(), g.ow());
-    let mut dx = vec![0.0; g.x_len()];
-    let rows = g.c * g.kh * g.kw;
-    for s in 0..g.n {
-        for row in 0..rows {
-            let (ch, ky, kx) = (row / (g.kh * g.kw), (row / g.kw) % g.kh, row % g.kw);
-            for oy in 0..oh {
-                for ox in 0..ow {
-                    let y = (oy * g.stride_h + ky) as isize - g.pad_top as isize;
-                    let xx = (ox * g.stride_w + kx) as isize - g.pad_left as isize;
-                    if y >= 0 && (y as usize) < g.h && xx >= 0 && (xx as usize) < g.w {
-                        dx[((s * g.c + ch) * g.h + y as usize) * g.w + xx as usize] +=
-                            dcol[(s * rows + row) * oh * ow + oy * ow + ox] as f64;
-                    }
-                }
-            }
-        }
-    }
-    dx
-}
 
 #[test]
 fn im2col_and_col2im_match_the_reference_with_stride_and_asymmetric_padding() {
@@ -338,7 +244,7 @@ fn im2col_and_col2im_match_the_reference_with_stride_and_asymmetric_padding() {
         let mut col_d = up(&gpu, &vec![f32::NAN; g.col_len()]);
         gpu.im2col_fwd(&up(&gpu, &x), &mut col_d, g).unwrap();
         // Pure copies and zeros: exact.
-        assert_close(&format!("im2col {g:?}"), &down(&gpu, &col_d), &im2col_ref(&x, g), 0.0, 0.0);
+        assert_close(&format!("im2col {g:?}"), &down(&gpu, &col_d), &f64s(&im2col_ref(&x, g)), 0.0, 0.0);
         let dcol = rng.vec(g.col_len());
         let mut dx_d = up(&gpu, &vec![f32::NAN; g.x_len()]);
         gpu.im2col_bwd(&up(&gpu, &dcol), &mut dx_d, g).unwrap();
@@ -357,20 +263,16 @@ fn batchnorm_train_eval_and_backward_match_the_reference() {
     let mut rng = Rng(4);
     let (n, c, hw) = (4, 3, 25);
     let (momentum, eps) = (0.99f32, 1e-3f32);
-    let m = (n * hw) as f64;
-    let at = |s: usize, ch: usize, p: usize| (s * c + ch) * hw + p;
     for (with_gamma, with_beta) in [(true, true), (false, true), (true, false), (false, false)] {
-        let x: Vec<f32> = rng.vec(n * c * hw).iter().map(|v| 2.0 * v + 0.5).collect();
-        let dy = rng.vec(n * c * hw);
-        let gamma: Vec<f32> = rng.vec(c).iter().map(|v| 1.0 + 0.5 * v).collect();
-        let beta = rng.vec(c);
-        let (rm0, rv0): (Vec<f32>, Vec<f32>) = (rng.vec(c), rng.vec(c).iter().map(|v| 1.0 + 0.5 * v).collect());
-        let (dgamma0, dbeta0) = (rng.vec(c), rng.vec(c));
-        let (g_d, b_d) = (up(&gpu, &gamma), up(&gpu, &beta));
+        let inputs = BnInputs::random(&mut rng, (n, c, hw));
+        let BnInputs {
+            x, dy, gamma, beta, running_mean: rm0, running_var: rv0, dgamma: dgamma0, dbeta: dbeta0, ..
+        } = &inputs;
+        let (g_d, b_d) = (up(&gpu, gamma), up(&gpu, beta));
         let params = || BnParams { gamma: with_gamma.then(|| g_d.as_view()), beta: with_beta.then(|| b_d.as_view()) };
-        let x_d = up(&gpu, &x);
+        let x_d = up(&gpu, x);
         let mut y_d = up(&gpu, &vec![0.0f32; x.len()]);
-        let (mut rm_d, mut rv_d) = (up(&gpu, &rm0), up(&gpu, &rv0));
+        let (mut rm_d, mut rv_d) = (up(&gpu, rm0), up(&gpu, rv0));
         let (mut sm_d, mut si_d) = (up(&gpu, &vec![0.0f32; c]), up(&gpu, &vec![0.0f32; c]));
         gpu.batchnorm_train_fwd(
             &x_d,
@@ -386,43 +288,18 @@ fn batchnorm_train_eval_and_backward_match_the_reference() {
         )
         .unwrap();
 
-        // Reference in f64: biased variance normalises, unbiased variance feeds running_var.
-        let (mut want_y, mut want_dx) = (vec![0.0; x.len()], vec![0.0; x.len()]);
-        let (mut want_rm, mut want_rv, mut want_dg, mut want_db) =
-            (vec![0.0; c], vec![0.0; c], vec![0.0; c], vec![0.0; c]);
-        for ch in 0..c {
-            let idx: Vec<usize> = (0..n).flat_map(|s| (0..hw).map(move |p| at(s, ch, p))).collect();
-            let mean = idx.iter().map(|&i| x[i] as f64).sum::<f64>() / m;
-            let var = idx.iter().map(|&i| (x[i] as f64 - mean).powi(2)).sum::<f64>() / m;
-            let invstd = 1.0 / (var + eps as f64).sqrt();
-            let g = if with_gamma { gamma[ch] as f64 } else { 1.0 };
-            let b = if with_beta { beta[ch] as f64 } else { 0.0 };
-            for &i in &idx {
-                want_y[i] = (x[i] as f64 - mean) * invstd * g + b;
-            }
-            let mo = momentum as f64;
-            want_rm[ch] = mo * rm0[ch] as f64 + (1.0 - mo) * mean;
-            want_rv[ch] = mo * rv0[ch] as f64 + (1.0 - mo) * var * m / (m - 1.0);
-            let sum_dy: f64 = idx.iter().map(|&i| dy[i] as f64).sum();
-            let sum_dyx: f64 = idx.iter().map(|&i| dy[i] as f64 * (x[i] as f64 - mean) * invstd).sum();
-            for &i in &idx {
-                let xhat = (x[i] as f64 - mean) * invstd;
-                want_dx[i] = g * invstd / m * (m * dy[i] as f64 - sum_dy - xhat * sum_dyx);
-            }
-            want_dg[ch] = dgamma0[ch] as f64 + sum_dyx;
-            want_db[ch] = dbeta0[ch] as f64 + sum_dy;
-        }
+        let want = inputs.train_ref(with_gamma, with_beta, momentum, eps);
         let case = format!("gamma {with_gamma}, beta {with_beta}");
         // 100 terms per channel through mean and variance: 1e-4 relative, 1e-5 absolute.
-        assert_close(&format!("bn y ({case})"), &down(&gpu, &y_d), &want_y, 1e-4, 1e-5);
-        assert_close(&format!("bn running_mean ({case})"), &down(&gpu, &rm_d), &want_rm, 1e-5, 1e-6);
-        assert_close(&format!("bn running_var ({case})"), &down(&gpu, &rv_d), &want_rv, 1e-5, 1e-6);
+        assert_close(&format!("bn y ({case})"), &down(&gpu, &y_d), &want.y, 1e-4, 1e-5);
+        assert_close(&format!("bn running_mean ({case})"), &down(&gpu, &rm_d), &want.running_mean, 1e-5, 1e-6);
+        assert_close(&format!("bn running_var ({case})"), &down(&gpu, &rv_d), &want.running_var, 1e-5, 1e-6);
 
         let mut dx_d = up(&gpu, &vec![0.0f32; x.len()]);
-        let (mut dg_d, mut db_d) = (up(&gpu, &dgamma0), up(&gpu, &dbeta0));
+        let (mut dg_d, mut db_d) = (up(&gpu, dgamma0), up(&gpu, dbeta0));
         gpu.batchnorm_train_bwd(
             &x_d,
-            &up(&gpu, &dy),
+            &up(&gpu, dy),
             &mut dx_d,
             with_gamma.then_some(&g_d),
             &sm_d,
@@ -432,24 +309,15 @@ fn batchnorm_train_eval_and_backward_match_the_reference() {
             (n, c, hw),
         )
         .unwrap();
-        assert_close(&format!("bn dx ({case})"), &down(&gpu, &dx_d), &want_dx, 1e-4, 1e-5);
+        assert_close(&format!("bn dx ({case})"), &down(&gpu, &dx_d), &want.dx, 1e-4, 1e-5);
         // Absent parameters leave their gradient buffers untouched.
-        let dg_want = if with_gamma { want_dg.clone() } else { f64s(&dgamma0) };
-        let db_want = if with_beta { want_db.clone() } else { f64s(&dbeta0) };
-        assert_close(&format!("bn dgamma ({case})"), &down(&gpu, &dg_d), &dg_want, 1e-4, 1e-5);
-        assert_close(&format!("bn dbeta ({case})"), &down(&gpu, &db_d), &db_want, 1e-4, 1e-5);
+        assert_close(&format!("bn dgamma ({case})"), &down(&gpu, &dg_d), &want.dgamma, 1e-4, 1e-5);
+        assert_close(&format!("bn dbeta ({case})"), &down(&gpu, &db_d), &want.dbeta, 1e-4, 1e-5);
 
         // Eval with the running stats just updated.
         let (rm, rv) = (down(&gpu, &rm_d), down(&gpu, &rv_d));
         gpu.batchnorm_eval_fwd(&x_d, &mut y_d, params(), &rm_d, &rv_d, (n, c, hw), eps).unwrap();
-        let want: Vec<f64> = (0..x.len())
-            .map(|i| {
-                let ch = (i / hw) % c;
-                let g = if with_gamma { gamma[ch] as f64 } else { 1.0 };
-                let b = if with_beta { beta[ch] as f64 } else { 0.0 };
-                (x[i] as f64 - rm[ch] as f64) / (rv[ch] as f64 + eps as f64).sqrt() * g + b
-            })
-            .collect();
+        let want = inputs.eval_ref(with_gamma, with_beta, &rm, &rv, eps);
         assert_close(&format!("bn eval y ({case})"), &down(&gpu, &y_d), &want, 1e-5, 1e-6);
     }
 }
@@ -492,17 +360,8 @@ fn softmax_cross_entropy_matches_the_reference() {
     let mut dl_d = up(&gpu, &vec![0.0f32; n * k]);
     let mut ok_d = up(&gpu, &vec![7u32; n]);
     gpu.softmax_xent_fwd(&up(&gpu, &logits), &up(&gpu, &labels), &mut loss_d, &mut dl_d, &mut ok_d, k).unwrap();
-    let (mut want_loss, mut want_dl, mut want_ok) = (vec![0.0; n], vec![0.0; n * k], vec![0u32; n]);
-    for s in 0..n {
-        let z: Vec<f64> = logits[s * k..(s + 1) * k].iter().map(|&v| v as f64).collect();
-        let mx = z.iter().cloned().fold(f64::MIN, f64::max);
-        let lse = z.iter().map(|v| (v - mx).exp()).sum::<f64>().ln() + mx;
-        want_loss[s] = lse - z[labels[s] as usize];
-        for j in 0..k {
-            want_dl[s * k + j] = (z[j] - lse).exp() - if j == labels[s] as usize { 1.0 } else { 0.0 };
-        }
-        want_ok[s] = (argmax(s) == labels[s] as usize) as u32;
-    }
+    let (want_loss, want_dl) = softmax_xent_ref(&logits, &labels, k);
+    let want_ok: Vec<u32> = (0..n).map(|s| (argmax(s) == labels[s] as usize) as u32).collect();
     // expf/logf are within 2 ulp in CUDA; 1e-5 relative plus 1e-6 absolute.
     assert_close("xent loss", &down(&gpu, &loss_d), &want_loss, 1e-5, 1e-6);
     assert_close("xent dlogits", &down(&gpu, &dl_d), &want_dl, 1e-5, 1e-6);
@@ -588,13 +447,6 @@ fn reduce_sum_adds_the_buffers_in_order_and_scales() {
 
 // ---- dropout.cu ----------------------------------------------------------------------
 
-/// dropout.cu's keep decision, as the CPU layer (`nn::Dropout`) computes it: the two
-/// must agree bit for bit, so the test asks the library rather than a copy.
-fn dropout_keep(key: DropoutKey, idx: u64, rate: f32) -> bool {
-    use lockstep::rng::{dropout_key, hash64, unit_f32};
-    unit_f32(hash64(dropout_key(key.seed, key.step, key.replica, key.layer), idx)) >= rate
-}
-
 #[test]
 fn dropout_mask_is_the_documented_hash_and_backward_reuses_it() {
     let Some(gpu) = gpu_or_skip("dropout_mask_is_the_documented_hash_and_backward_reuses_it") else {
@@ -630,9 +482,10 @@ fn dropout_mask_is_the_documented_hash_and_backward_reuses_it() {
     assert_ne!(down(&gpu, &y_d), y);
 }
 
-/// Runs everywhere: the Rust copy of the hash against values worked out by hand from the
-/// SplitMix64 definition (mix64(0x9E3779B97F4A7C15) = 0xE220A8397B1DCDAF is the first
-/// output of SplitMix64 seeded with 0, Vigna's reference splitmix64.c).
+/// Runs everywhere: the library's mix64, under both the dropout reference's hash and the
+/// test inputs, against values worked out by hand from the SplitMix64 definition
+/// (mix64(0x9E3779B97F4A7C15) = 0xE220A8397B1DCDAF is the first output of SplitMix64
+/// seeded with 0, Vigna's reference splitmix64.c).
 #[test]
 fn dropout_hash_reference_is_splitmix64() {
     assert_eq!(mix64(0x9E37_79B9_7F4A_7C15), 0xE220_A839_7B1D_CDAF);

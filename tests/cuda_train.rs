@@ -5,7 +5,7 @@
 //! and returns: visibly skipped, never a silent pass. `scripts/gpu-check.sh` runs them
 //! on a GPU machine. The PyTorch reference cases run on the GPU in tests/oracle.rs.
 
-use std::io::Write;
+mod common;
 
 use lockstep::data::digits::{load_digits, DigitsLayout};
 use lockstep::data::Dataset;
@@ -15,16 +15,7 @@ use lockstep::nn::Sequential;
 use lockstep::optim::OptimizerConfig;
 use lockstep::train::{train_data_parallel, with_trainer, Batch, LastBatch, Shuffle, TrainConfig, TrainReport};
 
-/// True where a CUDA GPU can be used; otherwise says loudly that `test` is skipped.
-fn gpu_present(test: &str) -> bool {
-    let why = match lockstep::cuda::probe::gpu_count() {
-        Ok(n) if n > 0 => return true,
-        Ok(_) => "no CUDA GPU".to_string(),
-        Err(e) => format!("no CUDA driver ({e})"),
-    };
-    let _ = writeln!(std::io::stderr(), "{test}: skipped: {why}");
-    false
-}
+use common::gpu_present;
 
 fn digits_subset(n: usize) -> Dataset {
     let d = load_digits(DigitsLayout::Image28).unwrap().train;

@@ -10,8 +10,9 @@
 //! compiles, run the way the GPU runs it, minus the parallelism between blocks.
 //!
 //! What is checked:
-//!   * every kernel against a reference written here or the CPU backend's own code (the
-//!     CPU is the oracle), on small random inputs, under the launch shape src/cuda/launch.rs
+//!   * every kernel against a reference written here, in tests/common (the one
+//!     tests/cuda_ops.rs holds the GPU to) or the CPU backend's own code (the CPU is the
+//!     oracle), on small random inputs, under the launch shape src/cuda/launch.rs
 //!     uses and, for grid-stride loops, under a grid too small to cover the data once;
 //!   * the argument list of every launch: each call below passes its values in the order
 //!     and with the types the matching `Gpu` method of src/cuda/launch.rs pushes them, and
@@ -29,6 +30,8 @@
 //! those of the optimisers against the CPU (at B = 32) hold here because nothing is
 //! contracted.
 
+mod common;
+
 use std::collections::BTreeSet;
 use std::ffi::{c_char, c_void, CStr, CString};
 use std::io::Write;
@@ -38,11 +41,15 @@ use std::sync::OnceLock;
 
 use lockstep::backend::cpu;
 use lockstep::cuda::kernels::KERNEL_FILES;
-use lockstep::cuda::launch::{ConvGeom, REDUCE_BLOCK};
+use lockstep::cuda::launch::{ConvGeom, DropoutKey, REDUCE_BLOCK};
 use lockstep::nn::{loss, Ctx, Dropout, Layer, Sequential};
 use lockstep::optim::{Optimizer, OptimizerConfig};
-use lockstep::rng::{dropout_key, hash64, mix64, unit_f32};
 use lockstep::{Device, Tensor};
+
+use common::{
+    assert_close, bias_nchw_bwd_ref, col2im_ref, dropout_keep, f64s, im2col_ref, softmax_xent_ref, BnInputs, Rng,
+    ATOL_ELEM, ATOL_SUM, RTOL_ELEM, RTOL_SUM,
+};
 
 // ---- building and loading the kernels ----------------------------------------------
 
@@ -397,36 +404,9 @@ impl HostKernels {
     }
 }
 
-// ---- inputs and comparisons (as in tests/cuda_ops.rs) --------------------------------
+// ---- bitwise comparison (inputs, assert_close, references: tests/common) -------------
 
-/// SplitMix64, for test inputs only.
-struct Rng(u64);
-impl Rng {
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        mix64(self.0)
-    }
-    /// Uniform in [-1, 1).
-    fn uniform(&mut self) -> f32 {
-        ((self.next_u64() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-    }
-    fn vec(&mut self, n: usize) -> Vec<f32> {
-        (0..n).map(|_| self.uniform()).collect()
-    }
-}
-
-#[track_caller]
-fn assert_close(what: &str, got: &[f32], want: &[f64], rtol: f64, atol: f64) {
-    assert_eq!(got.len(), want.len(), "{what}: length");
-    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
-        let err = (g as f64 - w).abs();
-        assert!(
-            err <= atol + rtol * w.abs(),
-            "{what}[{i}]: got {g}, want {w} (|err| {err:e} > {atol:e} + {rtol:e}*|want|)"
-        );
-    }
-}
-
+/// got and want equal bit for bit (so -0 is not 0, and a NaN matches only its own bits).
 #[track_caller]
 fn assert_bits(what: &str, got: &[f32], want: &[f32]) {
     assert_eq!(got.len(), want.len(), "{what}: length");
@@ -434,17 +414,6 @@ fn assert_bits(what: &str, got: &[f32], want: &[f32]) {
         assert_eq!(g.to_bits(), w.to_bits(), "{what}[{i}]: got {g}, want {w}");
     }
 }
-
-fn f64s(v: &[f32]) -> Vec<f64> {
-    v.iter().map(|&x| x as f64).collect()
-}
-
-// Elementwise results are one or two float ops: 1e-6 relative covers f32 rounding of
-// the reference's f64 result; sums of up to a few hundred terms get 1e-5.
-const RTOL_ELEM: f64 = 1e-6;
-const ATOL_ELEM: f64 = 1e-7;
-const RTOL_SUM: f64 = 1e-5;
-const ATOL_SUM: f64 = 1e-5;
 
 // ---- coverage: runs everywhere -------------------------------------------------------
 
@@ -584,15 +553,7 @@ fn bias_adds_and_their_reductions_match_the_reference() {
             cfg,
             &mut [In(&dy), Out(&mut dbias), I32(n as i32), I32(c as i32), U64(hw as u64)],
         );
-        let want: Vec<f64> = (0..c)
-            .map(|ch| {
-                dbias0[ch] as f64
-                    + (0..n)
-                        .flat_map(|s| (0..hw).map(move |p| (s, p)))
-                        .map(|(s, p)| dy[(s * c + ch) * hw + p] as f64)
-                        .sum::<f64>()
-            })
-            .collect();
+        let want = bias_nchw_bwd_ref(&dy, &dbias0, (n, c, hw));
         // Up to 400 terms of magnitude <= 1, in f32: 1e-5 relative plus 1e-5 absolute.
         assert_close(&format!("bias_nchw dbias (accumulated), N={n} C={c} HW={hw}"), &dbias, &want, RTOL_SUM, ATOL_SUM);
     }
@@ -619,53 +580,6 @@ fn bias_adds_and_their_reductions_match_the_reference() {
 }
 
 // ---- conv.cu -------------------------------------------------------------------------
-
-/// im2col with strides that may differ per axis (the CPU backend has one stride):
-/// col[n][(c*KH + kh)*KW + kw][oh*OW + ow] = x[n, c, oh*SH - PT + kh, ow*SW - PL + kw].
-fn im2col_ref(x: &[f32], g: &ConvGeom) -> Vec<f32> {
-    let (oh, ow) = (g.oh(), g.ow());
-    let mut col = vec![0.0; g.col_len()];
-    let rows = g.c * g.kh * g.kw;
-    for s in 0..g.n {
-        for row in 0..rows {
-            let (ch, ky, kx) = (row / (g.kh * g.kw), (row / g.kw) % g.kh, row % g.kw);
-            for oy in 0..oh {
-                for ox in 0..ow {
-                    let y = (oy * g.stride_h + ky) as isize - g.pad_top as isize;
-                    let xx = (ox * g.stride_w + kx) as isize - g.pad_left as isize;
-                    if y >= 0 && (y as usize) < g.h && xx >= 0 && (xx as usize) < g.w {
-                        col[(s * rows + row) * oh * ow + oy * ow + ox] =
-                            x[((s * g.c + ch) * g.h + y as usize) * g.w + xx as usize];
-                    }
-                }
-            }
-        }
-    }
-    col
-}
-
-/// col2im by scatter-add in f64: the transpose of im2col_ref, element by element.
-fn col2im_ref(dcol: &[f32], g: &ConvGeom) -> Vec<f64> {
-    let (oh, ow) = (g.oh(), g.ow());
-    let mut dx = vec![0.0; g.x_len()];
-    let rows = g.c * g.kh * g.kw;
-    for s in 0..g.n {
-        for row in 0..rows {
-            let (ch, ky, kx) = (row / (g.kh * g.kw), (row / g.kw) % g.kh, row % g.kw);
-            for oy in 0..oh {
-                for ox in 0..ow {
-                    let y = (oy * g.stride_h + ky) as isize - g.pad_top as isize;
-                    let xx = (ox * g.stride_w + kx) as isize - g.pad_left as isize;
-                    if y >= 0 && (y as usize) < g.h && xx >= 0 && (xx as usize) < g.w {
-                        dx[((s * g.c + ch) * g.h + y as usize) * g.w + xx as usize] +=
-                            dcol[(s * rows + row) * oh * ow + oy * ow + ox] as f64;
-                    }
-                }
-            }
-        }
-    }
-    dx
-}
 
 /// The CPU backend's geometry for one sample, when both strides agree.
 fn cpu_geom(g: &ConvGeom) -> Option<cpu::ConvGeom> {
@@ -801,14 +715,10 @@ fn batchnorm_train_eval_and_backward_match_the_reference() {
     for (n, c, hw, with_gamma, with_beta) in cases {
         let case = format!("N={n} C={c} HW={hw}, gamma {with_gamma}, beta {with_beta}");
         let total = n * c * hw;
-        let m = (n * hw) as f64;
-        let at = |s: usize, ch: usize, p: usize| (s * c + ch) * hw + p;
-        let x: Vec<f32> = rng.vec(total).iter().map(|v| 2.0 * v + 0.5).collect();
-        let dy = rng.vec(total);
-        let gamma: Vec<f32> = rng.vec(c).iter().map(|v| 1.0 + 0.5 * v).collect();
-        let beta = rng.vec(c);
-        let (rm0, rv0): (Vec<f32>, Vec<f32>) = (rng.vec(c), rng.vec(c).iter().map(|v| 1.0 + 0.5 * v).collect());
-        let (dgamma0, dbeta0) = (rng.vec(c), rng.vec(c));
+        let inputs = BnInputs::random(&mut rng, (n, c, hw));
+        let BnInputs {
+            x, dy, gamma, beta, running_mean: rm0, running_var: rv0, dgamma: dgamma0, dbeta: dbeta0, ..
+        } = &inputs;
         let (sm0, si0) = (vec![-7.0f32; c], vec![-7.0f32; c]);
 
         let mut y = vec![f32::NAN; total];
@@ -819,10 +729,10 @@ fn batchnorm_train_eval_and_backward_match_the_reference() {
             "batchnorm_train_fwd_f32",
             channel_cfg(c as i32),
             &mut [
-                In(&x),
+                In(x),
                 Out(&mut y),
-                opt(with_gamma, &gamma),
-                opt(with_beta, &beta),
+                opt(with_gamma, gamma),
+                opt(with_beta, beta),
                 Out(&mut rm),
                 Out(&mut rv),
                 Out(&mut sm),
@@ -844,10 +754,10 @@ fn batchnorm_train_eval_and_backward_match_the_reference() {
             "batchnorm_train_bwd_f32",
             channel_cfg(c as i32),
             &mut [
-                In(&x),
-                In(&dy),
+                In(x),
+                In(dy),
                 Out(&mut dx),
-                opt(with_gamma, &gamma),
+                opt(with_gamma, gamma),
                 In(&sm_fwd),
                 In(&si_fwd),
                 opt_mut(with_gamma, &mut dgamma),
@@ -859,72 +769,33 @@ fn batchnorm_train_eval_and_backward_match_the_reference() {
         );
         if n == 0 {
             // M = 0: every statistic and parameter gradient is left as it was.
-            assert_bits(&format!("bn running_mean ({case})"), &rm, &rm0);
-            assert_bits(&format!("bn running_var ({case})"), &rv, &rv0);
+            assert_bits(&format!("bn running_mean ({case})"), &rm, rm0);
+            assert_bits(&format!("bn running_var ({case})"), &rv, rv0);
             assert_bits(&format!("bn save_mean ({case})"), &sm, &sm0);
             assert_bits(&format!("bn save_invstd ({case})"), &si, &si0);
-            assert_bits(&format!("bn dgamma ({case})"), &dgamma, &dgamma0);
-            assert_bits(&format!("bn dbeta ({case})"), &dbeta, &dbeta0);
+            assert_bits(&format!("bn dgamma ({case})"), &dgamma, dgamma0);
+            assert_bits(&format!("bn dbeta ({case})"), &dbeta, dbeta0);
             continue;
         }
 
-        // Reference in f64 (tests/cuda_ops.rs's): biased variance normalises, unbiased
-        // variance (biased when M = 1) feeds running_var.
-        let (mut want_y, mut want_dx) = (vec![0.0; total], vec![0.0; total]);
-        let (mut want_rm, mut want_rv, mut want_sm, mut want_si) =
-            (vec![0.0; c], vec![0.0; c], vec![0.0; c], vec![0.0; c]);
-        let (mut want_dg, mut want_db) = (f64s(&dgamma0), f64s(&dbeta0));
-        for ch in 0..c {
-            let idx: Vec<usize> = (0..n).flat_map(|s| (0..hw).map(move |p| at(s, ch, p))).collect();
-            let mean = idx.iter().map(|&i| x[i] as f64).sum::<f64>() / m;
-            let var = idx.iter().map(|&i| (x[i] as f64 - mean).powi(2)).sum::<f64>() / m;
-            let invstd = 1.0 / (var + eps as f64).sqrt();
-            let g = if with_gamma { gamma[ch] as f64 } else { 1.0 };
-            let b = if with_beta { beta[ch] as f64 } else { 0.0 };
-            for &i in &idx {
-                want_y[i] = (x[i] as f64 - mean) * invstd * g + b;
-            }
-            let mo = momentum as f64;
-            let unbiased = if m > 1.0 { var * m / (m - 1.0) } else { var };
-            want_rm[ch] = mo * rm0[ch] as f64 + (1.0 - mo) * mean;
-            want_rv[ch] = mo * rv0[ch] as f64 + (1.0 - mo) * unbiased;
-            (want_sm[ch], want_si[ch]) = (mean, invstd);
-            let sum_dy: f64 = idx.iter().map(|&i| dy[i] as f64).sum();
-            let sum_dyx: f64 = idx.iter().map(|&i| dy[i] as f64 * (x[i] as f64 - mean) * invstd).sum();
-            for &i in &idx {
-                let xhat = (x[i] as f64 - mean) * invstd;
-                want_dx[i] = g * invstd / m * (m * dy[i] as f64 - sum_dy - xhat * sum_dyx);
-            }
-            if with_gamma {
-                want_dg[ch] += sum_dyx;
-            }
-            if with_beta {
-                want_db[ch] += sum_dy;
-            }
-        }
+        // The reference tests/cuda_ops.rs holds the GPU to, in f64 (tests/common).
+        let want = inputs.train_ref(with_gamma, with_beta, momentum, eps);
         // Tolerances of tests/cuda_ops.rs: up to 400 terms per channel through mean and
         // variance, 1e-4 relative and 1e-5 absolute; the running stats, one blend of
         // those, 1e-5 and 1e-6.
-        assert_close(&format!("bn y ({case})"), &y, &want_y, 1e-4, 1e-5);
-        assert_close(&format!("bn running_mean ({case})"), &rm, &want_rm, 1e-5, 1e-6);
-        assert_close(&format!("bn running_var ({case})"), &rv, &want_rv, 1e-5, 1e-6);
-        assert_close(&format!("bn save_mean ({case})"), &sm, &want_sm, 1e-5, 1e-6);
+        assert_close(&format!("bn y ({case})"), &y, &want.y, 1e-4, 1e-5);
+        assert_close(&format!("bn running_mean ({case})"), &rm, &want.running_mean, 1e-5, 1e-6);
+        assert_close(&format!("bn running_var ({case})"), &rv, &want.running_var, 1e-5, 1e-6);
+        assert_close(&format!("bn save_mean ({case})"), &sm, &want.save_mean, 1e-5, 1e-6);
         // invstd = 1/sqrt(var + eps) is up to 1/sqrt(eps) ~ 32 (at M = 1, var = 0).
-        assert_close(&format!("bn save_invstd ({case})"), &si, &want_si, 1e-4, 1e-5);
-        assert_close(&format!("bn dx ({case})"), &dx, &want_dx, 1e-4, 1e-5);
+        assert_close(&format!("bn save_invstd ({case})"), &si, &want.save_invstd, 1e-4, 1e-5);
+        assert_close(&format!("bn dx ({case})"), &dx, &want.dx, 1e-4, 1e-5);
         // Absent parameters leave their gradient buffers untouched.
-        assert_close(&format!("bn dgamma ({case})"), &dgamma, &want_dg, 1e-4, 1e-5);
-        assert_close(&format!("bn dbeta ({case})"), &dbeta, &want_db, 1e-4, 1e-5);
+        assert_close(&format!("bn dgamma ({case})"), &dgamma, &want.dgamma, 1e-4, 1e-5);
+        assert_close(&format!("bn dbeta ({case})"), &dbeta, &want.dbeta, 1e-4, 1e-5);
 
         // Eval with the running stats just updated.
-        let want: Vec<f64> = (0..total)
-            .map(|i| {
-                let ch = (i / hw) % c;
-                let g = if with_gamma { gamma[ch] as f64 } else { 1.0 };
-                let b = if with_beta { beta[ch] as f64 } else { 0.0 };
-                (x[i] as f64 - rm[ch] as f64) / (rv[ch] as f64 + eps as f64).sqrt() * g + b
-            })
-            .collect();
+        let want = inputs.eval_ref(with_gamma, with_beta, &rm, &rv, eps);
         for cfg in elem_cfgs(total) {
             let mut y = vec![f32::NAN; total];
             // As Gpu::batchnorm_eval_fwd: x, y, gamma or 0, beta or 0, running_mean,
@@ -933,10 +804,10 @@ fn batchnorm_train_eval_and_backward_match_the_reference() {
                 "batchnorm_eval_fwd_f32",
                 cfg,
                 &mut [
-                    In(&x),
+                    In(x),
                     Out(&mut y),
-                    opt(with_gamma, &gamma),
-                    opt(with_beta, &beta),
+                    opt(with_gamma, gamma),
+                    opt(with_beta, beta),
                     In(&rm),
                     In(&rv),
                     I32(c as i32),
@@ -1006,6 +877,7 @@ fn softmax_cross_entropy_matches_the_cpu_loss() {
         })
         .collect();
     assert_eq!((cpu[0].1, cpu[1].1), (1, 0), "the CPU loss breaks ties to the first maximum");
+    let (want_loss, want_dl) = softmax_xent_ref(&logits, &labels, kk);
 
     for cfg in elem_cfgs(n) {
         let mut loss = vec![f32::NAN; n];
@@ -1025,16 +897,6 @@ fn softmax_cross_entropy_matches_the_cpu_loss() {
                 I32(kk as i32),
             ],
         );
-        let (mut want_loss, mut want_dl) = (vec![0.0; n], vec![0.0; n * kk]);
-        for s in 0..n {
-            let z = f64s(&logits[s * kk..(s + 1) * kk]);
-            let mx = z.iter().cloned().fold(f64::MIN, f64::max);
-            let lse = z.iter().map(|v| (v - mx).exp()).sum::<f64>().ln() + mx;
-            want_loss[s] = lse - z[labels[s] as usize];
-            for j in 0..kk {
-                want_dl[s * kk + j] = (z[j] - lse).exp() - if j == labels[s] as usize { 1.0 } else { 0.0 };
-            }
-        }
         // tests/cuda_ops.rs's tolerance (expf/logf within 2 ulp on the GPU): 1e-5
         // relative plus 1e-6 absolute, against the f64 reference and the CPU loss alike.
         assert_close(&format!("xent loss {cfg:?}"), &loss, &want_loss, 1e-5, 1e-6);
@@ -1254,10 +1116,10 @@ fn dropout_masks_equal_the_cpu_layer_bit_for_bit() {
         assert_bits(&format!("dropout y vs nn::Dropout {cfg:?}"), &y, &want_y);
         assert_bits(&format!("dropout dx vs nn::Dropout {cfg:?}"), &dx, &want_dx);
         // And the mask is the documented function of rng (what cuda_ops.rs checks on a GPU).
-        let dkey = dropout_key(seed, step, replica as u64, layer as u64);
+        let dkey = DropoutKey { seed, step, replica: replica as u64, layer: layer as u64 };
         let mut kept = 0;
         for i in 0..n {
-            let keep = unit_f32(hash64(dkey, i as u64)) >= rate;
+            let keep = dropout_keep(dkey, i as u64, rate);
             kept += keep as usize;
             assert_eq!(y[i].to_bits(), (x[i] * if keep { scale } else { 0.0 }).to_bits(), "y[{i}]");
         }

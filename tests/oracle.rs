@@ -15,6 +15,8 @@
 //! The cases are read from ../shared/oracle, or from `LOCKSTEP_ORACLE_DIR` when set (the
 //! GPU check carries a copy to a machine where ../shared is absent).
 
+mod common;
+
 use std::path::{Path, PathBuf};
 
 use lockstep::data::safetensors_file::load_safetensors_dataset;
@@ -26,24 +28,13 @@ use lockstep::tensor::{Device, Tensor};
 use lockstep::train::{train_data_parallel, Batch, LastBatch, Shuffle, TrainConfig};
 use lockstep::weights;
 
+use common::gpu_present;
+
 fn case_dir(name: &str) -> PathBuf {
     match std::env::var_os("LOCKSTEP_ORACLE_DIR") {
         Some(dir) => PathBuf::from(dir).join(name),
         None => Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/oracle").join(name),
     }
-}
-
-/// True where a CUDA GPU can be used; otherwise says loudly that `test` is skipped.
-fn gpu_present(test: &str) -> bool {
-    use std::io::Write;
-    let why = match lockstep::cuda::probe::gpu_count() {
-        Ok(n) if n > 0 => return true,
-        Ok(_) => "no CUDA GPU".to_string(),
-        Err(e) => format!("no CUDA driver ({e})"),
-    };
-    // Written to the stderr handle, not eprintln!, so the harness does not swallow it.
-    let _ = writeln!(std::io::stderr(), "{test}: skipped: {why}");
-    false
 }
 
 fn model_for(case: &str) -> Sequential {
