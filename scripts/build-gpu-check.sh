@@ -3,7 +3,8 @@
 # CUDA test executables and copies them into .gpu/ (git-ignored), which the device tool
 # carries to the GPU machine, where scripts/gpu-check.sh runs them. Both machines are
 # x86-64 Linux; the GPU machine has no Rust toolchain. The test executables are
-# kernels_nvrtc, oracle (as oracle_tests, with the cases in .gpu/oracle) and every tests/cuda_*.rs (cuda_ops, cuda_collectives, cuda_train, ...:
+# kernels_nvrtc, oracle (as oracle_tests, with the cases in .gpu/oracle), data_parallel
+# (its equivalence tests take cuda:0 and cuda:0,0 where a GPU is present) and every tests/cuda_*.rs (cuda_ops, cuda_collectives, cuda_train, ...:
 # a new one is picked up by its file name). The Python scripts gpu-check.sh runs
 # (scripts/torch_convnet.py, scripts/compare_losses.py) travel with the working tree.
 set -euo pipefail
@@ -12,7 +13,7 @@ rm -rf .gpu
 mkdir -p .gpu
 cargo build --release --bin lockstep
 cp target/release/lockstep .gpu/
-tests=(--test kernels_nvrtc --test oracle)
+tests=(--test kernels_nvrtc --test oracle --test data_parallel)
 shopt -s nullglob
 for f in tests/cuda_*.rs; do
     tests+=(--test "$(basename "$f" .rs)")

@@ -188,6 +188,15 @@ if [[ -x .gpu/oracle_tests ]]; then
     fi
 fi
 
+if [[ -x .gpu/data_parallel ]]; then
+    # The data-parallel contract's equivalence tests, their GPU variants included.
+    if section "data-parallel contract on CPU devices and GPUs: data_parallel" 120 \
+        .gpu/data_parallel --test-threads 2 --nocapture &&
+        grep -q 'GPU variants): skipped' "$work/last.out"; then
+        record "data-parallel GPU variants ran" "FAIL (skipped: no CUDA driver seen)" 0
+    fi
+fi
+
 # --- 2. CPU all-reduce ------------------------------------------------------------------
 if section "CPU all-reduce (bench allreduce --devices cpu:4)" 30 \
     .gpu/lockstep bench allreduce --devices cpu:4 --sizes 4K,256K,4M,64M --iters 50; then
