@@ -6,10 +6,15 @@
 //! - [`probe`]: is the driver / NVRTC / NCCL there, how many GPUs, what to do if not;
 //! - [`kernels`]: the kernel sources, the naming helper, NVRTC compilation and its cache;
 //! - [`launch`]: [`launch::Gpu`], one device's context and stream, one checked method
-//!   per kernel.
+//!   per kernel;
+//! - [`gemm`]: the GPU layers' GEMMs as row-major descriptions, handed to cuBLAS;
+//! - [`replica`]: [`replica::GpuReplica`], a model replica on one GPU (flat device
+//!   buffers, the layers' forward and backward, the optimiser).
 //!
-//! The backend (src/backend/cuda.rs) and the NCCL collective (src/comm/) build on these.
+//! The GPU collective (`comm::gpu`, NCCL or device copies) and the trainer's GPU workers
+//! build on these.
 
+pub mod gemm;
 pub mod kernels;
 pub mod launch;
 pub mod probe;

@@ -22,15 +22,15 @@
 
 use std::ops::Range;
 
-use cudarc::cublas::sys::cublasOperation_t;
-use cudarc::cublas::{CudaBlas, Gemm, GemmConfig, StridedBatchedConfig};
-use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, PinnedHostSlice};
+use cudarc::cublas::CudaBlas;
+use cudarc::driver::{CudaSlice, DevicePtr, PinnedHostSlice};
 
+use super::gemm::{gemm, RmGemm};
 use super::launch::{AdamHyper, BnParams, ConvGeom, DropoutKey, Gpu};
 use crate::comm::gpu::GpuRank;
 use crate::nn::conv2d::pads;
 use crate::nn::loss::Metrics;
-use crate::nn::{LayerOp, Mode, ParamStore, Sequential};
+use crate::nn::{LayerOp, ParamStore, Sequential};
 use crate::optim::{Optimizer, OptimizerConfig};
 use crate::tensor::{Device, Shape};
 use crate::train::worker::{StepOutcome, StepWork};
@@ -232,17 +232,9 @@ impl GpuReplica {
             if nb > 0 {
                 stream.memcpy_dtod(&self.buffers.slice(0..nb), &mut self.slots.slice_mut(slot + np..slot + width))?;
             }
-            let ctx = StepCtx { mode: Mode::Train, seed: self.seed, step: work.step, replica: first_shard + local };
-            forward(
-                &self.gpu,
-                &self.blas,
-                &self.nodes,
-                acts,
-                &self.params,
-                Some((&mut self.slots, slot + np)),
-                None,
-                &ctx,
-            )?;
+            let net = Net { gpu: &self.gpu, blas: &self.blas, nodes: &self.nodes, params: &self.params };
+            let draw = Draw { seed: self.seed, step: work.step, replica: first_shard + local };
+            net.forward(acts, Pass::Train { draw, stats: &mut self.slots, offset: slot + np })?;
             let k = self.model.output_shape().numel();
             let last = acts.acts.len() - 1;
             let step_loss = self.step_loss.as_mut().expect("sized above");
@@ -258,8 +250,7 @@ impl GpuReplica {
                 &acts.correct,
                 &mut self.step_hits.as_mut().expect("sized above").slice_mut(off..off + n),
             )?;
-            let first = self.model.first_trained_layer();
-            backward(&self.gpu, &self.blas, &self.nodes, acts, &self.params, &mut self.slots, slot, &ctx, first)?;
+            net.backward(acts, &mut self.slots, slot, draw, self.model.first_trained_layer())?;
         }
         // Sum this device's shards in shard order, then across devices.
         let t1 = mark()?;
@@ -347,8 +338,8 @@ impl GpuReplica {
         let stream = self.gpu.stream().clone();
         stream.memcpy_dtod(self.x_dev.as_ref().expect("staged"), &mut acts.acts[0])?;
         stream.memcpy_dtod(self.y_dev.as_ref().expect("staged"), &mut acts.labels)?;
-        let ctx = StepCtx { mode: Mode::Eval, seed: self.seed, step: 0, replica: 0 };
-        forward(&self.gpu, &self.blas, &self.nodes, acts, &self.params, None, Some(&self.buffers), &ctx)?;
+        let net = Net { gpu: &self.gpu, blas: &self.blas, nodes: &self.nodes, params: &self.params };
+        net.forward(acts, Pass::Eval { stats: &self.buffers })?;
         let last = acts.acts.len() - 1;
         let k = self.model.output_shape().numel();
         self.gpu.softmax_xent_fwd(
@@ -456,12 +447,37 @@ impl Drop for GpuReplica {
 /// Bytes of each replica's cuBLAS workspace (NVIDIA's recommendation for Hopper).
 const CUBLAS_WORKSPACE: usize = 32 << 20;
 
-/// What a layer may know about the pass it runs in.
-struct StepCtx {
-    mode: Mode,
+/// What a training shard's dropout masks derive from, with the layer's index
+/// (DESIGN.md: randomness derives from the seed, the step and the logical replica).
+#[derive(Clone, Copy, Debug)]
+struct Draw {
     seed: u64,
     step: u64,
     replica: usize,
+}
+
+impl Draw {
+    fn dropout_key(&self, layer: usize) -> DropoutKey {
+        DropoutKey { seed: self.seed, step: self.step, replica: self.replica as u64, layer: layer as u64 }
+    }
+}
+
+/// What a forward pass is for, with what that needs.
+enum Pass<'b> {
+    /// A training shard: dropout draws from `draw`; BatchNorm normalises with the batch's
+    /// statistics and updates the running ones held in `stats` from `offset` on (the
+    /// shard's slot).
+    Train { draw: Draw, stats: &'b mut CudaSlice<f32>, offset: usize },
+    /// Evaluation: BatchNorm normalises with the running statistics `stats`; no dropout.
+    Eval { stats: &'b CudaSlice<f32> },
+}
+
+/// The network as one pass sees it: the launches, the layers and their parameters.
+struct Net<'a> {
+    gpu: &'a Gpu,
+    blas: &'a CudaBlas,
+    nodes: &'a [Node],
+    params: &'a CudaSlice<f32>,
 }
 
 fn upload<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
@@ -574,459 +590,192 @@ impl Activations {
     }
 }
 
-/// The forward pass of every layer on `a.acts[0]`. In training, BatchNorm updates the
-/// running statistics held at `train_bufs` (the shard's slot, at the offset where the
-/// buffers start); in evaluation it reads them from `eval_bufs`.
-#[allow(clippy::too_many_arguments)]
-fn forward(
-    gpu: &Gpu,
-    blas: &CudaBlas,
-    nodes: &[Node],
-    a: &mut Activations,
-    params: &CudaSlice<f32>,
-    mut train_bufs: Option<(&mut CudaSlice<f32>, usize)>,
-    eval_bufs: Option<&CudaSlice<f32>>,
-    ctx: &StepCtx,
-) -> Result<()> {
-    let n = a.n;
-    let stream = gpu.stream();
-    for (i, node) in nodes.iter().enumerate() {
-        let (before, after) = a.acts.split_at_mut(i + 1);
-        let (x, y) = (&before[i], &mut after[0]);
-        let p = |j: usize| params.slice(node.params[j].clone());
-        match node.op {
-            LayerOp::Linear { in_features: f, out_features: o, bias } => {
-                gemm(blas, &RmGemm::linear_fwd(n, f, o), x, &p(0), y)?;
-                if bias {
-                    gpu.bias_cols_fwd(y, &p(1), n, o)?;
-                }
-            }
-            LayerOp::Conv2d { filters: o, bias, .. } => {
-                let g = conv_geom(node, n)?;
-                let (ckk, pp) = (g.c * g.kh * g.kw, g.oh() * g.ow());
-                let col = a.cols[i].as_mut().expect("a convolution has columns");
-                gpu.im2col_fwd(x, col, &g)?;
-                gemm(blas, &RmGemm::conv_fwd(n, o, ckk, pp), &p(0), &*col, y)?;
-                if bias {
-                    gpu.bias_nchw_fwd(y, &p(1), n, o, pp)?;
-                }
-            }
-            LayerOp::BatchNorm2d { channels: c, eps, momentum, scale, center } => {
-                let hw = node.input.numel() / c;
-                let params = BnParams { gamma: scale.then(|| p(0)), beta: center.then(|| p(usize::from(scale))) };
-                let (rm, rv) = (&node.buffers[0], &node.buffers[1]);
-                if ctx.mode == Mode::Train {
-                    if n * hw < 2 {
-                        return Err(Error::shape(
-                            "batchnorm",
-                            format!("{}: training needs more than one value per channel, got {}", node.name, n * hw),
-                        ));
+impl Net<'_> {
+    /// The forward pass of every layer on `a.acts[0]`, as `pass` says.
+    fn forward(&self, a: &mut Activations, mut pass: Pass<'_>) -> Result<()> {
+        let Net { gpu, blas, nodes, params } = *self;
+        let n = a.n;
+        let stream = gpu.stream();
+        for (i, node) in nodes.iter().enumerate() {
+            let (before, after) = a.acts.split_at_mut(i + 1);
+            let (x, y) = (&before[i], &mut after[0]);
+            let p = |j: usize| params.slice(node.params[j].clone());
+            match node.op {
+                LayerOp::Linear { in_features: f, out_features: o, bias } => {
+                    gemm(blas, &RmGemm::linear_fwd(n, f, o), x, &p(0), y)?;
+                    if bias {
+                        gpu.bias_cols_fwd(y, &p(1), n, o)?;
                     }
-                    let (bufs, off) = train_bufs.as_mut().expect("a training forward has buffers");
-                    let mut stats = bufs.slice_mut(*off + rm.start..*off + rv.end);
-                    let (mut mean, mut var) = stats.split_at_mut(c);
-                    let (save_mean, save_invstd) = a.saved[i].as_mut().expect("a BatchNorm has saved statistics");
-                    gpu.batchnorm_train_fwd(
-                        x,
-                        y,
-                        params,
-                        &mut mean,
-                        &mut var,
-                        save_mean,
-                        save_invstd,
-                        (n, c, hw),
-                        momentum,
-                        eps,
-                    )?;
-                } else {
-                    let bufs = eval_bufs.expect("an evaluation forward reads the running statistics");
-                    gpu.batchnorm_eval_fwd(
-                        x,
-                        y,
-                        params,
-                        &bufs.slice(rm.clone()),
-                        &bufs.slice(rv.clone()),
-                        (n, c, hw),
-                        eps,
-                    )?;
                 }
-            }
-            LayerOp::Relu => gpu.relu_fwd(x, y)?,
-            LayerOp::Rescaling { scale, offset } => gpu.rescale_fwd(x, y, scale, offset)?,
-            LayerOp::Dropout { rate } if ctx.mode == Mode::Train && rate > 0.0 => {
-                gpu.dropout_fwd(x, y, rate, dropout_key(ctx, i))?
-            }
-            LayerOp::Dropout { .. } | LayerOp::Flatten => stream.memcpy_dtod(x, y)?,
-            LayerOp::GlobalAvgPool2d => {
-                let c = node.output.numel();
-                gpu.global_avgpool_fwd(x, y, n * c, node.input.numel() / c)?
-            }
-        }
-    }
-    Ok(())
-}
-
-/// The backward pass from the gradient of the summed loss in `a.grads[0]` down to layer
-/// `first`, writing the parameter gradients into the slot of `slots` at `slot`.
-#[allow(clippy::too_many_arguments)]
-fn backward(
-    gpu: &Gpu,
-    blas: &CudaBlas,
-    nodes: &[Node],
-    a: &mut Activations,
-    params: &CudaSlice<f32>,
-    slots: &mut CudaSlice<f32>,
-    slot: usize,
-    ctx: &StepCtx,
-    first: usize,
-) -> Result<()> {
-    let n = a.n;
-    let stream = gpu.stream();
-    let mut cur = 0;
-    for i in (first..nodes.len()).rev() {
-        let node = &nodes[i];
-        let need = i > first;
-        let [g0, g1] = &mut a.grads;
-        let (dy_buf, dx_buf) = if cur == 0 { (&*g0, g1) } else { (&*g1, g0) };
-        let dy = dy_buf.slice(0..n * node.output.numel());
-        let mut dx = dx_buf.slice_mut(0..n * node.input.numel());
-        let x = &a.acts[i];
-        let p = |j: usize| params.slice(node.params[j].clone());
-        let at = |j: usize| slot + node.params[j].start..slot + node.params[j].end;
-        match node.op {
-            LayerOp::Linear { in_features: f, out_features: o, bias } => {
-                gemm(blas, &RmGemm::linear_dw(n, f, o), &dy, x, &mut slots.slice_mut(at(0)))?;
-                if bias {
-                    gpu.bias_cols_bwd(&dy, &mut slots.slice_mut(at(1)), n, o)?;
-                }
-                if need {
-                    gemm(blas, &RmGemm::linear_dx(n, f, o), &dy, &p(0), &mut dx)?;
-                }
-            }
-            LayerOp::Conv2d { filters: o, bias, .. } => {
-                let g = conv_geom(node, n)?;
-                let (ckk, pp) = (g.c * g.kh * g.kw, g.oh() * g.ow());
-                let col = a.cols[i].as_ref().expect("a convolution has columns");
-                // dW = Σ_n dW_n in sample order
-                let mut part = a.partial.slice_mut(0..n * o * ckk);
-                gemm(blas, &RmGemm::conv_dw(n, o, ckk, pp), &dy, col, &mut part)?;
-                gpu.reduce_sum(&part, &mut slots.slice_mut(at(0)), n, 1.0)?;
-                if bias {
-                    gpu.bias_nchw_bwd(&dy, &mut slots.slice_mut(at(1)), n, o, pp)?;
-                }
-                if need {
-                    let mut dcol = a.dcol.slice_mut(0..g.col_len());
-                    gemm(blas, &RmGemm::conv_dcol(n, o, ckk, pp), &p(0), &dy, &mut dcol)?;
-                    gpu.im2col_bwd(&dcol, &mut dx, &g)?;
-                }
-            }
-            LayerOp::BatchNorm2d { channels: c, scale, center, .. } => {
-                let hw = node.input.numel() / c;
-                let (save_mean, save_invstd) = a.saved[i].as_ref().expect("a BatchNorm has saved statistics");
-                let gamma = scale.then(|| p(0));
-                // gamma's and beta's gradients are adjacent in the slot.
-                let count = usize::from(scale) + usize::from(center);
-                let start = node.params.first().map_or(0, |r| slot + r.start);
-                let mut region = slots.slice_mut(start..start + count * c);
-                let (mut dgamma, mut dbeta) = match (scale, center) {
-                    (true, true) => {
-                        let (g, b) = region.split_at_mut(c);
-                        (Some(g), Some(b))
+                LayerOp::Conv2d { filters: o, bias, .. } => {
+                    let g = conv_geom(node, n)?;
+                    let (ckk, pp) = (g.c * g.kh * g.kw, g.oh() * g.ow());
+                    let col = a.cols[i].as_mut().expect("a convolution has columns");
+                    gpu.im2col_fwd(x, col, &g)?;
+                    gemm(blas, &RmGemm::conv_fwd(n, o, ckk, pp), &p(0), &*col, y)?;
+                    if bias {
+                        gpu.bias_nchw_fwd(y, &p(1), n, o, pp)?;
                     }
-                    (true, false) => (Some(region.slice_mut(..)), None),
-                    (false, true) => (None, Some(region.slice_mut(..))),
-                    (false, false) => (None, None),
-                };
-                gpu.batchnorm_train_bwd(
-                    x,
-                    &dy,
-                    &mut dx,
-                    gamma.as_ref(),
-                    save_mean,
-                    save_invstd,
-                    dgamma.as_mut(),
-                    dbeta.as_mut(),
-                    (n, c, hw),
-                )?;
-            }
-            LayerOp::Relu => gpu.relu_bwd(x, &dy, &mut dx)?,
-            LayerOp::Rescaling { scale, .. } => gpu.rescale_bwd(&dy, &mut dx, scale)?,
-            LayerOp::Dropout { rate } if rate > 0.0 => gpu.dropout_bwd(&dy, &mut dx, rate, dropout_key(ctx, i))?,
-            LayerOp::Dropout { .. } | LayerOp::Flatten => stream.memcpy_dtod(&dy, &mut dx)?,
-            LayerOp::GlobalAvgPool2d => {
-                let c = node.output.numel();
-                gpu.global_avgpool_bwd(&dy, &mut dx, n * c, node.input.numel() / c)?
-            }
-        }
-        cur = 1 - cur;
-    }
-    Ok(())
-}
-
-fn dropout_key(ctx: &StepCtx, layer: usize) -> DropoutKey {
-    DropoutKey { seed: ctx.seed, step: ctx.step, replica: ctx.replica as u64, layer: layer as u64 }
-}
-
-/// A GEMM dimension as cuBLAS's `int`.
-fn int(v: usize) -> Result<i32> {
-    i32::try_from(v).map_err(|_| Error::shape("gemm", format!("dimension {v} does not fit in i32")))
-}
-
-/// Elements a row-major matrix of `rows` × `cols` with leading dimension `ld` spans.
-fn span(rows: usize, cols: usize, ld: usize) -> usize {
-    if rows == 0 || cols == 0 {
-        0
-    } else {
-        (rows - 1) * ld + cols
-    }
-}
-
-fn op(t: bool) -> cublasOperation_t {
-    if t {
-        cublasOperation_t::CUBLAS_OP_T
-    } else {
-        cublasOperation_t::CUBLAS_OP_N
-    }
-}
-
-/// One row-major GEMM, or a strided batch of them: C (m×n) = op(A)·op(B) with A (m×k,
-/// or k×m stored when `ta`) and B (k×n, or n×k stored when `tb`) stored row-major with
-/// leading dimensions lda, ldb, ldc, item i at offsets i·sa, i·sb, i·sc (a stride of 0
-/// shares the operand across the batch). C is overwritten. Each layer's GEMMs are
-/// named constructors, so their shapes are tested apart from the GPU.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct RmGemm {
-    ta: bool,
-    tb: bool,
-    m: usize,
-    n: usize,
-    k: usize,
-    lda: usize,
-    ldb: usize,
-    ldc: usize,
-    sa: usize,
-    sb: usize,
-    sc: usize,
-    batch: usize,
-}
-
-impl RmGemm {
-    fn single(ta: bool, tb: bool, (m, n, k): (usize, usize, usize), (lda, ldb, ldc): (usize, usize, usize)) -> Self {
-        RmGemm { ta, tb, m, n, k, lda, ldb, ldc, sa: 0, sb: 0, sc: 0, batch: 1 }
-    }
-
-    /// Linear forward: y (N, O) = x (N, F) · Wᵀ, W: (O, F).
-    fn linear_fwd(n: usize, f: usize, o: usize) -> Self {
-        RmGemm::single(false, true, (n, o, f), (f, f, o))
-    }
-
-    /// Linear weight gradient: dW (O, F) = dyᵀ (O, N) · x (N, F).
-    fn linear_dw(n: usize, f: usize, o: usize) -> Self {
-        RmGemm::single(true, false, (o, f, n), (o, f, f))
-    }
-
-    /// Linear input gradient: dx (N, F) = dy (N, O) · W (O, F).
-    fn linear_dx(n: usize, f: usize, o: usize) -> Self {
-        RmGemm::single(false, false, (n, f, o), (o, f, f))
-    }
-
-    /// Convolution forward, per sample: y_n (O, P) = W (O, CKK) · col_n (CKK, P).
-    fn conv_fwd(batch: usize, o: usize, ckk: usize, p: usize) -> Self {
-        RmGemm { sa: 0, sb: ckk * p, sc: o * p, batch, ..RmGemm::single(false, false, (o, p, ckk), (ckk, p, p)) }
-    }
-
-    /// Convolution weight gradient, per sample: dW_n (O, CKK) = dy_n (O, P) · col_nᵀ.
-    fn conv_dw(batch: usize, o: usize, ckk: usize, p: usize) -> Self {
-        RmGemm { sa: o * p, sb: ckk * p, sc: o * ckk, batch, ..RmGemm::single(false, true, (o, ckk, p), (p, p, ckk)) }
-    }
-
-    /// Convolution column gradient, per sample: dcol_n (CKK, P) = Wᵀ (CKK, O) · dy_n (O, P).
-    fn conv_dcol(batch: usize, o: usize, ckk: usize, p: usize) -> Self {
-        RmGemm { sa: 0, sb: o * p, sc: ckk * p, batch, ..RmGemm::single(true, false, (ckk, p, o), (ckk, p, p)) }
-    }
-
-    /// Errors unless each operand holds what the GEMM reads or writes.
-    fn check(&self, a_len: usize, b_len: usize, c_len: usize) -> Result<()> {
-        let last = self.batch.saturating_sub(1);
-        let (ar, ac) = if self.ta { (self.k, self.m) } else { (self.m, self.k) };
-        let (br, bc) = if self.tb { (self.n, self.k) } else { (self.k, self.n) };
-        for (what, len, rows, cols, ld, stride) in [
-            ("A", a_len, ar, ac, self.lda, self.sa),
-            ("B", b_len, br, bc, self.ldb, self.sb),
-            ("C", c_len, self.m, self.n, self.ldc, self.sc),
-        ] {
-            if ld < cols || len < last * stride + span(rows, cols, ld) {
-                return Err(Error::shape(
-                    "gemm",
-                    format!(
-                        "{what} ({rows}x{cols}, ld {ld}, {} x stride {stride}) does not fit in {len} elements",
-                        self.batch
-                    ),
-                ));
+                }
+                LayerOp::BatchNorm2d { channels: c, eps, momentum, scale, center } => {
+                    let hw = node.input.numel() / c;
+                    let params = BnParams { gamma: scale.then(|| p(0)), beta: center.then(|| p(usize::from(scale))) };
+                    let (rm, rv) = (&node.buffers[0], &node.buffers[1]);
+                    match &mut pass {
+                        Pass::Train { stats, offset, .. } => {
+                            if n * hw < 2 {
+                                return Err(Error::shape(
+                                    "batchnorm",
+                                    format!(
+                                        "{}: training needs more than one value per channel, got {}",
+                                        node.name,
+                                        n * hw
+                                    ),
+                                ));
+                            }
+                            let mut running = stats.slice_mut(*offset + rm.start..*offset + rv.end);
+                            let (mut mean, mut var) = running.split_at_mut(c);
+                            let (save_mean, save_invstd) =
+                                a.saved[i].as_mut().expect("a BatchNorm has saved statistics");
+                            gpu.batchnorm_train_fwd(
+                                x,
+                                y,
+                                params,
+                                &mut mean,
+                                &mut var,
+                                save_mean,
+                                save_invstd,
+                                (n, c, hw),
+                                momentum,
+                                eps,
+                            )?;
+                        }
+                        Pass::Eval { stats } => gpu.batchnorm_eval_fwd(
+                            x,
+                            y,
+                            params,
+                            &stats.slice(rm.clone()),
+                            &stats.slice(rv.clone()),
+                            (n, c, hw),
+                            eps,
+                        )?,
+                    }
+                }
+                LayerOp::Relu => gpu.relu_fwd(x, y)?,
+                LayerOp::Rescaling { scale, offset } => gpu.rescale_fwd(x, y, scale, offset)?,
+                LayerOp::Dropout { rate } => match &pass {
+                    Pass::Train { draw, .. } if rate > 0.0 => gpu.dropout_fwd(x, y, rate, draw.dropout_key(i))?,
+                    _ => stream.memcpy_dtod(x, y)?,
+                },
+                LayerOp::Flatten => stream.memcpy_dtod(x, y)?,
+                LayerOp::GlobalAvgPool2d => {
+                    let c = node.output.numel();
+                    gpu.global_avgpool_fwd(x, y, n * c, node.input.numel() / c)?
+                }
             }
         }
         Ok(())
     }
 
-    /// The same product as cuBLAS (column-major) computes it. A row-major matrix read
-    /// column-major is its transpose, so cuBLAS computes Cᵀ = op(B)ᵀ·op(A)ᵀ: the operands
-    /// swap (B becomes cuBLAS's A) and keep their transpose flags, and m and n swap.
-    fn cublas(&self) -> Result<StridedBatchedConfig<f32>> {
-        let stride = |s: usize| i64::try_from(s).map_err(|_| Error::shape("gemm", format!("stride {s} too large")));
-        Ok(StridedBatchedConfig {
-            gemm: GemmConfig {
-                transa: op(self.tb),
-                transb: op(self.ta),
-                m: int(self.n)?,
-                n: int(self.m)?,
-                k: int(self.k)?,
-                alpha: 1.0f32,
-                lda: int(self.ldb)?,
-                ldb: int(self.lda)?,
-                beta: 0.0,
-                ldc: int(self.ldc)?,
-            },
-            batch_size: int(self.batch)?,
-            stride_a: stride(self.sb)?,
-            stride_b: stride(self.sa)?,
-            stride_c: stride(self.sc)?,
-        })
-    }
-}
-
-/// Runs `g` on the replica's stream: C = op(A)·op(B), overwritten.
-fn gemm<A: DevicePtr<f32>, B: DevicePtr<f32>, C: DevicePtrMut<f32>>(
-    blas: &CudaBlas,
-    g: &RmGemm,
-    a: &A,
-    b: &B,
-    c: &mut C,
-) -> Result<()> {
-    g.check(a.len(), b.len(), c.len())?;
-    if g.m == 0 || g.n == 0 || g.batch == 0 {
-        return Ok(());
-    }
-    let cfg = g.cublas()?;
-    // SAFETY: every operand holds the elements the GEMM addresses for every item of the
-    // batch (checked above), and all three live on the stream the handle was created on.
-    unsafe {
-        if g.batch == 1 {
-            blas.gemm(cfg.gemm, b, a, c)
-        } else {
-            blas.gemm_strided_batched(cfg, b, a, c)
+    /// The backward pass from the gradient of the summed loss in `a.grads[0]` down to
+    /// layer `first`, writing the parameter gradients into the slot of `slots` at `slot`;
+    /// dropout replays the masks of `draw`.
+    fn backward(
+        &self,
+        a: &mut Activations,
+        slots: &mut CudaSlice<f32>,
+        slot: usize,
+        draw: Draw,
+        first: usize,
+    ) -> Result<()> {
+        let Net { gpu, blas, nodes, params } = *self;
+        let n = a.n;
+        let stream = gpu.stream();
+        let mut cur = 0;
+        for i in (first..nodes.len()).rev() {
+            let node = &nodes[i];
+            let need = i > first;
+            let [g0, g1] = &mut a.grads;
+            let (dy_buf, dx_buf) = if cur == 0 { (&*g0, g1) } else { (&*g1, g0) };
+            let dy = dy_buf.slice(0..n * node.output.numel());
+            let mut dx = dx_buf.slice_mut(0..n * node.input.numel());
+            let x = &a.acts[i];
+            let p = |j: usize| params.slice(node.params[j].clone());
+            let at = |j: usize| slot + node.params[j].start..slot + node.params[j].end;
+            match node.op {
+                LayerOp::Linear { in_features: f, out_features: o, bias } => {
+                    gemm(blas, &RmGemm::linear_dw(n, f, o), &dy, x, &mut slots.slice_mut(at(0)))?;
+                    if bias {
+                        gpu.bias_cols_bwd(&dy, &mut slots.slice_mut(at(1)), n, o)?;
+                    }
+                    if need {
+                        gemm(blas, &RmGemm::linear_dx(n, f, o), &dy, &p(0), &mut dx)?;
+                    }
+                }
+                LayerOp::Conv2d { filters: o, bias, .. } => {
+                    let g = conv_geom(node, n)?;
+                    let (ckk, pp) = (g.c * g.kh * g.kw, g.oh() * g.ow());
+                    let col = a.cols[i].as_ref().expect("a convolution has columns");
+                    // dW = Σ_n dW_n in sample order
+                    let mut part = a.partial.slice_mut(0..n * o * ckk);
+                    gemm(blas, &RmGemm::conv_dw(n, o, ckk, pp), &dy, col, &mut part)?;
+                    gpu.reduce_sum(&part, &mut slots.slice_mut(at(0)), n, 1.0)?;
+                    if bias {
+                        gpu.bias_nchw_bwd(&dy, &mut slots.slice_mut(at(1)), n, o, pp)?;
+                    }
+                    if need {
+                        let mut dcol = a.dcol.slice_mut(0..g.col_len());
+                        gemm(blas, &RmGemm::conv_dcol(n, o, ckk, pp), &p(0), &dy, &mut dcol)?;
+                        gpu.im2col_bwd(&dcol, &mut dx, &g)?;
+                    }
+                }
+                LayerOp::BatchNorm2d { channels: c, scale, center, .. } => {
+                    let hw = node.input.numel() / c;
+                    let (save_mean, save_invstd) = a.saved[i].as_ref().expect("a BatchNorm has saved statistics");
+                    let gamma = scale.then(|| p(0));
+                    // gamma's and beta's gradients are adjacent in the slot.
+                    let count = usize::from(scale) + usize::from(center);
+                    let start = node.params.first().map_or(0, |r| slot + r.start);
+                    let mut region = slots.slice_mut(start..start + count * c);
+                    let (mut dgamma, mut dbeta) = match (scale, center) {
+                        (true, true) => {
+                            let (g, b) = region.split_at_mut(c);
+                            (Some(g), Some(b))
+                        }
+                        (true, false) => (Some(region.slice_mut(..)), None),
+                        (false, true) => (None, Some(region.slice_mut(..))),
+                        (false, false) => (None, None),
+                    };
+                    gpu.batchnorm_train_bwd(
+                        x,
+                        &dy,
+                        &mut dx,
+                        gamma.as_ref(),
+                        save_mean,
+                        save_invstd,
+                        dgamma.as_mut(),
+                        dbeta.as_mut(),
+                        (n, c, hw),
+                    )?;
+                }
+                LayerOp::Relu => gpu.relu_bwd(x, &dy, &mut dx)?,
+                LayerOp::Rescaling { scale, .. } => gpu.rescale_bwd(&dy, &mut dx, scale)?,
+                LayerOp::Dropout { rate } if rate > 0.0 => gpu.dropout_bwd(&dy, &mut dx, rate, draw.dropout_key(i))?,
+                LayerOp::Dropout { .. } | LayerOp::Flatten => stream.memcpy_dtod(&dy, &mut dx)?,
+                LayerOp::GlobalAvgPool2d => {
+                    let c = node.output.numel();
+                    gpu.global_avgpool_bwd(&dy, &mut dx, n * c, node.input.numel() / c)?
+                }
+            }
+            cur = 1 - cur;
         }
-    }?;
-    Ok(())
+        Ok(())
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// cuBLAS's sgemm / sgemmStridedBatched on the host: column-major, as documented.
-    fn cublas_reference(cfg: &StridedBatchedConfig<f32>, a: &[f32], b: &[f32], c: &mut [f32]) {
-        let g = &cfg.gemm;
-        let (m, n, k) = (g.m as usize, g.n as usize, g.k as usize);
-        let (lda, ldb, ldc) = (g.lda as usize, g.ldb as usize, g.ldc as usize);
-        let t = |o: cublasOperation_t| o == cublasOperation_t::CUBLAS_OP_T;
-        for item in 0..cfg.batch_size as usize {
-            let (a, b) = (&a[item * cfg.stride_a as usize..], &b[item * cfg.stride_b as usize..]);
-            let c = &mut c[item * cfg.stride_c as usize..];
-            for j in 0..n {
-                for i in 0..m {
-                    let mut acc = 0.0f64;
-                    for l in 0..k {
-                        let av = if t(g.transa) { a[l + i * lda] } else { a[i + l * lda] };
-                        let bv = if t(g.transb) { b[j + l * ldb] } else { b[l + j * ldb] };
-                        acc += av as f64 * bv as f64;
-                    }
-                    c[i + j * ldc] = g.alpha * acc as f32 + g.beta * c[i + j * ldc];
-                }
-            }
-        }
-    }
-
-    fn values(len: usize, seed: u64) -> Vec<f32> {
-        let mut g = crate::rng::SplitMix64::new(seed);
-        (0..len).map(|_| g.next_f64() as f32 - 0.5).collect()
-    }
-
-    /// Row-major `rows x inner` times `inner x cols` on the host.
-    fn matmul(a: &[f32], b: &[f32], rows: usize, inner: usize, cols: usize) -> Vec<f32> {
-        let mut c = vec![0.0; rows * cols];
-        for i in 0..rows {
-            for j in 0..cols {
-                c[i * cols + j] =
-                    (0..inner).map(|l| a[i * inner + l] as f64 * b[l * cols + j] as f64).sum::<f64>() as f32;
-            }
-        }
-        c
-    }
-
-    fn transpose(a: &[f32], rows: usize, cols: usize) -> Vec<f32> {
-        (0..cols * rows).map(|i| a[(i % rows) * cols + i / rows]).collect()
-    }
-
-    /// Runs `g` through the cuBLAS reference exactly as `gemm` hands it to cuBLAS.
-    fn through_cublas(g: &RmGemm, a: &[f32], b: &[f32], c_len: usize) -> Vec<f32> {
-        g.check(a.len(), b.len(), c_len).unwrap();
-        let mut c = vec![0.0; c_len];
-        // Operands in the order `gemm` passes them: cuBLAS's A is our B.
-        cublas_reference(&g.cublas().unwrap(), b, a, &mut c);
-        c
-    }
-
-    fn assert_close(what: &str, got: &[f32], want: &[f32]) {
-        assert_eq!(got.len(), want.len(), "{what}");
-        for (i, (g, w)) in got.iter().zip(want).enumerate() {
-            assert!((g - w).abs() <= 1e-5, "{what}: element {i}: {g} vs {w}");
-        }
-    }
-
-    #[test]
-    fn the_linear_gemms_compute_the_layer_products() {
-        let (n, f, o) = (5, 7, 3);
-        let (x, w, dy) = (values(n * f, 1), values(o * f, 2), values(n * o, 3));
-        let y = through_cublas(&RmGemm::linear_fwd(n, f, o), &x, &w, n * o);
-        assert_close("linear y = x·Wᵀ", &y, &matmul(&x, &transpose(&w, o, f), n, f, o));
-        let dw = through_cublas(&RmGemm::linear_dw(n, f, o), &dy, &x, o * f);
-        assert_close("linear dW = dyᵀ·x", &dw, &matmul(&transpose(&dy, n, o), &x, o, n, f));
-        let dx = through_cublas(&RmGemm::linear_dx(n, f, o), &dy, &w, n * f);
-        assert_close("linear dx = dy·W", &dx, &matmul(&dy, &w, n, o, f));
-    }
-
-    #[test]
-    fn the_convolution_gemms_compute_the_per_sample_products() {
-        let (batch, o, ckk, p) = (3, 4, 6, 5);
-        let (w, col, dy) = (values(o * ckk, 4), values(batch * ckk * p, 5), values(batch * o * p, 6));
-        let y = through_cublas(&RmGemm::conv_fwd(batch, o, ckk, p), &w, &col, batch * o * p);
-        let dw = through_cublas(&RmGemm::conv_dw(batch, o, ckk, p), &dy, &col, batch * o * ckk);
-        let dcol = through_cublas(&RmGemm::conv_dcol(batch, o, ckk, p), &w, &dy, batch * ckk * p);
-        for s in 0..batch {
-            let (col_s, dy_s) = (&col[s * ckk * p..][..ckk * p], &dy[s * o * p..][..o * p]);
-            assert_close("conv y_n = W·col_n", &y[s * o * p..][..o * p], &matmul(&w, col_s, o, ckk, p));
-            let want = matmul(dy_s, &transpose(col_s, ckk, p), o, p, ckk);
-            assert_close("conv dW_n = dy_n·col_nᵀ", &dw[s * o * ckk..][..o * ckk], &want);
-            let want = matmul(&transpose(&w, o, ckk), dy_s, ckk, o, p);
-            assert_close("conv dcol_n = Wᵀ·dy_n", &dcol[s * ckk * p..][..ckk * p], &want);
-        }
-    }
-
-    #[test]
-    fn gemm_bounds_are_checked_for_every_operand_and_batch_item() {
-        let g = RmGemm::linear_fwd(2, 3, 4); // (2x3)·(4x3)ᵀ
-        assert!(g.check(6, 12, 8).is_ok());
-        let e = g.check(6, 11, 8).unwrap_err();
-        assert!(e.to_string().contains("B (4x3"), "{e}");
-        assert!(g.check(6, 12, 7).is_err());
-        // W shared by the batch (stride 0), columns and outputs strided.
-        let g = RmGemm::conv_fwd(3, 2, 3, 4);
-        assert!(g.check(6, 36, 24).is_ok());
-        assert!(g.check(6, 36, 23).is_err());
-        assert!(g.check(6, 35, 24).is_err());
-        // A leading dimension below the row length is refused.
-        assert!(RmGemm { lda: 2, ..RmGemm::linear_fwd(2, 3, 4) }.check(6, 12, 8).is_err());
-    }
 
     #[test]
     fn every_built_in_layer_has_a_cuda_form() {
