@@ -175,8 +175,12 @@ fn tensors_move_between_the_host_and_a_gpu() {
     let mut net = models::toy_mlp(4, 2).unwrap();
     let mut store = net.init(0);
     let ctx = lockstep::nn::Ctx::eval(Device::Cpu(0));
-    let err = net.forward(gpu, &store.params, &mut store.buffers, &ctx).unwrap_err();
+    let err = net.forward(gpu.clone(), &store.params, &mut store.buffers, &ctx).unwrap_err();
     assert!(matches!(&err, Error::DeviceMismatch { lhs, .. } if lhs == "cuda:0"), "{err}");
+    // Nor do the CPU layers run on GPU memory: a model runs on a GPU as a GPU replica.
+    let ctx = lockstep::nn::Ctx::eval(Device::Cuda(0));
+    let err = net.forward(gpu, &store.params, &mut store.buffers, &ctx).unwrap_err().to_string();
+    assert!(err.contains("GPU replica"), "{err}");
 }
 
 #[test]

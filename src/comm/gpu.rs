@@ -260,6 +260,7 @@ impl GpuGroup {
         let comm = ctx.new_stream()?;
         let ready = ctx.new_event(None)?;
         let done = ctx.new_event(None)?;
+        let idle = ctx.new_event(None)?;
         let path = match self.transport {
             Transport::Nccl => {
                 self.init_comm(rank)?;
@@ -267,7 +268,18 @@ impl GpuGroup {
             }
             Transport::Copies => Path::Copies(CopyState::new(&ctx, &comm, self)?),
         };
-        Ok(GpuRank { group: self, rank, ctx, compute, comm, ready, done, path, _not_send: std::marker::PhantomData })
+        Ok(GpuRank {
+            group: self,
+            rank,
+            ctx,
+            compute,
+            comm,
+            ready,
+            done,
+            idle,
+            path,
+            _not_send: std::marker::PhantomData,
+        })
     }
 
     /// Makes every pending and future call of every rank fail with [`Error::Aborted`]:
@@ -518,6 +530,8 @@ pub struct GpuRank<'g> {
     ready: CudaEvent,
     /// Recorded on `comm`, waited on by `compute`.
     done: CudaEvent,
+    /// Recorded by `wait_for`: the point the host waits for.
+    idle: CudaEvent,
     path: Path,
     _not_send: std::marker::PhantomData<*const ()>,
 }
@@ -538,7 +552,8 @@ impl GpuRank<'_> {
     /// GPU go through here, so that a rank whose peer failed is never stuck behind a
     /// collective that cannot complete.
     pub fn wait_for(&self, stream: &CudaStream) -> Result<()> {
-        let event = stream.record_event(None)?;
+        let event = &self.idle;
+        event.record(stream)?;
         let mut backoff = Backoff::new();
         loop {
             if event.try_is_complete()? {

@@ -96,6 +96,9 @@ pub struct GpuReplica {
     /// Activations of the last pass (training or evaluation), kept while the batch size
     /// stays the same: nothing in them outlives a pass.
     acts: Option<Activations>,
+    /// Timing events of a step: its start, the end of backward, of the collective, of
+    /// the update (made once: a step records them again).
+    marks: [cudarc::driver::CudaEvent; 4],
     /// Per-sample losses and hits of this worker's rows in the current step.
     step_loss: Option<CudaSlice<f32>>,
     step_hits: Option<CudaSlice<u32>>,
@@ -153,6 +156,8 @@ impl GpuReplica {
             OptimizerConfig::Sgd { .. } => Vec::new(),
         };
         let width = np + nb;
+        let timed = || gpu.context().new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT));
+        let marks = [timed()?, timed()?, timed()?, timed()?];
         Ok(GpuReplica {
             device: Device::Cuda(ordinal),
             params: upload(&stream, &store.params)?,
@@ -172,6 +177,7 @@ impl GpuReplica {
             blas: std::mem::ManuallyDrop::new(blas),
             _workspace: workspace,
             acts: None,
+            marks,
             step_loss: None,
             step_hits: None,
             pinned_x: None,
@@ -197,11 +203,7 @@ impl GpuReplica {
         shards_here: usize,
     ) -> Result<StepOutcome> {
         // GPU time, not the host's: the host only queues work until the step's one wait.
-        let marked = self.gpu.stream().clone();
-        let mark = || -> Result<cudarc::driver::CudaEvent> {
-            Ok(marked.record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))?)
-        };
-        let t0 = mark()?;
+        self.marks[0].record(self.gpu.stream())?;
         let (np, nb, width) = (self.np, self.nb, self.np + self.nb);
         let mine = &work.shards[first_shard..first_shard + shards_here];
         let rows = mine.first().map_or(0, |r| r.start)..mine.last().map_or(0, |r| r.end);
@@ -253,7 +255,7 @@ impl GpuReplica {
             net.backward(acts, &mut self.slots, slot, draw, self.model.first_trained_layer())?;
         }
         // Sum this device's shards in shard order, then across devices.
-        let t1 = mark()?;
+        self.marks[1].record(self.gpu.stream())?;
         let total = work.batch.len() as f32;
         let with_data = work.shards.iter().filter(|r| !r.is_empty()).count() as f32;
         let summed = if shards_here == 1 {
@@ -264,7 +266,7 @@ impl GpuReplica {
         };
         comm.all_reduce_sum(summed)?;
         let summed: &CudaSlice<f32> = summed;
-        let t2 = mark()?;
+        self.marks[2].record(self.gpu.stream())?;
         self.t += 1;
         let lr = self.config.lr() * work.lr_scale;
         let grad = summed.slice(0..np);
@@ -288,7 +290,7 @@ impl GpuReplica {
             let bufs = summed.slice(np..width);
             self.gpu.reduce_sum(&bufs, &mut self.buffers, 1, 1.0 / with_data)?;
         }
-        let t3 = mark()?;
+        self.marks[3].record(self.gpu.stream())?;
         // The one wait of the step: the losses it reports (released by an abort).
         comm.wait_for(&stream)?;
         let loss = stream.clone_dtoh(self.step_loss.as_ref().expect("sized above"))?;
@@ -301,8 +303,9 @@ impl GpuReplica {
         let ms = |a: &cudarc::driver::CudaEvent, b: &cudarc::driver::CudaEvent| -> Result<std::time::Duration> {
             Ok(std::time::Duration::from_secs_f64(f64::from(a.elapsed_ms(b)?.max(0.0)) / 1e3))
         };
-        outcome.compute = ms(&t0, &t1)? + ms(&t2, &t3)?;
-        outcome.reduce = ms(&t1, &t2)?;
+        let [t0, t1, t2, t3] = &self.marks;
+        outcome.compute = ms(t0, t1)? + ms(t2, t3)?;
+        outcome.reduce = ms(t1, t2)?;
         Ok(outcome)
     }
 
@@ -776,6 +779,52 @@ impl Net<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A layer with a CPU implementation only (no `LayerOp`).
+    #[derive(Clone)]
+    struct CpuOnly;
+
+    impl crate::nn::Layer for CpuOnly {
+        fn kind(&self) -> &'static str {
+            "cpuonly"
+        }
+        fn output_shape(&self, input: &Shape) -> Result<Shape> {
+            Ok(input.clone())
+        }
+        fn forward(
+            &mut self,
+            x: crate::Tensor,
+            _: crate::nn::Params<'_>,
+            _: crate::nn::ParamsMut<'_>,
+            _: &crate::nn::Ctx,
+        ) -> Result<crate::Tensor> {
+            Ok(x)
+        }
+        fn backward(
+            &mut self,
+            d: crate::Tensor,
+            _: crate::nn::Params<'_>,
+            _: crate::nn::ParamsMut<'_>,
+            _: crate::nn::InputGrad,
+            _: &crate::nn::Ctx,
+        ) -> Result<Option<crate::Tensor>> {
+            Ok(Some(d))
+        }
+        fn boxed_clone(&self) -> Box<dyn crate::nn::Layer> {
+            Box::new(self.clone())
+        }
+        fn describe(&self) -> String {
+            "CpuOnly".into()
+        }
+    }
+
+    #[test]
+    fn a_layer_without_a_cuda_form_is_refused_by_name() {
+        let layers: Vec<Box<dyn crate::nn::Layer>> = vec![Box::new(crate::nn::Linear::new(2, 3)), Box::new(CpuOnly)];
+        let model = Sequential::new([2], layers).unwrap();
+        let e = plan(&model).err().expect("a layer without a LayerOp cannot run on a GPU").to_string();
+        assert!(e.contains("cpuonly0") && e.contains("CpuOnly") && e.contains("no CUDA implementation"), "{e}");
+    }
 
     #[test]
     fn every_built_in_layer_has_a_cuda_form() {

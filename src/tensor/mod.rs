@@ -172,17 +172,26 @@ impl Tensor {
         Tensor::from_vec_on(data, shape, Device::Cpu(0))
     }
 
-    /// A host tensor on the given CPU device.
+    /// A tensor of these values on `device`: host memory for a CPU device, copied to the
+    /// GPU for a CUDA one (host storage always belongs to a CPU device).
     pub fn from_vec_on(data: Vec<f32>, shape: impl Into<Shape>, device: Device) -> Result<Tensor> {
         let shape = shape.into();
         if shape.numel() != data.len() {
             return Err(Error::shape("Tensor::from_vec", format!("{} values do not fill shape {shape}", data.len())));
         }
-        Ok(Tensor { shape, device, storage: Storage::Host(data) })
+        match device {
+            Device::Cpu(_) => Ok(Tensor { shape, device, storage: Storage::Host(data) }),
+            Device::Cuda(_) => Tensor { shape, device: Device::Cpu(0), storage: Storage::Host(data) }.to(device),
+        }
     }
 
-    /// A tensor of zeros on `device`.
+    /// A tensor of zeros in the host memory of CPU device `device`.
+    ///
+    /// # Panics
+    /// On a GPU device, whose memory cannot be had without a fallible copy: use
+    /// [`Tensor::from_vec_on`] there.
     pub fn zeros(shape: impl Into<Shape>, device: Device) -> Tensor {
+        assert!(matches!(device, Device::Cpu(_)), "Tensor::zeros makes host tensors; on {device} use from_vec_on");
         let shape = shape.into();
         let n = shape.numel();
         Tensor { shape, device, storage: Storage::Host(vec![0.0; n]) }
@@ -344,6 +353,10 @@ mod tests {
         assert_eq!(t.to(Device::Cpu(1)).unwrap().host(), t.host());
         let gpus = crate::cuda::probe::gpu_count().unwrap_or(0);
         let e = t.to(Device::Cuda(gpus)).unwrap_err();
+        assert!(matches!(e, Error::CudaUnavailable(_)), "{e}");
+        // Values made for a GPU go to the GPU, or fail the same way: never host memory
+        // labelled with a GPU.
+        let e = Tensor::from_vec_on(vec![1.0], [1], Device::Cuda(gpus)).unwrap_err();
         assert!(matches!(e, Error::CudaUnavailable(_)), "{e}");
     }
 }
