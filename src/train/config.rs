@@ -1,0 +1,99 @@
+//! What a run is asked to do: [`TrainConfig`] (everything but the model, the data and the
+//! devices) and its checks that need neither data nor devices.
+
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+
+use super::scatter::{LastBatch, Shuffle};
+use crate::checkpoint::{CheckpointPolicy, Resume};
+use crate::error::{Error, Result};
+use crate::nn::ParamStore;
+use crate::optim::{LrSchedule, OptimizerConfig};
+
+/// What to do when the loss is NaN or infinite.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum NonFinite {
+    /// Stop with `Error::NonFiniteLoss`, naming the step.
+    Error,
+    /// Keep training.
+    Allow,
+}
+
+/// Everything about a run but the model, the data and the devices.
+#[derive(Clone, Debug)]
+pub struct TrainConfig {
+    pub epochs: usize,
+    /// Stop after this many steps in all, if fewer than the epochs hold.
+    pub max_steps: Option<u64>,
+    /// The GLOBAL batch size: samples per step whatever the number of devices.
+    pub batch_size: usize,
+    pub optimizer: OptimizerConfig,
+    /// How the learning rate changes over the run's steps.
+    pub schedule: LrSchedule,
+    pub seed: u64,
+    pub shuffle: Shuffle,
+    pub last_batch: LastBatch,
+    /// Logical replicas R (default: the number of devices); must be a multiple of it.
+    pub replicas: Option<usize>,
+    /// Compare every replica's tensors every K steps (and at the end). Default: every
+    /// step in debug builds, every 100 steps otherwise (hashing the tensors costs about
+    /// a microsecond per 1,000 values); `None` turns it off.
+    pub check_replicas_every: Option<u64>,
+    pub non_finite: NonFinite,
+    /// Weights to start from instead of a seeded initialisation.
+    pub initial: Option<ParamStore>,
+    /// Continue a run from this state (weights, optimiser, position) instead of starting.
+    pub resume: Option<Resume>,
+    /// Write checkpoints as this says.
+    pub checkpoint: Option<CheckpointPolicy>,
+    /// Raised (e.g. by a SIGINT handler) to stop after the current step; a checkpoint
+    /// is written if a policy is set, and the run returns `Error::Interrupted`.
+    pub stop: Option<Arc<AtomicBool>>,
+    /// Samples per forward pass in evaluation.
+    pub eval_batch: usize,
+    /// Global batches the loader may gather ahead of the step being trained.
+    pub prefetch: usize,
+}
+
+impl Default for TrainConfig {
+    fn default() -> Self {
+        TrainConfig {
+            epochs: 1,
+            max_steps: None,
+            batch_size: 64,
+            optimizer: OptimizerConfig::adam(1e-3),
+            schedule: LrSchedule::Constant,
+            seed: 0,
+            shuffle: Shuffle::Seeded,
+            last_batch: LastBatch::Keep,
+            replicas: None,
+            check_replicas_every: Some(if cfg!(debug_assertions) { 1 } else { 100 }),
+            non_finite: NonFinite::Error,
+            initial: None,
+            resume: None,
+            checkpoint: None,
+            stop: None,
+            eval_batch: 512,
+            prefetch: 4,
+        }
+    }
+}
+
+impl TrainConfig {
+    /// Checks the values that do not depend on the data.
+    pub fn validate(&self) -> Result<()> {
+        if self.batch_size == 0 {
+            return Err(Error::config("batch size", "must be at least 1"));
+        }
+        if self.eval_batch == 0 {
+            return Err(Error::config("evaluation batch size", "must be at least 1"));
+        }
+        if self.replicas == Some(0) {
+            return Err(Error::config("replicas", "must be at least 1"));
+        }
+        if self.check_replicas_every == Some(0) {
+            return Err(Error::config("check-replicas-every", "must be at least 1"));
+        }
+        self.optimizer.validate()
+    }
+}
