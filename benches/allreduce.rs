@@ -1,5 +1,5 @@
 //! The CPU all-reduce (the trainer's reduce-scatter, and the classic in-place all-reduce
-//! of the `Collective` trait) over 2, 3 and 4 ranks and 4 KiB .. 64 MiB of f32.
+//! over any host exchange, `comm::all_reduce_in_place`) over 2, 3 and 4 ranks and 4 KiB .. 64 MiB of f32.
 //! Criterion reports bytes/s of one rank's buffer: that is algbw; busbw, as nccl-tests
 //! defines it, is algbw·2(n−1)/n (`lockstep bench allreduce` prints both).
 
@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use lockstep::comm::shm::ShmExchange;
-use lockstep::comm::Collective;
+use lockstep::comm::{all_reduce_in_place, Exchange};
 
 #[derive(Clone, Copy)]
 enum Path {
@@ -24,9 +24,9 @@ fn run(ranks: usize, count: usize, iters: u64, path: Path) -> Duration {
             .map(|r| {
                 let ex = &ex;
                 s.spawn(move || {
-                    let me = ex.rank(r);
+                    let mut me = ex.rank(r);
                     let mut buf = vec![1.0f32; count];
-                    me.shard_buffer(0).fill(1.0);
+                    me.with_slot(0, |slot| slot.fill(1.0));
                     // settle the threads on their cores before the clock starts
                     for _ in 0..64 {
                         me.barrier().unwrap();
@@ -34,8 +34,8 @@ fn run(ranks: usize, count: usize, iters: u64, path: Path) -> Duration {
                     let t0 = Instant::now();
                     for _ in 0..iters {
                         match path {
-                            Path::Trainer => me.reduce_scatter().unwrap(),
-                            Path::Classic => me.all_reduce_sum(&mut buf).unwrap(),
+                            Path::Trainer => me.sum().unwrap(),
+                            Path::Classic => all_reduce_in_place(&mut me, &mut buf).unwrap(),
                         }
                     }
                     me.barrier().unwrap();

@@ -286,10 +286,10 @@ mod tests {
 
     fn state(model: &Sequential, step: u64) -> Resume {
         let mut optimizer = Optimizer::new(OptimizerConfig::adam(1e-3), model.num_params());
-        optimizer.begin_step(1.0);
+        let scalars = optimizer.begin_step(1.0, 1.0);
         let g: Vec<f32> = (0..model.num_params()).map(|i| i as f32 * 1e-3).collect();
         let mut w = model.init(1);
-        optimizer.update(0, &mut w.params, &g, 1.0);
+        optimizer.update(0, &mut w.params, &g, &scalars);
         Resume { weights: w, optimizer, step, epoch: 2, step_in_epoch: 3 }
     }
 

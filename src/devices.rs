@@ -130,6 +130,12 @@ impl Devices {
         Devices { devices: self.devices[..n].to_vec(), threads_per_device: self.threads_per_device }
     }
 
+    /// The CUDA ordinals of the devices, in rank order (empty for CPU devices: a list
+    /// holds one kind of device, as its constructors make it).
+    pub fn cuda_ordinals(&self) -> Vec<usize> {
+        self.devices.iter().filter_map(|d| if let Device::Cuda(o) = d { Some(*o) } else { None }).collect()
+    }
+
     /// The devices, in rank order.
     pub fn list(&self) -> &[Device] {
         &self.devices

@@ -25,7 +25,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use lockstep::checkpoint::{CheckpointPolicy, Fallback};
 use lockstep::comm::shm::ShmExchange;
-use lockstep::comm::Collective;
+use lockstep::comm::{Abort, Exchange};
 use lockstep::data::digits::{load_digits, DigitsLayout};
 use lockstep::data::idx::{load_idx_images, load_mnist_dir};
 use lockstep::data::safetensors_file::load_safetensors_dataset;

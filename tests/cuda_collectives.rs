@@ -16,7 +16,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
-use lockstep::comm::gpu::GpuGroup;
+use lockstep::comm::gpu::{transport_for, CopyGroup, NcclGroup, Transport};
+use lockstep::comm::Abort;
 use lockstep::cuda::probe::{self, NcclStatus};
 use lockstep::Error;
 
@@ -102,7 +103,7 @@ fn host_sum(inputs: &[Vec<f32>]) -> Vec<f32> {
 
 /// Runs one all-reduce on every rank of `group` (one thread each, GPU `ordinals[r]`) and
 /// returns what every rank holds afterwards.
-fn all_reduce_everywhere(group: &GpuGroup, ordinals: &[usize], inputs: &[Vec<f32>]) -> Vec<Vec<f32>> {
+fn all_reduce_everywhere(group: &CopyGroup, ordinals: &[usize], inputs: &[Vec<f32>]) -> Vec<Vec<f32>> {
     std::thread::scope(|s| {
         let handles: Vec<_> = (0..ordinals.len())
             .map(|r| {
@@ -141,10 +142,10 @@ fn without_a_driver_a_group_is_an_error_not_a_panic() {
     if probe::driver_available().is_ok() {
         return; // covered by the GPU tests below
     }
-    for force in [false, true] {
-        let e = GpuGroup::new(&[0, 0], 16, force).err().expect("no driver, no group");
-        assert!(matches!(e, Error::CudaUnavailable(_)), "{e}");
-    }
+    let e = CopyGroup::new(&[0, 0], 16).err().expect("no driver, no group");
+    assert!(matches!(e, Error::CudaUnavailable(_)), "{e}");
+    let e = NcclGroup::new(&[0, 1], 16).err().expect("no driver, no group");
+    assert!(matches!(e, Error::CudaUnavailable(_)), "{e}");
 }
 
 // ---- copy path (one GPU is enough) -------------------------------------------------
@@ -159,8 +160,7 @@ fn copies_all_reduce_is_the_rank_order_sum_on_every_rank() {
     // granule, shorter than the world, and empty.
     for (world, len) in [(2, 100_003), (2, 4096), (2, 1000), (2, 65), (2, 1), (2, 0), (3, 2), (3, 1001), (4, 777)] {
         let ordinals = vec![0; world];
-        let group = GpuGroup::new(&ordinals, len, true).expect("group");
-        assert_eq!(group.transport(), "device copies");
+        let group = CopyGroup::new(&ordinals, len).expect("group");
         let inputs: Vec<Vec<f32>> = (0..world).map(|_| rng.vec(len)).collect();
         let want = host_sum(&inputs);
         let got = all_reduce_everywhere(&group, &ordinals, &inputs);
@@ -175,8 +175,7 @@ fn one_gpu_given_twice_falls_back_to_copies() {
     let Some(_) = gpus_or_skip("one_gpu_given_twice_falls_back_to_copies") else {
         return;
     };
-    let group = GpuGroup::new(&[0, 0], 10, false).expect("group");
-    assert_eq!(group.transport(), "device copies", "NCCL forbids two ranks on one GPU");
+    assert_eq!(transport_for(&[0, 0]), Transport::Copies, "NCCL forbids two ranks on one GPU");
 }
 
 #[test]
@@ -188,7 +187,7 @@ fn copies_all_reduce_repeats_and_keeps_stream_order() {
     // the compute stream (a device copy) that must see the reduced values: the result
     // after three rounds of x -> 2x (two ranks holding equal values) is 8x, exactly.
     let (world, len) = (2, 3000);
-    let group = GpuGroup::new(&[0, 0], len, true).expect("group");
+    let group = CopyGroup::new(&[0, 0], len).expect("group");
     let x = Rng(11).vec(len);
     let out: Vec<(Vec<f32>, Vec<f32>)> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..world)
@@ -225,7 +224,7 @@ fn copies_broadcast_gives_every_rank_the_roots_values() {
         return;
     };
     let (world, len, root) = (3, 1001, 1);
-    let group = GpuGroup::new(&vec![0; world], len, true).expect("group");
+    let group = CopyGroup::new(&vec![0; world], len).expect("group");
     let mut rng = Rng(3);
     let inputs: Vec<Vec<f32>> = (0..world).map(|_| rng.vec(len)).collect();
     let got: Vec<Vec<f32>> = std::thread::scope(|s| {
@@ -253,7 +252,7 @@ fn copies_refuse_a_buffer_of_the_wrong_length() {
     let Some(_) = gpus_or_skip("copies_refuse_a_buffer_of_the_wrong_length") else {
         return;
     };
-    let group = GpuGroup::new(&[0, 0], 8, true).expect("group");
+    let group = CopyGroup::new(&[0, 0], 8).expect("group");
     let stream = compute_stream(0);
     let mut me = group.join(0, &stream).expect("join");
     let mut buf = upload(&stream, &[1.0; 7]);
@@ -267,7 +266,7 @@ fn copies_abort_releases_a_rank_waiting_for_its_peer() {
         return;
     };
     let len = 1000;
-    let group = Arc::new(GpuGroup::new(&[0, 0], len, true).expect("group"));
+    let group = Arc::new(CopyGroup::new(&[0, 0], len).expect("group"));
     let (tx, rx) = mpsc::channel();
     // Rank 0 calls the all-reduce; rank 1 joins but never calls it (a failed worker).
     let g = group.clone();
@@ -323,8 +322,8 @@ fn nccl_all_reduce_and_broadcast_on_two_gpus() {
     };
     let ordinals = [0, 1];
     for len in [100_003, 1] {
-        let group = GpuGroup::new(&ordinals, len, false).expect("group");
-        assert_eq!(group.transport(), "nccl");
+        assert_eq!(transport_for(&ordinals), Transport::Nccl);
+        let group = NcclGroup::new(&ordinals, len).expect("group");
         let mut rng = Rng(5);
         let inputs: Vec<Vec<f32>> = (0..2).map(|_| rng.vec(len)).collect();
         // Two ranks: every order gives a + b (f32 addition commutes), so bitwise.
@@ -360,7 +359,7 @@ fn nccl_abort_releases_a_rank_waiting_to_join() {
         return;
     };
     // Only rank 0 joins; NCCL's init waits for rank 1 until the abort.
-    let group = Arc::new(GpuGroup::new(&[0, 1], 16, false).expect("group"));
+    let group = Arc::new(NcclGroup::new(&[0, 1], 16).expect("group"));
     let (tx, rx) = mpsc::channel();
     let g = group.clone();
     std::thread::spawn(move || {
@@ -380,7 +379,7 @@ fn nccl_abort_releases_a_rank_whose_peer_never_calls() {
         return;
     };
     let len = 4096;
-    let group = Arc::new(GpuGroup::new(&[0, 1], len, false).expect("group"));
+    let group = Arc::new(NcclGroup::new(&[0, 1], len).expect("group"));
     let (joined_tx, joined_rx) = mpsc::channel();
     let (tx, rx) = mpsc::channel();
     let g = group.clone();

@@ -12,8 +12,9 @@ mod common;
 use std::io::Write;
 
 use cudarc::driver::CudaSlice;
-use lockstep::cuda::launch::{AdamHyper, BnParams, ConvGeom, DropoutKey, Gpu};
+use lockstep::cuda::launch::{BnParams, ConvGeom, DropoutKey, Gpu};
 use lockstep::cuda::probe::{self, NcclStatus, NO_DRIVER};
+use lockstep::optim::OptimizerConfig;
 use lockstep::rng::mix64;
 use lockstep::Error;
 
@@ -381,45 +382,49 @@ fn sgd_and_adam_follow_pytorch_over_several_steps() {
     let n = 257;
     let p0 = rng.vec(n);
     let grads: Vec<Vec<f32>> = (0..3).map(|_| rng.vec(n).iter().map(|v| 32.0 * v).collect()).collect();
-    let grad_scale = 1.0 / 32.0; // the trainer's 1/B for B = 32
+    let batch = 32.0f32; // the gradients are sums over a batch of 32
 
     // SGD: torch.optim.SGD(lr=0.1, momentum=0.9, weight_decay=1e-4), formulas in optim.cu.
-    let (lr, mu, wd) = (0.1f32, 0.9f32, 1e-4f32);
-    let (mut p_d, mut buf_d) = (up(&gpu, &p0), up(&gpu, &vec![0.0f32; n]));
+    let sgd = OptimizerConfig::Sgd { lr: 0.1, momentum: 0.9, weight_decay: 1e-4 };
+    let (lr, mu, wd) = (0.1f64, 0.9f32 as f64, 1e-4f32 as f64);
+    let (mut p_d, mut buf_d, mut unused) = (up(&gpu, &p0), up(&gpu, &vec![0.0f32; n]), up(&gpu, &[0.0f32]));
     let (mut p, mut buf) = (f64s(&p0), vec![0.0f64; n]);
-    for gr in &grads {
-        gpu.sgd_step(&mut p_d, &up(&gpu, gr), &mut buf_d, lr, mu, wd, grad_scale).unwrap();
+    for (t, gr) in grads.iter().enumerate() {
+        let s = sgd.scalars(t as u64 + 1, 1.0, batch);
+        gpu.optimizer_step(&sgd, &s, &mut p_d, &up(&gpu, gr), &mut buf_d, &mut unused).unwrap();
         for i in 0..n {
-            let g = gr[i] as f64 * grad_scale as f64 + wd as f64 * p[i];
-            buf[i] = mu as f64 * buf[i] + g;
-            p[i] -= lr as f64 * buf[i];
+            let g = gr[i] as f64 / batch as f64 + wd * p[i];
+            buf[i] = mu * buf[i] + g;
+            p[i] -= lr * buf[i];
         }
     }
     assert_close("sgd p after 3 steps", &down(&gpu, &p_d), &p, 1e-5, 1e-6);
     assert_close("sgd momentum buffer", &down(&gpu, &buf_d), &buf, 1e-5, 1e-6);
 
     // Adam: torch.optim.Adam(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2).
-    let hp = AdamHyper { weight_decay: 1e-2, ..AdamHyper::default() };
+    let adam = OptimizerConfig::Adam { lr: 1e-3, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 1e-2 };
     let (mut p_d, mut m_d, mut v_d) = (up(&gpu, &p0), up(&gpu, &vec![0.0f32; n]), up(&gpu, &vec![0.0f32; n]));
     let (mut p, mut m, mut v) = (f64s(&p0), vec![0.0f64; n], vec![0.0f64; n]);
-    let (b1, b2) = (hp.beta1 as f64, hp.beta2 as f64);
+    let (b1, b2, eps, wd) = (0.9f32 as f64, 0.999f32 as f64, 1e-8f32 as f64, 1e-2f32 as f64);
     for (t, gr) in grads.iter().enumerate() {
         let t = t as u64 + 1;
-        gpu.adam_step(&mut p_d, &up(&gpu, gr), &mut m_d, &mut v_d, hp, t, grad_scale).unwrap();
-        let (bc1, bc2) = (1.0 - b1.powi(t as i32), 1.0 - b2.powi(t as i32));
+        let s = adam.scalars(t, 1.0, batch);
+        gpu.optimizer_step(&adam, &s, &mut p_d, &up(&gpu, gr), &mut m_d, &mut v_d).unwrap();
+        let (bc1, bc2): (f64, f64) = (1.0 - b1.powi(t as i32), 1.0 - b2.powi(t as i32));
         for i in 0..n {
-            let g = gr[i] as f64 * grad_scale as f64 + hp.weight_decay as f64 * p[i];
+            let g = gr[i] as f64 / batch as f64 + wd * p[i];
             m[i] += (1.0 - b1) * (g - m[i]);
             v[i] = b2 * v[i] + (1.0 - b2) * g * g;
-            p[i] -= (hp.lr as f64 / bc1) * m[i] / (v[i].sqrt() / bc2.sqrt() + hp.eps as f64);
+            p[i] -= (1e-3f32 as f64 / bc1) * m[i] / (v[i].sqrt() / bc2.sqrt() + eps);
         }
     }
     // Each Adam step moves p by about lr = 1e-3, so 1e-6 absolute is 0.1% of a step.
     assert_close("adam p after 3 steps", &down(&gpu, &p_d), &p, 1e-5, 1e-6);
     assert_close("adam m", &down(&gpu, &m_d), &m, 1e-5, 1e-6);
     assert_close("adam v", &down(&gpu, &v_d), &v, 1e-5, 1e-9);
+    let zeroth = adam.scalars(0, 1.0, 1.0);
     assert!(matches!(
-        gpu.adam_step(&mut p_d, &up(&gpu, &grads[0]), &mut m_d, &mut v_d, hp, 0, 1.0),
+        gpu.optimizer_step(&adam, &zeroth, &mut p_d, &up(&gpu, &grads[0]), &mut m_d, &mut v_d),
         Err(Error::Config { .. })
     ));
 }

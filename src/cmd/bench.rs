@@ -104,10 +104,10 @@ fn time_allreduce(ranks: usize, count: usize, iters: usize, warmup: usize, path:
             .map(|r| {
                 let (ex, warm) = (&ex, &warm);
                 s.spawn(move || -> lockstep::Result<Vec<Duration>> {
-                    let me = ex.rank(r);
-                    let run = || -> lockstep::Result<Vec<Duration>> {
+                    let mut me = ex.rank(r);
+                    let mut run = || -> lockstep::Result<Vec<Duration>> {
                         let mut buf = vec![(r + 1) as f32; count];
-                        me.shard_buffer(0).fill((r + 1) as f32);
+                        me.with_slot(0, |slot| slot.fill((r + 1) as f32));
                         let mut times = Vec::with_capacity(iters);
                         // Warm up for at least `warmup` iterations and 50 ms, so that the
                         // scheduler has spread the ranks over the cores before timing. Rank
@@ -125,9 +125,9 @@ fn time_allreduce(ranks: usize, count: usize, iters: usize, warmup: usize, path:
                             i += 1;
                             let t0 = Instant::now();
                             match path {
-                                AllreducePath::Trainer => me.reduce_scatter()?,
+                                AllreducePath::Trainer => me.sum()?,
                                 AllreducePath::Classic => {
-                                    me.all_reduce_sum(&mut buf)?;
+                                    lockstep::comm::all_reduce_in_place(&mut me, &mut buf)?;
                                     me.barrier()?;
                                 }
                             }
@@ -237,11 +237,14 @@ pub(crate) fn cmd_bench_allreduce(a: BenchAllreduceArgs) -> CliResult {
 /// 0's mean time per all-reduce is reported with busbw, beside the device-to-device copy bandwidth of GPU 0 at the same
 /// size (read + write of `size` bytes), the memory bound busbw is compared with.
 fn bench_gpu_allreduce(ordinals: &[usize], sizes: &[usize], iters: usize, warmup: usize) -> CliResult {
-    use lockstep::comm::gpu::GpuGroup;
+    use lockstep::comm::gpu::{transport_for, Transport};
     let ranks = ordinals.len();
     let bus = 2.0 * (ranks as f64 - 1.0) / ranks as f64;
     let names: Vec<String> = ordinals.iter().map(|o| o.to_string()).collect();
-    let transport = GpuGroup::new(ordinals, 1, false).map_err(Failure::runtime)?.transport();
+    let transport = match transport_for(ordinals) {
+        Transport::Nccl => "nccl",
+        Transport::Copies => "device copies",
+    };
     outln!(
         "# lockstep bench allreduce: {ranks} rank(s) on cuda:{} ({transport}), f32 sum, mean of {iters} iterations after {warmup} warm-up",
         names.join(",")
@@ -277,15 +280,36 @@ fn bench_gpu_allreduce(ordinals: &[usize], sizes: &[usize], iters: usize, warmup
 }
 
 fn time_gpu_allreduce(ordinals: &[usize], count: usize, iters: usize, warmup: usize) -> lockstep::Result<Duration> {
+    use lockstep::comm::gpu::{transport_for, CopyGroup, NcclGroup, Transport};
+    match transport_for(ordinals) {
+        Transport::Nccl => {
+            let group = NcclGroup::new(ordinals, count)?;
+            time_gpu_ranks(ordinals, count, iters, warmup, &group, |r, s| group.join(r, s))
+        }
+        Transport::Copies => {
+            let group = CopyGroup::new(ordinals, count)?;
+            time_gpu_ranks(ordinals, count, iters, warmup, &group, |r, s| group.join(r, s))
+        }
+    }
+}
+
+/// One thread per rank of `group` (joined by `join`): after the warm-up each queues
+/// `iters` all-reduces and synchronises once; rank 0's mean time per all-reduce.
+fn time_gpu_ranks<C: lockstep::comm::gpu::DeviceAllReduce>(
+    ordinals: &[usize],
+    count: usize,
+    iters: usize,
+    warmup: usize,
+    group: &dyn lockstep::comm::Abort,
+    join: impl Fn(usize, &std::sync::Arc<cudarc::driver::CudaStream>) -> lockstep::Result<C> + Sync,
+) -> lockstep::Result<Duration> {
     use cudarc::driver::CudaContext;
-    use lockstep::comm::gpu::GpuGroup;
-    let group = GpuGroup::new(ordinals, count, false)?;
     let time = std::thread::scope(|s| -> lockstep::Result<Duration> {
         let handles: Vec<_> = ordinals
             .iter()
             .enumerate()
             .map(|(r, &ordinal)| {
-                let group = &group;
+                let join = &join;
                 s.spawn(move || -> lockstep::Result<Duration> {
                     // No host barrier: the collective itself paces the ranks, and an
                     // abort releases every one of them.
@@ -293,14 +317,14 @@ fn time_gpu_allreduce(ordinals: &[usize], count: usize, iters: usize, warmup: us
                         let ctx = CudaContext::new(ordinal)?;
                         let stream = ctx.new_stream()?;
                         let mut buf = stream.clone_htod(&vec![(r + 1) as f32; count])?;
-                        let mut me = group.join(r, &stream)?;
+                        let mut me = join(r, &stream)?;
                         for _ in 0..warmup {
-                            me.all_reduce_sum(&mut buf)?;
+                            me.all_reduce_sum(&mut buf.as_view_mut())?;
                         }
                         stream.synchronize()?;
                         let t0 = Instant::now();
                         for _ in 0..iters {
-                            me.all_reduce_sum(&mut buf)?;
+                            me.all_reduce_sum(&mut buf.as_view_mut())?;
                         }
                         stream.synchronize()?;
                         Ok(t0.elapsed() / iters as u32)

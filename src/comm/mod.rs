@@ -1,19 +1,25 @@
-//! Collectives between the replicas of one process.
+//! Gradient exchanges: where the gradients of a step's logical replicas meet.
 //!
-//! [`Collective`] is the small contract the trainer needs from any transport: rank and
-//! world, a SUM all-reduce, a broadcast, a barrier, and `abort`, which makes every
-//! pending and future call of every rank return [`Error::Aborted`](crate::Error::Aborted) so that no rank
-//! waits forever for one that failed. It returns at once on one rank.
+//! Owns the contract between the step (`train::step`) and every transport: [`Exchange`],
+//! one device's side of an exchange, and [`Abort`], the side every thread of a run shares.
+//! The step writes each of its logical replicas' (shards') gradient into that shard's
+//! *slot*, asks for the sum, and reads the sum piece by piece; it never learns how the
+//! values travel. A transport is one implementation of these two traits and nothing
+//! else in the step:
 //!
-//! [`shm`] implements it for CPU devices in shared memory, and also offers the trainer a
-//! cheaper path than the classic all-reduce: the reduce-scatter leaves the reduced
-//! gradient in shared chunks that every replica's optimiser reads in place (no
-//! all-gather copy back into each replica's buffer).
+//! | transport | memory | sum order | file |
+//! |---|---|---|---|
+//! | shared memory between CPU threads | [`Host`] | one tree over all R shard indices | [`shm`] |
+//! | NCCL between GPUs | [`gpu::Device`] | device's shards in shard order, then NCCL's | [`gpu`] |
+//! | device copies between GPUs | [`gpu::Device`] | device's shards in shard order, then rank order | [`gpu`] |
 //!
-//! [`gpu`] is the GPU workers' collective: buffers on the devices, ordered against each
-//! replica's compute stream with events, over NCCL (nccl.rs wraps its handle) or, where
-//! NCCL cannot serve, device-to-device copies in the same reduce-scatter / all-gather
-//! scheme as [`shm`].
+//! A slot holds `[gradient sum of the shard | the shard's updated BatchNorm buffers]`
+//! (`width` values); the sum of every slot is what the update reads: the gradient part
+//! divided by the global batch, the buffer part by the number of shards that saw data.
+//!
+//! Faults: [`Abort::abort`] makes every pending and future call of every rank return
+//! [`Error::Aborted`](crate::Error::Aborted), from any thread, so that no rank waits
+//! forever for one that failed; a rank whose own call fails aborts before returning.
 
 pub mod gpu;
 mod nccl;
@@ -21,26 +27,89 @@ pub mod shm;
 
 use crate::error::Result;
 
-/// The collective operations of one rank. Every rank must make the same calls in the
-/// same order, as with NCCL or MPI.
-pub trait Collective {
-    /// This rank's index, `0..world`.
-    fn rank(&self) -> usize;
+/// Where an exchange's values live, and how the step sees a piece of them.
+pub trait Memory: 'static {
+    /// A read-only run of f32.
+    type View<'a>;
+    /// A writable run of f32.
+    type ViewMut<'a>;
 
-    /// Number of ranks.
-    fn world(&self) -> usize;
+    /// `v[range]`, as long-lived as `v`.
+    fn slice<'a>(v: &Self::View<'a>, range: std::ops::Range<usize>) -> Self::View<'a>
+    where
+        Self: 'a;
 
-    /// In place: `buf` ends holding the element-wise SUM of every rank's `buf`, each
-    /// element reduced once in one fixed order, so every rank gets bitwise the same
-    /// result. Returns at once on one rank.
-    fn all_reduce_sum(&self, buf: &mut [f32]) -> Result<()>;
+    /// Number of values in `v`.
+    fn len(v: &Self::View<'_>) -> usize;
+}
 
-    /// Copies `root`'s `buf` into every other rank's `buf`.
-    fn broadcast(&self, buf: &mut [f32], root: usize) -> Result<()>;
+/// Host memory: slices of f32.
+pub enum Host {}
 
-    /// Returns when every rank has called it.
-    fn barrier(&self) -> Result<()>;
+impl Memory for Host {
+    type View<'a> = &'a [f32];
+    type ViewMut<'a> = &'a mut [f32];
 
+    fn slice<'a>(v: &&'a [f32], range: std::ops::Range<usize>) -> &'a [f32]
+    where
+        Self: 'a,
+    {
+        &v[range]
+    }
+
+    fn len(v: &&[f32]) -> usize {
+        v.len()
+    }
+}
+
+/// What every thread of a run may do to its exchange: stop it.
+pub trait Abort: Sync {
     /// Makes every pending and future call of every rank fail with `Error::Aborted`.
+    /// Callable from any thread, any number of times.
     fn abort(&self);
+
+    /// True once [`Abort::abort`] was called.
+    fn is_aborted(&self) -> bool;
+}
+
+/// One device's side of a gradient exchange: its local slots, the sum, and the pieces of
+/// the sum. Every rank makes the same calls in the same order (as with NCCL or MPI):
+/// each step, the slots are written, then [`Exchange::sum`], then the pieces are read.
+pub trait Exchange {
+    type Mem: Memory;
+
+    /// Values per slot: `[gradient | buffers]` of one logical replica.
+    fn width(&self) -> usize;
+
+    /// Runs `f` on this device's `local`-th slot (`width` values, to be overwritten).
+    fn with_slot<T>(&mut self, local: usize, f: impl FnOnce(<Self::Mem as Memory>::ViewMut<'_>) -> T) -> T;
+
+    /// Sums every logical replica's slot across the world, each element once, in the
+    /// transport's fixed order, so that every rank reads bitwise the same sum.
+    fn sum(&mut self) -> Result<()>;
+
+    /// Calls `f(offset, piece)` on consecutive pieces of the sum covering `0..width`, in
+    /// order (the shared chunks of a reduce-scatter, or one piece).
+    fn for_each_sum(&self, f: impl FnMut(usize, <Self::Mem as Memory>::View<'_>) -> Result<()>) -> Result<()>;
+
+    /// True once the run's exchange was aborted (the device's waits poll it).
+    fn is_aborted(&self) -> bool;
+}
+
+/// The classic in-place all-reduce over any host exchange with one slot per rank: copy
+/// `buf` into the slot, sum, copy the sum back. (The trainer skips both copies: it writes
+/// gradients into the slot and its update reads the pieces in place.)
+pub fn all_reduce_in_place<X: Exchange<Mem = Host>>(x: &mut X, buf: &mut [f32]) -> Result<()> {
+    if buf.len() != x.width() {
+        return Err(crate::Error::shape(
+            "all_reduce_in_place",
+            format!("buffer of {} values for an exchange of {}", buf.len(), x.width()),
+        ));
+    }
+    x.with_slot(0, |slot| slot.copy_from_slice(buf));
+    x.sum()?;
+    x.for_each_sum(|off, piece| {
+        buf[off..off + piece.len()].copy_from_slice(piece);
+        Ok(())
+    })
 }

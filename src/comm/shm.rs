@@ -18,9 +18,9 @@ use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use parking_lot::{RwLock, RwLockWriteGuard};
+use parking_lot::RwLock;
 
-use super::Collective;
+use super::{Abort, Exchange, Host};
 use crate::error::{Error, Result};
 
 /// A reusable barrier for `n` threads that spins before it sleeps, and gives up when the
@@ -159,33 +159,22 @@ impl ShmExchange {
         self.len == 0
     }
 
-    /// Fails every pending and future wait.
-    pub fn abort(&self) {
-        self.aborted.store(true, Ordering::SeqCst);
-    }
-
     fn shards_per_rank(&self) -> usize {
         self.shards.len() / self.ranks
     }
 }
 
-/// One rank's view of a [`ShmExchange`].
+/// One rank's view of a [`ShmExchange`]: its side of the exchange.
 pub struct ShmRank<'a> {
     ex: &'a ShmExchange,
     rank: usize,
 }
 
-impl<'a> ShmRank<'a> {
-    /// The send buffer of this rank's `local`-th logical replica, to write a gradient in.
-    pub fn shard_buffer(&self, local: usize) -> RwLockWriteGuard<'a, Vec<f32>> {
-        assert!(local < self.ex.shards_per_rank());
-        self.ex.shards[self.rank * self.ex.shards_per_rank() + local].write()
-    }
-
+impl ShmRank<'_> {
     /// Reduce-scatter: sums this rank's chunk over every shard buffer (canonical tree
     /// order) into the shared reduced chunk, then waits until every chunk is reduced.
     /// With a single shard there is nothing to reduce and it returns at once.
-    pub fn reduce_scatter(&self) -> Result<()> {
+    fn reduce_scatter(&self) -> Result<()> {
         let ex = self.ex;
         if ex.shards.len() == 1 {
             return Ok(());
@@ -199,75 +188,55 @@ impl<'a> ShmRank<'a> {
         ex.barrier.wait(&ex.aborted)
     }
 
-    /// Calls `f(offset, values)` on each piece of the reduced buffer, in order: the
-    /// shared chunks after [`ShmRank::reduce_scatter`], or the single shard's buffer when
-    /// there is one shard.
-    pub fn for_each_reduced(&self, mut f: impl FnMut(usize, &[f32])) {
-        let ex = self.ex;
-        if ex.shards.len() == 1 {
-            f(0, &ex.shards[0].read());
-            return;
-        }
-        for (c, r) in ex.reduced.iter().zip(&ex.chunks) {
-            f(r.start, &c.read());
-        }
-    }
-
-    /// The classic all-gather: copies the reduced buffer into `out` (len values).
-    pub fn gather_into(&self, out: &mut [f32]) {
-        self.for_each_reduced(|off, v| out[off..off + v.len()].copy_from_slice(v));
+    /// Returns when every rank has called it (for benchmarks that time between barriers).
+    pub fn barrier(&self) -> Result<()> {
+        self.ex.barrier.wait(&self.ex.aborted)
     }
 }
 
-impl Collective for ShmRank<'_> {
-    fn rank(&self) -> usize {
-        self.rank
+impl Exchange for ShmRank<'_> {
+    type Mem = Host;
+
+    fn width(&self) -> usize {
+        self.ex.len
     }
 
-    fn world(&self) -> usize {
-        self.ex.ranks
+    /// The send buffer of this rank's `local`-th logical replica.
+    fn with_slot<T>(&mut self, local: usize, f: impl FnOnce(&mut [f32]) -> T) -> T {
+        let k = self.ex.shards_per_rank();
+        assert!(local < k, "slot {local} of a rank with {k} logical replicas");
+        f(&mut self.ex.shards[self.rank * k + local].write())
     }
 
-    /// Classic in-place all-reduce (one shard per rank): copy in, reduce-scatter,
-    /// all-gather. The trainer uses the cheaper `reduce_scatter` + `for_each_reduced`.
-    fn all_reduce_sum(&self, buf: &mut [f32]) -> Result<()> {
-        if self.ex.ranks == 1 && self.ex.shards.len() == 1 {
-            return Ok(());
+    fn sum(&mut self) -> Result<()> {
+        self.reduce_scatter()
+    }
+
+    /// The shared chunks after the reduce-scatter, or the single shard's buffer when
+    /// there is one shard.
+    fn for_each_sum(&self, mut f: impl FnMut(usize, &[f32]) -> Result<()>) -> Result<()> {
+        let ex = self.ex;
+        if ex.shards.len() == 1 {
+            return f(0, &ex.shards[0].read());
         }
-        if buf.len() != self.ex.len || self.ex.shards_per_rank() != 1 {
-            return Err(Error::shape(
-                "all_reduce_sum",
-                format!("buffer of {} values for an exchange of {} with one shard per rank", buf.len(), self.ex.len),
-            ));
+        for (c, r) in ex.reduced.iter().zip(&ex.chunks) {
+            f(r.start, &c.read())?;
         }
-        self.shard_buffer(0).copy_from_slice(buf);
-        self.reduce_scatter()?;
-        self.gather_into(buf);
         Ok(())
     }
 
-    fn broadcast(&self, buf: &mut [f32], root: usize) -> Result<()> {
-        let ex = self.ex;
-        if ex.ranks == 1 {
-            return Ok(());
-        }
-        let k = ex.shards_per_rank();
-        if self.rank == root {
-            ex.shards[root * k].write()[..buf.len()].copy_from_slice(buf);
-        }
-        ex.barrier.wait(&ex.aborted)?;
-        if self.rank != root {
-            buf.copy_from_slice(&ex.shards[root * k].read()[..buf.len()]);
-        }
-        ex.barrier.wait(&ex.aborted)
+    fn is_aborted(&self) -> bool {
+        self.ex.aborted.load(Ordering::SeqCst)
     }
+}
 
-    fn barrier(&self) -> Result<()> {
-        self.ex.barrier.wait(&self.ex.aborted)
-    }
-
+impl Abort for ShmExchange {
     fn abort(&self) {
-        self.ex.abort();
+        self.aborted.store(true, Ordering::SeqCst);
+    }
+
+    fn is_aborted(&self) -> bool {
+        self.aborted.load(Ordering::SeqCst)
     }
 }
 
@@ -288,6 +257,17 @@ mod tests {
         assert!(out.iter().all(|&x| x == want));
     }
 
+    /// Every rank's copy of the sum, gathered from its pieces.
+    fn gathered(me: &ShmRank<'_>) -> Vec<f32> {
+        let mut out = vec![f32::NAN; me.width()];
+        me.for_each_sum(|off, v| {
+            out[off..off + v.len()].copy_from_slice(v);
+            Ok(())
+        })
+        .unwrap();
+        out
+    }
+
     #[test]
     fn reduce_scatter_sums_every_shard_on_every_rank() {
         for (ranks, shards) in [(1, 1), (1, 4), (2, 2), (2, 4), (3, 3), (4, 4)] {
@@ -298,18 +278,15 @@ mod tests {
                     .map(|d| {
                         let ex = &ex;
                         s.spawn(move || {
-                            let me = ex.rank(d);
+                            let mut me = ex.rank(d);
                             for j in 0..shards / ranks {
                                 let shard = d * (shards / ranks) + j;
-                                me.shard_buffer(j)
-                                    .iter_mut()
-                                    .enumerate()
-                                    .for_each(|(i, v)| *v = (shard * len + i) as f32);
+                                me.with_slot(j, |slot| {
+                                    slot.iter_mut().enumerate().for_each(|(i, v)| *v = (shard * len + i) as f32)
+                                });
                             }
-                            me.reduce_scatter().unwrap();
-                            let mut out = vec![0.0; len];
-                            me.gather_into(&mut out);
-                            out
+                            me.sum().unwrap();
+                            gathered(&me)
                         })
                     })
                     .collect();
@@ -325,35 +302,35 @@ mod tests {
     }
 
     #[test]
-    fn classic_all_reduce_and_broadcast_give_every_rank_the_same_values() {
+    fn classic_all_reduce_gives_every_rank_the_same_values() {
         let (ranks, len) = (3, 100);
         let ex = ShmExchange::new(ranks, ranks, len).unwrap();
-        let out: Vec<(Vec<f32>, Vec<f32>)> = std::thread::scope(|s| {
+        let out: Vec<Vec<f32>> = std::thread::scope(|s| {
             let hs: Vec<_> = (0..ranks)
                 .map(|r| {
                     let ex = &ex;
                     s.spawn(move || {
-                        let me = ex.rank(r);
+                        let mut me = ex.rank(r);
                         let mut sum: Vec<f32> = (0..len).map(|i| (r * 1000 + i) as f32).collect();
-                        me.all_reduce_sum(&mut sum).unwrap();
-                        let mut b = vec![r as f32; len];
-                        me.broadcast(&mut b, 1).unwrap();
-                        (sum, b)
+                        crate::comm::all_reduce_in_place(&mut me, &mut sum).unwrap();
+                        sum
                     })
                 })
                 .collect();
             hs.into_iter().map(|h| h.join().unwrap()).collect()
         });
-        for (sum, b) in &out {
+        for sum in &out {
             // ((0·1000 + i) + (1000 + i)) + (2000 + i) = 3000 + 3i, exact in f32
             assert!(sum.iter().enumerate().all(|(i, &v)| v == (3000 + 3 * i) as f32));
-            assert!(b.iter().all(|&v| v == 1.0), "rank 1's values everywhere");
         }
         // One rank: nothing to do, nothing changes.
         let one = ShmExchange::new(1, 1, 4).unwrap();
         let mut v = vec![1.0, 2.0, 3.0, 4.0];
-        one.rank(0).all_reduce_sum(&mut v).unwrap();
+        crate::comm::all_reduce_in_place(&mut one.rank(0), &mut v).unwrap();
         assert_eq!(v, vec![1.0, 2.0, 3.0, 4.0]);
+        // A buffer of another length is refused, naming both lengths.
+        let e = crate::comm::all_reduce_in_place(&mut one.rank(0), &mut [0.0; 3]).unwrap_err().to_string();
+        assert!(e.contains("buffer of 3 values for an exchange of 4"), "{e}");
     }
 
     #[test]

@@ -18,6 +18,7 @@ use parking_lot::Mutex;
 
 use super::kernels::{cached_ptx, kernel_name, Dir};
 use super::probe::driver_available;
+use crate::optim::{OptimizerConfig, StepScalars};
 use crate::{Error, Result};
 
 /// Threads per block of the block-per-channel reductions; must equal `REDUCE_BLOCK` in
@@ -162,6 +163,20 @@ impl Gpu {
         let ctx = CudaContext::new(ordinal)?;
         let (major, minor) = ctx.compute_capability()?;
         let stream = ctx.new_stream()?;
+        Ok(Gpu {
+            ctx,
+            stream,
+            arch: format!("sm_{major}{minor}"),
+            modules: Mutex::new(HashMap::new()),
+            functions: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// Launches on `stream` (of an open context), e.g. another component's stream on the
+    /// same GPU.
+    pub fn on_stream(stream: Arc<CudaStream>) -> Result<Self> {
+        let ctx = stream.context().clone();
+        let (major, minor) = ctx.compute_capability()?;
         Ok(Gpu {
             ctx,
             stream,
@@ -734,73 +749,58 @@ impl Gpu {
 
     // ---- optim.cu -------------------------------------------------------------------
 
-    /// PyTorch SGD (momentum, weight decay) on one flat parameter buffer; `grad_scale` is
-    /// applied to grad first (the trainer passes 1/B). p, grad, buf: (n)
-    #[allow(clippy::too_many_arguments)]
-    pub fn sgd_step(
+    /// One optimiser step on one run of the flat parameters, as the CPU optimiser
+    /// (`optim::Optimizer::update`) computes it, from the step's scalars made on the host
+    /// by `OptimizerConfig::scalars`. SGD uses `m` as its momentum buffer (written even
+    /// without momentum) and ignores `v`. p, grad, m, v: (n)
+    pub fn optimizer_step(
         &self,
-        p: &mut impl DevOut,
-        grad: &impl DevIn,
-        buf: &mut impl DevOut,
-        lr: f32,
-        momentum: f32,
-        weight_decay: f32,
-        grad_scale: f32,
-    ) -> Result<()> {
-        let p = &mut p.view_mut();
-        let grad = &grad.view();
-        let buf = &mut buf.view_mut();
-        let n = p.len();
-        check_len("sgd_step", "grad", grad, n)?;
-        check_len("sgd_step", "momentum buffer", buf, n)?;
-        if n == 0 {
-            return Ok(());
-        }
-        let f = self.function("optim.cu", "sgd_step", Dir::Plain)?;
-        let mut b = self.stream.launch_builder(&f);
-        b.arg(p).arg(grad).arg(buf).arg(&lr).arg(&momentum).arg(&weight_decay).arg(&grad_scale).arg(&n);
-        // SAFETY: arguments match sgd_step_f32(float*, const float*, float*, 4 x float,
-        // size_t); all three buffers hold n floats (checked).
-        unsafe { b.launch(elem_cfg(n)) }?;
-        Ok(())
-    }
-
-    /// PyTorch Adam on one flat parameter buffer at 1-based step `t`; the bias
-    /// corrections are computed here in f64. p, grad, m, v: (n)
-    #[allow(clippy::too_many_arguments)]
-    pub fn adam_step(
-        &self,
+        config: &OptimizerConfig,
+        s: &StepScalars,
         p: &mut impl DevOut,
         grad: &impl DevIn,
         m: &mut impl DevOut,
         v: &mut impl DevOut,
-        hp: AdamHyper,
-        t: u64,
-        grad_scale: f32,
     ) -> Result<()> {
         let p = &mut p.view_mut();
         let grad = &grad.view();
         let m = &mut m.view_mut();
-        let v = &mut v.view_mut();
         let n = p.len();
-        check_len("adam_step", "grad", grad, n)?;
-        check_len("adam_step", "m", m, n)?;
-        check_len("adam_step", "v", v, n)?;
-        if t == 0 {
-            return Err(Error::config("adam step", "t is 1-based; got 0"));
+        check_len("optimizer_step", "grad", grad, n)?;
+        check_len("optimizer_step", "m", m, n)?;
+        if s.t == 0 {
+            return Err(Error::config("optimizer step", "t is 1-based; got 0"));
         }
         if n == 0 {
             return Ok(());
         }
-        let (bc1, bc2_sqrt) = hp.bias_corrections(t);
-        let f = self.function("optim.cu", "adam_step", Dir::Plain)?;
-        let mut b = self.stream.launch_builder(&f);
-        b.arg(p).arg(grad).arg(m).arg(v);
-        b.arg(&hp.lr).arg(&hp.beta1).arg(&hp.beta2).arg(&hp.eps).arg(&hp.weight_decay);
-        b.arg(&grad_scale).arg(&bc1).arg(&bc2_sqrt).arg(&n);
-        // SAFETY: arguments match adam_step_f32(float*, const float*, float*, float*,
-        // 8 x float, size_t); all four buffers hold n floats (checked).
-        unsafe { b.launch(elem_cfg(n)) }?;
+        match *config {
+            OptimizerConfig::Sgd { momentum, weight_decay, .. } => {
+                let first = i32::from(s.t == 1);
+                let f = self.function("optim.cu", "sgd_step", Dir::Plain)?;
+                let mut b = self.stream.launch_builder(&f);
+                b.arg(p).arg(grad).arg(m).arg(&s.step_size).arg(&momentum).arg(&weight_decay);
+                b.arg(&s.grad_divisor).arg(&first).arg(&n);
+                // SAFETY: arguments match sgd_step_f32(float* p, const float* grad, float*
+                // buf, float step_size, float momentum, float weight_decay, float
+                // grad_divisor, int first, size_t n); p, grad and buf hold n floats (checked).
+                unsafe { b.launch(elem_cfg(n)) }?;
+            }
+            OptimizerConfig::Adam { beta1, beta2, eps, weight_decay, .. } => {
+                let v = &mut v.view_mut();
+                check_len("optimizer_step", "v", v, n)?;
+                let f = self.function("optim.cu", "adam_step", Dir::Plain)?;
+                let mut b = self.stream.launch_builder(&f);
+                b.arg(p).arg(grad).arg(m).arg(v);
+                b.arg(&s.step_size).arg(&beta1).arg(&beta2).arg(&eps).arg(&weight_decay);
+                b.arg(&s.grad_divisor).arg(&s.bc2_sqrt).arg(&n);
+                // SAFETY: arguments match adam_step_f32(float* p, const float* grad, float*
+                // m, float* v, float step_size, float beta1, float beta2, float eps, float
+                // weight_decay, float grad_divisor, float bc2_sqrt, size_t n); the four
+                // buffers hold n floats (checked).
+                unsafe { b.launch(elem_cfg(n)) }?;
+            }
+        }
         Ok(())
     }
 
@@ -870,33 +870,4 @@ pub struct DropoutKey {
     pub step: u64,
     pub replica: u64,
     pub layer: u64,
-}
-
-/// Adam's hyper-parameters (PyTorch names and defaults).
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct AdamHyper {
-    pub lr: f32,
-    pub beta1: f32,
-    pub beta2: f32,
-    pub eps: f32,
-    pub weight_decay: f32,
-}
-
-impl Default for AdamHyper {
-    fn default() -> Self {
-        AdamHyper { lr: 1e-3, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 }
-    }
-}
-
-impl AdamHyper {
-    /// (1 - beta1^t, sqrt(1 - beta2^t)) computed in f64 then rounded, as the CPU
-    /// optimiser computes them too. The updates themselves associate differently (the CPU
-    /// folds lr/bc1 in f64; the kernel scales the gradient by 1/B where the CPU divides),
-    /// so the two backends agree to rounding, not bit for bit.
-    pub fn bias_corrections(&self, t: u64) -> (f32, f32) {
-        let t = t.min(i32::MAX as u64) as i32;
-        let bc1 = 1.0 - (self.beta1 as f64).powi(t);
-        let bc2 = 1.0 - (self.beta2 as f64).powi(t);
-        (bc1 as f32, bc2.sqrt() as f32)
-    }
 }

@@ -8,18 +8,18 @@
 //! - [`launch`]: [`launch::Gpu`], one device's context and stream, one checked method
 //!   per kernel;
 //! - [`gemm`]: the GPU layers' GEMMs as row-major descriptions, handed to cuBLAS;
-//! - [`replica`]: [`replica::GpuReplica`], a model replica on one GPU (flat device
-//!   buffers, the layers' forward and backward, the optimiser).
+//! - [`net`]: [`net::GpuNet`], a network on one GPU (flat device buffers, the layers'
+//!   forward and backward, the optimiser), queueing work on its stream.
 //!
-//! The GPU collective (`comm::gpu`, NCCL or device copies) and the trainer's GPU workers
-//! build on these.
+//! Nothing here knows of steps, batches or exchanges: the GPU exchanges (`comm::gpu`,
+//! NCCL or device copies) and the trainer's GPU replica (`train::gpu`) build on these.
 
 pub mod gemm;
 pub mod kernels;
 pub mod launch;
+pub mod net;
 pub mod probe;
-pub mod replica;
 
 pub use kernels::{kernel_name, Dir};
-pub use launch::{AdamHyper, BnParams, ConvGeom, DropoutKey, Gpu};
+pub use launch::{BnParams, ConvGeom, DropoutKey, Gpu};
 pub use probe::{driver_available, gpu_count, gpus, nccl_status, nvrtc_available, GpuInfo, NcclStatus};

@@ -45,10 +45,18 @@ fn check(logits: &Tensor, labels: &[u32]) -> Result<(usize, usize)> {
             format!("{} labels for logits {}", labels.len(), logits.shape()),
         ));
     }
-    if let Some(&l) = labels.iter().find(|&&l| l as usize >= k) {
-        return Err(Error::shape("softmax_cross_entropy", format!("label {l} out of range for {k} classes")));
-    }
+    check_labels(labels, k)?;
     Ok((n, k))
+}
+
+/// Every label must name one of the model's `classes` outputs. The one check of labels
+/// for every backend: the GPU's loss kernel never indexes with a bad label, but would
+/// give NaN for it, so the GPU replica checks its rows here before copying them.
+pub fn check_labels(labels: &[u32], classes: usize) -> Result<()> {
+    match labels.iter().find(|&&l| l as usize >= classes) {
+        Some(&l) => Err(Error::shape("softmax_cross_entropy", format!("label {l} out of range for {classes} classes"))),
+        None => Ok(()),
+    }
 }
 
 /// Loss, accuracy and, when `dlogits` is given, softmax − onehot written into it.

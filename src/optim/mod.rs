@@ -67,6 +67,39 @@ impl OptimizerConfig {
             OptimizerConfig::Sgd { lr, .. } | OptimizerConfig::Adam { lr, .. } => lr,
         }
     }
+
+    /// The scalars of the optimiser step number `t` (1-based) at `lr_scale` times the
+    /// learning rate, for gradients summed over a global batch of `grad_divisor` samples.
+    pub fn scalars(&self, t: u64, lr_scale: f32, grad_divisor: f32) -> StepScalars {
+        let lr = self.lr() * lr_scale;
+        let (step_size, bc2_sqrt) = match *self {
+            OptimizerConfig::Sgd { .. } => (lr, 1.0),
+            OptimizerConfig::Adam { beta1, beta2, .. } => {
+                // Bias corrections in f64, as PyTorch computes them (Python floats).
+                let t = t.min(i32::MAX as u64) as i32;
+                let bc1 = 1.0 - (beta1 as f64).powi(t);
+                let bc2 = 1.0 - (beta2 as f64).powi(t);
+                ((lr as f64 / bc1) as f32, bc2.sqrt() as f32)
+            }
+        };
+        StepScalars { t, grad_divisor, step_size, bc2_sqrt }
+    }
+}
+
+/// The numbers of one optimiser step besides the tensors, made once on the host by
+/// [`OptimizerConfig::scalars`]: every backend's update (the CPU loop below, the CUDA
+/// kernel `kernels/optim.cu`) reads these very values, so none of them is computed twice.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StepScalars {
+    /// The 1-based step number.
+    pub t: u64,
+    /// Gradients arrive SUMMED over the global batch; they are divided by this, the
+    /// batch's real size.
+    pub grad_divisor: f32,
+    /// SGD: lr·schedule. Adam: lr·schedule / (1 − β1^t), folded in f64.
+    pub step_size: f32,
+    /// Adam: sqrt(1 − β2^t), from f64. SGD: 1.
+    pub bc2_sqrt: f32,
 }
 
 /// How the learning rate changes over a run.
@@ -99,8 +132,6 @@ pub struct Optimizer {
     config: OptimizerConfig,
     /// Steps taken (Adam's t after `begin_step`).
     t: u64,
-    /// Multiplier of the learning rate for the current step (a schedule's value).
-    lr_scale: f32,
     /// SGD: the momentum buffer (empty without momentum). Adam: the first moment m.
     m: Vec<f32>,
     /// Adam: the second moment v. SGD: empty.
@@ -116,7 +147,7 @@ impl Optimizer {
             }
             OptimizerConfig::Adam { .. } => (vec![0.0; num_params], vec![0.0; num_params]),
         };
-        Optimizer { config, t: 0, lr_scale: 1.0, m, v }
+        Optimizer { config, t: 0, m, v }
     }
 
     /// The configuration.
@@ -161,42 +192,36 @@ impl Optimizer {
         Ok(())
     }
 
-    /// Starts a step whose learning rate is `lr_scale` times the configured one: call
-    /// once, before [`Optimizer::update`] on any chunk.
-    pub fn begin_step(&mut self, lr_scale: f32) {
+    /// Starts a step whose learning rate is `lr_scale` times the configured one, for
+    /// gradients summed over `grad_divisor` samples: call once, before
+    /// [`Optimizer::update`] on any chunk, with the scalars it returns.
+    pub fn begin_step(&mut self, lr_scale: f32, grad_divisor: f32) -> StepScalars {
         self.t += 1;
-        self.lr_scale = lr_scale;
+        self.config.scalars(self.t, lr_scale, grad_divisor)
     }
 
     /// Updates `params` (the values at `offset..offset + params.len()` of the flat
     /// buffer) from `grad_sum`, the gradient summed over the global batch.
-    pub fn update(&mut self, offset: usize, params: &mut [f32], grad_sum: &[f32], grad_divisor: f32) {
+    pub fn update(&mut self, offset: usize, params: &mut [f32], grad_sum: &[f32], s: &StepScalars) {
         debug_assert_eq!(params.len(), grad_sum.len());
         let range = offset..offset + params.len();
+        let StepScalars { t, grad_divisor, step_size, bc2_sqrt } = *s;
         match self.config {
-            OptimizerConfig::Sgd { lr, momentum, weight_decay } => {
-                let lr = lr * self.lr_scale;
+            OptimizerConfig::Sgd { momentum, weight_decay, .. } => {
                 if momentum > 0.0 {
                     for ((p, &gs), buf) in params.iter_mut().zip(grad_sum).zip(&mut self.m[range]) {
                         let g = gs / grad_divisor + weight_decay * *p;
-                        *buf = if self.t == 1 { g } else { momentum * *buf + g };
-                        *p -= lr * *buf;
+                        *buf = if t == 1 { g } else { momentum * *buf + g };
+                        *p -= step_size * *buf;
                     }
                 } else {
                     for (p, &gs) in params.iter_mut().zip(grad_sum) {
                         let g = gs / grad_divisor + weight_decay * *p;
-                        *p -= lr * g;
+                        *p -= step_size * g;
                     }
                 }
             }
-            OptimizerConfig::Adam { lr, beta1, beta2, eps, weight_decay } => {
-                let lr = lr * self.lr_scale;
-                // Bias corrections in f64, as PyTorch computes them (Python floats).
-                let t = self.t as i32;
-                let bc1 = 1.0 - (beta1 as f64).powi(t);
-                let bc2 = 1.0 - (beta2 as f64).powi(t);
-                let step_size = (lr as f64 / bc1) as f32;
-                let bc2_sqrt = bc2.sqrt() as f32;
+            OptimizerConfig::Adam { beta1, beta2, eps, weight_decay, .. } => {
                 let (m, v) = (&mut self.m[range.clone()], &mut self.v[range]);
                 for (((p, &gs), m), v) in params.iter_mut().zip(grad_sum).zip(m).zip(v) {
                     let g = gs / grad_divisor + weight_decay * *p;
@@ -220,8 +245,8 @@ mod tests {
         // is lr·g/(|g| + eps) = lr·sign(g) up to eps.
         let mut o = Optimizer::new(OptimizerConfig::adam(1e-3), 2);
         let mut p = [1.0f32, -1.0];
-        o.begin_step(1.0);
-        o.update(0, &mut p, &[0.5 * 4.0, -2.0 * 4.0], 4.0);
+        let s = o.begin_step(1.0, 4.0);
+        o.update(0, &mut p, &[0.5 * 4.0, -2.0 * 4.0], &s);
         assert!((p[0] - (1.0 - 1e-3)).abs() < 1e-7, "{}", p[0]);
         assert!((p[1] - (-1.0 + 1e-3)).abs() < 1e-7, "{}", p[1]);
     }
@@ -234,8 +259,8 @@ mod tests {
         let mut o = Optimizer::new(cfg, 1);
         let mut p = [0.0f32];
         for _ in 0..2 {
-            o.begin_step(1.0);
-            o.update(0, &mut p, &[1.0], 1.0);
+            let s = o.begin_step(1.0, 1.0);
+            o.update(0, &mut p, &[1.0], &s);
         }
         assert!((p[0] + 0.29).abs() < 1e-7);
     }
@@ -247,11 +272,11 @@ mod tests {
         let (mut a, mut b) = (Optimizer::new(cfg, 10), Optimizer::new(cfg, 10));
         let (mut pa, mut pb) = (vec![0.3f32; 10], vec![0.3f32; 10]);
         for _ in 0..3 {
-            a.begin_step(1.0);
-            a.update(0, &mut pa, &g, 3.0);
-            b.begin_step(1.0);
-            b.update(0, &mut pb[..4], &g[..4], 3.0);
-            b.update(4, &mut pb[4..], &g[4..], 3.0);
+            let s = a.begin_step(1.0, 3.0);
+            a.update(0, &mut pa, &g, &s);
+            let s = b.begin_step(1.0, 3.0);
+            b.update(0, &mut pb[..4], &g[..4], &s);
+            b.update(4, &mut pb[4..], &g[4..], &s);
         }
         assert_eq!(pa, pb);
     }

@@ -8,17 +8,25 @@
 //! | `report.rs` | step and epoch reports, the [`Observer`], the [`TrainReport`] |
 //! | `batch.rs` | [`Batch`], a global batch gathered on the host |
 //! | `scatter.rs` | the sampler (seeded epoch order) and the scatter into logical shards |
-//! | `trainer.rs` | [`with_trainer`] and the coordinator's handle, [`Trainer`] |
-//! | `worker.rs` | a device's replica and what it does with each command |
+//! | `trainer.rs` | [`with_trainer`]: the run's exchange and worker threads; the coordinator's handle, [`Trainer`] |
+//! | `worker.rs` | a worker thread: its start (set-up gate), its command loop, its faults |
+//! | `step.rs` | the training step, written once for every device and transport; evaluation, prediction |
+//! | `replica.rs` | the `Replica` trait the step runs; the replica check |
+//! | `cpu.rs` | the CPU replica |
+//! | `gpu.rs` | the GPU replica (its device half is `cuda::net`) |
 //! | `fit.rs` | [`train_data_parallel`]: epochs, evaluation, checkpoints |
 
 mod batch;
 mod config;
+mod cpu;
 mod fit;
+mod gpu;
+mod replica;
 mod report;
 pub mod scatter;
+mod step;
 mod trainer;
-pub mod worker;
+mod worker;
 
 pub use batch::Batch;
 pub use config::{NonFinite, TrainConfig};

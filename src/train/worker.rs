@@ -1,187 +1,234 @@
-//! One device's worker: its replica, and what it does with each command.
+//! A device's worker thread: how it starts, and what it does with each command.
 //!
-//! A worker owns a full replica (model instance with its caches, parameters, buffers,
-//! optimiser state) and the device's thread pool. For a training step it runs each of
-//! its logical replicas' shards in turn (forward → loss SUMMED over the shard →
-//! backward into that shard's send buffer), joins the reduce-scatter, then applies the
-//! optimiser to its own parameters reading the shared reduced gradient, and replaces
-//! its BatchNorm running statistics by their mean over the logical replicas that saw
-//! data. Every replica does exactly the same arithmetic on the same values, so replicas
-//! stay bitwise identical.
+//! A worker owns one [`Replica`] and its side of the [`Exchange`]; it is started by
+//! [`start`] on its own thread (built first, then past the set-up gate, then joined to
+//! the exchange), and serves the coordinator's commands until the channel closes. Every
+//! device runs this same loop: the step, evaluation and prediction are `step.rs`'s, the
+//! arithmetic the replica's, the summing the exchange's.
+//!
+//! Faults: an error or a panic while serving is sent back naming the device and the step,
+//! and aborts the exchange, which releases every other worker from its collective with
+//! `Error::Aborted`; the worker then leaves its loop. A worker released that way says only
+//! that, so the coordinator reports the root cause.
 
+use std::ops::Range;
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::comm::shm::ShmRank;
-use crate::error::{Error, Result};
-use crate::nn::loss::{score, softmax_cross_entropy, Metrics};
-use crate::nn::{Ctx, ParamStore, Sequential};
-use crate::optim::Optimizer;
-use crate::tensor::{Device, Tensor};
+use crossbeam_channel::{Receiver, Sender};
 
+use super::replica::{Replica, StepOutcome};
+use super::step::{self, StepWork};
 use super::Batch;
+use crate::comm::{Abort, Exchange};
+use crate::error::{Error, Result};
+use crate::nn::loss::Metrics;
+use crate::nn::ParamStore;
+use crate::optim::Optimizer;
+use crate::tensor::Device;
 
-/// One step's work, shared by every worker.
-pub struct StepWork {
-    /// Global step index (0-based).
-    pub step: u64,
-    pub batch: Arc<Batch>,
-    /// Rows of each logical replica (R ranges).
-    pub shards: Vec<std::ops::Range<usize>>,
-    /// Learning-rate multiplier of this step (the schedule's value).
-    pub lr_scale: f32,
+/// What the coordinator asks of every worker.
+pub(crate) enum Command {
+    Step(Arc<StepWork>),
+    /// Evaluate these rows of the batch, in chunks of this many samples.
+    Eval(Arc<Batch>, Range<usize>, usize),
+    /// Predict these rows of the batch, in chunks of this many samples.
+    Predict(Arc<Batch>, Range<usize>, usize),
+    Fingerprints,
+    Snapshot,
 }
 
-/// What one step produced on one worker.
-#[derive(Clone, Debug, Default)]
-pub struct StepOutcome {
-    /// Metrics of each of this worker's logical replicas, in shard order.
-    pub shards: Vec<Metrics>,
-    pub compute: Duration,
-    pub reduce: Duration,
+/// A worker's answer to a [`Command`].
+pub(crate) enum Reply {
+    Step(StepOutcome),
+    Eval(Metrics),
+    Predict(Vec<f32>),
+    Fingerprints(Vec<(String, u64)>),
+    Snapshot(Box<(ParamStore, Optimizer)>),
 }
 
-/// A device's replica.
-pub struct Replica {
+/// A device's replica with its side of the exchange. The exchange is declared first so
+/// that it is dropped first: a GPU rank that departs aborts a collective its peers can no
+/// longer complete, which releases the stream the replica's drop then waits for.
+struct Worker<R, X> {
+    exchange: X,
+    replica: R,
+    /// The logical replicas (shards) this device trains.
+    shards: Range<usize>,
+}
+
+impl<R: Replica, X: Exchange<Mem = R::Mem>> Worker<R, X> {
+    fn handle(&mut self, cmd: &Command) -> Result<Reply> {
+        let r = &mut self.replica;
+        Ok(match cmd {
+            Command::Step(work) => Reply::Step(step::train(r, &mut self.exchange, work, self.shards.clone())?),
+            Command::Eval(batch, rows, chunk) => Reply::Eval(step::evaluate(r, batch, rows.clone(), *chunk)?),
+            Command::Predict(batch, rows, chunk) => Reply::Predict(step::predict(r, batch, rows.clone(), *chunk)?),
+            Command::Fingerprints => Reply::Fingerprints(r.fingerprints()?),
+            Command::Snapshot => Reply::Snapshot(Box::new(r.snapshot()?)),
+        })
+    }
+}
+
+/// Where a worker starts: its rank, device and shards, and its channels.
+pub(crate) struct Seat<'a> {
+    pub rank: usize,
     pub device: Device,
-    pub model: Sequential,
-    pub store: ParamStore,
-    pub optimizer: Optimizer,
-    /// Base seed of the run (dropout streams derive from it).
-    pub seed: u64,
+    pub shards: Range<usize>,
+    pub wait: Wait,
+    pub abort: &'a dyn Abort,
+    pub gate: &'a SetupGate,
+    pub commands: Receiver<Command>,
+    pub replies: Sender<(usize, Result<Reply>)>,
 }
 
-impl Replica {
-    /// Trains one step. `comm` is this rank's view of the exchange, whose buffers hold
-    /// [gradient sum | updated BN buffers] per logical replica.
-    pub fn step(
-        &mut self,
-        work: &StepWork,
-        comm: &ShmRank<'_>,
-        first_shard: usize,
-        shards_here: usize,
-    ) -> Result<StepOutcome> {
-        let t0 = Instant::now();
-        let np = self.model.num_params();
-        let nb = self.model.num_buffers();
-        let per_sample = work.batch.sample_shape.numel();
-        let mut outcome = StepOutcome::default();
-        for local in 0..shards_here {
-            let s = first_shard + local;
-            let rows = work.shards[s].clone();
-            let mut send = comm.shard_buffer(local);
-            send.fill(0.0);
-            if rows.is_empty() {
-                // An empty shard still joins the collective, with zeros.
-                outcome.shards.push(Metrics::default());
-                continue;
-            }
-            let n = rows.len();
-            let x = work.batch.x[rows.start * per_sample..rows.end * per_sample].to_vec();
-            let mut dims = vec![n];
-            dims.extend_from_slice(work.batch.sample_shape.dims());
-            let x = Tensor::from_vec_on(x, dims, self.device)?;
-            let labels = &work.batch.y[rows];
-            let (grads, bufs) = send.split_at_mut(np);
-            bufs.copy_from_slice(&self.store.buffers);
-            let ctx = Ctx::train(self.seed, work.step, s, self.device);
-            let logits = self.model.forward(x, &self.store.params, bufs, &ctx)?;
-            let (metrics, dlogits) = softmax_cross_entropy(&logits, labels)?;
-            self.model.backward(dlogits, &self.store.params, grads, &ctx)?;
-            outcome.shards.push(metrics);
-        }
-        let t1 = Instant::now();
-        comm.reduce_scatter()?;
-        let t2 = Instant::now();
-        let total = work.batch.len() as f32;
-        let with_data = work.shards.iter().filter(|r| !r.is_empty()).count() as f32;
-        self.optimizer.begin_step(work.lr_scale);
-        let (params, buffers, optimizer) = (&mut self.store.params, &mut self.store.buffers, &mut self.optimizer);
-        comm.for_each_reduced(|off, values| {
-            let end = off + values.len();
-            if off < np {
-                let e = end.min(np);
-                optimizer.update(off, &mut params[off..e], &values[..e - off], total);
-            }
-            if end > np && nb > 0 {
-                let s = off.max(np);
-                for (dst, &v) in buffers[s - np..end - np].iter_mut().zip(&values[s - off..]) {
-                    *dst = v / with_data;
-                }
-            }
-        });
-        outcome.compute = (t1 - t0) + t2.elapsed();
-        outcome.reduce = t2 - t1;
-        Ok(outcome)
-    }
-
-    /// Loss and accuracy of the model in evaluation mode on `rows` of `batch`, in
-    /// chunks of at most `chunk` samples.
-    pub fn evaluate(&mut self, batch: &Batch, rows: std::ops::Range<usize>, chunk: usize) -> Result<Metrics> {
-        let per_sample = batch.sample_shape.numel();
-        let mut total = Metrics::default();
-        let mut start = rows.start;
-        let mut scratch = self.store.buffers.clone();
-        while start < rows.end {
-            let end = (start + chunk).min(rows.end);
-            let mut dims = vec![end - start];
-            dims.extend_from_slice(batch.sample_shape.dims());
-            let x = Tensor::from_vec_on(batch.x[start * per_sample..end * per_sample].to_vec(), dims, self.device)?;
-            let logits = self.model.forward(x, &self.store.params, &mut scratch, &Ctx::eval(self.device))?;
-            total.add(&score(&logits, &batch.y[start..end])?);
-            start = end;
-        }
-        Ok(total)
-    }
-
-    /// Class probabilities (softmax of the logits) for `rows` of `batch`: (rows, K).
-    pub fn predict(&mut self, batch: &Batch, rows: std::ops::Range<usize>) -> Result<Vec<f32>> {
-        let per_sample = batch.sample_shape.numel();
-        let mut dims = vec![rows.len()];
-        dims.extend_from_slice(batch.sample_shape.dims());
-        let x =
-            Tensor::from_vec_on(batch.x[rows.start * per_sample..rows.end * per_sample].to_vec(), dims, self.device)?;
-        let mut scratch = self.store.buffers.clone();
-        let logits = self.model.forward(x, &self.store.params, &mut scratch, &Ctx::eval(self.device))?;
-        let k = logits.shape().per_sample();
-        Ok(crate::nn::loss::softmax_rows(logits.into_vec(), k))
-    }
-
-    /// Per-tensor fingerprints of parameters, buffers and optimiser state, for the
-    /// replica check (FNV-1a over the bit patterns: equal bits, equal hash).
-    pub fn fingerprints(&self) -> Vec<(String, u64)> {
-        fingerprints(&self.model, &self.store, &self.optimizer)
-    }
-}
-
-/// Per-tensor fingerprints of a replica's parameters, buffers and optimiser state (FNV-1a
-/// over the bit patterns: equal bits, equal hash), named as the checkpoints name them.
-pub fn fingerprints(model: &Sequential, store: &ParamStore, optimizer: &Optimizer) -> Vec<(String, u64)> {
-    let fnv = |v: &[f32]| {
-        v.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, x| (h ^ x.to_bits() as u64).wrapping_mul(0x100_0000_01b3))
+/// Runs one worker on the calling thread: builds its replica with `build`, waits at the
+/// set-up gate until every worker has built its own (so that nobody enters a collective
+/// join — NCCL's waits for every rank — while another has failed), joins the exchange
+/// with `join`, then serves commands. A failure (or panic) before serving is sent as the
+/// reply to the first command, as a worker's failure always is.
+pub(crate) fn start<R, X>(seat: Seat<'_>, build: impl FnOnce() -> Result<R>, join: impl FnOnce(&R) -> Result<X>)
+where
+    R: Replica,
+    X: Exchange<Mem = R::Mem>,
+{
+    let caught = |p: Box<dyn std::any::Any + Send>| Error::config("worker", format!("panicked: {}", panic_message(&p)));
+    let built = catch_unwind(AssertUnwindSafe(build)).unwrap_or_else(|p| Err(caught(p)));
+    let joined = match (seat.gate.arrive(built.is_ok()), built) {
+        (true, Ok(replica)) => catch_unwind(AssertUnwindSafe(|| join(&replica)))
+            .unwrap_or_else(|p| Err(caught(p)))
+            .map(|exchange| Worker { exchange, replica, shards: seat.shards.clone() }),
+        (_, Err(e)) => Err(e),
+        (false, Ok(_)) => Err(Error::Aborted),
     };
-    let mut out = Vec::new();
-    for t in model.param_infos() {
-        out.push((t.name.clone(), fnv(&store.params[t.range.clone()])));
-    }
-    for t in model.buffer_infos() {
-        out.push((t.name.clone(), fnv(&store.buffers[t.range.clone()])));
-    }
-    for (name, v) in optimizer.state() {
-        out.push((format!("optimizer.{name}"), fnv(v)));
-    }
-    out
-}
-
-/// Compares every replica's fingerprints with replica 0's; names the first difference.
-pub fn check_replicas(step: u64, prints: &[Vec<(String, u64)>]) -> Result<()> {
-    let Some(first) = prints.first() else { return Ok(()) };
-    for (r, p) in prints.iter().enumerate().skip(1) {
-        if let Some(((name, _), _)) = first.iter().zip(p).find(|(a, b)| a.1 != b.1) {
-            return Err(Error::ReplicaMismatch { step, replica: r, tensor: name.clone() });
+    match joined {
+        Ok(worker) => serve(worker, seat),
+        Err(e) => {
+            seat.abort.abort();
+            let e = match e {
+                Error::Aborted => Error::Aborted,
+                e => Error::Worker { device: seat.device.to_string(), step: 0, cause: e.to_string() },
+            };
+            let _ = seat.replies.send((seat.rank, Err(e)));
         }
     }
-    Ok(())
+}
+
+fn serve<R, X>(mut worker: Worker<R, X>, seat: Seat<'_>)
+where
+    R: Replica,
+    X: Exchange<Mem = R::Mem>,
+{
+    let mut step = 0u64;
+    while let Ok(cmd) = recv_waiting(&seat.commands, seat.wait) {
+        if let Command::Step(work) = &cmd {
+            step = work.step;
+        }
+        let result = catch_unwind(AssertUnwindSafe(|| worker.handle(&cmd)));
+        // A worker released from a collective by another's failure says only that
+        // (`Error::Aborted`); the one that failed names itself, the step and the cause.
+        let failure = |cause: String| Error::Worker { device: seat.device.to_string(), step, cause };
+        let result = match result {
+            Ok(Ok(r)) => Ok(r),
+            Ok(Err(Error::Aborted)) => Err(Error::Aborted),
+            Ok(Err(e)) => Err(failure(e.to_string())),
+            Err(panic) => Err(failure(format!("panicked: {}", panic_message(&panic)))),
+        };
+        let failed = result.is_err();
+        if failed {
+            seat.abort.abort();
+        }
+        if seat.replies.send((seat.rank, result)).is_err() || failed {
+            return;
+        }
+    }
+}
+
+/// Lets workers join the exchange only once every one of them has built its replica:
+/// NCCL's communicator set-up waits for every rank, so a rank that failed before joining
+/// would leave the others waiting forever.
+pub(crate) struct SetupGate {
+    state: parking_lot::Mutex<(usize, bool)>,
+    all: parking_lot::Condvar,
+    n: usize,
+}
+
+impl SetupGate {
+    pub fn new(n: usize) -> SetupGate {
+        SetupGate { state: parking_lot::Mutex::new((0, false)), all: parking_lot::Condvar::new(), n }
+    }
+
+    /// Releases every waiting worker with a failure (a worker thread could not start).
+    pub fn abandon(&self) {
+        let mut s = self.state.lock();
+        *s = (self.n, true);
+        self.all.notify_all();
+    }
+
+    /// Reports this worker's set-up (`ok`) and waits for every other's; true when all
+    /// succeeded.
+    pub fn arrive(&self, ok: bool) -> bool {
+        let mut s = self.state.lock();
+        s.0 += 1;
+        s.1 |= !ok;
+        if s.0 == self.n {
+            self.all.notify_all();
+        }
+        while s.0 < self.n {
+            self.all.wait(&mut s);
+        }
+        !s.1
+    }
+}
+
+/// How a thread waits for the next message or for its peers.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Wait {
+    /// Spin for a short while, then sleep: when every thread has a core of its own.
+    Spin,
+    /// Sleep at once: when the threads outnumber the cores, a spinning thread takes the
+    /// core from the very thread it waits for.
+    Park,
+}
+
+impl Wait {
+    /// [`Wait::Spin`] when `threads` busy threads (the coordinator's included) fit on the
+    /// machine's cores, [`Wait::Park`] otherwise.
+    pub fn for_threads(threads: usize) -> Wait {
+        if threads <= crate::devices::available_cores() {
+            Wait::Spin
+        } else {
+            Wait::Park
+        }
+    }
+}
+
+/// Receives, spinning for a short while before sleeping when `wait` allows. Steps of a
+/// small model last tens of microseconds; a thread that parks between them pays the
+/// wake-up of a sleeping core every step (measured: ~40 µs on a virtual machine, more
+/// than the step itself). Past `SPIN`, it sleeps like `recv`.
+pub(crate) fn recv_waiting<T>(rx: &Receiver<T>, wait: Wait) -> Result<T, crossbeam_channel::RecvError> {
+    const SPIN: Duration = Duration::from_micros(100);
+    if wait == Wait::Park {
+        return rx.recv();
+    }
+    let start = Instant::now();
+    loop {
+        match rx.try_recv() {
+            Ok(v) => return Ok(v),
+            Err(crossbeam_channel::TryRecvError::Disconnected) => return Err(crossbeam_channel::RecvError),
+            Err(crossbeam_channel::TryRecvError::Empty) if start.elapsed() < SPIN => std::hint::spin_loop(),
+            Err(crossbeam_channel::TryRecvError::Empty) => return rx.recv(),
+        }
+    }
+}
+
+fn panic_message(p: &Box<dyn std::any::Any + Send>) -> String {
+    p.downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| p.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "unknown panic".into())
 }
 
 #[cfg(test)]
@@ -189,36 +236,26 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_replica_that_differs_is_named_with_the_first_tensor_that_differs() {
-        let a = vec![
-            ("dense0.weight".to_string(), 1u64),
-            ("dense0.bias".to_string(), 2),
-            ("bn0.running_mean".to_string(), 3),
-        ];
-        let mut b = a.clone();
-        b[1].1 = 20;
-        b[2].1 = 30;
-        assert!(check_replicas(7, &[a.clone(), a.clone(), a.clone()]).is_ok());
-        let e = check_replicas(7, &[a.clone(), a.clone(), b]).unwrap_err();
-        assert!(matches!(&e, Error::ReplicaMismatch { step: 7, replica: 2, tensor } if tensor == "dense0.bias"), "{e}");
-        assert_eq!(
-            e.to_string(),
-            "replica check failed at step 7: replica 2 differs from replica 0 in tensor 'dense0.bias'"
-        );
+    fn the_setup_gate_opens_only_when_every_worker_succeeded() {
+        for failing in [None, Some(0), Some(2)] {
+            let gate = SetupGate::new(3);
+            let verdicts: Vec<bool> = std::thread::scope(|s| {
+                let hs: Vec<_> =
+                    (0..3).map(|w| (w, &gate)).map(|(w, g)| s.spawn(move || g.arrive(Some(w) != failing))).collect();
+                hs.into_iter().map(|h| h.join().unwrap()).collect()
+            });
+            assert_eq!(verdicts, vec![failing.is_none(); 3], "failing worker {failing:?}");
+        }
     }
 
     #[test]
-    fn fingerprints_change_with_any_bit() {
-        let model = crate::models::toy_mlp(2, 2).unwrap();
-        let store = model.init(0);
-        let optimizer = Optimizer::new(crate::optim::OptimizerConfig::sgd(0.1), model.num_params());
-        let mut r = Replica { device: Device::Cpu(0), model, store, optimizer, seed: 0 };
-        let before = r.fingerprints();
-        r.store.params[5] = f32::from_bits(r.store.params[5].to_bits() ^ 1); // one ulp
-        let after = r.fingerprints();
-        assert_eq!(before.len(), after.len());
-        let changed: Vec<&str> =
-            before.iter().zip(&after).filter(|(x, y)| x.1 != y.1).map(|(x, _)| x.0.as_str()).collect();
-        assert_eq!(changed, vec!["dense0.weight"]);
+    fn an_abandoned_gate_releases_the_workers_already_waiting() {
+        let gate = SetupGate::new(3);
+        std::thread::scope(|s| {
+            let waiting = s.spawn(|| gate.arrive(true));
+            std::thread::sleep(Duration::from_millis(20));
+            gate.abandon(); // the third worker never started
+            assert!(!waiting.join().unwrap());
+        });
     }
 }

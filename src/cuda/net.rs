@@ -1,40 +1,40 @@
-//! A model replica on one GPU: parameters, gradients, BatchNorm buffers and optimiser
-//! state in flat device buffers, the layers run by kernels of `kernels/` and cuBLAS.
+//! A network on one GPU: parameters, BatchNorm buffers and optimiser state in flat
+//! device buffers, the layers run by the kernels of `kernels/` and cuBLAS.
 //!
-//! Owns: [`GpuReplica`], what a CUDA worker thread holds (DESIGN.md: one thread per
-//! device, each with its context, streams and full replica). The network is the same
-//! [`Sequential`] the CPU replica runs: each layer describes its computation as a
-//! [`LayerOp`], and this file launches it. Flat buffers use the CPU layout exactly
-//! (`Sequential::layer_ranges`), so weights, checkpoints and replica fingerprints move
-//! between the two backends unchanged.
+//! Owns: [`GpuNet`], the device half of a GPU replica (DESIGN.md: one thread per device,
+//! each with its context, stream and full replica): what it holds on the device and the
+//! work it queues. What a step is — which shards, which slots, when to sum — is the
+//! trainer's (`train::gpu` drives this through the one step of `train::step`); nothing
+//! here knows of batches, exchanges or steps. The network is the same [`Sequential`] the
+//! CPU replica runs: each layer describes its computation as a [`LayerOp`], and this
+//! file launches it. Flat buffers use the CPU layout exactly (`Sequential::layer_ranges`),
+//! so weights, checkpoints and replica fingerprints move between the backends unchanged.
 //!
-//! A training step queues everything on the compute stream without waiting: one copy of
-//! this worker's rows from pinned host memory, then per logical replica (shard) forward,
-//! fused softmax cross-entropy and backward into that shard's gradient slot; the slots
-//! are summed in shard order, the collective sums across GPUs, and the fused optimiser
-//! updates the parameters. The host waits once, at the end, to read the losses it
-//! reports.
+//! Everything is queued on the one compute stream without waiting: staging a step's rows
+//! (one copy from pinned host memory), each shard's forward, fused softmax cross-entropy
+//! and backward into a slot it is given, the fused optimiser over pieces of a sum. The
+//! host waits in [`GpuNet::wait`] (polling an abort flag, so an abort releases it) and in
+//! the reads (losses, evaluation, snapshots).
 //!
 //! Layouts: activations NCHW as on the CPU; convolution unfolds to columns
 //! (N, C·KH·KW, OH·OW) and runs one strided-batched GEMM per pass; its weight gradient
 //! is summed over the samples' per-sample products by the `reduce_sum` kernel, in sample
-//! order. Parameter gradients of a shard are written once per step into a zeroed slot.
+//! order. Parameter gradients of a shard are written once per step into its zeroed slot.
 
 use std::ops::Range;
+use std::sync::Arc;
+use std::time::Duration;
 
 use cudarc::cublas::CudaBlas;
-use cudarc::driver::{CudaSlice, DevicePtr, PinnedHostSlice};
+use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, PinnedHostSlice};
 
 use super::gemm::{gemm, RmGemm};
-use super::launch::{AdamHyper, BnParams, ConvGeom, DropoutKey, Gpu};
-use crate::comm::gpu::GpuRank;
+use super::launch::{BnParams, ConvGeom, DropoutKey, Gpu};
 use crate::nn::conv2d::pads;
-use crate::nn::loss::Metrics;
+use crate::nn::loss::check_labels;
 use crate::nn::{LayerOp, ParamStore, Sequential};
-use crate::optim::{Optimizer, OptimizerConfig};
-use crate::tensor::{Device, Shape};
-use crate::train::worker::{StepOutcome, StepWork};
-use crate::train::Batch;
+use crate::optim::{OptimizerConfig, StepScalars};
+use crate::tensor::Shape;
 use crate::{Error, Result};
 
 /// One layer as the GPU runs it.
@@ -69,9 +69,9 @@ struct Activations {
     correct: CudaSlice<u32>,
 }
 
-/// A device's replica on a GPU.
-pub struct GpuReplica {
-    pub device: Device,
+/// A network on one GPU, with its parameters, buffers, optimiser state and the staging
+/// of one step's rows.
+pub struct GpuNet {
     gpu: Gpu,
     /// Dropped by hand (see `Drop`), before the workspace it uses.
     blas: std::mem::ManuallyDrop<CudaBlas>,
@@ -83,23 +83,19 @@ pub struct GpuReplica {
     nb: usize,
     params: CudaSlice<f32>,
     buffers: CudaSlice<f32>,
-    /// One slot of [gradient sum | updated BatchNorm buffers] per local logical replica.
-    slots: CudaSlice<f32>,
-    /// The slots' sum, all-reduced (used when a device runs more than one shard).
-    reduced: CudaSlice<f32>,
-    config: OptimizerConfig,
-    /// Optimiser state: SGD momentum or Adam's m, and Adam's v (empty for SGD).
+    /// Optimiser state: SGD's momentum or Adam's m, and Adam's v (one unused value for
+    /// SGD).
     m: CudaSlice<f32>,
     v: CudaSlice<f32>,
-    t: u64,
-    seed: u64,
+    adam: bool,
     /// Activations of the last pass (training or evaluation), kept while the batch size
     /// stays the same: nothing in them outlives a pass.
     acts: Option<Activations>,
-    /// Timing events of a step: its start, the end of backward, of the collective, of
-    /// the update (made once: a step records them again).
-    marks: [cudarc::driver::CudaEvent; 4],
-    /// Per-sample losses and hits of this worker's rows in the current step.
+    /// Events recorded by [`GpuNet::mark`] (made once: a step records them again).
+    marks: Vec<CudaEvent>,
+    /// Recorded by [`GpuNet::wait`]: the point the host waits for.
+    idle: CudaEvent,
+    /// Per-sample losses and hits of the rows staged by [`GpuNet::stage`].
     step_loss: Option<CudaSlice<f32>>,
     step_hits: Option<CudaSlice<u32>>,
     /// Pinned staging for the rows of one step or evaluation chunk, and their labels.
@@ -107,39 +103,55 @@ pub struct GpuReplica {
     pinned_y: Option<PinnedHostSlice<u32>>,
     x_dev: Option<CudaSlice<f32>>,
     y_dev: Option<CudaSlice<u32>>,
+    staged: usize,
 }
 
-impl GpuReplica {
-    /// Builds the replica on GPU `ordinal`: checks that every layer has a CUDA form,
-    /// uploads `store` and the optimiser state of `optimizer`, and makes room for
-    /// `shards_here` gradient slots.
+/// The optimiser a [`GpuNet`] runs and the state it starts from: SGD's momentum or
+/// Adam's m, and Adam's v, each empty where the optimiser keeps none (zeros then).
+pub struct OptimizerState<'a> {
+    pub config: OptimizerConfig,
+    pub m: &'a [f32],
+    pub v: &'a [f32],
+}
+
+/// What a training shard's dropout masks derive from, with the layer's index
+/// (DESIGN.md: randomness derives from the seed, the step and the logical replica).
+#[derive(Clone, Copy, Debug)]
+pub struct Draw {
+    pub seed: u64,
+    pub step: u64,
+    pub replica: usize,
+}
+
+impl GpuNet {
+    /// Builds the network on GPU `ordinal`: checks that every layer has a CUDA form,
+    /// uploads `store` and the optimiser `state`, and makes `marks` timing events.
     pub fn new(
         ordinal: usize,
         model: Sequential,
         store: &ParamStore,
-        optimizer: &Optimizer,
-        seed: u64,
-        shards_here: usize,
-    ) -> Result<GpuReplica> {
+        state: OptimizerState<'_>,
+        marks: usize,
+    ) -> Result<GpuNet> {
         let nodes = plan(&model)?;
         super::probe::cublas_available()?;
         let gpu = Gpu::new(ordinal)?;
         // SAFETY: cudarc's per-buffer event tracking (an event recorded or waited on for
         // every buffer of every launch once a context has a second stream) is not needed:
-        // every buffer of a replica is used by its compute stream alone, pinned staging is
-        // rewritten only after the step's closing wait, and the collective orders its own
+        // every buffer of a network is used by its compute stream alone, pinned staging is
+        // rewritten only after the step's closing wait, and the exchange orders its own
         // stream against the compute stream with explicit events (`comm::gpu`). Replicas
         // sharing a GPU share its primary context, and the same holds for each of them.
         unsafe { gpu.context().disable_event_tracking() };
         let stream = gpu.stream().clone();
         let blas = CudaBlas::new(stream.clone())?;
-        // A workspace of the replica's own: cuBLAS is reproducible bit for bit only when
+        // A workspace of the network's own: cuBLAS is reproducible bit for bit only when
         // streams that run at once (replicas sharing a GPU) do not share its default one.
         let workspace = stream.alloc_zeros::<u8>(CUBLAS_WORKSPACE)?;
         {
             let (ptr, _sync) = workspace.device_ptr(&stream);
             // SAFETY: the workspace lives as long as the handle (both fields of the
-            // replica, the handle dropped first) and is used on the handle's stream only.
+            // network, the handle dropped first) and is used on the handle's stream only.
             unsafe { cudarc::cublas::sys::cublasSetWorkspace_v2(*blas.handle(), ptr as *mut _, CUBLAS_WORKSPACE) }
                 .result()?;
         }
@@ -147,28 +159,25 @@ impl GpuReplica {
         if store.params.len() != np || store.buffers.len() != nb {
             return Err(Error::config("initial weights", "they do not match the model's tensors"));
         }
-        let config = *optimizer.config();
-        let state = optimizer.state();
-        let pick = |name: &str| state.iter().find(|(n, _)| *n == name).map(|(_, v)| v.to_vec());
-        let m = pick("m").unwrap_or_else(|| vec![0.0; np]);
-        let v = match config {
-            OptimizerConfig::Adam { .. } => pick("v").unwrap_or_else(|| vec![0.0; np]),
-            OptimizerConfig::Sgd { .. } => Vec::new(),
+        let state_of = |name: &str, v: &[f32]| -> Result<Vec<f32>> {
+            match v.len() {
+                0 => Ok(vec![0.0; np]),
+                n if n == np => Ok(v.to_vec()),
+                n => Err(Error::config("optimizer state", format!("'{name}' has {n} values, expected {np}"))),
+            }
         };
-        let width = np + nb;
+        let adam = matches!(state.config, OptimizerConfig::Adam { .. });
+        let m = state_of("m", state.m)?;
+        let v = if adam { state_of("v", state.v)? } else { Vec::new() };
         let timed = || gpu.context().new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT));
-        let marks = [timed()?, timed()?, timed()?, timed()?];
-        Ok(GpuReplica {
-            device: Device::Cuda(ordinal),
+        let marks = (0..marks).map(|_| timed()).collect::<std::result::Result<Vec<_>, _>>()?;
+        let idle = gpu.context().new_event(None)?;
+        Ok(GpuNet {
             params: upload(&stream, &store.params)?,
             buffers: upload(&stream, &store.buffers)?,
-            slots: stream.alloc_zeros(width * shards_here.max(1))?,
-            reduced: stream.alloc_zeros(width.max(1))?,
             m: upload(&stream, &m)?,
             v: upload(&stream, &v)?,
-            t: optimizer.steps(),
-            config,
-            seed,
+            adam,
             np,
             nb,
             nodes,
@@ -178,164 +187,194 @@ impl GpuReplica {
             _workspace: workspace,
             acts: None,
             marks,
+            idle,
             step_loss: None,
             step_hits: None,
             pinned_x: None,
             pinned_y: None,
             x_dev: None,
             y_dev: None,
+            staged: 0,
         })
     }
 
-    /// The stream every launch of this replica goes to (the collective orders itself
+    /// The stream every launch of this network goes to (the exchange orders itself
     /// after it).
-    pub fn stream(&self) -> &std::sync::Arc<cudarc::driver::CudaStream> {
+    pub fn stream(&self) -> &Arc<CudaStream> {
         self.gpu.stream()
     }
 
-    /// Trains one step: this worker's shards `first_shard..first_shard + shards_here`
-    /// of `work`, the collective `comm` over every GPU, then the update.
-    pub fn step(
-        &mut self,
-        work: &StepWork,
-        comm: &mut GpuRank<'_>,
-        first_shard: usize,
-        shards_here: usize,
-    ) -> Result<StepOutcome> {
-        // GPU time, not the host's: the host only queues work until the step's one wait.
-        self.marks[0].record(self.gpu.stream())?;
-        let (np, nb, width) = (self.np, self.nb, self.np + self.nb);
-        let mine = &work.shards[first_shard..first_shard + shards_here];
-        let rows = mine.first().map_or(0, |r| r.start)..mine.last().map_or(0, |r| r.end);
-        self.stage(&work.batch, rows.clone())?;
+    /// The model this network runs.
+    pub fn model(&self) -> &Sequential {
+        &self.model
+    }
+
+    /// Records timing event `i` on the stream.
+    pub fn mark(&mut self, i: usize) -> Result<()> {
+        self.marks[i].record(self.gpu.stream())?;
+        Ok(())
+    }
+
+    /// GPU time of every mark since mark 0 (waits for the last one).
+    pub fn mark_times(&self) -> Result<Vec<Duration>> {
+        let first = &self.marks[0];
+        self.marks.iter().map(|e| Ok(Duration::from_secs_f64(f64::from(first.elapsed_ms(e)?.max(0.0)) / 1e3))).collect()
+    }
+
+    /// Waits until everything queued so far has run, or until `aborted()` turns true
+    /// ([`Error::Aborted`]): the host's waits for a step go through here, so that a
+    /// replica whose peer failed is never stuck behind a collective that cannot complete.
+    pub fn wait(&self, aborted: &dyn Fn() -> bool) -> Result<()> {
+        self.idle.record(self.gpu.stream())?;
+        let mut spins = 0u32;
+        let start = std::time::Instant::now();
+        loop {
+            if self.idle.try_is_complete()? {
+                return Ok(());
+            }
+            if aborted() {
+                return Err(Error::Aborted);
+            }
+            // Spin, then yield, then sleep briefly: a step's wait of a few µs stays fast,
+            // a long one costs no core.
+            spins = spins.saturating_add(1);
+            if spins < 1024 {
+                std::hint::spin_loop();
+            } else if start.elapsed() < Duration::from_millis(2) {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(Duration::from_micros(50));
+            }
+        }
+    }
+
+    /// Copies rows (x: (rows, *input), y: (rows)) to the GPU through pinned memory,
+    /// asynchronously, for the shards of a step or an evaluation chunk to read, after
+    /// checking the labels against the model's classes.
+    pub fn stage(&mut self, xs: &[f32], ys: &[u32]) -> Result<()> {
+        check_labels(ys, self.model.output_shape().numel())?;
+        let ctx = self.gpu.context().clone();
         let stream = self.gpu.stream().clone();
-        stream.memset_zeros(&mut self.slots)?;
-        if self.step_loss.as_ref().map(|l| l.len()) != Some(rows.len().max(1)) {
-            self.step_loss = Some(stream.alloc_zeros(rows.len().max(1))?);
-            self.step_hits = Some(stream.alloc_zeros(rows.len().max(1))?);
+        if self.pinned_x.as_ref().map(|p| p.len()) != Some(xs.len().max(1)) {
+            // SAFETY: the memory is written below before any read.
+            self.pinned_x = Some(unsafe { ctx.alloc_pinned::<f32>(xs.len().max(1)) }?);
+            self.pinned_y = Some(unsafe { ctx.alloc_pinned::<u32>(ys.len().max(1)) }?);
+            self.x_dev = Some(stream.alloc_zeros(xs.len().max(1))?);
+            self.y_dev = Some(stream.alloc_zeros(ys.len().max(1))?);
         }
-        for (local, shard) in mine.iter().enumerate() {
-            if shard.is_empty() {
-                // An empty shard still joins the collective, with zeros.
-                continue;
-            }
-            let n = shard.len();
-            self.ensure_acts(n)?;
-            let acts = self.acts.as_mut().expect("sized above");
-            let per = self.model.input_shape().numel();
-            let off = shard.start - rows.start;
-            let x = self.x_dev.as_ref().expect("staged");
-            let y = self.y_dev.as_ref().expect("staged");
-            stream.memcpy_dtod(&x.slice(off * per..(off + n) * per), &mut acts.acts[0])?;
-            stream.memcpy_dtod(&y.slice(off..off + n), &mut acts.labels)?;
-            let slot = local * width;
-            // The shard's BatchNorm buffers start from this replica's and are updated in
-            // its slot by the training forward.
-            if nb > 0 {
-                stream.memcpy_dtod(&self.buffers.slice(0..nb), &mut self.slots.slice_mut(slot + np..slot + width))?;
-            }
-            let net = Net { gpu: &self.gpu, blas: &self.blas, nodes: &self.nodes, params: &self.params };
-            let draw = Draw { seed: self.seed, step: work.step, replica: first_shard + local };
-            net.forward(acts, Pass::Train { draw, stats: &mut self.slots, offset: slot + np })?;
-            let k = self.model.output_shape().numel();
-            let last = acts.acts.len() - 1;
-            let step_loss = self.step_loss.as_mut().expect("sized above");
-            self.gpu.softmax_xent_fwd(
-                &acts.acts[last],
-                &acts.labels,
-                &mut step_loss.slice_mut(off..off + n),
-                &mut acts.grads[0].slice_mut(0..n * k),
-                &mut acts.correct,
-                k,
-            )?;
-            stream.memcpy_dtod(
-                &acts.correct,
-                &mut self.step_hits.as_mut().expect("sized above").slice_mut(off..off + n),
-            )?;
-            net.backward(acts, &mut self.slots, slot, draw, self.model.first_trained_layer())?;
+        let (px, py) = (self.pinned_x.as_mut().expect("set"), self.pinned_y.as_mut().expect("set"));
+        // No copy reads the staging any more: every step and evaluation ends with a wait
+        // for the GPU, and a network that failed mid-step is dropped (which waits too).
+        px.as_mut_slice()?[..xs.len()].copy_from_slice(xs);
+        py.as_mut_slice()?[..ys.len()].copy_from_slice(ys);
+        stream.memcpy_htod(&*px, self.x_dev.as_mut().expect("set"))?;
+        stream.memcpy_htod(&*py, self.y_dev.as_mut().expect("set"))?;
+        self.staged = ys.len();
+        if self.step_loss.as_ref().map(|l| l.len()) != Some(ys.len().max(1)) {
+            self.step_loss = Some(stream.alloc_zeros(ys.len().max(1))?);
+            self.step_hits = Some(stream.alloc_zeros(ys.len().max(1))?);
         }
-        // Sum this device's shards in shard order, then across devices.
-        self.marks[1].record(self.gpu.stream())?;
-        let total = work.batch.len() as f32;
-        let with_data = work.shards.iter().filter(|r| !r.is_empty()).count() as f32;
-        let summed = if shards_here == 1 {
-            &mut self.slots
-        } else {
-            self.gpu.reduce_sum(&self.slots, &mut self.reduced, shards_here, 1.0)?;
-            &mut self.reduced
-        };
-        comm.all_reduce_sum(summed)?;
-        let summed: &CudaSlice<f32> = summed;
-        self.marks[2].record(self.gpu.stream())?;
-        self.t += 1;
-        let lr = self.config.lr() * work.lr_scale;
-        let grad = summed.slice(0..np);
-        match self.config {
-            _ if np == 0 => {}
-            OptimizerConfig::Sgd { momentum, weight_decay, .. } => {
-                self.gpu.sgd_step(&mut self.params, &grad, &mut self.m, lr, momentum, weight_decay, 1.0 / total)?
-            }
-            OptimizerConfig::Adam { beta1, beta2, eps, weight_decay, .. } => self.gpu.adam_step(
-                &mut self.params,
-                &grad,
-                &mut self.m,
-                &mut self.v,
-                AdamHyper { lr, beta1, beta2, eps, weight_decay },
-                self.t,
-                1.0 / total,
-            )?,
-        }
-        if nb > 0 {
-            // Running statistics: the mean over the logical replicas that saw data.
-            let bufs = summed.slice(np..width);
-            self.gpu.reduce_sum(&bufs, &mut self.buffers, 1, 1.0 / with_data)?;
-        }
-        self.marks[3].record(self.gpu.stream())?;
-        // The one wait of the step: the losses it reports (released by an abort).
-        comm.wait_for(&stream)?;
-        let loss = stream.clone_dtoh(self.step_loss.as_ref().expect("sized above"))?;
-        let hits = stream.clone_dtoh(self.step_hits.as_ref().expect("sized above"))?;
-        let mut outcome = StepOutcome::default();
-        for shard in mine {
-            let r = shard.start - rows.start..shard.end - rows.start;
-            outcome.shards.push(metrics(&loss[r.clone()], &hits[r]));
-        }
-        let ms = |a: &cudarc::driver::CudaEvent, b: &cudarc::driver::CudaEvent| -> Result<std::time::Duration> {
-            Ok(std::time::Duration::from_secs_f64(f64::from(a.elapsed_ms(b)?.max(0.0)) / 1e3))
-        };
-        let [t0, t1, t2, t3] = &self.marks;
-        outcome.compute = ms(t0, t1)? + ms(t2, t3)?;
-        outcome.reduce = ms(t1, t2)?;
-        Ok(outcome)
+        Ok(())
     }
 
-    /// Loss and accuracy in evaluation mode on `rows` of `batch`, in chunks of at most
-    /// `chunk` samples.
-    pub fn evaluate(&mut self, batch: &Batch, rows: Range<usize>, chunk: usize) -> Result<Metrics> {
-        let mut total = Metrics::default();
-        let mut start = rows.start;
-        while start < rows.end {
-            let end = (start + chunk.max(1)).min(rows.end);
-            let (loss, correct, _) = self.infer(batch, start..end)?;
-            total.add(&metrics(&loss, &correct));
-            start = end;
+    /// Queues one training shard, the staged rows `rows`: writes the whole of `slot`
+    /// ([gradient | BatchNorm buffers], params + buffers values): zeros, then the
+    /// replica's buffers updated by the shard's forward, and the gradient of the loss
+    /// summed over the shard. Its per-sample losses and hits go to the step's buffers.
+    pub fn train_shard(&mut self, rows: Range<usize>, draw: Draw, slot: &mut CudaViewMut<'_, f32>) -> Result<()> {
+        let (np, nb) = (self.np, self.nb);
+        let width = np + nb;
+        if slot.len() != width {
+            return Err(Error::shape("train_shard", format!("slot of {} values, expected {width}", slot.len())));
         }
-        Ok(total)
-    }
-
-    /// Class probabilities (softmax of the logits) for `rows` of `batch`: (rows, K).
-    pub fn predict(&mut self, batch: &Batch, rows: Range<usize>) -> Result<Vec<f32>> {
-        let (_, _, logits) = self.infer(batch, rows)?;
-        Ok(crate::nn::loss::softmax_rows(logits, self.model.output_shape().numel()))
-    }
-
-    /// Evaluation-mode forward of `rows`: per-sample losses, hits and the logits.
-    fn infer(&mut self, batch: &Batch, rows: Range<usize>) -> Result<(Vec<f32>, Vec<u32>, Vec<f32>)> {
+        if rows.end > self.staged {
+            return Err(Error::shape("train_shard", format!("rows {rows:?} of {} staged", self.staged)));
+        }
+        let stream = self.gpu.stream().clone();
+        stream.memset_zeros(slot)?;
         let n = rows.len();
+        if n == 0 {
+            // An empty shard still joins the exchange, with zeros.
+            return Ok(());
+        }
+        self.ensure_acts(n)?;
+        let acts = self.acts.as_mut().expect("sized above");
+        let per = self.model.input_shape().numel();
+        let x = self.x_dev.as_ref().expect("staged");
+        let y = self.y_dev.as_ref().expect("staged");
+        stream.memcpy_dtod(&x.slice(rows.start * per..rows.end * per), &mut acts.acts[0])?;
+        stream.memcpy_dtod(&y.slice(rows.clone()), &mut acts.labels)?;
+        // The shard's BatchNorm buffers start from the network's and are updated in its
+        // slot by the training forward.
+        if nb > 0 {
+            stream.memcpy_dtod(&self.buffers.slice(0..nb), &mut slot.slice_mut(np..width))?;
+        }
+        let net = Net { gpu: &self.gpu, blas: &self.blas, nodes: &self.nodes, params: &self.params };
+        net.forward(acts, Pass::Train { draw, stats: slot, offset: np })?;
+        let k = self.model.output_shape().numel();
+        let last = acts.acts.len() - 1;
+        let step_loss = self.step_loss.as_mut().expect("staged");
+        self.gpu.softmax_xent_fwd(
+            &acts.acts[last],
+            &acts.labels,
+            &mut step_loss.slice_mut(rows.clone()),
+            &mut acts.grads[0].slice_mut(0..n * k),
+            &mut acts.correct,
+            k,
+        )?;
+        stream.memcpy_dtod(&acts.correct, &mut self.step_hits.as_mut().expect("staged").slice_mut(rows))?;
+        net.backward(acts, slot, draw, self.model.first_trained_layer())
+    }
+
+    /// Queues the optimiser step of parameters `offset..offset + len` from that piece
+    /// of the gradient sum.
+    pub fn update_params(
+        &mut self,
+        config: &OptimizerConfig,
+        scalars: &StepScalars,
+        offset: usize,
+        grad_sum: &CudaView<'_, f32>,
+    ) -> Result<()> {
+        let r = offset..offset + grad_sum.len();
+        if r.end > self.np {
+            return Err(Error::shape("update_params", format!("range {r:?} of {} parameters", self.np)));
+        }
+        let v = &mut self.v.slice_mut(if self.adam { r.clone() } else { 0..1 });
+        self.gpu.optimizer_step(
+            config,
+            scalars,
+            &mut self.params.slice_mut(r.clone()),
+            grad_sum,
+            &mut self.m.slice_mut(r),
+            v,
+        )
+    }
+
+    /// Queues buffers `offset..offset + len` = `scale` times that piece of a sum.
+    pub fn set_buffers(&mut self, offset: usize, sum: &CudaView<'_, f32>, scale: f32) -> Result<()> {
+        let r = offset..offset + sum.len();
+        if r.end > self.nb {
+            return Err(Error::shape("set_buffers", format!("range {r:?} of {} buffers", self.nb)));
+        }
+        self.gpu.reduce_sum(sum, &mut self.buffers.slice_mut(r), 1, scale)
+    }
+
+    /// Per-sample losses and hits of the staged rows' training shards (waits for them).
+    pub fn step_losses(&self) -> Result<(Vec<f32>, Vec<u32>)> {
+        let stream = self.gpu.stream();
+        let n = self.staged;
+        let loss = stream.clone_dtoh(&self.step_loss.as_ref().expect("staged").slice(0..n))?;
+        let hits = stream.clone_dtoh(&self.step_hits.as_ref().expect("staged").slice(0..n))?;
+        Ok((loss, hits))
+    }
+
+    /// Evaluation-mode forward of rows (x, y): per-sample losses, hits and the logits.
+    pub fn infer(&mut self, xs: &[f32], ys: &[u32]) -> Result<(Vec<f32>, Vec<u32>, Vec<f32>)> {
+        let n = ys.len();
         if n == 0 {
             return Ok((Vec::new(), Vec::new(), Vec::new()));
         }
-        self.stage(batch, rows)?;
+        self.stage(xs, ys)?;
         self.ensure_acts(n)?;
         let acts = self.acts.as_mut().expect("sized above");
         let stream = self.gpu.stream().clone();
@@ -357,65 +396,17 @@ impl GpuReplica {
         Ok((stream.clone_dtoh(&acts.loss)?, stream.clone_dtoh(&acts.correct)?, logits))
     }
 
-    /// Parameters, buffers and optimiser state, copied to the host (waits for the GPU).
-    pub fn snapshot(&self) -> Result<(ParamStore, Optimizer)> {
+    /// Parameters, buffers, and the optimiser's m and v, copied to the host (waits for
+    /// the GPU). Exact lengths: an empty tensor is held as one unused element.
+    pub fn download(&self) -> Result<(ParamStore, Vec<f32>, Vec<f32>)> {
         let stream = self.gpu.stream();
-        // Exact lengths: an empty tensor is held as one unused element on the device.
         let (np, nb) = (self.np, self.nb);
         let store = ParamStore {
             params: stream.clone_dtoh(&self.params.slice(0..np))?,
             buffers: stream.clone_dtoh(&self.buffers.slice(0..nb))?,
         };
-        let mut optimizer = Optimizer::new(self.config, self.np);
-        let mut state = Vec::new();
-        match self.config {
-            OptimizerConfig::Sgd { momentum, .. } if momentum > 0.0 => {
-                state.push(("m", stream.clone_dtoh(&self.m.slice(0..np))?))
-            }
-            OptimizerConfig::Sgd { .. } => {}
-            OptimizerConfig::Adam { .. } => {
-                state.push(("m", stream.clone_dtoh(&self.m.slice(0..np))?));
-                state.push(("v", stream.clone_dtoh(&self.v.slice(0..np))?));
-            }
-        }
-        optimizer.restore(self.t, &state)?;
-        Ok((store, optimizer))
-    }
-
-    /// Per-tensor fingerprints, as [`crate::train::worker::fingerprints`] computes them
-    /// on the CPU.
-    pub fn fingerprints(&self) -> Result<Vec<(String, u64)>> {
-        let (store, optimizer) = self.snapshot()?;
-        Ok(crate::train::worker::fingerprints(&self.model, &store, &optimizer))
-    }
-
-    /// Copies `rows` of `batch` to the GPU through pinned memory (asynchronously).
-    fn stage(&mut self, batch: &Batch, rows: Range<usize>) -> Result<()> {
-        let per = batch.sample_shape.numel();
-        let (xs, ys) = (&batch.x[rows.start * per..rows.end * per], &batch.y[rows.clone()]);
-        // The loss kernel never indexes with a bad label, but would give NaN for it: say
-        // what is wrong instead, as the CPU loss does.
-        let k = self.model.output_shape().numel();
-        if let Some(&l) = ys.iter().find(|&&l| l as usize >= k) {
-            return Err(Error::shape("softmax_cross_entropy", format!("label {l} out of range for {k} classes")));
-        }
-        let ctx = self.gpu.context().clone();
-        let stream = self.gpu.stream().clone();
-        if self.pinned_x.as_ref().map(|p| p.len()) != Some(xs.len()) {
-            // SAFETY: the memory is written below before any read.
-            self.pinned_x = Some(unsafe { ctx.alloc_pinned::<f32>(xs.len().max(1)) }?);
-            self.pinned_y = Some(unsafe { ctx.alloc_pinned::<u32>(ys.len().max(1)) }?);
-            self.x_dev = Some(stream.alloc_zeros(xs.len().max(1))?);
-            self.y_dev = Some(stream.alloc_zeros(ys.len().max(1))?);
-        }
-        let (px, py) = (self.pinned_x.as_mut().expect("set"), self.pinned_y.as_mut().expect("set"));
-        // No copy reads the staging any more: every step and evaluation ends with a wait
-        // for the GPU, and a replica that failed mid-step is dropped (which waits too).
-        px.as_mut_slice()?[..xs.len()].copy_from_slice(xs);
-        py.as_mut_slice()?[..ys.len()].copy_from_slice(ys);
-        stream.memcpy_htod(&*px, self.x_dev.as_mut().expect("set"))?;
-        stream.memcpy_htod(&*py, self.y_dev.as_mut().expect("set"))?;
-        Ok(())
+        let v = if self.adam { stream.clone_dtoh(&self.v.slice(0..np))? } else { Vec::new() };
+        Ok((store, stream.clone_dtoh(&self.m.slice(0..np))?, v))
     }
 
     fn ensure_acts(&mut self, n: usize) -> Result<()> {
@@ -428,7 +419,7 @@ impl GpuReplica {
     }
 }
 
-impl Drop for GpuReplica {
+impl Drop for GpuNet {
     fn drop(&mut self) {
         // With cudarc's event tracking off, nothing else keeps the pinned staging (or any
         // buffer) alive until the copies and kernels queued on it have run: after an error
@@ -450,15 +441,6 @@ impl Drop for GpuReplica {
 /// Bytes of each replica's cuBLAS workspace (NVIDIA's recommendation for Hopper).
 const CUBLAS_WORKSPACE: usize = 32 << 20;
 
-/// What a training shard's dropout masks derive from, with the layer's index
-/// (DESIGN.md: randomness derives from the seed, the step and the logical replica).
-#[derive(Clone, Copy, Debug)]
-struct Draw {
-    seed: u64,
-    step: u64,
-    replica: usize,
-}
-
 impl Draw {
     fn dropout_key(&self, layer: usize) -> DropoutKey {
         DropoutKey { seed: self.seed, step: self.step, replica: self.replica as u64, layer: layer as u64 }
@@ -466,11 +448,11 @@ impl Draw {
 }
 
 /// What a forward pass is for, with what that needs.
-enum Pass<'b> {
+enum Pass<'b, 'v> {
     /// A training shard: dropout draws from `draw`; BatchNorm normalises with the batch's
     /// statistics and updates the running ones held in `stats` from `offset` on (the
     /// shard's slot).
-    Train { draw: Draw, stats: &'b mut CudaSlice<f32>, offset: usize },
+    Train { draw: Draw, stats: &'b mut CudaViewMut<'v, f32>, offset: usize },
     /// Evaluation: BatchNorm normalises with the running statistics `stats`; no dropout.
     Eval { stats: &'b CudaSlice<f32> },
 }
@@ -492,14 +474,6 @@ fn upload<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
         return Ok(stream.alloc_zeros(1)?);
     }
     Ok(stream.clone_htod(host)?)
-}
-
-fn metrics(loss: &[f32], correct: &[u32]) -> Metrics {
-    Metrics {
-        loss_sum: loss.iter().map(|&l| l as f64).sum(),
-        correct: correct.iter().map(|&c| c as u64).sum(),
-        count: loss.len() as u64,
-    }
 }
 
 /// The network as the GPU runs it, or an error naming the first layer without a CUDA form.
@@ -595,7 +569,7 @@ impl Activations {
 
 impl Net<'_> {
     /// The forward pass of every layer on `a.acts[0]`, as `pass` says.
-    fn forward(&self, a: &mut Activations, mut pass: Pass<'_>) -> Result<()> {
+    fn forward(&self, a: &mut Activations, mut pass: Pass<'_, '_>) -> Result<()> {
         let Net { gpu, blas, nodes, params } = *self;
         let n = a.n;
         let stream = gpu.stream();
@@ -681,16 +655,9 @@ impl Net<'_> {
     }
 
     /// The backward pass from the gradient of the summed loss in `a.grads[0]` down to
-    /// layer `first`, writing the parameter gradients into the slot of `slots` at `slot`;
-    /// dropout replays the masks of `draw`.
-    fn backward(
-        &self,
-        a: &mut Activations,
-        slots: &mut CudaSlice<f32>,
-        slot: usize,
-        draw: Draw,
-        first: usize,
-    ) -> Result<()> {
+    /// layer `first`, writing the parameter gradients into `slot` (laid out as the flat
+    /// parameters); dropout replays the masks of `draw`.
+    fn backward(&self, a: &mut Activations, slots: &mut CudaViewMut<'_, f32>, draw: Draw, first: usize) -> Result<()> {
         let Net { gpu, blas, nodes, params } = *self;
         let n = a.n;
         let stream = gpu.stream();
@@ -704,7 +671,7 @@ impl Net<'_> {
             let mut dx = dx_buf.slice_mut(0..n * node.input.numel());
             let x = &a.acts[i];
             let p = |j: usize| params.slice(node.params[j].clone());
-            let at = |j: usize| slot + node.params[j].start..slot + node.params[j].end;
+            let at = |j: usize| node.params[j].clone();
             match node.op {
                 LayerOp::Linear { in_features: f, out_features: o, bias } => {
                     gemm(blas, &RmGemm::linear_dw(n, f, o), &dy, x, &mut slots.slice_mut(at(0)))?;
@@ -738,7 +705,7 @@ impl Net<'_> {
                     let gamma = scale.then(|| p(0));
                     // gamma's and beta's gradients are adjacent in the slot.
                     let count = usize::from(scale) + usize::from(center);
-                    let start = node.params.first().map_or(0, |r| slot + r.start);
+                    let start = node.params.first().map_or(0, |r| r.start);
                     let mut region = slots.slice_mut(start..start + count * c);
                     let (mut dgamma, mut dbeta) = match (scale, center) {
                         (true, true) => {

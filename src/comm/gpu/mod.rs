@@ -1,0 +1,333 @@
+//! Gradient exchanges between GPUs: [`GpuExchange`], one GPU worker's side of the
+//! exchange, over either transport.
+//!
+//! Owns: where a GPU worker's slots live and how they are summed. A worker running k
+//! logical replicas holds k slots in one device buffer, each starting on a 256-byte
+//! boundary ([`SLOT_ALIGN`]: cuBLAS picks its kernels, and so its summation order, by
+//! pointer alignment, so a slot must look the same whichever replica's it is). The sum is
+//! the device's slots added in shard order by kernels/reduce.cu, then the transport's
+//! all-reduce across GPUs, in place. Everything is queued on the GPU (the compute stream,
+//! then the transport's stream, ordered by events): the replica's one wait per step sees
+//! it done.
+//!
+//! Two transports, one file each, chosen once per run by [`transport_for`]:
+//! - [`NcclGroup`] / [`NcclRank`] (nccl_group.rs): distinct GPUs and a loadable NCCL
+//!   2.18 or later, one communicator per rank in non-blocking mode;
+//! - [`CopyGroup`] / [`CopyRank`] (copies.rs): device-to-device copies in the CPU
+//!   exchange's reduce-scatter / all-gather scheme, summed in rank order.
+//!
+//! Every rank must make the same calls, in the same order, as with NCCL or MPI. A group
+//! is shared by reference by the run's threads; [`Abort::abort`](super::Abort::abort) on it makes every
+//! pending and future call of every rank return [`Error::Aborted`].
+
+mod copies;
+mod nccl_group;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, CudaView, CudaViewMut, DeviceSlice};
+
+pub use copies::{CopyGroup, CopyRank};
+pub use nccl_group::{NcclGroup, NcclRank};
+
+use super::{Exchange, Memory};
+use crate::cuda::probe::{driver_available, gpu_count};
+use crate::cuda::Gpu;
+use crate::error::{Error, Result};
+
+/// Every slot of a [`GpuExchange`] starts on a multiple of this many f32 (256 bytes).
+pub const SLOT_ALIGN: usize = 64;
+
+/// Device memory: views of f32 on one GPU.
+pub enum DeviceMemory {}
+
+impl Memory for DeviceMemory {
+    type View<'a> = CudaView<'a, f32>;
+    type ViewMut<'a> = CudaViewMut<'a, f32>;
+
+    fn slice<'a>(v: &CudaView<'a, f32>, range: std::ops::Range<usize>) -> CudaView<'a, f32>
+    where
+        Self: 'a,
+    {
+        v.slice(range)
+    }
+
+    fn len(v: &CudaView<'_, f32>) -> usize {
+        v.len()
+    }
+}
+
+/// Which transport carries a run's GPU exchange.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Transport {
+    Nccl,
+    Copies,
+}
+
+/// NCCL when there is something to exchange (two ranks or more), no GPU is given twice
+/// (NCCL forbids two ranks on one device), and the library is usable; device copies
+/// otherwise.
+pub fn transport_for(ordinals: &[usize]) -> Transport {
+    choose_transport(ordinals, nccl_group::nccl_usable)
+}
+
+/// [`transport_for`] with the library probe given; `nccl_usable` is asked last, so it
+/// loads nothing when the answer is already known.
+fn choose_transport(ordinals: &[usize], nccl_usable: impl FnOnce() -> bool) -> Transport {
+    let repeats = ordinals.iter().enumerate().any(|(i, o)| ordinals[..i].contains(o));
+    if ordinals.len() < 2 || repeats || !nccl_usable() {
+        Transport::Copies
+    } else {
+        Transport::Nccl
+    }
+}
+
+/// What a GPU exchange needs of a transport's rank.
+pub trait DeviceAllReduce {
+    /// In place SUM all-reduce of `buf`, ordered after the work queued on the compute
+    /// stream, which waits for its end; every rank ends bitwise equal.
+    fn all_reduce_sum(&mut self, buf: &mut CudaViewMut<'_, f32>) -> Result<()>;
+
+    /// The replica's compute stream the rank was joined with.
+    fn compute_stream(&self) -> &Arc<CudaStream>;
+
+    /// True once the group was aborted.
+    fn is_aborted(&self) -> bool;
+}
+
+/// One GPU worker's side of the gradient exchange: its slots, and a transport's rank.
+pub struct GpuExchange<C> {
+    /// Declared first, so dropped first: a departing rank finishes (or aborts) its last
+    /// collective before the slots it reads are freed.
+    rank: C,
+    /// Launches of kernels/reduce.cu on the compute stream.
+    gpu: Gpu,
+    /// k slots of `stride` values: slot j is `j·stride .. j·stride + width`.
+    slots: CudaSlice<f32>,
+    /// The sum of the k slots (`stride` values) when k > 1.
+    summed: Option<CudaSlice<f32>>,
+    k: usize,
+    width: usize,
+    stride: usize,
+}
+
+impl<C: DeviceAllReduce> GpuExchange<C> {
+    /// The exchange of a worker running `k` logical replicas over slots of the rank's
+    /// group length, allocated on the rank's compute stream.
+    pub fn new(rank: C, width: usize, k: usize) -> Result<GpuExchange<C>> {
+        if k == 0 {
+            return Err(Error::config("replicas", "a GPU worker runs at least one logical replica"));
+        }
+        let stream = rank.compute_stream().clone();
+        let stride = slot_stride(width);
+        Ok(GpuExchange {
+            slots: stream.alloc_zeros((k * stride).max(1))?,
+            summed: if k > 1 { Some(stream.alloc_zeros(stride.max(1))?) } else { None },
+            gpu: Gpu::on_stream(stream)?,
+            rank,
+            k,
+            width,
+            stride,
+        })
+    }
+}
+
+/// Values from one slot's start to the next's: `width` rounded up to [`SLOT_ALIGN`].
+pub fn slot_stride(width: usize) -> usize {
+    width.div_ceil(SLOT_ALIGN) * SLOT_ALIGN
+}
+
+impl<C: DeviceAllReduce> Exchange for GpuExchange<C> {
+    type Mem = DeviceMemory;
+
+    fn width(&self) -> usize {
+        self.width
+    }
+
+    fn with_slot<T>(&mut self, local: usize, f: impl FnOnce(CudaViewMut<'_, f32>) -> T) -> T {
+        assert!(local < self.k, "slot {local} of a worker with {} logical replicas", self.k);
+        let start = local * self.stride;
+        f(self.slots.slice_mut(start..start + self.width))
+    }
+
+    /// The device's slots in shard order (padding included: it holds zeros), then the
+    /// transport's all-reduce of the first `width` values.
+    fn sum(&mut self) -> Result<()> {
+        match &mut self.summed {
+            None => self.rank.all_reduce_sum(&mut self.slots.slice_mut(0..self.width)),
+            Some(summed) => {
+                let all = self.slots.slice(0..self.k * self.stride);
+                self.gpu.reduce_sum(&all, &mut summed.slice_mut(0..self.stride), self.k, 1.0)?;
+                self.rank.all_reduce_sum(&mut summed.slice_mut(0..self.width))
+            }
+        }
+    }
+
+    fn for_each_sum(&self, mut f: impl FnMut(usize, CudaView<'_, f32>) -> Result<()>) -> Result<()> {
+        let sum = self.summed.as_ref().unwrap_or(&self.slots);
+        f(0, sum.slice(0..self.width))
+    }
+
+    fn is_aborted(&self) -> bool {
+        self.rank.is_aborted()
+    }
+}
+
+/// Spins, then yields, then sleeps briefly: waits of a few µs stay fast, long ones cost
+/// no core (several ranks may share few cores).
+pub(crate) struct Backoff {
+    spins: u32,
+    start: Instant,
+}
+
+impl Backoff {
+    pub fn new() -> Self {
+        Backoff { spins: 0, start: Instant::now() }
+    }
+
+    pub fn snooze(&mut self) {
+        self.spins = self.spins.saturating_add(1);
+        if self.spins < 1024 {
+            std::hint::spin_loop();
+        } else if self.start.elapsed() < Duration::from_millis(2) {
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(Duration::from_micros(50));
+        }
+    }
+
+    pub fn elapsed(&self) -> Duration {
+        self.start.elapsed()
+    }
+}
+
+/// A group needs GPUs, a driver, and every ordinal to exist.
+fn check_ordinals(ordinals: &[usize]) -> Result<()> {
+    if ordinals.is_empty() {
+        return Err(Error::config("GPU group", "no GPU given"));
+    }
+    driver_available()?;
+    let count = gpu_count()?;
+    match ordinals.iter().find(|&&o| o >= count) {
+        Some(missing) => {
+            Err(Error::CudaUnavailable(format!("cuda:{missing} asked for, but {count} GPU(s) are visible")))
+        }
+        None => Ok(()),
+    }
+}
+
+/// Rank `rank` joins with a compute stream of its own GPU: the stream's context.
+fn check_join(ordinals: &[usize], rank: usize, compute: &Arc<CudaStream>) -> Result<Arc<CudaContext>> {
+    let world = ordinals.len();
+    if rank >= world {
+        return Err(Error::config("rank", format!("rank {rank} joined a group of {world}")));
+    }
+    let ctx = compute.context().clone();
+    if ctx.ordinal() != ordinals[rank] {
+        return Err(Error::DeviceMismatch {
+            op: "GPU group join",
+            lhs: format!("cuda:{} (rank {rank})", ordinals[rank]),
+            rhs: format!("cuda:{} (its compute stream)", ctx.ordinal()),
+        });
+    }
+    Ok(ctx)
+}
+
+/// A call's buffer holds the group's `len` values on the rank's own GPU.
+fn check_buffer(
+    op: &'static str,
+    buf: &CudaViewMut<'_, f32>,
+    len: usize,
+    ctx: &Arc<CudaContext>,
+    rank: usize,
+) -> Result<()> {
+    if buf.len() != len {
+        return Err(Error::shape(op, format!("buffer of {} values for a group of {len}", buf.len())));
+    }
+    let theirs = buf.stream().context();
+    if theirs.cu_ctx() != ctx.cu_ctx() {
+        return Err(Error::DeviceMismatch {
+            op,
+            lhs: format!("cuda:{} (rank {rank})", ctx.ordinal()),
+            rhs: format!("cuda:{} (the buffer)", theirs.ordinal()),
+        });
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::copies::{chunk_ranges, CHUNK_GRANULE};
+    use super::*;
+
+    #[test]
+    fn chunks_cover_the_buffer_in_order() {
+        for world in 1..=5 {
+            for len in [0, 1, 2, 3, 63, 64, 65, 127, 128, 1000, 4097, 100_003] {
+                let c = chunk_ranges(len, world);
+                assert_eq!(c.len(), world);
+                let mut next = 0;
+                for r in &c {
+                    assert_eq!(r.start, next.min(len), "world {world} len {len}: {c:?}");
+                    assert!(r.start <= r.end);
+                    next = r.end;
+                }
+                assert_eq!(next, len, "world {world} len {len}: {c:?}");
+                // Every chunk but the last non-empty one is a whole number of granules.
+                let last = c.iter().rposition(|r| !r.is_empty());
+                for (i, r) in c.iter().enumerate() {
+                    if Some(i) != last && !r.is_empty() {
+                        assert_eq!(r.len() % CHUNK_GRANULE, 0, "world {world} len {len}: {c:?}");
+                    }
+                }
+            }
+        }
+        // Small buffers: rank 0 reduces everything, the others have nothing to do.
+        assert_eq!(chunk_ranges(3, 4), vec![0..3, 3..3, 3..3, 3..3]);
+        assert_eq!(chunk_ranges(1000, 2), vec![0..512, 512..1000]);
+    }
+
+    #[test]
+    fn nccl_only_for_distinct_gpus_that_it_can_serve() {
+        let yes = || true;
+        assert_eq!(choose_transport(&[0, 1], yes), Transport::Nccl);
+        assert_eq!(choose_transport(&[3, 1, 2], yes), Transport::Nccl);
+        assert_eq!(choose_transport(&[0, 0], yes), Transport::Copies, "one GPU twice");
+        assert_eq!(choose_transport(&[0, 1, 0], yes), Transport::Copies, "one GPU twice");
+        assert_eq!(choose_transport(&[0], yes), Transport::Copies, "nothing to exchange");
+        assert_eq!(choose_transport(&[0, 1], || false), Transport::Copies, "no usable NCCL");
+        // The library is not even probed when the answer is already known.
+        let probed = std::cell::Cell::new(false);
+        choose_transport(&[0, 0], || {
+            probed.set(true);
+            true
+        });
+        assert!(!probed.get());
+    }
+
+    #[test]
+    fn slots_start_on_256_byte_boundaries() {
+        // The convnet's slot (61,878 parameters + 104 buffers = 61,982 values) and the
+        // toy MLP's (772 parameters): every slot start is a multiple of 64 f32.
+        for width in [0, 1, 63, 64, 65, 772, 61_982] {
+            let stride = slot_stride(width);
+            assert!(stride >= width && stride - width < SLOT_ALIGN, "width {width}: stride {stride}");
+            for j in 0..4 {
+                assert_eq!((j * stride * 4) % 256, 0, "width {width}, slot {j}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_group_without_gpus_is_an_error() {
+        let e = CopyGroup::new(&[], 10).err().expect("no ordinals");
+        assert!(matches!(e, Error::Config { .. }), "{e}");
+        if driver_available().is_err() {
+            let e = CopyGroup::new(&[0, 0], 10).err().expect("no driver");
+            assert!(matches!(e, Error::CudaUnavailable(_)), "{e}");
+            let e = NcclGroup::new(&[0, 1], 10).err().expect("no driver");
+            assert!(matches!(e, Error::CudaUnavailable(_)), "{e}");
+        }
+    }
+}

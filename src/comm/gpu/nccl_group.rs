@@ -1,0 +1,323 @@
+//! The NCCL transport between GPUs: one communicator per rank, created on the rank's
+//! thread in non-blocking mode (src/comm/nccl.rs says why).
+//!
+//! Owns: [`NcclGroup`], made by the coordinator before the worker threads start and
+//! shared by reference, and [`NcclRank`], one worker's view, made by [`NcclGroup::join`]
+//! on that worker's thread. The handles live in the group, not in the ranks, so that
+//! [`NcclGroup`]'s abort can call `ncclCommAbort` on every one of them from any thread:
+//! whoever takes a handle out of its slot frees it, so none is freed twice. The host
+//! never waits for the GPU here: a collective is enqueued on the rank's communication
+//! stream, ordered after the compute stream by an event, and the compute stream waits
+//! for its end by another.
+//!
+//! A rank that is dropped waits (bounded) for the other ranks to finish their last
+//! operations before it frees its communicator, so a peer's kernel never reads freed
+//! memory.
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use cudarc::driver::{CudaContext, CudaEvent, CudaStream, CudaViewMut, DevicePtrMut};
+use parking_lot::Mutex;
+
+use super::super::nccl::{self, RawComm, State};
+use super::{check_buffer, check_ordinals, Backoff, DeviceAllReduce};
+use crate::comm::Abort;
+use crate::cuda::launch::DevOut;
+use crate::cuda::probe::{nccl_status, NcclStatus};
+use crate::error::{Error, Result};
+
+/// How long a departing rank waits, first for its own last operations, then for the
+/// other ranks to depart too, before it gives up on them and aborts the group. Ranks that
+/// end a run together depart within a step of each other; one that is 10 s late is stuck
+/// or has failed.
+const DEPART_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The NCCL library loads and is recent enough for non-blocking communicators.
+pub(super) fn nccl_usable() -> bool {
+    nccl_status() == NcclStatus::Available && nccl::version().is_ok_and(|v| v >= nccl::MIN_VERSION)
+}
+
+/// The NCCL communicators of one run's GPU workers; created by the coordinator before
+/// the worker threads start, shared by reference (Sync).
+pub struct NcclGroup {
+    /// `ordinals[r]`: the CUDA ordinal of rank r.
+    ordinals: Vec<usize>,
+    /// Number of f32 every call moves.
+    len: usize,
+    /// NCCL's rendezvous id, made here once, used by every rank's `join`.
+    id: cudarc::nccl::sys::ncclUniqueId,
+    /// Rank r's communicator. `None` before it joins, and once the handle was taken out to
+    /// be freed (by an abort, or by the rank when it departs).
+    comms: Vec<Mutex<Option<RawComm>>>,
+    /// Ranks that have departed (dropped their `NcclRank`).
+    departed: AtomicUsize,
+    aborted: AtomicBool,
+}
+
+impl NcclGroup {
+    /// A group of `ordinals.len()` ranks, rank r on GPU `ordinals[r]` (distinct: NCCL
+    /// forbids two ranks on one GPU), each call moving `len` f32. Fails when NCCL cannot
+    /// serve (missing, or older than 2.18), or a GPU is not there.
+    pub fn new(ordinals: &[usize], len: usize) -> Result<NcclGroup> {
+        check_ordinals(ordinals)?;
+        if let Some(o) = ordinals.iter().enumerate().find_map(|(i, o)| ordinals[..i].contains(o).then_some(o)) {
+            return Err(Error::config("GPU group", format!("NCCL forbids two ranks on one GPU, and cuda:{o} repeats")));
+        }
+        if !nccl_usable() {
+            return Err(Error::CudaUnavailable("NCCL 2.18 or later does not load".to_string()));
+        }
+        let id = nccl::unique_id().map_err(Error::Nccl)?;
+        Ok(NcclGroup {
+            ordinals: ordinals.to_vec(),
+            len,
+            id,
+            comms: ordinals.iter().map(|_| Mutex::new(None)).collect(),
+            departed: AtomicUsize::new(0),
+            aborted: AtomicBool::new(false),
+        })
+    }
+
+    /// Number of ranks.
+    pub fn world(&self) -> usize {
+        self.ordinals.len()
+    }
+
+    /// Called once by rank `rank`'s worker thread, on that thread, concurrently with every
+    /// other rank (NCCL's init completes only when all ranks have joined; the wait polls
+    /// and ends with [`Error::Aborted`] on an abort). `compute` is the rank's compute
+    /// stream, from its own context on `ordinals[rank]`. A rank that cannot join aborts
+    /// the group: the others could never complete a call without it.
+    pub fn join(&self, rank: usize, compute: &Arc<CudaStream>) -> Result<NcclRank<'_>> {
+        let ctx = super::check_join(&self.ordinals, rank, compute)?;
+        self.join_inner(rank, ctx, compute.clone()).map_err(|e| self.fail(e))
+    }
+
+    fn join_inner(&self, rank: usize, ctx: Arc<CudaContext>, compute: Arc<CudaStream>) -> Result<NcclRank<'_>> {
+        if self.is_aborted() {
+            return Err(Error::Aborted);
+        }
+        ctx.bind_to_thread()?;
+        let comm = ctx.new_stream()?;
+        let ready = ctx.new_event(None)?;
+        let done = ctx.new_event(None)?;
+        self.init_comm(rank)?;
+        Ok(NcclRank { group: self, rank, ctx, compute, comm, ready, done, _not_send: std::marker::PhantomData })
+    }
+
+    /// The error a failed call returns, after aborting the group: [`Error::Aborted`] when
+    /// the group was already aborted (the failure is a consequence), `e` otherwise.
+    fn fail(&self, e: Error) -> Error {
+        let already = self.is_aborted();
+        self.abort();
+        if already {
+            Error::Aborted
+        } else {
+            e
+        }
+    }
+
+    /// Creates rank `rank`'s communicator, publishes it in its slot (where `abort` can
+    /// reach it), and polls until every rank has joined.
+    fn init_comm(&self, rank: usize) -> Result<()> {
+        let (comm, state) = RawComm::init(self.world(), rank, self.id).map_err(Error::Nccl)?;
+        {
+            let mut slot = self.comms[rank].lock();
+            // Checked under the lock: an abort that raised the flag before we got here
+            // has already swept this slot, so the handle would never be freed.
+            if self.is_aborted() {
+                drop(slot);
+                comm.abort();
+                return Err(Error::Aborted);
+            }
+            *slot = Some(comm);
+        }
+        self.settle(rank, state)
+    }
+
+    /// Runs `op` on rank `rank`'s communicator under its lock, then polls until the
+    /// operation is enqueued.
+    fn call(
+        &self,
+        rank: usize,
+        op: impl FnOnce(&RawComm) -> Result<State, cudarc::nccl::result::NcclError>,
+    ) -> Result<()> {
+        let state = {
+            let slot = self.comms[rank].lock();
+            let comm = slot.as_ref().ok_or(Error::Aborted)?;
+            op(comm).map_err(Error::Nccl)?
+        };
+        self.settle(rank, state)
+    }
+
+    /// Polls rank `rank`'s communicator until its last call is done, the lock released
+    /// between polls so that `abort` can get in.
+    fn settle(&self, rank: usize, mut state: State) -> Result<()> {
+        let mut backoff = Backoff::new();
+        while state == State::Pending {
+            if self.is_aborted() {
+                return Err(Error::Aborted);
+            }
+            backoff.snooze();
+            let slot = self.comms[rank].lock();
+            state = slot.as_ref().ok_or(Error::Aborted)?.state().map_err(Error::Nccl)?;
+        }
+        Ok(())
+    }
+
+    /// Rank `rank` leaves for good (its `NcclRank` is dropped): once its own operations
+    /// have run and every rank has departed, no kernel of any rank still reads its
+    /// buffers, and it frees its communicator alone. A rank that waits longer than
+    /// [`DEPART_TIMEOUT`] for either aborts the group instead, releasing whoever waits for
+    /// it; that also frees its communicator.
+    fn depart(&self, rank: usize, comm: &CudaStream, done: &CudaEvent) {
+        let drained = done.record(comm).is_ok() && self.poll_until(|| done.try_is_complete().unwrap_or(true));
+        self.departed.fetch_add(1, Ordering::SeqCst);
+        let all_departed = drained && self.poll_until(|| self.departed.load(Ordering::SeqCst) == self.world());
+        if all_departed {
+            if let Some(c) = self.comms[rank].lock().take() {
+                c.abort();
+            }
+        } else {
+            self.abort();
+        }
+    }
+
+    /// True once `cond` holds; false on an abort or after [`DEPART_TIMEOUT`].
+    fn poll_until(&self, mut cond: impl FnMut() -> bool) -> bool {
+        let mut backoff = Backoff::new();
+        loop {
+            if cond() {
+                return true;
+            }
+            if self.is_aborted() || backoff.elapsed() > DEPART_TIMEOUT {
+                return false;
+            }
+            backoff.snooze();
+        }
+    }
+}
+
+impl Abort for NcclGroup {
+    /// Raises the flag the waits poll, and calls `ncclCommAbort` on every communicator
+    /// still in the group (which also stops their kernels, so a compute stream waiting on
+    /// one is released).
+    fn abort(&self) {
+        self.aborted.store(true, Ordering::SeqCst);
+        for slot in &self.comms {
+            if let Some(comm) = slot.lock().take() {
+                comm.abort();
+            }
+        }
+    }
+
+    fn is_aborted(&self) -> bool {
+        self.aborted.load(Ordering::SeqCst)
+    }
+}
+
+impl Drop for NcclGroup {
+    fn drop(&mut self) {
+        // Only a leaked NcclRank (mem::forget) leaves a handle here; nobody can use it now.
+        for slot in &self.comms {
+            if let Some(comm) = slot.lock().take() {
+                comm.abort();
+            }
+        }
+    }
+}
+
+/// One rank's view of an [`NcclGroup`]; lives on its worker thread (not Send: an NCCL
+/// communicator is used from the one thread that created it).
+pub struct NcclRank<'g> {
+    group: &'g NcclGroup,
+    rank: usize,
+    ctx: Arc<CudaContext>,
+    /// The replica's compute stream: collectives start after its queued work, and its
+    /// later work starts after them.
+    compute: Arc<CudaStream>,
+    /// This rank's communication stream.
+    comm: Arc<CudaStream>,
+    /// Recorded on `compute`, waited on by `comm`.
+    ready: CudaEvent,
+    /// Recorded on `comm`, waited on by `compute`.
+    done: CudaEvent,
+    _not_send: std::marker::PhantomData<*const ()>,
+}
+
+impl NcclRank<'_> {
+    /// This rank's index.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// In place SUM all-reduce of `buf` (this rank's GPU, the group's `len` values):
+    /// ordered after all work already queued on the compute stream, and the compute
+    /// stream waits for its end before any later work; the host does not wait. Every
+    /// rank ends with bitwise the same values. Returns at once on one rank.
+    pub fn all_reduce_sum(&mut self, buf: &mut impl DevOut) -> Result<()> {
+        self.op(&mut buf.view_mut(), None)
+    }
+
+    /// Copies `root`'s `buf` into every rank's `buf` (same ordering rules as
+    /// [`NcclRank::all_reduce_sum`]).
+    pub fn broadcast(&mut self, buf: &mut impl DevOut, root: usize) -> Result<()> {
+        if root >= self.group.world() {
+            return Err(Error::config("broadcast root", format!("rank {root} of a group of {}", self.group.world())));
+        }
+        self.op(&mut buf.view_mut(), Some(root))
+    }
+
+    fn op(&mut self, buf: &mut CudaViewMut<'_, f32>, root: Option<usize>) -> Result<()> {
+        check_buffer("NcclRank", buf, self.group.len, &self.ctx, self.rank)?;
+        if self.group.world() == 1 || self.group.len == 0 {
+            return Ok(());
+        }
+        if self.group.is_aborted() {
+            return Err(Error::Aborted);
+        }
+        self.enqueue(buf, root).map_err(|e| self.group.fail(e))
+    }
+
+    fn enqueue(&mut self, buf: &mut CudaViewMut<'_, f32>, root: Option<usize>) -> Result<()> {
+        let g = self.group;
+        let (rank, len) = (self.rank, g.len);
+        self.ctx.bind_to_thread()?;
+        self.ready.record(&self.compute)?;
+        self.comm.wait(&self.ready)?;
+        let (ptr, written) = buf.device_ptr_mut(&self.comm);
+        let stream = self.comm.cu_stream();
+        g.call(rank, |c| match root {
+            // SAFETY: `buf` holds `len` f32 on this rank's device (checked), stays borrowed
+            // until this call returns, and every later use of it is ordered after the
+            // collective (the `done` event); `stream` belongs to this rank's context.
+            None => unsafe { c.all_reduce_sum_f32(ptr, len, stream) },
+            Some(root) => unsafe { c.broadcast_f32(ptr, len, root, stream) },
+        })?;
+        drop(written);
+        self.done.record(&self.comm)?;
+        self.compute.wait(&self.done)?;
+        Ok(())
+    }
+}
+
+impl DeviceAllReduce for NcclRank<'_> {
+    fn all_reduce_sum(&mut self, buf: &mut CudaViewMut<'_, f32>) -> Result<()> {
+        NcclRank::all_reduce_sum(self, buf)
+    }
+
+    fn compute_stream(&self) -> &Arc<CudaStream> {
+        &self.compute
+    }
+
+    fn is_aborted(&self) -> bool {
+        self.group.is_aborted()
+    }
+}
+
+impl Drop for NcclRank<'_> {
+    fn drop(&mut self) {
+        self.group.depart(self.rank, &self.comm, &self.done);
+    }
+}

@@ -1,0 +1,152 @@
+//! The CPU replica: a [`Replica`] whose model runs the layers' own forward and backward
+//! (`crate::nn`, the reference every other backend is checked against) on host memory,
+//! inside its device's thread pool.
+//!
+//! Owns a full replica (the model with its caches, parameters, buffers, optimiser state)
+//! and nothing of the exchange: it writes each shard's gradient into the slot it is given
+//! and reads the sum it is shown, in place.
+
+use std::ops::Range;
+use std::time::{Duration, Instant};
+
+use super::replica::{fingerprints, Mark, Replica, Shard, StepOutcome};
+use super::Batch;
+use crate::comm::Host;
+use crate::error::Result;
+use crate::nn::loss::{score, softmax_cross_entropy, softmax_rows, Metrics};
+use crate::nn::{Ctx, ParamStore, Sequential};
+use crate::optim::{Optimizer, StepScalars};
+use crate::tensor::{Device, Tensor};
+
+/// A device's replica on the CPU.
+pub struct CpuReplica {
+    device: Device,
+    model: Sequential,
+    store: ParamStore,
+    optimizer: Optimizer,
+    /// Base seed of the run (dropout streams derive from it).
+    seed: u64,
+    /// The scalars of the update in progress.
+    scalars: Option<StepScalars>,
+    /// Metrics of this step's shards, in shard order.
+    shards: Vec<Metrics>,
+    /// When each mark of this step was passed, from `origin`.
+    origin: Instant,
+    marks: [Duration; 4],
+}
+
+impl CpuReplica {
+    pub fn new(device: Device, model: Sequential, store: ParamStore, optimizer: Optimizer, seed: u64) -> CpuReplica {
+        CpuReplica {
+            device,
+            model,
+            store,
+            optimizer,
+            seed,
+            scalars: None,
+            shards: Vec::new(),
+            origin: Instant::now(),
+            marks: [Duration::ZERO; 4],
+        }
+    }
+
+    /// `rows` of `batch` as a tensor (rows, *sample_shape) on this device.
+    fn rows(&self, batch: &Batch, rows: Range<usize>) -> Result<Tensor> {
+        let per = batch.sample_shape.numel();
+        let mut dims = vec![rows.len()];
+        dims.extend_from_slice(batch.sample_shape.dims());
+        Tensor::from_vec_on(batch.x[rows.start * per..rows.end * per].to_vec(), dims, self.device)
+    }
+
+    /// The logits of `rows` in evaluation mode (the running statistics are read, not
+    /// updated: the forward writes into a scratch copy).
+    fn eval_logits(&mut self, batch: &Batch, rows: Range<usize>) -> Result<Tensor> {
+        let x = self.rows(batch, rows)?;
+        let mut scratch = self.store.buffers.clone();
+        self.model.forward(x, &self.store.params, &mut scratch, &Ctx::eval(self.device))
+    }
+}
+
+impl Replica for CpuReplica {
+    type Mem = Host;
+
+    fn num_params(&self) -> usize {
+        self.store.params.len()
+    }
+
+    fn mark(&mut self, mark: Mark) -> Result<()> {
+        if mark == Mark::Start {
+            self.origin = Instant::now();
+            self.shards.clear();
+        }
+        self.marks[mark.index()] = self.origin.elapsed();
+        Ok(())
+    }
+
+    /// Nothing to do: the shards read their rows from the host batch.
+    fn stage(&mut self, _batch: &Batch, _rows: Range<usize>) -> Result<()> {
+        Ok(())
+    }
+
+    fn train_shard(&mut self, batch: &Batch, shard: &Shard, slot: &mut [f32]) -> Result<()> {
+        slot.fill(0.0);
+        if shard.rows.is_empty() {
+            self.shards.push(Metrics::default());
+            return Ok(());
+        }
+        let np = self.store.params.len();
+        let x = self.rows(batch, shard.rows.clone())?;
+        let (grads, bufs) = slot.split_at_mut(np);
+        // The shard's running statistics start from the replica's and are updated in
+        // its slot by the training forward.
+        bufs.copy_from_slice(&self.store.buffers);
+        let ctx = Ctx::train(self.seed, shard.step, shard.replica, self.device);
+        let logits = self.model.forward(x, &self.store.params, bufs, &ctx)?;
+        let (metrics, dlogits) = softmax_cross_entropy(&logits, &batch.y[shard.rows.clone()])?;
+        self.model.backward(dlogits, &self.store.params, grads, &ctx)?;
+        self.shards.push(metrics);
+        Ok(())
+    }
+
+    fn begin_update(&mut self, lr_scale: f32, grad_divisor: f32) {
+        self.scalars = Some(self.optimizer.begin_step(lr_scale, grad_divisor));
+    }
+
+    fn update_params(&mut self, offset: usize, grad_sum: &[f32]) -> Result<()> {
+        let scalars = self.scalars.expect("begin_update comes before update_params");
+        let params = &mut self.store.params[offset..offset + grad_sum.len()];
+        self.optimizer.update(offset, params, grad_sum, &scalars);
+        Ok(())
+    }
+
+    fn set_buffers(&mut self, offset: usize, sum: &[f32], scale: f32) -> Result<()> {
+        for (dst, &v) in self.store.buffers[offset..offset + sum.len()].iter_mut().zip(sum) {
+            *dst = v * scale;
+        }
+        Ok(())
+    }
+
+    fn finish_step(&mut self, _aborted: &dyn Fn() -> bool) -> Result<StepOutcome> {
+        self.scalars = None;
+        Ok(StepOutcome::from_marks(std::mem::take(&mut self.shards), self.marks))
+    }
+
+    fn evaluate_chunk(&mut self, batch: &Batch, rows: Range<usize>) -> Result<Metrics> {
+        let logits = self.eval_logits(batch, rows.clone())?;
+        score(&logits, &batch.y[rows])
+    }
+
+    fn predict_chunk(&mut self, batch: &Batch, rows: Range<usize>) -> Result<Vec<f32>> {
+        let logits = self.eval_logits(batch, rows)?;
+        let k = logits.shape().per_sample();
+        Ok(softmax_rows(logits.into_vec(), k))
+    }
+
+    fn snapshot(&mut self) -> Result<(ParamStore, Optimizer)> {
+        Ok((self.store.clone(), self.optimizer.clone()))
+    }
+
+    fn fingerprints(&mut self) -> Result<Vec<(String, u64)>> {
+        Ok(fingerprints(&self.model, &self.store, &self.optimizer))
+    }
+}

@@ -1,0 +1,157 @@
+//! The GPU replica: a [`Replica`] whose network runs on one GPU ([`GpuNet`]), every
+//! method but the step's end and the reads only queueing work on the GPU's stream.
+//!
+//! Owns the host side of a GPU replica: the optimiser's configuration and step count,
+//! the rows staged for the step, and the translation between the step's terms (batches,
+//! shards, pieces of the sum) and the network's (rows on the device, slots, views). The
+//! device side — buffers, kernels, cuBLAS — is `cuda::net`'s.
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use cudarc::driver::{CudaStream, CudaView, CudaViewMut};
+
+use super::replica::{fingerprints, Mark, Replica, Shard, StepOutcome};
+use super::Batch;
+use crate::comm::gpu::DeviceMemory;
+use crate::cuda::net::{Draw, GpuNet, OptimizerState};
+use crate::error::{Error, Result};
+use crate::nn::loss::{softmax_rows, Metrics};
+use crate::nn::{ParamStore, Sequential};
+use crate::optim::{Optimizer, OptimizerConfig, StepScalars};
+use crate::tensor::Device;
+
+/// A device's replica on a GPU.
+pub struct GpuReplica {
+    net: GpuNet,
+    config: OptimizerConfig,
+    /// Optimiser steps taken.
+    t: u64,
+    seed: u64,
+    scalars: Option<StepScalars>,
+    /// The staged rows of this step (the batch's rows `staged.start..staged.end`), and
+    /// its shards' rows within them.
+    staged: Range<usize>,
+    shards: Vec<Range<usize>>,
+}
+
+impl GpuReplica {
+    /// Builds the replica on `device` (a GPU) from the model, its weights and the
+    /// optimiser state to start from.
+    pub fn new(device: Device, start: (Sequential, ParamStore, Optimizer), seed: u64) -> Result<GpuReplica> {
+        let Device::Cuda(ordinal) = device else {
+            return Err(Error::config("devices", format!("{device} is not a GPU")));
+        };
+        let (model, store, optimizer) = start;
+        let state = optimizer.state();
+        let pick = |name: &str| state.iter().find(|(n, _)| *n == name).map_or(&[][..], |(_, v)| *v);
+        let config = *optimizer.config();
+        let state = OptimizerState { config, m: pick("m"), v: pick("v") };
+        let net = GpuNet::new(ordinal, model, &store, state, Mark::ALL.len())?;
+        Ok(GpuReplica { net, config, t: optimizer.steps(), seed, scalars: None, staged: 0..0, shards: Vec::new() })
+    }
+
+    /// The stream every launch of this replica goes to (its exchange orders itself
+    /// after it).
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        self.net.stream()
+    }
+
+    /// The rows `rows` of `batch`, x and y.
+    fn rows<'b>(batch: &'b Batch, rows: &Range<usize>) -> (&'b [f32], &'b [u32]) {
+        let per = batch.sample_shape.numel();
+        (&batch.x[rows.start * per..rows.end * per], &batch.y[rows.clone()])
+    }
+}
+
+impl Replica for GpuReplica {
+    type Mem = DeviceMemory;
+
+    fn num_params(&self) -> usize {
+        self.net.model().num_params()
+    }
+
+    fn mark(&mut self, mark: Mark) -> Result<()> {
+        self.net.mark(mark.index())
+    }
+
+    fn stage(&mut self, batch: &Batch, rows: Range<usize>) -> Result<()> {
+        let (x, y) = Self::rows(batch, &rows);
+        self.net.stage(x, y)?;
+        self.staged = rows;
+        self.shards.clear();
+        Ok(())
+    }
+
+    fn train_shard(&mut self, _batch: &Batch, shard: &Shard, mut slot: CudaViewMut<'_, f32>) -> Result<()> {
+        let s = &shard.rows;
+        // The staged rows span this device's shards, so each shard lies inside them.
+        let rows = s.start - self.staged.start..s.end - self.staged.start;
+        self.shards.push(rows.clone());
+        let draw = Draw { seed: self.seed, step: shard.step, replica: shard.replica };
+        self.net.train_shard(rows, draw, &mut slot)
+    }
+
+    fn begin_update(&mut self, lr_scale: f32, grad_divisor: f32) {
+        self.t += 1;
+        self.scalars = Some(self.config.scalars(self.t, lr_scale, grad_divisor));
+    }
+
+    fn update_params(&mut self, offset: usize, grad_sum: CudaView<'_, f32>) -> Result<()> {
+        let scalars = self.scalars.expect("begin_update comes before update_params");
+        self.net.update_params(&self.config, &scalars, offset, &grad_sum)
+    }
+
+    fn set_buffers(&mut self, offset: usize, sum: CudaView<'_, f32>, scale: f32) -> Result<()> {
+        self.net.set_buffers(offset, &sum, scale)
+    }
+
+    /// The step's one wait (released by an abort), then its losses.
+    fn finish_step(&mut self, aborted: &dyn Fn() -> bool) -> Result<StepOutcome> {
+        self.scalars = None;
+        self.net.wait(aborted)?;
+        let (loss, hits) = self.net.step_losses()?;
+        let shards = self.shards.iter().map(|r| metrics(&loss[r.clone()], &hits[r.clone()])).collect();
+        let t = self.net.mark_times()?;
+        Ok(StepOutcome::from_marks(shards, [t[0], t[1], t[2], t[3]]))
+    }
+
+    fn evaluate_chunk(&mut self, batch: &Batch, rows: Range<usize>) -> Result<Metrics> {
+        let (x, y) = Self::rows(batch, &rows);
+        let (loss, correct, _) = self.net.infer(x, y)?;
+        Ok(metrics(&loss, &correct))
+    }
+
+    fn predict_chunk(&mut self, batch: &Batch, rows: Range<usize>) -> Result<Vec<f32>> {
+        let (x, y) = Self::rows(batch, &rows);
+        let (_, _, logits) = self.net.infer(x, y)?;
+        Ok(softmax_rows(logits, self.net.model().output_shape().numel()))
+    }
+
+    fn snapshot(&mut self) -> Result<(ParamStore, Optimizer)> {
+        let (store, m, v) = self.net.download()?;
+        let mut optimizer = Optimizer::new(self.config, store.params.len());
+        // The state the CPU optimiser keeps for this configuration, from the device's.
+        let state: Vec<(&str, Vec<f32>)> = match self.config {
+            OptimizerConfig::Sgd { momentum, .. } if momentum > 0.0 => vec![("m", m)],
+            OptimizerConfig::Sgd { .. } => Vec::new(),
+            OptimizerConfig::Adam { .. } => vec![("m", m), ("v", v)],
+        };
+        optimizer.restore(self.t, &state)?;
+        Ok((store, optimizer))
+    }
+
+    fn fingerprints(&mut self) -> Result<Vec<(String, u64)>> {
+        let (store, optimizer) = self.snapshot()?;
+        Ok(fingerprints(self.net.model(), &store, &optimizer))
+    }
+}
+
+/// Metrics of samples from their losses and hits (the loss summed in f64, as the CPU's).
+fn metrics(loss: &[f32], correct: &[u32]) -> Metrics {
+    Metrics {
+        loss_sum: loss.iter().map(|&l| l as f64).sum(),
+        correct: correct.iter().map(|&c| c as u64).sum(),
+        count: loss.len() as u64,
+    }
+}

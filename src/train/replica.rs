@@ -1,0 +1,199 @@
+//! What a device replica does: the [`Replica`] trait that the one step (`step.rs`) runs,
+//! and the replica check every device shares.
+//!
+//! A replica is a full copy of the model on one device — parameters, BatchNorm buffers,
+//! optimiser state — with the device's way of computing. The CPU replica (`cpu.rs`)
+//! computes as it is called; the GPU replica (`gpu.rs`) only queues work on its stream
+//! and waits once per step, in [`Replica::finish_step`], so every method but that one and
+//! the reads (evaluation, prediction, snapshots) may return before the work is done.
+//! Values the step hands over (slots to write, pieces of the sum to read) live in the
+//! exchange's memory ([`Memory`]), which the replica and its exchange agree on.
+
+use std::ops::Range;
+use std::time::Duration;
+
+use super::Batch;
+use crate::comm::Memory;
+use crate::error::{Error, Result};
+use crate::nn::loss::Metrics;
+use crate::nn::{ParamStore, Sequential};
+use crate::optim::Optimizer;
+
+/// One logical replica's share of a step.
+#[derive(Clone, Debug)]
+pub struct Shard {
+    /// The logical replica: BatchNorm statistics and dropout streams belong to it.
+    pub replica: usize,
+    /// Its rows of the global batch (possibly none).
+    pub rows: Range<usize>,
+    /// The global step (0-based).
+    pub step: u64,
+}
+
+/// Points of a step whose times a replica records (on the GPU, as events on its stream).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mark {
+    Start,
+    /// Every shard's backward is done (queued, on a GPU).
+    Computed,
+    /// The exchange's sum is done.
+    Summed,
+    /// The update is done.
+    Updated,
+}
+
+impl Mark {
+    pub const ALL: [Mark; 4] = [Mark::Start, Mark::Computed, Mark::Summed, Mark::Updated];
+
+    /// Index of the mark in [`Mark::ALL`].
+    pub fn index(self) -> usize {
+        self as usize
+    }
+}
+
+/// What one step produced on one device.
+#[derive(Clone, Debug, Default)]
+pub struct StepOutcome {
+    /// Metrics of each of this device's logical replicas, in shard order.
+    pub shards: Vec<Metrics>,
+    /// Forward, backward and update time (`Start..Computed` + `Summed..Updated`).
+    pub compute: Duration,
+    /// The exchange's time (`Computed..Summed`).
+    pub reduce: Duration,
+}
+
+impl StepOutcome {
+    /// The outcome of `shards` with times taken from the four marks.
+    pub fn from_marks(shards: Vec<Metrics>, at: [Duration; 4]) -> StepOutcome {
+        let span = |a: Mark, b: Mark| at[b.index()].saturating_sub(at[a.index()]);
+        StepOutcome {
+            shards,
+            compute: span(Mark::Start, Mark::Computed) + span(Mark::Summed, Mark::Updated),
+            reduce: span(Mark::Computed, Mark::Summed),
+        }
+    }
+}
+
+/// A model replica on one device, as the step drives it. Every replica of a run makes
+/// the same calls with the same values, so they stay bitwise identical.
+pub trait Replica {
+    /// Where the slots it writes and the sums it reads live.
+    type Mem: Memory;
+
+    /// Parameters of the model: a slot is `[num_params gradient values | buffers]`.
+    fn num_params(&self) -> usize;
+
+    /// Records the time of `mark` (queued on a GPU).
+    fn mark(&mut self, mark: Mark) -> Result<()>;
+
+    /// Takes `rows` of `batch`, the rows of every shard this device trains in this step
+    /// (a GPU copies them to the device, asynchronously).
+    fn stage(&mut self, batch: &Batch, rows: Range<usize>) -> Result<()>;
+
+    /// Forward, the loss SUMMED over the shard's rows, backward: writes the whole of
+    /// `slot` — `[the shard's gradient | its updated BatchNorm buffers]` — and keeps the
+    /// shard's metrics for [`Replica::finish_step`]. A shard without rows writes zeros.
+    fn train_shard(&mut self, batch: &Batch, shard: &Shard, slot: <Self::Mem as Memory>::ViewMut<'_>) -> Result<()>;
+
+    /// Starts the update of a step at `lr_scale` times the learning rate, for gradients
+    /// summed over `grad_divisor` samples.
+    fn begin_update(&mut self, lr_scale: f32, grad_divisor: f32);
+
+    /// Updates the parameters `offset..offset + len` from that piece of the gradient sum.
+    fn update_params(&mut self, offset: usize, grad_sum: <Self::Mem as Memory>::View<'_>) -> Result<()>;
+
+    /// Sets the buffers `offset..offset + len` to `scale` times that piece of the sum of
+    /// every shard's buffers.
+    fn set_buffers(&mut self, offset: usize, sum: <Self::Mem as Memory>::View<'_>, scale: f32) -> Result<()>;
+
+    /// Ends the step: waits for the device (polling `aborted`, so that an abort releases
+    /// the wait) and returns the metrics of its shards and its times.
+    fn finish_step(&mut self, aborted: &dyn Fn() -> bool) -> Result<StepOutcome>;
+
+    /// Loss and accuracy in evaluation mode on `rows` of `batch` (one chunk).
+    fn evaluate_chunk(&mut self, batch: &Batch, rows: Range<usize>) -> Result<Metrics>;
+
+    /// Class probabilities (rows, K) in evaluation mode on `rows` of `batch` (one chunk).
+    fn predict_chunk(&mut self, batch: &Batch, rows: Range<usize>) -> Result<Vec<f32>>;
+
+    /// Parameters, buffers and optimiser state, on the host.
+    fn snapshot(&mut self) -> Result<(ParamStore, Optimizer)>;
+
+    /// Per-tensor fingerprints for the replica check ([`fingerprints`]).
+    fn fingerprints(&mut self) -> Result<Vec<(String, u64)>>;
+}
+
+/// Per-tensor fingerprints of a replica's parameters, buffers and optimiser state (FNV-1a
+/// over the bit patterns: equal bits, equal hash), named as the checkpoints name them.
+pub fn fingerprints(model: &Sequential, store: &ParamStore, optimizer: &Optimizer) -> Vec<(String, u64)> {
+    let fnv = |v: &[f32]| {
+        v.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, x| (h ^ x.to_bits() as u64).wrapping_mul(0x100_0000_01b3))
+    };
+    let mut out = Vec::new();
+    for t in model.param_infos() {
+        out.push((t.name.clone(), fnv(&store.params[t.range.clone()])));
+    }
+    for t in model.buffer_infos() {
+        out.push((t.name.clone(), fnv(&store.buffers[t.range.clone()])));
+    }
+    for (name, v) in optimizer.state() {
+        out.push((format!("optimizer.{name}"), fnv(v)));
+    }
+    out
+}
+
+/// Compares every replica's fingerprints with replica 0's; names the first difference.
+pub fn check_replicas(step: u64, prints: &[Vec<(String, u64)>]) -> Result<()> {
+    let Some(first) = prints.first() else { return Ok(()) };
+    for (r, p) in prints.iter().enumerate().skip(1) {
+        if let Some(((name, _), _)) = first.iter().zip(p).find(|(a, b)| a.1 != b.1) {
+            return Err(Error::ReplicaMismatch { step, replica: r, tensor: name.clone() });
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_replica_that_differs_is_named_with_the_first_tensor_that_differs() {
+        let a = vec![
+            ("dense0.weight".to_string(), 1u64),
+            ("dense0.bias".to_string(), 2),
+            ("bn0.running_mean".to_string(), 3),
+        ];
+        let mut b = a.clone();
+        b[1].1 = 20;
+        b[2].1 = 30;
+        assert!(check_replicas(7, &[a.clone(), a.clone(), a.clone()]).is_ok());
+        let e = check_replicas(7, &[a.clone(), a.clone(), b]).unwrap_err();
+        assert!(matches!(&e, Error::ReplicaMismatch { step: 7, replica: 2, tensor } if tensor == "dense0.bias"), "{e}");
+        assert_eq!(
+            e.to_string(),
+            "replica check failed at step 7: replica 2 differs from replica 0 in tensor 'dense0.bias'"
+        );
+    }
+
+    #[test]
+    fn fingerprints_change_with_any_bit() {
+        let model = crate::models::toy_mlp(2, 2).unwrap();
+        let mut store = model.init(0);
+        let optimizer = Optimizer::new(crate::optim::OptimizerConfig::sgd(0.1), model.num_params());
+        let before = fingerprints(&model, &store, &optimizer);
+        store.params[5] = f32::from_bits(store.params[5].to_bits() ^ 1); // one ulp
+        let after = fingerprints(&model, &store, &optimizer);
+        assert_eq!(before.len(), after.len());
+        let changed: Vec<&str> =
+            before.iter().zip(&after).filter(|(x, y)| x.1 != y.1).map(|(x, _)| x.0.as_str()).collect();
+        assert_eq!(changed, vec!["dense0.weight"]);
+    }
+
+    #[test]
+    fn step_times_come_from_the_marks() {
+        let ms = Duration::from_millis;
+        let o = StepOutcome::from_marks(Vec::new(), [ms(10), ms(13), ms(20), ms(21)]);
+        assert_eq!((o.compute, o.reduce), (ms(4), ms(7)));
+    }
+}
