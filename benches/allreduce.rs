@@ -18,7 +18,7 @@ enum Path {
 /// Runs `iters` collectives on `ranks` threads; returns rank 0's time between the first
 /// and the last barrier.
 fn run(ranks: usize, count: usize, iters: u64, path: Path) -> Duration {
-    let ex = ShmExchange::new(ranks, ranks, count).unwrap();
+    let ex = ShmExchange::new(ranks, ranks, count, lockstep::comm::Wait::for_threads(ranks)).unwrap();
     std::thread::scope(|s| {
         let hs: Vec<_> = (0..ranks)
             .map(|r| {

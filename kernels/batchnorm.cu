@@ -7,9 +7,11 @@
 //
 // Conventions (Keras BatchNormalization, which the MNIST example follows):
 //   * mean and the variance used to normalise are the BIASED batch statistics (divide by M,
-//     M = N*H*W); the running variance is updated with the UNBIASED one (M/(M-1) times,
-//     or the biased one when M == 1), as PyTorch and Keras do;
-//   * running = momentum * running + (1 - momentum) * batch  (Keras: momentum = 0.99);
+//     M = N*H*W); the running variance is updated with the UNBIASED one (times `unbias`),
+//     as PyTorch and Keras do;
+//   * running = keep * running + take * batch, the host's numbers (nn::batchnorm's
+//     RunningUpdate: keep = momentum, take = 1 - momentum, unbias = M/(M-1) or 1 at M = 1),
+//     blended here in float32 from float32 block sums where the CPU blends in float64;
 //   * gamma == NULL means no scale (Keras scale=False): gamma is 1 and dgamma is not written;
 //     beta == NULL means no shift (Keras center=False): beta is 0 and dbeta is not written;
 //   * a shard with no sample (M == 0) leaves every output and running stat untouched.
@@ -44,7 +46,8 @@ extern "C" __global__ void batchnorm_train_fwd_f32(const float* x, float* y, con
                                                    const float* beta, float* running_mean,
                                                    float* running_var, float* save_mean,
                                                    float* save_invstd, int n, int c, size_t hw,
-                                                   float momentum, float eps) {
+                                                   float keep, float take, float unbias,
+                                                   float eps) {
     __shared__ float part[REDUCE_BLOCK];
     const int ch = blockIdx.x;
     const size_t m = (size_t)n * hw;
@@ -66,9 +69,8 @@ extern "C" __global__ void batchnorm_train_fwd_f32(const float* x, float* y, con
         y[i] = (x[i] - mean) * invstd * g + b;
     }
     if (threadIdx.x == 0) {
-        const float unbiased = m > 1 ? var * ((float)m / (float)(m - 1)) : var;
-        running_mean[ch] = momentum * running_mean[ch] + (1.0f - momentum) * mean;
-        running_var[ch] = momentum * running_var[ch] + (1.0f - momentum) * unbiased;
+        running_mean[ch] = keep * running_mean[ch] + take * mean;
+        running_var[ch] = keep * running_var[ch] + take * (var * unbias);
         save_mean[ch] = mean;
         save_invstd[ch] = invstd;
     }

@@ -42,7 +42,8 @@ use std::sync::OnceLock;
 use lockstep::backend::cpu;
 use lockstep::cuda::kernels::KERNEL_FILES;
 use lockstep::cuda::launch::{ConvGeom, DropoutKey, REDUCE_BLOCK};
-use lockstep::nn::{loss, Ctx, Dropout, Layer, Sequential};
+use lockstep::nn::batchnorm::RunningUpdate;
+use lockstep::nn::{loss, BatchNorm2d, Ctx, Dropout, Layer, Sequential};
 use lockstep::optim::{Optimizer, OptimizerConfig};
 use lockstep::{Device, Tensor};
 
@@ -692,6 +693,31 @@ fn opt_mut(present: bool, v: &mut [f32]) -> Arg<'_> {
     }
 }
 
+/// The running statistics `nn::BatchNorm2d`'s training forward leaves for `inputs`.
+fn cpu_running_stats(
+    inputs: &BnInputs,
+    with_gamma: bool,
+    with_beta: bool,
+    momentum: f32,
+    eps: f32,
+) -> (Vec<f32>, Vec<f32>) {
+    let (n, c, hw) = inputs.shape;
+    let layer = BatchNorm2d::new(c).scale(with_gamma).center(with_beta).momentum(momentum).eps(eps);
+    let model = Sequential::new([c, hw, 1], vec![Box::new(layer)]).expect("one BatchNorm layer");
+    let mut params = Vec::new();
+    if with_gamma {
+        params.extend_from_slice(&inputs.gamma);
+    }
+    if with_beta {
+        params.extend_from_slice(&inputs.beta);
+    }
+    let mut buffers = [inputs.running_mean.clone(), inputs.running_var.clone()].concat();
+    let x = lockstep::Tensor::from_vec(inputs.x.clone(), vec![n, c, hw, 1]).expect("x");
+    model.clone().forward(x, &params, &mut buffers, &Ctx::train(0, 0, 0, lockstep::Device::Cpu(0))).expect("forward");
+    let rv = buffers.split_off(c);
+    (buffers, rv)
+}
+
 #[test]
 fn batchnorm_train_eval_and_backward_match_the_reference() {
     let Some(k) = kernels_or_skip("batchnorm_train_eval_and_backward_match_the_reference") else {
@@ -724,7 +750,9 @@ fn batchnorm_train_eval_and_backward_match_the_reference() {
         let mut y = vec![f32::NAN; total];
         let (mut rm, mut rv, mut sm, mut si) = (rm0.clone(), rv0.clone(), sm0.clone(), si0.clone());
         // As Gpu::batchnorm_train_fwd: x, y, gamma or 0, beta or 0, running_mean,
-        // running_var, save_mean, save_invstd, N (int), C (int), hw, momentum, eps.
+        // running_var, save_mean, save_invstd, N (int), C (int), hw, keep, take, unbias
+        // (RunningUpdate's, rounded to f32), eps.
+        let u = RunningUpdate::new(momentum, n * hw);
         k.launch(
             "batchnorm_train_fwd_f32",
             channel_cfg(c as i32),
@@ -740,7 +768,9 @@ fn batchnorm_train_eval_and_backward_match_the_reference() {
                 I32(n as i32),
                 I32(c as i32),
                 U64(hw as u64),
-                F32(momentum),
+                F32(u.keep as f32),
+                F32(u.take as f32),
+                F32(u.unbias as f32),
                 F32(eps),
             ],
         );
@@ -786,6 +816,15 @@ fn batchnorm_train_eval_and_backward_match_the_reference() {
         assert_close(&format!("bn y ({case})"), &y, &want.y, 1e-4, 1e-5);
         assert_close(&format!("bn running_mean ({case})"), &rm, &want.running_mean, 1e-5, 1e-6);
         assert_close(&format!("bn running_var ({case})"), &rv, &want.running_var, 1e-5, 1e-6);
+        // The CPU layer itself (f64 moments, RunningUpdate in f64) and the kernel (f32 block
+        // sums, the same RunningUpdate rounded to f32): the one place the backends differ,
+        // held to the same bound. (M = 1 is the kernel's edge alone: both replicas refuse
+        // to train on one value per channel before any launch.)
+        if n * hw > 1 {
+            let (cpu_rm, cpu_rv) = cpu_running_stats(&inputs, with_gamma, with_beta, momentum, eps);
+            assert_close(&format!("bn running_mean vs the CPU layer ({case})"), &rm, &f64s(&cpu_rm), 1e-5, 1e-6);
+            assert_close(&format!("bn running_var vs the CPU layer ({case})"), &rv, &f64s(&cpu_rv), 1e-5, 1e-6);
+        }
         assert_close(&format!("bn save_mean ({case})"), &sm, &want.save_mean, 1e-5, 1e-6);
         // invstd = 1/sqrt(var + eps) is up to 1/sqrt(eps) ~ 32 (at M = 1, var = 0).
         assert_close(&format!("bn save_invstd ({case})"), &si, &want.save_invstd, 1e-4, 1e-5);

@@ -97,7 +97,7 @@ enum AllreducePath {
 
 /// Median time of one collective over `ranks` threads; rank 0 times between barriers.
 fn time_allreduce(ranks: usize, count: usize, iters: usize, warmup: usize, path: AllreducePath) -> CliResult<Duration> {
-    let ex = ShmExchange::new(ranks, ranks, count)?;
+    let ex = ShmExchange::new(ranks, ranks, count, lockstep::comm::Wait::for_threads(ranks))?;
     let warm = std::sync::atomic::AtomicBool::new(false);
     let times = std::thread::scope(|s| -> lockstep::Result<Vec<Duration>> {
         let handles: Vec<_> = (0..ranks)

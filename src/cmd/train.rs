@@ -314,6 +314,9 @@ pub(crate) fn cmd_train(a: TrainArgs) -> CliResult {
         splits.train.len(),
         splits.test.as_ref().map_or(String::new(), |t| format!(", {} {} samples", t.name(), t.len()))
     );
+    if let Some(note) = devices.oversubscription_note(replicas) {
+        say!("lockstep: note: {note}");
+    }
     say!(
         "lockstep: {} | global batch {batch_size} | epochs {epochs}{} | seed {}{}",
         optimizer_text(&optimizer),

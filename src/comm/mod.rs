@@ -62,6 +62,28 @@ impl Memory for Host {
     }
 }
 
+/// How a thread waits for its peers (in an exchange) or for its next message.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Wait {
+    /// Spin for a short while, then sleep: when every thread has a core of its own.
+    Spin,
+    /// Sleep at once: when the threads outnumber the cores, a spinning thread takes the
+    /// core from the very thread it waits for.
+    Park,
+}
+
+impl Wait {
+    /// [`Wait::Spin`] when `threads` busy threads fit on the machine's cores,
+    /// [`Wait::Park`] otherwise.
+    pub fn for_threads(threads: usize) -> Wait {
+        if threads <= crate::devices::available_cores() {
+            Wait::Spin
+        } else {
+            Wait::Park
+        }
+    }
+}
+
 /// What every thread of a run may do to its exchange: stop it.
 pub trait Abort: Sync {
     /// Makes every pending and future call of every rank fail with `Error::Aborted`.

@@ -8,8 +8,8 @@
 //! shard indices only, never on which device computed a shard, R logical replicas give
 //! bitwise the same sum on 1, 2 or 4 devices.
 //!
-//! Synchronisation: a spinning barrier (a few µs of spinning, then yielding, then short
-//! sleeps, so that more devices than cores still make progress), and per-buffer
+//! Synchronisation: a barrier that spins a few µs where every rank has a core, and sleeps
+//! at once where the ranks outnumber the cores ([`Wait`]), and per-buffer
 //! read/write locks that are never contended in a correct run (the barriers order the
 //! phases) but make the sharing safe without `unsafe`. An abort flag, checked while
 //! waiting, turns any wait into `Error::Aborted`.
@@ -18,22 +18,40 @@ use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use parking_lot::RwLock;
+use parking_lot::{Condvar, Mutex, RwLock};
 
-use super::{Abort, Exchange, Host};
+use super::{Abort, Exchange, Host, Wait};
 use crate::error::{Error, Result};
 
-/// A reusable barrier for `n` threads that spins before it sleeps, and gives up when the
-/// abort flag is raised.
+/// A reusable barrier for `n` threads that gives up when the abort flag is raised. With
+/// [`Wait::Spin`] a waiter spins a few µs, then yields, then sleeps in short naps: the
+/// hand-offs of a small model's step cost microseconds, less than waking a sleeping core.
+/// With [`Wait::Park`] (more threads than cores) it sleeps at once on a condition
+/// variable: a spinning waiter would take the core from the very thread it waits for.
 pub struct SpinBarrier {
     n: usize,
+    wait: Wait,
     count: AtomicUsize,
     generation: AtomicUsize,
+    /// Where parked waiters sleep; the last arriver wakes them under the lock.
+    lock: Mutex<()>,
+    woken: Condvar,
 }
 
+/// A parked waiter checks the abort flag at least this often, in case an abort came
+/// without [`SpinBarrier::wake`].
+const PARK_RECHECK: Duration = Duration::from_millis(10);
+
 impl SpinBarrier {
-    pub fn new(n: usize) -> Self {
-        SpinBarrier { n, count: AtomicUsize::new(0), generation: AtomicUsize::new(0) }
+    pub fn new(n: usize, wait: Wait) -> Self {
+        SpinBarrier {
+            n,
+            wait,
+            count: AtomicUsize::new(0),
+            generation: AtomicUsize::new(0),
+            lock: Mutex::new(()),
+            woken: Condvar::new(),
+        }
     }
 
     /// Waits for all `n` threads, or fails with `Error::Aborted` once `abort` is set.
@@ -45,8 +63,24 @@ impl SpinBarrier {
         if self.count.fetch_add(1, Ordering::AcqRel) + 1 == self.n {
             self.count.store(0, Ordering::Relaxed);
             self.generation.fetch_add(1, Ordering::Release);
+            if self.wait == Wait::Park {
+                self.wake();
+            }
             return Ok(());
         }
+        match self.wait {
+            Wait::Spin => self.spin(gen, abort),
+            Wait::Park => self.park(gen, abort),
+        }
+    }
+
+    /// Wakes every parked waiter (after the last arrival, or an abort).
+    pub fn wake(&self) {
+        let _held = self.lock.lock();
+        self.woken.notify_all();
+    }
+
+    fn spin(&self, gen: usize, abort: &AtomicBool) -> Result<()> {
         let start = Instant::now();
         let mut spins = 0u32;
         while self.generation.load(Ordering::Acquire) == gen {
@@ -61,6 +95,19 @@ impl SpinBarrier {
             } else {
                 std::thread::sleep(Duration::from_micros(50));
             }
+        }
+        Ok(())
+    }
+
+    fn park(&self, gen: usize, abort: &AtomicBool) -> Result<()> {
+        let mut held = self.lock.lock();
+        // Checked under the lock: the last arriver takes it to wake us, so its wake-up
+        // cannot fall between this check and the sleep.
+        while self.generation.load(Ordering::Acquire) == gen {
+            if abort.load(Ordering::Relaxed) {
+                return Err(Error::Aborted);
+            }
+            self.woken.wait_for(&mut held, PARK_RECHECK);
         }
         Ok(())
     }
@@ -121,8 +168,8 @@ pub struct ShmExchange {
 
 impl ShmExchange {
     /// A collective of `ranks` ranks, each running `shards / ranks` logical replicas,
-    /// over buffers of `len` values.
-    pub fn new(ranks: usize, shards: usize, len: usize) -> Result<ShmExchange> {
+    /// over buffers of `len` values, whose ranks wait for each other as `wait` says.
+    pub fn new(ranks: usize, shards: usize, len: usize, wait: Wait) -> Result<ShmExchange> {
         if ranks == 0 || shards == 0 || shards % ranks != 0 {
             return Err(Error::config(
                 "replicas",
@@ -138,7 +185,7 @@ impl ShmExchange {
             shards: (0..shards).map(|_| RwLock::new(vec![0.0; len])).collect(),
             reduced: chunks.iter().map(|c| RwLock::new(vec![0.0; c.len()])).collect(),
             chunks,
-            barrier: SpinBarrier::new(ranks),
+            barrier: SpinBarrier::new(ranks, wait),
             aborted: AtomicBool::new(false),
         })
     }
@@ -233,6 +280,7 @@ impl Exchange for ShmRank<'_> {
 impl Abort for ShmExchange {
     fn abort(&self) {
         self.aborted.store(true, Ordering::SeqCst);
+        self.barrier.wake();
     }
 
     fn is_aborted(&self) -> bool {
@@ -270,9 +318,10 @@ mod tests {
 
     #[test]
     fn reduce_scatter_sums_every_shard_on_every_rank() {
-        for (ranks, shards) in [(1, 1), (1, 4), (2, 2), (2, 4), (3, 3), (4, 4)] {
+        let cases = [(1, 1), (1, 4), (2, 2), (2, 4), (3, 3), (4, 4)];
+        for ((ranks, shards), wait) in cases.into_iter().flat_map(|c| [(c, Wait::Spin), (c, Wait::Park)]) {
             let len = 1000;
-            let ex = ShmExchange::new(ranks, shards, len).unwrap();
+            let ex = ShmExchange::new(ranks, shards, len, wait).unwrap();
             let results: Vec<Vec<f32>> = std::thread::scope(|s| {
                 let hs: Vec<_> = (0..ranks)
                     .map(|d| {
@@ -295,7 +344,7 @@ mod tests {
             for out in &results {
                 for (i, &v) in out.iter().enumerate() {
                     let want: f32 = (0..shards).map(|s| (s * len + i) as f32).sum();
-                    assert_eq!(v, want, "ranks {ranks} shards {shards} element {i}");
+                    assert_eq!(v, want, "ranks {ranks} shards {shards} ({wait:?}) element {i}");
                 }
             }
         }
@@ -304,7 +353,7 @@ mod tests {
     #[test]
     fn classic_all_reduce_gives_every_rank_the_same_values() {
         let (ranks, len) = (3, 100);
-        let ex = ShmExchange::new(ranks, ranks, len).unwrap();
+        let ex = ShmExchange::new(ranks, ranks, len, Wait::Park).unwrap();
         let out: Vec<Vec<f32>> = std::thread::scope(|s| {
             let hs: Vec<_> = (0..ranks)
                 .map(|r| {
@@ -324,7 +373,7 @@ mod tests {
             assert!(sum.iter().enumerate().all(|(i, &v)| v == (3000 + 3 * i) as f32));
         }
         // One rank: nothing to do, nothing changes.
-        let one = ShmExchange::new(1, 1, 4).unwrap();
+        let one = ShmExchange::new(1, 1, 4, Wait::Spin).unwrap();
         let mut v = vec![1.0, 2.0, 3.0, 4.0];
         crate::comm::all_reduce_in_place(&mut one.rank(0), &mut v).unwrap();
         assert_eq!(v, vec![1.0, 2.0, 3.0, 4.0]);
@@ -335,18 +384,20 @@ mod tests {
 
     #[test]
     fn abort_releases_a_waiting_rank() {
-        let ex = ShmExchange::new(2, 2, 4).unwrap();
-        std::thread::scope(|s| {
-            let h = s.spawn(|| ex.rank(0).barrier());
-            std::thread::sleep(Duration::from_millis(20));
-            ex.abort();
-            assert!(matches!(h.join().unwrap(), Err(Error::Aborted)));
-        });
+        for wait in [Wait::Spin, Wait::Park] {
+            let ex = ShmExchange::new(2, 2, 4, wait).unwrap();
+            std::thread::scope(|s| {
+                let h = s.spawn(|| ex.rank(0).barrier());
+                std::thread::sleep(Duration::from_millis(20));
+                ex.abort();
+                assert!(matches!(h.join().unwrap(), Err(Error::Aborted)), "{wait:?}");
+            });
+        }
     }
 
     #[test]
     fn uneven_replicas_are_refused() {
-        let e = ShmExchange::new(2, 3, 10).err().unwrap().to_string();
+        let e = ShmExchange::new(2, 3, 10, Wait::Spin).err().unwrap().to_string();
         assert!(e.contains("3 logical replicas cannot be shared evenly by 2 devices"), "{e}");
     }
 }

@@ -18,6 +18,7 @@ use parking_lot::Mutex;
 
 use super::kernels::{cached_ptx, kernel_name, Dir};
 use super::probe::driver_available;
+use crate::nn::batchnorm::RunningUpdate;
 use crate::optim::{OptimizerConfig, StepScalars};
 use crate::{Error, Result};
 
@@ -492,8 +493,8 @@ impl Gpu {
         Ok(())
     }
 
-    /// Training forward: batch statistics over (N, H, W), running stats updated with
-    /// `running = momentum * running + (1 - momentum) * batch` (unbiased variance).
+    /// Training forward: batch statistics over (N, H, W), running stats updated as
+    /// `nn::batchnorm::RunningUpdate` says for Keras momentum `momentum`.
     /// x, y: (N, C, H, W) with hw = H*W; running_*, save_mean, save_invstd: (C)
     #[allow(clippy::too_many_arguments)]
     pub fn batchnorm_train_fwd(
@@ -543,11 +544,13 @@ impl Gpu {
             Some(v) => b.arg(v),
             None => b.arg(&null),
         };
+        let u = RunningUpdate::new(momentum, n * hw);
+        let (keep, take, unbias) = (u.keep as f32, u.take as f32, u.unbias as f32);
         b.arg(running_mean).arg(running_var).arg(save_mean).arg(save_invstd);
-        b.arg(&ni).arg(&ci).arg(&hw).arg(&momentum).arg(&eps);
+        b.arg(&ni).arg(&ci).arg(&hw).arg(&keep).arg(&take).arg(&unbias).arg(&eps);
         // SAFETY: arguments match batchnorm_train_fwd_f32 (2 tensors, 2 nullable params as
         // device pointers or a 64-bit 0 the kernel tests for NULL, 4 stat buffers, int, int,
-        // size_t, float, float); every buffer length checked; grid = (C), REDUCE_BLOCK threads.
+        // size_t, 4 x float); every buffer length checked; grid = (C), REDUCE_BLOCK threads.
         unsafe { b.launch(channel_cfg(ci)) }?;
         Ok(())
     }

@@ -14,6 +14,40 @@ use super::{Ctx, Init, InputGrad, Layer, Mode, ParamSpec, Params, ParamsMut};
 use crate::error::{Error, Result};
 use crate::tensor::{Shape, Tensor};
 
+/// How a training forward moves the running statistics, the one definition for every
+/// backend: `running ← keep·running + take·batch` (Keras's momentum: `keep = momentum`,
+/// `take = 1 − momentum`), the batch variance unbiased by `unbias = M/(M − 1)` for
+/// `running_var` (PyTorch's convention; the biased one when M = 1), M = N·H·W values per
+/// channel. The CPU layer blends its f64 batch moments with these in f64; the CUDA kernel
+/// (`batchnorm_train_fwd_f32`) is handed the same three numbers rounded to f32 and blends
+/// its f32 block sums: that accumulation width is the one place the two differ (an f64
+/// block reduction would run at a 64th of the speed on most GPUs), and
+/// tests/kernels_host.rs holds the kernel to this layer within 1e-5 relative.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RunningUpdate {
+    pub keep: f64,
+    pub take: f64,
+    pub unbias: f64,
+}
+
+impl RunningUpdate {
+    /// The update of a batch of `m` values per channel at Keras momentum `momentum`.
+    pub fn new(momentum: f32, m: usize) -> RunningUpdate {
+        let keep = momentum as f64;
+        RunningUpdate { keep, take: 1.0 - keep, unbias: if m > 1 { m as f64 / (m as f64 - 1.0) } else { 1.0 } }
+    }
+
+    /// The new running mean from the batch mean.
+    pub fn mean(&self, running: f32, batch_mean: f64) -> f32 {
+        (self.keep * running as f64 + self.take * batch_mean) as f32
+    }
+
+    /// The new running variance from the BIASED batch variance.
+    pub fn var(&self, running: f32, batch_var: f64) -> f32 {
+        (self.keep * running as f64 + self.take * batch_var * self.unbias) as f32
+    }
+}
+
 /// Batch normalisation over the channels of NCHW activations.
 #[derive(Clone, Debug)]
 pub struct BatchNorm2d {
@@ -205,11 +239,11 @@ impl Layer for BatchNorm2d {
                     }
                     (mean, m2 / count)
                 });
-                let (mom, unbias) = (self.momentum as f64, if m > 1 { m as f64 / (m as f64 - 1.0) } else { 1.0 });
+                let update = RunningUpdate::new(self.momentum, m);
                 let (rm, rv) = buffers.pair(0, 1);
                 for ((&(mean, var), r_mean), r_var) in stats.iter().zip(rm.iter_mut()).zip(rv.iter_mut()) {
-                    *r_mean = (mom * *r_mean as f64 + (1.0 - mom) * mean) as f32;
-                    *r_var = (mom * *r_var as f64 + (1.0 - mom) * var * unbias) as f32;
+                    *r_mean = update.mean(*r_mean, mean);
+                    *r_var = update.var(*r_var, var);
                 }
                 stats.iter().map(|&(mean, var)| (mean as f32, (1.0 / (var + self.eps as f64).sqrt()) as f32)).unzip()
             }

@@ -23,11 +23,11 @@ use super::gpu::GpuReplica;
 use super::replica::{check_replicas, Replica};
 use super::scatter;
 use super::step::StepWork;
-use super::worker::{self, recv_waiting, Command, Reply, Seat, SetupGate, Wait};
+use super::worker::{self, recv_waiting, Command, Reply, Seat, SetupGate};
 use super::{Batch, ShardReport, StepReport, TrainConfig};
 use crate::comm::gpu::{transport_for, CopyGroup, GpuExchange, NcclGroup, Transport};
 use crate::comm::shm::ShmExchange;
-use crate::comm::{Abort, Exchange};
+use crate::comm::{Abort, Exchange, Wait};
 use crate::data::Dataset;
 use crate::devices::Devices;
 use crate::error::{Error, Result};
@@ -278,14 +278,16 @@ pub fn with_trainer<T>(
         model,
         initial: &initial,
         config,
-        // Between steps the pools' helper threads are idle; the workers and the
-        // coordinator spin only where each has a core.
-        wait: Wait::for_threads(n + 1),
+        // Between steps the pools' helper threads are idle; the workers spin in the
+        // exchange where each has a core, and on messages where the coordinator has one
+        // too.
+        collective: Wait::for_threads(n),
+        messages: Wait::for_threads(n + 1),
     };
     let seed = config.seed;
     match devices.list()[0] {
         Device::Cpu(_) => {
-            let shm = ShmExchange::new(n, replicas, width)?;
+            let shm = ShmExchange::new(n, replicas, width, plan.collective)?;
             plan.run(
                 &shm,
                 f,
@@ -326,7 +328,10 @@ struct Plan<'a> {
     model: &'a Sequential,
     initial: &'a ParamStore,
     config: &'a TrainConfig,
-    wait: Wait,
+    /// How workers wait for each other in the exchange.
+    collective: Wait,
+    /// How the coordinator and the workers wait for messages.
+    messages: Wait,
 }
 
 impl Plan<'_> {
@@ -365,7 +370,7 @@ impl Plan<'_> {
                     rank,
                     device,
                     shards: rank * k..(rank + 1) * k,
-                    wait: self.wait,
+                    wait: self.messages,
                     abort: group,
                     gate: &gate,
                     commands: rx,
@@ -393,7 +398,7 @@ impl Plan<'_> {
                 replicas: self.replicas,
                 step: self.config.resume.as_ref().map_or(0, |r| r.step),
                 failed: None,
-                wait: self.wait,
+                wait: self.messages,
                 eval_batch: self.config.eval_batch,
             };
             let out = f(&mut trainer);

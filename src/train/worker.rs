@@ -21,7 +21,7 @@ use crossbeam_channel::{Receiver, Sender};
 use super::replica::{Replica, StepOutcome};
 use super::step::{self, StepWork};
 use super::Batch;
-use crate::comm::{Abort, Exchange};
+use crate::comm::{Abort, Exchange, Wait};
 use crate::error::{Error, Result};
 use crate::nn::loss::Metrics;
 use crate::nn::ParamStore;
@@ -179,28 +179,6 @@ impl SetupGate {
             self.all.wait(&mut s);
         }
         !s.1
-    }
-}
-
-/// How a thread waits for the next message or for its peers.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub enum Wait {
-    /// Spin for a short while, then sleep: when every thread has a core of its own.
-    Spin,
-    /// Sleep at once: when the threads outnumber the cores, a spinning thread takes the
-    /// core from the very thread it waits for.
-    Park,
-}
-
-impl Wait {
-    /// [`Wait::Spin`] when `threads` busy threads (the coordinator's included) fit on the
-    /// machine's cores, [`Wait::Park`] otherwise.
-    pub fn for_threads(threads: usize) -> Wait {
-        if threads <= crate::devices::available_cores() {
-            Wait::Spin
-        } else {
-            Wait::Park
-        }
     }
 }
 

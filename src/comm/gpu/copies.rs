@@ -28,7 +28,7 @@ use parking_lot::Mutex;
 
 use super::{check_buffer, check_join, check_ordinals, Backoff, DeviceAllReduce};
 use crate::comm::shm::SpinBarrier;
-use crate::comm::Abort;
+use crate::comm::{Abort, Wait};
 use crate::cuda::launch::DevOut;
 use crate::cuda::Gpu;
 use crate::error::{Error, Result};
@@ -86,7 +86,8 @@ impl CopyGroup {
             len,
             buffers: (0..world).map(|_| Mutex::new(None)).collect(),
             chunks: chunk_ranges(len, world),
-            barrier: SpinBarrier::new(world),
+            // One thread per GPU rank, each mostly waiting on its GPU: spinning pays.
+            barrier: SpinBarrier::new(world, Wait::Spin),
             inside: AtomicUsize::new(0),
             aborted: AtomicBool::new(false),
         })
@@ -160,6 +161,7 @@ impl Abort for CopyGroup {
     /// Raises the flag every barrier and wait polls.
     fn abort(&self) {
         self.aborted.store(true, Ordering::SeqCst);
+        self.barrier.wake();
     }
 
     fn is_aborted(&self) -> bool {
