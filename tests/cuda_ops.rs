@@ -12,7 +12,7 @@ mod common;
 use std::io::Write;
 
 use cudarc::driver::CudaSlice;
-use lockstep::cuda::launch::{BnParams, ConvGeom, DropoutKey, Gpu};
+use lockstep::cuda::launch::{BnGeom, BnGrads, BnParams, BnSaved, BnStats, ConvGeom, DropoutKey, Gpu};
 use lockstep::cuda::probe::{self, NcclStatus, NO_DRIVER};
 use lockstep::optim::OptimizerConfig;
 use lockstep::rng::mix64;
@@ -275,19 +275,14 @@ fn batchnorm_train_eval_and_backward_match_the_reference() {
         let mut y_d = up(&gpu, &vec![0.0f32; x.len()]);
         let (mut rm_d, mut rv_d) = (up(&gpu, rm0), up(&gpu, rv0));
         let (mut sm_d, mut si_d) = (up(&gpu, &vec![0.0f32; c]), up(&gpu, &vec![0.0f32; c]));
-        gpu.batchnorm_train_fwd(
-            &x_d,
-            &mut y_d,
-            params(),
-            &mut rm_d,
-            &mut rv_d,
-            &mut sm_d,
-            &mut si_d,
-            (n, c, hw),
-            momentum,
-            eps,
-        )
-        .unwrap();
+        let geom = BnGeom { n, c, hw, eps, momentum };
+        let stats = BnStats {
+            running_mean: rm_d.as_view_mut(),
+            running_var: rv_d.as_view_mut(),
+            save_mean: sm_d.as_view_mut(),
+            save_invstd: si_d.as_view_mut(),
+        };
+        gpu.batchnorm_train_fwd(&x_d, &mut y_d, params(), stats, geom).unwrap();
 
         let want = inputs.train_ref(with_gamma, with_beta, momentum, eps);
         let case = format!("gamma {with_gamma}, beta {with_beta}");
@@ -298,18 +293,13 @@ fn batchnorm_train_eval_and_backward_match_the_reference() {
 
         let mut dx_d = up(&gpu, &vec![0.0f32; x.len()]);
         let (mut dg_d, mut db_d) = (up(&gpu, dgamma0), up(&gpu, dbeta0));
-        gpu.batchnorm_train_bwd(
-            &x_d,
-            &up(&gpu, dy),
-            &mut dx_d,
-            with_gamma.then_some(&g_d),
-            &sm_d,
-            &si_d,
-            with_gamma.then_some(&mut dg_d),
-            with_beta.then_some(&mut db_d),
-            (n, c, hw),
-        )
-        .unwrap();
+        let saved = BnSaved { mean: sm_d.as_view(), invstd: si_d.as_view() };
+        let grads = BnGrads {
+            dx: dx_d.as_view_mut(),
+            dgamma: with_gamma.then(|| dg_d.as_view_mut()),
+            dbeta: with_beta.then(|| db_d.as_view_mut()),
+        };
+        gpu.batchnorm_train_bwd(&x_d, &up(&gpu, dy), params(), saved, grads, geom).unwrap();
         assert_close(&format!("bn dx ({case})"), &down(&gpu, &dx_d), &want.dx, 1e-4, 1e-5);
         // Absent parameters leave their gradient buffers untouched.
         assert_close(&format!("bn dgamma ({case})"), &down(&gpu, &dg_d), &want.dgamma, 1e-4, 1e-5);
@@ -317,7 +307,7 @@ fn batchnorm_train_eval_and_backward_match_the_reference() {
 
         // Eval with the running stats just updated.
         let (rm, rv) = (down(&gpu, &rm_d), down(&gpu, &rv_d));
-        gpu.batchnorm_eval_fwd(&x_d, &mut y_d, params(), &rm_d, &rv_d, (n, c, hw), eps).unwrap();
+        gpu.batchnorm_eval_fwd(&x_d, &mut y_d, params(), (&rm_d, &rv_d), geom).unwrap();
         let want = inputs.eval_ref(with_gamma, with_beta, &rm, &rv, eps);
         assert_close(&format!("bn eval y ({case})"), &down(&gpu, &y_d), &want, 1e-5, 1e-6);
     }

@@ -141,6 +141,43 @@ pub struct BnParams<'a> {
     pub beta: Option<CudaView<'a, f32>>,
 }
 
+/// The geometry and constants of a BatchNorm pass over x: (N, C, H, W), hw = H·W.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct BnGeom {
+    pub n: usize,
+    pub c: usize,
+    pub hw: usize,
+    pub eps: f32,
+    /// Keras momentum (the weight of the old running value); read by the training forward.
+    pub momentum: f32,
+}
+
+/// The per-channel buffers a training forward writes, (C) each: the running statistics
+/// (updated in place) and the batch's mean and 1/sqrt(var + eps) (saved for backward).
+#[derive(Debug)]
+pub struct BnStats<'a> {
+    pub running_mean: CudaViewMut<'a, f32>,
+    pub running_var: CudaViewMut<'a, f32>,
+    pub save_mean: CudaViewMut<'a, f32>,
+    pub save_invstd: CudaViewMut<'a, f32>,
+}
+
+/// The statistics a training forward saved for its backward, (C) each.
+#[derive(Debug)]
+pub struct BnSaved<'a> {
+    pub mean: CudaView<'a, f32>,
+    pub invstd: CudaView<'a, f32>,
+}
+
+/// What a BatchNorm backward writes: dx (N, C, H, W), and accumulates into: dgamma and
+/// dbeta (C), present exactly when gamma and beta are.
+#[derive(Debug)]
+pub struct BnGrads<'a> {
+    pub dx: CudaViewMut<'a, f32>,
+    pub dgamma: Option<CudaViewMut<'a, f32>>,
+    pub dbeta: Option<CudaViewMut<'a, f32>>,
+}
+
 /// One GPU as one worker thread sees it: context, compute stream, loaded kernel modules.
 pub struct Gpu {
     ctx: Arc<CudaContext>,
@@ -494,37 +531,29 @@ impl Gpu {
     }
 
     /// Training forward: batch statistics over (N, H, W), running stats updated as
-    /// `nn::batchnorm::RunningUpdate` says for Keras momentum `momentum`.
-    /// x, y: (N, C, H, W) with hw = H*W; running_*, save_mean, save_invstd: (C)
-    #[allow(clippy::too_many_arguments)]
+    /// `nn::batchnorm::RunningUpdate` says for the Keras momentum of `g`.
+    /// x, y: (N, C, H, W) with hw = H*W; every buffer of `stats`: (C)
     pub fn batchnorm_train_fwd(
         &self,
         x: &impl DevIn,
         y: &mut impl DevOut,
         params: BnParams<'_>,
-        running_mean: &mut impl DevOut,
-        running_var: &mut impl DevOut,
-        save_mean: &mut impl DevOut,
-        save_invstd: &mut impl DevOut,
-        (n, c, hw): (usize, usize, usize),
-        momentum: f32,
-        eps: f32,
+        stats: BnStats<'_>,
+        g: BnGeom,
     ) -> Result<()> {
+        let BnGeom { n, c, hw, eps, momentum } = g;
         let x = &x.view();
         let y = &mut y.view_mut();
-        let running_mean = &mut running_mean.view_mut();
-        let running_var = &mut running_var.view_mut();
-        let save_mean = &mut save_mean.view_mut();
-        let save_invstd = &mut save_invstd.view_mut();
+        let BnStats { mut running_mean, mut running_var, mut save_mean, mut save_invstd } = stats;
         let op = "batchnorm_train_fwd";
         check_len(op, "x", x, n * c * hw)?;
         check_len(op, "y", y, n * c * hw)?;
         Self::check_bn_params(op, &params, c)?;
         for (what, buf) in [
-            ("running_mean", &*running_mean),
-            ("running_var", &*running_var),
-            ("save_mean", &*save_mean),
-            ("save_invstd", &*save_invstd),
+            ("running_mean", &running_mean),
+            ("running_var", &running_var),
+            ("save_mean", &save_mean),
+            ("save_invstd", &save_invstd),
         ] {
             check_len(op, what, buf, c)?;
         }
@@ -546,31 +575,32 @@ impl Gpu {
         };
         let u = RunningUpdate::new(momentum, n * hw);
         let (keep, take, unbias) = (u.keep as f32, u.take as f32, u.unbias as f32);
-        b.arg(running_mean).arg(running_var).arg(save_mean).arg(save_invstd);
+        b.arg(&mut running_mean).arg(&mut running_var).arg(&mut save_mean).arg(&mut save_invstd);
         b.arg(&ni).arg(&ci).arg(&hw).arg(&keep).arg(&take).arg(&unbias).arg(&eps);
-        // SAFETY: arguments match batchnorm_train_fwd_f32 (2 tensors, 2 nullable params as
-        // device pointers or a 64-bit 0 the kernel tests for NULL, 4 stat buffers, int, int,
-        // size_t, 4 x float); every buffer length checked; grid = (C), REDUCE_BLOCK threads.
+        // SAFETY: arguments match batchnorm_train_fwd_f32(const float* x, float* y, const
+        // float* gamma, const float* beta, float* running_mean, float* running_var, float*
+        // save_mean, float* save_invstd, int n, int c, size_t hw, float keep, float take,
+        // float unbias, float eps); absent parameters are a 64-bit 0 the kernel tests for
+        // NULL; every buffer length checked; grid = (C), REDUCE_BLOCK threads.
         unsafe { b.launch(channel_cfg(ci)) }?;
         Ok(())
     }
 
-    /// Eval forward with running statistics. x, y: (N, C, H, W), hw = H*W; running_*: (C)
-    #[allow(clippy::too_many_arguments)]
+    /// Eval forward with the running statistics `running` = (mean, var).
+    /// x, y: (N, C, H, W), hw = H*W; running mean and var: (C)
     pub fn batchnorm_eval_fwd(
         &self,
         x: &impl DevIn,
         y: &mut impl DevOut,
         params: BnParams<'_>,
-        running_mean: &impl DevIn,
-        running_var: &impl DevIn,
-        (n, c, hw): (usize, usize, usize),
-        eps: f32,
+        running: (&impl DevIn, &impl DevIn),
+        g: BnGeom,
     ) -> Result<()> {
+        let BnGeom { n, c, hw, eps, .. } = g;
         let x = &x.view();
         let y = &mut y.view_mut();
-        let running_mean = &running_mean.view();
-        let running_var = &running_var.view();
+        let running_mean = &running.0.view();
+        let running_var = &running.1.view();
         let op = "batchnorm_eval_fwd";
         let total = n * c * hw;
         check_len(op, "x", x, total)?;
@@ -595,54 +625,52 @@ impl Gpu {
             None => b.arg(&null),
         };
         b.arg(running_mean).arg(running_var).arg(&ci).arg(&hw).arg(&total).arg(&eps);
-        // SAFETY: arguments match batchnorm_eval_fwd_f32; lengths checked; the channel
-        // index (i / hw) % C is below C.
+        // SAFETY: arguments match batchnorm_eval_fwd_f32(const float* x, float* y, const
+        // float* gamma, const float* beta, const float* running_mean, const float*
+        // running_var, int c, size_t hw, size_t total, float eps); lengths checked; the
+        // channel index (i / hw) % C is below C.
         unsafe { b.launch(elem_cfg(total)) }?;
         Ok(())
     }
 
-    /// Training backward: dx written; dgamma, dbeta accumulated (given exactly when gamma,
-    /// beta exist). x, dy, dx: (N, C, H, W), hw = H*W; save_*, dgamma, dbeta: (C)
-    #[allow(clippy::too_many_arguments)]
+    /// Training backward from the forward's `saved` statistics: `grads.dx` written;
+    /// dgamma, dbeta accumulated (given exactly when gamma, beta exist in `params`).
+    /// x, dy, dx: (N, C, H, W), hw = H*W; saved, dgamma, dbeta: (C)
     pub fn batchnorm_train_bwd(
         &self,
         x: &impl DevIn,
         dy: &impl DevIn,
-        dx: &mut impl DevOut,
-        gamma: Option<&impl DevIn>,
-        save_mean: &impl DevIn,
-        save_invstd: &impl DevIn,
-        dgamma: Option<&mut impl DevOut>,
-        dbeta: Option<&mut impl DevOut>,
-        (n, c, hw): (usize, usize, usize),
+        params: BnParams<'_>,
+        saved: BnSaved<'_>,
+        grads: BnGrads<'_>,
+        g: BnGeom,
     ) -> Result<()> {
+        let BnGeom { n, c, hw, .. } = g;
         let x = &x.view();
         let dy = &dy.view();
-        let dx = &mut dx.view_mut();
-        let save_mean = &save_mean.view();
-        let save_invstd = &save_invstd.view();
-        let gamma = gamma.map(|g| g.view());
-        let mut dgamma = dgamma.map(|g| g.view_mut());
-        let mut dbeta = dbeta.map(|g| g.view_mut());
+        let BnGrads { mut dx, mut dgamma, mut dbeta } = grads;
+        let (gamma, save_mean, save_invstd) = (params.gamma, saved.mean, saved.invstd);
         let op = "batchnorm_train_bwd";
         for (what, buf) in [("x", x), ("dy", dy)] {
             check_len(op, what, buf, n * c * hw)?;
         }
-        check_len(op, "dx", dx, n * c * hw)?;
-        for (what, buf) in [("save_mean", save_mean), ("save_invstd", save_invstd)] {
+        check_len(op, "dx", &dx, n * c * hw)?;
+        for (what, buf) in [("save_mean", &save_mean), ("save_invstd", &save_invstd)] {
             check_len(op, what, buf, c)?;
         }
         if gamma.is_some() != dgamma.is_some() {
             return Err(Error::shape(op, "dgamma must be given exactly when gamma is"));
         }
+        if params.beta.is_some() != dbeta.is_some() {
+            return Err(Error::shape(op, "dbeta must be given exactly when beta is"));
+        }
         if let Some(g) = &gamma {
             check_len(op, "gamma", g, c)?;
         }
-        if let Some(g) = &dgamma {
-            check_len(op, "dgamma", g, c)?;
-        }
-        if let Some(g) = &dbeta {
-            check_len(op, "dbeta", g, c)?;
+        for (what, g) in [("dgamma", &dgamma), ("dbeta", &dbeta)] {
+            if let Some(g) = g {
+                check_len(op, what, g, c)?;
+            }
         }
         if c == 0 {
             return Ok(());
@@ -651,12 +679,12 @@ impl Gpu {
         let null: u64 = 0;
         let f = self.function("batchnorm.cu", "batchnorm_train", Dir::Bwd)?;
         let mut b = self.stream.launch_builder(&f);
-        b.arg(x).arg(dy).arg(dx);
+        b.arg(x).arg(dy).arg(&mut dx);
         match &gamma {
             Some(g) => b.arg(g),
             None => b.arg(&null),
         };
-        b.arg(save_mean).arg(save_invstd);
+        b.arg(&save_mean).arg(&save_invstd);
         match &mut dgamma {
             Some(g) => b.arg(g),
             None => b.arg(&null),
@@ -666,9 +694,11 @@ impl Gpu {
             None => b.arg(&null),
         };
         b.arg(&ni).arg(&ci).arg(&hw);
-        // SAFETY: arguments match batchnorm_train_bwd_f32; lengths checked; absent optional
-        // buffers are passed as a 64-bit 0 which the kernel tests for NULL before use;
-        // grid = (C), REDUCE_BLOCK threads as the kernel requires.
+        // SAFETY: arguments match batchnorm_train_bwd_f32(const float* x, const float* dy,
+        // float* dx, const float* gamma, const float* save_mean, const float* save_invstd,
+        // float* dgamma, float* dbeta, int n, int c, size_t hw); lengths checked; absent
+        // optional buffers are a 64-bit 0 the kernel tests for NULL before use; grid = (C),
+        // REDUCE_BLOCK threads as the kernel requires.
         unsafe { b.launch(channel_cfg(ci)) }?;
         Ok(())
     }

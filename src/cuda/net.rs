@@ -29,7 +29,7 @@ use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, PinnedHostSlice};
 
 use super::gemm::{gemm, RmGemm};
-use super::launch::{BnParams, ConvGeom, DropoutKey, Gpu};
+use super::launch::{BnGeom, BnGrads, BnParams, BnSaved, BnStats, ConvGeom, DropoutKey, Gpu};
 use crate::nn::conv2d::pads;
 use crate::nn::loss::check_labels;
 use crate::nn::{LayerOp, ParamStore, Sequential};
@@ -596,6 +596,7 @@ impl Net<'_> {
                 }
                 LayerOp::BatchNorm2d { channels: c, eps, momentum, scale, center } => {
                     let hw = node.input.numel() / c;
+                    let geom = BnGeom { n, c, hw, eps, momentum };
                     let params = BnParams { gamma: scale.then(|| p(0)), beta: center.then(|| p(usize::from(scale))) };
                     let (rm, rv) = (&node.buffers[0], &node.buffers[1]);
                     match &mut pass {
@@ -611,30 +612,23 @@ impl Net<'_> {
                                 ));
                             }
                             let mut running = stats.slice_mut(*offset + rm.start..*offset + rv.end);
-                            let (mut mean, mut var) = running.split_at_mut(c);
+                            let (running_mean, running_var) = running.split_at_mut(c);
                             let (save_mean, save_invstd) =
                                 a.saved[i].as_mut().expect("a BatchNorm has saved statistics");
-                            gpu.batchnorm_train_fwd(
-                                x,
-                                y,
-                                params,
-                                &mut mean,
-                                &mut var,
-                                save_mean,
-                                save_invstd,
-                                (n, c, hw),
-                                momentum,
-                                eps,
-                            )?;
+                            let stats = BnStats {
+                                running_mean,
+                                running_var,
+                                save_mean: save_mean.as_view_mut(),
+                                save_invstd: save_invstd.as_view_mut(),
+                            };
+                            gpu.batchnorm_train_fwd(x, y, params, stats, geom)?;
                         }
                         Pass::Eval { stats } => gpu.batchnorm_eval_fwd(
                             x,
                             y,
                             params,
-                            &stats.slice(rm.clone()),
-                            &stats.slice(rv.clone()),
-                            (n, c, hw),
-                            eps,
+                            (&stats.slice(rm.clone()), &stats.slice(rv.clone())),
+                            geom,
                         )?,
                     }
                 }
@@ -699,15 +693,16 @@ impl Net<'_> {
                         gpu.im2col_bwd(&dcol, &mut dx, &g)?;
                     }
                 }
-                LayerOp::BatchNorm2d { channels: c, scale, center, .. } => {
+                LayerOp::BatchNorm2d { channels: c, scale, center, eps, momentum } => {
                     let hw = node.input.numel() / c;
                     let (save_mean, save_invstd) = a.saved[i].as_ref().expect("a BatchNorm has saved statistics");
-                    let gamma = scale.then(|| p(0));
+                    let saved = BnSaved { mean: save_mean.as_view(), invstd: save_invstd.as_view() };
+                    let params = BnParams { gamma: scale.then(|| p(0)), beta: center.then(|| p(usize::from(scale))) };
                     // gamma's and beta's gradients are adjacent in the slot.
                     let count = usize::from(scale) + usize::from(center);
                     let start = node.params.first().map_or(0, |r| r.start);
                     let mut region = slots.slice_mut(start..start + count * c);
-                    let (mut dgamma, mut dbeta) = match (scale, center) {
+                    let (dgamma, dbeta) = match (scale, center) {
                         (true, true) => {
                             let (g, b) = region.split_at_mut(c);
                             (Some(g), Some(b))
@@ -716,17 +711,8 @@ impl Net<'_> {
                         (false, true) => (None, Some(region.slice_mut(..))),
                         (false, false) => (None, None),
                     };
-                    gpu.batchnorm_train_bwd(
-                        x,
-                        &dy,
-                        &mut dx,
-                        gamma.as_ref(),
-                        save_mean,
-                        save_invstd,
-                        dgamma.as_mut(),
-                        dbeta.as_mut(),
-                        (n, c, hw),
-                    )?;
+                    let grads = BnGrads { dx: dx.slice_mut(..), dgamma, dbeta };
+                    gpu.batchnorm_train_bwd(x, &dy, params, saved, grads, BnGeom { n, c, hw, eps, momentum })?;
                 }
                 LayerOp::Relu => gpu.relu_bwd(x, &dy, &mut dx)?,
                 LayerOp::Rescaling { scale, .. } => gpu.rescale_bwd(&dy, &mut dx, scale)?,
