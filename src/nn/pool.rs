@@ -192,6 +192,101 @@ impl Layer for MaxPool2d {
 mod tests {
     use super::*;
 
+    use crate::tensor::Device;
+
+    /// The layer's forward in training mode, then its backward of `dout`: (y, dx).
+    fn run(pool: &mut MaxPool2d, x: Vec<f32>, dims: [usize; 4], dout: Vec<f32>) -> (Tensor, Vec<f32>) {
+        let ctx = Ctx::train(0, 0, 0, Device::Cpu(0));
+        let x = Tensor::from_vec(x, dims).unwrap();
+        let y = pool.forward(x, Params::new(&[], &[]), ParamsMut::new(&mut [], &[]), &ctx).unwrap();
+        let d = Tensor::from_vec(dout, y.shape().clone()).unwrap();
+        let dx = pool.backward(d, Params::new(&[], &[]), ParamsMut::new(&mut [], &[]), InputGrad::Needed, &ctx);
+        (y, dx.unwrap().unwrap().into_vec())
+    }
+
+    #[test]
+    fn overlapping_windows_route_every_dout_to_its_winner_and_add_up() {
+        // x: (1, 1, 5, 5); pool 3, stride 2, valid: OH = OW = ⌊(5 − 3)/2⌋ + 1 = 2.
+        #[rustfmt::skip]
+        let x = vec![
+            1.0, 2.0, 3.0, 2.0, 1.0,
+            0.0, 9.0, 0.0, 0.0, 4.0,
+            5.0, 0.0, 9.0, 0.0, 4.0,
+            0.0, 0.0, 0.0, 9.0, 0.0,
+            7.0, 0.0, 0.0, 0.0, 8.0,
+        ];
+        // Windows (rows × columns) and their winners, the first maximum in row-major order:
+        //   (0, 0): rows 0..3 × cols 0..3, the 9s at (1, 1) and (2, 2) → (1, 1), index 6;
+        //   (0, 1): rows 0..3 × cols 2..5, one 9 at (2, 2) → index 12;
+        //   (1, 0): rows 2..5 × cols 0..3, one 9 at (2, 2) → index 12;
+        //   (1, 1): rows 2..5 × cols 2..5, the 9s at (2, 2) and (3, 3) → (2, 2), index 12.
+        let mut pool = MaxPool2d::new((3, 3), (2, 2), Padding::Valid).unwrap();
+        let (y, dx) = run(&mut pool, x, [1, 1, 5, 5], vec![1.0, 2.0, 4.0, 8.0]);
+        assert_eq!(y.shape().dims(), [1, 1, 2, 2]);
+        assert_eq!(y.host(), [9.0, 9.0, 9.0, 9.0]);
+        // dx[6] = dout(0, 0) = 1; dx[12] = 2 + 4 + 8 = 14 (it won three windows); the 9 at
+        // (3, 3), index 18, lost its only window's tie: 0. Everything else never won: 0.
+        let mut want = vec![0.0; 25];
+        (want[6], want[12]) = (1.0, 14.0);
+        assert_eq!(dx, want);
+    }
+
+    #[test]
+    fn same_padding_pads_bottom_and_right_and_a_padded_position_never_wins() {
+        // x: (1, 2, 3, 4), every value negative, so a padded 0 would win if it competed.
+        // Pool (2, 2), strides (2, 1), same: OH = ⌈3/2⌉ = 2, pad_total = (2 − 1)·2 + 2 − 3 = 1
+        // → 0 on top, 1 at the bottom; OW = ⌈4/1⌉ = 4, pad_total = 3 + 2 − 4 = 1 → 0 left,
+        // 1 right. So the last output row sees input row 2 only, the last column input
+        // column 3 only.
+        let x: Vec<f32> = (1..=24).map(|v| -(v as f32)).collect();
+        let mut pool = MaxPool2d::new((2, 2), (2, 1), Padding::Same).unwrap();
+        let dout: Vec<f32> = (1..=16).map(|v| v as f32).collect();
+        let (y, dx) = run(&mut pool, x, [1, 2, 3, 4], dout);
+        assert_eq!(y.shape().dims(), [1, 2, 2, 4]);
+        // Channel 0 is −[[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]]: each window's
+        // maximum is its top-left value, −1, −2, −3, −4 on rows 0..2 and −9, −10, −11, −12
+        // on row 2 alone. Channel 1 is the same minus 12.
+        #[rustfmt::skip]
+        let want_y = [
+            -1.0, -2.0, -3.0, -4.0, -9.0, -10.0, -11.0, -12.0,
+            -13.0, -14.0, -15.0, -16.0, -21.0, -22.0, -23.0, -24.0,
+        ];
+        assert_eq!(y.host(), want_y);
+        // Each output won at a distinct input (its window's top-left), so dx there is that
+        // output's dout: row 0 gets dout 1..4, row 2 gets 5..8, row 1 never wins.
+        #[rustfmt::skip]
+        let want_dx = [
+            1.0, 2.0, 3.0, 4.0, 0.0, 0.0, 0.0, 0.0, 5.0, 6.0, 7.0, 8.0,
+            9.0, 10.0, 11.0, 12.0, 0.0, 0.0, 0.0, 0.0, 13.0, 14.0, 15.0, 16.0,
+        ];
+        assert_eq!(dx, want_dx);
+    }
+
+    #[test]
+    fn a_nan_propagates_forward_and_takes_the_gradient() {
+        // x: (1, 1, 2, 4), pool 2: windows [1, NaN, 3, 2] and [5, NaN, NaN, 8] (row-major).
+        // The first has one NaN (index 1); the second two, at indices 3 and 7: the last
+        // wins (PyTorch's `val > max || isnan(val)` replaces a NaN by a later NaN).
+        let nan = f32::NAN;
+        let x = vec![1.0, nan, 5.0, nan, 3.0, 2.0, nan, 8.0];
+        let mut pool = MaxPool2d::new((2, 2), (2, 2), Padding::Valid).unwrap();
+        let (y, dx) = run(&mut pool, x, [1, 1, 2, 4], vec![10.0, 20.0]);
+        assert!(y.host().iter().all(|v| v.is_nan()), "{:?}", y.host());
+        assert_eq!(dx, [0.0, 10.0, 0.0, 0.0, 0.0, 0.0, 20.0, 0.0]);
+    }
+
+    #[test]
+    fn an_eval_forward_leaves_nothing_to_differentiate() {
+        let mut pool = MaxPool2d::new((2, 2), (2, 2), Padding::Valid).unwrap();
+        let x = Tensor::from_vec(vec![1.0; 4], [1, 1, 2, 2]).unwrap();
+        let ctx = Ctx::eval(Device::Cpu(0));
+        let y = pool.forward(x, Params::new(&[], &[]), ParamsMut::new(&mut [], &[]), &ctx).unwrap();
+        let e = pool.backward(y, Params::new(&[], &[]), ParamsMut::new(&mut [], &[]), InputGrad::Needed, &ctx);
+        assert!(e.unwrap_err().to_string().contains("no training forward"));
+        assert!(MaxPool2d::new((0, 2), (1, 1), Padding::Valid).is_err());
+        assert!(MaxPool2d::new((2, 2), (1, 0), Padding::Same).is_err());
+    }
+
     #[test]
     fn the_first_maximum_wins_a_tie_and_a_nan_wins_everything() {
         // One 2×3 window (valid, the whole plane): values in row-major order
