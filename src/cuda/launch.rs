@@ -756,7 +756,7 @@ impl Gpu {
         Ok(())
     }
 
-    /// Backward of [`Gpu::maxpool2d_fwd`]: dx[i] = sum of dy over the outputs whose
+    /// Backward of [`Gpu::maxpool2d_fwd`]: `dx[i]` = sum of dy over the outputs whose
     /// argmax is i, in row-major output order; dx is written.
     /// dy, argmax: (N, C, OH, OW) -> dx: (N, C, H, W)
     pub fn maxpool2d_bwd(

@@ -99,7 +99,7 @@ pub fn maxpool2d_plane_fwd(x: &[f32], g: &Geometry2d, y: &mut [f32], argmax: &mu
     }
 }
 
-/// Backward of one plane: dx[i] = Σ dout[o] over the outputs o whose winner is i, in
+/// Backward of one plane: `dx[i] = Σ dout[o]` over the outputs o whose winner is i, in
 /// ascending o from 0. dout, argmax: (OH, OW) → dx: (H, W), written.
 pub fn maxpool2d_plane_bwd(dout: &[f32], argmax: &[u32], dx: &mut [f32]) {
     dx.fill(0.0);
