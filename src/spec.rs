@@ -26,24 +26,38 @@
 //! | `rescaling` | `scale` (required), `offset` (0) |
 //! | `conv2d` | `filters`, `kernel_size` (int or [kh, kw]), `strides` (1; int or [s, s]), `padding` ("valid" or "same"; "valid"), `use_bias` (true), `activation` ("linear") |
 //! | `batch_normalization` | `scale` (true), `center` (true), `epsilon` (0.001), `momentum` (0.99) |
+//! | `relu` | none |
 //! | `dense` | `units`, `use_bias` (true), `activation` ("linear") |
 //! | `dropout` | `rate` in [0, 1) |
-//! | `relu`, `flatten`, `global_average_pooling2d` | none |
+//! | `flatten` | none |
+//! | `global_average_pooling2d` | none |
+//! | `max_pooling2d` | `pool_size` (2; int or [kh, kw]), `strides` (the pool size; int or [sh, sw]), `padding` ("valid" or "same"; "valid") |
 //!
 //! The defaults are Keras's. Input channels and features are inferred from the running
 //! shape; `"activation": "relu"` appends a ReLU layer (softmax belongs to the loss, so
 //! the last layer stays linear). Unknown types and fields are errors, so a typo never
 //! silently becomes a default. Integer fields are at most 2^20 and a model at most 2^31
 //! values per sample and parameters, so that no size arithmetic can overflow.
+//!
+//! # Adding a layer type
+//! [`LAYER_TYPES`] is the one list of types: the names in errors, the parse dispatch and
+//! [`LayerSpec::type_name`] all read it, and its test parses every entry's example, builds
+//! it, requires each built layer to have a GPU form ([`Layer::op`]), writes the ops back
+//! as a spec ([`op_to_spec`], an exhaustive `match`: a new [`LayerOp`] is a compile error
+//! there) and parses that again, expecting the same ops. A `LayerKind` variant without a
+//! table entry is never constructed, which `cargo clippy -D warnings` refuses; the build
+//! `match` over `LayerKind` is exhaustive; a table row missing from the docs above or from
+//! the README fails a test.
 
 use std::path::Path;
 
 use serde::Deserialize;
-use serde_json::{Map, Value};
+use serde_json::{json, Map, Value};
 
 use crate::error::{Error, Result};
 use crate::nn::{
-    BatchNorm2d, Conv2d, Dropout, Flatten, GlobalAvgPool2d, Layer, Linear, Padding, Relu, Rescaling, Sequential,
+    BatchNorm2d, Conv2d, Dropout, Flatten, GlobalAvgPool2d, Layer, LayerOp, Linear, MaxPool2d, Padding, Relu,
+    Rescaling, Sequential,
 };
 use crate::tensor::Shape;
 
@@ -59,9 +73,24 @@ pub enum Activation {
     Relu,
 }
 
-/// One entry of `layers`, validated.
+/// One entry of `layers`, validated: its type (an entry of [`LAYER_TYPES`]) and fields.
 #[derive(Clone, PartialEq, Debug)]
-pub enum LayerSpec {
+pub struct LayerSpec {
+    type_name: &'static str,
+    kind: LayerKind,
+}
+
+impl LayerSpec {
+    /// The spec's name of the layer type, from [`LAYER_TYPES`].
+    pub fn type_name(&self) -> &'static str {
+        self.type_name
+    }
+}
+
+/// The validated fields of one layer. Private, so that a variant no [`LAYER_TYPES`] entry
+/// constructs is dead code (a lint error under `-D warnings`), not a silent gap.
+#[derive(Clone, PartialEq, Debug)]
+enum LayerKind {
     Rescaling {
         scale: f32,
         offset: f32,
@@ -91,25 +120,181 @@ pub enum LayerSpec {
     Relu,
     Flatten,
     GlobalAveragePooling2d,
+    MaxPooling2d {
+        pool_size: (usize, usize),
+        strides: (usize, usize),
+        padding: Padding,
+    },
 }
 
-impl LayerSpec {
-    /// The spec's name of the layer type.
-    pub fn type_name(&self) -> &'static str {
-        match self {
-            LayerSpec::Rescaling { .. } => "rescaling",
-            LayerSpec::Conv2d { .. } => "conv2d",
-            LayerSpec::BatchNormalization { .. } => "batch_normalization",
-            LayerSpec::Dense { .. } => "dense",
-            LayerSpec::Dropout { .. } => "dropout",
-            LayerSpec::Relu => "relu",
-            LayerSpec::Flatten => "flatten",
-            LayerSpec::GlobalAveragePooling2d => "global_average_pooling2d",
-        }
+/// One layer type of the spec format.
+pub struct LayerType {
+    /// The value of the `type` field.
+    pub name: &'static str,
+    /// Its fields and their defaults, as the tables of the docs (above, and the README's)
+    /// list them.
+    pub fields: &'static str,
+    /// A per-sample input shape and a layer object of this type that applies to it: the
+    /// table test builds it (it shows every field that has no default).
+    pub example: (&'static [usize], &'static str),
+    /// Reads the fields (everything but `type`).
+    parse: fn(&mut Fields<'_>) -> FieldResult<LayerKind>,
+}
+
+/// Every layer type of the spec format, in the order errors list them.
+pub const LAYER_TYPES: &[LayerType] = &[
+    LayerType {
+        name: "rescaling",
+        fields: "`scale` (required), `offset` (0)",
+        example: (&[1, 4, 4], r#"{"type": "rescaling", "scale": 0.00392156862745098, "offset": -0.5}"#),
+        parse: |f| {
+            Ok(LayerKind::Rescaling {
+                scale: f.number("scale", None, (|_| true, "a finite number"))?,
+                offset: f.number("offset", Some(0.0), (|_| true, "a finite number"))?,
+            })
+        },
+    },
+    LayerType {
+        name: "conv2d",
+        fields: "`filters`, `kernel_size` (int or [kh, kw]), `strides` (1; int or [s, s]), `padding` (\"valid\" or \"same\"; \"valid\"), `use_bias` (true), `activation` (\"linear\")",
+        example: (
+            &[2, 7, 6],
+            r#"{"type": "conv2d", "filters": 3, "kernel_size": [3, 2], "strides": 2, "padding": "same", "use_bias": false, "activation": "relu"}"#,
+        ),
+        parse: |f| {
+            let filters = f.size("filters", None)?;
+            let kernel = f.pair("kernel_size", None)?;
+            let (sh, sw) = f.pair("strides", Some((1, 1)))?;
+            if sh != sw {
+                return Err(format!("field 'strides' [{sh}, {sw}]: only equal strides are supported"));
+            }
+            Ok(LayerKind::Conv2d {
+                filters,
+                kernel,
+                stride: sh,
+                padding: f.padding()?,
+                use_bias: f.boolean("use_bias", true)?,
+                activation: f.activation()?,
+            })
+        },
+    },
+    LayerType {
+        name: "batch_normalization",
+        fields: "`scale` (true), `center` (true), `epsilon` (0.001), `momentum` (0.99)",
+        example: (&[3, 4, 4], r#"{"type": "batch_normalization", "scale": false, "epsilon": 0.01, "momentum": 0.9}"#),
+        parse: |f| {
+            Ok(LayerKind::BatchNormalization {
+                scale: f.boolean("scale", true)?,
+                center: f.boolean("center", true)?,
+                epsilon: f.number("epsilon", Some(1e-3), (|x| x > 0.0, "a positive number"))?,
+                momentum: f.number("momentum", Some(0.99), (|x| (0.0..=1.0).contains(&x), "a number in [0, 1]"))?,
+            })
+        },
+    },
+    LayerType {
+        name: "relu",
+        fields: "none",
+        example: (&[5], r#"{"type": "relu"}"#),
+        parse: |_| Ok(LayerKind::Relu),
+    },
+    LayerType {
+        name: "dense",
+        fields: "`units`, `use_bias` (true), `activation` (\"linear\")",
+        example: (&[5], r#"{"type": "dense", "units": 4, "use_bias": false, "activation": "relu"}"#),
+        parse: |f| {
+            Ok(LayerKind::Dense {
+                units: f.size("units", None)?,
+                use_bias: f.boolean("use_bias", true)?,
+                activation: f.activation()?,
+            })
+        },
+    },
+    LayerType {
+        name: "dropout",
+        fields: "`rate` in [0, 1)",
+        example: (&[5], r#"{"type": "dropout", "rate": 0.25}"#),
+        parse: |f| {
+            Ok(LayerKind::Dropout { rate: f.number("rate", None, (|x| (0.0..1.0).contains(&x), "a number in [0, 1)"))? })
+        },
+    },
+    LayerType {
+        name: "flatten",
+        fields: "none",
+        example: (&[2, 3, 3], r#"{"type": "flatten"}"#),
+        parse: |_| Ok(LayerKind::Flatten),
+    },
+    LayerType {
+        name: "global_average_pooling2d",
+        fields: "none",
+        example: (&[2, 3, 3], r#"{"type": "global_average_pooling2d"}"#),
+        parse: |_| Ok(LayerKind::GlobalAveragePooling2d),
+    },
+    LayerType {
+        name: "max_pooling2d",
+        fields: "`pool_size` (2; int or [kh, kw]), `strides` (the pool size; int or [sh, sw]), `padding` (\"valid\" or \"same\"; \"valid\")",
+        example: (&[2, 7, 6], r#"{"type": "max_pooling2d", "pool_size": [3, 2], "strides": [2, 1], "padding": "same"}"#),
+        parse: |f| {
+            let pool_size = f.pair("pool_size", Some((2, 2)))?;
+            Ok(LayerKind::MaxPooling2d {
+                pool_size,
+                strides: f.pair("strides", Some(pool_size))?,
+                padding: f.padding()?,
+            })
+        },
+    },
+];
+
+/// The type names, for errors: `rescaling, conv2d, ...`.
+fn type_list() -> String {
+    LAYER_TYPES.iter().map(|t| t.name).collect::<Vec<_>>().join(", ")
+}
+
+/// The spec layer object that builds a layer computing `op` (input channels and features
+/// are inferred from the running shape, as when parsing). Exhaustive: a new [`LayerOp`]
+/// does not compile until it has a spec form.
+pub fn op_to_spec(op: &LayerOp) -> Value {
+    match *op {
+        LayerOp::Linear { out_features, bias, .. } => json!({"type": "dense", "units": out_features, "use_bias": bias}),
+        LayerOp::Conv2d { filters, window, bias, .. } => json!({
+            "type": "conv2d",
+            "filters": filters,
+            "kernel_size": [window.kernel.0, window.kernel.1],
+            "strides": [window.stride.0, window.stride.1],
+            "padding": window.padding.name(),
+            "use_bias": bias,
+        }),
+        LayerOp::BatchNorm2d { eps, momentum, scale, center, .. } => json!({
+            "type": "batch_normalization", "scale": scale, "center": center, "epsilon": eps, "momentum": momentum,
+        }),
+        LayerOp::Relu => json!({"type": "relu"}),
+        LayerOp::Rescaling { scale, offset } => json!({"type": "rescaling", "scale": scale, "offset": offset}),
+        LayerOp::Dropout { rate } => json!({"type": "dropout", "rate": rate}),
+        LayerOp::Flatten => json!({"type": "flatten"}),
+        LayerOp::GlobalAvgPool2d => json!({"type": "global_average_pooling2d"}),
+        LayerOp::MaxPool2d { window } => json!({
+            "type": "max_pooling2d",
+            "pool_size": [window.kernel.0, window.kernel.1],
+            "strides": [window.stride.0, window.stride.1],
+            "padding": window.padding.name(),
+        }),
     }
 }
 
-const TYPES: &str = "rescaling, conv2d, batch_normalization, relu, dense, dropout, flatten, global_average_pooling2d";
+/// A spec (`{"input_shape": ..., "layers": [...]}`) that builds `model` again, or an
+/// error naming the first layer that has no [`LayerOp`] (a layer of the user's own).
+pub fn model_to_spec(model: &Sequential) -> Result<Value> {
+    let layers = model
+        .layers()
+        .iter()
+        .zip(model.layer_names())
+        .map(|(l, name)| {
+            l.op()
+                .map(|op| op_to_spec(&op))
+                .ok_or_else(|| Error::config("model spec", format!("layer {name} ({}) has no spec form", l.describe())))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(json!({"input_shape": model.input_shape().dims(), "layers": layers}))
+}
 
 /// A parsed and checked spec: building it cannot fail on shapes.
 #[derive(Clone, PartialEq, Debug)]
@@ -221,33 +406,38 @@ impl ModelSpec {
                     new.push(Box::new(Relu::new()));
                 }
             };
-            match *l {
-                LayerSpec::Rescaling { scale, offset } => new.push(Box::new(Rescaling::new(scale, offset))),
-                LayerSpec::Conv2d { filters, kernel, stride, padding, use_bias, activation } => {
+            match l.kind {
+                LayerKind::Rescaling { scale, offset } => new.push(Box::new(Rescaling::new(scale, offset))),
+                LayerKind::Conv2d { filters, kernel, stride, padding, use_bias, activation } => {
                     let c = images().map_err(|e| bad(i, l, e))?;
                     let conv = Conv2d::new(c, filters, kernel, stride, padding, use_bias)
                         .map_err(|e| bad(i, l, e.to_string()))?;
                     new.push(Box::new(conv));
                     act(activation, &mut new);
                 }
-                LayerSpec::BatchNormalization { scale, center, epsilon, momentum } => {
+                LayerKind::BatchNormalization { scale, center, epsilon, momentum } => {
                     let c = images().map_err(|e| bad(i, l, e))?;
                     new.push(Box::new(BatchNorm2d::new(c).scale(scale).center(center).eps(epsilon).momentum(momentum)));
                 }
-                LayerSpec::Dense { units, use_bias, activation } => {
+                LayerKind::Dense { units, use_bias, activation } => {
                     let f = flat().map_err(|e| bad(i, l, e))?;
                     let dense = Linear::new(f, units);
                     new.push(Box::new(if use_bias { dense } else { dense.without_bias() }));
                     act(activation, &mut new);
                 }
-                LayerSpec::Dropout { rate } => {
+                LayerKind::Dropout { rate } => {
                     new.push(Box::new(Dropout::new(rate).map_err(|e| bad(i, l, e.to_string()))?))
                 }
-                LayerSpec::Relu => new.push(Box::new(Relu::new())),
-                LayerSpec::Flatten => new.push(Box::new(Flatten::new())),
-                LayerSpec::GlobalAveragePooling2d => {
+                LayerKind::Relu => new.push(Box::new(Relu::new())),
+                LayerKind::Flatten => new.push(Box::new(Flatten::new())),
+                LayerKind::GlobalAveragePooling2d => {
                     images().map_err(|e| bad(i, l, e))?;
                     new.push(Box::new(GlobalAvgPool2d::new()));
+                }
+                LayerKind::MaxPooling2d { pool_size, strides, padding } => {
+                    images().map_err(|e| bad(i, l, e))?;
+                    let pool = MaxPool2d::new(pool_size, strides, padding).map_err(|e| bad(i, l, e.to_string()))?;
+                    new.push(Box::new(pool));
                 }
             }
             for layer in &new {
@@ -297,10 +487,10 @@ impl<'a> Fields<'a> {
     }
 
     /// A size or a pair of sizes `[a, b]`.
-    fn pair(&mut self, name: &'static str, default: Option<usize>) -> FieldResult<(usize, usize)> {
+    fn pair(&mut self, name: &'static str, default: Option<(usize, usize)>) -> FieldResult<(usize, usize)> {
         let msg = |v: &Value| format!("field '{name}' must be a positive integer or a list of two (got {v})");
         match (self.get(name), default) {
-            (None, Some(d)) => Ok((d, d)),
+            (None, Some(d)) => Ok(d),
             (None, None) => Err(format!("missing field '{name}' (a positive integer or a list of two)")),
             (Some(Value::Array(a)), _) if a.len() == 2 => match (as_size(&a[0]), as_size(&a[1])) {
                 (Some(x), Some(y)) => Ok((x, y)),
@@ -374,55 +564,17 @@ fn parse_layer(i: usize, v: &Value) -> std::result::Result<LayerSpec, String> {
     let kind = match map.get("type") {
         Some(Value::String(s)) => s.as_str(),
         Some(other) => return Err(format!("layer {i}: field 'type' must be a string (got {other})")),
-        None => return Err(format!("layer {i}: missing field 'type' (one of: {TYPES})")),
+        None => return Err(format!("layer {i}: missing field 'type' (one of: {})", type_list())),
     };
-    let mut f = Fields { map, known: Vec::new() };
     let at = |detail: String| format!("layer {i} ({kind}): {detail}");
-    let spec = (|| -> FieldResult<LayerSpec> {
-        Ok(match kind {
-            "rescaling" => LayerSpec::Rescaling {
-                scale: f.number("scale", None, (|_| true, "a finite number"))?,
-                offset: f.number("offset", Some(0.0), (|_| true, "a finite number"))?,
-            },
-            "conv2d" => {
-                let filters = f.size("filters", None)?;
-                let kernel = f.pair("kernel_size", None)?;
-                let (sh, sw) = f.pair("strides", Some(1))?;
-                if sh != sw {
-                    return Err(format!("field 'strides' [{sh}, {sw}]: only equal strides are supported"));
-                }
-                LayerSpec::Conv2d {
-                    filters,
-                    kernel,
-                    stride: sh,
-                    padding: f.padding()?,
-                    use_bias: f.boolean("use_bias", true)?,
-                    activation: f.activation()?,
-                }
-            }
-            "batch_normalization" => LayerSpec::BatchNormalization {
-                scale: f.boolean("scale", true)?,
-                center: f.boolean("center", true)?,
-                epsilon: f.number("epsilon", Some(1e-3), (|x| x > 0.0, "a positive number"))?,
-                momentum: f.number("momentum", Some(0.99), (|x| (0.0..=1.0).contains(&x), "a number in [0, 1]"))?,
-            },
-            "dense" => LayerSpec::Dense {
-                units: f.size("units", None)?,
-                use_bias: f.boolean("use_bias", true)?,
-                activation: f.activation()?,
-            },
-            "dropout" => LayerSpec::Dropout {
-                rate: f.number("rate", None, (|x| (0.0..1.0).contains(&x), "a number in [0, 1)"))?,
-            },
-            "relu" => LayerSpec::Relu,
-            "flatten" => LayerSpec::Flatten,
-            "global_average_pooling2d" => LayerSpec::GlobalAveragePooling2d,
-            other => return Err(format!("unknown type '{other}' (one of: {TYPES})")),
-        })
-    })()
-    .map_err(at)?;
+    let ty = LAYER_TYPES
+        .iter()
+        .find(|t| t.name == kind)
+        .ok_or_else(|| at(format!("unknown type '{kind}' (one of: {})", type_list())))?;
+    let mut f = Fields { map, known: Vec::new() };
+    let layer = (ty.parse)(&mut f).map_err(at)?;
     f.finish().map_err(at)?;
-    Ok(spec)
+    Ok(LayerSpec { type_name: ty.name, kind: layer })
 }
 
 #[cfg(test)]
@@ -435,6 +587,130 @@ mod tests {
 
     fn with_layers(layers: &str) -> String {
         format!(r#"{{"input_shape": [1, 8, 8], "layers": [{layers}]}}"#)
+    }
+
+    #[test]
+    fn every_layer_type_parses_builds_has_a_gpu_form_and_writes_back() {
+        let mut names = std::collections::BTreeSet::new();
+        for t in LAYER_TYPES {
+            assert!(names.insert(t.name), "{} is listed twice", t.name);
+            let (input, layer) = t.example;
+            let text = format!(r#"{{"input_shape": {input:?}, "layers": [{layer}]}}"#);
+            let spec = ModelSpec::parse(&text, t.name).unwrap_or_else(|e| panic!("the example does not parse: {e}"));
+            assert_eq!(spec.layers[0].type_name(), t.name, "the example of {} is of another type", t.name);
+            let model = spec.build().unwrap();
+            // A built-in layer without a LayerOp would be refused by the GPU replica at
+            // start-up; here it fails on any machine.
+            let ops: Vec<LayerOp> = model
+                .layers()
+                .iter()
+                .zip(model.layer_names())
+                .map(|(l, n)| {
+                    l.op().unwrap_or_else(|| {
+                        panic!("{}: layer {n} ({}) has no LayerOp (no GPU form)", t.name, l.describe())
+                    })
+                })
+                .collect();
+            let written = model_to_spec(&model).unwrap().to_string();
+            let again = ModelSpec::parse(&written, "written back")
+                .and_then(|s| s.build())
+                .unwrap_or_else(|e| panic!("{}: {written} does not build: {e}", t.name));
+            let ops_again: Vec<LayerOp> = again.layers().iter().map(|l| l.op().unwrap()).collect();
+            assert_eq!(ops, ops_again, "{}: written back as {written}", t.name);
+            assert_eq!(model.layer_shapes(), again.layer_shapes(), "{}", t.name);
+        }
+    }
+
+    #[test]
+    fn the_docs_and_the_readme_list_every_layer_type() {
+        let (docs, readme) = (include_str!("spec.rs"), include_str!("../README.md"));
+        for t in LAYER_TYPES {
+            let row = format!("| `{}` | {} |", t.name, t.fields);
+            assert!(docs.contains(&format!("//! {row}\n")), "the table of src/spec.rs's docs lacks\n{row}");
+            assert!(readme.contains(&format!("\n{row}\n")), "README.md's table of layer types lacks\n{row}");
+        }
+        let rows = docs.lines().filter(|l| l.starts_with("//! | `")).count();
+        assert_eq!(rows, LAYER_TYPES.len(), "the docs' table lists a type LAYER_TYPES does not have");
+    }
+
+    #[test]
+    fn max_pooling2d_defaults_are_keras_and_errors_name_the_field() {
+        // Keras MaxPooling2D(): pool_size (2, 2), strides = pool_size, "valid".
+        let m = model_from_spec_str(&with_layers(r#"{"type": "max_pooling2d"}"#), "m.json").unwrap();
+        let window = crate::nn::Window2d::new((2, 2), (2, 2), Padding::Valid);
+        assert_eq!(m.layers()[0].op(), Some(LayerOp::MaxPool2d { window }));
+        // 8×8 → ⌊(8 − 2)/2⌋ + 1 = 4.
+        assert_eq!(m.output_shape().dims(), &[1, 4, 4]);
+        assert_eq!(m.layer_names(), &["maxpool0"]);
+        // strides default to a non-square pool size; same padding on 8×8 with (3, 2):
+        // ⌈8/3⌉ = 3 rows, ⌈8/2⌉ = 4 columns.
+        let m = model_from_spec_str(
+            &with_layers(r#"{"type": "max_pooling2d", "pool_size": [3, 2], "padding": "same"}"#),
+            "m.json",
+        )
+        .unwrap();
+        let window = crate::nn::Window2d::new((3, 2), (3, 2), Padding::Same);
+        assert_eq!(m.layers()[0].op(), Some(LayerOp::MaxPool2d { window }));
+        assert_eq!(m.output_shape().dims(), &[1, 3, 4]);
+        let pool = |extra: &str| with_layers(&format!(r#"{{"type": "relu"}}, {{"type": "max_pooling2d", {extra}}}"#));
+        assert_eq!(
+            err(&pool(r#""pool_size": 0"#)),
+            "m.json: layer 1 (max_pooling2d): field 'pool_size' must be a positive integer or a list of two (got 0)"
+        );
+        assert!(err(&pool(r#""strides": [1]"#)).contains("layer 1 (max_pooling2d): field 'strides' must be"));
+        assert!(err(&pool(r#""padding": "causal""#)).contains("field 'padding' must be \"valid\" or \"same\""));
+        assert_eq!(
+            err(&pool(r#""data_format": "channels_first""#)),
+            "m.json: layer 1 (max_pooling2d): unknown field 'data_format' (expected one of: type, pool_size, strides, padding)"
+        );
+        assert_eq!(
+            err(&pool(r#""pool_size": 9"#)),
+            "m.json: layer 1 (max_pooling2d): MaxPool2d: shape mismatch: input (2, 1, 8, 8) is empty or smaller than the 9x9 pool"
+        );
+        assert!(err(r#"{"input_shape": [4], "layers": [{"type": "max_pooling2d"}]}"#)
+            .contains("layer 0 (max_pooling2d): expects images (C, H, W), got samples of shape (4)"));
+    }
+
+    #[test]
+    fn a_layer_without_a_layer_op_has_no_spec_form() {
+        #[derive(Clone)]
+        struct Mine;
+        impl Layer for Mine {
+            fn kind(&self) -> &'static str {
+                "mine"
+            }
+            fn output_shape(&self, input: &Shape) -> Result<Shape> {
+                Ok(input.clone())
+            }
+            fn forward(
+                &mut self,
+                x: crate::Tensor,
+                _: crate::nn::Params<'_>,
+                _: crate::nn::ParamsMut<'_>,
+                _: &crate::nn::Ctx,
+            ) -> Result<crate::Tensor> {
+                Ok(x)
+            }
+            fn backward(
+                &mut self,
+                d: crate::Tensor,
+                _: crate::nn::Params<'_>,
+                _: crate::nn::ParamsMut<'_>,
+                _: crate::nn::InputGrad,
+                _: &crate::nn::Ctx,
+            ) -> Result<Option<crate::Tensor>> {
+                Ok(Some(d))
+            }
+            fn boxed_clone(&self) -> Box<dyn Layer> {
+                Box::new(Mine)
+            }
+            fn describe(&self) -> String {
+                "Mine".into()
+            }
+        }
+        let model = Sequential::new([3], vec![Box::new(Linear::new(3, 2)) as Box<dyn Layer>, Box::new(Mine)]).unwrap();
+        let e = model_to_spec(&model).unwrap_err().to_string();
+        assert!(e.contains("layer mine0 (Mine) has no spec form"), "{e}");
     }
 
     #[test]

@@ -23,7 +23,8 @@
 //! A value passes when |analytic − numeric| ≤ atol + rtol·max(|analytic|, |numeric|).
 //! Per layer: rtol 1e-2, atol 1e-3 with h = 1e-2. The layers that are linear in the
 //! checked value (Linear, Conv2d, Rescaling, GAP, Flatten, Dropout, ReLU away from its
-//! kink) have no truncation error, only the f32 rounding of the forward: about
+//! kink, MaxPool2d away from a tie) have no truncation error, only the f32 rounding of
+//! the forward: about
 //! 2^-24·Σ|w·y| ≈ 1e-6 in L, ÷ 2h → ~1e-4, well inside atol. BatchNorm is smooth
 //! with truncation error h²/6·|L'''| ≈ 1e-5 for unit-variance inputs. The whole convnet
 //! uses h = 1e-2 on inputs in pixel units (0..255, then ×1/255) and h = 1e-4 on
@@ -38,8 +39,8 @@
 
 use lockstep::models::{self, ConvnetOptions, Norm};
 use lockstep::nn::{
-    BatchNorm2d, Conv2d, Ctx, Dropout, Flatten, GlobalAvgPool2d, Init, InputGrad, Layer, Linear, Padding, ParamSpec,
-    Params, ParamsMut, Relu, Rescaling, Sequential,
+    BatchNorm2d, Conv2d, Ctx, Dropout, Flatten, GlobalAvgPool2d, Init, InputGrad, Layer, Linear, MaxPool2d, Padding,
+    ParamSpec, Params, ParamsMut, Relu, Rescaling, Sequential,
 };
 use lockstep::rng::SplitMix64;
 use lockstep::{Device, Error, Result, Shape, Tensor};
@@ -375,6 +376,55 @@ fn rescaling() {
 fn global_avg_pool() {
     // x: (2, 3, 2, 3) → y: (2, 3)
     check_layer("GlobalAvgPool2d", &[2, 3, 2, 3], Box::new(GlobalAvgPool2d::new()), 52);
+}
+
+/// `n` distinct values 0.1 apart, in a random order, centred on 0: no ±h step (h = 1e-2)
+/// can make two of them change places, so every window of a max pooling keeps its winner
+/// while its finite differences are taken.
+fn distinct(g: &mut SplitMix64, n: usize) -> Vec<f32> {
+    let mut v: Vec<f32> = (0..n).map(|i| (i as f32 - n as f32 / 2.0) * 0.1).collect();
+    for i in (1..n).rev() {
+        v.swap(i, g.below(i + 1));
+    }
+    v
+}
+
+#[test]
+fn max_pool_overlapping_windows_and_same_padding() {
+    // Pool 3, stride 2, valid on (2, 2, 7, 7) → (2, 2, 3, 3): windows overlap by a row and a
+    // column, so an input can win up to four windows and its gradient is their sum.
+    // Pool (2, 3), strides (2, 1), same on (2, 2, 5, 6) → (2, 2, 3, 6): pad_total rows
+    // (3 − 1)·2 + 2 − 5 = 1 → 0 / 1, columns 5 + 3 − 6 = 2 → 1 / 1; the windows at the
+    // border are clipped.
+    let cases = [
+        ("MaxPool2d 3x3 s2 valid", [2, 2, 7, 7], MaxPool2d::new((3, 3), (2, 2), Padding::Valid).unwrap()),
+        ("MaxPool2d 2x3 s2x1 same", [2, 2, 5, 6], MaxPool2d::new((2, 3), (2, 1), Padding::Same).unwrap()),
+    ];
+    for (k, (name, dims, pool)) in cases.into_iter().enumerate() {
+        let mut g = SplitMix64::new(90 + k as u64);
+        let x = distinct(&mut g, dims.iter().product());
+        let mut m = build(&dims[1..], x, vec![Box::new(pool)], None, train_ctx(), 92 + k as u64);
+        let grad = check(name, &mut m, LAYER_TOL, None);
+        // Σ dx = Σ dout: every output's gradient lands on exactly one input.
+        let (sum_dx, sum_w) = (grad.iter().map(|&v| v as f64).sum::<f64>(), m.w.iter().map(|&v| v as f64).sum::<f64>());
+        assert!((sum_dx - sum_w).abs() < 1e-5, "{name}: Σ dx = {sum_dx}, Σ dout = {sum_w} (± 1e-5, f32 sums)");
+    }
+}
+
+#[test]
+fn conv_then_max_pool_gradients_reach_the_weights() {
+    // x: (2, 1, 6, 6) → conv 2 filters 3×3 same → (2, 2, 6, 6) → pool 2 → (2, 2, 3, 3).
+    // The conv's outputs are not spaced apart, so a step can swap a window's winner, a
+    // kink as ReLU's: found by one-sided slopes that disagree and skipped, at most 8 of
+    // the 92 points (72 inputs, 18 weights, 2 biases).
+    let mut g = SplitMix64::new(95);
+    let x = uniform(&mut g, 72, -1.0, 1.0);
+    let layers: Vec<Box<dyn Layer>> = vec![
+        Box::new(Conv2d::new(1, 2, (3, 3), 1, Padding::Same, true).unwrap()),
+        Box::new(MaxPool2d::new((2, 2), (2, 2), Padding::Valid).unwrap()),
+    ];
+    let mut m = build(&[1, 6, 6], x, layers, None, train_ctx(), 96);
+    check("Conv2d → MaxPool2d", &mut m, Tol { max_kinks: 8, ..LAYER_TOL }, None);
 }
 
 #[test]

@@ -10,6 +10,10 @@
 //! compiles, run the way the GPU runs it, minus the parallelism between blocks.
 //!
 //! What is checked:
+//!   * that every kernel of KERNEL_FILES is launched here, by the test that says it checks
+//!     it (each test's launches are recorded and compared with its entry of `CHECKED` when
+//!     it ends, and the entries together must be KERNEL_FILES): a new kernel without a
+//!     host check fails `every_kernel_in_kernels_is_checked_here`;
 //!   * every kernel against a reference written here, in tests/common (the one
 //!     tests/cuda_ops.rs holds the GPU to) or the CPU backend's own code (the CPU is the
 //!     oracle), on small random inputs, under the launch shape src/cuda/launch.rs
@@ -32,6 +36,7 @@
 
 mod common;
 
+use std::cell::RefCell;
 use std::collections::BTreeSet;
 use std::ffi::{c_char, c_void, CStr, CString};
 use std::io::Write;
@@ -43,7 +48,8 @@ use lockstep::backend::cpu;
 use lockstep::cuda::kernels::KERNEL_FILES;
 use lockstep::cuda::launch::{ConvGeom, DropoutKey, REDUCE_BLOCK};
 use lockstep::nn::batchnorm::RunningUpdate;
-use lockstep::nn::{loss, BatchNorm2d, Ctx, Dropout, Layer, Sequential};
+use lockstep::nn::pool::{maxpool2d_plane_bwd, maxpool2d_plane_fwd};
+use lockstep::nn::{loss, BatchNorm2d, Ctx, Dropout, Layer, MaxPool2d, Padding, Sequential, Window2d};
 use lockstep::optim::{Optimizer, OptimizerConfig};
 use lockstep::{Device, Tensor};
 
@@ -189,12 +195,46 @@ fn build() -> Result<HostKernels, Unavailable> {
     Ok(HostKernels { launch, signature, _lib: lib })
 }
 
+/// The host kernels as one test uses them: every launch is recorded, and when the test
+/// ends (without a panic of its own) the kernels it launched must be its entry of
+/// [`CHECKED`], so that the table cannot claim a check that does not run.
+struct Checked {
+    kernels: &'static HostKernels,
+    test: &'static str,
+    ran: RefCell<BTreeSet<String>>,
+}
+
+impl Checked {
+    #[track_caller]
+    fn launch(&self, name: &str, cfg: Cfg, args: &mut [Arg<'_>]) {
+        self.ran.borrow_mut().insert(name.to_string());
+        self.kernels.launch(name, cfg, args);
+    }
+}
+
+impl Drop for Checked {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            return;
+        }
+        let claimed: BTreeSet<String> = CHECKED
+            .iter()
+            .find(|(test, _)| *test == self.test)
+            .unwrap_or_else(|| panic!("{} is not in CHECKED", self.test))
+            .1
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        assert_eq!(*self.ran.borrow(), claimed, "{}: the kernels it launched vs its CHECKED entry", self.test);
+    }
+}
+
 /// The host kernels, built once per test process; None after a loud skip line when there
 /// is no C++ compiler. A compiler that fails is a test failure, with its log.
-fn kernels_or_skip(test: &str) -> Option<&'static HostKernels> {
+fn kernels_or_skip(test: &'static str) -> Option<Checked> {
     static KERNELS: OnceLock<Result<HostKernels, Unavailable>> = OnceLock::new();
     match KERNELS.get_or_init(build) {
-        Ok(k) => Some(k),
+        Ok(k) => Some(Checked { kernels: k, test, ran: RefCell::new(BTreeSet::new()) }),
         Err(Unavailable::NoCompiler(why)) => {
             // Written to the stderr handle, not eprintln!, so the harness does not swallow it.
             let _ = writeln!(std::io::stderr(), "{test}: skipped: no C++ compiler ({why})");
@@ -418,41 +458,29 @@ fn assert_bits(what: &str, got: &[f32], want: &[f32]) {
 
 // ---- coverage: runs everywhere -------------------------------------------------------
 
-/// The kernels this file checks, by the test that checks them.
-const CHECKED: &[&str] = &[
-    // relu_fwd_and_bwd_match_the_reference
-    "relu_fwd_f32",
-    "relu_bwd_f32",
-    // rescale_scale_and_fill_match_the_reference
-    "rescale_fwd_f32",
-    "rescale_bwd_f32",
-    "scale_f32",
-    "fill_f32",
-    // bias_adds_and_their_reductions_match_the_reference
-    "bias_nchw_fwd_f32",
-    "bias_nchw_bwd_f32",
-    "bias_cols_fwd_f32",
-    "bias_cols_bwd_f32",
-    // im2col_and_col2im_match_the_cpu_backend_with_stride_and_asymmetric_padding
-    "im2col_fwd_f32",
-    "im2col_bwd_f32",
-    // batchnorm_train_eval_and_backward_match_the_reference
-    "batchnorm_train_fwd_f32",
-    "batchnorm_eval_fwd_f32",
-    "batchnorm_train_bwd_f32",
-    // global_average_pool_matches_the_reference
-    "global_avgpool_fwd_f32",
-    "global_avgpool_bwd_f32",
-    // softmax_cross_entropy_matches_the_cpu_loss
-    "softmax_xent_fwd_f32",
-    // sgd_and_adam_match_the_cpu_optimizer_over_several_steps
-    "sgd_step_f32",
-    "adam_step_f32",
-    // reduce_sum_adds_the_buffers_left_to_right_and_scales
-    "reduce_sum_f32",
-    // dropout_masks_equal_the_cpu_layer_bit_for_bit
-    "dropout_fwd_f32",
-    "dropout_bwd_f32",
+/// The kernels this file checks, by the test that checks them (each test's launches are
+/// held to its entry: [`Checked`]).
+const CHECKED: &[(&str, &[&str])] = &[
+    ("relu_fwd_and_bwd_match_the_reference", &["relu_fwd_f32", "relu_bwd_f32"]),
+    ("rescale_scale_and_fill_match_the_reference", &["rescale_fwd_f32", "rescale_bwd_f32", "scale_f32", "fill_f32"]),
+    (
+        "bias_adds_and_their_reductions_match_the_reference",
+        &["bias_nchw_fwd_f32", "bias_nchw_bwd_f32", "bias_cols_fwd_f32", "bias_cols_bwd_f32"],
+    ),
+    (
+        "im2col_and_col2im_match_the_cpu_backend_with_stride_and_asymmetric_padding",
+        &["im2col_fwd_f32", "im2col_bwd_f32"],
+    ),
+    (
+        "batchnorm_train_eval_and_backward_match_the_reference",
+        &["batchnorm_train_fwd_f32", "batchnorm_eval_fwd_f32", "batchnorm_train_bwd_f32"],
+    ),
+    ("global_average_pool_matches_the_reference", &["global_avgpool_fwd_f32", "global_avgpool_bwd_f32"]),
+    ("maxpool2d_matches_the_cpu_layer_bit_for_bit", &["maxpool2d_fwd_f32", "maxpool2d_bwd_f32"]),
+    ("softmax_cross_entropy_matches_the_cpu_loss", &["softmax_xent_fwd_f32"]),
+    ("sgd_and_adam_match_the_cpu_optimizer_over_several_steps", &["sgd_step_f32", "adam_step_f32"]),
+    ("reduce_sum_adds_the_buffers_left_to_right_and_scales", &["reduce_sum_f32"]),
+    ("dropout_masks_equal_the_cpu_layer_bit_for_bit", &["dropout_fwd_f32", "dropout_bwd_f32"]),
 ];
 
 #[test]
@@ -460,7 +488,7 @@ fn every_kernel_in_kernels_is_checked_here() {
     let found: BTreeSet<String> = kernel_sources().iter().flat_map(|(_, s)| kernel_names_in(s)).collect();
     let table: BTreeSet<String> = KERNEL_FILES.iter().flat_map(|f| f.kernel_names("f32")).collect();
     assert_eq!(found, table, "kernels/ scanned here vs the KERNEL_FILES table");
-    let checked: BTreeSet<String> = CHECKED.iter().map(|s| s.to_string()).collect();
+    let checked: BTreeSet<String> = CHECKED.iter().flat_map(|(_, ks)| ks.iter().map(|s| s.to_string())).collect();
     assert_eq!(found, checked, "a kernel without a host check here, or a check of a kernel that is gone");
 }
 
@@ -883,6 +911,77 @@ fn global_average_pool_matches_the_reference() {
         // 25 terms then a division; one division.
         assert_close(&format!("avgpool y {cfg_fwd:?}"), &y, &want_y, RTOL_SUM, ATOL_SUM);
         assert_close(&format!("avgpool dx {cfg_bwd:?}"), &dx, &want_dx, RTOL_ELEM, ATOL_ELEM);
+    }
+}
+
+#[test]
+fn maxpool2d_matches_the_cpu_layer_bit_for_bit() {
+    let Some(k) = kernels_or_skip("maxpool2d_matches_the_cpu_layer_bit_for_bit") else {
+        return;
+    };
+    let mut rng = Rng(11);
+    let cases = [
+        // Overlapping windows (stride < pool): inputs that win several windows sum them.
+        ((2, 3, 7, 7), Window2d::new((3, 3), (2, 2), Padding::Valid)),
+        // Same padding with a pad at the bottom (rows 0 / 1) and both sides (columns 1 / 1),
+        // unequal strides.
+        ((2, 2, 5, 6), Window2d::new((2, 3), (2, 1), Padding::Same)),
+        // The common 2×2 pool, with a ragged edge (row and column 6 unread).
+        ((1, 2, 7, 7), Window2d::new((2, 2), (2, 2), Padding::Valid)),
+        // Pads 1 / 2 on the rows: a window may hold a single row; every input in up to 12.
+        ((3, 1, 5, 4), Window2d::new((4, 3), (1, 1), Padding::Same)),
+    ];
+    for ((n, c, h, w), window) in cases {
+        let g = ConvGeom::new(n, c, &window.over(h, w).unwrap());
+        let case = format!("{window:?} on ({n}, {c}, {h}, {w})");
+        // Nine levels in [-1, 1] (so windows hold ties, and -0 beside 0), two NaNs and a -inf.
+        let mut x: Vec<f32> = rng.vec(g.x_len()).iter().map(|v| (v * 4.0).round() / 4.0).collect();
+        let len = x.len();
+        (x[5], x[len - 3], x[7]) = (f32::NAN, f32::NAN, f32::NEG_INFINITY);
+        let dy = rng.vec(g.pooled_len());
+
+        // The CPU: y through the layer, argmax and dx from the functions it runs per plane.
+        let mut net = Sequential::new(
+            [c, h, w],
+            vec![Box::new(MaxPool2d::new(window.kernel, window.stride, window.padding).unwrap()) as Box<dyn Layer>],
+        )
+        .unwrap();
+        let layer_y = net
+            .forward(Tensor::from_vec(x.clone(), [n, c, h, w]).unwrap(), &[], &mut [], &Ctx::eval(Device::Cpu(0)))
+            .unwrap();
+        let placed = window.over(h, w).unwrap();
+        let (hw, ohw) = (h * w, g.oh() * g.ow());
+        let (mut want_y, mut want_argmax, mut want_dx) =
+            (vec![0.0; g.pooled_len()], vec![0u32; g.pooled_len()], vec![0.0; len]);
+        for p in 0..n * c {
+            let (o, i) = (p * ohw..(p + 1) * ohw, p * hw..(p + 1) * hw);
+            maxpool2d_plane_fwd(&x[i.clone()], &placed, &mut want_y[o.clone()], &mut want_argmax[o.clone()]);
+            maxpool2d_plane_bwd(&dy[o.clone()], &want_argmax[o], &mut want_dx[i]);
+        }
+        assert_bits(&format!("the layer vs its plane function, {case}"), layer_y.host(), &want_y);
+        assert!(want_y.iter().any(|v| v.is_nan()) && want_dx.iter().any(|&v| v != 0.0), "{case}: the cases bite");
+
+        for cfg in [elem_cfg(g.pooled_len()), FEW] {
+            let (mut y, mut argmax) = (vec![f32::NAN; g.pooled_len()], vec![u32::MAX; g.pooled_len()]);
+            let mut args = vec![In(&x), Out(&mut y), OutU32(&mut argmax)];
+            args.extend(conv_args(&g).map(I32));
+            // As Gpu::maxpool2d_fwd: x, y, argmax, then conv_args.
+            k.launch("maxpool2d_fwd_f32", cfg, &mut args);
+            // A maximum is one of its inputs, and the scan order is the CPU's: exact, NaN
+            // payloads and the sign of a winning zero included.
+            assert_bits(&format!("maxpool y {case} {cfg:?}"), &y, &want_y);
+            assert_eq!(argmax, want_argmax, "maxpool argmax {case} {cfg:?}");
+        }
+        for cfg in [elem_cfg(g.x_len()), FEW] {
+            let mut dx = vec![f32::NAN; len];
+            let mut args = vec![In(&dy), InU32(&want_argmax), Out(&mut dx)];
+            args.extend(conv_args(&g).map(I32));
+            // As Gpu::maxpool2d_bwd: dy, argmax, dx, then conv_args.
+            k.launch("maxpool2d_bwd_f32", cfg, &mut args);
+            // Each input adds the dy of the windows it won in row-major output order, from
+            // 0, as maxpool2d_plane_bwd does: the same f32 additions, bit for bit.
+            assert_bits(&format!("maxpool dx {case} {cfg:?}"), &dx, &want_dx);
+        }
     }
 }
 

@@ -150,7 +150,26 @@ fn kernel_names_follow_the_rule_and_match_the_table() {
             }
         }
     }
-    // 23 = 10 elementwise + 2 conv + 3 batchnorm + 2 pooling + 1 softmax_xent + 2 optim
+    // 25 = 10 elementwise + 2 conv + 3 batchnorm + 4 pooling + 1 softmax_xent + 2 optim
     //      + 1 reduce + 2 dropout, counted from the files.
-    assert_eq!(all.len(), 23, "{all:?}");
+    assert_eq!(all.len(), 25, "{all:?}");
+}
+
+/// Every `kernels/*.cu` is in KERNEL_FILES and every entry is a file there, with the text
+/// on disk: a kernel file left out of the table would be compiled by no test and loaded
+/// by no GPU.
+#[test]
+fn kernel_files_on_disk_are_the_kernel_files_table() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels");
+    let on_disk: BTreeSet<String> = std::fs::read_dir(&dir)
+        .expect("kernels/ is readable")
+        .map(|e| e.expect("kernels/ entry").file_name().to_string_lossy().into_owned())
+        .filter(|name| name.ends_with(".cu") || name.ends_with(".cuh") || name.ends_with(".h"))
+        .collect();
+    let table: BTreeSet<String> = KERNEL_FILES.iter().map(|f| f.name.to_string()).collect();
+    assert_eq!(on_disk, table, "kernels/ vs KERNEL_FILES (a file must be listed, a listed file must exist)");
+    for file in KERNEL_FILES {
+        let text = std::fs::read_to_string(dir.join(file.name)).unwrap();
+        assert_eq!(text, file.source, "{}: the embedded source is the file's", file.name);
+    }
 }

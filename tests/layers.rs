@@ -9,8 +9,10 @@
 
 use lockstep::models::{self, ConvnetOptions, Norm};
 use lockstep::nn::{
-    BatchNorm2d, Conv2d, Ctx, Dropout, Flatten, GlobalAvgPool2d, Init, Layer, Linear, Padding, ParamStore, Sequential,
+    BatchNorm2d, Conv2d, Ctx, Dropout, Flatten, GlobalAvgPool2d, Init, Layer, LayerShapes, Linear, MaxPool2d, Padding,
+    ParamStore, Sequential,
 };
+use lockstep::Shape;
 use lockstep::{Device, Error, Tensor};
 
 const CPU: Device = Device::Cpu(0);
@@ -222,6 +224,57 @@ fn flatten_and_global_avg_pool_shapes_and_values() {
     // Plane p holds 4p .. 4p+3, whose mean is 4p + 1.5.
     assert_eq!(y.shape().dims(), [2, 3]);
     assert_eq!(y.host(), [1.5, 5.5, 9.5, 13.5, 17.5, 21.5]);
+}
+
+// ---------------------------------------------------------------------------------------
+// MaxPool2d (its backward and NaN cases: src/nn/pool.rs's tests and tests/gradcheck.rs)
+
+#[test]
+fn maxpool2d_keeps_each_window_maximum_and_leaves_the_ragged_edge_out() {
+    // x: (2, 1, 5, 5) with x[i] = (i · 7) mod 25 + offset: distinct values, no two alike,
+    // sample 1 the same plus 100. Pool 2, stride 2, valid: OH = OW = ⌊(5 − 2)/2⌋ + 1 = 2,
+    // so row 4 and column 4 are never read (Keras's and PyTorch's floor).
+    let x: Vec<f32> = (0..50).map(|i| ((i % 25) * 7 % 25) as f32 + 100.0 * (i / 25) as f32).collect();
+    let mut net = one(&[1, 5, 5], MaxPool2d::new((2, 2), (2, 2), Padding::Valid).unwrap());
+    assert_eq!(net.output_shape().dims(), [1, 2, 2]);
+    assert_eq!(net.layer_names(), ["maxpool0"]);
+    assert_eq!(net.layers()[0].describe(), "MaxPool2d(2x2, stride 2, valid)");
+    let mut store = net.init(0);
+    let y = net.forward(Tensor::from_vec(x, [2, 1, 5, 5]).unwrap(), &store.params, &mut store.buffers, &Ctx::eval(CPU));
+    // Plane (row-major, (i · 7) mod 25):
+    //    0  7 14 21  3
+    //   10 17 24  6 13
+    //   20  2  9 16 23
+    //    5 12 19  1  8
+    //   15 22  4 11 18
+    // Windows rows 0..2 × cols 0..2: max(0, 7, 10, 17) = 17; cols 2..4: max(14, 21, 24, 6)
+    // = 24; rows 2..4: max(20, 2, 5, 12) = 20, max(9, 16, 19, 1) = 19. (23 in column 4 and
+    // 22 in row 4 would win windows that do not exist.)
+    assert_eq!(y.unwrap().host(), [17.0, 24.0, 20.0, 19.0, 117.0, 124.0, 120.0, 119.0]);
+}
+
+#[test]
+fn sequential_records_each_layer_s_per_sample_shapes() {
+    // (1, 6, 6) → conv 3×3 valid (2, 4, 4) → pool 2 same with strides (1, 2): rows ⌈4/1⌉ = 4,
+    // columns ⌈4/2⌉ = 2 → (2, 4, 2) → flatten (16,) → dense (3,).
+    let layers: Vec<Box<dyn Layer>> = vec![
+        Box::new(Conv2d::new(1, 2, (3, 3), 1, Padding::Valid, true).unwrap()),
+        Box::new(MaxPool2d::new((2, 2), (1, 2), Padding::Same).unwrap()),
+        Box::new(Flatten::new()),
+        Box::new(Linear::new(16, 3)),
+    ];
+    let net = Sequential::new([1, 6, 6], layers).unwrap();
+    let io = |i: &[usize], o: &[usize]| LayerShapes { input: Shape::new(i), output: Shape::new(o) };
+    assert_eq!(
+        net.layer_shapes(),
+        [io(&[1, 6, 6], &[2, 4, 4]), io(&[2, 4, 4], &[2, 4, 2]), io(&[2, 4, 2], &[16]), io(&[16], &[3])]
+    );
+    // A pool larger than a valid input is refused by name.
+    let pool = MaxPool2d::new((3, 3), (1, 1), Padding::Valid).unwrap();
+    let err = Sequential::new([1, 2, 2], vec![Box::new(pool) as Box<dyn Layer>]).unwrap_err().to_string();
+    for part in ["maxpool0", "MaxPool2d", "(2, 1, 2, 2)", "3x3 pool"] {
+        assert!(err.contains(part), "'{err}' does not mention '{part}'");
+    }
 }
 
 // ---------------------------------------------------------------------------------------

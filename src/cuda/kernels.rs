@@ -86,7 +86,10 @@ pub const KERNEL_FILES: &[KernelFile] = &[
     ),
     kernel_file!("conv.cu", [("im2col", Fwd), ("im2col", Bwd)]),
     kernel_file!("batchnorm.cu", [("batchnorm_train", Fwd), ("batchnorm_train", Bwd), ("batchnorm_eval", Fwd)]),
-    kernel_file!("pooling.cu", [("global_avgpool", Fwd), ("global_avgpool", Bwd)]),
+    kernel_file!(
+        "pooling.cu",
+        [("global_avgpool", Fwd), ("global_avgpool", Bwd), ("maxpool2d", Fwd), ("maxpool2d", Bwd)]
+    ),
     kernel_file!("softmax_xent.cu", [("softmax_xent", Fwd)]),
     kernel_file!("optim.cu", [("sgd_step", Plain), ("adam_step", Plain)]),
     kernel_file!("reduce.cu", [("reduce_sum", Plain)]),

@@ -19,6 +19,7 @@ use parking_lot::Mutex;
 use super::kernels::{cached_ptx, kernel_name, Dir};
 use super::probe::driver_available;
 use crate::nn::batchnorm::RunningUpdate;
+use crate::nn::Geometry2d;
 use crate::optim::{OptimizerConfig, StepScalars};
 use crate::{Error, Result};
 
@@ -96,7 +97,9 @@ fn dim(op: &'static str, what: &str, v: usize) -> Result<i32> {
     i32::try_from(v).map_err(|_| Error::shape(op, format!("{what} = {v} does not fit in i32")))
 }
 
-/// Geometry of a 2-D convolution on NCHW input, padding asymmetric, no dilation.
+/// Geometry of a 2-D window (a convolution's or a pooling's) on NCHW input, padding
+/// asymmetric, no dilation. Built from the layers' own placement with [`ConvGeom::new`];
+/// the fields stay public for tests that state a geometry outright.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ConvGeom {
     pub n: usize,
@@ -114,6 +117,28 @@ pub struct ConvGeom {
 }
 
 impl ConvGeom {
+    /// A batch of `n` samples of `c` channels under the window placement `g`, the one the
+    /// CPU layers use (`nn::window`), so the two backends share every pad.
+    pub fn new(n: usize, c: usize, g: &Geometry2d) -> ConvGeom {
+        let ((kh, kw), (stride_h, stride_w)) = (g.window.kernel, g.window.stride);
+        let geom = ConvGeom {
+            n,
+            c,
+            h: g.h,
+            w: g.w,
+            kh,
+            kw,
+            stride_h,
+            stride_w,
+            pad_top: g.pad_top,
+            pad_left: g.pad_left,
+            pad_bottom: g.pad_bottom,
+            pad_right: g.pad_right,
+        };
+        debug_assert_eq!((geom.oh(), geom.ow()), (g.oh, g.ow), "the padded extent gives the placement's output");
+        geom
+    }
+
     /// Output height: (H + PT + PB - KH) / SH + 1 (0 when the kernel does not fit).
     pub fn oh(&self) -> usize {
         (self.h + self.pad_top + self.pad_bottom).checked_sub(self.kh).map_or(0, |v| v / self.stride_h + 1)
@@ -129,6 +154,10 @@ impl ConvGeom {
     /// Elements of col: N * (C*KH*KW) * (OH*OW).
     pub fn col_len(&self) -> usize {
         self.n * self.c * self.kh * self.kw * self.oh() * self.ow()
+    }
+    /// Elements of a pooling's output (and its argmax): N*C*OH*OW.
+    pub fn pooled_len(&self) -> usize {
+        self.n * self.c * self.oh() * self.ow()
     }
 }
 
@@ -738,6 +767,73 @@ impl Gpu {
         // SAFETY: arguments match global_avgpool_bwd_f32(const float*, float*, size_t,
         // size_t); lengths checked.
         unsafe { b.launch(elem_cfg(nc * hw)) }?;
+        Ok(())
+    }
+
+    /// Max pooling: y = the maximum of each window, argmax = its index h*W + w in the
+    /// plane (ties to the first in row-major order, NaN wins: `nn::pool`).
+    /// x: (N, C, H, W) -> y, argmax: (N, C, OH, OW)
+    pub fn maxpool2d_fwd(
+        &self,
+        x: &impl DevIn,
+        y: &mut impl DevOut,
+        argmax: &mut CudaSlice<u32>,
+        g: &ConvGeom,
+    ) -> Result<()> {
+        let x = &x.view();
+        let y = &mut y.view_mut();
+        let op = "maxpool2d_fwd";
+        let a = Self::conv_args(g, op)?;
+        check_len(op, "x", x, g.x_len())?;
+        check_len(op, "y", y, g.pooled_len())?;
+        check_len(op, "argmax", argmax, g.pooled_len())?;
+        if g.pooled_len() == 0 {
+            return Ok(());
+        }
+        let f = self.function("pooling.cu", "maxpool2d", Dir::Fwd)?;
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(x).arg(y).arg(argmax);
+        for v in &a {
+            b.arg(v);
+        }
+        // SAFETY: arguments match maxpool2d_fwd_f32(const float*, float*, unsigned*,
+        // 12 x int); x, y and argmax have the lengths the geometry implies (checked), and
+        // the kernel reads x only inside the plane (the window clipped to 0..H, 0..W) and
+        // writes y and argmax below N*C*OH*OW.
+        unsafe { b.launch(elem_cfg(g.pooled_len())) }?;
+        Ok(())
+    }
+
+    /// Backward of [`Gpu::maxpool2d_fwd`]: `dx[i]` = sum of dy over the outputs whose
+    /// argmax is i, in row-major output order; dx is written.
+    /// dy, argmax: (N, C, OH, OW) -> dx: (N, C, H, W)
+    pub fn maxpool2d_bwd(
+        &self,
+        dy: &impl DevIn,
+        argmax: &CudaSlice<u32>,
+        dx: &mut impl DevOut,
+        g: &ConvGeom,
+    ) -> Result<()> {
+        let dy = &dy.view();
+        let dx = &mut dx.view_mut();
+        let op = "maxpool2d_bwd";
+        let a = Self::conv_args(g, op)?;
+        check_len(op, "dy", dy, g.pooled_len())?;
+        check_len(op, "argmax", argmax, g.pooled_len())?;
+        check_len(op, "dx", dx, g.x_len())?;
+        if g.x_len() == 0 {
+            return Ok(());
+        }
+        let f = self.function("pooling.cu", "maxpool2d", Dir::Bwd)?;
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(dy).arg(argmax).arg(dx);
+        for v in &a {
+            b.arg(v);
+        }
+        // SAFETY: arguments match maxpool2d_bwd_f32(const float*, const unsigned*, float*,
+        // 12 x int); lengths checked; the kernel reads dy and argmax only at oy < OH,
+        // ox < OW of its own plane and writes dx below N*C*H*W, one element per thread.
+        unsafe { b.launch(elem_cfg(g.x_len())) }?;
         Ok(())
     }
 

@@ -30,9 +30,8 @@ use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, CudaView, CudaViewMut, De
 
 use super::gemm::{gemm, RmGemm};
 use super::launch::{BnGeom, BnGrads, BnParams, BnSaved, BnStats, ConvGeom, DropoutKey, Gpu};
-use crate::nn::conv2d::pads;
 use crate::nn::loss::check_labels;
-use crate::nn::{LayerOp, ParamStore, Sequential};
+use crate::nn::{LayerOp, LayerShapes, ParamStore, Sequential, Window2d};
 use crate::optim::{OptimizerConfig, StepScalars};
 use crate::tensor::Shape;
 use crate::{Error, Result};
@@ -58,6 +57,8 @@ struct Activations {
     cols: Vec<Option<CudaSlice<f32>>>,
     /// BatchNorm batch mean and 1/sqrt(var + eps) of each BatchNorm (None for others).
     saved: Vec<Option<(CudaSlice<f32>, CudaSlice<f32>)>>,
+    /// The winner's index of each max pooling's outputs (N, C, OH, OW) (None for others).
+    argmax: Vec<Option<CudaSlice<u32>>>,
     /// Two gradient buffers that backward alternates between.
     grads: [CudaSlice<f32>; 2],
     /// Per-sample products of a convolution's weight gradient (N, O, C·KH·KW).
@@ -478,48 +479,29 @@ fn upload<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
 
 /// The network as the GPU runs it, or an error naming the first layer without a CUDA form.
 fn plan(model: &Sequential) -> Result<Vec<Node>> {
-    let mut shape = model.input_shape().clone();
     let mut nodes = Vec::with_capacity(model.layers().len());
-    for (i, layer) in model.layers().iter().enumerate() {
+    for (i, (layer, shapes)) in model.layers().iter().zip(model.layer_shapes()).enumerate() {
         let name = model.layer_names()[i].clone();
         let op = layer.op().ok_or_else(|| {
             Error::config("model", format!("layer {name} ({}) has no CUDA implementation", layer.describe()))
         })?;
-        let mut batched = vec![2];
-        batched.extend_from_slice(shape.dims());
-        let out = layer.output_shape(&Shape::new(batched))?;
-        let output = Shape::new(&out.dims()[1..]);
+        let LayerShapes { input, output } = shapes.clone();
         let (params, buffers) = model.layer_ranges(i);
-        nodes.push(Node { op, name, input: shape, output: output.clone(), params, buffers });
-        shape = output;
+        nodes.push(Node { op, name, input, output, params, buffers });
     }
     Ok(nodes)
 }
 
-/// Convolution geometry of `node` for a batch of `n`.
-fn conv_geom(node: &Node, n: usize) -> Result<ConvGeom> {
-    let LayerOp::Conv2d { in_channels, kernel: (kh, kw), stride, padding, .. } = node.op else {
-        unreachable!("conv_geom of a convolution")
+/// The launch geometry of `window` over `node`'s input (C, H, W), for a batch of `n`.
+fn window_geom(node: &Node, window: Window2d, n: usize) -> Result<ConvGeom> {
+    let (c, h, w) = match node.input.dims() {
+        &[c, h, w] => (c, h, w),
+        _ => return Err(Error::shape("window", format!("{}: input {} is not (C, H, W)", node.name, node.input))),
     };
-    let d = node.input.dims();
-    let (h, w) = (d[1], d[2]);
-    let too_small = || Error::shape("conv2d", format!("{}: input {h}x{w} is smaller than the kernel", node.name));
-    let (pt, pb, _) = pads(h, kh, stride, padding).ok_or_else(too_small)?;
-    let (pl, pr, _) = pads(w, kw, stride, padding).ok_or_else(too_small)?;
-    Ok(ConvGeom {
-        n,
-        c: in_channels,
-        h,
-        w,
-        kh,
-        kw,
-        stride_h: stride,
-        stride_w: stride,
-        pad_top: pt,
-        pad_left: pl,
-        pad_bottom: pb,
-        pad_right: pr,
-    })
+    let g = window.over(h, w).ok_or_else(|| {
+        Error::shape("window", format!("{}: input {h}x{w} is smaller than the {:?} window", node.name, window.kernel))
+    })?;
+    Ok(ConvGeom::new(n, c, &g))
 }
 
 impl Activations {
@@ -527,28 +509,33 @@ impl Activations {
         let stream = gpu.stream();
         let alloc = |len: usize| -> Result<CudaSlice<f32>> { Ok(stream.alloc_zeros::<f32>(len.max(1))?) };
         let mut acts = vec![alloc(n * nodes[0].input.numel())?];
-        let (mut cols, mut saved) = (Vec::new(), Vec::new());
+        let (mut cols, mut saved, mut argmax) = (Vec::new(), Vec::new(), Vec::new());
         let (mut widest, mut partial, mut dcol) = (n * nodes[0].input.numel(), 1, 1);
         for node in nodes {
             acts.push(alloc(n * node.output.numel())?);
             widest = widest.max(n * node.output.numel());
+            let (mut col, mut stats, mut winners) = (None, None, None);
             match node.op {
-                LayerOp::Conv2d { filters, .. } => {
-                    let g = conv_geom(node, n)?;
-                    cols.push(Some(alloc(g.col_len())?));
+                LayerOp::Conv2d { filters, window, .. } => {
+                    let g = window_geom(node, window, n)?;
+                    col = Some(alloc(g.col_len())?);
                     dcol = dcol.max(g.col_len());
                     partial = partial.max(n * filters * g.c * g.kh * g.kw);
-                    saved.push(None);
                 }
-                LayerOp::BatchNorm2d { channels, .. } => {
-                    cols.push(None);
-                    saved.push(Some((alloc(channels)?, alloc(channels)?)));
+                LayerOp::BatchNorm2d { channels, .. } => stats = Some((alloc(channels)?, alloc(channels)?)),
+                LayerOp::MaxPool2d { .. } => {
+                    winners = Some(stream.alloc_zeros::<u32>((n * node.output.numel()).max(1))?);
                 }
-                _ => {
-                    cols.push(None);
-                    saved.push(None);
-                }
+                LayerOp::Linear { .. }
+                | LayerOp::Relu
+                | LayerOp::Rescaling { .. }
+                | LayerOp::Dropout { .. }
+                | LayerOp::Flatten
+                | LayerOp::GlobalAvgPool2d => {}
             }
+            cols.push(col);
+            saved.push(stats);
+            argmax.push(winners);
         }
         let k = nodes.last().expect("a model has a layer").output.numel();
         widest = widest.max(n * k);
@@ -557,6 +544,7 @@ impl Activations {
             acts,
             cols,
             saved,
+            argmax,
             grads: [alloc(widest)?, alloc(widest)?],
             partial: alloc(partial)?,
             dcol: alloc(dcol)?,
@@ -584,8 +572,8 @@ impl Net<'_> {
                         gpu.bias_cols_fwd(y, &p(1), n, o)?;
                     }
                 }
-                LayerOp::Conv2d { filters: o, bias, .. } => {
-                    let g = conv_geom(node, n)?;
+                LayerOp::Conv2d { filters: o, window, bias, .. } => {
+                    let g = window_geom(node, window, n)?;
                     let (ckk, pp) = (g.c * g.kh * g.kw, g.oh() * g.ow());
                     let col = a.cols[i].as_mut().expect("a convolution has columns");
                     gpu.im2col_fwd(x, col, &g)?;
@@ -643,6 +631,11 @@ impl Net<'_> {
                     let c = node.output.numel();
                     gpu.global_avgpool_fwd(x, y, n * c, node.input.numel() / c)?
                 }
+                LayerOp::MaxPool2d { window } => {
+                    let g = window_geom(node, window, n)?;
+                    let argmax = a.argmax[i].as_mut().expect("a max pooling has argmax indices");
+                    gpu.maxpool2d_fwd(x, y, argmax, &g)?;
+                }
             }
         }
         Ok(())
@@ -676,8 +669,8 @@ impl Net<'_> {
                         gemm(blas, &RmGemm::linear_dx(n, f, o), &dy, &p(0), &mut dx)?;
                     }
                 }
-                LayerOp::Conv2d { filters: o, bias, .. } => {
-                    let g = conv_geom(node, n)?;
+                LayerOp::Conv2d { filters: o, window, bias, .. } => {
+                    let g = window_geom(node, window, n)?;
                     let (ckk, pp) = (g.c * g.kh * g.kw, g.oh() * g.ow());
                     let col = a.cols[i].as_ref().expect("a convolution has columns");
                     // dW = Σ_n dW_n in sample order
@@ -721,6 +714,11 @@ impl Net<'_> {
                 LayerOp::GlobalAvgPool2d => {
                     let c = node.output.numel();
                     gpu.global_avgpool_bwd(&dy, &mut dx, n * c, node.input.numel() / c)?
+                }
+                LayerOp::MaxPool2d { window } => {
+                    let g = window_geom(node, window, n)?;
+                    let argmax = a.argmax[i].as_ref().expect("a max pooling has argmax indices");
+                    gpu.maxpool2d_bwd(&dy, argmax, &mut dx, &g)?;
                 }
             }
             cur = 1 - cur;

@@ -1,5 +1,6 @@
 //! Conv2d: 2-D cross-correlation over NCHW, weight (O, C, KH, KW) as in PyTorch, with
-//! Keras's `valid` and `same` padding.
+//! Keras's `valid` and `same` padding (where the window sits is `nn::window`'s, shared
+//! with pooling and the GPU).
 //!
 //! The batch is cut into the fixed groups of `backend::cpu::batch_groups`, which run in
 //! parallel on the device's pool; within a group, convolution is GEMM over unfolded
@@ -15,6 +16,7 @@ use std::ops::Range;
 
 use rayon::prelude::*;
 
+use super::window::{Geometry2d, Padding, Window2d};
 use super::{Ctx, Init, InputGrad, Layer, Mode, ParamSpec, Params, ParamsMut};
 use crate::backend::cpu::{
     add_partials, batch_groups, chw_to_hwc, col2im, gemm_with, hwc_to_chw, im2col, im2row, row2im, split_by_groups,
@@ -22,31 +24,6 @@ use crate::backend::cpu::{
 };
 use crate::error::{Error, Result};
 use crate::tensor::{Shape, Tensor};
-
-/// How the input is padded.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub enum Padding {
-    /// No padding: OH = ⌊(H − KH)/s⌋ + 1.
-    Valid,
-    /// Keras "same": OH = ⌈H/s⌉, pad_total = max((OH − 1)·s + KH − H, 0), pad_top =
-    /// ⌊pad_total/2⌋ and the rest at the bottom (asymmetric when pad_total is odd).
-    Same,
-}
-
-/// Pads of one dimension: (before, after, output size), or None if the input is too small.
-pub(crate) fn pads(size: usize, k: usize, s: usize, padding: Padding) -> Option<(usize, usize, usize)> {
-    match padding {
-        Padding::Valid => (size >= k).then(|| (0, 0, (size - k) / s + 1)),
-        Padding::Same => {
-            if size == 0 {
-                return None;
-            }
-            let out = size.div_ceil(s);
-            let total = ((out - 1) * s + k).saturating_sub(size);
-            Some((total / 2, total - total / 2, out))
-        }
-    }
-}
 
 /// How a convolution unfolds its input.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -89,6 +66,13 @@ fn oihw_to_hwio(w: &[f32], o: usize, c: usize, kk: usize) -> Vec<f32> {
         }
     }
     wt
+}
+
+/// The CPU backend's geometry of one sample of C channels, from the shared window
+/// placement (the backend takes one stride: Conv2d's are equal).
+fn cpu_geom(c: usize, g: &Geometry2d) -> ConvGeom {
+    let ((kh, kw), (stride, _)) = (g.window.kernel, g.window.stride);
+    ConvGeom { c, h: g.h, w: g.w, kh, kw, stride, pad_top: g.pad_top, pad_left: g.pad_left, oh: g.oh, ow: g.ow }
 }
 
 /// A 2-D convolution layer.
@@ -283,17 +267,21 @@ impl Conv2d {
         Ok(Conv2d { in_channels, filters, kernel, stride, padding, use_bias, x: None, scratch: Vec::new() })
     }
 
+    /// The sliding window: kernel, stride (the same along H and W), padding.
+    pub fn window(&self) -> Window2d {
+        Window2d::new(self.kernel, (self.stride, self.stride), self.padding)
+    }
+
     fn geometry(&self, input: &Shape) -> Result<(usize, ConvGeom)> {
         let (n, c, h, w) = input.nchw("Conv2d")?;
         if c != self.in_channels {
             return Err(Error::shape("Conv2d", format!("expected {} input channels, got {input}", self.in_channels)));
         }
         let (kh, kw) = self.kernel;
-        let too_small =
-            || Error::shape("Conv2d", format!("input {input} is empty or smaller than the {kh}x{kw} kernel"));
-        let (pad_top, _, oh) = pads(h, kh, self.stride, self.padding).ok_or_else(too_small)?;
-        let (pad_left, _, ow) = pads(w, kw, self.stride, self.padding).ok_or_else(too_small)?;
-        Ok((n, ConvGeom { c, h, w, kh, kw, stride: self.stride, pad_top, pad_left, oh, ow }))
+        let g = self.window().over(h, w).ok_or_else(|| {
+            Error::shape("Conv2d", format!("input {input} is empty or smaller than the {kh}x{kw} kernel"))
+        })?;
+        Ok((n, cpu_geom(c, &g)))
     }
 
     /// The weight in the layout `unfold` multiplies by.
@@ -310,9 +298,7 @@ impl Layer for Conv2d {
         Some(super::LayerOp::Conv2d {
             in_channels: self.in_channels,
             filters: self.filters,
-            kernel: self.kernel,
-            stride: self.stride,
-            padding: self.padding,
+            window: self.window(),
             bias: self.use_bias,
         })
     }
@@ -427,10 +413,7 @@ impl Layer for Conv2d {
             self.kernel.0,
             self.kernel.1,
             self.stride,
-            match self.padding {
-                Padding::Valid => "valid",
-                Padding::Same => "same",
-            },
+            self.padding.name(),
             if self.use_bias { "" } else { ", no bias" }
         )
     }
@@ -439,23 +422,6 @@ impl Layer for Conv2d {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn keras_same_padding_is_asymmetric_when_the_total_is_odd() {
-        // H = 12, k = 6, s = 2: OH = 6, pad_total = (6-1)*2 + 6 - 12 = 4 → 2 / 2 (the
-        // reference convnet's conv2, symmetric).
-        assert_eq!(pads(12, 6, 2, Padding::Same), Some((2, 2, 6)));
-        // H = 28, k = 3, s = 1: pad_total = 27 + 3 - 28 = 2 → 1 / 1.
-        assert_eq!(pads(28, 3, 1, Padding::Same), Some((1, 1, 28)));
-        // H = 5, k = 4, s = 1: pad_total = 4 + 4 - 5 = 3 → 1 on top, 2 at the bottom.
-        assert_eq!(pads(5, 4, 1, Padding::Same), Some((1, 2, 5)));
-        // H = 7, k = 3, s = 2: OH = 4, pad_total = 6 + 3 - 7 = 2 → 1 / 1.
-        assert_eq!(pads(7, 3, 2, Padding::Same), Some((1, 1, 4)));
-        // H = 6, k = 3, s = 2: OH = 3, pad_total = 4 + 3 - 6 = 1 → 0 on top, 1 at the bottom.
-        assert_eq!(pads(6, 3, 2, Padding::Same), Some((0, 1, 3)));
-        assert_eq!(pads(2, 3, 1, Padding::Valid), None);
-        assert_eq!(pads(28, 6, 2, Padding::Valid), Some((0, 0, 12)));
-    }
 
     #[test]
     fn both_unfoldings_compute_the_same_convolution() {

@@ -18,18 +18,22 @@ pub mod conv2d;
 pub mod dropout;
 pub mod linear;
 pub mod loss;
+pub mod pool;
 pub mod reshape;
 mod sequential;
+pub mod window;
 
 use std::ops::Range;
 
 pub use activation::{Relu, Rescaling};
 pub use batchnorm::BatchNorm2d;
-pub use conv2d::{Conv2d, Padding};
+pub use conv2d::Conv2d;
 pub use dropout::Dropout;
 pub use linear::Linear;
+pub use pool::MaxPool2d;
 pub use reshape::{Flatten, GlobalAvgPool2d};
-pub use sequential::{ParamStore, Sequential, TensorInfo};
+pub use sequential::{LayerShapes, ParamStore, Sequential, TensorInfo};
+pub use window::{Geometry2d, Padding, Window2d};
 
 use crate::error::Result;
 use crate::tensor::{Device, Shape, Tensor};
@@ -157,6 +161,11 @@ impl<'a> ParamsMut<'a> {
 /// its own way (the CUDA replica, `cuda::replica`) learns what to launch. The layer's
 /// forward and backward remain the CPU reference of that computation; a layer that
 /// returns no `LayerOp` runs on CPU devices only, and a CUDA run names it.
+///
+/// Every `match` over it is exhaustive (no `_` arm), so a new variant is a compile error
+/// in each place that must handle it: the GPU's forward, backward and activation sizing
+/// (`cuda::replica`) and the spec writer (`spec::op_to_spec`). A built-in layer that
+/// forgets to return one fails `spec`'s table test, on any machine.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum LayerOp {
     /// y = x·Wᵀ + b, W: (out_features, in_features).
@@ -165,13 +174,12 @@ pub enum LayerOp {
         out_features: usize,
         bias: bool,
     },
-    /// NCHW convolution, W: (filters, in_channels, KH, KW), no dilation.
+    /// NCHW convolution, W: (filters, in_channels, KH, KW), no dilation; the window's
+    /// strides are equal.
     Conv2d {
         in_channels: usize,
         filters: usize,
-        kernel: (usize, usize),
-        stride: usize,
-        padding: Padding,
+        window: Window2d,
         bias: bool,
     },
     /// Keras BatchNorm over (N, H, W) per channel; `momentum` weighs the old running value.
@@ -196,6 +204,11 @@ pub enum LayerOp {
     Flatten,
     /// (N, C, H, W) → (N, C), the spatial mean.
     GlobalAvgPool2d,
+    /// (N, C, H, W) → (N, C, OH, OW), the maximum of each window (padded positions never
+    /// win; ties and NaN as in PyTorch: `nn::pool`).
+    MaxPool2d {
+        window: Window2d,
+    },
 }
 
 /// One layer: forward and backward side by side.

@@ -24,6 +24,15 @@ pub struct TensorInfo {
     pub init: Init,
 }
 
+/// The per-sample shapes at one layer's boundaries (no batch dimension), as
+/// [`Sequential::new`] inferred them: what a backend that runs the layers its own way
+/// (the GPU replica) sizes its buffers from, instead of inferring them again.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LayerShapes {
+    pub input: Shape,
+    pub output: Shape,
+}
+
 /// A replica's state: every parameter in one flat buffer, every buffer in another.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ParamStore {
@@ -46,6 +55,8 @@ pub struct Sequential {
     input_shape: Shape,
     layers: Vec<Box<dyn Layer>>,
     names: Vec<String>,
+    /// Per-sample input and output shape of each layer.
+    shapes: Vec<LayerShapes>,
     slots: Vec<Slots>,
     params: Vec<TensorInfo>,
     buffers: Vec<TensorInfo>,
@@ -78,6 +89,7 @@ impl Sequential {
         }
         let mut counts: HashMap<&'static str, usize> = HashMap::new();
         let mut names = Vec::with_capacity(layers.len());
+        let mut shapes = Vec::with_capacity(layers.len());
         let mut slots = Vec::with_capacity(layers.len());
         let (mut params, mut buffers) = (Vec::new(), Vec::new());
         // Shapes are checked with a batch of 2: BatchNorm needs more than one value.
@@ -87,7 +99,9 @@ impl Sequential {
             let n = counts.entry(layer.kind()).or_insert(0);
             let name = format!("{}{}", layer.kind(), n);
             *n += 1;
+            let input = Shape::new(&shape.dims()[1..]);
             shape = layer.output_shape(&shape).map_err(|e| Error::config("model", format!("layer {name}: {e}")))?;
+            shapes.push(LayerShapes { input, output: Shape::new(&shape.dims()[1..]) });
             let lay = |specs: Vec<super::ParamSpec>, off: &mut usize, infos: &mut Vec<TensorInfo>| {
                 let start = *off;
                 let ranges = specs
@@ -113,7 +127,7 @@ impl Sequential {
             names.push(name);
         }
         let output_shape = Shape::new(&shape.dims()[1..]);
-        Ok(Sequential { input_shape, layers, names, slots, params, buffers, output_shape, profile: None })
+        Ok(Sequential { input_shape, layers, names, shapes, slots, params, buffers, output_shape, profile: None })
     }
 
     /// Where layer `i`'s tensors live: the absolute ranges of its parameters inside the
@@ -151,6 +165,11 @@ impl Sequential {
     /// The layers, in order.
     pub fn layers(&self) -> &[Box<dyn Layer>] {
         &self.layers
+    }
+
+    /// Each layer's per-sample input and output shape, in order.
+    pub fn layer_shapes(&self) -> &[LayerShapes] {
+        &self.shapes
     }
 
     /// Trainable tensors, in the optimiser's order.
@@ -265,13 +284,11 @@ impl Sequential {
     /// A one-line-per-layer summary: name, description, output shape, parameter count.
     pub fn summary(&self) -> String {
         let mut out = String::new();
-        let mut shape = batched(1, &self.input_shape);
-        for ((layer, name), s) in self.layers.iter().zip(&self.names).zip(&self.slots) {
-            shape = layer.output_shape(&shape).unwrap_or_default();
+        for (((layer, name), s), shapes) in self.layers.iter().zip(&self.names).zip(&self.slots).zip(&self.shapes) {
             out.push_str(&format!(
                 "{name:<12} {:<36} {:<16} {:>8}\n",
                 layer.describe(),
-                Shape::new(&shape.dims()[1..]).to_string(),
+                shapes.output.to_string(),
                 s.param_span.len()
             ));
         }

@@ -1,0 +1,168 @@
+//! The geometry of a 2-D window sliding over the (H, W) plane of an NCHW tensor: Keras's
+//! `valid` and `same` padding, the pads on each side and the output size.
+//!
+//! Owns: [`Window2d`] (kernel, stride, padding: what a layer is given) and [`Geometry2d`]
+//! (the same window placed on one H×W plane: pads and output size). It is the one place
+//! this arithmetic is written: the CPU convolution (`nn::conv2d`), max pooling
+//! (`nn::pool`) and the GPU's launch geometry (`cuda::launch::ConvGeom::new`) are all
+//! built from a `Geometry2d`, so that the two backends cannot disagree on where a window
+//! starts. What a window computes is left to its layer.
+
+use std::ops::Range;
+
+/// How the input is padded.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Padding {
+    /// No padding: OH = ⌊(H − KH)/s⌋ + 1.
+    Valid,
+    /// Keras "same": OH = ⌈H/s⌉, pad_total = max((OH − 1)·s + KH − H, 0), pad_top =
+    /// ⌊pad_total/2⌋ and the rest at the bottom (asymmetric when pad_total is odd).
+    Same,
+}
+
+impl Padding {
+    /// The spec's (and Keras's) name: `valid` or `same`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Padding::Valid => "valid",
+            Padding::Same => "same",
+        }
+    }
+}
+
+/// Pads of one dimension: (before, after, output size), or None if the input is empty or
+/// (valid padding) smaller than the kernel. `k` and `s` are positive.
+pub(crate) fn pads(size: usize, k: usize, s: usize, padding: Padding) -> Option<(usize, usize, usize)> {
+    match padding {
+        Padding::Valid => (size >= k).then(|| (0, 0, (size - k) / s + 1)),
+        Padding::Same => {
+            if size == 0 {
+                return None;
+            }
+            let out = size.div_ceil(s);
+            let total = ((out - 1) * s + k).saturating_sub(size);
+            Some((total / 2, total - total / 2, out))
+        }
+    }
+}
+
+/// A window of `kernel` (KH, KW) moved by `stride` (SH, SW), with `padding`: what a
+/// convolution or a pooling layer is configured with. Kernel and stride are positive
+/// (the layers' constructors check it).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub struct Window2d {
+    pub kernel: (usize, usize),
+    pub stride: (usize, usize),
+    pub padding: Padding,
+}
+
+/// A [`Window2d`] placed on an H×W plane. Padded positions lie outside `0..H` × `0..W`;
+/// output (oy, ox) covers input rows `oy·SH − pad_top ..` + KH and columns
+/// `ox·SW − pad_left ..` + KW.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub struct Geometry2d {
+    pub window: Window2d,
+    pub h: usize,
+    pub w: usize,
+    pub pad_top: usize,
+    pub pad_bottom: usize,
+    pub pad_left: usize,
+    pub pad_right: usize,
+    pub oh: usize,
+    pub ow: usize,
+}
+
+impl Window2d {
+    pub fn new(kernel: (usize, usize), stride: (usize, usize), padding: Padding) -> Window2d {
+        Window2d { kernel, stride, padding }
+    }
+
+    /// The window on an H×W plane, or None when the plane is empty or (valid padding)
+    /// smaller than the kernel.
+    pub fn over(&self, h: usize, w: usize) -> Option<Geometry2d> {
+        let ((kh, kw), (sh, sw)) = (self.kernel, self.stride);
+        let (pad_top, pad_bottom, oh) = pads(h, kh, sh, self.padding)?;
+        let (pad_left, pad_right, ow) = pads(w, kw, sw, self.padding)?;
+        Some(Geometry2d { window: *self, h, w, pad_top, pad_bottom, pad_left, pad_right, oh, ow })
+    }
+
+    /// `KHxKW` or `KHxKW, stride SH` / `stride SHxSW`, and the padding, for descriptions.
+    pub fn describe(&self) -> String {
+        let ((kh, kw), (sh, sw)) = (self.kernel, self.stride);
+        let stride = if sh == sw { format!("{sh}") } else { format!("{sh}x{sw}") };
+        format!("{kh}x{kw}, stride {stride}, {}", self.padding.name())
+    }
+}
+
+impl Geometry2d {
+    /// The input rows output row `oy` covers, clipped to the plane (padded rows left
+    /// out). Never empty: a `same` window overlaps the plane by at least one row, since
+    /// pad_top < KH and (OH − 1)·SH < H.
+    pub fn rows(&self, oy: usize) -> Range<usize> {
+        clipped(oy, self.window.stride.0, self.pad_top, self.window.kernel.0, self.h)
+    }
+
+    /// The input columns output column `ox` covers, clipped to the plane.
+    pub fn cols(&self, ox: usize) -> Range<usize> {
+        clipped(ox, self.window.stride.1, self.pad_left, self.window.kernel.1, self.w)
+    }
+}
+
+/// `o·s − pad .. o·s − pad + k`, clipped to `0..size`.
+fn clipped(o: usize, s: usize, pad: usize, k: usize, size: usize) -> Range<usize> {
+    let start = o * s;
+    start.saturating_sub(pad).min(size)..(start + k).saturating_sub(pad).min(size)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keras_same_padding_is_asymmetric_when_the_total_is_odd() {
+        // H = 12, k = 6, s = 2: OH = 6, pad_total = (6-1)*2 + 6 - 12 = 4 → 2 / 2 (the
+        // reference convnet's conv2, symmetric).
+        assert_eq!(pads(12, 6, 2, Padding::Same), Some((2, 2, 6)));
+        // H = 28, k = 3, s = 1: pad_total = 27 + 3 - 28 = 2 → 1 / 1.
+        assert_eq!(pads(28, 3, 1, Padding::Same), Some((1, 1, 28)));
+        // H = 5, k = 4, s = 1: pad_total = 4 + 4 - 5 = 3 → 1 on top, 2 at the bottom.
+        assert_eq!(pads(5, 4, 1, Padding::Same), Some((1, 2, 5)));
+        // H = 7, k = 3, s = 2: OH = 4, pad_total = 6 + 3 - 7 = 2 → 1 / 1.
+        assert_eq!(pads(7, 3, 2, Padding::Same), Some((1, 1, 4)));
+        // H = 6, k = 3, s = 2: OH = 3, pad_total = 4 + 3 - 6 = 1 → 0 on top, 1 at the bottom.
+        assert_eq!(pads(6, 3, 2, Padding::Same), Some((0, 1, 3)));
+        // H = 5, k = 2, s = 2: OH = 3, pad_total = 4 + 2 - 5 = 1 → 0 / 1 (a pooling case).
+        assert_eq!(pads(5, 2, 2, Padding::Same), Some((0, 1, 3)));
+        assert_eq!(pads(2, 3, 1, Padding::Valid), None);
+        assert_eq!(pads(0, 1, 1, Padding::Valid), None);
+        assert_eq!(pads(0, 1, 1, Padding::Same), None);
+        assert_eq!(pads(28, 6, 2, Padding::Valid), Some((0, 0, 12)));
+    }
+
+    #[test]
+    fn windows_are_clipped_to_the_plane_and_never_empty() {
+        // H = 5, k = 4, s = 1, same: pads 1 / 2, OH = 5. Row windows: −1..3, 0..4, 1..5,
+        // 2..6, 3..7, clipped to 0..5.
+        let g = Window2d::new((4, 3), (1, 2), Padding::Same).over(5, 6).unwrap();
+        assert_eq!((g.pad_top, g.pad_bottom, g.oh), (1, 2, 5));
+        let rows: Vec<_> = (0..g.oh).map(|oy| g.rows(oy)).collect();
+        assert_eq!(rows, vec![0..3, 0..4, 1..5, 2..5, 3..5]);
+        // W = 6, k = 3, s = 2, same: OW = 3, pad_total = 4 + 3 − 6 = 1 → 0 / 1. Column
+        // windows 0..3, 2..5, 4..7 → 4..6.
+        assert_eq!((g.pad_left, g.pad_right, g.ow), (0, 1, 3));
+        let cols: Vec<_> = (0..g.ow).map(|ox| g.cols(ox)).collect();
+        assert_eq!(cols, vec![0..3, 2..5, 4..6]);
+        // Every same window of every small case overlaps the plane.
+        for size in 1..12 {
+            for k in 1..6 {
+                for s in 1..5 {
+                    let g = Window2d::new((k, k), (s, s), Padding::Same).over(size, size).unwrap();
+                    assert!((0..g.oh).all(|o| !g.rows(o).is_empty()), "size {size} k {k} s {s}");
+                    if let Some(g) = Window2d::new((k, k), (s, s), Padding::Valid).over(size, size) {
+                        assert!((0..g.oh).all(|o| g.rows(o).len() == k), "valid: whole windows");
+                    }
+                }
+            }
+        }
+    }
+}
