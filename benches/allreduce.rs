@@ -1,13 +1,13 @@
 //! The CPU all-reduce (the trainer's reduce-scatter, and the classic in-place all-reduce
-//! over any host exchange, `comm::all_reduce_in_place`) over 2, 3 and 4 ranks and 4 KiB .. 64 MiB of f32.
+//! over any host exchange, `exchange::all_reduce_in_place`) over 2, 3 and 4 ranks and 4 KiB .. 64 MiB of f32.
 //! Criterion reports bytes/s of one rank's buffer: that is algbw; busbw, as nccl-tests
 //! defines it, is algbw·2(n−1)/n (`lockstep bench allreduce` prints both).
 
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use lockstep::comm::shm::ShmExchange;
-use lockstep::comm::{all_reduce_in_place, Exchange};
+use lockstep::exchange::shm::ShmGroup;
+use lockstep::exchange::{all_reduce_in_place, Exchange};
 
 #[derive(Clone, Copy)]
 enum Path {
@@ -18,7 +18,7 @@ enum Path {
 /// Runs `iters` collectives on `ranks` threads; returns rank 0's time between the first
 /// and the last barrier.
 fn run(ranks: usize, count: usize, iters: u64, path: Path) -> Duration {
-    let ex = ShmExchange::new(ranks, ranks, count, lockstep::comm::Wait::for_threads(ranks)).unwrap();
+    let ex = ShmGroup::new(ranks, ranks, count, lockstep::exchange::Wait::for_threads(ranks)).unwrap();
     std::thread::scope(|s| {
         let hs: Vec<_> = (0..ranks)
             .map(|r| {

@@ -36,7 +36,7 @@
 //! | [`optim`] | SGD and Adam over flat buffers, learning-rate schedules |
 //! | [`models`] | the seed models and their tensor names |
 //! | [`data`] | datasets: the embedded digits, the lesson's toy set, safetensors files |
-//! | [`comm`] | the collective trait, the shared-memory all-reduce, the GPU collective (NCCL or device copies) |
+//! | [`exchange`] | where gradients meet: the `Exchange` trait, shared memory between CPU threads, NCCL and device copies between GPUs |
 //! | [`train`] | `train_data_parallel`, `with_trainer`, the workers, scatter and sampler |
 //! | [`checkpoint`] | checkpoints and exact resume |
 //! | [`weights`] | safetensors weights in PyTorch's names and layouts |
@@ -46,11 +46,11 @@
 
 pub mod backend;
 pub mod checkpoint;
-pub mod comm;
 pub mod cuda;
 pub mod data;
 pub mod devices;
 pub mod error;
+pub mod exchange;
 pub mod fsutil;
 pub mod models;
 pub mod nn;

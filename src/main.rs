@@ -24,13 +24,13 @@ use anyhow::anyhow;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use lockstep::checkpoint::{CheckpointPolicy, Fallback};
-use lockstep::comm::shm::ShmExchange;
-use lockstep::comm::{Abort, Exchange};
 use lockstep::data::digits::{load_digits, DigitsLayout};
 use lockstep::data::idx::{load_idx_images, load_mnist_dir};
 use lockstep::data::safetensors_file::load_safetensors_dataset;
 use lockstep::data::{toy, Dataset, Features, Splits};
 use lockstep::devices::{available_cores, DeviceSpec, Devices};
+use lockstep::exchange::shm::ShmGroup;
+use lockstep::exchange::{Abort, Exchange};
 use lockstep::models::{self, ConvnetOptions, Norm};
 use lockstep::nn::{ParamStore, Sequential};
 use lockstep::observe::{CsvMetrics, Fanout, JsonLines, Progress, StepLines, Stream};

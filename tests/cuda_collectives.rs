@@ -1,4 +1,4 @@
-//! The GPU collectives (src/comm/gpu.rs) against sums computed on the host.
+//! The GPU collectives (src/exchange/gpu.rs) against sums computed on the host.
 //!
 //! Copy path: several ranks on GPU 0 (`cuda:0,0`), forced to device copies, on random
 //! buffers whose lengths do and do not divide by the world, are shorter than it, or empty.
@@ -16,9 +16,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
-use lockstep::comm::gpu::{transport_for, CopyGroup, NcclGroup, Transport};
-use lockstep::comm::Abort;
 use lockstep::cuda::probe::{self, NcclStatus};
+use lockstep::exchange::gpu::{transport_for, CopyGroup, NcclGroup, Transport};
+use lockstep::exchange::Abort;
 use lockstep::Error;
 
 // ---- harness ----------------------------------------------------------------------

@@ -97,7 +97,7 @@ enum AllreducePath {
 
 /// Median time of one collective over `ranks` threads; rank 0 times between barriers.
 fn time_allreduce(ranks: usize, count: usize, iters: usize, warmup: usize, path: AllreducePath) -> CliResult<Duration> {
-    let ex = ShmExchange::new(ranks, ranks, count, lockstep::comm::Wait::for_threads(ranks))?;
+    let ex = ShmGroup::new(ranks, ranks, count, lockstep::exchange::Wait::for_threads(ranks))?;
     let warm = std::sync::atomic::AtomicBool::new(false);
     let times = std::thread::scope(|s| -> lockstep::Result<Vec<Duration>> {
         let handles: Vec<_> = (0..ranks)
@@ -127,7 +127,7 @@ fn time_allreduce(ranks: usize, count: usize, iters: usize, warmup: usize, path:
                             match path {
                                 AllreducePath::Trainer => me.sum()?,
                                 AllreducePath::Classic => {
-                                    lockstep::comm::all_reduce_in_place(&mut me, &mut buf)?;
+                                    lockstep::exchange::all_reduce_in_place(&mut me, &mut buf)?;
                                     me.barrier()?;
                                 }
                             }
@@ -237,7 +237,7 @@ pub(crate) fn cmd_bench_allreduce(a: BenchAllreduceArgs) -> CliResult {
 /// 0's mean time per all-reduce is reported with busbw, beside the device-to-device copy bandwidth of GPU 0 at the same
 /// size (read + write of `size` bytes), the memory bound busbw is compared with.
 fn bench_gpu_allreduce(ordinals: &[usize], sizes: &[usize], iters: usize, warmup: usize) -> CliResult {
-    use lockstep::comm::gpu::{transport_for, Transport};
+    use lockstep::exchange::gpu::{transport_for, Transport};
     let ranks = ordinals.len();
     let bus = 2.0 * (ranks as f64 - 1.0) / ranks as f64;
     let names: Vec<String> = ordinals.iter().map(|o| o.to_string()).collect();
@@ -280,7 +280,7 @@ fn bench_gpu_allreduce(ordinals: &[usize], sizes: &[usize], iters: usize, warmup
 }
 
 fn time_gpu_allreduce(ordinals: &[usize], count: usize, iters: usize, warmup: usize) -> lockstep::Result<Duration> {
-    use lockstep::comm::gpu::{transport_for, CopyGroup, NcclGroup, Transport};
+    use lockstep::exchange::gpu::{transport_for, CopyGroup, NcclGroup, Transport};
     match transport_for(ordinals) {
         Transport::Nccl => {
             let group = NcclGroup::new(ordinals, count)?;
@@ -295,12 +295,12 @@ fn time_gpu_allreduce(ordinals: &[usize], count: usize, iters: usize, warmup: us
 
 /// One thread per rank of `group` (joined by `join`): after the warm-up each queues
 /// `iters` all-reduces and synchronises once; rank 0's mean time per all-reduce.
-fn time_gpu_ranks<C: lockstep::comm::gpu::DeviceAllReduce>(
+fn time_gpu_ranks<C: lockstep::exchange::gpu::DeviceAllReduce>(
     ordinals: &[usize],
     count: usize,
     iters: usize,
     warmup: usize,
-    group: &dyn lockstep::comm::Abort,
+    group: &dyn lockstep::exchange::Abort,
     join: impl Fn(usize, &std::sync::Arc<cudarc::driver::CudaStream>) -> lockstep::Result<C> + Sync,
 ) -> lockstep::Result<Duration> {
     use cudarc::driver::CudaContext;

@@ -11,7 +11,7 @@
 //! - [`net`]: [`net::GpuNet`], a network on one GPU (flat device buffers, the layers'
 //!   forward and backward, the optimiser), queueing work on its stream.
 //!
-//! Nothing here knows of steps, batches or exchanges: the GPU exchanges (`comm::gpu`,
+//! Nothing here knows of steps, batches or exchanges: the GPU exchanges (`exchange::gpu`,
 //! NCCL or device copies) and the trainer's GPU replica (`train::gpu`) build on these.
 
 pub mod gemm;

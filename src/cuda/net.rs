@@ -141,7 +141,7 @@ impl GpuNet {
         // every buffer of every launch once a context has a second stream) is not needed:
         // every buffer of a network is used by its compute stream alone, pinned staging is
         // rewritten only after the step's closing wait, and the exchange orders its own
-        // stream against the compute stream with explicit events (`comm::gpu`). Replicas
+        // stream against the compute stream with explicit events (`exchange::gpu`). Replicas
         // sharing a GPU share its primary context, and the same holds for each of them.
         unsafe { gpu.context().disable_event_tracking() };
         let stream = gpu.stream().clone();

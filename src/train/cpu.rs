@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 
 use super::replica::{fingerprints, Mark, Replica, Shard, StepOutcome};
 use super::Batch;
-use crate::comm::Host;
 use crate::error::Result;
+use crate::exchange::Host;
 use crate::nn::loss::{score, softmax_cross_entropy, softmax_rows, Metrics};
 use crate::nn::{Ctx, ParamStore, Sequential};
 use crate::optim::{Optimizer, StepScalars};

@@ -13,9 +13,9 @@ use cudarc::driver::{CudaStream, CudaView, CudaViewMut};
 
 use super::replica::{fingerprints, Mark, Replica, Shard, StepOutcome};
 use super::Batch;
-use crate::comm::gpu::DeviceMemory;
 use crate::cuda::net::{Draw, GpuNet, OptimizerState};
 use crate::error::{Error, Result};
+use crate::exchange::gpu::DeviceMemory;
 use crate::nn::loss::{softmax_rows, Metrics};
 use crate::nn::{ParamStore, Sequential};
 use crate::optim::{Optimizer, OptimizerConfig, StepScalars};

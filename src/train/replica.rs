@@ -13,8 +13,8 @@ use std::ops::Range;
 use std::time::Duration;
 
 use super::Batch;
-use crate::comm::Memory;
 use crate::error::{Error, Result};
+use crate::exchange::Memory;
 use crate::nn::loss::Metrics;
 use crate::nn::{ParamStore, Sequential};
 use crate::optim::Optimizer;

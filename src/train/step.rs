@@ -23,8 +23,8 @@ use std::sync::Arc;
 
 use super::replica::{Mark, Replica, Shard, StepOutcome};
 use super::Batch;
-use crate::comm::{Exchange, Memory};
 use crate::error::Result;
+use crate::exchange::{Exchange, Memory};
 use crate::nn::loss::Metrics;
 
 /// One step's work, shared by every device.

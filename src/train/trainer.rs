@@ -7,7 +7,7 @@
 //! thread pool. Workers are built first, then run under `std::thread::scope`, so no
 //! thread outlives the call. Commands reach workers through bounded crossbeam channels;
 //! gradients never do: they meet in the exchange — shared memory between CPU devices
-//! (`comm::shm`), NCCL or device copies between GPUs (`comm::gpu`).
+//! (`exchange::shm`), NCCL or device copies between GPUs (`exchange::gpu`).
 //!
 //! Faults: an error or a panic in any worker aborts the exchange, which releases every
 //! other worker from its collective with `Error::Aborted`; the coordinator returns the
@@ -25,12 +25,12 @@ use super::scatter;
 use super::step::StepWork;
 use super::worker::{self, recv_waiting, Command, Reply, Seat, SetupGate};
 use super::{Batch, ShardReport, StepReport, TrainConfig};
-use crate::comm::gpu::{transport_for, CopyGroup, GpuExchange, NcclGroup, Transport};
-use crate::comm::shm::ShmExchange;
-use crate::comm::{Abort, Exchange, Wait};
 use crate::data::Dataset;
 use crate::devices::Devices;
 use crate::error::{Error, Result};
+use crate::exchange::gpu::{transport_for, CopyGroup, GpuExchange, NcclGroup, Transport};
+use crate::exchange::shm::ShmGroup;
+use crate::exchange::{Abort, Exchange, Wait};
 use crate::nn::loss::Metrics;
 use crate::nn::{ParamStore, Sequential};
 use crate::optim::Optimizer;
@@ -287,7 +287,7 @@ pub fn with_trainer<T>(
     let seed = config.seed;
     match devices.list()[0] {
         Device::Cpu(_) => {
-            let shm = ShmExchange::new(n, replicas, width, plan.collective)?;
+            let shm = ShmGroup::new(n, replicas, width, plan.collective)?;
             plan.run(
                 &shm,
                 f,

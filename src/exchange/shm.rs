@@ -1,6 +1,6 @@
 //! The shared-memory collective of CPU devices.
 //!
-//! Every logical replica (shard) owns one send buffer in [`ShmExchange`]; its worker
+//! Every logical replica (shard) owns one send buffer in [`ShmGroup`]; its worker
 //! writes the shard's gradient there. The reduction is a reduce-scatter: rank d owns
 //! chunk d of the flat buffer, sums that chunk over ALL shard buffers in the canonical
 //! tree order over shard indices ([`tree_sum`]), and stores it in shared chunk d. After a
@@ -154,7 +154,7 @@ fn tree_block(bufs: &[&[f32]], r: Range<usize>, out: &mut [f32], scratch: &mut [
 }
 
 /// Shared state of one shared-memory collective.
-pub struct ShmExchange {
+pub struct ShmGroup {
     ranks: usize,
     len: usize,
     /// One send buffer per logical replica; rank d runs shards d·k..(d+1)·k.
@@ -166,10 +166,10 @@ pub struct ShmExchange {
     aborted: AtomicBool,
 }
 
-impl ShmExchange {
+impl ShmGroup {
     /// A collective of `ranks` ranks, each running `shards / ranks` logical replicas,
     /// over buffers of `len` values, whose ranks wait for each other as `wait` says.
-    pub fn new(ranks: usize, shards: usize, len: usize, wait: Wait) -> Result<ShmExchange> {
+    pub fn new(ranks: usize, shards: usize, len: usize, wait: Wait) -> Result<ShmGroup> {
         if ranks == 0 || shards == 0 || shards % ranks != 0 {
             return Err(Error::config(
                 "replicas",
@@ -179,7 +179,7 @@ impl ShmExchange {
         // Chunks are multiples of 16 values (64 bytes) so no cache line has two writers.
         let per = len.div_ceil(ranks).div_ceil(16) * 16;
         let chunks: Vec<Range<usize>> = (0..ranks).map(|d| (d * per).min(len)..((d + 1) * per).min(len)).collect();
-        Ok(ShmExchange {
+        Ok(ShmGroup {
             ranks,
             len,
             shards: (0..shards).map(|_| RwLock::new(vec![0.0; len])).collect(),
@@ -211,9 +211,9 @@ impl ShmExchange {
     }
 }
 
-/// One rank's view of a [`ShmExchange`]: its side of the exchange.
+/// One rank's view of a [`ShmGroup`]: its side of the exchange.
 pub struct ShmRank<'a> {
-    ex: &'a ShmExchange,
+    ex: &'a ShmGroup,
     rank: usize,
 }
 
@@ -277,7 +277,7 @@ impl Exchange for ShmRank<'_> {
     }
 }
 
-impl Abort for ShmExchange {
+impl Abort for ShmGroup {
     fn abort(&self) {
         self.aborted.store(true, Ordering::SeqCst);
         self.barrier.wake();
@@ -321,7 +321,7 @@ mod tests {
         let cases = [(1, 1), (1, 4), (2, 2), (2, 4), (3, 3), (4, 4)];
         for ((ranks, shards), wait) in cases.into_iter().flat_map(|c| [(c, Wait::Spin), (c, Wait::Park)]) {
             let len = 1000;
-            let ex = ShmExchange::new(ranks, shards, len, wait).unwrap();
+            let ex = ShmGroup::new(ranks, shards, len, wait).unwrap();
             let results: Vec<Vec<f32>> = std::thread::scope(|s| {
                 let hs: Vec<_> = (0..ranks)
                     .map(|d| {
@@ -353,7 +353,7 @@ mod tests {
     #[test]
     fn classic_all_reduce_gives_every_rank_the_same_values() {
         let (ranks, len) = (3, 100);
-        let ex = ShmExchange::new(ranks, ranks, len, Wait::Park).unwrap();
+        let ex = ShmGroup::new(ranks, ranks, len, Wait::Park).unwrap();
         let out: Vec<Vec<f32>> = std::thread::scope(|s| {
             let hs: Vec<_> = (0..ranks)
                 .map(|r| {
@@ -361,7 +361,7 @@ mod tests {
                     s.spawn(move || {
                         let mut me = ex.rank(r);
                         let mut sum: Vec<f32> = (0..len).map(|i| (r * 1000 + i) as f32).collect();
-                        crate::comm::all_reduce_in_place(&mut me, &mut sum).unwrap();
+                        crate::exchange::all_reduce_in_place(&mut me, &mut sum).unwrap();
                         sum
                     })
                 })
@@ -373,19 +373,19 @@ mod tests {
             assert!(sum.iter().enumerate().all(|(i, &v)| v == (3000 + 3 * i) as f32));
         }
         // One rank: nothing to do, nothing changes.
-        let one = ShmExchange::new(1, 1, 4, Wait::Spin).unwrap();
+        let one = ShmGroup::new(1, 1, 4, Wait::Spin).unwrap();
         let mut v = vec![1.0, 2.0, 3.0, 4.0];
-        crate::comm::all_reduce_in_place(&mut one.rank(0), &mut v).unwrap();
+        crate::exchange::all_reduce_in_place(&mut one.rank(0), &mut v).unwrap();
         assert_eq!(v, vec![1.0, 2.0, 3.0, 4.0]);
         // A buffer of another length is refused, naming both lengths.
-        let e = crate::comm::all_reduce_in_place(&mut one.rank(0), &mut [0.0; 3]).unwrap_err().to_string();
+        let e = crate::exchange::all_reduce_in_place(&mut one.rank(0), &mut [0.0; 3]).unwrap_err().to_string();
         assert!(e.contains("buffer of 3 values for an exchange of 4"), "{e}");
     }
 
     #[test]
     fn abort_releases_a_waiting_rank() {
         for wait in [Wait::Spin, Wait::Park] {
-            let ex = ShmExchange::new(2, 2, 4, wait).unwrap();
+            let ex = ShmGroup::new(2, 2, 4, wait).unwrap();
             std::thread::scope(|s| {
                 let h = s.spawn(|| ex.rank(0).barrier());
                 std::thread::sleep(Duration::from_millis(20));
@@ -397,7 +397,7 @@ mod tests {
 
     #[test]
     fn uneven_replicas_are_refused() {
-        let e = ShmExchange::new(2, 3, 10, Wait::Spin).err().unwrap().to_string();
+        let e = ShmGroup::new(2, 3, 10, Wait::Spin).err().unwrap().to_string();
         assert!(e.contains("3 logical replicas cannot be shared evenly by 2 devices"), "{e}");
     }
 }

@@ -2,7 +2,7 @@
 //! or may not (one GPU given twice, as in `cuda:0,0`, which NCCL forbids).
 //!
 //! Owns: [`CopyGroup`] (shared by reference) and [`CopyRank`] (one worker's view). The
-//! scheme is the CPU exchange's reduce-scatter / all-gather ([`crate::comm::shm`]): the
+//! scheme is the CPU exchange's reduce-scatter / all-gather ([`crate::exchange::shm`]): the
 //! buffer is cut into `world` chunks; rank r copies chunk r of every rank's buffer into a
 //! (world, chunk) staging buffer on its own GPU, sums it with kernels/reduce.cu in rank
 //! order (rank 0 + rank 1 + ..., left to right) into chunk r of its own buffer, then
@@ -27,11 +27,11 @@ use cudarc::driver::{
 use parking_lot::Mutex;
 
 use super::{check_buffer, check_join, check_ordinals, Backoff, DeviceAllReduce};
-use crate::comm::shm::SpinBarrier;
-use crate::comm::{Abort, Wait};
 use crate::cuda::launch::DevOut;
 use crate::cuda::Gpu;
 use crate::error::{Error, Result};
+use crate::exchange::shm::SpinBarrier;
+use crate::exchange::{Abort, Wait};
 
 /// Chunks are multiples of this many f32 (256 bytes), so every peer copy starts on an
 /// aligned address.

@@ -1,5 +1,5 @@
 //! The NCCL transport between GPUs: one communicator per rank, created on the rank's
-//! thread in non-blocking mode (src/comm/nccl.rs says why).
+//! thread in non-blocking mode (src/exchange/nccl.rs says why).
 //!
 //! Owns: [`NcclGroup`], made by the coordinator before the worker threads start and
 //! shared by reference, and [`NcclRank`], one worker's view, made by [`NcclGroup::join`]
@@ -23,10 +23,10 @@ use parking_lot::Mutex;
 
 use super::super::nccl::{self, RawComm, State};
 use super::{check_buffer, check_ordinals, Backoff, DeviceAllReduce};
-use crate::comm::Abort;
 use crate::cuda::launch::DevOut;
 use crate::cuda::probe::{nccl_status, NcclStatus};
 use crate::error::{Error, Result};
+use crate::exchange::Abort;
 
 /// How long a departing rank waits, first for its own last operations, then for the
 /// other ranks to depart too, before it gives up on them and aborts the group. Ranks that

@@ -2,6 +2,15 @@
 //!
 //! Owns the contract between the step (`train::step`) and every transport: [`Exchange`],
 //! one device's side of an exchange, and [`Abort`], the side every thread of a run shares.
+//!
+//! The words, used the same way in every file: a **group** is the state of one run's
+//! exchange that its threads share (by reference: [`shm::ShmGroup`], [`gpu::NcclGroup`],
+//! [`gpu::CopyGroup`]; each implements [`Abort`]); a **rank** is one device thread's
+//! membership in a group ([`shm::ShmRank`], [`gpu::NcclRank`], [`gpu::CopyRank`]); a
+//! **slot** holds one logical replica's (shard's) `[gradient | buffers]`; the **exchange**
+//! of a device is what the step talks to ([`Exchange`]: the CPU's [`shm::ShmRank`], a
+//! GPU's [`gpu::GpuExchange`] over either rank). A *replica* is the model on a device
+//! (`train::replica`), never a transport's member.
 //! The step writes each of its logical replicas' (shards') gradient into that shard's
 //! *slot*, asks for the sum, and reads the sum piece by piece; it never learns how the
 //! values travel. A transport is one implementation of these two traits and nothing
@@ -10,8 +19,8 @@
 //! | transport | memory | sum order | file |
 //! |---|---|---|---|
 //! | shared memory between CPU threads | [`Host`] | one tree over all R shard indices | [`shm`] |
-//! | NCCL between GPUs | [`gpu::Device`] | device's shards in shard order, then NCCL's | [`gpu`] |
-//! | device copies between GPUs | [`gpu::Device`] | device's shards in shard order, then rank order | [`gpu`] |
+//! | NCCL between GPUs | [`gpu::DeviceMemory`] | device's shards in shard order, then NCCL's | [`gpu`] |
+//! | device copies between GPUs | [`gpu::DeviceMemory`] | device's shards in shard order, then rank order | [`gpu`] |
 //!
 //! A slot holds `[gradient sum of the shard | the shard's updated BatchNorm buffers]`
 //! (`width` values); the sum of every slot is what the update reads: the gradient part
