@@ -50,7 +50,7 @@ use parking_lot::Mutex;
 
 use super::nccl::{self, RawComm, State};
 use super::shm::SpinBarrier;
-use crate::cuda::kernels::{cached_ptx, kernel_name, Dir};
+use crate::cuda::kernels::{self, kernel_name, Dir};
 use crate::cuda::probe::{driver_available, gpu_count, nccl_status, NcclStatus};
 use crate::error::{Error, Result};
 
@@ -190,7 +190,7 @@ impl GpuGroup {
         let world = ordinals.len();
         let transport = choose_transport(ordinals, force_copies, nccl_usable);
         let nccl_id = match transport {
-            Transport::Nccl => Some(nccl::unique_id().map_err(Error::Nccl)?),
+            Transport::Nccl => Some(nccl::unique_id()?),
             Transport::Copies => None,
         };
         Ok(GpuGroup {
@@ -317,7 +317,7 @@ impl GpuGroup {
     /// reach it), and polls until every rank has joined.
     fn init_comm(&self, rank: usize) -> Result<()> {
         let id = self.nccl_id.ok_or_else(|| Error::CudaUnavailable("NCCL group without an id".to_string()))?;
-        let (comm, state) = RawComm::init(self.world(), rank, id).map_err(Error::Nccl)?;
+        let (comm, state) = RawComm::init(self.world(), rank, id)?;
         {
             let mut slot = self.comms[rank].lock();
             // Checked under the lock: an abort that raised the flag before we got here
@@ -334,15 +334,11 @@ impl GpuGroup {
 
     /// Runs `op` on rank `rank`'s communicator under its lock, then polls until the
     /// operation is enqueued.
-    fn nccl_call(
-        &self,
-        rank: usize,
-        op: impl FnOnce(&RawComm) -> Result<State, cudarc::nccl::result::NcclError>,
-    ) -> Result<()> {
+    fn nccl_call(&self, rank: usize, op: impl FnOnce(&RawComm) -> Result<State>) -> Result<()> {
         let state = {
             let slot = self.comms[rank].lock();
             let comm = slot.as_ref().ok_or(Error::Aborted)?;
-            op(comm).map_err(Error::Nccl)?
+            op(comm)?
         };
         self.nccl_settle(rank, state)
     }
@@ -357,7 +353,7 @@ impl GpuGroup {
             }
             backoff.snooze();
             let slot = self.comms[rank].lock();
-            state = slot.as_ref().ok_or(Error::Aborted)?.state().map_err(Error::Nccl)?;
+            state = slot.as_ref().ok_or(Error::Aborted)?.state()?;
         }
         Ok(())
     }
@@ -442,9 +438,7 @@ impl CopyState {
         let world = g.world();
         let widest = g.chunks.iter().map(|c| c.len()).max().unwrap_or(0);
         let reduce = if world > 1 && g.len > 0 {
-            let (major, minor) = ctx.compute_capability()?;
-            let ptx = cached_ptx("reduce.cu", &format!("sm_{major}{minor}"))?;
-            let module = ctx.load_module((*ptx).clone())?;
+            let module = kernels::load_module(ctx, "reduce.cu")?;
             Some(module.load_function(&kernel_name("reduce_sum", Dir::Plain, "f32"))?)
         } else {
             None
