@@ -133,20 +133,13 @@ e = [o for o in map(json.loads, (l for l in open(sys.argv[1]) if l.startswith("{
 print("%.4f %.0f" % (e["val_accuracy"], e["samples_per_sec"]))' "$1"
 }
 
-# The largest and smallest rows of a `bench allreduce` table: "BYTES busbw_trainer
-# busbw_classic | BYTES time_trainer_us time_classic_us".
+# The figures of a `bench allreduce` table (KIND cpu or gpu: the two tables have other
+# columns) from scripts/bench_tables.py, whose parsers the bench code's unit tests run on
+# the tables it really prints; n/a when it refuses the table.
+#   cpu: "BYTES busbw_trainer busbw_classic | SMALL time_trainer_us time_classic_us"
+#   gpu: "BYTES busbw copy_gbps busbw/copy | SMALL time_us"
 allreduce_figures() {
-    py '
-import sys
-rows = []
-for l in open(sys.argv[1]):
-    if l.startswith("#") or "|" not in l:
-        continue
-    cells = [c.split() for c in l.split("|")]
-    rows.append((int(cells[0][0]), cells[1], cells[2]))
-rows.sort()
-big, small = rows[-1], rows[0]
-print(f"{big[0]} {float(big[1][2]):.2f} {float(big[2][2]):.2f} | {small[0]} {float(small[1][0]):.1f} {float(small[2][0]):.1f}")' "$1"
+    python3 scripts/bench_tables.py "$1" "$2" || echo n/a
 }
 
 # A key=value field of the first line of FILE that starts with TAG.
@@ -200,7 +193,7 @@ fi
 # --- 2. CPU all-reduce ------------------------------------------------------------------
 if section "CPU all-reduce (bench allreduce --devices cpu:4)" 30 \
     .gpu/lockstep bench allreduce --devices cpu:4 --sizes 4K,256K,4M,64M --iters 50; then
-    read -r bytes bus_t bus_c _ small t_t t_c <<<"$(allreduce_figures "$work/last.out")"
+    read -r bytes bus_t bus_c _ small t_t t_c <<<"$(allreduce_figures cpu "$work/last.out")"
     figure "cpu:4 all-reduce busbw at ${bytes:-?} B" "trainer ${bus_t:-n/a} GB/s, classic ${bus_c:-n/a} GB/s"
     figure "cpu:4 all-reduce time at ${small:-?} B" "trainer ${t_t:-n/a} us, classic ${t_c:-n/a} us"
 fi
@@ -239,10 +232,10 @@ train_pair cpu:2 cuda:0,0
 busbw_gpu=n/a
 if section "GPU all-reduce (bench allreduce --devices cuda:0,0)" 60 \
     .gpu/lockstep bench allreduce --devices cuda:0,0 --sizes 4K,256K,4M,64M --iters 50; then
-    read -r bytes bus_t bus_c _ small t_t t_c <<<"$(allreduce_figures "$work/last.out")"
-    busbw_gpu="${bus_t:-n/a}"
-    figure "cuda:0,0 all-reduce busbw at ${bytes:-?} B" "trainer ${bus_t:-n/a} GB/s, classic ${bus_c:-n/a} GB/s"
-    figure "cuda:0,0 all-reduce time at ${small:-?} B" "trainer ${t_t:-n/a} us, classic ${t_c:-n/a} us"
+    read -r bytes bus copy ratio _ small t <<<"$(allreduce_figures gpu "$work/last.out")"
+    busbw_gpu="${bus:-n/a}"
+    figure "cuda:0,0 all-reduce busbw at ${bytes:-?} B" "${bus:-n/a} GB/s (bench's own d2d copy ${copy:-n/a} GB/s, busbw/copy ${ratio:-n/a})"
+    figure "cuda:0,0 all-reduce time at ${small:-?} B" "${t:-n/a} us"
 fi
 copy_bw=n/a
 # Device-to-device copy of 64 MiB (the bench's largest size) through PyTorch: bytes / time,
