@@ -34,7 +34,7 @@ fn main() -> lockstep::Result<()> {
     let data = load_digits(DigitsLayout::Image28)?;
     let model = models::convnet(ConvnetOptions::default())?;
     let devices = DeviceSpec::Auto.resolve()?;
-    println!("convnet, {} parameters, on {devices}", model.num_params());
+    println!("convnet, {} parameters, on {devices}", model.param_count());
     let config =
         TrainConfig { epochs, batch_size: 16, optimizer: OptimizerConfig::adam(1e-3), ..TrainConfig::default() };
     let report = train_data_parallel_with(&model, &data.train, data.test.as_ref(), &devices, &config, &mut EpochLines)?;

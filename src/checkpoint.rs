@@ -287,7 +287,12 @@ mod tests {
     fn state(model: &Sequential, step: u64) -> Resume {
         let mut optimizer = Optimizer::new(OptimizerConfig::adam(1e-3), model.num_params());
         optimizer.begin_step(1.0);
-        let g: Vec<f32> = (0..model.num_params()).map(|i| i as f32 * 1e-3).collect();
+        // A gradient in every tensor, none in the gaps between them (no layer writes there;
+        // checkpoints store tensors only).
+        let mut g = vec![0.0f32; model.num_params()];
+        for i in model.param_infos().iter().flat_map(|t| t.range.clone()) {
+            g[i] = i as f32 * 1e-3;
+        }
         let mut w = model.init(1);
         optimizer.update(0, &mut w.params, &g, 1.0);
         Resume { weights: w, optimizer, step, epoch: 2, step_in_epoch: 3 }

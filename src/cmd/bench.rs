@@ -407,7 +407,7 @@ pub(crate) fn cmd_bench_step(a: BenchStepArgs) -> CliResult {
     outln!(
         "lockstep bench step: {} ({} parameters) | devices: {} | global batch {batch_size} | {} steps after {} warm-up",
         a.model.as_str(),
-        model.num_params(),
+        model.param_count(),
         devices,
         a.steps,
         a.warmup

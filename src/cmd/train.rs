@@ -308,7 +308,7 @@ pub(crate) fn cmd_train(a: TrainArgs) -> CliResult {
     say!(
         "lockstep: {} ({} parameters) | devices: {} | replicas: {replicas} | data: {} {} samples{}",
         source.name(),
-        model.num_params(),
+        model.param_count(),
         devices,
         splits.train.name(),
         splits.train.len(),

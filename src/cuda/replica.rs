@@ -6,7 +6,12 @@
 //! [`Sequential`] the CPU replica runs: each layer describes its computation as a
 //! [`LayerOp`], and this file launches it. Flat buffers use the CPU layout exactly
 //! (`Sequential::layer_ranges`), so weights, checkpoints and replica fingerprints move
-//! between the two backends unchanged.
+//! between the two backends unchanged. That layout starts every tensor, and sizes every
+//! flat buffer, on a multiple of 64 f32 (`nn::TENSOR_ALIGN`; nn/sequential.rs says why
+//! there): device allocations are 256-byte aligned, so every slot ([`slot_start`]) and
+//! every tensor view handed to cuBLAS or a kernel starts on a 256-byte boundary, on
+//! `cuda:0` with several slots as on `cuda:0,0`. Two tensors of one layer are therefore
+//! not adjacent (BatchNorm's gamma and beta, its running mean and variance).
 //!
 //! A training step queues everything on the compute stream without waiting: one copy of
 //! this worker's rows from pinned host memory, then per logical replica (shard) forward,
@@ -228,7 +233,7 @@ impl GpuReplica {
             let y = self.y_dev.as_ref().expect("staged");
             stream.memcpy_dtod(&x.slice(off * per..(off + n) * per), &mut acts.acts[0])?;
             stream.memcpy_dtod(&y.slice(off..off + n), &mut acts.labels)?;
-            let slot = local * width;
+            let slot = slot_start(local, np, nb);
             // The shard's BatchNorm buffers start from this replica's and are updated in
             // its slot by the training forward.
             if nb > 0 {
@@ -447,6 +452,13 @@ impl Drop for GpuReplica {
     }
 }
 
+/// Where shard slot `local` starts in a replica's slots: one [gradient sum (`np`) |
+/// BatchNorm buffers (`nb`)] after another. `np` and `nb` are multiples of
+/// `nn::TENSOR_ALIGN`, so every slot starts 256-byte aligned.
+fn slot_start(local: usize, np: usize, nb: usize) -> usize {
+    local * (np + nb)
+}
+
 /// Bytes of each replica's cuBLAS workspace (NVIDIA's recommendation for Hopper).
 const CUBLAS_WORKSPACE: usize = 32 << 20;
 
@@ -636,8 +648,10 @@ impl Net<'_> {
                                     ),
                                 ));
                             }
-                            let mut running = stats.slice_mut(*offset + rm.start..*offset + rv.end);
-                            let (mut mean, mut var) = running.split_at_mut(c);
+                            // Each statistic on its own aligned start: split below the variance.
+                            let (mut below, mut above) = stats.split_at_mut(*offset + rv.start);
+                            let mut mean = below.slice_mut(*offset + rm.start..*offset + rm.end);
+                            let mut var = above.slice_mut(0..rv.len());
                             let (save_mean, save_invstd) =
                                 a.saved[i].as_mut().expect("a BatchNorm has saved statistics");
                             gpu.batchnorm_train_fwd(
@@ -736,17 +750,16 @@ impl Net<'_> {
                     let hw = node.input.numel() / c;
                     let (save_mean, save_invstd) = a.saved[i].as_ref().expect("a BatchNorm has saved statistics");
                     let gamma = scale.then(|| p(0));
-                    // gamma's and beta's gradients are adjacent in the slot.
-                    let count = usize::from(scale) + usize::from(center);
-                    let start = node.params.first().map_or(0, |r| slot + r.start);
-                    let mut region = slots.slice_mut(start..start + count * c);
+                    // The last parameter's gradient (beta, or the only one) starts `split`
+                    // into the slots; gamma's, when there are both, lies below it on its
+                    // own aligned start, not adjacent.
+                    let split = node.params.last().map_or(0, |r| slot + r.start);
+                    let (mut below, mut above) = slots.split_at_mut(split);
+                    let last = above.slice_mut(0..node.params.last().map_or(0, |r| r.len()));
                     let (mut dgamma, mut dbeta) = match (scale, center) {
-                        (true, true) => {
-                            let (g, b) = region.split_at_mut(c);
-                            (Some(g), Some(b))
-                        }
-                        (true, false) => (Some(region.slice_mut(..)), None),
-                        (false, true) => (None, Some(region.slice_mut(..))),
+                        (true, true) => (Some(below.slice_mut(at(0))), Some(last)),
+                        (true, false) => (Some(last), None),
+                        (false, true) => (None, Some(last)),
                         (false, false) => (None, None),
                     };
                     gpu.batchnorm_train_bwd(
@@ -824,6 +837,47 @@ mod tests {
         let model = Sequential::new([2], layers).unwrap();
         let e = plan(&model).err().expect("a layer without a LayerOp cannot run on a GPU").to_string();
         assert!(e.contains("cpuonly0") && e.contains("CpuOnly") && e.contains("no CUDA implementation"), "{e}");
+    }
+
+    #[test]
+    fn every_slot_and_tensor_view_starts_on_256_bytes() {
+        use crate::models::{convnet, toy_mlp, ConvnetOptions, Norm};
+        // Device allocations start 256-byte aligned (cuMemAlloc), so offsets of a
+        // multiple of 64 f32 are what every view the replica hands out needs.
+        let aligned = |floats: usize| (floats * std::mem::size_of::<f32>()) % 256 == 0;
+        let models = [
+            ("convnet", convnet(ConvnetOptions::default()).unwrap()),
+            ("convnet without BN", convnet(ConvnetOptions { norm: Norm::None, ..ConvnetOptions::default() }).unwrap()),
+            ("toy", toy_mlp(2, 2).unwrap()),
+        ];
+        for (name, model) in &models {
+            let nodes = plan(model).unwrap();
+            let (np, nb) = (model.num_params(), model.num_buffers());
+            // The summed slot's buffer part, `summed.slice(np..width)`.
+            assert!(aligned(np), "{name}: np {np}");
+            let mut views = 0;
+            for slots in 1..=3 {
+                for local in 0..slots {
+                    let slot = slot_start(local, np, nb);
+                    assert!(aligned(slot), "{name}: slot {local} of {slots} at {slot}");
+                    for node in &nodes {
+                        for r in &node.params {
+                            // The parameter's view in `params` and its gradient's in the slot.
+                            assert!(aligned(r.start) && aligned(slot + r.start), "{name}: {} at {r:?}", node.name);
+                            views += 1;
+                        }
+                        for r in &node.buffers {
+                            // Running statistics in `buffers` (evaluation) and in the slot.
+                            assert!(aligned(r.start) && aligned(slot + np + r.start), "{name}: {} at {r:?}", node.name);
+                            views += 1;
+                        }
+                    }
+                }
+            }
+            // Every tensor was seen in each of the 1 + 2 + 3 slots.
+            let tensors = model.param_infos().len() + model.buffer_infos().len();
+            assert_eq!(views, 6 * tensors, "{name}");
+        }
     }
 
     #[test]

@@ -29,7 +29,7 @@ pub use conv2d::{Conv2d, Padding};
 pub use dropout::Dropout;
 pub use linear::Linear;
 pub use reshape::{Flatten, GlobalAvgPool2d};
-pub use sequential::{ParamStore, Sequential, TensorInfo};
+pub use sequential::{ParamStore, Sequential, TensorInfo, TENSOR_ALIGN};
 
 use crate::error::Result;
 use crate::tensor::{Device, Shape, Tensor};
