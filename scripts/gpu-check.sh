@@ -2,6 +2,10 @@
 # gpu-check.sh — run on the lent GPU machine (bare: no Rust, no internet), from the
 # repository root, after scripts/build-gpu-check.sh filled .gpu/ here:
 #   run(command="bash scripts/gpu-check.sh", carry=[".gpu"], timeout_s=330)
+# REQUIRES glibc >= the floor in .gpu/glibc-floor (2.28: build-gpu-check.sh links the
+# executables with cargo-zigbuild against glibc 2.28's symbol versions; 2.34 for a
+# LOCKSTEP_GLIBC=host build on Debian 12). The log's first lines print that floor and
+# this machine's `ldd --version | head -1`; an older glibc fails the check at once.
 # It finds CUDA 13's NVRTC and NCCL in the site-packages of the machine's python3
 # (PyTorch's wheels), makes the libnccl.so link cudarc needs (the wheels ship only
 # libnccl.so.2), then runs, each section under `timeout` and counted PASS or FAIL:
@@ -156,6 +160,17 @@ else:
 }
 
 echo "== gpu-check $(date -u +%FT%TZ) on $(hostname), budget ${budget}s, commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+# First: can the carried executables run here at all (glibc symbol versions)?
+floor="$(cat .gpu/glibc-floor 2>/dev/null || echo unknown)"
+here="$(ldd --version 2>&1 | head -1)"
+echo "== glibc: .gpu/ needs >= $floor; this machine: $here"
+here_version="$(grep -o '[0-9]\+\.[0-9]\+$' <<<"$here" || true)"
+if [[ $floor != unknown && -n $here_version &&
+    "$(printf '%s\n%s\n' "$floor" "$here_version" | sort -V | head -1)" != "$floor" ]]; then
+    echo "== gpu-check: FAIL: glibc $here_version is older than the $floor the executables need;" \
+        "rebuild them with LOCKSTEP_GLIBC=$here_version scripts/build-gpu-check.sh"
+    exit 1
+fi
 echo "== nvidia-smi"
 timeout 30 nvidia-smi --query-gpu=name,memory.total,driver_version,compute_cap --format=csv || true
 echo "== LD_LIBRARY_PATH=$LD_LIBRARY_PATH"

@@ -14,8 +14,9 @@
 # No pin to the driver's version is needed: lockstep compiles kernels/ to cubins for the
 # GPU's own architecture (src/cuda/kernels.rs), and a cubin from any CUDA 13.x NVRTC loads
 # on any CUDA 13 driver (CUDA's minor-version compatibility). Only PTX, which lockstep makes
-# just for a GPU newer than its NVRTC, must not be newer than the driver. A second version
-# goes in a second folder, e.g. for the kernel test against NVRTC 13.0 (.ci/run does this):
+# just for a GPU of a major version its NVRTC does not know, must not be newer than the
+# driver. A second version goes in a second folder, e.g. for the kernel test against
+# NVRTC 13.0 (.ci/run does this):
 #   LOCKSTEP_NVRTC_SPEC='nvidia-cuda-nvrtc==13.0.*' LOCKSTEP_NVRTC_DIR=$HOME/.cache/lockstep/nvrtc-13.0 \
 #       scripts/install-nvrtc.sh
 set -euo pipefail

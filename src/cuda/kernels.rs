@@ -14,8 +14,10 @@
 //! covers cubins: one made by any CUDA 13.x NVRTC loads on any CUDA 13 driver. PTX does
 //! not: the driver JIT-compiles it and refuses PTX newer than itself (NVRTC 13.5 writes
 //! `.version 9.5`, a CUDA 13.0 driver reads up to 9.0: `CUDA_ERROR_UNSUPPORTED_PTX_VERSION`).
-//! PTX (`compute_XY`) is kept only for a GPU newer than every architecture this NVRTC
-//! knows, where no cubin can be made; the driver then finishes it for the GPU. A module
+//! A GPU whose minor version NVRTC does not know gets the cubin of the newest known one of
+//! its major version (SASS runs on later minor versions). PTX (`compute_XY`) is kept only
+//! for a GPU of a major version newer than every architecture this NVRTC knows, where no
+//! cubin can serve; the driver then finishes it for the GPU. A module
 //! that fails to load is [`Error::KernelLoad`], which names the image, the NVRTC version
 //! that made it and the CUDA version the driver reports.
 //!
@@ -149,12 +151,14 @@ impl Target {
 
 /// What to compile for a GPU of architecture `sm` (10·major + minor) with an NVRTC that
 /// knows the real architectures `supported` (`nvrtcGetSupportedArchs`): a cubin for `sm`
-/// itself when NVRTC knows it; otherwise PTX for the newest architecture below it, which
-/// the driver JIT-compiles for the GPU (PTX runs on later architectures, SASS does not).
-/// A GPU older than everything NVRTC knows cannot be served.
+/// itself when NVRTC knows it; else a cubin for the newest known architecture of the same
+/// major version and a lower minor one (SASS for X.y runs on X.z for z ≥ y, CUDA's binary
+/// compatibility); else PTX for the newest known architecture below it, which the driver
+/// JIT-compiles for the GPU (PTX runs on later majors, SASS does not). A GPU older than
+/// everything NVRTC knows cannot be served.
 pub fn choose_target(sm: u32, supported: &[u32]) -> Result<Target> {
-    if supported.contains(&sm) {
-        return Ok(Target::Cubin(sm));
+    if let Some(same_major) = supported.iter().copied().filter(|&a| a / 10 == sm / 10 && a <= sm).max() {
+        return Ok(Target::Cubin(same_major));
     }
     match supported.iter().copied().filter(|&a| a < sm).max() {
         Some(older) => Ok(Target::Ptx(older)),
@@ -356,11 +360,21 @@ mod tests {
     }
 
     #[test]
-    fn an_architecture_newer_than_nvrtc_gets_ptx_of_the_newest_below() {
-        // A GPU NVRTC does not know: PTX for the newest known architecture under it, which
-        // the driver JIT-compiles forward; never PTX for an architecture above the GPU.
+    fn an_unknown_minor_version_gets_the_cubin_of_its_major() {
+        // sm_86 SASS runs on an 8.9 GPU, sm_120's on 12.1: the newest known minor version
+        // at or below the GPU's, never one above it (8.9's SASS does not run on 8.6).
+        assert_eq!(choose_target(89, &[75, 80, 86, 90]).unwrap(), Target::Cubin(86));
+        assert_eq!(choose_target(121, &[75, 80, 90, 120]).unwrap(), Target::Cubin(120));
+        assert_eq!(choose_target(86, &[75, 80, 89, 90]).unwrap(), Target::Cubin(80));
+    }
+
+    #[test]
+    fn a_major_version_newer_than_nvrtc_gets_ptx_of_the_newest_below() {
+        // A GPU of a major version NVRTC does not know: PTX for the newest known
+        // architecture under it, which the driver JIT-compiles forward; never PTX for an
+        // architecture above the GPU.
         assert_eq!(choose_target(130, &[75, 80, 90, 120]).unwrap(), Target::Ptx(120));
-        assert_eq!(choose_target(95, &[75, 80, 90, 120]).unwrap(), Target::Ptx(90));
+        assert_eq!(choose_target(100, &[75, 80, 90, 120]).unwrap(), Target::Ptx(90));
     }
 
     #[test]
