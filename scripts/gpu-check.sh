@@ -2,6 +2,10 @@
 # gpu-check.sh — run on the lent GPU machine (bare: no Rust, no internet), from the
 # repository root, after scripts/build-gpu-check.sh filled .gpu/ here:
 #   run(command="bash scripts/gpu-check.sh", carry=[".gpu"], timeout_s=330)
+# REQUIRES glibc >= the floor in .gpu/glibc-floor (2.28: build-gpu-check.sh links the
+# executables with cargo-zigbuild against glibc 2.28's symbol versions; 2.34 for a
+# LOCKSTEP_GLIBC=host build on Debian 12). The log's first lines print that floor and
+# this machine's `ldd --version | head -1`; an older glibc fails the check at once.
 # It finds CUDA 13's NVRTC and NCCL in the site-packages of the machine's python3
 # (PyTorch's wheels), makes the libnccl.so link cudarc needs (the wheels ship only
 # libnccl.so.2), then runs, each section under `timeout` and counted PASS or FAIL:
@@ -133,20 +137,13 @@ e = [o for o in map(json.loads, (l for l in open(sys.argv[1]) if l.startswith("{
 print("%.4f %.0f" % (e["val_accuracy"], e["samples_per_sec"]))' "$1"
 }
 
-# The largest and smallest rows of a `bench allreduce` table: "BYTES busbw_trainer
-# busbw_classic | BYTES time_trainer_us time_classic_us".
+# The figures of a `bench allreduce` table (KIND cpu or gpu: the two tables have other
+# columns) from scripts/bench_tables.py, whose parsers the bench code's unit tests run on
+# the tables it really prints; n/a when it refuses the table.
+#   cpu: "BYTES busbw_trainer busbw_classic | SMALL time_trainer_us time_classic_us"
+#   gpu: "BYTES busbw copy_gbps busbw/copy | SMALL time_us"
 allreduce_figures() {
-    py '
-import sys
-rows = []
-for l in open(sys.argv[1]):
-    if l.startswith("#") or "|" not in l:
-        continue
-    cells = [c.split() for c in l.split("|")]
-    rows.append((int(cells[0][0]), cells[1], cells[2]))
-rows.sort()
-big, small = rows[-1], rows[0]
-print(f"{big[0]} {float(big[1][2]):.2f} {float(big[2][2]):.2f} | {small[0]} {float(small[1][0]):.1f} {float(small[2][0]):.1f}")' "$1"
+    python3 scripts/bench_tables.py "$1" "$2" || echo n/a
 }
 
 # A key=value field of the first line of FILE that starts with TAG.
@@ -163,6 +160,17 @@ else:
 }
 
 echo "== gpu-check $(date -u +%FT%TZ) on $(hostname), budget ${budget}s, commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+# First: can the carried executables run here at all (glibc symbol versions)?
+floor="$(cat .gpu/glibc-floor 2>/dev/null || echo unknown)"
+here="$(ldd --version 2>&1 | head -1)"
+echo "== glibc: .gpu/ needs >= $floor; this machine: $here"
+here_version="$(grep -o '[0-9]\+\.[0-9]\+$' <<<"$here" || true)"
+if [[ $floor != unknown && -n $here_version &&
+    "$(printf '%s\n%s\n' "$floor" "$here_version" | sort -V | head -1)" != "$floor" ]]; then
+    echo "== gpu-check: FAIL: glibc $here_version is older than the $floor the executables need;" \
+        "rebuild them with LOCKSTEP_GLIBC=$here_version scripts/build-gpu-check.sh"
+    exit 1
+fi
 echo "== nvidia-smi"
 timeout 30 nvidia-smi --query-gpu=name,memory.total,driver_version,compute_cap --format=csv || true
 echo "== LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
@@ -200,7 +208,7 @@ fi
 # --- 2. CPU all-reduce ------------------------------------------------------------------
 if section "CPU all-reduce (bench allreduce --devices cpu:4)" 30 \
     .gpu/lockstep bench allreduce --devices cpu:4 --sizes 4K,256K,4M,64M --iters 50; then
-    read -r bytes bus_t bus_c _ small t_t t_c <<<"$(allreduce_figures "$work/last.out")"
+    read -r bytes bus_t bus_c _ small t_t t_c <<<"$(allreduce_figures cpu "$work/last.out")"
     figure "cpu:4 all-reduce busbw at ${bytes:-?} B" "trainer ${bus_t:-n/a} GB/s, classic ${bus_c:-n/a} GB/s"
     figure "cpu:4 all-reduce time at ${small:-?} B" "trainer ${t_t:-n/a} us, classic ${t_c:-n/a} us"
 fi
@@ -239,10 +247,10 @@ train_pair cpu:2 cuda:0,0
 busbw_gpu=n/a
 if section "GPU all-reduce (bench allreduce --devices cuda:0,0)" 60 \
     .gpu/lockstep bench allreduce --devices cuda:0,0 --sizes 4K,256K,4M,64M --iters 50; then
-    read -r bytes bus_t bus_c _ small t_t t_c <<<"$(allreduce_figures "$work/last.out")"
-    busbw_gpu="${bus_t:-n/a}"
-    figure "cuda:0,0 all-reduce busbw at ${bytes:-?} B" "trainer ${bus_t:-n/a} GB/s, classic ${bus_c:-n/a} GB/s"
-    figure "cuda:0,0 all-reduce time at ${small:-?} B" "trainer ${t_t:-n/a} us, classic ${t_c:-n/a} us"
+    read -r bytes bus copy ratio _ small t <<<"$(allreduce_figures gpu "$work/last.out")"
+    busbw_gpu="${bus:-n/a}"
+    figure "cuda:0,0 all-reduce busbw at ${bytes:-?} B" "${bus:-n/a} GB/s (bench's own d2d copy ${copy:-n/a} GB/s, busbw/copy ${ratio:-n/a})"
+    figure "cuda:0,0 all-reduce time at ${small:-?} B" "${t:-n/a} us"
 fi
 copy_bw=n/a
 # Device-to-device copy of 64 MiB (the bench's largest size) through PyTorch: bytes / time,

@@ -10,9 +10,15 @@
 #   export LD_LIBRARY_PATH="$(scripts/install-nvrtc.sh | tail -1):$LD_LIBRARY_PATH"
 #
 # Env: LOCKSTEP_NVRTC_DIR (default $HOME/.cache/lockstep/nvrtc), PYTHON (default python3),
-#      LOCKSTEP_NVRTC_SPEC (default 'nvidia-cuda-nvrtc>=13,<14'). On a GPU machine, pin the
-#      spec to the driver's CUDA version or older (e.g. 'nvidia-cuda-nvrtc==13.0.*'): PTX
-#      from a newer NVRTC can be refused by an older driver (CUDA_ERROR_UNSUPPORTED_PTX_VERSION).
+#      LOCKSTEP_NVRTC_SPEC (default 'nvidia-cuda-nvrtc>=13,<14': the newest 13.x).
+# No pin to the driver's version is needed: lockstep compiles kernels/ to cubins for the
+# GPU's own architecture (src/cuda/kernels.rs), and a cubin from any CUDA 13.x NVRTC loads
+# on any CUDA 13 driver (CUDA's minor-version compatibility). Only PTX, which lockstep makes
+# just for a GPU of a major version its NVRTC does not know, must not be newer than the
+# driver. A second version goes in a second folder, e.g. for the kernel test against
+# NVRTC 13.0 (.ci/run does this):
+#   LOCKSTEP_NVRTC_SPEC='nvidia-cuda-nvrtc==13.0.*' LOCKSTEP_NVRTC_DIR=$HOME/.cache/lockstep/nvrtc-13.0 \
+#       scripts/install-nvrtc.sh
 set -euo pipefail
 
 dir="${LOCKSTEP_NVRTC_DIR:-$HOME/.cache/lockstep/nvrtc}"

@@ -207,17 +207,17 @@ pub fn load(
         }
         Ok(values)
     };
-    let mut weights = ParamStore { params: vec![0.0; model.num_params()], buffers: vec![0.0; model.num_buffers()] };
+    let mut weights = ParamStore { params: vec![0.0; model.params_len()], buffers: vec![0.0; model.buffers_len()] };
     for t in model.param_infos() {
         weights.params[t.range.clone()].copy_from_slice(&tensor(&format!("param.{}", t.name), t.range.len())?);
     }
     for t in model.buffer_infos() {
         weights.buffers[t.range.clone()].copy_from_slice(&tensor(&format!("buffer.{}", t.name), t.range.len())?);
     }
-    let mut opt = Optimizer::new(*optimizer.config(), model.num_params());
+    let mut opt = Optimizer::new(*optimizer.config(), model.params_len());
     let mut state = Vec::new();
     for (which, _) in optimizer.state() {
-        let mut flat = vec![0.0f32; model.num_params()];
+        let mut flat = vec![0.0f32; model.params_len()];
         for t in model.param_infos() {
             flat[t.range.clone()].copy_from_slice(&tensor(&format!("optim.{which}.{}", t.name), t.range.len())?);
         }
@@ -285,9 +285,14 @@ mod tests {
     }
 
     fn state(model: &Sequential, step: u64) -> Resume {
-        let mut optimizer = Optimizer::new(OptimizerConfig::adam(1e-3), model.num_params());
+        let mut optimizer = Optimizer::new(OptimizerConfig::adam(1e-3), model.params_len());
         let scalars = optimizer.begin_step(1.0, 1.0);
-        let g: Vec<f32> = (0..model.num_params()).map(|i| i as f32 * 1e-3).collect();
+        // A gradient in every tensor, none in the gaps between them (no layer writes there;
+        // checkpoints store tensors only).
+        let mut g = vec![0.0f32; model.params_len()];
+        for i in model.param_infos().iter().flat_map(|t| t.range.clone()) {
+            g[i] = i as f32 * 1e-3;
+        }
         let mut w = model.init(1);
         optimizer.update(0, &mut w.params, &g, &scalars);
         Resume { weights: w, optimizer, step, epoch: 2, step_in_epoch: 3 }
@@ -308,7 +313,7 @@ mod tests {
         }
         let files: Vec<u64> = list(&dir).unwrap().into_iter().map(|(s, _)| s).collect();
         assert_eq!(files, vec![10, 15]);
-        let fresh = Optimizer::new(OptimizerConfig::adam(1e-3), model.num_params());
+        let fresh = Optimizer::new(OptimizerConfig::adam(1e-3), model.params_len());
         let (r, path, skipped) = load_latest(&model, &dir, &p.config, &fresh, Fallback::Refuse).unwrap().unwrap();
         assert_eq!(r, state(&model, 15));
         assert!(path.ends_with(file_name(15)));
@@ -326,7 +331,7 @@ mod tests {
         let n = bytes.len();
         bytes[n - 3] ^= 0x40; // one flipped bit in the last tensor
         std::fs::write(&newest, &bytes).unwrap();
-        let fresh = Optimizer::new(OptimizerConfig::adam(1e-3), model.num_params());
+        let fresh = Optimizer::new(OptimizerConfig::adam(1e-3), model.params_len());
         let e = load_latest(&model, &dir, &p.config, &fresh, Fallback::Refuse).unwrap_err().to_string();
         assert!(e.contains("checksum mismatch") && e.contains("--resume-fallback"), "{e}");
         let (r, _, skipped) = load_latest(&model, &dir, &p.config, &fresh, Fallback::NewestGood).unwrap().unwrap();
@@ -346,7 +351,7 @@ mod tests {
         save(&model, &state(&model, 4), &p).unwrap();
         let mut other = p.config.clone();
         other.insert("batch_size".into(), "16".into());
-        let fresh = Optimizer::new(OptimizerConfig::adam(1e-3), model.num_params());
+        let fresh = Optimizer::new(OptimizerConfig::adam(1e-3), model.params_len());
         let e = load_latest(&model, &dir, &other, &fresh, Fallback::NewestGood).unwrap_err().to_string();
         assert!(e.contains("batch_size is 8 there, 16 here"), "{e}");
     }
@@ -385,7 +390,7 @@ mod tests {
         assert_eq!(bytes[digit], b'3');
         bytes[digit] = b'4';
         std::fs::write(&path, &bytes).unwrap();
-        let fresh = Optimizer::new(OptimizerConfig::adam(1e-3), model.num_params());
+        let fresh = Optimizer::new(OptimizerConfig::adam(1e-3), model.params_len());
         let e = load(&model, &path, &p.config, &fresh).unwrap_err().to_string();
         assert!(e.contains("checksum mismatch"), "{e}");
     }

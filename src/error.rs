@@ -81,9 +81,24 @@ pub enum Error {
     #[error("cuBLAS: {0}")]
     Cublas(#[from] cudarc::cublas::result::CublasError),
 
-    /// An error reported by NCCL.
-    #[error("NCCL: {:?}", .0.0)]
-    Nccl(cudarc::nccl::result::NcclError),
+    /// A kernel module the CUDA driver refused: the kernel file, what NVRTC made of it
+    /// (cubin or PTX, for which architecture), the NVRTC version that made it and the CUDA
+    /// version the driver reports (`cuDriverGetVersion`), the two that have to agree.
+    #[error("loading {file} ({image}, made by NVRTC {nvrtc}) into a driver of CUDA {driver}: {source}")]
+    KernelLoad {
+        file: String,
+        image: String,
+        nvrtc: String,
+        driver: String,
+        #[source]
+        source: cudarc::driver::DriverError,
+    },
+
+    /// An NCCL call failed: the call, its `ncclResult_t` by number with its name (codes
+    /// newer than the bindings included, e.g. NCCL 2.30's `ncclTimeout`), and NCCL's own
+    /// message for it (`ncclGetLastError`; empty when NCCL gave none).
+    #[error("NCCL {call}: {name} (ncclResult_t {code}){}", if message.is_empty() { String::new() } else { format!(": {message}") })]
+    Nccl { call: &'static str, code: i32, name: &'static str, message: String },
 
     /// Training was stopped on request (SIGINT) after a step.
     #[error("interrupted after step {step}{}", match checkpoint {
@@ -91,12 +106,6 @@ pub enum Error {
         None => String::new(),
     })]
     Interrupted { step: u64, checkpoint: Option<PathBuf> },
-}
-
-impl From<cudarc::nccl::result::NcclError> for Error {
-    fn from(e: cudarc::nccl::result::NcclError) -> Self {
-        Error::Nccl(e)
-    }
 }
 
 impl Error {

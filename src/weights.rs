@@ -69,7 +69,7 @@ pub fn load(model: &Sequential, path: &Path) -> Result<ParamStore> {
     let bytes = read_file(path)?;
     let st = parse(path, &bytes)?;
     let mut problems = Vec::new();
-    let mut store = ParamStore { params: vec![0.0; model.num_params()], buffers: vec![0.0; model.num_buffers()] };
+    let mut store = ParamStore { params: vec![0.0; model.params_len()], buffers: vec![0.0; model.buffers_len()] };
     let expected: Vec<(&TensorInfo, bool)> =
         model.param_infos().iter().map(|t| (t, true)).chain(model.buffer_infos().iter().map(|t| (t, false))).collect();
     for (info, is_param) in &expected {

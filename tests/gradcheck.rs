@@ -158,7 +158,10 @@ impl Model {
 }
 
 /// Builds [probe, layers...] for inputs `x` of shape (N, *sample), with the model's
-/// parameters set from `model_params` (or random in [−1, 1) when `None`) and random w.
+/// parameters set from `model_params` (its tensors' values one after another, as
+/// [`packed`] lists them; random in [−1, 1) when `None`) and random w. The flat layout
+/// starts each tensor on a multiple of `nn::TENSOR_ALIGN`, so the values are placed
+/// tensor by tensor; the gaps stay zero.
 fn build(
     sample: &[usize],
     x: Vec<f32>,
@@ -173,10 +176,18 @@ fn build(
     let mut net = Sequential::new(sample.to_vec(), all).unwrap();
     let mut g = SplitMix64::new(seed);
     let store = net.init(seed);
-    let n_model = store.params.len() - n_in;
-    let mut params = x;
-    params.extend(model_params.unwrap_or_else(|| uniform(&mut g, n_model, -1.0, 1.0)));
-    assert_eq!(params.len(), store.params.len(), "model parameters do not fit the layout");
+    let (probe, model) = net.param_infos().split_first().expect("the probe's tensor comes first");
+    let n_model: usize = model.iter().map(|t| t.range.len()).sum();
+    let values = model_params.unwrap_or_else(|| uniform(&mut g, n_model, -1.0, 1.0));
+    assert_eq!(values.len(), n_model, "model parameters do not fit the layout");
+    let mut params = vec![0.0f32; store.params.len()];
+    params[probe.range.clone()].copy_from_slice(&x);
+    let mut rest = values.as_slice();
+    for t in model {
+        let (v, r) = rest.split_at(t.range.len());
+        params[t.range.clone()].copy_from_slice(v);
+        rest = r;
+    }
     let batch = n_in / sample.iter().product::<usize>();
     let mut dims = vec![batch];
     dims.extend_from_slice(sample);
@@ -186,7 +197,14 @@ fn build(
     Model { net, params, buffers: store.buffers, zeros, w, ctx }
 }
 
-/// Checks the listed flat indices (None: all of them) and the accumulation contract.
+/// The values of `net`'s parameter tensors in `flat`, one tensor after another (without
+/// the gaps of the flat layout): what [`build`] takes as `model_params`.
+fn packed(net: &Sequential, flat: &[f32]) -> Vec<f32> {
+    net.param_infos().iter().flat_map(|t| flat[t.range.clone()].iter().copied()).collect()
+}
+
+/// Checks the listed flat indices (None: every value of every tensor) and the
+/// accumulation contract (over the whole flat buffer, gaps included).
 /// Returns the analytic gradient (from zero) for further assertions.
 fn check(name: &str, m: &mut Model, tol: Tol, indices: Option<Vec<usize>>) -> Vec<f32> {
     let n_input = m.zeros.numel();
@@ -205,7 +223,7 @@ fn check(name: &str, m: &mut Model, tol: Tol, indices: Option<Vec<usize>>) -> Ve
         );
     }
 
-    let indices = indices.unwrap_or_else(|| (0..m.params.len()).collect());
+    let indices = indices.unwrap_or_else(|| m.net.param_infos().iter().flat_map(|t| t.range.clone()).collect());
     let infos = m.net.param_infos().to_vec();
     let l0 = if tol.max_kinks > 0 { m.objective(&m.params.clone()) } else { f64::NAN };
     let (mut worst, mut kinks) = ((0.0f64, 0usize), Vec::new());
@@ -277,10 +295,12 @@ fn check_layer(name: &str, dims: &[usize], layer: Box<dyn Layer>, seed: u64) -> 
 fn linear_with_and_without_bias() {
     // x: (3, 4) → y: (3, 5)
     let with = check_layer("Linear(4→5)", &[3, 4], Box::new(Linear::new(4, 5)), 1);
-    // probe 12 + weight 20 + bias 5
-    assert_eq!(with.len(), 12 + 20 + 5);
+    // probe 12 at 0, weight 20 at 64, bias 5 at 128 (each tensor starts on a multiple of
+    // nn::TENSOR_ALIGN = 64): the flat buffer ends at 133, padded to 192 = 3 · 64.
+    assert_eq!(with.len(), 192);
     let without = check_layer("Linear(4→5, no bias)", &[3, 4], Box::new(Linear::new(4, 5).without_bias()), 2);
-    assert_eq!(without.len(), 12 + 20);
+    // probe at 0, weight at 64..84: padded to 128.
+    assert_eq!(without.len(), 128);
 }
 
 #[test]
@@ -455,7 +475,7 @@ fn toy_mlp_gradients_match_finite_differences() {
     }
     let x = uniform(&mut g, 4 * 2, -2.0, 2.0);
     let layers = net.layers().iter().map(|l| l.boxed_clone()).collect();
-    let mut m = build(&[2], x, layers, Some(params), train_ctx(), 62);
+    let mut m = build(&[2], x, layers, Some(packed(&net, &params)), train_ctx(), 62);
     check("toy MLP", &mut m, Tol { max_kinks: 10, ..LAYER_TOL }, None);
 }
 
@@ -478,7 +498,7 @@ fn convnet_gradients_match_finite_differences() {
     }
     let x = uniform(&mut g, 2 * 144, 0.0, 255.0);
     let layers = net.layers().iter().map(|l| l.boxed_clone()).collect();
-    let mut m = build(&[1, 12, 12], x, layers, Some(params), train_ctx(), 72);
+    let mut m = build(&[1, 12, 12], x, layers, Some(packed(&net, &params)), train_ctx(), 72);
     // A sample of every tensor: 24 input values and up to 16 values per parameter tensor.
     let mut pick = SplitMix64::new(73);
     let mut indices = Vec::new();
@@ -516,7 +536,7 @@ fn convnet_without_batchnorm_gradients_match_finite_differences() {
     }
     let x = uniform(&mut g, 2 * 144, 0.0, 255.0);
     let layers = net.layers().iter().map(|l| l.boxed_clone()).collect();
-    let mut m = build(&[1, 12, 12], x, layers, Some(params), train_ctx(), 82);
+    let mut m = build(&[1, 12, 12], x, layers, Some(packed(&net, &params)), train_ctx(), 82);
     let mut pick = SplitMix64::new(83);
     let mut indices = Vec::new();
     for t in m.net.param_infos() {

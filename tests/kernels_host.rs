@@ -732,18 +732,19 @@ fn cpu_running_stats(
     let (n, c, hw) = inputs.shape;
     let layer = BatchNorm2d::new(c).scale(with_gamma).center(with_beta).momentum(momentum).eps(eps);
     let model = Sequential::new([c, hw, 1], vec![Box::new(layer)]).expect("one BatchNorm layer");
-    let mut params = Vec::new();
-    if with_gamma {
-        params.extend_from_slice(&inputs.gamma);
+    // Each tensor at its place in the flat layout (which pads every tensor start).
+    let mut params = vec![0.0f32; model.params_len()];
+    let given = [(with_gamma, &inputs.gamma), (with_beta, &inputs.beta)];
+    for (t, (_, v)) in model.param_infos().iter().zip(given.iter().filter(|(on, _)| *on)) {
+        params[t.range.clone()].copy_from_slice(v);
     }
-    if with_beta {
-        params.extend_from_slice(&inputs.beta);
-    }
-    let mut buffers = [inputs.running_mean.clone(), inputs.running_var.clone()].concat();
+    let mut buffers = vec![0.0f32; model.buffers_len()];
+    let (rm, rv) = (&model.buffer_infos()[0].range, &model.buffer_infos()[1].range);
+    buffers[rm.clone()].copy_from_slice(&inputs.running_mean);
+    buffers[rv.clone()].copy_from_slice(&inputs.running_var);
     let x = lockstep::Tensor::from_vec(inputs.x.clone(), vec![n, c, hw, 1]).expect("x");
     model.clone().forward(x, &params, &mut buffers, &Ctx::train(0, 0, 0, lockstep::Device::Cpu(0))).expect("forward");
-    let rv = buffers.split_off(c);
-    (buffers, rv)
+    (buffers[rm.clone()].to_vec(), buffers[rv.clone()].to_vec())
 }
 
 #[test]

@@ -1,19 +1,39 @@
-//! Every file of kernels/ compiles with NVRTC, without a single warning, for the GPU
-//! generations lockstep targets (sm_80: A100, sm_90: H100/H200), and every kernel name
-//! follows the naming rule of src/cuda/kernels.rs.
+//! Every file of kernels/ compiles with NVRTC, without a single warning, to a cubin for
+//! the GPU generations lockstep targets (sm_80: A100, sm_90: H100/H200), whose ELF header
+//! says EM_CUDA and that architecture and whose symbol table defines exactly the file's
+//! kernels; the PTX fallback names every kernel too; and every kernel name follows the
+//! naming rule of src/cuda/kernels.rs.
 //!
 //! Needs libnvrtc (no GPU, no driver): `scripts/install-nvrtc.sh` prints the directory to
 //! put on LD_LIBRARY_PATH. Without it the compile tests FAIL, unless
 //! LOCKSTEP_ALLOW_NO_NVRTC=1, in which case they print a loud "skipped" line instead.
+//!
+//! More NVRTC versions: LOCKSTEP_NVRTC_EXTRA_DIRS lists further library directories
+//! (`:`-separated, e.g. NVRTC 13.0's beside the newest 13.x on LD_LIBRARY_PATH, as .ci/run
+//! sets it). The cubin test then runs again in a child process per directory, with that
+//! directory first on LD_LIBRARY_PATH (the loader reads it once, at process start), and
+//! checks that the child really loaded its NVRTC from there and that every version
+//! differs. Unset, that test prints a loud "skipped" line.
 
 use std::collections::BTreeSet;
 use std::io::Write;
+use std::path::PathBuf;
 
-use lockstep::cuda::kernels::{compile_with_log, kernel_name, Dir, KERNEL_FILES};
+use lockstep::cuda::kernels::{
+    compile_with_log, kernel_name, nvrtc_version, supported_archs, Dir, KernelImage, KERNEL_FILES,
+};
 use lockstep::cuda::nvrtc_available;
+use lockstep::cuda::probe::{loaded_from, CudaLib};
 use lockstep::Error;
 
-const ARCHS: &[&str] = &["sm_80", "sm_90"];
+/// The architectures every kernel file must compile for, as 10·major + minor.
+const SMS: &[u32] = &[80, 90];
+
+/// Prints a line the test harness does not capture (it captures the print macros of
+/// passing tests, and a skip must never be silent).
+fn loud(line: &str) {
+    let _ = writeln!(std::io::stderr(), "\n!!!!!!!! {line}\n");
+}
 
 /// True when NVRTC is there; prints the loud skip line and returns false when it is not
 /// and LOCKSTEP_ALLOW_NO_NVRTC=1; fails the test otherwise.
@@ -21,48 +41,242 @@ fn nvrtc_or_skip(test: &str) -> bool {
     match nvrtc_available() {
         Ok(()) => true,
         Err(e) if std::env::var("LOCKSTEP_ALLOW_NO_NVRTC").as_deref() == Ok("1") => {
-            // Straight to the stderr handle, not eprintln!: the test harness captures the
-            // macros of passing tests, and a skip must never be silent.
-            let _ = writeln!(
-                std::io::stderr(),
-                "\n!!!!!!!! {test}: skipped: libnvrtc not found (LOCKSTEP_ALLOW_NO_NVRTC=1): {e}\n"
-            );
+            loud(&format!("{test}: skipped: libnvrtc not found (LOCKSTEP_ALLOW_NO_NVRTC=1): {e}"));
             false
         }
         Err(e) => panic!("{e}\n(set LOCKSTEP_ALLOW_NO_NVRTC=1 to skip this test on purpose)"),
     }
 }
 
-#[test]
-fn every_kernel_file_compiles_without_warnings() {
-    if !nvrtc_or_skip("every_kernel_file_compiles_without_warnings") {
-        return;
+/// What a cubin's ELF header and symbol table say.
+#[derive(Debug)]
+struct Cubin {
+    /// e_ident[EI_ABIVERSION]: 7 (ELFABIVERSION_CUDA_V1) or 8 (ELFABIVERSION_CUDA_V2).
+    abi_version: u8,
+    e_flags: u32,
+    /// The real architecture, decoded from e_flags by the ABI version.
+    sm: u32,
+    /// Names of the global function symbols: the kernels.
+    functions: BTreeSet<String>,
+}
+
+/// EM_CUDA, NVIDIA's e_machine (ELF's registry, and LLVM's BinaryFormat/ELF.h).
+const EM_CUDA: u16 = 190;
+
+/// The SM number in `e_flags`, by ELF ABI version, as LLVM's BinaryFormat/ELF.h decodes
+/// it (ELFObjectFileBase::getNVPTXCPUName): ELFABIVERSION_CUDA_V1 (7) keeps it in the low
+/// byte (EF_CUDA_SM = 0xff; bits 8..12 hold the texture and addressing flags there);
+/// ELFABIVERSION_CUDA_V2 (8), which newer NVRTCs write, in bits 8..16 (EF_CUDA_SM_MASK =
+/// 0xff00, EF_CUDA_SM_OFFSET = 8). Either way it is the decimal number, 0x5a for sm_90.
+fn sm_of(abi_version: u8, e_flags: u32) -> Result<u32, String> {
+    match abi_version {
+        7 => Ok(e_flags & 0xff),
+        8 => Ok((e_flags & 0xff00) >> 8),
+        v => Err(format!("unknown CUDA ELF ABI version {v} (e_flags {e_flags:#010x})")),
     }
-    let mut failures = Vec::new();
-    for file in KERNEL_FILES {
-        for arch in ARCHS {
-            match compile_with_log(file.name, file.source, arch) {
-                Ok(c) => {
-                    let ptx = c.ptx.to_src();
-                    eprintln!("{} [{arch}]: {} bytes of PTX, log: {:?}", file.name, ptx.len(), c.log);
-                    if !c.log.is_empty() {
-                        failures.push(format!("{} [{arch}] warnings:\n{}", file.name, c.log));
-                    }
-                    for name in file.kernel_names("f32") {
-                        if !ptx.contains(&format!(".entry {name}(")) {
-                            failures.push(format!("{} [{arch}]: no entry point {name} in the PTX", file.name));
-                        }
-                    }
-                }
-                Err(Error::Nvrtc { file, log }) => {
-                    eprintln!("{file} [{arch}] FAILED:\n{log}");
-                    failures.push(format!("{file} [{arch}]:\n{log}"));
-                }
-                Err(e) => failures.push(format!("{} [{arch}]: {e}", file.name)),
+}
+
+#[test]
+fn the_sm_number_is_read_by_the_elf_abi_version() {
+    // ABI 8, as NVRTC 13.0 and 13.5 write it (printed by the cubin test): 0x06005a04 for
+    // sm_90, 0x06005004 for sm_80: the SM in bits 8..16.
+    assert_eq!(sm_of(8, 0x0600_5a04), Ok(90));
+    assert_eq!(sm_of(8, 0x0600_5004), Ok(80));
+    // ABI 7 (older NVRTCs): the SM in the low byte, beside EF_CUDA_TEXMODE_UNIFIED (0x100)
+    // and EF_CUDA_64BIT_ADDRESS (0x400), the virtual SM in bits 16..24
+    // (EF_CUDA_VIRTUAL_SM(x) = x << 16): sm_80 is 0x50 | 0x100 | 0x400 | 0x50 << 16.
+    assert_eq!(sm_of(7, 0x0050_0550), Ok(80));
+    // Read with the other ABI's rule, each of those would give another number.
+    assert_eq!(sm_of(7, 0x0600_5a04), Ok(4));
+    assert_eq!(sm_of(8, 0x0050_0550), Ok(5));
+    assert!(sm_of(9, 0x0600_5a04).is_err());
+}
+
+/// Parses the ELF64 little-endian header and the global function symbols of `bytes`.
+fn parse_cubin(bytes: &[u8]) -> Result<Cubin, String> {
+    let u16_at = |o: usize| bytes.get(o..o + 2).map(|b| u16::from_le_bytes([b[0], b[1]])).ok_or("truncated");
+    let u32_at = |o: usize| bytes.get(o..o + 4).map(|b| u32::from_le_bytes(b.try_into().unwrap())).ok_or("truncated");
+    let u64_at =
+        |o: usize| bytes.get(o..o + 8).map(|b| u64::from_le_bytes(b.try_into().unwrap()) as usize).ok_or("truncated");
+    if bytes.get(..4) != Some(b"\x7fELF".as_slice()) {
+        return Err(format!("no ELF magic: {:02x?}", &bytes[..bytes.len().min(4)]));
+    }
+    // e_ident: EI_CLASS 2 (64-bit), EI_DATA 1 (little-endian).
+    if (bytes[4], bytes[5]) != (2, 1) {
+        return Err(format!("not ELF64 little-endian: class {} data {}", bytes[4], bytes[5]));
+    }
+    let abi_version = bytes[8];
+    let machine = u16_at(18)?;
+    if machine != EM_CUDA {
+        return Err(format!("e_machine {machine}, want EM_CUDA ({EM_CUDA})"));
+    }
+    let e_flags = u32_at(48)?;
+    let sm = sm_of(abi_version, e_flags)?;
+    // Section headers: e_shoff at 40, e_shentsize at 58, e_shnum at 60.
+    let (shoff, shentsize, shnum) = (u64_at(40)?, u16_at(58)? as usize, u16_at(60)? as usize);
+    let section = |i: usize| -> Result<(u32, usize, usize, usize), String> {
+        let h = shoff + i * shentsize;
+        // sh_type at 4, sh_offset at 24, sh_size at 32, sh_link at 40.
+        Ok((u32_at(h + 4)?, u64_at(h + 24)?, u64_at(h + 32)?, u32_at(h + 40)? as usize))
+    };
+    let mut functions = BTreeSet::new();
+    for i in 0..shnum {
+        let (kind, offset, size, link) = section(i)?;
+        const SHT_SYMTAB: u32 = 2;
+        if kind != SHT_SYMTAB {
+            continue;
+        }
+        let (_, str_off, str_size, _) = section(link)?;
+        let strtab = bytes.get(str_off..str_off + str_size).ok_or("string table out of the file")?;
+        // Elf64_Sym, 24 bytes: st_name (u32) at 0, st_info (u8) at 4.
+        for sym in (offset..offset + size).step_by(24) {
+            let (name, info) = (u32_at(sym)? as usize, bytes[sym + 4]);
+            const STT_FUNC: u8 = 2;
+            const STB_GLOBAL: u8 = 1;
+            if info & 0xf == STT_FUNC && info >> 4 == STB_GLOBAL {
+                let end = strtab[name..].iter().position(|&b| b == 0).ok_or("unterminated symbol name")?;
+                functions.insert(String::from_utf8_lossy(&strtab[name..name + end]).into_owned());
             }
         }
     }
+    Ok(Cubin { abi_version, e_flags, sm, functions })
+}
+
+/// Which NVRTC this process loaded: "NVRTC 13.5 from /path/libnvrtc.so.13".
+fn which_nvrtc() -> (String, PathBuf) {
+    let (major, minor) = nvrtc_version().expect("nvrtcVersion");
+    let path = loaded_from(CudaLib::Nvrtc).expect("the file NVRTC was loaded from");
+    (format!("{major}.{minor}"), path)
+}
+
+#[test]
+fn every_kernel_file_compiles_to_a_cubin_without_warnings() {
+    if !nvrtc_or_skip("every_kernel_file_compiles_to_a_cubin_without_warnings") {
+        return;
+    }
+    let (version, path) = which_nvrtc();
+    // One line the parent of a child run (below) reads back.
+    println!("kernels_nvrtc: NVRTC {version} from {}", path.display());
+    if let Ok(dir) = std::env::var("LOCKSTEP_NVRTC_EXPECT_DIR") {
+        let dir = PathBuf::from(dir).canonicalize().expect("LOCKSTEP_NVRTC_EXPECT_DIR exists");
+        assert!(path.starts_with(&dir), "NVRTC was loaded from {}, not from {}", path.display(), dir.display());
+    }
+    let supported = supported_archs().expect("nvrtcGetSupportedArchs");
+    eprintln!("NVRTC {version} compiles for {supported:?}");
+    let mut failures = Vec::new();
+    for &sm in SMS {
+        assert!(supported.contains(&sm), "NVRTC {version} does not list sm_{sm}: {supported:?}");
+    }
+    for file in KERNEL_FILES {
+        let want: BTreeSet<String> = file.kernel_names("f32").into_iter().collect();
+        for &sm in SMS {
+            match compile_with_log(file.name, file.source, &format!("sm_{sm}")) {
+                Ok(c) => {
+                    if !c.log.is_empty() {
+                        failures.push(format!("{} [sm_{sm}] warnings:\n{}", file.name, c.log));
+                    }
+                    let KernelImage::Cubin { sm: made_for, bytes } = &c.image else {
+                        failures.push(format!("{} [sm_{sm}]: not a cubin: {}", file.name, c.image.describe()));
+                        continue;
+                    };
+                    assert_eq!(*made_for, sm);
+                    match parse_cubin(bytes) {
+                        Ok(cubin) => {
+                            eprintln!(
+                                "{} [sm_{sm}]: {} bytes, ELF ABI {}, e_flags {:#010x} -> sm_{}",
+                                file.name,
+                                bytes.len(),
+                                cubin.abi_version,
+                                cubin.e_flags,
+                                cubin.sm
+                            );
+                            if cubin.sm != sm {
+                                failures.push(format!("{} [sm_{sm}]: the ELF says sm_{}", file.name, cubin.sm));
+                            }
+                            if cubin.functions != want {
+                                failures.push(format!(
+                                    "{} [sm_{sm}]: functions {:?}, want {want:?}",
+                                    file.name, cubin.functions
+                                ));
+                            }
+                        }
+                        Err(e) => failures.push(format!("{} [sm_{sm}]: {e}", file.name)),
+                    }
+                }
+                Err(Error::Nvrtc { file, log }) => failures.push(format!("{file} [sm_{sm}]:\n{log}")),
+                Err(e) => failures.push(format!("{} [sm_{sm}]: {e}", file.name)),
+            }
+        }
+    }
+    assert!(failures.is_empty(), "NVRTC {version}: {} problem(s):\n{}", failures.len(), failures.join("\n"));
+}
+
+#[test]
+fn the_ptx_fallback_defines_every_kernel() {
+    if !nvrtc_or_skip("the_ptx_fallback_defines_every_kernel") {
+        return;
+    }
+    // compute_80: what a GPU newer than this NVRTC would get (kernels::choose_target).
+    let mut failures = Vec::new();
+    for file in KERNEL_FILES {
+        match compile_with_log(file.name, file.source, "compute_80") {
+            Ok(c) => {
+                let KernelImage::Ptx { sm: 80, text } = &c.image else {
+                    panic!("{}: compute_80 gave {}", file.name, c.image.describe());
+                };
+                if !c.log.is_empty() {
+                    failures.push(format!("{} [compute_80] warnings:\n{}", file.name, c.log));
+                }
+                if !text.lines().any(|l| l.trim() == ".target sm_80") {
+                    failures.push(format!("{}: no `.target sm_80` in the PTX", file.name));
+                }
+                for name in file.kernel_names("f32") {
+                    if !text.contains(&format!(".entry {name}(")) {
+                        failures.push(format!("{}: no entry point {name} in the PTX", file.name));
+                    }
+                }
+            }
+            Err(e) => failures.push(format!("{}: {e}", file.name)),
+        }
+    }
     assert!(failures.is_empty(), "{} problem(s):\n{}", failures.len(), failures.join("\n"));
+}
+
+#[test]
+fn every_kernel_file_compiles_with_every_listed_nvrtc() {
+    let Some(dirs) = std::env::var("LOCKSTEP_NVRTC_EXTRA_DIRS").ok().filter(|d| !d.is_empty()) else {
+        loud("every_kernel_file_compiles_with_every_listed_nvrtc: skipped: LOCKSTEP_NVRTC_EXTRA_DIRS is not set (.ci/run sets it to NVRTC 13.0's directory)");
+        return;
+    };
+    if !nvrtc_or_skip("every_kernel_file_compiles_with_every_listed_nvrtc") {
+        return;
+    }
+    let (main_version, main_path) = which_nvrtc();
+    let mut seen = vec![(main_version, main_path.display().to_string())];
+    let exe = std::env::current_exe().unwrap();
+    let inherited = std::env::var("LD_LIBRARY_PATH").unwrap_or_default();
+    for dir in dirs.split(':').filter(|d| !d.is_empty()) {
+        let out = std::process::Command::new(&exe)
+            .args(["--exact", "every_kernel_file_compiles_to_a_cubin_without_warnings", "--nocapture"])
+            .env("LD_LIBRARY_PATH", format!("{dir}:{inherited}"))
+            .env("LOCKSTEP_NVRTC_EXPECT_DIR", dir)
+            .env_remove("LOCKSTEP_ALLOW_NO_NVRTC")
+            .env_remove("LOCKSTEP_NVRTC_EXTRA_DIRS")
+            .output()
+            .expect("runs this test binary again");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success() && stdout.contains("1 passed"), "with {dir}:\n{stdout}\n{stderr}");
+        let line = stdout
+            .lines()
+            .find_map(|l| l.strip_prefix("kernels_nvrtc: NVRTC "))
+            .unwrap_or_else(|| panic!("with {dir}: the child named no NVRTC:\n{stdout}"));
+        let (version, path) = line.split_once(" from ").unwrap();
+        loud(&format!("every_kernel_file_compiles_with_every_listed_nvrtc: NVRTC {version} from {path}: passed"));
+        seen.push((version.to_string(), path.to_string()));
+    }
+    let versions: BTreeSet<&str> = seen.iter().map(|(v, _)| v.as_str()).collect();
+    assert_eq!(versions.len(), seen.len(), "each NVRTC listed must be another version: {seen:?}");
 }
 
 #[test]
@@ -90,6 +304,28 @@ fn a_warning_shows_up_in_the_log() {
     let src = "extern \"C\" __global__ void warn_fwd_f32(float* x) { int unused_var = 3; x[0] = 1.0f; }";
     let c = compile_with_log("warn.cu", src, "sm_80").expect("a warning is not an error");
     assert!(c.log.contains("unused_var"), "expected a warning naming unused_var, log: {:?}", c.log);
+}
+
+#[test]
+fn the_devices_listing_names_the_nvrtc_file() {
+    if !nvrtc_or_skip("the_devices_listing_names_the_nvrtc_file") {
+        return;
+    }
+    // The binary is where cargo built it; a copy of this test carried elsewhere (the GPU
+    // check's .gpu/) has none there, and gpu-check.sh runs `lockstep devices` itself.
+    let bin = PathBuf::from(env!("CARGO_BIN_EXE_lockstep"));
+    if !bin.exists() {
+        loud(&format!("the_devices_listing_names_the_nvrtc_file: skipped: no binary at {}", bin.display()));
+        return;
+    }
+    let (version, path) = which_nvrtc();
+    let out = std::process::Command::new(&bin).arg("devices").output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}");
+    let want = format!("nvrtc: {} (NVRTC {version})", path.display());
+    assert!(stdout.lines().any(|l| l == want), "want the line {want:?} in:\n{stdout}");
+    assert!(path.file_name().unwrap().to_string_lossy().starts_with("libnvrtc.so"), "{}", path.display());
+    assert!(path.is_absolute() && path.is_file(), "{}", path.display());
 }
 
 /// The `extern "C"` kernel names a source defines, read from the text:

@@ -492,6 +492,11 @@ fn toy_names_match_the_documented_table() {
     assert!(net.buffer_infos().is_empty());
     // 2·30 + 30 + 30·20 + 20 + 20·2 + 2 = 752
     assert_eq!(net.num_params(), 752);
+    // Each tensor starts on a multiple of 64 values (nn::TENSOR_ALIGN): 0, 64, 128, 768,
+    // 832, 896; the last ends at 898, and the flat buffer is padded to 960 = 15 · 64.
+    let starts: Vec<usize> = net.param_infos().iter().map(|t| t.range.start).collect();
+    assert_eq!(starts, [0, 64, 128, 768, 832, 896]);
+    assert_eq!(net.params_len(), 960);
 }
 
 #[test]

@@ -104,7 +104,7 @@ fn check_grads_step0(case: &str) {
     let ctx = Ctx::train(0, 0, 0, Device::Cpu(0));
     let logits = model.forward(x, &store.params, &mut store.buffers, &ctx).unwrap();
     let (metrics, dlogits) = lockstep::nn::loss::softmax_cross_entropy(&logits, &batch.y).unwrap();
-    let mut grads = vec![0.0f32; model.num_params()];
+    let mut grads = vec![0.0f32; model.params_len()];
     model.backward(dlogits, &store.params, &mut grads, &ctx).unwrap();
     let want_loss = losses(case)[0];
     assert!((metrics.mean_loss() - want_loss).abs() <= 1e-5, "{case}: loss {} vs {want_loss}", metrics.mean_loss());

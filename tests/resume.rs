@@ -61,7 +61,7 @@ fn resuming_from_every_checkpoint_gives_bitwise_the_uninterrupted_weights() {
     assert_eq!(full.steps, 15);
     let files = checkpoint::list(&dir).unwrap();
     assert_eq!(files.iter().map(|(s, _)| *s).collect::<Vec<_>>(), (1..=15).collect::<Vec<_>>());
-    let fresh = Optimizer::new(cfg.optimizer, model.num_params());
+    let fresh = Optimizer::new(cfg.optimizer, model.params_len());
     // Mid-epoch (3, 7), an epoch boundary (5, 10), the step before the end (14); on
     // 1, 2 and 1 devices with 2 threads.
     for (step, devices) in
@@ -114,7 +114,7 @@ fn a_stopped_run_writes_a_checkpoint_and_resumes_exactly() {
     };
     let Error::Interrupted { step: 6, checkpoint: Some(path) } = &err else { panic!("{err}") };
     assert!(err.to_string().contains("checkpoint written to"), "{err}");
-    let fresh = Optimizer::new(cfg.optimizer, model.num_params());
+    let fresh = Optimizer::new(cfg.optimizer, model.params_len());
     let (resume, found, _) =
         checkpoint::load_latest(&model, &dir, &policy(&dir, 1000).config, &fresh, Fallback::Refuse).unwrap().unwrap();
     assert_eq!(&found, path);
@@ -132,7 +132,7 @@ fn a_stopped_run_writes_a_checkpoint_and_resumes_exactly() {
 #[test]
 fn a_position_that_is_not_one_of_this_run_is_refused() {
     let (model, data, cfg) = setup();
-    let optimizer = Optimizer::new(cfg.optimizer, model.num_params());
+    let optimizer = Optimizer::new(cfg.optimizer, model.params_len());
     // 5 steps per epoch: step 7 is epoch 1, step 2 in it — not epoch 1, step 3.
     let resume =
         lockstep::checkpoint::Resume { weights: model.init(9), optimizer, step: 7, epoch: 1, step_in_epoch: 3 };

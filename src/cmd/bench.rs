@@ -2,6 +2,8 @@
 //! steps, and the per-layer time of one device's share of a step. Timings are medians
 //! after a warm-up, measured between barriers, never asserted anywhere.
 
+use std::io::Write;
+
 use crate::*;
 
 #[derive(Args, Debug)]
@@ -186,50 +188,59 @@ pub(crate) fn cmd_bench_allreduce(a: BenchAllreduceArgs) -> CliResult {
             return bench_gpu_allreduce(&ordinals, &sizes, a.iters, a.warmup);
         }
     };
-    let bus = 2.0 * (ranks as f64 - 1.0) / ranks as f64;
-    outln!(
-        "# lockstep bench allreduce: {ranks} rank(s) (threads, cpu:0..{}), shared memory, f32 sum, median of {} iterations after {} warm-up",
-        ranks - 1,
-        a.iters,
-        a.warmup
-    );
-    outln!("# trainer: buffers filled once, then reduce-scatter (the trainer's path; ranks read the result in place)");
-    outln!("# classic: in-place all_reduce_sum (copy in + reduce-scatter + all-gather)");
-    outln!("# algbw = size / time; busbw = algbw * 2(n-1)/n");
-    outln!(
-        "# {:>12} {:>12} | {:>10} {:>11} {:>11} | {:>10} {:>11} {:>11}",
-        "",
-        "",
-        "trainer",
-        "",
-        "",
-        "classic",
-        "",
-        ""
-    );
-    outln!(
-        "# {:>12} {:>12} | {:>10} {:>11} {:>11} | {:>10} {:>11} {:>11}",
-        "size(B)",
-        "count(f32)",
-        "time(us)",
-        "algbw(GB/s)",
-        "busbw(GB/s)",
-        "time(us)",
-        "algbw(GB/s)",
-        "busbw(GB/s)"
-    );
-    for bytes in sizes {
+    cpu_allreduce(&mut std::io::stdout(), ranks, &sizes, a.iters, a.warmup)
+}
+
+/// Times the shared-memory all-reduce of `ranks` threads at every size and prints the
+/// table to `out`, a row as soon as it is measured.
+fn cpu_allreduce(out: &mut dyn Write, ranks: usize, sizes: &[usize], iters: usize, warmup: usize) -> CliResult {
+    cpu_table_header(out, ranks, iters, warmup);
+    for &bytes in sizes {
         let count = bytes / 4;
-        let mut cells = String::new();
-        for path in [AllreducePath::Trainer, AllreducePath::Classic] {
-            let t = time_allreduce(ranks, count, a.iters, a.warmup, path)?;
-            let secs = t.as_secs_f64().max(1e-9);
-            let algbw = bytes as f64 / secs / 1e9;
-            let _ = write!(cells, " | {:>10.1} {:>11.2} {:>11.2}", secs * 1e6, algbw, algbw * bus);
-        }
-        outln!("  {bytes:>12} {count:>12}{cells}");
+        let trainer = time_allreduce(ranks, count, iters, warmup, AllreducePath::Trainer)?;
+        let classic = time_allreduce(ranks, count, iters, warmup, AllreducePath::Classic)?;
+        cpu_table_row(out, ranks, bytes, [trainer, classic]);
     }
     Ok(())
+}
+
+/// The CPU table's header: size, count | trainer time, algbw, busbw | classic time,
+/// algbw, busbw (scripts/bench_tables.py reads it; its `cpu` parser counts on these
+/// columns).
+fn cpu_table_header(out: &mut dyn Write, ranks: usize, iters: usize, warmup: usize) {
+    let _ = writeln!(
+        out,
+        "# lockstep bench allreduce: {ranks} rank(s) (threads, cpu:0..{}), shared memory, f32 sum, median of {iters} iterations after {warmup} warm-up",
+        ranks - 1
+    );
+    let _ = writeln!(
+        out,
+        "# trainer: buffers filled once, then reduce-scatter (the trainer's path; ranks read the result in place)"
+    );
+    let _ = writeln!(out, "# classic: in-place all_reduce_sum (copy in + reduce-scatter + all-gather)");
+    let _ = writeln!(out, "# algbw = size / time; busbw = algbw * 2(n-1)/n");
+    let _ = writeln!(
+        out,
+        "# {:>12} {:>12} | {:>10} {:>11} {:>11} | {:>10} {:>11} {:>11}",
+        "", "", "trainer", "", "", "classic", "", ""
+    );
+    let _ = writeln!(
+        out,
+        "# {:>12} {:>12} | {:>10} {:>11} {:>11} | {:>10} {:>11} {:>11}",
+        "size(B)", "count(f32)", "time(us)", "algbw(GB/s)", "busbw(GB/s)", "time(us)", "algbw(GB/s)", "busbw(GB/s)"
+    );
+}
+
+/// One row of the CPU table: `bytes` moved in `times` (trainer path, classic path).
+fn cpu_table_row(out: &mut dyn Write, ranks: usize, bytes: usize, times: [Duration; 2]) {
+    let bus = 2.0 * (ranks as f64 - 1.0) / ranks as f64;
+    let mut cells = String::new();
+    for t in times {
+        let secs = t.as_secs_f64().max(1e-9);
+        let algbw = bytes as f64 / secs / 1e9;
+        let _ = write!(cells, " | {:>10.1} {:>11.2} {:>11.2}", secs * 1e6, algbw, algbw * bus);
+    }
+    let _ = writeln!(out, "  {bytes:>12} {:>12}{cells}", bytes / 4);
 }
 
 /// The GPU collective over `ordinals` (one rank and thread each), nccl-tests style:
@@ -238,45 +249,61 @@ pub(crate) fn cmd_bench_allreduce(a: BenchAllreduceArgs) -> CliResult {
 /// size (read + write of `size` bytes), the memory bound busbw is compared with.
 fn bench_gpu_allreduce(ordinals: &[usize], sizes: &[usize], iters: usize, warmup: usize) -> CliResult {
     use lockstep::exchange::gpu::{transport_for, Transport};
-    let ranks = ordinals.len();
-    let bus = 2.0 * (ranks as f64 - 1.0) / ranks as f64;
-    let names: Vec<String> = ordinals.iter().map(|o| o.to_string()).collect();
     let transport = match transport_for(ordinals) {
         Transport::Nccl => "nccl",
         Transport::Copies => "device copies",
     };
-    outln!(
-        "# lockstep bench allreduce: {ranks} rank(s) on cuda:{} ({transport}), f32 sum, mean of {iters} iterations after {warmup} warm-up",
-        names.join(",")
-    );
-    outln!("# algbw = size / time; busbw = algbw * 2(n-1)/n; copy = device-to-device copy of the same size on GPU {} (size / time)", ordinals[0]);
-    outln!(
-        "# {:>12} {:>12} | {:>10} {:>11} {:>11} | {:>11} {:>10}",
-        "size(B)",
-        "count(f32)",
-        "time(us)",
-        "algbw(GB/s)",
-        "busbw(GB/s)",
-        "copy(GB/s)",
-        "busbw/copy"
-    );
+    let out = &mut std::io::stdout();
+    gpu_table_header(out, ordinals, transport, iters, warmup);
     for &bytes in sizes {
         let count = (bytes / 4).max(1);
         let t = time_gpu_allreduce(ordinals, count, iters, warmup).map_err(Failure::runtime)?;
         let c = time_gpu_copy(ordinals[0], count, iters, warmup).map_err(Failure::runtime)?;
-        let secs = t.as_secs_f64().max(1e-9);
-        let algbw = bytes as f64 / secs / 1e9;
-        let copy = bytes as f64 / c.as_secs_f64().max(1e-9) / 1e9;
-        outln!(
-            "  {bytes:>12} {count:>12} | {:>10.1} {:>11.2} {:>11.2} | {:>11.2} {:>10.2}",
-            secs * 1e6,
-            algbw,
-            algbw * bus,
-            copy,
-            algbw * bus / copy
-        );
+        gpu_table_row(out, ordinals.len(), bytes, t, c);
     }
     Ok(())
+}
+
+/// The GPU table's header: size, count | time, algbw, busbw | copy, busbw/copy. Two
+/// columns where the CPU table has three after the second bar: scripts/bench_tables.py
+/// has a `gpu` parser for it.
+fn gpu_table_header(out: &mut dyn Write, ordinals: &[usize], transport: &str, iters: usize, warmup: usize) {
+    let names: Vec<String> = ordinals.iter().map(|o| o.to_string()).collect();
+    let _ = writeln!(
+        out,
+        "# lockstep bench allreduce: {} rank(s) on cuda:{} ({transport}), f32 sum, mean of {iters} iterations after {warmup} warm-up",
+        ordinals.len(),
+        names.join(",")
+    );
+    let _ = writeln!(
+        out,
+        "# algbw = size / time; busbw = algbw * 2(n-1)/n; copy = device-to-device copy of the same size on GPU {} (size / time)",
+        ordinals[0]
+    );
+    let _ = writeln!(
+        out,
+        "# {:>12} {:>12} | {:>10} {:>11} {:>11} | {:>11} {:>10}",
+        "size(B)", "count(f32)", "time(us)", "algbw(GB/s)", "busbw(GB/s)", "copy(GB/s)", "busbw/copy"
+    );
+}
+
+/// One row of the GPU table: one all-reduce of `bytes` over `ranks` took `t`, one
+/// device-to-device copy of as many bytes took `copy`.
+fn gpu_table_row(out: &mut dyn Write, ranks: usize, bytes: usize, t: Duration, copy: Duration) {
+    let bus = 2.0 * (ranks as f64 - 1.0) / ranks as f64;
+    let secs = t.as_secs_f64().max(1e-9);
+    let algbw = bytes as f64 / secs / 1e9;
+    let copy_bw = bytes as f64 / copy.as_secs_f64().max(1e-9) / 1e9;
+    let _ = writeln!(
+        out,
+        "  {bytes:>12} {:>12} | {:>10.1} {:>11.2} {:>11.2} | {:>11.2} {:>10.2}",
+        (bytes / 4).max(1),
+        secs * 1e6,
+        algbw,
+        algbw * bus,
+        copy_bw,
+        algbw * bus / copy_bw
+    );
 }
 
 fn time_gpu_allreduce(ordinals: &[usize], count: usize, iters: usize, warmup: usize) -> lockstep::Result<Duration> {
@@ -453,7 +480,7 @@ pub(crate) fn cmd_bench_layers(a: BenchLayersArgs) -> CliResult {
     let idx: Vec<usize> = (0..batch_size).map(|i| i % data.len()).collect();
     let batch = Batch::gather(&data, &idx);
     let mut store = model.init(0);
-    let mut grads = vec![0.0f32; model.num_params()];
+    let mut grads = vec![0.0f32; model.params_len()];
     let pool =
         rayon::ThreadPoolBuilder::new().num_threads(threads).build().map_err(|e| Failure::runtime(anyhow!(e)))?;
     let mut dims = vec![batch_size];
@@ -499,4 +526,97 @@ pub(crate) fn cmd_bench_layers(a: BenchLayersArgs) -> CliResult {
     outln!("{:<65} {:>10.3} ms (loss and the rest: {:.3} ms)", "pass", per(total), per(total.saturating_sub(layers)));
     outln!("{:.0} samples/s on this pass alone", batch_size as f64 * a.steps as f64 / total.as_secs_f64().max(1e-12));
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Runs `python3 scripts/bench_tables.py KIND FILE` on `table`: Ok(its line of figures),
+    /// Err(its message) when it refuses the table. None, after a loud line, when there is
+    /// no python3 (gpu-check.sh then prints n/a too).
+    fn parse(kind: &str, table: &str, tag: &str) -> Option<Result<String, String>> {
+        let file = std::env::temp_dir().join(format!("lockstep-bench-table-{}-{tag}.txt", std::process::id()));
+        std::fs::write(&file, table).unwrap();
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/bench_tables.py");
+        let out = std::process::Command::new("python3").arg(script).arg(kind).arg(&file).output();
+        let _ = std::fs::remove_file(&file);
+        match out {
+            Ok(o) if o.status.success() => Some(Ok(String::from_utf8_lossy(&o.stdout).trim().to_string())),
+            Ok(o) => Some(Err(String::from_utf8_lossy(&o.stderr).trim().to_string())),
+            Err(e) => {
+                let _ = writeln!(std::io::stderr(), "\n!!!!!!!! bench table parsers: skipped: no python3 ({e})\n");
+                None
+            }
+        }
+    }
+
+    fn us(v: u64) -> Duration {
+        Duration::from_micros(v)
+    }
+
+    /// A GPU table as `bench allreduce --devices cuda:0,0` prints it, with made-up times.
+    fn gpu_table() -> String {
+        let mut out = Vec::new();
+        gpu_table_header(&mut out, &[0, 0], "device copies", 50, 5);
+        // 64 MiB in 1 ms, copied in 400 us; 4 KiB in 20 us, copied in 5 us.
+        gpu_table_row(&mut out, 2, 64 << 20, us(1000), us(400));
+        gpu_table_row(&mut out, 2, 4 << 10, us(20), us(5));
+        String::from_utf8(out).unwrap()
+    }
+
+    /// A CPU table as `bench allreduce --devices cpu:4` prints it, with made-up times.
+    fn cpu_table() -> String {
+        let mut out = Vec::new();
+        cpu_table_header(&mut out, 4, 50, 5);
+        cpu_table_row(&mut out, 4, 4 << 10, [us(10), us(25)]);
+        cpu_table_row(&mut out, 4, 64 << 20, [us(8000), us(20_000)]);
+        String::from_utf8(out).unwrap()
+    }
+
+    #[test]
+    fn the_gpu_parser_reads_busbw_copy_and_their_ratio() {
+        let Some(got) = parse("gpu", &gpu_table(), "gpu") else { return };
+        // 2 ranks: busbw = algbw · 2(2−1)/2 = algbw = 67108864 B / 1 ms = 67.108864 GB/s;
+        // copy = 67108864 B / 400 us = 167.77216 GB/s; ratio 67.108864 / 167.77216 = 0.4;
+        // the smallest row's time, 20 us.
+        assert_eq!(got.unwrap(), "67108864 67.11 167.77 0.40 | 4096 20.0");
+    }
+
+    #[test]
+    fn the_cpu_parser_reads_both_paths() {
+        let Some(got) = parse("cpu", &cpu_table(), "cpu") else { return };
+        // 4 ranks: busbw = algbw · 2·3/4 = 1.5 algbw. Trainer: 67108864 B / 8 ms =
+        // 8.388608 GB/s → 12.582912; classic: / 20 ms = 3.3554432 → 5.0331648. The
+        // smallest row's times: 10 and 25 us.
+        assert_eq!(got.unwrap(), "67108864 12.58 5.03 | 4096 10.0 25.0");
+    }
+
+    #[test]
+    fn each_parser_refuses_the_other_table() {
+        // The old bug: gpu-check read the GPU table with the CPU parser and got n/a.
+        // Now a table of the wrong kind is an error naming the widths, never a figure.
+        let Some(got) = parse("cpu", &gpu_table(), "gpu-as-cpu") else { return };
+        let e = got.unwrap_err();
+        assert!(e.contains("(3, 2)") && e.contains("a cpu table has 2, (3, 3)"), "{e}");
+        let e = parse("gpu", &cpu_table(), "cpu-as-gpu").unwrap().unwrap_err();
+        assert!(e.contains("(3, 3)") && e.contains("a gpu table has 2, (3, 2)"), "{e}");
+    }
+
+    #[test]
+    fn the_cpu_parser_reads_a_real_run() {
+        // The whole CPU path as `bench allreduce --devices cpu:2 --sizes 4K,64K` runs it.
+        let mut out = Vec::new();
+        cpu_allreduce(&mut out, 2, &[4 << 10, 64 << 10], 3, 1).map_err(|f| format!("{f:?}")).unwrap();
+        let table = String::from_utf8(out).unwrap();
+        let Some(got) = parse("cpu", &table, "cpu-real") else { return };
+        let got = got.unwrap_or_else(|e| panic!("{e}\n{table}"));
+        let fields: Vec<&str> = got.split_whitespace().collect();
+        // BYTES busbw busbw | SMALL time time: the sizes asked for, and positive figures.
+        assert_eq!((fields.len(), fields[0], fields[3], fields[4]), (7, "65536", "|", "4096"), "{got}\n{table}");
+        for f in [1, 2, 5, 6] {
+            let v: f64 = fields[f].parse().unwrap();
+            assert!(v > 0.0 && v.is_finite(), "field {f} of {got}\n{table}");
+        }
+    }
 }

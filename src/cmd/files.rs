@@ -71,21 +71,55 @@ pub(crate) fn cmd_devices() -> CliResult {
                     outln!("cuda:{a}: peer access to {}", peers.join(", "));
                 }
             }
-            for (lib, status) in [("nvrtc", probe::nvrtc_available()), ("cublas", probe::cublas_available())] {
-                match status {
-                    Ok(()) => outln!("{lib}: found"),
-                    Err(e) => outln!("{lib}: {e}"),
-                }
-            }
-            outln!("nccl: {}", probe::nccl_status().fix());
         }
         Err(e) => outln!("cuda: none ({e})"),
+    }
+    for line in library_lines() {
+        outln!("{line}");
     }
     match "auto".parse::<DeviceSpec>().and_then(|s| s.resolve()) {
         Ok(d) => outln!("--devices auto: {d}"),
         Err(e) => outln!("--devices auto: unavailable ({e})"),
     }
     Ok(())
+}
+
+/// One line per CUDA library: the file it was loaded from (a system toolkit's unversioned
+/// `libnvrtc.so` can shadow the CUDA 13 wheels; this shows which one won), with the
+/// version where it is cheap to ask, or what is missing and how to fix it.
+fn library_lines() -> Vec<String> {
+    use lockstep::cuda::probe::{self, CudaLib};
+    CudaLib::ALL
+        .iter()
+        .map(|&lib| {
+            let name = lib.name();
+            let missing = match lib {
+                CudaLib::Driver => probe::driver_available().err().map(|e| e.to_string()),
+                CudaLib::Nvrtc => probe::nvrtc_available().err().map(|e| e.to_string()),
+                CudaLib::Cublas => probe::cublas_available().err().map(|e| e.to_string()),
+                CudaLib::Nccl => match probe::nccl_status() {
+                    probe::NcclStatus::Available => None,
+                    other => Some(other.fix()),
+                },
+            };
+            if let Some(why) = missing {
+                return format!("{name}: {why}");
+            }
+            let version = match lib {
+                CudaLib::Driver => probe::driver_cuda_version().ok().map(|(a, b)| format!("CUDA {a}.{b}")),
+                CudaLib::Nvrtc => lockstep::cuda::kernels::nvrtc_version().ok().map(|(a, b)| {
+                    let warn = if a == 13 { "" } else { "; not CUDA 13, the version lockstep is built for: put the CUDA 13 lib directory first on LD_LIBRARY_PATH" };
+                    format!("NVRTC {a}.{b}{warn}")
+                }),
+                CudaLib::Cublas | CudaLib::Nccl => None,
+            };
+            match (probe::loaded_from(lib), version) {
+                (Ok(path), Some(v)) => format!("{name}: {} ({v})", path.display()),
+                (Ok(path), None) => format!("{name}: {}", path.display()),
+                (Err(e), _) => format!("{name}: found, but its file is unknown ({e})"),
+            }
+        })
+        .collect()
 }
 
 // ---------------------------------------------------------------------------------------

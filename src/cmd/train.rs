@@ -270,7 +270,7 @@ pub(crate) fn cmd_train(a: TrainArgs) -> CliResult {
         None => None,
         Some(dir) => {
             let fallback = if a.resume_fallback { Fallback::NewestGood } else { Fallback::Refuse };
-            let fresh = Optimizer::new(config.optimizer, model.num_params());
+            let fresh = Optimizer::new(config.optimizer, model.params_len());
             match lockstep::checkpoint::load_latest(&model, dir, &run_config, &fresh, fallback)
                 .map_err(Failure::usage)?
             {

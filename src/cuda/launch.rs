@@ -16,7 +16,7 @@ use cudarc::driver::{
 };
 use parking_lot::Mutex;
 
-use super::kernels::{cached_ptx, kernel_name, Dir};
+use super::kernels::{kernel_name, Dir};
 use super::probe::driver_available;
 use crate::nn::batchnorm::RunningUpdate;
 use crate::nn::Geometry2d;
@@ -278,8 +278,7 @@ impl Gpu {
             match modules.get(file) {
                 Some(m) => m.clone(),
                 None => {
-                    let ptx = cached_ptx(file, &self.arch)?;
-                    let m = self.ctx.load_module((*ptx).clone())?;
+                    let m = super::kernels::load_module(&self.ctx, file)?;
                     modules.insert(file, m.clone());
                     m
                 }

@@ -9,6 +9,12 @@
 //! CPU replica runs: each layer describes its computation as a [`LayerOp`], and this
 //! file launches it. Flat buffers use the CPU layout exactly (`Sequential::layer_ranges`),
 //! so weights, checkpoints and replica fingerprints move between the backends unchanged.
+//! That layout starts every tensor, and sizes every flat buffer, on a multiple of 64 f32
+//! (`nn::TENSOR_ALIGN`; nn/sequential.rs says why there): device allocations and the
+//! exchange's slots are 256-byte aligned, so every tensor view handed to cuBLAS or a
+//! kernel starts on a 256-byte boundary, on `cuda:0` with several slots as on `cuda:0,0`.
+//! Two tensors of one layer are therefore not adjacent (BatchNorm's gamma and beta, its
+//! running mean and variance).
 //!
 //! Everything is queued on the one compute stream without waiting: staging a step's rows
 //! (one copy from pinned host memory), each shard's forward, fused softmax cross-entropy
@@ -156,7 +162,7 @@ impl GpuNet {
             unsafe { cudarc::cublas::sys::cublasSetWorkspace_v2(*blas.handle(), ptr as *mut _, CUBLAS_WORKSPACE) }
                 .result()?;
         }
-        let (np, nb) = (model.num_params(), model.num_buffers());
+        let (np, nb) = (model.params_len(), model.buffers_len());
         if store.params.len() != np || store.buffers.len() != nb {
             return Err(Error::config("initial weights", "they do not match the model's tensors"));
         }
@@ -599,8 +605,10 @@ impl Net<'_> {
                                     ),
                                 ));
                             }
-                            let mut running = stats.slice_mut(*offset + rm.start..*offset + rv.end);
-                            let (running_mean, running_var) = running.split_at_mut(c);
+                            // Each statistic on its own aligned start: split below the variance.
+                            let (mut below, mut above) = stats.split_at_mut(*offset + rv.start);
+                            let running_mean = below.slice_mut(*offset + rm.start..*offset + rm.end);
+                            let running_var = above.slice_mut(0..rv.len());
                             let (save_mean, save_invstd) =
                                 a.saved[i].as_mut().expect("a BatchNorm has saved statistics");
                             let stats = BnStats {
@@ -691,17 +699,16 @@ impl Net<'_> {
                     let (save_mean, save_invstd) = a.saved[i].as_ref().expect("a BatchNorm has saved statistics");
                     let saved = BnSaved { mean: save_mean.as_view(), invstd: save_invstd.as_view() };
                     let params = BnParams { gamma: scale.then(|| p(0)), beta: center.then(|| p(usize::from(scale))) };
-                    // gamma's and beta's gradients are adjacent in the slot.
-                    let count = usize::from(scale) + usize::from(center);
-                    let start = node.params.first().map_or(0, |r| r.start);
-                    let mut region = slots.slice_mut(start..start + count * c);
+                    // The last parameter's gradient (beta, or the only one) starts `split`
+                    // into the slot; gamma's, when there are both, lies below it on its own
+                    // aligned start, not adjacent.
+                    let split = node.params.last().map_or(0, |r| r.start);
+                    let (mut below, mut above) = slots.split_at_mut(split);
+                    let last = above.slice_mut(0..node.params.last().map_or(0, |r| r.len()));
                     let (dgamma, dbeta) = match (scale, center) {
-                        (true, true) => {
-                            let (g, b) = region.split_at_mut(c);
-                            (Some(g), Some(b))
-                        }
-                        (true, false) => (Some(region.slice_mut(..)), None),
-                        (false, true) => (None, Some(region.slice_mut(..))),
+                        (true, true) => (Some(below.slice_mut(at(0))), Some(last)),
+                        (true, false) => (Some(last), None),
+                        (false, true) => (None, Some(last)),
                         (false, false) => (None, None),
                     };
                     let grads = BnGrads { dx: dx.slice_mut(..), dgamma, dbeta };

@@ -20,6 +20,18 @@
 //! cudarc cannot, reports [`NcclStatus::NeedsLink`] with the exact commands, and
 //! [`make_nccl_link`] creates the link. Until then the trainer uses the fallback
 //! all-reduce (device-to-device copies), which is correct, only slower.
+//!
+//! # Which file was loaded
+//!
+//! cudarc tries the unversioned name first (`libnvrtc.so`, then `libnvrtc.so.13`, ...).
+//! The CUDA 13 wheels ship only versioned names, while a system CUDA toolkit (of another
+//! major version, say) installs `libnvrtc.so` in a system directory: that one wins, and
+//! the bindings of CUDA 13 then call a library of another version. [`loaded_from`] names
+//! the file each library was really loaded from, which `lockstep devices` prints: the
+//! address of one of the library's functions, looked up in `/proc/self/maps`, where the
+//! kernel lists the file behind every mapping (symlinks resolved). That needs no
+//! dynamic-loader internals (`dladdr` reports the name the loader was given, which for
+//! a library found through `LD_LIBRARY_PATH` may be a relative or symlinked one).
 
 use std::path::{Path, PathBuf};
 
@@ -28,10 +40,12 @@ use crate::{Error, Result};
 /// The message when the CUDA driver library is not on this machine.
 pub const NO_DRIVER: &str = "no CUDA driver found (libcuda.so.1); use --devices cpu:N";
 
-/// The message when NVRTC (the runtime compiler for kernels/) is not found.
+/// The message when NVRTC (the runtime compiler for kernels/) is not found. Any CUDA 13.x
+/// NVRTC serves any CUDA 13 driver: kernels are compiled to cubins for the GPU's own
+/// architecture, which need no pin to the driver's version (PTX would).
 pub const NO_NVRTC: &str = "NVRTC not found (libnvrtc.so.13), needed to compile lockstep's CUDA kernels: \
-run `pip install nvidia-cuda-nvrtc` (or scripts/install-nvrtc.sh) and add \
-.../site-packages/nvidia/cu13/lib to LD_LIBRARY_PATH";
+run `pip install 'nvidia-cuda-nvrtc>=13,<14'` (or scripts/install-nvrtc.sh) and add \
+.../site-packages/nvidia/cu13/lib to LD_LIBRARY_PATH (any 13.x works with any CUDA 13 driver)";
 
 /// Ok when the CUDA driver library (libcuda) can be loaded; no driver call is made.
 pub fn driver_available() -> Result<()> {
@@ -66,6 +80,106 @@ pub fn cublas_available() -> Result<()> {
     } else {
         Err(Error::CudaUnavailable(NO_CUBLAS.to_string()))
     }
+}
+
+/// The CUDA version the driver supports (`cuDriverGetVersion`), e.g. (13, 0); it does not
+/// initialise the driver.
+pub fn driver_cuda_version() -> Result<(i32, i32)> {
+    driver_available()?;
+    let mut v = 0;
+    // SAFETY: CUresult cuDriverGetVersion(int* driverVersion); `v` is a valid out-pointer,
+    // and the call is allowed before cuInit.
+    unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut v) }.result()?;
+    Ok((v / 1000, (v % 1000) / 10))
+}
+
+/// A CUDA library lockstep loads at run time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CudaLib {
+    Driver,
+    Nvrtc,
+    Cublas,
+    Nccl,
+}
+
+impl CudaLib {
+    /// All of them, in the order `lockstep devices` lists them.
+    pub const ALL: [CudaLib; 4] = [CudaLib::Driver, CudaLib::Nvrtc, CudaLib::Cublas, CudaLib::Nccl];
+
+    /// `driver`, `nvrtc`, `cublas`, `nccl`.
+    pub fn name(self) -> &'static str {
+        match self {
+            CudaLib::Driver => "driver",
+            CudaLib::Nvrtc => "nvrtc",
+            CudaLib::Cublas => "cublas",
+            CudaLib::Nccl => "nccl",
+        }
+    }
+
+    /// Whether cudarc's loader finds it (a dlopen probe of its candidate names).
+    fn present(self) -> bool {
+        // SAFETY: each is_culib_present only dlopens candidate names and drops the handles.
+        unsafe {
+            match self {
+                CudaLib::Driver => cudarc::driver::sys::is_culib_present(),
+                CudaLib::Nvrtc => cudarc::nvrtc::sys::is_culib_present(),
+                CudaLib::Cublas => cudarc::cublas::sys::is_culib_present(),
+                CudaLib::Nccl => cudarc::nccl::sys::is_culib_present(),
+            }
+        }
+    }
+}
+
+/// The file library `lib` is loaded from, as cudarc's loader opened it (loading it if it
+/// was not yet): the `/proc/self/maps` entry holding one of its functions. A library
+/// cudarc cannot find is [`Error::CudaUnavailable`]; so is a system without
+/// `/proc/self/maps` (not Linux).
+pub fn loaded_from(lib: CudaLib) -> Result<PathBuf> {
+    if !lib.present() {
+        return Err(Error::CudaUnavailable(format!("{}: not found by cudarc's loader", lib.name())));
+    }
+    // SAFETY: the library is present (checked above), so each culib() opens it instead of
+    // panicking; the handles live for the process. A symbol is only looked up, never
+    // called, so its type does not matter.
+    let (library, symbol): (&'static libloading::Library, &str) = unsafe {
+        match lib {
+            CudaLib::Driver => (cudarc::driver::sys::culib(), "cuDriverGetVersion"),
+            CudaLib::Nvrtc => (cudarc::nvrtc::sys::culib(), "nvrtcVersion"),
+            CudaLib::Cublas => (cudarc::cublas::sys::culib(), "cublasCreate_v2"),
+            CudaLib::Nccl => (cudarc::nccl::sys::culib(), "ncclGetVersion"),
+        }
+    };
+    // SAFETY: as above: the address is read, nothing is called.
+    let addr = unsafe { library.get::<*const std::ffi::c_void>(symbol.as_bytes()) }
+        .map(|s| *s as usize)
+        .map_err(|e| Error::CudaUnavailable(format!("{}: no {symbol} in the loaded library: {e}", lib.name())))?;
+    let maps = std::fs::read_to_string("/proc/self/maps").map_err(|e| Error::io("/proc/self/maps", e))?;
+    mapping_path(&maps, addr).ok_or_else(|| {
+        Error::CudaUnavailable(format!(
+            "{}: {symbol} at {addr:#x} is in no file mapping of /proc/self/maps",
+            lib.name()
+        ))
+    })
+}
+
+/// The file behind the mapping of `maps` (the text of `/proc/<pid>/maps`) that contains
+/// `addr`. Each line is `start-end perms offset dev inode [path]`; the path is the rest
+/// of the line and may hold spaces.
+fn mapping_path(maps: &str, addr: usize) -> Option<PathBuf> {
+    maps.lines().find_map(|line| {
+        let (range, rest) = line.split_once(' ')?;
+        let (start, end) = range.split_once('-')?;
+        let (start, end) = (usize::from_str_radix(start, 16).ok()?, usize::from_str_radix(end, 16).ok()?);
+        if !(start..end).contains(&addr) {
+            return None;
+        }
+        // perms, offset, dev, inode, then the path.
+        let mut rest = rest.trim_start();
+        for _ in 0..4 {
+            rest = rest.split_once(char::is_whitespace).map_or("", |(_, r)| r).trim_start();
+        }
+        rest.starts_with('/').then(|| PathBuf::from(rest))
+    })
 }
 
 /// Number of CUDA GPUs visible to this process (honours `CUDA_VISIBLE_DEVICES`).
@@ -237,4 +351,34 @@ pub fn make_nccl_link(found: &Path, dir: &Path) -> Result<PathBuf> {
     #[cfg(not(unix))]
     std::fs::copy(found, &link).map_err(|e| Error::io(&link, e))?;
     Ok(link)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_mapping_that_holds_an_address_names_its_file() {
+        // Three lines as Linux writes them: a library's text segment, an anonymous
+        // mapping, and a path with a space in it.
+        let maps = "\
+7f0000000000-7f0000200000 r-xp 00001000 08:01 1234                       /opt/cu13/lib/libnvrtc.so.13
+7f0000200000-7f0000300000 rw-p 00000000 00:00 0 
+7f0000300000-7f0000400000 r-xp 00000000 08:01 99   /home/a b/libcublas.so.13
+";
+        assert_eq!(mapping_path(maps, 0x7f00_0000_0000), Some(PathBuf::from("/opt/cu13/lib/libnvrtc.so.13")));
+        assert_eq!(mapping_path(maps, 0x7f00_001f_ffff), Some(PathBuf::from("/opt/cu13/lib/libnvrtc.so.13")));
+        assert_eq!(mapping_path(maps, 0x7f00_0020_0000), None, "anonymous: no file");
+        assert_eq!(mapping_path(maps, 0x7f00_0030_0010), Some(PathBuf::from("/home/a b/libcublas.so.13")));
+        assert_eq!(mapping_path(maps, 0x7f00_0040_0000), None, "end is exclusive");
+    }
+
+    #[test]
+    fn this_processs_own_code_is_found_in_its_maps() {
+        // The address of a function of this test binary lies in the binary's own file.
+        let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+        let addr = the_mapping_that_holds_an_address_names_its_file as fn() as usize;
+        let path = mapping_path(&maps, addr).expect("the test's code is file-backed");
+        assert_eq!(path, std::env::current_exe().unwrap().canonicalize().unwrap());
+    }
 }

@@ -32,7 +32,7 @@ pub use dropout::Dropout;
 pub use linear::Linear;
 pub use pool::MaxPool2d;
 pub use reshape::{Flatten, GlobalAvgPool2d};
-pub use sequential::{LayerShapes, ParamStore, Sequential, TensorInfo};
+pub use sequential::{LayerShapes, ParamStore, Sequential, TensorInfo, TENSOR_ALIGN};
 pub use window::{Geometry2d, Padding, Window2d};
 
 use crate::error::Result;

@@ -4,6 +4,24 @@
 //! Names are the layer's kind numbered per kind in order (`conv0`, `bn0`, `conv1`, ...,
 //! `dense0`), then the tensor (`conv0.weight`, `bn1.running_mean`): the names PyTorch's
 //! `state_dict` gives the reference models, so weights move between the two by name.
+//!
+//! # Aligned tensors
+//!
+//! Every tensor starts on a multiple of [`TENSOR_ALIGN`] values (64 f32, 256 bytes) of its
+//! flat buffer, and each flat buffer's length is a multiple of it; the gaps are zeros. The
+//! GPU replica uses this layout as it is (its flat device buffers, and gradient slots of
+//! `params_len() + buffers_len()` values one after another), so every tensor view and every
+//! slot it hands to cuBLAS starts on a 256-byte boundary (device allocations do), as
+//! tensors in separate allocations do: cuBLAS picks kernels, and with them the order of
+//! its sums, by pointer alignment, so two replicas on one GPU (`cuda:0`, two slots) and
+//! on two contexts (`cuda:0,0`) would otherwise differ for no real reason.
+//! The alignment lives here, in the one layout both backends share, rather than in a
+//! GPU-only padded copy: weights, checkpoints and fingerprints are per tensor (by
+//! [`TensorInfo::range`]) and move between the backends unchanged, the trainer sizes the
+//! exchanges from `params_len() + buffers_len()` for CPU and GPU alike, and nothing maps
+//! between two layouts. The gaps cost the CPU exchange at most 63 values per tensor; they
+//! stay zero, since no layer writes them and every optimiser maps a zero gradient and a
+//! zero parameter to zero (checkpoints do not store them).
 
 use std::collections::HashMap;
 use std::ops::Range;
@@ -12,6 +30,10 @@ use super::{Ctx, Init, InputGrad, Layer, Mode, Params, ParamsMut};
 use crate::error::{Error, Result};
 use crate::rng::{derive_key, purpose, SplitMix64};
 use crate::tensor::{Shape, Tensor};
+
+/// Every tensor's start in a flat buffer, and every flat buffer's length, is a multiple
+/// of this many values: 64 f32, 256 bytes (see the file's docs).
+pub const TENSOR_ALIGN: usize = 64;
 
 /// A named tensor inside a flat buffer.
 #[derive(Clone, Debug, PartialEq)]
@@ -60,6 +82,9 @@ pub struct Sequential {
     slots: Vec<Slots>,
     params: Vec<TensorInfo>,
     buffers: Vec<TensorInfo>,
+    /// Lengths of the flat buffers, gaps included (multiples of [`TENSOR_ALIGN`]).
+    params_len: usize,
+    buffers_len: usize,
     /// Shape of one output sample.
     output_shape: Shape,
     /// Per-layer (forward, backward) time, when profiling is on.
@@ -103,10 +128,12 @@ impl Sequential {
             shape = layer.output_shape(&shape).map_err(|e| Error::config("model", format!("layer {name}: {e}")))?;
             shapes.push(LayerShapes { input, output: Shape::new(&shape.dims()[1..]) });
             let lay = |specs: Vec<super::ParamSpec>, off: &mut usize, infos: &mut Vec<TensorInfo>| {
+                *off = off.next_multiple_of(TENSOR_ALIGN);
                 let start = *off;
                 let ranges = specs
                     .into_iter()
                     .map(|s| {
+                        *off = off.next_multiple_of(TENSOR_ALIGN);
                         let len = s.shape.numel();
                         let r = (*off - start)..(*off - start + len);
                         infos.push(TensorInfo {
@@ -127,7 +154,20 @@ impl Sequential {
             names.push(name);
         }
         let output_shape = Shape::new(&shape.dims()[1..]);
-        Ok(Sequential { input_shape, layers, names, shapes, slots, params, buffers, output_shape, profile: None })
+        let (params_len, buffers_len) = (p_off.next_multiple_of(TENSOR_ALIGN), b_off.next_multiple_of(TENSOR_ALIGN));
+        Ok(Sequential {
+            input_shape,
+            layers,
+            names,
+            shapes,
+            slots,
+            params,
+            buffers,
+            params_len,
+            buffers_len,
+            output_shape,
+            profile: None,
+        })
     }
 
     /// Where layer `i`'s tensors live: the absolute ranges of its parameters inside the
@@ -182,14 +222,22 @@ impl Sequential {
         &self.buffers
     }
 
-    /// Number of trainable values.
-    pub fn num_params(&self) -> usize {
-        self.params.last().map_or(0, |t| t.range.end)
+    /// Length of the flat parameter buffer (of a [`ParamStore`], a gradient, an optimiser
+    /// state): every trainable value plus the zero gaps that align each tensor (see the
+    /// file's docs). How many values are trained is [`Sequential::num_params`].
+    pub fn params_len(&self) -> usize {
+        self.params_len
     }
 
-    /// Number of buffer values.
-    pub fn num_buffers(&self) -> usize {
-        self.buffers.last().map_or(0, |t| t.range.end)
+    /// Length of the flat buffer of running statistics, gaps included.
+    pub fn buffers_len(&self) -> usize {
+        self.buffers_len
+    }
+
+    /// Number of trainable values (what PyTorch's `numel` sum over parameters counts):
+    /// [`Sequential::params_len`] without the gaps.
+    pub fn num_params(&self) -> usize {
+        self.params.iter().map(|t| t.range.len()).sum()
     }
 
     /// Fresh parameters and buffers from `seed`, Keras's defaults: glorot-uniform
@@ -197,8 +245,8 @@ impl Sequential {
     /// from its own stream keyed by (seed, its index), so adding a layer at the end
     /// leaves the others' initial values unchanged.
     pub fn init(&self, seed: u64) -> ParamStore {
-        let fill = |infos: &[TensorInfo], base: u64| {
-            let mut flat = vec![0.0f32; infos.last().map_or(0, |t| t.range.end)];
+        let fill = |infos: &[TensorInfo], len: usize, base: u64| {
+            let mut flat = vec![0.0f32; len];
             for (i, t) in infos.iter().enumerate() {
                 let dst = &mut flat[t.range.clone()];
                 match t.init {
@@ -215,7 +263,7 @@ impl Sequential {
             }
             flat
         };
-        ParamStore { params: fill(&self.params, 0), buffers: fill(&self.buffers, 1) }
+        ParamStore { params: fill(&self.params, self.params_len, 0), buffers: fill(&self.buffers, self.buffers_len, 1) }
     }
 
     /// Runs every layer. x: (N, *input_shape) → (N, *output_shape). The layer index of
@@ -289,7 +337,7 @@ impl Sequential {
                 "{name:<12} {:<36} {:<16} {:>8}\n",
                 layer.describe(),
                 shapes.output.to_string(),
-                s.param_span.len()
+                s.param_ranges.iter().map(|r| r.len()).sum::<usize>()
             ));
         }
         out.push_str(&format!("total trainable parameters: {}\n", self.num_params()));

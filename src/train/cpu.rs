@@ -70,7 +70,7 @@ impl CpuReplica {
 impl Replica for CpuReplica {
     type Mem = Host;
 
-    fn num_params(&self) -> usize {
+    fn params_len(&self) -> usize {
         self.store.params.len()
     }
 

@@ -67,8 +67,8 @@ impl GpuReplica {
 impl Replica for GpuReplica {
     type Mem = DeviceMemory;
 
-    fn num_params(&self) -> usize {
-        self.net.model().num_params()
+    fn params_len(&self) -> usize {
+        self.net.model().params_len()
     }
 
     fn mark(&mut self, mark: Mark) -> Result<()> {

@@ -80,8 +80,8 @@ pub trait Replica {
     /// Where the slots it writes and the sums it reads live.
     type Mem: Memory;
 
-    /// Parameters of the model: a slot is `[num_params gradient values | buffers]`.
-    fn num_params(&self) -> usize;
+    /// Length of the flat parameters: a slot is `[params_len gradient values | buffers]`.
+    fn params_len(&self) -> usize;
 
     /// Records the time of `mark` (queued on a GPU).
     fn mark(&mut self, mark: Mark) -> Result<()>;
@@ -180,7 +180,7 @@ mod tests {
     fn fingerprints_change_with_any_bit() {
         let model = crate::models::toy_mlp(2, 2).unwrap();
         let mut store = model.init(0);
-        let optimizer = Optimizer::new(crate::optim::OptimizerConfig::sgd(0.1), model.num_params());
+        let optimizer = Optimizer::new(crate::optim::OptimizerConfig::sgd(0.1), model.params_len());
         let before = fingerprints(&model, &store, &optimizer);
         store.params[5] = f32::from_bits(store.params[5].to_bits() ^ 1); // one ulp
         let after = fingerprints(&model, &store, &optimizer);

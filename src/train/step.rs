@@ -63,7 +63,7 @@ where
     let grad_divisor = work.batch.len() as f32;
     let with_data = work.shards.iter().filter(|r| !r.is_empty()).count();
     let buffer_scale = 1.0 / with_data as f32;
-    let params = replica.num_params();
+    let params = replica.params_len();
     replica.begin_update(work.lr_scale, grad_divisor);
     exchange.for_each_sum(|offset, piece| {
         let (p, b) = split(offset, <X::Mem as Memory>::len(&piece), params);

@@ -263,14 +263,14 @@ pub fn with_trainer<T>(
     }
     let initial = match config.resume.as_ref().map(|r| &r.weights).or(config.initial.as_ref()) {
         Some(w) => {
-            if w.params.len() != model.num_params() || w.buffers.len() != model.num_buffers() {
+            if w.params.len() != model.params_len() || w.buffers.len() != model.buffers_len() {
                 return Err(Error::config("initial weights", "they do not match the model's tensors"));
             }
             w.clone()
         }
         None => model.init(config.seed),
     };
-    let width = model.num_params() + model.num_buffers();
+    let width = model.params_len() + model.buffers_len();
     let k = replicas / n;
     let plan = Plan {
         devices,
@@ -363,7 +363,7 @@ impl Plan<'_> {
                 commands.push(tx);
                 let optimizer = match &self.config.resume {
                     Some(r) => r.optimizer.clone(),
-                    None => Optimizer::new(self.config.optimizer, self.model.num_params()),
+                    None => Optimizer::new(self.config.optimizer, self.model.params_len()),
                 };
                 let start = (self.model.clone(), self.initial.clone(), optimizer);
                 let seat = Seat {

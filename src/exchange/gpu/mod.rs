@@ -307,15 +307,44 @@ mod tests {
     }
 
     #[test]
-    fn slots_start_on_256_byte_boundaries() {
-        // The convnet's slot (61,878 parameters + 104 buffers = 61,982 values) and the
-        // toy MLP's (772 parameters): every slot start is a multiple of 64 f32.
-        for width in [0, 1, 63, 64, 65, 772, 61_982] {
-            let stride = slot_stride(width);
-            assert!(stride >= width && stride - width < SLOT_ALIGN, "width {width}: stride {stride}");
-            for j in 0..4 {
-                assert_eq!((j * stride * 4) % 256, 0, "width {width}, slot {j}");
+    fn every_slot_and_tensor_view_starts_on_256_bytes() {
+        use crate::models::{convnet, toy_mlp, ConvnetOptions, Norm};
+        // Device allocations start 256-byte aligned (cuMemAlloc), so offsets of a multiple
+        // of 64 f32 are what every view a GPU replica hands to cuBLAS or a kernel needs:
+        // slot j at j·stride, a parameter's gradient at its flat offset in the slot, a
+        // buffer at np + its offset (the flat layout pads every tensor start: nn/sequential.rs).
+        let aligned = |floats: usize| (floats * std::mem::size_of::<f32>()) % 256 == 0;
+        let models = [
+            ("convnet", convnet(ConvnetOptions::default()).unwrap()),
+            ("convnet without BN", convnet(ConvnetOptions { norm: Norm::None, ..ConvnetOptions::default() }).unwrap()),
+            ("toy", toy_mlp(2, 2).unwrap()),
+        ];
+        for (name, model) in &models {
+            let (np, nb) = (model.params_len(), model.buffers_len());
+            let stride = slot_stride(np + nb);
+            assert!(aligned(np) && stride >= np + nb && stride - (np + nb) < SLOT_ALIGN, "{name}: np {np}");
+            let mut views = 0;
+            for slots in 1..=3 {
+                for local in 0..slots {
+                    let slot = local * stride;
+                    assert!(aligned(slot), "{name}: slot {local} of {slots} at {slot}");
+                    for t in model.param_infos() {
+                        assert!(aligned(t.range.start) && aligned(slot + t.range.start), "{name}: {}", t.name);
+                        views += 1;
+                    }
+                    for t in model.buffer_infos() {
+                        assert!(aligned(slot + np + t.range.start), "{name}: {}", t.name);
+                        views += 1;
+                    }
+                }
             }
+            // Every tensor was seen in each of the 1 + 2 + 3 slots.
+            let tensors = model.param_infos().len() + model.buffer_infos().len();
+            assert_eq!(views, 6 * tensors, "{name}");
+        }
+        // Widths that are no multiple of the alignment still get aligned slots.
+        for width in [1, 63, 65, 772] {
+            assert_eq!(slot_stride(width) % SLOT_ALIGN, 0, "width {width}");
         }
     }
 

@@ -68,7 +68,7 @@ impl NcclGroup {
         if !nccl_usable() {
             return Err(Error::CudaUnavailable("NCCL 2.18 or later does not load".to_string()));
         }
-        let id = nccl::unique_id().map_err(Error::Nccl)?;
+        let id = nccl::unique_id()?;
         Ok(NcclGroup {
             ordinals: ordinals.to_vec(),
             len,
@@ -121,7 +121,7 @@ impl NcclGroup {
     /// Creates rank `rank`'s communicator, publishes it in its slot (where `abort` can
     /// reach it), and polls until every rank has joined.
     fn init_comm(&self, rank: usize) -> Result<()> {
-        let (comm, state) = RawComm::init(self.world(), rank, self.id).map_err(Error::Nccl)?;
+        let (comm, state) = RawComm::init(self.world(), rank, self.id)?;
         {
             let mut slot = self.comms[rank].lock();
             // Checked under the lock: an abort that raised the flag before we got here
@@ -138,15 +138,11 @@ impl NcclGroup {
 
     /// Runs `op` on rank `rank`'s communicator under its lock, then polls until the
     /// operation is enqueued.
-    fn call(
-        &self,
-        rank: usize,
-        op: impl FnOnce(&RawComm) -> Result<State, cudarc::nccl::result::NcclError>,
-    ) -> Result<()> {
+    fn call(&self, rank: usize, op: impl FnOnce(&RawComm) -> Result<State>) -> Result<()> {
         let state = {
             let slot = self.comms[rank].lock();
             let comm = slot.as_ref().ok_or(Error::Aborted)?;
-            op(comm).map_err(Error::Nccl)?
+            op(comm)?
         };
         self.settle(rank, state)
     }
@@ -161,7 +157,7 @@ impl NcclGroup {
             }
             backoff.snooze();
             let slot = self.comms[rank].lock();
-            state = slot.as_ref().ok_or(Error::Aborted)?.state().map_err(Error::Nccl)?;
+            state = slot.as_ref().ok_or(Error::Aborted)?.state()?;
         }
         Ok(())
     }
