@@ -85,12 +85,17 @@ pub enum Error {
     #[error("NCCL: {:?}", .0.0)]
     Nccl(cudarc::nccl::result::NcclError),
 
-    /// Training was stopped on request (SIGINT) after a step.
-    #[error("interrupted after step {step}{}", match checkpoint {
-        Some(p) => format!("; checkpoint written to {}", p.display()),
+    /// A checkpoint directory is held by another run (see `dirlock`).
+    #[error("{}: in use by another lockstep run{}; wait for it to end, or choose another directory", dir.display(), match pid {
+        Some(p) => format!(" (pid {p})"),
         None => String::new(),
     })]
-    Interrupted { step: u64, checkpoint: Option<PathBuf> },
+    Locked { dir: PathBuf, pid: Option<u32> },
+
+    /// What a run or a command would allocate exceeds the memory available: the estimate,
+    /// its parts, and what the machine has.
+    #[error("{what} needs an estimated {} but {} {}: {parts}", crate::memory::human(*needed), crate::memory::human(*available), available_from)]
+    OutOfMemory { what: String, needed: u64, available: u64, available_from: &'static str, parts: String },
 }
 
 impl From<cudarc::nccl::result::NcclError> for Error {
