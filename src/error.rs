@@ -41,8 +41,9 @@ pub enum Error {
     #[error("{path}: {detail}")]
     Format { path: PathBuf, detail: String },
 
-    /// A weights file does not match the model; every problem is listed.
-    #[error("{path}: weights do not match the model:\n  {}", problems.join("\n  "))]
+    /// A weights file cannot be loaded into the model (a tensor missing, unexpected,
+    /// mis-shaped, or holding NaN or an infinity); every problem is listed.
+    #[error("{path}: these weights cannot be loaded into the model:\n  {}", problems.join("\n  "))]
     WeightsMismatch { path: PathBuf, problems: Vec<String> },
 
     /// A dataset is unusable (empty, labels out of range, inconsistent sizes).

@@ -505,7 +505,15 @@ fn settings(a: &mut TrainArgs, toy: bool) -> CliResult<Settings> {
 }
 
 pub(crate) fn cmd_train(a: TrainArgs, given: &BTreeSet<String>) -> CliResult {
-    // Every check comes before any work.
+    // Every check comes before any work. A directory being resumed is this run's before
+    // its stored flags are read: another run may be writing it.
+    let _resumed_lock = match a.resume.clone() {
+        Some(dir) => {
+            check_resume_dir(&dir)?;
+            Some(claim_checkpoint_dir(&dir, true)?)
+        }
+        None => None,
+    };
     let mut a = match a.resume.clone() {
         Some(dir) => with_stored_flags(a, given, &dir)?,
         None => a,
@@ -523,9 +531,6 @@ pub(crate) fn cmd_train(a: TrainArgs, given: &BTreeSet<String>) -> CliResult {
     }
     // Checkpoints go to --checkpoint-dir, or back into the directory being resumed; the
     // directory is this run's from here to the end of the process.
-    if let Some(dir) = &a.resume {
-        check_resume_dir(dir)?;
-    }
     let checkpoint_dir = a.checkpoint_dir.clone().or_else(|| a.resume.clone());
     let _lock =
         checkpoint_dir.as_deref().map(|d| claim_checkpoint_dir(d, a.resume.as_deref() == Some(d))).transpose()?;

@@ -32,7 +32,12 @@ pub fn fashion_mnist_dir() -> Result<PathBuf> {
     if let Some(dir) = std::env::var_os(DIR_ENV).filter(|d| !d.is_empty()) {
         let dir = PathBuf::from(dir);
         if !dir.is_dir() {
-            return Err(Error::format(&dir, format!("not a directory (named by {DIR_ENV})")));
+            return Err(Error::format(
+                &dir,
+                format!(
+                    "not a directory (named by {DIR_ENV}); unset it to use {DEBIAN_DIR} from Debian's {DEBIAN_PACKAGE} package"
+                ),
+            ));
         }
         return Ok(dir);
     }
