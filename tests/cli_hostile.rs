@@ -167,7 +167,10 @@ fn what_cannot_fit_in_memory_is_refused_before_any_allocation() {
     // Benchmarks: a 1 TiB all-reduce on 2 ranks needs 5 buffers of it (a slot and a buffer
     // per rank, the reduced chunks): 5 · 2^40 B = 5.5 TB.
     let e = refused(&["bench", "allreduce", "--devices", "cpu:2", "--sizes", "1024G"]);
-    assert!(e.starts_with("error: bench allreduce of 1099511627776 bytes on 2 ranks needs an estimated 5.5 TB but "), "{e}");
+    assert!(
+        e.starts_with("error: bench allreduce of 1099511627776 bytes on 2 ranks needs an estimated 5.5 TB but "),
+        "{e}"
+    );
     assert_eq!(
         refused(&["bench", "allreduce", "--devices", "cpu:2", "--sizes", "4K", "--iters", "100000000000"]),
         "error: --iters 100000000000 is more than the 1000000 a benchmark runs at most"
@@ -194,7 +197,8 @@ fn a_4_gb_file_with_a_zero_header_length_fails_at_once() {
     // and 4.1 GB of memory; checked first, it takes a few milliseconds.
     let big = dir.path().join("big.safetensors");
     std::fs::File::create(&big).unwrap().set_len(4 << 30).unwrap();
-    let expected = format!("{}: not a valid safetensors file: header length 0 is too small for any header", big.display());
+    let expected =
+        format!("{}: not a valid safetensors file: header length 0 is too small for any header", big.display());
     let ck = dir.path().join("ck");
     std::fs::create_dir_all(&ck).unwrap();
     std::fs::hard_link(&big, ck.join("checkpoint-000000000001.safetensors")).unwrap();
@@ -302,7 +306,10 @@ fn non_finite_values_are_named_on_load() {
     store.params[61] = f32::INFINITY; // dense0.bias is params[60..90]
     let bad = dir.path().join("inf.safetensors");
     lockstep::weights::save(&model, &store, &bad).unwrap();
-    let problem = format!("{}: these weights cannot be loaded into the model: tensor 'dense0.bias' holds inf at index 1", bad.display());
+    let problem = format!(
+        "{}: these weights cannot be loaded into the model: tensor 'dense0.bias' holds inf at index 1",
+        bad.display()
+    );
     assert_eq!(refused(&["train", "--model", "toy", "--init", s(&bad)]), format!("error: --init: {problem}"));
     assert_eq!(refused(&["eval", "--model", "toy", "--weights", s(&bad)]), format!("error: --weights: {problem}"));
 }

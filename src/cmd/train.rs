@@ -596,6 +596,7 @@ pub(crate) fn cmd_train(a: TrainArgs, given: &BTreeSet<String>) -> CliResult {
         stored,
     });
     let total_steps = (steps_per_epoch as u64).saturating_mul(s.epochs as u64).min(a.steps.unwrap_or(u64::MAX));
+    let mut resuming = None;
     if let Some(dir) = &a.resume {
         let fallback = if a.resume_fallback { Fallback::NewestGood } else { Fallback::Refuse };
         let fresh = Optimizer::new(config.optimizer, model.num_params());
@@ -610,7 +611,7 @@ pub(crate) fn cmd_train(a: TrainArgs, given: &BTreeSet<String>) -> CliResult {
         if r.step >= total_steps {
             return finished_already(&a, &model, dir, &r, total_steps);
         }
-        outln!("lockstep: resuming {} at step {} (epoch {})", path.display(), r.step, r.epoch + 1);
+        resuming = Some(format!("lockstep: resuming {} at step {} (epoch {})", path.display(), r.step, r.epoch + 1));
         config.resume = Some(r);
     }
     // SIGINT or SIGTERM: finish the step, write a checkpoint (or --save), exit 128 + N.
@@ -643,6 +644,9 @@ pub(crate) fn cmd_train(a: TrainArgs, given: &BTreeSet<String>) -> CliResult {
         a.early_stopping.map_or(String::new(), |p| format!(" | early stopping after {p} epochs without improvement")),
     ));
 
+    if let Some(line) = resuming {
+        say(line);
+    }
     let step_lines = if a.log_every_step { StepLines::Lesson } else { StepLines::Off };
     let mut progress = Progress::new(human, step_lines).held_out(held_out.name());
     let mut json = (a.log_format == LogFormat::Json).then(|| JsonLines::new(std::io::stdout()));
