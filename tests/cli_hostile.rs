@@ -134,9 +134,9 @@ fn eval_takes_the_class_count_from_the_weights_and_refuses_labels_beyond_it() {
 fn what_cannot_fit_in_memory_is_refused_before_any_allocation() {
     let dir = tempfile::tempdir().unwrap();
     // The conv of 1,048,576 filters on 28×28 images. Per sample its output is
-    // 2^20 · 784 = 822,083,584 values; an evaluation chunk of 512 samples holds that and
-    // its input gradient's worth twice: 822,083,584 · 2 · 512 · 4 B = 3.37 TB, more than
-    // any machine this runs on.
+    // 2^20 · 784 = 822,083,584 values; evaluating the digits' 360 test images in one chunk
+    // holds that and the conv's input twice over: 360 · (2 · 822,083,584 + 784) · 4 B =
+    // 2.37 TB (a training shard of 32 needs less, 316 GB), more than any machine this runs on.
     let spec = dir.path().join("wide.json");
     std::fs::write(
         &spec,
@@ -147,16 +147,20 @@ fn what_cannot_fit_in_memory_is_refused_before_any_allocation() {
     let t0 = Instant::now();
     let e = refused(&["train", "--model", s(&spec), "--devices", "cpu:1"]);
     assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
-    assert!(e.starts_with("error: training needs an estimated 3.4 TB but "), "{e}");
-    assert!(e.contains(": activations 3.4 TB (1 device(s) × an evaluation batch of 512), "), "{e}");
+    assert!(e.starts_with("error: training needs an estimated 2.4 TB but "), "{e}");
+    assert!(e.contains(": activations 2.4 TB (1 device(s) × an evaluation batch of 360), "), "{e}");
     // Parameters: 2^20 · 9 + 2^20 (the conv) + 2^20 · 10 + 10 (the Dense) = 20,971,530.
     assert!(e.contains("weights 167.8 MB (2 copies of 20,971,530 values)"), "{e}");
 
-    // A global batch of 10 million convnet samples: 536,528 bytes of activations each
-    // (see `memory::shard_activations`), 5.4 TB.
-    let e = refused(&["train", "--batch-size", "10000000", "--devices", "cpu:1"]);
-    assert!(e.starts_with("error: training needs an estimated "), "{e}");
-    assert!(e.contains(": activations 5.4 TB (1 device(s) × a shard of 10000000 samples)"), "{e}");
+    // A global batch past the training set is the whole set at every step: the digits'
+    // 1,437 images, estimated as such (a batch of 100,000 would be 26 GB).
+    let o = lockstep(&["train", "--batch-size", "100000", "--steps", "1", "--devices", "cpu:1"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stdout(&o).contains(" | global batch 1437 (every training sample; --batch-size 100000) | "),
+        "{}",
+        stdout(&o)
+    );
 
     // Logical replicas past the batch size: each would hold a gradient slot for no sample.
     assert_eq!(
@@ -184,8 +188,10 @@ fn what_cannot_fit_in_memory_is_refused_before_any_allocation() {
         refused(&["bench", "layers", "--threads", "100000"]),
         format!("error: --threads 100000 is more than 64 per core ({} here)", 64 * cores)
     );
+    // 10 million convnet samples at 261,568 B each (see `memory::shard_activations`) and
+    // the gathered batch of 784 f32 each: 2.65 TB.
     let e = refused(&["bench", "layers", "--batch-size", "10000000", "--threads", "1"]);
-    assert!(e.starts_with("error: bench layers needs an estimated 5.4 TB but "), "{e}");
+    assert!(e.starts_with("error: bench layers needs an estimated 2.6 TB but "), "{e}");
     let e = refused(&["bench", "allreduce", "--devices", "cpu:100000"]);
     assert!(e.contains("threads in all is more than 64 per core"), "{e}");
 }

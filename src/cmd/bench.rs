@@ -484,8 +484,8 @@ pub(crate) fn cmd_bench_layers(a: BenchLayersArgs) -> CliResult {
         )
         .add(
             "batch",
-            (batch_size as u64).saturating_mul(per_sample).saturating_mul(2),
-            "the batch and its copy as a tensor",
+            (batch_size as u64).saturating_mul(per_sample),
+            "the gathered batch (its copy as a tensor is the pass's)",
         )
         .add("weights and gradients", model.num_params() as u64 * 8 + model.num_buffers() as u64 * 4, "one replica");
     estimate.check("bench layers").map_err(Failure::usage)?;

@@ -554,10 +554,16 @@ pub(crate) fn cmd_train(a: TrainArgs, given: &BTreeSet<String>) -> CliResult {
             s.batch_size
         )));
     }
+    // A batch larger than the training set is the whole set at every step (Keras and
+    // PyTorch's loaders do the same); memory is estimated for what a step really takes.
+    let batch_size = match last_batch {
+        LastBatch::Keep => s.batch_size.min(splits.train.len()),
+        LastBatch::Drop => s.batch_size,
+    };
     let mut config = TrainConfig {
         epochs: s.epochs,
         max_steps: a.steps,
-        batch_size: s.batch_size,
+        batch_size,
         optimizer: s.optimizer,
         schedule: s.schedule,
         seed: a.seed,
@@ -573,10 +579,12 @@ pub(crate) fn cmd_train(a: TrainArgs, given: &BTreeSet<String>) -> CliResult {
     };
     config.validate().map_err(Failure::usage)?;
     // Memory before the weights, the checkpoint or any replica is allocated.
-    let mut estimate = lockstep::memory::training(&model, &s.devices, &config);
-    let data_bytes: u64 =
-        std::iter::once(&splits.train).chain(&splits.test).chain(&final_test).map(dataset_bytes).sum();
-    estimate.add("data", data_bytes, "the datasets as loaded, and the held-out set gathered for evaluation");
+    let largest_held_out = splits.test.iter().chain(&final_test).map(Dataset::len).max().unwrap_or(0);
+    let sized = TrainConfig { eval_batch: config.eval_batch.min(largest_held_out.max(1)), ..config.clone() };
+    let mut estimate = lockstep::memory::training(&model, &s.devices, &sized);
+    let held: u64 = splits.test.iter().chain(&final_test).map(|d| dataset_bytes(d, Evaluated::Yes)).sum();
+    let data_bytes = dataset_bytes(&splits.train, Evaluated::No).saturating_add(held);
+    estimate.add("data", data_bytes, "the datasets as loaded, and the held-out sets gathered as f32 for evaluation");
     estimate.check("training").map_err(Failure::usage)?;
     config.initial = a
         .init
@@ -636,12 +644,21 @@ pub(crate) fn cmd_train(a: TrainArgs, given: &BTreeSet<String>) -> CliResult {
     say(format!(
         "lockstep: {} | global batch {} | epochs {}{} | seed {}{}{}",
         optimizer_text(&s.optimizer),
-        s.batch_size,
+        match batch_size < s.batch_size {
+            true => format!("{batch_size} (every training sample; --batch-size {})", s.batch_size),
+            false => batch_size.to_string(),
+        },
         s.epochs,
         a.steps.map_or(String::new(), |k| format!(" (at most {k} steps)")),
         a.seed,
         a.init.as_ref().map_or(String::new(), |p| format!(" | initial weights {}", p.display())),
         a.early_stopping.map_or(String::new(), |p| format!(" | early stopping after {p} epochs without improvement")),
+    ));
+    say(format!(
+        "lockstep: memory: an estimated {} of the {} {}",
+        lockstep::memory::human(estimate.total()),
+        lockstep::memory::available().map_or("unknown".to_string(), |m| lockstep::memory::human(m.bytes)),
+        lockstep::memory::available().map_or("", |m| m.source),
     ));
 
     if let Some(line) = resuming {
@@ -700,14 +717,24 @@ pub(crate) fn cmd_train(a: TrainArgs, given: &BTreeSet<String>) -> CliResult {
     Ok(())
 }
 
+/// Whether a dataset is evaluated whole (gathered into one f32 batch) as well as held.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Evaluated {
+    Yes,
+    No,
+}
+
 /// The bytes a dataset holds, and its f32 copy when it is evaluated whole.
-fn dataset_bytes(d: &Dataset) -> u64 {
+fn dataset_bytes(d: &Dataset, evaluated: Evaluated) -> u64 {
     let values = (d.len() as u64).saturating_mul(d.sample_shape().numel() as u64);
     let stored = match d.features() {
         Features::F32(_) => values.saturating_mul(4),
         Features::U8(_) => values,
     };
-    stored.saturating_add(values.saturating_mul(4))
+    match evaluated {
+        Evaluated::Yes => stored.saturating_add(values.saturating_mul(4)),
+        Evaluated::No => stored,
+    }
 }
 
 /// Loss and accuracy of `weights` on `data`: the test split of a run that chose its
