@@ -11,11 +11,11 @@ fn bin() -> Command {
     Command::new(env!("CARGO_BIN_EXE_lockstep"))
 }
 
-fn tmp(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("lockstep-cli-resume-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+/// A fresh temporary directory, removed with the guard.
+fn tmp() -> (tempfile::TempDir, PathBuf) {
+    let guard = tempfile::tempdir().unwrap();
+    let d = guard.path().to_path_buf();
+    (guard, d)
 }
 
 /// The run under test: the convnet on the digits, 40 steps of 32, 2 logical replicas.
@@ -41,7 +41,7 @@ fn checkpoints(dir: &Path) -> usize {
 
 #[test]
 fn sigkill_then_resume_on_other_devices_gives_the_same_weights() {
-    let dir = tmp("kill");
+    let (_guard, dir) = tmp();
     let (full, resumed, ck) = (dir.join("full.safetensors"), dir.join("resumed.safetensors"), dir.join("ck"));
     let out = bin().args(train_args(&["--devices", "cpu:2", "--save", full.to_str().unwrap()])).output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
@@ -147,7 +147,7 @@ fn an_absurd_epoch_count_is_capped_by_steps_not_a_crash() {
 
 #[test]
 fn checkpoint_input_errors_are_one_line() {
-    let dir = tmp("bad");
+    let (_guard, dir) = tmp();
     let missing = dir.join("nope");
     let out = bin().args(["train", "--resume", missing.to_str().unwrap()]).output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);

@@ -16,6 +16,7 @@ struct Mount(std::path::PathBuf);
 impl Drop for Mount {
     fn drop(&mut self) {
         let _ = Command::new("umount").arg(&self.0).status();
+        let _ = std::fs::remove_dir(&self.0);
     }
 }
 

@@ -96,7 +96,7 @@ pub(crate) fn cmd_eval(a: EvalArgs) -> CliResult {
             metrics.mean_loss()
         )));
     }
-    outln!("{} on {} ({} samples) on {}", a.weights.display(), data.name(), data.len(), devices);
+    outln!("{} ({classes} classes) on {} ({} samples) on {}", a.weights.display(), data.name(), data.len(), devices);
     outln!(
         "loss {:.4} | accuracy {:.4} ({}/{})",
         metrics.mean_loss(),

@@ -302,12 +302,11 @@ fn load(path: &Path, magic: u32, what: &str) -> Result<(Vec<u8>, Vec<usize>)> {
 mod tests {
     use super::*;
 
-    /// A fresh directory in the system temp directory, unique per test and process.
-    fn temp_dir(tag: &str) -> PathBuf {
-        let dir = std::env::temp_dir().join(format!("lockstep-idx-{tag}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        dir
+    /// A fresh temporary directory (removed with the guard) and its path.
+    fn temp_dir() -> (tempfile::TempDir, PathBuf) {
+        let guard = tempfile::tempdir().unwrap();
+        let dir = guard.path().to_path_buf();
+        (guard, dir)
     }
 
     /// The error text of loading `path` as images, which must fail; checks it names the path.
@@ -338,7 +337,7 @@ mod tests {
 
     #[test]
     fn round_trips_plain_and_gzip() {
-        let dir = temp_dir("round_trip");
+        let (_guard, dir) = temp_dir();
         let px: Vec<u8> = (0..24).map(|i| i * 10).collect();
         for name in ["x-idx3-ubyte", "x-idx3-ubyte.gz"] {
             let p = dir.join(name);
@@ -358,7 +357,7 @@ mod tests {
     #[test]
     fn loads_an_mnist_directory_plain_or_gzipped() {
         for gz in [false, true] {
-            let dir = temp_dir(if gz { "mnist_gz" } else { "mnist_plain" });
+            let (_guard, dir) = temp_dir();
             write_small_mnist(&dir, gz);
             let s = load_mnist_dir(&dir).unwrap();
             assert_eq!(s.train.len(), 3);
@@ -376,7 +375,7 @@ mod tests {
     fn a_label_outside_the_ten_classes_is_refused_naming_file_sample_and_value() {
         // The case: one label 200 in Fashion-MNIST's labels must not make a
         // 201-class model.
-        let dir = temp_dir("wide");
+        let (_guard, dir) = temp_dir();
         write_small_mnist(&dir, false);
         let labels = dir.join("train-labels-idx1-ubyte");
         save_idx_labels(&labels, &[0, 200, 2]).unwrap();
@@ -394,7 +393,7 @@ mod tests {
 
     #[test]
     fn directory_problems_name_the_file() {
-        let dir = temp_dir("dir_problems");
+        let (_guard, dir) = temp_dir();
         let e = load_mnist_dir(&dir.join("nope")).unwrap_err().to_string();
         assert!(e.contains("nope: not a directory"), "{e}");
         write_small_mnist(&dir, false);
@@ -412,7 +411,7 @@ mod tests {
 
     #[test]
     fn bad_headers_are_named() {
-        let dir = temp_dir("headers");
+        let (_guard, dir) = temp_dir();
         let p = dir.join("f");
         std::fs::write(&p, [0, 0]).unwrap();
         assert!(images_err(&p).contains("truncated header: the file ends after 2 of the 4 bytes of the magic number"));
@@ -439,7 +438,7 @@ mod tests {
 
     #[test]
     fn bad_bodies_are_named() {
-        let dir = temp_dir("bodies");
+        let (_guard, dir) = temp_dir();
         let p = dir.join("f");
         let mut b = header(IDX3_U8_MAGIC, &[2, 2, 2]);
         b.extend_from_slice(&[7; 7]);
@@ -473,7 +472,7 @@ mod tests {
     fn no_byte_pattern_panics() {
         // Every single-byte corruption (three values per byte) and every prefix of a small
         // valid file, plain and gzipped: each loads or fails with an error.
-        let dir = temp_dir("corrupt");
+        let (_guard, dir) = temp_dir();
         for name in ["base", "base.gz"] {
             let base = dir.join(name);
             save_idx_images(&base, &(0..18).collect::<Vec<u8>>(), [2, 3, 3]).unwrap();

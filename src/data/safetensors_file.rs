@@ -232,11 +232,15 @@ mod tests {
     use safetensors::SafeTensors;
     use std::collections::HashMap;
 
-    /// A fresh path in the system temp directory, unique per test and process.
+    thread_local! {
+        /// Each test's scratch directory: libtest runs a test on its own thread, whose
+        /// end drops (removes) it.
+        static SCRATCH: tempfile::TempDir = tempfile::tempdir().unwrap();
+    }
+
+    /// A path in this test's scratch directory.
     fn temp_path(tag: &str) -> PathBuf {
-        let dir = std::env::temp_dir().join(format!("lockstep-test-{}", std::process::id()));
-        fs::create_dir_all(&dir).unwrap();
-        dir.join(format!("{tag}.safetensors"))
+        SCRATCH.with(|d| d.path().join(format!("{tag}.safetensors")))
     }
 
     /// Writes tensors given as (name, dtype, shape, little-endian bytes).
