@@ -389,3 +389,24 @@ fn a_directory_of_corrupt_checkpoints_and_a_finished_run_are_said_so() {
         )
     );
 }
+
+#[test]
+fn a_checkpoint_of_another_configuration_is_named_in_words() {
+    // The issue: mismatches printed as Rust debug (`Some(600) there, Some(900) here`). A
+    // spec edited between a run and its resume: the layers differ, said as layers.
+    let dir = tempfile::tempdir().unwrap();
+    let spec = dir.path().join("spec.json");
+    let ck = dir.path().join("ck");
+    let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/examples/toy_mlp.json")).unwrap();
+    std::fs::write(&spec, &text).unwrap();
+    let o = lockstep(&["train", "--model", s(&spec), "--data", "toy", "--checkpoint-dir", s(&ck), "--steps", "4"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    std::fs::write(&spec, text.replace("\"units\": 20", "\"units\": 21")).unwrap();
+    assert_eq!(
+        refused(&["train", "--resume", s(&ck), "--epochs", "5"]),
+        format!(
+            "error: {}: written by a different run: layers is Dense(2→30) → ReLU → Dense(30→20) → ReLU → Dense(20→2) there, Dense(2→30) → ReLU → Dense(30→21) → ReLU → Dense(21→2) here",
+            ck.join("checkpoint-000000000004.safetensors").display()
+        )
+    );
+}

@@ -29,7 +29,13 @@ pub const CLASS_NAMES: [&str; 10] =
 /// The directory holding the files: `$LOCKSTEP_FASHION_MNIST_DIR` when set, else
 /// [`DEBIAN_DIR`]. An error when it is not a directory says which package to install.
 pub fn fashion_mnist_dir() -> Result<PathBuf> {
-    if let Some(dir) = std::env::var_os(DIR_ENV).filter(|d| !d.is_empty()) {
+    find_dir(std::env::var_os(DIR_ENV), Path::new(DEBIAN_DIR))
+}
+
+/// [`fashion_mnist_dir`] with the environment variable's value and the package's
+/// directory given (so that a test can name a directory that is not there).
+fn find_dir(env: Option<std::ffi::OsString>, debian: &Path) -> Result<PathBuf> {
+    if let Some(dir) = env.filter(|d| !d.is_empty()) {
         let dir = PathBuf::from(dir);
         if !dir.is_dir() {
             return Err(Error::format(
@@ -41,16 +47,15 @@ pub fn fashion_mnist_dir() -> Result<PathBuf> {
         }
         return Ok(dir);
     }
-    let dir = Path::new(DEBIAN_DIR);
-    if !dir.is_dir() {
+    if !debian.is_dir() {
         return Err(Error::format(
-            dir,
+            debian,
             format!(
                 "not found: install Debian's {DEBIAN_PACKAGE} package (apt-get install {DEBIAN_PACKAGE}), or point {DIR_ENV} at a directory of the four Fashion-MNIST IDX files"
             ),
         ));
     }
-    Ok(dir.to_path_buf())
+    Ok(debian.to_path_buf())
 }
 
 /// The training and test splits, with their class names.
@@ -61,4 +66,26 @@ pub fn load_fashion_mnist() -> Result<Splits> {
         train: splits.train.with_class_names(names())?,
         test: splits.test.map(|t| t.with_class_names(names())).transpose()?,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_absent_package_is_named_and_the_variable_wins() {
+        let dir = tempfile::tempdir().unwrap();
+        let missing = dir.path().join("fashion-mnist");
+        let e = find_dir(None, &missing).unwrap_err().to_string();
+        assert_eq!(
+            e,
+            format!(
+                "{}: not found: install Debian's dataset-fashion-mnist package (apt-get install dataset-fashion-mnist), or point LOCKSTEP_FASHION_MNIST_DIR at a directory of the four Fashion-MNIST IDX files",
+                missing.display()
+            )
+        );
+        assert_eq!(find_dir(Some(dir.path().into()), &missing).unwrap(), dir.path());
+        // An empty variable is unset.
+        assert!(find_dir(Some("".into()), &missing).is_err());
+    }
 }
