@@ -4,9 +4,11 @@
 //! `bench allreduce|step|layers`; each one's arguments and work are in `cmd/`), what the
 //! subcommands share (`--model` and `--data` resolution, `--devices`, writability
 //! checks), and the mapping of failures to exit codes: 2 for a usage or input error (a
-//! bad flag, a missing or malformed file, a device that is not there), 1 for a failure
-//! while running (a worker error, a non-finite loss, a replica mismatch). Every failure
-//! is one line `error: ...` on stderr; every input is checked BEFORE any work starts.
+//! bad flag, a missing or malformed file, a device that is not there, a run that does not
+//! fit in memory, a checkpoint directory another run holds), 1 for a failure while
+//! running (a worker error, a non-finite loss, a replica mismatch), 128 + N for a run
+//! stopped by signal N (130 SIGINT, 143 SIGTERM; `cmd/signals.rs`). Every failure is one
+//! line `error: ...` on stderr; every input is checked BEFORE any work starts.
 //!
 //! It leaves everything numerical to the library: models (`lockstep::models`), data
 //! (`lockstep::data`), the trainer (`lockstep::train`), weights files

@@ -110,7 +110,8 @@ pub(crate) struct TrainArgs {
     /// Write checkpoints (weights, optimiser state, position, configuration) here.
     #[arg(long, value_name = "DIR")]
     checkpoint_dir: Option<PathBuf>,
-    /// Steps between checkpoints [default: one epoch]. One is also written at the end and on Ctrl-C.
+    /// Steps between checkpoints [default: one epoch]. One is also written at the end and
+    /// when the run is stopped by SIGINT (Ctrl-C) or SIGTERM.
     #[arg(long, value_name = "N")]
     checkpoint_every: Option<u64>,
     /// Checkpoints kept, newest first.
@@ -522,13 +523,7 @@ pub(crate) fn cmd_train(a: TrainArgs, given: &BTreeSet<String>) -> CliResult {
     let toy = source.flat();
     let s = settings(&mut a, toy)?;
     check_outputs(&a)?;
-    let monitors = a.early_stopping.is_some() || a.save_best.is_some();
-    if monitors && a.validation_split.is_none() && a.val_data.is_none() {
-        let name = if a.early_stopping.is_some() { "--early-stopping" } else { "--save-best" };
-        return Err(Failure::usage(anyhow!(
-            "{name} monitors the validation loss: give --validation-split F or --val-data (the test split only measures)"
-        )));
-    }
+    check_monitors(&a)?;
     // Checkpoints go to --checkpoint-dir, or back into the directory being resumed; the
     // directory is this run's from here to the end of the process.
     let checkpoint_dir = a.checkpoint_dir.clone().or_else(|| a.resume.clone());
@@ -654,11 +649,12 @@ pub(crate) fn cmd_train(a: TrainArgs, given: &BTreeSet<String>) -> CliResult {
         a.init.as_ref().map_or(String::new(), |p| format!(" | initial weights {}", p.display())),
         a.early_stopping.map_or(String::new(), |p| format!(" | early stopping after {p} epochs without improvement")),
     ));
+    let available = lockstep::memory::available();
     say(format!(
         "lockstep: memory: an estimated {} of the {} {}",
         lockstep::memory::human(estimate.total()),
-        lockstep::memory::available().map_or("unknown".to_string(), |m| lockstep::memory::human(m.bytes)),
-        lockstep::memory::available().map_or("", |m| m.source),
+        available.map_or("unknown".to_string(), |m| lockstep::memory::human(m.bytes)),
+        available.map_or("", |m| m.source),
     ));
 
     if let Some(line) = resuming {
@@ -697,24 +693,49 @@ pub(crate) fn cmd_train(a: TrainArgs, given: &BTreeSet<String>) -> CliResult {
     }
     final_lines(&say, &report, held_out, tested.as_ref(), &a);
     if let Stopped::Interrupted { checkpoint } = &report.stopped {
-        let signal = signals.received().unwrap_or(signal_hook::consts::SIGINT);
-        let mut line = format!("lockstep: interrupted by {} after step {}", StopSignals::name(signal), report.steps);
-        match (checkpoint, &a.save) {
-            (Some(p), _) => line.push_str(&format!("; checkpoint written to {}", p.display())),
-            (None, Some(p)) => {
-                weights::save(&model, &report.weights, p).map_err(Failure::runtime)?;
-                line.push_str(&format!("; the weights at that step saved to {}", p.display()));
-            }
-            (None, None) => line.push_str("; nothing saved (no --checkpoint-dir or --save)"),
-        }
-        eprintln!("{line}");
-        return Err(Failure::silent(StopSignals::exit_code(signal)));
+        return interrupted(&model, &report, checkpoint.as_deref(), a.save.as_deref(), &signals);
     }
     if let Some(p) = &a.save {
         weights::save(&model, &report.weights, p).map_err(Failure::runtime)?;
         say(format!("weights saved to {}", p.display()));
     }
     Ok(())
+}
+
+/// `--early-stopping` and `--save-best` choose epochs by a validation set, never by the
+/// test split (which would then measure nothing): Keras monitors `val_loss`.
+fn check_monitors(a: &TrainArgs) -> CliResult {
+    let monitors = a.early_stopping.is_some() || a.save_best.is_some();
+    if monitors && a.validation_split.is_none() && a.val_data.is_none() {
+        let name = if a.early_stopping.is_some() { "--early-stopping" } else { "--save-best" };
+        return Err(Failure::usage(anyhow!(
+            "{name} monitors the validation loss: give --validation-split F or --val-data (the test split only measures)"
+        )));
+    }
+    Ok(())
+}
+
+/// The end of a run a signal stopped: where its state went (the checkpoint, else the
+/// weights of its last step to `--save`), said on stderr, and the exit code 128 + N.
+fn interrupted(
+    model: &Sequential,
+    report: &TrainReport,
+    checkpoint: Option<&Path>,
+    save: Option<&Path>,
+    signals: &StopSignals,
+) -> CliResult {
+    let signal = signals.received().unwrap_or(signal_hook::consts::SIGINT);
+    let mut line = format!("lockstep: interrupted by {} after step {}", StopSignals::name(signal), report.steps);
+    match (checkpoint, save) {
+        (Some(p), _) => line.push_str(&format!("; checkpoint written to {}", p.display())),
+        (None, Some(p)) => {
+            weights::save(model, &report.weights, p).map_err(Failure::runtime)?;
+            line.push_str(&format!("; the weights at that step saved to {}", p.display()));
+        }
+        (None, None) => line.push_str("; nothing saved (no --checkpoint-dir or --save)"),
+    }
+    eprintln!("{line}");
+    Err(Failure::silent(StopSignals::exit_code(signal)))
 }
 
 /// Whether a dataset is evaluated whole (gathered into one f32 batch) as well as held.
