@@ -4,4 +4,5 @@
 pub mod bench;
 pub mod eval;
 pub mod files;
+pub mod signals;
 pub mod train;

@@ -253,6 +253,7 @@ pub fn with_trainer<T>(
     f: impl FnOnce(&mut Trainer<'_>) -> Result<T>,
 ) -> Result<T> {
     config.validate()?;
+    crate::memory::check_training(model, devices, config)?;
     let n = devices.len();
     let replicas = config.replicas.unwrap_or(n);
     if replicas % n != 0 {
