@@ -1,7 +1,9 @@
 // dropout.cu — inverted dropout whose mask is a pure function of position, never stored.
 //
 // Owns: dropout forward and backward. The keep/drop decision for element `idx` of layer
-// `layer` at `step` in logical replica `replica` is a counter-based hash, so
+// `layer` at `step` in logical replica `replica` is a counter-based hash, so (element i
+// of a buffer is element idx = first + i of the logical replica's shard: a later
+// micro-batch of an accumulated step starts at first > 0)
 //   * the backward recomputes the mask instead of keeping it in memory;
 //   * the CPU backend gets bit-identical masks by running the same few integer lines
 //     (tests/cuda_ops.rs holds the Rust copy the GPU masks are checked against);
@@ -48,10 +50,10 @@ __device__ bool dropout_keep(unsigned long long key, unsigned long long idx, flo
 extern "C" __global__ void dropout_fwd_f32(const float* x, float* y, float rate,
                                            unsigned long long seed, unsigned long long step,
                                            unsigned long long replica, unsigned long long layer,
-                                           size_t n) {
+                                           unsigned long long first, size_t n) {
     const unsigned long long key = dropout_key(seed, step, replica, layer);
     const float scale = 1.0f / (1.0f - rate);
-    GRID_STRIDE(i, n) { y[i] = x[i] * (dropout_keep(key, i, rate) ? scale : 0.0f); }
+    GRID_STRIDE(i, n) { y[i] = x[i] * (dropout_keep(key, first + i, rate) ? scale : 0.0f); }
 }
 
 // dx = dy * (keep ? 1 / (1 - rate) : 0), with the same mask as the forward (same arguments).
@@ -59,8 +61,8 @@ extern "C" __global__ void dropout_fwd_f32(const float* x, float* y, float rate,
 extern "C" __global__ void dropout_bwd_f32(const float* dy, float* dx, float rate,
                                            unsigned long long seed, unsigned long long step,
                                            unsigned long long replica, unsigned long long layer,
-                                           size_t n) {
+                                           unsigned long long first, size_t n) {
     const unsigned long long key = dropout_key(seed, step, replica, layer);
     const float scale = 1.0f / (1.0f - rate);
-    GRID_STRIDE(i, n) { dx[i] = dy[i] * (dropout_keep(key, i, rate) ? scale : 0.0f); }
+    GRID_STRIDE(i, n) { dx[i] = dy[i] * (dropout_keep(key, first + i, rate) ? scale : 0.0f); }
 }

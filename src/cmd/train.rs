@@ -64,6 +64,9 @@ pub(crate) struct TrainArgs {
     /// Save the final weights here (written atomically).
     #[arg(long, value_name = "FILE")]
     save: Option<PathBuf>,
+    /// The dtype --save writes: f32, or bf16 / f16 rounded to nearest even (as PyTorch).
+    #[arg(long, value_enum, default_value = "f32", requires = "save")]
+    save_dtype: SaveDtypeName,
     /// Visit the samples in file order every epoch.
     #[arg(long)]
     no_shuffle: bool,
@@ -79,6 +82,22 @@ pub(crate) struct TrainArgs {
     /// Logical replicas R (a multiple of the device count) [default: the device count].
     #[arg(long, value_name = "R")]
     replicas: Option<usize>,
+    /// Gradient accumulation (PyTorch's no_sync): each device runs its share of a step as at
+    /// least K micro-batches one after another, gradients summed in place; one exchange and
+    /// one update per step. Activation memory about ÷ K.
+    #[arg(long, value_name = "K", default_value_t = 1)]
+    accumulate: usize,
+    /// Normalise with the statistics of the whole global batch, across every replica
+    /// (PyTorch's SyncBatchNorm.convert_sync_batchnorm); one logical replica per device.
+    #[arg(long)]
+    sync_batchnorm: bool,
+    /// How gradients travel between the replicas: f32, or 16-bit values summed in f32.
+    #[arg(long, value_enum, default_value = "none")]
+    grad_compression: CompressionName,
+    /// ZeRO stage 1: each device keeps the optimiser state (Adam's m and v, SGD's
+    /// momentum) of its part of the parameters only; the same weights, bitwise.
+    #[arg(long)]
+    shard_optimizer: bool,
     /// Check that every replica is bitwise identical every K steps and at the end [default: 100].
     #[arg(long, value_name = "K")]
     check_replicas_every: Option<u64>,
@@ -157,6 +176,9 @@ pub(crate) fn cmd_train(a: TrainArgs) -> CliResult {
     if a.check_replicas_every == Some(0) {
         return Err(Failure::usage(anyhow!("--check-replicas-every must be at least 1")));
     }
+    if a.accumulate == 0 {
+        return Err(Failure::usage(anyhow!("--accumulate must be at least 1 (micro-batches per step)")));
+    }
     if optimizer == OptimizerName::Adam && a.momentum != 0.0 {
         return Err(Failure::usage(anyhow!("--momentum is an SGD setting; Adam uses its betas")));
     }
@@ -215,6 +237,14 @@ pub(crate) fn cmd_train(a: TrainArgs) -> CliResult {
     let (splits, eval_name) = with_validation(splits, a.validation_split, a.val_data.as_deref(), a.seed)?;
     let classes = splits.train.num_classes().max(splits.test.as_ref().map_or(0, Dataset::num_classes));
     let model = build_model(&source, splits.train.sample_shape().dims(), classes, a.dropout, a.bn_momentum)?;
+    let model = if a.sync_batchnorm { lockstep::nn::convert_sync_batchnorm(&model)? } else { model };
+    if a.sync_batchnorm && a.replicas.is_some_and(|r| r != devices.len()) {
+        return Err(Failure::usage(anyhow!(
+            "--sync-batchnorm needs one logical replica per device: --replicas {} on {} devices",
+            a.replicas.unwrap_or(0),
+            devices.len()
+        )));
+    }
     lockstep::train::check_data(&model, &splits.train).map_err(Failure::usage)?;
     if let Some(t) = &splits.test {
         lockstep::train::check_data(&model, t).map_err(Failure::usage)?;
@@ -247,6 +277,9 @@ pub(crate) fn cmd_train(a: TrainArgs) -> CliResult {
         check_replicas_every: a.check_replicas_every.or(TrainConfig::default().check_replicas_every),
         non_finite: if a.allow_nonfinite { NonFinite::Allow } else { NonFinite::Error },
         initial,
+        accumulate: a.accumulate,
+        grad_compression: a.grad_compression.compression(),
+        optimizer_sharding: if a.shard_optimizer { Sharding::Sharded } else { Sharding::Replicated },
         ..TrainConfig::default()
     };
     config.validate().map_err(Failure::usage)?;
@@ -317,6 +350,9 @@ pub(crate) fn cmd_train(a: TrainArgs) -> CliResult {
     if let Some(note) = devices.oversubscription_note(replicas) {
         say!("lockstep: note: {note}");
     }
+    if let Some(features) = features_text(&a) {
+        say!("lockstep: {features}");
+    }
     say!(
         "lockstep: {} | global batch {batch_size} | epochs {epochs}{} | seed {}{}",
         optimizer_text(&optimizer),
@@ -356,10 +392,28 @@ pub(crate) fn cmd_train(a: TrainArgs) -> CliResult {
         }
     }
     if let Some(p) = &a.save {
-        weights::save(&model, &report.weights, p).map_err(Failure::runtime)?;
-        say!("weights saved to {}", p.display());
+        weights::save_as(&model, &report.weights, p, a.save_dtype.dtype()).map_err(Failure::runtime)?;
+        say!("weights saved to {} ({:?})", p.display(), a.save_dtype);
     }
     Ok(())
+}
+
+/// The features of issue 12 a run uses, in one line, or None for none of them.
+fn features_text(a: &TrainArgs) -> Option<String> {
+    let mut parts = Vec::new();
+    if a.accumulate > 1 {
+        parts.push(format!("accumulate {} micro-batches per step", a.accumulate));
+    }
+    if a.sync_batchnorm {
+        parts.push("synchronized BatchNorm".to_string());
+    }
+    if a.grad_compression != CompressionName::None {
+        parts.push(format!("gradients travel as {:?}", a.grad_compression).to_lowercase());
+    }
+    if a.shard_optimizer {
+        parts.push("optimiser state sharded across devices (ZeRO-1)".to_string());
+    }
+    (!parts.is_empty()).then(|| parts.join(" | "))
 }
 
 /// The arguments that decide a run's arithmetic: a checkpoint is only resumed by a run
@@ -393,7 +447,17 @@ fn run_fingerprint(
         ("dropout", a.dropout.to_string()),
         ("bn_momentum", a.bn_momentum.to_string()),
     ];
-    entries.into_iter().map(|(k, v)| (k.to_string(), v)).collect()
+    // Accumulation and 16-bit gradients change the arithmetic (a sharded optimiser does
+    // not: its run resumes unsharded, and the other way round); named only when used, so
+    // that checkpoints written before they existed still resume.
+    let mut out: BTreeMap<String, String> = entries.into_iter().map(|(k, v)| (k.to_string(), v)).collect();
+    if c.accumulate != 1 {
+        out.insert("accumulate".into(), c.accumulate.to_string());
+    }
+    if c.grad_compression != lockstep::exchange::codec::Compression::None {
+        out.insert("grad_compression".into(), c.grad_compression.name().into());
+    }
+    out
 }
 
 // ---------------------------------------------------------------------------------------

@@ -1,0 +1,345 @@
+//! 16-bit gradients on the wire (`--grad-compression bf16|fp16`): the codec, one piece
+//! that any exchange can carry (shared memory here, MPI next), kept apart from every
+//! transport.
+//!
+//! Owns: [`Compression`] (what travels), [`Codec`] (how a run's slot is encoded) and
+//! [`Wire`] (the encoded values of one run of a slot). It knows nothing of ranks,
+//! barriers or messages: an exchange encodes each logical replica's slot once, moves the
+//! wires, decodes every contribution to f32, sums in ITS fixed order in f32, encodes the
+//! sum, and every rank decodes that same encoded sum. Encoding and decoding are pure
+//! functions of the values, so every replica reads bitwise the same result.
+//!
+//! What is encoded: the gradient part of a slot, `0..encoded_len` (the flat parameters).
+//! The BatchNorm buffers after it travel as f32: running statistics re-rounded to 8
+//! significant bits every step would keep only 8 bits (PyTorch's hooks, likewise, only
+//! ever see gradients).
+//!
+//! The formats, element by element, in blocks of [`BLOCK`] values at absolute offsets of
+//! the slot (so any chunking into multiples of [`BLOCK`] sees the same blocks):
+//! - **bf16**: the top 16 bits of the f32, rounded to nearest even (what
+//!   `tensor.to(torch.bfloat16)` does; NaN becomes the quiet NaN 0x7FC0). bf16 has f32's
+//!   exponent range: nothing overflows or flushes that f32 would not. No scale.
+//! - **fp16**: IEEE half precision (10 mantissa bits, but a range of only 6e-8..65504),
+//!   scaled per block by a power of two 2^e chosen from the block's largest magnitude M
+//!   (M in [2^E, 2^(E+1)) ⇒ e = 14 − E, clamped to [−126, 126]): the scaled block's
+//!   largest value lies in [2^14, 2^15), below fp16's maximum 65504, so nothing
+//!   overflows; a value is lost to zero only if it is below 2^−25 of its block's largest
+//!   (fp16's subnormal floor 2^−24 against 2^15), whatever the gradients' absolute size.
+//!   The exponent travels with the block (one byte per 1,024 values); scaling by a power
+//!   of two is exact. A block holding NaN or ±∞ is sent unscaled (they stay NaN, ±∞).
+//!   Sums are decoded (h · 2^−e, exact) before they are added, in f32, so blocks of
+//!   different scales add correctly.
+
+use std::ops::Range;
+
+use half::slice::{HalfBitsSliceExt, HalfFloatSliceExt};
+use half::{bf16, f16};
+
+/// Values per block: the unit of fp16's scale and of every chunking of an encoded slot.
+pub const BLOCK: usize = 1024;
+
+/// How a run's gradients travel between its logical replicas.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Compression {
+    /// f32, as computed.
+    None,
+    /// bfloat16, rounded to nearest even.
+    Bf16,
+    /// IEEE half precision, scaled by a power of two per block of [`BLOCK`] values.
+    Fp16,
+}
+
+impl Compression {
+    /// The name the command line uses: `none`, `bf16`, `fp16`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Compression::None => "none",
+            Compression::Bf16 => "bf16",
+            Compression::Fp16 => "fp16",
+        }
+    }
+}
+
+/// The encoding of one run's slots: which format, and how many leading values (the
+/// gradient) are encoded; the rest of a slot travels as f32.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Codec {
+    /// Bf16 or Fp16 (a codec for `None` would encode nothing).
+    format: Format,
+    encoded_len: usize,
+}
+
+/// The two 16-bit formats.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Format {
+    Bf16,
+    Fp16,
+}
+
+/// The encoded values of `range` of a slot: 16-bit codes for the part below the codec's
+/// `encoded_len`, one fp16 exponent per block of them, and f32 for the rest.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Wire {
+    range: Range<usize>,
+    half: Vec<u16>,
+    /// fp16: the exponent e of each block (values were multiplied by 2^e); bf16: empty.
+    exps: Vec<i8>,
+    raw: Vec<f32>,
+}
+
+impl Codec {
+    /// The codec of `compression` for slots whose first `encoded_len` values (the
+    /// gradient) are encoded; `None` for [`Compression::None`].
+    pub fn new(compression: Compression, encoded_len: usize) -> Option<Codec> {
+        let format = match compression {
+            Compression::None => return None,
+            Compression::Bf16 => Format::Bf16,
+            Compression::Fp16 => Format::Fp16,
+        };
+        Some(Codec { format, encoded_len })
+    }
+
+    /// The format.
+    pub fn compression(&self) -> Compression {
+        match self.format {
+            Format::Bf16 => Compression::Bf16,
+            Format::Fp16 => Compression::Fp16,
+        }
+    }
+
+    /// Leading values of a slot that are encoded.
+    pub fn encoded_len(&self) -> usize {
+        self.encoded_len
+    }
+
+    /// An empty wire for `range` of a slot; `range.start` must be a multiple of
+    /// [`BLOCK`] (or lie past the encoded part), so that its blocks are the slot's.
+    pub fn wire(&self, range: Range<usize>) -> Wire {
+        assert!(range.start % BLOCK == 0 || range.start >= self.encoded_len, "a wire starts on a block: {range:?}");
+        let enc = self.encoded(&range);
+        let blocks = if self.format == Format::Fp16 { enc.len().div_ceil(BLOCK) } else { 0 };
+        Wire { half: vec![0; enc.len()], exps: vec![0; blocks], raw: vec![0.0; range.len() - enc.len()], range }
+    }
+
+    /// The encoded part of `range`.
+    fn encoded(&self, range: &Range<usize>) -> Range<usize> {
+        range.start.min(self.encoded_len)..range.end.min(self.encoded_len)
+    }
+
+    /// Encodes `src`, the values of `range` of a slot, into `wire` (whose range holds
+    /// `range`; `range.start` on a block, or past the encoded part).
+    pub fn encode(&self, src: &[f32], wire: &mut Wire, range: Range<usize>) {
+        assert!(
+            range.start >= wire.range.start && range.end <= wire.range.end && src.len() == range.len(),
+            "encode {} values as {range:?} of a wire of {:?}",
+            src.len(),
+            wire.range
+        );
+        assert!(range.start % BLOCK == 0 || range.start >= self.encoded_len, "encode from a block: {range:?}");
+        let enc = self.encoded(&range);
+        let (src_enc, src_raw) = src.split_at(enc.len());
+        let local = enc.start - wire.range.start..enc.end - wire.range.start;
+        match self.format {
+            Format::Bf16 => encode_bf16(src_enc, &mut wire.half[local]),
+            Format::Fp16 => {
+                let mut scaled = [0.0f32; BLOCK];
+                let first = local.start / BLOCK;
+                let codes = &mut wire.half[local];
+                let blocks = src_enc.chunks(BLOCK).zip(codes.chunks_mut(BLOCK));
+                for ((block, codes), e) in blocks.zip(&mut wire.exps[first..]) {
+                    *e = fp16_exponent(block);
+                    let s = pow2(*e as i32);
+                    let scaled = &mut scaled[..block.len()];
+                    for (d, &x) in scaled.iter_mut().zip(block) {
+                        *d = x * s;
+                    }
+                    codes.reinterpret_cast_mut::<f16>().convert_from_f32_slice(scaled);
+                }
+            }
+        }
+        let raw_start = wire.range.start.max(self.encoded_len);
+        let raw = range.start.max(self.encoded_len) - raw_start..range.end.max(self.encoded_len) - raw_start;
+        wire.raw[raw].copy_from_slice(src_raw);
+    }
+
+    /// Decodes the values of `range` (inside the wire's range) into `out`.
+    pub fn decode(&self, wire: &Wire, range: Range<usize>, out: &mut [f32]) {
+        assert!(
+            range.start >= wire.range.start && range.end <= wire.range.end && out.len() == range.len(),
+            "decode {range:?} of a wire of {:?} into {} values",
+            wire.range,
+            out.len()
+        );
+        let local = range.start - wire.range.start..range.end - wire.range.start;
+        let n = wire.half.len();
+        let enc = local.start.min(n)..local.end.min(n);
+        let (out_enc, out_raw) = out.split_at_mut(enc.len());
+        match self.format {
+            Format::Bf16 => {
+                for (o, &h) in out_enc.iter_mut().zip(&wire.half[enc.clone()]) {
+                    *o = f32::from_bits((h as u32) << 16);
+                }
+            }
+            Format::Fp16 => {
+                let mut at = enc.start;
+                let mut done = 0;
+                while at < enc.end {
+                    let block = at / BLOCK;
+                    let end = ((block + 1) * BLOCK).min(enc.end);
+                    let dst = &mut out_enc[done..done + end - at];
+                    wire.half[at..end].reinterpret_cast::<f16>().convert_to_f32_slice(dst);
+                    let s = pow2(-(wire.exps[block] as i32));
+                    for v in dst.iter_mut() {
+                        *v *= s;
+                    }
+                    done += end - at;
+                    at = end;
+                }
+            }
+        }
+        let raw = local.start.max(n) - n..local.end.max(n) - n;
+        out_raw.copy_from_slice(&wire.raw[raw]);
+    }
+
+    /// The f32 values of `range` of a wire as stored, when that range is past the encoded
+    /// part (they are read in place, not decoded).
+    pub fn raw<'w>(&self, wire: &'w Wire, range: Range<usize>) -> Option<&'w [f32]> {
+        let start = wire.range.start.max(self.encoded_len);
+        (range.start >= start && range.end <= wire.range.end).then(|| &wire.raw[range.start - start..range.end - start])
+    }
+}
+
+impl Wire {
+    /// The slot values this wire holds.
+    pub fn range(&self) -> Range<usize> {
+        self.range.clone()
+    }
+
+    /// Bytes the wire carries: 2 per encoded value, 1 per fp16 block, 4 per raw value.
+    pub fn bytes(&self) -> usize {
+        2 * self.half.len() + self.exps.len() + 4 * self.raw.len()
+    }
+}
+
+/// bf16 codes of `src`, rounded to nearest even; NaN becomes 0x7FC0 (as PyTorch's
+/// `c10::BFloat16`). Branch-free, so the loop vectorises.
+pub fn encode_bf16(src: &[f32], dst: &mut [u16]) {
+    for (d, &x) in dst.iter_mut().zip(src) {
+        *d = bf16_bits(x);
+    }
+}
+
+/// The bf16 code of `x`, rounded to nearest even (NaN: 0x7FC0).
+#[inline]
+pub fn bf16_bits(x: f32) -> u16 {
+    let b = x.to_bits();
+    let rounded = (b.wrapping_add(0x7FFF + ((b >> 16) & 1)) >> 16) as u16;
+    if (b & 0x7FFF_FFFF) > 0x7F80_0000 {
+        0x7FC0
+    } else {
+        rounded
+    }
+}
+
+/// The fp16 code of `x`, rounded to nearest even (IEEE; as `tensor.to(torch.float16)`).
+pub fn fp16_bits(x: f32) -> u16 {
+    f16::from_f32(x).to_bits()
+}
+
+/// f32 of a bf16 code (exact).
+pub fn bf16_value(h: u16) -> f32 {
+    bf16::from_bits(h).to_f32()
+}
+
+/// f32 of an fp16 code (exact).
+pub fn fp16_value(h: u16) -> f32 {
+    f16::from_bits(h).to_f32()
+}
+
+/// The exponent e of fp16's scale 2^e for a block: its largest magnitude M in
+/// [2^E, 2^(E+1)) gives e = 14 − E (M·2^e in [2^14, 2^15)), clamped to [−126, 126] so
+/// that 2^e and 2^−e are normal f32; 0 for a block of zeros or with a NaN or ±∞.
+pub fn fp16_exponent(block: &[f32]) -> i8 {
+    // The largest bit pattern of |x| is the largest magnitude (NaN's patterns are above ∞'s).
+    let top = block.iter().fold(0u32, |m, x| m.max(x.to_bits() & 0x7FFF_FFFF));
+    if top == 0 || top >= 0x7F80_0000 {
+        return 0;
+    }
+    // An f32 subnormal has biased exponent 0: E < −126 and the clamp applies.
+    let e = 14 - ((top >> 23) as i32 - 127);
+    e.clamp(-126, 126) as i8
+}
+
+/// 2^e as f32, for e in [−126, 127].
+fn pow2(e: i32) -> f32 {
+    f32::from_bits(((127 + e) as u32) << 23)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bf16_rounds_to_nearest_even() {
+        // 1 + 2^-8 lies exactly between bf16's 1 (0x3F80) and 1 + 2^-7 (0x3F81): ties go
+        // to the even code, 0x3F80; 1 + 3·2^-8 between 0x3F81 and 0x3F82 goes to 0x3F82.
+        assert_eq!(bf16_bits(1.0 + 1.0 / 256.0), 0x3F80);
+        assert_eq!(bf16_bits(1.0 + 3.0 / 256.0), 0x3F82);
+        // Past the tie, up: 1 + 2^-8 + 2^-20 → 0x3F81.
+        assert_eq!(bf16_bits(1.0 + 1.0 / 256.0 + 1.0 / 1048576.0), 0x3F81);
+        assert_eq!(bf16_bits(-2.0), 0xC000);
+        assert_eq!(bf16_bits(f32::INFINITY), 0x7F80);
+        assert_eq!(bf16_bits(f32::NAN), 0x7FC0);
+        // f32::MAX rounds past bf16's largest finite value: ∞, as in PyTorch.
+        assert_eq!(bf16_bits(f32::MAX), 0x7F80);
+        // half's conversion agrees on ordinary values.
+        for x in [0.1f32, -3.3e-5, 7.0e20, 1.0e-40] {
+            assert_eq!(bf16_bits(x), bf16::from_f32(x).to_bits(), "{x}");
+        }
+    }
+
+    #[test]
+    fn fp16_scales_keep_small_and_large_blocks() {
+        // Block maxima of 3e-9 (far below fp16's subnormal floor 6e-8) and 3e6 (far above
+        // its maximum 65504): both come back within fp16's relative precision 2^-11.
+        let codec = Codec::new(Compression::Fp16, 2 * BLOCK).unwrap();
+        let mut src: Vec<f32> = (0..BLOCK).map(|i| 3e-9 * (1.0 + i as f32 / BLOCK as f32)).collect();
+        src.extend((0..BLOCK).map(|i| -3e6 * (1.0 + i as f32 / BLOCK as f32)));
+        let mut wire = codec.wire(0..2 * BLOCK);
+        codec.encode(&src, &mut wire, 0..2 * BLOCK);
+        let mut back = vec![0.0; 2 * BLOCK];
+        codec.decode(&wire, 0..2 * BLOCK, &mut back);
+        for (x, y) in src.iter().zip(&back) {
+            assert!(((x - y) / x).abs() <= 1.0 / 2048.0, "{x} came back as {y}");
+        }
+        // The first block's largest, 3e-9·(1 + 1023/1024) ≈ 6.0e-9, lies in [2^-28, 2^-27):
+        // E = -28, e = 14 + 28 = 42; the second's, 6.0e6, in [2^22, 2^23): e = 14 - 22 = -8.
+        assert_eq!(wire.exps, vec![42, -8]);
+        // A block of zeros, and one holding ∞, are sent unscaled.
+        assert_eq!(fp16_exponent(&[0.0; 4]), 0);
+        assert_eq!(fp16_exponent(&[1.0, f32::INFINITY]), 0);
+        assert_eq!(fp16_exponent(&[1.0, f32::NAN]), 0);
+        assert_eq!(fp16_exponent(&[1.0e-45]), 126);
+    }
+
+    #[test]
+    fn the_tail_past_the_gradient_travels_as_f32() {
+        // Slot of 2,500 values, the first 2,100 encoded: a wire over 1024..2500 holds 1,076
+        // codes (one partial block) then 400 raw values.
+        let codec = Codec::new(Compression::Bf16, 2100).unwrap();
+        let src: Vec<f32> = (0..1476).map(|i| 1.0 + i as f32 * 1e-4).collect();
+        let mut wire = codec.wire(1024..2500);
+        codec.encode(&src, &mut wire, 1024..2500);
+        assert_eq!(wire.bytes(), 2 * 1076 + 4 * 400);
+        let mut out = vec![0.0; 20];
+        codec.decode(&wire, 2090..2110, &mut out);
+        // 2090..2100 rounded to bf16, 2100..2110 exactly the f32 values.
+        for (k, &v) in out.iter().enumerate() {
+            let x = src[2090 - 1024 + k];
+            let want = if k < 10 { bf16_value(bf16_bits(x)) } else { x };
+            assert_eq!(v, want, "value {}", 2090 + k);
+        }
+        assert_eq!(codec.raw(&wire, 2200..2210).unwrap(), &src[2200 - 1024..2210 - 1024]);
+        assert!(codec.raw(&wire, 2000..2210).is_none());
+    }
+}
