@@ -82,9 +82,9 @@ pub(crate) struct TrainArgs {
     /// Logical replicas R (a multiple of the device count) [default: the device count].
     #[arg(long, value_name = "R")]
     replicas: Option<usize>,
-    /// Gradient accumulation (PyTorch's no_sync): each device runs its share of a step as at
-    /// least K micro-batches one after another, gradients summed in place; one exchange and
-    /// one update per step. Activation memory about ÷ K.
+    /// Gradient accumulation (PyTorch's no_sync): the global batch of a step is processed
+    /// as K micro-batches one after another (each logical shard cut into K), gradients
+    /// summed in place; one exchange and one update per step. Activation memory about ÷ K.
     #[arg(long, value_name = "K", default_value_t = 1)]
     accumulate: usize,
     /// Normalise with the statistics of the whole global batch, across every replica

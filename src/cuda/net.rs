@@ -887,6 +887,14 @@ mod tests {
     }
 
     #[test]
+    fn a_synchronized_batchnorm_is_refused_by_name() {
+        use crate::models::{convnet, ConvnetOptions};
+        let model = crate::nn::convert_sync_batchnorm(&convnet(ConvnetOptions::default()).unwrap()).unwrap();
+        let e = plan(&model).err().expect("synchronized BatchNorm has no GPU form yet").to_string();
+        assert!(e.contains("bn0") && e.contains("synchronized") && e.contains("CPU devices only"), "{e}");
+    }
+
+    #[test]
     fn every_built_in_layer_has_a_cuda_form() {
         use crate::models::{convnet, ConvnetOptions};
         let nodes = plan(&convnet(ConvnetOptions { dropout: 0.25, ..ConvnetOptions::default() }).unwrap()).unwrap();

@@ -138,7 +138,9 @@ impl Codec {
         assert!(range.start % BLOCK == 0 || range.start >= self.encoded_len, "encode from a block: {range:?}");
         let enc = self.encoded(&range);
         let (src_enc, src_raw) = src.split_at(enc.len());
-        let local = enc.start - wire.range.start..enc.end - wire.range.start;
+        // Offsets within the wire's codes, which begin at its encoded part's start.
+        let codes_start = self.encoded(&wire.range).start;
+        let local = enc.start - codes_start..enc.end - codes_start;
         match self.format {
             Format::Bf16 => encode_bf16(src_enc, &mut wire.half[local]),
             Format::Fp16 => {
@@ -341,5 +343,10 @@ mod tests {
         }
         assert_eq!(codec.raw(&wire, 2200..2210).unwrap(), &src[2200 - 1024..2210 - 1024]);
         assert!(codec.raw(&wire, 2000..2210).is_none());
+        // A wire wholly past the encoded part (a chunk of buffers) holds f32 only.
+        let mut tail = codec.wire(2200..2500);
+        codec.encode(&src[2200 - 1024..], &mut tail, 2200..2500);
+        assert_eq!(tail.bytes(), 4 * 300);
+        assert_eq!(codec.raw(&tail, 2200..2500).unwrap(), &src[2200 - 1024..]);
     }
 }

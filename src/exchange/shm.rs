@@ -619,6 +619,85 @@ mod tests {
     }
 
     #[test]
+    fn the_statistics_exchange_gathers_every_payload_in_replica_order() {
+        // Three ranks, five calls in a row (both generations of buffers, reused): every
+        // rank gets [rank 0's, rank 1's, rank 2's] payloads of each call.
+        let ex = ShmGroup::new(3, 3, 8, Wait::Park).unwrap();
+        let got: Vec<Vec<Vec<f64>>> = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..3)
+                .map(|r| {
+                    let ex = &ex;
+                    s.spawn(move || {
+                        let me = ex.stats(r);
+                        (0..5)
+                            .map(|call| {
+                                let mut all = Vec::new();
+                                let mine = vec![(10 * call + r) as f64; call + 1];
+                                me.all_gather(r, &mine, &mut all).unwrap();
+                                all
+                            })
+                            .collect()
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for calls in &got {
+            for (call, all) in calls.iter().enumerate() {
+                let want: Vec<f64> = (0..3).flat_map(|r| vec![(10 * call + r) as f64; call + 1]).collect();
+                assert_eq!(all, &want, "call {call}");
+            }
+        }
+        // Another replica than the rank's, or two shards a rank, is refused by name.
+        let e = ex.stats(1).all_gather(0, &[1.0], &mut Vec::new()).unwrap_err().to_string();
+        assert!(e.contains("one logical replica per device"), "{e}");
+        let two = ShmGroup::new(1, 2, 8, Wait::Spin).unwrap();
+        assert!(two.stats(0).all_gather(0, &[1.0], &mut Vec::new()).is_err());
+    }
+
+    #[test]
+    fn an_abort_releases_a_rank_waiting_in_the_statistics_exchange() {
+        let ex = ShmGroup::new(2, 2, 4, Wait::Park).unwrap();
+        std::thread::scope(|s| {
+            let h = s.spawn(|| ex.stats(0).all_gather(0, &[1.0], &mut Vec::new()));
+            std::thread::sleep(Duration::from_millis(20));
+            ex.abort();
+            assert!(matches!(h.join().unwrap(), Err(Error::Aborted)));
+        });
+    }
+
+    #[test]
+    fn the_all_gather_hands_every_rank_every_owned_chunk() {
+        // 3 ranks over a slot of 100 parameters and 20 buffers: rank d writes 1000·d + i
+        // into its owned chunk of the parameters only; afterwards every rank holds them all.
+        let (ranks, np, nb) = (3, 100, 20);
+        let ex = ShmGroup::new(ranks, ranks, np + nb, Wait::Park).unwrap();
+        let owned: Vec<Range<usize>> = (0..ranks).map(|d| ex.rank(d).owned()).collect();
+        assert_eq!(owned, vec![0..48, 48..96, 96..120], "chunks of 16-value multiples");
+        let got: Vec<Vec<f32>> = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..ranks)
+                .map(|d| {
+                    let (ex, owned) = (&ex, &owned);
+                    s.spawn(move || {
+                        let mut params = vec![f32::NAN; np];
+                        let mine = owned[d].start.min(np)..owned[d].end.min(np);
+                        for (i, p) in params.iter_mut().enumerate().take(mine.end).skip(mine.start) {
+                            *p = (1000 * d + i) as f32;
+                        }
+                        ex.rank(d).all_gather(&mut params).unwrap();
+                        params
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let owner = |i: usize| owned.iter().position(|r| r.contains(&i)).unwrap();
+        for params in &got {
+            assert!(params.iter().enumerate().all(|(i, &v)| v == (1000 * owner(i) + i) as f32), "{params:?}");
+        }
+    }
+
+    #[test]
     fn uneven_replicas_are_refused() {
         let e = ShmGroup::new(2, 3, 10, Wait::Spin).err().unwrap().to_string();
         assert!(e.contains("3 logical replicas cannot be shared evenly by 2 devices"), "{e}");

@@ -482,13 +482,18 @@ fn global_sums(ex: &dyn StatsExchange, replica: usize, local: &[(f64, f64)]) -> 
     let mine: Vec<f64> = local.iter().flat_map(|&(a, b)| [a, b]).collect();
     let mut all = Vec::new();
     ex.all_gather(replica, &mine, &mut all)?;
-    let mut sums = vec![(0.0f64, 0.0f64); local.len()];
-    for payload in all.chunks_exact(mine.len().max(1)) {
+    // Summed from the first payload on (not from 0.0), so that one replica's sums are
+    // exactly its own, −0.0 included.
+    let mut payloads = all.chunks_exact(mine.len().max(1));
+    let first = payloads.next().unwrap_or(&[]);
+    let mut sums: Vec<(f64, f64)> = first.chunks_exact(2).map(|ab| (ab[0], ab[1])).collect();
+    for payload in payloads {
         for (acc, ab) in sums.iter_mut().zip(payload.chunks_exact(2)) {
             acc.0 += ab[0];
             acc.1 += ab[1];
         }
     }
+    sums.resize(local.len(), (0.0, 0.0));
     Ok(sums)
 }
 
@@ -515,15 +520,22 @@ pub fn has_synchronized_layers(model: &Sequential) -> bool {
 /// synchronized BatchNorm layers and `ctx` an exchange: the calls its forward and backward
 /// would have made, with nothing in them — a count of 0 per layer in forward order, then
 /// zero sums in backward order for the layers the backward reaches (those from the first
-/// trained layer on). Without either, nothing.
+/// trained layer on). Without either, nothing. When no replica has a row (every one of
+/// them is then here), the first call shows it and all stop.
 pub fn sync_without_data(model: &Sequential, ctx: &Ctx) -> Result<()> {
     let Some(ex) = ctx.stats else { return Ok(()) };
     let layers = synchronized_layers(model);
     let mut all = Vec::new();
     for &(_, c) in &layers {
         ex.all_gather(ctx.replica, &vec![0.0; 1 + 2 * c], &mut all)?;
-        // Every replica fails alike on a global batch too small to normalise.
-        if all.chunks_exact(1 + 2 * c).map(|p| p[0]).sum::<f64>() < 2.0 {
+        let count: f64 = all.chunks_exact(1 + 2 * c).map(|p| p[0]).sum();
+        if count == 0.0 {
+            // No replica has a row (an accumulated step's last micro-batches, when the
+            // shards are smaller than K): every one of them is here, and stops here.
+            return Ok(());
+        }
+        if count < 2.0 {
+            // Every replica fails alike on a global batch too small to normalise.
             return Err(Error::shape(
                 "BatchNorm2d",
                 "training needs more than one value per channel in the global batch",

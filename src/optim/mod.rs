@@ -372,6 +372,34 @@ mod tests {
     }
 
     #[test]
+    fn sharded_updates_equal_one_update_and_the_parts_merge_back() {
+        // Adam over 10 values, once whole and once as parts 0..3, 3..7, 7..10 updated
+        // each on its own: the same parameters, and the parts put together are the whole.
+        let cfg = OptimizerConfig::Adam { lr: 0.01, beta1: 0.8, beta2: 0.99, eps: 1e-6, weight_decay: 0.01 };
+        let g: Vec<f32> = (0..10).map(|i| i as f32 - 4.5).collect();
+        let mut whole = Optimizer::new(cfg, 10);
+        let mut parts: Vec<Optimizer> = [0..3, 3..7, 7..10].into_iter().map(|r| whole.shard(r)).collect();
+        let (mut pa, mut pb) = (vec![0.3f32; 10], vec![0.3f32; 10]);
+        for _ in 0..3 {
+            let s = whole.begin_step(1.0, 3.0);
+            whole.update(0, &mut pa, &g, &s);
+            for part in &mut parts {
+                let s = part.begin_step(1.0, 3.0);
+                let r = part.range();
+                part.update(r.start, &mut pb[r.clone()], &g[r], &s);
+            }
+        }
+        assert_eq!(pa, pb);
+        assert_eq!(parts.iter().map(|p| p.state_bytes()).collect::<Vec<_>>(), vec![24, 32, 24]);
+        assert!(!parts[0].is_whole());
+        let merged = Optimizer::merge(&parts).unwrap();
+        assert!(merged.is_whole());
+        assert_eq!(merged, whole);
+        let e = Optimizer::merge(&parts[..2]).unwrap_err().to_string();
+        assert!(e.contains("cover 7 of 10"), "{e}");
+    }
+
+    #[test]
     fn cosine_schedule_runs_from_one_to_the_floor() {
         let s = LrSchedule::Cosine { floor: 0.1 };
         assert_eq!(s.scale(0, 11), 1.0);

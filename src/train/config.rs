@@ -54,9 +54,10 @@ pub struct TrainConfig {
     pub eval_batch: usize,
     /// Global batches the loader may gather ahead of the step being trained.
     pub prefetch: usize,
-    /// Gradient accumulation (PyTorch's `no_sync`): no forward pass holds more than about a
-    /// K-th of a device's rows; ONE exchange and one update per step (train/step.rs says
-    /// exactly how the rows are cut, and when the weights are bitwise those of K = 1).
+    /// Gradient accumulation (PyTorch's `no_sync`): the global batch of a step is processed
+    /// as K micro-batches one after another, ONE exchange and one update per step
+    /// (train/step.rs says how the rows are cut, and where the weights are bitwise those
+    /// of K = 1). 1: none.
     pub accumulate: usize,
     /// How gradients travel between the logical replicas (`exchange::codec`).
     pub grad_compression: Compression,

@@ -6,10 +6,9 @@
 //! by at most one (the first B mod R shards get the extra row); device d runs shards
 //! d·R/N .. (d+1)·R/N. Nothing is padded, duplicated or dropped.
 //!
-//! Gradient accumulation (`TrainConfig::accumulate` = K) cuts further: a device running k
-//! logical shards cuts each into ⌈K / k⌉ micro-batches ([`micro_batches_per_shard`]), by
-//! the same rule ([`shards`] of the shard's rows), so that it runs at least K forward
-//! passes of at most about a K-th of its rows each.
+//! Gradient accumulation (`TrainConfig::accumulate` = K) cuts each logical shard further
+//! into K micro-batches by the same rule ([`shards`] of the shard's rows): micro-batch m of
+//! the global batch is the m-th part of every shard, a function of B, R and K alone.
 
 use std::ops::Range;
 
@@ -61,13 +60,6 @@ pub fn shards(b: usize, r: usize) -> Vec<Range<usize>> {
         .collect()
 }
 
-/// Micro-batches per logical shard under accumulation `k`, for a device running `local`
-/// logical shards: ⌈k / local⌉ (1 when the device already runs k shards or more: each
-/// is then its own micro-batch, made of one whole logical shard).
-pub fn micro_batches_per_shard(k: usize, local: usize) -> usize {
-    k.max(1).div_ceil(local.max(1))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -87,15 +79,6 @@ mod tests {
                 assert!(s.windows(2).all(|w| w[0].end == w[1].start));
             }
         }
-    }
-
-    #[test]
-    fn accumulation_cuts_shards_only_where_a_device_has_fewer_than_k() {
-        // k = 4 on a device of 1, 2, 3, 4, 8 shards: 4, 2, 2, 1, 1 micro-batches per shard,
-        // so at least 4 forward passes: 4, 4, 6, 4, 8.
-        let per: Vec<usize> = [1, 2, 3, 4, 8].iter().map(|&l| micro_batches_per_shard(4, l)).collect();
-        assert_eq!(per, vec![4, 2, 2, 1, 1]);
-        assert_eq!(micro_batches_per_shard(1, 3), 1);
     }
 
     #[test]

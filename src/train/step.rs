@@ -6,7 +6,7 @@
 //!
 //! ```text
 //! stage this device's rows
-//! for each of its shards s:   for each micro-batch of s (one, unless accumulating):
+//! for each of its shards s:   for each of its K micro-batches (K = 1 unless accumulating):
 //!                               forward ─▶ loss SUMMED ─▶ backward into slot s (+=)
 //!                             (slot = [gradient of s | BatchNorm buffers updated by s])
 //! exchange: every shard's slot summed, each element once, in the transport's fixed order
@@ -20,26 +20,28 @@
 //! Every device makes the same calls on the same sums, so every replica stays bitwise
 //! identical. The divisors are computed here, once, for every backend.
 //!
-//! # Gradient accumulation (`TrainConfig::accumulate` = K)
-//! A device running k logical shards cuts each into J = ⌈K / k⌉ micro-batches
-//! (`scatter::micro_batches_per_shard`: contiguous rows, sizes differing by at most one),
-//! run one after another, each backward adding into the shard's one slot; then one
-//! exchange and one update. So no forward pass holds more than ⌈⌈B/R⌉/J⌉ rows
-//! (activation memory ÷ K against one pass over a device's rows), and no gradient
-//! memory is added. Dropout masks are indexed by the row's place in its shard
-//! ([`Shard::offset`]): the unaccumulated run's masks. BatchNorm normalises each
-//! micro-batch with its own statistics and moves the running statistics once per
+//! # Gradient accumulation (`TrainConfig::accumulate` = K, PyTorch's `no_sync`)
+//! The global batch of a step is processed as K micro-batches one after another:
+//! micro-batch m is the m-th part of every logical shard (each shard's rows cut into K
+//! contiguous runs whose sizes differ by at most one, `scatter::shards`), each backward
+//! adding into its shard's one slot; then ONE exchange and one update. So every forward
+//! pass holds about a K-th of a shard's rows (activation memory ÷ K), and no gradient
+//! memory is added. The cut is a function of B, R and K alone, so with R fixed, 1, 2 or 4
+//! devices still give bitwise-equal weights. Dropout masks are indexed by the row's place
+//! in its shard ([`Shard::offset`]): the unaccumulated step's masks. BatchNorm normalises
+//! each micro-batch with its own statistics and moves the running statistics once per
 //! micro-batch, as PyTorch does under `no_sync`.
 //!
 //! When the weights are bitwise those of the unaccumulated run: exactly when every
-//! micro-batch is one whole logical shard, i.e. J = 1 (the device runs k ≥ K logical
-//! shards, `--replicas` ≥ N·K): each shard's gradient is then the same sum in the same
-//! order in its own slot, and the canonical tree over the R shards sums them as before —
-//! accumulation changes nothing, since a device runs its shards one after another anyway.
-//! With J > 1 a shard's gradient is the sum of its micro-batches' sums, the same terms
-//! associated otherwise: equal within rounding (tests/accumulate.rs states the
-//! tolerance). Either way, with R fixed, 1, 2 or 4 devices still give bitwise equal
-//! weights (the cut is a function of R, K and the shard alone).
+//! micro-batch is made of whole logical shards, each shard's gradient then being the same
+//! sum in the same order in its own slot, summed by the same canonical tree. A micro-batch
+//! of `accumulate` is never that for K > 1 (it cuts every shard), and its shard's
+//! gradient is the sum of K partial sums, the same terms associated otherwise: equal to
+//! the unaccumulated run within rounding (tests/accumulate.rs states the tolerance).
+//! Accumulation over whole logical shards is what logical replicas already are: with
+//! `replicas` = N·K on N devices, each device runs its K shards one after another, each
+//! its own forward, backward and slot, and the weights are bitwise those of N·K devices
+//! (K slots per device instead of one: the bitwise form costs gradient memory).
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -78,7 +80,7 @@ where
     let shards = &work.shards[mine.clone()];
     let rows = shards.first().map_or(0, |r| r.start)..shards.last().map_or(0, |r| r.end);
     replica.stage(&work.batch, rows)?;
-    let micro = scatter::micro_batches_per_shard(work.accumulate, shards.len());
+    let micro = work.accumulate.max(1);
     for (local, rows) in shards.iter().enumerate() {
         exchange.with_slot(local, |mut slot| -> Result<()> {
             for (m, part) in scatter::shards(rows.len(), micro).into_iter().enumerate() {

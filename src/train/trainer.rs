@@ -372,6 +372,13 @@ fn check_features(devices: &Devices, config: &TrainConfig, replicas: usize, sync
             ),
         ));
     }
+    if gpu && synchronized {
+        return Err(Error::config(
+            "sync-batchnorm",
+            "synchronized BatchNorm runs on CPU devices only so far (its statistics exchange is the shared-memory \
+             one; the GPU kernels normalise with the statistics they compute)",
+        ));
+    }
     if gpu && config.grad_compression != Compression::None {
         return Err(Error::config(
             "grad-compression",
