@@ -86,6 +86,14 @@ fn every_rank_and_device_count_reads_exactly_the_codecs_sum() {
                 assert_eq!(bad, None, "{compression:?}, {ranks} ranks, rank {r}: first difference");
             }
         }
+        // Every count of logical replicas: bf16 sums 1 to 4 in one fused pass and more
+        // block by block, fp16 always block by block; all are the codec's sum.
+        for shards in [1, 2, 3, 5] {
+            let want = by_hand(shards, len, codec, fill);
+            let got = &exchanged(1, shards, len, codec, fill)[0];
+            let bad = got.iter().zip(&want).position(|(a, b)| a.to_bits() != b.to_bits());
+            assert_eq!(bad, None, "{compression:?}, {shards} logical replicas: first difference");
+        }
         // The f32 tail is the f32 exchange's: the same tree, no rounding to 16 bits.
         let plain: Vec<f32> = {
             let v: Vec<Vec<f32>> = (0..4).map(|s| (encoded..len).map(|i| fill(s, i)).collect()).collect();

@@ -298,7 +298,8 @@ impl ShmRank<'_> {
             }
             Some(codec) => {
                 let guards: Vec<_> = ex.wires.iter().map(|w| w.read()).collect();
-                reduce_encoded(codec, &guards, r, &mut ex.reduced_wires[self.rank].write());
+                let wires: Vec<&Wire> = guards.iter().map(|g| &**g).collect();
+                codec.reduce(&wires, r, &mut ex.reduced_wires[self.rank].write());
             }
         }
         ex.barrier.wait(&ex.aborted)
@@ -307,33 +308,6 @@ impl ShmRank<'_> {
     /// Returns when every rank has called it (for benchmarks that time between barriers).
     pub fn barrier(&self) -> Result<()> {
         self.ex.barrier.wait(&self.ex.aborted)
-    }
-}
-
-/// Sums `range` of every shard's wire in the canonical tree, in f32 (decoded block by
-/// block into L1-sized scratch), and encodes the sum into `out` (the chunk's wire).
-fn reduce_encoded<W: std::ops::Deref<Target = Wire>>(codec: &Codec, wires: &[W], range: Range<usize>, out: &mut Wire) {
-    let n = wires.len();
-    let encoded_end = range.end.min(codec.encoded_len()).max(range.start);
-    let mut decoded = vec![0.0f32; n * BLOCK];
-    let mut sum = vec![0.0f32; BLOCK];
-    for start in (range.start..encoded_end).step_by(BLOCK) {
-        let block = start..(start + BLOCK).min(encoded_end);
-        let len = block.len();
-        for (w, dst) in wires.iter().zip(decoded.chunks_exact_mut(BLOCK)) {
-            codec.decode(w, block.clone(), &mut dst[..len]);
-        }
-        let views: Vec<&[f32]> = decoded.chunks_exact(BLOCK).map(|d| &d[..len]).collect();
-        tree_sum(&views, &mut sum[..len]);
-        codec.encode(&sum[..len], out, block);
-    }
-    let raw = encoded_end..range.end;
-    if !raw.is_empty() {
-        let views: Vec<&[f32]> =
-            wires.iter().map(|w| codec.raw(w, raw.clone()).expect("past the encoded part")).collect();
-        let mut sum = vec![0.0f32; raw.len()];
-        tree_sum(&views, &mut sum);
-        codec.encode(&sum, out, raw);
     }
 }
 
