@@ -1,10 +1,10 @@
 // dropout.cu — inverted dropout whose mask is a pure function of position, never stored.
 //
 // Owns: dropout forward and backward. The keep/drop decision for element `idx` of layer
-// `layer` at `step` in logical replica `replica` is a counter-based hash, so (element i
-// of a buffer is element idx = first + i of the logical replica's shard: a later
-// micro-batch of an accumulated step starts at first > 0)
+// `layer` at `step` in logical replica `replica` is a counter-based hash, so
 //   * the backward recomputes the mask instead of keeping it in memory;
+//   * a micro-batch of an accumulated step draws the whole shard's masks: element i of
+//     its buffer is element idx = first + i of the logical replica's shard;
 //   * the CPU backend gets bit-identical masks by running the same few integer lines
 //     (tests/cuda_ops.rs holds the Rust copy the GPU masks are checked against);
 //   * the mask does not depend on which device computes a logical replica (DESIGN.md).
@@ -15,7 +15,7 @@
 //             z = (z ^ (z >> 27)) * 0x94D049BB133111EB;
 //             z ^= z >> 31
 //   key  = mix64(mix64(mix64(seed + step * G) + replica * G) + layer * G), G = 0x9E3779B97F4A7C15
-//   z    = mix64(key + idx * G)
+//   z    = mix64(key + idx * G), idx = first + i
 //   keep = (z >> 40) / 2^24 >= rate      (24 uniform bits; exact in float32)
 // Each element is multiplied by its factor: 1 / (1 - rate) (computed in float32) where
 // kept, 0 where dropped. A dropped element is therefore x * 0, not a literal 0: -0 for a
