@@ -162,3 +162,30 @@ fn checkpoint_input_errors_are_one_line() {
     assert_eq!(out.status.code(), Some(2), "{err}");
     assert!(err.contains("--checkpoint-dir"), "{err}");
 }
+
+/// What changes a run's arithmetic is part of its checkpoints' configuration: a run with
+/// `--accumulate 2` (or 16-bit gradients, or synchronized BatchNorm) is resumed only by a
+/// run that asks for the same; a sharded optimiser, which changes no number, resumes
+/// unsharded.
+#[test]
+fn issue_12_settings_are_part_of_a_checkpoints_configuration() {
+    let dir = tmp("issue12");
+    let d = dir.to_str().unwrap();
+    let run = |extra: &[&str]| {
+        let mut args: Vec<&str> = vec!["train", "--model", "toy", "--steps", "2", "--devices", "cpu:2"];
+        args.extend_from_slice(extra);
+        bin().args(&args).output().unwrap()
+    };
+    let o = run(&["--checkpoint-dir", d, "--accumulate", "2", "--grad-compression", "bf16", "--shard-optimizer"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let o = run(&["--resume", d, "--grad-compression", "bf16"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("accumulate"), "{err}");
+    let o = run(&["--resume", d, "--accumulate", "2"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("grad_compression"), "{err}");
+    // The same arithmetic, unsharded: resumed (both steps were taken: nothing left to do).
+    let o = run(&["--resume", d, "--accumulate", "2", "--grad-compression", "bf16"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -726,5 +726,14 @@ mod tests {
             let v: f64 = fields[f].parse().unwrap();
             assert!(v > 0.0 && v.is_finite(), "field {f} of {got}\n{table}");
         }
+        // With bf16 on the wire the table keeps its columns (its extra lines are comments).
+        let mut out = Vec::new();
+        cpu_allreduce(&mut out, 2, &[4 << 10, 64 << 10], (3, 1), lockstep::exchange::codec::Compression::Bf16)
+            .map_err(|f| format!("{f:?}"))
+            .unwrap();
+        let table = String::from_utf8(out).unwrap();
+        assert!(table.contains("# grad-compression bf16") && table.contains("encode of one rank's buffer"), "{table}");
+        let got = parse("cpu", &table, "cpu-real-bf16").unwrap().unwrap_or_else(|e| panic!("{e}\n{table}"));
+        assert_eq!(got.split_whitespace().count(), 7, "{got}\n{table}");
     }
 }

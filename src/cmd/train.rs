@@ -447,16 +447,13 @@ fn run_fingerprint(
         ("dropout", a.dropout.to_string()),
         ("bn_momentum", a.bn_momentum.to_string()),
     ];
-    // Accumulation and 16-bit gradients change the arithmetic (a sharded optimiser does
-    // not: its run resumes unsharded, and the other way round); named only when used, so
-    // that checkpoints written before they existed still resume.
+    // Accumulation and 16-bit gradients change the arithmetic, so they are named always (a
+    // checkpoint of a run that set neither still differs from one that did, both ways; one
+    // written before they existed is refused for lacking them). A sharded optimiser
+    // changes no number: its run resumes unsharded, and the other way round.
     let mut out: BTreeMap<String, String> = entries.into_iter().map(|(k, v)| (k.to_string(), v)).collect();
-    if c.accumulate != 1 {
-        out.insert("accumulate".into(), c.accumulate.to_string());
-    }
-    if c.grad_compression != lockstep::exchange::codec::Compression::None {
-        out.insert("grad_compression".into(), c.grad_compression.name().into());
-    }
+    out.insert("accumulate".into(), c.accumulate.to_string());
+    out.insert("grad_compression".into(), c.grad_compression.name().into());
     out
 }
 
