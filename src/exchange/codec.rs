@@ -300,6 +300,18 @@ impl Wire {
     pub fn bytes(&self) -> usize {
         2 * self.half.len() + self.exps.len() + 4 * self.raw.len()
     }
+
+    /// What a transport moves: the 16-bit codes, the fp16 block exponents (empty for
+    /// bf16) and the f32 tail, as they lie (an MPI exchange sends these three buffers).
+    pub fn parts(&self) -> (&[u16], &[i8], &[f32]) {
+        (&self.half, &self.exps, &self.raw)
+    }
+
+    /// The three buffers of [`Wire::parts`], to receive a peer's wire of the same range
+    /// into (made by [`Codec::wire`] for that range, so the lengths agree).
+    pub fn parts_mut(&mut self) -> (&mut [u16], &mut [i8], &mut [f32]) {
+        (&mut self.half, &mut self.exps, &mut self.raw)
+    }
 }
 
 /// bf16 codes of `src`, rounded to nearest even; NaN becomes 0x7FC0 (as PyTorch's
@@ -589,5 +601,13 @@ mod tests {
         codec.encode(&src[2200 - 1024..], &mut tail, 2200..2500);
         assert_eq!(tail.bytes(), 4 * 300);
         assert_eq!(codec.raw(&tail, 2200..2500).unwrap(), &src[2200 - 1024..]);
+        // A wire moved buffer by buffer (as a transport sends it) decodes alike.
+        let mut received = codec.wire(1024..2500);
+        let (h, e, r) = wire.parts();
+        let (hm, em, rm) = received.parts_mut();
+        hm.copy_from_slice(h);
+        em.copy_from_slice(e);
+        rm.copy_from_slice(r);
+        assert_eq!(received, wire);
     }
 }
