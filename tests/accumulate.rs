@@ -37,8 +37,8 @@ fn max_abs(a: &[f32], b: &[f32]) -> f32 {
 /// (0.5) is on: the micro-batches draw the unaccumulated step's masks, or the runs would
 /// part by far more than rounding. Tolerance: the same 1e-4 the N-devices-vs-one test
 /// (tests/data_parallel.rs) states for another summation order over these horizons;
-/// observed here up to 3e-7 (toy, SGD) and 2e-6 (convnet, Adam); a lost or doubled
-/// micro-batch moves the weights by ~1e-2. Losses: 1e-5.
+/// observed here up to 1.2e-7 (toy, SGD) and 1.2e-6 (convnet, Adam), where a lost or
+/// doubled micro-batch would change a step's gradient by a K-th. Losses: 1e-5.
 #[test]
 fn accumulated_weights_equal_the_unaccumulated_ones_within_rounding() {
     let conv = models::convnet(ConvnetOptions { norm: Norm::None, dropout: 0.5, ..Default::default() }).unwrap();
