@@ -253,7 +253,8 @@ fn cpu_allreduce(
             let encode = time_encode(&codec, count, iters);
             let _ = writeln!(
                 out,
-                "# {bytes} B: encode of one rank's buffer {:.1} us; f32 trainer path {:.1} us; {} trainer path {:.1} us ({:.2}x)",
+                "# {bytes} B: {} B on the wire per rank's buffer; encode of one rank's buffer {:.1} us; f32 trainer path {:.1} us; {} trainer path {:.1} us ({:.2}x)",
+                codec.wire(0..count).bytes(),
                 encode.as_secs_f64() * 1e6,
                 f32_trainer.as_secs_f64() * 1e6,
                 compression.name(),
