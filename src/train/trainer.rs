@@ -28,12 +28,13 @@ use super::{Batch, ShardReport, StepReport, TrainConfig};
 use crate::data::Dataset;
 use crate::devices::Devices;
 use crate::error::{Error, Result};
+use crate::exchange::codec::{Codec, Compression};
 use crate::exchange::gpu::{transport_for, CopyGroup, GpuExchange, NcclGroup, Transport};
-use crate::exchange::shm::ShmGroup;
+use crate::exchange::shm::{ShmGroup, ShmStats};
 use crate::exchange::{Abort, Exchange, Wait};
 use crate::nn::loss::Metrics;
 use crate::nn::{ParamStore, Sequential};
-use crate::optim::Optimizer;
+use crate::optim::{Optimizer, Sharding};
 use crate::tensor::Device;
 
 /// The coordinator's handle on running workers: drive training step by step.
@@ -51,6 +52,9 @@ pub struct Trainer<'s> {
     wait: Wait,
     /// Samples per forward pass of [`Trainer::predict`].
     eval_batch: usize,
+    /// Gradient accumulation and optimiser sharding of every step (`TrainConfig`).
+    accumulate: usize,
+    sharding: Sharding,
 }
 
 impl Trainer<'_> {
@@ -144,7 +148,14 @@ impl Trainer<'_> {
         }
         let t0 = Instant::now();
         let shards = scatter::shards(batch.len(), self.replicas);
-        let work = Arc::new(StepWork { step: self.step, batch: Arc::new(batch), shards, lr_scale });
+        let work = Arc::new(StepWork {
+            step: self.step,
+            batch: Arc::new(batch),
+            shards,
+            lr_scale,
+            accumulate: self.accumulate,
+            sharding: self.sharding,
+        });
         let replies = self.ask(|_| Command::Step(Arc::clone(&work)))?;
         let k = self.replicas / self.devices.len();
         let mut report = StepReport {
@@ -212,13 +223,32 @@ impl Trainer<'_> {
         check_replicas(self.step, &prints)
     }
 
-    /// The weights and optimiser state of replica 0.
+    /// The weights of replica 0 and the whole optimiser state (with a sharded optimiser,
+    /// every device's part put together).
     pub fn weights(&mut self) -> Result<(ParamStore, Optimizer)> {
         let replies = self.ask(|_| Command::Snapshot)?;
-        let Some(Reply::Snapshot(s)) = replies.into_iter().next() else {
-            unreachable!("a snapshot command gets a snapshot")
-        };
-        Ok(*s)
+        let mut snapshots = replies.into_iter().map(|r| {
+            let Reply::Snapshot(s) = r else { unreachable!("a snapshot command gets a snapshot") };
+            *s
+        });
+        let (weights, first) = snapshots.next().expect("a run has a device");
+        if first.is_whole() {
+            return Ok((weights, first));
+        }
+        let parts: Vec<Optimizer> = std::iter::once(first).chain(snapshots.map(|(_, o)| o)).collect();
+        Ok((weights, Optimizer::merge(&parts)?))
+    }
+
+    /// Bytes of optimiser state each device holds, in rank order (÷ N when sharded).
+    pub fn optimizer_bytes(&mut self) -> Result<Vec<usize>> {
+        let replies = self.ask(|_| Command::Snapshot)?;
+        Ok(replies
+            .into_iter()
+            .map(|r| {
+                let Reply::Snapshot(s) = r else { unreachable!("a snapshot command gets a snapshot") };
+                s.1.state_bytes()
+            })
+            .collect())
     }
 }
 
@@ -273,6 +303,8 @@ pub fn with_trainer<T>(
     };
     let width = model.params_len() + model.buffers_len();
     let k = replicas / n;
+    let synchronized = crate::nn::batchnorm::has_synchronized_layers(model);
+    check_features(devices, config, replicas, synchronized)?;
     let plan = Plan {
         devices,
         replicas,
@@ -288,11 +320,16 @@ pub fn with_trainer<T>(
     let seed = config.seed;
     match devices.list()[0] {
         Device::Cpu(_) => {
-            let shm = ShmGroup::new(n, replicas, width, plan.collective)?;
+            let codec = Codec::new(config.grad_compression, model.params_len());
+            let shm = ShmGroup::with_codec(n, replicas, width, plan.collective, codec)?;
+            let stats: Vec<ShmStats<'_>> = (0..n).map(|r| shm.stats(r)).collect();
             plan.run(
                 &shm,
                 f,
-                |device, (model, store, optimizer)| Ok(CpuReplica::new(device, model, store, optimizer, seed)),
+                |rank, device, (model, store, optimizer)| {
+                    let replica = CpuReplica::new(device, model, store, optimizer, seed);
+                    Ok(if synchronized { replica.with_stats(&stats[rank]) } else { replica })
+                },
                 |rank, _| Ok(shm.rank(rank)),
             )
         }
@@ -304,7 +341,7 @@ pub fn with_trainer<T>(
                     plan.run(
                         &group,
                         f,
-                        |device, start| GpuReplica::new(device, start, seed),
+                        |_, device, start| GpuReplica::new(device, start, seed),
                         |rank, replica| GpuExchange::new(group.join(rank, replica.stream())?, width, k),
                     )
                 }
@@ -313,13 +350,43 @@ pub fn with_trainer<T>(
                     plan.run(
                         &group,
                         f,
-                        |device, start| GpuReplica::new(device, start, seed),
+                        |_, device, start| GpuReplica::new(device, start, seed),
                         |rank, replica| GpuExchange::new(group.join(rank, replica.stream())?, width, k),
                     )
                 }
             }
         }
     }
+}
+
+/// The features of issue 12 a run asks for, against what its devices can do; checked
+/// before any worker starts.
+fn check_features(devices: &Devices, config: &TrainConfig, replicas: usize, synchronized: bool) -> Result<()> {
+    let gpu = matches!(devices.list()[0], Device::Cuda(_));
+    if synchronized && replicas != devices.len() {
+        return Err(Error::config(
+            "sync-batchnorm",
+            format!(
+                "synchronized BatchNorm needs one logical replica per device, not {replicas} on {} (its statistics \
+                 meet inside the forward pass, which a device running its shards one after another cannot wait for)",
+                devices.len()
+            ),
+        ));
+    }
+    if gpu && synchronized {
+        return Err(Error::config(
+            "sync-batchnorm",
+            "synchronized BatchNorm runs on CPU devices only so far (its statistics exchange is the shared-memory \
+             one; the GPU kernels normalise with the statistics they compute)",
+        ));
+    }
+    if gpu && config.grad_compression != Compression::None {
+        return Err(Error::config(
+            "grad-compression",
+            format!("{} gradients on the wire run on CPU devices only so far", config.grad_compression.name()),
+        ));
+    }
+    Ok(())
 }
 
 /// What every worker of a run starts from.
@@ -344,7 +411,7 @@ impl Plan<'_> {
         &self,
         group: &G,
         f: impl FnOnce(&mut Trainer<'_>) -> Result<T>,
-        build: impl Fn(Device, (Sequential, ParamStore, Optimizer)) -> Result<R> + Sync,
+        build: impl Fn(usize, Device, (Sequential, ParamStore, Optimizer)) -> Result<R> + Sync,
         join: impl Fn(usize, &R) -> Result<X> + Sync,
     ) -> Result<T>
     where
@@ -372,6 +439,7 @@ impl Plan<'_> {
                     device,
                     shards: rank * k..(rank + 1) * k,
                     wait: self.messages,
+                    sharding: self.config.optimizer_sharding,
                     abort: group,
                     gate: &gate,
                     commands: rx,
@@ -380,7 +448,7 @@ impl Plan<'_> {
                 let (build, join) = (&build, &join);
                 let body = move || {
                     on_device_thread(device, threads, seat, |seat| {
-                        worker::start(seat, || build(device, start), |r| join(rank, r))
+                        worker::start(seat, || build(rank, device, start), |r| join(rank, r))
                     })
                 };
                 std::thread::Builder::new().name(format!("lockstep-{device}")).spawn_scoped(s, body).map_err(|e| {
@@ -401,6 +469,8 @@ impl Plan<'_> {
                 failed: None,
                 wait: self.messages,
                 eval_batch: self.config.eval_batch,
+                accumulate: self.config.accumulate,
+                sharding: self.config.optimizer_sharding,
             };
             let out = f(&mut trainer);
             if out.is_err() {
