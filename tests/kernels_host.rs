@@ -46,7 +46,10 @@ use std::sync::OnceLock;
 
 use lockstep::backend::cpu;
 use lockstep::cuda::kernels::KERNEL_FILES;
-use lockstep::cuda::launch::{ConvGeom, DropoutKey, REDUCE_BLOCK};
+use lockstep::cuda::launch::{ConvGeom, DropoutKey, WireGeom, CODEC_THREADS, REDUCE_BLOCK};
+use lockstep::exchange::codec::{Codec, Compression, Wire};
+use lockstep::exchange::shm::ShmGroup;
+use lockstep::exchange::{Exchange, Wait};
 use lockstep::nn::batchnorm::RunningUpdate;
 use lockstep::nn::pool::{maxpool2d_plane_bwd, maxpool2d_plane_fwd};
 use lockstep::nn::{loss, BatchNorm2d, Ctx, Dropout, Layer, MaxPool2d, Padding, Sequential, Window2d};
@@ -256,16 +259,26 @@ enum Arg<'a> {
     InU32(&'a [u32]),
     /// `unsigned*` (the correct flags).
     OutU32(&'a mut [u32]),
+    /// `const unsigned char*` (16-bit wires, as bytes).
+    InU8(&'a [u8]),
+    /// `unsigned char*`.
+    OutU8(&'a mut [u8]),
+    /// `const double*` (synchronized BatchNorm's statistics).
+    InF64(&'a [f64]),
+    /// `double*`.
+    OutF64(&'a mut [f64]),
     /// An absent optional buffer: a 64-bit 0 in a pointer slot, as launch.rs passes `&null`.
     Null,
     /// `int` (launch.rs's i32 dimensions).
     I32(i32),
     /// `float`.
     F32(f32),
+    /// `double`.
+    F64(f64),
     /// `size_t` or `unsigned long long` (launch.rs's usize lengths and u64 dropout keys).
     U64(u64),
 }
-use Arg::{In, InU32, Null, Out, OutU32, F32, I32, U64};
+use Arg::{In, InF64, InU32, InU8, Null, Out, OutF64, OutU32, OutU8, F32, F64, I32, U64};
 
 impl Arg<'_> {
     /// Whether this value may fill a parameter of type `code` (cuda_host.h's letters).
@@ -275,9 +288,14 @@ impl Arg<'_> {
             Out(_) => code == b'w',
             InU32(_) => code == b'R',
             OutU32(_) => code == b'W',
-            Null => b"rwRW".contains(&code),
+            InU8(_) => code == b'b',
+            OutU8(_) => code == b'B',
+            InF64(_) => code == b'd',
+            OutF64(_) => code == b'D',
+            Null => b"rwRWbBdD".contains(&code),
             I32(_) => code == b'i',
             F32(_) => code == b'f',
+            F64(_) => code == b'g',
             U64(_) => code == b'z',
         }
     }
@@ -288,11 +306,52 @@ impl Arg<'_> {
             Out(_) => "Out (float*)",
             InU32(_) => "InU32 (const unsigned*)",
             OutU32(_) => "OutU32 (unsigned*)",
+            InU8(_) => "InU8 (const unsigned char*)",
+            OutU8(_) => "OutU8 (unsigned char*)",
+            InF64(_) => "InF64 (const double*)",
+            OutF64(_) => "OutF64 (double*)",
             Null => "Null (64-bit 0)",
             I32(_) => "I32 (int)",
             F32(_) => "F32 (float)",
+            F64(_) => "F64 (double)",
             U64(_) => "U64 (size_t / unsigned long long)",
         }
+    }
+
+    /// The bytes of a buffer argument, as the kernel sees them; None for a value.
+    fn bytes(&self) -> Option<Vec<u8>> {
+        Some(match self {
+            In(v) => v.iter().flat_map(|x| x.to_ne_bytes()).collect(),
+            Out(v) => v.iter().flat_map(|x| x.to_ne_bytes()).collect(),
+            InU32(v) => v.iter().flat_map(|x| x.to_ne_bytes()).collect(),
+            OutU32(v) => v.iter().flat_map(|x| x.to_ne_bytes()).collect(),
+            InU8(v) => v.to_vec(),
+            OutU8(v) => v.to_vec(),
+            InF64(v) => v.iter().flat_map(|x| x.to_ne_bytes()).collect(),
+            OutF64(v) => v.iter().flat_map(|x| x.to_ne_bytes()).collect(),
+            _ => return None,
+        })
+    }
+
+    /// Copies a written buffer's bytes back into the argument (read-only ones are left).
+    fn write_back(&mut self, b: &[u8]) {
+        match self {
+            Out(v) => {
+                v.iter_mut().zip(b.chunks_exact(4)).for_each(|(x, c)| *x = f32::from_ne_bytes(c.try_into().unwrap()))
+            }
+            OutU32(v) => {
+                v.iter_mut().zip(b.chunks_exact(4)).for_each(|(x, c)| *x = u32::from_ne_bytes(c.try_into().unwrap()))
+            }
+            OutU8(v) => v.copy_from_slice(b),
+            OutF64(v) => {
+                v.iter_mut().zip(b.chunks_exact(8)).for_each(|(x, c)| *x = f64::from_ne_bytes(c.try_into().unwrap()))
+            }
+            _ => {}
+        }
+    }
+
+    fn read_only(&self) -> bool {
+        matches!(self, In(_) | InU32(_) | InU8(_) | InF64(_))
     }
 }
 
@@ -327,32 +386,53 @@ fn elem_cfgs(n: usize) -> [Cfg; 2] {
     [elem_cfg(n), FEW]
 }
 
-/// Guard band on each side of every staged buffer, and what fills it (a NaN, for f32, so
-/// a stray read poisons the result too).
-const GUARD: usize = 64;
-const GUARD_BITS: u32 = 0x7FA0_0BAD;
+/// Guard band on each side of every staged buffer, in bytes (a multiple of 8, so that
+/// the buffer starts as aligned as a double), and what fills it: the f32 NaN
+/// 0x7FA00BAD in every 4-byte word, so a stray read of a float poisons the result too.
+const GUARD: usize = 256;
+const GUARD_WORD: u64 = 0x7FA0_0BAD_7FA0_0BAD;
 
-/// A buffer copied between guard bands for the duration of one launch.
+/// A buffer copied between guard bands for the duration of one launch, in 8-byte words
+/// (aligned for any element type).
 struct Staged {
-    bits: Vec<u32>,
+    words: Vec<u64>,
+    /// The buffer's bytes.
     len: usize,
 }
 
 impl Staged {
-    fn new(values: impl Iterator<Item = u32>, len: usize) -> Staged {
-        let mut bits = vec![GUARD_BITS; len + 2 * GUARD];
-        for (b, v) in bits[GUARD..GUARD + len].iter_mut().zip(values) {
-            *b = v;
-        }
-        Staged { bits, len }
+    fn new(bytes: &[u8]) -> Staged {
+        let len = bytes.len();
+        let mut s = Staged { words: vec![GUARD_WORD; (2 * GUARD + len).div_ceil(8)], len };
+        s.all_mut()[GUARD..GUARD + len].copy_from_slice(bytes);
+        s
     }
 
-    fn body(&self) -> &[u32] {
-        &self.bits[GUARD..GUARD + self.len]
+    fn all(&self) -> &[u8] {
+        // SAFETY: any initialised u64 memory is valid as bytes; the slice covers exactly
+        // the vector's 8·len bytes and borrows it.
+        unsafe { std::slice::from_raw_parts(self.words.as_ptr().cast::<u8>(), self.words.len() * 8) }
+    }
+
+    fn all_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as in `all`; every byte pattern is a valid u64, so writes through the
+        // bytes keep the vector valid; the slice borrows it mutably.
+        unsafe { std::slice::from_raw_parts_mut(self.words.as_mut_ptr().cast::<u8>(), self.words.len() * 8) }
+    }
+
+    fn body_ptr(&mut self) -> u64 {
+        self.all_mut()[GUARD..].as_mut_ptr() as u64
+    }
+
+    fn body(&self) -> &[u8] {
+        &self.all()[GUARD..GUARD + self.len]
     }
 
     fn guards_intact(&self) -> bool {
-        self.bits[..GUARD].iter().chain(&self.bits[GUARD + self.len..]).all(|&b| b == GUARD_BITS)
+        let pattern = GUARD_WORD.to_ne_bytes();
+        let all = self.all();
+        let ok = |range: std::ops::Range<usize>| range.into_iter().all(|o| all[o] == pattern[o % 8]);
+        ok(0..GUARD) && ok(GUARD + self.len..all.len())
     }
 }
 
@@ -396,24 +476,16 @@ impl HostKernels {
                 code as char
             );
         }
-        let mut staged: Vec<Option<Staged>> = args
-            .iter()
-            .map(|a| match a {
-                In(v) => Some(Staged::new(v.iter().map(|x| x.to_bits()), v.len())),
-                Out(v) => Some(Staged::new(v.iter().map(|x| x.to_bits()), v.len())),
-                InU32(v) => Some(Staged::new(v.iter().copied(), v.len())),
-                OutU32(v) => Some(Staged::new(v.iter().copied(), v.len())),
-                _ => None,
-            })
-            .collect();
+        let mut staged: Vec<Option<Staged>> = args.iter().map(|a| a.bytes().map(|b| Staged::new(&b))).collect();
         let mut cells: Vec<Cell> = args
             .iter()
             .zip(&mut staged)
             .map(|(a, s)| match (a, s) {
-                (_, Some(s)) => Cell::of(&(s.bits[GUARD..].as_mut_ptr() as u64).to_ne_bytes()),
+                (_, Some(s)) => Cell::of(&s.body_ptr().to_ne_bytes()),
                 (Null, None) => Cell::of(&0u64.to_ne_bytes()),
                 (I32(v), None) => Cell::of(&v.to_ne_bytes()),
                 (F32(v), None) => Cell::of(&v.to_ne_bytes()),
+                (F64(v), None) => Cell::of(&v.to_ne_bytes()),
                 (U64(v), None) => Cell::of(&v.to_ne_bytes()),
                 _ => unreachable!("every buffer is staged"),
             })
@@ -422,24 +494,20 @@ impl HostKernels {
         let c_name = CString::new(name).unwrap();
         let ((gx, gy, gz), (bx, by, bz)) = (cfg.grid, cfg.block);
         // SAFETY: every parameter's letter was checked against its argument above, so each
-        // pointer in `ptrs` points at a value of the parameter's type and width (an int or
-        // a float in the first bytes of its 8-byte cell); every buffer is a staged copy
-        // with the length launch.rs checks for this kernel, plus guard bands; `staged` and
-        // `cells` outlive the call, which returns after the last block has finished.
+        // pointer in `ptrs` points at a value of the parameter's type and width (an int, a
+        // float or a double in the first bytes of its 8-byte cell); every buffer is a
+        // staged copy with the length launch.rs checks for this kernel, plus guard bands,
+        // starting 8-byte aligned; `staged` and `cells` outlive the call, which returns
+        // after the last block has finished.
         let rc = unsafe { (self.launch)(c_name.as_ptr(), gx, gy, gz, bx, by, bz, ptrs.as_mut_ptr()) };
         assert_eq!(rc, 0, "{name}: launch on {cfg:?} refused");
         for (i, (a, s)) in args.iter_mut().zip(&staged).enumerate() {
             let Some(s) = s else { continue };
-            assert!(s.guards_intact(), "{name}: argument {i} was written outside its {} elements", s.len);
-            match a {
-                In(v) => assert!(
-                    v.iter().map(|x| x.to_bits()).eq(s.body().iter().copied()),
-                    "{name}: read-only argument {i} changed"
-                ),
-                InU32(v) => assert_eq!(*v, s.body(), "{name}: read-only argument {i} changed"),
-                Out(v) => v.iter_mut().zip(s.body()).for_each(|(x, &b)| *x = f32::from_bits(b)),
-                OutU32(v) => v.copy_from_slice(s.body()),
-                _ => {}
+            assert!(s.guards_intact(), "{name}: argument {i} was written outside its {} bytes", s.len);
+            if a.read_only() {
+                assert!(a.bytes().as_deref() == Some(s.body()), "{name}: read-only argument {i} changed");
+            } else {
+                a.write_back(s.body());
             }
         }
     }
@@ -481,6 +549,11 @@ const CHECKED: &[(&str, &[&str])] = &[
     ("sgd_and_adam_match_the_cpu_optimizer_over_several_steps", &["sgd_step_f32", "adam_step_f32"]),
     ("reduce_sum_adds_the_buffers_left_to_right_and_scales", &["reduce_sum_f32"]),
     ("dropout_masks_equal_the_cpu_layer_bit_for_bit", &["dropout_fwd_f32", "dropout_bwd_f32"]),
+    ("codec_kernels_equal_the_codec_bit_for_bit", &["wire_encode_f32", "wire_reduce_f32", "wire_decode_f32"]),
+    (
+        "synchronized_batchnorm_kernels_equal_the_cpu_layer_bit_for_bit",
+        &["batchnorm_moments_fwd_f32", "batchnorm_sync_fwd_f32", "batchnorm_sums_bwd_f32", "batchnorm_sync_bwd_f32"],
+    ),
 ];
 
 #[test]
@@ -1279,4 +1352,571 @@ fn dropout_masks_equal_the_cpu_layer_bit_for_bit() {
     let cpu_part = cpu_dropout_at(part, f, rate, (seed, step, replica, layer), from);
     assert_bits("dropout of a later micro-batch vs nn::Dropout at its offset", &y, &cpu_part);
     assert_bits("dropout of a later micro-batch vs the whole shard's rows", &y, &want_y[from * f..(from + rows) * f]);
+}
+
+// ---- codec.cu ------------------------------------------------------------------------
+
+/// A wire of the codec in the device layout of `g` (launch.rs's WireGeom: codes at 0, the
+/// fp16 exponents after them, the raw floats on 256 bytes; padding zero).
+fn device_wire(g: &WireGeom, w: &Wire) -> Vec<u8> {
+    let (half, exps, raw) = w.parts();
+    let mut b = vec![0u8; g.bytes()];
+    for (i, h) in half.iter().enumerate() {
+        b[2 * i..2 * i + 2].copy_from_slice(&h.to_ne_bytes());
+    }
+    for (i, &e) in exps.iter().enumerate() {
+        b[g.exps_at() + i] = e as u8;
+    }
+    for (i, r) in raw.iter().enumerate() {
+        b[g.raw_at() + 4 * i..g.raw_at() + 4 * i + 4].copy_from_slice(&r.to_ne_bytes());
+    }
+    b
+}
+
+/// The three parts of a device wire: codes, exponents, raw values.
+fn wire_parts(g: &WireGeom, b: &[u8]) -> (Vec<u16>, Vec<i8>, Vec<f32>) {
+    let codes = (0..g.encoded).map(|i| u16::from_ne_bytes([b[2 * i], b[2 * i + 1]])).collect();
+    let exps = (0..g.exponents()).map(|i| b[g.exps_at() + i] as i8).collect();
+    let at = |i: usize| g.raw_at() + 4 * i;
+    let raw = (0..g.raw).map(|i| f32::from_ne_bytes(b[at(i)..at(i) + 4].try_into().unwrap())).collect();
+    (codes, exps, raw)
+}
+
+/// Whether a 16-bit code of `c` is a NaN.
+fn code_is_nan(c: Compression, h: u16) -> bool {
+    match c {
+        Compression::Fp16 => h & 0x7C00 == 0x7C00 && h & 0x03FF != 0,
+        _ => h & 0x7F80 == 0x7F80 && h & 0x007F != 0,
+    }
+}
+
+/// One slot of the codec test: `encoded` values in blocks of 1,024 of their own
+/// magnitude (2^-140, subnormal all through, up to 2^127, near f32's largest), specials in
+/// two of them — NaNs of either sign with quiet and signalling payloads, ±∞, ±0, f32
+/// subnormals, f32::MAX, exact bf16 ties (low half 0x8000) — then `raw` f32 values (slot
+/// s scaled by 2^(8s), so that the order of their sum shows) with a NaN, an ∞ and
+/// subnormals among them.
+fn codec_slot(rng: &mut Rng, s: usize, encoded: usize, raw: usize) -> Vec<f32> {
+    let magnitudes = [-140, -60, -10, 0, 20, 100, 126];
+    let mut v: Vec<f32> = (0..encoded)
+        .map(|i| {
+            let e = magnitudes[(i / 1024) % magnitudes.len()];
+            rng.uniform() * 2f32.powi(e.max(-126)) * if e < -126 { 2f32.powi(e + 126) } else { 1.0 }
+        })
+        .collect();
+    let specials = [
+        f32::from_bits(0x7FC0_1234),
+        f32::from_bits(0xFFC0_0001),
+        f32::from_bits(0x7F80_0001), // signalling
+        f32::from_bits(0xFFA5_5A5A), // signalling, negative
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        0.0,
+        -0.0,
+        f32::from_bits(1),
+        -f32::from_bits(0x007F_FFFF),
+        f32::MAX,
+        -f32::MAX,
+    ];
+    for (k, x) in specials.iter().enumerate() {
+        // Block 2 (magnitude 2^-10) and block 4 (2^20), a few positions per slot.
+        v[2 * 1024 + 37 * k + s] = *x;
+        v[4 * 1024 + 53 * k + 2 * s] = *x;
+    }
+    for k in 0..64 {
+        // Exact bf16 ties in block 3 (magnitude 1): round to the even code.
+        let i = 3 * 1024 + 16 * k + s;
+        v[i] = f32::from_bits((v[i].to_bits() & 0xFFFF_0000) | 0x8000);
+    }
+    let mut tail: Vec<f32> = (0..raw).map(|_| rng.uniform() * 2f32.powi(8 * s as i32)).collect();
+    // A sum whose order shows: (1 + 2^-24) + (2^-24 + 2^-24) = 1 + 2^-23 in the tree, 1
+    // left to right (each 2^-24 a tie that rounds to even, 1).
+    tail[0] = [1.0, 2f32.powi(-24), 2f32.powi(-24), 2f32.powi(-24), 0.0][s % 5];
+    tail[3] = f32::NAN;
+    tail[5 + s] = f32::INFINITY;
+    tail[11] = f32::from_bits(3 + s as u32);
+    v.extend(tail);
+    v
+}
+
+/// codec.cu against src/exchange/codec.rs: each kernel bit for bit on the same wires. The
+/// encode kernel's wire is the codec's; the decode kernel's values are the codec's (NaN
+/// payloads included: a block holding a NaN is unscaled, and the kernel skips the scale
+/// of 2^0 there); the reduce kernel's sum is `Codec::reduce`'s, the canonical tree over
+/// the wires — except which NaN a sum holding a NaN gives: CUDA returns its canonical NaN
+/// for arithmetic on a NaN and x86 one of the operands' payloads, so there a NaN must
+/// match a NaN (bf16 turns every NaN into 0x7FC0, so it matches bit for bit anyway).
+/// Then the whole GPU exchange (encode each slot, the wires side by side, reduce, decode)
+/// against the shared-memory exchange on the same slots, on 1 and 2 ranks.
+#[test]
+fn codec_kernels_equal_the_codec_bit_for_bit() {
+    let Some(k) = kernels_or_skip("codec_kernels_equal_the_codec_bit_for_bit") else {
+        return;
+    };
+    let (encoded, raw) = (6 * 1024 + 300, 700);
+    let len = encoded + raw;
+    for compression in [Compression::Bf16, Compression::Fp16] {
+        let codec = Codec::new(compression, encoded).unwrap();
+        let g = WireGeom::new(&codec, len);
+        assert_eq!(g.payload(), codec.wire(0..len).bytes(), "{compression:?}: the bytes a wire carries");
+        let mut rng = Rng(40 + compression as u64);
+        for r in [1usize, 2, 3, 5] {
+            let case = format!("{compression:?}, {r} wires");
+            let slots: Vec<Vec<f32>> = (0..r).map(|s| codec_slot(&mut rng, s, encoded, raw)).collect();
+            let cpu_wires: Vec<Wire> = slots
+                .iter()
+                .map(|v| {
+                    let mut w = codec.wire(0..len);
+                    codec.encode(v, &mut w, 0..len);
+                    w
+                })
+                .collect();
+            // Encode: all r slots in one launch (grid.y = r), slot j at j·stride, as
+            // Gpu::wire_encode pushes it: src, wires, format, encoded, raw, stride,
+            // wire bytes, exps_at, raw_at.
+            let stride = len.div_ceil(64) * 64;
+            let mut src = vec![0.0f32; r * stride];
+            for (j, v) in slots.iter().enumerate() {
+                src[j * stride..j * stride + len].copy_from_slice(v);
+            }
+            let mut wires = vec![0u8; r * g.bytes()];
+            let cfg = Cfg { grid: (g.blocks() as u32, r as u32, 1), block: (CODEC_THREADS, 1, 1) };
+            k.launch(
+                "wire_encode_f32",
+                cfg,
+                &mut [
+                    In(&src),
+                    OutU8(&mut wires),
+                    I32(g.format()),
+                    U64(encoded as u64),
+                    U64(raw as u64),
+                    U64(stride as u64),
+                    U64(g.bytes() as u64),
+                    U64(g.exps_at() as u64),
+                    U64(g.raw_at() as u64),
+                ],
+            );
+            for (j, w) in cpu_wires.iter().enumerate() {
+                let got = &wires[j * g.bytes()..(j + 1) * g.bytes()];
+                let bad = got.iter().zip(device_wire(&g, w)).position(|(a, b)| *a != b);
+                assert_eq!(bad, None, "{case}: wire {j}, first byte off the codec's");
+            }
+
+            // Reduce: the codec's own wires, side by side, as Gpu::wire_reduce pushes them:
+            // wires, out, R, format, encoded, raw, wire bytes, exps_at, raw_at.
+            let side_by_side: Vec<u8> = cpu_wires.iter().flat_map(|w| device_wire(&g, w)).collect();
+            let mut out = vec![0u8; g.bytes()];
+            let cfg = Cfg { grid: (g.blocks() as u32, 1, 1), block: (CODEC_THREADS, 1, 1) };
+            k.launch(
+                "wire_reduce_f32",
+                cfg,
+                &mut [
+                    InU8(&side_by_side),
+                    OutU8(&mut out),
+                    I32(r as i32),
+                    I32(g.format()),
+                    U64(encoded as u64),
+                    U64(raw as u64),
+                    U64(g.bytes() as u64),
+                    U64(g.exps_at() as u64),
+                    U64(g.raw_at() as u64),
+                ],
+            );
+            let mut cpu_sum = codec.wire(0..len);
+            codec.reduce(&cpu_wires.iter().collect::<Vec<_>>(), 0..len, &mut cpu_sum);
+            let (codes, exps, raw_sum) = wire_parts(&g, &out);
+            let (want_codes, want_exps, want_raw) = cpu_sum.parts();
+            assert_eq!(exps, want_exps, "{case}: the sum's block exponents");
+            let mut nans = 0;
+            for (i, (&a, &b)) in codes.iter().zip(want_codes).enumerate() {
+                if code_is_nan(compression, b) {
+                    assert!(code_is_nan(compression, a), "{case}: sum code {i} is {a:#06x}, the codec's NaN {b:#06x}");
+                    nans += 1;
+                } else {
+                    assert_eq!(a, b, "{case}: sum code {i}");
+                }
+            }
+            assert!(nans > 0, "{case}: the specials reach the sum");
+            for (i, (a, b)) in raw_sum.iter().zip(want_raw).enumerate() {
+                assert!(a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()), "{case}: raw sum {i}: {a} vs {b}");
+            }
+            if r == 5 {
+                // The order the kernel must follow shows: left to right, raw value 0 sums
+                // to 1, in the canonical tree to 1 + 2^-23 (codec_slot).
+                let sequential = (0..r).fold(0.0f32, |acc, s| acc + slots[s][encoded]);
+                assert_eq!((sequential, want_raw[0]), (1.0, 1.0 + 2f32.powi(-23)), "{case}");
+            }
+
+            // Decode: the codec's sum, as Gpu::wire_decode pushes it: wire, dst, format,
+            // encoded, raw, exps_at, raw_at.
+            let mut want = vec![0.0f32; len];
+            codec.decode(&cpu_sum, 0..len, &mut want);
+            for cfg in elem_cfgs(len) {
+                let mut dst = vec![f32::NAN; len];
+                k.launch(
+                    "wire_decode_f32",
+                    cfg,
+                    &mut [
+                        InU8(&device_wire(&g, &cpu_sum)),
+                        Out(&mut dst),
+                        I32(g.format()),
+                        U64(encoded as u64),
+                        U64(raw as u64),
+                        U64(g.exps_at() as u64),
+                        U64(g.raw_at() as u64),
+                    ],
+                );
+                assert_bits(&format!("{case}: decoded sum {cfg:?}"), &dst, &want);
+            }
+
+            // The GPU exchange's chain on the kernels' own wires, against the shared-memory
+            // exchange on the same slots (r logical replicas on 1 rank, and on r ranks when
+            // r is 1 or 5 — any device count with R fixed reads the same sum).
+            let mut reduced = vec![0u8; g.bytes()];
+            k.launch(
+                "wire_reduce_f32",
+                cfg,
+                &mut [
+                    InU8(&wires),
+                    OutU8(&mut reduced),
+                    I32(r as i32),
+                    I32(g.format()),
+                    U64(encoded as u64),
+                    U64(raw as u64),
+                    U64(g.bytes() as u64),
+                    U64(g.exps_at() as u64),
+                    U64(g.raw_at() as u64),
+                ],
+            );
+            let mut gpu_sum = vec![f32::NAN; len];
+            k.launch(
+                "wire_decode_f32",
+                elem_cfg(len),
+                &mut [
+                    InU8(&reduced),
+                    Out(&mut gpu_sum),
+                    I32(g.format()),
+                    U64(encoded as u64),
+                    U64(raw as u64),
+                    U64(g.exps_at() as u64),
+                    U64(g.raw_at() as u64),
+                ],
+            );
+            for ranks in [1, r] {
+                for (rank, cpu) in shm_exchange(ranks, codec, &slots).iter().enumerate() {
+                    for (i, (a, b)) in gpu_sum.iter().zip(cpu).enumerate() {
+                        assert!(
+                            a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()),
+                            "{case}: value {i} of the GPU chain {a} vs the CPU exchange's {b} ({ranks} ranks, rank {rank})"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Every rank's sum of `slots` through the shared-memory exchange with `codec`, on
+/// `ranks` ranks (each running its share of the logical replicas).
+fn shm_exchange(ranks: usize, codec: Codec, slots: &[Vec<f32>]) -> Vec<Vec<f32>> {
+    let (shards, len) = (slots.len(), slots[0].len());
+    let group = ShmGroup::with_codec(ranks, shards, len, Wait::Park, Some(codec)).unwrap();
+    std::thread::scope(|s| {
+        let hs: Vec<_> = (0..ranks)
+            .map(|d| {
+                let group = &group;
+                s.spawn(move || {
+                    let mut me = group.rank(d);
+                    let per = shards / ranks;
+                    for j in 0..per {
+                        me.with_slot(j, |slot| slot.copy_from_slice(&slots[d * per + j]));
+                    }
+                    me.sum().unwrap();
+                    let mut out = vec![f32::NAN; len];
+                    me.for_each_sum(|off, piece| {
+                        out[off..off + piece.len()].copy_from_slice(piece);
+                        Ok(())
+                    })
+                    .unwrap();
+                    out
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+// ---- batchnorm.cu: synchronized BatchNorm ----------------------------------------------
+
+/// A layer that adds its parameter (−0.0, the exact identity of addition) to its input
+/// and whose gradient is dout: in front of a BatchNorm it makes the BatchNorm compute
+/// its input gradient (a Sequential's first trained layer skips it) and hands it over
+/// exactly (−0.0 + d = d).
+#[derive(Clone)]
+struct InputProbe {
+    numel: usize,
+}
+
+impl Layer for InputProbe {
+    fn kind(&self) -> &'static str {
+        "probe"
+    }
+
+    fn output_shape(&self, input: &lockstep::Shape) -> lockstep::Result<lockstep::Shape> {
+        Ok(input.clone())
+    }
+
+    fn params(&self) -> Vec<lockstep::nn::ParamSpec> {
+        vec![lockstep::nn::ParamSpec {
+            name: "x",
+            shape: lockstep::Shape::new([self.numel]),
+            init: lockstep::nn::Init::Zeros,
+        }]
+    }
+
+    fn forward(
+        &mut self,
+        mut x: Tensor,
+        params: lockstep::nn::Params<'_>,
+        _: lockstep::nn::ParamsMut<'_>,
+        _: &Ctx,
+    ) -> lockstep::Result<Tensor> {
+        for (v, p) in x.host_mut().iter_mut().zip(params.get(0)) {
+            *v += p;
+        }
+        Ok(x)
+    }
+
+    fn backward(
+        &mut self,
+        dout: Tensor,
+        _: lockstep::nn::Params<'_>,
+        mut dparams: lockstep::nn::ParamsMut<'_>,
+        _: lockstep::nn::InputGrad,
+        _: &Ctx,
+    ) -> lockstep::Result<Option<Tensor>> {
+        for (g, d) in dparams.get(0).iter_mut().zip(dout.host()) {
+            *g += d;
+        }
+        Ok(None)
+    }
+
+    fn boxed_clone(&self) -> Box<dyn Layer> {
+        Box::new(self.clone())
+    }
+
+    fn describe(&self) -> String {
+        format!("InputProbe({})", self.numel)
+    }
+}
+
+/// A statistics exchange of two logical replicas, this one being replica 1: it records
+/// what it is handed and gathers a fixed payload of replica 0 before it — (37 values per
+/// channel of mean 0.3 + ch/10 and M2 11 + ch) in forward, (1.5 − ch/4, −0.7 + ch/8) in
+/// backward, told apart by their lengths (1 + 2C is odd).
+#[derive(Debug, Default)]
+struct Recorder {
+    sent: std::sync::Mutex<Vec<Vec<f64>>>,
+}
+
+impl lockstep::exchange::stats::StatsExchange for Recorder {
+    fn replicas(&self) -> usize {
+        2
+    }
+
+    fn all_gather(&self, replica: usize, mine: &[f64], all: &mut Vec<f64>) -> lockstep::Result<()> {
+        assert_eq!(replica, 1, "the layer under test is logical replica 1");
+        self.sent.lock().unwrap().push(mine.to_vec());
+        all.clear();
+        if mine.len() % 2 == 1 {
+            let c = mine.len() / 2;
+            all.push(37.0);
+            all.extend((0..c).flat_map(|ch| [0.3 + ch as f64 / 10.0, 11.0 + ch as f64]));
+        } else {
+            let c = mine.len() / 2;
+            all.extend((0..c).flat_map(|ch| [1.5 - ch as f64 / 4.0, -0.7 + ch as f64 / 8.0]));
+        }
+        all.extend_from_slice(mine);
+        Ok(())
+    }
+}
+
+/// The synchronized BatchNorm kernels against the CPU layer (nn::batchnorm, as
+/// `--sync-batchnorm` runs it on CPU devices), bit for bit: the shard's per-channel
+/// (mean, M2) a GPU replica hands the exchange is the CPU layer's very payload; merged by
+/// the same function (`Synchronized::moments`), the statistics normalise into the CPU
+/// layer's y and move the running statistics to its values; the backward's (Σ dy, Σ dy·x̂)
+/// is its payload again, and dx, dγ, dβ (accumulated onto earlier values) are its own.
+/// Bitwise because every kernel makes the layer's f32 and f64 operations in its order,
+/// and the host does not contract them (the GPU, with the _rn intrinsics, neither).
+/// Cases: planes whose length is and is not a multiple of the eight accumulators (a tail,
+/// or only a tail), more samples than a block has threads (two rounds of planes merged
+/// in order), every combination of γ and β.
+#[test]
+fn synchronized_batchnorm_kernels_equal_the_cpu_layer_bit_for_bit() {
+    use lockstep::nn::batchnorm::{normaliser, Synchronized};
+    use lockstep::nn::BatchStats;
+    let Some(k) = kernels_or_skip("synchronized_batchnorm_kernels_equal_the_cpu_layer_bit_for_bit") else {
+        return;
+    };
+    let mut rng = Rng(12);
+    let (momentum, eps) = (0.9f32, 1e-3f32);
+    let cases = [
+        (5, 3, 37, true, true),
+        (3, 2, 64, false, true),
+        (2, 2, 5, true, false),
+        (300, 2, 9, false, false),
+        (1, 3, 16, true, true),
+    ];
+    for (n, c, hw, with_gamma, with_beta) in cases {
+        let case = format!("N={n} C={c} HW={hw}, gamma {with_gamma}, beta {with_beta}");
+        let total = n * c * hw;
+        let inputs = BnInputs::random(&mut rng, (n, c, hw));
+        let BnInputs {
+            x, dy, gamma, beta, running_mean: rm0, running_var: rv0, dgamma: dgamma0, dbeta: dbeta0, ..
+        } = &inputs;
+
+        // The CPU layer, logical replica 1 of 2, behind the input probe.
+        let bn = BatchNorm2d::new(c)
+            .scale(with_gamma)
+            .center(with_beta)
+            .momentum(momentum)
+            .eps(eps)
+            .batch_stats(BatchStats::Global);
+        let layers: Vec<Box<dyn Layer>> = vec![Box::new(InputProbe { numel: total }), Box::new(bn)];
+        let mut model = Sequential::new([c, hw, 1], layers).unwrap();
+        let infos = model.param_infos().to_vec();
+        let mut params = vec![0.0f32; model.params_len()];
+        params[infos[0].range.clone()].fill(-0.0);
+        let mut grads = vec![0.0f32; model.params_len()];
+        grads[infos[0].range.clone()].fill(-0.0);
+        let present: Vec<(&Vec<f32>, &Vec<f32>)> = [(with_gamma, (gamma, dgamma0)), (with_beta, (beta, dbeta0))]
+            .into_iter()
+            .filter(|p| p.0)
+            .map(|p| p.1)
+            .collect();
+        for (t, (p, g)) in infos[1..].iter().zip(&present) {
+            params[t.range.clone()].copy_from_slice(p);
+            grads[t.range.clone()].copy_from_slice(g);
+        }
+        let mut buffers = vec![0.0f32; model.buffers_len()];
+        let (rm_at, rv_at) = (model.buffer_infos()[0].range.clone(), model.buffer_infos()[1].range.clone());
+        buffers[rm_at.clone()].copy_from_slice(rm0);
+        buffers[rv_at.clone()].copy_from_slice(rv0);
+        let cpu = Recorder::default();
+        let ctx = Ctx { stats: Some(&cpu), ..Ctx::train(0, 0, 1, Device::Cpu(0)) };
+        let xt = Tensor::from_vec(x.clone(), [n, c, hw, 1]).unwrap();
+        let cpu_y = model.forward(xt, &params, &mut buffers, &ctx).unwrap().into_vec();
+        model.backward(Tensor::from_vec(dy.clone(), [n, c, hw, 1]).unwrap(), &params, &mut grads, &ctx).unwrap();
+        let sent = cpu.sent.lock().unwrap().clone();
+        assert_eq!(sent.len(), 2, "{case}: one call in forward, one in backward");
+
+        // The GPU's forward: the shard's moments, as Gpu::batchnorm_moments_fwd pushes
+        // them: x, moments, N (int), C (int), hw.
+        let mut moments = vec![f64::NAN; 2 * c];
+        k.launch(
+            "batchnorm_moments_fwd_f32",
+            channel_cfg(c as i32),
+            &mut [In(x), OutF64(&mut moments), I32(n as i32), I32(c as i32), U64(hw as u64)],
+        );
+        assert_eq!(sent[0][0], (n * hw) as f64, "{case}: the payload's count");
+        let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&moments), bits(&sent[0][1..]), "{case}: the shard's moments vs the CPU layer's payload");
+        // The host's merge, the CPU layer's function, through an exchange like its own.
+        let gpu = Recorder::default();
+        let with = Synchronized { stats: &gpu, replica: 1 };
+        let local: Vec<(f64, f64)> = moments.chunks_exact(2).map(|p| (p[0], p[1])).collect();
+        let (count, merged) = with.moments((n * hw) as f64, &local).unwrap();
+        assert_eq!(count, (37 + n * hw) as f64);
+        let stats: Vec<f64> = merged
+            .iter()
+            .flat_map(|&(mean, m2)| {
+                let var = m2 / count;
+                let (m, is) = normaliser(mean, var, eps);
+                [mean, var, m as f64, is as f64]
+            })
+            .collect();
+        let u = RunningUpdate::new(momentum, count as usize);
+        for cfg in elem_cfgs(total) {
+            let (mut y, mut rm, mut rv) = (vec![f32::NAN; total], rm0.clone(), rv0.clone());
+            let (mut sm, mut si) = (vec![f32::NAN; c], vec![f32::NAN; c]);
+            // As Gpu::batchnorm_sync_fwd: x, y, gamma or 0, beta or 0, stats, running_mean,
+            // running_var, save_mean, save_invstd, C (int), hw, total, keep, take, unbias.
+            k.launch(
+                "batchnorm_sync_fwd_f32",
+                cfg,
+                &mut [
+                    In(x),
+                    Out(&mut y),
+                    opt(with_gamma, gamma),
+                    opt(with_beta, beta),
+                    InF64(&stats),
+                    Out(&mut rm),
+                    Out(&mut rv),
+                    Out(&mut sm),
+                    Out(&mut si),
+                    I32(c as i32),
+                    U64(hw as u64),
+                    U64(total as u64),
+                    F64(u.keep),
+                    F64(u.take),
+                    F64(u.unbias),
+                ],
+            );
+            assert_bits(&format!("sync bn y ({case}) {cfg:?}"), &y, &cpu_y);
+            assert_bits(&format!("sync bn running_mean ({case})"), &rm, &buffers[rm_at.clone()]);
+            assert_bits(&format!("sync bn running_var ({case})"), &rv, &buffers[rv_at.clone()]);
+            let (want_sm, want_si): (Vec<f32>, Vec<f32>) =
+                merged.iter().map(|&(mean, m2)| normaliser(mean, m2 / count, eps)).unzip();
+            assert_bits(&format!("sync bn save_mean ({case})"), &sm, &want_sm);
+            assert_bits(&format!("sync bn save_invstd ({case})"), &si, &want_si);
+
+            // The GPU's backward: the shard's sums, as Gpu::batchnorm_sums_bwd pushes
+            // them: x, dy, save_mean, save_invstd, sums, N (int), C (int), hw.
+            let mut sums = vec![f64::NAN; 2 * c];
+            k.launch(
+                "batchnorm_sums_bwd_f32",
+                channel_cfg(c as i32),
+                &mut [In(x), In(dy), In(&sm), In(&si), OutF64(&mut sums), I32(n as i32), I32(c as i32), U64(hw as u64)],
+            );
+            assert_eq!(bits(&sums), bits(&sent[1]), "{case}: the shard's sums vs the CPU layer's payload");
+            let local: Vec<(f64, f64)> = sums.chunks_exact(2).map(|p| (p[0], p[1])).collect();
+            let global: Vec<f64> = with.sums(&local).unwrap().iter().flat_map(|&(a, b)| [a, b]).collect();
+            let (mut dx, mut dgamma, mut dbeta) = (vec![f32::NAN; total], dgamma0.clone(), dbeta0.clone());
+            // As Gpu::batchnorm_sync_bwd: x, dy, dx, gamma or 0, save_mean, save_invstd,
+            // local, global, dgamma or 0, dbeta or 0, C (int), hw, total, count.
+            k.launch(
+                "batchnorm_sync_bwd_f32",
+                cfg,
+                &mut [
+                    In(x),
+                    In(dy),
+                    Out(&mut dx),
+                    opt(with_gamma, gamma),
+                    In(&sm),
+                    In(&si),
+                    InF64(&sums),
+                    InF64(&global),
+                    opt_mut(with_gamma, &mut dgamma),
+                    opt_mut(with_beta, &mut dbeta),
+                    I32(c as i32),
+                    U64(hw as u64),
+                    U64(total as u64),
+                    F64(count),
+                ],
+            );
+            assert_bits(&format!("sync bn dx ({case}) {cfg:?}"), &dx, &grads[infos[0].range.clone()]);
+            let mut t = infos[1..].iter();
+            if with_gamma {
+                assert_bits(&format!("sync bn dgamma ({case})"), &dgamma, &grads[t.next().unwrap().range.clone()]);
+            } else {
+                assert_bits(&format!("sync bn dgamma untouched ({case})"), &dgamma, dgamma0);
+            }
+            if with_beta {
+                assert_bits(&format!("sync bn dbeta ({case})"), &dbeta, &grads[t.next().unwrap().range.clone()]);
+            } else {
+                assert_bits(&format!("sync bn dbeta untouched ({case})"), &dbeta, dbeta0);
+            }
+        }
+    }
 }

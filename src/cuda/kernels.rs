@@ -101,7 +101,18 @@ pub const KERNEL_FILES: &[KernelFile] = &[
         ]
     ),
     kernel_file!("conv.cu", [("im2col", Fwd), ("im2col", Bwd)]),
-    kernel_file!("batchnorm.cu", [("batchnorm_train", Fwd), ("batchnorm_train", Bwd), ("batchnorm_eval", Fwd)]),
+    kernel_file!(
+        "batchnorm.cu",
+        [
+            ("batchnorm_train", Fwd),
+            ("batchnorm_train", Bwd),
+            ("batchnorm_eval", Fwd),
+            ("batchnorm_moments", Fwd),
+            ("batchnorm_sync", Fwd),
+            ("batchnorm_sums", Bwd),
+            ("batchnorm_sync", Bwd),
+        ]
+    ),
     kernel_file!(
         "pooling.cu",
         [("global_avgpool", Fwd), ("global_avgpool", Bwd), ("maxpool2d", Fwd), ("maxpool2d", Bwd)]
@@ -110,6 +121,7 @@ pub const KERNEL_FILES: &[KernelFile] = &[
     kernel_file!("optim.cu", [("sgd_step", Plain), ("adam_step", Plain)]),
     kernel_file!("reduce.cu", [("reduce_sum", Plain)]),
     kernel_file!("dropout.cu", [("dropout", Fwd), ("dropout", Bwd)]),
+    kernel_file!("codec.cu", [("wire_encode", Plain), ("wire_reduce", Plain), ("wire_decode", Plain)]),
 ];
 
 /// The kernel file called `name`.

@@ -18,6 +18,7 @@ use parking_lot::Mutex;
 
 use super::kernels::{kernel_name, Dir};
 use super::probe::driver_available;
+use crate::exchange::codec::{Codec, Compression, BLOCK};
 use crate::nn::batchnorm::RunningUpdate;
 use crate::nn::Geometry2d;
 use crate::optim::{OptimizerConfig, StepScalars};
@@ -26,6 +27,9 @@ use crate::{Error, Result};
 /// Threads per block of the block-per-channel reductions; must equal `REDUCE_BLOCK` in
 /// kernels/elementwise.cu and kernels/batchnorm.cu.
 pub const REDUCE_BLOCK: u32 = 256;
+/// Threads per block of kernels/codec.cu (`CODEC_THREADS`), one block per codec block of
+/// 1,024 values.
+pub const CODEC_THREADS: u32 = 256;
 /// Threads per block of the grid-stride element loops.
 const ELEM_BLOCK: u32 = 256;
 /// Cap on blocks of an element loop; the grid-stride loop covers the rest.
@@ -205,6 +209,101 @@ pub struct BnGrads<'a> {
     pub dx: CudaViewMut<'a, f32>,
     pub dgamma: Option<CudaViewMut<'a, f32>>,
     pub dbeta: Option<CudaViewMut<'a, f32>>,
+}
+
+/// What a synchronized BatchNorm's training forward normalises with.
+#[derive(Debug)]
+pub struct BnMerged<'a> {
+    /// (C, 4) per channel, in f64: the global batch's mean and BIASED variance, and what
+    /// normalises (`nn::batchnorm::normaliser`: the mean and 1/sqrt(var + eps) as f32).
+    pub stats: CudaView<'a, f64>,
+    /// The running statistics' update for the global batch's count.
+    pub update: RunningUpdate,
+}
+
+/// What a synchronized BatchNorm's training backward takes: the forward's saved
+/// statistics and the per-channel sums.
+#[derive(Debug)]
+pub struct BnSums<'a> {
+    /// From the forward (`batchnorm_sync_fwd`).
+    pub saved: BnSaved<'a>,
+    /// This shard's per-channel (Σ dy, Σ dy·x̂): (C, 2), f64.
+    pub local: CudaView<'a, f64>,
+    /// The global batch's: (C, 2), f64.
+    pub global: CudaView<'a, f64>,
+    /// Values per channel in the global batch.
+    pub count: f64,
+}
+
+/// Where the parts of one slot's 16-bit wire lie in device memory, in bytes from the
+/// wire's start (kernels/codec.cu): the 16-bit codes of the first `encoded` values at 0,
+/// fp16's block exponents (one signed byte per 1,024 values) right after them, then, on a
+/// 256-byte boundary, the `raw` f32 values past the encoded part. Wires of one buffer lie
+/// [`WireGeom::bytes`] apart, a multiple of 256, so that every wire, code and float starts
+/// aligned. What is encoded, and how, is the codec's (`exchange::codec`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WireGeom {
+    /// Bf16 or Fp16 (a codec exists for those alone).
+    pub compression: Compression,
+    /// Leading values of a slot that are encoded (the gradient).
+    pub encoded: usize,
+    /// Values after them that travel as f32 (the BatchNorm buffers).
+    pub raw: usize,
+}
+
+impl WireGeom {
+    /// The wire of a slot of `width` values under `codec`.
+    pub fn new(codec: &Codec, width: usize) -> WireGeom {
+        let encoded = codec.encoded_len().min(width);
+        WireGeom { compression: codec.compression(), encoded, raw: width - encoded }
+    }
+
+    /// Values of a slot: `encoded + raw`.
+    pub fn width(&self) -> usize {
+        self.encoded + self.raw
+    }
+
+    /// fp16's block exponents (none for bf16).
+    pub fn exponents(&self) -> usize {
+        match self.compression {
+            Compression::Fp16 => self.encoded.div_ceil(BLOCK),
+            _ => 0,
+        }
+    }
+
+    /// Byte offset of the block exponents.
+    pub fn exps_at(&self) -> usize {
+        2 * self.encoded
+    }
+
+    /// Byte offset of the raw f32 part.
+    pub fn raw_at(&self) -> usize {
+        (self.exps_at() + self.exponents()).div_ceil(256) * 256
+    }
+
+    /// Bytes from one wire's start to the next's (at least 256).
+    pub fn bytes(&self) -> usize {
+        (self.raw_at() + 4 * self.raw).div_ceil(256).max(1) * 256
+    }
+
+    /// Bytes a wire carries (codes, exponents, raw values; no padding): what crosses
+    /// between ranks for one slot, as the codec's `Wire::bytes` counts it.
+    pub fn payload(&self) -> usize {
+        2 * self.encoded + self.exponents() + 4 * self.raw
+    }
+
+    /// The kernels' `format`: FORMAT_BF16 (1) or FORMAT_FP16 (2).
+    pub fn format(&self) -> i32 {
+        match self.compression {
+            Compression::Fp16 => 2,
+            _ => 1,
+        }
+    }
+
+    /// CUDA blocks per wire: one per 1,024 values, the encoded part's then the raw part's.
+    pub fn blocks(&self) -> usize {
+        self.encoded.div_ceil(BLOCK) + self.raw.div_ceil(BLOCK)
+    }
 }
 
 /// One GPU as one worker thread sees it: context, compute stream, loaded kernel modules.
@@ -731,6 +830,198 @@ impl Gpu {
         Ok(())
     }
 
+    // ---- batchnorm.cu: synchronized BatchNorm ----------------------------------------
+
+    /// Each channel's (mean, M2) of this shard in f64, the CPU layer's arithmetic (planes
+    /// merged in sample order). x: (N, C, H, W), hw = H*W -> moments: (C, 2)
+    pub fn batchnorm_moments_fwd(&self, x: &impl DevIn, moments: &mut CudaViewMut<'_, f64>, g: BnGeom) -> Result<()> {
+        let BnGeom { n, c, hw, .. } = g;
+        let x = &x.view();
+        let op = "batchnorm_moments_fwd";
+        check_len(op, "x", x, n * c * hw)?;
+        check_len(op, "moments", moments, 2 * c)?;
+        if c == 0 {
+            return Ok(());
+        }
+        let (ni, ci) = (dim(op, "N", n)?, dim(op, "C", c)?);
+        let f = self.function("batchnorm.cu", "batchnorm_moments", Dir::Fwd)?;
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(x).arg(moments).arg(&ni).arg(&ci).arg(&hw);
+        // SAFETY: arguments match batchnorm_moments_fwd_f32(const float* x, double*
+        // moments, int n, int c, size_t hw); x holds N*C*HW floats and moments 2C doubles
+        // (checked); grid = (C), REDUCE_BLOCK threads, as the kernel's shared arrays need.
+        unsafe { b.launch(channel_cfg(ci)) }?;
+        Ok(())
+    }
+
+    /// Training forward with the global batch's statistics (`merged`): the running
+    /// statistics move as its update says (for the global count), the saved ones are set.
+    /// x, y: (N, C, H, W) with hw = H*W; every buffer of `out`: (C)
+    pub fn batchnorm_sync_fwd(
+        &self,
+        x: &impl DevIn,
+        y: &mut impl DevOut,
+        params: BnParams<'_>,
+        merged: BnMerged<'_>,
+        out: BnStats<'_>,
+        g: BnGeom,
+    ) -> Result<()> {
+        let BnGeom { n, c, hw, .. } = g;
+        let BnMerged { stats, update } = merged;
+        let stats = &stats;
+        let x = &x.view();
+        let y = &mut y.view_mut();
+        let BnStats { mut running_mean, mut running_var, mut save_mean, mut save_invstd } = out;
+        let op = "batchnorm_sync_fwd";
+        let total = n * c * hw;
+        check_len(op, "x", x, total)?;
+        check_len(op, "y", y, total)?;
+        Self::check_bn_params(op, &params, c)?;
+        check_len(op, "stats", stats, 4 * c)?;
+        for (what, buf) in [
+            ("running_mean", &running_mean),
+            ("running_var", &running_var),
+            ("save_mean", &save_mean),
+            ("save_invstd", &save_invstd),
+        ] {
+            check_len(op, what, buf, c)?;
+        }
+        if c == 0 {
+            return Ok(());
+        }
+        let ci = dim(op, "C", c)?;
+        let null: u64 = 0;
+        let f = self.function("batchnorm.cu", "batchnorm_sync", Dir::Fwd)?;
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(x).arg(y);
+        match &params.gamma {
+            Some(g) => b.arg(g),
+            None => b.arg(&null),
+        };
+        match &params.beta {
+            Some(v) => b.arg(v),
+            None => b.arg(&null),
+        };
+        b.arg(stats).arg(&mut running_mean).arg(&mut running_var).arg(&mut save_mean).arg(&mut save_invstd);
+        b.arg(&ci).arg(&hw).arg(&total).arg(&update.keep).arg(&update.take).arg(&update.unbias);
+        // SAFETY: arguments match batchnorm_sync_fwd_f32(const float* x, float* y, const
+        // float* gamma, const float* beta, const double* stats, float* running_mean,
+        // float* running_var, float* save_mean, float* save_invstd, int c, size_t hw,
+        // size_t total, double keep, double take, double unbias); absent parameters are a
+        // 64-bit 0 the kernel tests for NULL; every length checked; the channel index
+        // (i / hw) % C is below C.
+        unsafe { b.launch(elem_cfg(total.max(c))) }?;
+        Ok(())
+    }
+
+    /// Each channel's (Σ dy, Σ dy·x̂) of this shard in f64, x̂ recomputed from x and the
+    /// forward's saved statistics as the CPU layer's cached one.
+    /// x, dy: (N, C, H, W), hw = H*W; saved: (C) -> sums: (C, 2)
+    pub fn batchnorm_sums_bwd(
+        &self,
+        x: &impl DevIn,
+        dy: &impl DevIn,
+        saved: &BnSaved<'_>,
+        sums: &mut CudaViewMut<'_, f64>,
+        g: BnGeom,
+    ) -> Result<()> {
+        let BnGeom { n, c, hw, .. } = g;
+        let x = &x.view();
+        let dy = &dy.view();
+        let op = "batchnorm_sums_bwd";
+        check_len(op, "x", x, n * c * hw)?;
+        check_len(op, "dy", dy, n * c * hw)?;
+        check_len(op, "save_mean", &saved.mean, c)?;
+        check_len(op, "save_invstd", &saved.invstd, c)?;
+        check_len(op, "sums", sums, 2 * c)?;
+        if c == 0 {
+            return Ok(());
+        }
+        let (ni, ci) = (dim(op, "N", n)?, dim(op, "C", c)?);
+        let f = self.function("batchnorm.cu", "batchnorm_sums", Dir::Bwd)?;
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(x).arg(dy).arg(&saved.mean).arg(&saved.invstd).arg(sums).arg(&ni).arg(&ci).arg(&hw);
+        // SAFETY: arguments match batchnorm_sums_bwd_f32(const float* x, const float* dy,
+        // const float* save_mean, const float* save_invstd, double* sums, int n, int c,
+        // size_t hw); lengths checked; grid = (C), REDUCE_BLOCK threads.
+        unsafe { b.launch(channel_cfg(ci)) }?;
+        Ok(())
+    }
+
+    /// Training backward with the forward's statistics and the global batch's sums
+    /// (`sums`): `grads.dx` written;
+    /// dgamma, dbeta accumulated from this shard's own sums (given exactly when gamma,
+    /// beta exist in `params`). x, dy, dx: (N, C, H, W), hw = H*W; saved, dgamma, dbeta: (C)
+    pub fn batchnorm_sync_bwd(
+        &self,
+        x: &impl DevIn,
+        dy: &impl DevIn,
+        params: BnParams<'_>,
+        sums: BnSums<'_>,
+        grads: BnGrads<'_>,
+        g: BnGeom,
+    ) -> Result<()> {
+        let BnGeom { n, c, hw, .. } = g;
+        let BnSums { saved, local, global, count } = sums;
+        let (local, global) = (&local, &global);
+        let x = &x.view();
+        let dy = &dy.view();
+        let BnGrads { mut dx, mut dgamma, mut dbeta } = grads;
+        let op = "batchnorm_sync_bwd";
+        let total = n * c * hw;
+        for (what, buf) in [("x", x), ("dy", dy)] {
+            check_len(op, what, buf, total)?;
+        }
+        check_len(op, "dx", &dx, total)?;
+        check_len(op, "save_mean", &saved.mean, c)?;
+        check_len(op, "save_invstd", &saved.invstd, c)?;
+        check_len(op, "local", local, 2 * c)?;
+        check_len(op, "global", global, 2 * c)?;
+        if params.gamma.is_some() != dgamma.is_some() {
+            return Err(Error::shape(op, "dgamma must be given exactly when gamma is"));
+        }
+        if params.beta.is_some() != dbeta.is_some() {
+            return Err(Error::shape(op, "dbeta must be given exactly when beta is"));
+        }
+        if let Some(g) = &params.gamma {
+            check_len(op, "gamma", g, c)?;
+        }
+        for (what, g) in [("dgamma", &dgamma), ("dbeta", &dbeta)] {
+            if let Some(g) = g {
+                check_len(op, what, g, c)?;
+            }
+        }
+        if c == 0 {
+            return Ok(());
+        }
+        let ci = dim(op, "C", c)?;
+        let null: u64 = 0;
+        let f = self.function("batchnorm.cu", "batchnorm_sync", Dir::Bwd)?;
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(x).arg(dy).arg(&mut dx);
+        match &params.gamma {
+            Some(g) => b.arg(g),
+            None => b.arg(&null),
+        };
+        b.arg(&saved.mean).arg(&saved.invstd).arg(local).arg(global);
+        match &mut dgamma {
+            Some(g) => b.arg(g),
+            None => b.arg(&null),
+        };
+        match &mut dbeta {
+            Some(g) => b.arg(g),
+            None => b.arg(&null),
+        };
+        b.arg(&ci).arg(&hw).arg(&total).arg(&count);
+        // SAFETY: arguments match batchnorm_sync_bwd_f32(const float* x, const float* dy,
+        // float* dx, const float* gamma, const float* save_mean, const float* save_invstd,
+        // const double* local, const double* global, float* dgamma, float* dbeta, int c,
+        // size_t hw, size_t total, double count); lengths checked; absent optional
+        // buffers are a 64-bit 0 the kernel tests for NULL before use.
+        unsafe { b.launch(elem_cfg(total.max(c))) }?;
+        Ok(())
+    }
+
     // ---- pooling.cu -----------------------------------------------------------------
 
     /// x: (N, C, H, W) with nc = N*C, hw = H*W -> y: (N, C), the spatial mean.
@@ -950,6 +1241,107 @@ impl Gpu {
         // SAFETY: arguments match reduce_sum_f32(const float*, float*, int, float, size_t);
         // src holds K*n floats and dst n (checked); two CudaSlices never alias.
         unsafe { b.launch(elem_cfg(n)) }?;
+        Ok(())
+    }
+
+    // ---- codec.cu -------------------------------------------------------------------
+
+    /// Encodes slots `0..k` of `src` (slot j at `j·stride`, `g.width()` values each) into
+    /// wires `0..k` of `wires` (wire j at `j·g.bytes()`), as `exchange::codec` encodes.
+    /// src: (k, stride) f32 (the last slot may end at its width) -> wires: (k, bytes)
+    pub fn wire_encode(
+        &self,
+        src: &impl DevIn,
+        stride: usize,
+        k: usize,
+        wires: &mut CudaViewMut<'_, u8>,
+        g: &WireGeom,
+    ) -> Result<()> {
+        let src = &src.view();
+        let op = "wire_encode";
+        if k == 0 || g.width() == 0 {
+            return Ok(());
+        }
+        if stride < g.width() || src.len() < (k - 1) * stride + g.width() {
+            return Err(Error::shape(
+                op,
+                format!("src has {} values for {k} slots of {} every {stride}", src.len(), g.width()),
+            ));
+        }
+        check_len(op, "wires", wires, k * g.bytes())?;
+        let grid_y = u32::try_from(k)
+            .ok()
+            .filter(|&y| y <= 65_535)
+            .ok_or_else(|| Error::shape(op, format!("{k} slots: a launch's grid holds at most 65535 in y")))?;
+        let blocks = u32::try_from(g.blocks()).map_err(|_| Error::shape(op, "too many blocks of 1024 values"))?;
+        let f = self.function("codec.cu", "wire_encode", Dir::Plain)?;
+        let mut b = self.stream.launch_builder(&f);
+        let (format, bytes, exps_at, raw_at) = (g.format(), g.bytes(), g.exps_at(), g.raw_at());
+        b.arg(src).arg(wires).arg(&format).arg(&g.encoded).arg(&g.raw).arg(&stride).arg(&bytes);
+        b.arg(&exps_at).arg(&raw_at);
+        let cfg = LaunchConfig { grid_dim: (blocks, grid_y, 1), block_dim: (CODEC_THREADS, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: arguments match wire_encode_f32(const float* src, unsigned char* wires,
+        // int format, size_t encoded, size_t raw, size_t src_stride, size_t wire_bytes,
+        // size_t exps_at, size_t raw_at); slot j (j < k = grid.y) reads src[j·stride ..
+        // j·stride + encoded + raw], inside src (checked), and writes wire j's codes,
+        // exponents and raw values, all below (j + 1)·bytes (WireGeom's layout);
+        // CODEC_THREADS threads a block as the kernel's shared array needs.
+        unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// The codec's sum of wires `0..r` of `wires` (in logical-replica order) into `out`:
+    /// each decoded, added in the canonical tree in f32, encoded (`Codec::reduce`).
+    /// wires: (r, bytes) -> out: (bytes)
+    pub fn wire_reduce(
+        &self,
+        wires: &CudaView<'_, u8>,
+        r: usize,
+        out: &mut CudaViewMut<'_, u8>,
+        g: &WireGeom,
+    ) -> Result<()> {
+        let op = "wire_reduce";
+        check_len(op, "wires", wires, r * g.bytes())?;
+        check_len(op, "out", out, g.bytes())?;
+        if g.width() == 0 {
+            return Ok(());
+        }
+        if r == 0 {
+            return Err(Error::shape(op, "a sum of no wire"));
+        }
+        let ri = dim(op, "R", r)?;
+        let blocks = u32::try_from(g.blocks()).map_err(|_| Error::shape(op, "too many blocks of 1024 values"))?;
+        let f = self.function("codec.cu", "wire_reduce", Dir::Plain)?;
+        let mut b = self.stream.launch_builder(&f);
+        let (format, bytes, exps_at, raw_at) = (g.format(), g.bytes(), g.exps_at(), g.raw_at());
+        b.arg(wires).arg(out).arg(&ri).arg(&format).arg(&g.encoded).arg(&g.raw).arg(&bytes);
+        b.arg(&exps_at).arg(&raw_at);
+        let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (CODEC_THREADS, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: arguments match wire_reduce_f32(const unsigned char* wires, unsigned
+        // char* out, int r, int format, size_t encoded, size_t raw, size_t wire_bytes,
+        // size_t exps_at, size_t raw_at); wires holds r wires and out one (checked), and
+        // the kernel touches each only inside WireGeom's layout.
+        unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// A wire decoded to f32 (`Codec::decode`). wire: (bytes) -> dst: (encoded + raw)
+    pub fn wire_decode(&self, wire: &CudaView<'_, u8>, dst: &mut impl DevOut, g: &WireGeom) -> Result<()> {
+        let dst = &mut dst.view_mut();
+        let op = "wire_decode";
+        check_len(op, "wire", wire, g.bytes())?;
+        check_len(op, "dst", dst, g.width())?;
+        if g.width() == 0 {
+            return Ok(());
+        }
+        let f = self.function("codec.cu", "wire_decode", Dir::Plain)?;
+        let mut b = self.stream.launch_builder(&f);
+        let (format, exps_at, raw_at) = (g.format(), g.exps_at(), g.raw_at());
+        b.arg(wire).arg(dst).arg(&format).arg(&g.encoded).arg(&g.raw).arg(&exps_at).arg(&raw_at);
+        // SAFETY: arguments match wire_decode_f32(const unsigned char* wire, float* dst,
+        // int format, size_t encoded, size_t raw, size_t exps_at, size_t raw_at); dst
+        // holds encoded + raw floats and wire one wire (checked).
+        unsafe { b.launch(elem_cfg(g.width())) }?;
         Ok(())
     }
 

@@ -20,7 +20,13 @@
 //! (one copy from pinned host memory), each shard's forward, fused softmax cross-entropy
 //! and backward into a slot it is given, the fused optimiser over pieces of a sum. The
 //! host waits in [`GpuNet::wait`] (polling an abort flag, so an abort releases it) and in
-//! the reads (losses, evaluation, snapshots).
+//! the reads (losses, evaluation, snapshots) — and, with synchronized BatchNorm, inside
+//! the passes: each synchronized layer's per-channel partial statistics are computed on
+//! the device, copied to the host (the host waits for them, polling the abort flag), merged
+//! with every logical replica's by the CPU layer's own functions (`nn::batchnorm`'s
+//! [`Synchronized`]), and copied back for the device to normalise with; its backward does
+//! the same with (Σ dy, Σ dy·x̂). Two host waits per synchronized layer and step, as
+//! PyTorch's SyncBatchNorm synchronises too: the exchange is latency-bound.
 //!
 //! Layouts: activations NCHW as on the CPU; convolution unfolds to columns
 //! (N, C·KH·KW, OH·OW) and runs one strided-batched GEMM per pass; its weight gradient
@@ -35,7 +41,8 @@ use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, PinnedHostSlice};
 
 use super::gemm::{gemm, RmGemm};
-use super::launch::{BnGeom, BnGrads, BnParams, BnSaved, BnStats, ConvGeom, DropoutKey, Gpu};
+use super::launch::{BnGeom, BnGrads, BnMerged, BnParams, BnSaved, BnStats, BnSums, ConvGeom, DropoutKey, Gpu};
+use crate::nn::batchnorm::{normaliser, RunningUpdate, Synchronized};
 use crate::nn::loss::check_labels;
 use crate::nn::{BatchStats, LayerOp, LayerShapes, ParamStore, Sequential, Window2d};
 use crate::optim::{OptimizerConfig, StepScalars};
@@ -115,6 +122,38 @@ pub struct GpuNet {
     x_dev: Option<CudaSlice<f32>>,
     y_dev: Option<CudaSlice<u32>>,
     staged: usize,
+    /// Synchronized BatchNorm's buffers, one set per BatchNorm node (None until its first
+    /// synchronized pass).
+    sync: Vec<Option<SyncNode>>,
+}
+
+/// One synchronized BatchNorm's per-channel statistics (C channels) on their way between
+/// the device and the host: f64 on both sides, pinned on the host, each sized exactly for
+/// its copy. Each host buffer is rewritten only after the host has waited for a later
+/// copy on the same stream, so no copy still reads or writes it then.
+struct SyncNode {
+    /// The shard's partial statistics (C, 2): forward (mean, M2), backward (Σ dy, Σ dy·x̂).
+    part: CudaSlice<f64>,
+    part_host: PinnedHostSlice<f64>,
+    /// The forward's merged statistics (C, 4): (mean, var, mean as f32, invstd as f32).
+    merged: CudaSlice<f64>,
+    merged_host: PinnedHostSlice<f64>,
+    /// The backward's global sums (C, 2).
+    sums: CudaSlice<f64>,
+    sums_host: PinnedHostSlice<f64>,
+    /// Recorded after the download of `part`: what the host waits for.
+    arrived: CudaEvent,
+    /// Values per channel in the global batch of the last forward (its backward's count).
+    count: f64,
+}
+
+/// A training pass's synchronized BatchNorm: where its statistics meet the other logical
+/// replicas' (the host's merge), the buffers they travel through, and the abort flag the
+/// host's waits poll.
+struct SyncPass<'p> {
+    with: Synchronized<'p>,
+    aborted: &'p dyn Fn() -> bool,
+    nodes: &'p mut Vec<Option<SyncNode>>,
 }
 
 /// The optimiser a [`GpuNet`] runs and the state it starts from: SGD's momentum or
@@ -221,6 +260,7 @@ impl GpuNet {
             x_dev: None,
             y_dev: None,
             staged: 0,
+            sync: Vec::new(),
         })
     }
 
@@ -252,26 +292,7 @@ impl GpuNet {
     /// replica whose peer failed is never stuck behind a collective that cannot complete.
     pub fn wait(&self, aborted: &dyn Fn() -> bool) -> Result<()> {
         self.idle.record(self.gpu.stream())?;
-        let mut spins = 0u32;
-        let start = std::time::Instant::now();
-        loop {
-            if self.idle.try_is_complete()? {
-                return Ok(());
-            }
-            if aborted() {
-                return Err(Error::Aborted);
-            }
-            // Spin, then yield, then sleep briefly: a step's wait of a few µs stays fast,
-            // a long one costs no core.
-            spins = spins.saturating_add(1);
-            if spins < 1024 {
-                std::hint::spin_loop();
-            } else if start.elapsed() < Duration::from_millis(2) {
-                std::thread::yield_now();
-            } else {
-                std::thread::sleep(Duration::from_micros(50));
-            }
-        }
+        poll(&self.idle, aborted)
     }
 
     /// Copies rows (x: (rows, *input), y: (rows)) to the GPU through pinned memory,
@@ -309,13 +330,18 @@ impl GpuNet {
     /// shard's forward, and the gradient of the loss summed over the rows;
     /// [`SlotUse::Add`] moves the slot's buffers on by this forward and adds this
     /// gradient to the slot's (computed beside a copy of it and summed by `reduce_sum`,
-    /// old + new). Per-sample losses and hits go to the step's buffers.
+    /// old + new). Per-sample losses and hits go to the step's buffers. With `sync`, the
+    /// synchronized BatchNorm layers meet the other logical replicas' statistics there
+    /// (a pass without rows still makes its calls), the host's waits polling `aborted`;
+    /// without it they normalise with the shard's own, as a world of one does.
     pub fn train_shard(
         &mut self,
         rows: Range<usize>,
         draw: Draw,
         slot: &mut CudaViewMut<'_, f32>,
         fill: SlotUse,
+        sync: Option<Synchronized<'_>>,
+        aborted: &dyn Fn() -> bool,
     ) -> Result<()> {
         let (np, nb) = (self.np, self.nb);
         let width = np + nb;
@@ -331,8 +357,9 @@ impl GpuNet {
         }
         let n = rows.len();
         if n == 0 {
-            // An empty shard still joins the exchange, with zeros.
-            return Ok(());
+            // An empty shard still joins the exchange, with zeros, and the statistics
+            // exchange with nothing.
+            return sync.map_or(Ok(()), |with| with.without_data(&self.model));
         }
         self.ensure_acts(n)?;
         let acts = self.acts.as_mut().expect("sized above");
@@ -347,7 +374,8 @@ impl GpuNet {
             stream.memcpy_dtod(&self.buffers.slice(0..nb), &mut slot.slice_mut(np..width))?;
         }
         let net = Net { gpu: &self.gpu, blas: &self.blas, nodes: &self.nodes, params: &self.params };
-        net.forward(acts, Pass::Train { draw, stats: slot, offset: np })?;
+        let mut sync = sync.map(|with| SyncPass { with, aborted, nodes: &mut self.sync });
+        net.forward(acts, Pass::Train { draw, stats: slot, offset: np }, sync.as_mut())?;
         let k = self.model.output_shape().numel();
         let last = acts.acts.len() - 1;
         let step_loss = self.step_loss.as_mut().expect("staged");
@@ -362,7 +390,7 @@ impl GpuNet {
         stream.memcpy_dtod(&acts.correct, &mut self.step_hits.as_mut().expect("staged").slice_mut(rows))?;
         let first = self.model.first_trained_layer();
         if fill == SlotUse::Write || np == 0 {
-            return net.backward(acts, slot, draw, first);
+            return net.backward(acts, slot, draw, first, sync.as_mut());
         }
         if self.accum.is_none() {
             self.accum = Some(stream.alloc_zeros::<f32>(2 * np)?);
@@ -373,7 +401,7 @@ impl GpuNet {
         stream.memcpy_dtod(&slot.slice(0..np), &mut accum.slice_mut(0..np))?;
         let mut new = accum.slice_mut(np..2 * np);
         stream.memset_zeros(&mut new)?;
-        net.backward(acts, &mut new, draw, first)?;
+        net.backward(acts, &mut new, draw, first, sync.as_mut())?;
         self.gpu.reduce_sum(&accum.slice(0..2 * np), &mut slot.slice_mut(0..np), 2, 1.0)
     }
 
@@ -470,7 +498,7 @@ impl GpuNet {
         stream.memcpy_dtod(self.x_dev.as_ref().expect("staged"), &mut acts.acts[0])?;
         stream.memcpy_dtod(self.y_dev.as_ref().expect("staged"), &mut acts.labels)?;
         let net = Net { gpu: &self.gpu, blas: &self.blas, nodes: &self.nodes, params: &self.params };
-        net.forward(acts, Pass::Eval { stats: &self.buffers })?;
+        net.forward(acts, Pass::Eval { stats: &self.buffers }, None)?;
         let last = acts.acts.len() - 1;
         let k = self.model.output_shape().numel();
         self.gpu.softmax_xent_fwd(
@@ -528,6 +556,159 @@ impl Drop for GpuNet {
     }
 }
 
+/// Waits until `event` has completed, or until `aborted()` turns true ([`Error::Aborted`]):
+/// spins, then yields, then sleeps briefly, so a wait of a few µs stays fast and a long
+/// one costs no core.
+fn poll(event: &CudaEvent, aborted: &dyn Fn() -> bool) -> Result<()> {
+    let mut spins = 0u32;
+    let start = std::time::Instant::now();
+    loop {
+        if event.try_is_complete()? {
+            return Ok(());
+        }
+        if aborted() {
+            return Err(Error::Aborted);
+        }
+        spins = spins.saturating_add(1);
+        if spins < 1024 {
+            std::hint::spin_loop();
+        } else if start.elapsed() < Duration::from_millis(2) {
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(Duration::from_micros(50));
+        }
+    }
+}
+
+impl SyncNode {
+    /// The buffers of a synchronized BatchNorm of `c` channels on `gpu`.
+    fn new(gpu: &Gpu, c: usize) -> Result<SyncNode> {
+        let stream = gpu.stream();
+        let ctx = gpu.context();
+        // SAFETY: pinned memory without write-combining (the host reads what the device
+        // wrote); its contents are unset, and every host buffer is written (by the host,
+        // or by a copy the host waited for) before it is read.
+        let pinned = |len: usize| unsafe { ctx.alloc_pinned_with_flags::<f64>(len, 0) };
+        Ok(SyncNode {
+            part: stream.alloc_zeros(2 * c)?,
+            part_host: pinned(2 * c)?,
+            merged: stream.alloc_zeros(4 * c)?,
+            merged_host: pinned(4 * c)?,
+            sums: stream.alloc_zeros(2 * c)?,
+            sums_host: pinned(2 * c)?,
+            arrived: ctx.new_event(None)?,
+            count: 0.0,
+        })
+    }
+
+    /// `part` on the host, as (a, b) per channel: copied, then waited for (polling
+    /// `aborted`).
+    fn download(&mut self, stream: &Arc<CudaStream>, aborted: &dyn Fn() -> bool) -> Result<Vec<(f64, f64)>> {
+        stream.memcpy_dtoh(&self.part, &mut self.part_host)?;
+        self.arrived.record(stream)?;
+        poll(&self.arrived, aborted)?;
+        Ok(self.part_host.as_slice()?.chunks_exact(2).map(|p| (p[0], p[1])).collect())
+    }
+}
+
+/// `values` into `dev` through `host`, queued on `stream` (the host does not wait).
+fn upload_pinned(
+    stream: &Arc<CudaStream>,
+    values: impl Iterator<Item = f64>,
+    host: &mut PinnedHostSlice<f64>,
+    dev: &mut CudaSlice<f64>,
+) -> Result<()> {
+    // Waits for the buffer's last copy, which has run already (SyncNode's docs).
+    for (h, v) in host.as_mut_slice()?.iter_mut().zip(values) {
+        *h = v;
+    }
+    stream.memcpy_htod(&*host, dev)?;
+    Ok(())
+}
+
+impl SyncPass<'_> {
+    /// Node `i`'s buffers for `c` channels, made on first use.
+    fn node(&mut self, gpu: &Gpu, i: usize, c: usize) -> Result<&mut SyncNode> {
+        if self.nodes.len() <= i {
+            self.nodes.resize_with(i + 1, || None);
+        }
+        if self.nodes[i].is_none() {
+            self.nodes[i] = Some(SyncNode::new(gpu, c)?);
+        }
+        Ok(self.nodes[i].as_mut().expect("made above"))
+    }
+
+    /// A synchronized BatchNorm's training forward, node `i` (`name`): this shard's
+    /// per-channel (mean, M2) on the device, merged with every logical replica's on the
+    /// host (the CPU layer's `global_moments`), the statistics the CPU layer derives from
+    /// them (biased variance, `normaliser`, `RunningUpdate` of the global count) back to
+    /// the device, which normalises and moves the running statistics.
+    #[allow(clippy::too_many_arguments)]
+    fn forward(
+        &mut self,
+        gpu: &Gpu,
+        i: usize,
+        name: &str,
+        x: &CudaSlice<f32>,
+        y: &mut CudaSlice<f32>,
+        params: BnParams<'_>,
+        out: BnStats<'_>,
+        g: BnGeom,
+    ) -> Result<()> {
+        let (with, aborted) = (self.with, self.aborted);
+        let node = self.node(gpu, i, g.c)?;
+        let stream = gpu.stream();
+        gpu.batchnorm_moments_fwd(x, &mut node.part.as_view_mut(), g)?;
+        let local = node.download(stream, aborted)?;
+        let here = g.n * g.hw;
+        let (count, moments) = with.moments(here as f64, &local)?;
+        if count < 2.0 {
+            return Err(Error::shape(
+                "batchnorm",
+                format!(
+                    "{name}: training needs more than one value per channel, got {count} in the global batch ({here} here)"
+                ),
+            ));
+        }
+        let merged = moments.iter().flat_map(|&(mean, m2)| {
+            let var = m2 / count;
+            let (m, is) = normaliser(mean, var, g.eps);
+            [mean, var, m as f64, is as f64]
+        });
+        upload_pinned(stream, merged, &mut node.merged_host, &mut node.merged)?;
+        node.count = count;
+        let merged = BnMerged { stats: node.merged.as_view(), update: RunningUpdate::new(g.momentum, count as usize) };
+        gpu.batchnorm_sync_fwd(x, y, params, merged, out, g)
+    }
+
+    /// A synchronized BatchNorm's training backward, node `i`: this shard's per-channel
+    /// (Σ dy, Σ dy·x̂) on the device, summed over every logical replica on the host (the
+    /// CPU layer's `global_sums`), back to the device for dx; dγ and dβ take the shard's
+    /// own sums (the gradient exchange adds the shards').
+    #[allow(clippy::too_many_arguments)]
+    fn backward(
+        &mut self,
+        gpu: &Gpu,
+        i: usize,
+        x: &CudaSlice<f32>,
+        dy: &CudaView<'_, f32>,
+        params: BnParams<'_>,
+        saved: BnSaved<'_>,
+        grads: BnGrads<'_>,
+        g: BnGeom,
+    ) -> Result<()> {
+        let (with, aborted) = (self.with, self.aborted);
+        let node = self.node(gpu, i, g.c)?;
+        let stream = gpu.stream();
+        gpu.batchnorm_sums_bwd(x, dy, &saved, &mut node.part.as_view_mut(), g)?;
+        let local = node.download(stream, aborted)?;
+        let global = with.sums(&local)?;
+        upload_pinned(stream, global.iter().flat_map(|&(a, b)| [a, b]), &mut node.sums_host, &mut node.sums)?;
+        let sums = BnSums { saved, local: node.part.as_view(), global: node.sums.as_view(), count: node.count };
+        gpu.batchnorm_sync_bwd(x, dy, params, sums, grads, g)
+    }
+}
+
 /// Bytes of each replica's cuBLAS workspace (NVIDIA's recommendation for Hopper).
 const CUBLAS_WORKSPACE: usize = 32 << 20;
 
@@ -581,14 +762,6 @@ fn plan(model: &Sequential) -> Result<Vec<Node>> {
         let op = layer.op().ok_or_else(|| {
             Error::config("model", format!("layer {name} ({}) has no CUDA implementation", layer.describe()))
         })?;
-        if let LayerOp::BatchNorm2d { stats: BatchStats::Global, .. } = op {
-            // The statistics exchange is a host collective (exchange::stats); the GPU
-            // BatchNorm kernels normalise with the statistics they compute themselves.
-            return Err(Error::config(
-                "model",
-                format!("layer {name} is a synchronized BatchNorm (--sync-batchnorm), which runs on CPU devices only so far"),
-            ));
-        }
         let LayerShapes { input, output } = shapes.clone();
         let (params, buffers) = model.layer_ranges(i);
         nodes.push(Node { op, name, input, output, params, buffers });
@@ -660,8 +833,9 @@ impl Activations {
 }
 
 impl Net<'_> {
-    /// The forward pass of every layer on `a.acts[0]`, as `pass` says.
-    fn forward(&self, a: &mut Activations, mut pass: Pass<'_, '_>) -> Result<()> {
+    /// The forward pass of every layer on `a.acts[0]`, as `pass` says; synchronized
+    /// BatchNorm layers of a training pass meet the other replicas' through `sync`.
+    fn forward(&self, a: &mut Activations, mut pass: Pass<'_, '_>, mut sync: Option<&mut SyncPass<'_>>) -> Result<()> {
         let Net { gpu, blas, nodes, params } = *self;
         let n = a.n;
         let stream = gpu.stream();
@@ -686,23 +860,13 @@ impl Net<'_> {
                         gpu.bias_nchw_fwd(y, &p(1), n, o, pp)?;
                     }
                 }
-                LayerOp::BatchNorm2d { channels: c, eps, momentum, scale, center, .. } => {
+                LayerOp::BatchNorm2d { channels: c, eps, momentum, scale, center, stats: which } => {
                     let hw = node.input.numel() / c;
                     let geom = BnGeom { n, c, hw, eps, momentum };
                     let params = BnParams { gamma: scale.then(|| p(0)), beta: center.then(|| p(usize::from(scale))) };
                     let (rm, rv) = (&node.buffers[0], &node.buffers[1]);
                     match &mut pass {
                         Pass::Train { stats, offset, .. } => {
-                            if n * hw < 2 {
-                                return Err(Error::shape(
-                                    "batchnorm",
-                                    format!(
-                                        "{}: training needs more than one value per channel, got {}",
-                                        node.name,
-                                        n * hw
-                                    ),
-                                ));
-                            }
                             // Each statistic on its own aligned start: split below the variance.
                             let (mut below, mut above) = stats.split_at_mut(*offset + rv.start);
                             let running_mean = below.slice_mut(*offset + rm.start..*offset + rm.end);
@@ -715,7 +879,24 @@ impl Net<'_> {
                                 save_mean: save_mean.as_view_mut(),
                                 save_invstd: save_invstd.as_view_mut(),
                             };
-                            gpu.batchnorm_train_fwd(x, y, params, stats, geom)?;
+                            match (which, sync.as_deref_mut()) {
+                                (BatchStats::Global, Some(sync)) => {
+                                    sync.forward(gpu, i, &node.name, x, y, params, stats, geom)?
+                                }
+                                _ => {
+                                    if n * hw < 2 {
+                                        return Err(Error::shape(
+                                            "batchnorm",
+                                            format!(
+                                                "{}: training needs more than one value per channel, got {}",
+                                                node.name,
+                                                n * hw
+                                            ),
+                                        ));
+                                    }
+                                    gpu.batchnorm_train_fwd(x, y, params, stats, geom)?
+                                }
+                            }
                         }
                         Pass::Eval { stats } => gpu.batchnorm_eval_fwd(
                             x,
@@ -751,8 +932,16 @@ impl Net<'_> {
 
     /// The backward pass from the gradient of the summed loss in `a.grads[0]` down to
     /// layer `first`, writing the parameter gradients into `slot` (laid out as the flat
-    /// parameters); dropout replays the masks of `draw`.
-    fn backward(&self, a: &mut Activations, slots: &mut CudaViewMut<'_, f32>, draw: Draw, first: usize) -> Result<()> {
+    /// parameters); dropout replays the masks of `draw`; synchronized BatchNorm layers
+    /// meet the other replicas' sums through `sync`.
+    fn backward(
+        &self,
+        a: &mut Activations,
+        slots: &mut CudaViewMut<'_, f32>,
+        draw: Draw,
+        first: usize,
+        mut sync: Option<&mut SyncPass<'_>>,
+    ) -> Result<()> {
         let Net { gpu, blas, nodes, params } = *self;
         let n = a.n;
         let stream = gpu.stream();
@@ -794,7 +983,7 @@ impl Net<'_> {
                         gpu.im2col_bwd(&dcol, &mut dx, &g)?;
                     }
                 }
-                LayerOp::BatchNorm2d { channels: c, scale, center, eps, momentum, .. } => {
+                LayerOp::BatchNorm2d { channels: c, scale, center, eps, momentum, stats: which } => {
                     let hw = node.input.numel() / c;
                     let (save_mean, save_invstd) = a.saved[i].as_ref().expect("a BatchNorm has saved statistics");
                     let saved = BnSaved { mean: save_mean.as_view(), invstd: save_invstd.as_view() };
@@ -812,7 +1001,13 @@ impl Net<'_> {
                         (false, false) => (None, None),
                     };
                     let grads = BnGrads { dx: dx.slice_mut(..), dgamma, dbeta };
-                    gpu.batchnorm_train_bwd(x, &dy, params, saved, grads, BnGeom { n, c, hw, eps, momentum })?;
+                    let geom = BnGeom { n, c, hw, eps, momentum };
+                    match (which, sync.as_deref_mut()) {
+                        (BatchStats::Global, Some(sync)) => {
+                            sync.backward(gpu, i, x, &dy, params, saved, grads, geom)?
+                        }
+                        _ => gpu.batchnorm_train_bwd(x, &dy, params, saved, grads, geom)?,
+                    }
                 }
                 LayerOp::Relu => gpu.relu_bwd(x, &dy, &mut dx)?,
                 LayerOp::Rescaling { scale, .. } => gpu.rescale_bwd(&dy, &mut dx, scale)?,
@@ -887,11 +1082,19 @@ mod tests {
     }
 
     #[test]
-    fn a_synchronized_batchnorm_is_refused_by_name() {
+    fn a_synchronized_batchnorm_keeps_its_global_statistics_on_the_gpu() {
         use crate::models::{convnet, ConvnetOptions};
         let model = crate::nn::convert_sync_batchnorm(&convnet(ConvnetOptions::default()).unwrap()).unwrap();
-        let e = plan(&model).err().expect("synchronized BatchNorm has no GPU form yet").to_string();
-        assert!(e.contains("bn0") && e.contains("synchronized") && e.contains("CPU devices only"), "{e}");
+        let nodes = plan(&model).unwrap();
+        let which: Vec<BatchStats> = nodes
+            .iter()
+            .filter_map(|n| match n.op {
+                LayerOp::BatchNorm2d { stats, .. } => Some(stats),
+                _ => None,
+            })
+            .collect();
+        // The convnet's three BatchNorms, each normalising with the global batch's.
+        assert_eq!(which, vec![BatchStats::Global; 3]);
     }
 
     #[test]

@@ -112,6 +112,36 @@ pub trait Abort: Sync {
     fn is_aborted(&self) -> bool;
 }
 
+/// The groups of one run that a fault must all stop, as one [`Abort`]: a GPU run's
+/// gradient exchange and, with synchronized BatchNorm, the statistics exchange its
+/// replicas meet in on the host (`stats`), whose waits would otherwise outlive a peer that
+/// failed. (On CPU devices one group is both.)
+pub struct Aborts<'a> {
+    first: &'a dyn Abort,
+    second: Option<&'a dyn Abort>,
+}
+
+impl<'a> Aborts<'a> {
+    /// `first`, and `second` when there is one.
+    pub fn new(first: &'a dyn Abort, second: Option<&'a dyn Abort>) -> Aborts<'a> {
+        Aborts { first, second }
+    }
+}
+
+impl Abort for Aborts<'_> {
+    fn abort(&self) {
+        self.first.abort();
+        if let Some(s) = self.second {
+            s.abort();
+        }
+    }
+
+    /// True once any of the groups was aborted (by this or by one of its own ranks).
+    fn is_aborted(&self) -> bool {
+        self.first.is_aborted() || self.second.is_some_and(|s| s.is_aborted())
+    }
+}
+
 /// One device's side of a gradient exchange: its local slots, the sum, and the pieces of
 /// the sum. Every rank makes the same calls in the same order (as with NCCL or MPI):
 /// each step, the slots are written, then [`Exchange::sum`], then the pieces are read.

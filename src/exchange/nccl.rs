@@ -1,7 +1,7 @@
 //! One rank's NCCL communicator, as a raw handle in non-blocking mode.
 //!
 //! Owns: the few NCCL calls [`super::gpu`] makes (create, query, all-reduce, broadcast,
-//! abort) and the `unsafe` they need. What to call when, the streams, the events and the
+//! all-gather, abort) and the `unsafe` they need. What to call when, the streams, the events and the
 //! locking are [`super::gpu`]'s job.
 //!
 //! Why not cudarc's safe `Comm`: its handle is private, so no other thread could ever
@@ -111,6 +111,16 @@ struct Api {
     ) -> c_int,
     // ncclResult_t ncclCommAbort(ncclComm_t comm)
     abort: unsafe extern "C" fn(sys::ncclComm_t) -> c_int,
+    // ncclResult_t ncclAllGather(const void* sendbuff, void* recvbuff, size_t sendcount,
+    //                            ncclDataType_t datatype, ncclComm_t comm, cudaStream_t stream)
+    all_gather: unsafe extern "C" fn(
+        *const c_void,
+        *mut c_void,
+        usize,
+        sys::ncclDataType_t,
+        sys::ncclComm_t,
+        sys::cudaStream_t,
+    ) -> c_int,
     // const char* ncclGetLastError(ncclComm_t comm) (NCCL 2.13 and later)
     get_last_error: Option<unsafe extern "C" fn(sys::ncclComm_t) -> *const c_char>,
     // const char* ncclGetErrorString(ncclResult_t result)
@@ -143,6 +153,7 @@ fn api() -> Result<&'static Api> {
             all_reduce: get(lib, "ncclAllReduce")?,
             broadcast: get(lib, "ncclBroadcast")?,
             abort: get(lib, "ncclCommAbort")?,
+            all_gather: get(lib, "ncclAllGather")?,
             get_last_error: get(lib, "ncclGetLastError").ok(),
             get_error_string: get(lib, "ncclGetErrorString").ok(),
         })
@@ -325,6 +336,36 @@ impl RawComm {
             )
         };
         check(api, CALL, r, self.0)
+    }
+
+    /// Enqueues an in-place all-gather of `count` bytes per rank: `buf` holds
+    /// world·count bytes, this rank's at `rank·count` (NCCL's in-place form: the send
+    /// buffer is the receive buffer's part of this rank), every part to every rank.
+    ///
+    /// # Safety
+    /// `buf` must hold world·count bytes on this communicator's device, stay allocated
+    /// until the operation has run on `stream`, and `stream` must belong to that device.
+    pub(super) unsafe fn all_gather_u8(
+        &self,
+        buf: CUdeviceptr,
+        rank: usize,
+        count: usize,
+        stream: CUstream,
+    ) -> Result<State> {
+        let api = api()?;
+        let send = buf + (rank * count) as CUdeviceptr;
+        // SAFETY: the caller's contract; send = recv + rank·count is NCCL's in-place form.
+        let r = unsafe {
+            (api.all_gather)(
+                send as *const c_void,
+                buf as *mut c_void,
+                count,
+                sys::ncclDataType_t::ncclUint8,
+                self.0,
+                stream as sys::cudaStream_t,
+            )
+        };
+        check(api, "ncclAllGather", r, self.0)
     }
 
     /// Frees the communicator without waiting for its peers; kernels of its pending

@@ -23,6 +23,12 @@
 //! an exchange in the context (a lone Sequential, a world of one) a synchronized layer is
 //! an ordinary one. Every logical replica makes the same calls: an empty shard sends
 //! zeros ([`sync_without_data`]).
+//!
+//! A GPU replica computes its shard's partial statistics on the device, with this
+//! layer's arithmetic mirrored operation for operation (kernels/batchnorm.cu, held to
+//! this file bit for bit by tests/kernels_host.rs), and merges them through
+//! [`Synchronized`]: the functions below, the one implementation of the merges, of the
+//! running update ([`RunningUpdate`]) and of what normalises ([`normaliser`]).
 
 use rayon::prelude::*;
 
@@ -72,6 +78,13 @@ impl RunningUpdate {
     pub fn var(&self, running: f32, batch_var: f64) -> f32 {
         (self.keep * running as f64 + self.take * batch_var * self.unbias) as f32
     }
+}
+
+/// What normalises a channel whose batch has mean `mean` and BIASED variance `var`
+/// (both in f64): (mean, 1/sqrt(var + eps)), each rounded to f32 once. The one definition
+/// for the CPU layer and a GPU replica's synchronized layer.
+pub fn normaliser(mean: f64, var: f64, eps: f32) -> (f32, f32) {
+    (mean as f32, (1.0 / (var + eps as f64).sqrt()) as f32)
 }
 
 /// Batch normalisation over the channels of NCHW activations.
@@ -296,7 +309,7 @@ impl Layer for BatchNorm2d {
                     *r_mean = update.mean(*r_mean, mean);
                     *r_var = update.var(*r_var, var);
                 }
-                stats.iter().map(|&(mean, var)| (mean as f32, (1.0 / (var + self.eps as f64).sqrt()) as f32)).unzip()
+                stats.iter().map(|&(mean, var)| normaliser(mean, var, self.eps)).unzip()
             }
             Mode::Eval => {
                 let (rm, rv) = buffers.pair(0, 1);
@@ -455,7 +468,7 @@ impl Moments {
 /// The global batch's count and per-channel (mean, M2), from this shard's `count` values
 /// per channel and per-channel (mean, M2) `local`: every logical replica's payload
 /// `[count, mean₀, M2₀, mean₁, M2₁, ...]` gathered, and merged in replica order.
-fn global_moments(
+pub fn global_moments(
     ex: &dyn StatsExchange,
     replica: usize,
     count: f64,
@@ -478,7 +491,7 @@ fn global_moments(
 
 /// The global batch's per-channel (Σ dy, Σ dy·x̂): every logical replica's `[Σ dy₀,
 /// Σ dy·x̂₀, ...]` gathered and summed in replica order, in f64.
-fn global_sums(ex: &dyn StatsExchange, replica: usize, local: &[(f64, f64)]) -> Result<Vec<(f64, f64)>> {
+pub fn global_sums(ex: &dyn StatsExchange, replica: usize, local: &[(f64, f64)]) -> Result<Vec<(f64, f64)>> {
     let mine: Vec<f64> = local.iter().flat_map(|&(a, b)| [a, b]).collect();
     let mut all = Vec::new();
     ex.all_gather(replica, &mine, &mut all)?;
@@ -518,35 +531,66 @@ pub fn has_synchronized_layers(model: &Sequential) -> bool {
 
 /// What a training pass without rows owes the other logical replicas when `model` has
 /// synchronized BatchNorm layers and `ctx` an exchange: the calls its forward and backward
-/// would have made, with nothing in them — a count of 0 per layer in forward order, then
-/// zero sums in backward order for the layers the backward reaches (those from the first
-/// trained layer on). Without either, nothing. When no replica has a row (every one of
-/// them is then here), the first call shows it and all stop.
+/// would have made, with nothing in them ([`Synchronized::without_data`]). Without either,
+/// nothing.
 pub fn sync_without_data(model: &Sequential, ctx: &Ctx) -> Result<()> {
-    let Some(ex) = ctx.stats else { return Ok(()) };
-    let layers = synchronized_layers(model);
-    let mut all = Vec::new();
-    for &(_, c) in &layers {
-        ex.all_gather(ctx.replica, &vec![0.0; 1 + 2 * c], &mut all)?;
-        let count: f64 = all.chunks_exact(1 + 2 * c).map(|p| p[0]).sum();
-        if count == 0.0 {
-            // No replica has a row (an accumulated step's last micro-batches, when the
-            // shards are smaller than K): every one of them is here, and stops here.
-            return Ok(());
-        }
-        if count < 2.0 {
-            // Every replica fails alike on a global batch too small to normalise.
-            return Err(Error::shape(
-                "BatchNorm2d",
-                "training needs more than one value per channel in the global batch",
-            ));
-        }
+    match ctx.stats {
+        Some(stats) => Synchronized { stats, replica: ctx.replica }.without_data(model),
+        None => Ok(()),
     }
-    let first = model.first_trained_layer();
-    for &(_, c) in layers.iter().rev().filter(|(i, _)| *i >= first) {
-        ex.all_gather(ctx.replica, &vec![0.0; 2 * c], &mut all)?;
+}
+
+/// Where a logical replica's synchronized BatchNorm layers meet the others', for a
+/// backend that computes its shard's partial statistics itself (a GPU replica): the
+/// statistics exchange and the logical replica. Its methods are this layer's own merges.
+#[derive(Clone, Copy, Debug)]
+pub struct Synchronized<'a> {
+    pub stats: &'a dyn StatsExchange,
+    pub replica: usize,
+}
+
+impl Synchronized<'_> {
+    /// [`global_moments`] of this shard's `count` values per channel and per-channel
+    /// (mean, M2) `local`.
+    pub fn moments(&self, count: f64, local: &[(f64, f64)]) -> Result<(f64, Vec<(f64, f64)>)> {
+        global_moments(self.stats, self.replica, count, local)
     }
-    Ok(())
+
+    /// [`global_sums`] of this shard's per-channel (Σ dy, Σ dy·x̂) `local`.
+    pub fn sums(&self, local: &[(f64, f64)]) -> Result<Vec<(f64, f64)>> {
+        global_sums(self.stats, self.replica, local)
+    }
+
+    /// The calls a pass without rows owes: a count of 0 per synchronized layer in forward
+    /// order, then zero sums in backward order for the layers the backward reaches (those
+    /// from the first trained layer on). When no replica has a row (every one of them is
+    /// then here), the first call shows it and all stop.
+    pub fn without_data(&self, model: &Sequential) -> Result<()> {
+        let (ex, replica) = (self.stats, self.replica);
+        let layers = synchronized_layers(model);
+        let mut all = Vec::new();
+        for &(_, c) in &layers {
+            ex.all_gather(replica, &vec![0.0; 1 + 2 * c], &mut all)?;
+            let count: f64 = all.chunks_exact(1 + 2 * c).map(|p| p[0]).sum();
+            if count == 0.0 {
+                // No replica has a row (an accumulated step's last micro-batches, when the
+                // shards are smaller than K): every one of them is here, and stops here.
+                return Ok(());
+            }
+            if count < 2.0 {
+                // Every replica fails alike on a global batch too small to normalise.
+                return Err(Error::shape(
+                    "BatchNorm2d",
+                    "training needs more than one value per channel in the global batch",
+                ));
+            }
+        }
+        let first = model.first_trained_layer();
+        for &(_, c) in layers.iter().rev().filter(|(i, _)| *i >= first) {
+            ex.all_gather(replica, &vec![0.0; 2 * c], &mut all)?;
+        }
+        Ok(())
+    }
 }
 
 /// `model` with every BatchNorm layer synchronized (PyTorch's

@@ -2,9 +2,11 @@
 //! method but the step's end and the reads only queueing work on the GPU's stream.
 //!
 //! Owns the host side of a GPU replica: the optimiser's configuration and step count,
-//! the rows staged for the step, and the translation between the step's terms (batches,
-//! shards, pieces of the sum) and the network's (rows on the device, slots, views). The
-//! device side — buffers, kernels, cuBLAS — is `cuda::net`'s.
+//! the rows staged for the step, the run's statistics exchange when the model has
+//! synchronized BatchNorm layers (`with_stats`: they meet the other replicas' on the host,
+//! inside the passes), and the translation between the step's terms (batches, shards,
+//! pieces of the sum) and the network's (rows on the device, slots, views). The device
+//! side — buffers, kernels, cuBLAS — is `cuda::net`'s.
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -16,13 +18,17 @@ use super::Batch;
 use crate::cuda::net::{Draw, GpuNet, OptimizerState, SlotUse};
 use crate::error::{Error, Result};
 use crate::exchange::gpu::DeviceMemory;
+use crate::exchange::stats::StatsExchange;
+use crate::exchange::Abort;
+use crate::nn::batchnorm::Synchronized;
 use crate::nn::loss::{softmax_rows, Metrics};
 use crate::nn::{ParamStore, Sequential};
 use crate::optim::{Optimizer, OptimizerConfig, StepScalars};
 use crate::tensor::Device;
 
-/// A device's replica on a GPU.
-pub struct GpuReplica {
+/// A device's replica on a GPU; `'s` is the run's statistics exchange, which a model
+/// with synchronized BatchNorm meets the other replicas' statistics through.
+pub struct GpuReplica<'s> {
     net: GpuNet,
     config: OptimizerConfig,
     /// Optimiser steps taken.
@@ -33,12 +39,16 @@ pub struct GpuReplica {
     /// its shards' rows within them.
     staged: Range<usize>,
     shards: Vec<Range<usize>>,
+    /// Synchronized BatchNorm's side of the statistics exchange, and the run's abort,
+    /// which the host's waits for the device inside a pass poll (None: statistics per
+    /// shard).
+    stats: Option<(&'s dyn StatsExchange, &'s dyn Abort)>,
 }
 
-impl GpuReplica {
+impl<'s> GpuReplica<'s> {
     /// Builds the replica on `device` (a GPU) from the model, its weights and the
     /// optimiser state to start from.
-    pub fn new(device: Device, start: (Sequential, ParamStore, Optimizer), seed: u64) -> Result<GpuReplica> {
+    pub fn new(device: Device, start: (Sequential, ParamStore, Optimizer), seed: u64) -> Result<GpuReplica<'s>> {
         let Device::Cuda(ordinal) = device else {
             return Err(Error::config("devices", format!("{device} is not a GPU")));
         };
@@ -48,7 +58,23 @@ impl GpuReplica {
         let config = *optimizer.config();
         let state = OptimizerState { config, m: pick("m"), v: pick("v") };
         let net = GpuNet::new(ordinal, model, &store, state, Mark::ALL.len())?;
-        Ok(GpuReplica { net, config, t: optimizer.steps(), seed, scalars: None, staged: 0..0, shards: Vec::new() })
+        Ok(GpuReplica {
+            net,
+            config,
+            t: optimizer.steps(),
+            seed,
+            scalars: None,
+            staged: 0..0,
+            shards: Vec::new(),
+            stats: None,
+        })
+    }
+
+    /// The replica whose synchronized BatchNorm layers meet the other replicas' through
+    /// `stats`; its waits for the device inside a pass give up once `abort` is raised.
+    pub fn with_stats(mut self, stats: &'s dyn StatsExchange, abort: &'s dyn Abort) -> GpuReplica<'s> {
+        self.stats = Some((stats, abort));
+        self
     }
 
     /// The stream every launch of this replica goes to (its exchange orders itself
@@ -64,7 +90,7 @@ impl GpuReplica {
     }
 }
 
-impl Replica for GpuReplica {
+impl Replica for GpuReplica<'_> {
     type Mem = DeviceMemory;
 
     fn params_len(&self) -> usize {
@@ -97,7 +123,10 @@ impl Replica for GpuReplica {
             Fill::Write => SlotUse::Write,
             Fill::Add => SlotUse::Add,
         };
-        self.net.train_shard(rows, draw, slot, fill)
+        let sync = self.stats.map(|(stats, _)| Synchronized { stats, replica: shard.replica });
+        let abort = self.stats.map(|(_, abort)| abort);
+        let aborted = || abort.is_some_and(|a| a.is_aborted());
+        self.net.train_shard(rows, draw, slot, fill, sync, &aborted)
     }
 
     fn begin_update(&mut self, lr_scale: f32, grad_divisor: f32) {

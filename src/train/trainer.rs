@@ -28,10 +28,10 @@ use super::{Batch, ShardReport, StepReport, TrainConfig};
 use crate::data::Dataset;
 use crate::devices::Devices;
 use crate::error::{Error, Result};
-use crate::exchange::codec::{Codec, Compression};
+use crate::exchange::codec::Codec;
 use crate::exchange::gpu::{transport_for, CopyGroup, GpuExchange, NcclGroup, Transport};
 use crate::exchange::shm::{ShmGroup, ShmStats};
-use crate::exchange::{Abort, Exchange, Wait};
+use crate::exchange::{Abort, Aborts, Exchange, Wait};
 use crate::nn::loss::Metrics;
 use crate::nn::{ParamStore, Sequential};
 use crate::optim::{Optimizer, Sharding};
@@ -304,7 +304,7 @@ pub fn with_trainer<T>(
     let width = model.params_len() + model.buffers_len();
     let k = replicas / n;
     let synchronized = crate::nn::batchnorm::has_synchronized_layers(model);
-    check_features(devices, config, replicas, synchronized)?;
+    check_features(devices, replicas, synchronized)?;
     let plan = Plan {
         devices,
         replicas,
@@ -335,23 +335,34 @@ pub fn with_trainer<T>(
         }
         Device::Cuda(_) => {
             let ordinals = devices.cuda_ordinals();
+            let codec = Codec::new(config.grad_compression, model.params_len());
+            // Synchronized BatchNorm's statistics meet on the host, in the shared-memory
+            // statistics exchange CPU devices use (a group of no gradient values).
+            let stats_group = if synchronized { Some(ShmGroup::new(n, replicas, 0, plan.collective)?) } else { None };
+            let stats: Vec<ShmStats<'_>> = stats_group.iter().flat_map(|g| (0..n).map(|r| g.stats(r))).collect();
             match transport_for(&ordinals) {
                 Transport::Nccl => {
                     let group = NcclGroup::new(&ordinals, width)?;
+                    let abort = Aborts::new(&group, stats_group.as_ref().map(|g| g as &dyn Abort));
                     plan.run(
-                        &group,
+                        &abort,
                         f,
-                        |_, device, start| GpuReplica::new(device, start, seed),
-                        |rank, replica| GpuExchange::new(group.join(rank, replica.stream())?, width, k),
+                        |rank, device, start| gpu_replica(device, start, seed, stats.get(rank), &abort),
+                        |rank, replica| {
+                            GpuExchange::new(group.join(rank, replica.stream())?, width, k)?.with_codec(codec)
+                        },
                     )
                 }
                 Transport::Copies => {
                     let group = CopyGroup::new(&ordinals, width)?;
+                    let abort = Aborts::new(&group, stats_group.as_ref().map(|g| g as &dyn Abort));
                     plan.run(
-                        &group,
+                        &abort,
                         f,
-                        |_, device, start| GpuReplica::new(device, start, seed),
-                        |rank, replica| GpuExchange::new(group.join(rank, replica.stream())?, width, k),
+                        |rank, device, start| gpu_replica(device, start, seed, stats.get(rank), &abort),
+                        |rank, replica| {
+                            GpuExchange::new(group.join(rank, replica.stream())?, width, k)?.with_codec(codec)
+                        },
                     )
                 }
             }
@@ -359,10 +370,27 @@ pub fn with_trainer<T>(
     }
 }
 
+/// A GPU replica from `start`, meeting the other replicas' statistics through `stats`
+/// when its model has synchronized BatchNorm layers (waits released by `abort`).
+fn gpu_replica<'s>(
+    device: Device,
+    start: (Sequential, ParamStore, Optimizer),
+    seed: u64,
+    stats: Option<&'s ShmStats<'_>>,
+    abort: &'s dyn Abort,
+) -> Result<GpuReplica<'s>> {
+    let replica = GpuReplica::new(device, start, seed)?;
+    Ok(match stats {
+        Some(s) => replica.with_stats(s, abort),
+        None => replica,
+    })
+}
+
 /// The features of issue 12 a run asks for, against what its devices can do; checked
 /// before any worker starts.
-fn check_features(devices: &Devices, config: &TrainConfig, replicas: usize, synchronized: bool) -> Result<()> {
-    let gpu = matches!(devices.list()[0], Device::Cuda(_));
+/// Every feature runs on CPU and GPU devices alike (16-bit gradients through every
+/// transport, synchronized BatchNorm through the host's statistics exchange).
+fn check_features(devices: &Devices, replicas: usize, synchronized: bool) -> Result<()> {
     if synchronized && replicas != devices.len() {
         return Err(Error::config(
             "sync-batchnorm",
@@ -371,19 +399,6 @@ fn check_features(devices: &Devices, config: &TrainConfig, replicas: usize, sync
                  meet inside the forward pass, which a device running its shards one after another cannot wait for)",
                 devices.len()
             ),
-        ));
-    }
-    if gpu && synchronized {
-        return Err(Error::config(
-            "sync-batchnorm",
-            "synchronized BatchNorm runs on CPU devices only so far (its statistics exchange is the shared-memory \
-             one; the GPU kernels normalise with the statistics they compute)",
-        ));
-    }
-    if gpu && config.grad_compression != Compression::None {
-        return Err(Error::config(
-            "grad-compression",
-            format!("{} gradients on the wire run on CPU devices only so far", config.grad_compression.name()),
         ));
     }
     Ok(())

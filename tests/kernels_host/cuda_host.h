@@ -75,6 +75,20 @@ inline float lockstep_host_rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 
 inline float __int_as_float(int v) { return std::bit_cast<float>(v); }
 inline int __float_as_int(float v) { return std::bit_cast<int>(v); }
+inline float __uint_as_float(unsigned int v) { return std::bit_cast<float>(v); }
+inline unsigned int __float_as_uint(float v) { return std::bit_cast<unsigned int>(v); }
+
+// The round-to-nearest arithmetic intrinsics the kernels use where NVRTC would otherwise
+// contract a multiply and an add into one FMA: on the host every operation rounds on its
+// own already (no contraction in ISO C++ mode, and no FMA instruction in x86-64's base
+// set), so each is its plain operator.
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline double __dadd_rn(double a, double b) { return a + b; }
+inline double __dsub_rn(double a, double b) { return a - b; }
+inline double __dmul_rn(double a, double b) { return a * b; }
+inline double __ddiv_rn(double a, double b) { return a / b; }
 
 // expf, logf and sqrtf are the C library's (<cmath>), as NVRTC provides them on the device.
 
@@ -104,8 +118,9 @@ void thunk(void** args) {
 
 // One letter per parameter type, so the caller can check the kinds and order of the
 // values it passes: r = const float*, w = float*, R = const unsigned*, W = unsigned*,
+// b = const unsigned char*, B = unsigned char*, d = const double*, D = double*,
 // i = int, u = unsigned, z = 64-bit unsigned (size_t, unsigned long long), f = float,
-// ? = anything else.
+// g = double, ? = anything else.
 template <class T>
 constexpr char type_code() {
     if constexpr (std::is_pointer_v<T>) {
@@ -114,9 +129,13 @@ constexpr char type_code() {
         constexpr bool ro = std::is_const_v<P>;
         if constexpr (std::is_same_v<V, float>) return ro ? 'r' : 'w';
         else if constexpr (std::is_same_v<V, unsigned int>) return ro ? 'R' : 'W';
+        else if constexpr (std::is_same_v<V, unsigned char>) return ro ? 'b' : 'B';
+        else if constexpr (std::is_same_v<V, double>) return ro ? 'd' : 'D';
         else return '?';
     } else if constexpr (std::is_same_v<T, float>) {
         return 'f';
+    } else if constexpr (std::is_same_v<T, double>) {
+        return 'g';
     } else if constexpr (std::is_same_v<T, int>) {
         return 'i';
     } else if constexpr (std::is_same_v<T, unsigned int>) {

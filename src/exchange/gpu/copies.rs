@@ -7,7 +7,9 @@
 //! (world, chunk) staging buffer on its own GPU, sums it with kernels/reduce.cu in rank
 //! order (rank 0 + rank 1 + ..., left to right) into chunk r of its own buffer, then
 //! copies every other chunk from its owner. Each element is summed once, in one order,
-//! and copied everywhere: every rank ends bitwise equal.
+//! and copied everywhere: every rank ends bitwise equal. The all-gather of 16-bit wires
+//! ([`CopyRank::all_gather_bytes`]) is that scheme's second phase alone: rank r copies
+//! every other rank's part of the buffer from its owner.
 //!
 //! Ranks publish their buffer (device pointer and context) in the group for the duration
 //! of a call and meet at an abortable barrier between the phases; each rank synchronises
@@ -208,7 +210,7 @@ impl CopyRank<'_> {
         if self.group.world() == 1 || self.group.len == 0 {
             return Ok(());
         }
-        self.call(&mut buf, None)
+        self.call(|me| me.all_reduce(&mut buf))
     }
 
     /// Copies `root`'s `buf` into every rank's `buf` (same ordering rules as
@@ -222,19 +224,28 @@ impl CopyRank<'_> {
         if self.group.world() == 1 || self.group.len == 0 {
             return Ok(());
         }
-        self.call(&mut buf, Some(root))
+        self.call(|me| me.broadcast_from(&mut buf, root))
     }
 
-    /// The all-reduce (`root` None) or broadcast, with the bookkeeping that keeps a failed
-    /// call from freeing memory a peer still reads.
-    fn call(&mut self, buf: &mut CudaViewMut<'_, f32>, root: Option<usize>) -> Result<()> {
+    /// Every rank's `part` bytes to every rank: `buf` holds world·part bytes on this
+    /// rank's GPU, this rank's part at rank·part; afterwards every rank's `buf` holds
+    /// every part, copied from its owner (same ordering rules as
+    /// [`CopyRank::all_reduce_sum`]).
+    pub fn all_gather_bytes(&mut self, buf: &mut CudaViewMut<'_, u8>, part: usize) -> Result<()> {
+        let world = self.group.world();
+        check_buffer("CopyRank::all_gather_bytes", buf, world * part, &self.ctx, self.rank)?;
+        if world == 1 || part == 0 {
+            return Ok(());
+        }
+        self.call(|me| me.all_gather(buf, part))
+    }
+
+    /// One collective `op`, with the bookkeeping that keeps a failed call from freeing
+    /// memory a peer still reads.
+    fn call(&mut self, op: impl FnOnce(&mut Self) -> Result<()>) -> Result<()> {
         let g = self.group;
         g.enter()?;
-        let result = match root {
-            None => self.all_reduce(buf),
-            Some(root) => self.broadcast_from(buf, root),
-        };
-        let result = result.map_err(|e| g.fail(e));
+        let result = op(self).map_err(|e| g.fail(e));
         if result.is_err() {
             // This rank's reads of peer buffers end here; then it waits for the others to
             // end theirs before its buffer can be freed. The abort released every barrier,
@@ -346,6 +357,38 @@ impl CopyRank<'_> {
         Ok(())
     }
 
+    fn all_gather(&mut self, buf: &mut CudaViewMut<'_, u8>, part: usize) -> Result<()> {
+        let g = self.group;
+        let rank = self.rank;
+        self.ctx.bind_to_thread()?;
+        self.ready.record(&self.compute)?;
+        self.comm.wait(&self.ready)?;
+        let ptr = buf.device_ptr_mut(&self.comm).0;
+        // This rank's part is final once the compute stream's queued work has run.
+        self.comm.synchronize()?;
+        *g.buffers[rank].lock() = Some(Peer { ptr, ctx: self.ctx.clone() });
+        g.barrier.wait(&g.aborted)?;
+        let peers = g.peers()?;
+        let at = |q: usize| (q * part) as u64;
+        for (q, peer) in peers.iter().enumerate() {
+            if q == rank {
+                continue;
+            }
+            self.enable_peer_access(q, peer);
+            // SAFETY: peer q published its buffer of world·part bytes and keeps it until
+            // the barrier below, which it passes only after we synchronised; part q lies
+            // inside both buffers (checked lengths), and only its owner wrote it, before
+            // the barrier we passed.
+            unsafe { copy_async(&self.ctx, ptr + at(q), &peer.ctx, peer.ptr + at(q), part, &self.comm)? };
+        }
+        self.comm.synchronize()?;
+        // Past this barrier every rank has finished reading this buffer.
+        g.barrier.wait(&g.aborted)?;
+        self.done.record(&self.comm)?;
+        self.compute.wait(&self.done)?;
+        Ok(())
+    }
+
     fn broadcast_from(&mut self, buf: &mut CudaViewMut<'_, f32>, root: usize) -> Result<()> {
         let g = self.group;
         let rank = self.rank;
@@ -376,6 +419,10 @@ impl CopyRank<'_> {
 impl DeviceAllReduce for CopyRank<'_> {
     fn all_reduce_sum(&mut self, buf: &mut CudaViewMut<'_, f32>) -> Result<()> {
         CopyRank::all_reduce_sum(self, buf)
+    }
+
+    fn all_gather_bytes(&mut self, buf: &mut CudaViewMut<'_, u8>, part: usize) -> Result<()> {
+        CopyRank::all_gather_bytes(self, buf, part)
     }
 
     fn compute_stream(&self) -> &Arc<CudaStream> {

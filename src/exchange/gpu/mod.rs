@@ -16,6 +16,23 @@
 //! - [`CopyGroup`] / [`CopyRank`] (copies.rs): device-to-device copies in the CPU
 //!   exchange's reduce-scatter / all-gather scheme, summed in rank order.
 //!
+//! With a codec (`--grad-compression bf16|fp16`, [`GpuExchange::with_codec`]) the sum is
+//! the codec's instead, and the CPU exchange's exactly: each of the worker's k slots is
+//! encoded on the device into its 16-bit wire (kernels/codec.cu, which mirrors
+//! `exchange::codec` bit for bit), the transport all-gathers every rank's wires, so that
+//! every GPU holds all R logical replicas' wires in replica order, and every GPU runs the
+//! same reduce kernel on those same bytes — each wire decoded, the R values added in f32 in
+//! the canonical tree over replica indices (`shm::tree_sum`'s), the sum encoded — then
+//! decodes the encoded sum, which the update reads. Equal bytes through one kernel give
+//! equal bits: every replica reads the same sum; and the sum is a function of the R wires
+//! alone, so it is bitwise the CPU exchange's on the same slots, on any device count with
+//! R fixed. (The f32 path's order is the device's pre-sum then the transport's; the
+//! codec's tree cannot be NCCL's, which sums f32 only.) What crosses: each rank receives
+//! the other ranks' wires, (R − k)·(2 bytes per gradient value + 4 per buffer value):
+//! against an NCCL ring all-reduce's 2·(w − 1)/w·4 bytes per value on w GPUs, half on two
+//! GPUs (2 against 4 bytes per gradient value), equal on four, more past four — a
+//! reduce-scatter of 16-bit codes that decodes before it adds is no NCCL collective.
+//!
 //! Every rank must make the same calls, in the same order, as with NCCL or MPI. A group
 //! is shared by reference by the run's threads; [`Abort::abort`](super::Abort::abort) on it makes every
 //! pending and future call of every rank return [`Error::Aborted`].
@@ -31,7 +48,9 @@ use cudarc::driver::{CudaContext, CudaSlice, CudaStream, CudaView, CudaViewMut, 
 pub use copies::{CopyGroup, CopyRank};
 pub use nccl_group::{NcclGroup, NcclRank};
 
+use super::codec::Codec;
 use super::{Exchange, Memory};
+use crate::cuda::launch::WireGeom;
 use crate::cuda::probe::{driver_available, gpu_count};
 use crate::cuda::Gpu;
 use crate::error::{Error, Result};
@@ -89,6 +108,12 @@ pub trait DeviceAllReduce {
     /// stream, which waits for its end; every rank ends bitwise equal.
     fn all_reduce_sum(&mut self, buf: &mut CudaViewMut<'_, f32>) -> Result<()>;
 
+    /// Every rank's `part` bytes to every rank: `buf` holds world·part bytes, this rank's
+    /// part at rank·part (written by work queued on the compute stream); afterwards every
+    /// rank's `buf` holds every rank's part, bitwise (bytes are copied, never added).
+    /// Ordered after the compute stream's queued work, which waits for its end.
+    fn all_gather_bytes(&mut self, buf: &mut CudaViewMut<'_, u8>, part: usize) -> Result<()>;
+
     /// The replica's compute stream the rank was joined with.
     fn compute_stream(&self) -> &Arc<CudaStream>;
 
@@ -113,6 +138,20 @@ pub struct GpuExchange<C> {
     k: usize,
     width: usize,
     stride: usize,
+    /// With a codec: the wires the sum goes through.
+    wires: Option<Wires>,
+}
+
+/// A GPU exchange's 16-bit wires (see the file's docs).
+struct Wires {
+    geom: WireGeom,
+    /// Every logical replica's wire, in replica order: R = world·k wires of
+    /// `geom.bytes()`, this rank's k from rank·k on.
+    all: CudaSlice<u8>,
+    /// The codec's sum of the R wires, encoded.
+    reduced: CudaSlice<u8>,
+    /// That sum decoded (`width` values): what the update reads.
+    decoded: CudaSlice<f32>,
 }
 
 impl<C: DeviceAllReduce> GpuExchange<C> {
@@ -132,7 +171,24 @@ impl<C: DeviceAllReduce> GpuExchange<C> {
             k,
             width,
             stride,
+            wires: None,
         })
+    }
+
+    /// The exchange whose slots travel encoded by `codec` (as f32 when `None`): the wires
+    /// of all R logical replicas, their encoded sum and its decoding, allocated here.
+    pub fn with_codec(mut self, codec: Option<Codec>) -> Result<GpuExchange<C>> {
+        let Some(codec) = codec else { return Ok(self) };
+        let geom = WireGeom::new(&codec, self.width);
+        let (_, world) = self.rank.rank_and_world();
+        let stream = self.rank.compute_stream().clone();
+        self.wires = Some(Wires {
+            all: stream.alloc_zeros(world * self.k * geom.bytes())?,
+            reduced: stream.alloc_zeros(geom.bytes())?,
+            decoded: stream.alloc_zeros(self.width.max(1))?,
+            geom,
+        });
+        Ok(self)
     }
 }
 
@@ -155,8 +211,18 @@ impl<C: DeviceAllReduce> Exchange for GpuExchange<C> {
     }
 
     /// The device's slots in shard order (padding included: it holds zeros), then the
-    /// transport's all-reduce of the first `width` values.
+    /// transport's all-reduce of the first `width` values; with a codec, the wires'
+    /// all-gather and the codec's sum on every rank (the file's docs).
     fn sum(&mut self) -> Result<()> {
+        if let Some(w) = &mut self.wires {
+            let (rank, world) = self.rank.rank_and_world();
+            let part = self.k * w.geom.bytes();
+            let mut mine = w.all.slice_mut(rank * part..(rank + 1) * part);
+            self.gpu.wire_encode(&self.slots, self.stride, self.k, &mut mine, &w.geom)?;
+            self.rank.all_gather_bytes(&mut w.all.slice_mut(..), part)?;
+            self.gpu.wire_reduce(&w.all.slice(..), world * self.k, &mut w.reduced.slice_mut(..), &w.geom)?;
+            return self.gpu.wire_decode(&w.reduced.slice(..), &mut w.decoded.slice_mut(0..self.width), &w.geom);
+        }
         match &mut self.summed {
             None => self.rank.all_reduce_sum(&mut self.slots.slice_mut(0..self.width)),
             Some(summed) => {
@@ -168,6 +234,9 @@ impl<C: DeviceAllReduce> Exchange for GpuExchange<C> {
     }
 
     fn for_each_sum(&self, mut f: impl FnMut(usize, CudaView<'_, f32>) -> Result<()>) -> Result<()> {
+        if let Some(w) = &self.wires {
+            return f(0, w.decoded.slice(0..self.width));
+        }
         let sum = self.summed.as_ref().unwrap_or(&self.slots);
         f(0, sum.slice(0..self.width))
     }
@@ -269,9 +338,9 @@ fn check_join(ordinals: &[usize], rank: usize, compute: &Arc<CudaStream>) -> Res
 }
 
 /// A call's buffer holds the group's `len` values on the rank's own GPU.
-fn check_buffer(
+fn check_buffer<T>(
     op: &'static str,
-    buf: &CudaViewMut<'_, f32>,
+    buf: &CudaViewMut<'_, T>,
     len: usize,
     ctx: &Arc<CudaContext>,
     rank: usize,

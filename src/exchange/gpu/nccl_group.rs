@@ -298,9 +298,47 @@ impl NcclRank<'_> {
     }
 }
 
+impl NcclRank<'_> {
+    /// Every rank's `part` bytes to every rank (`ncclAllGather`, in place): `buf` holds
+    /// world·part bytes on this rank's GPU, this rank's part at rank·part. Ordered as
+    /// [`NcclRank::all_reduce_sum`]; returns at once on one rank.
+    pub fn all_gather_bytes(&mut self, buf: &mut CudaViewMut<'_, u8>, part: usize) -> Result<()> {
+        let world = self.group.world();
+        check_buffer("NcclRank::all_gather_bytes", buf, world * part, &self.ctx, self.rank)?;
+        if world == 1 || part == 0 {
+            return Ok(());
+        }
+        if self.group.is_aborted() {
+            return Err(Error::Aborted);
+        }
+        self.enqueue_gather(buf, part).map_err(|e| self.group.fail(e))
+    }
+
+    fn enqueue_gather(&mut self, buf: &mut CudaViewMut<'_, u8>, part: usize) -> Result<()> {
+        let rank = self.rank;
+        self.ctx.bind_to_thread()?;
+        self.ready.record(&self.compute)?;
+        self.comm.wait(&self.ready)?;
+        let (ptr, written) = buf.device_ptr_mut(&self.comm);
+        let stream = self.comm.cu_stream();
+        // SAFETY: `buf` holds world·part bytes on this rank's device (checked), stays
+        // borrowed until this call returns, and every later use of it is ordered after the
+        // collective (the `done` event); `stream` belongs to this rank's context.
+        self.group.call(rank, |c| unsafe { c.all_gather_u8(ptr, rank, part, stream) })?;
+        drop(written);
+        self.done.record(&self.comm)?;
+        self.compute.wait(&self.done)?;
+        Ok(())
+    }
+}
+
 impl DeviceAllReduce for NcclRank<'_> {
     fn all_reduce_sum(&mut self, buf: &mut CudaViewMut<'_, f32>) -> Result<()> {
         NcclRank::all_reduce_sum(self, buf)
+    }
+
+    fn all_gather_bytes(&mut self, buf: &mut CudaViewMut<'_, u8>, part: usize) -> Result<()> {
+        NcclRank::all_gather_bytes(self, buf, part)
     }
 
     fn compute_stream(&self) -> &Arc<CudaStream> {
