@@ -12,15 +12,19 @@ mod common;
 use std::io::Write;
 
 use cudarc::driver::CudaSlice;
-use lockstep::cuda::launch::{BnGeom, BnGrads, BnParams, BnSaved, BnStats, ConvGeom, DropoutKey, Gpu};
+use lockstep::cuda::launch::{
+    BnGeom, BnGrads, BnMerged, BnParams, BnSaved, BnStats, BnSums, ConvGeom, DropoutKey, Gpu, WireGeom,
+};
 use lockstep::cuda::probe::{self, NcclStatus, NO_DRIVER};
+use lockstep::exchange::codec::{Codec, Compression, Wire};
 use lockstep::optim::OptimizerConfig;
 use lockstep::rng::mix64;
 use lockstep::Error;
 
 use common::{
-    assert_close, bias_nchw_bwd_ref, col2im_ref, dropout_keep, f64s, im2col_ref, softmax_xent_ref, BnInputs, Rng,
-    ATOL_ELEM, ATOL_SUM, RTOL_ELEM, RTOL_SUM,
+    assert_close, bias_nchw_bwd_ref, code_is_nan, codec_slot, col2im_ref, device_wire, dropout_keep, f64s, im2col_ref,
+    softmax_xent_ref, sync_bn_cpu, sync_bn_global_sums, sync_bn_merge, wire_parts, BnInputs, Rng, ATOL_ELEM, ATOL_SUM,
+    RTOL_ELEM, RTOL_SUM,
 };
 
 // ---- harness ----------------------------------------------------------------------
@@ -313,6 +317,75 @@ fn batchnorm_train_eval_and_backward_match_the_reference() {
     }
 }
 
+/// The synchronized BatchNorm kernels on the GPU against the CPU layer (tests/common's
+/// `sync_bn_cpu`), through the launches a GPU replica makes, bit for bit as on the host
+/// (tests/kernels_host.rs): the kernels' f64 and f32 arithmetic is the layer's, operation
+/// for operation, with the _rn intrinsics where NVRTC would fuse a multiply and an add,
+/// and CUDA's f64 division, conversions and additions are IEEE's, as the CPU's.
+#[test]
+fn synchronized_batchnorm_kernels_equal_the_cpu_layer_bit_for_bit() {
+    let Some(gpu) = gpu_or_skip("synchronized_batchnorm_kernels_equal_the_cpu_layer_bit_for_bit") else {
+        return;
+    };
+    let mut rng = Rng(12);
+    let (momentum, eps) = (0.9f32, 1e-3f32);
+    let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    let f32_bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    for (n, c, hw, with_gamma, with_beta) in
+        [(5, 3, 37, true, true), (3, 2, 64, false, true), (2, 2, 5, true, false), (300, 2, 9, false, false)]
+    {
+        let case = format!("N={n} C={c} HW={hw}, gamma {with_gamma}, beta {with_beta}");
+        let inputs = BnInputs::random(&mut rng, (n, c, hw));
+        let cpu = sync_bn_cpu(&inputs, with_gamma, with_beta, momentum, eps);
+        let BnInputs {
+            x, dy, gamma, beta, running_mean: rm0, running_var: rv0, dgamma: dgamma0, dbeta: dbeta0, ..
+        } = &inputs;
+        let geom = BnGeom { n, c, hw, eps, momentum };
+        let (x_d, dy_d, g_d, b_d) = (up(&gpu, x), up(&gpu, dy), up(&gpu, gamma), up(&gpu, beta));
+        let params = || BnParams { gamma: with_gamma.then(|| g_d.as_view()), beta: with_beta.then(|| b_d.as_view()) };
+
+        let mut moments_d = up(&gpu, &vec![f64::NAN; 2 * c]);
+        gpu.batchnorm_moments_fwd(&x_d, &mut moments_d.as_view_mut(), geom).unwrap();
+        let moments = down(&gpu, &moments_d);
+        assert_eq!(bits(&moments), bits(&cpu.sent_fwd[1..]), "{case}: the shard's moments vs the CPU layer's payload");
+        let (count, stats, update) = sync_bn_merge(&moments, n * hw, momentum, eps);
+        let stats_d = up(&gpu, &stats);
+        let mut y_d = up(&gpu, &vec![f32::NAN; x.len()]);
+        let (mut rm_d, mut rv_d) = (up(&gpu, rm0), up(&gpu, rv0));
+        let (mut sm_d, mut si_d) = (up(&gpu, &vec![f32::NAN; c]), up(&gpu, &vec![f32::NAN; c]));
+        let out = BnStats {
+            running_mean: rm_d.as_view_mut(),
+            running_var: rv_d.as_view_mut(),
+            save_mean: sm_d.as_view_mut(),
+            save_invstd: si_d.as_view_mut(),
+        };
+        gpu.batchnorm_sync_fwd(&x_d, &mut y_d, params(), BnMerged { stats: stats_d.as_view(), update }, out, geom)
+            .unwrap();
+        assert_eq!(f32_bits(&down(&gpu, &y_d)), f32_bits(&cpu.y), "{case}: y");
+        assert_eq!(f32_bits(&down(&gpu, &rm_d)), f32_bits(&cpu.running_mean), "{case}: running_mean");
+        assert_eq!(f32_bits(&down(&gpu, &rv_d)), f32_bits(&cpu.running_var), "{case}: running_var");
+
+        let mut sums_d = up(&gpu, &vec![f64::NAN; 2 * c]);
+        let saved = || BnSaved { mean: sm_d.as_view(), invstd: si_d.as_view() };
+        gpu.batchnorm_sums_bwd(&x_d, &dy_d, &saved(), &mut sums_d.as_view_mut(), geom).unwrap();
+        let sums = down(&gpu, &sums_d);
+        assert_eq!(bits(&sums), bits(&cpu.sent_bwd), "{case}: the shard's sums vs the CPU layer's payload");
+        let global_d = up(&gpu, &sync_bn_global_sums(&sums));
+        let mut dx_d = up(&gpu, &vec![f32::NAN; x.len()]);
+        let (mut dg_d, mut db_d) = (up(&gpu, dgamma0), up(&gpu, dbeta0));
+        let grads = BnGrads {
+            dx: dx_d.as_view_mut(),
+            dgamma: with_gamma.then(|| dg_d.as_view_mut()),
+            dbeta: with_beta.then(|| db_d.as_view_mut()),
+        };
+        let sums = BnSums { saved: saved(), local: sums_d.as_view(), global: global_d.as_view(), count };
+        gpu.batchnorm_sync_bwd(&x_d, &dy_d, params(), sums, grads, geom).unwrap();
+        assert_eq!(f32_bits(&down(&gpu, &dx_d)), f32_bits(&cpu.dx), "{case}: dx");
+        assert_eq!(f32_bits(&down(&gpu, &dg_d)), f32_bits(&cpu.dgamma), "{case}: dgamma");
+        assert_eq!(f32_bits(&down(&gpu, &db_d)), f32_bits(&cpu.dbeta), "{case}: dbeta");
+    }
+}
+
 // ---- pooling.cu, softmax_xent.cu -----------------------------------------------------
 
 #[test]
@@ -488,4 +561,74 @@ fn dropout_hash_reference_is_splitmix64() {
     // rate 0 keeps everything; rate 1 drops everything.
     assert!((0..1000).all(|i| dropout_keep(key, i, 0.0)));
     assert!((0..1000).all(|i| !dropout_keep(key, i, 1.0)));
+}
+
+// ---- codec.cu ------------------------------------------------------------------------
+
+/// The codec kernels on the GPU against src/exchange/codec.rs, through the launches the
+/// GPU exchange makes, as tests/kernels_host.rs checks them on the host: encode and
+/// decode bit for bit (NaN payloads included: a block holding a NaN is unscaled, and the
+/// kernels skip the scale of 2^0), the sum bit for bit but for which NaN a sum holding a
+/// NaN gives (CUDA's arithmetic returns its canonical NaN; x86 keeps an operand's).
+#[test]
+fn codec_kernels_equal_the_codec_bit_for_bit() {
+    let Some(gpu) = gpu_or_skip("codec_kernels_equal_the_codec_bit_for_bit") else {
+        return;
+    };
+    let (encoded, raw) = (6 * 1024 + 300, 700);
+    let len = encoded + raw;
+    for compression in [Compression::Bf16, Compression::Fp16] {
+        let codec = Codec::new(compression, encoded).unwrap();
+        let g = WireGeom::new(&codec, len);
+        let mut rng = Rng(40 + compression as u64);
+        for r in [1usize, 2, 3, 5] {
+            let case = format!("{compression:?}, {r} wires");
+            let slots: Vec<Vec<f32>> = (0..r).map(|s| codec_slot(&mut rng, s, encoded, raw)).collect();
+            let cpu_wires: Vec<Wire> = slots
+                .iter()
+                .map(|v| {
+                    let mut w = codec.wire(0..len);
+                    codec.encode(v, &mut w, 0..len);
+                    w
+                })
+                .collect();
+            let stride = len.div_ceil(64) * 64;
+            let mut src = vec![0.0f32; r * stride];
+            for (j, v) in slots.iter().enumerate() {
+                src[j * stride..j * stride + len].copy_from_slice(v);
+            }
+            let mut wires_d = up(&gpu, &vec![0u8; r * g.bytes()]);
+            gpu.wire_encode(&up(&gpu, &src), stride, r, &mut wires_d.as_view_mut(), &g).unwrap();
+            let wires = down(&gpu, &wires_d);
+            for (j, w) in cpu_wires.iter().enumerate() {
+                let got = &wires[j * g.bytes()..(j + 1) * g.bytes()];
+                let bad = got.iter().zip(device_wire(&g, w)).position(|(a, b)| *a != b);
+                assert_eq!(bad, None, "{case}: wire {j}, first byte off the codec's");
+            }
+
+            let side_by_side: Vec<u8> = cpu_wires.iter().flat_map(|w| device_wire(&g, w)).collect();
+            let mut out_d = up(&gpu, &vec![0u8; g.bytes()]);
+            gpu.wire_reduce(&up(&gpu, &side_by_side).as_view(), r, &mut out_d.as_view_mut(), &g).unwrap();
+            let mut cpu_sum = codec.wire(0..len);
+            codec.reduce(&cpu_wires.iter().collect::<Vec<_>>(), 0..len, &mut cpu_sum);
+            let (codes, exps, raw_sum) = wire_parts(&g, &down(&gpu, &out_d));
+            let (want_codes, want_exps, want_raw) = cpu_sum.parts();
+            assert_eq!(exps, want_exps, "{case}: the sum's block exponents");
+            for (i, (&a, &b)) in codes.iter().zip(want_codes).enumerate() {
+                let same = a == b || (code_is_nan(compression, a) && code_is_nan(compression, b));
+                assert!(same, "{case}: sum code {i}: {a:#06x} vs the codec's {b:#06x}");
+            }
+            for (i, (a, b)) in raw_sum.iter().zip(want_raw).enumerate() {
+                assert!(a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()), "{case}: raw sum {i}: {a} vs {b}");
+            }
+
+            let mut want = vec![0.0f32; len];
+            codec.decode(&cpu_sum, 0..len, &mut want);
+            let mut dst_d = up(&gpu, &vec![f32::NAN; len]);
+            gpu.wire_decode(&up(&gpu, &device_wire(&g, &cpu_sum)).as_view(), &mut dst_d, &g).unwrap();
+            let got = down(&gpu, &dst_d);
+            let bad = got.iter().zip(&want).position(|(a, b)| a.to_bits() != b.to_bits());
+            assert_eq!(bad, None, "{case}: first decoded value off the codec's");
+        }
+    }
 }

@@ -2,7 +2,9 @@
 //! host-run kernel tests (kernels_host.rs): the skip check for a missing GPU, the input
 //! generator, the f64 comparison, and the host references that both kernel tests hold
 //! the CUDA kernels to (the bias gradient, im2col/col2im, BatchNorm with its inputs,
-//! softmax cross-entropy, the dropout mask).
+//! softmax cross-entropy, the dropout mask; the 16-bit codec's inputs, wires and
+//! exchange, and the synchronized BatchNorm layer run on the CPU, which the codec and
+//! synchronized BatchNorm kernels must equal bit for bit).
 //!
 //! One copy of each, so that the kernels meet the same reference whether they run on a
 //! GPU or on the host. What only one test file needs stays in that file: the GPU and
@@ -17,7 +19,11 @@
 
 use std::io::Write;
 
-use lockstep::cuda::launch::{ConvGeom, DropoutKey};
+use lockstep::cuda::launch::{ConvGeom, DropoutKey, WireGeom};
+use lockstep::exchange::codec::{Codec, Compression, Wire};
+use lockstep::exchange::shm::ShmGroup;
+use lockstep::exchange::{Exchange, Wait};
+use lockstep::nn::batchnorm::RunningUpdate;
 use lockstep::rng::mix64;
 
 // ---- skipping without a GPU ----------------------------------------------------------
@@ -292,4 +298,320 @@ pub fn softmax_xent_ref(logits: &[f32], labels: &[u32], k: usize) -> (Vec<f64>, 
 pub fn dropout_keep(key: DropoutKey, idx: u64, rate: f32) -> bool {
     use lockstep::rng::{dropout_key, hash64, unit_f32};
     unit_f32(hash64(dropout_key(key.seed, key.step, key.replica, key.layer), key.first + idx)) >= rate
+}
+
+// ---- codec.cu and synchronized BatchNorm: the CPU's own code as the reference ----------
+
+/// A wire of the codec in the device layout of `g` (launch.rs's WireGeom: codes at 0, the
+/// fp16 exponents after them, the raw floats on 256 bytes; padding zero).
+pub fn device_wire(g: &WireGeom, w: &Wire) -> Vec<u8> {
+    let (half, exps, raw) = w.parts();
+    let mut b = vec![0u8; g.bytes()];
+    for (i, h) in half.iter().enumerate() {
+        b[2 * i..2 * i + 2].copy_from_slice(&h.to_ne_bytes());
+    }
+    for (i, &e) in exps.iter().enumerate() {
+        b[g.exps_at() + i] = e as u8;
+    }
+    for (i, r) in raw.iter().enumerate() {
+        b[g.raw_at() + 4 * i..g.raw_at() + 4 * i + 4].copy_from_slice(&r.to_ne_bytes());
+    }
+    b
+}
+
+/// The three parts of a device wire: codes, exponents, raw values.
+pub fn wire_parts(g: &WireGeom, b: &[u8]) -> (Vec<u16>, Vec<i8>, Vec<f32>) {
+    let codes = (0..g.encoded).map(|i| u16::from_ne_bytes([b[2 * i], b[2 * i + 1]])).collect();
+    let exps = (0..g.exponents()).map(|i| b[g.exps_at() + i] as i8).collect();
+    let at = |i: usize| g.raw_at() + 4 * i;
+    let raw = (0..g.raw).map(|i| f32::from_ne_bytes(b[at(i)..at(i) + 4].try_into().unwrap())).collect();
+    (codes, exps, raw)
+}
+
+/// Whether a 16-bit code of `c` is a NaN.
+pub fn code_is_nan(c: Compression, h: u16) -> bool {
+    match c {
+        Compression::Fp16 => h & 0x7C00 == 0x7C00 && h & 0x03FF != 0,
+        _ => h & 0x7F80 == 0x7F80 && h & 0x007F != 0,
+    }
+}
+
+/// One slot of the codec test: `encoded` values in blocks of 1,024 of their own
+/// magnitude (2^-140, subnormal all through, up to 2^127, near f32's largest), specials in
+/// two of them — NaNs of either sign with quiet and signalling payloads, ±∞, ±0, f32
+/// subnormals, f32::MAX, exact bf16 ties (low half 0x8000) — then `raw` f32 values (slot
+/// s scaled by 2^(8s), so that the order of their sum shows) with a NaN, an ∞ and
+/// subnormals among them.
+pub fn codec_slot(rng: &mut Rng, s: usize, encoded: usize, raw: usize) -> Vec<f32> {
+    let magnitudes = [-140, -60, -10, 0, 20, 100, 126];
+    let mut v: Vec<f32> = (0..encoded)
+        .map(|i| {
+            let e = magnitudes[(i / 1024) % magnitudes.len()];
+            rng.uniform() * 2f32.powi(e.max(-126)) * if e < -126 { 2f32.powi(e + 126) } else { 1.0 }
+        })
+        .collect();
+    let specials = [
+        f32::from_bits(0x7FC0_1234),
+        f32::from_bits(0xFFC0_0001),
+        f32::from_bits(0x7F80_0001), // signalling
+        f32::from_bits(0xFFA5_5A5A), // signalling, negative
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        0.0,
+        -0.0,
+        f32::from_bits(1),
+        -f32::from_bits(0x007F_FFFF),
+        f32::MAX,
+        -f32::MAX,
+    ];
+    for (k, x) in specials.iter().enumerate() {
+        // Block 2 (magnitude 2^-10) and block 4 (2^20), a few positions per slot.
+        v[2 * 1024 + 37 * k + s] = *x;
+        v[4 * 1024 + 53 * k + 2 * s] = *x;
+    }
+    for k in 0..64 {
+        // Exact bf16 ties in block 3 (magnitude 1): round to the even code.
+        let i = 3 * 1024 + 16 * k + s;
+        v[i] = f32::from_bits((v[i].to_bits() & 0xFFFF_0000) | 0x8000);
+    }
+    let mut tail: Vec<f32> = (0..raw).map(|_| rng.uniform() * 2f32.powi(8 * s as i32)).collect();
+    // A sum whose order shows: (1 + 2^-24) + (2^-24 + 2^-24) = 1 + 2^-23 in the tree, 1
+    // left to right (each 2^-24 a tie that rounds to even, 1).
+    tail[0] = [1.0, 2f32.powi(-24), 2f32.powi(-24), 2f32.powi(-24), 0.0][s % 5];
+    tail[3] = f32::NAN;
+    tail[5 + s] = f32::INFINITY;
+    tail[11] = f32::from_bits(3 + s as u32);
+    v.extend(tail);
+    v
+}
+
+/// Every rank's sum of `slots` through the shared-memory exchange with `codec`, on
+/// `ranks` ranks (each running its share of the logical replicas).
+pub fn shm_exchange(ranks: usize, codec: Codec, slots: &[Vec<f32>]) -> Vec<Vec<f32>> {
+    let (shards, len) = (slots.len(), slots[0].len());
+    let group = ShmGroup::with_codec(ranks, shards, len, Wait::Park, Some(codec)).unwrap();
+    std::thread::scope(|s| {
+        let hs: Vec<_> = (0..ranks)
+            .map(|d| {
+                let group = &group;
+                s.spawn(move || {
+                    let mut me = group.rank(d);
+                    let per = shards / ranks;
+                    for j in 0..per {
+                        me.with_slot(j, |slot| slot.copy_from_slice(&slots[d * per + j]));
+                    }
+                    me.sum().unwrap();
+                    let mut out = vec![f32::NAN; len];
+                    me.for_each_sum(|off, piece| {
+                        out[off..off + piece.len()].copy_from_slice(piece);
+                        Ok(())
+                    })
+                    .unwrap();
+                    out
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+/// A layer that adds its parameter (−0.0, the exact identity of addition) to its input
+/// and whose gradient is dout: in front of a BatchNorm it makes the BatchNorm compute
+/// its input gradient (a Sequential's first trained layer skips it) and hands it over
+/// exactly (−0.0 + d = d).
+#[derive(Clone)]
+pub struct InputProbe {
+    pub numel: usize,
+}
+
+impl lockstep::nn::Layer for InputProbe {
+    fn kind(&self) -> &'static str {
+        "probe"
+    }
+
+    fn output_shape(&self, input: &lockstep::Shape) -> lockstep::Result<lockstep::Shape> {
+        Ok(input.clone())
+    }
+
+    fn params(&self) -> Vec<lockstep::nn::ParamSpec> {
+        vec![lockstep::nn::ParamSpec {
+            name: "x",
+            shape: lockstep::Shape::new([self.numel]),
+            init: lockstep::nn::Init::Zeros,
+        }]
+    }
+
+    fn forward(
+        &mut self,
+        mut x: lockstep::Tensor,
+        params: lockstep::nn::Params<'_>,
+        _: lockstep::nn::ParamsMut<'_>,
+        _: &lockstep::nn::Ctx,
+    ) -> lockstep::Result<lockstep::Tensor> {
+        for (v, p) in x.host_mut().iter_mut().zip(params.get(0)) {
+            *v += p;
+        }
+        Ok(x)
+    }
+
+    fn backward(
+        &mut self,
+        dout: lockstep::Tensor,
+        _: lockstep::nn::Params<'_>,
+        mut dparams: lockstep::nn::ParamsMut<'_>,
+        _: lockstep::nn::InputGrad,
+        _: &lockstep::nn::Ctx,
+    ) -> lockstep::Result<Option<lockstep::Tensor>> {
+        for (g, d) in dparams.get(0).iter_mut().zip(dout.host()) {
+            *g += d;
+        }
+        Ok(None)
+    }
+
+    fn boxed_clone(&self) -> Box<dyn lockstep::nn::Layer> {
+        Box::new(self.clone())
+    }
+
+    fn describe(&self) -> String {
+        format!("InputProbe({})", self.numel)
+    }
+}
+
+/// A statistics exchange of two logical replicas, this one being replica 1: it records
+/// what it is handed and gathers a fixed payload of replica 0 before it — (37 values per
+/// channel of mean 0.3 + ch/10 and M2 11 + ch) in forward, (1.5 − ch/4, −0.7 + ch/8) in
+/// backward, told apart by their lengths (1 + 2C is odd).
+#[derive(Debug, Default)]
+pub struct Recorder {
+    pub sent: std::sync::Mutex<Vec<Vec<f64>>>,
+}
+
+impl lockstep::exchange::stats::StatsExchange for Recorder {
+    fn replicas(&self) -> usize {
+        2
+    }
+
+    fn all_gather(&self, replica: usize, mine: &[f64], all: &mut Vec<f64>) -> lockstep::Result<()> {
+        assert_eq!(replica, 1, "the layer under test is logical replica 1");
+        self.sent.lock().unwrap().push(mine.to_vec());
+        all.clear();
+        if mine.len() % 2 == 1 {
+            let c = mine.len() / 2;
+            all.push(37.0);
+            all.extend((0..c).flat_map(|ch| [0.3 + ch as f64 / 10.0, 11.0 + ch as f64]));
+        } else {
+            let c = mine.len() / 2;
+            all.extend((0..c).flat_map(|ch| [1.5 - ch as f64 / 4.0, -0.7 + ch as f64 / 8.0]));
+        }
+        all.extend_from_slice(mine);
+        Ok(())
+    }
+}
+
+/// What the CPU's synchronized BatchNorm (nn::batchnorm, as `--sync-batchnorm` runs it on
+/// CPU devices) does with `inputs` as logical replica 1 of 2 beside [`Recorder`]'s replica
+/// 0: the payloads it hands the exchange, its output, running statistics and gradients.
+pub struct SyncBnCpu {
+    /// Forward: [count, mean₀, M2₀, ...]; backward: [Σ dy₀, Σ dy·x̂₀, ...].
+    pub sent_fwd: Vec<f64>,
+    pub sent_bwd: Vec<f64>,
+    /// y, dx: (N, C, HW).
+    pub y: Vec<f32>,
+    pub dx: Vec<f32>,
+    /// (C) each; dgamma, dbeta: the inputs' earlier gradients plus this step's where the
+    /// layer has the parameter, the earlier ones untouched where it has not.
+    pub running_mean: Vec<f32>,
+    pub running_var: Vec<f32>,
+    pub dgamma: Vec<f32>,
+    pub dbeta: Vec<f32>,
+}
+
+/// Runs the CPU layer ([`SyncBnCpu`]): behind an [`InputProbe`], so that its input
+/// gradient is computed and handed over exactly.
+pub fn sync_bn_cpu(inputs: &BnInputs, with_gamma: bool, with_beta: bool, momentum: f32, eps: f32) -> SyncBnCpu {
+    use lockstep::nn::{BatchNorm2d, BatchStats, Ctx, Layer, Sequential};
+    let (n, c, hw) = inputs.shape;
+    let total = n * c * hw;
+    let bn = BatchNorm2d::new(c)
+        .scale(with_gamma)
+        .center(with_beta)
+        .momentum(momentum)
+        .eps(eps)
+        .batch_stats(BatchStats::Global);
+    let layers: Vec<Box<dyn Layer>> = vec![Box::new(InputProbe { numel: total }), Box::new(bn)];
+    let mut model = Sequential::new([c, hw, 1], layers).unwrap();
+    let infos = model.param_infos().to_vec();
+    // The probe's parameter and gradient start at −0.0: −0.0 + v = v for every v.
+    let mut params = vec![0.0f32; model.params_len()];
+    params[infos[0].range.clone()].fill(-0.0);
+    let mut grads = vec![0.0f32; model.params_len()];
+    grads[infos[0].range.clone()].fill(-0.0);
+    let present: Vec<(&Vec<f32>, &Vec<f32>)> =
+        [(with_gamma, (&inputs.gamma, &inputs.dgamma)), (with_beta, (&inputs.beta, &inputs.dbeta))]
+            .into_iter()
+            .filter(|p| p.0)
+            .map(|p| p.1)
+            .collect();
+    for (t, (p, g)) in infos[1..].iter().zip(&present) {
+        params[t.range.clone()].copy_from_slice(p);
+        grads[t.range.clone()].copy_from_slice(g);
+    }
+    let mut buffers = vec![0.0f32; model.buffers_len()];
+    let (rm, rv) = (model.buffer_infos()[0].range.clone(), model.buffer_infos()[1].range.clone());
+    buffers[rm.clone()].copy_from_slice(&inputs.running_mean);
+    buffers[rv.clone()].copy_from_slice(&inputs.running_var);
+    let recorder = Recorder::default();
+    let ctx = Ctx { stats: Some(&recorder), ..Ctx::train(0, 0, 1, lockstep::Device::Cpu(0)) };
+    let x = lockstep::Tensor::from_vec(inputs.x.clone(), [n, c, hw, 1]).unwrap();
+    let y = model.forward(x, &params, &mut buffers, &ctx).unwrap().into_vec();
+    let dy = lockstep::Tensor::from_vec(inputs.dy.clone(), [n, c, hw, 1]).unwrap();
+    model.backward(dy, &params, &mut grads, &ctx).unwrap();
+    let sent = recorder.sent.lock().unwrap().clone();
+    assert_eq!(sent.len(), 2, "one call of the statistics exchange in forward, one in backward");
+    let mut t = infos[1..].iter();
+    let mut grad_of =
+        |on: bool, before: &Vec<f32>| if on { grads[t.next().unwrap().range.clone()].to_vec() } else { before.clone() };
+    let dgamma = grad_of(with_gamma, &inputs.dgamma);
+    let dbeta = grad_of(with_beta, &inputs.dbeta);
+    SyncBnCpu {
+        sent_fwd: sent[0].clone(),
+        sent_bwd: sent[1].clone(),
+        y,
+        dx: grads[infos[0].range.clone()].to_vec(),
+        running_mean: buffers[rm].to_vec(),
+        running_var: buffers[rv].to_vec(),
+        dgamma,
+        dbeta,
+    }
+}
+
+/// What a GPU replica's host makes of its shard's `moments` ((C, 2) from
+/// batchnorm_moments_fwd) over `here` values per channel, through a [`Recorder`] as
+/// logical replica 1 — the global count, the (C, 4) statistics batchnorm_sync_fwd takes
+/// and the running update — by the functions src/cuda/net.rs calls
+/// (`Synchronized::moments`, `normaliser`, `RunningUpdate`).
+pub fn sync_bn_merge(moments: &[f64], here: usize, momentum: f32, eps: f32) -> (f64, Vec<f64>, RunningUpdate) {
+    use lockstep::nn::batchnorm::{normaliser, Synchronized};
+    let recorder = Recorder::default();
+    let with = Synchronized { stats: &recorder, replica: 1 };
+    let local: Vec<(f64, f64)> = moments.chunks_exact(2).map(|p| (p[0], p[1])).collect();
+    let (count, merged) = with.moments(here as f64, &local).unwrap();
+    let stats = merged
+        .iter()
+        .flat_map(|&(mean, m2)| {
+            let var = m2 / count;
+            let (m, is) = normaliser(mean, var, eps);
+            [mean, var, m as f64, is as f64]
+        })
+        .collect();
+    (count, stats, RunningUpdate::new(momentum, count as usize))
+}
+
+/// The global sums a GPU replica's host makes of its shard's (C, 2) `sums`, through a
+/// [`Recorder`] as logical replica 1 (`Synchronized::sums`), flat (C, 2).
+pub fn sync_bn_global_sums(sums: &[f64]) -> Vec<f64> {
+    let recorder = Recorder::default();
+    let with = lockstep::nn::batchnorm::Synchronized { stats: &recorder, replica: 1 };
+    let local: Vec<(f64, f64)> = sums.chunks_exact(2).map(|p| (p[0], p[1])).collect();
+    with.sums(&local).unwrap().iter().flat_map(|&(a, b)| [a, b]).collect()
 }
