@@ -169,10 +169,11 @@ __device__ void encode_block(const float* v, size_t base, size_t encoded, unsign
 // the values in order and adding the top two whenever they cover equal powers of two
 // (the binary counter of the count pushed) leaves the balanced sums of the descending
 // powers of two that make up n; adding those from the last one back gives the tree.
+// Only the stack's first `depth` entries are ever read, so it starts unset.
 struct Tree {
     float stack[TREE_DEPTH];
-    int depth;
-    unsigned long long pushed;
+    int depth = 0;
+    unsigned long long pushed = 0;
 };
 
 __device__ void tree_push(Tree& t, float v) {
@@ -231,7 +232,7 @@ extern "C" __global__ void wire_reduce_f32(const unsigned char* wires, unsigned 
         for (int j = 0; j < CODEC_PER_THREAD; ++j) {
             const size_t i = base + threadIdx.x + (size_t)j * CODEC_THREADS;
             if (i >= raw) continue;
-            Tree t{};
+            Tree t;
             for (int q = 0; q < r; ++q) tree_push(t, ((const float*)(wires + (size_t)q * wire_bytes + raw_at))[i]);
             ((float*)(out + raw_at))[i] = tree_total(t);
         }
@@ -243,7 +244,7 @@ extern "C" __global__ void wire_reduce_f32(const unsigned char* wires, unsigned 
         const size_t i = base + threadIdx.x + (size_t)j * CODEC_THREADS;
         v[j] = 0.0f;
         if (i >= encoded) continue;
-        Tree t{};
+        Tree t;
         for (int q = 0; q < r; ++q) tree_push(t, decoded(wires + (size_t)q * wire_bytes, i, format, exps_at));
         v[j] = tree_total(t);
     }

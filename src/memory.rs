@@ -286,8 +286,11 @@ pub fn training(model: &Sequential, devices: &Devices, config: &TrainConfig) -> 
 }
 
 /// What one GPU replica holds on its GPU: weights, gradients, optimiser state and one
-/// shard's activations (the CPU layers' count: the GPU's kernels keep the same tensors).
-fn gpu_replica(model: &Sequential, config: &TrainConfig, shard: usize) -> Estimate {
+/// shard's activations (the CPU layers' count: the GPU's kernels keep the same tensors),
+/// and with 16-bit gradients its exchange's wires: every one of the `r` logical
+/// replicas' (2 bytes per gradient value, 4 per buffer value), their encoded sum, and
+/// that sum decoded.
+fn gpu_replica(model: &Sequential, config: &TrainConfig, shard: usize, r: usize) -> Estimate {
     let (p, b) = (model.params_len() as u64, model.buffers_len() as u64);
     let (copies, what) = optimizer_copies(&config.optimizer);
     let mut e = Estimate::default();
@@ -298,6 +301,15 @@ fn gpu_replica(model: &Sequential, config: &TrainConfig, shard: usize) -> Estima
     );
     e.add("optimiser state", copies.saturating_mul(p).saturating_mul(F32), what);
     e.add("activations", shard_activations(model, shard, 1), format!("a shard of {shard} samples"));
+    if config.grad_compression != crate::exchange::codec::Compression::None {
+        let wire = p.saturating_mul(2).saturating_add(b.saturating_mul(4));
+        let decoded = p.saturating_add(b).saturating_mul(F32);
+        e.add(
+            "16-bit wires",
+            wire.saturating_mul(r as u64 + 1).saturating_add(decoded),
+            format!("{r} logical replicas' wires, their sum, decoded"),
+        );
+    }
     e
 }
 
@@ -318,7 +330,7 @@ pub fn check_training(model: &Sequential, devices: &Devices, config: &TrainConfi
         if here == 0 {
             continue;
         }
-        let one = gpu_replica(model, config, shard);
+        let one = gpu_replica(model, config, shard, r);
         let mut all = Estimate::default();
         for part in one.parts() {
             all.add(part.name, part.bytes.saturating_mul(here), format!("{} × {here} replica(s)", part.detail));
@@ -333,6 +345,21 @@ pub fn check_training(model: &Sequential, devices: &Devices, config: &TrainConfi
 mod tests {
     use super::*;
     use crate::models;
+
+    #[test]
+    fn a_gpu_replica_with_16_bit_gradients_counts_its_wires() {
+        // Every one of the R = 4 logical replicas' wires (2 bytes per parameter, 4 per
+        // buffer value), their sum's, and that sum decoded to f32.
+        let model = models::convnet(models::ConvnetOptions::default()).unwrap();
+        let (p, b) = (model.params_len() as u64, model.buffers_len() as u64);
+        let plain = gpu_replica(&model, &TrainConfig::default(), 8, 4);
+        assert!(plain.parts().iter().all(|part| part.name != "16-bit wires"));
+        let config =
+            TrainConfig { grad_compression: crate::exchange::codec::Compression::Bf16, ..TrainConfig::default() };
+        let e = gpu_replica(&model, &config, 8, 4);
+        let wires = e.parts().iter().find(|part| part.name == "16-bit wires").expect("counted");
+        assert_eq!(wires.bytes, 5 * (2 * p + 4 * b) + 4 * (p + b));
+    }
 
     #[test]
     fn the_toy_run_is_counted_part_by_part() {

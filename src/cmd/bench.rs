@@ -21,8 +21,9 @@ pub(crate) struct BenchAllreduceArgs {
     /// Untimed iterations before the timed ones.
     #[arg(long, default_value_t = 5)]
     warmup: usize,
-    /// How the values travel (CPU ranks): f32, or 16-bit codes summed in f32. Sizes and
-    /// bandwidths stay in f32-equivalent bytes, so the figures compare with the f32 table.
+    /// How the values travel: f32, or 16-bit codes summed in f32 (on GPUs, through the
+    /// GPU exchange's codec). Sizes and bandwidths stay in f32-equivalent bytes, so the
+    /// figures compare with the f32 table.
     #[arg(long, value_enum, default_value = "none")]
     grad_compression: CompressionName,
 }
@@ -251,7 +252,7 @@ pub(crate) fn cmd_bench_allreduce(a: BenchAllreduceArgs) -> CliResult {
                 .iter()
                 .filter_map(|d| if let lockstep::Device::Cuda(o) = d { Some(*o) } else { None })
                 .collect();
-            return bench_gpu_allreduce(&ordinals, &sizes, a.iters, a.warmup);
+            return bench_gpu_allreduce(&ordinals, &sizes, (a.iters, a.warmup), a.grad_compression.compression());
         }
     };
     cpu_allreduce(&mut std::io::stdout(), ranks, &sizes, (a.iters, a.warmup), a.grad_compression.compression())
@@ -360,18 +361,31 @@ fn cpu_table_row(out: &mut dyn Write, ranks: usize, bytes: usize, times: [Durati
 /// The GPU collective over `ordinals` (one rank and thread each), nccl-tests style:
 /// after the warm-up each rank queues `iters` all-reduces and synchronises once; rank
 /// 0's mean time per all-reduce is reported with busbw, beside the device-to-device copy bandwidth of GPU 0 at the same
-/// size (read + write of `size` bytes), the memory bound busbw is compared with.
-fn bench_gpu_allreduce(ordinals: &[usize], sizes: &[usize], iters: usize, warmup: usize) -> CliResult {
+/// size (read + write of `size` bytes), the memory bound busbw is compared with. With a
+/// compression, each rank's buffer is one gradient slot of the GPU exchange with the
+/// codec (`GpuExchange::with_codec`: encoded, the 16-bit wires all-gathered, reduced and
+/// decoded on every rank), timed per sum, its busbw in f32-equivalent bytes as the CPU
+/// table's.
+fn bench_gpu_allreduce(
+    ordinals: &[usize],
+    sizes: &[usize],
+    (iters, warmup): (usize, usize),
+    compression: lockstep::exchange::codec::Compression,
+) -> CliResult {
     use lockstep::exchange::gpu::{transport_for, Transport};
     let transport = match transport_for(ordinals) {
         Transport::Nccl => "nccl",
         Transport::Copies => "device copies",
     };
     let out = &mut std::io::stdout();
-    gpu_table_header(out, ordinals, transport, iters, warmup);
+    let sum = match compression {
+        lockstep::exchange::codec::Compression::None => "f32 sum".to_string(),
+        c => format!("{} codec sum (16-bit wires all-gathered, decoded and summed on every rank)", c.name()),
+    };
+    gpu_table_header(out, ordinals, transport, &sum, iters, warmup);
     for &bytes in sizes {
         let count = (bytes / 4).max(1);
-        let t = time_gpu_allreduce(ordinals, count, iters, warmup).map_err(Failure::runtime)?;
+        let t = time_gpu_allreduce(ordinals, count, (iters, warmup), compression).map_err(Failure::runtime)?;
         let c = time_gpu_copy(ordinals[0], count, iters, warmup).map_err(Failure::runtime)?;
         gpu_table_row(out, ordinals.len(), bytes, t, c);
     }
@@ -381,11 +395,11 @@ fn bench_gpu_allreduce(ordinals: &[usize], sizes: &[usize], iters: usize, warmup
 /// The GPU table's header: size, count | time, algbw, busbw | copy, busbw/copy. Two
 /// columns where the CPU table has three after the second bar: scripts/bench_tables.py
 /// has a `gpu` parser for it.
-fn gpu_table_header(out: &mut dyn Write, ordinals: &[usize], transport: &str, iters: usize, warmup: usize) {
+fn gpu_table_header(out: &mut dyn Write, ordinals: &[usize], transport: &str, sum: &str, iters: usize, warmup: usize) {
     let names: Vec<String> = ordinals.iter().map(|o| o.to_string()).collect();
     let _ = writeln!(
         out,
-        "# lockstep bench allreduce: {} rank(s) on cuda:{} ({transport}), f32 sum, mean of {iters} iterations after {warmup} warm-up",
+        "# lockstep bench allreduce: {} rank(s) on cuda:{} ({transport}), {sum}, mean of {iters} iterations after {warmup} warm-up",
         ordinals.len(),
         names.join(",")
     );
@@ -420,27 +434,34 @@ fn gpu_table_row(out: &mut dyn Write, ranks: usize, bytes: usize, t: Duration, c
     );
 }
 
-fn time_gpu_allreduce(ordinals: &[usize], count: usize, iters: usize, warmup: usize) -> lockstep::Result<Duration> {
+fn time_gpu_allreduce(
+    ordinals: &[usize],
+    count: usize,
+    rounds: (usize, usize),
+    compression: lockstep::exchange::codec::Compression,
+) -> lockstep::Result<Duration> {
     use lockstep::exchange::gpu::{transport_for, CopyGroup, NcclGroup, Transport};
+    let codec = lockstep::exchange::codec::Codec::new(compression, count);
     match transport_for(ordinals) {
         Transport::Nccl => {
             let group = NcclGroup::new(ordinals, count)?;
-            time_gpu_ranks(ordinals, count, iters, warmup, &group, |r, s| group.join(r, s))
+            time_gpu_ranks(ordinals, count, rounds, codec, &group, |r, s| group.join(r, s))
         }
         Transport::Copies => {
             let group = CopyGroup::new(ordinals, count)?;
-            time_gpu_ranks(ordinals, count, iters, warmup, &group, |r, s| group.join(r, s))
+            time_gpu_ranks(ordinals, count, rounds, codec, &group, |r, s| group.join(r, s))
         }
     }
 }
 
 /// One thread per rank of `group` (joined by `join`): after the warm-up each queues
-/// `iters` all-reduces and synchronises once; rank 0's mean time per all-reduce.
+/// `iters` all-reduces (with a codec, sums of the GPU exchange over one slot) and
+/// synchronises once; rank 0's mean time per all-reduce.
 fn time_gpu_ranks<C: lockstep::exchange::gpu::DeviceAllReduce>(
     ordinals: &[usize],
     count: usize,
-    iters: usize,
-    warmup: usize,
+    (iters, warmup): (usize, usize),
+    codec: Option<lockstep::exchange::codec::Codec>,
     group: &dyn lockstep::exchange::Abort,
     join: impl Fn(usize, &std::sync::Arc<cudarc::driver::CudaStream>) -> lockstep::Result<C> + Sync,
 ) -> lockstep::Result<Duration> {
@@ -459,6 +480,21 @@ fn time_gpu_ranks<C: lockstep::exchange::gpu::DeviceAllReduce>(
                         let stream = ctx.new_stream()?;
                         let mut buf = stream.clone_htod(&vec![(r + 1) as f32; count])?;
                         let mut me = join(r, &stream)?;
+                        if codec.is_some() {
+                            use lockstep::exchange::Exchange;
+                            let mut ex = lockstep::exchange::gpu::GpuExchange::new(me, count, 1)?.with_codec(codec)?;
+                            ex.with_slot(0, |mut slot| stream.memcpy_dtod(&buf, &mut slot))?;
+                            for _ in 0..warmup {
+                                ex.sum()?;
+                            }
+                            stream.synchronize()?;
+                            let t0 = Instant::now();
+                            for _ in 0..iters {
+                                ex.sum()?;
+                            }
+                            stream.synchronize()?;
+                            return Ok(t0.elapsed() / iters as u32);
+                        }
                         for _ in 0..warmup {
                             me.all_reduce_sum(&mut buf.as_view_mut())?;
                         }
@@ -728,7 +764,7 @@ mod tests {
     /// A GPU table as `bench allreduce --devices cuda:0,0` prints it, with made-up times.
     fn gpu_table() -> String {
         let mut out = Vec::new();
-        gpu_table_header(&mut out, &[0, 0], "device copies", 50, 5);
+        gpu_table_header(&mut out, &[0, 0], "device copies", "f32 sum", 50, 5);
         // 64 MiB in 1 ms, copied in 400 us; 4 KiB in 20 us, copied in 5 us.
         gpu_table_row(&mut out, 2, 64 << 20, us(1000), us(400));
         gpu_table_row(&mut out, 2, 4 << 10, us(20), us(5));

@@ -1395,3 +1395,33 @@ pub struct DropoutKey {
     /// later micro-batch of an accumulated step starts past 0).
     pub first: u64,
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_wire_lays_out_codes_exponents_and_floats_on_aligned_starts() {
+        // The convnet's slot: its gradient encoded, its BatchNorm buffers raw.
+        let model = crate::models::convnet(crate::models::ConvnetOptions::default()).unwrap();
+        let (p, b) = (model.params_len(), model.buffers_len());
+        for compression in [Compression::Bf16, Compression::Fp16] {
+            let codec = Codec::new(compression, p).unwrap();
+            let g = WireGeom::new(&codec, p + b);
+            assert_eq!((g.encoded, g.raw, g.width()), (p, b, p + b));
+            // What crosses is the codec's count, padding aside.
+            assert_eq!(g.payload(), codec.wire(0..p + b).bytes(), "{compression:?}");
+            let exps = if compression == Compression::Fp16 { p.div_ceil(BLOCK) } else { 0 };
+            assert_eq!((g.exps_at(), g.exponents()), (2 * p, exps));
+            assert!(g.raw_at() >= g.exps_at() + exps && g.raw_at() % 256 == 0 && g.raw_at() - (2 * p + exps) < 256);
+            assert!(g.bytes() >= g.raw_at() + 4 * b && g.bytes() % 256 == 0 && g.bytes() - (g.raw_at() + 4 * b) < 256);
+            assert_eq!(g.blocks(), p.div_ceil(BLOCK) + b.div_ceil(BLOCK));
+        }
+        // A slot shorter than the encoded length is all codes; an empty one still spaces
+        // wires 256 bytes apart.
+        let codec = Codec::new(Compression::Fp16, 3000).unwrap();
+        let g = WireGeom::new(&codec, 1000);
+        assert_eq!((g.encoded, g.raw, g.exponents(), g.raw_at(), g.bytes()), (1000, 0, 1, 2048, 2048));
+        assert_eq!(WireGeom::new(&codec, 0).bytes(), 256);
+    }
+}

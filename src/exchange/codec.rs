@@ -1,6 +1,8 @@
 //! 16-bit gradients on the wire (`--grad-compression bf16|fp16`): the codec, one piece
 //! that any exchange can carry (shared memory here, MPI next), kept apart from every
-//! transport.
+//! transport. GPUs run it as kernels (kernels/codec.cu, through `exchange::gpu`) that
+//! mirror this file operation for operation; tests/kernels_host.rs and tests/cuda_ops.rs
+//! hold them to it bit for bit, so this file stays the one definition.
 //!
 //! Owns: [`Compression`] (what travels), [`Codec`] (how a run's slot is encoded) and
 //! [`Wire`] (the encoded values of one run of a slot). It knows nothing of ranks,

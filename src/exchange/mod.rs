@@ -21,6 +21,7 @@
 //! | shared memory between CPU threads | [`Host`] | one tree over all R shard indices | [`shm`] |
 //! | NCCL between GPUs | [`gpu::DeviceMemory`] | device's shards in shard order, then NCCL's | [`gpu`] |
 //! | device copies between GPUs | [`gpu::DeviceMemory`] | device's shards in shard order, then rank order | [`gpu`] |
+//! | either, with 16-bit gradients | [`gpu::DeviceMemory`] | the codec's: one tree over all R shard indices | [`gpu`] |
 //!
 //! A slot holds `[gradient sum of the shard | the shard's updated BatchNorm buffers]`
 //! (`width` values); the sum of every slot is what the update reads: the gradient part
@@ -30,8 +31,10 @@
 //! default that any transport satisfies: a sharded optimiser's parameter all-gather
 //! ([`Exchange::owned`], [`Exchange::all_gather`]; by default a rank owns everything and
 //! there is nothing to gather), and 16-bit values on the wire, which a transport carries
-//! with the one codec of [`codec`]. Synchronized BatchNorm's small collective inside the
-//! passes is a second trait, [`stats::StatsExchange`].
+//! with the one codec of [`codec`] (the GPU exchange with kernels that mirror it). Synchronized
+//! BatchNorm's small collective inside the passes is a second trait,
+//! [`stats::StatsExchange`]; a GPU run's replicas meet in the shared-memory one, on the
+//! host, and [`Aborts`] makes one abort stop both groups.
 //!
 //! Faults: [`Abort::abort`] makes every pending and future call of every rank return
 //! [`Error::Aborted`](crate::Error::Aborted), from any thread, so that no rank waits
@@ -219,4 +222,27 @@ pub fn all_reduce_in_place<X: Exchange<Mem = Host>>(x: &mut X, buf: &mut [f32]) 
         buf[off..off + piece.len()].copy_from_slice(piece);
         Ok(())
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::shm::ShmGroup;
+    use super::*;
+
+    #[test]
+    fn aborting_a_pair_of_groups_aborts_both_and_either_shows() {
+        let (a, b) = (ShmGroup::new(1, 1, 4, Wait::Spin).unwrap(), ShmGroup::new(1, 1, 0, Wait::Spin).unwrap());
+        let both = Aborts::new(&a, Some(&b));
+        assert!(!both.is_aborted());
+        // One of its own ranks aborted the second group: the pair shows it.
+        b.abort();
+        assert!(both.is_aborted() && !a.is_aborted());
+        let (a, b) = (ShmGroup::new(1, 1, 4, Wait::Spin).unwrap(), ShmGroup::new(1, 1, 0, Wait::Spin).unwrap());
+        let both = Aborts::new(&a, Some(&b));
+        both.abort();
+        assert!(a.is_aborted() && b.is_aborted());
+        let alone = ShmGroup::new(1, 1, 4, Wait::Spin).unwrap();
+        Aborts::new(&alone, None).abort();
+        assert!(alone.is_aborted());
+    }
 }

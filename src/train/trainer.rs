@@ -387,9 +387,10 @@ fn gpu_replica<'s>(
 }
 
 /// The features of issue 12 a run asks for, against what its devices can do; checked
-/// before any worker starts.
-/// Every feature runs on CPU and GPU devices alike (16-bit gradients through every
-/// transport, synchronized BatchNorm through the host's statistics exchange).
+/// before any worker starts. Every feature runs on CPU and GPU devices alike (16-bit
+/// gradients through every transport, synchronized BatchNorm through the host's
+/// statistics exchange); what remains is synchronized BatchNorm's one logical replica per
+/// device.
 fn check_features(devices: &Devices, replicas: usize, synchronized: bool) -> Result<()> {
     if synchronized && replicas != devices.len() {
         return Err(Error::config(
