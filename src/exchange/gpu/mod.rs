@@ -17,20 +17,23 @@
 //!   exchange's reduce-scatter / all-gather scheme, summed in rank order.
 //!
 //! With a codec (`--grad-compression bf16|fp16`, [`GpuExchange::with_codec`]) the sum is
-//! the codec's instead, and the CPU exchange's exactly: each of the worker's k slots is
-//! encoded on the device into its 16-bit wire (kernels/codec.cu, which mirrors
-//! `exchange::codec` bit for bit), the transport all-gathers every rank's wires, so that
-//! every GPU holds all R logical replicas' wires in replica order, and every GPU runs the
-//! same reduce kernel on those same bytes — each wire decoded, the R values added in f32 in
-//! the canonical tree over replica indices (`shm::tree_sum`'s), the sum encoded — then
-//! decodes the encoded sum, which the update reads. Equal bytes through one kernel give
-//! equal bits: every replica reads the same sum; and the sum is a function of the R wires
-//! alone, so it is bitwise the CPU exchange's on the same slots, on any device count with
-//! R fixed. (The f32 path's order is the device's pre-sum then the transport's; the
-//! codec's tree cannot be NCCL's, which sums f32 only.) What crosses: each rank receives
-//! the other ranks' wires, (R − k)·(2 bytes per gradient value + 4 per buffer value):
-//! against an NCCL ring all-reduce's 2·(w − 1)/w·4 bytes per value on w GPUs, half on two
-//! GPUs (2 against 4 bytes per gradient value), equal on four, more past four — a
+//! the codec's instead, the CPU exchange's: each of the worker's k slots is encoded on the
+//! device into its 16-bit wire (kernels/codec.cu, which mirrors `exchange::codec` bit for
+//! bit), the transport all-gathers every rank's wires, so that every GPU holds all R
+//! logical replicas' wires in replica order, and every GPU runs the same reduce kernel on
+//! those same bytes — each wire decoded, the R values added in f32 in the canonical tree
+//! over replica indices (`shm::tree_sum`'s), the sum encoded — then decodes the encoded
+//! sum, which the update reads. Equal bytes through one kernel give equal bits: every
+//! replica reads the same sum; and the sum is a function of the R wires alone, so it is
+//! bitwise the CPU exchange's on the same slots (but for which NaN a sum holding a NaN
+//! gives: CUDA returns its canonical NaN), on any device count with R fixed. (The f32
+//! path's order is the device's pre-sum then the transport's. NCCL's own 16-bit sum,
+//! `ncclBfloat16`, would add in an order of its choosing and round every partial sum to 16
+//! bits, without fp16's block scales: not the codec.) What crosses: each rank receives the
+//! other ranks' wires, (R − k)·(2 bytes per gradient value + 4 per buffer value): against
+//! an NCCL ring all-reduce's 2·(w − 1)/w·4 bytes per value on w GPUs, half on two GPUs (2
+//! against 4 bytes per gradient value), equal on four, more past four, and k times that
+//! with k logical replicas a GPU, which the f32 path pre-sums on the device — a
 //! reduce-scatter of 16-bit codes that decodes before it adds is no NCCL collective.
 //!
 //! Every rank must make the same calls, in the same order, as with NCCL or MPI. A group
@@ -182,6 +185,9 @@ impl<C: DeviceAllReduce> GpuExchange<C> {
         let geom = WireGeom::new(&codec, self.width);
         let (_, world) = self.rank.rank_and_world();
         let stream = self.rank.compute_stream().clone();
+        // The codec's reduce sums the device's slots with every other replica's: no f32
+        // pre-sum.
+        self.summed = None;
         self.wires = Some(Wires {
             all: stream.alloc_zeros(world * self.k * geom.bytes())?,
             reduced: stream.alloc_zeros(geom.bytes())?,
