@@ -1360,8 +1360,10 @@ fn dropout_masks_equal_the_cpu_layer_bit_for_bit() {
 /// payloads included: a block holding a NaN is unscaled, and the kernel skips the scale
 /// of 2^0 there); the reduce kernel's sum is `Codec::reduce`'s, the canonical tree over
 /// the wires — except which NaN a sum holding a NaN gives: CUDA returns its canonical NaN
-/// for arithmetic on a NaN and x86 one of the operands' payloads, so there a NaN must
-/// match a NaN (bf16 turns every NaN into 0x7FC0, so it matches bit for bit anyway).
+/// for arithmetic on a NaN, x86 one of the operands' (which one depending on the order a
+/// compiler gave the operands: even here, 3 of the fp16 sums' NaN codes differ in sign or
+/// payload), so there a NaN must match a NaN (bf16 turns every NaN into 0x7FC0, so it
+/// matches bit for bit anyway).
 /// Then the whole GPU exchange (encode each slot, the wires side by side, reduce, decode)
 /// against the shared-memory exchange on the same slots, on 1 and 2 ranks.
 #[test]
