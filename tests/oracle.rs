@@ -17,7 +17,8 @@
 //! PyTorch's single-device case: the step-0 gradient within the README's 1e-5·max(1, |g|),
 //! the losses and the final weights and running statistics within the single-device
 //! tolerances above, the running statistics identical on every replica (the replica check
-//! runs every step).
+//! runs every step) — and so must two and three replicas sharing a GPU, where a GPU is
+//! present.
 //!
 //! The cases are read from ../shared/oracle, or from `LOCKSTEP_ORACLE_DIR` when set (the
 //! GPU check carries a copy to a machine where ../shared is absent).
@@ -283,6 +284,35 @@ fn sync_batchnorm_20_steps_on_2_3_4_devices() {
     let model = lockstep::nn::convert_sync_batchnorm(&model_for(case)).unwrap();
     for n in 2..=4 {
         check_training_of(case, &model, Devices::cpu(n, 1).unwrap(), n, 2e-3);
+    }
+}
+
+/// Synchronized BatchNorm on GPUs reproduces PyTorch's single-device case as on CPU
+/// devices (sync_batchnorm_gradient_of_step_0_on_2_3_4_devices and the 20 steps): two and
+/// three replicas sharing GPU 0, their statistics computed on the device and merged on the
+/// host (src/cuda/net.rs), the step-0 gradient within the README's 1e-5·max(1, |g|), the
+/// losses, final weights and running statistics within the single-device tolerances, the
+/// running statistics identical on every replica.
+#[test]
+fn sync_batchnorm_on_gpus_reproduces_the_single_device_case() {
+    if !gpu_present("sync_batchnorm_on_gpus_reproduces_the_single_device_case") {
+        return;
+    }
+    let case = "convnet_s0_k20_b64_w1";
+    let model = lockstep::nn::convert_sync_batchnorm(&model_for(case)).unwrap();
+    let expected = tensors(&case_dir(case).join("grads_step0.safetensors"));
+    for gpus in [&[0, 0][..], &[0, 0, 0]] {
+        let devices = Devices::cuda(gpus).unwrap();
+        let (grads, loss) = applied_gradient(&model, case, &devices);
+        let want_loss = losses(case)[0];
+        assert!((loss - want_loss).abs() <= 1e-5, "{devices}: loss {loss} vs {want_loss}");
+        for (name, want) in &expected {
+            let info = model.param_infos().iter().find(|t| &t.name == name).unwrap();
+            let scale = want.iter().fold(1.0f32, |m, v| m.max(v.abs()));
+            let d = max_abs(&grads[info.range.clone()], want);
+            assert!(d <= 1e-5 * scale, "{devices}: gradient of {name} differs by {d:e} (allowed {:e})", 1e-5 * scale);
+        }
+        check_training_of(case, &model, Devices::cuda(gpus).unwrap(), gpus.len(), 2e-3);
     }
 }
 
