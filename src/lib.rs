@@ -41,6 +41,7 @@
 //! | [`checkpoint`] | checkpoints and exact resume |
 //! | [`weights`] | safetensors weights in PyTorch's names and layouts |
 //! | [`devices`] | `--devices` specifications |
+//! | [`world`] | the processes of a run under an MPI launcher: rank, size, their collectives, failure notices |
 //! | [`cuda`] | run-time probing of the CUDA driver, NVRTC and NCCL; the CUDA kernels; the GPU replica |
 #![forbid(unsafe_op_in_unsafe_fn)]
 
@@ -62,6 +63,7 @@ pub mod spec;
 pub mod tensor;
 pub mod train;
 pub mod weights;
+pub mod world;
 
 pub use error::{Error, Result};
 pub use tensor::{Device, Shape, Tensor};

@@ -8,6 +8,12 @@
 //! while running (a worker error, a non-finite loss, a replica mismatch). Every failure
 //! is one line `error: ...` on stderr; every input is checked BEFORE any work starts.
 //!
+//! Under an MPI launcher (`mpirun`, `srun`) every process runs the same command: the
+//! world is started first (`lockstep::world::init`; a binary built without the `mpi`
+//! feature refuses to train or bench as one of several processes), process 0 is the one
+//! voice of the run, the others print only failures of their own, and a command that
+//! succeeded everywhere ends MPI with `MPI_Finalize`.
+//!
 //! It leaves everything numerical to the library: models (`lockstep::models`), data
 //! (`lockstep::data`), the trainer (`lockstep::train`), weights files
 //! (`lockstep::weights`). The binary, `main.rs` and `cmd/`, is the only user of `anyhow`.
@@ -33,7 +39,7 @@ use lockstep::exchange::shm::ShmGroup;
 use lockstep::exchange::{Abort, Exchange};
 use lockstep::models::{self, ConvnetOptions, Norm};
 use lockstep::nn::{ParamStore, Sequential};
-use lockstep::observe::{CsvMetrics, Fanout, JsonLines, Progress, StepLines, Stream};
+use lockstep::observe::{CsvMetrics, Drawing, Fanout, JsonLines, Progress, StepLines, Stream};
 use lockstep::optim::{LrSchedule, Optimizer, OptimizerConfig};
 use lockstep::spec::ModelSpec;
 use lockstep::train::{train_data_parallel_with, with_trainer, Batch, LastBatch, NonFinite, Shuffle, TrainConfig};
@@ -246,7 +252,9 @@ impl From<lockstep::Error> for Failure {
             | E::Format { .. }
             | E::WeightsMismatch { .. }
             | E::Data { .. }
-            | E::CudaUnavailable(_) => EXIT_USAGE,
+            | E::CudaUnavailable(_)
+            | E::Mpi(_)
+            | E::Processes { .. } => EXIT_USAGE,
             _ => EXIT_RUNTIME,
         };
         Failure { code, error: e.into() }
@@ -295,8 +303,22 @@ fn main() -> ExitCode {
             return ExitCode::from(EXIT_USAGE);
         }
     };
+    // The world first: MPI's initialisation, or the refusal of a launched process in a
+    // binary without MPI. Looking at files and at the machine needs no world.
+    let world = match (lockstep::world::init(), &cli.command) {
+        (Ok(w), _) => Some(w),
+        (Err(_), Command::Devices | Command::Inspect { .. } | Command::Plot(_)) => None,
+        (Err(e), _) => {
+            eprintln!("error: {}", one_line(&e.into()));
+            return ExitCode::from(EXIT_USAGE);
+        }
+    };
+    let across = world.is_some_and(|w| w.size() > 1);
     let result = match cli.command {
         Command::Train(a) => cmd_train(*a),
+        Command::Eval(_) | Command::Predict(_) if across => Err(Failure::usage(anyhow!(
+            "eval and predict run in one process: start them without mpirun or srun"
+        ))),
         Command::Eval(a) => cmd_eval(a),
         Command::Predict(a) => cmd_predict(a),
         Command::Inspect { file } => cmd_inspect(&file),
@@ -307,9 +329,19 @@ fn main() -> ExitCode {
         Command::Plot(a) => cmd_plot(a),
     };
     match result {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(()) => {
+            if let Some(w) = world {
+                w.finalize();
+            }
+            ExitCode::SUCCESS
+        }
         Err(f) => {
-            eprintln!("error: {}", one_line(&f.error));
+            // One voice: a process other than 0 prints only failures of its own.
+            let told = f.error.downcast_ref::<lockstep::Error>();
+            let quiet = matches!(world.zip(told), Some((w, e)) if !w.reports(e));
+            if !quiet {
+                eprintln!("error: {}", one_line(&f.error));
+            }
             ExitCode::from(f.code)
         }
     }

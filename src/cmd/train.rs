@@ -1,6 +1,10 @@
 //! `lockstep train`: its arguments, the checks that come before any work, the run's
 //! observers (progress, JSON lines, CSV), checkpoints and resume, Ctrl-C, and the final
 //! report. The training itself is `lockstep::train`'s.
+//!
+//! Under an MPI launcher every process runs this command with the same arguments; the
+//! world's devices are every process's, `--replicas` counts them all, and process 0
+//! alone prints, writes `--save`, `--metrics-out` and checkpoints.
 
 use crate::*;
 
@@ -168,19 +172,25 @@ pub(crate) fn cmd_train(a: TrainArgs) -> CliResult {
     };
     optimizer.validate().map_err(Failure::usage)?;
     let devices = resolve_devices(&a.devices)?;
+    let world = lockstep::world::current().map_err(Failure::usage)?;
+    let voice = world.is_voice();
+    // The world's devices: every process's.
+    let in_world = devices.len() * world.size();
     if let Some(r) = a.replicas {
-        if r % devices.len() != 0 {
+        if r % in_world != 0 {
+            let among = match world.size() {
+                1 => String::new(),
+                p => format!(" ({p} processes × {})", devices.len()),
+            };
             return Err(Failure::usage(anyhow!(
-                "--replicas {r} cannot be shared evenly by {} devices (use a multiple of {})",
-                devices.len(),
-                devices.len()
+                "--replicas {r} cannot be shared evenly by {in_world} devices{among} (use a multiple of {in_world})"
             )));
         }
     }
-    if let Some(p) = &a.save {
+    if let Some(p) = a.save.as_ref().filter(|_| voice) {
         check_writable("--save", p)?;
     }
-    if let Some(p) = &a.metrics_out {
+    if let Some(p) = a.metrics_out.as_ref().filter(|_| voice) {
         check_writable("--metrics-out", p)?;
     }
     if a.checkpoint_every == Some(0) {
@@ -199,7 +209,8 @@ pub(crate) fn cmd_train(a: TrainArgs) -> CliResult {
     }
     // Checkpoints go to --checkpoint-dir, or back into the directory being resumed.
     let checkpoint_dir = a.checkpoint_dir.clone().or_else(|| a.resume.clone());
-    if let Some(d) = &checkpoint_dir {
+    // Process 0 writes the checkpoints; every process reads the one it resumes from.
+    if let Some(d) = checkpoint_dir.as_ref().filter(|_| voice) {
         lockstep::checkpoint::prepare_dir(d).map_err(Failure::usage).map_err(|f| f.with_context("--checkpoint-dir"))?;
         if a.resume.is_none() {
             if let Some((step, _)) = lockstep::checkpoint::list(d).map_err(Failure::usage)?.last() {
@@ -257,7 +268,7 @@ pub(crate) fn cmd_train(a: TrainArgs) -> CliResult {
         &data_spec,
         &splits.train,
         &config,
-        a.replicas.unwrap_or(devices.len()),
+        a.replicas.unwrap_or(in_world),
     );
     let steps_per_epoch = lockstep::train::scatter::steps_per_epoch(splits.train.len(), batch_size, last_batch) as u64;
     let policy = checkpoint_dir.map(|dir| CheckpointPolicy {
@@ -276,10 +287,12 @@ pub(crate) fn cmd_train(a: TrainArgs) -> CliResult {
             {
                 None => return Err(Failure::usage(anyhow!("--resume '{}': no checkpoint in it", dir.display()))),
                 Some((r, path, skipped)) => {
-                    for s in skipped {
-                        eprintln!("lockstep: skipping corrupt checkpoint {}", s.display());
+                    if voice {
+                        for s in skipped {
+                            eprintln!("lockstep: skipping corrupt checkpoint {}", s.display());
+                        }
+                        outln!("lockstep: resuming {} at step {} (epoch {})", path.display(), r.step, r.epoch + 1);
                     }
-                    outln!("lockstep: resuming {} at step {} (epoch {})", path.display(), r.step, r.epoch + 1);
                     Some(r)
                 }
             }
@@ -297,19 +310,26 @@ pub(crate) fn cmd_train(a: TrainArgs) -> CliResult {
             eprintln!("lockstep: interrupt: stopping after this step (Ctrl-C again to quit now)");
         });
     }
+    // Under mpirun, Ctrl-C reaches the processes as SIGTERM (or SIGUSR1, which mpirun
+    // forwards): the same stop, at a step every process agrees on.
+    world.stop_on_signals(&stop).map_err(Failure::runtime)?;
     let config = TrainConfig { resume, checkpoint: policy, stop: Some(stop), ..config };
 
-    let replicas = a.replicas.unwrap_or(devices.len());
+    let replicas = a.replicas.unwrap_or(in_world);
     // With --log-format json, stdout carries only JSON; the human lines go to stderr.
     let human = if a.log_format == LogFormat::Json { Stream::Stderr } else { Stream::Stdout };
+    // One voice: process 0 of a world of several prints, the others keep quiet.
     macro_rules! say {
-        ($($arg:tt)*) => { human.line(&format!($($arg)*)) };
+        ($($arg:tt)*) => { if voice { human.line(&format!($($arg)*)) } };
     }
+    let shown = match world.size() {
+        1 => devices.to_string(),
+        p => format!("{p} processes × {devices}"),
+    };
     say!(
-        "lockstep: {} ({} parameters) | devices: {} | replicas: {replicas} | data: {} {} samples{}",
+        "lockstep: {} ({} parameters) | devices: {shown} | replicas: {replicas} | data: {} {} samples{}",
         source.name(),
         model.num_params(),
-        devices,
         splits.train.name(),
         splits.train.len(),
         splits.test.as_ref().map_or(String::new(), |t| format!(", {} {} samples", t.name(), t.len()))
@@ -326,11 +346,19 @@ pub(crate) fn cmd_train(a: TrainArgs) -> CliResult {
     );
 
     let step_lines = if a.log_every_step { StepLines::Lesson } else { StepLines::Off };
-    let mut progress = Progress::new(human, step_lines).held_out(eval_name);
-    let mut json = (a.log_format == LogFormat::Json).then(|| JsonLines::new(std::io::stdout()));
-    let mut csv = a.metrics_out.as_deref().map(CsvMetrics::create).transpose().map_err(Failure::usage)?;
+    // mpirun gives process 0 a pseudo-terminal whatever its own output is: plain lines.
+    let mut progress = match world.size() {
+        1 => Progress::new(human, step_lines),
+        _ => Progress::with_drawing(human, step_lines, Drawing::Lines),
+    }
+    .held_out(eval_name);
+    let mut json = (voice && a.log_format == LogFormat::Json).then(|| JsonLines::new(std::io::stdout()));
+    let mut csv =
+        a.metrics_out.as_deref().filter(|_| voice).map(CsvMetrics::create).transpose().map_err(Failure::usage)?;
     let mut observers = Fanout::new();
-    observers.push(&mut progress);
+    if voice {
+        observers.push(&mut progress);
+    }
     if let Some(j) = &mut json {
         observers.push(j);
     }
@@ -355,7 +383,7 @@ pub(crate) fn cmd_train(a: TrainArgs) -> CliResult {
             say!("final {eval_name} accuracy: {:.4} ({}/{})", t.accuracy(), t.correct, t.count);
         }
     }
-    if let Some(p) = &a.save {
+    if let Some(p) = a.save.as_ref().filter(|_| voice) {
         weights::save(&model, &report.weights, p).map_err(Failure::runtime)?;
         say!("weights saved to {}", p.display());
     }

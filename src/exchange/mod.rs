@@ -31,8 +31,11 @@
 //! forever for one that failed; a rank whose own call fails aborts before returning.
 
 pub mod gpu;
+#[cfg(feature = "mpi")]
+pub mod mpi;
 mod nccl;
 pub mod shm;
+pub mod tree;
 
 use crate::error::Result;
 

@@ -1,13 +1,15 @@
 //! The fit loop: [`train_data_parallel`] runs epochs of steps over a dataset on a
 //! [`Trainer`], with the loader thread ahead of it, observers, replica checks, evaluation
 //! after every epoch and checkpoints; and [`check_data`], the checks of a dataset against
-//! a model.
+//! a model. In a run of several processes (MPI) every process runs this loop in step with
+//! the others: its loader gathers only its own shards' rows, and process 0 alone writes
+//! checkpoints.
 
-use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::bounded;
 
+use super::trainer::HeldBatch;
 use super::{
     scatter, with_trainer, Batch, EpochReport, NonFinite, Observer, Silent, StepEvent, TrainConfig, TrainReport,
     Trainer,
@@ -85,7 +87,8 @@ pub fn train_data_parallel_with(
             ),
         ));
     }
-    if let Some(p) = &config.checkpoint {
+    let voice = crate::world::current()?.is_voice();
+    if let Some(p) = config.checkpoint.as_ref().filter(|_| voice) {
         checkpoint::prepare_dir(&p.dir)?;
     }
     with_trainer(model, devices, config, |trainer| {
@@ -95,7 +98,8 @@ pub fn train_data_parallel_with(
         let mut train_time = Duration::ZERO;
         let mut trained_samples = 0u64;
         std::thread::scope(|s| -> Result<()> {
-            let (batch_tx, batch_rx) = bounded::<(usize, usize, Batch)>(config.prefetch.max(1));
+            let (batch_tx, batch_rx) = bounded::<(usize, usize, HeldBatch)>(config.prefetch.max(1));
+            let plan = trainer.row_plan();
             s.spawn(move || {
                 let mut step = start.step;
                 for epoch in start.epoch..config.epochs {
@@ -103,7 +107,11 @@ pub fn train_data_parallel_with(
                     let skip = if epoch == start.epoch { start.step_in_epoch } else { 0 };
                     let batches = order.chunks(config.batch_size).take(steps_per_epoch).enumerate().skip(skip);
                     for (i, idx) in batches {
-                        if step >= total_steps || batch_tx.send((epoch, i, Batch::gather(train, idx))).is_err() {
+                        // This process's shards' rows only (all of them in a world of one).
+                        let rows = plan.rows(idx.len());
+                        let batch = Batch::gather(train, &idx[rows.clone()]);
+                        let held = HeldBatch { batch, first_row: rows.start, global_len: idx.len() };
+                        if step >= total_steps || batch_tx.send((epoch, i, held)).is_err() {
                             return;
                         }
                         step += 1;
@@ -120,7 +128,7 @@ pub fn train_data_parallel_with(
                 let data_wait = t_wait.elapsed();
                 let t_step = Instant::now();
                 let lr_scale = config.schedule.scale(trainer.steps(), total_steps);
-                let report = trainer.step_at(batch, lr_scale)?;
+                let report = trainer.step_held(batch, lr_scale)?;
                 let dt = t_step.elapsed();
                 train_time += dt;
                 epoch_train_time += dt;
@@ -170,10 +178,10 @@ pub fn train_data_parallel_with(
                 } else {
                     Position { step: trainer.steps(), epoch, step_in_epoch: i + 1 }
                 };
-                let interrupted = config.stop.as_ref().is_some_and(|f| f.load(Ordering::SeqCst));
+                let interrupted = trainer.stop_requested();
                 let done = trainer.steps() == total_steps;
                 let mut written = None;
-                if let Some(policy) = &config.checkpoint {
+                if let Some(policy) = config.checkpoint.as_ref().filter(|_| voice) {
                     if interrupted || done || trainer.steps() % policy.every.max(1) == 0 {
                         written = Some(save_checkpoint(trainer, model, policy, next)?);
                     }

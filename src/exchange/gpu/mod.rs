@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, CudaView, CudaViewMut, DeviceSlice};
 
 pub use copies::{CopyGroup, CopyRank};
-pub use nccl_group::{NcclGroup, NcclRank};
+pub use nccl_group::{new_clique_id, Clique, NcclGroup, NcclRank};
 
 use super::{Exchange, Memory};
 use crate::cuda::probe::{driver_available, gpu_count};

@@ -1,0 +1,539 @@
+//! The exchange between processes (the `mpi` feature): CPU devices of several processes,
+//! summed bitwise as one process sums them.
+//!
+//! Owns [`MpiGroup`], the shared state of one run's exchange in one process, and
+//! [`MpiRank`], one device thread's side of it. The step sees an exchange like every
+//! other (`Exchange`); underneath it is hierarchical:
+//!
+//! ```text
+//! every device:   writes its shards' slots (this process owns shards p·L .. (p+1)·L)
+//! every device:   sums its piece of the elements of each of this process's LEAVES — the
+//!                 maximal nodes of the canonical tree over all R shards that lie inside
+//!                 this process (exchange::tree) — with tree_sum over their slots
+//! device 0 only:  (the one thread talking to MPI, through the world's door)
+//!                 reduce-scatter: sends chunk q of each of its leaves to process q,
+//!                 receives chunk p of every other process's leaves, and sums its chunk
+//!                 over all the world's leaves in the tree's top part (tree::sum_leaves);
+//!                 all-gather: sends its summed chunk to every process, receives theirs
+//! every device:   reads the whole sum in place, in its update
+//! ```
+//!
+//! Exactness: every element is `tree_sum` over the R shards in shard order — the leaves
+//! are subtrees of that tree, the top is its remaining nodes, each evaluated as
+//! `tree_sum` would — so P processes × D devices give bitwise the sum of one process,
+//! for any P·D dividing R. MPI moves values and never adds them: `MPI_Allreduce`'s order
+//! is not specified, and is not used.
+//!
+//! Speed: for small buffers ([`GATHER_BELOW`]) one round instead of two — every process
+//! sends its leaves whole to every other and sums the whole buffer itself (what a
+//! recursive-doubling all-reduce costs, one message latency). Large buffers move in
+//! blocks of at most [`BLOCK`] values, all posted at once; device 0 sums each block of
+//! its chunk as soon as it has arrived and sends it on while the next arrives. Blocks
+//! never straddle a device's piece, so that each device's partial sums are its own
+//! buffers (no lock contended, no unsafe sharing).
+//!
+//! Faults: every wait polls the world's failure notices, the processes on this machine,
+//! the launcher and this group's abort flag ([`MpiWorld::wait`]). A failed wait leaves
+//! MPI requests pending on this group's buffers, so the group is then *abandoned*: its
+//! buffers are leaked, never freed under MPI, and the process is on its way out.
+
+use std::ops::Range;
+use std::os::raw::c_int;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use mpi::ffi::MPI_Request;
+use parking_lot::{Mutex, RwLock};
+
+use super::shm::{tree_sum, SpinBarrier};
+use super::tree;
+use super::{Abort, Exchange, Host, Wait};
+use crate::error::{Error, Result};
+use crate::world::mpi::{MpiWorld, Port};
+use crate::world::World;
+
+/// Buffers of at most this many bytes go in one round (every process sums all of them);
+/// larger ones in two (reduce-scatter, all-gather). Chosen by `bench allreduce` on 2
+/// processes here: one round is faster up to 64 KiB on shared memory and TCP alike.
+pub const GATHER_BELOW: usize = 64 << 10;
+
+/// The most values one message carries (256 KiB): small enough that summing one block
+/// overlaps the arrival of the next, large enough that the per-message cost is noise.
+pub const BLOCK: usize = 64 << 10;
+
+/// Tag of the all-gather's messages; a leaf's messages carry `TAG_LEAF + its index`.
+const TAG_SUM: c_int = 90;
+const TAG_LEAF: c_int = 100;
+/// MPI guarantees tags up to 32767; the notices of `world::mpi` use one below it.
+const MAX_LEAVES: usize = 19_000;
+
+/// How the processes split the work.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Rounds {
+    /// Every process receives every leaf whole and sums the whole buffer.
+    One,
+    /// Reduce-scatter by chunks, then all-gather.
+    Two,
+}
+
+/// A node of the canonical tree whose shards one process owns (see `exchange::tree`).
+#[derive(Clone, Debug)]
+struct Leaf {
+    shards: Range<usize>,
+    owner: usize,
+}
+
+/// A run of elements moved and summed as one.
+#[derive(Clone, Debug)]
+struct Block {
+    elems: Range<usize>,
+    /// The process whose chunk holds it (every process's, in one round).
+    chunk: usize,
+    /// The local device whose piece holds it.
+    piece: usize,
+}
+
+/// Shared state of the exchange of one run, in one process of an MPI world.
+pub struct MpiGroup<'w> {
+    world: &'w MpiWorld,
+    /// This process, and the number of processes.
+    process: usize,
+    processes: usize,
+    /// Device threads in this process, logical replicas each.
+    devices: usize,
+    per_device: usize,
+    len: usize,
+    /// Logical replicas in the world.
+    total: usize,
+    /// One slot per logical replica of this process, in shard order.
+    slots: Vec<RwLock<Vec<f32>>>,
+    /// Every leaf of the world, in shard order.
+    leaves: Vec<Leaf>,
+    /// `partial[j][d]`: device d's piece of leaf j's sum, for this process's leaves of
+    /// more than one shard (empty otherwise).
+    partial: Vec<Vec<RwLock<Vec<f32>>>>,
+    /// Element ranges each device sums locally.
+    pieces: Vec<Range<usize>>,
+    /// Element ranges each process reduces in two rounds.
+    chunks: Vec<Range<usize>>,
+    rounds: Rounds,
+    blocks: Vec<Block>,
+    /// Device 0's receive buffers: `inbox[j]` holds another process's leaf j, for this
+    /// process's chunk (two rounds) or whole (one round); empty for this process's leaves.
+    inbox: Mutex<Vec<Vec<f32>>>,
+    /// The whole sum, which every device reads.
+    sum: RwLock<Vec<f32>>,
+    barrier: SpinBarrier,
+    wait: Wait,
+    aborted: AtomicBool,
+    /// A wait gave up with requests pending on the buffers: they are never freed.
+    abandoned: AtomicBool,
+}
+
+/// `len` cut into `n` ranges, each a multiple of 16 values (64 bytes: no cache line with
+/// two writers) but the last.
+fn cut(len: usize, n: usize) -> Vec<Range<usize>> {
+    let per = len.div_ceil(n).div_ceil(16) * 16;
+    (0..n).map(|i| (i * per).min(len)..((i + 1) * per).min(len)).collect()
+}
+
+/// The blocks of `0..len`: cut at every chunk and piece boundary, and every `max` values.
+fn blocks(len: usize, chunks: &[Range<usize>], pieces: &[Range<usize>], max: usize) -> Vec<Block> {
+    let mut bounds: Vec<usize> = chunks.iter().chain(pieces).flat_map(|r| [r.start, r.end]).collect();
+    bounds.extend([0, len]);
+    bounds.sort_unstable();
+    bounds.dedup();
+    let find = |ranges: &[Range<usize>], at: usize| ranges.iter().position(|r| r.contains(&at)).expect("covered");
+    let mut out = Vec::new();
+    for w in bounds.windows(2) {
+        let (chunk, piece) = (find(chunks, w[0]), find(pieces, w[0]));
+        let mut at = w[0];
+        while at < w[1] {
+            let end = (at + max).min(w[1]);
+            out.push(Block { elems: at..end, chunk, piece });
+            at = end;
+        }
+    }
+    out
+}
+
+impl<'w> MpiGroup<'w> {
+    /// The exchange of this process of `world` for `devices` device threads, among
+    /// `shards` logical replicas in the world, over slots of `len` values; its threads
+    /// wait for each other as `wait` says. Every process must make the same call with
+    /// the same `devices`, `shards` and `len` (the trainer's handshake checks them).
+    pub fn new(world: &'w World, devices: usize, shards: usize, len: usize, wait: Wait) -> Result<MpiGroup<'w>> {
+        Self::with_rounds(world, devices, shards, len, wait, None)
+    }
+
+    fn with_rounds(
+        world: &'w World,
+        devices: usize,
+        shards: usize,
+        len: usize,
+        wait: Wait,
+        rounds: Option<Rounds>,
+    ) -> Result<MpiGroup<'w>> {
+        let mpi = world.mpi().ok_or_else(|| Error::Mpi("the exchange between processes needs an MPI world".into()))?;
+        let (process, processes) = (world.rank(), world.size());
+        let in_world = processes * devices;
+        if devices == 0 || shards == 0 || shards % in_world != 0 {
+            return Err(Error::config(
+                "replicas",
+                format!(
+                    "{shards} logical replicas cannot be shared evenly by {in_world} devices \
+                     ({processes} processes × {devices})"
+                ),
+            ));
+        }
+        let per_process = shards / processes;
+        let owners: Vec<Range<usize>> = (0..processes).map(|q| q * per_process..(q + 1) * per_process).collect();
+        let leaves: Vec<Leaf> = tree::leaves(shards, &owners)
+            .into_iter()
+            .map(|r| Leaf { owner: r.start / per_process, shards: r })
+            .collect();
+        if leaves.len() > MAX_LEAVES {
+            return Err(Error::config("replicas", format!("{shards} logical replicas make more partial sums than MPI tags")));
+        }
+        let rounds = rounds.unwrap_or(if len * 4 <= GATHER_BELOW { Rounds::One } else { Rounds::Two });
+        let pieces = cut(len, devices);
+        let chunks = match rounds {
+            Rounds::One => vec![0..len],
+            Rounds::Two => cut(len, processes),
+        };
+        let blocks = blocks(len, &chunks, &pieces, BLOCK);
+        let mine = &owners[process];
+        let partial = leaves
+            .iter()
+            .map(|l| match l.owner == process && l.shards.len() > 1 {
+                true => pieces.iter().map(|p| RwLock::new(vec![0.0; p.len()])).collect(),
+                false => Vec::new(),
+            })
+            .collect();
+        let inbox_len = match rounds {
+            Rounds::One => len,
+            Rounds::Two => chunks[process].len(),
+        };
+        let inbox = leaves.iter().map(|l| if l.owner == process { Vec::new() } else { vec![0.0; inbox_len] }).collect();
+        Ok(MpiGroup {
+            world: mpi,
+            process,
+            processes,
+            devices,
+            per_device: shards / in_world,
+            len,
+            total: shards,
+            slots: mine.clone().map(|_| RwLock::new(vec![0.0; len])).collect(),
+            leaves,
+            partial,
+            pieces,
+            chunks,
+            rounds,
+            blocks,
+            inbox: Mutex::new(inbox),
+            sum: RwLock::new(vec![0.0; len]),
+            barrier: SpinBarrier::new(devices, wait),
+            wait,
+            aborted: AtomicBool::new(false),
+            abandoned: AtomicBool::new(false),
+        })
+    }
+
+    /// The handle of local device thread `device`.
+    pub fn rank(&self, device: usize) -> MpiRank<'_, 'w> {
+        assert!(device < self.devices, "device {device} of {}", self.devices);
+        MpiRank { group: self, device }
+    }
+
+    /// Number of values per slot.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True for empty slots.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The first logical replica of this process.
+    fn first_shard(&self) -> usize {
+        self.process * self.devices * self.per_device
+    }
+
+    /// True when some leaf of this process sums several of its slots.
+    fn sums_locally(&self) -> bool {
+        self.partial.iter().any(|p| !p.is_empty())
+    }
+
+    /// Device `device`'s part of the local sums: its piece of every leaf of this process
+    /// that has several shards.
+    fn sum_leaves_locally(&self, device: usize) {
+        let piece = self.pieces[device].clone();
+        let first = self.first_shard();
+        for (leaf, partial) in self.leaves.iter().zip(&self.partial) {
+            if partial.is_empty() {
+                continue;
+            }
+            let guards: Vec<_> = leaf.shards.clone().map(|s| self.slots[s - first].read()).collect();
+            let views: Vec<&[f32]> = guards.iter().map(|g| &g[piece.clone()]).collect();
+            tree_sum(&views, &mut partial[device].write());
+        }
+    }
+
+    /// Device 0's part: the rounds between processes, through the world's door to MPI.
+    /// On failure the group is aborted (releasing this process's other devices) and,
+    /// where requests may be left pending, abandoned.
+    fn across_processes(&self) -> Result<()> {
+        let result = self.world.port().and_then(|mut port| {
+            let r = self.rounds_with(&mut port);
+            if r.is_err() {
+                self.abandoned.store(true, Ordering::SeqCst);
+            }
+            r
+        });
+        if result.is_err() {
+            self.abort();
+        }
+        result
+    }
+
+    fn rounds_with(&self, port: &mut Port) -> Result<()> {
+        let slot_guards: Vec<_> = self.slots.iter().map(|s| s.read()).collect();
+        let partial_guards: Vec<Vec<_>> = self.partial.iter().map(|p| p.iter().map(|b| b.read()).collect()).collect();
+        let slots: Vec<&[f32]> = slot_guards.iter().map(|g| g.as_slice()).collect();
+        let partial: Vec<Vec<&[f32]>> = partial_guards.iter().map(|p| p.iter().map(|g| g.as_slice()).collect()).collect();
+        let mut inbox = self.inbox.lock();
+        let mut sum = self.sum.write();
+        let mut sum_blocks = split_blocks(&mut sum, &self.blocks);
+        let base = match self.rounds {
+            Rounds::One => 0,
+            Rounds::Two => self.chunks[self.process].start,
+        };
+        let mut inboxes: Vec<Vec<&mut [f32]>> = (inbox.iter_mut().zip(&self.leaves))
+            .map(|(v, leaf)| match leaf.owner == self.process {
+                true => Vec::new(),
+                false => split_from(v, base, &self.blocks, |b| self.chunk_holds(b)),
+            })
+            .collect();
+        let held: Vec<usize> = (0..self.blocks.len()).filter(|&i| self.chunk_holds(&self.blocks[i])).collect();
+        let mine: Vec<usize> = (0..self.leaves.len()).filter(|&j| self.leaves[j].owner == self.process).collect();
+        let theirs: Vec<usize> = (0..self.leaves.len()).filter(|&j| self.leaves[j].owner != self.process).collect();
+        let peers: Vec<usize> = (0..self.processes).filter(|&q| q != self.process).collect();
+        let tag = |j: usize| TAG_LEAF + j as c_int;
+
+        // SAFETY (every post below): the buffers are this group's, held under the guards
+        // above until every request has completed in a wait; if a wait gives up, the
+        // group is abandoned and its buffers leaked (Drop), never freed under MPI. A
+        // buffer being sent is not written until its send completes; a buffer being
+        // received into is neither read nor written by anyone until its receive does.
+        // Every other process's leaves, block by block of this process's chunk.
+        let mut arriving: Vec<Vec<MPI_Request>> = Vec::with_capacity(held.len());
+        for k in 0..held.len() {
+            let mut here = Vec::with_capacity(theirs.len());
+            for &j in &theirs {
+                here.push(unsafe { port.irecv(&mut *inboxes[j][k], self.leaves[j].owner, tag(j))? });
+            }
+            arriving.push(here);
+        }
+        // This process's leaves, to every process that sums their blocks.
+        let mut rest = Vec::new();
+        for &q in &peers {
+            for b in self.blocks.iter().filter(|b| self.rounds == Rounds::One || b.chunk == q) {
+                for &j in &mine {
+                    rest.push(unsafe { port.isend(self.own(j, b, &slots, &partial), q, tag(j))? });
+                }
+            }
+        }
+        // The other processes' summed chunks (two rounds).
+        if self.rounds == Rounds::Two {
+            for &q in &peers {
+                for i in (0..self.blocks.len()).filter(|&i| self.blocks[i].chunk == q) {
+                    rest.push(unsafe { port.irecv(&mut *sum_blocks[i], q, TAG_SUM)? });
+                }
+            }
+        }
+        // Each block of this process's chunk as soon as it is there: summed, sent on.
+        let aborted = || self.aborted.load(Ordering::Relaxed);
+        for (k, &i) in held.iter().enumerate() {
+            self.world.wait(port, &mut arriving[k], self.wait, &aborted)?;
+            let b = &self.blocks[i];
+            let values: Vec<(Range<usize>, &[f32])> = (0..self.leaves.len())
+                .map(|j| {
+                    let v: &[f32] = match self.leaves[j].owner == self.process {
+                        true => self.own(j, b, &slots, &partial),
+                        false => &*inboxes[j][k],
+                    };
+                    (self.leaves[j].shards.clone(), v)
+                })
+                .collect();
+            tree::sum_leaves(self.total, &values, sum_blocks[i]);
+            if self.rounds == Rounds::Two {
+                for &q in &peers {
+                    rest.push(unsafe { port.isend(&*sum_blocks[i], q, TAG_SUM)? });
+                }
+            }
+        }
+        self.world.wait(port, &mut rest, self.wait, &aborted)
+    }
+
+    /// The values over `block` of this process's leaf `j`: its one slot, or this
+    /// process's partial sum of its slots.
+    fn own<'a>(&self, j: usize, block: &Block, slots: &[&'a [f32]], partial: &[Vec<&'a [f32]>]) -> &'a [f32] {
+        match partial[j].is_empty() {
+            true => &slots[self.leaves[j].shards.start - self.first_shard()][block.elems.clone()],
+            false => {
+                let piece = &self.pieces[block.piece];
+                &partial[j][block.piece][block.elems.start - piece.start..block.elems.end - piece.start]
+            }
+        }
+    }
+
+    /// Whether block `b` is summed by this process.
+    fn chunk_holds(&self, b: &Block) -> bool {
+        self.rounds == Rounds::One || b.chunk == self.process
+    }
+
+}
+
+/// `v` (all of `0..len`) cut into one slice per block.
+fn split_blocks<'a>(v: &'a mut [f32], blocks: &[Block]) -> Vec<&'a mut [f32]> {
+    let mut out = Vec::with_capacity(blocks.len());
+    let mut rest = v;
+    for b in blocks {
+        let (head, tail) = std::mem::take(&mut rest).split_at_mut(b.elems.len());
+        out.push(head);
+        rest = tail;
+    }
+    out
+}
+
+/// `v`, which holds elements `base..base + v.len()`, cut into one slice per block that
+/// `keep` keeps (consecutive, from `base`).
+fn split_from<'a>(v: &'a mut [f32], base: usize, blocks: &[Block], keep: impl Fn(&Block) -> bool) -> Vec<&'a mut [f32]> {
+    let mut out = Vec::new();
+    let mut rest = v;
+    let mut at = base;
+    for b in blocks.iter().filter(|b| keep(b)) {
+        debug_assert_eq!(b.elems.start, at, "kept blocks are consecutive");
+        let (head, tail) = std::mem::take(&mut rest).split_at_mut(b.elems.len());
+        out.push(head);
+        rest = tail;
+        at = b.elems.end;
+    }
+    out
+}
+
+impl Drop for MpiGroup<'_> {
+    fn drop(&mut self) {
+        if !*self.abandoned.get_mut() {
+            return;
+        }
+        // MPI may still read or write any of these: they must outlive the process.
+        for s in &mut self.slots {
+            std::mem::forget(std::mem::take(s.get_mut()));
+        }
+        for p in self.partial.iter_mut().flatten() {
+            std::mem::forget(std::mem::take(p.get_mut()));
+        }
+        for v in self.inbox.get_mut().iter_mut() {
+            std::mem::forget(std::mem::take(v));
+        }
+        std::mem::forget(std::mem::take(self.sum.get_mut()));
+    }
+}
+
+impl Abort for MpiGroup<'_> {
+    /// Releases this process's devices from the exchange; the other processes learn of
+    /// the failure from the world's notice (`World::fail`), sent once the run's threads
+    /// have ended.
+    fn abort(&self) {
+        self.aborted.store(true, Ordering::SeqCst);
+        self.barrier.wake();
+    }
+
+    fn is_aborted(&self) -> bool {
+        self.aborted.load(Ordering::SeqCst)
+    }
+}
+
+/// One local device thread's side of an [`MpiGroup`].
+pub struct MpiRank<'g, 'w> {
+    group: &'g MpiGroup<'w>,
+    device: usize,
+}
+
+impl MpiRank<'_, '_> {
+    /// Returns when every local device thread has called it (benchmarks).
+    pub fn barrier(&self) -> Result<()> {
+        self.group.barrier.wait(&self.group.aborted)
+    }
+}
+
+impl Exchange for MpiRank<'_, '_> {
+    type Mem = Host;
+
+    fn width(&self) -> usize {
+        self.group.len
+    }
+
+    fn with_slot<T>(&mut self, local: usize, f: impl FnOnce(&mut [f32]) -> T) -> T {
+        let k = self.group.per_device;
+        assert!(local < k, "slot {local} of a device with {k} logical replicas");
+        f(&mut self.group.slots[self.device * k + local].write())
+    }
+
+    /// Local sums of this process's leaves, then (device 0) the rounds between
+    /// processes; every device returns once the whole sum is there.
+    fn sum(&mut self) -> Result<()> {
+        let g = self.group;
+        g.barrier.wait(&g.aborted)?;
+        if g.sums_locally() {
+            g.sum_leaves_locally(self.device);
+            g.barrier.wait(&g.aborted)?;
+        }
+        if self.device == 0 {
+            g.across_processes()?;
+        }
+        g.barrier.wait(&g.aborted)
+    }
+
+    fn for_each_sum(&self, mut f: impl FnMut(usize, &[f32]) -> Result<()>) -> Result<()> {
+        f(0, &self.group.sum.read())
+    }
+
+    fn is_aborted(&self) -> bool {
+        self.group.aborted.load(Ordering::SeqCst)
+    }
+}
+
+/// A plain `MPI_Allreduce` (sum) of `send` into `recv` over every process of `world`:
+/// the reference `bench allreduce` times beside the exchange, in the same run. Never used
+/// to train: the order of its additions is MPI's.
+pub fn plain_all_reduce(world: &World, send: &[f32], recv: &mut [f32]) -> Result<()> {
+    let mpi = world.mpi().ok_or_else(|| Error::Mpi("MPI_Allreduce needs an MPI world".into()))?;
+    let mut port = mpi.port()?;
+    // SAFETY: both buffers are borrowed until the wait returns; if it gives up, the
+    // process is failing and leaves without touching MPI again (the borrow ends, but the
+    // caller's buffers are a benchmark's, freed only at its exit).
+    let mut req = unsafe { port.iallreduce_sum(send, recv)? };
+    mpi.wait(&mut port, std::slice::from_mut(&mut req), Wait::Spin, &|| false)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn blocks_cut_at_chunks_pieces_and_their_size() {
+        // 100 values, chunks at 64 (2 processes), pieces at 64 too (2 devices): 2 blocks.
+        let b = blocks(100, &cut(100, 2), &cut(100, 2), 1000);
+        let r: Vec<_> = b.iter().map(|b| (b.elems.clone(), b.chunk, b.piece)).collect();
+        assert_eq!(r, vec![(0..64, 0, 0), (64..100, 1, 1)]);
+        // 3 pieces (48, 96) and 2 chunks (64), at most 40 values.
+        let b = blocks(100, &cut(100, 2), &cut(100, 3), 40);
+        let r: Vec<_> = b.iter().map(|b| (b.elems.clone(), b.chunk, b.piece)).collect();
+        assert_eq!(
+            r,
+            vec![(0..40, 0, 0), (40..48, 0, 0), (48..64, 0, 1), (64..96, 1, 1), (96..100, 1, 2)]
+        );
+    }
+}
