@@ -340,7 +340,10 @@ fn main() -> ExitCode {
             let told = f.error.downcast_ref::<lockstep::Error>();
             let quiet = matches!(world.zip(told), Some((w, e)) if !w.reports(e));
             if !quiet {
-                eprintln!("error: {}", one_line(&f.error));
+                // Not eprintln!: under mpirun, stderr may be a pipe whose reader (mpirun,
+                // ended by Ctrl-C) is gone, and the exit code must still be ours.
+                use std::io::Write as _;
+                let _ = writeln!(std::io::stderr(), "error: {}", one_line(&f.error));
             }
             ExitCode::from(f.code)
         }

@@ -82,7 +82,7 @@ fn parse_sizes(text: &str) -> CliResult<Vec<usize>> {
         .collect()
 }
 
-fn median(mut v: Vec<Duration>) -> Duration {
+pub(crate) fn median(mut v: Vec<Duration>) -> Duration {
     v.sort();
     v[v.len() / 2]
 }
@@ -172,6 +172,11 @@ pub(crate) fn cmd_bench_allreduce(a: BenchAllreduceArgs) -> CliResult {
         return Err(Failure::usage(anyhow!("--iters must be at least 1")));
     }
     let ranks = match spec {
+        #[cfg(feature = "mpi")]
+        DeviceSpec::Cpu { count, .. } if lockstep::world::current().is_ok_and(|w| w.size() > 1) => {
+            let world = lockstep::world::current().map_err(Failure::usage)?;
+            return crate::cmd::bench_mpi::mpi_allreduce(world, count, &sizes, a.iters, a.warmup);
+        }
         DeviceSpec::Cpu { count, .. } => count,
         DeviceSpec::Auto => {
             return Err(Failure::usage(anyhow!(

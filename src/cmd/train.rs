@@ -371,7 +371,11 @@ pub(crate) fn cmd_train(a: TrainArgs) -> CliResult {
     progress.finish();
     // The rows of a failed run are kept too; a closed stdout does not fail the run.
     let csv_done = csv.map(CsvMetrics::finish).transpose();
-    let report = trained.map_err(Failure::runtime)?;
+    // Processes started with disagreeing arguments were given bad input, as one is.
+    let report = trained.map_err(|e| match e {
+        lockstep::Error::Processes { .. } => Failure::usage(e),
+        e => Failure::runtime(e),
+    })?;
     csv_done.map_err(Failure::runtime)?;
     if let Some(p) = &a.metrics_out {
         say!("metrics written to {}", p.display());

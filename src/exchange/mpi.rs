@@ -505,17 +505,20 @@ impl Exchange for MpiRank<'_, '_> {
     }
 }
 
-/// A plain `MPI_Allreduce` (sum) of `send` into `recv` over every process of `world`:
-/// the reference `bench allreduce` times beside the exchange, in the same run. Never used
-/// to train: the order of its additions is MPI's.
+/// A plain, blocking `MPI_Allreduce` (sum) of `send` into `recv` over every process of
+/// `world`: the reference `bench allreduce` times beside the exchange, in the same run,
+/// with MPI's own algorithms for it (its non-blocking `MPI_Iallreduce` is a slower, other
+/// code path). Never used to train: the order of its additions is MPI's, and it blocks
+/// (a benchmark is ended by the launcher if a process dies).
 pub fn plain_all_reduce(world: &World, send: &[f32], recv: &mut [f32]) -> Result<()> {
+    use mpi::collective::{CommunicatorCollectives, SystemOperation};
     let mpi = world.mpi().ok_or_else(|| Error::Mpi("MPI_Allreduce needs an MPI world".into()))?;
-    let mut port = mpi.port()?;
-    // SAFETY: both buffers are borrowed until the wait returns; if it gives up, the
-    // process is failing and leaves without touching MPI again (the borrow ends, but the
-    // caller's buffers are a benchmark's, freed only at its exit).
-    let mut req = unsafe { port.iallreduce_sum(send, recv)? };
-    mpi.wait(&mut port, std::slice::from_mut(&mut req), Wait::Spin, &|| false)
+    if recv.len() != send.len() {
+        return Err(Error::shape("MPI_Allreduce", format!("{} values into {}", send.len(), recv.len())));
+    }
+    let _door = mpi.port()?;
+    mpi::topology::SimpleCommunicator::world().all_reduce_into(send, recv, SystemOperation::sum());
+    Ok(())
 }
 
 #[cfg(test)]

@@ -126,7 +126,7 @@ impl Handshake {
                         true => (format!("{theirs:016x}"), format!("{first:016x}")),
                         false => (show(theirs), show(first)),
                     };
-                    return Err(Error::Processes { detail: format!("rank {q} has {name} {a}, rank 0 has {b}") });
+                    return Err(Error::Processes { detail: format!("rank {q} has {name} {a}, rank 0 has {name} {b}") });
                 }
             }
         }

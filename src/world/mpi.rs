@@ -207,32 +207,6 @@ impl Port {
         check(code, "MPI_Ibarrier").map(|()| req)
     }
 
-    /// Posts a plain `MPI_Iallreduce` (sum) of `send` into `recv`: the reference the
-    /// benchmark sets beside the exchange, never used to train (its order is MPI's).
-    ///
-    /// # Safety
-    /// As [`Port::isend`] for `send` and [`Port::irecv`] for `recv`.
-    pub(crate) unsafe fn iallreduce_sum(&mut self, send: &[f32], recv: &mut [f32]) -> Result<ffi::MPI_Request> {
-        let mut req = null_request();
-        let n = count(send.len(), "MPI_Iallreduce")?;
-        if recv.len() != send.len() {
-            return Err(Error::shape("MPI_Iallreduce", format!("{} values into {}", send.len(), recv.len())));
-        }
-        // SAFETY: both buffers hold `n` f32 and live on; MPI_SUM is a predefined op.
-        let code = unsafe {
-            ffi::MPI_Iallreduce(
-                send.as_ptr() as *const c_void,
-                recv.as_mut_ptr() as *mut c_void,
-                n,
-                f32::datatype(),
-                ffi::RSMPI_SUM,
-                comm_world(),
-                &mut req,
-            )
-        };
-        check(code, "MPI_Iallreduce").map(|()| req)
-    }
-
     /// Posts the receive of failure notices, from any process.
     fn listen(&mut self) -> Result<()> {
         let n = count(self.notice_buf.len(), "notice")?;
