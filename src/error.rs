@@ -63,7 +63,9 @@ pub enum Error {
 
     /// Replicas in different processes differ: the first (process, device) whose tensor
     /// differs from process 0's first device, and the tensor.
-    #[error("replica check failed at step {step}: rank {rank}, {device} differs from rank 0, {first} in tensor '{tensor}'")]
+    #[error(
+        "replica check failed at step {step}: rank {rank}, {device} differs from rank 0, {first} in tensor '{tensor}'"
+    )]
     ReplicaMismatchAcross { step: u64, rank: usize, device: String, first: String, tensor: String },
 
     /// MPI cannot serve the run: a process launched by an MPI launcher in a binary built

@@ -316,9 +316,9 @@ fn main() -> ExitCode {
     let across = world.is_some_and(|w| w.size() > 1);
     let result = match cli.command {
         Command::Train(a) => cmd_train(*a),
-        Command::Eval(_) | Command::Predict(_) if across => Err(Failure::usage(anyhow!(
-            "eval and predict run in one process: start them without mpirun or srun"
-        ))),
+        Command::Eval(_) | Command::Predict(_) if across => {
+            Err(Failure::usage(anyhow!("eval and predict run in one process: start them without mpirun or srun")))
+        }
         Command::Eval(a) => cmd_eval(a),
         Command::Predict(a) => cmd_predict(a),
         Command::Inspect { file } => cmd_inspect(&file),

@@ -69,8 +69,11 @@ impl Scratch {
     }
 }
 
+/// A weights file's tensors: (name, bytes), sorted by name.
+type Tensors = Vec<(String, Vec<u8>)>;
+
 /// Every tensor of a safetensors file, by name (the header's metadata order may vary).
-fn tensors(path: &Path) -> Vec<(String, Vec<u8>)> {
+fn tensors(path: &Path) -> Tensors {
     let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
     let mut v: Vec<_> = st.tensors().into_iter().map(|(n, t)| (n, t.data().to_vec())).collect();
@@ -97,7 +100,7 @@ fn train(np: usize, d: usize, mca: &[&str], args: &[&str], save: &Path) -> Strin
 /// training and asserts that all save bitwise the same tensors as the first.
 fn assert_bitwise(name: &str, args: &[&str], layouts: &[(usize, usize)], mca: &[&str]) {
     let dir = Scratch::new();
-    let mut first: Option<(String, Vec<(String, Vec<u8>)>)> = None;
+    let mut first: Option<(String, Tensors)> = None;
     for &(np, d) in layouts {
         let save = dir.path(&format!("{name}-{np}x{d}.safetensors"));
         train(np, d, mca, args, &save);
@@ -120,7 +123,8 @@ fn assert_bitwise(name: &str, args: &[&str], layouts: &[(usize, usize)], mca: &[
 const TOY: &[&str] = &["--model", "toy", "--data", "toy-enlarged", "--batch-size", "8", "--epochs", "8", "--seed", "5"];
 /// The full convnet (BatchNorm, dropout 0.5) on the digits: 8 steps of 32 (two rounds:
 /// its slot is larger than the one-round limit).
-const CONVNET: &[&str] = &["--model", "convnet", "--steps", "8", "--batch-size", "32", "--dropout", "0.5", "--seed", "3"];
+const CONVNET: &[&str] =
+    &["--model", "convnet", "--steps", "8", "--batch-size", "32", "--dropout", "0.5", "--seed", "3"];
 
 #[test]
 fn toy_and_convnet_on_1_2_and_4_processes_save_the_same_tensors() {
@@ -185,7 +189,10 @@ fn process_0_is_the_one_voice() {
     assert!(two.contains("devices: 2 processes × cpu:0 (1 thread each) | replicas: 2"), "{two}");
     // The shard losses are those of one process with the same logical replicas.
     let losses = |out: &str| -> Vec<String> {
-        out.lines().filter(|l| l.contains("Train/Val Loss")).map(|l| l.rsplit(' ').next().unwrap().to_string()).collect()
+        out.lines()
+            .filter(|l| l.contains("Train/Val Loss"))
+            .map(|l| l.rsplit(' ').next().unwrap().to_string())
+            .collect()
     };
     assert_eq!(losses(&one), losses(&two));
     // The metrics, reduced across the processes, are one process's (samples/s aside).
@@ -208,8 +215,11 @@ fn a_checkpoint_of_2_processes_resumes_on_4_and_on_1() {
     train(2, 2, &[], &base, &full);
     let ck = dir.path("ck");
     let ck_s = ck.to_str().unwrap();
-    let with_ck: Vec<&str> =
-        base.iter().copied().chain(["--checkpoint-dir", ck_s, "--checkpoint-every", "1", "--keep-checkpoints", "100"]).collect();
+    let with_ck: Vec<&str> = base
+        .iter()
+        .copied()
+        .chain(["--checkpoint-dir", ck_s, "--checkpoint-every", "1", "--keep-checkpoints", "100"])
+        .collect();
     train(2, 2, &[], &with_ck, &dir.path("ignored.safetensors"));
     // As if the run had stopped after step 3: its later checkpoints never written.
     for e in std::fs::read_dir(&ck).unwrap().flatten() {
@@ -253,14 +263,22 @@ fn arguments_that_disagree_are_refused_on_every_process() {
         .unwrap();
     let out = text(&o);
     assert!(!o.status.success(), "{out}");
-    assert!(out.contains("error: the processes of this run disagree: rank 1 has batch size 4, rank 0 has batch size 2"), "{out}");
+    assert!(
+        out.contains("error: the processes of this run disagree: rank 1 has batch size 4, rank 0 has batch size 2"),
+        "{out}"
+    );
     assert!(out.contains("Exit code:    2"), "exits 2, as for any bad argument: {out}");
     assert!(t0.elapsed() < Duration::from_secs(20), "took {:?}", t0.elapsed());
-    let o = mpirun(2, &[]).args([bin, "train", "--model", "toy", "--devices", "cpu:1", "--replicas", "3"]).output().unwrap();
+    let o = mpirun(2, &[])
+        .args([bin, "train", "--model", "toy", "--devices", "cpu:1", "--replicas", "3"])
+        .output()
+        .unwrap();
     let out = text(&o);
     assert!(!o.status.success(), "{out}");
     assert!(
-        out.contains("error: --replicas 3 cannot be shared evenly by 2 devices (2 processes × 1) (use a multiple of 2)"),
+        out.contains(
+            "error: --replicas 3 cannot be shared evenly by 2 devices (2 processes × 1) (use a multiple of 2)"
+        ),
         "{out}"
     );
 }
@@ -318,8 +336,9 @@ fn children(np: usize, mca: &[&str], what: &str, dir: &Path) -> std::process::Ch
 fn child_pids(dir: &Path, np: usize) -> Vec<u32> {
     let t0 = Instant::now();
     loop {
-        let pids: Vec<u32> =
-            (0..np).filter_map(|r| std::fs::read_to_string(dir.join(format!("pid-{r}"))).ok()?.trim().parse().ok()).collect();
+        let pids: Vec<u32> = (0..np)
+            .filter_map(|r| std::fs::read_to_string(dir.join(format!("pid-{r}"))).ok()?.trim().parse().ok())
+            .collect();
         if pids.len() == np {
             return pids;
         }
@@ -352,7 +371,11 @@ fn fault(what: &str, cause: &str) {
     let (o, took) = finish(child, t0);
     let out = text(&o);
     for r in 0..2 {
-        assert_eq!(std::fs::read_to_string(dir.path(&format!("exit-{r}"))).ok().as_deref(), Some("1"), "rank {r}: {out}");
+        assert_eq!(
+            std::fs::read_to_string(dir.path(&format!("exit-{r}"))).ok().as_deref(),
+            Some("1"),
+            "rank {r}: {out}"
+        );
     }
     // Process 1 names itself; process 0, told by process 1's notice (mpirun is not let
     // end the job for it here), names the same.
@@ -361,7 +384,8 @@ fn fault(what: &str, cause: &str) {
     assert!(pids.iter().all(|&p| gone(p)), "a process outlived mpirun: {pids:?}");
     // Start-up (MPI, two processes) and five steps of a tiny model, then the fault.
     assert!(took < Duration::from_secs(10), "took {took:?}: {out}");
-    let _ = writeln!(std::io::stderr(), "{what} on rank 1 at step 5: every process ended {took:?} after mpirun started");
+    let _ =
+        writeln!(std::io::stderr(), "{what} on rank 1 at step 5: every process ended {took:?} after mpirun started");
 }
 
 #[test]
@@ -681,7 +705,8 @@ fn without_the_feature_a_launched_run_is_refused() {
     assert_eq!(err.lines().count(), 1, "{err}");
     assert!(err.starts_with(want), "{err}");
     // `lockstep devices` still lists the machine, and says why it would refuse.
-    let o = lockstep().arg("devices").env("OMPI_COMM_WORLD_SIZE", "2").env("OMPI_COMM_WORLD_RANK", "1").output().unwrap();
+    let o =
+        lockstep().arg("devices").env("OMPI_COMM_WORLD_SIZE", "2").env("OMPI_COMM_WORLD_RANK", "1").output().unwrap();
     let out = String::from_utf8_lossy(&o.stdout).into_owned();
     assert!(o.status.success(), "{out}");
     assert!(out.contains("mpi: not built in (build with --features mpi)"), "{out}");

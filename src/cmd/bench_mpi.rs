@@ -48,7 +48,9 @@ fn time_both(
                 s.spawn(move || -> lockstep::Result<(Vec<Duration>, Vec<Duration>, Option<bool>)> {
                     let mut me = group.rank(d);
                     let mut run = || -> lockstep::Result<_> {
-                        me.with_slot(0, |slot| slot.iter_mut().enumerate().for_each(|(i, v)| *v = value(world.rank(), d, i)));
+                        me.with_slot(0, |slot| {
+                            slot.iter_mut().enumerate().for_each(|(i, v)| *v = value(world.rank(), d, i))
+                        });
                         let send: Vec<f32> = (0..count).map(|i| value(world.rank(), 0, i)).collect();
                         let mut recv = vec![0.0f32; count];
                         let (mut ours, mut theirs) = (Vec::new(), Vec::new());
@@ -125,7 +127,15 @@ pub(crate) fn mpi_allreduce(world: &World, devices: usize, sizes: &[usize], iter
         let _ = writeln!(
             out,
             "# {:>12} {:>12} | {:>10} {:>11} {:>11} | {:>10} {:>11} {:>11} | {:>6}",
-            "size(B)", "count(f32)", "time(us)", "algbw(GB/s)", "busbw(GB/s)", "time(us)", "algbw(GB/s)", "busbw(GB/s)", "ratio"
+            "size(B)",
+            "count(f32)",
+            "time(us)",
+            "algbw(GB/s)",
+            "busbw(GB/s)",
+            "time(us)",
+            "algbw(GB/s)",
+            "busbw(GB/s)",
+            "ratio"
         );
         let _ = writeln!(
             out,

@@ -90,7 +90,8 @@ pub(crate) fn cmd_devices() -> CliResult {
             }
         }
         Err(e) => {
-            let built = if lockstep::world::MPI_BUILT_IN { "built in" } else { "not built in (build with --features mpi)" };
+            let built =
+                if lockstep::world::MPI_BUILT_IN { "built in" } else { "not built in (build with --features mpi)" };
             outln!("mpi: {built}");
             outln!("world: none: {e}");
         }

@@ -261,15 +261,8 @@ pub(crate) fn cmd_train(a: TrainArgs) -> CliResult {
         ..TrainConfig::default()
     };
     config.validate().map_err(Failure::usage)?;
-    let run_config = run_fingerprint(
-        &a,
-        &source.name(),
-        &model,
-        &data_spec,
-        &splits.train,
-        &config,
-        a.replicas.unwrap_or(in_world),
-    );
+    let run_config =
+        run_fingerprint(&a, &source.name(), &model, &data_spec, &splits.train, &config, a.replicas.unwrap_or(in_world));
     let steps_per_epoch = lockstep::train::scatter::steps_per_epoch(splits.train.len(), batch_size, last_batch) as u64;
     let policy = checkpoint_dir.map(|dir| CheckpointPolicy {
         dir,

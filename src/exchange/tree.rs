@@ -145,7 +145,8 @@ mod tests {
         // 12 on 3: (0..8 = 0..4 + 4..8) + 8..12.
         assert_eq!(leaves(12, &even(12, 3)), vec![0..4, 4..8, 8..12]);
         // One owner: the whole tree.
-        assert_eq!(leaves(5, &[0..5]), vec![0..5]);
+        let whole = std::iter::once(0..5).collect::<Vec<_>>();
+        assert_eq!(leaves(5, &whole), whole);
         // One shard per owner: every shard.
         assert_eq!(leaves(3, &even(3, 3)), vec![0..1, 1..2, 2..3]);
     }

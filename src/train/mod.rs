@@ -33,7 +33,7 @@ mod worker;
 pub use batch::Batch;
 pub use config::{NonFinite, TrainConfig};
 pub use fit::{check_data, train_data_parallel, train_data_parallel_with};
+pub use processes::RowPlan;
 pub use report::{EpochReport, Observer, ShardReport, Silent, StepEvent, StepReport, TrainReport};
 pub use scatter::{LastBatch, Shuffle};
-pub use processes::RowPlan;
 pub use trainer::{with_trainer, Trainer};

@@ -142,7 +142,12 @@ const TAIL_WORDS: usize = 3;
 /// Merges this process's part of a step (`local`: its shards' reports, in shard order)
 /// with every other process's: the whole step's report, the same on every process, and
 /// whether any process asked to stop.
-pub(super) fn merge_step(world: &World, local: StepReport, stop: bool, devices: &[Device]) -> Result<(StepReport, bool)> {
+pub(super) fn merge_step(
+    world: &World,
+    local: StepReport,
+    stop: bool,
+    devices: &[Device],
+) -> Result<(StepReport, bool)> {
     let mut mine = Vec::with_capacity(local.shards.len() * SHARD_WORDS + TAIL_WORDS);
     for s in &local.shards {
         mine.extend([s.metrics.loss_sum.to_bits(), s.metrics.correct, s.metrics.count]);

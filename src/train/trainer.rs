@@ -378,7 +378,10 @@ pub fn with_trainer<T>(
             1 => format!("{n} devices"),
             p => format!("{in_world} devices ({p} processes × {n})"),
         };
-        return Err(Error::config("replicas", format!("{replicas} logical replicas cannot be shared evenly by {among}")));
+        return Err(Error::config(
+            "replicas",
+            format!("{replicas} logical replicas cannot be shared evenly by {among}"),
+        ));
     }
     let initial = match config.resume.as_ref().map(|r| &r.weights).or(config.initial.as_ref()) {
         Some(w) => {

@@ -24,7 +24,11 @@ pub struct Launch {
 
 impl fmt::Display for Launch {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "rank {} of {} processes, launched by {} ({}={})", self.rank, self.size, self.launcher, self.variable, self.size)
+        write!(
+            f,
+            "rank {} of {} processes, launched by {} ({}={})",
+            self.rank, self.size, self.launcher, self.variable, self.size
+        )
     }
 }
 

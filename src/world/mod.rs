@@ -38,7 +38,7 @@ enum Kind {
     /// One process: every collective is the identity.
     Single,
     #[cfg(feature = "mpi")]
-    Mpi(mpi::MpiWorld),
+    Mpi(Box<mpi::MpiWorld>),
 }
 
 static WORLD: OnceLock<World> = OnceLock::new();
@@ -78,7 +78,7 @@ pub fn init() -> Result<&'static World> {
 
 #[cfg(feature = "mpi")]
 fn start(l: &Launch) -> Result<Kind> {
-    Ok(Kind::Mpi(mpi::MpiWorld::init(l)?))
+    Ok(Kind::Mpi(Box::new(mpi::MpiWorld::init(l)?)))
 }
 
 #[cfg(not(feature = "mpi"))]

@@ -335,10 +335,13 @@ impl MpiWorld {
             Ok(v) => match v.trim().parse::<u64>() {
                 Ok(0) => None,
                 Ok(s) => Some(Duration::from_secs(s)),
-                Err(_) => return Err(Error::config("LOCKSTEP_MPI_TIMEOUT_S", format!("'{v}' is not a number of seconds"))),
+                Err(_) => {
+                    return Err(Error::config("LOCKSTEP_MPI_TIMEOUT_S", format!("'{v}' is not a number of seconds")))
+                }
             },
         };
-        let mut port = Port { notice: null_request(), notice_buf: vec![0u8; NOTICE_BYTES].into_boxed_slice(), sent: Vec::new() };
+        let mut port =
+            Port { notice: null_request(), notice_buf: vec![0u8; NOTICE_BYTES].into_boxed_slice(), sent: Vec::new() };
         port.listen()?;
         let host = mpi::environment::processor_name().unwrap_or_else(|_| "an unnamed machine".into());
         let library = mpi::environment::library_version()
@@ -390,9 +393,9 @@ impl MpiWorld {
     /// The door to MPI, or the failure that closed it.
     pub(crate) fn port(&self) -> Result<MutexGuard<'_, Port>> {
         if self.broken.load(Ordering::SeqCst) {
-            return Err(self.peer_failure().unwrap_or_else(|| {
-                Error::Mpi("this process failed; it makes no more MPI calls".into())
-            }));
+            return Err(self
+                .peer_failure()
+                .unwrap_or_else(|| Error::Mpi("this process failed; it makes no more MPI calls".into())));
         }
         Ok(self.port.lock())
     }
@@ -596,7 +599,10 @@ fn clone_failure(e: &Error) -> Error {
 fn alive(pid: u32) -> bool {
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
         // `pid (comm) S ...`: the state follows the last ')'.
-        Ok(stat) => stat.rsplit_once(')').and_then(|(_, rest)| rest.trim_start().chars().next()).is_some_and(|s| s != 'Z' && s != 'X'),
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.trim_start().chars().next())
+            .is_some_and(|s| s != 'Z' && s != 'X'),
         Err(_) => false,
     }
 }
