@@ -433,14 +433,22 @@ pub(crate) fn cmd_bench_step(a: BenchStepArgs) -> CliResult {
             Batch::gather(&data, &idx)
         })
         .collect();
-    outln!(
-        "lockstep bench step: {} ({} parameters) | devices: {} | global batch {batch_size} | {} steps after {} warm-up",
-        a.model.as_str(),
-        model.num_params(),
-        devices,
-        a.steps,
-        a.warmup
-    );
+    // Under mpirun every process runs the steps; process 0 reports (the slowest
+    // process's times are in every step's merged report).
+    let world = lockstep::world::current().map_err(Failure::usage)?;
+    let shown = match world.size() {
+        1 => devices.to_string(),
+        p => format!("{p} processes × {devices}"),
+    };
+    if world.is_voice() {
+        outln!(
+            "lockstep bench step: {} ({} parameters) | devices: {shown} | global batch {batch_size} | {} steps after {} warm-up",
+            a.model.as_str(),
+            model.num_params(),
+            a.steps,
+            a.warmup
+        );
+    }
     let (walls, computes, reduces) = with_trainer(&model, &devices, &config, |t| {
         let (mut walls, mut computes, mut reduces) = (Vec::new(), Vec::new(), Vec::new());
         for s in 0..total {
@@ -456,6 +464,9 @@ pub(crate) fn cmd_bench_step(a: BenchStepArgs) -> CliResult {
     .map_err(Failure::runtime)?;
     let sum: Duration = walls.iter().sum();
     let step = median(walls);
+    if !world.is_voice() {
+        return Ok(());
+    }
     outln!(
         "{:.0} samples/s | median step {:.3} ms (compute {:.3} ms, reduce {:.3} ms, slowest worker) | mean step {:.3} ms",
         (batch_size as u64 * a.steps) as f64 / sum.as_secs_f64().max(1e-12),

@@ -21,6 +21,7 @@
 //! | shared memory between CPU threads | [`Host`] | one tree over all R shard indices | [`shm`] |
 //! | NCCL between GPUs | [`gpu::DeviceMemory`] | device's shards in shard order, then NCCL's | [`gpu`] |
 //! | device copies between GPUs | [`gpu::DeviceMemory`] | device's shards in shard order, then rank order | [`gpu`] |
+//! | MPI between processes (CPU; the `mpi` feature) | [`Host`] | the same tree over all R shard indices, cut into per-process subtrees ([`tree`]) | `mpi` |
 //!
 //! A slot holds `[gradient sum of the shard | the shard's updated BatchNorm buffers]`
 //! (`width` values); the sum of every slot is what the update reads: the gradient part

@@ -112,6 +112,28 @@ impl Trainer<'_> {
         }
     }
 
+    /// The next worker reply. With several processes the coordinator looks at the world
+    /// while it waits: a failure elsewhere aborts this process's exchange (the GPUs' NCCL
+    /// clique, whose waits know nothing of MPI; a CPU exchange's waits watch it too), which
+    /// releases the workers, so that no process waits forever for one that is gone.
+    fn next_reply(&self) -> Result<(usize, Result<Reply>), crossbeam_channel::RecvError> {
+        const WATCH_EVERY: Duration = Duration::from_millis(50);
+        if self.world.size() == 1 {
+            return recv_waiting(&self.replies, self.wait);
+        }
+        loop {
+            match self.replies.recv_timeout(WATCH_EVERY) {
+                Ok(reply) => return Ok(reply),
+                Err(crossbeam_channel::RecvTimeoutError::Disconnected) => return Err(crossbeam_channel::RecvError),
+                Err(crossbeam_channel::RecvTimeoutError::Timeout) => {
+                    if self.world.watch().is_err() {
+                        self.exchange.abort();
+                    }
+                }
+            }
+        }
+    }
+
     /// A worker's failure named with its process, in a run of several.
     fn qualified(&self, e: Error) -> Error {
         match e {
@@ -164,7 +186,7 @@ impl Trainer<'_> {
             }
         };
         for _ in 0..sent {
-            let (d, r) = recv_waiting(&self.replies, self.wait).map_err(|_| Error::Worker {
+            let (d, r) = self.next_reply().map_err(|_| Error::Worker {
                 device: "coordinator".into(),
                 step: self.step,
                 cause: "every worker has exited".into(),

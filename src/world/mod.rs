@@ -230,6 +230,17 @@ impl World {
         }
     }
 
+    /// Fails, with the cause, once another process reported a failure or a process on
+    /// this machine (or the launcher) is gone; for a thread that waits on something other
+    /// than MPI (the coordinator, while GPUs sum through NCCL) to look every so often.
+    pub fn watch(&self) -> Result<()> {
+        match &self.kind {
+            Kind::Single => Ok(()),
+            #[cfg(feature = "mpi")]
+            Kind::Mpi(m) => m.watch(),
+        }
+    }
+
     /// Whether this process should print `e`: process 0 prints every failure; the others
     /// only their own (the root cause, which process 0 may not live to print once the
     /// launcher takes the job down), never one they were told of or one every process met.

@@ -444,6 +444,23 @@ impl MpiWorld {
         }
     }
 
+    /// Between waits (see `World::watch`): a failure notice, or a process on this
+    /// machine or the launcher gone. Takes the door only if it is free: device 0 holds it
+    /// during a CPU exchange, whose waits watch the same things.
+    pub(crate) fn watch(&self) -> Result<()> {
+        if self.broken.load(Ordering::SeqCst) {
+            return Err(self
+                .peer_failure()
+                .unwrap_or_else(|| Error::Mpi("this process makes no more MPI calls".into())));
+        }
+        if let Some(mut port) = self.port.try_lock() {
+            if let Some((rank, cause)) = port.notice()? {
+                return Err(self.record(Error::Peer { rank, cause }));
+            }
+        }
+        self.look_around(Duration::ZERO)
+    }
+
     /// Fails when a process of the world on this machine, or the launcher, is gone, or
     /// the wait has lasted past the timeout.
     fn look_around(&self, waited: Duration) -> Result<()> {
