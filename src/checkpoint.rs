@@ -3,26 +3,36 @@
 //! A checkpoint is one safetensors file `DIR/checkpoint-<step>.safetensors` holding the
 //! parameters and buffers (`param.<name>`, `buffer.<name>`), the optimiser state
 //! (`optim.<m|v>.<name>`), and in its metadata the position (global step, epoch, step
-//! within the epoch, optimiser step count), the run's configuration, and a checksum of
-//! every tensor byte. Nothing else is needed: every random number of a run is a function
+//! within the epoch, optimiser step count), the epoch's running training metrics (so
+//! that a resumed epoch reports all of its steps), the best held-out epoch so far (for
+//! early stopping and `save_best`), the run's configuration (compared on resume), the
+//! caller's stored settings (not compared: the CLI's flags, so that `--resume DIR` alone
+//! continues the run), and a checksum of every byte of all that. Nothing else is needed: every random number of a run is a function
 //! of (seed, epoch, step, logical replica), so the shuffle order, the dropout masks and
 //! the learning-rate schedule follow from the position. A run resumed from a checkpoint
 //! therefore ends with bitwise the weights of the run that was never interrupted, also
 //! on another number of devices as long as the logical replicas are the same (they are
 //! part of the configuration).
 //!
-//! Files are written atomically (temporary file, fsync, rename, fsync of the directory);
-//! the last K are kept. A file that fails to parse or whose checksum differs is corrupt;
-//! resuming refuses it unless asked to fall back to the newest good one.
+//! Files are written atomically (temporary file, fsync, rename, fsync of the directory),
+//! with their header in one fixed order (the same state makes the same bytes); the last
+//! K are kept. Reading maps the file after checking its header (`safetensors_io`). A
+//! file that fails to parse, whose checksum differs, or whose position does not hold
+//! together (an optimiser step count other than the step) is corrupt; resuming refuses
+//! it unless asked to fall back to the newest good one. One run at a time owns a
+//! directory: see `dirlock`.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
+use crate::dirlock::DirLock;
 use crate::error::{Error, Result};
 use crate::fsutil::write_atomic;
+use crate::nn::loss::Metrics;
 use crate::nn::{ParamStore, Sequential};
 use crate::optim::Optimizer;
-use crate::weights::{f32_values, parse, read_file, to_safetensors_bytes};
+use crate::train::BestEpoch;
+use crate::weights::{f32_values, read_file, to_safetensors_bytes};
 
 const PREFIX: &str = "checkpoint-";
 const SUFFIX: &str = ".safetensors";
@@ -37,6 +47,18 @@ pub struct Resume {
     /// The epoch the next step belongs to, and the steps of it already taken.
     pub epoch: usize,
     pub step_in_epoch: usize,
+    /// Training metrics of those `step_in_epoch` steps (empty at an epoch's start).
+    pub epoch_metrics: Metrics,
+    /// The best held-out epoch so far, if the run has a held-out set.
+    pub best: Option<BestEpoch>,
+}
+
+impl Resume {
+    /// The state at `step` with nothing of an epoch or a best epoch carried: what a
+    /// caller building a `Resume` by hand usually wants.
+    pub fn at(weights: ParamStore, optimizer: Optimizer, step: u64, epoch: usize, step_in_epoch: usize) -> Resume {
+        Resume { weights, optimizer, step, epoch, step_in_epoch, epoch_metrics: Metrics::default(), best: None }
+    }
 }
 
 /// When and where checkpoints are written.
@@ -49,6 +71,9 @@ pub struct CheckpointPolicy {
     pub keep: usize,
     /// The run's configuration, compared field by field on resume.
     pub config: BTreeMap<String, String>,
+    /// Settings stored with every checkpoint and handed back by [`read_stored`], never
+    /// compared (the CLI keeps its flags here).
+    pub stored: BTreeMap<String, String>,
 }
 
 /// What to do when the newest checkpoint is corrupt.
@@ -98,6 +123,20 @@ pub fn list(dir: &Path) -> Result<Vec<(u64, PathBuf)>> {
     Ok(out)
 }
 
+/// Makes `dir` this run's checkpoint directory: creates it (a file of that name is an
+/// error saying so), takes its lock (see `dirlock`: a directory another run holds is
+/// refused naming that run's pid), and only then clears what killed writes left — never
+/// a temporary file of a run still writing.
+pub fn claim_dir(dir: &Path) -> Result<DirLock> {
+    if dir.exists() && !dir.is_dir() {
+        return Err(Error::format(dir, "is a file, not a directory"));
+    }
+    std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+    let lock = DirLock::acquire(dir)?;
+    prepare_dir(dir)?;
+    Ok(lock)
+}
+
 /// Checks that `dir` exists (creating it) and is writable, before any training.
 /// Also removes the temporary files of writes that a killed process never finished.
 pub fn prepare_dir(dir: &Path) -> Result<()> {
@@ -112,6 +151,29 @@ pub fn prepare_dir(dir: &Path) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The metadata keys of the position and of the carried metrics.
+mod key {
+    pub const STEP: &str = "lockstep.step";
+    pub const EPOCH: &str = "lockstep.epoch";
+    pub const STEP_IN_EPOCH: &str = "lockstep.step_in_epoch";
+    pub const OPTIMIZER_STEPS: &str = "lockstep.optimizer_steps";
+    pub const CHECKSUM: &str = "lockstep.checksum";
+    /// `Metrics` of the epoch so far, and of the best epoch: `<prefix>.loss_sum` (the
+    /// f64's bits in hex, so that it round-trips exactly), `.correct`, `.count`.
+    pub const EPOCH_METRICS: &str = "lockstep.epoch_metrics";
+    pub const BEST_METRICS: &str = "lockstep.best_metrics";
+    pub const BEST_EPOCH: &str = "lockstep.best_epoch";
+    /// Prefixes of the compared configuration and of the stored settings.
+    pub const CONFIG: &str = "config.";
+    pub const STORED: &str = "stored.";
+}
+
+fn put_metrics(meta: &mut BTreeMap<String, String>, prefix: &str, m: &Metrics) {
+    meta.insert(format!("{prefix}.loss_sum"), format!("{:016x}", m.loss_sum.to_bits()));
+    meta.insert(format!("{prefix}.correct"), m.correct.to_string());
+    meta.insert(format!("{prefix}.count"), m.count.to_string());
 }
 
 /// Writes a checkpoint of `state` and removes all but the newest `policy.keep`.
@@ -132,16 +194,21 @@ pub fn save(model: &Sequential, state: &Resume, policy: &CheckpointPolicy) -> Re
     tensors.sort_by(|a, b| a.0.cmp(&b.0));
     let le: Vec<Vec<u8>> = tensors.iter().map(|(_, _, v)| v.iter().flat_map(|x| x.to_le_bytes()).collect()).collect();
     let mut meta: BTreeMap<String, String> =
-        policy.config.iter().map(|(k, v)| (format!("config.{k}"), v.clone())).collect();
-    meta.insert("lockstep.step".into(), state.step.to_string());
-    meta.insert("lockstep.epoch".into(), state.epoch.to_string());
-    meta.insert("lockstep.step_in_epoch".into(), state.step_in_epoch.to_string());
-    meta.insert("lockstep.optimizer_steps".into(), state.optimizer.steps().to_string());
+        policy.config.iter().map(|(k, v)| (format!("{}{k}", key::CONFIG), v.clone())).collect();
+    meta.extend(policy.stored.iter().map(|(k, v)| (format!("{}{k}", key::STORED), v.clone())));
+    meta.insert(key::STEP.into(), state.step.to_string());
+    meta.insert(key::EPOCH.into(), state.epoch.to_string());
+    meta.insert(key::STEP_IN_EPOCH.into(), state.step_in_epoch.to_string());
+    meta.insert(key::OPTIMIZER_STEPS.into(), state.optimizer.steps().to_string());
+    put_metrics(&mut meta, key::EPOCH_METRICS, &state.epoch_metrics);
+    if let Some(best) = &state.best {
+        meta.insert(key::BEST_EPOCH.into(), best.epoch.to_string());
+        put_metrics(&mut meta, key::BEST_METRICS, &best.metrics);
+    }
     let described: Vec<String> = tensors.iter().map(|(n, shape, _)| format!("{n} F32 {shape:?}")).collect();
     let sum = digest(&meta, described.iter().map(String::as_str).zip(le.iter().map(Vec::as_slice)));
-    let mut meta: std::collections::HashMap<String, String> = meta.into_iter().collect();
-    meta.insert("lockstep.checksum".into(), format!("{sum:016x}"));
-    let bytes = to_safetensors_bytes(&tensors, Some(meta))?;
+    meta.insert(key::CHECKSUM.into(), format!("{sum:016x}"));
+    let bytes = to_safetensors_bytes(&tensors, &meta)?;
     let path = policy.dir.join(file_name(state.step));
     write_atomic(&path, &bytes)?;
     if let Ok(d) = std::fs::File::open(&policy.dir) {
@@ -157,6 +224,18 @@ pub fn save(model: &Sequential, state: &Resume, policy: &CheckpointPolicy) -> Re
     Ok(path)
 }
 
+/// The settings a checkpoint stores (`CheckpointPolicy::stored`), read from its header
+/// alone, and its step.
+pub fn read_stored(path: &Path) -> Result<(u64, BTreeMap<String, String>)> {
+    let meta = read_file(path)?.metadata()?;
+    let step = meta
+        .get(key::STEP)
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| Error::format(path, format!("not a lockstep checkpoint (no '{}')", key::STEP)))?;
+    let stored = meta.iter().filter_map(|(k, v)| k.strip_prefix(key::STORED).map(|k| (k.to_string(), v.clone())));
+    Ok((step, stored.collect()))
+}
+
 /// Reads and verifies one checkpoint for `model` against the run's `config`.
 pub fn load(
     model: &Sequential,
@@ -164,11 +243,9 @@ pub fn load(
     config: &BTreeMap<String, String>,
     optimizer: &Optimizer,
 ) -> Result<Resume> {
-    let bytes = read_file(path)?;
-    let st = parse(path, &bytes)?;
-    let (_, header) = safetensors::SafeTensors::read_metadata(&bytes)
-        .map_err(|e| Error::format(path, format!("unreadable header: {e}")))?;
-    let meta = header.metadata().clone().unwrap_or_default();
+    let file = read_file(path)?;
+    let st = file.parse()?;
+    let meta = file.metadata()?;
     let get = |k: &str| meta.get(k).ok_or_else(|| Error::format(path, format!("not a lockstep checkpoint (no '{k}')")));
     let num =
         |k: &str| -> Result<u64> { get(k)?.parse().map_err(|_| Error::format(path, format!("'{k}' is not a number"))) };
@@ -182,13 +259,13 @@ pub fn load(
         .map_err(|e| Error::format(path, format!("unreadable tensor: {e}")))?;
     let described: Vec<String> = views.iter().map(|(n, v)| format!("{n} {:?} {:?}", v.dtype(), v.shape())).collect();
     let signed: BTreeMap<String, String> =
-        meta.iter().filter(|(k, _)| k.as_str() != "lockstep.checksum").map(|(k, v)| (k.clone(), v.clone())).collect();
+        meta.iter().filter(|(k, _)| k.as_str() != key::CHECKSUM).map(|(k, v)| (k.clone(), v.clone())).collect();
     let sum = digest(&signed, described.iter().map(String::as_str).zip(views.iter().map(|(_, v)| v.data())));
-    if get("lockstep.checksum")? != &format!("{sum:016x}") {
+    if get(key::CHECKSUM)? != &format!("{sum:016x}") {
         return Err(Error::format(path, "checksum mismatch: the checkpoint is corrupt"));
     }
     for (k, want) in config {
-        match meta.get(&format!("config.{k}")) {
+        match meta.get(&format!("{}{k}", key::CONFIG)) {
             Some(have) if have == want => {}
             Some(have) => {
                 return Err(Error::format(
@@ -199,6 +276,38 @@ pub fn load(
             None => return Err(Error::format(path, format!("written by a different run: it has no {k}"))),
         }
     }
+    // The checksum is no signature (FNV is public): a file forged with a matching one
+    // must still describe a position that a run can reach.
+    let step = num(key::STEP)?;
+    let optimizer_steps = num(key::OPTIMIZER_STEPS)?;
+    if optimizer_steps != step {
+        return Err(Error::format(
+            path,
+            format!("'{}' is {optimizer_steps} but the step is {step}: every step takes one", key::OPTIMIZER_STEPS),
+        ));
+    }
+    let small = |k: &str| -> Result<usize> {
+        let v = num(k)?;
+        usize::try_from(v)
+            .ok()
+            .filter(|&v| v as u64 <= step.max(1))
+            .ok_or_else(|| Error::format(path, format!("'{k}' is {v}, more than the {step} steps taken")))
+    };
+    let (epoch, step_in_epoch) = (small(key::EPOCH)?, small(key::STEP_IN_EPOCH)?);
+    let metrics = |prefix: &str| -> Result<Metrics> {
+        let bits = u64::from_str_radix(get(&format!("{prefix}.loss_sum"))?, 16)
+            .map_err(|_| Error::format(path, format!("'{prefix}.loss_sum' is not a number")))?;
+        Ok(Metrics {
+            loss_sum: f64::from_bits(bits),
+            correct: num(&format!("{prefix}.correct"))?,
+            count: num(&format!("{prefix}.count"))?,
+        })
+    };
+    let epoch_metrics = metrics(key::EPOCH_METRICS)?;
+    let best = match meta.contains_key(key::BEST_EPOCH) {
+        true => Some(BestEpoch { epoch: small(key::BEST_EPOCH)?, metrics: metrics(key::BEST_METRICS)? }),
+        false => None,
+    };
     let tensor = |name: &str, len: usize| -> Result<Vec<f32>> {
         let v = st.tensor(name).map_err(|_| Error::format(path, format!("missing tensor '{name}'")))?;
         let values = f32_values(&v);
@@ -223,19 +332,14 @@ pub fn load(
         }
         state.push((which, flat));
     }
-    opt.restore(num("lockstep.optimizer_steps")?, &state)?;
-    Ok(Resume {
-        weights,
-        optimizer: opt,
-        step: num("lockstep.step")?,
-        epoch: num("lockstep.epoch")? as usize,
-        step_in_epoch: num("lockstep.step_in_epoch")? as usize,
-    })
+    opt.restore(optimizer_steps, &state)?;
+    Ok(Resume { weights, optimizer: opt, step, epoch, step_in_epoch, epoch_metrics, best })
 }
 
 /// The newest usable checkpoint in `dir`, or `None` if there is none. A corrupt newest
-/// one is an error unless `fallback` allows the newest good one. Returns the checkpoint,
-/// its file, and the corrupt files skipped.
+/// one is an error unless `fallback` allows the newest good one; so is a directory whose
+/// every checkpoint is corrupt. Returns the checkpoint, its file, and the corrupt files
+/// skipped.
 pub fn load_latest(
     model: &Sequential,
     dir: &Path,
@@ -244,10 +348,14 @@ pub fn load_latest(
     fallback: Fallback,
 ) -> Result<Option<(Resume, PathBuf, Vec<PathBuf>)>> {
     let mut skipped = Vec::new();
+    let mut newest_problem = None;
     for (_, path) in list(dir)?.into_iter().rev() {
         match load(model, &path, config, optimizer) {
             Ok(r) => return Ok(Some((r, path, skipped))),
-            Err(e) if fallback == Fallback::NewestGood && is_corruption(&e) => skipped.push(path),
+            Err(e) if fallback == Fallback::NewestGood && is_corruption(&e) => {
+                newest_problem.get_or_insert_with(|| strip_path(&e));
+                skipped.push(path);
+            }
             Err(e) if is_corruption(&e) => {
                 return Err(Error::format(
                     &path,
@@ -256,6 +364,17 @@ pub fn load_latest(
             }
             Err(e) => return Err(e),
         }
+    }
+    if let (Some(problem), Some(newest)) = (newest_problem, skipped.first()) {
+        return Err(Error::format(
+            dir,
+            format!(
+                "every checkpoint in it is corrupt ({} file{}; the newest, {}: {problem})",
+                skipped.len(),
+                if skipped.len() == 1 { "" } else { "s" },
+                newest.file_name().map_or(String::new(), |n| n.to_string_lossy().into_owned())
+            ),
+        ));
     }
     Ok(None)
 }
@@ -277,11 +396,12 @@ mod tests {
     use crate::models;
     use crate::optim::OptimizerConfig;
 
-    fn tmp(name: &str) -> PathBuf {
-        let d = std::env::temp_dir().join(format!("lockstep-ckpt-{}-{name}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&d);
+    /// A fresh checkpoint directory, removed with the returned guard.
+    fn tmp() -> (tempfile::TempDir, PathBuf) {
+        let guard = tempfile::tempdir().unwrap();
+        let d = guard.path().join("ck");
         prepare_dir(&d).unwrap();
-        d
+        (guard, d)
     }
 
     fn state(model: &Sequential, step: u64) -> Resume {
@@ -295,18 +415,24 @@ mod tests {
         }
         let mut w = model.init(1);
         optimizer.update(0, &mut w.params, &g, &scalars);
-        Resume { weights: w, optimizer, step, epoch: 2, step_in_epoch: 3 }
+        // One optimiser step per step, as a run takes.
+        optimizer.restore(step, &[]).unwrap();
+        // 3 steps into epoch 2, of 24 samples: loss sum 12.5, 20 right (values as chosen).
+        let epoch_metrics = Metrics { loss_sum: 12.5, correct: 20, count: 24 };
+        let best = Some(BestEpoch { epoch: 1, metrics: Metrics { loss_sum: 0.1 + 0.2, correct: 7, count: 8 } });
+        Resume { weights: w, optimizer, step, epoch: 2, step_in_epoch: 3, epoch_metrics, best }
     }
 
     fn policy(dir: &Path, keep: usize) -> CheckpointPolicy {
         let config = BTreeMap::from([("model".to_string(), "toy".to_string()), ("batch_size".into(), "8".into())]);
-        CheckpointPolicy { dir: dir.to_path_buf(), every: 1, keep, config }
+        let stored = BTreeMap::from([("lr".to_string(), "0.5".to_string())]);
+        CheckpointPolicy { dir: dir.to_path_buf(), every: 1, keep, config, stored }
     }
 
     #[test]
     fn a_checkpoint_round_trips_bitwise_and_only_the_last_k_are_kept() {
         let model = models::toy_mlp(2, 2).unwrap();
-        let dir = tmp("roundtrip");
+        let (_guard, dir) = tmp();
         let p = policy(&dir, 2);
         for step in [5, 10, 15] {
             save(&model, &state(&model, step), &p).unwrap();
@@ -323,10 +449,10 @@ mod tests {
     #[test]
     fn corruption_is_detected_and_fallback_is_explicit() {
         let model = models::toy_mlp(2, 2).unwrap();
-        let dir = tmp("corrupt");
+        let (_guard, dir) = tmp();
         let p = policy(&dir, 3);
-        save(&model, &state(&model, 1), &p).unwrap();
-        let newest = save(&model, &state(&model, 2), &p).unwrap();
+        save(&model, &state(&model, 11), &p).unwrap();
+        let newest = save(&model, &state(&model, 12), &p).unwrap();
         let mut bytes = std::fs::read(&newest).unwrap();
         let n = bytes.len();
         bytes[n - 3] ^= 0x40; // one flipped bit in the last tensor
@@ -335,7 +461,7 @@ mod tests {
         let e = load_latest(&model, &dir, &p.config, &fresh, Fallback::Refuse).unwrap_err().to_string();
         assert!(e.contains("checksum mismatch") && e.contains("--resume-fallback"), "{e}");
         let (r, _, skipped) = load_latest(&model, &dir, &p.config, &fresh, Fallback::NewestGood).unwrap().unwrap();
-        assert_eq!(r.step, 1);
+        assert_eq!(r.step, 11);
         assert_eq!(skipped, vec![newest.clone()]);
         // a truncated file is corrupt too
         std::fs::write(&newest, &bytes[..n / 2]).unwrap();
@@ -346,7 +472,7 @@ mod tests {
     #[test]
     fn another_configuration_is_refused_naming_the_difference() {
         let model = models::toy_mlp(2, 2).unwrap();
-        let dir = tmp("config");
+        let (_guard, dir) = tmp();
         let p = policy(&dir, 1);
         save(&model, &state(&model, 4), &p).unwrap();
         let mut other = p.config.clone();
@@ -359,7 +485,7 @@ mod tests {
     #[test]
     fn a_resumed_run_replaces_the_abandoned_future_and_never_deletes_what_it_wrote() {
         let model = models::toy_mlp(2, 2).unwrap();
-        let dir = tmp("future");
+        let (_guard, dir) = tmp();
         let p = policy(&dir, 1);
         for step in [10, 30] {
             save(&model, &state(&model, step), &CheckpointPolicy { keep: 5, ..p.clone() }).unwrap();
@@ -378,7 +504,7 @@ mod tests {
     #[test]
     fn the_checksum_covers_the_position_and_the_configuration() {
         let model = models::toy_mlp(2, 2).unwrap();
-        let dir = tmp("meta");
+        let (_guard, dir) = tmp();
         let p = policy(&dir, 1);
         let path = save(&model, &state(&model, 4), &p).unwrap();
         // Same length, another position: "step_in_epoch":"3" → "4" in the JSON header.
@@ -393,6 +519,62 @@ mod tests {
         let fresh = Optimizer::new(OptimizerConfig::adam(1e-3), model.params_len());
         let e = load(&model, &path, &p.config, &fresh).unwrap_err().to_string();
         assert!(e.contains("checksum mismatch"), "{e}");
+    }
+
+    #[test]
+    fn every_checkpoint_corrupt_is_said_so_even_with_fallback() {
+        let model = models::toy_mlp(2, 2).unwrap();
+        let (_guard, dir) = tmp();
+        let p = policy(&dir, 3);
+        for step in [11, 12] {
+            let path = save(&model, &state(&model, step), &p).unwrap();
+            let mut bytes = std::fs::read(&path).unwrap();
+            let n = bytes.len();
+            bytes[n - 1] ^= 1;
+            std::fs::write(&path, &bytes).unwrap();
+        }
+        let fresh = Optimizer::new(OptimizerConfig::adam(1e-3), model.params_len());
+        let e = load_latest(&model, &dir, &p.config, &fresh, Fallback::NewestGood).unwrap_err().to_string();
+        assert_eq!(
+            e,
+            format!(
+                "{}: every checkpoint in it is corrupt (2 files; the newest, checkpoint-000000000012.safetensors: checksum mismatch: the checkpoint is corrupt)",
+                dir.display()
+            )
+        );
+    }
+
+    #[test]
+    fn a_forged_optimizer_step_count_is_refused() {
+        // The issue: a checkpoint claiming optimizer_steps = u64::MAX (its checksum
+        // recomputed, FNV being public) was accepted. Saved here with a correct checksum.
+        let model = models::toy_mlp(2, 2).unwrap();
+        let (_guard, dir) = tmp();
+        let p = policy(&dir, 1);
+        let mut forged = state(&model, 4);
+        forged.optimizer.restore(u64::MAX, &[]).unwrap();
+        let path = save(&model, &forged, &p).unwrap();
+        let fresh = Optimizer::new(OptimizerConfig::adam(1e-3), model.params_len());
+        let e = load(&model, &path, &p.config, &fresh).unwrap_err().to_string();
+        assert_eq!(
+            e,
+            format!(
+                "{}: 'lockstep.optimizer_steps' is 18446744073709551615 but the step is 4: every step takes one",
+                path.display()
+            )
+        );
+    }
+
+    #[test]
+    fn the_same_state_makes_the_same_bytes_and_the_stored_settings_come_back() {
+        let model = models::toy_mlp(2, 2).unwrap();
+        let (_guard, dir) = tmp();
+        let p = policy(&dir, 5);
+        let first = std::fs::read(save(&model, &state(&model, 4), &p).unwrap()).unwrap();
+        let again = std::fs::read(save(&model, &state(&model, 4), &p).unwrap()).unwrap();
+        assert_eq!(first, again);
+        let (step, stored) = read_stored(&dir.join(file_name(4))).unwrap();
+        assert_eq!((step, stored), (4, p.stored.clone()));
     }
 
     #[test]

@@ -41,8 +41,9 @@ pub enum Error {
     #[error("{path}: {detail}")]
     Format { path: PathBuf, detail: String },
 
-    /// A weights file does not match the model; every problem is listed.
-    #[error("{path}: weights do not match the model:\n  {}", problems.join("\n  "))]
+    /// A weights file cannot be loaded into the model (a tensor missing, unexpected,
+    /// mis-shaped, or holding NaN or an infinity); every problem is listed.
+    #[error("{path}: these weights cannot be loaded into the model:\n  {}", problems.join("\n  "))]
     WeightsMismatch { path: PathBuf, problems: Vec<String> },
 
     /// A dataset is unusable (empty, labels out of range, inconsistent sizes).
@@ -126,12 +127,17 @@ pub enum Error {
     #[error("NCCL {call}: {name} (ncclResult_t {code}){}", if message.is_empty() { String::new() } else { format!(": {message}") })]
     Nccl { call: &'static str, code: i32, name: &'static str, message: String },
 
-    /// Training was stopped on request (SIGINT) after a step.
-    #[error("interrupted after step {step}{}", match checkpoint {
-        Some(p) => format!("; checkpoint written to {}", p.display()),
+    /// A checkpoint directory is held by another run (see `dirlock`).
+    #[error("{}: in use by another lockstep run{}; wait for it to end, or choose another directory", dir.display(), match pid {
+        Some(p) => format!(" (pid {p})"),
         None => String::new(),
     })]
-    Interrupted { step: u64, checkpoint: Option<PathBuf> },
+    Locked { dir: PathBuf, pid: Option<u32> },
+
+    /// What a run or a command would allocate exceeds the memory available: the estimate,
+    /// its parts, and what the machine has.
+    #[error("{what} needs an estimated {} but {} {}: {parts}", crate::memory::human(*needed), crate::memory::human(*available), available_from)]
+    OutOfMemory { what: String, needed: u64, available: u64, available_from: &'static str, parts: String },
 }
 
 impl Error {

@@ -39,7 +39,10 @@
 //! | [`exchange`] | where gradients meet: the `Exchange` trait, shared memory between CPU threads, NCCL and device copies between GPUs, MPI between processes |
 //! | [`train`] | `train_data_parallel`, `with_trainer`, the workers, scatter and sampler |
 //! | [`checkpoint`] | checkpoints and exact resume |
+//! | [`dirlock`] | one run per checkpoint directory (an advisory lock) |
+//! | [`memory`] | memory estimated before any work, refused when it does not fit |
 //! | [`weights`] | safetensors weights in PyTorch's names and layouts |
+//! | [`safetensors_io`] | the container: headers checked before mapping, reproducible bytes |
 //! | [`devices`] | `--devices` specifications |
 //! | [`world`] | the processes of a run under an MPI launcher: rank, size, their collectives, failure notices |
 //! | [`cuda`] | run-time probing of the CUDA driver, NVRTC and NCCL; the CUDA kernels; the GPU replica |
@@ -50,15 +53,18 @@ pub mod checkpoint;
 pub mod cuda;
 pub mod data;
 pub mod devices;
+pub mod dirlock;
 pub mod error;
 pub mod exchange;
 pub mod fsutil;
+pub mod memory;
 pub mod models;
 pub mod nn;
 pub mod observe;
 pub mod optim;
 pub mod plot;
 pub mod rng;
+pub mod safetensors_io;
 pub mod spec;
 pub mod tensor;
 pub mod train;

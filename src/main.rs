@@ -4,9 +4,11 @@
 //! `bench allreduce|step|layers`; each one's arguments and work are in `cmd/`), what the
 //! subcommands share (`--model` and `--data` resolution, `--devices`, writability
 //! checks), and the mapping of failures to exit codes: 2 for a usage or input error (a
-//! bad flag, a missing or malformed file, a device that is not there), 1 for a failure
-//! while running (a worker error, a non-finite loss, a replica mismatch). Every failure
-//! is one line `error: ...` on stderr; every input is checked BEFORE any work starts.
+//! bad flag, a missing or malformed file, a device that is not there, a run that does not
+//! fit in memory, a checkpoint directory another run holds), 1 for a failure while
+//! running (a worker error, a non-finite loss, a replica mismatch), 128 + N for a run
+//! stopped by signal N (130 SIGINT, 143 SIGTERM; `cmd/signals.rs`). Every failure is one
+//! line `error: ...` on stderr; every input is checked BEFORE any work starts.
 //!
 //! Under an MPI launcher (`mpirun`, `srun`) every process runs the same command: the
 //! world is started first (`lockstep::world::init`; a binary built without the `mpi`
@@ -18,21 +20,20 @@
 //! (`lockstep::data`), the trainer (`lockstep::train`), weights files
 //! (`lockstep::weights`). The binary, `main.rs` and `cmd/`, is the only user of `anyhow`.
 
-use std::collections::BTreeMap;
+use std::collections::BTreeSet;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::anyhow;
-use clap::{Args, Parser, Subcommand, ValueEnum};
+use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand, ValueEnum};
 
 use lockstep::checkpoint::{CheckpointPolicy, Fallback};
 use lockstep::data::digits::{load_digits, DigitsLayout};
 use lockstep::data::idx::{load_idx_images, load_mnist_dir};
-use lockstep::data::safetensors_file::load_safetensors_dataset;
+use lockstep::data::safetensors_file::{load_safetensors_dataset, load_safetensors_dataset_with_classes};
 use lockstep::data::{toy, Dataset, Features, Splits};
 use lockstep::devices::{available_cores, DeviceSpec, Devices};
 use lockstep::exchange::shm::ShmGroup;
@@ -169,9 +170,7 @@ impl ModelChoice {
         match self {
             ModelChoice::Builtin(name) => Ok(ModelSource::Builtin(*name)),
             ModelChoice::Spec(path) => {
-                if !path.is_file() {
-                    return Err(Failure::usage(anyhow!("--model '{}': no such file", path.display())));
-                }
+                check_input_file("--model", path)?;
                 let spec = ModelSpec::from_file(path).map_err(Failure::usage)?;
                 Ok(ModelSource::Spec(path.clone(), spec))
             }
@@ -228,17 +227,24 @@ enum OptimizerName {
 struct Failure {
     code: u8,
     error: anyhow::Error,
+    /// Said already (a run stopped by a signal says how it ended): no `error:` line.
+    quiet: bool,
 }
 
 impl Failure {
     /// A usage or input error: exit 2.
     fn usage(e: impl Into<anyhow::Error>) -> Failure {
-        Failure { code: EXIT_USAGE, error: e.into() }
+        Failure { code: EXIT_USAGE, error: e.into(), quiet: false }
     }
 
     /// A failure while running: exit 1.
     fn runtime(e: impl Into<anyhow::Error>) -> Failure {
-        Failure { code: EXIT_RUNTIME, error: e.into() }
+        Failure { code: EXIT_RUNTIME, error: e.into(), quiet: false }
+    }
+
+    /// An exit with `code` whose reason has been printed.
+    fn silent(code: u8) -> Failure {
+        Failure { code, error: anyhow!("exit {code}"), quiet: true }
     }
 }
 
@@ -252,12 +258,14 @@ impl From<lockstep::Error> for Failure {
             | E::Format { .. }
             | E::WeightsMismatch { .. }
             | E::Data { .. }
+            | E::Locked { .. }
+            | E::OutOfMemory { .. }
             | E::CudaUnavailable(_)
             | E::Mpi(_)
             | E::Processes { .. } => EXIT_USAGE,
             _ => EXIT_RUNTIME,
         };
-        Failure { code, error: e.into() }
+        Failure { code, error: e.into(), quiet: false }
     }
 }
 
@@ -280,8 +288,9 @@ fn one_line(e: &anyhow::Error) -> String {
 }
 
 fn main() -> ExitCode {
-    let cli = match Cli::try_parse() {
-        Ok(cli) => cli,
+    let parsed = Cli::command().try_get_matches().and_then(|m| Cli::from_arg_matches(&m).map(|cli| (cli, m)));
+    let (cli, matches) = match parsed {
+        Ok(parsed) => parsed,
         Err(e) => {
             use clap::error::ErrorKind;
             if matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion) {
@@ -314,8 +323,17 @@ fn main() -> ExitCode {
         }
     };
     let across = world.is_some_and(|w| w.size() > 1);
+    // The flags typed on the command line (not defaulted): `train --resume` compares them
+    // with the run's stored ones.
+    let given = |sub: &str| -> BTreeSet<String> {
+        let Some(m) = matches.subcommand_matches(sub) else { return BTreeSet::new() };
+        m.ids()
+            .filter(|id| m.value_source(id.as_str()) == Some(clap::parser::ValueSource::CommandLine))
+            .map(|id| id.to_string())
+            .collect()
+    };
     let result = match cli.command {
-        Command::Train(a) => cmd_train(*a),
+        Command::Train(a) => cmd_train(*a, &given("train")),
         Command::Eval(_) | Command::Predict(_) if across => {
             Err(Failure::usage(anyhow!("eval and predict run in one process: start them without mpirun or srun")))
         }
@@ -338,12 +356,14 @@ fn main() -> ExitCode {
         Err(f) => {
             // One voice: a process other than 0 prints only failures of its own.
             let told = f.error.downcast_ref::<lockstep::Error>();
-            let quiet = matches!(world.zip(told), Some((w, e)) if !w.reports(e));
+            let quiet = f.quiet || matches!(world.zip(told), Some((w, e)) if !w.reports(e));
             if !quiet {
                 // Not eprintln!: under mpirun, stderr may be a pipe whose reader (mpirun,
-                // ended by Ctrl-C) is gone, and the exit code must still be ours.
+                // ended by Ctrl-C) is gone, and the exit code must still be ours; and one
+                // write, which mpirun does not interleave with another process's.
                 use std::io::Write as _;
-                let _ = writeln!(std::io::stderr(), "error: {}", one_line(&f.error));
+                let line = format!("error: {}\n", one_line(&f.error));
+                let _ = std::io::stderr().write_all(line.as_bytes());
             }
             ExitCode::from(f.code)
         }
@@ -389,17 +409,28 @@ fn build_model(
     }
 }
 
+/// What `--data` accepts, for messages.
+const DATA_CHOICES: &str = "toy, toy-enlarged, digits, fashion-mnist, mnist:DIR or a FILE.safetensors";
+
 /// Loads `--data`: a built-in name, or a safetensors file (plus an optional test file).
 /// Built-in data takes the layout of a flat model (`flat`) or of an image model.
-fn load_data(spec: &str, flat: bool, seed: u64, test_file: Option<&Path>) -> CliResult<Splits> {
+/// `classes` (`--classes`) is the model's class count when stated: files are then read
+/// with it (an MNIST directory's labels may go past 9, a safetensors file's past its
+/// largest label), and every label must lie below it.
+fn load_data(spec: &str, flat: bool, seed: u64, test_file: Option<&Path>, classes: Option<usize>) -> CliResult<Splits> {
     let builtin = match spec {
         "toy" => Some(toy::toy()),
         "toy-enlarged" => Some(toy::toy_enlarged(TOY_ENLARGE_FACTOR, seed).map_err(Failure::usage)?),
         "digits" => {
             Some(load_digits(if flat { DigitsLayout::Flat8 } else { DigitsLayout::Image28 }).map_err(Failure::usage)?)
         }
+        "fashion-mnist" => Some(
+            lockstep::data::fashion_mnist::load_fashion_mnist()
+                .map_err(Failure::usage)
+                .map_err(|f| f.with_context("--data fashion-mnist"))?,
+        ),
         _ => match spec.strip_prefix("mnist:") {
-            Some(dir) => Some(load_mnist_dir(Path::new(dir)).map_err(Failure::usage)?),
+            Some(dir) => Some(load_mnist(Path::new(dir), classes)?),
             None => None,
         },
     };
@@ -410,21 +441,94 @@ fn load_data(spec: &str, flat: bool, seed: u64, test_file: Option<&Path>) -> Cli
         return Ok(splits);
     }
     let path = Path::new(spec);
-    if !path.is_file() {
-        return Err(Failure::usage(anyhow!(
-            "--data '{spec}': no such file (expected toy, toy-enlarged, digits, mnist:DIR or a FILE.safetensors)"
-        )));
-    }
-    let train = load_safetensors_dataset(path).map_err(Failure::usage)?;
+    check_input_file("--data", path).map_err(|f| match path.exists() {
+        true => f,
+        false => Failure::usage(anyhow!("--data '{spec}': no such file (expected {DATA_CHOICES})")),
+    })?;
+    let train = load_dataset_file(path, classes)?;
     let test = test_file
         .map(|p| {
-            if !p.is_file() {
-                return Err(Failure::usage(anyhow!("--test-data '{}': no such file", p.display())));
-            }
-            load_safetensors_dataset(p).map_err(Failure::usage)
+            check_input_file("--test-data", p)?;
+            load_dataset_file(p, classes)
         })
         .transpose()?;
     Ok(Splits { train, test })
+}
+
+/// A safetensors dataset, read with the stated class count if there is one.
+fn load_dataset_file(path: &Path, classes: Option<usize>) -> CliResult<Dataset> {
+    match classes {
+        Some(k) => load_safetensors_dataset_with_classes(path, k),
+        None => load_safetensors_dataset(path),
+    }
+    .map_err(Failure::usage)
+}
+
+/// An MNIST-format directory, read with the stated class count if there is one.
+fn load_mnist(dir: &Path, classes: Option<usize>) -> CliResult<Splits> {
+    match classes {
+        Some(k) => lockstep::data::idx::load_mnist_dir_with_classes(dir, k),
+        None => load_mnist_dir(dir),
+    }
+    .map_err(Failure::usage)
+}
+
+/// Fails unless `path` is a regular file (or a link to one), saying what it is instead:
+/// missing, a directory, a FIFO, a socket or a device. A FIFO would block a reader
+/// forever and a directory cannot be read; "no such file" would hide both.
+fn check_input_file(flag: &str, path: &Path) -> CliResult {
+    use std::os::unix::fs::FileTypeExt as _;
+    let what = match std::fs::metadata(path) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => "no such file".to_string(),
+        Err(e) => format!("cannot be read: {e}"),
+        Ok(m) if m.is_file() => return Ok(()),
+        Ok(m) if m.is_dir() => "is a directory, not a file".to_string(),
+        Ok(m) => {
+            let t = m.file_type();
+            let kind = if t.is_fifo() {
+                "a FIFO"
+            } else if t.is_socket() {
+                "a socket"
+            } else if t.is_block_device() || t.is_char_device() {
+                "a device"
+            } else {
+                "not a file"
+            };
+            format!("is not a regular file ({kind})")
+        }
+    };
+    Err(Failure::usage(anyhow!("{flag} '{}': {what}", path.display())))
+}
+
+/// `--classes`, when given, is at least 2.
+fn check_classes(classes: Option<usize>) -> CliResult {
+    if classes.is_some_and(|k| k < 2) {
+        return Err(Failure::usage(anyhow!("--classes must be at least 2 (a classifier of one class is not one)")));
+    }
+    Ok(())
+}
+
+/// The class count of a model that loads `weights`: `--classes` when given; for a
+/// built-in model, the first dimension of its last parameter in the file (the final
+/// Dense layer's bias), so that the weights, not the data at hand, size it; else
+/// `fallback`. A spec fixes its own outputs.
+fn model_classes(
+    source: &ModelSource,
+    sample: &[usize],
+    stated: Option<usize>,
+    weights: &Path,
+    fallback: usize,
+) -> CliResult<usize> {
+    if let Some(k) = stated {
+        return Ok(k);
+    }
+    if let ModelSource::Spec(..) = source {
+        return Ok(fallback);
+    }
+    let probe = build_model(source, sample, fallback, 0.5, 0.99)?;
+    let Some(last) = probe.param_infos().last() else { return Ok(fallback) };
+    let rows = weights::inspect(weights).map_err(Failure::usage).map_err(|f| f.with_context("--weights"))?;
+    Ok(rows.into_iter().find(|(name, _, shape)| *name == last.name && shape.len() == 1).map_or(fallback, |r| r.2[0]))
 }
 
 /// Parses and resolves `--devices`.
@@ -477,6 +581,6 @@ fn optimizer_text(o: &OptimizerConfig) -> String {
 
 impl Failure {
     fn with_context(self, what: &'static str) -> Failure {
-        Failure { code: self.code, error: self.error.context(what) }
+        Failure { code: self.code, error: self.error.context(what), quiet: self.quiet }
     }
 }

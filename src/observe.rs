@@ -27,7 +27,7 @@ use serde_json::{json, Value};
 
 use crate::error::{Error, Result};
 use crate::nn::loss::Metrics;
-use crate::train::{EpochReport, Observer, StepEvent};
+use crate::train::{EpochReport, EvaluationReport, Observer, StepEvent};
 
 /// A number for JSON: `null` when not finite (JSON has no NaN or infinity).
 fn number(x: f64) -> Value {
@@ -52,8 +52,9 @@ fn step_rate(e: &StepEvent<'_>) -> f64 {
 // Text lines
 
 /// The epoch line of the CLI:
-/// `epoch  3/15 | train loss 0.1234 acc 0.9612 | test loss 0.0981 acc 0.9722 | 5210 samples/s | 0.66s`.
-/// `held_out` names what the per-epoch evaluation ran on: "test" or "validation".
+/// `epoch  3/15 | train loss 0.1234 acc 0.9612 | test loss 0.0981 acc 0.9722 | 5210 samples/s | 0.66s | best`.
+/// `held_out` names what the per-epoch evaluation ran on: "test" or "validation"; `best`
+/// ends the line of an epoch whose held-out loss is the lowest so far.
 pub fn epoch_line(e: &EpochReport, held_out: &str) -> String {
     let width = e.epochs.to_string().len();
     let mut line = format!(
@@ -63,10 +64,13 @@ pub fn epoch_line(e: &EpochReport, held_out: &str) -> String {
         e.train.mean_loss(),
         e.train.accuracy()
     );
-    if let Some(t) = &e.test {
+    if let Some(t) = e.held_out() {
         let _ = write!(line, " | {held_out} loss {:.4} acc {:.4}", t.mean_loss(), t.accuracy());
     }
     let _ = write!(line, " | {:.0} samples/s | {:.2}s", e.samples_per_sec, e.seconds);
+    if e.best {
+        line.push_str(" | best");
+    }
     line
 }
 
@@ -291,13 +295,16 @@ impl<W: Write> JsonLines<W> {
     }
 
     /// `{"kind":"epoch","epoch","step","train_loss","train_accuracy","val_loss",
-    /// "val_accuracy","samples_per_sec","seconds"}`; the validation fields are null without
-    /// a test split. `step` is the steps done by the end of the epoch.
+    /// "val_accuracy","test_loss","test_accuracy","best","samples_per_sec","seconds"}`: the
+    /// held-out set's metrics under its name (`val_*` for a validation split, `test_*` for
+    /// the test split), the other pair null; `best` is true for an epoch whose held-out
+    /// loss is the lowest so far. `step` is the steps done by the end of the epoch.
     pub fn epoch_object(e: &EpochReport, steps_done: u64) -> Value {
-        let (val_loss, val_accuracy) = match &e.test {
+        let pair = |m: &Option<crate::nn::loss::Metrics>| match m {
             Some(t) => (number(t.mean_loss()), number(t.accuracy())),
             None => (Value::Null, Value::Null),
         };
+        let ((val_loss, val_accuracy), (test_loss, test_accuracy)) = (pair(&e.val), pair(&e.test));
         json!({
             "kind": "epoch",
             "epoch": e.epoch + 1,
@@ -306,9 +313,25 @@ impl<W: Write> JsonLines<W> {
             "train_accuracy": number(e.train.accuracy()),
             "val_loss": val_loss,
             "val_accuracy": val_accuracy,
+            "test_loss": test_loss,
+            "test_accuracy": test_accuracy,
+            "best": e.best,
             "samples_per_sec": number(e.samples_per_sec),
             "seconds": number(e.seconds),
         })
+    }
+
+    /// `{"kind":"test","step","test_loss","test_accuracy"}` (or `val_*` for a validation
+    /// set): a held-out evaluation after the epochs.
+    pub fn evaluation_object(e: &EvaluationReport) -> Value {
+        let prefix = match e.set {
+            crate::train::HeldOut::Test => "test",
+            crate::train::HeldOut::Validation => "val",
+        };
+        let mut v = json!({ "kind": prefix, "step": e.step });
+        v[format!("{prefix}_loss")] = number(e.metrics.mean_loss());
+        v[format!("{prefix}_accuracy")] = number(e.metrics.accuracy());
+        v
     }
 
     fn emit(&mut self, v: &Value) {
@@ -341,21 +364,28 @@ impl<W: Write> Observer for JsonLines<W> {
     fn on_epoch(&mut self, e: &EpochReport) {
         self.emit(&Self::epoch_object(e, self.steps_done));
     }
+
+    fn on_evaluation(&mut self, e: &EvaluationReport) {
+        self.emit(&Self::evaluation_object(e));
+    }
 }
 
 // ---------------------------------------------------------------------------------------
 // CSV metrics
 
 /// The header of the metrics CSV, which `plot` expects.
-pub const CSV_HEADER: &str = "kind,step,epoch,loss,accuracy,val_loss,val_accuracy,samples_per_sec";
+pub const CSV_HEADER: &str =
+    "kind,step,epoch,loss,accuracy,val_loss,val_accuracy,test_loss,test_accuracy,best,samples_per_sec";
 
 /// How long rows may wait in memory within a long epoch before they are written.
 const CSV_FLUSH_EVERY: Duration = Duration::from_secs(5);
 
 /// The metrics CSV: [`CSV_HEADER`], then one `step` row per step (loss and accuracy of
-/// its global batch, computed before its update) and one `epoch` row per epoch (train
-/// loss and accuracy of the epoch, validation loss and accuracy when there is a test
-/// split, samples/s). Cells that do not apply are empty.
+/// its global batch, computed before its update), one `epoch` row per epoch (train loss
+/// and accuracy of the epoch; the held-out set's loss and accuracy under its name,
+/// `val_*` or `test_*`; `best` 1 for an epoch whose held-out loss is the lowest so far;
+/// samples/s), and a `test` row for a test split evaluated after the epochs (its
+/// `test_*` cells). Cells that do not apply are empty.
 ///
 /// Crash behaviour: the file is written in place, and rows are kept in memory and
 /// written as whole lines at the end of every epoch (and at least every 5 seconds), then
@@ -423,13 +453,21 @@ impl<W: Write> CsvMetrics<W> {
     }
 }
 
+/// Loss and accuracy cells, empty without metrics.
+fn cells(m: &Option<crate::nn::loss::Metrics>) -> (String, String) {
+    match m {
+        Some(t) => (t.mean_loss().to_string(), t.accuracy().to_string()),
+        None => (String::new(), String::new()),
+    }
+}
+
 impl<W: Write> Observer for CsvMetrics<W> {
     fn on_step(&mut self, e: &StepEvent<'_>) {
         let m = &e.report.metrics;
         self.steps_done = e.report.step + 1;
         let _ = writeln!(
             self.pending,
-            "step,{},{},{},{},,,{}",
+            "step,{},{},{},{},,,,,,{}",
             self.steps_done,
             e.epoch + 1,
             m.mean_loss(),
@@ -442,19 +480,27 @@ impl<W: Write> Observer for CsvMetrics<W> {
     }
 
     fn on_epoch(&mut self, e: &EpochReport) {
-        let (vl, va) = match &e.test {
-            Some(t) => (t.mean_loss().to_string(), t.accuracy().to_string()),
-            None => (String::new(), String::new()),
-        };
+        let ((vl, va), (tl, ta)) = (cells(&e.val), cells(&e.test));
+        let best = if e.held_out().is_some() { u8::from(e.best).to_string() } else { String::new() };
         let _ = writeln!(
             self.pending,
-            "epoch,{},{},{},{},{vl},{va},{}",
+            "epoch,{},{},{},{},{vl},{va},{tl},{ta},{best},{}",
             self.steps_done,
             e.epoch + 1,
             e.train.mean_loss(),
             e.train.accuracy(),
             e.samples_per_sec
         );
+        self.write_pending();
+    }
+
+    fn on_evaluation(&mut self, e: &EvaluationReport) {
+        let (loss, accuracy) = cells(&Some(e.metrics));
+        let row = match e.set {
+            crate::train::HeldOut::Test => format!("test,{},,,,,,{loss},{accuracy},,", e.step),
+            crate::train::HeldOut::Validation => format!("val,{},,,,{loss},{accuracy},,,,", e.step),
+        };
+        let _ = writeln!(self.pending, "{row}");
         self.write_pending();
     }
 }
@@ -493,6 +539,12 @@ impl Observer for Fanout<'_> {
             o.on_epoch(e);
         }
     }
+
+    fn on_evaluation(&mut self, e: &EvaluationReport) {
+        for o in &mut self.observers {
+            o.on_evaluation(e);
+        }
+    }
 }
 
 /// Owned observers run together, in order.
@@ -506,6 +558,12 @@ impl Observer for Vec<Box<dyn Observer>> {
     fn on_epoch(&mut self, e: &EpochReport) {
         for o in self.iter_mut() {
             o.on_epoch(e);
+        }
+    }
+
+    fn on_evaluation(&mut self, e: &EvaluationReport) {
+        for o in self.iter_mut() {
+            o.on_evaluation(e);
         }
     }
 }
@@ -549,10 +607,18 @@ mod tests {
             epochs: 3,
             train: Metrics { loss_sum: 40.0, correct: 90, count: 100 },
             test: test.then_some(Metrics { loss_sum: 3.0, correct: 9, count: 10 }),
+            val: None,
+            best: false,
             steps: 3,
             seconds: 0.5,
             samples_per_sec: 200.0,
         }
+    }
+
+    /// The same epoch with its held-out set a validation split, the best so far.
+    fn validated() -> EpochReport {
+        let e = epoch(true);
+        EpochReport { val: e.test, test: None, best: true, ..e }
     }
 
     fn close(a: &Value, b: f64) -> bool {
@@ -583,9 +649,41 @@ mod tests {
         assert_eq!(e["epoch"], 2);
         assert_eq!(e["step"], 5);
         assert!(close(&e["train_loss"], 0.4) && close(&e["train_accuracy"], 0.9));
-        assert!(close(&e["val_loss"], 0.3) && close(&e["val_accuracy"], 0.9));
+        // The held-out set is the test split here: test_*, and no val_*.
+        assert!(close(&e["test_loss"], 0.3) && close(&e["test_accuracy"], 0.9));
+        assert!(e["val_loss"].is_null() && e["val_accuracy"].is_null() && e["best"] == false);
         assert!(close(&e["samples_per_sec"], 200.0) && close(&e["seconds"], 0.5));
-        assert!(lines[2]["val_loss"].is_null() && lines[2]["val_accuracy"].is_null());
+        for k in ["val_loss", "val_accuracy", "test_loss", "test_accuracy"] {
+            assert!(lines[2][k].is_null(), "{k}");
+        }
+    }
+
+    #[test]
+    fn a_validation_set_is_val_and_the_final_test_is_test() {
+        let mut j = JsonLines::new(Vec::new());
+        j.on_epoch(&validated());
+        let m = Metrics { loss_sum: 2.0, correct: 8, count: 10 };
+        j.on_evaluation(&EvaluationReport { set: crate::train::HeldOut::Test, step: 9, metrics: m });
+        let text = String::from_utf8(j.finish(Path::new("mem")).unwrap()).unwrap();
+        let lines: Vec<Value> = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+        // `validated`: validation loss 3/10 = 0.3, accuracy 0.9, the best epoch.
+        assert!(close(&lines[0]["val_loss"], 0.3) && close(&lines[0]["val_accuracy"], 0.9));
+        assert!(lines[0]["test_loss"].is_null() && lines[0]["best"] == true);
+        // The test split after the epochs: loss 2/10, accuracy 8/10.
+        assert_eq!(lines[1]["kind"], "test");
+        assert_eq!(lines[1]["step"], 9);
+        assert!(close(&lines[1]["test_loss"], 0.2) && close(&lines[1]["test_accuracy"], 0.8));
+        let mut c = CsvMetrics::new(Vec::new(), Path::new("mem.csv"));
+        c.on_epoch(&validated());
+        c.on_evaluation(&EvaluationReport { set: crate::train::HeldOut::Test, step: 9, metrics: m });
+        let text = String::from_utf8(c.finish().unwrap()).unwrap();
+        let rows: Vec<&str> = text.lines().collect();
+        assert_eq!(rows[1], "epoch,0,2,0.4,0.9,0.3,0.9,,,1,200");
+        assert_eq!(rows[2], "test,9,,,,,,0.2,0.8,,");
+        assert_eq!(
+            epoch_line(&validated(), "validation"),
+            "epoch 2/3 | train loss 0.4000 acc 0.9000 | validation loss 0.3000 acc 0.9000 | 200 samples/s | 0.50s | best"
+        );
     }
 
     #[test]
@@ -617,9 +715,10 @@ mod tests {
         let lines: Vec<&str> = text.lines().collect();
         assert_eq!(lines[0], CSV_HEADER);
         // Values from `report` and `epoch`, see their docs.
-        assert_eq!(lines[1], "step,5,2,0.5,0.75,,,3200");
-        assert_eq!(lines[2], "epoch,5,2,0.4,0.9,0.3,0.9,200");
-        assert_eq!(lines[3], "epoch,5,2,0.4,0.9,,,200");
+        assert_eq!(lines[1], "step,5,2,0.5,0.75,,,,,,3200");
+        // The held-out set is the test split: its cells are test_*, and best is 0.
+        assert_eq!(lines[2], "epoch,5,2,0.4,0.9,,,0.3,0.9,0,200");
+        assert_eq!(lines[3], "epoch,5,2,0.4,0.9,,,,,,200");
         assert_eq!(lines.len(), 4);
     }
 

@@ -55,8 +55,13 @@ pub struct MetricsTable {
     pub epochs: Vec<EpochRow>,
 }
 
-/// The columns `plot` needs (others are ignored, in any order).
-const COLUMNS: [&str; 7] = ["kind", "step", "epoch", "loss", "accuracy", "val_loss", "val_accuracy"];
+/// The columns `plot` reads (others are ignored, in any order). The first five must be
+/// there; the held-out ones may not be (`test_*` came with the test/validation naming, so
+/// older files have only `val_*`). An epoch's held-out curve is its `val_*` cells, else
+/// its `test_*` ones.
+const COLUMNS: [&str; 9] =
+    ["kind", "step", "epoch", "loss", "accuracy", "val_loss", "val_accuracy", "test_loss", "test_accuracy"];
+const REQUIRED: usize = 5;
 
 /// Reads a metrics CSV. Errors name the file and, for a malformed line, its number
 /// (1-based, the header being line 1).
@@ -68,14 +73,15 @@ pub fn read_metrics_csv(path: &Path) -> Result<MetricsTable> {
         None => return Err(Error::format(path, "empty file: expected the header of a lockstep metrics CSV")),
     };
     let names: Vec<&str> = header.split(',').map(str::trim).collect();
-    let mut col = [0usize; COLUMNS.len()];
+    let mut col = [None; COLUMNS.len()];
     for (i, c) in COLUMNS.iter().enumerate() {
-        col[i] = names.iter().position(|n| n == c).ok_or_else(|| {
-            Error::format(
+        col[i] = names.iter().position(|n| n == c);
+        if col[i].is_none() && i < REQUIRED {
+            return Err(Error::format(
                 path,
                 format!("line 1: header has no '{c}' column (expected '{}')", crate::observe::CSV_HEADER),
-            )
-        })?;
+            ));
+        }
     }
     let mut table = MetricsTable::default();
     for (i, line) in lines {
@@ -91,7 +97,8 @@ pub fn read_metrics_csv(path: &Path) -> Result<MetricsTable> {
             ));
         }
         let cell = |k: usize| -> Result<Option<f64>> {
-            let c = cells[col[k]];
+            let Some(at) = col[k] else { return Ok(None) };
+            let c = cells[at];
             if c.is_empty() {
                 return Ok(None);
             }
@@ -102,18 +109,23 @@ pub fn read_metrics_csv(path: &Path) -> Result<MetricsTable> {
         let need = |k: usize| -> Result<f64> {
             cell(k)?.ok_or_else(|| Error::format(path, format!("line {n}: {} is empty", COLUMNS[k])))
         };
-        match cells[col[0]] {
+        match cells[col[0].expect("a required column")] {
             "step" => table.steps.push(StepRow { step: need(1)?, loss: need(3)?, accuracy: need(4)? }),
             "epoch" => table.epochs.push(EpochRow {
                 step: need(1)?,
                 epoch: need(2)?,
                 loss: need(3)?,
                 accuracy: need(4)?,
-                val_loss: cell(5)?,
-                val_accuracy: cell(6)?,
+                val_loss: cell(5)?.or(cell(7)?),
+                val_accuracy: cell(6)?.or(cell(8)?),
             }),
+            // A held-out evaluation after the epochs: one point, not a curve.
+            "test" | "val" => {}
             other => {
-                return Err(Error::format(path, format!("line {n}: kind '{other}' is neither 'step' nor 'epoch'")))
+                return Err(Error::format(
+                    path,
+                    format!("line {n}: kind '{other}' is none of 'step', 'epoch', 'test', 'val'"),
+                ))
             }
         }
     }
@@ -359,6 +371,24 @@ mod tests {
             EpochRow { step: 4.0, epoch: 2.0, loss: 0.7, accuracy: 0.8, val_loss: Some(0.4), val_accuracy: Some(0.88) }
         );
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn reads_the_test_and_validation_columns_and_skips_a_final_test_row() {
+        // The current header: the held-out cells are test_* for the test split, and a
+        // `test` row follows the epochs of a run validated on a split of its training data.
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("m.csv");
+        let text = format!(
+            "{}\nstep,1,1,2.3,0.1,,,,,,1000\nepoch,1,1,2.3,0.1,,,1.2,0.6,1,1000\nepoch,2,2,1.1,0.5,0.9,0.7,,,1,1000\ntest,2,,,,,,0.8,0.75,,\n",
+            crate::observe::CSV_HEADER
+        );
+        std::fs::write(&p, text).unwrap();
+        let t = read_metrics_csv(&p).unwrap();
+        assert_eq!(t.steps.len(), 1);
+        assert_eq!((t.epochs[0].val_loss, t.epochs[0].val_accuracy), (Some(1.2), Some(0.6)));
+        assert_eq!((t.epochs[1].val_loss, t.epochs[1].val_accuracy), (Some(0.9), Some(0.7)));
+        assert_eq!(t.epochs.len(), 2);
     }
 
     #[test]

@@ -65,6 +65,8 @@ use crate::tensor::Shape;
 pub const MAX_DIM: u64 = 1 << 20;
 /// The most values a sample may have at any layer, and the most parameters in all.
 pub const MAX_ELEMENTS: usize = 1 << 31;
+/// The largest spec file read (a spec of a thousand layers is some 100 kB).
+pub const MAX_SPEC_BYTES: u64 = 16 << 20;
 
 /// What a conv2d or dense layer applies after itself.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -325,8 +327,18 @@ pub fn model_from_spec_file(path: &Path) -> Result<Sequential> {
 }
 
 impl ModelSpec {
-    /// Reads and checks a spec file.
+    /// Reads and checks a spec file (at most [`MAX_SPEC_BYTES`], checked before reading).
     pub fn from_file(path: &Path) -> Result<ModelSpec> {
+        let meta = std::fs::metadata(path).map_err(|e| Error::io(path, e))?;
+        if let Some(what) = crate::safetensors_io::not_a_file(&meta) {
+            return Err(Error::format(path, format!("is {what}, not a model spec file")));
+        }
+        if meta.len() > MAX_SPEC_BYTES {
+            return Err(Error::format(
+                path,
+                format!("{} bytes: a model spec is at most {MAX_SPEC_BYTES} bytes of JSON", meta.len()),
+            ));
+        }
         let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
         ModelSpec::parse(&text, &path.display().to_string())
     }
@@ -482,13 +494,20 @@ impl<'a> Fields<'a> {
         match (self.get(name), default) {
             (None, Some(d)) => Ok(d),
             (None, None) => Err(format!("missing field '{name}' (a positive integer)")),
-            (Some(v), _) => as_size(v).ok_or_else(|| format!("field '{name}' must be a positive integer (got {v})")),
+            (Some(v), _) => as_size(v).ok_or_else(|| size_problem(name, v)),
         }
     }
 
     /// A size or a pair of sizes `[a, b]`.
     fn pair(&mut self, name: &'static str, default: Option<(usize, usize)>) -> FieldResult<(usize, usize)> {
-        let msg = |v: &Value| format!("field '{name}' must be a positive integer or a list of two (got {v})");
+        let msg = |v: &Value| match v {
+            Value::Array(a) => match a.iter().find(|x| as_size(x).is_none()) {
+                Some(x) if a.len() == 2 => size_problem(name, x),
+                _ => format!("field '{name}' must be a positive integer or a list of two (got {v})"),
+            },
+            _ if v.is_number() => size_problem(name, v),
+            _ => format!("field '{name}' must be a positive integer or a list of two (got {v})"),
+        };
         match (self.get(name), default) {
             (None, Some(d)) => Ok(d),
             (None, None) => Err(format!("missing field '{name}' (a positive integer or a list of two)")),
@@ -555,6 +574,17 @@ impl<'a> Fields<'a> {
 
 fn as_size(v: &Value) -> Option<usize> {
     v.as_u64().filter(|&d| (1..=MAX_DIM).contains(&d)).map(|d| d as usize)
+}
+
+/// Why `v` is not a size, saying the limit: `1e9` is a whole number, only too large.
+fn size_problem(name: &str, v: &Value) -> String {
+    let whole = v.as_f64().filter(|x| x.fract() == 0.0 && x.is_finite());
+    match whole {
+        Some(x) if x > MAX_DIM as f64 => {
+            format!("field '{name}' is {x:.0}, above the limit of {MAX_DIM} (2^20) for a size")
+        }
+        _ => format!("field '{name}' must be a positive integer, at most {MAX_DIM} (got {v})"),
+    }
 }
 
 fn parse_layer(i: usize, v: &Value) -> std::result::Result<LayerSpec, String> {
@@ -655,7 +685,7 @@ mod tests {
         let pool = |extra: &str| with_layers(&format!(r#"{{"type": "relu"}}, {{"type": "max_pooling2d", {extra}}}"#));
         assert_eq!(
             err(&pool(r#""pool_size": 0"#)),
-            "m.json: layer 1 (max_pooling2d): field 'pool_size' must be a positive integer or a list of two (got 0)"
+            "m.json: layer 1 (max_pooling2d): field 'pool_size' must be a positive integer, at most 1048576 (got 0)"
         );
         assert!(err(&pool(r#""strides": [1]"#)).contains("layer 1 (max_pooling2d): field 'strides' must be"));
         assert!(err(&pool(r#""padding": "causal""#)).contains("field 'padding' must be \"valid\" or \"same\""));
@@ -738,8 +768,15 @@ mod tests {
         let conv = |extra: &str| with_layers(&format!(r#"{{"type": "relu"}}, {{"type": "conv2d", {extra}}}"#));
         assert_eq!(
             err(&conv(r#""filters": 0, "kernel_size": 3"#)),
-            "m.json: layer 1 (conv2d): field 'filters' must be a positive integer (got 0)"
+            "m.json: layer 1 (conv2d): field 'filters' must be a positive integer, at most 1048576 (got 0)"
         );
+        // The issue: "units 1e9" said "must be a positive integer", hiding the limit.
+        assert_eq!(
+            err(&with_layers(r#"{"type": "flatten"}, {"type": "dense", "units": 1e9}"#)),
+            "m.json: layer 1 (dense): field 'units' is 1000000000, above the limit of 1048576 (2^20) for a size"
+        );
+        assert!(err(&conv(r#""filters": 2, "kernel_size": [3, 2000000]"#))
+            .contains("field 'kernel_size' is 2000000, above the limit of 1048576 (2^20) for a size"));
         assert!(err(&conv(r#""filters": -2, "kernel_size": 3"#)).contains("field 'filters' must be a positive integer"));
         assert!(err(&conv(r#""filters": 2.5, "kernel_size": 3"#)).contains("(got 2.5)"));
         assert!(err(&conv(r#""kernel_size": 3"#)).contains("layer 1 (conv2d): missing field 'filters'"));

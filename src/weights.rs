@@ -5,7 +5,7 @@
 //! tensor is reported by name in one error, and the store is only built when there is
 //! none.
 
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 use std::path::Path;
 
 use safetensors::tensor::{Dtype, SafeTensors, TensorView};
@@ -13,30 +13,29 @@ use safetensors::tensor::{Dtype, SafeTensors, TensorView};
 use crate::error::{Error, Result};
 use crate::fsutil::write_atomic;
 use crate::nn::{ParamStore, Sequential, TensorInfo};
+use crate::safetensors_io::{self, MappedFile, TensorData};
 
 fn le_bytes(values: &[f32]) -> Vec<u8> {
     values.iter().flat_map(|v| v.to_le_bytes()).collect()
 }
 
-/// Serialises `(name, shape, values)` triples as safetensors bytes (f32), with metadata.
+/// Serialises `(name, shape, values)` triples as safetensors bytes (f32), in that order,
+/// with `metadata`: the same inputs give the same bytes.
 pub fn to_safetensors_bytes(
     tensors: &[(String, Vec<usize>, &[f32])],
-    metadata: Option<HashMap<String, String>>,
+    metadata: &BTreeMap<String, String>,
 ) -> Result<Vec<u8>> {
     let bytes: Vec<Vec<u8>> = tensors.iter().map(|(_, _, v)| le_bytes(v)).collect();
-    let views = tensors
+    let views: Vec<TensorData<'_>> = tensors
         .iter()
         .zip(&bytes)
-        .map(|((name, shape, _), b)| {
-            TensorView::new(Dtype::F32, shape.clone(), b)
-                .map(|v| (name.clone(), v))
-                .map_err(|e| Error::config("tensor", format!("{name}: {e}")))
-        })
-        .collect::<Result<Vec<_>>>()?;
-    safetensors::serialize(views, metadata).map_err(|e| Error::config("safetensors", e.to_string()))
+        .map(|((name, shape, _), data)| TensorData { name, dtype: Dtype::F32, shape, data })
+        .collect();
+    safetensors_io::serialize(&views, metadata)
 }
 
-/// Saves every parameter and buffer of `model` from `store` to `path` (atomically).
+/// Saves every parameter and buffer of `model` from `store` to `path` (atomically), in
+/// the model's order: the same weights always make the same file.
 pub fn save(model: &Sequential, store: &ParamStore, path: &Path) -> Result<()> {
     let mut tensors = Vec::new();
     for (infos, flat) in [(model.param_infos(), &store.params), (model.buffer_infos(), &store.buffers)] {
@@ -45,13 +44,13 @@ pub fn save(model: &Sequential, store: &ParamStore, path: &Path) -> Result<()> {
         }
     }
     let meta =
-        HashMap::from([("format".to_string(), "pt".to_string()), ("producer".to_string(), "lockstep".to_string())]);
-    write_atomic(path, &to_safetensors_bytes(&tensors, Some(meta))?)
+        BTreeMap::from([("format".to_string(), "pt".to_string()), ("producer".to_string(), "lockstep".to_string())]);
+    write_atomic(path, &to_safetensors_bytes(&tensors, &meta)?)
 }
 
-/// Reads a safetensors file's bytes, mapping I/O and parse errors to the path.
-pub fn read_file(path: &Path) -> Result<Vec<u8>> {
-    std::fs::read(path).map_err(|e| Error::io(path, e))
+/// Maps a safetensors file after checking its header length (see `safetensors_io`).
+pub fn read_file(path: &Path) -> Result<MappedFile> {
+    safetensors_io::map_file(path)
 }
 
 /// Parses safetensors bytes, naming the file on error.
@@ -64,10 +63,18 @@ pub fn f32_values(view: &TensorView<'_>) -> Vec<f32> {
     view.data().chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect()
 }
 
-/// Loads weights for `model` from `path`. Every problem is listed in one error.
+/// The first value of `values` that is NaN or infinite, with its index.
+pub fn first_non_finite(values: &[f32]) -> Option<(usize, f32)> {
+    values.iter().position(|v| !v.is_finite()).map(|i| (i, values[i]))
+}
+
+/// Loads weights for `model` from `path`. Every problem is listed in one error: a
+/// missing, unexpected, mis-shaped or mis-typed tensor, and a tensor holding NaN or an
+/// infinity (named with the index of its first such value: weights like that train to
+/// NaN, and evaluate to a chance accuracy that looks like a result).
 pub fn load(model: &Sequential, path: &Path) -> Result<ParamStore> {
-    let bytes = read_file(path)?;
-    let st = parse(path, &bytes)?;
+    let file = read_file(path)?;
+    let st = file.parse()?;
     let mut problems = Vec::new();
     let mut store = ParamStore { params: vec![0.0; model.params_len()], buffers: vec![0.0; model.buffers_len()] };
     let expected: Vec<(&TensorInfo, bool)> =
@@ -86,8 +93,12 @@ pub fn load(model: &Sequential, path: &Path) -> Result<ParamStore> {
                         info.shape
                     ));
                 } else {
+                    let values = f32_values(&view);
+                    if let Some((i, v)) = first_non_finite(&values) {
+                        problems.push(format!("tensor '{}' holds {v} at index {i}", info.name));
+                    }
                     let dst = if *is_param { &mut store.params } else { &mut store.buffers };
-                    dst[info.range.clone()].copy_from_slice(&f32_values(&view));
+                    dst[info.range.clone()].copy_from_slice(&values);
                 }
             }
         }
@@ -103,12 +114,14 @@ pub fn load(model: &Sequential, path: &Path) -> Result<ParamStore> {
     Ok(store)
 }
 
-/// One line per tensor of a safetensors file: name, dtype, shape. For `lockstep inspect`.
+/// One line per tensor of a safetensors file: name, dtype, shape. For `lockstep inspect`:
+/// only the header is read.
 pub fn inspect(path: &Path) -> Result<Vec<(String, String, Vec<usize>)>> {
-    let bytes = read_file(path)?;
-    let st = parse(path, &bytes)?;
+    let file = read_file(path)?;
+    let (_, header) = SafeTensors::read_metadata(&file)
+        .map_err(|e| Error::format(path, format!("not a valid safetensors file: {e}")))?;
     let mut rows: Vec<_> =
-        st.tensors().into_iter().map(|(n, v)| (n, format!("{:?}", v.dtype()), v.shape().to_vec())).collect();
+        header.tensors().into_iter().map(|(n, t)| (n, format!("{:?}", t.dtype), t.shape.clone())).collect();
     rows.sort();
     Ok(rows)
 }
@@ -118,17 +131,12 @@ mod tests {
     use super::*;
     use crate::models;
 
-    fn tmp(name: &str) -> std::path::PathBuf {
-        let d = std::env::temp_dir().join(format!("lockstep-weights-{}", std::process::id()));
-        std::fs::create_dir_all(&d).unwrap();
-        d.join(name)
-    }
-
     #[test]
     fn weights_round_trip_bitwise_and_inspect_lists_them() {
+        let dir = tempfile::tempdir().unwrap();
         let model = models::convnet(models::ConvnetOptions::default()).unwrap();
         let store = model.init(3);
-        let path = tmp("convnet.safetensors");
+        let path = dir.path().join("convnet.safetensors");
         save(&model, &store, &path).unwrap();
         assert_eq!(load(&model, &path).unwrap(), store);
         let rows = inspect(&path).unwrap();
@@ -164,7 +172,8 @@ mod tests {
         ));
         let views: Vec<(String, TensorView<'_>)> =
             bytes_views.iter().map(|(n, s, b, d)| (n.clone(), TensorView::new(*d, s.clone(), b).unwrap())).collect();
-        let path = tmp("bad-toy.safetensors");
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("bad-toy.safetensors");
         std::fs::write(&path, safetensors::serialize(views, None).unwrap()).unwrap();
         let err = load(&model, &path).unwrap_err();
         let Error::WeightsMismatch { problems, .. } = &err else { panic!("{err}") };
@@ -175,6 +184,42 @@ mod tests {
                 "tensor 'dense1.bias' has dtype F64, expected F32".to_string(),
                 "missing tensor 'dense2.bias' (2)".to_string(),
                 "unexpected tensor 'head.weight'".to_string(),
+            ]
+        );
+    }
+
+    #[test]
+    fn saving_the_same_weights_twice_gives_the_same_bytes() {
+        // The issue: six identical runs gave two sha256s (the metadata's order varied).
+        let dir = tempfile::tempdir().unwrap();
+        let model = models::convnet(models::ConvnetOptions::default()).unwrap();
+        let store = model.init(5);
+        let (a, b) = (dir.path().join("a.safetensors"), dir.path().join("b.safetensors"));
+        save(&model, &store, &a).unwrap();
+        save(&model, &store, &b).unwrap();
+        assert_eq!(std::fs::read(&a).unwrap(), std::fs::read(&b).unwrap());
+    }
+
+    #[test]
+    fn non_finite_weights_are_named_with_their_first_index() {
+        let dir = tempfile::tempdir().unwrap();
+        let model = models::toy_mlp(2, 2).unwrap();
+        let mut store = model.init(1);
+        // Index 7 and 9 of dense0.weight (30, 2), index 5 of dense1.bias (20), wherever the
+        // flat layout puts those tensors.
+        let at = |name: &str, i: usize| model.param_infos().iter().find(|t| t.name == name).unwrap().range.start + i;
+        store.params[at("dense0.weight", 7)] = f32::NAN;
+        store.params[at("dense0.weight", 9)] = f32::INFINITY;
+        store.params[at("dense1.bias", 5)] = f32::NEG_INFINITY;
+        let path = dir.path().join("nan.safetensors");
+        save(&model, &store, &path).unwrap();
+        let err = load(&model, &path).unwrap_err();
+        let Error::WeightsMismatch { problems, .. } = &err else { panic!("{err}") };
+        assert_eq!(
+            problems,
+            &vec![
+                "tensor 'dense0.weight' holds NaN at index 7".to_string(),
+                "tensor 'dense1.bias' holds -inf at index 5".to_string()
             ]
         );
     }

@@ -11,11 +11,11 @@ fn bin() -> Command {
     Command::new(env!("CARGO_BIN_EXE_lockstep"))
 }
 
-fn tmp(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("lockstep-cli-resume-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+/// A fresh temporary directory, removed with the guard.
+fn tmp() -> (tempfile::TempDir, PathBuf) {
+    let guard = tempfile::tempdir().unwrap();
+    let d = guard.path().to_path_buf();
+    (guard, d)
 }
 
 /// The run under test: the convnet on the digits, 40 steps of 32, 2 logical replicas.
@@ -41,7 +41,7 @@ fn checkpoints(dir: &Path) -> usize {
 
 #[test]
 fn sigkill_then_resume_on_other_devices_gives_the_same_weights() {
-    let dir = tmp("kill");
+    let (_guard, dir) = tmp();
     let (full, resumed, ck) = (dir.join("full.safetensors"), dir.join("resumed.safetensors"), dir.join("ck"));
     let out = bin().args(train_args(&["--devices", "cpu:2", "--save", full.to_str().unwrap()])).output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
@@ -81,42 +81,59 @@ fn sigkill_then_resume_on_other_devices_gives_the_same_weights() {
     assert!(tensors(&full) == tensors(&resumed), "resumed weights differ from the uninterrupted run's");
 }
 
-#[test]
-fn ctrl_c_writes_a_checkpoint_and_exits_non_zero() {
-    let dir = tmp("int");
-    let ck = dir.join("ck");
-    let ck_s = ck.to_str().unwrap();
+/// Starts a long convnet run with `extra` flags, waits for its first line (printed once
+/// the signal handlers are in place) and a little training, sends `signal`, and returns
+/// its exit code and stderr.
+fn interrupt(signal: &str, extra: &[&str]) -> (Option<i32>, String) {
     let mut child = bin()
-        .args([
-            "train",
-            "--epochs",
-            "50",
-            "--devices",
-            "cpu:1",
-            "--checkpoint-dir",
-            ck_s,
-            "--checkpoint-every",
-            "1000000",
-        ])
+        .args(["train", "--epochs", "50", "--devices", "cpu:1"])
+        .args(extra)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    // The first line comes after the handler is installed; then let it train a little.
     let mut stdout = std::io::BufReader::new(child.stdout.take().unwrap());
     let mut first = String::new();
     std::io::BufRead::read_line(&mut stdout, &mut first).unwrap();
     assert!(first.starts_with("lockstep:"), "{first}");
     std::thread::sleep(Duration::from_millis(300));
-    let ok = Command::new("kill").args(["-INT", &child.id().to_string()]).status().unwrap();
+    let ok = Command::new("kill").args([signal, &child.id().to_string()]).status().unwrap();
     assert!(ok.success());
     let drain = std::thread::spawn(move || std::io::Read::read_to_end(&mut stdout, &mut Vec::new()));
     let out = child.wait_with_output().unwrap();
     drain.join().unwrap().unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{stderr}");
-    assert!(stderr.contains("interrupted after step") && stderr.contains("checkpoint written to"), "{stderr}");
-    assert_eq!(checkpoints(&ck), 1);
+    (out.status.code(), String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+#[test]
+fn ctrl_c_and_sigterm_finish_the_step_write_a_checkpoint_and_exit_128_plus_the_signal() {
+    // Exit codes: the shell's 128 + N, SIGINT = 2 → 130, SIGTERM = 15 → 143.
+    for (signal, name, code) in [("-INT", "SIGINT", 130), ("-TERM", "SIGTERM", 143)] {
+        let dir = tempfile::tempdir().unwrap();
+        let ck = dir.path().join("ck");
+        let (status, stderr) =
+            interrupt(signal, &["--checkpoint-dir", ck.to_str().unwrap(), "--checkpoint-every", "1000000"]);
+        assert_eq!(status, Some(code), "{stderr}");
+        assert!(stderr.contains(&format!("lockstep: interrupted by {name} after step ")), "{stderr}");
+        assert!(stderr.contains("; checkpoint written to ") && !stderr.contains("error:"), "{stderr}");
+        assert_eq!(checkpoints(&ck), 1);
+    }
+}
+
+#[test]
+fn without_a_checkpoint_directory_a_signal_still_writes_save() {
+    let dir = tempfile::tempdir().unwrap();
+    let w = dir.path().join("w.safetensors");
+    let (status, stderr) = interrupt("-TERM", &["--save", w.to_str().unwrap()]);
+    assert_eq!(status, Some(143), "{stderr}");
+    let line = stderr.lines().find(|l| l.contains("interrupted by SIGTERM")).unwrap_or_else(|| panic!("{stderr}"));
+    // "... after step N; the weights at that step saved to W"
+    let step: u64 = line.split("after step ").nth(1).unwrap().split(';').next().unwrap().parse().unwrap();
+    assert!(step >= 1, "{line}");
+    assert!(line.ends_with(&format!("; the weights at that step saved to {}", w.display())), "{line}");
+    // The weights load as the convnet's (all or nothing, every value finite).
+    let model = lockstep::models::convnet(lockstep::models::ConvnetOptions::default()).unwrap();
+    lockstep::weights::load(&model, &w).unwrap();
 }
 
 #[test]
@@ -130,7 +147,7 @@ fn an_absurd_epoch_count_is_capped_by_steps_not_a_crash() {
 
 #[test]
 fn checkpoint_input_errors_are_one_line() {
-    let dir = tmp("bad");
+    let (_guard, dir) = tmp();
     let missing = dir.join("nope");
     let out = bin().args(["train", "--resume", missing.to_str().unwrap()]).output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);

@@ -16,6 +16,7 @@ struct Mount(std::path::PathBuf);
 impl Drop for Mount {
     fn drop(&mut self) {
         let _ = Command::new("umount").arg(&self.0).status();
+        let _ = std::fs::remove_dir(&self.0);
     }
 }
 
@@ -35,9 +36,14 @@ fn a_full_disk_fails_the_write_and_keeps_the_previous_checkpoint() {
     let model = models::toy_mlp(2, 2).unwrap();
     let optimizer = Optimizer::new(OptimizerConfig::adam(1e-3), model.params_len());
     let config = BTreeMap::from([("model".to_string(), "toy".to_string())]);
-    let policy = CheckpointPolicy { dir: dir.clone(), every: 1, keep: 5, config: config.clone() };
-    let state =
-        |step| Resume { weights: model.init(step), optimizer: optimizer.clone(), step, epoch: 0, step_in_epoch: 0 };
+    let policy =
+        CheckpointPolicy { dir: dir.clone(), every: 1, keep: 5, config: config.clone(), stored: Default::default() };
+    let state = |step| {
+        // A run has taken one optimiser step per step: a checkpoint that says otherwise is refused.
+        let mut stepped = optimizer.clone();
+        stepped.restore(step, &[]).unwrap();
+        Resume::at(model.init(step), stepped, step, 0, 0)
+    };
     let first = checkpoint::save(&model, &state(1), &policy).unwrap();
     let size = std::fs::metadata(&first).unwrap().len() as usize;
     // Fill the disk but for less than one checkpoint.

@@ -13,11 +13,11 @@ use lockstep::data::{Dataset, Features};
 use lockstep::spec::ModelSpec;
 use proptest::prelude::*;
 
-/// A scratch file path unique to this process and `tag`.
-fn scratch(tag: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("lockstep-fuzz-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir.join(tag)
+/// A scratch file path named `tag` in a fresh temporary directory, removed with the guard.
+fn scratch(tag: &str) -> (tempfile::TempDir, PathBuf) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join(tag);
+    (dir, path)
 }
 
 fn example(name: &str) -> String {
@@ -64,7 +64,8 @@ proptest! {
 
     #[test]
     fn idx_arbitrary_bytes(bytes in proptest::collection::vec(any::<u8>(), 0..64)) {
-        load_idx_bytes(&scratch("idx_arbitrary"), &bytes);
+        let (_dir, path) = scratch("idx_arbitrary");
+        load_idx_bytes(&path, &bytes);
     }
 
     #[test]
@@ -75,13 +76,14 @@ proptest! {
         let mut b = vec![0, 0, dtype, ndims];
         for d in &dims { b.extend_from_slice(&d.to_be_bytes()); }
         b.extend_from_slice(&body);
-        load_idx_bytes(&scratch("idx_header"), &b);
+        let (_dir, path) = scratch("idx_header");
+        load_idx_bytes(&path, &b);
     }
 
     #[test]
     fn idx_mutations(gz in any::<bool>(), edits in proptest::collection::vec((any::<usize>(), any::<u8>()), 0..8),
                      cut in proptest::option::of(any::<usize>())) {
-        let path = scratch(if gz { "idx_mut_gz" } else { "idx_mut" });
+        let (_dir, path) = scratch(if gz { "idx_mut_gz" } else { "idx_mut" });
         let bytes = mutate(valid_idx(&path, gz), &edits, cut);
         load_idx_bytes(&path, &bytes);
     }
@@ -90,10 +92,10 @@ proptest! {
     fn safetensors_arbitrary_and_mutated(bytes in proptest::collection::vec(any::<u8>(), 0..96),
                                          edits in proptest::collection::vec((any::<usize>(), any::<u8>()), 0..8),
                                          cut in proptest::option::of(any::<usize>())) {
-        let path = scratch("st.safetensors");
+        let (dir, path) = scratch("st.safetensors");
         std::fs::write(&path, &bytes).unwrap();
         let _ = load_safetensors_dataset(&path);
-        let mutated = mutate(valid_safetensors(&scratch("st_base")), &edits, cut);
+        let mutated = mutate(valid_safetensors(&dir.path().join("st_base")), &edits, cut);
         std::fs::write(&path, &mutated).unwrap();
         let _ = load_safetensors_dataset(&path);
     }
@@ -148,7 +150,7 @@ proptest! {
 #[test]
 fn save_idx_labels_then_fuzzed_headers_round_trip() {
     // The writer and the reader agree (a sanity check for the mutation bases above).
-    let p = scratch("labels.idx");
+    let (_dir, p) = scratch("labels.idx");
     save_idx_labels(&p, &[1, 2, 3]).unwrap();
     assert_eq!(load_idx_labels(&p).unwrap(), vec![1, 2, 3]);
 }

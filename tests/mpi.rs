@@ -652,7 +652,9 @@ mod child {
             Ok(_) => world.finalize(),
             Err(e) => {
                 // Every process says how it ended, named, so that the test sees each.
-                eprintln!("rank {rank}: error: {e}");
+                // One write, so that mpirun does not interleave it with another's.
+                let line = format!("rank {rank}: error: {e}\n");
+                let _ = std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes());
                 std::fs::write(dir.join(format!("exit-{rank}")), "1").unwrap();
                 std::process::exit(1);
             }

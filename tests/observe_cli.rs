@@ -56,10 +56,12 @@ fn json_log_is_one_object_per_line_on_stdout() {
     let last = epochs.last().unwrap();
     assert_eq!(last["epoch"], 3);
     assert_eq!(last["step"], STEPS as u64);
-    for k in ["train_accuracy", "val_accuracy"] {
+    // The toy data's held-out set is its test split: test_*, and no val_*.
+    for k in ["train_accuracy", "test_accuracy"] {
         let a = last[k].as_f64().unwrap_or_else(|| panic!("{k}: {last}"));
         assert!((0.0..=1.0).contains(&a), "{k}: {last}");
     }
+    assert!(last["val_accuracy"].is_null() && last["val_loss"].is_null(), "{last}");
     // The human lines went to stderr.
     assert_eq!(err.lines().filter(|l| l.starts_with("epoch ")).count(), EPOCHS, "{err}");
     assert!(err.contains("final test accuracy"), "{err}");
@@ -73,23 +75,59 @@ fn metrics_csv_has_the_header_and_a_row_per_step_and_epoch() {
     assert!(o.status.success(), "{}", text(&o.stderr));
     let body = std::fs::read_to_string(&csv).unwrap();
     let lines: Vec<&str> = body.lines().collect();
-    assert_eq!(lines[0], "kind,step,epoch,loss,accuracy,val_loss,val_accuracy,samples_per_sec");
+    assert_eq!(
+        lines[0],
+        "kind,step,epoch,loss,accuracy,val_loss,val_accuracy,test_loss,test_accuracy,best,samples_per_sec"
+    );
     assert_eq!(lines.len(), 1 + STEPS + EPOCHS, "{body}");
     let epoch_rows: Vec<Vec<&str>> =
         lines.iter().filter(|l| l.starts_with("epoch,")).map(|l| l.split(',').collect()).collect();
     // Each epoch row carries the steps done by its end: 3, 6, 9.
     assert_eq!(epoch_rows.iter().map(|r| r[1]).collect::<Vec<_>>(), ["3", "6", "9"]);
     for r in &epoch_rows {
-        assert_eq!(r.len(), 8, "{r:?}");
-        let val_acc: f64 = r[6].parse().unwrap();
-        assert!((0.0..=1.0).contains(&val_acc), "{r:?}");
+        assert_eq!(r.len(), 11, "{r:?}");
+        // The held-out set is the toy's test split: test_* filled, val_* empty.
+        assert_eq!((r[5], r[6]), ("", ""), "{r:?}");
+        let test_acc: f64 = r[8].parse().unwrap();
+        assert!((0.0..=1.0).contains(&test_acc), "{r:?}");
+        assert!(r[9] == "0" || r[9] == "1", "{r:?}");
     }
     for l in lines.iter().filter(|l| l.starts_with("step,")) {
         let r: Vec<&str> = l.split(',').collect();
-        assert_eq!((r.len(), r[5], r[6]), (8, "", ""), "{l}");
+        assert_eq!((r.len(), &r[5..10]), (11, &["", "", "", "", ""][..]), "{l}");
         assert!(r[3].parse::<f64>().unwrap() >= 0.0, "{l}");
     }
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_validation_split_is_val_per_epoch_and_the_test_split_is_evaluated_at_the_end() {
+    // toy-enlarged: 20 training points (4 copies of the lesson's 5) and 8 test points; a
+    // split of 0.25 holds out 5 of the 20 for validation.
+    let dir = tempfile::tempdir().unwrap();
+    let csv = dir.path().join("m.csv");
+    let args = ["train", "--model", "toy", "--data", "toy-enlarged", "--validation-split", "0.25", "--epochs", "2"];
+    let o = lockstep(&[&args[..], &["--log-format", "json", "--metrics-out", csv.to_str().unwrap()]].concat());
+    let (out, err) = (text(&o.stdout), text(&o.stderr));
+    assert!(o.status.success(), "{err}");
+    let objects: Vec<Value> = out.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let epochs: Vec<&Value> = objects.iter().filter(|v| v["kind"] == "epoch").collect();
+    assert_eq!(epochs.len(), 2);
+    for e in &epochs {
+        assert!(e["val_loss"].as_f64().is_some() && e["test_loss"].is_null(), "{e}");
+    }
+    // The first epoch is always the best so far.
+    assert_eq!(epochs[0]["best"], true);
+    let test = objects.last().unwrap();
+    assert_eq!(test["kind"], "test", "{out}");
+    // 2 epochs of ceil(15 / 2) = 8 steps.
+    assert_eq!(test["step"], 16);
+    assert!((0.0..=1.0).contains(&test["test_accuracy"].as_f64().unwrap()), "{test}");
+    assert!(err.contains("final validation accuracy: ") && err.contains("final test accuracy: "), "{err}");
+    assert!(err.contains("toy/train (validation part) 5 samples, toy/test 8 samples"), "{err}");
+    let body = std::fs::read_to_string(&csv).unwrap();
+    let last = body.lines().last().unwrap();
+    assert!(last.starts_with("test,16,,,,,,"), "{last}");
 }
 
 #[test]

@@ -15,13 +15,13 @@ use lockstep::devices::Devices;
 use lockstep::models::{self, ConvnetOptions};
 use lockstep::nn::Sequential;
 use lockstep::optim::{LrSchedule, Optimizer};
-use lockstep::train::{train_data_parallel, train_data_parallel_with, Observer, StepEvent, TrainConfig};
-use lockstep::Error;
+use lockstep::train::{train_data_parallel, train_data_parallel_with, Observer, StepEvent, Stopped, TrainConfig};
 
-fn tmp(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("lockstep-resume-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    d
+/// A checkpoint directory inside a temporary one, removed with the guard.
+fn tmp() -> (tempfile::TempDir, PathBuf) {
+    let guard = tempfile::tempdir().unwrap();
+    let d = guard.path().join("ck");
+    (guard, d)
 }
 
 fn setup() -> (Sequential, Dataset, TrainConfig) {
@@ -43,13 +43,13 @@ fn setup() -> (Sequential, Dataset, TrainConfig) {
 
 fn policy(dir: &std::path::Path, every: u64) -> CheckpointPolicy {
     let config = BTreeMap::from([("model".to_string(), "convnet".to_string()), ("replicas".into(), "2".into())]);
-    CheckpointPolicy { dir: dir.to_path_buf(), every, keep: 100, config }
+    CheckpointPolicy { dir: dir.to_path_buf(), every, keep: 100, config, stored: BTreeMap::new() }
 }
 
 #[test]
 fn resuming_from_every_checkpoint_gives_bitwise_the_uninterrupted_weights() {
     let (model, data, cfg) = setup();
-    let dir = tmp("every");
+    let (_guard, dir) = tmp();
     let full = train_data_parallel(
         &model,
         &data,
@@ -81,6 +81,13 @@ fn resuming_from_every_checkpoint_gives_bitwise_the_uninterrupted_weights() {
         assert!(rest.weights == full.weights, "resumed from step {step}: weights differ");
         assert!(rest.optimizer == full.optimizer, "resumed from step {step}: optimiser state differs");
         assert_eq!(rest.losses[..], full.losses[step as usize..], "resumed from step {step}: losses differ");
+        // The epoch the run resumed into reports all of its steps (the checkpoint carries
+        // the sums of those before the resume), bitwise the uninterrupted run's: the same
+        // additions in the same order.
+        let first = &rest.epochs[0];
+        let reference = &full.epochs[first.epoch];
+        assert_eq!(first.train, reference.train, "resumed from step {step}: the epoch's training metrics");
+        assert_eq!((first.steps, reference.steps), (5, 5), "resumed from step {step}");
     }
 }
 
@@ -98,22 +105,16 @@ impl Observer for StopAfter {
 fn a_stopped_run_writes_a_checkpoint_and_resumes_exactly() {
     let (model, data, cfg) = setup();
     let reference = train_data_parallel(&model, &data, None, &Devices::cpu(2, 1).unwrap(), &cfg).unwrap();
-    let dir = tmp("stop");
+    let (_guard, dir) = tmp();
     let flag = Arc::new(AtomicBool::new(false));
     let stopping = TrainConfig { checkpoint: Some(policy(&dir, 1000)), stop: Some(flag.clone()), ..cfg.clone() };
-    let err = match train_data_parallel_with(
-        &model,
-        &data,
-        None,
-        &Devices::cpu(2, 1).unwrap(),
-        &stopping,
-        &mut StopAfter(6, flag),
-    ) {
-        Ok(_) => panic!("the run must stop"),
-        Err(e) => e,
-    };
-    let Error::Interrupted { step: 6, checkpoint: Some(path) } = &err else { panic!("{err}") };
-    assert!(err.to_string().contains("checkpoint written to"), "{err}");
+    let stopped =
+        train_data_parallel_with(&model, &data, None, &Devices::cpu(2, 1).unwrap(), &stopping, &mut StopAfter(6, flag))
+            .unwrap();
+    // The report of a stopped run: its weights at step 6, and where its checkpoint went.
+    assert_eq!(stopped.steps, 6);
+    let Stopped::Interrupted { checkpoint: Some(path) } = &stopped.stopped else { panic!("{:?}", stopped.stopped) };
+    assert!(path.ends_with("checkpoint-000000000006.safetensors"), "{}", path.display());
     let fresh = Optimizer::new(cfg.optimizer, model.params_len());
     let (resume, found, _) =
         checkpoint::load_latest(&model, &dir, &policy(&dir, 1000).config, &fresh, Fallback::Refuse).unwrap().unwrap();
@@ -134,8 +135,7 @@ fn a_position_that_is_not_one_of_this_run_is_refused() {
     let (model, data, cfg) = setup();
     let optimizer = Optimizer::new(cfg.optimizer, model.params_len());
     // 5 steps per epoch: step 7 is epoch 1, step 2 in it — not epoch 1, step 3.
-    let resume =
-        lockstep::checkpoint::Resume { weights: model.init(9), optimizer, step: 7, epoch: 1, step_in_epoch: 3 };
+    let resume = lockstep::checkpoint::Resume::at(model.init(9), optimizer, 7, 1, 3);
     let err = match train_data_parallel(
         &model,
         &data,

@@ -58,8 +58,30 @@ pub(crate) struct BenchLayersArgs {
 // ---------------------------------------------------------------------------------------
 // bench
 
+/// The most timed (or warm-up) iterations, steps or passes a benchmark runs: a million
+/// is minutes of the smallest all-reduce, and each timing is kept in memory.
+const MAX_ITERS: u64 = 1_000_000;
+/// The most buffer sizes one `bench allreduce` times.
+const MAX_SIZES: usize = 64;
+/// The most threads `bench layers` starts per core (as `--devices` allows).
+const MAX_THREADS_PER_CORE: usize = 64;
+
+/// `value` of `flag` within 1..=MAX_ITERS (0 too, when `zero_ok`: a warm-up may be skipped).
+fn check_count(flag: &str, value: u64, zero_ok: bool) -> CliResult {
+    if value == 0 && !zero_ok {
+        return Err(Failure::usage(anyhow!("{flag} must be at least 1")));
+    }
+    if value > MAX_ITERS {
+        return Err(Failure::usage(anyhow!("{flag} {value} is more than the {MAX_ITERS} a benchmark runs at most")));
+    }
+    Ok(())
+}
+
 /// Parses `4K,256K,4M` into byte counts (K/M/G are powers of 1024).
 fn parse_sizes(text: &str) -> CliResult<Vec<usize>> {
+    if text.split(',').count() > MAX_SIZES {
+        return Err(Failure::usage(anyhow!("--sizes: more than {MAX_SIZES} sizes")));
+    }
     text.split(',')
         .map(|t| {
             let t = t.trim();
@@ -168,16 +190,31 @@ fn time_allreduce(ranks: usize, count: usize, iters: usize, warmup: usize, path:
 pub(crate) fn cmd_bench_allreduce(a: BenchAllreduceArgs) -> CliResult {
     let spec: DeviceSpec = a.devices.parse().map_err(Failure::usage)?;
     let sizes = parse_sizes(&a.sizes)?;
-    if a.iters == 0 {
-        return Err(Failure::usage(anyhow!("--iters must be at least 1")));
-    }
+    check_count("--iters", a.iters as u64, false)?;
+    check_count("--warmup", a.warmup as u64, true)?;
     let ranks = match spec {
         #[cfg(feature = "mpi")]
         DeviceSpec::Cpu { count, .. } if lockstep::world::current().is_ok_and(|w| w.size() > 1) => {
             let world = lockstep::world::current().map_err(Failure::usage)?;
             return crate::cmd::bench_mpi::mpi_allreduce(world, count, &sizes, a.iters, a.warmup);
         }
-        DeviceSpec::Cpu { count, .. } => count,
+        DeviceSpec::Cpu { count, .. } => {
+            // One thread per rank: the bound of `--devices cpu:N` (64 threads per core).
+            Devices::cpu(count, 1).map_err(Failure::usage)?;
+            // Each rank's slot and its own buffer, plus the reduced chunks.
+            let largest = sizes.iter().copied().max().unwrap_or(0) as u64;
+            let bytes = largest.saturating_mul(2 * count as u64 + 1);
+            lockstep::memory::check_bytes(
+                &format!("bench allreduce of {largest} bytes on {count} ranks"),
+                bytes,
+                format!(
+                    "{} buffers of the largest size: a slot and a buffer per rank, and the reduced chunks",
+                    2 * count + 1
+                ),
+            )
+            .map_err(Failure::usage)?;
+            count
+        }
         DeviceSpec::Auto => {
             return Err(Failure::usage(anyhow!(
                 "--devices auto: name the ranks of bench allreduce (cpu:N or cuda:I,J,...)"
@@ -416,18 +453,22 @@ pub(crate) fn cmd_bench_step(a: BenchStepArgs) -> CliResult {
     if batch_size == 0 {
         return Err(Failure::usage(anyhow!("--batch-size must be at least 1")));
     }
-    if a.steps == 0 {
-        return Err(Failure::usage(anyhow!("--steps must be at least 1")));
-    }
+    check_count("--steps", a.steps, false)?;
+    check_count("--warmup", a.warmup, true)?;
     let devices = resolve_devices(&a.devices)?;
     let data_name = if toy { "toy-enlarged" } else { "digits" };
-    let splits = load_data(data_name, toy, 0, None)?;
+    let splits = load_data(data_name, toy, 0, None, None)?;
     let data = splits.train;
     let model = build_model(&ModelSource::Builtin(a.model), data.sample_shape().dims(), data.num_classes(), 0.5, 0.99)?;
     let optimizer = if toy { OptimizerConfig::sgd(0.05) } else { OptimizerConfig::adam(1e-3) };
     let config = TrainConfig { batch_size, optimizer, check_replicas_every: None, ..TrainConfig::default() };
     let total = a.warmup + a.steps;
-    let batches: Vec<Batch> = (0..total.min(8) as usize)
+    let kept = total.min(8);
+    let mut estimate = lockstep::memory::training(&model, &devices, &config);
+    let per_batch = (batch_size as u64).saturating_mul(data.sample_shape().numel() as u64).saturating_mul(4);
+    estimate.add("benchmark batches", kept.saturating_mul(per_batch), format!("{kept} batches of {batch_size}"));
+    estimate.check("bench step").map_err(Failure::usage)?;
+    let batches: Vec<Batch> = (0..kept as usize)
         .map(|s| {
             let idx: Vec<usize> = (0..batch_size).map(|i| (s * batch_size + i) % data.len()).collect();
             Batch::gather(&data, &idx)
@@ -487,12 +528,34 @@ pub(crate) fn cmd_bench_layers(a: BenchLayersArgs) -> CliResult {
     let toy = a.model == ModelName::Toy;
     let batch_size = a.batch_size.unwrap_or(if toy { 64 } else { 256 });
     let threads = a.threads.unwrap_or_else(available_cores);
-    if batch_size == 0 || threads == 0 || a.steps == 0 {
-        return Err(Failure::usage(anyhow!("--batch-size, --threads and --steps must be at least 1")));
+    if batch_size == 0 || threads == 0 {
+        return Err(Failure::usage(anyhow!("--batch-size and --threads must be at least 1")));
     }
-    let data = load_data(if toy { "toy-enlarged" } else { "digits" }, toy, 0, None)?.train;
+    let max_threads = MAX_THREADS_PER_CORE * available_cores();
+    if threads > max_threads {
+        return Err(Failure::usage(anyhow!(
+            "--threads {threads} is more than {MAX_THREADS_PER_CORE} per core ({max_threads} here)"
+        )));
+    }
+    check_count("--steps", a.steps.into(), false)?;
+    let data = load_data(if toy { "toy-enlarged" } else { "digits" }, toy, 0, None, None)?.train;
     let source = ModelSource::Builtin(a.model);
     let mut model = build_model(&source, data.sample_shape().dims(), data.num_classes(), 0.5, 0.99)?;
+    let mut estimate = lockstep::memory::Estimate::default();
+    let per_sample = data.sample_shape().numel() as u64 * 4;
+    estimate
+        .add(
+            "activations",
+            lockstep::memory::shard_activations(&model, batch_size, threads),
+            format!("a pass of {batch_size} samples"),
+        )
+        .add(
+            "batch",
+            (batch_size as u64).saturating_mul(per_sample),
+            "the gathered batch (its copy as a tensor is the pass's)",
+        )
+        .add("weights and gradients", model.params_len() as u64 * 8 + model.buffers_len() as u64 * 4, "one replica");
+    estimate.check("bench layers").map_err(Failure::usage)?;
     let idx: Vec<usize> = (0..batch_size).map(|i| i % data.len()).collect();
     let batch = Batch::gather(&data, &idx);
     let mut store = model.init(0);

@@ -11,9 +11,12 @@ pub(crate) struct EvalArgs {
     /// toy, convnet, convnet-nobn, or a model spec FILE.json.
     #[arg(long, default_value = "convnet", value_name = "NAME|FILE.json", value_parser = parse_model_choice)]
     model: ModelChoice,
-    /// toy, toy-enlarged, digits, mnist:DIR (their test split), or a FILE.safetensors [default: the model's data]
+    /// toy, toy-enlarged, digits, fashion-mnist, mnist:DIR (their test split), or a FILE.safetensors [default: the model's data]
     #[arg(long)]
     data: Option<String>,
+    /// The model's number of classes [default: what the weights hold].
+    #[arg(long, value_name = "K")]
+    classes: Option<usize>,
     #[arg(long, default_value = "auto", value_name = "SPEC")]
     devices: String,
     /// Seed of toy-enlarged's noise.
@@ -30,14 +33,31 @@ pub(crate) struct PredictArgs {
     #[arg(long, default_value = "convnet", value_name = "NAME|FILE.json", value_parser = parse_model_choice)]
     model: ModelChoice,
     /// The inputs: a FILE.safetensors (its x), an IDX images file (idx3, plain or .gz; no
-    /// labels needed), mnist:DIR (its t10k images), or toy, toy-enlarged, digits (their test split).
+    /// labels needed), mnist:DIR (its t10k images), or toy, toy-enlarged, digits,
+    /// fashion-mnist (their test split).
     #[arg(long, value_name = "FILE|mnist:DIR")]
     data: String,
+    /// The model's number of classes [default: what the weights hold].
+    #[arg(long, value_name = "K")]
+    classes: Option<usize>,
     /// Only the first N inputs.
     #[arg(long, value_name = "N")]
     limit: Option<usize>,
     #[arg(long, default_value = "auto", value_name = "SPEC")]
     devices: String,
+    /// text: `index  class  probability  [name]` per input; csv: a header, then index,
+    /// class, name, probability and every class's probability; json: one object per line
+    /// with the same fields. Names come from the data where it has them (Fashion-MNIST, a
+    /// safetensors file's `class_names`).
+    #[arg(long, value_enum, default_value = "text")]
+    format: PredictFormat,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum PredictFormat {
+    Text,
+    Csv,
+    Json,
 }
 
 // ---------------------------------------------------------------------------------------
@@ -45,15 +65,15 @@ pub(crate) struct PredictArgs {
 
 pub(crate) fn cmd_eval(a: EvalArgs) -> CliResult {
     let devices = resolve_devices(&a.devices)?;
-    if !a.weights.is_file() {
-        return Err(Failure::usage(anyhow!("--weights '{}': no such file", a.weights.display())));
-    }
+    check_input_file("--weights", &a.weights)?;
+    check_classes(a.classes)?;
     let source = a.model.resolve()?;
     let data_spec = a.data.clone().unwrap_or_else(|| source.default_data().to_string());
-    let splits = load_data(&data_spec, source.flat(), a.seed, None)?;
+    let splits = load_data(&data_spec, source.flat(), a.seed, None, a.classes)?;
     // Built-in data: its test split; a file: all of it.
     let data = splits.test.unwrap_or(splits.train);
-    let model = build_model(&source, data.sample_shape().dims(), data.num_classes(), 0.5, 0.99)?;
+    let classes = model_classes(&source, data.sample_shape().dims(), a.classes, &a.weights, data.num_classes())?;
+    let model = build_model(&source, data.sample_shape().dims(), classes, 0.5, 0.99)?;
     lockstep::train::check_data(&model, &data).map_err(Failure::usage)?;
     let store: ParamStore =
         weights::load(&model, &a.weights).map_err(Failure::usage).map_err(|f| f.with_context("--weights"))?;
@@ -68,7 +88,15 @@ pub(crate) fn cmd_eval(a: EvalArgs) -> CliResult {
         Ok((m, p))
     })
     .map_err(Failure::runtime)?;
-    outln!("{} on {} ({} samples) on {}", a.weights.display(), data.name(), data.len(), devices);
+    if !metrics.mean_loss().is_finite() {
+        return Err(Failure::runtime(anyhow!(
+            "--weights '{}': the loss on {} is {}: the weights or the data overflow, and no accuracy of them means anything",
+            a.weights.display(),
+            data.name(),
+            metrics.mean_loss()
+        )));
+    }
+    outln!("{} ({classes} classes) on {} ({} samples) on {}", a.weights.display(), data.name(), data.len(), devices);
     outln!(
         "loss {:.4} | accuracy {:.4} ({}/{})",
         metrics.mean_loss(),
@@ -108,17 +136,15 @@ const PREDICT_CHUNK: usize = 1024;
 
 /// The inputs of `predict` and whether they came with labels. An IDX images file has
 /// none: its samples get label 0 of 1 class, which nothing reads.
-fn load_inputs(spec: &str, flat: bool) -> CliResult<(Dataset, bool)> {
+fn load_inputs(spec: &str, flat: bool, classes: Option<usize>) -> CliResult<(Dataset, bool)> {
     let path = Path::new(spec);
     if spec.starts_with("mnist:") || !path.exists() {
-        let splits = load_data(spec, flat, 0, None)?;
+        let splits = load_data(spec, flat, 0, None, classes)?;
         return Ok((splits.test.unwrap_or(splits.train), true));
     }
-    if !path.is_file() {
-        return Err(Failure::usage(anyhow!("--data '{spec}': not a file")));
-    }
+    check_input_file("--data", path)?;
     if path.extension().is_some_and(|e| e == "safetensors") {
-        return Ok((load_safetensors_dataset(path).map_err(Failure::usage)?, true));
+        return Ok((load_dataset_file(path, classes)?, true));
     }
     let (pixels, [n, h, w]) = load_idx_images(path).map_err(Failure::usage)?;
     let data = Dataset::new(spec, [1, h, w], Features::U8(pixels), vec![0; n], 1).map_err(Failure::usage)?;
@@ -130,15 +156,14 @@ pub(crate) fn cmd_predict(a: PredictArgs) -> CliResult {
         return Err(Failure::usage(anyhow!("--limit must be at least 1")));
     }
     let devices = resolve_devices(&a.devices)?;
-    if !a.weights.is_file() {
-        return Err(Failure::usage(anyhow!("--weights '{}': no such file", a.weights.display())));
-    }
+    check_input_file("--weights", &a.weights)?;
+    check_classes(a.classes)?;
     let source = a.model.resolve()?;
-    let (data, labelled) = load_inputs(&a.data, source.flat())?;
+    let (data, labelled) = load_inputs(&a.data, source.flat(), a.classes)?;
     let n = a.limit.map_or(data.len(), |l| l.min(data.len()));
-    // Unlabelled images give no class count: a built-in model then outputs MNIST's 10
-    // (a weights file of another count is refused by name when it is loaded).
-    let classes = if labelled { data.num_classes() } else { lockstep::data::idx::MNIST_CLASSES };
+    // Unlabelled images give no class count: a built-in model then takes the weights'.
+    let data_classes = if labelled { data.num_classes() } else { lockstep::data::idx::MNIST_CLASSES };
+    let classes = model_classes(&source, data.sample_shape().dims(), a.classes, &a.weights, data_classes)?;
     let model = build_model(&source, data.sample_shape().dims(), classes, 0.5, 0.99)?;
     lockstep::train::check_data(&model, &data).map_err(Failure::usage)?;
     let store: ParamStore =
@@ -158,9 +183,43 @@ pub(crate) fn cmd_predict(a: PredictArgs) -> CliResult {
         Ok(out)
     })
     .map_err(Failure::runtime)?;
+    let names = data.class_names().filter(|n| n.len() == k);
+    if a.format == PredictFormat::Csv {
+        let columns: Vec<String> = (0..k).map(|c| format!("p{c}")).collect();
+        outln!("index,class,name,probability,{}", columns.join(","));
+    }
     for (i, row) in probs.chunks_exact(k).enumerate() {
         let top = row.iter().enumerate().fold(0, |best, (c, &p)| if p > row[best] { c } else { best });
-        outln!("{i}  {top}  {:.4}", row[top]);
+        let name = names.map(|n| n[top].as_str());
+        match a.format {
+            PredictFormat::Text => match name {
+                Some(name) => outln!("{i}  {top}  {:.4}  {name}", row[top]),
+                None => outln!("{i}  {top}  {:.4}", row[top]),
+            },
+            PredictFormat::Csv => {
+                let all: Vec<String> = row.iter().map(f32::to_string).collect();
+                outln!("{i},{top},{},{},{}", csv_cell(name.unwrap_or("")), row[top], all.join(","));
+            }
+            PredictFormat::Json => {
+                let v = serde_json::json!({
+                    "index": i,
+                    "class": top,
+                    "name": name,
+                    "probability": row[top],
+                    "probabilities": row,
+                });
+                outln!("{v}");
+            }
+        }
     }
     Ok(())
+}
+
+/// A CSV cell: quoted (quotes doubled) when it holds a comma, a quote or a line break.
+fn csv_cell(text: &str) -> String {
+    if text.contains([',', '"', '\n', '\r']) {
+        format!("\"{}\"", text.replace('"', "\"\""))
+    } else {
+        text.to_string()
+    }
 }

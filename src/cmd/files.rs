@@ -25,9 +25,7 @@ pub(crate) struct PlotArgs {
 // inspect, devices
 
 pub(crate) fn cmd_inspect(file: &Path) -> CliResult {
-    if !file.is_file() {
-        return Err(Failure::usage(anyhow!("'{}': no such file", file.display())));
-    }
+    check_input_file("inspect", file)?;
     let rows = weights::inspect(file).map_err(Failure::usage)?;
     let name_w = rows.iter().map(|r| r.0.len()).max().unwrap_or(4).max(4);
     outln!("{:<name_w$}  {:<5}  shape", "name", "dtype");

@@ -6,4 +6,5 @@ pub mod bench;
 pub mod bench_mpi;
 pub mod eval;
 pub mod files;
+pub mod signals;
 pub mod train;

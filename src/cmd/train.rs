@@ -1,21 +1,44 @@
 //! `lockstep train`: its arguments, the checks that come before any work, the run's
-//! observers (progress, JSON lines, CSV), checkpoints and resume, Ctrl-C, and the final
+//! observers (progress, JSON lines, CSV), checkpoints and resume, signals, and the final
 //! report. The training itself is `lockstep::train`'s.
+//!
+//! Resuming: every checkpoint stores the run's flags (their effective values, defaults
+//! resolved), so `--resume DIR` alone continues the run as it was configured. Flags given
+//! with it must agree with the stored ones, except the few that may change
+//! ([`MAY_CHANGE`]): `--epochs` and `--steps` (a larger count continues a finished run,
+//! optimiser state included), the devices, early stopping, checkpointing and logging.
 //!
 //! Under an MPI launcher every process runs this command with the same arguments; the
 //! world's devices are every process's, `--replicas` counts them all, and process 0
-//! alone prints, writes `--save`, `--metrics-out` and checkpoints.
+//! alone prints, owns the checkpoint directory and writes `--save`, `--save-best`,
+//! `--metrics-out` and the checkpoints.
 
+use std::collections::{BTreeMap, BTreeSet};
+use std::io::Write as _;
+
+use lockstep::checkpoint;
+use lockstep::dirlock::DirLock;
+use lockstep::nn::loss::Metrics;
+use lockstep::train::{EarlyStopping, EvaluationReport, HeldOut, Observer, Stopped, TrainReport};
+
+use signal_hook::consts::SIGINT;
+
+use crate::cmd::signals::{Launched, StopSignals};
 use crate::*;
 
-#[derive(Args, Debug)]
+#[derive(Args, Clone, Debug)]
 pub(crate) struct TrainArgs {
     /// toy, convnet, convnet-nobn, or a model spec FILE.json (see examples/*.json).
     #[arg(long, default_value = "convnet", value_name = "NAME|FILE.json", value_parser = parse_model_choice)]
     model: ModelChoice,
-    /// toy, toy-enlarged, digits, mnist:DIR (IDX files, plain or .gz), or a FILE.safetensors (tensors x and y) [default: toy for flat models, digits otherwise]
+    /// toy, toy-enlarged, digits, fashion-mnist (Debian's dataset-fashion-mnist), mnist:DIR (IDX files, plain or .gz), or a FILE.safetensors (tensors x and y) [default: toy for flat models, digits otherwise]
     #[arg(long)]
     data: Option<String>,
+    /// The model's number of classes (its outputs) [default: the training data's: 10 for
+    /// MNIST-format and the digits, a file's `num_classes` metadata, else its largest label
+    /// + 1 up to 65,536]. Every label must be below it.
+    #[arg(long, value_name = "K")]
+    classes: Option<usize>,
     /// A separate test split for --data FILE (evaluated after every epoch).
     #[arg(long, value_name = "FILE")]
     test_data: Option<PathBuf>,
@@ -25,7 +48,7 @@ pub(crate) struct TrainArgs {
     #[arg(long, value_name = "F", conflicts_with_all = ["val_data", "test_data"])]
     validation_split: Option<f64>,
     /// A validation split evaluated after every epoch in place of the test split: a
-    /// FILE.safetensors or mnist:DIR (its t10k files).
+    /// FILE.safetensors, fashion-mnist or mnist:DIR (their test files).
     #[arg(long, value_name = "FILE|mnist:DIR", conflicts_with = "test_data")]
     val_data: Option<String>,
     /// Passes over the training data [default: toy 3, convnet 15].
@@ -95,13 +118,16 @@ pub(crate) struct TrainArgs {
     /// Write checkpoints (weights, optimiser state, position, configuration) here.
     #[arg(long, value_name = "DIR")]
     checkpoint_dir: Option<PathBuf>,
-    /// Steps between checkpoints [default: one epoch]. One is also written at the end and on Ctrl-C.
+    /// Steps between checkpoints [default: one epoch]. One is also written at the end and
+    /// when the run is stopped by SIGINT (Ctrl-C) or SIGTERM.
     #[arg(long, value_name = "N")]
     checkpoint_every: Option<u64>,
     /// Checkpoints kept, newest first.
     #[arg(long, value_name = "K", default_value_t = 3)]
     keep_checkpoints: usize,
-    /// Continue the run whose checkpoints are in DIR (give the same arguments as the run).
+    /// Continue the run whose checkpoints are in DIR, with the flags it was started with
+    /// (stored in its checkpoints); flags given must agree, except --epochs, --steps,
+    /// --devices, --early-stopping, --save-best, checkpoint and logging flags.
     #[arg(long, value_name = "DIR")]
     resume: Option<PathBuf>,
     /// With --resume: if the newest checkpoint is corrupt, continue from the newest intact one.
@@ -114,7 +140,35 @@ pub(crate) struct TrainArgs {
     /// Write step and epoch metrics to this CSV (flushed every epoch; `lockstep plot` draws it).
     #[arg(long, value_name = "FILE.csv")]
     metrics_out: Option<PathBuf>,
+    /// Stop once the validation loss has not improved for PATIENCE epochs since the best
+    /// one (Keras's EarlyStopping on val_loss; needs --validation-split or --val-data).
+    #[arg(long, value_name = "PATIENCE")]
+    early_stopping: Option<usize>,
+    /// Write the weights of every epoch whose validation loss is the best so far here
+    /// (atomically; Keras's ModelCheckpoint(save_best_only=True)).
+    #[arg(long, value_name = "FILE")]
+    save_best: Option<PathBuf>,
 }
+
+/// The flags that may differ from the stored ones on `--resume` (clap ids).
+pub(crate) const MAY_CHANGE: [&str; 16] = [
+    "epochs",
+    "steps",
+    "devices",
+    "early_stopping",
+    "save_best",
+    "checkpoint_every",
+    "keep_checkpoints",
+    "check_replicas_every",
+    "allow_nonfinite",
+    "log_every_step",
+    "log_format",
+    "metrics_out",
+    "save",
+    "resume",
+    "resume_fallback",
+    "checkpoint_dir",
+];
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum LogFormat {
@@ -123,20 +177,280 @@ enum LogFormat {
 }
 
 // ---------------------------------------------------------------------------------------
+// stored flags
+
+/// The canonical text of a value, as stored in checkpoints and compared on resume.
+fn enum_name<T: ValueEnum>(v: &T) -> String {
+    v.to_possible_value().map_or(String::new(), |p| p.get_name().to_string())
+}
+
+/// The run's flags as stored in a checkpoint: clap id → canonical value, for every flag
+/// that says what the run is (absent options and unset switches are left out). Flags
+/// that only say where output goes (`--save`, logging) or how it started (`--init`) are
+/// not stored.
+fn flag_values(a: &TrainArgs) -> BTreeMap<&'static str, String> {
+    let model = match &a.model {
+        ModelChoice::Builtin(n) => n.as_str().to_string(),
+        ModelChoice::Spec(p) => p.display().to_string(),
+    };
+    let mut m = BTreeMap::from([
+        ("model", model),
+        ("momentum", a.momentum.to_string()),
+        ("weight_decay", a.weight_decay.to_string()),
+        ("adam_eps", a.adam_eps.to_string()),
+        ("dropout", a.dropout.to_string()),
+        ("bn_momentum", a.bn_momentum.to_string()),
+        ("seed", a.seed.to_string()),
+        ("devices", a.devices.clone()),
+        ("keep_checkpoints", a.keep_checkpoints.to_string()),
+    ]);
+    let optional = [
+        ("data", a.data.clone()),
+        ("test_data", a.test_data.as_ref().map(|p| p.display().to_string())),
+        ("val_data", a.val_data.clone()),
+        ("validation_split", a.validation_split.map(|f| f.to_string())),
+        ("classes", a.classes.map(|k| k.to_string())),
+        ("epochs", a.epochs.map(|e| e.to_string())),
+        ("batch_size", a.batch_size.map(|b| b.to_string())),
+        ("optimizer", a.optimizer.as_ref().map(enum_name)),
+        ("lr", a.lr.map(|l| l.to_string())),
+        ("lr_schedule", a.lr_schedule.as_ref().map(enum_name)),
+        ("steps", a.steps.map(|k| k.to_string())),
+        ("replicas", a.replicas.map(|r| r.to_string())),
+        ("check_replicas_every", a.check_replicas_every.map(|k| k.to_string())),
+        ("checkpoint_every", a.checkpoint_every.map(|k| k.to_string())),
+        ("early_stopping", a.early_stopping.map(|p| p.to_string())),
+        ("save_best", a.save_best.as_ref().map(|p| p.display().to_string())),
+        ("no_shuffle", a.no_shuffle.then(|| "true".to_string())),
+        ("drop_last", a.drop_last.then(|| "true".to_string())),
+        ("allow_nonfinite", a.allow_nonfinite.then(|| "true".to_string())),
+    ];
+    m.extend(optional.into_iter().filter_map(|(k, v)| v.map(|v| (k, v))));
+    m
+}
+
+/// `--batch-size` for the clap id `batch_size`.
+fn flag(id: &str) -> String {
+    format!("--{}", id.replace('_', "-"))
+}
+
+/// The newest checkpoint of `dir` whose header reads, and the flags it stores; older ones
+/// are tried only with `--resume-fallback` (the checksum is checked when it is loaded).
+fn stored_flags(dir: &Path, fallback: bool) -> CliResult<BTreeMap<String, String>> {
+    let files = checkpoint::list(dir).map_err(Failure::usage)?;
+    let mut first_error = None;
+    for (_, path) in files.iter().rev() {
+        match checkpoint::read_stored(path) {
+            Ok((_, stored)) => return Ok(stored),
+            Err(e) if fallback => {
+                first_error.get_or_insert(e);
+            }
+            Err(e) => {
+                return Err(Failure::usage(anyhow!(
+                    "{e}; pass --resume-fallback to continue from the newest intact checkpoint"
+                )))
+            }
+        }
+    }
+    match first_error {
+        Some(e) => Err(Failure::usage(anyhow!("--resume '{}': every checkpoint in it is corrupt (the newest: {e})", dir.display()))),
+        None => Err(Failure::usage(anyhow!(
+            "--resume '{}': no checkpoint in it (a directory that --checkpoint-dir wrote holds checkpoint-*.safetensors)",
+            dir.display()
+        ))),
+    }
+}
+
+/// `a` completed with the flags the run in `dir` stored: a stored flag not given is
+/// taken; a given one must agree unless it may change; a flag the run did not have may
+/// not be added (unless it may change).
+fn with_stored_flags(a: TrainArgs, given: &BTreeSet<String>, dir: &Path) -> CliResult<TrainArgs> {
+    check_resume_dir(dir)?;
+    let stored = stored_flags(dir, a.resume_fallback)?;
+    // A checkpoint of a run that stored no flags (an older lockstep): the flags given
+    // decide, and the configuration check on loading compares what it can.
+    if stored.is_empty() {
+        return Ok(a);
+    }
+    let here = flag_values(&a);
+    let mut problems = Vec::new();
+    if given.contains("init") {
+        problems.push("--init starts a run; a resumed run continues from its checkpoint's weights".to_string());
+    }
+    for id in given.iter().filter(|id| !MAY_CHANGE.contains(&id.as_str())) {
+        let Some(mine) = here.get(id.as_str()) else { continue };
+        match stored.get(id.as_str()) {
+            Some(theirs) if theirs == mine => {}
+            Some(theirs) => problems.push(format!("{} {mine} differs from the run's {} {theirs}", flag(id), flag(id))),
+            None => problems.push(format!("the run had no {}", flag(id))),
+        }
+    }
+    if !problems.is_empty() {
+        return Err(Failure::usage(anyhow!(
+            "--resume '{}': {} (only {} may change when resuming)",
+            dir.display(),
+            problems.join("; "),
+            ["--epochs", "--steps", "--devices", "--early-stopping", "--save-best", "checkpoint and logging flags"]
+                .join(", ")
+        )));
+    }
+    let mut argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    for (id, value) in &stored {
+        if given.contains(id.as_str()) || !here_known(id) {
+            continue;
+        }
+        match value.as_str() {
+            "true" if ["no_shuffle", "drop_last", "allow_nonfinite"].contains(&id.as_str()) => {
+                argv.push(flag(id).into())
+            }
+            v => argv.push(format!("{}={v}", flag(id)).into()),
+        }
+    }
+    match Cli::try_parse_from(argv) {
+        Ok(Cli { command: Command::Train(merged) }) => Ok(*merged),
+        Ok(_) => unreachable!("the arguments are those of `train`"),
+        Err(e) => Err(Failure::usage(anyhow!(
+            "--resume '{}': the run's stored flags no longer parse: {}",
+            dir.display(),
+            e.render().to_string().lines().next().unwrap_or("").trim_start_matches("error: ")
+        ))),
+    }
+}
+
+/// Whether `id` is a flag this version stores (a newer lockstep's extra entries are left).
+fn here_known(id: &str) -> bool {
+    const STORED: [&str; 28] = [
+        "model",
+        "momentum",
+        "weight_decay",
+        "adam_eps",
+        "dropout",
+        "bn_momentum",
+        "seed",
+        "devices",
+        "keep_checkpoints",
+        "data",
+        "test_data",
+        "val_data",
+        "validation_split",
+        "classes",
+        "epochs",
+        "batch_size",
+        "optimizer",
+        "lr",
+        "lr_schedule",
+        "steps",
+        "replicas",
+        "check_replicas_every",
+        "checkpoint_every",
+        "early_stopping",
+        "save_best",
+        "no_shuffle",
+        "drop_last",
+        "allow_nonfinite",
+    ];
+    STORED.contains(&id)
+}
+
+/// `--resume DIR` names a directory, not a checkpoint file or nothing.
+fn check_resume_dir(dir: &Path) -> CliResult {
+    match std::fs::metadata(dir) {
+        Ok(m) if m.is_dir() => Ok(()),
+        Ok(_) if dir.file_name().is_some_and(|n| n.to_string_lossy().starts_with("checkpoint-")) => {
+            Err(Failure::usage(anyhow!(
+                "--resume '{}': is a checkpoint file; give its directory ({}), which --checkpoint-dir wrote",
+                dir.display(),
+                dir.parent().map_or(".".into(), |p| p.display().to_string())
+            )))
+        }
+        Ok(_) => Err(Failure::usage(anyhow!(
+            "--resume '{}': is a file, not a checkpoint directory (give the directory --checkpoint-dir wrote)",
+            dir.display()
+        ))),
+        Err(_) => Err(Failure::usage(anyhow!("--resume '{}': no such directory", dir.display()))),
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// outputs
+
+/// `path` as it will be written, for comparing two flags' files: its directory resolved,
+/// its name kept.
+fn resolved(path: &Path) -> PathBuf {
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    let dir = dir.canonicalize().unwrap_or_else(|_| dir.to_path_buf());
+    path.file_name().map_or(dir.clone(), |n| dir.join(n))
+}
+
+/// Every output file can be written, and no two flags name the same one (the second
+/// writer would destroy the first's file: `--save X --metrics-out X`).
+fn check_outputs(a: &TrainArgs) -> CliResult {
+    let outputs = [("--save", &a.save), ("--save-best", &a.save_best), ("--metrics-out", &a.metrics_out)];
+    let mut seen: Vec<(&str, PathBuf)> = Vec::new();
+    for (name, path) in outputs.iter().filter_map(|(n, p)| p.as_ref().map(|p| (*n, p))) {
+        check_writable(name, path)?;
+        let at = resolved(path);
+        if let Some((other, _)) = seen.iter().find(|(_, p)| *p == at) {
+            return Err(Failure::usage(anyhow!(
+                "{name} '{}' is the file {other} writes too: give each output its own file",
+                path.display()
+            )));
+        }
+        seen.push((name, at));
+    }
+    Ok(())
+}
+
+/// Claims the checkpoint directory for this run before anything is loaded: a file of that
+/// name, a directory another run holds (named by its pid), or another run's checkpoints in
+/// a directory that is not being resumed are refused.
+fn claim_checkpoint_dir(dir: &Path, resuming: bool) -> CliResult<DirLock> {
+    let flag = if resuming { "--resume" } else { "--checkpoint-dir" };
+    if dir.exists() && !dir.is_dir() {
+        return Err(Failure::usage(anyhow!("{flag} '{}': is a file, not a directory", dir.display())));
+    }
+    let lock = checkpoint::claim_dir(dir).map_err(|e| Failure::usage(anyhow!("{flag}: {e}")))?;
+    if let Some(pid) = lock.stale_owner() {
+        eprintln!("lockstep: {}: taking over the lock of pid {pid}, which is no longer running", dir.display());
+    }
+    if !resuming {
+        if let Some((step, _)) = checkpoint::list(dir).map_err(Failure::usage)?.last() {
+            return Err(Failure::usage(anyhow!(
+                "--checkpoint-dir '{}' already holds checkpoints of a run (newest: step {step}); continue it with --resume, or choose another directory",
+                dir.display()
+            )));
+        }
+    }
+    Ok(lock)
+}
+
+// ---------------------------------------------------------------------------------------
 // train
 
-pub(crate) fn cmd_train(a: TrainArgs) -> CliResult {
-    // Every check comes before any work.
-    let source = a.model.resolve()?;
-    let toy = source.flat();
-    let epochs = a.epochs.unwrap_or(if toy { 3 } else { 15 });
-    let batch_size = a.batch_size.unwrap_or(if toy { 2 } else { 32 });
-    let optimizer = a.optimizer.unwrap_or(if toy { OptimizerName::Sgd } else { OptimizerName::Adam });
-    let lr = a.lr.unwrap_or(match (optimizer, toy) {
+/// The settings of a run once its flags and the model's defaults are resolved.
+struct Settings {
+    epochs: usize,
+    batch_size: usize,
+    optimizer: OptimizerConfig,
+    schedule: LrSchedule,
+    devices: Devices,
+    replicas: usize,
+}
+
+/// Resolves the model's defaults and checks every flag that needs no file.
+fn settings(a: &mut TrainArgs, toy: bool) -> CliResult<Settings> {
+    let epochs = *a.epochs.get_or_insert(if toy { 3 } else { 15 });
+    let batch_size = *a.batch_size.get_or_insert(if toy { 2 } else { 32 });
+    let optimizer = *a.optimizer.get_or_insert(if toy { OptimizerName::Sgd } else { OptimizerName::Adam });
+    let lr = *a.lr.get_or_insert(match (optimizer, toy) {
         (OptimizerName::Sgd, true) => 0.5,
         (OptimizerName::Sgd, false) => 0.05,
         (OptimizerName::Adam, _) => 1e-3,
     });
+    let schedule = *a.lr_schedule.get_or_insert(if toy { ScheduleName::Constant } else { ScheduleName::Cosine });
     if epochs == 0 {
         return Err(Failure::usage(anyhow!("--epochs must be at least 1")));
     }
@@ -152,15 +466,18 @@ pub(crate) fn cmd_train(a: TrainArgs) -> CliResult {
     if !(0.0..1.0).contains(&a.dropout) {
         return Err(Failure::usage(anyhow!("--dropout must be in [0, 1), got {}", a.dropout)));
     }
-    if a.steps == Some(0) {
-        return Err(Failure::usage(anyhow!("--steps must be at least 1")));
+    for (name, zero) in [
+        ("--steps", a.steps == Some(0)),
+        ("--replicas", a.replicas == Some(0)),
+        ("--check-replicas-every", a.check_replicas_every == Some(0)),
+        ("--checkpoint-every", a.checkpoint_every == Some(0)),
+        ("--keep-checkpoints", a.keep_checkpoints == 0),
+    ] {
+        if zero {
+            return Err(Failure::usage(anyhow!("{name} must be at least 1")));
+        }
     }
-    if a.replicas == Some(0) {
-        return Err(Failure::usage(anyhow!("--replicas must be at least 1")));
-    }
-    if a.check_replicas_every == Some(0) {
-        return Err(Failure::usage(anyhow!("--check-replicas-every must be at least 1")));
-    }
+    check_classes(a.classes)?;
     if optimizer == OptimizerName::Adam && a.momentum != 0.0 {
         return Err(Failure::usage(anyhow!("--momentum is an SGD setting; Adam uses its betas")));
     }
@@ -172,179 +489,222 @@ pub(crate) fn cmd_train(a: TrainArgs) -> CliResult {
     };
     optimizer.validate().map_err(Failure::usage)?;
     let devices = resolve_devices(&a.devices)?;
-    let world = lockstep::world::current().map_err(Failure::usage)?;
-    let voice = world.is_voice();
     // The world's devices: every process's.
+    let world = lockstep::world::current().map_err(Failure::usage)?;
     let in_world = devices.len() * world.size();
-    if let Some(r) = a.replicas {
-        if r % in_world != 0 {
-            let among = match world.size() {
-                1 => String::new(),
-                p => format!(" ({p} processes × {})", devices.len()),
-            };
-            return Err(Failure::usage(anyhow!(
-                "--replicas {r} cannot be shared evenly by {in_world} devices{among} (use a multiple of {in_world})"
-            )));
-        }
+    let replicas = a.replicas.unwrap_or(in_world);
+    if replicas % in_world != 0 {
+        let among = match world.size() {
+            1 => String::new(),
+            p => format!(" ({p} processes × {})", devices.len()),
+        };
+        return Err(Failure::usage(anyhow!(
+            "--replicas {replicas} cannot be shared evenly by {in_world} devices{among} (use a multiple of {in_world})"
+        )));
     }
-    if let Some(p) = a.save.as_ref().filter(|_| voice) {
-        check_writable("--save", p)?;
+    if replicas > batch_size {
+        return Err(Failure::usage(anyhow!(
+            "--replicas {replicas} is more than the global batch of {batch_size}: each logical replica needs a sample of every batch (at most {batch_size}, or a larger --batch-size)"
+        )));
     }
-    if let Some(p) = a.metrics_out.as_ref().filter(|_| voice) {
-        check_writable("--metrics-out", p)?;
-    }
-    if a.checkpoint_every == Some(0) {
-        return Err(Failure::usage(anyhow!("--checkpoint-every must be at least 1")));
-    }
-    if a.keep_checkpoints == 0 {
-        return Err(Failure::usage(anyhow!("--keep-checkpoints must be at least 1")));
-    }
+    a.replicas = Some(replicas);
     if a.checkpoint_every.is_some() && a.checkpoint_dir.is_none() && a.resume.is_none() {
         return Err(Failure::usage(anyhow!("--checkpoint-every needs --checkpoint-dir (or --resume)")));
     }
-    if let Some(d) = a.resume.as_ref() {
-        if !d.is_dir() {
-            return Err(Failure::usage(anyhow!("--resume '{}': no such directory", d.display())));
+    let schedule = match schedule {
+        ScheduleName::Constant => LrSchedule::Constant,
+        ScheduleName::Cosine => LrSchedule::Cosine { floor: 0.1 },
+    };
+    Ok(Settings { epochs, batch_size, optimizer, schedule, devices, replicas })
+}
+
+pub(crate) fn cmd_train(a: TrainArgs, given: &BTreeSet<String>) -> CliResult {
+    // One voice: with several processes, process 0 prints, owns the checkpoint directory
+    // and writes every output file; every process reads what it resumes from.
+    let world = lockstep::world::current().map_err(Failure::usage)?;
+    let voice = world.is_voice();
+    // Every check comes before any work. A directory being resumed is this run's before
+    // its stored flags are read: another run may be writing it.
+    let _resumed_lock = match a.resume.clone() {
+        Some(dir) => {
+            check_resume_dir(&dir)?;
+            voice.then(|| claim_checkpoint_dir(&dir, true)).transpose()?
         }
+        None => None,
+    };
+    let mut a = match a.resume.clone() {
+        Some(dir) => with_stored_flags(a, given, &dir)?,
+        None => a,
+    };
+    let source = a.model.resolve()?;
+    let toy = source.flat();
+    let s = settings(&mut a, toy)?;
+    if voice {
+        check_outputs(&a)?;
     }
-    // Checkpoints go to --checkpoint-dir, or back into the directory being resumed.
+    check_monitors(&a)?;
+    // Checkpoints go to --checkpoint-dir, or back into the directory being resumed; the
+    // directory is this run's from here to the end of the process.
     let checkpoint_dir = a.checkpoint_dir.clone().or_else(|| a.resume.clone());
-    // Process 0 writes the checkpoints; every process reads the one it resumes from.
-    if let Some(d) = checkpoint_dir.as_ref().filter(|_| voice) {
-        lockstep::checkpoint::prepare_dir(d).map_err(Failure::usage).map_err(|f| f.with_context("--checkpoint-dir"))?;
-        if a.resume.is_none() {
-            if let Some((step, _)) = lockstep::checkpoint::list(d).map_err(Failure::usage)?.last() {
-                return Err(Failure::usage(anyhow!(
-                    "--checkpoint-dir '{}' already holds checkpoints of a run (newest: step {step}); continue it with --resume, or choose another directory",
-                    d.display()
-                )));
-            }
-        }
-    }
-    let data_spec = a.data.clone().unwrap_or_else(|| source.default_data().to_string());
-    let splits = load_data(&data_spec, toy, a.seed, a.test_data.as_deref())?;
-    let (splits, eval_name) = with_validation(splits, a.validation_split, a.val_data.as_deref(), a.seed)?;
-    let classes = splits.train.num_classes().max(splits.test.as_ref().map_or(0, Dataset::num_classes));
-    let model = build_model(&source, splits.train.sample_shape().dims(), classes, a.dropout, a.bn_momentum)?;
-    lockstep::train::check_data(&model, &splits.train).map_err(Failure::usage)?;
-    if let Some(t) = &splits.test {
-        lockstep::train::check_data(&model, t).map_err(Failure::usage)?;
-    }
-    let initial = a
-        .init
-        .as_ref()
-        .map(|p| weights::load(&model, p).map_err(Failure::usage).map_err(|f| f.with_context("--init")))
+    let _lock = checkpoint_dir
+        .as_deref()
+        .filter(|_| voice)
+        .map(|d| claim_checkpoint_dir(d, a.resume.as_deref() == Some(d)))
         .transpose()?;
+    let data_spec = a.data.get_or_insert_with(|| source.default_data().to_string()).clone();
+    let splits = load_data(&data_spec, toy, a.seed, a.test_data.as_deref(), a.classes)?;
+    let (splits, final_test, held_out) =
+        with_validation(splits, a.validation_split, a.val_data.as_deref(), a.seed, a.classes)?;
+    // The training data sizes a built-in model, never the test data: a label only the
+    // test split has is one the model was never trained to output.
+    let classes = *a.classes.get_or_insert(splits.train.num_classes());
+    let model = build_model(&source, splits.train.sample_shape().dims(), classes, a.dropout, a.bn_momentum)?;
+    for d in std::iter::once(&splits.train).chain(&splits.test).chain(&final_test) {
+        lockstep::train::check_data(&model, d).map_err(Failure::usage)?;
+    }
     let last_batch = if a.drop_last { LastBatch::Drop } else { LastBatch::Keep };
-    if lockstep::train::scatter::steps_per_epoch(splits.train.len(), batch_size, last_batch) == 0 {
+    let steps_per_epoch = lockstep::train::scatter::steps_per_epoch(splits.train.len(), s.batch_size, last_batch);
+    if steps_per_epoch == 0 {
         return Err(Failure::usage(anyhow!(
-            "{} training samples make no full batch of {batch_size} with --drop-last",
-            splits.train.len()
+            "{} training samples make no full batch of {} with --drop-last",
+            splits.train.len(),
+            s.batch_size
         )));
     }
-    let config = TrainConfig {
-        epochs,
+    // A batch larger than the training set is the whole set at every step (Keras and
+    // PyTorch's loaders do the same); memory is estimated for what a step really takes.
+    let batch_size = match last_batch {
+        LastBatch::Keep => s.batch_size.min(splits.train.len()),
+        LastBatch::Drop => s.batch_size,
+    };
+    let mut config = TrainConfig {
+        epochs: s.epochs,
         max_steps: a.steps,
         batch_size,
-        optimizer,
-        schedule: match a.lr_schedule.unwrap_or(if toy { ScheduleName::Constant } else { ScheduleName::Cosine }) {
-            ScheduleName::Constant => LrSchedule::Constant,
-            ScheduleName::Cosine => LrSchedule::Cosine { floor: 0.1 },
-        },
+        optimizer: s.optimizer,
+        schedule: s.schedule,
         seed: a.seed,
         shuffle: if a.no_shuffle { Shuffle::None } else { Shuffle::Seeded },
         last_batch,
-        replicas: a.replicas,
+        replicas: Some(s.replicas),
         check_replicas_every: a.check_replicas_every.or(TrainConfig::default().check_replicas_every),
         non_finite: if a.allow_nonfinite { NonFinite::Allow } else { NonFinite::Error },
-        initial,
+        held_out,
+        early_stopping: a.early_stopping.map(EarlyStopping::patience),
+        save_best: a.save_best.clone(),
         ..TrainConfig::default()
     };
     config.validate().map_err(Failure::usage)?;
-    let run_config =
-        run_fingerprint(&a, &source.name(), &model, &data_spec, &splits.train, &config, a.replicas.unwrap_or(in_world));
-    let steps_per_epoch = lockstep::train::scatter::steps_per_epoch(splits.train.len(), batch_size, last_batch) as u64;
-    let policy = checkpoint_dir.map(|dir| CheckpointPolicy {
+    // Memory before the weights, the checkpoint or any replica is allocated.
+    let largest_held_out = splits.test.iter().chain(&final_test).map(Dataset::len).max().unwrap_or(0);
+    let sized = TrainConfig { eval_batch: config.eval_batch.min(largest_held_out.max(1)), ..config.clone() };
+    let mut estimate = lockstep::memory::training(&model, &s.devices, &sized);
+    let held: u64 = splits.test.iter().chain(&final_test).map(|d| dataset_bytes(d, Evaluated::Yes)).sum();
+    let data_bytes = dataset_bytes(&splits.train, Evaluated::No).saturating_add(held);
+    estimate.add("data", data_bytes, "the datasets as loaded, and the held-out sets gathered as f32 for evaluation");
+    estimate.check("training").map_err(Failure::usage)?;
+    config.initial = a
+        .init
+        .as_ref()
+        .map(|p| {
+            check_input_file("--init", p)?;
+            weights::load(&model, p).map_err(Failure::usage).map_err(|f| f.with_context("--init"))
+        })
+        .transpose()?;
+    let run_config = run_fingerprint(&a, &source.name(), &model, &data_spec, &splits.train, &config);
+    let stored: BTreeMap<String, String> = flag_values(&a).into_iter().map(|(k, v)| (k.to_string(), v)).collect();
+    config.checkpoint = checkpoint_dir.map(|dir| CheckpointPolicy {
         dir,
-        every: a.checkpoint_every.unwrap_or(steps_per_epoch),
+        every: a.checkpoint_every.unwrap_or(steps_per_epoch as u64),
         keep: a.keep_checkpoints,
         config: run_config.clone(),
+        stored,
     });
-    let resume = match &a.resume {
-        None => None,
-        Some(dir) => {
-            let fallback = if a.resume_fallback { Fallback::NewestGood } else { Fallback::Refuse };
-            let fresh = Optimizer::new(config.optimizer, model.params_len());
-            match lockstep::checkpoint::load_latest(&model, dir, &run_config, &fresh, fallback)
-                .map_err(Failure::usage)?
-            {
-                None => return Err(Failure::usage(anyhow!("--resume '{}': no checkpoint in it", dir.display()))),
-                Some((r, path, skipped)) => {
-                    if voice {
-                        for s in skipped {
-                            eprintln!("lockstep: skipping corrupt checkpoint {}", s.display());
-                        }
-                        outln!("lockstep: resuming {} at step {} (epoch {})", path.display(), r.step, r.epoch + 1);
-                    }
-                    Some(r)
-                }
-            }
+    let total_steps = (steps_per_epoch as u64).saturating_mul(s.epochs as u64).min(a.steps.unwrap_or(u64::MAX));
+    let mut resuming = None;
+    if let Some(dir) = &a.resume {
+        let fallback = if a.resume_fallback { Fallback::NewestGood } else { Fallback::Refuse };
+        let fresh = Optimizer::new(config.optimizer, model.params_len());
+        let Some((r, path, skipped)) =
+            lockstep::checkpoint::load_latest(&model, dir, &run_config, &fresh, fallback).map_err(Failure::usage)?
+        else {
+            return Err(Failure::usage(anyhow!("--resume '{}': no checkpoint in it", dir.display())));
+        };
+        for s in skipped.iter().filter(|_| voice) {
+            eprintln!("lockstep: skipping corrupt checkpoint {}", s.display());
         }
-    };
-    // Ctrl-C: finish the step, write a checkpoint if there is a directory, exit non-zero.
-    // A second Ctrl-C ends the process at once.
-    let stop = Arc::new(AtomicBool::new(false));
-    {
-        let stop = Arc::clone(&stop);
-        let _ = ctrlc::set_handler(move || {
-            if stop.swap(true, Ordering::SeqCst) {
-                std::process::exit(130);
-            }
-            eprintln!("lockstep: interrupt: stopping after this step (Ctrl-C again to quit now)");
-        });
+        if r.step >= total_steps {
+            return match voice {
+                true => finished_already(&a, &model, dir, &r, total_steps),
+                false => Ok(()),
+            };
+        }
+        resuming = Some(format!("lockstep: resuming {} at step {} (epoch {})", path.display(), r.step, r.epoch + 1));
+        config.resume = Some(r);
     }
-    // Under mpirun, Ctrl-C reaches the processes as SIGTERM (or SIGUSR1, which mpirun
-    // forwards): the same stop, at a step every process agrees on.
-    world.stop_on_signals(&stop).map_err(Failure::runtime)?;
-    let config = TrainConfig { resume, checkpoint: policy, stop: Some(stop), ..config };
+    // SIGINT or SIGTERM: finish the step, write a checkpoint (or --save), exit 128 + N.
+    // Under mpirun, Ctrl-C reaches the processes as SIGTERM (and SIGUSR1, which mpirun
+    // forwards, is caught too): they stop at a step they all agree on.
+    let signals = StopSignals::install(match world.size() {
+        1 => Launched::Alone,
+        _ => Launched::Together,
+    });
+    config.stop = Some(Arc::clone(&signals.stop));
 
-    let replicas = a.replicas.unwrap_or(in_world);
     // With --log-format json, stdout carries only JSON; the human lines go to stderr.
     let human = if a.log_format == LogFormat::Json { Stream::Stderr } else { Stream::Stdout };
-    // One voice: process 0 of a world of several prints, the others keep quiet.
-    macro_rules! say {
-        ($($arg:tt)*) => { if voice { human.line(&format!($($arg)*)) } };
-    }
-    let shown = match world.size() {
-        1 => devices.to_string(),
-        p => format!("{p} processes × {devices}"),
+    let say = |text: String| {
+        if voice {
+            human.line(&text)
+        }
     };
-    say!(
-        "lockstep: {} ({} parameters) | devices: {shown} | replicas: {replicas} | data: {} {} samples{}",
+    let shown = match world.size() {
+        1 => s.devices.to_string(),
+        p => format!("{p} processes × {}", s.devices),
+    };
+    let test_text = |t: &Dataset| format!(", {} {} samples", t.name(), t.len());
+    say(format!(
+        "lockstep: {} ({} parameters, {classes} classes) | devices: {} | replicas: {} | data: {} {} samples{}{}",
         source.name(),
         model.num_params(),
+        shown,
+        s.replicas,
         splits.train.name(),
         splits.train.len(),
-        splits.test.as_ref().map_or(String::new(), |t| format!(", {} {} samples", t.name(), t.len()))
-    );
-    if let Some(note) = devices.oversubscription_note(replicas) {
-        say!("lockstep: note: {note}");
-    }
-    say!(
-        "lockstep: {} | global batch {batch_size} | epochs {epochs}{} | seed {}{}",
-        optimizer_text(&optimizer),
+        splits.test.as_ref().map_or(String::new(), test_text),
+        final_test.as_ref().map_or(String::new(), test_text),
+    ));
+    say(format!(
+        "lockstep: {} | global batch {} | epochs {}{} | seed {}{}{}",
+        optimizer_text(&s.optimizer),
+        match batch_size < s.batch_size {
+            true => format!("{batch_size} (every training sample; --batch-size {})", s.batch_size),
+            false => batch_size.to_string(),
+        },
+        s.epochs,
         a.steps.map_or(String::new(), |k| format!(" (at most {k} steps)")),
         a.seed,
-        a.init.as_ref().map_or(String::new(), |p| format!(" | initial weights {}", p.display()))
-    );
+        a.init.as_ref().map_or(String::new(), |p| format!(" | initial weights {}", p.display())),
+        a.early_stopping.map_or(String::new(), |p| format!(" | early stopping after {p} epochs without improvement")),
+    ));
+    let available = lockstep::memory::available();
+    say(format!(
+        "lockstep: memory: an estimated {} of the {} {}",
+        lockstep::memory::human(estimate.total()),
+        available.map_or("unknown".to_string(), |m| lockstep::memory::human(m.bytes)),
+        available.map_or("", |m| m.source),
+    ));
 
+    if let Some(line) = resuming {
+        say(line);
+    }
     let step_lines = if a.log_every_step { StepLines::Lesson } else { StepLines::Off };
     // mpirun gives process 0 a pseudo-terminal whatever its own output is: plain lines.
     let mut progress = match world.size() {
         1 => Progress::new(human, step_lines),
         _ => Progress::with_drawing(human, step_lines, Drawing::Lines),
     }
-    .held_out(eval_name);
+    .held_out(held_out.name());
     let mut json = (voice && a.log_format == LogFormat::Json).then(|| JsonLines::new(std::io::stdout()));
     let mut csv =
         a.metrics_out.as_deref().filter(|_| voice).map(CsvMetrics::create).transpose().map_err(Failure::usage)?;
@@ -359,7 +719,15 @@ pub(crate) fn cmd_train(a: TrainArgs) -> CliResult {
         observers.push(c);
     }
     let trained =
-        train_data_parallel_with(&model, &splits.train, splits.test.as_ref(), &devices, &config, &mut observers);
+        train_data_parallel_with(&model, &splits.train, splits.test.as_ref(), &s.devices, &config, &mut observers);
+    let tested = match (&trained, &final_test) {
+        (Ok(r), Some(t)) if !matches!(r.stopped, Stopped::Interrupted { .. }) => {
+            let m = evaluate(&model, &r.weights, t, &s.devices).map_err(Failure::runtime)?;
+            observers.on_evaluation(&EvaluationReport { set: HeldOut::Test, step: r.steps, metrics: m });
+            Some(m)
+        }
+        _ => None,
+    };
     drop(observers);
     progress.finish();
     // The rows of a failed run are kept too; a closed stdout does not fail the run.
@@ -371,24 +739,141 @@ pub(crate) fn cmd_train(a: TrainArgs) -> CliResult {
     })?;
     csv_done.map_err(Failure::runtime)?;
     if let Some(p) = &a.metrics_out {
-        say!("metrics written to {}", p.display());
+        say(format!("metrics written to {}", p.display()));
     }
-    say!("trained {} steps in {:.2}s ({:.0} samples/s)", report.steps, report.seconds, report.samples_per_sec);
-    if let Some(last) = report.epochs.last() {
-        say!("final train loss {:.4} accuracy {:.4}", last.train.mean_loss(), last.train.accuracy());
-        if let Some(t) = &last.test {
-            say!("final {eval_name} accuracy: {:.4} ({}/{})", t.accuracy(), t.correct, t.count);
-        }
+    final_lines(&say, &report, held_out, tested.as_ref(), &a);
+    if let Stopped::Interrupted { checkpoint } = &report.stopped {
+        return match voice {
+            true => interrupted(&model, &report, checkpoint.as_deref(), a.save.as_deref(), &signals),
+            false => Err(Failure::silent(StopSignals::exit_code(signals.received().unwrap_or(SIGINT)))),
+        };
     }
     if let Some(p) = a.save.as_ref().filter(|_| voice) {
         weights::save(&model, &report.weights, p).map_err(Failure::runtime)?;
-        say!("weights saved to {}", p.display());
+        say(format!("weights saved to {}", p.display()));
     }
     Ok(())
 }
 
-/// The arguments that decide a run's arithmetic: a checkpoint is only resumed by a run
-/// that agrees on every one (the device count is free: the logical replicas are here).
+/// `--early-stopping` and `--save-best` choose epochs by a validation set, never by the
+/// test split (which would then measure nothing): Keras monitors `val_loss`.
+fn check_monitors(a: &TrainArgs) -> CliResult {
+    let monitors = a.early_stopping.is_some() || a.save_best.is_some();
+    if monitors && a.validation_split.is_none() && a.val_data.is_none() {
+        let name = if a.early_stopping.is_some() { "--early-stopping" } else { "--save-best" };
+        return Err(Failure::usage(anyhow!(
+            "{name} monitors the validation loss: give --validation-split F or --val-data (the test split only measures)"
+        )));
+    }
+    Ok(())
+}
+
+/// The end of a run a signal stopped: where its state went (the checkpoint, else the
+/// weights of its last step to `--save`), said on stderr, and the exit code 128 + N.
+fn interrupted(
+    model: &Sequential,
+    report: &TrainReport,
+    checkpoint: Option<&Path>,
+    save: Option<&Path>,
+    signals: &StopSignals,
+) -> CliResult {
+    let signal = signals.received().unwrap_or(SIGINT);
+    let mut line = format!("lockstep: interrupted by {} after step {}", StopSignals::name(signal), report.steps);
+    match (checkpoint, save) {
+        (Some(p), _) => line.push_str(&format!("; checkpoint written to {}", p.display())),
+        (None, Some(p)) => {
+            weights::save(model, &report.weights, p).map_err(Failure::runtime)?;
+            line.push_str(&format!("; the weights at that step saved to {}", p.display()));
+        }
+        (None, None) => line.push_str("; nothing saved (no --checkpoint-dir or --save)"),
+    }
+    // Not eprintln!: after Ctrl-C on mpirun, stderr's reader may be gone.
+    let _ = writeln!(std::io::stderr(), "{line}");
+    Err(Failure::silent(StopSignals::exit_code(signal)))
+}
+
+/// Whether a dataset is evaluated whole (gathered into one f32 batch) as well as held.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Evaluated {
+    Yes,
+    No,
+}
+
+/// The bytes a dataset holds, and its f32 copy when it is evaluated whole.
+fn dataset_bytes(d: &Dataset, evaluated: Evaluated) -> u64 {
+    let values = (d.len() as u64).saturating_mul(d.sample_shape().numel() as u64);
+    let stored = match d.features() {
+        Features::F32(_) => values.saturating_mul(4),
+        Features::U8(_) => values,
+    };
+    match evaluated {
+        Evaluated::Yes => stored.saturating_add(values.saturating_mul(4)),
+        Evaluated::No => stored,
+    }
+}
+
+/// Loss and accuracy of `weights` on `data`: the test split of a run that chose its
+/// epochs on a validation split, evaluated once at the end.
+fn evaluate(model: &Sequential, weights: &ParamStore, data: &Dataset, devices: &Devices) -> lockstep::Result<Metrics> {
+    let devices = devices.first(data.len());
+    let config = TrainConfig { initial: Some(weights.clone()), check_replicas_every: None, ..TrainConfig::default() };
+    with_trainer(model, &devices, &config, |t| t.evaluate(data, config.eval_batch))
+}
+
+/// The lines after the epochs: steps and rate, the last epoch, the best one, the test.
+fn final_lines(say: &dyn Fn(String), report: &TrainReport, held_out: HeldOut, tested: Option<&Metrics>, a: &TrainArgs) {
+    let taken = report.losses.len() as u64;
+    let resumed = if taken < report.steps { format!(" (to step {})", report.steps) } else { String::new() };
+    say(format!("trained {taken} steps{resumed} in {:.2}s ({:.0} samples/s)", report.seconds, report.samples_per_sec));
+    if let Stopped::EarlyStopping { best_epoch } = report.stopped {
+        say(format!(
+            "early stopping: no improvement of the validation loss in {} epochs since epoch {}",
+            a.early_stopping.unwrap_or(0),
+            best_epoch + 1
+        ));
+    }
+    if let Some(last) = report.epochs.last() {
+        say(format!("final train loss {:.4} accuracy {:.4}", last.train.mean_loss(), last.train.accuracy()));
+        if let Some(t) = last.held_out() {
+            say(format!("final {} accuracy: {:.4} ({}/{})", held_out.name(), t.accuracy(), t.correct, t.count));
+        }
+    }
+    if let (Some(b), HeldOut::Validation) = (&report.best, held_out) {
+        say(format!(
+            "best epoch {}: validation loss {:.4} accuracy {:.4}{}",
+            b.epoch + 1,
+            b.metrics.mean_loss(),
+            b.metrics.accuracy(),
+            a.save_best.as_ref().map_or(String::new(), |p| format!(" (weights in {})", p.display()))
+        ));
+    }
+    if let Some(t) = tested {
+        say(format!("final test accuracy: {:.4} ({}/{})", t.accuracy(), t.correct, t.count));
+    }
+}
+
+/// `--resume` of a run that has already taken every step asked for: nothing to train.
+fn finished_already(a: &TrainArgs, model: &Sequential, dir: &Path, r: &checkpoint::Resume, total: u64) -> CliResult {
+    outln!(
+        "lockstep: the run in {} is complete: step {} of {total} ({}); nothing to train. Give a larger --epochs or --steps to continue it.",
+        dir.display(),
+        r.step,
+        match (r.epoch, r.step_in_epoch) {
+            (1, 0) => "1 epoch".to_string(),
+            (e, 0) => format!("{e} epochs"),
+            (e, s) => format!("{s} steps into epoch {}", e + 1),
+        }
+    );
+    if let Some(p) = &a.save {
+        weights::save(model, &r.weights, p).map_err(Failure::runtime)?;
+        outln!("weights saved to {}", p.display());
+    }
+    Ok(())
+}
+
+/// The settings that decide a run's arithmetic, in words: a checkpoint is only resumed
+/// by a run that agrees on every one (the device count is free: the logical replicas are
+/// here; the epochs and steps are free: a finished run may be extended).
 fn run_fingerprint(
     a: &TrainArgs,
     model_name: &str,
@@ -396,25 +881,26 @@ fn run_fingerprint(
     data_spec: &str,
     train: &Dataset,
     c: &TrainConfig,
-    replicas: usize,
 ) -> BTreeMap<String, String> {
     let layers: Vec<String> = model.layers().iter().map(|l| l.describe()).collect();
+    let schedule = match c.schedule {
+        LrSchedule::Constant => "constant".to_string(),
+        LrSchedule::Cosine { floor } => format!("cosine decay to {floor} of the rate"),
+    };
     let entries = [
         ("model", model_name.to_string()),
         ("layers", layers.join(" → ")),
         ("data", data_spec.to_string()),
         ("train_samples", train.len().to_string()),
         ("train_digest", format!("{:016x}", train.digest())),
-        ("validation_split", format!("{:?}", a.validation_split)),
-        ("epochs", c.epochs.to_string()),
-        ("steps", format!("{:?}", c.max_steps)),
+        ("validation_split", a.validation_split.map_or("none".to_string(), |f| f.to_string())),
         ("batch_size", c.batch_size.to_string()),
-        ("optimizer", format!("{:?}", c.optimizer)),
-        ("schedule", format!("{:?}", c.schedule)),
+        ("optimizer", optimizer_text(&c.optimizer)),
+        ("schedule", schedule),
         ("seed", c.seed.to_string()),
-        ("shuffle", format!("{:?}", c.shuffle)),
-        ("last_batch", format!("{:?}", c.last_batch)),
-        ("replicas", replicas.to_string()),
+        ("shuffle", if c.shuffle == Shuffle::Seeded { "seeded" } else { "none" }.to_string()),
+        ("last_batch", if c.last_batch == LastBatch::Keep { "kept" } else { "dropped" }.to_string()),
+        ("replicas", c.replicas.map_or(String::new(), |r| r.to_string())),
         ("dropout", a.dropout.to_string()),
         ("bn_momentum", a.bn_momentum.to_string()),
     ];
@@ -424,37 +910,42 @@ fn run_fingerprint(
 // ---------------------------------------------------------------------------------------
 // validation sets
 
-/// Applies `--validation-split` or `--val-data`: the validation set takes the place of
-/// the test split in the per-epoch evaluation and the final line. Returns the splits and
-/// the name of what is evaluated ("validation" or "test").
+/// Applies `--validation-split` or `--val-data`: the validation set becomes the held-out
+/// set evaluated after every epoch, and the test split (if any) is evaluated once at the
+/// end. Returns the splits (test = the per-epoch set), the final test set, and what the
+/// per-epoch set is.
 fn with_validation(
     splits: Splits,
     fraction: Option<f64>,
     val_data: Option<&str>,
     seed: u64,
-) -> CliResult<(Splits, &'static str)> {
+    classes: Option<usize>,
+) -> CliResult<(Splits, Option<Dataset>, HeldOut)> {
     if let Some(f) = fraction {
         if !(f > 0.0 && f < 1.0) {
             return Err(Failure::usage(anyhow!("--validation-split must be strictly between 0 and 1, got {f}")));
         }
         let (train, val) = splits.train.split_validation(f, seed).map_err(Failure::usage)?;
-        return Ok((Splits { train, test: Some(val) }, "validation"));
+        return Ok((Splits { train, test: Some(val) }, splits.test, HeldOut::Validation));
     }
-    let Some(spec) = val_data else { return Ok((splits, "test")) };
+    let Some(spec) = val_data else { return Ok((splits, None, HeldOut::Test)) };
     let val = match spec.strip_prefix("mnist:") {
-        Some(dir) => load_mnist_dir(Path::new(dir))
-            .map_err(Failure::usage)?
+        Some(dir) => load_mnist(Path::new(dir), classes)?
+            .test
+            .ok_or_else(|| Failure::usage(anyhow!("--val-data '{spec}': no test split")))?,
+        None if spec == "fashion-mnist" => load_data(spec, false, seed, None, classes)?
             .test
             .ok_or_else(|| Failure::usage(anyhow!("--val-data '{spec}': no test split")))?,
         None => {
             let path = Path::new(spec);
-            if !path.is_file() {
-                return Err(Failure::usage(anyhow!(
-                    "--val-data '{spec}': no such file (expected a FILE.safetensors or mnist:DIR)"
-                )));
-            }
-            load_safetensors_dataset(path).map_err(Failure::usage)?
+            check_input_file("--val-data", path).map_err(|f| match path.exists() {
+                true => f,
+                false => Failure::usage(anyhow!(
+                    "--val-data '{spec}': no such file (expected a FILE.safetensors, fashion-mnist or mnist:DIR)"
+                )),
+            })?;
+            load_dataset_file(path, classes)?
         }
     };
-    Ok((Splits { train: splits.train, test: Some(val) }, "validation"))
+    Ok((Splits { train: splits.train, test: Some(val) }, splits.test, HeldOut::Validation))
 }

@@ -7,10 +7,11 @@
 //! 0..1 is the model's (a Rescaling layer), as in Keras.
 //!
 //! Untrusted input: the header is parsed before any body byte is read, its dimension
-//! product is computed with checked arithmetic, and the body is read through a `take`
-//! limited to that product plus one byte, into a vector that grows with the bytes that
-//! actually arrive. A header that claims 4 billion images allocates nothing up front:
-//! a short file is a "truncated data" error after reading what is there. Gzip is
+//! product is computed with checked arithmetic, and checked against the file's size (a
+//! plain file) and the memory available (`memory::check_bytes`, which also stops a gzip
+//! bomb) before the body is read through a `take` limited to that product plus one
+//! byte. A header that claims 4 billion images allocates nothing: a short plain file is
+//! a "truncated data" error before its body is read. Gzip is
 //! recognised by its magic bytes `1f 8b` (whatever the file is called); a corrupt or
 //! truncated gzip stream is an error, never a panic.
 //!
@@ -36,7 +37,10 @@ const DTYPE_U8: u8 = 0x08;
 /// The two bytes every gzip stream starts with.
 const GZIP_MAGIC: [u8; 2] = [0x1f, 0x8b];
 
-/// The MNIST number of classes; a directory whose labels go higher gets max label + 1.
+/// The classes of an MNIST-format directory: MNIST, Fashion-MNIST and KMNIST all have
+/// 10. A label outside them is an error naming the file, the sample and the value (a
+/// corrupt label must not widen the model); a dataset with more classes states its count
+/// ([`load_mnist_dir_with_classes`], `--classes`).
 pub const MNIST_CLASSES: usize = 10;
 
 /// The four files of an MNIST directory, each found as is or with a `.gz` suffix.
@@ -65,10 +69,18 @@ pub fn load_idx_labels(path: &Path) -> Result<Vec<u8>> {
 
 /// Loads an MNIST directory: `train-images-idx3-ubyte`, `train-labels-idx1-ubyte`,
 /// `t10k-images-idx3-ubyte`, `t10k-labels-idx1-ubyte`, each plain or with `.gz` (the
-/// plain file wins when both are there). Samples are (1, H, W) u8; the number of classes
-/// is 10, or the largest label of either split + 1 when that is larger, and both splits
-/// get the same.
+/// plain file wins when both are there). Samples are (1, H, W) u8, in
+/// [`MNIST_CLASSES`] classes.
 pub fn load_mnist_dir(dir: &Path) -> Result<Splits> {
+    load_mnist_dir_with_classes(dir, MNIST_CLASSES)
+}
+
+/// [`load_mnist_dir`] for a dataset of `classes` classes (EMNIST's 47, say): every label
+/// must lie in `0..classes`.
+pub fn load_mnist_dir_with_classes(dir: &Path, classes: usize) -> Result<Splits> {
+    if classes < 2 {
+        return Err(Error::config("classes", format!("{classes} (a classifier needs at least 2)")));
+    }
     if !dir.is_dir() {
         return Err(Error::format(dir, "not a directory (expected the four MNIST IDX files in it)"));
     }
@@ -93,8 +105,12 @@ pub fn load_mnist_dir(dir: &Path) -> Result<Splits> {
             ),
         ));
     }
-    let max_label = train_labels.iter().chain(&test_labels).copied().max().unwrap_or(0);
-    let classes = MNIST_CLASSES.max(usize::from(max_label) + 1);
+    for (path, labels) in [(&train_y, &train_labels), (&test_y, &test_labels)] {
+        if let Some((i, &l)) = labels.iter().enumerate().find(|(_, &l)| usize::from(l) >= classes) {
+            let whose = if classes == MNIST_CLASSES { "MNIST format's " } else { "" };
+            return Err(Error::format(path, super::label_outside(l.into(), i, classes, whose)));
+        }
+    }
     let make = |path: &Path, px: Vec<u8>, dims: [usize; 3], labels: Vec<u8>| {
         let labels = labels.into_iter().map(u32::from).collect();
         Dataset::new(path.display().to_string(), [1, dims[1], dims[2]], Features::U8(px), labels, classes)
@@ -245,9 +261,29 @@ fn load(path: &Path, magic: u32, what: &str) -> Result<(Vec<u8>, Vec<usize>)> {
         .try_fold(1usize, |acc, &d| acc.checked_mul(d))
         .ok_or_else(|| Error::format(path, format!("dimensions {} overflow: too many values to address", text())))?;
 
+    // A plain file's size says at once whether the body is all there.
+    if !gzipped {
+        let header = 4 + 4 * ndims as u64;
+        let body = std::fs::metadata(path).map_err(|e| Error::io(path, e))?.len().saturating_sub(header);
+        if body < count as u64 {
+            return Err(Error::format(
+                path,
+                format!("truncated data: {body} values for dimensions {} ({count} expected)", text()),
+            ));
+        }
+        if body > count as u64 {
+            return Err(Error::format(
+                path,
+                format!("unexpected bytes after the {count} values of dimensions {}", text()),
+            ));
+        }
+    }
+    // A gzip stream's size is known only once inflated: a header may claim what no
+    // machine holds (a small bomb of zeros); refuse that before reading.
+    crate::memory::check_bytes(&format!("loading {}", path.display()), count as u64, format!("{} values", text()))?;
     // The body: at most `count + 1` bytes, so that trailing data is seen without reading
     // an arbitrarily long stream; the vector grows with what actually arrives.
-    let mut data = Vec::new();
+    let mut data = if gzipped { Vec::new() } else { Vec::with_capacity(count) };
     let limit = u64::try_from(count).map_or(u64::MAX, |c| c.saturating_add(1));
     reader.by_ref().take(limit).read_to_end(&mut data).map_err(|e| stream_error(path, e))?;
     if data.len() < count {
@@ -266,12 +302,11 @@ fn load(path: &Path, magic: u32, what: &str) -> Result<(Vec<u8>, Vec<usize>)> {
 mod tests {
     use super::*;
 
-    /// A fresh directory in the system temp directory, unique per test and process.
-    fn temp_dir(tag: &str) -> PathBuf {
-        let dir = std::env::temp_dir().join(format!("lockstep-idx-{tag}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        dir
+    /// A fresh temporary directory (removed with the guard) and its path.
+    fn temp_dir() -> (tempfile::TempDir, PathBuf) {
+        let guard = tempfile::tempdir().unwrap();
+        let dir = guard.path().to_path_buf();
+        (guard, dir)
     }
 
     /// The error text of loading `path` as images, which must fail; checks it names the path.
@@ -302,7 +337,7 @@ mod tests {
 
     #[test]
     fn round_trips_plain_and_gzip() {
-        let dir = temp_dir("round_trip");
+        let (_guard, dir) = temp_dir();
         let px: Vec<u8> = (0..24).map(|i| i * 10).collect();
         for name in ["x-idx3-ubyte", "x-idx3-ubyte.gz"] {
             let p = dir.join(name);
@@ -322,7 +357,7 @@ mod tests {
     #[test]
     fn loads_an_mnist_directory_plain_or_gzipped() {
         for gz in [false, true] {
-            let dir = temp_dir(if gz { "mnist_gz" } else { "mnist_plain" });
+            let (_guard, dir) = temp_dir();
             write_small_mnist(&dir, gz);
             let s = load_mnist_dir(&dir).unwrap();
             assert_eq!(s.train.len(), 3);
@@ -337,19 +372,28 @@ mod tests {
     }
 
     #[test]
-    fn labels_above_nine_widen_the_classes() {
-        let dir = temp_dir("wide");
+    fn a_label_outside_the_ten_classes_is_refused_naming_file_sample_and_value() {
+        // The case: one label 200 in Fashion-MNIST's labels must not make a
+        // 201-class model.
+        let (_guard, dir) = temp_dir();
         write_small_mnist(&dir, false);
-        save_idx_labels(&dir.join("train-labels-idx1-ubyte"), &[0, 14, 2]).unwrap();
-        let s = load_mnist_dir(&dir).unwrap();
-        // Largest label 14 → 15 classes.
-        assert_eq!(s.train.num_classes(), 15);
-        assert_eq!(s.test.unwrap().num_classes(), 15);
+        let labels = dir.join("train-labels-idx1-ubyte");
+        save_idx_labels(&labels, &[0, 200, 2]).unwrap();
+        let e = load_mnist_dir(&dir).unwrap_err().to_string();
+        assert_eq!(
+            e,
+            format!("{}: label 200 of sample 1 is outside the MNIST format's 10 classes (0 to 9)", labels.display())
+        );
+        // Stated, a wider class count takes it: 201 classes, both splits.
+        let s = load_mnist_dir_with_classes(&dir, 201).unwrap();
+        assert_eq!((s.train.num_classes(), s.test.unwrap().num_classes()), (201, 201));
+        let e = load_mnist_dir_with_classes(&dir, 100).unwrap_err().to_string();
+        assert!(e.ends_with("label 200 of sample 1 is outside the 100 classes (0 to 99)"), "{e}");
     }
 
     #[test]
     fn directory_problems_name_the_file() {
-        let dir = temp_dir("dir_problems");
+        let (_guard, dir) = temp_dir();
         let e = load_mnist_dir(&dir.join("nope")).unwrap_err().to_string();
         assert!(e.contains("nope: not a directory"), "{e}");
         write_small_mnist(&dir, false);
@@ -367,7 +411,7 @@ mod tests {
 
     #[test]
     fn bad_headers_are_named() {
-        let dir = temp_dir("headers");
+        let (_guard, dir) = temp_dir();
         let p = dir.join("f");
         std::fs::write(&p, [0, 0]).unwrap();
         assert!(images_err(&p).contains("truncated header: the file ends after 2 of the 4 bytes of the magic number"));
@@ -394,7 +438,7 @@ mod tests {
 
     #[test]
     fn bad_bodies_are_named() {
-        let dir = temp_dir("bodies");
+        let (_guard, dir) = temp_dir();
         let p = dir.join("f");
         let mut b = header(IDX3_U8_MAGIC, &[2, 2, 2]);
         b.extend_from_slice(&[7; 7]);
@@ -428,7 +472,7 @@ mod tests {
     fn no_byte_pattern_panics() {
         // Every single-byte corruption (three values per byte) and every prefix of a small
         // valid file, plain and gzipped: each loads or fails with an error.
-        let dir = temp_dir("corrupt");
+        let (_guard, dir) = temp_dir();
         for name in ["base", "base.gz"] {
             let base = dir.join(name);
             save_idx_images(&base, &(0..18).collect::<Vec<u8>>(), [2, 3, 3]).unwrap();

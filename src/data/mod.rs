@@ -6,6 +6,7 @@
 //! trainer (`train::sampler`, `train::scatter`); this module only knows samples.
 
 pub mod digits;
+pub mod fashion_mnist;
 pub mod idx;
 pub mod safetensors_file;
 pub mod toy;
@@ -13,6 +14,21 @@ pub mod toy;
 use crate::error::{Error, Result};
 use crate::rng::{derive_key, purpose, SplitMix64};
 use crate::tensor::Shape;
+
+/// The most classes lockstep infers from the largest label of a file that does not state
+/// its class count: a label is data, and one corrupt or hostile label must not size a
+/// model (label 2^31 − 1 would make a toy MLP of 45 billion parameters). Files with more
+/// classes say so (a safetensors dataset's `num_classes` metadata, `--classes`).
+pub const MAX_INFERRED_CLASSES: usize = 1 << 16;
+
+/// "label 200 of sample 17 is outside the model's 10 classes (0 to 9)": the one wording
+/// of a label that does not fit, `whose` being "" or e.g. "model's ".
+pub fn label_outside(label: i64, sample: usize, classes: usize, whose: &str) -> String {
+    format!(
+        "label {label} of sample {sample} is outside the {whose}{classes} classes (0 to {})",
+        classes.saturating_sub(1)
+    )
+}
 
 /// Feature values of every sample, row-major, sample after sample.
 #[derive(Clone, Debug, PartialEq)]
@@ -43,6 +59,9 @@ pub struct Dataset {
     /// Class ids, one per sample, each `< num_classes`.
     labels: Vec<u32>,
     num_classes: usize,
+    /// A name per class where the data has them (Fashion-MNIST's "Ankle boot", a
+    /// safetensors file's `class_names` metadata), for `predict`'s output.
+    class_names: Option<Vec<String>>,
 }
 
 impl Dataset {
@@ -73,9 +92,32 @@ impl Dataset {
             return Err(err("zero classes".into()));
         }
         if let Some((i, &l)) = labels.iter().enumerate().find(|(_, &l)| l as usize >= num_classes) {
-            return Err(err(format!("label {l} of sample {i} is out of range (classes 0..{num_classes})")));
+            return Err(err(label_outside(l.into(), i, num_classes, "")));
         }
-        Ok(Dataset { name, sample_shape, features, labels, num_classes })
+        Ok(Dataset { name, sample_shape, features, labels, num_classes, class_names: None })
+    }
+
+    /// The same dataset with a name per class; there must be exactly `num_classes`.
+    pub fn with_class_names(mut self, names: Vec<String>) -> Result<Dataset> {
+        if names.len() != self.num_classes {
+            return Err(Error::Data {
+                name: self.name.clone(),
+                detail: format!("{} class names for {} classes", names.len(), self.num_classes),
+            });
+        }
+        self.class_names = Some(names);
+        Ok(self)
+    }
+
+    /// The name of each class, where the data has them.
+    pub fn class_names(&self) -> Option<&[String]> {
+        self.class_names.as_deref()
+    }
+
+    /// The first sample whose label is `classes` or more, and that label: what a model
+    /// of `classes` outputs cannot be trained or scored on.
+    pub fn first_label_outside(&self, classes: usize) -> Option<(usize, u32)> {
+        self.labels.iter().enumerate().find(|(_, &l)| l as usize >= classes).map(|(i, &l)| (i, l))
     }
 
     /// The dataset's name, used in messages.
@@ -169,6 +211,7 @@ impl Dataset {
             features,
             labels: indices.iter().map(|&i| self.labels[i]).collect(),
             num_classes: self.num_classes,
+            class_names: self.class_names.clone(),
         }
     }
 }

@@ -2,37 +2,45 @@
 //!
 //! Owns: the file format of a dataset (two tensors, `x` and `y`), every check that a
 //! file is usable — each problem an error naming the file and the problem — and the
-//! atomic writer. The parsing of the container itself (header, offsets, sizes) is the
-//! `safetensors` crate's, which validates offsets against the buffer, so the only
-//! indexing done here is over data whose length the crate has checked.
+//! atomic writer. The container is `safetensors_io`'s: the header length is checked
+//! before anything is read, the file is mapped rather than read whole, and the
+//! `safetensors` crate validates offsets against it, so the only indexing done here is
+//! over data whose length the crate has checked. Features are copied out of the mapping
+//! once, after the memory they need has been checked (`memory::check_bytes`), and F32
+//! features must be finite: the first NaN or infinity is named by sample and value.
 //!
 //! Format:
 //! - `x`: (N, C, H, W) or (N, F), dtype F32 or U8 (u8 stays u8 in memory: a quarter
 //!   of the size; a Rescaling layer in the model scales it).
 //! - `y`: (N,), dtype I64, I32 or U8: class ids `0..num_classes`.
 //! - optional header metadata `num_classes` (written by [`save_safetensors_dataset`]),
-//!   so that a round trip keeps classes no sample happens to use.
+//!   so that a round trip keeps classes no sample happens to use, and `class_names`, a
+//!   JSON list of one name per class (what `predict` prints).
 //!
 //! The PyTorch oracle cases in `shared/oracle/*/data.safetensors` have this layout.
 
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 use std::fs;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use safetensors::tensor::TensorView;
-use safetensors::{Dtype, SafeTensors};
+use safetensors::Dtype;
+
+use crate::safetensors_io::{self, TensorData};
 
 use super::{Dataset, Features};
 use crate::error::{Error, Result};
 
 /// The metadata key holding the number of classes.
 const NUM_CLASSES_KEY: &str = "num_classes";
+/// The metadata key holding the class names, a JSON list of strings.
+const CLASS_NAMES_KEY: &str = "class_names";
 
 /// Loads a dataset; the number of classes is the header's `num_classes` entry when the
 /// file has one, else the largest label + 1 (at least 2: a classifier of one class is
-/// not one).
+/// not one), at most [`super::MAX_INFERRED_CLASSES`]: a larger label is an error naming
+/// the sample, since one bad label would otherwise size the model.
 pub fn load_safetensors_dataset(path: &Path) -> Result<Dataset> {
     load(path, None)
 }
@@ -61,13 +69,16 @@ pub fn save_safetensors_dataset(ds: &Dataset, path: &Path) -> Result<()> {
         Features::U8(v) => (Dtype::U8, v.clone()),
     };
     let y_bytes: Vec<u8> = ds.labels().iter().flat_map(|&l| i64::from(l).to_le_bytes()).collect();
-    let bad_view = |e: safetensors::SafeTensorError| Error::format(path, format!("cannot build the tensors: {e}"));
     // x: (N, ...), y: (N,)
-    let x = TensorView::new(x_dtype, x_shape, &x_bytes).map_err(bad_view)?;
-    let y = TensorView::new(Dtype::I64, vec![ds.len()], &y_bytes).map_err(bad_view)?;
-    let metadata = HashMap::from([(NUM_CLASSES_KEY.to_string(), ds.num_classes().to_string())]);
-    let bytes = safetensors::serialize([("x", x), ("y", y)], Some(metadata))
-        .map_err(|e| Error::format(path, format!("cannot serialize: {e}")))?;
+    let tensors = [
+        TensorData { name: "x", dtype: x_dtype, shape: &x_shape, data: &x_bytes },
+        TensorData { name: "y", dtype: Dtype::I64, shape: &[ds.len()], data: &y_bytes },
+    ];
+    let mut metadata = BTreeMap::from([(NUM_CLASSES_KEY.to_string(), ds.num_classes().to_string())]);
+    if let Some(names) = ds.class_names() {
+        metadata.insert(CLASS_NAMES_KEY.to_string(), serde_json::to_string(names).expect("strings serialise"));
+    }
+    let bytes = safetensors_io::serialize(&tensors, &metadata).map_err(|e| Error::format(path, e.to_string()))?;
     write_atomically(path, &bytes)
 }
 
@@ -91,11 +102,10 @@ fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
 }
 
 fn load(path: &Path, num_classes: Option<usize>) -> Result<Dataset> {
-    let bytes = fs::read(path).map_err(|e| Error::io(path, e))?;
+    let file = safetensors_io::map_file(path)?;
     let bad = |detail: String| Error::format(path, detail);
-    let (_, header) =
-        SafeTensors::read_metadata(&bytes).map_err(|e| bad(format!("not a valid safetensors file: {e}")))?;
-    let st = SafeTensors::deserialize(&bytes).map_err(|e| bad(format!("not a valid safetensors file: {e}")))?;
+    let metadata = file.metadata()?;
+    let st = file.parse()?;
     let tensor = |name: &str| {
         st.tensor(name).map_err(|_| {
             let mut found: Vec<&str> = st.names();
@@ -116,9 +126,26 @@ fn load(path: &Path, num_classes: Option<usize>) -> Result<Dataset> {
     }
     let n = x_shape[0];
     let sample_shape = &x_shape[1..];
+    let per_sample = sample_shape.iter().product::<usize>().max(1);
+    if matches!(x.dtype(), Dtype::F32 | Dtype::U8) {
+        crate::memory::check_bytes(
+            &format!("loading {}", path.display()),
+            x.data().len() as u64,
+            format!("tensor 'x' {x_shape:?}"),
+        )?;
+    }
     let features = match x.dtype() {
         Dtype::F32 => {
-            Features::F32(x.data().chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect())
+            let values: Vec<f32> =
+                x.data().chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+            if let Some((i, v)) = crate::weights::first_non_finite(&values) {
+                return Err(bad(format!(
+                    "tensor 'x' holds {v} at sample {}, value {} (flat index {i}): features must be finite",
+                    i / per_sample,
+                    i % per_sample
+                )));
+            }
+            Features::F32(values)
         }
         Dtype::U8 => Features::U8(x.data().to_vec()),
         other => return Err(bad(format!("tensor 'x' has dtype {other}; expected F32 or U8"))),
@@ -152,35 +179,68 @@ fn load(path: &Path, num_classes: Option<usize>) -> Result<Dataset> {
     let max_label = labels.iter().copied().max().unwrap_or(0);
     let num_classes = match num_classes {
         Some(k) => k,
-        None => match header.metadata().as_ref().and_then(|m| m.get(NUM_CLASSES_KEY)) {
+        None => match metadata.get(NUM_CLASSES_KEY) {
             Some(text) => match text.parse::<usize>() {
                 Ok(k) if k >= 2 => k,
                 _ => return Err(bad(format!("metadata {NUM_CLASSES_KEY} = '{text}' is not an integer ≥ 2"))),
             },
-            None => usize::try_from(max_label).map_or(usize::MAX, |m| m.saturating_add(1)).max(2),
+            None => {
+                let inferred = usize::try_from(max_label).map_or(usize::MAX, |m| m.saturating_add(1)).max(2);
+                if inferred > super::MAX_INFERRED_CLASSES {
+                    let i = labels.iter().position(|&l| l == max_label).expect("the maximum is a label");
+                    return Err(bad(format!(
+                        "label {max_label} of sample {i} is above the {} classes lockstep infers from labels; a dataset with more states its class count (metadata '{NUM_CLASSES_KEY}', or --classes)",
+                        super::MAX_INFERRED_CLASSES
+                    )));
+                }
+                inferred
+            }
         },
     };
     if let Some((i, l)) = labels.iter().enumerate().find(|(_, &l)| l as u64 >= num_classes as u64) {
-        return Err(bad(format!(
-            "label {l} of sample {i} is out of range for {num_classes} classes (0..{num_classes})"
-        )));
+        return Err(bad(super::label_outside(*l, i, num_classes, "")));
     }
     if num_classes > u32::MAX as usize {
         return Err(bad(format!("{num_classes} classes: labels must fit in 32 bits")));
     }
     let labels: Vec<u32> = labels.into_iter().map(|l| l as u32).collect();
-    Dataset::new(path.display().to_string(), sample_shape, features, labels, num_classes)
+    let ds = Dataset::new(path.display().to_string(), sample_shape, features, labels, num_classes)?;
+    match metadata.get(CLASS_NAMES_KEY) {
+        None => Ok(ds),
+        Some(text) => {
+            let names: Vec<String> = serde_json::from_str(text).map_err(|_| {
+                bad(format!(
+                    "metadata {CLASS_NAMES_KEY} is not a JSON list of strings: {}",
+                    text.chars().take(80).collect::<String>()
+                ))
+            })?;
+            if names.len() != num_classes {
+                return Err(bad(format!(
+                    "metadata {CLASS_NAMES_KEY} names {} classes, the data has {num_classes}",
+                    names.len()
+                )));
+            }
+            ds.with_class_names(names)
+        }
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use safetensors::tensor::TensorView;
+    use safetensors::SafeTensors;
+    use std::collections::HashMap;
 
-    /// A fresh path in the system temp directory, unique per test and process.
+    thread_local! {
+        /// Each test's scratch directory: libtest runs a test on its own thread, whose
+        /// end drops (removes) it.
+        static SCRATCH: tempfile::TempDir = tempfile::tempdir().unwrap();
+    }
+
+    /// A path in this test's scratch directory.
     fn temp_path(tag: &str) -> PathBuf {
-        let dir = std::env::temp_dir().join(format!("lockstep-test-{}", std::process::id()));
-        fs::create_dir_all(&dir).unwrap();
-        dir.join(format!("{tag}.safetensors"))
+        SCRATCH.with(|d| d.path().join(format!("{tag}.safetensors")))
     }
 
     /// Writes tensors given as (name, dtype, shape, little-endian bytes).
@@ -264,7 +324,7 @@ mod tests {
         let e = load_err(&path);
         assert!(e.contains("not a valid safetensors file"), "{e}");
         fs::write(&path, b"abc").unwrap();
-        assert!(load_err(&path).contains("header too small"));
+        assert!(load_err(&path).contains("3 bytes, too short for a header"));
 
         let good = write("to_truncate", &[good_x(), ("y", Dtype::I64, vec![3], i64s(&[0, 1, 0]))]);
         let bytes = fs::read(&good).unwrap();
@@ -273,7 +333,7 @@ mod tests {
         let e = load_err(&cut);
         assert!(e.contains("not a valid safetensors file: incomplete metadata"), "{e}");
         fs::write(&cut, &bytes[..20]).unwrap();
-        assert!(load_err(&cut).contains("invalid header length"));
+        assert!(load_err(&cut).contains("is past the end of the 20-byte file"));
     }
 
     #[test]
@@ -323,12 +383,66 @@ mod tests {
         assert!(load_err(&path).contains("label -1 of sample 0 is negative"));
         let path = write("too_big", &[good_x(), ("y", Dtype::I64, vec![3], i64s(&[0, 5, 1]))]);
         let e = load_safetensors_dataset_with_classes(&path, 3).unwrap_err().to_string();
-        assert!(e.contains("label 5 of sample 1 is out of range for 3 classes (0..3)"), "{e}");
+        assert!(e.contains("label 5 of sample 1 is outside the 3 classes (0 to 2)"), "{e}");
         assert!(e.contains("too_big.safetensors"), "{e}");
         let e = load_safetensors_dataset_with_classes(&path, 1).unwrap_err().to_string();
         assert_eq!(e, "invalid num_classes: 1 (a classifier needs at least 2)");
-        let path = write("huge", &[good_x(), ("y", Dtype::I64, vec![3], i64s(&[0, 1 << 40, 1]))]);
-        assert!(load_err(&path).contains("labels must fit in 32 bits"));
+        // The case: one label 2^31 − 1 made a toy model of 45 billion parameters.
+        let path = write("huge", &[good_x(), ("y", Dtype::I64, vec![3], i64s(&[0, (1 << 31) - 1, 1]))]);
+        assert!(load_err(&path).ends_with(
+            "label 2147483647 of sample 1 is above the 65536 classes lockstep infers from labels; a dataset with more states its class count (metadata 'num_classes', or --classes)"
+        ));
+        // 65,536 classes (label 65,535) is the most inferred; stated, more are taken.
+        let path = write("widest", &[good_x(), ("y", Dtype::I64, vec![3], i64s(&[0, 65_535, 1]))]);
+        assert_eq!(load_safetensors_dataset(&path).unwrap().num_classes(), 65_536);
+        let path = write("wider", &[good_x(), ("y", Dtype::I64, vec![3], i64s(&[0, 65_536, 1]))]);
+        assert!(load_err(&path).contains("label 65536 of sample 1 is above the 65536 classes"));
+        assert_eq!(load_safetensors_dataset_with_classes(&path, 70_000).unwrap().num_classes(), 70_000);
+        let path = write("vast", &[good_x(), ("y", Dtype::I64, vec![3], i64s(&[0, 1 << 40, 1]))]);
+        let e = load_safetensors_dataset_with_classes(&path, usize::MAX).unwrap_err().to_string();
+        assert!(e.contains("labels must fit in 32 bits"), "{e}");
+    }
+
+    #[test]
+    fn non_finite_features_are_named_by_sample_and_value() {
+        let dir = tempfile::tempdir().unwrap();
+        let y = ("y", Dtype::I64, vec![3], i64s(&[0, 1, 0]));
+        for (value, shown) in [(f32::NAN, "NaN"), (f32::INFINITY, "inf"), (f32::NEG_INFINITY, "-inf")] {
+            // x (3, 2): flat index 3 is sample 1, value 1.
+            let x = ("x", Dtype::F32, vec![3, 2], f32s(&[0.5, -1.0, 2.0, value, -4.5, 6.25]));
+            let both = [x, y.clone()];
+            let views: Vec<(&str, TensorView)> = both
+                .iter()
+                .map(|(name, dtype, shape, data)| (*name, TensorView::new(*dtype, shape.clone(), data).unwrap()))
+                .collect();
+            let path = dir.path().join("nan.safetensors");
+            fs::write(&path, safetensors::serialize(views, None).unwrap()).unwrap();
+            let e = load_safetensors_dataset(&path).unwrap_err().to_string();
+            assert_eq!(
+                e,
+                format!(
+                    "{}: tensor 'x' holds {shown} at sample 1, value 1 (flat index 3): features must be finite",
+                    path.display()
+                )
+            );
+        }
+    }
+
+    #[test]
+    fn class_names_round_trip_and_saving_twice_gives_the_same_bytes() {
+        let dir = tempfile::tempdir().unwrap();
+        let names = vec!["cat".to_string(), "dog \"the good\"".to_string(), "émeu".to_string()];
+        let ds = Dataset::new("pets", [2], Features::F32(vec![0.0, 1.0, 2.0, 3.0]), vec![2, 0], 3)
+            .unwrap()
+            .with_class_names(names.clone())
+            .unwrap();
+        let (a, b) = (dir.path().join("a.safetensors"), dir.path().join("b.safetensors"));
+        save_safetensors_dataset(&ds, &a).unwrap();
+        save_safetensors_dataset(&ds, &b).unwrap();
+        assert_eq!(fs::read(&a).unwrap(), fs::read(&b).unwrap());
+        let back = load_safetensors_dataset(&a).unwrap();
+        assert_eq!(back.class_names(), Some(names.as_slice()));
+        assert_eq!(back.num_classes(), 3);
     }
 
     #[test]
@@ -363,9 +477,11 @@ mod tests {
             fs::write(&path, &bytes[..i]).unwrap();
             assert!(load_safetensors_dataset(&path).is_err(), "a prefix of {i} bytes loaded");
         }
-        // Any bit pattern of the 24 bytes of x (3·2 f32, NaN included) is a valid
-        // feature, so corrupting those alone gives 24 · 3 = 72 files that load.
-        assert!(loaded >= 72, "only {loaded} corrupted files loaded");
+        // Any bit pattern of the 24 bytes of x (3·2 f32) that stays finite is a valid
+        // feature: of the 24 · 3 = 72 corruptions of x, 0xff over the top byte of -1.0
+        // (0xBF80_0000), -4.5 (0xC090_0000) and 6.25 (0x40C8_0000) sets every exponent
+        // bit (byte 2's top bit is 1), making -inf, NaN and NaN, which are refused: 69 load.
+        assert!(loaded >= 69, "only {loaded} corrupted files loaded");
     }
 
     #[test]

@@ -1,9 +1,11 @@
 //! What a run is asked to do: [`TrainConfig`] (everything but the model, the data and the
 //! devices) and its checks that need neither data nor devices.
 
+use std::path::PathBuf;
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
+use super::report::HeldOut;
 use super::scatter::{LastBatch, Shuffle};
 use crate::checkpoint::{CheckpointPolicy, Resume};
 use crate::error::{Error, Result};
@@ -17,6 +19,24 @@ pub enum NonFinite {
     Error,
     /// Keep training.
     Allow,
+}
+
+/// Keras's `EarlyStopping(monitor="val_loss")`: stop once the held-out loss has not
+/// improved on the best epoch's by more than `min_delta` for `patience` epochs.
+#[derive(Clone, Copy, PartialEq, Debug)]
+pub struct EarlyStopping {
+    /// Epochs without improvement tolerated after the best one (Keras's `patience`).
+    pub patience: usize,
+    /// The least decrease of the loss that counts as an improvement (Keras's
+    /// `min_delta`, default 0).
+    pub min_delta: f64,
+}
+
+impl EarlyStopping {
+    /// Stop after `patience` epochs without improvement, any decrease counting.
+    pub fn patience(patience: usize) -> EarlyStopping {
+        EarlyStopping { patience, min_delta: 0.0 }
+    }
 }
 
 /// Everything about a run but the model, the data and the devices.
@@ -47,8 +67,16 @@ pub struct TrainConfig {
     /// Write checkpoints as this says.
     pub checkpoint: Option<CheckpointPolicy>,
     /// Raised (e.g. by a SIGINT handler) to stop after the current step; a checkpoint
-    /// is written if a policy is set, and the run returns `Error::Interrupted`.
+    /// is written if a policy is set, and the run returns its report with
+    /// `Stopped::Interrupted` (the weights of the last step taken).
     pub stop: Option<Arc<AtomicBool>>,
+    /// What the held-out set given to the fit loop is (how reports name it).
+    pub held_out: HeldOut,
+    /// Stop when the held-out loss stops improving (needs a held-out set).
+    pub early_stopping: Option<EarlyStopping>,
+    /// Write the weights of every epoch whose held-out loss is the best so far here
+    /// (atomically; Keras's `ModelCheckpoint(save_best_only=True)`). Needs a held-out set.
+    pub save_best: Option<PathBuf>,
     /// Samples per forward pass in evaluation.
     pub eval_batch: usize,
     /// Global batches the loader may gather ahead of the step being trained.
@@ -73,6 +101,9 @@ impl Default for TrainConfig {
             resume: None,
             checkpoint: None,
             stop: None,
+            held_out: HeldOut::Test,
+            early_stopping: None,
+            save_best: None,
             eval_batch: 512,
             prefetch: 4,
         }
@@ -88,8 +119,20 @@ impl TrainConfig {
         if self.eval_batch == 0 {
             return Err(Error::config("evaluation batch size", "must be at least 1"));
         }
-        if self.replicas == Some(0) {
-            return Err(Error::config("replicas", "must be at least 1"));
+        match self.replicas {
+            Some(0) => return Err(Error::config("replicas", "must be at least 1")),
+            // A logical replica owns a shard of every global batch: past the batch size
+            // some would never see a sample, and each still costs a gradient slot.
+            Some(r) if r > self.batch_size => {
+                return Err(Error::config(
+                    "replicas",
+                    format!(
+                        "{r} logical replicas for a global batch of {}: at most one per sample of the batch",
+                        self.batch_size
+                    ),
+                ))
+            }
+            _ => {}
         }
         if self.check_replicas_every == Some(0) {
             return Err(Error::config("check-replicas-every", "must be at least 1"));

@@ -1,18 +1,23 @@
 //! The fit loop: [`train_data_parallel`] runs epochs of steps over a dataset on a
 //! [`Trainer`], with the loader thread ahead of it, observers, replica checks, evaluation
-//! after every epoch and checkpoints; and [`check_data`], the checks of a dataset against
-//! a model. In a run of several processes (MPI) every process runs this loop in step with
-//! the others: its loader gathers only its own shards' rows, and process 0 alone writes
-//! checkpoints.
+//! after every epoch, the best epoch (early stopping, `save_best`), checkpoints that
+//! carry the epoch's running metrics, and the stop flag; and [`check_data`], the checks
+//! of a dataset against a model. Small pieces, one concern each: [`Plan`] (the run's
+//! shape), `Fit::step`, `Fit::end_epoch`, `Fit::note_best`, `Fit::checkpoint`.
+//!
+//! In a run of several processes (MPI) every process runs this loop in step with the
+//! others, on the same merged reports (so that they stop, stop early and check alike):
+//! its loader gathers only its own shards' rows, and process 0 alone owns the checkpoint
+//! directory and writes checkpoints and `save_best`.
 
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::bounded;
+use crossbeam_channel::{bounded, Receiver};
 
 use super::trainer::HeldBatch;
 use super::{
-    scatter, with_trainer, Batch, EpochReport, NonFinite, Observer, Silent, StepEvent, TrainConfig, TrainReport,
-    Trainer,
+    scatter, with_trainer, Batch, BestEpoch, EpochReport, HeldOut, NonFinite, Observer, Silent, StepEvent, Stopped,
+    TrainConfig, TrainReport, Trainer,
 };
 use crate::checkpoint::{self, CheckpointPolicy, Resume};
 use crate::data::Dataset;
@@ -28,6 +33,11 @@ use crate::nn::Sequential;
 /// one tree whoever computed them). GPUs sum each device's shards in shard order, then
 /// across devices (NCCL's order, or rank order for device copies): bitwise across device
 /// counts only where the additions coincide, e.g. R = 2 on `cuda:0` and on `cuda:0,0`.
+///
+/// `test` is the held-out set, named by `config.held_out` (the test split by default, or
+/// a validation split); early stopping and `save_best` monitor its loss. The run ends
+/// when its epochs (or `max_steps`) are done, when early stopping says so, or after the
+/// step in which `config.stop` is raised; the report says which (`Stopped`).
 ///
 /// ```
 /// use lockstep::{data::toy, devices::Devices, models, train::{train_data_parallel, TrainConfig}};
@@ -63,155 +73,19 @@ pub fn train_data_parallel_with(
     if let Some(t) = test {
         check_data(model, t)?;
     }
-    let steps_per_epoch = scatter::steps_per_epoch(train.len(), config.batch_size, config.last_batch);
-    if steps_per_epoch == 0 {
-        return Err(Error::Data {
-            name: train.name().into(),
-            detail: format!("{} samples make no full batch of {} (drop-last is on)", train.len(), config.batch_size),
-        });
+    if test.is_none() && (config.early_stopping.is_some() || config.save_best.is_some()) {
+        let what = if config.early_stopping.is_some() { "early stopping" } else { "save best" };
+        return Err(Error::config(what, "monitors the held-out loss, and this run has no held-out set"));
     }
-    let total_steps =
-        (steps_per_epoch as u64).saturating_mul(config.epochs as u64).min(config.max_steps.unwrap_or(u64::MAX));
-    let start = match &config.resume {
-        Some(r) => Position { step: r.step, epoch: r.epoch, step_in_epoch: r.step_in_epoch },
-        None => Position { step: 0, epoch: 0, step_in_epoch: 0 },
-    };
-    if start.step_in_epoch >= steps_per_epoch
-        || start.step != (start.epoch as u64).saturating_mul(steps_per_epoch as u64) + start.step_in_epoch as u64
-    {
-        return Err(Error::config(
-            "resume position",
-            format!(
-                "step {} (epoch {}, step {} in it) is not a position of this run ({steps_per_epoch} steps per epoch)",
-                start.step, start.epoch, start.step_in_epoch
-            ),
-        ));
-    }
+    let plan = Plan::new(train, config)?;
+    // One run per checkpoint directory, held until this returns, whatever happens; with
+    // several processes, process 0's (the one that writes there).
     let voice = crate::world::current()?.is_voice();
-    if let Some(p) = config.checkpoint.as_ref().filter(|_| voice) {
-        checkpoint::prepare_dir(&p.dir)?;
-    }
-    with_trainer(model, devices, config, |trainer| {
-        let started = Instant::now();
-        let mut losses = Vec::with_capacity(total_steps.saturating_sub(start.step).min(1 << 16) as usize);
-        let mut epochs = Vec::new();
-        let mut train_time = Duration::ZERO;
-        let mut trained_samples = 0u64;
-        std::thread::scope(|s| -> Result<()> {
-            let (batch_tx, batch_rx) = bounded::<(usize, usize, HeldBatch)>(config.prefetch.max(1));
-            let plan = trainer.row_plan();
-            s.spawn(move || {
-                let mut step = start.step;
-                for epoch in start.epoch..config.epochs {
-                    let order = scatter::epoch_order(train.len(), config.seed, epoch, config.shuffle);
-                    let skip = if epoch == start.epoch { start.step_in_epoch } else { 0 };
-                    let batches = order.chunks(config.batch_size).take(steps_per_epoch).enumerate().skip(skip);
-                    for (i, idx) in batches {
-                        // This process's shards' rows only (all of them in a world of one).
-                        let rows = plan.rows(idx.len());
-                        let batch = Batch::gather(train, &idx[rows.clone()]);
-                        let held = HeldBatch { batch, first_row: rows.start, global_len: idx.len() };
-                        if step >= total_steps || batch_tx.send((epoch, i, held)).is_err() {
-                            return;
-                        }
-                        step += 1;
-                    }
-                }
-            });
-            let mut epoch_metrics = Metrics::default();
-            let mut epoch_start = Instant::now();
-            let mut epoch_steps = 0u64;
-            let mut epoch_train_time = Duration::ZERO;
-            while trainer.steps() < total_steps {
-                let t_wait = Instant::now();
-                let Ok((epoch, i, batch)) = batch_rx.recv() else { break };
-                let data_wait = t_wait.elapsed();
-                let t_step = Instant::now();
-                let lr_scale = config.schedule.scale(trainer.steps(), total_steps);
-                let report = trainer.step_held(batch, lr_scale)?;
-                let dt = t_step.elapsed();
-                train_time += dt;
-                epoch_train_time += dt;
-                trained_samples += report.metrics.count;
-                let loss = report.metrics.mean_loss();
-                if !loss.is_finite() && config.non_finite == NonFinite::Error {
-                    return Err(Error::NonFiniteLoss { step: report.step, epoch, loss });
-                }
-                losses.push(loss);
-                epoch_metrics.add(&report.metrics);
-                epoch_steps += 1;
-                observer.on_step(&StepEvent {
-                    report: &report,
-                    epoch,
-                    epochs: config.epochs,
-                    step_in_epoch: i,
-                    steps_in_epoch: steps_per_epoch,
-                    total_steps,
-                    data_wait,
-                });
-                if let Some(k) = config.check_replicas_every {
-                    if trainer.steps() % k == 0 {
-                        trainer.check_replicas()?;
-                    }
-                }
-                let last_of_epoch = i + 1 == steps_per_epoch || trainer.steps() == total_steps;
-                if last_of_epoch {
-                    let test_metrics = test.map(|t| trainer.evaluate(t, config.eval_batch)).transpose()?;
-                    let e = EpochReport {
-                        epoch,
-                        epochs: config.epochs,
-                        train: epoch_metrics,
-                        test: test_metrics,
-                        steps: epoch_steps,
-                        seconds: epoch_start.elapsed().as_secs_f64(),
-                        samples_per_sec: epoch_metrics.count as f64 / epoch_train_time.as_secs_f64().max(1e-12),
-                    };
-                    observer.on_epoch(&e);
-                    epochs.push(e);
-                    epoch_metrics = Metrics::default();
-                    epoch_start = Instant::now();
-                    epoch_steps = 0;
-                    epoch_train_time = Duration::ZERO;
-                }
-                let next = if i + 1 == steps_per_epoch {
-                    Position { step: trainer.steps(), epoch: epoch + 1, step_in_epoch: 0 }
-                } else {
-                    Position { step: trainer.steps(), epoch, step_in_epoch: i + 1 }
-                };
-                let interrupted = trainer.stop_requested();
-                let done = trainer.steps() == total_steps;
-                let mut written = None;
-                if let Some(policy) = config.checkpoint.as_ref().filter(|_| voice) {
-                    if interrupted || done || trainer.steps() % policy.every.max(1) == 0 {
-                        written = Some(save_checkpoint(trainer, model, policy, next)?);
-                    }
-                }
-                if interrupted && !done {
-                    return Err(Error::Interrupted { step: trainer.steps(), checkpoint: written });
-                }
-            }
-            if trainer.steps() < total_steps {
-                return Err(Error::Data {
-                    name: train.name().into(),
-                    detail: format!("ran out of batches after step {} of {total_steps}", trainer.steps()),
-                });
-            }
-            Ok(())
-        })?;
-        if config.check_replicas_every.is_some() {
-            trainer.check_replicas()?;
-        }
-        let (weights, optimizer) = trainer.weights()?;
-        Ok(TrainReport {
-            weights,
-            optimizer,
-            epochs,
-            losses,
-            steps: trainer.steps(),
-            seconds: started.elapsed().as_secs_f64(),
-            samples_per_sec: trained_samples as f64 / train_time.as_secs_f64().max(1e-12),
-        })
-    })
+    let _owner = match config.checkpoint.as_ref().filter(|_| voice) {
+        Some(p) => Some(checkpoint::claim_dir(&p.dir)?.begin_run()?),
+        None => None,
+    };
+    with_trainer(model, devices, config, |trainer| Fit::new(model, test, config, plan, observer).run(trainer, train))
 }
 
 /// Where the next step of a run starts.
@@ -223,19 +97,334 @@ struct Position {
     step_in_epoch: usize,
 }
 
+/// The shape of a run: its epochs' length, its end, and where it starts.
+#[derive(Clone, Copy, Debug)]
+struct Plan {
+    steps_per_epoch: usize,
+    total_steps: u64,
+    start: Position,
+}
+
+impl Plan {
+    fn new(train: &Dataset, config: &TrainConfig) -> Result<Plan> {
+        let steps_per_epoch = scatter::steps_per_epoch(train.len(), config.batch_size, config.last_batch);
+        if steps_per_epoch == 0 {
+            return Err(Error::Data {
+                name: train.name().into(),
+                detail: format!(
+                    "{} samples make no full batch of {} (drop-last is on)",
+                    train.len(),
+                    config.batch_size
+                ),
+            });
+        }
+        let total_steps =
+            (steps_per_epoch as u64).saturating_mul(config.epochs as u64).min(config.max_steps.unwrap_or(u64::MAX));
+        let start = match &config.resume {
+            Some(r) => Position { step: r.step, epoch: r.epoch, step_in_epoch: r.step_in_epoch },
+            None => Position { step: 0, epoch: 0, step_in_epoch: 0 },
+        };
+        if start.step_in_epoch >= steps_per_epoch
+            || start.step != (start.epoch as u64).saturating_mul(steps_per_epoch as u64) + start.step_in_epoch as u64
+        {
+            return Err(Error::config(
+                "resume position",
+                format!(
+                    "step {} (epoch {}, step {} in it) is not a position of this run ({steps_per_epoch} steps per epoch)",
+                    start.step, start.epoch, start.step_in_epoch
+                ),
+            ));
+        }
+        Ok(Plan { steps_per_epoch, total_steps, start })
+    }
+
+    /// The position after the step `i` (0-based) of `epoch`, `step` steps having been taken.
+    fn after(&self, step: u64, epoch: usize, i: usize) -> Position {
+        if i + 1 == self.steps_per_epoch {
+            Position { step, epoch: epoch + 1, step_in_epoch: 0 }
+        } else {
+            Position { step, epoch, step_in_epoch: i + 1 }
+        }
+    }
+}
+
+/// The running sums of the epoch in progress.
+struct EpochSums {
+    metrics: Metrics,
+    steps: u64,
+    started: Instant,
+    train_time: Duration,
+}
+
+impl EpochSums {
+    /// An epoch that starts `steps` steps in, with those steps' `metrics` (a resume).
+    fn new(metrics: Metrics, steps: u64) -> EpochSums {
+        EpochSums { metrics, steps, started: Instant::now(), train_time: Duration::ZERO }
+    }
+}
+
+/// A run in progress, on the coordinator's thread.
+struct Fit<'a, 'o> {
+    model: &'a Sequential,
+    test: Option<&'a Dataset>,
+    config: &'a TrainConfig,
+    plan: Plan,
+    observer: &'o mut dyn Observer,
+    epochs: Vec<EpochReport>,
+    losses: Vec<f64>,
+    train_time: Duration,
+    trained_samples: u64,
+    epoch: EpochSums,
+    best: Option<BestEpoch>,
+}
+
+impl<'a, 'o> Fit<'a, 'o> {
+    fn new(
+        model: &'a Sequential,
+        test: Option<&'a Dataset>,
+        config: &'a TrainConfig,
+        plan: Plan,
+        observer: &'o mut dyn Observer,
+    ) -> Self {
+        let resume = config.resume.as_ref();
+        let carried = resume.map_or(Metrics::default(), |r| r.epoch_metrics);
+        let to_go = plan.total_steps.saturating_sub(plan.start.step);
+        Fit {
+            model,
+            test,
+            config,
+            plan,
+            observer,
+            epochs: Vec::new(),
+            losses: Vec::with_capacity(to_go.min(1 << 16) as usize),
+            train_time: Duration::ZERO,
+            trained_samples: 0,
+            epoch: EpochSums::new(carried, plan.start.step_in_epoch as u64),
+            best: resume.and_then(|r| r.best),
+        }
+    }
+
+    fn run(mut self, trainer: &mut Trainer<'_>, train: &Dataset) -> Result<TrainReport> {
+        let started = Instant::now();
+        let stopped = std::thread::scope(|s| -> Result<Stopped> {
+            let (batch_tx, batch_rx) = bounded::<(usize, usize, HeldBatch)>(self.config.prefetch.max(1));
+            let (plan, config, rows) = (self.plan, self.config, trainer.row_plan());
+            s.spawn(move || {
+                let mut step = plan.start.step;
+                for epoch in plan.start.epoch..config.epochs {
+                    let order = scatter::epoch_order(train.len(), config.seed, epoch, config.shuffle);
+                    let skip = if epoch == plan.start.epoch { plan.start.step_in_epoch } else { 0 };
+                    let batches = order.chunks(config.batch_size).take(plan.steps_per_epoch).enumerate().skip(skip);
+                    for (i, idx) in batches {
+                        // This process's shards' rows only (all of them in a world of one).
+                        let mine = rows.rows(idx.len());
+                        let batch = Batch::gather(train, &idx[mine.clone()]);
+                        let held = HeldBatch { batch, first_row: mine.start, global_len: idx.len() };
+                        if step >= plan.total_steps || batch_tx.send((epoch, i, held)).is_err() {
+                            return;
+                        }
+                        step += 1;
+                    }
+                }
+            });
+            // Dropping the receiver on any return releases a loader blocked on a full channel.
+            let stopped = self.steps(trainer, &batch_rx)?;
+            if stopped == Stopped::Completed && trainer.steps() < self.plan.total_steps {
+                return Err(Error::Data {
+                    name: train.name().into(),
+                    detail: format!("ran out of batches after step {} of {}", trainer.steps(), self.plan.total_steps),
+                });
+            }
+            Ok(stopped)
+        })?;
+        if self.config.check_replicas_every.is_some() {
+            trainer.check_replicas()?;
+        }
+        let (weights, optimizer) = trainer.weights()?;
+        Ok(TrainReport {
+            weights,
+            optimizer,
+            epochs: self.epochs,
+            losses: self.losses,
+            steps: trainer.steps(),
+            seconds: started.elapsed().as_secs_f64(),
+            samples_per_sec: self.trained_samples as f64 / self.train_time.as_secs_f64().max(1e-12),
+            stopped,
+            best: self.best,
+        })
+    }
+
+    /// Every step up to the end of the run, or until it stops.
+    fn steps(&mut self, trainer: &mut Trainer<'_>, batches: &Receiver<(usize, usize, HeldBatch)>) -> Result<Stopped> {
+        if let Some(best_epoch) = self.stopped_early_before(self.plan.start) {
+            return Ok(Stopped::EarlyStopping { best_epoch });
+        }
+        while trainer.steps() < self.plan.total_steps {
+            let t_wait = Instant::now();
+            let Ok((epoch, i, batch)) = batches.recv() else { break };
+            self.step(trainer, epoch, i, batch, t_wait.elapsed())?;
+            let end_of_epoch = i + 1 == self.plan.steps_per_epoch || trainer.steps() == self.plan.total_steps;
+            let early = match end_of_epoch {
+                true => self.end_epoch(trainer, epoch)?,
+                false => None,
+            };
+            let next = self.plan.after(trainer.steps(), epoch, i);
+            // With several processes, the stop they all agreed on at this step.
+            let interrupted = trainer.stop_requested();
+            let done = trainer.steps() == self.plan.total_steps || early.is_some();
+            let written = self.checkpoint(trainer, next, interrupted || done)?;
+            if let Some(best_epoch) = early {
+                return Ok(Stopped::EarlyStopping { best_epoch });
+            }
+            if interrupted && !done {
+                return Ok(Stopped::Interrupted { checkpoint: written });
+            }
+        }
+        Ok(Stopped::Completed)
+    }
+
+    /// One training step of `batch`, the `i`-th (0-based) of `epoch`, reported.
+    fn step(
+        &mut self,
+        trainer: &mut Trainer<'_>,
+        epoch: usize,
+        i: usize,
+        batch: HeldBatch,
+        data_wait: Duration,
+    ) -> Result<()> {
+        let t_step = Instant::now();
+        let lr_scale = self.config.schedule.scale(trainer.steps(), self.plan.total_steps);
+        let report = trainer.step_held(batch, lr_scale)?;
+        let dt = t_step.elapsed();
+        self.train_time += dt;
+        self.epoch.train_time += dt;
+        self.trained_samples += report.metrics.count;
+        let loss = report.metrics.mean_loss();
+        if !loss.is_finite() && self.config.non_finite == NonFinite::Error {
+            return Err(Error::NonFiniteLoss { step: report.step, epoch, loss });
+        }
+        self.losses.push(loss);
+        self.epoch.metrics.add(&report.metrics);
+        self.epoch.steps += 1;
+        self.observer.on_step(&StepEvent {
+            report: &report,
+            epoch,
+            epochs: self.config.epochs,
+            step_in_epoch: i,
+            steps_in_epoch: self.plan.steps_per_epoch,
+            total_steps: self.plan.total_steps,
+            data_wait,
+        });
+        if let Some(k) = self.config.check_replicas_every {
+            if trainer.steps() % k == 0 {
+                trainer.check_replicas()?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Evaluates the held-out set, keeps the best epoch (writing `save_best`), reports
+    /// the epoch and starts the next. Returns the best epoch when early stopping ends
+    /// the run here.
+    fn end_epoch(&mut self, trainer: &mut Trainer<'_>, epoch: usize) -> Result<Option<usize>> {
+        let held = self.test.map(|t| trainer.evaluate(t, self.config.eval_batch)).transpose()?;
+        let best = match held {
+            Some(m) => self.note_best(trainer, epoch, m)?,
+            None => false,
+        };
+        let sums = std::mem::replace(&mut self.epoch, EpochSums::new(Metrics::default(), 0));
+        let (test, val) = match self.config.held_out {
+            HeldOut::Test => (held, None),
+            HeldOut::Validation => (None, held),
+        };
+        let e = EpochReport {
+            epoch,
+            epochs: self.config.epochs,
+            train: sums.metrics,
+            test,
+            val,
+            best,
+            steps: sums.steps,
+            seconds: sums.started.elapsed().as_secs_f64(),
+            samples_per_sec: sums.metrics.count as f64 / sums.train_time.as_secs_f64().max(1e-12),
+        };
+        self.observer.on_epoch(&e);
+        self.epochs.push(e);
+        Ok(self.stopped_early_after(epoch))
+    }
+
+    /// Keeps `metrics` as the best epoch's when its loss improves on the best so far by
+    /// more than early stopping's `min_delta` (any decrease without early stopping); a
+    /// NaN loss never improves. Writes `save_best` then.
+    fn note_best(&mut self, trainer: &mut Trainer<'_>, epoch: usize, metrics: Metrics) -> Result<bool> {
+        let delta = self.config.early_stopping.map_or(0.0, |e| e.min_delta);
+        let loss = metrics.mean_loss();
+        let improved = match &self.best {
+            None => !loss.is_nan(),
+            Some(b) => loss < b.metrics.mean_loss() - delta,
+        };
+        if improved {
+            self.best = Some(BestEpoch { epoch, metrics });
+            if let Some(path) = self.config.save_best.as_ref().filter(|_| trainer.world().is_voice()) {
+                let (weights, _) = trainer.weights()?;
+                crate::weights::save(self.model, &weights, path)?;
+            }
+        }
+        Ok(improved)
+    }
+
+    /// The best epoch, when early stopping ends the run after `epoch` (0-based): its
+    /// patience of epochs has passed since the best one (Keras's `wait >= patience`).
+    fn stopped_early_after(&self, epoch: usize) -> Option<usize> {
+        let (stopping, best) = (self.config.early_stopping?, self.best?);
+        (epoch > best.epoch && epoch - best.epoch >= stopping.patience).then_some(best.epoch)
+    }
+
+    /// The best epoch, when the run resumed at `start` had already stopped early.
+    fn stopped_early_before(&self, start: Position) -> Option<usize> {
+        match (start.step_in_epoch, start.epoch) {
+            (0, e) if e > 0 => self.stopped_early_after(e - 1),
+            _ => None,
+        }
+    }
+
+    /// Writes a checkpoint at `at` when the policy's period says so, or when `now`.
+    fn checkpoint(&self, trainer: &mut Trainer<'_>, at: Position, now: bool) -> Result<Option<std::path::PathBuf>> {
+        let Some(policy) = self.config.checkpoint.as_ref().filter(|_| trainer.world().is_voice()) else {
+            return Ok(None);
+        };
+        if !now && trainer.steps() % policy.every.max(1) != 0 {
+            return Ok(None);
+        }
+        // At an epoch boundary the new epoch has no steps yet; mid-epoch it carries its sums.
+        let epoch_metrics = if at.step_in_epoch == 0 { Metrics::default() } else { self.epoch.metrics };
+        save_checkpoint(trainer, self.model, policy, at, epoch_metrics, self.best).map(Some)
+    }
+}
+
 fn save_checkpoint(
     trainer: &mut Trainer<'_>,
     model: &Sequential,
     policy: &CheckpointPolicy,
     at: Position,
+    epoch_metrics: Metrics,
+    best: Option<BestEpoch>,
 ) -> Result<std::path::PathBuf> {
     let (weights, optimizer) = trainer.weights()?;
-    let state = Resume { weights, optimizer, step: at.step, epoch: at.epoch, step_in_epoch: at.step_in_epoch };
+    let state = Resume {
+        weights,
+        optimizer,
+        step: at.step,
+        epoch: at.epoch,
+        step_in_epoch: at.step_in_epoch,
+        epoch_metrics,
+        best,
+    };
     checkpoint::save(model, &state, policy)
 }
 
 /// The dataset must be non-empty and shaped like the model's input, with labels the
-/// model can output.
+/// model can output (the first that it cannot is named, with its sample).
 pub fn check_data(model: &Sequential, data: &Dataset) -> Result<()> {
     let err = |detail: String| Error::Data { name: data.name().into(), detail };
     if data.is_empty() {
@@ -249,8 +438,8 @@ pub fn check_data(model: &Sequential, data: &Dataset) -> Result<()> {
         )));
     }
     let classes = model.output_shape().numel();
-    if data.num_classes() > classes {
-        return Err(err(format!("has {} classes but the model outputs {classes}", data.num_classes())));
+    if let Some((i, label)) = data.first_label_outside(classes) {
+        return Err(err(crate::data::label_outside(label.into(), i, classes, "model's ")));
     }
     Ok(())
 }

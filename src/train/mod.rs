@@ -31,9 +31,12 @@ mod trainer;
 mod worker;
 
 pub use batch::Batch;
-pub use config::{NonFinite, TrainConfig};
+pub use config::{EarlyStopping, NonFinite, TrainConfig};
 pub use fit::{check_data, train_data_parallel, train_data_parallel_with};
 pub use processes::RowPlan;
-pub use report::{EpochReport, Observer, ShardReport, Silent, StepEvent, StepReport, TrainReport};
+pub use report::{
+    BestEpoch, EpochReport, EvaluationReport, HeldOut, Observer, ShardReport, Silent, StepEvent, StepReport, Stopped,
+    TrainReport,
+};
 pub use scatter::{LastBatch, Shuffle};
 pub use trainer::{with_trainer, Trainer};

@@ -392,6 +392,9 @@ pub fn with_trainer<T>(
 ) -> Result<T> {
     config.validate()?;
     let world = crate::world::current()?;
+    // With several processes R counts them all, which overstates a process's slots: a
+    // bound on the safe side.
+    crate::memory::check_training(model, devices, config)?;
     let n = devices.len();
     let in_world = n * world.size();
     let replicas = config.replicas.unwrap_or(in_world);

@@ -103,7 +103,7 @@ pub fn current() -> Result<&'static World> {
 }
 
 /// Errors every process of a run reaches by the same decision on the same gathered
-/// values (a non-finite loss, a replica check, an agreed stop, disagreeing arguments):
+/// values (a non-finite loss, a replica check, disagreeing arguments):
 /// nobody is left waiting, so no process needs telling, and only process 0 reports them.
 pub fn agreed(e: &Error) -> bool {
     matches!(
@@ -111,7 +111,6 @@ pub fn agreed(e: &Error) -> bool {
         Error::NonFiniteLoss { .. }
             | Error::ReplicaMismatch { .. }
             | Error::ReplicaMismatchAcross { .. }
-            | Error::Interrupted { .. }
             | Error::Processes { .. }
     )
 }
