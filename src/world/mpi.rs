@@ -390,6 +390,14 @@ impl MpiWorld {
         1 + self.peers.iter().filter(|p| p.same_host).count()
     }
 
+    /// Whether every other process is on this machine and Open MPI may carry their
+    /// messages through shared memory: not when `OMPI_MCA_btl` (which `mpirun --mca btl
+    /// ...` sets) leaves out its shared-memory transport (`vader`, or `sm`).
+    pub(crate) fn shared_memory(&self) -> bool {
+        self.peers.iter().all(|p| p.same_host)
+            && btl_allows_shared_memory(std::env::var("OMPI_MCA_btl").ok().as_deref())
+    }
+
     /// The door to MPI, or the failure that closed it.
     pub(crate) fn port(&self) -> Result<MutexGuard<'_, Port>> {
         if self.broken.load(Ordering::SeqCst) {
@@ -612,6 +620,18 @@ fn clone_failure(e: &Error) -> Error {
     }
 }
 
+/// Whether an Open MPI `btl` selection (`self,tcp`, `^tcp`, none) keeps shared memory.
+fn btl_allows_shared_memory(btl: Option<&str>) -> bool {
+    let shm = |name: &str| matches!(name.trim(), "vader" | "sm");
+    match btl.map(str::trim) {
+        None | Some("") => true,
+        Some(v) => match v.strip_prefix('^') {
+            Some(excluded) => !excluded.split(',').any(shm),
+            None => v.split(',').any(shm),
+        },
+    }
+}
+
 /// True while process `pid` runs (not gone, not a zombie).
 fn alive(pid: u32) -> bool {
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
@@ -648,7 +668,16 @@ mod tests {
     }
 
     #[test]
-    fn this_process_is_alive_and_pid_0_of_a_container_is_not_ours() {
+    fn a_btl_selection_keeps_or_drops_shared_memory() {
+        assert!(btl_allows_shared_memory(None));
+        assert!(btl_allows_shared_memory(Some("self,vader,tcp")));
+        assert!(btl_allows_shared_memory(Some("^tcp")));
+        assert!(!btl_allows_shared_memory(Some("self,tcp")));
+        assert!(!btl_allows_shared_memory(Some("^vader")));
+    }
+
+    #[test]
+    fn this_process_is_alive_and_a_pid_past_the_kernels_is_not() {
         assert!(alive(std::process::id()));
         assert!(!alive(u32::MAX));
     }
