@@ -354,6 +354,12 @@ fn main() -> ExitCode {
             ExitCode::SUCCESS
         }
         Err(f) => {
+            // The other processes must not wait for this one (a failure in training has
+            // told them already; one of the binary's own checks, run before any
+            // collective and on process 0 alone for its files, tells them here).
+            if let Some(w) = world.filter(|_| !f.quiet) {
+                w.fail_with(&one_line(&f.error));
+            }
             // One voice: a process other than 0 prints only failures of its own.
             let told = f.error.downcast_ref::<lockstep::Error>();
             let quiet = f.quiet || matches!(world.zip(told), Some((w, e)) if !w.reports(e));

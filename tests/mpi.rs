@@ -271,6 +271,17 @@ fn arguments_that_disagree_are_refused_on_every_process() {
     );
     assert!(out.contains("Exit code:    2"), "exits 2, as for any bad argument: {out}");
     assert!(t0.elapsed() < Duration::from_secs(20), "took {:?}", t0.elapsed());
+    // Process 0 alone checks the files it writes: its refusal reaches process 1, which
+    // would otherwise wait in the first collective (mpirun is not let end the job here).
+    let t0 = Instant::now();
+    let o = mpirun(2, &["--mca", "orte_abort_on_non_zero_status", "0"])
+        .args([bin, "train", "--model", "toy", "--devices", "cpu:1", "--save", "/nonexistent-dir/w.safetensors"])
+        .output()
+        .unwrap();
+    let out = text(&o);
+    let took = t0.elapsed();
+    assert_eq!(out.matches("error: --save '/nonexistent-dir/w.safetensors'").count(), 1, "{out}");
+    assert!(took < Duration::from_secs(10), "process 1 ended {took:?} after the start: {out}");
     let o = mpirun(2, &[])
         .args([bin, "train", "--model", "toy", "--devices", "cpu:1", "--replicas", "3"])
         .output()

@@ -220,6 +220,19 @@ impl World {
         }
     }
 
+    /// [`World::fail`] for a failure that is not the library's (the binary's own input
+    /// checks): tells the others `rank N: text`, once, unless a failure was told or heard
+    /// of already. So that no process waits in a collective for one that never comes.
+    pub fn fail_with(&self, text: &str) {
+        match &self.kind {
+            Kind::Single => {
+                let _ = text;
+            }
+            #[cfg(feature = "mpi")]
+            Kind::Mpi(m) => m.fail_with(self.rank(), &format!("rank {}: {text}", self.rank())),
+        }
+    }
+
     /// The failure another process reported, or the loss of one, if any.
     pub fn peer_failure(&self) -> Option<Error> {
         match &self.kind {

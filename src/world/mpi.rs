@@ -521,23 +521,32 @@ impl MpiWorld {
     /// [`NOTICE_DEADLINE`] to leave (a dead peer never takes its own).
     pub(crate) fn fail(&self, rank: usize, e: &Error) {
         let quiet = super::agreed(e) || matches!(e, Error::Peer { .. } | Error::PeerLost { .. });
+        if quiet {
+            self.broken.store(true, Ordering::SeqCst);
+            return;
+        }
+        // A worker's failure already names the rank ("rank 1, cpu:0, step 5: ...").
+        match e {
+            Error::Worker { .. } => self.fail_with(rank, &e.to_string()),
+            other => self.fail_with(rank, &format!("rank {rank}: {other}")),
+        }
+    }
+
+    /// Tells every other process that this one failed, in `text`, once (nothing after a
+    /// failure was already told or heard of), and closes the door to MPI.
+    pub(crate) fn fail_with(&self, rank: usize, text: &str) {
         {
             let mut f = self.failures.lock();
-            if quiet || f.told || f.peer.is_some() || self.broken.load(Ordering::SeqCst) {
+            if f.told || f.peer.is_some() || self.broken.load(Ordering::SeqCst) {
                 self.broken.store(true, Ordering::SeqCst);
                 return;
             }
             f.told = true;
         }
-        // A worker's failure already names the rank ("rank 1, cpu:0, step 5: ...").
-        let text = match e {
-            Error::Worker { .. } => e.to_string(),
-            other => format!("rank {rank}: {other}"),
-        };
         let mut port = self.port.lock();
         let mut reqs = Vec::with_capacity(self.peers.len());
         for p in &self.peers {
-            let buf = encode_notice(rank, &text);
+            let buf = encode_notice(rank, text);
             // SAFETY: the buffer is kept in `port.sent` for the rest of the process.
             if let Ok(r) = unsafe { port.isend(&buf[..], p.rank, TAG_NOTICE) } {
                 reqs.push(r);
