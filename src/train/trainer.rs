@@ -121,6 +121,16 @@ impl Trainer<'_> {
         if self.world.size() == 1 {
             return recv_waiting(&self.replies, self.wait);
         }
+        // A short step's reply comes within microseconds: spin for it as `recv_waiting`
+        // does where a core is free, before sleeping between looks at the world.
+        let start = Instant::now();
+        while self.wait == Wait::Spin && start.elapsed() < Duration::from_micros(100) {
+            match self.replies.try_recv() {
+                Ok(reply) => return Ok(reply),
+                Err(crossbeam_channel::TryRecvError::Disconnected) => return Err(crossbeam_channel::RecvError),
+                Err(crossbeam_channel::TryRecvError::Empty) => std::hint::spin_loop(),
+            }
+        }
         loop {
             match self.replies.recv_timeout(WATCH_EVERY) {
                 Ok(reply) => return Ok(reply),

@@ -442,11 +442,15 @@ impl MpiWorld {
                     next_look = now + LIVENESS_EVERY;
                 }
                 let waited = now - start;
+                // Spin while the answer may be microseconds away (a core each), then
+                // yield, then nap: longer once the wait is long (another process is still
+                // computing its step), so that a waiting thread costs its core nothing.
                 match how {
                     Wait::Spin if waited < Duration::from_micros(200) => std::hint::spin_loop(),
                     Wait::Spin if waited < Duration::from_millis(2) => std::thread::yield_now(),
                     Wait::Park if waited < Duration::from_micros(50) => std::thread::yield_now(),
-                    _ => std::thread::sleep(Duration::from_micros(20)),
+                    _ if waited < Duration::from_millis(100) => std::thread::sleep(Duration::from_micros(20)),
+                    _ => std::thread::sleep(Duration::from_micros(200)),
                 }
             }
         }
