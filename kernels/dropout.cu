@@ -3,6 +3,8 @@
 // Owns: dropout forward and backward. The keep/drop decision for element `idx` of layer
 // `layer` at `step` in logical replica `replica` is a counter-based hash, so
 //   * the backward recomputes the mask instead of keeping it in memory;
+//   * a micro-batch of an accumulated step draws the whole shard's masks: element i of
+//     its buffer is element idx = first + i of the logical replica's shard;
 //   * the CPU backend gets bit-identical masks by running the same few integer lines
 //     (tests/cuda_ops.rs holds the Rust copy the GPU masks are checked against);
 //   * the mask does not depend on which device computes a logical replica (DESIGN.md).
@@ -13,7 +15,7 @@
 //             z = (z ^ (z >> 27)) * 0x94D049BB133111EB;
 //             z ^= z >> 31
 //   key  = mix64(mix64(mix64(seed + step * G) + replica * G) + layer * G), G = 0x9E3779B97F4A7C15
-//   z    = mix64(key + idx * G)
+//   z    = mix64(key + idx * G), idx = first + i
 //   keep = (z >> 40) / 2^24 >= rate      (24 uniform bits; exact in float32)
 // Each element is multiplied by its factor: 1 / (1 - rate) (computed in float32) where
 // kept, 0 where dropped. A dropped element is therefore x * 0, not a literal 0: -0 for a
@@ -48,10 +50,10 @@ __device__ bool dropout_keep(unsigned long long key, unsigned long long idx, flo
 extern "C" __global__ void dropout_fwd_f32(const float* x, float* y, float rate,
                                            unsigned long long seed, unsigned long long step,
                                            unsigned long long replica, unsigned long long layer,
-                                           size_t n) {
+                                           unsigned long long first, size_t n) {
     const unsigned long long key = dropout_key(seed, step, replica, layer);
     const float scale = 1.0f / (1.0f - rate);
-    GRID_STRIDE(i, n) { y[i] = x[i] * (dropout_keep(key, i, rate) ? scale : 0.0f); }
+    GRID_STRIDE(i, n) { y[i] = x[i] * (dropout_keep(key, first + i, rate) ? scale : 0.0f); }
 }
 
 // dx = dy * (keep ? 1 / (1 - rate) : 0), with the same mask as the forward (same arguments).
@@ -59,8 +61,8 @@ extern "C" __global__ void dropout_fwd_f32(const float* x, float* y, float rate,
 extern "C" __global__ void dropout_bwd_f32(const float* dy, float* dx, float rate,
                                            unsigned long long seed, unsigned long long step,
                                            unsigned long long replica, unsigned long long layer,
-                                           size_t n) {
+                                           unsigned long long first, size_t n) {
     const unsigned long long key = dropout_key(seed, step, replica, layer);
     const float scale = 1.0f / (1.0f - rate);
-    GRID_STRIDE(i, n) { dx[i] = dy[i] * (dropout_keep(key, i, rate) ? scale : 0.0f); }
+    GRID_STRIDE(i, n) { dx[i] = dy[i] * (dropout_keep(key, first + i, rate) ? scale : 0.0f); }
 }

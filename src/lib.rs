@@ -36,7 +36,7 @@
 //! | [`optim`] | SGD and Adam over flat buffers, learning-rate schedules |
 //! | [`models`] | the seed models and their tensor names |
 //! | [`data`] | datasets: the embedded digits, the lesson's toy set, safetensors files |
-//! | [`exchange`] | where gradients meet: the `Exchange` trait, shared memory between CPU threads, NCCL and device copies between GPUs, MPI between processes |
+//! | [`exchange`] | where gradients meet: the `Exchange` trait, shared memory between CPU threads, NCCL and device copies between GPUs, MPI between processes; the 16-bit gradient codec; synchronized BatchNorm's statistics exchange |
 //! | [`train`] | `train_data_parallel`, `with_trainer`, the workers, scatter and sampler |
 //! | [`checkpoint`] | checkpoints and exact resume |
 //! | [`dirlock`] | one run per checkpoint directory (an advisory lock) |

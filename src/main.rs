@@ -41,7 +41,7 @@ use lockstep::exchange::{Abort, Exchange};
 use lockstep::models::{self, ConvnetOptions, Norm};
 use lockstep::nn::{ParamStore, Sequential};
 use lockstep::observe::{CsvMetrics, Drawing, Fanout, JsonLines, Progress, StepLines, Stream};
-use lockstep::optim::{LrSchedule, Optimizer, OptimizerConfig};
+use lockstep::optim::{LrSchedule, Optimizer, OptimizerConfig, Sharding};
 use lockstep::spec::ModelSpec;
 use lockstep::train::{train_data_parallel_with, with_trainer, Batch, LastBatch, NonFinite, Shuffle, TrainConfig};
 use lockstep::weights;
@@ -217,6 +217,48 @@ enum ScheduleName {
 enum OptimizerName {
     Sgd,
     Adam,
+}
+
+/// `--grad-compression`: how gradients travel between the replicas.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum CompressionName {
+    /// f32, as computed.
+    None,
+    /// bfloat16 (rounded to nearest even), summed in f32.
+    Bf16,
+    /// IEEE half precision scaled per block of 1,024 values by a power of two, summed in f32.
+    Fp16,
+}
+
+impl CompressionName {
+    fn compression(self) -> lockstep::exchange::codec::Compression {
+        use lockstep::exchange::codec::Compression;
+        match self {
+            CompressionName::None => Compression::None,
+            CompressionName::Bf16 => Compression::Bf16,
+            CompressionName::Fp16 => Compression::Fp16,
+        }
+    }
+}
+
+/// `--save-dtype`: the dtype of a saved weights file.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum SaveDtypeName {
+    F32,
+    /// bfloat16, rounded to nearest even (PyTorch's `.to(torch.bfloat16)`).
+    Bf16,
+    /// IEEE half precision, rounded to nearest even (PyTorch's `.half()`).
+    F16,
+}
+
+impl SaveDtypeName {
+    fn dtype(self) -> weights::SaveDtype {
+        match self {
+            SaveDtypeName::F32 => weights::SaveDtype::F32,
+            SaveDtypeName::Bf16 => weights::SaveDtype::Bf16,
+            SaveDtypeName::F16 => weights::SaveDtype::F16,
+        }
+    }
 }
 
 // ---------------------------------------------------------------------------------------

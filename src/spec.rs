@@ -25,7 +25,7 @@
 //! |---|---|
 //! | `rescaling` | `scale` (required), `offset` (0) |
 //! | `conv2d` | `filters`, `kernel_size` (int or [kh, kw]), `strides` (1; int or [s, s]), `padding` ("valid" or "same"; "valid"), `use_bias` (true), `activation` ("linear") |
-//! | `batch_normalization` | `scale` (true), `center` (true), `epsilon` (0.001), `momentum` (0.99) |
+//! | `batch_normalization` | `scale` (true), `center` (true), `epsilon` (0.001), `momentum` (0.99), `synchronized` (false) |
 //! | `relu` | none |
 //! | `dense` | `units`, `use_bias` (true), `activation` ("linear") |
 //! | `dropout` | `rate` in [0, 1) |
@@ -56,8 +56,8 @@ use serde_json::{json, Map, Value};
 
 use crate::error::{Error, Result};
 use crate::nn::{
-    BatchNorm2d, Conv2d, Dropout, Flatten, GlobalAvgPool2d, Layer, LayerOp, Linear, MaxPool2d, Padding, Relu,
-    Rescaling, Sequential,
+    BatchNorm2d, BatchStats, Conv2d, Dropout, Flatten, GlobalAvgPool2d, Layer, LayerOp, Linear, MaxPool2d, Padding,
+    Relu, Rescaling, Sequential,
 };
 use crate::tensor::Shape;
 
@@ -110,6 +110,7 @@ enum LayerKind {
         center: bool,
         epsilon: f32,
         momentum: f32,
+        synchronized: bool,
     },
     Dense {
         units: usize,
@@ -182,14 +183,18 @@ pub const LAYER_TYPES: &[LayerType] = &[
     },
     LayerType {
         name: "batch_normalization",
-        fields: "`scale` (true), `center` (true), `epsilon` (0.001), `momentum` (0.99)",
-        example: (&[3, 4, 4], r#"{"type": "batch_normalization", "scale": false, "epsilon": 0.01, "momentum": 0.9}"#),
+        fields: "`scale` (true), `center` (true), `epsilon` (0.001), `momentum` (0.99), `synchronized` (false)",
+        example: (
+            &[3, 4, 4],
+            r#"{"type": "batch_normalization", "scale": false, "epsilon": 0.01, "momentum": 0.9, "synchronized": true}"#,
+        ),
         parse: |f| {
             Ok(LayerKind::BatchNormalization {
                 scale: f.boolean("scale", true)?,
                 center: f.boolean("center", true)?,
                 epsilon: f.number("epsilon", Some(1e-3), (|x| x > 0.0, "a positive number"))?,
                 momentum: f.number("momentum", Some(0.99), (|x| (0.0..=1.0).contains(&x), "a number in [0, 1]"))?,
+                synchronized: f.boolean("synchronized", false)?,
             })
         },
     },
@@ -265,8 +270,9 @@ pub fn op_to_spec(op: &LayerOp) -> Value {
             "padding": window.padding.name(),
             "use_bias": bias,
         }),
-        LayerOp::BatchNorm2d { eps, momentum, scale, center, .. } => json!({
+        LayerOp::BatchNorm2d { eps, momentum, scale, center, stats, .. } => json!({
             "type": "batch_normalization", "scale": scale, "center": center, "epsilon": eps, "momentum": momentum,
+            "synchronized": stats == BatchStats::Global,
         }),
         LayerOp::Relu => json!({"type": "relu"}),
         LayerOp::Rescaling { scale, offset } => json!({"type": "rescaling", "scale": scale, "offset": offset}),
@@ -427,9 +433,11 @@ impl ModelSpec {
                     new.push(Box::new(conv));
                     act(activation, &mut new);
                 }
-                LayerKind::BatchNormalization { scale, center, epsilon, momentum } => {
+                LayerKind::BatchNormalization { scale, center, epsilon, momentum, synchronized } => {
                     let c = images().map_err(|e| bad(i, l, e))?;
-                    new.push(Box::new(BatchNorm2d::new(c).scale(scale).center(center).eps(epsilon).momentum(momentum)));
+                    let stats = if synchronized { BatchStats::Global } else { BatchStats::Shard };
+                    let bn = BatchNorm2d::new(c).scale(scale).center(center).eps(epsilon).momentum(momentum);
+                    new.push(Box::new(bn.batch_stats(stats)));
                 }
                 LayerKind::Dense { units, use_bias, activation } => {
                     let f = flat().map_err(|e| bad(i, l, e))?;

@@ -1,9 +1,13 @@
-//! Weights interchange: parameters AND buffers as safetensors, f32, PyTorch layouts and
-//! names (see `models` for the mapping of the seed models).
+//! Weights interchange: parameters AND buffers as safetensors, PyTorch layouts and names
+//! (see `models` for the mapping of the seed models).
 //!
 //! Loading is all or nothing: every missing, unexpected, wrong-shape or wrong-dtype
 //! tensor is reported by name in one error, and the store is only built when there is
-//! none.
+//! none. F32, BF16 and F16 tensors load (what `model.to(torch.bfloat16)` or `.half()`
+//! saves), converted to f32 exactly (every bf16 and f16 value is an f32); training runs
+//! in f32 whatever was loaded. Saving writes f32, or bf16 / f16 rounded to nearest even as
+//! PyTorch's `tensor.to(torch.bfloat16)` / `.to(torch.float16)` round ([`SaveDtype`]; NaN
+//! becomes the quiet NaN, values past the format's range ±∞, as there).
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -11,9 +15,40 @@ use std::path::Path;
 use safetensors::tensor::{Dtype, SafeTensors, TensorView};
 
 use crate::error::{Error, Result};
+use crate::exchange::codec::{bf16_bits, fp16_bits};
 use crate::fsutil::write_atomic;
 use crate::nn::{ParamStore, Sequential, TensorInfo};
 use crate::safetensors_io::{self, MappedFile, TensorData};
+
+/// The dtype a weights file is written in (`--save-dtype`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SaveDtype {
+    F32,
+    /// bfloat16, rounded to nearest even.
+    Bf16,
+    /// IEEE half precision, rounded to nearest even.
+    F16,
+}
+
+impl SaveDtype {
+    /// The safetensors dtype.
+    fn dtype(self) -> Dtype {
+        match self {
+            SaveDtype::F32 => Dtype::F32,
+            SaveDtype::Bf16 => Dtype::BF16,
+            SaveDtype::F16 => Dtype::F16,
+        }
+    }
+
+    /// Little-endian bytes of `values` in this dtype.
+    pub fn encode(self, values: &[f32]) -> Vec<u8> {
+        match self {
+            SaveDtype::F32 => le_bytes(values),
+            SaveDtype::Bf16 => values.iter().flat_map(|&v| bf16_bits(v).to_le_bytes()).collect(),
+            SaveDtype::F16 => values.iter().flat_map(|&v| fp16_bits(v).to_le_bytes()).collect(),
+        }
+    }
+}
 
 fn le_bytes(values: &[f32]) -> Vec<u8> {
     values.iter().flat_map(|v| v.to_le_bytes()).collect()
@@ -34,18 +69,25 @@ pub fn to_safetensors_bytes(
     safetensors_io::serialize(&views, metadata)
 }
 
-/// Saves every parameter and buffer of `model` from `store` to `path` (atomically), in
-/// the model's order: the same weights always make the same file.
+/// Saves every parameter and buffer of `model` from `store` to `path` (atomically), f32,
+/// in the model's order: the same weights always make the same file.
 pub fn save(model: &Sequential, store: &ParamStore, path: &Path) -> Result<()> {
-    let mut tensors = Vec::new();
+    save_as(model, store, path, SaveDtype::F32)
+}
+
+/// [`save`] in `dtype` (bf16 and f16 rounded to nearest even, as PyTorch rounds).
+pub fn save_as(model: &Sequential, store: &ParamStore, path: &Path, dtype: SaveDtype) -> Result<()> {
+    let mut named = Vec::new();
     for (infos, flat) in [(model.param_infos(), &store.params), (model.buffer_infos(), &store.buffers)] {
         for t in infos {
-            tensors.push((t.name.clone(), t.shape.dims().to_vec(), &flat[t.range.clone()]));
+            named.push((t.name.as_str(), t.shape.dims(), dtype.encode(&flat[t.range.clone()])));
         }
     }
+    let tensors: Vec<TensorData<'_>> =
+        named.iter().map(|(name, shape, data)| TensorData { name, dtype: dtype.dtype(), shape, data }).collect();
     let meta =
         BTreeMap::from([("format".to_string(), "pt".to_string()), ("producer".to_string(), "lockstep".to_string())]);
-    write_atomic(path, &to_safetensors_bytes(&tensors, &meta)?)
+    write_atomic(path, &safetensors_io::serialize(&tensors, &meta)?)
 }
 
 /// Maps a safetensors file after checking its header length (see `safetensors_io`).
@@ -68,10 +110,22 @@ pub fn first_non_finite(values: &[f32]) -> Option<(usize, f32)> {
     values.iter().position(|v| !v.is_finite()).map(|i| (i, values[i]))
 }
 
-/// Loads weights for `model` from `path`. Every problem is listed in one error: a
-/// missing, unexpected, mis-shaped or mis-typed tensor, and a tensor holding NaN or an
-/// infinity (named with the index of its first such value: weights like that train to
-/// NaN, and evaluate to a chance accuracy that looks like a result).
+/// The values of an F32, BF16 or F16 tensor view as f32 (exact: every bf16 and f16 value
+/// is an f32); `None` for any other dtype.
+pub fn float_values(view: &TensorView<'_>) -> Option<Vec<f32>> {
+    let halves = || view.data().chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]]));
+    match view.dtype() {
+        Dtype::F32 => Some(f32_values(view)),
+        Dtype::BF16 => Some(halves().map(crate::exchange::codec::bf16_value).collect()),
+        Dtype::F16 => Some(halves().map(crate::exchange::codec::fp16_value).collect()),
+        _ => None,
+    }
+}
+
+/// Loads weights (F32, BF16 or F16) for `model` from `path`. Every problem is listed in
+/// one error: a missing, unexpected, mis-shaped or mis-typed tensor, and a tensor holding
+/// NaN or an infinity (named with the index of its first such value: weights like that
+/// train to NaN, and evaluate to a chance accuracy that looks like a result).
 pub fn load(model: &Sequential, path: &Path) -> Result<ParamStore> {
     let file = read_file(path)?;
     let st = file.parse()?;
@@ -82,25 +136,26 @@ pub fn load(model: &Sequential, path: &Path) -> Result<ParamStore> {
     for (info, is_param) in &expected {
         match st.tensor(&info.name) {
             Err(_) => problems.push(format!("missing tensor '{}' {}", info.name, info.shape)),
-            Ok(view) => {
-                if view.dtype() != Dtype::F32 {
-                    problems.push(format!("tensor '{}' has dtype {:?}, expected F32", info.name, view.dtype()));
-                } else if view.shape() != info.shape.dims() {
-                    problems.push(format!(
-                        "tensor '{}' has shape {:?}, expected {}",
-                        info.name,
-                        view.shape(),
-                        info.shape
-                    ));
-                } else {
-                    let values = f32_values(&view);
-                    if let Some((i, v)) = first_non_finite(&values) {
-                        problems.push(format!("tensor '{}' holds {v} at index {i}", info.name));
+            Ok(view) => match float_values(&view) {
+                None => problems.push(format!(
+                    "tensor '{}' has dtype {:?}, expected F32, BF16 or F16",
+                    info.name,
+                    view.dtype()
+                )),
+                Some(_) if view.shape() != info.shape.dims() => problems.push(format!(
+                    "tensor '{}' has shape {:?}, expected {}",
+                    info.name,
+                    view.shape(),
+                    info.shape
+                )),
+                Some(values) => match first_non_finite(&values) {
+                    Some((i, v)) => problems.push(format!("tensor '{}' holds {v} at index {i}", info.name)),
+                    None => {
+                        let dst = if *is_param { &mut store.params } else { &mut store.buffers };
+                        dst[info.range.clone()].copy_from_slice(&values);
                     }
-                    let dst = if *is_param { &mut store.params } else { &mut store.buffers };
-                    dst[info.range.clone()].copy_from_slice(&values);
-                }
-            }
+                },
+            },
         }
     }
     let known: std::collections::HashSet<&str> = expected.iter().map(|(t, _)| t.name.as_str()).collect();
@@ -181,7 +236,7 @@ mod tests {
             problems,
             &vec![
                 "tensor 'dense0.weight' has shape [2, 30], expected (30, 2)".to_string(),
-                "tensor 'dense1.bias' has dtype F64, expected F32".to_string(),
+                "tensor 'dense1.bias' has dtype F64, expected F32, BF16 or F16".to_string(),
                 "missing tensor 'dense2.bias' (2)".to_string(),
                 "unexpected tensor 'head.weight'".to_string(),
             ]

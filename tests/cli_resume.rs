@@ -179,3 +179,30 @@ fn checkpoint_input_errors_are_one_line() {
     assert_eq!(out.status.code(), Some(2), "{err}");
     assert!(err.contains("--checkpoint-dir"), "{err}");
 }
+
+/// What changes a run's arithmetic is stored with its checkpoints: a run with
+/// `--accumulate 2` and 16-bit gradients is resumed with both (given or not), and a flag
+/// given with `--resume` that disagrees is refused, naming it.
+#[test]
+fn issue_12_settings_are_part_of_a_checkpoints_configuration() {
+    let (_guard, dir) = tmp();
+    let d = dir.to_str().unwrap();
+    let run = |extra: &[&str]| {
+        let mut args: Vec<&str> = vec!["train", "--model", "toy", "--steps", "2", "--devices", "cpu:2"];
+        args.extend_from_slice(extra);
+        bin().args(&args).output().unwrap()
+    };
+    let o = run(&["--checkpoint-dir", d, "--accumulate", "2", "--grad-compression", "bf16", "--shard-optimizer"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let o = run(&["--resume", d, "--accumulate", "3"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("--accumulate 3 differs from the run's --accumulate 2"), "{err}");
+    let o = run(&["--resume", d, "--grad-compression", "fp16"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("--grad-compression fp16 differs from the run's"), "{err}");
+    // The stored settings, restored: both steps were taken, nothing is left to do.
+    let o = run(&["--resume", d]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(out.contains("is complete: step 2 of 2"), "{out}");
+}

@@ -205,3 +205,55 @@ fn a_failure_on_one_gpu_is_reported_and_releases_the_other() {
     assert!(err.contains("cuda:0") && err.contains("step 1") && err.contains("label 99"), "{err}");
     assert!(start.elapsed() < std::time::Duration::from_secs(20), "took {:?}", start.elapsed());
 }
+
+/// Issue 12 on GPUs: gradient accumulation (the slot's gradient plus a micro-batch's,
+/// summed by `reduce_sum`; dropout masks continued by `DropoutKey::first`) against the
+/// CPU's accumulated run, and the sharded optimiser bitwise against the replicated one on
+/// the same GPUs (the all-gather an all-reduce of disjoint parts, filled with −0.0); the
+/// features the GPU does not run yet are refused before any work, naming the flag.
+#[test]
+fn issue_12_features_on_gpus() {
+    if !gpu_present("issue_12_features_on_gpus") {
+        return;
+    }
+    use lockstep::exchange::codec::Compression;
+    use lockstep::optim::Sharding;
+    let data = digits_subset(96);
+    let model = convnet(Norm::None, 0.5);
+    // Accumulation against the CPU's with the same R: only summation orders differ, so
+    // the tolerance of a_gpu_trains_like_the_cpu (2e-3 in weights).
+    for gpus in [&[0][..], &[0, 0]] {
+        let cfg = TrainConfig { accumulate: 3, ..config(6, gpus.len()) };
+        let gpu = run(&model, &data, Devices::cuda(gpus).unwrap(), &cfg);
+        let cpu = run(&model, &data, Devices::cpu(1, 2).unwrap(), &cfg);
+        let d = max_abs(&cpu.weights.params, &gpu.weights.params);
+        assert!(d <= 2e-3, "accumulation on cuda:{gpus:?}: weights {d:e} from the CPU's");
+    }
+    // Sharding: bitwise the replicated run on the same devices, weights and state.
+    for gpus in [&[0][..], &[0, 0]] {
+        let base = config(6, gpus.len());
+        let replicated = run(&model, &data, Devices::cuda(gpus).unwrap(), &base);
+        let sharded = run(
+            &model,
+            &data,
+            Devices::cuda(gpus).unwrap(),
+            &TrainConfig { optimizer_sharding: Sharding::Sharded, ..base },
+        );
+        assert!(sharded.weights == replicated.weights, "sharded on cuda:{gpus:?}");
+        assert!(sharded.optimizer == replicated.optimizer, "sharded on cuda:{gpus:?}: optimiser state");
+    }
+    let e = train_data_parallel(
+        &model,
+        &data,
+        None,
+        &Devices::cuda(&[0]).unwrap(),
+        &TrainConfig { grad_compression: Compression::Bf16, ..config(1, 1) },
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("grad-compression"), "{e}");
+    let sync = lockstep::nn::convert_sync_batchnorm(&convnet(Norm::BatchNorm, 0.0)).unwrap();
+    let e =
+        train_data_parallel(&sync, &data, None, &Devices::cuda(&[0]).unwrap(), &config(1, 1)).unwrap_err().to_string();
+    assert!(e.contains("sync-batchnorm"), "{e}");
+}

@@ -133,7 +133,7 @@ struct Model {
     zeros: Tensor,
     /// Weights of the objective, shaped like the output.
     w: Vec<f32>,
-    ctx: Ctx,
+    ctx: Ctx<'static>,
 }
 
 impl Model {
@@ -167,7 +167,7 @@ fn build(
     x: Vec<f32>,
     layers: Vec<Box<dyn Layer>>,
     model_params: Option<Vec<f32>>,
-    ctx: Ctx,
+    ctx: Ctx<'static>,
     seed: u64,
 ) -> Model {
     let n_in = x.len();
@@ -279,7 +279,7 @@ fn check(name: &str, m: &mut Model, tol: Tol, indices: Option<Vec<usize>>) -> Ve
     analytic
 }
 
-fn train_ctx() -> Ctx {
+fn train_ctx() -> Ctx<'static> {
     Ctx::train(7, 3, 1, Device::Cpu(0))
 }
 

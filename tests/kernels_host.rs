@@ -1185,10 +1185,16 @@ fn reduce_sum_adds_the_buffers_left_to_right_and_scales() {
 /// that index. Its backward multiplies dout by the very per-element factors its forward
 /// used, so the forward of dy is also what its backward returns for dy.
 fn cpu_dropout(x: &[f32], f: usize, rate: f32, seed: u64, step: u64, replica: usize, layer: usize) -> Vec<f32> {
+    cpu_dropout_at(x, f, rate, (seed, step, replica, layer), 0)
+}
+
+/// [`cpu_dropout`] of a micro-batch whose first sample is sample `offset` of its shard.
+fn cpu_dropout_at(x: &[f32], f: usize, rate: f32, key: (u64, u64, usize, usize), offset: usize) -> Vec<f32> {
+    let (seed, step, replica, layer) = key;
     let mut layers: Vec<Box<dyn Layer>> = (0..layer).map(|_| Box::new(Dropout::new(0.0).unwrap()) as _).collect();
     layers.push(Box::new(Dropout::new(rate).unwrap()));
     let mut net = Sequential::new([f], layers).unwrap();
-    let ctx = Ctx::train(seed, step, replica, Device::Cpu(0));
+    let ctx = Ctx { sample_offset: offset, ..Ctx::train(seed, step, replica, Device::Cpu(0)) };
     let x = Tensor::from_vec(x.to_vec(), [x.len() / f, f]).unwrap();
     net.forward(x, &[], &mut [], &ctx).unwrap().into_vec()
 }
@@ -1209,24 +1215,24 @@ fn dropout_masks_equal_the_cpu_layer_bit_for_bit() {
     let scale = 1.0f32 / (1.0 - rate);
     for cfg in elem_cfgs(n) {
         let (mut y, mut dx) = (vec![f32::NAN; n], vec![f32::NAN; n]);
-        let key = [U64(seed), U64(step), U64(replica as u64), U64(layer as u64)];
+        let key = [U64(seed), U64(step), U64(replica as u64), U64(layer as u64), U64(0)];
         let mut args = vec![In(&x), Out(&mut y), F32(rate)];
         args.extend(key);
         args.push(U64(n as u64));
-        // As Gpu::dropout (fwd): x, y, rate, seed, step, replica, layer, n.
+        // As Gpu::dropout (fwd): x, y, rate, seed, step, replica, layer, first, n.
         k.launch("dropout_fwd_f32", cfg, &mut args);
-        let key = [U64(seed), U64(step), U64(replica as u64), U64(layer as u64)];
+        let key = [U64(seed), U64(step), U64(replica as u64), U64(layer as u64), U64(0)];
         let mut args = vec![In(&dy), Out(&mut dx), F32(rate)];
         args.extend(key);
         args.push(U64(n as u64));
-        // As Gpu::dropout (bwd): dy, dx, rate, seed, step, replica, layer, n.
+        // As Gpu::dropout (bwd): dy, dx, rate, seed, step, replica, layer, first, n.
         k.launch("dropout_bwd_f32", cfg, &mut args);
         // Bitwise: one mask, from the same integer hash, and one f32 multiply by the same
         // f32 1/(1 - rate) on both sides.
         assert_bits(&format!("dropout y vs nn::Dropout {cfg:?}"), &y, &want_y);
         assert_bits(&format!("dropout dx vs nn::Dropout {cfg:?}"), &dx, &want_dx);
         // And the mask is the documented function of rng (what cuda_ops.rs checks on a GPU).
-        let dkey = DropoutKey { seed, step, replica: replica as u64, layer: layer as u64 };
+        let dkey = DropoutKey { seed, step, replica: replica as u64, layer: layer as u64, first: 0 };
         let mut kept = 0;
         for i in 0..n {
             let keep = dropout_keep(dkey, i as u64, rate);
@@ -1242,7 +1248,7 @@ fn dropout_masks_equal_the_cpu_layer_bit_for_bit() {
     for (s, r, l) in [(step + 1, replica, layer), (step, replica + 1, layer), (step, replica, layer + 1)] {
         let mut y = vec![0.0f32; n];
         let mut args = vec![In(&x), Out(&mut y), F32(rate), U64(seed), U64(s), U64(r as u64), U64(l as u64)];
-        args.push(U64(n as u64));
+        args.extend([U64(0), U64(n as u64)]);
         k.launch("dropout_fwd_f32", elem_cfg(n), &mut args);
         assert_bits(
             &format!("dropout y, step {s} replica {r} layer {l}"),
@@ -1257,8 +1263,20 @@ fn dropout_masks_equal_the_cpu_layer_bit_for_bit() {
     for (rate, want) in [(0.0f32, dy.clone()), (1.0, dy.iter().map(|v| v * 0.0).collect())] {
         let mut dx = vec![f32::NAN; n];
         let mut args = vec![In(&dy), Out(&mut dx), F32(rate), U64(seed), U64(step), U64(replica as u64)];
-        args.extend([U64(layer as u64), U64(n as u64)]);
+        args.extend([U64(layer as u64), U64(0), U64(n as u64)]);
         k.launch("dropout_bwd_f32", elem_cfg(n), &mut args);
         assert_bits(&format!("dropout dx at rate {rate}"), &dx, &want);
     }
+    // A later micro-batch of an accumulated step: rows 25..40 of the shard (first = 25·F)
+    // get the masks the CPU layer draws at sample_offset 25, which are the whole shard's
+    // rows 25..40 (gradient accumulation draws the unaccumulated step's masks).
+    let (from, rows) = (25usize, 15usize);
+    let part = &x[from * f..(from + rows) * f];
+    let mut y = vec![f32::NAN; rows * f];
+    let mut args = vec![In(part), Out(&mut y), F32(rate), U64(seed), U64(step), U64(replica as u64)];
+    args.extend([U64(layer as u64), U64((from * f) as u64), U64((rows * f) as u64)]);
+    k.launch("dropout_fwd_f32", elem_cfg(rows * f), &mut args);
+    let cpu_part = cpu_dropout_at(part, f, rate, (seed, step, replica, layer), from);
+    assert_bits("dropout of a later micro-batch vs nn::Dropout at its offset", &y, &cpu_part);
+    assert_bits("dropout of a later micro-batch vs the whole shard's rows", &y, &want_y[from * f..(from + rows) * f]);
 }

@@ -155,6 +155,30 @@ fn partial_sums_inside_a_process_follow_the_one_tree() {
 }
 
 #[test]
+fn accumulation_sync_batchnorm_16_bit_gradients_and_sharding_across_processes() {
+    if !mpi_ready("accumulation_sync_batchnorm_16_bit_gradients_and_sharding_across_processes") {
+        return;
+    }
+    // Each feature of issue 12 over processes: bitwise one process with the same R. The
+    // 16-bit codecs round each slot and the sum as the shared-memory exchange's wires do;
+    // synchronized BatchNorm gathers every logical replica's statistics across processes
+    // (2 × cpu:2: two devices' payloads per process; 4 × cpu:1: one).
+    // (name, flags, layouts: processes and devices per process)
+    type Feature<'a> = (&'a str, &'a [&'a str], &'a [(usize, usize)]);
+    let features: [Feature<'_>; 5] = [
+        ("bf16", &["--grad-compression", "bf16"], &[(0, 4), (2, 2), (4, 1)]),
+        ("fp16", &["--grad-compression", "fp16"], &[(0, 4), (2, 2)]),
+        ("sync-batchnorm", &["--sync-batchnorm"], &[(0, 4), (2, 2), (4, 1)]),
+        ("accumulate", &["--accumulate", "2"], &[(0, 4), (2, 2)]),
+        ("shard-optimizer", &["--shard-optimizer"], &[(0, 4), (2, 2)]),
+    ];
+    for (name, flags, layouts) in features {
+        let args: Vec<&str> = CONVNET.iter().copied().chain(["--replicas", "4"]).chain(flags.iter().copied()).collect();
+        assert_bitwise(name, &args, layouts, &[]);
+    }
+}
+
+#[test]
 fn the_tcp_transport_gives_the_same_tensors() {
     if !mpi_ready("the_tcp_transport_gives_the_same_tensors") {
         return;

@@ -12,6 +12,13 @@
 //! GPU is present, every case runs on `cuda:0` and on two replicas sharing it
 //! (`cuda:0,0`) within the same tolerances; elsewhere those tests say "skipped".
 //!
+//! Synchronized BatchNorm (`--sync-batchnorm`) normalises with the global batch's
+//! statistics, so the convnet with BatchNorm on 2, 3 and 4 CPU devices must reproduce
+//! PyTorch's single-device case: the step-0 gradient within the README's 1e-5·max(1, |g|),
+//! the losses and the final weights and running statistics within the single-device
+//! tolerances above, the running statistics identical on every replica (the replica check
+//! runs every step).
+//!
 //! The cases are read from ../shared/oracle, or from `LOCKSTEP_ORACLE_DIR` when set (the
 //! GPU check carries a copy to a machine where ../shared is absent).
 
@@ -122,13 +129,18 @@ fn check_grads_step0(case: &str) {
 
 /// K steps through `train_data_parallel` on `devices`, compared step by step and at the end.
 fn check_training(case: &str, devices: Devices, replicas: usize, final_tol: f32) {
+    check_training_of(case, &model_for(case), devices, replicas, final_tol)
+}
+
+/// [`check_training`] of `model` (the case's model, or a variant of it with the same
+/// tensors: its BatchNorm synchronized).
+fn check_training_of(case: &str, model: &Sequential, devices: Devices, replicas: usize, final_tol: f32) {
     let dir = case_dir(case);
     let want_losses = losses(case);
-    let model = model_for(case);
-    let init = weights::load(&model, &dir.join("init.safetensors")).unwrap();
+    let init = weights::load(model, &dir.join("init.safetensors")).unwrap();
     let data = load_safetensors_dataset(&dir.join("data.safetensors")).unwrap();
     let cfg = TrainConfig { initial: Some(init), replicas: Some(replicas), ..config(case, want_losses.len() as u64) };
-    let report = train_data_parallel(&model, &data, None, &devices, &cfg).unwrap();
+    let report = train_data_parallel(model, &data, None, &devices, &cfg).unwrap();
     assert_eq!(report.losses.len(), want_losses.len());
     for (k, (got, want)) in report.losses.iter().zip(&want_losses).enumerate() {
         let tol = if k < 5 { 1e-5 } else { 1e-3 };
@@ -220,6 +232,58 @@ fn convnet_nobn_20_steps_on_1_and_2_devices() {
 #[test]
 fn convnet_with_batchnorm_20_steps() {
     check_training("convnet_s0_k20_b64_w1", Devices::cpu(1, 2).unwrap(), 1, 2e-3);
+}
+
+/// The gradient of step 0 as a run on `devices` applies it: one SGD step of lr 1 from the
+/// case's initial weights moves each parameter by exactly −g up to the rounding of p − g
+/// (an ulp of |p| < 1, under 1e-7: far inside the 1e-5 compared), so p₀ − p₁ is g.
+fn applied_gradient(model: &Sequential, case: &str, devices: &Devices) -> (Vec<f32>, f64) {
+    let dir = case_dir(case);
+    let init = weights::load(model, &dir.join("init.safetensors")).unwrap();
+    let data = load_safetensors_dataset(&dir.join("data.safetensors")).unwrap();
+    let batch = Batch::gather(&data, &(0..64).collect::<Vec<_>>());
+    let cfg = TrainConfig {
+        initial: Some(init.clone()),
+        optimizer: OptimizerConfig::sgd(1.0),
+        check_replicas_every: Some(1),
+        ..TrainConfig::default()
+    };
+    let (after, loss) = lockstep::train::with_trainer(model, devices, &cfg, |t| {
+        let r = t.step(batch)?;
+        t.check_replicas()?;
+        Ok((t.weights()?.0, r.metrics.mean_loss()))
+    })
+    .unwrap();
+    (init.params.iter().zip(&after.params).map(|(p0, p1)| p0 - p1).collect(), loss)
+}
+
+#[test]
+fn sync_batchnorm_gradient_of_step_0_on_2_3_4_devices() {
+    let case = "convnet_s0_k20_b64_w1";
+    let model = lockstep::nn::convert_sync_batchnorm(&model_for(case)).unwrap();
+    let expected = tensors(&case_dir(case).join("grads_step0.safetensors"));
+    for n in 2..=4 {
+        let devices = Devices::cpu(n, 1).unwrap();
+        let (grads, loss) = applied_gradient(&model, case, &devices);
+        let want_loss = losses(case)[0];
+        assert!((loss - want_loss).abs() <= 1e-5, "{devices}: loss {loss} vs {want_loss}");
+        for (name, want) in &expected {
+            let info = model.param_infos().iter().find(|t| &t.name == name).unwrap();
+            let got = &grads[info.range.clone()];
+            let scale = want.iter().fold(1.0f32, |m, v| m.max(v.abs()));
+            let d = max_abs(got, want);
+            assert!(d <= 1e-5 * scale, "{devices}: gradient of {name} differs by {d:e} (allowed {:e})", 1e-5 * scale);
+        }
+    }
+}
+
+#[test]
+fn sync_batchnorm_20_steps_on_2_3_4_devices() {
+    let case = "convnet_s0_k20_b64_w1";
+    let model = lockstep::nn::convert_sync_batchnorm(&model_for(case)).unwrap();
+    for n in 2..=4 {
+        check_training_of(case, &model, Devices::cpu(n, 1).unwrap(), n, 2e-3);
+    }
 }
 
 #[test]

@@ -21,6 +21,10 @@ pub(crate) struct BenchAllreduceArgs {
     /// Untimed iterations before the timed ones.
     #[arg(long, default_value_t = 5)]
     warmup: usize,
+    /// How the values travel (CPU ranks): f32, or 16-bit codes summed in f32. Sizes and
+    /// bandwidths stay in f32-equivalent bytes, so the figures compare with the f32 table.
+    #[arg(long, value_enum, default_value = "none")]
+    grad_compression: CompressionName,
 }
 
 #[derive(Args, Debug)]
@@ -38,6 +42,18 @@ pub(crate) struct BenchStepArgs {
     /// Untimed steps before the timed ones.
     #[arg(long, default_value_t = 3)]
     warmup: u64,
+    /// Micro-batches per step (as `train --accumulate`).
+    #[arg(long, value_name = "K", default_value_t = 1)]
+    accumulate: usize,
+    /// Synchronized BatchNorm (as `train --sync-batchnorm`).
+    #[arg(long)]
+    sync_batchnorm: bool,
+    /// As `train --grad-compression`.
+    #[arg(long, value_enum, default_value = "none")]
+    grad_compression: CompressionName,
+    /// As `train --shard-optimizer`.
+    #[arg(long)]
+    shard_optimizer: bool,
 }
 
 #[derive(Args, Debug)]
@@ -119,9 +135,22 @@ enum AllreducePath {
     Classic,
 }
 
+/// What one timing loop runs: how many ranks, over how many values, how many times, by
+/// which path, encoded by which codec.
+#[derive(Clone, Copy)]
+struct AllreduceRun {
+    ranks: usize,
+    count: usize,
+    iters: usize,
+    warmup: usize,
+    path: AllreducePath,
+    codec: Option<lockstep::exchange::codec::Codec>,
+}
+
 /// Median time of one collective over `ranks` threads; rank 0 times between barriers.
-fn time_allreduce(ranks: usize, count: usize, iters: usize, warmup: usize, path: AllreducePath) -> CliResult<Duration> {
-    let ex = ShmGroup::new(ranks, ranks, count, lockstep::exchange::Wait::for_threads(ranks))?;
+fn time_allreduce(run: AllreduceRun) -> CliResult<Duration> {
+    let AllreduceRun { ranks, count, iters, warmup, path, codec } = run;
+    let ex = ShmGroup::with_codec(ranks, ranks, count, lockstep::exchange::Wait::for_threads(ranks), codec)?;
     let warm = std::sync::atomic::AtomicBool::new(false);
     let times = std::thread::scope(|s| -> lockstep::Result<Vec<Duration>> {
         let handles: Vec<_> = (0..ranks)
@@ -230,20 +259,68 @@ pub(crate) fn cmd_bench_allreduce(a: BenchAllreduceArgs) -> CliResult {
             return bench_gpu_allreduce(&ordinals, &sizes, a.iters, a.warmup);
         }
     };
-    cpu_allreduce(&mut std::io::stdout(), ranks, &sizes, a.iters, a.warmup)
+    cpu_allreduce(&mut std::io::stdout(), ranks, &sizes, (a.iters, a.warmup), a.grad_compression.compression())
 }
 
 /// Times the shared-memory all-reduce of `ranks` threads at every size and prints the
-/// table to `out`, a row as soon as it is measured.
-fn cpu_allreduce(out: &mut dyn Write, ranks: usize, sizes: &[usize], iters: usize, warmup: usize) -> CliResult {
+/// table to `out`, a row as soon as it is measured; `(iters, warmup)` per size. With a
+/// compression, the whole buffer is a gradient (encoded), and a comment line per size
+/// gives the time one rank takes to encode its buffer when it hands it over (in training,
+/// right after its backward, counted in the compute time), beside the f32 path's time
+/// for the same size.
+fn cpu_allreduce(
+    out: &mut dyn Write,
+    ranks: usize,
+    sizes: &[usize],
+    (iters, warmup): (usize, usize),
+    compression: lockstep::exchange::codec::Compression,
+) -> CliResult {
+    use lockstep::exchange::codec::{Codec, Compression};
     cpu_table_header(out, ranks, iters, warmup);
+    if compression != Compression::None {
+        let _ = writeln!(
+            out,
+            "# grad-compression {}: 16-bit codes cross between ranks, sums in f32; sizes and bandwidths in f32-equivalent bytes",
+            compression.name()
+        );
+    }
     for &bytes in sizes {
         let count = bytes / 4;
-        let trainer = time_allreduce(ranks, count, iters, warmup, AllreducePath::Trainer)?;
-        let classic = time_allreduce(ranks, count, iters, warmup, AllreducePath::Classic)?;
+        let codec = Codec::new(compression, count);
+        let run = AllreduceRun { ranks, count, iters, warmup, path: AllreducePath::Trainer, codec };
+        let trainer = time_allreduce(run)?;
+        let classic = time_allreduce(AllreduceRun { path: AllreducePath::Classic, ..run })?;
+        if let Some(codec) = codec {
+            let f32_trainer = time_allreduce(AllreduceRun { codec: None, ..run })?;
+            let encode = time_encode(&codec, count, iters);
+            let _ = writeln!(
+                out,
+                "# {bytes} B: {} B on the wire per rank's buffer; encode of one rank's buffer {:.1} us; f32 trainer path {:.1} us; {} trainer path {:.1} us ({:.2}x)",
+                codec.wire(0..count).bytes(),
+                encode.as_secs_f64() * 1e6,
+                f32_trainer.as_secs_f64() * 1e6,
+                compression.name(),
+                trainer.as_secs_f64() * 1e6,
+                f32_trainer.as_secs_f64() / trainer.as_secs_f64().max(1e-12)
+            );
+        }
         cpu_table_row(out, ranks, bytes, [trainer, classic]);
     }
     Ok(())
+}
+
+/// Median time of encoding one buffer of `count` values (one rank's hand-over).
+fn time_encode(codec: &lockstep::exchange::codec::Codec, count: usize, iters: usize) -> Duration {
+    let src: Vec<f32> = (0..count).map(|i| (i as f32 * 1e-3).sin()).collect();
+    let mut wire = codec.wire(0..count);
+    let times = (0..iters.max(3))
+        .map(|_| {
+            let t0 = Instant::now();
+            codec.encode(&src, &mut wire, 0..count);
+            t0.elapsed()
+        })
+        .collect();
+    median(times)
 }
 
 /// The CPU table's header: size, count | trainer time, algbw, busbw | classic time,
@@ -460,8 +537,17 @@ pub(crate) fn cmd_bench_step(a: BenchStepArgs) -> CliResult {
     let splits = load_data(data_name, toy, 0, None, None)?;
     let data = splits.train;
     let model = build_model(&ModelSource::Builtin(a.model), data.sample_shape().dims(), data.num_classes(), 0.5, 0.99)?;
+    let model = if a.sync_batchnorm { lockstep::nn::convert_sync_batchnorm(&model)? } else { model };
     let optimizer = if toy { OptimizerConfig::sgd(0.05) } else { OptimizerConfig::adam(1e-3) };
-    let config = TrainConfig { batch_size, optimizer, check_replicas_every: None, ..TrainConfig::default() };
+    let config = TrainConfig {
+        batch_size,
+        optimizer,
+        check_replicas_every: None,
+        accumulate: a.accumulate,
+        grad_compression: a.grad_compression.compression(),
+        optimizer_sharding: if a.shard_optimizer { Sharding::Sharded } else { Sharding::Replicated },
+        ..TrainConfig::default()
+    };
     let total = a.warmup + a.steps;
     let kept = total.min(8);
     let mut estimate = lockstep::memory::training(&model, &devices, &config);
@@ -483,14 +569,15 @@ pub(crate) fn cmd_bench_step(a: BenchStepArgs) -> CliResult {
     };
     if world.is_voice() {
         outln!(
-            "lockstep bench step: {} ({} parameters) | devices: {shown} | global batch {batch_size} | {} steps after {} warm-up",
+            "lockstep bench step: {} ({} parameters) | devices: {shown} | global batch {batch_size} | {} steps after {} warm-up{}",
             a.model.as_str(),
             model.num_params(),
             a.steps,
-            a.warmup
+            a.warmup,
+            bench_features(&a)
         );
     }
-    let (walls, computes, reduces) = with_trainer(&model, &devices, &config, |t| {
+    let (walls, computes, reduces, optimizer_bytes) = with_trainer(&model, &devices, &config, |t| {
         let (mut walls, mut computes, mut reduces) = (Vec::new(), Vec::new(), Vec::new());
         for s in 0..total {
             let r = t.step(batches[s as usize % batches.len()].clone())?;
@@ -500,7 +587,7 @@ pub(crate) fn cmd_bench_step(a: BenchStepArgs) -> CliResult {
                 reduces.push(r.reduce);
             }
         }
-        Ok((walls, computes, reduces))
+        Ok((walls, computes, reduces, t.optimizer_bytes()?))
     })
     .map_err(Failure::runtime)?;
     let sum: Duration = walls.iter().sum();
@@ -516,7 +603,27 @@ pub(crate) fn cmd_bench_step(a: BenchStepArgs) -> CliResult {
         median(reduces).as_secs_f64() * 1e3,
         sum.as_secs_f64() * 1e3 / a.steps as f64
     );
+    let bytes: Vec<String> = optimizer_bytes.iter().map(|b| b.to_string()).collect();
+    outln!("optimizer state per device: {} bytes", bytes.join(", "));
     Ok(())
+}
+
+/// The features of issue 12 a `bench step` uses, as a suffix of its first line.
+fn bench_features(a: &BenchStepArgs) -> String {
+    let mut s = String::new();
+    if a.accumulate > 1 {
+        let _ = write!(s, " | accumulate {}", a.accumulate);
+    }
+    if a.sync_batchnorm {
+        s.push_str(" | sync-batchnorm");
+    }
+    if a.grad_compression != CompressionName::None {
+        let _ = write!(s, " | grad-compression {}", a.grad_compression.compression().name());
+    }
+    if a.shard_optimizer {
+        s.push_str(" | shard-optimizer");
+    }
+    s
 }
 
 // ---------------------------------------------------------------------------------------
@@ -686,7 +793,9 @@ mod tests {
     fn the_cpu_parser_reads_a_real_run() {
         // The whole CPU path as `bench allreduce --devices cpu:2 --sizes 4K,64K` runs it.
         let mut out = Vec::new();
-        cpu_allreduce(&mut out, 2, &[4 << 10, 64 << 10], 3, 1).map_err(|f| format!("{f:?}")).unwrap();
+        cpu_allreduce(&mut out, 2, &[4 << 10, 64 << 10], (3, 1), lockstep::exchange::codec::Compression::None)
+            .map_err(|f| format!("{f:?}"))
+            .unwrap();
         let table = String::from_utf8(out).unwrap();
         let Some(got) = parse("cpu", &table, "cpu-real") else { return };
         let got = got.unwrap_or_else(|e| panic!("{e}\n{table}"));
@@ -697,5 +806,14 @@ mod tests {
             let v: f64 = fields[f].parse().unwrap();
             assert!(v > 0.0 && v.is_finite(), "field {f} of {got}\n{table}");
         }
+        // With bf16 on the wire the table keeps its columns (its extra lines are comments).
+        let mut out = Vec::new();
+        cpu_allreduce(&mut out, 2, &[4 << 10, 64 << 10], (3, 1), lockstep::exchange::codec::Compression::Bf16)
+            .map_err(|f| format!("{f:?}"))
+            .unwrap();
+        let table = String::from_utf8(out).unwrap();
+        assert!(table.contains("# grad-compression bf16") && table.contains("encode of one rank's buffer"), "{table}");
+        let got = parse("cpu", &table, "cpu-real-bf16").unwrap().unwrap_or_else(|e| panic!("{e}\n{table}"));
+        assert_eq!(got.split_whitespace().count(), 7, "{got}\n{table}");
     }
 }

@@ -38,7 +38,8 @@ fn time_both(
     warmup: usize,
 ) -> lockstep::Result<(Duration, Duration, Option<bool>)> {
     let p = world.size();
-    let group = MpiGroup::new(world, devices, p * devices, count, lockstep::exchange::Wait::for_threads(devices))?;
+    let group =
+        MpiGroup::new(world, devices, p * devices, count, lockstep::exchange::Wait::for_threads(devices), None)?;
     let reps = reps(count * 4);
     let failed = AtomicBool::new(false);
     std::thread::scope(|s| {

@@ -91,6 +91,9 @@ pub(crate) struct TrainArgs {
     /// Save the final weights here (written atomically).
     #[arg(long, value_name = "FILE")]
     save: Option<PathBuf>,
+    /// The dtype --save writes: f32, or bf16 / f16 rounded to nearest even (as PyTorch).
+    #[arg(long, value_enum, default_value = "f32", requires = "save")]
+    save_dtype: SaveDtypeName,
     /// Visit the samples in file order every epoch.
     #[arg(long)]
     no_shuffle: bool,
@@ -106,6 +109,22 @@ pub(crate) struct TrainArgs {
     /// Logical replicas R (a multiple of the device count) [default: the device count].
     #[arg(long, value_name = "R")]
     replicas: Option<usize>,
+    /// Gradient accumulation (PyTorch's no_sync): the global batch of a step is processed
+    /// as K micro-batches one after another (each logical shard cut into K), gradients
+    /// summed in place; one exchange and one update per step. Activation memory about ÷ K.
+    #[arg(long, value_name = "K", default_value_t = 1)]
+    accumulate: usize,
+    /// Normalise with the statistics of the whole global batch, across every replica
+    /// (PyTorch's SyncBatchNorm.convert_sync_batchnorm); one logical replica per device.
+    #[arg(long)]
+    sync_batchnorm: bool,
+    /// How gradients travel between the replicas: f32, or 16-bit values summed in f32.
+    #[arg(long, value_enum, default_value = "none")]
+    grad_compression: CompressionName,
+    /// ZeRO stage 1: each device keeps the optimiser state (Adam's m and v, SGD's
+    /// momentum) of its part of the parameters only; the same weights, bitwise.
+    #[arg(long)]
+    shard_optimizer: bool,
     /// Check that every replica is bitwise identical every K steps and at the end [default: 100].
     #[arg(long, value_name = "K")]
     check_replicas_every: Option<u64>,
@@ -151,8 +170,11 @@ pub(crate) struct TrainArgs {
 }
 
 /// The flags that may differ from the stored ones on `--resume` (clap ids).
-pub(crate) const MAY_CHANGE: [&str; 16] = [
+pub(crate) const MAY_CHANGE: [&str; 18] = [
     "epochs",
+    // A sharded optimiser changes no number (its weights are bitwise the unsharded ones).
+    "shard_optimizer",
+    "save_dtype",
     "steps",
     "devices",
     "early_stopping",
@@ -203,6 +225,8 @@ fn flag_values(a: &TrainArgs) -> BTreeMap<&'static str, String> {
         ("seed", a.seed.to_string()),
         ("devices", a.devices.clone()),
         ("keep_checkpoints", a.keep_checkpoints.to_string()),
+        ("accumulate", a.accumulate.to_string()),
+        ("grad_compression", enum_name(&a.grad_compression)),
     ]);
     let optional = [
         ("data", a.data.clone()),
@@ -224,6 +248,8 @@ fn flag_values(a: &TrainArgs) -> BTreeMap<&'static str, String> {
         ("no_shuffle", a.no_shuffle.then(|| "true".to_string())),
         ("drop_last", a.drop_last.then(|| "true".to_string())),
         ("allow_nonfinite", a.allow_nonfinite.then(|| "true".to_string())),
+        ("sync_batchnorm", a.sync_batchnorm.then(|| "true".to_string())),
+        ("shard_optimizer", a.shard_optimizer.then(|| "true".to_string())),
     ];
     m.extend(optional.into_iter().filter_map(|(k, v)| v.map(|v| (k, v))));
     m
@@ -300,9 +326,7 @@ fn with_stored_flags(a: TrainArgs, given: &BTreeSet<String>, dir: &Path) -> CliR
             continue;
         }
         match value.as_str() {
-            "true" if ["no_shuffle", "drop_last", "allow_nonfinite"].contains(&id.as_str()) => {
-                argv.push(flag(id).into())
-            }
+            "true" if SWITCHES.contains(&id.as_str()) => argv.push(flag(id).into()),
             v => argv.push(format!("{}={v}", flag(id)).into()),
         }
     }
@@ -317,9 +341,12 @@ fn with_stored_flags(a: TrainArgs, given: &BTreeSet<String>, dir: &Path) -> CliR
     }
 }
 
+/// The stored flags that are switches (stored as "true" when set).
+const SWITCHES: [&str; 5] = ["no_shuffle", "drop_last", "allow_nonfinite", "sync_batchnorm", "shard_optimizer"];
+
 /// Whether `id` is a flag this version stores (a newer lockstep's extra entries are left).
 fn here_known(id: &str) -> bool {
-    const STORED: [&str; 28] = [
+    const STORED: [&str; 32] = [
         "model",
         "momentum",
         "weight_decay",
@@ -348,6 +375,10 @@ fn here_known(id: &str) -> bool {
         "no_shuffle",
         "drop_last",
         "allow_nonfinite",
+        "accumulate",
+        "grad_compression",
+        "sync_batchnorm",
+        "shard_optimizer",
     ];
     STORED.contains(&id)
 }
@@ -478,6 +509,9 @@ fn settings(a: &mut TrainArgs, toy: bool) -> CliResult<Settings> {
         }
     }
     check_classes(a.classes)?;
+    if a.accumulate == 0 {
+        return Err(Failure::usage(anyhow!("--accumulate must be at least 1 (micro-batches per step)")));
+    }
     if optimizer == OptimizerName::Adam && a.momentum != 0.0 {
         return Err(Failure::usage(anyhow!("--momentum is an SGD setting; Adam uses its betas")));
     }
@@ -559,6 +593,15 @@ pub(crate) fn cmd_train(a: TrainArgs, given: &BTreeSet<String>) -> CliResult {
     // test split has is one the model was never trained to output.
     let classes = *a.classes.get_or_insert(splits.train.num_classes());
     let model = build_model(&source, splits.train.sample_shape().dims(), classes, a.dropout, a.bn_momentum)?;
+    let model = if a.sync_batchnorm { lockstep::nn::convert_sync_batchnorm(&model)? } else { model };
+    // Every process's devices, under mpirun.
+    let in_world = s.devices.len() * world.size();
+    if a.sync_batchnorm && s.replicas != in_world {
+        return Err(Failure::usage(anyhow!(
+            "--sync-batchnorm needs one logical replica per device: --replicas {} on {in_world} devices",
+            s.replicas
+        )));
+    }
     for d in std::iter::once(&splits.train).chain(&splits.test).chain(&final_test) {
         lockstep::train::check_data(&model, d).map_err(Failure::usage)?;
     }
@@ -592,6 +635,9 @@ pub(crate) fn cmd_train(a: TrainArgs, given: &BTreeSet<String>) -> CliResult {
         held_out,
         early_stopping: a.early_stopping.map(EarlyStopping::patience),
         save_best: a.save_best.clone(),
+        accumulate: a.accumulate,
+        grad_compression: a.grad_compression.compression(),
+        optimizer_sharding: if a.shard_optimizer { Sharding::Sharded } else { Sharding::Replicated },
         ..TrainConfig::default()
     };
     config.validate().map_err(Failure::usage)?;
@@ -674,6 +720,12 @@ pub(crate) fn cmd_train(a: TrainArgs, given: &BTreeSet<String>) -> CliResult {
         splits.test.as_ref().map_or(String::new(), test_text),
         final_test.as_ref().map_or(String::new(), test_text),
     ));
+    if let Some(note) = s.devices.oversubscription_note(s.replicas) {
+        say(format!("lockstep: note: {note}"));
+    }
+    if let Some(features) = features_text(&a) {
+        say(format!("lockstep: {features}"));
+    }
     say(format!(
         "lockstep: {} | global batch {} | epochs {}{} | seed {}{}{}",
         optimizer_text(&s.optimizer),
@@ -749,8 +801,8 @@ pub(crate) fn cmd_train(a: TrainArgs, given: &BTreeSet<String>) -> CliResult {
         };
     }
     if let Some(p) = a.save.as_ref().filter(|_| voice) {
-        weights::save(&model, &report.weights, p).map_err(Failure::runtime)?;
-        say(format!("weights saved to {}", p.display()));
+        weights::save_as(&model, &report.weights, p, a.save_dtype.dtype()).map_err(Failure::runtime)?;
+        say(format!("weights saved to {} ({})", p.display(), enum_name(&a.save_dtype)));
     }
     Ok(())
 }
@@ -871,6 +923,24 @@ fn finished_already(a: &TrainArgs, model: &Sequential, dir: &Path, r: &checkpoin
     Ok(())
 }
 
+/// The features of issue 12 a run uses, in one line, or None for none of them.
+fn features_text(a: &TrainArgs) -> Option<String> {
+    let mut parts = Vec::new();
+    if a.accumulate > 1 {
+        parts.push(format!("accumulate {} micro-batches per step", a.accumulate));
+    }
+    if a.sync_batchnorm {
+        parts.push("synchronized BatchNorm".to_string());
+    }
+    if a.grad_compression != CompressionName::None {
+        parts.push(format!("gradients travel as {:?}", a.grad_compression).to_lowercase());
+    }
+    if a.shard_optimizer {
+        parts.push("optimiser state sharded across devices (ZeRO-1)".to_string());
+    }
+    (!parts.is_empty()).then(|| parts.join(" | "))
+}
+
 /// The settings that decide a run's arithmetic, in words: a checkpoint is only resumed
 /// by a run that agrees on every one (the device count is free: the logical replicas are
 /// here; the epochs and steps are free: a finished run may be extended).
@@ -904,7 +974,14 @@ fn run_fingerprint(
         ("dropout", a.dropout.to_string()),
         ("bn_momentum", a.bn_momentum.to_string()),
     ];
-    entries.into_iter().map(|(k, v)| (k.to_string(), v)).collect()
+    // Accumulation and 16-bit gradients change the arithmetic, so they are named always (a
+    // checkpoint of a run that set neither still differs from one that did, both ways; one
+    // written before they existed is refused for lacking them). A sharded optimiser
+    // changes no number: its run resumes unsharded, and the other way round.
+    let mut out: BTreeMap<String, String> = entries.into_iter().map(|(k, v)| (k.to_string(), v)).collect();
+    out.insert("accumulate".into(), c.accumulate.to_string());
+    out.insert("grad_compression".into(), c.grad_compression.name().into());
+    out
 }
 
 // ---------------------------------------------------------------------------------------
@@ -948,4 +1025,56 @@ fn with_validation(
         }
     };
     Ok((Splits { train: splits.train, test: Some(val) }, splits.test, HeldOut::Validation))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `argv` after `lockstep train`, parsed as the binary parses it.
+    fn parsed(argv: &[&str]) -> TrainArgs {
+        let full = ["lockstep", "train"].iter().chain(argv).copied();
+        match Cli::try_parse_from(full).expect("valid flags").command {
+            Command::Train(a) => *a,
+            _ => unreachable!("a train command"),
+        }
+    }
+
+    #[test]
+    fn every_flag_a_checkpoint_stores_is_one_a_resume_restores() {
+        // Every stored option and switch set, in the two sets the conflicts allow.
+        let runs = [
+            parsed(&[
+                "--data=toy",
+                "--test-data=t",
+                "--classes=2",
+                "--epochs=2",
+                "--batch-size=4",
+                "--optimizer=sgd",
+                "--lr=0.1",
+                "--lr-schedule=cosine",
+                "--steps=9",
+                "--replicas=2",
+                "--check-replicas-every=3",
+                "--checkpoint-every=4",
+                "--no-shuffle",
+                "--drop-last",
+                "--allow-nonfinite",
+                "--accumulate=2",
+                "--grad-compression=bf16",
+                "--sync-batchnorm",
+                "--shard-optimizer",
+            ]),
+            parsed(&["--val-data=v", "--early-stopping=2", "--save-best=b"]),
+            parsed(&["--validation-split=0.2"]),
+        ];
+        for a in &runs {
+            for (id, value) in flag_values(a) {
+                assert!(here_known(id), "{id} is stored but not restored");
+                if value == "true" {
+                    assert!(SWITCHES.contains(&id), "{id} is stored as a switch but not restored as one");
+                }
+            }
+        }
+    }
 }

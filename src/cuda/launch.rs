@@ -955,7 +955,7 @@ impl Gpu {
 
     // ---- dropout.cu -----------------------------------------------------------------
 
-    /// Inverted dropout; the mask is the hash of (key, element index). x, y: (n)
+    /// Inverted dropout; the mask of element i is the hash of (key, key.first + i). x, y: (n)
     pub fn dropout_fwd(&self, x: &impl DevIn, y: &mut impl DevOut, rate: f32, key: DropoutKey) -> Result<()> {
         let x = &x.view();
         let y = &mut y.view_mut();
@@ -982,9 +982,10 @@ impl Gpu {
         }
         let f = self.function("dropout.cu", "dropout", dir)?;
         let mut b = self.stream.launch_builder(&f);
-        b.arg(src).arg(dst).arg(&rate).arg(&key.seed).arg(&key.step).arg(&key.replica).arg(&key.layer).arg(&n);
+        b.arg(src).arg(dst).arg(&rate).arg(&key.seed).arg(&key.step).arg(&key.replica).arg(&key.layer);
+        b.arg(&key.first).arg(&n);
         // SAFETY: arguments match dropout_{fwd,bwd}_f32(const float*, float*, float,
-        // 4 x unsigned long long, size_t); both buffers hold n floats (checked).
+        // 5 x unsigned long long, size_t); both buffers hold n floats (checked).
         unsafe { b.launch(elem_cfg(n)) }?;
         Ok(())
     }
@@ -998,4 +999,7 @@ pub struct DropoutKey {
     pub step: u64,
     pub replica: u64,
     pub layer: u64,
+    /// Mask index of the buffer's first element (within its logical replica's shard: a
+    /// later micro-batch of an accumulated step starts past 0).
+    pub first: u64,
 }

@@ -37,7 +37,7 @@ use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, CudaView, CudaViewMut, De
 use super::gemm::{gemm, RmGemm};
 use super::launch::{BnGeom, BnGrads, BnParams, BnSaved, BnStats, ConvGeom, DropoutKey, Gpu};
 use crate::nn::loss::check_labels;
-use crate::nn::{LayerOp, LayerShapes, ParamStore, Sequential, Window2d};
+use crate::nn::{BatchStats, LayerOp, LayerShapes, ParamStore, Sequential, Window2d};
 use crate::optim::{OptimizerConfig, StepScalars};
 use crate::tensor::Shape;
 use crate::{Error, Result};
@@ -90,11 +90,15 @@ pub struct GpuNet {
     nb: usize,
     params: CudaSlice<f32>,
     buffers: CudaSlice<f32>,
-    /// Optimiser state: SGD's momentum or Adam's m, and Adam's v (one unused value for
-    /// SGD).
+    /// Optimiser state of the parameters `state_range` (all of them, unless sharded):
+    /// SGD's momentum or Adam's m, and Adam's v (one unused value for SGD).
     m: CudaSlice<f32>,
     v: CudaSlice<f32>,
     adam: bool,
+    state_range: Range<usize>,
+    /// A later micro-batch's gradient, beside a copy of the slot's (2·np values), when
+    /// accumulating: the two are then added in that order by `reduce_sum`.
+    accum: Option<CudaSlice<f32>>,
     /// Activations of the last pass (training or evaluation), kept while the batch size
     /// stays the same: nothing in them outlives a pass.
     acts: Option<Activations>,
@@ -122,12 +126,25 @@ pub struct OptimizerState<'a> {
 }
 
 /// What a training shard's dropout masks derive from, with the layer's index
-/// (DESIGN.md: randomness derives from the seed, the step and the logical replica).
+/// (DESIGN.md: randomness derives from the seed, the step and the logical replica), and
+/// where in its logical replica's shard this pass's first sample lies (a later
+/// micro-batch of an accumulated step: its masks continue the shard's).
 #[derive(Clone, Copy, Debug)]
 pub struct Draw {
     pub seed: u64,
     pub step: u64,
     pub replica: usize,
+    pub sample_offset: usize,
+}
+
+/// How a training pass meets its slot (as `train::replica::Fill`, which the network does
+/// not know of).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SlotUse {
+    /// Writes the whole slot: zeros, the buffers, the gradient.
+    Write,
+    /// Adds its gradient to the slot's and moves the slot's buffers on.
+    Add,
 }
 
 impl GpuNet {
@@ -185,6 +202,8 @@ impl GpuNet {
             m: upload(&stream, &m)?,
             v: upload(&stream, &v)?,
             adam,
+            state_range: 0..np,
+            accum: None,
             np,
             nb,
             nodes,
@@ -284,11 +303,20 @@ impl GpuNet {
         Ok(())
     }
 
-    /// Queues one training shard, the staged rows `rows`: writes the whole of `slot`
-    /// ([gradient | BatchNorm buffers], params + buffers values): zeros, then the
-    /// replica's buffers updated by the shard's forward, and the gradient of the loss
-    /// summed over the shard. Its per-sample losses and hits go to the step's buffers.
-    pub fn train_shard(&mut self, rows: Range<usize>, draw: Draw, slot: &mut CudaViewMut<'_, f32>) -> Result<()> {
+    /// Queues one training shard (or micro-batch of one), the staged rows `rows`.
+    /// [`SlotUse::Write`] writes the whole of `slot` ([gradient | BatchNorm buffers],
+    /// params + buffers values): zeros, then the replica's buffers updated by the
+    /// shard's forward, and the gradient of the loss summed over the rows;
+    /// [`SlotUse::Add`] moves the slot's buffers on by this forward and adds this
+    /// gradient to the slot's (computed beside a copy of it and summed by `reduce_sum`,
+    /// old + new). Per-sample losses and hits go to the step's buffers.
+    pub fn train_shard(
+        &mut self,
+        rows: Range<usize>,
+        draw: Draw,
+        slot: &mut CudaViewMut<'_, f32>,
+        fill: SlotUse,
+    ) -> Result<()> {
         let (np, nb) = (self.np, self.nb);
         let width = np + nb;
         if slot.len() != width {
@@ -298,7 +326,9 @@ impl GpuNet {
             return Err(Error::shape("train_shard", format!("rows {rows:?} of {} staged", self.staged)));
         }
         let stream = self.gpu.stream().clone();
-        stream.memset_zeros(slot)?;
+        if fill == SlotUse::Write {
+            stream.memset_zeros(slot)?;
+        }
         let n = rows.len();
         if n == 0 {
             // An empty shard still joins the exchange, with zeros.
@@ -312,8 +342,8 @@ impl GpuNet {
         stream.memcpy_dtod(&x.slice(rows.start * per..rows.end * per), &mut acts.acts[0])?;
         stream.memcpy_dtod(&y.slice(rows.clone()), &mut acts.labels)?;
         // The shard's BatchNorm buffers start from the network's and are updated in its
-        // slot by the training forward.
-        if nb > 0 {
+        // slot by each training forward.
+        if nb > 0 && fill == SlotUse::Write {
             stream.memcpy_dtod(&self.buffers.slice(0..nb), &mut slot.slice_mut(np..width))?;
         }
         let net = Net { gpu: &self.gpu, blas: &self.blas, nodes: &self.nodes, params: &self.params };
@@ -330,7 +360,55 @@ impl GpuNet {
             k,
         )?;
         stream.memcpy_dtod(&acts.correct, &mut self.step_hits.as_mut().expect("staged").slice_mut(rows))?;
-        net.backward(acts, slot, draw, self.model.first_trained_layer())
+        let first = self.model.first_trained_layer();
+        if fill == SlotUse::Write || np == 0 {
+            return net.backward(acts, slot, draw, first);
+        }
+        if self.accum.is_none() {
+            self.accum = Some(stream.alloc_zeros::<f32>(2 * np)?);
+        }
+        let accum = self.accum.as_mut().expect("allocated above");
+        // [old gradient | new gradient]: np is a multiple of 64, so the new one's views
+        // start on 256 bytes as a slot's do.
+        stream.memcpy_dtod(&slot.slice(0..np), &mut accum.slice_mut(0..np))?;
+        let mut new = accum.slice_mut(np..2 * np);
+        stream.memset_zeros(&mut new)?;
+        net.backward(acts, &mut new, draw, first)?;
+        self.gpu.reduce_sum(&accum.slice(0..2 * np), &mut slot.slice_mut(0..np), 2, 1.0)
+    }
+
+    /// The flat parameters (np values), for a sharded optimiser's all-gather.
+    pub fn params_mut(&mut self) -> CudaViewMut<'_, f32> {
+        self.params.slice_mut(0..self.np)
+    }
+
+    /// Keeps the optimiser state of the parameters `range` only (ZeRO stage 1): its m
+    /// and v move to buffers of that length; [`GpuNet::update_params`] then takes
+    /// pieces inside it.
+    pub fn shard_optimizer(&mut self, range: Range<usize>) -> Result<()> {
+        if range.start < self.state_range.start || range.end > self.state_range.end {
+            return Err(Error::shape("shard_optimizer", format!("{range:?} of {:?}", self.state_range)));
+        }
+        let stream = self.gpu.stream().clone();
+        let local = range.start - self.state_range.start..range.end - self.state_range.start;
+        let part = |v: &CudaSlice<f32>| -> Result<CudaSlice<f32>> {
+            let mut out = stream.alloc_zeros::<f32>(local.len().max(1))?;
+            if !local.is_empty() {
+                stream.memcpy_dtod(&v.slice(local.clone()), &mut out.slice_mut(0..local.len()))?;
+            }
+            Ok(out)
+        };
+        self.m = part(&self.m)?;
+        if self.adam {
+            self.v = part(&self.v)?;
+        }
+        self.state_range = range;
+        Ok(())
+    }
+
+    /// The parameters whose optimiser state this network holds.
+    pub fn state_range(&self) -> Range<usize> {
+        self.state_range.clone()
     }
 
     /// Queues the optimiser step of parameters `offset..offset + len` from that piece
@@ -343,16 +421,20 @@ impl GpuNet {
         grad_sum: &CudaView<'_, f32>,
     ) -> Result<()> {
         let r = offset..offset + grad_sum.len();
-        if r.end > self.np {
-            return Err(Error::shape("update_params", format!("range {r:?} of {} parameters", self.np)));
+        if r.start < self.state_range.start || r.end > self.state_range.end {
+            return Err(Error::shape(
+                "update_params",
+                format!("range {r:?} outside the optimiser state's {:?}", self.state_range),
+            ));
         }
-        let v = &mut self.v.slice_mut(if self.adam { r.clone() } else { 0..1 });
+        let local = r.start - self.state_range.start..r.end - self.state_range.start;
+        let v = &mut self.v.slice_mut(if self.adam { local.clone() } else { 0..1 });
         self.gpu.optimizer_step(
             config,
             scalars,
             &mut self.params.slice_mut(r.clone()),
             grad_sum,
-            &mut self.m.slice_mut(r),
+            &mut self.m.slice_mut(local),
             v,
         )
     }
@@ -403,17 +485,18 @@ impl GpuNet {
         Ok((stream.clone_dtoh(&acts.loss)?, stream.clone_dtoh(&acts.correct)?, logits))
     }
 
-    /// Parameters, buffers, and the optimiser's m and v, copied to the host (waits for
-    /// the GPU). Exact lengths: an empty tensor is held as one unused element.
+    /// Parameters, buffers, and the optimiser's m and v (of [`GpuNet::state_range`]),
+    /// copied to the host (waits for the GPU). Exact lengths: an empty tensor is held as
+    /// one unused element.
     pub fn download(&self) -> Result<(ParamStore, Vec<f32>, Vec<f32>)> {
         let stream = self.gpu.stream();
-        let (np, nb) = (self.np, self.nb);
+        let (np, nb, ns) = (self.np, self.nb, self.state_range.len());
         let store = ParamStore {
             params: stream.clone_dtoh(&self.params.slice(0..np))?,
             buffers: stream.clone_dtoh(&self.buffers.slice(0..nb))?,
         };
-        let v = if self.adam { stream.clone_dtoh(&self.v.slice(0..np))? } else { Vec::new() };
-        Ok((store, stream.clone_dtoh(&self.m.slice(0..np))?, v))
+        let v = if self.adam { stream.clone_dtoh(&self.v.slice(0..ns))? } else { Vec::new() };
+        Ok((store, stream.clone_dtoh(&self.m.slice(0..ns))?, v))
     }
 
     fn ensure_acts(&mut self, n: usize) -> Result<()> {
@@ -449,8 +532,15 @@ impl Drop for GpuNet {
 const CUBLAS_WORKSPACE: usize = 32 << 20;
 
 impl Draw {
-    fn dropout_key(&self, layer: usize) -> DropoutKey {
-        DropoutKey { seed: self.seed, step: self.step, replica: self.replica as u64, layer: layer as u64 }
+    /// The key of layer `layer`'s masks, whose input has `per_sample` values per sample.
+    fn dropout_key(&self, layer: usize, per_sample: usize) -> DropoutKey {
+        DropoutKey {
+            seed: self.seed,
+            step: self.step,
+            replica: self.replica as u64,
+            layer: layer as u64,
+            first: (self.sample_offset * per_sample) as u64,
+        }
     }
 }
 
@@ -491,6 +581,14 @@ fn plan(model: &Sequential) -> Result<Vec<Node>> {
         let op = layer.op().ok_or_else(|| {
             Error::config("model", format!("layer {name} ({}) has no CUDA implementation", layer.describe()))
         })?;
+        if let LayerOp::BatchNorm2d { stats: BatchStats::Global, .. } = op {
+            // The statistics exchange is a host collective (exchange::stats); the GPU
+            // BatchNorm kernels normalise with the statistics they compute themselves.
+            return Err(Error::config(
+                "model",
+                format!("layer {name} is a synchronized BatchNorm (--sync-batchnorm), which runs on CPU devices only so far"),
+            ));
+        }
         let LayerShapes { input, output } = shapes.clone();
         let (params, buffers) = model.layer_ranges(i);
         nodes.push(Node { op, name, input, output, params, buffers });
@@ -588,7 +686,7 @@ impl Net<'_> {
                         gpu.bias_nchw_fwd(y, &p(1), n, o, pp)?;
                     }
                 }
-                LayerOp::BatchNorm2d { channels: c, eps, momentum, scale, center } => {
+                LayerOp::BatchNorm2d { channels: c, eps, momentum, scale, center, .. } => {
                     let hw = node.input.numel() / c;
                     let geom = BnGeom { n, c, hw, eps, momentum };
                     let params = BnParams { gamma: scale.then(|| p(0)), beta: center.then(|| p(usize::from(scale))) };
@@ -631,7 +729,9 @@ impl Net<'_> {
                 LayerOp::Relu => gpu.relu_fwd(x, y)?,
                 LayerOp::Rescaling { scale, offset } => gpu.rescale_fwd(x, y, scale, offset)?,
                 LayerOp::Dropout { rate } => match &pass {
-                    Pass::Train { draw, .. } if rate > 0.0 => gpu.dropout_fwd(x, y, rate, draw.dropout_key(i))?,
+                    Pass::Train { draw, .. } if rate > 0.0 => {
+                        gpu.dropout_fwd(x, y, rate, draw.dropout_key(i, node.input.numel()))?
+                    }
                     _ => stream.memcpy_dtod(x, y)?,
                 },
                 LayerOp::Flatten => stream.memcpy_dtod(x, y)?,
@@ -694,7 +794,7 @@ impl Net<'_> {
                         gpu.im2col_bwd(&dcol, &mut dx, &g)?;
                     }
                 }
-                LayerOp::BatchNorm2d { channels: c, scale, center, eps, momentum } => {
+                LayerOp::BatchNorm2d { channels: c, scale, center, eps, momentum, .. } => {
                     let hw = node.input.numel() / c;
                     let (save_mean, save_invstd) = a.saved[i].as_ref().expect("a BatchNorm has saved statistics");
                     let saved = BnSaved { mean: save_mean.as_view(), invstd: save_invstd.as_view() };
@@ -716,7 +816,9 @@ impl Net<'_> {
                 }
                 LayerOp::Relu => gpu.relu_bwd(x, &dy, &mut dx)?,
                 LayerOp::Rescaling { scale, .. } => gpu.rescale_bwd(&dy, &mut dx, scale)?,
-                LayerOp::Dropout { rate } if rate > 0.0 => gpu.dropout_bwd(&dy, &mut dx, rate, draw.dropout_key(i))?,
+                LayerOp::Dropout { rate } if rate > 0.0 => {
+                    gpu.dropout_bwd(&dy, &mut dx, rate, draw.dropout_key(i, node.input.numel()))?
+                }
                 LayerOp::Dropout { .. } | LayerOp::Flatten => stream.memcpy_dtod(&dy, &mut dx)?,
                 LayerOp::GlobalAvgPool2d => {
                     let c = node.output.numel();
@@ -782,6 +884,14 @@ mod tests {
         let model = Sequential::new([2], layers).unwrap();
         let e = plan(&model).err().expect("a layer without a LayerOp cannot run on a GPU").to_string();
         assert!(e.contains("cpuonly0") && e.contains("CpuOnly") && e.contains("no CUDA implementation"), "{e}");
+    }
+
+    #[test]
+    fn a_synchronized_batchnorm_is_refused_by_name() {
+        use crate::models::{convnet, ConvnetOptions};
+        let model = crate::nn::convert_sync_batchnorm(&convnet(ConvnetOptions::default()).unwrap()).unwrap();
+        let e = plan(&model).err().expect("synchronized BatchNorm has no GPU form yet").to_string();
+        assert!(e.contains("bn0") && e.contains("synchronized") && e.contains("CPU devices only"), "{e}");
     }
 
     #[test]

@@ -27,15 +27,24 @@
 //! (`width` values); the sum of every slot is what the update reads: the gradient part
 //! divided by the global batch, the buffer part by the number of shards that saw data.
 //!
+//! Beside the sum, two things the features of issue 12 ask of an exchange, each with a
+//! default that any transport satisfies: a sharded optimiser's parameter all-gather
+//! ([`Exchange::owned`], [`Exchange::all_gather`]; by default a rank owns everything and
+//! there is nothing to gather), and 16-bit values on the wire, which a transport carries
+//! with the one codec of [`codec`]. Synchronized BatchNorm's small collective inside the
+//! passes is a second trait, [`stats::StatsExchange`].
+//!
 //! Faults: [`Abort::abort`] makes every pending and future call of every rank return
 //! [`Error::Aborted`](crate::Error::Aborted), from any thread, so that no rank waits
 //! forever for one that failed; a rank whose own call fails aborts before returning.
 
+pub mod codec;
 pub mod gpu;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 mod nccl;
 pub mod shm;
+pub mod stats;
 pub mod tree;
 
 use crate::error::Result;
@@ -126,6 +135,43 @@ pub trait Exchange {
     /// Calls `f(offset, piece)` on consecutive pieces of the sum covering `0..width`, in
     /// order (the shared chunks of a reduce-scatter, or one piece).
     fn for_each_sum(&self, f: impl FnMut(usize, <Self::Mem as Memory>::View<'_>) -> Result<()>) -> Result<()>;
+
+    /// [`Exchange::for_each_sum`] restricted to `range` of the slot: `f` sees the pieces
+    /// that overlap it, cut to it (none when it is empty).
+    fn for_each_sum_in(
+        &self,
+        range: std::ops::Range<usize>,
+        mut f: impl FnMut(usize, <Self::Mem as Memory>::View<'_>) -> Result<()>,
+    ) -> Result<()> {
+        if range.is_empty() {
+            return Ok(());
+        }
+        self.for_each_sum(|offset, piece| {
+            let end = offset + <Self::Mem as Memory>::len(&piece);
+            let (lo, hi) = (range.start.max(offset), range.end.min(end));
+            if lo < hi {
+                f(lo, <Self::Mem as Memory>::slice(&piece, lo - offset..hi - offset))
+            } else {
+                Ok(())
+            }
+        })
+    }
+
+    /// The part of the slot this rank owns under a sharded optimiser (ZeRO stage 1): it
+    /// updates only the parameters there, then [`Exchange::all_gather`] hands them to every
+    /// rank. The parts of all ranks cover the slot. Default: everything (a transport
+    /// without an all-gather keeps the whole optimiser state on every rank).
+    fn owned(&self) -> std::ops::Range<usize> {
+        0..self.width()
+    }
+
+    /// Every rank calls it with its whole flat parameter buffer, its owned part updated;
+    /// afterwards every rank's buffer holds every rank's owned part, bitwise. Default
+    /// (every rank owning everything): nothing to do.
+    fn all_gather(&mut self, params: <Self::Mem as Memory>::ViewMut<'_>) -> Result<()> {
+        let _ = params;
+        Ok(())
+    }
 
     /// True once the run's exchange was aborted (the device's waits poll it).
     fn is_aborted(&self) -> bool;

@@ -33,6 +33,20 @@
 //! sends it on while the next arrives. Blocks never straddle a device's piece, so that
 //! each device's partial sums are its own buffers (no lock contended, no unsafe sharing).
 //!
+//! 16-bit gradients (`--grad-compression`, `exchange::codec`): every slot's values are
+//! rounded as the codec encodes and decodes them, the sum is taken of those in the same
+//! tree, and rounded again — what the shared-memory exchange computes from its wires, so
+//! the weights are bitwise the same on any number of processes. Between processes the
+//! rounded values still travel as f32: the codec's halving of the bytes on the wire is
+//! the shared memory's only, so far.
+//!
+//! Synchronized BatchNorm (`--sync-batchnorm`): [`MpiStats`], the statistics exchange,
+//! gathers every logical replica's payload in replica order: the process's devices
+//! through shared memory, then device 0 through `MPI_Iallgather`, waited on as the sum is.
+//!
+//! A sharded optimiser (`--shard-optimizer`) keeps its whole state on every device here
+//! (the `Exchange` defaults: every device owns every parameter); the weights are the same.
+//!
 //! Faults: every wait polls the world's failure notices, the processes on this machine,
 //! the launcher and this group's abort flag ([`MpiWorld::wait`]). A failed wait leaves
 //! MPI requests pending on this group's buffers, so the group is then *abandoned*: its
@@ -45,7 +59,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use mpi::ffi::MPI_Request;
 use parking_lot::{Mutex, RwLock};
 
+use super::codec::Codec;
 use super::shm::{tree_sum, SpinBarrier};
+use super::stats::StatsExchange;
 use super::tree;
 use super::{Abort, Exchange, Host, Wait};
 use crate::error::{Error, Result};
@@ -140,6 +156,13 @@ pub struct MpiGroup<'w> {
     inbox: Mutex<Vec<Vec<f32>>>,
     /// The whole sum, which every device reads.
     sum: RwLock<Vec<f32>>,
+    /// With 16-bit gradients: how slots and the sum are rounded.
+    codec: Option<Codec>,
+    /// Synchronized BatchNorm's payloads, in two generations (a fast device writes the
+    /// next call's while a slow one still reads this one's): each local device's, and
+    /// every logical replica's of the world, gathered by device 0.
+    stats_mine: [Vec<RwLock<Vec<f64>>>; 2],
+    stats_all: [RwLock<Vec<f64>>; 2],
     barrier: SpinBarrier,
     wait: Wait,
     aborted: AtomicBool,
@@ -178,8 +201,16 @@ impl<'w> MpiGroup<'w> {
     /// The exchange of this process of `world` for `devices` device threads, among
     /// `shards` logical replicas in the world, over slots of `len` values; its threads
     /// wait for each other as `wait` says. Every process must make the same call with
-    /// the same `devices`, `shards` and `len` (the trainer's handshake checks them).
-    pub fn new(world: &'w World, devices: usize, shards: usize, len: usize, wait: Wait) -> Result<MpiGroup<'w>> {
+    /// the same `devices`, `shards` and `len` (the trainer's handshake checks them). With a
+    /// `codec`, slots and the sum are rounded to its 16-bit values (see the file's docs).
+    pub fn new(
+        world: &'w World,
+        devices: usize,
+        shards: usize,
+        len: usize,
+        wait: Wait,
+        codec: Option<Codec>,
+    ) -> Result<MpiGroup<'w>> {
         let mpi = world.mpi().ok_or_else(|| Error::Mpi("the exchange between processes needs an MPI world".into()))?;
         let (process, processes) = (world.rank(), world.size());
         let in_world = processes * devices;
@@ -249,6 +280,9 @@ impl<'w> MpiGroup<'w> {
             blocks,
             inbox: Mutex::new(inbox),
             sum: RwLock::new(vec![0.0; len]),
+            codec,
+            stats_mine: [0, 1].map(|_| (0..devices).map(|_| RwLock::new(Vec::new())).collect()),
+            stats_all: [0, 1].map(|_| RwLock::new(Vec::new())),
             barrier: SpinBarrier::new(devices, wait),
             wait,
             aborted: AtomicBool::new(false),
@@ -260,6 +294,12 @@ impl<'w> MpiGroup<'w> {
     pub fn rank(&self, device: usize) -> MpiRank<'_, 'w> {
         assert!(device < self.devices, "device {device} of {}", self.devices);
         MpiRank { group: self, device }
+    }
+
+    /// Local device thread `device`'s side of the statistics exchange.
+    pub fn stats(&self, device: usize) -> MpiStats<'_, 'w> {
+        assert!(device < self.devices, "device {device} of {}", self.devices);
+        MpiStats { group: self, device, calls: std::sync::atomic::AtomicUsize::new(0) }
     }
 
     /// Number of values per slot.
@@ -415,6 +455,13 @@ impl<'w> MpiGroup<'w> {
     }
 }
 
+/// `slot` (a whole slot) replaced by what `codec` makes of it: encoded, decoded.
+fn round(codec: &Codec, slot: &mut [f32]) {
+    let mut wire = codec.wire(0..slot.len());
+    codec.encode(slot, &mut wire, 0..slot.len());
+    codec.decode(&wire, 0..slot.len(), slot);
+}
+
 /// `v` (all of `0..len`) cut into one slice per block.
 fn split_blocks<'a>(v: &'a mut [f32], blocks: &[Block]) -> Vec<&'a mut [f32]> {
     let mut out = Vec::with_capacity(blocks.len());
@@ -501,10 +548,16 @@ impl Exchange for MpiRank<'_, '_> {
         self.group.len
     }
 
+    /// This device's `local`-th slot; with a codec, rounded to its values once written.
     fn with_slot<T>(&mut self, local: usize, f: impl FnOnce(&mut [f32]) -> T) -> T {
         let k = self.group.per_device;
         assert!(local < k, "slot {local} of a device with {k} logical replicas");
-        f(&mut self.group.slots[self.device * k + local].write())
+        let mut slot = self.group.slots[self.device * k + local].write();
+        let out = f(&mut slot);
+        if let Some(codec) = &self.group.codec {
+            round(codec, &mut slot);
+        }
+        out
     }
 
     /// Local sums of this process's leaves, then (device 0) the rounds between
@@ -518,6 +571,9 @@ impl Exchange for MpiRank<'_, '_> {
         }
         if self.device == 0 {
             g.across_processes()?;
+            if let Some(codec) = &g.codec {
+                round(codec, &mut g.sum.write());
+            }
         }
         g.barrier.wait(&g.aborted)
     }
@@ -528,6 +584,82 @@ impl Exchange for MpiRank<'_, '_> {
 
     fn is_aborted(&self) -> bool {
         self.group.aborted.load(Ordering::SeqCst)
+    }
+}
+
+/// One local device thread's side of synchronized BatchNorm's statistics exchange, in an
+/// MPI world (see the file's docs). One logical replica per device, as everywhere.
+pub struct MpiStats<'g, 'w> {
+    group: &'g MpiGroup<'w>,
+    device: usize,
+    calls: std::sync::atomic::AtomicUsize,
+}
+
+impl std::fmt::Debug for MpiStats<'_, '_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MpiStats").field("device", &self.device).field("replicas", &self.group.total).finish()
+    }
+}
+
+impl StatsExchange for MpiStats<'_, '_> {
+    fn replicas(&self) -> usize {
+        self.group.total
+    }
+
+    fn all_gather(&self, replica: usize, mine: &[f64], all: &mut Vec<f64>) -> Result<()> {
+        let g = self.group;
+        if g.per_device != 1 || replica != g.first_shard() + self.device {
+            return Err(Error::config(
+                "statistics exchange",
+                format!(
+                    "device {} of rank {} was handed logical replica {replica} of {}: synchronized BatchNorm needs one \
+                     logical replica per device",
+                    self.device, g.process, g.total
+                ),
+            ));
+        }
+        let generation = self.calls.fetch_add(1, Ordering::Relaxed) % 2;
+        {
+            let mut w = g.stats_mine[generation][self.device].write();
+            w.clear();
+            w.extend_from_slice(mine);
+        }
+        g.barrier.wait(&g.aborted)?;
+        if self.device == 0 {
+            let gathered = self.across_processes(generation, mine.len());
+            if gathered.is_err() {
+                g.abort();
+            }
+            gathered?;
+        }
+        g.barrier.wait(&g.aborted)?;
+        all.clear();
+        all.extend_from_slice(&g.stats_all[generation].read());
+        Ok(())
+    }
+}
+
+impl MpiStats<'_, '_> {
+    /// Device 0's part: this process's payloads (its devices' logical replicas, in order),
+    /// gathered with every other process's into every logical replica's, in order.
+    fn across_processes(&self, generation: usize, len: usize) -> Result<()> {
+        let g = self.group;
+        let mut mine: Vec<u64> = Vec::with_capacity(len * g.devices);
+        for (d, payload) in g.stats_mine[generation].iter().enumerate() {
+            let p = payload.read();
+            if p.len() != len {
+                return Err(Error::shape(
+                    "statistics exchange",
+                    format!("device {d} sent {} values, device 0 sent {len}", p.len()),
+                ));
+            }
+            mine.extend(p.iter().map(|v| v.to_bits()));
+        }
+        let all = g.world.all_gather_waiting(&mine, g.wait, &|| g.aborted.load(Ordering::Relaxed))?;
+        let mut out = g.stats_all[generation].write();
+        out.clear();
+        out.extend(all.into_iter().map(f64::from_bits));
+        Ok(())
     }
 }
 

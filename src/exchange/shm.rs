@@ -8,6 +8,17 @@
 //! shard indices only, never on which device computed a shard, R logical replicas give
 //! bitwise the same sum on 1, 2 or 4 devices.
 //!
+//! With a codec (`--grad-compression`, [`super::codec`]) each shard's slot is encoded
+//! into its 16-bit wire when its worker hands it over ([`Exchange::with_slot`]), rank d
+//! decodes chunk d of every wire block by block, sums in the same canonical tree in f32,
+//! and encodes the sum into its reduced wire, which every rank decodes the same way:
+//! half the bytes cross between cores, and the result is still bitwise the same on every
+//! rank and for every device count. Chunks are then whole codec blocks.
+//!
+//! Two more collectives share the barrier: the parameters' all-gather of a sharded
+//! optimiser ([`Exchange::all_gather`]: rank d owns chunk d of the parameters), and the
+//! statistics exchange of synchronized BatchNorm ([`ShmStats`]).
+//!
 //! Synchronisation: a barrier that spins a few µs where every rank has a core, and sleeps
 //! at once where the ranks outnumber the cores ([`Wait`]), and per-buffer
 //! read/write locks that are never contended in a correct run (the barriers order the
@@ -20,6 +31,8 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex, RwLock};
 
+use super::codec::{Codec, Wire, BLOCK};
+use super::stats::StatsExchange;
 use super::{Abort, Exchange, Host, Wait};
 use crate::error::{Error, Result};
 
@@ -159,32 +172,69 @@ pub struct ShmGroup {
     len: usize,
     /// One send buffer per logical replica; rank d runs shards d·k..(d+1)·k.
     shards: Vec<RwLock<Vec<f32>>>,
-    /// Reduced chunk d, written by rank d.
+    /// Reduced chunk d, written by rank d (without a codec).
     reduced: Vec<RwLock<Vec<f32>>>,
     chunks: Vec<Range<usize>>,
+    /// With a codec: each shard's encoded slot, and each chunk's encoded sum.
+    codec: Option<Codec>,
+    wires: Vec<RwLock<Wire>>,
+    reduced_wires: Vec<RwLock<Wire>>,
+    /// Rank d's updated parameters of chunk d, for the all-gather of a sharded optimiser
+    /// (sized on first use).
+    gathered: Vec<RwLock<Vec<f32>>>,
+    /// The statistics exchange's payloads, one per logical replica, in two generations
+    /// (calls alternate, so one barrier per call suffices: see [`ShmStats`]).
+    stats: [Vec<RwLock<Vec<f64>>>; 2],
     barrier: SpinBarrier,
     aborted: AtomicBool,
 }
+
+/// Values of the reduced sum decoded at a time by [`Exchange::for_each_sum`] with a codec:
+/// 64 KiB of f32, which the update then reads from cache.
+const DECODED_PIECE: usize = 16 * BLOCK;
 
 impl ShmGroup {
     /// A collective of `ranks` ranks, each running `shards / ranks` logical replicas,
     /// over buffers of `len` values, whose ranks wait for each other as `wait` says.
     pub fn new(ranks: usize, shards: usize, len: usize, wait: Wait) -> Result<ShmGroup> {
+        ShmGroup::with_codec(ranks, shards, len, wait, None)
+    }
+
+    /// [`ShmGroup::new`] whose slots travel encoded by `codec` (f32 when `None`).
+    pub fn with_codec(ranks: usize, shards: usize, len: usize, wait: Wait, codec: Option<Codec>) -> Result<ShmGroup> {
         if ranks == 0 || shards == 0 || shards % ranks != 0 {
             return Err(Error::config(
                 "replicas",
                 format!("{shards} logical replicas cannot be shared evenly by {ranks} devices"),
             ));
         }
-        // Chunks are multiples of 16 values (64 bytes) so no cache line has two writers.
-        let per = len.div_ceil(ranks).div_ceil(16) * 16;
+        // Chunks are multiples of 16 values (64 bytes) so no cache line has two writers;
+        // with a codec, of whole blocks, so that every chunk's blocks are the slot's.
+        let granule = if codec.is_some() { BLOCK } else { 16 };
+        let per = len.div_ceil(ranks).div_ceil(granule) * granule;
         let chunks: Vec<Range<usize>> = (0..ranks).map(|d| (d * per).min(len)..((d + 1) * per).min(len)).collect();
+        let (wires, reduced_wires) = match &codec {
+            Some(c) => (
+                (0..shards).map(|_| RwLock::new(c.wire(0..len))).collect(),
+                chunks.iter().map(|r| RwLock::new(c.wire(r.clone()))).collect(),
+            ),
+            None => (Vec::new(), Vec::new()),
+        };
+        let per_shard = || (0..shards).map(|_| RwLock::new(Vec::new())).collect::<Vec<_>>();
         Ok(ShmGroup {
             ranks,
             len,
             shards: (0..shards).map(|_| RwLock::new(vec![0.0; len])).collect(),
-            reduced: chunks.iter().map(|c| RwLock::new(vec![0.0; c.len()])).collect(),
+            reduced: match codec {
+                Some(_) => Vec::new(),
+                None => chunks.iter().map(|c| RwLock::new(vec![0.0; c.len()])).collect(),
+            },
             chunks,
+            codec,
+            wires,
+            reduced_wires,
+            gathered: (0..ranks).map(|_| RwLock::new(Vec::new())).collect(),
+            stats: [per_shard(), per_shard()],
             barrier: SpinBarrier::new(ranks, wait),
             aborted: AtomicBool::new(false),
         })
@@ -196,6 +246,12 @@ impl ShmGroup {
         ShmRank { ex: self, rank }
     }
 
+    /// Rank `rank`'s side of the statistics exchange (one logical replica per rank).
+    pub fn stats(&self, rank: usize) -> ShmStats<'_> {
+        assert!(rank < self.ranks, "rank {rank} of {}", self.ranks);
+        ShmStats { ex: self, rank, calls: AtomicUsize::new(0) }
+    }
+
     /// Number of values per buffer.
     pub fn len(&self) -> usize {
         self.len
@@ -204,6 +260,12 @@ impl ShmGroup {
     /// True for empty buffers.
     pub fn is_empty(&self) -> bool {
         self.len == 0
+    }
+
+    /// The chunk of the buffers that rank `rank` reduces (and, with a sharded optimiser,
+    /// updates).
+    pub fn chunk(&self, rank: usize) -> Range<usize> {
+        self.chunks[rank].clone()
     }
 
     fn shards_per_rank(&self) -> usize {
@@ -220,18 +282,26 @@ pub struct ShmRank<'a> {
 impl ShmRank<'_> {
     /// Reduce-scatter: sums this rank's chunk over every shard buffer (canonical tree
     /// order) into the shared reduced chunk, then waits until every chunk is reduced.
-    /// With a single shard there is nothing to reduce and it returns at once.
+    /// With a single shard and no codec there is nothing to reduce and it returns at once.
     fn reduce_scatter(&self) -> Result<()> {
         let ex = self.ex;
-        if ex.shards.len() == 1 {
+        if ex.shards.len() == 1 && ex.codec.is_none() {
             return Ok(());
         }
         ex.barrier.wait(&ex.aborted)?;
-        let guards: Vec<_> = ex.shards.iter().map(|s| s.read()).collect();
         let r = ex.chunks[self.rank].clone();
-        let views: Vec<&[f32]> = guards.iter().map(|g| &g[r.clone()]).collect();
-        tree_sum(&views, &mut ex.reduced[self.rank].write());
-        drop(guards);
+        match &ex.codec {
+            None => {
+                let guards: Vec<_> = ex.shards.iter().map(|s| s.read()).collect();
+                let views: Vec<&[f32]> = guards.iter().map(|g| &g[r.clone()]).collect();
+                tree_sum(&views, &mut ex.reduced[self.rank].write());
+            }
+            Some(codec) => {
+                let guards: Vec<_> = ex.wires.iter().map(|w| w.read()).collect();
+                let wires: Vec<&Wire> = guards.iter().map(|g| &**g).collect();
+                codec.reduce(&wires, r, &mut ex.reduced_wires[self.rank].write());
+            }
+        }
         ex.barrier.wait(&ex.aborted)
     }
 
@@ -248,11 +318,18 @@ impl Exchange for ShmRank<'_> {
         self.ex.len
     }
 
-    /// The send buffer of this rank's `local`-th logical replica.
+    /// The send buffer of this rank's `local`-th logical replica; with a codec, encoded
+    /// into the shard's wire when `f` returns (the worker hands over 16-bit values).
     fn with_slot<T>(&mut self, local: usize, f: impl FnOnce(&mut [f32]) -> T) -> T {
         let k = self.ex.shards_per_rank();
         assert!(local < k, "slot {local} of a rank with {k} logical replicas");
-        f(&mut self.ex.shards[self.rank * k + local].write())
+        let shard = self.rank * k + local;
+        let mut slot = self.ex.shards[shard].write();
+        let out = f(&mut slot);
+        if let Some(codec) = &self.ex.codec {
+            codec.encode(&slot, &mut self.ex.wires[shard].write(), 0..self.ex.len);
+        }
+        out
     }
 
     fn sum(&mut self) -> Result<()> {
@@ -260,20 +337,140 @@ impl Exchange for ShmRank<'_> {
     }
 
     /// The shared chunks after the reduce-scatter, or the single shard's buffer when
-    /// there is one shard.
-    fn for_each_sum(&self, mut f: impl FnMut(usize, &[f32]) -> Result<()>) -> Result<()> {
+    /// there is one shard; with a codec, the reduced wires decoded piece by piece.
+    fn for_each_sum(&self, f: impl FnMut(usize, &[f32]) -> Result<()>) -> Result<()> {
+        self.for_each_sum_in(0..self.ex.len, f)
+    }
+
+    fn for_each_sum_in(&self, range: Range<usize>, mut f: impl FnMut(usize, &[f32]) -> Result<()>) -> Result<()> {
         let ex = self.ex;
-        if ex.shards.len() == 1 {
-            return f(0, &ex.shards[0].read());
+        let clip = |c: &Range<usize>| range.start.max(c.start)..range.end.min(c.end);
+        if ex.shards.len() == 1 && ex.codec.is_none() {
+            let r = clip(&(0..ex.len));
+            return if r.is_empty() { Ok(()) } else { f(r.start, &ex.shards[0].read()[r]) };
         }
-        for (c, r) in ex.reduced.iter().zip(&ex.chunks) {
-            f(r.start, &c.read())?;
+        let Some(codec) = &ex.codec else {
+            for (c, chunk) in ex.reduced.iter().zip(&ex.chunks) {
+                let r = clip(chunk);
+                if !r.is_empty() {
+                    f(r.start, &c.read()[r.start - chunk.start..r.end - chunk.start])?;
+                }
+            }
+            return Ok(());
+        };
+        let mut decoded = Vec::new();
+        for (w, chunk) in ex.reduced_wires.iter().zip(&ex.chunks) {
+            let r = clip(chunk);
+            if r.is_empty() {
+                continue;
+            }
+            let w = w.read();
+            let encoded_end = r.end.min(codec.encoded_len()).max(r.start);
+            let mut at = r.start;
+            while at < encoded_end {
+                // Pieces end on blocks, so that the next one starts on one.
+                let end = ((at / BLOCK + DECODED_PIECE / BLOCK) * BLOCK).min(encoded_end);
+                decoded.resize(end - at, 0.0);
+                codec.decode(&w, at..end, &mut decoded);
+                f(at, &decoded)?;
+                at = end;
+            }
+            if encoded_end < r.end {
+                f(encoded_end, codec.raw(&w, encoded_end..r.end).expect("past the encoded part"))?;
+            }
+        }
+        Ok(())
+    }
+
+    fn owned(&self) -> Range<usize> {
+        self.ex.chunks[self.rank].clone()
+    }
+
+    /// Rank d publishes its chunk of `params` (the part below `params.len()`), and after
+    /// the barrier copies every other rank's chunk in. A rank writes its chunk again only
+    /// in the next step's all-gather, after that step's reduce-scatter barriers, which no
+    /// rank passes before it has copied this step's chunks.
+    fn all_gather(&mut self, params: &mut [f32]) -> Result<()> {
+        let ex = self.ex;
+        if ex.ranks == 1 {
+            return Ok(());
+        }
+        let np = params.len();
+        let clip = |c: &Range<usize>| c.start.min(np)..c.end.min(np);
+        {
+            let mine = clip(&ex.chunks[self.rank]);
+            let mut g = ex.gathered[self.rank].write();
+            g.clear();
+            g.extend_from_slice(&params[mine]);
+        }
+        ex.barrier.wait(&ex.aborted)?;
+        for (r, chunk) in ex.chunks.iter().enumerate() {
+            if r != self.rank {
+                let c = clip(chunk);
+                params[c].copy_from_slice(&ex.gathered[r].read());
+            }
         }
         Ok(())
     }
 
     fn is_aborted(&self) -> bool {
         self.ex.aborted.load(Ordering::SeqCst)
+    }
+}
+
+/// One rank's side of a [`ShmGroup`]'s statistics exchange. Payloads alternate between
+/// two generations of buffers: call c writes generation c mod 2 and waits at the barrier,
+/// then reads it; a rank writes that generation again at call c + 2, after the barrier of
+/// call c + 1, which no rank reaches before it has read call c's payloads.
+pub struct ShmStats<'a> {
+    ex: &'a ShmGroup,
+    rank: usize,
+    calls: AtomicUsize,
+}
+
+impl std::fmt::Debug for ShmStats<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ShmStats").field("rank", &self.rank).field("replicas", &self.ex.shards.len()).finish()
+    }
+}
+
+impl StatsExchange for ShmStats<'_> {
+    fn replicas(&self) -> usize {
+        self.ex.shards.len()
+    }
+
+    fn all_gather(&self, replica: usize, mine: &[f64], all: &mut Vec<f64>) -> Result<()> {
+        let ex = self.ex;
+        if ex.shards_per_rank() != 1 || replica != self.rank {
+            return Err(Error::config(
+                "statistics exchange",
+                format!(
+                    "rank {} was handed logical replica {replica} of {} on {} devices: synchronized BatchNorm needs one logical replica per device",
+                    self.rank,
+                    ex.shards.len(),
+                    ex.ranks
+                ),
+            ));
+        }
+        let generation = &ex.stats[self.calls.fetch_add(1, Ordering::Relaxed) % 2];
+        {
+            let mut w = generation[replica].write();
+            w.clear();
+            w.extend_from_slice(mine);
+        }
+        ex.barrier.wait(&ex.aborted)?;
+        all.clear();
+        for (r, payload) in generation.iter().enumerate() {
+            let p = payload.read();
+            if p.len() != mine.len() {
+                return Err(Error::shape(
+                    "statistics exchange",
+                    format!("logical replica {r} sent {} values, {replica} sent {}", p.len(), mine.len()),
+                ));
+            }
+            all.extend_from_slice(&p);
+        }
+        Ok(())
     }
 }
 
@@ -392,6 +589,85 @@ mod tests {
                 ex.abort();
                 assert!(matches!(h.join().unwrap(), Err(Error::Aborted)), "{wait:?}");
             });
+        }
+    }
+
+    #[test]
+    fn the_statistics_exchange_gathers_every_payload_in_replica_order() {
+        // Three ranks, five calls in a row (both generations of buffers, reused): every
+        // rank gets [rank 0's, rank 1's, rank 2's] payloads of each call.
+        let ex = ShmGroup::new(3, 3, 8, Wait::Park).unwrap();
+        let got: Vec<Vec<Vec<f64>>> = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..3)
+                .map(|r| {
+                    let ex = &ex;
+                    s.spawn(move || {
+                        let me = ex.stats(r);
+                        (0..5)
+                            .map(|call| {
+                                let mut all = Vec::new();
+                                let mine = vec![(10 * call + r) as f64; call + 1];
+                                me.all_gather(r, &mine, &mut all).unwrap();
+                                all
+                            })
+                            .collect()
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for calls in &got {
+            for (call, all) in calls.iter().enumerate() {
+                let want: Vec<f64> = (0..3).flat_map(|r| vec![(10 * call + r) as f64; call + 1]).collect();
+                assert_eq!(all, &want, "call {call}");
+            }
+        }
+        // Another replica than the rank's, or two shards a rank, is refused by name.
+        let e = ex.stats(1).all_gather(0, &[1.0], &mut Vec::new()).unwrap_err().to_string();
+        assert!(e.contains("one logical replica per device"), "{e}");
+        let two = ShmGroup::new(1, 2, 8, Wait::Spin).unwrap();
+        assert!(two.stats(0).all_gather(0, &[1.0], &mut Vec::new()).is_err());
+    }
+
+    #[test]
+    fn an_abort_releases_a_rank_waiting_in_the_statistics_exchange() {
+        let ex = ShmGroup::new(2, 2, 4, Wait::Park).unwrap();
+        std::thread::scope(|s| {
+            let h = s.spawn(|| ex.stats(0).all_gather(0, &[1.0], &mut Vec::new()));
+            std::thread::sleep(Duration::from_millis(20));
+            ex.abort();
+            assert!(matches!(h.join().unwrap(), Err(Error::Aborted)));
+        });
+    }
+
+    #[test]
+    fn the_all_gather_hands_every_rank_every_owned_chunk() {
+        // 3 ranks over a slot of 100 parameters and 20 buffers: rank d writes 1000·d + i
+        // into its owned chunk of the parameters only; afterwards every rank holds them all.
+        let (ranks, np, nb) = (3, 100, 20);
+        let ex = ShmGroup::new(ranks, ranks, np + nb, Wait::Park).unwrap();
+        let owned: Vec<Range<usize>> = (0..ranks).map(|d| ex.rank(d).owned()).collect();
+        assert_eq!(owned, vec![0..48, 48..96, 96..120], "chunks of 16-value multiples");
+        let got: Vec<Vec<f32>> = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..ranks)
+                .map(|d| {
+                    let (ex, owned) = (&ex, &owned);
+                    s.spawn(move || {
+                        let mut params = vec![f32::NAN; np];
+                        let mine = owned[d].start.min(np)..owned[d].end.min(np);
+                        for (i, p) in params.iter_mut().enumerate().take(mine.end).skip(mine.start) {
+                            *p = (1000 * d + i) as f32;
+                        }
+                        ex.rank(d).all_gather(&mut params).unwrap();
+                        params
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let owner = |i: usize| owned.iter().position(|r| r.contains(&i)).unwrap();
+        for params in &got {
+            assert!(params.iter().enumerate().all(|(i, &v)| v == (1000 * owner(i) + i) as f32), "{params:?}");
         }
     }
 

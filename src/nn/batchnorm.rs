@@ -7,12 +7,38 @@
 //! statistics. With logical replicas, "the batch the layer sees" is the logical
 //! replica's shard, as in DDP without SyncBatchNorm; the trainer then averages the
 //! running statistics over the logical replicas so every replica holds the same buffers.
+//!
+//! Synchronized ([`BatchStats::Global`], Keras's `synchronized=True`, PyTorch's
+//! `SyncBatchNorm`, `--sync-batchnorm`): the batch is the global batch of the step, every
+//! logical replica's shard together. Forward: each shard's per-channel (count, mean, M2)
+//! in f64 (the same Chan et al. merge of planes as the shard statistics), gathered from
+//! every logical replica through the context's statistics exchange
+//! (`exchange::stats`) and merged in logical-replica order with the same pairwise
+//! update — as stable as two passes, and the same numbers on every replica, in the same
+//! order whoever computed which shard. The running statistics move with the global
+//! statistics (the variance unbiased by the global count), so every shard's slot holds
+//! the same buffers. Backward: each shard's (Σ dy, Σ dy·x̂) gathered and summed in
+//! logical-replica order, in f64; dx uses those global sums over the global count, while
+//! dγ, dβ receive the shard's own sums (the gradient exchange adds the shards'). Without
+//! an exchange in the context (a lone Sequential, a world of one) a synchronized layer is
+//! an ordinary one. Every logical replica makes the same calls: an empty shard sends
+//! zeros ([`sync_without_data`]).
 
 use rayon::prelude::*;
 
-use super::{Ctx, Init, InputGrad, Layer, Mode, ParamSpec, Params, ParamsMut};
+use super::{Ctx, Init, InputGrad, Layer, LayerOp, Mode, ParamSpec, Params, ParamsMut, Sequential};
 use crate::error::{Error, Result};
+use crate::exchange::stats::StatsExchange;
 use crate::tensor::{Shape, Tensor};
+
+/// Whose batch statistics normalise in training.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BatchStats {
+    /// The logical replica's shard (DDP's BatchNorm).
+    Shard,
+    /// The step's global batch, across every logical replica (SyncBatchNorm).
+    Global,
+}
 
 /// How a training forward moves the running statistics, the one definition for every
 /// backend: `running ← keep·running + take·batch` (Keras's momentum: `keep = momentum`,
@@ -56,10 +82,14 @@ pub struct BatchNorm2d {
     momentum: f32,
     scale: bool,
     center: bool,
+    stats: BatchStats,
     /// x̂: (N, C, H, W) and 1/sqrt(var + eps): (C), from the training forward. The
     /// vectors keep their capacity from step to step.
     xhat: Vec<f32>,
     invstd: Vec<f32>,
+    /// Values per channel the training forward normalised over (the global batch's, for
+    /// a synchronized layer).
+    count: f64,
     cached: Option<Shape>,
 }
 
@@ -125,10 +155,18 @@ impl BatchNorm2d {
             momentum: 0.99,
             scale: true,
             center: true,
+            stats: BatchStats::Shard,
             xhat: Vec::new(),
             invstd: Vec::new(),
+            count: 0.0,
             cached: None,
         }
+    }
+
+    /// Whose batch statistics normalise in training (Keras's `synchronized`).
+    pub fn batch_stats(mut self, stats: BatchStats) -> Self {
+        self.stats = stats;
+        self
     }
 
     /// Sets eps (added to the variance).
@@ -170,6 +208,7 @@ impl Layer for BatchNorm2d {
             momentum: self.momentum,
             scale: self.scale,
             center: self.center,
+            stats: self.stats,
         })
     }
 
@@ -214,7 +253,8 @@ impl Layer for BatchNorm2d {
         let (gamma, beta) = self.gamma_beta(&params);
         let (mean, invstd): (Vec<f32>, Vec<f32>) = match ctx.mode {
             Mode::Train => {
-                if m < 2 {
+                let sync = self.stats == BatchStats::Global;
+                if m < 2 && !sync {
                     // As PyTorch: one value per channel has no variance to normalise by.
                     return Err(Error::shape(
                         "BatchNorm2d",
@@ -222,24 +262,35 @@ impl Layer for BatchNorm2d {
                     ));
                 }
                 let xs = x.host();
-                let stats = per_channel(c, |ch| {
+                let local = per_channel(c, |ch| {
                     let plane = |s: usize| &xs[(s * c + ch) * hw..(s * c + ch + 1) * hw];
                     // Each plane is read from memory once: its mean and squared deviations
                     // are taken while it is in L1, and planes are merged in sample order
                     // with Chan et al.'s pairwise update (as stable as two passes).
-                    let (mut count, mut mean, mut m2) = (0.0f64, 0.0f64, 0.0f64);
+                    let mut acc = Moments::default();
                     for s in 0..n {
                         let p = plane(s);
                         let (k, pm) = (p.len() as f64, sum_f64(p) / p.len() as f64);
-                        let pm2 = sum_sq_dev_f64(p, pm);
-                        let (delta, total) = (pm - mean, count + k);
-                        mean += delta * k / total;
-                        m2 += pm2 + delta * delta * count * k / total;
-                        count = total;
+                        acc.merge(&Moments { count: k, mean: pm, m2: sum_sq_dev_f64(p, pm) });
                     }
-                    (mean, m2 / count)
+                    (acc.mean, acc.m2)
                 });
-                let update = RunningUpdate::new(self.momentum, m);
+                let (count, moments) = match (sync, ctx.stats) {
+                    (true, Some(ex)) => global_moments(ex, ctx.replica, m as f64, &local)?,
+                    _ => (m as f64, local),
+                };
+                if count < 2.0 {
+                    return Err(Error::shape(
+                        "BatchNorm2d",
+                        format!(
+                            "training needs more than one value per channel, got {count} in the global batch ({} here)",
+                            x.shape()
+                        ),
+                    ));
+                }
+                self.count = count;
+                let stats: Vec<(f64, f64)> = moments.iter().map(|&(mean, m2)| (mean, m2 / count)).collect();
+                let update = RunningUpdate::new(self.momentum, count as usize);
                 let (rm, rv) = buffers.pair(0, 1);
                 for ((&(mean, var), r_mean), r_var) in stats.iter().zip(rm.iter_mut()).zip(rv.iter_mut()) {
                     *r_mean = update.mean(*r_mean, mean);
@@ -295,7 +346,7 @@ impl Layer for BatchNorm2d {
         params: Params<'_>,
         mut dparams: ParamsMut<'_>,
         input_grad: InputGrad,
-        _ctx: &Ctx,
+        ctx: &Ctx,
     ) -> Result<Option<Tensor>> {
         let shape = self
             .cached
@@ -307,7 +358,7 @@ impl Layer for BatchNorm2d {
         let (n, c, h, w) = shape.nchw("BatchNorm2d backward")?;
         let invstd = &self.invstd;
         let hw = h * w;
-        let m = (n * hw) as f64;
+        let m = self.count;
         let (xs, ds) = (self.xhat.as_slice(), dout.host());
         let sums = per_channel(c, |ch| {
             let (mut sd, mut sdx) = (0.0f64, 0.0f64);
@@ -332,6 +383,12 @@ impl Layer for BatchNorm2d {
                 *g += sd as f32;
             }
         }
+        // dγ, dβ take the shard's own sums (above); dx needs the global batch's. The
+        // exchange is made even when dx is not needed, so every replica calls alike.
+        let sums = match (self.stats, ctx.stats) {
+            (BatchStats::Global, Some(ex)) => global_sums(ex, ctx.replica, &sums)?,
+            _ => sums,
+        };
         if input_grad == InputGrad::Skip {
             return Ok(None);
         }
@@ -352,19 +409,168 @@ impl Layer for BatchNorm2d {
     }
 
     fn boxed_clone(&self) -> Box<dyn Layer> {
-        Box::new(BatchNorm2d { xhat: Vec::new(), invstd: Vec::new(), cached: None, ..self.clone() })
+        Box::new(BatchNorm2d { xhat: Vec::new(), invstd: Vec::new(), count: 0.0, cached: None, ..self.clone() })
     }
 
     fn describe(&self) -> String {
         format!(
-            "BatchNorm2d({}, eps {}, momentum {}{}{})",
+            "BatchNorm2d({}, eps {}, momentum {}{}{}{})",
             self.channels,
             self.eps,
             self.momentum,
             if self.scale { ", scale" } else { "" },
-            if self.center { ", center" } else { "" }
+            if self.center { ", center" } else { "" },
+            if self.stats == BatchStats::Global { ", synchronized" } else { "" }
         )
     }
+}
+
+/// Count, mean and sum of squared deviations of some values, merged pairwise (Chan,
+/// Golub, LeVeque 1979): merging in a fixed order gives fixed numbers.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+struct Moments {
+    count: f64,
+    mean: f64,
+    m2: f64,
+}
+
+impl Moments {
+    /// Adds `b`'s values to these. Merging into nothing takes `b` as it is (so that one
+    /// shard's moments are exactly its own).
+    fn merge(&mut self, b: &Moments) {
+        if b.count == 0.0 {
+            return;
+        }
+        if self.count == 0.0 {
+            *self = *b;
+            return;
+        }
+        let (delta, total) = (b.mean - self.mean, self.count + b.count);
+        self.mean += delta * b.count / total;
+        self.m2 += b.m2 + delta * delta * self.count * b.count / total;
+        self.count = total;
+    }
+}
+
+/// The global batch's count and per-channel (mean, M2), from this shard's `count` values
+/// per channel and per-channel (mean, M2) `local`: every logical replica's payload
+/// `[count, mean₀, M2₀, mean₁, M2₁, ...]` gathered, and merged in replica order.
+fn global_moments(
+    ex: &dyn StatsExchange,
+    replica: usize,
+    count: f64,
+    local: &[(f64, f64)],
+) -> Result<(f64, Vec<(f64, f64)>)> {
+    let mut mine = Vec::with_capacity(1 + 2 * local.len());
+    mine.push(count);
+    mine.extend(local.iter().flat_map(|&(mean, m2)| [mean, m2]));
+    let mut all = Vec::new();
+    ex.all_gather(replica, &mine, &mut all)?;
+    let mut merged = vec![Moments::default(); local.len()];
+    for payload in all.chunks_exact(mine.len()) {
+        for (acc, mm) in merged.iter_mut().zip(payload[1..].chunks_exact(2)) {
+            acc.merge(&Moments { count: payload[0], mean: mm[0], m2: mm[1] });
+        }
+    }
+    let total = merged.first().map_or(0.0, |m| m.count);
+    Ok((total, merged.into_iter().map(|m| (m.mean, m.m2)).collect()))
+}
+
+/// The global batch's per-channel (Σ dy, Σ dy·x̂): every logical replica's `[Σ dy₀,
+/// Σ dy·x̂₀, ...]` gathered and summed in replica order, in f64.
+fn global_sums(ex: &dyn StatsExchange, replica: usize, local: &[(f64, f64)]) -> Result<Vec<(f64, f64)>> {
+    let mine: Vec<f64> = local.iter().flat_map(|&(a, b)| [a, b]).collect();
+    let mut all = Vec::new();
+    ex.all_gather(replica, &mine, &mut all)?;
+    // Summed from the first payload on (not from 0.0), so that one replica's sums are
+    // exactly its own, −0.0 included.
+    let mut payloads = all.chunks_exact(mine.len().max(1));
+    let first = payloads.next().unwrap_or(&[]);
+    let mut sums: Vec<(f64, f64)> = first.chunks_exact(2).map(|ab| (ab[0], ab[1])).collect();
+    for payload in payloads {
+        for (acc, ab) in sums.iter_mut().zip(payload.chunks_exact(2)) {
+            acc.0 += ab[0];
+            acc.1 += ab[1];
+        }
+    }
+    sums.resize(local.len(), (0.0, 0.0));
+    Ok(sums)
+}
+
+/// The synchronized BatchNorm layers of `model`: (layer index, channels).
+fn synchronized_layers(model: &Sequential) -> Vec<(usize, usize)> {
+    model
+        .layers()
+        .iter()
+        .enumerate()
+        .filter_map(|(i, l)| match l.op() {
+            Some(LayerOp::BatchNorm2d { channels, stats: BatchStats::Global, .. }) => Some((i, channels)),
+            _ => None,
+        })
+        .collect()
+}
+
+/// True when `model` has a synchronized BatchNorm layer (its run needs a statistics
+/// exchange).
+pub fn has_synchronized_layers(model: &Sequential) -> bool {
+    !synchronized_layers(model).is_empty()
+}
+
+/// What a training pass without rows owes the other logical replicas when `model` has
+/// synchronized BatchNorm layers and `ctx` an exchange: the calls its forward and backward
+/// would have made, with nothing in them — a count of 0 per layer in forward order, then
+/// zero sums in backward order for the layers the backward reaches (those from the first
+/// trained layer on). Without either, nothing. When no replica has a row (every one of
+/// them is then here), the first call shows it and all stop.
+pub fn sync_without_data(model: &Sequential, ctx: &Ctx) -> Result<()> {
+    let Some(ex) = ctx.stats else { return Ok(()) };
+    let layers = synchronized_layers(model);
+    let mut all = Vec::new();
+    for &(_, c) in &layers {
+        ex.all_gather(ctx.replica, &vec![0.0; 1 + 2 * c], &mut all)?;
+        let count: f64 = all.chunks_exact(1 + 2 * c).map(|p| p[0]).sum();
+        if count == 0.0 {
+            // No replica has a row (an accumulated step's last micro-batches, when the
+            // shards are smaller than K): every one of them is here, and stops here.
+            return Ok(());
+        }
+        if count < 2.0 {
+            // Every replica fails alike on a global batch too small to normalise.
+            return Err(Error::shape(
+                "BatchNorm2d",
+                "training needs more than one value per channel in the global batch",
+            ));
+        }
+    }
+    let first = model.first_trained_layer();
+    for &(_, c) in layers.iter().rev().filter(|(i, _)| *i >= first) {
+        ex.all_gather(ctx.replica, &vec![0.0; 2 * c], &mut all)?;
+    }
+    Ok(())
+}
+
+/// `model` with every BatchNorm layer synchronized (PyTorch's
+/// `SyncBatchNorm.convert_sync_batchnorm`; `--sync-batchnorm`): the same layers, names and
+/// flat layout, so weights move between the two unchanged.
+pub fn convert_sync_batchnorm(model: &Sequential) -> Result<Sequential> {
+    let layers = model
+        .layers()
+        .iter()
+        .map(|l| -> Box<dyn Layer> {
+            match l.op() {
+                Some(LayerOp::BatchNorm2d { channels, eps, momentum, scale, center, .. }) => Box::new(
+                    BatchNorm2d::new(channels)
+                        .eps(eps)
+                        .momentum(momentum)
+                        .scale(scale)
+                        .center(center)
+                        .batch_stats(BatchStats::Global),
+                ),
+                _ => l.boxed_clone(),
+            }
+        })
+        .collect();
+    Sequential::new(model.input_shape().clone(), layers)
 }
 
 #[cfg(test)]

@@ -1,8 +1,9 @@
 //! Inverted dropout: in training, each value is zeroed with probability `rate` and the
 //! survivors are scaled by 1/(1 − rate); in evaluation the layer is the identity.
 //!
-//! The mask is a pure function of (seed, step, logical replica, layer, element index)
-//! through `rng::hash64`, so it does not depend on the device count, the thread count or
+//! The mask is a pure function of (seed, step, logical replica, layer, element index
+//! within the logical replica's shard — a later micro-batch of an accumulated step starts
+//! at `Ctx::sample_offset`) through `rng::hash64`, so it does not depend on the device count, the thread count or
 //! the order in which elements are visited (the CUDA kernel computes the same function).
 
 use super::{Ctx, InputGrad, Layer, Mode, Params, ParamsMut};
@@ -54,15 +55,16 @@ impl Layer for Dropout {
         }
         let key = dropout_key(ctx.seed, ctx.step, ctx.replica as u64, ctx.layer_index as u64);
         let keep = 1.0 / (1.0 - self.rate);
-        self.scale.extend((0..x.numel() as u64).map(
-            |i| {
-                if unit_f32(hash64(key, i)) >= self.rate {
-                    keep
-                } else {
-                    0.0
-                }
-            },
-        ));
+        // Element i of this pass is element first + i of the logical replica's shard.
+        let per_sample = x.numel() / x.shape().batch().max(1);
+        let first = (ctx.sample_offset * per_sample) as u64;
+        self.scale.extend((first..first + x.numel() as u64).map(|i| {
+            if unit_f32(hash64(key, i)) >= self.rate {
+                keep
+            } else {
+                0.0
+            }
+        }));
         for (v, s) in x.host_mut().iter_mut().zip(&self.scale) {
             *v *= s;
         }

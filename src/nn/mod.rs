@@ -26,7 +26,7 @@ pub mod window;
 use std::ops::Range;
 
 pub use activation::{Relu, Rescaling};
-pub use batchnorm::BatchNorm2d;
+pub use batchnorm::{convert_sync_batchnorm, BatchNorm2d, BatchStats};
 pub use conv2d::Conv2d;
 pub use dropout::Dropout;
 pub use linear::Linear;
@@ -75,9 +75,9 @@ pub struct ParamSpec {
     pub init: Init,
 }
 
-/// What a layer may know about the step it runs in.
+/// What a layer may know about the step it runs in; `'a` is the statistics exchange's.
 #[derive(Clone, Copy, Debug)]
-pub struct Ctx {
+pub struct Ctx<'a> {
     pub mode: Mode,
     /// Seed of the run: random streams derive from (seed, step, replica, layer).
     pub seed: u64,
@@ -89,18 +89,25 @@ pub struct Ctx {
     pub replica: usize,
     /// The device running it.
     pub device: Device,
+    /// Position, within its logical replica's shard, of this pass's first sample (0 but
+    /// for a later micro-batch of an accumulated step): dropout indexes its masks from
+    /// it, so that accumulation draws the masks of the unaccumulated step.
+    pub sample_offset: usize,
+    /// Where synchronized BatchNorm layers meet the other logical replicas' statistics
+    /// (`exchange::stats`); None: a world of one, statistics of the shard alone.
+    pub stats: Option<&'a dyn crate::exchange::stats::StatsExchange>,
 }
 
-impl Ctx {
+impl<'a> Ctx<'a> {
     /// A context for evaluation on `device` (no randomness is drawn in eval mode).
-    pub fn eval(device: Device) -> Ctx {
-        Ctx { mode: Mode::Eval, seed: 0, layer_index: 0, step: 0, replica: 0, device }
+    pub fn eval(device: Device) -> Ctx<'a> {
+        Ctx { mode: Mode::Eval, seed: 0, layer_index: 0, step: 0, replica: 0, device, sample_offset: 0, stats: None }
     }
 
     /// A context for training step `step` of logical replica `replica`, whose random
     /// streams derive from `seed`.
-    pub fn train(seed: u64, step: u64, replica: usize, device: Device) -> Ctx {
-        Ctx { mode: Mode::Train, seed, layer_index: 0, step, replica, device }
+    pub fn train(seed: u64, step: u64, replica: usize, device: Device) -> Ctx<'a> {
+        Ctx { mode: Mode::Train, seed, layer_index: 0, step, replica, device, sample_offset: 0, stats: None }
     }
 }
 
@@ -182,13 +189,15 @@ pub enum LayerOp {
         window: Window2d,
         bias: bool,
     },
-    /// Keras BatchNorm over (N, H, W) per channel; `momentum` weighs the old running value.
+    /// Keras BatchNorm over (N, H, W) per channel; `momentum` weighs the old running value;
+    /// `stats` says whose batch statistics normalise (the shard's, or the global batch's).
     BatchNorm2d {
         channels: usize,
         eps: f32,
         momentum: f32,
         scale: bool,
         center: bool,
+        stats: BatchStats,
     },
     Relu,
     /// y = x·scale + offset.

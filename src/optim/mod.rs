@@ -6,6 +6,14 @@
 //! over the whole buffer or over the chunks of it that the all-reduce hands out; the
 //! result is the same, element by element. Gradients arrive SUMMED over the global batch;
 //! `grad_divisor` (the real size of that batch) turns them into the mean's gradient.
+//!
+//! Sharded (ZeRO stage 1, [`Sharding::Sharded`]): an optimiser may hold the state of one
+//! range of the flat parameters only ([`Optimizer::shard`]) and update only there; the
+//! update of an element is the same function of the same values wherever it runs, so
+//! the parameters are bitwise those of the whole optimiser. [`Optimizer::merge`] puts the
+//! parts back together (checkpoints hold the whole state).
+
+use std::ops::Range;
 
 use crate::error::{Error, Result};
 
@@ -102,6 +110,17 @@ pub struct StepScalars {
     pub bc2_sqrt: f32,
 }
 
+/// Where a run's optimiser state lives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Sharding {
+    /// Every device holds the whole state and updates every parameter.
+    Replicated,
+    /// ZeRO stage 1: each device holds the state of its own part of the flat parameters
+    /// (the exchange's `owned` range) and updates that part; the parameters are then
+    /// all-gathered. Optimiser memory per device ÷ N; weights bitwise the replicated ones.
+    Sharded,
+}
+
 /// How the learning rate changes over a run.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum LrSchedule {
@@ -126,13 +145,18 @@ impl LrSchedule {
     }
 }
 
-/// An optimiser and its state for one replica.
+/// An optimiser and its state for one replica (or, sharded, for one range of it).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Optimizer {
     config: OptimizerConfig,
     /// Steps taken (Adam's t after `begin_step`).
     t: u64,
+    /// The flat parameters whose state this holds (`0..len` unsharded).
+    range: Range<usize>,
+    /// Length of the whole flat parameter buffer.
+    len: usize,
     /// SGD: the momentum buffer (empty without momentum). Adam: the first moment m.
+    /// Both of `range.len()` values.
     m: Vec<f32>,
     /// Adam: the second moment v. SGD: empty.
     v: Vec<f32>,
@@ -147,7 +171,63 @@ impl Optimizer {
             }
             OptimizerConfig::Adam { .. } => (vec![0.0; num_params], vec![0.0; num_params]),
         };
-        Optimizer { config, t: 0, m, v }
+        Optimizer { config, t: 0, range: 0..num_params, len: num_params, m, v }
+    }
+
+    /// The part of this optimiser for the parameters `range` (clipped to its own range):
+    /// its state there and its step count. Sharding a sharded optimiser further is fine.
+    pub fn shard(&self, range: Range<usize>) -> Optimizer {
+        let r = range.start.clamp(self.range.start, self.range.end)..range.end.clamp(self.range.start, self.range.end);
+        let local = r.start - self.range.start..r.end - self.range.start;
+        let part = |v: &Vec<f32>| if v.is_empty() { Vec::new() } else { v[local.clone()].to_vec() };
+        Optimizer { config: self.config, t: self.t, range: r, len: self.len, m: part(&self.m), v: part(&self.v) }
+    }
+
+    /// The whole optimiser from parts that cover `0..len` without overlap (any order), all
+    /// of one configuration and step count: what the devices of a sharded run hold.
+    pub fn merge(parts: &[Optimizer]) -> Result<Optimizer> {
+        let Some(first) = parts.first() else {
+            return Err(Error::config("optimizer state", "no part to merge"));
+        };
+        let mut whole = Optimizer::new(first.config, first.len);
+        whole.t = first.t;
+        let mut covered = 0;
+        for p in parts {
+            if p.config != first.config || p.t != first.t || p.len != first.len {
+                return Err(Error::config(
+                    "optimizer state",
+                    format!(
+                        "parts of different optimisers (steps {} and {}, lengths {} and {})",
+                        first.t, p.t, first.len, p.len
+                    ),
+                ));
+            }
+            for (dst, src) in [(&mut whole.m, &p.m), (&mut whole.v, &p.v)] {
+                if !dst.is_empty() {
+                    dst[p.range.clone()].copy_from_slice(src);
+                }
+            }
+            covered += p.range.len();
+        }
+        if covered != first.len {
+            return Err(Error::config("optimizer state", format!("the parts cover {covered} of {} values", first.len)));
+        }
+        Ok(whole)
+    }
+
+    /// The parameters whose state this optimiser holds.
+    pub fn range(&self) -> Range<usize> {
+        self.range.clone()
+    }
+
+    /// True when it holds the state of every parameter (not a shard).
+    pub fn is_whole(&self) -> bool {
+        self.range == (0..self.len)
+    }
+
+    /// Bytes of optimiser state it holds (m and v, f32).
+    pub fn state_bytes(&self) -> usize {
+        4 * (self.m.len() + self.v.len())
     }
 
     /// The configuration.
@@ -160,7 +240,8 @@ impl Optimizer {
         self.t
     }
 
-    /// Named state tensors for checkpoints: (`"m"`, values), (`"v"`, values) as present.
+    /// Named state tensors for checkpoints: (`"m"`, values), (`"v"`, values) as present,
+    /// of the parameters [`Optimizer::range`].
     pub fn state(&self) -> Vec<(&'static str, &[f32])> {
         let mut s = Vec::new();
         if !self.m.is_empty() {
@@ -202,9 +283,18 @@ impl Optimizer {
 
     /// Updates `params` (the values at `offset..offset + params.len()` of the flat
     /// buffer) from `grad_sum`, the gradient summed over the global batch.
+    ///
+    /// The values must lie in [`Optimizer::range`] (a sharded optimiser updates its part).
     pub fn update(&mut self, offset: usize, params: &mut [f32], grad_sum: &[f32], s: &StepScalars) {
         debug_assert_eq!(params.len(), grad_sum.len());
-        let range = offset..offset + params.len();
+        assert!(
+            offset >= self.range.start && offset + params.len() <= self.range.end,
+            "update of {}..{} by an optimiser of {:?}",
+            offset,
+            offset + params.len(),
+            self.range
+        );
+        let range = offset - self.range.start..offset - self.range.start + params.len();
         let StepScalars { t, grad_divisor, step_size, bc2_sqrt } = *s;
         match self.config {
             OptimizerConfig::Sgd { momentum, weight_decay, .. } => {
@@ -279,6 +369,34 @@ mod tests {
             b.update(4, &mut pb[4..], &g[4..], &s);
         }
         assert_eq!(pa, pb);
+    }
+
+    #[test]
+    fn sharded_updates_equal_one_update_and_the_parts_merge_back() {
+        // Adam over 10 values, once whole and once as parts 0..3, 3..7, 7..10 updated
+        // each on its own: the same parameters, and the parts put together are the whole.
+        let cfg = OptimizerConfig::Adam { lr: 0.01, beta1: 0.8, beta2: 0.99, eps: 1e-6, weight_decay: 0.01 };
+        let g: Vec<f32> = (0..10).map(|i| i as f32 - 4.5).collect();
+        let mut whole = Optimizer::new(cfg, 10);
+        let mut parts: Vec<Optimizer> = [0..3, 3..7, 7..10].into_iter().map(|r| whole.shard(r)).collect();
+        let (mut pa, mut pb) = (vec![0.3f32; 10], vec![0.3f32; 10]);
+        for _ in 0..3 {
+            let s = whole.begin_step(1.0, 3.0);
+            whole.update(0, &mut pa, &g, &s);
+            for part in &mut parts {
+                let s = part.begin_step(1.0, 3.0);
+                let r = part.range();
+                part.update(r.start, &mut pb[r.clone()], &g[r], &s);
+            }
+        }
+        assert_eq!(pa, pb);
+        assert_eq!(parts.iter().map(|p| p.state_bytes()).collect::<Vec<_>>(), vec![24, 32, 24]);
+        assert!(!parts[0].is_whole());
+        let merged = Optimizer::merge(&parts).unwrap();
+        assert!(merged.is_whole());
+        assert_eq!(merged, whole);
+        let e = Optimizer::merge(&parts[..2]).unwrap_err().to_string();
+        assert!(e.contains("cover 7 of 10"), "{e}");
     }
 
     #[test]

@@ -9,8 +9,9 @@ use super::report::HeldOut;
 use super::scatter::{LastBatch, Shuffle};
 use crate::checkpoint::{CheckpointPolicy, Resume};
 use crate::error::{Error, Result};
+use crate::exchange::codec::Compression;
 use crate::nn::ParamStore;
-use crate::optim::{LrSchedule, OptimizerConfig};
+use crate::optim::{LrSchedule, OptimizerConfig, Sharding};
 
 /// What to do when the loss is NaN or infinite.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -81,6 +82,15 @@ pub struct TrainConfig {
     pub eval_batch: usize,
     /// Global batches the loader may gather ahead of the step being trained.
     pub prefetch: usize,
+    /// Gradient accumulation (PyTorch's `no_sync`): the global batch of a step is processed
+    /// as K micro-batches one after another, ONE exchange and one update per step
+    /// (train/step.rs says how the rows are cut, and where the weights are bitwise those
+    /// of K = 1). 1: none.
+    pub accumulate: usize,
+    /// How gradients travel between the logical replicas (`exchange::codec`).
+    pub grad_compression: Compression,
+    /// Where the optimiser state lives: on every device, or sharded (ZeRO stage 1).
+    pub optimizer_sharding: Sharding,
 }
 
 impl Default for TrainConfig {
@@ -106,6 +116,9 @@ impl Default for TrainConfig {
             save_best: None,
             eval_batch: 512,
             prefetch: 4,
+            accumulate: 1,
+            grad_compression: Compression::None,
+            optimizer_sharding: Sharding::Replicated,
         }
     }
 }
@@ -133,6 +146,9 @@ impl TrainConfig {
                 ))
             }
             _ => {}
+        }
+        if self.accumulate == 0 {
+            return Err(Error::config("accumulate", "must be at least 1 (micro-batches per step)"));
         }
         if self.check_replicas_every == Some(0) {
             return Err(Error::config("check-replicas-every", "must be at least 1"));

@@ -9,17 +9,20 @@
 use std::ops::Range;
 use std::time::{Duration, Instant};
 
-use super::replica::{fingerprints, Mark, Replica, Shard, StepOutcome};
+use super::replica::{fingerprints, Fill, Mark, Replica, Shard, StepOutcome};
 use super::Batch;
 use crate::error::Result;
+use crate::exchange::stats::StatsExchange;
 use crate::exchange::Host;
+use crate::nn::batchnorm::sync_without_data;
 use crate::nn::loss::{score, softmax_cross_entropy, softmax_rows, Metrics};
 use crate::nn::{Ctx, ParamStore, Sequential};
 use crate::optim::{Optimizer, StepScalars};
 use crate::tensor::{Device, Tensor};
 
-/// A device's replica on the CPU.
-pub struct CpuReplica {
+/// A device's replica on the CPU; `'s` is the run's statistics exchange, which a model
+/// with synchronized BatchNorm reaches through its layers' context.
+pub struct CpuReplica<'s> {
     device: Device,
     model: Sequential,
     store: ParamStore,
@@ -33,10 +36,18 @@ pub struct CpuReplica {
     /// When each mark of this step was passed, from `origin`.
     origin: Instant,
     marks: [Duration; 4],
+    /// Synchronized BatchNorm's side of the exchange (None: statistics per shard).
+    stats: Option<&'s dyn StatsExchange>,
 }
 
-impl CpuReplica {
-    pub fn new(device: Device, model: Sequential, store: ParamStore, optimizer: Optimizer, seed: u64) -> CpuReplica {
+impl<'s> CpuReplica<'s> {
+    pub fn new(
+        device: Device,
+        model: Sequential,
+        store: ParamStore,
+        optimizer: Optimizer,
+        seed: u64,
+    ) -> CpuReplica<'s> {
         CpuReplica {
             device,
             model,
@@ -47,7 +58,15 @@ impl CpuReplica {
             shards: Vec::new(),
             origin: Instant::now(),
             marks: [Duration::ZERO; 4],
+            stats: None,
         }
+    }
+
+    /// The replica whose synchronized BatchNorm layers meet the other replicas' through
+    /// `stats`.
+    pub fn with_stats(mut self, stats: &'s dyn StatsExchange) -> CpuReplica<'s> {
+        self.stats = Some(stats);
+        self
     }
 
     /// `rows` of `batch` as a tensor (rows, *sample_shape) on this device.
@@ -67,7 +86,7 @@ impl CpuReplica {
     }
 }
 
-impl Replica for CpuReplica {
+impl Replica for CpuReplica<'_> {
     type Mem = Host;
 
     fn params_len(&self) -> usize {
@@ -88,23 +107,36 @@ impl Replica for CpuReplica {
         Ok(())
     }
 
-    fn train_shard(&mut self, batch: &Batch, shard: &Shard, slot: &mut [f32]) -> Result<()> {
-        slot.fill(0.0);
+    fn train_shard(&mut self, batch: &Batch, shard: &Shard, slot: &mut &mut [f32]) -> Result<()> {
+        if shard.fill == Fill::Write {
+            slot.fill(0.0);
+        }
+        let ctx = Ctx {
+            sample_offset: shard.offset,
+            stats: self.stats,
+            ..Ctx::train(self.seed, shard.step, shard.replica, self.device)
+        };
         if shard.rows.is_empty() {
-            self.shards.push(Metrics::default());
-            return Ok(());
+            if shard.fill == Fill::Write {
+                self.shards.push(Metrics::default());
+            }
+            return sync_without_data(&self.model, &ctx);
         }
         let np = self.store.params.len();
         let x = self.rows(batch, shard.rows.clone())?;
         let (grads, bufs) = slot.split_at_mut(np);
         // The shard's running statistics start from the replica's and are updated in
-        // its slot by the training forward.
-        bufs.copy_from_slice(&self.store.buffers);
-        let ctx = Ctx::train(self.seed, shard.step, shard.replica, self.device);
+        // its slot by each training forward.
+        if shard.fill == Fill::Write {
+            bufs.copy_from_slice(&self.store.buffers);
+        }
         let logits = self.model.forward(x, &self.store.params, bufs, &ctx)?;
         let (metrics, dlogits) = softmax_cross_entropy(&logits, &batch.y[shard.rows.clone()])?;
         self.model.backward(dlogits, &self.store.params, grads, &ctx)?;
-        self.shards.push(metrics);
+        match (shard.fill, self.shards.last_mut()) {
+            (Fill::Add, Some(m)) => m.add(&metrics),
+            _ => self.shards.push(metrics),
+        }
         Ok(())
     }
 
@@ -123,6 +155,15 @@ impl Replica for CpuReplica {
         for (dst, &v) in self.store.buffers[offset..offset + sum.len()].iter_mut().zip(sum) {
             *dst = v * scale;
         }
+        Ok(())
+    }
+
+    fn params_mut(&mut self) -> &mut [f32] {
+        &mut self.store.params
+    }
+
+    fn shard_optimizer(&mut self, range: Range<usize>) -> Result<()> {
+        self.optimizer = self.optimizer.shard(range);
         Ok(())
     }
 

@@ -11,9 +11,9 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaStream, CudaView, CudaViewMut};
 
-use super::replica::{fingerprints, Mark, Replica, Shard, StepOutcome};
+use super::replica::{fingerprints, Fill, Mark, Replica, Shard, StepOutcome};
 use super::Batch;
-use crate::cuda::net::{Draw, GpuNet, OptimizerState};
+use crate::cuda::net::{Draw, GpuNet, OptimizerState, SlotUse};
 use crate::error::{Error, Result};
 use crate::exchange::gpu::DeviceMemory;
 use crate::nn::loss::{softmax_rows, Metrics};
@@ -83,13 +83,21 @@ impl Replica for GpuReplica {
         Ok(())
     }
 
-    fn train_shard(&mut self, _batch: &Batch, shard: &Shard, mut slot: CudaViewMut<'_, f32>) -> Result<()> {
+    fn train_shard(&mut self, _batch: &Batch, shard: &Shard, slot: &mut CudaViewMut<'_, f32>) -> Result<()> {
         let s = &shard.rows;
         // The staged rows span this device's shards, so each shard lies inside them.
         let rows = s.start - self.staged.start..s.end - self.staged.start;
-        self.shards.push(rows.clone());
-        let draw = Draw { seed: self.seed, step: shard.step, replica: shard.replica };
-        self.net.train_shard(rows, draw, &mut slot)
+        // A shard's micro-batches are consecutive rows: its metrics cover their union.
+        match (shard.fill, self.shards.last_mut()) {
+            (Fill::Add, Some(last)) => last.end = rows.end,
+            _ => self.shards.push(rows.clone()),
+        }
+        let draw = Draw { seed: self.seed, step: shard.step, replica: shard.replica, sample_offset: shard.offset };
+        let fill = match shard.fill {
+            Fill::Write => SlotUse::Write,
+            Fill::Add => SlotUse::Add,
+        };
+        self.net.train_shard(rows, draw, slot, fill)
     }
 
     fn begin_update(&mut self, lr_scale: f32, grad_divisor: f32) {
@@ -104,6 +112,14 @@ impl Replica for GpuReplica {
 
     fn set_buffers(&mut self, offset: usize, sum: CudaView<'_, f32>, scale: f32) -> Result<()> {
         self.net.set_buffers(offset, &sum, scale)
+    }
+
+    fn params_mut(&mut self) -> CudaViewMut<'_, f32> {
+        self.net.params_mut()
+    }
+
+    fn shard_optimizer(&mut self, range: Range<usize>) -> Result<()> {
+        self.net.shard_optimizer(range)
     }
 
     /// The step's one wait (released by an abort), then its losses.
@@ -130,7 +146,7 @@ impl Replica for GpuReplica {
 
     fn snapshot(&mut self) -> Result<(ParamStore, Optimizer)> {
         let (store, m, v) = self.net.download()?;
-        let mut optimizer = Optimizer::new(self.config, store.params.len());
+        let mut optimizer = Optimizer::new(self.config, store.params.len()).shard(self.net.state_range());
         // The state the CPU optimiser keeps for this configuration, from the device's.
         let state: Vec<(&str, Vec<f32>)> = match self.config {
             OptimizerConfig::Sgd { momentum, .. } if momentum > 0.0 => vec![("m", m)],

@@ -19,15 +19,31 @@ use crate::nn::loss::Metrics;
 use crate::nn::{ParamStore, Sequential};
 use crate::optim::Optimizer;
 
-/// One logical replica's share of a step.
+/// How one pass over a shard's rows meets the shard's slot.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fill {
+    /// The shard's first (or only) pass: writes the whole slot.
+    Write,
+    /// A later micro-batch of the same shard: adds its gradient into the slot and moves
+    /// the slot's running statistics on from where the previous micro-batch left them.
+    Add,
+}
+
+/// One logical replica's share of a step, or one micro-batch of it.
 #[derive(Clone, Debug)]
 pub struct Shard {
     /// The logical replica: BatchNorm statistics and dropout streams belong to it.
     pub replica: usize,
-    /// Its rows of the global batch (possibly none).
+    /// The rows of the global batch this pass trains (possibly none): the shard's, or one
+    /// micro-batch of them.
     pub rows: Range<usize>,
+    /// Position of `rows.start` within the logical replica's shard (0 but for later
+    /// micro-batches): dropout masks are indexed from it, so that an accumulated step
+    /// draws the masks of the unaccumulated one.
+    pub offset: usize,
     /// The global step (0-based).
     pub step: u64,
+    pub fill: Fill,
 }
 
 /// Points of a step whose times a replica records (on the GPU, as events on its stream).
@@ -90,10 +106,19 @@ pub trait Replica {
     /// (a GPU copies them to the device, asynchronously).
     fn stage(&mut self, batch: &Batch, rows: Range<usize>) -> Result<()>;
 
-    /// Forward, the loss SUMMED over the shard's rows, backward: writes the whole of
-    /// `slot` — `[the shard's gradient | its updated BatchNorm buffers]` — and keeps the
-    /// shard's metrics for [`Replica::finish_step`]. A shard without rows writes zeros.
-    fn train_shard(&mut self, batch: &Batch, shard: &Shard, slot: <Self::Mem as Memory>::ViewMut<'_>) -> Result<()>;
+    /// Forward, the loss SUMMED over the shard's rows, backward. [`Fill::Write`]: writes
+    /// the whole of `slot` — `[the gradient | the BatchNorm buffers, the replica's, updated
+    /// by this forward]` — and starts the shard's metrics; [`Fill::Add`] (a later
+    /// micro-batch of the same shard): adds its gradient to the slot's, updates the slot's
+    /// buffers further, and adds to the shard's metrics, kept for
+    /// [`Replica::finish_step`]. A pass without rows writes zeros (Write) or nothing (Add)
+    /// — and still takes its part in synchronized BatchNorm's statistics exchange.
+    fn train_shard(
+        &mut self,
+        batch: &Batch,
+        shard: &Shard,
+        slot: &mut <Self::Mem as Memory>::ViewMut<'_>,
+    ) -> Result<()>;
 
     /// Starts the update of a step at `lr_scale` times the learning rate, for gradients
     /// summed over `grad_divisor` samples.
@@ -106,6 +131,13 @@ pub trait Replica {
     /// every shard's buffers.
     fn set_buffers(&mut self, offset: usize, sum: <Self::Mem as Memory>::View<'_>, scale: f32) -> Result<()>;
 
+    /// The flat parameters, for a sharded optimiser's all-gather.
+    fn params_mut(&mut self) -> <Self::Mem as Memory>::ViewMut<'_>;
+
+    /// Keeps the optimiser state of the parameters `range` only (ZeRO stage 1: the
+    /// exchange's owned part); [`Replica::update_params`] is then called there only.
+    fn shard_optimizer(&mut self, range: Range<usize>) -> Result<()>;
+
     /// Ends the step: waits for the device (polling `aborted`, so that an abort releases
     /// the wait) and returns the metrics of its shards and its times.
     fn finish_step(&mut self, aborted: &dyn Fn() -> bool) -> Result<StepOutcome>;
@@ -116,7 +148,8 @@ pub trait Replica {
     /// Class probabilities (rows, K) in evaluation mode on `rows` of `batch` (one chunk).
     fn predict_chunk(&mut self, batch: &Batch, rows: Range<usize>) -> Result<Vec<f32>>;
 
-    /// Parameters, buffers and optimiser state, on the host.
+    /// Parameters, buffers and optimiser state (the part it holds, when sharded), on the
+    /// host.
     fn snapshot(&mut self) -> Result<(ParamStore, Optimizer)>;
 
     /// Per-tensor fingerprints for the replica check ([`fingerprints`]).
@@ -124,7 +157,9 @@ pub trait Replica {
 }
 
 /// Per-tensor fingerprints of a replica's parameters, buffers and optimiser state (FNV-1a
-/// over the bit patterns: equal bits, equal hash), named as the checkpoints name them.
+/// over the bit patterns: equal bits, equal hash), named as the checkpoints name them. A
+/// sharded optimiser's state differs from device to device by design: only its step
+/// count is compared.
 pub fn fingerprints(model: &Sequential, store: &ParamStore, optimizer: &Optimizer) -> Vec<(String, u64)> {
     let fnv = |v: &[f32]| {
         v.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, x| (h ^ x.to_bits() as u64).wrapping_mul(0x100_0000_01b3))
@@ -136,9 +171,12 @@ pub fn fingerprints(model: &Sequential, store: &ParamStore, optimizer: &Optimize
     for t in model.buffer_infos() {
         out.push((t.name.clone(), fnv(&store.buffers[t.range.clone()])));
     }
-    for (name, v) in optimizer.state() {
-        out.push((format!("optimizer.{name}"), fnv(v)));
+    if optimizer.is_whole() {
+        for (name, v) in optimizer.state() {
+            out.push((format!("optimizer.{name}"), fnv(v)));
+        }
     }
+    out.push(("optimizer.steps".to_string(), optimizer.steps()));
     out
 }
 

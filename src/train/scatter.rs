@@ -5,6 +5,10 @@
 //! cuts each global batch into R logical shards of contiguous rows whose sizes differ
 //! by at most one (the first B mod R shards get the extra row); device d runs shards
 //! d·R/N .. (d+1)·R/N. Nothing is padded, duplicated or dropped.
+//!
+//! Gradient accumulation (`TrainConfig::accumulate` = K) cuts each logical shard further
+//! into K micro-batches by the same rule ([`shards`] of the shard's rows): micro-batch m of
+//! the global batch is the m-th part of every shard, a function of B, R and K alone.
 
 use std::ops::Range;
 

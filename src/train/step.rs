@@ -6,10 +6,12 @@
 //!
 //! ```text
 //! stage this device's rows
-//! for each of its shards s:   forward ─▶ loss SUMMED over s ─▶ backward into slot s
+//! for each of its shards s:   for each of its K micro-batches (K = 1 unless accumulating):
+//!                               forward ─▶ loss SUMMED ─▶ backward into slot s (+=)
 //!                             (slot = [gradient of s | BatchNorm buffers updated by s])
 //! exchange: every shard's slot summed, each element once, in the transport's fixed order
-//! update:   parameters from (gradient sum ÷ the global batch's real size)
+//! update:   parameters from (gradient sum ÷ the global batch's real size) — all of them,
+//!           or, with a sharded optimiser, the exchange's owned part, then all-gathered
 //!           buffers = (buffer sum ÷ the shards that saw data): the running statistics'
 //!           mean over the logical replicas
 //! finish:   the device's one wait, the shards' metrics
@@ -17,15 +19,39 @@
 //!
 //! Every device makes the same calls on the same sums, so every replica stays bitwise
 //! identical. The divisors are computed here, once, for every backend.
+//!
+//! # Gradient accumulation (`TrainConfig::accumulate` = K, PyTorch's `no_sync`)
+//! The global batch of a step is processed as K micro-batches one after another:
+//! micro-batch m is the m-th part of every logical shard (each shard's rows cut into K
+//! contiguous runs whose sizes differ by at most one, `scatter::shards`), each backward
+//! adding into its shard's one slot; then ONE exchange and one update. So every forward
+//! pass holds about a K-th of a shard's rows (activation memory ÷ K), and no gradient
+//! memory is added. The cut is a function of B, R and K alone, so with R fixed, 1, 2 or 4
+//! devices still give bitwise-equal weights. Dropout masks are indexed by the row's place
+//! in its shard ([`Shard::offset`]): the unaccumulated step's masks. BatchNorm normalises
+//! each micro-batch with its own statistics and moves the running statistics once per
+//! micro-batch, as PyTorch does under `no_sync`.
+//!
+//! When the weights are bitwise those of the unaccumulated run: exactly when every
+//! micro-batch is made of whole logical shards, each shard's gradient then being the same
+//! sum in the same order in its own slot, summed by the same canonical tree. A micro-batch
+//! of `accumulate` is never that for K > 1 (it cuts every shard), and its shard's
+//! gradient is the sum of K partial sums, the same terms associated otherwise: equal to
+//! the unaccumulated run within rounding (tests/accumulate.rs states the tolerance).
+//! Accumulation over whole logical shards is what logical replicas already are: with
+//! `replicas` = N·K on N devices, each device runs its K shards one after another, each
+//! its own forward, backward and slot, and the weights are bitwise those of N·K devices
+//! (K slots per device instead of one: the bitwise form costs gradient memory).
 
 use std::ops::Range;
 use std::sync::Arc;
 
-use super::replica::{Mark, Replica, Shard, StepOutcome};
-use super::Batch;
+use super::replica::{Fill, Mark, Replica, Shard, StepOutcome};
+use super::{scatter, Batch};
 use crate::error::Result;
-use crate::exchange::{Exchange, Memory};
+use crate::exchange::Exchange;
 use crate::nn::loss::Metrics;
+use crate::optim::Sharding;
 
 /// One step's work, shared by every device.
 #[derive(Debug)]
@@ -41,6 +67,10 @@ pub struct StepWork {
     pub shards: Vec<Range<usize>>,
     /// Learning-rate multiplier of this step (the schedule's value).
     pub lr_scale: f32,
+    /// Gradient accumulation K (1: none; see the file's docs).
+    pub accumulate: usize,
+    /// Whether each device updates every parameter or its owned part.
+    pub sharding: Sharding,
 }
 
 /// Trains one step on the logical replicas `mine` of `work`, with this device's
@@ -55,9 +85,21 @@ where
     let held = |r: &Range<usize>| r.start - work.first_row..r.end - work.first_row;
     let rows = shards.first().map_or(0, |r| r.start)..shards.last().map_or(0, |r| r.end);
     replica.stage(&work.batch, held(&rows))?;
-    for (local, rows) in shards.iter().enumerate() {
-        let shard = Shard { replica: mine.start + local, rows: held(rows), step: work.step };
-        exchange.with_slot(local, |slot| replica.train_shard(&work.batch, &shard, slot))?;
+    let micro = work.accumulate.max(1);
+    for (local, rows) in shards.iter().map(held).enumerate() {
+        exchange.with_slot(local, |mut slot| -> Result<()> {
+            for (m, part) in scatter::shards(rows.len(), micro).into_iter().enumerate() {
+                let shard = Shard {
+                    replica: mine.start + local,
+                    rows: rows.start + part.start..rows.start + part.end,
+                    offset: part.start,
+                    step: work.step,
+                    fill: if m == 0 { Fill::Write } else { Fill::Add },
+                };
+                replica.train_shard(&work.batch, &shard, &mut slot)?;
+            }
+            Ok(())
+        })?;
     }
     replica.mark(Mark::Computed)?;
     exchange.sum()?;
@@ -69,27 +111,25 @@ where
     let with_data = work.shards.iter().filter(|r| !r.is_empty()).count();
     let buffer_scale = 1.0 / with_data as f32;
     let params = replica.params_len();
+    let updated = match work.sharding {
+        Sharding::Replicated => 0..params,
+        Sharding::Sharded => clip(exchange.owned(), params),
+    };
     replica.begin_update(work.lr_scale, grad_divisor);
-    exchange.for_each_sum(|offset, piece| {
-        let (p, b) = split(offset, <X::Mem as Memory>::len(&piece), params);
-        if !p.is_empty() {
-            replica.update_params(offset, <X::Mem as Memory>::slice(&piece, p))?;
-        }
-        if !b.is_empty() {
-            let at = offset + b.start - params;
-            replica.set_buffers(at, <X::Mem as Memory>::slice(&piece, b), buffer_scale)?;
-        }
-        Ok(())
+    exchange.for_each_sum_in(updated, |offset, piece| replica.update_params(offset, piece))?;
+    exchange.for_each_sum_in(params..exchange.width(), |offset, piece| {
+        replica.set_buffers(offset - params, piece, buffer_scale)
     })?;
+    if work.sharding == Sharding::Sharded {
+        exchange.all_gather(replica.params_mut())?;
+    }
     replica.mark(Mark::Updated)?;
     replica.finish_step(&|| exchange.is_aborted())
 }
 
-/// The parts of a piece `offset..offset + len` of a slot that hold parameters' and
-/// buffers' values, as ranges within the piece, for a slot of `params` parameters first.
-fn split(offset: usize, len: usize, params: usize) -> (Range<usize>, Range<usize>) {
-    let cut = params.saturating_sub(offset).min(len);
-    (0..cut, cut..len)
+/// `range` cut to the first `params` values (the parameters' part of a slot).
+fn clip(range: Range<usize>, params: usize) -> Range<usize> {
+    range.start.min(params)..range.end.min(params)
 }
 
 /// Loss and accuracy of `rows` of `batch` in evaluation mode, in chunks of at most
@@ -122,14 +162,12 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_piece_splits_at_the_end_of_the_parameters() {
-        // A slot of 10 parameters then 4 buffers, cut into pieces as a reduce-scatter does.
-        assert_eq!(split(0, 14, 10), (0..10, 10..14));
-        assert_eq!(split(0, 8, 10), (0..8, 8..8));
-        assert_eq!(split(8, 6, 10), (0..2, 2..6));
-        assert_eq!(split(10, 4, 10), (0..0, 0..4));
-        assert_eq!(split(12, 2, 10), (0..0, 0..2));
-        assert_eq!(split(0, 5, 0), (0..0, 0..5));
+    fn an_owned_part_is_cut_to_the_parameters() {
+        // A slot of 10 parameters then 4 buffers, owned in chunks as a reduce-scatter cuts it.
+        assert_eq!(clip(0..8, 10), 0..8);
+        assert_eq!(clip(8..14, 10), 8..10);
+        assert_eq!(clip(10..14, 10), 10..10);
+        assert_eq!(clip(12..14, 10), 10..10);
     }
 
     #[test]

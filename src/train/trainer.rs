@@ -37,12 +37,13 @@ use super::{Batch, ShardReport, StepReport, TrainConfig};
 use crate::data::Dataset;
 use crate::devices::Devices;
 use crate::error::{Error, Result};
+use crate::exchange::codec::{Codec, Compression};
 use crate::exchange::gpu::{transport_for, CopyGroup, GpuExchange, NcclGroup, Transport};
-use crate::exchange::shm::ShmGroup;
+use crate::exchange::shm::{ShmGroup, ShmStats};
 use crate::exchange::{Abort, Exchange, Wait};
 use crate::nn::loss::Metrics;
 use crate::nn::{ParamStore, Sequential};
-use crate::optim::Optimizer;
+use crate::optim::{Optimizer, Sharding};
 use crate::tensor::Device;
 use crate::world::World;
 
@@ -61,6 +62,9 @@ pub struct Trainer<'s> {
     wait: Wait,
     /// Samples per forward pass of [`Trainer::predict`].
     eval_batch: usize,
+    /// Gradient accumulation and optimiser sharding of every step (`TrainConfig`).
+    accumulate: usize,
+    sharding: Sharding,
     /// The processes of the run: a world of one without MPI.
     world: &'static World,
     /// This process's logical replicas, and the rows of a batch they hold.
@@ -264,6 +268,8 @@ impl Trainer<'_> {
             first_row: held.first_row,
             shards,
             lr_scale,
+            accumulate: self.accumulate,
+            sharding: self.sharding,
         });
         let replies = self.ask(|_| Command::Step(Arc::clone(&work)))?;
         let k = self.rows.count / self.devices.len();
@@ -360,13 +366,32 @@ impl Trainer<'_> {
         check_replicas(self.step, &prints)
     }
 
-    /// The weights and optimiser state of replica 0.
+    /// The weights of replica 0 and the whole optimiser state (with a sharded optimiser,
+    /// every device's part put together).
     pub fn weights(&mut self) -> Result<(ParamStore, Optimizer)> {
         let replies = self.ask(|_| Command::Snapshot)?;
-        let Some(Reply::Snapshot(s)) = replies.into_iter().next() else {
-            unreachable!("a snapshot command gets a snapshot")
-        };
-        Ok(*s)
+        let mut snapshots = replies.into_iter().map(|r| {
+            let Reply::Snapshot(s) = r else { unreachable!("a snapshot command gets a snapshot") };
+            *s
+        });
+        let (weights, first) = snapshots.next().expect("a run has a device");
+        if first.is_whole() {
+            return Ok((weights, first));
+        }
+        let parts: Vec<Optimizer> = std::iter::once(first).chain(snapshots.map(|(_, o)| o)).collect();
+        Ok((weights, Optimizer::merge(&parts)?))
+    }
+
+    /// Bytes of optimiser state each device holds, in rank order (÷ N when sharded).
+    pub fn optimizer_bytes(&mut self) -> Result<Vec<usize>> {
+        let replies = self.ask(|_| Command::Snapshot)?;
+        Ok(replies
+            .into_iter()
+            .map(|r| {
+                let Reply::Snapshot(s) = r else { unreachable!("a snapshot command gets a snapshot") };
+                s.1.state_bytes()
+            })
+            .collect())
     }
 }
 
@@ -432,6 +457,8 @@ pub fn with_trainer<T>(
         Handshake::of(devices.list(), replicas, width, config, &initial).agree(world)?;
     }
     let k = replicas / in_world;
+    let synchronized = crate::nn::batchnorm::has_synchronized_layers(model);
+    check_features(devices, config, replicas, in_world, synchronized)?;
     let plan = Plan {
         world,
         rows: RowPlan::new(replicas, world.rank(), world.size()),
@@ -450,20 +477,30 @@ pub fn with_trainer<T>(
     let out = match devices.list()[0] {
         #[cfg(feature = "mpi")]
         Device::Cpu(_) if world.size() > 1 => {
-            let group = crate::exchange::mpi::MpiGroup::new(world, n, replicas, width, plan.collective)?;
+            let codec = Codec::new(config.grad_compression, model.params_len());
+            let group = crate::exchange::mpi::MpiGroup::new(world, n, replicas, width, plan.collective, codec)?;
+            let stats: Vec<_> = (0..n).map(|r| group.stats(r)).collect();
             plan.run(
                 &group,
                 f,
-                |device, (model, store, optimizer)| Ok(CpuReplica::new(device, model, store, optimizer, seed)),
+                |rank, device, (model, store, optimizer)| {
+                    let replica = CpuReplica::new(device, model, store, optimizer, seed);
+                    Ok(if synchronized { replica.with_stats(&stats[rank]) } else { replica })
+                },
                 |rank, _| Ok(group.rank(rank)),
             )
         }
         Device::Cpu(_) => {
-            let shm = ShmGroup::new(n, replicas, width, plan.collective)?;
+            let codec = Codec::new(config.grad_compression, model.params_len());
+            let shm = ShmGroup::with_codec(n, replicas, width, plan.collective, codec)?;
+            let stats: Vec<ShmStats<'_>> = (0..n).map(|r| shm.stats(r)).collect();
             plan.run(
                 &shm,
                 f,
-                |device, (model, store, optimizer)| Ok(CpuReplica::new(device, model, store, optimizer, seed)),
+                |rank, device, (model, store, optimizer)| {
+                    let replica = CpuReplica::new(device, model, store, optimizer, seed);
+                    Ok(if synchronized { replica.with_stats(&stats[rank]) } else { replica })
+                },
                 |rank, _| Ok(shm.rank(rank)),
             )
         }
@@ -482,7 +519,7 @@ pub fn with_trainer<T>(
                     plan.run(
                         &group,
                         f,
-                        |device, start| GpuReplica::new(device, start, seed),
+                        |_, device, start| GpuReplica::new(device, start, seed),
                         |rank, replica| GpuExchange::new(group.join(rank, replica.stream())?, width, k),
                     )
                 }
@@ -491,7 +528,7 @@ pub fn with_trainer<T>(
                     plan.run(
                         &group,
                         f,
-                        |device, start| GpuReplica::new(device, start, seed),
+                        |_, device, start| GpuReplica::new(device, start, seed),
                         |rank, replica| GpuExchange::new(group.join(rank, replica.stream())?, width, k),
                     )
                 }
@@ -502,6 +539,42 @@ pub fn with_trainer<T>(
         Err(e) if world.size() > 1 => Err(processes::settle(world, e)),
         out => out,
     }
+}
+
+/// The features of issue 12 a run asks for, against what its devices can do; checked
+/// before any worker starts.
+/// `in_world` counts every process's devices.
+fn check_features(
+    devices: &Devices,
+    config: &TrainConfig,
+    replicas: usize,
+    in_world: usize,
+    synchronized: bool,
+) -> Result<()> {
+    let gpu = matches!(devices.list()[0], Device::Cuda(_));
+    if synchronized && replicas != in_world {
+        return Err(Error::config(
+            "sync-batchnorm",
+            format!(
+                "synchronized BatchNorm needs one logical replica per device, not {replicas} on {in_world} (its statistics \
+                 meet inside the forward pass, which a device running its shards one after another cannot wait for)"
+            ),
+        ));
+    }
+    if gpu && synchronized {
+        return Err(Error::config(
+            "sync-batchnorm",
+            "synchronized BatchNorm runs on CPU devices only so far (its statistics exchange is the shared-memory \
+             one; the GPU kernels normalise with the statistics they compute)",
+        ));
+    }
+    if gpu && config.grad_compression != Compression::None {
+        return Err(Error::config(
+            "grad-compression",
+            format!("{} gradients on the wire run on CPU devices only so far", config.grad_compression.name()),
+        ));
+    }
+    Ok(())
 }
 
 /// What every worker of a run starts from.
@@ -529,7 +602,7 @@ impl Plan<'_> {
         &self,
         group: &G,
         f: impl FnOnce(&mut Trainer<'_>) -> Result<T>,
-        build: impl Fn(Device, (Sequential, ParamStore, Optimizer)) -> Result<R> + Sync,
+        build: impl Fn(usize, Device, (Sequential, ParamStore, Optimizer)) -> Result<R> + Sync,
         join: impl Fn(usize, &R) -> Result<X> + Sync,
     ) -> Result<T>
     where
@@ -557,6 +630,7 @@ impl Plan<'_> {
                     device,
                     shards: self.rows.first + rank * k..self.rows.first + (rank + 1) * k,
                     wait: self.messages,
+                    sharding: self.config.optimizer_sharding,
                     abort: group,
                     gate: &gate,
                     commands: rx,
@@ -565,7 +639,7 @@ impl Plan<'_> {
                 let (build, join) = (&build, &join);
                 let body = move || {
                     on_device_thread(device, threads, seat, |seat| {
-                        worker::start(seat, || build(device, start), |r| join(rank, r))
+                        worker::start(seat, || build(rank, device, start), |r| join(rank, r))
                     })
                 };
                 std::thread::Builder::new().name(format!("lockstep-{device}")).spawn_scoped(s, body).map_err(|e| {
@@ -586,6 +660,8 @@ impl Plan<'_> {
                 failed: None,
                 wait: self.messages,
                 eval_batch: self.config.eval_batch,
+                accumulate: self.config.accumulate,
+                sharding: self.config.optimizer_sharding,
                 world: self.world,
                 rows: self.rows,
                 stop: self.config.stop.clone(),

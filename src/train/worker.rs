@@ -25,7 +25,7 @@ use crate::error::{Error, Result};
 use crate::exchange::{Abort, Exchange, Wait};
 use crate::nn::loss::Metrics;
 use crate::nn::ParamStore;
-use crate::optim::Optimizer;
+use crate::optim::{Optimizer, Sharding};
 use crate::tensor::Device;
 
 /// What the coordinator asks of every worker.
@@ -77,6 +77,9 @@ pub(crate) struct Seat<'a> {
     pub device: Device,
     pub shards: Range<usize>,
     pub wait: Wait,
+    /// With [`Sharding::Sharded`], the replica keeps the optimiser state of its
+    /// exchange's owned parameters only, once joined.
+    pub sharding: Sharding,
     pub abort: &'a dyn Abort,
     pub gate: &'a SetupGate,
     pub commands: Receiver<Command>,
@@ -96,9 +99,17 @@ where
     let caught = |p: Box<dyn std::any::Any + Send>| Error::config("worker", format!("panicked: {}", panic_message(&p)));
     let built = catch_unwind(AssertUnwindSafe(build)).unwrap_or_else(|p| Err(caught(p)));
     let joined = match (seat.gate.arrive(built.is_ok()), built) {
-        (true, Ok(replica)) => catch_unwind(AssertUnwindSafe(|| join(&replica)))
-            .unwrap_or_else(|p| Err(caught(p)))
-            .map(|exchange| Worker { exchange, replica, shards: seat.shards.clone() }),
+        (true, Ok(mut replica)) => catch_unwind(AssertUnwindSafe(|| {
+            let exchange = join(&replica)?;
+            if seat.sharding == Sharding::Sharded {
+                let owned = exchange.owned();
+                let np = replica.params_len();
+                replica.shard_optimizer(owned.start.min(np)..owned.end.min(np))?;
+            }
+            Ok(exchange)
+        }))
+        .unwrap_or_else(|p| Err(caught(p)))
+        .map(|exchange| Worker { exchange, replica, shards: seat.shards.clone() }),
         (_, Err(e)) => Err(e),
         (false, Ok(_)) => Err(Error::Aborted),
     };

@@ -566,12 +566,17 @@ impl MpiWorld {
 
     /// Every process's `mine`, in rank order.
     pub(crate) fn all_gather(&self, mine: &[u64]) -> Result<Vec<u64>> {
+        self.all_gather_waiting(mine, Wait::Spin, &|| false)
+    }
+
+    /// [`MpiWorld::all_gather`] waiting as `how` says, and leaving early once `aborted`.
+    pub(crate) fn all_gather_waiting(&self, mine: &[u64], how: Wait, aborted: &dyn Fn() -> bool) -> Result<Vec<u64>> {
         let mut port = self.port()?;
         let send = mine.to_vec();
         let mut recv = vec![0u64; mine.len() * self.size];
         // SAFETY: both buffers are owned here and leaked below if the wait gives up.
         let mut req = unsafe { port.iallgather(&send, &mut recv)? };
-        match self.wait(&mut port, std::slice::from_mut(&mut req), Wait::Spin, &|| false) {
+        match self.wait(&mut port, std::slice::from_mut(&mut req), how, aborted) {
             Ok(()) => Ok(recv),
             Err(e) => {
                 std::mem::forget((send, recv));

@@ -286,9 +286,10 @@ pub fn softmax_xent_ref(logits: &[f32], labels: &[u32], k: usize) -> (Vec<f64>, 
 
 // ---- dropout.cu ----------------------------------------------------------------------
 
-/// dropout.cu's keep decision, as the CPU layer (`nn::Dropout`) computes it: the two
-/// must agree bit for bit, so the tests ask the library rather than a copy.
+/// dropout.cu's keep decision for element `idx` of a buffer whose first element is
+/// `key.first` of its shard, as the CPU layer (`nn::Dropout`) computes it: the two must
+/// agree bit for bit, so the tests ask the library rather than a copy.
 pub fn dropout_keep(key: DropoutKey, idx: u64, rate: f32) -> bool {
     use lockstep::rng::{dropout_key, hash64, unit_f32};
-    unit_f32(hash64(dropout_key(key.seed, key.step, key.replica, key.layer), idx)) >= rate
+    unit_f32(hash64(dropout_key(key.seed, key.step, key.replica, key.layer), key.first + idx)) >= rate
 }

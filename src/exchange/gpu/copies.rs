@@ -385,6 +385,10 @@ impl DeviceAllReduce for CopyRank<'_> {
     fn is_aborted(&self) -> bool {
         self.group.is_aborted()
     }
+
+    fn rank_and_world(&self) -> (usize, usize) {
+        (self.rank, self.group.world())
+    }
 }
 
 /// Copies `bytes` from `src` (in `src_ctx`) to `dst` (in `dst_ctx`) on `stream`.

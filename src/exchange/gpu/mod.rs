@@ -94,6 +94,9 @@ pub trait DeviceAllReduce {
 
     /// True once the group was aborted.
     fn is_aborted(&self) -> bool;
+
+    /// This rank's index and the group's number of ranks.
+    fn rank_and_world(&self) -> (usize, usize);
 }
 
 /// One GPU worker's side of the gradient exchange: its slots, and a transport's rank.
@@ -167,6 +170,37 @@ impl<C: DeviceAllReduce> Exchange for GpuExchange<C> {
     fn for_each_sum(&self, mut f: impl FnMut(usize, CudaView<'_, f32>) -> Result<()>) -> Result<()> {
         let sum = self.summed.as_ref().unwrap_or(&self.slots);
         f(0, sum.slice(0..self.width))
+    }
+
+    /// Chunk `rank` of the slot, cut as the device copies cut a buffer
+    /// (`chunk_ranges`): whole 256-byte granules.
+    fn owned(&self) -> std::ops::Range<usize> {
+        let (rank, world) = self.rank.rank_and_world();
+        copies::chunk_ranges(self.width, world)[rank].clone()
+    }
+
+    /// The all-gather as an all-reduce of disjoint parts: the first slot (its sum was
+    /// read by the update, queued before on the same stream) is filled with −0.0, this
+    /// rank's owned parameters are copied in, the transport sums, and the parameters are
+    /// copied back. −0.0 is the exact identity of IEEE addition (x + −0 = x for every x,
+    /// +0 and −0 included), so in any order of the transport's sum every element is its
+    /// owner's value, bitwise. Twice the bytes of an all-gather; one call every transport
+    /// has.
+    fn all_gather(&mut self, mut params: CudaViewMut<'_, f32>) -> Result<()> {
+        let np = params.len();
+        let owned = self.owned();
+        let owned = owned.start.min(np)..owned.end.min(np);
+        let stream = self.rank.compute_stream().clone();
+        let mut buf = self.slots.slice_mut(0..self.width);
+        self.gpu.fill(&mut buf, -0.0)?;
+        if !owned.is_empty() {
+            stream.memcpy_dtod(&params.slice(owned.clone()), &mut buf.slice_mut(owned))?;
+        }
+        self.rank.all_reduce_sum(&mut buf)?;
+        if np > 0 {
+            stream.memcpy_dtod(&buf.slice(0..np), &mut params.slice_mut(0..np))?;
+        }
+        Ok(())
     }
 
     fn is_aborted(&self) -> bool {

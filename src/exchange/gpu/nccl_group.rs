@@ -355,6 +355,10 @@ impl DeviceAllReduce for NcclRank<'_> {
     fn is_aborted(&self) -> bool {
         self.group.is_aborted()
     }
+
+    fn rank_and_world(&self) -> (usize, usize) {
+        (self.rank, self.group.world())
+    }
 }
 
 impl Drop for NcclRank<'_> {
