@@ -47,6 +47,10 @@ const TAG_NOTICE: c_int = 0x4c53;
 const NOTICE_BYTES: usize = 2048;
 /// How often a wait looks at the other processes and the launcher.
 const LIVENESS_EVERY: Duration = Duration::from_millis(50);
+/// How long a wait that found a process gone still polls its requests: a process that
+/// did its part of a collective and exited (a refusal every process reached) leaves
+/// messages that complete it.
+const LOSS_GRACE: Duration = Duration::from_millis(100);
 /// The environment variable of the wait timeout, in seconds (0: none).
 pub(crate) const TIMEOUT_VAR: &str = "LOCKSTEP_MPI_TIMEOUT_S";
 /// The default wait timeout: longer than any step or data load of a sane run, short of
@@ -438,7 +442,18 @@ impl MpiWorld {
             if polls % 32 == 0 {
                 let now = Instant::now();
                 if now >= next_look {
-                    self.look_around(now - start)?;
+                    if let Some(lost) = self.loss(now - start) {
+                        // What the lost process sent before it went may still complete
+                        // these requests: poll a moment longer before giving up.
+                        let grace = Instant::now();
+                        while grace.elapsed() < LOSS_GRACE {
+                            if test_all(reqs)? {
+                                return Ok(());
+                            }
+                            std::thread::yield_now();
+                        }
+                        return Err(self.record(lost));
+                    }
                     next_look = now + LIVENESS_EVERY;
                 }
                 let waited = now - start;
@@ -470,38 +485,43 @@ impl MpiWorld {
                 return Err(self.record(Error::Peer { rank, cause }));
             }
         }
-        self.look_around(Duration::ZERO)
+        match self.loss(Duration::ZERO) {
+            Some(lost) => Err(self.record(lost)),
+            None => Ok(()),
+        }
     }
 
-    /// Fails when a process of the world on this machine, or the launcher, is gone, or
-    /// the wait has lasted past the timeout.
-    fn look_around(&self, waited: Duration) -> Result<()> {
+    /// The loss that ends a wait: a process of the world on this machine, or the
+    /// launcher, gone, or the wait past the timeout. Not yet recorded: a process that
+    /// finished its part of the last collective and exited may still have left what this
+    /// one needs to complete it ([`MpiWorld::wait`] gives it [`LOSS_GRACE`]).
+    fn loss(&self, waited: Duration) -> Option<Error> {
         for p in self.peers.iter().filter(|p| p.same_host) {
             if !alive(p.pid) {
-                return Err(self.record(Error::PeerLost {
+                return Some(Error::PeerLost {
                     detail: format!(
                         "rank {} (pid {}, on this machine) has exited without a word (killed?); \
                          rank {} cannot go on without it",
                         p.rank, p.pid, self.rank
                     ),
-                }));
+                });
             }
         }
         if std::os::unix::process::parent_id() != self.parent {
-            return Err(self.record(Error::PeerLost {
+            return Some(Error::PeerLost {
                 detail: format!("the launcher of this job (pid {}) has exited; rank {} stops", self.parent, self.rank),
-            }));
+            });
         }
         if let Some(t) = self.timeout.filter(|t| waited > *t) {
-            return Err(self.record(Error::PeerLost {
+            return Some(Error::PeerLost {
                 detail: format!(
                     "rank {} waited {} s for the other processes ({TIMEOUT_VAR} sets the limit; 0 for none)",
                     self.rank,
                     t.as_secs()
                 ),
-            }));
+            });
         }
-        Ok(())
+        None
     }
 
     /// Keeps the first failure heard of, closes the door to MPI, returns `e`.
