@@ -188,9 +188,10 @@ impl fmt::Display for Devices {
     }
 }
 
-/// Cores this process may use.
+/// Cores this process may use: its affinity mask's, or, for one of several processes a
+/// launcher left unbound on this machine, its share of them (`world::launch`).
 pub fn available_cores() -> usize {
-    std::thread::available_parallelism().map_or(1, |n| n.get())
+    crate::world::launch::cores_for_this_process()
 }
 
 impl DeviceSpec {

@@ -62,6 +62,32 @@ pub enum Error {
     #[error("replica check failed at step {step}: replica {replica} differs from replica 0 in tensor '{tensor}'")]
     ReplicaMismatch { step: u64, replica: usize, tensor: String },
 
+    /// Replicas in different processes differ: the first (process, device) whose tensor
+    /// differs from process 0's first device, and the tensor.
+    #[error(
+        "replica check failed at step {step}: rank {rank}, {device} differs from rank 0, {first} in tensor '{tensor}'"
+    )]
+    ReplicaMismatchAcross { step: u64, rank: usize, device: String, first: String, tensor: String },
+
+    /// MPI cannot serve the run: a process launched by an MPI launcher in a binary built
+    /// without MPI, or the MPI library's own refusal.
+    #[error("MPI: {0}")]
+    Mpi(String),
+
+    /// Another process of the run failed; `cause` is its own error, naming its rank (and
+    /// its device and step when a worker failed).
+    #[error("{cause}")]
+    Peer { rank: usize, cause: String },
+
+    /// A process of the run is gone without a word (killed), or the launcher is, or none
+    /// answered within the timeout.
+    #[error("{detail}")]
+    PeerLost { detail: String },
+
+    /// The processes of one run were started with arguments that disagree.
+    #[error("the processes of this run disagree: {detail}")]
+    Processes { detail: String },
+
     /// A collective was aborted because another worker failed.
     #[error("collective aborted: another worker failed")]
     Aborted,

@@ -36,7 +36,7 @@
 //! | [`optim`] | SGD and Adam over flat buffers, learning-rate schedules |
 //! | [`models`] | the seed models and their tensor names |
 //! | [`data`] | datasets: the embedded digits, the lesson's toy set, safetensors files |
-//! | [`exchange`] | where gradients meet: the `Exchange` trait, shared memory between CPU threads, NCCL and device copies between GPUs; the 16-bit gradient codec; synchronized BatchNorm's statistics exchange |
+//! | [`exchange`] | where gradients meet: the `Exchange` trait, shared memory between CPU threads, NCCL and device copies between GPUs, MPI between processes; the 16-bit gradient codec; synchronized BatchNorm's statistics exchange |
 //! | [`train`] | `train_data_parallel`, `with_trainer`, the workers, scatter and sampler |
 //! | [`checkpoint`] | checkpoints and exact resume |
 //! | [`dirlock`] | one run per checkpoint directory (an advisory lock) |
@@ -44,6 +44,7 @@
 //! | [`weights`] | safetensors weights in PyTorch's names and layouts |
 //! | [`safetensors_io`] | the container: headers checked before mapping, reproducible bytes |
 //! | [`devices`] | `--devices` specifications |
+//! | [`world`] | the processes of a run under an MPI launcher: rank, size, their collectives, failure notices |
 //! | [`cuda`] | run-time probing of the CUDA driver, NVRTC and NCCL; the CUDA kernels; the GPU replica |
 #![forbid(unsafe_op_in_unsafe_fn)]
 
@@ -68,6 +69,7 @@ pub mod spec;
 pub mod tensor;
 pub mod train;
 pub mod weights;
+pub mod world;
 
 pub use error::{Error, Result};
 pub use tensor::{Device, Shape, Tensor};

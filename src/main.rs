@@ -10,6 +10,12 @@
 //! stopped by signal N (130 SIGINT, 143 SIGTERM; `cmd/signals.rs`). Every failure is one
 //! line `error: ...` on stderr; every input is checked BEFORE any work starts.
 //!
+//! Under an MPI launcher (`mpirun`, `srun`) every process runs the same command: the
+//! world is started first (`lockstep::world::init`; a binary built without the `mpi`
+//! feature refuses to train or bench as one of several processes), process 0 is the one
+//! voice of the run, the others print only failures of their own, and a command that
+//! succeeded everywhere ends MPI with `MPI_Finalize`.
+//!
 //! It leaves everything numerical to the library: models (`lockstep::models`), data
 //! (`lockstep::data`), the trainer (`lockstep::train`), weights files
 //! (`lockstep::weights`). The binary, `main.rs` and `cmd/`, is the only user of `anyhow`.
@@ -34,7 +40,7 @@ use lockstep::exchange::shm::ShmGroup;
 use lockstep::exchange::{Abort, Exchange};
 use lockstep::models::{self, ConvnetOptions, Norm};
 use lockstep::nn::{ParamStore, Sequential};
-use lockstep::observe::{CsvMetrics, Fanout, JsonLines, Progress, StepLines, Stream};
+use lockstep::observe::{CsvMetrics, Drawing, Fanout, JsonLines, Progress, StepLines, Stream};
 use lockstep::optim::{LrSchedule, Optimizer, OptimizerConfig, Sharding};
 use lockstep::spec::ModelSpec;
 use lockstep::train::{train_data_parallel_with, with_trainer, Batch, LastBatch, NonFinite, Shuffle, TrainConfig};
@@ -296,7 +302,9 @@ impl From<lockstep::Error> for Failure {
             | E::Data { .. }
             | E::Locked { .. }
             | E::OutOfMemory { .. }
-            | E::CudaUnavailable(_) => EXIT_USAGE,
+            | E::CudaUnavailable(_)
+            | E::Mpi(_)
+            | E::Processes { .. } => EXIT_USAGE,
             _ => EXIT_RUNTIME,
         };
         Failure { code, error: e.into(), quiet: false }
@@ -346,6 +354,17 @@ fn main() -> ExitCode {
             return ExitCode::from(EXIT_USAGE);
         }
     };
+    // The world first: MPI's initialisation, or the refusal of a launched process in a
+    // binary without MPI. Looking at files and at the machine needs no world.
+    let world = match (lockstep::world::init(), &cli.command) {
+        (Ok(w), _) => Some(w),
+        (Err(_), Command::Devices | Command::Inspect { .. } | Command::Plot(_)) => None,
+        (Err(e), _) => {
+            eprintln!("error: {}", one_line(&e.into()));
+            return ExitCode::from(EXIT_USAGE);
+        }
+    };
+    let across = world.is_some_and(|w| w.size() > 1);
     // The flags typed on the command line (not defaulted): `train --resume` compares them
     // with the run's stored ones.
     let given = |sub: &str| -> BTreeSet<String> {
@@ -357,6 +376,9 @@ fn main() -> ExitCode {
     };
     let result = match cli.command {
         Command::Train(a) => cmd_train(*a, &given("train")),
+        Command::Eval(_) | Command::Predict(_) if across => {
+            Err(Failure::usage(anyhow!("eval and predict run in one process: start them without mpirun or srun")))
+        }
         Command::Eval(a) => cmd_eval(a),
         Command::Predict(a) => cmd_predict(a),
         Command::Inspect { file } => cmd_inspect(&file),
@@ -367,10 +389,29 @@ fn main() -> ExitCode {
         Command::Plot(a) => cmd_plot(a),
     };
     match result {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(()) => {
+            if let Some(w) = world {
+                w.finalize();
+            }
+            ExitCode::SUCCESS
+        }
         Err(f) => {
-            if !f.quiet {
-                eprintln!("error: {}", one_line(&f.error));
+            // The other processes must not wait for this one (a failure in training has
+            // told them already; one of the binary's own checks, run before any
+            // collective and on process 0 alone for its files, tells them here).
+            if let Some(w) = world.filter(|_| !f.quiet) {
+                w.fail_with(&one_line(&f.error));
+            }
+            // One voice: a process other than 0 prints only failures of its own.
+            let told = f.error.downcast_ref::<lockstep::Error>();
+            let quiet = f.quiet || matches!(world.zip(told), Some((w, e)) if !w.reports(e));
+            if !quiet {
+                // Not eprintln!: under mpirun, stderr may be a pipe whose reader (mpirun,
+                // ended by Ctrl-C) is gone, and the exit code must still be ours; and one
+                // write, which mpirun does not interleave with another process's.
+                use std::io::Write as _;
+                let line = format!("error: {}\n", one_line(&f.error));
+                let _ = std::io::stderr().write_all(line.as_bytes());
             }
             ExitCode::from(f.code)
         }

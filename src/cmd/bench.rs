@@ -121,7 +121,7 @@ fn parse_sizes(text: &str) -> CliResult<Vec<usize>> {
         .collect()
 }
 
-fn median(mut v: Vec<Duration>) -> Duration {
+pub(crate) fn median(mut v: Vec<Duration>) -> Duration {
     v.sort();
     v[v.len() / 2]
 }
@@ -223,6 +223,11 @@ pub(crate) fn cmd_bench_allreduce(a: BenchAllreduceArgs) -> CliResult {
     check_count("--iters", a.iters as u64, false)?;
     check_count("--warmup", a.warmup as u64, true)?;
     let ranks = match spec {
+        #[cfg(feature = "mpi")]
+        DeviceSpec::Cpu { count, .. } if lockstep::world::current().is_ok_and(|w| w.size() > 1) => {
+            let world = lockstep::world::current().map_err(Failure::usage)?;
+            return crate::cmd::bench_mpi::mpi_allreduce(world, count, &sizes, a.iters, a.warmup);
+        }
         DeviceSpec::Cpu { count, .. } => {
             // One thread per rank: the bound of `--devices cpu:N` (64 threads per core).
             Devices::cpu(count, 1).map_err(Failure::usage)?;
@@ -591,15 +596,23 @@ pub(crate) fn cmd_bench_step(a: BenchStepArgs) -> CliResult {
             Batch::gather(&data, &idx)
         })
         .collect();
-    outln!(
-        "lockstep bench step: {} ({} parameters) | devices: {} | global batch {batch_size} | {} steps after {} warm-up{}",
-        a.model.as_str(),
-        model.num_params(),
-        devices,
-        a.steps,
-        a.warmup,
-        bench_features(&a)
-    );
+    // Under mpirun every process runs the steps; process 0 reports (the slowest
+    // process's times are in every step's merged report).
+    let world = lockstep::world::current().map_err(Failure::usage)?;
+    let shown = match world.size() {
+        1 => devices.to_string(),
+        p => format!("{p} processes × {devices}"),
+    };
+    if world.is_voice() {
+        outln!(
+            "lockstep bench step: {} ({} parameters) | devices: {shown} | global batch {batch_size} | {} steps after {} warm-up{}",
+            a.model.as_str(),
+            model.num_params(),
+            a.steps,
+            a.warmup,
+            bench_features(&a)
+        );
+    }
     let (walls, computes, reduces, optimizer_bytes) = with_trainer(&model, &devices, &config, |t| {
         let (mut walls, mut computes, mut reduces) = (Vec::new(), Vec::new(), Vec::new());
         for s in 0..total {
@@ -615,6 +628,9 @@ pub(crate) fn cmd_bench_step(a: BenchStepArgs) -> CliResult {
     .map_err(Failure::runtime)?;
     let sum: Duration = walls.iter().sum();
     let step = median(walls);
+    if !world.is_voice() {
+        return Ok(());
+    }
     outln!(
         "{:.0} samples/s | median step {:.3} ms (compute {:.3} ms, reduce {:.3} ms, slowest worker) | mean step {:.3} ms",
         (batch_size as u64 * a.steps) as f64 / sum.as_secs_f64().max(1e-12),

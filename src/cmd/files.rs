@@ -79,6 +79,21 @@ pub(crate) fn cmd_devices() -> CliResult {
         Ok(d) => outln!("--devices auto: {d}"),
         Err(e) => outln!("--devices auto: unavailable ({e})"),
     }
+    // Whether MPI is built in, and the world this process sees (under mpirun, every
+    // process prints its own listing).
+    match lockstep::world::current() {
+        Ok(w) => {
+            for line in w.summary() {
+                outln!("{line}");
+            }
+        }
+        Err(e) => {
+            let built =
+                if lockstep::world::MPI_BUILT_IN { "built in" } else { "not built in (build with --features mpi)" };
+            outln!("mpi: {built}");
+            outln!("world: none: {e}");
+        }
+    }
     Ok(())
 }
 

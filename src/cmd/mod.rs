@@ -2,6 +2,8 @@
 //! used by several, data and model loading, failures and exit codes).
 
 pub mod bench;
+#[cfg(feature = "mpi")]
+pub mod bench_mpi;
 pub mod eval;
 pub mod files;
 pub mod signals;

@@ -4,6 +4,10 @@
 //! the shell's code for the signal, 128 + its number: 130 for SIGINT, 143 for SIGTERM.
 //! A second signal ends the process at once, with the same code.
 //!
+//! Under an MPI launcher, Ctrl-C on `mpirun` reaches every process as SIGTERM (mpirun
+//! cannot forward SIGINT, and exits at once), and SIGUSR1, which mpirun forwards and then
+//! waits for, is caught too (exit 138): the processes stop at a step they agree on.
+//!
 //! Why `signal-hook` and not `ctrlc`: ctrlc runs one handler for every signal it
 //! catches without saying which arrived, and the two exit codes differ. The signals are
 //! read by one thread from signal-hook's self-pipe, so nothing but a write to that pipe
@@ -12,8 +16,17 @@
 use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 use std::sync::Arc;
 
-use signal_hook::consts::{SIGINT, SIGTERM};
+use std::io::Write as _;
+
+use signal_hook::consts::{SIGINT, SIGTERM, SIGUSR1};
 use signal_hook::iterator::Signals;
+
+/// Whether this process is one of several started by an MPI launcher.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) enum Launched {
+    Alone,
+    Together,
+}
 
 /// The flag the trainer polls after every step, and the signal that raised it.
 pub(crate) struct StopSignals {
@@ -22,12 +35,17 @@ pub(crate) struct StopSignals {
 }
 
 impl StopSignals {
-    /// Catches SIGINT and SIGTERM from now on. Where the handlers cannot be installed the
-    /// run goes on with the default behaviour (the signal kills it), said once.
-    pub(crate) fn install() -> StopSignals {
+    /// Catches SIGINT and SIGTERM from now on (and SIGUSR1 for a process launched with
+    /// others). Where the handlers cannot be installed the run goes on with the default
+    /// behaviour (the signal kills it), said once.
+    pub(crate) fn install(launched: Launched) -> StopSignals {
         let stop = Arc::new(AtomicBool::new(false));
         let received = Arc::new(AtomicI32::new(0));
-        let watch = Signals::new([SIGINT, SIGTERM]).and_then(|mut signals| {
+        let caught: &[i32] = match launched {
+            Launched::Alone => &[SIGINT, SIGTERM],
+            Launched::Together => &[SIGINT, SIGTERM, SIGUSR1],
+        };
+        let watch = Signals::new(caught).and_then(|mut signals| {
             let (stop, received) = (Arc::clone(&stop), Arc::clone(&received));
             std::thread::Builder::new().name("lockstep-signals".into()).spawn(move || {
                 for signal in signals.forever() {
@@ -35,9 +53,15 @@ impl StopSignals {
                         std::process::exit(128 + signal);
                     }
                     received.store(signal, Ordering::SeqCst);
-                    eprintln!(
+                    // Not eprintln!: after Ctrl-C on mpirun, stderr's reader is gone.
+                    let _ = writeln!(
+                        std::io::stderr(),
                         "lockstep: {}: stopping after this step (again to quit now)",
-                        if signal == SIGINT { "interrupt" } else { "terminate signal" }
+                        match signal {
+                            SIGINT => "interrupt",
+                            SIGTERM => "terminate signal",
+                            _ => "user signal",
+                        }
                     );
                 }
             })
@@ -65,6 +89,7 @@ impl StopSignals {
         match signal {
             SIGINT => "SIGINT",
             SIGTERM => "SIGTERM",
+            SIGUSR1 => "SIGUSR1",
             _ => "a signal",
         }
     }

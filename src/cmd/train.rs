@@ -7,15 +7,23 @@
 //! with it must agree with the stored ones, except the few that may change
 //! ([`MAY_CHANGE`]): `--epochs` and `--steps` (a larger count continues a finished run,
 //! optimiser state included), the devices, early stopping, checkpointing and logging.
+//!
+//! Under an MPI launcher every process runs this command with the same arguments; the
+//! world's devices are every process's, `--replicas` counts them all, and process 0
+//! alone prints, owns the checkpoint directory and writes `--save`, `--save-best`,
+//! `--metrics-out` and the checkpoints.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::io::Write as _;
 
 use lockstep::checkpoint;
 use lockstep::dirlock::DirLock;
 use lockstep::nn::loss::Metrics;
 use lockstep::train::{EarlyStopping, EvaluationReport, HeldOut, Observer, Stopped, TrainReport};
 
-use crate::cmd::signals::StopSignals;
+use signal_hook::consts::SIGINT;
+
+use crate::cmd::signals::{Launched, StopSignals};
 use crate::*;
 
 #[derive(Args, Clone, Debug)]
@@ -515,12 +523,17 @@ fn settings(a: &mut TrainArgs, toy: bool) -> CliResult<Settings> {
     };
     optimizer.validate().map_err(Failure::usage)?;
     let devices = resolve_devices(&a.devices)?;
-    let replicas = a.replicas.unwrap_or(devices.len());
-    if replicas % devices.len() != 0 {
+    // The world's devices: every process's.
+    let world = lockstep::world::current().map_err(Failure::usage)?;
+    let in_world = devices.len() * world.size();
+    let replicas = a.replicas.unwrap_or(in_world);
+    if replicas % in_world != 0 {
+        let among = match world.size() {
+            1 => String::new(),
+            p => format!(" ({p} processes × {})", devices.len()),
+        };
         return Err(Failure::usage(anyhow!(
-            "--replicas {replicas} cannot be shared evenly by {} devices (use a multiple of {})",
-            devices.len(),
-            devices.len()
+            "--replicas {replicas} cannot be shared evenly by {in_world} devices{among} (use a multiple of {in_world})"
         )));
     }
     if replicas > batch_size {
@@ -540,12 +553,16 @@ fn settings(a: &mut TrainArgs, toy: bool) -> CliResult<Settings> {
 }
 
 pub(crate) fn cmd_train(a: TrainArgs, given: &BTreeSet<String>) -> CliResult {
+    // One voice: with several processes, process 0 prints, owns the checkpoint directory
+    // and writes every output file; every process reads what it resumes from.
+    let world = lockstep::world::current().map_err(Failure::usage)?;
+    let voice = world.is_voice();
     // Every check comes before any work. A directory being resumed is this run's before
     // its stored flags are read: another run may be writing it.
     let _resumed_lock = match a.resume.clone() {
         Some(dir) => {
             check_resume_dir(&dir)?;
-            Some(claim_checkpoint_dir(&dir, true)?)
+            voice.then(|| claim_checkpoint_dir(&dir, true)).transpose()?
         }
         None => None,
     };
@@ -556,13 +573,18 @@ pub(crate) fn cmd_train(a: TrainArgs, given: &BTreeSet<String>) -> CliResult {
     let source = a.model.resolve()?;
     let toy = source.flat();
     let s = settings(&mut a, toy)?;
-    check_outputs(&a)?;
+    if voice {
+        check_outputs(&a)?;
+    }
     check_monitors(&a)?;
     // Checkpoints go to --checkpoint-dir, or back into the directory being resumed; the
     // directory is this run's from here to the end of the process.
     let checkpoint_dir = a.checkpoint_dir.clone().or_else(|| a.resume.clone());
-    let _lock =
-        checkpoint_dir.as_deref().map(|d| claim_checkpoint_dir(d, a.resume.as_deref() == Some(d))).transpose()?;
+    let _lock = checkpoint_dir
+        .as_deref()
+        .filter(|_| voice)
+        .map(|d| claim_checkpoint_dir(d, a.resume.as_deref() == Some(d)))
+        .transpose()?;
     let data_spec = a.data.get_or_insert_with(|| source.default_data().to_string()).clone();
     let splits = load_data(&data_spec, toy, a.seed, a.test_data.as_deref(), a.classes)?;
     let (splits, final_test, held_out) =
@@ -572,11 +594,12 @@ pub(crate) fn cmd_train(a: TrainArgs, given: &BTreeSet<String>) -> CliResult {
     let classes = *a.classes.get_or_insert(splits.train.num_classes());
     let model = build_model(&source, splits.train.sample_shape().dims(), classes, a.dropout, a.bn_momentum)?;
     let model = if a.sync_batchnorm { lockstep::nn::convert_sync_batchnorm(&model)? } else { model };
-    if a.sync_batchnorm && s.replicas != s.devices.len() {
+    // Every process's devices, under mpirun.
+    let in_world = s.devices.len() * world.size();
+    if a.sync_batchnorm && s.replicas != in_world {
         return Err(Failure::usage(anyhow!(
-            "--sync-batchnorm needs one logical replica per device: --replicas {} on {} devices",
-            s.replicas,
-            s.devices.len()
+            "--sync-batchnorm needs one logical replica per device: --replicas {} on {in_world} devices",
+            s.replicas
         )));
     }
     for d in std::iter::once(&splits.train).chain(&splits.test).chain(&final_test) {
@@ -653,28 +676,44 @@ pub(crate) fn cmd_train(a: TrainArgs, given: &BTreeSet<String>) -> CliResult {
         else {
             return Err(Failure::usage(anyhow!("--resume '{}': no checkpoint in it", dir.display())));
         };
-        for s in skipped {
+        for s in skipped.iter().filter(|_| voice) {
             eprintln!("lockstep: skipping corrupt checkpoint {}", s.display());
         }
         if r.step >= total_steps {
-            return finished_already(&a, &model, dir, &r, total_steps);
+            return match voice {
+                true => finished_already(&a, &model, dir, &r, total_steps),
+                false => Ok(()),
+            };
         }
         resuming = Some(format!("lockstep: resuming {} at step {} (epoch {})", path.display(), r.step, r.epoch + 1));
         config.resume = Some(r);
     }
     // SIGINT or SIGTERM: finish the step, write a checkpoint (or --save), exit 128 + N.
-    let signals = StopSignals::install();
+    // Under mpirun, Ctrl-C reaches the processes as SIGTERM (and SIGUSR1, which mpirun
+    // forwards, is caught too): they stop at a step they all agree on.
+    let signals = StopSignals::install(match world.size() {
+        1 => Launched::Alone,
+        _ => Launched::Together,
+    });
     config.stop = Some(Arc::clone(&signals.stop));
 
     // With --log-format json, stdout carries only JSON; the human lines go to stderr.
     let human = if a.log_format == LogFormat::Json { Stream::Stderr } else { Stream::Stdout };
-    let say = |text: String| human.line(&text);
+    let say = |text: String| {
+        if voice {
+            human.line(&text)
+        }
+    };
+    let shown = match world.size() {
+        1 => s.devices.to_string(),
+        p => format!("{p} processes × {}", s.devices),
+    };
     let test_text = |t: &Dataset| format!(", {} {} samples", t.name(), t.len());
     say(format!(
         "lockstep: {} ({} parameters, {classes} classes) | devices: {} | replicas: {} | data: {} {} samples{}{}",
         source.name(),
         model.num_params(),
-        s.devices,
+        shown,
         s.replicas,
         splits.train.name(),
         splits.train.len(),
@@ -712,11 +751,19 @@ pub(crate) fn cmd_train(a: TrainArgs, given: &BTreeSet<String>) -> CliResult {
         say(line);
     }
     let step_lines = if a.log_every_step { StepLines::Lesson } else { StepLines::Off };
-    let mut progress = Progress::new(human, step_lines).held_out(held_out.name());
-    let mut json = (a.log_format == LogFormat::Json).then(|| JsonLines::new(std::io::stdout()));
-    let mut csv = a.metrics_out.as_deref().map(CsvMetrics::create).transpose().map_err(Failure::usage)?;
+    // mpirun gives process 0 a pseudo-terminal whatever its own output is: plain lines.
+    let mut progress = match world.size() {
+        1 => Progress::new(human, step_lines),
+        _ => Progress::with_drawing(human, step_lines, Drawing::Lines),
+    }
+    .held_out(held_out.name());
+    let mut json = (voice && a.log_format == LogFormat::Json).then(|| JsonLines::new(std::io::stdout()));
+    let mut csv =
+        a.metrics_out.as_deref().filter(|_| voice).map(CsvMetrics::create).transpose().map_err(Failure::usage)?;
     let mut observers = Fanout::new();
-    observers.push(&mut progress);
+    if voice {
+        observers.push(&mut progress);
+    }
     if let Some(j) = &mut json {
         observers.push(j);
     }
@@ -737,16 +784,23 @@ pub(crate) fn cmd_train(a: TrainArgs, given: &BTreeSet<String>) -> CliResult {
     progress.finish();
     // The rows of a failed run are kept too; a closed stdout does not fail the run.
     let csv_done = csv.map(CsvMetrics::finish).transpose();
-    let report = trained.map_err(Failure::runtime)?;
+    // Processes started with disagreeing arguments were given bad input, as one is.
+    let report = trained.map_err(|e| match e {
+        lockstep::Error::Processes { .. } => Failure::usage(e),
+        e => Failure::runtime(e),
+    })?;
     csv_done.map_err(Failure::runtime)?;
     if let Some(p) = &a.metrics_out {
         say(format!("metrics written to {}", p.display()));
     }
     final_lines(&say, &report, held_out, tested.as_ref(), &a);
     if let Stopped::Interrupted { checkpoint } = &report.stopped {
-        return interrupted(&model, &report, checkpoint.as_deref(), a.save.as_deref(), &signals);
+        return match voice {
+            true => interrupted(&model, &report, checkpoint.as_deref(), a.save.as_deref(), &signals),
+            false => Err(Failure::silent(StopSignals::exit_code(signals.received().unwrap_or(SIGINT)))),
+        };
     }
-    if let Some(p) = &a.save {
+    if let Some(p) = a.save.as_ref().filter(|_| voice) {
         weights::save_as(&model, &report.weights, p, a.save_dtype.dtype()).map_err(Failure::runtime)?;
         say(format!("weights saved to {} ({})", p.display(), enum_name(&a.save_dtype)));
     }
@@ -775,7 +829,7 @@ fn interrupted(
     save: Option<&Path>,
     signals: &StopSignals,
 ) -> CliResult {
-    let signal = signals.received().unwrap_or(signal_hook::consts::SIGINT);
+    let signal = signals.received().unwrap_or(SIGINT);
     let mut line = format!("lockstep: interrupted by {} after step {}", StopSignals::name(signal), report.steps);
     match (checkpoint, save) {
         (Some(p), _) => line.push_str(&format!("; checkpoint written to {}", p.display())),
@@ -785,7 +839,8 @@ fn interrupted(
         }
         (None, None) => line.push_str("; nothing saved (no --checkpoint-dir or --save)"),
     }
-    eprintln!("{line}");
+    // Not eprintln!: after Ctrl-C on mpirun, stderr's reader may be gone.
+    let _ = writeln!(std::io::stderr(), "{line}");
     Err(Failure::silent(StopSignals::exit_code(signal)))
 }
 

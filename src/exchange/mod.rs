@@ -21,7 +21,8 @@
 //! | shared memory between CPU threads | [`Host`] | one tree over all R shard indices | [`shm`] |
 //! | NCCL between GPUs | [`gpu::DeviceMemory`] | device's shards in shard order, then NCCL's | [`gpu`] |
 //! | device copies between GPUs | [`gpu::DeviceMemory`] | device's shards in shard order, then rank order | [`gpu`] |
-//! | either, with 16-bit gradients | [`gpu::DeviceMemory`] | the codec's: one tree over all R shard indices | [`gpu`] |
+//! | either GPU transport, with 16-bit gradients (one process) | [`gpu::DeviceMemory`] | the codec's: one tree over all R shard indices | [`gpu`] |
+//! | MPI between processes (CPU; the `mpi` feature) | [`Host`] | the same tree over all R shard indices, cut into per-process subtrees ([`tree`]) | `mpi` |
 //!
 //! A slot holds `[gradient sum of the shard | the shard's updated BatchNorm buffers]`
 //! (`width` values); the sum of every slot is what the update reads: the gradient part
@@ -42,9 +43,12 @@
 
 pub mod codec;
 pub mod gpu;
+#[cfg(feature = "mpi")]
+pub mod mpi;
 mod nccl;
 pub mod shm;
 pub mod stats;
+pub mod tree;
 
 use crate::error::Result;
 

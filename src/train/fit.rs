@@ -4,12 +4,17 @@
 //! carry the epoch's running metrics, and the stop flag; and [`check_data`], the checks
 //! of a dataset against a model. Small pieces, one concern each: [`Plan`] (the run's
 //! shape), `Fit::step`, `Fit::end_epoch`, `Fit::note_best`, `Fit::checkpoint`.
+//!
+//! In a run of several processes (MPI) every process runs this loop in step with the
+//! others, on the same merged reports (so that they stop, stop early and check alike):
+//! its loader gathers only its own shards' rows, and process 0 alone owns the checkpoint
+//! directory and writes checkpoints and `save_best`.
 
-use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{bounded, Receiver};
 
+use super::trainer::HeldBatch;
 use super::{
     scatter, with_trainer, Batch, BestEpoch, EpochReport, HeldOut, NonFinite, Observer, Silent, StepEvent, Stopped,
     TrainConfig, TrainReport, Trainer,
@@ -73,8 +78,10 @@ pub fn train_data_parallel_with(
         return Err(Error::config(what, "monitors the held-out loss, and this run has no held-out set"));
     }
     let plan = Plan::new(train, config)?;
-    // One run per checkpoint directory, held until this returns, whatever happens.
-    let _owner = match &config.checkpoint {
+    // One run per checkpoint directory, held until this returns, whatever happens; with
+    // several processes, process 0's (the one that writes there).
+    let voice = crate::world::current()?.is_voice();
+    let _owner = match config.checkpoint.as_ref().filter(|_| voice) {
         Some(p) => Some(checkpoint::claim_dir(&p.dir)?.begin_run()?),
         None => None,
     };
@@ -200,8 +207,8 @@ impl<'a, 'o> Fit<'a, 'o> {
     fn run(mut self, trainer: &mut Trainer<'_>, train: &Dataset) -> Result<TrainReport> {
         let started = Instant::now();
         let stopped = std::thread::scope(|s| -> Result<Stopped> {
-            let (batch_tx, batch_rx) = bounded::<(usize, usize, Batch)>(self.config.prefetch.max(1));
-            let (plan, config) = (self.plan, self.config);
+            let (batch_tx, batch_rx) = bounded::<(usize, usize, HeldBatch)>(self.config.prefetch.max(1));
+            let (plan, config, rows) = (self.plan, self.config, trainer.row_plan());
             s.spawn(move || {
                 let mut step = plan.start.step;
                 for epoch in plan.start.epoch..config.epochs {
@@ -209,7 +216,11 @@ impl<'a, 'o> Fit<'a, 'o> {
                     let skip = if epoch == plan.start.epoch { plan.start.step_in_epoch } else { 0 };
                     let batches = order.chunks(config.batch_size).take(plan.steps_per_epoch).enumerate().skip(skip);
                     for (i, idx) in batches {
-                        if step >= plan.total_steps || batch_tx.send((epoch, i, Batch::gather(train, idx))).is_err() {
+                        // This process's shards' rows only (all of them in a world of one).
+                        let mine = rows.rows(idx.len());
+                        let batch = Batch::gather(train, &idx[mine.clone()]);
+                        let held = HeldBatch { batch, first_row: mine.start, global_len: idx.len() };
+                        if step >= plan.total_steps || batch_tx.send((epoch, i, held)).is_err() {
                             return;
                         }
                         step += 1;
@@ -244,7 +255,7 @@ impl<'a, 'o> Fit<'a, 'o> {
     }
 
     /// Every step up to the end of the run, or until it stops.
-    fn steps(&mut self, trainer: &mut Trainer<'_>, batches: &Receiver<(usize, usize, Batch)>) -> Result<Stopped> {
+    fn steps(&mut self, trainer: &mut Trainer<'_>, batches: &Receiver<(usize, usize, HeldBatch)>) -> Result<Stopped> {
         if let Some(best_epoch) = self.stopped_early_before(self.plan.start) {
             return Ok(Stopped::EarlyStopping { best_epoch });
         }
@@ -258,7 +269,8 @@ impl<'a, 'o> Fit<'a, 'o> {
                 false => None,
             };
             let next = self.plan.after(trainer.steps(), epoch, i);
-            let interrupted = self.config.stop.as_ref().is_some_and(|f| f.load(Ordering::SeqCst));
+            // With several processes, the stop they all agreed on at this step.
+            let interrupted = trainer.stop_requested();
             let done = trainer.steps() == self.plan.total_steps || early.is_some();
             let written = self.checkpoint(trainer, next, interrupted || done)?;
             if let Some(best_epoch) = early {
@@ -277,12 +289,12 @@ impl<'a, 'o> Fit<'a, 'o> {
         trainer: &mut Trainer<'_>,
         epoch: usize,
         i: usize,
-        batch: Batch,
+        batch: HeldBatch,
         data_wait: Duration,
     ) -> Result<()> {
         let t_step = Instant::now();
         let lr_scale = self.config.schedule.scale(trainer.steps(), self.plan.total_steps);
-        let report = trainer.step_at(batch, lr_scale)?;
+        let report = trainer.step_held(batch, lr_scale)?;
         let dt = t_step.elapsed();
         self.train_time += dt;
         self.epoch.train_time += dt;
@@ -353,7 +365,7 @@ impl<'a, 'o> Fit<'a, 'o> {
         };
         if improved {
             self.best = Some(BestEpoch { epoch, metrics });
-            if let Some(path) = &self.config.save_best {
+            if let Some(path) = self.config.save_best.as_ref().filter(|_| trainer.world().is_voice()) {
                 let (weights, _) = trainer.weights()?;
                 crate::weights::save(self.model, &weights, path)?;
             }
@@ -378,7 +390,9 @@ impl<'a, 'o> Fit<'a, 'o> {
 
     /// Writes a checkpoint at `at` when the policy's period says so, or when `now`.
     fn checkpoint(&self, trainer: &mut Trainer<'_>, at: Position, now: bool) -> Result<Option<std::path::PathBuf>> {
-        let Some(policy) = &self.config.checkpoint else { return Ok(None) };
+        let Some(policy) = self.config.checkpoint.as_ref().filter(|_| trainer.world().is_voice()) else {
+            return Ok(None);
+        };
         if !now && trainer.steps() % policy.every.max(1) != 0 {
             return Ok(None);
         }

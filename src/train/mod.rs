@@ -15,12 +15,14 @@
 //! | `cpu.rs` | the CPU replica |
 //! | `gpu.rs` | the GPU replica (its device half is `cuda::net`) |
 //! | `fit.rs` | [`train_data_parallel`]: epochs, evaluation, checkpoints |
+//! | `processes.rs` | the trainer across the processes of an MPI world: handshake, merged step reports, replica check, rows per process |
 
 mod batch;
 mod config;
 mod cpu;
 mod fit;
 mod gpu;
+mod processes;
 mod replica;
 mod report;
 pub mod scatter;
@@ -31,6 +33,7 @@ mod worker;
 pub use batch::Batch;
 pub use config::{EarlyStopping, NonFinite, TrainConfig};
 pub use fit::{check_data, train_data_parallel, train_data_parallel_with};
+pub use processes::RowPlan;
 pub use report::{
     BestEpoch, EpochReport, EvaluationReport, HeldOut, Observer, ShardReport, Silent, StepEvent, StepReport, Stopped,
     TrainReport,

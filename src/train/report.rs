@@ -14,6 +14,8 @@ use crate::tensor::Device;
 #[derive(Clone, Debug)]
 pub struct ShardReport {
     pub device: Device,
+    /// The process whose device trained it, in a run of several processes (MPI).
+    pub rank: Option<usize>,
     /// Logical replica index.
     pub replica: usize,
     pub metrics: Metrics,

@@ -58,8 +58,12 @@ use crate::optim::Sharding;
 pub struct StepWork {
     /// Global step index (0-based).
     pub step: u64,
+    /// The rows of the global batch this process holds: all of them, but in a process
+    /// of several (MPI), which holds its own shards' rows only.
     pub batch: Arc<Batch>,
-    /// Rows of each logical replica (R ranges, from `scatter::shards`).
+    /// The row of the global batch that is `batch`'s row 0.
+    pub first_row: usize,
+    /// Rows of each logical replica in the global batch (R ranges, from `scatter::shards`).
     pub shards: Vec<Range<usize>>,
     /// Learning-rate multiplier of this step (the schedule's value).
     pub lr_scale: f32,
@@ -78,10 +82,11 @@ where
 {
     replica.mark(Mark::Start)?;
     let shards = &work.shards[mine.clone()];
+    let held = |r: &Range<usize>| r.start - work.first_row..r.end - work.first_row;
     let rows = shards.first().map_or(0, |r| r.start)..shards.last().map_or(0, |r| r.end);
-    replica.stage(&work.batch, rows)?;
+    replica.stage(&work.batch, held(&rows))?;
     let micro = work.accumulate.max(1);
-    for (local, rows) in shards.iter().enumerate() {
+    for (local, rows) in shards.iter().map(held).enumerate() {
         exchange.with_slot(local, |mut slot| -> Result<()> {
             for (m, part) in scatter::shards(rows.len(), micro).into_iter().enumerate() {
                 let shard = Shard {
@@ -102,7 +107,7 @@ where
 
     // The gradient part of the sum is over the whole global batch; the buffer part over
     // the shards that saw data (an empty shard's slot holds zeros).
-    let grad_divisor = work.batch.len() as f32;
+    let grad_divisor = work.shards.last().map_or(0, |r| r.end) as f32;
     let with_data = work.shards.iter().filter(|r| !r.is_empty()).count();
     let buffer_scale = 1.0 / with_data as f32;
     let params = replica.params_len();

@@ -12,7 +12,15 @@
 //! Faults: an error or a panic in any worker aborts the exchange, which releases every
 //! other worker from its collective with `Error::Aborted`; the coordinator returns the
 //! root cause, naming the device and the step, and the scope joins every thread.
+//!
+//! Several processes (an MPI world, `crate::world`): each process runs this same
+//! trainer on its own devices and logical replicas; the exchange spans the processes
+//! (`exchange::mpi` between CPU devices, one NCCL clique between GPUs), and what the
+//! coordinators agree on — the handshake, every step's merged report, the replica check
+//! — is `processes.rs`'s. A failure in one process reaches the others through the
+//! world's notice (`World::fail`), sent once this process's threads have ended.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -20,6 +28,7 @@ use crossbeam_channel::{bounded, Receiver, Sender};
 
 use super::cpu::CpuReplica;
 use super::gpu::GpuReplica;
+use super::processes::{self, Handshake, RowPlan};
 use super::replica::{check_replicas, Replica};
 use super::scatter;
 use super::step::StepWork;
@@ -28,7 +37,7 @@ use super::{Batch, ShardReport, StepReport, TrainConfig};
 use crate::data::Dataset;
 use crate::devices::Devices;
 use crate::error::{Error, Result};
-use crate::exchange::codec::Codec;
+use crate::exchange::codec::{Codec, Compression};
 use crate::exchange::gpu::{transport_for, CopyGroup, GpuExchange, NcclGroup, Transport};
 use crate::exchange::shm::{ShmGroup, ShmStats};
 use crate::exchange::{Abort, Aborts, Exchange, Wait};
@@ -36,6 +45,7 @@ use crate::nn::loss::Metrics;
 use crate::nn::{ParamStore, Sequential};
 use crate::optim::{Optimizer, Sharding};
 use crate::tensor::Device;
+use crate::world::World;
 
 /// The coordinator's handle on running workers: drive training step by step.
 ///
@@ -55,6 +65,24 @@ pub struct Trainer<'s> {
     /// Gradient accumulation and optimiser sharding of every step (`TrainConfig`).
     accumulate: usize,
     sharding: Sharding,
+    /// The processes of the run: a world of one without MPI.
+    world: &'static World,
+    /// This process's logical replicas, and the rows of a batch they hold.
+    rows: RowPlan,
+    /// Raised to stop the run (Ctrl-C); with several processes, the stop every process
+    /// agreed on at the last step is `stop_agreed`.
+    stop: Option<Arc<AtomicBool>>,
+    stop_agreed: bool,
+}
+
+/// The rows of one global batch that this process holds (all of them in a world of one):
+/// what the fit loop's loader gathers, each process only its own shards' rows.
+pub(super) struct HeldBatch {
+    pub batch: Batch,
+    /// The global batch's row at `batch`'s row 0.
+    pub first_row: usize,
+    /// Rows of the whole global batch.
+    pub global_len: usize,
 }
 
 impl Trainer<'_> {
@@ -63,9 +91,78 @@ impl Trainer<'_> {
         &self.devices
     }
 
-    /// Logical replicas R.
+    /// Logical replicas R (of every process of the run).
     pub fn replicas(&self) -> usize {
         self.replicas
+    }
+
+    /// The processes of the run.
+    pub fn world(&self) -> &'static World {
+        self.world
+    }
+
+    /// This process's logical replicas and the rows of a batch they hold.
+    pub fn row_plan(&self) -> RowPlan {
+        self.rows
+    }
+
+    /// Whether the run was asked to stop (`TrainConfig::stop`): with several processes,
+    /// whether any process was, as they all agreed at the last step, so that they stop
+    /// at the same step.
+    pub fn stop_requested(&self) -> bool {
+        match self.world.size() {
+            1 => self.stop.as_ref().is_some_and(|f| f.load(Ordering::SeqCst)),
+            _ => self.stop_agreed,
+        }
+    }
+
+    /// The next worker reply. With several processes the coordinator looks at the world
+    /// while it waits: a failure elsewhere aborts this process's exchange (the GPUs' NCCL
+    /// clique, whose waits know nothing of MPI; a CPU exchange's waits watch it too), which
+    /// releases the workers, so that no process waits forever for one that is gone.
+    fn next_reply(&self) -> Result<(usize, Result<Reply>), crossbeam_channel::RecvError> {
+        const WATCH_EVERY: Duration = Duration::from_millis(50);
+        if self.world.size() == 1 {
+            return recv_waiting(&self.replies, self.wait);
+        }
+        // A short step's reply comes within microseconds: spin for it as `recv_waiting`
+        // does where a core is free, before sleeping between looks at the world.
+        let start = Instant::now();
+        while self.wait == Wait::Spin && start.elapsed() < Duration::from_micros(100) {
+            match self.replies.try_recv() {
+                Ok(reply) => return Ok(reply),
+                Err(crossbeam_channel::TryRecvError::Disconnected) => return Err(crossbeam_channel::RecvError),
+                Err(crossbeam_channel::TryRecvError::Empty) => std::hint::spin_loop(),
+            }
+        }
+        loop {
+            match self.replies.recv_timeout(WATCH_EVERY) {
+                Ok(reply) => return Ok(reply),
+                Err(crossbeam_channel::RecvTimeoutError::Disconnected) => return Err(crossbeam_channel::RecvError),
+                Err(crossbeam_channel::RecvTimeoutError::Timeout) => {
+                    if self.world.watch().is_err() {
+                        self.exchange.abort();
+                    }
+                }
+            }
+        }
+    }
+
+    /// A worker's failure named with its process, in a run of several.
+    fn qualified(&self, e: Error) -> Error {
+        match e {
+            Error::Worker { device, step, cause } if self.world.size() > 1 => {
+                Error::Worker { device: format!("rank {}, {device}", self.world.rank()), step, cause }
+            }
+            other => other,
+        }
+    }
+
+    /// Keeps `e` as the run's failure (later calls refuse) and returns it.
+    fn failing(&mut self, e: Error) -> Error {
+        self.exchange.abort();
+        self.failed = Some(e.to_string());
+        e
     }
 
     /// Steps taken.
@@ -103,7 +200,7 @@ impl Trainer<'_> {
             }
         };
         for _ in 0..sent {
-            let (d, r) = recv_waiting(&self.replies, self.wait).map_err(|_| Error::Worker {
+            let (d, r) = self.next_reply().map_err(|_| Error::Worker {
                 device: "coordinator".into(),
                 step: self.step,
                 cause: "every worker has exited".into(),
@@ -124,9 +221,8 @@ impl Trainer<'_> {
             })
             .or_else(|| aborted.map(|d| Error::Worker { device: device(d), step, cause: Error::Aborted.to_string() }));
         if let Some(e) = failure {
-            self.exchange.abort();
-            self.failed = Some(e.to_string());
-            return Err(e);
+            let e = self.qualified(e);
+            return Err(self.failing(e));
         }
         Ok(replies.into_iter().map(|r| r.expect("every worker replied")).collect())
     }
@@ -143,21 +239,40 @@ impl Trainer<'_> {
     }
 
     pub(super) fn step_at(&mut self, batch: Batch, lr_scale: f32) -> Result<StepReport> {
-        if batch.is_empty() {
+        let global_len = batch.len();
+        let rows = self.rows.rows(global_len);
+        let batch = match self.world.size() {
+            1 => batch,
+            _ => {
+                let per = batch.sample_shape.numel();
+                Batch {
+                    x: batch.x[rows.start * per..rows.end * per].to_vec(),
+                    y: batch.y[rows.clone()].to_vec(),
+                    sample_shape: batch.sample_shape,
+                }
+            }
+        };
+        self.step_held(HeldBatch { batch, first_row: rows.start, global_len }, lr_scale)
+    }
+
+    /// [`Trainer::step_scaled`] on the rows of the global batch this process holds.
+    pub(super) fn step_held(&mut self, held: HeldBatch, lr_scale: f32) -> Result<StepReport> {
+        if held.global_len == 0 {
             return Err(Error::config("batch", "a training step needs at least one sample"));
         }
         let t0 = Instant::now();
-        let shards = scatter::shards(batch.len(), self.replicas);
+        let shards = scatter::shards(held.global_len, self.replicas);
         let work = Arc::new(StepWork {
             step: self.step,
-            batch: Arc::new(batch),
+            batch: Arc::new(held.batch),
+            first_row: held.first_row,
             shards,
             lr_scale,
             accumulate: self.accumulate,
             sharding: self.sharding,
         });
         let replies = self.ask(|_| Command::Step(Arc::clone(&work)))?;
-        let k = self.replicas / self.devices.len();
+        let k = self.rows.count / self.devices.len();
         let mut report = StepReport {
             step: self.step,
             metrics: Metrics::default(),
@@ -172,7 +287,15 @@ impl Trainer<'_> {
             report.reduce = report.reduce.max(o.reduce);
             for (j, m) in o.shards.into_iter().enumerate() {
                 report.metrics.add(&m);
-                report.shards.push(ShardReport { device: self.devices[d], replica: d * k + j, metrics: m });
+                let replica = self.rows.first + d * k + j;
+                report.shards.push(ShardReport { device: self.devices[d], rank: None, replica, metrics: m });
+            }
+        }
+        if self.world.size() > 1 {
+            let stop = self.stop.as_ref().is_some_and(|f| f.load(Ordering::SeqCst));
+            match processes::merge_step(self.world, report, stop, &self.devices) {
+                Ok((merged, agreed)) => (report, self.stop_agreed) = (merged, agreed),
+                Err(e) => return Err(self.failing(e)),
             }
         }
         self.step += 1;
@@ -180,21 +303,37 @@ impl Trainer<'_> {
         Ok(report)
     }
 
-    /// Loss and accuracy on `data` in evaluation mode, the samples split across devices.
+    /// Loss and accuracy on `data` in evaluation mode, the samples split across devices
+    /// (every process's: each gathers and evaluates its devices' parts only).
     pub fn evaluate(&mut self, data: &Dataset, eval_batch: usize) -> Result<Metrics> {
-        let all: Vec<usize> = (0..data.len()).collect();
-        let batch = Arc::new(Batch::gather(data, &all));
-        let parts = scatter::shards(data.len(), self.devices.len());
-        let replies = self.ask(|d| Command::Eval(Arc::clone(&batch), parts[d].clone(), eval_batch))?;
+        let n = self.devices.len();
+        let parts = scatter::shards(data.len(), n * self.world.size());
+        let mine = &parts[self.world.rank() * n..(self.world.rank() + 1) * n];
+        let first = mine[0].start;
+        let held: Vec<usize> = (first..mine[n - 1].end).collect();
+        let batch = Arc::new(Batch::gather(data, &held));
+        let replies =
+            self.ask(|d| Command::Eval(Arc::clone(&batch), mine[d].start - first..mine[d].end - first, eval_batch))?;
+        let local: Vec<Metrics> = replies
+            .into_iter()
+            .map(|r| {
+                let Reply::Eval(m) = r else { unreachable!("an eval command gets an eval reply") };
+                m
+            })
+            .collect();
+        if self.world.size() > 1 {
+            return processes::merge_metrics(self.world, &local).map_err(|e| self.failing(e));
+        }
         let mut total = Metrics::default();
-        for r in replies {
-            let Reply::Eval(m) = r else { unreachable!("an eval command gets an eval reply") };
-            total.add(&m);
+        for m in &local {
+            total.add(m);
         }
         Ok(total)
     }
 
-    /// Class probabilities (N, K) for every sample of `batch`, split across devices.
+    /// Class probabilities (N, K) for every sample of `batch`, split across this
+    /// process's devices (every process's replicas are the same: no process needs
+    /// another's answers).
     pub fn predict(&mut self, batch: Batch) -> Result<Vec<f32>> {
         let parts = scatter::shards(batch.len(), self.devices.len());
         let batch = Arc::new(batch);
@@ -210,7 +349,8 @@ impl Trainer<'_> {
     }
 
     /// Hashes every replica's tensors and fails, naming the first tensor that differs,
-    /// unless all replicas are bitwise identical.
+    /// unless all replicas are bitwise identical (every process's, in a run of several;
+    /// the replica that differs is then named with its process).
     pub fn check_replicas(&mut self) -> Result<()> {
         let replies = self.ask(|_| Command::Fingerprints)?;
         let prints: Vec<_> = replies
@@ -220,6 +360,9 @@ impl Trainer<'_> {
                 p
             })
             .collect();
+        if self.world.size() > 1 {
+            return processes::check_across(self.world, self.step, &self.devices, &prints);
+        }
         check_replicas(self.step, &prints)
     }
 
@@ -283,13 +426,21 @@ pub fn with_trainer<T>(
     f: impl FnOnce(&mut Trainer<'_>) -> Result<T>,
 ) -> Result<T> {
     config.validate()?;
+    let world = crate::world::current()?;
+    // With several processes R counts them all, which overstates a process's slots: a
+    // bound on the safe side.
     crate::memory::check_training(model, devices, config)?;
     let n = devices.len();
-    let replicas = config.replicas.unwrap_or(n);
-    if replicas % n != 0 {
+    let in_world = n * world.size();
+    let replicas = config.replicas.unwrap_or(in_world);
+    if replicas % in_world != 0 {
+        let among = match world.size() {
+            1 => format!("{n} devices"),
+            p => format!("{in_world} devices ({p} processes × {n})"),
+        };
         return Err(Error::config(
             "replicas",
-            format!("{replicas} logical replicas cannot be shared evenly by {n} devices"),
+            format!("{replicas} logical replicas cannot be shared evenly by {among}"),
         ));
     }
     let initial = match config.resume.as_ref().map(|r| &r.weights).or(config.initial.as_ref()) {
@@ -302,10 +453,15 @@ pub fn with_trainer<T>(
         None => model.init(config.seed),
     };
     let width = model.params_len() + model.buffers_len();
-    let k = replicas / n;
+    if world.size() > 1 {
+        Handshake::of(devices.list(), replicas, width, config, &initial).agree(world)?;
+    }
+    let k = replicas / in_world;
     let synchronized = crate::nn::batchnorm::has_synchronized_layers(model);
-    check_features(devices, replicas, synchronized)?;
+    check_features(devices, config, replicas, in_world, synchronized)?;
     let plan = Plan {
+        world,
+        rows: RowPlan::new(replicas, world.rank(), world.size()),
         devices,
         replicas,
         model,
@@ -318,7 +474,22 @@ pub fn with_trainer<T>(
         messages: Wait::for_threads(n + 1),
     };
     let seed = config.seed;
-    match devices.list()[0] {
+    let out = match devices.list()[0] {
+        #[cfg(feature = "mpi")]
+        Device::Cpu(_) if world.size() > 1 => {
+            let codec = Codec::new(config.grad_compression, model.params_len());
+            let group = crate::exchange::mpi::MpiGroup::new(world, n, replicas, width, plan.collective, codec)?;
+            let stats: Vec<_> = (0..n).map(|r| group.stats(r)).collect();
+            plan.run(
+                &group,
+                f,
+                |rank, device, (model, store, optimizer)| {
+                    let replica = CpuReplica::new(device, model, store, optimizer, seed);
+                    Ok(if synchronized { replica.with_stats(&stats[rank]) } else { replica })
+                },
+                |rank, _| Ok(group.rank(rank)),
+            )
+        }
         Device::Cpu(_) => {
             let codec = Codec::new(config.grad_compression, model.params_len());
             let shm = ShmGroup::with_codec(n, replicas, width, plan.collective, codec)?;
@@ -341,8 +512,15 @@ pub fn with_trainer<T>(
             let stats_group = if synchronized { Some(ShmGroup::new(n, replicas, 0, plan.collective)?) } else { None };
             let stats: Vec<ShmStats<'_>> = stats_group.iter().flat_map(|g| (0..n).map(|r| g.stats(r))).collect();
             match transport_for(&ordinals) {
+                Transport::Copies if world.size() > 1 => Err(Error::CudaUnavailable(format!(
+                    "the GPUs of several processes meet through NCCL only, and it cannot serve here \
+                     (it must load, 2.18 or later, and each process must name distinct GPUs; this one names {devices})"
+                ))),
                 Transport::Nccl => {
-                    let group = NcclGroup::new(&ordinals, width)?;
+                    let group = match world.size() {
+                        1 => NcclGroup::new(&ordinals, width)?,
+                        _ => NcclGroup::in_clique(&ordinals, width, processes::clique(world, n)?)?,
+                    };
                     let abort = Aborts::new(&group, stats_group.as_ref().map(|g| g as &dyn Abort));
                     plan.run(
                         &abort,
@@ -367,6 +545,10 @@ pub fn with_trainer<T>(
                 }
             }
         }
+    };
+    match out {
+        Err(e) if world.size() > 1 => Err(processes::settle(world, e)),
+        out => out,
     }
 }
 
@@ -387,18 +569,43 @@ fn gpu_replica<'s>(
 }
 
 /// The features of issue 12 a run asks for, against what its devices can do; checked
-/// before any worker starts. Every feature runs on CPU and GPU devices alike (16-bit
-/// gradients through every transport, synchronized BatchNorm through the host's
-/// statistics exchange); what remains is synchronized BatchNorm's one logical replica per
-/// device.
-fn check_features(devices: &Devices, replicas: usize, synchronized: bool) -> Result<()> {
-    if synchronized && replicas != devices.len() {
+/// before any worker starts. `in_world` counts every process's devices. In one process
+/// every feature runs on CPU and GPU devices alike (16-bit gradients through every
+/// transport, synchronized BatchNorm through the host's statistics exchange); what
+/// remains is synchronized BatchNorm's one logical replica per device, and on the GPUs of
+/// several processes, the two features whose wires are a single process's own.
+fn check_features(
+    devices: &Devices,
+    config: &TrainConfig,
+    replicas: usize,
+    in_world: usize,
+    synchronized: bool,
+) -> Result<()> {
+    let gpu = matches!(devices.list()[0], Device::Cuda(_));
+    if synchronized && replicas != in_world {
         return Err(Error::config(
             "sync-batchnorm",
             format!(
-                "synchronized BatchNorm needs one logical replica per device, not {replicas} on {} (its statistics \
-                 meet inside the forward pass, which a device running its shards one after another cannot wait for)",
-                devices.len()
+                "synchronized BatchNorm needs one logical replica per device, not {replicas} on {in_world} (its statistics \
+                 meet inside the forward pass, which a device running its shards one after another cannot wait for)"
+            ),
+        ));
+    }
+    let processes = in_world > devices.len();
+    if gpu && processes && synchronized {
+        return Err(Error::config(
+            "sync-batchnorm",
+            "synchronized BatchNorm on GPUs runs within one process so far (their statistics meet in this \
+             process's shared memory; across processes only CPU devices gather them through MPI)",
+        ));
+    }
+    if gpu && processes && config.grad_compression != Compression::None {
+        return Err(Error::config(
+            "grad-compression",
+            format!(
+                "{} gradients on GPUs run within one process so far (the 16-bit wires are all-gathered among \
+                 this process's GPUs; across processes only CPU devices round them)",
+                config.grad_compression.name()
             ),
         ));
     }
@@ -407,6 +614,9 @@ fn check_features(devices: &Devices, replicas: usize, synchronized: bool) -> Res
 
 /// What every worker of a run starts from.
 struct Plan<'a> {
+    world: &'static World,
+    /// This process's logical replicas.
+    rows: RowPlan,
     devices: &'a Devices,
     replicas: usize,
     model: &'a Sequential,
@@ -436,7 +646,7 @@ impl Plan<'_> {
         X: Exchange<Mem = R::Mem>,
     {
         let n = self.devices.len();
-        let k = self.replicas / n;
+        let k = self.rows.count / n;
         let threads = self.devices.threads_per_device();
         let (reply_tx, reply_rx) = bounded(n * 2);
         let gate = SetupGate::new(n);
@@ -453,7 +663,7 @@ impl Plan<'_> {
                 let seat = Seat {
                     rank,
                     device,
-                    shards: rank * k..(rank + 1) * k,
+                    shards: self.rows.first + rank * k..self.rows.first + (rank + 1) * k,
                     wait: self.messages,
                     sharding: self.config.optimizer_sharding,
                     abort: group,
@@ -487,6 +697,10 @@ impl Plan<'_> {
                 eval_batch: self.config.eval_batch,
                 accumulate: self.config.accumulate,
                 sharding: self.config.optimizer_sharding,
+                world: self.world,
+                rows: self.rows,
+                stop: self.config.stop.clone(),
+                stop_agreed: false,
             };
             let out = f(&mut trainer);
             if out.is_err() {

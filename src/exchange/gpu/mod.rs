@@ -49,7 +49,7 @@ use std::time::{Duration, Instant};
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, CudaView, CudaViewMut, DeviceSlice};
 
 pub use copies::{CopyGroup, CopyRank};
-pub use nccl_group::{NcclGroup, NcclRank};
+pub use nccl_group::{new_clique_id, Clique, NcclGroup, NcclRank};
 
 use super::codec::Codec;
 use super::{Exchange, Memory};

@@ -39,11 +39,37 @@ pub(super) fn nccl_usable() -> bool {
     nccl_status() == NcclStatus::Available && nccl::version().is_ok_and(|v| v >= nccl::MIN_VERSION)
 }
 
+/// The NCCL clique a group's ranks belong to: NCCL's rendezvous id, made once and shared
+/// by every rank, and where the group's ranks sit in it. A group of one process is the
+/// whole clique; in an MPI world each process's group is its GPUs' slice of one clique of
+/// every process's GPUs, the id made by process 0 and broadcast (`train::processes`).
+#[derive(Clone, Copy)]
+pub struct Clique {
+    /// `ncclUniqueId`'s bytes.
+    pub id: [u8; 128],
+    /// Ranks in the clique.
+    pub ranks: usize,
+    /// The clique rank of this group's rank 0.
+    pub first: usize,
+}
+
+/// A fresh rendezvous id for a clique (needs only libnccl, no GPU). Fails when NCCL
+/// cannot serve (missing, or older than 2.18).
+pub fn new_clique_id() -> Result<[u8; 128]> {
+    if !nccl_usable() {
+        return Err(Error::CudaUnavailable("NCCL 2.18 or later does not load".to_string()));
+    }
+    Ok(nccl::unique_id()?.internal.map(|c| c as u8))
+}
+
 /// The NCCL communicators of one run's GPU workers; created by the coordinator before
 /// the worker threads start, shared by reference (Sync).
 pub struct NcclGroup {
     /// `ordinals[r]`: the CUDA ordinal of rank r.
     ordinals: Vec<usize>,
+    /// The clique the ranks belong to (rank r is clique rank `first + r`).
+    ranks: usize,
+    first: usize,
     /// Number of f32 every call moves.
     len: usize,
     /// NCCL's rendezvous id, made here once, used by every rank's `join`.
@@ -61,6 +87,13 @@ impl NcclGroup {
     /// forbids two ranks on one GPU), each call moving `len` f32. Fails when NCCL cannot
     /// serve (missing, or older than 2.18), or a GPU is not there.
     pub fn new(ordinals: &[usize], len: usize) -> Result<NcclGroup> {
+        let id = new_clique_id()?;
+        NcclGroup::in_clique(ordinals, len, Clique { id, ranks: ordinals.len(), first: 0 })
+    }
+
+    /// [`NcclGroup::new`] for ranks `clique.first..clique.first + ordinals.len()` of
+    /// `clique`: the GPUs of one process of several.
+    pub fn in_clique(ordinals: &[usize], len: usize, clique: Clique) -> Result<NcclGroup> {
         check_ordinals(ordinals)?;
         if let Some(o) = ordinals.iter().enumerate().find_map(|(i, o)| ordinals[..i].contains(o).then_some(o)) {
             return Err(Error::config("GPU group", format!("NCCL forbids two ranks on one GPU, and cuda:{o} repeats")));
@@ -68,19 +101,31 @@ impl NcclGroup {
         if !nccl_usable() {
             return Err(Error::CudaUnavailable("NCCL 2.18 or later does not load".to_string()));
         }
-        let id = nccl::unique_id()?;
+        if clique.first + ordinals.len() > clique.ranks {
+            return Err(Error::config(
+                "NCCL clique",
+                format!("ranks {}..{} of a clique of {}", clique.first, clique.first + ordinals.len(), clique.ranks),
+            ));
+        }
         Ok(NcclGroup {
             ordinals: ordinals.to_vec(),
+            ranks: clique.ranks,
+            first: clique.first,
             len,
-            id,
+            id: cudarc::nccl::sys::ncclUniqueId { internal: clique.id.map(|b| b as _) },
             comms: ordinals.iter().map(|_| Mutex::new(None)).collect(),
             departed: AtomicUsize::new(0),
             aborted: AtomicBool::new(false),
         })
     }
 
-    /// Number of ranks.
+    /// Number of ranks in the clique (every process's GPUs).
     pub fn world(&self) -> usize {
+        self.ranks
+    }
+
+    /// Number of this group's ranks (this process's GPUs).
+    fn local(&self) -> usize {
         self.ordinals.len()
     }
 
@@ -121,7 +166,7 @@ impl NcclGroup {
     /// Creates rank `rank`'s communicator, publishes it in its slot (where `abort` can
     /// reach it), and polls until every rank has joined.
     fn init_comm(&self, rank: usize) -> Result<()> {
-        let (comm, state) = RawComm::init(self.world(), rank, self.id)?;
+        let (comm, state) = RawComm::init(self.world(), self.first + rank, self.id)?;
         {
             let mut slot = self.comms[rank].lock();
             // Checked under the lock: an abort that raised the flag before we got here
@@ -170,7 +215,7 @@ impl NcclGroup {
     fn depart(&self, rank: usize, comm: &CudaStream, done: &CudaEvent) {
         let drained = done.record(comm).is_ok() && self.poll_until(|| done.try_is_complete().unwrap_or(true));
         self.departed.fetch_add(1, Ordering::SeqCst);
-        let all_departed = drained && self.poll_until(|| self.departed.load(Ordering::SeqCst) == self.world());
+        let all_departed = drained && self.poll_until(|| self.departed.load(Ordering::SeqCst) == self.local());
         if all_departed {
             if let Some(c) = self.comms[rank].lock().take() {
                 c.abort();

@@ -1,0 +1,294 @@
+//! The trainer across processes: what the coordinators of an MPI world's processes agree
+//! on, and how their reports become one.
+//!
+//! Owns the handshake before the first step (every process started with the same run:
+//! the same devices, replicas, model, batch, seed, weights — else the run is refused on
+//! every process alike, naming the first difference), the merge of every step's
+//! per-shard metrics (each process knows only its own shards'; after the merge every
+//! process holds the whole step's report, so every decision taken on it — a non-finite
+//! loss, the stop flag — is the same everywhere), the replica check across processes,
+//! the evaluation's sum, and the rows of a global batch each process holds. The world's
+//! collectives are `world`'s; the exchange of gradients is `exchange::mpi` (CPU) or one
+//! NCCL clique (GPU). In a world of one none of this runs.
+//!
+//! Orders: the merged metrics are added in shard order, the evaluation in global device
+//! order, as one process adds them, so the reports of P processes × D devices are those
+//! of one process with P·D devices.
+
+use std::ops::Range;
+
+use super::replica::check_replicas;
+use super::scatter;
+use super::{ShardReport, StepReport, TrainConfig};
+use crate::error::{Error, Result};
+use crate::exchange::gpu::{new_clique_id, Clique};
+use crate::nn::loss::Metrics;
+use crate::nn::ParamStore;
+use crate::tensor::Device;
+use crate::world::World;
+
+/// Which process trains which logical replicas, and which rows of a batch it holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RowPlan {
+    /// Logical replicas in the world.
+    pub replicas: usize,
+    /// This process's logical replicas: `first..first + count`.
+    pub first: usize,
+    pub count: usize,
+}
+
+impl RowPlan {
+    /// The plan of process `rank` of `size`, R = `replicas` (a multiple of `size`).
+    pub fn new(replicas: usize, rank: usize, size: usize) -> RowPlan {
+        let count = replicas / size;
+        RowPlan { replicas, first: rank * count, count }
+    }
+
+    /// The rows of a global batch of `len` this process's shards hold (all of them in a
+    /// world of one); possibly empty.
+    pub fn rows(&self, len: usize) -> Range<usize> {
+        let shards = scatter::shards(len, self.replicas);
+        let mine = &shards[self.first..self.first + self.count];
+        mine[0].start..mine[mine.len() - 1].end
+    }
+}
+
+/// The error a run of several processes ends with, once this process's threads have
+/// ended: another process's failure, if one was reported (this process's own error is
+/// then only its consequence); otherwise this process's, which the others are told of.
+pub(super) fn settle(world: &World, e: Error) -> Error {
+    if let Some(theirs) = world.peer_failure() {
+        return theirs;
+    }
+    world.fail(&e);
+    e
+}
+
+/// The NCCL clique of every process's GPUs (`local` per process, in rank order): the id
+/// made by process 0, broadcast to the others.
+pub(super) fn clique(world: &World, local: usize) -> Result<Clique> {
+    let mut id = match world.is_voice() {
+        true => new_clique_id()?,
+        false => [0u8; 128],
+    };
+    world.broadcast(0, &mut id)?;
+    Ok(Clique { id, ranks: local * world.size(), first: world.rank() * local })
+}
+
+/// FNV-1a over 64-bit words.
+fn fnv(words: impl IntoIterator<Item = u64>) -> u64 {
+    words.into_iter().fold(0xcbf2_9ce4_8422_2325u64, |h, w| {
+        w.to_le_bytes().iter().fold(h, |h, &b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3))
+    })
+}
+
+/// What every process of a run must agree on before the first step, by name.
+pub(super) struct Handshake {
+    fields: Vec<(&'static str, u64)>,
+}
+
+impl Handshake {
+    /// The run this process was started with.
+    pub fn of(devices: &[Device], replicas: usize, width: usize, config: &TrainConfig, initial: &ParamStore) -> Self {
+        let kind = match devices.first() {
+            Some(Device::Cuda(_)) => 1,
+            _ => 0,
+        };
+        let bits = initial.params.iter().chain(&initial.buffers).map(|v| v.to_bits() as u64);
+        let fields = vec![
+            ("devices", devices.len() as u64),
+            ("device kind (0 cpu, 1 cuda)", kind),
+            ("replicas", replicas as u64),
+            ("values per slot (the model)", width as u64),
+            ("batch size", config.batch_size as u64),
+            ("seed", config.seed),
+            ("epochs", config.epochs as u64),
+            ("step limit", config.max_steps.unwrap_or(u64::MAX)),
+            ("resumed step", config.resume.as_ref().map_or(u64::MAX, |r| r.step)),
+            ("optimizer", fnv(format!("{:?} {:?}", config.optimizer, config.schedule).bytes().map(u64::from))),
+            ("initial weights (digest)", fnv(bits)),
+        ];
+        Handshake { fields }
+    }
+
+    /// Every process's handshake compared with process 0's: the first difference, on
+    /// every process alike.
+    pub fn agree(&self, world: &World) -> Result<()> {
+        let mine: Vec<u64> = self.fields.iter().map(|f| f.1).collect();
+        let all = world.all_gather(&mine)?;
+        let n = mine.len();
+        for q in 1..world.size() {
+            for (i, (name, _)) in self.fields.iter().enumerate() {
+                let (theirs, first) = (all[q * n + i], all[i]);
+                if theirs != first {
+                    let show = |v: u64| if v == u64::MAX { "none".to_string() } else { v.to_string() };
+                    let (a, b) = match name.ends_with("(digest)") || *name == "optimizer" {
+                        true => (format!("{theirs:016x}"), format!("{first:016x}")),
+                        false => (show(theirs), show(first)),
+                    };
+                    return Err(Error::Processes { detail: format!("rank {q} has {name} {a}, rank 0 has {name} {b}") });
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Words per shard in a step record: loss sum (f64 bits), correct, count.
+const SHARD_WORDS: usize = 3;
+/// Words after the shards: compute ns, reduce ns, the stop flag.
+const TAIL_WORDS: usize = 3;
+
+/// Merges this process's part of a step (`local`: its shards' reports, in shard order)
+/// with every other process's: the whole step's report, the same on every process, and
+/// whether any process asked to stop.
+pub(super) fn merge_step(
+    world: &World,
+    local: StepReport,
+    stop: bool,
+    devices: &[Device],
+) -> Result<(StepReport, bool)> {
+    let mut mine = Vec::with_capacity(local.shards.len() * SHARD_WORDS + TAIL_WORDS);
+    for s in &local.shards {
+        mine.extend([s.metrics.loss_sum.to_bits(), s.metrics.correct, s.metrics.count]);
+    }
+    mine.extend([local.compute.as_nanos() as u64, local.reduce.as_nanos() as u64, u64::from(stop)]);
+    let all = world.all_gather(&mine)?;
+    let per = mine.len();
+    let shards_per_process = local.shards.len();
+    let k = shards_per_process / devices.len().max(1);
+    let mut report = StepReport {
+        step: local.step,
+        metrics: Metrics::default(),
+        shards: Vec::with_capacity(shards_per_process * world.size()),
+        compute: local.compute,
+        reduce: local.reduce,
+        wall: local.wall,
+    };
+    let mut any_stop = false;
+    for q in 0..world.size() {
+        let rec = &all[q * per..(q + 1) * per];
+        for j in 0..shards_per_process {
+            let w = &rec[j * SHARD_WORDS..(j + 1) * SHARD_WORDS];
+            let metrics = Metrics { loss_sum: f64::from_bits(w[0]), correct: w[1], count: w[2] };
+            report.metrics.add(&metrics);
+            let device = devices[j / k.max(1)];
+            report.shards.push(ShardReport { device, rank: Some(q), replica: q * shards_per_process + j, metrics });
+        }
+        let tail = &rec[shards_per_process * SHARD_WORDS..];
+        report.compute = report.compute.max(std::time::Duration::from_nanos(tail[0]));
+        report.reduce = report.reduce.max(std::time::Duration::from_nanos(tail[1]));
+        any_stop |= tail[2] != 0;
+    }
+    Ok((report, any_stop))
+}
+
+/// The evaluation's metrics of every device of the world (`local`: this process's, in
+/// device order), summed in global device order.
+pub(super) fn merge_metrics(world: &World, local: &[Metrics]) -> Result<Metrics> {
+    let mine: Vec<u64> = local.iter().flat_map(|m| [m.loss_sum.to_bits(), m.correct, m.count]).collect();
+    let all = world.all_gather(&mine)?;
+    let mut total = Metrics::default();
+    for w in all.chunks(3) {
+        total.add(&Metrics { loss_sum: f64::from_bits(w[0]), correct: w[1], count: w[2] });
+    }
+    Ok(total)
+}
+
+/// The replica check across processes: this process's devices against each other, then
+/// every device of the world against process 0's first; names the first that differs
+/// (process, device, tensor). The same verdict on every process.
+pub(super) fn check_across(world: &World, step: u64, devices: &[Device], prints: &[Vec<(String, u64)>]) -> Result<()> {
+    let local = check_replicas(step, prints);
+    let tensors = prints.first().map_or(0, Vec::len);
+    // A local mismatch travels as a flag so that every process fails alike.
+    let mut mine: Vec<u64> = vec![u64::from(local.is_err())];
+    mine.extend(prints.iter().flat_map(|p| p.iter().map(|t| t.1)));
+    let all = world.all_gather(&mine)?;
+    let per = mine.len();
+    let names = |t: usize| prints[0][t].0.clone();
+    let first = &all[1..1 + tensors];
+    for q in 0..world.size() {
+        let rec = &all[q * per..(q + 1) * per];
+        for (d, device) in devices.iter().enumerate() {
+            let theirs = &rec[1 + d * tensors..1 + (d + 1) * tensors];
+            if let Some(t) = (0..tensors).find(|&t| theirs[t] != first[t]) {
+                return Err(Error::ReplicaMismatchAcross {
+                    step,
+                    rank: q,
+                    device: device.to_string(),
+                    first: devices[0].to_string(),
+                    tensor: names(t),
+                });
+            }
+        }
+    }
+    local
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_process_holds_the_rows_of_its_shards() {
+        // B = 10, R = 4: shards 0..3, 3..6, 6..8, 8..10.
+        assert_eq!(RowPlan::new(4, 0, 2).rows(10), 0..6);
+        assert_eq!(RowPlan::new(4, 1, 2).rows(10), 6..10);
+        assert_eq!(RowPlan::new(4, 0, 1).rows(10), 0..10);
+        // A batch of 1: the second process's shards are empty, at the batch's end.
+        assert_eq!(RowPlan::new(4, 1, 2).rows(1), 1..1);
+        assert_eq!(RowPlan::new(4, 3, 4).rows(3), 3..3);
+    }
+
+    #[test]
+    fn a_world_of_one_merges_to_its_own_report() {
+        let world = crate::world::current().unwrap();
+        let m = |l: f64, c: u64| Metrics { loss_sum: l, correct: c, count: 2 };
+        let local = StepReport {
+            step: 3,
+            metrics: Metrics::default(),
+            shards: vec![
+                ShardReport { device: Device::Cpu(0), rank: None, replica: 0, metrics: m(0.5, 1) },
+                ShardReport { device: Device::Cpu(1), rank: None, replica: 1, metrics: m(0.25, 2) },
+            ],
+            compute: std::time::Duration::from_millis(2),
+            reduce: std::time::Duration::from_millis(1),
+            wall: std::time::Duration::from_millis(4),
+        };
+        let (r, stop) = merge_step(world, local, true, &[Device::Cpu(0), Device::Cpu(1)]).unwrap();
+        assert!(stop);
+        assert_eq!((r.metrics.loss_sum, r.metrics.correct, r.metrics.count), (0.75, 3, 4));
+        let who: Vec<_> = r.shards.iter().map(|s| (s.device, s.rank, s.replica)).collect();
+        assert_eq!(who, vec![(Device::Cpu(0), Some(0), 0), (Device::Cpu(1), Some(0), 1)]);
+    }
+
+    #[test]
+    fn the_check_names_the_device_that_differs() {
+        let world = crate::world::current().unwrap();
+        let a = vec![("dense0.weight".to_string(), 1u64), ("dense0.bias".to_string(), 2)];
+        let mut b = a.clone();
+        b[1].1 = 7;
+        let devices = [Device::Cpu(0), Device::Cpu(1)];
+        assert!(check_across(world, 4, &devices, &[a.clone(), a.clone()]).is_ok());
+        let e = check_across(world, 4, &devices, &[a, b]).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "replica check failed at step 4: rank 0, cpu:1 differs from rank 0, cpu:0 in tensor 'dense0.bias'"
+        );
+    }
+
+    #[test]
+    fn the_handshake_names_the_first_difference() {
+        let h = |batch: usize| {
+            let config = TrainConfig { batch_size: batch, ..TrainConfig::default() };
+            let store = ParamStore { params: vec![1.0, 2.0], buffers: vec![] };
+            Handshake::of(&[Device::Cpu(0)], 2, 2, &config, &store)
+        };
+        // In a world of one there is nobody to disagree with.
+        assert!(h(8).agree(crate::world::current().unwrap()).is_ok());
+        let (a, b) = (h(8), h(16));
+        let first = a.fields.iter().zip(&b.fields).find(|(x, y)| x.1 != y.1).map(|(x, _)| x.0);
+        assert_eq!(first, Some("batch size"));
+    }
+}
