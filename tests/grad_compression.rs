@@ -6,47 +6,26 @@
 //! scales keep gradients far outside fp16's range; the bytes that cross halve; and
 //! training keeps its replicas bitwise identical (the replica check runs every step).
 
+mod common;
+
 use lockstep::data::digits::{load_digits, DigitsLayout};
 use lockstep::devices::Devices;
 use lockstep::exchange::codec::{Codec, Compression, BLOCK};
-use lockstep::exchange::shm::{tree_sum, ShmGroup};
-use lockstep::exchange::{Exchange, Wait};
+use lockstep::exchange::shm::tree_sum;
 use lockstep::models::{self, ConvnetOptions, Norm};
 use lockstep::train::{train_data_parallel, TrainConfig};
 
 /// Every rank's copy of the sum of `shards` slots (slot s filled by `fill(s, i)`) over
-/// `ranks` ranks, with `codec`: the pieces gathered in order.
+/// `ranks` ranks, with `codec`.
 fn exchanged(
     ranks: usize,
     shards: usize,
     len: usize,
     codec: Codec,
-    fill: impl Fn(usize, usize) -> f32 + Sync,
+    fill: impl Fn(usize, usize) -> f32,
 ) -> Vec<Vec<f32>> {
-    let group = ShmGroup::with_codec(ranks, shards, len, Wait::Park, Some(codec)).unwrap();
-    std::thread::scope(|s| {
-        let hs: Vec<_> = (0..ranks)
-            .map(|d| {
-                let (group, fill) = (&group, &fill);
-                s.spawn(move || {
-                    let mut me = group.rank(d);
-                    let k = shards / ranks;
-                    for j in 0..k {
-                        me.with_slot(j, |slot| slot.iter_mut().enumerate().for_each(|(i, v)| *v = fill(d * k + j, i)));
-                    }
-                    me.sum().unwrap();
-                    let mut out = vec![f32::NAN; len];
-                    me.for_each_sum(|off, piece| {
-                        out[off..off + piece.len()].copy_from_slice(piece);
-                        Ok(())
-                    })
-                    .unwrap();
-                    out
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
-    })
+    let slots: Vec<Vec<f32>> = (0..shards).map(|s| (0..len).map(|i| fill(s, i)).collect()).collect();
+    common::shm_exchange(ranks, codec, &slots)
 }
 
 /// The codec's sum written out: each slot through a wire and back, the canonical tree in
