@@ -1,10 +1,11 @@
 //! Test support shared by the GPU tests (cuda_ops.rs, cuda_train.rs, oracle.rs), the
-//! host-run kernel tests (kernels_host.rs) and the 16-bit exchange tests (grad_compression.rs): the skip check for a missing GPU, the input
-//! generator, the f64 comparison, and the host references that both kernel tests hold
-//! the CUDA kernels to (the bias gradient, im2col/col2im, BatchNorm with its inputs,
-//! softmax cross-entropy, the dropout mask; the 16-bit codec's inputs, wires and
-//! exchange, and the synchronized BatchNorm layer run on the CPU, which the codec and
-//! synchronized BatchNorm kernels must equal bit for bit).
+//! host-run kernel tests (kernels_host.rs) and the 16-bit exchange tests
+//! (grad_compression.rs): the skip check for a missing GPU, the input generator, the f64
+//! comparison, and the host references that both kernel tests hold the CUDA kernels to
+//! (the bias gradient, im2col/col2im, BatchNorm with its inputs, softmax cross-entropy,
+//! the dropout mask; the 16-bit codec's inputs, wires and exchange, and the synchronized
+//! BatchNorm layer run on the CPU, which the codec and synchronized BatchNorm kernels
+//! must equal bit for bit).
 //!
 //! One copy of each, so that the kernels meet the same reference whether they run on a
 //! GPU or on the host. What only one test file needs stays in that file: the GPU and
