@@ -651,7 +651,10 @@ mod tests {
             codec.decode(&wire, 0..2600, &mut want);
             let mut got = vec![f32::NAN; 2600];
             codec.decode_codes(&half, &exps, 0, &mut got);
-            assert_eq!(got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), want.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
+            assert_eq!(
+                got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                want.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+            );
             let mut part = vec![f32::NAN; 2000];
             codec.decode_codes(&half[100..2100], &exps, 100, &mut part);
             assert!(part.iter().zip(&want[100..2100]).all(|(a, b)| a.to_bits() == b.to_bits()), "{compression:?}");

@@ -505,6 +505,10 @@ impl<'w> MpiGroup<'w> {
         };
         let mine: Vec<usize> = (0..self.leaves.len()).filter(|&j| self.leaves[j].owner == self.process).collect();
         let theirs: Vec<usize> = (0..self.leaves.len()).filter(|&j| self.leaves[j].owner != self.process).collect();
+        let coded_theirs: Vec<usize> =
+            theirs.iter().copied().filter(|&j| self.leaves[j].travel == Travel::Codes).collect();
+        // One codec block of each of them, decoded.
+        let mut scratch: Vec<Vec<f32>> = coded_theirs.iter().map(|_| vec![0.0; BLOCK]).collect();
         let peers: Vec<usize> = (0..self.processes).filter(|&q| q != self.process).collect();
         let tag = |j: usize| TAG_LEAF + j as c_int;
         let tag_exps = |j: usize| TAG_LEAF_EXPS + j as c_int;
@@ -606,41 +610,74 @@ impl<'w> MpiGroup<'w> {
         for (k, &i) in held.iter().enumerate() {
             self.world.wait(port, &mut arriving[k], self.wait, &aborted)?;
             let b = &self.blocks[i];
-            if let Some(codec) = &self.codec {
-                for &j in theirs.iter().filter(|&&j| self.leaves[j].travel == Travel::Codes) {
+            let Some(codec) = &self.codec else {
+                let values: Vec<(Range<usize>, &[f32])> = (0..self.leaves.len())
+                    .map(|j| {
+                        let v: &[f32] = match self.leaves[j].owner == self.process {
+                            true => self.own(j, b, &slots, &partial),
+                            false => &*inboxes[j][k],
+                        };
+                        (self.leaves[j].shards.clone(), v)
+                    })
+                    .collect();
+                tree::sum_leaves(self.total, &values, sum_blocks[i]);
+                if self.rounds == Rounds::Two {
+                    for &q in &peers {
+                        // SAFETY: this block is summed above and not written again this step.
+                        rest.push(unsafe { self.isend(port, &*sum_blocks[i], q, TAG_SUM)? });
+                    }
+                }
+                continue;
+            };
+            // With a codec, codec block by codec block, so that what is decoded, summed,
+            // encoded and decoded again stays in the cache: each leaf that came as codes
+            // decoded into scratch, the tree's top summed, the sum rounded to the codec
+            // (its codes kept, in two rounds, to be sent).
+            let n = clip(&b.elems, e).len();
+            let (mut one_half, mut one_exps) = ([0u16; BLOCK], [0i8; 1]);
+            for x in b.elems.clone().step_by(BLOCK) {
+                let sub = x..(x + BLOCK).min(b.elems.end);
+                let (at, enc) = (sub.start - b.elems.start, clip(&sub, e).len());
+                for (&j, scratch) in coded_theirs.iter().zip(scratch.iter_mut()) {
                     let (codes, exps) = &codes_in[j];
-                    let at = clip(&b.elems, e).start - clip(&inbox_range, e).start;
-                    let out = &mut inboxes[j][k][..codes[k].len()];
-                    codec.decode_codes(&codes[k], &exps[(at / BLOCK).min(exps.len())..], at % BLOCK, out);
+                    let exps = &exps[((sub.start - base) / BLOCK).min(exps.len())..];
+                    codec.decode_codes(&codes[k][at.min(n)..at.min(n) + enc], exps, 0, &mut scratch[..enc]);
+                    scratch[enc..sub.len()].copy_from_slice(&inboxes[j][k][at + enc..at + sub.len()]);
+                }
+                let values: Vec<(Range<usize>, &[f32])> = (0..self.leaves.len())
+                    .map(|j| {
+                        let v: &[f32] = match (self.leaves[j].owner == self.process, self.leaves[j].travel) {
+                            (true, _) => &self.own(j, b, &slots, &partial)[at..at + sub.len()],
+                            (false, Travel::F32) => &inboxes[j][k][at..at + sub.len()],
+                            (false, Travel::Codes) => {
+                                let slot = coded_theirs.iter().position(|&c| c == j).expect("a coded leaf");
+                                &scratch[slot][..sub.len()]
+                            }
+                        };
+                        (self.leaves[j].shards.clone(), v)
+                    })
+                    .collect();
+                let out = &mut sum_blocks[i][at..at + sub.len()];
+                tree::sum_leaves(self.total, &values, out);
+                if enc > 0 {
+                    let (half, exps): (&mut [u16], &mut [i8]) = match self.rounds {
+                        Rounds::Two => {
+                            let exps = match sum_exps.get_mut(self.process) {
+                                Some(exps) => {
+                                    let from = (self.block_exps(b) + at / BLOCK).min(exps.len());
+                                    &mut exps[from..]
+                                }
+                                None => &mut [][..], // bf16: no exponents
+                            };
+                            (&mut sum_codes[i][at..at + enc], exps)
+                        }
+                        Rounds::One => (&mut one_half[..enc], &mut one_exps[..]),
+                    };
+                    codec.encode_codes(&out[..enc], half, exps);
+                    codec.decode_codes(half, exps, 0, &mut out[..enc]);
                 }
             }
-            let values: Vec<(Range<usize>, &[f32])> = (0..self.leaves.len())
-                .map(|j| {
-                    let v: &[f32] = match self.leaves[j].owner == self.process {
-                        true => self.own(j, b, &slots, &partial),
-                        false => &*inboxes[j][k],
-                    };
-                    (self.leaves[j].shards.clone(), v)
-                })
-                .collect();
-            tree::sum_leaves(self.total, &values, sum_blocks[i]);
             if self.rounds == Rounds::Two {
-                let n = match self.codec {
-                    Some(codec) => {
-                        // Encoded once, sent as codes; decoded below with the others.
-                        let exps = match sum_exps.get_mut(self.process) {
-                            Some(exps) => {
-                                let from = self.block_exps(b).min(exps.len());
-                                &mut exps[from..]
-                            }
-                            None => &mut [][..], // bf16: no exponents
-                        };
-                        let n = sum_codes[i].len();
-                        codec.encode_codes(&sum_blocks[i][..n], sum_codes[i], exps);
-                        n
-                    }
-                    None => 0,
-                };
                 for &q in &peers {
                     if n > 0 {
                         // SAFETY: this block's codes are written above and not again this step.
@@ -660,18 +697,14 @@ impl<'w> MpiGroup<'w> {
             }
         }
         self.world.wait(port, &mut rest, self.wait, &aborted)?;
-        // The sum rounded to the codec: two rounds, every chunk's codes decoded (this
-        // process's own too: decode(encode(x)) is the rounding); one round, rounded here.
-        match (&self.codec, self.rounds) {
-            (Some(codec), Rounds::Two) => {
-                for (i, b) in self.blocks.iter().enumerate() {
-                    let exps = sum_exps.get(b.chunk).map_or(&[][..], |x| &x[self.block_exps(b).min(x.len())..]);
-                    let n = sum_codes[i].len();
-                    codec.decode_codes(&sum_codes[i], exps, 0, &mut sum_blocks[i][..n]);
-                }
+        // The other processes' chunks of the sum, decoded (this process's own was rounded
+        // as it was summed, as were all of it in one round).
+        if let (Some(codec), Rounds::Two) = (&self.codec, self.rounds) {
+            for (i, b) in self.blocks.iter().enumerate().filter(|(_, b)| b.chunk != self.process) {
+                let exps = sum_exps.get(b.chunk).map_or(&[][..], |x| &x[self.block_exps(b).min(x.len())..]);
+                let n = sum_codes[i].len();
+                codec.decode_codes(&sum_codes[i], exps, 0, &mut sum_blocks[i][..n]);
             }
-            (Some(codec), Rounds::One) => round(codec, &mut sum),
-            (None, _) => {}
         }
         Ok(())
     }
