@@ -36,9 +36,29 @@
 //! 16-bit gradients (`--grad-compression`, `exchange::codec`): every slot's values are
 //! rounded as the codec encodes and decodes them, the sum is taken of those in the same
 //! tree, and rounded again — what the shared-memory exchange computes from its wires, so
-//! the weights are bitwise the same on any number of processes. Between processes the
-//! rounded values still travel as f32: the codec's halving of the bytes on the wire is
-//! the shared memory's only, so far.
+//! the weights are bitwise the same on any number of processes. What crosses between
+//! processes is 16-bit wherever the values are a codec's, since a codec's values are
+//! exactly what its codes say:
+//! - a leaf that is ONE slot (one logical replica per device, or a process's odd shard)
+//!   sends the codes the slot was rounded through (`with_slot` keeps them): 2 bytes a
+//!   value of the gradient, plus for fp16 one exponent byte per block of 1,024 values
+//!   (one message per leaf and process);
+//! - a leaf of SEVERAL slots is this process's f32 partial sum, which no 16-bit code
+//!   holds (its rounding would change the sum): it still travels as f32, 4 bytes a value
+//!   (e.g. the reduce-scatter of 2 × cpu:2 with R = 4; 2 × cpu:1 with R = 2 has none);
+//! - the all-gather sends each process's summed chunk as the codes it is rounded to
+//!   (2 bytes a value, fp16 + 1 byte a block), which every process decodes: bitwise the
+//!   sum rounded as a whole, since with a codec every chunk, piece and block begins on a
+//!   codec block (fp16 exponents are per block at absolute offsets);
+//! - the slot's tail past the codec's encoded part (BatchNorm buffers) travels as f32
+//!   in every phase, as in the codec.
+//!
+//! So between 2 processes of one slot each a sum hands MPI 2 bytes per gradient value in
+//! each phase, against 4 (the test `sixteen_bit_gradients_cross_between_processes_as_16_bit_values`
+//! checks the bytes counted, [`MpiGroup::bytes_sent`], against the buffers' sizes).
+//! Device 0 decodes what came as codes, sums and re-encodes codec block by codec block,
+//! in the cache; what it costs against the bytes saved is `bench allreduce
+//! --grad-compression`'s (README, "Several machines").
 //!
 //! Synchronized BatchNorm (`--sync-batchnorm`): [`MpiStats`], the statistics exchange,
 //! gathers every logical replica's payload in replica order: the process's devices
@@ -73,6 +93,8 @@ use crate::world::World;
 /// round; a larger one in two (reduce-scatter, all-gather), which moves half as much
 /// between 2 processes. Chosen by `bench allreduce` on 2 processes here: one round is the
 /// faster up to 256 KiB on shared memory (26 µs against 28) and TCP (85 µs against 127).
+/// The bytes are those that would travel: 16-bit codes for leaves of one slot with a
+/// codec, several leaves of a process each counted.
 pub const GATHER_BELOW: usize = 256 << 10;
 
 /// The most values one message carries between processes of one machine over shared
@@ -81,7 +103,9 @@ pub const GATHER_BELOW: usize = 256 << 10;
 /// waits for a rendezvous). Measured at 4 MiB on 2 processes here, busbw against
 /// `MPI_Allreduce`'s: shared memory 1.2-1.4× with 64 Ki values, 0.9-1.3× with 16,000;
 /// TCP 1.1-1.3× with 16,000, 0.7-1.1× with 64 Ki. Summing one block overlaps the
-/// arrival of the next.
+/// arrival of the next. With a codec a block keeps its number of values, rounded down
+/// to whole codec blocks (at least one): 64 Ki, 15,360 (30 KiB of codes, or 60 KiB of an
+/// f32 partial sum), 1,024 (2 KiB of codes; 4 KiB of f32, just over the eager limit).
 pub const BLOCK_SHARED: usize = 64 << 10;
 pub const BLOCK_NETWORK: usize = 16_000;
 
@@ -529,7 +553,7 @@ impl<'w> MpiGroup<'w> {
             if self.leaves[j].travel == Travel::Codes && !exps.is_empty() {
                 // SAFETY: an inbox buffer, untouched until this receive completes (or leaked);
                 // waited for with the first block, before any block is decoded.
-                arriving[0].push(unsafe { port.irecv(&mut **exps, owner, tag_exps(j))? });
+                arriving[0].push(unsafe { port.irecv(exps, owner, tag_exps(j))? });
             }
             for (k, (here, block)) in arriving.iter_mut().zip(inboxes[j].iter_mut()).enumerate() {
                 let values = match self.leaves[j].travel {
@@ -703,7 +727,7 @@ impl<'w> MpiGroup<'w> {
             for (i, b) in self.blocks.iter().enumerate().filter(|(_, b)| b.chunk != self.process) {
                 let exps = sum_exps.get(b.chunk).map_or(&[][..], |x| &x[self.block_exps(b).min(x.len())..]);
                 let n = sum_codes[i].len();
-                codec.decode_codes(&sum_codes[i], exps, 0, &mut sum_blocks[i][..n]);
+                codec.decode_codes(sum_codes[i], exps, 0, &mut sum_blocks[i][..n]);
             }
         }
         Ok(())
