@@ -1,11 +1,13 @@
 //! 16-bit gradients on the wire (`--grad-compression bf16|fp16`): the codec, one piece
-//! that any exchange can carry (shared memory here, MPI next), kept apart from every
+//! that any exchange can carry (shared memory, MPI between processes), kept apart from every
 //! transport. GPUs run it as kernels (kernels/codec.cu, through `exchange::gpu`) that
 //! mirror this file operation for operation; tests/kernels_host.rs and tests/cuda_ops.rs
 //! hold them to it bit for bit, so this file stays the one definition.
 //!
 //! Owns: [`Compression`] (what travels), [`Codec`] (how a run's slot is encoded) and
-//! [`Wire`] (the encoded values of one run of a slot). It knows nothing of ranks,
+//! [`Wire`] (the encoded values of one run of a slot; [`Codec::encode_codes`] and
+//! [`Codec::decode_codes`] do the same into and out of a transport's own buffers, which
+//! the MPI exchange receives into). It knows nothing of ranks,
 //! barriers or messages: an exchange encodes each logical replica's slot once, moves the
 //! wires, decodes every contribution to f32, sums in ITS fixed order in f32, encodes the
 //! sum, and every rank decodes that same encoded sum. Encoding and decoding are pure
