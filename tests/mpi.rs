@@ -175,7 +175,7 @@ fn accumulation_sync_batchnorm_16_bit_gradients_and_sharding_across_processes() 
         ("fp16", &["--grad-compression", "fp16"], &[(0, 4), (2, 2), (4, 1)]),
         ("sync-batchnorm", &["--sync-batchnorm"], &[(0, 4), (2, 2), (4, 1)]),
         ("accumulate", &["--accumulate", "2"], &[(0, 4), (2, 2)]),
-        ("shard-optimizer", &["--shard-optimizer"], &[(0, 4), (2, 2)]),
+        ("shard-optimizer", &["--shard-optimizer"], &[(0, 4), (2, 2), (4, 1)]),
     ];
     for (name, flags, layouts) in features {
         let args: Vec<&str> = CONVNET.iter().copied().chain(["--replicas", "4"]).chain(flags.iter().copied()).collect();
@@ -248,8 +248,55 @@ fn a_checkpoint_of_2_processes_resumes_on_4_and_on_1() {
     if !mpi_ready("a_checkpoint_of_2_processes_resumes_on_4_and_on_1") {
         return;
     }
+    resumes_on_4_and_on_1(&[], &[]);
+}
+
+#[test]
+fn a_sharded_optimiser_spans_the_processes_and_its_checkpoints_resume_anywhere() {
+    if !mpi_ready("a_sharded_optimiser_spans_the_processes_and_its_checkpoints_resume_anywhere") {
+        return;
+    }
+    // Each device of the world keeps the state of one of 4 parts: on 2 × cpu:2 and
+    // 4 × cpu:1 process 0's devices hold what devices 0 and 1 of 1 × cpu:4 hold (Adam's
+    // m and v of the same parts), a quarter of the whole; the weights are the unsharded
+    // run's.
+    let bytes = |np: usize, d: usize| -> Vec<usize> {
+        let devices = format!("cpu:{d}");
+        let args = ["bench", "step", "--model", "convnet", "--batch-size", "32", "--devices", &devices];
+        let args = [&args[..], &["--steps", "2", "--warmup", "1", "--shard-optimizer"]].concat();
+        let o = match np {
+            0 => lockstep().args(&args).output().unwrap(),
+            n => mpirun(n, &[]).arg(env!("CARGO_BIN_EXE_lockstep")).args(&args).output().unwrap(),
+        };
+        let out = text(&o);
+        assert!(o.status.success(), "{out}");
+        let line = out.lines().find_map(|l| l.strip_prefix("optimizer state per device: ")).expect("the state line");
+        line.trim_end_matches(" bytes").split(", ").map(|b| b.parse().unwrap()).collect()
+    };
+    let one = bytes(0, 4);
+    assert_eq!(one.len(), 4);
+    assert_eq!(bytes(2, 2), one[..2].to_vec());
+    assert_eq!(bytes(4, 1), one[..1].to_vec());
     let dir = Scratch::new();
     let base: Vec<&str> = CONVNET.iter().copied().chain(["--replicas", "4"]).collect();
+    let sharded: Vec<&str> = base.iter().copied().chain(["--shard-optimizer"]).collect();
+    let (plain, spread) = (dir.path("plain.safetensors"), dir.path("spread.safetensors"));
+    train(0, 4, &[], &base, &plain);
+    train(4, 1, &[], &sharded, &spread);
+    assert!(tensors(&plain) == tensors(&spread), "sharded on 4 × cpu:1: not the unsharded run's weights");
+    // Checkpoints of 2 × cpu:2 sharded hold the whole state (process 0 gathers it):
+    // resumed sharded on 4 × cpu:1 and unsharded on 1 × cpu:4, each ends bitwise where
+    // the uninterrupted run does.
+    resumes_on_4_and_on_1(&["--shard-optimizer"], &[]);
+    resumes_on_4_and_on_1(&["--shard-optimizer"], &["--shard-optimizer"]);
+}
+
+/// A run of 2 × cpu:2 (with `flags`) checkpointing every step, cut after step 3, resumed
+/// on 4 × cpu:1 and on 1 × cpu:4 (with `resumed`), each bitwise the uninterrupted run.
+fn resumes_on_4_and_on_1(flags: &[&str], resumed: &[&str]) {
+    let dir = Scratch::new();
+    let plain: Vec<&str> = CONVNET.iter().copied().chain(["--replicas", "4"]).collect();
+    let base: Vec<&str> = plain.iter().chain(flags).copied().collect();
     let full = dir.path("full.safetensors");
     train(2, 2, &[], &base, &full);
     let ck = dir.path("ck");
@@ -269,15 +316,22 @@ fn a_checkpoint_of_2_processes_resumes_on_4_and_on_1() {
     }
     let kept = dir.path("kept");
     copy_dir(&ck, &kept);
-    let resume: Vec<&str> = base.iter().copied().chain(["--resume", ck_s]).collect();
+    let resume: Vec<&str> = plain.iter().chain(resumed).copied().chain(["--resume", ck_s]).collect();
     let on_4 = dir.path("on4.safetensors");
     let out = train(4, 1, &[], &resume, &on_4);
     assert!(out.contains("resuming") && out.contains("at step 3"), "{out}");
-    assert!(tensors(&on_4) == tensors(&full), "resumed on 4 × cpu:1: not the uninterrupted run's weights");
-    let resume_kept: Vec<&str> = base.iter().copied().chain(["--resume", kept.to_str().unwrap()]).collect();
+    assert!(
+        tensors(&on_4) == tensors(&full),
+        "{flags:?} resumed on 4 × cpu:1 {resumed:?}: not the uninterrupted run's"
+    );
+    let resume_kept: Vec<&str> =
+        plain.iter().chain(resumed).copied().chain(["--resume", kept.to_str().unwrap()]).collect();
     let on_1 = dir.path("on1.safetensors");
     train(0, 4, &[], &resume_kept, &on_1);
-    assert!(tensors(&on_1) == tensors(&full), "resumed on 1 × cpu:4: not the uninterrupted run's weights");
+    assert!(
+        tensors(&on_1) == tensors(&full),
+        "{flags:?} resumed on 1 × cpu:4 {resumed:?}: not the uninterrupted run's"
+    );
 }
 
 fn copy_dir(from: &Path, to: &Path) {

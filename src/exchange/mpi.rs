@@ -64,8 +64,12 @@
 //! gathers every logical replica's payload in replica order: the process's devices
 //! through shared memory, then device 0 through `MPI_Iallgather`, waited on as the sum is.
 //!
-//! A sharded optimiser (`--shard-optimizer`) keeps its whole state on every device here
-//! (the `Exchange` defaults: every device owns every parameter); the weights are the same.
+//! A sharded optimiser (`--shard-optimizer`): each device of the world owns one of P·D
+//! parts of the slot ([`Exchange::owned`]) and keeps the optimiser state of its
+//! parameters only; after the update the parts are all-gathered, within the process
+//! through its buffer, between processes by device 0, as the sum's all-gather. The
+//! weights are those of the unsharded run (the update is element by element); the
+//! trainer gathers the state's parts from every process for a checkpoint.
 //!
 //! Faults: every wait polls the world's failure notices, the processes on this machine,
 //! the launcher and this group's abort flag ([`MpiWorld::wait`]). A failed wait leaves
@@ -122,6 +126,8 @@ pub const EAGER_BLOCK: usize = 1000;
 /// `TAG_LEAF + its index`, its fp16 exponents `TAG_LEAF_EXPS + its index`.
 const TAG_SUM: c_int = 90;
 const TAG_SUM_EXPS: c_int = 91;
+/// Tag of a sharded optimiser's parameter all-gather.
+const TAG_PARAMS: c_int = 92;
 const TAG_LEAF: c_int = 100;
 const TAG_LEAF_EXPS: c_int = TAG_LEAF + MAX_LEAVES as c_int;
 /// MPI guarantees tags up to 32767; the notices of `world::mpi` use 19539, above both
@@ -234,6 +240,10 @@ pub struct MpiGroup<'w> {
     slot_codes: Vec<Option<RwLock<Codes>>>,
     /// Bytes of the sum's messages this process has handed MPI to send.
     bytes_sent: AtomicU64,
+    /// A sharded optimiser's parts of the slot: one per device of the world, in world
+    /// order (process by process), and the parameters gathered from every device.
+    owned: Vec<Range<usize>>,
+    gathered: RwLock<Vec<f32>>,
     /// Synchronized BatchNorm's payloads, in two generations (a fast device writes the
     /// next call's while a slow one still reads this one's): each local device's, and
     /// every logical replica's of the world, gathered by device 0.
@@ -404,6 +414,8 @@ impl<'w> MpiGroup<'w> {
             encoded,
             slot_codes,
             bytes_sent: AtomicU64::new(0),
+            owned: cut(len, in_world, 16),
+            gathered: RwLock::new(vec![0.0; len]),
             stats_mine: [0, 1].map(|_| (0..devices).map(|_| RwLock::new(Vec::new())).collect()),
             stats_all: [0, 1].map(|_| RwLock::new(Vec::new())),
             barrier: SpinBarrier::new(devices, wait),
@@ -733,6 +745,50 @@ impl<'w> MpiGroup<'w> {
         Ok(())
     }
 
+    /// The parameters (`0..np` of the slot) that process `q`'s devices own: their parts,
+    /// which are consecutive.
+    fn process_owned(&self, q: usize, np: usize) -> Range<usize> {
+        let (first, last) = (&self.owned[q * self.devices], &self.owned[(q + 1) * self.devices - 1]);
+        first.start.min(np)..last.end.min(np)
+    }
+
+    /// Device 0's part of a sharded optimiser's all-gather: this process's devices' parts
+    /// of `gathered` to every other process, theirs into it. On failure the group is
+    /// aborted and, with requests pending on `gathered`, abandoned.
+    fn gather_params_across(&self, np: usize) -> Result<()> {
+        let result = self.world.port().and_then(|mut port| {
+            let mut gathered = self.gathered.write();
+            let lens = (0..self.processes).map(|q| self.process_owned(q, np).len());
+            let mut parts = split_lens(&mut gathered, Some(lens));
+            let mut reqs = Vec::with_capacity(2 * self.processes);
+            let posted = (|| -> Result<()> {
+                for q in (0..self.processes).filter(|&q| q != self.process) {
+                    if !parts[self.process].is_empty() {
+                        // SAFETY: this process's part, written before the barrier and not
+                        // again until the wait below completes (or the group is abandoned).
+                        reqs.push(unsafe { port.isend(&*parts[self.process], q, TAG_PARAMS)? });
+                    }
+                    if !parts[q].is_empty() {
+                        // SAFETY: process q's part, untouched until the receive completes.
+                        reqs.push(unsafe { port.irecv(&mut *parts[q], q, TAG_PARAMS)? });
+                    }
+                }
+                Ok(())
+            })();
+            let r = posted.and_then(|()| {
+                self.world.wait(&mut port, &mut reqs, self.wait, &|| self.aborted.load(Ordering::Relaxed))
+            });
+            if r.is_err() {
+                self.abandoned.store(true, Ordering::SeqCst);
+            }
+            r
+        });
+        if result.is_err() {
+            self.abort();
+        }
+        result
+    }
+
     /// Posts the send of `buf` to `peer` through `port`, counting its bytes.
     ///
     /// # Safety
@@ -871,6 +927,7 @@ impl Drop for MpiGroup<'_> {
             std::mem::forget(std::mem::take(c.get_mut()));
         }
         std::mem::forget(std::mem::take(self.sum.get_mut()));
+        std::mem::forget(std::mem::take(self.gathered.get_mut()));
     }
 }
 
@@ -949,6 +1006,34 @@ impl Exchange for MpiRank<'_, '_> {
 
     fn for_each_sum(&self, mut f: impl FnMut(usize, &[f32]) -> Result<()>) -> Result<()> {
         f(0, &self.group.sum.read())
+    }
+
+    /// This device's part of the world's slot, one of P·D (cut as the pieces are): a
+    /// sharded optimiser keeps the state of its parameters only.
+    fn owned(&self) -> Range<usize> {
+        self.group.owned[self.group.process * self.group.devices + self.device].clone()
+    }
+
+    /// Every device's owned parameters to every device of the world: each device puts
+    /// its part into the process's buffer, device 0 exchanges the process's parts with
+    /// every other process's (point to point, as the sum's messages, waited on as they
+    /// are), and each device copies the whole back.
+    fn all_gather(&mut self, params: &mut [f32]) -> Result<()> {
+        let g = self.group;
+        let np = params.len();
+        if np > g.len {
+            return Err(Error::shape("parameter all-gather", format!("{np} parameters in slots of {} values", g.len)));
+        }
+        let mine = self.owned();
+        let mine = mine.start.min(np)..mine.end.min(np);
+        g.gathered.write()[mine.clone()].copy_from_slice(&params[mine]);
+        g.barrier.wait(&g.aborted)?;
+        if self.device == 0 && g.processes > 1 {
+            g.gather_params_across(np)?;
+        }
+        g.barrier.wait(&g.aborted)?;
+        params.copy_from_slice(&g.gathered.read()[..np]);
+        Ok(())
     }
 
     fn is_aborted(&self) -> bool {
