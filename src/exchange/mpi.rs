@@ -181,8 +181,10 @@ impl Codes {
 /// Device 0's receive buffers (and the sum's codes, which it also sends from).
 struct Inbox {
     /// `values[j]` holds another process's leaf j, for this process's chunk (two rounds)
-    /// or whole (one round): as received (f32) or decoded (codes); empty for this
-    /// process's leaves.
+    /// or whole (one round), as received: all of it for a leaf that travels as f32, only
+    /// its f32 tail for one that travels as codes (those are decoded codec block by codec
+    /// block into scratch as they are summed; the rest of its buffer is never written);
+    /// empty for this process's leaves.
     values: Vec<Vec<f32>>,
     /// `codes[j]`: the codes of another process's leaf j that travels as codes, over the
     /// same elements' encoded part; empty otherwise.
@@ -509,11 +511,10 @@ impl<'w> MpiGroup<'w> {
         let mut sum = self.sum.write();
         let mut sum_blocks = split_blocks(&mut sum, &self.blocks);
         let e = self.encoded;
-        let inbox_range = match self.rounds {
-            Rounds::One => 0..self.len,
-            Rounds::Two => self.chunks[self.process].clone(),
+        let base = match self.rounds {
+            Rounds::One => 0,
+            Rounds::Two => self.chunks[self.process].start,
         };
-        let base = inbox_range.start;
         let held: Vec<usize> = (0..self.blocks.len()).filter(|&i| self.chunk_holds(&self.blocks[i])).collect();
         let mut inboxes: Vec<Vec<&mut [f32]>> = (inbox.values.iter_mut().zip(&self.leaves))
             .map(|(v, leaf)| match leaf.owner == self.process {
