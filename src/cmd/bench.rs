@@ -226,7 +226,13 @@ pub(crate) fn cmd_bench_allreduce(a: BenchAllreduceArgs) -> CliResult {
         #[cfg(feature = "mpi")]
         DeviceSpec::Cpu { count, .. } if lockstep::world::current().is_ok_and(|w| w.size() > 1) => {
             let world = lockstep::world::current().map_err(Failure::usage)?;
-            return crate::cmd::bench_mpi::mpi_allreduce(world, count, &sizes, a.iters, a.warmup);
+            return crate::cmd::bench_mpi::mpi_allreduce(
+                world,
+                count,
+                &sizes,
+                (a.iters, a.warmup),
+                a.grad_compression.compression(),
+            );
         }
         DeviceSpec::Cpu { count, .. } => {
             // One thread per rank: the bound of `--devices cpu:N` (64 threads per core).

@@ -1,11 +1,13 @@
 //! 16-bit gradients on the wire (`--grad-compression bf16|fp16`): the codec, one piece
-//! that any exchange can carry (shared memory here, MPI next), kept apart from every
+//! that any exchange can carry (shared memory, MPI between processes), kept apart from every
 //! transport. GPUs run it as kernels (kernels/codec.cu, through `exchange::gpu`) that
 //! mirror this file operation for operation; tests/kernels_host.rs and tests/cuda_ops.rs
 //! hold them to it bit for bit, so this file stays the one definition.
 //!
 //! Owns: [`Compression`] (what travels), [`Codec`] (how a run's slot is encoded) and
-//! [`Wire`] (the encoded values of one run of a slot). It knows nothing of ranks,
+//! [`Wire`] (the encoded values of one run of a slot; [`Codec::encode_codes`] and
+//! [`Codec::decode_codes`] do the same into and out of a transport's own buffers, which
+//! the MPI exchange receives into). It knows nothing of ranks,
 //! barriers or messages: an exchange encodes each logical replica's slot once, moves the
 //! wires, decodes every contribution to f32, sums in ITS fixed order in f32, encodes the
 //! sum, and every rank decodes that same encoded sum. Encoding and decoding are pure
@@ -143,19 +145,8 @@ impl Codec {
         // Offsets within the wire's codes, which begin at its encoded part's start.
         let codes_start = self.encoded(&wire.range).start;
         let local = enc.start - codes_start..enc.end - codes_start;
-        match self.format {
-            Format::Bf16 => encode_bf16(src_enc, &mut wire.half[local]),
-            Format::Fp16 => {
-                let mut scaled = [0.0f32; BLOCK];
-                let first = local.start / BLOCK;
-                let codes = &mut wire.half[local];
-                let blocks = src_enc.chunks(BLOCK).zip(codes.chunks_mut(BLOCK));
-                for ((block, codes), e) in blocks.zip(&mut wire.exps[first..]) {
-                    *e = fp16_exponent(block);
-                    encode_fp16_scaled(block, pow2(*e as i32), codes, &mut scaled[..block.len()]);
-                }
-            }
-        }
+        let first = (local.start / BLOCK).min(wire.exps.len());
+        self.encode_codes(src_enc, &mut wire.half[local], &mut wire.exps[first..]);
         let raw_start = wire.range.start.max(self.encoded_len);
         let raw = range.start.max(self.encoded_len) - raw_start..range.end.max(self.encoded_len) - raw_start;
         wire.raw[raw].copy_from_slice(src_raw);
@@ -173,23 +164,52 @@ impl Codec {
         let n = wire.half.len();
         let enc = local.start.min(n)..local.end.min(n);
         let (out_enc, out_raw) = out.split_at_mut(enc.len());
+        let exps = &wire.exps[(enc.start / BLOCK).min(wire.exps.len())..];
+        self.decode_codes(&wire.half[enc.clone()], exps, enc.start % BLOCK, out_enc);
+        let raw = local.start.max(n) - n..local.end.max(n) - n;
+        out_raw.copy_from_slice(&wire.raw[raw]);
+    }
+
+    /// The 16-bit codes of `src` into `half` (as long), and for fp16 the exponent of each
+    /// block into `exps` (one per [`BLOCK`] values of `src`; bf16 leaves it alone): the
+    /// encoding of [`Codec::encode`], for a transport that keeps codes in buffers of its
+    /// own (the MPI exchange receives into them). `src` must begin on a block of the slot
+    /// and lie inside the encoded part.
+    pub fn encode_codes(&self, src: &[f32], half: &mut [u16], exps: &mut [i8]) {
+        assert_eq!(src.len(), half.len(), "encode {} values into {} codes", src.len(), half.len());
         match self.format {
-            Format::Bf16 => decode_bf16(&wire.half[enc.clone()], out_enc),
+            Format::Bf16 => encode_bf16(src, half),
             Format::Fp16 => {
-                let mut at = enc.start;
-                let mut done = 0;
-                while at < enc.end {
-                    let block = at / BLOCK;
-                    let end = ((block + 1) * BLOCK).min(enc.end);
-                    let dst = &mut out_enc[done..done + end - at];
-                    decode_fp16_scaled(&wire.half[at..end], pow2(-(wire.exps[block] as i32)), dst);
-                    done += end - at;
+                assert!(exps.len() >= src.len().div_ceil(BLOCK), "{} exponents for {} values", exps.len(), src.len());
+                let mut scaled = [0.0f32; BLOCK];
+                for ((block, codes), e) in src.chunks(BLOCK).zip(half.chunks_mut(BLOCK)).zip(exps) {
+                    *e = fp16_exponent(block);
+                    encode_fp16_scaled(block, pow2(*e as i32), codes, &mut scaled[..block.len()]);
+                }
+            }
+        }
+    }
+
+    /// The f32 values of the codes `half` into `out` (as long): `half[0]` lies `skip`
+    /// values into the block whose fp16 exponent is `exps[0]`, and each later block has
+    /// the next exponent (bf16 ignores `exps`). The inverse of [`Codec::encode_codes`]
+    /// (with `skip` 0), exact.
+    pub fn decode_codes(&self, half: &[u16], exps: &[i8], skip: usize, out: &mut [f32]) {
+        assert_eq!(half.len(), out.len(), "decode {} codes into {} values", half.len(), out.len());
+        match self.format {
+            Format::Bf16 => decode_bf16(half, out),
+            Format::Fp16 => {
+                assert!(skip < BLOCK, "{skip} values into a block of {BLOCK}");
+                let mut at = 0;
+                let mut block = 0;
+                while at < half.len() {
+                    let end = (at + BLOCK - if block == 0 { skip } else { 0 }).min(half.len());
+                    decode_fp16_scaled(&half[at..end], pow2(-(exps[block] as i32)), &mut out[at..end]);
+                    block += 1;
                     at = end;
                 }
             }
         }
-        let raw = local.start.max(n) - n..local.end.max(n) - n;
-        out_raw.copy_from_slice(&wire.raw[raw]);
     }
 
     /// The f32 values of `range` of a wire as stored, when that range is past the encoded
@@ -611,5 +631,35 @@ mod tests {
         em.copy_from_slice(e);
         rm.copy_from_slice(r);
         assert_eq!(received, wire);
+    }
+
+    #[test]
+    fn codes_in_a_transports_own_buffers_are_the_wires() {
+        // 3,000 values, 2,600 encoded, of block maxima far apart (fp16 scales 2^40, 2^-4,
+        // 2^14): the codes and exponents that `encode_codes` writes for the encoded part
+        // are the wire's, and `decode_codes` gives `decode`'s values, from a block's start
+        // and from 100 values into one.
+        let src: Vec<f32> =
+            (0..3000).map(|i| [1e-8f32, 3e5, 1.5][(i / BLOCK) % 3] * (1.0 + (i % 97) as f32 * 0.013)).collect();
+        for compression in [Compression::Bf16, Compression::Fp16] {
+            let codec = Codec::new(compression, 2600).unwrap();
+            let mut wire = codec.wire(0..3000);
+            codec.encode(&src, &mut wire, 0..3000);
+            let (mut half, mut exps) = (vec![0u16; 2600], vec![0i8; 3]);
+            codec.encode_codes(&src[..2600], &mut half, &mut exps);
+            let (h, e, _) = wire.parts();
+            assert_eq!((&half[..], &exps[..]), (h, if e.is_empty() { &[0i8; 3][..] } else { e }), "{compression:?}");
+            let mut want = vec![0.0; 2600];
+            codec.decode(&wire, 0..2600, &mut want);
+            let mut got = vec![f32::NAN; 2600];
+            codec.decode_codes(&half, &exps, 0, &mut got);
+            assert_eq!(
+                got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                want.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+            );
+            let mut part = vec![f32::NAN; 2000];
+            codec.decode_codes(&half[100..2100], &exps, 100, &mut part);
+            assert!(part.iter().zip(&want[100..2100]).all(|(a, b)| a.to_bits() == b.to_bits()), "{compression:?}");
+        }
     }
 }

@@ -36,16 +36,40 @@
 //! 16-bit gradients (`--grad-compression`, `exchange::codec`): every slot's values are
 //! rounded as the codec encodes and decodes them, the sum is taken of those in the same
 //! tree, and rounded again — what the shared-memory exchange computes from its wires, so
-//! the weights are bitwise the same on any number of processes. Between processes the
-//! rounded values still travel as f32: the codec's halving of the bytes on the wire is
-//! the shared memory's only, so far.
+//! the weights are bitwise the same on any number of processes. What crosses between
+//! processes is 16-bit wherever the values are a codec's, since a codec's values are
+//! exactly what its codes say:
+//! - a leaf that is ONE slot (one logical replica per device, or a process's odd shard)
+//!   sends the codes the slot was rounded through (`with_slot` keeps them): 2 bytes a
+//!   value of the gradient, plus for fp16 one exponent byte per block of 1,024 values
+//!   (one message per leaf and process);
+//! - a leaf of SEVERAL slots is this process's f32 partial sum, which no 16-bit code
+//!   holds (its rounding would change the sum): it still travels as f32, 4 bytes a value
+//!   (e.g. the reduce-scatter of 2 × cpu:2 with R = 4; 2 × cpu:1 with R = 2 has none);
+//! - the all-gather sends each process's summed chunk as the codes it is rounded to
+//!   (2 bytes a value, fp16 + 1 byte a block), which every process decodes: bitwise the
+//!   sum rounded as a whole, since with a codec every chunk, piece and block begins on a
+//!   codec block (fp16 exponents are per block at absolute offsets);
+//! - the slot's tail past the codec's encoded part (BatchNorm buffers) travels as f32
+//!   in every phase, as in the codec.
+//!
+//! So between 2 processes of one slot each a sum hands MPI 2 bytes per gradient value in
+//! each phase, against 4 (the test `sixteen_bit_gradients_cross_between_processes_as_16_bit_values`
+//! checks the bytes counted, [`MpiGroup::bytes_sent`], against the buffers' sizes).
+//! Device 0 decodes what came as codes, sums and re-encodes codec block by codec block,
+//! in the cache; what it costs against the bytes saved is `bench allreduce
+//! --grad-compression`'s (README, "Several machines").
 //!
 //! Synchronized BatchNorm (`--sync-batchnorm`): [`MpiStats`], the statistics exchange,
 //! gathers every logical replica's payload in replica order: the process's devices
 //! through shared memory, then device 0 through `MPI_Iallgather`, waited on as the sum is.
 //!
-//! A sharded optimiser (`--shard-optimizer`) keeps its whole state on every device here
-//! (the `Exchange` defaults: every device owns every parameter); the weights are the same.
+//! A sharded optimiser (`--shard-optimizer`): each device of the world owns one of P·D
+//! parts of the slot ([`Exchange::owned`]) and keeps the optimiser state of its
+//! parameters only; after the update the parts are all-gathered, within the process
+//! through its buffer, between processes by device 0, as the sum's all-gather. The
+//! weights are those of the unsharded run (the update is element by element); the
+//! trainer gathers the state's parts from every process for a checkpoint.
 //!
 //! Faults: every wait polls the world's failure notices, the processes on this machine,
 //! the launcher and this group's abort flag ([`MpiWorld::wait`]). A failed wait leaves
@@ -54,18 +78,18 @@
 
 use std::ops::Range;
 use std::os::raw::c_int;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use mpi::ffi::MPI_Request;
 use parking_lot::{Mutex, RwLock};
 
-use super::codec::Codec;
+use super::codec::{Codec, Compression, BLOCK};
 use super::shm::{tree_sum, SpinBarrier};
 use super::stats::StatsExchange;
 use super::tree;
 use super::{Abort, Exchange, Host, Wait};
 use crate::error::{Error, Result};
-use crate::world::mpi::{MpiWorld, Port};
+use crate::world::mpi::{MpiWorld, Port, Scalar};
 use crate::world::World;
 
 /// A sum in which each process would receive at most this many bytes in one round
@@ -73,6 +97,8 @@ use crate::world::World;
 /// round; a larger one in two (reduce-scatter, all-gather), which moves half as much
 /// between 2 processes. Chosen by `bench allreduce` on 2 processes here: one round is the
 /// faster up to 256 KiB on shared memory (26 µs against 28) and TCP (85 µs against 127).
+/// The bytes are those that would travel: 16-bit codes for leaves of one slot with a
+/// codec, several leaves of a process each counted.
 pub const GATHER_BELOW: usize = 256 << 10;
 
 /// The most values one message carries between processes of one machine over shared
@@ -81,7 +107,9 @@ pub const GATHER_BELOW: usize = 256 << 10;
 /// waits for a rendezvous). Measured at 4 MiB on 2 processes here, busbw against
 /// `MPI_Allreduce`'s: shared memory 1.2-1.4× with 64 Ki values, 0.9-1.3× with 16,000;
 /// TCP 1.1-1.3× with 16,000, 0.7-1.1× with 64 Ki. Summing one block overlaps the
-/// arrival of the next.
+/// arrival of the next. With a codec a block keeps its number of values, rounded down
+/// to whole codec blocks (at least one): 64 Ki, 15,360 (30 KiB of codes, or 60 KiB of an
+/// f32 partial sum), 1,024 (2 KiB of codes; 4 KiB of f32, just over the eager limit).
 pub const BLOCK_SHARED: usize = 64 << 10;
 pub const BLOCK_NETWORK: usize = 16_000;
 
@@ -94,11 +122,17 @@ pub const BLOCK_NETWORK: usize = 16_000;
 pub const EAGER_BELOW: usize = 2048;
 pub const EAGER_BLOCK: usize = 1000;
 
-/// Tag of the all-gather's messages; a leaf's messages carry `TAG_LEAF + its index`.
+/// Tag of the all-gather's messages, and of its fp16 exponents; a leaf's messages carry
+/// `TAG_LEAF + its index`, its fp16 exponents `TAG_LEAF_EXPS + its index`.
 const TAG_SUM: c_int = 90;
+const TAG_SUM_EXPS: c_int = 91;
+/// Tag of a sharded optimiser's parameter all-gather.
+const TAG_PARAMS: c_int = 92;
 const TAG_LEAF: c_int = 100;
-/// MPI guarantees tags up to 32767; the notices of `world::mpi` use one below it.
-const MAX_LEAVES: usize = 19_000;
+const TAG_LEAF_EXPS: c_int = TAG_LEAF + MAX_LEAVES as c_int;
+/// MPI guarantees tags up to 32767; the notices of `world::mpi` use 19539, above both
+/// ranges of leaf tags (100..9100, 9100..18100).
+const MAX_LEAVES: usize = 9_000;
 
 /// How the processes split the work.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -114,6 +148,50 @@ enum Rounds {
 struct Leaf {
     shards: Range<usize>,
     owner: usize,
+    travel: Travel,
+}
+
+/// How a leaf's values cross between processes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Travel {
+    /// As f32: without a codec, or a partial sum of several slots (not a codec's values).
+    F32,
+    /// One slot, rounded to the codec: its 16-bit codes (and fp16 exponents), which hold
+    /// those values exactly, then its f32 tail.
+    Codes,
+}
+
+/// The 16-bit codes of a run of the encoded part of a slot (or of the sum) that begins on
+/// a codec block, and for fp16 one exponent per [`BLOCK`] of them (bf16: none): buffers
+/// of this group that MPI sends from and receives into, encoded and decoded in place by
+/// `Codec::encode_codes` and `Codec::decode_codes`.
+#[derive(Default)]
+struct Codes {
+    half: Vec<u16>,
+    exps: Vec<i8>,
+}
+
+impl Codes {
+    fn new(codec: &Codec, values: usize) -> Codes {
+        let exps = if codec.compression() == Compression::Fp16 { values.div_ceil(BLOCK) } else { 0 };
+        Codes { half: vec![0; values], exps: vec![0; exps] }
+    }
+}
+
+/// Device 0's receive buffers (and the sum's codes, which it also sends from).
+struct Inbox {
+    /// `values[j]` holds another process's leaf j, for this process's chunk (two rounds)
+    /// or whole (one round), as received: all of it for a leaf that travels as f32, only
+    /// its f32 tail for one that travels as codes (those are decoded codec block by codec
+    /// block into scratch as they are summed; the rest of its buffer is never written);
+    /// empty for this process's leaves.
+    values: Vec<Vec<f32>>,
+    /// `codes[j]`: the codes of another process's leaf j that travels as codes, over the
+    /// same elements' encoded part; empty otherwise.
+    codes: Vec<Codes>,
+    /// With a codec, two rounds: the codes of the whole sum's encoded part: this
+    /// process's chunk encoded as it is summed, the others' received.
+    sum: Codes,
 }
 
 /// A run of elements moved and summed as one.
@@ -151,13 +229,23 @@ pub struct MpiGroup<'w> {
     chunks: Vec<Range<usize>>,
     rounds: Rounds,
     blocks: Vec<Block>,
-    /// Device 0's receive buffers: `inbox[j]` holds another process's leaf j, for this
-    /// process's chunk (two rounds) or whole (one round); empty for this process's leaves.
-    inbox: Mutex<Vec<Vec<f32>>>,
+    /// Device 0's receive buffers.
+    inbox: Mutex<Inbox>,
     /// The whole sum, which every device reads.
     sum: RwLock<Vec<f32>>,
-    /// With 16-bit gradients: how slots and the sum are rounded.
+    /// With 16-bit gradients: how slots and the sum are rounded and encoded, and the
+    /// number of leading values it encodes (0 without).
     codec: Option<Codec>,
+    encoded: usize,
+    /// With a codec, for each slot of this process that is a leaf by itself: its codes,
+    /// written with the slot (`with_slot`), sent in its stead.
+    slot_codes: Vec<Option<RwLock<Codes>>>,
+    /// Bytes of the sum's messages this process has handed MPI to send.
+    bytes_sent: AtomicU64,
+    /// A sharded optimiser's parts of the slot: one per device of the world, in world
+    /// order (process by process), and the parameters gathered from every device.
+    owned: Vec<Range<usize>>,
+    gathered: RwLock<Vec<f32>>,
     /// Synchronized BatchNorm's payloads, in two generations (a fast device writes the
     /// next call's while a slow one still reads this one's): each local device's, and
     /// every logical replica's of the world, gathered by device 0.
@@ -170,10 +258,11 @@ pub struct MpiGroup<'w> {
     abandoned: AtomicBool,
 }
 
-/// `len` cut into `n` ranges, each a multiple of 16 values (64 bytes: no cache line with
-/// two writers) but the last.
-fn cut(len: usize, n: usize) -> Vec<Range<usize>> {
-    let per = len.div_ceil(n).div_ceil(16) * 16;
+/// `len` cut into `n` ranges, each a multiple of `align` values but the last: 16 (64
+/// bytes: no cache line with two writers), or with a codec its [`BLOCK`] (see
+/// [`MpiGroup::new`]).
+fn cut(len: usize, n: usize, align: usize) -> Vec<Range<usize>> {
+    let per = len.div_ceil(n).div_ceil(align) * align;
     (0..n).map(|i| (i * per).min(len)..((i + 1) * per).min(len)).collect()
 }
 
@@ -225,9 +314,17 @@ impl<'w> MpiGroup<'w> {
         }
         let per_process = shards / processes;
         let owners: Vec<Range<usize>> = (0..processes).map(|q| q * per_process..(q + 1) * per_process).collect();
+        let encoded = codec.map_or(0, |c| c.encoded_len().min(len));
         let leaves: Vec<Leaf> = tree::leaves(shards, &owners)
             .into_iter()
-            .map(|r| Leaf { owner: r.start / per_process, shards: r })
+            .map(|r| Leaf {
+                owner: r.start / per_process,
+                travel: match codec.is_some() && r.len() == 1 {
+                    true => Travel::Codes,
+                    false => Travel::F32,
+                },
+                shards: r,
+            })
             .collect();
         if leaves.len() > MAX_LEAVES {
             return Err(Error::config(
@@ -235,20 +332,34 @@ impl<'w> MpiGroup<'w> {
                 format!("{shards} logical replicas make more partial sums than MPI tags"),
             ));
         }
-        let rounds = match (len * 4).saturating_mul(processes - 1) <= GATHER_BELOW {
+        // What one round would bring each process: every other process's leaves whole.
+        let leaf_bytes = |l: &Leaf| match (l.travel, codec) {
+            (Travel::Codes, Some(c)) => coded_bytes(&c, encoded, 0..len),
+            _ => 4 * len,
+        };
+        let one_round = (0..processes)
+            .map(|p| leaves.iter().filter(|l| l.owner != p).map(leaf_bytes).fold(0usize, usize::saturating_add))
+            .max()
+            .unwrap_or(0);
+        let rounds = match one_round <= GATHER_BELOW {
             true => Rounds::One,
             false => Rounds::Two,
         };
-        let pieces = cut(len, devices);
+        // With a codec, every chunk, piece and block begins on a codec block, so that a
+        // chunk's or a block's sum is encoded as the whole sum's elements are (fp16's
+        // exponents are per block) and each message's exponents are whole.
+        let align = if codec.is_some() { BLOCK } else { 16 };
+        let pieces = cut(len, devices, align);
         let chunks = match rounds {
             Rounds::One => std::iter::once(0..len).collect(),
-            Rounds::Two => cut(len, processes),
+            Rounds::Two => cut(len, processes, align),
         };
         let block = match (len <= EAGER_BELOW, mpi.shared_memory()) {
             (true, _) => EAGER_BLOCK,
             (false, true) => BLOCK_SHARED,
             (false, false) => BLOCK_NETWORK,
         };
+        let block = if codec.is_some() { (block / BLOCK).max(1) * BLOCK } else { block };
         let blocks = blocks(len, &chunks, &pieces, block);
         let mine = &owners[process];
         let partial = leaves
@@ -258,11 +369,32 @@ impl<'w> MpiGroup<'w> {
                 false => Vec::new(),
             })
             .collect();
-        let inbox_len = match rounds {
-            Rounds::One => len,
-            Rounds::Two => chunks[process].len(),
+        let inbox_range = match rounds {
+            Rounds::One => 0..len,
+            Rounds::Two => chunks[process].clone(),
         };
-        let inbox = leaves.iter().map(|l| if l.owner == process { Vec::new() } else { vec![0.0; inbox_len] }).collect();
+        let theirs = |l: &Leaf| l.owner != process;
+        let inbox = Inbox {
+            values: leaves.iter().map(|l| if theirs(l) { vec![0.0; inbox_range.len()] } else { Vec::new() }).collect(),
+            codes: leaves
+                .iter()
+                .map(|l| match (codec, theirs(l) && l.travel == Travel::Codes) {
+                    (Some(c), true) => Codes::new(&c, clip(&inbox_range, encoded).len()),
+                    _ => Codes::default(),
+                })
+                .collect(),
+            sum: match (codec, rounds) {
+                (Some(c), Rounds::Two) => Codes::new(&c, encoded),
+                _ => Codes::default(),
+            },
+        };
+        let slot_codes = mine
+            .clone()
+            .map(|s| match (codec, leaves.iter().find(|l| l.shards.start == s && l.shards.len() == 1)) {
+                (Some(c), Some(_)) => Some(RwLock::new(Codes::new(&c, encoded))),
+                _ => None,
+            })
+            .collect();
         Ok(MpiGroup {
             world: mpi,
             process,
@@ -281,6 +413,11 @@ impl<'w> MpiGroup<'w> {
             inbox: Mutex::new(inbox),
             sum: RwLock::new(vec![0.0; len]),
             codec,
+            encoded,
+            slot_codes,
+            bytes_sent: AtomicU64::new(0),
+            owned: cut(len, in_world, 16),
+            gathered: RwLock::new(vec![0.0; len]),
             stats_mine: [0, 1].map(|_| (0..devices).map(|_| RwLock::new(Vec::new())).collect()),
             stats_all: [0, 1].map(|_| RwLock::new(Vec::new())),
             barrier: SpinBarrier::new(devices, wait),
@@ -310,6 +447,13 @@ impl<'w> MpiGroup<'w> {
     /// True for empty slots.
     pub fn is_empty(&self) -> bool {
         self.len == 0
+    }
+
+    /// Bytes of the sum's messages this process has handed MPI to send so far (the
+    /// statistics exchange's aside): what `bench allreduce` reports and the tests check
+    /// against the buffers' sizes.
+    pub fn bytes_sent(&self) -> u64 {
+        self.bytes_sent.load(Ordering::Relaxed)
     }
 
     /// The first logical replica of this process.
@@ -357,58 +501,144 @@ impl<'w> MpiGroup<'w> {
     fn rounds_with(&self, port: &mut Port) -> Result<()> {
         let slot_guards: Vec<_> = self.slots.iter().map(|s| s.read()).collect();
         let partial_guards: Vec<Vec<_>> = self.partial.iter().map(|p| p.iter().map(|b| b.read()).collect()).collect();
+        let code_guards: Vec<_> = self.slot_codes.iter().map(|c| c.as_ref().map(|c| c.read())).collect();
         let slots: Vec<&[f32]> = slot_guards.iter().map(|g| g.as_slice()).collect();
         let partial: Vec<Vec<&[f32]>> =
             partial_guards.iter().map(|p| p.iter().map(|g| g.as_slice()).collect()).collect();
-        let mut inbox = self.inbox.lock();
+        let slot_codes: Vec<Option<&Codes>> = code_guards.iter().map(|g| g.as_deref()).collect();
+        let mut guard = self.inbox.lock();
+        let inbox = &mut *guard;
         let mut sum = self.sum.write();
         let mut sum_blocks = split_blocks(&mut sum, &self.blocks);
+        let e = self.encoded;
         let base = match self.rounds {
             Rounds::One => 0,
             Rounds::Two => self.chunks[self.process].start,
         };
-        let mut inboxes: Vec<Vec<&mut [f32]>> = (inbox.iter_mut().zip(&self.leaves))
+        let held: Vec<usize> = (0..self.blocks.len()).filter(|&i| self.chunk_holds(&self.blocks[i])).collect();
+        let mut inboxes: Vec<Vec<&mut [f32]>> = (inbox.values.iter_mut().zip(&self.leaves))
             .map(|(v, leaf)| match leaf.owner == self.process {
                 true => Vec::new(),
                 false => split_from(v, base, &self.blocks, |b| self.chunk_holds(b)),
             })
             .collect();
-        let held: Vec<usize> = (0..self.blocks.len()).filter(|&i| self.chunk_holds(&self.blocks[i])).collect();
+        // The codes of every other process's leaf that travels as codes, block by block
+        // of the held ones, and its exponents.
+        let mut codes_in: Vec<(Vec<&mut [u16]>, &mut [i8])> = (inbox.codes.iter_mut().zip(&self.leaves))
+            .map(|(c, leaf)| {
+                let coded = leaf.owner != self.process && leaf.travel == Travel::Codes;
+                let lens = held.iter().map(|&i| clip(&self.blocks[i].elems, e).len());
+                (split_lens(&mut c.half, coded.then_some(lens)), &mut c.exps[..])
+            })
+            .collect();
+        // The sum's codes (two rounds with a codec): block by block, exponents by chunk.
+        let two_coded = self.rounds == Rounds::Two && self.codec.is_some();
+        let fp16 = self.codec.is_some_and(|c| c.compression() == Compression::Fp16);
+        let (mut sum_codes, mut sum_exps) = {
+            let Codes { half, exps } = &mut inbox.sum;
+            let lens = self.blocks.iter().map(|b| clip(&b.elems, e).len());
+            let exp_lens = self.chunks.iter().map(|c| self.exps_of(c).len());
+            (split_lens(half, two_coded.then_some(lens)), split_lens(exps, (two_coded && fp16).then_some(exp_lens)))
+        };
         let mine: Vec<usize> = (0..self.leaves.len()).filter(|&j| self.leaves[j].owner == self.process).collect();
         let theirs: Vec<usize> = (0..self.leaves.len()).filter(|&j| self.leaves[j].owner != self.process).collect();
+        let coded_theirs: Vec<usize> =
+            theirs.iter().copied().filter(|&j| self.leaves[j].travel == Travel::Codes).collect();
+        // One codec block of each of them, decoded.
+        let mut scratch: Vec<Vec<f32>> = coded_theirs.iter().map(|_| vec![0.0; BLOCK]).collect();
         let peers: Vec<usize> = (0..self.processes).filter(|&q| q != self.process).collect();
         let tag = |j: usize| TAG_LEAF + j as c_int;
+        let tag_exps = |j: usize| TAG_LEAF_EXPS + j as c_int;
 
         // The buffers MPI is handed below are this group's, held under the guards
         // above until every request has completed in a wait; if a wait gives up, the
         // group is abandoned and its buffers leaked (Drop), never freed under MPI. A
         // buffer being sent is not written until its send completes; a buffer being
         // received into is neither read nor written by anyone until its receive does.
+        // A leaf's messages, from its owner to each process, go in block order, each
+        // block's codes (if any) before its f32 values (if any): both sides post them in
+        // that order, which MPI matches in order (same source and tag).
         // Every other process's leaves, block by block of this process's chunk.
         let mut arriving: Vec<Vec<MPI_Request>> = (0..held.len()).map(|_| Vec::with_capacity(theirs.len())).collect();
         for &j in &theirs {
-            for (here, block) in arriving.iter_mut().zip(inboxes[j].iter_mut()) {
-                // SAFETY: an inbox block, untouched until this receive completes (or leaked).
-                here.push(unsafe { port.irecv(block, self.leaves[j].owner, tag(j))? });
+            let owner = self.leaves[j].owner;
+            let (codes, exps) = &mut codes_in[j];
+            if self.leaves[j].travel == Travel::Codes && !exps.is_empty() {
+                // SAFETY: an inbox buffer, untouched until this receive completes (or leaked);
+                // waited for with the first block, before any block is decoded.
+                arriving[0].push(unsafe { port.irecv(exps, owner, tag_exps(j))? });
+            }
+            for (k, (here, block)) in arriving.iter_mut().zip(inboxes[j].iter_mut()).enumerate() {
+                let values = match self.leaves[j].travel {
+                    Travel::F32 => &mut **block,
+                    Travel::Codes => {
+                        let r = &self.blocks[held[k]].elems;
+                        if !codes[k].is_empty() {
+                            // SAFETY: as for the exponents.
+                            here.push(unsafe { port.irecv(&mut *codes[k], owner, tag(j))? });
+                        }
+                        &mut block[clip(r, e).len()..]
+                    }
+                };
+                if !values.is_empty() {
+                    // SAFETY: an inbox block, untouched until this receive completes (or leaked).
+                    here.push(unsafe { port.irecv(values, owner, tag(j))? });
+                }
             }
         }
         // This process's leaves, to every process that sums their blocks.
         let mut rest = Vec::new();
         for &q in &peers {
+            let sent_to_q = match self.rounds {
+                Rounds::One => 0..self.len,
+                Rounds::Two => self.chunks[q].clone(),
+            };
+            for &j in mine.iter().filter(|&&j| fp16 && self.leaves[j].travel == Travel::Codes) {
+                let codes = self.codes_of(j, &slot_codes);
+                let exps = &codes.exps[self.exps_of(&sent_to_q)];
+                if !exps.is_empty() {
+                    // SAFETY: a slot's codes, only read (under its guard) this step.
+                    rest.push(unsafe { self.isend(port, exps, q, tag_exps(j))? });
+                }
+            }
             for b in self.blocks.iter().filter(|b| self.rounds == Rounds::One || b.chunk == q) {
                 for &j in &mine {
-                    // SAFETY: a slot or partial sum, only read (under its guard) this step.
-                    rest.push(unsafe { port.isend(self.own(j, b, &slots, &partial), q, tag(j))? });
+                    let values = match self.leaves[j].travel {
+                        Travel::F32 => self.own(j, b, &slots, &partial),
+                        Travel::Codes => {
+                            let half = &self.codes_of(j, &slot_codes).half[clip(&b.elems, e)];
+                            if !half.is_empty() {
+                                // SAFETY: a slot's codes, only read (under its guard) this step.
+                                rest.push(unsafe { self.isend(port, half, q, tag(j))? });
+                            }
+                            &self.own(j, b, &slots, &partial)[half.len()..]
+                        }
+                    };
+                    if !values.is_empty() {
+                        // SAFETY: a slot or partial sum, only read (under its guard) this step.
+                        rest.push(unsafe { self.isend(port, values, q, tag(j))? });
+                    }
                 }
             }
         }
         // The other processes' summed chunks (two rounds).
         if self.rounds == Rounds::Two {
             for &q in &peers {
+                if two_coded && fp16 && !sum_exps[q].is_empty() {
+                    // SAFETY: process q's exponents, untouched until the receive completes.
+                    rest.push(unsafe { port.irecv(&mut *sum_exps[q], q, TAG_SUM_EXPS)? });
+                }
                 for i in (0..self.blocks.len()).filter(|&i| self.blocks[i].chunk == q) {
-                    // SAFETY: a block of process q's chunk, which this process neither reads
-                    // nor writes until the receive completes (or leaks it).
-                    rest.push(unsafe { port.irecv(&mut *sum_blocks[i], q, TAG_SUM)? });
+                    let n = if two_coded { sum_codes[i].len() } else { 0 };
+                    if n > 0 {
+                        // SAFETY: as for the exponents.
+                        rest.push(unsafe { port.irecv(&mut *sum_codes[i], q, TAG_SUM)? });
+                    }
+                    if n < sum_blocks[i].len() {
+                        // SAFETY: a block of process q's chunk, which this process neither
+                        // reads nor writes until the receive completes (or leaks it).
+                        rest.push(unsafe { port.irecv(&mut sum_blocks[i][n..], q, TAG_SUM)? });
+                    }
                 }
             }
         }
@@ -417,24 +647,158 @@ impl<'w> MpiGroup<'w> {
         for (k, &i) in held.iter().enumerate() {
             self.world.wait(port, &mut arriving[k], self.wait, &aborted)?;
             let b = &self.blocks[i];
-            let values: Vec<(Range<usize>, &[f32])> = (0..self.leaves.len())
-                .map(|j| {
-                    let v: &[f32] = match self.leaves[j].owner == self.process {
-                        true => self.own(j, b, &slots, &partial),
-                        false => &*inboxes[j][k],
+            let Some(codec) = &self.codec else {
+                let values: Vec<(Range<usize>, &[f32])> = (0..self.leaves.len())
+                    .map(|j| {
+                        let v: &[f32] = match self.leaves[j].owner == self.process {
+                            true => self.own(j, b, &slots, &partial),
+                            false => &*inboxes[j][k],
+                        };
+                        (self.leaves[j].shards.clone(), v)
+                    })
+                    .collect();
+                tree::sum_leaves(self.total, &values, sum_blocks[i]);
+                if self.rounds == Rounds::Two {
+                    for &q in &peers {
+                        // SAFETY: this block is summed above and not written again this step.
+                        rest.push(unsafe { self.isend(port, &*sum_blocks[i], q, TAG_SUM)? });
+                    }
+                }
+                continue;
+            };
+            // With a codec, codec block by codec block, so that what is decoded, summed,
+            // encoded and decoded again stays in the cache: each leaf that came as codes
+            // decoded into scratch, the tree's top summed, the sum rounded to the codec
+            // (its codes kept, in two rounds, to be sent).
+            let n = clip(&b.elems, e).len();
+            let (mut one_half, mut one_exps) = ([0u16; BLOCK], [0i8; 1]);
+            for x in b.elems.clone().step_by(BLOCK) {
+                let sub = x..(x + BLOCK).min(b.elems.end);
+                let (at, enc) = (sub.start - b.elems.start, clip(&sub, e).len());
+                for (&j, scratch) in coded_theirs.iter().zip(scratch.iter_mut()) {
+                    let (codes, exps) = &codes_in[j];
+                    let exps = &exps[((sub.start - base) / BLOCK).min(exps.len())..];
+                    codec.decode_codes(&codes[k][at.min(n)..at.min(n) + enc], exps, 0, &mut scratch[..enc]);
+                    scratch[enc..sub.len()].copy_from_slice(&inboxes[j][k][at + enc..at + sub.len()]);
+                }
+                let values: Vec<(Range<usize>, &[f32])> = (0..self.leaves.len())
+                    .map(|j| {
+                        let v: &[f32] = match (self.leaves[j].owner == self.process, self.leaves[j].travel) {
+                            (true, _) => &self.own(j, b, &slots, &partial)[at..at + sub.len()],
+                            (false, Travel::F32) => &inboxes[j][k][at..at + sub.len()],
+                            (false, Travel::Codes) => {
+                                let slot = coded_theirs.iter().position(|&c| c == j).expect("a coded leaf");
+                                &scratch[slot][..sub.len()]
+                            }
+                        };
+                        (self.leaves[j].shards.clone(), v)
+                    })
+                    .collect();
+                let out = &mut sum_blocks[i][at..at + sub.len()];
+                tree::sum_leaves(self.total, &values, out);
+                if enc > 0 {
+                    let (half, exps): (&mut [u16], &mut [i8]) = match self.rounds {
+                        Rounds::Two => {
+                            let exps = match sum_exps.get_mut(self.process) {
+                                Some(exps) => {
+                                    let from = (self.block_exps(b) + at / BLOCK).min(exps.len());
+                                    &mut exps[from..]
+                                }
+                                None => &mut [][..], // bf16: no exponents
+                            };
+                            (&mut sum_codes[i][at..at + enc], exps)
+                        }
+                        Rounds::One => (&mut one_half[..enc], &mut one_exps[..]),
                     };
-                    (self.leaves[j].shards.clone(), v)
-                })
-                .collect();
-            tree::sum_leaves(self.total, &values, sum_blocks[i]);
+                    codec.encode_codes(&out[..enc], half, exps);
+                    codec.decode_codes(half, exps, 0, &mut out[..enc]);
+                }
+            }
             if self.rounds == Rounds::Two {
                 for &q in &peers {
-                    // SAFETY: this block is summed above and not written again this step.
-                    rest.push(unsafe { port.isend(&*sum_blocks[i], q, TAG_SUM)? });
+                    if n > 0 {
+                        // SAFETY: this block's codes are written above and not again this step.
+                        rest.push(unsafe { self.isend(port, &*sum_codes[i], q, TAG_SUM)? });
+                    }
+                    if n < sum_blocks[i].len() {
+                        // SAFETY: this block is summed above and not written again this step.
+                        rest.push(unsafe { self.isend(port, &sum_blocks[i][n..], q, TAG_SUM)? });
+                    }
                 }
             }
         }
-        self.world.wait(port, &mut rest, self.wait, &aborted)
+        if two_coded && fp16 && !sum_exps[self.process].is_empty() {
+            for &q in &peers {
+                // SAFETY: this chunk's exponents are all written above, not again this step.
+                rest.push(unsafe { self.isend(port, &*sum_exps[self.process], q, TAG_SUM_EXPS)? });
+            }
+        }
+        self.world.wait(port, &mut rest, self.wait, &aborted)?;
+        // The other processes' chunks of the sum, decoded (this process's own was rounded
+        // as it was summed, as were all of it in one round).
+        if let (Some(codec), Rounds::Two) = (&self.codec, self.rounds) {
+            for (i, b) in self.blocks.iter().enumerate().filter(|(_, b)| b.chunk != self.process) {
+                let exps = sum_exps.get(b.chunk).map_or(&[][..], |x| &x[self.block_exps(b).min(x.len())..]);
+                let n = sum_codes[i].len();
+                codec.decode_codes(sum_codes[i], exps, 0, &mut sum_blocks[i][..n]);
+            }
+        }
+        Ok(())
+    }
+
+    /// The parameters (`0..np` of the slot) that process `q`'s devices own: their parts,
+    /// which are consecutive.
+    fn process_owned(&self, q: usize, np: usize) -> Range<usize> {
+        let (first, last) = (&self.owned[q * self.devices], &self.owned[(q + 1) * self.devices - 1]);
+        first.start.min(np)..last.end.min(np)
+    }
+
+    /// Device 0's part of a sharded optimiser's all-gather: this process's devices' parts
+    /// of `gathered` to every other process, theirs into it. On failure the group is
+    /// aborted and, with requests pending on `gathered`, abandoned.
+    fn gather_params_across(&self, np: usize) -> Result<()> {
+        let result = self.world.port().and_then(|mut port| {
+            let mut gathered = self.gathered.write();
+            let lens = (0..self.processes).map(|q| self.process_owned(q, np).len());
+            let mut parts = split_lens(&mut gathered, Some(lens));
+            let mut reqs = Vec::with_capacity(2 * self.processes);
+            let posted = (|| -> Result<()> {
+                for q in (0..self.processes).filter(|&q| q != self.process) {
+                    if !parts[self.process].is_empty() {
+                        // SAFETY: this process's part, written before the barrier and not
+                        // again until the wait below completes (or the group is abandoned).
+                        reqs.push(unsafe { port.isend(&*parts[self.process], q, TAG_PARAMS)? });
+                    }
+                    if !parts[q].is_empty() {
+                        // SAFETY: process q's part, untouched until the receive completes.
+                        reqs.push(unsafe { port.irecv(&mut *parts[q], q, TAG_PARAMS)? });
+                    }
+                }
+                Ok(())
+            })();
+            let r = posted.and_then(|()| {
+                self.world.wait(&mut port, &mut reqs, self.wait, &|| self.aborted.load(Ordering::Relaxed))
+            });
+            if r.is_err() {
+                self.abandoned.store(true, Ordering::SeqCst);
+            }
+            r
+        });
+        if result.is_err() {
+            self.abort();
+        }
+        result
+    }
+
+    /// Posts the send of `buf` to `peer` through `port`, counting its bytes.
+    ///
+    /// # Safety
+    /// As `Port::isend`.
+    unsafe fn isend<T: Scalar>(&self, port: &mut Port, buf: &[T], peer: usize, tag: c_int) -> Result<MPI_Request> {
+        // SAFETY: the caller's promise, passed on.
+        let req = unsafe { port.isend(buf, peer, tag)? };
+        self.bytes_sent.fetch_add(std::mem::size_of_val(buf) as u64, Ordering::Relaxed);
+        Ok(req)
     }
 
     /// The values over `block` of this process's leaf `j`: its one slot, or this
@@ -449,6 +813,26 @@ impl<'w> MpiGroup<'w> {
         }
     }
 
+    /// The codes of this process's leaf `j`, one slot that travels as codes.
+    fn codes_of<'a>(&self, j: usize, slot_codes: &[Option<&'a Codes>]) -> &'a Codes {
+        slot_codes[self.leaves[j].shards.start - self.first_shard()].expect("a leaf that travels as codes has them")
+    }
+
+    /// The fp16 exponents of the encoded part of `elems` (which begins on a codec block):
+    /// indices into a whole slot's exponents.
+    fn exps_of(&self, elems: &Range<usize>) -> Range<usize> {
+        let enc = clip(elems, self.encoded);
+        match enc.is_empty() {
+            true => 0..0,
+            false => enc.start / BLOCK..enc.end.div_ceil(BLOCK),
+        }
+    }
+
+    /// Where block `b`'s fp16 exponents begin among those of its chunk.
+    fn block_exps(&self, b: &Block) -> usize {
+        (b.elems.start - self.chunks[b.chunk].start) / BLOCK
+    }
+
     /// Whether block `b` is summed by this process.
     fn chunk_holds(&self, b: &Block) -> bool {
         self.rounds == Rounds::One || b.chunk == self.process
@@ -460,6 +844,32 @@ fn round(codec: &Codec, slot: &mut [f32]) {
     let mut wire = codec.wire(0..slot.len());
     codec.encode(slot, &mut wire, 0..slot.len());
     codec.decode(&wire, 0..slot.len(), slot);
+}
+
+/// The encoded part of `elems`, when the first `encoded` values of a slot are encoded.
+fn clip(elems: &Range<usize>, encoded: usize) -> Range<usize> {
+    elems.start.min(encoded)..elems.end.min(encoded)
+}
+
+/// Bytes that `elems` of a slot (beginning on a codec block) take as codes: 2 a value
+/// of the encoded part, 1 an fp16 block, 4 a value past it.
+fn coded_bytes(codec: &Codec, encoded: usize, elems: Range<usize>) -> usize {
+    let enc = clip(&elems, encoded).len();
+    let exps = if codec.compression() == Compression::Fp16 { enc.div_ceil(BLOCK) } else { 0 };
+    2 * enc + exps + 4 * (elems.len() - enc)
+}
+
+/// `v` cut into consecutive slices of `lens` (from its start; the rest is left out), or
+/// none at all for `None`.
+fn split_lens<T>(v: &mut [T], lens: Option<impl Iterator<Item = usize>>) -> Vec<&mut [T]> {
+    let mut out = Vec::new();
+    let mut rest = v;
+    for n in lens.into_iter().flatten() {
+        let (head, tail) = std::mem::take(&mut rest).split_at_mut(n);
+        out.push(head);
+        rest = tail;
+    }
+    out
 }
 
 /// `v` (all of `0..len`) cut into one slice per block.
@@ -507,10 +917,18 @@ impl Drop for MpiGroup<'_> {
         for p in self.partial.iter_mut().flatten() {
             std::mem::forget(std::mem::take(p.get_mut()));
         }
-        for v in self.inbox.get_mut().iter_mut() {
+        let inbox = self.inbox.get_mut();
+        for v in &mut inbox.values {
             std::mem::forget(std::mem::take(v));
         }
+        for c in inbox.codes.iter_mut().chain([&mut inbox.sum]) {
+            std::mem::forget(std::mem::take(c));
+        }
+        for c in self.slot_codes.iter_mut().flatten() {
+            std::mem::forget(std::mem::take(c.get_mut()));
+        }
         std::mem::forget(std::mem::take(self.sum.get_mut()));
+        std::mem::forget(std::mem::take(self.gathered.get_mut()));
     }
 }
 
@@ -548,14 +966,26 @@ impl Exchange for MpiRank<'_, '_> {
         self.group.len
     }
 
-    /// This device's `local`-th slot; with a codec, rounded to its values once written.
+    /// This device's `local`-th slot; with a codec, rounded to its values once written
+    /// (through the slot's own codes, which then travel in its stead, where it is a leaf
+    /// by itself).
     fn with_slot<T>(&mut self, local: usize, f: impl FnOnce(&mut [f32]) -> T) -> T {
-        let k = self.group.per_device;
+        let g = self.group;
+        let k = g.per_device;
         assert!(local < k, "slot {local} of a device with {k} logical replicas");
-        let mut slot = self.group.slots[self.device * k + local].write();
+        let index = self.device * k + local;
+        let mut slot = g.slots[index].write();
         let out = f(&mut slot);
-        if let Some(codec) = &self.group.codec {
-            round(codec, &mut slot);
+        if let Some(codec) = &g.codec {
+            match &g.slot_codes[index] {
+                Some(codes) => {
+                    let Codes { half, exps } = &mut *codes.write();
+                    let encoded = &mut slot[..g.encoded];
+                    codec.encode_codes(encoded, half, exps);
+                    codec.decode_codes(half, exps, 0, encoded);
+                }
+                None => round(codec, &mut slot),
+            }
         }
         out
     }
@@ -571,15 +1001,40 @@ impl Exchange for MpiRank<'_, '_> {
         }
         if self.device == 0 {
             g.across_processes()?;
-            if let Some(codec) = &g.codec {
-                round(codec, &mut g.sum.write());
-            }
         }
         g.barrier.wait(&g.aborted)
     }
 
     fn for_each_sum(&self, mut f: impl FnMut(usize, &[f32]) -> Result<()>) -> Result<()> {
         f(0, &self.group.sum.read())
+    }
+
+    /// This device's part of the world's slot, one of P·D (cut as the pieces are): a
+    /// sharded optimiser keeps the state of its parameters only.
+    fn owned(&self) -> Range<usize> {
+        self.group.owned[self.group.process * self.group.devices + self.device].clone()
+    }
+
+    /// Every device's owned parameters to every device of the world: each device puts
+    /// its part into the process's buffer, device 0 exchanges the process's parts with
+    /// every other process's (point to point, as the sum's messages, waited on as they
+    /// are), and each device copies the whole back.
+    fn all_gather(&mut self, params: &mut [f32]) -> Result<()> {
+        let g = self.group;
+        let np = params.len();
+        if np > g.len {
+            return Err(Error::shape("parameter all-gather", format!("{np} parameters in slots of {} values", g.len)));
+        }
+        let mine = self.owned();
+        let mine = mine.start.min(np)..mine.end.min(np);
+        g.gathered.write()[mine.clone()].copy_from_slice(&params[mine]);
+        g.barrier.wait(&g.aborted)?;
+        if self.device == 0 && g.processes > 1 {
+            g.gather_params_across(np)?;
+        }
+        g.barrier.wait(&g.aborted)?;
+        params.copy_from_slice(&g.gathered.read()[..np]);
+        Ok(())
     }
 
     fn is_aborted(&self) -> bool {
@@ -686,11 +1141,11 @@ mod tests {
     #[test]
     fn blocks_cut_at_chunks_pieces_and_their_size() {
         // 100 values, chunks at 64 (2 processes), pieces at 64 too (2 devices): 2 blocks.
-        let b = blocks(100, &cut(100, 2), &cut(100, 2), 1000);
+        let b = blocks(100, &cut(100, 2, 16), &cut(100, 2, 16), 1000);
         let r: Vec<_> = b.iter().map(|b| (b.elems.clone(), b.chunk, b.piece)).collect();
         assert_eq!(r, vec![(0..64, 0, 0), (64..100, 1, 1)]);
         // 3 pieces (48, 96) and 2 chunks (64), at most 40 values.
-        let b = blocks(100, &cut(100, 2), &cut(100, 3), 40);
+        let b = blocks(100, &cut(100, 2, 16), &cut(100, 3, 16), 40);
         let r: Vec<_> = b.iter().map(|b| (b.elems.clone(), b.chunk, b.piece)).collect();
         assert_eq!(r, vec![(0..40, 0, 0), (40..48, 0, 0), (48..64, 0, 1), (64..96, 1, 1), (96..100, 1, 2)]);
     }

@@ -215,6 +215,38 @@ impl Optimizer {
         Ok(whole)
     }
 
+    /// This part as words, to move between processes (`train::processes`): the step
+    /// count, the range, then m and v as f32 bits (their lengths follow from the range
+    /// and the configuration).
+    pub(crate) fn to_words(&self) -> Vec<u64> {
+        let mut w = vec![self.t, self.range.start as u64, self.range.end as u64];
+        w.extend(self.m.iter().chain(&self.v).map(|x| x.to_bits() as u64));
+        w
+    }
+
+    /// The part [`Optimizer::to_words`] wrote, of an optimiser of `config` over `len`
+    /// parameters; `None` when the words are not one.
+    pub(crate) fn from_words(config: OptimizerConfig, len: usize, words: &[u64]) -> Option<Optimizer> {
+        let (&[t, start, end], rest) = words.split_first_chunk::<3>()?;
+        let range = usize::try_from(start).ok()?..usize::try_from(end).ok()?;
+        if range.start > range.end || range.end > len {
+            return None;
+        }
+        // Which of m and v the configuration keeps: those an optimiser of one value has.
+        let one = Optimizer::new(config, 1);
+        let (m_len, v_len) = (one.m.len() * range.len(), one.v.len() * range.len());
+        if rest.len() != m_len + v_len {
+            return None;
+        }
+        let f = |w: &[u64]| w.iter().map(|&b| f32::from_bits(b as u32)).collect::<Vec<_>>();
+        Some(Optimizer { config, t, range, len, m: f(&rest[..m_len]), v: f(&rest[m_len..]) })
+    }
+
+    /// Length of the whole flat parameter buffer (a part's too).
+    pub fn params_len(&self) -> usize {
+        self.len
+    }
+
     /// The parameters whose state this optimiser holds.
     pub fn range(&self) -> Range<usize> {
         self.range.clone()
@@ -369,6 +401,22 @@ mod tests {
             b.update(4, &mut pb[4..], &g[4..], &s);
         }
         assert_eq!(pa, pb);
+    }
+
+    #[test]
+    fn a_part_round_trips_through_words() {
+        for config in [OptimizerConfig::adam(1e-3), OptimizerConfig::sgd(0.1)] {
+            let mut whole = Optimizer::new(config, 10);
+            whole.m.iter_mut().enumerate().for_each(|(i, x)| *x = i as f32 * 0.5 - 1.0);
+            whole.v.iter_mut().enumerate().for_each(|(i, x)| *x = i as f32 * 1e-3);
+            whole.t = 7;
+            let part = whole.shard(3..8);
+            let back = Optimizer::from_words(config, 10, &part.to_words()).unwrap();
+            assert_eq!(back, part);
+            // Words that are not a part of this optimiser: too few, a range past its end.
+            assert!(Optimizer::from_words(config, 10, &part.to_words()[..2]).is_none());
+            assert!(Optimizer::from_words(config, 6, &part.to_words()).is_none());
+        }
     }
 
     #[test]

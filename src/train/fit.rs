@@ -366,7 +366,7 @@ impl<'a, 'o> Fit<'a, 'o> {
         if improved {
             self.best = Some(BestEpoch { epoch, metrics });
             if let Some(path) = self.config.save_best.as_ref().filter(|_| trainer.world().is_voice()) {
-                let (weights, _) = trainer.weights()?;
+                let weights = trainer.params()?;
                 crate::weights::save(self.model, &weights, path)?;
             }
         }
@@ -390,10 +390,19 @@ impl<'a, 'o> Fit<'a, 'o> {
 
     /// Writes a checkpoint at `at` when the policy's period says so, or when `now`.
     fn checkpoint(&self, trainer: &mut Trainer<'_>, at: Position, now: bool) -> Result<Option<std::path::PathBuf>> {
-        let Some(policy) = self.config.checkpoint.as_ref().filter(|_| trainer.world().is_voice()) else {
+        let Some(policy) = self.config.checkpoint.as_ref() else {
             return Ok(None);
         };
         if !now && trainer.steps() % policy.every.max(1) != 0 {
+            return Ok(None);
+        }
+        if !trainer.world().is_voice() {
+            // A sharded optimiser's state is gathered from every process (a collective
+            // every process joins at the same step: the period and `now` agree); process
+            // 0 alone writes it.
+            if self.config.optimizer_sharding == crate::optim::Sharding::Sharded && trainer.world().size() > 1 {
+                trainer.weights()?;
+            }
             return Ok(None);
         }
         // At an epoch boundary the new epoch has no steps yet; mid-epoch it carries its sums.

@@ -24,6 +24,7 @@ use crate::error::{Error, Result};
 use crate::exchange::gpu::{new_clique_id, Clique};
 use crate::nn::loss::Metrics;
 use crate::nn::ParamStore;
+use crate::optim::Optimizer;
 use crate::tensor::Device;
 use crate::world::World;
 
@@ -106,6 +107,13 @@ impl Handshake {
             ("step limit", config.max_steps.unwrap_or(u64::MAX)),
             ("resumed step", config.resume.as_ref().map_or(u64::MAX, |r| r.step)),
             ("optimizer", fnv(format!("{:?} {:?}", config.optimizer, config.schedule).bytes().map(u64::from))),
+            (
+                "sharded optimiser (0 no, 1 yes)",
+                u64::from(config.optimizer_sharding == crate::optim::Sharding::Sharded),
+            ),
+            // A sharded optimiser's checkpoints gather every process's state: all must
+            // checkpoint at the same steps.
+            ("checkpoint period (0 none)", config.checkpoint.as_ref().map_or(0, |p| p.every.max(1))),
             ("initial weights (digest)", fnv(bits)),
         ];
         Handshake { fields }
@@ -132,6 +140,37 @@ impl Handshake {
         }
         Ok(())
     }
+}
+
+/// Every process's parts of a sharded optimiser (`parts`: this process's, one per
+/// device), on every process: each part as `Optimizer::to_words`, a process's parts one
+/// after the other, each preceded by its length; padded to the longest process's.
+pub(super) fn gather_optimizer_parts(world: &World, parts: &[Optimizer]) -> Result<Vec<Optimizer>> {
+    let first = parts.first().ok_or_else(|| Error::config("optimizer state", "no part to gather"))?;
+    let (config, len) = (*first.config(), first.params_len());
+    let mut mine = Vec::new();
+    for p in parts {
+        let w = p.to_words();
+        mine.push(w.len() as u64);
+        mine.extend(w);
+    }
+    let longest = world.all_gather(&[mine.len() as u64])?.into_iter().max().unwrap_or(0) as usize;
+    mine.resize(longest, u64::MAX);
+    let all = world.all_gather(&mine)?;
+    let mut out = Vec::new();
+    for (q, words) in all.chunks(longest.max(1)).enumerate() {
+        let mut at = 0;
+        while at < words.len() && words[at] != u64::MAX {
+            let n = words[at] as usize;
+            let part = words
+                .get(at + 1..at + 1 + n)
+                .and_then(|w| Optimizer::from_words(config, len, w))
+                .ok_or_else(|| Error::Processes { detail: format!("rank {q} sent optimizer state that is not one") })?;
+            out.push(part);
+            at += 1 + n;
+        }
+    }
+    Ok(out)
 }
 
 /// Words per shard in a step record: loss sum (f64 bits), correct, count.

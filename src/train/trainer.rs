@@ -367,7 +367,10 @@ impl Trainer<'_> {
     }
 
     /// The weights of replica 0 and the whole optimiser state (with a sharded optimiser,
-    /// every device's part put together).
+    /// every device's part put together). Sharded across processes, the parts are
+    /// gathered from every process: every process must call it at the same point of the
+    /// run (as `fit` does at each checkpoint and at the end); [`Trainer::params`] is the
+    /// weights alone, on any one process.
     pub fn weights(&mut self) -> Result<(ParamStore, Optimizer)> {
         let replies = self.ask(|_| Command::Snapshot)?;
         let mut snapshots = replies.into_iter().map(|r| {
@@ -378,8 +381,24 @@ impl Trainer<'_> {
         if first.is_whole() {
             return Ok((weights, first));
         }
-        let parts: Vec<Optimizer> = std::iter::once(first).chain(snapshots.map(|(_, o)| o)).collect();
+        let mut parts: Vec<Optimizer> = std::iter::once(first).chain(snapshots.map(|(_, o)| o)).collect();
+        let held: usize = parts.iter().map(|p| p.range().len()).sum();
+        if self.world.size() > 1 && held < parts[0].params_len() {
+            // Sharded across processes: every process's parts, gathered by every process
+            // (each calls this at the same points of the run).
+            parts = processes::gather_optimizer_parts(self.world, &parts).map_err(|e| self.failing(e))?;
+        }
         Ok((weights, Optimizer::merge(&parts)?))
+    }
+
+    /// The weights of replica 0 alone: no optimiser state, nothing gathered (what
+    /// `save_best` writes, on process 0 only).
+    pub fn params(&mut self) -> Result<ParamStore> {
+        let replies = self.ask(|_| Command::Snapshot)?;
+        match replies.into_iter().next() {
+            Some(Reply::Snapshot(s)) => Ok(s.0),
+            _ => unreachable!("a snapshot command gets a snapshot"),
+        }
     }
 
     /// Bytes of optimiser state each device holds, in rank order (÷ N when sharded).

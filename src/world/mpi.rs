@@ -78,6 +78,20 @@ impl Scalar for u64 {
     }
 }
 
+impl Scalar for u16 {
+    fn datatype() -> ffi::MPI_Datatype {
+        // SAFETY: as for f32.
+        unsafe { ffi::RSMPI_UINT16_T }
+    }
+}
+
+impl Scalar for i8 {
+    fn datatype() -> ffi::MPI_Datatype {
+        // SAFETY: as for f32.
+        unsafe { ffi::RSMPI_INT8_T }
+    }
+}
+
 impl Scalar for u8 {
     fn datatype() -> ffi::MPI_Datatype {
         // SAFETY: as for f32.
