@@ -387,6 +387,14 @@ fn arguments_that_disagree_are_refused_on_every_process() {
     );
 }
 
+/// The rows of a bench table: its lines that are not comments, cut into cells.
+fn table_rows(out: &str) -> Vec<Vec<&str>> {
+    out.lines()
+        .filter(|l| !l.starts_with('#') && l.contains('|'))
+        .map(|l| l.split_whitespace().filter(|c| *c != "|").collect())
+        .collect()
+}
+
 #[test]
 fn bench_allreduce_sets_the_exchange_beside_mpi_allreduce() {
     if !mpi_ready("bench_allreduce_sets_the_exchange_beside_mpi_allreduce") {
@@ -401,11 +409,7 @@ fn bench_allreduce_sets_the_exchange_beside_mpi_allreduce() {
     assert!(o.status.success(), "{out}");
     // One table (process 0's), a row per size with both collectives and their ratio.
     assert_eq!(out.lines().filter(|l| l.starts_with("# lockstep bench allreduce: 2 processes")).count(), 1, "{out}");
-    let rows: Vec<Vec<&str>> = out
-        .lines()
-        .filter(|l| !l.starts_with('#') && l.contains('|'))
-        .map(|l| l.split_whitespace().filter(|c| *c != "|").collect())
-        .collect();
+    let rows = table_rows(&out);
     assert_eq!(rows.len(), 2, "{out}");
     for (row, bytes) in rows.iter().zip([4096, 262_144]) {
         assert_eq!(row.len(), 9, "{row:?}");
@@ -430,11 +434,7 @@ fn bench_allreduce_sets_the_exchange_beside_mpi_allreduce() {
         .unwrap();
     let out = text(&o);
     assert!(o.status.success(), "{out}");
-    let rows: Vec<Vec<&str>> = out
-        .lines()
-        .filter(|l| !l.starts_with('#') && l.contains('|'))
-        .map(|l| l.split_whitespace().filter(|c| *c != "|").collect())
-        .collect();
+    let rows = table_rows(&out);
     assert_eq!(rows.len(), 2, "{out}");
     for (row, bytes) in rows.iter().zip([4096usize, 1 << 20]) {
         assert_eq!(row.len(), 13, "{row:?}");
