@@ -136,9 +136,9 @@ impl Devices {
         self.devices.iter().filter_map(|d| if let Device::Cuda(o) = d { Some(*o) } else { None }).collect()
     }
 
-    /// A note for runs whose CPU device threads outnumber the cores: they then sleep between hand-offs instead of spinning, and every step pays
-    /// for waking them. The same logical replicas on fewer devices give bitwise the same
-    /// weights, faster.
+    /// A note for runs whose CPU device threads outnumber the cores: they then sleep
+    /// between hand-offs instead of spinning, and every step pays for waking them. The
+    /// same logical replicas on fewer devices give bitwise the same weights, faster.
     pub fn oversubscription_note(&self, replicas: usize) -> Option<String> {
         let cores = available_cores();
         let n = self.devices.len();
