@@ -711,44 +711,11 @@ mod tests {
 
     #[test]
     fn a_layer_without_a_layer_op_has_no_spec_form() {
-        #[derive(Clone)]
-        struct Mine;
-        impl Layer for Mine {
-            fn kind(&self) -> &'static str {
-                "mine"
-            }
-            fn output_shape(&self, input: &Shape) -> Result<Shape> {
-                Ok(input.clone())
-            }
-            fn forward(
-                &mut self,
-                x: crate::Tensor,
-                _: crate::nn::Params<'_>,
-                _: crate::nn::ParamsMut<'_>,
-                _: &crate::nn::Ctx,
-            ) -> Result<crate::Tensor> {
-                Ok(x)
-            }
-            fn backward(
-                &mut self,
-                d: crate::Tensor,
-                _: crate::nn::Params<'_>,
-                _: crate::nn::ParamsMut<'_>,
-                _: crate::nn::InputGrad,
-                _: &crate::nn::Ctx,
-            ) -> Result<Option<crate::Tensor>> {
-                Ok(Some(d))
-            }
-            fn boxed_clone(&self) -> Box<dyn Layer> {
-                Box::new(Mine)
-            }
-            fn describe(&self) -> String {
-                "Mine".into()
-            }
-        }
-        let model = Sequential::new([3], vec![Box::new(Linear::new(3, 2)) as Box<dyn Layer>, Box::new(Mine)]).unwrap();
+        let model =
+            Sequential::new([3], vec![Box::new(Linear::new(3, 2)) as Box<dyn Layer>, Box::new(crate::nn::CpuOnly)])
+                .unwrap();
         let e = model_to_spec(&model).unwrap_err().to_string();
-        assert!(e.contains("layer mine0 (Mine) has no spec form"), "{e}");
+        assert!(e.contains("layer cpuonly0 (CpuOnly) has no spec form"), "{e}");
     }
 
     #[test]

@@ -1035,47 +1035,10 @@ impl Net<'_> {
 mod tests {
     use super::*;
 
-    /// A layer with a CPU implementation only (no `LayerOp`).
-    #[derive(Clone)]
-    struct CpuOnly;
-
-    impl crate::nn::Layer for CpuOnly {
-        fn kind(&self) -> &'static str {
-            "cpuonly"
-        }
-        fn output_shape(&self, input: &Shape) -> Result<Shape> {
-            Ok(input.clone())
-        }
-        fn forward(
-            &mut self,
-            x: crate::Tensor,
-            _: crate::nn::Params<'_>,
-            _: crate::nn::ParamsMut<'_>,
-            _: &crate::nn::Ctx,
-        ) -> Result<crate::Tensor> {
-            Ok(x)
-        }
-        fn backward(
-            &mut self,
-            d: crate::Tensor,
-            _: crate::nn::Params<'_>,
-            _: crate::nn::ParamsMut<'_>,
-            _: crate::nn::InputGrad,
-            _: &crate::nn::Ctx,
-        ) -> Result<Option<crate::Tensor>> {
-            Ok(Some(d))
-        }
-        fn boxed_clone(&self) -> Box<dyn crate::nn::Layer> {
-            Box::new(self.clone())
-        }
-        fn describe(&self) -> String {
-            "CpuOnly".into()
-        }
-    }
-
     #[test]
     fn a_layer_without_a_cuda_form_is_refused_by_name() {
-        let layers: Vec<Box<dyn crate::nn::Layer>> = vec![Box::new(crate::nn::Linear::new(2, 3)), Box::new(CpuOnly)];
+        let layers: Vec<Box<dyn crate::nn::Layer>> =
+            vec![Box::new(crate::nn::Linear::new(2, 3)), Box::new(crate::nn::CpuOnly)];
         let model = Sequential::new([2], layers).unwrap();
         let e = plan(&model).err().expect("a layer without a LayerOp cannot run on a GPU").to_string();
         assert!(e.contains("cpuonly0") && e.contains("CpuOnly") && e.contains("no CUDA implementation"), "{e}");

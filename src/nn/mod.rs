@@ -269,3 +269,38 @@ pub trait Layer: Send {
         None
     }
 }
+
+/// For the crate's tests: a layer of a user's own, with a CPU implementation (the
+/// identity) and no [`LayerOp`] — what the spec format and the GPU must refuse by name.
+#[cfg(test)]
+#[derive(Clone)]
+pub(crate) struct CpuOnly;
+
+#[cfg(test)]
+impl Layer for CpuOnly {
+    fn kind(&self) -> &'static str {
+        "cpuonly"
+    }
+    fn output_shape(&self, input: &Shape) -> Result<Shape> {
+        Ok(input.clone())
+    }
+    fn forward(&mut self, x: Tensor, _: Params<'_>, _: ParamsMut<'_>, _: &Ctx) -> Result<Tensor> {
+        Ok(x)
+    }
+    fn backward(
+        &mut self,
+        d: Tensor,
+        _: Params<'_>,
+        _: ParamsMut<'_>,
+        _: InputGrad,
+        _: &Ctx,
+    ) -> Result<Option<Tensor>> {
+        Ok(Some(d))
+    }
+    fn boxed_clone(&self) -> Box<dyn Layer> {
+        Box::new(self.clone())
+    }
+    fn describe(&self) -> String {
+        "CpuOnly".into()
+    }
+}
