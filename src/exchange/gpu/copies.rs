@@ -24,11 +24,11 @@ use std::time::{Duration, Instant};
 
 use cudarc::driver::sys::{CUdeviceptr, CUresult};
 use cudarc::driver::{
-    result as driver, sys as driver_sys, CudaContext, CudaEvent, CudaSlice, CudaStream, CudaViewMut, DevicePtrMut,
+    result as driver, sys as driver_sys, CudaContext, CudaSlice, CudaStream, CudaViewMut, DevicePtrMut,
 };
 use parking_lot::Mutex;
 
-use super::{check_buffer, check_join, check_ordinals, Backoff, DeviceAllReduce};
+use super::{check_buffer, check_join, check_ordinals, Backoff, DeviceAllReduce, Streams};
 use crate::cuda::launch::DevOut;
 use crate::cuda::Gpu;
 use crate::error::{Error, Result};
@@ -108,21 +108,16 @@ impl CopyGroup {
             if self.is_aborted() {
                 return Err(Error::Aborted);
             }
-            ctx.bind_to_thread()?;
-            let comm = ctx.new_stream()?;
+            let streams = Streams::new(ctx.clone(), compute.clone())?;
             let widest = self.chunks.iter().map(|c| c.len()).max().unwrap_or(0);
             Ok(CopyRank {
                 group: self,
                 rank,
-                ready: ctx.new_event(None)?,
-                done: ctx.new_event(None)?,
-                staging: comm.alloc_zeros::<f32>((self.world() * widest).max(1))?,
+                staging: streams.comm.alloc_zeros::<f32>((self.world() * widest).max(1))?,
                 // The reduce kernel runs on the communication stream.
-                gpu: Gpu::on_stream(comm.clone())?,
+                gpu: Gpu::on_stream(streams.comm.clone())?,
                 peer_tried: vec![false; self.world()],
-                ctx: ctx.clone(),
-                compute: compute.clone(),
-                comm,
+                streams,
             })
         };
         inner().map_err(|e| self.fail(e))
@@ -175,16 +170,9 @@ impl Abort for CopyGroup {
 pub struct CopyRank<'g> {
     group: &'g CopyGroup,
     rank: usize,
-    ctx: Arc<CudaContext>,
-    /// The replica's compute stream: calls start after its queued work, and its later
-    /// work starts after them.
-    compute: Arc<CudaStream>,
-    /// This rank's communication stream.
-    comm: Arc<CudaStream>,
-    /// Recorded on `compute`, waited on by `comm`.
-    ready: CudaEvent,
-    /// Recorded on `comm`, waited on by `compute`.
-    done: CudaEvent,
+    /// The rank's streams: calls start after the compute stream's queued work, and its
+    /// later work starts after them.
+    streams: Streams,
     /// (world, chunk) staging buffer, chunk being the largest chunk.
     staging: CudaSlice<f32>,
     /// Launches of kernels/reduce.cu on the communication stream.
@@ -206,7 +194,7 @@ impl CopyRank<'_> {
     /// once on one rank or for empty buffers.
     pub fn all_reduce_sum(&mut self, buf: &mut impl DevOut) -> Result<()> {
         let mut buf = buf.view_mut();
-        check_buffer("CopyRank::all_reduce_sum", &buf, self.group.len, &self.ctx, self.rank)?;
+        check_buffer("CopyRank::all_reduce_sum", &buf, self.group.len, &self.streams.ctx, self.rank)?;
         if self.group.world() == 1 || self.group.len == 0 {
             return Ok(());
         }
@@ -217,7 +205,7 @@ impl CopyRank<'_> {
     /// [`CopyRank::all_reduce_sum`]).
     pub fn broadcast(&mut self, buf: &mut impl DevOut, root: usize) -> Result<()> {
         let mut buf = buf.view_mut();
-        check_buffer("CopyRank::broadcast", &buf, self.group.len, &self.ctx, self.rank)?;
+        check_buffer("CopyRank::broadcast", &buf, self.group.len, &self.streams.ctx, self.rank)?;
         if root >= self.group.world() {
             return Err(Error::config("broadcast root", format!("rank {root} of a group of {}", self.group.world())));
         }
@@ -233,7 +221,7 @@ impl CopyRank<'_> {
     /// [`CopyRank::all_reduce_sum`]).
     pub fn all_gather_bytes(&mut self, buf: &mut CudaViewMut<'_, u8>, part: usize) -> Result<()> {
         let world = self.group.world();
-        check_buffer("CopyRank::all_gather_bytes", buf, world * part, &self.ctx, self.rank)?;
+        check_buffer("CopyRank::all_gather_bytes", buf, world * part, &self.streams.ctx, self.rank)?;
         if world == 1 || part == 0 {
             return Ok(());
         }
@@ -250,7 +238,7 @@ impl CopyRank<'_> {
             // This rank's reads of peer buffers end here; then it waits for the others to
             // end theirs before its buffer can be freed. The abort released every barrier,
             // so they leave at once.
-            let _ = self.comm.synchronize();
+            let _ = self.streams.comm.synchronize();
             g.inside.fetch_sub(1, Ordering::SeqCst);
             let start = Instant::now();
             let mut backoff = Backoff::new();
@@ -268,7 +256,7 @@ impl CopyRank<'_> {
     /// once. Optional: without it the driver stages peer copies through the host, slower
     /// but correct, so a refusal is not an error.
     fn enable_peer_access(&mut self, q: usize, peer: &Peer) {
-        if self.peer_tried[q] || peer.ctx.cu_ctx() == self.ctx.cu_ctx() {
+        if self.peer_tried[q] || peer.ctx.cu_ctx() == self.streams.ctx.cu_ctx() {
             return;
         }
         self.peer_tried[q] = true;
@@ -276,8 +264,8 @@ impl CopyRank<'_> {
         // SAFETY: both CUdevice handles come from live contexts; `can` is a valid out
         // pointer. cuCtxEnablePeerAccess acts on the current context, bound first.
         unsafe {
-            let asked = driver_sys::cuDeviceCanAccessPeer(&mut can, self.ctx.cu_device(), peer.ctx.cu_device());
-            if asked == CUresult::CUDA_SUCCESS && can == 1 && self.ctx.bind_to_thread().is_ok() {
+            let asked = driver_sys::cuDeviceCanAccessPeer(&mut can, self.streams.ctx.cu_device(), peer.ctx.cu_device());
+            if asked == CUresult::CUDA_SUCCESS && can == 1 && self.streams.ctx.bind_to_thread().is_ok() {
                 // CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED (another rank on this GPU did it)
                 // is as good as success; any other refusal leaves staged copies.
                 let _ = driver_sys::cuCtxEnablePeerAccess(peer.ctx.cu_ctx(), 0);
@@ -288,15 +276,13 @@ impl CopyRank<'_> {
     fn all_reduce(&mut self, buf: &mut CudaViewMut<'_, f32>) -> Result<()> {
         let g = self.group;
         let (rank, world) = (self.rank, g.world());
-        self.ctx.bind_to_thread()?;
-        self.ready.record(&self.compute)?;
-        self.comm.wait(&self.ready)?;
+        self.streams.enter()?;
         // The explicit events order every use of `buf` against this call; cudarc's own
         // tracking (where it is on) needs no more than the pointer's borrow.
-        let ptr = buf.device_ptr_mut(&self.comm).0;
+        let ptr = buf.device_ptr_mut(&self.streams.comm).0;
         // buf is final once the compute stream's queued work has run: publish it.
-        self.comm.synchronize()?;
-        *g.buffers[rank].lock() = Some(Peer { ptr, ctx: self.ctx.clone() });
+        self.streams.comm.synchronize()?;
+        *g.buffers[rank].lock() = Some(Peer { ptr, ctx: self.streams.ctx.clone() });
         g.barrier.wait(&g.aborted)?;
 
         // Reduce-scatter: chunk `rank` of every buffer, staged as (world, n), summed in
@@ -309,25 +295,25 @@ impl CopyRank<'_> {
         let mine = g.chunks[rank].clone();
         let n = mine.len();
         if n > 0 {
-            let staging = self.staging.device_ptr_mut(&self.comm).0;
+            let staging = self.staging.device_ptr_mut(&self.streams.comm).0;
             for (q, peer) in peers.iter().enumerate() {
                 // SAFETY: peer q published its buffer of `len` f32 and keeps it until the
                 // last barrier of this call, which it reaches only after we synchronised
                 // below; chunk `rank` lies inside it; staging holds world * widest >= q*n + n.
                 unsafe {
                     copy_async(
-                        &self.ctx,
+                        &self.streams.ctx,
                         staging + q as u64 * n as u64 * F32,
                         &peer.ctx,
                         peer.ptr + mine.start as u64 * F32,
                         n * F32 as usize,
-                        &self.comm,
+                        &self.streams.comm,
                     )?;
                 }
             }
             self.gpu.reduce_sum(&self.staging.slice(0..world * n), &mut buf.slice_mut(mine), world, 1.0)?;
         }
-        self.comm.synchronize()?;
+        self.streams.comm.synchronize()?;
         g.barrier.wait(&g.aborted)?;
 
         // All-gather: every other chunk from its owner, reduced by now.
@@ -340,33 +326,30 @@ impl CopyRank<'_> {
             // wrote it before the barrier we just passed.
             unsafe {
                 copy_async(
-                    &self.ctx,
+                    &self.streams.ctx,
                     ptr + c.start as u64 * F32,
                     &peer.ctx,
                     peer.ptr + c.start as u64 * F32,
                     c.len() * F32 as usize,
-                    &self.comm,
+                    &self.streams.comm,
                 )?;
             }
         }
-        self.comm.synchronize()?;
+        self.streams.comm.synchronize()?;
         // Past this barrier every rank has finished reading this buffer.
         g.barrier.wait(&g.aborted)?;
-        self.done.record(&self.comm)?;
-        self.compute.wait(&self.done)?;
+        self.streams.leave()?;
         Ok(())
     }
 
     fn all_gather(&mut self, buf: &mut CudaViewMut<'_, u8>, part: usize) -> Result<()> {
         let g = self.group;
         let rank = self.rank;
-        self.ctx.bind_to_thread()?;
-        self.ready.record(&self.compute)?;
-        self.comm.wait(&self.ready)?;
-        let ptr = buf.device_ptr_mut(&self.comm).0;
+        self.streams.enter()?;
+        let ptr = buf.device_ptr_mut(&self.streams.comm).0;
         // This rank's part is final once the compute stream's queued work has run.
-        self.comm.synchronize()?;
-        *g.buffers[rank].lock() = Some(Peer { ptr, ctx: self.ctx.clone() });
+        self.streams.comm.synchronize()?;
+        *g.buffers[rank].lock() = Some(Peer { ptr, ctx: self.streams.ctx.clone() });
         g.barrier.wait(&g.aborted)?;
         let peers = g.peers()?;
         let at = |q: usize| (q * part) as u64;
@@ -379,26 +362,25 @@ impl CopyRank<'_> {
             // the barrier below, which it passes only after we synchronised; part q lies
             // inside both buffers (checked lengths), and only its owner wrote it, before
             // the barrier we passed.
-            unsafe { copy_async(&self.ctx, ptr + at(q), &peer.ctx, peer.ptr + at(q), part, &self.comm)? };
+            unsafe {
+                copy_async(&self.streams.ctx, ptr + at(q), &peer.ctx, peer.ptr + at(q), part, &self.streams.comm)?
+            };
         }
-        self.comm.synchronize()?;
+        self.streams.comm.synchronize()?;
         // Past this barrier every rank has finished reading this buffer.
         g.barrier.wait(&g.aborted)?;
-        self.done.record(&self.comm)?;
-        self.compute.wait(&self.done)?;
+        self.streams.leave()?;
         Ok(())
     }
 
     fn broadcast_from(&mut self, buf: &mut CudaViewMut<'_, f32>, root: usize) -> Result<()> {
         let g = self.group;
         let rank = self.rank;
-        self.ctx.bind_to_thread()?;
-        self.ready.record(&self.compute)?;
-        self.comm.wait(&self.ready)?;
-        let ptr = buf.device_ptr_mut(&self.comm).0;
-        self.comm.synchronize()?;
+        self.streams.enter()?;
+        let ptr = buf.device_ptr_mut(&self.streams.comm).0;
+        self.streams.comm.synchronize()?;
         if rank == root {
-            *g.buffers[rank].lock() = Some(Peer { ptr, ctx: self.ctx.clone() });
+            *g.buffers[rank].lock() = Some(Peer { ptr, ctx: self.streams.ctx.clone() });
         }
         g.barrier.wait(&g.aborted)?;
         if rank != root {
@@ -406,12 +388,11 @@ impl CopyRank<'_> {
             self.enable_peer_access(root, &src);
             // SAFETY: the root published `len` f32 and keeps them until the barrier
             // below, which it passes only after we synchronised; ours hold `len` too.
-            unsafe { copy_async(&self.ctx, ptr, &src.ctx, src.ptr, g.len * F32 as usize, &self.comm)? };
-            self.comm.synchronize()?;
+            unsafe { copy_async(&self.streams.ctx, ptr, &src.ctx, src.ptr, g.len * F32 as usize, &self.streams.comm)? };
+            self.streams.comm.synchronize()?;
         }
         g.barrier.wait(&g.aborted)?;
-        self.done.record(&self.comm)?;
-        self.compute.wait(&self.done)?;
+        self.streams.leave()?;
         Ok(())
     }
 }
@@ -426,7 +407,7 @@ impl DeviceAllReduce for CopyRank<'_> {
     }
 
     fn compute_stream(&self) -> &Arc<CudaStream> {
-        &self.compute
+        &self.streams.compute
     }
 
     fn is_aborted(&self) -> bool {

@@ -46,7 +46,7 @@ mod nccl_group;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use cudarc::driver::{CudaContext, CudaSlice, CudaStream, CudaView, CudaViewMut, DeviceSlice};
+use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, CudaView, CudaViewMut, DeviceSlice};
 
 pub use copies::{CopyGroup, CopyRank};
 pub use nccl_group::{new_clique_id, Clique, NcclGroup, NcclRank};
@@ -323,6 +323,49 @@ fn check_ordinals(ordinals: &[usize]) -> Result<()> {
             Err(Error::CudaUnavailable(format!("cuda:{missing} asked for, but {count} GPU(s) are visible")))
         }
         None => Ok(()),
+    }
+}
+
+/// One rank's stream ordering, the same for every transport: each call runs on the
+/// rank's communication stream after the work queued on the replica's compute stream
+/// ([`Streams::enter`]), and the compute stream's later work runs after the call
+/// ([`Streams::leave`]).
+struct Streams {
+    ctx: Arc<CudaContext>,
+    /// The replica's compute stream.
+    compute: Arc<CudaStream>,
+    /// This rank's communication stream.
+    comm: Arc<CudaStream>,
+    /// Recorded on `compute`, waited on by `comm`.
+    ready: CudaEvent,
+    /// Recorded on `comm`, waited on by `compute`.
+    done: CudaEvent,
+}
+
+impl Streams {
+    /// A communication stream and its two events in `ctx` (bound to this thread), beside
+    /// the replica's `compute` stream.
+    fn new(ctx: Arc<CudaContext>, compute: Arc<CudaStream>) -> Result<Streams> {
+        ctx.bind_to_thread()?;
+        let comm = ctx.new_stream()?;
+        Ok(Streams { ready: ctx.new_event(None)?, done: ctx.new_event(None)?, ctx, compute, comm })
+    }
+
+    /// Binds the context to this thread and orders the communication stream after the
+    /// work queued on the compute stream.
+    fn enter(&self) -> Result<()> {
+        self.ctx.bind_to_thread()?;
+        self.ready.record(&self.compute)?;
+        self.comm.wait(&self.ready)?;
+        Ok(())
+    }
+
+    /// Orders the compute stream's later work after what is queued on the communication
+    /// stream.
+    fn leave(&self) -> Result<()> {
+        self.done.record(&self.comm)?;
+        self.compute.wait(&self.done)?;
+        Ok(())
     }
 }
 

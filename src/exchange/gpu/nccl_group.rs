@@ -22,7 +22,7 @@ use cudarc::driver::{CudaContext, CudaEvent, CudaStream, CudaViewMut, DevicePtrM
 use parking_lot::Mutex;
 
 use super::super::nccl::{self, RawComm, State};
-use super::{check_buffer, check_ordinals, Backoff, DeviceAllReduce};
+use super::{check_buffer, check_ordinals, Backoff, DeviceAllReduce, Streams};
 use crate::cuda::launch::DevOut;
 use crate::cuda::probe::{nccl_status, NcclStatus};
 use crate::error::{Error, Result};
@@ -143,12 +143,9 @@ impl NcclGroup {
         if self.is_aborted() {
             return Err(Error::Aborted);
         }
-        ctx.bind_to_thread()?;
-        let comm = ctx.new_stream()?;
-        let ready = ctx.new_event(None)?;
-        let done = ctx.new_event(None)?;
+        let streams = Streams::new(ctx, compute)?;
         self.init_comm(rank)?;
-        Ok(NcclRank { group: self, rank, ctx, compute, comm, ready, done, _not_send: std::marker::PhantomData })
+        Ok(NcclRank { group: self, rank, streams, _not_send: std::marker::PhantomData })
     }
 
     /// The error a failed call returns, after aborting the group: [`Error::Aborted`] when
@@ -274,16 +271,9 @@ impl Drop for NcclGroup {
 pub struct NcclRank<'g> {
     group: &'g NcclGroup,
     rank: usize,
-    ctx: Arc<CudaContext>,
-    /// The replica's compute stream: collectives start after its queued work, and its
+    /// The rank's streams: calls start after the compute stream's queued work, and its
     /// later work starts after them.
-    compute: Arc<CudaStream>,
-    /// This rank's communication stream.
-    comm: Arc<CudaStream>,
-    /// Recorded on `compute`, waited on by `comm`.
-    ready: CudaEvent,
-    /// Recorded on `comm`, waited on by `compute`.
-    done: CudaEvent,
+    streams: Streams,
     _not_send: std::marker::PhantomData<*const ()>,
 }
 
@@ -311,7 +301,7 @@ impl NcclRank<'_> {
     }
 
     fn op(&mut self, buf: &mut CudaViewMut<'_, f32>, root: Option<usize>) -> Result<()> {
-        check_buffer("NcclRank", buf, self.group.len, &self.ctx, self.rank)?;
+        check_buffer("NcclRank", buf, self.group.len, &self.streams.ctx, self.rank)?;
         if self.group.world() == 1 || self.group.len == 0 {
             return Ok(());
         }
@@ -324,11 +314,9 @@ impl NcclRank<'_> {
     fn enqueue(&mut self, buf: &mut CudaViewMut<'_, f32>, root: Option<usize>) -> Result<()> {
         let g = self.group;
         let (rank, len) = (self.rank, g.len);
-        self.ctx.bind_to_thread()?;
-        self.ready.record(&self.compute)?;
-        self.comm.wait(&self.ready)?;
-        let (ptr, written) = buf.device_ptr_mut(&self.comm);
-        let stream = self.comm.cu_stream();
+        self.streams.enter()?;
+        let (ptr, written) = buf.device_ptr_mut(&self.streams.comm);
+        let stream = self.streams.comm.cu_stream();
         g.call(rank, |c| match root {
             // SAFETY: `buf` holds `len` f32 on this rank's device (checked), stays borrowed
             // until this call returns, and every later use of it is ordered after the
@@ -337,8 +325,7 @@ impl NcclRank<'_> {
             Some(root) => unsafe { c.broadcast_f32(ptr, len, root, stream) },
         })?;
         drop(written);
-        self.done.record(&self.comm)?;
-        self.compute.wait(&self.done)?;
+        self.streams.leave()?;
         Ok(())
     }
 }
@@ -349,7 +336,7 @@ impl NcclRank<'_> {
     /// [`NcclRank::all_reduce_sum`]; returns at once on one rank.
     pub fn all_gather_bytes(&mut self, buf: &mut CudaViewMut<'_, u8>, part: usize) -> Result<()> {
         let world = self.group.world();
-        check_buffer("NcclRank::all_gather_bytes", buf, world * part, &self.ctx, self.rank)?;
+        check_buffer("NcclRank::all_gather_bytes", buf, world * part, &self.streams.ctx, self.rank)?;
         if world == 1 || part == 0 {
             return Ok(());
         }
@@ -361,18 +348,15 @@ impl NcclRank<'_> {
 
     fn enqueue_gather(&mut self, buf: &mut CudaViewMut<'_, u8>, part: usize) -> Result<()> {
         let rank = self.rank;
-        self.ctx.bind_to_thread()?;
-        self.ready.record(&self.compute)?;
-        self.comm.wait(&self.ready)?;
-        let (ptr, written) = buf.device_ptr_mut(&self.comm);
-        let stream = self.comm.cu_stream();
+        self.streams.enter()?;
+        let (ptr, written) = buf.device_ptr_mut(&self.streams.comm);
+        let stream = self.streams.comm.cu_stream();
         // SAFETY: `buf` holds world·part bytes on this rank's device (checked), stays
         // borrowed until this call returns, and every later use of it is ordered after the
         // collective (the `done` event); `stream` belongs to this rank's context.
         self.group.call(rank, |c| unsafe { c.all_gather_u8(ptr, rank, part, stream) })?;
         drop(written);
-        self.done.record(&self.comm)?;
-        self.compute.wait(&self.done)?;
+        self.streams.leave()?;
         Ok(())
     }
 }
@@ -387,7 +371,7 @@ impl DeviceAllReduce for NcclRank<'_> {
     }
 
     fn compute_stream(&self) -> &Arc<CudaStream> {
-        &self.compute
+        &self.streams.compute
     }
 
     fn is_aborted(&self) -> bool {
@@ -401,6 +385,6 @@ impl DeviceAllReduce for NcclRank<'_> {
 
 impl Drop for NcclRank<'_> {
     fn drop(&mut self) {
-        self.group.depart(self.rank, &self.comm, &self.done);
+        self.group.depart(self.rank, &self.streams.comm, &self.streams.done);
     }
 }
