@@ -16,15 +16,15 @@ use lockstep::cuda::launch::{
     BnGeom, BnGrads, BnMerged, BnParams, BnSaved, BnStats, BnSums, ConvGeom, DropoutKey, Gpu, WireGeom,
 };
 use lockstep::cuda::probe::{self, NcclStatus, NO_DRIVER};
-use lockstep::exchange::codec::{Codec, Compression, Wire};
+use lockstep::exchange::codec::{Codec, Compression};
 use lockstep::optim::OptimizerConfig;
 use lockstep::rng::mix64;
 use lockstep::Error;
 
 use common::{
-    assert_close, bias_nchw_bwd_ref, code_is_nan, codec_slot, col2im_ref, device_wire, dropout_keep, f64s, im2col_ref,
-    softmax_xent_ref, sync_bn_cpu, sync_bn_global_sums, sync_bn_merge, wire_parts, BnInputs, Rng, ATOL_ELEM, ATOL_SUM,
-    RTOL_ELEM, RTOL_SUM,
+    assert_close, bias_nchw_bwd_ref, code_is_nan, codec_inputs, col2im_ref, device_wire, dropout_keep, f64s,
+    im2col_ref, softmax_xent_ref, sync_bn_cpu, sync_bn_global_sums, sync_bn_merge, wire_parts, BnInputs, CodecInputs,
+    Rng, ATOL_ELEM, ATOL_SUM, RTOL_ELEM, RTOL_SUM,
 };
 
 // ---- harness ----------------------------------------------------------------------
@@ -583,20 +583,7 @@ fn codec_kernels_equal_the_codec_bit_for_bit() {
         let mut rng = Rng(40 + compression as u64);
         for r in [1usize, 2, 3, 5] {
             let case = format!("{compression:?}, {r} wires");
-            let slots: Vec<Vec<f32>> = (0..r).map(|s| codec_slot(&mut rng, s, encoded, raw)).collect();
-            let cpu_wires: Vec<Wire> = slots
-                .iter()
-                .map(|v| {
-                    let mut w = codec.wire(0..len);
-                    codec.encode(v, &mut w, 0..len);
-                    w
-                })
-                .collect();
-            let stride = len.div_ceil(64) * 64;
-            let mut src = vec![0.0f32; r * stride];
-            for (j, v) in slots.iter().enumerate() {
-                src[j * stride..j * stride + len].copy_from_slice(v);
-            }
+            let CodecInputs { wires: cpu_wires, stride, src, .. } = codec_inputs(&codec, &mut rng, r, encoded, raw);
             let mut wires_d = up(&gpu, &vec![0u8; r * g.bytes()]);
             gpu.wire_encode(&up(&gpu, &src), stride, r, &mut wires_d.as_view_mut(), &g).unwrap();
             let wires = down(&gpu, &wires_d);

@@ -47,7 +47,7 @@ use std::sync::OnceLock;
 use lockstep::backend::cpu;
 use lockstep::cuda::kernels::KERNEL_FILES;
 use lockstep::cuda::launch::{ConvGeom, DropoutKey, WireGeom, CODEC_THREADS, REDUCE_BLOCK};
-use lockstep::exchange::codec::{Codec, Compression, Wire};
+use lockstep::exchange::codec::{Codec, Compression};
 use lockstep::nn::batchnorm::RunningUpdate;
 use lockstep::nn::pool::{maxpool2d_plane_bwd, maxpool2d_plane_fwd};
 use lockstep::nn::{loss, BatchNorm2d, Ctx, Dropout, Layer, MaxPool2d, Padding, Sequential, Window2d};
@@ -55,9 +55,9 @@ use lockstep::optim::{Optimizer, OptimizerConfig};
 use lockstep::{Device, Tensor};
 
 use common::{
-    assert_close, bias_nchw_bwd_ref, code_is_nan, codec_slot, col2im_ref, device_wire, dropout_keep, f64s, im2col_ref,
-    shm_exchange, softmax_xent_ref, sync_bn_cpu, sync_bn_global_sums, sync_bn_merge, wire_parts, BnInputs, Rng,
-    ATOL_ELEM, ATOL_SUM, RTOL_ELEM, RTOL_SUM,
+    assert_close, bias_nchw_bwd_ref, code_is_nan, codec_inputs, col2im_ref, device_wire, dropout_keep, f64s,
+    im2col_ref, shm_exchange, softmax_xent_ref, sync_bn_cpu, sync_bn_global_sums, sync_bn_merge, wire_parts, BnInputs,
+    CodecInputs, Rng, ATOL_ELEM, ATOL_SUM, RTOL_ELEM, RTOL_SUM,
 };
 
 // ---- building and loading the kernels ----------------------------------------------
@@ -1380,23 +1380,10 @@ fn codec_kernels_equal_the_codec_bit_for_bit() {
         let mut rng = Rng(40 + compression as u64);
         for r in [1usize, 2, 3, 5] {
             let case = format!("{compression:?}, {r} wires");
-            let slots: Vec<Vec<f32>> = (0..r).map(|s| codec_slot(&mut rng, s, encoded, raw)).collect();
-            let cpu_wires: Vec<Wire> = slots
-                .iter()
-                .map(|v| {
-                    let mut w = codec.wire(0..len);
-                    codec.encode(v, &mut w, 0..len);
-                    w
-                })
-                .collect();
+            let CodecInputs { slots, wires: cpu_wires, stride, src } = codec_inputs(&codec, &mut rng, r, encoded, raw);
             // Encode: all r slots in one launch (grid.y = r), slot j at j·stride, as
             // Gpu::wire_encode pushes it: src, wires, format, encoded, raw, stride,
             // wire bytes, exps_at, raw_at.
-            let stride = len.div_ceil(64) * 64;
-            let mut src = vec![0.0f32; r * stride];
-            for (j, v) in slots.iter().enumerate() {
-                src[j * stride..j * stride + len].copy_from_slice(v);
-            }
             let mut wires = vec![0u8; r * g.bytes()];
             let cfg = Cfg { grid: (g.blocks() as u32, r as u32, 1), block: (CODEC_THREADS, 1, 1) };
             k.launch(

@@ -386,6 +386,35 @@ pub fn codec_slot(rng: &mut Rng, s: usize, encoded: usize, raw: usize) -> Vec<f3
     v
 }
 
+/// The inputs of a codec kernel check: `r` slots made by [`codec_slot`], the codec's own
+/// wire of each, and the slots packed as the GPU exchange lays them out (`src`: slot j at
+/// j·`stride`, a whole number of 64-value rows apart).
+pub struct CodecInputs {
+    pub slots: Vec<Vec<f32>>,
+    pub wires: Vec<Wire>,
+    pub stride: usize,
+    pub src: Vec<f32>,
+}
+
+pub fn codec_inputs(codec: &Codec, rng: &mut Rng, r: usize, encoded: usize, raw: usize) -> CodecInputs {
+    let len = encoded + raw;
+    let slots: Vec<Vec<f32>> = (0..r).map(|s| codec_slot(rng, s, encoded, raw)).collect();
+    let wires = slots
+        .iter()
+        .map(|v| {
+            let mut w = codec.wire(0..len);
+            codec.encode(v, &mut w, 0..len);
+            w
+        })
+        .collect();
+    let stride = len.div_ceil(64) * 64;
+    let mut src = vec![0.0f32; r * stride];
+    for (j, v) in slots.iter().enumerate() {
+        src[j * stride..j * stride + len].copy_from_slice(v);
+    }
+    CodecInputs { slots, wires, stride, src }
+}
+
 /// Every rank's sum of `slots` through the shared-memory exchange with `codec`, on
 /// `ranks` ranks (each running its share of the logical replicas).
 pub fn shm_exchange(ranks: usize, codec: Codec, slots: &[Vec<f32>]) -> Vec<Vec<f32>> {
