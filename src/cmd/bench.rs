@@ -4,6 +4,7 @@
 
 use std::io::Write;
 
+use crate::cmd::features::FeatureArgs;
 use crate::*;
 
 #[derive(Args, Debug)]
@@ -43,18 +44,9 @@ pub(crate) struct BenchStepArgs {
     /// Untimed steps before the timed ones.
     #[arg(long, default_value_t = 3)]
     warmup: u64,
-    /// Micro-batches per step (as `train --accumulate`).
-    #[arg(long, value_name = "K", default_value_t = 1)]
-    accumulate: usize,
-    /// Synchronized BatchNorm (as `train --sync-batchnorm`).
-    #[arg(long)]
-    sync_batchnorm: bool,
-    /// As `train --grad-compression`.
-    #[arg(long, value_enum, default_value = "none")]
-    grad_compression: CompressionName,
-    /// As `train --shard-optimizer`.
-    #[arg(long)]
-    shard_optimizer: bool,
+    /// The step's features, as `train` takes them.
+    #[command(flatten)]
+    features: FeatureArgs,
 }
 
 #[derive(Args, Debug)]
@@ -579,17 +571,10 @@ pub(crate) fn cmd_bench_step(a: BenchStepArgs) -> CliResult {
     let splits = load_data(data_name, toy, 0, None, None)?;
     let data = splits.train;
     let model = build_model(&ModelSource::Builtin(a.model), data.sample_shape().dims(), data.num_classes(), 0.5, 0.99)?;
-    let model = if a.sync_batchnorm { lockstep::nn::convert_sync_batchnorm(&model)? } else { model };
+    let model = a.features.model(model)?;
     let optimizer = if toy { OptimizerConfig::sgd(0.05) } else { OptimizerConfig::adam(1e-3) };
-    let config = TrainConfig {
-        batch_size,
-        optimizer,
-        check_replicas_every: None,
-        accumulate: a.accumulate,
-        grad_compression: a.grad_compression.compression(),
-        optimizer_sharding: if a.shard_optimizer { Sharding::Sharded } else { Sharding::Replicated },
-        ..TrainConfig::default()
-    };
+    let config =
+        a.features.config(TrainConfig { batch_size, optimizer, check_replicas_every: None, ..TrainConfig::default() });
     let total = a.warmup + a.steps;
     let kept = total.min(8);
     let mut estimate = lockstep::memory::training(&model, &devices, &config);
@@ -652,20 +637,7 @@ pub(crate) fn cmd_bench_step(a: BenchStepArgs) -> CliResult {
 
 /// The features of issue 12 a `bench step` uses, as a suffix of its first line.
 fn bench_features(a: &BenchStepArgs) -> String {
-    let mut s = String::new();
-    if a.accumulate > 1 {
-        let _ = write!(s, " | accumulate {}", a.accumulate);
-    }
-    if a.sync_batchnorm {
-        s.push_str(" | sync-batchnorm");
-    }
-    if a.grad_compression != CompressionName::None {
-        let _ = write!(s, " | grad-compression {}", a.grad_compression.compression().name());
-    }
-    if a.shard_optimizer {
-        s.push_str(" | shard-optimizer");
-    }
-    s
+    a.features.described().iter().map(|p| format!(" | {p}")).collect()
 }
 
 // ---------------------------------------------------------------------------------------

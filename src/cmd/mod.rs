@@ -5,6 +5,7 @@ pub mod bench;
 #[cfg(feature = "mpi")]
 pub mod bench_mpi;
 pub mod eval;
+pub mod features;
 pub mod files;
 pub mod signals;
 pub mod train;

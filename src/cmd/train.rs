@@ -23,6 +23,7 @@ use lockstep::train::{EarlyStopping, EvaluationReport, HeldOut, Observer, Stoppe
 
 use signal_hook::consts::SIGINT;
 
+use crate::cmd::features::FeatureArgs;
 use crate::cmd::signals::{Launched, StopSignals};
 use crate::*;
 
@@ -109,22 +110,8 @@ pub(crate) struct TrainArgs {
     /// Logical replicas R (a multiple of the device count) [default: the device count].
     #[arg(long, value_name = "R")]
     replicas: Option<usize>,
-    /// Gradient accumulation (PyTorch's no_sync): the global batch of a step is processed
-    /// as K micro-batches one after another (each logical shard cut into K), gradients
-    /// summed in place; one exchange and one update per step. Activation memory about ÷ K.
-    #[arg(long, value_name = "K", default_value_t = 1)]
-    accumulate: usize,
-    /// Normalise with the statistics of the whole global batch, across every replica
-    /// (PyTorch's SyncBatchNorm.convert_sync_batchnorm); one logical replica per device.
-    #[arg(long)]
-    sync_batchnorm: bool,
-    /// How gradients travel between the replicas: f32, or 16-bit values summed in f32.
-    #[arg(long, value_enum, default_value = "none")]
-    grad_compression: CompressionName,
-    /// ZeRO stage 1: each device keeps the optimiser state (Adam's m and v, SGD's
-    /// momentum) of its part of the parameters only; the same weights, bitwise.
-    #[arg(long)]
-    shard_optimizer: bool,
+    #[command(flatten)]
+    features: FeatureArgs,
     /// Check that every replica is bitwise identical every K steps and at the end [default: 100].
     #[arg(long, value_name = "K")]
     check_replicas_every: Option<u64>,
@@ -225,8 +212,8 @@ fn flag_values(a: &TrainArgs) -> BTreeMap<&'static str, String> {
         ("seed", a.seed.to_string()),
         ("devices", a.devices.clone()),
         ("keep_checkpoints", a.keep_checkpoints.to_string()),
-        ("accumulate", a.accumulate.to_string()),
-        ("grad_compression", enum_name(&a.grad_compression)),
+        ("accumulate", a.features.accumulate.to_string()),
+        ("grad_compression", enum_name(&a.features.grad_compression)),
     ]);
     let optional = [
         ("data", a.data.clone()),
@@ -248,8 +235,8 @@ fn flag_values(a: &TrainArgs) -> BTreeMap<&'static str, String> {
         ("no_shuffle", a.no_shuffle.then(|| "true".to_string())),
         ("drop_last", a.drop_last.then(|| "true".to_string())),
         ("allow_nonfinite", a.allow_nonfinite.then(|| "true".to_string())),
-        ("sync_batchnorm", a.sync_batchnorm.then(|| "true".to_string())),
-        ("shard_optimizer", a.shard_optimizer.then(|| "true".to_string())),
+        ("sync_batchnorm", a.features.sync_batchnorm.then(|| "true".to_string())),
+        ("shard_optimizer", a.features.shard_optimizer.then(|| "true".to_string())),
     ];
     m.extend(optional.into_iter().filter_map(|(k, v)| v.map(|v| (k, v))));
     m
@@ -509,7 +496,7 @@ fn settings(a: &mut TrainArgs, toy: bool) -> CliResult<Settings> {
         }
     }
     check_classes(a.classes)?;
-    if a.accumulate == 0 {
+    if a.features.accumulate == 0 {
         return Err(Failure::usage(anyhow!("--accumulate must be at least 1 (micro-batches per step)")));
     }
     if optimizer == OptimizerName::Adam && a.momentum != 0.0 {
@@ -593,10 +580,10 @@ pub(crate) fn cmd_train(a: TrainArgs, given: &BTreeSet<String>) -> CliResult {
     // test split has is one the model was never trained to output.
     let classes = *a.classes.get_or_insert(splits.train.num_classes());
     let model = build_model(&source, splits.train.sample_shape().dims(), classes, a.dropout, a.bn_momentum)?;
-    let model = if a.sync_batchnorm { lockstep::nn::convert_sync_batchnorm(&model)? } else { model };
+    let model = a.features.model(model)?;
     // Every process's devices, under mpirun.
     let in_world = s.devices.len() * world.size();
-    if a.sync_batchnorm && s.replicas != in_world {
+    if a.features.sync_batchnorm && s.replicas != in_world {
         return Err(Failure::usage(anyhow!(
             "--sync-batchnorm needs one logical replica per device: --replicas {} on {in_world} devices",
             s.replicas
@@ -635,11 +622,9 @@ pub(crate) fn cmd_train(a: TrainArgs, given: &BTreeSet<String>) -> CliResult {
         held_out,
         early_stopping: a.early_stopping.map(EarlyStopping::patience),
         save_best: a.save_best.clone(),
-        accumulate: a.accumulate,
-        grad_compression: a.grad_compression.compression(),
-        optimizer_sharding: if a.shard_optimizer { Sharding::Sharded } else { Sharding::Replicated },
         ..TrainConfig::default()
     };
+    config = a.features.config(config);
     config.validate().map_err(Failure::usage)?;
     // Memory before the weights, the checkpoint or any replica is allocated.
     let largest_held_out = splits.test.iter().chain(&final_test).map(Dataset::len).max().unwrap_or(0);
@@ -925,19 +910,7 @@ fn finished_already(a: &TrainArgs, model: &Sequential, dir: &Path, r: &checkpoin
 
 /// The features of issue 12 a run uses, in one line, or None for none of them.
 fn features_text(a: &TrainArgs) -> Option<String> {
-    let mut parts = Vec::new();
-    if a.accumulate > 1 {
-        parts.push(format!("accumulate {} micro-batches per step", a.accumulate));
-    }
-    if a.sync_batchnorm {
-        parts.push("synchronized BatchNorm".to_string());
-    }
-    if a.grad_compression != CompressionName::None {
-        parts.push(format!("gradients travel as {:?}", a.grad_compression).to_lowercase());
-    }
-    if a.shard_optimizer {
-        parts.push("optimiser state sharded across devices (ZeRO-1)".to_string());
-    }
+    let parts = a.features.described();
     (!parts.is_empty()).then(|| parts.join(" | "))
 }
 
