@@ -40,6 +40,7 @@ use crate::error::{Error, Result};
 use crate::exchange::codec::{Codec, Compression};
 use crate::exchange::gpu::{transport_for, CopyGroup, GpuExchange, NcclGroup, Transport};
 use crate::exchange::shm::{ShmGroup, ShmStats};
+use crate::exchange::stats::StatsExchange;
 use crate::exchange::{Abort, Aborts, Exchange, Wait};
 use crate::nn::loss::Metrics;
 use crate::nn::{ParamStore, Sequential};
@@ -499,13 +500,11 @@ pub fn with_trainer<T>(
             let codec = Codec::new(config.grad_compression, model.params_len());
             let group = crate::exchange::mpi::MpiGroup::new(world, n, replicas, width, plan.collective, codec)?;
             let stats: Vec<_> = (0..n).map(|r| group.stats(r)).collect();
+            let stats = |rank| synchronized.then(|| &stats[rank] as &dyn StatsExchange);
             plan.run(
                 &group,
                 f,
-                |rank, device, (model, store, optimizer)| {
-                    let replica = CpuReplica::new(device, model, store, optimizer, seed);
-                    Ok(if synchronized { replica.with_stats(&stats[rank]) } else { replica })
-                },
+                |rank, device, start| Ok(cpu_replica(device, start, seed, stats(rank))),
                 |rank, _| Ok(group.rank(rank)),
             )
         }
@@ -513,13 +512,11 @@ pub fn with_trainer<T>(
             let codec = Codec::new(config.grad_compression, model.params_len());
             let shm = ShmGroup::with_codec(n, replicas, width, plan.collective, codec)?;
             let stats: Vec<ShmStats<'_>> = (0..n).map(|r| shm.stats(r)).collect();
+            let stats = |rank| synchronized.then(|| &stats[rank] as &dyn StatsExchange);
             plan.run(
                 &shm,
                 f,
-                |rank, device, (model, store, optimizer)| {
-                    let replica = CpuReplica::new(device, model, store, optimizer, seed);
-                    Ok(if synchronized { replica.with_stats(&stats[rank]) } else { replica })
-                },
+                |rank, device, start| Ok(cpu_replica(device, start, seed, stats(rank))),
                 |rank, _| Ok(shm.rank(rank)),
             )
         }
@@ -568,6 +565,21 @@ pub fn with_trainer<T>(
     match out {
         Err(e) if world.size() > 1 => Err(processes::settle(world, e)),
         out => out,
+    }
+}
+
+/// A CPU replica from `start`, meeting the other replicas' statistics through `stats`
+/// when its model has synchronized BatchNorm layers.
+fn cpu_replica<'s>(
+    device: Device,
+    (model, store, optimizer): (Sequential, ParamStore, Optimizer),
+    seed: u64,
+    stats: Option<&'s dyn StatsExchange>,
+) -> CpuReplica<'s> {
+    let replica = CpuReplica::new(device, model, store, optimizer, seed);
+    match stats {
+        Some(s) => replica.with_stats(s),
+        None => replica,
     }
 }
 
