@@ -162,15 +162,7 @@ mod tests {
             for p in (1..=n).filter(|p| n % p == 0) {
                 let owners = even(n, p);
                 let cut = leaves(n, &owners);
-                // Each leaf summed by its owner alone, with tree_sum over its shards.
-                let partial: Vec<Vec<f32>> = cut
-                    .iter()
-                    .map(|l| {
-                        let mut s = vec![0.0; len];
-                        tree_sum(&all[l.clone()], &mut s);
-                        s
-                    })
-                    .collect();
+                let partial = leaf_sums(&all, &cut, len);
                 let with: Vec<(Range<usize>, &[f32])> =
                     cut.iter().cloned().zip(partial.iter().map(|s| s.as_slice())).collect();
                 let mut got = vec![f32::NAN; len];
@@ -179,6 +171,17 @@ mod tests {
                 assert!(same, "{n} shards on {p} owners (leaves {cut:?})");
             }
         }
+    }
+
+    /// Each leaf's sum, as its owner makes it: `tree_sum` over the leaf's shards.
+    fn leaf_sums(all: &[&[f32]], cut: &[Range<usize>], len: usize) -> Vec<Vec<f32>> {
+        cut.iter()
+            .map(|l| {
+                let mut s = vec![0.0; len];
+                tree_sum(&all[l.clone()], &mut s);
+                s
+            })
+            .collect()
     }
 
     #[test]
@@ -192,14 +195,7 @@ mod tests {
         let mut want = vec![0.0; len];
         tree_sum(&all, &mut want);
         let cut = leaves(n, &even(n, 2));
-        let partial: Vec<Vec<f32>> = cut
-            .iter()
-            .map(|l| {
-                let mut s = vec![0.0; len];
-                tree_sum(&all[l.clone()], &mut s);
-                s
-            })
-            .collect();
+        let partial = leaf_sums(&all, &cut, len);
         let views: Vec<&[f32]> = partial.iter().map(|s| s.as_slice()).collect();
         let mut naive = vec![0.0; len];
         tree_sum(&views, &mut naive);
