@@ -478,7 +478,7 @@ pub fn with_trainer<T>(
     }
     let k = replicas / in_world;
     let synchronized = crate::nn::batchnorm::has_synchronized_layers(model);
-    check_features(devices, config, replicas, in_world, synchronized)?;
+    check_features(devices.list(), config, replicas, in_world, synchronized)?;
     let plan = Plan {
         world,
         rows: RowPlan::new(replicas, world.rank(), world.size()),
@@ -606,13 +606,13 @@ fn gpu_replica<'s>(
 /// remains is synchronized BatchNorm's one logical replica per device, and on the GPUs of
 /// several processes, the two features whose wires are a single process's own.
 fn check_features(
-    devices: &Devices,
+    devices: &[Device],
     config: &TrainConfig,
     replicas: usize,
     in_world: usize,
     synchronized: bool,
 ) -> Result<()> {
-    let gpu = matches!(devices.list()[0], Device::Cuda(_));
+    let gpu = matches!(devices[0], Device::Cuda(_));
     if synchronized && replicas != in_world {
         return Err(Error::config(
             "sync-batchnorm",
@@ -635,7 +635,7 @@ fn check_features(
             "grad-compression",
             format!(
                 "{} gradients on GPUs run within one process so far (the 16-bit wires are all-gathered among \
-                 this process's GPUs; across processes only CPU devices round them)",
+                 this process's GPUs; across processes only CPU devices send them as 16-bit codes)",
                 config.grad_compression.name()
             ),
         ));
@@ -767,5 +767,37 @@ fn on_device_thread(device: Device, threads: usize, seat: Seat<'_>, body: impl F
             }
         }
         Device::Cuda(_) => body(seat),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What each device kind and world refuses, and says why, before any worker starts.
+    #[test]
+    fn features_are_checked_against_the_devices_and_the_world() {
+        let (cpu, gpu) = ([Device::Cpu(0), Device::Cpu(1)], [Device::Cuda(0), Device::Cuda(1)]);
+        let plain = TrainConfig::default();
+        let bf16 = TrainConfig { grad_compression: Compression::Bf16, ..TrainConfig::default() };
+        let refusal = |r: Result<()>| r.expect_err("refused").to_string();
+
+        // In one process both kinds run both features (one logical replica per device).
+        for devices in [&cpu[..], &gpu[..]] {
+            assert!(check_features(devices, &bf16, 2, 2, true).is_ok(), "{devices:?}");
+        }
+        // Synchronized BatchNorm needs R = the world's devices, on any kind.
+        for devices in [&cpu[..], &gpu[..]] {
+            let e = refusal(check_features(devices, &plain, 4, 2, true));
+            assert!(e.contains("sync-batchnorm") && e.contains("one logical replica per device, not 4 on 2"), "{e}");
+        }
+        // Across processes (4 devices in the world, 2 here): CPU devices run both ...
+        assert!(check_features(&cpu, &bf16, 4, 4, true).is_ok());
+        // ... GPUs neither, each refusal naming its flag.
+        let e = refusal(check_features(&gpu, &plain, 4, 4, true));
+        assert!(e.contains("sync-batchnorm") && e.contains("within one process"), "{e}");
+        let e = refusal(check_features(&gpu, &bf16, 4, 4, false));
+        assert!(e.contains("grad-compression") && e.contains("bf16 gradients on GPUs run within one process"), "{e}");
+        assert!(check_features(&gpu, &plain, 4, 4, false).is_ok());
     }
 }
