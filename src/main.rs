@@ -398,12 +398,15 @@ fn main() -> ExitCode {
         Err(f) => {
             // The other processes must not wait for this one (a failure in training has
             // told them already; one of the binary's own checks, run before any
-            // collective and on process 0 alone for its files, tells them here).
-            if let Some(w) = world.filter(|_| !f.quiet) {
+            // collective and on process 0 alone for its files, tells them here). An
+            // error every process reaches by the same decision (the handshake's
+            // disagreeing arguments) is told to nobody: each reports its own, and a
+            // notice could overtake the decision on another process.
+            let told = f.error.downcast_ref::<lockstep::Error>();
+            if let Some(w) = world.filter(|_| !f.quiet && !told.is_some_and(lockstep::world::agreed)) {
                 w.fail_with(&one_line(&f.error));
             }
             // One voice: a process other than 0 prints only failures of its own.
-            let told = f.error.downcast_ref::<lockstep::Error>();
             let quiet = f.quiet || matches!(world.zip(told), Some((w, e)) if !w.reports(e));
             if !quiet {
                 // Not eprintln!: under mpirun, stderr may be a pipe whose reader (mpirun,
