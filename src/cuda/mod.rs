@@ -7,17 +7,16 @@
 //! - [`kernels`]: the kernel sources, the naming helper, NVRTC compilation and its cache;
 //! - [`launch`]: [`launch::Gpu`], one device's context and stream, one checked method
 //!   per kernel;
-//! - [`gemm`]: the GPU layers' GEMMs as row-major descriptions, handed to cuBLAS;
-//! - [`net`]: [`net::GpuNet`], a network on one GPU (flat device buffers, the layers'
-//!   forward and backward, the optimiser), queueing work on its stream.
+//! - [`gemm`]: the GPU layers' GEMMs as row-major descriptions, handed to cuBLAS.
 //!
-//! Nothing here knows of steps, batches or exchanges: the GPU exchanges (`exchange::gpu`,
-//! NCCL or device copies) and the trainer's GPU replica (`train::gpu`) build on these.
+//! Nothing here knows of layers, steps, batches or exchanges: each op's GPU form (in its
+//! own module of `nn`), the network on one GPU (`nn::gpu_net`), the GPU exchanges
+//! (`exchange::gpu`, NCCL or device copies) and the trainer's GPU replica (`train::gpu`)
+//! build on these.
 
 pub mod gemm;
 pub mod kernels;
 pub mod launch;
-pub mod net;
 pub mod probe;
 
 pub use kernels::{kernel_name, Dir};

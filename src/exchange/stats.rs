@@ -13,7 +13,7 @@
 //! an MPI exchange implements the same trait. GPU replicas meet in the shared-memory one
 //! too, on the host (a group of their own, aborted with the GPU exchange: `Aborts`): each
 //! synchronized layer waits for its device's partial statistics, gathers, merges with the
-//! CPU layer's functions, and hands the result back to the device (`cuda::net`).
+//! CPU layer's functions, and hands the result back to the device (`nn::gpu_net`).
 //!
 //! Every rank makes the same calls in the same order (2 per synchronized layer per
 //! forward and backward pass, a rank whose shard is empty included: it sends a payload

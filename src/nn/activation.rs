@@ -1,7 +1,9 @@
-//! Elementwise layers: ReLU and Rescaling (Keras `Rescaling(scale, offset)`).
+//! Elementwise layers: ReLU and Rescaling (Keras `Rescaling(scale, offset)`), on the CPU
+//! and, at the end of the file, on a GPU (kernels/elementwise.cu).
 
 use rayon::prelude::*;
 
+use super::gpu::{Backward, Forward, GpuLayer};
 use super::{Ctx, InputGrad, Layer, Mode, Params, ParamsMut};
 
 /// Elements per parallel task of the elementwise layers: large enough that a task costs
@@ -26,6 +28,10 @@ impl Relu {
 impl Layer for Relu {
     fn op(&self) -> Option<super::LayerOp> {
         Some(super::LayerOp::Relu)
+    }
+
+    fn gpu(&self) -> Option<Box<dyn GpuLayer>> {
+        Some(Box::new(ReluGpu))
     }
 
     fn kind(&self) -> &'static str {
@@ -111,6 +117,10 @@ impl Layer for Rescaling {
         Some(super::LayerOp::Rescaling { scale: self.scale, offset: self.offset })
     }
 
+    fn gpu(&self) -> Option<Box<dyn GpuLayer>> {
+        Some(Box::new(RescalingGpu { scale: self.scale, offset: self.offset }))
+    }
+
     fn kind(&self) -> &'static str {
         "rescaling"
     }
@@ -151,5 +161,44 @@ impl Layer for Rescaling {
 
     fn describe(&self) -> String {
         format!("Rescaling(×{}, +{})", self.scale, self.offset)
+    }
+}
+
+// ---- on a GPU: kernels/elementwise.cu ------------------------------------------------
+
+/// ReLU on a GPU: `relu_fwd`, `relu_bwd` (the input decides the gradient's mask).
+struct ReluGpu;
+
+impl GpuLayer for ReluGpu {
+    // x: (N, ...) → y: same shape
+    fn forward(&mut self, f: Forward<'_, '_, '_>) -> Result<()> {
+        f.gpu.relu_fwd(f.x, f.y)
+    }
+
+    // dy: (N, ...) → dx: same shape
+    fn backward(&mut self, b: Backward<'_, '_>) -> Result<()> {
+        match b.dx {
+            Some(mut dx) => b.gpu.relu_bwd(b.x, &b.dy, &mut dx),
+            None => Ok(()),
+        }
+    }
+}
+
+/// Rescaling on a GPU: `rescale_fwd`, `rescale_bwd`.
+struct RescalingGpu {
+    scale: f32,
+    offset: f32,
+}
+
+impl GpuLayer for RescalingGpu {
+    fn forward(&mut self, f: Forward<'_, '_, '_>) -> Result<()> {
+        f.gpu.rescale_fwd(f.x, f.y, self.scale, self.offset)
+    }
+
+    fn backward(&mut self, b: Backward<'_, '_>) -> Result<()> {
+        match b.dx {
+            Some(mut dx) => b.gpu.rescale_bwd(&b.dy, &mut dx, self.scale),
+            None => Ok(()),
+        }
     }
 }

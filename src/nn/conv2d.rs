@@ -16,12 +16,17 @@ use std::ops::Range;
 
 use rayon::prelude::*;
 
+use cudarc::driver::CudaSlice;
+
+use super::gpu::{window_geom, Backward, Forward, GpuLayer, Node};
 use super::window::{Geometry2d, Padding, Window2d};
 use super::{Ctx, Init, InputGrad, Layer, Mode, ParamSpec, Params, ParamsMut};
 use crate::backend::cpu::{
     add_partials, batch_groups, chw_to_hwc, col2im, gemm_with, hwc_to_chw, im2col, im2row, row2im, split_by_groups,
     sum_partials, Accumulate, ConvGeom, Mat, Threads,
 };
+use crate::cuda::gemm::{gemm as cublas_gemm, RmGemm};
+use crate::cuda::Gpu;
 use crate::error::{Error, Result};
 use crate::tensor::{Shape, Tensor};
 
@@ -303,6 +308,10 @@ impl Layer for Conv2d {
         })
     }
 
+    fn gpu(&self) -> Option<Box<dyn GpuLayer>> {
+        Some(Box::new(Conv2dGpu { filters: self.filters, window: self.window(), use_bias: self.use_bias, cols: None }))
+    }
+
     fn kind(&self) -> &'static str {
         "conv"
     }
@@ -416,6 +425,78 @@ impl Layer for Conv2d {
             self.padding.name(),
             if self.use_bias { "" } else { ", no bias" }
         )
+    }
+}
+
+// ---- on a GPU: kernels/conv.cu's unfolding, cuBLAS -----------------------------------
+
+/// A convolution on a GPU. Its input unfolds to columns (N, C·KH·KW, OH·OW) and runs one
+/// strided-batched GEMM per pass; its weight gradient is summed over the samples'
+/// per-sample products by `reduce_sum`, in sample order, so the sum's order is a function
+/// of the batch alone.
+struct Conv2dGpu {
+    filters: usize,
+    window: Window2d,
+    use_bias: bool,
+    /// The unfolded input of the last forward, col: (N, C·KH·KW, OH·OW).
+    cols: Option<CudaSlice<f32>>,
+}
+
+impl GpuLayer for Conv2dGpu {
+    fn reserve(&mut self, gpu: &Gpu, node: &Node, n: usize) -> Result<()> {
+        let g = window_geom(node, self.window, n)?;
+        self.cols = None;
+        self.cols = Some(gpu.stream().alloc_zeros::<f32>(g.col_len().max(1))?);
+        Ok(())
+    }
+
+    /// The per-sample products of the weight gradient (N, O, C·KH·KW), then the column
+    /// gradient (N, C·KH·KW, OH·OW), side by side.
+    fn scratch(&self, node: &Node, n: usize) -> Result<usize> {
+        let g = window_geom(node, self.window, n)?;
+        Ok(n * self.filters * g.c * g.kh * g.kw + g.col_len())
+    }
+
+    // x: (N, C, H, W), weight: (O, C, KH, KW) → y: (N, O, OH, OW)
+    fn forward(&mut self, f: Forward<'_, '_, '_>) -> Result<()> {
+        let (n, o) = (f.n, self.filters);
+        let g = window_geom(f.node, self.window, n)?;
+        let (ckk, pp) = (g.c * g.kh * g.kw, g.oh() * g.ow());
+        let col = self.cols.as_mut().expect("reserved before the pass");
+        f.gpu.im2col_fwd(f.x, col, &g)?;
+        cublas_gemm(f.blas, &RmGemm::conv_fwd(n, o, ckk, pp), &f.param(0), &*col, f.y)?;
+        if self.use_bias {
+            f.gpu.bias_nchw_fwd(f.y, &f.param(1), n, o, pp)?;
+        }
+        Ok(())
+    }
+
+    // dy: (N, O, OH, OW) → dweight += Σ_n dy_n·col_nᵀ, dbias += Σ dy, dx = col2im(Wᵀ·dy)
+    fn backward(&mut self, b: Backward<'_, '_>) -> Result<()> {
+        let (n, o) = (b.n, self.filters);
+        let g = window_geom(b.node, self.window, n)?;
+        let (ckk, pp) = (g.c * g.kh * g.kw, g.oh() * g.ow());
+        let Backward { gpu, blas, node, params, dy, dx, grads, scratch, .. } = b;
+        let col = self.cols.as_ref().expect("reserved before the pass");
+        // dW = Σ_n dW_n in sample order
+        let mut part = scratch.slice_mut(0..n * o * ckk);
+        cublas_gemm(blas, &RmGemm::conv_dw(n, o, ckk, pp), &dy, col, &mut part)?;
+        gpu.reduce_sum(&part, &mut grads.slice_mut(node.params[0].clone()), n, 1.0)?;
+        if self.use_bias {
+            gpu.bias_nchw_bwd(&dy, &mut grads.slice_mut(node.params[1].clone()), n, o, pp)?;
+        }
+        if let Some(mut dx) = dx {
+            let mut dcol = scratch.slice_mut(n * o * ckk..n * o * ckk + g.col_len());
+            cublas_gemm(
+                blas,
+                &RmGemm::conv_dcol(n, o, ckk, pp),
+                &params.slice(node.params[0].clone()),
+                &dy,
+                &mut dcol,
+            )?;
+            gpu.im2col_bwd(&dcol, &mut dx, &g)?;
+        }
+        Ok(())
     }
 }
 

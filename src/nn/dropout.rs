@@ -4,8 +4,10 @@
 //! The mask is a pure function of (seed, step, logical replica, layer, element index
 //! within the logical replica's shard — a later micro-batch of an accumulated step starts
 //! at `Ctx::sample_offset`) through `rng::hash64`, so it does not depend on the device count, the thread count or
-//! the order in which elements are visited (the CUDA kernel computes the same function).
+//! the order in which elements are visited (the CUDA kernel computes the same function:
+//! kernels/dropout.cu, launched by the GPU form at the end of this file).
 
+use super::gpu::{Backward, Forward, GpuLayer, Pass};
 use super::{Ctx, InputGrad, Layer, Mode, Params, ParamsMut};
 use crate::error::{Error, Result};
 use crate::rng::{dropout_key, hash64, unit_f32};
@@ -37,6 +39,10 @@ impl Dropout {
 impl Layer for Dropout {
     fn op(&self) -> Option<super::LayerOp> {
         Some(super::LayerOp::Dropout { rate: self.rate })
+    }
+
+    fn gpu(&self) -> Option<Box<dyn GpuLayer>> {
+        Some(Box::new(DropoutGpu { rate: self.rate }))
     }
 
     fn kind(&self) -> &'static str {
@@ -96,5 +102,34 @@ impl Layer for Dropout {
 
     fn describe(&self) -> String {
         format!("Dropout({})", self.rate)
+    }
+}
+
+// ---- on a GPU: kernels/dropout.cu ----------------------------------------------------
+
+/// Dropout on a GPU: `dropout_fwd` draws the masks from the pass's [`super::gpu::Draw`]
+/// and the layer's index, `dropout_bwd` replays them; evaluation (or rate 0) copies.
+struct DropoutGpu {
+    rate: f32,
+}
+
+impl GpuLayer for DropoutGpu {
+    // x: (N, ...) → y: same shape
+    fn forward(&mut self, f: Forward<'_, '_, '_>) -> Result<()> {
+        match &*f.pass {
+            Pass::Train { draw, .. } if self.rate > 0.0 => {
+                f.gpu.dropout_fwd(f.x, f.y, self.rate, draw.dropout_key(f.node.index, f.node.input.numel()))
+            }
+            _ => Ok(f.gpu.stream().memcpy_dtod(f.x, f.y)?),
+        }
+    }
+
+    fn backward(&mut self, b: Backward<'_, '_>) -> Result<()> {
+        let Some(mut dx) = b.dx else { return Ok(()) };
+        if self.rate > 0.0 {
+            b.gpu.dropout_bwd(&b.dy, &mut dx, self.rate, b.draw.dropout_key(b.node.index, b.node.input.numel()))
+        } else {
+            Ok(b.gpu.stream().memcpy_dtod(&b.dy, &mut dx)?)
+        }
     }
 }

@@ -1,7 +1,9 @@
 //! Linear (Keras Dense): y = x·Wᵀ + b, weight (O, F) as in PyTorch.
 
+use super::gpu::{Backward, Forward, GpuLayer};
 use super::{InputGrad, Layer, ParamSpec, Params, ParamsMut};
 use crate::backend::cpu::{gemm, Accumulate, Mat};
+use crate::cuda::gemm::{gemm as cublas_gemm, RmGemm};
 use crate::error::{Error, Result};
 use crate::nn::{Ctx, Init, Mode};
 use crate::tensor::{Shape, Tensor};
@@ -36,6 +38,10 @@ impl Layer for Linear {
             out_features: self.out_features,
             bias: self.use_bias,
         })
+    }
+
+    fn gpu(&self) -> Option<Box<dyn GpuLayer>> {
+        Some(Box::new(LinearGpu { f: self.in_features, o: self.out_features, use_bias: self.use_bias }))
     }
 
     fn kind(&self) -> &'static str {
@@ -122,5 +128,40 @@ impl Layer for Linear {
 
     fn describe(&self) -> String {
         format!("Dense({}→{}{})", self.in_features, self.out_features, if self.use_bias { "" } else { ", no bias" })
+    }
+}
+
+// ---- on a GPU: cuBLAS and kernels/elementwise.cu's bias ------------------------------
+
+/// Linear on a GPU: the three GEMMs of the CPU layer, by cuBLAS, and the bias kernels.
+struct LinearGpu {
+    f: usize,
+    o: usize,
+    use_bias: bool,
+}
+
+impl GpuLayer for LinearGpu {
+    // x: (N, F), weight: (O, F) → y: (N, O)
+    fn forward(&mut self, fw: Forward<'_, '_, '_>) -> Result<()> {
+        let (n, f, o) = (fw.n, self.f, self.o);
+        cublas_gemm(fw.blas, &RmGemm::linear_fwd(n, f, o), fw.x, &fw.param(0), fw.y)?;
+        if self.use_bias {
+            fw.gpu.bias_cols_fwd(fw.y, &fw.param(1), n, o)?;
+        }
+        Ok(())
+    }
+
+    // dy: (N, O) → dweight += dyᵀ·x (O, F), dbias += Σ_n dy (O), dx = dy·W (N, F)
+    fn backward(&mut self, b: Backward<'_, '_>) -> Result<()> {
+        let (n, f, o) = (b.n, self.f, self.o);
+        let Backward { gpu, blas, node, params, x, dy, dx, grads, .. } = b;
+        cublas_gemm(blas, &RmGemm::linear_dw(n, f, o), &dy, x, &mut grads.slice_mut(node.params[0].clone()))?;
+        if self.use_bias {
+            gpu.bias_cols_bwd(&dy, &mut grads.slice_mut(node.params[1].clone()), n, o)?;
+        }
+        if let Some(mut dx) = dx {
+            cublas_gemm(blas, &RmGemm::linear_dx(n, f, o), &dy, &params.slice(node.params[0].clone()), &mut dx)?;
+        }
+        Ok(())
     }
 }

@@ -16,6 +16,8 @@ pub mod activation;
 pub mod batchnorm;
 pub mod conv2d;
 pub mod dropout;
+pub mod gpu;
+pub mod gpu_net;
 pub mod linear;
 pub mod loss;
 pub mod pool;
@@ -266,6 +268,13 @@ pub trait Layer: Send {
     /// The computation as plain data, for backends other than the CPU's. Default: none
     /// (the layer runs on CPU devices only).
     fn op(&self) -> Option<LayerOp> {
+        None
+    }
+
+    /// The layer's GPU form (its launches and what it keeps on the device), built for
+    /// each GPU replica; the GPU network dispatches through it. Default: none (the layer
+    /// runs on CPU devices only, and a GPU run names it).
+    fn gpu(&self) -> Option<Box<dyn gpu::GpuLayer>> {
         None
     }
 }

@@ -24,8 +24,12 @@
 
 use rayon::prelude::*;
 
+use cudarc::driver::CudaSlice;
+
+use super::gpu::{window_geom, Backward, Forward, GpuLayer, Node};
 use super::window::{Geometry2d, Padding, Window2d};
 use super::{Ctx, InputGrad, Layer, LayerOp, Mode, Params, ParamsMut};
+use crate::cuda::Gpu;
 use crate::error::{Error, Result};
 use crate::tensor::{Shape, Tensor};
 
@@ -113,6 +117,10 @@ impl Layer for MaxPool2d {
         Some(LayerOp::MaxPool2d { window: self.window })
     }
 
+    fn gpu(&self) -> Option<Box<dyn GpuLayer>> {
+        Some(Box::new(MaxPool2dGpu { window: self.window, argmax: None }))
+    }
+
     fn kind(&self) -> &'static str {
         "maxpool"
     }
@@ -185,6 +193,39 @@ impl Layer for MaxPool2d {
 
     fn describe(&self) -> String {
         format!("MaxPool2d({})", self.window.describe())
+    }
+}
+
+// ---- on a GPU: kernels/pooling.cu --------------------------------------------------
+
+/// Max pooling on a GPU: `maxpool2d_fwd` writes the winners' indices, which
+/// `maxpool2d_bwd` routes the gradient back through (ties and NaN as on the CPU, above).
+struct MaxPool2dGpu {
+    window: Window2d,
+    /// The winner's index of each output, argmax: (N, C, OH, OW), from the last forward.
+    argmax: Option<CudaSlice<u32>>,
+}
+
+impl GpuLayer for MaxPool2dGpu {
+    fn reserve(&mut self, gpu: &Gpu, node: &Node, n: usize) -> Result<()> {
+        self.argmax = None;
+        self.argmax = Some(gpu.stream().alloc_zeros::<u32>((n * node.output.numel()).max(1))?);
+        Ok(())
+    }
+
+    // x: (N, C, H, W) → y, argmax: (N, C, OH, OW)
+    fn forward(&mut self, f: Forward<'_, '_, '_>) -> Result<()> {
+        let g = window_geom(f.node, self.window, f.n)?;
+        let argmax = self.argmax.as_mut().expect("reserved before the pass");
+        f.gpu.maxpool2d_fwd(f.x, f.y, argmax, &g)
+    }
+
+    // dy, argmax: (N, C, OH, OW) → dx: (N, C, H, W)
+    fn backward(&mut self, b: Backward<'_, '_>) -> Result<()> {
+        let Some(mut dx) = b.dx else { return Ok(()) };
+        let g = window_geom(b.node, self.window, b.n)?;
+        let argmax = self.argmax.as_ref().expect("reserved before the pass");
+        b.gpu.maxpool2d_bwd(&b.dy, argmax, &mut dx, &g)
     }
 }
 

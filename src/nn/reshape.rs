@@ -1,5 +1,6 @@
 //! Layers that change the shape: Flatten and GlobalAveragePooling2d.
 
+use super::gpu::{Backward, Forward, GpuLayer};
 use super::{Ctx, InputGrad, Layer, Params, ParamsMut};
 use crate::error::{Error, Result};
 use crate::tensor::{Shape, Tensor};
@@ -20,6 +21,10 @@ impl Flatten {
 impl Layer for Flatten {
     fn op(&self) -> Option<super::LayerOp> {
         Some(super::LayerOp::Flatten)
+    }
+
+    fn gpu(&self) -> Option<Box<dyn GpuLayer>> {
+        Some(Box::new(FlattenGpu))
     }
 
     fn kind(&self) -> &'static str {
@@ -78,6 +83,10 @@ impl Layer for GlobalAvgPool2d {
         Some(super::LayerOp::GlobalAvgPool2d)
     }
 
+    fn gpu(&self) -> Option<Box<dyn GpuLayer>> {
+        Some(Box::new(GlobalAvgPool2dGpu))
+    }
+
     fn kind(&self) -> &'static str {
         "gap"
     }
@@ -129,5 +138,43 @@ impl Layer for GlobalAvgPool2d {
 
     fn describe(&self) -> String {
         "GlobalAvgPool2d".into()
+    }
+}
+
+// ---- on a GPU: a copy, and kernels/pooling.cu's global average ------------------------
+
+/// Flatten on a GPU: the values do not move, so a copy each way.
+struct FlattenGpu;
+
+impl GpuLayer for FlattenGpu {
+    fn forward(&mut self, f: Forward<'_, '_, '_>) -> Result<()> {
+        Ok(f.gpu.stream().memcpy_dtod(f.x, f.y)?)
+    }
+
+    fn backward(&mut self, b: Backward<'_, '_>) -> Result<()> {
+        match b.dx {
+            Some(mut dx) => Ok(b.gpu.stream().memcpy_dtod(&b.dy, &mut dx)?),
+            None => Ok(()),
+        }
+    }
+}
+
+/// The spatial mean on a GPU: `global_avgpool_fwd`, `global_avgpool_bwd`.
+struct GlobalAvgPool2dGpu;
+
+impl GpuLayer for GlobalAvgPool2dGpu {
+    // x: (N, C, H, W) → y: (N, C)
+    fn forward(&mut self, f: Forward<'_, '_, '_>) -> Result<()> {
+        let c = f.node.output.numel();
+        f.gpu.global_avgpool_fwd(f.x, f.y, f.n * c, f.node.input.numel() / c)
+    }
+
+    // dy: (N, C) → dx: (N, C, H, W)
+    fn backward(&mut self, b: Backward<'_, '_>) -> Result<()> {
+        let c = b.node.output.numel();
+        match b.dx {
+            Some(mut dx) => b.gpu.global_avgpool_bwd(&b.dy, &mut dx, b.n * c, b.node.input.numel() / c),
+            None => Ok(()),
+        }
     }
 }

@@ -6,7 +6,7 @@
 //! synchronized BatchNorm layers (`with_stats`: they meet the other replicas' on the host,
 //! inside the passes), and the translation between the step's terms (batches, shards,
 //! pieces of the sum) and the network's (rows on the device, slots, views). The device
-//! side — buffers, kernels, cuBLAS — is `cuda::net`'s.
+//! side — buffers, kernels, cuBLAS — is `nn::gpu_net`'s.
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -15,12 +15,13 @@ use cudarc::driver::{CudaStream, CudaView, CudaViewMut};
 
 use super::replica::{fingerprints, Fill, Mark, Replica, Shard, StepOutcome};
 use super::Batch;
-use crate::cuda::net::{Draw, GpuNet, OptimizerState, SlotUse};
 use crate::error::{Error, Result};
 use crate::exchange::gpu::DeviceMemory;
 use crate::exchange::stats::StatsExchange;
 use crate::exchange::Abort;
 use crate::nn::batchnorm::Synchronized;
+use crate::nn::gpu::Draw;
+use crate::nn::gpu_net::{GpuNet, OptimizerState, SlotUse};
 use crate::nn::loss::{softmax_rows, Metrics};
 use crate::nn::{ParamStore, Sequential};
 use crate::optim::{Optimizer, OptimizerConfig, StepScalars};
@@ -118,7 +119,7 @@ impl Replica for GpuReplica<'_> {
             (Fill::Add, Some(last)) => last.end = rows.end,
             _ => self.shards.push(rows.clone()),
         }
-        let draw = Draw { seed: self.seed, step: shard.step, replica: shard.replica, sample_offset: shard.offset };
+        let draw = Draw { seed: self.seed, step: shard.step, shard: shard.replica, sample_offset: shard.offset };
         let fill = match shard.fill {
             Fill::Write => SlotUse::Write,
             Fill::Add => SlotUse::Add,

@@ -13,7 +13,7 @@
 //! | `step.rs` | the training step, written once for every device and transport; evaluation, prediction |
 //! | `replica.rs` | the `Replica` trait the step runs; the replica check |
 //! | `cpu.rs` | the CPU replica |
-//! | `gpu.rs` | the GPU replica (its device half is `cuda::net`) |
+//! | `gpu.rs` | the GPU replica (its device half is `nn::gpu_net`) |
 //! | `fit.rs` | [`train_data_parallel`]: epochs, evaluation, checkpoints |
 //! | `processes.rs` | the trainer across the processes of an MPI world: handshake, merged step reports, replica check, rows per process |
 

@@ -1,0 +1,609 @@
+use std::ops::Range;
+use std::sync::Arc;
+use std::time::Duration;
+
+use cudarc::cublas::CudaBlas;
+use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, PinnedHostSlice};
+
+use super::batchnorm::Synchronized;
+use super::gpu::{poll, Backward, Draw, Forward, GpuLayer, Node, Pass, SyncWith};
+use super::loss::check_labels;
+use super::{LayerShapes, ParamStore, Sequential};
+use crate::cuda::Gpu;
+use crate::optim::{OptimizerConfig, StepScalars};
+use crate::{Error, Result};
+
+/// One layer as the GPU runs it: where it lies, and its op's GPU form.
+struct Layer {
+    node: Node,
+    op: Box<dyn GpuLayer>,
+}
+
+/// The network's device memory of one forward/backward at one batch size (what each op
+/// keeps between its passes is the op's own).
+struct Activations {
+    /// Batch size these buffers are sized for.
+    n: usize,
+    /// acts[0] = the input, acts[i + 1] = layer i's output.
+    acts: Vec<CudaSlice<f32>>,
+    /// Two gradient buffers that backward alternates between.
+    grads: [CudaSlice<f32>; 2],
+    /// Scratch every op may use inside one of its passes (the widest op's request).
+    scratch: CudaSlice<f32>,
+    labels: CudaSlice<u32>,
+    loss: CudaSlice<f32>,
+    correct: CudaSlice<u32>,
+}
+
+/// A network on one GPU, with its parameters, buffers, optimiser state and the staging
+/// of one step's rows.
+pub struct GpuNet {
+    gpu: Gpu,
+    /// Dropped by hand (see `Drop`), before the workspace it uses.
+    blas: std::mem::ManuallyDrop<CudaBlas>,
+    /// cuBLAS's workspace, set on `blas`.
+    _workspace: CudaSlice<u8>,
+    model: Sequential,
+    layers: Vec<Layer>,
+    np: usize,
+    nb: usize,
+    params: CudaSlice<f32>,
+    buffers: CudaSlice<f32>,
+    /// Optimiser state of the parameters `state_range` (all of them, unless sharded):
+    /// SGD's momentum or Adam's m, and Adam's v (one unused value for SGD).
+    m: CudaSlice<f32>,
+    v: CudaSlice<f32>,
+    adam: bool,
+    state_range: Range<usize>,
+    /// A later micro-batch's gradient, beside a copy of the slot's (2·np values), when
+    /// accumulating: the two are then added in that order by `reduce_sum`.
+    accum: Option<CudaSlice<f32>>,
+    /// Activations of the last pass (training or evaluation), kept while the batch size
+    /// stays the same: nothing in them outlives a pass.
+    acts: Option<Activations>,
+    /// Events recorded by [`GpuNet::mark`] (made once: a step records them again).
+    marks: Vec<CudaEvent>,
+    /// Recorded by [`GpuNet::wait`]: the point the host waits for.
+    idle: CudaEvent,
+    /// Per-sample losses and hits of the rows staged by [`GpuNet::stage`].
+    step_loss: Option<CudaSlice<f32>>,
+    step_hits: Option<CudaSlice<u32>>,
+    /// Pinned staging for the rows of one step or evaluation chunk, and their labels.
+    pinned_x: Option<PinnedHostSlice<f32>>,
+    pinned_y: Option<PinnedHostSlice<u32>>,
+    x_dev: Option<CudaSlice<f32>>,
+    y_dev: Option<CudaSlice<u32>>,
+    staged: usize,
+}
+
+/// The optimiser a [`GpuNet`] runs and the state it starts from: SGD's momentum or
+/// Adam's m, and Adam's v, each empty where the optimiser keeps none (zeros then).
+pub struct OptimizerState<'a> {
+    pub config: OptimizerConfig,
+    pub m: &'a [f32],
+    pub v: &'a [f32],
+}
+
+/// How a training pass meets its slot (as `train::replica::Fill`, which the network does
+/// not know of).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SlotUse {
+    /// Writes the whole slot: zeros, the buffers, the gradient.
+    Write,
+    /// Adds its gradient to the slot's and moves the slot's buffers on.
+    Add,
+}
+
+impl GpuNet {
+    /// Builds the network on GPU `ordinal`: checks that every layer has a CUDA form,
+    /// uploads `store` and the optimiser `state`, and makes `marks` timing events.
+    pub fn new(
+        ordinal: usize,
+        model: Sequential,
+        store: &ParamStore,
+        state: OptimizerState<'_>,
+        marks: usize,
+    ) -> Result<GpuNet> {
+        let layers = plan(&model)?;
+        crate::cuda::probe::cublas_available()?;
+        let gpu = Gpu::new(ordinal)?;
+        // SAFETY: cudarc's per-buffer event tracking (an event recorded or waited on for
+        // every buffer of every launch once a context has a second stream) is not needed:
+        // every buffer of a network is used by its compute stream alone, pinned staging is
+        // rewritten only after the step's closing wait, and the exchange orders its own
+        // stream against the compute stream with explicit events (`exchange::gpu`). Replicas
+        // sharing a GPU share its primary context, and the same holds for each of them.
+        unsafe { gpu.context().disable_event_tracking() };
+        let stream = gpu.stream().clone();
+        let blas = CudaBlas::new(stream.clone())?;
+        // A workspace of the network's own: cuBLAS is reproducible bit for bit only when
+        // streams that run at once (replicas sharing a GPU) do not share its default one.
+        let workspace = stream.alloc_zeros::<u8>(CUBLAS_WORKSPACE)?;
+        {
+            let (ptr, _sync) = workspace.device_ptr(&stream);
+            // SAFETY: the workspace lives as long as the handle (both fields of the
+            // network, the handle dropped first) and is used on the handle's stream only.
+            unsafe { cudarc::cublas::sys::cublasSetWorkspace_v2(*blas.handle(), ptr as *mut _, CUBLAS_WORKSPACE) }
+                .result()?;
+        }
+        let (np, nb) = (model.params_len(), model.buffers_len());
+        if store.params.len() != np || store.buffers.len() != nb {
+            return Err(Error::config("initial weights", "they do not match the model's tensors"));
+        }
+        let state_of = |name: &str, v: &[f32]| -> Result<Vec<f32>> {
+            match v.len() {
+                0 => Ok(vec![0.0; np]),
+                n if n == np => Ok(v.to_vec()),
+                n => Err(Error::config("optimizer state", format!("'{name}' has {n} values, expected {np}"))),
+            }
+        };
+        let adam = matches!(state.config, OptimizerConfig::Adam { .. });
+        let m = state_of("m", state.m)?;
+        let v = if adam { state_of("v", state.v)? } else { Vec::new() };
+        let timed = || gpu.context().new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT));
+        let marks = (0..marks).map(|_| timed()).collect::<std::result::Result<Vec<_>, _>>()?;
+        let idle = gpu.context().new_event(None)?;
+        Ok(GpuNet {
+            params: upload(&stream, &store.params)?,
+            buffers: upload(&stream, &store.buffers)?,
+            m: upload(&stream, &m)?,
+            v: upload(&stream, &v)?,
+            adam,
+            state_range: 0..np,
+            accum: None,
+            np,
+            nb,
+            layers,
+            model,
+            gpu,
+            blas: std::mem::ManuallyDrop::new(blas),
+            _workspace: workspace,
+            acts: None,
+            marks,
+            idle,
+            step_loss: None,
+            step_hits: None,
+            pinned_x: None,
+            pinned_y: None,
+            x_dev: None,
+            y_dev: None,
+            staged: 0,
+        })
+    }
+
+    /// The stream every launch of this network goes to (the exchange orders itself
+    /// after it).
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        self.gpu.stream()
+    }
+
+    /// The model this network runs.
+    pub fn model(&self) -> &Sequential {
+        &self.model
+    }
+
+    /// Records timing event `i` on the stream.
+    pub fn mark(&mut self, i: usize) -> Result<()> {
+        self.marks[i].record(self.gpu.stream())?;
+        Ok(())
+    }
+
+    /// GPU time of every mark since mark 0 (waits for the last one).
+    pub fn mark_times(&self) -> Result<Vec<Duration>> {
+        let first = &self.marks[0];
+        self.marks.iter().map(|e| Ok(Duration::from_secs_f64(f64::from(first.elapsed_ms(e)?.max(0.0)) / 1e3))).collect()
+    }
+
+    /// Waits until everything queued so far has run, or until `aborted()` turns true
+    /// ([`Error::Aborted`]): the host's waits for a step go through here, so that a
+    /// replica whose peer failed is never stuck behind a collective that cannot complete.
+    pub fn wait(&self, aborted: &dyn Fn() -> bool) -> Result<()> {
+        self.idle.record(self.gpu.stream())?;
+        poll(&self.idle, aborted)
+    }
+
+    /// Copies rows (x: (rows, *input), y: (rows)) to the GPU through pinned memory,
+    /// asynchronously, for the shards of a step or an evaluation chunk to read, after
+    /// checking the labels against the model's classes.
+    pub fn stage(&mut self, xs: &[f32], ys: &[u32]) -> Result<()> {
+        check_labels(ys, self.model.output_shape().numel())?;
+        let ctx = self.gpu.context().clone();
+        let stream = self.gpu.stream().clone();
+        if self.pinned_x.as_ref().map(|p| p.len()) != Some(xs.len().max(1)) {
+            // SAFETY: the memory is written below before any read.
+            self.pinned_x = Some(unsafe { ctx.alloc_pinned::<f32>(xs.len().max(1)) }?);
+            self.pinned_y = Some(unsafe { ctx.alloc_pinned::<u32>(ys.len().max(1)) }?);
+            self.x_dev = Some(stream.alloc_zeros(xs.len().max(1))?);
+            self.y_dev = Some(stream.alloc_zeros(ys.len().max(1))?);
+        }
+        let (px, py) = (self.pinned_x.as_mut().expect("set"), self.pinned_y.as_mut().expect("set"));
+        // No copy reads the staging any more: every step and evaluation ends with a wait
+        // for the GPU, and a network that failed mid-step is dropped (which waits too).
+        px.as_mut_slice()?[..xs.len()].copy_from_slice(xs);
+        py.as_mut_slice()?[..ys.len()].copy_from_slice(ys);
+        stream.memcpy_htod(&*px, self.x_dev.as_mut().expect("set"))?;
+        stream.memcpy_htod(&*py, self.y_dev.as_mut().expect("set"))?;
+        self.staged = ys.len();
+        if self.step_loss.as_ref().map(|l| l.len()) != Some(ys.len().max(1)) {
+            self.step_loss = Some(stream.alloc_zeros(ys.len().max(1))?);
+            self.step_hits = Some(stream.alloc_zeros(ys.len().max(1))?);
+        }
+        Ok(())
+    }
+
+    /// Queues one training shard (or micro-batch of one), the staged rows `rows`.
+    /// [`SlotUse::Write`] writes the whole of `slot` ([gradient | BatchNorm buffers],
+    /// params + buffers values): zeros, then the replica's buffers updated by the
+    /// shard's forward, and the gradient of the loss summed over the rows;
+    /// [`SlotUse::Add`] moves the slot's buffers on by this forward and adds this
+    /// gradient to the slot's (computed beside a copy of it and summed by `reduce_sum`,
+    /// old + new). Per-sample losses and hits go to the step's buffers. With `sync`, the
+    /// synchronized BatchNorm layers meet the other logical replicas' statistics there
+    /// (a pass without rows still makes its calls), the host's waits polling `aborted`;
+    /// without it they normalise with the shard's own, as a world of one does.
+    pub fn train_shard(
+        &mut self,
+        rows: Range<usize>,
+        draw: Draw,
+        slot: &mut CudaViewMut<'_, f32>,
+        fill: SlotUse,
+        sync: Option<Synchronized<'_>>,
+        aborted: &dyn Fn() -> bool,
+    ) -> Result<()> {
+        let (np, nb) = (self.np, self.nb);
+        let width = np + nb;
+        if slot.len() != width {
+            return Err(Error::shape("train_shard", format!("slot of {} values, expected {width}", slot.len())));
+        }
+        if rows.end > self.staged {
+            return Err(Error::shape("train_shard", format!("rows {rows:?} of {} staged", self.staged)));
+        }
+        let stream = self.gpu.stream().clone();
+        if fill == SlotUse::Write {
+            stream.memset_zeros(slot)?;
+        }
+        let n = rows.len();
+        if n == 0 {
+            // An empty shard still joins the exchange, with zeros, and the statistics
+            // exchange with nothing.
+            return sync.map_or(Ok(()), |with| with.without_data(&self.model));
+        }
+        self.ensure_acts(n)?;
+        let acts = self.acts.as_mut().expect("sized above");
+        let per = self.model.input_shape().numel();
+        let x = self.x_dev.as_ref().expect("staged");
+        let y = self.y_dev.as_ref().expect("staged");
+        stream.memcpy_dtod(&x.slice(rows.start * per..rows.end * per), &mut acts.acts[0])?;
+        stream.memcpy_dtod(&y.slice(rows.clone()), &mut acts.labels)?;
+        // The shard's BatchNorm buffers start from the network's and are updated in its
+        // slot by each training forward.
+        if nb > 0 && fill == SlotUse::Write {
+            stream.memcpy_dtod(&self.buffers.slice(0..nb), &mut slot.slice_mut(np..width))?;
+        }
+        let mut net = Net { gpu: &self.gpu, blas: &self.blas, layers: &mut self.layers, params: &self.params };
+        let sync = sync.map(|with| SyncWith { with, aborted });
+        net.forward(acts, Pass::Train { draw, stats: slot, offset: np }, sync)?;
+        let k = self.model.output_shape().numel();
+        let last = acts.acts.len() - 1;
+        let step_loss = self.step_loss.as_mut().expect("staged");
+        self.gpu.softmax_xent_fwd(
+            &acts.acts[last],
+            &acts.labels,
+            &mut step_loss.slice_mut(rows.clone()),
+            &mut acts.grads[0].slice_mut(0..n * k),
+            &mut acts.correct,
+            k,
+        )?;
+        stream.memcpy_dtod(&acts.correct, &mut self.step_hits.as_mut().expect("staged").slice_mut(rows))?;
+        let first = self.model.first_trained_layer();
+        if fill == SlotUse::Write || np == 0 {
+            return net.backward(acts, slot, draw, first, sync);
+        }
+        if self.accum.is_none() {
+            self.accum = Some(stream.alloc_zeros::<f32>(2 * np)?);
+        }
+        let accum = self.accum.as_mut().expect("allocated above");
+        // [old gradient | new gradient]: np is a multiple of 64, so the new one's views
+        // start on 256 bytes as a slot's do.
+        stream.memcpy_dtod(&slot.slice(0..np), &mut accum.slice_mut(0..np))?;
+        let mut new = accum.slice_mut(np..2 * np);
+        stream.memset_zeros(&mut new)?;
+        net.backward(acts, &mut new, draw, first, sync)?;
+        self.gpu.reduce_sum(&accum.slice(0..2 * np), &mut slot.slice_mut(0..np), 2, 1.0)
+    }
+
+    /// The flat parameters (np values), for a sharded optimiser's all-gather.
+    pub fn params_mut(&mut self) -> CudaViewMut<'_, f32> {
+        self.params.slice_mut(0..self.np)
+    }
+
+    /// Keeps the optimiser state of the parameters `range` only (ZeRO stage 1): its m
+    /// and v move to buffers of that length; [`GpuNet::update_params`] then takes
+    /// pieces inside it.
+    pub fn shard_optimizer(&mut self, range: Range<usize>) -> Result<()> {
+        if range.start < self.state_range.start || range.end > self.state_range.end {
+            return Err(Error::shape("shard_optimizer", format!("{range:?} of {:?}", self.state_range)));
+        }
+        let stream = self.gpu.stream().clone();
+        let local = range.start - self.state_range.start..range.end - self.state_range.start;
+        let part = |v: &CudaSlice<f32>| -> Result<CudaSlice<f32>> {
+            let mut out = stream.alloc_zeros::<f32>(local.len().max(1))?;
+            if !local.is_empty() {
+                stream.memcpy_dtod(&v.slice(local.clone()), &mut out.slice_mut(0..local.len()))?;
+            }
+            Ok(out)
+        };
+        self.m = part(&self.m)?;
+        if self.adam {
+            self.v = part(&self.v)?;
+        }
+        self.state_range = range;
+        Ok(())
+    }
+
+    /// The parameters whose optimiser state this network holds.
+    pub fn state_range(&self) -> Range<usize> {
+        self.state_range.clone()
+    }
+
+    /// Queues the optimiser step of parameters `offset..offset + len` from that piece
+    /// of the gradient sum.
+    pub fn update_params(
+        &mut self,
+        config: &OptimizerConfig,
+        scalars: &StepScalars,
+        offset: usize,
+        grad_sum: &CudaView<'_, f32>,
+    ) -> Result<()> {
+        let r = offset..offset + grad_sum.len();
+        if r.start < self.state_range.start || r.end > self.state_range.end {
+            return Err(Error::shape(
+                "update_params",
+                format!("range {r:?} outside the optimiser state's {:?}", self.state_range),
+            ));
+        }
+        let local = r.start - self.state_range.start..r.end - self.state_range.start;
+        let v = &mut self.v.slice_mut(if self.adam { local.clone() } else { 0..1 });
+        self.gpu.optimizer_step(
+            config,
+            scalars,
+            &mut self.params.slice_mut(r.clone()),
+            grad_sum,
+            &mut self.m.slice_mut(local),
+            v,
+        )
+    }
+
+    /// Queues buffers `offset..offset + len` = `scale` times that piece of a sum.
+    pub fn set_buffers(&mut self, offset: usize, sum: &CudaView<'_, f32>, scale: f32) -> Result<()> {
+        let r = offset..offset + sum.len();
+        if r.end > self.nb {
+            return Err(Error::shape("set_buffers", format!("range {r:?} of {} buffers", self.nb)));
+        }
+        self.gpu.reduce_sum(sum, &mut self.buffers.slice_mut(r), 1, scale)
+    }
+
+    /// Per-sample losses and hits of the staged rows' training shards (waits for them).
+    pub fn step_losses(&self) -> Result<(Vec<f32>, Vec<u32>)> {
+        let stream = self.gpu.stream();
+        let n = self.staged;
+        let loss = stream.clone_dtoh(&self.step_loss.as_ref().expect("staged").slice(0..n))?;
+        let hits = stream.clone_dtoh(&self.step_hits.as_ref().expect("staged").slice(0..n))?;
+        Ok((loss, hits))
+    }
+
+    /// Evaluation-mode forward of rows (x, y): per-sample losses, hits and the logits.
+    pub fn infer(&mut self, xs: &[f32], ys: &[u32]) -> Result<(Vec<f32>, Vec<u32>, Vec<f32>)> {
+        let n = ys.len();
+        if n == 0 {
+            return Ok((Vec::new(), Vec::new(), Vec::new()));
+        }
+        self.stage(xs, ys)?;
+        self.ensure_acts(n)?;
+        let acts = self.acts.as_mut().expect("sized above");
+        let stream = self.gpu.stream().clone();
+        stream.memcpy_dtod(self.x_dev.as_ref().expect("staged"), &mut acts.acts[0])?;
+        stream.memcpy_dtod(self.y_dev.as_ref().expect("staged"), &mut acts.labels)?;
+        let mut net = Net { gpu: &self.gpu, blas: &self.blas, layers: &mut self.layers, params: &self.params };
+        net.forward(acts, Pass::Eval { stats: &self.buffers }, None)?;
+        let last = acts.acts.len() - 1;
+        let k = self.model.output_shape().numel();
+        self.gpu.softmax_xent_fwd(
+            &acts.acts[last],
+            &acts.labels,
+            &mut acts.loss,
+            &mut acts.grads[0].slice_mut(0..n * k),
+            &mut acts.correct,
+            k,
+        )?;
+        let logits = stream.clone_dtoh(&acts.acts[last].slice(0..n * k))?;
+        Ok((stream.clone_dtoh(&acts.loss)?, stream.clone_dtoh(&acts.correct)?, logits))
+    }
+
+    /// Parameters, buffers, and the optimiser's m and v (of [`GpuNet::state_range`]),
+    /// copied to the host (waits for the GPU). Exact lengths: an empty tensor is held as
+    /// one unused element.
+    pub fn download(&self) -> Result<(ParamStore, Vec<f32>, Vec<f32>)> {
+        let stream = self.gpu.stream();
+        let (np, nb, ns) = (self.np, self.nb, self.state_range.len());
+        let store = ParamStore {
+            params: stream.clone_dtoh(&self.params.slice(0..np))?,
+            buffers: stream.clone_dtoh(&self.buffers.slice(0..nb))?,
+        };
+        let v = if self.adam { stream.clone_dtoh(&self.v.slice(0..ns))? } else { Vec::new() };
+        Ok((store, stream.clone_dtoh(&self.m.slice(0..ns))?, v))
+    }
+
+    fn ensure_acts(&mut self, n: usize) -> Result<()> {
+        if self.acts.as_ref().map(|a| a.n) != Some(n) {
+            // Free the old ones first: both at once may not fit.
+            self.acts = None;
+            for l in &mut self.layers {
+                l.op.reserve(&self.gpu, &l.node, n)?;
+            }
+            self.acts = Some(Activations::new(&self.gpu, &self.layers, n)?);
+        }
+        Ok(())
+    }
+}
+
+impl Drop for GpuNet {
+    fn drop(&mut self) {
+        // With cudarc's event tracking off, nothing else keeps the pinned staging (or any
+        // buffer) alive until the copies and kernels queued on it have run: after an error
+        // mid-step they may still be in flight.
+        if self.gpu.synchronize().is_err() {
+            // A sticky error (a faulting kernel) has broken the context: cuBLAS may then
+            // refuse to destroy its handle, which cudarc's drop turns into a panic, in the
+            // middle of reporting the error. The handle goes with the broken context.
+            // SAFETY: `blas` is not used again; the field is left for the leak only.
+            let blas = unsafe { std::mem::ManuallyDrop::take(&mut self.blas) };
+            std::mem::forget(blas);
+        } else {
+            // SAFETY: as above; dropped normally.
+            drop(unsafe { std::mem::ManuallyDrop::take(&mut self.blas) });
+        }
+    }
+}
+
+/// Bytes of each replica's cuBLAS workspace (NVIDIA's recommendation for Hopper).
+const CUBLAS_WORKSPACE: usize = 32 << 20;
+
+/// The network as one pass sees it: the launches, the layers and their parameters.
+struct Net<'a> {
+    gpu: &'a Gpu,
+    blas: &'a CudaBlas,
+    layers: &'a mut [Layer],
+    params: &'a CudaSlice<f32>,
+}
+
+fn upload<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+    stream: &std::sync::Arc<cudarc::driver::CudaStream>,
+    host: &[T],
+) -> Result<CudaSlice<T>> {
+    if host.is_empty() {
+        // A zero-length allocation is refused by the driver: keep one unused element.
+        return Ok(stream.alloc_zeros(1)?);
+    }
+    Ok(stream.clone_htod(host)?)
+}
+
+/// The network as the GPU runs it, or an error naming the first layer without a GPU form.
+fn plan(model: &Sequential) -> Result<Vec<Layer>> {
+    let mut layers = Vec::with_capacity(model.layers().len());
+    for (index, (layer, shapes)) in model.layers().iter().zip(model.layer_shapes()).enumerate() {
+        let name = model.layer_names()[index].clone();
+        let op = layer.gpu().ok_or_else(|| {
+            Error::config("model", format!("layer {name} ({}) has no CUDA implementation", layer.describe()))
+        })?;
+        let LayerShapes { input, output } = shapes.clone();
+        let (params, buffers) = model.layer_ranges(index);
+        layers.push(Layer { node: Node { name, index, input, output, params, buffers }, op });
+    }
+    Ok(layers)
+}
+
+impl Activations {
+    fn new(gpu: &Gpu, layers: &[Layer], n: usize) -> Result<Activations> {
+        let stream = gpu.stream();
+        let alloc = |len: usize| -> Result<CudaSlice<f32>> { Ok(stream.alloc_zeros::<f32>(len.max(1))?) };
+        let first = &layers.first().expect("a model has a layer").node;
+        let mut acts = vec![alloc(n * first.input.numel())?];
+        let (mut widest, mut scratch) = (n * first.input.numel(), 0);
+        for Layer { node, op } in layers {
+            acts.push(alloc(n * node.output.numel())?);
+            widest = widest.max(n * node.output.numel());
+            scratch = scratch.max(op.scratch(node, n)?);
+        }
+        Ok(Activations {
+            n,
+            acts,
+            grads: [alloc(widest)?, alloc(widest)?],
+            scratch: alloc(scratch)?,
+            labels: stream.alloc_zeros::<u32>(n)?,
+            loss: alloc(n)?,
+            correct: stream.alloc_zeros::<u32>(n)?,
+        })
+    }
+}
+
+impl Net<'_> {
+    /// The forward pass of every layer on `a.acts[0]`, as `pass` says; synchronized
+    /// BatchNorm layers of a training pass meet the other replicas' through `sync`.
+    fn forward(&mut self, a: &mut Activations, mut pass: Pass<'_, '_>, sync: Option<SyncWith<'_>>) -> Result<()> {
+        let (gpu, blas, params, n) = (self.gpu, self.blas, self.params, a.n);
+        for (i, Layer { node, op }) in self.layers.iter_mut().enumerate() {
+            let (before, after) = a.acts.split_at_mut(i + 1);
+            let (x, y) = (&before[i], &mut after[0]);
+            op.forward(Forward { gpu, blas, node, n, params, x, y, scratch: &mut a.scratch, pass: &mut pass, sync })?;
+        }
+        Ok(())
+    }
+
+    /// The backward pass from the gradient of the summed loss in `a.grads[0]` down to
+    /// layer `first`, writing the parameter gradients into `slot` (laid out as the flat
+    /// parameters); dropout replays the masks of `draw`; synchronized BatchNorm layers
+    /// meet the other replicas' sums through `sync`. Layer `first` is asked for no input
+    /// gradient: nobody reads it.
+    fn backward(
+        &mut self,
+        a: &mut Activations,
+        grads: &mut CudaViewMut<'_, f32>,
+        draw: Draw,
+        first: usize,
+        sync: Option<SyncWith<'_>>,
+    ) -> Result<()> {
+        let (gpu, blas, params, n) = (self.gpu, self.blas, self.params, a.n);
+        let mut cur = 0;
+        for i in (first..self.layers.len()).rev() {
+            let Layer { node, op } = &mut self.layers[i];
+            let [g0, g1] = &mut a.grads;
+            let (dy_buf, dx_buf) = if cur == 0 { (&*g0, g1) } else { (&*g1, g0) };
+            let dy = dy_buf.slice(0..n * node.output.numel());
+            let dx = (i > first).then(|| dx_buf.slice_mut(0..n * node.input.numel()));
+            let x = &a.acts[i];
+            op.backward(Backward {
+                gpu,
+                blas,
+                node,
+                n,
+                params,
+                x,
+                dy,
+                dx,
+                grads,
+                draw,
+                scratch: &mut a.scratch,
+                sync,
+            })?;
+            cur = 1 - cur;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_layer_without_a_cuda_form_is_refused_by_name() {
+        let layers: Vec<Box<dyn crate::nn::Layer>> =
+            vec![Box::new(crate::nn::Linear::new(2, 3)), Box::new(crate::nn::CpuOnly)];
+        let model = Sequential::new([2], layers).unwrap();
+        let e = plan(&model).err().expect("a layer without a GPU form cannot run on a GPU").to_string();
+        assert!(e.contains("cpuonly0") && e.contains("CpuOnly") && e.contains("no CUDA implementation"), "{e}");
+    }
+
+    #[test]
+    fn every_built_in_layer_has_a_cuda_form() {
+        use crate::models::{convnet, ConvnetOptions};
+        let convnet = convnet(ConvnetOptions { dropout: 0.25, ..ConvnetOptions::default() }).unwrap();
+        let layers = plan(&convnet).unwrap();
+        assert_eq!(layers.len(), convnet.layers().len());
+        let names: Vec<&str> = layers.iter().map(|l| l.node.name.as_str()).collect();
+        assert_eq!(names, convnet.layer_names().iter().map(String::as_str).collect::<Vec<_>>());
+        let toy = plan(&crate::models::toy_mlp(2, 2).unwrap()).unwrap();
+        assert_eq!(toy.last().unwrap().node.output.numel(), 2);
+    }
+}
