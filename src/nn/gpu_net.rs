@@ -1,3 +1,34 @@
+//! A network on one GPU: parameters, BatchNorm buffers and optimiser state in flat
+//! device buffers, each layer run by its op's GPU form (`nn::gpu`'s [`GpuLayer`]).
+//!
+//! Owns: [`GpuNet`], the device half of a GPU replica (DESIGN.md: one thread per device,
+//! each with its context, stream and full replica): the buffers — flat parameters and
+//! buffers, optimiser state, activations, staging — and the dispatch that walks the layers
+//! forward and backward. What a step is — which shards, which slots, when to sum — is the
+//! trainer's (`train::gpu` drives this through the one step of `train::step`); what each
+//! layer launches is its op's (`nn::conv2d`, `nn::batchnorm`, ...): nothing here names an
+//! op. The network is the same [`Sequential`] the CPU replica runs. Flat buffers use the
+//! CPU layout exactly (`Sequential::layer_ranges`), so weights, checkpoints and replica
+//! fingerprints move between the backends unchanged. That layout starts every tensor, and
+//! sizes every flat buffer, on a multiple of 64 f32 (`nn::TENSOR_ALIGN`; nn/sequential.rs
+//! says why there): device allocations and the exchange's slots are 256-byte aligned, so
+//! every tensor view handed to cuBLAS or a kernel starts on a 256-byte boundary, on
+//! `cuda:0` with several slots as on `cuda:0,0`. Two tensors of one layer are therefore
+//! not adjacent (BatchNorm's gamma and beta, its running mean and variance).
+//!
+//! Everything is queued on the one compute stream without waiting: staging a step's rows
+//! (one copy from pinned host memory), each shard's forward, fused softmax cross-entropy
+//! and backward into a slot it is given, the fused optimiser over pieces of a sum. The
+//! host waits in [`GpuNet::wait`] (polling an abort flag, so an abort releases it) and in
+//! the reads (losses, evaluation, snapshots) — and, with synchronized BatchNorm, inside
+//! the passes, where that op's GPU form meets the other logical replicas' statistics on
+//! the host (`nn::batchnorm`).
+//!
+//! Activations are NCHW as on the CPU: `acts[0]` the input, `acts[i + 1]` layer i's
+//! output; backward alternates between two gradient buffers sized for the widest layer;
+//! one scratch buffer, the widest op's request, serves every op inside its passes. Parameter
+//! gradients of a shard are written once per step into its zeroed slot.
+
 use std::ops::Range;
 use std::sync::Arc;
 use std::time::Duration;
