@@ -137,3 +137,31 @@ fn every_layer_type_on_a_gpu_matches_its_cpu_layer() {
         eprintln!("{}: forward, backward and evaluation within {RTOL:e} relative of the CPU layer", t.name);
     }
 }
+
+/// The half of the check that needs no GPU, run everywhere: every table type builds its
+/// network, every layer in it has a GPU form (a type whose op forgot one fails here, not
+/// only on a GPU machine), and the CPU reference computes finite values.
+#[test]
+fn every_layer_type_has_a_gpu_form_and_a_cpu_reference() {
+    for t in LAYER_TYPES {
+        let (input, example) = t.example;
+        let model = network(input, example);
+        for (layer, name) in model.layers().iter().zip(model.layer_names()) {
+            assert!(layer.gpu().is_some(), "{}: layer {name} ({}) has no GPU form", t.name, layer.describe());
+        }
+        let store = model.init(7);
+        let xs = vec![0.25; N * model.input_shape().numel()];
+        let ys = vec![0; N];
+        let draw = Draw { seed: 11, step: 3, shard: 1, sample_offset: 0 };
+        let r = cpu_reference(&model, &store.params, &store.buffers, &xs, &ys, draw);
+        assert_eq!(
+            (r.losses.len(), r.grads.len(), r.logits.len()),
+            (N, model.params_len(), N * model.output_shape().numel())
+        );
+        assert!(
+            r.losses.iter().chain(&r.grads).chain(&r.logits).all(|v| v.is_finite()),
+            "{}: non-finite reference",
+            t.name
+        );
+    }
+}
