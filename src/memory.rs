@@ -222,13 +222,9 @@ pub fn eval_activations(model: &Sequential, batch: usize) -> u64 {
     per_sample.saturating_mul(batch as u64)
 }
 
-/// Optimiser state values per parameter: Adam's m and v, SGD's momentum buffer.
+/// Optimiser state values per parameter, and what they are.
 fn optimizer_copies(o: &OptimizerConfig) -> (u64, &'static str) {
-    match o {
-        OptimizerConfig::Adam { .. } => (2, "Adam's m and v"),
-        OptimizerConfig::Sgd { momentum, .. } if *momentum > 0.0 => (1, "SGD's momentum"),
-        OptimizerConfig::Sgd { .. } => (0, "none"),
-    }
+    (o.state_names().len() as u64, o.state_description())
 }
 
 /// What a run of `model` on `devices` under `config` will allocate on the host. GPU

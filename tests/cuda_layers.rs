@@ -117,7 +117,7 @@ fn every_layer_type_on_a_gpu_matches_its_cpu_layer() {
         let draw = Draw { seed: 11, step: 3, shard: 1, sample_offset: 0 };
         let want = cpu_reference(&model, &store.params, &store.buffers, &xs, &ys, draw);
 
-        let state = OptimizerState { config: OptimizerConfig::sgd(0.1), m: &[], v: &[] };
+        let state = OptimizerState { config: OptimizerConfig::sgd(0.1), state: Vec::new() };
         let mut net = GpuNet::new(0, model.clone(), &store, state, 0).unwrap_or_else(|e| panic!("{}: {e}", t.name));
         net.stage(&xs, &ys).unwrap();
         let (np, nb) = (model.params_len(), model.buffers_len());

@@ -17,7 +17,7 @@
 //!
 //! Every rank makes the same calls in the same order (2 per synchronized layer per
 //! forward and backward pass, a rank whose shard is empty included: it sends a payload
-//! of zeros, `nn::batchnorm::sync_without_data`). One logical replica per rank: a device
+//! of zeros, `nn::batchnorm::Synchronized::without_data`, from `train::step`). One logical replica per rank: a device
 //! that ran two shards one after another could never hand both payloads to one call.
 
 use crate::error::Result;

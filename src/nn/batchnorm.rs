@@ -22,7 +22,7 @@
 //! dγ, dβ receive the shard's own sums (the gradient exchange adds the shards'). Without
 //! an exchange in the context (a lone Sequential, a world of one) a synchronized layer is
 //! an ordinary one. Every logical replica makes the same calls: an empty shard sends
-//! zeros ([`sync_without_data`]).
+//! zeros ([`Synchronized::without_data`], which the training step calls).
 //!
 //! A GPU replica computes its shard's partial statistics on the device, with this
 //! layer's arithmetic mirrored operation for operation (kernels/batchnorm.cu, held to
@@ -546,17 +546,6 @@ fn synchronized_layers(model: &Sequential) -> Vec<(usize, usize)> {
 /// exchange).
 pub fn has_synchronized_layers(model: &Sequential) -> bool {
     !synchronized_layers(model).is_empty()
-}
-
-/// What a training pass without rows owes the other logical replicas when `model` has
-/// synchronized BatchNorm layers and `ctx` an exchange: the calls its forward and backward
-/// would have made, with nothing in them ([`Synchronized::without_data`]). Without either,
-/// nothing.
-pub fn sync_without_data(model: &Sequential, ctx: &Ctx) -> Result<()> {
-    match ctx.stats {
-        Some(stats) => Synchronized { stats, replica: ctx.replica }.without_data(model),
-        None => Ok(()),
-    }
 }
 
 /// Where a logical replica's synchronized BatchNorm layers meet the others', for a

@@ -84,7 +84,8 @@ pub struct GpuNet {
     /// SGD's momentum or Adam's m, and Adam's v (one unused value for SGD).
     m: CudaSlice<f32>,
     v: CudaSlice<f32>,
-    adam: bool,
+    /// The optimiser: which of `m` and `v` are its state (`OptimizerConfig::state_names`).
+    config: OptimizerConfig,
     state_range: Range<usize>,
     /// A later micro-batch's gradient, beside a copy of the slot's (2·np values), when
     /// accumulating: the two are then added in that order by `reduce_sum`.
@@ -107,13 +108,16 @@ pub struct GpuNet {
     staged: usize,
 }
 
-/// The optimiser a [`GpuNet`] runs and the state it starts from: SGD's momentum or
-/// Adam's m, and Adam's v, each empty where the optimiser keeps none (zeros then).
+/// The optimiser a [`GpuNet`] runs and the state it starts from, named as
+/// [`OptimizerConfig::state_names`] names it (`Optimizer::state`); a tensor left out
+/// starts at zeros.
 pub struct OptimizerState<'a> {
     pub config: OptimizerConfig,
-    pub m: &'a [f32],
-    pub v: &'a [f32],
+    pub state: Vec<(&'a str, &'a [f32])>,
 }
+
+/// Optimiser state tensors by name, as `Optimizer::restore` takes them.
+pub type NamedState = Vec<(&'static str, Vec<f32>)>;
 
 /// How a training pass meets its slot (as `train::replica::Fill`, which the network does
 /// not know of).
@@ -161,16 +165,23 @@ impl GpuNet {
         if store.params.len() != np || store.buffers.len() != nb {
             return Err(Error::config("initial weights", "they do not match the model's tensors"));
         }
-        let state_of = |name: &str, v: &[f32]| -> Result<Vec<f32>> {
-            match v.len() {
+        for (name, _) in &state.state {
+            if !state.config.state_names().contains(name) {
+                return Err(Error::config("optimizer state", format!("unknown tensor '{name}'")));
+            }
+        }
+        // The update kernel's m is SGD's momentum buffer, which plain SGD writes and does
+        // not keep; v is Adam's alone (one unused value otherwise).
+        let state_of = |name: &str| -> Result<Vec<f32>> {
+            match state.state.iter().find(|(n, _)| *n == name).map_or(0, |(_, v)| v.len()) {
                 0 => Ok(vec![0.0; np]),
-                n if n == np => Ok(v.to_vec()),
+                n if n == np => Ok(state.state.iter().find(|(n, _)| *n == name).expect("found").1.to_vec()),
                 n => Err(Error::config("optimizer state", format!("'{name}' has {n} values, expected {np}"))),
             }
         };
-        let adam = matches!(state.config, OptimizerConfig::Adam { .. });
-        let m = state_of("m", state.m)?;
-        let v = if adam { state_of("v", state.v)? } else { Vec::new() };
+        let config = state.config;
+        let m = state_of("m")?;
+        let v = if config.state_names().contains(&"v") { state_of("v")? } else { Vec::new() };
         let timed = || gpu.context().new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT));
         let marks = (0..marks).map(|_| timed()).collect::<std::result::Result<Vec<_>, _>>()?;
         let idle = gpu.context().new_event(None)?;
@@ -179,7 +190,7 @@ impl GpuNet {
             buffers: upload(&stream, &store.buffers)?,
             m: upload(&stream, &m)?,
             v: upload(&stream, &v)?,
-            adam,
+            config,
             state_range: 0..np,
             accum: None,
             np,
@@ -262,16 +273,30 @@ impl GpuNet {
         Ok(())
     }
 
-    /// Queues one training shard (or micro-batch of one), the staged rows `rows`.
-    /// [`SlotUse::Write`] writes the whole of `slot` ([gradient | BatchNorm buffers],
-    /// params + buffers values): zeros, then the replica's buffers updated by the
-    /// shard's forward, and the gradient of the loss summed over the rows;
-    /// [`SlotUse::Add`] moves the slot's buffers on by this forward and adds this
-    /// gradient to the slot's (computed beside a copy of it and summed by `reduce_sum`,
-    /// old + new). Per-sample losses and hits go to the step's buffers. With `sync`, the
-    /// synchronized BatchNorm layers meet the other logical replicas' statistics there
-    /// (a pass without rows still makes its calls), the host's waits polling `aborted`;
-    /// without it they normalise with the shard's own, as a world of one does.
+    /// Queues the start of a shard's slot ([gradient | BatchNorm buffers], params +
+    /// buffers values): zeros, then the network's buffers in the buffer part.
+    pub fn start_slot(&mut self, slot: &mut CudaViewMut<'_, f32>) -> Result<()> {
+        let (np, nb) = (self.np, self.nb);
+        if slot.len() != np + nb {
+            return Err(Error::shape("start_slot", format!("slot of {} values, expected {}", slot.len(), np + nb)));
+        }
+        let stream = self.gpu.stream().clone();
+        stream.memset_zeros(slot)?;
+        if nb > 0 {
+            stream.memcpy_dtod(&self.buffers.slice(0..nb), &mut slot.slice_mut(np..np + nb))?;
+        }
+        Ok(())
+    }
+
+    /// Queues one training pass of a shard (or a micro-batch of one), the staged rows
+    /// `rows` (at least one), into a slot [`GpuNet::start_slot`] started: its forward moves
+    /// the slot's buffers on; [`SlotUse::Write`] (the first pass) writes the gradient of
+    /// the loss summed over the rows into the slot, [`SlotUse::Add`] adds it to the
+    /// slot's (computed beside a copy of it and summed by `reduce_sum`, old + new).
+    /// Per-sample losses and hits go to the step's buffers. With `sync`, the synchronized
+    /// BatchNorm layers meet the other logical replicas' statistics there, the host's
+    /// waits polling `aborted`; without it they normalise with the shard's own, as a world
+    /// of one does.
     pub fn train_shard(
         &mut self,
         rows: Range<usize>,
@@ -286,19 +311,11 @@ impl GpuNet {
         if slot.len() != width {
             return Err(Error::shape("train_shard", format!("slot of {} values, expected {width}", slot.len())));
         }
-        if rows.end > self.staged {
+        if rows.is_empty() || rows.end > self.staged {
             return Err(Error::shape("train_shard", format!("rows {rows:?} of {} staged", self.staged)));
         }
         let stream = self.gpu.stream().clone();
-        if fill == SlotUse::Write {
-            stream.memset_zeros(slot)?;
-        }
         let n = rows.len();
-        if n == 0 {
-            // An empty shard still joins the exchange, with zeros, and the statistics
-            // exchange with nothing.
-            return sync.map_or(Ok(()), |with| with.without_data(&self.model));
-        }
         self.ensure_acts(n)?;
         let acts = self.acts.as_mut().expect("sized above");
         let per = self.model.input_shape().numel();
@@ -306,11 +323,6 @@ impl GpuNet {
         let y = self.y_dev.as_ref().expect("staged");
         stream.memcpy_dtod(&x.slice(rows.start * per..rows.end * per), &mut acts.acts[0])?;
         stream.memcpy_dtod(&y.slice(rows.clone()), &mut acts.labels)?;
-        // The shard's BatchNorm buffers start from the network's and are updated in its
-        // slot by each training forward.
-        if nb > 0 && fill == SlotUse::Write {
-            stream.memcpy_dtod(&self.buffers.slice(0..nb), &mut slot.slice_mut(np..width))?;
-        }
         let mut net = Net { gpu: &self.gpu, blas: &self.blas, layers: &mut self.layers, params: &self.params };
         let sync = sync.map(|with| SyncWith { with, aborted });
         net.forward(acts, Pass::Train { draw, stats: slot, offset: np }, sync)?;
@@ -365,7 +377,7 @@ impl GpuNet {
             Ok(out)
         };
         self.m = part(&self.m)?;
-        if self.adam {
+        if self.keeps_v() {
             self.v = part(&self.v)?;
         }
         self.state_range = range;
@@ -379,13 +391,7 @@ impl GpuNet {
 
     /// Queues the optimiser step of parameters `offset..offset + len` from that piece
     /// of the gradient sum.
-    pub fn update_params(
-        &mut self,
-        config: &OptimizerConfig,
-        scalars: &StepScalars,
-        offset: usize,
-        grad_sum: &CudaView<'_, f32>,
-    ) -> Result<()> {
+    pub fn update_params(&mut self, scalars: &StepScalars, offset: usize, grad_sum: &CudaView<'_, f32>) -> Result<()> {
         let r = offset..offset + grad_sum.len();
         if r.start < self.state_range.start || r.end > self.state_range.end {
             return Err(Error::shape(
@@ -394,9 +400,9 @@ impl GpuNet {
             ));
         }
         let local = r.start - self.state_range.start..r.end - self.state_range.start;
-        let v = &mut self.v.slice_mut(if self.adam { local.clone() } else { 0..1 });
+        let v = &mut self.v.slice_mut(if self.keeps_v() { local.clone() } else { 0..1 });
         self.gpu.optimizer_step(
-            config,
+            &self.config,
             scalars,
             &mut self.params.slice_mut(r.clone()),
             grad_sum,
@@ -451,18 +457,31 @@ impl GpuNet {
         Ok((stream.clone_dtoh(&acts.loss)?, stream.clone_dtoh(&acts.correct)?, logits))
     }
 
-    /// Parameters, buffers, and the optimiser's m and v (of [`GpuNet::state_range`]),
-    /// copied to the host (waits for the GPU). Exact lengths: an empty tensor is held as
-    /// one unused element.
-    pub fn download(&self) -> Result<(ParamStore, Vec<f32>, Vec<f32>)> {
+    /// Parameters, buffers, and the optimiser's state of [`GpuNet::state_range`], named
+    /// as [`OptimizerConfig::state_names`] names it, copied to the host (waits for the
+    /// GPU).
+    pub fn download(&self) -> Result<(ParamStore, NamedState)> {
         let stream = self.gpu.stream();
         let (np, nb, ns) = (self.np, self.nb, self.state_range.len());
         let store = ParamStore {
             params: stream.clone_dtoh(&self.params.slice(0..np))?,
             buffers: stream.clone_dtoh(&self.buffers.slice(0..nb))?,
         };
-        let v = if self.adam { stream.clone_dtoh(&self.v.slice(0..ns))? } else { Vec::new() };
-        Ok((store, stream.clone_dtoh(&self.m.slice(0..ns))?, v))
+        let state = self
+            .config
+            .state_names()
+            .iter()
+            .map(|&name| {
+                let values = if name == "v" { &self.v } else { &self.m };
+                Ok((name, stream.clone_dtoh(&values.slice(0..ns))?))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok((store, state))
+    }
+
+    /// Whether the optimiser keeps a second moment (Adam's v).
+    fn keeps_v(&self) -> bool {
+        self.config.state_names().contains(&"v")
     }
 
     fn ensure_acts(&mut self, n: usize) -> Result<()> {

@@ -266,22 +266,21 @@ impl Sequential {
         ParamStore { params: fill(&self.params, self.params_len, 0), buffers: fill(&self.buffers, self.buffers_len, 1) }
     }
 
-    /// Runs every layer. x: (N, *input_shape) → (N, *output_shape). The layer index of
-    /// `ctx` is set per layer. `ctx.layer_index`
-    /// is set per layer.
+    /// Runs every layer. x: (N, *input_shape) → (N, *output_shape). `ctx.layer_index` is
+    /// set per layer.
     pub fn forward(&mut self, x: Tensor, params: &[f32], buffers: &mut [f32], ctx: &Ctx) -> Result<Tensor> {
+        if matches!(ctx.device, crate::tensor::Device::Cuda(_)) {
+            return Err(Error::config(
+                "device",
+                format!("Sequential::forward runs the CPU layers; on {} a model runs as a GPU replica", ctx.device),
+            ));
+        }
         if x.device() != ctx.device {
             return Err(Error::DeviceMismatch {
                 op: "Sequential forward",
                 lhs: x.device().to_string(),
                 rhs: format!("{} (the model's)", ctx.device),
             });
-        }
-        if matches!(ctx.device, crate::tensor::Device::Cuda(_)) {
-            return Err(Error::config(
-                "device",
-                format!("Sequential::forward runs the CPU layers; on {} a model runs as a GPU replica", ctx.device),
-            ));
         }
         let mut x = x;
         for (i, (layer, s)) in self.layers.iter_mut().zip(&self.slots).enumerate() {

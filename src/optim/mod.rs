@@ -37,6 +37,27 @@ impl OptimizerConfig {
         OptimizerConfig::Adam { lr, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 }
     }
 
+    /// The state this configuration keeps, by name in checkpoint order, one value per
+    /// parameter each: SGD with momentum its buffer `m`, Adam its moments `m` and `v`,
+    /// plain SGD nothing. Every place that holds, saves, sizes or moves optimiser state —
+    /// [`Optimizer`], the GPU network, the memory estimate — reads it here.
+    pub fn state_names(&self) -> &'static [&'static str] {
+        match *self {
+            OptimizerConfig::Sgd { momentum, .. } if momentum > 0.0 => &["m"],
+            OptimizerConfig::Sgd { .. } => &[],
+            OptimizerConfig::Adam { .. } => &["m", "v"],
+        }
+    }
+
+    /// [`OptimizerConfig::state_names`] in words, for estimates: "Adam's m and v".
+    pub fn state_description(&self) -> &'static str {
+        match self.state_names() {
+            [] => "none",
+            [_] => "SGD's momentum",
+            _ => "Adam's m and v",
+        }
+    }
+
     /// Checks every hyper-parameter's range.
     pub fn validate(&self) -> Result<()> {
         let bad = |what: &'static str, v: f32| Err(Error::config(what, format!("{v} is out of range")));
@@ -165,13 +186,8 @@ pub struct Optimizer {
 impl Optimizer {
     /// Zero state for `num_params` values.
     pub fn new(config: OptimizerConfig, num_params: usize) -> Optimizer {
-        let (m, v) = match config {
-            OptimizerConfig::Sgd { momentum, .. } => {
-                (if momentum > 0.0 { vec![0.0; num_params] } else { Vec::new() }, Vec::new())
-            }
-            OptimizerConfig::Adam { .. } => (vec![0.0; num_params], vec![0.0; num_params]),
-        };
-        Optimizer { config, t: 0, range: 0..num_params, len: num_params, m, v }
+        let zeros = |name| if config.state_names().contains(&name) { vec![0.0; num_params] } else { Vec::new() };
+        Optimizer { config, t: 0, range: 0..num_params, len: num_params, m: zeros("m"), v: zeros("v") }
     }
 
     /// The part of this optimiser for the parameters `range` (clipped to its own range):

@@ -1,20 +1,18 @@
 //! Shapes and tensors.
 //!
-//! A [`Tensor`] is a shape, the device it lives on and its storage. Images are NCHW,
+//! A [`Tensor`] is a shape, the CPU device it belongs to and its values in host memory:
+//! the CPU layers' currency, the reference every GPU kernel is checked against. Images are NCHW,
 //! row-major (C order), the layout PyTorch uses, so weights and data move between the
 //! two without transposes. Shape legend used in comments across the crate:
 //! N batch, C channels, H height, W width, K kernel size, O outputs (filters or units),
 //! F features.
 //!
-//! Storage is an enum so that device storage joins the host variant without changing
-//! the layer code: layers ask for [`Tensor::host`] views through the op functions in
-//! `backend`, and the op functions dispatch on the variant. The tensor does not own
-//! parameters: those live in the flat buffers of `nn::ParamStore`.
+//! A tensor never lives on a GPU: a GPU replica keeps its values in flat device buffers
+//! of its own (`nn::gpu_net`), and asking for a tensor on a GPU is an error naming that.
+//! The tensor does not own parameters: those live in the flat buffers of
+//! `nn::ParamStore`.
 
 use std::fmt;
-use std::sync::Arc;
-
-use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 
 use crate::error::{Error, Result};
 
@@ -136,34 +134,12 @@ impl fmt::Display for Device {
     }
 }
 
-/// The memory behind a tensor.
-#[derive(Clone, Debug)]
-pub enum Storage {
-    /// f32 values in host memory, row-major.
-    Host(Vec<f32>),
-    /// f32 values in the memory of a GPU, row-major, shared (tensors are values: nothing
-    /// writes through a GPU tensor, so copies of it may share the allocation).
-    Cuda(Arc<CudaSlice<f32>>),
-}
-
-impl PartialEq for Storage {
-    /// Host values compare by value; GPU memory compares by identity (reading it back
-    /// would make `==` a device transfer): copy to the host to compare values.
-    fn eq(&self, other: &Storage) -> bool {
-        match (self, other) {
-            (Storage::Host(a), Storage::Host(b)) => a == b,
-            (Storage::Cuda(a), Storage::Cuda(b)) => Arc::ptr_eq(a, b),
-            _ => false,
-        }
-    }
-}
-
-/// An f32 tensor: shape, device and storage.
+/// An f32 tensor in host memory: shape, CPU device and values (row-major).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Tensor {
     shape: Shape,
     device: Device,
-    storage: Storage,
+    data: Vec<f32>,
 }
 
 impl Tensor {
@@ -172,29 +148,27 @@ impl Tensor {
         Tensor::from_vec_on(data, shape, Device::Cpu(0))
     }
 
-    /// A tensor of these values on `device`: host memory for a CPU device, copied to the
-    /// GPU for a CUDA one (host storage always belongs to a CPU device).
+    /// A tensor of these values on CPU device `device`; errors if the sizes differ, or on
+    /// a GPU ([`Tensor`] is host memory: a GPU replica keeps its own device buffers).
     pub fn from_vec_on(data: Vec<f32>, shape: impl Into<Shape>, device: Device) -> Result<Tensor> {
         let shape = shape.into();
         if shape.numel() != data.len() {
             return Err(Error::shape("Tensor::from_vec", format!("{} values do not fill shape {shape}", data.len())));
         }
-        match device {
-            Device::Cpu(_) => Ok(Tensor { shape, device, storage: Storage::Host(data) }),
-            Device::Cuda(_) => Tensor { shape, device: Device::Cpu(0), storage: Storage::Host(data) }.to(device),
-        }
+        on_host(device)?;
+        Ok(Tensor { shape, device, data })
     }
 
     /// A tensor of zeros in the host memory of CPU device `device`.
     ///
     /// # Panics
-    /// On a GPU device, whose memory cannot be had without a fallible copy: use
-    /// [`Tensor::from_vec_on`] there.
+    /// On a GPU device: the CPU layers, which make these, never run with one
+    /// (`Sequential::forward` refuses a GPU context first).
     pub fn zeros(shape: impl Into<Shape>, device: Device) -> Tensor {
-        assert!(matches!(device, Device::Cpu(_)), "Tensor::zeros makes host tensors; on {device} use from_vec_on");
+        assert!(matches!(device, Device::Cpu(_)), "Tensor::zeros makes host tensors, not tensors on {device}");
         let shape = shape.into();
         let n = shape.numel();
-        Tensor { shape, device, storage: Storage::Host(vec![0.0; n]) }
+        Tensor { shape, device, data: vec![0.0; n] }
     }
 
     /// The shape.
@@ -202,7 +176,7 @@ impl Tensor {
         &self.shape
     }
 
-    /// The device the tensor lives on.
+    /// The CPU device the tensor belongs to.
     pub fn device(&self) -> Device {
         self.device
     }
@@ -212,57 +186,24 @@ impl Tensor {
         self.shape.numel()
     }
 
-    /// The values, when the tensor lives in host memory.
-    ///
-    /// # Panics
-    /// On a GPU tensor: the CPU layers never receive one (`Sequential::forward` checks
-    /// the input's device first); elsewhere, call [`Tensor::to`] or [`Tensor::to_vec`].
+    /// The values.
     pub fn host(&self) -> &[f32] {
-        match &self.storage {
-            Storage::Host(v) => v,
-            Storage::Cuda(_) => panic!("{}", self.not_on_host()),
-        }
+        &self.data
     }
 
-    /// The values, mutably, when the tensor lives in host memory.
-    ///
-    /// # Panics
-    /// On a GPU tensor, as [`Tensor::host`].
+    /// The values, mutably.
     pub fn host_mut(&mut self) -> &mut [f32] {
-        if matches!(self.storage, Storage::Cuda(_)) {
-            panic!("{}", self.not_on_host());
-        }
-        match &mut self.storage {
-            Storage::Host(v) => v,
-            Storage::Cuda(_) => unreachable!("checked above"),
-        }
+        &mut self.data
     }
 
-    /// Consumes the tensor and returns its host values.
-    ///
-    /// # Panics
-    /// On a GPU tensor, as [`Tensor::host`].
+    /// Consumes the tensor and returns its values.
     pub fn into_vec(self) -> Vec<f32> {
-        match self.storage {
-            Storage::Host(v) => v,
-            Storage::Cuda(_) => panic!("{}", self.not_on_host()),
-        }
+        self.data
     }
 
-    /// The values copied to the host, wherever the tensor lives.
+    /// A copy of the values.
     pub fn to_vec(&self) -> Result<Vec<f32>> {
-        match &self.storage {
-            Storage::Host(v) => Ok(v.clone()),
-            Storage::Cuda(_) if self.numel() == 0 => Ok(Vec::new()),
-            Storage::Cuda(d) => Ok(d.stream().clone_dtoh(d.as_ref())?),
-        }
-    }
-
-    fn not_on_host(&self) -> String {
-        format!(
-            "tensor {} lives on {}: copy it to the host first (`tensor.to(Device::Cpu(0))` or `to_vec()`)",
-            self.shape, self.device
-        )
+        Ok(self.data.clone())
     }
 
     /// The same values seen with another shape of the same size.
@@ -274,41 +215,12 @@ impl Tensor {
         Ok(Tensor { shape, ..self })
     }
 
-    /// The tensor on `device`: host ↔ GPU and GPU ↔ GPU moves copy the values (GPU to
-    /// GPU directly, through peer access where the driver offers it); a move between CPU
-    /// devices copies the host values; a tensor already on `device` is returned as is
-    /// (sharing its memory). A GPU that does not exist, or no CUDA driver, is an error.
-    ///
-    /// The portable pattern: a GPU if there is one, else the CPU.
-    /// ```
-    /// use lockstep::{Device, Tensor};
-    ///
-    /// let device = Device::cuda_if_available(); // cuda:0, or cpu:0 without a GPU
-    /// let x = Tensor::from_vec(vec![1.0, 2.0, 3.0], [3])?.to(device)?;
-    /// assert_eq!(x.device(), device);
-    /// assert_eq!(x.to(Device::Cpu(0))?.host(), &[1.0, 2.0, 3.0]);
-    /// # Ok::<(), lockstep::Error>(())
-    /// ```
+    /// The tensor on CPU device `device` (a copy of the values, or itself when already
+    /// there); a GPU is an error: a model runs on a GPU as a GPU replica, whose values
+    /// live in its own device buffers.
     pub fn to(&self, device: Device) -> Result<Tensor> {
-        if device == self.device {
-            return Ok(self.clone());
-        }
-        let storage = match (&self.storage, device) {
-            (Storage::Host(v), Device::Cpu(_)) => Storage::Host(v.clone()),
-            (Storage::Cuda(_), Device::Cpu(_)) => Storage::Host(self.to_vec()?),
-            (storage, Device::Cuda(ordinal)) => {
-                let stream = cuda_stream(ordinal)?;
-                let slice = match storage {
-                    // Some drivers refuse a zero-byte allocation: an empty tensor holds one
-                    // unused element (its shape says it is empty).
-                    _ if self.numel() == 0 => stream.alloc_zeros(1)?,
-                    Storage::Host(v) => stream.clone_htod(v)?,
-                    Storage::Cuda(d) => stream.clone_dtod(d.as_ref())?,
-                };
-                Storage::Cuda(Arc::new(slice))
-            }
-        };
-        Ok(Tensor { shape: self.shape.clone(), device, storage })
+        on_host(device)?;
+        Ok(Tensor { shape: self.shape.clone(), device, data: self.data.clone() })
     }
 
     /// Errors with [`Error::DeviceMismatch`] unless `self` and `other` share a device.
@@ -320,15 +232,15 @@ impl Tensor {
     }
 }
 
-/// The default stream of GPU `ordinal`'s primary context, after checking that the
-/// driver is present and the GPU exists (cudarc panics otherwise).
-fn cuda_stream(ordinal: usize) -> Result<Arc<CudaStream>> {
-    crate::cuda::probe::driver_available()?;
-    let n = crate::cuda::probe::gpu_count()?;
-    if ordinal >= n {
-        return Err(Error::CudaUnavailable(format!("cuda:{ordinal} does not exist; this machine has {n} GPU(s)")));
+/// Errors unless `device` is a CPU device, whose memory a tensor can be.
+fn on_host(device: Device) -> Result<()> {
+    match device {
+        Device::Cpu(_) => Ok(()),
+        Device::Cuda(_) => Err(Error::config(
+            "device",
+            format!("a tensor lives in host memory, not on {device}: on a GPU a model runs as a GPU replica"),
+        )),
     }
-    Ok(CudaContext::new(ordinal)?.default_stream())
 }
 
 #[cfg(test)]
@@ -347,16 +259,14 @@ mod tests {
     }
 
     #[test]
-    fn moving_to_a_gpu_that_is_not_there_is_an_error_not_a_panic() {
+    fn a_tensor_moves_between_cpu_devices_and_never_onto_a_gpu() {
         let t = Tensor::from_vec(vec![1.0, 2.0], [2]).unwrap();
         assert_eq!(t.to(Device::Cpu(1)).unwrap().device(), Device::Cpu(1));
         assert_eq!(t.to(Device::Cpu(1)).unwrap().host(), t.host());
-        let gpus = crate::cuda::probe::gpu_count().unwrap_or(0);
-        let e = t.to(Device::Cuda(gpus)).unwrap_err();
-        assert!(matches!(e, Error::CudaUnavailable(_)), "{e}");
-        // Values made for a GPU go to the GPU, or fail the same way: never host memory
-        // labelled with a GPU.
-        let e = Tensor::from_vec_on(vec![1.0], [1], Device::Cuda(gpus)).unwrap_err();
-        assert!(matches!(e, Error::CudaUnavailable(_)), "{e}");
+        // An error, not a panic, nor host memory labelled with a GPU.
+        for e in [t.to(Device::Cuda(0)).unwrap_err(), Tensor::from_vec_on(vec![1.0], [1], Device::Cuda(0)).unwrap_err()]
+        {
+            assert!(matches!(e, Error::Config { .. }) && e.to_string().contains("GPU replica"), "{e}");
+        }
     }
 }

@@ -14,7 +14,6 @@ use super::Batch;
 use crate::error::Result;
 use crate::exchange::stats::StatsExchange;
 use crate::exchange::Host;
-use crate::nn::batchnorm::sync_without_data;
 use crate::nn::loss::{score, softmax_cross_entropy, softmax_rows, Metrics};
 use crate::nn::{Ctx, ParamStore, Sequential};
 use crate::optim::{Optimizer, StepScalars};
@@ -107,29 +106,22 @@ impl Replica for CpuReplica<'_> {
         Ok(())
     }
 
+    fn start_slot(&mut self, slot: &mut &mut [f32]) -> Result<()> {
+        let (grads, bufs) = slot.split_at_mut(self.store.params.len());
+        grads.fill(0.0);
+        bufs.copy_from_slice(&self.store.buffers);
+        Ok(())
+    }
+
     fn train_shard(&mut self, batch: &Batch, shard: &Shard, slot: &mut &mut [f32]) -> Result<()> {
-        if shard.fill == Fill::Write {
-            slot.fill(0.0);
-        }
         let ctx = Ctx {
             sample_offset: shard.offset,
             stats: self.stats,
             ..Ctx::train(self.seed, shard.step, shard.replica, self.device)
         };
-        if shard.rows.is_empty() {
-            if shard.fill == Fill::Write {
-                self.shards.push(Metrics::default());
-            }
-            return sync_without_data(&self.model, &ctx);
-        }
         let np = self.store.params.len();
         let x = self.rows(batch, shard.rows.clone())?;
         let (grads, bufs) = slot.split_at_mut(np);
-        // The shard's running statistics start from the replica's and are updated in
-        // its slot by each training forward.
-        if shard.fill == Fill::Write {
-            bufs.copy_from_slice(&self.store.buffers);
-        }
         let logits = self.model.forward(x, &self.store.params, bufs, &ctx)?;
         let (metrics, dlogits) = softmax_cross_entropy(&logits, &batch.y[shard.rows.clone()])?;
         self.model.backward(dlogits, &self.store.params, grads, &ctx)?;
@@ -138,6 +130,16 @@ impl Replica for CpuReplica<'_> {
             _ => self.shards.push(metrics),
         }
         Ok(())
+    }
+
+    fn skip_shard(&mut self, shard: &Shard) {
+        if shard.fill == Fill::Write {
+            self.shards.push(Metrics::default());
+        }
+    }
+
+    fn synchronized(&self) -> (&Sequential, Option<&dyn StatsExchange>) {
+        (&self.model, self.stats)
     }
 
     fn begin_update(&mut self, lr_scale: f32, grad_divisor: f32) {

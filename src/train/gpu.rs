@@ -24,16 +24,15 @@ use crate::nn::gpu::Draw;
 use crate::nn::gpu_net::{GpuNet, OptimizerState, SlotUse};
 use crate::nn::loss::{softmax_rows, Metrics};
 use crate::nn::{ParamStore, Sequential};
-use crate::optim::{Optimizer, OptimizerConfig, StepScalars};
+use crate::optim::{Optimizer, StepScalars};
 use crate::tensor::Device;
 
 /// A device's replica on a GPU; `'s` is the run's statistics exchange, which a model
 /// with synchronized BatchNorm meets the other replicas' statistics through.
 pub struct GpuReplica<'s> {
     net: GpuNet,
-    config: OptimizerConfig,
-    /// Optimiser steps taken.
-    t: u64,
+    /// The optimiser's configuration and step count (its state is on the GPU, `net`'s).
+    clock: Optimizer,
     seed: u64,
     scalars: Option<StepScalars>,
     /// The staged rows of this step (the batch's rows `staged.start..staged.end`), and
@@ -54,15 +53,12 @@ impl<'s> GpuReplica<'s> {
             return Err(Error::config("devices", format!("{device} is not a GPU")));
         };
         let (model, store, optimizer) = start;
-        let state = optimizer.state();
-        let pick = |name: &str| state.iter().find(|(n, _)| *n == name).map_or(&[][..], |(_, v)| *v);
-        let config = *optimizer.config();
-        let state = OptimizerState { config, m: pick("m"), v: pick("v") };
+        let state = OptimizerState { config: *optimizer.config(), state: optimizer.state() };
         let net = GpuNet::new(ordinal, model, &store, state, Mark::ALL.len())?;
         Ok(GpuReplica {
             net,
-            config,
-            t: optimizer.steps(),
+            // The configuration and the step count, without host copies of the state.
+            clock: optimizer.shard(0..0),
             seed,
             scalars: None,
             staged: 0..0,
@@ -82,6 +78,19 @@ impl<'s> GpuReplica<'s> {
     /// after it).
     pub fn stream(&self) -> &Arc<CudaStream> {
         self.net.stream()
+    }
+
+    /// Where `shard`'s rows lie among the staged rows, noted for its metrics: a shard's
+    /// micro-batches are consecutive rows, and its metrics cover their union.
+    fn note_shard(&mut self, shard: &Shard) -> Range<usize> {
+        let s = &shard.rows;
+        // The staged rows span this device's shards, so each shard lies inside them.
+        let rows = s.start - self.staged.start..s.end - self.staged.start;
+        match (shard.fill, self.shards.last_mut()) {
+            (Fill::Add, Some(last)) => last.end = rows.end,
+            _ => self.shards.push(rows.clone()),
+        }
+        rows
     }
 
     /// The rows `rows` of `batch`, x and y.
@@ -110,15 +119,12 @@ impl Replica for GpuReplica<'_> {
         Ok(())
     }
 
+    fn start_slot(&mut self, slot: &mut CudaViewMut<'_, f32>) -> Result<()> {
+        self.net.start_slot(slot)
+    }
+
     fn train_shard(&mut self, _batch: &Batch, shard: &Shard, slot: &mut CudaViewMut<'_, f32>) -> Result<()> {
-        let s = &shard.rows;
-        // The staged rows span this device's shards, so each shard lies inside them.
-        let rows = s.start - self.staged.start..s.end - self.staged.start;
-        // A shard's micro-batches are consecutive rows: its metrics cover their union.
-        match (shard.fill, self.shards.last_mut()) {
-            (Fill::Add, Some(last)) => last.end = rows.end,
-            _ => self.shards.push(rows.clone()),
-        }
+        let rows = self.note_shard(shard);
         let draw = Draw { seed: self.seed, step: shard.step, shard: shard.replica, sample_offset: shard.offset };
         let fill = match shard.fill {
             Fill::Write => SlotUse::Write,
@@ -130,14 +136,21 @@ impl Replica for GpuReplica<'_> {
         self.net.train_shard(rows, draw, slot, fill, sync, &aborted)
     }
 
+    fn skip_shard(&mut self, shard: &Shard) {
+        self.note_shard(shard);
+    }
+
+    fn synchronized(&self) -> (&Sequential, Option<&dyn StatsExchange>) {
+        (self.net.model(), self.stats.map(|(stats, _)| stats))
+    }
+
     fn begin_update(&mut self, lr_scale: f32, grad_divisor: f32) {
-        self.t += 1;
-        self.scalars = Some(self.config.scalars(self.t, lr_scale, grad_divisor));
+        self.scalars = Some(self.clock.begin_step(lr_scale, grad_divisor));
     }
 
     fn update_params(&mut self, offset: usize, grad_sum: CudaView<'_, f32>) -> Result<()> {
         let scalars = self.scalars.expect("begin_update comes before update_params");
-        self.net.update_params(&self.config, &scalars, offset, &grad_sum)
+        self.net.update_params(&scalars, offset, &grad_sum)
     }
 
     fn set_buffers(&mut self, offset: usize, sum: CudaView<'_, f32>, scale: f32) -> Result<()> {
@@ -175,15 +188,9 @@ impl Replica for GpuReplica<'_> {
     }
 
     fn snapshot(&mut self) -> Result<(ParamStore, Optimizer)> {
-        let (store, m, v) = self.net.download()?;
-        let mut optimizer = Optimizer::new(self.config, store.params.len()).shard(self.net.state_range());
-        // The state the CPU optimiser keeps for this configuration, from the device's.
-        let state: Vec<(&str, Vec<f32>)> = match self.config {
-            OptimizerConfig::Sgd { momentum, .. } if momentum > 0.0 => vec![("m", m)],
-            OptimizerConfig::Sgd { .. } => Vec::new(),
-            OptimizerConfig::Adam { .. } => vec![("m", m), ("v", v)],
-        };
-        optimizer.restore(self.t, &state)?;
+        let (store, state) = self.net.download()?;
+        let mut optimizer = Optimizer::new(*self.clock.config(), store.params.len()).shard(self.net.state_range());
+        optimizer.restore(self.clock.steps(), &state)?;
         Ok((store, optimizer))
     }
 

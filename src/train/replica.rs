@@ -14,6 +14,7 @@ use std::time::Duration;
 
 use super::Batch;
 use crate::error::{Error, Result};
+use crate::exchange::stats::StatsExchange;
 use crate::exchange::Memory;
 use crate::nn::loss::Metrics;
 use crate::nn::{ParamStore, Sequential};
@@ -106,19 +107,32 @@ pub trait Replica {
     /// (a GPU copies them to the device, asynchronously).
     fn stage(&mut self, batch: &Batch, rows: Range<usize>) -> Result<()>;
 
-    /// Forward, the loss SUMMED over the shard's rows, backward. [`Fill::Write`]: writes
-    /// the whole of `slot` — `[the gradient | the BatchNorm buffers, the replica's, updated
-    /// by this forward]` — and starts the shard's metrics; [`Fill::Add`] (a later
-    /// micro-batch of the same shard): adds its gradient to the slot's, updates the slot's
-    /// buffers further, and adds to the shard's metrics, kept for
-    /// [`Replica::finish_step`]. A pass without rows writes zeros (Write) or nothing (Add)
-    /// — and still takes its part in synchronized BatchNorm's statistics exchange.
+    /// The start of a shard's slot, before its first pass: zeros in the gradient part, the
+    /// replica's BatchNorm buffers in the buffer part (the shard's running statistics start
+    /// from the replica's and move on in the slot). The step calls it; a backend only
+    /// writes the values.
+    fn start_slot(&mut self, slot: &mut <Self::Mem as Memory>::ViewMut<'_>) -> Result<()>;
+
+    /// Forward, the loss SUMMED over the shard's rows (at least one), backward, into the
+    /// slot [`Replica::start_slot`] started: [`Fill::Write`] (the first pass) writes the
+    /// gradient and starts the shard's metrics; [`Fill::Add`] (a later micro-batch of the
+    /// same shard) adds its gradient to the slot's and adds to the shard's metrics, kept
+    /// for [`Replica::finish_step`]. Either moves the slot's buffers on by its forward.
     fn train_shard(
         &mut self,
         batch: &Batch,
         shard: &Shard,
         slot: &mut <Self::Mem as Memory>::ViewMut<'_>,
     ) -> Result<()>;
+
+    /// A pass without rows: on [`Fill::Write`], the shard's metrics start empty. (Its slot
+    /// keeps what [`Replica::start_slot`] wrote; the step makes its calls to synchronized
+    /// BatchNorm's statistics exchange.)
+    fn skip_shard(&mut self, shard: &Shard);
+
+    /// The model, and where its synchronized BatchNorm layers meet the other logical
+    /// replicas' (None: statistics per shard, nothing to meet).
+    fn synchronized(&self) -> (&Sequential, Option<&dyn StatsExchange>);
 
     /// Starts the update of a step at `lr_scale` times the learning rate, for gradients
     /// summed over `grad_divisor` samples.

@@ -6,8 +6,11 @@
 //!
 //! ```text
 //! stage this device's rows
-//! for each of its shards s:   for each of its K micro-batches (K = 1 unless accumulating):
+//! for each of its shards s:   slot s = [zeros | the replica's BatchNorm buffers]
+//!                             for each of its K micro-batches (K = 1 unless accumulating):
 //!                               forward ─▶ loss SUMMED ─▶ backward into slot s (+=)
+//!                               (a pass without rows: only its calls to synchronized
+//!                               BatchNorm's statistics exchange, with nothing)
 //!                             (slot = [gradient of s | BatchNorm buffers updated by s])
 //! exchange: every shard's slot summed, each element once, in the transport's fixed order
 //! update:   parameters from (gradient sum ÷ the global batch's real size) — all of them,
@@ -50,6 +53,7 @@ use super::replica::{Fill, Mark, Replica, Shard, StepOutcome};
 use super::{scatter, Batch};
 use crate::error::Result;
 use crate::exchange::Exchange;
+use crate::nn::batchnorm::Synchronized;
 use crate::nn::loss::Metrics;
 use crate::optim::Sharding;
 
@@ -88,6 +92,8 @@ where
     let micro = work.accumulate.max(1);
     for (local, rows) in shards.iter().map(held).enumerate() {
         exchange.with_slot(local, |mut slot| -> Result<()> {
+            // Every slot is written whole, a shard without rows too: it joins the sum.
+            replica.start_slot(&mut slot)?;
             for (m, part) in scatter::shards(rows.len(), micro).into_iter().enumerate() {
                 let shard = Shard {
                     replica: mine.start + local,
@@ -96,7 +102,12 @@ where
                     step: work.step,
                     fill: if m == 0 { Fill::Write } else { Fill::Add },
                 };
-                replica.train_shard(&work.batch, &shard, &mut slot)?;
+                if shard.rows.is_empty() {
+                    replica.skip_shard(&shard);
+                    join_without_data(replica, &shard)?;
+                } else {
+                    replica.train_shard(&work.batch, &shard, &mut slot)?;
+                }
             }
             Ok(())
         })?;
@@ -125,6 +136,16 @@ where
     }
     replica.mark(Mark::Updated)?;
     replica.finish_step(&|| exchange.is_aborted())
+}
+
+/// A pass without rows still makes its calls to synchronized BatchNorm's statistics
+/// exchange, with nothing in them, so that the other logical replicas' calls meet theirs
+/// (`nn::batchnorm::Synchronized::without_data`); without that exchange, nothing.
+fn join_without_data<R: Replica>(replica: &R, shard: &Shard) -> Result<()> {
+    match replica.synchronized() {
+        (model, Some(stats)) => Synchronized { stats, replica: shard.replica }.without_data(model),
+        (_, None) => Ok(()),
+    }
 }
 
 /// `range` cut to the first `params` values (the parameters' part of a slot).
