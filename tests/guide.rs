@@ -8,8 +8,9 @@
 //!   binary with ARGS (split on spaces; no shell). Any other command in a console block
 //!   fails this test: write it in an `sh` block.
 //! - The lines under a command, up to the next command, are what it prints: each one,
-//!   with every run of digits read as "some number", must begin some line of the
-//!   command's stdout or stderr (so a line may be shown without a trailing `| best`).
+//!   with every run of digits read as "some number" and every run of spaces as one, must
+//!   begin some line of the command's stdout or stderr (so a line may be shown without a
+//!   trailing `| best`).
 //!   A line `...` stands for lines left out. A first shown line `error: ...` means the
 //!   command is refused: it must exit with code 2 (a bad input); otherwise it must exit 0.
 //! - The commands of one block run in order in one fresh temporary directory (files one
@@ -28,7 +29,9 @@
 //!   minutes. The text beside each says why.
 //!
 //! The main job, `cargo run --release -- train` (15 epochs of the convnet on the digits),
-//! is run in full, as the README shows it: about 10 s on 2 cores.
+//! is run in full, as the README shows it, and must reach the accuracy the README states
+//! (at least 97%): about 10 s on 2 free cores, the rest of the guide's commands about as
+//! much again. A command that takes over 2 s says so on stderr.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -90,22 +93,20 @@ fn console_blocks(file: &str, text: &str) -> Vec<Vec<Shown>> {
     blocks
 }
 
-/// Every run of ASCII digits becomes `#`: what a shown line and a printed line must share.
+/// Every run of ASCII digits becomes `#` and every run of spaces one space: what a shown
+/// line and a printed line must share (timings, memory and column widths vary).
 fn shape(line: &str) -> String {
     let mut out = String::with_capacity(line.len());
-    let mut in_number = false;
-    for c in line.chars() {
-        if c.is_ascii_digit() {
-            if !in_number {
-                out.push('#');
-            }
-            in_number = true;
-        } else {
-            out.push(c);
-            in_number = false;
+    let mut last = None;
+    for c in line.trim_end().chars() {
+        let c = if c.is_ascii_digit() { '#' } else { c };
+        if (c == '#' || c == ' ') && last == Some(c) {
+            continue;
         }
+        out.push(c);
+        last = Some(c);
     }
-    out.trim_end().to_string()
+    out
 }
 
 /// The value of `--flag VALUE` in `args`.
@@ -205,6 +206,11 @@ fn check_trained(cmd: &Shown, lines: &[String], dir: &Path) {
         .last()
         .unwrap_or_else(|| panic!("{run} printed no final accuracy:\n{all}"));
     assert!((0.0..=1.0).contains(&accuracy), "{run}: accuracy {accuracy}:\n{all}");
+    if cmd.args == ["train"] {
+        // The main job: the README states 98.1% for seed 0 and 98.1–99.2% over seeds 0–4;
+        // 97% leaves room for another machine's summation order (or a GPU's).
+        assert!(accuracy >= 0.97, "{run}: the main job reached {accuracy}, the README says 98.1%:\n{all}");
+    }
     for out in ["--save", "--metrics-out", "--save-best", "--checkpoint-dir"] {
         if let Some(path) = flag(&cmd.args, out) {
             assert!(dir.join(path).exists(), "{run} did not write {path}:\n{all}");
@@ -229,11 +235,15 @@ fn run_block(block: &[Shown], machine: &Machine) -> usize {
             skipped_because.get_or_insert(why);
             continue;
         }
+        let start = Instant::now();
         let o = Command::new(env!("CARGO_BIN_EXE_lockstep"))
             .args(&cmd.args)
             .current_dir(dir.path())
             .output()
             .expect("the binary runs");
+        if start.elapsed().as_secs_f64() > 2.0 {
+            eprintln!("guide: {} took {:.1}s", cmd.at, start.elapsed().as_secs_f64());
+        }
         let lines = printed(&o);
         let refused = cmd.output.iter().find(|l| l.trim() != "...").is_some_and(|l| l.starts_with("error: "));
         let want = if refused { 2 } else { 0 };
@@ -331,7 +341,7 @@ fn the_convention_reads_commands_output_and_skips_other_blocks() {
     assert_eq!(blocks[0][0].output, ["epoch 1/1 | x", "..."]);
     assert_eq!(blocks[0][1].args, ["devices"]);
     assert_eq!(blocks[0][1].at, "t.md:9");
-    assert_eq!(shape("epoch 12/15 | loss 0.0535 | 2742 samples/s"), "epoch #/# | loss #.# | # samples/s");
+    assert_eq!(shape("epoch 12/15 | loss 0.0535 |  2742 samples/s "), "epoch #/# | loss #.# | # samples/s");
     assert_eq!(epoch_line("epoch  1/15 | train loss 2.2914 acc 0.15 | test loss NaN acc 0.1"), Some((1, 15, false)));
 }
 
