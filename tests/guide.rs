@@ -64,7 +64,9 @@ fn console_blocks(file: &str, text: &str) -> Vec<Vec<Shown>> {
         if let Some(info) = line.trim_start().strip_prefix("```") {
             fence = match (fence, info.trim()) {
                 (Fence::Text, "console") => Fence::Console(Vec::new()),
-                (Fence::Text, "") => panic!("{at}: a bare ``` block (rustdoc would compile it as Rust): name its language"),
+                (Fence::Text, "") => {
+                    panic!("{at}: a bare ``` block (rustdoc would compile it as Rust): name its language")
+                }
                 (Fence::Text, _) => Fence::Other,
                 (Fence::Console(block), _) => {
                     blocks.push(block);
@@ -203,7 +205,7 @@ fn check_trained(cmd: &Shown, lines: &[String], dir: &Path) {
         .iter()
         .filter_map(|l| l.strip_prefix("final ").and_then(|l| l.split_once(" accuracy")))
         .filter_map(|(_, v)| v.trim_start_matches(':').split_whitespace().next()?.parse::<f64>().ok())
-        .last()
+        .next_back()
         .unwrap_or_else(|| panic!("{run} printed no final accuracy:\n{all}"));
     assert!((0.0..=1.0).contains(&accuracy), "{run}: accuracy {accuracy}:\n{all}");
     if cmd.args == ["train"] {
