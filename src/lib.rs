@@ -73,3 +73,34 @@ pub mod world;
 
 pub use error::{Error, Result};
 pub use tensor::{Device, Shape, Tensor};
+
+/// The README and the guide's chapters, compiled and run as doctests so that no stale
+/// example lands: every Rust block of them is compiled, and run unless it is `no_run`
+/// (tests/guide.rs runs their command lines).
+#[cfg(doctest)]
+pub mod guide {
+    #[doc = include_str!("../README.md")]
+    pub struct Readme;
+    #[doc = include_str!("../docs/README.md")]
+    pub struct Index;
+    #[doc = include_str!("../docs/library.md")]
+    pub struct Library;
+    #[doc = include_str!("../docs/command-line.md")]
+    pub struct CommandLine;
+    #[doc = include_str!("../docs/data.md")]
+    pub struct Data;
+    #[doc = include_str!("../docs/checkpoints.md")]
+    pub struct Checkpoints;
+    #[doc = include_str!("../docs/devices.md")]
+    pub struct Devices;
+    #[doc = include_str!("../docs/several-machines.md")]
+    pub struct SeveralMachines;
+    #[doc = include_str!("../docs/ddp-features.md")]
+    pub struct DdpFeatures;
+    #[doc = include_str!("../docs/limits.md")]
+    pub struct Limits;
+    #[doc = include_str!("../docs/performance.md")]
+    pub struct Performance;
+    #[doc = include_str!("../docs/architecture.md")]
+    pub struct Architecture;
+}
