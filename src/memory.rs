@@ -438,6 +438,51 @@ mod tests {
     }
 
     #[test]
+    fn the_activation_figures_of_three_models_are_pinned() {
+        // Computed by this module before each op stated its own memory (issue 17), and
+        // held since: the sum over the ops must give the central match's numbers.
+        // convnet: 261,568 B a sample kept and around the running layer, plus partials of
+        // 38,124 weights per group of samples (at most 16), as the test above derives.
+        // maxpool spec: kept conv0 (784 + 21,632)·4, relu 21,632, pool 5,408·4, conv1
+        // (5,408 + 7,744)·4, relu 7,744, pool 1,600·4, flatten 0, dropout 1,600·4, dense
+        // 1,600·4 = 212,480; around, 2·21,632·4 + 784·4 = 176,192 (the eval figure);
+        // partials 32·9 + 64·32·9 = 18,720 weights: 463,552 B for one sample. toy: 506 and 248 B (the toy test).
+        let maxpool = crate::spec::model_from_spec_str(
+            include_str!("../examples/mnist_convnet_maxpool.json"),
+            "mnist_convnet_maxpool.json",
+        )
+        .unwrap();
+        let models = [
+            ("convnet", models::convnet(models::ConvnetOptions::default()).unwrap()),
+            ("maxpool", maxpool),
+            ("toy", models::toy_mlp(2, 2).unwrap()),
+        ];
+        // (model, batch, shard_activations, eval_activations)
+        let pinned: [(&str, usize, u64, u64); 15] = [
+            ("convnet", 1, 414_064, 78_400),
+            ("convnet", 7, 2_898_448, 548_800),
+            ("convnet", 16, 6_625_024, 1_254_400),
+            ("convnet", 17, 6_886_592, 1_332_800),
+            ("convnet", 256, 69_401_344, 20_070_400),
+            ("maxpool", 1, 463_552, 176_192),
+            ("maxpool", 7, 3_244_864, 1_233_344),
+            ("maxpool", 16, 7_416_832, 2_819_072),
+            ("maxpool", 17, 7_805_504, 2_995_264),
+            ("maxpool", 256, 100_698_112, 45_105_152),
+            ("toy", 1, 506, 248),
+            ("toy", 7, 3_542, 1_736),
+            ("toy", 16, 8_096, 3_968),
+            ("toy", 17, 8_602, 4_216),
+            ("toy", 256, 129_536, 63_488),
+        ];
+        for (name, batch, shard, eval) in pinned {
+            let m = &models.iter().find(|(n, _)| *n == name).unwrap().1;
+            assert_eq!(shard_activations(m, batch, 2), shard, "{name}, a shard of {batch}");
+            assert_eq!(eval_activations(m, batch), eval, "{name}, an evaluation batch of {batch}");
+        }
+    }
+
+    #[test]
     fn human_sizes_and_counts() {
         assert_eq!(human(17), "17 B");
         assert_eq!(human(230_400), "230.4 kB");
