@@ -1,8 +1,13 @@
-//! Elementwise layers: ReLU and Rescaling (Keras `Rescaling(scale, offset)`).
+//! Elementwise layers: ReLU and Rescaling (Keras `Rescaling(scale, offset)`): each its
+//! forward and backward, its spec entry (`relu`, `rescaling`), its spec form and what it
+//! keeps for backward.
 
 use rayon::prelude::*;
 
-use super::{Ctx, InputGrad, Layer, Mode, Params, ParamsMut};
+use serde_json::{json, Value};
+
+use super::spec_entry::{Build, LayerType};
+use super::{Ctx, InputGrad, Layer, LayerMemory, LayerShapes, Mode, Params, ParamsMut};
 
 /// Elements per parallel task of the elementwise layers: large enough that a task costs
 /// more than handing it to another thread.
@@ -21,6 +26,14 @@ impl Relu {
     pub fn new() -> Relu {
         Relu::default()
     }
+
+    /// The spec entry: Keras's `ReLU()`, no fields.
+    pub const SPEC: LayerType = LayerType {
+        name: "relu",
+        fields: "none",
+        example: (&[5], r#"{"type": "relu"}"#),
+        parse: |_| Ok(Build::layer(|_| Ok(Relu::new()))),
+    };
 }
 
 impl Layer for Relu {
@@ -30,6 +43,15 @@ impl Layer for Relu {
 
     fn kind(&self) -> &'static str {
         "relu"
+    }
+
+    fn spec(&self) -> Option<Value> {
+        Some(json!({"type": "relu"}))
+    }
+
+    /// A byte per value: the mask of positive inputs.
+    fn memory(&self, shapes: &LayerShapes) -> Option<LayerMemory> {
+        Some(LayerMemory { kept_per_sample: shapes.output.numel() as u64, ..LayerMemory::NONE })
     }
 
     fn output_shape(&self, input: &Shape) -> Result<Shape> {
@@ -104,6 +126,18 @@ impl Rescaling {
     pub fn new(scale: f32, offset: f32) -> Rescaling {
         Rescaling { scale, offset }
     }
+
+    /// The spec entry: Keras's `Rescaling(scale, offset=0)`.
+    pub const SPEC: LayerType = LayerType {
+        name: "rescaling",
+        fields: "`scale` (required), `offset` (0)",
+        example: (&[1, 4, 4], r#"{"type": "rescaling", "scale": 0.00392156862745098, "offset": -0.5}"#),
+        parse: |f| {
+            let scale = f.number("scale", None, (|_| true, "a finite number"))?;
+            let offset = f.number("offset", Some(0.0), (|_| true, "a finite number"))?;
+            Ok(Build::layer(move |_| Ok(Rescaling::new(scale, offset))))
+        },
+    };
 }
 
 impl Layer for Rescaling {
@@ -113,6 +147,15 @@ impl Layer for Rescaling {
 
     fn kind(&self) -> &'static str {
         "rescaling"
+    }
+
+    fn spec(&self) -> Option<Value> {
+        Some(json!({"type": "rescaling", "scale": self.scale, "offset": self.offset}))
+    }
+
+    /// Nothing: its gradient is a constant factor.
+    fn memory(&self, _shapes: &LayerShapes) -> Option<LayerMemory> {
+        Some(LayerMemory::NONE)
     }
 
     fn output_shape(&self, input: &Shape) -> Result<Shape> {

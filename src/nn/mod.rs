@@ -11,6 +11,23 @@
 //! `backward` ACCUMULATES (`+=`) into parameter gradients; it never overwrites them.
 //! The trainer zeroes a gradient buffer once per logical replica and step, so a shard's
 //! gradient is the sum over its samples of the per-sample loss gradients.
+//!
+//! # An op is one unit
+//! Each layer type's module holds everything about it: its forward and backward side by
+//! side (the CPU reference), its output shape, its memory account ([`Layer::memory`]:
+//! what it keeps from forward to backward and its workspace), its spec entry (`SPEC`, a
+//! [`LayerType`]: the `type` name, the fields with their defaults and the error for each
+//! bad one, an example, the build against the running shape) and its spec form
+//! ([`Layer::spec`], the object that builds it again).
+//!
+//! # Adding a layer type
+//! Write the module (the layer, its `impl Layer` with `spec` and `memory`, its `SPEC`)
+//! and add `<Layer>::SPEC` to [`LAYER_TYPES`], the one list of layer types: the spec
+//! format's parse dispatch, the type names in its errors and its docs-table test all read
+//! it. Forgetting a piece fails a test on any machine: `crate::spec`'s table test builds
+//! every entry's example and requires each built layer to write itself back as a spec
+//! that builds the same layers, to state its memory and to have a GPU form, and the
+//! docs' tables to list the entry.
 
 pub mod activation;
 pub mod batchnorm;
@@ -21,6 +38,7 @@ pub mod loss;
 pub mod pool;
 pub mod reshape;
 mod sequential;
+pub mod spec_entry;
 pub mod window;
 
 use std::ops::Range;
@@ -33,10 +51,45 @@ pub use linear::Linear;
 pub use pool::MaxPool2d;
 pub use reshape::{Flatten, GlobalAvgPool2d};
 pub use sequential::{LayerShapes, ParamStore, Sequential, TensorInfo, TENSOR_ALIGN};
+pub use spec_entry::{Activation, LayerType};
 pub use window::{Geometry2d, Padding, Window2d};
 
 use crate::error::Result;
 use crate::tensor::{Device, Shape, Tensor};
+
+/// Every layer type of the spec format, in the order its errors list them: the one line a
+/// new layer type adds its entry to.
+pub const LAYER_TYPES: &[LayerType] = &[
+    Rescaling::SPEC,
+    Conv2d::SPEC,
+    BatchNorm2d::SPEC,
+    Relu::SPEC,
+    Linear::SPEC,
+    Dropout::SPEC,
+    Flatten::SPEC,
+    GlobalAvgPool2d::SPEC,
+    MaxPool2d::SPEC,
+];
+
+/// Bytes of an f32, for the layers' memory accounts.
+pub(crate) const F32: u64 = 4;
+
+/// What a layer holds for a training pass beyond its parameters and buffers (which
+/// [`Sequential`] lays out), as [`Layer::memory`] states it; `crate::memory` sums these
+/// over a network.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LayerMemory {
+    /// Bytes kept per sample from the training forward to the backward.
+    pub kept_per_sample: u64,
+    /// Bytes of workspace per group of samples that the CPU backend computes together
+    /// (`backend::cpu::batch_groups`: at most 16 a batch).
+    pub per_group: u64,
+}
+
+impl LayerMemory {
+    /// Nothing kept, no workspace.
+    pub const NONE: LayerMemory = LayerMemory { kept_per_sample: 0, per_group: 0 };
+}
 
 /// Training or evaluation: decides BatchNorm's statistics and whether dropout drops.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -171,8 +224,8 @@ impl<'a> ParamsMut<'a> {
 ///
 /// Every `match` over it is exhaustive (no `_` arm), so a new variant is a compile error
 /// in each place that must handle it: the GPU's forward, backward and activation sizing
-/// (`cuda::replica`) and the spec writer (`spec::op_to_spec`). A built-in layer that
-/// forgets to return one fails `spec`'s table test, on any machine.
+/// (`cuda::net`). A built-in layer that forgets to return one fails `spec`'s table test,
+/// on any machine.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum LayerOp {
     /// y = x·Wᵀ + b, W: (out_features, in_features).
@@ -266,6 +319,36 @@ pub trait Layer: Send {
     /// The computation as plain data, for backends other than the CPU's. Default: none
     /// (the layer runs on CPU devices only).
     fn op(&self) -> Option<LayerOp> {
+        None
+    }
+
+    /// The spec layer object that builds this layer again, its input channels and
+    /// features inferred from the running shape as when parsing (`crate::spec`'s
+    /// `model_to_spec`). Default: none, a layer of the user's own has no spec form.
+    fn spec(&self) -> Option<serde_json::Value> {
+        None
+    }
+
+    /// What a training pass of this layer holds, for per-sample shapes `shapes`: the
+    /// memory estimate's term (`crate::memory`). Default: not stated, a layer of the
+    /// user's own, counted as keeping nothing; every built-in layer states its own, which
+    /// the spec's table test requires.
+    fn memory(&self, _shapes: &LayerShapes) -> Option<LayerMemory> {
+        None
+    }
+
+    /// This layer with its training statistics the global batch's, every logical
+    /// replica's shard together (PyTorch's `SyncBatchNorm`), for a layer that normalises
+    /// by batch statistics: what [`convert_sync_batchnorm`] puts in its place. Default:
+    /// none, the layer has no statistics to synchronize.
+    fn synchronized(&self) -> Option<Box<dyn Layer>> {
+        None
+    }
+
+    /// For a layer whose training statistics are the global batch's: its channels, the
+    /// width of what it exchanges with the other logical replicas in each forward and
+    /// backward (`batchnorm::Synchronized`). Default: none.
+    fn synchronized_channels(&self) -> Option<usize> {
         None
     }
 }

@@ -1,6 +1,11 @@
-//! Layers that change the shape: Flatten and GlobalAveragePooling2d.
+//! Layers that change the shape: Flatten and GlobalAveragePooling2d, each its forward and
+//! backward, its spec entry (`flatten`, `global_average_pooling2d`), its spec form and
+//! what it keeps for backward (only the input's shape).
 
-use super::{Ctx, InputGrad, Layer, Params, ParamsMut};
+use serde_json::{json, Value};
+
+use super::spec_entry::{expect_images, Build, LayerType};
+use super::{Ctx, InputGrad, Layer, LayerMemory, LayerShapes, Params, ParamsMut};
 use crate::error::{Error, Result};
 use crate::tensor::{Shape, Tensor};
 
@@ -15,6 +20,14 @@ impl Flatten {
     pub fn new() -> Flatten {
         Flatten::default()
     }
+
+    /// The spec entry: Keras's `Flatten()`, no fields.
+    pub const SPEC: LayerType = LayerType {
+        name: "flatten",
+        fields: "none",
+        example: (&[2, 3, 3], r#"{"type": "flatten"}"#),
+        parse: |_| Ok(Build::layer(|_| Ok(Flatten::new()))),
+    };
 }
 
 impl Layer for Flatten {
@@ -24,6 +37,15 @@ impl Layer for Flatten {
 
     fn kind(&self) -> &'static str {
         "flatten"
+    }
+
+    fn spec(&self) -> Option<Value> {
+        Some(json!({"type": "flatten"}))
+    }
+
+    /// Nothing per sample: a view.
+    fn memory(&self, _shapes: &LayerShapes) -> Option<LayerMemory> {
+        Some(LayerMemory::NONE)
     }
 
     fn output_shape(&self, input: &Shape) -> Result<Shape> {
@@ -71,6 +93,19 @@ impl GlobalAvgPool2d {
     pub fn new() -> GlobalAvgPool2d {
         GlobalAvgPool2d::default()
     }
+
+    /// The spec entry: Keras's `GlobalAveragePooling2D()`, no fields.
+    pub const SPEC: LayerType = LayerType {
+        name: "global_average_pooling2d",
+        fields: "none",
+        example: (&[2, 3, 3], r#"{"type": "global_average_pooling2d"}"#),
+        parse: |_| {
+            Ok(Build::layer(|input| {
+                expect_images(input)?;
+                Ok(GlobalAvgPool2d::new())
+            }))
+        },
+    };
 }
 
 impl Layer for GlobalAvgPool2d {
@@ -80,6 +115,15 @@ impl Layer for GlobalAvgPool2d {
 
     fn kind(&self) -> &'static str {
         "gap"
+    }
+
+    fn spec(&self) -> Option<Value> {
+        Some(json!({"type": "global_average_pooling2d"}))
+    }
+
+    /// Nothing per sample: its gradient is dout spread evenly.
+    fn memory(&self, _shapes: &LayerShapes) -> Option<LayerMemory> {
+        Some(LayerMemory::NONE)
     }
 
     fn output_shape(&self, input: &Shape) -> Result<Shape> {
