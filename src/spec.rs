@@ -317,6 +317,26 @@ mod tests {
     }
 
     #[test]
+    fn every_spec_entry_written_in_nn_is_registered() {
+        // An op's entry that is written but missing from the one list would never be
+        // parsed: count the entries in src/nn's modules against nn::LAYER_TYPES.
+        let nn = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/nn");
+        let mut written = Vec::new();
+        for path in std::fs::read_dir(&nn).unwrap().map(|e| e.unwrap().path()) {
+            let text = std::fs::read_to_string(&path).unwrap();
+            let n = text.matches("pub const SPEC: LayerType = LayerType {").count();
+            written.extend(std::iter::repeat(path.display().to_string()).take(n));
+        }
+        written.sort();
+        assert_eq!(
+            written.len(),
+            LAYER_TYPES.len(),
+            "entries written in {written:?}, nn::LAYER_TYPES lists {}",
+            type_list()
+        );
+    }
+
+    #[test]
     fn the_docs_and_the_readme_or_the_guide_list_every_layer_type() {
         // The guide (docs/*.md) takes over most of the README: a row in either will do.
         let root = Path::new(env!("CARGO_MANIFEST_DIR"));
