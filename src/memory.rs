@@ -11,8 +11,9 @@
 //! adds the data it loaded and checks before loading weights or checkpoints; the data
 //! loaders check a header's claimed size before reading a body.
 //!
-//! The activation estimate follows what the CPU layers keep between forward and backward
-//! ([`shard_activations`]), at the configured global batch (which the fit loop's batches
+//! The activation estimate follows what the CPU layers keep between forward and backward,
+//! as each layer states it in its own module (`nn::Layer::memory`; [`shard_activations`]
+//! sums them), at the configured global batch (which the fit loop's batches
 //! never exceed; the command line caps it at the training set's size). A device runs its
 //! logical replicas' shards one after the other, so it holds one shard's activations at
 //! a time. Measured against the peak resident memory of the convnet on the digits
@@ -24,7 +25,7 @@
 
 use crate::devices::Devices;
 use crate::error::{Error, Result};
-use crate::nn::{LayerOp, Sequential};
+use crate::nn::{LayerMemory, Sequential};
 use crate::optim::OptimizerConfig;
 use crate::tensor::Device;
 use crate::train::TrainConfig;
@@ -170,54 +171,40 @@ const F32: u64 = 4;
 /// The part of a run that no shape predicts (see [`training`]).
 pub const PROCESS_BYTES: u64 = 64 << 20;
 
-/// Per layer, the values per sample of its input and of its output, and what it computes:
-/// the shapes `Sequential` inferred when it was built (`Sequential::layer_shapes`).
-fn layer_shapes(model: &Sequential) -> Vec<(u64, u64, Option<LayerOp>)> {
-    model
-        .layers()
-        .iter()
-        .zip(model.layer_shapes())
-        .map(|(layer, s)| (s.input.numel() as u64, s.output.numel() as u64, layer.op()))
-        .collect()
+/// The sample groups whose workspace a shard of `batch` samples is counted with: one a
+/// sample up to 16 (`backend::cpu::batch_groups` makes at most 16, and fewer: it wants 8
+/// samples a group, so this is meant to be a little above).
+fn groups(batch: usize) -> u64 {
+    batch.clamp(1, 16) as u64
 }
 
 /// Bytes of the activations of one training shard of `batch` samples on a device of
-/// `threads` threads. Per sample, what the CPU layers keep from forward to backward: a
-/// convolution its input and its channels-last output scratch, a Dense layer its input,
-/// BatchNorm its normalised input, dropout its f32 mask, ReLU a byte mask; and what is
-/// alive around the layer running: its input and output (or gradient and input gradient),
-/// the widest pair of the network, and the shard's copy of its samples. Per convolution,
-/// the weight-gradient partials of its (at most 16) groups of samples.
+/// `threads` threads. Per sample, what each layer keeps from forward to backward, as its
+/// own [`Layer::memory`](crate::nn::Layer::memory) states (a layer of the user's own,
+/// which states nothing, is counted as keeping nothing); and what is alive around the
+/// layer running: its input and output (or gradient and input gradient), the widest pair
+/// of the network, and the shard's copy of its samples. Per layer and group of samples,
+/// its workspace (a convolution's weight-gradient partials).
 pub fn shard_activations(model: &Sequential, batch: usize, threads: usize) -> u64 {
     let _ = threads; // the groups are a function of the batch alone (`backend::cpu::batch_groups`)
     let mut kept = 0u64;
     let mut widest = model.input_shape().numel() as u64;
-    let mut partials = 0u64;
-    for (input, output, op) in layer_shapes(model) {
-        kept = kept.saturating_add(match op {
-            Some(LayerOp::Conv2d { in_channels, filters, window, .. }) => {
-                let (kh, kw) = window.kernel;
-                let weights = (in_channels as u64 * filters as u64).saturating_mul((kh * kw) as u64);
-                partials = partials.saturating_add(weights.saturating_mul(batch.clamp(1, 16) as u64));
-                input.saturating_add(output).saturating_mul(F32)
-            }
-            Some(LayerOp::Linear { .. }) => input.saturating_mul(F32),
-            Some(LayerOp::BatchNorm2d { .. } | LayerOp::Dropout { .. }) => output.saturating_mul(F32),
-            // The winners' indices (u32) per output.
-            Some(LayerOp::MaxPool2d { .. }) => output.saturating_mul(4),
-            Some(LayerOp::Relu) => output,
-            Some(LayerOp::Rescaling { .. } | LayerOp::Flatten | LayerOp::GlobalAvgPool2d) | None => 0,
-        });
-        widest = widest.max(output);
+    let mut workspace = 0u64;
+    for (layer, shapes) in model.layers().iter().zip(model.layer_shapes()) {
+        let m = layer.memory(shapes).unwrap_or(LayerMemory::NONE);
+        kept = kept.saturating_add(m.kept_per_sample);
+        workspace = workspace.saturating_add(m.per_group.saturating_mul(groups(batch)));
+        widest = widest.max(shapes.output.numel() as u64);
     }
     let around = widest.saturating_mul(2 * F32).saturating_add(model.input_shape().numel() as u64 * F32);
-    kept.saturating_add(around).saturating_mul(batch as u64).saturating_add(partials.saturating_mul(F32))
+    kept.saturating_add(around).saturating_mul(batch as u64).saturating_add(workspace)
 }
 
 /// Bytes of an evaluation forward of `batch` samples: no caches, only the widest input
 /// and output pair and the chunk's copy of its samples.
 pub fn eval_activations(model: &Sequential, batch: usize) -> u64 {
-    let widest = layer_shapes(model).iter().map(|l| l.1).max().unwrap_or(0).max(model.input_shape().numel() as u64);
+    let widest = model.layer_shapes().iter().map(|s| s.output.numel() as u64).max().unwrap_or(0);
+    let widest = widest.max(model.input_shape().numel() as u64);
     let per_sample = widest.saturating_mul(2 * F32).saturating_add(model.input_shape().numel() as u64 * F32);
     per_sample.saturating_mul(batch as u64)
 }
@@ -431,6 +418,51 @@ mod tests {
         // 100,000 × 261,568 + the conv weight-gradient partials of 16 groups: 16 × 38,124 × 4.
         assert_eq!(acts.bytes, 26_156_800_000 + 16 * 38_124 * 4);
         assert_eq!(acts.detail, "1 device(s) × a shard of 100000 samples");
+    }
+
+    #[test]
+    fn the_activation_figures_of_three_models_are_pinned() {
+        // Computed by this module before each op stated its own memory (issue 17), and
+        // held since: the sum over the ops must give the central match's numbers.
+        // convnet: 261,568 B a sample kept and around the running layer, plus partials of
+        // 38,124 weights per group of samples (at most 16), as the test above derives.
+        // maxpool spec: kept conv0 (784 + 21,632)·4, relu 21,632, pool 5,408·4, conv1
+        // (5,408 + 7,744)·4, relu 7,744, pool 1,600·4, flatten 0, dropout 1,600·4, dense
+        // 1,600·4 = 212,480; around, 2·21,632·4 + 784·4 = 176,192 (the eval figure);
+        // partials 32·9 + 64·32·9 = 18,720 weights: 463,552 B for one sample. toy: 506 and 248 B (the toy test).
+        let maxpool = crate::spec::model_from_spec_str(
+            include_str!("../examples/mnist_convnet_maxpool.json"),
+            "mnist_convnet_maxpool.json",
+        )
+        .unwrap();
+        let models = [
+            ("convnet", models::convnet(models::ConvnetOptions::default()).unwrap()),
+            ("maxpool", maxpool),
+            ("toy", models::toy_mlp(2, 2).unwrap()),
+        ];
+        // (model, batch, shard_activations, eval_activations)
+        let pinned: [(&str, usize, u64, u64); 15] = [
+            ("convnet", 1, 414_064, 78_400),
+            ("convnet", 7, 2_898_448, 548_800),
+            ("convnet", 16, 6_625_024, 1_254_400),
+            ("convnet", 17, 6_886_592, 1_332_800),
+            ("convnet", 256, 69_401_344, 20_070_400),
+            ("maxpool", 1, 463_552, 176_192),
+            ("maxpool", 7, 3_244_864, 1_233_344),
+            ("maxpool", 16, 7_416_832, 2_819_072),
+            ("maxpool", 17, 7_805_504, 2_995_264),
+            ("maxpool", 256, 100_698_112, 45_105_152),
+            ("toy", 1, 506, 248),
+            ("toy", 7, 3_542, 1_736),
+            ("toy", 16, 8_096, 3_968),
+            ("toy", 17, 8_602, 4_216),
+            ("toy", 256, 129_536, 63_488),
+        ];
+        for (name, batch, shard, eval) in pinned {
+            let m = &models.iter().find(|(n, _)| *n == name).unwrap().1;
+            assert_eq!(shard_activations(m, batch, 2), shard, "{name}, a shard of {batch}");
+            assert_eq!(eval_activations(m, batch), eval, "{name}, an evaluation batch of {batch}");
+        }
     }
 
     #[test]

@@ -1,11 +1,14 @@
 //! Model specs: a [`Sequential`] stack described in JSON with Keras's layer names, so a
 //! user can train their own network from the command line (`--model FILE.json`).
 //!
-//! Owns: the spec format, its validation — every problem an error naming the spec, the
-//! layer's index (0-based, its position in `layers`) and type, and the field — and the
-//! translation into layers. The layers themselves (`crate::nn`) own their arithmetic;
-//! the shapes are checked here layer by layer, so that an incompatibility is reported
-//! against the spec's own numbering rather than the built stack's (`conv1`, `relu3`).
+//! Owns: the file format — `input_shape`, the `layers` list, the shapes followed through
+//! the stack, every problem an error naming the spec, the layer's index (0-based, its
+//! position in `layers`) and type, and the field — and writing a model back as a spec.
+//! Each layer type's own fields (their defaults, their errors) and how they build are
+//! the layer's module's (its `SPEC` entry, listed in [`LAYER_TYPES`]), beside its
+//! arithmetic. The shapes are checked here layer by layer, so that an incompatibility is
+//! reported against the spec's own numbering rather than the built stack's (`conv1`,
+//! `relu3`).
 //!
 //! ```json
 //! {"input_shape": [1, 28, 28],
@@ -40,46 +43,43 @@
 //! values per sample and parameters, so that no size arithmetic can overflow.
 //!
 //! # Adding a layer type
-//! [`LAYER_TYPES`] is the one list of types: the names in errors, the parse dispatch and
-//! [`LayerSpec::type_name`] all read it, and its test parses every entry's example, builds
-//! it, requires each built layer to have a GPU form ([`Layer::op`]), writes the ops back
-//! as a spec ([`op_to_spec`], an exhaustive `match`: a new [`LayerOp`] is a compile error
-//! there) and parses that again, expecting the same ops. A `LayerKind` variant without a
-//! table entry is never constructed, which `cargo clippy -D warnings` refuses; the build
-//! `match` over `LayerKind` is exhaustive; a table row missing from the docs above or from
-//! the README fails a test.
+//! A type's entry is a [`LayerType`] in the layer's own module (`Conv2d::SPEC` in
+//! `nn/conv2d.rs`): its `type` name, its fields as the table above lists them, an example,
+//! and a function that reads the fields with `nn::spec_entry::Fields` (each default and
+//! each error there) and builds the layers against the running shape. The layer writes
+//! itself back ([`Layer::spec`]). [`LAYER_TYPES`] (`nn::LAYER_TYPES`) is the one list of
+//! types: the parse dispatch, the names in errors and [`LayerSpec::type_name`] all read
+//! it, so a new type adds its module, one line to that list, and its row to the docs'
+//! tables. Its test parses every entry's example, builds it, requires each built layer to
+//! write itself back ([`Layer::spec`]), to state its memory ([`Layer::memory`]) and to
+//! have a GPU form, writes the model back and parses that again, expecting the same
+//! layers (the same specs, descriptions and tensors); a table row missing from the docs
+//! above, or from both the README and the guide (`docs/`), fails a test.
 
 use std::path::Path;
 
 use serde::Deserialize;
-use serde_json::{json, Map, Value};
+use serde_json::{json, Value};
 
 use crate::error::{Error, Result};
-use crate::nn::{
-    BatchNorm2d, BatchStats, Conv2d, Dropout, Flatten, GlobalAvgPool2d, Layer, LayerOp, Linear, MaxPool2d, Padding,
-    Relu, Rescaling, Sequential,
-};
+use crate::nn::spec_entry::{Build, Fields};
+use crate::nn::{Layer, Sequential};
 use crate::tensor::Shape;
 
-/// The largest integer a size field (filters, units, kernel, input dimension) may hold.
-pub const MAX_DIM: u64 = 1 << 20;
+pub use crate::nn::spec_entry::{Activation, MAX_DIM};
+pub use crate::nn::{LayerType, LAYER_TYPES};
 /// The most values a sample may have at any layer, and the most parameters in all.
 pub const MAX_ELEMENTS: usize = 1 << 31;
 /// The largest spec file read (a spec of a thousand layers is some 100 kB).
 pub const MAX_SPEC_BYTES: u64 = 16 << 20;
 
-/// What a conv2d or dense layer applies after itself.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub enum Activation {
-    Linear,
-    Relu,
-}
-
-/// One entry of `layers`, validated: its type (an entry of [`LAYER_TYPES`]) and fields.
-#[derive(Clone, PartialEq, Debug)]
+/// One entry of `layers`, validated: its type (an entry of [`LAYER_TYPES`]), what each of
+/// its fields resolved to (its default where absent), and how it builds.
+#[derive(Clone)]
 pub struct LayerSpec {
     type_name: &'static str,
-    kind: LayerKind,
+    fields: Vec<(&'static str, Value)>,
+    build: Build,
 }
 
 impl LayerSpec {
@@ -89,215 +89,35 @@ impl LayerSpec {
     }
 }
 
-/// The validated fields of one layer. Private, so that a variant no [`LAYER_TYPES`] entry
-/// constructs is dead code (a lint error under `-D warnings`), not a silent gap.
-#[derive(Clone, PartialEq, Debug)]
-enum LayerKind {
-    Rescaling {
-        scale: f32,
-        offset: f32,
-    },
-    Conv2d {
-        filters: usize,
-        kernel: (usize, usize),
-        stride: usize,
-        padding: Padding,
-        use_bias: bool,
-        activation: Activation,
-    },
-    BatchNormalization {
-        scale: bool,
-        center: bool,
-        epsilon: f32,
-        momentum: f32,
-        synchronized: bool,
-    },
-    Dense {
-        units: usize,
-        use_bias: bool,
-        activation: Activation,
-    },
-    Dropout {
-        rate: f32,
-    },
-    Relu,
-    Flatten,
-    GlobalAveragePooling2d,
-    MaxPooling2d {
-        pool_size: (usize, usize),
-        strides: (usize, usize),
-        padding: Padding,
-    },
+/// Two entries are equal when they are of one type and their fields resolve alike: they
+/// build the same layers.
+impl PartialEq for LayerSpec {
+    fn eq(&self, other: &LayerSpec) -> bool {
+        self.type_name == other.type_name && self.fields == other.fields
+    }
 }
 
-/// One layer type of the spec format.
-pub struct LayerType {
-    /// The value of the `type` field.
-    pub name: &'static str,
-    /// Its fields and their defaults, as the tables of the docs (above, and the README's)
-    /// list them.
-    pub fields: &'static str,
-    /// A per-sample input shape and a layer object of this type that applies to it: the
-    /// table test builds it (it shows every field that has no default).
-    pub example: (&'static [usize], &'static str),
-    /// Reads the fields (everything but `type`).
-    parse: fn(&mut Fields<'_>) -> FieldResult<LayerKind>,
+impl std::fmt::Debug for LayerSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LayerSpec").field("type_name", &self.type_name).field("fields", &self.fields).finish()
+    }
 }
-
-/// Every layer type of the spec format, in the order errors list them.
-pub const LAYER_TYPES: &[LayerType] = &[
-    LayerType {
-        name: "rescaling",
-        fields: "`scale` (required), `offset` (0)",
-        example: (&[1, 4, 4], r#"{"type": "rescaling", "scale": 0.00392156862745098, "offset": -0.5}"#),
-        parse: |f| {
-            Ok(LayerKind::Rescaling {
-                scale: f.number("scale", None, (|_| true, "a finite number"))?,
-                offset: f.number("offset", Some(0.0), (|_| true, "a finite number"))?,
-            })
-        },
-    },
-    LayerType {
-        name: "conv2d",
-        fields: "`filters`, `kernel_size` (int or [kh, kw]), `strides` (1; int or [s, s]), `padding` (\"valid\" or \"same\"; \"valid\"), `use_bias` (true), `activation` (\"linear\")",
-        example: (
-            &[2, 7, 6],
-            r#"{"type": "conv2d", "filters": 3, "kernel_size": [3, 2], "strides": 2, "padding": "same", "use_bias": false, "activation": "relu"}"#,
-        ),
-        parse: |f| {
-            let filters = f.size("filters", None)?;
-            let kernel = f.pair("kernel_size", None)?;
-            let (sh, sw) = f.pair("strides", Some((1, 1)))?;
-            if sh != sw {
-                return Err(format!("field 'strides' [{sh}, {sw}]: only equal strides are supported"));
-            }
-            Ok(LayerKind::Conv2d {
-                filters,
-                kernel,
-                stride: sh,
-                padding: f.padding()?,
-                use_bias: f.boolean("use_bias", true)?,
-                activation: f.activation()?,
-            })
-        },
-    },
-    LayerType {
-        name: "batch_normalization",
-        fields: "`scale` (true), `center` (true), `epsilon` (0.001), `momentum` (0.99), `synchronized` (false)",
-        example: (
-            &[3, 4, 4],
-            r#"{"type": "batch_normalization", "scale": false, "epsilon": 0.01, "momentum": 0.9, "synchronized": true}"#,
-        ),
-        parse: |f| {
-            Ok(LayerKind::BatchNormalization {
-                scale: f.boolean("scale", true)?,
-                center: f.boolean("center", true)?,
-                epsilon: f.number("epsilon", Some(1e-3), (|x| x > 0.0, "a positive number"))?,
-                momentum: f.number("momentum", Some(0.99), (|x| (0.0..=1.0).contains(&x), "a number in [0, 1]"))?,
-                synchronized: f.boolean("synchronized", false)?,
-            })
-        },
-    },
-    LayerType {
-        name: "relu",
-        fields: "none",
-        example: (&[5], r#"{"type": "relu"}"#),
-        parse: |_| Ok(LayerKind::Relu),
-    },
-    LayerType {
-        name: "dense",
-        fields: "`units`, `use_bias` (true), `activation` (\"linear\")",
-        example: (&[5], r#"{"type": "dense", "units": 4, "use_bias": false, "activation": "relu"}"#),
-        parse: |f| {
-            Ok(LayerKind::Dense {
-                units: f.size("units", None)?,
-                use_bias: f.boolean("use_bias", true)?,
-                activation: f.activation()?,
-            })
-        },
-    },
-    LayerType {
-        name: "dropout",
-        fields: "`rate` in [0, 1)",
-        example: (&[5], r#"{"type": "dropout", "rate": 0.25}"#),
-        parse: |f| {
-            Ok(LayerKind::Dropout { rate: f.number("rate", None, (|x| (0.0..1.0).contains(&x), "a number in [0, 1)"))? })
-        },
-    },
-    LayerType {
-        name: "flatten",
-        fields: "none",
-        example: (&[2, 3, 3], r#"{"type": "flatten"}"#),
-        parse: |_| Ok(LayerKind::Flatten),
-    },
-    LayerType {
-        name: "global_average_pooling2d",
-        fields: "none",
-        example: (&[2, 3, 3], r#"{"type": "global_average_pooling2d"}"#),
-        parse: |_| Ok(LayerKind::GlobalAveragePooling2d),
-    },
-    LayerType {
-        name: "max_pooling2d",
-        fields: "`pool_size` (2; int or [kh, kw]), `strides` (the pool size; int or [sh, sw]), `padding` (\"valid\" or \"same\"; \"valid\")",
-        example: (&[2, 7, 6], r#"{"type": "max_pooling2d", "pool_size": [3, 2], "strides": [2, 1], "padding": "same"}"#),
-        parse: |f| {
-            let pool_size = f.pair("pool_size", Some((2, 2)))?;
-            Ok(LayerKind::MaxPooling2d {
-                pool_size,
-                strides: f.pair("strides", Some(pool_size))?,
-                padding: f.padding()?,
-            })
-        },
-    },
-];
 
 /// The type names, for errors: `rescaling, conv2d, ...`.
 fn type_list() -> String {
     LAYER_TYPES.iter().map(|t| t.name).collect::<Vec<_>>().join(", ")
 }
 
-/// The spec layer object that builds a layer computing `op` (input channels and features
-/// are inferred from the running shape, as when parsing). Exhaustive: a new [`LayerOp`]
-/// does not compile until it has a spec form.
-pub fn op_to_spec(op: &LayerOp) -> Value {
-    match *op {
-        LayerOp::Linear { out_features, bias, .. } => json!({"type": "dense", "units": out_features, "use_bias": bias}),
-        LayerOp::Conv2d { filters, window, bias, .. } => json!({
-            "type": "conv2d",
-            "filters": filters,
-            "kernel_size": [window.kernel.0, window.kernel.1],
-            "strides": [window.stride.0, window.stride.1],
-            "padding": window.padding.name(),
-            "use_bias": bias,
-        }),
-        LayerOp::BatchNorm2d { eps, momentum, scale, center, stats, .. } => json!({
-            "type": "batch_normalization", "scale": scale, "center": center, "epsilon": eps, "momentum": momentum,
-            "synchronized": stats == BatchStats::Global,
-        }),
-        LayerOp::Relu => json!({"type": "relu"}),
-        LayerOp::Rescaling { scale, offset } => json!({"type": "rescaling", "scale": scale, "offset": offset}),
-        LayerOp::Dropout { rate } => json!({"type": "dropout", "rate": rate}),
-        LayerOp::Flatten => json!({"type": "flatten"}),
-        LayerOp::GlobalAvgPool2d => json!({"type": "global_average_pooling2d"}),
-        LayerOp::MaxPool2d { window } => json!({
-            "type": "max_pooling2d",
-            "pool_size": [window.kernel.0, window.kernel.1],
-            "strides": [window.stride.0, window.stride.1],
-            "padding": window.padding.name(),
-        }),
-    }
-}
-
-/// A spec (`{"input_shape": ..., "layers": [...]}`) that builds `model` again, or an
-/// error naming the first layer that has no [`LayerOp`] (a layer of the user's own).
+/// A spec (`{"input_shape": ..., "layers": [...]}`) that builds `model` again, each layer
+/// written by its own [`Layer::spec`], or an error naming the first layer that has no spec
+/// form (a layer of the user's own).
 pub fn model_to_spec(model: &Sequential) -> Result<Value> {
     let layers = model
         .layers()
         .iter()
         .zip(model.layer_names())
         .map(|(l, name)| {
-            l.op()
-                .map(|op| op_to_spec(&op))
+            l.spec()
                 .ok_or_else(|| Error::config("model spec", format!("layer {name} ({}) has no spec form", l.describe())))
         })
         .collect::<Result<Vec<_>>>()?;
@@ -403,63 +223,7 @@ impl ModelSpec {
         let mut total_params = 0usize;
         let mut out: Vec<Box<dyn Layer>> = Vec::new();
         for (i, l) in self.layers.iter().enumerate() {
-            let sample = Shape::new(&shape.dims()[1..]);
-            let images = || -> std::result::Result<usize, String> {
-                match shape.dims() {
-                    [_, c, _, _] => Ok(*c),
-                    _ => Err(format!("expects images (C, H, W), got samples of shape {sample}")),
-                }
-            };
-            let flat = || -> std::result::Result<usize, String> {
-                match shape.dims() {
-                    [_, f] => Ok(*f),
-                    _ => Err(format!(
-                        "expects flat samples (F,), got {sample}; add a flatten or global_average_pooling2d layer before it"
-                    )),
-                }
-            };
-            let mut new: Vec<Box<dyn Layer>> = Vec::new();
-            let act = |a: Activation, new: &mut Vec<Box<dyn Layer>>| {
-                if a == Activation::Relu {
-                    new.push(Box::new(Relu::new()));
-                }
-            };
-            match l.kind {
-                LayerKind::Rescaling { scale, offset } => new.push(Box::new(Rescaling::new(scale, offset))),
-                LayerKind::Conv2d { filters, kernel, stride, padding, use_bias, activation } => {
-                    let c = images().map_err(|e| bad(i, l, e))?;
-                    let conv = Conv2d::new(c, filters, kernel, stride, padding, use_bias)
-                        .map_err(|e| bad(i, l, e.to_string()))?;
-                    new.push(Box::new(conv));
-                    act(activation, &mut new);
-                }
-                LayerKind::BatchNormalization { scale, center, epsilon, momentum, synchronized } => {
-                    let c = images().map_err(|e| bad(i, l, e))?;
-                    let stats = if synchronized { BatchStats::Global } else { BatchStats::Shard };
-                    let bn = BatchNorm2d::new(c).scale(scale).center(center).eps(epsilon).momentum(momentum);
-                    new.push(Box::new(bn.batch_stats(stats)));
-                }
-                LayerKind::Dense { units, use_bias, activation } => {
-                    let f = flat().map_err(|e| bad(i, l, e))?;
-                    let dense = Linear::new(f, units);
-                    new.push(Box::new(if use_bias { dense } else { dense.without_bias() }));
-                    act(activation, &mut new);
-                }
-                LayerKind::Dropout { rate } => {
-                    new.push(Box::new(Dropout::new(rate).map_err(|e| bad(i, l, e.to_string()))?))
-                }
-                LayerKind::Relu => new.push(Box::new(Relu::new())),
-                LayerKind::Flatten => new.push(Box::new(Flatten::new())),
-                LayerKind::GlobalAveragePooling2d => {
-                    images().map_err(|e| bad(i, l, e))?;
-                    new.push(Box::new(GlobalAvgPool2d::new()));
-                }
-                LayerKind::MaxPooling2d { pool_size, strides, padding } => {
-                    images().map_err(|e| bad(i, l, e))?;
-                    let pool = MaxPool2d::new(pool_size, strides, padding).map_err(|e| bad(i, l, e.to_string()))?;
-                    new.push(Box::new(pool));
-                }
-            }
+            let new = l.build.build(&shape).map_err(|e| bad(i, l, e))?;
             for layer in &new {
                 // Parameter counts first, with checked arithmetic: `Shape::numel` of an
                 // absurd kernel would overflow.
@@ -482,119 +246,6 @@ impl ModelSpec {
     }
 }
 
-/// The fields of one layer object, recording which ones were asked for so that the
-/// others can be reported as unknown.
-struct Fields<'a> {
-    map: &'a Map<String, Value>,
-    known: Vec<&'static str>,
-}
-
-type FieldResult<T> = std::result::Result<T, String>;
-
-impl<'a> Fields<'a> {
-    fn get(&mut self, name: &'static str) -> Option<&'a Value> {
-        self.known.push(name);
-        self.map.get(name).filter(|v| !v.is_null())
-    }
-
-    /// A size: an integer in 1..=MAX_DIM.
-    fn size(&mut self, name: &'static str, default: Option<usize>) -> FieldResult<usize> {
-        match (self.get(name), default) {
-            (None, Some(d)) => Ok(d),
-            (None, None) => Err(format!("missing field '{name}' (a positive integer)")),
-            (Some(v), _) => as_size(v).ok_or_else(|| size_problem(name, v)),
-        }
-    }
-
-    /// A size or a pair of sizes `[a, b]`.
-    fn pair(&mut self, name: &'static str, default: Option<(usize, usize)>) -> FieldResult<(usize, usize)> {
-        let msg = |v: &Value| match v {
-            Value::Array(a) => match a.iter().find(|x| as_size(x).is_none()) {
-                Some(x) if a.len() == 2 => size_problem(name, x),
-                _ => format!("field '{name}' must be a positive integer or a list of two (got {v})"),
-            },
-            _ if v.is_number() => size_problem(name, v),
-            _ => format!("field '{name}' must be a positive integer or a list of two (got {v})"),
-        };
-        match (self.get(name), default) {
-            (None, Some(d)) => Ok(d),
-            (None, None) => Err(format!("missing field '{name}' (a positive integer or a list of two)")),
-            (Some(Value::Array(a)), _) if a.len() == 2 => match (as_size(&a[0]), as_size(&a[1])) {
-                (Some(x), Some(y)) => Ok((x, y)),
-                _ => Err(msg(&Value::Array(a.clone()))),
-            },
-            (Some(v), _) => as_size(v).map(|s| (s, s)).ok_or_else(|| msg(v)),
-        }
-    }
-
-    /// A finite number; `check` says what else it must satisfy.
-    fn number(&mut self, name: &'static str, default: Option<f64>, check: (fn(f64) -> bool, &str)) -> FieldResult<f32> {
-        let v = match (self.get(name), default) {
-            (None, Some(d)) => return Ok(d as f32),
-            (None, None) => return Err(format!("missing field '{name}' ({})", check.1)),
-            (Some(v), _) => v,
-        };
-        match v.as_f64() {
-            Some(x) if x.is_finite() && (x as f32).is_finite() && check.0(x) => Ok(x as f32),
-            _ => Err(format!("field '{name}' must be {} (got {v})", check.1)),
-        }
-    }
-
-    fn boolean(&mut self, name: &'static str, default: bool) -> FieldResult<bool> {
-        match self.get(name) {
-            None => Ok(default),
-            Some(Value::Bool(b)) => Ok(*b),
-            Some(v) => Err(format!("field '{name}' must be true or false (got {v})")),
-        }
-    }
-
-    fn activation(&mut self) -> FieldResult<Activation> {
-        match self.get("activation") {
-            None => Ok(Activation::Linear),
-            Some(Value::String(s)) if s == "linear" => Ok(Activation::Linear),
-            Some(Value::String(s)) if s == "relu" => Ok(Activation::Relu),
-            Some(v) => Err(format!(
-                "field 'activation' must be \"relu\" or \"linear\" (got {v}; a softmax belongs to the loss)"
-            )),
-        }
-    }
-
-    fn padding(&mut self) -> FieldResult<Padding> {
-        match self.get("padding") {
-            None => Ok(Padding::Valid),
-            Some(Value::String(s)) if s == "valid" => Ok(Padding::Valid),
-            Some(Value::String(s)) if s == "same" => Ok(Padding::Same),
-            Some(v) => Err(format!("field 'padding' must be \"valid\" or \"same\" (got {v})")),
-        }
-    }
-
-    /// Fails on a field nobody asked for.
-    fn finish(self) -> FieldResult<()> {
-        let mut keys: Vec<&String> = self.map.keys().filter(|k| *k != "type").collect();
-        keys.sort();
-        match keys.into_iter().find(|k| !self.known.contains(&k.as_str())) {
-            None => Ok(()),
-            Some(k) if self.known.is_empty() => Err(format!("unknown field '{k}' (this layer takes none)")),
-            Some(k) => Err(format!("unknown field '{k}' (expected one of: type, {})", self.known.join(", "))),
-        }
-    }
-}
-
-fn as_size(v: &Value) -> Option<usize> {
-    v.as_u64().filter(|&d| (1..=MAX_DIM).contains(&d)).map(|d| d as usize)
-}
-
-/// Why `v` is not a size, saying the limit: `1e9` is a whole number, only too large.
-fn size_problem(name: &str, v: &Value) -> String {
-    let whole = v.as_f64().filter(|x| x.fract() == 0.0 && x.is_finite());
-    match whole {
-        Some(x) if x > MAX_DIM as f64 => {
-            format!("field '{name}' is {x:.0}, above the limit of {MAX_DIM} (2^20) for a size")
-        }
-        _ => format!("field '{name}' must be a positive integer, at most {MAX_DIM} (got {v})"),
-    }
-}
-
 fn parse_layer(i: usize, v: &Value) -> std::result::Result<LayerSpec, String> {
     let Value::Object(map) = v else {
         return Err(format!("layer {i}: expected an object such as {{\"type\": \"dense\", \"units\": 10}} (got {v})"));
@@ -609,10 +260,10 @@ fn parse_layer(i: usize, v: &Value) -> std::result::Result<LayerSpec, String> {
         .iter()
         .find(|t| t.name == kind)
         .ok_or_else(|| at(format!("unknown type '{kind}' (one of: {})", type_list())))?;
-    let mut f = Fields { map, known: Vec::new() };
-    let layer = (ty.parse)(&mut f).map_err(at)?;
-    f.finish().map_err(at)?;
-    Ok(LayerSpec { type_name: ty.name, kind: layer })
+    let mut f = Fields::new(map);
+    let build = (ty.parse)(&mut f).map_err(at)?;
+    let fields = f.finish().map_err(at)?;
+    Ok(LayerSpec { type_name: ty.name, fields, build })
 }
 
 #[cfg(test)]
@@ -628,7 +279,7 @@ mod tests {
     }
 
     #[test]
-    fn every_layer_type_parses_builds_has_a_gpu_form_and_writes_back() {
+    fn every_layer_type_parses_builds_has_its_pieces_and_writes_back() {
         let mut names = std::collections::BTreeSet::new();
         for t in LAYER_TYPES {
             assert!(names.insert(t.name), "{} is listed twice", t.name);
@@ -637,35 +288,74 @@ mod tests {
             let spec = ModelSpec::parse(&text, t.name).unwrap_or_else(|e| panic!("the example does not parse: {e}"));
             assert_eq!(spec.layers[0].type_name(), t.name, "the example of {} is of another type", t.name);
             let model = spec.build().unwrap();
-            // A built-in layer without a LayerOp would be refused by the GPU replica at
-            // start-up; here it fails on any machine.
-            let ops: Vec<LayerOp> = model
-                .layers()
-                .iter()
-                .zip(model.layer_names())
-                .map(|(l, n)| {
-                    l.op().unwrap_or_else(|| {
-                        panic!("{}: layer {n} ({}) has no LayerOp (no GPU form)", t.name, l.describe())
-                    })
-                })
-                .collect();
-            let written = model_to_spec(&model).unwrap().to_string();
-            let again = ModelSpec::parse(&written, "written back")
+            for ((l, n), shapes) in model.layers().iter().zip(model.layer_names()).zip(model.layer_shapes()) {
+                let what = format!("{}: layer {n} ({})", t.name, l.describe());
+                // A built-in layer without a spec form could not be written back; one
+                // without a memory account would be counted as keeping nothing.
+                assert!(l.spec().is_some(), "{what} has no spec form (Layer::spec)");
+                assert!(l.memory(shapes).is_some(), "{what} does not state its memory (Layer::memory)");
+                // Without a GPU form the GPU replica would refuse it at start-up; here it
+                // fails on any machine.
+                assert!(l.gpu().is_some(), "{what} has no GPU form (Layer::gpu)");
+            }
+            let written = model_to_spec(&model).unwrap();
+            let again = ModelSpec::parse(&written.to_string(), "written back")
                 .and_then(|s| s.build())
                 .unwrap_or_else(|e| panic!("{}: {written} does not build: {e}", t.name));
-            let ops_again: Vec<LayerOp> = again.layers().iter().map(|l| l.op().unwrap()).collect();
-            assert_eq!(ops, ops_again, "{}: written back as {written}", t.name);
+            assert_eq!(model_to_spec(&again).unwrap(), written, "{}: written back as {written}", t.name);
+            let describe = |m: &Sequential| m.layers().iter().map(|l| l.describe()).collect::<Vec<_>>();
+            assert_eq!(describe(&model), describe(&again), "{}: written back as {written}", t.name);
+            assert_eq!(model.param_infos(), again.param_infos(), "{}", t.name);
             assert_eq!(model.layer_shapes(), again.layer_shapes(), "{}", t.name);
+            // The written spec's fields resolve as the example's did (an example with
+            // "activation": "relu" is written back as two objects, the layer and a relu).
+            let reparsed = ModelSpec::parse(&written.to_string(), "written back").unwrap();
+            if spec.layers.len() == reparsed.layers.len() {
+                assert_eq!(spec.layers, reparsed.layers, "{}", t.name);
+            }
         }
     }
 
     #[test]
-    fn the_docs_and_the_readme_list_every_layer_type() {
-        let (docs, readme) = (include_str!("spec.rs"), include_str!("../README.md"));
+    fn every_spec_entry_written_in_nn_is_registered() {
+        // An op's entry that is written but missing from the one list would never be
+        // parsed: count the entries in src/nn's modules against nn::LAYER_TYPES.
+        let nn = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/nn");
+        let mut written = Vec::new();
+        for path in std::fs::read_dir(&nn).unwrap().map(|e| e.unwrap().path()) {
+            let text = std::fs::read_to_string(&path).unwrap();
+            let n = text.matches("pub const SPEC: LayerType = LayerType {").count();
+            written.extend(std::iter::repeat(path.display().to_string()).take(n));
+        }
+        written.sort();
+        assert_eq!(
+            written.len(),
+            LAYER_TYPES.len(),
+            "entries written in {written:?}, nn::LAYER_TYPES lists {}",
+            type_list()
+        );
+    }
+
+    #[test]
+    fn the_docs_and_the_readme_or_the_guide_list_every_layer_type() {
+        // The guide (docs/*.md) takes over most of the README: a row in either will do.
+        let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+        let mut guides = vec![std::fs::read_to_string(root.join("README.md")).unwrap()];
+        if let Ok(dir) = std::fs::read_dir(root.join("docs")) {
+            for entry in dir.map(|e| e.unwrap().path()) {
+                if entry.extension().is_some_and(|x| x == "md") {
+                    guides.push(std::fs::read_to_string(&entry).unwrap());
+                }
+            }
+        }
+        let docs = include_str!("spec.rs");
         for t in LAYER_TYPES {
             let row = format!("| `{}` | {} |", t.name, t.fields);
             assert!(docs.contains(&format!("//! {row}\n")), "the table of src/spec.rs's docs lacks\n{row}");
-            assert!(readme.contains(&format!("\n{row}\n")), "README.md's table of layer types lacks\n{row}");
+            assert!(
+                guides.iter().any(|g| g.contains(&format!("\n{row}\n"))),
+                "neither README.md nor docs/*.md has a table of layer types with\n{row}"
+            );
         }
         let rows = docs.lines().filter(|l| l.starts_with("//! | `")).count();
         assert_eq!(rows, LAYER_TYPES.len(), "the docs' table lists a type LAYER_TYPES does not have");
@@ -675,8 +365,8 @@ mod tests {
     fn max_pooling2d_defaults_are_keras_and_errors_name_the_field() {
         // Keras MaxPooling2D(): pool_size (2, 2), strides = pool_size, "valid".
         let m = model_from_spec_str(&with_layers(r#"{"type": "max_pooling2d"}"#), "m.json").unwrap();
-        let window = crate::nn::Window2d::new((2, 2), (2, 2), Padding::Valid);
-        assert_eq!(m.layers()[0].op(), Some(LayerOp::MaxPool2d { window }));
+        let pool = json!({"type": "max_pooling2d", "pool_size": [2, 2], "strides": [2, 2], "padding": "valid"});
+        assert_eq!(m.layers()[0].spec(), Some(pool));
         // 8×8 → ⌊(8 − 2)/2⌋ + 1 = 4.
         assert_eq!(m.output_shape().dims(), &[1, 4, 4]);
         assert_eq!(m.layer_names(), &["maxpool0"]);
@@ -687,8 +377,8 @@ mod tests {
             "m.json",
         )
         .unwrap();
-        let window = crate::nn::Window2d::new((3, 2), (3, 2), Padding::Same);
-        assert_eq!(m.layers()[0].op(), Some(LayerOp::MaxPool2d { window }));
+        let pool = json!({"type": "max_pooling2d", "pool_size": [3, 2], "strides": [3, 2], "padding": "same"});
+        assert_eq!(m.layers()[0].spec(), Some(pool));
         assert_eq!(m.output_shape().dims(), &[1, 3, 4]);
         let pool = |extra: &str| with_layers(&format!(r#"{{"type": "relu"}}, {{"type": "max_pooling2d", {extra}}}"#));
         assert_eq!(
@@ -710,10 +400,12 @@ mod tests {
     }
 
     #[test]
-    fn a_layer_without_a_layer_op_has_no_spec_form() {
-        let model =
-            Sequential::new([3], vec![Box::new(Linear::new(3, 2)) as Box<dyn Layer>, Box::new(crate::nn::CpuOnly)])
-                .unwrap();
+    fn a_layer_of_the_users_own_has_no_spec_form() {
+        let model = Sequential::new(
+            [3],
+            vec![Box::new(crate::nn::Linear::new(3, 2)) as Box<dyn Layer>, Box::new(crate::nn::CpuOnly)],
+        )
+        .unwrap();
         let e = model_to_spec(&model).unwrap_err().to_string();
         assert!(e.contains("layer cpuonly0 (CpuOnly) has no spec form"), "{e}");
     }

@@ -8,7 +8,7 @@ use lockstep::data::digits::{load_digits, DigitsLayout};
 use lockstep::data::Dataset;
 use lockstep::devices::Devices;
 use lockstep::models::{self, ConvnetOptions, Norm};
-use lockstep::nn::{convert_sync_batchnorm, BatchStats, Sequential};
+use lockstep::nn::{convert_sync_batchnorm, Sequential};
 use lockstep::optim::OptimizerConfig;
 use lockstep::spec::ModelSpec;
 use lockstep::train::{train_data_parallel, TrainConfig, TrainReport};
@@ -139,8 +139,8 @@ fn what_it_cannot_do_is_refused_and_the_spec_field_turns_it_on() {
     )
     .unwrap();
     let built = spec.build().unwrap();
-    let op = built.layers()[1].op().unwrap();
-    assert!(matches!(op, lockstep::nn::LayerOp::BatchNorm2d { stats: BatchStats::Global, .. }), "{op:?}");
-    assert_eq!(lockstep::spec::op_to_spec(&op)["synchronized"], serde_json::json!(true));
+    let bn = &built.layers()[1];
+    assert_eq!(bn.synchronized_channels(), Some(4), "{}", bn.describe());
+    assert_eq!(bn.spec().unwrap()["synchronized"], serde_json::json!(true));
     assert!(built.layers()[1].describe().contains("synchronized"));
 }

@@ -1,10 +1,14 @@
-//! Elementwise layers: ReLU and Rescaling (Keras `Rescaling(scale, offset)`), on the CPU
-//! and, at the end of the file, on a GPU (kernels/elementwise.cu).
+//! Elementwise layers: ReLU and Rescaling (Keras `Rescaling(scale, offset)`): each its
+//! forward and backward, its spec entry (`relu`, `rescaling`), its spec form, what it
+//! keeps for backward and, at the end of the file, its GPU form (kernels/elementwise.cu).
 
 use rayon::prelude::*;
 
+use serde_json::{json, Value};
+
 use super::gpu::{Backward, Forward, GpuLayer};
-use super::{Ctx, InputGrad, Layer, Mode, Params, ParamsMut};
+use super::spec_entry::{Build, LayerType};
+use super::{Ctx, InputGrad, Layer, LayerMemory, LayerShapes, Mode, Params, ParamsMut};
 
 /// Elements per parallel task of the elementwise layers: large enough that a task costs
 /// more than handing it to another thread.
@@ -23,19 +27,32 @@ impl Relu {
     pub fn new() -> Relu {
         Relu::default()
     }
+
+    /// The spec entry: Keras's `ReLU()`, no fields.
+    pub const SPEC: LayerType = LayerType {
+        name: "relu",
+        fields: "none",
+        example: (&[5], r#"{"type": "relu"}"#),
+        parse: |_| Ok(Build::layer(|_| Ok(Relu::new()))),
+    };
 }
 
 impl Layer for Relu {
-    fn op(&self) -> Option<super::LayerOp> {
-        Some(super::LayerOp::Relu)
-    }
-
     fn gpu(&self) -> Option<Box<dyn GpuLayer>> {
         Some(Box::new(ReluGpu))
     }
 
     fn kind(&self) -> &'static str {
         "relu"
+    }
+
+    fn spec(&self) -> Option<Value> {
+        Some(json!({"type": "relu"}))
+    }
+
+    /// A byte per value: the mask of positive inputs.
+    fn memory(&self, shapes: &LayerShapes) -> Option<LayerMemory> {
+        Some(LayerMemory { kept_per_sample: shapes.output.numel() as u64, ..LayerMemory::NONE })
     }
 
     fn output_shape(&self, input: &Shape) -> Result<Shape> {
@@ -110,19 +127,36 @@ impl Rescaling {
     pub fn new(scale: f32, offset: f32) -> Rescaling {
         Rescaling { scale, offset }
     }
+
+    /// The spec entry: Keras's `Rescaling(scale, offset=0)`.
+    pub const SPEC: LayerType = LayerType {
+        name: "rescaling",
+        fields: "`scale` (required), `offset` (0)",
+        example: (&[1, 4, 4], r#"{"type": "rescaling", "scale": 0.00392156862745098, "offset": -0.5}"#),
+        parse: |f| {
+            let scale = f.number("scale", None, (|_| true, "a finite number"))?;
+            let offset = f.number("offset", Some(0.0), (|_| true, "a finite number"))?;
+            Ok(Build::layer(move |_| Ok(Rescaling::new(scale, offset))))
+        },
+    };
 }
 
 impl Layer for Rescaling {
-    fn op(&self) -> Option<super::LayerOp> {
-        Some(super::LayerOp::Rescaling { scale: self.scale, offset: self.offset })
-    }
-
     fn gpu(&self) -> Option<Box<dyn GpuLayer>> {
         Some(Box::new(RescalingGpu { scale: self.scale, offset: self.offset }))
     }
 
     fn kind(&self) -> &'static str {
         "rescaling"
+    }
+
+    fn spec(&self) -> Option<Value> {
+        Some(json!({"type": "rescaling", "scale": self.scale, "offset": self.offset}))
+    }
+
+    /// Nothing: its gradient is a constant factor.
+    fn memory(&self, _shapes: &LayerShapes) -> Option<LayerMemory> {
+        Some(LayerMemory::NONE)
     }
 
     fn output_shape(&self, input: &Shape) -> Result<Shape> {

@@ -29,14 +29,23 @@
 //! this file bit for bit by tests/kernels_host.rs), and merges them through
 //! [`Synchronized`]: the functions below, the one implementation of the merges, of the
 //! running update ([`RunningUpdate`]) and of what normalises ([`normaliser`]).
+//!
+//! Owns also its spec entry (`batch_normalization`), its spec form, what it keeps for
+//! backward, its synchronized twin ([`convert_sync_batchnorm`]) and the list of a model's
+//! synchronized layers, found through [`Layer::synchronized_channels`].
 
 use std::sync::Arc;
 
 use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, CudaView, PinnedHostSlice};
 use rayon::prelude::*;
 
+use serde_json::{json, Value};
+
 use super::gpu::{poll, Backward, Forward, GpuLayer, Node, Pass, SyncWith};
-use super::{Ctx, Init, InputGrad, Layer, LayerOp, Mode, ParamSpec, Params, ParamsMut, Sequential};
+use super::spec_entry::{expect_images, Build, LayerType};
+use super::{
+    Ctx, Init, InputGrad, Layer, LayerMemory, LayerShapes, Mode, ParamSpec, Params, ParamsMut, Sequential, F32,
+};
 use crate::cuda::launch::{BnGeom, BnGrads, BnMerged, BnParams, BnSaved, BnStats, BnSums};
 use crate::cuda::Gpu;
 use crate::error::{Error, Result};
@@ -212,6 +221,28 @@ impl BatchNorm2d {
         self
     }
 
+    /// The spec entry: Keras's `BatchNormalization(scale=True, center=True, epsilon=1e-3,
+    /// momentum=0.99, synchronized=False)`, its channels those of the running shape.
+    pub const SPEC: LayerType = LayerType {
+        name: "batch_normalization",
+        fields: "`scale` (true), `center` (true), `epsilon` (0.001), `momentum` (0.99), `synchronized` (false)",
+        example: (
+            &[3, 4, 4],
+            r#"{"type": "batch_normalization", "scale": false, "epsilon": 0.01, "momentum": 0.9, "synchronized": true}"#,
+        ),
+        parse: |f| {
+            let scale = f.boolean("scale", true)?;
+            let center = f.boolean("center", true)?;
+            let epsilon = f.number("epsilon", Some(1e-3), (|x| x > 0.0, "a positive number"))?;
+            let momentum = f.number("momentum", Some(0.99), (|x| (0.0..=1.0).contains(&x), "a number in [0, 1]"))?;
+            let stats = if f.boolean("synchronized", false)? { BatchStats::Global } else { BatchStats::Shard };
+            Ok(Build::layer(move |input| {
+                let bn = BatchNorm2d::new(expect_images(input)?).scale(scale).center(center);
+                Ok(bn.eps(epsilon).momentum(momentum).batch_stats(stats))
+            }))
+        },
+    };
+
     fn gamma_beta<'a>(&self, params: &Params<'a>) -> (Option<&'a [f32]>, Option<&'a [f32]>) {
         let gamma = self.scale.then(|| params.get(0));
         let beta = self.center.then(|| params.get(usize::from(self.scale)));
@@ -220,17 +251,6 @@ impl BatchNorm2d {
 }
 
 impl Layer for BatchNorm2d {
-    fn op(&self) -> Option<super::LayerOp> {
-        Some(super::LayerOp::BatchNorm2d {
-            channels: self.channels,
-            eps: self.eps,
-            momentum: self.momentum,
-            scale: self.scale,
-            center: self.center,
-            stats: self.stats,
-        })
-    }
-
     fn gpu(&self) -> Option<Box<dyn GpuLayer>> {
         Some(Box::new(BatchNorm2dGpu {
             channels: self.channels,
@@ -246,6 +266,28 @@ impl Layer for BatchNorm2d {
 
     fn kind(&self) -> &'static str {
         "bn"
+    }
+
+    fn spec(&self) -> Option<Value> {
+        Some(json!({
+            "type": "batch_normalization", "scale": self.scale, "center": self.center, "epsilon": self.eps,
+            "momentum": self.momentum, "synchronized": self.stats == BatchStats::Global,
+        }))
+    }
+
+    /// Its normalised input x̂, as f32 (the per-channel 1/σ is too small to count).
+    fn memory(&self, shapes: &LayerShapes) -> Option<LayerMemory> {
+        Some(LayerMemory { kept_per_sample: (shapes.output.numel() as u64).saturating_mul(F32), ..LayerMemory::NONE })
+    }
+
+    /// The same layer, its statistics the global batch's (a fresh one: no cache).
+    fn synchronized(&self) -> Option<Box<dyn Layer>> {
+        let bn = BatchNorm2d::new(self.channels).eps(self.eps).momentum(self.momentum);
+        Some(Box::new(bn.scale(self.scale).center(self.center).batch_stats(BatchStats::Global)))
+    }
+
+    fn synchronized_channels(&self) -> Option<usize> {
+        (self.stats == BatchStats::Global).then_some(self.channels)
     }
 
     fn output_shape(&self, input: &Shape) -> Result<Shape> {
@@ -531,15 +573,7 @@ pub fn global_sums(ex: &dyn StatsExchange, replica: usize, local: &[(f64, f64)])
 
 /// The synchronized BatchNorm layers of `model`: (layer index, channels).
 fn synchronized_layers(model: &Sequential) -> Vec<(usize, usize)> {
-    model
-        .layers()
-        .iter()
-        .enumerate()
-        .filter_map(|(i, l)| match l.op() {
-            Some(LayerOp::BatchNorm2d { channels, stats: BatchStats::Global, .. }) => Some((i, channels)),
-            _ => None,
-        })
-        .collect()
+    model.layers().iter().enumerate().filter_map(|(i, l)| l.synchronized_channels().map(|c| (i, c))).collect()
 }
 
 /// True when `model` has a synchronized BatchNorm layer (its run needs a statistics
@@ -605,23 +639,7 @@ impl Synchronized<'_> {
 /// `SyncBatchNorm.convert_sync_batchnorm`; `--sync-batchnorm`): the same layers, names and
 /// flat layout, so weights move between the two unchanged.
 pub fn convert_sync_batchnorm(model: &Sequential) -> Result<Sequential> {
-    let layers = model
-        .layers()
-        .iter()
-        .map(|l| -> Box<dyn Layer> {
-            match l.op() {
-                Some(LayerOp::BatchNorm2d { channels, eps, momentum, scale, center, .. }) => Box::new(
-                    BatchNorm2d::new(channels)
-                        .eps(eps)
-                        .momentum(momentum)
-                        .scale(scale)
-                        .center(center)
-                        .batch_stats(BatchStats::Global),
-                ),
-                _ => l.boxed_clone(),
-            }
-        })
-        .collect();
+    let layers = model.layers().iter().map(|l| l.synchronized().unwrap_or_else(|| l.boxed_clone())).collect();
     Sequential::new(model.input_shape().clone(), layers)
 }
 

@@ -10,6 +10,9 @@
 //! KW·C values, and a whole group is one GEMM). Gradients of the weight and bias are
 //! summed per group and the groups added in group order, so the result is bitwise the
 //! same whatever the thread count.
+//!
+//! Owns also its spec entry (`conv2d`), its spec form and its memory account: what it
+//! keeps for backward and the weight-gradient partials of its groups.
 
 use std::borrow::Cow;
 use std::ops::Range;
@@ -20,7 +23,10 @@ use cudarc::driver::CudaSlice;
 
 use super::gpu::{window_geom, Backward, Forward, GpuLayer, Node};
 use super::window::{Geometry2d, Padding, Window2d};
-use super::{Ctx, Init, InputGrad, Layer, Mode, ParamSpec, Params, ParamsMut};
+use serde_json::{json, Value};
+
+use super::spec_entry::{expect_images, Build, LayerType};
+use super::{Ctx, Init, InputGrad, Layer, LayerMemory, LayerShapes, Mode, ParamSpec, Params, ParamsMut, F32};
 use crate::backend::cpu::{
     add_partials, batch_groups, chw_to_hwc, col2im, gemm_with, hwc_to_chw, im2col, im2row, row2im, split_by_groups,
     sum_partials, Accumulate, ConvGeom, Mat, Threads,
@@ -277,6 +283,33 @@ impl Conv2d {
         Window2d::new(self.kernel, (self.stride, self.stride), self.padding)
     }
 
+    /// The spec entry: Keras's `Conv2D(filters, kernel_size, strides=1, padding="valid",
+    /// use_bias=True, activation=None)`, its input channels those of the running shape.
+    pub const SPEC: LayerType = LayerType {
+        name: "conv2d",
+        fields: "`filters`, `kernel_size` (int or [kh, kw]), `strides` (1; int or [s, s]), `padding` (\"valid\" or \"same\"; \"valid\"), `use_bias` (true), `activation` (\"linear\")",
+        example: (
+            &[2, 7, 6],
+            r#"{"type": "conv2d", "filters": 3, "kernel_size": [3, 2], "strides": 2, "padding": "same", "use_bias": false, "activation": "relu"}"#,
+        ),
+        parse: |f| {
+            let filters = f.size("filters", None)?;
+            let kernel = f.pair("kernel_size", None)?;
+            let (sh, sw) = f.pair("strides", Some((1, 1)))?;
+            if sh != sw {
+                return Err(format!("field 'strides' [{sh}, {sw}]: only equal strides are supported"));
+            }
+            let padding = f.padding()?;
+            let use_bias = f.boolean("use_bias", true)?;
+            let activation = f.activation()?;
+            Ok(Build::layers(move |input| {
+                let conv = Conv2d::new(expect_images(input)?, filters, kernel, sh, padding, use_bias)
+                    .map_err(|e| e.to_string())?;
+                Ok(activation.after(Box::new(conv)))
+            }))
+        },
+    };
+
     fn geometry(&self, input: &Shape) -> Result<(usize, ConvGeom)> {
         let (n, c, h, w) = input.nchw("Conv2d")?;
         if c != self.in_channels {
@@ -299,21 +332,37 @@ impl Conv2d {
 }
 
 impl Layer for Conv2d {
-    fn op(&self) -> Option<super::LayerOp> {
-        Some(super::LayerOp::Conv2d {
-            in_channels: self.in_channels,
-            filters: self.filters,
-            window: self.window(),
-            bias: self.use_bias,
-        })
-    }
-
     fn gpu(&self) -> Option<Box<dyn GpuLayer>> {
         Some(Box::new(Conv2dGpu { filters: self.filters, window: self.window(), use_bias: self.use_bias, cols: None }))
     }
 
     fn kind(&self) -> &'static str {
         "conv"
+    }
+
+    fn spec(&self) -> Option<Value> {
+        let w = self.window();
+        Some(json!({
+            "type": "conv2d",
+            "filters": self.filters,
+            "kernel_size": [w.kernel.0, w.kernel.1],
+            "strides": [w.stride.0, w.stride.1],
+            "padding": w.padding.name(),
+            "use_bias": self.use_bias,
+        }))
+    }
+
+    /// Per sample its input (for dweight) and its channels-last output scratch; per group
+    /// of samples the partial weight gradient (O, C, KH, KW) that the groups' sum adds in
+    /// group order (the bias partials are too small to count).
+    fn memory(&self, shapes: &LayerShapes) -> Option<LayerMemory> {
+        let (kh, kw) = self.kernel;
+        let weights = (self.in_channels as u64 * self.filters as u64).saturating_mul((kh * kw) as u64);
+        let (input, output) = (shapes.input.numel() as u64, shapes.output.numel() as u64);
+        Some(LayerMemory {
+            kept_per_sample: input.saturating_add(output).saturating_mul(F32),
+            per_group: weights.saturating_mul(F32),
+        })
     }
 
     fn output_shape(&self, input: &Shape) -> Result<Shape> {

@@ -6,9 +6,14 @@
 //! at `Ctx::sample_offset`) through `rng::hash64`, so it does not depend on the device count, the thread count or
 //! the order in which elements are visited (the CUDA kernel computes the same function:
 //! kernels/dropout.cu, launched by the GPU form at the end of this file).
+//!
+//! Owns also its spec entry (`dropout`), its spec form and what it keeps for backward.
+
+use serde_json::{json, Value};
 
 use super::gpu::{Backward, Forward, GpuLayer, Pass};
-use super::{Ctx, InputGrad, Layer, Mode, Params, ParamsMut};
+use super::spec_entry::{Build, LayerType};
+use super::{Ctx, InputGrad, Layer, LayerMemory, LayerShapes, Mode, Params, ParamsMut, F32};
 use crate::error::{Error, Result};
 use crate::rng::{dropout_key, hash64, unit_f32};
 use crate::tensor::{Shape, Tensor};
@@ -34,19 +39,35 @@ impl Dropout {
     pub fn rate(&self) -> f32 {
         self.rate
     }
+
+    /// The spec entry: Keras's `Dropout(rate)`.
+    pub const SPEC: LayerType = LayerType {
+        name: "dropout",
+        fields: "`rate` in [0, 1)",
+        example: (&[5], r#"{"type": "dropout", "rate": 0.25}"#),
+        parse: |f| {
+            let rate = f.number("rate", None, (|x| (0.0..1.0).contains(&x), "a number in [0, 1)"))?;
+            Ok(Build::layer(move |_| Dropout::new(rate).map_err(|e| e.to_string())))
+        },
+    };
 }
 
 impl Layer for Dropout {
-    fn op(&self) -> Option<super::LayerOp> {
-        Some(super::LayerOp::Dropout { rate: self.rate })
-    }
-
     fn gpu(&self) -> Option<Box<dyn GpuLayer>> {
         Some(Box::new(DropoutGpu { rate: self.rate }))
     }
 
     fn kind(&self) -> &'static str {
         "dropout"
+    }
+
+    fn spec(&self) -> Option<Value> {
+        Some(json!({"type": "dropout", "rate": self.rate}))
+    }
+
+    /// Its f32 mask (0 or 1/(1 − rate) per value).
+    fn memory(&self, shapes: &LayerShapes) -> Option<LayerMemory> {
+        Some(LayerMemory { kept_per_sample: (shapes.output.numel() as u64).saturating_mul(F32), ..LayerMemory::NONE })
     }
 
     fn output_shape(&self, input: &Shape) -> Result<Shape> {

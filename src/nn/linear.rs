@@ -1,7 +1,11 @@
-//! Linear (Keras Dense): y = x·Wᵀ + b, weight (O, F) as in PyTorch.
+//! Linear (Keras Dense): y = x·Wᵀ + b, weight (O, F) as in PyTorch: its forward and
+//! backward, its spec entry (`dense`), its spec form and what it keeps for backward.
+
+use serde_json::{json, Value};
 
 use super::gpu::{Backward, Forward, GpuLayer};
-use super::{InputGrad, Layer, ParamSpec, Params, ParamsMut};
+use super::spec_entry::{expect_flat, Build, LayerType};
+use super::{InputGrad, Layer, LayerMemory, LayerShapes, ParamSpec, Params, ParamsMut, F32};
 use crate::backend::cpu::{gemm, Accumulate, Mat};
 use crate::cuda::gemm::{gemm as cublas_gemm, RmGemm};
 use crate::error::{Error, Result};
@@ -29,23 +33,41 @@ impl Linear {
         self.use_bias = false;
         self
     }
+
+    /// The spec entry: Keras's `Dense(units, use_bias=True, activation=None)`, its input
+    /// features those of the running shape.
+    pub const SPEC: LayerType = LayerType {
+        name: "dense",
+        fields: "`units`, `use_bias` (true), `activation` (\"linear\")",
+        example: (&[5], r#"{"type": "dense", "units": 4, "use_bias": false, "activation": "relu"}"#),
+        parse: |f| {
+            let units = f.size("units", None)?;
+            let use_bias = f.boolean("use_bias", true)?;
+            let activation = f.activation()?;
+            Ok(Build::layers(move |input| {
+                let dense = Linear::new(expect_flat(input)?, units);
+                Ok(activation.after(Box::new(if use_bias { dense } else { dense.without_bias() })))
+            }))
+        },
+    };
 }
 
 impl Layer for Linear {
-    fn op(&self) -> Option<super::LayerOp> {
-        Some(super::LayerOp::Linear {
-            in_features: self.in_features,
-            out_features: self.out_features,
-            bias: self.use_bias,
-        })
-    }
-
     fn gpu(&self) -> Option<Box<dyn GpuLayer>> {
         Some(Box::new(LinearGpu { f: self.in_features, o: self.out_features, use_bias: self.use_bias }))
     }
 
     fn kind(&self) -> &'static str {
         "dense"
+    }
+
+    fn spec(&self) -> Option<Value> {
+        Some(json!({"type": "dense", "units": self.out_features, "use_bias": self.use_bias}))
+    }
+
+    /// Its input, for dweight.
+    fn memory(&self, shapes: &LayerShapes) -> Option<LayerMemory> {
+        Some(LayerMemory { kept_per_sample: (shapes.input.numel() as u64).saturating_mul(F32), ..LayerMemory::NONE })
     }
 
     fn output_shape(&self, input: &Shape) -> Result<Shape> {

@@ -11,6 +11,29 @@
 //! `backward` ACCUMULATES (`+=`) into parameter gradients; it never overwrites them.
 //! The trainer zeroes a gradient buffer once per logical replica and step, so a shard's
 //! gradient is the sum over its samples of the per-sample loss gradients.
+//!
+//! # An op is one unit
+//! Each layer type's module holds everything about it: its forward and backward side by
+//! side (the CPU reference), its output shape, its memory account ([`Layer::memory`]:
+//! what it keeps from forward to backward and its workspace), its spec entry (`SPEC`, a
+//! [`LayerType`]: the `type` name, the fields with their defaults and the error for each
+//! bad one, an example, the build against the running shape), its spec form
+//! ([`Layer::spec`], the object that builds it again) and, at the end of the file, its
+//! GPU form ([`Layer::gpu`], a [`gpu::GpuLayer`]: its launches of the kernels it
+//! declares in `cuda::declare` and what it keeps on the device), which the GPU network
+//! ([`gpu_net`]) dispatches through: nothing outside the module names the op.
+//!
+//! # Adding a layer type
+//! Write the module (the layer, its `impl Layer` with `spec`, `memory` and `gpu`, its
+//! `SPEC`, its GPU form), its kernel file in `kernels/` with its kernels declared in
+//! `cuda::declare`, and add `<Layer>::SPEC` to [`LAYER_TYPES`], the one list of layer
+//! types: the spec format's parse dispatch, the type names in its errors, its docs-table
+//! test and the GPU test over every layer type (tests/cuda_layers.rs) all read it.
+//! Forgetting a piece fails a test on any machine: `crate::spec`'s table test builds every
+//! entry's example and requires each built layer to write itself back as a spec that
+//! builds the same layers, to state its memory and to have a GPU form; the docs' tables
+//! must list the entry; tests/kernels_host.rs holds every declared kernel's argument list
+//! to its C++ signature and runs it on the host against the CPU reference.
 
 pub mod activation;
 pub mod batchnorm;
@@ -23,6 +46,7 @@ pub mod loss;
 pub mod pool;
 pub mod reshape;
 mod sequential;
+pub mod spec_entry;
 pub mod window;
 
 use std::ops::Range;
@@ -35,10 +59,45 @@ pub use linear::Linear;
 pub use pool::MaxPool2d;
 pub use reshape::{Flatten, GlobalAvgPool2d};
 pub use sequential::{LayerShapes, ParamStore, Sequential, TensorInfo, TENSOR_ALIGN};
+pub use spec_entry::{Activation, LayerType};
 pub use window::{Geometry2d, Padding, Window2d};
 
 use crate::error::Result;
 use crate::tensor::{Device, Shape, Tensor};
+
+/// Every layer type of the spec format, in the order its errors list them: the one line a
+/// new layer type adds its entry to.
+pub const LAYER_TYPES: &[LayerType] = &[
+    Rescaling::SPEC,
+    Conv2d::SPEC,
+    BatchNorm2d::SPEC,
+    Relu::SPEC,
+    Linear::SPEC,
+    Dropout::SPEC,
+    Flatten::SPEC,
+    GlobalAvgPool2d::SPEC,
+    MaxPool2d::SPEC,
+];
+
+/// Bytes of an f32, for the layers' memory accounts.
+pub(crate) const F32: u64 = 4;
+
+/// What a layer holds for a training pass beyond its parameters and buffers (which
+/// [`Sequential`] lays out), as [`Layer::memory`] states it; `crate::memory` sums these
+/// over a network.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LayerMemory {
+    /// Bytes kept per sample from the training forward to the backward.
+    pub kept_per_sample: u64,
+    /// Bytes of workspace per group of samples that the CPU backend computes together
+    /// (`backend::cpu::batch_groups`: at most 16 a batch).
+    pub per_group: u64,
+}
+
+impl LayerMemory {
+    /// Nothing kept, no workspace.
+    pub const NONE: LayerMemory = LayerMemory { kept_per_sample: 0, per_group: 0 };
+}
 
 /// Training or evaluation: decides BatchNorm's statistics and whether dropout drops.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -166,62 +225,6 @@ impl<'a> ParamsMut<'a> {
     }
 }
 
-/// What a built-in layer computes, as plain data: how a backend that runs the network
-/// its own way (the CUDA replica, `cuda::replica`) learns what to launch. The layer's
-/// forward and backward remain the CPU reference of that computation; a layer that
-/// returns no `LayerOp` runs on CPU devices only, and a CUDA run names it.
-///
-/// Every `match` over it is exhaustive (no `_` arm), so a new variant is a compile error
-/// in each place that must handle it: the GPU's forward, backward and activation sizing
-/// (`cuda::replica`) and the spec writer (`spec::op_to_spec`). A built-in layer that
-/// forgets to return one fails `spec`'s table test, on any machine.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub enum LayerOp {
-    /// y = x·Wᵀ + b, W: (out_features, in_features).
-    Linear {
-        in_features: usize,
-        out_features: usize,
-        bias: bool,
-    },
-    /// NCHW convolution, W: (filters, in_channels, KH, KW), no dilation; the window's
-    /// strides are equal.
-    Conv2d {
-        in_channels: usize,
-        filters: usize,
-        window: Window2d,
-        bias: bool,
-    },
-    /// Keras BatchNorm over (N, H, W) per channel; `momentum` weighs the old running value;
-    /// `stats` says whose batch statistics normalise (the shard's, or the global batch's).
-    BatchNorm2d {
-        channels: usize,
-        eps: f32,
-        momentum: f32,
-        scale: bool,
-        center: bool,
-        stats: BatchStats,
-    },
-    Relu,
-    /// y = x·scale + offset.
-    Rescaling {
-        scale: f32,
-        offset: f32,
-    },
-    /// Inverted dropout whose mask is `rng::dropout_key`'s hash (the kernel's too).
-    Dropout {
-        rate: f32,
-    },
-    /// (N, ...) → (N, ∏...): no arithmetic.
-    Flatten,
-    /// (N, C, H, W) → (N, C), the spatial mean.
-    GlobalAvgPool2d,
-    /// (N, C, H, W) → (N, C, OH, OW), the maximum of each window (padded positions never
-    /// win; ties and NaN as in PyTorch: `nn::pool`).
-    MaxPool2d {
-        window: Window2d,
-    },
-}
-
 /// One layer: forward and backward side by side.
 ///
 /// Shapes include the batch: `forward` takes `(N, ...)` and returns `(N, ...)`. A layer
@@ -267,7 +270,33 @@ pub trait Layer: Send {
 
     /// The computation as plain data, for backends other than the CPU's. Default: none
     /// (the layer runs on CPU devices only).
-    fn op(&self) -> Option<LayerOp> {
+    /// The spec layer object that builds this layer again, its input channels and
+    /// features inferred from the running shape as when parsing (`crate::spec`'s
+    /// `model_to_spec`). Default: none, a layer of the user's own has no spec form.
+    fn spec(&self) -> Option<serde_json::Value> {
+        None
+    }
+
+    /// What a training pass of this layer holds, for per-sample shapes `shapes`: the
+    /// memory estimate's term (`crate::memory`). Default: not stated, a layer of the
+    /// user's own, counted as keeping nothing; every built-in layer states its own, which
+    /// the spec's table test requires.
+    fn memory(&self, _shapes: &LayerShapes) -> Option<LayerMemory> {
+        None
+    }
+
+    /// This layer with its training statistics the global batch's, every logical
+    /// replica's shard together (PyTorch's `SyncBatchNorm`), for a layer that normalises
+    /// by batch statistics: what [`convert_sync_batchnorm`] puts in its place. Default:
+    /// none, the layer has no statistics to synchronize.
+    fn synchronized(&self) -> Option<Box<dyn Layer>> {
+        None
+    }
+
+    /// For a layer whose training statistics are the global batch's: its channels, the
+    /// width of what it exchanges with the other logical replicas in each forward and
+    /// backward (`batchnorm::Synchronized`). Default: none.
+    fn synchronized_channels(&self) -> Option<usize> {
         None
     }
 
@@ -280,7 +309,8 @@ pub trait Layer: Send {
 }
 
 /// For the crate's tests: a layer of a user's own, with a CPU implementation (the
-/// identity) and no [`LayerOp`] — what the spec format and the GPU must refuse by name.
+/// identity) and no spec form, memory account or GPU form — what the spec format and the
+/// GPU must refuse by name.
 #[cfg(test)]
 #[derive(Clone)]
 pub(crate) struct CpuOnly;

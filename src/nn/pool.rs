@@ -21,6 +21,9 @@
 //! (one thread per input element, no atomics), so the two backends agree bit for bit.
 //! Planes run in parallel on the device's pool; each plane is computed alone, so nothing
 //! depends on the thread count.
+//!
+//! Owns also its spec entry (`max_pooling2d`), its spec form and what it keeps for
+//! backward.
 
 use rayon::prelude::*;
 
@@ -28,7 +31,10 @@ use cudarc::driver::CudaSlice;
 
 use super::gpu::{window_geom, Backward, Forward, GpuLayer, Node};
 use super::window::{Geometry2d, Padding, Window2d};
-use super::{Ctx, InputGrad, Layer, LayerOp, Mode, Params, ParamsMut};
+use serde_json::{json, Value};
+
+use super::spec_entry::{expect_images, Build, LayerType};
+use super::{Ctx, InputGrad, Layer, LayerMemory, LayerShapes, Mode, Params, ParamsMut};
 use crate::cuda::Gpu;
 use crate::error::{Error, Result};
 use crate::tensor::{Shape, Tensor};
@@ -62,6 +68,23 @@ impl MaxPool2d {
     pub fn window(&self) -> Window2d {
         self.window
     }
+
+    /// The spec entry: Keras's `MaxPooling2D(pool_size=(2, 2), strides=None,
+    /// padding="valid")`, strides defaulting to the pool size.
+    pub const SPEC: LayerType = LayerType {
+        name: "max_pooling2d",
+        fields: "`pool_size` (2; int or [kh, kw]), `strides` (the pool size; int or [sh, sw]), `padding` (\"valid\" or \"same\"; \"valid\")",
+        example: (&[2, 7, 6], r#"{"type": "max_pooling2d", "pool_size": [3, 2], "strides": [2, 1], "padding": "same"}"#),
+        parse: |f| {
+            let pool_size = f.pair("pool_size", Some((2, 2)))?;
+            let strides = f.pair("strides", Some(pool_size))?;
+            let padding = f.padding()?;
+            Ok(Build::layer(move |input| {
+                expect_images(input)?;
+                MaxPool2d::new(pool_size, strides, padding).map_err(|e| e.to_string())
+            }))
+        },
+    };
 
     /// (N, C, the window on the H×W plane) for an input shape.
     fn geometry(&self, input: &Shape) -> Result<(usize, usize, Geometry2d)> {
@@ -113,16 +136,27 @@ pub fn maxpool2d_plane_bwd(dout: &[f32], argmax: &[u32], dx: &mut [f32]) {
 }
 
 impl Layer for MaxPool2d {
-    fn op(&self) -> Option<LayerOp> {
-        Some(LayerOp::MaxPool2d { window: self.window })
-    }
-
     fn gpu(&self) -> Option<Box<dyn GpuLayer>> {
         Some(Box::new(MaxPool2dGpu { window: self.window, argmax: None }))
     }
 
     fn kind(&self) -> &'static str {
         "maxpool"
+    }
+
+    fn spec(&self) -> Option<Value> {
+        let w = self.window;
+        Some(json!({
+            "type": "max_pooling2d",
+            "pool_size": [w.kernel.0, w.kernel.1],
+            "strides": [w.stride.0, w.stride.1],
+            "padding": w.padding.name(),
+        }))
+    }
+
+    /// The winners' indices, a u32 per output.
+    fn memory(&self, shapes: &LayerShapes) -> Option<LayerMemory> {
+        Some(LayerMemory { kept_per_sample: (shapes.output.numel() as u64).saturating_mul(4), ..LayerMemory::NONE })
     }
 
     fn output_shape(&self, input: &Shape) -> Result<Shape> {

@@ -1,7 +1,12 @@
-//! Layers that change the shape: Flatten and GlobalAveragePooling2d.
+//! Layers that change the shape: Flatten and GlobalAveragePooling2d, each its forward and
+//! backward, its spec entry (`flatten`, `global_average_pooling2d`), its spec form and
+//! what it keeps for backward (only the input's shape).
+
+use serde_json::{json, Value};
 
 use super::gpu::{Backward, Forward, GpuLayer};
-use super::{Ctx, InputGrad, Layer, Params, ParamsMut};
+use super::spec_entry::{expect_images, Build, LayerType};
+use super::{Ctx, InputGrad, Layer, LayerMemory, LayerShapes, Params, ParamsMut};
 use crate::error::{Error, Result};
 use crate::tensor::{Shape, Tensor};
 
@@ -16,19 +21,32 @@ impl Flatten {
     pub fn new() -> Flatten {
         Flatten::default()
     }
+
+    /// The spec entry: Keras's `Flatten()`, no fields.
+    pub const SPEC: LayerType = LayerType {
+        name: "flatten",
+        fields: "none",
+        example: (&[2, 3, 3], r#"{"type": "flatten"}"#),
+        parse: |_| Ok(Build::layer(|_| Ok(Flatten::new()))),
+    };
 }
 
 impl Layer for Flatten {
-    fn op(&self) -> Option<super::LayerOp> {
-        Some(super::LayerOp::Flatten)
-    }
-
     fn gpu(&self) -> Option<Box<dyn GpuLayer>> {
         Some(Box::new(FlattenGpu))
     }
 
     fn kind(&self) -> &'static str {
         "flatten"
+    }
+
+    fn spec(&self) -> Option<Value> {
+        Some(json!({"type": "flatten"}))
+    }
+
+    /// Nothing per sample: a view.
+    fn memory(&self, _shapes: &LayerShapes) -> Option<LayerMemory> {
+        Some(LayerMemory::NONE)
     }
 
     fn output_shape(&self, input: &Shape) -> Result<Shape> {
@@ -76,19 +94,37 @@ impl GlobalAvgPool2d {
     pub fn new() -> GlobalAvgPool2d {
         GlobalAvgPool2d::default()
     }
+
+    /// The spec entry: Keras's `GlobalAveragePooling2D()`, no fields.
+    pub const SPEC: LayerType = LayerType {
+        name: "global_average_pooling2d",
+        fields: "none",
+        example: (&[2, 3, 3], r#"{"type": "global_average_pooling2d"}"#),
+        parse: |_| {
+            Ok(Build::layer(|input| {
+                expect_images(input)?;
+                Ok(GlobalAvgPool2d::new())
+            }))
+        },
+    };
 }
 
 impl Layer for GlobalAvgPool2d {
-    fn op(&self) -> Option<super::LayerOp> {
-        Some(super::LayerOp::GlobalAvgPool2d)
-    }
-
     fn gpu(&self) -> Option<Box<dyn GpuLayer>> {
         Some(Box::new(GlobalAvgPool2dGpu))
     }
 
     fn kind(&self) -> &'static str {
         "gap"
+    }
+
+    fn spec(&self) -> Option<Value> {
+        Some(json!({"type": "global_average_pooling2d"}))
+    }
+
+    /// Nothing per sample: its gradient is dout spread evenly.
+    fn memory(&self, _shapes: &LayerShapes) -> Option<LayerMemory> {
+        Some(LayerMemory::NONE)
     }
 
     fn output_shape(&self, input: &Shape) -> Result<Shape> {

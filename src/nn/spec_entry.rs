@@ -1,0 +1,255 @@
+//! What one layer type of the spec format is: its entry ([`LayerType`]: the `type` name,
+//! the fields as the docs' table lists them, an example, and how its fields are read) and
+//! the reader every entry reads its fields with ([`Fields`]), which words each bad field's
+//! error alike and records which fields were asked for.
+//!
+//! Owns: the entry's shape and the field reader. Each op's entry lives in the op's own
+//! module, beside its forward and backward (`Conv2d::SPEC` in `conv2d.rs`), and
+//! [`super::LAYER_TYPES`] lists them. The file format around the entries — `input_shape`,
+//! the `layers` list, the running shape, and errors naming the spec, the layer's index and
+//! its type — is `crate::spec`'s, which reads that list; nothing here imports it, so that
+//! the layers stay below the format that describes them.
+
+use std::sync::Arc;
+
+use serde_json::{json, Map, Value};
+
+use super::{Layer, Padding, Relu};
+use crate::tensor::Shape;
+
+/// The largest integer a size field (filters, units, kernel, input dimension) may hold.
+pub const MAX_DIM: u64 = 1 << 20;
+
+/// A field's problem, or a layer's against the running shape, worded for the spec's user;
+/// `crate::spec` prefixes the spec, the layer's index and its type.
+pub type FieldResult<T> = std::result::Result<T, String>;
+
+/// One layer type of the spec format.
+pub struct LayerType {
+    /// The value of the `type` field.
+    pub name: &'static str,
+    /// Its fields and their defaults, as the tables of the docs (`crate::spec`'s and the
+    /// guide's) list them.
+    pub fields: &'static str,
+    /// A per-sample input shape and a layer object of this type that applies to it: the
+    /// table test builds it (it shows every field that has no default).
+    pub example: (&'static [usize], &'static str),
+    /// Reads the fields (everything but `type`), each with its default and its error, and
+    /// says how to build the layers once the running input shape is known. Reading every
+    /// field before any shape is what lets a spec report a bad field of any layer before
+    /// the shapes are followed through the stack.
+    pub(crate) parse: fn(&mut Fields<'_>) -> FieldResult<Build>,
+}
+
+type BuildFn = dyn Fn(&Shape) -> FieldResult<Vec<Box<dyn Layer>>> + Send + Sync;
+
+/// How a layer object, its fields read, becomes layers: given the running input shape
+/// (batch included: (2, ...) as `Sequential` checks), fresh layers, or why that shape does
+/// not suit it. Several layers for one object: `"activation": "relu"` appends a ReLU.
+#[derive(Clone)]
+pub struct Build(Arc<BuildFn>);
+
+impl Build {
+    /// A build of one layer.
+    pub fn layer<L: Layer + 'static>(f: impl Fn(&Shape) -> FieldResult<L> + Send + Sync + 'static) -> Build {
+        Build(Arc::new(move |input| Ok(vec![Box::new(f(input)?) as Box<dyn Layer>])))
+    }
+
+    /// A build of any number of layers.
+    pub fn layers(f: impl Fn(&Shape) -> FieldResult<Vec<Box<dyn Layer>>> + Send + Sync + 'static) -> Build {
+        Build(Arc::new(f))
+    }
+
+    /// Fresh layers for inputs of `input` (batch included).
+    pub fn build(&self, input: &Shape) -> FieldResult<Vec<Box<dyn Layer>>> {
+        (self.0)(input)
+    }
+}
+
+/// The channels of an input of images, (N, C, H, W), or the spec's words for another.
+pub fn expect_images(input: &Shape) -> FieldResult<usize> {
+    match input.dims() {
+        [_, c, _, _] => Ok(*c),
+        _ => Err(format!("expects images (C, H, W), got samples of shape {}", per_sample(input))),
+    }
+}
+
+/// The features of an input of flat samples, (N, F), or the spec's words for another.
+pub fn expect_flat(input: &Shape) -> FieldResult<usize> {
+    match input.dims() {
+        [_, f] => Ok(*f),
+        _ => Err(format!(
+            "expects flat samples (F,), got {}; add a flatten or global_average_pooling2d layer before it",
+            per_sample(input)
+        )),
+    }
+}
+
+fn per_sample(input: &Shape) -> Shape {
+    Shape::new(&input.dims()[1..])
+}
+
+/// What a conv2d or dense layer applies after itself.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Activation {
+    Linear,
+    Relu,
+}
+
+impl Activation {
+    /// The spec's name: `linear` or `relu`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Activation::Linear => "linear",
+            Activation::Relu => "relu",
+        }
+    }
+
+    /// `layer`, followed by a ReLU for `"activation": "relu"`.
+    pub fn after(self, layer: Box<dyn Layer>) -> Vec<Box<dyn Layer>> {
+        match self {
+            Activation::Linear => vec![layer],
+            Activation::Relu => vec![layer, Box::new(Relu::new())],
+        }
+    }
+}
+
+/// The fields of one layer object, recording which ones were asked for so that the
+/// others can be reported as unknown, and what each resolved to (its default where
+/// absent) so that two objects that build the same layers compare equal.
+pub struct Fields<'a> {
+    map: &'a Map<String, Value>,
+    known: Vec<&'static str>,
+    resolved: Vec<(&'static str, Value)>,
+}
+
+impl<'a> Fields<'a> {
+    /// The fields of the layer object `map`.
+    pub(crate) fn new(map: &'a Map<String, Value>) -> Fields<'a> {
+        Fields { map, known: Vec::new(), resolved: Vec::new() }
+    }
+
+    fn get(&mut self, name: &'static str) -> Option<&'a Value> {
+        self.known.push(name);
+        self.map.get(name).filter(|v| !v.is_null())
+    }
+
+    /// Records what a field read resolved to, as the spec would write it.
+    fn record<T>(&mut self, name: &'static str, r: FieldResult<T>, value: impl Fn(&T) -> Value) -> FieldResult<T> {
+        if let Ok(v) = &r {
+            self.resolved.push((name, value(v)));
+        }
+        r
+    }
+
+    /// A size: an integer in 1..=MAX_DIM.
+    pub fn size(&mut self, name: &'static str, default: Option<usize>) -> FieldResult<usize> {
+        let r = match (self.get(name), default) {
+            (None, Some(d)) => Ok(d),
+            (None, None) => Err(format!("missing field '{name}' (a positive integer)")),
+            (Some(v), _) => as_size(v).ok_or_else(|| size_problem(name, v)),
+        };
+        self.record(name, r, |&s| json!(s))
+    }
+
+    /// A size or a pair of sizes `[a, b]`.
+    pub fn pair(&mut self, name: &'static str, default: Option<(usize, usize)>) -> FieldResult<(usize, usize)> {
+        let msg = |v: &Value| match v {
+            Value::Array(a) => match a.iter().find(|x| as_size(x).is_none()) {
+                Some(x) if a.len() == 2 => size_problem(name, x),
+                _ => format!("field '{name}' must be a positive integer or a list of two (got {v})"),
+            },
+            _ if v.is_number() => size_problem(name, v),
+            _ => format!("field '{name}' must be a positive integer or a list of two (got {v})"),
+        };
+        let r = match (self.get(name), default) {
+            (None, Some(d)) => Ok(d),
+            (None, None) => Err(format!("missing field '{name}' (a positive integer or a list of two)")),
+            (Some(Value::Array(a)), _) if a.len() == 2 => match (as_size(&a[0]), as_size(&a[1])) {
+                (Some(x), Some(y)) => Ok((x, y)),
+                _ => Err(msg(&Value::Array(a.clone()))),
+            },
+            (Some(v), _) => as_size(v).map(|s| (s, s)).ok_or_else(|| msg(v)),
+        };
+        self.record(name, r, |&(a, b)| json!([a, b]))
+    }
+
+    /// A finite number; `check` says what else it must satisfy.
+    pub fn number(
+        &mut self,
+        name: &'static str,
+        default: Option<f64>,
+        check: (fn(f64) -> bool, &str),
+    ) -> FieldResult<f32> {
+        let r = match (self.get(name), default) {
+            (None, Some(d)) => Ok(d as f32),
+            (None, None) => Err(format!("missing field '{name}' ({})", check.1)),
+            (Some(v), _) => match v.as_f64() {
+                Some(x) if x.is_finite() && (x as f32).is_finite() && check.0(x) => Ok(x as f32),
+                _ => Err(format!("field '{name}' must be {} (got {v})", check.1)),
+            },
+        };
+        self.record(name, r, |&x| json!(x))
+    }
+
+    /// `true` or `false`.
+    pub fn boolean(&mut self, name: &'static str, default: bool) -> FieldResult<bool> {
+        let r = match self.get(name) {
+            None => Ok(default),
+            Some(Value::Bool(b)) => Ok(*b),
+            Some(v) => Err(format!("field '{name}' must be true or false (got {v})")),
+        };
+        self.record(name, r, |&b| json!(b))
+    }
+
+    /// `activation`: "linear" (the default) or "relu".
+    pub fn activation(&mut self) -> FieldResult<Activation> {
+        let r = match self.get("activation") {
+            None => Ok(Activation::Linear),
+            Some(Value::String(s)) if s == "linear" => Ok(Activation::Linear),
+            Some(Value::String(s)) if s == "relu" => Ok(Activation::Relu),
+            Some(v) => Err(format!(
+                "field 'activation' must be \"relu\" or \"linear\" (got {v}; a softmax belongs to the loss)"
+            )),
+        };
+        self.record("activation", r, |a| json!(a.name()))
+    }
+
+    /// `padding`: "valid" (the default) or "same".
+    pub fn padding(&mut self) -> FieldResult<Padding> {
+        let r = match self.get("padding") {
+            None => Ok(Padding::Valid),
+            Some(Value::String(s)) if s == "valid" => Ok(Padding::Valid),
+            Some(Value::String(s)) if s == "same" => Ok(Padding::Same),
+            Some(v) => Err(format!("field 'padding' must be \"valid\" or \"same\" (got {v})")),
+        };
+        self.record("padding", r, |p| json!(p.name()))
+    }
+
+    /// Fails on a field nobody asked for; else what each field resolved to, in the order
+    /// read.
+    pub(crate) fn finish(self) -> FieldResult<Vec<(&'static str, Value)>> {
+        let mut keys: Vec<&String> = self.map.keys().filter(|k| *k != "type").collect();
+        keys.sort();
+        match keys.into_iter().find(|k| !self.known.contains(&k.as_str())) {
+            None => Ok(self.resolved),
+            Some(k) if self.known.is_empty() => Err(format!("unknown field '{k}' (this layer takes none)")),
+            Some(k) => Err(format!("unknown field '{k}' (expected one of: type, {})", self.known.join(", "))),
+        }
+    }
+}
+
+fn as_size(v: &Value) -> Option<usize> {
+    v.as_u64().filter(|&d| (1..=MAX_DIM).contains(&d)).map(|d| d as usize)
+}
+
+/// Why `v` is not a size, saying the limit: `1e9` is a whole number, only too large.
+fn size_problem(name: &str, v: &Value) -> String {
+    let whole = v.as_f64().filter(|x| x.fract() == 0.0 && x.is_finite());
+    match whole {
+        Some(x) if x > MAX_DIM as f64 => {
+            format!("field '{name}' is {x:.0}, above the limit of {MAX_DIM} (2^20) for a size")
+        }
+        _ => format!("field '{name}' must be a positive integer, at most {MAX_DIM} (got {v})"),
+    }
+}
