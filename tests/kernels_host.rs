@@ -1005,7 +1005,7 @@ fn maxpool2d_matches_the_cpu_layer_bit_for_bit() {
         ((3, 1, 5, 4), Window2d::new((4, 3), (1, 1), Padding::Same)),
     ];
     for ((n, c, h, w), window) in cases {
-        let g = ConvGeom::new(n, c, &window.over(h, w).unwrap());
+        let g = window.over(h, w).unwrap().launch_geom(n, c);
         let case = format!("{window:?} on ({n}, {c}, {h}, {w})");
         // Nine levels in [-1, 1] (so windows hold ties, and -0 beside 0), two NaNs and a -inf.
         let mut x: Vec<f32> = rng.vec(g.x_len()).iter().map(|v| (v * 4.0).round() / 4.0).collect();

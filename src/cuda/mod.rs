@@ -4,16 +4,22 @@
 //! and runs on machines without a GPU; there, every function here returns
 //! [`crate::Error::CudaUnavailable`] and nothing panics. Submodules:
 //! - [`probe`]: is the driver / NVRTC / NCCL there, how many GPUs, what to do if not;
-//! - [`kernels`]: the kernel sources, the naming helper, NVRTC compilation and its cache;
+//! - [`declare`]: how a kernel is declared (name, file, typed parameters) and what the
+//!   declaration expands to (a typed launch, a table entry), the naming helper;
+//! - [`kernels`]: every kernel's declaration, the kernel sources, NVRTC compilation and
+//!   its cache;
 //! - [`launch`]: [`launch::Gpu`], one device's context and stream, one checked method
-//!   per kernel;
+//!   per kernel, one file per kernel family (the optimiser's step is `optim::gpu`'s);
 //! - [`gemm`]: the GPU layers' GEMMs as row-major descriptions, handed to cuBLAS;
 //! - [`net`]: [`net::GpuNet`], a network on one GPU (flat device buffers, the layers'
 //!   forward and backward, the optimiser), queueing work on its stream.
 //!
-//! Nothing here knows of steps, batches or exchanges: the GPU exchanges (`exchange::gpu`,
+//! Nothing here but `net` knows of layers or optimisers (`declare`, `kernels`, `launch`,
+//! `gemm` and `probe` import nothing of `nn`, `optim` or `train`), and nothing knows of
+//! steps, batches or exchanges: the GPU exchanges (`exchange::gpu`,
 //! NCCL or device copies) and the trainer's GPU replica (`train::gpu`) build on these.
 
+pub mod declare;
 pub mod gemm;
 pub mod kernels;
 pub mod launch;

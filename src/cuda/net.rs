@@ -41,7 +41,9 @@ use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, PinnedHostSlice};
 
 use super::gemm::{gemm, RmGemm};
-use super::launch::{BnGeom, BnGrads, BnMerged, BnParams, BnSaved, BnStats, BnSums, ConvGeom, DropoutKey, Gpu};
+use super::launch::{
+    BnGeom, BnGrads, BnMerged, BnParams, BnSaved, BnStats, BnSums, BnUpdate, ConvGeom, DropoutKey, Gpu,
+};
 use crate::nn::batchnorm::{normaliser, RunningUpdate, Synchronized};
 use crate::nn::loss::check_labels;
 use crate::nn::{BatchStats, LayerOp, LayerShapes, ParamStore, Sequential, Window2d};
@@ -677,7 +679,8 @@ impl SyncPass<'_> {
         });
         upload_pinned(stream, merged, &mut node.merged_host, &mut node.merged)?;
         node.count = count;
-        let merged = BnMerged { stats: node.merged.as_view(), update: RunningUpdate::new(g.momentum, count as usize) };
+        let u = RunningUpdate::new(g.momentum, count as usize);
+        let merged = BnMerged { stats: node.merged.as_view(), update: BnUpdate::new(u.keep, u.take, u.unbias) };
         gpu.batchnorm_sync_fwd(x, y, params, merged, out, g)
     }
 
@@ -778,7 +781,7 @@ fn window_geom(node: &Node, window: Window2d, n: usize) -> Result<ConvGeom> {
     let g = window.over(h, w).ok_or_else(|| {
         Error::shape("window", format!("{}: input {h}x{w} is smaller than the {:?} window", node.name, window.kernel))
     })?;
-    Ok(ConvGeom::new(n, c, &g))
+    Ok(g.launch_geom(n, c))
 }
 
 impl Activations {
@@ -894,7 +897,9 @@ impl Net<'_> {
                                             ),
                                         ));
                                     }
-                                    gpu.batchnorm_train_fwd(x, y, params, stats, geom)?
+                                    let u = RunningUpdate::new(momentum, n * hw);
+                                    let update = BnUpdate::new(u.keep, u.take, u.unbias);
+                                    gpu.batchnorm_train_fwd(x, y, params, stats, geom, update)?
                                 }
                             }
                         }
