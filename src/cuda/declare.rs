@@ -4,7 +4,7 @@
 //! Owns: the ONE naming helper [`kernel_name`] and [`Dir`], the parameter kinds
 //! ([`Kind`]: what a parameter is in Rust and which C++ type it is), the table types
 //! ([`Kernel`], [`KernelFile`]), the [`Launcher`] a declared launch runs on, and the
-//! [`kernels!`] macro that turns one list of declarations into both
+//! `kernels!` macro that turns one list of declarations into both
 //! - a typed `unsafe fn` per kernel, whose Rust parameters come from the declared kinds
 //!   and which pushes them in the declared order, so the compiler checks every call
 //!   site's order and types against the declaration; and
@@ -15,7 +15,7 @@
 //!
 //! The declarations themselves are in [`super::kernels`]; the checked wrappers that call
 //! the typed launches (lengths first) are [`super::launch`]'s. This file imports nothing
-//! of the crate, so every other part of `cuda` may build on it.
+//! of the crate but its `Result`, so every other part of `cuda` may build on it.
 
 use cudarc::driver::{CudaFunction, CudaStream};
 
@@ -213,7 +213,7 @@ macro_rules! kernels {
 }
 pub(crate) use kernels;
 
-/// One declared kernel's `const` and typed launch (see [`kernels!`]).
+/// One declared kernel's `const` and typed launch (see `kernels!`).
 macro_rules! kernel {
     ($file:literal, $op:ident, fwd, $params:tt) => {
         $crate::cuda::declare::kernel!(@item $file, $op, fwd, FWD, Fwd, $params);

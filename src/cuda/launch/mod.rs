@@ -3,7 +3,7 @@
 //! Owns: [`Gpu`], one device's context, compute stream and loaded functions (looked up
 //! once per declaration, [`Launcher`]), and what every family's launches share: the
 //! buffer traits [`DevIn`] / [`DevOut`], the length and dimension checks, the launch
-//! shapes ([`elem_cfg`], [`channel_cfg`]) and the window geometry [`ConvGeom`] (a
+//! shapes (`elem_cfg`, `channel_cfg`) and the window geometry [`ConvGeom`] (a
 //! convolution's and a pooling's). Each family of kernels has its own file, one `impl Gpu`
 //! of one safe method per kernel: `elementwise`, `conv`, `batchnorm`, `pooling`, `loss`
 //! (softmax_xent), `reduce`, `dropout`, `codec`. A method checks the lengths of its
