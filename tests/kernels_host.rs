@@ -617,7 +617,13 @@ fn every_declared_kernel_is_in_its_file_with_the_kernels_parameter_names() {
                 .iter()
                 .flat_map(|&(name, kind)| if kind == Kind::Geom { GEOM_PARAMS.to_vec() } else { vec![name] })
                 .collect();
-            assert_eq!(names, in_source[&k.name()], "{}: declared names vs {}", k.describe(), file.name);
+            assert_eq!(
+                names,
+                in_source[&k.name()],
+                "{}: declared names (left) vs {}'s (right)",
+                k.describe(),
+                file.name
+            );
         }
     }
 }
@@ -632,7 +638,13 @@ fn every_declared_argument_list_is_the_kernels_signature() {
         for kernel in file.kernels {
             // The letters of the C++ types the compiled kernel takes (cuda_host.h's
             // type_code), against those the declared kinds push.
-            assert_eq!(k.kernels.signature(&kernel.name()), kernel.letters(), "{} in {}", kernel.describe(), file.name);
+            assert_eq!(
+                k.kernels.signature(&kernel.name()),
+                kernel.letters(),
+                "{} in {}: the compiled kernel's letters (left) vs the declaration's (right)",
+                kernel.describe(),
+                file.name
+            );
             checked += 1;
         }
     }
