@@ -13,10 +13,11 @@ use std::io::Write;
 
 use cudarc::driver::CudaSlice;
 use lockstep::cuda::launch::{
-    BnGeom, BnGrads, BnMerged, BnParams, BnSaved, BnStats, BnSums, ConvGeom, DropoutKey, Gpu, WireGeom,
+    BnGeom, BnGrads, BnMerged, BnParams, BnSaved, BnStats, BnSums, BnUpdate, ConvGeom, DropoutKey, Gpu, WireGeom,
 };
 use lockstep::cuda::probe::{self, NcclStatus, NO_DRIVER};
 use lockstep::exchange::codec::{Codec, Compression};
+use lockstep::nn::batchnorm::RunningUpdate;
 use lockstep::optim::OptimizerConfig;
 use lockstep::rng::mix64;
 use lockstep::Error;
@@ -286,7 +287,9 @@ fn batchnorm_train_eval_and_backward_match_the_reference() {
             save_mean: sm_d.as_view_mut(),
             save_invstd: si_d.as_view_mut(),
         };
-        gpu.batchnorm_train_fwd(&x_d, &mut y_d, params(), stats, geom).unwrap();
+        let u = RunningUpdate::new(momentum, n * hw);
+        gpu.batchnorm_train_fwd(&x_d, &mut y_d, params(), stats, geom, BnUpdate::new(u.keep, u.take, u.unbias))
+            .unwrap();
 
         let want = inputs.train_ref(with_gamma, with_beta, momentum, eps);
         let case = format!("gamma {with_gamma}, beta {with_beta}");
@@ -359,6 +362,7 @@ fn synchronized_batchnorm_kernels_equal_the_cpu_layer_bit_for_bit() {
             save_mean: sm_d.as_view_mut(),
             save_invstd: si_d.as_view_mut(),
         };
+        let update = BnUpdate::new(update.keep, update.take, update.unbias);
         gpu.batchnorm_sync_fwd(&x_d, &mut y_d, params(), BnMerged { stats: stats_d.as_view(), update }, out, geom)
             .unwrap();
         assert_eq!(f32_bits(&down(&gpu, &y_d)), f32_bits(&cpu.y), "{case}: y");

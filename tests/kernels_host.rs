@@ -18,9 +18,13 @@
 //!     tests/cuda_ops.rs holds the GPU to) or the CPU backend's own code (the CPU is the
 //!     oracle), on small random inputs, under the launch shape src/cuda/launch.rs
 //!     uses and, for grid-stride loops, under a grid too small to cover the data once;
+//!   * every kernel's declaration (src/cuda/kernels.rs, the one list `Gpu`'s typed
+//!     launches are made from): its parameter letters are the compiled kernel's C++
+//!     signature (kind, constness, width) and its parameter names the kernel's, so a
+//!     declaration out of step with its `.cu` fails here, not on a GPU;
 //!   * the argument list of every launch: each call below passes its values in the order
-//!     and with the types the matching `Gpu` method of src/cuda/launch.rs pushes them, and
-//!     the harness checks them against the kernel's C++ signature (kind, constness, width);
+//!     and with the types the matching `Gpu` method of src/cuda/launch/ pushes them, and
+//!     the harness checks them against the kernel's declaration and its C++ signature;
 //!   * that no kernel writes outside its buffers or into a read-only one: every buffer is
 //!     staged between guard bands, checked after each launch.
 //!
@@ -45,7 +49,7 @@ use std::process::Command;
 use std::sync::OnceLock;
 
 use lockstep::backend::cpu;
-use lockstep::cuda::kernels::KERNEL_FILES;
+use lockstep::cuda::kernels::{Kernel, Kind, KERNEL_FILES};
 use lockstep::cuda::launch::{ConvGeom, DropoutKey, WireGeom, CODEC_THREADS, REDUCE_BLOCK};
 use lockstep::exchange::codec::{Codec, Compression};
 use lockstep::nn::batchnorm::RunningUpdate;
@@ -207,10 +211,39 @@ struct Checked {
 }
 
 impl Checked {
+    /// Launches a declared kernel (see [`HostKernels::launch`]), its arguments held to the
+    /// declaration's letters first: the host check and `Gpu`'s typed launch of the kernel
+    /// push the same list.
     #[track_caller]
     fn launch(&self, name: &str, cfg: Cfg, args: &mut [Arg<'_>]) {
+        let declared = declared(name);
+        check_fits(&declared.describe(), &declared.letters(), args);
         self.ran.borrow_mut().insert(name.to_string());
         self.kernels.launch(name, cfg, args);
+    }
+}
+
+/// The declaration of kernel `name` in KERNEL_FILES, or a panic naming it.
+#[track_caller]
+fn declared(name: &str) -> &'static Kernel {
+    KERNEL_FILES
+        .iter()
+        .flat_map(|f| f.kernels)
+        .find(|k| k.name() == name)
+        .unwrap_or_else(|| panic!("{name} is not declared in src/cuda/kernels.rs"))
+}
+
+/// Panics unless `args` fill parameters `letters` (cuda_host.h's), one by one.
+#[track_caller]
+fn check_fits(what: &str, letters: &str, args: &[Arg<'_>]) {
+    assert_eq!(letters.len(), args.len(), "{what} [{letters}]: {} arguments given", args.len());
+    for (i, (a, &code)) in args.iter().zip(letters.as_bytes()).enumerate() {
+        assert!(
+            a.fits(code),
+            "{what} [{letters}]: argument {i} is {} but parameter {i} is '{}'",
+            a.describe(),
+            code as char
+        );
     }
 }
 
@@ -465,16 +498,7 @@ impl HostKernels {
     /// buffer or into a read-only one.
     #[track_caller]
     fn launch(&self, name: &str, cfg: Cfg, args: &mut [Arg<'_>]) {
-        let sig = self.signature(name);
-        assert_eq!(sig.len(), args.len(), "{name}({sig}): {} arguments given", args.len());
-        for (i, (a, &code)) in args.iter().zip(sig.as_bytes()).enumerate() {
-            assert!(
-                a.fits(code),
-                "{name}({sig}): argument {i} is {} but parameter {i} is '{}'",
-                a.describe(),
-                code as char
-            );
-        }
+        check_fits(name, &self.signature(name), args);
         let mut staged: Vec<Option<Staged>> = args.iter().map(|a| a.bytes().map(|b| Staged::new(&b))).collect();
         let mut cells: Vec<Cell> = args
             .iter()
@@ -528,6 +552,7 @@ fn assert_bits(what: &str, got: &[f32], want: &[f32]) {
 /// The kernels this file checks, by the test that checks them (each test's launches are
 /// held to its entry: [`Checked`]).
 const CHECKED: &[(&str, &[&str])] = &[
+    ("every_declared_argument_list_is_the_kernels_signature", &[]),
     ("relu_fwd_and_bwd_match_the_reference", &["relu_fwd_f32", "relu_bwd_f32"]),
     ("rescale_scale_and_fill_match_the_reference", &["rescale_fwd_f32", "rescale_bwd_f32", "scale_f32", "fill_f32"]),
     (
@@ -562,6 +587,69 @@ fn every_kernel_in_kernels_is_checked_here() {
     assert_eq!(found, table, "kernels/ scanned here vs the KERNEL_FILES table");
     let checked: BTreeSet<String> = CHECKED.iter().flat_map(|(_, ks)| ks.iter().map(|s| s.to_string())).collect();
     assert_eq!(found, checked, "a kernel without a host check here, or a check of a kernel that is gone");
+}
+
+/// The 12 parameters a [`Kind::Geom`] stands for, as the window kernels name them.
+const GEOM_PARAMS: [&str; 12] = ["n", "c", "h", "w", "kh", "kw", "sh", "sw", "pt", "pl", "oh", "ow"];
+
+/// The parameter names of every `extern "C"` kernel of a source, by kernel name.
+fn parameter_names_in(source: &str) -> std::collections::BTreeMap<String, Vec<String>> {
+    let re = regex::Regex::new(r#"extern\s+"C"\s+__global__\s+void\s+([A-Za-z_][A-Za-z0-9_]*)\s*\(([^)]*)\)"#).unwrap();
+    let last_word = |p: &str| p.rsplit(|c: char| !(c.is_ascii_alphanumeric() || c == '_')).next().unwrap().to_string();
+    re.captures_iter(source)
+        .map(|c| (c[1].to_string(), c[2].split(',').map(|p| last_word(p.trim())).collect()))
+        .collect()
+}
+
+#[test]
+fn every_declared_kernel_is_in_its_file_with_the_kernels_parameter_names() {
+    // Runs without a compiler: the declarations against the sources' text. A declared
+    // order that swaps two parameters of one type (hw and total, both size_t) passes the
+    // letters but not this.
+    for file in KERNEL_FILES {
+        let in_source = parameter_names_in(file.source);
+        let declared: BTreeSet<String> = file.kernels.iter().map(Kernel::name).collect();
+        assert_eq!(in_source.keys().cloned().collect::<BTreeSet<_>>(), declared, "{}: defined vs declared", file.name);
+        for k in file.kernels {
+            assert_eq!(k.file, file.name, "{} is listed under {}", k.describe(), file.name);
+            let names: Vec<&str> = k
+                .params
+                .iter()
+                .flat_map(|&(name, kind)| if kind == Kind::Geom { GEOM_PARAMS.to_vec() } else { vec![name] })
+                .collect();
+            assert_eq!(
+                names,
+                in_source[&k.name()],
+                "{}: declared names (left) vs {}'s (right)",
+                k.describe(),
+                file.name
+            );
+        }
+    }
+}
+
+#[test]
+fn every_declared_argument_list_is_the_kernels_signature() {
+    let Some(k) = kernels_or_skip("every_declared_argument_list_is_the_kernels_signature") else {
+        return;
+    };
+    let mut checked = 0;
+    for file in KERNEL_FILES {
+        for kernel in file.kernels {
+            // The letters of the C++ types the compiled kernel takes (cuda_host.h's
+            // type_code), against those the declared kinds push.
+            assert_eq!(
+                k.kernels.signature(&kernel.name()),
+                kernel.letters(),
+                "{} in {}: the compiled kernel's letters (left) vs the declaration's (right)",
+                kernel.describe(),
+                file.name
+            );
+            checked += 1;
+        }
+    }
+    // 32 kernels, as kernels_nvrtc.rs counts them from the files.
+    assert_eq!(checked, 32);
 }
 
 // ---- elementwise.cu ------------------------------------------------------------------
@@ -1005,7 +1093,7 @@ fn maxpool2d_matches_the_cpu_layer_bit_for_bit() {
         ((3, 1, 5, 4), Window2d::new((4, 3), (1, 1), Padding::Same)),
     ];
     for ((n, c, h, w), window) in cases {
-        let g = ConvGeom::new(n, c, &window.over(h, w).unwrap());
+        let g = window.over(h, w).unwrap().launch_geom(n, c);
         let case = format!("{window:?} on ({n}, {c}, {h}, {w})");
         // Nine levels in [-1, 1] (so windows hold ties, and -0 beside 0), two NaNs and a -inf.
         let mut x: Vec<f32> = rng.vec(g.x_len()).iter().map(|v| (v * 4.0).round() / 4.0).collect();

@@ -20,7 +20,7 @@ use std::io::Write;
 use std::path::PathBuf;
 
 use lockstep::cuda::kernels::{
-    compile_with_log, kernel_name, nvrtc_version, supported_archs, Dir, KernelImage, KERNEL_FILES,
+    compile_with_log, kernel_name, nvrtc_version, supported_archs, Dir, Kernel, KernelImage, KERNEL_FILES,
 };
 use lockstep::cuda::nvrtc_available;
 use lockstep::cuda::probe::{loaded_from, CudaLib};
@@ -376,11 +376,11 @@ fn kernel_names_follow_the_rule_and_match_the_table() {
             assert_eq!(&kernel_name(&op, dir, &dtype), name, "the name rebuilds through the one helper");
             assert!(all.insert(name.clone()), "{name} is defined in two files");
         }
-        for &(op, dir) in file.kernels {
+        for &Kernel { op, dir, .. } in file.kernels {
             assert!(!op.ends_with("_fwd") && !op.ends_with("_bwd"), "{op}: the direction belongs in Dir");
             if dir == Dir::Plain {
                 assert!(
-                    file.kernels.iter().all(|&(o, d)| o != op || d == Dir::Plain),
+                    file.kernels.iter().all(|k| k.op != op || k.dir == Dir::Plain),
                     "{op} is both plain and directional"
                 );
             }

@@ -1,11 +1,14 @@
-//! The CUDA C sources of `kernels/`, their kernel names, and their compilation by NVRTC.
+//! The kernels of `kernels/`, declared, and their compilation by NVRTC.
 //!
-//! Owns: the table of kernel files (embedded with `include_str!`, so the binary needs no
-//! source tree at run time), the ONE naming helper [`kernel_name`], the choice of what
-//! NVRTC makes for a GPU ([`choose_target`]), a process-wide cache of compiled images
-//! keyed by (architecture, file) so each file is compiled once per GPU architecture, on
-//! first use, and [`load_module`], the one way a kernel file gets into a CUDA context.
-//! Launching is [`super::launch`]'s job.
+//! Owns: the declaration of every kernel (file, op, direction, typed parameters: the
+//! [`declare::kernels!`](super::declare) list below, the one place a kernel's name and
+//! argument list are written), the table of kernel files made from it ([`KERNEL_FILES`],
+//! sources embedded with `include_str!`, so the binary needs no source tree at run time),
+//! the choice of what NVRTC makes for a GPU ([`choose_target`]), a process-wide cache of
+//! compiled images keyed by (architecture, file) so each file is compiled once per GPU
+//! architecture, on first use, and [`load_module`], the one way a kernel file gets into a
+//! CUDA context. What a declaration expands to, and the naming helper [`kernel_name`], are
+//! [`super::declare`]'s; the checked launches are [`super::launch`]'s.
 //!
 //! # Cubins, not PTX
 //!
@@ -24,7 +27,8 @@
 //! Naming rule, checked by tests/kernels_nvrtc.rs against the sources:
 //! kernels with a gradient partner are `<op>_<fwd|bwd>_<dtype>` ([`Dir::Fwd`], [`Dir::Bwd`]);
 //! kernels outside autograd (fills, reductions, optimizer steps) are `<op>_<dtype>`
-//! ([`Dir::Plain`]). Every `extern "C"` kernel appears in [`KERNEL_FILES`].
+//! ([`Dir::Plain`]). Every `extern "C"` kernel appears in [`KERNEL_FILES`], and
+//! tests/kernels_host.rs holds every declared parameter list to the compiled kernel's.
 
 use std::collections::HashMap;
 use std::sync::{Arc, OnceLock};
@@ -36,93 +40,139 @@ use parking_lot::Mutex;
 use super::probe::nvrtc_available;
 use crate::{Error, Result};
 
-/// Which pass a kernel belongs to; the middle part of its name.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Dir {
-    /// Forward pass: `<op>_fwd_<dtype>`.
-    Fwd,
-    /// Backward pass (gradients): `<op>_bwd_<dtype>`.
-    Bwd,
-    /// Not part of autograd (fill, scale, reduce, optimizer step): `<op>_<dtype>`.
-    Plain,
-}
+pub use super::declare::{kernel_name, Dir, Kernel, KernelFile, Kind};
 
-/// The one place kernel names are made: `kernel_name("relu", Dir::Fwd, "f32")` is
-/// `relu_fwd_f32`, `kernel_name("sgd_step", Dir::Plain, "f32")` is `sgd_step_f32`.
-pub fn kernel_name(op: &str, dir: Dir, dtype: &str) -> String {
-    match dir {
-        Dir::Fwd => format!("{op}_fwd_{dtype}"),
-        Dir::Bwd => format!("{op}_bwd_{dtype}"),
-        Dir::Plain => format!("{op}_{dtype}"),
-    }
-}
-
-/// One file of `kernels/`: its name, its source, and the (op, dir) of every kernel in it
-/// (all float32 for now).
-#[derive(Debug, Clone, Copy)]
-pub struct KernelFile {
-    pub name: &'static str,
-    pub source: &'static str,
-    pub kernels: &'static [(&'static str, Dir)],
-}
-
-impl KernelFile {
-    /// The `extern "C"` names this file must define, from [`kernel_name`].
-    pub fn kernel_names(&self, dtype: &str) -> Vec<String> {
-        self.kernels.iter().map(|&(op, dir)| kernel_name(op, dir, dtype)).collect()
-    }
-}
-
-macro_rules! kernel_file {
-    ($name:literal, [$(($op:literal, $dir:ident)),* $(,)?]) => {
-        KernelFile {
-            name: $name,
-            source: include_str!(concat!("../../kernels/", $name)),
-            kernels: &[$(($op, Dir::$dir)),*],
+// Every kernel, declared once: its file, its op and direction (the name comes from
+// [`kernel_name`]), and its parameters in the kernel's order (declare.rs's kinds). The
+// launches of `cuda::launch` call the typed `unsafe fn`s this makes
+// (`elementwise::relu::fwd`), tests/kernels_host.rs holds each declaration to the compiled
+// kernel's signature, and KERNEL_FILES below is made from this list alone.
+super::declare::kernels! {
+    /// kernels/elementwise.cu: activations, bias adds and their reductions, scale, fill.
+    elementwise = "elementwise.cu" {
+        relu {
+            fwd(x: In, y: Out, n: Size);
+            bwd(x: In, dy: In, dx: Out, n: Size);
         }
-    };
+        rescale {
+            fwd(x: In, y: Out, scale: F32, offset: F32, n: Size);
+            bwd(dy: In, dx: Out, scale: F32, n: Size);
+        }
+        bias_nchw {
+            fwd(y: Out, bias: In, c: I32, hw: Size, total: Size);
+            bwd(dy: In, dbias: Out, n: I32, c: I32, hw: Size);
+        }
+        bias_cols {
+            fwd(y: Out, bias: In, o: I32, total: Size);
+            bwd(dy: In, dbias: Out, n: I32, o: I32);
+        }
+        scale { plain(x: Out, s: F32, n: Size); }
+        fill { plain(x: Out, v: F32, n: Size); }
+    }
+    /// kernels/conv.cu: im2col and its adjoint col2im.
+    conv = "conv.cu" {
+        im2col {
+            fwd(x: In, col: Out, geom: Geom);
+            bwd(dcol: In, dx: Out, geom: Geom);
+        }
+    }
+    /// kernels/batchnorm.cu: BatchNorm2d, per-replica and synchronized.
+    batchnorm = "batchnorm.cu" {
+        batchnorm_train {
+            fwd(
+                x: In, y: Out, gamma: OptIn, beta: OptIn, running_mean: Out, running_var: Out, save_mean: Out,
+                save_invstd: Out, n: I32, c: I32, hw: Size, keep: F32, take: F32, unbias: F32, eps: F32,
+            );
+            bwd(
+                x: In, dy: In, dx: Out, gamma: OptIn, save_mean: In, save_invstd: In, dgamma: OptOut, dbeta: OptOut,
+                n: I32, c: I32, hw: Size,
+            );
+        }
+        batchnorm_eval {
+            fwd(
+                x: In, y: Out, gamma: OptIn, beta: OptIn, running_mean: In, running_var: In, c: I32, hw: Size,
+                total: Size, eps: F32,
+            );
+        }
+        batchnorm_moments {
+            fwd(x: In, moments: OutF64, n: I32, c: I32, hw: Size);
+        }
+        batchnorm_sync {
+            fwd(
+                x: In, y: Out, gamma: OptIn, beta: OptIn, stats: InF64, running_mean: Out, running_var: Out,
+                save_mean: Out, save_invstd: Out, c: I32, hw: Size, total: Size, keep: F64, take: F64, unbias: F64,
+            );
+            bwd(
+                x: In, dy: In, dx: Out, gamma: OptIn, save_mean: In, save_invstd: In, local: InF64, global: InF64,
+                dgamma: OptOut, dbeta: OptOut, c: I32, hw: Size, total: Size, count: F64,
+            );
+        }
+        batchnorm_sums {
+            bwd(x: In, dy: In, save_mean: In, save_invstd: In, sums: OutF64, n: I32, c: I32, hw: Size);
+        }
+    }
+    /// kernels/pooling.cu: global average pooling and max pooling.
+    pooling = "pooling.cu" {
+        global_avgpool {
+            fwd(x: In, y: Out, nc: Size, hw: Size);
+            bwd(dy: In, dx: Out, nc: Size, hw: Size);
+        }
+        maxpool2d {
+            fwd(x: In, y: Out, argmax: OutU32, geom: Geom);
+            bwd(dy: In, argmax: InU32, dx: Out, geom: Geom);
+        }
+    }
+    /// kernels/softmax_xent.cu: the loss and its gradient in one pass.
+    softmax_xent = "softmax_xent.cu" {
+        softmax_xent {
+            fwd(logits: In, labels: InU32, loss: Out, dlogits: Out, correct: OutU32, n: Size, k: I32);
+        }
+    }
+    /// kernels/optim.cu: the optimiser steps (launched by `optim::gpu`).
+    optim = "optim.cu" {
+        sgd_step {
+            plain(
+                p: Out, grad: In, buf: Out, step_size: F32, momentum: F32, weight_decay: F32, grad_divisor: F32,
+                first: I32, n: Size,
+            );
+        }
+        adam_step {
+            plain(
+                p: Out, grad: In, m: Out, v: Out, step_size: F32, beta1: F32, beta2: F32, eps: F32, weight_decay: F32,
+                grad_divisor: F32, bc2_sqrt: F32, n: Size,
+            );
+        }
+    }
+    /// kernels/reduce.cu: the ordered sum of K buffers.
+    reduce = "reduce.cu" {
+        reduce_sum { plain(src: In, dst: Out, k: I32, scale: F32, n: Size); }
+    }
+    /// kernels/dropout.cu: inverted dropout from a counter-based hash.
+    dropout = "dropout.cu" {
+        dropout {
+            fwd(x: In, y: Out, rate: F32, seed: U64, step: U64, replica: U64, layer: U64, first: U64, n: Size);
+            bwd(dy: In, dx: Out, rate: F32, seed: U64, step: U64, replica: U64, layer: U64, first: U64, n: Size);
+        }
+    }
+    /// kernels/codec.cu: the 16-bit wire codec (encode, sum of wires, decode).
+    codec = "codec.cu" {
+        wire_encode {
+            plain(
+                src: In, wires: OutU8, format: I32, encoded: Size, raw: Size, src_stride: Size, wire_bytes: Size,
+                exps_at: Size, raw_at: Size,
+            );
+        }
+        wire_reduce {
+            plain(
+                wires: InU8, out: OutU8, r: I32, format: I32, encoded: Size, raw: Size, wire_bytes: Size,
+                exps_at: Size, raw_at: Size,
+            );
+        }
+        wire_decode {
+            plain(wire: InU8, dst: Out, format: I32, encoded: Size, raw: Size, exps_at: Size, raw_at: Size);
+        }
+    }
 }
-
-/// Every kernel file, one per family.
-pub const KERNEL_FILES: &[KernelFile] = &[
-    kernel_file!(
-        "elementwise.cu",
-        [
-            ("relu", Fwd),
-            ("relu", Bwd),
-            ("rescale", Fwd),
-            ("rescale", Bwd),
-            ("bias_nchw", Fwd),
-            ("bias_nchw", Bwd),
-            ("bias_cols", Fwd),
-            ("bias_cols", Bwd),
-            ("scale", Plain),
-            ("fill", Plain),
-        ]
-    ),
-    kernel_file!("conv.cu", [("im2col", Fwd), ("im2col", Bwd)]),
-    kernel_file!(
-        "batchnorm.cu",
-        [
-            ("batchnorm_train", Fwd),
-            ("batchnorm_train", Bwd),
-            ("batchnorm_eval", Fwd),
-            ("batchnorm_moments", Fwd),
-            ("batchnorm_sync", Fwd),
-            ("batchnorm_sums", Bwd),
-            ("batchnorm_sync", Bwd),
-        ]
-    ),
-    kernel_file!(
-        "pooling.cu",
-        [("global_avgpool", Fwd), ("global_avgpool", Bwd), ("maxpool2d", Fwd), ("maxpool2d", Bwd)]
-    ),
-    kernel_file!("softmax_xent.cu", [("softmax_xent", Fwd)]),
-    kernel_file!("optim.cu", [("sgd_step", Plain), ("adam_step", Plain)]),
-    kernel_file!("reduce.cu", [("reduce_sum", Plain)]),
-    kernel_file!("dropout.cu", [("dropout", Fwd), ("dropout", Bwd)]),
-    kernel_file!("codec.cu", [("wire_encode", Plain), ("wire_reduce", Plain), ("wire_decode", Plain)]),
-];
 
 /// The kernel file called `name`.
 pub fn kernel_file(name: &str) -> Result<&'static KernelFile> {

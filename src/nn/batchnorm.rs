@@ -46,7 +46,7 @@ use super::spec_entry::{expect_images, Build, LayerType};
 use super::{
     Ctx, Init, InputGrad, Layer, LayerMemory, LayerShapes, Mode, ParamSpec, Params, ParamsMut, Sequential, F32,
 };
-use crate::cuda::launch::{BnGeom, BnGrads, BnMerged, BnParams, BnSaved, BnStats, BnSums};
+use crate::cuda::launch::{BnGeom, BnGrads, BnMerged, BnParams, BnSaved, BnStats, BnSums, BnUpdate};
 use crate::cuda::Gpu;
 use crate::error::{Error, Result};
 use crate::exchange::stats::StatsExchange;
@@ -729,7 +729,9 @@ impl GpuLayer for BatchNorm2dGpu {
                                 ),
                             ));
                         }
-                        gpu.batchnorm_train_fwd(x, y, bn, out, geom)
+                        let u = RunningUpdate::new(self.momentum, n * geom.hw);
+                        let update = BnUpdate::new(u.keep, u.take, u.unbias);
+                        gpu.batchnorm_train_fwd(x, y, bn, out, geom, update)
                     }
                 }
             }
@@ -867,7 +869,8 @@ impl SyncNode {
         });
         upload_pinned(stream, merged, &mut node.merged_host, &mut node.merged)?;
         node.count = count;
-        let merged = BnMerged { stats: node.merged.as_view(), update: RunningUpdate::new(g.momentum, count as usize) };
+        let u = RunningUpdate::new(g.momentum, count as usize);
+        let merged = BnMerged { stats: node.merged.as_view(), update: BnUpdate::new(u.keep, u.take, u.unbias) };
         gpu.batchnorm_sync_fwd(x, y, params, merged, out, g)
     }
 

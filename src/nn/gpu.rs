@@ -187,7 +187,7 @@ pub fn window_geom(node: &Node, window: Window2d, n: usize) -> Result<ConvGeom> 
     let g = window.over(h, w).ok_or_else(|| {
         Error::shape("window", format!("{}: input {h}x{w} is smaller than the {:?} window", node.name, window.kernel))
     })?;
-    Ok(ConvGeom::new(n, c, &g))
+    Ok(g.launch_geom(n, c))
 }
 
 /// Waits until `event` has completed, or until `aborted()` turns true ([`Error::Aborted`]):

@@ -4,11 +4,13 @@
 //! Owns: [`Window2d`] (kernel, stride, padding: what a layer is given) and [`Geometry2d`]
 //! (the same window placed on one H×W plane: pads and output size). It is the one place
 //! this arithmetic is written: the CPU convolution (`nn::conv2d`), max pooling
-//! (`nn::pool`) and the GPU's launch geometry (`cuda::launch::ConvGeom::new`) are all
+//! (`nn::pool`) and the GPU's launch geometry ([`Geometry2d::launch_geom`]) are all
 //! built from a `Geometry2d`, so that the two backends cannot disagree on where a window
 //! starts. What a window computes is left to its layer.
 
 use std::ops::Range;
+
+use crate::cuda::launch::ConvGeom;
 
 /// How the input is padded.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -105,6 +107,15 @@ impl Geometry2d {
     /// The input columns output column `ox` covers, clipped to the plane.
     pub fn cols(&self, ox: usize) -> Range<usize> {
         clipped(ox, self.window.stride.1, self.pad_left, self.window.kernel.1, self.w)
+    }
+
+    /// The GPU's launch geometry of this placement for a batch of `n` samples of `c`
+    /// channels, with every pad of this one, so the two backends share them.
+    pub fn launch_geom(&self, n: usize, c: usize) -> ConvGeom {
+        let pads = [self.pad_top, self.pad_left, self.pad_bottom, self.pad_right];
+        let geom = ConvGeom::new(n, c, (self.h, self.w), self.window.kernel, self.window.stride, pads);
+        debug_assert_eq!((geom.oh(), geom.ow()), (self.oh, self.ow), "the padded extent gives the placement's output");
+        geom
     }
 }
 

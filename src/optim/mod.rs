@@ -17,6 +17,8 @@ use std::ops::Range;
 
 use crate::error::{Error, Result};
 
+mod gpu;
+
 /// Which optimiser, with its hyper-parameters.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum OptimizerConfig {

@@ -1,0 +1,48 @@
+//! The checked launch of kernels/softmax_xent.cu: the softmax cross-entropy loss of each
+//! sample, its gradient and whether the sample was classified right, in one pass.
+//!
+//! Owns: that one safe method, checking the buffers against (N, K) before the typed
+//! launch of `cuda::kernels::softmax_xent`. Which labels are valid is `nn::loss`'s check,
+//! made by the caller; the kernel never indexes with an out-of-range label.
+
+use cudarc::driver::CudaSlice;
+
+use super::{check_len, dim, elem_cfg, DevIn, DevOut, Gpu};
+use crate::cuda::kernels::softmax_xent;
+use crate::{Error, Result};
+
+impl Gpu {
+    /// logits: (N, K), labels: (N) -> loss: (N), dlogits: (N, K) = softmax - onehot
+    /// (gradient of the summed loss), correct: (N) in {0, 1}.
+    pub fn softmax_xent_fwd(
+        &self,
+        logits: &impl DevIn,
+        labels: &CudaSlice<u32>,
+        loss: &mut impl DevOut,
+        dlogits: &mut impl DevOut,
+        correct: &mut CudaSlice<u32>,
+        k: usize,
+    ) -> Result<()> {
+        let logits = &logits.view();
+        let loss = &mut loss.view_mut();
+        let dlogits = &mut dlogits.view_mut();
+        let op = "softmax_xent_fwd";
+        let n = labels.len();
+        if k == 0 {
+            return Err(Error::shape(op, "K (number of classes) must be positive"));
+        }
+        check_len(op, "logits", logits, n * k)?;
+        check_len(op, "dlogits", dlogits, n * k)?;
+        check_len(op, "loss", loss, n)?;
+        check_len(op, "correct", correct, n)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let ki = dim(op, "K", k)?;
+        let (labels, correct) = (&labels.as_view(), &mut correct.as_view_mut());
+        // SAFETY: softmax_xent_fwd_f32(const float*, const unsigned*, float*, float*,
+        // unsigned*, size_t, int); lengths checked; out-of-range labels are never used as
+        // an index by the kernel.
+        unsafe { softmax_xent::softmax_xent::fwd(self, elem_cfg(n), logits, labels, loss, dlogits, correct, n, ki) }
+    }
+}
