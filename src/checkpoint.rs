@@ -31,11 +31,19 @@ use crate::fsutil::write_atomic;
 use crate::nn::loss::Metrics;
 use crate::nn::{ParamStore, Sequential};
 use crate::optim::Optimizer;
-use crate::train::BestEpoch;
 use crate::weights::{f32_values, read_file, to_safetensors_bytes};
 
 const PREFIX: &str = "checkpoint-";
 const SUFFIX: &str = ".safetensors";
+
+/// The epoch with the lowest held-out loss: what early stopping and `save_best` compare
+/// against, kept in a checkpoint so that a resumed run compares against the same.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct BestEpoch {
+    /// 0-based.
+    pub epoch: usize,
+    pub metrics: Metrics,
+}
 
 /// Where a run stands: what a checkpoint restores.
 #[derive(Clone, Debug, PartialEq)]

@@ -68,7 +68,9 @@ pub mod safetensors_io;
 pub mod spec;
 pub mod tensor;
 pub mod train;
+pub mod units;
 pub mod weights;
+pub mod wire;
 pub mod world;
 
 pub use error::{Error, Result};

@@ -28,6 +28,7 @@ use crate::nn::{LayerOp, Sequential};
 use crate::optim::OptimizerConfig;
 use crate::tensor::Device;
 use crate::train::TrainConfig;
+use crate::units::{count, human};
 
 /// One named part of an estimate.
 #[derive(Clone, Debug, PartialEq)]
@@ -101,30 +102,6 @@ impl Estimate {
             None => Ok(()),
         }
     }
-}
-
-/// Bytes in decimal units with one decimal: "52.6 GB", "230.4 kB", "17 B".
-pub fn human(bytes: u64) -> String {
-    const UNITS: [(&str, f64); 4] = [("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)];
-    for (unit, size) in UNITS {
-        if bytes as f64 >= size {
-            return format!("{:.1} {unit}", bytes as f64 / size);
-        }
-    }
-    format!("{bytes} B")
-}
-
-/// A count with thousands separators: 98,442.
-fn count(n: u64) -> String {
-    let digits = n.to_string();
-    let mut out = String::new();
-    for (i, c) in digits.chars().enumerate() {
-        if i > 0 && (digits.len() - i) % 3 == 0 {
-            out.push(',');
-        }
-        out.push(c);
-    }
-    out
 }
 
 /// The memory this process can still allocate: `MemAvailable`, or what the cgroup's
@@ -435,15 +412,6 @@ mod tests {
         // 100,000 × 261,568 + the conv weight-gradient partials of 16 groups: 16 × 38,124 × 4.
         assert_eq!(acts.bytes, 26_156_800_000 + 16 * 38_124 * 4);
         assert_eq!(acts.detail, "1 device(s) × a shard of 100000 samples");
-    }
-
-    #[test]
-    fn human_sizes_and_counts() {
-        assert_eq!(human(17), "17 B");
-        assert_eq!(human(230_400), "230.4 kB");
-        assert_eq!(human(52_600_000_000), "52.6 GB");
-        assert_eq!(count(2_000_022_010), "2,000,022,010");
-        assert_eq!(count(752), "752");
     }
 
     #[test]

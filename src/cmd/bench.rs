@@ -5,6 +5,7 @@
 use std::io::Write;
 
 use crate::cmd::features::FeatureArgs;
+use crate::cmd::timing::median;
 use crate::*;
 
 #[derive(Args, Debug)]
@@ -111,11 +112,6 @@ fn parse_sizes(text: &str) -> CliResult<Vec<usize>> {
             Ok(bytes)
         })
         .collect()
-}
-
-pub(crate) fn median(mut v: Vec<Duration>) -> Duration {
-    v.sort();
-    v[v.len() / 2]
 }
 
 /// Which collective a timing loop runs.

@@ -18,10 +18,10 @@ use parking_lot::Mutex;
 
 use super::kernels::{kernel_name, Dir};
 use super::probe::driver_available;
-use crate::exchange::codec::{Codec, Compression, BLOCK};
 use crate::nn::batchnorm::RunningUpdate;
 use crate::nn::Geometry2d;
 use crate::optim::{OptimizerConfig, StepScalars};
+use crate::wire::{Codec, Compression, BLOCK};
 use crate::{Error, Result};
 
 /// Threads per block of the block-per-channel reductions; must equal `REDUCE_BLOCK` in

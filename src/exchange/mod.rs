@@ -51,6 +51,7 @@ pub mod stats;
 pub mod tree;
 
 use crate::error::Result;
+pub use crate::world::wait::Wait;
 
 /// Where an exchange's values live, and how the step sees a piece of them.
 pub trait Memory: 'static {
@@ -84,28 +85,6 @@ impl Memory for Host {
 
     fn len(v: &&[f32]) -> usize {
         v.len()
-    }
-}
-
-/// How a thread waits for its peers (in an exchange) or for its next message.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub enum Wait {
-    /// Spin for a short while, then sleep: when every thread has a core of its own.
-    Spin,
-    /// Sleep at once: when the threads outnumber the cores, a spinning thread takes the
-    /// core from the very thread it waits for.
-    Park,
-}
-
-impl Wait {
-    /// [`Wait::Spin`] when `threads` busy threads fit on the machine's cores,
-    /// [`Wait::Park`] otherwise.
-    pub fn for_threads(threads: usize) -> Wait {
-        if threads <= crate::devices::available_cores() {
-            Wait::Spin
-        } else {
-            Wait::Park
-        }
     }
 }
 

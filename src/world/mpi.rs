@@ -38,8 +38,8 @@ use mpi::traits::Communicator;
 use parking_lot::{Mutex, MutexGuard};
 
 use super::launch::Launch;
+use super::wait::Wait;
 use crate::error::{Error, Result};
-use crate::exchange::Wait;
 
 /// The tag of failure notices.
 const TAG_NOTICE: c_int = 0x4c53;

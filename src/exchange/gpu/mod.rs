@@ -22,7 +22,7 @@
 //! bit), the transport all-gathers every rank's wires, so that every GPU holds all R
 //! logical replicas' wires in replica order, and every GPU runs the same reduce kernel on
 //! those same bytes — each wire decoded, the R values added in f32 in the canonical tree
-//! over replica indices (`shm::tree_sum`'s), the sum encoded — then decodes the encoded
+//! over replica indices (`tree::tree_sum`'s), the sum encoded — then decodes the encoded
 //! sum, which the update reads. Equal bytes through one kernel give equal bits: every
 //! replica reads the same sum; and the sum is a function of the R wires alone, so it is
 //! bitwise the CPU exchange's on the same slots (but for which NaN a sum holding a NaN
