@@ -53,6 +53,7 @@ pub mod checkpoint;
 pub mod cuda;
 pub mod data;
 pub mod devices;
+pub mod digest;
 pub mod dirlock;
 pub mod error;
 pub mod exchange;
