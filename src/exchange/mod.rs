@@ -48,10 +48,12 @@ pub mod mpi;
 mod nccl;
 pub mod shm;
 pub mod stats;
+pub mod transport;
 pub mod tree;
 
 use crate::error::Result;
 pub use crate::world::wait::Wait;
+pub use transport::RunTransport;
 
 /// Where an exchange's values live, and how the step sees a piece of them.
 pub trait Memory: 'static {
