@@ -149,6 +149,9 @@ impl Abort for GpuGroup {
 }
 
 /// One rank of a [`GpuGroup`].
+// One per device thread, held for the whole run: its size does not matter, and a box
+// would put an indirection on every collective call.
+#[allow(clippy::large_enum_variant)]
 pub enum GpuRank<'g> {
     Nccl(NcclRank<'g>),
     Copies(CopyRank<'g>),
