@@ -6,7 +6,7 @@
 //! register; one that no declaration reaches fails the test rather than go unseen). An
 //! edge A → B says that A names something B defines: `use crate::…`, `use super::…`,
 //! `use self::…`, a `use` of a child module, `use crate::{…}` groups, `lockstep::…` in
-//! the binary, and the same paths written inline in code (`crate::memory::human(…)`).
+//! the binary, and the same paths written inline in code (`crate::units::human(…)`).
 //! A name a module re-exports (`pub use x::Y`) is followed to the file that defines it,
 //! so `crate::train::TrainConfig` is an edge to `train/config.rs`, not to `train/mod.rs`.
 //! A module's own children are part of it: what its file names of them (declaring,

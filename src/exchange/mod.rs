@@ -24,6 +24,9 @@
 //! | either GPU transport, with 16-bit gradients (one process) | [`gpu::DeviceMemory`] | the codec's: one tree over all R shard indices | [`gpu`] |
 //! | MPI between processes (CPU; the `mpi` feature) | [`Host`] | the same tree over all R shard indices, cut into per-process subtrees ([`tree`]) | `mpi` |
 //!
+//! Which of them a run uses, and which features each carries, is [`RunTransport`]'s
+//! ([`transport`]): the one table a run is wired by.
+//!
 //! A slot holds `[gradient sum of the shard | the shard's updated BatchNorm buffers]`
 //! (`width` values); the sum of every slot is what the update reads: the gradient part
 //! divided by the global batch, the buffer part by the number of shards that saw data.
