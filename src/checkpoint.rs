@@ -25,17 +25,26 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
+use crate::digest::Fnv1a;
 use crate::dirlock::DirLock;
 use crate::error::{Error, Result};
 use crate::fsutil::write_atomic;
 use crate::nn::loss::Metrics;
 use crate::nn::{ParamStore, Sequential};
 use crate::optim::Optimizer;
-use crate::train::BestEpoch;
 use crate::weights::{f32_values, read_file, to_safetensors_bytes};
 
 const PREFIX: &str = "checkpoint-";
 const SUFFIX: &str = ".safetensors";
+
+/// The epoch with the lowest held-out loss: what early stopping and `save_best` compare
+/// against, kept in a checkpoint so that a resumed run compares against the same.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct BestEpoch {
+    /// 0-based.
+    pub epoch: usize,
+    pub metrics: Metrics,
+}
 
 /// Where a run stands: what a checkpoint restores.
 #[derive(Clone, Debug, PartialEq)]
@@ -87,13 +96,7 @@ pub enum Fallback {
 
 /// 64-bit FNV-1a over a sequence of byte slices.
 fn checksum<'a>(parts: impl IntoIterator<Item = &'a [u8]>) -> u64 {
-    let mut h = 0xcbf2_9ce4_8422_2325u64;
-    for p in parts {
-        for &b in p {
-            h = (h ^ b as u64).wrapping_mul(0x100_0000_01b3);
-        }
-    }
-    h
+    parts.into_iter().fold(Fnv1a::new(), Fnv1a::bytes).finish()
 }
 
 /// The checksum of a checkpoint: every metadata entry (position, configuration) and

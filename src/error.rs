@@ -136,7 +136,7 @@ pub enum Error {
 
     /// What a run or a command would allocate exceeds the memory available: the estimate,
     /// its parts, and what the machine has.
-    #[error("{what} needs an estimated {} but {} {}: {parts}", crate::memory::human(*needed), crate::memory::human(*available), available_from)]
+    #[error("{what} needs an estimated {} but {} {}: {parts}", crate::units::human(*needed), crate::units::human(*available), available_from)]
     OutOfMemory { what: String, needed: u64, available: u64, available_from: &'static str, parts: String },
 }
 

@@ -41,6 +41,9 @@
 //! | [`checkpoint`] | checkpoints and exact resume |
 //! | [`dirlock`] | one run per checkpoint directory (an advisory lock) |
 //! | [`memory`] | memory estimated before any work, refused when it does not fit |
+//! | [`units`] | bytes and counts as people read them (a leaf) |
+//! | [`digest`] | FNV-1a, the hash of every digest compared: checkpoints, datasets, processes, replicas (a leaf) |
+//! | [`wire`] | the 16-bit gradient codec's wire format, below both `exchange` and `cuda` (a leaf) |
 //! | [`weights`] | safetensors weights in PyTorch's names and layouts |
 //! | [`safetensors_io`] | the container: headers checked before mapping, reproducible bytes |
 //! | [`devices`] | `--devices` specifications |
@@ -53,6 +56,7 @@ pub mod checkpoint;
 pub mod cuda;
 pub mod data;
 pub mod devices;
+pub mod digest;
 pub mod dirlock;
 pub mod error;
 pub mod exchange;
@@ -68,7 +72,9 @@ pub mod safetensors_io;
 pub mod spec;
 pub mod tensor;
 pub mod train;
+pub mod units;
 pub mod weights;
+pub mod wire;
 pub mod world;
 
 pub use error::{Error, Result};

@@ -15,10 +15,10 @@ use std::path::Path;
 use safetensors::tensor::{Dtype, SafeTensors, TensorView};
 
 use crate::error::{Error, Result};
-use crate::exchange::codec::{bf16_bits, fp16_bits};
 use crate::fsutil::write_atomic;
 use crate::nn::{ParamStore, Sequential, TensorInfo};
 use crate::safetensors_io::{self, MappedFile, TensorData};
+use crate::wire::{bf16_bits, bf16_value, fp16_bits, fp16_value};
 
 /// The dtype a weights file is written in (`--save-dtype`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -116,8 +116,8 @@ pub fn float_values(view: &TensorView<'_>) -> Option<Vec<f32>> {
     let halves = || view.data().chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]]));
     match view.dtype() {
         Dtype::F32 => Some(f32_values(view)),
-        Dtype::BF16 => Some(halves().map(crate::exchange::codec::bf16_value).collect()),
-        Dtype::F16 => Some(halves().map(crate::exchange::codec::fp16_value).collect()),
+        Dtype::BF16 => Some(halves().map(bf16_value).collect()),
+        Dtype::F16 => Some(halves().map(fp16_value).collect()),
         _ => None,
     }
 }

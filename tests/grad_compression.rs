@@ -11,7 +11,7 @@ mod common;
 use lockstep::data::digits::{load_digits, DigitsLayout};
 use lockstep::devices::Devices;
 use lockstep::exchange::codec::{Codec, Compression, BLOCK};
-use lockstep::exchange::shm::tree_sum;
+use lockstep::exchange::tree::tree_sum;
 use lockstep::models::{self, ConvnetOptions, Norm};
 use lockstep::train::{train_data_parallel, TrainConfig};
 

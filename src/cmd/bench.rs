@@ -5,6 +5,7 @@
 use std::io::Write;
 
 use crate::cmd::features::FeatureArgs;
+use crate::cmd::timing::median;
 use crate::*;
 
 #[derive(Args, Debug)]
@@ -111,11 +112,6 @@ fn parse_sizes(text: &str) -> CliResult<Vec<usize>> {
             Ok(bytes)
         })
         .collect()
-}
-
-pub(crate) fn median(mut v: Vec<Duration>) -> Duration {
-    v.sort();
-    v[v.len() / 2]
 }
 
 /// Which collective a timing loop runs.
@@ -375,11 +371,7 @@ fn bench_gpu_allreduce(
     (iters, warmup): (usize, usize),
     compression: lockstep::exchange::codec::Compression,
 ) -> CliResult {
-    use lockstep::exchange::gpu::{transport_for, Transport};
-    let transport = match transport_for(ordinals) {
-        Transport::Nccl => "nccl",
-        Transport::Copies => "device copies",
-    };
+    let transport = lockstep::exchange::RunTransport::from(lockstep::exchange::gpu::transport_for(ordinals)).name();
     let out = &mut std::io::stdout();
     let sum = match compression {
         lockstep::exchange::codec::Compression::None => "f32 sum".to_string(),
@@ -443,18 +435,10 @@ fn time_gpu_allreduce(
     rounds: (usize, usize),
     compression: lockstep::exchange::codec::Compression,
 ) -> lockstep::Result<Duration> {
-    use lockstep::exchange::gpu::{transport_for, CopyGroup, NcclGroup, Transport};
+    use lockstep::exchange::gpu::{transport_for, GpuGroup};
     let codec = lockstep::exchange::codec::Codec::new(compression, count);
-    match transport_for(ordinals) {
-        Transport::Nccl => {
-            let group = NcclGroup::new(ordinals, count)?;
-            time_gpu_ranks(ordinals, count, rounds, codec, &group, |r, s| group.join(r, s))
-        }
-        Transport::Copies => {
-            let group = CopyGroup::new(ordinals, count)?;
-            time_gpu_ranks(ordinals, count, rounds, codec, &group, |r, s| group.join(r, s))
-        }
-    }
+    let group = GpuGroup::new(transport_for(ordinals), ordinals, count)?;
+    time_gpu_ranks(ordinals, count, rounds, codec, &group, |r, s| group.join(r, s))
 }
 
 /// One thread per rank of `group` (joined by `join`): after the warm-up each queues

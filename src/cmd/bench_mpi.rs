@@ -17,7 +17,7 @@ use lockstep::exchange::mpi::{plain_all_reduce, MpiGroup, MpiRank};
 use lockstep::exchange::Exchange;
 use lockstep::world::World;
 
-use crate::cmd::bench::median;
+use crate::cmd::timing::median;
 use crate::*;
 
 /// Back-to-back sums per sample: about 1 MiB moved, between 1 and 100.

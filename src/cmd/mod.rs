@@ -8,4 +8,5 @@ pub mod eval;
 pub mod features;
 pub mod files;
 pub mod signals;
+pub mod timing;
 pub mod train;

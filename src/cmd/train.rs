@@ -727,8 +727,8 @@ pub(crate) fn cmd_train(a: TrainArgs, given: &BTreeSet<String>) -> CliResult {
     let available = lockstep::memory::available();
     say(format!(
         "lockstep: memory: an estimated {} of the {} {}",
-        lockstep::memory::human(estimate.total()),
-        available.map_or("unknown".to_string(), |m| lockstep::memory::human(m.bytes)),
+        lockstep::units::human(estimate.total()),
+        available.map_or("unknown".to_string(), |m| lockstep::units::human(m.bytes)),
         available.map_or("", |m| m.source),
     ));
 

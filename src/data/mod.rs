@@ -11,6 +11,7 @@ pub mod idx;
 pub mod safetensors_file;
 pub mod toy;
 
+use crate::digest::Fnv1a;
 use crate::error::{Error, Result};
 use crate::rng::{derive_key, purpose, SplitMix64};
 use crate::tensor::Shape;
@@ -159,21 +160,12 @@ impl Dataset {
     /// two datasets with the same digest hold, for all practical purposes, the same
     /// samples in the same order. Checkpoints use it to refuse resuming on other data.
     pub fn digest(&self) -> u64 {
-        let mut h = 0xcbf2_9ce4_8422_2325u64;
-        let mut eat = |bytes: &[u8]| {
-            for &b in bytes {
-                h = (h ^ b as u64).wrapping_mul(0x100_0000_01b3);
-            }
+        let h = self.sample_shape.dims().iter().fold(Fnv1a::new(), |h, &d| h.u64_le(d as u64));
+        let h = match &self.features {
+            Features::F32(v) => v.iter().fold(h, |h, x| h.bytes(&x.to_le_bytes())),
+            Features::U8(v) => h.bytes(v),
         };
-        for d in self.sample_shape.dims() {
-            eat(&(*d as u64).to_le_bytes());
-        }
-        match &self.features {
-            Features::F32(v) => v.iter().for_each(|x| eat(&x.to_le_bytes())),
-            Features::U8(v) => eat(v),
-        }
-        self.labels.iter().for_each(|l| eat(&l.to_le_bytes()));
-        h
+        self.labels.iter().fold(h, |h, l| h.bytes(&l.to_le_bytes())).finish()
     }
 
     /// Copies the samples `indices` (in that order) into `x` as f32 and their labels into

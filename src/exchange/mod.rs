@@ -24,6 +24,9 @@
 //! | either GPU transport, with 16-bit gradients (one process) | [`gpu::DeviceMemory`] | the codec's: one tree over all R shard indices | [`gpu`] |
 //! | MPI between processes (CPU; the `mpi` feature) | [`Host`] | the same tree over all R shard indices, cut into per-process subtrees ([`tree`]) | `mpi` |
 //!
+//! Which of them a run uses, and which features each carries, is [`RunTransport`]'s
+//! ([`transport`]): the one table a run is wired by.
+//!
 //! A slot holds `[gradient sum of the shard | the shard's updated BatchNorm buffers]`
 //! (`width` values); the sum of every slot is what the update reads: the gradient part
 //! divided by the global batch, the buffer part by the number of shards that saw data.
@@ -48,9 +51,12 @@ pub mod mpi;
 mod nccl;
 pub mod shm;
 pub mod stats;
+pub mod transport;
 pub mod tree;
 
 use crate::error::Result;
+pub use crate::world::wait::Wait;
+pub use transport::RunTransport;
 
 /// Where an exchange's values live, and how the step sees a piece of them.
 pub trait Memory: 'static {
@@ -84,28 +90,6 @@ impl Memory for Host {
 
     fn len(v: &&[f32]) -> usize {
         v.len()
-    }
-}
-
-/// How a thread waits for its peers (in an exchange) or for its next message.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub enum Wait {
-    /// Spin for a short while, then sleep: when every thread has a core of its own.
-    Spin,
-    /// Sleep at once: when the threads outnumber the cores, a spinning thread takes the
-    /// core from the very thread it waits for.
-    Park,
-}
-
-impl Wait {
-    /// [`Wait::Spin`] when `threads` busy threads fit on the machine's cores,
-    /// [`Wait::Park`] otherwise.
-    pub fn for_threads(threads: usize) -> Wait {
-        if threads <= crate::devices::available_cores() {
-            Wait::Spin
-        } else {
-            Wait::Park
-        }
     }
 }
 

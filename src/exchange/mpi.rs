@@ -84,9 +84,9 @@ use mpi::ffi::MPI_Request;
 use parking_lot::{Mutex, RwLock};
 
 use super::codec::{Codec, Compression, BLOCK};
-use super::shm::{tree_sum, SpinBarrier};
+use super::shm::SpinBarrier;
 use super::stats::StatsExchange;
-use super::tree;
+use super::tree::{self, tree_sum};
 use super::{Abort, Exchange, Host, Wait};
 use crate::error::{Error, Result};
 use crate::world::mpi::{MpiWorld, Port, Scalar};

@@ -3,7 +3,7 @@
 //! Every logical replica (shard) owns one send buffer in [`ShmGroup`]; its worker
 //! writes the shard's gradient there. The reduction is a reduce-scatter: rank d owns
 //! chunk d of the flat buffer, sums that chunk over ALL shard buffers in the canonical
-//! tree order over shard indices ([`tree_sum`]), and stores it in shared chunk d. After a
+//! tree order over shard indices ([`tree_sum`], of [`super::tree`]), and stores it in shared chunk d. After a
 //! barrier every rank reads the reduced chunks in place. Because the order depends on
 //! shard indices only, never on which device computed a shard, R logical replicas give
 //! bitwise the same sum on 1, 2 or 4 devices.
@@ -33,6 +33,7 @@ use parking_lot::{Condvar, Mutex, RwLock};
 
 use super::codec::{Codec, Wire, BLOCK};
 use super::stats::StatsExchange;
+use super::tree::tree_sum;
 use super::{Abort, Exchange, Host, Wait};
 use crate::error::{Error, Result};
 
@@ -123,46 +124,6 @@ impl SpinBarrier {
             self.woken.wait_for(&mut held, PARK_RECHECK);
         }
         Ok(())
-    }
-}
-
-/// Sums `bufs[i][range]` for every i in the canonical tree order into `out`.
-///
-/// The tree over n inputs splits at the largest power of two below n:
-/// sum(0..n) = sum(0..p) + sum(p..n). For 2 it is a+b, for 3 (a+b)+c, for 4
-/// (a+b)+(c+d). Elements are processed in blocks so the partial sums stay in L1.
-pub fn tree_sum(bufs: &[&[f32]], out: &mut [f32]) {
-    const BLOCK: usize = 1024;
-    match bufs {
-        [] => out.fill(0.0),
-        [a] => out.copy_from_slice(a),
-        [a, b] => {
-            for ((o, x), y) in out.iter_mut().zip(*a).zip(*b) {
-                *o = x + y;
-            }
-        }
-        _ => {
-            let mut scratch = vec![0.0f32; BLOCK * bufs.len().ilog2() as usize];
-            for start in (0..out.len()).step_by(BLOCK) {
-                let end = (start + BLOCK).min(out.len());
-                tree_block(bufs, start..end, &mut out[start..end], &mut scratch);
-            }
-        }
-    }
-}
-
-fn tree_block(bufs: &[&[f32]], r: Range<usize>, out: &mut [f32], scratch: &mut [f32]) {
-    if bufs.len() == 1 {
-        out.copy_from_slice(&bufs[0][r]);
-        return;
-    }
-    let p = 1usize << (bufs.len() - 1).ilog2();
-    let (left, right) = bufs.split_at(p);
-    tree_block(left, r.clone(), out, scratch);
-    let (tmp, rest) = scratch.split_at_mut(r.len());
-    tree_block(right, r, tmp, rest);
-    for (o, t) in out.iter_mut().zip(tmp.iter()) {
-        *o += t;
     }
 }
 
@@ -488,19 +449,6 @@ impl Abort for ShmGroup {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn tree_sum_follows_the_canonical_tree() {
-        // Five shards of unequal magnitudes, so that a different association would round
-        // differently; the result must equal the tree written out by hand.
-        let v: Vec<Vec<f32>> = (0..5).map(|i| vec![0.1f32 * (i as f32 + 1.0).powi(7); 3000]).collect();
-        let views: Vec<&[f32]> = v.iter().map(|b| b.as_slice()).collect();
-        let mut out = vec![0.0; 3000];
-        tree_sum(&views, &mut out);
-        let (a, b, c, d, e) = (v[0][0], v[1][0], v[2][0], v[3][0], v[4][0]);
-        let want = ((a + b) + (c + d)) + e;
-        assert!(out.iter().all(|&x| x == want));
-    }
 
     /// Every rank's copy of the sum, gathered from its pieces.
     fn gathered(me: &ShmRank<'_>) -> Vec<f32> {

@@ -1,9 +1,12 @@
 //! The canonical summation tree over shard indices, cut where shards meet different
 //! owners: what makes a sum over several processes bitwise the sum of one.
 //!
-//! Owns the shape of the tree and its evaluation over partial sums; [`super::shm::tree_sum`]
-//! owns its evaluation over whole shards. The tree over shards `lo..hi` splits at
-//! `lo + p`, `p` the largest power of two below `hi - lo`, as `tree_sum` does. When the
+//! Owns the shape of the tree ([`split`]) and its one evaluation ([`node_block`]), which
+//! every f32 sum of the crate's exchanges runs: [`tree_sum`] over whole shards (the
+//! shared-memory exchange, the codec's reduce, each process's part under MPI) and
+//! [`sum_leaves`] over partial sums. The tree over shards `lo..hi` splits at `lo + p`,
+//! `p` the largest power of two below `hi - lo`: for 2 shards a+b, for 3 (a+b)+c, for 4
+//! (a+b)+(c+d). When the
 //! shards are owned by several processes (contiguous ranges, one per process), every node
 //! of the tree that lies wholly inside one owner's range can be summed by that owner
 //! alone — with `tree_sum` over its shards, which splits the same way — and only the
@@ -55,6 +58,30 @@ fn collect(node: Range<usize>, owners: &[Range<usize>], out: &mut Vec<Range<usiz
 /// Elements summed per pass, so that the partial sums of a pass stay in L1.
 const BLOCK: usize = 1024;
 
+/// Sums `bufs[i]` for every i (each as long as `out`) in the canonical tree over
+/// `0..bufs.len()` into `out`; zeros for no buffers.
+pub fn tree_sum(bufs: &[&[f32]], out: &mut [f32]) {
+    match bufs {
+        [] => out.fill(0.0),
+        [a] => out.copy_from_slice(a),
+        [a, b] => {
+            for ((o, x), y) in out.iter_mut().zip(*a).zip(*b) {
+                *o = x + y;
+            }
+        }
+        _ => {
+            // Each level of the tree holds its right child's block while its left one is
+            // summed; the canonical tree over n is ilog2(n) right children deep.
+            let shard = |node: &Range<usize>| (node.len() == 1).then(|| bufs[node.start]);
+            let mut scratch = vec![0.0f32; BLOCK * bufs.len().ilog2() as usize];
+            for start in (0..out.len()).step_by(BLOCK) {
+                let end = (start + BLOCK).min(out.len());
+                node_block(0..bufs.len(), &shard, start..end, &mut out[start..end], &mut scratch);
+            }
+        }
+    }
+}
+
 /// Sums the leaves' partial sums into `out` in the canonical tree over `0..n`: `leaves`
 /// are the ranges [`leaves`] returned, in order, each with its values (as long as `out`),
 /// and the result is bitwise `tree_sum` over the `n` shards the leaves summed.
@@ -77,34 +104,38 @@ pub fn sum_leaves(n: usize, leaves: &[(Range<usize>, &[f32])], out: &mut [f32]) 
             }
         }
         _ => {
+            let leaf = |node: &Range<usize>| match leaves.binary_search_by(|l| l.0.start.cmp(&node.start)) {
+                Ok(i) if leaves[i].0.end == node.end => Some(leaves[i].1),
+                _ => None,
+            };
             let mut scratch = vec![0.0f32; BLOCK * leaves.len()];
             for start in (0..out.len()).step_by(BLOCK) {
                 let end = (start + BLOCK).min(out.len());
-                node_block(0..n, leaves, start..end, &mut out[start..end], &mut scratch);
+                node_block(0..n, &leaf, start..end, &mut out[start..end], &mut scratch);
             }
         }
     }
 }
 
-/// `out` = the values of tree node `node` for the elements `elems`, as `tree_block` in
-/// shm.rs computes a node: left into `out`, right into scratch, then `out += right`.
-fn node_block(
+/// `out` = the values of tree node `node` for the elements `elems`: the node's own
+/// values where `values` has them (a shard, or a leaf's partial sum), else its left child
+/// into `out`, its right child into `scratch`, then `out += right`. The one evaluation of
+/// the tree: [`tree_sum`] and [`sum_leaves`] differ only in which nodes have values.
+fn node_block<'v>(
     node: Range<usize>,
-    leaves: &[(Range<usize>, &[f32])],
+    values: &impl Fn(&Range<usize>) -> Option<&'v [f32]>,
     elems: Range<usize>,
     out: &mut [f32],
     scratch: &mut [f32],
 ) {
-    if let Ok(i) = leaves.binary_search_by(|l| l.0.start.cmp(&node.start)) {
-        if leaves[i].0.end == node.end {
-            out.copy_from_slice(&leaves[i].1[elems]);
-            return;
-        }
+    if let Some(v) = values(&node) {
+        out.copy_from_slice(&v[elems]);
+        return;
     }
     let mid = split(node.start, node.end);
-    node_block(node.start..mid, leaves, elems.clone(), out, scratch);
+    node_block(node.start..mid, values, elems.clone(), out, scratch);
     let (tmp, rest) = scratch.split_at_mut(elems.len());
-    node_block(mid..node.end, leaves, elems, tmp, rest);
+    node_block(mid..node.end, values, elems, tmp, rest);
     for (o, t) in out.iter_mut().zip(tmp.iter()) {
         *o += t;
     }
@@ -112,7 +143,6 @@ fn node_block(
 
 #[cfg(test)]
 mod tests {
-    use super::super::shm::tree_sum;
     use super::*;
 
     /// Shard i's values: magnitudes from 1e-3 to 1e5 and both signs, so that another
@@ -134,6 +164,19 @@ mod tests {
     /// Every way of cutting `0..n` into `p` consecutive non-empty ranges of equal size.
     fn even(n: usize, p: usize) -> Vec<Range<usize>> {
         (0..p).map(|q| q * n / p..(q + 1) * n / p).collect()
+    }
+
+    #[test]
+    fn tree_sum_follows_the_canonical_tree() {
+        // Five shards of unequal magnitudes, so that a different association would round
+        // differently; the result must equal the tree written out by hand.
+        let v: Vec<Vec<f32>> = (0..5).map(|i| vec![0.1f32 * (i as f32 + 1.0).powi(7); 3000]).collect();
+        let views: Vec<&[f32]> = v.iter().map(|b| b.as_slice()).collect();
+        let mut out = vec![0.0; 3000];
+        tree_sum(&views, &mut out);
+        let (a, b, c, d, e) = (v[0][0], v[1][0], v[2][0], v[3][0], v[4][0]);
+        let want = ((a + b) + (c + d)) + e;
+        assert!(out.iter().all(|&x| x == want));
     }
 
     #[test]

@@ -20,6 +20,7 @@ use std::ops::Range;
 use super::replica::check_replicas;
 use super::scatter;
 use super::{ShardReport, StepReport, TrainConfig};
+use crate::digest::Fnv1a;
 use crate::error::{Error, Result};
 use crate::exchange::gpu::{new_clique_id, Clique};
 use crate::nn::loss::Metrics;
@@ -76,11 +77,9 @@ pub(super) fn clique(world: &World, local: usize) -> Result<Clique> {
     Ok(Clique { id, ranks: local * world.size(), first: world.rank() * local })
 }
 
-/// FNV-1a over 64-bit words.
+/// FNV-1a over 64-bit words, each as its 8 little-endian bytes.
 fn fnv(words: impl IntoIterator<Item = u64>) -> u64 {
-    words.into_iter().fold(0xcbf2_9ce4_8422_2325u64, |h, w| {
-        w.to_le_bytes().iter().fold(h, |h, &b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3))
-    })
+    words.into_iter().fold(Fnv1a::new(), Fnv1a::u64_le).finish()
 }
 
 /// What every process of a run must agree on before the first step, by name.

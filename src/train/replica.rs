@@ -13,6 +13,7 @@ use std::ops::Range;
 use std::time::Duration;
 
 use super::Batch;
+use crate::digest::Fnv1a;
 use crate::error::{Error, Result};
 use crate::exchange::stats::StatsExchange;
 use crate::exchange::Memory;
@@ -175,9 +176,7 @@ pub trait Replica {
 /// sharded optimiser's state differs from device to device by design: only its step
 /// count is compared.
 pub fn fingerprints(model: &Sequential, store: &ParamStore, optimizer: &Optimizer) -> Vec<(String, u64)> {
-    let fnv = |v: &[f32]| {
-        v.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, x| (h ^ x.to_bits() as u64).wrapping_mul(0x100_0000_01b3))
-    };
+    let fnv = |v: &[f32]| v.iter().fold(Fnv1a::new(), |h, x| h.word(x.to_bits() as u64)).finish();
     let mut out = Vec::new();
     for t in model.param_infos() {
         out.push((t.name.clone(), fnv(&store.params[t.range.clone()])));

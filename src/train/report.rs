@@ -5,6 +5,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
+pub use crate::checkpoint::BestEpoch;
 use crate::nn::loss::Metrics;
 use crate::nn::ParamStore;
 use crate::optim::Optimizer;
@@ -134,14 +135,6 @@ pub enum Stopped {
     /// The stop flag was raised (a signal): the run ended after the step it was in,
     /// and wrote a checkpoint there if it has a checkpoint policy.
     Interrupted { checkpoint: Option<PathBuf> },
-}
-
-/// The epoch with the lowest held-out loss.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct BestEpoch {
-    /// 0-based.
-    pub epoch: usize,
-    pub metrics: Metrics,
 }
 
 /// What a run returns.

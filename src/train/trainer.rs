@@ -38,10 +38,10 @@ use crate::data::Dataset;
 use crate::devices::Devices;
 use crate::error::{Error, Result};
 use crate::exchange::codec::{Codec, Compression};
-use crate::exchange::gpu::{transport_for, CopyGroup, GpuExchange, NcclGroup, Transport};
+use crate::exchange::gpu::{transport_for, GpuExchange, GpuGroup, NcclGroup, Transport};
 use crate::exchange::shm::{ShmGroup, ShmStats};
 use crate::exchange::stats::StatsExchange;
-use crate::exchange::{Abort, Aborts, Exchange, Wait};
+use crate::exchange::{Abort, Aborts, Exchange, RunTransport, Wait};
 use crate::nn::loss::Metrics;
 use crate::nn::{ParamStore, Sequential};
 use crate::optim::{Optimizer, Sharding};
@@ -242,9 +242,10 @@ impl Trainer<'_> {
     pub(super) fn step_at(&mut self, batch: Batch, lr_scale: f32) -> Result<StepReport> {
         let global_len = batch.len();
         let rows = self.rows.rows(global_len);
-        let batch = match self.world.size() {
-            1 => batch,
-            _ => {
+        // This process's rows: all of them in a world of one.
+        let batch = match rows == (0..global_len) {
+            true => batch,
+            false => {
                 let per = batch.sample_shape.numel();
                 Batch {
                     x: batch.x[rows.start * per..rows.end * per].to_vec(),
@@ -322,14 +323,8 @@ impl Trainer<'_> {
                 m
             })
             .collect();
-        if self.world.size() > 1 {
-            return processes::merge_metrics(self.world, &local).map_err(|e| self.failing(e));
-        }
-        let mut total = Metrics::default();
-        for m in &local {
-            total.add(m);
-        }
-        Ok(total)
+        // Summed in global device order (in a world of one, this process's).
+        processes::merge_metrics(self.world, &local).map_err(|e| self.failing(e))
     }
 
     /// Class probabilities (N, K) for every sample of `batch`, split across this
@@ -384,7 +379,7 @@ impl Trainer<'_> {
         }
         let mut parts: Vec<Optimizer> = std::iter::once(first).chain(snapshots.map(|(_, o)| o)).collect();
         let held: usize = parts.iter().map(|p| p.range().len()).sum();
-        if self.world.size() > 1 && held < parts[0].params_len() {
+        if held < parts[0].params_len() {
             // Sharded across processes: every process's parts, gathered by every process
             // (each calls this at the same points of the run).
             parts = processes::gather_optimizer_parts(self.world, &parts).map_err(|e| self.failing(e))?;
@@ -473,12 +468,12 @@ pub fn with_trainer<T>(
         None => model.init(config.seed),
     };
     let width = model.params_len() + model.buffers_len();
-    if world.size() > 1 {
-        Handshake::of(devices.list(), replicas, width, config, &initial).agree(world)?;
-    }
+    // A world of one agrees with itself.
+    Handshake::of(devices.list(), replicas, width, config, &initial).agree(world)?;
     let k = replicas / in_world;
     let synchronized = crate::nn::batchnorm::has_synchronized_layers(model);
-    check_features(devices.list(), config, replicas, in_world, synchronized)?;
+    let transport = RunTransport::of(devices.list(), world.size());
+    check_features(transport, config, replicas, in_world, synchronized)?;
     let plan = Plan {
         world,
         rows: RowPlan::new(replicas, world.rank(), world.size()),
@@ -494,9 +489,9 @@ pub fn with_trainer<T>(
         messages: Wait::for_threads(n + 1),
     };
     let seed = config.seed;
-    let out = match devices.list()[0] {
+    let out = match transport {
         #[cfg(feature = "mpi")]
-        Device::Cpu(_) if world.size() > 1 => {
+        RunTransport::Mpi => {
             let codec = Codec::new(config.grad_compression, model.params_len());
             let group = crate::exchange::mpi::MpiGroup::new(world, n, replicas, width, plan.collective, codec)?;
             let stats: Vec<_> = (0..n).map(|r| group.stats(r)).collect();
@@ -508,7 +503,11 @@ pub fn with_trainer<T>(
                 |rank, _| Ok(group.rank(rank)),
             )
         }
-        Device::Cpu(_) => {
+        #[cfg(not(feature = "mpi"))]
+        RunTransport::Mpi => {
+            unreachable!("a world of several processes needs the mpi feature (world::init refuses it)")
+        }
+        RunTransport::SharedMemory => {
             let codec = Codec::new(config.grad_compression, model.params_len());
             let shm = ShmGroup::with_codec(n, replicas, width, plan.collective, codec)?;
             let stats: Vec<ShmStats<'_>> = (0..n).map(|r| shm.stats(r)).collect();
@@ -520,52 +519,39 @@ pub fn with_trainer<T>(
                 |rank, _| Ok(shm.rank(rank)),
             )
         }
-        Device::Cuda(_) => {
+        RunTransport::Nccl | RunTransport::NcclClique | RunTransport::DeviceCopies => {
             let ordinals = devices.cuda_ordinals();
             let codec = Codec::new(config.grad_compression, model.params_len());
             // Synchronized BatchNorm's statistics meet on the host, in the shared-memory
             // statistics exchange CPU devices use (a group of no gradient values).
             let stats_group = if synchronized { Some(ShmGroup::new(n, replicas, 0, plan.collective)?) } else { None };
             let stats: Vec<ShmStats<'_>> = stats_group.iter().flat_map(|g| (0..n).map(|r| g.stats(r))).collect();
-            match transport_for(&ordinals) {
-                Transport::Copies if world.size() > 1 => Err(Error::CudaUnavailable(format!(
-                    "the GPUs of several processes meet through NCCL only, and it cannot serve here \
-                     (it must load, 2.18 or later, and each process must name distinct GPUs; this one names {devices})"
-                ))),
-                Transport::Nccl => {
-                    let group = match world.size() {
-                        1 => NcclGroup::new(&ordinals, width)?,
-                        _ => NcclGroup::in_clique(&ordinals, width, processes::clique(world, n)?)?,
-                    };
-                    let abort = Aborts::new(&group, stats_group.as_ref().map(|g| g as &dyn Abort));
-                    plan.run(
-                        &abort,
-                        f,
-                        |rank, device, start| gpu_replica(device, start, seed, stats.get(rank), &abort),
-                        |rank, replica| {
-                            GpuExchange::new(group.join(rank, replica.stream())?, width, k)?.with_codec(codec)
-                        },
-                    )
+            let group = match transport {
+                RunTransport::NcclClique if transport_for(&ordinals) == Transport::Copies => Err(Error::CudaUnavailable(
+                    format!(
+                        "the GPUs of several processes meet through NCCL only, and it cannot serve here \
+                         (it must load, 2.18 or later, and each process must name distinct GPUs; this one names {devices})"
+                    ),
+                )),
+                RunTransport::NcclClique => {
+                    Ok(GpuGroup::Nccl(NcclGroup::in_clique(&ordinals, width, processes::clique(world, n)?)?))
                 }
-                Transport::Copies => {
-                    let group = CopyGroup::new(&ordinals, width)?;
-                    let abort = Aborts::new(&group, stats_group.as_ref().map(|g| g as &dyn Abort));
-                    plan.run(
-                        &abort,
-                        f,
-                        |rank, device, start| gpu_replica(device, start, seed, stats.get(rank), &abort),
-                        |rank, replica| {
-                            GpuExchange::new(group.join(rank, replica.stream())?, width, k)?.with_codec(codec)
-                        },
-                    )
-                }
-            }
+                RunTransport::Nccl => Ok(GpuGroup::new(Transport::Nccl, &ordinals, width)?),
+                _ => Ok(GpuGroup::new(Transport::Copies, &ordinals, width)?),
+            };
+            group.and_then(|group| {
+                let abort = Aborts::new(&group, stats_group.as_ref().map(|g| g as &dyn Abort));
+                plan.run(
+                    &abort,
+                    f,
+                    |rank, device, start| gpu_replica(device, start, seed, stats.get(rank), &abort),
+                    |rank, replica| GpuExchange::new(group.join(rank, replica.stream())?, width, k)?.with_codec(codec),
+                )
+            })
         }
     };
-    match out {
-        Err(e) if world.size() > 1 => Err(processes::settle(world, e)),
-        out => out,
-    }
+    // In a world of one there is no other process to hear from or tell.
+    out.map_err(|e| processes::settle(world, e))
 }
 
 /// A CPU replica from `start`, meeting the other replicas' statistics through `stats`
@@ -599,20 +585,17 @@ fn gpu_replica<'s>(
     })
 }
 
-/// The features of issue 12 a run asks for, against what its devices can do; checked
-/// before any worker starts. `in_world` counts every process's devices. In one process
-/// every feature runs on CPU and GPU devices alike (16-bit gradients through every
-/// transport, synchronized BatchNorm through the host's statistics exchange); what
-/// remains is synchronized BatchNorm's one logical replica per device, and on the GPUs of
-/// several processes, the two features whose wires are a single process's own.
+/// The features of issue 12 a run asks for, against what its transport carries
+/// ([`RunTransport`]'s capabilities); checked before any worker starts. `in_world` counts
+/// every process's devices. What every transport needs: synchronized BatchNorm's one
+/// logical replica per device.
 fn check_features(
-    devices: &[Device],
+    transport: RunTransport,
     config: &TrainConfig,
     replicas: usize,
     in_world: usize,
     synchronized: bool,
 ) -> Result<()> {
-    let gpu = matches!(devices[0], Device::Cuda(_));
     if synchronized && replicas != in_world {
         return Err(Error::config(
             "sync-batchnorm",
@@ -622,15 +605,14 @@ fn check_features(
             ),
         ));
     }
-    let processes = in_world > devices.len();
-    if gpu && processes && synchronized {
+    if synchronized && !transport.gathers_batchnorm_statistics() {
         return Err(Error::config(
             "sync-batchnorm",
             "synchronized BatchNorm on GPUs runs within one process so far (their statistics meet in this \
              process's shared memory; across processes only CPU devices gather them through MPI)",
         ));
     }
-    if gpu && processes && config.grad_compression != Compression::None {
+    if config.grad_compression != Compression::None && !transport.carries_16_bit_gradients() {
         return Err(Error::config(
             "grad-compression",
             format!(
@@ -781,23 +763,30 @@ mod tests {
         let plain = TrainConfig::default();
         let bf16 = TrainConfig { grad_compression: Compression::Bf16, ..TrainConfig::default() };
         let refusal = |r: Result<()>| r.expect_err("refused").to_string();
+        // The transport of `devices` among `in_world` devices (one process's GPUs: NCCL,
+        // whose features device copies share; asked without loading NCCL here).
+        let on = |devices: &[Device], in_world: usize| match (devices[0], in_world / devices.len()) {
+            (Device::Cpu(_), processes) => RunTransport::of(devices, processes),
+            (Device::Cuda(_), 1) => RunTransport::Nccl,
+            (Device::Cuda(_), _) => RunTransport::NcclClique,
+        };
 
         // In one process both kinds run both features (one logical replica per device).
         for devices in [&cpu[..], &gpu[..]] {
-            assert!(check_features(devices, &bf16, 2, 2, true).is_ok(), "{devices:?}");
+            assert!(check_features(on(devices, 2), &bf16, 2, 2, true).is_ok(), "{devices:?}");
         }
         // Synchronized BatchNorm needs R = the world's devices, on any kind.
         for devices in [&cpu[..], &gpu[..]] {
-            let e = refusal(check_features(devices, &plain, 4, 2, true));
+            let e = refusal(check_features(on(devices, 2), &plain, 4, 2, true));
             assert!(e.contains("sync-batchnorm") && e.contains("one logical replica per device, not 4 on 2"), "{e}");
         }
         // Across processes (4 devices in the world, 2 here): CPU devices run both ...
-        assert!(check_features(&cpu, &bf16, 4, 4, true).is_ok());
+        assert!(check_features(on(&cpu, 4), &bf16, 4, 4, true).is_ok());
         // ... GPUs neither, each refusal naming its flag.
-        let e = refusal(check_features(&gpu, &plain, 4, 4, true));
+        let e = refusal(check_features(on(&gpu, 4), &plain, 4, 4, true));
         assert!(e.contains("sync-batchnorm") && e.contains("within one process"), "{e}");
-        let e = refusal(check_features(&gpu, &bf16, 4, 4, false));
+        let e = refusal(check_features(on(&gpu, 4), &bf16, 4, 4, false));
         assert!(e.contains("grad-compression") && e.contains("bf16 gradients on GPUs run within one process"), "{e}");
-        assert!(check_features(&gpu, &plain, 4, 4, false).is_ok());
+        assert!(check_features(on(&gpu, 4), &plain, 4, 4, false).is_ok());
     }
 }

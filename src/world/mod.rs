@@ -19,6 +19,7 @@
 pub mod launch;
 #[cfg(feature = "mpi")]
 pub(crate) mod mpi;
+pub mod wait;
 
 use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, OnceLock};
@@ -166,7 +167,7 @@ impl World {
                     m.rank(),
                     m.host(),
                     m.on_this_host(),
-                    crate::devices::available_cores()
+                    launch::cores_for_this_process()
                 ));
             }
         }

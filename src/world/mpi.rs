@@ -38,8 +38,9 @@ use mpi::traits::Communicator;
 use parking_lot::{Mutex, MutexGuard};
 
 use super::launch::Launch;
+use super::wait::Wait;
+use crate::digest::fnv1a;
 use crate::error::{Error, Result};
-use crate::exchange::Wait;
 
 /// The tag of failure notices.
 const TAG_NOTICE: c_int = 0x4c53;
@@ -324,10 +325,6 @@ pub(crate) struct MpiWorld {
     host: String,
 }
 
-fn fnv(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3))
-}
-
 impl MpiWorld {
     /// `MPI_Init_thread` at `MPI_THREAD_SERIALIZED`, the notice receive, and who runs
     /// where (every process's pid and machine, to watch the ones on this machine).
@@ -378,7 +375,7 @@ impl MpiWorld {
             library,
             host,
         };
-        let me = [std::process::id() as u64, fnv(world.host.as_bytes())];
+        let me = [std::process::id() as u64, fnv1a(world.host.as_bytes())];
         let all = world.all_gather(&me)?;
         world.peers = (0..size)
             .filter(|&q| q != rank)

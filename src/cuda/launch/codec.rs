@@ -5,13 +5,13 @@
 //! Owns: [`WireGeom`], where one slot's wire lies in device memory, [`CODEC_THREADS`],
 //! and one safe method per kernel, each checking its buffers against the wire geometry
 //! before the typed launch of `cuda::kernels::codec`. What is encoded, and how, is the
-//! codec's (`exchange::codec`): the kernels equal it bit for bit.
+//! codec's (`wire`): the kernels equal it bit for bit.
 
 use cudarc::driver::{CudaView, CudaViewMut, LaunchConfig};
 
 use super::{check_len, dim, elem_cfg, DevIn, DevOut, Gpu};
 use crate::cuda::kernels::codec;
-use crate::exchange::codec::{Codec, Compression, BLOCK};
+use crate::wire::{Codec, Compression, BLOCK};
 use crate::{Error, Result};
 
 /// Threads per block of kernels/codec.cu (`CODEC_THREADS`), one block per codec block of
@@ -23,7 +23,7 @@ pub const CODEC_THREADS: u32 = 256;
 /// fp16's block exponents (one signed byte per 1,024 values) right after them, then, on a
 /// 256-byte boundary, the `raw` f32 values past the encoded part. Wires of one buffer lie
 /// [`WireGeom::bytes`] apart, a multiple of 256, so that every wire, code and float starts
-/// aligned. What is encoded, and how, is the codec's (`exchange::codec`).
+/// aligned. What is encoded, and how, is the codec's (`wire`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct WireGeom {
     /// Bf16 or Fp16 (a codec exists for those alone).
@@ -91,7 +91,7 @@ impl WireGeom {
 
 impl Gpu {
     /// Encodes slots `0..k` of `src` (slot j at `j·stride`, `g.width()` values each) into
-    /// wires `0..k` of `wires` (wire j at `j·g.bytes()`), as `exchange::codec` encodes.
+    /// wires `0..k` of `wires` (wire j at `j·g.bytes()`), as `wire` encodes.
     /// src: (k, stride) f32 (the last slot may end at its width) -> wires: (k, bytes)
     pub fn wire_encode(
         &self,

@@ -22,7 +22,7 @@
 //! bit), the transport all-gathers every rank's wires, so that every GPU holds all R
 //! logical replicas' wires in replica order, and every GPU runs the same reduce kernel on
 //! those same bytes — each wire decoded, the R values added in f32 in the canonical tree
-//! over replica indices (`shm::tree_sum`'s), the sum encoded — then decodes the encoded
+//! over replica indices (`tree::tree_sum`'s), the sum encoded — then decodes the encoded
 //! sum, which the update reads. Equal bytes through one kernel give equal bits: every
 //! replica reads the same sum; and the sum is a function of the R wires alone, so it is
 //! bitwise the CPU exchange's on the same slots (but for which NaN a sum holding a NaN
@@ -52,7 +52,7 @@ pub use copies::{CopyGroup, CopyRank};
 pub use nccl_group::{new_clique_id, Clique, NcclGroup, NcclRank};
 
 use super::codec::Codec;
-use super::{Exchange, Memory};
+use super::{Abort, Exchange, Memory};
 use crate::cuda::launch::WireGeom;
 use crate::cuda::probe::{driver_available, gpu_count};
 use crate::cuda::Gpu;
@@ -102,6 +102,95 @@ fn choose_transport(ordinals: &[usize], nccl_usable: impl FnOnce() -> bool) -> T
         Transport::Copies
     } else {
         Transport::Nccl
+    }
+}
+
+/// A group of GPUs, over whichever transport was chosen: what a run (`with_trainer`)
+/// and `bench allreduce` build, so that they are written once for both transports.
+pub enum GpuGroup {
+    Nccl(NcclGroup),
+    Copies(CopyGroup),
+}
+
+impl GpuGroup {
+    /// A group of one process's GPUs `ordinals` over `transport`, for buffers of `len`
+    /// values.
+    pub fn new(transport: Transport, ordinals: &[usize], len: usize) -> Result<GpuGroup> {
+        Ok(match transport {
+            Transport::Nccl => GpuGroup::Nccl(NcclGroup::new(ordinals, len)?),
+            Transport::Copies => GpuGroup::Copies(CopyGroup::new(ordinals, len)?),
+        })
+    }
+
+    /// Rank `rank`'s side of the group, ordered after `compute` (see the transports'
+    /// `join`).
+    pub fn join(&self, rank: usize, compute: &Arc<CudaStream>) -> Result<GpuRank<'_>> {
+        Ok(match self {
+            GpuGroup::Nccl(g) => GpuRank::Nccl(g.join(rank, compute)?),
+            GpuGroup::Copies(g) => GpuRank::Copies(g.join(rank, compute)?),
+        })
+    }
+}
+
+impl Abort for GpuGroup {
+    fn abort(&self) {
+        match self {
+            GpuGroup::Nccl(g) => g.abort(),
+            GpuGroup::Copies(g) => g.abort(),
+        }
+    }
+
+    fn is_aborted(&self) -> bool {
+        match self {
+            GpuGroup::Nccl(g) => g.is_aborted(),
+            GpuGroup::Copies(g) => g.is_aborted(),
+        }
+    }
+}
+
+/// One rank of a [`GpuGroup`].
+// One per device thread, held for the whole run: its size does not matter, and a box
+// would put an indirection on every collective call.
+#[allow(clippy::large_enum_variant)]
+pub enum GpuRank<'g> {
+    Nccl(NcclRank<'g>),
+    Copies(CopyRank<'g>),
+}
+
+impl DeviceAllReduce for GpuRank<'_> {
+    fn all_reduce_sum(&mut self, buf: &mut CudaViewMut<'_, f32>) -> Result<()> {
+        match self {
+            GpuRank::Nccl(r) => r.all_reduce_sum(buf),
+            GpuRank::Copies(r) => r.all_reduce_sum(buf),
+        }
+    }
+
+    fn all_gather_bytes(&mut self, buf: &mut CudaViewMut<'_, u8>, part: usize) -> Result<()> {
+        match self {
+            GpuRank::Nccl(r) => r.all_gather_bytes(buf, part),
+            GpuRank::Copies(r) => r.all_gather_bytes(buf, part),
+        }
+    }
+
+    fn compute_stream(&self) -> &Arc<CudaStream> {
+        match self {
+            GpuRank::Nccl(r) => r.compute_stream(),
+            GpuRank::Copies(r) => r.compute_stream(),
+        }
+    }
+
+    fn is_aborted(&self) -> bool {
+        match self {
+            GpuRank::Nccl(r) => r.is_aborted(),
+            GpuRank::Copies(r) => r.is_aborted(),
+        }
+    }
+
+    fn rank_and_world(&self) -> (usize, usize) {
+        match self {
+            GpuRank::Nccl(r) => r.rank_and_world(),
+            GpuRank::Copies(r) => r.rank_and_world(),
+        }
     }
 }
 
