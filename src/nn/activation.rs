@@ -7,7 +7,7 @@ use rayon::prelude::*;
 use serde_json::{json, Value};
 
 use super::gpu::{Backward, Forward, GpuLayer};
-use super::spec_entry::{Build, LayerType};
+use super::spec_entry::{Activation, Build, LayerType};
 use super::{Ctx, InputGrad, Layer, LayerMemory, LayerShapes, Mode, Params, ParamsMut};
 
 /// Elements per parallel task of the elementwise layers: large enough that a task costs
@@ -15,6 +15,16 @@ use super::{Ctx, InputGrad, Layer, LayerMemory, LayerShapes, Mode, Params, Param
 const CHUNK: usize = 1 << 16;
 use crate::error::{Error, Result};
 use crate::tensor::{Shape, Tensor};
+
+impl Activation {
+    /// `layer`, followed by its activation layer: a ReLU for `"activation": "relu"`.
+    pub fn after(self, layer: Box<dyn Layer>) -> Vec<Box<dyn Layer>> {
+        match self {
+            Activation::Linear => vec![layer],
+            Activation::Relu => vec![layer, Box::new(Relu::new())],
+        }
+    }
+}
 
 /// max(x, 0). The gradient at exactly 0 is 0, as in PyTorch.
 #[derive(Clone, Debug, Default)]

@@ -847,7 +847,8 @@ impl SyncNode {
         out: BnStats<'_>,
         g: BnGeom,
     ) -> Result<()> {
-        let SyncWith { with, aborted } = sync;
+        let SyncWith { stats, shard, aborted } = sync;
+        let with = Synchronized { stats, replica: shard };
         let node = self;
         let stream = gpu.stream();
         gpu.batchnorm_moments_fwd(x, &mut node.part.as_view_mut(), g)?;
@@ -890,7 +891,8 @@ impl SyncNode {
         grads: BnGrads<'_>,
         g: BnGeom,
     ) -> Result<()> {
-        let SyncWith { with, aborted } = sync;
+        let SyncWith { stats, shard, aborted } = sync;
+        let with = Synchronized { stats, replica: shard };
         let node = self;
         let stream = gpu.stream();
         gpu.batchnorm_sums_bwd(x, dy, &saved, &mut node.part.as_view_mut(), g)?;

@@ -24,10 +24,10 @@ use std::time::Duration;
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaEvent, CudaSlice, CudaView, CudaViewMut};
 
-use super::batchnorm::Synchronized;
 use super::window::Window2d;
 use crate::cuda::{ConvGeom, DropoutKey, Gpu};
 use crate::error::{Error, Result};
+use crate::exchange::stats::StatsExchange;
 use crate::tensor::Shape;
 
 /// One layer of a GPU network, as its op sees it: its place, its per-sample shapes and
@@ -107,10 +107,12 @@ pub enum Pass<'b, 'v> {
 }
 
 /// Where a training pass's synchronized BatchNorm layers meet the other logical
-/// replicas' statistics, and the abort flag the host's waits for them poll.
+/// replicas' statistics (the statistics exchange, and the shard, this logical replica's
+/// index), and the abort flag the host's waits for them poll.
 #[derive(Clone, Copy)]
 pub struct SyncWith<'p> {
-    pub with: Synchronized<'p>,
+    pub stats: &'p dyn StatsExchange,
+    pub shard: usize,
     pub aborted: &'p dyn Fn() -> bool,
 }
 

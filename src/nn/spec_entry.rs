@@ -14,7 +14,7 @@ use std::sync::Arc;
 
 use serde_json::{json, Map, Value};
 
-use super::{Layer, Padding, Relu};
+use super::{Layer, Padding};
 use crate::tensor::Shape;
 
 /// The largest integer a size field (filters, units, kernel, input dimension) may hold.
@@ -89,7 +89,8 @@ fn per_sample(input: &Shape) -> Shape {
     Shape::new(&input.dims()[1..])
 }
 
-/// What a conv2d or dense layer applies after itself.
+/// What a conv2d or dense layer applies after itself (`Activation::after`, beside the
+/// activation layers in `nn::activation`).
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub enum Activation {
     Linear,
@@ -102,14 +103,6 @@ impl Activation {
         match self {
             Activation::Linear => "linear",
             Activation::Relu => "relu",
-        }
-    }
-
-    /// `layer`, followed by a ReLU for `"activation": "relu"`.
-    pub fn after(self, layer: Box<dyn Layer>) -> Vec<Box<dyn Layer>> {
-        match self {
-            Activation::Linear => vec![layer],
-            Activation::Relu => vec![layer, Box::new(Relu::new())],
         }
     }
 }
