@@ -67,6 +67,30 @@ fn sharded_runs_are_bitwise_the_replicated_ones() {
     assert!(sharded.weights == replicated.weights && sharded.optimizer == replicated.optimizer);
 }
 
+/// A model smaller than one codec block (the toy MLP's 192 values, blocks of 1,024): with
+/// 16-bit gradients the first device's part holds every parameter and the second's none.
+/// The first is still a part, which the replica check and the state's gathering treat as
+/// one (found by the guide's examples: the check compared a part's m and v with the other
+/// part's step count, and failed at step 1).
+#[test]
+fn a_part_that_holds_every_parameter_is_still_a_part() {
+    let data = lockstep::data::toy::toy();
+    let model = models::toy_mlp(2, 2).unwrap();
+    let cfg = TrainConfig {
+        epochs: 3,
+        batch_size: 4,
+        optimizer: OptimizerConfig::adam(0.01),
+        grad_compression: Compression::Bf16,
+        check_replicas_every: Some(1),
+        ..Default::default()
+    };
+    let replicated = train_data_parallel(&model, &data.train, None, &cpu(2), &cfg).unwrap();
+    let sharded = TrainConfig { optimizer_sharding: Sharding::Sharded, ..cfg };
+    let sharded = train_data_parallel(&model, &data.train, None, &cpu(2), &sharded).unwrap();
+    assert!(sharded.weights == replicated.weights, "weights");
+    assert!(sharded.optimizer == replicated.optimizer && sharded.optimizer.is_whole(), "optimiser state");
+}
+
 /// Each device holds Adam's m and v for its chunk of the flat parameters only: the chunks
 /// of the exchange's reduce-scatter, cut in multiples of 16 values, so each device holds
 /// at most ⌈(P + Q)/N⌉ rounded up to 16 of the P parameters (Q buffers follow them in the

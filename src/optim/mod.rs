@@ -178,6 +178,10 @@ pub struct Optimizer {
     range: Range<usize>,
     /// Length of the whole flat parameter buffer.
     len: usize,
+    /// One device's part of a sharded optimiser ([`Optimizer::shard`]), whatever its
+    /// range: a part may hold every parameter (a small model whose first part takes
+    /// all), and is still a part, which the others' complete.
+    part: bool,
     /// SGD: the momentum buffer (empty without momentum). Adam: the first moment m.
     /// Both of `range.len()` values.
     m: Vec<f32>,
@@ -189,7 +193,7 @@ impl Optimizer {
     /// Zero state for `num_params` values.
     pub fn new(config: OptimizerConfig, num_params: usize) -> Optimizer {
         let zeros = |name| if config.state_names().contains(&name) { vec![0.0; num_params] } else { Vec::new() };
-        Optimizer { config, t: 0, range: 0..num_params, len: num_params, m: zeros("m"), v: zeros("v") }
+        Optimizer { config, t: 0, range: 0..num_params, len: num_params, part: false, m: zeros("m"), v: zeros("v") }
     }
 
     /// The part of this optimiser for the parameters `range` (clipped to its own range):
@@ -198,7 +202,15 @@ impl Optimizer {
         let r = range.start.clamp(self.range.start, self.range.end)..range.end.clamp(self.range.start, self.range.end);
         let local = r.start - self.range.start..r.end - self.range.start;
         let part = |v: &Vec<f32>| if v.is_empty() { Vec::new() } else { v[local.clone()].to_vec() };
-        Optimizer { config: self.config, t: self.t, range: r, len: self.len, m: part(&self.m), v: part(&self.v) }
+        Optimizer {
+            config: self.config,
+            t: self.t,
+            range: r,
+            len: self.len,
+            part: true,
+            m: part(&self.m),
+            v: part(&self.v),
+        }
     }
 
     /// The whole optimiser from parts that cover `0..len` without overlap (any order), all
@@ -257,7 +269,7 @@ impl Optimizer {
             return None;
         }
         let f = |w: &[u64]| w.iter().map(|&b| f32::from_bits(b as u32)).collect::<Vec<_>>();
-        Some(Optimizer { config, t, range, len, m: f(&rest[..m_len]), v: f(&rest[m_len..]) })
+        Some(Optimizer { config, t, range, len, part: true, m: f(&rest[..m_len]), v: f(&rest[m_len..]) })
     }
 
     /// Length of the whole flat parameter buffer (a part's too).
@@ -270,9 +282,15 @@ impl Optimizer {
         self.range.clone()
     }
 
-    /// True when it holds the state of every parameter (not a shard).
+    /// True when it holds the state of every parameter (a part may too).
     pub fn is_whole(&self) -> bool {
         self.range == (0..self.len)
+    }
+
+    /// True for one device's part of a sharded optimiser, even one that holds every
+    /// parameter: the replicas of a sharded run differ in their state by design.
+    pub fn is_part(&self) -> bool {
+        self.part
     }
 
     /// Bytes of optimiser state it holds (m and v, f32).

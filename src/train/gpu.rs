@@ -54,17 +54,15 @@ impl<'s> GpuReplica<'s> {
         };
         let (model, store, optimizer) = start;
         let state = OptimizerState { config: *optimizer.config(), state: optimizer.state() };
+        // The configuration, the step count and whether a part, without the state's host
+        // copy (an optimiser of no parameters holds no state).
+        let mut clock = Optimizer::new(*optimizer.config(), 0);
+        clock.restore(optimizer.steps(), &[])?;
+        if optimizer.is_part() {
+            clock = clock.shard(0..0);
+        }
         let net = GpuNet::new(ordinal, model, &store, state, Mark::ALL.len())?;
-        Ok(GpuReplica {
-            net,
-            // The configuration and the step count, without host copies of the state.
-            clock: optimizer.shard(0..0),
-            seed,
-            scalars: None,
-            staged: 0..0,
-            shards: Vec::new(),
-            stats: None,
-        })
+        Ok(GpuReplica { net, clock, seed, scalars: None, staged: 0..0, shards: Vec::new(), stats: None })
     }
 
     /// The replica whose synchronized BatchNorm layers meet the other replicas' through
@@ -162,7 +160,9 @@ impl Replica for GpuReplica<'_> {
     }
 
     fn shard_optimizer(&mut self, range: Range<usize>) -> Result<()> {
-        self.net.shard_optimizer(range)
+        self.net.shard_optimizer(range.clone())?;
+        self.clock = self.clock.shard(range);
+        Ok(())
     }
 
     /// The step's one wait (released by an abort), then its losses.
@@ -189,7 +189,8 @@ impl Replica for GpuReplica<'_> {
 
     fn snapshot(&mut self) -> Result<(ParamStore, Optimizer)> {
         let (store, state) = self.net.download()?;
-        let mut optimizer = Optimizer::new(*self.clock.config(), store.params.len()).shard(self.net.state_range());
+        let whole = Optimizer::new(*self.clock.config(), store.params.len());
+        let mut optimizer = if self.clock.is_part() { whole.shard(self.net.state_range()) } else { whole };
         optimizer.restore(self.clock.steps(), &state)?;
         Ok((store, optimizer))
     }

@@ -184,7 +184,7 @@ pub fn fingerprints(model: &Sequential, store: &ParamStore, optimizer: &Optimize
     for t in model.buffer_infos() {
         out.push((t.name.clone(), fnv(&store.buffers[t.range.clone()])));
     }
-    if optimizer.is_whole() {
+    if !optimizer.is_part() {
         for (name, v) in optimizer.state() {
             out.push((format!("optimizer.{name}"), fnv(v)));
         }

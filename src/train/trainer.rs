@@ -374,14 +374,15 @@ impl Trainer<'_> {
             *s
         });
         let (weights, first) = snapshots.next().expect("a run has a device");
-        if first.is_whole() {
+        if !first.is_part() {
             return Ok((weights, first));
         }
         let mut parts: Vec<Optimizer> = std::iter::once(first).chain(snapshots.map(|(_, o)| o)).collect();
-        let held: usize = parts.iter().map(|p| p.range().len()).sum();
-        if held < parts[0].params_len() {
+        if self.world.size() > 1 {
             // Sharded across processes: every process's parts, gathered by every process
-            // (each calls this at the same points of the run).
+            // (each calls this at the same points of the run). Decided by the world, which
+            // every process sees alike, never by the parts a process holds: with a small
+            // model one process's parts may hold every parameter and another's none.
             parts = processes::gather_optimizer_parts(self.world, &parts).map_err(|e| self.failing(e))?;
         }
         Ok((weights, Optimizer::merge(&parts)?))
