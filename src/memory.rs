@@ -3,13 +3,15 @@
 //! it exceeds what the machine has available — one error with the estimate and its
 //! parts, instead of an abort in the allocator an hour in, or a machine swapping.
 //!
-//! Owns: the estimate of a training run ([`training`]: weights, optimiser state,
-//! activations, the gradient exchange, the batches in flight), the machine's available
+//! Owns: an estimate by parts ([`Estimate`]), the activations of a model's training
+//! shard and evaluation batch (each layer's own account summed), the machine's available
 //! memory ([`available`]: `MemAvailable` of `/proc/meminfo`, lowered to what the cgroup's
-//! `memory.max` leaves), and the check ([`Estimate::check`], [`check_bytes`]).
-//! `with_trainer` calls [`check_training`] before it builds anything; the command line
-//! adds the data it loaded and checks before loading weights or checkpoints; the data
-//! loaders check a header's claimed size before reading a body.
+//! `memory.max` leaves), and the check ([`Estimate::check`], [`check_bytes`]). The
+//! estimate of a whole training run — weights, optimiser state, activations, the gradient
+//! exchange, the batches in flight — is the trainer's (`train::memory`), which builds on
+//! these: `with_trainer` checks it before it builds anything; the command line adds the
+//! data it loaded and checks before loading weights or checkpoints; the data loaders check
+//! a header's claimed size before reading a body.
 //!
 //! The activation estimate follows what the CPU layers keep between forward and backward,
 //! as each layer states it in its own module (`nn::Layer::memory`; [`shard_activations`]
@@ -23,13 +25,9 @@
 //! meant to be a little above, never to miss a term that grows with the model, the batch
 //! or the replicas.
 
-use crate::devices::Devices;
 use crate::error::{Error, Result};
 use crate::nn::{LayerMemory, Sequential};
-use crate::optim::OptimizerConfig;
-use crate::tensor::Device;
-use crate::train::TrainConfig;
-use crate::units::{count, human};
+use crate::units::human;
 
 /// One named part of an estimate.
 #[derive(Clone, Debug, PartialEq)]
@@ -186,216 +184,10 @@ pub fn eval_activations(model: &Sequential, batch: usize) -> u64 {
     per_sample.saturating_mul(batch as u64)
 }
 
-/// Optimiser state values per parameter, and what they are.
-fn optimizer_copies(o: &OptimizerConfig) -> (u64, &'static str) {
-    (o.state_names().len() as u64, o.state_description())
-}
-
-/// What a run of `model` on `devices` under `config` will allocate on the host. GPU
-/// devices add what their replicas hold on the GPU, checked by [`check_training`]
-/// against each GPU's memory.
-pub fn training(model: &Sequential, devices: &Devices, config: &TrainConfig) -> Estimate {
-    let n = devices.len().max(1) as u64;
-    let r = config.replicas.unwrap_or(devices.len()).max(1) as u64;
-    let (p, b) = (model.params_len() as u64, model.buffers_len() as u64);
-    let width = p.saturating_add(b);
-    let gpus = devices.list().iter().filter(|d| matches!(d, Device::Cuda(_))).count() as u64;
-    let cpus = n - gpus;
-    let mut e = Estimate::default();
-    // The initial weights made once, and each replica's copy of them (GPU replicas keep
-    // their host copy until they have uploaded it).
-    e.add(
-        "weights",
-        n.saturating_add(1).saturating_mul(width).saturating_mul(F32),
-        format!("{} copies of {} values", n + 1, count(width)),
-    );
-    let (copies, what) = optimizer_copies(&config.optimizer);
-    e.add(
-        "optimiser state",
-        cpus.saturating_mul(copies).saturating_mul(p).saturating_mul(F32),
-        format!("{what}, {cpus} replica(s)"),
-    );
-    if cpus > 0 {
-        let shard = config.batch_size.div_ceil(r as usize);
-        let train = shard_activations(model, shard, devices.threads_per_device());
-        let eval = eval_activations(model, config.eval_batch);
-        let (bytes, detail) = if train >= eval {
-            (train, format!("{cpus} device(s) × a shard of {shard} samples"))
-        } else {
-            (eval, format!("{cpus} device(s) × an evaluation batch of {}", config.eval_batch))
-        };
-        e.add("activations", cpus.saturating_mul(bytes), detail);
-        // One [params | buffers] slot per logical replica, plus the reduced chunks.
-        e.add(
-            "gradient exchange",
-            r.saturating_add(1).saturating_mul(width).saturating_mul(F32),
-            format!("{r} logical replica slots and the reduced chunks, {} values each", count(width)),
-        );
-    }
-    // What every run has whatever its model: measured as the peak of the toy lesson's run
-    // (14 MB) and what the convnet on the digits keeps beyond its counted parts (~60 MB).
-    e.add("process", PROCESS_BYTES, "the program, its threads' stacks, the allocator's caches");
-    let per_sample = model.input_shape().numel() as u64;
-    let in_flight = config.prefetch as u64 + 2;
-    e.add(
-        "batches",
-        in_flight.saturating_mul(config.batch_size as u64).saturating_mul(per_sample).saturating_mul(F32),
-        format!("{in_flight} global batches of {} samples in flight", config.batch_size),
-    );
-    e
-}
-
-/// What one GPU replica holds on its GPU: weights, gradients, optimiser state and one
-/// shard's activations (the CPU layers' count: the GPU's kernels keep the same tensors),
-/// and with 16-bit gradients its exchange's wires: every one of the `r` logical
-/// replicas' (2 bytes per gradient value, 4 per buffer value), their encoded sum, and
-/// that sum decoded.
-fn gpu_replica(model: &Sequential, config: &TrainConfig, shard: usize, r: usize) -> Estimate {
-    let (p, b) = (model.params_len() as u64, model.buffers_len() as u64);
-    let (copies, what) = optimizer_copies(&config.optimizer);
-    let mut e = Estimate::default();
-    e.add(
-        "weights and gradients",
-        p.saturating_mul(2).saturating_add(b).saturating_mul(F32),
-        "parameters, their gradients, buffers",
-    );
-    e.add("optimiser state", copies.saturating_mul(p).saturating_mul(F32), what);
-    e.add("activations", shard_activations(model, shard, 1), format!("a shard of {shard} samples"));
-    if config.grad_compression != crate::exchange::codec::Compression::None {
-        let wire = p.saturating_mul(2).saturating_add(b.saturating_mul(4));
-        let decoded = p.saturating_add(b).saturating_mul(F32);
-        e.add(
-            "16-bit wires",
-            wire.saturating_mul(r as u64 + 1).saturating_add(decoded),
-            format!("{r} logical replicas' wires, their sum, decoded"),
-        );
-    }
-    e
-}
-
-/// The check `with_trainer` makes before it allocates anything: the host estimate
-/// against the available memory, and each GPU's replicas against that GPU's memory.
-pub fn check_training(model: &Sequential, devices: &Devices, config: &TrainConfig) -> Result<()> {
-    training(model, devices, config).check("training")?;
-    let ordinals: Vec<usize> =
-        devices.list().iter().filter_map(|d| if let Device::Cuda(o) = d { Some(*o) } else { None }).collect();
-    if ordinals.is_empty() {
-        return Ok(());
-    }
-    let Ok(gpus) = crate::cuda::probe::gpus() else { return Ok(()) };
-    let r = config.replicas.unwrap_or(devices.len()).max(1);
-    let shard = config.batch_size.div_ceil(r);
-    for g in &gpus {
-        let here = ordinals.iter().filter(|&&o| o == g.ordinal).count() as u64;
-        if here == 0 {
-            continue;
-        }
-        let one = gpu_replica(model, config, shard, r);
-        let mut all = Estimate::default();
-        for part in one.parts() {
-            all.add(part.name, part.bytes.saturating_mul(here), format!("{} × {here} replica(s)", part.detail));
-        }
-        let available = Available { bytes: g.total_memory_bytes as u64, source: "on the GPU" };
-        all.check_against(&format!("training on cuda:{}", g.ordinal), available)?;
-    }
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::models;
-
-    #[test]
-    fn a_gpu_replica_with_16_bit_gradients_counts_its_wires() {
-        // Every one of the R = 4 logical replicas' wires (2 bytes per parameter, 4 per
-        // buffer value), their sum's, and that sum decoded to f32.
-        let model = models::convnet(models::ConvnetOptions::default()).unwrap();
-        let (p, b) = (model.params_len() as u64, model.buffers_len() as u64);
-        let plain = gpu_replica(&model, &TrainConfig::default(), 8, 4);
-        assert!(plain.parts().iter().all(|part| part.name != "16-bit wires"));
-        let config =
-            TrainConfig { grad_compression: crate::exchange::codec::Compression::Bf16, ..TrainConfig::default() };
-        let e = gpu_replica(&model, &config, 8, 4);
-        let wires = e.parts().iter().find(|part| part.name == "16-bit wires").expect("counted");
-        assert_eq!(wires.bytes, 5 * (2 * p + 4 * b) + 4 * (p + b));
-    }
-
-    #[test]
-    fn the_toy_run_is_counted_part_by_part() {
-        // toy MLP 2-30-20-2: 90 + 620 + 42 = 752 parameters, no buffers, in a flat buffer
-        // of 960 values (each of the 6 tensors starts on a multiple of 64: nn::TENSOR_ALIGN).
-        let model = models::toy_mlp(2, 2).unwrap();
-        let devices = Devices::cpu(2, 1).unwrap();
-        let config = TrainConfig { batch_size: 2, ..TrainConfig::default() };
-        let e = training(&model, &devices, &config);
-        let bytes: Vec<(&str, u64)> = e.parts().iter().map(|p| (p.name, p.bytes)).collect();
-        // weights: 3 copies × 960 × 4; Adam: 2 replicas × 2 × 960 × 4; exchange: (2 + 1) × 960 × 4;
-        // batches: 6 × 2 samples × 2 values × 4; the process: PROCESS_BYTES.
-        // Activations per sample: kept, the Dense inputs 2, 30, 20 as f32 (208 B) and the
-        // ReLU masks 30, 20 (50 B); around the running layer, the widest pair 2·30·4 and
-        // the sample's copy 2·4 (248 B). A training shard of 1 sample: 506 B; an
-        // evaluation batch of 512 needs only the 248: 126,976 B, the larger, on 2 devices.
-        assert_eq!(
-            bytes,
-            vec![
-                ("weights", 11_520),
-                ("optimiser state", 15_360),
-                ("activations", 253_952),
-                ("gradient exchange", 11_520),
-                ("process", 67_108_864),
-                ("batches", 96)
-            ]
-        );
-        assert_eq!(e.total(), 292_448 + 67_108_864);
-    }
-
-    #[test]
-    fn a_run_that_does_not_fit_is_refused_with_its_parts() {
-        // The issue: a spec Dense 10⁶ → 2000 (2·10⁹ parameters) aborted in the allocator.
-        let text = r#"{"input_shape": [1000000], "layers": [{"type": "dense", "units": 2000}, {"type": "dense", "units": 10}]}"#;
-        let model = crate::spec::model_from_spec_str(text, "big.json").unwrap();
-        let devices = Devices::cpu(1, 1).unwrap();
-        let config = TrainConfig { batch_size: 32, ..TrainConfig::default() };
-        let available = Available { bytes: 24_000_000_000, source: "available (MemAvailable)" };
-        let e = training(&model, &devices, &config).check_against("training", available).unwrap_err().to_string();
-        // 1e6·2000 + 2000 + 2000·10 + 10 = 2,000,022,010 parameters, no buffers, whose four
-        // tensors start on multiples of 64 in a flat buffer of 2,000,022,144 values
-        // (2,000,000,000 + 2,048 + 20,032 + 64): weights (2 copies), Adam (m, v) and the
-        // exchange (1 slot + the reduced chunks) are each 2 × 4 B × that = 16,000,177,152 B. Activations: the widest tensor is the input,
-        // 10⁶ values, so an evaluation batch of 512 (512 × (2·10⁶·4 + 10⁶·4) =
-        // 6,144,000,000 B) outweighs a training shard of 32. Batches: 6 × 32 × 10⁶ × 4 =
-        // 768,000,000; the process's 64 MiB. Total 54,979,640,320 B.
-        assert_eq!(
-            e,
-            "training needs an estimated 55.0 GB but 24.0 GB available (MemAvailable): \
-             weights 16.0 GB (2 copies of 2,000,022,144 values), \
-             optimiser state 16.0 GB (Adam's m and v, 1 replica(s)), \
-             gradient exchange 16.0 GB (1 logical replica slots and the reduced chunks, 2,000,022,144 values each), \
-             activations 6.1 GB (1 device(s) × an evaluation batch of 512), \
-             batches 768.0 MB (6 global batches of 32 samples in flight), \
-             process 67.1 MB (the program, its threads' stacks, the allocator's caches)"
-        );
-    }
-
-    #[test]
-    fn a_batch_of_a_hundred_thousand_convnet_samples_is_counted() {
-        // The issue: --batch-size 100000 exhausted memory. The convnet keeps per sample
-        // (f32 unless said): conv0 its input 784 and output 9,408; bn0 x̂ 9,408; relu0 a
-        // byte per 9,408; conv1 9,408 and 3,456; bn1 3,456; relu1 3,456 bytes; conv2 3,456
-        // and 1,152; bn2 1,152; relu2 1,152 bytes; dense0 its input 32; relu 256 bytes;
-        // dropout 256; dense1 its input 256: 183,168 B. Around the running layer: the
-        // widest pair 2·9,408·4 and the sample 784·4: 78,400 B. 261,568 B a sample.
-        let model = models::convnet(models::ConvnetOptions::default()).unwrap();
-        let devices = Devices::cpu(1, 1).unwrap();
-        assert_eq!(shard_activations(&model, 1, 1), 261_568 + 4 * (108 + 10_368 + 27_648));
-        let config = TrainConfig { batch_size: 100_000, ..TrainConfig::default() };
-        let e = training(&model, &devices, &config);
-        let acts = e.parts().iter().find(|p| p.name == "activations").unwrap();
-        // 100,000 × 261,568 + the conv weight-gradient partials of 16 groups: 16 × 38,124 × 4.
-        assert_eq!(acts.bytes, 26_156_800_000 + 16 * 38_124 * 4);
-        assert_eq!(acts.detail, "1 device(s) × a shard of 100000 samples");
-    }
 
     #[test]
     fn the_activation_figures_of_three_models_are_pinned() {

@@ -596,35 +596,9 @@ fn no_file_imports_itself_through_others() {
     assert!(found.is_empty(), "import cycles between files of src/:\n{}", describe(&found));
 }
 
-/// File edges that close folder cycles today and wait on changes beyond the one that
-/// wrote this test: (from, to, what breaks it). The folder graph is checked without
-/// them, and each must still be there (`the_edges_not_yet_broken_are_still_there`), so
-/// that the entry goes with the edge: this list only ever gets shorter. Never add to it.
-const NOT_YET: &[(&str, &str, &str)] = &[
-    ("memory.rs", "train/config.rs", "the training estimate (memory::training) moves into train/ or into the ops"),
-    ("tensor/mod.rs", "cuda/probe.rs", "Device::cuda_if_available and the vestigial Storage::Cuda"),
-    ("nn/batchnorm.rs", "exchange/stats.rs", "StatsExchange, the contract SyncBatchNorm calls, moves below nn"),
-    ("nn/mod.rs", "exchange/stats.rs", "the same: the layer context's `stats`"),
-];
-
-#[test]
-fn the_edges_not_yet_broken_are_still_there() {
-    let graph = crate_graph();
-    let files = graph.file_edges();
-    for (a, b, why) in NOT_YET {
-        let there = files.get(*a).is_some_and(|to| to.contains(*b));
-        assert!(there, "{a} → {b} is gone ({why}): remove its entry from NOT_YET");
-    }
-}
-
 #[test]
 fn no_folder_imports_itself_through_others() {
-    let mut graph = crate_graph();
-    let index = |f: &str| graph.modules.iter().position(|m| m.file == f);
-    let waiting: Vec<(usize, usize)> = NOT_YET.iter().filter_map(|(a, b, _)| Some((index(a)?, index(b)?))).collect();
-    for e in waiting {
-        graph.edges.remove(&e);
-    }
+    let graph = crate_graph();
     let edges = graph.folder_edges();
     println!("folder graph: {} nodes, {} edges", edges.len(), count_edges(&edges));
     let found = cycles(&edges);

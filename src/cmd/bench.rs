@@ -561,7 +561,7 @@ pub(crate) fn cmd_bench_step(a: BenchStepArgs) -> CliResult {
         a.features.config(TrainConfig { batch_size, optimizer, check_replicas_every: None, ..TrainConfig::default() });
     let total = a.warmup + a.steps;
     let kept = total.min(8);
-    let mut estimate = lockstep::memory::training(&model, &devices, &config);
+    let mut estimate = lockstep::train::memory::training(&model, &devices, &config);
     let per_batch = (batch_size as u64).saturating_mul(data.sample_shape().numel() as u64).saturating_mul(4);
     estimate.add("benchmark batches", kept.saturating_mul(per_batch), format!("{kept} batches of {batch_size}"));
     estimate.check("bench step").map_err(Failure::usage)?;

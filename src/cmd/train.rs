@@ -629,7 +629,7 @@ pub(crate) fn cmd_train(a: TrainArgs, given: &BTreeSet<String>) -> CliResult {
     // Memory before the weights, the checkpoint or any replica is allocated.
     let largest_held_out = splits.test.iter().chain(&final_test).map(Dataset::len).max().unwrap_or(0);
     let sized = TrainConfig { eval_batch: config.eval_batch.min(largest_held_out.max(1)), ..config.clone() };
-    let mut estimate = lockstep::memory::training(&model, &s.devices, &sized);
+    let mut estimate = lockstep::train::memory::training(&model, &s.devices, &sized);
     let held: u64 = splits.test.iter().chain(&final_test).map(|d| dataset_bytes(d, Evaluated::Yes)).sum();
     let data_bytes = dataset_bytes(&splits.train, Evaluated::No).saturating_add(held);
     estimate.add("data", data_bytes, "the datasets as loaded, and the held-out sets gathered as f32 for evaluation");

@@ -85,10 +85,10 @@ use parking_lot::{Mutex, RwLock};
 
 use super::codec::{Codec, Compression, BLOCK};
 use super::shm::SpinBarrier;
-use super::stats::StatsExchange;
 use super::tree::{self, tree_sum};
 use super::{Abort, Exchange, Host, Wait};
 use crate::error::{Error, Result};
+use crate::nn::stats::StatsExchange;
 use crate::world::mpi::{MpiWorld, Port, Scalar};
 use crate::world::World;
 

@@ -32,10 +32,10 @@ use std::time::{Duration, Instant};
 use parking_lot::{Condvar, Mutex, RwLock};
 
 use super::codec::{Codec, Wire, BLOCK};
-use super::stats::StatsExchange;
 use super::tree::tree_sum;
 use super::{Abort, Exchange, Host, Wait};
 use crate::error::{Error, Result};
+use crate::nn::stats::StatsExchange;
 
 /// A reusable barrier for `n` threads that gives up when the abort flag is raised. With
 /// [`Wait::Spin`] a waiter spins a few µs, then yields, then sleeps in short naps: the

@@ -13,7 +13,7 @@
 //! logical replica's shard together. Forward: each shard's per-channel (count, mean, M2)
 //! in f64 (the same Chan et al. merge of planes as the shard statistics), gathered from
 //! every logical replica through the context's statistics exchange
-//! (`exchange::stats`) and merged in logical-replica order with the same pairwise
+//! (`nn::stats`) and merged in logical-replica order with the same pairwise
 //! update — as stable as two passes, and the same numbers on every replica, in the same
 //! order whoever computed which shard. The running statistics move with the global
 //! statistics (the variance unbiased by the global count), so every shard's slot holds
@@ -43,13 +43,13 @@ use serde_json::{json, Value};
 
 use super::gpu::{poll, Backward, Forward, GpuLayer, Node, Pass, SyncWith};
 use super::spec_entry::{expect_images, Build, LayerType};
+use super::stats::StatsExchange;
 use super::{
     Ctx, Init, InputGrad, Layer, LayerMemory, LayerShapes, Mode, ParamSpec, Params, ParamsMut, Sequential, F32,
 };
 use crate::cuda::launch::{BnGeom, BnGrads, BnMerged, BnParams, BnSaved, BnStats, BnSums, BnUpdate};
 use crate::cuda::Gpu;
 use crate::error::{Error, Result};
-use crate::exchange::stats::StatsExchange;
 use crate::tensor::{Shape, Tensor};
 
 /// Whose batch statistics normalise in training.

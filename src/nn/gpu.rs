@@ -24,10 +24,10 @@ use std::time::Duration;
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaEvent, CudaSlice, CudaView, CudaViewMut};
 
+use super::stats::StatsExchange;
 use super::window::Window2d;
 use crate::cuda::{ConvGeom, DropoutKey, Gpu};
 use crate::error::{Error, Result};
-use crate::exchange::stats::StatsExchange;
 use crate::tensor::Shape;
 
 /// One layer of a GPU network, as its op sees it: its place, its per-sample shapes and

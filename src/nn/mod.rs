@@ -47,6 +47,7 @@ pub mod pool;
 pub mod reshape;
 mod sequential;
 pub mod spec_entry;
+pub mod stats;
 pub mod window;
 
 use std::ops::Range;
@@ -155,8 +156,8 @@ pub struct Ctx<'a> {
     /// it, so that accumulation draws the masks of the unaccumulated step.
     pub sample_offset: usize,
     /// Where synchronized BatchNorm layers meet the other logical replicas' statistics
-    /// (`exchange::stats`); None: a world of one, statistics of the shard alone.
-    pub stats: Option<&'a dyn crate::exchange::stats::StatsExchange>,
+    /// (`nn::stats`); None: a world of one, statistics of the shard alone.
+    pub stats: Option<&'a dyn stats::StatsExchange>,
 }
 
 impl<'a> Ctx<'a> {

@@ -114,17 +114,6 @@ pub enum Device {
     Cuda(usize),
 }
 
-impl Device {
-    /// A GPU if there is one, else the CPU: the portable default ("cuda:0" when a CUDA
-    /// driver reports a GPU, "cpu:0" otherwise, including when no driver is installed).
-    pub fn cuda_if_available() -> Device {
-        match crate::cuda::probe::gpu_count() {
-            Ok(n) if n > 0 => Device::Cuda(0),
-            _ => Device::Cpu(0),
-        }
-    }
-}
-
 impl fmt::Display for Device {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {

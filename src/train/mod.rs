@@ -22,6 +22,7 @@ mod config;
 mod cpu;
 mod fit;
 mod gpu;
+pub mod memory;
 mod processes;
 mod replica;
 mod report;

@@ -15,9 +15,9 @@ use std::time::Duration;
 use super::Batch;
 use crate::digest::Fnv1a;
 use crate::error::{Error, Result};
-use crate::exchange::stats::StatsExchange;
 use crate::exchange::Memory;
 use crate::nn::loss::Metrics;
+use crate::nn::stats::StatsExchange;
 use crate::nn::{ParamStore, Sequential};
 use crate::optim::Optimizer;
 

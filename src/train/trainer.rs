@@ -40,9 +40,9 @@ use crate::error::{Error, Result};
 use crate::exchange::codec::{Codec, Compression};
 use crate::exchange::gpu::{transport_for, GpuExchange, GpuGroup, NcclGroup, Transport};
 use crate::exchange::shm::{ShmGroup, ShmStats};
-use crate::exchange::stats::StatsExchange;
 use crate::exchange::{Abort, Aborts, Exchange, RunTransport, Wait};
 use crate::nn::loss::Metrics;
+use crate::nn::stats::StatsExchange;
 use crate::nn::{ParamStore, Sequential};
 use crate::optim::{Optimizer, Sharding};
 use crate::tensor::Device;
@@ -445,7 +445,7 @@ pub fn with_trainer<T>(
     let world = crate::world::current()?;
     // With several processes R counts them all, which overstates a process's slots: a
     // bound on the safe side.
-    crate::memory::check_training(model, devices, config)?;
+    super::memory::check_training(model, devices, config)?;
     let n = devices.len();
     let in_world = n * world.size();
     let replicas = config.replicas.unwrap_or(in_world);

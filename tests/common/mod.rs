@@ -516,7 +516,7 @@ pub struct Recorder {
     pub sent: std::sync::Mutex<Vec<Vec<f64>>>,
 }
 
-impl lockstep::exchange::stats::StatsExchange for Recorder {
+impl lockstep::nn::stats::StatsExchange for Recorder {
     fn replicas(&self) -> usize {
         2
     }

@@ -8,7 +8,7 @@
 //! and one safe method per kernel, each checking every buffer's length against the
 //! (N, C, H·W) it is given before the typed launch of `cuda::kernels::batchnorm`. The
 //! arithmetic of the running update and of what normalises is `nn::batchnorm`'s; the
-//! exchange of a synchronized pass's statistics is `cuda::net`'s and `exchange::stats`'.
+//! exchange of a synchronized pass's statistics is `cuda::net`'s and `nn::stats`'.
 
 use cudarc::driver::{CudaView, CudaViewMut};
 

@@ -1,7 +1,8 @@
-//! The statistics exchange: the small collective that synchronized BatchNorm makes in the
+//! The statistics exchange: the contract of the small collective that synchronized BatchNorm makes in the
 //! middle of a forward and of a backward pass (`--sync-batchnorm`).
 //!
-//! Owns the contract, [`StatsExchange`], and nothing of the arithmetic: a layer hands its
+//! Owns the contract, [`StatsExchange`], here below the layer that calls it so that `nn`
+//! needs nothing of `exchange`, whose transports implement it; and nothing of the arithmetic: a layer hands its
 //! logical replica's payload (a few f64 per channel) and gets every logical replica's
 //! back, in logical-replica order, the same on every rank; the layer then merges them in
 //! that order itself (`nn::batchnorm`), so every replica computes bitwise the same
