@@ -24,7 +24,7 @@ fn run(ranks: usize, count: usize, iters: u64, path: Path) -> Duration {
             .map(|r| {
                 let ex = &ex;
                 s.spawn(move || {
-                    let mut me = ex.rank(r);
+                    let mut me = ex.member(r);
                     let mut buf = vec![1.0f32; count];
                     me.with_slot(0, |slot| slot.fill(1.0));
                     // settle the threads on their cores before the clock starts

@@ -907,7 +907,7 @@ mod child {
                 let one = ShmGroup::with_codec(1, shards, len, Wait::Park, codec).unwrap();
                 let mut bitwise = true;
                 for step in 0..3 {
-                    let mut whole = one.rank(0);
+                    let mut whole = one.member(0);
                     for shard in 0..shards {
                         whole.with_slot(shard, |s| {
                             s.iter_mut().enumerate().for_each(|(i, v)| *v = value(shard, step, i))
@@ -920,7 +920,7 @@ mod child {
                             .map(|d| {
                                 let group = &group;
                                 s.spawn(move || {
-                                    let mut me = group.rank(d);
+                                    let mut me = group.member(d);
                                     let shard = rank * devices + d;
                                     me.with_slot(0, |s| {
                                         s.iter_mut().enumerate().for_each(|(i, v)| *v = value(shard, step, i))

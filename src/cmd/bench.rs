@@ -146,7 +146,7 @@ fn time_allreduce(run: AllreduceRun) -> CliResult<Duration> {
             .map(|r| {
                 let (ex, warm) = (&ex, &warm);
                 s.spawn(move || -> lockstep::Result<Vec<Duration>> {
-                    let mut me = ex.rank(r);
+                    let mut me = ex.member(r);
                     let mut run = || -> lockstep::Result<Vec<Duration>> {
                         let mut buf = vec![(r + 1) as f32; count];
                         me.with_slot(0, |slot| slot.fill((r + 1) as f32));

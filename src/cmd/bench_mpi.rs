@@ -13,7 +13,7 @@ use std::io::Write;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use lockstep::exchange::codec::{Codec, Compression};
-use lockstep::exchange::mpi::{plain_all_reduce, MpiGroup, MpiRank};
+use lockstep::exchange::mpi::{plain_all_reduce, MpiGroup, MpiMember};
 use lockstep::exchange::Exchange;
 use lockstep::world::World;
 
@@ -61,7 +61,7 @@ fn coded_sum_of_two(codec: &Codec, count: usize) -> Vec<f32> {
 }
 
 /// Whether the sum `x` holds is bitwise `want`.
-fn sum_is(x: &MpiRank<'_, '_>, want: &[f32]) -> lockstep::Result<bool> {
+fn sum_is(x: &MpiMember<'_, '_>, want: &[f32]) -> lockstep::Result<bool> {
     let mut same = true;
     x.for_each_sum(|off, piece| {
         same &= piece.iter().zip(&want[off..]).all(|(a, b)| a.to_bits() == b.to_bits());
@@ -91,8 +91,8 @@ fn time_all(
             .map(|d| {
                 let (coded, plain, failed) = (coded.as_ref(), &plain, &failed);
                 s.spawn(move || -> lockstep::Result<Out> {
-                    let mut me = plain.rank(d);
-                    let mut me_coded = coded.map(|g| g.rank(d));
+                    let mut me = plain.member(d);
+                    let mut me_coded = coded.map(|g| g.member(d));
                     let mut run = || -> lockstep::Result<Out> {
                         let fill = |slot: &mut [f32]| {
                             slot.iter_mut().enumerate().for_each(|(i, v)| *v = value(world.rank(), d, i))

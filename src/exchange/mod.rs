@@ -5,10 +5,10 @@
 //!
 //! The words, used the same way in every file: a **group** is the state of one run's
 //! exchange that its threads share (by reference: [`shm::ShmGroup`], [`gpu::NcclGroup`],
-//! [`gpu::CopyGroup`]; each implements [`Abort`]); a **rank** is one device thread's
-//! membership in a group ([`shm::ShmRank`], [`gpu::NcclRank`], [`gpu::CopyRank`]); a
+//! [`gpu::CopyGroup`]; each implements [`Abort`]); a **member** is one device thread's
+//! membership in a group ([`shm::ShmMember`], [`gpu::NcclMember`], [`gpu::CopyMember`]); a
 //! **slot** holds one logical replica's (shard's) `[gradient | buffers]`; the **exchange**
-//! of a device is what the step talks to ([`Exchange`]: the CPU's [`shm::ShmRank`], a
+//! of a device is what the step talks to ([`Exchange`]: the CPU's [`shm::ShmMember`], a
 //! GPU's [`gpu::GpuExchange`] over either rank). A *replica* is the model on a device
 //! (`train::replica`), never a transport's member.
 //! The step writes each of its logical replicas' (shards') gradient into that shard's

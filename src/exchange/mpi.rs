@@ -2,7 +2,7 @@
 //! summed bitwise as one process sums them.
 //!
 //! Owns [`MpiGroup`], the shared state of one run's exchange in one process, and
-//! [`MpiRank`], one device thread's side of it. The step sees an exchange like every
+//! [`MpiMember`], one device thread's side of it. The step sees an exchange like every
 //! other (`Exchange`); underneath it is hierarchical:
 //!
 //! ```text
@@ -428,9 +428,9 @@ impl<'w> MpiGroup<'w> {
     }
 
     /// The handle of local device thread `device`.
-    pub fn rank(&self, device: usize) -> MpiRank<'_, 'w> {
+    pub fn member(&self, device: usize) -> MpiMember<'_, 'w> {
         assert!(device < self.devices, "device {device} of {}", self.devices);
-        MpiRank { group: self, device }
+        MpiMember { group: self, device }
     }
 
     /// Local device thread `device`'s side of the statistics exchange.
@@ -947,19 +947,19 @@ impl Abort for MpiGroup<'_> {
 }
 
 /// One local device thread's side of an [`MpiGroup`].
-pub struct MpiRank<'g, 'w> {
+pub struct MpiMember<'g, 'w> {
     group: &'g MpiGroup<'w>,
     device: usize,
 }
 
-impl MpiRank<'_, '_> {
+impl MpiMember<'_, '_> {
     /// Returns when every local device thread has called it (benchmarks).
     pub fn barrier(&self) -> Result<()> {
         self.group.barrier.wait(&self.group.aborted)
     }
 }
 
-impl Exchange for MpiRank<'_, '_> {
+impl Exchange for MpiMember<'_, '_> {
     type Mem = Host;
 
     fn width(&self) -> usize {

@@ -202,9 +202,9 @@ impl ShmGroup {
     }
 
     /// The handle of rank `rank`.
-    pub fn rank(&self, rank: usize) -> ShmRank<'_> {
+    pub fn member(&self, rank: usize) -> ShmMember<'_> {
         assert!(rank < self.ranks, "rank {rank} of {}", self.ranks);
-        ShmRank { ex: self, rank }
+        ShmMember { ex: self, rank }
     }
 
     /// Rank `rank`'s side of the statistics exchange (one logical replica per rank).
@@ -235,12 +235,12 @@ impl ShmGroup {
 }
 
 /// One rank's view of a [`ShmGroup`]: its side of the exchange.
-pub struct ShmRank<'a> {
+pub struct ShmMember<'a> {
     ex: &'a ShmGroup,
     rank: usize,
 }
 
-impl ShmRank<'_> {
+impl ShmMember<'_> {
     /// Reduce-scatter: sums this rank's chunk over every shard buffer (canonical tree
     /// order) into the shared reduced chunk, then waits until every chunk is reduced.
     /// With a single shard and no codec there is nothing to reduce and it returns at once.
@@ -272,7 +272,7 @@ impl ShmRank<'_> {
     }
 }
 
-impl Exchange for ShmRank<'_> {
+impl Exchange for ShmMember<'_> {
     type Mem = Host;
 
     fn width(&self) -> usize {
@@ -451,7 +451,7 @@ mod tests {
     use super::*;
 
     /// Every rank's copy of the sum, gathered from its pieces.
-    fn gathered(me: &ShmRank<'_>) -> Vec<f32> {
+    fn gathered(me: &ShmMember<'_>) -> Vec<f32> {
         let mut out = vec![f32::NAN; me.width()];
         me.for_each_sum(|off, v| {
             out[off..off + v.len()].copy_from_slice(v);
@@ -472,7 +472,7 @@ mod tests {
                     .map(|d| {
                         let ex = &ex;
                         s.spawn(move || {
-                            let mut me = ex.rank(d);
+                            let mut me = ex.member(d);
                             for j in 0..shards / ranks {
                                 let shard = d * (shards / ranks) + j;
                                 me.with_slot(j, |slot| {
@@ -504,7 +504,7 @@ mod tests {
                 .map(|r| {
                     let ex = &ex;
                     s.spawn(move || {
-                        let mut me = ex.rank(r);
+                        let mut me = ex.member(r);
                         let mut sum: Vec<f32> = (0..len).map(|i| (r * 1000 + i) as f32).collect();
                         crate::exchange::all_reduce_in_place(&mut me, &mut sum).unwrap();
                         sum
@@ -520,10 +520,10 @@ mod tests {
         // One rank: nothing to do, nothing changes.
         let one = ShmGroup::new(1, 1, 4, Wait::Spin).unwrap();
         let mut v = vec![1.0, 2.0, 3.0, 4.0];
-        crate::exchange::all_reduce_in_place(&mut one.rank(0), &mut v).unwrap();
+        crate::exchange::all_reduce_in_place(&mut one.member(0), &mut v).unwrap();
         assert_eq!(v, vec![1.0, 2.0, 3.0, 4.0]);
         // A buffer of another length is refused, naming both lengths.
-        let e = crate::exchange::all_reduce_in_place(&mut one.rank(0), &mut [0.0; 3]).unwrap_err().to_string();
+        let e = crate::exchange::all_reduce_in_place(&mut one.member(0), &mut [0.0; 3]).unwrap_err().to_string();
         assert!(e.contains("buffer of 3 values for an exchange of 4"), "{e}");
     }
 
@@ -532,7 +532,7 @@ mod tests {
         for wait in [Wait::Spin, Wait::Park] {
             let ex = ShmGroup::new(2, 2, 4, wait).unwrap();
             std::thread::scope(|s| {
-                let h = s.spawn(|| ex.rank(0).barrier());
+                let h = s.spawn(|| ex.member(0).barrier());
                 std::thread::sleep(Duration::from_millis(20));
                 ex.abort();
                 assert!(matches!(h.join().unwrap(), Err(Error::Aborted)), "{wait:?}");
@@ -594,7 +594,7 @@ mod tests {
         // into its owned chunk of the parameters only; afterwards every rank holds them all.
         let (ranks, np, nb) = (3, 100, 20);
         let ex = ShmGroup::new(ranks, ranks, np + nb, Wait::Park).unwrap();
-        let owned: Vec<Range<usize>> = (0..ranks).map(|d| ex.rank(d).owned()).collect();
+        let owned: Vec<Range<usize>> = (0..ranks).map(|d| ex.member(d).owned()).collect();
         assert_eq!(owned, vec![0..48, 48..96, 96..120], "chunks of 16-value multiples");
         let got: Vec<Vec<f32>> = std::thread::scope(|s| {
             let hs: Vec<_> = (0..ranks)
@@ -606,7 +606,7 @@ mod tests {
                         for (i, p) in params.iter_mut().enumerate().take(mine.end).skip(mine.start) {
                             *p = (1000 * d + i) as f32;
                         }
-                        ex.rank(d).all_gather(&mut params).unwrap();
+                        ex.member(d).all_gather(&mut params).unwrap();
                         params
                     })
                 })

@@ -501,7 +501,7 @@ pub fn with_trainer<T>(
                 &group,
                 f,
                 |rank, device, start| Ok(cpu_replica(device, start, seed, stats(rank))),
-                |rank, _| Ok(group.rank(rank)),
+                |rank, _| Ok(group.member(rank)),
             )
         }
         #[cfg(not(feature = "mpi"))]
@@ -517,7 +517,7 @@ pub fn with_trainer<T>(
                 &shm,
                 f,
                 |rank, device, start| Ok(cpu_replica(device, start, seed, stats(rank))),
-                |rank, _| Ok(shm.rank(rank)),
+                |rank, _| Ok(shm.member(rank)),
             )
         }
         RunTransport::Nccl | RunTransport::NcclClique | RunTransport::DeviceCopies => {

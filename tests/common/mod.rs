@@ -425,7 +425,7 @@ pub fn shm_exchange(ranks: usize, codec: Codec, slots: &[Vec<f32>]) -> Vec<Vec<f
             .map(|d| {
                 let group = &group;
                 s.spawn(move || {
-                    let mut me = group.rank(d);
+                    let mut me = group.member(d);
                     let per = shards / ranks;
                     for j in 0..per {
                         me.with_slot(j, |slot| slot.copy_from_slice(&slots[d * per + j]));

@@ -1,14 +1,14 @@
 //! The device-copy transport between GPUs: where NCCL cannot serve (absent or too old)
 //! or may not (one GPU given twice, as in `cuda:0,0`, which NCCL forbids).
 //!
-//! Owns: [`CopyGroup`] (shared by reference) and [`CopyRank`] (one worker's view). The
+//! Owns: [`CopyGroup`] (shared by reference) and [`CopyMember`] (one worker's view). The
 //! scheme is the CPU exchange's reduce-scatter / all-gather ([`crate::exchange::shm`]): the
 //! buffer is cut into `world` chunks; rank r copies chunk r of every rank's buffer into a
 //! (world, chunk) staging buffer on its own GPU, sums it with kernels/reduce.cu in rank
 //! order (rank 0 + rank 1 + ..., left to right) into chunk r of its own buffer, then
 //! copies every other chunk from its owner. Each element is summed once, in one order,
 //! and copied everywhere: every rank ends bitwise equal. The all-gather of 16-bit wires
-//! ([`CopyRank::all_gather_bytes`]) is that scheme's second phase alone: rank r copies
+//! ([`CopyMember::all_gather_bytes`]) is that scheme's second phase alone: rank r copies
 //! every other rank's part of the buffer from its owner.
 //!
 //! Ranks publish their buffer (device pointer and context) in the group for the duration
@@ -95,28 +95,28 @@ impl CopyGroup {
         })
     }
 
-    /// Number of ranks.
-    pub fn world(&self) -> usize {
+    /// Number of members.
+    pub fn members(&self) -> usize {
         self.ordinals.len()
     }
 
     /// Called once by rank `rank`'s worker thread, on that thread. `compute` is the
     /// rank's compute stream, from its own context on `ordinals[rank]`.
-    pub fn join(&self, rank: usize, compute: &Arc<CudaStream>) -> Result<CopyRank<'_>> {
+    pub fn join(&self, rank: usize, compute: &Arc<CudaStream>) -> Result<CopyMember<'_>> {
         let ctx = check_join(&self.ordinals, rank, compute)?;
-        let inner = || -> Result<CopyRank<'_>> {
+        let inner = || -> Result<CopyMember<'_>> {
             if self.is_aborted() {
                 return Err(Error::Aborted);
             }
             let streams = Streams::new(ctx.clone(), compute.clone())?;
             let widest = self.chunks.iter().map(|c| c.len()).max().unwrap_or(0);
-            Ok(CopyRank {
+            Ok(CopyMember {
                 group: self,
                 rank,
-                staging: streams.comm.alloc_zeros::<f32>((self.world() * widest).max(1))?,
+                staging: streams.comm.alloc_zeros::<f32>((self.members() * widest).max(1))?,
                 // The reduce kernel runs on the communication stream.
                 gpu: Gpu::on_stream(streams.comm.clone())?,
-                peer_tried: vec![false; self.world()],
+                peer_tried: vec![false; self.members()],
                 streams,
             })
         };
@@ -167,7 +167,7 @@ impl Abort for CopyGroup {
 }
 
 /// One rank's view of a [`CopyGroup`], with its streams, staging and reduce kernel.
-pub struct CopyRank<'g> {
+pub struct CopyMember<'g> {
     group: &'g CopyGroup,
     rank: usize,
     /// The rank's streams: calls start after the compute stream's queued work, and its
@@ -181,7 +181,7 @@ pub struct CopyRank<'g> {
     peer_tried: Vec<bool>,
 }
 
-impl CopyRank<'_> {
+impl CopyMember<'_> {
     /// This rank's index.
     pub fn rank(&self) -> usize {
         self.rank
@@ -194,22 +194,22 @@ impl CopyRank<'_> {
     /// once on one rank or for empty buffers.
     pub fn all_reduce_sum(&mut self, buf: &mut impl DevOut) -> Result<()> {
         let mut buf = buf.view_mut();
-        check_buffer("CopyRank::all_reduce_sum", &buf, self.group.len, &self.streams.ctx, self.rank)?;
-        if self.group.world() == 1 || self.group.len == 0 {
+        check_buffer("CopyMember::all_reduce_sum", &buf, self.group.len, &self.streams.ctx, self.rank)?;
+        if self.group.members() == 1 || self.group.len == 0 {
             return Ok(());
         }
         self.call(|me| me.all_reduce(&mut buf))
     }
 
     /// Copies `root`'s `buf` into every rank's `buf` (same ordering rules as
-    /// [`CopyRank::all_reduce_sum`]).
+    /// [`CopyMember::all_reduce_sum`]).
     pub fn broadcast(&mut self, buf: &mut impl DevOut, root: usize) -> Result<()> {
         let mut buf = buf.view_mut();
-        check_buffer("CopyRank::broadcast", &buf, self.group.len, &self.streams.ctx, self.rank)?;
-        if root >= self.group.world() {
-            return Err(Error::config("broadcast root", format!("rank {root} of a group of {}", self.group.world())));
+        check_buffer("CopyMember::broadcast", &buf, self.group.len, &self.streams.ctx, self.rank)?;
+        if root >= self.group.members() {
+            return Err(Error::config("broadcast root", format!("rank {root} of a group of {}", self.group.members())));
         }
-        if self.group.world() == 1 || self.group.len == 0 {
+        if self.group.members() == 1 || self.group.len == 0 {
             return Ok(());
         }
         self.call(|me| me.broadcast_from(&mut buf, root))
@@ -218,10 +218,10 @@ impl CopyRank<'_> {
     /// Every rank's `part` bytes to every rank: `buf` holds world·part bytes on this
     /// rank's GPU, this rank's part at rank·part; afterwards every rank's `buf` holds
     /// every part, copied from its owner (same ordering rules as
-    /// [`CopyRank::all_reduce_sum`]).
+    /// [`CopyMember::all_reduce_sum`]).
     pub fn all_gather_bytes(&mut self, buf: &mut CudaViewMut<'_, u8>, part: usize) -> Result<()> {
-        let world = self.group.world();
-        check_buffer("CopyRank::all_gather_bytes", buf, world * part, &self.streams.ctx, self.rank)?;
+        let world = self.group.members();
+        check_buffer("CopyMember::all_gather_bytes", buf, world * part, &self.streams.ctx, self.rank)?;
         if world == 1 || part == 0 {
             return Ok(());
         }
@@ -275,7 +275,7 @@ impl CopyRank<'_> {
 
     fn all_reduce(&mut self, buf: &mut CudaViewMut<'_, f32>) -> Result<()> {
         let g = self.group;
-        let (rank, world) = (self.rank, g.world());
+        let (rank, world) = (self.rank, g.members());
         self.streams.enter()?;
         // The explicit events order every use of `buf` against this call; cudarc's own
         // tracking (where it is on) needs no more than the pointer's borrow.
@@ -397,13 +397,13 @@ impl CopyRank<'_> {
     }
 }
 
-impl DeviceAllReduce for CopyRank<'_> {
+impl DeviceAllReduce for CopyMember<'_> {
     fn all_reduce_sum(&mut self, buf: &mut CudaViewMut<'_, f32>) -> Result<()> {
-        CopyRank::all_reduce_sum(self, buf)
+        CopyMember::all_reduce_sum(self, buf)
     }
 
     fn all_gather_bytes(&mut self, buf: &mut CudaViewMut<'_, u8>, part: usize) -> Result<()> {
-        CopyRank::all_gather_bytes(self, buf, part)
+        CopyMember::all_gather_bytes(self, buf, part)
     }
 
     fn compute_stream(&self) -> &Arc<CudaStream> {
@@ -415,7 +415,7 @@ impl DeviceAllReduce for CopyRank<'_> {
     }
 
     fn rank_and_world(&self) -> (usize, usize) {
-        (self.rank, self.group.world())
+        (self.rank, self.group.members())
     }
 }
 

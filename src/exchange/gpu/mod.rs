@@ -11,9 +11,9 @@
 //! it done.
 //!
 //! Two transports, one file each, chosen once per run by [`transport_for`]:
-//! - [`NcclGroup`] / [`NcclRank`] (nccl_group.rs): distinct GPUs and a loadable NCCL
+//! - [`NcclGroup`] / [`NcclMember`] (nccl_group.rs): distinct GPUs and a loadable NCCL
 //!   2.18 or later, one communicator per rank in non-blocking mode;
-//! - [`CopyGroup`] / [`CopyRank`] (copies.rs): device-to-device copies in the CPU
+//! - [`CopyGroup`] / [`CopyMember`] (copies.rs): device-to-device copies in the CPU
 //!   exchange's reduce-scatter / all-gather scheme, summed in rank order.
 //!
 //! With a codec (`--grad-compression bf16|fp16`, [`GpuExchange::with_codec`]) the sum is
@@ -48,8 +48,8 @@ use std::time::{Duration, Instant};
 
 use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, CudaView, CudaViewMut, DeviceSlice};
 
-pub use copies::{CopyGroup, CopyRank};
-pub use nccl_group::{new_clique_id, Clique, NcclGroup, NcclRank};
+pub use copies::{CopyGroup, CopyMember};
+pub use nccl_group::{new_clique_id, Clique, NcclGroup, NcclMember};
 
 use super::codec::Codec;
 use super::{Abort, Exchange, Memory};
@@ -124,10 +124,10 @@ impl GpuGroup {
 
     /// Rank `rank`'s side of the group, ordered after `compute` (see the transports'
     /// `join`).
-    pub fn join(&self, rank: usize, compute: &Arc<CudaStream>) -> Result<GpuRank<'_>> {
+    pub fn join(&self, rank: usize, compute: &Arc<CudaStream>) -> Result<GpuMember<'_>> {
         Ok(match self {
-            GpuGroup::Nccl(g) => GpuRank::Nccl(g.join(rank, compute)?),
-            GpuGroup::Copies(g) => GpuRank::Copies(g.join(rank, compute)?),
+            GpuGroup::Nccl(g) => GpuMember::Nccl(g.join(rank, compute)?),
+            GpuGroup::Copies(g) => GpuMember::Copies(g.join(rank, compute)?),
         })
     }
 }
@@ -152,44 +152,44 @@ impl Abort for GpuGroup {
 // One per device thread, held for the whole run: its size does not matter, and a box
 // would put an indirection on every collective call.
 #[allow(clippy::large_enum_variant)]
-pub enum GpuRank<'g> {
-    Nccl(NcclRank<'g>),
-    Copies(CopyRank<'g>),
+pub enum GpuMember<'g> {
+    Nccl(NcclMember<'g>),
+    Copies(CopyMember<'g>),
 }
 
-impl DeviceAllReduce for GpuRank<'_> {
+impl DeviceAllReduce for GpuMember<'_> {
     fn all_reduce_sum(&mut self, buf: &mut CudaViewMut<'_, f32>) -> Result<()> {
         match self {
-            GpuRank::Nccl(r) => r.all_reduce_sum(buf),
-            GpuRank::Copies(r) => r.all_reduce_sum(buf),
+            GpuMember::Nccl(r) => r.all_reduce_sum(buf),
+            GpuMember::Copies(r) => r.all_reduce_sum(buf),
         }
     }
 
     fn all_gather_bytes(&mut self, buf: &mut CudaViewMut<'_, u8>, part: usize) -> Result<()> {
         match self {
-            GpuRank::Nccl(r) => r.all_gather_bytes(buf, part),
-            GpuRank::Copies(r) => r.all_gather_bytes(buf, part),
+            GpuMember::Nccl(r) => r.all_gather_bytes(buf, part),
+            GpuMember::Copies(r) => r.all_gather_bytes(buf, part),
         }
     }
 
     fn compute_stream(&self) -> &Arc<CudaStream> {
         match self {
-            GpuRank::Nccl(r) => r.compute_stream(),
-            GpuRank::Copies(r) => r.compute_stream(),
+            GpuMember::Nccl(r) => r.compute_stream(),
+            GpuMember::Copies(r) => r.compute_stream(),
         }
     }
 
     fn is_aborted(&self) -> bool {
         match self {
-            GpuRank::Nccl(r) => r.is_aborted(),
-            GpuRank::Copies(r) => r.is_aborted(),
+            GpuMember::Nccl(r) => r.is_aborted(),
+            GpuMember::Copies(r) => r.is_aborted(),
         }
     }
 
     fn rank_and_world(&self) -> (usize, usize) {
         match self {
-            GpuRank::Nccl(r) => r.rank_and_world(),
-            GpuRank::Copies(r) => r.rank_and_world(),
+            GpuMember::Nccl(r) => r.rank_and_world(),
+            GpuMember::Copies(r) => r.rank_and_world(),
         }
     }
 }

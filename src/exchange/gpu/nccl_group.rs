@@ -2,7 +2,7 @@
 //! thread in non-blocking mode (src/exchange/nccl.rs says why).
 //!
 //! Owns: [`NcclGroup`], made by the coordinator before the worker threads start and
-//! shared by reference, and [`NcclRank`], one worker's view, made by [`NcclGroup::join`]
+//! shared by reference, and [`NcclMember`], one worker's view, made by [`NcclGroup::join`]
 //! on that worker's thread. The handles live in the group, not in the ranks, so that
 //! [`NcclGroup`]'s abort can call `ncclCommAbort` on every one of them from any thread:
 //! whoever takes a handle out of its slot frees it, so none is freed twice. The host
@@ -77,7 +77,7 @@ pub struct NcclGroup {
     /// Rank r's communicator. `None` before it joins, and once the handle was taken out to
     /// be freed (by an abort, or by the rank when it departs).
     comms: Vec<Mutex<Option<RawComm>>>,
-    /// Ranks that have departed (dropped their `NcclRank`).
+    /// Ranks that have departed (dropped their `NcclMember`).
     departed: AtomicUsize,
     aborted: AtomicBool,
 }
@@ -119,8 +119,8 @@ impl NcclGroup {
         })
     }
 
-    /// Number of ranks in the clique (every process's GPUs).
-    pub fn world(&self) -> usize {
+    /// Number of members of the clique (every process's GPUs).
+    pub fn members(&self) -> usize {
         self.ranks
     }
 
@@ -134,18 +134,18 @@ impl NcclGroup {
     /// and ends with [`Error::Aborted`] on an abort). `compute` is the rank's compute
     /// stream, from its own context on `ordinals[rank]`. A rank that cannot join aborts
     /// the group: the others could never complete a call without it.
-    pub fn join(&self, rank: usize, compute: &Arc<CudaStream>) -> Result<NcclRank<'_>> {
+    pub fn join(&self, rank: usize, compute: &Arc<CudaStream>) -> Result<NcclMember<'_>> {
         let ctx = super::check_join(&self.ordinals, rank, compute)?;
         self.join_inner(rank, ctx, compute.clone()).map_err(|e| self.fail(e))
     }
 
-    fn join_inner(&self, rank: usize, ctx: Arc<CudaContext>, compute: Arc<CudaStream>) -> Result<NcclRank<'_>> {
+    fn join_inner(&self, rank: usize, ctx: Arc<CudaContext>, compute: Arc<CudaStream>) -> Result<NcclMember<'_>> {
         if self.is_aborted() {
             return Err(Error::Aborted);
         }
         let streams = Streams::new(ctx, compute)?;
         self.init_comm(rank)?;
-        Ok(NcclRank { group: self, rank, streams, _not_send: std::marker::PhantomData })
+        Ok(NcclMember { group: self, rank, streams, _not_send: std::marker::PhantomData })
     }
 
     /// The error a failed call returns, after aborting the group: [`Error::Aborted`] when
@@ -163,7 +163,7 @@ impl NcclGroup {
     /// Creates rank `rank`'s communicator, publishes it in its slot (where `abort` can
     /// reach it), and polls until every rank has joined.
     fn init_comm(&self, rank: usize) -> Result<()> {
-        let (comm, state) = RawComm::init(self.world(), self.first + rank, self.id)?;
+        let (comm, state) = RawComm::init(self.members(), self.first + rank, self.id)?;
         {
             let mut slot = self.comms[rank].lock();
             // Checked under the lock: an abort that raised the flag before we got here
@@ -204,7 +204,7 @@ impl NcclGroup {
         Ok(())
     }
 
-    /// Rank `rank` leaves for good (its `NcclRank` is dropped): once its own operations
+    /// Rank `rank` leaves for good (its `NcclMember` is dropped): once its own operations
     /// have run and every rank has departed, no kernel of any rank still reads its
     /// buffers, and it frees its communicator alone. A rank that waits longer than
     /// [`DEPART_TIMEOUT`] for either aborts the group instead, releasing whoever waits for
@@ -257,7 +257,7 @@ impl Abort for NcclGroup {
 
 impl Drop for NcclGroup {
     fn drop(&mut self) {
-        // Only a leaked NcclRank (mem::forget) leaves a handle here; nobody can use it now.
+        // Only a leaked NcclMember (mem::forget) leaves a handle here; nobody can use it now.
         for slot in &self.comms {
             if let Some(comm) = slot.lock().take() {
                 comm.abort();
@@ -268,7 +268,7 @@ impl Drop for NcclGroup {
 
 /// One rank's view of an [`NcclGroup`]; lives on its worker thread (not Send: an NCCL
 /// communicator is used from the one thread that created it).
-pub struct NcclRank<'g> {
+pub struct NcclMember<'g> {
     group: &'g NcclGroup,
     rank: usize,
     /// The rank's streams: calls start after the compute stream's queued work, and its
@@ -277,7 +277,7 @@ pub struct NcclRank<'g> {
     _not_send: std::marker::PhantomData<*const ()>,
 }
 
-impl NcclRank<'_> {
+impl NcclMember<'_> {
     /// This rank's index.
     pub fn rank(&self) -> usize {
         self.rank
@@ -292,17 +292,17 @@ impl NcclRank<'_> {
     }
 
     /// Copies `root`'s `buf` into every rank's `buf` (same ordering rules as
-    /// [`NcclRank::all_reduce_sum`]).
+    /// [`NcclMember::all_reduce_sum`]).
     pub fn broadcast(&mut self, buf: &mut impl DevOut, root: usize) -> Result<()> {
-        if root >= self.group.world() {
-            return Err(Error::config("broadcast root", format!("rank {root} of a group of {}", self.group.world())));
+        if root >= self.group.members() {
+            return Err(Error::config("broadcast root", format!("rank {root} of a group of {}", self.group.members())));
         }
         self.op(&mut buf.view_mut(), Some(root))
     }
 
     fn op(&mut self, buf: &mut CudaViewMut<'_, f32>, root: Option<usize>) -> Result<()> {
-        check_buffer("NcclRank", buf, self.group.len, &self.streams.ctx, self.rank)?;
-        if self.group.world() == 1 || self.group.len == 0 {
+        check_buffer("NcclMember", buf, self.group.len, &self.streams.ctx, self.rank)?;
+        if self.group.members() == 1 || self.group.len == 0 {
             return Ok(());
         }
         if self.group.is_aborted() {
@@ -330,13 +330,13 @@ impl NcclRank<'_> {
     }
 }
 
-impl NcclRank<'_> {
+impl NcclMember<'_> {
     /// Every rank's `part` bytes to every rank (`ncclAllGather`, in place): `buf` holds
     /// world·part bytes on this rank's GPU, this rank's part at rank·part. Ordered as
-    /// [`NcclRank::all_reduce_sum`]; returns at once on one rank.
+    /// [`NcclMember::all_reduce_sum`]; returns at once on one rank.
     pub fn all_gather_bytes(&mut self, buf: &mut CudaViewMut<'_, u8>, part: usize) -> Result<()> {
-        let world = self.group.world();
-        check_buffer("NcclRank::all_gather_bytes", buf, world * part, &self.streams.ctx, self.rank)?;
+        let world = self.group.members();
+        check_buffer("NcclMember::all_gather_bytes", buf, world * part, &self.streams.ctx, self.rank)?;
         if world == 1 || part == 0 {
             return Ok(());
         }
@@ -361,13 +361,13 @@ impl NcclRank<'_> {
     }
 }
 
-impl DeviceAllReduce for NcclRank<'_> {
+impl DeviceAllReduce for NcclMember<'_> {
     fn all_reduce_sum(&mut self, buf: &mut CudaViewMut<'_, f32>) -> Result<()> {
-        NcclRank::all_reduce_sum(self, buf)
+        NcclMember::all_reduce_sum(self, buf)
     }
 
     fn all_gather_bytes(&mut self, buf: &mut CudaViewMut<'_, u8>, part: usize) -> Result<()> {
-        NcclRank::all_gather_bytes(self, buf, part)
+        NcclMember::all_gather_bytes(self, buf, part)
     }
 
     fn compute_stream(&self) -> &Arc<CudaStream> {
@@ -379,11 +379,11 @@ impl DeviceAllReduce for NcclRank<'_> {
     }
 
     fn rank_and_world(&self) -> (usize, usize) {
-        (self.rank, self.group.world())
+        (self.rank, self.group.members())
     }
 }
 
-impl Drop for NcclRank<'_> {
+impl Drop for NcclMember<'_> {
     fn drop(&mut self) {
         self.group.depart(self.rank, &self.streams.comm, &self.streams.done);
     }
