@@ -363,9 +363,9 @@ impl GpuNet {
     /// Keeps the optimiser state of the parameters `range` only (ZeRO stage 1): its m
     /// and v move to buffers of that length; [`GpuNet::update_params`] then takes
     /// pieces inside it.
-    pub fn shard_optimizer(&mut self, range: Range<usize>) -> Result<()> {
+    pub fn keep_part(&mut self, range: Range<usize>) -> Result<()> {
         if range.start < self.state_range.start || range.end > self.state_range.end {
-            return Err(Error::shape("shard_optimizer", format!("{range:?} of {:?}", self.state_range)));
+            return Err(Error::shape("keep_part", format!("{range:?} of {:?}", self.state_range)));
         }
         let stream = self.gpu.stream().clone();
         let local = range.start - self.state_range.start..range.end - self.state_range.start;

@@ -164,7 +164,7 @@ impl Replica for CpuReplica<'_> {
         &mut self.store.params
     }
 
-    fn shard_optimizer(&mut self, range: Range<usize>) -> Result<()> {
+    fn keep_part(&mut self, range: Range<usize>) -> Result<()> {
         self.optimizer = self.optimizer.shard(range);
         Ok(())
     }

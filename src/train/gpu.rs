@@ -159,8 +159,8 @@ impl Replica for GpuReplica<'_> {
         self.net.params_mut()
     }
 
-    fn shard_optimizer(&mut self, range: Range<usize>) -> Result<()> {
-        self.net.shard_optimizer(range.clone())?;
+    fn keep_part(&mut self, range: Range<usize>) -> Result<()> {
+        self.net.keep_part(range.clone())?;
         self.clock = self.clock.shard(range);
         Ok(())
     }

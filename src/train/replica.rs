@@ -151,7 +151,7 @@ pub trait Replica {
 
     /// Keeps the optimiser state of the parameters `range` only (ZeRO stage 1: the
     /// exchange's owned part); [`Replica::update_params`] is then called there only.
-    fn shard_optimizer(&mut self, range: Range<usize>) -> Result<()>;
+    fn keep_part(&mut self, range: Range<usize>) -> Result<()>;
 
     /// Ends the step: waits for the device (polling `aborted`, so that an abort releases
     /// the wait) and returns the metrics of its shards and its times.

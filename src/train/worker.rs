@@ -104,7 +104,7 @@ where
             if seat.sharding == Sharding::Sharded {
                 let owned = exchange.owned();
                 let np = replica.params_len();
-                replica.shard_optimizer(owned.start.min(np)..owned.end.min(np))?;
+                replica.keep_part(owned.start.min(np)..owned.end.min(np))?;
             }
             Ok(exchange)
         }))
