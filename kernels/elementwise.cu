@@ -1,7 +1,7 @@
 // elementwise.cu — float32 kernels that touch each element independently, plus the
 // two per-channel bias reductions that pair with them.
 //
-// Owns: relu, rescale (y = x*scale + offset), bias add for NCHW and (N, O) tensors with
+// Owns: relu, gelu (exact, erf-based), rescale (y = x*scale + offset), bias add for NCHW and (N, O) tensors with
 // their reductions, scale-in-place, fill. Leaves matrix products to cuBLAS and anything
 // that needs a cross-element reduction beyond a bias sum to its own file.
 //
@@ -32,6 +32,35 @@ extern "C" __global__ void relu_fwd_f32(const float* x, float* y, size_t n) {
 // x, dy, dx: (n)
 extern "C" __global__ void relu_bwd_f32(const float* x, const float* dy, float* dx, size_t n) {
     GRID_STRIDE(i, n) { dx[i] = x[i] > 0.0f ? dy[i] : 0.0f; }
+}
+
+// GELU, exact (PyTorch nn.GELU(), approximate='none'), in double from the float input and
+// rounded once, the expressions and their order src/nn/gelu.rs's (the CPU reference):
+// cdf = Phi(x) = erfc(-x/sqrt 2)/2 (erfc, not 1 + erf, which cancels for x << 0) and
+// pdf = phi(x) = exp(-x*x/2)/sqrt(2 pi). The _rn intrinsics keep NVRTC from contracting a
+// multiply and an add into an FMA, which the CPU does not do.
+#define GELU_FRAC_1_SQRT_2 0.70710678118654752440
+#define GELU_FRAC_1_SQRT_2PI 0.39894228040143267794
+
+// y = x * Phi(x)
+// x, y: (n)
+extern "C" __global__ void gelu_fwd_f32(const float* x, float* y, size_t n) {
+    GRID_STRIDE(i, n) {
+        const double v = (double)x[i];
+        const double cdf = __dmul_rn(0.5, erfc(__dmul_rn(-v, GELU_FRAC_1_SQRT_2)));
+        y[i] = (float)__dmul_rn(v, cdf);
+    }
+}
+
+// dx = dy * (Phi(x) + x * phi(x))
+// x, dy, dx: (n)
+extern "C" __global__ void gelu_bwd_f32(const float* x, const float* dy, float* dx, size_t n) {
+    GRID_STRIDE(i, n) {
+        const double v = (double)x[i];
+        const double cdf = __dmul_rn(0.5, erfc(__dmul_rn(-v, GELU_FRAC_1_SQRT_2)));
+        const double pdf = __dmul_rn(exp(__dmul_rn(__dmul_rn(-0.5, v), v)), GELU_FRAC_1_SQRT_2PI);
+        dx[i] = (float)__dmul_rn((double)dy[i], __dadd_rn(cdf, __dmul_rn(v, pdf)));
+    }
 }
 
 // y = x * scale + offset (Keras Rescaling)

@@ -35,6 +35,7 @@
 //! | `flatten` | none |
 //! | `global_average_pooling2d` | none |
 //! | `max_pooling2d` | `pool_size` (2; int or [kh, kw]), `strides` (the pool size; int or [sh, sw]), `padding` ("valid" or "same"; "valid") |
+//! | `gelu` | none |
 //!
 //! The defaults are Keras's. Input channels and features are inferred from the running
 //! shape; `"activation": "relu"` appends a ReLU layer (softmax belongs to the loss, so

@@ -39,8 +39,8 @@
 
 use lockstep::models::{self, ConvnetOptions, Norm};
 use lockstep::nn::{
-    BatchNorm2d, Conv2d, Ctx, Dropout, Flatten, GlobalAvgPool2d, Init, InputGrad, Layer, Linear, MaxPool2d, Padding,
-    ParamSpec, Params, ParamsMut, Relu, Rescaling, Sequential,
+    BatchNorm2d, Conv2d, Ctx, Dropout, Flatten, Gelu, GlobalAvgPool2d, Init, InputGrad, Layer, Linear, MaxPool2d,
+    Padding, ParamSpec, Params, ParamsMut, Relu, Rescaling, Sequential,
 };
 use lockstep::rng::SplitMix64;
 use lockstep::{Device, Error, Result, Shape, Tensor};
@@ -382,6 +382,19 @@ fn relu_away_from_the_kink() {
         for ((&d, &v), &w) in grad.iter().zip(&x).zip(&m.w) {
             assert_eq!(d, if v > 0.0 { w } else { 0.0 });
         }
+    }
+}
+
+#[test]
+fn gelu_over_both_tails_and_the_middle() {
+    // Inputs in [−4, 4), where the curve bends: max |GELU‴| = 0.78 (near x = ±0.79, by mpmath), so
+    // the central difference's truncation error h²/6·|w·GELU‴| ≤ 1.3e-5, inside LAYER_TOL's
+    // atol of 1e-3; on a flat (3, 7) and an image-shaped (2, 2, 3, 2) input.
+    for (k, dims) in [vec![3usize, 7], vec![2, 2, 3, 2]].into_iter().enumerate() {
+        let mut g = SplitMix64::new(60 + k as u64);
+        let x = uniform(&mut g, dims.iter().product(), -4.0, 4.0);
+        let mut m = build(&dims[1..], x, vec![Box::new(Gelu::new())], None, train_ctx(), 70 + k as u64);
+        check(&format!("GELU {dims:?}"), &mut m, LAYER_TOL, None);
     }
 }
 

@@ -53,6 +53,7 @@ use lockstep::cuda::kernels::{Kernel, Kind, KERNEL_FILES};
 use lockstep::cuda::launch::{ConvGeom, DropoutKey, WireGeom, CODEC_THREADS, REDUCE_BLOCK};
 use lockstep::exchange::codec::{Codec, Compression};
 use lockstep::nn::batchnorm::RunningUpdate;
+use lockstep::nn::gelu::{gelu_grad, gelu_value};
 use lockstep::nn::pool::{maxpool2d_plane_bwd, maxpool2d_plane_fwd};
 use lockstep::nn::{loss, BatchNorm2d, Ctx, Dropout, Layer, MaxPool2d, Padding, Sequential, Window2d};
 use lockstep::optim::{Optimizer, OptimizerConfig};
@@ -554,6 +555,7 @@ fn assert_bits(what: &str, got: &[f32], want: &[f32]) {
 const CHECKED: &[(&str, &[&str])] = &[
     ("every_declared_argument_list_is_the_kernels_signature", &[]),
     ("relu_fwd_and_bwd_match_the_reference", &["relu_fwd_f32", "relu_bwd_f32"]),
+    ("gelu_fwd_and_bwd_equal_the_cpu_layer_bit_for_bit", &["gelu_fwd_f32", "gelu_bwd_f32"]),
     ("rescale_scale_and_fill_match_the_reference", &["rescale_fwd_f32", "rescale_bwd_f32", "scale_f32", "fill_f32"]),
     (
         "bias_adds_and_their_reductions_match_the_reference",
@@ -648,8 +650,8 @@ fn every_declared_argument_list_is_the_kernels_signature() {
             checked += 1;
         }
     }
-    // 32 kernels, as kernels_nvrtc.rs counts them from the files.
-    assert_eq!(checked, 32);
+    // 34 kernels, as kernels_nvrtc.rs counts them from the files.
+    assert_eq!(checked, 34);
 }
 
 // ---- elementwise.cu ------------------------------------------------------------------
@@ -675,6 +677,40 @@ fn relu_fwd_and_bwd_match_the_reference() {
         // A comparison and a copy: exact.
         assert_bits(&format!("relu y {cfg:?}"), &y, &want_y);
         assert_bits(&format!("relu dx {cfg:?}"), &dx, &want_dx);
+    }
+}
+
+#[test]
+fn gelu_fwd_and_bwd_equal_the_cpu_layer_bit_for_bit() {
+    let Some(k) = kernels_or_skip("gelu_fwd_and_bwd_equal_the_cpu_layer_bit_for_bit") else {
+        return;
+    };
+    let mut rng = Rng(21);
+    let n = 3000;
+    // Over [-10, 10): both tails and the middle; then the signed zeros, the far tail (y and
+    // dx round to -0), the infinities and a NaN.
+    let mut x: Vec<f32> = rng.vec(n).iter().map(|v| 10.0 * v).collect();
+    let dy = rng.vec(n);
+    x[..8].copy_from_slice(&[0.0, -0.0, -20.0, 1e-3, f32::INFINITY, f32::NEG_INFINITY, f32::NAN, -8.0]);
+    // The CPU layer's own arithmetic (nn::gelu), value by value.
+    let want_y: Vec<f32> = x.iter().map(|&v| gelu_value(v)).collect();
+    let want_dx: Vec<f32> = x.iter().zip(&dy).map(|(&v, &g)| gelu_grad(v, g)).collect();
+    for cfg in elem_cfgs(n) {
+        let (mut y, mut dx) = (vec![f32::NAN; n], vec![f32::NAN; n]);
+        // As Gpu::gelu_fwd pushes them: x, y, n.
+        k.launch("gelu_fwd_f32", cfg, &mut [In(&x), Out(&mut y), U64(n as u64)]);
+        // As Gpu::gelu_bwd: x, dy, dx, n.
+        k.launch("gelu_bwd_f32", cfg, &mut [In(&x), In(&dy), Out(&mut dx), U64(n as u64)]);
+        // Both sides evaluate the same f64 expressions in the same order, uncontracted, and
+        // round once to f32; erfc is msun's on both (libm's on the CPU, glibc's here, each
+        // FreeBSD's s_erf.c) and exp the C library's, so the f32 results are equal. On a GPU,
+        // CUDA's erfc and exp differ from these in the last f64 bits, which moves the f32
+        // result by an ulp only at an f64 distance from a rounding midpoint (tests/cuda_layers.rs
+        // bounds it at 1e-4 relative). A NaN's sign and payload are the compiler's choice of
+        // operand order (and the GPU's NaN is canonical), so NaNs compare as NaNs.
+        let canonical = |v: &[f32]| v.iter().map(|&x| if x.is_nan() { f32::NAN } else { x }).collect::<Vec<_>>();
+        assert_bits(&format!("gelu y {cfg:?}"), &canonical(&y), &canonical(&want_y));
+        assert_bits(&format!("gelu dx {cfg:?}"), &canonical(&dx), &canonical(&want_dx));
     }
 }
 

@@ -54,6 +54,10 @@ super::declare::kernels! {
             fwd(x: In, y: Out, n: Size);
             bwd(x: In, dy: In, dx: Out, n: Size);
         }
+        gelu {
+            fwd(x: In, y: Out, n: Size);
+            bwd(x: In, dy: In, dx: Out, n: Size);
+        }
         rescale {
             fwd(x: In, y: Out, scale: F32, offset: F32, n: Size);
             bwd(dy: In, dx: Out, scale: F32, n: Size);

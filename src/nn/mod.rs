@@ -39,6 +39,7 @@ pub mod activation;
 pub mod batchnorm;
 pub mod conv2d;
 pub mod dropout;
+pub mod gelu;
 pub mod gpu;
 pub mod gpu_net;
 pub mod linear;
@@ -56,6 +57,7 @@ pub use activation::{Relu, Rescaling};
 pub use batchnorm::{convert_sync_batchnorm, BatchNorm2d, BatchStats};
 pub use conv2d::Conv2d;
 pub use dropout::Dropout;
+pub use gelu::Gelu;
 pub use linear::Linear;
 pub use pool::MaxPool2d;
 pub use reshape::{Flatten, GlobalAvgPool2d};
@@ -78,6 +80,7 @@ pub const LAYER_TYPES: &[LayerType] = &[
     Flatten::SPEC,
     GlobalAvgPool2d::SPEC,
     MaxPool2d::SPEC,
+    Gelu::SPEC,
 ];
 
 /// Bytes of an f32, for the layers' memory accounts.

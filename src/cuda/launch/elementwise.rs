@@ -1,4 +1,4 @@
-//! The checked launches of kernels/elementwise.cu: ReLU, rescaling, the bias adds of
+//! The checked launches of kernels/elementwise.cu: ReLU, GELU, rescaling, the bias adds of
 //! convolutions (NCHW) and linear layers (columns) with their reductions, scale and fill.
 //!
 //! Owns: one safe method per kernel of that file, each checking its buffers' lengths
@@ -38,6 +38,36 @@ impl Gpu {
         // SAFETY: relu_bwd_f32(const float*, const float*, float*, size_t); all three
         // buffers hold n floats (checked above).
         unsafe { elementwise::relu::bwd(self, elem_cfg(n), x, dy, dx, n) }
+    }
+
+    /// y = x * Phi(x) (exact GELU). x, y: (n)
+    pub fn gelu_fwd(&self, x: &impl DevIn, y: &mut impl DevOut) -> Result<()> {
+        let x = &x.view();
+        let y = &mut y.view_mut();
+        let n = x.len();
+        check_len("gelu_fwd", "y", y, n)?;
+        if n == 0 {
+            return Ok(());
+        }
+        // SAFETY: gelu_fwd_f32(const float*, float*, size_t); x and y hold n floats each
+        // (checked above), and the kernel touches indices < n only.
+        unsafe { elementwise::gelu::fwd(self, elem_cfg(n), x, y, n) }
+    }
+
+    /// dx = dy * (Phi(x) + x * phi(x)). x, dy, dx: (n)
+    pub fn gelu_bwd(&self, x: &impl DevIn, dy: &impl DevIn, dx: &mut impl DevOut) -> Result<()> {
+        let x = &x.view();
+        let dy = &dy.view();
+        let dx = &mut dx.view_mut();
+        let n = x.len();
+        check_len("gelu_bwd", "dy", dy, n)?;
+        check_len("gelu_bwd", "dx", dx, n)?;
+        if n == 0 {
+            return Ok(());
+        }
+        // SAFETY: gelu_bwd_f32(const float*, const float*, float*, size_t); all three
+        // buffers hold n floats (checked above).
+        unsafe { elementwise::gelu::bwd(self, elem_cfg(n), x, dy, dx, n) }
     }
 
     /// y = x * scale + offset. x, y: (n)
