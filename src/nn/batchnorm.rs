@@ -350,7 +350,7 @@ impl Layer for BatchNorm2d {
                     (acc.mean, acc.m2)
                 });
                 let (count, moments) = match (sync, ctx.stats) {
-                    (true, Some(ex)) => global_moments(ex, ctx.replica, m as f64, &local)?,
+                    (true, Some(ex)) => global_moments(ex, ctx.shard, m as f64, &local)?,
                     _ => (m as f64, local),
                 };
                 if count < 2.0 {
@@ -460,7 +460,7 @@ impl Layer for BatchNorm2d {
         // dγ, dβ take the shard's own sums (above); dx needs the global batch's. The
         // exchange is made even when dx is not needed, so every replica calls alike.
         let sums = match (self.stats, ctx.stats) {
-            (BatchStats::Global, Some(ex)) => global_sums(ex, ctx.replica, &sums)?,
+            (BatchStats::Global, Some(ex)) => global_sums(ex, ctx.shard, &sums)?,
             _ => sums,
         };
         if input_grad == InputGrad::Skip {
@@ -588,19 +588,20 @@ pub fn has_synchronized_layers(model: &Sequential) -> bool {
 #[derive(Clone, Copy, Debug)]
 pub struct Synchronized<'a> {
     pub stats: &'a dyn StatsExchange,
-    pub replica: usize,
+    /// The shard: this logical replica's index.
+    pub shard: usize,
 }
 
 impl Synchronized<'_> {
     /// [`global_moments`] of this shard's `count` values per channel and per-channel
     /// (mean, M2) `local`.
     pub fn moments(&self, count: f64, local: &[(f64, f64)]) -> Result<(f64, Vec<(f64, f64)>)> {
-        global_moments(self.stats, self.replica, count, local)
+        global_moments(self.stats, self.shard, count, local)
     }
 
     /// [`global_sums`] of this shard's per-channel (Σ dy, Σ dy·x̂) `local`.
     pub fn sums(&self, local: &[(f64, f64)]) -> Result<Vec<(f64, f64)>> {
-        global_sums(self.stats, self.replica, local)
+        global_sums(self.stats, self.shard, local)
     }
 
     /// The calls a pass without rows owes: a count of 0 per synchronized layer in forward
@@ -608,7 +609,7 @@ impl Synchronized<'_> {
     /// from the first trained layer on). When no replica has a row (every one of them is
     /// then here), the first call shows it and all stop.
     pub fn without_data(&self, model: &Sequential) -> Result<()> {
-        let (ex, replica) = (self.stats, self.replica);
+        let (ex, replica) = (self.stats, self.shard);
         let layers = synchronized_layers(model);
         let mut all = Vec::new();
         for &(_, c) in &layers {
@@ -848,7 +849,7 @@ impl SyncNode {
         g: BnGeom,
     ) -> Result<()> {
         let SyncWith { stats, shard, aborted } = sync;
-        let with = Synchronized { stats, replica: shard };
+        let with = Synchronized { stats, shard };
         let node = self;
         let stream = gpu.stream();
         gpu.batchnorm_moments_fwd(x, &mut node.part.as_view_mut(), g)?;
@@ -892,7 +893,7 @@ impl SyncNode {
         g: BnGeom,
     ) -> Result<()> {
         let SyncWith { stats, shard, aborted } = sync;
-        let with = Synchronized { stats, replica: shard };
+        let with = Synchronized { stats, shard };
         let node = self;
         let stream = gpu.stream();
         gpu.batchnorm_sums_bwd(x, dy, &saved, &mut node.part.as_view_mut(), g)?;

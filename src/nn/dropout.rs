@@ -80,7 +80,7 @@ impl Layer for Dropout {
         if ctx.mode == Mode::Eval || self.rate == 0.0 {
             return Ok(x);
         }
-        let key = dropout_key(ctx.seed, ctx.step, ctx.replica as u64, ctx.layer_index as u64);
+        let key = dropout_key(ctx.seed, ctx.step, ctx.shard as u64, ctx.layer_index as u64);
         let keep = 1.0 / (1.0 - self.rate);
         // Element i of this pass is element first + i of the logical replica's shard.
         let per_sample = x.numel() / x.shape().batch().max(1);

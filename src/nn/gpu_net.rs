@@ -324,7 +324,7 @@ impl GpuNet {
         stream.memcpy_dtod(&x.slice(rows.start * per..rows.end * per), &mut acts.acts[0])?;
         stream.memcpy_dtod(&y.slice(rows.clone()), &mut acts.labels)?;
         let mut net = Net { gpu: &self.gpu, blas: &self.blas, layers: &mut self.layers, params: &self.params };
-        let sync = sync.map(|with| SyncWith { stats: with.stats, shard: with.replica, aborted });
+        let sync = sync.map(|with| SyncWith { stats: with.stats, shard: with.shard, aborted });
         net.forward(acts, Pass::Train { draw, stats: slot, offset: np }, sync)?;
         let k = self.model.output_shape().numel();
         let last = acts.acts.len() - 1;

@@ -144,14 +144,14 @@ pub struct ParamSpec {
 #[derive(Clone, Copy, Debug)]
 pub struct Ctx<'a> {
     pub mode: Mode,
-    /// Seed of the run: random streams derive from (seed, step, replica, layer).
+    /// Seed of the run: random streams derive from (seed, step, shard, layer).
     pub seed: u64,
     /// Index of the layer in its Sequential (set by Sequential).
     pub layer_index: usize,
     /// The global step (0-based) of a training forward.
     pub step: u64,
-    /// The logical replica whose shard this is.
-    pub replica: usize,
+    /// The shard: the index of the logical replica whose rows these are.
+    pub shard: usize,
     /// The device running it.
     pub device: Device,
     /// Position, within its logical replica's shard, of this pass's first sample (0 but
@@ -166,13 +166,13 @@ pub struct Ctx<'a> {
 impl<'a> Ctx<'a> {
     /// A context for evaluation on `device` (no randomness is drawn in eval mode).
     pub fn eval(device: Device) -> Ctx<'a> {
-        Ctx { mode: Mode::Eval, seed: 0, layer_index: 0, step: 0, replica: 0, device, sample_offset: 0, stats: None }
+        Ctx { mode: Mode::Eval, seed: 0, layer_index: 0, step: 0, shard: 0, device, sample_offset: 0, stats: None }
     }
 
-    /// A context for training step `step` of logical replica `replica`, whose random
+    /// A context for training step `step` of logical replica `shard`, whose random
     /// streams derive from `seed`.
-    pub fn train(seed: u64, step: u64, replica: usize, device: Device) -> Ctx<'a> {
-        Ctx { mode: Mode::Train, seed, layer_index: 0, step, replica, device, sample_offset: 0, stats: None }
+    pub fn train(seed: u64, step: u64, shard: usize, device: Device) -> Ctx<'a> {
+        Ctx { mode: Mode::Train, seed, layer_index: 0, step, shard, device, sample_offset: 0, stats: None }
     }
 }
 

@@ -117,7 +117,7 @@ impl Replica for CpuReplica<'_> {
         let ctx = Ctx {
             sample_offset: shard.offset,
             stats: self.stats,
-            ..Ctx::train(self.seed, shard.step, shard.replica, self.device)
+            ..Ctx::train(self.seed, shard.step, shard.index, self.device)
         };
         let np = self.store.params.len();
         let x = self.rows(batch, shard.rows.clone())?;

@@ -123,12 +123,12 @@ impl Replica for GpuReplica<'_> {
 
     fn train_shard(&mut self, _batch: &Batch, shard: &Shard, slot: &mut CudaViewMut<'_, f32>) -> Result<()> {
         let rows = self.note_shard(shard);
-        let draw = Draw { seed: self.seed, step: shard.step, shard: shard.replica, sample_offset: shard.offset };
+        let draw = Draw { seed: self.seed, step: shard.step, shard: shard.index, sample_offset: shard.offset };
         let fill = match shard.fill {
             Fill::Write => SlotUse::Write,
             Fill::Add => SlotUse::Add,
         };
-        let sync = self.stats.map(|(stats, _)| Synchronized { stats, replica: shard.replica });
+        let sync = self.stats.map(|(stats, _)| Synchronized { stats, shard: shard.index });
         let abort = self.stats.map(|(_, abort)| abort);
         let aborted = || abort.is_some_and(|a| a.is_aborted());
         self.net.train_shard(rows, draw, slot, fill, sync, &aborted)

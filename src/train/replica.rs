@@ -34,8 +34,9 @@ pub enum Fill {
 /// One logical replica's share of a step, or one micro-batch of it.
 #[derive(Clone, Debug)]
 pub struct Shard {
-    /// The logical replica: BatchNorm statistics and dropout streams belong to it.
-    pub replica: usize,
+    /// The shard's index, its logical replica's: BatchNorm statistics and dropout
+    /// streams belong to it.
+    pub index: usize,
     /// The rows of the global batch this pass trains (possibly none): the shard's, or one
     /// micro-batch of them.
     pub rows: Range<usize>,

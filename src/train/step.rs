@@ -96,7 +96,7 @@ where
             replica.start_slot(&mut slot)?;
             for (m, part) in scatter::shards(rows.len(), micro).into_iter().enumerate() {
                 let shard = Shard {
-                    replica: mine.start + local,
+                    index: mine.start + local,
                     rows: rows.start + part.start..rows.start + part.end,
                     offset: part.start,
                     step: work.step,
@@ -143,7 +143,7 @@ where
 /// (`nn::batchnorm::Synchronized::without_data`); without that exchange, nothing.
 fn join_without_data<R: Replica>(replica: &R, shard: &Shard) -> Result<()> {
     match replica.synchronized() {
-        (model, Some(stats)) => Synchronized { stats, replica: shard.replica }.without_data(model),
+        (model, Some(stats)) => Synchronized { stats, shard: shard.index }.without_data(model),
         (_, None) => Ok(()),
     }
 }

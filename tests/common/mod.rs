@@ -623,7 +623,7 @@ pub fn sync_bn_cpu(inputs: &BnInputs, with_gamma: bool, with_beta: bool, momentu
 pub fn sync_bn_merge(moments: &[f64], here: usize, momentum: f32, eps: f32) -> (f64, Vec<f64>, RunningUpdate) {
     use lockstep::nn::batchnorm::{normaliser, Synchronized};
     let recorder = Recorder::default();
-    let with = Synchronized { stats: &recorder, replica: 1 };
+    let with = Synchronized { stats: &recorder, shard: 1 };
     let local: Vec<(f64, f64)> = moments.chunks_exact(2).map(|p| (p[0], p[1])).collect();
     let (count, merged) = with.moments(here as f64, &local).unwrap();
     let stats = merged
@@ -641,7 +641,7 @@ pub fn sync_bn_merge(moments: &[f64], here: usize, momentum: f32, eps: f32) -> (
 /// [`Recorder`] as logical replica 1 (`Synchronized::sums`), flat (C, 2).
 pub fn sync_bn_global_sums(sums: &[f64]) -> Vec<f64> {
     let recorder = Recorder::default();
-    let with = lockstep::nn::batchnorm::Synchronized { stats: &recorder, replica: 1 };
+    let with = lockstep::nn::batchnorm::Synchronized { stats: &recorder, shard: 1 };
     let local: Vec<(f64, f64)> = sums.chunks_exact(2).map(|p| (p[0], p[1])).collect();
     with.sums(&local).unwrap().iter().flat_map(|&(a, b)| [a, b]).collect()
 }
