@@ -663,6 +663,13 @@ struct BatchNorm2dGpu {
     sync: Option<SyncNode>,
 }
 
+/// The running update as the kernels take it: its three scalars.
+impl From<RunningUpdate> for BnUpdate {
+    fn from(u: RunningUpdate) -> BnUpdate {
+        BnUpdate::new(u.keep, u.take, u.unbias)
+    }
+}
+
 impl BatchNorm2dGpu {
     /// gamma and beta among the layer's parameters, as present.
     fn params<'p>(&self, p: impl Fn(usize) -> CudaView<'p, f32>) -> BnParams<'p> {
@@ -699,6 +706,9 @@ impl GpuLayer for BatchNorm2dGpu {
         let (rm, rv) = (&node.buffers[0], &node.buffers[1]);
         match pass {
             Pass::Train { stats, offset, .. } => {
+                if self.stats == BatchStats::Global && sync.is_some() {
+                    self.sync_node(gpu)?;
+                }
                 // Each statistic on its own aligned start: split below the variance.
                 let (mut below, mut above) = stats.split_at_mut(*offset + rv.start);
                 let running_mean = below.slice_mut(*offset + rm.start..*offset + rm.end);
@@ -712,12 +722,8 @@ impl GpuLayer for BatchNorm2dGpu {
                 };
                 match (self.stats, sync) {
                     (BatchStats::Global, Some(sync)) => {
-                        let name = node.name.as_str();
-                        if self.sync.is_none() {
-                            self.sync = Some(SyncNode::new(gpu, self.channels)?);
-                        }
-                        let node = self.sync.as_mut().expect("made above");
-                        node.forward(sync, gpu, name, x, y, bn, out, geom)
+                        let node_sync = self.sync.as_mut().expect("made before the statistics' views");
+                        node_sync.forward(sync, gpu, &node.name, x, y, bn, out, geom)
                     }
                     _ => {
                         if n * geom.hw < 2 {
@@ -730,8 +736,7 @@ impl GpuLayer for BatchNorm2dGpu {
                                 ),
                             ));
                         }
-                        let u = RunningUpdate::new(self.momentum, n * geom.hw);
-                        let update = BnUpdate::new(u.keep, u.take, u.unbias);
+                        let update = RunningUpdate::new(self.momentum, n * geom.hw).into();
                         gpu.batchnorm_train_fwd(x, y, bn, out, geom, update)
                     }
                 }
@@ -871,8 +876,8 @@ impl SyncNode {
         });
         upload_pinned(stream, merged, &mut node.merged_host, &mut node.merged)?;
         node.count = count;
-        let u = RunningUpdate::new(g.momentum, count as usize);
-        let merged = BnMerged { stats: node.merged.as_view(), update: BnUpdate::new(u.keep, u.take, u.unbias) };
+        let update = RunningUpdate::new(g.momentum, count as usize).into();
+        let merged = BnMerged { stats: node.merged.as_view(), update };
         gpu.batchnorm_sync_fwd(x, y, params, merged, out, g)
     }
 
