@@ -47,6 +47,8 @@ pub fn unit_f32(bits: u64) -> f32 {
 
 /// Purposes, so that streams for different uses never coincide.
 pub mod purpose {
+    /// The index of a layer inside a container (`nn::sequential::Place`).
+    pub const LAYER: u64 = 64;
     pub const INIT: u64 = 1;
     pub const SHUFFLE: u64 = 2;
     pub const SPLIT: u64 = 4;

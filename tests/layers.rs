@@ -422,11 +422,13 @@ fn init_follows_keras_defaults() {
                 }
                 Init::Zeros => assert!(v.iter().all(|&x| x == 0.0), "{model} {} must start at 0", t.name),
                 Init::Ones => assert!(v.iter().all(|&x| x == 1.0), "{model} {} must start at 1", t.name),
+                Init::Count => assert!(v.iter().all(|&x| x == 0.0), "{model} {} must count from 0", t.name),
             }
             // Which tensors get which initialiser, by name.
             let want_init = match t.name.rsplit('.').next().unwrap() {
                 "weight" => "glorot",
                 "bias" | "beta" | "running_mean" => "zeros",
+                "num_batches_tracked" => "count",
                 "gamma" | "running_var" => "ones",
                 other => panic!("unexpected tensor kind {other}"),
             };
@@ -434,6 +436,7 @@ fn init_follows_keras_defaults() {
                 Init::GlorotUniform { .. } => "glorot",
                 Init::Zeros => "zeros",
                 Init::Ones => "ones",
+                Init::Count => "count",
             };
             assert_eq!(got_init, want_init, "{model} {}", t.name);
         }

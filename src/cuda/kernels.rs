@@ -50,6 +50,9 @@ pub use super::declare::{kernel_name, Dir, Kernel, KernelFile, Kind};
 super::declare::kernels! {
     /// kernels/elementwise.cu: activations, bias adds and their reductions, scale, fill.
     elementwise = "elementwise.cu" {
+        residual_add {
+            fwd(a: In, b: In, y: Out, n: Size);
+        }
         relu {
             fwd(x: In, y: Out, n: Size);
             bwd(x: In, dy: In, dx: Out, n: Size);
@@ -110,6 +113,9 @@ super::declare::kernels! {
                 x: In, dy: In, dx: Out, gamma: OptIn, save_mean: In, save_invstd: In, local: InF64, global: InF64,
                 dgamma: OptOut, dbeta: OptOut, c: I32, hw: Size, total: Size, count: F64,
             );
+        }
+        batchnorm_count {
+            fwd(count: Out, n: Size);
         }
         batchnorm_sums {
             bwd(x: In, dy: In, save_mean: In, save_invstd: In, sums: OutF64, n: I32, c: I32, hw: Size);

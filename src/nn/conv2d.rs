@@ -275,6 +275,7 @@ impl Conv2d {
                 format!("channels, filters, kernel and stride must be positive (got {in_channels}, {filters}, {kernel:?}, {stride})"),
             ));
         }
+        padding.check(kernel).map_err(|e| Error::config("Conv2d", e))?;
         Ok(Conv2d { in_channels, filters, kernel, stride, padding, use_bias, x: None, scratch: Vec::new() })
     }
 
@@ -287,7 +288,7 @@ impl Conv2d {
     /// use_bias=True, activation=None)`, its input channels those of the running shape.
     pub const SPEC: LayerType = LayerType {
         name: "conv2d",
-        fields: "`filters`, `kernel_size` (int or [kh, kw]), `strides` (1; int or [s, s]), `padding` (\"valid\" or \"same\"; \"valid\"), `use_bias` (true), `activation` (\"linear\")",
+        fields: "`filters`, `kernel_size` (int or [kh, kw]), `strides` (1; int or [s, s]), `padding` (\"valid\", \"same\", or pads: int or [ph, pw]; \"valid\"), `use_bias` (true), `activation` (\"linear\")",
         example: (
             &[2, 7, 6],
             r#"{"type": "conv2d", "filters": 3, "kernel_size": [3, 2], "strides": 2, "padding": "same", "use_bias": false, "activation": "relu"}"#,
@@ -347,7 +348,7 @@ impl Layer for Conv2d {
             "filters": self.filters,
             "kernel_size": [w.kernel.0, w.kernel.1],
             "strides": [w.stride.0, w.stride.1],
-            "padding": w.padding.name(),
+            "padding": w.padding.to_json(),
             "use_bias": self.use_bias,
         }))
     }
@@ -373,12 +374,12 @@ impl Layer for Conv2d {
     fn params(&self) -> Vec<ParamSpec> {
         let (o, c, (kh, kw)) = (self.filters, self.in_channels, self.kernel);
         let mut p = vec![ParamSpec {
-            name: "weight",
+            name: "weight".into(),
             shape: Shape::new([o, c, kh, kw]),
             init: Init::GlorotUniform { fan_in: c * kh * kw, fan_out: o * kh * kw },
         }];
         if self.use_bias {
-            p.push(ParamSpec { name: "bias", shape: Shape::new([o]), init: Init::Zeros });
+            p.push(ParamSpec { name: "bias".into(), shape: Shape::new([o]), init: Init::Zeros });
         }
         p
     }
@@ -471,7 +472,7 @@ impl Layer for Conv2d {
             self.kernel.0,
             self.kernel.1,
             self.stride,
-            self.padding.name(),
+            self.padding.describe(),
             if self.use_bias { "" } else { ", no bias" }
         )
     }

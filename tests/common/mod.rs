@@ -465,7 +465,7 @@ impl lockstep::nn::Layer for InputProbe {
 
     fn params(&self) -> Vec<lockstep::nn::ParamSpec> {
         vec![lockstep::nn::ParamSpec {
-            name: "x",
+            name: "x".into(),
             shape: lockstep::Shape::new([self.numel]),
             init: lockstep::nn::Init::Zeros,
         }]
