@@ -527,7 +527,7 @@ fn dropout_mask_is_the_documented_hash_and_backward_reuses_it() {
     let mut rng = Rng(9);
     let n = 10_000;
     let rate = 0.3f32;
-    let key = DropoutKey { seed: 42, step: 7, replica: 1, layer: 3, first: 0 };
+    let key = DropoutKey { seed: 42, step: 7, shard: 1, layer: 3, first: 0 };
     let x: Vec<f32> = rng.vec(n).iter().map(|v| v + 2.0).collect(); // never 0, so drops are visible
     let dy = rng.vec(n);
     let mut y_d = up(&gpu, &vec![0.0f32; n]);
@@ -550,7 +550,7 @@ fn dropout_mask_is_the_documented_hash_and_backward_reuses_it() {
     let frac = kept as f64 / n as f64;
     assert!((frac - 0.7).abs() < 0.0184, "kept fraction {frac}");
     // Another replica gets another mask.
-    gpu.dropout_fwd(&up(&gpu, &x), &mut y_d, rate, DropoutKey { replica: 2, ..key }).unwrap();
+    gpu.dropout_fwd(&up(&gpu, &x), &mut y_d, rate, DropoutKey { shard: 2, ..key }).unwrap();
     assert_ne!(down(&gpu, &y_d), y);
 }
 
@@ -561,7 +561,7 @@ fn dropout_mask_is_the_documented_hash_and_backward_reuses_it() {
 #[test]
 fn dropout_hash_reference_is_splitmix64() {
     assert_eq!(mix64(0x9E37_79B9_7F4A_7C15), 0xE220_A839_7B1D_CDAF);
-    let key = DropoutKey { seed: 0, step: 0, replica: 0, layer: 0, first: 0 };
+    let key = DropoutKey { seed: 0, step: 0, shard: 0, layer: 0, first: 0 };
     // rate 0 keeps everything; rate 1 drops everything.
     assert!((0..1000).all(|i| dropout_keep(key, i, 0.0)));
     assert!((0..1000).all(|i| !dropout_keep(key, i, 1.0)));

@@ -1376,21 +1376,21 @@ fn reduce_sum_adds_the_buffers_left_to_right_and_scales() {
 // ---- dropout.cu ----------------------------------------------------------------------
 
 /// What the CPU `Dropout` layer outputs for `x` (N, F) at layer index `layer` of a model,
-/// in training step `step` of logical replica `replica`: the layer runs inside a
+/// in training step `step` of logical replica `shard`: the layer runs inside a
 /// `Sequential` behind `layer` dropouts of rate 0 (the identity), which only move it to
 /// that index. Its backward multiplies dout by the very per-element factors its forward
 /// used, so the forward of dy is also what its backward returns for dy.
-fn cpu_dropout(x: &[f32], f: usize, rate: f32, seed: u64, step: u64, replica: usize, layer: usize) -> Vec<f32> {
-    cpu_dropout_at(x, f, rate, (seed, step, replica, layer), 0)
+fn cpu_dropout(x: &[f32], f: usize, rate: f32, seed: u64, step: u64, shard: usize, layer: usize) -> Vec<f32> {
+    cpu_dropout_at(x, f, rate, (seed, step, shard, layer), 0)
 }
 
 /// [`cpu_dropout`] of a micro-batch whose first sample is sample `offset` of its shard.
 fn cpu_dropout_at(x: &[f32], f: usize, rate: f32, key: (u64, u64, usize, usize), offset: usize) -> Vec<f32> {
-    let (seed, step, replica, layer) = key;
+    let (seed, step, shard, layer) = key;
     let mut layers: Vec<Box<dyn Layer>> = (0..layer).map(|_| Box::new(Dropout::new(0.0).unwrap()) as _).collect();
     layers.push(Box::new(Dropout::new(rate).unwrap()));
     let mut net = Sequential::new([f], layers).unwrap();
-    let ctx = Ctx { sample_offset: offset, ..Ctx::train(seed, step, replica, Device::Cpu(0)) };
+    let ctx = Ctx { sample_offset: offset, ..Ctx::train(seed, step, shard, Device::Cpu(0)) };
     let x = Tensor::from_vec(x.to_vec(), [x.len() / f, f]).unwrap();
     net.forward(x, &[], &mut [], &ctx).unwrap().into_vec()
 }
@@ -1404,31 +1404,31 @@ fn dropout_masks_equal_the_cpu_layer_bit_for_bit() {
     let (n, f) = (4000, 100);
     let x: Vec<f32> = rng.vec(n).iter().map(|v| v + 2.0).collect(); // never 0, so drops are visible
     let dy = rng.vec(n);
-    let (seed, step, replica, layer) = (42u64, 7u64, 1usize, 3usize);
+    let (seed, step, shard, layer) = (42u64, 7u64, 1usize, 3usize);
     let rate = 0.3f32;
-    let want_y = cpu_dropout(&x, f, rate, seed, step, replica, layer);
-    let want_dx = cpu_dropout(&dy, f, rate, seed, step, replica, layer);
+    let want_y = cpu_dropout(&x, f, rate, seed, step, shard, layer);
+    let want_dx = cpu_dropout(&dy, f, rate, seed, step, shard, layer);
     let scale = 1.0f32 / (1.0 - rate);
     for cfg in elem_cfgs(n) {
         let (mut y, mut dx) = (vec![f32::NAN; n], vec![f32::NAN; n]);
-        let key = [U64(seed), U64(step), U64(replica as u64), U64(layer as u64), U64(0)];
+        let key = [U64(seed), U64(step), U64(shard as u64), U64(layer as u64), U64(0)];
         let mut args = vec![In(&x), Out(&mut y), F32(rate)];
         args.extend(key);
         args.push(U64(n as u64));
-        // As Gpu::dropout (fwd): x, y, rate, seed, step, replica, layer, first, n.
+        // As Gpu::dropout (fwd): x, y, rate, seed, step, shard, layer, first, n.
         k.launch("dropout_fwd_f32", cfg, &mut args);
-        let key = [U64(seed), U64(step), U64(replica as u64), U64(layer as u64), U64(0)];
+        let key = [U64(seed), U64(step), U64(shard as u64), U64(layer as u64), U64(0)];
         let mut args = vec![In(&dy), Out(&mut dx), F32(rate)];
         args.extend(key);
         args.push(U64(n as u64));
-        // As Gpu::dropout (bwd): dy, dx, rate, seed, step, replica, layer, first, n.
+        // As Gpu::dropout (bwd): dy, dx, rate, seed, step, shard, layer, first, n.
         k.launch("dropout_bwd_f32", cfg, &mut args);
         // Bitwise: one mask, from the same integer hash, and one f32 multiply by the same
         // f32 1/(1 - rate) on both sides.
         assert_bits(&format!("dropout y vs nn::Dropout {cfg:?}"), &y, &want_y);
         assert_bits(&format!("dropout dx vs nn::Dropout {cfg:?}"), &dx, &want_dx);
         // And the mask is the documented function of rng (what cuda_ops.rs checks on a GPU).
-        let dkey = DropoutKey { seed, step, replica: replica as u64, layer: layer as u64, first: 0 };
+        let dkey = DropoutKey { seed, step, shard: shard as u64, layer: layer as u64, first: 0 };
         let mut kept = 0;
         for i in 0..n {
             let keep = dropout_keep(dkey, i as u64, rate);
@@ -1440,14 +1440,14 @@ fn dropout_masks_equal_the_cpu_layer_bit_for_bit() {
         assert!((frac - 0.7).abs() < 0.029, "kept fraction {frac}");
     }
 
-    // Another replica, step or layer: another mask.
-    for (s, r, l) in [(step + 1, replica, layer), (step, replica + 1, layer), (step, replica, layer + 1)] {
+    // Another shard, step or layer: another mask.
+    for (s, r, l) in [(step + 1, shard, layer), (step, shard + 1, layer), (step, shard, layer + 1)] {
         let mut y = vec![0.0f32; n];
         let mut args = vec![In(&x), Out(&mut y), F32(rate), U64(seed), U64(s), U64(r as u64), U64(l as u64)];
         args.extend([U64(0), U64(n as u64)]);
         k.launch("dropout_fwd_f32", elem_cfg(n), &mut args);
         assert_bits(
-            &format!("dropout y, step {s} replica {r} layer {l}"),
+            &format!("dropout y, step {s} shard {r} layer {l}"),
             &y,
             &cpu_dropout(&x, f, rate, seed, s, r, l),
         );

@@ -88,7 +88,7 @@ impl Draw {
         DropoutKey {
             seed: self.seed,
             step: self.step,
-            replica: self.shard as u64,
+            shard: self.shard as u64,
             layer: layer as u64,
             first: (self.sample_offset * per_sample) as u64,
         }

@@ -298,7 +298,7 @@ pub fn softmax_xent_ref(logits: &[f32], labels: &[u32], k: usize) -> (Vec<f64>, 
 /// agree bit for bit, so the tests ask the library rather than a copy.
 pub fn dropout_keep(key: DropoutKey, idx: u64, rate: f32) -> bool {
     use lockstep::rng::{dropout_key, hash64, unit_f32};
-    unit_f32(hash64(dropout_key(key.seed, key.step, key.replica, key.layer), key.first + idx)) >= rate
+    unit_f32(hash64(dropout_key(key.seed, key.step, key.shard, key.layer), key.first + idx)) >= rate
 }
 
 // ---- codec.cu and synchronized BatchNorm: the CPU's own code as the reference ----------
