@@ -13,7 +13,7 @@ use std::io::Write;
 
 use cudarc::driver::CudaSlice;
 use lockstep::cuda::launch::{
-    BnGeom, BnGrads, BnMerged, BnParams, BnSaved, BnStats, BnSums, BnUpdate, ConvGeom, DropoutKey, Gpu, WireGeom,
+    BnGeom, BnGrads, BnMerged, BnParams, BnSaved, BnStats, BnSums, BnUpdate, WindowGeom, DropoutKey, Gpu, WireGeom,
 };
 use lockstep::cuda::probe::{self, NcclStatus, NO_DRIVER};
 use lockstep::exchange::codec::{Codec, Compression};
@@ -200,7 +200,7 @@ fn im2col_and_col2im_match_the_reference_with_stride_and_asymmetric_padding() {
     let mut rng = Rng(3);
     let geoms = [
         // The Keras convnet's first layer: 3x3, stride 1, no padding.
-        ConvGeom {
+        WindowGeom {
             n: 2,
             c: 1,
             h: 28,
@@ -215,7 +215,7 @@ fn im2col_and_col2im_match_the_reference_with_stride_and_asymmetric_padding() {
             pad_right: 0,
         },
         // TF "same" padding with stride 2 on an even size: 0 top/left, 1 bottom/right.
-        ConvGeom {
+        WindowGeom {
             n: 2,
             c: 3,
             h: 8,
@@ -230,7 +230,7 @@ fn im2col_and_col2im_match_the_reference_with_stride_and_asymmetric_padding() {
             pad_right: 1,
         },
         // Everything different: 2x4 kernel, strides 2/3, padding 1/2/0/1.
-        ConvGeom {
+        WindowGeom {
             n: 3,
             c: 2,
             h: 7,

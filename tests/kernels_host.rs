@@ -50,7 +50,7 @@ use std::sync::OnceLock;
 
 use lockstep::backend::cpu;
 use lockstep::cuda::kernels::{Kernel, Kind, KERNEL_FILES};
-use lockstep::cuda::launch::{ConvGeom, DropoutKey, WireGeom, CODEC_THREADS, REDUCE_BLOCK};
+use lockstep::cuda::launch::{WindowGeom, DropoutKey, WireGeom, CODEC_THREADS, REDUCE_BLOCK};
 use lockstep::exchange::codec::{Codec, Compression};
 use lockstep::nn::batchnorm::RunningUpdate;
 use lockstep::nn::gelu::{gelu_grad, gelu_value};
@@ -807,8 +807,8 @@ fn bias_adds_and_their_reductions_match_the_reference() {
 // ---- conv.cu -------------------------------------------------------------------------
 
 /// The CPU backend's geometry for one sample, when both strides agree.
-fn cpu_geom(g: &ConvGeom) -> Option<cpu::ConvGeom> {
-    (g.stride_h == g.stride_w).then(|| cpu::ConvGeom {
+fn cpu_geom(g: &WindowGeom) -> Option<cpu::Im2colGeom> {
+    (g.stride_h == g.stride_w).then(|| cpu::Im2colGeom {
         c: g.c,
         h: g.h,
         w: g.w,
@@ -823,7 +823,7 @@ fn cpu_geom(g: &ConvGeom) -> Option<cpu::ConvGeom> {
 }
 
 /// launch.rs's `conv_args`: N, C, H, W, KH, KW, SH, SW, PT, PL, OH, OW as ints.
-fn conv_args(g: &ConvGeom) -> [i32; 12] {
+fn conv_args(g: &WindowGeom) -> [i32; 12] {
     [g.n, g.c, g.h, g.w, g.kh, g.kw, g.stride_h, g.stride_w, g.pad_top, g.pad_left, g.oh(), g.ow()]
         .map(|v| i32::try_from(v).unwrap())
 }
@@ -834,7 +834,7 @@ fn im2col_and_col2im_match_the_cpu_backend_with_stride_and_asymmetric_padding() 
         return;
     };
     let mut rng = Rng(4);
-    let geom = |(n, c, h, w), (kh, kw), (stride_h, stride_w), (pad_top, pad_left, pad_bottom, pad_right)| ConvGeom {
+    let geom = |(n, c, h, w), (kh, kw), (stride_h, stride_w), (pad_top, pad_left, pad_bottom, pad_right)| WindowGeom {
         n,
         c,
         h,

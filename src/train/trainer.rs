@@ -475,7 +475,7 @@ pub fn with_trainer<T>(
     let synchronized = crate::nn::batchnorm::has_synchronized_layers(model);
     let transport = RunTransport::of(devices.list(), world.size());
     check_features(transport, config, replicas, in_world, synchronized)?;
-    let plan = Plan {
+    let setup = WorkerSetup {
         world,
         rows: RowPlan::new(replicas, world.rank(), world.size()),
         devices,
@@ -494,10 +494,10 @@ pub fn with_trainer<T>(
         #[cfg(feature = "mpi")]
         RunTransport::Mpi => {
             let codec = Codec::new(config.grad_compression, model.params_len());
-            let group = crate::exchange::mpi::MpiGroup::new(world, n, replicas, width, plan.collective, codec)?;
+            let group = crate::exchange::mpi::MpiGroup::new(world, n, replicas, width, setup.collective, codec)?;
             let stats: Vec<_> = (0..n).map(|r| group.stats(r)).collect();
             let stats = |rank| synchronized.then(|| &stats[rank] as &dyn StatsExchange);
-            plan.run(
+            setup.run(
                 &group,
                 f,
                 |rank, device, start| Ok(cpu_replica(device, start, seed, stats(rank))),
@@ -510,10 +510,10 @@ pub fn with_trainer<T>(
         }
         RunTransport::SharedMemory => {
             let codec = Codec::new(config.grad_compression, model.params_len());
-            let shm = ShmGroup::with_codec(n, replicas, width, plan.collective, codec)?;
+            let shm = ShmGroup::with_codec(n, replicas, width, setup.collective, codec)?;
             let stats: Vec<ShmStats<'_>> = (0..n).map(|r| shm.stats(r)).collect();
             let stats = |rank| synchronized.then(|| &stats[rank] as &dyn StatsExchange);
-            plan.run(
+            setup.run(
                 &shm,
                 f,
                 |rank, device, start| Ok(cpu_replica(device, start, seed, stats(rank))),
@@ -525,7 +525,7 @@ pub fn with_trainer<T>(
             let codec = Codec::new(config.grad_compression, model.params_len());
             // Synchronized BatchNorm's statistics meet on the host, in the shared-memory
             // statistics exchange CPU devices use (a group of no gradient values).
-            let stats_group = if synchronized { Some(ShmGroup::new(n, replicas, 0, plan.collective)?) } else { None };
+            let stats_group = if synchronized { Some(ShmGroup::new(n, replicas, 0, setup.collective)?) } else { None };
             let stats: Vec<ShmStats<'_>> = stats_group.iter().flat_map(|g| (0..n).map(|r| g.stats(r))).collect();
             let group = match transport {
                 RunTransport::NcclClique if transport_for(&ordinals) == Transport::Copies => Err(Error::CudaUnavailable(
@@ -542,7 +542,7 @@ pub fn with_trainer<T>(
             };
             group.and_then(|group| {
                 let abort = Aborts::new(&group, stats_group.as_ref().map(|g| g as &dyn Abort));
-                plan.run(
+                setup.run(
                     &abort,
                     f,
                     |rank, device, start| gpu_replica(device, start, seed, stats.get(rank), &abort),
@@ -626,8 +626,9 @@ fn check_features(
     Ok(())
 }
 
-/// What every worker of a run starts from.
-struct Plan<'a> {
+/// How a run's workers are set up: what every one of them starts from, and how they
+/// wait; [`WorkerSetup::run`] starts them.
+struct WorkerSetup<'a> {
     world: &'static World,
     /// This process's logical replicas.
     rows: RowPlan,
@@ -642,7 +643,7 @@ struct Plan<'a> {
     messages: Wait,
 }
 
-impl Plan<'_> {
+impl WorkerSetup<'_> {
     /// Starts one worker thread per device under a scope — each builds its replica with
     /// `build`, then joins the exchange with `join` — calls `f` with the coordinator's
     /// handle, and returns when every thread has ended. `group` is the run's exchange,

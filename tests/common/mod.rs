@@ -20,7 +20,7 @@
 
 use std::io::Write;
 
-use lockstep::cuda::launch::{ConvGeom, DropoutKey, WireGeom};
+use lockstep::cuda::launch::{WindowGeom, DropoutKey, WireGeom};
 use lockstep::exchange::codec::{Codec, Compression, Wire};
 use lockstep::exchange::shm::ShmGroup;
 use lockstep::exchange::{Exchange, Wait};
@@ -106,7 +106,7 @@ pub fn bias_nchw_bwd_ref(dy: &[f32], dbias0: &[f32], (n, c, hw): (usize, usize, 
 ///   col[n][(c*KH + kh)*KW + kw][oh*OW + ow] = x[n, c, oh*SH - PT + kh, ow*SW - PL + kw],
 /// in the order (n, row, oh, ow); a position in the padding has no pair.
 /// x: (N, C, H, W); col: (N, C*KH*KW, OH*OW).
-fn im2col_pairs(g: &ConvGeom) -> Vec<(usize, usize)> {
+fn im2col_pairs(g: &WindowGeom) -> Vec<(usize, usize)> {
     let (oh, ow) = (g.oh(), g.ow());
     let rows = g.c * g.kh * g.kw;
     let mut pairs = Vec::with_capacity(g.col_len());
@@ -132,7 +132,7 @@ fn im2col_pairs(g: &ConvGeom) -> Vec<(usize, usize)> {
 
 /// im2col: copies and zeros, so in f32 and exact.
 /// x: (N, C, H, W); col: (N, C*KH*KW, OH*OW).
-pub fn im2col_ref(x: &[f32], g: &ConvGeom) -> Vec<f32> {
+pub fn im2col_ref(x: &[f32], g: &WindowGeom) -> Vec<f32> {
     let mut col = vec![0.0; g.col_len()];
     for (ci, xi) in im2col_pairs(g) {
         col[ci] = x[xi];
@@ -142,7 +142,7 @@ pub fn im2col_ref(x: &[f32], g: &ConvGeom) -> Vec<f32> {
 
 /// col2im by scatter-add in f64: the transpose of im2col_ref, element by element.
 /// dcol: (N, C*KH*KW, OH*OW); dx: (N, C, H, W).
-pub fn col2im_ref(dcol: &[f32], g: &ConvGeom) -> Vec<f64> {
+pub fn col2im_ref(dcol: &[f32], g: &WindowGeom) -> Vec<f64> {
     let mut dx = vec![0.0; g.x_len()];
     for (ci, xi) in im2col_pairs(g) {
         dx[xi] += dcol[ci] as f64;
