@@ -301,7 +301,7 @@ impl<'w> MpiGroup<'w> {
         codec: Option<Codec>,
     ) -> Result<MpiGroup<'w>> {
         let mpi = world.mpi().ok_or_else(|| Error::Mpi("the exchange between processes needs an MPI world".into()))?;
-        let (process, processes) = (world.rank(), world.size());
+        let (process, processes) = (world.process(), world.size());
         let in_world = processes * devices;
         if devices == 0 || shards == 0 || shards % in_world != 0 {
             return Err(Error::config(
@@ -1067,7 +1067,7 @@ impl StatsExchange for MpiStats<'_, '_> {
             return Err(Error::config(
                 "statistics exchange",
                 format!(
-                    "device {} of rank {} was handed logical replica {replica} of {}: synchronized BatchNorm needs one \
+                    "device {} of process {} was handed logical replica {replica} of {}: synchronized BatchNorm needs one \
                      logical replica per device",
                     self.device, g.process, g.total
                 ),

@@ -31,7 +31,7 @@ use crate::nn::Sequential;
 /// device with the whole global batch (up to float summation order; bitwise with a
 /// fixed number of logical replicas on CPU devices, which sum the R shard gradients in
 /// one tree whoever computed them). GPUs sum each device's shards in shard order, then
-/// across devices (NCCL's order, or rank order for device copies): bitwise across device
+/// across devices (NCCL's order, or member order for device copies): bitwise across device
 /// counts only where the additions coincide, e.g. R = 2 on `cuda:0` and on `cuda:0,0`.
 ///
 /// `test` is the held-out set, named by `config.held_out` (the test split by default, or

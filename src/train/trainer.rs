@@ -87,7 +87,7 @@ pub(super) struct HeldBatch {
 }
 
 impl Trainer<'_> {
-    /// Devices, in rank order.
+    /// Devices, in device order.
     pub fn devices(&self) -> &[Device] {
         &self.devices
     }
@@ -153,7 +153,7 @@ impl Trainer<'_> {
     fn qualified(&self, e: Error) -> Error {
         match e {
             Error::Worker { device, step, cause } if self.world.size() > 1 => {
-                Error::Worker { device: format!("rank {}, {device}", self.world.rank()), step, cause }
+                Error::Worker { device: format!("process {}, {device}", self.world.process()), step, cause }
             }
             other => other,
         }
@@ -289,8 +289,8 @@ impl Trainer<'_> {
             report.reduce = report.reduce.max(o.reduce);
             for (j, m) in o.shards.into_iter().enumerate() {
                 report.metrics.add(&m);
-                let replica = self.rows.first + d * k + j;
-                report.shards.push(ShardReport { device: self.devices[d], rank: None, replica, metrics: m });
+                let shard = self.rows.first + d * k + j;
+                report.shards.push(ShardReport { device: self.devices[d], process: None, shard, metrics: m });
             }
         }
         if self.world.size() > 1 {
@@ -310,7 +310,7 @@ impl Trainer<'_> {
     pub fn evaluate(&mut self, data: &Dataset, eval_batch: usize) -> Result<Metrics> {
         let n = self.devices.len();
         let parts = scatter::shards(data.len(), n * self.world.size());
-        let mine = &parts[self.world.rank() * n..(self.world.rank() + 1) * n];
+        let mine = &parts[self.world.process() * n..(self.world.process() + 1) * n];
         let first = mine[0].start;
         let held: Vec<usize> = (first..mine[n - 1].end).collect();
         let batch = Arc::new(Batch::gather(data, &held));
@@ -398,7 +398,7 @@ impl Trainer<'_> {
         }
     }
 
-    /// Bytes of optimiser state each device holds, in rank order (÷ N when sharded).
+    /// Bytes of optimiser state each device holds, in device order (÷ N when sharded).
     pub fn optimizer_bytes(&mut self) -> Result<Vec<usize>> {
         let replies = self.ask(|_| Command::Snapshot)?;
         Ok(replies
@@ -477,7 +477,7 @@ pub fn with_trainer<T>(
     check_features(transport, config, replicas, in_world, synchronized)?;
     let setup = WorkerSetup {
         world,
-        rows: RowPlan::new(replicas, world.rank(), world.size()),
+        rows: RowPlan::new(replicas, world.process(), world.size()),
         devices,
         replicas,
         model,
@@ -496,12 +496,12 @@ pub fn with_trainer<T>(
             let codec = Codec::new(config.grad_compression, model.params_len());
             let group = crate::exchange::mpi::MpiGroup::new(world, n, replicas, width, setup.collective, codec)?;
             let stats: Vec<_> = (0..n).map(|r| group.stats(r)).collect();
-            let stats = |rank| synchronized.then(|| &stats[rank] as &dyn StatsExchange);
+            let stats = |d| synchronized.then(|| &stats[d] as &dyn StatsExchange);
             setup.run(
                 &group,
                 f,
-                |rank, device, start| Ok(cpu_replica(device, start, seed, stats(rank))),
-                |rank, _| Ok(group.member(rank)),
+                |d, device, start| Ok(cpu_replica(device, start, seed, stats(d))),
+                |d, _| Ok(group.member(d)),
             )
         }
         #[cfg(not(feature = "mpi"))]
@@ -512,12 +512,12 @@ pub fn with_trainer<T>(
             let codec = Codec::new(config.grad_compression, model.params_len());
             let shm = ShmGroup::with_codec(n, replicas, width, setup.collective, codec)?;
             let stats: Vec<ShmStats<'_>> = (0..n).map(|r| shm.stats(r)).collect();
-            let stats = |rank| synchronized.then(|| &stats[rank] as &dyn StatsExchange);
+            let stats = |d| synchronized.then(|| &stats[d] as &dyn StatsExchange);
             setup.run(
                 &shm,
                 f,
-                |rank, device, start| Ok(cpu_replica(device, start, seed, stats(rank))),
-                |rank, _| Ok(shm.member(rank)),
+                |d, device, start| Ok(cpu_replica(device, start, seed, stats(d))),
+                |d, _| Ok(shm.member(d)),
             )
         }
         RunTransport::Nccl | RunTransport::NcclClique | RunTransport::DeviceCopies => {
@@ -545,8 +545,8 @@ pub fn with_trainer<T>(
                 setup.run(
                     &abort,
                     f,
-                    |rank, device, start| gpu_replica(device, start, seed, stats.get(rank), &abort),
-                    |rank, replica| GpuExchange::new(group.join(rank, replica.stream())?, width, k)?.with_codec(codec),
+                    |d, device, start| gpu_replica(device, start, seed, stats.get(d), &abort),
+                    |d, replica| GpuExchange::new(group.join(d, replica.stream())?, width, k)?.with_codec(codec),
                 )
             })
         }
@@ -667,7 +667,7 @@ impl WorkerSetup<'_> {
         let gate = SetupGate::new(n);
         std::thread::scope(|s| {
             let mut commands = Vec::with_capacity(n);
-            for (rank, &device) in self.devices.list().iter().enumerate() {
+            for (d, &device) in self.devices.list().iter().enumerate() {
                 let (tx, rx) = bounded::<Command>(2);
                 commands.push(tx);
                 let optimizer = match &self.config.resume {
@@ -676,9 +676,9 @@ impl WorkerSetup<'_> {
                 };
                 let start = (self.model.clone(), self.initial.clone(), optimizer);
                 let seat = Seat {
-                    rank,
+                    index: d,
                     device,
-                    shards: self.rows.first + rank * k..self.rows.first + (rank + 1) * k,
+                    shards: self.rows.first + d * k..self.rows.first + (d + 1) * k,
                     wait: self.messages,
                     sharding: self.config.optimizer_sharding,
                     abort: group,
@@ -689,7 +689,7 @@ impl WorkerSetup<'_> {
                 let (build, join) = (&build, &join);
                 let body = move || {
                     on_device_thread(device, threads, seat, |seat| {
-                        worker::start(seat, || build(rank, device, start), |r| join(rank, r))
+                        worker::start(seat, || build(d, device, start), |r| join(d, r))
                     })
                 };
                 std::thread::Builder::new().name(format!("lockstep-{device}")).spawn_scoped(s, body).map_err(|e| {
@@ -733,11 +733,11 @@ impl WorkerSetup<'_> {
 fn on_device_thread(device: Device, threads: usize, seat: Seat<'_>, body: impl FnOnce(Seat<'_>) + Send) {
     match device {
         Device::Cpu(_) => {
-            let rank = seat.rank;
+            let d = seat.index;
             let pool = rayon::ThreadPoolBuilder::new()
                 .num_threads(threads)
                 .use_current_thread()
-                .thread_name(move |i| format!("lockstep-cpu{rank}-{i}"))
+                .thread_name(move |i| format!("lockstep-cpu{d}-{i}"))
                 .build();
             match pool {
                 Ok(pool) => pool.install(|| body(seat)),
@@ -746,7 +746,7 @@ fn on_device_thread(device: Device, threads: usize, seat: Seat<'_>, body: impl F
                     seat.gate.arrive(false);
                     let cause = format!("cannot start its thread pool: {e}");
                     let _ =
-                        seat.replies.send((rank, Err(Error::Worker { device: device.to_string(), step: 0, cause })));
+                        seat.replies.send((d, Err(Error::Worker { device: device.to_string(), step: 0, cause })));
                 }
             }
         }
