@@ -13,7 +13,7 @@ use std::io::Write;
 
 use cudarc::driver::CudaSlice;
 use lockstep::cuda::launch::{
-    BnGeom, BnGrads, BnMerged, BnParams, BnSaved, BnStats, BnSums, BnUpdate, WindowGeom, DropoutKey, Gpu, WireGeom,
+    BnGeom, BnGrads, BnMerged, BnParams, BnSaved, BnStats, BnSums, BnUpdate, DropoutKey, Gpu, WindowGeom, WireGeom,
 };
 use lockstep::cuda::probe::{self, NcclStatus, NO_DRIVER};
 use lockstep::exchange::codec::{Codec, Compression};

@@ -50,7 +50,7 @@ use std::sync::OnceLock;
 
 use lockstep::backend::cpu;
 use lockstep::cuda::kernels::{Kernel, Kind, KERNEL_FILES};
-use lockstep::cuda::launch::{WindowGeom, DropoutKey, WireGeom, CODEC_THREADS, REDUCE_BLOCK};
+use lockstep::cuda::launch::{DropoutKey, WindowGeom, WireGeom, CODEC_THREADS, REDUCE_BLOCK};
 use lockstep::exchange::codec::{Codec, Compression};
 use lockstep::nn::batchnorm::RunningUpdate;
 use lockstep::nn::gelu::{gelu_grad, gelu_value};
@@ -1446,11 +1446,7 @@ fn dropout_masks_equal_the_cpu_layer_bit_for_bit() {
         let mut args = vec![In(&x), Out(&mut y), F32(rate), U64(seed), U64(s), U64(r as u64), U64(l as u64)];
         args.extend([U64(0), U64(n as u64)]);
         k.launch("dropout_fwd_f32", elem_cfg(n), &mut args);
-        assert_bits(
-            &format!("dropout y, step {s} shard {r} layer {l}"),
-            &y,
-            &cpu_dropout(&x, f, rate, seed, s, r, l),
-        );
+        assert_bits(&format!("dropout y, step {s} shard {r} layer {l}"), &y, &cpu_dropout(&x, f, rate, seed, s, r, l));
         assert_ne!(y, want_y);
     }
     // launch.rs accepts rate 0 and 1 (the CPU layer refuses 1): all kept, unscaled; all
@@ -1458,7 +1454,7 @@ fn dropout_masks_equal_the_cpu_layer_bit_for_bit() {
     // infinite.
     for (rate, want) in [(0.0f32, dy.clone()), (1.0, dy.iter().map(|v| v * 0.0).collect())] {
         let mut dx = vec![f32::NAN; n];
-        let mut args = vec![In(&dy), Out(&mut dx), F32(rate), U64(seed), U64(step), U64(replica as u64)];
+        let mut args = vec![In(&dy), Out(&mut dx), F32(rate), U64(seed), U64(step), U64(shard as u64)];
         args.extend([U64(layer as u64), U64(0), U64(n as u64)]);
         k.launch("dropout_bwd_f32", elem_cfg(n), &mut args);
         assert_bits(&format!("dropout dx at rate {rate}"), &dx, &want);
@@ -1469,10 +1465,10 @@ fn dropout_masks_equal_the_cpu_layer_bit_for_bit() {
     let (from, rows) = (25usize, 15usize);
     let part = &x[from * f..(from + rows) * f];
     let mut y = vec![f32::NAN; rows * f];
-    let mut args = vec![In(part), Out(&mut y), F32(rate), U64(seed), U64(step), U64(replica as u64)];
+    let mut args = vec![In(part), Out(&mut y), F32(rate), U64(seed), U64(step), U64(shard as u64)];
     args.extend([U64(layer as u64), U64((from * f) as u64), U64((rows * f) as u64)]);
     k.launch("dropout_fwd_f32", elem_cfg(rows * f), &mut args);
-    let cpu_part = cpu_dropout_at(part, f, rate, (seed, step, replica, layer), from);
+    let cpu_part = cpu_dropout_at(part, f, rate, (seed, step, shard, layer), from);
     assert_bits("dropout of a later micro-batch vs nn::Dropout at its offset", &y, &cpu_part);
     assert_bits("dropout of a later micro-batch vs the whole shard's rows", &y, &want_y[from * f..(from + rows) * f]);
 }
@@ -1489,7 +1485,7 @@ fn dropout_masks_equal_the_cpu_layer_bit_for_bit() {
 /// payload), so there a NaN must match a NaN (bf16 turns every NaN into 0x7FC0, so it
 /// matches bit for bit anyway).
 /// Then the whole GPU exchange (encode each slot, the wires side by side, reduce, decode)
-/// against the shared-memory exchange on the same slots, on 1 and 2 ranks.
+/// against the shared-memory exchange on the same slots, on 1 and 2 members.
 #[test]
 fn codec_kernels_equal_the_codec_bit_for_bit() {
     let Some(k) = kernels_or_skip("codec_kernels_equal_the_codec_bit_for_bit") else {
@@ -1599,8 +1595,9 @@ fn codec_kernels_equal_the_codec_bit_for_bit() {
             }
 
             // The GPU exchange's chain on the kernels' own wires, against the shared-memory
-            // exchange on the same slots (r logical replicas on 1 rank, and on r ranks when
-            // r is 1 or 5 — any device count with R fixed reads the same sum).
+            // exchange on the same slots (r logical replicas on 1 member, and on r
+            // members when r is 1 or 5 — any device count with R fixed reads the same
+            // sum).
             let mut reduced = vec![0u8; g.bytes()];
             k.launch(
                 "wire_reduce_f32",
@@ -1631,12 +1628,12 @@ fn codec_kernels_equal_the_codec_bit_for_bit() {
                     U64(g.raw_at() as u64),
                 ],
             );
-            for ranks in [1, r] {
-                for (rank, cpu) in shm_exchange(ranks, codec, &slots).iter().enumerate() {
+            for members in [1, r] {
+                for (member, cpu) in shm_exchange(members, codec, &slots).iter().enumerate() {
                     for (i, (a, b)) in gpu_sum.iter().zip(cpu).enumerate() {
                         assert!(
                             a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()),
-                            "{case}: value {i} of the GPU chain {a} vs the CPU exchange's {b} ({ranks} ranks, rank {rank})"
+                            "{case}: value {i} of the GPU chain {a} vs the CPU exchange's {b} ({members} members, member {member})"
                         );
                     }
                 }

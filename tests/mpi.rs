@@ -357,7 +357,9 @@ fn arguments_that_disagree_are_refused_on_every_process() {
     let out = text(&o);
     assert!(!o.status.success(), "{out}");
     assert!(
-        out.contains("error: the processes of this run disagree: process 1 has batch size 4, process 0 has batch size 2"),
+        out.contains(
+            "error: the processes of this run disagree: process 1 has batch size 4, process 0 has batch size 2"
+        ),
         "{out}"
     );
     assert!(out.contains("Exit code:    2"), "exits 2, as for any bad argument: {out}");
@@ -633,7 +635,8 @@ fn sigkill_of_one_process_ends_the_others() {
     assert!(took < Duration::from_secs(5), "process 0 ended {took:?} after the kill: {out}");
     // mpirun is not let end the job: process 0 saw the death itself (its waits watch the
     // processes on its machine) and names it.
-    let want = format!("process 0: error: process 1 (pid {}, on this machine) has exited without a word (killed?)", pids[1]);
+    let want =
+        format!("process 0: error: process 1 (pid {}, on this machine) has exited without a word (killed?)", pids[1]);
     assert!(out.contains(&want), "{out}");
     assert_eq!(std::fs::read_to_string(dir.path("exit-0")).ok().as_deref(), Some("1"), "{out}");
     let left = std::fs::metadata(dir.path("exit-0")).unwrap().modified().unwrap();

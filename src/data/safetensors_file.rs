@@ -153,7 +153,11 @@ fn load(path: &Path, num_classes: Option<usize>) -> Result<Dataset> {
 
     // y: (N,)
     if y.shape().len() != 1 {
-        return Err(bad(format!("tensor 'y' is {}-dimensional (shape {:?}); expected (N,)", y.shape().len(), y.shape())));
+        return Err(bad(format!(
+            "tensor 'y' is {}-dimensional (shape {:?}); expected (N,)",
+            y.shape().len(),
+            y.shape()
+        )));
     }
     if y.shape()[0] != n {
         return Err(bad(format!("tensor 'x' has {n} samples but 'y' has {} labels", y.shape()[0])));
@@ -357,7 +361,9 @@ mod tests {
     fn wrong_ranks_are_errors() {
         let path =
             write("x_rank3", &[("x", Dtype::U8, vec![2, 2, 2], vec![0; 8]), ("y", Dtype::U8, vec![2], vec![0, 1])]);
-        assert!(load_err(&path).contains("tensor 'x' is 3-dimensional (shape [2, 2, 2]); expected (N, C, H, W) or (N, F)"));
+        assert!(
+            load_err(&path).contains("tensor 'x' is 3-dimensional (shape [2, 2, 2]); expected (N, C, H, W) or (N, F)")
+        );
         let path = write("x_rank1", &[("x", Dtype::U8, vec![2], vec![0; 2]), ("y", Dtype::U8, vec![2], vec![0, 1])]);
         assert!(load_err(&path).contains("tensor 'x' is 1-dimensional"));
         let path = write("y_rank2", &[good_x(), ("y", Dtype::I64, vec![3, 1], i64s(&[0, 1, 0]))]);

@@ -26,7 +26,7 @@ use cudarc::driver::{CudaEvent, CudaSlice, CudaView, CudaViewMut};
 
 use super::stats::StatsExchange;
 use super::window::Window2d;
-use crate::cuda::{WindowGeom, DropoutKey, Gpu};
+use crate::cuda::{DropoutKey, Gpu, WindowGeom};
 use crate::error::{Error, Result};
 use crate::tensor::Shape;
 

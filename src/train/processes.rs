@@ -133,7 +133,9 @@ impl Handshake {
                         true => (format!("{theirs:016x}"), format!("{first:016x}")),
                         false => (show(theirs), show(first)),
                     };
-                    return Err(Error::Processes { detail: format!("process {q} has {name} {a}, process 0 has {name} {b}") });
+                    return Err(Error::Processes {
+                        detail: format!("process {q} has {name} {a}, process 0 has {name} {b}"),
+                    });
                 }
             }
         }
@@ -161,10 +163,10 @@ pub(super) fn gather_optimizer_parts(world: &World, parts: &[Optimizer]) -> Resu
         let mut at = 0;
         while at < words.len() && words[at] != u64::MAX {
             let n = words[at] as usize;
-            let part = words
-                .get(at + 1..at + 1 + n)
-                .and_then(|w| Optimizer::from_words(config, len, w))
-                .ok_or_else(|| Error::Processes { detail: format!("process {q} sent optimizer state that is not one") })?;
+            let part =
+                words.get(at + 1..at + 1 + n).and_then(|w| Optimizer::from_words(config, len, w)).ok_or_else(|| {
+                    Error::Processes { detail: format!("process {q} sent optimizer state that is not one") }
+                })?;
             out.push(part);
             at += 1 + n;
         }

@@ -745,8 +745,7 @@ fn on_device_thread(device: Device, threads: usize, seat: Seat<'_>, body: impl F
                     seat.abort.abort();
                     seat.gate.arrive(false);
                     let cause = format!("cannot start its thread pool: {e}");
-                    let _ =
-                        seat.replies.send((d, Err(Error::Worker { device: device.to_string(), step: 0, cause })));
+                    let _ = seat.replies.send((d, Err(Error::Worker { device: device.to_string(), step: 0, cause })));
                 }
             }
         }

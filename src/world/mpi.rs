@@ -520,7 +520,10 @@ impl MpiWorld {
         }
         if std::os::unix::process::parent_id() != self.parent {
             return Some(Error::PeerLost {
-                detail: format!("the launcher of this job (pid {}) has exited; process {} stops", self.parent, self.process),
+                detail: format!(
+                    "the launcher of this job (pid {}) has exited; process {} stops",
+                    self.parent, self.process
+                ),
             });
         }
         if let Some(t) = self.timeout.filter(|t| waited > *t) {

@@ -20,7 +20,7 @@
 
 use std::io::Write;
 
-use lockstep::cuda::launch::{WindowGeom, DropoutKey, WireGeom};
+use lockstep::cuda::launch::{DropoutKey, WindowGeom, WireGeom};
 use lockstep::exchange::codec::{Codec, Compression, Wire};
 use lockstep::exchange::shm::ShmGroup;
 use lockstep::exchange::{Exchange, Wait};
@@ -415,18 +415,18 @@ pub fn codec_inputs(codec: &Codec, rng: &mut Rng, r: usize, encoded: usize, raw:
     CodecInputs { slots, wires, stride, src }
 }
 
-/// Every rank's sum of `slots` through the shared-memory exchange with `codec`, on
-/// `ranks` ranks (each running its share of the logical replicas).
-pub fn shm_exchange(ranks: usize, codec: Codec, slots: &[Vec<f32>]) -> Vec<Vec<f32>> {
+/// Every member's sum of `slots` through the shared-memory exchange with `codec`, on
+/// `members` members (each running its share of the logical replicas).
+pub fn shm_exchange(members: usize, codec: Codec, slots: &[Vec<f32>]) -> Vec<Vec<f32>> {
     let (shards, len) = (slots.len(), slots[0].len());
-    let group = ShmGroup::with_codec(ranks, shards, len, Wait::Park, Some(codec)).unwrap();
+    let group = ShmGroup::with_codec(members, shards, len, Wait::Park, Some(codec)).unwrap();
     std::thread::scope(|s| {
-        let hs: Vec<_> = (0..ranks)
+        let hs: Vec<_> = (0..members)
             .map(|d| {
                 let group = &group;
                 s.spawn(move || {
                     let mut me = group.member(d);
-                    let per = shards / ranks;
+                    let per = shards / members;
                     for j in 0..per {
                         me.with_slot(j, |slot| slot.copy_from_slice(&slots[d * per + j]));
                     }

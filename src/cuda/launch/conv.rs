@@ -5,7 +5,7 @@
 //! window geometry ([`WindowGeom`], shared with pooling) before the typed launch of
 //! `cuda::kernels::conv`.
 
-use super::{check_len, elem_cfg, WindowGeom, DevIn, DevOut, Gpu};
+use super::{check_len, elem_cfg, DevIn, DevOut, Gpu, WindowGeom};
 use crate::cuda::kernels::conv;
 use crate::Result;
 

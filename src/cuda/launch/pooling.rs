@@ -8,7 +8,7 @@
 
 use cudarc::driver::CudaSlice;
 
-use super::{check_len, elem_cfg, WindowGeom, DevIn, DevOut, Gpu};
+use super::{check_len, elem_cfg, DevIn, DevOut, Gpu, WindowGeom};
 use crate::cuda::kernels::pooling;
 use crate::Result;
 
