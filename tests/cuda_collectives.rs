@@ -151,8 +151,8 @@ fn without_a_driver_a_group_is_an_error_not_a_panic() {
 // ---- copy path (one GPU is enough) -------------------------------------------------
 
 #[test]
-fn copies_all_reduce_is_the_rank_order_sum_on_every_rank() {
-    let Some(_) = gpus_or_skip("copies_all_reduce_is_the_rank_order_sum_on_every_rank") else {
+fn copies_all_reduce_is_the_member_order_sum_on_every_member() {
+    let Some(_) = gpus_or_skip("copies_all_reduce_is_the_member_order_sum_on_every_member") else {
         return;
     };
     let mut rng = Rng(7);
@@ -219,8 +219,8 @@ fn copies_all_reduce_repeats_and_keeps_stream_order() {
 }
 
 #[test]
-fn copies_broadcast_gives_every_rank_the_roots_values() {
-    let Some(_) = gpus_or_skip("copies_broadcast_gives_every_rank_the_roots_values") else {
+fn copies_broadcast_gives_every_member_the_roots_values() {
+    let Some(_) = gpus_or_skip("copies_broadcast_gives_every_member_the_roots_values") else {
         return;
     };
     let (members, len, root) = (3, 1001, 1);
@@ -261,8 +261,8 @@ fn copies_refuse_a_buffer_of_the_wrong_length() {
 }
 
 #[test]
-fn copies_abort_releases_a_rank_waiting_for_its_peer() {
-    let Some(_) = gpus_or_skip("copies_abort_releases_a_rank_waiting_for_its_peer") else {
+fn copies_abort_releases_a_member_waiting_for_its_peer() {
+    let Some(_) = gpus_or_skip("copies_abort_releases_a_member_waiting_for_its_peer") else {
         return;
     };
     let len = 1000;
@@ -354,8 +354,8 @@ fn nccl_all_reduce_and_broadcast_on_two_gpus() {
 }
 
 #[test]
-fn nccl_abort_releases_a_rank_waiting_to_join() {
-    let Some(_) = two_gpus_and_nccl_or_skip("nccl_abort_releases_a_rank_waiting_to_join") else {
+fn nccl_abort_releases_a_member_waiting_to_join() {
+    let Some(_) = two_gpus_and_nccl_or_skip("nccl_abort_releases_a_member_waiting_to_join") else {
         return;
     };
     // Only member 0 joins; NCCL's init waits for member 1 until the abort.
@@ -374,8 +374,8 @@ fn nccl_abort_releases_a_rank_waiting_to_join() {
 }
 
 #[test]
-fn nccl_abort_releases_a_rank_whose_peer_never_calls() {
-    let Some(_) = two_gpus_and_nccl_or_skip("nccl_abort_releases_a_rank_whose_peer_never_calls") else {
+fn nccl_abort_releases_a_member_whose_peer_never_calls() {
+    let Some(_) = two_gpus_and_nccl_or_skip("nccl_abort_releases_a_member_whose_peer_never_calls") else {
         return;
     };
     let len = 4096;

@@ -54,7 +54,7 @@ fn fill(s: usize, i: usize) -> f32 {
 }
 
 #[test]
-fn every_rank_and_device_count_reads_exactly_the_codecs_sum() {
+fn every_member_and_device_count_reads_exactly_the_codecs_sum() {
     let (len, encoded) = (5000, 3000);
     for compression in [Compression::Bf16, Compression::Fp16] {
         let codec = Codec::new(compression, encoded).unwrap();

@@ -189,7 +189,7 @@ fn time_allreduce(run: AllreduceRun) -> CliResult<Duration> {
                 })
             })
             .collect();
-        let mut rank0 = Vec::new();
+        let mut member0 = Vec::new();
         for (r, h) in handles.into_iter().enumerate() {
             let t = h.join().map_err(|_| lockstep::Error::Worker {
                 device: format!("cpu:{r}"),
@@ -197,10 +197,10 @@ fn time_allreduce(run: AllreduceRun) -> CliResult<Duration> {
                 cause: "benchmark member panicked".into(),
             })??;
             if r == 0 {
-                rank0 = t;
+                member0 = t;
             }
         }
-        Ok(rank0)
+        Ok(member0)
     })
     .map_err(Failure::runtime)?;
     Ok(median(times))
@@ -439,13 +439,13 @@ fn time_gpu_allreduce(
     use lockstep::exchange::gpu::{transport_for, GpuGroup};
     let codec = lockstep::exchange::codec::Codec::new(compression, count);
     let group = GpuGroup::new(transport_for(ordinals), ordinals, count)?;
-    time_gpu_ranks(ordinals, count, rounds, codec, &group, |r, s| group.join(r, s))
+    time_gpu_members(ordinals, count, rounds, codec, &group, |r, s| group.join(r, s))
 }
 
 /// One thread per member of `group` (joined by `join`): after the warm-up each queues
 /// `iters` all-reduces (with a codec, sums of the GPU exchange over one slot) and
 /// synchronises once; member 0's mean time per all-reduce.
-fn time_gpu_ranks<C: lockstep::exchange::gpu::DeviceAllReduce>(
+fn time_gpu_members<C: lockstep::exchange::gpu::DeviceAllReduce>(
     ordinals: &[usize],
     count: usize,
     (iters, warmup): (usize, usize),
@@ -502,11 +502,11 @@ fn time_gpu_ranks<C: lockstep::exchange::gpu::DeviceAllReduce>(
                 })
             })
             .collect();
-        let mut rank0 = Duration::ZERO;
+        let mut member0 = Duration::ZERO;
         let mut first_error = None;
         for (r, h) in handles.into_iter().enumerate() {
             match h.join() {
-                Ok(Ok(t)) if r == 0 => rank0 = t,
+                Ok(Ok(t)) if r == 0 => member0 = t,
                 Ok(Ok(_)) => {}
                 Ok(Err(e)) => {
                     first_error.get_or_insert(e);
@@ -520,7 +520,7 @@ fn time_gpu_ranks<C: lockstep::exchange::gpu::DeviceAllReduce>(
                 }
             }
         }
-        first_error.map_or(Ok(rank0), Err)
+        first_error.map_or(Ok(member0), Err)
     })?;
     Ok(time)
 }

@@ -358,15 +358,15 @@ mod tests {
     }
 
     #[test]
-    fn wrong_ranks_are_errors() {
+    fn wrong_dimension_counts_are_errors() {
         let path =
-            write("x_rank3", &[("x", Dtype::U8, vec![2, 2, 2], vec![0; 8]), ("y", Dtype::U8, vec![2], vec![0, 1])]);
+            write("x_ndim3", &[("x", Dtype::U8, vec![2, 2, 2], vec![0; 8]), ("y", Dtype::U8, vec![2], vec![0, 1])]);
         assert!(
             load_err(&path).contains("tensor 'x' is 3-dimensional (shape [2, 2, 2]); expected (N, C, H, W) or (N, F)")
         );
-        let path = write("x_rank1", &[("x", Dtype::U8, vec![2], vec![0; 2]), ("y", Dtype::U8, vec![2], vec![0, 1])]);
+        let path = write("x_ndim1", &[("x", Dtype::U8, vec![2], vec![0; 2]), ("y", Dtype::U8, vec![2], vec![0, 1])]);
         assert!(load_err(&path).contains("tensor 'x' is 1-dimensional"));
-        let path = write("y_rank2", &[good_x(), ("y", Dtype::I64, vec![3, 1], i64s(&[0, 1, 0]))]);
+        let path = write("y_ndim2", &[good_x(), ("y", Dtype::I64, vec![3, 1], i64s(&[0, 1, 0]))]);
         assert!(load_err(&path).contains("tensor 'y' is 2-dimensional (shape [3, 1]); expected (N,)"));
     }
 

@@ -1061,13 +1061,13 @@ impl StatsExchange for MpiStats<'_, '_> {
         self.group.total
     }
 
-    fn all_gather(&self, replica: usize, mine: &[f64], all: &mut Vec<f64>) -> Result<()> {
+    fn all_gather(&self, shard: usize, mine: &[f64], all: &mut Vec<f64>) -> Result<()> {
         let g = self.group;
-        if g.per_device != 1 || replica != g.first_shard() + self.device {
+        if g.per_device != 1 || shard != g.first_shard() + self.device {
             return Err(Error::config(
                 "statistics exchange",
                 format!(
-                    "device {} of process {} was handed logical replica {replica} of {}: synchronized BatchNorm needs one \
+                    "device {} of process {} was handed logical replica {shard} of {}: synchronized BatchNorm needs one \
                      logical replica per device",
                     self.device, g.process, g.total
                 ),

@@ -400,13 +400,13 @@ impl StatsExchange for ShmStats<'_> {
         self.ex.shards.len()
     }
 
-    fn all_gather(&self, replica: usize, mine: &[f64], all: &mut Vec<f64>) -> Result<()> {
+    fn all_gather(&self, shard: usize, mine: &[f64], all: &mut Vec<f64>) -> Result<()> {
         let ex = self.ex;
-        if ex.shards_per_member() != 1 || replica != self.index {
+        if ex.shards_per_member() != 1 || shard != self.index {
             return Err(Error::config(
                 "statistics exchange",
                 format!(
-                    "device {} was handed logical replica {replica} of {} on {} devices: synchronized BatchNorm needs one logical replica per device",
+                    "device {} was handed logical replica {shard} of {} on {} devices: synchronized BatchNorm needs one logical replica per device",
                     self.index,
                     ex.shards.len(),
                     ex.members
@@ -415,7 +415,7 @@ impl StatsExchange for ShmStats<'_> {
         }
         let generation = &ex.stats[self.calls.fetch_add(1, Ordering::Relaxed) % 2];
         {
-            let mut w = generation[replica].write();
+            let mut w = generation[shard].write();
             w.clear();
             w.extend_from_slice(mine);
         }
@@ -426,7 +426,7 @@ impl StatsExchange for ShmStats<'_> {
             if p.len() != mine.len() {
                 return Err(Error::shape(
                     "statistics exchange",
-                    format!("logical replica {r} sent {} values, {replica} sent {}", p.len(), mine.len()),
+                    format!("logical replica {r} sent {} values, {shard} sent {}", p.len(), mine.len()),
                 ));
             }
             all.extend_from_slice(&p);
@@ -462,7 +462,7 @@ mod tests {
     }
 
     #[test]
-    fn reduce_scatter_sums_every_shard_on_every_rank() {
+    fn reduce_scatter_sums_every_shard_on_every_member() {
         let cases = [(1, 1), (1, 4), (2, 2), (2, 4), (3, 3), (4, 4)];
         for ((members, shards), wait) in cases.into_iter().flat_map(|c| [(c, Wait::Spin), (c, Wait::Park)]) {
             let len = 1000;
@@ -496,7 +496,7 @@ mod tests {
     }
 
     #[test]
-    fn classic_all_reduce_gives_every_rank_the_same_values() {
+    fn classic_all_reduce_gives_every_member_the_same_values() {
         let (members, len) = (3, 100);
         let ex = ShmGroup::new(members, members, len, Wait::Park).unwrap();
         let out: Vec<Vec<f32>> = std::thread::scope(|s| {
@@ -528,7 +528,7 @@ mod tests {
     }
 
     #[test]
-    fn abort_releases_a_waiting_rank() {
+    fn abort_releases_a_waiting_member() {
         for wait in [Wait::Spin, Wait::Park] {
             let ex = ShmGroup::new(2, 2, 4, wait).unwrap();
             std::thread::scope(|s| {
@@ -578,7 +578,7 @@ mod tests {
     }
 
     #[test]
-    fn an_abort_releases_a_rank_waiting_in_the_statistics_exchange() {
+    fn an_abort_releases_a_member_waiting_in_the_statistics_exchange() {
         let ex = ShmGroup::new(2, 2, 4, Wait::Park).unwrap();
         std::thread::scope(|s| {
             let h = s.spawn(|| ex.stats(0).all_gather(0, &[1.0], &mut Vec::new()));
@@ -589,7 +589,7 @@ mod tests {
     }
 
     #[test]
-    fn the_all_gather_hands_every_rank_every_owned_chunk() {
+    fn the_all_gather_hands_every_member_every_owned_chunk() {
         // 3 members over a slot of 100 parameters and 20 buffers: member d writes 1000·d
         // + i into its owned chunk of the parameters only; afterwards every member holds
         // them all.

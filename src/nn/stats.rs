@@ -29,9 +29,9 @@ pub trait StatsExchange: Sync + std::fmt::Debug {
     /// Number of logical replicas R: payloads per call.
     fn replicas(&self) -> usize;
 
-    /// Contributes `mine`, the payload of logical replica `replica` (this device's), and
+    /// Contributes `mine`, the payload of logical replica `shard` (this device's), and
     /// fills `all` with every logical replica's payload in replica order (R·len values;
     /// every payload of a call has the same length). Fails with `Error::Aborted` once the
     /// run's exchange is aborted.
-    fn all_gather(&self, replica: usize, mine: &[f64], all: &mut Vec<f64>) -> Result<()>;
+    fn all_gather(&self, shard: usize, mine: &[f64], all: &mut Vec<f64>) -> Result<()>;
 }

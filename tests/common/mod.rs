@@ -521,8 +521,8 @@ impl lockstep::nn::stats::StatsExchange for Recorder {
         2
     }
 
-    fn all_gather(&self, replica: usize, mine: &[f64], all: &mut Vec<f64>) -> lockstep::Result<()> {
-        assert_eq!(replica, 1, "the layer under test is logical replica 1");
+    fn all_gather(&self, shard: usize, mine: &[f64], all: &mut Vec<f64>) -> lockstep::Result<()> {
+        assert_eq!(shard, 1, "the layer under test is logical replica 1");
         self.sent.lock().unwrap().push(mine.to_vec());
         all.clear();
         if mine.len() % 2 == 1 {
