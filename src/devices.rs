@@ -151,7 +151,7 @@ impl Devices {
         })
     }
 
-    /// The devices, in device order.
+    /// The devices, device d at `[d]`.
     pub fn list(&self) -> &[Device] {
         &self.devices
     }

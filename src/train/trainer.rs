@@ -87,7 +87,7 @@ pub(super) struct HeldBatch {
 }
 
 impl Trainer<'_> {
-    /// Devices, in device order.
+    /// The devices, device d at `[d]`.
     pub fn devices(&self) -> &[Device] {
         &self.devices
     }
