@@ -90,7 +90,7 @@ fn replicas_sharing_a_gpu_equal_one_replica_running_both_shards() {
         return;
     }
     // With R = 2 logical replicas, cuda:0 sums the two shards' gradients in shard order
-    // and cuda:0,0 sums them in rank order through device copies: the same additions,
+    // and cuda:0,0 sums them in member order through device copies: the same additions,
     // so bitwise the same weights.
     let data = digits_subset(200);
     let model = convnet(Norm::BatchNorm, 0.25);
@@ -179,8 +179,8 @@ fn a_failure_on_one_gpu_is_reported_and_releases_the_other() {
     if !gpu_present("a_failure_on_one_gpu_is_reported_and_releases_the_other") {
         return;
     }
-    // Rank 1's shard holds a label the model cannot output: rank 1 fails before the
-    // all-reduce while rank 0 waits in it; the abort must release rank 0.
+    // Member 1's shard holds a label the model cannot output: member 1 fails before the
+    // all-reduce while member 0 waits in it; the abort must release member 0.
     let data = digits_subset(8);
     let model = convnet(Norm::BatchNorm, 0.0);
     let rows: Vec<usize> = (0..8).collect();
@@ -234,23 +234,23 @@ fn issue_12_features_on_gpus() {
     }
 }
 
-/// Every rank's sum of `slots` (R logical replicas, `k` a rank) through the GPU exchange
-/// with `codec` over `group`'s transport, rank r on GPU `ordinals[r]`.
+/// Every member's sum of `slots` (R logical replicas, `k` a member) through the GPU
+/// exchange with `codec` over `group`'s transport, member r on GPU `ordinals[r]`.
 fn gpu_codec_exchange<C, J>(ordinals: &[usize], join: J, codec: Codec, slots: &[Vec<f32>]) -> Vec<Vec<f32>>
 where
     C: DeviceAllReduce,
     J: Fn(usize, &std::sync::Arc<cudarc::driver::CudaStream>) -> lockstep::Result<C> + Sync,
 {
-    let (world, len) = (ordinals.len(), slots[0].len());
-    let k = slots.len() / world;
+    let (members, len) = (ordinals.len(), slots[0].len());
+    let k = slots.len() / members;
     std::thread::scope(|s| {
-        let hs: Vec<_> = (0..world)
+        let hs: Vec<_> = (0..members)
             .map(|r| {
                 let join = &join;
                 s.spawn(move || {
                     let stream = cudarc::driver::CudaContext::new(ordinals[r]).unwrap().new_stream().unwrap();
-                    let rank = join(r, &stream).expect("join");
-                    let mut ex = GpuExchange::new(rank, len, k).unwrap().with_codec(Some(codec)).unwrap();
+                    let member = join(r, &stream).expect("join");
+                    let mut ex = GpuExchange::new(member, len, k).unwrap().with_codec(Some(codec)).unwrap();
                     for j in 0..k {
                         ex.with_slot(j, |mut slot| stream.memcpy_htod(&slots[r * k + j], &mut slot)).unwrap();
                     }
@@ -271,11 +271,11 @@ where
 
 /// 16-bit gradients through the GPU exchange are the CPU exchange's sum: the same slots
 /// (tests/common's codec inputs: blocks from 2^-140 to 2^126, NaNs, infinities, f32
-/// subnormals, exact bf16 ties) give, on every rank and on cuda:0 (R = 4 on one GPU),
+/// subnormals, exact bf16 ties) give, on every member and on cuda:0 (R = 4 on one GPU),
 /// cuda:0,0 (device copies) and, with two GPUs, cuda:0,1 (NCCL's all-gather), bitwise
 /// the shared-memory exchange's decoded sum — the codec's canonical tree over the R wires
 /// — but for which NaN a sum holding a NaN gives (CUDA's canonical NaN; x86 keeps an
-/// operand's). Every GPU rank holds bitwise the same values, NaNs included: they ran one
+/// operand's). Every GPU member holds bitwise the same values, NaNs included: they ran one
 /// kernel on the same bytes.
 #[test]
 fn sixteen_bit_gradients_through_the_gpu_exchange_are_the_cpu_exchanges_sum() {
@@ -300,14 +300,14 @@ fn sixteen_bit_gradients_through_the_gpu_exchange_are_the_cpu_exchanges_sum() {
             let group = NcclGroup::new(&[0, 1], encoded + raw).unwrap();
             runs.push(("NCCL on cuda:0,1".into(), gpu_codec_exchange(&[0, 1], |r, s| group.join(r, s), codec, &slots)));
         }
-        for (what, ranks) in &runs {
-            for (r, got) in ranks.iter().enumerate() {
+        for (what, members) in &runs {
+            for (r, got) in members.iter().enumerate() {
                 let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                assert_eq!(bits(got), bits(&ranks[0]), "{compression:?}, {what}: rank {r} vs rank 0");
+                assert_eq!(bits(got), bits(&members[0]), "{compression:?}, {what}: member {r} vs member 0");
                 for (i, (a, b)) in got.iter().zip(cpu).enumerate() {
                     assert!(
                         a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()),
-                        "{compression:?}, {what}, rank {r}: value {i} is {a}, the CPU exchange's {b}"
+                        "{compression:?}, {what}, member {r}: value {i} is {a}, the CPU exchange's {b}"
                     );
                 }
             }

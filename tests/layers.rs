@@ -323,7 +323,7 @@ fn forward_shape_errors_name_the_op_and_the_shapes() {
     let msg = err.to_string();
     assert!(msg.contains("(1, 1, 2, 2)") && msg.contains("3x3"), "{msg}");
 
-    // A conv given a rank-2 tensor.
+    // A conv given a 2-dimensional tensor.
     let x = Tensor::zeros([1, 16], CPU);
     let err = net.forward(x, &store.params, &mut store.buffers, &Ctx::eval(CPU)).unwrap_err().to_string();
     assert!(err.contains("Conv2d") && err.contains("(N, C, H, W)") && err.contains("(1, 16)"), "{err}");

@@ -160,8 +160,8 @@ super::declare::kernels! {
     /// kernels/dropout.cu: inverted dropout from a counter-based hash.
     dropout = "dropout.cu" {
         dropout {
-            fwd(x: In, y: Out, rate: F32, seed: U64, step: U64, replica: U64, layer: U64, first: U64, n: Size);
-            bwd(dy: In, dx: Out, rate: F32, seed: U64, step: U64, replica: U64, layer: U64, first: U64, n: Size);
+            fwd(x: In, y: Out, rate: F32, seed: U64, step: U64, shard: U64, layer: U64, first: U64, n: Size);
+            bwd(dy: In, dx: Out, rate: F32, seed: U64, step: U64, shard: U64, layer: U64, first: U64, n: Size);
         }
     }
     /// kernels/codec.cu: the 16-bit wire codec (encode, sum of wires, decode).

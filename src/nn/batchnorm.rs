@@ -592,7 +592,7 @@ impl Moments {
 /// `[count, mean₀, M2₀, mean₁, M2₁, ...]` gathered, and merged in replica order.
 pub fn global_moments(
     ex: &dyn StatsExchange,
-    replica: usize,
+    shard: usize,
     count: f64,
     local: &[(f64, f64)],
 ) -> Result<(f64, Vec<(f64, f64)>)> {
@@ -600,7 +600,7 @@ pub fn global_moments(
     mine.push(count);
     mine.extend(local.iter().flat_map(|&(mean, m2)| [mean, m2]));
     let mut all = Vec::new();
-    ex.all_gather(replica, &mine, &mut all)?;
+    ex.all_gather(shard, &mine, &mut all)?;
     let mut merged = vec![Moments::default(); local.len()];
     for payload in all.chunks_exact(mine.len()) {
         for (acc, mm) in merged.iter_mut().zip(payload[1..].chunks_exact(2)) {
@@ -613,10 +613,10 @@ pub fn global_moments(
 
 /// The global batch's per-channel (Σ dy, Σ dy·x̂): every logical replica's `[Σ dy₀,
 /// Σ dy·x̂₀, ...]` gathered and summed in replica order, in f64.
-pub fn global_sums(ex: &dyn StatsExchange, replica: usize, local: &[(f64, f64)]) -> Result<Vec<(f64, f64)>> {
+pub fn global_sums(ex: &dyn StatsExchange, shard: usize, local: &[(f64, f64)]) -> Result<Vec<(f64, f64)>> {
     let mine: Vec<f64> = local.iter().flat_map(|&(a, b)| [a, b]).collect();
     let mut all = Vec::new();
-    ex.all_gather(replica, &mine, &mut all)?;
+    ex.all_gather(shard, &mine, &mut all)?;
     // Summed from the first payload on (not from 0.0), so that one replica's sums are
     // exactly its own, −0.0 included.
     let mut payloads = all.chunks_exact(mine.len().max(1));
@@ -672,11 +672,11 @@ impl Synchronized<'_> {
     /// from the first trained layer on). When no replica has a row (every one of them is
     /// then here), the first call shows it and all stop.
     pub fn without_data(&self, model: &Sequential) -> Result<()> {
-        let (ex, replica) = (self.stats, self.shard);
+        let (ex, shard) = (self.stats, self.shard);
         let layers = synchronized_layers(model);
         let mut all = Vec::new();
         for &(_, c) in &layers {
-            ex.all_gather(replica, &vec![0.0; 1 + 2 * c], &mut all)?;
+            ex.all_gather(shard, &vec![0.0; 1 + 2 * c], &mut all)?;
             let count: f64 = all.chunks_exact(1 + 2 * c).map(|p| p[0]).sum();
             if count == 0.0 {
                 // No replica has a row (an accumulated step's last micro-batches, when the
@@ -693,7 +693,7 @@ impl Synchronized<'_> {
         }
         let first = model.first_trained_layer();
         for &(_, c) in layers.iter().rev().filter(|(i, _)| *i >= first) {
-            ex.all_gather(replica, &vec![0.0; 2 * c], &mut all)?;
+            ex.all_gather(shard, &vec![0.0; 2 * c], &mut all)?;
         }
         Ok(())
     }

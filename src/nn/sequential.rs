@@ -435,7 +435,7 @@ impl Place {
 
 /// `(n, *sample)`.
 pub(crate) fn batched(n: usize, sample: &Shape) -> Shape {
-    let mut d = Vec::with_capacity(sample.rank() + 1);
+    let mut d = Vec::with_capacity(sample.ndim() + 1);
     d.push(n);
     d.extend_from_slice(sample.dims());
     Shape::new(d)

@@ -11,7 +11,7 @@
 
 use std::ops::Range;
 
-use crate::cuda::launch::ConvGeom;
+use crate::cuda::launch::WindowGeom;
 
 /// How the input is padded.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -163,9 +163,9 @@ impl Geometry2d {
 
     /// The GPU's launch geometry of this placement for a batch of `n` samples of `c`
     /// channels, with every pad of this one, so the two backends share them.
-    pub fn launch_geom(&self, n: usize, c: usize) -> ConvGeom {
+    pub fn launch_geom(&self, n: usize, c: usize) -> WindowGeom {
         let pads = [self.pad_top, self.pad_left, self.pad_bottom, self.pad_right];
-        let geom = ConvGeom::new(n, c, (self.h, self.w), self.window.kernel, self.window.stride, pads);
+        let geom = WindowGeom::new(n, c, (self.h, self.w), self.window.kernel, self.window.stride, pads);
         debug_assert_eq!((geom.oh(), geom.ow()), (self.oh, self.ow), "the padded extent gives the placement's output");
         geom
     }
