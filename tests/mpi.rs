@@ -140,6 +140,30 @@ fn toy_and_convnet_on_1_2_and_4_processes_save_the_same_tensors() {
     }
 }
 
+/// resnet8 on the digits: 6 steps of 24, its residual blocks and PyTorch BatchNorm.
+const RESNET8: &[&str] = &["--model", "resnet8", "--steps", "6", "--batch-size", "24", "--seed", "2"];
+
+#[test]
+fn resnet8_on_2_processes_saves_the_tensors_of_one_process_with_every_ddp_feature() {
+    if !mpi_ready("resnet8_on_2_processes_saves_the_tensors_of_one_process_with_every_ddp_feature") {
+        return;
+    }
+    // 2 × cpu:1 against 1 × cpu:2, R = 2; and R = 4 on 2 × cpu:2 against 1 × cpu:4.
+    type Feature<'a> = (&'a str, &'a [&'a str]);
+    let features: [Feature<'_>; 4] = [
+        ("resnet8", &[]),
+        ("resnet8 accumulate", &["--accumulate", "2"]),
+        ("resnet8 bf16", &["--grad-compression", "bf16"]),
+        ("resnet8 shard-optimizer", &["--shard-optimizer"]),
+    ];
+    for (name, flags) in features {
+        let args: Vec<&str> = RESNET8.iter().copied().chain(["--replicas", "2"]).chain(flags.iter().copied()).collect();
+        assert_bitwise(name, &args, &[(0, 2), (2, 1)], &[]);
+    }
+    let r4: Vec<&str> = RESNET8.iter().copied().chain(["--replicas", "4"]).collect();
+    assert_bitwise("resnet8 R = 4", &r4, &[(0, 4), (2, 2)], &[]);
+}
+
 #[test]
 fn partial_sums_inside_a_process_follow_the_one_tree() {
     if !mpi_ready("partial_sums_inside_a_process_follow_the_one_tree") {

@@ -222,3 +222,82 @@ fn resnet8_with_sync_batchnorm_on_2_and_3_devices_matches_one_device() {
         check_case(&model, Devices::cpu(n, 1).unwrap(), 1, n);
     }
 }
+
+// ---- bitwise identity with the logical replicas fixed ---------------------------------
+
+fn digits(n: usize) -> lockstep::data::Dataset {
+    use lockstep::data::digits::{load_digits, DigitsLayout};
+    let d = load_digits(DigitsLayout::Image28).unwrap().train;
+    d.subset("digits-subset", &(0..n).collect::<Vec<_>>())
+}
+
+/// resnet8 on the digits (1×28×28): 8 steps of 12 samples, R = 6 logical replicas, the
+/// run's weights, buffers and losses.
+fn r6(devices: usize, cfg: &TrainConfig) -> lockstep::train::TrainReport {
+    let model = resnet(ResnetDepth::Resnet8, 10).unwrap();
+    let cfg = TrainConfig { replicas: Some(6), ..cfg.clone() };
+    train_data_parallel(&model, &digits(48), None, &Devices::cpu(devices, 1).unwrap(), &cfg).unwrap()
+}
+
+/// Bitwise across 1, 2 and 3 CPU devices with R = 6, for each DDP feature: plain, with
+/// accumulation (each shard in 2 micro-batches), 16-bit gradients (bf16, fp16) and the
+/// sharded optimiser (Adam and SGD with momentum).
+#[test]
+fn resnet8_is_bitwise_alike_on_1_2_3_devices_with_every_ddp_feature() {
+    use lockstep::exchange::codec::Compression;
+    use lockstep::optim::Sharding;
+    let base = TrainConfig {
+        epochs: 2,
+        batch_size: 12,
+        seed: 4,
+        optimizer: OptimizerConfig::Sgd { lr: 0.05, momentum: 0.9, weight_decay: 0.0 },
+        ..TrainConfig::default()
+    };
+    let features: [(&str, TrainConfig); 5] = [
+        ("plain", base.clone()),
+        ("accumulate 2", TrainConfig { accumulate: 2, ..base.clone() }),
+        ("bf16 gradients", TrainConfig { grad_compression: Compression::Bf16, ..base.clone() }),
+        ("fp16 gradients", TrainConfig { grad_compression: Compression::Fp16, ..base.clone() }),
+        (
+            "sharded Adam",
+            TrainConfig {
+                optimizer_sharding: Sharding::Sharded,
+                optimizer: OptimizerConfig::adam(1e-3),
+                ..base.clone()
+            },
+        ),
+    ];
+    for (name, cfg) in features {
+        let one = r6(1, &cfg);
+        assert_eq!(one.losses.len(), 8, "{name}");
+        for n in [2, 3] {
+            let got = r6(n, &cfg);
+            assert!(got.weights == one.weights, "{name}: cpu:{n} weights or buffers differ from cpu:1's");
+            assert_eq!(got.losses, one.losses, "{name}: cpu:{n}");
+        }
+    }
+}
+
+/// num_batches_tracked counts the training forwards exactly, averaged over R = 6 or 7
+/// logical replicas (1/7 is one of the scales the f32 average is off an ulp by), and
+/// saves as PyTorch's int64.
+#[test]
+fn num_batches_tracked_counts_steps_and_saves_as_int64() {
+    let model = resnet(ResnetDepth::Resnet8, 10).unwrap();
+    for r in [6, 7] {
+        let cfg = TrainConfig { epochs: 1, batch_size: 14, replicas: Some(r), ..TrainConfig::default() };
+        let report = train_data_parallel(&model, &digits(14 * 5), None, &Devices::cpu(1, 1).unwrap(), &cfg).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("w.safetensors");
+        weights::save(&model, &report.weights, &path).unwrap();
+        let bytes = std::fs::read(&path).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let t = st.tensor("blocks.1.short.1.num_batches_tracked").unwrap();
+        assert_eq!((t.dtype(), t.shape()), (safetensors::Dtype::I64, &[][..]));
+        assert_eq!(i64::from_le_bytes(t.data().try_into().unwrap()), 5, "R = {r}");
+        // And it loads back.
+        let again = weights::load(&model, &path).unwrap();
+        let info = model.buffer_infos().iter().find(|t| t.name == "stem.1.num_batches_tracked").unwrap();
+        assert_eq!(again.buffers[info.range.clone()], [5.0]);
+    }
+}
