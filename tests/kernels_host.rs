@@ -554,6 +554,7 @@ fn assert_bits(what: &str, got: &[f32], want: &[f32]) {
 /// held to its entry: [`Checked`]).
 const CHECKED: &[(&str, &[&str])] = &[
     ("every_declared_argument_list_is_the_kernels_signature", &[]),
+    ("residual_add_equals_the_cpu_block_bit_for_bit", &["residual_add_fwd_f32"]),
     ("relu_fwd_and_bwd_match_the_reference", &["relu_fwd_f32", "relu_bwd_f32"]),
     ("gelu_fwd_and_bwd_equal_the_cpu_layer_bit_for_bit", &["gelu_fwd_f32", "gelu_bwd_f32"]),
     ("rescale_scale_and_fill_match_the_reference", &["rescale_fwd_f32", "rescale_bwd_f32", "scale_f32", "fill_f32"]),
@@ -580,6 +581,7 @@ const CHECKED: &[(&str, &[&str])] = &[
         "synchronized_batchnorm_kernels_equal_the_cpu_layer_bit_for_bit",
         &["batchnorm_moments_fwd_f32", "batchnorm_sync_fwd_f32", "batchnorm_sums_bwd_f32", "batchnorm_sync_bwd_f32"],
     ),
+    ("batchnorm_count_equals_the_cpu_count_bit_for_bit", &["batchnorm_count_fwd_f32"]),
 ];
 
 #[test]
@@ -650,11 +652,31 @@ fn every_declared_argument_list_is_the_kernels_signature() {
             checked += 1;
         }
     }
-    // 34 kernels, as kernels_nvrtc.rs counts them from the files.
-    assert_eq!(checked, 34);
+    // 36 kernels, as kernels_nvrtc.rs counts them from the files.
+    assert_eq!(checked, 36);
 }
 
 // ---- elementwise.cu ------------------------------------------------------------------
+
+#[test]
+fn residual_add_equals_the_cpu_block_bit_for_bit() {
+    let Some(k) = kernels_or_skip("residual_add_equals_the_cpu_block_bit_for_bit") else {
+        return;
+    };
+    let mut rng = Rng(31);
+    let n = 3000;
+    let (mut a, mut b) = (rng.vec(n), rng.vec(n));
+    // Signed zeros, an infinity against its opposite (NaN), a NaN passing through.
+    (a[0], b[0], a[1], b[1], a[2], b[2], a[3]) = (0.0, -0.0, -0.0, -0.0, f32::INFINITY, f32::NEG_INFINITY, f32::NAN);
+    let mut want = a.clone();
+    lockstep::nn::residual::add_in_place(&mut want, &b);
+    for cfg in elem_cfgs(n) {
+        let mut y = vec![f32::NAN; n];
+        // As Gpu::residual_add pushes them: a, b, y, n.
+        k.launch("residual_add_fwd_f32", cfg, &mut [In(&a), In(&b), Out(&mut y), U64(n as u64)]);
+        assert_bits(&format!("residual add {cfg:?}"), &y, &want);
+    }
+}
 
 #[test]
 fn relu_fwd_and_bwd_match_the_reference() {
@@ -1769,3 +1791,18 @@ const SYNC_BN_CASES: [(usize, usize, usize, bool, bool); 5] = [
     (300, 2, 9, false, false),
     (1, 3, 16, true, true),
 ];
+
+#[test]
+fn batchnorm_count_equals_the_cpu_count_bit_for_bit() {
+    let Some(k) = kernels_or_skip("batchnorm_count_equals_the_cpu_count_bit_for_bit") else {
+        return;
+    };
+    // Counts as the average over R logical replicas leaves them: whole, an ulp off either
+    // side (5 · 7 · (1/7) in f32), and large.
+    for v in [0.0f32, 1.0, 4.999_999_5, 5.000_000_5, 123_456.0, 16_777_215.0] {
+        let mut count = vec![v];
+        // As Gpu::batchnorm_count pushes them: count, n = 1.
+        k.launch("batchnorm_count_fwd_f32", elem_cfg(1), &mut [Out(&mut count), U64(1)]);
+        assert_bits(&format!("count of {v}"), &count, &[lockstep::nn::batchnorm::count_up(v)]);
+    }
+}

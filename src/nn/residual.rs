@@ -209,11 +209,16 @@ impl Residual {
     }
 }
 
-/// `a += b`, elementwise: the add of the block's forward and of its backward's fan-in.
-fn add_into(a: &mut Tensor, b: &Tensor) {
-    for (x, &y) in a.host_mut().iter_mut().zip(b.host()) {
+/// `a += b`, elementwise: the add of the block's forward (body + shortcut) and of its
+/// backward's fan-in (dbody + dshortcut); `residual_add_fwd_f32` computes the same.
+pub fn add_in_place(a: &mut [f32], b: &[f32]) {
+    for (x, &y) in a.iter_mut().zip(b) {
         *x += y;
     }
+}
+
+fn add_into(a: &mut Tensor, b: &Tensor) {
+    add_in_place(a.host_mut(), b.host());
 }
 
 impl Layer for Residual {
