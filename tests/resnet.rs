@@ -301,3 +301,50 @@ fn num_batches_tracked_counts_steps_and_saves_as_int64() {
         assert_eq!(again.buffers[info.range.clone()], [5.0]);
     }
 }
+
+/// A residual block the spec cannot build is one `error:` line naming the block (its
+/// place in `layers`, and inside the block the branch's own) and both shapes, exit 2.
+#[test]
+fn bad_residual_specs_are_one_error_line_with_exit_2() {
+    let cases = [
+        (
+            r#"{"input_shape": [1, 28, 28], "layers": [{"type": "conv2d", "filters": 8, "kernel_size": 3, "padding": 1},
+              {"type": "residual", "layers": [{"type": "conv2d", "filters": 16, "kernel_size": 3, "strides": 2, "padding": 1}]},
+              {"type": "flatten"}, {"type": "dense", "units": 10}]}"#,
+            "layer 1 (residual): the body's output (16, 14, 14) differs from the input (the identity shortcut) (8, 28, 28): they are added",
+        ),
+        (
+            r#"{"input_shape": [1, 8, 8], "layers": [{"type": "residual",
+              "layers": [{"type": "conv2d", "filters": 4, "kernel_size": 3, "strides": 2, "padding": 1}],
+              "shortcut": [{"type": "conv2d", "filters": 4, "kernel_size": 1}]}, {"type": "flatten"}, {"type": "dense", "units": 2}]}"#,
+            "layer 0 (residual): the body's output (4, 4, 4) differs from the shortcut's output (4, 8, 8): they are added",
+        ),
+        (
+            r#"{"input_shape": [4], "layers": [{"type": "residual", "layers": [{"type": "dense", "units": 4}],
+              "shortcut": [{"type": "dense", "units": 4}]}, {"type": "dense", "units": 2}]}"#,
+            "layer 0 (residual): a shortcut of layers needs images (C, H, W) in, got samples of shape (4)",
+        ),
+        (
+            r#"{"input_shape": [1, 8, 8], "layers": [{"type": "residual", "layers": [{"type": "relu"},
+              {"type": "residual", "layers": [{"type": "conv2d", "filters": 1, "kernel_size": 3, "padding": 3}]}]}]}"#,
+            "layer 0 (residual): layers[1] (residual): layers[0] (conv2d): invalid Conv2d: padding 3x3 must be less than the 3x3 kernel on each side",
+        ),
+        (
+            r#"{"input_shape": [1, 8, 8], "layers": [{"type": "residual", "layers": []}]}"#,
+            "layer 0 (residual): field 'layers' is empty: the body needs at least one layer",
+        ),
+    ];
+    let dir = tempfile::tempdir().unwrap();
+    for (i, (spec, want)) in cases.iter().enumerate() {
+        let path = dir.path().join(format!("bad{i}.json"));
+        std::fs::write(&path, spec).unwrap();
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_lockstep"))
+            .args(["train", "--model", path.to_str().unwrap()])
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{stderr}");
+        assert_eq!(stderr.lines().count(), 1, "{stderr}");
+        assert_eq!(stderr.trim_end(), format!("error: {}: {want}", path.display()));
+    }
+}
