@@ -18,7 +18,7 @@ use lockstep::cuda::launch::{
 use lockstep::cuda::probe::{self, NcclStatus, NO_DRIVER};
 use lockstep::exchange::codec::{Codec, Compression};
 use lockstep::nn::batchnorm::RunningUpdate;
-use lockstep::optim::OptimizerConfig;
+use lockstep::optim::{MomentumKind, OptimizerConfig};
 use lockstep::rng::mix64;
 use lockstep::Error;
 
@@ -452,13 +452,13 @@ fn sgd_and_adam_follow_pytorch_over_several_steps() {
     let batch = 32.0f32; // the gradients are sums over a batch of 32
 
     // SGD: torch.optim.SGD(lr=0.1, momentum=0.9, weight_decay=1e-4), formulas in optim.cu.
-    let sgd = OptimizerConfig::Sgd { lr: 0.1, momentum: 0.9, weight_decay: 1e-4 };
+    let sgd = OptimizerConfig::Sgd { lr: 0.1, momentum: 0.9, momentum_kind: MomentumKind::Classic, weight_decay: 1e-4 };
     let (lr, mu, wd) = (0.1f64, 0.9f32 as f64, 1e-4f32 as f64);
     let (mut p_d, mut buf_d, mut unused) = (up(&gpu, &p0), up(&gpu, &vec![0.0f32; n]), up(&gpu, &[0.0f32]));
     let (mut p, mut buf) = (f64s(&p0), vec![0.0f64; n]);
     for (t, gr) in grads.iter().enumerate() {
         let s = sgd.scalars(t as u64 + 1, 1.0, batch);
-        gpu.optimizer_step(&sgd, &s, &mut p_d, &up(&gpu, gr), &mut buf_d, &mut unused).unwrap();
+        gpu.optimizer_step(&sgd, &s, &mut p_d, &up(&gpu, gr), &mut buf_d, &mut unused, None).unwrap();
         for i in 0..n {
             let g = gr[i] as f64 / batch as f64 + wd * p[i];
             buf[i] = mu * buf[i] + g;
@@ -476,7 +476,7 @@ fn sgd_and_adam_follow_pytorch_over_several_steps() {
     for (t, gr) in grads.iter().enumerate() {
         let t = t as u64 + 1;
         let s = adam.scalars(t, 1.0, batch);
-        gpu.optimizer_step(&adam, &s, &mut p_d, &up(&gpu, gr), &mut m_d, &mut v_d).unwrap();
+        gpu.optimizer_step(&adam, &s, &mut p_d, &up(&gpu, gr), &mut m_d, &mut v_d, None).unwrap();
         let (bc1, bc2): (f64, f64) = (1.0 - b1.powi(t as i32), 1.0 - b2.powi(t as i32));
         for i in 0..n {
             let g = gr[i] as f64 / batch as f64 + wd * p[i];
@@ -491,7 +491,7 @@ fn sgd_and_adam_follow_pytorch_over_several_steps() {
     assert_close("adam v", &down(&gpu, &v_d), &v, 1e-5, 1e-9);
     let zeroth = adam.scalars(0, 1.0, 1.0);
     assert!(matches!(
-        gpu.optimizer_step(&adam, &zeroth, &mut p_d, &up(&gpu, &grads[0]), &mut m_d, &mut v_d),
+        gpu.optimizer_step(&adam, &zeroth, &mut p_d, &up(&gpu, &grads[0]), &mut m_d, &mut v_d, None),
         Err(Error::Config { .. })
     ));
 }

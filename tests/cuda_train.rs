@@ -17,7 +17,7 @@ use lockstep::exchange::gpu::{transport_for, CopyGroup, DeviceAllReduce, GpuExch
 use lockstep::exchange::Exchange;
 use lockstep::models::{self, ConvnetOptions, Norm};
 use lockstep::nn::Sequential;
-use lockstep::optim::OptimizerConfig;
+use lockstep::optim::{MomentumKind, OptimizerConfig};
 use lockstep::train::{train_data_parallel, with_trainer, Batch, LastBatch, Shuffle, TrainConfig, TrainReport};
 
 use common::gpu_present;
@@ -357,7 +357,12 @@ fn training_with_16_bit_gradients_on_gpus() {
 /// BatchNorm, into steps of ±lr).
 fn sgd_config(steps: u64, batch: usize, replicas: usize) -> TrainConfig {
     TrainConfig {
-        optimizer: OptimizerConfig::Sgd { lr: 0.05, momentum: 0.9, weight_decay: 0.0 },
+        optimizer: OptimizerConfig::Sgd {
+            lr: 0.05,
+            momentum: 0.9,
+            momentum_kind: MomentumKind::Classic,
+            weight_decay: 0.0,
+        },
         batch_size: batch,
         seed: 8,
         ..config(steps, replicas)
