@@ -80,11 +80,11 @@ pub(crate) struct TrainArgs {
     /// Which parameters --weight-decay applies to: weights (tensors of 2 or more
     /// dimensions, not BatchNorm's parameters nor the biases: PyTorch's usual parameter
     /// groups) or all.
-    #[arg(long, value_enum, default_value = "weights")]
+    #[arg(long, value_enum, value_name = "WHICH", default_value = "weights")]
     weight_decay_on: DecayOnName,
     /// Linear warm-up over the first N steps: step s runs at (s + 1)/N of the learning
     /// rate, then --lr-schedule runs over the remaining steps.
-    #[arg(long, value_name = "N", default_value_t = 0)]
+    #[arg(allow_negative_numbers = true, long, value_name = "N", default_value_t = 0)]
     warmup_steps: u64,
     /// Clip the gradient to this global L2 norm before every update (PyTorch's
     /// clip_grad_norm_): the norm of the averaged gradient of all replicas, so every
