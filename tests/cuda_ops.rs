@@ -496,6 +496,62 @@ fn sgd_and_adam_follow_pytorch_over_several_steps() {
     ));
 }
 
+/// Issue 18's kernels on a GPU: the gradient norm and clip factor bitwise the CPU's
+/// `GradNorm` (every operation rounds on its own: the _rn intrinsics), and Nesterov SGD and
+/// AdamW with the clip factor read on the device and a run without decay, against the CPU
+/// optimiser within the tolerance of sgd_and_adam_follow_pytorch_over_several_steps
+/// (contracted multiply-adds round once where the CPU rounds twice).
+#[test]
+fn nesterov_adamw_and_the_clip_follow_the_cpu_optimizer() {
+    let Some(gpu) = gpu_or_skip("nesterov_adamw_and_the_clip_follow_the_cpu_optimizer") else {
+        return;
+    };
+    use lockstep::optim::{clip_factor, norm_partials, GradNorm, Optimizer, NORM_CHUNK};
+    let mut rng = Rng(11);
+    let n = 2 * NORM_CHUNK + 77;
+    let p0 = rng.vec(n);
+    let batch = 16.0f32;
+    let grads: Vec<Vec<f32>> = (0..3).map(|_| rng.vec(n).iter().map(|v| batch * v).collect()).collect();
+    let nesterov =
+        OptimizerConfig::Sgd { lr: 0.1, momentum: 0.9, momentum_kind: MomentumKind::Nesterov, weight_decay: 1e-3 };
+    let adamw = OptimizerConfig::AdamW { lr: 1e-2, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.1 };
+    for config in [nesterov, adamw] {
+        let mut cpu = Optimizer::new(config, n);
+        let mut p = p0.clone();
+        let (mut p_d, mut m_d, mut v_d) = (up(&gpu, &p0), up(&gpu, &vec![0.0f32; n]), up(&gpu, &vec![0.0f32; n]));
+        let mut partials = gpu.stream().alloc_zeros::<f64>(norm_partials(n)).unwrap();
+        let mut factor = up(&gpu, &[0.0f32]);
+        for g in &grads {
+            let mut s = cpu.begin_step(0.5, batch);
+            let mut norm = GradNorm::default();
+            norm.add(0, g, batch);
+            s.clip = clip_factor(norm.norm(), 1.0);
+            let g_d = up(&gpu, g);
+            gpu.grad_norm(&g_d, &mut partials.slice_mut(..), batch).unwrap();
+            gpu.clip_factor(&partials.slice(..), &mut factor, 1.0).unwrap();
+            assert_eq!(down(&gpu, &factor)[0].to_bits(), s.clip.to_bits(), "{config:?}: clip factor");
+            // The first half decays, the second not: two runs, as the replicas cut them.
+            let h = n / 2;
+            for (r, rs) in [(0..h, s), (h..n, s.without_decay())] {
+                cpu.update(r.start, &mut p[r.clone()], &g[r.clone()], &rs);
+                let clip = factor.slice(0..1);
+                gpu.optimizer_step(
+                    &config,
+                    &rs,
+                    &mut p_d.slice_mut(r.clone()),
+                    &g_d.slice(r.clone()),
+                    &mut m_d.slice_mut(r.clone()),
+                    &mut v_d.slice_mut(r.clone()),
+                    Some(&clip),
+                )
+                .unwrap();
+            }
+        }
+        let want: Vec<f64> = p.iter().map(|&x| x as f64).collect();
+        assert_close(&format!("{config:?}: p after 3 clipped steps"), &down(&gpu, &p_d), &want, 1e-5, 1e-6);
+    }
+}
+
 #[test]
 fn reduce_sum_adds_the_buffers_in_order_and_scales() {
     let Some(gpu) = gpu_or_skip("reduce_sum_adds_the_buffers_in_order_and_scales") else {
