@@ -759,8 +759,9 @@ pub(crate) fn cmd_train(a: TrainArgs, given: &BTreeSet<String>) -> CliResult {
         say(format!("lockstep: {features}"));
     }
     say(format!(
-        "lockstep: {} | global batch {} | epochs {}{} | seed {}{}{}",
+        "lockstep: {}{} | global batch {} | epochs {}{} | seed {}{}{}",
         optimizer_text(&s.optimizer),
+        recipe_text(&config),
         match batch_size < s.batch_size {
             true => format!("{batch_size} (every training sample; --batch-size {})", s.batch_size),
             false => batch_size.to_string(),
@@ -953,6 +954,25 @@ fn finished_already(a: &TrainArgs, model: &Sequential, dir: &Path, r: &checkpoin
         outln!("weights saved to {}", p.display());
     }
     Ok(())
+}
+
+/// The recipes of issue 18 around the optimiser that a run uses, as the optimiser line's
+/// continuation (empty for none): where weight decay applies, the warm-up, the clip.
+fn recipe_text(c: &TrainConfig) -> String {
+    let mut parts = String::new();
+    if c.optimizer.weight_decay() > 0.0 {
+        parts.push_str(match c.weight_decay_on {
+            lockstep::optim::DecayOn::Weights => " (on the weights)",
+            lockstep::optim::DecayOn::All => " (on every parameter)",
+        });
+    }
+    if c.warmup_steps > 0 {
+        parts.push_str(&format!(" | warm-up {} steps", c.warmup_steps));
+    }
+    if let Some(n) = c.clip_grad_norm {
+        parts.push_str(&format!(" | gradient clipped to norm {n}"));
+    }
+    parts
 }
 
 /// The features of issue 12 a run uses, in one line, or None for none of them.
