@@ -33,7 +33,7 @@
 //! | [`tensor`] | shapes, devices, tensors |
 //! | [`backend`] | the CPU kernels (GEMM, unfolding), the reference for every other backend |
 //! | [`nn`] | layers (forward and backward side by side), `Sequential`, the loss |
-//! | [`optim`] | SGD and Adam over flat buffers, learning-rate schedules |
+//! | [`optim`] | SGD (momentum, Nesterov), Adam and AdamW over flat buffers; learning-rate schedules and warm-up, weight decay groups, clipping by the global norm |
 //! | [`models`] | the seed models and their tensor names |
 //! | [`data`] | datasets: the embedded digits, the lesson's toy set, safetensors files |
 //! | [`exchange`] | where gradients meet: the `Exchange` trait, shared memory between CPU threads, NCCL and device copies between GPUs, MPI between processes; the 16-bit gradient codec; synchronized BatchNorm's statistics exchange |

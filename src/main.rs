@@ -41,7 +41,7 @@ use lockstep::exchange::{Abort, Exchange};
 use lockstep::models::{self, ConvnetOptions, Norm, ResnetDepth};
 use lockstep::nn::{ParamStore, Sequential};
 use lockstep::observe::{CsvMetrics, Drawing, Fanout, JsonLines, Progress, StepLines, Stream};
-use lockstep::optim::{LrSchedule, Optimizer, OptimizerConfig, Sharding};
+use lockstep::optim::{LrSchedule, MomentumKind, Optimizer, OptimizerConfig, Sharding};
 use lockstep::spec::ModelSpec;
 use lockstep::train::{train_data_parallel_with, with_trainer, Batch, LastBatch, NonFinite, Shuffle, TrainConfig};
 use lockstep::weights;
@@ -221,8 +221,31 @@ enum ScheduleName {
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum OptimizerName {
+    /// torch.optim.SGD (--momentum, --nesterov; --weight-decay is the coupled L2).
     Sgd,
+    /// torch.optim.Adam (--weight-decay is the coupled L2).
     Adam,
+    /// torch.optim.AdamW (--weight-decay is decoupled: p *= 1 - lr·wd before the step).
+    Adamw,
+}
+
+/// `--weight-decay-on`: which parameters weight decay applies to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum DecayOnName {
+    /// Tensors of 2 or more dimensions (linear and convolution weights); not BatchNorm's
+    /// parameters nor the biases.
+    Weights,
+    /// Every parameter.
+    All,
+}
+
+impl DecayOnName {
+    fn decay_on(self) -> lockstep::optim::DecayOn {
+        match self {
+            DecayOnName::Weights => lockstep::optim::DecayOn::Weights,
+            DecayOnName::All => lockstep::optim::DecayOn::All,
+        }
+    }
 }
 
 /// `--grad-compression`: how gradients travel between the replicas.
@@ -637,11 +660,15 @@ fn check_writable(flag: &str, path: &Path) -> CliResult {
 
 fn optimizer_text(o: &OptimizerConfig) -> String {
     match *o {
-        OptimizerConfig::Sgd { lr, momentum, weight_decay } => {
-            format!("sgd lr {lr} momentum {momentum} weight decay {weight_decay}")
+        OptimizerConfig::Sgd { lr, momentum, momentum_kind, weight_decay } => {
+            let nesterov = if momentum_kind == MomentumKind::Nesterov { " (nesterov)" } else { "" };
+            format!("sgd lr {lr} momentum {momentum}{nesterov} weight decay {weight_decay}")
         }
         OptimizerConfig::Adam { lr, beta1, beta2, eps, weight_decay } => {
             format!("adam lr {lr} betas ({beta1}, {beta2}) eps {eps} weight decay {weight_decay}")
+        }
+        OptimizerConfig::AdamW { lr, beta1, beta2, eps, weight_decay } => {
+            format!("adamw lr {lr} betas ({beta1}, {beta2}) eps {eps} decoupled weight decay {weight_decay}")
         }
     }
 }

@@ -11,7 +11,7 @@ use lockstep::devices::Devices;
 use lockstep::models::{self, ConvnetOptions, Norm};
 use lockstep::nn::loss::{softmax_cross_entropy, Metrics};
 use lockstep::nn::{Ctx, Sequential};
-use lockstep::optim::OptimizerConfig;
+use lockstep::optim::{MomentumKind, OptimizerConfig};
 use lockstep::tensor::{Device, Tensor};
 use lockstep::train::{train_data_parallel, with_trainer, Batch, Shuffle, TrainConfig, TrainReport};
 
@@ -44,7 +44,7 @@ fn accumulated_weights_equal_the_unaccumulated_ones_within_rounding() {
     let conv = models::convnet(ConvnetOptions { norm: Norm::None, dropout: 0.5, ..Default::default() }).unwrap();
     let toy_model = models::toy_mlp(2, 2).unwrap();
     let (images, points) = (digits(96), toy::toy_enlarged(40, 3).unwrap().train);
-    let sgd = OptimizerConfig::Sgd { lr: 0.1, momentum: 0.9, weight_decay: 1e-4 };
+    let sgd = OptimizerConfig::Sgd { lr: 0.1, momentum: 0.9, momentum_kind: MomentumKind::Classic, weight_decay: 1e-4 };
     for (model, data, optimizer, batch, steps) in
         [(&toy_model, &points, sgd, 16, 20), (&conv, &images, OptimizerConfig::adam(1e-3), 32, 6)]
     {

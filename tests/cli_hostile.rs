@@ -413,3 +413,47 @@ fn a_checkpoint_of_another_configuration_is_named_in_words() {
         )
     );
 }
+
+/// The optimiser recipes of issue 18: a clip norm that is not a positive number, a
+/// negative or NaN weight decay, Nesterov without momentum or with Adam, a warm-up that is
+/// no step count, an unknown parameter group: each refused in one line naming the flag,
+/// with exit code 2, before any work.
+#[test]
+fn bad_optimizer_recipes_are_refused_in_one_line() {
+    let train = |extra: &[&str]| {
+        let mut args = vec!["train", "--model", "toy"];
+        args.extend_from_slice(extra);
+        refused(&args)
+    };
+    let clip = "error: --clip-grad-norm must be a positive number (the largest gradient norm), got";
+    for (value, shown) in [("0", "0"), ("-1", "-1"), ("NaN", "NaN"), ("inf", "inf"), ("-0", "-0")] {
+        assert_eq!(train(&["--clip-grad-norm", value]), format!("{clip} {shown}"));
+    }
+    assert_eq!(
+        train(&["--clip-grad-norm", "abc"]),
+        "error: invalid value 'abc' for '--clip-grad-norm <C>': invalid float literal"
+    );
+    for (value, shown) in [("-0.1", "-0.1"), ("NaN", "NaN"), ("inf", "inf")] {
+        assert_eq!(
+            train(&["--weight-decay", value]),
+            format!("error: --weight-decay must be a number >= 0, got {shown}")
+        );
+    }
+    assert_eq!(train(&["--nesterov"]), "error: --nesterov needs --momentum above 0 (Nesterov momentum)");
+    assert_eq!(
+        train(&["--optimizer", "adamw", "--nesterov"]),
+        "error: --nesterov is an SGD setting (Nesterov momentum); Adam uses its betas"
+    );
+    assert_eq!(
+        train(&["--optimizer", "adamw", "--momentum", "0.9"]),
+        "error: --momentum is an SGD setting; Adam uses its betas"
+    );
+    assert_eq!(
+        train(&["--warmup-steps", "-3"]),
+        "error: invalid value '-3' for '--warmup-steps <N>': invalid digit found in string"
+    );
+    assert_eq!(
+        train(&["--weight-decay-on", "biases"]),
+        "error: invalid value 'biases' for '--weight-decay-on <WHICH>' [possible values: weights, all]"
+    );
+}

@@ -220,3 +220,66 @@ fn issue_12_settings_are_part_of_a_checkpoints_configuration() {
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     assert!(out.contains("is complete: step 2 of 2"), "{out}");
 }
+
+/// The recipes of issue 18 are stored flags: a run resumed with `--resume DIR` alone
+/// (and another device count) continues with Nesterov momentum, weight decay on every
+/// parameter, the warm-up and the clip it started with, and saves bitwise the weights of
+/// the run that was never interrupted; a recipe flag that disagrees is refused.
+#[test]
+fn issue_18_recipes_are_stored_restored_and_resume_bitwise() {
+    let (_guard, dir) = tmp();
+    let (full, resumed, ck) = (dir.join("full.safetensors"), dir.join("resumed.safetensors"), dir.join("ck"));
+    let ck_s = ck.to_str().unwrap();
+    let recipe = [
+        "train",
+        "--steps",
+        "8",
+        "--batch-size",
+        "16",
+        "--replicas",
+        "2",
+        "--seed",
+        "3",
+        "--optimizer",
+        "sgd",
+        "--lr",
+        "0.05",
+        "--momentum",
+        "0.9",
+        "--nesterov",
+        "--weight-decay",
+        "5e-4",
+        "--weight-decay-on",
+        "all",
+        "--warmup-steps",
+        "3",
+        "--clip-grad-norm",
+        "0.5",
+    ];
+    let run = |extra: &[&str]| {
+        let o = bin().args(recipe).args(extra).output().unwrap();
+        assert!(o.status.success(), "{extra:?}: {}", String::from_utf8_lossy(&o.stderr));
+        String::from_utf8_lossy(&o.stdout).into_owned()
+    };
+    let out = run(&["--devices", "cpu:2", "--checkpoint-dir", ck_s, "--checkpoint-every", "2", "--save"]
+        .into_iter()
+        .chain([full.to_str().unwrap()])
+        .collect::<Vec<_>>());
+    assert!(out.contains("sgd lr 0.05 momentum 0.9 (nesterov) weight decay 0.0005"), "{out}");
+    // Back to step 4: the later checkpoints go.
+    for step in [6, 8] {
+        std::fs::remove_file(ck.join(format!("checkpoint-{step:012}.safetensors"))).unwrap();
+    }
+    let o = bin()
+        .args(["train", "--resume", ck_s, "--devices", "cpu:1", "--save", resumed.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(stdout.contains("resuming") && stdout.contains("at step 4"), "{stdout}");
+    assert!(tensors(&full) == tensors(&resumed), "the resumed run's weights differ");
+    let o = bin().args(["train", "--resume", ck_s, "--clip-grad-norm", "1"]).output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("--clip-grad-norm 1 differs from the run's --clip-grad-norm 0.5"), "{err}");
+}

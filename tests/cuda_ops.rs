@@ -18,7 +18,7 @@ use lockstep::cuda::launch::{
 use lockstep::cuda::probe::{self, NcclStatus, NO_DRIVER};
 use lockstep::exchange::codec::{Codec, Compression};
 use lockstep::nn::batchnorm::RunningUpdate;
-use lockstep::optim::OptimizerConfig;
+use lockstep::optim::{MomentumKind, OptimizerConfig};
 use lockstep::rng::mix64;
 use lockstep::Error;
 
@@ -452,13 +452,13 @@ fn sgd_and_adam_follow_pytorch_over_several_steps() {
     let batch = 32.0f32; // the gradients are sums over a batch of 32
 
     // SGD: torch.optim.SGD(lr=0.1, momentum=0.9, weight_decay=1e-4), formulas in optim.cu.
-    let sgd = OptimizerConfig::Sgd { lr: 0.1, momentum: 0.9, weight_decay: 1e-4 };
+    let sgd = OptimizerConfig::Sgd { lr: 0.1, momentum: 0.9, momentum_kind: MomentumKind::Classic, weight_decay: 1e-4 };
     let (lr, mu, wd) = (0.1f64, 0.9f32 as f64, 1e-4f32 as f64);
     let (mut p_d, mut buf_d, mut unused) = (up(&gpu, &p0), up(&gpu, &vec![0.0f32; n]), up(&gpu, &[0.0f32]));
     let (mut p, mut buf) = (f64s(&p0), vec![0.0f64; n]);
     for (t, gr) in grads.iter().enumerate() {
         let s = sgd.scalars(t as u64 + 1, 1.0, batch);
-        gpu.optimizer_step(&sgd, &s, &mut p_d, &up(&gpu, gr), &mut buf_d, &mut unused).unwrap();
+        gpu.optimizer_step(&sgd, &s, &mut p_d, &up(&gpu, gr), &mut buf_d, &mut unused, None).unwrap();
         for i in 0..n {
             let g = gr[i] as f64 / batch as f64 + wd * p[i];
             buf[i] = mu * buf[i] + g;
@@ -476,7 +476,7 @@ fn sgd_and_adam_follow_pytorch_over_several_steps() {
     for (t, gr) in grads.iter().enumerate() {
         let t = t as u64 + 1;
         let s = adam.scalars(t, 1.0, batch);
-        gpu.optimizer_step(&adam, &s, &mut p_d, &up(&gpu, gr), &mut m_d, &mut v_d).unwrap();
+        gpu.optimizer_step(&adam, &s, &mut p_d, &up(&gpu, gr), &mut m_d, &mut v_d, None).unwrap();
         let (bc1, bc2): (f64, f64) = (1.0 - b1.powi(t as i32), 1.0 - b2.powi(t as i32));
         for i in 0..n {
             let g = gr[i] as f64 / batch as f64 + wd * p[i];
@@ -491,9 +491,65 @@ fn sgd_and_adam_follow_pytorch_over_several_steps() {
     assert_close("adam v", &down(&gpu, &v_d), &v, 1e-5, 1e-9);
     let zeroth = adam.scalars(0, 1.0, 1.0);
     assert!(matches!(
-        gpu.optimizer_step(&adam, &zeroth, &mut p_d, &up(&gpu, &grads[0]), &mut m_d, &mut v_d),
+        gpu.optimizer_step(&adam, &zeroth, &mut p_d, &up(&gpu, &grads[0]), &mut m_d, &mut v_d, None),
         Err(Error::Config { .. })
     ));
+}
+
+/// Issue 18's kernels on a GPU: the gradient norm and clip factor bitwise the CPU's
+/// `GradNorm` (every operation rounds on its own: the _rn intrinsics), and Nesterov SGD and
+/// AdamW with the clip factor read on the device and a run without decay, against the CPU
+/// optimiser within the tolerance of sgd_and_adam_follow_pytorch_over_several_steps
+/// (contracted multiply-adds round once where the CPU rounds twice).
+#[test]
+fn nesterov_adamw_and_the_clip_follow_the_cpu_optimizer() {
+    let Some(gpu) = gpu_or_skip("nesterov_adamw_and_the_clip_follow_the_cpu_optimizer") else {
+        return;
+    };
+    use lockstep::optim::{clip_factor, norm_partials, GradNorm, Optimizer, NORM_CHUNK};
+    let mut rng = Rng(11);
+    let n = 2 * NORM_CHUNK + 77;
+    let p0 = rng.vec(n);
+    let batch = 16.0f32;
+    let grads: Vec<Vec<f32>> = (0..3).map(|_| rng.vec(n).iter().map(|v| batch * v).collect()).collect();
+    let nesterov =
+        OptimizerConfig::Sgd { lr: 0.1, momentum: 0.9, momentum_kind: MomentumKind::Nesterov, weight_decay: 1e-3 };
+    let adamw = OptimizerConfig::AdamW { lr: 1e-2, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.1 };
+    for config in [nesterov, adamw] {
+        let mut cpu = Optimizer::new(config, n);
+        let mut p = p0.clone();
+        let (mut p_d, mut m_d, mut v_d) = (up(&gpu, &p0), up(&gpu, &vec![0.0f32; n]), up(&gpu, &vec![0.0f32; n]));
+        let mut partials = gpu.stream().alloc_zeros::<f64>(norm_partials(n)).unwrap();
+        let mut factor = up(&gpu, &[0.0f32]);
+        for g in &grads {
+            let mut s = cpu.begin_step(0.5, batch);
+            let mut norm = GradNorm::default();
+            norm.add(0, g, batch);
+            s.clip = clip_factor(norm.norm(), 1.0);
+            let g_d = up(&gpu, g);
+            gpu.grad_norm(&g_d, &mut partials.slice_mut(..), batch).unwrap();
+            gpu.clip_factor(&partials.slice(..), &mut factor, 1.0).unwrap();
+            assert_eq!(down(&gpu, &factor)[0].to_bits(), s.clip.to_bits(), "{config:?}: clip factor");
+            // The first half decays, the second not: two runs, as the replicas cut them.
+            let h = n / 2;
+            for (r, rs) in [(0..h, s), (h..n, s.without_decay())] {
+                cpu.update(r.start, &mut p[r.clone()], &g[r.clone()], &rs);
+                let clip = factor.slice(0..1);
+                gpu.optimizer_step(
+                    &config,
+                    &rs,
+                    &mut p_d.slice_mut(r.clone()),
+                    &g_d.slice(r.clone()),
+                    &mut m_d.slice_mut(r.clone()),
+                    &mut v_d.slice_mut(r.clone()),
+                    Some(&clip),
+                )
+                .unwrap();
+            }
+        }
+        let want: Vec<f64> = p.iter().map(|&x| x as f64).collect();
+        assert_close(&format!("{config:?}: p after 3 clipped steps"), &down(&gpu, &p_d), &want, 1e-5, 1e-6);
+    }
 }
 
 #[test]

@@ -11,7 +11,7 @@ use lockstep::data::{toy, Dataset, Features};
 use lockstep::devices::Devices;
 use lockstep::models::{self, ConvnetOptions, Norm};
 use lockstep::nn::Sequential;
-use lockstep::optim::OptimizerConfig;
+use lockstep::optim::{MomentumKind, OptimizerConfig};
 use lockstep::train::{train_data_parallel, with_trainer, Batch, LastBatch, Shuffle, TrainConfig, TrainReport};
 use lockstep::Error;
 
@@ -59,8 +59,10 @@ fn n_devices_equal_one_device_sgd_and_adam() {
     let conv = models::convnet(ConvnetOptions { norm: Norm::None, dropout: 0.0, ..Default::default() }).unwrap();
     let (points, images) = (toy_points(), digits_subset(96));
     let sets = device_sets("n_devices_equal_one_device_sgd_and_adam", (2..=4).map(cpu).collect(), (1e-5, 1e-4));
-    for optimizer in [OptimizerConfig::Sgd { lr: 0.1, momentum: 0.9, weight_decay: 1e-4 }, OptimizerConfig::adam(1e-3)]
-    {
+    for optimizer in [
+        OptimizerConfig::Sgd { lr: 0.1, momentum: 0.9, momentum_kind: MomentumKind::Classic, weight_decay: 1e-4 },
+        OptimizerConfig::adam(1e-3),
+    ] {
         for (model, data, batch, steps) in [(&toy_model, &points, 16, 20), (&conv, &images, 32, 6)] {
             let cfg = TrainConfig {
                 epochs: 10,

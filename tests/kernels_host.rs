@@ -56,7 +56,10 @@ use lockstep::nn::batchnorm::RunningUpdate;
 use lockstep::nn::gelu::{gelu_grad, gelu_value};
 use lockstep::nn::pool::{maxpool2d_plane_bwd, maxpool2d_plane_fwd};
 use lockstep::nn::{loss, BatchNorm2d, Ctx, Dropout, Layer, MaxPool2d, Padding, Sequential, Window2d};
-use lockstep::optim::{Optimizer, OptimizerConfig};
+use lockstep::optim::{
+    clip_factor, norm_partials, DecayMask, DecayOn, GradNorm, MomentumKind, Optimizer, OptimizerConfig, NORM_CHUNK,
+    NORM_LANES,
+};
 use lockstep::{Device, Tensor};
 
 use common::{
@@ -573,7 +576,11 @@ const CHECKED: &[(&str, &[&str])] = &[
     ("global_average_pool_matches_the_reference", &["global_avgpool_fwd_f32", "global_avgpool_bwd_f32"]),
     ("maxpool2d_matches_the_cpu_layer_bit_for_bit", &["maxpool2d_fwd_f32", "maxpool2d_bwd_f32"]),
     ("softmax_cross_entropy_matches_the_cpu_loss", &["softmax_xent_fwd_f32"]),
-    ("sgd_and_adam_match_the_cpu_optimizer_over_several_steps", &["sgd_step_f32", "adam_step_f32"]),
+    (
+        "sgd_adam_and_adamw_match_the_cpu_optimizer_over_several_steps",
+        &["sgd_step_f32", "adam_step_f32", "grad_norm_f32", "clip_factor_f32"],
+    ),
+    ("the_gradient_norm_kernels_equal_the_cpu_norm_bit_for_bit", &["grad_norm_f32", "clip_factor_f32"]),
     ("reduce_sum_adds_the_buffers_left_to_right_and_scales", &["reduce_sum_f32"]),
     ("dropout_masks_equal_the_cpu_layer_bit_for_bit", &["dropout_fwd_f32", "dropout_bwd_f32"]),
     ("codec_kernels_equal_the_codec_bit_for_bit", &["wire_encode_f32", "wire_reduce_f32", "wire_decode_f32"]),
@@ -652,8 +659,8 @@ fn every_declared_argument_list_is_the_kernels_signature() {
             checked += 1;
         }
     }
-    // 36 kernels, as kernels_nvrtc.rs counts them from the files.
-    assert_eq!(checked, 36);
+    // 38 kernels, as kernels_nvrtc.rs counts them from the files.
+    assert_eq!(checked, 38);
 }
 
 // ---- elementwise.cu ------------------------------------------------------------------
@@ -1282,94 +1289,187 @@ fn softmax_cross_entropy_matches_the_cpu_loss() {
 
 // ---- optim.cu ------------------------------------------------------------------------
 
+/// The launch shape of `Gpu::grad_norm` for `n` values (one block of NORM_LANES threads
+/// per chunk), then a grid of one block, which strides over every chunk.
+fn norm_cfgs(n: usize) -> [Cfg; 2] {
+    let block = (NORM_LANES as u32, 1, 1);
+    [Cfg { grid: (norm_partials(n) as u32, 1, 1), block }, Cfg { grid: (1, 1, 1), block }]
+}
+
+/// As `Gpu::grad_norm` then `Gpu::clip_factor`: the factor of the gradient sum `g` (÷ B)
+/// for `max_norm`, left on the "device".
+fn clip_factor_on_device(k: &Checked, cfg: Cfg, g: &[f32], batch: f32, max_norm: f32) -> f32 {
+    let n = g.len();
+    let mut partials = vec![0.0f64; norm_partials(n)];
+    // As Gpu::grad_norm: grad, partials, grad_divisor, n.
+    k.launch("grad_norm_f32", cfg, &mut [In(g), OutF64(&mut partials), F32(batch), U64(n as u64)]);
+    let mut factor = [0.0f32];
+    // As Gpu::clip_factor: partials, factor, max_norm, parts (one thread works).
+    let parts = partials.len() as u64;
+    k.launch("clip_factor_f32", elem_cfg(1), &mut [InF64(&partials), Out(&mut factor), F32(max_norm), U64(parts)]);
+    factor[0]
+}
+
 #[test]
-fn sgd_and_adam_match_the_cpu_optimizer_over_several_steps() {
-    let Some(k) = kernels_or_skip("sgd_and_adam_match_the_cpu_optimizer_over_several_steps") else {
+fn sgd_adam_and_adamw_match_the_cpu_optimizer_over_several_steps() {
+    let Some(k) = kernels_or_skip("sgd_adam_and_adamw_match_the_cpu_optimizer_over_several_steps") else {
         return;
     };
     let mut rng = Rng(8);
     let n = 1000;
     let steps = 5;
     let p0 = rng.vec(n);
+    // A weight (2-D) at 0..600 that decays, a bias at 600..1000 that does not (--weight-decay-on
+    // weights): the replicas cut each piece into runs, the kernel takes each run's scalars.
+    let decay = DecayMask::of_tensors([(0..600, 2), (600..1000, 1)], DecayOn::Weights);
+    let classic = MomentumKind::Classic;
     // B = 32 and B = 3: the kernel divides the raw gradient by B as the CPU does, so no
     // batch size is special.
     for batch in [32.0f32, 3.0] {
         let grads: Vec<Vec<f32>> = (0..steps).map(|_| rng.vec(n).iter().map(|v| batch * v).collect()).collect();
         let configs = [
-            OptimizerConfig::Sgd { lr: 0.1, momentum: 0.9, weight_decay: 1e-4 },
-            OptimizerConfig::Sgd { lr: 0.05, momentum: 0.0, weight_decay: 0.0 },
+            OptimizerConfig::Sgd { lr: 0.1, momentum: 0.9, momentum_kind: classic, weight_decay: 1e-4 },
+            OptimizerConfig::Sgd { lr: 0.1, momentum: 0.9, momentum_kind: MomentumKind::Nesterov, weight_decay: 5e-4 },
+            OptimizerConfig::Sgd { lr: 0.05, momentum: 0.0, momentum_kind: classic, weight_decay: 0.0 },
             OptimizerConfig::Adam { lr: 1e-3, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 1e-2 },
             OptimizerConfig::Adam { lr: 1e-2, beta1: 0.8, beta2: 0.99, eps: 1e-6, weight_decay: 0.0 },
+            OptimizerConfig::AdamW { lr: 1e-2, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.1 },
         ];
-        for config in configs {
-            let mut cpu = Optimizer::new(config, n);
-            let mut cpu_p = p0.clone();
-            let mut p = p0.clone();
-            let (mut m, mut v) = (vec![0.0f32; n], vec![0.0f32; n]);
-            for (t, g) in grads.iter().enumerate() {
-                // The very scalars the GPU replica hands the kernel (Gpu::optimizer_step).
-                let s = cpu.begin_step(1.0, batch);
-                cpu.update(0, &mut cpu_p, g, &s);
-                let cfg = if t % 2 == 0 { elem_cfg(n) } else { FEW };
-                match config {
-                    OptimizerConfig::Sgd { momentum, weight_decay, .. } => {
-                        // As Gpu::optimizer_step: p, grad, buf, step_size, momentum,
-                        // weight_decay, grad_divisor, first, n.
-                        k.launch(
-                            "sgd_step_f32",
-                            cfg,
-                            &mut [
-                                Out(&mut p),
-                                In(g),
-                                Out(&mut m),
-                                F32(s.step_size),
-                                F32(momentum),
-                                F32(weight_decay),
-                                F32(s.grad_divisor),
-                                I32(i32::from(s.t == 1)),
-                                U64(n as u64),
-                            ],
-                        );
-                    }
-                    OptimizerConfig::Adam { beta1, beta2, eps, weight_decay, .. } => {
-                        // As Gpu::optimizer_step: p, grad, m, v, step_size, beta1, beta2,
-                        // eps, weight_decay, grad_divisor, bc2_sqrt, n.
-                        k.launch(
-                            "adam_step_f32",
-                            cfg,
-                            &mut [
-                                Out(&mut p),
-                                In(g),
-                                Out(&mut m),
-                                Out(&mut v),
-                                F32(s.step_size),
-                                F32(beta1),
-                                F32(beta2),
-                                F32(eps),
-                                F32(weight_decay),
-                                F32(s.grad_divisor),
-                                F32(s.bc2_sqrt),
-                                U64(n as u64),
-                            ],
-                        );
+        // Without clipping, and clipped to a norm (about 0.3·sqrt(1000/3) ≈ 5.5 here) that
+        // cuts every step.
+        for max_norm in [None, Some(1.5f32)] {
+            for config in configs {
+                let mut cpu = Optimizer::new(config, n);
+                let mut cpu_p = p0.clone();
+                let mut p = p0.clone();
+                let (mut m, mut v) = (vec![0.0f32; n], vec![0.0f32; n]);
+                for (t, g) in grads.iter().enumerate() {
+                    // The very scalars the GPU replica hands the kernel (Gpu::optimizer_step).
+                    let mut s = cpu.begin_step(0.7, batch);
+                    let cfg = if t % 2 == 0 { elem_cfg(n) } else { FEW };
+                    let factor = max_norm.map(|c| {
+                        let mut norm = GradNorm::default();
+                        norm.add(0, &g[..300], batch);
+                        norm.add(300, &g[300..], batch);
+                        s.clip = clip_factor(norm.norm(), c);
+                        assert!(s.clip < 1.0, "the test clips");
+                        let on_device = clip_factor_on_device(&k, norm_cfgs(n)[t % 2], g, batch, c);
+                        assert_eq!(on_device.to_bits(), s.clip.to_bits(), "clip factor, step {t}");
+                        [on_device]
+                    });
+                    let clip = || match &factor {
+                        Some(f) => In(f),
+                        None => Null,
+                    };
+                    for (run, rs) in decay.split(0..n, &s) {
+                        cpu.update(run.start, &mut cpu_p[run.clone()], &g[run.clone()], &rs);
+                        let (p, g, m, v) =
+                            (&mut p[run.clone()], &g[run.clone()], &mut m[run.clone()], &mut v[run.clone()]);
+                        let len = U64(run.len() as u64);
+                        match config {
+                            OptimizerConfig::Sgd { momentum, momentum_kind, .. } => {
+                                // As Gpu::optimizer_step: p, grad, buf, clip, step_size,
+                                // momentum, weight_decay, grad_divisor, first, nesterov, n.
+                                let nesterov = I32(i32::from(momentum_kind == MomentumKind::Nesterov));
+                                k.launch(
+                                    "sgd_step_f32",
+                                    cfg,
+                                    &mut [
+                                        Out(p),
+                                        In(g),
+                                        Out(m),
+                                        clip(),
+                                        F32(rs.step_size),
+                                        F32(momentum),
+                                        F32(rs.weight_decay),
+                                        F32(rs.grad_divisor),
+                                        I32(i32::from(rs.t == 1)),
+                                        nesterov,
+                                        len,
+                                    ],
+                                );
+                            }
+                            OptimizerConfig::Adam { beta1, beta2, eps, .. }
+                            | OptimizerConfig::AdamW { beta1, beta2, eps, .. } => {
+                                // As Gpu::optimizer_step: p, grad, m, v, clip, step_size,
+                                // beta1, beta2, eps, weight_decay, shrink, grad_divisor,
+                                // bc2_sqrt, n.
+                                k.launch(
+                                    "adam_step_f32",
+                                    cfg,
+                                    &mut [
+                                        Out(p),
+                                        In(g),
+                                        Out(m),
+                                        Out(v),
+                                        clip(),
+                                        F32(rs.step_size),
+                                        F32(beta1),
+                                        F32(beta2),
+                                        F32(eps),
+                                        F32(rs.weight_decay),
+                                        F32(rs.shrink),
+                                        F32(rs.grad_divisor),
+                                        F32(rs.bc2_sqrt),
+                                        len,
+                                    ],
+                                );
+                            }
+                        }
                     }
                 }
-            }
-            let what = format!("{config:?}, B = {batch}, after {steps} steps");
-            // Bitwise: the kernel (here without FMA contraction, as the CPU loop runs) and
-            // the CPU do the same f32 operations in the same order on the same scalars
-            // (optim::StepScalars, made once on the host). On a GPU, contracted
-            // multiply-adds round once where this rounds twice; tests/cuda_ops.rs bounds it.
-            assert_bits(&format!("p: {what}"), &p, &cpu_p);
-            let state = cpu.state();
-            for (name, values) in &state {
-                let got = if *name == "m" { &m } else { &v };
-                assert_bits(&format!("{name}: {what}"), got, values);
-            }
-            if matches!(config, OptimizerConfig::Sgd { momentum, .. } if momentum == 0.0) {
-                assert!(state.is_empty(), "plain SGD keeps no state on the CPU");
+                let what = format!("{config:?}, B = {batch}, clip {max_norm:?}, after {steps} steps");
+                // Bitwise: the kernel (here without FMA contraction, as the CPU loop runs)
+                // and the CPU do the same f32 operations in the same order on the same
+                // scalars (optim::StepScalars, made once on the host). On a GPU, contracted
+                // multiply-adds round once where this rounds twice; tests/cuda_ops.rs
+                // bounds it.
+                assert_bits(&format!("p: {what}"), &p, &cpu_p);
+                let state = cpu.state();
+                for (name, values) in &state {
+                    let got = if *name == "m" { &m } else { &v };
+                    assert_bits(&format!("{name}: {what}"), got, values);
+                }
+                if matches!(config, OptimizerConfig::Sgd { momentum, .. } if momentum == 0.0) {
+                    assert!(state.is_empty(), "plain SGD keeps no state on the CPU");
+                }
             }
         }
+    }
+}
+
+#[test]
+fn the_gradient_norm_kernels_equal_the_cpu_norm_bit_for_bit() {
+    let Some(k) = kernels_or_skip("the_gradient_norm_kernels_equal_the_cpu_norm_bit_for_bit") else {
+        return;
+    };
+    let mut rng = Rng(9);
+    // Two whole chunks and part of a third, as a resnet's sum is cut.
+    let n = 2 * NORM_CHUNK + 300;
+    let batch = 24.0f32;
+    let g: Vec<f32> = rng.vec(n).iter().map(|v| batch * v).collect();
+    let mut cpu = GradNorm::default();
+    cpu.add(0, &g[..5000], batch);
+    cpu.add(5000, &g[5000..], batch);
+    let norm = cpu.norm();
+    // The exact norm, in f64 from the f32 mean gradient, to f32 rounding.
+    let exact = g.iter().map(|&x| ((x / batch) as f64).powi(2)).sum::<f64>().sqrt();
+    assert!((norm as f64 - exact).abs() <= 1e-6 * exact, "{norm} against {exact}");
+    for cfg in norm_cfgs(n) {
+        // Clipped (C below the norm) and not (above it): the factor is the CPU's, bitwise.
+        for max_norm in [norm / 3.0, norm * 2.0] {
+            let factor = clip_factor_on_device(&k, cfg, &g, batch, max_norm);
+            assert_eq!(factor.to_bits(), clip_factor(norm, max_norm).to_bits(), "{cfg:?}, C = {max_norm}");
+        }
+        // A piece that starts on a chunk writes the partials from that chunk on: the
+        // partials of two pieces are those of the whole.
+        let mut whole = vec![0.0f64; norm_partials(n)];
+        k.launch("grad_norm_f32", cfg, &mut [In(&g), OutF64(&mut whole), F32(batch), U64(n as u64)]);
+        let mut second = vec![0.0f64; norm_partials(n - NORM_CHUNK)];
+        let rest = &g[NORM_CHUNK..];
+        k.launch("grad_norm_f32", cfg, &mut [In(rest), OutF64(&mut second), F32(batch), U64(rest.len() as u64)]);
+        let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&whole[1..]), bits(&second), "{cfg:?}");
     }
 }
 

@@ -194,12 +194,32 @@ fn accumulation_sync_batchnorm_16_bit_gradients_and_sharding_across_processes() 
     // (2 × cpu:2: two devices' payloads per process; 4 × cpu:1: one).
     // (name, flags, layouts: processes and devices per process)
     type Feature<'a> = (&'a str, &'a [&'a str], &'a [(usize, usize)]);
-    let features: [Feature<'_>; 5] = [
+    // Issue 18's recipes: the clip's norm is read whole by every device of every process
+    // (a sharded one too), in the one association of `optim::GradNorm`.
+    const RECIPES: &[&str] = &[
+        "--optimizer",
+        "sgd",
+        "--lr",
+        "0.05",
+        "--momentum",
+        "0.9",
+        "--nesterov",
+        "--weight-decay",
+        "5e-4",
+        "--warmup-steps",
+        "3",
+        "--clip-grad-norm",
+        "0.5",
+    ];
+    let sharded_recipes = [RECIPES, &["--shard-optimizer", "--grad-compression", "bf16"]].concat();
+    let features: [Feature<'_>; 7] = [
         ("bf16", &["--grad-compression", "bf16"], &[(0, 4), (2, 2), (4, 1)]),
         ("fp16", &["--grad-compression", "fp16"], &[(0, 4), (2, 2), (4, 1)]),
         ("sync-batchnorm", &["--sync-batchnorm"], &[(0, 4), (2, 2), (4, 1)]),
         ("accumulate", &["--accumulate", "2"], &[(0, 4), (2, 2)]),
         ("shard-optimizer", &["--shard-optimizer"], &[(0, 4), (2, 2), (4, 1)]),
+        ("issue 18 recipes", RECIPES, &[(0, 4), (2, 2), (4, 1)]),
+        ("issue 18 recipes, sharded, bf16", &sharded_recipes, &[(0, 4), (2, 2)]),
     ];
     for (name, flags, layouts) in features {
         let args: Vec<&str> = CONVNET.iter().copied().chain(["--replicas", "4"]).chain(flags.iter().copied()).collect();

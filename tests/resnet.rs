@@ -18,7 +18,7 @@ use lockstep::data::safetensors_file::load_safetensors_dataset;
 use lockstep::devices::Devices;
 use lockstep::models::{resnet, ResnetDepth};
 use lockstep::nn::{Activation, BatchNorm2d, Conv2d, Ctx, Layer, Padding, Relu, Residual, Sequential};
-use lockstep::optim::OptimizerConfig;
+use lockstep::optim::{MomentumKind, OptimizerConfig};
 use lockstep::tensor::{Device, Tensor};
 use lockstep::train::{train_data_parallel, Batch, LastBatch, Shuffle, TrainConfig};
 use lockstep::weights;
@@ -152,7 +152,7 @@ fn config(steps: u64, replicas: usize, optimizer: OptimizerConfig) -> TrainConfi
 
 /// The reference's optimiser: PyTorch's SGD, momentum 0.9, lr 1e-4.
 fn sgd() -> OptimizerConfig {
-    OptimizerConfig::Sgd { lr: 1e-4, momentum: 0.9, weight_decay: 0.0 }
+    OptimizerConfig::Sgd { lr: 1e-4, momentum: 0.9, momentum_kind: MomentumKind::Classic, weight_decay: 0.0 }
 }
 
 /// The gradient of step 0 as a run on `devices` applies it: one SGD step of lr 1 from the
@@ -250,7 +250,12 @@ fn resnet8_is_bitwise_alike_on_1_2_3_devices_with_every_ddp_feature() {
         epochs: 2,
         batch_size: 12,
         seed: 4,
-        optimizer: OptimizerConfig::Sgd { lr: 0.05, momentum: 0.9, weight_decay: 0.0 },
+        optimizer: OptimizerConfig::Sgd {
+            lr: 0.05,
+            momentum: 0.9,
+            momentum_kind: MomentumKind::Classic,
+            weight_decay: 0.0,
+        },
         ..TrainConfig::default()
     };
     let features: [(&str, TrainConfig); 5] = [

@@ -91,6 +91,67 @@ fn resuming_from_every_checkpoint_gives_bitwise_the_uninterrupted_weights() {
     }
 }
 
+/// The recipes of issue 18 (SGD with Nesterov momentum, weight decay on the weights only,
+/// a warm-up of 4 steps before the cosine, clipping by the global norm, the sharded
+/// optimiser) resume exactly: from inside the warm-up (step 2), at its end (4) and past
+/// it (9), on other device counts, sharded or not.
+#[test]
+fn the_recipes_of_issue_18_resume_bitwise() {
+    let (model, data, cfg) = setup();
+    let optimizer = lockstep::optim::OptimizerConfig::Sgd {
+        lr: 0.05,
+        momentum: 0.9,
+        momentum_kind: lockstep::optim::MomentumKind::Nesterov,
+        weight_decay: 5e-4,
+    };
+    let cfg = TrainConfig {
+        optimizer,
+        warmup_steps: 4,
+        clip_grad_norm: Some(0.3),
+        optimizer_sharding: lockstep::optim::Sharding::Sharded,
+        ..cfg
+    };
+    let (_guard, dir) = tmp();
+    let full = train_data_parallel(
+        &model,
+        &data,
+        None,
+        &Devices::cpu(2, 1).unwrap(),
+        &TrainConfig { checkpoint: Some(policy(&dir, 1)), ..cfg.clone() },
+    )
+    .unwrap();
+    let unclipped = train_data_parallel(
+        &model,
+        &data,
+        None,
+        &Devices::cpu(2, 1).unwrap(),
+        &TrainConfig { clip_grad_norm: None, ..cfg.clone() },
+    )
+    .unwrap();
+    assert!(unclipped.weights != full.weights, "the clip is in force");
+    let files = checkpoint::list(&dir).unwrap();
+    let fresh = Optimizer::new(cfg.optimizer, model.params_len());
+    for (step, devices, sharding) in [
+        (2, Devices::cpu(1, 1), lockstep::optim::Sharding::Replicated),
+        (4, Devices::cpu(2, 1), lockstep::optim::Sharding::Sharded),
+        (9, Devices::cpu(1, 2), lockstep::optim::Sharding::Sharded),
+    ] {
+        let path = &files.iter().find(|(s, _)| *s == step).unwrap().1;
+        let resume = checkpoint::load(&model, path, &policy(&dir, 1).config, &fresh).unwrap();
+        let rest = train_data_parallel(
+            &model,
+            &data,
+            None,
+            &devices.unwrap(),
+            &TrainConfig { resume: Some(resume), optimizer_sharding: sharding, ..cfg.clone() },
+        )
+        .unwrap();
+        assert!(rest.weights == full.weights, "resumed from step {step}: weights differ");
+        assert!(rest.optimizer == full.optimizer, "resumed from step {step}: optimiser state differs");
+        assert_eq!(rest.losses[..], full.losses[step as usize..], "resumed from step {step}: losses differ");
+    }
+}
+
 /// Raises the stop flag after a given step, as the SIGINT handler does.
 struct StopAfter(u64, Arc<AtomicBool>);
 impl Observer for StopAfter {

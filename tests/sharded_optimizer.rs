@@ -12,7 +12,7 @@ use lockstep::data::Dataset;
 use lockstep::devices::Devices;
 use lockstep::exchange::codec::Compression;
 use lockstep::models::{self, ConvnetOptions};
-use lockstep::optim::{Optimizer, OptimizerConfig, Sharding};
+use lockstep::optim::{MomentumKind, Optimizer, OptimizerConfig, Sharding};
 use lockstep::train::{train_data_parallel, with_trainer, Batch, TrainConfig, TrainReport};
 
 fn cpu(n: usize) -> Devices {
@@ -35,7 +35,8 @@ fn run(devices: &Devices, cfg: &TrainConfig) -> TrainReport {
 /// with accumulation and 16-bit gradients, whose decoded sum each owner reads.
 #[test]
 fn sharded_runs_are_bitwise_the_replicated_ones() {
-    let sgd = OptimizerConfig::Sgd { lr: 0.05, momentum: 0.9, weight_decay: 1e-4 };
+    let sgd =
+        OptimizerConfig::Sgd { lr: 0.05, momentum: 0.9, momentum_kind: MomentumKind::Classic, weight_decay: 1e-4 };
     for optimizer in [OptimizerConfig::adam(1e-3), sgd] {
         for n in 1..=4 {
             let cfg = TrainConfig {

@@ -9,7 +9,7 @@ use lockstep::data::Dataset;
 use lockstep::devices::Devices;
 use lockstep::models::{self, ConvnetOptions, Norm};
 use lockstep::nn::{convert_sync_batchnorm, Sequential};
-use lockstep::optim::OptimizerConfig;
+use lockstep::optim::{MomentumKind, OptimizerConfig};
 use lockstep::spec::ModelSpec;
 use lockstep::train::{train_data_parallel, TrainConfig, TrainReport};
 
@@ -52,7 +52,7 @@ fn on_one_device_it_is_the_plain_layer_bitwise() {
 /// exactly zero in front of a BatchNorm, into steps of ±lr (tests/oracle.rs), hiding what
 /// is compared under noise of its own making.
 fn sgd() -> OptimizerConfig {
-    OptimizerConfig::Sgd { lr: 0.05, momentum: 0.9, weight_decay: 0.0 }
+    OptimizerConfig::Sgd { lr: 0.05, momentum: 0.9, momentum_kind: MomentumKind::Classic, weight_decay: 0.0 }
 }
 
 /// N devices with synchronized statistics against one device with the whole batch (the

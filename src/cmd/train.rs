@@ -70,9 +70,27 @@ pub(crate) struct TrainArgs {
     /// SGD momentum, in [0, 1).
     #[arg(allow_negative_numbers = true, long, default_value_t = 0.0)]
     momentum: f32,
-    /// L2 penalty added to the gradient (PyTorch's weight_decay).
+    /// SGD with Nesterov momentum (PyTorch's nesterov=True; needs --momentum above 0).
+    #[arg(long)]
+    nesterov: bool,
+    /// Weight decay (PyTorch's weight_decay): for sgd and adam the L2 penalty added to the
+    /// gradient, for adamw the decoupled decay p *= 1 - lr·wd.
     #[arg(allow_negative_numbers = true, long, default_value_t = 0.0)]
     weight_decay: f32,
+    /// Which parameters --weight-decay applies to: weights (tensors of 2 or more
+    /// dimensions, not BatchNorm's parameters nor the biases: PyTorch's usual parameter
+    /// groups) or all.
+    #[arg(long, value_enum, value_name = "WHICH", default_value = "weights")]
+    weight_decay_on: DecayOnName,
+    /// Linear warm-up over the first N steps: step s runs at (s + 1)/N of the learning
+    /// rate, then --lr-schedule runs over the remaining steps.
+    #[arg(allow_negative_numbers = true, long, value_name = "N", default_value_t = 0)]
+    warmup_steps: u64,
+    /// Clip the gradient to this global L2 norm before every update (PyTorch's
+    /// clip_grad_norm_): the norm of the averaged gradient of all replicas, so every
+    /// replica scales by the same factor.
+    #[arg(allow_negative_numbers = true, long, value_name = "C")]
+    clip_grad_norm: Option<f32>,
     /// Adam's epsilon.
     #[arg(allow_negative_numbers = true, long, default_value_t = 1e-8)]
     adam_eps: f32,
@@ -206,6 +224,8 @@ fn flag_values(a: &TrainArgs) -> BTreeMap<&'static str, String> {
         ("model", model),
         ("momentum", a.momentum.to_string()),
         ("weight_decay", a.weight_decay.to_string()),
+        ("weight_decay_on", enum_name(&a.weight_decay_on)),
+        ("warmup_steps", a.warmup_steps.to_string()),
         ("adam_eps", a.adam_eps.to_string()),
         ("dropout", a.dropout.to_string()),
         ("bn_momentum", a.bn_momentum.to_string()),
@@ -226,6 +246,8 @@ fn flag_values(a: &TrainArgs) -> BTreeMap<&'static str, String> {
         ("optimizer", a.optimizer.as_ref().map(enum_name)),
         ("lr", a.lr.map(|l| l.to_string())),
         ("lr_schedule", a.lr_schedule.as_ref().map(enum_name)),
+        ("clip_grad_norm", a.clip_grad_norm.map(|c| c.to_string())),
+        ("nesterov", a.nesterov.then(|| "true".to_string())),
         ("steps", a.steps.map(|k| k.to_string())),
         ("replicas", a.replicas.map(|r| r.to_string())),
         ("check_replicas_every", a.check_replicas_every.map(|k| k.to_string())),
@@ -329,14 +351,19 @@ fn with_stored_flags(a: TrainArgs, given: &BTreeSet<String>, dir: &Path) -> CliR
 }
 
 /// The stored flags that are switches (stored as "true" when set).
-const SWITCHES: [&str; 5] = ["no_shuffle", "drop_last", "allow_nonfinite", "sync_batchnorm", "shard_optimizer"];
+const SWITCHES: [&str; 6] =
+    ["no_shuffle", "drop_last", "allow_nonfinite", "sync_batchnorm", "shard_optimizer", "nesterov"];
 
 /// Whether `id` is a flag this version stores (a newer lockstep's extra entries are left).
 fn here_known(id: &str) -> bool {
-    const STORED: [&str; 32] = [
+    const STORED: [&str; 36] = [
         "model",
         "momentum",
+        "nesterov",
         "weight_decay",
+        "weight_decay_on",
+        "warmup_steps",
+        "clip_grad_norm",
         "adam_eps",
         "dropout",
         "bn_momentum",
@@ -466,7 +493,7 @@ fn settings(a: &mut TrainArgs, toy: bool) -> CliResult<Settings> {
     let lr = *a.lr.get_or_insert(match (optimizer, toy) {
         (OptimizerName::Sgd, true) => 0.5,
         (OptimizerName::Sgd, false) => 0.05,
-        (OptimizerName::Adam, _) => 1e-3,
+        (OptimizerName::Adam | OptimizerName::Adamw, _) => 1e-3,
     });
     let schedule = *a.lr_schedule.get_or_insert(if toy { ScheduleName::Constant } else { ScheduleName::Cosine });
     if epochs == 0 {
@@ -499,14 +526,31 @@ fn settings(a: &mut TrainArgs, toy: bool) -> CliResult<Settings> {
     if a.features.accumulate == 0 {
         return Err(Failure::usage(anyhow!("--accumulate must be at least 1 (micro-batches per step)")));
     }
-    if optimizer == OptimizerName::Adam && a.momentum != 0.0 {
+    if optimizer != OptimizerName::Sgd && a.momentum != 0.0 {
         return Err(Failure::usage(anyhow!("--momentum is an SGD setting; Adam uses its betas")));
     }
-    let optimizer = match optimizer {
-        OptimizerName::Sgd => OptimizerConfig::Sgd { lr, momentum: a.momentum, weight_decay: a.weight_decay },
-        OptimizerName::Adam => {
-            OptimizerConfig::Adam { lr, beta1: 0.9, beta2: 0.999, eps: a.adam_eps, weight_decay: a.weight_decay }
+    if a.nesterov && optimizer != OptimizerName::Sgd {
+        return Err(Failure::usage(anyhow!("--nesterov is an SGD setting (Nesterov momentum); Adam uses its betas")));
+    }
+    if a.nesterov && a.momentum == 0.0 {
+        return Err(Failure::usage(anyhow!("--nesterov needs --momentum above 0 (Nesterov momentum)")));
+    }
+    if !(a.weight_decay >= 0.0 && a.weight_decay.is_finite()) {
+        return Err(Failure::usage(anyhow!("--weight-decay must be a number >= 0, got {}", a.weight_decay)));
+    }
+    if let Some(c) = a.clip_grad_norm {
+        if !(c > 0.0 && c.is_finite()) {
+            return Err(Failure::usage(anyhow!(
+                "--clip-grad-norm must be a positive number (the largest gradient norm), got {c}"
+            )));
         }
+    }
+    let (momentum_kind, wd, eps) =
+        (if a.nesterov { MomentumKind::Nesterov } else { MomentumKind::Classic }, a.weight_decay, a.adam_eps);
+    let optimizer = match optimizer {
+        OptimizerName::Sgd => OptimizerConfig::Sgd { lr, momentum: a.momentum, momentum_kind, weight_decay: wd },
+        OptimizerName::Adam => OptimizerConfig::Adam { lr, beta1: 0.9, beta2: 0.999, eps, weight_decay: wd },
+        OptimizerName::Adamw => OptimizerConfig::AdamW { lr, beta1: 0.9, beta2: 0.999, eps, weight_decay: wd },
     };
     optimizer.validate().map_err(Failure::usage)?;
     let devices = resolve_devices(&a.devices)?;
@@ -613,6 +657,9 @@ pub(crate) fn cmd_train(a: TrainArgs, given: &BTreeSet<String>) -> CliResult {
         batch_size,
         optimizer: s.optimizer,
         schedule: s.schedule,
+        warmup_steps: a.warmup_steps,
+        weight_decay_on: a.weight_decay_on.decay_on(),
+        clip_grad_norm: a.clip_grad_norm,
         seed: a.seed,
         shuffle: if a.no_shuffle { Shuffle::None } else { Shuffle::Seeded },
         last_batch,
@@ -712,8 +759,9 @@ pub(crate) fn cmd_train(a: TrainArgs, given: &BTreeSet<String>) -> CliResult {
         say(format!("lockstep: {features}"));
     }
     say(format!(
-        "lockstep: {} | global batch {} | epochs {}{} | seed {}{}{}",
+        "lockstep: {}{} | global batch {} | epochs {}{} | seed {}{}{}",
         optimizer_text(&s.optimizer),
+        recipe_text(&config),
         match batch_size < s.batch_size {
             true => format!("{batch_size} (every training sample; --batch-size {})", s.batch_size),
             false => batch_size.to_string(),
@@ -908,6 +956,25 @@ fn finished_already(a: &TrainArgs, model: &Sequential, dir: &Path, r: &checkpoin
     Ok(())
 }
 
+/// The recipes of issue 18 around the optimiser that a run uses, as the optimiser line's
+/// continuation (empty for none): where weight decay applies, the warm-up, the clip.
+fn recipe_text(c: &TrainConfig) -> String {
+    let mut parts = String::new();
+    if c.optimizer.weight_decay() > 0.0 {
+        parts.push_str(match c.weight_decay_on {
+            lockstep::optim::DecayOn::Weights => " (on the weights)",
+            lockstep::optim::DecayOn::All => " (on every parameter)",
+        });
+    }
+    if c.warmup_steps > 0 {
+        parts.push_str(&format!(" | warm-up {} steps", c.warmup_steps));
+    }
+    if let Some(n) = c.clip_grad_norm {
+        parts.push_str(&format!(" | gradient clipped to norm {n}"));
+    }
+    parts
+}
+
 /// The features of issue 12 a run uses, in one line, or None for none of them.
 fn features_text(a: &TrainArgs) -> Option<String> {
     let parts = a.features.described();
@@ -954,6 +1021,10 @@ fn run_fingerprint(
     let mut out: BTreeMap<String, String> = entries.into_iter().map(|(k, v)| (k.to_string(), v)).collect();
     out.insert("accumulate".into(), c.accumulate.to_string());
     out.insert("grad_compression".into(), c.grad_compression.name().into());
+    // So do the recipes of issue 18, named always for the same reason.
+    out.insert("warmup_steps".into(), c.warmup_steps.to_string());
+    out.insert("weight_decay_on".into(), c.weight_decay_on.name().into());
+    out.insert("clip_grad_norm".into(), c.clip_grad_norm.map_or("none".to_string(), |v| v.to_string()));
     out
 }
 
@@ -1026,6 +1097,12 @@ mod tests {
                 "--optimizer=sgd",
                 "--lr=0.1",
                 "--lr-schedule=cosine",
+                "--momentum=0.9",
+                "--nesterov",
+                "--weight-decay=0.1",
+                "--weight-decay-on=all",
+                "--warmup-steps=3",
+                "--clip-grad-norm=0.5",
                 "--steps=9",
                 "--replicas=2",
                 "--check-replicas-every=3",

@@ -138,20 +138,22 @@ super::declare::kernels! {
             fwd(logits: In, labels: InU32, loss: Out, dlogits: Out, correct: OutU32, n: Size, k: I32);
         }
     }
-    /// kernels/optim.cu: the optimiser steps (launched by `optim::gpu`).
+    /// kernels/optim.cu: the optimiser steps and the gradient norm (launched by `optim::gpu`).
     optim = "optim.cu" {
         sgd_step {
             plain(
-                p: Out, grad: In, buf: Out, step_size: F32, momentum: F32, weight_decay: F32, grad_divisor: F32,
-                first: I32, n: Size,
+                p: Out, grad: In, buf: Out, clip: OptIn, step_size: F32, momentum: F32, weight_decay: F32,
+                grad_divisor: F32, first: I32, nesterov: I32, n: Size,
             );
         }
         adam_step {
             plain(
-                p: Out, grad: In, m: Out, v: Out, step_size: F32, beta1: F32, beta2: F32, eps: F32, weight_decay: F32,
-                grad_divisor: F32, bc2_sqrt: F32, n: Size,
+                p: Out, grad: In, m: Out, v: Out, clip: OptIn, step_size: F32, beta1: F32, beta2: F32, eps: F32,
+                weight_decay: F32, shrink: F32, grad_divisor: F32, bc2_sqrt: F32, n: Size,
             );
         }
+        grad_norm { plain(grad: In, partials: OutF64, grad_divisor: F32, n: Size); }
+        clip_factor { plain(partials: InF64, factor: Out, max_norm: F32, parts: Size); }
     }
     /// kernels/reduce.cu: the ordered sum of K buffers.
     reduce = "reduce.cu" {

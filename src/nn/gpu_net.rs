@@ -90,6 +90,9 @@ pub struct GpuNet {
     /// A later micro-batch's gradient, beside a copy of the slot's (2·np values), when
     /// accumulating: the two are then added in that order by `reduce_sum`.
     accum: Option<CudaSlice<f32>>,
+    /// Clipping by the global gradient norm, allocated on first use: the norm's partial
+    /// sums (one per chunk of the np parameters) and the factor the update reads.
+    clip: Option<(CudaSlice<f64>, CudaSlice<f32>)>,
     /// Activations of the last pass (training or evaluation), kept while the batch size
     /// stays the same: nothing in them outlives a pass.
     acts: Option<Activations>,
@@ -118,6 +121,15 @@ pub struct OptimizerState<'a> {
 
 /// Optimiser state tensors by name, as `Optimizer::restore` takes them.
 pub type NamedState = Vec<(&'static str, Vec<f32>)>;
+
+/// Whether an update scales the gradient by the clipping factor on the device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Clip {
+    /// No clipping this step.
+    None,
+    /// The factor [`GpuNet::clip_grad_norm`] queued for this step.
+    Factor,
+}
 
 /// How a training pass meets its slot (as `train::replica::Fill`, which the network does
 /// not know of).
@@ -193,6 +205,7 @@ impl GpuNet {
             config,
             state_range: 0..np,
             accum: None,
+            clip: None,
             np,
             nb,
             layers,
@@ -390,8 +403,16 @@ impl GpuNet {
     }
 
     /// Queues the optimiser step of parameters `offset..offset + len` from that piece
-    /// of the gradient sum.
-    pub fn update_params(&mut self, scalars: &StepScalars, offset: usize, grad_sum: &CudaView<'_, f32>) -> Result<()> {
+    /// of the gradient sum, with the scalars of its run (`scalars.without_decay()` where
+    /// the parameters do not decay), scaled by the factor [`GpuNet::clip_grad_norm`] left
+    /// on the device when `clip` is [`Clip::Factor`].
+    pub fn update_params(
+        &mut self,
+        scalars: &StepScalars,
+        offset: usize,
+        grad_sum: &CudaView<'_, f32>,
+        clip: Clip,
+    ) -> Result<()> {
         let r = offset..offset + grad_sum.len();
         if r.start < self.state_range.start || r.end > self.state_range.end {
             return Err(Error::shape(
@@ -399,6 +420,13 @@ impl GpuNet {
                 format!("range {r:?} outside the optimiser state's {:?}", self.state_range),
             ));
         }
+        let factor = match (clip, &self.clip) {
+            (Clip::None, _) => None,
+            (Clip::Factor, Some((_, factor))) => Some(factor.slice(0..1)),
+            (Clip::Factor, None) => {
+                return Err(Error::config("update_params", "clipping asked for before any gradient norm"))
+            }
+        };
         let local = r.start - self.state_range.start..r.end - self.state_range.start;
         let v = &mut self.v.slice_mut(if self.keeps_v() { local.clone() } else { 0..1 });
         self.gpu.optimizer_step(
@@ -408,7 +436,48 @@ impl GpuNet {
             grad_sum,
             &mut self.m.slice_mut(local),
             v,
+            factor.as_ref(),
         )
+    }
+
+    /// Queues the partial sums of the gradient norm over the piece `offset..offset + len`
+    /// of the gradient sum (÷ `grad_divisor`); `offset` is a multiple of
+    /// `optim::NORM_CHUNK` (a GPU exchange hands the sum over in one piece).
+    pub fn add_grad_norm(&mut self, offset: usize, grad_sum: &CudaView<'_, f32>, grad_divisor: f32) -> Result<()> {
+        let r = offset..offset + grad_sum.len();
+        if offset % crate::optim::NORM_CHUNK != 0 || r.end > self.np {
+            return Err(Error::shape(
+                "add_grad_norm",
+                format!(
+                    "piece {r:?} of {} parameters (pieces start on chunks of {})",
+                    self.np,
+                    crate::optim::NORM_CHUNK
+                ),
+            ));
+        }
+        self.alloc_clip()?;
+        let (partials, _) = self.clip.as_mut().expect("allocated");
+        let first = offset / crate::optim::NORM_CHUNK;
+        let mut mine = partials.slice_mut(first..first + crate::optim::norm_partials(grad_sum.len()));
+        self.gpu.grad_norm(grad_sum, &mut mine, grad_divisor)
+    }
+
+    /// Queues `clip_grad_norm_`'s factor from the norm [`GpuNet::add_grad_norm`] summed
+    /// over every piece, for the updates of this step to read on the device.
+    pub fn clip_grad_norm(&mut self, max_norm: f32) -> Result<()> {
+        self.alloc_clip()?;
+        let (partials, factor) = self.clip.as_mut().expect("allocated");
+        self.gpu.clip_factor(&partials.slice(..), factor, max_norm)
+    }
+
+    /// The norm's partial sums and the factor, allocated once.
+    fn alloc_clip(&mut self) -> Result<()> {
+        if self.clip.is_none() {
+            let stream = self.gpu.stream();
+            let parts = crate::optim::norm_partials(self.np).max(1);
+            self.clip = Some((stream.alloc_zeros::<f64>(parts)?, stream.alloc_zeros::<f32>(1)?));
+        }
+        Ok(())
     }
 
     /// Queues buffers `offset..offset + len` = `scale` times that piece of a sum.

@@ -1,5 +1,7 @@
-//! Optimisers over flat parameter buffers: SGD (momentum, weight decay) and Adam, with
-//! PyTorch's semantics op for op.
+//! Optimisers over flat parameter buffers — SGD (momentum, Nesterov, coupled weight decay),
+//! Adam and AdamW — with PyTorch's semantics op for op, the recipes around them (warm-up,
+//! the parameters weight decay applies to, clipping by the global gradient norm), and
+//! their GPU launch (`gpu.rs`, the kernels of kernels/optim.cu).
 //!
 //! An optimiser never sees layers: parameters, gradients and its state are flat buffers
 //! laid out by `nn::Sequential`, so one step is one elementwise loop. The loop can run
@@ -7,11 +9,18 @@
 //! result is the same, element by element. Gradients arrive SUMMED over the global batch;
 //! `grad_divisor` (the real size of that batch) turns them into the mean's gradient.
 //!
+//! What the optimiser needs of the model comes in plain terms, never as layers: which
+//! flat ranges weight decay applies to ([`DecayMask`], made by the trainer from the
+//! tensors' shapes) and the norm of the whole summed gradient ([`GradNorm`], read by every
+//! replica from the exchange's sum in one fixed order, so that it is bitwise the same on
+//! every replica and for every device count).
+//!
 //! Sharded (ZeRO stage 1, [`Sharding::Sharded`]): an optimiser may hold the state of one
 //! range of the flat parameters only ([`Optimizer::part`]) and update only there; the
 //! update of an element is the same function of the same values wherever it runs, so
 //! the parameters are bitwise those of the whole optimiser. [`Optimizer::merge`] puts the
-//! parts back together (checkpoints hold the whole state).
+//! parts back together (checkpoints hold the whole state). The gradient norm is still the
+//! whole gradient's: every device reads every piece of the sum for it.
 
 use std::ops::Range;
 
@@ -19,19 +28,38 @@ use crate::error::{Error, Result};
 
 mod gpu;
 
+/// How SGD's momentum enters the step (PyTorch's `nesterov=`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MomentumKind {
+    /// p ← p − lr·buf (PyTorch's default).
+    Classic,
+    /// Nesterov: p ← p − lr·(g + momentum·buf) (`nesterov=True`; needs momentum > 0).
+    Nesterov,
+}
+
 /// Which optimiser, with its hyper-parameters.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum OptimizerConfig {
-    /// p ← p − lr·buf, buf = momentum·buf + (g + wd·p) (buf = g when momentum is 0).
-    Sgd { lr: f32, momentum: f32, weight_decay: f32 },
-    /// Adam, PyTorch form: bias-corrected, eps added after the square root.
+    /// `torch.optim.SGD(dampening=0)`: g = grad + wd·p (coupled L2, on the parameters that
+    /// decay); buf = g at the first step, else momentum·buf + g; p ← p − lr·buf, or with
+    /// Nesterov p ← p − lr·(g + momentum·buf) (buf is g itself when momentum is 0).
+    Sgd { lr: f32, momentum: f32, momentum_kind: MomentumKind, weight_decay: f32 },
+    /// `torch.optim.Adam`: bias-corrected, eps added after the square root; weight decay
+    /// is the coupled L2 (g = grad + wd·p).
     Adam { lr: f32, beta1: f32, beta2: f32, eps: f32, weight_decay: f32 },
+    /// `torch.optim.AdamW`: Adam's step after the decoupled decay p ← p·(1 − lr·wd).
+    AdamW { lr: f32, beta1: f32, beta2: f32, eps: f32, weight_decay: f32 },
 }
 
 impl OptimizerConfig {
     /// Plain SGD.
     pub fn sgd(lr: f32) -> Self {
-        OptimizerConfig::Sgd { lr, momentum: 0.0, weight_decay: 0.0 }
+        OptimizerConfig::Sgd { lr, momentum: 0.0, momentum_kind: MomentumKind::Classic, weight_decay: 0.0 }
+    }
+
+    /// SGD with `momentum` of `kind`, no weight decay.
+    pub fn sgd_momentum(lr: f32, momentum: f32, kind: MomentumKind) -> Self {
+        OptimizerConfig::Sgd { lr, momentum, momentum_kind: kind, weight_decay: 0.0 }
     }
 
     /// Adam with PyTorch's defaults β = (0.9, 0.999), eps = 1e-8.
@@ -39,15 +67,20 @@ impl OptimizerConfig {
         OptimizerConfig::Adam { lr, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 }
     }
 
+    /// AdamW with PyTorch's defaults β = (0.9, 0.999), eps = 1e-8, weight decay 0.01.
+    pub fn adamw(lr: f32) -> Self {
+        OptimizerConfig::AdamW { lr, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01 }
+    }
+
     /// The state this configuration keeps, by name in checkpoint order, one value per
-    /// parameter each: SGD with momentum its buffer `m`, Adam its moments `m` and `v`,
-    /// plain SGD nothing. Every place that holds, saves, sizes or moves optimiser state —
-    /// [`Optimizer`], the GPU network, the memory estimate — reads it here.
+    /// parameter each: SGD with momentum its buffer `m`, Adam and AdamW their moments `m`
+    /// and `v`, plain SGD nothing. Every place that holds, saves, sizes or moves optimiser
+    /// state — [`Optimizer`], the GPU network, the memory estimate — reads it here.
     pub fn state_names(&self) -> &'static [&'static str] {
         match *self {
             OptimizerConfig::Sgd { momentum, .. } if momentum > 0.0 => &["m"],
             OptimizerConfig::Sgd { .. } => &[],
-            OptimizerConfig::Adam { .. } => &["m", "v"],
+            OptimizerConfig::Adam { .. } | OptimizerConfig::AdamW { .. } => &["m", "v"],
         }
     }
 
@@ -64,13 +97,17 @@ impl OptimizerConfig {
     pub fn validate(&self) -> Result<()> {
         let bad = |what: &'static str, v: f32| Err(Error::config(what, format!("{v} is out of range")));
         let (lr, wd) = match *self {
-            OptimizerConfig::Sgd { lr, momentum, weight_decay } => {
+            OptimizerConfig::Sgd { lr, momentum, momentum_kind, weight_decay } => {
                 if !(0.0..1.0).contains(&momentum) {
                     return bad("momentum (expected 0 <= m < 1)", momentum);
                 }
+                if momentum_kind == MomentumKind::Nesterov && momentum == 0.0 {
+                    return Err(Error::config("nesterov", "Nesterov momentum needs a momentum above 0"));
+                }
                 (lr, weight_decay)
             }
-            OptimizerConfig::Adam { lr, beta1, beta2, eps, weight_decay } => {
+            OptimizerConfig::Adam { lr, beta1, beta2, eps, weight_decay }
+            | OptimizerConfig::AdamW { lr, beta1, beta2, eps, weight_decay } => {
                 if !(0.0..1.0).contains(&beta1) {
                     return bad("adam beta1 (expected 0 <= b1 < 1)", beta1);
                 }
@@ -95,25 +132,47 @@ impl OptimizerConfig {
     /// The learning rate.
     pub fn lr(&self) -> f32 {
         match *self {
-            OptimizerConfig::Sgd { lr, .. } | OptimizerConfig::Adam { lr, .. } => lr,
+            OptimizerConfig::Sgd { lr, .. } | OptimizerConfig::Adam { lr, .. } | OptimizerConfig::AdamW { lr, .. } => {
+                lr
+            }
+        }
+    }
+
+    /// The weight decay (coupled for SGD and Adam, decoupled for AdamW).
+    pub fn weight_decay(&self) -> f32 {
+        match *self {
+            OptimizerConfig::Sgd { weight_decay, .. }
+            | OptimizerConfig::Adam { weight_decay, .. }
+            | OptimizerConfig::AdamW { weight_decay, .. } => weight_decay,
         }
     }
 
     /// The scalars of the optimiser step number `t` (1-based) at `lr_scale` times the
-    /// learning rate, for gradients summed over a global batch of `grad_divisor` samples.
+    /// learning rate, for gradients summed over a global batch of `grad_divisor` samples,
+    /// as they apply to the parameters that decay ([`StepScalars::without_decay`] for the
+    /// others), without clipping (`clip` 1).
     pub fn scalars(&self, t: u64, lr_scale: f32, grad_divisor: f32) -> StepScalars {
         let lr = self.lr() * lr_scale;
-        let (step_size, bc2_sqrt) = match *self {
-            OptimizerConfig::Sgd { .. } => (lr, 1.0),
-            OptimizerConfig::Adam { beta1, beta2, .. } => {
-                // Bias corrections in f64, as PyTorch computes them (Python floats).
-                let t = t.min(i32::MAX as u64) as i32;
-                let bc1 = 1.0 - (beta1 as f64).powi(t);
-                let bc2 = 1.0 - (beta2 as f64).powi(t);
-                ((lr as f64 / bc1) as f32, bc2.sqrt() as f32)
+        // Bias corrections in f64, as PyTorch computes them (Python floats).
+        let adam = |beta1: f32, beta2: f32| {
+            let t = t.min(i32::MAX as u64) as i32;
+            let bc1 = 1.0 - (beta1 as f64).powi(t);
+            let bc2 = 1.0 - (beta2 as f64).powi(t);
+            ((lr as f64 / bc1) as f32, bc2.sqrt() as f32)
+        };
+        let (step_size, bc2_sqrt, weight_decay, shrink) = match *self {
+            OptimizerConfig::Sgd { weight_decay, .. } => (lr, 1.0, weight_decay, 1.0),
+            OptimizerConfig::Adam { beta1, beta2, weight_decay, .. } => {
+                let (step_size, bc2_sqrt) = adam(beta1, beta2);
+                (step_size, bc2_sqrt, weight_decay, 1.0)
+            }
+            OptimizerConfig::AdamW { beta1, beta2, weight_decay, .. } => {
+                let (step_size, bc2_sqrt) = adam(beta1, beta2);
+                // PyTorch: param.mul_(1 - lr * weight_decay), the factor a Python float.
+                (step_size, bc2_sqrt, 0.0, (1.0 - lr as f64 * weight_decay as f64) as f32)
             }
         };
-        StepScalars { t, grad_divisor, step_size, bc2_sqrt }
+        StepScalars { t, grad_divisor, step_size, bc2_sqrt, weight_decay, shrink, clip: 1.0 }
     }
 }
 
@@ -127,10 +186,225 @@ pub struct StepScalars {
     /// Gradients arrive SUMMED over the global batch; they are divided by this, the
     /// batch's real size.
     pub grad_divisor: f32,
-    /// SGD: lr·schedule. Adam: lr·schedule / (1 − β1^t), folded in f64.
+    /// SGD: lr·schedule. Adam, AdamW: lr·schedule / (1 − β1^t), folded in f64.
     pub step_size: f32,
-    /// Adam: sqrt(1 − β2^t), from f64. SGD: 1.
+    /// Adam, AdamW: sqrt(1 − β2^t), from f64. SGD: 1.
     pub bc2_sqrt: f32,
+    /// The coupled L2 coefficient (SGD, Adam: g += weight_decay·p); 0 for AdamW and for
+    /// the parameters that do not decay.
+    pub weight_decay: f32,
+    /// AdamW's decoupled decay: p ← p·shrink before the step, shrink = 1 − lr·schedule·wd
+    /// folded in f64; 1 for SGD, Adam and the parameters that do not decay.
+    pub shrink: f32,
+    /// Clipping by the global norm: every gradient value (after the division) is
+    /// multiplied by this, [`clip_factor`] of the step's [`GradNorm`] (1: no clipping).
+    /// The CPU update reads it here; a GPU computes the same factor on the device from
+    /// the same sum (kernels/optim.cu's clip_factor_f32) and reads it there.
+    pub clip: f32,
+}
+
+impl StepScalars {
+    /// These scalars for the parameters weight decay leaves alone (PyTorch's parameter
+    /// group of `weight_decay=0`).
+    pub fn without_decay(&self) -> StepScalars {
+        StepScalars { weight_decay: 0.0, shrink: 1.0, ..*self }
+    }
+
+    /// Whether weight decay changes anything at this step: without it the decayed and
+    /// the other parameters take the same update, and a piece need not be cut.
+    pub fn decays(&self) -> bool {
+        self.weight_decay != 0.0 || self.shrink != 1.0
+    }
+}
+
+/// Which parameters weight decay applies to (`--weight-decay-on`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum DecayOn {
+    /// Tensors of 2 or more dimensions (the weights of linear and convolution layers);
+    /// BatchNorm's scale and shift and every bias do not decay: the parameter groups
+    /// PyTorch users write for residual networks.
+    #[default]
+    Weights,
+    /// Every parameter (`torch.optim`'s default with a single parameter group).
+    All,
+}
+
+impl DecayOn {
+    /// Whether a tensor of `ndim` dimensions decays.
+    pub fn decays(self, ndim: usize) -> bool {
+        match self {
+            DecayOn::Weights => ndim >= 2,
+            DecayOn::All => true,
+        }
+    }
+
+    /// The name the command line and the checkpoints use.
+    pub fn name(self) -> &'static str {
+        match self {
+            DecayOn::Weights => "weights",
+            DecayOn::All => "all",
+        }
+    }
+}
+
+/// The flat parameters that weight decay applies to: sorted, disjoint, merged ranges
+/// (the alignment gaps between tensors, which hold zeros, belong to no range).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DecayMask {
+    /// None: every parameter decays.
+    decayed: Option<Vec<Range<usize>>>,
+}
+
+impl DecayMask {
+    /// Every parameter decays.
+    pub fn all() -> DecayMask {
+        DecayMask { decayed: None }
+    }
+
+    /// The mask of tensors at `ranges` of the flat buffer with `ndim` dimensions each, in
+    /// buffer order, under `on`.
+    pub fn of_tensors(tensors: impl IntoIterator<Item = (Range<usize>, usize)>, on: DecayOn) -> DecayMask {
+        if on == DecayOn::All {
+            return DecayMask::all();
+        }
+        let mut tensors: Vec<_> = tensors.into_iter().collect();
+        tensors.sort_by_key(|(r, _)| r.start);
+        let mut decayed: Vec<Range<usize>> = Vec::new();
+        for (r, ndim) in tensors {
+            if !on.decays(ndim) || r.is_empty() {
+                continue;
+            }
+            match decayed.last_mut() {
+                Some(last) if last.end == r.start => last.end = r.end,
+                _ => decayed.push(r),
+            }
+        }
+        DecayMask { decayed: Some(decayed) }
+    }
+
+    /// `range` cut into consecutive runs, each with the scalars its parameters take: `s`
+    /// where they decay, [`StepScalars::without_decay`] elsewhere. A step without weight
+    /// decay is one run.
+    pub fn split(&self, range: Range<usize>, s: &StepScalars) -> Vec<(Range<usize>, StepScalars)> {
+        if !s.decays() {
+            return if range.is_empty() { Vec::new() } else { vec![(range, *s)] };
+        }
+        let undecayed = s.without_decay();
+        self.runs(range).into_iter().map(|(r, decays)| (r, if decays { *s } else { undecayed })).collect()
+    }
+
+    /// `range` cut into consecutive runs, each with whether its parameters decay.
+    pub fn runs(&self, range: Range<usize>) -> Vec<(Range<usize>, bool)> {
+        let Some(decayed) = &self.decayed else {
+            return if range.is_empty() { Vec::new() } else { vec![(range, true)] };
+        };
+        let mut out = Vec::new();
+        let mut at = range.start;
+        for d in decayed {
+            let (lo, hi) = (d.start.max(at), d.end.min(range.end));
+            if lo >= hi {
+                continue;
+            }
+            if at < lo {
+                out.push((at..lo, false));
+            }
+            out.push((lo..hi, true));
+            at = hi;
+        }
+        if at < range.end {
+            out.push((at..range.end, false));
+        }
+        out
+    }
+}
+
+/// Threads per block of kernels/optim.cu's `grad_norm_f32`, and lanes of [`GradNorm`].
+pub const NORM_LANES: usize = 256;
+/// Values per partial sum of the gradient norm: one block of `grad_norm_f32`.
+pub const NORM_CHUNK: usize = 16 * NORM_LANES;
+
+/// The partial sums of the norm of a gradient of `n` values: one per chunk (what a GPU
+/// keeps for kernels/optim.cu's `grad_norm_f32`).
+pub fn norm_partials(n: usize) -> usize {
+    n.div_ceil(NORM_CHUNK)
+}
+
+/// The L2 norm of the step's gradient (the sum ÷ `grad_divisor`), read piece by piece in
+/// flat order, in ONE fixed association that depends on the flat index alone, never on
+/// where a piece starts: the buffer is cut into chunks of [`NORM_CHUNK`] values; within
+/// a chunk, lane t adds the squares of values t, t + 256, … in f64; the 256 lanes are
+/// added pairwise (lane t += lane t + s for s = 128, 64, …, 1); the chunks' sums are added
+/// in order. So the shared-memory exchange's pieces, whatever the device count, the MPI
+/// exchange's one piece and a GPU's kernel (kernels/optim.cu's `grad_norm_f32` and
+/// `clip_factor_f32`, which add in this very order, rounding each operation) give bitwise
+/// the same norm.
+#[derive(Clone, Debug)]
+pub struct GradNorm {
+    lanes: Box<[f64; NORM_LANES]>,
+    /// The flat index the next piece must start at.
+    next: usize,
+    total: f64,
+}
+
+impl Default for GradNorm {
+    fn default() -> Self {
+        GradNorm { lanes: Box::new([0.0; NORM_LANES]), next: 0, total: 0.0 }
+    }
+}
+
+impl GradNorm {
+    /// Adds the piece `offset..offset + grad_sum.len()` of the gradient sum; pieces come
+    /// in order from 0, each starting where the last ended.
+    pub fn add(&mut self, offset: usize, grad_sum: &[f32], grad_divisor: f32) {
+        assert_eq!(offset, self.next, "the gradient norm reads the sum in order");
+        let mut i = 0;
+        while i < grad_sum.len() {
+            let at = offset + i;
+            let chunk_end = (at / NORM_CHUNK + 1) * NORM_CHUNK;
+            let n = (chunk_end - at).min(grad_sum.len() - i);
+            for (j, &gs) in grad_sum[i..i + n].iter().enumerate() {
+                let g = (gs / grad_divisor) as f64;
+                self.lanes[(at + j) % NORM_LANES] += g * g;
+            }
+            i += n;
+            if at + n == chunk_end {
+                self.close_chunk();
+            }
+        }
+        self.next = offset + grad_sum.len();
+    }
+
+    /// The chunk's lanes added pairwise into the total.
+    fn close_chunk(&mut self) {
+        let mut stride = NORM_LANES / 2;
+        while stride > 0 {
+            for t in 0..stride {
+                self.lanes[t] += self.lanes[t + stride];
+            }
+            stride /= 2;
+        }
+        self.total += self.lanes[0];
+        self.lanes.fill(0.0);
+    }
+
+    /// The norm of every value added, rounded to f32.
+    pub fn norm(mut self) -> f32 {
+        if self.next % NORM_CHUNK != 0 {
+            self.close_chunk();
+        }
+        self.total.sqrt() as f32
+    }
+}
+
+/// `torch.nn.utils.clip_grad_norm_`'s factor: C / (norm + 1e-6) when that is below 1,
+/// else 1 (a NaN norm gives NaN, as PyTorch's clamp does).
+pub fn clip_factor(norm: f32, max_norm: f32) -> f32 {
+    let f = max_norm / (norm + 1e-6);
+    if f > 1.0 {
+        1.0
+    } else {
+        f
+    }
 }
 
 /// Where a run's optimiser state lives.
@@ -150,7 +424,7 @@ pub enum LrSchedule {
     /// The configured learning rate at every step.
     Constant,
     /// Cosine decay from the configured rate to `floor` times it over the run:
-    /// scale(t) = floor + (1 − floor)·(1 + cos(π·t/T))/2 for step t of T.
+    /// scale(t) = floor + (1 − floor)·(1 + cos(π·t/(T − 1)))/2 for step t of T.
     Cosine { floor: f32 },
 }
 
@@ -165,6 +439,18 @@ impl LrSchedule {
                 (floor as f64 + (1.0 - floor as f64) * c) as f32
             }
         }
+    }
+
+    /// The multiplier of step `step` of `total` after a linear warm-up of `warmup` steps:
+    /// (step + 1)/warmup for step < warmup (the last warm-up step reaches the full rate),
+    /// then this schedule over the remaining `total − warmup` steps, from its start.
+    /// PyTorch: `SequentialLR([LinearLR(start_factor=1/N, total_iters=N−1), schedule],
+    /// milestones=[N])`. A warm-up of 0 steps is none.
+    pub fn scale_after_warmup(&self, warmup: u64, step: u64, total: u64) -> f32 {
+        if step < warmup {
+            return ((step + 1) as f64 / warmup as f64) as f32;
+        }
+        self.scale(step - warmup, total.saturating_sub(warmup))
     }
 }
 
@@ -350,7 +636,10 @@ impl Optimizer {
     }
 
     /// Updates `params` (the values at `offset..offset + params.len()` of the flat
-    /// buffer) from `grad_sum`, the gradient summed over the global batch.
+    /// buffer) from `grad_sum`, the gradient summed over the global batch, with the
+    /// scalars `s`: those of [`Optimizer::begin_step`] where the parameters decay, their
+    /// [`StepScalars::without_decay`] where they do not ([`DecayMask::runs`] cuts a piece),
+    /// and `s.clip` set from the step's [`GradNorm`] when clipping.
     ///
     /// The values must lie in [`Optimizer::range`] (a sharded optimiser updates its part).
     pub fn update(&mut self, offset: usize, params: &mut [f32], grad_sum: &[f32], s: &StepScalars) {
@@ -363,30 +652,32 @@ impl Optimizer {
             self.range
         );
         let range = offset - self.range.start..offset - self.range.start + params.len();
-        let StepScalars { t, grad_divisor, step_size, bc2_sqrt } = *s;
+        let StepScalars { t, grad_divisor, step_size, bc2_sqrt, weight_decay, shrink, clip } = *s;
         match self.config {
-            OptimizerConfig::Sgd { momentum, weight_decay, .. } => {
+            OptimizerConfig::Sgd { momentum, momentum_kind, .. } => {
                 if momentum > 0.0 {
+                    let nesterov = momentum_kind == MomentumKind::Nesterov;
                     for ((p, &gs), buf) in params.iter_mut().zip(grad_sum).zip(&mut self.m[range]) {
-                        let g = gs / grad_divisor + weight_decay * *p;
+                        let g = gs / grad_divisor * clip + weight_decay * *p;
                         *buf = if t == 1 { g } else { momentum * *buf + g };
-                        *p -= step_size * *buf;
+                        let d = if nesterov { g + momentum * *buf } else { *buf };
+                        *p -= step_size * d;
                     }
                 } else {
                     for (p, &gs) in params.iter_mut().zip(grad_sum) {
-                        let g = gs / grad_divisor + weight_decay * *p;
+                        let g = gs / grad_divisor * clip + weight_decay * *p;
                         *p -= step_size * g;
                     }
                 }
             }
-            OptimizerConfig::Adam { beta1, beta2, eps, weight_decay, .. } => {
+            OptimizerConfig::Adam { beta1, beta2, eps, .. } | OptimizerConfig::AdamW { beta1, beta2, eps, .. } => {
                 let (m, v) = (&mut self.m[range.clone()], &mut self.v[range]);
                 for (((p, &gs), m), v) in params.iter_mut().zip(grad_sum).zip(m).zip(v) {
-                    let g = gs / grad_divisor + weight_decay * *p;
+                    let g = gs / grad_divisor * clip + weight_decay * *p;
                     *m += (1.0 - beta1) * (g - *m);
                     *v = beta2 * *v + (1.0 - beta2) * g * g;
                     let denom = v.sqrt() / bc2_sqrt + eps;
-                    *p -= step_size * (*m / denom);
+                    *p = *p * shrink - step_size * (*m / denom);
                 }
             }
         }
@@ -413,7 +704,7 @@ mod tests {
     fn sgd_momentum_follows_pytorch() {
         // PyTorch: buf₁ = g₁; buf₂ = μ·buf₁ + g₂; p -= lr·buf. With g = 1 both steps,
         // μ = 0.9, lr = 0.1: p = 0 − 0.1 − 0.19 = −0.29.
-        let cfg = OptimizerConfig::Sgd { lr: 0.1, momentum: 0.9, weight_decay: 0.0 };
+        let cfg = OptimizerConfig::sgd_momentum(0.1, 0.9, MomentumKind::Classic);
         let mut o = Optimizer::new(cfg, 1);
         let mut p = [0.0f32];
         for _ in 0..2 {
@@ -497,7 +788,133 @@ mod tests {
     fn bad_hyper_parameters_are_named() {
         let e = OptimizerConfig::sgd(0.0).validate().unwrap_err().to_string();
         assert!(e.contains("learning rate"), "{e}");
-        let e = OptimizerConfig::Sgd { lr: 0.1, momentum: 1.5, weight_decay: 0.0 }.validate().unwrap_err().to_string();
+        let e = OptimizerConfig::sgd_momentum(0.1, 1.5, MomentumKind::Classic).validate().unwrap_err().to_string();
         assert!(e.contains("momentum"), "{e}");
+        let e = OptimizerConfig::sgd_momentum(0.1, 0.0, MomentumKind::Nesterov).validate().unwrap_err().to_string();
+        assert!(e.contains("Nesterov momentum needs a momentum above 0"), "{e}");
+        let adamw = OptimizerConfig::AdamW { lr: 1e-3, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: -0.1 };
+        let e = adamw.validate().unwrap_err().to_string();
+        assert!(e.contains("weight decay"), "{e}");
+    }
+
+    #[test]
+    fn nesterov_follows_pytorch() {
+        // PyTorch, nesterov=True: buf₁ = g₁, d₁ = g₁ + μ·buf₁; buf₂ = μ·buf₁ + g₂,
+        // d₂ = g₂ + μ·buf₂; p -= lr·d. With g = 1, μ = 0.5, lr = 0.1 (exact in binary):
+        // d₁ = 1.5, buf₂ = 1.5, d₂ = 1.75, p = −0.15 − 0.175 = −0.325.
+        let mut o = Optimizer::new(OptimizerConfig::sgd_momentum(0.1, 0.5, MomentumKind::Nesterov), 1);
+        let mut p = [0.0f32];
+        for _ in 0..2 {
+            let s = o.begin_step(1.0, 1.0);
+            o.update(0, &mut p, &[1.0], &s);
+        }
+        assert!((p[0] + 0.325).abs() < 1e-7, "{}", p[0]);
+    }
+
+    #[test]
+    fn adamw_decays_before_the_step_and_adam_with_no_decay_is_adamw_with_none() {
+        // Step 1 from m = v = 0: the Adam update is lr·g/(|g| + eps) ≈ lr·sign(g), after
+        // p ← p·(1 − lr·wd): 2·(1 − 0.1·0.5) − 0.1 = 1.8.
+        let cfg = OptimizerConfig::AdamW { lr: 0.1, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.5 };
+        let mut o = Optimizer::new(cfg, 1);
+        let mut p = [2.0f32];
+        let s = o.begin_step(1.0, 1.0);
+        assert_eq!((s.weight_decay, s.shrink), (0.0, (1.0f64 - 0.1f32 as f64 * 0.5) as f32));
+        o.update(0, &mut p, &[3.0], &s);
+        assert!((p[0] - 1.8).abs() < 1e-6, "{}", p[0]);
+        // A parameter outside the decayed group takes Adam's step alone.
+        let mut q = [2.0f32];
+        let mut o = Optimizer::new(cfg, 1);
+        let s = o.begin_step(1.0, 1.0).without_decay();
+        o.update(0, &mut q, &[3.0], &s);
+        assert!((q[0] - 1.9).abs() < 1e-6, "{}", q[0]);
+        // AdamW without weight decay is Adam, bitwise.
+        let g: Vec<f32> = (0..6).map(|i| i as f32 * 0.3 - 0.7).collect();
+        let (mut a, mut w) = (vec![0.5f32; 6], vec![0.5f32; 6]);
+        let mut oa = Optimizer::new(OptimizerConfig::adam(1e-2), 6);
+        let adamw = OptimizerConfig::AdamW { lr: 1e-2, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 };
+        let mut ow = Optimizer::new(adamw, 6);
+        for _ in 0..3 {
+            let s = oa.begin_step(0.7, 2.0);
+            oa.update(0, &mut a, &g, &s);
+            let s = ow.begin_step(0.7, 2.0);
+            ow.update(0, &mut w, &g, &s);
+        }
+        assert_eq!(a, w);
+    }
+
+    #[test]
+    fn a_decay_mask_cuts_a_range_into_runs_of_the_weights_and_the_rest() {
+        // conv weight (4-D) at 0..8, its bias 8..10, a gap 10..16, a linear weight 16..22,
+        // its bias 22..24: weights decay, the biases and the gap do not.
+        let tensors = [(0..8, 4), (8..10, 1), (16..22, 2), (22..24, 1)];
+        let mask = DecayMask::of_tensors(tensors.clone(), DecayOn::Weights);
+        assert_eq!(mask.runs(0..24), vec![(0..8, true), (8..16, false), (16..22, true), (22..24, false)]);
+        assert_eq!(mask.runs(5..18), vec![(5..8, true), (8..16, false), (16..18, true)]);
+        assert_eq!(mask.runs(9..12), vec![(9..12, false)]);
+        assert_eq!(mask.runs(3..3), vec![]);
+        assert_eq!(DecayMask::of_tensors(tensors.clone(), DecayOn::All).runs(5..18), vec![(5..18, true)]);
+        // The runs' scalars: the step's where the weights are, none elsewhere; a step
+        // without weight decay is not cut.
+        let sgd =
+            OptimizerConfig::Sgd { lr: 0.5, momentum: 0.0, momentum_kind: MomentumKind::Classic, weight_decay: 0.1 };
+        let s = sgd.scalars(1, 1.0, 1.0);
+        let split = mask.split(5..18, &s);
+        let decays: Vec<f32> = split.iter().map(|(_, s)| s.weight_decay).collect();
+        assert_eq!(decays, vec![0.1, 0.0, 0.1]);
+        assert_eq!(split[1].0, 8..16);
+        let plain = OptimizerConfig::sgd(0.5).scalars(1, 1.0, 1.0);
+        assert_eq!(mask.split(5..18, &plain), vec![(5..18, plain)]);
+        // Adjacent weights merge into one run.
+        let merged = DecayMask::of_tensors([(0..4, 2), (4..8, 2)], DecayOn::Weights);
+        assert_eq!(merged.runs(0..8), vec![(0..8, true)]);
+    }
+
+    #[test]
+    fn the_gradient_norm_is_the_same_bits_however_the_sum_is_cut() {
+        // 3 chunks and a bit, read whole, in pieces that end anywhere (as a reduce-scatter
+        // among 1, 2 or 3 devices cuts them), and one value at a time.
+        let n = 3 * NORM_CHUNK + 123;
+        let mut rng = crate::rng::SplitMix64::new(5);
+        let g: Vec<f32> = (0..n).map(|_| rng.next_f32() * 6.0 - 3.0).collect();
+        let norm_of = |cuts: &[usize]| {
+            let mut acc = GradNorm::default();
+            let mut at = 0;
+            for &end in cuts.iter().chain(std::iter::once(&n)) {
+                acc.add(at, &g[at..end], 4.0);
+                at = end;
+            }
+            acc.norm()
+        };
+        let whole = norm_of(&[]);
+        for cuts in [vec![n / 2], vec![17, 4100, 9000], vec![NORM_CHUNK, 2 * NORM_CHUNK], vec![1, 2, 3, n - 1]] {
+            assert_eq!(norm_of(&cuts).to_bits(), whole.to_bits(), "{cuts:?}");
+        }
+        let exact = g.iter().map(|&x| (x as f64 / 4.0).powi(2)).sum::<f64>().sqrt();
+        assert!((whole as f64 - exact).abs() <= 1e-6 * exact, "{whole} against {exact}");
+    }
+
+    #[test]
+    fn the_clip_factor_is_pytorchs() {
+        // clip_grad_norm_(max_norm=1): norm 4 → 1/(4 + 1e-6); norm 0.5 → no clipping.
+        assert_eq!(clip_factor(4.0, 1.0), 1.0 / (4.0 + 1e-6));
+        assert_eq!(clip_factor(0.5, 1.0), 1.0);
+        assert_eq!(clip_factor(1.0, 1.0), 1.0 / (1.0 + 1e-6));
+        assert!(clip_factor(f32::NAN, 1.0).is_nan());
+    }
+
+    #[test]
+    fn warm_up_ramps_to_the_rate_then_the_schedule_starts() {
+        // 4 warm-up steps of 10: 0.25, 0.5, 0.75, 1; then the cosine over the 6 others.
+        let cos = LrSchedule::Cosine { floor: 0.1 };
+        let got: Vec<f32> = (0..10).map(|s| cos.scale_after_warmup(4, s, 10)).collect();
+        assert_eq!(&got[..4], &[0.25, 0.5, 0.75, 1.0]);
+        for s in 4..10 {
+            assert_eq!(got[s as usize], cos.scale(s - 4, 6));
+        }
+        assert!((got[9] - 0.1).abs() < 1e-6);
+        assert_eq!(LrSchedule::Constant.scale_after_warmup(2, 7, 10), 1.0);
+        assert_eq!(LrSchedule::Constant.scale_after_warmup(0, 0, 10), 1.0);
+        assert_eq!(cos.scale_after_warmup(0, 3, 10), cos.scale(3, 10));
     }
 }

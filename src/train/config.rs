@@ -11,7 +11,7 @@ use crate::checkpoint::{CheckpointPolicy, Resume};
 use crate::error::{Error, Result};
 use crate::exchange::codec::Compression;
 use crate::nn::ParamStore;
-use crate::optim::{LrSchedule, OptimizerConfig, Sharding};
+use crate::optim::{DecayOn, LrSchedule, OptimizerConfig, Sharding};
 
 /// What to do when the loss is NaN or infinite.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -49,8 +49,18 @@ pub struct TrainConfig {
     /// The GLOBAL batch size: samples per step whatever the number of devices.
     pub batch_size: usize,
     pub optimizer: OptimizerConfig,
-    /// How the learning rate changes over the run's steps.
+    /// How the learning rate changes over the run's steps, after the warm-up.
     pub schedule: LrSchedule,
+    /// Linear warm-up: step s < N runs at (s + 1)/N of the rate, then `schedule` runs over
+    /// the remaining steps (`LrSchedule::scale_after_warmup`). 0: none.
+    pub warmup_steps: u64,
+    /// Which parameters the optimiser's weight decay applies to (PyTorch's parameter
+    /// groups): by default the weights (tensors of 2 or more dimensions), not BatchNorm's
+    /// parameters nor the biases.
+    pub weight_decay_on: DecayOn,
+    /// Clip the gradient to this global L2 norm (`torch.nn.utils.clip_grad_norm_`), the
+    /// norm of the exchange's sum ÷ the batch (the mean's gradient), before the update.
+    pub clip_grad_norm: Option<f32>,
     pub seed: u64,
     pub shuffle: Shuffle,
     pub last_batch: LastBatch,
@@ -101,6 +111,9 @@ impl Default for TrainConfig {
             batch_size: 64,
             optimizer: OptimizerConfig::adam(1e-3),
             schedule: LrSchedule::Constant,
+            warmup_steps: 0,
+            weight_decay_on: DecayOn::Weights,
+            clip_grad_norm: None,
             seed: 0,
             shuffle: Shuffle::Seeded,
             last_batch: LastBatch::Keep,
@@ -149,6 +162,11 @@ impl TrainConfig {
         }
         if self.accumulate == 0 {
             return Err(Error::config("accumulate", "must be at least 1 (micro-batches per step)"));
+        }
+        if let Some(c) = self.clip_grad_norm {
+            if !(c > 0.0 && c.is_finite()) {
+                return Err(Error::config("clip-grad-norm", format!("must be a positive number, got {c}")));
+            }
         }
         if self.check_replicas_every == Some(0) {
             return Err(Error::config("check-replicas-every", "must be at least 1"));

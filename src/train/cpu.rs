@@ -16,7 +16,7 @@ use crate::exchange::Host;
 use crate::nn::loss::{score, softmax_cross_entropy, softmax_rows, Metrics};
 use crate::nn::stats::StatsExchange;
 use crate::nn::{Ctx, ParamStore, Sequential};
-use crate::optim::{Optimizer, StepScalars};
+use crate::optim::{clip_factor, DecayMask, GradNorm, Optimizer, StepScalars};
 use crate::tensor::{Device, Tensor};
 
 /// A device's replica on the CPU; `'s` is the run's statistics exchange, which a model
@@ -28,8 +28,11 @@ pub struct CpuReplica<'s> {
     optimizer: Optimizer,
     /// Base seed of the run (dropout streams derive from it).
     seed: u64,
-    /// The scalars of the update in progress.
+    /// The parameters weight decay applies to.
+    decay: DecayMask,
+    /// The scalars of the update in progress, and its gradient norm while it is read.
     scalars: Option<StepScalars>,
+    norm: Option<GradNorm>,
     /// Metrics of this step's shards, in shard order.
     shards: Vec<Metrics>,
     /// When each mark of this step was passed, from `origin`.
@@ -53,7 +56,9 @@ impl<'s> CpuReplica<'s> {
             store,
             optimizer,
             seed,
+            decay: DecayMask::all(),
             scalars: None,
+            norm: None,
             shards: Vec::new(),
             origin: Instant::now(),
             marks: [Duration::ZERO; 4],
@@ -65,6 +70,13 @@ impl<'s> CpuReplica<'s> {
     /// `stats`.
     pub fn with_stats(mut self, stats: &'s dyn StatsExchange) -> CpuReplica<'s> {
         self.stats = Some(stats);
+        self
+    }
+
+    /// The replica whose weight decay applies to the parameters of `decay` only (without
+    /// it, to all of them).
+    pub fn with_decay(mut self, decay: DecayMask) -> CpuReplica<'s> {
+        self.decay = decay;
         self
     }
 
@@ -143,13 +155,28 @@ impl Replica for CpuReplica<'_> {
     }
 
     fn begin_update(&mut self, lr_scale: f32, grad_divisor: f32) {
+        self.norm = None;
         self.scalars = Some(self.optimizer.begin_step(lr_scale, grad_divisor));
+    }
+
+    fn add_grad_norm(&mut self, offset: usize, grad_sum: &[f32]) -> Result<()> {
+        let divisor = self.scalars.expect("begin_update comes before add_grad_norm").grad_divisor;
+        self.norm.get_or_insert_with(GradNorm::default).add(offset, grad_sum, divisor);
+        Ok(())
+    }
+
+    fn clip_grad_norm(&mut self, max_norm: f32) -> Result<()> {
+        let norm = self.norm.take().unwrap_or_default().norm();
+        self.scalars.as_mut().expect("begin_update comes before clip_grad_norm").clip = clip_factor(norm, max_norm);
+        Ok(())
     }
 
     fn update_params(&mut self, offset: usize, grad_sum: &[f32]) -> Result<()> {
         let scalars = self.scalars.expect("begin_update comes before update_params");
-        let params = &mut self.store.params[offset..offset + grad_sum.len()];
-        self.optimizer.update(offset, params, grad_sum, &scalars);
+        for (run, s) in self.decay.split(offset..offset + grad_sum.len(), &scalars) {
+            let grad = &grad_sum[run.start - offset..run.end - offset];
+            self.optimizer.update(run.start, &mut self.store.params[run], grad, &s);
+        }
         Ok(())
     }
 
@@ -171,6 +198,7 @@ impl Replica for CpuReplica<'_> {
 
     fn finish_step(&mut self, _aborted: &dyn Fn() -> bool) -> Result<StepOutcome> {
         self.scalars = None;
+        self.norm = None;
         Ok(StepOutcome::from_marks(std::mem::take(&mut self.shards), self.marks))
     }
 

@@ -293,7 +293,8 @@ impl<'a, 'o> Fit<'a, 'o> {
         data_wait: Duration,
     ) -> Result<()> {
         let t_step = Instant::now();
-        let lr_scale = self.config.schedule.scale(trainer.steps(), self.span.total_steps);
+        let lr_scale =
+            self.config.schedule.scale_after_warmup(self.config.warmup_steps, trainer.steps(), self.span.total_steps);
         let report = trainer.step_held(batch, lr_scale)?;
         let dt = t_step.elapsed();
         self.train_time += dt;

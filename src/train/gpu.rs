@@ -20,11 +20,11 @@ use crate::exchange::gpu::DeviceMemory;
 use crate::exchange::Abort;
 use crate::nn::batchnorm::Synchronized;
 use crate::nn::gpu::Draw;
-use crate::nn::gpu_net::{GpuNet, OptimizerState, SlotUse};
+use crate::nn::gpu_net::{Clip, GpuNet, OptimizerState, SlotUse};
 use crate::nn::loss::{softmax_rows, Metrics};
 use crate::nn::stats::StatsExchange;
 use crate::nn::{ParamStore, Sequential};
-use crate::optim::{Optimizer, StepScalars};
+use crate::optim::{DecayMask, Optimizer, StepScalars};
 use crate::tensor::Device;
 
 /// A device's replica on a GPU; `'s` is the run's statistics exchange, which a model
@@ -34,7 +34,12 @@ pub struct GpuReplica<'s> {
     /// The optimiser's configuration and step count (its state is on the GPU, `net`'s).
     clock: Optimizer,
     seed: u64,
+    /// The parameters weight decay applies to.
+    decay: DecayMask,
+    /// The scalars of the update in progress, and whether it is clipped (the factor is
+    /// on the device).
     scalars: Option<StepScalars>,
+    clip: Clip,
     /// The staged rows of this step (the batch's rows `staged.start..staged.end`), and
     /// its shards' rows within them.
     staged: Range<usize>,
@@ -62,7 +67,24 @@ impl<'s> GpuReplica<'s> {
             clock = clock.part(0..0);
         }
         let net = GpuNet::new(ordinal, model, &store, state, Mark::ALL.len())?;
-        Ok(GpuReplica { net, clock, seed, scalars: None, staged: 0..0, shards: Vec::new(), stats: None })
+        Ok(GpuReplica {
+            net,
+            clock,
+            seed,
+            decay: DecayMask::all(),
+            scalars: None,
+            clip: Clip::None,
+            staged: 0..0,
+            shards: Vec::new(),
+            stats: None,
+        })
+    }
+
+    /// The replica whose weight decay applies to the parameters of `decay` only (without
+    /// it, to all of them).
+    pub fn with_decay(mut self, decay: DecayMask) -> GpuReplica<'s> {
+        self.decay = decay;
+        self
     }
 
     /// The replica whose synchronized BatchNorm layers meet the other replicas' through
@@ -143,12 +165,28 @@ impl Replica for GpuReplica<'_> {
     }
 
     fn begin_update(&mut self, lr_scale: f32, grad_divisor: f32) {
+        self.clip = Clip::None;
         self.scalars = Some(self.clock.begin_step(lr_scale, grad_divisor));
+    }
+
+    fn add_grad_norm(&mut self, offset: usize, grad_sum: CudaView<'_, f32>) -> Result<()> {
+        let divisor = self.scalars.expect("begin_update comes before add_grad_norm").grad_divisor;
+        self.net.add_grad_norm(offset, &grad_sum, divisor)
+    }
+
+    fn clip_grad_norm(&mut self, max_norm: f32) -> Result<()> {
+        self.net.clip_grad_norm(max_norm)?;
+        self.clip = Clip::Factor;
+        Ok(())
     }
 
     fn update_params(&mut self, offset: usize, grad_sum: CudaView<'_, f32>) -> Result<()> {
         let scalars = self.scalars.expect("begin_update comes before update_params");
-        self.net.update_params(&scalars, offset, &grad_sum)
+        for (run, s) in self.decay.split(offset..offset + grad_sum.len(), &scalars) {
+            let piece = grad_sum.slice(run.start - offset..run.end - offset);
+            self.net.update_params(&s, run.start, &piece, self.clip)?;
+        }
+        Ok(())
     }
 
     fn set_buffers(&mut self, offset: usize, sum: CudaView<'_, f32>, scale: f32) -> Result<()> {
@@ -168,6 +206,7 @@ impl Replica for GpuReplica<'_> {
     /// The step's one wait (released by an abort), then its losses.
     fn finish_step(&mut self, aborted: &dyn Fn() -> bool) -> Result<StepOutcome> {
         self.scalars = None;
+        self.clip = Clip::None;
         self.net.wait(aborted)?;
         let (loss, hits) = self.net.step_losses()?;
         let shards = self.shards.iter().map(|r| metrics(&loss[r.clone()], &hits[r.clone()])).collect();

@@ -92,6 +92,10 @@ fn gpu_replica(model: &Sequential, config: &TrainConfig, shard: usize, r: usize)
     );
     e.add("optimiser state", copies.saturating_mul(p).saturating_mul(F32), what);
     e.add("activations", shard_activations(model, shard, 1), format!("a shard of {shard} samples"));
+    if config.clip_grad_norm.is_some() {
+        let partials = crate::optim::norm_partials(model.params_len()).max(1) as u64;
+        e.add("gradient norm", partials.saturating_mul(8).saturating_add(F32), "clipping's partial sums and factor");
+    }
     if config.grad_compression != crate::exchange::codec::Compression::None {
         let wire = p.saturating_mul(2).saturating_add(b.saturating_mul(4));
         let decoded = p.saturating_add(b).saturating_mul(F32);

@@ -82,6 +82,14 @@ fn fnv(words: impl IntoIterator<Item = u64>) -> u64 {
     words.into_iter().fold(Fnv1a::new(), Fnv1a::u64_le).finish()
 }
 
+/// The optimiser and everything that shapes its steps (schedule, warm-up, weight decay's
+/// parameters, clipping), as words for the handshake's digest.
+fn optimizer_words(config: &TrainConfig) -> impl Iterator<Item = u64> {
+    let recipe =
+        (config.optimizer, config.schedule, config.warmup_steps, config.weight_decay_on, config.clip_grad_norm);
+    format!("{recipe:?}").into_bytes().into_iter().map(u64::from)
+}
+
 /// What every process of a run must agree on before the first step, by name.
 pub(super) struct Handshake {
     fields: Vec<(&'static str, u64)>,
@@ -105,7 +113,7 @@ impl Handshake {
             ("epochs", config.epochs as u64),
             ("step limit", config.max_steps.unwrap_or(u64::MAX)),
             ("resumed step", config.resume.as_ref().map_or(u64::MAX, |r| r.step)),
-            ("optimizer", fnv(format!("{:?} {:?}", config.optimizer, config.schedule).bytes().map(u64::from))),
+            ("optimizer", fnv(optimizer_words(config))),
             (
                 "sharded optimiser (0 no, 1 yes)",
                 u64::from(config.optimizer_sharding == crate::optim::Sharding::Sharded),

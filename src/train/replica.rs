@@ -19,7 +19,7 @@ use crate::exchange::Memory;
 use crate::nn::loss::Metrics;
 use crate::nn::stats::StatsExchange;
 use crate::nn::{ParamStore, Sequential};
-use crate::optim::Optimizer;
+use crate::optim::{DecayMask, DecayOn, Optimizer};
 
 /// How one pass over a shard's rows meets the shard's slot.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -140,7 +140,18 @@ pub trait Replica {
     /// summed over `grad_divisor` samples.
     fn begin_update(&mut self, lr_scale: f32, grad_divisor: f32);
 
-    /// Updates the parameters `offset..offset + len` from that piece of the gradient sum.
+    /// Adds the piece `offset..offset + len` of the gradient sum to this step's gradient
+    /// norm (after [`Replica::begin_update`]; the pieces come in order and cover every
+    /// parameter: `optim::GradNorm`'s association, on the GPU too).
+    fn add_grad_norm(&mut self, offset: usize, grad_sum: <Self::Mem as Memory>::View<'_>) -> Result<()>;
+
+    /// Clips this step's update by the global norm: every gradient value is scaled by
+    /// `clip_grad_norm_`'s factor for `max_norm` (`optim::clip_factor`) of the norm the
+    /// pieces [`Replica::add_grad_norm`] was given make.
+    fn clip_grad_norm(&mut self, max_norm: f32) -> Result<()>;
+
+    /// Updates the parameters `offset..offset + len` from that piece of the gradient sum
+    /// (weight decay on the parameters of the replica's `DecayMask` only).
     fn update_params(&mut self, offset: usize, grad_sum: <Self::Mem as Memory>::View<'_>) -> Result<()>;
 
     /// Sets the buffers `offset..offset + len` to `scale` times that piece of the sum of
@@ -170,6 +181,12 @@ pub trait Replica {
 
     /// Per-tensor fingerprints for the replica check ([`fingerprints`]).
     fn fingerprints(&mut self) -> Result<Vec<(String, u64)>>;
+}
+
+/// The parameters of `model` that weight decay applies to under `on`, by their tensors'
+/// dimensions (`optim::DecayOn::decays`).
+pub fn decay_mask(model: &Sequential, on: DecayOn) -> DecayMask {
+    DecayMask::of_tensors(model.param_infos().iter().map(|t| (t.range.clone(), t.shape.dims().len())), on)
 }
 
 /// Per-tensor fingerprints of a replica's parameters, buffers and optimiser state (FNV-1a

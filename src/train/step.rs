@@ -13,7 +13,8 @@
 //!                               BatchNorm's statistics exchange, with nothing)
 //!                             (slot = [gradient of s | BatchNorm buffers updated by s])
 //! exchange: every shard's slot summed, each element once, in the transport's fixed order
-//! update:   parameters from (gradient sum ÷ the global batch's real size) — all of them,
+//! update:   parameters from (gradient sum ÷ the global batch's real size), clipped by the
+//!           norm of the whole of it when asked — all of them,
 //!           or, with a sharded optimiser, the exchange's owned part, then all-gathered
 //!           buffers = (buffer sum ÷ the shards that saw data): the running statistics'
 //!           mean over the logical replicas
@@ -75,6 +76,8 @@ pub struct StepWork {
     pub accumulate: usize,
     /// Whether each device updates every parameter or its owned part.
     pub sharding: Sharding,
+    /// Clip the gradient to this global norm (`TrainConfig::clip_grad_norm`).
+    pub clip_grad_norm: Option<f32>,
 }
 
 /// Trains one step on the logical replicas `mine` of `work`, with this device's
@@ -127,6 +130,13 @@ where
         Sharding::Sharded => clip(exchange.owned(), params),
     };
     replica.begin_update(work.lr_scale, grad_divisor);
+    if let Some(max_norm) = work.clip_grad_norm {
+        // The whole gradient's norm, a sharded optimiser's too: every device reads every
+        // piece of the same sum in the same association (`optim::GradNorm`), so every
+        // replica scales by the same factor on any device count.
+        exchange.for_each_sum_in(0..params, |offset, piece| replica.add_grad_norm(offset, piece))?;
+        replica.clip_grad_norm(max_norm)?;
+    }
     exchange.for_each_sum_in(updated, |offset, piece| replica.update_params(offset, piece))?;
     exchange.for_each_sum_in(params..exchange.width(), |offset, piece| {
         replica.set_buffers(offset - params, piece, buffer_scale)

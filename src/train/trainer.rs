@@ -29,7 +29,7 @@ use crossbeam_channel::{bounded, Receiver, Sender};
 use super::cpu::CpuReplica;
 use super::gpu::GpuReplica;
 use super::processes::{self, Handshake, RowPlan};
-use super::replica::{check_replicas, Replica};
+use super::replica::{check_replicas, decay_mask, Replica};
 use super::scatter;
 use super::step::StepWork;
 use super::worker::{self, recv_waiting, Command, Reply, Seat, SetupGate};
@@ -63,9 +63,10 @@ pub struct Trainer<'s> {
     wait: Wait,
     /// Samples per forward pass of [`Trainer::predict`].
     eval_batch: usize,
-    /// Gradient accumulation and optimiser sharding of every step (`TrainConfig`).
+    /// Gradient accumulation, optimiser sharding and clipping of every step (`TrainConfig`).
     accumulate: usize,
     sharding: Sharding,
+    clip_grad_norm: Option<f32>,
     /// The processes of the run: a world of one without MPI.
     world: &'static World,
     /// This process's logical replicas, and the rows of a batch they hold.
@@ -272,6 +273,7 @@ impl Trainer<'_> {
             lr_scale,
             accumulate: self.accumulate,
             sharding: self.sharding,
+            clip_grad_norm: self.clip_grad_norm,
         });
         let replies = self.ask(|_| Command::Step(Arc::clone(&work)))?;
         let k = self.rows.count / self.devices.len();
@@ -490,6 +492,7 @@ pub fn with_trainer<T>(
         messages: Wait::for_threads(n + 1),
     };
     let seed = config.seed;
+    let decay = &decay_mask(model, config.weight_decay_on);
     let out = match transport {
         #[cfg(feature = "mpi")]
         RunTransport::Mpi => {
@@ -500,7 +503,7 @@ pub fn with_trainer<T>(
             setup.run(
                 &group,
                 f,
-                |d, device, start| Ok(cpu_replica(device, start, seed, stats(d))),
+                |d, device, start| Ok(cpu_replica(device, start, seed, stats(d)).with_decay(decay.clone())),
                 |d, _| Ok(group.member(d)),
             )
         }
@@ -516,7 +519,7 @@ pub fn with_trainer<T>(
             setup.run(
                 &shm,
                 f,
-                |d, device, start| Ok(cpu_replica(device, start, seed, stats(d))),
+                |d, device, start| Ok(cpu_replica(device, start, seed, stats(d)).with_decay(decay.clone())),
                 |d, _| Ok(shm.member(d)),
             )
         }
@@ -545,7 +548,9 @@ pub fn with_trainer<T>(
                 setup.run(
                     &abort,
                     f,
-                    |d, device, start| gpu_replica(device, start, seed, stats.get(d), &abort),
+                    |d, device, start| {
+                        Ok(gpu_replica(device, start, seed, stats.get(d), &abort)?.with_decay(decay.clone()))
+                    },
                     |d, replica| GpuExchange::new(group.join(d, replica.stream())?, width, k)?.with_codec(codec),
                 )
             })
@@ -712,6 +717,7 @@ impl WorkerSetup<'_> {
                 eval_batch: self.config.eval_batch,
                 accumulate: self.config.accumulate,
                 sharding: self.config.optimizer_sharding,
+                clip_grad_norm: self.config.clip_grad_norm,
                 world: self.world,
                 rows: self.rows,
                 stop: self.config.stop.clone(),
