@@ -489,7 +489,7 @@ pub fn with_trainer<T>(
         collective: Wait::for_threads(n),
         messages: Wait::for_threads(n + 1),
     };
-    let seed = config.seed;
+    let (seed, loss) = (config.seed, config.loss());
     let out = match transport {
         #[cfg(feature = "mpi")]
         RunTransport::Mpi => {
@@ -500,7 +500,7 @@ pub fn with_trainer<T>(
             plan.run(
                 &group,
                 f,
-                |rank, device, start| Ok(cpu_replica(device, start, seed, stats(rank))),
+                |rank, device, start| Ok(cpu_replica(device, start, seed, stats(rank)).with_loss(loss)),
                 |rank, _| Ok(group.member(rank)),
             )
         }
@@ -516,7 +516,7 @@ pub fn with_trainer<T>(
             plan.run(
                 &shm,
                 f,
-                |rank, device, start| Ok(cpu_replica(device, start, seed, stats(rank))),
+                |rank, device, start| Ok(cpu_replica(device, start, seed, stats(rank)).with_loss(loss)),
                 |rank, _| Ok(shm.member(rank)),
             )
         }
@@ -545,7 +545,9 @@ pub fn with_trainer<T>(
                 plan.run(
                     &abort,
                     f,
-                    |rank, device, start| gpu_replica(device, start, seed, stats.get(rank), &abort),
+                    |rank, device, start| {
+                        gpu_replica(device, start, seed, stats.get(rank), &abort).map(|r| r.with_loss(loss))
+                    },
                     |rank, replica| GpuExchange::new(group.join(rank, replica.stream())?, width, k)?.with_codec(codec),
                 )
             })
