@@ -24,6 +24,7 @@ use lockstep::train::{EarlyStopping, EvaluationReport, HeldOut, Observer, Stoppe
 use signal_hook::consts::SIGINT;
 
 use crate::cmd::features::FeatureArgs;
+use crate::cmd::regularize::{self, RegularizeArgs};
 use crate::cmd::signals::{Launched, StopSignals};
 use crate::*;
 
@@ -112,6 +113,8 @@ pub(crate) struct TrainArgs {
     replicas: Option<usize>,
     #[command(flatten)]
     features: FeatureArgs,
+    #[command(flatten)]
+    regularize: RegularizeArgs,
     /// Check that every replica is bitwise identical every K steps and at the end [default: 100].
     #[arg(long, value_name = "K")]
     check_replicas_every: Option<u64>,
@@ -239,6 +242,7 @@ fn flag_values(a: &TrainArgs) -> BTreeMap<&'static str, String> {
         ("shard_optimizer", a.features.shard_optimizer.then(|| "true".to_string())),
     ];
     m.extend(optional.into_iter().filter_map(|(k, v)| v.map(|v| (k, v))));
+    m.extend(a.regularize.stored());
     m
 }
 
@@ -367,7 +371,7 @@ fn here_known(id: &str) -> bool {
         "sync_batchnorm",
         "shard_optimizer",
     ];
-    STORED.contains(&id)
+    STORED.contains(&id) || regularize::STORED.contains(&id)
 }
 
 /// `--resume DIR` names a directory, not a checkpoint file or nothing.
@@ -496,6 +500,7 @@ fn settings(a: &mut TrainArgs, toy: bool) -> CliResult<Settings> {
         }
     }
     check_classes(a.classes)?;
+    a.regularize.check()?;
     if a.features.accumulate == 0 {
         return Err(Failure::usage(anyhow!("--accumulate must be at least 1 (micro-batches per step)")));
     }
@@ -592,6 +597,7 @@ pub(crate) fn cmd_train(a: TrainArgs, given: &BTreeSet<String>) -> CliResult {
     for d in std::iter::once(&splits.train).chain(&splits.test).chain(&final_test) {
         lockstep::train::check_data(&model, d).map_err(Failure::usage)?;
     }
+    a.regularize.check_data(&splits.train)?;
     let last_batch = if a.drop_last { LastBatch::Drop } else { LastBatch::Keep };
     let steps_per_epoch = lockstep::train::scatter::steps_per_epoch(splits.train.len(), s.batch_size, last_batch);
     if steps_per_epoch == 0 {
@@ -624,7 +630,7 @@ pub(crate) fn cmd_train(a: TrainArgs, given: &BTreeSet<String>) -> CliResult {
         save_best: a.save_best.clone(),
         ..TrainConfig::default()
     };
-    config = a.features.config(config);
+    config = a.regularize.config(a.features.config(config));
     config.validate().map_err(Failure::usage)?;
     // Memory before the weights, the checkpoint or any replica is allocated.
     let largest_held_out = splits.test.iter().chain(&final_test).map(Dataset::len).max().unwrap_or(0);
@@ -908,9 +914,11 @@ fn finished_already(a: &TrainArgs, model: &Sequential, dir: &Path, r: &checkpoin
     Ok(())
 }
 
-/// The features of issue 12 a run uses, in one line, or None for none of them.
+/// The features of issue 12 and the data and loss settings of issue 18 a run uses, in one
+/// line, or None for none of them.
 fn features_text(a: &TrainArgs) -> Option<String> {
-    let parts = a.features.described();
+    let mut parts = a.features.described();
+    parts.extend(a.regularize.described());
     (!parts.is_empty()).then(|| parts.join(" | "))
 }
 
@@ -954,6 +962,7 @@ fn run_fingerprint(
     let mut out: BTreeMap<String, String> = entries.into_iter().map(|(k, v)| (k.to_string(), v)).collect();
     out.insert("accumulate".into(), c.accumulate.to_string());
     out.insert("grad_compression".into(), c.grad_compression.name().into());
+    out.extend(a.regularize.fingerprint());
     out
 }
 
@@ -1037,6 +1046,8 @@ mod tests {
                 "--grad-compression=bf16",
                 "--sync-batchnorm",
                 "--shard-optimizer",
+                "--augment=crop=4,flip",
+                "--label-smoothing=0.1",
             ]),
             parsed(&["--val-data=v", "--early-stopping=2", "--save-best=b"]),
             parsed(&["--validation-split=0.2"]),
