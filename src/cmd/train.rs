@@ -765,7 +765,7 @@ pub(crate) fn cmd_train(a: TrainArgs, given: &BTreeSet<String>) -> CliResult {
         train_data_parallel_with(&model, &splits.train, splits.test.as_ref(), &s.devices, &config, &mut observers);
     let tested = match (&trained, &final_test) {
         (Ok(r), Some(t)) if !matches!(r.stopped, Stopped::Interrupted { .. }) => {
-            let m = evaluate(&model, &r.weights, t, &s.devices).map_err(Failure::runtime)?;
+            let m = evaluate(&model, &r.weights, t, &s.devices, config.label_smoothing).map_err(Failure::runtime)?;
             observers.on_evaluation(&EvaluationReport { set: HeldOut::Test, step: r.steps, metrics: m });
             Some(m)
         }
@@ -855,11 +855,23 @@ fn dataset_bytes(d: &Dataset, evaluated: Evaluated) -> u64 {
     }
 }
 
-/// Loss and accuracy of `weights` on `data`: the test split of a run that chose its
-/// epochs on a validation split, evaluated once at the end.
-fn evaluate(model: &Sequential, weights: &ParamStore, data: &Dataset, devices: &Devices) -> lockstep::Result<Metrics> {
+/// Loss (the run's, label smoothing included) and accuracy of `weights` on `data`: the
+/// test split of a run that chose its epochs on a validation split, evaluated once at the
+/// end.
+fn evaluate(
+    model: &Sequential,
+    weights: &ParamStore,
+    data: &Dataset,
+    devices: &Devices,
+    label_smoothing: f32,
+) -> lockstep::Result<Metrics> {
     let devices = devices.first(data.len());
-    let config = TrainConfig { initial: Some(weights.clone()), check_replicas_every: None, ..TrainConfig::default() };
+    let config = TrainConfig {
+        initial: Some(weights.clone()),
+        check_replicas_every: None,
+        label_smoothing,
+        ..TrainConfig::default()
+    };
     with_trainer(model, &devices, &config, |t| t.evaluate(data, config.eval_batch))
 }
 
