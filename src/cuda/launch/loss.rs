@@ -15,6 +15,8 @@ impl Gpu {
     /// logits: (N, K), labels: (N) -> loss: (N), dlogits: (N, K) = softmax - target
     /// (gradient of the summed loss; the target is (1 - eps)·onehot + eps/K with label
     /// smoothing eps, `nn::loss::CrossEntropy`), correct: (N) in {0, 1}.
+    // The kernel's own argument list, buffer by buffer, as every checked launch takes it.
+    #[allow(clippy::too_many_arguments)]
     pub fn softmax_xent_fwd(
         &self,
         logits: &impl DevIn,
