@@ -1,7 +1,8 @@
 //! The CPU all-reduce (the trainer's reduce-scatter, and the classic in-place all-reduce
-//! over any host exchange, `exchange::all_reduce_in_place`) over 2, 3 and 4 ranks and 4 KiB .. 64 MiB of f32.
-//! Criterion reports bytes/s of one rank's buffer: that is algbw; busbw, as nccl-tests
-//! defines it, is algbw·2(n−1)/n (`lockstep bench allreduce` prints both).
+//! over any host exchange, `exchange::all_reduce_in_place`) over 2, 3 and 4 members and
+//! 4 KiB .. 64 MiB of f32. Criterion reports bytes/s of one member's buffer: that is
+//! algbw; busbw, as nccl-tests defines it, is algbw·2(n−1)/n (`lockstep bench allreduce`
+//! prints both).
 
 use std::time::{Duration, Instant};
 
@@ -15,12 +16,12 @@ enum Path {
     Classic,
 }
 
-/// Runs `iters` collectives on `ranks` threads; returns rank 0's time between the first
+/// Runs `iters` collectives on `members` threads; returns member 0's time between the first
 /// and the last barrier.
-fn run(ranks: usize, count: usize, iters: u64, path: Path) -> Duration {
-    let ex = ShmGroup::new(ranks, ranks, count, lockstep::exchange::Wait::for_threads(ranks)).unwrap();
+fn run(members: usize, count: usize, iters: u64, path: Path) -> Duration {
+    let ex = ShmGroup::new(members, members, count, lockstep::exchange::Wait::for_threads(members)).unwrap();
     std::thread::scope(|s| {
-        let hs: Vec<_> = (0..ranks)
+        let hs: Vec<_> = (0..members)
             .map(|r| {
                 let ex = &ex;
                 s.spawn(move || {
@@ -51,11 +52,11 @@ fn bench(c: &mut Criterion) {
     let cores = lockstep::devices::available_cores();
     for (path, name) in [(Path::Trainer, "reduce-scatter"), (Path::Classic, "classic")] {
         let mut group = c.benchmark_group(format!("allreduce/{name}"));
-        for ranks in [2, 3, 4].into_iter().filter(|&r| r <= cores.max(2)) {
+        for members in [2, 3, 4].into_iter().filter(|&r| r <= cores.max(2)) {
             for bytes in [4usize << 10, 256 << 10, 4 << 20, 64 << 20] {
                 group.throughput(Throughput::Bytes(bytes as u64));
-                group.bench_with_input(BenchmarkId::new(format!("{ranks}-ranks"), bytes), &bytes, |b, &bytes| {
-                    b.iter_custom(|iters| run(ranks, bytes / 4, iters, path))
+                group.bench_with_input(BenchmarkId::new(format!("{members}-members"), bytes), &bytes, |b, &bytes| {
+                    b.iter_custom(|iters| run(members, bytes / 4, iters, path))
                 });
             }
         }

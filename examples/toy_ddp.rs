@@ -17,7 +17,7 @@ struct LessonLines;
 impl Observer for LessonLines {
     fn on_step(&mut self, e: &StepEvent<'_>) {
         for s in &e.report.shards {
-            // No padding: a replica may get no sample of a short last batch (loss '-').
+            // No padding: a shard may get no sample of a short last batch (loss '-').
             let loss = if s.metrics.count == 0 { "-".to_string() } else { format!("{:.2}", s.metrics.mean_loss()) };
             println!(
                 "[{}] Epoch: {:03}/{:03} | Batchsize {:03} | Train/Val Loss: {loss}",

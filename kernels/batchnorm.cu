@@ -353,3 +353,12 @@ extern "C" __global__ void batchnorm_sync_bwd_f32(const float* x, const float* d
         dx[i] = __fmul_rn(k, __fsub_rn(__fsub_rn(dy[i], md), __fmul_rn(xhat, mdx)));
     }
 }
+
+// num_batches_tracked of a training forward: rounded back to its integer (the average
+// over logical replicas multiplies by 1/R, off by an ulp for some R), plus one, as
+// src/nn/batchnorm.rs's count_up. count: (n), n = 1
+extern "C" __global__ void batchnorm_count_fwd_f32(float* count, size_t n) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        count[i] = __fadd_rn(rintf(count[i]), 1.0f);
+    }
+}

@@ -1,7 +1,7 @@
 // dropout.cu — inverted dropout whose mask is a pure function of position, never stored.
 //
 // Owns: dropout forward and backward. The keep/drop decision for element `idx` of layer
-// `layer` at `step` in logical replica `replica` is a counter-based hash, so
+// `layer` at `step` in logical replica `shard` is a counter-based hash, so
 //   * the backward recomputes the mask instead of keeping it in memory;
 //   * a micro-batch of an accumulated step draws the whole shard's masks: element i of
 //     its buffer is element idx = first + i of the logical replica's shard;
@@ -14,7 +14,7 @@
 //   mix64(z): z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9;
 //             z = (z ^ (z >> 27)) * 0x94D049BB133111EB;
 //             z ^= z >> 31
-//   key  = mix64(mix64(mix64(seed + step * G) + replica * G) + layer * G), G = 0x9E3779B97F4A7C15
+//   key  = mix64(mix64(mix64(seed + step * G) + shard * G) + layer * G), G = 0x9E3779B97F4A7C15
 //   z    = mix64(key + idx * G), idx = first + i
 //   keep = (z >> 40) / 2^24 >= rate      (24 uniform bits; exact in float32)
 // Each element is multiplied by its factor: 1 / (1 - rate) (computed in float32) where
@@ -36,8 +36,8 @@ __device__ unsigned long long mix64(unsigned long long z) {
 }
 
 __device__ unsigned long long dropout_key(unsigned long long seed, unsigned long long step,
-                                          unsigned long long replica, unsigned long long layer) {
-    return mix64(mix64(mix64(seed + step * GOLDEN) + replica * GOLDEN) + layer * GOLDEN);
+                                          unsigned long long shard, unsigned long long layer) {
+    return mix64(mix64(mix64(seed + step * GOLDEN) + shard * GOLDEN) + layer * GOLDEN);
 }
 
 __device__ bool dropout_keep(unsigned long long key, unsigned long long idx, float rate) {
@@ -49,9 +49,9 @@ __device__ bool dropout_keep(unsigned long long key, unsigned long long idx, flo
 // x, y: (n)
 extern "C" __global__ void dropout_fwd_f32(const float* x, float* y, float rate,
                                            unsigned long long seed, unsigned long long step,
-                                           unsigned long long replica, unsigned long long layer,
+                                           unsigned long long shard, unsigned long long layer,
                                            unsigned long long first, size_t n) {
-    const unsigned long long key = dropout_key(seed, step, replica, layer);
+    const unsigned long long key = dropout_key(seed, step, shard, layer);
     const float scale = 1.0f / (1.0f - rate);
     GRID_STRIDE(i, n) { y[i] = x[i] * (dropout_keep(key, first + i, rate) ? scale : 0.0f); }
 }
@@ -60,9 +60,9 @@ extern "C" __global__ void dropout_fwd_f32(const float* x, float* y, float rate,
 // dy, dx: (n)
 extern "C" __global__ void dropout_bwd_f32(const float* dy, float* dx, float rate,
                                            unsigned long long seed, unsigned long long step,
-                                           unsigned long long replica, unsigned long long layer,
+                                           unsigned long long shard, unsigned long long layer,
                                            unsigned long long first, size_t n) {
-    const unsigned long long key = dropout_key(seed, step, replica, layer);
+    const unsigned long long key = dropout_key(seed, step, shard, layer);
     const float scale = 1.0f / (1.0f - rate);
     GRID_STRIDE(i, n) { dx[i] = dy[i] * (dropout_keep(key, first + i, rate) ? scale : 0.0f); }
 }

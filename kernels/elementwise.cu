@@ -1,7 +1,7 @@
 // elementwise.cu — float32 kernels that touch each element independently, plus the
 // two per-channel bias reductions that pair with them.
 //
-// Owns: relu, gelu (exact, erf-based), rescale (y = x*scale + offset), bias add for NCHW and (N, O) tensors with
+// Owns: the residual add, relu, gelu (exact, erf-based), rescale (y = x*scale + offset), bias add for NCHW and (N, O) tensors with
 // their reductions, scale-in-place, fill. Leaves matrix products to cuBLAS and anything
 // that needs a cross-element reduction beyond a bias sum to its own file.
 //
@@ -24,6 +24,13 @@
 
 // y = max(x, 0)
 // x, y: (n)
+// y = a + b: a residual block's add (body + shortcut), and its backward's fan-in
+// (dx = dbody + dshortcut), as src/nn/residual.rs adds on the CPU.
+// a, b, y: (n)
+extern "C" __global__ void residual_add_fwd_f32(const float* a, const float* b, float* y, size_t n) {
+    GRID_STRIDE(i, n) { y[i] = a[i] + b[i]; }
+}
+
 extern "C" __global__ void relu_fwd_f32(const float* x, float* y, size_t n) {
     GRID_STRIDE(i, n) { y[i] = x[i] > 0.0f ? x[i] : 0.0f; }
 }

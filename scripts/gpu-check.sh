@@ -22,7 +22,7 @@
 #      and dropout streams, so the same losses; the run also checks that both replicas are
 #      bitwise identical every 100 steps and at the end);
 #   5. `lockstep bench allreduce --devices cuda:0,0` beside the device-to-device copy
-#      bandwidth PyTorch measures on the same GPU (a 1-rank cuda:0 all-reduce moves
+#      bandwidth PyTorch measures on the same GPU (a 1-member cuda:0 all-reduce moves
 #      nothing, busbw = algbw · 2(n−1)/n = 0, so it is not run);
 #   6. `lockstep bench step --model convnet --batch-size 256 --devices cuda:0` against
 #      scripts/torch_convnet.py (PyTorch eager, same network and batch; also its

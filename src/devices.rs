@@ -130,7 +130,7 @@ impl Devices {
         Devices { devices: self.devices[..n].to_vec(), threads_per_device: self.threads_per_device }
     }
 
-    /// The CUDA ordinals of the devices, in rank order (empty for CPU devices: a list
+    /// The CUDA ordinals of the devices, in device order (empty for CPU devices: a list
     /// holds one kind of device, as its constructors make it).
     pub fn cuda_ordinals(&self) -> Vec<usize> {
         self.devices.iter().filter_map(|d| if let Device::Cuda(o) = d { Some(*o) } else { None }).collect()
@@ -151,7 +151,7 @@ impl Devices {
         })
     }
 
-    /// The devices, in rank order.
+    /// The devices, device d at `[d]`.
     pub fn list(&self) -> &[Device] {
         &self.devices
     }

@@ -65,19 +65,19 @@ pub enum Error {
     /// Replicas in different processes differ: the first (process, device) whose tensor
     /// differs from process 0's first device, and the tensor.
     #[error(
-        "replica check failed at step {step}: rank {rank}, {device} differs from rank 0, {first} in tensor '{tensor}'"
+        "replica check failed at step {step}: process {process}, {device} differs from process 0, {first} in tensor '{tensor}'"
     )]
-    ReplicaMismatchAcross { step: u64, rank: usize, device: String, first: String, tensor: String },
+    ReplicaMismatchAcross { step: u64, process: usize, device: String, first: String, tensor: String },
 
     /// MPI cannot serve the run: a process launched by an MPI launcher in a binary built
     /// without MPI, or the MPI library's own refusal.
     #[error("MPI: {0}")]
     Mpi(String),
 
-    /// Another process of the run failed; `cause` is its own error, naming its rank (and
+    /// Another process of the run failed; `cause` is its own error, naming its process (and
     /// its device and step when a worker failed).
     #[error("{cause}")]
-    Peer { rank: usize, cause: String },
+    Peer { process: usize, cause: String },
 
     /// A process of the run is gone without a word (killed), or the launcher is, or none
     /// answered within the timeout.

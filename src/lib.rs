@@ -47,7 +47,7 @@
 //! | [`weights`] | safetensors weights in PyTorch's names and layouts |
 //! | [`safetensors_io`] | the container: headers checked before mapping, reproducible bytes |
 //! | [`devices`] | `--devices` specifications |
-//! | [`world`] | the processes of a run under an MPI launcher: rank, size, their collectives, failure notices |
+//! | [`world`] | the processes of a run under an MPI launcher: this one's index, their number, their collectives, failure notices |
 //! | [`cuda`] | run-time probing of the CUDA driver, NVRTC and NCCL; the CUDA kernels; the GPU replica |
 #![forbid(unsafe_op_in_unsafe_fn)]
 

@@ -38,7 +38,7 @@ use lockstep::data::{toy, Dataset, Features, Splits};
 use lockstep::devices::{available_cores, DeviceSpec, Devices};
 use lockstep::exchange::shm::ShmGroup;
 use lockstep::exchange::{Abort, Exchange};
-use lockstep::models::{self, ConvnetOptions, Norm};
+use lockstep::models::{self, ConvnetOptions, Norm, ResnetDepth};
 use lockstep::nn::{ParamStore, Sequential};
 use lockstep::observe::{CsvMetrics, Drawing, Fanout, JsonLines, Progress, StepLines, Stream};
 use lockstep::optim::{LrSchedule, Optimizer, OptimizerConfig, Sharding};
@@ -128,6 +128,10 @@ enum ModelName {
     Convnet,
     /// The convnet without BatchNorm.
     ConvnetNobn,
+    /// He et al.'s CIFAR ResNet-8 for 1×28×28 images (PyTorch's tensor names).
+    Resnet8,
+    /// He et al.'s CIFAR ResNet-20 for 1×28×28 images (PyTorch's tensor names).
+    Resnet20,
 }
 
 impl ModelName {
@@ -136,6 +140,8 @@ impl ModelName {
             ModelName::Toy => "toy",
             ModelName::Convnet => "convnet",
             ModelName::ConvnetNobn => "convnet-nobn",
+            ModelName::Resnet8 => "resnet8",
+            ModelName::Resnet20 => "resnet20",
         }
     }
 }
@@ -156,7 +162,7 @@ fn parse_model_choice(text: &str) -> Result<ModelChoice, String> {
     if text.ends_with(".json") || path.is_file() {
         return Ok(ModelChoice::Spec(path.to_path_buf()));
     }
-    Err("expected toy, convnet, convnet-nobn or a model spec FILE.json".into())
+    Err("expected toy, convnet, convnet-nobn, resnet8, resnet20 or a model spec FILE.json".into())
 }
 
 /// `--model` once its spec file, if any, has been read and checked.
@@ -454,6 +460,16 @@ fn build_model(
             })?),
             _ => Err(Failure::usage(anyhow!(
                 "the {} model takes images (C, H, W), the data has samples of shape {sample:?}",
+                name.as_str()
+            ))),
+        },
+        ModelName::Resnet8 | ModelName::Resnet20 => match sample {
+            [1, 28, 28] => {
+                let depth = if name == ModelName::Resnet8 { ResnetDepth::Resnet8 } else { ResnetDepth::Resnet20 };
+                Ok(models::resnet(depth, classes)?)
+            }
+            _ => Err(Failure::usage(anyhow!(
+                "the {} model takes 1x28x28 images (as Fashion-MNIST's), the data has samples of shape {sample:?}",
                 name.as_str()
             ))),
         },

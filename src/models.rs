@@ -5,6 +5,11 @@
 //!   same, no bias) → BN → ReLU → Conv2d(24, 6×6, stride 2, valid, no bias) → BN → ReLU →
 //!   Conv2d(32, 6×6, stride 2, same, bias) → BN → ReLU → GlobalAvgPool → Dense(256) →
 //!   ReLU → Dropout → Dense(10).
+//! * [`resnet`]: the CIFAR ResNet of He et al. (2016, section 4.2) for 1×28×28 inputs,
+//!   `resnet8` (n = 1) and `resnet20` (n = 3): input normalisation → stem (3×3 conv 16,
+//!   BN, ReLU) → three stages of n basic blocks (16, 32, 64 channels; the first block of
+//!   the second and third stage strides 2, with a 1×1 conv + BN shortcut) → global mean →
+//!   Dense(10).
 //!
 //! # Tensor names (the same as the PyTorch reference models' `state_dict`)
 //! | model | names |
@@ -12,9 +17,13 @@
 //! | toy | `dense0.weight` (30, 2), `dense0.bias`, `dense1.weight` (20, 30), `dense1.bias`, `dense2.weight` (2, 20), `dense2.bias` |
 //! | convnet | `conv0.weight` (12, 1, 3, 3), `bn0.beta`, `bn0.running_mean`, `bn0.running_var`, `conv1.weight` (24, 12, 6, 6), `bn1.*`, `conv2.weight` (32, 24, 6, 6), `conv2.bias`, `bn2.*`, `dense0.weight` (256, 32), `dense0.bias`, `dense1.weight` (10, 256), `dense1.bias` |
 //! | convnet-nobn | as convnet without the `bn*` tensors |
+//! | resnet8, resnet20 | the PyTorch module's of [`resnet`]'s docs: `stem.0.weight`, `stem.1.{weight,bias,running_mean,running_var,num_batches_tracked}`, `blocks.{k}.conv1.weight`, `blocks.{k}.bn1.*`, `blocks.{k}.conv2.weight`, `blocks.{k}.bn2.*`, `blocks.{k}.short.0.weight`, `blocks.{k}.short.1.*` (the blocks that change shape), `head.weight` (10, 64), `head.bias` |
 
 use crate::error::Result;
-use crate::nn::{BatchNorm2d, Conv2d, Dropout, GlobalAvgPool2d, Layer, Linear, Padding, Relu, Rescaling, Sequential};
+use crate::nn::{
+    Activation, BatchNorm2d, Conv2d, Dropout, GlobalAvgPool2d, Layer, Linear, Padding, Relu, Rescaling, Residual,
+    Sequential,
+};
 
 /// Whether the convnet normalises after each convolution.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -88,4 +97,130 @@ pub fn convnet(opts: ConvnetOptions) -> Result<Sequential> {
     }
     layers.push(Box::new(Linear::new(256, opts.classes)));
     Sequential::new([c, h, w], layers)
+}
+
+/// The mean and standard deviation of Fashion-MNIST's 60,000 training images' pixels,
+/// scaled to [0, 1], the standard deviation the population's (numpy's `mean()`, `std()`
+/// of all 47,040,000 values in f64, which scripts/torch_resnet.py recomputes and checks):
+/// the built-in ResNets' input normalisation.
+pub const FASHION_MNIST_MEAN: f64 = 0.286_040_596_988_795_5;
+pub const FASHION_MNIST_STD: f64 = 0.353_024_244_514_922_54;
+
+/// The depth of a built-in ResNet: n basic blocks per stage, 6n + 2 layers.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum ResnetDepth {
+    /// n = 1: 8 layers, 77,754 parameters.
+    Resnet8,
+    /// n = 3: 20 layers, 272,186 parameters.
+    Resnet20,
+}
+
+impl ResnetDepth {
+    /// Blocks per stage.
+    pub fn blocks(self) -> usize {
+        match self {
+            ResnetDepth::Resnet8 => 1,
+            ResnetDepth::Resnet20 => 3,
+        }
+    }
+}
+
+/// The CIFAR ResNet of He et al. (2016, §4.2) for 1×28×28 images of `classes` classes, as
+/// this PyTorch module, whose `state_dict` names its tensors (weights move between the
+/// two by name: `lockstep export`/`--save` files load into it with
+/// `load_state_dict(strict=True)`, its saved safetensors load as `--init`):
+///
+/// ```python
+/// class Basic(nn.Module):
+///     def __init__(s, cin, cout, stride):
+///         super().__init__()
+///         s.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False); s.bn1 = nn.BatchNorm2d(cout)
+///         s.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False);     s.bn2 = nn.BatchNorm2d(cout)
+///         s.short = None
+///         if stride != 1 or cin != cout:
+///             s.short = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+///     def forward(s, x):
+///         y = s.bn2(s.conv2(F.relu(s.bn1(s.conv1(x)))))
+///         return F.relu(y + (x if s.short is None else s.short(x)))
+///
+/// class ResNet(nn.Module):          # n = 1: resnet8, n = 3: resnet20
+///     def __init__(s, n, classes=10):
+///         super().__init__()
+///         s.stem = nn.Sequential(nn.Conv2d(1, 16, 3, 1, 1, bias=False), nn.BatchNorm2d(16), nn.ReLU())
+///         layers, cin = [], 16
+///         for i, c in enumerate((16, 32, 64)):
+///             for b in range(n):
+///                 layers.append(Basic(cin, c, 2 if (b == 0 and i > 0) else 1)); cin = c
+///         s.blocks = nn.Sequential(*layers)
+///         s.head = nn.Linear(64, classes)
+///     def forward(s, x):             # x: (N, 1, 28, 28), already (x/255 - mean) / std
+///         return s.head(s.blocks(s.stem(x)).mean((2, 3)))
+/// ```
+///
+/// Its first layer, `normalize`, has no tensors: it takes the raw pixels (0..255) to
+/// `(x/255 − mean)/std` with Fashion-MNIST's training-set [`FASHION_MNIST_MEAN`] and
+/// [`FASHION_MNIST_STD`], as `x·(1/(255·std)) + (−mean/std)` in f32. BatchNorm is
+/// PyTorch's (eps 1e-5, momentum 0.1, `num_batches_tracked`).
+pub fn resnet(depth: ResnetDepth, classes: usize) -> Result<Sequential> {
+    let conv = |cin, cout, k, stride, pad| -> Result<Box<dyn Layer>> {
+        Ok(Box::new(Conv2d::new(cin, cout, (k, k), stride, Padding::Explicit(pad, pad), false)?))
+    };
+    let bn = |c| -> Box<dyn Layer> { Box::new(BatchNorm2d::pytorch(c)) };
+    let named = |name: &str, l: Box<dyn Layer>| (Some(name.to_string()), l);
+    let scale = 1.0 / (255.0 * FASHION_MNIST_STD);
+    let offset = -FASHION_MNIST_MEAN / FASHION_MNIST_STD;
+    let mut layers = vec![
+        named("normalize", Box::new(Rescaling::new(scale as f32, offset as f32))),
+        named("stem.0", conv(1, 16, 3, 1, 1)?),
+        named("stem.1", bn(16)),
+        named("stem.2", Box::new(Relu::new())),
+    ];
+    let (mut cin, mut hw, mut k) = (16, 28, 0);
+    for (stage, c) in [16, 32, 64].into_iter().enumerate() {
+        for b in 0..depth.blocks() {
+            let stride = if b == 0 && stage > 0 { 2 } else { 1 };
+            let body = vec![
+                named("conv1", conv(cin, c, 3, stride, 1)?),
+                named("bn1", bn(c)),
+                named("relu", Box::new(Relu::new())),
+                named("conv2", conv(c, c, 3, 1, 1)?),
+                named("bn2", bn(c)),
+            ];
+            let shortcut = if stride != 1 || cin != c {
+                vec![named("short.0", conv(cin, c, 1, stride, 0)?), named("short.1", bn(c))]
+            } else {
+                vec![]
+            };
+            let block = Residual::new([cin, hw, hw], body, shortcut, Activation::Relu)?;
+            layers.push(named(&format!("blocks.{k}"), Box::new(block)));
+            hw = (hw + 2 - 3) / stride + 1;
+            (cin, k) = (c, k + 1);
+        }
+    }
+    layers.push(named("pool", Box::new(GlobalAvgPool2d::new())));
+    layers.push(named("head", Box::new(Linear::new(64, classes))));
+    Sequential::named([1, 28, 28], layers)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_resnets_have_the_pytorch_modules_tensors() {
+        // PyTorch: sum(p.numel() for p in ResNet(1).parameters()) = 77,754 and
+        // ResNet(3) = 272,186 (scripts/torch_resnet.py prints them).
+        let r8 = resnet(ResnetDepth::Resnet8, 10).unwrap();
+        assert_eq!(r8.num_params(), 77_754);
+        let r20 = resnet(ResnetDepth::Resnet20, 10).unwrap();
+        assert_eq!(r20.num_params(), 272_186);
+        let names: Vec<&str> = r8.param_infos().iter().map(|t| t.name.as_str()).collect();
+        assert_eq!(&names[..3], ["stem.0.weight", "stem.1.weight", "stem.1.bias"]);
+        assert!(names.contains(&"blocks.1.short.0.weight") && names.contains(&"blocks.2.bn2.bias"), "{names:?}");
+        assert!(!names.iter().any(|n| n.starts_with("blocks.0.short")), "{names:?}");
+        assert_eq!(names.last(), Some(&"head.bias"));
+        let buffers: Vec<&str> = r8.buffer_infos().iter().map(|t| t.name.as_str()).collect();
+        assert_eq!(&buffers[..3], ["stem.1.running_mean", "stem.1.running_var", "stem.1.num_batches_tracked"]);
+        assert_eq!(r8.output_shape().dims(), &[10]);
+    }
 }

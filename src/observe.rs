@@ -77,7 +77,7 @@ pub fn epoch_line(e: &EpochReport, held_out: &str) -> String {
 /// The lesson's lines for one step, one per logical replica:
 /// `[cpu:1] Epoch: 001/003 | Batchsize 001 | Train/Val Loss: 0.48` (a replica that got no
 /// sample prints its loss as `-`); in a run of several processes the device is named
-/// with its process, `[rank 1, cpu:0]`.
+/// with its process, `[process 1, cpu:0]`.
 pub fn lesson_lines(e: &StepEvent<'_>) -> Vec<String> {
     let width = e.epochs.to_string().len().max(3);
     e.report
@@ -85,8 +85,8 @@ pub fn lesson_lines(e: &StepEvent<'_>) -> Vec<String> {
         .iter()
         .map(|s| {
             let loss = if s.metrics.count == 0 { "-".to_string() } else { format!("{:.2}", s.metrics.mean_loss()) };
-            let who = match s.rank {
-                Some(r) => format!("rank {r}, {}", s.device),
+            let who = match s.process {
+                Some(p) => format!("process {p}, {}", s.device),
                 None => s.device.to_string(),
             };
             format!(
@@ -581,7 +581,7 @@ mod tests {
         StepReport {
             step: 4,
             metrics: m,
-            shards: vec![ShardReport { device: Device::Cpu(0), rank: None, replica: 0, metrics: m }],
+            shards: vec![ShardReport { device: Device::Cpu(0), process: None, shard: 0, metrics: m }],
             compute: Duration::from_millis(6),
             reduce: Duration::from_millis(2),
             wall: Duration::from_millis(10),
@@ -759,10 +759,10 @@ mod tests {
         let r = report();
         assert_eq!(lesson_lines(&event(&r)), vec!["[cpu:0] Epoch: 002/003 | Batchsize 032 | Train/Val Loss: 0.50"]);
         let mut across = report();
-        across.shards[0].rank = Some(1);
+        across.shards[0].process = Some(1);
         assert_eq!(
             lesson_lines(&event(&across)),
-            vec!["[rank 1, cpu:0] Epoch: 002/003 | Batchsize 032 | Train/Val Loss: 0.50"]
+            vec!["[process 1, cpu:0] Epoch: 002/003 | Batchsize 032 | Train/Val Loss: 0.50"]
         );
     }
 

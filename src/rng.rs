@@ -25,12 +25,12 @@ pub fn hash64(key: u64, idx: u64) -> u64 {
     mix64(key.wrapping_add(idx.wrapping_mul(GOLDEN)))
 }
 
-/// Key of the dropout stream of one layer of one logical replica at one step. The CUDA
+/// Key of the dropout stream of one layer of one logical replica (its `shard`) at one step. The CUDA
 /// kernel (`kernels/dropout.cu`) computes the same function, so masks agree bit for bit:
-/// key = mix64(mix64(mix64(seed + step·G) + replica·G) + layer·G), G the golden ratio.
-pub fn dropout_key(seed: u64, step: u64, replica: u64, layer: u64) -> u64 {
+/// key = mix64(mix64(mix64(seed + step·G) + shard·G) + layer·G), G the golden ratio.
+pub fn dropout_key(seed: u64, step: u64, shard: u64, layer: u64) -> u64 {
     let k = mix64(seed.wrapping_add(step.wrapping_mul(GOLDEN)));
-    let k = mix64(k.wrapping_add(replica.wrapping_mul(GOLDEN)));
+    let k = mix64(k.wrapping_add(shard.wrapping_mul(GOLDEN)));
     mix64(k.wrapping_add(layer.wrapping_mul(GOLDEN)))
 }
 
@@ -47,6 +47,8 @@ pub fn unit_f32(bits: u64) -> f32 {
 
 /// Purposes, so that streams for different uses never coincide.
 pub mod purpose {
+    /// The index of a layer inside a container (`nn::sequential::Place`).
+    pub const LAYER: u64 = 64;
     pub const INIT: u64 = 1;
     pub const SHUFFLE: u64 = 2;
     pub const SPLIT: u64 = 4;

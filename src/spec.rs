@@ -27,15 +27,16 @@
 //! | type | fields (default) |
 //! |---|---|
 //! | `rescaling` | `scale` (required), `offset` (0) |
-//! | `conv2d` | `filters`, `kernel_size` (int or [kh, kw]), `strides` (1; int or [s, s]), `padding` ("valid" or "same"; "valid"), `use_bias` (true), `activation` ("linear") |
-//! | `batch_normalization` | `scale` (true), `center` (true), `epsilon` (0.001), `momentum` (0.99), `synchronized` (false) |
+//! | `conv2d` | `filters`, `kernel_size` (int or [kh, kw]), `strides` (1; int or [s, s]), `padding` ("valid", "same", or pads: int or [ph, pw]; "valid"), `use_bias` (true), `activation` ("linear") |
+//! | `batch_normalization` | `scale` (true), `center` (true), `epsilon` (0.001), `momentum` (0.99), `synchronized` (false), `names` ("keras": gamma, beta; or "pytorch": weight, bias, num_batches_tracked) |
 //! | `relu` | none |
 //! | `dense` | `units`, `use_bias` (true), `activation` ("linear") |
 //! | `dropout` | `rate` in [0, 1) |
 //! | `flatten` | none |
 //! | `global_average_pooling2d` | none |
-//! | `max_pooling2d` | `pool_size` (2; int or [kh, kw]), `strides` (the pool size; int or [sh, sw]), `padding` ("valid" or "same"; "valid") |
+//! | `max_pooling2d` | `pool_size` (2; int or [kh, kw]), `strides` (the pool size; int or [sh, sw]), `padding` ("valid", "same", or pads: int or [ph, pw]; "valid") |
 //! | `gelu` | none |
+//! | `residual` | `layers` (the body), `shortcut` (none: the identity), `activation` ("linear") |
 //!
 //! The defaults are Keras's. Input channels and features are inferred from the running
 //! shape; `"activation": "relu"` appends a ReLU layer (softmax belongs to the loss, so
@@ -63,8 +64,8 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use crate::error::{Error, Result};
-use crate::nn::spec_entry::{Build, Fields};
-use crate::nn::{Layer, Sequential};
+use crate::nn::spec_entry::{layers_to_spec, read_layer};
+use crate::nn::{NamedLayer, Sequential};
 use crate::tensor::Shape;
 
 pub use crate::nn::spec_entry::{Activation, MAX_DIM};
@@ -74,54 +75,18 @@ pub const MAX_ELEMENTS: usize = 1 << 31;
 /// The largest spec file read (a spec of a thousand layers is some 100 kB).
 pub const MAX_SPEC_BYTES: u64 = 16 << 20;
 
-/// One entry of `layers`, validated: its type (an entry of [`LAYER_TYPES`]), what each of
-/// its fields resolved to (its default where absent), and how it builds.
-#[derive(Clone)]
-pub struct LayerSpec {
-    type_name: &'static str,
-    fields: Vec<(&'static str, Value)>,
-    build: Build,
-}
-
-impl LayerSpec {
-    /// The spec's name of the layer type, from [`LAYER_TYPES`].
-    pub fn type_name(&self) -> &'static str {
-        self.type_name
-    }
-}
-
-/// Two entries are equal when they are of one type and their fields resolve alike: they
-/// build the same layers.
-impl PartialEq for LayerSpec {
-    fn eq(&self, other: &LayerSpec) -> bool {
-        self.type_name == other.type_name && self.fields == other.fields
-    }
-}
-
-impl std::fmt::Debug for LayerSpec {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("LayerSpec").field("type_name", &self.type_name).field("fields", &self.fields).finish()
-    }
-}
-
-/// The type names, for errors: `rescaling, conv2d, ...`.
-fn type_list() -> String {
-    LAYER_TYPES.iter().map(|t| t.name).collect::<Vec<_>>().join(", ")
-}
+/// One entry of `layers`, validated: its type (an entry of [`LAYER_TYPES`]), its name if
+/// it gives one, what each of its fields resolved to (its default where absent), and how
+/// it builds.
+pub use crate::nn::spec_entry::LayerObject as LayerSpec;
 
 /// A spec (`{"input_shape": ..., "layers": [...]}`) that builds `model` again, each layer
 /// written by its own [`Layer::spec`], or an error naming the first layer that has no spec
 /// form (a layer of the user's own).
 pub fn model_to_spec(model: &Sequential) -> Result<Value> {
-    let layers = model
-        .layers()
-        .iter()
-        .zip(model.layer_names())
-        .map(|(l, name)| {
-            l.spec()
-                .ok_or_else(|| Error::config("model spec", format!("layer {name} ({}) has no spec form", l.describe())))
-        })
-        .collect::<Result<Vec<_>>>()?;
+    let layers = layers_to_spec(model.layers(), model.layer_names(), "").map_err(|(name, describe)| {
+        Error::config("model spec", format!("layer {name} ({describe}) has no spec form"))
+    })?;
     Ok(json!({"input_shape": model.input_shape().dims(), "layers": layers}))
 }
 
@@ -200,13 +165,13 @@ impl ModelSpec {
     /// The network, with fresh layers.
     pub fn build(&self) -> Result<Sequential> {
         let layers = self.layers_checked()?;
-        Sequential::new(self.input_shape.clone(), layers)
+        Sequential::named(self.input_shape.clone(), layers)
             .map_err(|e| Error::format(&self.origin, format!("cannot build the model: {e}")))
     }
 
     /// The layers, built one at a time against the running shape (batch of 2, as
     /// `Sequential` checks), each problem named by its spec index.
-    fn layers_checked(&self) -> Result<Vec<Box<dyn Layer>>> {
+    fn layers_checked(&self) -> Result<Vec<NamedLayer>> {
         let bad = |i: usize, l: &LayerSpec, detail: String| {
             Error::format(&self.origin, format!("layer {i} ({}): {detail}", l.type_name()))
         };
@@ -222,10 +187,10 @@ impl ModelSpec {
         dims.extend_from_slice(&self.input_shape);
         let mut shape = Shape::new(dims);
         let mut total_params = 0usize;
-        let mut out: Vec<Box<dyn Layer>> = Vec::new();
+        let mut out: Vec<NamedLayer> = Vec::new();
         for (i, l) in self.layers.iter().enumerate() {
-            let new = l.build.build(&shape).map_err(|e| bad(i, l, e))?;
-            for layer in &new {
+            let new = l.build(&shape).map_err(|e| bad(i, l, e))?;
+            for (_, layer) in &new {
                 // Parameter counts first, with checked arithmetic: `Shape::numel` of an
                 // absurd kernel would overflow.
                 for p in layer.params().iter().chain(&layer.buffers()) {
@@ -248,28 +213,13 @@ impl ModelSpec {
 }
 
 fn parse_layer(i: usize, v: &Value) -> std::result::Result<LayerSpec, String> {
-    let Value::Object(map) = v else {
-        return Err(format!("layer {i}: expected an object such as {{\"type\": \"dense\", \"units\": 10}} (got {v})"));
-    };
-    let kind = match map.get("type") {
-        Some(Value::String(s)) => s.as_str(),
-        Some(other) => return Err(format!("layer {i}: field 'type' must be a string (got {other})")),
-        None => return Err(format!("layer {i}: missing field 'type' (one of: {})", type_list())),
-    };
-    let at = |detail: String| format!("layer {i} ({kind}): {detail}");
-    let ty = LAYER_TYPES
-        .iter()
-        .find(|t| t.name == kind)
-        .ok_or_else(|| at(format!("unknown type '{kind}' (one of: {})", type_list())))?;
-    let mut f = Fields::new(map);
-    let build = (ty.parse)(&mut f).map_err(at)?;
-    let fields = f.finish().map_err(at)?;
-    Ok(LayerSpec { type_name: ty.name, fields, build })
+    read_layer(v, &format!("layer {i}"))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::nn::spec_entry::type_list;
 
     fn err(text: &str) -> String {
         ModelSpec::parse(text, "m.json").expect_err("expected an error").to_string()
@@ -338,28 +288,40 @@ mod tests {
     }
 
     #[test]
-    fn the_docs_and_the_readme_or_the_guide_list_every_layer_type() {
-        // The guide (docs/*.md) takes over most of the README: a row in either will do.
+    fn the_docs_and_the_guide_list_every_layer_type_and_no_page_lists_a_part() {
+        // The guide's command-line chapter holds the table; any other page (the README
+        // included) that lists a layer type must list them all, so that no copy goes stale.
         let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-        let mut guides = vec![std::fs::read_to_string(root.join("README.md")).unwrap()];
-        if let Ok(dir) = std::fs::read_dir(root.join("docs")) {
-            for entry in dir.map(|e| e.unwrap().path()) {
-                if entry.extension().is_some_and(|x| x == "md") {
-                    guides.push(std::fs::read_to_string(&entry).unwrap());
-                }
+        let mut pages = vec![root.join("README.md")];
+        for entry in std::fs::read_dir(root.join("docs")).unwrap().map(|e| e.unwrap().path()) {
+            if entry.extension().is_some_and(|x| x == "md") {
+                pages.push(entry);
             }
         }
         let docs = include_str!("spec.rs");
-        for t in LAYER_TYPES {
-            let row = format!("| `{}` | {} |", t.name, t.fields);
+        let rows: Vec<String> = LAYER_TYPES.iter().map(|t| format!("| `{}` | {} |", t.name, t.fields)).collect();
+        for row in &rows {
             assert!(docs.contains(&format!("//! {row}\n")), "the table of src/spec.rs's docs lacks\n{row}");
-            assert!(
-                guides.iter().any(|g| g.contains(&format!("\n{row}\n"))),
-                "neither README.md nor docs/*.md has a table of layer types with\n{row}"
-            );
         }
-        let rows = docs.lines().filter(|l| l.starts_with("//! | `")).count();
-        assert_eq!(rows, LAYER_TYPES.len(), "the docs' table lists a type LAYER_TYPES does not have");
+        let listed = |text: &str| {
+            LAYER_TYPES.iter().filter(|t| text.lines().any(|l| l.starts_with(&format!("| `{}` |", t.name)))).count()
+        };
+        for page in &pages {
+            let text = std::fs::read_to_string(page).unwrap();
+            let guide = page.ends_with("docs/command-line.md");
+            if listed(&text) == 0 && !guide {
+                continue;
+            }
+            for row in &rows {
+                assert!(
+                    text.contains(&format!("\n{row}\n")),
+                    "{} lists layer types but not this row (or not as nn::LAYER_TYPES states it):\n{row}",
+                    page.display()
+                );
+            }
+        }
+        let table = docs.lines().filter(|l| l.starts_with("//! | `")).count();
+        assert_eq!(table, LAYER_TYPES.len(), "the docs' table lists a type LAYER_TYPES does not have");
     }
 
     #[test]
@@ -387,7 +349,7 @@ mod tests {
             "m.json: layer 1 (max_pooling2d): field 'pool_size' must be a positive integer, at most 1048576 (got 0)"
         );
         assert!(err(&pool(r#""strides": [1]"#)).contains("layer 1 (max_pooling2d): field 'strides' must be"));
-        assert!(err(&pool(r#""padding": "causal""#)).contains("field 'padding' must be \"valid\" or \"same\""));
+        assert!(err(&pool(r#""padding": "causal""#)).contains("field 'padding' must be \"valid\", \"same\", or pads"));
         assert_eq!(
             err(&pool(r#""data_format": "channels_first""#)),
             "m.json: layer 1 (max_pooling2d): unknown field 'data_format' (expected one of: type, pool_size, strides, padding)"
@@ -404,7 +366,7 @@ mod tests {
     fn a_layer_of_the_users_own_has_no_spec_form() {
         let model = Sequential::new(
             [3],
-            vec![Box::new(crate::nn::Linear::new(3, 2)) as Box<dyn Layer>, Box::new(crate::nn::CpuOnly)],
+            vec![Box::new(crate::nn::Linear::new(3, 2)) as Box<dyn crate::nn::Layer>, Box::new(crate::nn::CpuOnly)],
         )
         .unwrap();
         let e = model_to_spec(&model).unwrap_err().to_string();
@@ -452,7 +414,7 @@ mod tests {
             .contains("field 'kernel_size' must be a positive integer or a list of two (got [3])"));
         assert!(err(&conv(r#""filters": 2, "kernel_size": 3, "strides": [1, 2]"#)).contains("only equal strides"));
         assert!(err(&conv(r#""filters": 2, "kernel_size": 3, "padding": "causal""#))
-            .contains("field 'padding' must be \"valid\" or \"same\""));
+            .contains("field 'padding' must be \"valid\", \"same\", or pads"));
         assert!(err(&conv(r#""filters": 2, "kernel_size": 3, "activation": "softmax""#))
             .contains("field 'activation' must be \"relu\" or \"linear\""));
         assert!(err(&conv(r#""filters": 2, "kernel_size": 3, "use_bias": 1"#))

@@ -16,7 +16,7 @@ use safetensors::tensor::{Dtype, SafeTensors, TensorView};
 
 use crate::error::{Error, Result};
 use crate::fsutil::write_atomic;
-use crate::nn::{ParamStore, Sequential, TensorInfo};
+use crate::nn::{Init, ParamStore, Sequential, TensorInfo};
 use crate::safetensors_io::{self, MappedFile, TensorData};
 use crate::wire::{bf16_bits, bf16_value, fp16_bits, fp16_value};
 
@@ -80,14 +80,37 @@ pub fn save_as(model: &Sequential, store: &ParamStore, path: &Path, dtype: SaveD
     let mut named = Vec::new();
     for (infos, flat) in [(model.param_infos(), &store.params), (model.buffer_infos(), &store.buffers)] {
         for t in infos {
-            named.push((t.name.as_str(), t.shape.dims(), dtype.encode(&flat[t.range.clone()])));
+            let values = &flat[t.range.clone()];
+            named.push(match t.init {
+                // A count is PyTorch's int64 (`num_batches_tracked`), whatever the dtype.
+                Init::Count => (t.name.as_str(), t.shape.dims(), Dtype::I64, count_bytes(values)),
+                _ => (t.name.as_str(), t.shape.dims(), dtype.dtype(), dtype.encode(values)),
+            });
         }
     }
     let tensors: Vec<TensorData<'_>> =
-        named.iter().map(|(name, shape, data)| TensorData { name, dtype: dtype.dtype(), shape, data }).collect();
+        named.iter().map(|(name, shape, dtype, data)| TensorData { name, dtype: *dtype, shape, data }).collect();
     let meta =
         BTreeMap::from([("format".to_string(), "pt".to_string()), ("producer".to_string(), "lockstep".to_string())]);
     write_atomic(path, &safetensors_io::serialize(&tensors, &meta)?)
+}
+
+/// A count's values as int64 little-endian bytes, each rounded to its integer.
+fn count_bytes(values: &[f32]) -> Vec<u8> {
+    values.iter().flat_map(|&v| (v.round_ties_even() as i64).to_le_bytes()).collect()
+}
+
+/// The values of an integer tensor view (I64, I32) as f32, for a count: None for another
+/// dtype, or a value past 2^24 (beyond which f32 does not count by ones).
+fn count_values(view: &TensorView<'_>) -> Option<Vec<f32>> {
+    let ints: Vec<i64> = match view.dtype() {
+        Dtype::I64 => view.data().chunks_exact(8).map(|b| i64::from_le_bytes(b.try_into().expect("8 bytes"))).collect(),
+        Dtype::I32 => {
+            view.data().chunks_exact(4).map(|b| i32::from_le_bytes(b.try_into().expect("4 bytes")) as i64).collect()
+        }
+        _ => return None,
+    };
+    ints.iter().all(|v| (0..=1 << 24).contains(v)).then(|| ints.iter().map(|&v| v as f32).collect())
 }
 
 /// Maps a safetensors file after checking its header length (see `safetensors_io`).
@@ -136,7 +159,14 @@ pub fn load(model: &Sequential, path: &Path) -> Result<ParamStore> {
     for (info, is_param) in &expected {
         match st.tensor(&info.name) {
             Err(_) => problems.push(format!("missing tensor '{}' {}", info.name, info.shape)),
-            Ok(view) => match float_values(&view) {
+            Ok(view) => match float_values(&view)
+                .or_else(|| (info.init == Init::Count).then(|| count_values(&view)).flatten())
+            {
+                None if info.init == Init::Count => problems.push(format!(
+                    "tensor '{}' has dtype {:?}, expected I64, I32 or a float (a count in 0..=2^24)",
+                    info.name,
+                    view.dtype()
+                )),
                 None => problems.push(format!(
                     "tensor '{}' has dtype {:?}, expected F32, BF16 or F16",
                     info.name,

@@ -11,10 +11,10 @@
 //! A leaf: it imports nothing of the crate, so that `cuda` and `exchange` both build on
 //! it without importing each other. The sum of wires ([`Codec::reduce`], in the
 //! exchanges' canonical tree) is `exchange::codec`'s, which re-exports these names: the
-//! codec's public path stays `lockstep::exchange::codec`. It knows nothing of ranks,
+//! codec's public path stays `lockstep::exchange::codec`. It knows nothing of members,
 //! barriers or messages: an exchange encodes each logical replica's slot once, moves the
 //! wires, decodes every contribution to f32, sums in ITS fixed order in f32, encodes the
-//! sum, and every rank decodes that same encoded sum. Encoding and decoding are pure
+//! sum, and every member decodes that same encoded sum. Encoding and decoding are pure
 //! functions of the values, so every replica reads bitwise the same result.
 //!
 //! What is encoded: the gradient part of a slot, `0..encoded_len` (the flat parameters).

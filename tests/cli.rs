@@ -155,7 +155,7 @@ fn bench_allreduce_prints_a_table_with_busbw() {
     assert_eq!(row[1], "1024", "{row:?}");
     let numbers: Vec<f64> = row.iter().filter(|t| **t != "|").map(|t| t.parse().unwrap()).collect();
     assert_eq!(numbers.len(), 8, "{row:?}");
-    // Two ranks: busbw = algbw · 2(n−1)/n = algbw.
+    // Two members: busbw = algbw · 2(n−1)/n = algbw.
     assert!(numbers[2] > 0.0 && (numbers[3] - numbers[4]).abs() <= 0.01, "{row:?}");
 }
 

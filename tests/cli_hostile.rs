@@ -170,11 +170,11 @@ fn what_cannot_fit_in_memory_is_refused_before_any_allocation() {
         "error: --replicas 1000000 is more than the global batch of 32: each logical replica needs a sample of every batch (at most 32, or a larger --batch-size)"
     );
 
-    // Benchmarks: a 1 TiB all-reduce on 2 ranks needs 5 buffers of it (a slot and a buffer
-    // per rank, the reduced chunks): 5 · 2^40 B = 5.5 TB.
+    // Benchmarks: a 1 TiB all-reduce on 2 members needs 5 buffers of it (a slot and a
+    // buffer per member, the reduced chunks): 5 · 2^40 B = 5.5 TB.
     let e = refused(&["bench", "allreduce", "--devices", "cpu:2", "--sizes", "1024G"]);
     assert!(
-        e.starts_with("error: bench allreduce of 1099511627776 bytes on 2 ranks needs an estimated 5.5 TB but "),
+        e.starts_with("error: bench allreduce of 1099511627776 bytes on 2 members needs an estimated 5.5 TB but "),
         "{e}"
     );
     assert_eq!(

@@ -41,11 +41,12 @@ fn checkpoints(dir: &Path) -> usize {
     })
 }
 
-#[test]
-fn sigkill_then_resume_on_other_devices_gives_the_same_weights() {
+/// SIGKILL at an arbitrary moment of the run of `model` (flags), resumed on one device.
+fn sigkill_then_resume(model: &[&str]) {
     let (_guard, dir) = tmp();
     let (full, resumed, ck) = (dir.join("full.safetensors"), dir.join("resumed.safetensors"), dir.join("ck"));
-    let out = bin().args(train_args(&["--devices", "cpu:2", "--save", full.to_str().unwrap()])).output().unwrap();
+    let out =
+        bin().args(train_args(&["--devices", "cpu:2", "--save", full.to_str().unwrap()])).args(model).output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
 
     let ck_s = ck.to_str().unwrap();
@@ -60,6 +61,7 @@ fn sigkill_then_resume_on_other_devices_gives_the_same_weights() {
             "--keep-checkpoints",
             "100",
         ]))
+        .args(model)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
@@ -75,12 +77,24 @@ fn sigkill_then_resume_on_other_devices_gives_the_same_weights() {
 
     let out = bin()
         .args(train_args(&["--devices", "cpu:1", "--resume", ck_s, "--save", resumed.to_str().unwrap()]))
+        .args(model)
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(stdout.contains("resuming"), "{stdout}");
     assert!(tensors(&full) == tensors(&resumed), "resumed weights differ from the uninterrupted run's");
+}
+
+#[test]
+fn sigkill_then_resume_on_other_devices_gives_the_same_weights() {
+    sigkill_then_resume(&[]);
+}
+
+/// The same of resnet8 (its BatchNorm counters, the residual blocks), with its batch 24.
+#[test]
+fn resnet8_resumes_bitwise_after_sigkill() {
+    sigkill_then_resume(&["--model", "resnet8", "--batch-size", "24"]);
 }
 
 /// Starts a long convnet run with `extra` flags, waits for its first line (printed once

@@ -1,11 +1,11 @@
 //! The GPU collectives (src/exchange/gpu.rs) against sums computed on the host.
 //!
-//! Copy path: several ranks on GPU 0 (`cuda:0,0`), forced to device copies, on random
-//! buffers whose lengths do and do not divide by the world, are shorter than it, or empty.
-//! The copy path sums rank 0 + rank 1 + ... left to right in f32, so the host reference
-//! does the same and the comparison is bitwise; every rank must also hold bitwise the
-//! same values. NCCL path: needs two GPUs; with two ranks any summation order gives a + b,
-//! so it too is compared bitwise.
+//! Copy path: several members on GPU 0 (`cuda:0,0`), forced to device copies, on random
+//! buffers whose lengths do and do not divide by the number of members, are shorter than
+//! that, or empty. The copy path sums member 0 + member 1 + ... left to right in f32, so
+//! the host reference does the same and the comparison is bitwise; every member must also
+//! hold bitwise the same values. NCCL path: needs two GPUs; with two members any
+//! summation order gives a + b, so it too is compared bitwise.
 //!
 //! Without a CUDA driver (CI, laptops) each GPU test writes "skipped: no CUDA driver" to
 //! stderr and returns: that is the expected outcome there.
@@ -64,7 +64,7 @@ impl Rng {
     }
 }
 
-/// Rank r's compute stream on GPU `ordinal`: its own context handle and a fresh stream,
+/// Member r's compute stream on GPU `ordinal`: its own context handle and a fresh stream,
 /// as a replica makes them.
 fn compute_stream(ordinal: usize) -> Arc<CudaStream> {
     let ctx = CudaContext::new(ordinal).expect("CUDA context");
@@ -87,7 +87,7 @@ fn download(stream: &Arc<CudaStream>, d: &CudaSlice<f32>) -> Vec<f32> {
     }
 }
 
-/// The copy path's order: 0 + rank 0 + rank 1 + ..., left to right, in f32.
+/// The copy path's order: 0 + member 0 + member 1 + ..., left to right, in f32.
 fn host_sum(inputs: &[Vec<f32>]) -> Vec<f32> {
     let len = inputs.first().map_or(0, Vec::len);
     (0..len)
@@ -101,8 +101,8 @@ fn host_sum(inputs: &[Vec<f32>]) -> Vec<f32> {
         .collect()
 }
 
-/// Runs one all-reduce on every rank of `group` (one thread each, GPU `ordinals[r]`) and
-/// returns what every rank holds afterwards.
+/// Runs one all-reduce on every member of `group` (one thread each, GPU `ordinals[r]`) and
+/// returns what every member holds afterwards.
 fn all_reduce_everywhere(group: &CopyGroup, ordinals: &[usize], inputs: &[Vec<f32>]) -> Vec<Vec<f32>> {
     std::thread::scope(|s| {
         let handles: Vec<_> = (0..ordinals.len())
@@ -118,7 +118,7 @@ fn all_reduce_everywhere(group: &CopyGroup, ordinals: &[usize], inputs: &[Vec<f3
                 })
             })
             .collect();
-        handles.into_iter().map(|h| h.join().expect("rank thread")).collect()
+        handles.into_iter().map(|h| h.join().expect("member thread")).collect()
     })
 }
 
@@ -151,21 +151,21 @@ fn without_a_driver_a_group_is_an_error_not_a_panic() {
 // ---- copy path (one GPU is enough) -------------------------------------------------
 
 #[test]
-fn copies_all_reduce_is_the_rank_order_sum_on_every_rank() {
-    let Some(_) = gpus_or_skip("copies_all_reduce_is_the_rank_order_sum_on_every_rank") else {
+fn copies_all_reduce_is_the_member_order_sum_on_every_member() {
+    let Some(_) = gpus_or_skip("copies_all_reduce_is_the_member_order_sum_on_every_member") else {
         return;
     };
     let mut rng = Rng(7);
-    // (world, len): lengths that divide and do not divide by the world or the chunk
-    // granule, shorter than the world, and empty.
-    for (world, len) in [(2, 100_003), (2, 4096), (2, 1000), (2, 65), (2, 1), (2, 0), (3, 2), (3, 1001), (4, 777)] {
-        let ordinals = vec![0; world];
+    // (members, len): lengths that divide and do not divide by the number of members or
+    // the chunk granule, shorter than the number of members, and empty.
+    for (members, len) in [(2, 100_003), (2, 4096), (2, 1000), (2, 65), (2, 1), (2, 0), (3, 2), (3, 1001), (4, 777)] {
+        let ordinals = vec![0; members];
         let group = CopyGroup::new(&ordinals, len).expect("group");
-        let inputs: Vec<Vec<f32>> = (0..world).map(|_| rng.vec(len)).collect();
+        let inputs: Vec<Vec<f32>> = (0..members).map(|_| rng.vec(len)).collect();
         let want = host_sum(&inputs);
         let got = all_reduce_everywhere(&group, &ordinals, &inputs);
         for (r, g) in got.iter().enumerate() {
-            assert_bitwise(&format!("world {world} len {len} rank {r}"), g, &want);
+            assert_bitwise(&format!("members {members} len {len} member {r}"), g, &want);
         }
     }
 }
@@ -175,7 +175,7 @@ fn one_gpu_given_twice_falls_back_to_copies() {
     let Some(_) = gpus_or_skip("one_gpu_given_twice_falls_back_to_copies") else {
         return;
     };
-    assert_eq!(transport_for(&[0, 0]), Transport::Copies, "NCCL forbids two ranks on one GPU");
+    assert_eq!(transport_for(&[0, 0]), Transport::Copies, "NCCL forbids two members on one GPU");
 }
 
 #[test]
@@ -185,12 +185,12 @@ fn copies_all_reduce_repeats_and_keeps_stream_order() {
     };
     // Three all-reduces in a row on the same buffers, each followed by queued work on
     // the compute stream (a device copy) that must see the reduced values: the result
-    // after three rounds of x -> 2x (two ranks holding equal values) is 8x, exactly.
-    let (world, len) = (2, 3000);
+    // after three rounds of x -> 2x (two members holding equal values) is 8x, exactly.
+    let (members, len) = (2, 3000);
     let group = CopyGroup::new(&[0, 0], len).expect("group");
     let x = Rng(11).vec(len);
     let out: Vec<(Vec<f32>, Vec<f32>)> = std::thread::scope(|s| {
-        let handles: Vec<_> = (0..world)
+        let handles: Vec<_> = (0..members)
             .map(|r| {
                 let (group, x) = (&group, &x);
                 s.spawn(move || {
@@ -208,27 +208,27 @@ fn copies_all_reduce_repeats_and_keeps_stream_order() {
                 })
             })
             .collect();
-        handles.into_iter().map(|h| h.join().expect("rank thread")).collect()
+        handles.into_iter().map(|h| h.join().expect("member thread")).collect()
     });
     let twice: Vec<f32> = x.iter().map(|v| v + v).collect();
     let eight: Vec<f32> = x.iter().map(|v| v * 8.0).collect();
     for (r, (last, first)) in out.iter().enumerate() {
-        assert_bitwise(&format!("rank {r} after one round"), first, &twice);
-        assert_bitwise(&format!("rank {r} after three rounds"), last, &eight);
+        assert_bitwise(&format!("member {r} after one round"), first, &twice);
+        assert_bitwise(&format!("member {r} after three rounds"), last, &eight);
     }
 }
 
 #[test]
-fn copies_broadcast_gives_every_rank_the_roots_values() {
-    let Some(_) = gpus_or_skip("copies_broadcast_gives_every_rank_the_roots_values") else {
+fn copies_broadcast_gives_every_member_the_roots_values() {
+    let Some(_) = gpus_or_skip("copies_broadcast_gives_every_member_the_roots_values") else {
         return;
     };
-    let (world, len, root) = (3, 1001, 1);
-    let group = CopyGroup::new(&vec![0; world], len).expect("group");
+    let (members, len, root) = (3, 1001, 1);
+    let group = CopyGroup::new(&vec![0; members], len).expect("group");
     let mut rng = Rng(3);
-    let inputs: Vec<Vec<f32>> = (0..world).map(|_| rng.vec(len)).collect();
+    let inputs: Vec<Vec<f32>> = (0..members).map(|_| rng.vec(len)).collect();
     let got: Vec<Vec<f32>> = std::thread::scope(|s| {
-        let handles: Vec<_> = (0..world)
+        let handles: Vec<_> = (0..members)
             .map(|r| {
                 let (group, input) = (&group, &inputs[r]);
                 s.spawn(move || {
@@ -240,10 +240,10 @@ fn copies_broadcast_gives_every_rank_the_roots_values() {
                 })
             })
             .collect();
-        handles.into_iter().map(|h| h.join().expect("rank thread")).collect()
+        handles.into_iter().map(|h| h.join().expect("member thread")).collect()
     });
     for (r, g) in got.iter().enumerate() {
-        assert_bitwise(&format!("rank {r}"), g, &inputs[root]);
+        assert_bitwise(&format!("member {r}"), g, &inputs[root]);
     }
 }
 
@@ -261,14 +261,14 @@ fn copies_refuse_a_buffer_of_the_wrong_length() {
 }
 
 #[test]
-fn copies_abort_releases_a_rank_waiting_for_its_peer() {
-    let Some(_) = gpus_or_skip("copies_abort_releases_a_rank_waiting_for_its_peer") else {
+fn copies_abort_releases_a_member_waiting_for_its_peer() {
+    let Some(_) = gpus_or_skip("copies_abort_releases_a_member_waiting_for_its_peer") else {
         return;
     };
     let len = 1000;
     let group = Arc::new(CopyGroup::new(&[0, 0], len).expect("group"));
     let (tx, rx) = mpsc::channel();
-    // Rank 0 calls the all-reduce; rank 1 joins but never calls it (a failed worker).
+    // Member 0 calls the all-reduce; member 1 joins but never calls it (a failed worker).
     let g = group.clone();
     let waiting = std::thread::spawn(move || {
         let stream = compute_stream(0);
@@ -285,14 +285,14 @@ fn copies_abort_releases_a_rank_waiting_for_its_peer() {
         me.all_reduce_sum(&mut upload(&stream, &vec![1.0; len]))
     });
     std::thread::sleep(Duration::from_millis(200));
-    assert!(rx.try_recv().is_err(), "rank 0 must wait for rank 1");
+    assert!(rx.try_recv().is_err(), "member 0 must wait for member 1");
     let g = group.clone();
     std::thread::spawn(move || g.abort()).join().expect("aborting thread");
-    let r = within(&rx, 10, "rank 0 after the abort");
+    let r = within(&rx, 10, "member 0 after the abort");
     assert!(matches!(r, Err(Error::Aborted)), "{r:?}");
-    waiting.join().expect("rank 0");
+    waiting.join().expect("member 0");
     let _ = go_tx.send(());
-    let later = idle.join().expect("rank 1");
+    let later = idle.join().expect("member 1");
     assert!(matches!(later, Err(Error::Aborted)), "a call after the abort fails at once: {later:?}");
     group.abort(); // any number of times
 }
@@ -326,7 +326,7 @@ fn nccl_all_reduce_and_broadcast_on_two_gpus() {
         let group = NcclGroup::new(&ordinals, len).expect("group");
         let mut rng = Rng(5);
         let inputs: Vec<Vec<f32>> = (0..2).map(|_| rng.vec(len)).collect();
-        // Two ranks: every order gives a + b (f32 addition commutes), so bitwise.
+        // Two members: every order gives a + b (f32 addition commutes), so bitwise.
         let want = host_sum(&inputs);
         let got: Vec<(Vec<f32>, Vec<f32>)> = std::thread::scope(|s| {
             let handles: Vec<_> = (0..2)
@@ -344,21 +344,21 @@ fn nccl_all_reduce_and_broadcast_on_two_gpus() {
                     })
                 })
                 .collect();
-            handles.into_iter().map(|h| h.join().expect("rank thread")).collect()
+            handles.into_iter().map(|h| h.join().expect("member thread")).collect()
         });
         for (r, (sum, b)) in got.iter().enumerate() {
-            assert_bitwise(&format!("len {len} rank {r} sum"), sum, &want);
-            assert_bitwise(&format!("len {len} rank {r} broadcast"), b, &inputs[1]);
+            assert_bitwise(&format!("len {len} member {r} sum"), sum, &want);
+            assert_bitwise(&format!("len {len} member {r} broadcast"), b, &inputs[1]);
         }
     }
 }
 
 #[test]
-fn nccl_abort_releases_a_rank_waiting_to_join() {
-    let Some(_) = two_gpus_and_nccl_or_skip("nccl_abort_releases_a_rank_waiting_to_join") else {
+fn nccl_abort_releases_a_member_waiting_to_join() {
+    let Some(_) = two_gpus_and_nccl_or_skip("nccl_abort_releases_a_member_waiting_to_join") else {
         return;
     };
-    // Only rank 0 joins; NCCL's init waits for rank 1 until the abort.
+    // Only member 0 joins; NCCL's init waits for member 1 until the abort.
     let group = Arc::new(NcclGroup::new(&[0, 1], 16).expect("group"));
     let (tx, rx) = mpsc::channel();
     let g = group.clone();
@@ -367,15 +367,15 @@ fn nccl_abort_releases_a_rank_waiting_to_join() {
         let _ = tx.send(g.join(0, &stream).map(|_| ()));
     });
     std::thread::sleep(Duration::from_millis(500));
-    assert!(rx.try_recv().is_err(), "rank 0 must wait for rank 1 to join");
+    assert!(rx.try_recv().is_err(), "member 0 must wait for member 1 to join");
     group.abort();
-    let r = within(&rx, 20, "rank 0's join after the abort");
+    let r = within(&rx, 20, "member 0's join after the abort");
     assert!(matches!(r, Err(Error::Aborted)), "{r:?}");
 }
 
 #[test]
-fn nccl_abort_releases_a_rank_whose_peer_never_calls() {
-    let Some(_) = two_gpus_and_nccl_or_skip("nccl_abort_releases_a_rank_whose_peer_never_calls") else {
+fn nccl_abort_releases_a_member_whose_peer_never_calls() {
+    let Some(_) = two_gpus_and_nccl_or_skip("nccl_abort_releases_a_member_whose_peer_never_calls") else {
         return;
     };
     let len = 4096;
@@ -384,8 +384,8 @@ fn nccl_abort_releases_a_rank_whose_peer_never_calls() {
     let (tx, rx) = mpsc::channel();
     let g = group.clone();
     let jt = joined_tx.clone();
-    // Rank 0 enqueues an all-reduce (the host does not wait) then synchronises its
-    // compute stream, which waits for rank 1 until the abort stops NCCL's kernel.
+    // Member 0 enqueues an all-reduce (the host does not wait) then synchronises its
+    // compute stream, which waits for member 1 until the abort stops NCCL's kernel.
     std::thread::spawn(move || {
         let stream = compute_stream(0);
         let mut me = g.join(0, &stream).expect("join");
@@ -405,14 +405,14 @@ fn nccl_abort_releases_a_rank_whose_peer_never_calls() {
         let _ = idle_rx.recv();
         drop(me);
     });
-    within(&joined_rx, 60, "both ranks joined");
-    within(&joined_rx, 60, "both ranks joined");
+    within(&joined_rx, 60, "both members joined");
+    within(&joined_rx, 60, "both members joined");
     std::thread::sleep(Duration::from_millis(500));
-    assert!(rx.try_recv().is_err(), "rank 0's stream must wait for rank 1");
+    assert!(rx.try_recv().is_err(), "member 0's stream must wait for member 1");
     group.abort();
-    let (first_ok, _synced, second) = within(&rx, 20, "rank 0 after the abort");
+    let (first_ok, _synced, second) = within(&rx, 20, "member 0 after the abort");
     assert!(first_ok, "the enqueue itself succeeds or reports the abort");
     assert!(matches!(second, Err(Error::Aborted)), "{second:?}");
     let _ = idle_tx.send(());
-    idle.join().expect("rank 1");
+    idle.join().expect("member 1");
 }

@@ -47,7 +47,7 @@ fn network(input: &[usize], example: &str) -> Sequential {
     };
     let spec = format!(r#"{{"input_shape": {input:?}, "layers": [{before}, {example}]}}"#);
     let model = model_from_spec_str(&spec, "cuda_layers").unwrap();
-    if model.output_shape().rank() == 1 {
+    if model.output_shape().ndim() == 1 {
         return model;
     }
     let spec = format!(r#"{{"input_shape": {input:?}, "layers": [{before}, {example}, {{"type": "flatten"}}]}}"#);

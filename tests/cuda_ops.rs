@@ -13,7 +13,7 @@ use std::io::Write;
 
 use cudarc::driver::CudaSlice;
 use lockstep::cuda::launch::{
-    BnGeom, BnGrads, BnMerged, BnParams, BnSaved, BnStats, BnSums, BnUpdate, ConvGeom, DropoutKey, Gpu, WireGeom,
+    BnGeom, BnGrads, BnMerged, BnParams, BnSaved, BnStats, BnSums, BnUpdate, DropoutKey, Gpu, WindowGeom, WireGeom,
 };
 use lockstep::cuda::probe::{self, NcclStatus, NO_DRIVER};
 use lockstep::exchange::codec::{Codec, Compression};
@@ -200,7 +200,7 @@ fn im2col_and_col2im_match_the_reference_with_stride_and_asymmetric_padding() {
     let mut rng = Rng(3);
     let geoms = [
         // The Keras convnet's first layer: 3x3, stride 1, no padding.
-        ConvGeom {
+        WindowGeom {
             n: 2,
             c: 1,
             h: 28,
@@ -215,7 +215,7 @@ fn im2col_and_col2im_match_the_reference_with_stride_and_asymmetric_padding() {
             pad_right: 0,
         },
         // TF "same" padding with stride 2 on an even size: 0 top/left, 1 bottom/right.
-        ConvGeom {
+        WindowGeom {
             n: 2,
             c: 3,
             h: 8,
@@ -230,7 +230,7 @@ fn im2col_and_col2im_match_the_reference_with_stride_and_asymmetric_padding() {
             pad_right: 1,
         },
         // Everything different: 2x4 kernel, strides 2/3, padding 1/2/0/1.
-        ConvGeom {
+        WindowGeom {
             n: 3,
             c: 2,
             h: 7,
@@ -531,7 +531,7 @@ fn dropout_mask_is_the_documented_hash_and_backward_reuses_it() {
     let mut rng = Rng(9);
     let n = 10_000;
     let rate = 0.3f32;
-    let key = DropoutKey { seed: 42, step: 7, replica: 1, layer: 3, first: 0 };
+    let key = DropoutKey { seed: 42, step: 7, shard: 1, layer: 3, first: 0 };
     let x: Vec<f32> = rng.vec(n).iter().map(|v| v + 2.0).collect(); // never 0, so drops are visible
     let dy = rng.vec(n);
     let mut y_d = up(&gpu, &vec![0.0f32; n]);
@@ -554,7 +554,7 @@ fn dropout_mask_is_the_documented_hash_and_backward_reuses_it() {
     let frac = kept as f64 / n as f64;
     assert!((frac - 0.7).abs() < 0.0184, "kept fraction {frac}");
     // Another replica gets another mask.
-    gpu.dropout_fwd(&up(&gpu, &x), &mut y_d, rate, DropoutKey { replica: 2, ..key }).unwrap();
+    gpu.dropout_fwd(&up(&gpu, &x), &mut y_d, rate, DropoutKey { shard: 2, ..key }).unwrap();
     assert_ne!(down(&gpu, &y_d), y);
 }
 
@@ -565,7 +565,7 @@ fn dropout_mask_is_the_documented_hash_and_backward_reuses_it() {
 #[test]
 fn dropout_hash_reference_is_splitmix64() {
     assert_eq!(mix64(0x9E37_79B9_7F4A_7C15), 0xE220_A839_7B1D_CDAF);
-    let key = DropoutKey { seed: 0, step: 0, replica: 0, layer: 0, first: 0 };
+    let key = DropoutKey { seed: 0, step: 0, shard: 0, layer: 0, first: 0 };
     // rate 0 keeps everything; rate 1 drops everything.
     assert!((0..1000).all(|i| dropout_keep(key, i, 0.0)));
     assert!((0..1000).all(|i| !dropout_keep(key, i, 1.0)));

@@ -1,8 +1,8 @@
 //! 16-bit gradients on the wire (`TrainConfig::grad_compression`, `--grad-compression
 //! bf16|fp16`; the codec is src/exchange/codec.rs) through the shared-memory exchange, on
-//! 1–4 ranks: the sum is exactly the codec's (each contribution encoded, decoded, summed
-//! in f32 in the canonical tree, the sum encoded, decoded alike by every rank), so every
-//! rank and every device count (R fixed) reads bitwise the same values; fp16's block
+//! 1–4 members: the sum is exactly the codec's (each contribution encoded, decoded, summed
+//! in f32 in the canonical tree, the sum encoded, decoded alike by every member), so every
+//! member and every device count (R fixed) reads bitwise the same values; fp16's block
 //! scales keep gradients far outside fp16's range; the bytes that cross halve; and
 //! training keeps its replicas bitwise identical (the replica check runs every step).
 
@@ -15,17 +15,17 @@ use lockstep::exchange::tree::tree_sum;
 use lockstep::models::{self, ConvnetOptions, Norm};
 use lockstep::train::{train_data_parallel, TrainConfig};
 
-/// Every rank's copy of the sum of `shards` slots (slot s filled by `fill(s, i)`) over
-/// `ranks` ranks, with `codec`.
+/// Every member's copy of the sum of `shards` slots (slot s filled by `fill(s, i)`) over
+/// `members` members, with `codec`.
 fn exchanged(
-    ranks: usize,
+    members: usize,
     shards: usize,
     len: usize,
     codec: Codec,
     fill: impl Fn(usize, usize) -> f32,
 ) -> Vec<Vec<f32>> {
     let slots: Vec<Vec<f32>> = (0..shards).map(|s| (0..len).map(|i| fill(s, i)).collect()).collect();
-    common::shm_exchange(ranks, codec, &slots)
+    common::shm_exchange(members, codec, &slots)
 }
 
 /// The codec's sum written out: each slot through a wire and back, the canonical tree in
@@ -54,15 +54,15 @@ fn fill(s: usize, i: usize) -> f32 {
 }
 
 #[test]
-fn every_rank_and_device_count_reads_exactly_the_codecs_sum() {
+fn every_member_and_device_count_reads_exactly_the_codecs_sum() {
     let (len, encoded) = (5000, 3000);
     for compression in [Compression::Bf16, Compression::Fp16] {
         let codec = Codec::new(compression, encoded).unwrap();
         let want = by_hand(4, len, codec, fill);
-        for ranks in [1, 2, 4] {
-            for (r, got) in exchanged(ranks, 4, len, codec, fill).iter().enumerate() {
+        for members in [1, 2, 4] {
+            for (r, got) in exchanged(members, 4, len, codec, fill).iter().enumerate() {
                 let bad = got.iter().zip(&want).position(|(a, b)| a.to_bits() != b.to_bits());
-                assert_eq!(bad, None, "{compression:?}, {ranks} ranks, rank {r}: first difference");
+                assert_eq!(bad, None, "{compression:?}, {members} members, member {r}: first difference");
             }
         }
         // Every count of logical replicas: bf16 sums 1 to 4 in one fused pass and more
@@ -108,7 +108,7 @@ fn fp16_block_scales_neither_overflow_nor_flush() {
     }
 }
 
-/// What crosses between ranks: 2 bytes per gradient value (plus one exponent byte per
+/// What crosses between members: 2 bytes per gradient value (plus one exponent byte per
 /// 1,024 for fp16) where f32 takes 4; the buffers' tail stays 4.
 #[test]
 fn the_bytes_on_the_wire_halve() {

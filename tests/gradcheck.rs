@@ -61,7 +61,7 @@ impl Layer for InputProbe {
     }
 
     fn params(&self) -> Vec<ParamSpec> {
-        vec![ParamSpec { name: "x", shape: Shape::new([self.numel]), init: Init::Zeros }]
+        vec![ParamSpec { name: "x".into(), shape: Shape::new([self.numel]), init: Init::Zeros }]
     }
 
     // x: any shape with `numel` values → y: same shape

@@ -50,7 +50,7 @@ use std::sync::OnceLock;
 
 use lockstep::backend::cpu;
 use lockstep::cuda::kernels::{Kernel, Kind, KERNEL_FILES};
-use lockstep::cuda::launch::{ConvGeom, DropoutKey, WireGeom, CODEC_THREADS, REDUCE_BLOCK};
+use lockstep::cuda::launch::{DropoutKey, WindowGeom, WireGeom, CODEC_THREADS, REDUCE_BLOCK};
 use lockstep::exchange::codec::{Codec, Compression};
 use lockstep::nn::batchnorm::RunningUpdate;
 use lockstep::nn::gelu::{gelu_grad, gelu_value};
@@ -554,6 +554,7 @@ fn assert_bits(what: &str, got: &[f32], want: &[f32]) {
 /// held to its entry: [`Checked`]).
 const CHECKED: &[(&str, &[&str])] = &[
     ("every_declared_argument_list_is_the_kernels_signature", &[]),
+    ("residual_add_equals_the_cpu_block_bit_for_bit", &["residual_add_fwd_f32"]),
     ("relu_fwd_and_bwd_match_the_reference", &["relu_fwd_f32", "relu_bwd_f32"]),
     ("gelu_fwd_and_bwd_equal_the_cpu_layer_bit_for_bit", &["gelu_fwd_f32", "gelu_bwd_f32"]),
     ("rescale_scale_and_fill_match_the_reference", &["rescale_fwd_f32", "rescale_bwd_f32", "scale_f32", "fill_f32"]),
@@ -580,6 +581,7 @@ const CHECKED: &[(&str, &[&str])] = &[
         "synchronized_batchnorm_kernels_equal_the_cpu_layer_bit_for_bit",
         &["batchnorm_moments_fwd_f32", "batchnorm_sync_fwd_f32", "batchnorm_sums_bwd_f32", "batchnorm_sync_bwd_f32"],
     ),
+    ("batchnorm_count_equals_the_cpu_count_bit_for_bit", &["batchnorm_count_fwd_f32"]),
 ];
 
 #[test]
@@ -650,11 +652,31 @@ fn every_declared_argument_list_is_the_kernels_signature() {
             checked += 1;
         }
     }
-    // 34 kernels, as kernels_nvrtc.rs counts them from the files.
-    assert_eq!(checked, 34);
+    // 36 kernels, as kernels_nvrtc.rs counts them from the files.
+    assert_eq!(checked, 36);
 }
 
 // ---- elementwise.cu ------------------------------------------------------------------
+
+#[test]
+fn residual_add_equals_the_cpu_block_bit_for_bit() {
+    let Some(k) = kernels_or_skip("residual_add_equals_the_cpu_block_bit_for_bit") else {
+        return;
+    };
+    let mut rng = Rng(31);
+    let n = 3000;
+    let (mut a, mut b) = (rng.vec(n), rng.vec(n));
+    // Signed zeros, an infinity against its opposite (NaN), a NaN passing through.
+    (a[0], b[0], a[1], b[1], a[2], b[2], a[3]) = (0.0, -0.0, -0.0, -0.0, f32::INFINITY, f32::NEG_INFINITY, f32::NAN);
+    let mut want = a.clone();
+    lockstep::nn::residual::add_in_place(&mut want, &b);
+    for cfg in elem_cfgs(n) {
+        let mut y = vec![f32::NAN; n];
+        // As Gpu::residual_add pushes them: a, b, y, n.
+        k.launch("residual_add_fwd_f32", cfg, &mut [In(&a), In(&b), Out(&mut y), U64(n as u64)]);
+        assert_bits(&format!("residual add {cfg:?}"), &y, &want);
+    }
+}
 
 #[test]
 fn relu_fwd_and_bwd_match_the_reference() {
@@ -807,8 +829,8 @@ fn bias_adds_and_their_reductions_match_the_reference() {
 // ---- conv.cu -------------------------------------------------------------------------
 
 /// The CPU backend's geometry for one sample, when both strides agree.
-fn cpu_geom(g: &ConvGeom) -> Option<cpu::ConvGeom> {
-    (g.stride_h == g.stride_w).then(|| cpu::ConvGeom {
+fn cpu_geom(g: &WindowGeom) -> Option<cpu::Im2colGeom> {
+    (g.stride_h == g.stride_w).then(|| cpu::Im2colGeom {
         c: g.c,
         h: g.h,
         w: g.w,
@@ -823,7 +845,7 @@ fn cpu_geom(g: &ConvGeom) -> Option<cpu::ConvGeom> {
 }
 
 /// launch.rs's `conv_args`: N, C, H, W, KH, KW, SH, SW, PT, PL, OH, OW as ints.
-fn conv_args(g: &ConvGeom) -> [i32; 12] {
+fn conv_args(g: &WindowGeom) -> [i32; 12] {
     [g.n, g.c, g.h, g.w, g.kh, g.kw, g.stride_h, g.stride_w, g.pad_top, g.pad_left, g.oh(), g.ow()]
         .map(|v| i32::try_from(v).unwrap())
 }
@@ -834,7 +856,7 @@ fn im2col_and_col2im_match_the_cpu_backend_with_stride_and_asymmetric_padding() 
         return;
     };
     let mut rng = Rng(4);
-    let geom = |(n, c, h, w), (kh, kw), (stride_h, stride_w), (pad_top, pad_left, pad_bottom, pad_right)| ConvGeom {
+    let geom = |(n, c, h, w), (kh, kw), (stride_h, stride_w), (pad_top, pad_left, pad_bottom, pad_right)| WindowGeom {
         n,
         c,
         h,
@@ -1392,21 +1414,21 @@ fn reduce_sum_adds_the_buffers_left_to_right_and_scales() {
 // ---- dropout.cu ----------------------------------------------------------------------
 
 /// What the CPU `Dropout` layer outputs for `x` (N, F) at layer index `layer` of a model,
-/// in training step `step` of logical replica `replica`: the layer runs inside a
+/// in training step `step` of logical replica `shard`: the layer runs inside a
 /// `Sequential` behind `layer` dropouts of rate 0 (the identity), which only move it to
 /// that index. Its backward multiplies dout by the very per-element factors its forward
 /// used, so the forward of dy is also what its backward returns for dy.
-fn cpu_dropout(x: &[f32], f: usize, rate: f32, seed: u64, step: u64, replica: usize, layer: usize) -> Vec<f32> {
-    cpu_dropout_at(x, f, rate, (seed, step, replica, layer), 0)
+fn cpu_dropout(x: &[f32], f: usize, rate: f32, seed: u64, step: u64, shard: usize, layer: usize) -> Vec<f32> {
+    cpu_dropout_at(x, f, rate, (seed, step, shard, layer), 0)
 }
 
 /// [`cpu_dropout`] of a micro-batch whose first sample is sample `offset` of its shard.
 fn cpu_dropout_at(x: &[f32], f: usize, rate: f32, key: (u64, u64, usize, usize), offset: usize) -> Vec<f32> {
-    let (seed, step, replica, layer) = key;
+    let (seed, step, shard, layer) = key;
     let mut layers: Vec<Box<dyn Layer>> = (0..layer).map(|_| Box::new(Dropout::new(0.0).unwrap()) as _).collect();
     layers.push(Box::new(Dropout::new(rate).unwrap()));
     let mut net = Sequential::new([f], layers).unwrap();
-    let ctx = Ctx { sample_offset: offset, ..Ctx::train(seed, step, replica, Device::Cpu(0)) };
+    let ctx = Ctx { sample_offset: offset, ..Ctx::train(seed, step, shard, Device::Cpu(0)) };
     let x = Tensor::from_vec(x.to_vec(), [x.len() / f, f]).unwrap();
     net.forward(x, &[], &mut [], &ctx).unwrap().into_vec()
 }
@@ -1420,31 +1442,31 @@ fn dropout_masks_equal_the_cpu_layer_bit_for_bit() {
     let (n, f) = (4000, 100);
     let x: Vec<f32> = rng.vec(n).iter().map(|v| v + 2.0).collect(); // never 0, so drops are visible
     let dy = rng.vec(n);
-    let (seed, step, replica, layer) = (42u64, 7u64, 1usize, 3usize);
+    let (seed, step, shard, layer) = (42u64, 7u64, 1usize, 3usize);
     let rate = 0.3f32;
-    let want_y = cpu_dropout(&x, f, rate, seed, step, replica, layer);
-    let want_dx = cpu_dropout(&dy, f, rate, seed, step, replica, layer);
+    let want_y = cpu_dropout(&x, f, rate, seed, step, shard, layer);
+    let want_dx = cpu_dropout(&dy, f, rate, seed, step, shard, layer);
     let scale = 1.0f32 / (1.0 - rate);
     for cfg in elem_cfgs(n) {
         let (mut y, mut dx) = (vec![f32::NAN; n], vec![f32::NAN; n]);
-        let key = [U64(seed), U64(step), U64(replica as u64), U64(layer as u64), U64(0)];
+        let key = [U64(seed), U64(step), U64(shard as u64), U64(layer as u64), U64(0)];
         let mut args = vec![In(&x), Out(&mut y), F32(rate)];
         args.extend(key);
         args.push(U64(n as u64));
-        // As Gpu::dropout (fwd): x, y, rate, seed, step, replica, layer, first, n.
+        // As Gpu::dropout (fwd): x, y, rate, seed, step, shard, layer, first, n.
         k.launch("dropout_fwd_f32", cfg, &mut args);
-        let key = [U64(seed), U64(step), U64(replica as u64), U64(layer as u64), U64(0)];
+        let key = [U64(seed), U64(step), U64(shard as u64), U64(layer as u64), U64(0)];
         let mut args = vec![In(&dy), Out(&mut dx), F32(rate)];
         args.extend(key);
         args.push(U64(n as u64));
-        // As Gpu::dropout (bwd): dy, dx, rate, seed, step, replica, layer, first, n.
+        // As Gpu::dropout (bwd): dy, dx, rate, seed, step, shard, layer, first, n.
         k.launch("dropout_bwd_f32", cfg, &mut args);
         // Bitwise: one mask, from the same integer hash, and one f32 multiply by the same
         // f32 1/(1 - rate) on both sides.
         assert_bits(&format!("dropout y vs nn::Dropout {cfg:?}"), &y, &want_y);
         assert_bits(&format!("dropout dx vs nn::Dropout {cfg:?}"), &dx, &want_dx);
         // And the mask is the documented function of rng (what cuda_ops.rs checks on a GPU).
-        let dkey = DropoutKey { seed, step, replica: replica as u64, layer: layer as u64, first: 0 };
+        let dkey = DropoutKey { seed, step, shard: shard as u64, layer: layer as u64, first: 0 };
         let mut kept = 0;
         for i in 0..n {
             let keep = dropout_keep(dkey, i as u64, rate);
@@ -1456,17 +1478,13 @@ fn dropout_masks_equal_the_cpu_layer_bit_for_bit() {
         assert!((frac - 0.7).abs() < 0.029, "kept fraction {frac}");
     }
 
-    // Another replica, step or layer: another mask.
-    for (s, r, l) in [(step + 1, replica, layer), (step, replica + 1, layer), (step, replica, layer + 1)] {
+    // Another shard, step or layer: another mask.
+    for (s, r, l) in [(step + 1, shard, layer), (step, shard + 1, layer), (step, shard, layer + 1)] {
         let mut y = vec![0.0f32; n];
         let mut args = vec![In(&x), Out(&mut y), F32(rate), U64(seed), U64(s), U64(r as u64), U64(l as u64)];
         args.extend([U64(0), U64(n as u64)]);
         k.launch("dropout_fwd_f32", elem_cfg(n), &mut args);
-        assert_bits(
-            &format!("dropout y, step {s} replica {r} layer {l}"),
-            &y,
-            &cpu_dropout(&x, f, rate, seed, s, r, l),
-        );
+        assert_bits(&format!("dropout y, step {s} shard {r} layer {l}"), &y, &cpu_dropout(&x, f, rate, seed, s, r, l));
         assert_ne!(y, want_y);
     }
     // launch.rs accepts rate 0 and 1 (the CPU layer refuses 1): all kept, unscaled; all
@@ -1474,7 +1492,7 @@ fn dropout_masks_equal_the_cpu_layer_bit_for_bit() {
     // infinite.
     for (rate, want) in [(0.0f32, dy.clone()), (1.0, dy.iter().map(|v| v * 0.0).collect())] {
         let mut dx = vec![f32::NAN; n];
-        let mut args = vec![In(&dy), Out(&mut dx), F32(rate), U64(seed), U64(step), U64(replica as u64)];
+        let mut args = vec![In(&dy), Out(&mut dx), F32(rate), U64(seed), U64(step), U64(shard as u64)];
         args.extend([U64(layer as u64), U64(0), U64(n as u64)]);
         k.launch("dropout_bwd_f32", elem_cfg(n), &mut args);
         assert_bits(&format!("dropout dx at rate {rate}"), &dx, &want);
@@ -1485,10 +1503,10 @@ fn dropout_masks_equal_the_cpu_layer_bit_for_bit() {
     let (from, rows) = (25usize, 15usize);
     let part = &x[from * f..(from + rows) * f];
     let mut y = vec![f32::NAN; rows * f];
-    let mut args = vec![In(part), Out(&mut y), F32(rate), U64(seed), U64(step), U64(replica as u64)];
+    let mut args = vec![In(part), Out(&mut y), F32(rate), U64(seed), U64(step), U64(shard as u64)];
     args.extend([U64(layer as u64), U64((from * f) as u64), U64((rows * f) as u64)]);
     k.launch("dropout_fwd_f32", elem_cfg(rows * f), &mut args);
-    let cpu_part = cpu_dropout_at(part, f, rate, (seed, step, replica, layer), from);
+    let cpu_part = cpu_dropout_at(part, f, rate, (seed, step, shard, layer), from);
     assert_bits("dropout of a later micro-batch vs nn::Dropout at its offset", &y, &cpu_part);
     assert_bits("dropout of a later micro-batch vs the whole shard's rows", &y, &want_y[from * f..(from + rows) * f]);
 }
@@ -1505,7 +1523,7 @@ fn dropout_masks_equal_the_cpu_layer_bit_for_bit() {
 /// payload), so there a NaN must match a NaN (bf16 turns every NaN into 0x7FC0, so it
 /// matches bit for bit anyway).
 /// Then the whole GPU exchange (encode each slot, the wires side by side, reduce, decode)
-/// against the shared-memory exchange on the same slots, on 1 and 2 ranks.
+/// against the shared-memory exchange on the same slots, on 1 and 2 members.
 #[test]
 fn codec_kernels_equal_the_codec_bit_for_bit() {
     let Some(k) = kernels_or_skip("codec_kernels_equal_the_codec_bit_for_bit") else {
@@ -1615,8 +1633,9 @@ fn codec_kernels_equal_the_codec_bit_for_bit() {
             }
 
             // The GPU exchange's chain on the kernels' own wires, against the shared-memory
-            // exchange on the same slots (r logical replicas on 1 rank, and on r ranks when
-            // r is 1 or 5 — any device count with R fixed reads the same sum).
+            // exchange on the same slots (r logical replicas on 1 member, and on r
+            // members when r is 1 or 5 — any device count with R fixed reads the same
+            // sum).
             let mut reduced = vec![0u8; g.bytes()];
             k.launch(
                 "wire_reduce_f32",
@@ -1647,12 +1666,12 @@ fn codec_kernels_equal_the_codec_bit_for_bit() {
                     U64(g.raw_at() as u64),
                 ],
             );
-            for ranks in [1, r] {
-                for (rank, cpu) in shm_exchange(ranks, codec, &slots).iter().enumerate() {
+            for members in [1, r] {
+                for (member, cpu) in shm_exchange(members, codec, &slots).iter().enumerate() {
                     for (i, (a, b)) in gpu_sum.iter().zip(cpu).enumerate() {
                         assert!(
                             a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()),
-                            "{case}: value {i} of the GPU chain {a} vs the CPU exchange's {b} ({ranks} ranks, rank {rank})"
+                            "{case}: value {i} of the GPU chain {a} vs the CPU exchange's {b} ({members} members, member {member})"
                         );
                     }
                 }
@@ -1788,3 +1807,18 @@ const SYNC_BN_CASES: [(usize, usize, usize, bool, bool); 5] = [
     (300, 2, 9, false, false),
     (1, 3, 16, true, true),
 ];
+
+#[test]
+fn batchnorm_count_equals_the_cpu_count_bit_for_bit() {
+    let Some(k) = kernels_or_skip("batchnorm_count_equals_the_cpu_count_bit_for_bit") else {
+        return;
+    };
+    // Counts as the average over R logical replicas leaves them: whole, an ulp off either
+    // side (5 · 7 · (1/7) in f32), and large.
+    for v in [0.0f32, 1.0, 4.999_999_5, 5.000_000_5, 123_456.0, 16_777_215.0] {
+        let mut count = vec![v];
+        // As Gpu::batchnorm_count pushes them: count, n = 1.
+        k.launch("batchnorm_count_fwd_f32", elem_cfg(1), &mut [Out(&mut count), U64(1)]);
+        assert_bits(&format!("count of {v}"), &count, &[lockstep::nn::batchnorm::count_up(v)]);
+    }
+}

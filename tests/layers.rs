@@ -323,7 +323,7 @@ fn forward_shape_errors_name_the_op_and_the_shapes() {
     let msg = err.to_string();
     assert!(msg.contains("(1, 1, 2, 2)") && msg.contains("3x3"), "{msg}");
 
-    // A conv given a rank-2 tensor.
+    // A conv given a 2-dimensional tensor.
     let x = Tensor::zeros([1, 16], CPU);
     let err = net.forward(x, &store.params, &mut store.buffers, &Ctx::eval(CPU)).unwrap_err().to_string();
     assert!(err.contains("Conv2d") && err.contains("(N, C, H, W)") && err.contains("(1, 16)"), "{err}");
@@ -422,11 +422,13 @@ fn init_follows_keras_defaults() {
                 }
                 Init::Zeros => assert!(v.iter().all(|&x| x == 0.0), "{model} {} must start at 0", t.name),
                 Init::Ones => assert!(v.iter().all(|&x| x == 1.0), "{model} {} must start at 1", t.name),
+                Init::Count => assert!(v.iter().all(|&x| x == 0.0), "{model} {} must count from 0", t.name),
             }
             // Which tensors get which initialiser, by name.
             let want_init = match t.name.rsplit('.').next().unwrap() {
                 "weight" => "glorot",
                 "bias" | "beta" | "running_mean" => "zeros",
+                "num_batches_tracked" => "count",
                 "gamma" | "running_var" => "ones",
                 other => panic!("unexpected tensor kind {other}"),
             };
@@ -434,6 +436,7 @@ fn init_follows_keras_defaults() {
                 Init::GlorotUniform { .. } => "glorot",
                 Init::Zeros => "zeros",
                 Init::Ones => "ones",
+                Init::Count => "count",
             };
             assert_eq!(got_init, want_init, "{model} {}", t.name);
         }

@@ -140,6 +140,30 @@ fn toy_and_convnet_on_1_2_and_4_processes_save_the_same_tensors() {
     }
 }
 
+/// resnet8 on the digits: 6 steps of 24, its residual blocks and PyTorch BatchNorm.
+const RESNET8: &[&str] = &["--model", "resnet8", "--steps", "6", "--batch-size", "24", "--seed", "2"];
+
+#[test]
+fn resnet8_on_2_processes_saves_the_tensors_of_one_process_with_every_ddp_feature() {
+    if !mpi_ready("resnet8_on_2_processes_saves_the_tensors_of_one_process_with_every_ddp_feature") {
+        return;
+    }
+    // 2 × cpu:1 against 1 × cpu:2, R = 2; and R = 4 on 2 × cpu:2 against 1 × cpu:4.
+    type Feature<'a> = (&'a str, &'a [&'a str]);
+    let features: [Feature<'_>; 4] = [
+        ("resnet8", &[]),
+        ("resnet8 accumulate", &["--accumulate", "2"]),
+        ("resnet8 bf16", &["--grad-compression", "bf16"]),
+        ("resnet8 shard-optimizer", &["--shard-optimizer"]),
+    ];
+    for (name, flags) in features {
+        let args: Vec<&str> = RESNET8.iter().copied().chain(["--replicas", "2"]).chain(flags.iter().copied()).collect();
+        assert_bitwise(name, &args, &[(0, 2), (2, 1)], &[]);
+    }
+    let r4: Vec<&str> = RESNET8.iter().copied().chain(["--replicas", "4"]).collect();
+    assert_bitwise("resnet8 R = 4", &r4, &[(0, 4), (2, 2)], &[]);
+}
+
 #[test]
 fn partial_sums_inside_a_process_follow_the_one_tree() {
     if !mpi_ready("partial_sums_inside_a_process_follow_the_one_tree") {
@@ -219,10 +243,10 @@ fn process_0_is_the_one_voice() {
     let two = train(2, 1, &[], &[&args[..], &["--metrics-out", csv2.to_str().unwrap()]].concat(), &dir.path("b"));
     // The lesson's 3 epochs of 3 steps, 2 shards each: 18 step lines, named with the
     // process, printed once (by process 0 alone).
-    let lines: Vec<&str> = two.lines().filter(|l| l.starts_with("[rank ")).collect();
+    let lines: Vec<&str> = two.lines().filter(|l| l.starts_with("[process ")).collect();
     assert_eq!(lines.len(), 18, "{two}");
-    assert!(lines[0].starts_with("[rank 0, cpu:0] Epoch: 001/003 | Batchsize 001 | Train/Val Loss: "), "{two}");
-    assert!(lines[1].starts_with("[rank 1, cpu:0] Epoch: 001/003 | Batchsize 001 | Train/Val Loss: "), "{two}");
+    assert!(lines[0].starts_with("[process 0, cpu:0] Epoch: 001/003 | Batchsize 001 | Train/Val Loss: "), "{two}");
+    assert!(lines[1].starts_with("[process 1, cpu:0] Epoch: 001/003 | Batchsize 001 | Train/Val Loss: "), "{two}");
     assert_eq!(two.lines().filter(|l| l.starts_with("epoch ")).count(), 3, "{two}");
     assert_eq!(two.lines().filter(|l| l.starts_with("lockstep: toy")).count(), 1, "{two}");
     assert!(two.contains("devices: 2 processes × cpu:0 (1 thread each) | replicas: 2"), "{two}");
@@ -357,7 +381,9 @@ fn arguments_that_disagree_are_refused_on_every_process() {
     let out = text(&o);
     assert!(!o.status.success(), "{out}");
     assert!(
-        out.contains("error: the processes of this run disagree: rank 1 has batch size 4, rank 0 has batch size 2"),
+        out.contains(
+            "error: the processes of this run disagree: process 1 has batch size 4, process 0 has batch size 2"
+        ),
         "{out}"
     );
     assert!(out.contains("Exit code:    2"), "exits 2, as for any bad argument: {out}");
@@ -500,7 +526,7 @@ fn sixteen_bit_gradients_cross_between_processes_as_16_bit_values() {
         let mut seen = 0;
         // (A process's first line follows the harness's "test mpi_child ... ".)
         for line in out.lines().filter_map(|l| Some(&l[l.find("exchange ")? + 9..])) {
-            // "bf16 len 300000 encoded 299000 rank 0: 601000 B per sum, bitwise true"
+            // "bf16 len 300000 encoded 299000 process 0: 601000 B per sum, bitwise true"
             let w: Vec<&str> = line.split_whitespace().collect();
             let (c, len, encoded): (&str, usize, usize) = (w[0], w[2].parse().unwrap(), w[4].parse().unwrap());
             assert_eq!(w[12], "true", "{np} × cpu:{devices}: not the one-process sum: {line}");
@@ -536,7 +562,7 @@ fn children(np: usize, mca: &[&str], what: &str, dir: &Path) -> std::process::Ch
         .unwrap()
 }
 
-/// The pids the children wrote (`pid-<rank>`), once all `np` are there.
+/// The pids the children wrote (`pid-<process>`), once all `np` are there.
 fn child_pids(dir: &Path, np: usize) -> Vec<u32> {
     let t0 = Instant::now();
     loop {
@@ -578,18 +604,18 @@ fn fault(what: &str, cause: &str) {
         assert_eq!(
             std::fs::read_to_string(dir.path(&format!("exit-{r}"))).ok().as_deref(),
             Some("1"),
-            "rank {r}: {out}"
+            "process {r}: {out}"
         );
     }
     // Process 1 names itself; process 0, told by process 1's notice (mpirun is not let
     // end the job for it here), names the same.
-    assert!(out.contains(&format!("rank 1: error: rank 1, cpu:0, step 5: {cause}")), "{out}");
-    assert!(out.contains(&format!("rank 0: error: rank 1, cpu:0, step 5: {cause}")), "{out}");
+    assert!(out.contains(&format!("process 1: error: process 1, cpu:0, step 5: {cause}")), "{out}");
+    assert!(out.contains(&format!("process 0: error: process 1, cpu:0, step 5: {cause}")), "{out}");
     assert!(pids.iter().all(|&p| gone(p)), "a process outlived mpirun: {pids:?}");
     // Start-up (MPI, two processes) and five steps of a tiny model, then the fault.
     assert!(took < Duration::from_secs(10), "took {took:?}: {out}");
     let _ =
-        writeln!(std::io::stderr(), "{what} on rank 1 at step 5: every process ended {took:?} after mpirun started");
+        writeln!(std::io::stderr(), "{what} on process 1 at step 5: every process ended {took:?} after mpirun started");
 }
 
 #[test]
@@ -633,13 +659,14 @@ fn sigkill_of_one_process_ends_the_others() {
     assert!(took < Duration::from_secs(5), "process 0 ended {took:?} after the kill: {out}");
     // mpirun is not let end the job: process 0 saw the death itself (its waits watch the
     // processes on its machine) and names it.
-    let want = format!("rank 0: error: rank 1 (pid {}, on this machine) has exited without a word (killed?)", pids[1]);
+    let want =
+        format!("process 0: error: process 1 (pid {}, on this machine) has exited without a word (killed?)", pids[1]);
     assert!(out.contains(&want), "{out}");
     assert_eq!(std::fs::read_to_string(dir.path("exit-0")).ok().as_deref(), Some("1"), "{out}");
     let left = std::fs::metadata(dir.path("exit-0")).unwrap().modified().unwrap();
     let _ = writeln!(
         std::io::stderr(),
-        "SIGKILL of rank 1: rank 0 left {:?} later, mpirun ended {took:?} later",
+        "SIGKILL of process 1: process 0 left {:?} later, mpirun ended {took:?} later",
         left.duration_since(killed_at).unwrap_or_default()
     );
 }
@@ -735,7 +762,7 @@ fn process_0_makes_the_nccl_id_and_every_process_gets_it() {
     let ids: Vec<&str> = out.lines().filter_map(|l| Some(&l[l.find("nccl-id ")? + 8..])).collect();
     assert_eq!(ids.len(), 2, "{out}");
     let (a, b) = (ids[0].split_once(' ').unwrap(), ids[1].split_once(' ').unwrap());
-    assert_ne!(a.0, b.0, "two ranks: {out}");
+    assert_ne!(a.0, b.0, "two processes: {out}");
     assert_eq!(a.1, b.1, "the same id on both: {out}");
     assert!(a.1.chars().any(|c| c != '0'), "a made id, not zeros: {out}");
 }
@@ -770,11 +797,11 @@ mod child {
         Never,
     }
 
-    /// The identity, except on `device` of the process whose rank is `rank`, at `step`,
+    /// The identity, except on `device` of process `process`, at `step`,
     /// where it fails as told (in forward).
     #[derive(Clone, Debug)]
     struct Faulty {
-        rank: usize,
+        process: usize,
         here: usize,
         device: Device,
         step: u64,
@@ -789,7 +816,7 @@ mod child {
             Ok(input.clone())
         }
         fn forward(&mut self, x: Tensor, _p: Params<'_>, _b: ParamsMut<'_>, ctx: &Ctx) -> Result<Tensor> {
-            if self.here == self.rank && ctx.device == self.device && ctx.step == self.step {
+            if self.here == self.process && ctx.device == self.device && ctx.step == self.step {
                 match self.how {
                     How::Error => return Err(Error::config("test layer", "injected failure")),
                     How::Panic => panic!("injected panic"),
@@ -816,7 +843,7 @@ mod child {
         }
     }
 
-    /// Writes the steps taken to `steps-<rank>`.
+    /// Writes the steps taken to `steps-<process>`.
     struct Steps(std::path::PathBuf);
     impl Observer for Steps {
         fn on_step(&mut self, e: &StepEvent<'_>) {
@@ -826,8 +853,8 @@ mod child {
 
     pub fn run(what: &str, dir: &Path) {
         let world = lockstep::world::init().expect("the world starts");
-        let rank = world.rank();
-        std::fs::write(dir.join(format!("pid-{rank}")), std::process::id().to_string()).unwrap();
+        let process = world.process();
+        std::fs::write(dir.join(format!("pid-{process}")), std::process::id().to_string()).unwrap();
         if what == "nccl-id" {
             return nccl_id(world);
         }
@@ -839,7 +866,7 @@ mod child {
             "panic" => How::Panic,
             _ => How::Never,
         };
-        let faulty = Faulty { rank: 1, here: rank, device: Device::Cpu(0), step: 5, how };
+        let faulty = Faulty { process: 1, here: process, device: Device::Cpu(0), step: 5, how };
         let model = Sequential::new(
             [2],
             vec![Box::new(Linear::new(2, 8)), Box::new(Relu::new()), Box::new(faulty), Box::new(Linear::new(8, 2))],
@@ -848,7 +875,7 @@ mod child {
         let data = toy::toy_enlarged(20, 1).unwrap().train;
         let epochs = if how == How::Never { 100_000 } else { 5 };
         let cfg = TrainConfig { epochs, batch_size: 8, optimizer: OptimizerConfig::sgd(0.1), ..Default::default() };
-        let mut steps = Steps(dir.join(format!("steps-{rank}")));
+        let mut steps = Steps(dir.join(format!("steps-{process}")));
         // As the binary does under mpirun: SIGTERM asks the run to stop (at a step every
         // process agrees on).
         let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -860,9 +887,9 @@ mod child {
             Err(e) => {
                 // Every process says how it ended, named, so that the test sees each.
                 // One write, so that mpirun does not interleave it with another's.
-                let line = format!("rank {rank}: error: {e}\n");
+                let line = format!("process {process}: error: {e}\n");
                 let _ = std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes());
-                std::fs::write(dir.join(format!("exit-{rank}")), "1").unwrap();
+                std::fs::write(dir.join(format!("exit-{process}")), "1").unwrap();
                 std::process::exit(1);
             }
         }
@@ -898,7 +925,7 @@ mod child {
         use lockstep::exchange::mpi::MpiGroup;
         use lockstep::exchange::shm::ShmGroup;
         use lockstep::exchange::{Exchange, Wait};
-        let (rank, shards) = (world.rank(), world.size() * devices);
+        let (process, shards) = (world.process(), world.size() * devices);
         // Two rounds with a 1,000-value f32 tail; one round; the eager blocks.
         for (len, encoded) in [(300_000, 299_000), (3000, 2500), (1500, 1200)] {
             for compression in [Compression::None, Compression::Bf16, Compression::Fp16] {
@@ -921,7 +948,7 @@ mod child {
                                 let group = &group;
                                 s.spawn(move || {
                                     let mut me = group.member(d);
-                                    let shard = rank * devices + d;
+                                    let shard = process * devices + d;
                                     me.with_slot(0, |s| {
                                         s.iter_mut().enumerate().for_each(|(i, v)| *v = value(shard, step, i))
                                     });
@@ -935,7 +962,7 @@ mod child {
                     bitwise &= sums.iter().all(|got| got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()));
                 }
                 println!(
-                    "exchange {} len {len} encoded {encoded} rank {rank}: {} B per sum, bitwise {bitwise}",
+                    "exchange {} len {len} encoded {encoded} process {process}: {} B per sum, bitwise {bitwise}",
                     compression.name(),
                     group.bytes_sent() / 3
                 );
@@ -945,7 +972,7 @@ mod child {
     }
 
     fn nccl_id(world: &lockstep::world::World) {
-        let made = match world.rank() {
+        let made = match world.process() {
             0 => lockstep::exchange::gpu::new_clique_id().map_err(|e| e.to_string()),
             _ => Ok([0u8; 128]),
         };
@@ -953,7 +980,7 @@ mod child {
         let mut flag = [u8::from(made.is_ok())];
         world.broadcast(0, &mut flag).unwrap();
         if flag[0] == 0 {
-            if world.rank() == 0 {
+            if world.process() == 0 {
                 println!("nccl-id: skipped: {}", made.err().unwrap_or_default());
             }
             return world.finalize();
@@ -961,7 +988,7 @@ mod child {
         let mut id = made.unwrap_or([0u8; 128]);
         world.broadcast(0, &mut id).unwrap();
         let hex: String = id.iter().map(|b| format!("{b:02x}")).collect();
-        println!("nccl-id {} {hex}", world.rank());
+        println!("nccl-id {} {hex}", world.process());
         world.finalize();
     }
 }
@@ -975,7 +1002,7 @@ fn without_the_feature_a_launched_run_is_refused() {
         skip("without_the_feature_a_launched_run_is_refused", "this binary is built with the mpi feature");
         return;
     }
-    let want = "error: MPI: this process is rank 1 of 2 processes, launched by Open MPI (OMPI_COMM_WORLD_SIZE=2), \
+    let want = "error: MPI: this is process 1 of 2, launched by Open MPI (OMPI_COMM_WORLD_SIZE=2), \
                 but this lockstep was built without MPI, so it would train alone, one of 2 copies: \
                 build it with `cargo build --release --features mpi`";
     // What mpirun puts in a process's environment is enough to be refused.
@@ -995,7 +1022,7 @@ fn without_the_feature_a_launched_run_is_refused() {
     let out = String::from_utf8_lossy(&o.stdout).into_owned();
     assert!(o.status.success(), "{out}");
     assert!(out.contains("mpi: not built in (build with --features mpi)"), "{out}");
-    assert!(out.contains("world: none: MPI: this process is rank 1 of 2 processes"), "{out}");
+    assert!(out.contains("world: none: MPI: this is process 1 of 2, launched"), "{out}");
     // And under a real mpirun, where there is one: both processes refuse, nothing trains.
     if Command::new("mpirun").arg("--version").output().is_ok_and(|o| o.status.success()) {
         let o = mpirun(2, &[]).args([env!("CARGO_BIN_EXE_lockstep"), "train", "--model", "toy"]).output().unwrap();

@@ -61,6 +61,16 @@ fn toy_mlp_json_is_the_lesson_mlp() {
 }
 
 #[test]
+fn resnet8_json_is_the_built_in_resnet8() {
+    // The same names (PyTorch's), layers, initial weights and forward, bit for bit, and
+    // the same spec written back.
+    let mut built = models::resnet(models::ResnetDepth::Resnet8, 10).unwrap();
+    let mut spec = example("resnet8.json");
+    assert_same(&mut spec, &mut built, 3);
+    assert_eq!(model_to_spec(&spec).unwrap(), model_to_spec(&built).unwrap());
+}
+
+#[test]
 fn mnist_convnet_json_is_the_keras_guide_convnet() {
     let mut built = models::convnet(ConvnetOptions::default()).unwrap();
     assert_same(&mut example("mnist_convnet.json"), &mut built, 4);
@@ -134,6 +144,8 @@ fn built_in_models_write_themselves_back_as_specs() {
         ("convnet", models::convnet(ConvnetOptions::default()).unwrap()),
         ("convnet-nobn", models::convnet(ConvnetOptions { norm: Norm::None, ..ConvnetOptions::default() }).unwrap()),
         ("maxpool", example("mnist_convnet_maxpool.json")),
+        ("resnet8", models::resnet(models::ResnetDepth::Resnet8, 10).unwrap()),
+        ("resnet20", models::resnet(models::ResnetDepth::Resnet20, 10).unwrap()),
     ];
     for (name, mut model) in built {
         let text = model_to_spec(&model).unwrap().to_string();

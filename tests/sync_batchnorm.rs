@@ -140,7 +140,7 @@ fn what_it_cannot_do_is_refused_and_the_spec_field_turns_it_on() {
     .unwrap();
     let built = spec.build().unwrap();
     let bn = &built.layers()[1];
-    assert_eq!(bn.synchronized_channels(), Some(4), "{}", bn.describe());
+    assert_eq!(bn.synchronized_channels(), vec![4], "{}", bn.describe());
     assert_eq!(bn.spec().unwrap()["synchronized"], serde_json::json!(true));
     assert!(built.layers()[1].describe().contains("synchronized"));
 }

@@ -120,9 +120,11 @@ pub fn gemm_with(a: Mat<'_>, b: Mat<'_>, c: &mut [f32], c_rs: usize, acc: Accumu
     }
 }
 
-/// Geometry of a 2-D convolution over one sample.
+/// Geometry of a 2-D convolution over one sample, as its column matrix (im2col) sees it:
+/// square stride, the padding of the top and left edges (the bottom and right follow from
+/// OH, OW). The GPU kernels take a batch's window instead (`cuda::launch::WindowGeom`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct ConvGeom {
+pub struct Im2colGeom {
     pub c: usize,
     pub h: usize,
     pub w: usize,
@@ -135,7 +137,7 @@ pub struct ConvGeom {
     pub ow: usize,
 }
 
-impl ConvGeom {
+impl Im2colGeom {
     /// Rows of the column matrix: C·KH·KW.
     pub fn col_rows(&self) -> usize {
         self.c * self.kh * self.kw
@@ -157,7 +159,7 @@ fn valid_cols(j: usize, pad: usize, s: usize, w: usize, ow: usize) -> std::ops::
 }
 
 /// Per kernel column j: the valid output columns and the input column of the first.
-fn column_plan(g: &ConvGeom) -> Vec<(std::ops::Range<usize>, usize)> {
+fn column_plan(g: &Im2colGeom) -> Vec<(std::ops::Range<usize>, usize)> {
     (0..g.kw)
         .map(|j| {
             let cols = valid_cols(j, g.pad_left, g.stride, g.w, g.ow);
@@ -169,7 +171,7 @@ fn column_plan(g: &ConvGeom) -> Vec<(std::ops::Range<usize>, usize)> {
 
 /// Unfolds one sample. x: (C, H, W) → col: (C·KH·KW, OH·OW), row (c·KH + i)·KW + j holds
 /// x[c, oy·s + i − pad_top, ox·s + j − pad_left] (0 outside the image).
-pub fn im2col(x: &[f32], g: &ConvGeom, col: &mut [f32]) {
+pub fn im2col(x: &[f32], g: &Im2colGeom, col: &mut [f32]) {
     let p = g.col_cols();
     debug_assert_eq!(x.len(), g.c * g.h * g.w);
     debug_assert_eq!(col.len(), g.col_rows() * p);
@@ -205,7 +207,7 @@ pub fn im2col(x: &[f32], g: &ConvGeom, col: &mut [f32]) {
 
 /// Folds a column matrix back, adding overlapping entries: the adjoint of [`im2col`].
 /// dcol: (C·KH·KW, OH·OW) → dx: (C, H, W), accumulated into `dx` (zero it first).
-pub fn col2im(dcol: &[f32], g: &ConvGeom, dx: &mut [f32]) {
+pub fn col2im(dcol: &[f32], g: &Im2colGeom, dx: &mut [f32]) {
     let p = g.col_cols();
     let (s, ow) = (g.stride, g.ow);
     let plan = column_plan(g);
@@ -259,7 +261,7 @@ pub fn hwc_to_chw(xt: &[f32], c: usize, x: &mut [f32]) {
 /// xt: (H, W, C) → rows: (OH·OW, KH·KW·C), row (oy, ox) holding, for i, j, c in that
 /// order, xt[oy·s + i − pad_top, ox·s + j − pad_left, c] (0 outside the image). Each
 /// kernel row i is one contiguous copy of up to KW·C values: the reason for this layout.
-pub fn im2row(xt: &[f32], g: &ConvGeom, rows: &mut [f32]) {
+pub fn im2row(xt: &[f32], g: &Im2colGeom, rows: &mut [f32]) {
     let (c, kwc) = (g.c, g.kw * g.c);
     let kkc = g.kh * kwc;
     debug_assert_eq!(rows.len(), g.oh * g.ow * kkc);
@@ -284,7 +286,7 @@ pub fn im2row(xt: &[f32], g: &ConvGeom, rows: &mut [f32]) {
 
 /// The adjoint of [`im2row`]: adds every row entry back to the input value it came from.
 /// drows: (OH·OW, KH·KW·C) → dxt: (H, W, C), accumulated (zero it first).
-pub fn row2im(drows: &[f32], g: &ConvGeom, dxt: &mut [f32]) {
+pub fn row2im(drows: &[f32], g: &Im2colGeom, dxt: &mut [f32]) {
     let (c, kwc) = (g.c, g.kw * g.c);
     let kkc = g.kh * kwc;
     for (p, row) in drows.chunks_exact(kkc).enumerate() {
@@ -420,7 +422,7 @@ mod tests {
     }
 
     /// The reference: the definition, element by element.
-    fn im2col_naive(x: &[f32], g: &ConvGeom) -> Vec<f32> {
+    fn im2col_naive(x: &[f32], g: &Im2colGeom) -> Vec<f32> {
         let mut col = Vec::new();
         for c in 0..g.c {
             for i in 0..g.kh {
@@ -442,10 +444,10 @@ mod tests {
     #[test]
     fn im2col_matches_its_definition() {
         let geoms = [
-            ConvGeom { c: 2, h: 7, w: 6, kh: 3, kw: 2, stride: 2, pad_top: 1, pad_left: 0, oh: 4, ow: 3 },
-            ConvGeom { c: 1, h: 5, w: 5, kh: 4, kw: 4, stride: 1, pad_top: 1, pad_left: 1, oh: 5, ow: 5 },
-            ConvGeom { c: 3, h: 12, w: 12, kh: 6, kw: 6, stride: 2, pad_top: 2, pad_left: 2, oh: 6, ow: 6 },
-            ConvGeom { c: 2, h: 3, w: 3, kh: 3, kw: 3, stride: 3, pad_top: 2, pad_left: 2, oh: 2, ow: 2 },
+            Im2colGeom { c: 2, h: 7, w: 6, kh: 3, kw: 2, stride: 2, pad_top: 1, pad_left: 0, oh: 4, ow: 3 },
+            Im2colGeom { c: 1, h: 5, w: 5, kh: 4, kw: 4, stride: 1, pad_top: 1, pad_left: 1, oh: 5, ow: 5 },
+            Im2colGeom { c: 3, h: 12, w: 12, kh: 6, kw: 6, stride: 2, pad_top: 2, pad_left: 2, oh: 6, ow: 6 },
+            Im2colGeom { c: 2, h: 3, w: 3, kh: 3, kw: 3, stride: 3, pad_top: 2, pad_left: 2, oh: 2, ow: 2 },
         ];
         for g in geoms {
             let x = data(g.c * g.h * g.w, 9);
@@ -457,7 +459,7 @@ mod tests {
 
     #[test]
     fn im2row_is_im2col_in_channels_last_order() {
-        let g = ConvGeom { c: 3, h: 7, w: 6, kh: 3, kw: 2, stride: 2, pad_top: 1, pad_left: 1, oh: 4, ow: 3 };
+        let g = Im2colGeom { c: 3, h: 7, w: 6, kh: 3, kw: 2, stride: 2, pad_top: 1, pad_left: 1, oh: 4, ow: 3 };
         let x = data(g.c * g.h * g.w, 10);
         let mut xt = vec![0.0; x.len()];
         chw_to_hwc(&x, g.c, &mut xt);
@@ -491,7 +493,7 @@ mod tests {
     fn col2im_is_the_adjoint_of_im2col() {
         // <im2col(x), y> == <x, col2im(y)> for any x, y: the defining property of the
         // backward pass of an unfold.
-        let g = ConvGeom { c: 2, h: 7, w: 6, kh: 3, kw: 2, stride: 2, pad_top: 1, pad_left: 0, oh: 4, ow: 3 };
+        let g = Im2colGeom { c: 2, h: 7, w: 6, kh: 3, kw: 2, stride: 2, pad_top: 1, pad_left: 0, oh: 4, ow: 3 };
         let x = data(g.c * g.h * g.w, 5);
         let y = data(g.col_rows() * g.col_cols(), 6);
         let mut col = vec![0.0; y.len()];

@@ -10,7 +10,7 @@ use crate::*;
 
 #[derive(Args, Debug)]
 pub(crate) struct BenchAllreduceArgs {
-    /// One rank per device: cpu:N (shared memory), or GPUs cuda:I,J,... (NCCL where it
+    /// One member per device: cpu:N (shared memory), or GPUs cuda:I,J,... (NCCL where it
     /// serves; device copies when an ordinal repeats, e.g. cuda:0,0).
     #[arg(long, default_value = "cpu:2", value_name = "SPEC")]
     devices: String,
@@ -118,17 +118,17 @@ fn parse_sizes(text: &str) -> CliResult<Vec<usize>> {
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum AllreducePath {
     /// Fill the shard buffers once, then reduce-scatter again and again: what a training
-    /// step pays (every rank reading the reduced chunks in place belongs to its update).
+    /// step pays (every member reading the reduced chunks in place belongs to its update).
     Trainer,
     /// Classic in-place all-reduce: copy in, reduce-scatter, all-gather.
     Classic,
 }
 
-/// What one timing loop runs: how many ranks, over how many values, how many times, by
+/// What one timing loop runs: how many members, over how many values, how many times, by
 /// which path, encoded by which codec.
 #[derive(Clone, Copy)]
 struct AllreduceRun {
-    ranks: usize,
+    members: usize,
     count: usize,
     iters: usize,
     warmup: usize,
@@ -136,13 +136,13 @@ struct AllreduceRun {
     codec: Option<lockstep::exchange::codec::Codec>,
 }
 
-/// Median time of one collective over `ranks` threads; rank 0 times between barriers.
+/// Median time of one collective over `members` threads; member 0 times between barriers.
 fn time_allreduce(run: AllreduceRun) -> CliResult<Duration> {
-    let AllreduceRun { ranks, count, iters, warmup, path, codec } = run;
-    let ex = ShmGroup::with_codec(ranks, ranks, count, lockstep::exchange::Wait::for_threads(ranks), codec)?;
+    let AllreduceRun { members, count, iters, warmup, path, codec } = run;
+    let ex = ShmGroup::with_codec(members, members, count, lockstep::exchange::Wait::for_threads(members), codec)?;
     let warm = std::sync::atomic::AtomicBool::new(false);
     let times = std::thread::scope(|s| -> lockstep::Result<Vec<Duration>> {
-        let handles: Vec<_> = (0..ranks)
+        let handles: Vec<_> = (0..members)
             .map(|r| {
                 let (ex, warm) = (&ex, &warm);
                 s.spawn(move || -> lockstep::Result<Vec<Duration>> {
@@ -152,8 +152,9 @@ fn time_allreduce(run: AllreduceRun) -> CliResult<Duration> {
                         me.with_slot(0, |slot| slot.fill((r + 1) as f32));
                         let mut times = Vec::with_capacity(iters);
                         // Warm up for at least `warmup` iterations and 50 ms, so that the
-                        // scheduler has spread the ranks over the cores before timing. Rank
-                        // 0 decides; the others read its decision after the same barrier.
+                        // scheduler has spread the members over the cores before timing.
+                        // Member 0 decides; the others read its decision after the same
+                        // barrier.
                         let start = Instant::now();
                         let mut i = 0usize;
                         let mut timed = 0usize;
@@ -188,18 +189,18 @@ fn time_allreduce(run: AllreduceRun) -> CliResult<Duration> {
                 })
             })
             .collect();
-        let mut rank0 = Vec::new();
+        let mut member0 = Vec::new();
         for (r, h) in handles.into_iter().enumerate() {
             let t = h.join().map_err(|_| lockstep::Error::Worker {
                 device: format!("cpu:{r}"),
                 step: 0,
-                cause: "benchmark rank panicked".into(),
+                cause: "benchmark member panicked".into(),
             })??;
             if r == 0 {
-                rank0 = t;
+                member0 = t;
             }
         }
-        Ok(rank0)
+        Ok(member0)
     })
     .map_err(Failure::runtime)?;
     Ok(median(times))
@@ -210,7 +211,7 @@ pub(crate) fn cmd_bench_allreduce(a: BenchAllreduceArgs) -> CliResult {
     let sizes = parse_sizes(&a.sizes)?;
     check_count("--iters", a.iters as u64, false)?;
     check_count("--warmup", a.warmup as u64, true)?;
-    let ranks = match spec {
+    let members = match spec {
         #[cfg(feature = "mpi")]
         DeviceSpec::Cpu { count, .. } if lockstep::world::current().is_ok_and(|w| w.size() > 1) => {
             let world = lockstep::world::current().map_err(Failure::usage)?;
@@ -223,16 +224,16 @@ pub(crate) fn cmd_bench_allreduce(a: BenchAllreduceArgs) -> CliResult {
             );
         }
         DeviceSpec::Cpu { count, .. } => {
-            // One thread per rank: the bound of `--devices cpu:N` (64 threads per core).
+            // One thread per member: the bound of `--devices cpu:N` (64 threads per core).
             Devices::cpu(count, 1).map_err(Failure::usage)?;
-            // Each rank's slot and its own buffer, plus the reduced chunks.
+            // Each member's slot and its own buffer, plus the reduced chunks.
             let largest = sizes.iter().copied().max().unwrap_or(0) as u64;
             let bytes = largest.saturating_mul(2 * count as u64 + 1);
             lockstep::memory::check_bytes(
-                &format!("bench allreduce of {largest} bytes on {count} ranks"),
+                &format!("bench allreduce of {largest} bytes on {count} members"),
                 bytes,
                 format!(
-                    "{} buffers of the largest size: a slot and a buffer per rank, and the reduced chunks",
+                    "{} buffers of the largest size: a slot and a buffer per member, and the reduced chunks",
                     2 * count + 1
                 ),
             )
@@ -241,7 +242,7 @@ pub(crate) fn cmd_bench_allreduce(a: BenchAllreduceArgs) -> CliResult {
         }
         DeviceSpec::Auto => {
             return Err(Failure::usage(anyhow!(
-                "--devices auto: name the ranks of bench allreduce (cpu:N or cuda:I,J,...)"
+                "--devices auto: name the members of bench allreduce (cpu:N or cuda:I,J,...)"
             )))
         }
         DeviceSpec::CudaAll | DeviceSpec::Cuda(_) => {
@@ -254,35 +255,35 @@ pub(crate) fn cmd_bench_allreduce(a: BenchAllreduceArgs) -> CliResult {
             return bench_gpu_allreduce(&ordinals, &sizes, (a.iters, a.warmup), a.grad_compression.compression());
         }
     };
-    cpu_allreduce(&mut std::io::stdout(), ranks, &sizes, (a.iters, a.warmup), a.grad_compression.compression())
+    cpu_allreduce(&mut std::io::stdout(), members, &sizes, (a.iters, a.warmup), a.grad_compression.compression())
 }
 
-/// Times the shared-memory all-reduce of `ranks` threads at every size and prints the
+/// Times the shared-memory all-reduce of `members` threads at every size and prints the
 /// table to `out`, a row as soon as it is measured; `(iters, warmup)` per size. With a
 /// compression, the whole buffer is a gradient (encoded), and a comment line per size
-/// gives the time one rank takes to encode its buffer when it hands it over (in training,
+/// gives the time one member takes to encode its buffer when it hands it over (in training,
 /// right after its backward, counted in the compute time), beside the f32 path's time
 /// for the same size.
 fn cpu_allreduce(
     out: &mut dyn Write,
-    ranks: usize,
+    members: usize,
     sizes: &[usize],
     (iters, warmup): (usize, usize),
     compression: lockstep::exchange::codec::Compression,
 ) -> CliResult {
     use lockstep::exchange::codec::{Codec, Compression};
-    cpu_table_header(out, ranks, iters, warmup);
+    cpu_table_header(out, members, iters, warmup);
     if compression != Compression::None {
         let _ = writeln!(
             out,
-            "# grad-compression {}: 16-bit codes cross between ranks, sums in f32; sizes and bandwidths in f32-equivalent bytes",
+            "# grad-compression {}: 16-bit codes cross between members, sums in f32; sizes and bandwidths in f32-equivalent bytes",
             compression.name()
         );
     }
     for &bytes in sizes {
         let count = bytes / 4;
         let codec = Codec::new(compression, count);
-        let run = AllreduceRun { ranks, count, iters, warmup, path: AllreducePath::Trainer, codec };
+        let run = AllreduceRun { members, count, iters, warmup, path: AllreducePath::Trainer, codec };
         let trainer = time_allreduce(run)?;
         let classic = time_allreduce(AllreduceRun { path: AllreducePath::Classic, ..run })?;
         if let Some(codec) = codec {
@@ -290,7 +291,7 @@ fn cpu_allreduce(
             let encode = time_encode(&codec, count, iters);
             let _ = writeln!(
                 out,
-                "# {bytes} B: {} B on the wire per rank's buffer; encode of one rank's buffer {:.1} us; f32 trainer path {:.1} us; {} trainer path {:.1} us ({:.2}x)",
+                "# {bytes} B: {} B on the wire per member's buffer; encode of one member's buffer {:.1} us; f32 trainer path {:.1} us; {} trainer path {:.1} us ({:.2}x)",
                 codec.wire(0..count).bytes(),
                 encode.as_secs_f64() * 1e6,
                 f32_trainer.as_secs_f64() * 1e6,
@@ -299,12 +300,12 @@ fn cpu_allreduce(
                 f32_trainer.as_secs_f64() / trainer.as_secs_f64().max(1e-12)
             );
         }
-        cpu_table_row(out, ranks, bytes, [trainer, classic]);
+        cpu_table_row(out, members, bytes, [trainer, classic]);
     }
     Ok(())
 }
 
-/// Median time of encoding one buffer of `count` values (one rank's hand-over).
+/// Median time of encoding one buffer of `count` values (one member's hand-over).
 fn time_encode(codec: &lockstep::exchange::codec::Codec, count: usize, iters: usize) -> Duration {
     let src: Vec<f32> = (0..count).map(|i| (i as f32 * 1e-3).sin()).collect();
     let mut wire = codec.wire(0..count);
@@ -321,15 +322,15 @@ fn time_encode(codec: &lockstep::exchange::codec::Codec, count: usize, iters: us
 /// The CPU table's header: size, count | trainer time, algbw, busbw | classic time,
 /// algbw, busbw (scripts/bench_tables.py reads it; its `cpu` parser counts on these
 /// columns).
-fn cpu_table_header(out: &mut dyn Write, ranks: usize, iters: usize, warmup: usize) {
+fn cpu_table_header(out: &mut dyn Write, members: usize, iters: usize, warmup: usize) {
     let _ = writeln!(
         out,
-        "# lockstep bench allreduce: {ranks} rank(s) (threads, cpu:0..{}), shared memory, f32 sum, median of {iters} iterations after {warmup} warm-up",
-        ranks - 1
+        "# lockstep bench allreduce: {members} member(s) (threads, cpu:0..{}), shared memory, f32 sum, median of {iters} iterations after {warmup} warm-up",
+        members - 1
     );
     let _ = writeln!(
         out,
-        "# trainer: buffers filled once, then reduce-scatter (the trainer's path; ranks read the result in place)"
+        "# trainer: buffers filled once, then reduce-scatter (the trainer's path; members read the result in place)"
     );
     let _ = writeln!(out, "# classic: in-place all_reduce_sum (copy in + reduce-scatter + all-gather)");
     let _ = writeln!(out, "# algbw = size / time; busbw = algbw * 2(n-1)/n");
@@ -346,8 +347,8 @@ fn cpu_table_header(out: &mut dyn Write, ranks: usize, iters: usize, warmup: usi
 }
 
 /// One row of the CPU table: `bytes` moved in `times` (trainer path, classic path).
-fn cpu_table_row(out: &mut dyn Write, ranks: usize, bytes: usize, times: [Duration; 2]) {
-    let bus = 2.0 * (ranks as f64 - 1.0) / ranks as f64;
+fn cpu_table_row(out: &mut dyn Write, members: usize, bytes: usize, times: [Duration; 2]) {
+    let bus = 2.0 * (members as f64 - 1.0) / members as f64;
     let mut cells = String::new();
     for t in times {
         let secs = t.as_secs_f64().max(1e-9);
@@ -357,13 +358,13 @@ fn cpu_table_row(out: &mut dyn Write, ranks: usize, bytes: usize, times: [Durati
     let _ = writeln!(out, "  {bytes:>12} {:>12}{cells}", bytes / 4);
 }
 
-/// The GPU collective over `ordinals` (one rank and thread each), nccl-tests style:
-/// after the warm-up each rank queues `iters` all-reduces and synchronises once; rank
+/// The GPU collective over `ordinals` (one member and thread each), nccl-tests style:
+/// after the warm-up each member queues `iters` all-reduces and synchronises once; member
 /// 0's mean time per all-reduce is reported with busbw, beside the device-to-device copy bandwidth of GPU 0 at the same
 /// size (read + write of `size` bytes), the memory bound busbw is compared with. With a
-/// compression, each rank's buffer is one gradient slot of the GPU exchange with the
+/// compression, each member's buffer is one gradient slot of the GPU exchange with the
 /// codec (`GpuExchange::with_codec`: encoded, the 16-bit wires all-gathered, reduced and
-/// decoded on every rank), timed per sum, its busbw in f32-equivalent bytes as the CPU
+/// decoded on every member), timed per sum, its busbw in f32-equivalent bytes as the CPU
 /// table's.
 fn bench_gpu_allreduce(
     ordinals: &[usize],
@@ -375,7 +376,7 @@ fn bench_gpu_allreduce(
     let out = &mut std::io::stdout();
     let sum = match compression {
         lockstep::exchange::codec::Compression::None => "f32 sum".to_string(),
-        c => format!("{} codec sum (16-bit wires all-gathered, decoded and summed on every rank)", c.name()),
+        c => format!("{} codec sum (16-bit wires all-gathered, decoded and summed on every member)", c.name()),
     };
     gpu_table_header(out, ordinals, transport, &sum, iters, warmup);
     for &bytes in sizes {
@@ -394,7 +395,7 @@ fn gpu_table_header(out: &mut dyn Write, ordinals: &[usize], transport: &str, su
     let names: Vec<String> = ordinals.iter().map(|o| o.to_string()).collect();
     let _ = writeln!(
         out,
-        "# lockstep bench allreduce: {} rank(s) on cuda:{} ({transport}), {sum}, mean of {iters} iterations after {warmup} warm-up",
+        "# lockstep bench allreduce: {} member(s) on cuda:{} ({transport}), {sum}, mean of {iters} iterations after {warmup} warm-up",
         ordinals.len(),
         names.join(",")
     );
@@ -410,10 +411,10 @@ fn gpu_table_header(out: &mut dyn Write, ordinals: &[usize], transport: &str, su
     );
 }
 
-/// One row of the GPU table: one all-reduce of `bytes` over `ranks` took `t`, one
+/// One row of the GPU table: one all-reduce of `bytes` over `members` took `t`, one
 /// device-to-device copy of as many bytes took `copy`.
-fn gpu_table_row(out: &mut dyn Write, ranks: usize, bytes: usize, t: Duration, copy: Duration) {
-    let bus = 2.0 * (ranks as f64 - 1.0) / ranks as f64;
+fn gpu_table_row(out: &mut dyn Write, members: usize, bytes: usize, t: Duration, copy: Duration) {
+    let bus = 2.0 * (members as f64 - 1.0) / members as f64;
     let secs = t.as_secs_f64().max(1e-9);
     let algbw = bytes as f64 / secs / 1e9;
     let copy_bw = bytes as f64 / copy.as_secs_f64().max(1e-9) / 1e9;
@@ -438,13 +439,13 @@ fn time_gpu_allreduce(
     use lockstep::exchange::gpu::{transport_for, GpuGroup};
     let codec = lockstep::exchange::codec::Codec::new(compression, count);
     let group = GpuGroup::new(transport_for(ordinals), ordinals, count)?;
-    time_gpu_ranks(ordinals, count, rounds, codec, &group, |r, s| group.join(r, s))
+    time_gpu_members(ordinals, count, rounds, codec, &group, |r, s| group.join(r, s))
 }
 
-/// One thread per rank of `group` (joined by `join`): after the warm-up each queues
+/// One thread per member of `group` (joined by `join`): after the warm-up each queues
 /// `iters` all-reduces (with a codec, sums of the GPU exchange over one slot) and
-/// synchronises once; rank 0's mean time per all-reduce.
-fn time_gpu_ranks<C: lockstep::exchange::gpu::DeviceAllReduce>(
+/// synchronises once; member 0's mean time per all-reduce.
+fn time_gpu_members<C: lockstep::exchange::gpu::DeviceAllReduce>(
     ordinals: &[usize],
     count: usize,
     (iters, warmup): (usize, usize),
@@ -460,7 +461,7 @@ fn time_gpu_ranks<C: lockstep::exchange::gpu::DeviceAllReduce>(
             .map(|(r, &ordinal)| {
                 let join = &join;
                 s.spawn(move || -> lockstep::Result<Duration> {
-                    // No host barrier: the collective itself paces the ranks, and an
+                    // No host barrier: the collective itself paces the members, and an
                     // abort releases every one of them.
                     let run = || -> lockstep::Result<Duration> {
                         let ctx = CudaContext::new(ordinal)?;
@@ -501,11 +502,11 @@ fn time_gpu_ranks<C: lockstep::exchange::gpu::DeviceAllReduce>(
                 })
             })
             .collect();
-        let mut rank0 = Duration::ZERO;
+        let mut member0 = Duration::ZERO;
         let mut first_error = None;
         for (r, h) in handles.into_iter().enumerate() {
             match h.join() {
-                Ok(Ok(t)) if r == 0 => rank0 = t,
+                Ok(Ok(t)) if r == 0 => member0 = t,
                 Ok(Ok(_)) => {}
                 Ok(Err(e)) => {
                     first_error.get_or_insert(e);
@@ -514,12 +515,12 @@ fn time_gpu_ranks<C: lockstep::exchange::gpu::DeviceAllReduce>(
                     first_error.get_or_insert(lockstep::Error::Worker {
                         device: format!("cuda:{}", ordinals[r]),
                         step: 0,
-                        cause: "benchmark rank panicked".into(),
+                        cause: "benchmark member panicked".into(),
                     });
                 }
             }
         }
-        first_error.map_or(Ok(rank0), Err)
+        first_error.map_or(Ok(member0), Err)
     })?;
     Ok(time)
 }
@@ -761,7 +762,7 @@ mod tests {
     #[test]
     fn the_gpu_parser_reads_busbw_copy_and_their_ratio() {
         let Some(got) = parse("gpu", &gpu_table(), "gpu") else { return };
-        // 2 ranks: busbw = algbw · 2(2−1)/2 = algbw = 67108864 B / 1 ms = 67.108864 GB/s;
+        // 2 members: busbw = algbw · 2(2−1)/2 = algbw = 67108864 B / 1 ms = 67.108864 GB/s;
         // copy = 67108864 B / 400 us = 167.77216 GB/s; ratio 67.108864 / 167.77216 = 0.4;
         // the smallest row's time, 20 us.
         assert_eq!(got.unwrap(), "67108864 67.11 167.77 0.40 | 4096 20.0");
@@ -770,7 +771,7 @@ mod tests {
     #[test]
     fn the_cpu_parser_reads_both_paths() {
         let Some(got) = parse("cpu", &cpu_table(), "cpu") else { return };
-        // 4 ranks: busbw = algbw · 2·3/4 = 1.5 algbw. Trainer: 67108864 B / 8 ms =
+        // 4 members: busbw = algbw · 2·3/4 = 1.5 algbw. Trainer: 67108864 B / 8 ms =
         // 8.388608 GB/s → 12.582912; classic: / 20 ms = 3.3554432 → 5.0331648. The
         // smallest row's times: 10 and 25 us.
         assert_eq!(got.unwrap(), "67108864 12.58 5.03 | 4096 10.0 25.0");
@@ -810,7 +811,10 @@ mod tests {
             .map_err(|f| format!("{f:?}"))
             .unwrap();
         let table = String::from_utf8(out).unwrap();
-        assert!(table.contains("# grad-compression bf16") && table.contains("encode of one rank's buffer"), "{table}");
+        assert!(
+            table.contains("# grad-compression bf16") && table.contains("encode of one member's buffer"),
+            "{table}"
+        );
         let got = parse("cpu", &table, "cpu-real-bf16").unwrap().unwrap_or_else(|e| panic!("{e}\n{table}"));
         assert_eq!(got.split_whitespace().count(), 7, "{got}\n{table}");
     }

@@ -25,11 +25,11 @@ fn reps(bytes: usize) -> usize {
     ((1usize << 20) / bytes).clamp(1, 100)
 }
 
-/// The value device `device` of process `rank` holds at element `i`: distinct per
+/// The value device `device` of process `process` holds at element `i`: distinct per
 /// process, so that a sum that dropped or doubled one would show, and of more
 /// significant bits than 16-bit codes keep, so that rounding shows too.
-fn value(rank: usize, device: usize, i: usize) -> f32 {
-    (rank * 16 + device + 1) as f32 + (i % 7) as f32 * 0.1 + (i % 1031) as f32 * 1e-4
+fn value(process: usize, device: usize, i: usize) -> f32 {
+    (process * 16 + device + 1) as f32 + (i % 7) as f32 * 0.1 + (i % 1031) as f32 * 1e-4
 }
 
 /// What one size measured: median times per sum, bytes process 0 handed MPI per sum,
@@ -95,13 +95,13 @@ fn time_all(
                     let mut me_coded = coded.map(|g| g.member(d));
                     let mut run = || -> lockstep::Result<Out> {
                         let fill = |slot: &mut [f32]| {
-                            slot.iter_mut().enumerate().for_each(|(i, v)| *v = value(world.rank(), d, i))
+                            slot.iter_mut().enumerate().for_each(|(i, v)| *v = value(world.process(), d, i))
                         };
                         me.with_slot(0, fill);
                         if let Some(c) = me_coded.as_mut() {
                             c.with_slot(0, fill);
                         }
-                        let send: Vec<f32> = (0..count).map(|i| value(world.rank(), 0, i)).collect();
+                        let send: Vec<f32> = (0..count).map(|i| value(world.process(), 0, i)).collect();
                         let mut recv = vec![0.0f32; count];
                         let (mut t_coded, mut t_plain, mut t_mpi) = (Vec::new(), Vec::new(), Vec::new());
                         for sample in 0..warmup + iters {
@@ -164,7 +164,7 @@ fn time_all(
         let mut first = None;
         for h in handles {
             let r = h.join().map_err(|_| lockstep::Error::Worker {
-                device: format!("rank {}", world.rank()),
+                device: format!("process {}", world.process()),
                 step: 0,
                 cause: "benchmark thread panicked".into(),
             })??;

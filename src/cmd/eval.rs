@@ -77,7 +77,7 @@ pub(crate) fn cmd_eval(a: EvalArgs) -> CliResult {
     lockstep::train::check_data(&model, &data).map_err(Failure::usage)?;
     let store: ParamStore =
         weights::load(&model, &a.weights).map_err(Failure::usage).map_err(|f| f.with_context("--weights"))?;
-    // No more ranks than samples: a device with no sample has nothing to predict.
+    // No more devices than samples: a device with no sample has nothing to predict.
     let devices = devices.first(data.len());
     let classes = model.output_shape().numel();
     let config = TrainConfig { initial: Some(store), check_replicas_every: None, ..TrainConfig::default() };
@@ -168,11 +168,11 @@ pub(crate) fn cmd_predict(a: PredictArgs) -> CliResult {
     lockstep::train::check_data(&model, &data).map_err(Failure::usage)?;
     let store: ParamStore =
         weights::load(&model, &a.weights).map_err(Failure::usage).map_err(|f| f.with_context("--weights"))?;
-    // No more ranks than inputs: every rank gets at least one sample of every chunk.
+    // No more devices than inputs: every device gets at least one sample of every chunk.
     let devices = devices.first(n);
     let k = model.output_shape().numel();
     let config = TrainConfig { initial: Some(store), check_replicas_every: None, ..TrainConfig::default() };
-    // ceil(n / PREDICT_CHUNK) chunks of near-equal sizes, each ≥ n / chunks ≥ the ranks.
+    // ceil(n / PREDICT_CHUNK) chunks of near-equal sizes, each ≥ n / chunks ≥ the devices.
     let chunks = n.div_ceil(PREDICT_CHUNK);
     let probs = with_trainer(&model, &devices, &config, |t| {
         let mut out = Vec::with_capacity(n * k);

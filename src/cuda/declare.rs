@@ -75,7 +75,7 @@ pub enum Kind {
     /// `u64` → `unsigned long long` (z).
     U64,
     /// `&[i32; 12]` → 12 × `int` (12 × i): a window's N, C, H, W, KH, KW, SH, SW, PT, PL,
-    /// OH, OW, in that order (`launch::ConvGeom::launch_args`).
+    /// OH, OW, in that order (`launch::WindowGeom::launch_args`).
     Geom,
 }
 

@@ -50,6 +50,9 @@ pub use super::declare::{kernel_name, Dir, Kernel, KernelFile, Kind};
 super::declare::kernels! {
     /// kernels/elementwise.cu: activations, bias adds and their reductions, scale, fill.
     elementwise = "elementwise.cu" {
+        residual_add {
+            fwd(a: In, b: In, y: Out, n: Size);
+        }
         relu {
             fwd(x: In, y: Out, n: Size);
             bwd(x: In, dy: In, dx: Out, n: Size);
@@ -111,6 +114,9 @@ super::declare::kernels! {
                 dgamma: OptOut, dbeta: OptOut, c: I32, hw: Size, total: Size, count: F64,
             );
         }
+        batchnorm_count {
+            fwd(count: Out, n: Size);
+        }
         batchnorm_sums {
             bwd(x: In, dy: In, save_mean: In, save_invstd: In, sums: OutF64, n: I32, c: I32, hw: Size);
         }
@@ -157,8 +163,8 @@ super::declare::kernels! {
     /// kernels/dropout.cu: inverted dropout from a counter-based hash.
     dropout = "dropout.cu" {
         dropout {
-            fwd(x: In, y: Out, rate: F32, seed: U64, step: U64, replica: U64, layer: U64, first: U64, n: Size);
-            bwd(dy: In, dx: Out, rate: F32, seed: U64, step: U64, replica: U64, layer: U64, first: U64, n: Size);
+            fwd(x: In, y: Out, rate: F32, seed: U64, step: U64, shard: U64, layer: U64, first: U64, n: Size);
+            bwd(dy: In, dx: Out, rate: F32, seed: U64, step: U64, shard: U64, layer: U64, first: U64, n: Size);
         }
     }
     /// kernels/codec.cu: the 16-bit wire codec (encode, sum of wires, decode).

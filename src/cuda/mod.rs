@@ -25,5 +25,5 @@ pub mod launch;
 pub mod probe;
 
 pub use kernels::{kernel_name, Dir};
-pub use launch::{BnParams, ConvGeom, DropoutKey, Gpu};
+pub use launch::{BnParams, DropoutKey, Gpu, WindowGeom};
 pub use probe::{driver_available, gpu_count, gpus, nccl_status, nvrtc_available, GpuInfo, NcclStatus};

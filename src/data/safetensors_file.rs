@@ -120,7 +120,7 @@ fn load(path: &Path, num_classes: Option<usize>) -> Result<Dataset> {
     let x_shape = x.shape();
     if !matches!(x_shape.len(), 2 | 4) {
         return Err(bad(format!(
-            "tensor 'x' has rank {} (shape {x_shape:?}); expected (N, C, H, W) or (N, F)",
+            "tensor 'x' is {}-dimensional (shape {x_shape:?}); expected (N, C, H, W) or (N, F)",
             x_shape.len()
         )));
     }
@@ -153,7 +153,11 @@ fn load(path: &Path, num_classes: Option<usize>) -> Result<Dataset> {
 
     // y: (N,)
     if y.shape().len() != 1 {
-        return Err(bad(format!("tensor 'y' has rank {} (shape {:?}); expected (N,)", y.shape().len(), y.shape())));
+        return Err(bad(format!(
+            "tensor 'y' is {}-dimensional (shape {:?}); expected (N,)",
+            y.shape().len(),
+            y.shape()
+        )));
     }
     if y.shape()[0] != n {
         return Err(bad(format!("tensor 'x' has {n} samples but 'y' has {} labels", y.shape()[0])));
@@ -354,14 +358,16 @@ mod tests {
     }
 
     #[test]
-    fn wrong_ranks_are_errors() {
+    fn wrong_dimension_counts_are_errors() {
         let path =
-            write("x_rank3", &[("x", Dtype::U8, vec![2, 2, 2], vec![0; 8]), ("y", Dtype::U8, vec![2], vec![0, 1])]);
-        assert!(load_err(&path).contains("tensor 'x' has rank 3 (shape [2, 2, 2]); expected (N, C, H, W) or (N, F)"));
-        let path = write("x_rank1", &[("x", Dtype::U8, vec![2], vec![0; 2]), ("y", Dtype::U8, vec![2], vec![0, 1])]);
-        assert!(load_err(&path).contains("tensor 'x' has rank 1"));
-        let path = write("y_rank2", &[good_x(), ("y", Dtype::I64, vec![3, 1], i64s(&[0, 1, 0]))]);
-        assert!(load_err(&path).contains("tensor 'y' has rank 2 (shape [3, 1]); expected (N,)"));
+            write("x_ndim3", &[("x", Dtype::U8, vec![2, 2, 2], vec![0; 8]), ("y", Dtype::U8, vec![2], vec![0, 1])]);
+        assert!(
+            load_err(&path).contains("tensor 'x' is 3-dimensional (shape [2, 2, 2]); expected (N, C, H, W) or (N, F)")
+        );
+        let path = write("x_ndim1", &[("x", Dtype::U8, vec![2], vec![0; 2]), ("y", Dtype::U8, vec![2], vec![0, 1])]);
+        assert!(load_err(&path).contains("tensor 'x' is 1-dimensional"));
+        let path = write("y_ndim2", &[good_x(), ("y", Dtype::I64, vec![3, 1], i64s(&[0, 1, 0]))]);
+        assert!(load_err(&path).contains("tensor 'y' is 2-dimensional (shape [3, 1]); expected (N,)"));
     }
 
     #[test]

@@ -9,8 +9,8 @@
 //! membership in a group ([`shm::ShmMember`], [`gpu::NcclMember`], [`gpu::CopyMember`]); a
 //! **slot** holds one logical replica's (shard's) `[gradient | buffers]`; the **exchange**
 //! of a device is what the step talks to ([`Exchange`]: the CPU's [`shm::ShmMember`], a
-//! GPU's [`gpu::GpuExchange`] over either rank). A *replica* is the model on a device
-//! (`train::replica`), never a transport's member.
+//! GPU's [`gpu::GpuExchange`] over either GPU transport's member). A *replica* is the
+//! model on a device (`train::replica`), never a transport's member.
 //! The step writes each of its logical replicas' (shards') gradient into that shard's
 //! *slot*, asks for the sum, and reads the sum piece by piece; it never learns how the
 //! values travel. A transport is one implementation of these two traits and nothing
@@ -20,7 +20,7 @@
 //! |---|---|---|---|
 //! | shared memory between CPU threads | [`Host`] | one tree over all R shard indices | [`shm`] |
 //! | NCCL between GPUs | [`gpu::DeviceMemory`] | device's shards in shard order, then NCCL's | [`gpu`] |
-//! | device copies between GPUs | [`gpu::DeviceMemory`] | device's shards in shard order, then rank order | [`gpu`] |
+//! | device copies between GPUs | [`gpu::DeviceMemory`] | device's shards in shard order, then member order | [`gpu`] |
 //! | either GPU transport, with 16-bit gradients (one process) | [`gpu::DeviceMemory`] | the codec's: one tree over all R shard indices | [`gpu`] |
 //! | MPI between processes (CPU; the `mpi` feature) | [`Host`] | the same tree over all R shard indices, cut into per-process subtrees ([`tree`]) | `mpi` |
 //!
@@ -33,16 +33,16 @@
 //!
 //! Beside the sum, two things the features of issue 12 ask of an exchange, each with a
 //! default that any transport satisfies: a sharded optimiser's parameter all-gather
-//! ([`Exchange::owned`], [`Exchange::all_gather`]; by default a rank owns everything and
+//! ([`Exchange::owned`], [`Exchange::all_gather`]; by default a member owns everything and
 //! there is nothing to gather), and 16-bit values on the wire, which a transport carries
 //! with the one codec of [`codec`] (the GPU exchange with kernels that mirror it). Synchronized
 //! BatchNorm's small collective inside the passes is a second trait,
 //! `nn::stats::StatsExchange`; a GPU run's replicas meet in the shared-memory one, on the
 //! host, and [`Aborts`] makes one abort stop both groups.
 //!
-//! Faults: [`Abort::abort`] makes every pending and future call of every rank return
-//! [`Error::Aborted`](crate::Error::Aborted), from any thread, so that no rank waits
-//! forever for one that failed; a rank whose own call fails aborts before returning.
+//! Faults: [`Abort::abort`] makes every pending and future call of every member return
+//! [`Error::Aborted`](crate::Error::Aborted), from any thread, so that no member waits
+//! forever for one that failed; a member whose own call fails aborts before returning.
 
 pub mod codec;
 pub mod gpu;
@@ -94,7 +94,7 @@ impl Memory for Host {
 
 /// What every thread of a run may do to its exchange: stop it.
 pub trait Abort: Sync {
-    /// Makes every pending and future call of every rank fail with `Error::Aborted`.
+    /// Makes every pending and future call of every member fail with `Error::Aborted`.
     /// Callable from any thread, any number of times.
     fn abort(&self);
 
@@ -126,14 +126,14 @@ impl Abort for Aborts<'_> {
         }
     }
 
-    /// True once any of the groups was aborted (by this or by one of its own ranks).
+    /// True once any of the groups was aborted (by this or by one of its own members).
     fn is_aborted(&self) -> bool {
         self.first.is_aborted() || self.second.is_some_and(|s| s.is_aborted())
     }
 }
 
 /// One device's side of a gradient exchange: its local slots, the sum, and the pieces of
-/// the sum. Every rank makes the same calls in the same order (as with NCCL or MPI):
+/// the sum. Every member makes the same calls in the same order (as with NCCL or MPI):
 /// each step, the slots are written, then [`Exchange::sum`], then the pieces are read.
 pub trait Exchange {
     type Mem: Memory;
@@ -144,8 +144,9 @@ pub trait Exchange {
     /// Runs `f` on this device's `local`-th slot (`width` values, to be overwritten).
     fn with_slot<T>(&mut self, local: usize, f: impl FnOnce(<Self::Mem as Memory>::ViewMut<'_>) -> T) -> T;
 
-    /// Sums every logical replica's slot across the world, each element once, in the
-    /// transport's fixed order, so that every rank reads bitwise the same sum.
+    /// Sums every logical replica's slot across the run (every process's too), each
+    /// element once, in the transport's fixed order, so that every member reads bitwise
+    /// the same sum.
     fn sum(&mut self) -> Result<()>;
 
     /// Calls `f(offset, piece)` on consecutive pieces of the sum covering `0..width`, in
@@ -173,17 +174,17 @@ pub trait Exchange {
         })
     }
 
-    /// The part of the slot this rank owns under a sharded optimiser (ZeRO stage 1): it
+    /// The part of the slot this member owns under a sharded optimiser (ZeRO stage 1): it
     /// updates only the parameters there, then [`Exchange::all_gather`] hands them to every
-    /// rank. The parts of all ranks cover the slot. Default: everything (a transport
-    /// without an all-gather keeps the whole optimiser state on every rank).
+    /// member. The parts of all members cover the slot. Default: everything (a transport
+    /// without an all-gather keeps the whole optimiser state on every member).
     fn owned(&self) -> std::ops::Range<usize> {
         0..self.width()
     }
 
-    /// Every rank calls it with its whole flat parameter buffer, its owned part updated;
-    /// afterwards every rank's buffer holds every rank's owned part, bitwise. Default
-    /// (every rank owning everything): nothing to do.
+    /// Every member calls it with its whole flat parameter buffer, its owned part updated;
+    /// afterwards every member's buffer holds every member's owned part, bitwise. Default
+    /// (every member owning everything): nothing to do.
     fn all_gather(&mut self, params: <Self::Mem as Memory>::ViewMut<'_>) -> Result<()> {
         let _ = params;
         Ok(())
@@ -193,7 +194,7 @@ pub trait Exchange {
     fn is_aborted(&self) -> bool;
 }
 
-/// The classic in-place all-reduce over any host exchange with one slot per rank: copy
+/// The classic in-place all-reduce over any host exchange with one slot per member: copy
 /// `buf` into the slot, sum, copy the sum back. (The trainer skips both copies: it writes
 /// gradients into the slot and its update reads the pieces in place.)
 pub fn all_reduce_in_place<X: Exchange<Mem = Host>>(x: &mut X, buf: &mut [f32]) -> Result<()> {
@@ -221,7 +222,7 @@ mod tests {
         let (a, b) = (ShmGroup::new(1, 1, 4, Wait::Spin).unwrap(), ShmGroup::new(1, 1, 0, Wait::Spin).unwrap());
         let both = Aborts::new(&a, Some(&b));
         assert!(!both.is_aborted());
-        // One of its own ranks aborted the second group: the pair shows it.
+        // One of its own members aborted the second group: the pair shows it.
         b.abort();
         assert!(both.is_aborted() && !a.is_aborted());
         let (a, b) = (ShmGroup::new(1, 1, 4, Wait::Spin).unwrap(), ShmGroup::new(1, 1, 0, Wait::Spin).unwrap());

@@ -301,7 +301,7 @@ impl<'w> MpiGroup<'w> {
         codec: Option<Codec>,
     ) -> Result<MpiGroup<'w>> {
         let mpi = world.mpi().ok_or_else(|| Error::Mpi("the exchange between processes needs an MPI world".into()))?;
-        let (process, processes) = (world.rank(), world.size());
+        let (process, processes) = (world.process(), world.size());
         let in_world = processes * devices;
         if devices == 0 || shards == 0 || shards % in_world != 0 {
             return Err(Error::config(
@@ -1061,13 +1061,13 @@ impl StatsExchange for MpiStats<'_, '_> {
         self.group.total
     }
 
-    fn all_gather(&self, replica: usize, mine: &[f64], all: &mut Vec<f64>) -> Result<()> {
+    fn all_gather(&self, shard: usize, mine: &[f64], all: &mut Vec<f64>) -> Result<()> {
         let g = self.group;
-        if g.per_device != 1 || replica != g.first_shard() + self.device {
+        if g.per_device != 1 || shard != g.first_shard() + self.device {
             return Err(Error::config(
                 "statistics exchange",
                 format!(
-                    "device {} of rank {} was handed logical replica {replica} of {}: synchronized BatchNorm needs one \
+                    "device {} of process {} was handed logical replica {shard} of {}: synchronized BatchNorm needs one \
                      logical replica per device",
                     self.device, g.process, g.total
                 ),

@@ -1,4 +1,5 @@
-//! One rank's NCCL communicator, as a raw handle in non-blocking mode.
+//! One member's NCCL communicator (NCCL calls a member a rank), as a raw handle in
+//! non-blocking mode.
 //!
 //! Owns: the few NCCL calls [`super::gpu`] makes (create, query, all-reduce, broadcast,
 //! all-gather, abort) and the `unsafe` they need. What to call when, the streams, the events and the
@@ -11,7 +12,7 @@
 //! thread may abort it, and whoever takes it out of the group's slot frees it, once.
 //!
 //! Why non-blocking (`config.blocking = 0`): a blocking `ncclCommInitRank` waits inside
-//! NCCL, with no handle to abort, for ranks that may never come; a blocking collective
+//! NCCL, with no handle to abort, for members that may never come; a blocking collective
 //! may wait inside NCCL while it connects to its peers. In non-blocking mode every call
 //! but `ncclCommAbort` returns at once, possibly with `ncclInProgress`, and the caller
 //! polls `ncclCommGetAsyncError`, checking its own abort flag between polls.
@@ -203,7 +204,7 @@ pub(super) fn version() -> Result<i32> {
     Ok(v)
 }
 
-/// A fresh rendezvous id for one communicator of several ranks.
+/// A fresh rendezvous id for one communicator of several members.
 pub(super) fn unique_id() -> Result<sys::ncclUniqueId> {
     let api = api()?;
     let mut id = sys::ncclUniqueId { internal: [0; 128] };
@@ -236,14 +237,15 @@ pub(super) struct RawComm(sys::ncclComm_t);
 unsafe impl Send for RawComm {}
 
 impl RawComm {
-    /// Starts creating rank `rank` of a `world`-rank communicator on the device of the
-    /// CUDA context current on this thread. Returns at once; the handle can be queried
-    /// (and aborted) while the other ranks join.
-    pub(super) fn init(world: usize, rank: usize, id: sys::ncclUniqueId) -> Result<(RawComm, State)> {
+    /// Starts creating member `member` of a communicator of `members` on the device of
+    /// the CUDA context current on this thread. Returns at once; the handle can be
+    /// queried (and aborted) while the other members join.
+    pub(super) fn init(members: usize, member: usize, id: sys::ncclUniqueId) -> Result<(RawComm, State)> {
         const CALL: &str = "ncclCommInitRankConfig";
         let api = api()?;
-        let (Ok(nranks), Ok(rank)) = (i32::try_from(world), i32::try_from(rank)) else {
-            return Err(failure(CALL, 4, format!("rank {rank} of {world} does not fit an int")));
+        // NCCL's own names for them: nranks, rank.
+        let (Ok(nranks), Ok(rank)) = (i32::try_from(members), i32::try_from(member)) else {
+            return Err(failure(CALL, 4, format!("member {member} of {members} does not fit an int")));
         };
         let mut config = sys::ncclConfig_t {
             size: std::mem::size_of::<sys::ncclConfig_t>(),
@@ -309,7 +311,7 @@ impl RawComm {
         check(api, "ncclAllReduce", r, self.0)
     }
 
-    /// Enqueues an in-place broadcast of `count` f32 at `buf` from rank `root`.
+    /// Enqueues an in-place broadcast of `count` f32 at `buf` from member `root`.
     ///
     /// # Safety
     /// As for [`RawComm::all_reduce_sum_f32`].
@@ -338,23 +340,25 @@ impl RawComm {
         check(api, CALL, r, self.0)
     }
 
-    /// Enqueues an in-place all-gather of `count` bytes per rank: `buf` holds
-    /// world·count bytes, this rank's at `rank·count` (NCCL's in-place form: the send
-    /// buffer is the receive buffer's part of this rank), every part to every rank.
+    /// Enqueues an in-place all-gather of `count` bytes per member: `buf` holds
+    /// members·count bytes, this member's at `member·count` (NCCL's in-place form: the
+    /// send buffer is the receive buffer's part of this member), every part to every
+    /// member.
     ///
     /// # Safety
-    /// `buf` must hold world·count bytes on this communicator's device, stay allocated
+    /// `buf` must hold members·count bytes on this communicator's device, stay allocated
     /// until the operation has run on `stream`, and `stream` must belong to that device.
     pub(super) unsafe fn all_gather_u8(
         &self,
         buf: CUdeviceptr,
-        rank: usize,
+        member: usize,
         count: usize,
         stream: CUstream,
     ) -> Result<State> {
         let api = api()?;
-        let send = buf + (rank * count) as CUdeviceptr;
-        // SAFETY: the caller's contract; send = recv + rank·count is NCCL's in-place form.
+        let send = buf + (member * count) as CUdeviceptr;
+        // SAFETY: the caller's contract; send = recv + member·count is NCCL's in-place
+        // form.
         let r = unsafe {
             (api.all_gather)(
                 send as *const c_void,

@@ -1,26 +1,26 @@
 //! The shared-memory collective of CPU devices.
 //!
 //! Every logical replica (shard) owns one send buffer in [`ShmGroup`]; its worker
-//! writes the shard's gradient there. The reduction is a reduce-scatter: rank d owns
+//! writes the shard's gradient there. The reduction is a reduce-scatter: member d owns
 //! chunk d of the flat buffer, sums that chunk over ALL shard buffers in the canonical
 //! tree order over shard indices ([`tree_sum`], of [`super::tree`]), and stores it in shared chunk d. After a
-//! barrier every rank reads the reduced chunks in place. Because the order depends on
+//! barrier every member reads the reduced chunks in place. Because the order depends on
 //! shard indices only, never on which device computed a shard, R logical replicas give
 //! bitwise the same sum on 1, 2 or 4 devices.
 //!
 //! With a codec (`--grad-compression`, [`super::codec`]) each shard's slot is encoded
-//! into its 16-bit wire when its worker hands it over ([`Exchange::with_slot`]), rank d
+//! into its 16-bit wire when its worker hands it over ([`Exchange::with_slot`]), member d
 //! decodes chunk d of every wire block by block, sums in the same canonical tree in f32,
-//! and encodes the sum into its reduced wire, which every rank decodes the same way:
+//! and encodes the sum into its reduced wire, which every member decodes the same way:
 //! half the bytes cross between cores, and the result is still bitwise the same on every
-//! rank and for every device count. Chunks are then whole codec blocks.
+//! member and for every device count. Chunks are then whole codec blocks.
 //!
 //! Two more collectives share the barrier: the parameters' all-gather of a sharded
-//! optimiser ([`Exchange::all_gather`]: rank d owns chunk d of the parameters), and the
+//! optimiser ([`Exchange::all_gather`]: member d owns chunk d of the parameters), and the
 //! statistics exchange of synchronized BatchNorm ([`ShmStats`]).
 //!
-//! Synchronisation: a barrier that spins a few µs where every rank has a core, and sleeps
-//! at once where the ranks outnumber the cores ([`Wait`]), and per-buffer
+//! Synchronisation: a barrier that spins a few µs where every member has a core, and sleeps
+//! at once where the members outnumber the cores ([`Wait`]), and per-buffer
 //! read/write locks that are never contended in a correct run (the barriers order the
 //! phases) but make the sharing safe without `unsafe`. An abort flag, checked while
 //! waiting, turns any wait into `Error::Aborted`.
@@ -129,18 +129,18 @@ impl SpinBarrier {
 
 /// Shared state of one shared-memory collective.
 pub struct ShmGroup {
-    ranks: usize,
+    members: usize,
     len: usize,
-    /// One send buffer per logical replica; rank d runs shards d·k..(d+1)·k.
+    /// One send buffer per logical replica; member d runs shards d·k..(d+1)·k.
     shards: Vec<RwLock<Vec<f32>>>,
-    /// Reduced chunk d, written by rank d (without a codec).
+    /// Reduced chunk d, written by member d (without a codec).
     reduced: Vec<RwLock<Vec<f32>>>,
     chunks: Vec<Range<usize>>,
     /// With a codec: each shard's encoded slot, and each chunk's encoded sum.
     codec: Option<Codec>,
     wires: Vec<RwLock<Wire>>,
     reduced_wires: Vec<RwLock<Wire>>,
-    /// Rank d's updated parameters of chunk d, for the all-gather of a sharded optimiser
+    /// Member d's updated parameters of chunk d, for the all-gather of a sharded optimiser
     /// (sized on first use).
     gathered: Vec<RwLock<Vec<f32>>>,
     /// The statistics exchange's payloads, one per logical replica, in two generations
@@ -155,25 +155,25 @@ pub struct ShmGroup {
 const DECODED_PIECE: usize = 16 * BLOCK;
 
 impl ShmGroup {
-    /// A collective of `ranks` ranks, each running `shards / ranks` logical replicas,
-    /// over buffers of `len` values, whose ranks wait for each other as `wait` says.
-    pub fn new(ranks: usize, shards: usize, len: usize, wait: Wait) -> Result<ShmGroup> {
-        ShmGroup::with_codec(ranks, shards, len, wait, None)
+    /// A collective of `members` members, each running `shards / members` logical replicas,
+    /// over buffers of `len` values, whose members wait for each other as `wait` says.
+    pub fn new(members: usize, shards: usize, len: usize, wait: Wait) -> Result<ShmGroup> {
+        ShmGroup::with_codec(members, shards, len, wait, None)
     }
 
     /// [`ShmGroup::new`] whose slots travel encoded by `codec` (f32 when `None`).
-    pub fn with_codec(ranks: usize, shards: usize, len: usize, wait: Wait, codec: Option<Codec>) -> Result<ShmGroup> {
-        if ranks == 0 || shards == 0 || shards % ranks != 0 {
+    pub fn with_codec(members: usize, shards: usize, len: usize, wait: Wait, codec: Option<Codec>) -> Result<ShmGroup> {
+        if members == 0 || shards == 0 || shards % members != 0 {
             return Err(Error::config(
                 "replicas",
-                format!("{shards} logical replicas cannot be shared evenly by {ranks} devices"),
+                format!("{shards} logical replicas cannot be shared evenly by {members} devices"),
             ));
         }
         // Chunks are multiples of 16 values (64 bytes) so no cache line has two writers;
         // with a codec, of whole blocks, so that every chunk's blocks are the slot's.
         let granule = if codec.is_some() { BLOCK } else { 16 };
-        let per = len.div_ceil(ranks).div_ceil(granule) * granule;
-        let chunks: Vec<Range<usize>> = (0..ranks).map(|d| (d * per).min(len)..((d + 1) * per).min(len)).collect();
+        let per = len.div_ceil(members).div_ceil(granule) * granule;
+        let chunks: Vec<Range<usize>> = (0..members).map(|d| (d * per).min(len)..((d + 1) * per).min(len)).collect();
         let (wires, reduced_wires) = match &codec {
             Some(c) => (
                 (0..shards).map(|_| RwLock::new(c.wire(0..len))).collect(),
@@ -183,7 +183,7 @@ impl ShmGroup {
         };
         let per_shard = || (0..shards).map(|_| RwLock::new(Vec::new())).collect::<Vec<_>>();
         Ok(ShmGroup {
-            ranks,
+            members,
             len,
             shards: (0..shards).map(|_| RwLock::new(vec![0.0; len])).collect(),
             reduced: match codec {
@@ -194,23 +194,23 @@ impl ShmGroup {
             codec,
             wires,
             reduced_wires,
-            gathered: (0..ranks).map(|_| RwLock::new(Vec::new())).collect(),
+            gathered: (0..members).map(|_| RwLock::new(Vec::new())).collect(),
             stats: [per_shard(), per_shard()],
-            barrier: SpinBarrier::new(ranks, wait),
+            barrier: SpinBarrier::new(members, wait),
             aborted: AtomicBool::new(false),
         })
     }
 
-    /// The handle of rank `rank`.
-    pub fn member(&self, rank: usize) -> ShmMember<'_> {
-        assert!(rank < self.ranks, "rank {rank} of {}", self.ranks);
-        ShmMember { ex: self, rank }
+    /// The handle of member `member`.
+    pub fn member(&self, member: usize) -> ShmMember<'_> {
+        assert!(member < self.members, "member {member} of {}", self.members);
+        ShmMember { ex: self, index: member }
     }
 
-    /// Rank `rank`'s side of the statistics exchange (one logical replica per rank).
-    pub fn stats(&self, rank: usize) -> ShmStats<'_> {
-        assert!(rank < self.ranks, "rank {rank} of {}", self.ranks);
-        ShmStats { ex: self, rank, calls: AtomicUsize::new(0) }
+    /// Member `member`'s side of the statistics exchange (one logical replica per member).
+    pub fn stats(&self, member: usize) -> ShmStats<'_> {
+        assert!(member < self.members, "member {member} of {}", self.members);
+        ShmStats { ex: self, index: member, calls: AtomicUsize::new(0) }
     }
 
     /// Number of values per buffer.
@@ -223,25 +223,25 @@ impl ShmGroup {
         self.len == 0
     }
 
-    /// The chunk of the buffers that rank `rank` reduces (and, with a sharded optimiser,
-    /// updates).
-    pub fn chunk(&self, rank: usize) -> Range<usize> {
-        self.chunks[rank].clone()
+    /// The chunk of the buffers that member `member` reduces (and, with a sharded
+    /// optimiser, updates).
+    pub fn chunk(&self, member: usize) -> Range<usize> {
+        self.chunks[member].clone()
     }
 
-    fn shards_per_rank(&self) -> usize {
-        self.shards.len() / self.ranks
+    fn shards_per_member(&self) -> usize {
+        self.shards.len() / self.members
     }
 }
 
-/// One rank's view of a [`ShmGroup`]: its side of the exchange.
+/// One member's view of a [`ShmGroup`]: its side of the exchange.
 pub struct ShmMember<'a> {
     ex: &'a ShmGroup,
-    rank: usize,
+    index: usize,
 }
 
 impl ShmMember<'_> {
-    /// Reduce-scatter: sums this rank's chunk over every shard buffer (canonical tree
+    /// Reduce-scatter: sums this member's chunk over every shard buffer (canonical tree
     /// order) into the shared reduced chunk, then waits until every chunk is reduced.
     /// With a single shard and no codec there is nothing to reduce and it returns at once.
     fn reduce_scatter(&self) -> Result<()> {
@@ -250,23 +250,23 @@ impl ShmMember<'_> {
             return Ok(());
         }
         ex.barrier.wait(&ex.aborted)?;
-        let r = ex.chunks[self.rank].clone();
+        let r = ex.chunks[self.index].clone();
         match &ex.codec {
             None => {
                 let guards: Vec<_> = ex.shards.iter().map(|s| s.read()).collect();
                 let views: Vec<&[f32]> = guards.iter().map(|g| &g[r.clone()]).collect();
-                tree_sum(&views, &mut ex.reduced[self.rank].write());
+                tree_sum(&views, &mut ex.reduced[self.index].write());
             }
             Some(codec) => {
                 let guards: Vec<_> = ex.wires.iter().map(|w| w.read()).collect();
                 let wires: Vec<&Wire> = guards.iter().map(|g| &**g).collect();
-                codec.reduce(&wires, r, &mut ex.reduced_wires[self.rank].write());
+                codec.reduce(&wires, r, &mut ex.reduced_wires[self.index].write());
             }
         }
         ex.barrier.wait(&ex.aborted)
     }
 
-    /// Returns when every rank has called it (for benchmarks that time between barriers).
+    /// Returns when every member has called it (for benchmarks that time between barriers).
     pub fn barrier(&self) -> Result<()> {
         self.ex.barrier.wait(&self.ex.aborted)
     }
@@ -279,12 +279,12 @@ impl Exchange for ShmMember<'_> {
         self.ex.len
     }
 
-    /// The send buffer of this rank's `local`-th logical replica; with a codec, encoded
+    /// The send buffer of this member's `local`-th logical replica; with a codec, encoded
     /// into the shard's wire when `f` returns (the worker hands over 16-bit values).
     fn with_slot<T>(&mut self, local: usize, f: impl FnOnce(&mut [f32]) -> T) -> T {
-        let k = self.ex.shards_per_rank();
-        assert!(local < k, "slot {local} of a rank with {k} logical replicas");
-        let shard = self.rank * k + local;
+        let k = self.ex.shards_per_member();
+        assert!(local < k, "slot {local} of a member with {k} logical replicas");
+        let shard = self.index * k + local;
         let mut slot = self.ex.shards[shard].write();
         let out = f(&mut slot);
         if let Some(codec) = &self.ex.codec {
@@ -344,29 +344,29 @@ impl Exchange for ShmMember<'_> {
     }
 
     fn owned(&self) -> Range<usize> {
-        self.ex.chunks[self.rank].clone()
+        self.ex.chunks[self.index].clone()
     }
 
-    /// Rank d publishes its chunk of `params` (the part below `params.len()`), and after
-    /// the barrier copies every other rank's chunk in. A rank writes its chunk again only
-    /// in the next step's all-gather, after that step's reduce-scatter barriers, which no
-    /// rank passes before it has copied this step's chunks.
+    /// Member d publishes its chunk of `params` (the part below `params.len()`), and after
+    /// the barrier copies every other member's chunk in. A member writes its chunk again
+    /// only in the next step's all-gather, after that step's reduce-scatter barriers,
+    /// which no member passes before it has copied this step's chunks.
     fn all_gather(&mut self, params: &mut [f32]) -> Result<()> {
         let ex = self.ex;
-        if ex.ranks == 1 {
+        if ex.members == 1 {
             return Ok(());
         }
         let np = params.len();
         let clip = |c: &Range<usize>| c.start.min(np)..c.end.min(np);
         {
-            let mine = clip(&ex.chunks[self.rank]);
-            let mut g = ex.gathered[self.rank].write();
+            let mine = clip(&ex.chunks[self.index]);
+            let mut g = ex.gathered[self.index].write();
             g.clear();
             g.extend_from_slice(&params[mine]);
         }
         ex.barrier.wait(&ex.aborted)?;
         for (r, chunk) in ex.chunks.iter().enumerate() {
-            if r != self.rank {
+            if r != self.index {
                 let c = clip(chunk);
                 params[c].copy_from_slice(&ex.gathered[r].read());
             }
@@ -379,19 +379,19 @@ impl Exchange for ShmMember<'_> {
     }
 }
 
-/// One rank's side of a [`ShmGroup`]'s statistics exchange. Payloads alternate between
+/// One member's side of a [`ShmGroup`]'s statistics exchange. Payloads alternate between
 /// two generations of buffers: call c writes generation c mod 2 and waits at the barrier,
-/// then reads it; a rank writes that generation again at call c + 2, after the barrier of
-/// call c + 1, which no rank reaches before it has read call c's payloads.
+/// then reads it; a member writes that generation again at call c + 2, after the barrier of
+/// call c + 1, which no member reaches before it has read call c's payloads.
 pub struct ShmStats<'a> {
     ex: &'a ShmGroup,
-    rank: usize,
+    index: usize,
     calls: AtomicUsize,
 }
 
 impl std::fmt::Debug for ShmStats<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ShmStats").field("rank", &self.rank).field("replicas", &self.ex.shards.len()).finish()
+        f.debug_struct("ShmStats").field("index", &self.index).field("replicas", &self.ex.shards.len()).finish()
     }
 }
 
@@ -400,22 +400,22 @@ impl StatsExchange for ShmStats<'_> {
         self.ex.shards.len()
     }
 
-    fn all_gather(&self, replica: usize, mine: &[f64], all: &mut Vec<f64>) -> Result<()> {
+    fn all_gather(&self, shard: usize, mine: &[f64], all: &mut Vec<f64>) -> Result<()> {
         let ex = self.ex;
-        if ex.shards_per_rank() != 1 || replica != self.rank {
+        if ex.shards_per_member() != 1 || shard != self.index {
             return Err(Error::config(
                 "statistics exchange",
                 format!(
-                    "rank {} was handed logical replica {replica} of {} on {} devices: synchronized BatchNorm needs one logical replica per device",
-                    self.rank,
+                    "device {} was handed logical replica {shard} of {} on {} devices: synchronized BatchNorm needs one logical replica per device",
+                    self.index,
                     ex.shards.len(),
-                    ex.ranks
+                    ex.members
                 ),
             ));
         }
         let generation = &ex.stats[self.calls.fetch_add(1, Ordering::Relaxed) % 2];
         {
-            let mut w = generation[replica].write();
+            let mut w = generation[shard].write();
             w.clear();
             w.extend_from_slice(mine);
         }
@@ -426,7 +426,7 @@ impl StatsExchange for ShmStats<'_> {
             if p.len() != mine.len() {
                 return Err(Error::shape(
                     "statistics exchange",
-                    format!("logical replica {r} sent {} values, {replica} sent {}", p.len(), mine.len()),
+                    format!("logical replica {r} sent {} values, {shard} sent {}", p.len(), mine.len()),
                 ));
             }
             all.extend_from_slice(&p);
@@ -450,7 +450,7 @@ impl Abort for ShmGroup {
 mod tests {
     use super::*;
 
-    /// Every rank's copy of the sum, gathered from its pieces.
+    /// Every member's copy of the sum, gathered from its pieces.
     fn gathered(me: &ShmMember<'_>) -> Vec<f32> {
         let mut out = vec![f32::NAN; me.width()];
         me.for_each_sum(|off, v| {
@@ -462,19 +462,19 @@ mod tests {
     }
 
     #[test]
-    fn reduce_scatter_sums_every_shard_on_every_rank() {
+    fn reduce_scatter_sums_every_shard_on_every_member() {
         let cases = [(1, 1), (1, 4), (2, 2), (2, 4), (3, 3), (4, 4)];
-        for ((ranks, shards), wait) in cases.into_iter().flat_map(|c| [(c, Wait::Spin), (c, Wait::Park)]) {
+        for ((members, shards), wait) in cases.into_iter().flat_map(|c| [(c, Wait::Spin), (c, Wait::Park)]) {
             let len = 1000;
-            let ex = ShmGroup::new(ranks, shards, len, wait).unwrap();
+            let ex = ShmGroup::new(members, shards, len, wait).unwrap();
             let results: Vec<Vec<f32>> = std::thread::scope(|s| {
-                let hs: Vec<_> = (0..ranks)
+                let hs: Vec<_> = (0..members)
                     .map(|d| {
                         let ex = &ex;
                         s.spawn(move || {
                             let mut me = ex.member(d);
-                            for j in 0..shards / ranks {
-                                let shard = d * (shards / ranks) + j;
+                            for j in 0..shards / members {
+                                let shard = d * (shards / members) + j;
                                 me.with_slot(j, |slot| {
                                     slot.iter_mut().enumerate().for_each(|(i, v)| *v = (shard * len + i) as f32)
                                 });
@@ -489,18 +489,18 @@ mod tests {
             for out in &results {
                 for (i, &v) in out.iter().enumerate() {
                     let want: f32 = (0..shards).map(|s| (s * len + i) as f32).sum();
-                    assert_eq!(v, want, "ranks {ranks} shards {shards} ({wait:?}) element {i}");
+                    assert_eq!(v, want, "members {members} shards {shards} ({wait:?}) element {i}");
                 }
             }
         }
     }
 
     #[test]
-    fn classic_all_reduce_gives_every_rank_the_same_values() {
-        let (ranks, len) = (3, 100);
-        let ex = ShmGroup::new(ranks, ranks, len, Wait::Park).unwrap();
+    fn classic_all_reduce_gives_every_member_the_same_values() {
+        let (members, len) = (3, 100);
+        let ex = ShmGroup::new(members, members, len, Wait::Park).unwrap();
         let out: Vec<Vec<f32>> = std::thread::scope(|s| {
-            let hs: Vec<_> = (0..ranks)
+            let hs: Vec<_> = (0..members)
                 .map(|r| {
                     let ex = &ex;
                     s.spawn(move || {
@@ -517,7 +517,7 @@ mod tests {
             // ((0·1000 + i) + (1000 + i)) + (2000 + i) = 3000 + 3i, exact in f32
             assert!(sum.iter().enumerate().all(|(i, &v)| v == (3000 + 3 * i) as f32));
         }
-        // One rank: nothing to do, nothing changes.
+        // One member: nothing to do, nothing changes.
         let one = ShmGroup::new(1, 1, 4, Wait::Spin).unwrap();
         let mut v = vec![1.0, 2.0, 3.0, 4.0];
         crate::exchange::all_reduce_in_place(&mut one.member(0), &mut v).unwrap();
@@ -528,7 +528,7 @@ mod tests {
     }
 
     #[test]
-    fn abort_releases_a_waiting_rank() {
+    fn abort_releases_a_waiting_member() {
         for wait in [Wait::Spin, Wait::Park] {
             let ex = ShmGroup::new(2, 2, 4, wait).unwrap();
             std::thread::scope(|s| {
@@ -542,8 +542,8 @@ mod tests {
 
     #[test]
     fn the_statistics_exchange_gathers_every_payload_in_replica_order() {
-        // Three ranks, five calls in a row (both generations of buffers, reused): every
-        // rank gets [rank 0's, rank 1's, rank 2's] payloads of each call.
+        // Three members, five calls in a row (both generations of buffers, reused): every
+        // member gets [member 0's, member 1's, member 2's] payloads of each call.
         let ex = ShmGroup::new(3, 3, 8, Wait::Park).unwrap();
         let got: Vec<Vec<Vec<f64>>> = std::thread::scope(|s| {
             let hs: Vec<_> = (0..3)
@@ -570,7 +570,7 @@ mod tests {
                 assert_eq!(all, &want, "call {call}");
             }
         }
-        // Another replica than the rank's, or two shards a rank, is refused by name.
+        // Another replica than the member's, or two shards a member, is refused by name.
         let e = ex.stats(1).all_gather(0, &[1.0], &mut Vec::new()).unwrap_err().to_string();
         assert!(e.contains("one logical replica per device"), "{e}");
         let two = ShmGroup::new(1, 2, 8, Wait::Spin).unwrap();
@@ -578,7 +578,7 @@ mod tests {
     }
 
     #[test]
-    fn an_abort_releases_a_rank_waiting_in_the_statistics_exchange() {
+    fn an_abort_releases_a_member_waiting_in_the_statistics_exchange() {
         let ex = ShmGroup::new(2, 2, 4, Wait::Park).unwrap();
         std::thread::scope(|s| {
             let h = s.spawn(|| ex.stats(0).all_gather(0, &[1.0], &mut Vec::new()));
@@ -589,15 +589,16 @@ mod tests {
     }
 
     #[test]
-    fn the_all_gather_hands_every_rank_every_owned_chunk() {
-        // 3 ranks over a slot of 100 parameters and 20 buffers: rank d writes 1000·d + i
-        // into its owned chunk of the parameters only; afterwards every rank holds them all.
-        let (ranks, np, nb) = (3, 100, 20);
-        let ex = ShmGroup::new(ranks, ranks, np + nb, Wait::Park).unwrap();
-        let owned: Vec<Range<usize>> = (0..ranks).map(|d| ex.member(d).owned()).collect();
+    fn the_all_gather_hands_every_member_every_owned_chunk() {
+        // 3 members over a slot of 100 parameters and 20 buffers: member d writes 1000·d
+        // + i into its owned chunk of the parameters only; afterwards every member holds
+        // them all.
+        let (members, np, nb) = (3, 100, 20);
+        let ex = ShmGroup::new(members, members, np + nb, Wait::Park).unwrap();
+        let owned: Vec<Range<usize>> = (0..members).map(|d| ex.member(d).owned()).collect();
         assert_eq!(owned, vec![0..48, 48..96, 96..120], "chunks of 16-value multiples");
         let got: Vec<Vec<f32>> = std::thread::scope(|s| {
-            let hs: Vec<_> = (0..ranks)
+            let hs: Vec<_> = (0..members)
                 .map(|d| {
                     let (ex, owned) = (&ex, &owned);
                     s.spawn(move || {

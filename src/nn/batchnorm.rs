@@ -102,10 +102,40 @@ pub fn normaliser(mean: f64, var: f64, eps: f32) -> (f32, f32) {
     (mean as f32, (1.0 / (var + eps as f64).sqrt()) as f32)
 }
 
+/// Whose names a BatchNorm's tensors carry, with what that brings.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum BnNames {
+    /// Keras's: `gamma`, `beta`, `running_mean`, `running_var`.
+    Keras,
+    /// PyTorch's `BatchNorm2d` `state_dict`: `weight`, `bias`, `running_mean`,
+    /// `running_var` and `num_batches_tracked`, the count of training forwards (which
+    /// every training forward increments; averaged over the logical replicas like the
+    /// other buffers, it is rounded back to its integer first).
+    PyTorch,
+}
+
+impl BnNames {
+    /// The spec's name: `keras` or `pytorch`.
+    pub fn name(self) -> &'static str {
+        match self {
+            BnNames::Keras => "keras",
+            BnNames::PyTorch => "pytorch",
+        }
+    }
+}
+
+/// A training forward's `num_batches_tracked`: its old value rounded back to an integer
+/// (the average over logical replicas multiplies by 1/R, off by an ulp for some R and
+/// counts), plus one; `batchnorm_count_fwd_f32` computes the same.
+pub fn count_up(tracked: f32) -> f32 {
+    tracked.round_ties_even() + 1.0
+}
+
 /// Batch normalisation over the channels of NCHW activations.
 #[derive(Clone, Debug)]
 pub struct BatchNorm2d {
     channels: usize,
+    names: BnNames,
     eps: f32,
     momentum: f32,
     scale: bool,
@@ -179,6 +209,7 @@ impl BatchNorm2d {
     pub fn new(channels: usize) -> BatchNorm2d {
         BatchNorm2d {
             channels,
+            names: BnNames::Keras,
             eps: 1e-3,
             momentum: 0.99,
             scale: true,
@@ -189,6 +220,18 @@ impl BatchNorm2d {
             count: 0.0,
             cached: None,
         }
+    }
+
+    /// PyTorch's `nn.BatchNorm2d(channels)`: eps 1e-5, momentum 0.1 (Keras's 0.9), its
+    /// tensors named as its `state_dict` names them.
+    pub fn pytorch(channels: usize) -> BatchNorm2d {
+        BatchNorm2d::new(channels).eps(1e-5).momentum(0.9).names(BnNames::PyTorch)
+    }
+
+    /// Whose names the tensors carry.
+    pub fn names(mut self, names: BnNames) -> Self {
+        self.names = names;
+        self
     }
 
     /// Whose batch statistics normalise in training (Keras's `synchronized`).
@@ -225,10 +268,10 @@ impl BatchNorm2d {
     /// momentum=0.99, synchronized=False)`, its channels those of the running shape.
     pub const SPEC: LayerType = LayerType {
         name: "batch_normalization",
-        fields: "`scale` (true), `center` (true), `epsilon` (0.001), `momentum` (0.99), `synchronized` (false)",
+        fields: "`scale` (true), `center` (true), `epsilon` (0.001), `momentum` (0.99), `synchronized` (false), `names` (\"keras\": gamma, beta; or \"pytorch\": weight, bias, num_batches_tracked)",
         example: (
             &[3, 4, 4],
-            r#"{"type": "batch_normalization", "scale": false, "epsilon": 0.01, "momentum": 0.9, "synchronized": true}"#,
+            r#"{"type": "batch_normalization", "scale": false, "epsilon": 0.01, "momentum": 0.9, "synchronized": true, "names": "pytorch"}"#,
         ),
         parse: |f| {
             let scale = f.boolean("scale", true)?;
@@ -236,8 +279,9 @@ impl BatchNorm2d {
             let epsilon = f.number("epsilon", Some(1e-3), (|x| x > 0.0, "a positive number"))?;
             let momentum = f.number("momentum", Some(0.99), (|x| (0.0..=1.0).contains(&x), "a number in [0, 1]"))?;
             let stats = if f.boolean("synchronized", false)? { BatchStats::Global } else { BatchStats::Shard };
+            let names = f.choice("names", &[BnNames::Keras, BnNames::PyTorch], BnNames::name)?;
             Ok(Build::layer(move |input| {
-                let bn = BatchNorm2d::new(expect_images(input)?).scale(scale).center(center);
+                let bn = BatchNorm2d::new(expect_images(input)?).scale(scale).center(center).names(names);
                 Ok(bn.eps(epsilon).momentum(momentum).batch_stats(stats))
             }))
         },
@@ -254,6 +298,7 @@ impl Layer for BatchNorm2d {
     fn gpu(&self) -> Option<Box<dyn GpuLayer>> {
         Some(Box::new(BatchNorm2dGpu {
             channels: self.channels,
+            count: self.names == BnNames::PyTorch,
             eps: self.eps,
             momentum: self.momentum,
             scale: self.scale,
@@ -271,7 +316,7 @@ impl Layer for BatchNorm2d {
     fn spec(&self) -> Option<Value> {
         Some(json!({
             "type": "batch_normalization", "scale": self.scale, "center": self.center, "epsilon": self.eps,
-            "momentum": self.momentum, "synchronized": self.stats == BatchStats::Global,
+            "momentum": self.momentum, "synchronized": self.stats == BatchStats::Global, "names": self.names.name(),
         }))
     }
 
@@ -282,12 +327,16 @@ impl Layer for BatchNorm2d {
 
     /// The same layer, its statistics the global batch's (a fresh one: no cache).
     fn synchronized(&self) -> Option<Box<dyn Layer>> {
-        let bn = BatchNorm2d::new(self.channels).eps(self.eps).momentum(self.momentum);
+        let bn = BatchNorm2d::new(self.channels).eps(self.eps).momentum(self.momentum).names(self.names);
         Some(Box::new(bn.scale(self.scale).center(self.center).batch_stats(BatchStats::Global)))
     }
 
-    fn synchronized_channels(&self) -> Option<usize> {
-        (self.stats == BatchStats::Global).then_some(self.channels)
+    fn synchronized_channels(&self) -> Vec<usize> {
+        if self.stats == BatchStats::Global {
+            vec![self.channels]
+        } else {
+            Vec::new()
+        }
     }
 
     fn output_shape(&self, input: &Shape) -> Result<Shape> {
@@ -301,21 +350,29 @@ impl Layer for BatchNorm2d {
     fn params(&self) -> Vec<ParamSpec> {
         let shape = Shape::new([self.channels]);
         let mut p = Vec::new();
+        let (gamma, beta) = match self.names {
+            BnNames::Keras => ("gamma", "beta"),
+            BnNames::PyTorch => ("weight", "bias"),
+        };
         if self.scale {
-            p.push(ParamSpec { name: "gamma", shape: shape.clone(), init: Init::Ones });
+            p.push(ParamSpec { name: gamma.into(), shape: shape.clone(), init: Init::Ones });
         }
         if self.center {
-            p.push(ParamSpec { name: "beta", shape, init: Init::Zeros });
+            p.push(ParamSpec { name: beta.into(), shape, init: Init::Zeros });
         }
         p
     }
 
     fn buffers(&self) -> Vec<ParamSpec> {
         let shape = Shape::new([self.channels]);
-        vec![
-            ParamSpec { name: "running_mean", shape: shape.clone(), init: Init::Zeros },
-            ParamSpec { name: "running_var", shape, init: Init::Ones },
-        ]
+        let mut b = vec![
+            ParamSpec { name: "running_mean".into(), shape: shape.clone(), init: Init::Zeros },
+            ParamSpec { name: "running_var".into(), shape, init: Init::Ones },
+        ];
+        if self.names == BnNames::PyTorch {
+            b.push(ParamSpec { name: "num_batches_tracked".into(), shape: Shape::new([0usize; 0]), init: Init::Count });
+        }
+        b
     }
 
     // x: (N, C, H, W) → y: (N, C, H, W)
@@ -369,6 +426,10 @@ impl Layer for BatchNorm2d {
                 for ((&(mean, var), r_mean), r_var) in stats.iter().zip(rm.iter_mut()).zip(rv.iter_mut()) {
                     *r_mean = update.mean(*r_mean, mean);
                     *r_var = update.var(*r_var, var);
+                }
+                if self.names == BnNames::PyTorch {
+                    let tracked = &mut buffers.get(2)[0];
+                    *tracked = count_up(*tracked);
                 }
                 stats.iter().map(|&(mean, var)| normaliser(mean, var, self.eps)).unzip()
             }
@@ -531,7 +592,7 @@ impl Moments {
 /// `[count, mean₀, M2₀, mean₁, M2₁, ...]` gathered, and merged in replica order.
 pub fn global_moments(
     ex: &dyn StatsExchange,
-    replica: usize,
+    shard: usize,
     count: f64,
     local: &[(f64, f64)],
 ) -> Result<(f64, Vec<(f64, f64)>)> {
@@ -539,7 +600,7 @@ pub fn global_moments(
     mine.push(count);
     mine.extend(local.iter().flat_map(|&(mean, m2)| [mean, m2]));
     let mut all = Vec::new();
-    ex.all_gather(replica, &mine, &mut all)?;
+    ex.all_gather(shard, &mine, &mut all)?;
     let mut merged = vec![Moments::default(); local.len()];
     for payload in all.chunks_exact(mine.len()) {
         for (acc, mm) in merged.iter_mut().zip(payload[1..].chunks_exact(2)) {
@@ -552,10 +613,10 @@ pub fn global_moments(
 
 /// The global batch's per-channel (Σ dy, Σ dy·x̂): every logical replica's `[Σ dy₀,
 /// Σ dy·x̂₀, ...]` gathered and summed in replica order, in f64.
-pub fn global_sums(ex: &dyn StatsExchange, replica: usize, local: &[(f64, f64)]) -> Result<Vec<(f64, f64)>> {
+pub fn global_sums(ex: &dyn StatsExchange, shard: usize, local: &[(f64, f64)]) -> Result<Vec<(f64, f64)>> {
     let mine: Vec<f64> = local.iter().flat_map(|&(a, b)| [a, b]).collect();
     let mut all = Vec::new();
-    ex.all_gather(replica, &mine, &mut all)?;
+    ex.all_gather(shard, &mine, &mut all)?;
     // Summed from the first payload on (not from 0.0), so that one replica's sums are
     // exactly its own, −0.0 included.
     let mut payloads = all.chunks_exact(mine.len().max(1));
@@ -571,9 +632,11 @@ pub fn global_sums(ex: &dyn StatsExchange, replica: usize, local: &[(f64, f64)])
     Ok(sums)
 }
 
-/// The synchronized BatchNorm layers of `model`: (layer index, channels).
+/// The synchronized BatchNorm layers of `model` in forward order: (index of the model's
+/// layer that holds it, channels); a container's several share its index.
 fn synchronized_layers(model: &Sequential) -> Vec<(usize, usize)> {
-    model.layers().iter().enumerate().filter_map(|(i, l)| l.synchronized_channels().map(|c| (i, c))).collect()
+    let layers = model.layers().iter().enumerate();
+    layers.flat_map(|(i, l)| l.synchronized_channels().into_iter().map(move |c| (i, c))).collect()
 }
 
 /// True when `model` has a synchronized BatchNorm layer (its run needs a statistics
@@ -609,11 +672,11 @@ impl Synchronized<'_> {
     /// from the first trained layer on). When no replica has a row (every one of them is
     /// then here), the first call shows it and all stop.
     pub fn without_data(&self, model: &Sequential) -> Result<()> {
-        let (ex, replica) = (self.stats, self.shard);
+        let (ex, shard) = (self.stats, self.shard);
         let layers = synchronized_layers(model);
         let mut all = Vec::new();
         for &(_, c) in &layers {
-            ex.all_gather(replica, &vec![0.0; 1 + 2 * c], &mut all)?;
+            ex.all_gather(shard, &vec![0.0; 1 + 2 * c], &mut all)?;
             let count: f64 = all.chunks_exact(1 + 2 * c).map(|p| p[0]).sum();
             if count == 0.0 {
                 // No replica has a row (an accumulated step's last micro-batches, when the
@@ -630,7 +693,7 @@ impl Synchronized<'_> {
         }
         let first = model.first_trained_layer();
         for &(_, c) in layers.iter().rev().filter(|(i, _)| *i >= first) {
-            ex.all_gather(replica, &vec![0.0; 2 * c], &mut all)?;
+            ex.all_gather(shard, &vec![0.0; 2 * c], &mut all)?;
         }
         Ok(())
     }
@@ -640,8 +703,9 @@ impl Synchronized<'_> {
 /// `SyncBatchNorm.convert_sync_batchnorm`; `--sync-batchnorm`): the same layers, names and
 /// flat layout, so weights move between the two unchanged.
 pub fn convert_sync_batchnorm(model: &Sequential) -> Result<Sequential> {
-    let layers = model.layers().iter().map(|l| l.synchronized().unwrap_or_else(|| l.boxed_clone())).collect();
-    Sequential::new(model.input_shape().clone(), layers)
+    let layers = model.layers().iter().zip(model.layer_names());
+    let layers = layers.map(|(l, n)| (Some(n.clone()), l.synchronized().unwrap_or_else(|| l.boxed_clone()))).collect();
+    Sequential::named(model.input_shape().clone(), layers)
 }
 
 // ---- on a GPU: kernels/batchnorm.cu ------------------------------------------------
@@ -651,6 +715,8 @@ pub fn convert_sync_batchnorm(model: &Sequential) -> Result<Sequential> {
 /// other logical replicas' on the host, merged by [`Synchronized`]'s functions above.
 struct BatchNorm2dGpu {
     channels: usize,
+    /// Whether it counts its training forwards (`num_batches_tracked`, its third buffer).
+    count: bool,
     eps: f32,
     momentum: f32,
     scale: bool,
@@ -739,7 +805,12 @@ impl GpuLayer for BatchNorm2dGpu {
                         let update = RunningUpdate::new(self.momentum, n * geom.hw).into();
                         gpu.batchnorm_train_fwd(x, y, bn, out, geom, update)
                     }
+                }?;
+                if self.count {
+                    let r = &node.buffers[2];
+                    gpu.batchnorm_count(&mut stats.slice_mut(*offset + r.start..*offset + r.end))?;
                 }
+                Ok(())
             }
             Pass::Eval { stats } => {
                 gpu.batchnorm_eval_fwd(x, y, bn, (&stats.slice(rm.clone()), &stats.slice(rv.clone())), geom)

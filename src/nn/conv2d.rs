@@ -29,7 +29,7 @@ use super::spec_entry::{expect_images, Build, LayerType};
 use super::{Ctx, Init, InputGrad, Layer, LayerMemory, LayerShapes, Mode, ParamSpec, Params, ParamsMut, F32};
 use crate::backend::cpu::{
     add_partials, batch_groups, chw_to_hwc, col2im, gemm_with, hwc_to_chw, im2col, im2row, row2im, split_by_groups,
-    sum_partials, Accumulate, ConvGeom, Mat, Threads,
+    sum_partials, Accumulate, Im2colGeom, Mat, Threads,
 };
 use crate::cuda::gemm::{gemm as cublas_gemm, RmGemm};
 use crate::cuda::Gpu;
@@ -50,7 +50,7 @@ enum Unfold {
 
 /// The unfolding for a geometry: a function of the layer's shape alone, so that the
 /// arithmetic (and its rounding) never depends on the batch or the machine.
-fn unfold(g: &ConvGeom) -> Unfold {
+fn unfold(g: &Im2colGeom) -> Unfold {
     if g.col_rows() <= 32 {
         Unfold::Columns
     } else {
@@ -61,7 +61,7 @@ fn unfold(g: &ConvGeom) -> Unfold {
 /// Samples unfolded at a time in [`Unfold::Rows`]: as many as keep the rows within
 /// 512 KiB, so that they are still in the core's L2 cache when GEMM reads them (at least
 /// one). A function of the geometry alone, like everything that orders a sum here.
-fn chunk_samples(g: &ConvGeom) -> usize {
+fn chunk_samples(g: &Im2colGeom) -> usize {
     ((512 << 10) / (g.col_rows() * g.col_cols() * 4)).max(1)
 }
 
@@ -81,9 +81,9 @@ fn oihw_to_hwio(w: &[f32], o: usize, c: usize, kk: usize) -> Vec<f32> {
 
 /// The CPU backend's geometry of one sample of C channels, from the shared window
 /// placement (the backend takes one stride: Conv2d's are equal).
-fn cpu_geom(c: usize, g: &Geometry2d) -> ConvGeom {
+fn cpu_geom(c: usize, g: &Geometry2d) -> Im2colGeom {
     let ((kh, kw), (stride, _)) = (g.window.kernel, g.window.stride);
-    ConvGeom { c, h: g.h, w: g.w, kh, kw, stride, pad_top: g.pad_top, pad_left: g.pad_left, oh: g.oh, ow: g.ow }
+    Im2colGeom { c, h: g.h, w: g.w, kh, kw, stride, pad_top: g.pad_top, pad_left: g.pad_left, oh: g.oh, ow: g.ow }
 }
 
 /// A 2-D convolution layer.
@@ -124,7 +124,7 @@ impl Scratch {
 
 /// What every group of one forward or backward shares.
 struct Job<'a> {
-    g: ConvGeom,
+    g: Im2colGeom,
     o: usize,
     /// The weight in the layout of `unfold`: (O, C·KH·KW) for columns, (KH·KW·C, O) for rows.
     weight: &'a [f32],
@@ -275,6 +275,7 @@ impl Conv2d {
                 format!("channels, filters, kernel and stride must be positive (got {in_channels}, {filters}, {kernel:?}, {stride})"),
             ));
         }
+        padding.check(kernel).map_err(|e| Error::config("Conv2d", e))?;
         Ok(Conv2d { in_channels, filters, kernel, stride, padding, use_bias, x: None, scratch: Vec::new() })
     }
 
@@ -287,7 +288,7 @@ impl Conv2d {
     /// use_bias=True, activation=None)`, its input channels those of the running shape.
     pub const SPEC: LayerType = LayerType {
         name: "conv2d",
-        fields: "`filters`, `kernel_size` (int or [kh, kw]), `strides` (1; int or [s, s]), `padding` (\"valid\" or \"same\"; \"valid\"), `use_bias` (true), `activation` (\"linear\")",
+        fields: "`filters`, `kernel_size` (int or [kh, kw]), `strides` (1; int or [s, s]), `padding` (\"valid\", \"same\", or pads: int or [ph, pw]; \"valid\"), `use_bias` (true), `activation` (\"linear\")",
         example: (
             &[2, 7, 6],
             r#"{"type": "conv2d", "filters": 3, "kernel_size": [3, 2], "strides": 2, "padding": "same", "use_bias": false, "activation": "relu"}"#,
@@ -310,7 +311,7 @@ impl Conv2d {
         },
     };
 
-    fn geometry(&self, input: &Shape) -> Result<(usize, ConvGeom)> {
+    fn geometry(&self, input: &Shape) -> Result<(usize, Im2colGeom)> {
         let (n, c, h, w) = input.nchw("Conv2d")?;
         if c != self.in_channels {
             return Err(Error::shape("Conv2d", format!("expected {} input channels, got {input}", self.in_channels)));
@@ -323,7 +324,7 @@ impl Conv2d {
     }
 
     /// The weight in the layout `unfold` multiplies by.
-    fn weight_for<'a>(&self, w: &'a [f32], g: &ConvGeom, unfold: Unfold) -> Cow<'a, [f32]> {
+    fn weight_for<'a>(&self, w: &'a [f32], g: &Im2colGeom, unfold: Unfold) -> Cow<'a, [f32]> {
         match unfold {
             Unfold::Columns => Cow::Borrowed(w),
             Unfold::Rows => Cow::Owned(oihw_to_hwio(w, self.filters, g.c, g.kh * g.kw)),
@@ -347,7 +348,7 @@ impl Layer for Conv2d {
             "filters": self.filters,
             "kernel_size": [w.kernel.0, w.kernel.1],
             "strides": [w.stride.0, w.stride.1],
-            "padding": w.padding.name(),
+            "padding": w.padding.to_json(),
             "use_bias": self.use_bias,
         }))
     }
@@ -373,12 +374,12 @@ impl Layer for Conv2d {
     fn params(&self) -> Vec<ParamSpec> {
         let (o, c, (kh, kw)) = (self.filters, self.in_channels, self.kernel);
         let mut p = vec![ParamSpec {
-            name: "weight",
+            name: "weight".into(),
             shape: Shape::new([o, c, kh, kw]),
             init: Init::GlorotUniform { fan_in: c * kh * kw, fan_out: o * kh * kw },
         }];
         if self.use_bias {
-            p.push(ParamSpec { name: "bias", shape: Shape::new([o]), init: Init::Zeros });
+            p.push(ParamSpec { name: "bias".into(), shape: Shape::new([o]), init: Init::Zeros });
         }
         p
     }
@@ -471,7 +472,7 @@ impl Layer for Conv2d {
             self.kernel.0,
             self.kernel.1,
             self.stride,
-            self.padding.name(),
+            self.padding.describe(),
             if self.use_bias { "" } else { ", no bias" }
         )
     }
@@ -557,7 +558,7 @@ mod tests {
     fn both_unfoldings_compute_the_same_convolution() {
         // The same layer run through columns and rows: equal up to summation order
         // (|Δ| ≤ 1e-5 on values of order 1, sums of 2·3·3 = 18 products).
-        let g = ConvGeom { c: 2, h: 7, w: 6, kh: 3, kw: 3, stride: 2, pad_top: 1, pad_left: 1, oh: 4, ow: 3 };
+        let g = Im2colGeom { c: 2, h: 7, w: 6, kh: 3, kw: 3, stride: 2, pad_top: 1, pad_left: 1, oh: 4, ow: 3 };
         let (n, o) = (3, 4);
         let mut r = crate::rng::SplitMix64::new(5);
         let mut rand = |len: usize| (0..len).map(|_| r.next_f32() - 0.5).collect::<Vec<f32>>();

@@ -26,7 +26,7 @@ use cudarc::driver::{CudaEvent, CudaSlice, CudaView, CudaViewMut};
 
 use super::stats::StatsExchange;
 use super::window::Window2d;
-use crate::cuda::{ConvGeom, DropoutKey, Gpu};
+use crate::cuda::{DropoutKey, Gpu, WindowGeom};
 use crate::error::{Error, Result};
 use crate::tensor::Shape;
 
@@ -88,7 +88,7 @@ impl Draw {
         DropoutKey {
             seed: self.seed,
             step: self.step,
-            replica: self.shard as u64,
+            shard: self.shard as u64,
             layer: layer as u64,
             first: (self.sample_offset * per_sample) as u64,
         }
@@ -181,7 +181,7 @@ impl<'a> Backward<'a, '_> {
 
 /// The launch geometry of `window` over `node`'s per-sample input (C, H, W), for a batch
 /// of `n`: the placement the CPU layers use (`nn::window`), so the backends share every pad.
-pub fn window_geom(node: &Node, window: Window2d, n: usize) -> Result<ConvGeom> {
+pub fn window_geom(node: &Node, window: Window2d, n: usize) -> Result<WindowGeom> {
     let (c, h, w) = match node.input.dims() {
         &[c, h, w] => (c, h, w),
         _ => return Err(Error::shape("window", format!("{}: input {} is not (C, H, W)", node.name, node.input))),

@@ -81,12 +81,12 @@ impl Layer for Linear {
     fn params(&self) -> Vec<ParamSpec> {
         let (f, o) = (self.in_features, self.out_features);
         let mut p = vec![ParamSpec {
-            name: "weight",
+            name: "weight".into(),
             shape: Shape::new([o, f]),
             init: Init::GlorotUniform { fan_in: f, fan_out: o },
         }];
         if self.use_bias {
-            p.push(ParamSpec { name: "bias", shape: Shape::new([o]), init: Init::Zeros });
+            p.push(ParamSpec { name: "bias".into(), shape: Shape::new([o]), init: Init::Zeros });
         }
         p
     }

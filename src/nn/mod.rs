@@ -46,6 +46,7 @@ pub mod linear;
 pub mod loss;
 pub mod pool;
 pub mod reshape;
+pub mod residual;
 mod sequential;
 pub mod spec_entry;
 pub mod stats;
@@ -61,7 +62,8 @@ pub use gelu::Gelu;
 pub use linear::Linear;
 pub use pool::MaxPool2d;
 pub use reshape::{Flatten, GlobalAvgPool2d};
-pub use sequential::{LayerShapes, ParamStore, Sequential, TensorInfo, TENSOR_ALIGN};
+pub use residual::Residual;
+pub use sequential::{auto_names, LayerShapes, NamedLayer, ParamStore, Place, Sequential, TensorInfo, TENSOR_ALIGN};
 pub use spec_entry::{Activation, LayerType};
 pub use window::{Geometry2d, Padding, Window2d};
 
@@ -81,6 +83,7 @@ pub const LAYER_TYPES: &[LayerType] = &[
     GlobalAvgPool2d::SPEC,
     MaxPool2d::SPEC,
     Gelu::SPEC,
+    Residual::SPEC,
 ];
 
 /// Bytes of an f32, for the layers' memory accounts.
@@ -129,13 +132,17 @@ pub enum Init {
     },
     Zeros,
     Ones,
+    /// A count, from 0 (BatchNorm's `num_batches_tracked`): held as f32 like every
+    /// buffer, written to weight files as PyTorch's int64, rounded.
+    Count,
 }
 
 /// One named tensor a layer needs stored for it.
 #[derive(Clone, PartialEq, Debug)]
 pub struct ParamSpec {
-    /// The suffix after the layer's name: `weight`, `bias`, `beta`, `running_mean`, ...
-    pub name: &'static str,
+    /// The suffix after the layer's name: `weight`, `bias`, `beta`, `running_mean`, ...;
+    /// a container's names its inner layers' tensors (`conv1.weight`).
+    pub name: std::borrow::Cow<'static, str>,
     pub shape: Shape,
     pub init: Init,
 }
@@ -192,6 +199,12 @@ impl<'a> Params<'a> {
     pub fn get(&self, i: usize) -> &'a [f32] {
         &self.flat[self.ranges[i].clone()]
     }
+
+    /// The layer's whole slice, its tensors where [`Sequential`] laid them: what a
+    /// container hands its branches, which lay their tensors out alike.
+    pub(crate) fn flat(&self) -> &'a [f32] {
+        self.flat
+    }
 }
 
 /// Mutable view of one layer's tensors inside a flat buffer.
@@ -216,6 +229,11 @@ impl<'a> ParamsMut<'a> {
         let (ri, rj) = (self.ranges[i].clone(), self.ranges[j].clone());
         let (lo, hi) = self.flat.split_at_mut(rj.start);
         (&mut lo[ri], &mut hi[..rj.len()])
+    }
+
+    /// The layer's whole slice, mutably (as [`Params::flat`]).
+    pub(crate) fn flat_mut(&mut self) -> &mut [f32] {
+        self.flat
     }
 
     /// The number of tensors.
@@ -299,9 +317,10 @@ pub trait Layer: Send {
 
     /// For a layer whose training statistics are the global batch's: its channels, the
     /// width of what it exchanges with the other logical replicas in each forward and
-    /// backward (`batchnorm::Synchronized`). Default: none.
-    fn synchronized_channels(&self) -> Option<usize> {
-        None
+    /// backward (`batchnorm::Synchronized`); for a container, its layers' in forward
+    /// order (their backward exchanges run in the reverse order). Default: none.
+    fn synchronized_channels(&self) -> Vec<usize> {
+        Vec::new()
     }
 
     /// The layer's GPU form (its launches and what it keeps on the device), built for

@@ -61,6 +61,7 @@ impl MaxPool2d {
                 format!("pool size and strides must be positive (got {pool_size:?}, {strides:?})"),
             ));
         }
+        padding.check(pool_size).map_err(|e| Error::config("MaxPool2d", e))?;
         Ok(MaxPool2d { window: Window2d::new(pool_size, strides, padding), cache: None })
     }
 
@@ -73,7 +74,7 @@ impl MaxPool2d {
     /// padding="valid")`, strides defaulting to the pool size.
     pub const SPEC: LayerType = LayerType {
         name: "max_pooling2d",
-        fields: "`pool_size` (2; int or [kh, kw]), `strides` (the pool size; int or [sh, sw]), `padding` (\"valid\" or \"same\"; \"valid\")",
+        fields: "`pool_size` (2; int or [kh, kw]), `strides` (the pool size; int or [sh, sw]), `padding` (\"valid\", \"same\", or pads: int or [ph, pw]; \"valid\")",
         example: (&[2, 7, 6], r#"{"type": "max_pooling2d", "pool_size": [3, 2], "strides": [2, 1], "padding": "same"}"#),
         parse: |f| {
             let pool_size = f.pair("pool_size", Some((2, 2)))?;
@@ -150,7 +151,7 @@ impl Layer for MaxPool2d {
             "type": "max_pooling2d",
             "pool_size": [w.kernel.0, w.kernel.1],
             "strides": [w.stride.0, w.stride.1],
-            "padding": w.padding.name(),
+            "padding": w.padding.to_json(),
         }))
     }
 

@@ -31,6 +31,9 @@ use crate::error::{Error, Result};
 use crate::rng::{derive_key, purpose, SplitMix64};
 use crate::tensor::{Shape, Tensor};
 
+/// A layer with the name its caller gives it, or None: named by kind (`conv0`).
+pub type NamedLayer = (Option<String>, Box<dyn Layer>);
+
 /// Every tensor's start in a flat buffer, and every flat buffer's length, is a multiple
 /// of this many values: 64 f32, 256 bytes (see the file's docs).
 pub const TENSOR_ALIGN: usize = 64;
@@ -93,9 +96,25 @@ pub struct Sequential {
 
 impl Clone for Sequential {
     fn clone(&self) -> Self {
-        Sequential::new(self.input_shape.clone(), self.layers.iter().map(|l| l.boxed_clone()).collect())
-            .expect("a Sequential that was valid once stays valid")
+        let layers = self.layers.iter().zip(&self.names).map(|(l, n)| (Some(n.clone()), l.boxed_clone())).collect();
+        Sequential::named(self.input_shape.clone(), layers).expect("a Sequential that was valid once stays valid")
     }
+}
+
+/// The names of layers of these (given name, kind)s: a given name as it is, the others
+/// their kind numbered per kind among the unnamed (`conv0`, `bn0`, `conv1`).
+pub fn auto_names<'a>(layers: impl Iterator<Item = (Option<&'a str>, &'static str)>) -> Vec<String> {
+    let mut counts: HashMap<&'static str, usize> = HashMap::new();
+    layers
+        .map(|(given, kind)| match given {
+            Some(name) => name.to_string(),
+            None => {
+                let n = counts.entry(kind).or_insert(0);
+                *n += 1;
+                format!("{kind}{}", *n - 1)
+            }
+        })
+        .collect()
 }
 
 impl std::fmt::Debug for Sequential {
@@ -106,24 +125,35 @@ impl std::fmt::Debug for Sequential {
 
 impl Sequential {
     /// Builds the stack for inputs of per-sample shape `input_shape` (e.g. `[1, 28, 28]`),
-    /// checking that every layer accepts the previous layer's output.
+    /// checking that every layer accepts the previous layer's output. Layers are named by
+    /// kind, numbered per kind in order (`conv0`, `bn0`, `conv1`).
     pub fn new(input_shape: impl Into<Shape>, layers: Vec<Box<dyn Layer>>) -> Result<Sequential> {
+        let layers = layers.into_iter().map(|l| (None, l)).collect();
+        Sequential::named(input_shape, layers)
+    }
+
+    /// [`Sequential::new`] with names of the caller's where given (`stem.0`,
+    /// `blocks.3`: the names of a PyTorch module's `state_dict`), the others named by
+    /// kind as `new` names them, numbered per kind among themselves. Two layers of one
+    /// name, or two tensors, are refused.
+    pub fn named(input_shape: impl Into<Shape>, layers: Vec<NamedLayer>) -> Result<Sequential> {
         let input_shape = input_shape.into();
         if layers.is_empty() {
             return Err(Error::config("model", "a Sequential needs at least one layer"));
         }
-        let mut counts: HashMap<&'static str, usize> = HashMap::new();
-        let mut names = Vec::with_capacity(layers.len());
+        let names = auto_names(layers.iter().map(|(name, l)| (name.as_deref(), l.kind())));
+        let layers: Vec<Box<dyn Layer>> = layers.into_iter().map(|(_, l)| l).collect();
+        let mut seen = std::collections::HashSet::new();
+        if let Some(dup) = names.iter().find(|n| !seen.insert(n.as_str())) {
+            return Err(Error::config("model", format!("two layers are named {dup}")));
+        }
         let mut shapes = Vec::with_capacity(layers.len());
         let mut slots = Vec::with_capacity(layers.len());
         let (mut params, mut buffers) = (Vec::new(), Vec::new());
         // Shapes are checked with a batch of 2: BatchNorm needs more than one value.
         let mut shape = batched(2, &input_shape);
         let (mut p_off, mut b_off) = (0, 0);
-        for layer in &layers {
-            let n = counts.entry(layer.kind()).or_insert(0);
-            let name = format!("{}{}", layer.kind(), n);
-            *n += 1;
+        for (layer, name) in layers.iter().zip(&names) {
             let input = Shape::new(&shape.dims()[1..]);
             shape = layer.output_shape(&shape).map_err(|e| Error::config("model", format!("layer {name}: {e}")))?;
             shapes.push(LayerShapes { input, output: Shape::new(&shape.dims()[1..]) });
@@ -151,7 +181,10 @@ impl Sequential {
             let (param_span, param_ranges) = lay(layer.params(), &mut p_off, &mut params);
             let (buffer_span, buffer_ranges) = lay(layer.buffers(), &mut b_off, &mut buffers);
             slots.push(Slots { param_span, param_ranges, buffer_span, buffer_ranges });
-            names.push(name);
+        }
+        let mut seen = std::collections::HashSet::new();
+        if let Some(dup) = params.iter().chain(&buffers).find(|t| !seen.insert(t.name.as_str())) {
+            return Err(Error::config("model", format!("two tensors are named {}", dup.name)));
         }
         let output_shape = Shape::new(&shape.dims()[1..]);
         let (params_len, buffers_len) = (p_off.next_multiple_of(TENSOR_ALIGN), b_off.next_multiple_of(TENSOR_ALIGN));
@@ -250,7 +283,7 @@ impl Sequential {
             for (i, t) in infos.iter().enumerate() {
                 let dst = &mut flat[t.range.clone()];
                 match t.init {
-                    Init::Zeros => dst.fill(0.0),
+                    Init::Zeros | Init::Count => dst.fill(0.0),
                     Init::Ones => dst.fill(1.0),
                     Init::GlorotUniform { fan_in, fan_out } => {
                         let a = (6.0 / (fan_in + fan_out) as f64).sqrt();
@@ -282,9 +315,21 @@ impl Sequential {
                 rhs: format!("{} (the model's)", ctx.device),
             });
         }
+        self.forward_at(x, params, buffers, ctx, Place::Top)
+    }
+
+    /// The forward of the layers at `place`: a model's own, or a container's branch.
+    pub(crate) fn forward_at(
+        &mut self,
+        x: Tensor,
+        params: &[f32],
+        buffers: &mut [f32],
+        ctx: &Ctx,
+        place: Place,
+    ) -> Result<Tensor> {
         let mut x = x;
         for (i, (layer, s)) in self.layers.iter_mut().zip(&self.slots).enumerate() {
-            let ctx = Ctx { layer_index: i, ..*ctx };
+            let ctx = Ctx { layer_index: place.index(ctx.layer_index, i), ..*ctx };
             let p = Params::new(&params[s.param_span.clone()], &s.param_ranges);
             let b = ParamsMut::new(&mut buffers[s.buffer_span.clone()], &s.buffer_ranges);
             let t = self.profile.is_some().then(std::time::Instant::now);
@@ -299,14 +344,35 @@ impl Sequential {
     /// Back-propagates `dout` (the gradient of the loss with respect to the output of the
     /// last forward, which must have run in `Mode::Train`), accumulating into `grads`.
     pub fn backward(&mut self, dout: Tensor, params: &[f32], grads: &mut [f32], ctx: &Ctx) -> Result<()> {
-        // Layers before the first one with parameters need no gradient at all.
-        let first = self.first_trained_layer();
+        self.backward_at(dout, params, grads, ctx, Place::Top, InputGrad::Skip).map(drop)
+    }
+
+    /// [`Sequential::backward`] that also returns the gradient of the input, dx:
+    /// (N, *input_shape) (every layer runs its backward, the first included).
+    pub fn backward_input(&mut self, dout: Tensor, params: &[f32], grads: &mut [f32], ctx: &Ctx) -> Result<Tensor> {
+        let dx = self.backward_at(dout, params, grads, ctx, Place::Top, InputGrad::Needed)?;
+        Ok(dx.expect("a backward asked for its input gradient returns it"))
+    }
+
+    /// The backward of the layers at `place`, returning the gradient of their input when
+    /// `input_grad` asks for it. Without it, the layers before the first one with
+    /// parameters are not run at all, and that one is asked for no input gradient.
+    pub(crate) fn backward_at(
+        &mut self,
+        dout: Tensor,
+        params: &[f32],
+        grads: &mut [f32],
+        ctx: &Ctx,
+        place: Place,
+        input_grad: InputGrad,
+    ) -> Result<Option<Tensor>> {
+        let first = if input_grad == InputGrad::Skip { self.first_trained_layer() } else { 0 };
         let mut d = Some(dout);
         for (i, (layer, s)) in self.layers.iter_mut().zip(&self.slots).enumerate().skip(first).rev() {
-            let ctx = Ctx { mode: Mode::Train, layer_index: i, ..*ctx };
+            let ctx = Ctx { mode: Mode::Train, layer_index: place.index(ctx.layer_index, i), ..*ctx };
             let p = Params::new(&params[s.param_span.clone()], &s.param_ranges);
             let g = ParamsMut::new(&mut grads[s.param_span.clone()], &s.param_ranges);
-            let need = if i == first { InputGrad::Skip } else { InputGrad::Needed };
+            let need = if i == first { input_grad } else { InputGrad::Needed };
             let dout = d.take().expect("every layer but the first returns an input gradient");
             let t = self.profile.is_some().then(std::time::Instant::now);
             d = layer.backward(dout, p, g, need, &ctx)?;
@@ -314,7 +380,7 @@ impl Sequential {
                 prof[i].1 += t.elapsed();
             }
         }
-        Ok(())
+        Ok(d)
     }
 
     /// Starts (or restarts) timing every layer's forward and backward.
@@ -344,9 +410,32 @@ impl Sequential {
     }
 }
 
+/// Where a Sequential's layers sit, which decides the index each layer's context carries
+/// (dropout's masks derive from it): a model's own layers are numbered 0, 1, ...; the
+/// layers of a container's branch take indices derived from the container's index, the
+/// branch and their position, so that no two layers of a model share one.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Place {
+    Top,
+    /// Branch `b` of the container whose context is being run (its `layer_index`).
+    Branch(u64),
+}
+
+impl Place {
+    /// The index of layer `i` at this place, inside a container of index `parent`.
+    pub fn index(self, parent: usize, i: usize) -> usize {
+        match self {
+            Place::Top => i,
+            // 62 bits: far from any index a model's own layers reach, and a usize on
+            // every 64-bit target.
+            Place::Branch(b) => (derive_key(parent as u64, &[purpose::LAYER, b, i as u64]) >> 2) as usize,
+        }
+    }
+}
+
 /// `(n, *sample)`.
 pub(crate) fn batched(n: usize, sample: &Shape) -> Shape {
-    let mut d = Vec::with_capacity(sample.rank() + 1);
+    let mut d = Vec::with_capacity(sample.ndim() + 1);
     d.push(n);
     d.extend_from_slice(sample.dims());
     Shape::new(d)

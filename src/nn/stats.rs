@@ -4,7 +4,7 @@
 //! Owns the contract, [`StatsExchange`], here below the layer that calls it so that `nn`
 //! needs nothing of `exchange`, whose transports implement it; and nothing of the arithmetic: a layer hands its
 //! logical replica's payload (a few f64 per channel) and gets every logical replica's
-//! back, in logical-replica order, the same on every rank; the layer then merges them in
+//! back, in logical-replica order, the same on every device; the layer then merges them in
 //! that order itself (`nn::batchnorm`), so every replica computes bitwise the same
 //! statistics whoever computed which shard. Gathering rather than summing is what lets
 //! the merge be Chan's pairwise update of (count, mean, M2) in a fixed order instead of a
@@ -16,22 +16,22 @@
 //! synchronized layer waits for its device's partial statistics, gathers, merges with the
 //! CPU layer's functions, and hands the result back to the device (`nn::gpu_net`).
 //!
-//! Every rank makes the same calls in the same order (2 per synchronized layer per
-//! forward and backward pass, a rank whose shard is empty included: it sends a payload
-//! of zeros, `nn::batchnorm::Synchronized::without_data`, from `train::step`). One logical replica per rank: a device
+//! Every device makes the same calls in the same order (2 per synchronized layer per
+//! forward and backward pass, a device whose shard is empty included: it sends a payload
+//! of zeros, `nn::batchnorm::Synchronized::without_data`, from `train::step`). One logical replica per device: a device
 //! that ran two shards one after another could never hand both payloads to one call.
 
 use crate::error::Result;
 
-/// One rank's side of the statistics exchange (see the file's docs). `Sync`, since a
-/// layer holds it through its context; calls come from the rank's own thread.
+/// One device's side of the statistics exchange (see the file's docs). `Sync`, since a
+/// layer holds it through its context; calls come from the device's own thread.
 pub trait StatsExchange: Sync + std::fmt::Debug {
     /// Number of logical replicas R: payloads per call.
     fn replicas(&self) -> usize;
 
-    /// Contributes `mine`, the payload of logical replica `replica` (this rank's), and
+    /// Contributes `mine`, the payload of logical replica `shard` (this device's), and
     /// fills `all` with every logical replica's payload in replica order (R·len values;
     /// every payload of a call has the same length). Fails with `Error::Aborted` once the
     /// run's exchange is aborted.
-    fn all_gather(&self, replica: usize, mine: &[f64], all: &mut Vec<f64>) -> Result<()>;
+    fn all_gather(&self, shard: usize, mine: &[f64], all: &mut Vec<f64>) -> Result<()>;
 }

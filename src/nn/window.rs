@@ -1,5 +1,6 @@
 //! The geometry of a 2-D window sliding over the (H, W) plane of an NCHW tensor: Keras's
-//! `valid` and `same` padding, the pads on each side and the output size.
+//! `valid` and `same` padding and PyTorch's explicit symmetric padding, the pads on each
+//! side and the output size.
 //!
 //! Owns: [`Window2d`] (kernel, stride, padding: what a layer is given) and [`Geometry2d`]
 //! (the same window placed on one H×W plane: pads and output size). It is the one place
@@ -10,7 +11,7 @@
 
 use std::ops::Range;
 
-use crate::cuda::launch::ConvGeom;
+use crate::cuda::launch::WindowGeom;
 
 /// How the input is padded.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -20,21 +21,71 @@ pub enum Padding {
     /// Keras "same": OH = ⌈H/s⌉, pad_total = max((OH − 1)·s + KH − H, 0), pad_top =
     /// ⌊pad_total/2⌋ and the rest at the bottom (asymmetric when pad_total is odd).
     Same,
+    /// PyTorch's `padding=(PH, PW)`: PH rows above and below, PW columns on either side;
+    /// OH = ⌊(H + 2·PH − KH)/s⌋ + 1. A pad is less than its kernel side (the layers'
+    /// constructors check it), so every window overlaps the plane.
+    Explicit(usize, usize),
 }
 
 impl Padding {
-    /// The spec's (and Keras's) name: `valid` or `same`.
-    pub fn name(self) -> &'static str {
+    /// The spec's words for it: `"valid"`, `"same"`, or the pads `[PH, PW]`.
+    pub fn to_json(self) -> serde_json::Value {
         match self {
-            Padding::Valid => "valid",
-            Padding::Same => "same",
+            Padding::Valid => "valid".into(),
+            Padding::Same => "same".into(),
+            Padding::Explicit(ph, pw) => serde_json::json!([ph, pw]),
+        }
+    }
+
+    /// For descriptions: `valid`, `same` or `pad 1` / `pad 1x2`.
+    pub fn describe(self) -> String {
+        match self {
+            Padding::Valid => "valid".into(),
+            Padding::Same => "same".into(),
+            Padding::Explicit(ph, pw) if ph == pw => format!("pad {ph}"),
+            Padding::Explicit(ph, pw) => format!("pad {ph}x{pw}"),
+        }
+    }
+
+    /// Why this padding does not suit a `kernel` window, if it does not: an explicit pad
+    /// must be less than its kernel side, so that no window lies wholly in the padding.
+    pub fn check(self, kernel: (usize, usize)) -> Result<(), String> {
+        match self {
+            Padding::Explicit(ph, pw) if ph >= kernel.0 || pw >= kernel.1 => {
+                Err(format!("padding {ph}x{pw} must be less than the {}x{} kernel on each side", kernel.0, kernel.1))
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// The pads of one dimension (0: rows, 1: columns) when explicit.
+    fn explicit(self, dim: usize) -> Option<usize> {
+        match self {
+            Padding::Explicit(ph, pw) => Some(if dim == 0 { ph } else { pw }),
+            _ => None,
         }
     }
 }
 
 /// Pads of one dimension: (before, after, output size), or None if the input is empty or
 /// (valid padding) smaller than the kernel. `k` and `s` are positive.
+#[cfg(test)]
 pub(crate) fn pads(size: usize, k: usize, s: usize, padding: Padding) -> Option<(usize, usize, usize)> {
+    pads_of(size, k, s, padding, 0)
+}
+
+/// [`pads`] of dimension `dim` (0: rows, 1: columns; it matters for explicit pads only).
+fn pads_of(size: usize, k: usize, s: usize, padding: Padding, dim: usize) -> Option<(usize, usize, usize)> {
+    if let Some(p) = padding.explicit(dim) {
+        // PyTorch: output ⌊(H + 2p − k)/s⌋ + 1; the bottom pad the windows reach is what
+        // is left of p below the last one, which the padded extent needs exactly.
+        if size == 0 || size + 2 * p < k {
+            return None;
+        }
+        let out = (size + 2 * p - k) / s + 1;
+        let bottom = ((out - 1) * s + k).saturating_sub(size + p);
+        return Some((p, bottom, out));
+    }
     match padding {
         Padding::Valid => (size >= k).then(|| (0, 0, (size - k) / s + 1)),
         Padding::Same => {
@@ -45,6 +96,7 @@ pub(crate) fn pads(size: usize, k: usize, s: usize, padding: Padding) -> Option<
             let total = ((out - 1) * s + k).saturating_sub(size);
             Some((total / 2, total - total / 2, out))
         }
+        Padding::Explicit(..) => unreachable!("explicit pads are placed above"),
     }
 }
 
@@ -83,8 +135,8 @@ impl Window2d {
     /// smaller than the kernel.
     pub fn over(&self, h: usize, w: usize) -> Option<Geometry2d> {
         let ((kh, kw), (sh, sw)) = (self.kernel, self.stride);
-        let (pad_top, pad_bottom, oh) = pads(h, kh, sh, self.padding)?;
-        let (pad_left, pad_right, ow) = pads(w, kw, sw, self.padding)?;
+        let (pad_top, pad_bottom, oh) = pads_of(h, kh, sh, self.padding, 0)?;
+        let (pad_left, pad_right, ow) = pads_of(w, kw, sw, self.padding, 1)?;
         Some(Geometry2d { window: *self, h, w, pad_top, pad_bottom, pad_left, pad_right, oh, ow })
     }
 
@@ -92,7 +144,7 @@ impl Window2d {
     pub fn describe(&self) -> String {
         let ((kh, kw), (sh, sw)) = (self.kernel, self.stride);
         let stride = if sh == sw { format!("{sh}") } else { format!("{sh}x{sw}") };
-        format!("{kh}x{kw}, stride {stride}, {}", self.padding.name())
+        format!("{kh}x{kw}, stride {stride}, {}", self.padding.describe())
     }
 }
 
@@ -111,9 +163,9 @@ impl Geometry2d {
 
     /// The GPU's launch geometry of this placement for a batch of `n` samples of `c`
     /// channels, with every pad of this one, so the two backends share them.
-    pub fn launch_geom(&self, n: usize, c: usize) -> ConvGeom {
+    pub fn launch_geom(&self, n: usize, c: usize) -> WindowGeom {
         let pads = [self.pad_top, self.pad_left, self.pad_bottom, self.pad_right];
-        let geom = ConvGeom::new(n, c, (self.h, self.w), self.window.kernel, self.window.stride, pads);
+        let geom = WindowGeom::new(n, c, (self.h, self.w), self.window.kernel, self.window.stride, pads);
         debug_assert_eq!((geom.oh(), geom.ow()), (self.oh, self.ow), "the padded extent gives the placement's output");
         geom
     }

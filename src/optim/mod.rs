@@ -8,7 +8,7 @@
 //! `grad_divisor` (the real size of that batch) turns them into the mean's gradient.
 //!
 //! Sharded (ZeRO stage 1, [`Sharding::Sharded`]): an optimiser may hold the state of one
-//! range of the flat parameters only ([`Optimizer::shard`]) and update only there; the
+//! range of the flat parameters only ([`Optimizer::part`]) and update only there; the
 //! update of an element is the same function of the same values wherever it runs, so
 //! the parameters are bitwise those of the whole optimiser. [`Optimizer::merge`] puts the
 //! parts back together (checkpoints hold the whole state).
@@ -178,7 +178,7 @@ pub struct Optimizer {
     range: Range<usize>,
     /// Length of the whole flat parameter buffer.
     len: usize,
-    /// One device's part of a sharded optimiser ([`Optimizer::shard`]), whatever its
+    /// One device's part of a sharded optimiser ([`Optimizer::part`]), whatever its
     /// range: a part may hold every parameter (a small model whose first part takes
     /// all), and is still a part, which the others' complete.
     part: bool,
@@ -197,19 +197,19 @@ impl Optimizer {
     }
 
     /// The part of this optimiser for the parameters `range` (clipped to its own range):
-    /// its state there and its step count. Sharding a sharded optimiser further is fine.
-    pub fn shard(&self, range: Range<usize>) -> Optimizer {
+    /// its state there and its step count. A part of a part is fine.
+    pub fn part(&self, range: Range<usize>) -> Optimizer {
         let r = range.start.clamp(self.range.start, self.range.end)..range.end.clamp(self.range.start, self.range.end);
         let local = r.start - self.range.start..r.end - self.range.start;
-        let part = |v: &Vec<f32>| if v.is_empty() { Vec::new() } else { v[local.clone()].to_vec() };
+        let cut = |v: &Vec<f32>| if v.is_empty() { Vec::new() } else { v[local.clone()].to_vec() };
         Optimizer {
             config: self.config,
             t: self.t,
             range: r,
             len: self.len,
             part: true,
-            m: part(&self.m),
-            v: part(&self.v),
+            m: cut(&self.m),
+            v: cut(&self.v),
         }
     }
 
@@ -446,7 +446,7 @@ mod tests {
             whole.m.iter_mut().enumerate().for_each(|(i, x)| *x = i as f32 * 0.5 - 1.0);
             whole.v.iter_mut().enumerate().for_each(|(i, x)| *x = i as f32 * 1e-3);
             whole.t = 7;
-            let part = whole.shard(3..8);
+            let part = whole.part(3..8);
             let back = Optimizer::from_words(config, 10, &part.to_words()).unwrap();
             assert_eq!(back, part);
             // Words that are not a part of this optimiser: too few, a range past its end.
@@ -462,7 +462,7 @@ mod tests {
         let cfg = OptimizerConfig::Adam { lr: 0.01, beta1: 0.8, beta2: 0.99, eps: 1e-6, weight_decay: 0.01 };
         let g: Vec<f32> = (0..10).map(|i| i as f32 - 4.5).collect();
         let mut whole = Optimizer::new(cfg, 10);
-        let mut parts: Vec<Optimizer> = [0..3, 3..7, 7..10].into_iter().map(|r| whole.shard(r)).collect();
+        let mut parts: Vec<Optimizer> = [0..3, 3..7, 7..10].into_iter().map(|r| whole.part(r)).collect();
         let (mut pa, mut pb) = (vec![0.3f32; 10], vec![0.3f32; 10]);
         for _ in 0..3 {
             let s = whole.begin_step(1.0, 3.0);

@@ -32,7 +32,7 @@ impl Shape {
     }
 
     /// Number of dimensions.
-    pub fn rank(&self) -> usize {
+    pub fn ndim(&self) -> usize {
         self.0.len()
     }
 
@@ -51,7 +51,7 @@ impl Shape {
         self.0.iter().skip(1).product()
     }
 
-    /// The dimensions as `(N, C, H, W)`, or an error naming `op` if the rank is not 4.
+    /// The dimensions as `(N, C, H, W)`, or an error naming `op` if there are not 4.
     pub fn nchw(&self, op: &'static str) -> Result<(usize, usize, usize, usize)> {
         match self.0[..] {
             [n, c, h, w] => Ok((n, c, h, w)),
@@ -59,7 +59,7 @@ impl Shape {
         }
     }
 
-    /// The dimensions as `(N, F)`, or an error naming `op` if the rank is not 2.
+    /// The dimensions as `(N, F)`, or an error naming `op` if there are not 2.
     pub fn nf(&self, op: &'static str) -> Result<(usize, usize)> {
         match self.0[..] {
             [n, f] => Ok((n, f)),

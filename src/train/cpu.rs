@@ -174,7 +174,7 @@ impl Replica for CpuReplica<'_> {
     }
 
     fn keep_part(&mut self, range: Range<usize>) -> Result<()> {
-        self.optimizer = self.optimizer.shard(range);
+        self.optimizer = self.optimizer.part(range);
         Ok(())
     }
 

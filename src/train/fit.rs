@@ -2,7 +2,7 @@
 //! [`Trainer`], with the loader thread ahead of it, observers, replica checks, evaluation
 //! after every epoch, the best epoch (early stopping, `save_best`), checkpoints that
 //! carry the epoch's running metrics, and the stop flag; and [`check_data`], the checks
-//! of a dataset against a model. Small pieces, one concern each: [`Plan`] (the run's
+//! of a dataset against a model. Small pieces, one concern each: [`RunSpan`] (the run's
 //! shape), `Fit::step`, `Fit::end_epoch`, `Fit::note_best`, `Fit::checkpoint`.
 //!
 //! In a run of several processes (MPI) every process runs this loop in step with the
@@ -31,7 +31,7 @@ use crate::nn::Sequential;
 /// device with the whole global batch (up to float summation order; bitwise with a
 /// fixed number of logical replicas on CPU devices, which sum the R shard gradients in
 /// one tree whoever computed them). GPUs sum each device's shards in shard order, then
-/// across devices (NCCL's order, or rank order for device copies): bitwise across device
+/// across devices (NCCL's order, or member order for device copies): bitwise across device
 /// counts only where the additions coincide, e.g. R = 2 on `cuda:0` and on `cuda:0,0`.
 ///
 /// `test` is the held-out set, named by `config.held_out` (the test split by default, or
@@ -78,7 +78,7 @@ pub fn train_data_parallel_with(
         let what = if config.early_stopping.is_some() { "early stopping" } else { "save best" };
         return Err(Error::config(what, "monitors the held-out loss, and this run has no held-out set"));
     }
-    let plan = Plan::new(train, config)?;
+    let span = RunSpan::new(train, config)?;
     // One run per checkpoint directory, held until this returns, whatever happens; with
     // several processes, process 0's (the one that writes there).
     let voice = crate::world::current()?.is_voice();
@@ -86,7 +86,7 @@ pub fn train_data_parallel_with(
         Some(p) => Some(checkpoint::claim_dir(&p.dir)?.begin_run()?),
         None => None,
     };
-    with_trainer(model, devices, config, |trainer| Fit::new(model, test, config, plan, observer).run(trainer, train))
+    with_trainer(model, devices, config, |trainer| Fit::new(model, test, config, span, observer).run(trainer, train))
 }
 
 /// Where the next step of a run starts.
@@ -100,14 +100,14 @@ struct Position {
 
 /// The shape of a run: its epochs' length, its end, and where it starts.
 #[derive(Clone, Copy, Debug)]
-struct Plan {
+struct RunSpan {
     steps_per_epoch: usize,
     total_steps: u64,
     start: Position,
 }
 
-impl Plan {
-    fn new(train: &Dataset, config: &TrainConfig) -> Result<Plan> {
+impl RunSpan {
+    fn new(train: &Dataset, config: &TrainConfig) -> Result<RunSpan> {
         let steps_per_epoch = scatter::steps_per_epoch(train.len(), config.batch_size, config.last_batch);
         if steps_per_epoch == 0 {
             return Err(Error::Data {
@@ -136,7 +136,7 @@ impl Plan {
                 ),
             ));
         }
-        Ok(Plan { steps_per_epoch, total_steps, start })
+        Ok(RunSpan { steps_per_epoch, total_steps, start })
     }
 
     /// The position after the step `i` (0-based) of `epoch`, `step` steps having been taken.
@@ -169,7 +169,7 @@ struct Fit<'a, 'o> {
     model: &'a Sequential,
     test: Option<&'a Dataset>,
     config: &'a TrainConfig,
-    plan: Plan,
+    span: RunSpan,
     observer: &'o mut dyn Observer,
     epochs: Vec<EpochReport>,
     losses: Vec<f64>,
@@ -184,23 +184,23 @@ impl<'a, 'o> Fit<'a, 'o> {
         model: &'a Sequential,
         test: Option<&'a Dataset>,
         config: &'a TrainConfig,
-        plan: Plan,
+        span: RunSpan,
         observer: &'o mut dyn Observer,
     ) -> Self {
         let resume = config.resume.as_ref();
         let carried = resume.map_or(Metrics::default(), |r| r.epoch_metrics);
-        let to_go = plan.total_steps.saturating_sub(plan.start.step);
+        let to_go = span.total_steps.saturating_sub(span.start.step);
         Fit {
             model,
             test,
             config,
-            plan,
+            span,
             observer,
             epochs: Vec::new(),
             losses: Vec::with_capacity(to_go.min(1 << 16) as usize),
             train_time: Duration::ZERO,
             trained_samples: 0,
-            epoch: EpochSums::new(carried, plan.start.step_in_epoch as u64),
+            epoch: EpochSums::new(carried, span.start.step_in_epoch as u64),
             best: resume.and_then(|r| r.best),
         }
     }
@@ -209,13 +209,13 @@ impl<'a, 'o> Fit<'a, 'o> {
         let started = Instant::now();
         let stopped = std::thread::scope(|s| -> Result<Stopped> {
             let (batch_tx, batch_rx) = bounded::<(usize, usize, HeldBatch)>(self.config.prefetch.max(1));
-            let (plan, config, rows) = (self.plan, self.config, trainer.row_plan());
+            let (span, config, rows) = (self.span, self.config, trainer.row_plan());
             s.spawn(move || {
-                let mut step = plan.start.step;
-                for epoch in plan.start.epoch..config.epochs {
+                let mut step = span.start.step;
+                for epoch in span.start.epoch..config.epochs {
                     let order = scatter::epoch_order(train.len(), config.seed, epoch, config.shuffle);
-                    let skip = if epoch == plan.start.epoch { plan.start.step_in_epoch } else { 0 };
-                    let batches = order.chunks(config.batch_size).take(plan.steps_per_epoch).enumerate().skip(skip);
+                    let skip = if epoch == span.start.epoch { span.start.step_in_epoch } else { 0 };
+                    let batches = order.chunks(config.batch_size).take(span.steps_per_epoch).enumerate().skip(skip);
                     for (i, idx) in batches {
                         // This process's shards' rows only (all of them in a world of one).
                         let mine = rows.rows(idx.len());
@@ -223,7 +223,7 @@ impl<'a, 'o> Fit<'a, 'o> {
                         let batch =
                             Batch::gather_augmented(train, &idx[mine.clone()], &config.augment, config.seed, epoch);
                         let held = HeldBatch { batch, first_row: mine.start, global_len: idx.len() };
-                        if step >= plan.total_steps || batch_tx.send((epoch, i, held)).is_err() {
+                        if step >= span.total_steps || batch_tx.send((epoch, i, held)).is_err() {
                             return;
                         }
                         step += 1;
@@ -232,10 +232,10 @@ impl<'a, 'o> Fit<'a, 'o> {
             });
             // Dropping the receiver on any return releases a loader blocked on a full channel.
             let stopped = self.steps(trainer, &batch_rx)?;
-            if stopped == Stopped::Completed && trainer.steps() < self.plan.total_steps {
+            if stopped == Stopped::Completed && trainer.steps() < self.span.total_steps {
                 return Err(Error::Data {
                     name: train.name().into(),
-                    detail: format!("ran out of batches after step {} of {}", trainer.steps(), self.plan.total_steps),
+                    detail: format!("ran out of batches after step {} of {}", trainer.steps(), self.span.total_steps),
                 });
             }
             Ok(stopped)
@@ -259,22 +259,22 @@ impl<'a, 'o> Fit<'a, 'o> {
 
     /// Every step up to the end of the run, or until it stops.
     fn steps(&mut self, trainer: &mut Trainer<'_>, batches: &Receiver<(usize, usize, HeldBatch)>) -> Result<Stopped> {
-        if let Some(best_epoch) = self.stopped_early_before(self.plan.start) {
+        if let Some(best_epoch) = self.stopped_early_before(self.span.start) {
             return Ok(Stopped::EarlyStopping { best_epoch });
         }
-        while trainer.steps() < self.plan.total_steps {
+        while trainer.steps() < self.span.total_steps {
             let t_wait = Instant::now();
             let Ok((epoch, i, batch)) = batches.recv() else { break };
             self.step(trainer, epoch, i, batch, t_wait.elapsed())?;
-            let end_of_epoch = i + 1 == self.plan.steps_per_epoch || trainer.steps() == self.plan.total_steps;
+            let end_of_epoch = i + 1 == self.span.steps_per_epoch || trainer.steps() == self.span.total_steps;
             let early = match end_of_epoch {
                 true => self.end_epoch(trainer, epoch)?,
                 false => None,
             };
-            let next = self.plan.after(trainer.steps(), epoch, i);
+            let next = self.span.after(trainer.steps(), epoch, i);
             // With several processes, the stop they all agreed on at this step.
             let interrupted = trainer.stop_requested();
-            let done = trainer.steps() == self.plan.total_steps || early.is_some();
+            let done = trainer.steps() == self.span.total_steps || early.is_some();
             let written = self.checkpoint(trainer, next, interrupted || done)?;
             if let Some(best_epoch) = early {
                 return Ok(Stopped::EarlyStopping { best_epoch });
@@ -296,7 +296,7 @@ impl<'a, 'o> Fit<'a, 'o> {
         data_wait: Duration,
     ) -> Result<()> {
         let t_step = Instant::now();
-        let lr_scale = self.config.schedule.scale(trainer.steps(), self.plan.total_steps);
+        let lr_scale = self.config.schedule.scale(trainer.steps(), self.span.total_steps);
         let report = trainer.step_held(batch, lr_scale)?;
         let dt = t_step.elapsed();
         self.train_time += dt;
@@ -314,8 +314,8 @@ impl<'a, 'o> Fit<'a, 'o> {
             epoch,
             epochs: self.config.epochs,
             step_in_epoch: i,
-            steps_in_epoch: self.plan.steps_per_epoch,
-            total_steps: self.plan.total_steps,
+            steps_in_epoch: self.span.steps_per_epoch,
+            total_steps: self.span.total_steps,
             data_wait,
         });
         if let Some(k) = self.config.check_replicas_every {

@@ -59,7 +59,7 @@ impl<'s> GpuReplica<'s> {
         let mut clock = Optimizer::new(*optimizer.config(), 0);
         clock.restore(optimizer.steps(), &[])?;
         if optimizer.is_part() {
-            clock = clock.shard(0..0);
+            clock = clock.part(0..0);
         }
         let net = GpuNet::new(ordinal, model, &store, state, Mark::ALL.len())?;
         Ok(GpuReplica { net, clock, seed, scalars: None, staged: 0..0, shards: Vec::new(), stats: None })
@@ -167,7 +167,7 @@ impl Replica for GpuReplica<'_> {
 
     fn keep_part(&mut self, range: Range<usize>) -> Result<()> {
         self.net.keep_part(range.clone())?;
-        self.clock = self.clock.shard(range);
+        self.clock = self.clock.part(range);
         Ok(())
     }
 
@@ -196,7 +196,7 @@ impl Replica for GpuReplica<'_> {
     fn snapshot(&mut self) -> Result<(ParamStore, Optimizer)> {
         let (store, state) = self.net.download()?;
         let whole = Optimizer::new(*self.clock.config(), store.params.len());
-        let mut optimizer = if self.clock.is_part() { whole.shard(self.net.state_range()) } else { whole };
+        let mut optimizer = if self.clock.is_part() { whole.part(self.net.state_range()) } else { whole };
         optimizer.restore(self.clock.steps(), &state)?;
         Ok((store, optimizer))
     }

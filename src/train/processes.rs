@@ -40,10 +40,10 @@ pub struct RowPlan {
 }
 
 impl RowPlan {
-    /// The plan of process `rank` of `size`, R = `replicas` (a multiple of `size`).
-    pub fn new(replicas: usize, rank: usize, size: usize) -> RowPlan {
+    /// The plan of process `process` of `size`, R = `replicas` (a multiple of `size`).
+    pub fn new(replicas: usize, process: usize, size: usize) -> RowPlan {
         let count = replicas / size;
-        RowPlan { replicas, first: rank * count, count }
+        RowPlan { replicas, first: process * count, count }
     }
 
     /// The rows of a global batch of `len` this process's shards hold (all of them in a
@@ -66,7 +66,7 @@ pub(super) fn settle(world: &World, e: Error) -> Error {
     e
 }
 
-/// The NCCL clique of every process's GPUs (`local` per process, in rank order): the id
+/// The NCCL clique of every process's GPUs (`local` per process, in process order): the id
 /// made by process 0, broadcast to the others.
 pub(super) fn clique(world: &World, local: usize) -> Result<Clique> {
     let mut id = match world.is_voice() {
@@ -74,7 +74,7 @@ pub(super) fn clique(world: &World, local: usize) -> Result<Clique> {
         false => [0u8; 128],
     };
     world.broadcast(0, &mut id)?;
-    Ok(Clique { id, ranks: local * world.size(), first: world.rank() * local })
+    Ok(Clique { id, members: local * world.size(), first: world.process() * local })
 }
 
 /// FNV-1a over 64-bit words, each as its 8 little-endian bytes.
@@ -137,7 +137,9 @@ impl Handshake {
                         true => (format!("{theirs:016x}"), format!("{first:016x}")),
                         false => (show(theirs), show(first)),
                     };
-                    return Err(Error::Processes { detail: format!("rank {q} has {name} {a}, rank 0 has {name} {b}") });
+                    return Err(Error::Processes {
+                        detail: format!("process {q} has {name} {a}, process 0 has {name} {b}"),
+                    });
                 }
             }
         }
@@ -165,10 +167,10 @@ pub(super) fn gather_optimizer_parts(world: &World, parts: &[Optimizer]) -> Resu
         let mut at = 0;
         while at < words.len() && words[at] != u64::MAX {
             let n = words[at] as usize;
-            let part = words
-                .get(at + 1..at + 1 + n)
-                .and_then(|w| Optimizer::from_words(config, len, w))
-                .ok_or_else(|| Error::Processes { detail: format!("rank {q} sent optimizer state that is not one") })?;
+            let part =
+                words.get(at + 1..at + 1 + n).and_then(|w| Optimizer::from_words(config, len, w)).ok_or_else(|| {
+                    Error::Processes { detail: format!("process {q} sent optimizer state that is not one") }
+                })?;
             out.push(part);
             at += 1 + n;
         }
@@ -215,7 +217,7 @@ pub(super) fn merge_step(
             let metrics = Metrics { loss_sum: f64::from_bits(w[0]), correct: w[1], count: w[2] };
             report.metrics.add(&metrics);
             let device = devices[j / k.max(1)];
-            report.shards.push(ShardReport { device, rank: Some(q), replica: q * shards_per_process + j, metrics });
+            report.shards.push(ShardReport { device, process: Some(q), shard: q * shards_per_process + j, metrics });
         }
         let tail = &rec[shards_per_process * SHARD_WORDS..];
         report.compute = report.compute.max(std::time::Duration::from_nanos(tail[0]));
@@ -257,7 +259,7 @@ pub(super) fn check_across(world: &World, step: u64, devices: &[Device], prints:
             if let Some(t) = (0..tensors).find(|&t| theirs[t] != first[t]) {
                 return Err(Error::ReplicaMismatchAcross {
                     step,
-                    rank: q,
+                    process: q,
                     device: device.to_string(),
                     first: devices[0].to_string(),
                     tensor: names(t),
@@ -291,8 +293,8 @@ mod tests {
             step: 3,
             metrics: Metrics::default(),
             shards: vec![
-                ShardReport { device: Device::Cpu(0), rank: None, replica: 0, metrics: m(0.5, 1) },
-                ShardReport { device: Device::Cpu(1), rank: None, replica: 1, metrics: m(0.25, 2) },
+                ShardReport { device: Device::Cpu(0), process: None, shard: 0, metrics: m(0.5, 1) },
+                ShardReport { device: Device::Cpu(1), process: None, shard: 1, metrics: m(0.25, 2) },
             ],
             compute: std::time::Duration::from_millis(2),
             reduce: std::time::Duration::from_millis(1),
@@ -301,7 +303,7 @@ mod tests {
         let (r, stop) = merge_step(world, local, true, &[Device::Cpu(0), Device::Cpu(1)]).unwrap();
         assert!(stop);
         assert_eq!((r.metrics.loss_sum, r.metrics.correct, r.metrics.count), (0.75, 3, 4));
-        let who: Vec<_> = r.shards.iter().map(|s| (s.device, s.rank, s.replica)).collect();
+        let who: Vec<_> = r.shards.iter().map(|s| (s.device, s.process, s.shard)).collect();
         assert_eq!(who, vec![(Device::Cpu(0), Some(0), 0), (Device::Cpu(1), Some(0), 1)]);
     }
 
@@ -316,7 +318,7 @@ mod tests {
         let e = check_across(world, 4, &devices, &[a, b]).unwrap_err();
         assert_eq!(
             e.to_string(),
-            "replica check failed at step 4: rank 0, cpu:1 differs from rank 0, cpu:0 in tensor 'dense0.bias'"
+            "replica check failed at step 4: process 0, cpu:1 differs from process 0, cpu:0 in tensor 'dense0.bias'"
         );
     }
 

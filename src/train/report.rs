@@ -11,14 +11,14 @@ use crate::nn::ParamStore;
 use crate::optim::Optimizer;
 use crate::tensor::Device;
 
-/// One replica's share of a step, as reported to observers.
+/// One shard's share of a step, as reported to observers.
 #[derive(Clone, Debug)]
 pub struct ShardReport {
     pub device: Device,
     /// The process whose device trained it, in a run of several processes (MPI).
-    pub rank: Option<usize>,
-    /// Logical replica index.
-    pub replica: usize,
+    pub process: Option<usize>,
+    /// The shard: its logical replica's index.
+    pub shard: usize,
     pub metrics: Metrics,
 }
 

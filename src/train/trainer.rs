@@ -87,7 +87,7 @@ pub(super) struct HeldBatch {
 }
 
 impl Trainer<'_> {
-    /// Devices, in rank order.
+    /// The devices, device d at `[d]`.
     pub fn devices(&self) -> &[Device] {
         &self.devices
     }
@@ -153,7 +153,7 @@ impl Trainer<'_> {
     fn qualified(&self, e: Error) -> Error {
         match e {
             Error::Worker { device, step, cause } if self.world.size() > 1 => {
-                Error::Worker { device: format!("rank {}, {device}", self.world.rank()), step, cause }
+                Error::Worker { device: format!("process {}, {device}", self.world.process()), step, cause }
             }
             other => other,
         }
@@ -289,8 +289,8 @@ impl Trainer<'_> {
             report.reduce = report.reduce.max(o.reduce);
             for (j, m) in o.shards.into_iter().enumerate() {
                 report.metrics.add(&m);
-                let replica = self.rows.first + d * k + j;
-                report.shards.push(ShardReport { device: self.devices[d], rank: None, replica, metrics: m });
+                let shard = self.rows.first + d * k + j;
+                report.shards.push(ShardReport { device: self.devices[d], process: None, shard, metrics: m });
             }
         }
         if self.world.size() > 1 {
@@ -310,7 +310,7 @@ impl Trainer<'_> {
     pub fn evaluate(&mut self, data: &Dataset, eval_batch: usize) -> Result<Metrics> {
         let n = self.devices.len();
         let parts = scatter::shards(data.len(), n * self.world.size());
-        let mine = &parts[self.world.rank() * n..(self.world.rank() + 1) * n];
+        let mine = &parts[self.world.process() * n..(self.world.process() + 1) * n];
         let first = mine[0].start;
         let held: Vec<usize> = (first..mine[n - 1].end).collect();
         let batch = Arc::new(Batch::gather(data, &held));
@@ -398,7 +398,7 @@ impl Trainer<'_> {
         }
     }
 
-    /// Bytes of optimiser state each device holds, in rank order (÷ N when sharded).
+    /// Bytes of optimiser state each device holds, in device order (÷ N when sharded).
     pub fn optimizer_bytes(&mut self) -> Result<Vec<usize>> {
         let replies = self.ask(|_| Command::Snapshot)?;
         Ok(replies
@@ -475,9 +475,9 @@ pub fn with_trainer<T>(
     let synchronized = crate::nn::batchnorm::has_synchronized_layers(model);
     let transport = RunTransport::of(devices.list(), world.size());
     check_features(transport, config, replicas, in_world, synchronized)?;
-    let plan = Plan {
+    let setup = WorkerSetup {
         world,
-        rows: RowPlan::new(replicas, world.rank(), world.size()),
+        rows: RowPlan::new(replicas, world.process(), world.size()),
         devices,
         replicas,
         model,
@@ -494,14 +494,14 @@ pub fn with_trainer<T>(
         #[cfg(feature = "mpi")]
         RunTransport::Mpi => {
             let codec = Codec::new(config.grad_compression, model.params_len());
-            let group = crate::exchange::mpi::MpiGroup::new(world, n, replicas, width, plan.collective, codec)?;
+            let group = crate::exchange::mpi::MpiGroup::new(world, n, replicas, width, setup.collective, codec)?;
             let stats: Vec<_> = (0..n).map(|r| group.stats(r)).collect();
-            let stats = |rank| synchronized.then(|| &stats[rank] as &dyn StatsExchange);
-            plan.run(
+            let stats = |d| synchronized.then(|| &stats[d] as &dyn StatsExchange);
+            setup.run(
                 &group,
                 f,
-                |rank, device, start| Ok(cpu_replica(device, start, seed, stats(rank)).with_loss(loss)),
-                |rank, _| Ok(group.member(rank)),
+                |d, device, start| Ok(cpu_replica(device, start, seed, stats(d)).with_loss(loss)),
+                |d, _| Ok(group.member(d)),
             )
         }
         #[cfg(not(feature = "mpi"))]
@@ -510,14 +510,14 @@ pub fn with_trainer<T>(
         }
         RunTransport::SharedMemory => {
             let codec = Codec::new(config.grad_compression, model.params_len());
-            let shm = ShmGroup::with_codec(n, replicas, width, plan.collective, codec)?;
+            let shm = ShmGroup::with_codec(n, replicas, width, setup.collective, codec)?;
             let stats: Vec<ShmStats<'_>> = (0..n).map(|r| shm.stats(r)).collect();
-            let stats = |rank| synchronized.then(|| &stats[rank] as &dyn StatsExchange);
-            plan.run(
+            let stats = |d| synchronized.then(|| &stats[d] as &dyn StatsExchange);
+            setup.run(
                 &shm,
                 f,
-                |rank, device, start| Ok(cpu_replica(device, start, seed, stats(rank)).with_loss(loss)),
-                |rank, _| Ok(shm.member(rank)),
+                |d, device, start| Ok(cpu_replica(device, start, seed, stats(d)).with_loss(loss)),
+                |d, _| Ok(shm.member(d)),
             )
         }
         RunTransport::Nccl | RunTransport::NcclClique | RunTransport::DeviceCopies => {
@@ -525,7 +525,7 @@ pub fn with_trainer<T>(
             let codec = Codec::new(config.grad_compression, model.params_len());
             // Synchronized BatchNorm's statistics meet on the host, in the shared-memory
             // statistics exchange CPU devices use (a group of no gradient values).
-            let stats_group = if synchronized { Some(ShmGroup::new(n, replicas, 0, plan.collective)?) } else { None };
+            let stats_group = if synchronized { Some(ShmGroup::new(n, replicas, 0, setup.collective)?) } else { None };
             let stats: Vec<ShmStats<'_>> = stats_group.iter().flat_map(|g| (0..n).map(|r| g.stats(r))).collect();
             let group = match transport {
                 RunTransport::NcclClique if transport_for(&ordinals) == Transport::Copies => Err(Error::CudaUnavailable(
@@ -542,13 +542,13 @@ pub fn with_trainer<T>(
             };
             group.and_then(|group| {
                 let abort = Aborts::new(&group, stats_group.as_ref().map(|g| g as &dyn Abort));
-                plan.run(
+                setup.run(
                     &abort,
                     f,
-                    |rank, device, start| {
-                        gpu_replica(device, start, seed, stats.get(rank), &abort).map(|r| r.with_loss(loss))
+                    |d, device, start| {
+                        gpu_replica(device, start, seed, stats.get(d), &abort).map(|r| r.with_loss(loss))
                     },
-                    |rank, replica| GpuExchange::new(group.join(rank, replica.stream())?, width, k)?.with_codec(codec),
+                    |d, replica| GpuExchange::new(group.join(d, replica.stream())?, width, k)?.with_codec(codec),
                 )
             })
         }
@@ -628,8 +628,9 @@ fn check_features(
     Ok(())
 }
 
-/// What every worker of a run starts from.
-struct Plan<'a> {
+/// How a run's workers are set up: what every one of them starts from, and how they
+/// wait; [`WorkerSetup::run`] starts them.
+struct WorkerSetup<'a> {
     world: &'static World,
     /// This process's logical replicas.
     rows: RowPlan,
@@ -644,7 +645,7 @@ struct Plan<'a> {
     messages: Wait,
 }
 
-impl Plan<'_> {
+impl WorkerSetup<'_> {
     /// Starts one worker thread per device under a scope — each builds its replica with
     /// `build`, then joins the exchange with `join` — calls `f` with the coordinator's
     /// handle, and returns when every thread has ended. `group` is the run's exchange,
@@ -668,7 +669,7 @@ impl Plan<'_> {
         let gate = SetupGate::new(n);
         std::thread::scope(|s| {
             let mut commands = Vec::with_capacity(n);
-            for (rank, &device) in self.devices.list().iter().enumerate() {
+            for (d, &device) in self.devices.list().iter().enumerate() {
                 let (tx, rx) = bounded::<Command>(2);
                 commands.push(tx);
                 let optimizer = match &self.config.resume {
@@ -677,9 +678,9 @@ impl Plan<'_> {
                 };
                 let start = (self.model.clone(), self.initial.clone(), optimizer);
                 let seat = Seat {
-                    rank,
+                    index: d,
                     device,
-                    shards: self.rows.first + rank * k..self.rows.first + (rank + 1) * k,
+                    shards: self.rows.first + d * k..self.rows.first + (d + 1) * k,
                     wait: self.messages,
                     sharding: self.config.optimizer_sharding,
                     abort: group,
@@ -690,7 +691,7 @@ impl Plan<'_> {
                 let (build, join) = (&build, &join);
                 let body = move || {
                     on_device_thread(device, threads, seat, |seat| {
-                        worker::start(seat, || build(rank, device, start), |r| join(rank, r))
+                        worker::start(seat, || build(d, device, start), |r| join(d, r))
                     })
                 };
                 std::thread::Builder::new().name(format!("lockstep-{device}")).spawn_scoped(s, body).map_err(|e| {
@@ -734,11 +735,11 @@ impl Plan<'_> {
 fn on_device_thread(device: Device, threads: usize, seat: Seat<'_>, body: impl FnOnce(Seat<'_>) + Send) {
     match device {
         Device::Cpu(_) => {
-            let rank = seat.rank;
+            let d = seat.index;
             let pool = rayon::ThreadPoolBuilder::new()
                 .num_threads(threads)
                 .use_current_thread()
-                .thread_name(move |i| format!("lockstep-cpu{rank}-{i}"))
+                .thread_name(move |i| format!("lockstep-cpu{d}-{i}"))
                 .build();
             match pool {
                 Ok(pool) => pool.install(|| body(seat)),
@@ -746,8 +747,7 @@ fn on_device_thread(device: Device, threads: usize, seat: Seat<'_>, body: impl F
                     seat.abort.abort();
                     seat.gate.arrive(false);
                     let cause = format!("cannot start its thread pool: {e}");
-                    let _ =
-                        seat.replies.send((rank, Err(Error::Worker { device: device.to_string(), step: 0, cause })));
+                    let _ = seat.replies.send((d, Err(Error::Worker { device: device.to_string(), step: 0, cause })));
                 }
             }
         }

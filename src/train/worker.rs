@@ -49,7 +49,7 @@ pub(crate) enum Reply {
 }
 
 /// A device's replica with its side of the exchange. The exchange is declared first so
-/// that it is dropped first: a GPU rank that departs aborts a collective its peers can no
+/// that it is dropped first: a GPU member that departs aborts a collective its peers can no
 /// longer complete, which releases the stream the replica's drop then waits for.
 struct Worker<R, X> {
     exchange: X,
@@ -71,9 +71,11 @@ impl<R: Replica, X: Exchange<Mem = R::Mem>> Worker<R, X> {
     }
 }
 
-/// Where a worker starts: its rank, device and shards, and its channels.
+/// Where a worker starts: its device (and that device's index in the process), its
+/// shards, and its channels.
 pub(crate) struct Seat<'a> {
-    pub rank: usize,
+    /// The device's index among the process's devices; its replies carry it.
+    pub index: usize,
     pub device: Device,
     pub shards: Range<usize>,
     pub wait: Wait,
@@ -88,7 +90,7 @@ pub(crate) struct Seat<'a> {
 
 /// Runs one worker on the calling thread: builds its replica with `build`, waits at the
 /// set-up gate until every worker has built its own (so that nobody enters a collective
-/// join — NCCL's waits for every rank — while another has failed), joins the exchange
+/// join — NCCL's waits for every member — while another has failed), joins the exchange
 /// with `join`, then serves commands. A failure (or panic) before serving is sent as the
 /// reply to the first command, as a worker's failure always is.
 pub(crate) fn start<R, X>(seat: Seat<'_>, build: impl FnOnce() -> Result<R>, join: impl FnOnce(&R) -> Result<X>)
@@ -121,7 +123,7 @@ where
                 Error::Aborted => Error::Aborted,
                 e => Error::Worker { device: seat.device.to_string(), step: 0, cause: e.to_string() },
             };
-            let _ = seat.replies.send((seat.rank, Err(e)));
+            let _ = seat.replies.send((seat.index, Err(e)));
         }
     }
 }
@@ -150,14 +152,14 @@ where
         if failed {
             seat.abort.abort();
         }
-        if seat.replies.send((seat.rank, result)).is_err() || failed {
+        if seat.replies.send((seat.index, result)).is_err() || failed {
             return;
         }
     }
 }
 
 /// Lets workers join the exchange only once every one of them has built its replica:
-/// NCCL's communicator set-up waits for every rank, so a rank that failed before joining
+/// NCCL's communicator set-up waits for every member, so a worker that failed before joining
 /// would leave the others waiting forever.
 pub(crate) struct SetupGate {
     state: parking_lot::Mutex<(usize, bool)>,

@@ -13,8 +13,8 @@ use std::fmt;
 pub struct Launch {
     /// Which launcher: "Open MPI", "MPICH/PMI", "PMIx", "Slurm".
     pub launcher: &'static str,
-    /// This process's rank and the number of processes.
-    pub rank: usize,
+    /// This process's index and the number of processes.
+    pub process: usize,
     pub size: usize,
     /// Processes of the job on this machine (1 when the launcher does not say).
     pub local_size: usize,
@@ -26,8 +26,8 @@ impl fmt::Display for Launch {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "rank {} of {} processes, launched by {} ({}={})",
-            self.rank, self.size, self.launcher, self.variable, self.size
+            "process {} of {}, launched by {} ({}={})",
+            self.process, self.size, self.launcher, self.variable, self.size
         )
     }
 }
@@ -46,10 +46,10 @@ pub fn detect_with(var: impl Fn(&str) -> Option<String>) -> Option<Launch> {
         ("PMIx", "PMIX_SIZE", "PMIX_RANK", None),
         ("Slurm", "SLURM_STEP_NUM_TASKS", "SLURM_PROCID", Some("SLURM_STEP_TASKS_PER_NODE")),
     ];
-    kinds.into_iter().find_map(|(launcher, size_var, rank_var, local_var)| {
+    kinds.into_iter().find_map(|(launcher, size_var, process_var, local_var)| {
         let size = num(size_var)?;
         let local_size = local_var.and_then(|v| leading_number(&var(v)?)).unwrap_or(1).max(1);
-        Some(Launch { launcher, rank: num(rank_var).unwrap_or(0), size, local_size, variable: size_var })
+        Some(Launch { launcher, process: num(process_var).unwrap_or(0), size, local_size, variable: size_var })
     })
 }
 
@@ -117,17 +117,17 @@ mod tests {
             ("OMPI_COMM_WORLD_LOCAL_SIZE", "2"),
         ]))
         .unwrap();
-        assert_eq!((ompi.launcher, ompi.rank, ompi.size, ompi.local_size), ("Open MPI", 3, 4, 2));
-        assert_eq!(ompi.to_string(), "rank 3 of 4 processes, launched by Open MPI (OMPI_COMM_WORLD_SIZE=4)");
+        assert_eq!((ompi.launcher, ompi.process, ompi.size, ompi.local_size), ("Open MPI", 3, 4, 2));
+        assert_eq!(ompi.to_string(), "process 3 of 4, launched by Open MPI (OMPI_COMM_WORLD_SIZE=4)");
         let pmi = detect_with(env(&[("PMI_SIZE", "2"), ("PMI_RANK", "1")])).unwrap();
-        assert_eq!((pmi.launcher, pmi.rank, pmi.size, pmi.local_size), ("MPICH/PMI", 1, 2, 1));
+        assert_eq!((pmi.launcher, pmi.process, pmi.size, pmi.local_size), ("MPICH/PMI", 1, 2, 1));
         let slurm = detect_with(env(&[
             ("SLURM_STEP_NUM_TASKS", "8"),
             ("SLURM_PROCID", "5"),
             ("SLURM_STEP_TASKS_PER_NODE", "4(x2)"),
         ]))
         .unwrap();
-        assert_eq!((slurm.launcher, slurm.rank, slurm.size, slurm.local_size), ("Slurm", 5, 8, 4));
+        assert_eq!((slurm.launcher, slurm.process, slurm.size, slurm.local_size), ("Slurm", 5, 8, 4));
         // A batch script's allocation is not a launch of this process.
         assert_eq!(detect_with(env(&[("SLURM_NTASKS", "8"), ("SLURM_PROCID", "0")])), None);
     }

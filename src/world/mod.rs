@@ -4,7 +4,7 @@
 //! lockstep trains in ONE process per machine (or socket); past one machine, an MPI
 //! launcher (`mpirun`, `srun`) starts one such process per machine and the processes
 //! form a world. This module owns the process level: which process this is
-//! ([`World::rank`]) among how many ([`World::size`]), the few collectives the
+//! ([`World::process`]) among how many ([`World::size`]), the few collectives the
 //! coordinator needs (gathering step metrics and fingerprints, broadcasting an NCCL id),
 //! how a failure in one process reaches the others ([`World::fail`]), and the refusal to
 //! train as one of P silent copies when MPI is not built in. The gradients themselves
@@ -52,7 +52,7 @@ pub const MPI_BUILT_IN: bool = cfg!(feature = "mpi");
 /// The refusal of a launched process in a binary without MPI.
 fn not_built_in(l: &Launch) -> Error {
     Error::Mpi(format!(
-        "this process is {l}, but this lockstep was built without MPI, so it would train alone, \
+        "this is {l}, but this lockstep was built without MPI, so it would train alone, \
          one of {} copies: build it with `cargo build --release --features mpi` \
          (Debian: apt-get install openmpi-bin libopenmpi-dev clang libclang-dev), or run it without a launcher",
         l.size
@@ -96,7 +96,7 @@ pub fn current() -> Result<&'static World> {
     }
     match launch::detect() {
         Some(l) if l.size > 1 && MPI_BUILT_IN => Err(Error::Mpi(format!(
-            "this process is {l}, but its world was not started: call lockstep::world::init() before training"
+            "this is {l}, but its world was not started: call lockstep::world::init() before training"
         ))),
         Some(l) if l.size > 1 => Err(not_built_in(&l)),
         _ => Ok(&SINGLE),
@@ -118,11 +118,11 @@ pub fn agreed(e: &Error) -> bool {
 
 impl World {
     /// This process's index, 0..size.
-    pub fn rank(&self) -> usize {
+    pub fn process(&self) -> usize {
         match &self.kind {
             Kind::Single => 0,
             #[cfg(feature = "mpi")]
-            Kind::Mpi(m) => m.rank(),
+            Kind::Mpi(m) => m.process(),
         }
     }
 
@@ -138,7 +138,7 @@ impl World {
     /// True for process 0, the one voice of a run: it prints, writes metrics, weights
     /// and checkpoints.
     pub fn is_voice(&self) -> bool {
-        self.rank() == 0
+        self.process() == 0
     }
 
     /// What the launcher said, if one started this process.
@@ -162,9 +162,9 @@ impl World {
             Kind::Mpi(m) => {
                 lines.push(format!("mpi: {built}: {}", m.library()));
                 lines.push(format!(
-                    "world: {} processes; this is rank {} on {} ({} of them on this machine, {} core(s) for this one)",
+                    "world: {} processes; this is process {} on {} ({} of them on this machine, {} core(s) for this one)",
                     m.size(),
-                    m.rank(),
+                    m.process(),
                     m.host(),
                     m.on_this_host(),
                     launch::cores_for_this_process()
@@ -174,7 +174,7 @@ impl World {
         lines
     }
 
-    /// Every process's `mine` (all of the same length), in rank order. The identity in
+    /// Every process's `mine` (all of the same length), in process order. The identity in
     /// a world of one.
     pub fn all_gather(&self, mine: &[u64]) -> Result<Vec<u64>> {
         match &self.kind {
@@ -217,12 +217,12 @@ impl World {
                 let _ = e;
             }
             #[cfg(feature = "mpi")]
-            Kind::Mpi(m) => m.fail(self.rank(), e),
+            Kind::Mpi(m) => m.fail(self.process(), e),
         }
     }
 
     /// [`World::fail`] for a failure that is not the library's (the binary's own input
-    /// checks): tells the others `rank N: text`, once, unless a failure was told or heard
+    /// checks): tells the others `process N: text`, once, unless a failure was told or heard
     /// of already. So that no process waits in a collective for one that never comes.
     pub fn fail_with(&self, text: &str) {
         match &self.kind {
@@ -230,7 +230,7 @@ impl World {
                 let _ = text;
             }
             #[cfg(feature = "mpi")]
-            Kind::Mpi(m) => m.fail_with(self.rank(), &format!("rank {}: {text}", self.rank())),
+            Kind::Mpi(m) => m.fail_with(self.process(), &format!("process {}: {text}", self.process())),
         }
     }
 
@@ -304,7 +304,7 @@ mod tests {
     #[test]
     fn a_process_nobody_launched_is_a_world_of_one() {
         let w = current().unwrap();
-        assert_eq!((w.rank(), w.size(), w.is_voice()), (0, 1, true));
+        assert_eq!((w.process(), w.size(), w.is_voice()), (0, 1, true));
         assert_eq!(w.all_gather(&[3, 4]).unwrap(), vec![3, 4]);
         assert!(w.peer_failure().is_none());
         let lines = w.summary();
@@ -314,10 +314,10 @@ mod tests {
 
     #[test]
     fn the_refusal_says_how_to_build_with_mpi() {
-        let l = Launch { launcher: "Open MPI", rank: 1, size: 2, local_size: 2, variable: "OMPI_COMM_WORLD_SIZE" };
+        let l = Launch { launcher: "Open MPI", process: 1, size: 2, local_size: 2, variable: "OMPI_COMM_WORLD_SIZE" };
         assert_eq!(
             not_built_in(&l).to_string(),
-            "MPI: this process is rank 1 of 2 processes, launched by Open MPI (OMPI_COMM_WORLD_SIZE=2), \
+            "MPI: this is process 1 of 2, launched by Open MPI (OMPI_COMM_WORLD_SIZE=2), \
              but this lockstep was built without MPI, so it would train alone, one of 2 copies: \
              build it with `cargo build --release --features mpi` \
              (Debian: apt-get install openmpi-bin libopenmpi-dev clang libclang-dev), or run it without a launcher"
@@ -327,8 +327,8 @@ mod tests {
     #[test]
     fn only_process_0_reports_what_every_process_met() {
         let shared = Error::NonFiniteLoss { step: 3, epoch: 0, loss: f64::NAN };
-        let own = Error::Worker { device: "rank 1, cpu:0".into(), step: 5, cause: "injected failure".into() };
-        let told = Error::Peer { rank: 1, cause: own.to_string() };
+        let own = Error::Worker { device: "process 1, cpu:0".into(), step: 5, cause: "injected failure".into() };
+        let told = Error::Peer { process: 1, cause: own.to_string() };
         assert!(agreed(&shared) && !agreed(&own) && !agreed(&told));
         // SINGLE is process 0: it reports everything.
         assert!(SINGLE.reports(&shared) && SINGLE.reports(&own) && SINGLE.reports(&told));

@@ -44,7 +44,7 @@ use crate::error::{Error, Result};
 
 /// The tag of failure notices.
 const TAG_NOTICE: c_int = 0x4c53;
-/// Bytes of a notice: the sender's rank (u32), the text's length (u32), the text.
+/// Bytes of a notice: the sender's process (u32), the text's length (u32), the text.
 const NOTICE_BYTES: usize = 2048;
 /// How often a wait looks at the other processes and the launcher.
 const LIVENESS_EVERY: Duration = Duration::from_millis(50);
@@ -260,14 +260,14 @@ impl Port {
     }
 }
 
-/// `[sender rank u32 | text length u32 | text]`, the text cut to fit.
-fn encode_notice(rank: usize, text: &str) -> Box<[u8]> {
+/// `[sender process u32 | text length u32 | text]`, the text cut to fit.
+fn encode_notice(process: usize, text: &str) -> Box<[u8]> {
     let mut cut = text.len().min(NOTICE_BYTES - 8);
     while !text.is_char_boundary(cut) {
         cut -= 1;
     }
     let mut buf = vec![0u8; NOTICE_BYTES];
-    buf[..4].copy_from_slice(&(rank as u32).to_le_bytes());
+    buf[..4].copy_from_slice(&(process as u32).to_le_bytes());
     buf[4..8].copy_from_slice(&(cut as u32).to_le_bytes());
     buf[8..8 + cut].copy_from_slice(&text.as_bytes()[..cut]);
     buf.into_boxed_slice()
@@ -293,7 +293,7 @@ fn test_all(reqs: &mut [ffi::MPI_Request]) -> Result<bool> {
 
 /// Another process, as this one knows it.
 struct Peer {
-    rank: usize,
+    process: usize,
     pid: u32,
     same_host: bool,
 }
@@ -311,7 +311,7 @@ struct Failures {
 pub(crate) struct MpiWorld {
     /// Finalised by [`MpiWorld::finalize`], never after a failure.
     universe: Mutex<Option<mpi::environment::Universe>>,
-    rank: usize,
+    process: usize,
     size: usize,
     port: Mutex<Port>,
     peers: Vec<Peer>,
@@ -338,11 +338,11 @@ impl MpiWorld {
             )));
         }
         let comm = universe.world();
-        let (rank, size) = (comm.rank() as usize, comm.size() as usize);
-        if (rank, size) != (launch.rank, launch.size) {
+        let (process, size) = (comm.rank() as usize, comm.size() as usize);
+        if (process, size) != (launch.process, launch.size) {
             return Err(Error::Mpi(format!(
-                "MPI says rank {rank} of {size}, the launcher's environment says rank {} of {}",
-                launch.rank, launch.size
+                "MPI says this is process {process} of {size}, the launcher's environment says process {} of {}",
+                launch.process, launch.size
             )));
         }
         let timeout = match std::env::var(TIMEOUT_VAR) {
@@ -364,7 +364,7 @@ impl MpiWorld {
             .unwrap_or_else(|_| "an MPI library".into());
         let mut world = MpiWorld {
             universe: Mutex::new(Some(universe)),
-            rank,
+            process,
             size,
             port: Mutex::new(port),
             peers: Vec::new(),
@@ -378,14 +378,14 @@ impl MpiWorld {
         let me = [std::process::id() as u64, fnv1a(world.host.as_bytes())];
         let all = world.all_gather(&me)?;
         world.peers = (0..size)
-            .filter(|&q| q != rank)
-            .map(|q| Peer { rank: q, pid: all[2 * q] as u32, same_host: all[2 * q + 1] == me[1] })
+            .filter(|&q| q != process)
+            .map(|q| Peer { process: q, pid: all[2 * q] as u32, same_host: all[2 * q + 1] == me[1] })
             .collect();
         Ok(world)
     }
 
-    pub(crate) fn rank(&self) -> usize {
-        self.rank
+    pub(crate) fn process(&self) -> usize {
+        self.process
     }
 
     pub(crate) fn size(&self) -> usize {
@@ -443,8 +443,8 @@ impl MpiWorld {
             if test_all(reqs)? {
                 return Ok(());
             }
-            if let Some((rank, cause)) = port.notice()? {
-                return Err(self.record(Error::Peer { rank, cause }));
+            if let Some((process, cause)) = port.notice()? {
+                return Err(self.record(Error::Peer { process, cause }));
             }
             if aborted() {
                 return Err(Error::Aborted);
@@ -492,8 +492,8 @@ impl MpiWorld {
                 .unwrap_or_else(|| Error::Mpi("this process makes no more MPI calls".into())));
         }
         if let Some(mut port) = self.port.try_lock() {
-            if let Some((rank, cause)) = port.notice()? {
-                return Err(self.record(Error::Peer { rank, cause }));
+            if let Some((process, cause)) = port.notice()? {
+                return Err(self.record(Error::Peer { process, cause }));
             }
         }
         match self.loss(Duration::ZERO) {
@@ -511,23 +511,26 @@ impl MpiWorld {
             if !alive(p.pid) {
                 return Some(Error::PeerLost {
                     detail: format!(
-                        "rank {} (pid {}, on this machine) has exited without a word (killed?); \
-                         rank {} cannot go on without it",
-                        p.rank, p.pid, self.rank
+                        "process {} (pid {}, on this machine) has exited without a word (killed?); \
+                         process {} cannot go on without it",
+                        p.process, p.pid, self.process
                     ),
                 });
             }
         }
         if std::os::unix::process::parent_id() != self.parent {
             return Some(Error::PeerLost {
-                detail: format!("the launcher of this job (pid {}) has exited; rank {} stops", self.parent, self.rank),
+                detail: format!(
+                    "the launcher of this job (pid {}) has exited; process {} stops",
+                    self.parent, self.process
+                ),
             });
         }
         if let Some(t) = self.timeout.filter(|t| waited > *t) {
             return Some(Error::PeerLost {
                 detail: format!(
-                    "rank {} waited {} s for the other processes ({TIMEOUT_VAR} sets the limit; 0 for none)",
-                    self.rank,
+                    "process {} waited {} s for the other processes ({TIMEOUT_VAR} sets the limit; 0 for none)",
+                    self.process,
                     t.as_secs()
                 ),
             });
@@ -554,22 +557,22 @@ impl MpiWorld {
 
     /// See `World::fail`. Notices are sent to every other process; their sends are given
     /// [`NOTICE_DEADLINE`] to leave (a dead peer never takes its own).
-    pub(crate) fn fail(&self, rank: usize, e: &Error) {
+    pub(crate) fn fail(&self, process: usize, e: &Error) {
         let quiet = super::agreed(e) || matches!(e, Error::Peer { .. } | Error::PeerLost { .. });
         if quiet {
             self.broken.store(true, Ordering::SeqCst);
             return;
         }
-        // A worker's failure already names the rank ("rank 1, cpu:0, step 5: ...").
+        // A worker's failure already names the process ("process 1, cpu:0, step 5: ...").
         match e {
-            Error::Worker { .. } => self.fail_with(rank, &e.to_string()),
-            other => self.fail_with(rank, &format!("rank {rank}: {other}")),
+            Error::Worker { .. } => self.fail_with(process, &e.to_string()),
+            other => self.fail_with(process, &format!("process {process}: {other}")),
         }
     }
 
     /// Tells every other process that this one failed, in `text`, once (nothing after a
     /// failure was already told or heard of), and closes the door to MPI.
-    pub(crate) fn fail_with(&self, rank: usize, text: &str) {
+    pub(crate) fn fail_with(&self, process: usize, text: &str) {
         {
             let mut f = self.failures.lock();
             if f.told || f.peer.is_some() || self.broken.load(Ordering::SeqCst) {
@@ -581,9 +584,9 @@ impl MpiWorld {
         let mut port = self.port.lock();
         let mut reqs = Vec::with_capacity(self.peers.len());
         for p in &self.peers {
-            let buf = encode_notice(rank, text);
+            let buf = encode_notice(process, text);
             // SAFETY: the buffer is kept in `port.sent` for the rest of the process.
-            if let Ok(r) = unsafe { port.isend(&buf[..], p.rank, TAG_NOTICE) } {
+            if let Ok(r) = unsafe { port.isend(&buf[..], p.process, TAG_NOTICE) } {
                 reqs.push(r);
             }
             port.sent.push(buf);
@@ -595,7 +598,7 @@ impl MpiWorld {
         self.broken.store(true, Ordering::SeqCst);
     }
 
-    /// Every process's `mine`, in rank order.
+    /// Every process's `mine`, in process order.
     pub(crate) fn all_gather(&self, mine: &[u64]) -> Result<Vec<u64>> {
         self.all_gather_waiting(mine, Wait::Spin, &|| false)
     }
@@ -663,7 +666,7 @@ impl MpiWorld {
 /// the two variants that carry text only.
 fn clone_failure(e: &Error) -> Error {
     match e {
-        Error::Peer { rank, cause } => Error::Peer { rank: *rank, cause: cause.clone() },
+        Error::Peer { process, cause } => Error::Peer { process: *process, cause: cause.clone() },
         Error::PeerLost { detail } => Error::PeerLost { detail: detail.clone() },
         other => Error::Mpi(other.to_string()),
     }
@@ -708,8 +711,8 @@ mod tests {
 
     #[test]
     fn notices_round_trip_and_are_cut_on_a_character() {
-        let (rank, text) = decode_notice(&encode_notice(3, "rank 3, cpu:1, step 5: injected failure"));
-        assert_eq!((rank, text.as_str()), (3, "rank 3, cpu:1, step 5: injected failure"));
+        let (process, text) = decode_notice(&encode_notice(3, "process 3, cpu:1, step 5: injected failure"));
+        assert_eq!((process, text.as_str()), (3, "process 3, cpu:1, step 5: injected failure"));
         let long = "é".repeat(NOTICE_BYTES);
         let (_, cut) = decode_notice(&encode_notice(0, &long));
         assert_eq!(cut.len(), NOTICE_BYTES - 8);

@@ -20,7 +20,7 @@
 
 use std::io::Write;
 
-use lockstep::cuda::launch::{ConvGeom, DropoutKey, WireGeom};
+use lockstep::cuda::launch::{DropoutKey, WindowGeom, WireGeom};
 use lockstep::exchange::codec::{Codec, Compression, Wire};
 use lockstep::exchange::shm::ShmGroup;
 use lockstep::exchange::{Exchange, Wait};
@@ -106,7 +106,7 @@ pub fn bias_nchw_bwd_ref(dy: &[f32], dbias0: &[f32], (n, c, hw): (usize, usize, 
 ///   col[n][(c*KH + kh)*KW + kw][oh*OW + ow] = x[n, c, oh*SH - PT + kh, ow*SW - PL + kw],
 /// in the order (n, row, oh, ow); a position in the padding has no pair.
 /// x: (N, C, H, W); col: (N, C*KH*KW, OH*OW).
-fn im2col_pairs(g: &ConvGeom) -> Vec<(usize, usize)> {
+fn im2col_pairs(g: &WindowGeom) -> Vec<(usize, usize)> {
     let (oh, ow) = (g.oh(), g.ow());
     let rows = g.c * g.kh * g.kw;
     let mut pairs = Vec::with_capacity(g.col_len());
@@ -132,7 +132,7 @@ fn im2col_pairs(g: &ConvGeom) -> Vec<(usize, usize)> {
 
 /// im2col: copies and zeros, so in f32 and exact.
 /// x: (N, C, H, W); col: (N, C*KH*KW, OH*OW).
-pub fn im2col_ref(x: &[f32], g: &ConvGeom) -> Vec<f32> {
+pub fn im2col_ref(x: &[f32], g: &WindowGeom) -> Vec<f32> {
     let mut col = vec![0.0; g.col_len()];
     for (ci, xi) in im2col_pairs(g) {
         col[ci] = x[xi];
@@ -142,7 +142,7 @@ pub fn im2col_ref(x: &[f32], g: &ConvGeom) -> Vec<f32> {
 
 /// col2im by scatter-add in f64: the transpose of im2col_ref, element by element.
 /// dcol: (N, C*KH*KW, OH*OW); dx: (N, C, H, W).
-pub fn col2im_ref(dcol: &[f32], g: &ConvGeom) -> Vec<f64> {
+pub fn col2im_ref(dcol: &[f32], g: &WindowGeom) -> Vec<f64> {
     let mut dx = vec![0.0; g.x_len()];
     for (ci, xi) in im2col_pairs(g) {
         dx[xi] += dcol[ci] as f64;
@@ -303,7 +303,7 @@ pub fn softmax_xent_ref(logits: &[f32], labels: &[u32], k: usize, eps: f32) -> (
 /// agree bit for bit, so the tests ask the library rather than a copy.
 pub fn dropout_keep(key: DropoutKey, idx: u64, rate: f32) -> bool {
     use lockstep::rng::{dropout_key, hash64, unit_f32};
-    unit_f32(hash64(dropout_key(key.seed, key.step, key.replica, key.layer), key.first + idx)) >= rate
+    unit_f32(hash64(dropout_key(key.seed, key.step, key.shard, key.layer), key.first + idx)) >= rate
 }
 
 // ---- codec.cu and synchronized BatchNorm: the CPU's own code as the reference ----------
@@ -420,18 +420,18 @@ pub fn codec_inputs(codec: &Codec, rng: &mut Rng, r: usize, encoded: usize, raw:
     CodecInputs { slots, wires, stride, src }
 }
 
-/// Every rank's sum of `slots` through the shared-memory exchange with `codec`, on
-/// `ranks` ranks (each running its share of the logical replicas).
-pub fn shm_exchange(ranks: usize, codec: Codec, slots: &[Vec<f32>]) -> Vec<Vec<f32>> {
+/// Every member's sum of `slots` through the shared-memory exchange with `codec`, on
+/// `members` members (each running its share of the logical replicas).
+pub fn shm_exchange(members: usize, codec: Codec, slots: &[Vec<f32>]) -> Vec<Vec<f32>> {
     let (shards, len) = (slots.len(), slots[0].len());
-    let group = ShmGroup::with_codec(ranks, shards, len, Wait::Park, Some(codec)).unwrap();
+    let group = ShmGroup::with_codec(members, shards, len, Wait::Park, Some(codec)).unwrap();
     std::thread::scope(|s| {
-        let hs: Vec<_> = (0..ranks)
+        let hs: Vec<_> = (0..members)
             .map(|d| {
                 let group = &group;
                 s.spawn(move || {
                     let mut me = group.member(d);
-                    let per = shards / ranks;
+                    let per = shards / members;
                     for j in 0..per {
                         me.with_slot(j, |slot| slot.copy_from_slice(&slots[d * per + j]));
                     }
@@ -470,7 +470,7 @@ impl lockstep::nn::Layer for InputProbe {
 
     fn params(&self) -> Vec<lockstep::nn::ParamSpec> {
         vec![lockstep::nn::ParamSpec {
-            name: "x",
+            name: "x".into(),
             shape: lockstep::Shape::new([self.numel]),
             init: lockstep::nn::Init::Zeros,
         }]
@@ -526,8 +526,8 @@ impl lockstep::nn::stats::StatsExchange for Recorder {
         2
     }
 
-    fn all_gather(&self, replica: usize, mine: &[f64], all: &mut Vec<f64>) -> lockstep::Result<()> {
-        assert_eq!(replica, 1, "the layer under test is logical replica 1");
+    fn all_gather(&self, shard: usize, mine: &[f64], all: &mut Vec<f64>) -> lockstep::Result<()> {
+        assert_eq!(shard, 1, "the layer under test is logical replica 1");
         self.sent.lock().unwrap().push(mine.to_vec());
         all.clear();
         if mine.len() % 2 == 1 {

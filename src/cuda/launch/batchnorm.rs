@@ -177,6 +177,17 @@ impl Gpu {
         }
     }
 
+    /// num_batches_tracked of a training forward: rounded to its integer, plus one.
+    /// count: (1)
+    pub fn batchnorm_count(&self, count: &mut impl DevOut) -> Result<()> {
+        let count = &mut count.view_mut();
+        let n = count.len();
+        check_len("batchnorm_count_fwd", "count", count, 1)?;
+        // SAFETY: batchnorm_count_fwd_f32(float* count, size_t n); count holds n = 1
+        // float (checked above), and the kernel touches indices < n only.
+        unsafe { batchnorm::batchnorm_count::fwd(self, elem_cfg(n), count, n) }
+    }
+
     /// Eval forward with the running statistics `running` = (mean, var).
     /// x, y: (N, C, H, W), hw = H*W; running mean and var: (C)
     pub fn batchnorm_eval_fwd(

@@ -70,7 +70,7 @@ impl WireGeom {
     }
 
     /// Bytes a wire carries (codes, exponents, raw values; no padding): what crosses
-    /// between ranks for one slot, as the codec's `Wire::bytes` counts it.
+    /// between members for one slot, as the codec's `Wire::bytes` counts it.
     pub fn payload(&self) -> usize {
         2 * self.encoded + self.exponents() + 4 * self.raw
     }

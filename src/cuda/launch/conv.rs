@@ -2,16 +2,16 @@
 //! convolution into the GEMMs of `cuda::gemm`.
 //!
 //! Owns: one safe method per kernel of that file, each checking its buffers against the
-//! window geometry ([`ConvGeom`], shared with pooling) before the typed launch of
+//! window geometry ([`WindowGeom`], shared with pooling) before the typed launch of
 //! `cuda::kernels::conv`.
 
-use super::{check_len, elem_cfg, ConvGeom, DevIn, DevOut, Gpu};
+use super::{check_len, elem_cfg, DevIn, DevOut, Gpu, WindowGeom};
 use crate::cuda::kernels::conv;
 use crate::Result;
 
 impl Gpu {
     /// x: (N, C, H, W) -> col: (N, C*KH*KW, OH*OW), the CPU backend's layout.
-    pub fn im2col_fwd(&self, x: &impl DevIn, col: &mut impl DevOut, g: &ConvGeom) -> Result<()> {
+    pub fn im2col_fwd(&self, x: &impl DevIn, col: &mut impl DevOut, g: &WindowGeom) -> Result<()> {
         let x = &x.view();
         let col = &mut col.view_mut();
         let a = g.launch_args("im2col_fwd")?;
@@ -27,7 +27,7 @@ impl Gpu {
     }
 
     /// col2im: dcol: (N, C*KH*KW, OH*OW) -> dx: (N, C, H, W), dx written.
-    pub fn im2col_bwd(&self, dcol: &impl DevIn, dx: &mut impl DevOut, g: &ConvGeom) -> Result<()> {
+    pub fn im2col_bwd(&self, dcol: &impl DevIn, dx: &mut impl DevOut, g: &WindowGeom) -> Result<()> {
         let dcol = &dcol.view();
         let dx = &mut dx.view_mut();
         let a = g.launch_args("im2col_bwd")?;

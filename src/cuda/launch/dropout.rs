@@ -17,7 +17,8 @@ use crate::{Error, Result};
 pub struct DropoutKey {
     pub seed: u64,
     pub step: u64,
-    pub replica: u64,
+    /// The shard: the index of the logical replica whose rows the mask covers.
+    pub shard: u64,
     pub layer: u64,
     /// Mask index of the buffer's first element (within its logical replica's shard: a
     /// later micro-batch of an accumulated step starts past 0).
@@ -33,10 +34,10 @@ impl Gpu {
         if !check_dropout(y, n, rate)? {
             return Ok(());
         }
-        let DropoutKey { seed, step, replica, layer, first } = key;
+        let DropoutKey { seed, step, shard, layer, first } = key;
         // SAFETY: dropout_fwd_f32(const float*, float*, float, 5 x unsigned long long,
         // size_t); both buffers hold n floats (checked).
-        unsafe { dropout::dropout::fwd(self, elem_cfg(n), x, y, rate, seed, step, replica, layer, first, n) }
+        unsafe { dropout::dropout::fwd(self, elem_cfg(n), x, y, rate, seed, step, shard, layer, first, n) }
     }
 
     /// Backward of [`Gpu::dropout_fwd`] with the same `rate` and `key`. dy, dx: (n)
@@ -47,10 +48,10 @@ impl Gpu {
         if !check_dropout(dx, n, rate)? {
             return Ok(());
         }
-        let DropoutKey { seed, step, replica, layer, first } = key;
+        let DropoutKey { seed, step, shard, layer, first } = key;
         // SAFETY: dropout_bwd_f32(const float*, float*, float, 5 x unsigned long long,
         // size_t); both buffers hold n floats (checked).
-        unsafe { dropout::dropout::bwd(self, elem_cfg(n), dy, dx, rate, seed, step, replica, layer, first, n) }
+        unsafe { dropout::dropout::bwd(self, elem_cfg(n), dy, dx, rate, seed, step, shard, layer, first, n) }
     }
 }
 

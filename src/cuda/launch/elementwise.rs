@@ -1,4 +1,4 @@
-//! The checked launches of kernels/elementwise.cu: ReLU, GELU, rescaling, the bias adds of
+//! The checked launches of kernels/elementwise.cu: the residual add, ReLU, GELU, rescaling, the bias adds of
 //! convolutions (NCHW) and linear layers (columns) with their reductions, scale and fill.
 //!
 //! Owns: one safe method per kernel of that file, each checking its buffers' lengths
@@ -10,6 +10,23 @@ use crate::cuda::kernels::elementwise;
 use crate::Result;
 
 impl Gpu {
+    /// y = a + b: a residual block's add, and its backward's fan-in (dx = dbody +
+    /// dshortcut). a, b, y: (n)
+    pub fn residual_add(&self, a: &impl DevIn, b: &impl DevIn, y: &mut impl DevOut) -> Result<()> {
+        let a = &a.view();
+        let b = &b.view();
+        let y = &mut y.view_mut();
+        let n = a.len();
+        check_len("residual_add_fwd", "b", b, n)?;
+        check_len("residual_add_fwd", "y", y, n)?;
+        if n == 0 {
+            return Ok(());
+        }
+        // SAFETY: residual_add_fwd_f32(const float*, const float*, float*, size_t); a, b
+        // and y hold n floats each (checked above), and the kernel touches indices < n only.
+        unsafe { elementwise::residual_add::fwd(self, elem_cfg(n), a, b, y, n) }
+    }
+
     /// y = max(x, 0). x, y: (n)
     pub fn relu_fwd(&self, x: &impl DevIn, y: &mut impl DevOut) -> Result<()> {
         let x = &x.view();

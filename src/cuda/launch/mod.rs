@@ -3,7 +3,7 @@
 //! Owns: [`Gpu`], one device's context, compute stream and loaded functions (looked up
 //! once per declaration, [`Launcher`]), and what every family's launches share: the
 //! buffer traits [`DevIn`] / [`DevOut`], the length and dimension checks, the launch
-//! shapes (`elem_cfg`, `channel_cfg`) and the window geometry [`ConvGeom`] (a
+//! shapes (`elem_cfg`, `channel_cfg`) and the window geometry [`WindowGeom`] (a
 //! convolution's and a pooling's). Each family of kernels has its own file, one `impl Gpu`
 //! of one safe method per kernel: `elementwise`, `conv`, `batchnorm`, `pooling`, `loss`
 //! (softmax_xent), `reduce`, `dropout`, `codec`. A method checks the lengths of its
@@ -121,7 +121,7 @@ pub(crate) fn dim(op: &'static str, what: &str, v: usize) -> Result<i32> {
 /// (`nn::Geometry2d::launch_geom`, so the two backends share every pad); the fields stay
 /// public for tests that state a geometry outright.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ConvGeom {
+pub struct WindowGeom {
     pub n: usize,
     pub c: usize,
     pub h: usize,
@@ -136,7 +136,7 @@ pub struct ConvGeom {
     pub pad_right: usize,
 }
 
-impl ConvGeom {
+impl WindowGeom {
     /// A batch of `n` samples of `c` channels of (H, W) = `hw` under a window of `kernel`
     /// (KH, KW) moved by `stride` (SH, SW), with the plane padded by
     /// `pads` = [top, left, bottom, right].
@@ -147,8 +147,8 @@ impl ConvGeom {
         (kh, kw): (usize, usize),
         (stride_h, stride_w): (usize, usize),
         [pad_top, pad_left, pad_bottom, pad_right]: [usize; 4],
-    ) -> ConvGeom {
-        ConvGeom { n, c, h, w, kh, kw, stride_h, stride_w, pad_top, pad_left, pad_bottom, pad_right }
+    ) -> WindowGeom {
+        WindowGeom { n, c, h, w, kh, kw, stride_h, stride_w, pad_top, pad_left, pad_bottom, pad_right }
     }
 
     /// Output height: (H + PT + PB - KH) / SH + 1 (0 when the kernel does not fit).

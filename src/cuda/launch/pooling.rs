@@ -2,13 +2,13 @@
 //! forward and backward.
 //!
 //! Owns: one safe method per kernel of that file, each checking its buffers (against the
-//! window geometry [`ConvGeom`] for max pooling) before the typed launch of
+//! window geometry [`WindowGeom`] for max pooling) before the typed launch of
 //! `cuda::kernels::pooling`. Where a window lies, and which maximum wins a tie, is
 //! `nn::window`'s and `nn::pool`'s.
 
 use cudarc::driver::CudaSlice;
 
-use super::{check_len, elem_cfg, ConvGeom, DevIn, DevOut, Gpu};
+use super::{check_len, elem_cfg, DevIn, DevOut, Gpu, WindowGeom};
 use crate::cuda::kernels::pooling;
 use crate::Result;
 
@@ -49,7 +49,7 @@ impl Gpu {
         x: &impl DevIn,
         y: &mut impl DevOut,
         argmax: &mut CudaSlice<u32>,
-        g: &ConvGeom,
+        g: &WindowGeom,
     ) -> Result<()> {
         let x = &x.view();
         let y = &mut y.view_mut();
@@ -77,7 +77,7 @@ impl Gpu {
         dy: &impl DevIn,
         argmax: &CudaSlice<u32>,
         dx: &mut impl DevOut,
-        g: &ConvGeom,
+        g: &WindowGeom,
     ) -> Result<()> {
         let dy = &dy.view();
         let dx = &mut dx.view_mut();

@@ -3,19 +3,19 @@
 //!
 //! Owns: [`CopyGroup`] (shared by reference) and [`CopyMember`] (one worker's view). The
 //! scheme is the CPU exchange's reduce-scatter / all-gather ([`crate::exchange::shm`]): the
-//! buffer is cut into `world` chunks; rank r copies chunk r of every rank's buffer into a
-//! (world, chunk) staging buffer on its own GPU, sums it with kernels/reduce.cu in rank
-//! order (rank 0 + rank 1 + ..., left to right) into chunk r of its own buffer, then
-//! copies every other chunk from its owner. Each element is summed once, in one order,
-//! and copied everywhere: every rank ends bitwise equal. The all-gather of 16-bit wires
-//! ([`CopyMember::all_gather_bytes`]) is that scheme's second phase alone: rank r copies
-//! every other rank's part of the buffer from its owner.
+//! buffer is cut into `members` chunks; member r copies chunk r of every member's buffer
+//! into a (members, chunk) staging buffer on its own GPU, sums it with kernels/reduce.cu
+//! in member order (member 0 + member 1 + ..., left to right) into chunk r of its own
+//! buffer, then copies every other chunk from its owner. Each element is summed once, in
+//! one order, and copied everywhere: every member ends bitwise equal. The all-gather of
+//! 16-bit wires ([`CopyMember::all_gather_bytes`]) is that scheme's second phase alone:
+//! member r copies every other member's part of the buffer from its owner.
 //!
-//! Ranks publish their buffer (device pointer and context) in the group for the duration
-//! of a call and meet at an abortable barrier between the phases; each rank synchronises
+//! Members publish their buffer (device pointer and context) in the group for the duration
+//! of a call and meet at an abortable barrier between the phases; each member synchronises
 //! its communication stream before a barrier, so no chunk is read before its owner wrote
-//! it, nor overwritten while a peer still reads it. A rank whose call failed waits
-//! (bounded) until no other rank is inside a call before its buffer can be freed.
+//! it, nor overwritten while a peer still reads it. A member whose call failed waits
+//! (bounded) until no other member is inside a call before its buffer can be freed.
 
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -39,20 +39,20 @@ use crate::exchange::{Abort, Wait};
 /// aligned address.
 pub(super) const CHUNK_GRANULE: usize = 64;
 
-/// How long a rank whose call failed waits for the others to leave their calls (so that
+/// How long a member whose call failed waits for the others to leave their calls (so that
 /// none still reads its buffer) before it returns anyway. They leave within microseconds
 /// of an abort; this bound only keeps a bug from turning into a hang.
 const LEAVE_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Chunk r of a `len`-value buffer cut for `world` ranks: `world` contiguous ranges in
-/// order, covering `0..len`, each a multiple of [`CHUNK_GRANULE`] except the last
+/// Chunk r of a `len`-value buffer cut for `members` members: `members` contiguous ranges
+/// in order, covering `0..len`, each a multiple of [`CHUNK_GRANULE`] except the last
 /// non-empty one; trailing ones may be empty when `len` is small.
-pub(super) fn chunk_ranges(len: usize, world: usize) -> Vec<Range<usize>> {
-    let per = len.div_ceil(world.max(1)).div_ceil(CHUNK_GRANULE) * CHUNK_GRANULE;
-    (0..world).map(|r| (r * per).min(len)..((r + 1) * per).min(len)).collect()
+pub(super) fn chunk_ranges(len: usize, members: usize) -> Vec<Range<usize>> {
+    let per = len.div_ceil(members.max(1)).div_ceil(CHUNK_GRANULE) * CHUNK_GRANULE;
+    (0..members).map(|r| (r * per).min(len)..((r + 1) * per).min(len)).collect()
 }
 
-/// A rank's buffer as published to the others during a call.
+/// A member's buffer as published to the others during a call.
 #[derive(Clone)]
 struct Peer {
     ptr: CUdeviceptr,
@@ -62,34 +62,34 @@ struct Peer {
 /// The device-copy collective of one run's GPU workers; created by the coordinator
 /// before the worker threads start, shared by reference (Sync).
 pub struct CopyGroup {
-    /// `ordinals[r]`: the CUDA ordinal of rank r (may repeat).
+    /// `ordinals[r]`: the CUDA ordinal of member r (may repeat).
     ordinals: Vec<usize>,
     /// Number of f32 every call moves.
     len: usize,
-    /// Rank r's buffer while it is in a call.
+    /// Member r's buffer while it is in a call.
     buffers: Vec<Mutex<Option<Peer>>>,
-    /// Chunk r is reduced by rank r.
+    /// Chunk r is reduced by member r.
     chunks: Vec<Range<usize>>,
     /// The phases of a call.
     barrier: SpinBarrier,
-    /// Ranks now inside a call (so possibly reading a peer's buffer).
+    /// Members now inside a call (so possibly reading a peer's buffer).
     inside: AtomicUsize,
     aborted: AtomicBool,
 }
 
 impl CopyGroup {
-    /// A group of `ordinals.len()` ranks, rank r on GPU `ordinals[r]`, each call moving
+    /// A group of `ordinals.len()` members, member r on GPU `ordinals[r]`, each call moving
     /// `len` f32. No driver, or a GPU that is not there, is [`Error::CudaUnavailable`].
     pub fn new(ordinals: &[usize], len: usize) -> Result<CopyGroup> {
         check_ordinals(ordinals)?;
-        let world = ordinals.len();
+        let members = ordinals.len();
         Ok(CopyGroup {
             ordinals: ordinals.to_vec(),
             len,
-            buffers: (0..world).map(|_| Mutex::new(None)).collect(),
-            chunks: chunk_ranges(len, world),
-            // One thread per GPU rank, each mostly waiting on its GPU: spinning pays.
-            barrier: SpinBarrier::new(world, Wait::Spin),
+            buffers: (0..members).map(|_| Mutex::new(None)).collect(),
+            chunks: chunk_ranges(len, members),
+            // One thread per GPU member, each mostly waiting on its GPU: spinning pays.
+            barrier: SpinBarrier::new(members, Wait::Spin),
             inside: AtomicUsize::new(0),
             aborted: AtomicBool::new(false),
         })
@@ -100,10 +100,10 @@ impl CopyGroup {
         self.ordinals.len()
     }
 
-    /// Called once by rank `rank`'s worker thread, on that thread. `compute` is the
-    /// rank's compute stream, from its own context on `ordinals[rank]`.
-    pub fn join(&self, rank: usize, compute: &Arc<CudaStream>) -> Result<CopyMember<'_>> {
-        let ctx = check_join(&self.ordinals, rank, compute)?;
+    /// Called once by member `member`'s worker thread, on that thread. `compute` is the
+    /// member's compute stream, from its own context on `ordinals[member]`.
+    pub fn join(&self, member: usize, compute: &Arc<CudaStream>) -> Result<CopyMember<'_>> {
+        let ctx = check_join(&self.ordinals, member, compute)?;
         let inner = || -> Result<CopyMember<'_>> {
             if self.is_aborted() {
                 return Err(Error::Aborted);
@@ -112,7 +112,7 @@ impl CopyGroup {
             let widest = self.chunks.iter().map(|c| c.len()).max().unwrap_or(0);
             Ok(CopyMember {
                 group: self,
-                rank,
+                index: member,
                 staging: streams.comm.alloc_zeros::<f32>((self.members() * widest).max(1))?,
                 // The reduce kernel runs on the communication stream.
                 gpu: Gpu::on_stream(streams.comm.clone())?,
@@ -135,8 +135,8 @@ impl CopyGroup {
         }
     }
 
-    /// Counts a rank into a call, or refuses it after an abort. Incremented before the
-    /// flag is read, so a failed rank that then sees nobody inside knows that every later
+    /// Counts a member into a call, or refuses it after an abort. Incremented before the
+    /// flag is read, so a failed member that then sees nobody inside knows that every later
     /// entrant sees the flag and reads no buffer.
     fn enter(&self) -> Result<()> {
         self.inside.fetch_add(1, Ordering::SeqCst);
@@ -147,7 +147,7 @@ impl CopyGroup {
         Ok(())
     }
 
-    /// Every rank's published buffer. All are published once the first barrier of a call
+    /// Every member's published buffer. All are published once the first barrier of a call
     /// passed, and stay so until its last one unless the call was aborted.
     fn peers(&self) -> Result<Vec<Peer>> {
         self.buffers.iter().map(|b| b.lock().clone().ok_or(Error::Aborted)).collect()
@@ -166,48 +166,51 @@ impl Abort for CopyGroup {
     }
 }
 
-/// One rank's view of a [`CopyGroup`], with its streams, staging and reduce kernel.
+/// One member's view of a [`CopyGroup`], with its streams, staging and reduce kernel.
 pub struct CopyMember<'g> {
     group: &'g CopyGroup,
-    rank: usize,
-    /// The rank's streams: calls start after the compute stream's queued work, and its
+    index: usize,
+    /// The member's streams: calls start after the compute stream's queued work, and its
     /// later work starts after them.
     streams: Streams,
-    /// (world, chunk) staging buffer, chunk being the largest chunk.
+    /// (members, chunk) staging buffer, chunk being the largest chunk.
     staging: CudaSlice<f32>,
     /// Launches of kernels/reduce.cu on the communication stream.
     gpu: Gpu,
-    /// Peer access from this rank's context to rank q's was tried (once per peer).
+    /// Peer access from this member's context to member q's was tried (once per peer).
     peer_tried: Vec<bool>,
 }
 
 impl CopyMember<'_> {
-    /// This rank's index.
-    pub fn rank(&self) -> usize {
-        self.rank
+    /// This member's index in its group.
+    pub fn index(&self) -> usize {
+        self.index
     }
 
-    /// In place SUM all-reduce of `buf` (this rank's GPU, the group's `len` values),
+    /// In place SUM all-reduce of `buf` (this member's GPU, the group's `len` values),
     /// ordered after all work already queued on the compute stream; the compute stream
     /// waits for its end before any later work. The host synchronises the communication
-    /// stream between phases. Every rank ends with bitwise the same values. Returns at
-    /// once on one rank or for empty buffers.
+    /// stream between phases. Every member ends with bitwise the same values. Returns at
+    /// once on one member or for empty buffers.
     pub fn all_reduce_sum(&mut self, buf: &mut impl DevOut) -> Result<()> {
         let mut buf = buf.view_mut();
-        check_buffer("CopyMember::all_reduce_sum", &buf, self.group.len, &self.streams.ctx, self.rank)?;
+        check_buffer("CopyMember::all_reduce_sum", &buf, self.group.len, &self.streams.ctx, self.index)?;
         if self.group.members() == 1 || self.group.len == 0 {
             return Ok(());
         }
         self.call(|me| me.all_reduce(&mut buf))
     }
 
-    /// Copies `root`'s `buf` into every rank's `buf` (same ordering rules as
+    /// Copies `root`'s `buf` into every member's `buf` (same ordering rules as
     /// [`CopyMember::all_reduce_sum`]).
     pub fn broadcast(&mut self, buf: &mut impl DevOut, root: usize) -> Result<()> {
         let mut buf = buf.view_mut();
-        check_buffer("CopyMember::broadcast", &buf, self.group.len, &self.streams.ctx, self.rank)?;
+        check_buffer("CopyMember::broadcast", &buf, self.group.len, &self.streams.ctx, self.index)?;
         if root >= self.group.members() {
-            return Err(Error::config("broadcast root", format!("rank {root} of a group of {}", self.group.members())));
+            return Err(Error::config(
+                "broadcast root",
+                format!("member {root} of a group of {}", self.group.members()),
+            ));
         }
         if self.group.members() == 1 || self.group.len == 0 {
             return Ok(());
@@ -215,14 +218,14 @@ impl CopyMember<'_> {
         self.call(|me| me.broadcast_from(&mut buf, root))
     }
 
-    /// Every rank's `part` bytes to every rank: `buf` holds world·part bytes on this
-    /// rank's GPU, this rank's part at rank·part; afterwards every rank's `buf` holds
-    /// every part, copied from its owner (same ordering rules as
+    /// Every member's `part` bytes to every member: `buf` holds members·part bytes on this
+    /// member's GPU, this member's part at member·part; afterwards every member's `buf`
+    /// holds every part, copied from its owner (same ordering rules as
     /// [`CopyMember::all_reduce_sum`]).
     pub fn all_gather_bytes(&mut self, buf: &mut CudaViewMut<'_, u8>, part: usize) -> Result<()> {
-        let world = self.group.members();
-        check_buffer("CopyMember::all_gather_bytes", buf, world * part, &self.streams.ctx, self.rank)?;
-        if world == 1 || part == 0 {
+        let members = self.group.members();
+        check_buffer("CopyMember::all_gather_bytes", buf, members * part, &self.streams.ctx, self.index)?;
+        if members == 1 || part == 0 {
             return Ok(());
         }
         self.call(|me| me.all_gather(buf, part))
@@ -235,7 +238,7 @@ impl CopyMember<'_> {
         g.enter()?;
         let result = op(self).map_err(|e| g.fail(e));
         if result.is_err() {
-            // This rank's reads of peer buffers end here; then it waits for the others to
+            // This member's reads of peer buffers end here; then it waits for the others to
             // end theirs before its buffer can be freed. The abort released every barrier,
             // so they leave at once.
             let _ = self.streams.comm.synchronize();
@@ -248,11 +251,11 @@ impl CopyMember<'_> {
         } else {
             g.inside.fetch_sub(1, Ordering::SeqCst);
         }
-        *g.buffers[self.rank].lock() = None;
+        *g.buffers[self.index].lock() = None;
         result
     }
 
-    /// Enables peer access from this rank's context to rank q's GPU when it allows it,
+    /// Enables peer access from this member's context to member q's GPU when it allows it,
     /// once. Optional: without it the driver stages peer copies through the host, slower
     /// but correct, so a refusal is not an error.
     fn enable_peer_access(&mut self, q: usize, peer: &Peer) {
@@ -266,8 +269,8 @@ impl CopyMember<'_> {
         unsafe {
             let asked = driver_sys::cuDeviceCanAccessPeer(&mut can, self.streams.ctx.cu_device(), peer.ctx.cu_device());
             if asked == CUresult::CUDA_SUCCESS && can == 1 && self.streams.ctx.bind_to_thread().is_ok() {
-                // CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED (another rank on this GPU did it)
-                // is as good as success; any other refusal leaves staged copies.
+                // CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED (another member on this GPU did
+                // it) is as good as success; any other refusal leaves staged copies.
                 let _ = driver_sys::cuCtxEnablePeerAccess(peer.ctx.cu_ctx(), 0);
             }
         }
@@ -275,31 +278,32 @@ impl CopyMember<'_> {
 
     fn all_reduce(&mut self, buf: &mut CudaViewMut<'_, f32>) -> Result<()> {
         let g = self.group;
-        let (rank, world) = (self.rank, g.members());
+        let (member, members) = (self.index, g.members());
         self.streams.enter()?;
         // The explicit events order every use of `buf` against this call; cudarc's own
         // tracking (where it is on) needs no more than the pointer's borrow.
         let ptr = buf.device_ptr_mut(&self.streams.comm).0;
         // buf is final once the compute stream's queued work has run: publish it.
         self.streams.comm.synchronize()?;
-        *g.buffers[rank].lock() = Some(Peer { ptr, ctx: self.streams.ctx.clone() });
+        *g.buffers[member].lock() = Some(Peer { ptr, ctx: self.streams.ctx.clone() });
         g.barrier.wait(&g.aborted)?;
 
-        // Reduce-scatter: chunk `rank` of every buffer, staged as (world, n), summed in
-        // rank order into chunk `rank` of this buffer. Peers only read other chunks of
+        // Reduce-scatter: chunk `member` of every buffer, staged as (members, n), summed in
+        // member order into chunk `member` of this buffer. Peers only read other chunks of
         // it meanwhile.
         let peers = g.peers()?;
         for (q, peer) in peers.iter().enumerate() {
             self.enable_peer_access(q, peer);
         }
-        let mine = g.chunks[rank].clone();
+        let mine = g.chunks[member].clone();
         let n = mine.len();
         if n > 0 {
             let staging = self.staging.device_ptr_mut(&self.streams.comm).0;
             for (q, peer) in peers.iter().enumerate() {
                 // SAFETY: peer q published its buffer of `len` f32 and keeps it until the
                 // last barrier of this call, which it reaches only after we synchronised
-                // below; chunk `rank` lies inside it; staging holds world * widest >= q*n + n.
+                // below; chunk `member` lies inside it; staging holds members * widest >=
+                // q*n + n.
                 unsafe {
                     copy_async(
                         &self.streams.ctx,
@@ -311,7 +315,7 @@ impl CopyMember<'_> {
                     )?;
                 }
             }
-            self.gpu.reduce_sum(&self.staging.slice(0..world * n), &mut buf.slice_mut(mine), world, 1.0)?;
+            self.gpu.reduce_sum(&self.staging.slice(0..members * n), &mut buf.slice_mut(mine), members, 1.0)?;
         }
         self.streams.comm.synchronize()?;
         g.barrier.wait(&g.aborted)?;
@@ -319,7 +323,7 @@ impl CopyMember<'_> {
         // All-gather: every other chunk from its owner, reduced by now.
         for (q, peer) in peers.iter().enumerate() {
             let c = &g.chunks[q];
-            if q == rank || c.is_empty() {
+            if q == member || c.is_empty() {
                 continue;
             }
             // SAFETY: as above; chunk q of both buffers lies inside them, and its owner
@@ -336,7 +340,7 @@ impl CopyMember<'_> {
             }
         }
         self.streams.comm.synchronize()?;
-        // Past this barrier every rank has finished reading this buffer.
+        // Past this barrier every member has finished reading this buffer.
         g.barrier.wait(&g.aborted)?;
         self.streams.leave()?;
         Ok(())
@@ -344,21 +348,21 @@ impl CopyMember<'_> {
 
     fn all_gather(&mut self, buf: &mut CudaViewMut<'_, u8>, part: usize) -> Result<()> {
         let g = self.group;
-        let rank = self.rank;
+        let member = self.index;
         self.streams.enter()?;
         let ptr = buf.device_ptr_mut(&self.streams.comm).0;
-        // This rank's part is final once the compute stream's queued work has run.
+        // This member's part is final once the compute stream's queued work has run.
         self.streams.comm.synchronize()?;
-        *g.buffers[rank].lock() = Some(Peer { ptr, ctx: self.streams.ctx.clone() });
+        *g.buffers[member].lock() = Some(Peer { ptr, ctx: self.streams.ctx.clone() });
         g.barrier.wait(&g.aborted)?;
         let peers = g.peers()?;
         let at = |q: usize| (q * part) as u64;
         for (q, peer) in peers.iter().enumerate() {
-            if q == rank {
+            if q == member {
                 continue;
             }
             self.enable_peer_access(q, peer);
-            // SAFETY: peer q published its buffer of world·part bytes and keeps it until
+            // SAFETY: peer q published its buffer of members·part bytes and keeps it until
             // the barrier below, which it passes only after we synchronised; part q lies
             // inside both buffers (checked lengths), and only its owner wrote it, before
             // the barrier we passed.
@@ -367,7 +371,7 @@ impl CopyMember<'_> {
             };
         }
         self.streams.comm.synchronize()?;
-        // Past this barrier every rank has finished reading this buffer.
+        // Past this barrier every member has finished reading this buffer.
         g.barrier.wait(&g.aborted)?;
         self.streams.leave()?;
         Ok(())
@@ -375,15 +379,15 @@ impl CopyMember<'_> {
 
     fn broadcast_from(&mut self, buf: &mut CudaViewMut<'_, f32>, root: usize) -> Result<()> {
         let g = self.group;
-        let rank = self.rank;
+        let member = self.index;
         self.streams.enter()?;
         let ptr = buf.device_ptr_mut(&self.streams.comm).0;
         self.streams.comm.synchronize()?;
-        if rank == root {
-            *g.buffers[rank].lock() = Some(Peer { ptr, ctx: self.streams.ctx.clone() });
+        if member == root {
+            *g.buffers[member].lock() = Some(Peer { ptr, ctx: self.streams.ctx.clone() });
         }
         g.barrier.wait(&g.aborted)?;
-        if rank != root {
+        if member != root {
             let src = g.buffers[root].lock().clone().ok_or(Error::Aborted)?;
             self.enable_peer_access(root, &src);
             // SAFETY: the root published `len` f32 and keeps them until the barrier
@@ -414,8 +418,8 @@ impl DeviceAllReduce for CopyMember<'_> {
         self.group.is_aborted()
     }
 
-    fn rank_and_world(&self) -> (usize, usize) {
-        (self.rank, self.group.members())
+    fn index_and_members(&self) -> (usize, usize) {
+        (self.index, self.group.members())
     }
 }
 

@@ -12,14 +12,14 @@
 //!
 //! Two transports, one file each, chosen once per run by [`transport_for`]:
 //! - [`NcclGroup`] / [`NcclMember`] (nccl_group.rs): distinct GPUs and a loadable NCCL
-//!   2.18 or later, one communicator per rank in non-blocking mode;
+//!   2.18 or later, one communicator per member in non-blocking mode;
 //! - [`CopyGroup`] / [`CopyMember`] (copies.rs): device-to-device copies in the CPU
-//!   exchange's reduce-scatter / all-gather scheme, summed in rank order.
+//!   exchange's reduce-scatter / all-gather scheme, summed in member order.
 //!
 //! With a codec (`--grad-compression bf16|fp16`, [`GpuExchange::with_codec`]) the sum is
 //! the codec's instead, the CPU exchange's: each of the worker's k slots is encoded on the
 //! device into its 16-bit wire (kernels/codec.cu, which mirrors `exchange::codec` bit for
-//! bit), the transport all-gathers every rank's wires, so that every GPU holds all R
+//! bit), the transport all-gathers every member's wires, so that every GPU holds all R
 //! logical replicas' wires in replica order, and every GPU runs the same reduce kernel on
 //! those same bytes — each wire decoded, the R values added in f32 in the canonical tree
 //! over replica indices (`tree::tree_sum`'s), the sum encoded — then decodes the encoded
@@ -29,16 +29,16 @@
 //! gives: CUDA returns its canonical NaN), on any device count with R fixed. (The f32
 //! path's order is the device's pre-sum then the transport's. NCCL's own 16-bit sum,
 //! `ncclBfloat16`, would add in an order of its choosing and round every partial sum to 16
-//! bits, without fp16's block scales: not the codec.) What crosses: each rank receives the
-//! other ranks' wires, (R − k)·(2 bytes per gradient value + 4 per buffer value): against
-//! an NCCL ring all-reduce's 2·(w − 1)/w·4 bytes per value on w GPUs, half on two GPUs (2
-//! against 4 bytes per gradient value), equal on four, more past four, and k times that
-//! with k logical replicas a GPU, which the f32 path pre-sums on the device — a
-//! reduce-scatter of 16-bit codes that decodes before it adds is no NCCL collective.
+//! bits, without fp16's block scales: not the codec.) What crosses: each member receives
+//! the other members' wires, (R − k)·(2 bytes per gradient value + 4 per buffer value):
+//! against an NCCL ring all-reduce's 2·(w − 1)/w·4 bytes per value on w GPUs, half on two
+//! GPUs (2 against 4 bytes per gradient value), equal on four, more past four, and k
+//! times that with k logical replicas a GPU, which the f32 path pre-sums on the device —
+//! a reduce-scatter of 16-bit codes that decodes before it adds is no NCCL collective.
 //!
-//! Every rank must make the same calls, in the same order, as with NCCL or MPI. A group
+//! Every member must make the same calls, in the same order, as with NCCL or MPI. A group
 //! is shared by reference by the run's threads; [`Abort::abort`](super::Abort::abort) on it makes every
-//! pending and future call of every rank return [`Error::Aborted`].
+//! pending and future call of every member return [`Error::Aborted`].
 
 mod copies;
 mod nccl_group;
@@ -87,8 +87,8 @@ pub enum Transport {
     Copies,
 }
 
-/// NCCL when there is something to exchange (two ranks or more), no GPU is given twice
-/// (NCCL forbids two ranks on one device), and the library is usable; device copies
+/// NCCL when there is something to exchange (two members or more), no GPU is given twice
+/// (NCCL forbids two members on one device), and the library is usable; device copies
 /// otherwise.
 pub fn transport_for(ordinals: &[usize]) -> Transport {
     choose_transport(ordinals, nccl_group::nccl_usable)
@@ -122,12 +122,12 @@ impl GpuGroup {
         })
     }
 
-    /// Rank `rank`'s side of the group, ordered after `compute` (see the transports'
+    /// Member `member`'s side of the group, ordered after `compute` (see the transports'
     /// `join`).
-    pub fn join(&self, rank: usize, compute: &Arc<CudaStream>) -> Result<GpuMember<'_>> {
+    pub fn join(&self, member: usize, compute: &Arc<CudaStream>) -> Result<GpuMember<'_>> {
         Ok(match self {
-            GpuGroup::Nccl(g) => GpuMember::Nccl(g.join(rank, compute)?),
-            GpuGroup::Copies(g) => GpuMember::Copies(g.join(rank, compute)?),
+            GpuGroup::Nccl(g) => GpuMember::Nccl(g.join(member, compute)?),
+            GpuGroup::Copies(g) => GpuMember::Copies(g.join(member, compute)?),
         })
     }
 }
@@ -148,7 +148,7 @@ impl Abort for GpuGroup {
     }
 }
 
-/// One rank of a [`GpuGroup`].
+/// One member of a [`GpuGroup`].
 // One per device thread, held for the whole run: its size does not matter, and a box
 // would put an indirection on every collective call.
 #[allow(clippy::large_enum_variant)]
@@ -160,67 +160,68 @@ pub enum GpuMember<'g> {
 impl DeviceAllReduce for GpuMember<'_> {
     fn all_reduce_sum(&mut self, buf: &mut CudaViewMut<'_, f32>) -> Result<()> {
         match self {
-            GpuMember::Nccl(r) => r.all_reduce_sum(buf),
-            GpuMember::Copies(r) => r.all_reduce_sum(buf),
+            GpuMember::Nccl(m) => m.all_reduce_sum(buf),
+            GpuMember::Copies(m) => m.all_reduce_sum(buf),
         }
     }
 
     fn all_gather_bytes(&mut self, buf: &mut CudaViewMut<'_, u8>, part: usize) -> Result<()> {
         match self {
-            GpuMember::Nccl(r) => r.all_gather_bytes(buf, part),
-            GpuMember::Copies(r) => r.all_gather_bytes(buf, part),
+            GpuMember::Nccl(m) => m.all_gather_bytes(buf, part),
+            GpuMember::Copies(m) => m.all_gather_bytes(buf, part),
         }
     }
 
     fn compute_stream(&self) -> &Arc<CudaStream> {
         match self {
-            GpuMember::Nccl(r) => r.compute_stream(),
-            GpuMember::Copies(r) => r.compute_stream(),
+            GpuMember::Nccl(m) => m.compute_stream(),
+            GpuMember::Copies(m) => m.compute_stream(),
         }
     }
 
     fn is_aborted(&self) -> bool {
         match self {
-            GpuMember::Nccl(r) => r.is_aborted(),
-            GpuMember::Copies(r) => r.is_aborted(),
+            GpuMember::Nccl(m) => m.is_aborted(),
+            GpuMember::Copies(m) => m.is_aborted(),
         }
     }
 
-    fn rank_and_world(&self) -> (usize, usize) {
+    fn index_and_members(&self) -> (usize, usize) {
         match self {
-            GpuMember::Nccl(r) => r.rank_and_world(),
-            GpuMember::Copies(r) => r.rank_and_world(),
+            GpuMember::Nccl(m) => m.index_and_members(),
+            GpuMember::Copies(m) => m.index_and_members(),
         }
     }
 }
 
-/// What a GPU exchange needs of a transport's rank.
+/// What a GPU exchange needs of a transport's member.
 pub trait DeviceAllReduce {
     /// In place SUM all-reduce of `buf`, ordered after the work queued on the compute
-    /// stream, which waits for its end; every rank ends bitwise equal.
+    /// stream, which waits for its end; every member ends bitwise equal.
     fn all_reduce_sum(&mut self, buf: &mut CudaViewMut<'_, f32>) -> Result<()>;
 
-    /// Every rank's `part` bytes to every rank: `buf` holds world·part bytes, this rank's
-    /// part at rank·part (written by work queued on the compute stream); afterwards every
-    /// rank's `buf` holds every rank's part, bitwise (bytes are copied, never added).
-    /// Ordered after the compute stream's queued work, which waits for its end.
+    /// Every member's `part` bytes to every member: `buf` holds members·part bytes, this
+    /// member's part at member·part (written by work queued on the compute stream);
+    /// afterwards every member's `buf` holds every member's part, bitwise (bytes are
+    /// copied, never added). Ordered after the compute stream's queued work, which waits
+    /// for its end.
     fn all_gather_bytes(&mut self, buf: &mut CudaViewMut<'_, u8>, part: usize) -> Result<()>;
 
-    /// The replica's compute stream the rank was joined with.
+    /// The replica's compute stream the member was joined with.
     fn compute_stream(&self) -> &Arc<CudaStream>;
 
     /// True once the group was aborted.
     fn is_aborted(&self) -> bool;
 
-    /// This rank's index and the group's number of ranks.
-    fn rank_and_world(&self) -> (usize, usize);
+    /// This member's index and the group's number of members.
+    fn index_and_members(&self) -> (usize, usize);
 }
 
-/// One GPU worker's side of the gradient exchange: its slots, and a transport's rank.
+/// One GPU worker's side of the gradient exchange: its slots, and a transport's member.
 pub struct GpuExchange<C> {
-    /// Declared first, so dropped first: a departing rank finishes (or aborts) its last
-    /// collective before the slots it reads are freed.
-    rank: C,
+    /// Declared first, so dropped first: a departing member finishes (or aborts) its
+    /// last collective before the slots it reads are freed.
+    member: C,
     /// Launches of kernels/reduce.cu on the compute stream.
     gpu: Gpu,
     /// k slots of `stride` values: slot j is `j·stride .. j·stride + width`.
@@ -237,8 +238,8 @@ pub struct GpuExchange<C> {
 /// A GPU exchange's 16-bit wires (see the file's docs).
 struct Wires {
     geom: WireGeom,
-    /// Every logical replica's wire, in replica order: R = world·k wires of
-    /// `geom.bytes()`, this rank's k from rank·k on.
+    /// Every logical replica's wire, in replica order: R = members·k wires of
+    /// `geom.bytes()`, this member's k from member·k on.
     all: CudaSlice<u8>,
     /// The codec's sum of the R wires, encoded.
     reduced: CudaSlice<u8>,
@@ -247,19 +248,19 @@ struct Wires {
 }
 
 impl<C: DeviceAllReduce> GpuExchange<C> {
-    /// The exchange of a worker running `k` logical replicas over slots of the rank's
-    /// group length, allocated on the rank's compute stream.
-    pub fn new(rank: C, width: usize, k: usize) -> Result<GpuExchange<C>> {
+    /// The exchange of a worker running `k` logical replicas over slots of the member's
+    /// group length, allocated on the member's compute stream.
+    pub fn new(member: C, width: usize, k: usize) -> Result<GpuExchange<C>> {
         if k == 0 {
             return Err(Error::config("replicas", "a GPU worker runs at least one logical replica"));
         }
-        let stream = rank.compute_stream().clone();
+        let stream = member.compute_stream().clone();
         let stride = slot_stride(width);
         Ok(GpuExchange {
             slots: stream.alloc_zeros((k * stride).max(1))?,
             summed: if k > 1 { Some(stream.alloc_zeros(stride.max(1))?) } else { None },
             gpu: Gpu::on_stream(stream)?,
-            rank,
+            member,
             k,
             width,
             stride,
@@ -272,13 +273,13 @@ impl<C: DeviceAllReduce> GpuExchange<C> {
     pub fn with_codec(mut self, codec: Option<Codec>) -> Result<GpuExchange<C>> {
         let Some(codec) = codec else { return Ok(self) };
         let geom = WireGeom::new(&codec, self.width);
-        let (_, world) = self.rank.rank_and_world();
-        let stream = self.rank.compute_stream().clone();
+        let (_, members) = self.member.index_and_members();
+        let stream = self.member.compute_stream().clone();
         // The codec's reduce sums the device's slots with every other replica's: no f32
         // pre-sum.
         self.summed = None;
         self.wires = Some(Wires {
-            all: stream.alloc_zeros(world * self.k * geom.bytes())?,
+            all: stream.alloc_zeros(members * self.k * geom.bytes())?,
             reduced: stream.alloc_zeros(geom.bytes())?,
             decoded: stream.alloc_zeros(self.width.max(1))?,
             geom,
@@ -307,23 +308,23 @@ impl<C: DeviceAllReduce> Exchange for GpuExchange<C> {
 
     /// The device's slots in shard order (padding included: it holds zeros), then the
     /// transport's all-reduce of the first `width` values; with a codec, the wires'
-    /// all-gather and the codec's sum on every rank (the file's docs).
+    /// all-gather and the codec's sum on every member (the file's docs).
     fn sum(&mut self) -> Result<()> {
         if let Some(w) = &mut self.wires {
-            let (rank, world) = self.rank.rank_and_world();
+            let (index, members) = self.member.index_and_members();
             let part = self.k * w.geom.bytes();
-            let mut mine = w.all.slice_mut(rank * part..(rank + 1) * part);
+            let mut mine = w.all.slice_mut(index * part..(index + 1) * part);
             self.gpu.wire_encode(&self.slots, self.stride, self.k, &mut mine, &w.geom)?;
-            self.rank.all_gather_bytes(&mut w.all.slice_mut(..), part)?;
-            self.gpu.wire_reduce(&w.all.slice(..), world * self.k, &mut w.reduced.slice_mut(..), &w.geom)?;
+            self.member.all_gather_bytes(&mut w.all.slice_mut(..), part)?;
+            self.gpu.wire_reduce(&w.all.slice(..), members * self.k, &mut w.reduced.slice_mut(..), &w.geom)?;
             return self.gpu.wire_decode(&w.reduced.slice(..), &mut w.decoded.slice_mut(0..self.width), &w.geom);
         }
         match &mut self.summed {
-            None => self.rank.all_reduce_sum(&mut self.slots.slice_mut(0..self.width)),
+            None => self.member.all_reduce_sum(&mut self.slots.slice_mut(0..self.width)),
             Some(summed) => {
                 let all = self.slots.slice(0..self.k * self.stride);
                 self.gpu.reduce_sum(&all, &mut summed.slice_mut(0..self.stride), self.k, 1.0)?;
-                self.rank.all_reduce_sum(&mut summed.slice_mut(0..self.width))
+                self.member.all_reduce_sum(&mut summed.slice_mut(0..self.width))
             }
         }
     }
@@ -336,16 +337,16 @@ impl<C: DeviceAllReduce> Exchange for GpuExchange<C> {
         f(0, sum.slice(0..self.width))
     }
 
-    /// Chunk `rank` of the slot, cut as the device copies cut a buffer
+    /// This member's chunk of the slot, cut as the device copies cut a buffer
     /// (`chunk_ranges`): whole 256-byte granules.
     fn owned(&self) -> std::ops::Range<usize> {
-        let (rank, world) = self.rank.rank_and_world();
-        copies::chunk_ranges(self.width, world)[rank].clone()
+        let (index, members) = self.member.index_and_members();
+        copies::chunk_ranges(self.width, members)[index].clone()
     }
 
     /// The all-gather as an all-reduce of disjoint parts: the first slot (its sum was
     /// read by the update, queued before on the same stream) is filled with −0.0, this
-    /// rank's owned parameters are copied in, the transport sums, and the parameters are
+    /// member's owned parameters are copied in, the transport sums, and the parameters are
     /// copied back. −0.0 is the exact identity of IEEE addition (x + −0 = x for every x,
     /// +0 and −0 included), so in any order of the transport's sum every element is its
     /// owner's value, bitwise. Twice the bytes of an all-gather; one call every transport
@@ -354,13 +355,13 @@ impl<C: DeviceAllReduce> Exchange for GpuExchange<C> {
         let np = params.len();
         let owned = self.owned();
         let owned = owned.start.min(np)..owned.end.min(np);
-        let stream = self.rank.compute_stream().clone();
+        let stream = self.member.compute_stream().clone();
         let mut buf = self.slots.slice_mut(0..self.width);
         self.gpu.fill(&mut buf, -0.0)?;
         if !owned.is_empty() {
             stream.memcpy_dtod(&params.slice(owned.clone()), &mut buf.slice_mut(owned))?;
         }
-        self.rank.all_reduce_sum(&mut buf)?;
+        self.member.all_reduce_sum(&mut buf)?;
         if np > 0 {
             stream.memcpy_dtod(&buf.slice(0..np), &mut params.slice_mut(0..np))?;
         }
@@ -368,12 +369,12 @@ impl<C: DeviceAllReduce> Exchange for GpuExchange<C> {
     }
 
     fn is_aborted(&self) -> bool {
-        self.rank.is_aborted()
+        self.member.is_aborted()
     }
 }
 
 /// Spins, then yields, then sleeps briefly: waits of a few µs stay fast, long ones cost
-/// no core (several ranks may share few cores).
+/// no core (several members may share few cores).
 pub(crate) struct Backoff {
     spins: u32,
     start: Instant,
@@ -415,15 +416,15 @@ fn check_ordinals(ordinals: &[usize]) -> Result<()> {
     }
 }
 
-/// One rank's stream ordering, the same for every transport: each call runs on the
-/// rank's communication stream after the work queued on the replica's compute stream
+/// One member's stream ordering, the same for every transport: each call runs on the
+/// member's communication stream after the work queued on the replica's compute stream
 /// ([`Streams::enter`]), and the compute stream's later work runs after the call
 /// ([`Streams::leave`]).
 struct Streams {
     ctx: Arc<CudaContext>,
     /// The replica's compute stream.
     compute: Arc<CudaStream>,
-    /// This rank's communication stream.
+    /// This member's communication stream.
     comm: Arc<CudaStream>,
     /// Recorded on `compute`, waited on by `comm`.
     ready: CudaEvent,
@@ -458,30 +459,30 @@ impl Streams {
     }
 }
 
-/// Rank `rank` joins with a compute stream of its own GPU: the stream's context.
-fn check_join(ordinals: &[usize], rank: usize, compute: &Arc<CudaStream>) -> Result<Arc<CudaContext>> {
-    let world = ordinals.len();
-    if rank >= world {
-        return Err(Error::config("rank", format!("rank {rank} joined a group of {world}")));
+/// Member `member` joins with a compute stream of its own GPU: the stream's context.
+fn check_join(ordinals: &[usize], member: usize, compute: &Arc<CudaStream>) -> Result<Arc<CudaContext>> {
+    let members = ordinals.len();
+    if member >= members {
+        return Err(Error::config("member", format!("member {member} joined a group of {members}")));
     }
     let ctx = compute.context().clone();
-    if ctx.ordinal() != ordinals[rank] {
+    if ctx.ordinal() != ordinals[member] {
         return Err(Error::DeviceMismatch {
             op: "GPU group join",
-            lhs: format!("cuda:{} (rank {rank})", ordinals[rank]),
+            lhs: format!("cuda:{} (member {member})", ordinals[member]),
             rhs: format!("cuda:{} (its compute stream)", ctx.ordinal()),
         });
     }
     Ok(ctx)
 }
 
-/// A call's buffer holds the group's `len` values on the rank's own GPU.
+/// A call's buffer holds the group's `len` values on the member's own GPU.
 fn check_buffer<T>(
     op: &'static str,
     buf: &CudaViewMut<'_, T>,
     len: usize,
     ctx: &Arc<CudaContext>,
-    rank: usize,
+    member: usize,
 ) -> Result<()> {
     if buf.len() != len {
         return Err(Error::shape(op, format!("buffer of {} values for a group of {len}", buf.len())));
@@ -490,7 +491,7 @@ fn check_buffer<T>(
     if theirs.cu_ctx() != ctx.cu_ctx() {
         return Err(Error::DeviceMismatch {
             op,
-            lhs: format!("cuda:{} (rank {rank})", ctx.ordinal()),
+            lhs: format!("cuda:{} (member {member})", ctx.ordinal()),
             rhs: format!("cuda:{} (the buffer)", theirs.ordinal()),
         });
     }
@@ -504,27 +505,27 @@ mod tests {
 
     #[test]
     fn chunks_cover_the_buffer_in_order() {
-        for world in 1..=5 {
+        for members in 1..=5 {
             for len in [0, 1, 2, 3, 63, 64, 65, 127, 128, 1000, 4097, 100_003] {
-                let c = chunk_ranges(len, world);
-                assert_eq!(c.len(), world);
+                let c = chunk_ranges(len, members);
+                assert_eq!(c.len(), members);
                 let mut next = 0;
                 for r in &c {
-                    assert_eq!(r.start, next.min(len), "world {world} len {len}: {c:?}");
+                    assert_eq!(r.start, next.min(len), "members {members} len {len}: {c:?}");
                     assert!(r.start <= r.end);
                     next = r.end;
                 }
-                assert_eq!(next, len, "world {world} len {len}: {c:?}");
+                assert_eq!(next, len, "members {members} len {len}: {c:?}");
                 // Every chunk but the last non-empty one is a whole number of granules.
                 let last = c.iter().rposition(|r| !r.is_empty());
                 for (i, r) in c.iter().enumerate() {
                     if Some(i) != last && !r.is_empty() {
-                        assert_eq!(r.len() % CHUNK_GRANULE, 0, "world {world} len {len}: {c:?}");
+                        assert_eq!(r.len() % CHUNK_GRANULE, 0, "members {members} len {len}: {c:?}");
                     }
                 }
             }
         }
-        // Small buffers: rank 0 reduces everything, the others have nothing to do.
+        // Small buffers: member 0 reduces everything, the others have nothing to do.
         assert_eq!(chunk_ranges(3, 4), vec![0..3, 3..3, 3..3, 3..3]);
         assert_eq!(chunk_ranges(1000, 2), vec![0..512, 512..1000]);
     }

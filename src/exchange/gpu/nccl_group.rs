@@ -1,16 +1,16 @@
-//! The NCCL transport between GPUs: one communicator per rank, created on the rank's
+//! The NCCL transport between GPUs: one communicator per member, created on the member's
 //! thread in non-blocking mode (src/exchange/nccl.rs says why).
 //!
 //! Owns: [`NcclGroup`], made by the coordinator before the worker threads start and
 //! shared by reference, and [`NcclMember`], one worker's view, made by [`NcclGroup::join`]
-//! on that worker's thread. The handles live in the group, not in the ranks, so that
+//! on that worker's thread. The handles live in the group, not in the members, so that
 //! [`NcclGroup`]'s abort can call `ncclCommAbort` on every one of them from any thread:
 //! whoever takes a handle out of its slot frees it, so none is freed twice. The host
-//! never waits for the GPU here: a collective is enqueued on the rank's communication
+//! never waits for the GPU here: a collective is enqueued on the member's communication
 //! stream, ordered after the compute stream by an event, and the compute stream waits
 //! for its end by another.
 //!
-//! A rank that is dropped waits (bounded) for the other ranks to finish their last
+//! A member that is dropped waits (bounded) for the other members to finish their last
 //! operations before it frees its communicator, so a peer's kernel never reads freed
 //! memory.
 
@@ -28,10 +28,10 @@ use crate::cuda::probe::{nccl_status, NcclStatus};
 use crate::error::{Error, Result};
 use crate::exchange::Abort;
 
-/// How long a departing rank waits, first for its own last operations, then for the
-/// other ranks to depart too, before it gives up on them and aborts the group. Ranks that
-/// end a run together depart within a step of each other; one that is 10 s late is stuck
-/// or has failed.
+/// How long a departing member waits, first for its own last operations, then for the
+/// other members to depart too, before it gives up on them and aborts the group. Members
+/// that end a run together depart within a step of each other; one that is 10 s late is
+/// stuck or has failed.
 const DEPART_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The NCCL library loads and is recent enough for non-blocking communicators.
@@ -39,17 +39,17 @@ pub(super) fn nccl_usable() -> bool {
     nccl_status() == NcclStatus::Available && nccl::version().is_ok_and(|v| v >= nccl::MIN_VERSION)
 }
 
-/// The NCCL clique a group's ranks belong to: NCCL's rendezvous id, made once and shared
-/// by every rank, and where the group's ranks sit in it. A group of one process is the
+/// The NCCL clique a group's members belong to: NCCL's rendezvous id, made once and shared
+/// by every member, and where the group's members sit in it. A group of one process is the
 /// whole clique; in an MPI world each process's group is its GPUs' slice of one clique of
 /// every process's GPUs, the id made by process 0 and broadcast (`train::processes`).
 #[derive(Clone, Copy)]
 pub struct Clique {
     /// `ncclUniqueId`'s bytes.
     pub id: [u8; 128],
-    /// Ranks in the clique.
-    pub ranks: usize,
-    /// The clique rank of this group's rank 0.
+    /// Members of the clique (NCCL's ranks of the communicator).
+    pub members: usize,
+    /// The clique index (NCCL's rank) of this group's member 0.
     pub first: usize,
 }
 
@@ -65,51 +65,60 @@ pub fn new_clique_id() -> Result<[u8; 128]> {
 /// The NCCL communicators of one run's GPU workers; created by the coordinator before
 /// the worker threads start, shared by reference (Sync).
 pub struct NcclGroup {
-    /// `ordinals[r]`: the CUDA ordinal of rank r.
+    /// `ordinals[r]`: the CUDA ordinal of member r.
     ordinals: Vec<usize>,
-    /// The clique the ranks belong to (rank r is clique rank `first + r`).
-    ranks: usize,
+    /// The clique the members belong to: its size, and member r's index in it is
+    /// `first + r`.
+    clique_members: usize,
     first: usize,
     /// Number of f32 every call moves.
     len: usize,
-    /// NCCL's rendezvous id, made here once, used by every rank's `join`.
+    /// NCCL's rendezvous id, made here once, used by every member's `join`.
     id: cudarc::nccl::sys::ncclUniqueId,
-    /// Rank r's communicator. `None` before it joins, and once the handle was taken out to
-    /// be freed (by an abort, or by the rank when it departs).
+    /// Member r's communicator. `None` before it joins, and once the handle was taken out
+    /// to be freed (by an abort, or by the member when it departs).
     comms: Vec<Mutex<Option<RawComm>>>,
-    /// Ranks that have departed (dropped their `NcclMember`).
+    /// Members that have departed (dropped their `NcclMember`).
     departed: AtomicUsize,
     aborted: AtomicBool,
 }
 
 impl NcclGroup {
-    /// A group of `ordinals.len()` ranks, rank r on GPU `ordinals[r]` (distinct: NCCL
-    /// forbids two ranks on one GPU), each call moving `len` f32. Fails when NCCL cannot
+    /// A group of `ordinals.len()` members, member r on GPU `ordinals[r]` (distinct: NCCL
+    /// forbids two members on one GPU), each call moving `len` f32. Fails when NCCL cannot
     /// serve (missing, or older than 2.18), or a GPU is not there.
     pub fn new(ordinals: &[usize], len: usize) -> Result<NcclGroup> {
         let id = new_clique_id()?;
-        NcclGroup::in_clique(ordinals, len, Clique { id, ranks: ordinals.len(), first: 0 })
+        NcclGroup::in_clique(ordinals, len, Clique { id, members: ordinals.len(), first: 0 })
     }
 
-    /// [`NcclGroup::new`] for ranks `clique.first..clique.first + ordinals.len()` of
+    /// [`NcclGroup::new`] for members `clique.first..clique.first + ordinals.len()` of
     /// `clique`: the GPUs of one process of several.
     pub fn in_clique(ordinals: &[usize], len: usize, clique: Clique) -> Result<NcclGroup> {
         check_ordinals(ordinals)?;
         if let Some(o) = ordinals.iter().enumerate().find_map(|(i, o)| ordinals[..i].contains(o).then_some(o)) {
-            return Err(Error::config("GPU group", format!("NCCL forbids two ranks on one GPU, and cuda:{o} repeats")));
+            return Err(Error::config(
+                "GPU group",
+                format!("NCCL forbids two members (NCCL ranks) on one GPU, and cuda:{o} repeats"),
+            ));
         }
         if !nccl_usable() {
             return Err(Error::CudaUnavailable("NCCL 2.18 or later does not load".to_string()));
         }
-        if clique.first + ordinals.len() > clique.ranks {
+        if clique.first + ordinals.len() > clique.members {
             return Err(Error::config(
                 "NCCL clique",
-                format!("ranks {}..{} of a clique of {}", clique.first, clique.first + ordinals.len(), clique.ranks),
+                format!(
+                    "members {}..{} of a clique of {}",
+                    clique.first,
+                    clique.first + ordinals.len(),
+                    clique.members
+                ),
             ));
         }
         Ok(NcclGroup {
             ordinals: ordinals.to_vec(),
-            ranks: clique.ranks,
+            clique_members: clique.members,
             first: clique.first,
             len,
             id: cudarc::nccl::sys::ncclUniqueId { internal: clique.id.map(|b| b as _) },
@@ -121,31 +130,31 @@ impl NcclGroup {
 
     /// Number of members of the clique (every process's GPUs).
     pub fn members(&self) -> usize {
-        self.ranks
+        self.clique_members
     }
 
-    /// Number of this group's ranks (this process's GPUs).
+    /// Number of this group's members (this process's GPUs).
     fn local(&self) -> usize {
         self.ordinals.len()
     }
 
-    /// Called once by rank `rank`'s worker thread, on that thread, concurrently with every
-    /// other rank (NCCL's init completes only when all ranks have joined; the wait polls
-    /// and ends with [`Error::Aborted`] on an abort). `compute` is the rank's compute
-    /// stream, from its own context on `ordinals[rank]`. A rank that cannot join aborts
-    /// the group: the others could never complete a call without it.
-    pub fn join(&self, rank: usize, compute: &Arc<CudaStream>) -> Result<NcclMember<'_>> {
-        let ctx = super::check_join(&self.ordinals, rank, compute)?;
-        self.join_inner(rank, ctx, compute.clone()).map_err(|e| self.fail(e))
+    /// Called once by member `member`'s worker thread, on that thread, concurrently with
+    /// every other member (NCCL's init completes only when all members have joined; the
+    /// wait polls and ends with [`Error::Aborted`] on an abort). `compute` is the
+    /// member's compute stream, from its own context on `ordinals[member]`. A member that
+    /// cannot join aborts the group: the others could never complete a call without it.
+    pub fn join(&self, member: usize, compute: &Arc<CudaStream>) -> Result<NcclMember<'_>> {
+        let ctx = super::check_join(&self.ordinals, member, compute)?;
+        self.join_inner(member, ctx, compute.clone()).map_err(|e| self.fail(e))
     }
 
-    fn join_inner(&self, rank: usize, ctx: Arc<CudaContext>, compute: Arc<CudaStream>) -> Result<NcclMember<'_>> {
+    fn join_inner(&self, member: usize, ctx: Arc<CudaContext>, compute: Arc<CudaStream>) -> Result<NcclMember<'_>> {
         if self.is_aborted() {
             return Err(Error::Aborted);
         }
         let streams = Streams::new(ctx, compute)?;
-        self.init_comm(rank)?;
-        Ok(NcclMember { group: self, rank, streams, _not_send: std::marker::PhantomData })
+        self.init_comm(member)?;
+        Ok(NcclMember { group: self, index: member, streams, _not_send: std::marker::PhantomData })
     }
 
     /// The error a failed call returns, after aborting the group: [`Error::Aborted`] when
@@ -160,12 +169,12 @@ impl NcclGroup {
         }
     }
 
-    /// Creates rank `rank`'s communicator, publishes it in its slot (where `abort` can
-    /// reach it), and polls until every rank has joined.
-    fn init_comm(&self, rank: usize) -> Result<()> {
-        let (comm, state) = RawComm::init(self.members(), self.first + rank, self.id)?;
+    /// Creates member `member`'s communicator, publishes it in its slot (where `abort` can
+    /// reach it), and polls until every member has joined.
+    fn init_comm(&self, member: usize) -> Result<()> {
+        let (comm, state) = RawComm::init(self.members(), self.first + member, self.id)?;
         {
-            let mut slot = self.comms[rank].lock();
+            let mut slot = self.comms[member].lock();
             // Checked under the lock: an abort that raised the flag before we got here
             // has already swept this slot, so the handle would never be freed.
             if self.is_aborted() {
@@ -175,46 +184,46 @@ impl NcclGroup {
             }
             *slot = Some(comm);
         }
-        self.settle(rank, state)
+        self.settle(member, state)
     }
 
-    /// Runs `op` on rank `rank`'s communicator under its lock, then polls until the
+    /// Runs `op` on member `member`'s communicator under its lock, then polls until the
     /// operation is enqueued.
-    fn call(&self, rank: usize, op: impl FnOnce(&RawComm) -> Result<State>) -> Result<()> {
+    fn call(&self, member: usize, op: impl FnOnce(&RawComm) -> Result<State>) -> Result<()> {
         let state = {
-            let slot = self.comms[rank].lock();
+            let slot = self.comms[member].lock();
             let comm = slot.as_ref().ok_or(Error::Aborted)?;
             op(comm)?
         };
-        self.settle(rank, state)
+        self.settle(member, state)
     }
 
-    /// Polls rank `rank`'s communicator until its last call is done, the lock released
+    /// Polls member `member`'s communicator until its last call is done, the lock released
     /// between polls so that `abort` can get in.
-    fn settle(&self, rank: usize, mut state: State) -> Result<()> {
+    fn settle(&self, member: usize, mut state: State) -> Result<()> {
         let mut backoff = Backoff::new();
         while state == State::Pending {
             if self.is_aborted() {
                 return Err(Error::Aborted);
             }
             backoff.snooze();
-            let slot = self.comms[rank].lock();
+            let slot = self.comms[member].lock();
             state = slot.as_ref().ok_or(Error::Aborted)?.state()?;
         }
         Ok(())
     }
 
-    /// Rank `rank` leaves for good (its `NcclMember` is dropped): once its own operations
-    /// have run and every rank has departed, no kernel of any rank still reads its
-    /// buffers, and it frees its communicator alone. A rank that waits longer than
-    /// [`DEPART_TIMEOUT`] for either aborts the group instead, releasing whoever waits for
-    /// it; that also frees its communicator.
-    fn depart(&self, rank: usize, comm: &CudaStream, done: &CudaEvent) {
+    /// Member `member` leaves for good (its `NcclMember` is dropped): once its own
+    /// operations have run and every member has departed, no kernel of any member still
+    /// reads its buffers, and it frees its communicator alone. A member that waits longer
+    /// than [`DEPART_TIMEOUT`] for either aborts the group instead, releasing whoever
+    /// waits for it; that also frees its communicator.
+    fn depart(&self, member: usize, comm: &CudaStream, done: &CudaEvent) {
         let drained = done.record(comm).is_ok() && self.poll_until(|| done.try_is_complete().unwrap_or(true));
         self.departed.fetch_add(1, Ordering::SeqCst);
         let all_departed = drained && self.poll_until(|| self.departed.load(Ordering::SeqCst) == self.local());
         if all_departed {
-            if let Some(c) = self.comms[rank].lock().take() {
+            if let Some(c) = self.comms[member].lock().take() {
                 c.abort();
             }
         } else {
@@ -266,42 +275,45 @@ impl Drop for NcclGroup {
     }
 }
 
-/// One rank's view of an [`NcclGroup`]; lives on its worker thread (not Send: an NCCL
+/// One member's view of an [`NcclGroup`]; lives on its worker thread (not Send: an NCCL
 /// communicator is used from the one thread that created it).
 pub struct NcclMember<'g> {
     group: &'g NcclGroup,
-    rank: usize,
-    /// The rank's streams: calls start after the compute stream's queued work, and its
+    index: usize,
+    /// The member's streams: calls start after the compute stream's queued work, and its
     /// later work starts after them.
     streams: Streams,
     _not_send: std::marker::PhantomData<*const ()>,
 }
 
 impl NcclMember<'_> {
-    /// This rank's index.
-    pub fn rank(&self) -> usize {
-        self.rank
+    /// This member's index in its group.
+    pub fn index(&self) -> usize {
+        self.index
     }
 
-    /// In place SUM all-reduce of `buf` (this rank's GPU, the group's `len` values):
+    /// In place SUM all-reduce of `buf` (this member's GPU, the group's `len` values):
     /// ordered after all work already queued on the compute stream, and the compute
     /// stream waits for its end before any later work; the host does not wait. Every
-    /// rank ends with bitwise the same values. Returns at once on one rank.
+    /// member ends with bitwise the same values. Returns at once on one member.
     pub fn all_reduce_sum(&mut self, buf: &mut impl DevOut) -> Result<()> {
         self.op(&mut buf.view_mut(), None)
     }
 
-    /// Copies `root`'s `buf` into every rank's `buf` (same ordering rules as
+    /// Copies `root`'s `buf` into every member's `buf` (same ordering rules as
     /// [`NcclMember::all_reduce_sum`]).
     pub fn broadcast(&mut self, buf: &mut impl DevOut, root: usize) -> Result<()> {
         if root >= self.group.members() {
-            return Err(Error::config("broadcast root", format!("rank {root} of a group of {}", self.group.members())));
+            return Err(Error::config(
+                "broadcast root",
+                format!("member {root} of a group of {}", self.group.members()),
+            ));
         }
         self.op(&mut buf.view_mut(), Some(root))
     }
 
     fn op(&mut self, buf: &mut CudaViewMut<'_, f32>, root: Option<usize>) -> Result<()> {
-        check_buffer("NcclMember", buf, self.group.len, &self.streams.ctx, self.rank)?;
+        check_buffer("NcclMember", buf, self.group.len, &self.streams.ctx, self.index)?;
         if self.group.members() == 1 || self.group.len == 0 {
             return Ok(());
         }
@@ -313,14 +325,15 @@ impl NcclMember<'_> {
 
     fn enqueue(&mut self, buf: &mut CudaViewMut<'_, f32>, root: Option<usize>) -> Result<()> {
         let g = self.group;
-        let (rank, len) = (self.rank, g.len);
+        let (member, len) = (self.index, g.len);
         self.streams.enter()?;
         let (ptr, written) = buf.device_ptr_mut(&self.streams.comm);
         let stream = self.streams.comm.cu_stream();
-        g.call(rank, |c| match root {
-            // SAFETY: `buf` holds `len` f32 on this rank's device (checked), stays borrowed
-            // until this call returns, and every later use of it is ordered after the
-            // collective (the `done` event); `stream` belongs to this rank's context.
+        g.call(member, |c| match root {
+            // SAFETY: `buf` holds `len` f32 on this member's device (checked), stays
+            // borrowed until this call returns, and every later use of it is ordered
+            // after the collective (the `done` event); `stream` belongs to this member's
+            // context.
             None => unsafe { c.all_reduce_sum_f32(ptr, len, stream) },
             Some(root) => unsafe { c.broadcast_f32(ptr, len, root, stream) },
         })?;
@@ -331,13 +344,13 @@ impl NcclMember<'_> {
 }
 
 impl NcclMember<'_> {
-    /// Every rank's `part` bytes to every rank (`ncclAllGather`, in place): `buf` holds
-    /// world·part bytes on this rank's GPU, this rank's part at rank·part. Ordered as
-    /// [`NcclMember::all_reduce_sum`]; returns at once on one rank.
+    /// Every member's `part` bytes to every member (`ncclAllGather`, in place): `buf` holds
+    /// members·part bytes on this member's GPU, this member's part at member·part.
+    /// Ordered as [`NcclMember::all_reduce_sum`]; returns at once on one member.
     pub fn all_gather_bytes(&mut self, buf: &mut CudaViewMut<'_, u8>, part: usize) -> Result<()> {
-        let world = self.group.members();
-        check_buffer("NcclMember::all_gather_bytes", buf, world * part, &self.streams.ctx, self.rank)?;
-        if world == 1 || part == 0 {
+        let members = self.group.members();
+        check_buffer("NcclMember::all_gather_bytes", buf, members * part, &self.streams.ctx, self.index)?;
+        if members == 1 || part == 0 {
             return Ok(());
         }
         if self.group.is_aborted() {
@@ -347,14 +360,14 @@ impl NcclMember<'_> {
     }
 
     fn enqueue_gather(&mut self, buf: &mut CudaViewMut<'_, u8>, part: usize) -> Result<()> {
-        let rank = self.rank;
+        let member = self.index;
         self.streams.enter()?;
         let (ptr, written) = buf.device_ptr_mut(&self.streams.comm);
         let stream = self.streams.comm.cu_stream();
-        // SAFETY: `buf` holds world·part bytes on this rank's device (checked), stays
+        // SAFETY: `buf` holds members·part bytes on this member's device (checked), stays
         // borrowed until this call returns, and every later use of it is ordered after the
-        // collective (the `done` event); `stream` belongs to this rank's context.
-        self.group.call(rank, |c| unsafe { c.all_gather_u8(ptr, rank, part, stream) })?;
+        // collective (the `done` event); `stream` belongs to this member's context.
+        self.group.call(member, |c| unsafe { c.all_gather_u8(ptr, member, part, stream) })?;
         drop(written);
         self.streams.leave()?;
         Ok(())
@@ -378,13 +391,13 @@ impl DeviceAllReduce for NcclMember<'_> {
         self.group.is_aborted()
     }
 
-    fn rank_and_world(&self) -> (usize, usize) {
-        (self.rank, self.group.members())
+    fn index_and_members(&self) -> (usize, usize) {
+        (self.index, self.group.members())
     }
 }
 
 impl Drop for NcclMember<'_> {
     fn drop(&mut self) {
-        self.group.depart(self.rank, &self.streams.comm, &self.streams.done);
+        self.group.depart(self.index, &self.streams.comm, &self.streams.done);
     }
 }

@@ -1,0 +1,697 @@
+//! The residual block, `y = act(body(x) + shortcut(x))` (He et al. 2016): a container of
+//! two branches, each a [`Sequential`], the shortcut the identity when it has no layers,
+//! and an optional ReLU after the add. Its forward and backward side by side, its output
+//! shape (both branches must agree), its memory, its spec entry (`residual`), its spec
+//! form and, at the end of the file, its GPU form (`residual_add_fwd_f32` of
+//! kernels/elementwise.cu, and its branches' own GPU forms).
+//!
+//! Owns the block's arithmetic and how its branches see the model: the block's tensors
+//! are the body's, then the shortcut's, each branch laid out inside the block's slice of
+//! the flat buffers exactly as the outer [`Sequential`] lays any layer's tensors (every
+//! tensor on a multiple of `TENSOR_ALIGN`, so a branch's own layout is the block's at an
+//! offset; a test holds the two to each other). Names are the branches' layer names, the
+//! shortcut's layers named `shortcut.<kind><n>` unless given names (`short.0`, as a
+//! PyTorch module's `state_dict` names them). What each inner layer computes is its own.
+//!
+//! # The order of everything, on every backend
+//! - forward: the body, then the shortcut, then the add (`body + shortcut`) and the ReLU;
+//! - backward: the ReLU's mask, then the shortcut's backward, then the body's (the
+//!   reverse of the forward, which synchronized BatchNorm's exchanges follow:
+//!   `Layer::synchronized_channels` lists them in forward order), then
+//!   `dx = dbody + dshortcut` (one addition a value: its order cannot differ).
+//!
+//! Inner layers' indices (dropout's masks derive from them) are derived from the block's
+//! and the branch's (`nn::Place::Branch`: 0 the body, 1 the shortcut).
+
+use std::ops::Range;
+
+use cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
+use serde_json::{json, Value};
+
+use super::gpu::{Backward, Forward, GpuLayer, Node};
+use super::sequential::batched;
+use super::spec_entry::{layers_to_spec, Activation, Build, LayerType};
+use super::{
+    Ctx, InputGrad, Layer, LayerMemory, LayerShapes, NamedLayer, ParamSpec, Params, ParamsMut, Place, Sequential, F32,
+};
+use crate::cuda::Gpu;
+use crate::error::{Error, Result};
+use crate::tensor::{Shape, Tensor};
+
+/// The branch index of the body and of the shortcut, for [`Place::Branch`].
+const BODY: u64 = 0;
+const SHORTCUT: u64 = 1;
+
+/// `y = act(body(x) + shortcut(x))`.
+pub struct Residual {
+    body: Sequential,
+    /// None: the identity.
+    shortcut: Option<Sequential>,
+    activation: Activation,
+    /// y of the last training forward, when a ReLU follows the add (its backward's mask).
+    y: Option<Tensor>,
+}
+
+impl Clone for Residual {
+    fn clone(&self) -> Self {
+        Residual { body: self.body.clone(), shortcut: self.shortcut.clone(), activation: self.activation, y: None }
+    }
+}
+
+impl std::fmt::Debug for Residual {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Residual")
+            .field("body", &self.body)
+            .field("shortcut", &self.shortcut)
+            .field("activation", &self.activation)
+            .finish()
+    }
+}
+
+/// The prefix of a shortcut's layers named by kind.
+const SHORTCUT_PREFIX: &str = "shortcut.";
+
+impl Residual {
+    /// The block over inputs of per-sample shape `input`: `body`'s layers, `shortcut`'s
+    /// (none: the identity), each with a name of the caller's or None (named by kind; a
+    /// shortcut's as `shortcut.conv0`), then `activation`. The branches' output shapes
+    /// must agree, and a shortcut of layers needs images (C, H, W) in.
+    pub fn new(
+        input: impl Into<Shape>,
+        body: Vec<NamedLayer>,
+        shortcut: Vec<NamedLayer>,
+        activation: Activation,
+    ) -> Result<Residual> {
+        let input = input.into();
+        if body.is_empty() {
+            return Err(Error::config("residual", "the body needs at least one layer"));
+        }
+        let body = Sequential::named(input.clone(), body)?;
+        let shortcut = if shortcut.is_empty() {
+            None
+        } else {
+            if input.dims().len() != 3 {
+                return Err(Error::config(
+                    "residual",
+                    format!("a shortcut of layers needs images (C, H, W) in, got samples of shape {input}"),
+                ));
+            }
+            let kinds: Vec<_> = shortcut.iter().map(|(n, l)| (n.clone(), l.kind())).collect();
+            let auto = super::auto_names(kinds.iter().map(|(n, k)| (n.as_deref(), *k)));
+            let named = shortcut
+                .into_iter()
+                .zip(auto)
+                .map(|((given, l), auto)| (Some(given.unwrap_or_else(|| format!("{SHORTCUT_PREFIX}{auto}"))), l))
+                .collect();
+            Some(Sequential::named(input.clone(), named)?)
+        };
+        let skip = shortcut.as_ref().map_or(&input, |s| s.output_shape());
+        if body.output_shape() != skip {
+            return Err(Error::config(
+                "residual",
+                format!(
+                    "the body's output {} differs from the {}'s {skip}: they are added",
+                    body.output_shape(),
+                    if shortcut.is_some() { "shortcut" } else { "identity shortcut, the input" }
+                ),
+            ));
+        }
+        let block = Residual { body, shortcut, activation, y: None };
+        let mut seen = std::collections::HashSet::new();
+        if let Some(t) = block
+            .branches()
+            .flat_map(|(_, s)| s.param_infos().iter().chain(s.buffer_infos()))
+            .find(|t| !seen.insert(t.name.clone()))
+        {
+            return Err(Error::config("residual", format!("two tensors of the block are named {}", t.name)));
+        }
+        Ok(block)
+    }
+
+    /// The spec entry: `{"type": "residual", "layers": [...], "shortcut": [...],
+    /// "activation": "relu"}`, its branches' input the running shape.
+    pub const SPEC: LayerType = LayerType {
+        name: "residual",
+        fields: "`layers` (the body), `shortcut` (none: the identity), `activation` (\"linear\")",
+        example: (
+            &[2, 6, 6],
+            r#"{"type": "residual", "layers": [{"type": "conv2d", "filters": 3, "kernel_size": 3, "strides": 2, "padding": 1, "use_bias": false}, {"type": "batch_normalization"}, {"type": "relu"}, {"type": "conv2d", "filters": 3, "kernel_size": 3, "padding": "same"}], "shortcut": [{"type": "conv2d", "filters": 3, "kernel_size": 1, "strides": 2}], "activation": "relu"}"#,
+        ),
+        parse: |f| {
+            let body = f.layers("layers", true)?;
+            let shortcut = f.layers("shortcut", false)?;
+            let activation = f.activation()?;
+            if body.is_empty() {
+                return Err("field 'layers' is empty: the body needs at least one layer".into());
+            }
+            Ok(Build::layer(move |input| {
+                // Each branch built against the running shape, its problems named by its
+                // place in the block (`layers[1] (conv2d): ...`).
+                let branch = |objects: &[super::spec_entry::LayerObject], what: &str| {
+                    let mut shape = input.clone();
+                    let mut out = Vec::new();
+                    for (j, o) in objects.iter().enumerate() {
+                        let at = |e: String| format!("{what}[{j}] ({}): {e}", o.type_name());
+                        for (name, layer) in o.build(&shape).map_err(at)? {
+                            shape = layer.output_shape(&shape).map_err(|e| at(e.to_string()))?;
+                            out.push((name, layer));
+                        }
+                    }
+                    Ok::<_, String>((out, shape))
+                };
+                let (body, body_out) = branch(&body, "layers")?;
+                let (shortcut, skip_out) = branch(&shortcut, "shortcut")?;
+                if !shortcut.is_empty() && input.dims().len() != 4 {
+                    return Err(format!(
+                        "a shortcut of layers needs images (C, H, W) in, got samples of shape {}",
+                        Shape::new(&input.dims()[1..])
+                    ));
+                }
+                if body_out != skip_out {
+                    let per = |s: &Shape| Shape::new(&s.dims()[1..]);
+                    return Err(format!(
+                        "the body's output {} differs from the {} {}: they are added",
+                        per(&body_out),
+                        if shortcut.is_empty() { "input (the identity shortcut)" } else { "shortcut's output" },
+                        per(&skip_out)
+                    ));
+                }
+                let per_sample = Shape::new(&input.dims()[1..]);
+                Residual::new(per_sample, body, shortcut, activation).map_err(|e| e.to_string())
+            }))
+        },
+    };
+
+    /// The body.
+    pub fn body(&self) -> &Sequential {
+        &self.body
+    }
+
+    /// The shortcut's layers; None: the identity.
+    pub fn shortcut(&self) -> Option<&Sequential> {
+        self.shortcut.as_ref()
+    }
+
+    /// (branch index, branch) of the body, then of the shortcut when it has layers.
+    fn branches(&self) -> impl Iterator<Item = (u64, &Sequential)> {
+        std::iter::once((BODY, &self.body)).chain(self.shortcut.iter().map(|s| (SHORTCUT, s)))
+    }
+
+    /// The block's slice of a flat buffer cut at `at` (the body's length): the body's
+    /// part and the shortcut's.
+    fn split(flat: &[f32], at: usize) -> (&[f32], &[f32]) {
+        flat.split_at(at.min(flat.len()))
+    }
+
+    fn split_mut(flat: &mut [f32], at: usize) -> (&mut [f32], &mut [f32]) {
+        let at = at.min(flat.len());
+        flat.split_at_mut(at)
+    }
+}
+
+/// `a += b`, elementwise: the add of the block's forward (body + shortcut) and of its
+/// backward's fan-in (dbody + dshortcut); `residual_add_fwd_f32` computes the same.
+pub fn add_in_place(a: &mut [f32], b: &[f32]) {
+    for (x, &y) in a.iter_mut().zip(b) {
+        *x += y;
+    }
+}
+
+fn add_into(a: &mut Tensor, b: &Tensor) {
+    add_in_place(a.host_mut(), b.host());
+}
+
+impl Layer for Residual {
+    fn kind(&self) -> &'static str {
+        "residual"
+    }
+
+    fn output_shape(&self, input: &Shape) -> Result<Shape> {
+        let per_sample = Shape::new(&input.dims()[1..]);
+        if &per_sample != self.body.input_shape() {
+            return Err(Error::shape(
+                "Residual",
+                format!("built for samples of {}, got {input}", self.body.input_shape()),
+            ));
+        }
+        Ok(batched(input.dims()[0], self.body.output_shape()))
+    }
+
+    /// The body's tensors, then the shortcut's, named as their branches name them.
+    fn params(&self) -> Vec<ParamSpec> {
+        let infos = self.branches().flat_map(|(_, s)| s.param_infos().to_vec());
+        infos.map(|t| ParamSpec { name: t.name.into(), shape: t.shape, init: t.init }).collect()
+    }
+
+    fn buffers(&self) -> Vec<ParamSpec> {
+        let infos = self.branches().flat_map(|(_, s)| s.buffer_infos().to_vec());
+        infos.map(|t| ParamSpec { name: t.name.into(), shape: t.shape, init: t.init }).collect()
+    }
+
+    // x: (N, *input) → y: (N, *output), y = act(body(x) + shortcut(x))
+    fn forward(&mut self, x: Tensor, params: Params<'_>, mut buffers: ParamsMut<'_>, ctx: &Ctx) -> Result<Tensor> {
+        let (p_body, p_short) = Residual::split(params.flat(), self.body.params_len());
+        let (b_body, b_short) = Residual::split_mut(buffers.flat_mut(), self.body.buffers_len());
+        let mut y = self.body.forward_at(x.clone(), p_body, b_body, ctx, Place::Branch(BODY))?;
+        match &mut self.shortcut {
+            Some(s) => add_into(&mut y, &s.forward_at(x, p_short, b_short, ctx, Place::Branch(SHORTCUT))?),
+            None => add_into(&mut y, &x),
+        }
+        if self.activation == Activation::Relu {
+            for v in y.host_mut() {
+                *v = if *v > 0.0 { *v } else { 0.0 };
+            }
+            if ctx.mode == super::Mode::Train {
+                self.y = Some(y.clone());
+            }
+        }
+        Ok(y)
+    }
+
+    // dout: (N, *output) → dx: (N, *input) = dbody + dshortcut
+    fn backward(
+        &mut self,
+        mut dout: Tensor,
+        params: Params<'_>,
+        mut dparams: ParamsMut<'_>,
+        input_grad: InputGrad,
+        ctx: &Ctx,
+    ) -> Result<Option<Tensor>> {
+        if self.activation == Activation::Relu {
+            let y = self
+                .y
+                .take()
+                .ok_or_else(|| Error::config("Residual backward", "no training forward to differentiate"))?;
+            if y.shape() != dout.shape() {
+                return Err(Error::shape(
+                    "Residual backward",
+                    format!("dout {} for output {}", dout.shape(), y.shape()),
+                ));
+            }
+            // The subgradient at 0 is 0, as PyTorch's ReLU.
+            for (d, &v) in dout.host_mut().iter_mut().zip(y.host()) {
+                if v <= 0.0 {
+                    *d = 0.0;
+                }
+            }
+        }
+        let (p_body, p_short) = Residual::split(params.flat(), self.body.params_len());
+        let (g_body, g_short) = Residual::split_mut(dparams.flat_mut(), self.body.params_len());
+        let d_short = match &mut self.shortcut {
+            Some(s) => s.backward_at(dout.clone(), p_short, g_short, ctx, Place::Branch(SHORTCUT), input_grad)?,
+            None => (input_grad == InputGrad::Needed).then(|| dout.clone()),
+        };
+        let d_body = self.body.backward_at(dout, p_body, g_body, ctx, Place::Branch(BODY), input_grad)?;
+        Ok(match (d_body, d_short) {
+            (Some(mut dx), Some(ds)) => {
+                add_into(&mut dx, &ds);
+                Some(dx)
+            }
+            _ => None,
+        })
+    }
+
+    fn boxed_clone(&self) -> Box<dyn Layer> {
+        Box::new(self.clone())
+    }
+
+    fn describe(&self) -> String {
+        let body: Vec<String> = self.body.layers().iter().map(|l| l.describe()).collect();
+        let short = match &self.shortcut {
+            Some(s) => s.layers().iter().map(|l| l.describe()).collect::<Vec<_>>().join(", "),
+            None => "identity".into(),
+        };
+        let act = if self.activation == Activation::Relu { ", relu" } else { "" };
+        format!("Residual([{}] + [{short}]{act})", body.join(", "))
+    }
+
+    fn spec(&self) -> Option<Value> {
+        let body = layers_to_spec(self.body.layers(), self.body.layer_names(), "").ok()?;
+        let mut v = json!({"type": "residual", "layers": body, "activation": self.activation.name()});
+        if let Some(s) = &self.shortcut {
+            v["shortcut"] = Value::Array(layers_to_spec(s.layers(), s.layer_names(), SHORTCUT_PREFIX).ok()?);
+        }
+        Some(v)
+    }
+
+    /// Its branches' layers' own accounts, and the block's: the input a shortcut reads
+    /// after the body has run, the branches' outputs meeting in the add, and the ReLU's
+    /// output for its mask.
+    fn memory(&self, shapes: &LayerShapes) -> Option<LayerMemory> {
+        let mut m = LayerMemory::NONE;
+        for (_, s) in self.branches() {
+            for (l, sh) in s.layers().iter().zip(s.layer_shapes()) {
+                let inner = l.memory(sh)?;
+                m.kept_per_sample = m.kept_per_sample.saturating_add(inner.kept_per_sample);
+                m.per_group = m.per_group.saturating_add(inner.per_group);
+            }
+        }
+        let (i, o) = (shapes.input.numel() as u64, shapes.output.numel() as u64);
+        let relu = if self.activation == Activation::Relu { o } else { 0 };
+        m.kept_per_sample =
+            m.kept_per_sample.saturating_add(i.saturating_add(o).saturating_add(relu).saturating_mul(F32));
+        Some(m)
+    }
+
+    /// The block with every BatchNorm of its branches synchronized; None when it has none.
+    fn synchronized(&self) -> Option<Box<dyn Layer>> {
+        let any = self.branches().any(|(_, s)| s.layers().iter().any(|l| l.synchronized().is_some()));
+        if !any {
+            return None;
+        }
+        let convert = |s: &Sequential| {
+            let layers = s.layers().iter().zip(s.layer_names());
+            layers.map(|(l, n)| (Some(n.clone()), l.synchronized().unwrap_or_else(|| l.boxed_clone()))).collect()
+        };
+        let shortcut = self.shortcut.as_ref().map_or_else(Vec::new, convert);
+        Residual::new(self.body.input_shape().clone(), convert(&self.body), shortcut, self.activation)
+            .ok()
+            .map(|b| Box::new(b) as Box<dyn Layer>)
+    }
+
+    fn synchronized_channels(&self) -> Vec<usize> {
+        self.branches().flat_map(|(_, s)| s.layers().iter().flat_map(|l| l.synchronized_channels())).collect()
+    }
+
+    fn gpu(&self) -> Option<Box<dyn GpuLayer>> {
+        let branch = |s: &Sequential| -> Option<Vec<Child>> {
+            let mut children = Vec::new();
+            for (j, ((layer, name), shapes)) in s.layers().iter().zip(s.layer_names()).zip(s.layer_shapes()).enumerate()
+            {
+                children.push(Child {
+                    name: name.clone(),
+                    position: j,
+                    shapes: shapes.clone(),
+                    params: layer.params().len(),
+                    buffers: layer.buffers().len(),
+                    op: layer.gpu()?,
+                    node: None,
+                });
+            }
+            Some(children)
+        };
+        let shortcut = match &self.shortcut {
+            Some(s) => Some(branch(s)?),
+            None => None,
+        };
+        Some(Box::new(ResidualGpu {
+            body: branch(&self.body)?,
+            shortcut,
+            relu: self.activation == Activation::Relu,
+            bufs: None,
+        }))
+    }
+}
+
+// ---- on a GPU: kernels/elementwise.cu's residual_add, the branches' own forms ---------
+
+/// One layer of a branch as the block's GPU form runs it.
+struct Child {
+    name: String,
+    /// Its position in its branch.
+    position: usize,
+    shapes: LayerShapes,
+    /// How many of the block's parameter and buffer tensors are its.
+    params: usize,
+    buffers: usize,
+    op: Box<dyn GpuLayer>,
+    /// Its place in the network, made from the block's at the first reserve.
+    node: Option<Node>,
+}
+
+/// The block's device buffers at one batch size.
+struct Buffers {
+    n: usize,
+    /// Each body layer's output, then each shortcut layer's: (n, *its output).
+    body: Vec<CudaSlice<f32>>,
+    short: Vec<CudaSlice<f32>>,
+    /// body + shortcut before the ReLU: (n, *output) (unused without one).
+    sum: CudaSlice<f32>,
+    /// The gradient after the ReLU's mask: (n, *output).
+    d: CudaSlice<f32>,
+    /// Two gradient buffers a branch's backward alternates between (its widest layer).
+    grads: [CudaSlice<f32>; 2],
+    /// The body's and the shortcut's input gradients: (n, *input).
+    dbody: CudaSlice<f32>,
+    dshort: CudaSlice<f32>,
+}
+
+/// The residual block on a GPU: the branches' layers through their own GPU forms, the add
+/// (and the backward's fan-in) with `residual_add_fwd`, the ReLU with `relu_fwd`/`relu_bwd`
+/// on the pre-activation sum.
+struct ResidualGpu {
+    body: Vec<Child>,
+    shortcut: Option<Vec<Child>>,
+    relu: bool,
+    bufs: Option<Buffers>,
+}
+
+/// The nodes of a branch's layers, inside the block of node `block`: their ranges the
+/// block's, cut in order (the body's first, from `param_at`/`buffer_at` on).
+fn place_children(children: &mut [Child], block: &Node, branch: u64, at: &mut (usize, usize)) {
+    for c in children {
+        let params: Vec<Range<usize>> = block.params[at.0..at.0 + c.params].to_vec();
+        let buffers: Vec<Range<usize>> = block.buffers[at.1..at.1 + c.buffers].to_vec();
+        *at = (at.0 + c.params, at.1 + c.buffers);
+        c.node = Some(Node {
+            name: format!("{}.{}", block.name, c.name),
+            index: Place::Branch(branch).index(block.index, c.position),
+            input: c.shapes.input.clone(),
+            output: c.shapes.output.clone(),
+            params,
+            buffers,
+        });
+    }
+}
+
+impl ResidualGpu {
+    fn children(&self) -> impl Iterator<Item = &Child> {
+        self.body.iter().chain(self.shortcut.iter().flatten())
+    }
+
+    fn place(&mut self, node: &Node) {
+        if self.body.first().is_some_and(|c| c.node.is_some()) {
+            return;
+        }
+        let mut at = (0, 0);
+        place_children(&mut self.body, node, BODY, &mut at);
+        if let Some(s) = &mut self.shortcut {
+            place_children(s, node, SHORTCUT, &mut at);
+        }
+    }
+}
+
+fn alloc(gpu: &Gpu, len: usize) -> Result<CudaSlice<f32>> {
+    Ok(gpu.stream().alloc_zeros::<f32>(len.max(1))?)
+}
+
+impl GpuLayer for ResidualGpu {
+    fn reserve(&mut self, gpu: &Gpu, node: &Node, n: usize) -> Result<()> {
+        self.place(node);
+        for c in self.body.iter_mut().chain(self.shortcut.iter_mut().flatten()) {
+            let child = c.node.as_ref().expect("placed above");
+            c.op.reserve(gpu, child, n)?;
+        }
+        if self.bufs.as_ref().is_some_and(|b| b.n == n) {
+            return Ok(());
+        }
+        let outputs =
+            |cs: &[Child]| cs.iter().map(|c| alloc(gpu, n * c.shapes.output.numel())).collect::<Result<Vec<_>>>();
+        let widest = self.children().map(|c| c.shapes.output.numel()).max().unwrap_or(0).max(node.input.numel());
+        let (i, o) = (node.input.numel(), node.output.numel());
+        self.bufs = Some(Buffers {
+            n,
+            body: outputs(&self.body)?,
+            short: outputs(self.shortcut.as_deref().unwrap_or(&[]))?,
+            sum: alloc(gpu, if self.relu { n * o } else { 0 })?,
+            d: alloc(gpu, if self.relu { n * o } else { 0 })?,
+            grads: [alloc(gpu, n * widest)?, alloc(gpu, n * widest)?],
+            dbody: alloc(gpu, n * i)?,
+            dshort: alloc(gpu, if self.shortcut.is_some() { n * i } else { 0 })?,
+        });
+        Ok(())
+    }
+
+    fn scratch(&self, node: &Node, n: usize) -> Result<usize> {
+        let mut most = 0;
+        let mut at = (0, 0);
+        let mut probe = |cs: &[Child], branch: u64| -> Result<()> {
+            for c in cs {
+                let child = Node {
+                    name: format!("{}.{}", node.name, c.name),
+                    index: Place::Branch(branch).index(node.index, c.position),
+                    input: c.shapes.input.clone(),
+                    output: c.shapes.output.clone(),
+                    params: node.params[at.0..at.0 + c.params].to_vec(),
+                    buffers: node.buffers[at.1..at.1 + c.buffers].to_vec(),
+                };
+                at = (at.0 + c.params, at.1 + c.buffers);
+                most = most.max(c.op.scratch(&child, n)?);
+            }
+            Ok(())
+        };
+        probe(&self.body, BODY)?;
+        probe(self.shortcut.as_deref().unwrap_or(&[]), SHORTCUT)?;
+        Ok(most)
+    }
+
+    // x: (n, *input) → y: (n, *output) = act(body(x) + shortcut(x))
+    fn forward(&mut self, f: Forward<'_, '_, '_>) -> Result<()> {
+        let Forward { gpu, blas, n, params, x, y, scratch, pass, sync, .. } = f;
+        let bufs = self.bufs.as_mut().filter(|b| b.n == n).expect("the network reserves a block before its passes");
+        for (children, acts) in
+            [(&mut self.body, &mut bufs.body), (self.shortcut.as_mut().unwrap_or(&mut Vec::new()), &mut bufs.short)]
+        {
+            for j in 0..children.len() {
+                let (done, rest) = acts.split_at_mut(j);
+                let input = if j == 0 { x } else { &done[j - 1] };
+                let c = &mut children[j];
+                let node = c.node.as_ref().expect("placed at reserve");
+                c.op.forward(Forward {
+                    gpu,
+                    blas,
+                    node,
+                    n,
+                    params,
+                    x: input,
+                    y: &mut rest[0],
+                    scratch: &mut *scratch,
+                    pass: &mut *pass,
+                    sync,
+                })?;
+            }
+        }
+        let body = bufs.body.last().expect("a body has a layer");
+        let skip = bufs.short.last().unwrap_or(x);
+        if self.relu {
+            gpu.residual_add(body, skip, &mut bufs.sum)?;
+            gpu.relu_fwd(&bufs.sum, y)
+        } else {
+            gpu.residual_add(body, skip, y)
+        }
+    }
+
+    // dy: (n, *output) → dx: (n, *input) = dbody + dshortcut; the branches accumulate
+    // their parameters' gradients.
+    fn backward(&mut self, b: Backward<'_, '_>) -> Result<()> {
+        let Backward { gpu, blas, n, params, x, dy, dx, grads, draw, scratch, sync, .. } = b;
+        let bufs = self.bufs.as_mut().filter(|b| b.n == n).expect("the network reserves a block before its passes");
+        let Buffers { body: body_acts, short: short_acts, sum, d, grads: alternate, dbody, dshort, .. } = bufs;
+        let d: CudaView<'_, f32> = if self.relu {
+            gpu.relu_bwd(&*sum, &dy, d)?;
+            d.slice(0..dy.len())
+        } else {
+            dy
+        };
+        let needed = dx.is_some();
+        // One branch's backward from `d` down to its first layer, whose input gradient
+        // goes to `out` (when the block's is needed).
+        let mut branch =
+            |children: &mut [Child], acts: &[CudaSlice<f32>], out: Option<CudaViewMut<'_, f32>>| -> Result<()> {
+                let mut out = out;
+                let mut cur = 0;
+                let last = children.len() - 1;
+                for j in (0..=last).rev() {
+                    let Child { op, node, .. } = &mut children[j];
+                    let node = node.as_ref().expect("placed at reserve");
+                    let [g0, g1] = &mut *alternate;
+                    let (from, to) = if cur == 0 { (&*g0, g1) } else { (&*g1, g0) };
+                    let dy = if j == last { d.slice(0..d.len()) } else { from.slice(0..n * node.output.numel()) };
+                    let dx = if j == 0 { out.take() } else { Some(to.slice_mut(0..n * node.input.numel())) };
+                    let input = if j == 0 { x } else { &acts[j - 1] };
+                    op.backward(Backward {
+                        gpu,
+                        blas,
+                        node,
+                        n,
+                        params,
+                        x: input,
+                        dy,
+                        dx,
+                        grads: &mut *grads,
+                        draw,
+                        scratch: &mut *scratch,
+                        sync,
+                    })?;
+                    cur = 1 - cur;
+                }
+                Ok(())
+            };
+        let len = n * self.body.first().map_or(0, |c| c.shapes.input.numel());
+        if let Some(short) = &mut self.shortcut {
+            branch(short, short_acts, needed.then(|| dshort.slice_mut(0..len)))?;
+        }
+        branch(&mut self.body, body_acts, needed.then(|| dbody.slice_mut(0..len)))?;
+        match dx {
+            Some(mut dx) if self.shortcut.is_some() => gpu.residual_add(&*dbody, &*dshort, &mut dx),
+            Some(mut dx) => gpu.residual_add(&*dbody, &d, &mut dx),
+            None => Ok(()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::nn::{BatchNorm2d, Conv2d, Padding, Relu};
+
+    fn conv(c: usize, o: usize, k: usize, s: usize, p: usize) -> Box<dyn Layer> {
+        Box::new(Conv2d::new(c, o, (k, k), s, Padding::Explicit(p, p), false).unwrap())
+    }
+
+    #[test]
+    fn a_branch_lays_its_tensors_out_as_the_block_does() {
+        // The block hands each branch its part of the block's slice; the outer Sequential
+        // lays the block's tensors out: the two layouts must coincide.
+        let body = vec![
+            (None, conv(3, 5, 3, 2, 1)),
+            (None, Box::new(BatchNorm2d::new(5)) as Box<dyn Layer>),
+            (None, Box::new(Relu::new()) as Box<dyn Layer>),
+            (None, conv(5, 5, 3, 1, 1)),
+        ];
+        let short = vec![(None, conv(3, 5, 1, 2, 0)), (None, Box::new(BatchNorm2d::new(5)) as Box<dyn Layer>)];
+        let block = Residual::new([3, 7, 7], body, short, Activation::Relu).unwrap();
+        let model = Sequential::new([3, 7, 7], vec![conv(3, 3, 1, 1, 0), Box::new(block.clone())]).unwrap();
+        let (params, buffers) = model.layer_ranges(1);
+        let start = params[0].start;
+        let inner: Vec<_> = block.body.param_infos().iter().map(|t| t.range.clone()).collect();
+        let short: Vec<_> = block.shortcut.as_ref().unwrap().param_infos().iter().map(|t| t.range.clone()).collect();
+        let at = block.body.params_len();
+        let want: Vec<_> = inner.into_iter().chain(short.into_iter().map(|r| r.start + at..r.end + at)).collect();
+        let got: Vec<_> = params.iter().map(|r| r.start - start..r.end - start).collect();
+        assert_eq!(got, want);
+        let b0 = buffers[0].start;
+        assert_eq!(buffers.iter().map(|r| r.start - b0).collect::<Vec<_>>(), vec![0, 64, 128, 192]);
+        let names: Vec<_> = model.param_infos().iter().map(|t| t.name.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "conv0.weight",
+                "residual0.conv0.weight",
+                "residual0.bn0.gamma",
+                "residual0.bn0.beta",
+                "residual0.conv1.weight",
+                "residual0.shortcut.conv0.weight",
+                "residual0.shortcut.bn0.gamma",
+                "residual0.shortcut.bn0.beta",
+            ]
+        );
+    }
+
+    #[test]
+    fn mismatched_branches_and_a_shortcut_without_images_are_refused() {
+        let e = Residual::new([3, 8, 8], vec![(None, conv(3, 4, 3, 2, 1))], vec![], Activation::Relu).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "invalid residual: the body's output (4, 4, 4) differs from the identity shortcut, the input's (3, 8, 8): they are added"
+        );
+        let dense = || Box::new(crate::nn::Linear::new(4, 4)) as Box<dyn Layer>;
+        let e = Residual::new([4], vec![(None, dense())], vec![(None, dense())], Activation::Linear).unwrap_err();
+        assert!(
+            e.to_string().contains("a shortcut of layers needs images (C, H, W) in, got samples of shape (4)"),
+            "{e}"
+        );
+        // The identity needs no images: a block over flat samples (a transformer's).
+        Residual::new([4], vec![(None, dense())], vec![], Activation::Linear).unwrap();
+    }
+}
