@@ -2,8 +2,11 @@
 //
 // Owns: the loss head of classifiers. The loss is the SUM over samples (DESIGN.md: the
 // replicas back-propagate sums and the trainer divides by the global batch size once,
-// after the all-reduce), so dlogits here is the gradient of the sum: softmax - onehot,
-// with no 1/N. It is one kernel named `_fwd` because the gradient costs nothing extra
+// after the all-reduce), so dlogits here is the gradient of the sum: softmax - target,
+// with no 1/N. With label smoothing eps (PyTorch's cross_entropy(label_smoothing=eps)) the
+// target is (1 - eps)*onehot + eps/K and the loss (1 - eps)*(lse - z[label]) +
+// (eps/K)*sum_c (lse - z[c]); eps = 0 is the plain loss, bit for bit. The same
+// expressions, in the same order, as nn::loss::CrossEntropy (the CPU reference). It is one kernel named `_fwd` because the gradient costs nothing extra
 // once the softmax is known; there is no separate `_bwd`.
 // Numerics: log-sum-exp with the row max subtracted, in float32.
 // Ties in the argmax go to the lowest index, as in the CPU backend and torch.argmax.
@@ -14,10 +17,15 @@
 
 // One thread per sample (K, the class count, is small: 2 or 10 in the built-in models).
 // logits: (N, K), labels: (N) u32 -> loss: (N), dlogits: (N, K), correct: (N) u32 in {0, 1}
+// label_smoothing: eps in [0, 1) (checked by the launch).
 // A label >= K gives loss = NaN (the trainer's non-finite check then stops the run).
 extern "C" __global__ void softmax_xent_fwd_f32(const float* logits, const unsigned int* labels,
                                                 float* loss, float* dlogits,
-                                                unsigned int* correct, size_t n, int k) {
+                                                unsigned int* correct, size_t n, int k,
+                                                float label_smoothing) {
+    // The target of the label's class and of every other one: (1, 0) exactly for eps = 0.
+    const float off = label_smoothing / (float)k;
+    const float on = (1.0f - label_smoothing) + off;
     GRID_STRIDE(s, n) {
         const float* z = logits + s * (size_t)k;
         float* dz = dlogits + s * (size_t)k;
@@ -31,10 +39,17 @@ extern "C" __global__ void softmax_xent_fwd_f32(const float* logits, const unsig
         const float lse = logf(sum) + mx;
         const unsigned int label = labels[s];
         for (int j = 0; j < k; ++j) {
-            dz[j] = expf(z[j] - lse) - ((unsigned int)j == label ? 1.0f : 0.0f);
+            dz[j] = expf(z[j] - lse) - ((unsigned int)j == label ? on : off);
         }
         if (label < (unsigned int)k) {
-            loss[s] = lse - z[label];
+            const float nll = lse - z[label];
+            if (label_smoothing == 0.0f) {
+                loss[s] = nll;
+            } else {
+                float smooth = 0.0f;  // sum_c -log p_c, class by class
+                for (int j = 0; j < k; ++j) smooth += lse - z[j];
+                loss[s] = (1.0f - label_smoothing) * nll + smooth * off;
+            }
             correct[s] = (unsigned int)arg == label ? 1u : 0u;
         } else {
             loss[s] = __int_as_float(0x7fc00000);  // quiet NaN

@@ -4,7 +4,8 @@
 # carries to the GPU machine, where scripts/gpu-check.sh runs them. Both machines are
 # x86-64 Linux; the GPU machine has no Rust toolchain. The test executables are
 # kernels_nvrtc, oracle (as oracle_tests, with the cases in .gpu/oracle), data_parallel
-# (its equivalence tests take cuda:0 and cuda:0,0 where a GPU is present) and every
+# (its equivalence tests take cuda:0 and cuda:0,0 where a GPU is present), label_smoothing
+# (its PyTorch training cases likewise, reading .gpu/oracle too) and every
 # tests/cuda_*.rs (cuda_ops, cuda_collectives, cuda_train, ...: a new one is picked up by
 # its file name). The Python scripts gpu-check.sh runs (scripts/torch_convnet.py,
 # scripts/compare_losses.py, scripts/bench_tables.py) travel with the working tree.
@@ -54,7 +55,7 @@ rm -rf .gpu
 mkdir -p .gpu
 "${build[@]}" --release "${target_args[@]}" --bin lockstep
 cp "$target_dir/lockstep" .gpu/
-tests=(--test kernels_nvrtc --test oracle --test data_parallel)
+tests=(--test kernels_nvrtc --test oracle --test data_parallel --test label_smoothing)
 shopt -s nullglob
 for f in tests/cuda_*.rs; do
     tests+=(--test "$(basename "$f" .rs)")

@@ -11,7 +11,8 @@
 # libnccl.so.2), then runs, each section under `timeout` and counted PASS or FAIL:
 #   1. the devices; every kernel compiled with NVRTC for the GPU (kernels_nvrtc); every
 #      CUDA test executable in .gpu/ (cuda_ops: every kernel against the CPU reference;
-#      cuda_collectives, cuda_train, ...: whatever tests/cuda_*.rs build-gpu-check.sh found);
+#      cuda_collectives, cuda_train, ...: whatever tests/cuda_*.rs build-gpu-check.sh found;
+#      the oracle cases, data_parallel and label_smoothing with their GPU variants);
 #   2. the CPU all-reduce on the machine's cores (bench allreduce --devices cpu:4);
 #   3. `lockstep train` (the default: convnet, digits, 15 epochs, seed 0) on cpu:1 and on
 #      cuda:0 (1 logical replica each), compared step by step by scripts/compare_losses.py
@@ -202,6 +203,15 @@ if [[ -x .gpu/data_parallel ]]; then
         .gpu/data_parallel --test-threads 2 --nocapture &&
         grep -q 'GPU variants): skipped' "$work/last.out"; then
         record "data-parallel GPU variants ran" "FAIL (skipped: no CUDA driver seen)" 0
+    fi
+fi
+
+if [[ -x .gpu/label_smoothing ]]; then
+    # Label smoothing against PyTorch (the loss kernel's eps) on CPU devices, cuda:0 and cuda:0,0.
+    if section "label smoothing against PyTorch on CPU devices and GPUs: label_smoothing" 120 \
+        env LOCKSTEP_ORACLE_DIR=.gpu/oracle .gpu/label_smoothing --test-threads 1 --nocapture &&
+        grep -q 'GPU variants): skipped' "$work/last.out"; then
+        record "label smoothing GPU variants ran" "FAIL (skipped: no CUDA driver seen)" 0
     fi
 fi
 

@@ -52,6 +52,9 @@ pub mod purpose {
     pub const INIT: u64 = 1;
     pub const SHUFFLE: u64 = 2;
     pub const SPLIT: u64 = 4;
+    /// Training images' random crops and flips (`data::augment`), keyed by (epoch,
+    /// sample index).
+    pub const AUGMENT: u64 = 5;
 }
 
 /// A small sequential generator (SplitMix64).

@@ -457,3 +457,56 @@ fn bad_optimizer_recipes_are_refused_in_one_line() {
         "error: invalid value 'biases' for '--weight-decay-on <WHICH>' [possible values: weights, all]"
     );
 }
+
+/// Issue 18's `--augment` and `--label-smoothing`: a value out of range, a word the
+/// augmentation does not know, and augmenting data that are not images (C, H, W) are each
+/// one line naming the problem, before any work.
+#[test]
+fn bad_augmentation_and_label_smoothing_are_refused_naming_the_problem() {
+    let padding = |p: &str| {
+        format!(
+            "error: invalid value 'crop={p}' for '--augment <crop=P,flip>': crop={p}: the padding P must be a whole number of pixels from 1 to 65536"
+        )
+    };
+    let owned = |flags: &[&str]| flags.iter().map(|f| f.to_string()).collect::<Vec<String>>();
+    let mut cases: Vec<(Vec<String>, String)> = ["0", "-3", "abc", "", "1.5", "99999999999999999999999"]
+        .iter()
+        .map(|p| (vec!["--augment".to_string(), format!("crop={p}")], padding(p)))
+        .collect();
+    cases.extend([
+        (
+            owned(&["--augment", "rotate"]),
+            "error: invalid value 'rotate' for '--augment <crop=P,flip>': unknown augmentation 'rotate' (expected crop=P and/or flip, e.g. crop=4,flip)".to_string(),
+        ),
+        (
+            owned(&["--augment", "flip,flip"]),
+            "error: invalid value 'flip,flip' for '--augment <crop=P,flip>': flip is given twice".to_string(),
+        ),
+        (
+            owned(&["--model", "toy", "--augment", "crop=4,flip"]),
+            "error: --augment crop=4,flip needs image data (samples of shape (C, H, W)); the samples of toy/train are (2)".to_string(),
+        ),
+        (
+            owned(&["--model", "toy", "--data", "toy-enlarged", "--augment", "flip"]),
+            "error: --augment flip needs image data (samples of shape (C, H, W)); the samples of toy/train are (2)".to_string(),
+        ),
+    ]);
+    for eps in ["-0.1", "1", "1.5", "NaN", "inf"] {
+        let shown = eps.parse::<f32>().unwrap();
+        cases.push((
+            owned(&["--label-smoothing", eps]),
+            format!("error: --label-smoothing must be in [0, 1), got {shown}"),
+        ));
+    }
+    cases.push((
+        owned(&["--label-smoothing", "lots"]),
+        "error: invalid value 'lots' for '--label-smoothing <EPS>': invalid float literal".to_string(),
+    ));
+    for (flags, message) in cases {
+        let args: Vec<&str> = ["train", "--devices", "cpu:1", "--epochs", "1"]
+            .into_iter()
+            .chain(flags.iter().map(String::as_str))
+            .collect();
+        assert_eq!(refused(&args), message, "{args:?}");
+    }
+}

@@ -1,7 +1,9 @@
 //! The command line's checkpoints: a run killed with SIGKILL at an arbitrary moment and
 //! resumed (on another number of devices, the logical replicas fixed) saves bitwise the
 //! weights of the run that was never interrupted; Ctrl-C (SIGINT) finishes the step,
-//! writes a checkpoint, says where and exits non-zero; bad checkpoint input is refused.
+//! writes a checkpoint, says where and exits non-zero; bad checkpoint input is refused; the
+//! stored settings (issue 12's features, issue 18's augmentation and label smoothing) are
+//! restored or compared.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -282,4 +284,49 @@ fn issue_18_recipes_are_stored_restored_and_resume_bitwise() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(2), "{err}");
     assert!(err.contains("--clip-grad-norm 1 differs from the run's --clip-grad-norm 0.5"), "{err}");
+}
+
+/// Issue 18's `--augment` and `--label-smoothing` are stored in the checkpoints: `--resume
+/// DIR` alone continues with them, to bitwise the weights of the run never interrupted;
+/// one given that disagrees, or added to a run that had none, is refused naming it.
+#[test]
+fn augmentation_and_label_smoothing_are_restored_by_resume() {
+    let (_guard, dir) = tmp();
+    let (ck, full, resumed) = (dir.join("ck"), dir.join("full.safetensors"), dir.join("resumed.safetensors"));
+    let (ck_s, full_s, resumed_s) = (ck.to_str().unwrap(), full.to_str().unwrap(), resumed.to_str().unwrap());
+    // A constant rate: the run cut at step 3 has the schedule of the whole one.
+    let run = |extra: &[&str]| {
+        let mut args = vec!["train", "--seed", "3", "--replicas", "2", "--lr-schedule", "constant", "--devices"];
+        args.extend_from_slice(extra);
+        bin().args(&args).output().unwrap()
+    };
+    let recipe = ["--augment", "crop=3,flip", "--label-smoothing", "0.1"];
+    let o = run(&[&["cpu:2", "--steps", "6", "--save", full_s][..], &recipe].concat());
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(out.contains("lockstep: augment crop=3,flip | label smoothing 0.1"), "{out}");
+    let o = run(&[&["cpu:2", "--steps", "3", "--checkpoint-dir", ck_s][..], &recipe].concat());
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    for (flags, problem) in [
+        (&["--label-smoothing", "0.2"][..], "--label-smoothing 0.2 differs from the run's --label-smoothing 0.1"),
+        (&["--augment", "flip"][..], "--augment flip differs from the run's --augment crop=3,flip"),
+    ] {
+        let o = run(&[&["cpu:1", "--steps", "6", "--resume", ck_s][..], flags].concat());
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{err}");
+        assert!(err.contains(problem), "{err}");
+    }
+    let o = run(&["cpu:1", "--steps", "6", "--resume", ck_s, "--save", resumed_s]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("augment crop=3,flip | label smoothing 0.1"));
+    assert!(tensors(&full) == tensors(&resumed), "the resumed run's weights differ from the uninterrupted run's");
+
+    // A run without them does not gain them on resume.
+    let plain = dir.join("plain");
+    let plain_s = plain.to_str().unwrap();
+    let o = run(&["cpu:1", "--steps", "1", "--checkpoint-dir", plain_s]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let o = run(&["cpu:1", "--steps", "2", "--resume", plain_s, "--augment", "flip"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.code() == Some(2) && err.contains("the run had no --augment"), "{err}");
 }

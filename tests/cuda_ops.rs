@@ -424,18 +424,22 @@ fn softmax_cross_entropy_matches_the_reference() {
     let argmax = |s: usize| (0..k).fold(0, |a, j| if logits[s * k + j] > logits[s * k + a] { j } else { a });
     labels[0] = argmax(0) as u32;
     labels[1] = ((argmax(1) + 1) % k) as u32;
-    let mut loss_d = up(&gpu, &vec![0.0f32; n]);
-    let mut dl_d = up(&gpu, &vec![0.0f32; n * k]);
-    let mut ok_d = up(&gpu, &vec![7u32; n]);
-    gpu.softmax_xent_fwd(&up(&gpu, &logits), &up(&gpu, &labels), &mut loss_d, &mut dl_d, &mut ok_d, k).unwrap();
-    let (want_loss, want_dl) = softmax_xent_ref(&logits, &labels, k);
     let want_ok: Vec<u32> = (0..n).map(|s| (argmax(s) == labels[s] as usize) as u32).collect();
-    // expf/logf are within 2 ulp in CUDA; 1e-5 relative plus 1e-6 absolute.
-    assert_close("xent loss", &down(&gpu, &loss_d), &want_loss, 1e-5, 1e-6);
-    assert_close("xent dlogits", &down(&gpu, &dl_d), &want_dl, 1e-5, 1e-6);
-    let ok = down(&gpu, &ok_d);
-    assert_eq!(ok, want_ok);
-    assert_eq!((ok[0], ok[1]), (1, 0));
+    // Plain, and with PyTorch's label smoothing.
+    for eps in [0.0, 0.1, 0.5] {
+        let mut loss_d = up(&gpu, &vec![0.0f32; n]);
+        let mut dl_d = up(&gpu, &vec![0.0f32; n * k]);
+        let mut ok_d = up(&gpu, &vec![7u32; n]);
+        gpu.softmax_xent_fwd(&up(&gpu, &logits), &up(&gpu, &labels), &mut loss_d, &mut dl_d, &mut ok_d, k, eps)
+            .unwrap();
+        let (want_loss, want_dl) = softmax_xent_ref(&logits, &labels, k, eps);
+        // expf/logf are within 2 ulp in CUDA; 1e-5 relative plus 1e-6 absolute.
+        assert_close(&format!("xent loss, eps {eps}"), &down(&gpu, &loss_d), &want_loss, 1e-5, 1e-6);
+        assert_close(&format!("xent dlogits, eps {eps}"), &down(&gpu, &dl_d), &want_dl, 1e-5, 1e-6);
+        let ok = down(&gpu, &ok_d);
+        assert_eq!(ok, want_ok, "eps {eps}");
+        assert_eq!((ok[0], ok[1]), (1, 0));
+    }
 }
 
 // ---- optim.cu, reduce.cu ------------------------------------------------------------

@@ -1232,45 +1232,52 @@ fn softmax_cross_entropy_matches_the_cpu_loss() {
     (labels[0], labels[1]) = (2, 7);
     // Large logits: the row maximum is subtracted before exp.
     logits[2 * kk + 4] = 1000.0;
-    // Each sample alone through the CPU loss: its loss, its correct flag, its dlogits.
-    let cpu: Vec<(f64, u64, Vec<f32>)> = (0..n)
-        .map(|s| {
-            let row = Tensor::from_vec(logits[s * kk..(s + 1) * kk].to_vec(), [1, kk]).unwrap();
-            let (m, d) = loss::softmax_cross_entropy(&row, &labels[s..s + 1]).unwrap();
-            (m.loss_sum, m.correct, d.host().to_vec())
-        })
-        .collect();
-    assert_eq!((cpu[0].1, cpu[1].1), (1, 0), "the CPU loss breaks ties to the first maximum");
-    let (want_loss, want_dl) = softmax_xent_ref(&logits, &labels, kk);
+    // Plain cross-entropy, and PyTorch's label smoothing (nn::loss::CrossEntropy).
+    for eps in [0.0f32, 0.1, 0.5] {
+        let ce = loss::CrossEntropy::new(eps).unwrap();
+        // Each sample alone through the CPU loss: its loss, its correct flag, its dlogits.
+        let cpu: Vec<(f64, u64, Vec<f32>)> = (0..n)
+            .map(|s| {
+                let row = Tensor::from_vec(logits[s * kk..(s + 1) * kk].to_vec(), [1, kk]).unwrap();
+                let (m, d) = ce.with_grad(&row, &labels[s..s + 1]).unwrap();
+                (m.loss_sum, m.correct, d.host().to_vec())
+            })
+            .collect();
+        assert_eq!((cpu[0].1, cpu[1].1), (1, 0), "the CPU loss breaks ties to the first maximum");
+        let (want_loss, want_dl) = softmax_xent_ref(&logits, &labels, kk, eps);
 
-    for cfg in elem_cfgs(n) {
-        let mut loss = vec![f32::NAN; n];
-        let mut dlogits = vec![f32::NAN; n * kk];
-        let mut correct = vec![7u32; n];
-        // As Gpu::softmax_xent_fwd: logits, labels, loss, dlogits, correct, n, K (int).
-        k.launch(
-            "softmax_xent_fwd_f32",
-            cfg,
-            &mut [
-                In(&logits),
-                InU32(&labels),
-                Out(&mut loss),
-                Out(&mut dlogits),
-                OutU32(&mut correct),
-                U64(n as u64),
-                I32(kk as i32),
-            ],
-        );
-        // tests/cuda_ops.rs's tolerance (expf/logf within 2 ulp on the GPU): 1e-5
-        // relative plus 1e-6 absolute, against the f64 reference and the CPU loss alike.
-        assert_close(&format!("xent loss {cfg:?}"), &loss, &want_loss, 1e-5, 1e-6);
-        assert_close(&format!("xent dlogits {cfg:?}"), &dlogits, &want_dl, 1e-5, 1e-6);
-        let cpu_loss: Vec<f64> = cpu.iter().map(|c| c.0).collect();
-        let cpu_dl: Vec<f64> = cpu.iter().flat_map(|c| f64s(&c.2)).collect();
-        assert_close(&format!("xent loss vs nn::loss {cfg:?}"), &loss, &cpu_loss, 1e-5, 1e-6);
-        assert_close(&format!("xent dlogits vs nn::loss {cfg:?}"), &dlogits, &cpu_dl, 1e-5, 1e-6);
-        let cpu_correct: Vec<u32> = cpu.iter().map(|c| c.1 as u32).collect();
-        assert_eq!(correct, cpu_correct, "correct flags vs nn::loss {cfg:?}");
+        for cfg in elem_cfgs(n) {
+            let mut loss = vec![f32::NAN; n];
+            let mut dlogits = vec![f32::NAN; n * kk];
+            let mut correct = vec![7u32; n];
+            // As Gpu::softmax_xent_fwd: logits, labels, loss, dlogits, correct, n, K (int),
+            // label smoothing (float).
+            k.launch(
+                "softmax_xent_fwd_f32",
+                cfg,
+                &mut [
+                    In(&logits),
+                    InU32(&labels),
+                    Out(&mut loss),
+                    Out(&mut dlogits),
+                    OutU32(&mut correct),
+                    U64(n as u64),
+                    I32(kk as i32),
+                    F32(eps),
+                ],
+            );
+            // tests/cuda_ops.rs's tolerance (expf/logf within 2 ulp on the GPU): 1e-5
+            // relative plus 1e-6 absolute, against the f64 reference and the CPU loss alike.
+            let what = |x: &str| format!("xent {x}, eps {eps}, {cfg:?}");
+            assert_close(&what("loss"), &loss, &want_loss, 1e-5, 1e-6);
+            assert_close(&what("dlogits"), &dlogits, &want_dl, 1e-5, 1e-6);
+            let cpu_loss: Vec<f64> = cpu.iter().map(|c| c.0).collect();
+            let cpu_dl: Vec<f64> = cpu.iter().flat_map(|c| f64s(&c.2)).collect();
+            assert_close(&what("loss vs nn::loss"), &loss, &cpu_loss, 1e-5, 1e-6);
+            assert_close(&what("dlogits vs nn::loss"), &dlogits, &cpu_dl, 1e-5, 1e-6);
+            let cpu_correct: Vec<u32> = cpu.iter().map(|c| c.1 as u32).collect();
+            assert_eq!(correct, cpu_correct, "correct flags vs nn::loss, eps {eps}, {cfg:?}");
+        }
     }
 
     // A label >= K: loss NaN, not correct, and dlogits the softmax (no one-hot to
@@ -1280,7 +1287,16 @@ fn softmax_cross_entropy_matches_the_cpu_loss() {
     k.launch(
         "softmax_xent_fwd_f32",
         elem_cfg(1),
-        &mut [In(&logits), InU32(&labels), Out(&mut loss), Out(&mut dlogits), OutU32(&mut correct), U64(1), I32(3)],
+        &mut [
+            In(&logits),
+            InU32(&labels),
+            Out(&mut loss),
+            Out(&mut dlogits),
+            OutU32(&mut correct),
+            U64(1),
+            I32(3),
+            F32(0.0),
+        ],
     );
     assert!(loss[0].is_nan() && correct[0] == 0, "loss {loss:?}, correct {correct:?}");
     // softmax([1, 2, 3]) = e^[1,2,3] / (e + e² + e³) = [0.09003057, 0.24472847, 0.66524096]

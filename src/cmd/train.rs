@@ -24,6 +24,7 @@ use lockstep::train::{EarlyStopping, EvaluationReport, HeldOut, Observer, Stoppe
 use signal_hook::consts::SIGINT;
 
 use crate::cmd::features::FeatureArgs;
+use crate::cmd::regularize::{self, RegularizeArgs};
 use crate::cmd::signals::{Launched, StopSignals};
 use crate::*;
 
@@ -130,6 +131,8 @@ pub(crate) struct TrainArgs {
     replicas: Option<usize>,
     #[command(flatten)]
     features: FeatureArgs,
+    #[command(flatten)]
+    regularize: RegularizeArgs,
     /// Check that every replica is bitwise identical every K steps and at the end [default: 100].
     #[arg(long, value_name = "K")]
     check_replicas_every: Option<u64>,
@@ -261,6 +264,7 @@ fn flag_values(a: &TrainArgs) -> BTreeMap<&'static str, String> {
         ("shard_optimizer", a.features.shard_optimizer.then(|| "true".to_string())),
     ];
     m.extend(optional.into_iter().filter_map(|(k, v)| v.map(|v| (k, v))));
+    m.extend(a.regularize.stored());
     m
 }
 
@@ -394,7 +398,7 @@ fn here_known(id: &str) -> bool {
         "sync_batchnorm",
         "shard_optimizer",
     ];
-    STORED.contains(&id)
+    STORED.contains(&id) || regularize::STORED.contains(&id)
 }
 
 /// `--resume DIR` names a directory, not a checkpoint file or nothing.
@@ -523,6 +527,7 @@ fn settings(a: &mut TrainArgs, toy: bool) -> CliResult<Settings> {
         }
     }
     check_classes(a.classes)?;
+    a.regularize.check()?;
     if a.features.accumulate == 0 {
         return Err(Failure::usage(anyhow!("--accumulate must be at least 1 (micro-batches per step)")));
     }
@@ -636,6 +641,7 @@ pub(crate) fn cmd_train(a: TrainArgs, given: &BTreeSet<String>) -> CliResult {
     for d in std::iter::once(&splits.train).chain(&splits.test).chain(&final_test) {
         lockstep::train::check_data(&model, d).map_err(Failure::usage)?;
     }
+    a.regularize.check_data(&splits.train)?;
     let last_batch = if a.drop_last { LastBatch::Drop } else { LastBatch::Keep };
     let steps_per_epoch = lockstep::train::scatter::steps_per_epoch(splits.train.len(), s.batch_size, last_batch);
     if steps_per_epoch == 0 {
@@ -671,7 +677,7 @@ pub(crate) fn cmd_train(a: TrainArgs, given: &BTreeSet<String>) -> CliResult {
         save_best: a.save_best.clone(),
         ..TrainConfig::default()
     };
-    config = a.features.config(config);
+    config = a.regularize.config(a.features.config(config));
     config.validate().map_err(Failure::usage)?;
     // Memory before the weights, the checkpoint or any replica is allocated.
     let largest_held_out = splits.test.iter().chain(&final_test).map(Dataset::len).max().unwrap_or(0);
@@ -807,7 +813,7 @@ pub(crate) fn cmd_train(a: TrainArgs, given: &BTreeSet<String>) -> CliResult {
         train_data_parallel_with(&model, &splits.train, splits.test.as_ref(), &s.devices, &config, &mut observers);
     let tested = match (&trained, &final_test) {
         (Ok(r), Some(t)) if !matches!(r.stopped, Stopped::Interrupted { .. }) => {
-            let m = evaluate(&model, &r.weights, t, &s.devices).map_err(Failure::runtime)?;
+            let m = evaluate(&model, &r.weights, t, &s.devices, config.label_smoothing).map_err(Failure::runtime)?;
             observers.on_evaluation(&EvaluationReport { set: HeldOut::Test, step: r.steps, metrics: m });
             Some(m)
         }
@@ -897,11 +903,23 @@ fn dataset_bytes(d: &Dataset, evaluated: Evaluated) -> u64 {
     }
 }
 
-/// Loss and accuracy of `weights` on `data`: the test split of a run that chose its
-/// epochs on a validation split, evaluated once at the end.
-fn evaluate(model: &Sequential, weights: &ParamStore, data: &Dataset, devices: &Devices) -> lockstep::Result<Metrics> {
+/// Loss (the run's, label smoothing included) and accuracy of `weights` on `data`: the
+/// test split of a run that chose its epochs on a validation split, evaluated once at the
+/// end.
+fn evaluate(
+    model: &Sequential,
+    weights: &ParamStore,
+    data: &Dataset,
+    devices: &Devices,
+    label_smoothing: f32,
+) -> lockstep::Result<Metrics> {
     let devices = devices.first(data.len());
-    let config = TrainConfig { initial: Some(weights.clone()), check_replicas_every: None, ..TrainConfig::default() };
+    let config = TrainConfig {
+        initial: Some(weights.clone()),
+        check_replicas_every: None,
+        label_smoothing,
+        ..TrainConfig::default()
+    };
     with_trainer(model, &devices, &config, |t| t.evaluate(data, config.eval_batch))
 }
 
@@ -975,9 +993,11 @@ fn recipe_text(c: &TrainConfig) -> String {
     parts
 }
 
-/// The features of issue 12 a run uses, in one line, or None for none of them.
+/// The features of issue 12 and the data and loss settings of issue 18 a run uses, in one
+/// line, or None for none of them.
 fn features_text(a: &TrainArgs) -> Option<String> {
-    let parts = a.features.described();
+    let mut parts = a.features.described();
+    parts.extend(a.regularize.described());
     (!parts.is_empty()).then(|| parts.join(" | "))
 }
 
@@ -1025,6 +1045,7 @@ fn run_fingerprint(
     out.insert("warmup_steps".into(), c.warmup_steps.to_string());
     out.insert("weight_decay_on".into(), c.weight_decay_on.name().into());
     out.insert("clip_grad_norm".into(), c.clip_grad_norm.map_or("none".to_string(), |v| v.to_string()));
+    out.extend(a.regularize.fingerprint());
     out
 }
 
@@ -1114,6 +1135,8 @@ mod tests {
                 "--grad-compression=bf16",
                 "--sync-batchnorm",
                 "--shard-optimizer",
+                "--augment=crop=4,flip",
+                "--label-smoothing=0.1",
             ]),
             parsed(&["--val-data=v", "--early-stopping=2", "--save-best=b"]),
             parsed(&["--validation-split=0.2"]),

@@ -135,7 +135,10 @@ super::declare::kernels! {
     /// kernels/softmax_xent.cu: the loss and its gradient in one pass.
     softmax_xent = "softmax_xent.cu" {
         softmax_xent {
-            fwd(logits: In, labels: InU32, loss: Out, dlogits: Out, correct: OutU32, n: Size, k: I32);
+            fwd(
+                logits: In, labels: InU32, loss: Out, dlogits: Out, correct: OutU32, n: Size, k: I32,
+                label_smoothing: F32,
+            );
         }
     }
     /// kernels/optim.cu: the optimiser steps and the gradient norm (launched by `optim::gpu`).

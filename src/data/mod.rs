@@ -3,8 +3,10 @@
 //! A [`Dataset`] holds every sample of one split in host memory, features stored in the
 //! dtype they came in (u8 images stay u8: a quarter of the memory) and converted to f32
 //! only when a batch is gathered. Shuffling, sharding and device placement belong to the
-//! trainer (`train::sampler`, `train::scatter`); this module only knows samples.
+//! trainer (`train::sampler`, `train::scatter`); this module only knows samples, and
+//! what augmenting a training image makes of it (`augment`).
 
+pub mod augment;
 pub mod digits;
 pub mod fashion_mnist;
 pub mod idx;

@@ -38,7 +38,7 @@ use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, CudaView, CudaViewMut, De
 
 use super::batchnorm::Synchronized;
 use super::gpu::{poll, Backward, Draw, Forward, GpuLayer, Node, Pass, SyncWith};
-use super::loss::check_labels;
+use super::loss::{check_labels, CrossEntropy};
 use super::{LayerShapes, ParamStore, Sequential};
 use crate::cuda::Gpu;
 use crate::optim::{OptimizerConfig, StepScalars};
@@ -109,6 +109,8 @@ pub struct GpuNet {
     x_dev: Option<CudaSlice<f32>>,
     y_dev: Option<CudaSlice<u32>>,
     staged: usize,
+    /// The loss trained and reported (its label smoothing reaches the loss kernel).
+    loss: CrossEntropy,
 }
 
 /// The optimiser a [`GpuNet`] runs and the state it starts from, named as
@@ -223,7 +225,13 @@ impl GpuNet {
             x_dev: None,
             y_dev: None,
             staged: 0,
+            loss: CrossEntropy::default(),
         })
+    }
+
+    /// Trains and reports `loss` (plain cross-entropy by default).
+    pub fn set_loss(&mut self, loss: CrossEntropy) {
+        self.loss = loss;
     }
 
     /// The stream every launch of this network goes to (the exchange orders itself
@@ -349,6 +357,7 @@ impl GpuNet {
             &mut acts.grads[0].slice_mut(0..n * k),
             &mut acts.correct,
             k,
+            self.loss.label_smoothing,
         )?;
         stream.memcpy_dtod(&acts.correct, &mut self.step_hits.as_mut().expect("staged").slice_mut(rows))?;
         let first = self.model.first_trained_layer();
@@ -521,6 +530,7 @@ impl GpuNet {
             &mut acts.grads[0].slice_mut(0..n * k),
             &mut acts.correct,
             k,
+            self.loss.label_smoothing,
         )?;
         let logits = stream.clone_dtoh(&acts.acts[last].slice(0..n * k))?;
         Ok((stream.clone_dtoh(&acts.loss)?, stream.clone_dtoh(&acts.correct)?, logits))

@@ -1,8 +1,11 @@
-//! Softmax cross-entropy from logits, fused with its gradient, and accuracy.
+//! Softmax cross-entropy from logits, fused with its gradient, and accuracy; with
+//! PyTorch's label smoothing ([`CrossEntropy`]).
 //!
 //! The trainer back-propagates the SUM of the per-sample losses of a shard (the all-reduce
 //! sums, and the optimiser divides by the real global batch size), so the gradient
-//! returned here is softmax − onehot per sample, with no 1/N.
+//! returned here is softmax − target per sample, with no 1/N: the target is the one-hot
+//! label, or with label smoothing ε the mixture (1 − ε)·onehot + ε/K.
+//! kernels/softmax_xent.cu computes the same expressions in the same order.
 
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
@@ -10,7 +13,8 @@ use crate::tensor::Tensor;
 /// What a batch contributed: summed, so that shards add up exactly.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Metrics {
-    /// Sum over samples of `−log softmax(logits)[label]`.
+    /// Sum over samples of the loss: `−log softmax(logits)[label]`, or with label
+    /// smoothing ε, `(1 − ε)·(−log p[label]) + ε·mean over classes of (−log p)`.
     pub loss_sum: f64,
     /// Samples whose arg-max logit is the label (ties: the first maximum).
     pub correct: u64,
@@ -59,46 +63,96 @@ pub fn check_labels(labels: &[u32], classes: usize) -> Result<()> {
     }
 }
 
-/// Loss, accuracy and, when `dlogits` is given, softmax − onehot written into it.
-/// logits: (N, K); labels: (N) with values < K; dlogits: (N·K)
-fn run(logits: &Tensor, labels: &[u32], mut dlogits: Option<&mut [f32]>) -> Result<Metrics> {
-    let (n, k) = check(logits, labels)?;
-    let mut m = Metrics { count: n as u64, ..Metrics::default() };
-    for (i, (row, &y)) in logits.host().chunks_exact(k).zip(labels).enumerate() {
-        let (arg, max) = row.iter().enumerate().fold(
-            (0, f32::NEG_INFINITY),
-            |(a, mx), (j, &v)| {
-                if v > mx {
-                    (j, v)
-                } else {
-                    (a, mx)
+/// Softmax cross-entropy with PyTorch's label smoothing:
+/// `F.cross_entropy(logits, labels, label_smoothing=ε, reduction="sum")`, per sample
+/// `(1 − ε)·(lse − z[label]) + (ε/K)·Σ_c (lse − z[c])`, whose gradient by the logits is
+/// `softmax − ((1 − ε)·onehot + ε/K)`. ε = 0 ([`CrossEntropy::default`]) is plain
+/// cross-entropy, bit for bit. Accuracy counts the arg-max against the label whatever ε.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct CrossEntropy {
+    /// ε, in [0, 1).
+    pub label_smoothing: f32,
+}
+
+impl CrossEntropy {
+    /// The loss with label smoothing `label_smoothing`, which must lie in [0, 1) (PyTorch
+    /// refuses outside [0, 1]; ε = 1 would ignore the labels altogether).
+    pub fn new(label_smoothing: f32) -> Result<CrossEntropy> {
+        if !(0.0..1.0).contains(&label_smoothing) {
+            return Err(Error::config("label smoothing", format!("must be in [0, 1), got {label_smoothing}")));
+        }
+        Ok(CrossEntropy { label_smoothing })
+    }
+
+    /// The target probability of the label's class and of every other class, for K
+    /// classes: ((1 − ε) + ε/K, ε/K); (1, 0) exactly for ε = 0.
+    fn targets(&self, k: usize) -> (f32, f32) {
+        let off = self.label_smoothing / k as f32;
+        ((1.0 - self.label_smoothing) + off, off)
+    }
+
+    /// Metrics and the gradient of the SUMMED loss. logits: (N, K) → dlogits: (N, K)
+    pub fn with_grad(&self, logits: &Tensor, labels: &[u32]) -> Result<(Metrics, Tensor)> {
+        let mut d = vec![0.0f32; logits.numel()];
+        let m = self.run(logits, labels, Some(&mut d))?;
+        Ok((m, Tensor::from_vec_on(d, logits.shape().clone(), logits.device())?))
+    }
+
+    /// Metrics only (evaluation). logits: (N, K)
+    pub fn score(&self, logits: &Tensor, labels: &[u32]) -> Result<Metrics> {
+        self.run(logits, labels, None)
+    }
+
+    /// Loss, accuracy and, when `dlogits` is given, softmax − target written into it.
+    /// logits: (N, K); labels: (N) with values < K; dlogits: (N·K)
+    fn run(&self, logits: &Tensor, labels: &[u32], mut dlogits: Option<&mut [f32]>) -> Result<Metrics> {
+        let (n, k) = check(logits, labels)?;
+        let eps = self.label_smoothing;
+        let (on, off) = self.targets(k);
+        let mut m = Metrics { count: n as u64, ..Metrics::default() };
+        for (i, (row, &y)) in logits.host().chunks_exact(k).zip(labels).enumerate() {
+            let (arg, max) = row.iter().enumerate().fold(
+                (0, f32::NEG_INFINITY),
+                |(a, mx), (j, &v)| {
+                    if v > mx {
+                        (j, v)
+                    } else {
+                        (a, mx)
+                    }
+                },
+            );
+            let sum: f32 = row.iter().map(|&v| (v - max).exp()).sum();
+            let lse = max + sum.ln();
+            let nll = lse - row[y as usize];
+            let loss = match eps == 0.0 {
+                true => nll,
+                false => {
+                    // Σ_c −log p_c, class by class.
+                    let smooth: f32 = row.iter().map(|&v| lse - v).sum();
+                    (1.0 - eps) * nll + smooth * off
                 }
-            },
-        );
-        let sum: f32 = row.iter().map(|&v| (v - max).exp()).sum();
-        let lse = max + sum.ln();
-        m.loss_sum += (lse - row[y as usize]) as f64;
-        m.correct += u64::from(arg == y as usize);
-        if let Some(d) = dlogits.as_deref_mut() {
-            let inv = 1.0 / sum;
-            for (j, (dv, &v)) in d[i * k..(i + 1) * k].iter_mut().zip(row).enumerate() {
-                *dv = (v - max).exp() * inv - if j == y as usize { 1.0 } else { 0.0 };
+            };
+            m.loss_sum += loss as f64;
+            m.correct += u64::from(arg == y as usize);
+            if let Some(d) = dlogits.as_deref_mut() {
+                let inv = 1.0 / sum;
+                for (j, (dv, &v)) in d[i * k..(i + 1) * k].iter_mut().zip(row).enumerate() {
+                    *dv = (v - max).exp() * inv - if j == y as usize { on } else { off };
+                }
             }
         }
+        Ok(m)
     }
-    Ok(m)
 }
 
-/// Metrics and the gradient of the SUMMED loss. logits: (N, K) → dlogits: (N, K)
+/// Metrics and the gradient of the SUMMED plain cross-entropy. logits: (N, K) → dlogits: (N, K)
 pub fn softmax_cross_entropy(logits: &Tensor, labels: &[u32]) -> Result<(Metrics, Tensor)> {
-    let mut d = vec![0.0f32; logits.numel()];
-    let m = run(logits, labels, Some(&mut d))?;
-    Ok((m, Tensor::from_vec_on(d, logits.shape().clone(), logits.device())?))
+    CrossEntropy::default().with_grad(logits, labels)
 }
 
-/// Metrics only (evaluation). logits: (N, K)
+/// Metrics of the plain cross-entropy only (evaluation). logits: (N, K)
 pub fn score(logits: &Tensor, labels: &[u32]) -> Result<Metrics> {
-    run(logits, labels, None)
+    CrossEntropy::default().score(logits, labels)
 }
 
 /// Softmax of each row of `logits` (rows of `k` values), in place: class probabilities.

@@ -8,8 +8,10 @@ use std::sync::Arc;
 use super::report::HeldOut;
 use super::scatter::{LastBatch, Shuffle};
 use crate::checkpoint::{CheckpointPolicy, Resume};
+use crate::data::augment::Augment;
 use crate::error::{Error, Result};
 use crate::exchange::codec::Compression;
+use crate::nn::loss::CrossEntropy;
 use crate::nn::ParamStore;
 use crate::optim::{DecayOn, LrSchedule, OptimizerConfig, Sharding};
 
@@ -101,6 +103,15 @@ pub struct TrainConfig {
     pub grad_compression: Compression,
     /// Where the optimiser state lives: on every device, or sharded (ZeRO stage 1).
     pub optimizer_sharding: Sharding,
+    /// How the training images are augmented (random crop after zero padding, random
+    /// horizontal flip), drawn from (seed, epoch, sample index): applied by the fit
+    /// loop's loader, never to a held-out set. A loop of the caller's own gathers with
+    /// `Batch::gather_augmented`.
+    pub augment: Augment,
+    /// Label smoothing ε, 0 ≤ ε < 1 (PyTorch's `cross_entropy(label_smoothing=ε)`): the
+    /// loss trained, and the loss every report gives, training and held-out alike, is
+    /// (1 − ε)·CE(label) + ε·mean over the classes of −log p. 0: plain cross-entropy.
+    pub label_smoothing: f32,
 }
 
 impl Default for TrainConfig {
@@ -132,6 +143,8 @@ impl Default for TrainConfig {
             accumulate: 1,
             grad_compression: Compression::None,
             optimizer_sharding: Sharding::Replicated,
+            augment: Augment::NONE,
+            label_smoothing: 0.0,
         }
     }
 }
@@ -171,6 +184,12 @@ impl TrainConfig {
         if self.check_replicas_every == Some(0) {
             return Err(Error::config("check-replicas-every", "must be at least 1"));
         }
+        CrossEntropy::new(self.label_smoothing)?;
         self.optimizer.validate()
+    }
+
+    /// The loss this run trains and reports.
+    pub fn loss(&self) -> CrossEntropy {
+        CrossEntropy { label_smoothing: self.label_smoothing }
     }
 }

@@ -13,7 +13,7 @@ use super::replica::{fingerprints, Fill, Mark, Replica, Shard, StepOutcome};
 use super::Batch;
 use crate::error::Result;
 use crate::exchange::Host;
-use crate::nn::loss::{score, softmax_cross_entropy, softmax_rows, Metrics};
+use crate::nn::loss::{softmax_rows, CrossEntropy, Metrics};
 use crate::nn::stats::StatsExchange;
 use crate::nn::{Ctx, ParamStore, Sequential};
 use crate::optim::{clip_factor, DecayMask, GradNorm, Optimizer, StepScalars};
@@ -40,6 +40,8 @@ pub struct CpuReplica<'s> {
     marks: [Duration; 4],
     /// Synchronized BatchNorm's side of the exchange (None: statistics per shard).
     stats: Option<&'s dyn StatsExchange>,
+    /// The loss trained and reported (label smoothing).
+    loss: CrossEntropy,
 }
 
 impl<'s> CpuReplica<'s> {
@@ -63,7 +65,14 @@ impl<'s> CpuReplica<'s> {
             origin: Instant::now(),
             marks: [Duration::ZERO; 4],
             stats: None,
+            loss: CrossEntropy::default(),
         }
+    }
+
+    /// The replica that trains and reports `loss` (plain cross-entropy by default).
+    pub fn with_loss(mut self, loss: CrossEntropy) -> CpuReplica<'s> {
+        self.loss = loss;
+        self
     }
 
     /// The replica whose synchronized BatchNorm layers meet the other replicas' through
@@ -135,7 +144,7 @@ impl Replica for CpuReplica<'_> {
         let x = self.rows(batch, shard.rows.clone())?;
         let (grads, bufs) = slot.split_at_mut(np);
         let logits = self.model.forward(x, &self.store.params, bufs, &ctx)?;
-        let (metrics, dlogits) = softmax_cross_entropy(&logits, &batch.y[shard.rows.clone()])?;
+        let (metrics, dlogits) = self.loss.with_grad(&logits, &batch.y[shard.rows.clone()])?;
         self.model.backward(dlogits, &self.store.params, grads, &ctx)?;
         match (shard.fill, self.shards.last_mut()) {
             (Fill::Add, Some(m)) => m.add(&metrics),
@@ -204,7 +213,7 @@ impl Replica for CpuReplica<'_> {
 
     fn evaluate_chunk(&mut self, batch: &Batch, rows: Range<usize>) -> Result<Metrics> {
         let logits = self.eval_logits(batch, rows.clone())?;
-        score(&logits, &batch.y[rows])
+        self.loss.score(&logits, &batch.y[rows])
     }
 
     fn predict_chunk(&mut self, batch: &Batch, rows: Range<usize>) -> Result<Vec<f32>> {

@@ -70,6 +70,7 @@ pub fn train_data_parallel_with(
 ) -> Result<TrainReport> {
     config.validate()?;
     check_data(model, train)?;
+    config.augment.check(train.sample_shape())?;
     if let Some(t) = test {
         check_data(model, t)?;
     }
@@ -218,7 +219,9 @@ impl<'a, 'o> Fit<'a, 'o> {
                     for (i, idx) in batches {
                         // This process's shards' rows only (all of them in a world of one).
                         let mine = rows.rows(idx.len());
-                        let batch = Batch::gather(train, &idx[mine.clone()]);
+                        // Augmented by (seed, epoch, sample index): whoever trains the row.
+                        let batch =
+                            Batch::gather_augmented(train, &idx[mine.clone()], &config.augment, config.seed, epoch);
                         let held = HeldBatch { batch, first_row: mine.start, global_len: idx.len() };
                         if step >= span.total_steps || batch_tx.send((epoch, i, held)).is_err() {
                             return;

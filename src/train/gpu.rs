@@ -21,7 +21,7 @@ use crate::exchange::Abort;
 use crate::nn::batchnorm::Synchronized;
 use crate::nn::gpu::Draw;
 use crate::nn::gpu_net::{Clip, GpuNet, OptimizerState, SlotUse};
-use crate::nn::loss::{softmax_rows, Metrics};
+use crate::nn::loss::{softmax_rows, CrossEntropy, Metrics};
 use crate::nn::stats::StatsExchange;
 use crate::nn::{ParamStore, Sequential};
 use crate::optim::{DecayMask, Optimizer, StepScalars};
@@ -91,6 +91,12 @@ impl<'s> GpuReplica<'s> {
     /// `stats`; its waits for the device inside a pass give up once `abort` is raised.
     pub fn with_stats(mut self, stats: &'s dyn StatsExchange, abort: &'s dyn Abort) -> GpuReplica<'s> {
         self.stats = Some((stats, abort));
+        self
+    }
+
+    /// The replica that trains and reports `loss` (plain cross-entropy by default).
+    pub fn with_loss(mut self, loss: CrossEntropy) -> GpuReplica<'s> {
+        self.net.set_loss(loss);
         self
     }
 

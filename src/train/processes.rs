@@ -122,6 +122,10 @@ impl Handshake {
             // checkpoint at the same steps.
             ("checkpoint period (0 none)", config.checkpoint.as_ref().map_or(0, |p| p.every.max(1))),
             ("initial weights (digest)", fnv(bits)),
+            (
+                "augmentation and label smoothing (digest)",
+                fnv(format!("{} {}", config.augment.name(), config.label_smoothing).bytes().map(u64::from)),
+            ),
         ];
         Handshake { fields }
     }

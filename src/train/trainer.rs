@@ -491,7 +491,7 @@ pub fn with_trainer<T>(
         collective: Wait::for_threads(n),
         messages: Wait::for_threads(n + 1),
     };
-    let seed = config.seed;
+    let (seed, loss) = (config.seed, config.loss());
     let decay = &decay_mask(model, config.weight_decay_on);
     let out = match transport {
         #[cfg(feature = "mpi")]
@@ -503,7 +503,9 @@ pub fn with_trainer<T>(
             setup.run(
                 &group,
                 f,
-                |d, device, start| Ok(cpu_replica(device, start, seed, stats(d)).with_decay(decay.clone())),
+                |d, device, start| {
+                    Ok(cpu_replica(device, start, seed, stats(d)).with_decay(decay.clone()).with_loss(loss))
+                },
                 |d, _| Ok(group.member(d)),
             )
         }
@@ -519,7 +521,9 @@ pub fn with_trainer<T>(
             setup.run(
                 &shm,
                 f,
-                |d, device, start| Ok(cpu_replica(device, start, seed, stats(d)).with_decay(decay.clone())),
+                |d, device, start| {
+                    Ok(cpu_replica(device, start, seed, stats(d)).with_decay(decay.clone()).with_loss(loss))
+                },
                 |d, _| Ok(shm.member(d)),
             )
         }
@@ -549,7 +553,9 @@ pub fn with_trainer<T>(
                     &abort,
                     f,
                     |d, device, start| {
-                        Ok(gpu_replica(device, start, seed, stats.get(d), &abort)?.with_decay(decay.clone()))
+                        Ok(gpu_replica(device, start, seed, stats.get(d), &abort)?
+                            .with_decay(decay.clone())
+                            .with_loss(loss))
                     },
                     |d, replica| GpuExchange::new(group.join(d, replica.stream())?, width, k)?.with_codec(codec),
                 )

@@ -273,19 +273,24 @@ impl BnInputs {
 
 // ---- softmax_xent.cu -----------------------------------------------------------------
 
-/// Softmax cross-entropy per sample, in f64: the loss lse(z) - z[label] and dlogits
-/// softmax(z) - onehot(label), the row maximum subtracted before exp.
+/// Softmax cross-entropy per sample with label smoothing `eps` (0: none), in f64: the
+/// loss (1 - eps)·(lse(z) - z[label]) + (eps/K)·Σ_c (lse(z) - z[c]) and dlogits
+/// softmax(z) - ((1 - eps)·onehot(label) + eps/K), the row maximum subtracted before exp
+/// (PyTorch's `cross_entropy(label_smoothing=eps)`, written out).
 /// logits: (N, K); labels: (N); returns loss: (N) and dlogits: (N, K).
-pub fn softmax_xent_ref(logits: &[f32], labels: &[u32], k: usize) -> (Vec<f64>, Vec<f64>) {
+pub fn softmax_xent_ref(logits: &[f32], labels: &[u32], k: usize, eps: f32) -> (Vec<f64>, Vec<f64>) {
     let n = labels.len();
+    let eps = eps as f64;
     let (mut want_loss, mut want_dl) = (vec![0.0; n], vec![0.0; n * k]);
     for s in 0..n {
         let z = f64s(&logits[s * k..(s + 1) * k]);
         let mx = z.iter().cloned().fold(f64::MIN, f64::max);
         let lse = z.iter().map(|v| (v - mx).exp()).sum::<f64>().ln() + mx;
-        want_loss[s] = lse - z[labels[s] as usize];
+        let smooth: f64 = z.iter().map(|v| lse - v).sum();
+        want_loss[s] = (1.0 - eps) * (lse - z[labels[s] as usize]) + eps / k as f64 * smooth;
         for j in 0..k {
-            want_dl[s * k + j] = (z[j] - lse).exp() - if j == labels[s] as usize { 1.0 } else { 0.0 };
+            let target = if j == labels[s] as usize { 1.0 - eps } else { 0.0 } + eps / k as f64;
+            want_dl[s * k + j] = (z[j] - lse).exp() - target;
         }
     }
     (want_loss, want_dl)

@@ -12,8 +12,11 @@ use crate::cuda::kernels::softmax_xent;
 use crate::{Error, Result};
 
 impl Gpu {
-    /// logits: (N, K), labels: (N) -> loss: (N), dlogits: (N, K) = softmax - onehot
-    /// (gradient of the summed loss), correct: (N) in {0, 1}.
+    /// logits: (N, K), labels: (N) -> loss: (N), dlogits: (N, K) = softmax - target
+    /// (gradient of the summed loss; the target is (1 - eps)·onehot + eps/K with label
+    /// smoothing eps, `nn::loss::CrossEntropy`), correct: (N) in {0, 1}.
+    // The kernel's own argument list, buffer by buffer, as every checked launch takes it.
+    #[allow(clippy::too_many_arguments)]
     pub fn softmax_xent_fwd(
         &self,
         logits: &impl DevIn,
@@ -22,6 +25,7 @@ impl Gpu {
         dlogits: &mut impl DevOut,
         correct: &mut CudaSlice<u32>,
         k: usize,
+        label_smoothing: f32,
     ) -> Result<()> {
         let logits = &logits.view();
         let loss = &mut loss.view_mut();
@@ -30,6 +34,10 @@ impl Gpu {
         let n = labels.len();
         if k == 0 {
             return Err(Error::shape(op, "K (number of classes) must be positive"));
+        }
+        // The kernel trusts ε; `CrossEntropy::new` is the check a run makes.
+        if !(0.0..1.0).contains(&label_smoothing) {
+            return Err(Error::config("label smoothing", format!("must be in [0, 1), got {label_smoothing}")));
         }
         check_len(op, "logits", logits, n * k)?;
         check_len(op, "dlogits", dlogits, n * k)?;
@@ -41,8 +49,21 @@ impl Gpu {
         let ki = dim(op, "K", k)?;
         let (labels, correct) = (&labels.as_view(), &mut correct.as_view_mut());
         // SAFETY: softmax_xent_fwd_f32(const float*, const unsigned*, float*, float*,
-        // unsigned*, size_t, int); lengths checked; out-of-range labels are never used as
-        // an index by the kernel.
-        unsafe { softmax_xent::softmax_xent::fwd(self, elem_cfg(n), logits, labels, loss, dlogits, correct, n, ki) }
+        // unsigned*, size_t, int, float); lengths checked; out-of-range labels are never
+        // used as an index by the kernel.
+        unsafe {
+            softmax_xent::softmax_xent::fwd(
+                self,
+                elem_cfg(n),
+                logits,
+                labels,
+                loss,
+                dlogits,
+                correct,
+                n,
+                ki,
+                label_smoothing,
+            )
+        }
     }
 }
