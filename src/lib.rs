@@ -103,6 +103,8 @@ pub mod guide {
     pub struct SeveralMachines;
     #[doc = include_str!("../docs/ddp-features.md")]
     pub struct DdpFeatures;
+    #[doc = include_str!("../docs/residual-networks.md")]
+    pub struct ResidualNetworks;
     #[doc = include_str!("../docs/limits.md")]
     pub struct Limits;
     #[doc = include_str!("../docs/performance.md")]

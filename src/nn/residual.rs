@@ -679,6 +679,25 @@ mod tests {
     }
 
     #[test]
+    fn the_spec_example_runs_forward_and_backward() {
+        // Its body's BatchNorm is followed by layers without tensors and its shortcut has
+        // no buffers: their spans must index the block's shorter slices.
+        let (input, layer) = Residual::SPEC.example;
+        let text = format!(r#"{{"input_shape": {input:?}, "layers": [{layer}]}}"#);
+        let mut model = crate::spec::model_from_spec_str(&text, "example").unwrap();
+        let mut store = model.init(1);
+        let x = Tensor::from_vec((0..2 * 72).map(|i| (i % 7) as f32 - 3.0).collect(), [2, 2, 6, 6]).unwrap();
+        let ctx = Ctx::train(0, 0, 0, crate::tensor::Device::Cpu(0));
+        let y = model.forward(x, &store.params, &mut store.buffers, &ctx).unwrap();
+        assert_eq!(y.shape().dims(), &[2, 3, 3, 3]);
+        let mut grads = vec![0.0; model.params_len()];
+        let dy = Tensor::from_vec(vec![1.0; y.numel()], y.shape().clone()).unwrap();
+        let dx = model.backward_input(dy, &store.params, &mut grads, &ctx).unwrap();
+        assert_eq!(dx.shape().dims(), &[2, 2, 6, 6]);
+        assert!(grads.iter().any(|&g| g != 0.0) && dx.host().iter().all(|v| v.is_finite()));
+    }
+
+    #[test]
     fn mismatched_branches_and_a_shortcut_without_images_are_refused() {
         let e = Residual::new([3, 8, 8], vec![(None, conv(3, 4, 3, 2, 1))], vec![], Activation::Relu).unwrap_err();
         assert_eq!(

@@ -158,6 +158,11 @@ impl Sequential {
             shape = layer.output_shape(&shape).map_err(|e| Error::config("model", format!("layer {name}: {e}")))?;
             shapes.push(LayerShapes { input, output: Shape::new(&shape.dims()[1..]) });
             let lay = |specs: Vec<super::ParamSpec>, off: &mut usize, infos: &mut Vec<TensorInfo>| {
+                if specs.is_empty() {
+                    // No tensors: an empty span, which indexes a container's shorter
+                    // slice (`nn::residual`) as well as the whole buffer.
+                    return (0..0, Vec::new());
+                }
                 *off = off.next_multiple_of(TENSOR_ALIGN);
                 let start = *off;
                 let ranges = specs
