@@ -32,7 +32,8 @@ use super::gpu::{Backward, Forward, GpuLayer, Node};
 use super::sequential::batched;
 use super::spec_entry::{layers_to_spec, Activation, Build, LayerType};
 use super::{
-    Ctx, InputGrad, Layer, LayerMemory, LayerShapes, NamedLayer, ParamSpec, Params, ParamsMut, Place, Sequential, F32,
+    Ctx, InputGrad, Layer, LayerMemory, LayerShapes, NamedLayer, ParamSpec, Params, ParamsMut, Place, Relu, Sequential,
+    F32,
 };
 use crate::cuda::Gpu;
 use crate::error::{Error, Result};
@@ -48,13 +49,15 @@ pub struct Residual {
     /// None: the identity.
     shortcut: Option<Sequential>,
     activation: Activation,
-    /// y of the last training forward, when a ReLU follows the add (its backward's mask).
-    y: Option<Tensor>,
+    /// The ReLU after the add, when `activation` says so: the ReLU layer itself (its
+    /// forward, its mask, its backward), so that the block's is no other ReLU.
+    relu: Option<Relu>,
 }
 
 impl Clone for Residual {
     fn clone(&self) -> Self {
-        Residual { body: self.body.clone(), shortcut: self.shortcut.clone(), activation: self.activation, y: None }
+        let relu = self.relu.as_ref().map(|_| Relu::new());
+        Residual { body: self.body.clone(), shortcut: self.shortcut.clone(), activation: self.activation, relu }
     }
 }
 
@@ -116,7 +119,8 @@ impl Residual {
                 ),
             ));
         }
-        let block = Residual { body, shortcut, activation, y: None };
+        let relu = (activation == Activation::Relu).then(Relu::new);
+        let block = Residual { body, shortcut, activation, relu };
         let mut seen = std::collections::HashSet::new();
         if let Some(t) = block
             .branches()
@@ -257,15 +261,10 @@ impl Layer for Residual {
             Some(s) => add_into(&mut y, &s.forward_at(x, p_short, b_short, ctx, Place::Branch(SHORTCUT))?),
             None => add_into(&mut y, &x),
         }
-        if self.activation == Activation::Relu {
-            for v in y.host_mut() {
-                *v = if *v > 0.0 { *v } else { 0.0 };
-            }
-            if ctx.mode == super::Mode::Train {
-                self.y = Some(y.clone());
-            }
+        match &mut self.relu {
+            Some(relu) => relu.forward(y, Params::new(&[], &[]), ParamsMut::new(&mut [], &[]), ctx),
+            None => Ok(y),
         }
-        Ok(y)
     }
 
     // dout: (N, *output) → dx: (N, *input) = dbody + dshortcut
@@ -277,23 +276,9 @@ impl Layer for Residual {
         input_grad: InputGrad,
         ctx: &Ctx,
     ) -> Result<Option<Tensor>> {
-        if self.activation == Activation::Relu {
-            let y = self
-                .y
-                .take()
-                .ok_or_else(|| Error::config("Residual backward", "no training forward to differentiate"))?;
-            if y.shape() != dout.shape() {
-                return Err(Error::shape(
-                    "Residual backward",
-                    format!("dout {} for output {}", dout.shape(), y.shape()),
-                ));
-            }
-            // The subgradient at 0 is 0, as PyTorch's ReLU.
-            for (d, &v) in dout.host_mut().iter_mut().zip(y.host()) {
-                if v <= 0.0 {
-                    *d = 0.0;
-                }
-            }
+        if let Some(relu) = &mut self.relu {
+            let none = ParamsMut::new(&mut [], &[]);
+            dout = relu.backward(dout, Params::new(&[], &[]), none, InputGrad::Needed, ctx)?.expect("asked for");
         }
         let (p_body, p_short) = Residual::split(params.flat(), self.body.params_len());
         let (g_body, g_short) = Residual::split_mut(dparams.flat_mut(), self.body.params_len());
@@ -321,7 +306,7 @@ impl Layer for Residual {
             Some(s) => s.layers().iter().map(|l| l.describe()).collect::<Vec<_>>().join(", "),
             None => "identity".into(),
         };
-        let act = if self.activation == Activation::Relu { ", relu" } else { "" };
+        let act = if self.relu.is_some() { ", relu" } else { "" };
         format!("Residual([{}] + [{short}]{act})", body.join(", "))
     }
 
@@ -336,7 +321,7 @@ impl Layer for Residual {
 
     /// Its branches' layers' own accounts, and the block's: the input a shortcut reads
     /// after the body has run, the branches' outputs meeting in the add, and the ReLU's
-    /// output for its mask.
+    /// own account (its mask).
     fn memory(&self, shapes: &LayerShapes) -> Option<LayerMemory> {
         let mut m = LayerMemory::NONE;
         for (_, s) in self.branches() {
@@ -347,9 +332,12 @@ impl Layer for Residual {
             }
         }
         let (i, o) = (shapes.input.numel() as u64, shapes.output.numel() as u64);
-        let relu = if self.activation == Activation::Relu { o } else { 0 };
+        let relu = match &self.relu {
+            Some(r) => r.memory(shapes)?.kept_per_sample,
+            None => 0,
+        };
         m.kept_per_sample =
-            m.kept_per_sample.saturating_add(i.saturating_add(o).saturating_add(relu).saturating_mul(F32));
+            m.kept_per_sample.saturating_add(i.saturating_add(o).saturating_mul(F32)).saturating_add(relu);
         Some(m)
     }
 
@@ -394,12 +382,7 @@ impl Layer for Residual {
             Some(s) => Some(branch(s)?),
             None => None,
         };
-        Some(Box::new(ResidualGpu {
-            body: branch(&self.body)?,
-            shortcut,
-            relu: self.activation == Activation::Relu,
-            bufs: None,
-        }))
+        Some(Box::new(ResidualGpu { body: branch(&self.body)?, shortcut, relu: self.relu.is_some(), bufs: None }))
     }
 }
 
