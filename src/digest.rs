@@ -66,6 +66,12 @@ pub fn fnv1a(bytes: &[u8]) -> u64 {
     Fnv1a::new().bytes(bytes).finish()
 }
 
+/// FNV-1a of the bits of `values`, each as its 4 little-endian bytes: a short name for a
+/// tensor's exact contents, for summaries (`Debug` of weights and optimiser state).
+pub fn fnv1a_f32(values: &[f32]) -> u64 {
+    values.iter().fold(Fnv1a::new(), |h, v| h.bytes(&v.to_bits().to_le_bytes())).finish()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

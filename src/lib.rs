@@ -80,6 +80,25 @@ pub mod world;
 pub use error::{Error, Result};
 pub use tensor::{Device, Shape, Tensor};
 
+/// The names a notebook or a small program needs, in one `use lockstep::prelude::*;`:
+/// devices, the built-in models, the data loaders, the configurations, the two entry
+/// points and the observers.
+pub mod prelude {
+    pub use crate::data::digits::{load_digits, DigitsLayout};
+    pub use crate::data::fashion_mnist::load_fashion_mnist;
+    pub use crate::data::{Dataset, Splits};
+    pub use crate::devices::Devices;
+    pub use crate::models::{self, convnet, resnet, toy_mlp, ConvnetOptions, Norm, ResnetDepth};
+    pub use crate::nn::{Layer, Sequential};
+    pub use crate::observe::{CsvMetrics, JsonLines, Progress};
+    pub use crate::optim::{LrSchedule, OptimizerConfig};
+    pub use crate::train::{
+        train_data_parallel, train_data_parallel_with, with_trainer, Batch, EpochReport, Observer, Silent, Stopped,
+        TrainConfig, TrainReport, Trainer,
+    };
+    pub use crate::{Device, Error, Result, Shape, Tensor};
+}
+
 /// The README and the guide's chapters, compiled and run as doctests so that no stale
 /// example lands: every Rust block of them is compiled, and run unless it is `no_run`
 /// (tests/guide.rs runs their command lines).

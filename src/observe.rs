@@ -51,27 +51,10 @@ fn step_rate(e: &StepEvent<'_>) -> f64 {
 // ---------------------------------------------------------------------------------------
 // Text lines
 
-/// The epoch line of the CLI:
-/// `epoch  3/15 | train loss 0.1234 acc 0.9612 | test loss 0.0981 acc 0.9722 | 5210 samples/s | 0.66s | best`.
-/// `held_out` names what the per-epoch evaluation ran on: "test" or "validation"; `best`
-/// ends the line of an epoch whose held-out loss is the lowest so far.
+/// The epoch line of the CLI (`EpochReport::line`): `held_out` names what the per-epoch
+/// evaluation ran on, "test" or "validation".
 pub fn epoch_line(e: &EpochReport, held_out: &str) -> String {
-    let width = e.epochs.to_string().len();
-    let mut line = format!(
-        "epoch {:>width$}/{} | train loss {:.4} acc {:.4}",
-        e.epoch + 1,
-        e.epochs,
-        e.train.mean_loss(),
-        e.train.accuracy()
-    );
-    if let Some(t) = e.held_out() {
-        let _ = write!(line, " | {held_out} loss {:.4} acc {:.4}", t.mean_loss(), t.accuracy());
-    }
-    let _ = write!(line, " | {:.0} samples/s | {:.2}s", e.samples_per_sec, e.seconds);
-    if e.best {
-        line.push_str(" | best");
-    }
-    line
+    e.line(held_out)
 }
 
 /// The lesson's lines for one step, one per logical replica:

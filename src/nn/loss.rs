@@ -22,6 +22,14 @@ pub struct Metrics {
     pub count: u64,
 }
 
+/// `loss 0.1819 accuracy 0.9363 (9363/10000)`: the mean loss, the accuracy, and the
+/// samples it counts.
+impl std::fmt::Display for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "loss {:.4} accuracy {:.4} ({}/{})", self.mean_loss(), self.accuracy(), self.correct, self.count)
+    }
+}
+
 impl Metrics {
     /// Adds another batch's metrics.
     pub fn add(&mut self, other: &Metrics) {

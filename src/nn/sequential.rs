@@ -59,10 +59,22 @@ pub struct LayerShapes {
 }
 
 /// A replica's state: every parameter in one flat buffer, every buffer in another.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, PartialEq)]
 pub struct ParamStore {
     pub params: Vec<f32>,
     pub buffers: Vec<f32>,
+}
+
+/// The lengths and an FNV-1a digest of each buffer, not their values (a model's are
+/// millions: a notebook cell ending with a report would print them all).
+impl std::fmt::Debug for ParamStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let digest = |v: &[f32]| format!("{} values, fnv1a {:016x}", v.len(), crate::digest::fnv1a_f32(v));
+        f.debug_struct("ParamStore")
+            .field("params", &format_args!("{}", digest(&self.params)))
+            .field("buffers", &format_args!("{}", digest(&self.buffers)))
+            .finish()
+    }
 }
 
 struct Slots {

@@ -455,7 +455,7 @@ impl LrSchedule {
 }
 
 /// An optimiser and its state for one replica (or, sharded, for one range of it).
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, PartialEq)]
 pub struct Optimizer {
     config: OptimizerConfig,
     /// Steps taken (Adam's t after `begin_step`).
@@ -473,6 +473,25 @@ pub struct Optimizer {
     m: Vec<f32>,
     /// Adam: the second moment v. SGD: empty.
     v: Vec<f32>,
+}
+
+/// The configuration, the step count and the range, and of each state tensor its length
+/// and an FNV-1a digest rather than its values.
+impl std::fmt::Debug for Optimizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let state: Vec<String> = self
+            .state()
+            .iter()
+            .map(|(name, v)| format!("{name}: {} values, fnv1a {:016x}", v.len(), crate::digest::fnv1a_f32(v)))
+            .collect();
+        f.debug_struct("Optimizer")
+            .field("config", &self.config)
+            .field("steps", &self.t)
+            .field("range", &self.range)
+            .field("part", &self.part)
+            .field("state", &state)
+            .finish()
+    }
 }
 
 impl Optimizer {

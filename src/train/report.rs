@@ -100,6 +100,38 @@ impl EpochReport {
     pub fn held_out(&self) -> Option<&Metrics> {
         self.val.as_ref().or(self.test.as_ref())
     }
+
+    /// The epoch line of the CLI:
+    /// `epoch  3/15 | train loss 0.1234 acc 0.9612 | test loss 0.0981 acc 0.9722 | 5210 samples/s | 0.66s | best`.
+    /// `held_out` names what the per-epoch evaluation ran on: "test" or "validation";
+    /// `best` ends the line of an epoch whose held-out loss is the lowest so far.
+    pub fn line(&self, held_out: &str) -> String {
+        use std::fmt::Write as _;
+        let width = self.epochs.to_string().len();
+        let mut line = format!(
+            "epoch {:>width$}/{} | train loss {:.4} acc {:.4}",
+            self.epoch + 1,
+            self.epochs,
+            self.train.mean_loss(),
+            self.train.accuracy()
+        );
+        if let Some(t) = self.held_out() {
+            let _ = write!(line, " | {held_out} loss {:.4} acc {:.4}", t.mean_loss(), t.accuracy());
+        }
+        let _ = write!(line, " | {:.0} samples/s | {:.2}s", self.samples_per_sec, self.seconds);
+        if self.best {
+            line.push_str(" | best");
+        }
+        line
+    }
+}
+
+/// The CLI's epoch line, the held-out set named by which one it is.
+impl std::fmt::Display for EpochReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let held_out = if self.val.is_some() { HeldOut::Validation } else { HeldOut::Test };
+        f.write_str(&self.line(held_out.name()))
+    }
 }
 
 /// A held-out evaluation outside the epochs: the test split evaluated once at the end of
@@ -137,8 +169,10 @@ pub enum Stopped {
     Interrupted { checkpoint: Option<PathBuf> },
 }
 
-/// What a run returns.
-#[derive(Clone, Debug)]
+/// What a run returns. Its `Display` is the CLI's summary (an epoch line each, then the
+/// steps, time and samples/s, and why it stopped); its `Debug` names the weights and the
+/// optimiser state by length and digest, and the losses by count, first and last.
+#[derive(Clone)]
 pub struct TrainReport {
     /// Final parameters and buffers (identical on every replica): those of the last
     /// step taken, also when the run stopped early or was interrupted.
@@ -156,4 +190,90 @@ pub struct TrainReport {
     /// The best held-out epoch of the run, resumed epochs included (none without a
     /// held-out set).
     pub best: Option<BestEpoch>,
+}
+
+impl std::fmt::Display for TrainReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        for e in &self.epochs {
+            writeln!(f, "{e}")?;
+        }
+        write!(f, "trained {} steps in {:.2}s ({:.0} samples/s)", self.steps, self.seconds, self.samples_per_sec)?;
+        match &self.stopped {
+            Stopped::Completed => Ok(()),
+            Stopped::EarlyStopping { best_epoch } => write!(f, "; stopped early, best epoch {}", best_epoch + 1),
+            Stopped::Interrupted { checkpoint: Some(p) } => write!(f, "; interrupted, checkpoint {}", p.display()),
+            Stopped::Interrupted { checkpoint: None } => write!(f, "; interrupted"),
+        }
+    }
+}
+
+impl std::fmt::Debug for TrainReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let losses = match (self.losses.first(), self.losses.last()) {
+            (Some(a), Some(b)) => format!("{} steps, first {a:.4}, last {b:.4}", self.losses.len()),
+            _ => "none".to_string(),
+        };
+        f.debug_struct("TrainReport")
+            .field("weights", &self.weights)
+            .field("optimizer", &self.optimizer)
+            .field("epochs", &self.epochs)
+            .field("losses", &format_args!("{losses}"))
+            .field("steps", &self.steps)
+            .field("seconds", &self.seconds)
+            .field("samples_per_sec", &self.samples_per_sec)
+            .field("stopped", &self.stopped)
+            .field("best", &self.best)
+            .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::optim::OptimizerConfig;
+
+    fn report(values: usize, steps: usize) -> TrainReport {
+        let m = |loss_sum, correct, count| Metrics { loss_sum, correct, count };
+        let epoch = EpochReport {
+            epoch: 0,
+            epochs: 1,
+            train: m(40.0, 90, 100),
+            test: Some(m(30.0, 95, 100)),
+            val: None,
+            best: true,
+            steps: steps as u64,
+            seconds: 0.5,
+            samples_per_sec: 200.0,
+        };
+        TrainReport {
+            weights: ParamStore { params: vec![0.5; values], buffers: vec![1.0; 64] },
+            optimizer: Optimizer::new(OptimizerConfig::adam(1e-3), values),
+            epochs: vec![epoch],
+            losses: (0..steps).map(|k| 1.0 / (k + 1) as f64).collect(),
+            steps: steps as u64,
+            seconds: 0.5,
+            samples_per_sec: 200.0,
+            stopped: Stopped::Completed,
+            best: None,
+        }
+    }
+
+    #[test]
+    fn a_reports_debug_is_short_whatever_the_model_and_its_display_is_the_clis() {
+        // A million parameters with Adam's two moments: 3 million values, none printed.
+        let r = report(1_000_000, 5_000);
+        let debug = format!("{r:?}");
+        assert!(debug.len() < 1_500, "{} characters: {debug}", debug.len());
+        assert!(debug.contains("params: 1000000 values, fnv1a "), "{debug}");
+        assert!(debug.contains("m: 1000000 values") && debug.contains("losses: 5000 steps, first 1.0000, last 0.0002"));
+        assert_eq!(
+            r.to_string(),
+            "epoch 1/1 | train loss 0.4000 acc 0.9000 | test loss 0.3000 acc 0.9500 | 200 samples/s | 0.50s | best\n\
+             trained 5000 steps in 0.50s (200 samples/s)"
+        );
+        assert_eq!(r.epochs[0].train.to_string(), "loss 0.4000 accuracy 0.9000 (90/100)");
+        // Two stores of other values have other digests.
+        let other = ParamStore { params: vec![0.25; 1_000_000], buffers: vec![1.0; 64] };
+        assert_ne!(format!("{:?}", r.weights), format!("{other:?}"));
+    }
 }
