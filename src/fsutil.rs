@@ -1,30 +1,155 @@
-//! Writing files so that a reader never sees half of one: write a temporary file in the
-//! same directory, flush it to disk, then rename it over the destination (atomic on the
-//! same filesystem). On any failure the temporary file is removed and the destination
-//! keeps its previous contents.
+//! Writing files so that a reader never sees half of one, and never replacing what is not
+//! ours: every file lockstep writes (weights, checkpoints, datasets, plots) goes through
+//! [`replace_with`].
+//!
+//! - A regular file, or a path that does not exist, is written to a temporary file in the
+//!   same directory, flushed to disk, then renamed over the destination (atomic on the
+//!   same filesystem). On any failure the temporary file is removed and the destination
+//!   keeps its previous contents.
+//! - A symbolic link is followed: the file it names is replaced that way, and the link
+//!   stays.
+//! - A FIFO or a character device (`/dev/null`, `/dev/stdout`) is written through, as a
+//!   shell redirection would: renaming over it would replace the system's device with a
+//!   regular file.
+//! - Anything else (a directory, a socket, a block device) is refused, naming it.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::error::{Error, Result};
 
-/// Writes `bytes` to `path` atomically.
-pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    let dir = match path.parent() {
+/// What a destination is, as [`replace_with`] treats it.
+enum Destination {
+    /// A regular file, or nothing yet: replaced atomically at this path (a link's target).
+    File(PathBuf),
+    /// A FIFO or a character device: written through.
+    Stream,
+}
+
+/// What `path` is, or why lockstep must not write it.
+fn destination(path: &Path) -> Result<Destination> {
+    use std::os::unix::fs::FileTypeExt as _;
+    let meta = match std::fs::metadata(path) {
+        Ok(m) => m,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            // Nothing there, or a link to nothing: a link is followed to where it points.
+            return match std::fs::read_link(path) {
+                Ok(target) => Ok(Destination::File(path.parent().unwrap_or(Path::new(".")).join(target))),
+                Err(_) => Ok(Destination::File(path.to_path_buf())),
+            };
+        }
+        Err(e) => return Err(Error::io(path, e)),
+    };
+    let t = meta.file_type();
+    if meta.is_file() {
+        let linked = std::fs::symlink_metadata(path).map(|m| m.file_type().is_symlink()).unwrap_or(false);
+        let at = if linked { std::fs::canonicalize(path).map_err(|e| Error::io(path, e))? } else { path.to_path_buf() };
+        Ok(Destination::File(at))
+    } else if t.is_fifo() || t.is_char_device() {
+        Ok(Destination::Stream)
+    } else {
+        let what = crate::safetensors_io::not_a_file(&meta).unwrap_or("not a regular file");
+        Err(Error::format(path, format!("is {what}: lockstep writes only regular files, FIFOs and character devices")))
+    }
+}
+
+/// Writes `path` through `fill`, which writes the whole content to the temporary path it is
+/// given, as the file's docs say: atomically for a regular file, through for a FIFO or a
+/// character device, refused for anything else.
+pub fn replace_with(path: &Path, fill: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let at = match destination(path)? {
+        Destination::File(at) => at,
+        Destination::Stream => {
+            // The content is made first, beside nothing that could be mistaken for it.
+            let dir = std::env::temp_dir();
+            let tmp = dir.join(format!(
+                ".lockstep-stream-{}-{}",
+                std::process::id(),
+                COUNTER.fetch_add(1, Ordering::Relaxed)
+            ));
+            let result = fill(&tmp).and_then(|()| {
+                let bytes = std::fs::read(&tmp).map_err(|e| Error::io(&tmp, e))?;
+                let mut out = std::fs::OpenOptions::new().write(true).open(path).map_err(|e| Error::io(path, e))?;
+                out.write_all(&bytes).and_then(|()| out.flush()).map_err(|e| Error::io(path, e))
+            });
+            let _ = std::fs::remove_file(&tmp);
+            return result;
+        }
+    };
+    let dir = match at.parent() {
         Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
         _ => PathBuf::from("."),
     };
-    let name = path.file_name().ok_or_else(|| Error::format(path, "not a file path"))?;
-    let tmp = dir.join(format!(".{}.tmp-{}", name.to_string_lossy(), std::process::id()));
-    let result = (|| -> std::io::Result<()> {
-        let mut f = std::fs::File::create(&tmp)?;
-        f.write_all(bytes)?;
-        f.sync_all()?;
-        std::fs::rename(&tmp, path)
-    })();
-    if let Err(e) = result {
+    let name = at.file_name().ok_or_else(|| Error::format(path, "not a file path"))?;
+    // Kept after the name, so that a writer picking its format by the ending (a PNG) sees it.
+    let ending = at.extension().map(|e| format!(".{}", e.to_string_lossy())).unwrap_or_default();
+    let unique = format!(
+        ".{}.tmp-{}-{}{ending}",
+        name.to_string_lossy(),
+        std::process::id(),
+        COUNTER.fetch_add(1, Ordering::Relaxed)
+    );
+    let tmp = dir.join(unique);
+    let result = fill(&tmp).and_then(|()| std::fs::rename(&tmp, &at).map_err(|e| Error::io(path, e)));
+    if result.is_err() {
         let _ = std::fs::remove_file(&tmp);
-        return Err(Error::io(path, e));
     }
-    Ok(())
+    result
+}
+
+/// Writes `bytes` to `path` through [`replace_with`], flushed to disk before the rename.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    replace_with(path, |tmp| {
+        let mut f = std::fs::File::create(tmp).map_err(|e| Error::io(path, e))?;
+        f.write_all(bytes).and_then(|()| f.sync_all()).map_err(|e| Error::io(path, e))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_fifo_is_written_through_and_stays_a_fifo() {
+        use std::os::unix::fs::FileTypeExt as _;
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("pipe");
+        let made = std::process::Command::new("mkfifo").arg(&fifo).status().unwrap();
+        assert!(made.success());
+        let reader = {
+            let fifo = fifo.clone();
+            std::thread::spawn(move || std::fs::read(&fifo).unwrap())
+        };
+        write_atomic(&fifo, b"weights").unwrap();
+        assert_eq!(reader.join().unwrap(), b"weights");
+        assert!(std::fs::symlink_metadata(&fifo).unwrap().file_type().is_fifo());
+        // Nothing left beside it.
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
+    }
+
+    #[test]
+    fn a_link_is_followed_and_kept_and_a_directory_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("real.safetensors");
+        std::fs::write(&file, b"old").unwrap();
+        let link = dir.path().join("link.safetensors");
+        std::os::unix::fs::symlink(&file, &link).unwrap();
+        write_atomic(&link, b"new").unwrap();
+        assert!(std::fs::symlink_metadata(&link).unwrap().file_type().is_symlink());
+        assert_eq!(std::fs::read(&file).unwrap(), b"new");
+        let sub = dir.path().join("sub");
+        std::fs::create_dir(&sub).unwrap();
+        let e = write_atomic(&sub, b"x").unwrap_err().to_string();
+        assert!(e.contains("is a directory: lockstep writes only regular files, FIFOs and character devices"), "{e}");
+        assert!(sub.is_dir());
+        // A plain file is replaced, and nothing temporary stays.
+        let plain = dir.path().join("plain.bin");
+        write_atomic(&plain, b"1").unwrap();
+        write_atomic(&plain, b"2").unwrap();
+        assert_eq!(std::fs::read(&plain).unwrap(), b"2");
+        let names: Vec<_> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
+        assert_eq!(names.len(), 4, "{names:?}");
+    }
 }

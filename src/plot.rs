@@ -11,7 +11,7 @@
 //! and handed to plotters' `ab_glyph` renderer. Leaves the CSV's format to `observe`.
 
 use std::error::Error as StdError;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::OnceLock;
 
 use plotters::prelude::*;
@@ -150,24 +150,14 @@ pub fn plot_metrics_csv(csv: &Path, out: &Path, x: XAxis) -> Result<()> {
 /// Draws `table` to `out` (PNG, atomically).
 pub fn plot_table(table: &MetricsTable, title: &str, out: &Path, x: XAxis) -> Result<()> {
     register_font()?;
-    let dir = match out.parent() {
-        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
-        _ => PathBuf::from("."),
-    };
-    let name = out.file_name().ok_or_else(|| Error::format(out, "not a file path"))?;
     if out.is_dir() {
         return Err(Error::format(out, "is a directory, not a file path"));
     }
-    // The `.png` ending picks the encoder.
-    let tmp = dir.join(format!(".{}.tmp-{}.png", name.to_string_lossy(), std::process::id()));
-    std::fs::File::create(&tmp).map_err(|e| Error::io(out, e))?;
-    let result = draw(table, title, &tmp, x)
-        .map_err(|e| Error::io(out, std::io::Error::other(e.to_string())))
-        .and_then(|()| std::fs::rename(&tmp, out).map_err(|e| Error::io(out, e)));
-    if result.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    result
+    // The temporary file keeps the `.png` ending, which picks the encoder.
+    crate::fsutil::replace_with(out, |tmp| {
+        std::fs::File::create(tmp).map_err(|e| Error::io(out, e))?;
+        draw(table, title, tmp, x).map_err(|e| Error::io(out, std::io::Error::other(e.to_string())))
+    })
 }
 
 /// The embedded font, registered once as "sans-serif".
@@ -342,6 +332,7 @@ fn panel(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::path::PathBuf;
 
     fn scratch(name: &str) -> PathBuf {
         let dir = std::env::temp_dir().join(format!("lockstep-plot-{name}-{}", std::process::id()));

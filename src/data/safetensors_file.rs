@@ -20,10 +20,7 @@
 //! The PyTorch oracle cases in `shared/oracle/*/data.safetensors` have this layout.
 
 use std::collections::BTreeMap;
-use std::fs;
-use std::io::Write;
-use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::path::Path;
 
 use safetensors::Dtype;
 
@@ -82,23 +79,10 @@ pub fn save_safetensors_dataset(ds: &Dataset, path: &Path) -> Result<()> {
     write_atomically(path, &bytes)
 }
 
-/// Writes `bytes` to a unique temporary file beside `path`, flushes it to disk, then
-/// renames it to `path`; on any failure the temporary file is removed.
+/// Writes `bytes` to `path` as every file lockstep writes (`fsutil`: atomically, never
+/// over what is not a regular file but a FIFO or a device, written through).
 fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
-    static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let file_name = path.file_name().ok_or_else(|| Error::format(path, "not a file path"))?.to_string_lossy();
-    let unique = format!(".{file_name}.tmp-{}-{}", std::process::id(), COUNTER.fetch_add(1, Ordering::Relaxed));
-    let tmp: PathBuf = path.with_file_name(unique);
-    let result = (|| {
-        let mut f = fs::File::create(&tmp)?;
-        f.write_all(bytes)?;
-        f.sync_all()?;
-        fs::rename(&tmp, path)
-    })();
-    result.map_err(|e| {
-        let _ = fs::remove_file(&tmp);
-        Error::io(path, e)
-    })
+    crate::fsutil::write_atomic(path, bytes)
 }
 
 fn load(path: &Path, num_classes: Option<usize>) -> Result<Dataset> {
@@ -235,6 +219,8 @@ mod tests {
     use safetensors::tensor::TensorView;
     use safetensors::SafeTensors;
     use std::collections::HashMap;
+    use std::fs;
+    use std::path::PathBuf;
 
     thread_local! {
         /// Each test's scratch directory: libtest runs a test on its own thread, whose
