@@ -77,13 +77,26 @@ impl DirLock {
             return Ok(DirLock { held: h, stale: None });
         }
         let path = canonical.join(LOCK_FILE);
-        let mut file = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .open(&path)
-            .map_err(|e| Error::io(&path, e))?;
+        // The lock file is the directory's own: a link is never followed (a checkpoint
+        // directory on shared storage could otherwise point it at any file the runner
+        // may write, which taking the lock would truncate).
+        if std::fs::symlink_metadata(&path).is_ok_and(|m| m.file_type().is_symlink()) {
+            return Err(Error::format(&path, "is a symbolic link: the lock file must be the directory's own file"));
+        }
+        let mut file = {
+            use std::os::unix::fs::OpenOptionsExt as _;
+            std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(false)
+                .custom_flags(rustix::fs::OFlags::NOFOLLOW.bits() as i32)
+                .open(&path)
+                .map_err(|e| Error::io(&path, e))?
+        };
+        if !file.metadata().map_err(|e| Error::io(&path, e))?.is_file() {
+            return Err(Error::format(&path, "is not a regular file: the lock file must be the directory's own file"));
+        }
         let mut text = String::new();
         let _ = file.read_to_string(&mut text);
         let previous: Option<u32> = text.trim().parse().ok().filter(|&p| p != std::process::id());
@@ -106,9 +119,10 @@ impl DirLock {
         let h = Arc::new(Held { file, path, running: AtomicBool::new(false) });
         table.retain(|_, w| w.strong_count() > 0);
         table.insert(canonical, Arc::downgrade(&h));
-        // Whatever pid the file named no longer holds the lock: it is not running (or it
-        // is some unrelated process that reused the number).
-        Ok(DirLock { held: h, stale: previous })
+        // Whatever pid the file named no longer holds the lock. It is reported as a dead
+        // owner only when no process has that pid: a live one is some unrelated process
+        // (one that reused the number, or wrote the file), never "no longer running".
+        Ok(DirLock { held: h, stale: previous.filter(|&p| !alive(p)) })
     }
 
     /// The pid of the dead process whose lock this took over, if any.
@@ -161,6 +175,32 @@ mod tests {
         assert!(e.contains(&format!("(pid {})", std::process::id())), "{e}");
         drop(run);
         assert!(b.begin_run().is_ok());
+    }
+
+    #[test]
+    fn a_lock_file_that_is_a_link_is_refused_and_its_target_untouched() {
+        let dir = tempfile::tempdir().unwrap();
+        let victim = dir.path().join("victim.txt");
+        std::fs::write(&victim, b"precious").unwrap();
+        let ck = dir.path().join("ck");
+        std::fs::create_dir(&ck).unwrap();
+        std::os::unix::fs::symlink(&victim, ck.join(LOCK_FILE)).unwrap();
+        let e = DirLock::acquire(&ck).unwrap_err().to_string();
+        assert!(e.contains("is a symbolic link: the lock file must be the directory's own file"), "{e}");
+        assert_eq!(std::fs::read(&victim).unwrap(), b"precious");
+    }
+
+    #[test]
+    fn a_live_pid_in_the_file_is_never_called_stale() {
+        // A live process that holds no lock (it only wrote its pid): taken, but not
+        // reported as a dead owner.
+        let dir = tempfile::tempdir().unwrap();
+        let mut child = std::process::Command::new("sleep").arg("30").spawn().unwrap();
+        std::fs::write(dir.path().join(LOCK_FILE), format!("{}\n", child.id())).unwrap();
+        let lock = DirLock::acquire(dir.path()).unwrap();
+        assert_eq!(lock.stale_owner(), None);
+        child.kill().unwrap();
+        child.wait().unwrap();
     }
 
     #[test]
