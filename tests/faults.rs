@@ -119,7 +119,9 @@ fn check(phase: Phase, how: How, cause: &str) {
     assert!(matches!(&err, Error::Worker { device, step: 5, .. } if device == "cpu:2"), "{text}");
     assert!(text.starts_with("cpu:2, step 5: "), "{text}");
     assert!(text.contains(cause), "{text}");
-    assert!(took < Duration::from_secs(1), "took {took:?}");
+    // Not a timing target: a bound that only a hang exceeds (a run takes ~0.1 s; on a
+    // machine busy with other builds a whole second was once seen).
+    assert!(took < Duration::from_secs(10), "took {took:?}: the fault must end the run, not hang it");
     // Every worker was joined before the call returned; the kernel removes a joined
     // thread's /proc entry a moment later, so allow it that moment.
     let t0 = Instant::now();
