@@ -189,11 +189,6 @@ fn check_case(model: &Sequential, devices: Devices, world: usize, replicas: usiz
     let cfg = TrainConfig { initial: Some(init), ..config(want_losses.len() as u64, replicas, sgd()) };
     let report = train_data_parallel(model, &data, None, &devices, &cfg).unwrap();
     assert_eq!(report.losses.len(), want_losses.len());
-    if std::env::var_os("RESNET_DEBUG").is_some() {
-        for (k, (got, want)) in report.losses.iter().zip(&want_losses).enumerate() {
-            eprintln!("{devices} W={world} step {k}: {got} {want} {:e}", got - want);
-        }
-    }
     for (k, (got, want)) in report.losses.iter().zip(&want_losses).enumerate() {
         assert!((got - want).abs() <= 1e-5, "{devices}, W = {world}: loss of step {k}: {got} vs {want}");
     }

@@ -93,11 +93,8 @@ impl Residual {
         let shortcut = if shortcut.is_empty() {
             None
         } else {
-            if input.dims().len() != 3 {
-                return Err(Error::config(
-                    "residual",
-                    format!("a shortcut of layers needs images (C, H, W) in, got samples of shape {input}"),
-                ));
+            if let Some(problem) = shortcut_without_images(&input) {
+                return Err(Error::config("residual", problem));
             }
             let kinds: Vec<_> = shortcut.iter().map(|(n, l)| (n.clone(), l.kind())).collect();
             let auto = super::auto_names(kinds.iter().map(|(n, k)| (n.as_deref(), *k)));
@@ -108,16 +105,10 @@ impl Residual {
                 .collect();
             Some(Sequential::named(input.clone(), named)?)
         };
-        let skip = shortcut.as_ref().map_or(&input, |s| s.output_shape());
-        if body.output_shape() != skip {
-            return Err(Error::config(
-                "residual",
-                format!(
-                    "the body's output {} differs from the {}'s {skip}: they are added",
-                    body.output_shape(),
-                    if shortcut.is_some() { "shortcut" } else { "identity shortcut, the input" }
-                ),
-            ));
+        if let Some(problem) =
+            branches_disagree(&input, body.output_shape(), shortcut.as_ref().map(|s| s.output_shape()))
+        {
+            return Err(Error::config("residual", problem));
         }
         let relu = (activation == Activation::Relu).then(Relu::new);
         let block = Residual { body, shortcut, activation, relu };
@@ -165,22 +156,14 @@ impl Residual {
                 };
                 let (body, body_out) = branch(&body, "layers")?;
                 let (shortcut, skip_out) = branch(&shortcut, "shortcut")?;
-                if !shortcut.is_empty() && input.dims().len() != 4 {
-                    return Err(format!(
-                        "a shortcut of layers needs images (C, H, W) in, got samples of shape {}",
-                        Shape::new(&input.dims()[1..])
-                    ));
+                // The block's own checks, in the spec's words (without `invalid residual`).
+                let per = |s: &Shape| Shape::new(&s.dims()[1..]);
+                let per_sample = per(input);
+                if !shortcut.is_empty() {
+                    shortcut_without_images(&per_sample).map_or(Ok(()), Err)?;
                 }
-                if body_out != skip_out {
-                    let per = |s: &Shape| Shape::new(&s.dims()[1..]);
-                    return Err(format!(
-                        "the body's output {} differs from the {} {}: they are added",
-                        per(&body_out),
-                        if shortcut.is_empty() { "input (the identity shortcut)" } else { "shortcut's output" },
-                        per(&skip_out)
-                    ));
-                }
-                let per_sample = Shape::new(&input.dims()[1..]);
+                let skip = (!shortcut.is_empty()).then(|| per(&skip_out));
+                branches_disagree(&per_sample, &per(&body_out), skip.as_ref()).map_or(Ok(()), Err)?;
                 Residual::new(per_sample, body, shortcut, activation).map_err(|e| e.to_string())
             }))
         },
@@ -211,6 +194,22 @@ impl Residual {
         let at = at.min(flat.len());
         flat.split_at_mut(at)
     }
+}
+
+/// Why a shortcut of layers cannot take samples of per-sample shape `input`, if it cannot.
+fn shortcut_without_images(input: &Shape) -> Option<String> {
+    (input.dims().len() != 3)
+        .then(|| format!("a shortcut of layers needs images (C, H, W) in, got samples of shape {input}"))
+}
+
+/// Why a block's branches cannot be added, if they cannot: the body's per-sample output
+/// against the shortcut's (None: the identity, whose output is the input).
+fn branches_disagree(input: &Shape, body: &Shape, shortcut: Option<&Shape>) -> Option<String> {
+    let (skip, what) = match shortcut {
+        Some(s) => (s, "shortcut's output"),
+        None => (input, "input (the identity shortcut)"),
+    };
+    (body != skip).then(|| format!("the body's output {body} differs from the {what} {skip}: they are added"))
 }
 
 /// `a += b`, elementwise: the add of the block's forward (body + shortcut) and of its
@@ -436,17 +435,23 @@ struct ResidualGpu {
 /// block's, cut in order (the body's first, from `param_at`/`buffer_at` on).
 fn place_children(children: &mut [Child], block: &Node, branch: u64, at: &mut (usize, usize)) {
     for c in children {
-        let params: Vec<Range<usize>> = block.params[at.0..at.0 + c.params].to_vec();
-        let buffers: Vec<Range<usize>> = block.buffers[at.1..at.1 + c.buffers].to_vec();
-        *at = (at.0 + c.params, at.1 + c.buffers);
-        c.node = Some(Node {
-            name: format!("{}.{}", block.name, c.name),
-            index: Place::Branch(branch).index(block.index, c.position),
-            input: c.shapes.input.clone(),
-            output: c.shapes.output.clone(),
-            params,
-            buffers,
-        });
+        c.node = Some(child_node(c, block, branch, at));
+    }
+}
+
+/// The node of `c`, branch `branch`'s next layer inside the block of node `block`, its
+/// tensors the block's from `at` on (which it moves past them).
+fn child_node(c: &Child, block: &Node, branch: u64, at: &mut (usize, usize)) -> Node {
+    let params: Vec<Range<usize>> = block.params[at.0..at.0 + c.params].to_vec();
+    let buffers: Vec<Range<usize>> = block.buffers[at.1..at.1 + c.buffers].to_vec();
+    *at = (at.0 + c.params, at.1 + c.buffers);
+    Node {
+        name: format!("{}.{}", block.name, c.name),
+        index: Place::Branch(branch).index(block.index, c.position),
+        input: c.shapes.input.clone(),
+        output: c.shapes.output.clone(),
+        params,
+        buffers,
     }
 }
 
@@ -503,16 +508,7 @@ impl GpuLayer for ResidualGpu {
         let mut at = (0, 0);
         let mut probe = |cs: &[Child], branch: u64| -> Result<()> {
             for c in cs {
-                let child = Node {
-                    name: format!("{}.{}", node.name, c.name),
-                    index: Place::Branch(branch).index(node.index, c.position),
-                    input: c.shapes.input.clone(),
-                    output: c.shapes.output.clone(),
-                    params: node.params[at.0..at.0 + c.params].to_vec(),
-                    buffers: node.buffers[at.1..at.1 + c.buffers].to_vec(),
-                };
-                at = (at.0 + c.params, at.1 + c.buffers);
-                most = most.max(c.op.scratch(&child, n)?);
+                most = most.max(c.op.scratch(&child_node(c, node, branch, &mut at), n)?);
             }
             Ok(())
         };
@@ -688,7 +684,7 @@ mod tests {
         let e = Residual::new([3, 8, 8], vec![(None, conv(3, 4, 3, 2, 1))], vec![], Activation::Relu).unwrap_err();
         assert_eq!(
             e.to_string(),
-            "invalid residual: the body's output (4, 4, 4) differs from the identity shortcut, the input's (3, 8, 8): they are added"
+            "invalid residual: the body's output (4, 4, 4) differs from the input (the identity shortcut) (3, 8, 8): they are added"
         );
         let dense = || Box::new(crate::nn::Linear::new(4, 4)) as Box<dyn Layer>;
         let e = Residual::new([4], vec![(None, dense())], vec![(None, dense())], Activation::Linear).unwrap_err();
