@@ -85,6 +85,14 @@ impl SplitMix64 {
         (self.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
     }
 
+    /// Standard normal, by Box–Muller from two uniforms (the cosine branch only, so each
+    /// value costs two draws and depends on nothing before them but the stream).
+    pub fn next_normal(&mut self) -> f64 {
+        let u1 = 1.0 - self.next_f64(); // (0, 1]: ln is finite
+        let u2 = self.next_f64();
+        (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()
+    }
+
     /// Uniform integer in `0..n` (Lemire's multiply-shift; the bias is below 2^-32 for
     /// the sizes used here, and the result is deterministic, which is what matters).
     pub fn below(&mut self, n: usize) -> usize {

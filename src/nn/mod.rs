@@ -130,6 +130,12 @@ pub enum Init {
         fan_in: usize,
         fan_out: usize,
     },
+    /// N(0, std²), nanoGPT's initialiser of Linear and Embedding weights (std 0.02,
+    /// its residual projections 0.02/√(2·layers)); drawn by Box–Muller from the
+    /// tensor's own stream.
+    Normal {
+        std: f32,
+    },
     Zeros,
     Ones,
     /// A count, from 0 (BatchNorm's `num_batches_tracked`): held as f32 like every

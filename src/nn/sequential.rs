@@ -302,6 +302,12 @@ impl Sequential {
                 match t.init {
                     Init::Zeros | Init::Count => dst.fill(0.0),
                     Init::Ones => dst.fill(1.0),
+                    Init::Normal { std } => {
+                        let mut g = SplitMix64::new(derive_key(seed, &[purpose::INIT, base, i as u64]));
+                        for v in dst {
+                            *v = (g.next_normal() * f64::from(std)) as f32;
+                        }
+                    }
                     Init::GlorotUniform { fan_in, fan_out } => {
                         let a = (6.0 / (fan_in + fan_out) as f64).sqrt();
                         let mut g = SplitMix64::new(derive_key(seed, &[purpose::INIT, base, i as u64]));
