@@ -595,6 +595,7 @@ mod tests {
             steps: 3,
             seconds: 0.5,
             samples_per_sec: 200.0,
+            steps_of_run: None,
         }
     }
 

@@ -55,6 +55,10 @@ pub mod purpose {
     /// Training images' random crops and flips (`data::augment`), keyed by (epoch,
     /// sample index).
     pub const AUGMENT: u64 = 5;
+    /// A token stream's training windows, keyed by (step, row) (`train::scatter`).
+    pub const WINDOWS: u64 = 6;
+    /// The held-out windows of a token stream, drawn once per run.
+    pub const EVAL_WINDOWS: u64 = 7;
 }
 
 /// A small sequential generator (SplitMix64).

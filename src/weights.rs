@@ -88,6 +88,11 @@ pub fn save_as(model: &Sequential, store: &ParamStore, path: &Path, dtype: SaveD
             });
         }
     }
+    // A tied tensor under its other name too, as PyTorch's `state_dict` lists both.
+    for (alias, t) in model.aliases() {
+        let t = &model.param_infos()[*t];
+        named.push((alias.as_str(), t.shape.dims(), dtype.dtype(), dtype.encode(&store.params[t.range.clone()])));
+    }
     let tensors: Vec<TensorData<'_>> =
         named.iter().map(|(name, shape, dtype, data)| TensorData { name, dtype: *dtype, shape, data }).collect();
     let meta =
@@ -156,8 +161,26 @@ pub fn load(model: &Sequential, path: &Path) -> Result<ParamStore> {
     let mut store = ParamStore { params: vec![0.0; model.params_len()], buffers: vec![0.0; model.buffers_len()] };
     let expected: Vec<(&TensorInfo, bool)> =
         model.param_infos().iter().map(|t| (t, true)).chain(model.buffer_infos().iter().map(|t| (t, false))).collect();
-    for (info, is_param) in &expected {
-        match st.tensor(&info.name) {
+    // A tied tensor loads from its own name or from any alias (a file written by
+    // safetensors' `save_model` keeps one name of a shared tensor); where the file holds
+    // several, they must agree.
+    let names_of = |i: usize, info: &TensorInfo| -> Vec<String> {
+        let aliases = model.aliases().iter().filter(|(_, t)| *t == i).map(|(a, _)| a.clone());
+        std::iter::once(info.name.clone()).chain(aliases).collect()
+    };
+    for (i, (info, is_param)) in expected.iter().enumerate() {
+        let names = if *is_param { names_of(i, info) } else { vec![info.name.clone()] };
+        let present: Vec<&String> = names.iter().filter(|n| st.tensor(n).is_ok()).collect();
+        if let [first, rest @ ..] = present.as_slice() {
+            let bytes = |n: &str| st.tensor(n).map(|v| (v.dtype(), v.shape().to_vec(), v.data().to_vec())).ok();
+            for other in rest {
+                if bytes(first) != bytes(other) {
+                    problems.push(format!("tensor '{other}' differs from '{first}', the tensor it is tied to"));
+                }
+            }
+        }
+        let name = present.first().map_or(info.name.as_str(), |n| n.as_str());
+        match st.tensor(name) {
             Err(_) => problems.push(format!("missing tensor '{}' {}", info.name, info.shape)),
             Ok(view) => match float_values(&view)
                 .or_else(|| (info.init == Init::Count).then(|| count_values(&view)).flatten())
@@ -188,7 +211,8 @@ pub fn load(model: &Sequential, path: &Path) -> Result<ParamStore> {
             },
         }
     }
-    let known: std::collections::HashSet<&str> = expected.iter().map(|(t, _)| t.name.as_str()).collect();
+    let known: std::collections::HashSet<&str> =
+        expected.iter().map(|(t, _)| t.name.as_str()).chain(model.aliases().iter().map(|(a, _)| a.as_str())).collect();
     let mut unexpected: Vec<String> =
         st.names().into_iter().filter(|n| !known.contains(n)).map(|n| format!("unexpected tensor '{n}'")).collect();
     unexpected.sort();

@@ -423,17 +423,26 @@ fn init_follows_keras_defaults() {
                 Init::Zeros => assert!(v.iter().all(|&x| x == 0.0), "{model} {} must start at 0", t.name),
                 Init::Ones => assert!(v.iter().all(|&x| x == 1.0), "{model} {} must start at 1", t.name),
                 Init::Count => assert!(v.iter().all(|&x| x == 0.0), "{model} {} must count from 0", t.name),
+                Init::Normal { std } => {
+                    // N(0, std²) over n values: the mean within 5σ/√n, the sample std
+                    // within 10% (the smallest normal tensor has thousands of values).
+                    let n = v.len() as f64;
+                    let mean = v.iter().map(|&x| x as f64).sum::<f64>() / n;
+                    let sd = (v.iter().map(|&x| (x as f64 - mean).powi(2)).sum::<f64>() / n).sqrt();
+                    assert!(mean.abs() <= 5.0 * std as f64 / n.sqrt(), "{model} {}: mean {mean}", t.name);
+                    assert!((sd / std as f64 - 1.0).abs() < 0.1, "{model} {}: std {sd} for {std}", t.name);
+                }
             }
             // Which tensors get which initialiser, by name.
             let want_init = match t.name.rsplit('.').next().unwrap() {
-                "weight" => "glorot",
+                "weight" => "random",
                 "bias" | "beta" | "running_mean" => "zeros",
                 "num_batches_tracked" => "count",
                 "gamma" | "running_var" => "ones",
                 other => panic!("unexpected tensor kind {other}"),
             };
             let got_init = match t.init {
-                Init::GlorotUniform { .. } => "glorot",
+                Init::GlorotUniform { .. } | Init::Normal { .. } => "random",
                 Init::Zeros => "zeros",
                 Init::Ones => "ones",
                 Init::Count => "count",

@@ -11,6 +11,7 @@ pub mod digits;
 pub mod fashion_mnist;
 pub mod idx;
 pub mod safetensors_file;
+pub mod text;
 pub mod toy;
 
 use crate::digest::Fnv1a;
@@ -52,15 +53,23 @@ impl Features {
     }
 }
 
-/// Samples and labels of one split.
+/// Samples and labels of one split: stored samples, each with its label (a class) or
+/// its labels (a sequence's next token at every position), or a token stream whose
+/// samples are its windows ([`Dataset::windows`]).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Dataset {
     name: String,
-    /// Shape of ONE sample, e.g. `(1, 28, 28)` for an image or `(2,)` for the toy points.
+    /// Shape of ONE sample, e.g. `(1, 28, 28)` for an image, `(2,)` for the toy points,
+    /// `(T,)` for a sequence of T token ids.
     sample_shape: Shape,
     features: Features,
-    /// Class ids, one per sample, each `< num_classes`.
+    /// Class ids, `targets` per sample, each `< num_classes`. Empty for a token stream.
     labels: Vec<u32>,
+    /// Labels per sample: 1 for a classifier's samples, T for a sequence's.
+    targets: usize,
+    /// A token stream whose samples are its windows of `sample_shape` tokens (labels:
+    /// the same window one token on), instead of stored samples.
+    stream: Option<Vec<u32>>,
     num_classes: usize,
     /// A name per class where the data has them (Fashion-MNIST's "Ankle boot", a
     /// safetensors file's `class_names` metadata), for `predict`'s output.
@@ -97,7 +106,79 @@ impl Dataset {
         if let Some((i, &l)) = labels.iter().enumerate().find(|(_, &l)| l as usize >= num_classes) {
             return Err(err(label_outside(l.into(), i, num_classes, "")));
         }
-        Ok(Dataset { name, sample_shape, features, labels, num_classes, class_names: None })
+        Ok(Dataset { name, sample_shape, features, labels, targets: 1, stream: None, num_classes, class_names: None })
+    }
+
+    /// Sequences of token ids as samples: `rows` holds N rows of T + 1 ids each (a token
+    /// file's `tokens` (N, T+1)); sample n is row n's first T ids, its labels the last T
+    /// (each position's next token). Every id must be below `vocab`.
+    pub fn sequences(name: impl Into<String>, rows: &[u32], context: usize, vocab: usize) -> Result<Dataset> {
+        let name = name.into();
+        let err = |detail: String| Error::Data { name: name.clone(), detail };
+        if context == 0 || rows.len() % (context + 1) != 0 {
+            return Err(err(format!(
+                "{} token ids are not rows of {} (a context of {context} and its next token)",
+                rows.len(),
+                context + 1
+            )));
+        }
+        check_tokens(&name, rows, vocab)?;
+        let (mut x, mut labels) = (Vec::with_capacity(rows.len()), Vec::with_capacity(rows.len()));
+        for row in rows.chunks_exact(context + 1) {
+            x.extend_from_slice(&row[..context]);
+            labels.extend_from_slice(&row[1..]);
+        }
+        let features = token_features(x, vocab);
+        Ok(Dataset {
+            name,
+            sample_shape: Shape::new([context]),
+            features,
+            labels,
+            targets: context,
+            stream: None,
+            num_classes: vocab,
+            class_names: None,
+        })
+    }
+
+    /// A token stream whose samples are its windows of `context` ids, one per starting
+    /// position (`tokens.len() − context` of them): sample i is `tokens[i..i + context]`,
+    /// its labels `tokens[i + 1..i + context + 1]`. Every id must be below `vocab`, and
+    /// the stream must hold one window and its next token.
+    pub fn windows(name: impl Into<String>, tokens: Vec<u32>, context: usize, vocab: usize) -> Result<Dataset> {
+        let name = name.into();
+        if context == 0 || tokens.len() <= context {
+            return Err(Error::Data {
+                name,
+                detail: format!(
+                    "{} tokens are too few for a context of {context}: a window needs {} (the context and its next token)",
+                    tokens.len(),
+                    context + 1
+                ),
+            });
+        }
+        check_tokens(&name, &tokens, vocab)?;
+        Ok(Dataset {
+            name,
+            sample_shape: Shape::new([context]),
+            features: Features::U8(Vec::new()),
+            labels: Vec::new(),
+            targets: context,
+            stream: Some(tokens),
+            num_classes: vocab,
+            class_names: None,
+        })
+    }
+
+    /// Labels per sample: 1 for a classifier's samples, T for a sequence of T tokens.
+    pub fn targets_per_sample(&self) -> usize {
+        self.targets
+    }
+
+    /// The token stream, for a dataset of windows ([`Dataset::windows`]): its samples
+    /// are drawn, not permuted (`train::scatter::window_draws`).
+    pub fn stream(&self) -> Option<&[u32]> {
+        self.stream.as_deref()
     }
 
     /// The same dataset with a name per class; there must be exactly `num_classes`.
@@ -120,7 +201,28 @@ impl Dataset {
     /// The first sample whose label is `classes` or more, and that label: what a model
     /// of `classes` outputs cannot be trained or scored on.
     pub fn first_label_outside(&self, classes: usize) -> Option<(usize, u32)> {
-        self.labels.iter().enumerate().find(|(_, &l)| l as usize >= classes).map(|(i, &l)| (i, l))
+        let (labels, per) = match &self.stream {
+            Some(t) => (t.as_slice(), 1),
+            None => (self.labels.as_slice(), self.targets),
+        };
+        labels.iter().position(|&l| l as usize >= classes).map(|i| (i / per, labels[i]))
+    }
+
+    /// For a sequence's data (a token stream or token rows): the first input id at or
+    /// above `vocab`, as (sample, position, id); the labels are checked as labels.
+    pub fn first_token_outside(&self, vocab: usize) -> Option<(usize, usize, u32)> {
+        if let Some(t) = &self.stream {
+            return t.iter().position(|&id| id as usize >= vocab).map(|i| (i, 0, t[i]));
+        }
+        if self.targets == 1 {
+            return None;
+        }
+        let per = self.sample_shape.numel();
+        let at = |i: usize, id: u32| (i / per, i % per, id);
+        match &self.features {
+            Features::U8(v) => v.iter().position(|&id| id as usize >= vocab).map(|i| at(i, v[i].into())),
+            Features::F32(v) => v.iter().position(|&id| id as usize >= vocab).map(|i| at(i, v[i] as u32)),
+        }
     }
 
     /// The dataset's name, used in messages.
@@ -128,14 +230,17 @@ impl Dataset {
         &self.name
     }
 
-    /// Number of samples.
+    /// Number of samples (of windows, for a token stream).
     pub fn len(&self) -> usize {
-        self.labels.len()
+        match &self.stream {
+            Some(t) => t.len() - self.sample_shape.numel(),
+            None => self.labels.len() / self.targets,
+        }
     }
 
     /// True when there is no sample.
     pub fn is_empty(&self) -> bool {
-        self.labels.is_empty()
+        self.len() == 0
     }
 
     /// Shape of one sample.
@@ -163,6 +268,9 @@ impl Dataset {
     /// samples in the same order. Checkpoints use it to refuse resuming on other data.
     pub fn digest(&self) -> u64 {
         let h = self.sample_shape.dims().iter().fold(Fnv1a::new(), |h, &d| h.u64_le(d as u64));
+        if let Some(t) = &self.stream {
+            return t.iter().fold(h.bytes(b"windows"), |h, id| h.bytes(&id.to_le_bytes())).finish();
+        }
         let h = match &self.features {
             Features::F32(v) => v.iter().fold(h, |h, x| h.bytes(&x.to_le_bytes())),
             Features::U8(v) => h.bytes(v),
@@ -171,11 +279,22 @@ impl Dataset {
     }
 
     /// Copies the samples `indices` (in that order) into `x` as f32 and their labels into
-    /// `y`. `x` must hold `indices.len()` samples.
+    /// `y`. `x` must hold `indices.len()` samples, `y` their labels.
     pub fn gather_into(&self, indices: &[usize], x: &mut [f32], y: &mut [u32]) {
         let per = self.sample_shape.numel();
         debug_assert_eq!(x.len(), indices.len() * per);
-        for ((&i, xr), yr) in indices.iter().zip(x.chunks_exact_mut(per)).zip(y.iter_mut()) {
+        debug_assert_eq!(y.len(), indices.len() * self.targets);
+        if let Some(t) = &self.stream {
+            for ((&i, xr), yr) in indices.iter().zip(x.chunks_exact_mut(per)).zip(y.chunks_exact_mut(per)) {
+                for (o, &id) in xr.iter_mut().zip(&t[i..i + per]) {
+                    *o = id as f32;
+                }
+                yr.copy_from_slice(&t[i + 1..i + 1 + per]);
+            }
+            return;
+        }
+        let l = self.targets;
+        for ((&i, xr), yr) in indices.iter().zip(x.chunks_exact_mut(per)).zip(y.chunks_exact_mut(l)) {
             match &self.features {
                 Features::F32(v) => xr.copy_from_slice(&v[i * per..(i + 1) * per]),
                 Features::U8(v) => {
@@ -184,13 +303,30 @@ impl Dataset {
                     }
                 }
             }
-            *yr = self.labels[i];
+            yr.copy_from_slice(&self.labels[i * l..(i + 1) * l]);
         }
     }
 
-    /// A new dataset with the samples `indices`, in that order.
+    /// A new dataset with the samples `indices`, in that order (stored samples, a token
+    /// stream's windows too).
     pub fn subset(&self, name: impl Into<String>, indices: &[usize]) -> Dataset {
         let per = self.sample_shape.numel();
+        if self.stream.is_some() {
+            let mut x = vec![0.0f32; indices.len() * per];
+            let mut labels = vec![0u32; indices.len() * per];
+            self.gather_into(indices, &mut x, &mut labels);
+            return Dataset {
+                name: name.into(),
+                sample_shape: self.sample_shape.clone(),
+                features: token_features(x.iter().map(|&v| v as u32).collect(), self.num_classes),
+                labels,
+                targets: self.targets,
+                stream: None,
+                num_classes: self.num_classes,
+                class_names: None,
+            };
+        }
+        let l = self.targets;
         let features = match &self.features {
             Features::F32(v) => {
                 Features::F32(indices.iter().flat_map(|&i| &v[i * per..(i + 1) * per]).copied().collect())
@@ -203,7 +339,9 @@ impl Dataset {
             name: name.into(),
             sample_shape: self.sample_shape.clone(),
             features,
-            labels: indices.iter().map(|&i| self.labels[i]).collect(),
+            labels: indices.iter().flat_map(|&i| &self.labels[i * l..(i + 1) * l]).copied().collect(),
+            targets: l,
+            stream: None,
             num_classes: self.num_classes,
             class_names: self.class_names.clone(),
         }
@@ -219,6 +357,12 @@ impl Dataset {
     pub fn split_validation(&self, fraction: f64, seed: u64) -> Result<(Dataset, Dataset)> {
         if !(fraction > 0.0 && fraction < 1.0) {
             return Err(Error::config("validation split", format!("{fraction} is not strictly between 0 and 1")));
+        }
+        if self.stream.is_some() {
+            return Err(Error::config(
+                "validation split",
+                format!("{} is a text, whose validation part is its last tenth by position", self.name),
+            ));
         }
         let n = self.len();
         let n_val = (n as f64 * fraction).round() as usize;
@@ -239,6 +383,28 @@ impl Dataset {
             self.subset(format!("{} (training part)", self.name), train),
             self.subset(format!("{} (validation part)", self.name), val),
         ))
+    }
+}
+
+/// Every id of `tokens` must be below `vocab`: the one check of token data, naming the
+/// first id that is not.
+fn check_tokens(name: &str, tokens: &[u32], vocab: usize) -> Result<()> {
+    match tokens.iter().position(|&t| t as usize >= vocab) {
+        Some(i) => Err(Error::Data {
+            name: name.into(),
+            detail: format!("token id {} at position {i} is at or above the vocabulary of {vocab}", tokens[i]),
+        }),
+        None => Ok(()),
+    }
+}
+
+/// Token ids as features: bytes for a vocabulary of at most 256, else f32 (exact for
+/// every id below 2^24).
+fn token_features(ids: Vec<u32>, vocab: usize) -> Features {
+    if vocab <= 256 {
+        Features::U8(ids.into_iter().map(|t| t as u8).collect())
+    } else {
+        Features::F32(ids.into_iter().map(|t| t as f32).collect())
     }
 }
 

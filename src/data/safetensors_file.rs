@@ -18,6 +18,11 @@
 //!   JSON list of one name per class (what `predict` prints).
 //!
 //! The PyTorch oracle cases in `shared/oracle/*/data.safetensors` have this layout.
+//!
+//! A token file is the other layout: one tensor `tokens` (N, T+1) of ids, dtype U8,
+//! U16, I32 or I64, each row a sample of T ids whose labels are the same row one id on
+//! (`Dataset::sequences`); the vocabulary is the header's `vocab_size` when stated, else
+//! 256 for U8 ids, else the largest id + 1.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -81,6 +86,62 @@ pub fn save_safetensors_dataset(ds: &Dataset, path: &Path) -> Result<()> {
 
 /// Writes `bytes` to `path` as every file lockstep writes (`fsutil`: atomically, never
 /// over what is not a regular file but a FIFO or a device, written through).
+/// The metadata key holding a token file's vocabulary size.
+const VOCAB_KEY: &str = "vocab_size";
+
+/// A token file's rows as sequences (the file's docs).
+fn load_tokens(path: &Path, t: &safetensors::tensor::TensorView<'_>, vocab: Option<&str>) -> Result<Dataset> {
+    let bad = |detail: String| Error::format(path, detail);
+    let &[n, width] = t.shape() else {
+        return Err(bad(format!(
+            "tensor 'tokens' has shape {:?}; expected (N, T+1): rows of a context and its next token",
+            t.shape()
+        )));
+    };
+    if n == 0 || width < 2 {
+        return Err(bad(format!("tensor 'tokens' has shape {:?}: no row of at least two ids", t.shape())));
+    }
+    crate::memory::check_bytes(
+        &format!("loading {}", path.display()),
+        (n * width * 4) as u64,
+        format!("tensor 'tokens' ({n}, {width})"),
+    )?;
+    let d = t.data();
+    let ids: Vec<i64> = match t.dtype() {
+        Dtype::U8 => d.iter().map(|&b| i64::from(b)).collect(),
+        Dtype::U16 => d.chunks_exact(2).map(|b| i64::from(u16::from_le_bytes([b[0], b[1]]))).collect(),
+        Dtype::I32 => d.chunks_exact(4).map(|b| i64::from(i32::from_le_bytes([b[0], b[1], b[2], b[3]]))).collect(),
+        Dtype::I64 => d.chunks_exact(8).map(|b| i64::from_le_bytes(std::array::from_fn(|k| b[k]))).collect(),
+        other => return Err(bad(format!("tensor 'tokens' has dtype {other}; expected U8, U16, I32 or I64"))),
+    };
+    if let Some(i) = ids.iter().position(|&v| v < 0) {
+        return Err(bad(format!("token id {} at row {}, position {} is negative", ids[i], i / width, i % width)));
+    }
+    let max = ids.iter().copied().max().unwrap_or(0);
+    let vocab = match vocab {
+        Some(text) => text
+            .parse::<usize>()
+            .ok()
+            .filter(|&v| v >= 1 && v <= 1 << 24)
+            .ok_or_else(|| bad(format!("metadata {VOCAB_KEY} = '{text}' is not an integer in 1..=2^24")))?,
+        None if t.dtype() == Dtype::U8 => 256,
+        None => usize::try_from(max).map_or(usize::MAX, |m| m + 1),
+    };
+    if let Some(i) = ids.iter().position(|&v| v as u64 >= vocab as u64) {
+        return Err(bad(format!(
+            "token id {} at row {}, position {} is at or above the vocabulary of {vocab}",
+            ids[i],
+            i / width,
+            i % width
+        )));
+    }
+    if vocab > 1 << 24 {
+        return Err(bad(format!("a vocabulary of {vocab}: ids must be below 2^24 (exact as f32)")));
+    }
+    let ids: Vec<u32> = ids.into_iter().map(|v| v as u32).collect();
+    Dataset::sequences(path.display().to_string(), &ids, width - 1, vocab)
+}
+
 fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
     crate::fsutil::write_atomic(path, bytes)
 }
@@ -97,6 +158,10 @@ fn load(path: &Path, num_classes: Option<usize>) -> Result<Dataset> {
             bad(format!("no tensor '{name}' (the file holds: [{}]); a dataset needs 'x' and 'y'", found.join(", ")))
         })
     };
+    if st.names().contains(&"tokens") && !st.names().contains(&"x") {
+        let t = st.tensor("tokens").expect("listed");
+        return load_tokens(path, &t, metadata.get(VOCAB_KEY).map(String::as_str));
+    }
     let x = tensor("x")?;
     let y = tensor("y")?;
 

@@ -1,10 +1,14 @@
-//! Linear (Keras Dense): y = x·Wᵀ + b, weight (O, F) as in PyTorch: its forward and
-//! backward, its spec entry (`dense`), its spec form and what it keeps for backward.
+//! Linear (Keras Dense): y = x·Wᵀ + b, weight (O, F) as in PyTorch, over the last
+//! dimension of flat samples (F) or of sequences (T, F) (every position one row of the
+//! same GEMM): its forward and backward, its spec entry (`dense`), its spec form and what
+//! it keeps for backward. Its weight may be another layer's tensor (`tied_to`: a
+//! language model's head reusing the token embedding, as nanoGPT's `lm_head`), laid out
+//! once by `Sequential`, whose gradient both uses add to in the backward's order.
 
 use serde_json::{json, Value};
 
 use super::gpu::{Backward, Forward, GpuLayer};
-use super::spec_entry::{expect_flat, Build, LayerType};
+use super::spec_entry::{expect_features, Build, LayerType};
 use super::{InputGrad, Layer, LayerMemory, LayerShapes, ParamSpec, Params, ParamsMut, F32};
 use crate::backend::cpu::{gemm, Accumulate, Mat};
 use crate::cuda::gemm::{gemm as cublas_gemm, RmGemm};
@@ -18,14 +22,39 @@ pub struct Linear {
     in_features: usize,
     out_features: usize,
     use_bias: bool,
-    /// x: (N, F), kept from the training forward for dweight.
+    /// How the weight starts (Glorot-uniform, Keras's default, unless set).
+    init: Init,
+    /// The full name of an earlier tensor this layer's weight is (`Sequential` lays the
+    /// two out as one), or None: a weight of its own.
+    tied_to: Option<String>,
+    /// x: (N, [T,] F), kept from the training forward for dweight.
     x: Option<Tensor>,
 }
 
 impl Linear {
     /// `in_features → out_features`, with a bias.
     pub fn new(in_features: usize, out_features: usize) -> Linear {
-        Linear { in_features, out_features, use_bias: true, x: None }
+        let init = Init::GlorotUniform { fan_in: in_features, fan_out: out_features };
+        Linear { in_features, out_features, use_bias: true, init, tied_to: None, x: None }
+    }
+
+    /// The same layer with its weight started by `init` (nanoGPT's `Init::Normal`).
+    pub fn with_init(mut self, init: Init) -> Linear {
+        self.init = init;
+        self
+    }
+
+    /// The same layer whose weight is the earlier tensor `tensor` (its full name,
+    /// `transformer.wte.weight`), of the same (O, F) shape: PyTorch's
+    /// `lm_head.weight = wte.weight`.
+    pub fn tied_to(mut self, tensor: impl Into<String>) -> Linear {
+        self.tied_to = Some(tensor.into());
+        self
+    }
+
+    /// The (rows, features) of an input (N, [T,] F): every position is a row.
+    fn rows(&self, x: &Shape) -> usize {
+        x.numel() / self.in_features
     }
 
     /// The same layer without a bias.
@@ -38,14 +67,22 @@ impl Linear {
     /// features those of the running shape.
     pub const SPEC: LayerType = LayerType {
         name: "dense",
-        fields: "`units`, `use_bias` (true), `activation` (\"linear\")",
-        example: (&[5], r#"{"type": "dense", "units": 4, "use_bias": false, "activation": "relu"}"#),
+        fields: "`units`, `use_bias` (true), `activation` (\"linear\"), `init_std` (none: Glorot-uniform; a number: normal(0, std²)), `tied_to` (none; the full name of an earlier tensor of shape (units, F) that is this weight)",
+        example: (&[3, 5], r#"{"type": "dense", "units": 4, "use_bias": false, "activation": "relu", "init_std": 0.02}"#),
         parse: |f| {
             let units = f.size("units", None)?;
             let use_bias = f.boolean("use_bias", true)?;
             let activation = f.activation()?;
+            let init_std = f.optional_positive("init_std")?;
+            let tied_to = f.optional_text("tied_to")?;
             Ok(Build::layers(move |input| {
-                let dense = Linear::new(expect_flat(input)?, units);
+                let mut dense = Linear::new(expect_features(input)?, units);
+                if let Some(std) = init_std {
+                    dense = dense.with_init(Init::Normal { std });
+                }
+                if let Some(t) = &tied_to {
+                    dense = dense.tied_to(t.clone());
+                }
                 Ok(activation.after(Box::new(if use_bias { dense } else { dense.without_bias() })))
             }))
         },
@@ -57,12 +94,23 @@ impl Layer for Linear {
         Some(Box::new(LinearGpu { f: self.in_features, o: self.out_features, use_bias: self.use_bias }))
     }
 
+    fn tied(&self) -> Vec<(usize, String)> {
+        self.tied_to.iter().map(|t| (0, t.clone())).collect()
+    }
+
     fn kind(&self) -> &'static str {
         "dense"
     }
 
     fn spec(&self) -> Option<Value> {
-        Some(json!({"type": "dense", "units": self.out_features, "use_bias": self.use_bias}))
+        let mut v = json!({"type": "dense", "units": self.out_features, "use_bias": self.use_bias});
+        if let Init::Normal { std } = self.init {
+            v["init_std"] = json!(std);
+        }
+        if let Some(t) = &self.tied_to {
+            v["tied_to"] = json!(t);
+        }
+        Some(v)
     }
 
     /// Its input, for dweight.
@@ -71,30 +119,31 @@ impl Layer for Linear {
     }
 
     fn output_shape(&self, input: &Shape) -> Result<Shape> {
-        let (n, f) = input.nf("Linear")?;
+        let f = match input.dims() {
+            [_, f] | [_, _, f] => *f,
+            _ => return Err(Error::shape("Linear", format!("expected (N, F) or (N, T, F), got {input}"))),
+        };
         if f != self.in_features {
             return Err(Error::shape("Linear", format!("expected {} input features, got {input}", self.in_features)));
         }
-        Ok(Shape::new([n, self.out_features]))
+        let mut out = input.dims().to_vec();
+        *out.last_mut().expect("two or three dimensions") = self.out_features;
+        Ok(Shape::new(out))
     }
 
     fn params(&self) -> Vec<ParamSpec> {
         let (f, o) = (self.in_features, self.out_features);
-        let mut p = vec![ParamSpec {
-            name: "weight".into(),
-            shape: Shape::new([o, f]),
-            init: Init::GlorotUniform { fan_in: f, fan_out: o },
-        }];
+        let mut p = vec![ParamSpec { name: "weight".into(), shape: Shape::new([o, f]), init: self.init }];
         if self.use_bias {
             p.push(ParamSpec { name: "bias".into(), shape: Shape::new([o]), init: Init::Zeros });
         }
         p
     }
 
-    // x: (N, F) → y: (N, O)
+    // x: (N, [T,] F) → y: (N, [T,] O), n the rows (every position)
     fn forward(&mut self, x: Tensor, params: Params<'_>, _buffers: ParamsMut<'_>, ctx: &Ctx) -> Result<Tensor> {
         let out_shape = self.output_shape(x.shape())?;
-        let (n, f, o) = (x.shape().batch(), self.in_features, self.out_features);
+        let (n, f, o) = (self.rows(x.shape()), self.in_features, self.out_features);
         let w = params.get(0);
         let mut y = vec![0.0f32; n * o];
         if self.use_bias {
@@ -110,7 +159,7 @@ impl Layer for Linear {
         Ok(y)
     }
 
-    // dout: (N, O) → dx: (N, F); dweight (O, F) += doutᵀ·x; dbias (O) += Σ_n dout
+    // dout: (n, O) rows → dx: (n, F); dweight (O, F) += doutᵀ·x; dbias (O) += Σ_n dout
     fn backward(
         &mut self,
         dout: Tensor,
@@ -122,9 +171,9 @@ impl Layer for Linear {
         let x =
             self.x.take().ok_or_else(|| Error::config("Linear backward", "no training forward to differentiate"))?;
         x.same_device("Linear backward", &dout)?;
-        let (n, f, o) = (x.shape().batch(), self.in_features, self.out_features);
-        if dout.shape().dims() != [n, o] {
-            return Err(Error::shape("Linear backward", format!("dout {} for output ({n}, {o})", dout.shape())));
+        let (n, f, o) = (self.rows(x.shape()), self.in_features, self.out_features);
+        if dout.shape() != &self.output_shape(x.shape())? {
+            return Err(Error::shape("Linear backward", format!("dout {} for input {}", dout.shape(), x.shape())));
         }
         let d = dout.host();
         gemm(Mat::rows(d, n, o).t(), Mat::rows(x.host(), n, f), dparams.get(0), f, Accumulate::Add);
@@ -149,7 +198,13 @@ impl Layer for Linear {
     }
 
     fn describe(&self) -> String {
-        format!("Dense({}→{}{})", self.in_features, self.out_features, if self.use_bias { "" } else { ", no bias" })
+        let tied = self.tied_to.as_ref().map_or(String::new(), |t| format!(", tied to {t}"));
+        format!(
+            "Dense({}→{}{}{tied})",
+            self.in_features,
+            self.out_features,
+            if self.use_bias { "" } else { ", no bias" }
+        )
     }
 }
 
@@ -163,9 +218,9 @@ struct LinearGpu {
 }
 
 impl GpuLayer for LinearGpu {
-    // x: (N, F), weight: (O, F) → y: (N, O)
+    // x: (n, F) rows (every position of every sample), weight: (O, F) → y: (n, O)
     fn forward(&mut self, fw: Forward<'_, '_, '_>) -> Result<()> {
-        let (n, f, o) = (fw.n, self.f, self.o);
+        let (n, f, o) = (fw.n * fw.node.input.numel() / self.f, self.f, self.o);
         cublas_gemm(fw.blas, &RmGemm::linear_fwd(n, f, o), fw.x, &fw.param(0), fw.y)?;
         if self.use_bias {
             fw.gpu.bias_cols_fwd(fw.y, &fw.param(1), n, o)?;
@@ -175,7 +230,7 @@ impl GpuLayer for LinearGpu {
 
     // dy: (N, O) → dweight += dyᵀ·x (O, F), dbias += Σ_n dy (O), dx = dy·W (N, F)
     fn backward(&mut self, b: Backward<'_, '_>) -> Result<()> {
-        let (n, f, o) = (b.n, self.f, self.o);
+        let (n, f, o) = (b.n * b.node.input.numel() / self.f, self.f, self.o);
         let Backward { gpu, blas, node, params, x, dy, dx, grads, .. } = b;
         cublas_gemm(blas, &RmGemm::linear_dw(n, f, o), &dy, x, &mut grads.slice_mut(node.params[0].clone()))?;
         if self.use_bias {

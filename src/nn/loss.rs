@@ -4,7 +4,10 @@
 //! The trainer back-propagates the SUM of the per-sample losses of a shard (the all-reduce
 //! sums, and the optimiser divides by the real global batch size), so the gradient
 //! returned here is softmax − target per sample, with no 1/N: the target is the one-hot
-//! label, or with label smoothing ε the mixture (1 − ε)·onehot + ε/K.
+//! label, or with label smoothing ε the mixture (1 − ε)·onehot + ε/K. A sequence model's
+//! logits (N, T, K) carry a label per position: each position is a row, so the loss is
+//! summed over every token of the shard and the trainer divides by the global batch's
+//! token count (`train::step`), the mean over tokens PyTorch's `cross_entropy` takes.
 //! kernels/softmax_xent.cu computes the same expressions in the same order.
 
 use crate::error::{Error, Result};
@@ -49,8 +52,19 @@ impl Metrics {
     }
 }
 
+/// (rows, classes) of logits (N, K), or (N, T, K) with a label per position (a sequence
+/// model's, every position a row), and the labels' count checked against the rows.
 fn check(logits: &Tensor, labels: &[u32]) -> Result<(usize, usize)> {
-    let (n, k) = logits.shape().nf("softmax_cross_entropy")?;
+    let (n, k) = match logits.shape().dims() {
+        &[n, k] => (n, k),
+        &[n, t, k] => (n * t, k),
+        _ => {
+            return Err(Error::shape(
+                "softmax_cross_entropy",
+                format!("expected (N, K) or (N, T, K), got {}", logits.shape()),
+            ))
+        }
+    };
     if labels.len() != n {
         return Err(Error::shape(
             "softmax_cross_entropy",

@@ -276,6 +276,15 @@ pub trait Layer: Send {
         Vec::new()
     }
 
+    /// The parameters of [`Layer::params`] that are an earlier tensor of the model, by
+    /// index and that tensor's full name (a language model's head whose weight is the
+    /// token embedding's): [`Sequential`] lays each out once, at the earlier tensor's
+    /// place, after checking that the shapes agree, and names the layer's own name of it
+    /// an alias ([`Sequential::aliases`]). Default: none.
+    fn tied(&self) -> Vec<(usize, String)> {
+        Vec::new()
+    }
+
     /// Computes the output. `buffers` may be updated in `Mode::Train` (running stats).
     fn forward(&mut self, x: Tensor, params: Params<'_>, buffers: ParamsMut<'_>, ctx: &Ctx) -> Result<Tensor>;
 

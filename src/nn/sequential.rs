@@ -97,6 +97,9 @@ pub struct Sequential {
     slots: Vec<Slots>,
     params: Vec<TensorInfo>,
     buffers: Vec<TensorInfo>,
+    /// Other names of parameters (a tied layer's own name of the tensor it shares), each
+    /// with the index in `params` of the tensor it names.
+    aliases: Vec<(String, usize)>,
     /// Lengths of the flat buffers, gaps included (multiples of [`TENSOR_ALIGN`]).
     params_len: usize,
     buffers_len: usize,
@@ -146,8 +149,8 @@ impl Sequential {
 
     /// [`Sequential::new`] with names of the caller's where given (`stem.0`,
     /// `blocks.3`: the names of a PyTorch module's `state_dict`), the others named by
-    /// kind as `new` names them, numbered per kind among themselves. Two layers of one
-    /// name, or two tensors, are refused.
+    /// kind as `new` names them, numbered per kind among themselves. Two tensors of one
+    /// name are refused (two layers may share a name that prefixes different tensors).
     pub fn named(input_shape: impl Into<Shape>, layers: Vec<NamedLayer>) -> Result<Sequential> {
         let input_shape = input_shape.into();
         if layers.is_empty() {
@@ -155,13 +158,13 @@ impl Sequential {
         }
         let names = auto_names(layers.iter().map(|(name, l)| (name.as_deref(), l.kind())));
         let layers: Vec<Box<dyn Layer>> = layers.into_iter().map(|(_, l)| l).collect();
-        let mut seen = std::collections::HashSet::new();
-        if let Some(dup) = names.iter().find(|n| !seen.insert(n.as_str())) {
-            return Err(Error::config("model", format!("two layers are named {dup}")));
-        }
+        // One name may be given to several layers whose tensors it prefixes differently:
+        // nanoGPT's `Block` is two residual blocks, both `transformer.h.0` (`ln_1`,
+        // `attn`; `ln_2`, `mlp.*`). The tensors' names must be unique, checked below.
         let mut shapes = Vec::with_capacity(layers.len());
         let mut slots = Vec::with_capacity(layers.len());
         let (mut params, mut buffers) = (Vec::new(), Vec::new());
+        let mut aliases = Vec::new();
         // Shapes are checked with a batch of 2: BatchNorm needs more than one value.
         let mut shape = batched(2, &input_shape);
         let (mut p_off, mut b_off) = (0, 0);
@@ -195,13 +198,63 @@ impl Sequential {
                     .collect::<Vec<_>>();
                 (start..*off, ranges)
             };
-            let (param_span, param_ranges) = lay(layer.params(), &mut p_off, &mut params);
+            let tied = layer.tied();
+            let (param_span, param_ranges) = if tied.is_empty() {
+                lay(layer.params(), &mut p_off, &mut params)
+            } else {
+                // A layer with a tied tensor: its span starts at 0, so that its ranges
+                // (absolute) reach the earlier tensor as well as its own new ones.
+                let mut ranges = Vec::new();
+                for (j, spec) in layer.params().into_iter().enumerate() {
+                    let own = format!("{name}.{}", spec.name);
+                    match tied.iter().find(|(k, _)| *k == j) {
+                        Some((_, target)) => {
+                            let Some(t) = params.iter().position(|t: &TensorInfo| &t.name == target) else {
+                                return Err(Error::config(
+                                    "model",
+                                    format!(
+                                        "layer {name}: its {} is tied to {target}, which no earlier layer has",
+                                        spec.name
+                                    ),
+                                ));
+                            };
+                            if params[t].shape != spec.shape {
+                                return Err(Error::config(
+                                    "model",
+                                    format!(
+                                        "layer {name}: its {} {} does not match {target} {} it is tied to",
+                                        spec.name, spec.shape, params[t].shape
+                                    ),
+                                ));
+                            }
+                            ranges.push(params[t].range.clone());
+                            aliases.push((own, t));
+                        }
+                        None => {
+                            p_off = p_off.next_multiple_of(TENSOR_ALIGN);
+                            let range = p_off..p_off + spec.shape.numel();
+                            params.push(TensorInfo {
+                                name: own,
+                                shape: spec.shape,
+                                range: range.clone(),
+                                init: spec.init,
+                            });
+                            p_off = range.end;
+                            ranges.push(range);
+                        }
+                    }
+                }
+                (0..p_off, ranges)
+            };
             let (buffer_span, buffer_ranges) = lay(layer.buffers(), &mut b_off, &mut buffers);
             slots.push(Slots { param_span, param_ranges, buffer_span, buffer_ranges });
         }
         let mut seen = std::collections::HashSet::new();
-        if let Some(dup) = params.iter().chain(&buffers).find(|t| !seen.insert(t.name.as_str())) {
-            return Err(Error::config("model", format!("two tensors are named {}", dup.name)));
+        let alias_names = aliases.iter().map(|(a, _): &(String, usize)| a);
+        if let Some(dup) =
+            params.iter().chain(&buffers).map(|t| &t.name).chain(alias_names).find(|n| !seen.insert(n.as_str()))
+        {
+            return Err(Error::config("model", format!("two tensors are named {dup}")));
         }
         let output_shape = Shape::new(&shape.dims()[1..]);
         let (params_len, buffers_len) = (p_off.next_multiple_of(TENSOR_ALIGN), b_off.next_multiple_of(TENSOR_ALIGN));
@@ -213,6 +266,7 @@ impl Sequential {
             slots,
             params,
             buffers,
+            aliases,
             params_len,
             buffers_len,
             output_shape,
@@ -265,6 +319,14 @@ impl Sequential {
     /// Trainable tensors, in the optimiser's order.
     pub fn param_infos(&self) -> &[TensorInfo] {
         &self.params
+    }
+
+    /// The other names of trainable tensors, each with the index in
+    /// [`Sequential::param_infos`] of the tensor it names: a tied layer's own name of the
+    /// tensor it shares (`lm_head.weight`, the same values as `transformer.wte.weight`).
+    /// Weight files carry both names, as PyTorch's `state_dict` does.
+    pub fn aliases(&self) -> &[(String, usize)] {
+        &self.aliases
     }
 
     /// Buffers (running statistics), in order.

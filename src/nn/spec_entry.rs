@@ -208,6 +208,19 @@ pub fn expect_flat(input: &Shape) -> FieldResult<usize> {
     }
 }
 
+/// The features of a layer that applies to the last dimension of flat samples (F,) or of
+/// sequences (T, F), as `dense` does (Keras's Dense over the last axis); images are
+/// refused as [`expect_flat`] refuses them.
+pub fn expect_features(input: &Shape) -> FieldResult<usize> {
+    match input.dims() {
+        [_, f] | [_, _, f] => Ok(*f),
+        _ => Err(format!(
+            "expects flat samples (F,) or sequences (T, F), got {}; add a flatten or global_average_pooling2d layer before it",
+            per_sample(input)
+        )),
+    }
+}
+
 fn per_sample(input: &Shape) -> Shape {
     Shape::new(&input.dims()[1..])
 }
@@ -306,6 +319,28 @@ impl<'a> Fields<'a> {
             },
         };
         self.record(name, r, |&x| json!(x))
+    }
+
+    /// An optional positive finite number (absent or null: None).
+    pub fn optional_positive(&mut self, name: &'static str) -> FieldResult<Option<f32>> {
+        let r = match self.get(name) {
+            None => Ok(None),
+            Some(v) => match v.as_f64() {
+                Some(x) if x > 0.0 && x.is_finite() && (x as f32).is_finite() && x as f32 > 0.0 => Ok(Some(x as f32)),
+                _ => Err(format!("field '{name}' must be a positive number (got {v})")),
+            },
+        };
+        self.record(name, r, |&x| json!(x))
+    }
+
+    /// An optional non-empty string (absent or null: None).
+    pub fn optional_text(&mut self, name: &'static str) -> FieldResult<Option<String>> {
+        let r = match self.get(name) {
+            None => Ok(None),
+            Some(Value::String(s)) if !s.is_empty() => Ok(Some(s.clone())),
+            Some(v) => Err(format!("field '{name}' must be a non-empty string (got {v})")),
+        };
+        self.record(name, r, |x| json!(x))
     }
 
     /// `true` or `false`.

@@ -7,12 +7,15 @@ use crate::data::augment::{augment_image, Augment};
 use crate::data::Dataset;
 use crate::tensor::Shape;
 
-/// A global batch gathered on the host: x (B, *sample_shape) as f32, y (B).
+/// A global batch gathered on the host: x (B, *sample_shape) as f32, y (B, targets): a
+/// label per sample, or per position of a sequence.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Batch {
     pub x: Vec<f32>,
     pub y: Vec<u32>,
     pub sample_shape: Shape,
+    /// Labels per sample (the dataset's `targets_per_sample`).
+    pub targets: usize,
 }
 
 impl Batch {
@@ -20,9 +23,10 @@ impl Batch {
     pub fn gather(data: &Dataset, indices: &[usize]) -> Batch {
         let per = data.sample_shape().numel();
         let mut x = vec![0.0; indices.len() * per];
-        let mut y = vec![0; indices.len()];
+        let targets = data.targets_per_sample();
+        let mut y = vec![0; indices.len() * targets];
         data.gather_into(indices, &mut x, &mut y);
-        Batch { x, y, sample_shape: data.sample_shape().clone() }
+        Batch { x, y, sample_shape: data.sample_shape().clone(), targets }
     }
 
     /// Gathers the training samples `indices` of `data` in that order, each image
@@ -50,11 +54,16 @@ impl Batch {
 
     /// Number of samples.
     pub fn len(&self) -> usize {
-        self.y.len()
+        self.y.len() / self.targets
     }
 
     /// True for a batch without samples.
     pub fn is_empty(&self) -> bool {
         self.y.is_empty()
+    }
+
+    /// The labels of the samples `rows`.
+    pub fn labels(&self, rows: &std::ops::Range<usize>) -> &[u32] {
+        &self.y[rows.start * self.targets..rows.end * self.targets]
     }
 }

@@ -112,7 +112,21 @@ pub struct TrainConfig {
     /// loss trained, and the loss every report gives, training and held-out alike, is
     /// (1 − ε)·CE(label) + ε·mean over the classes of −log p. 0: plain cross-entropy.
     pub label_smoothing: f32,
+    /// For training data that is a token stream (`Dataset::windows`, a text), whose
+    /// windows are drawn rather than visited once: the steps between two evaluations of
+    /// the held-out set, each an "epoch" of the reports, the checkpoints' positions and
+    /// early stopping. None: [`DEFAULT_EVAL_EVERY`]. Stored samples (images) evaluate
+    /// after every real epoch, and refuse it.
+    pub eval_every: Option<usize>,
+    /// For a held-out token stream: how many batches of `batch_size` windows each
+    /// evaluation scores, drawn once for the run. None: [`DEFAULT_EVAL_BATCHES`].
+    pub eval_batches: Option<usize>,
 }
+
+/// Steps between evaluations of a text run: nanoGPT's `eval_interval`.
+pub const DEFAULT_EVAL_EVERY: usize = 250;
+/// Batches of held-out windows per evaluation: nanoGPT's CPU recipe's `eval_iters`.
+pub const DEFAULT_EVAL_BATCHES: usize = 20;
 
 impl Default for TrainConfig {
     fn default() -> Self {
@@ -147,6 +161,8 @@ impl Default for TrainConfig {
             optimizer_sharding: Sharding::Replicated,
             augment: Augment::NONE,
             label_smoothing: 0.0,
+            eval_every: None,
+            eval_batches: None,
         }
     }
 }
@@ -182,6 +198,12 @@ impl TrainConfig {
             if !(c > 0.0 && c.is_finite()) {
                 return Err(Error::config("clip-grad-norm", format!("must be a positive number, got {c}")));
             }
+        }
+        if self.eval_every == Some(0) {
+            return Err(Error::config("eval-every", "must be at least 1 step"));
+        }
+        if self.eval_batches == Some(0) {
+            return Err(Error::config("eval-batches", "must be at least 1"));
         }
         if self.check_replicas_every == Some(0) {
             return Err(Error::config("check-replicas-every", "must be at least 1"));

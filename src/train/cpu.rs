@@ -144,7 +144,7 @@ impl Replica for CpuReplica<'_> {
         let x = self.rows(batch, shard.rows.clone())?;
         let (grads, bufs) = slot.split_at_mut(np);
         let logits = self.model.forward(x, &self.store.params, bufs, &ctx)?;
-        let (metrics, dlogits) = self.loss.with_grad(&logits, &batch.y[shard.rows.clone()])?;
+        let (metrics, dlogits) = self.loss.with_grad(&logits, batch.labels(&shard.rows))?;
         self.model.backward(dlogits, &self.store.params, grads, &ctx)?;
         match (shard.fill, self.shards.last_mut()) {
             (Fill::Add, Some(m)) => m.add(&metrics),
@@ -213,7 +213,7 @@ impl Replica for CpuReplica<'_> {
 
     fn evaluate_chunk(&mut self, batch: &Batch, rows: Range<usize>) -> Result<Metrics> {
         let logits = self.eval_logits(batch, rows.clone())?;
-        self.loss.score(&logits, &batch.y[rows])
+        self.loss.score(&logits, batch.labels(&rows))
     }
 
     fn predict_chunk(&mut self, batch: &Batch, rows: Range<usize>) -> Result<Vec<f32>> {

@@ -17,7 +17,7 @@ use crossbeam_channel::{bounded, Receiver};
 use super::trainer::HeldBatch;
 use super::{
     scatter, with_trainer, Batch, BestEpoch, EpochReport, HeldOut, NonFinite, Observer, Silent, StepEvent, Stopped,
-    TrainConfig, TrainReport, Trainer,
+    TrainConfig, TrainReport, Trainer, DEFAULT_EVAL_BATCHES, DEFAULT_EVAL_EVERY,
 };
 use crate::checkpoint::{self, CheckpointPolicy, Resume};
 use crate::data::Dataset;
@@ -74,6 +74,23 @@ pub fn train_data_parallel_with(
     if let Some(t) = test {
         check_data(model, t)?;
     }
+    if train.stream().is_none() && (config.eval_every.is_some() || config.eval_batches.is_some()) {
+        let what = if config.eval_every.is_some() { "eval every" } else { "eval batches" };
+        return Err(Error::config(
+            what,
+            format!("applies to text, whose windows are drawn; {} evaluates after every epoch", train.name()),
+        ));
+    }
+    // A held-out token stream is scored on windows drawn once for the run.
+    let drawn;
+    let test = match test.filter(|t| t.stream().is_some()) {
+        Some(t) => {
+            let count = config.eval_batches.unwrap_or(DEFAULT_EVAL_BATCHES).saturating_mul(config.batch_size);
+            drawn = t.subset(t.name(), &scatter::eval_windows(t.len(), config.seed, count));
+            Some(&drawn)
+        }
+        None => test,
+    };
     if test.is_none() && (config.early_stopping.is_some() || config.save_best.is_some()) {
         let what = if config.early_stopping.is_some() { "early stopping" } else { "save best" };
         return Err(Error::config(what, "monitors the held-out loss, and this run has no held-out set"));
@@ -86,7 +103,10 @@ pub fn train_data_parallel_with(
         Some(p) => Some(checkpoint::claim_dir(&p.dir)?.begin_run()?),
         None => None,
     };
-    with_trainer(model, devices, config, |trainer| Fit::new(model, test, config, span, observer).run(trainer, train))
+    with_trainer(model, devices, config, |trainer| {
+        let fit = Fit { text: train.stream().is_some(), ..Fit::new(model, test, config, span, observer) };
+        fit.run(trainer, train)
+    })
 }
 
 /// Where the next step of a run starts.
@@ -108,7 +128,10 @@ struct RunSpan {
 
 impl RunSpan {
     fn new(train: &Dataset, config: &TrainConfig) -> Result<RunSpan> {
-        let steps_per_epoch = scatter::steps_per_epoch(train.len(), config.batch_size, config.last_batch);
+        let steps_per_epoch = match train.stream() {
+            Some(_) => config.eval_every.unwrap_or(DEFAULT_EVAL_EVERY),
+            None => scatter::steps_per_epoch(train.len(), config.batch_size, config.last_batch),
+        };
         if steps_per_epoch == 0 {
             return Err(Error::Data {
                 name: train.name().into(),
@@ -177,6 +200,8 @@ struct Fit<'a, 'o> {
     trained_samples: u64,
     epoch: EpochSums,
     best: Option<BestEpoch>,
+    /// Training on a token stream: the epochs are evaluation periods.
+    text: bool,
 }
 
 impl<'a, 'o> Fit<'a, 'o> {
@@ -202,6 +227,7 @@ impl<'a, 'o> Fit<'a, 'o> {
             trained_samples: 0,
             epoch: EpochSums::new(carried, span.start.step_in_epoch as u64),
             best: resume.and_then(|r| r.best),
+            text: false,
         }
     }
 
@@ -213,7 +239,24 @@ impl<'a, 'o> Fit<'a, 'o> {
             s.spawn(move || {
                 let mut step = span.start.step;
                 for epoch in span.start.epoch..config.epochs {
-                    let order = scatter::epoch_order(train.len(), config.seed, epoch, config.shuffle);
+                    let order = match train.stream() {
+                        // A token stream's windows: drawn by (seed, step, row).
+                        Some(_) => (0..span.steps_per_epoch)
+                            .flat_map(|i| {
+                                let step = (epoch * span.steps_per_epoch + i) as u64;
+                                let context = train.sample_shape().numel();
+                                scatter::window_draws(
+                                    train.len(),
+                                    context,
+                                    config.seed,
+                                    step,
+                                    config.batch_size,
+                                    config.shuffle,
+                                )
+                            })
+                            .collect(),
+                        None => scatter::epoch_order(train.len(), config.seed, epoch, config.shuffle),
+                    };
                     let skip = if epoch == span.start.epoch { span.start.step_in_epoch } else { 0 };
                     let batches = order.chunks(config.batch_size).take(span.steps_per_epoch).enumerate().skip(skip);
                     for (i, idx) in batches {
@@ -351,6 +394,7 @@ impl<'a, 'o> Fit<'a, 'o> {
             steps: sums.steps,
             seconds: sums.started.elapsed().as_secs_f64(),
             samples_per_sec: sums.metrics.count as f64 / sums.train_time.as_secs_f64().max(1e-12),
+            steps_of_run: self.text.then(|| (trainer.steps(), self.span.total_steps)),
         };
         self.observer.on_epoch(&e);
         self.epochs.push(e);
@@ -450,7 +494,23 @@ pub fn check_data(model: &Sequential, data: &Dataset) -> Result<()> {
             model.input_shape()
         )));
     }
-    let classes = model.output_shape().numel();
+    // A classifier's output is its K classes; a sequence model's (T, K), a label per
+    // position.
+    let out = model.output_shape().dims();
+    let classes = out.last().copied().unwrap_or(1);
+    let positions: usize = out[..out.len().saturating_sub(1)].iter().product();
+    if positions != data.targets_per_sample() {
+        return Err(err(format!(
+            "samples with {} label(s) each do not fit the model's output {}",
+            data.targets_per_sample(),
+            model.output_shape()
+        )));
+    }
+    if let Some((i, t, id)) = data.first_token_outside(classes) {
+        return Err(err(format!(
+            "token id {id} of sample {i}, position {t} is at or above the model's vocabulary of {classes}"
+        )));
+    }
     if let Some((i, label)) = data.first_label_outside(classes) {
         return Err(err(crate::data::label_outside(label.into(), i, classes, "model's ")));
     }

@@ -122,7 +122,7 @@ impl<'s> GpuReplica<'s> {
     /// The rows `rows` of `batch`, x and y.
     fn rows<'b>(batch: &'b Batch, rows: &Range<usize>) -> (&'b [f32], &'b [u32]) {
         let per = batch.sample_shape.numel();
-        (&batch.x[rows.start * per..rows.end * per], &batch.y[rows.clone()])
+        (&batch.x[rows.start * per..rows.end * per], batch.labels(rows))
     }
 }
 

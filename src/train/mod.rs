@@ -32,7 +32,7 @@ mod trainer;
 mod worker;
 
 pub use batch::Batch;
-pub use config::{EarlyStopping, NonFinite, TrainConfig};
+pub use config::{EarlyStopping, NonFinite, TrainConfig, DEFAULT_EVAL_BATCHES, DEFAULT_EVAL_EVERY};
 pub use fit::{check_data, train_data_parallel, train_data_parallel_with};
 pub use processes::RowPlan;
 pub use report::{

@@ -92,7 +92,12 @@ pub struct EpochReport {
     /// Steps of this epoch, resumed ones included.
     pub steps: u64,
     pub seconds: f64,
+    /// Labels trained per second: samples, or a text's tokens.
     pub samples_per_sec: f64,
+    /// For a run over a token stream (a text), whose "epochs" are the periods between
+    /// evaluations: (the steps taken at this evaluation, the run's steps). None for
+    /// stored samples.
+    pub steps_of_run: Option<(u64, u64)>,
 }
 
 impl EpochReport {
@@ -107,6 +112,20 @@ impl EpochReport {
     /// `best` ends the line of an epoch whose held-out loss is the lowest so far.
     pub fn line(&self, held_out: &str) -> String {
         use std::fmt::Write as _;
+        if let Some((step, total)) = self.steps_of_run {
+            // A text run's eval line: `step  250/2000 | train loss 2.3456 | validation
+            // loss 2.4012 | 31250 tokens/s | 6.10s | best`.
+            let width = total.to_string().len();
+            let mut line = format!("step {step:>width$}/{total} | train loss {:.4}", self.train.mean_loss());
+            if let Some(t) = self.held_out() {
+                let _ = write!(line, " | {held_out} loss {:.4}", t.mean_loss());
+            }
+            let _ = write!(line, " | {:.0} tokens/s | {:.2}s", self.samples_per_sec, self.seconds);
+            if self.best {
+                line.push_str(" | best");
+            }
+            return line;
+        }
         let width = self.epochs.to_string().len();
         let mut line = format!(
             "epoch {:>width$}/{} | train loss {:.4} acc {:.4}",
@@ -244,6 +263,7 @@ mod tests {
             steps: steps as u64,
             seconds: 0.5,
             samples_per_sec: 200.0,
+            steps_of_run: None,
         };
         TrainReport {
             weights: ParamStore { params: vec![0.5; values], buffers: vec![1.0; 64] },

@@ -38,6 +38,30 @@ pub fn epoch_order(len: usize, seed: u64, epoch: usize, shuffle: Shuffle) -> Vec
     }
 }
 
+/// The windows of step `step` of a token stream of `len` windows (`Dataset::windows`):
+/// row r's is drawn from (seed, step, r) alone, uniformly with replacement (nanoGPT's
+/// `torch.randint`), so whoever trains the row, and whether the run resumed, it is the
+/// same window. Without shuffling, the stream is read in order: row r of step s starts
+/// `(s·batch + r)·context` tokens in, wrapping round.
+pub fn window_draws(len: usize, context: usize, seed: u64, step: u64, batch: usize, shuffle: Shuffle) -> Vec<usize> {
+    (0..batch)
+        .map(|r| match shuffle {
+            Shuffle::Seeded => {
+                let key = derive_key(seed, &[purpose::WINDOWS, step, r as u64]);
+                (SplitMix64::new(key).next_u64() % len as u64) as usize
+            }
+            Shuffle::None => ((step as u128 * batch as u128 + r as u128) * context as u128 % len as u128) as usize,
+        })
+        .collect()
+}
+
+/// `count` windows of a held-out token stream of `len` windows, drawn once from `seed`
+/// (the same every evaluation of the run, so the evaluations compare).
+pub fn eval_windows(len: usize, seed: u64, count: usize) -> Vec<usize> {
+    let mut g = SplitMix64::new(derive_key(seed, &[purpose::EVAL_WINDOWS]));
+    (0..count).map(|_| (g.next_u64() % len as u64) as usize).collect()
+}
+
 /// Number of steps in an epoch of `len` samples.
 pub fn steps_per_epoch(len: usize, batch: usize, last: LastBatch) -> usize {
     match last {

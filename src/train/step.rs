@@ -13,7 +13,7 @@
 //!                               BatchNorm's statistics exchange, with nothing)
 //!                             (slot = [gradient of s | BatchNorm buffers updated by s])
 //! exchange: every shard's slot summed, each element once, in the transport's fixed order
-//! update:   parameters from (gradient sum ÷ the global batch's real size), clipped by the
+//! update:   parameters from (gradient sum ÷ the global batch's labels), clipped by the
 //!           norm of the whole of it when asked — all of them,
 //!           or, with a sharded optimiser, the exchange's owned part, then all-gathered
 //!           buffers = (buffer sum ÷ the shards that saw data): the running statistics'
@@ -119,9 +119,10 @@ where
     exchange.sum()?;
     replica.mark(Mark::Summed)?;
 
-    // The gradient part of the sum is over the whole global batch; the buffer part over
-    // the shards that saw data (an empty shard's slot holds zeros).
-    let grad_divisor = work.shards.last().map_or(0, |r| r.end) as f32;
+    // The gradient part of the sum is over the whole global batch, every label of it (a
+    // sequence's every position: the global token count); the buffer part over the
+    // shards that saw data (an empty shard's slot holds zeros).
+    let grad_divisor = (work.shards.last().map_or(0, |r| r.end) * work.batch.targets) as f32;
     let with_data = work.shards.iter().filter(|r| !r.is_empty()).count();
     let buffer_scale = 1.0 / with_data as f32;
     let params = replica.params_len();

@@ -250,8 +250,9 @@ impl Trainer<'_> {
                 let per = batch.sample_shape.numel();
                 Batch {
                     x: batch.x[rows.start * per..rows.end * per].to_vec(),
-                    y: batch.y[rows.clone()].to_vec(),
+                    y: batch.labels(&rows).to_vec(),
                     sample_shape: batch.sample_shape,
+                    targets: batch.targets,
                 }
             }
         };
