@@ -61,6 +61,7 @@ pub mod dirlock;
 pub mod error;
 pub mod exchange;
 pub mod fsutil;
+pub mod generate;
 pub mod memory;
 pub mod models;
 pub mod nn;

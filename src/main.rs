@@ -68,6 +68,7 @@ use cmd::bench::{
 };
 use cmd::eval::{cmd_eval, cmd_predict, EvalArgs, PredictArgs};
 use cmd::files::{cmd_devices, cmd_inspect, cmd_plot, PlotArgs};
+use cmd::text::{cmd_generate, GenerateArgs};
 use cmd::train::{cmd_train, TrainArgs};
 
 const EXIT_USAGE: u8 = 2;
@@ -96,6 +97,8 @@ enum Command {
     Eval(EvalArgs),
     /// The top class and its probability for every input, one line each: `index  class  probability`.
     Predict(PredictArgs),
+    /// Continue a prompt with a trained language model (the GPT), byte by byte.
+    Generate(Box<GenerateArgs>),
     /// List the tensors of a safetensors file: name, dtype, shape.
     Inspect {
         /// The safetensors file (weights or a dataset).
@@ -132,6 +135,8 @@ enum ModelName {
     Resnet8,
     /// He et al.'s CIFAR ResNet-20 for 1×28×28 images (PyTorch's tensor names).
     Resnet20,
+    /// nanoGPT's GPT over bytes (--layers, --heads, --width, --context; its tensor names).
+    Gpt,
 }
 
 impl ModelName {
@@ -142,6 +147,7 @@ impl ModelName {
             ModelName::ConvnetNobn => "convnet-nobn",
             ModelName::Resnet8 => "resnet8",
             ModelName::Resnet20 => "resnet20",
+            ModelName::Gpt => "gpt",
         }
     }
 }
@@ -162,7 +168,7 @@ fn parse_model_choice(text: &str) -> Result<ModelChoice, String> {
     if text.ends_with(".json") || path.is_file() {
         return Ok(ModelChoice::Spec(path.to_path_buf()));
     }
-    Err("expected toy, convnet, convnet-nobn, resnet8, resnet20 or a model spec FILE.json".into())
+    Err("expected toy, convnet, convnet-nobn, resnet8, resnet20, gpt or a model spec FILE.json".into())
 }
 
 /// `--model` once its spec file, if any, has been read and checked.
@@ -195,6 +201,15 @@ impl ModelSource {
         }
     }
 
+    /// Whether the model is the built-in GPT, or a spec that starts with an embedding:
+    /// a language model, whose data is text.
+    fn is_gpt(&self) -> bool {
+        match self {
+            ModelSource::Builtin(name) => *name == ModelName::Gpt,
+            ModelSource::Spec(_, spec) => spec.layers.first().is_some_and(|l| l.type_name() == "embedding"),
+        }
+    }
+
     fn name(&self) -> String {
         match self {
             ModelSource::Builtin(name) => name.as_str().to_string(),
@@ -203,7 +218,9 @@ impl ModelSource {
     }
 
     fn default_data(&self) -> &'static str {
-        if self.flat() {
+        if self.is_gpt() {
+            "fortunes"
+        } else if self.flat() {
             "toy"
         } else {
             "digits"
@@ -410,6 +427,7 @@ fn main() -> ExitCode {
         }
         Command::Eval(a) => cmd_eval(a),
         Command::Predict(a) => cmd_predict(a),
+        Command::Generate(a) => cmd_generate(*a),
         Command::Inspect { file } => cmd_inspect(&file),
         Command::Devices => cmd_devices(),
         Command::Bench(BenchCommand::Allreduce(a)) => cmd_bench_allreduce(a),
@@ -494,6 +512,18 @@ fn build_model(
             _ => Err(Failure::usage(anyhow!(
                 "the {} model takes 1x28x28 images (as Fashion-MNIST's), the data has samples of shape {sample:?}",
                 name.as_str()
+            ))),
+        },
+        // The flags' shape but for the context, which the data's windows give.
+        ModelName::Gpt => match sample {
+            [context] => Ok(models::gpt(models::GptConfig {
+                context: *context,
+                vocab: classes,
+                dropout,
+                ..models::GptConfig::default()
+            })?),
+            _ => Err(Failure::usage(anyhow!(
+                "the gpt model takes sequences of token ids (T,), the data has samples of shape {sample:?}"
             ))),
         },
     }

@@ -59,6 +59,8 @@ pub mod purpose {
     pub const WINDOWS: u64 = 6;
     /// The held-out windows of a token stream, drawn once per run.
     pub const EVAL_WINDOWS: u64 = 7;
+    /// The tokens `generate` draws, keyed by their index.
+    pub const GENERATE: u64 = 8;
 }
 
 /// A small sequential generator (SplitMix64).

@@ -9,5 +9,6 @@ pub mod features;
 pub mod files;
 pub mod regularize;
 pub mod signals;
+pub mod text;
 pub mod timing;
 pub mod train;

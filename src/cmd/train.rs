@@ -26,14 +26,15 @@ use signal_hook::consts::SIGINT;
 use crate::cmd::features::FeatureArgs;
 use crate::cmd::regularize::{self, RegularizeArgs};
 use crate::cmd::signals::{Launched, StopSignals};
+use crate::cmd::text::{self, TextArgs};
 use crate::*;
 
 #[derive(Args, Clone, Debug)]
 pub(crate) struct TrainArgs {
-    /// toy, convnet, convnet-nobn, or a model spec FILE.json (see examples/*.json).
+    /// toy, convnet, convnet-nobn, resnet8, resnet20, gpt, or a model spec FILE.json (see examples/*.json).
     #[arg(long, default_value = "convnet", value_name = "NAME|FILE.json", value_parser = parse_model_choice)]
     model: ModelChoice,
-    /// toy, toy-enlarged, digits, fashion-mnist (Debian's dataset-fashion-mnist), mnist:DIR (IDX files, plain or .gz), or a FILE.safetensors (tensors x and y) [default: toy for flat models, digits otherwise]
+    /// toy, toy-enlarged, digits, fashion-mnist (Debian's dataset-fashion-mnist), mnist:DIR (IDX files, plain or .gz), fortunes (Debian's fortunes, as text), text:FILE (a file's bytes as tokens), or a FILE.safetensors (tensors x and y, or a token file's tokens) [default: toy for flat models, fortunes for gpt, digits otherwise]
     #[arg(long)]
     data: Option<String>,
     /// The model's number of classes (its outputs) [default: the training data's: 10 for
@@ -75,29 +76,32 @@ pub(crate) struct TrainArgs {
     #[arg(long)]
     nesterov: bool,
     /// Weight decay (PyTorch's weight_decay): for sgd and adam the L2 penalty added to the
-    /// gradient, for adamw the decoupled decay p *= 1 - lr·wd.
-    #[arg(allow_negative_numbers = true, long, default_value_t = 0.0)]
-    weight_decay: f32,
+    /// gradient, for adamw the decoupled decay p *= 1 - lr·wd [default: 0.1 for text
+    /// (nanoGPT's), else 0].
+    #[arg(allow_negative_numbers = true, long)]
+    weight_decay: Option<f32>,
     /// Which parameters --weight-decay applies to: weights (tensors of 2 or more
     /// dimensions, not BatchNorm's parameters nor the biases: PyTorch's usual parameter
     /// groups) or all.
     #[arg(long, value_enum, value_name = "WHICH", default_value = "weights")]
     weight_decay_on: DecayOnName,
     /// Linear warm-up over the first N steps: step s runs at (s + 1)/N of the learning
-    /// rate, then --lr-schedule runs over the remaining steps.
-    #[arg(allow_negative_numbers = true, long, value_name = "N", default_value_t = 0)]
-    warmup_steps: u64,
+    /// rate, then --lr-schedule runs over the remaining steps [default: 100 for text
+    /// (nanoGPT's), else 0].
+    #[arg(allow_negative_numbers = true, long, value_name = "N")]
+    warmup_steps: Option<u64>,
     /// Clip the gradient to this global L2 norm before every update (PyTorch's
     /// clip_grad_norm_): the norm of the averaged gradient of all replicas, so every
-    /// replica scales by the same factor.
+    /// replica scales by the same factor [default: 1 for text (nanoGPT's), else none].
     #[arg(allow_negative_numbers = true, long, value_name = "C")]
     clip_grad_norm: Option<f32>,
     /// Adam's epsilon.
     #[arg(allow_negative_numbers = true, long, default_value_t = 1e-8)]
     adam_eps: f32,
-    /// Dropout rate of the built-in convnet, in [0, 1) (0 removes the layer); a spec file sets its own.
-    #[arg(allow_negative_numbers = true, long, default_value_t = 0.5)]
-    dropout: f32,
+    /// Dropout rate of the built-in convnet and gpt, in [0, 1) (0 removes the convnet's
+    /// layer); a spec file sets its own [default: convnet 0.5, gpt 0].
+    #[arg(allow_negative_numbers = true, long)]
+    dropout: Option<f32>,
     /// Momentum of the convnet's BatchNorm running statistics, in [0, 1). Keras uses 0.99;
     /// 0.9 follows the weights closely enough on small datasets such as the digits.
     #[arg(allow_negative_numbers = true, long, default_value_t = 0.9)]
@@ -133,6 +137,8 @@ pub(crate) struct TrainArgs {
     features: FeatureArgs,
     #[command(flatten)]
     regularize: RegularizeArgs,
+    #[command(flatten)]
+    text: TextArgs,
     /// Check that every replica is bitwise identical every K steps and at the end [default: 100].
     #[arg(long, value_name = "K")]
     check_replicas_every: Option<u64>,
@@ -226,11 +232,8 @@ fn flag_values(a: &TrainArgs) -> BTreeMap<&'static str, String> {
     let mut m = BTreeMap::from([
         ("model", model),
         ("momentum", a.momentum.to_string()),
-        ("weight_decay", a.weight_decay.to_string()),
         ("weight_decay_on", enum_name(&a.weight_decay_on)),
-        ("warmup_steps", a.warmup_steps.to_string()),
         ("adam_eps", a.adam_eps.to_string()),
-        ("dropout", a.dropout.to_string()),
         ("bn_momentum", a.bn_momentum.to_string()),
         ("seed", a.seed.to_string()),
         ("devices", a.devices.clone()),
@@ -250,6 +253,9 @@ fn flag_values(a: &TrainArgs) -> BTreeMap<&'static str, String> {
         ("lr", a.lr.map(|l| l.to_string())),
         ("lr_schedule", a.lr_schedule.as_ref().map(enum_name)),
         ("clip_grad_norm", a.clip_grad_norm.map(|c| c.to_string())),
+        ("weight_decay", a.weight_decay.map(|w| w.to_string())),
+        ("warmup_steps", a.warmup_steps.map(|w| w.to_string())),
+        ("dropout", a.dropout.map(|d| d.to_string())),
         ("nesterov", a.nesterov.then(|| "true".to_string())),
         ("steps", a.steps.map(|k| k.to_string())),
         ("replicas", a.replicas.map(|r| r.to_string())),
@@ -265,6 +271,7 @@ fn flag_values(a: &TrainArgs) -> BTreeMap<&'static str, String> {
     ];
     m.extend(optional.into_iter().filter_map(|(k, v)| v.map(|v| (k, v))));
     m.extend(a.regularize.stored());
+    m.extend(a.text.stored());
     m
 }
 
@@ -398,7 +405,7 @@ fn here_known(id: &str) -> bool {
         "sync_batchnorm",
         "shard_optimizer",
     ];
-    STORED.contains(&id) || regularize::STORED.contains(&id)
+    STORED.contains(&id) || regularize::STORED.contains(&id) || text::STORED.contains(&id)
 }
 
 /// `--resume DIR` names a directory, not a checkpoint file or nothing.
@@ -489,17 +496,50 @@ struct Settings {
     replicas: usize,
 }
 
-/// Resolves the model's defaults and checks every flag that needs no file.
-fn settings(a: &mut TrainArgs, toy: bool) -> CliResult<Settings> {
-    let epochs = *a.epochs.get_or_insert(if toy { 3 } else { 15 });
-    let batch_size = *a.batch_size.get_or_insert(if toy { 2 } else { 32 });
-    let optimizer = *a.optimizer.get_or_insert(if toy { OptimizerName::Sgd } else { OptimizerName::Adam });
+/// Resolves the model's defaults and checks every flag that needs no file. A text run
+/// (`text`) takes nanoGPT's CPU recipe: batch 12, 2,000 steps, AdamW at 1e-3 with betas
+/// (0.9, 0.99) and weight decay 0.1 on the weights, 100 warm-up steps, cosine to a tenth,
+/// clipping at norm 1, no dropout; it is counted in steps, an epoch being --eval-every.
+fn settings(a: &mut TrainArgs, toy: bool, text: bool) -> CliResult<Settings> {
+    a.text.check()?;
+    let epochs = match text {
+        true => {
+            if a.epochs.is_some() {
+                return Err(Failure::usage(anyhow!(
+                    "--epochs: a text run is counted in steps (--steps, evaluated every --eval-every)"
+                )));
+            }
+            let steps = *a.steps.get_or_insert(2000);
+            let every = a.text.eval_every.unwrap_or(lockstep::train::DEFAULT_EVAL_EVERY) as u64;
+            steps.div_ceil(every).max(1) as usize
+        }
+        false => *a.epochs.get_or_insert(if toy { 3 } else { 15 }),
+    };
+    let batch_size = *a.batch_size.get_or_insert(if toy {
+        2
+    } else if text {
+        12
+    } else {
+        32
+    });
+    let optimizer = *a.optimizer.get_or_insert(match (toy, text) {
+        (true, _) => OptimizerName::Sgd,
+        (_, true) => OptimizerName::Adamw,
+        _ => OptimizerName::Adam,
+    });
     let lr = *a.lr.get_or_insert(match (optimizer, toy) {
         (OptimizerName::Sgd, true) => 0.5,
         (OptimizerName::Sgd, false) => 0.05,
         (OptimizerName::Adam | OptimizerName::Adamw, _) => 1e-3,
     });
     let schedule = *a.lr_schedule.get_or_insert(if toy { ScheduleName::Constant } else { ScheduleName::Cosine });
+    a.weight_decay.get_or_insert(if text { 0.1 } else { 0.0 });
+    a.warmup_steps.get_or_insert(if text { 100 } else { 0 });
+    a.dropout.get_or_insert(if text { 0.0 } else { 0.5 });
+    a.text.adam_beta2.get_or_insert(if text { 0.99 } else { 0.999 });
+    if text && a.clip_grad_norm.is_none() {
+        a.clip_grad_norm = Some(1.0);
+    }
     if epochs == 0 {
         return Err(Failure::usage(anyhow!("--epochs must be at least 1")));
     }
@@ -512,8 +552,9 @@ fn settings(a: &mut TrainArgs, toy: bool) -> CliResult<Settings> {
     if !(0.0..1.0).contains(&a.bn_momentum) {
         return Err(Failure::usage(anyhow!("--bn-momentum must be in [0, 1), got {}", a.bn_momentum)));
     }
-    if !(0.0..1.0).contains(&a.dropout) {
-        return Err(Failure::usage(anyhow!("--dropout must be in [0, 1), got {}", a.dropout)));
+    let dropout = a.dropout.expect("resolved above");
+    if !(0.0..1.0).contains(&dropout) {
+        return Err(Failure::usage(anyhow!("--dropout must be in [0, 1), got {dropout}")));
     }
     for (name, zero) in [
         ("--steps", a.steps == Some(0)),
@@ -540,8 +581,9 @@ fn settings(a: &mut TrainArgs, toy: bool) -> CliResult<Settings> {
     if a.nesterov && a.momentum == 0.0 {
         return Err(Failure::usage(anyhow!("--nesterov needs --momentum above 0 (Nesterov momentum)")));
     }
-    if !(a.weight_decay >= 0.0 && a.weight_decay.is_finite()) {
-        return Err(Failure::usage(anyhow!("--weight-decay must be a number >= 0, got {}", a.weight_decay)));
+    let wd = a.weight_decay.expect("resolved above");
+    if !(wd >= 0.0 && wd.is_finite()) {
+        return Err(Failure::usage(anyhow!("--weight-decay must be a number >= 0, got {wd}")));
     }
     if let Some(c) = a.clip_grad_norm {
         if !(c > 0.0 && c.is_finite()) {
@@ -550,12 +592,12 @@ fn settings(a: &mut TrainArgs, toy: bool) -> CliResult<Settings> {
             )));
         }
     }
-    let (momentum_kind, wd, eps) =
-        (if a.nesterov { MomentumKind::Nesterov } else { MomentumKind::Classic }, a.weight_decay, a.adam_eps);
+    let (momentum_kind, eps) = (if a.nesterov { MomentumKind::Nesterov } else { MomentumKind::Classic }, a.adam_eps);
+    let (beta1, beta2) = (a.text.adam_beta1, a.text.adam_beta2.expect("resolved above"));
     let optimizer = match optimizer {
         OptimizerName::Sgd => OptimizerConfig::Sgd { lr, momentum: a.momentum, momentum_kind, weight_decay: wd },
-        OptimizerName::Adam => OptimizerConfig::Adam { lr, beta1: 0.9, beta2: 0.999, eps, weight_decay: wd },
-        OptimizerName::Adamw => OptimizerConfig::AdamW { lr, beta1: 0.9, beta2: 0.999, eps, weight_decay: wd },
+        OptimizerName::Adam => OptimizerConfig::Adam { lr, beta1, beta2, eps, weight_decay: wd },
+        OptimizerName::Adamw => OptimizerConfig::AdamW { lr, beta1, beta2, eps, weight_decay: wd },
     };
     optimizer.validate().map_err(Failure::usage)?;
     let devices = resolve_devices(&a.devices)?;
@@ -607,8 +649,11 @@ pub(crate) fn cmd_train(a: TrainArgs, given: &BTreeSet<String>) -> CliResult {
         None => a,
     };
     let source = a.model.resolve()?;
-    let toy = source.flat();
-    let s = settings(&mut a, toy)?;
+    let data_spec = a.data.get_or_insert_with(|| source.default_data().to_string()).clone();
+    // A run over text: the GPT's data, or text data whoever's model.
+    let is_text = text::is_text(&data_spec) || source.is_gpt();
+    let toy = source.flat() && !is_text;
+    let s = settings(&mut a, toy, is_text)?;
     if voice {
         check_outputs(&a)?;
     }
@@ -621,14 +666,31 @@ pub(crate) fn cmd_train(a: TrainArgs, given: &BTreeSet<String>) -> CliResult {
         .filter(|_| voice)
         .map(|d| claim_checkpoint_dir(d, a.resume.as_deref() == Some(d)))
         .transpose()?;
-    let data_spec = a.data.get_or_insert_with(|| source.default_data().to_string()).clone();
-    let splits = load_data(&data_spec, toy, a.seed, a.test_data.as_deref(), a.classes)?;
-    let (splits, final_test, held_out) =
-        with_validation(splits, a.validation_split, a.val_data.as_deref(), a.seed, a.classes)?;
+    let (splits, final_test, held_out) = match text::is_text(&data_spec) {
+        true => {
+            if a.validation_split.is_some() || a.val_data.is_some() || a.test_data.is_some() {
+                return Err(Failure::usage(anyhow!(
+                    "--data {data_spec}: a text's validation part is its last tenth by position (no --validation-split, --val-data or --test-data)"
+                )));
+            }
+            (a.text.load(&data_spec)?, None, HeldOut::Validation)
+        }
+        false => {
+            let splits = load_data(&data_spec, toy, a.seed, a.test_data.as_deref(), a.classes)?;
+            with_validation(splits, a.validation_split, a.val_data.as_deref(), a.seed, a.classes)?
+        }
+    };
+    let stream = splits.train.stream().is_some();
     // The training data sizes a built-in model, never the test data: a label only the
     // test split has is one the model was never trained to output.
     let classes = *a.classes.get_or_insert(splits.train.num_classes());
-    let model = build_model(&source, splits.train.sample_shape().dims(), classes, a.dropout, a.bn_momentum)?;
+    let dropout = a.dropout.expect("settings resolves it");
+    let model = match &source {
+        ModelSource::Builtin(ModelName::Gpt) => {
+            lockstep::models::gpt(a.text.gpt(classes, dropout)).map_err(Failure::usage)?
+        }
+        _ => build_model(&source, splits.train.sample_shape().dims(), classes, dropout, a.bn_momentum)?,
+    };
     let model = a.features.model(model)?;
     // Every process's devices, under mpirun.
     let in_world = s.devices.len() * world.size();
@@ -643,7 +705,10 @@ pub(crate) fn cmd_train(a: TrainArgs, given: &BTreeSet<String>) -> CliResult {
     }
     a.regularize.check_data(&splits.train)?;
     let last_batch = if a.drop_last { LastBatch::Drop } else { LastBatch::Keep };
-    let steps_per_epoch = lockstep::train::scatter::steps_per_epoch(splits.train.len(), s.batch_size, last_batch);
+    let steps_per_epoch = match stream {
+        true => a.text.eval_every.unwrap_or(lockstep::train::DEFAULT_EVAL_EVERY),
+        false => lockstep::train::scatter::steps_per_epoch(splits.train.len(), s.batch_size, last_batch),
+    };
     if steps_per_epoch == 0 {
         return Err(Failure::usage(anyhow!(
             "{} training samples make no full batch of {} with --drop-last",
@@ -654,8 +719,8 @@ pub(crate) fn cmd_train(a: TrainArgs, given: &BTreeSet<String>) -> CliResult {
     // A batch larger than the training set is the whole set at every step (Keras and
     // PyTorch's loaders do the same); memory is estimated for what a step really takes.
     let batch_size = match last_batch {
-        LastBatch::Keep => s.batch_size.min(splits.train.len()),
-        LastBatch::Drop => s.batch_size,
+        LastBatch::Keep if !stream => s.batch_size.min(splits.train.len()),
+        _ => s.batch_size,
     };
     let mut config = TrainConfig {
         epochs: s.epochs,
@@ -663,7 +728,7 @@ pub(crate) fn cmd_train(a: TrainArgs, given: &BTreeSet<String>) -> CliResult {
         batch_size,
         optimizer: s.optimizer,
         schedule: s.schedule,
-        warmup_steps: a.warmup_steps,
+        warmup_steps: a.warmup_steps.expect("settings resolves it"),
         weight_decay_on: a.weight_decay_on.decay_on(),
         clip_grad_norm: a.clip_grad_norm,
         seed: a.seed,
@@ -677,7 +742,7 @@ pub(crate) fn cmd_train(a: TrainArgs, given: &BTreeSet<String>) -> CliResult {
         save_best: a.save_best.clone(),
         ..TrainConfig::default()
     };
-    config = a.regularize.config(a.features.config(config));
+    config = a.text.config(a.regularize.config(a.features.config(config)), stream);
     config.validate().map_err(Failure::usage)?;
     // Memory before the weights, the checkpoint or any replica is allocated.
     let largest_held_out = splits.test.iter().chain(&final_test).map(Dataset::len).max().unwrap_or(0);
@@ -892,6 +957,10 @@ enum Evaluated {
 
 /// The bytes a dataset holds, and its f32 copy when it is evaluated whole.
 fn dataset_bytes(d: &Dataset, evaluated: Evaluated) -> u64 {
+    // A token stream: its u32 ids (its held-out windows are drawn, a few batches).
+    if let Some(t) = d.stream() {
+        return (t.len() as u64).saturating_mul(4);
+    }
     let values = (d.len() as u64).saturating_mul(d.sample_shape().numel() as u64);
     let stored = match d.features() {
         Features::F32(_) => values.saturating_mul(4),
@@ -1031,7 +1100,7 @@ fn run_fingerprint(
         ("shuffle", if c.shuffle == Shuffle::Seeded { "seeded" } else { "none" }.to_string()),
         ("last_batch", if c.last_batch == LastBatch::Keep { "kept" } else { "dropped" }.to_string()),
         ("replicas", c.replicas.map_or(String::new(), |r| r.to_string())),
-        ("dropout", a.dropout.to_string()),
+        ("dropout", a.dropout.map_or(String::new(), |d| d.to_string())),
         ("bn_momentum", a.bn_momentum.to_string()),
     ];
     // Accumulation and 16-bit gradients change the arithmetic, so they are named always (a

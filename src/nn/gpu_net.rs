@@ -269,7 +269,8 @@ impl GpuNet {
     /// asynchronously, for the shards of a step or an evaluation chunk to read, after
     /// checking the labels against the model's classes.
     pub fn stage(&mut self, xs: &[f32], ys: &[u32]) -> Result<()> {
-        check_labels(ys, self.model.output_shape().numel())?;
+        let (t, k) = self.targets_and_classes();
+        check_labels(ys, k)?;
         let ctx = self.gpu.context().clone();
         let stream = self.gpu.stream().clone();
         if self.pinned_x.as_ref().map(|p| p.len()) != Some(xs.len().max(1)) {
@@ -286,12 +287,20 @@ impl GpuNet {
         py.as_mut_slice()?[..ys.len()].copy_from_slice(ys);
         stream.memcpy_htod(&*px, self.x_dev.as_mut().expect("set"))?;
         stream.memcpy_htod(&*py, self.y_dev.as_mut().expect("set"))?;
-        self.staged = ys.len();
+        self.staged = ys.len() / t;
         if self.step_loss.as_ref().map(|l| l.len()) != Some(ys.len().max(1)) {
             self.step_loss = Some(stream.alloc_zeros(ys.len().max(1))?);
             self.step_hits = Some(stream.alloc_zeros(ys.len().max(1))?);
         }
         Ok(())
+    }
+
+    /// Labels per sample and classes per label: (1, K) for a classifier's output (K),
+    /// (T, K) for a sequence model's (T, K), a row of the loss per position.
+    pub fn targets_and_classes(&self) -> (usize, usize) {
+        let out = self.model.output_shape();
+        let k = out.dims().last().copied().unwrap_or(1).max(1);
+        (out.numel() / k, k)
     }
 
     /// Queues the start of a shard's slot ([gradient | BatchNorm buffers], params +
@@ -335,6 +344,8 @@ impl GpuNet {
         if rows.is_empty() || rows.end > self.staged {
             return Err(Error::shape("train_shard", format!("rows {rows:?} of {} staged", self.staged)));
         }
+        // A label per sample, or per position: the loss's rows are the labels.
+        let (t, k) = self.targets_and_classes();
         let stream = self.gpu.stream().clone();
         let n = rows.len();
         self.ensure_acts(n)?;
@@ -343,23 +354,23 @@ impl GpuNet {
         let x = self.x_dev.as_ref().expect("staged");
         let y = self.y_dev.as_ref().expect("staged");
         stream.memcpy_dtod(&x.slice(rows.start * per..rows.end * per), &mut acts.acts[0])?;
-        stream.memcpy_dtod(&y.slice(rows.clone()), &mut acts.labels)?;
+        let labels = rows.start * t..rows.end * t;
+        stream.memcpy_dtod(&y.slice(labels.clone()), &mut acts.labels)?;
         let mut net = Net { gpu: &self.gpu, blas: &self.blas, layers: &mut self.layers, params: &self.params };
         let sync = sync.map(|with| SyncWith { stats: with.stats, shard: with.shard, aborted });
         net.forward(acts, Pass::Train { draw, stats: slot, offset: np }, sync)?;
-        let k = self.model.output_shape().numel();
         let last = acts.acts.len() - 1;
         let step_loss = self.step_loss.as_mut().expect("staged");
         self.gpu.softmax_xent_fwd(
             &acts.acts[last],
             &acts.labels,
-            &mut step_loss.slice_mut(rows.clone()),
-            &mut acts.grads[0].slice_mut(0..n * k),
+            &mut step_loss.slice_mut(labels.clone()),
+            &mut acts.grads[0].slice_mut(0..n * t * k),
             &mut acts.correct,
             k,
             self.loss.label_smoothing,
         )?;
-        stream.memcpy_dtod(&acts.correct, &mut self.step_hits.as_mut().expect("staged").slice_mut(rows))?;
+        stream.memcpy_dtod(&acts.correct, &mut self.step_hits.as_mut().expect("staged").slice_mut(labels))?;
         let first = self.model.first_trained_layer();
         if fill == SlotUse::Write || np == 0 {
             return net.backward(acts, slot, draw, first, sync);
@@ -501,7 +512,7 @@ impl GpuNet {
     /// Per-sample losses and hits of the staged rows' training shards (waits for them).
     pub fn step_losses(&self) -> Result<(Vec<f32>, Vec<u32>)> {
         let stream = self.gpu.stream();
-        let n = self.staged;
+        let n = self.staged * self.targets_and_classes().0;
         let loss = stream.clone_dtoh(&self.step_loss.as_ref().expect("staged").slice(0..n))?;
         let hits = stream.clone_dtoh(&self.step_hits.as_ref().expect("staged").slice(0..n))?;
         Ok((loss, hits))
@@ -509,7 +520,8 @@ impl GpuNet {
 
     /// Evaluation-mode forward of rows (x, y): per-sample losses, hits and the logits.
     pub fn infer(&mut self, xs: &[f32], ys: &[u32]) -> Result<(Vec<f32>, Vec<u32>, Vec<f32>)> {
-        let n = ys.len();
+        let (t, k) = self.targets_and_classes();
+        let n = ys.len() / t;
         if n == 0 {
             return Ok((Vec::new(), Vec::new(), Vec::new()));
         }
@@ -522,17 +534,16 @@ impl GpuNet {
         let mut net = Net { gpu: &self.gpu, blas: &self.blas, layers: &mut self.layers, params: &self.params };
         net.forward(acts, Pass::Eval { stats: &self.buffers }, None)?;
         let last = acts.acts.len() - 1;
-        let k = self.model.output_shape().numel();
         self.gpu.softmax_xent_fwd(
             &acts.acts[last],
             &acts.labels,
             &mut acts.loss,
-            &mut acts.grads[0].slice_mut(0..n * k),
+            &mut acts.grads[0].slice_mut(0..n * t * k),
             &mut acts.correct,
             k,
             self.loss.label_smoothing,
         )?;
-        let logits = stream.clone_dtoh(&acts.acts[last].slice(0..n * k))?;
+        let logits = stream.clone_dtoh(&acts.acts[last].slice(0..n * t * k))?;
         Ok((stream.clone_dtoh(&acts.loss)?, stream.clone_dtoh(&acts.correct)?, logits))
     }
 
@@ -570,7 +581,8 @@ impl GpuNet {
             for l in &mut self.layers {
                 l.op.reserve(&self.gpu, &l.node, n)?;
             }
-            self.acts = Some(Activations::new(&self.gpu, &self.layers, n)?);
+            let targets = self.targets_and_classes().0;
+            self.acts = Some(Activations::new(&self.gpu, &self.layers, n, targets)?);
         }
         Ok(())
     }
@@ -633,7 +645,8 @@ fn plan(model: &Sequential) -> Result<Vec<Layer>> {
 }
 
 impl Activations {
-    fn new(gpu: &Gpu, layers: &[Layer], n: usize) -> Result<Activations> {
+    /// For `n` samples of `targets` labels each.
+    fn new(gpu: &Gpu, layers: &[Layer], n: usize, targets: usize) -> Result<Activations> {
         let stream = gpu.stream();
         let alloc = |len: usize| -> Result<CudaSlice<f32>> { Ok(stream.alloc_zeros::<f32>(len.max(1))?) };
         let first = &layers.first().expect("a model has a layer").node;
@@ -649,9 +662,9 @@ impl Activations {
             acts,
             grads: [alloc(widest)?, alloc(widest)?],
             scratch: alloc(scratch)?,
-            labels: stream.alloc_zeros::<u32>(n)?,
-            loss: alloc(n)?,
-            correct: stream.alloc_zeros::<u32>(n)?,
+            labels: stream.alloc_zeros::<u32>(n * targets)?,
+            loss: alloc(n * targets)?,
+            correct: stream.alloc_zeros::<u32>(n * targets)?,
         })
     }
 }

@@ -215,7 +215,10 @@ impl Replica for GpuReplica<'_> {
         self.clip = Clip::None;
         self.net.wait(aborted)?;
         let (loss, hits) = self.net.step_losses()?;
-        let shards = self.shards.iter().map(|r| metrics(&loss[r.clone()], &hits[r.clone()])).collect();
+        // A row's labels: one, or one per position of a sequence.
+        let t = self.net.targets_and_classes().0;
+        let labels = |r: &Range<usize>| r.start * t..r.end * t;
+        let shards = self.shards.iter().map(|r| metrics(&loss[labels(r)], &hits[labels(r)])).collect();
         let t = self.net.mark_times()?;
         Ok(StepOutcome::from_marks(shards, [t[0], t[1], t[2], t[3]]))
     }
@@ -229,7 +232,7 @@ impl Replica for GpuReplica<'_> {
     fn predict_chunk(&mut self, batch: &Batch, rows: Range<usize>) -> Result<Vec<f32>> {
         let (x, y) = Self::rows(batch, &rows);
         let (_, _, logits) = self.net.infer(x, y)?;
-        Ok(softmax_rows(logits, self.net.model().output_shape().numel()))
+        Ok(softmax_rows(logits, self.net.targets_and_classes().1))
     }
 
     fn snapshot(&mut self) -> Result<(ParamStore, Optimizer)> {
