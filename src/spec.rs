@@ -37,6 +37,8 @@
 //! | `max_pooling2d` | `pool_size` (2; int or [kh, kw]), `strides` (the pool size; int or [sh, sw]), `padding` ("valid", "same", or pads: int or [ph, pw]; "valid") |
 //! | `gelu` | none |
 //! | `residual` | `layers` (the body), `shortcut` (none: the identity), `activation` ("linear") |
+//! | `embedding` | `vocab` (ids are 0..vocab), `width`; samples of token ids (T) |
+//! | `positional_embedding` | `length` (the table's positions, at least the context T); samples (T, C) |
 //!
 //! The defaults are Keras's. Input channels and features are inferred from the running
 //! shape; `"activation": "relu"` appends a ReLU layer (softmax belongs to the loss, so

@@ -3,9 +3,12 @@
 //!
 //! For each type the network is its table example, preceded by a layer with parameters
 //! that keeps the shape (a 1×1 convolution for (C, H, W) inputs, a Dense layer for flat
-//! ones: the gradient of its weight is a function of the example layer's input gradient,
-//! so the example's backward is checked even when it has no parameters of its own) and
-//! followed by a Flatten where the example's output is not flat (the loss takes (N, K)).
+//! ones, a positional embedding for sequences (T, C): the gradient of its weight is a
+//! function of the example layer's input gradient, so the example's backward is checked
+//! even when it has no parameters of its own) and followed by a Flatten where the
+//! example's output is not flat (the loss takes (N, K)). A layer over token ids (the
+//! embedding) has no input gradient and must come first: nothing precedes it, and its
+//! rows are ids in range.
 //! Both backends start from the same weights and see the same rows; compared are:
 //! - the training pass: the per-sample losses of the shard, every parameter's gradient
 //!   of the summed loss and the updated buffers (the slot), with dropout's masks drawn
@@ -37,21 +40,46 @@ const ATOL: f64 = 1e-5;
 /// Samples in the batch: enough for BatchNorm's statistics and several dropout rows.
 const N: usize = 6;
 
+/// The layer types whose input is token ids: they come first, and their rows are ids.
+const OVER_TOKEN_IDS: &[&str] = &["embedding"];
+
+/// The vocabulary of the embedding examples (their `vocab` field), which the ids stay below.
+fn vocab_of(example: &str) -> u64 {
+    let v: serde_json::Value = serde_json::from_str(example).unwrap();
+    v["vocab"].as_u64().expect("an embedding example states its vocab")
+}
+
 /// The network that puts layer type `example` (a spec layer object) between a shape-
-/// keeping layer with parameters and the loss.
-fn network(input: &[usize], example: &str) -> Sequential {
+/// keeping layer with parameters (none before a layer over token ids) and the loss.
+fn network(type_name: &str, input: &[usize], example: &str) -> Sequential {
     let before = match input {
-        [c, _, _] => format!(r#"{{"type": "conv2d", "filters": {c}, "kernel_size": 1}}"#),
-        [f] => format!(r#"{{"type": "dense", "units": {f}}}"#),
-        other => panic!("a table example of input shape {other:?}: neither (C, H, W) nor (F)"),
+        _ if OVER_TOKEN_IDS.contains(&type_name) => String::new(),
+        [c, _, _] => format!(r#"{{"type": "conv2d", "filters": {c}, "kernel_size": 1}}, "#),
+        [t, _] => format!(r#"{{"type": "positional_embedding", "length": {t}}}, "#),
+        [f] => format!(r#"{{"type": "dense", "units": {f}}}, "#),
+        other => panic!("a table example of input shape {other:?}: neither (C, H, W), (T, C) nor (F)"),
     };
-    let spec = format!(r#"{{"input_shape": {input:?}, "layers": [{before}, {example}]}}"#);
+    let spec = format!(r#"{{"input_shape": {input:?}, "layers": [{before}{example}]}}"#);
     let model = model_from_spec_str(&spec, "cuda_layers").unwrap();
     if model.output_shape().ndim() == 1 {
         return model;
     }
-    let spec = format!(r#"{{"input_shape": {input:?}, "layers": [{before}, {example}, {{"type": "flatten"}}]}}"#);
+    let spec = format!(r#"{{"input_shape": {input:?}, "layers": [{before}{example}, {{"type": "flatten"}}]}}"#);
     model_from_spec_str(&spec, "cuda_layers").unwrap()
+}
+
+/// `len` input values for layer type `type_name`'s network: ids below the example's
+/// vocabulary for a layer over token ids, else `constant` where given, or draws in
+/// [-3, 1).
+fn inputs(type_name: &str, example: &str, len: usize, rng: &mut Rng, constant: Option<f32>) -> Vec<f32> {
+    if OVER_TOKEN_IDS.contains(&type_name) {
+        let vocab = vocab_of(example);
+        return (0..len).map(|_| (rng.next_u64() % vocab) as f32).collect();
+    }
+    match constant {
+        Some(v) => vec![v; len],
+        None => rng.vec(len).iter().map(|v| 2.0 * v - 1.0).collect(),
+    }
 }
 
 #[track_caller]
@@ -108,10 +136,10 @@ fn every_layer_type_on_a_gpu_matches_its_cpu_layer() {
     }
     for t in LAYER_TYPES {
         let (input, example) = t.example;
-        let model = network(input, example);
+        let model = network(t.name, input, example);
         let store = model.init(7);
         let mut rng = Rng(0x5eed ^ t.name.len() as u64);
-        let xs: Vec<f32> = rng.vec(N * model.input_shape().numel()).iter().map(|v| 2.0 * v - 1.0).collect();
+        let xs = inputs(t.name, example, N * model.input_shape().numel(), &mut rng, None);
         let k = model.output_shape().numel() as u64;
         let ys: Vec<u32> = (0..N).map(|_| (rng.next_u64() % k) as u32).collect();
         let draw = Draw { seed: 11, step: 3, shard: 1, sample_offset: 0 };
@@ -145,12 +173,12 @@ fn every_layer_type_on_a_gpu_matches_its_cpu_layer() {
 fn every_layer_type_has_a_gpu_form_and_a_cpu_reference() {
     for t in LAYER_TYPES {
         let (input, example) = t.example;
-        let model = network(input, example);
+        let model = network(t.name, input, example);
         for (layer, name) in model.layers().iter().zip(model.layer_names()) {
             assert!(layer.gpu().is_some(), "{}: layer {name} ({}) has no GPU form", t.name, layer.describe());
         }
         let store = model.init(7);
-        let xs = vec![0.25; N * model.input_shape().numel()];
+        let xs = inputs(t.name, example, N * model.input_shape().numel(), &mut Rng(3), Some(0.25));
         let ys = vec![0; N];
         let draw = Draw { seed: 11, step: 3, shard: 1, sample_offset: 0 };
         let r = cpu_reference(&model, &store.params, &store.buffers, &xs, &ys, draw);

@@ -55,7 +55,9 @@ use lockstep::exchange::codec::{Codec, Compression};
 use lockstep::nn::batchnorm::RunningUpdate;
 use lockstep::nn::gelu::{gelu_grad, gelu_value};
 use lockstep::nn::pool::{maxpool2d_plane_bwd, maxpool2d_plane_fwd};
-use lockstep::nn::{loss, BatchNorm2d, Ctx, Dropout, Layer, MaxPool2d, Padding, Sequential, Window2d};
+use lockstep::nn::{
+    loss, BatchNorm2d, Ctx, Dropout, Embedding, Layer, MaxPool2d, Padding, PositionalEmbedding, Sequential, Window2d,
+};
 use lockstep::optim::{
     clip_factor, norm_partials, DecayMask, DecayOn, GradNorm, MomentumKind, Optimizer, OptimizerConfig, NORM_CHUNK,
     NORM_LANES,
@@ -589,6 +591,20 @@ const CHECKED: &[(&str, &[&str])] = &[
         &["batchnorm_moments_fwd_f32", "batchnorm_sync_fwd_f32", "batchnorm_sums_bwd_f32", "batchnorm_sync_bwd_f32"],
     ),
     ("batchnorm_count_equals_the_cpu_count_bit_for_bit", &["batchnorm_count_fwd_f32"]),
+    (
+        "embedding_kernels_equal_the_cpu_layer_bit_for_bit",
+        &[
+            "embedding_fwd_f32",
+            "embedding_count_bwd_f32",
+            "embedding_offsets_bwd_f32",
+            "embedding_sort_bwd_f32",
+            "embedding_bwd_f32",
+        ],
+    ),
+    (
+        "positional_embedding_kernels_equal_the_cpu_layer_bit_for_bit",
+        &["positional_embedding_fwd_f32", "positional_embedding_bwd_f32"],
+    ),
 ];
 
 #[test]
@@ -659,8 +675,8 @@ fn every_declared_argument_list_is_the_kernels_signature() {
             checked += 1;
         }
     }
-    // 38 kernels, as kernels_nvrtc.rs counts them from the files.
-    assert_eq!(checked, 38);
+    // 45 kernels, as kernels_nvrtc.rs counts them from the files.
+    assert_eq!(checked, 45);
 }
 
 // ---- elementwise.cu ------------------------------------------------------------------
@@ -1486,6 +1502,191 @@ fn the_gradient_norm_kernels_equal_the_cpu_norm_bit_for_bit() {
         k.launch("grad_norm_f32", cfg, &mut [In(rest), OutF64(&mut second), F32(batch), U64(rest.len() as u64)]);
         let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         assert_eq!(bits(&whole[1..]), bits(&second), "{cfg:?}");
+    }
+}
+
+// ---- embedding.cu --------------------------------------------------------------------
+
+/// A one-layer network of `layer` over per-sample inputs `input`, its weights from seed 5,
+/// and a gradient buffer that starts at random values (backward accumulates into it).
+fn one_layer(input: &[usize], layer: Box<dyn Layer>, rng: &mut Rng) -> (Sequential, Vec<f32>, Vec<f32>) {
+    let net = Sequential::new(input, vec![layer]).unwrap();
+    let params = net.init(5).params;
+    let grads = rng.vec(net.params_len());
+    (net, params, grads)
+}
+
+/// As Gpu::embedding_bwd runs its four kernels on `cfg` (the offsets kernel on its one
+/// block always): the counting sort's offsets and order, and dweight accumulated.
+fn embedding_bwd_on_host(
+    k: &Checked,
+    cfg: Option<Cfg>,
+    ids: &[f32],
+    dy: &[f32],
+    dweight: &mut [f32],
+    vocab: usize,
+    c: usize,
+) -> (Vec<u32>, Vec<u32>) {
+    let m = ids.len();
+    let (mut offsets, mut order) = (vec![u32::MAX; vocab + 1], vec![u32::MAX; m]);
+    let (vi, ci) = (vocab as i32, c as i32);
+    let one_block = Cfg { grid: (1, 1, 1), block: (REDUCE_BLOCK, 1, 1) };
+    // As Gpu::embedding_bwd pushes them: ids, offsets, m, vocab; offsets, vocab; ids,
+    // offsets, order, m, vocab; dy, offsets, order, dweight, m, vocab, c.
+    let over_rows = cfg.unwrap_or(elem_cfg(vocab));
+    k.launch("embedding_count_bwd_f32", over_rows, &mut [In(ids), OutU32(&mut offsets), U64(m as u64), I32(vi)]);
+    k.launch("embedding_offsets_bwd_f32", one_block, &mut [OutU32(&mut offsets), I32(vi)]);
+    k.launch(
+        "embedding_sort_bwd_f32",
+        over_rows,
+        &mut [In(ids), InU32(&offsets), OutU32(&mut order), U64(m as u64), I32(vi)],
+    );
+    k.launch(
+        "embedding_bwd_f32",
+        cfg.unwrap_or(elem_cfg(vocab * c)),
+        &mut [In(dy), InU32(&offsets), InU32(&order), Out(dweight), U64(m as u64), I32(vi), I32(ci)],
+    );
+    (offsets, order)
+}
+
+#[test]
+fn embedding_kernels_equal_the_cpu_layer_bit_for_bit() {
+    let Some(k) = kernels_or_skip("embedding_kernels_equal_the_cpu_layer_bit_for_bit") else {
+        return;
+    };
+    let mut rng = Rng(21);
+    // (V, C, N, T): ids repeating many times over a small vocabulary; and a vocabulary of
+    // 600, over 256, so the offsets kernel's threads scan chunks of 3 counts, with rows
+    // that no token uses.
+    for (vocab, c, n, t) in [(7, 5, 3, 11), (600, 3, 4, 50)] {
+        let m = n * t;
+        let ids: Vec<f32> = (0..m).map(|_| (rng.next_u64() % vocab as u64) as f32).collect();
+        let dy = rng.vec(m * c);
+        let (mut net, params, grads) = one_layer(&[t], Box::new(Embedding::new(vocab, c).unwrap()), &mut rng);
+        let w = net.param_infos()[0].range.clone();
+        let ctx = Ctx::train(0, 0, 0, Device::Cpu(0));
+        let want_y = net.forward(Tensor::from_vec(ids.clone(), [n, t]).unwrap(), &params, &mut [], &ctx).unwrap();
+        let mut want_grads = grads.clone();
+        net.backward(Tensor::from_vec(dy.clone(), [n, t, c]).unwrap(), &params, &mut want_grads, &ctx).unwrap();
+        // The sort, from its definition: each row's offset is the tokens of the rows
+        // before it, and its tokens are listed in token order.
+        let mut want_order: Vec<u32> = (0..m as u32).collect();
+        want_order.sort_by_key(|&i| ids[i as usize] as u32);
+        let mut want_offsets = vec![0u32; vocab + 1];
+        for &id in &ids {
+            want_offsets[id as usize + 1] += 1;
+        }
+        for v in 0..vocab {
+            want_offsets[v + 1] += want_offsets[v];
+        }
+        let case = format!("(V, C, N, T) = ({vocab}, {c}, {n}, {t})");
+        for cfg in [None, Some(FEW)] {
+            let mut y = vec![f32::NAN; m * c];
+            // As Gpu::embedding_fwd: ids, weight, y, m, vocab, c.
+            k.launch(
+                "embedding_fwd_f32",
+                cfg.unwrap_or(elem_cfg(m * c)),
+                &mut [In(&ids), In(&params[w.clone()]), Out(&mut y), U64(m as u64), I32(vocab as i32), I32(c as i32)],
+            );
+            // A copy of the rows: exact.
+            assert_bits(&format!("embedding y {case} {cfg:?}"), &y, want_y.host());
+            let mut dweight = grads[w.clone()].to_vec();
+            let (offsets, order) = embedding_bwd_on_host(&k, cfg, &ids, &dy, &mut dweight, vocab, c);
+            assert_eq!(offsets, want_offsets, "offsets {case} {cfg:?}");
+            assert_eq!(order, want_order, "order {case} {cfg:?}");
+            // Each (row, column) adds its tokens' dy in token order into the gradient's
+            // value, as the CPU layer's `dweight[id] += dy` loop does: the same f32 adds.
+            assert_bits(&format!("embedding dweight {case} {cfg:?}"), &dweight, &want_grads[w.clone()]);
+        }
+    }
+
+    // Ids the host refuses (check_ids) never index the table on the device: the forward
+    // writes NaN rows for them, the backward skips them. Reference: the CPU layer on the
+    // good tokens alone, in their order.
+    let (vocab, c, m) = (7, 4, 20);
+    let mut ids: Vec<f32> = (0..m).map(|_| (rng.next_u64() % vocab as u64) as f32).collect();
+    let bad = [(0, 7.0), (5, -1.0), (9, 2.5), (12, f32::NAN), (13, 1e30), (19, f32::NEG_INFINITY)];
+    for &(i, v) in &bad {
+        ids[i] = v;
+    }
+    let good: Vec<usize> = (0..m).filter(|i| bad.iter().all(|&(b, _)| b != *i)).collect();
+    let dy = rng.vec(m * c);
+    let (mut net, params, grads) = one_layer(&[good.len()], Box::new(Embedding::new(vocab, c).unwrap()), &mut rng);
+    let w = net.param_infos()[0].range.clone();
+    let ctx = Ctx::train(0, 0, 0, Device::Cpu(0));
+    let good_ids: Vec<f32> = good.iter().map(|&i| ids[i]).collect();
+    let good_dy: Vec<f32> = good.iter().flat_map(|&i| dy[i * c..(i + 1) * c].to_vec()).collect();
+    let y_good = net.forward(Tensor::from_vec(good_ids, [1, good.len()]).unwrap(), &params, &mut [], &ctx).unwrap();
+    let mut want_grads = grads.clone();
+    net.backward(Tensor::from_vec(good_dy, [1, good.len(), c]).unwrap(), &params, &mut want_grads, &ctx).unwrap();
+    let mut want_y = vec![f32::NAN; m * c];
+    for (j, &i) in good.iter().enumerate() {
+        want_y[i * c..(i + 1) * c].copy_from_slice(&y_good.host()[j * c..(j + 1) * c]);
+    }
+    let mut y = vec![0.0; m * c];
+    k.launch(
+        "embedding_fwd_f32",
+        elem_cfg(m * c),
+        &mut [In(&ids), In(&params[w.clone()]), Out(&mut y), U64(m as u64), I32(vocab as i32), I32(c as i32)],
+    );
+    let canonical = |v: &[f32]| v.iter().map(|&x| if x.is_nan() { f32::NAN } else { x }).collect::<Vec<_>>();
+    assert_bits("embedding y with bad ids", &canonical(&y), &want_y);
+    let mut dweight = grads[w.clone()].to_vec();
+    let (offsets, _) = embedding_bwd_on_host(&k, None, &ids, &dy, &mut dweight, vocab, c);
+    assert_eq!(offsets[vocab] as usize, good.len(), "bad ids are counted in no row");
+    assert_bits("embedding dweight with bad ids", &dweight, &want_grads[w]);
+}
+
+#[test]
+fn positional_embedding_kernels_equal_the_cpu_layer_bit_for_bit() {
+    let Some(k) = kernels_or_skip("positional_embedding_kernels_equal_the_cpu_layer_bit_for_bit") else {
+        return;
+    };
+    let mut rng = Rng(22);
+    // A table of P = 9 positions used for T = 5: rows 5..9 take no part.
+    let (p, n, t, c) = (9, 3, 5, 4);
+    let (tc, total) = (t * c, n * t * c);
+    let (x, dy) = (rng.vec(total), rng.vec(total));
+    let (mut net, params, grads) = one_layer(&[t, c], Box::new(PositionalEmbedding::new(p, c).unwrap()), &mut rng);
+    let w = net.param_infos()[0].range.clone();
+    let ctx = Ctx::train(0, 0, 0, Device::Cpu(0));
+    let want_y = net.forward(Tensor::from_vec(x.clone(), [n, t, c]).unwrap(), &params, &mut [], &ctx).unwrap();
+    let mut want_grads = grads.clone();
+    let want_dx =
+        net.backward_input(Tensor::from_vec(dy.clone(), [n, t, c]).unwrap(), &params, &mut want_grads, &ctx).unwrap();
+    assert_eq!(want_grads[w.start + tc..w.end], grads[w.start + tc..w.end], "rows past T get nothing");
+    let first_rows = w.start..w.start + tc;
+    for cfg in elem_cfgs(total) {
+        let mut y = vec![f32::NAN; total];
+        // As Gpu::positional_embedding_fwd: x, weight (its first T rows), y, tc, total.
+        k.launch(
+            "positional_embedding_fwd_f32",
+            cfg,
+            &mut [In(&x), In(&params[first_rows.clone()]), Out(&mut y), U64(tc as u64), U64(total as u64)],
+        );
+        // One f32 add per value, as the CPU's: exact.
+        assert_bits(&format!("positional y {cfg:?}"), &y, want_y.host());
+    }
+    for cfg in elem_cfgs(tc) {
+        for with_dx in [true, false] {
+            let mut dweight = grads[first_rows.clone()].to_vec();
+            let mut dx = vec![f32::NAN; total];
+            // As Gpu::positional_embedding_bwd: dy, dweight (its first T rows), dx or NULL, n, tc.
+            let dx_arg = if with_dx { Out(&mut dx) } else { Null };
+            k.launch(
+                "positional_embedding_bwd_f32",
+                cfg,
+                &mut [In(&dy), Out(&mut dweight), dx_arg, I32(n as i32), U64(tc as u64)],
+            );
+            // dy added over n in order into the gradient's value, as the CPU's loop: the
+            // same f32 adds; dx a copy.
+            assert_bits(&format!("positional dweight {cfg:?} dx {with_dx}"), &dweight, &want_grads[first_rows.clone()]);
+            if with_dx {
+                assert_bits(&format!("positional dx {cfg:?}"), &dx, want_dx.host());
+            } else {
+                assert!(dx.iter().all(|v| v.is_nan()), "no dx written without one");
+            }
+        }
     }
 }
 

@@ -76,6 +76,27 @@ super::declare::kernels! {
         scale { plain(x: Out, s: F32, n: Size); }
         fill { plain(x: Out, v: F32, n: Size); }
     }
+    /// kernels/embedding.cu: the token embedding (its deterministic backward a counting
+    /// sort of the tokens by id, then ordered sums) and the learned positional embedding.
+    embedding = "embedding.cu" {
+        embedding {
+            fwd(ids: In, weight: In, y: Out, m: Size, vocab: I32, c: I32);
+            bwd(dy: In, offsets: InU32, order: InU32, dweight: Out, m: Size, vocab: I32, c: I32);
+        }
+        embedding_count {
+            bwd(ids: In, offsets: OutU32, m: Size, vocab: I32);
+        }
+        embedding_offsets {
+            bwd(offsets: OutU32, vocab: I32);
+        }
+        embedding_sort {
+            bwd(ids: In, offsets: InU32, order: OutU32, m: Size, vocab: I32);
+        }
+        positional_embedding {
+            fwd(x: In, weight: In, y: Out, tc: Size, total: Size);
+            bwd(dy: In, dweight: Out, dx: OptOut, n: I32, tc: Size);
+        }
+    }
     /// kernels/conv.cu: im2col and its adjoint col2im.
     conv = "conv.cu" {
         im2col {

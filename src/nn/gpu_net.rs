@@ -267,10 +267,15 @@ impl GpuNet {
 
     /// Copies rows (x: (rows, *input), y: (rows)) to the GPU through pinned memory,
     /// asynchronously, for the shards of a step or an evaluation chunk to read, after
-    /// checking the labels against the model's classes.
+    /// checking the labels against the model's classes and the rows as the first layer
+    /// checks its input (`Layer::check_input`: an embedding's token ids, which its kernels
+    /// could not name).
     pub fn stage(&mut self, xs: &[f32], ys: &[u32]) -> Result<()> {
         let (t, k) = self.targets_and_classes();
         check_labels(ys, k)?;
+        if let (Some(first), Some(shapes)) = (self.model.layers().first(), self.model.layer_shapes().first()) {
+            first.check_input(xs, &shapes.input)?;
+        }
         let ctx = self.gpu.context().clone();
         let stream = self.gpu.stream().clone();
         if self.pinned_x.as_ref().map(|p| p.len()) != Some(xs.len().max(1)) {

@@ -39,12 +39,14 @@ pub mod activation;
 pub mod batchnorm;
 pub mod conv2d;
 pub mod dropout;
+pub mod embedding;
 pub mod gelu;
 pub mod gpu;
 pub mod gpu_net;
 pub mod linear;
 pub mod loss;
 pub mod pool;
+pub mod positional;
 pub mod reshape;
 pub mod residual;
 mod sequential;
@@ -58,9 +60,11 @@ pub use activation::{Relu, Rescaling};
 pub use batchnorm::{convert_sync_batchnorm, BatchNorm2d, BatchStats};
 pub use conv2d::Conv2d;
 pub use dropout::Dropout;
+pub use embedding::{check_ids, Embedding};
 pub use gelu::Gelu;
 pub use linear::Linear;
 pub use pool::MaxPool2d;
+pub use positional::PositionalEmbedding;
 pub use reshape::{Flatten, GlobalAvgPool2d};
 pub use residual::Residual;
 pub use sequential::{auto_names, LayerShapes, NamedLayer, ParamStore, Place, Sequential, TensorInfo, TENSOR_ALIGN};
@@ -84,6 +88,8 @@ pub const LAYER_TYPES: &[LayerType] = &[
     MaxPool2d::SPEC,
     Gelu::SPEC,
     Residual::SPEC,
+    Embedding::SPEC,
+    PositionalEmbedding::SPEC,
 ];
 
 /// Bytes of an f32, for the layers' memory accounts.
@@ -283,6 +289,14 @@ pub trait Layer: Send {
     /// an alias ([`Sequential::aliases`]). Default: none.
     fn tied(&self) -> Vec<(usize, String)> {
         Vec::new()
+    }
+
+    /// Checks the values of a batch this layer takes as the network's first layer, before
+    /// a backend that reads them unchecked copies them (a GPU replica's staging, which
+    /// calls it): an embedding's token ids. x: (N, *input) flattened, `input` the
+    /// per-sample shape. Default: every value is fine.
+    fn check_input(&self, _x: &[f32], _input: &Shape) -> Result<()> {
+        Ok(())
     }
 
     /// Computes the output. `buffers` may be updated in `Mode::Train` (running stats).

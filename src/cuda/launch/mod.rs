@@ -6,7 +6,8 @@
 //! shapes (`elem_cfg`, `channel_cfg`) and the window geometry [`WindowGeom`] (a
 //! convolution's and a pooling's). Each family of kernels has its own file, one `impl Gpu`
 //! of one safe method per kernel: `elementwise`, `conv`, `batchnorm`, `pooling`, `loss`
-//! (softmax_xent), `reduce`, `dropout`, `codec`. A method checks the lengths of its
+//! (softmax_xent), `reduce`, `dropout`, `codec`, `embedding` (whose backward is one method
+//! over the four kernels of its sort and sums). A method checks the lengths of its
 //! buffers against the shapes it is given (a wrong length is [`Error::Shape`], never an
 //! out-of-bounds write on the device), then queues the kernel's typed launch
 //! (`cuda::kernels`, declared once) on the compute stream, asynchronously. The optimiser's
@@ -34,6 +35,7 @@ mod codec;
 mod conv;
 mod dropout;
 mod elementwise;
+mod embedding;
 mod loss;
 mod pooling;
 mod reduce;
