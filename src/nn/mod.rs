@@ -42,6 +42,7 @@ pub mod dropout;
 pub mod gelu;
 pub mod gpu;
 pub mod gpu_net;
+pub mod layernorm;
 pub mod linear;
 pub mod loss;
 pub mod pool;
@@ -59,6 +60,7 @@ pub use batchnorm::{convert_sync_batchnorm, BatchNorm2d, BatchStats};
 pub use conv2d::Conv2d;
 pub use dropout::Dropout;
 pub use gelu::Gelu;
+pub use layernorm::LayerNorm;
 pub use linear::Linear;
 pub use pool::MaxPool2d;
 pub use reshape::{Flatten, GlobalAvgPool2d};
@@ -83,6 +85,7 @@ pub const LAYER_TYPES: &[LayerType] = &[
     GlobalAvgPool2d::SPEC,
     MaxPool2d::SPEC,
     Gelu::SPEC,
+    LayerNorm::SPEC,
     Residual::SPEC,
 ];
 
