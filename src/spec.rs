@@ -36,6 +36,7 @@
 //! | `global_average_pooling2d` | none |
 //! | `max_pooling2d` | `pool_size` (2; int or [kh, kw]), `strides` (the pool size; int or [sh, sw]), `padding` ("valid", "same", or pads: int or [ph, pw]; "valid") |
 //! | `gelu` | none |
+//! | `layer_norm` | `eps` (1e-5), `use_bias` (true) |
 //! | `residual` | `layers` (the body), `shortcut` (none: the identity), `activation` ("linear") |
 //! | `embedding` | `vocab` (ids are 0..vocab), `width`; samples of token ids (T) |
 //! | `positional_embedding` | `length` (the table's positions, at least the context T); samples (T, C) |

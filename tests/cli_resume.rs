@@ -97,6 +97,16 @@ fn resnet8_resumes_bitwise_after_sigkill() {
     sigkill_then_resume(&["--model", "resnet8", "--batch-size", "24"]);
 }
 
+/// The same of a small GPT on text (its windows drawn by step and row, its tied head,
+/// AdamW with warm-up, cosine and clipping: nanoGPT's recipe, shrunk).
+#[test]
+fn a_gpt_resumes_bitwise_after_sigkill() {
+    let text = format!("text:{}", concat!(env!("CARGO_MANIFEST_DIR"), "/README.md"));
+    let shape = ["--layers", "1", "--width", "32", "--heads", "2", "--context", "16", "--eval-every", "10"];
+    let args: Vec<&str> = ["--model", "gpt", "--data", text.as_str(), "--batch-size", "8"].into_iter().chain(shape).collect();
+    sigkill_then_resume(&args);
+}
+
 /// Starts a long convnet run with `extra` flags, waits for its first line (printed once
 /// the signal handlers are in place) and a little training, sends `signal`, and returns
 /// its exit code and stderr.

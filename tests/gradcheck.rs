@@ -39,8 +39,8 @@
 
 use lockstep::models::{self, ConvnetOptions, Norm};
 use lockstep::nn::{
-    BatchNorm2d, Conv2d, Ctx, Dropout, Flatten, Gelu, GlobalAvgPool2d, Init, InputGrad, Layer, Linear, MaxPool2d,
-    Padding, ParamSpec, Params, ParamsMut, Relu, Rescaling, Sequential,
+    BatchNorm2d, Conv2d, Ctx, Dropout, Flatten, Gelu, GlobalAvgPool2d, Init, InputGrad, Layer, LayerNorm, Linear,
+    MaxPool2d, Padding, ParamSpec, Params, ParamsMut, Relu, Rescaling, Sequential,
 };
 use lockstep::rng::SplitMix64;
 use lockstep::{Device, Error, Result, Shape, Tensor};
@@ -396,6 +396,16 @@ fn gelu_over_both_tails_and_the_middle() {
         let mut m = build(&dims[1..], x, vec![Box::new(Gelu::new())], None, train_ctx(), 70 + k as u64);
         check(&format!("GELU {dims:?}"), &mut m, LAYER_TOL, None);
     }
+}
+
+#[test]
+fn layer_norm_over_the_last_dimension() {
+    // nn.LayerNorm(C) over the last dimension of a (N, T, C) = (2, 3, 8) input, and of a
+    // flat (4, 12) one without a bias. Smooth: the truncation error h²/6·|L‴| grows as
+    // rstd³, about 5 for rows of 8 or more values of U(−1, 1) (variance near 1/3): some
+    // 1e-4, inside LAYER_TOL's atol of 1e-3.
+    check_layer("LayerNorm (2, 3, 8)", &[2, 3, 8], Box::new(LayerNorm::new(8)), 80);
+    check_layer("LayerNorm (4, 12), no bias", &[4, 12], Box::new(LayerNorm::new(12).without_bias()), 81);
 }
 
 #[test]

@@ -50,13 +50,15 @@ use std::sync::OnceLock;
 
 use lockstep::backend::cpu;
 use lockstep::cuda::kernels::{Kernel, Kind, KERNEL_FILES};
-use lockstep::cuda::launch::{DropoutKey, WindowGeom, WireGeom, CODEC_THREADS, REDUCE_BLOCK};
+use lockstep::cuda::launch::{DropoutKey, WindowGeom, WireGeom, CODEC_THREADS, LN_BLOCK, LN_LANES, REDUCE_BLOCK};
 use lockstep::exchange::codec::{Codec, Compression};
 use lockstep::nn::batchnorm::RunningUpdate;
 use lockstep::nn::gelu::{gelu_grad, gelu_value};
+use lockstep::nn::layernorm::{row_stats, ROW_CHUNK};
 use lockstep::nn::pool::{maxpool2d_plane_bwd, maxpool2d_plane_fwd};
 use lockstep::nn::{
-    loss, BatchNorm2d, Ctx, Dropout, Embedding, Layer, MaxPool2d, Padding, PositionalEmbedding, Sequential, Window2d,
+    loss, BatchNorm2d, Ctx, Dropout, Embedding, Layer, LayerNorm, MaxPool2d, Padding, PositionalEmbedding, Sequential,
+    Window2d,
 };
 use lockstep::optim::{
     clip_factor, norm_partials, DecayMask, DecayOn, GradNorm, MomentumKind, Optimizer, OptimizerConfig, NORM_CHUNK,
@@ -605,6 +607,10 @@ const CHECKED: &[(&str, &[&str])] = &[
         "positional_embedding_kernels_equal_the_cpu_layer_bit_for_bit",
         &["positional_embedding_fwd_f32", "positional_embedding_bwd_f32"],
     ),
+    (
+        "layernorm_kernels_equal_the_cpu_layer_bit_for_bit",
+        &["layernorm_fwd_f32", "layernorm_bwd_f32", "layernorm_partial_bwd_f32", "layernorm_params_bwd_f32"],
+    ),
 ];
 
 #[test]
@@ -675,8 +681,8 @@ fn every_declared_argument_list_is_the_kernels_signature() {
             checked += 1;
         }
     }
-    // 45 kernels, as kernels_nvrtc.rs counts them from the files.
-    assert_eq!(checked, 45);
+    // 49 kernels, as kernels_nvrtc.rs counts them from the files.
+    assert_eq!(checked, 49);
 }
 
 // ---- elementwise.cu ------------------------------------------------------------------
@@ -2121,5 +2127,119 @@ fn batchnorm_count_equals_the_cpu_count_bit_for_bit() {
         // As Gpu::batchnorm_count pushes them: count, n = 1.
         k.launch("batchnorm_count_fwd_f32", elem_cfg(1), &mut [Out(&mut count), U64(1)]);
         assert_bits(&format!("count of {v}"), &count, &[lockstep::nn::batchnorm::count_up(v)]);
+    }
+}
+
+/// launch.rs's `rows_cfg` of the LayerNorm row kernels: one warp of LN_LANES threads a
+/// row, LN_BLOCK threads a block.
+fn ln_rows_cfg(rows: usize) -> Cfg {
+    let blocks = rows.div_ceil((LN_BLOCK / LN_LANES) as usize) as u32;
+    Cfg { grid: (blocks, 1, 1), block: (LN_BLOCK, 1, 1) }
+}
+
+#[test]
+fn layernorm_kernels_equal_the_cpu_layer_bit_for_bit() {
+    let Some(k) = kernels_or_skip("layernorm_kernels_equal_the_cpu_layer_bit_for_bit") else {
+        return;
+    };
+    // (N, T, C, bias): 150 rows of 40 (three chunks of rows, 64, 64 and 22, and a lane
+    // tail of 8); 6 rows of 5 without a bias (rows shorter than the 32 lanes, one short
+    // chunk); 70 rows of the GPT's 128 (four whole lane rounds, two chunks).
+    for (n, t, c, use_bias) in [(3usize, 50usize, 40usize, true), (2, 3, 5, false), (1, 70, 128, true)] {
+        let rows = n * t;
+        let eps = 1e-5f32;
+        let mut rng = Rng(0x1a7e + c as u64);
+        // Rows off centre (mean 3, spread 2), so that the mean and the deviations matter.
+        let x: Vec<f32> = rng.vec(rows * c).iter().map(|v| 3.0 + 2.0 * v).collect();
+        let dy = rng.vec(rows * c);
+        let w: Vec<f32> = rng.vec(c).iter().map(|v| 1.0 + 0.5 * v).collect();
+        let b = rng.vec(c);
+        // The gradients start non-zero: the kernels, as the layer, accumulate into them.
+        let (dw0, db0) = (rng.vec(c), rng.vec(c));
+
+        // The CPU layer (the oracle), through a Sequential: its output, its input's
+        // gradient and its parameters' gradients accumulated onto dw0, db0.
+        let ln = if use_bias { LayerNorm::new(c) } else { LayerNorm::new(c).without_bias() };
+        let mut model = Sequential::new([t, c], vec![Box::new(ln) as Box<dyn Layer>]).unwrap();
+        let infos = model.param_infos().to_vec();
+        let (mut params, mut grads) = (vec![0.0f32; model.params_len()], vec![0.0f32; model.params_len()]);
+        params[infos[0].range.clone()].copy_from_slice(&w);
+        grads[infos[0].range.clone()].copy_from_slice(&dw0);
+        if use_bias {
+            params[infos[1].range.clone()].copy_from_slice(&b);
+            grads[infos[1].range.clone()].copy_from_slice(&db0);
+        }
+        let ctx = Ctx::train(0, 0, 0, Device::Cpu(0));
+        let want_y = model.forward(Tensor::from_vec(x.clone(), [n, t, c]).unwrap(), &params, &mut [], &ctx).unwrap();
+        let d = Tensor::from_vec(dy.clone(), [n, t, c]).unwrap();
+        let want_dx = model.backward_input(d, &params, &mut grads, &ctx).unwrap();
+        let want_dw = grads[infos[0].range.clone()].to_vec();
+        let want_db = if use_bias { grads[infos[1].range.clone()].to_vec() } else { db0.clone() };
+        let (want_mean, want_rstd): (Vec<f64>, Vec<f64>) = x.chunks_exact(c).map(|r| row_stats(r, eps)).unzip();
+
+        let what = |part: &str| format!("layernorm ({n}, {t}, {c}), bias {use_bias}: {part}");
+        let (mut y, mut mean, mut rstd) = (vec![f32::NAN; rows * c], vec![f64::NAN; rows], vec![f64::NAN; rows]);
+        let bias = if use_bias { In(&b) } else { Null };
+        // As Gpu::layernorm_fwd pushes them: x, y, weight, bias, mean, rstd, rows, c, eps.
+        k.launch(
+            "layernorm_fwd_f32",
+            ln_rows_cfg(rows),
+            &mut [
+                In(&x),
+                Out(&mut y),
+                In(&w),
+                bias,
+                OutF64(&mut mean),
+                OutF64(&mut rstd),
+                U64(rows as u64),
+                I32(c as i32),
+                F32(eps),
+            ],
+        );
+        // Every operation is the layer's, in its order, uncontracted, with IEEE division
+        // and square root: equal bit for bit.
+        assert_bits(&what("y"), &y, want_y.host());
+        let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&mean), bits(&want_mean), "{}", what("saved mean"));
+        assert_eq!(bits(&rstd), bits(&want_rstd), "{}", what("saved rstd"));
+
+        let mut dx = vec![f32::NAN; rows * c];
+        // As Gpu::layernorm_bwd: x, dy, dx, weight, mean, rstd, rows, c.
+        k.launch(
+            "layernorm_bwd_f32",
+            ln_rows_cfg(rows),
+            &mut [In(&x), In(&dy), Out(&mut dx), In(&w), InF64(&mean), InF64(&rstd), U64(rows as u64), I32(c as i32)],
+        );
+        assert_bits(&what("dx"), &dx, want_dx.host());
+
+        let chunks = rows.div_ceil(ROW_CHUNK);
+        for (cfg_partial, cfg_params) in elem_cfgs(chunks * c).into_iter().zip(elem_cfgs(c)) {
+            let mut partials = vec![f64::NAN; chunks * 2 * c];
+            let (mut dw, mut db) = (dw0.clone(), db0.clone());
+            // As Gpu::layernorm_params_bwd: first x, dy, mean, rstd, partials, rows, c,
+            // chunk; then partials, dweight, dbias, chunks, c.
+            k.launch(
+                "layernorm_partial_bwd_f32",
+                cfg_partial,
+                &mut [
+                    In(&x),
+                    In(&dy),
+                    InF64(&mean),
+                    InF64(&rstd),
+                    OutF64(&mut partials),
+                    U64(rows as u64),
+                    I32(c as i32),
+                    I32(ROW_CHUNK as i32),
+                ],
+            );
+            let dbias = if use_bias { Out(&mut db) } else { Null };
+            k.launch(
+                "layernorm_params_bwd_f32",
+                cfg_params,
+                &mut [InF64(&partials), Out(&mut dw), dbias, U64(chunks as u64), I32(c as i32)],
+            );
+            assert_bits(&what(&format!("dweight {cfg_partial:?}")), &dw, &want_dw);
+            assert_bits(&what(&format!("dbias {cfg_partial:?}")), &db, &want_db);
+        }
     }
 }

@@ -142,6 +142,20 @@ super::declare::kernels! {
             bwd(x: In, dy: In, save_mean: In, save_invstd: In, sums: OutF64, n: I32, c: I32, hw: Size);
         }
     }
+    /// kernels/layernorm.cu: LayerNorm over the last dimension, its dx and its ordered
+    /// parameter sums.
+    layernorm = "layernorm.cu" {
+        layernorm {
+            fwd(x: In, y: Out, weight: In, bias: OptIn, mean: OutF64, rstd: OutF64, rows: Size, c: I32, eps: F32);
+            bwd(x: In, dy: In, dx: Out, weight: In, mean: InF64, rstd: InF64, rows: Size, c: I32);
+        }
+        layernorm_partial {
+            bwd(x: In, dy: In, mean: InF64, rstd: InF64, partials: OutF64, rows: Size, c: I32, chunk: I32);
+        }
+        layernorm_params {
+            bwd(partials: InF64, dweight: Out, dbias: OptOut, chunks: Size, c: I32);
+        }
+    }
     /// kernels/pooling.cu: global average pooling and max pooling.
     pooling = "pooling.cu" {
         global_avgpool {

@@ -43,6 +43,7 @@ pub mod embedding;
 pub mod gelu;
 pub mod gpu;
 pub mod gpu_net;
+pub mod layernorm;
 pub mod linear;
 pub mod loss;
 pub mod pool;
@@ -62,6 +63,7 @@ pub use conv2d::Conv2d;
 pub use dropout::Dropout;
 pub use embedding::{check_ids, Embedding};
 pub use gelu::Gelu;
+pub use layernorm::LayerNorm;
 pub use linear::Linear;
 pub use pool::MaxPool2d;
 pub use positional::PositionalEmbedding;
@@ -87,6 +89,7 @@ pub const LAYER_TYPES: &[LayerType] = &[
     GlobalAvgPool2d::SPEC,
     MaxPool2d::SPEC,
     Gelu::SPEC,
+    LayerNorm::SPEC,
     Residual::SPEC,
     Embedding::SPEC,
     PositionalEmbedding::SPEC,

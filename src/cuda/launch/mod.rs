@@ -5,7 +5,8 @@
 //! buffer traits [`DevIn`] / [`DevOut`], the length and dimension checks, the launch
 //! shapes (`elem_cfg`, `channel_cfg`) and the window geometry [`WindowGeom`] (a
 //! convolution's and a pooling's). Each family of kernels has its own file, one `impl Gpu`
-//! of one safe method per kernel: `elementwise`, `conv`, `batchnorm`, `pooling`, `loss`
+//! of one safe method per kernel: `elementwise`, `conv`, `batchnorm`, `layernorm` (whose
+//! parameter gradients, two kernels in a fixed order, are one method), `pooling`, `loss`
 //! (softmax_xent), `reduce`, `dropout`, `codec`, `embedding` (whose backward is one method
 //! over the four kernels of its sort and sums). A method checks the lengths of its
 //! buffers against the shapes it is given (a wrong length is [`Error::Shape`], never an
@@ -36,6 +37,7 @@ mod conv;
 mod dropout;
 mod elementwise;
 mod embedding;
+mod layernorm;
 mod loss;
 mod pooling;
 mod reduce;
@@ -43,6 +45,7 @@ mod reduce;
 pub use batchnorm::{BnGeom, BnGrads, BnMerged, BnParams, BnSaved, BnStats, BnSums, BnUpdate};
 pub use codec::{WireGeom, CODEC_THREADS};
 pub use dropout::DropoutKey;
+pub use layernorm::{LnGrads, LnParams, LnSaved, LN_BLOCK, LN_LANES};
 
 /// Threads per block of the block-per-channel reductions; must equal `REDUCE_BLOCK` in
 /// kernels/elementwise.cu and kernels/batchnorm.cu.

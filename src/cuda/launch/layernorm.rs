@@ -1,0 +1,205 @@
+//! The checked launches of kernels/layernorm.cu: LayerNorm's forward over rows of C
+//! values, its dx, and its dweight and dbias summed over the rows in a fixed order.
+//!
+//! Owns: the argument structs of those launches (parameters, saved statistics, parameter
+//! gradients), the row kernels' launch shape (one warp a row) and one safe method per
+//! step, each checking every buffer's length against the (rows, C) it is given before the
+//! typed launches of `cuda::kernels::layernorm`. The arithmetic, and the chunk size of the
+//! ordered sums, are `nn::layernorm`'s (the caller passes the chunk: nothing in `cuda`
+//! imports `nn`).
+
+use cudarc::driver::{CudaView, CudaViewMut, LaunchConfig};
+
+use super::{check_len, dim, elem_cfg, DevIn, DevOut, Gpu};
+use crate::cuda::kernels::layernorm;
+use crate::{Error, Result};
+
+/// Threads per block of the row kernels, and lanes (threads) per row: `LN_BLOCK` and
+/// `LN_LANES` of kernels/layernorm.cu, whose shared arrays are sized for them.
+pub const LN_BLOCK: u32 = 256;
+pub const LN_LANES: u32 = 32;
+
+/// The weight (C) and the bias (C), None without one.
+#[derive(Debug)]
+pub struct LnParams<'a> {
+    pub weight: CudaView<'a, f32>,
+    pub bias: Option<CudaView<'a, f32>>,
+}
+
+/// What a forward saves for its backward, (rows) each, in f64: each row's mean and rstd.
+#[derive(Debug)]
+pub struct LnSaved<'a> {
+    pub mean: CudaViewMut<'a, f64>,
+    pub rstd: CudaViewMut<'a, f64>,
+}
+
+/// What a backward accumulates into: dweight (C) and dbias (C), present exactly when the
+/// bias is.
+#[derive(Debug)]
+pub struct LnGrads<'a> {
+    pub dweight: CudaViewMut<'a, f32>,
+    pub dbias: Option<CudaViewMut<'a, f32>>,
+}
+
+/// Launch shape of the row kernels: one warp of LN_LANES threads a row, LN_BLOCK threads
+/// a block, so ceil(rows / 8) blocks (`rows > 0`).
+fn rows_cfg(op: &'static str, rows: usize) -> Result<LaunchConfig> {
+    let blocks = rows.div_ceil((LN_BLOCK / LN_LANES) as usize);
+    let blocks = dim(op, "blocks (rows / 8)", blocks)? as u32;
+    Ok(LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (LN_BLOCK, 1, 1), shared_mem_bytes: 0 })
+}
+
+impl Gpu {
+    /// Forward: y = (x − mean)·rstd·w + b per row, each row's mean and rstd saved.
+    /// x, y: (rows, C); weight, bias: (C); saved mean, rstd: (rows)
+    #[allow(clippy::too_many_arguments)]
+    pub fn layernorm_fwd(
+        &self,
+        x: &impl DevIn,
+        y: &mut impl DevOut,
+        params: LnParams<'_>,
+        saved: LnSaved<'_>,
+        rows: usize,
+        c: usize,
+        eps: f32,
+    ) -> Result<()> {
+        let x = &x.view();
+        let y = &mut y.view_mut();
+        let LnSaved { mut mean, mut rstd } = saved;
+        let op = "layernorm_fwd";
+        check_len(op, "x", x, rows * c)?;
+        check_len(op, "y", y, rows * c)?;
+        check_len(op, "weight", &params.weight, c)?;
+        if let Some(b) = &params.bias {
+            check_len(op, "bias", b, c)?;
+        }
+        check_len(op, "mean", &mean, rows)?;
+        check_len(op, "rstd", &rstd, rows)?;
+        if rows == 0 || c == 0 {
+            return Ok(());
+        }
+        let ci = dim(op, "C", c)?;
+        let cfg = rows_cfg(op, rows)?;
+        // SAFETY: layernorm_fwd_f32(const float* x, float* y, const float* weight, const
+        // float* bias, double* mean, double* rstd, size_t rows, int c, float eps); x and y
+        // hold rows·C floats, weight and bias C, mean and rstd rows doubles (checked); an
+        // absent bias is a 64-bit 0 the kernel tests for NULL; the grid covers the rows with
+        // one warp each, LN_BLOCK threads a block as the kernel's shared array is sized.
+        unsafe {
+            layernorm::layernorm::fwd(
+                self,
+                cfg,
+                x,
+                y,
+                &params.weight,
+                params.bias.as_ref(),
+                &mut mean,
+                &mut rstd,
+                rows,
+                ci,
+                eps,
+            )
+        }
+    }
+
+    /// Backward's input gradient from the forward's input `x` and saved `(mean, rstd)`:
+    /// dx = rstd·((g − mean(g)) − x̂·mean(g·x̂)), g = dy·w, per row.
+    /// x, dy, dx: (rows, C); weight: (C); mean, rstd: (rows)
+    #[allow(clippy::too_many_arguments)]
+    pub fn layernorm_bwd(
+        &self,
+        x: &impl DevIn,
+        dy: &impl DevIn,
+        dx: &mut impl DevOut,
+        weight: &impl DevIn,
+        (mean, rstd): (&CudaView<'_, f64>, &CudaView<'_, f64>),
+        rows: usize,
+        c: usize,
+    ) -> Result<()> {
+        let (x, dy, weight) = (&x.view(), &dy.view(), &weight.view());
+        let dx = &mut dx.view_mut();
+        let op = "layernorm_bwd";
+        for (what, buf) in [("x", x), ("dy", dy)] {
+            check_len(op, what, buf, rows * c)?;
+        }
+        check_len(op, "dx", dx, rows * c)?;
+        check_len(op, "weight", weight, c)?;
+        check_len(op, "mean", mean, rows)?;
+        check_len(op, "rstd", rstd, rows)?;
+        if rows == 0 || c == 0 {
+            return Ok(());
+        }
+        let ci = dim(op, "C", c)?;
+        let cfg = rows_cfg(op, rows)?;
+        // SAFETY: layernorm_bwd_f32(const float* x, const float* dy, float* dx, const float*
+        // weight, const double* mean, const double* rstd, size_t rows, int c); x, dy and dx
+        // hold rows·C floats, weight C, mean and rstd rows doubles (checked); one warp a
+        // row, LN_BLOCK threads a block as the kernel's shared array is sized.
+        unsafe { layernorm::layernorm::bwd(self, cfg, x, dy, dx, weight, mean, rstd, rows, ci) }
+    }
+
+    /// Backward's parameter gradients: dweight += Σ_rows dy·x̂ and dbias += Σ_rows dy
+    /// (C each), the rows summed in chunks of `chunk` (`nn::layernorm::ROW_CHUNK`), the
+    /// chunks' sums in chunk order (`partials`, (ceil(rows / chunk), 2, C) doubles, is
+    /// their workspace). x, dy: (rows, C); mean, rstd: (rows)
+    #[allow(clippy::too_many_arguments)]
+    pub fn layernorm_params_bwd(
+        &self,
+        x: &impl DevIn,
+        dy: &impl DevIn,
+        (mean, rstd): (&CudaView<'_, f64>, &CudaView<'_, f64>),
+        partials: &mut CudaViewMut<'_, f64>,
+        grads: LnGrads<'_>,
+        rows: usize,
+        c: usize,
+        chunk: usize,
+    ) -> Result<()> {
+        let (x, dy) = (&x.view(), &dy.view());
+        let LnGrads { mut dweight, mut dbias } = grads;
+        let op = "layernorm_params_bwd";
+        if chunk == 0 {
+            return Err(Error::shape(op, "the chunk of rows must be positive"));
+        }
+        let chunks = rows.div_ceil(chunk);
+        for (what, buf) in [("x", x), ("dy", dy)] {
+            check_len(op, what, buf, rows * c)?;
+        }
+        check_len(op, "mean", mean, rows)?;
+        check_len(op, "rstd", rstd, rows)?;
+        check_len(op, "partials", partials, chunks * 2 * c)?;
+        check_len(op, "dweight", &dweight, c)?;
+        if let Some(db) = &dbias {
+            check_len(op, "dbias", db, c)?;
+        }
+        if rows == 0 || c == 0 {
+            return Ok(());
+        }
+        let (ci, chunk_i) = (dim(op, "C", c)?, dim(op, "chunk", chunk)?);
+        // SAFETY: layernorm_partial_bwd_f32(const float* x, const float* dy, const double*
+        // mean, const double* rstd, double* partials, size_t rows, int c, int chunk); x and
+        // dy hold rows·C floats, mean and rstd rows doubles, partials ceil(rows / chunk)·2·C
+        // doubles (checked); a grid-stride loop over ceil(rows / chunk)·C, any grid.
+        unsafe {
+            layernorm::layernorm_partial::bwd(
+                self,
+                elem_cfg(chunks * c),
+                x,
+                dy,
+                mean,
+                rstd,
+                partials,
+                rows,
+                ci,
+                chunk_i,
+            )
+        }?;
+        // SAFETY: layernorm_params_bwd_f32(const double* partials, float* dweight, float*
+        // dbias, size_t chunks, int c); partials holds chunks·2·C doubles (chunks ≥ 1, as
+        // rows > 0), dweight and dbias C floats (checked); an absent dbias is a 64-bit 0 the
+        // kernel tests for NULL; a grid-stride loop over C, any grid.
+        let partials = &partials.as_view();
+        unsafe {
+            layernorm::layernorm_params::bwd(self, elem_cfg(c), partials, &mut dweight, dbias.as_mut(), chunks, ci)
+        }
+    }
+}
