@@ -103,7 +103,8 @@ fn resnet8_resumes_bitwise_after_sigkill() {
 fn a_gpt_resumes_bitwise_after_sigkill() {
     let text = format!("text:{}", concat!(env!("CARGO_MANIFEST_DIR"), "/README.md"));
     let shape = ["--layers", "1", "--width", "32", "--heads", "2", "--context", "16", "--eval-every", "10"];
-    let args: Vec<&str> = ["--model", "gpt", "--data", text.as_str(), "--batch-size", "8"].into_iter().chain(shape).collect();
+    let args: Vec<&str> =
+        ["--model", "gpt", "--data", text.as_str(), "--batch-size", "8"].into_iter().chain(shape).collect();
     sigkill_then_resume(&args);
 }
 

@@ -86,7 +86,12 @@ fn bad_text_input_is_one_error_line_with_exit_code_2() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     let train = |data: &str, extra: &[&str]| {
-        bin().args(["train", "--model", "gpt", "--data", data, "--steps", "2"]).args(SHAPE).args(extra).output().unwrap()
+        bin()
+            .args(["train", "--model", "gpt", "--data", data, "--steps", "2"])
+            .args(SHAPE)
+            .args(extra)
+            .output()
+            .unwrap()
     };
     // A text shorter than a window on either side, an empty one, a directory, none.
     let short = write(d, "short.txt", b"too short for a window of seventeen");
@@ -96,7 +101,9 @@ fn bad_text_input_is_one_error_line_with_exit_code_2() {
     refused(&train(&format!("text:{}", d.display()), &[]), &["is a directory"]);
     refused(&train("text:/nonexistent.txt", &[]), &["no such file"]);
     // Heads that do not divide the width.
-    refused(&train(&readme(), &["--heads", "3"]), &["--heads 3 does not divide --width 32"]);
+    let out =
+        bin().args(["train", "--model", "gpt", "--data", &readme(), "--width", "32", "--heads", "3"]).output().unwrap();
+    refused(&out, &["--heads 3 does not divide --width 32"]);
     // Epochs: a text run is counted in steps.
     refused(&train(&readme(), &["--epochs", "2"]), &["counted in steps"]);
     // A token file with an id at or above the vocabulary of 256.
@@ -114,12 +121,14 @@ fn bad_text_input_is_one_error_line_with_exit_code_2() {
     let spec = r#"{"input_shape": [80], "layers": [{"type": "embedding", "vocab": 256, "width": 8},
         {"type": "positional_embedding", "length": 64}, {"type": "dense", "units": 256}]}"#;
     let spec = write(d, "long.json", spec.as_bytes());
-    let out = bin().args(["train", "--model", spec.to_str().unwrap(), "--data", &readme(), "--steps", "1"]).output().unwrap();
+    let out =
+        bin().args(["train", "--model", spec.to_str().unwrap(), "--data", &readme(), "--steps", "1"]).output().unwrap();
     refused(&out, &["a context of 80 positions is above the positional table's 64"]);
     // A tied head whose shape does not match the table it names.
     let spec = r#"{"input_shape": [16], "layers": [{"type": "embedding", "vocab": 256, "width": 8, "name": "wte"},
         {"type": "dense", "units": 100, "use_bias": false, "tied_to": "wte.weight"}]}"#;
     let spec = write(d, "tied.json", spec.as_bytes());
-    let out = bin().args(["train", "--model", spec.to_str().unwrap(), "--data", &readme(), "--steps", "1"]).output().unwrap();
+    let out =
+        bin().args(["train", "--model", spec.to_str().unwrap(), "--data", &readme(), "--steps", "1"]).output().unwrap();
     refused(&out, &["(100, 8) does not match wte.weight (256, 8)"]);
 }

@@ -140,6 +140,56 @@ fn resnet8_on_a_gpu_and_two_replicas_sharing_it_match_the_cpu_step_by_step() {
     assert!(one.weights == two.weights, "resnet8: weights differ between cuda:0 (R = 2) and cuda:0,0");
 }
 
+/// The GPT (issue 21: the embeddings, LayerNorm, attention, the tied head, the loss at
+/// every position) on `cuda:0` (R = 1) and `cuda:0,0` (R = 2) against the CPU with the
+/// same R, step by step: nanoGPT's reference case (tests/data/gpt: 2 layers, 2 heads, 32
+/// wide, block 16; AdamW with warm-up, cosine and clipping, 20 steps), every loss within
+/// 1e-5 and the final weights within 2e-3 (tests/gpt.rs's tolerances); then cuda:0 with
+/// R = 2 and cuda:0,0 bitwise alike.
+#[test]
+fn the_gpt_on_a_gpu_and_two_replicas_sharing_it_match_the_cpu_step_by_step() {
+    if !gpu_present("the_gpt_on_a_gpu_and_two_replicas_sharing_it_match_the_cpu_step_by_step") {
+        return;
+    }
+    let built = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/gpt");
+    let dir = if built.is_dir() { built } else { std::path::PathBuf::from("tests/data/gpt") };
+    let model =
+        models::gpt(models::GptConfig { context: 16, vocab: 256, layers: 2, heads: 2, width: 32, dropout: 0.0 })
+            .unwrap();
+    // The case's rows as a token-file dataset.
+    let bytes = std::fs::read(dir.join("gpt.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let tokens = st.tensor("tokens").unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("tokens.safetensors");
+    safetensors::serialize_to_file([("tokens", tokens)], None, &path).unwrap();
+    let data = lockstep::data::safetensors_file::load_safetensors_dataset(&path).unwrap();
+    let init = model.init(1);
+    let cfg = |r: usize| TrainConfig {
+        batch_size: 6,
+        shuffle: Shuffle::None,
+        optimizer: OptimizerConfig::AdamW { lr: 1e-3, beta1: 0.9, beta2: 0.99, eps: 1e-8, weight_decay: 0.1 },
+        schedule: lockstep::optim::LrSchedule::Cosine { floor: 0.1 },
+        warmup_steps: 5,
+        clip_grad_norm: Some(1.0),
+        initial: Some(init.clone()),
+        ..config(20, r)
+    };
+    for (gpus, r) in [(&[0][..], 1), (&[0, 0], 2)] {
+        let cpu = run(&model, &data, Devices::cpu(r, 1).unwrap(), &cfg(r));
+        let gpu = run(&model, &data, Devices::cuda(gpus).unwrap(), &cfg(r));
+        for (k, (a, b)) in cpu.losses.iter().zip(&gpu.losses).enumerate() {
+            assert!((a - b).abs() <= 1e-5 * a.abs().max(1.0), "R = {r}: loss of step {k}: cpu {a} vs gpu {b}");
+        }
+        let d = max_abs(&cpu.weights.params, &gpu.weights.params);
+        assert!(d <= 2e-3, "R = {r}: weights differ by {d:e}");
+    }
+    let one = run(&model, &data, Devices::cuda(&[0]).unwrap(), &cfg(2));
+    let two = run(&model, &data, Devices::cuda(&[0, 0]).unwrap(), &cfg(2));
+    assert_eq!(one.losses, two.losses);
+    assert!(one.weights == two.weights, "gpt: weights differ between cuda:0 (R = 2) and cuda:0,0");
+}
+
 #[test]
 fn replicas_sharing_a_gpu_equal_one_replica_running_both_shards() {
     if !gpu_present("replicas_sharing_a_gpu_equal_one_replica_running_both_shards") {

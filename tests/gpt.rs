@@ -109,7 +109,7 @@ fn positional_embedding_matches_pytorch() {
 
 #[test]
 fn causal_self_attention_matches_nanogpt() {
-    layer_case("attention", "[5, 8]", r#"[{"type": "attention", "heads": 2, "name": "m"}]"#, false);
+    layer_case("attention", "[5, 8]", r#"[{"type": "causal_self_attention", "heads": 2, "name": "m"}]"#, false);
 }
 
 #[test]

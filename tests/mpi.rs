@@ -165,6 +165,41 @@ fn resnet8_on_2_processes_saves_the_tensors_of_one_process_with_every_ddp_featur
 }
 
 #[test]
+fn a_gpt_on_2_processes_saves_the_tensors_of_one_process() {
+    if !mpi_ready("a_gpt_on_2_processes_saves_the_tensors_of_one_process") {
+        return;
+    }
+    // A small GPT on the README's bytes: its windows drawn by (seed, step, row) whichever
+    // process holds the row, the loss over every token of the global batch, the tied head.
+    let text = format!("text:{}", concat!(env!("CARGO_MANIFEST_DIR"), "/README.md"));
+    let gpt: Vec<&str> = vec![
+        "--model",
+        "gpt",
+        "--data",
+        &text,
+        "--steps",
+        "6",
+        "--eval-every",
+        "3",
+        "--batch-size",
+        "8",
+        "--layers",
+        "1",
+        "--width",
+        "32",
+        "--heads",
+        "2",
+        "--context",
+        "16",
+        "--replicas",
+        "2",
+    ];
+    assert_bitwise("gpt", &gpt, &[(0, 2), (2, 1)], &[]);
+    let bf16: Vec<&str> = gpt.iter().copied().chain(["--grad-compression", "bf16"]).collect();
+    assert_bitwise("gpt bf16", &bf16, &[(0, 2), (2, 1)], &[]);
+}
+
+#[test]
 fn partial_sums_inside_a_process_follow_the_one_tree() {
     if !mpi_ready("partial_sums_inside_a_process_follow_the_one_tree") {
         return;

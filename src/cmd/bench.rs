@@ -54,7 +54,7 @@ pub(crate) struct BenchStepArgs {
 pub(crate) struct BenchLayersArgs {
     #[arg(long, value_enum, default_value = "convnet")]
     model: ModelName,
-    /// Samples per forward/backward (one device's share of a step) [default: toy 64, convnet 256].
+    /// Samples per forward/backward (one device's share of a step) [default: toy 64, gpt 12, convnet 256].
     #[arg(long)]
     batch_size: Option<usize>,
     /// Threads of the device's pool [default: every core].
@@ -632,7 +632,14 @@ fn bench_features(a: &BenchStepArgs) -> String {
 /// a pool of `--threads` threads (the optimiser and the all-reduce are `bench step`'s).
 pub(crate) fn cmd_bench_layers(a: BenchLayersArgs) -> CliResult {
     let toy = a.model == ModelName::Toy;
-    let batch_size = a.batch_size.unwrap_or(if toy { 64 } else { 256 });
+    let gpt = a.model == ModelName::Gpt;
+    let batch_size = a.batch_size.unwrap_or(if toy {
+        64
+    } else if gpt {
+        12
+    } else {
+        256
+    });
     let threads = a.threads.unwrap_or_else(available_cores);
     if batch_size == 0 || threads == 0 {
         return Err(Failure::usage(anyhow!("--batch-size and --threads must be at least 1")));
@@ -644,9 +651,18 @@ pub(crate) fn cmd_bench_layers(a: BenchLayersArgs) -> CliResult {
         )));
     }
     check_count("--steps", a.steps.into(), false)?;
-    let data = load_data(if toy { "toy-enlarged" } else { "digits" }, toy, 0, None, None)?.train;
+    // The GPT of nanoGPT's CPU recipe reads windows of the fortunes.
+    let data = match gpt {
+        true => {
+            lockstep::data::text::load_fortunes(lockstep::models::GptConfig::default().context)
+                .map_err(|e| Failure::usage(anyhow!("--model gpt reads the fortunes: {e}")))?
+                .train
+        }
+        false => load_data(if toy { "toy-enlarged" } else { "digits" }, toy, 0, None, None)?.train,
+    };
     let source = ModelSource::Builtin(a.model);
-    let mut model = build_model(&source, data.sample_shape().dims(), data.num_classes(), 0.5, 0.99)?;
+    let mut model =
+        build_model(&source, data.sample_shape().dims(), data.num_classes(), if gpt { 0.0 } else { 0.5 }, 0.99)?;
     let mut estimate = lockstep::memory::Estimate::default();
     let per_sample = data.sample_shape().numel() as u64 * 4;
     estimate

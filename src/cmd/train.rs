@@ -683,7 +683,11 @@ pub(crate) fn cmd_train(a: TrainArgs, given: &BTreeSet<String>) -> CliResult {
     let stream = splits.train.stream().is_some();
     // The training data sizes a built-in model, never the test data: a label only the
     // test split has is one the model was never trained to output.
-    let classes = *a.classes.get_or_insert(splits.train.num_classes());
+    // The built-in GPT's vocabulary is nanoGPT's bytes, 256, unless --classes says more.
+    let classes = *a.classes.get_or_insert(match source.is_gpt() && matches!(source, ModelSource::Builtin(_)) {
+        true => lockstep::data::text::BYTE_VOCAB,
+        false => splits.train.num_classes(),
+    });
     let dropout = a.dropout.expect("settings resolves it");
     let model = match &source {
         ModelSource::Builtin(ModelName::Gpt) => {
@@ -811,9 +815,15 @@ pub(crate) fn cmd_train(a: TrainArgs, given: &BTreeSet<String>) -> CliResult {
         1 => s.devices.to_string(),
         p => format!("{p} processes × {}", s.devices),
     };
-    let test_text = |t: &Dataset| format!(", {} {} samples", t.name(), t.len());
+    // A text's samples are its windows, its classes the vocabulary.
+    let (unit, outputs) = if stream {
+        ("windows", format!("a vocabulary of {classes}"))
+    } else {
+        ("samples", format!("{classes} classes"))
+    };
+    let test_text = |t: &Dataset| format!(", {} {} {unit}", t.name(), t.len());
     say(format!(
-        "lockstep: {} ({} parameters, {classes} classes) | devices: {} | replicas: {} | data: {} {} samples{}{}",
+        "lockstep: {} ({} parameters, {outputs}) | devices: {} | replicas: {} | data: {} {} {unit}{}{}",
         source.name(),
         model.num_params(),
         shown,
@@ -830,15 +840,18 @@ pub(crate) fn cmd_train(a: TrainArgs, given: &BTreeSet<String>) -> CliResult {
         say(format!("lockstep: {features}"));
     }
     say(format!(
-        "lockstep: {}{} | global batch {} | epochs {}{} | seed {}{}{}",
+        "lockstep: {}{} | global batch {} | {} | seed {}{}{}",
         optimizer_text(&s.optimizer),
         recipe_text(&config),
         match batch_size < s.batch_size {
             true => format!("{batch_size} (every training sample; --batch-size {})", s.batch_size),
             false => batch_size.to_string(),
         },
-        s.epochs,
-        a.steps.map_or(String::new(), |k| format!(" (at most {k} steps)")),
+        match stream {
+            true => format!("{} steps, evaluated every {steps_per_epoch}", a.steps.unwrap_or(0)),
+            false =>
+                format!("epochs {}{}", s.epochs, a.steps.map_or(String::new(), |k| format!(" (at most {k} steps)"))),
+        },
         a.seed,
         a.init.as_ref().map_or(String::new(), |p| format!(" | initial weights {}", p.display())),
         a.early_stopping.map_or(String::new(), |p| format!(" | early stopping after {p} epochs without improvement")),
@@ -996,7 +1009,9 @@ fn evaluate(
 fn final_lines(say: &dyn Fn(String), report: &TrainReport, held_out: HeldOut, tested: Option<&Metrics>, a: &TrainArgs) {
     let taken = report.losses.len() as u64;
     let resumed = if taken < report.steps { format!(" (to step {})", report.steps) } else { String::new() };
-    say(format!("trained {taken} steps{resumed} in {:.2}s ({:.0} samples/s)", report.seconds, report.samples_per_sec));
+    // Labels per second: a text run's are its tokens.
+    let unit = if report.epochs.first().is_some_and(|e| e.steps_of_run.is_some()) { "tokens" } else { "samples" };
+    say(format!("trained {taken} steps{resumed} in {:.2}s ({:.0} {unit}/s)", report.seconds, report.samples_per_sec));
     if let Stopped::EarlyStopping { best_epoch } = report.stopped {
         say(format!(
             "early stopping: no improvement of the validation loss in {} epochs since epoch {}",
