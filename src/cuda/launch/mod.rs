@@ -6,7 +6,7 @@
 //! shapes (`elem_cfg`, `channel_cfg`) and the window geometry [`WindowGeom`] (a
 //! convolution's and a pooling's). Each family of kernels has its own file, one `impl Gpu`
 //! of one safe method per kernel: `elementwise`, `conv`, `batchnorm`, `pooling`, `loss`
-//! (softmax_xent), `reduce`, `dropout`, `codec`. A method checks the lengths of its
+//! (softmax_xent), `reduce`, `dropout`, `codec`, `attention`. A method checks the lengths of its
 //! buffers against the shapes it is given (a wrong length is [`Error::Shape`], never an
 //! out-of-bounds write on the device), then queues the kernel's typed launch
 //! (`cuda::kernels`, declared once) on the compute stream, asynchronously. The optimiser's
@@ -29,6 +29,7 @@ use super::declare::{Dir, Kernel, Launcher};
 use super::probe::driver_available;
 use crate::{Error, Result};
 
+mod attention;
 mod batchnorm;
 mod codec;
 mod conv;
@@ -38,6 +39,7 @@ mod loss;
 mod pooling;
 mod reduce;
 
+pub use attention::{HeadsGeom, ATTENTION_BLOCK};
 pub use batchnorm::{BnGeom, BnGrads, BnMerged, BnParams, BnSaved, BnStats, BnSums, BnUpdate};
 pub use codec::{WireGeom, CODEC_THREADS};
 pub use dropout::DropoutKey;
