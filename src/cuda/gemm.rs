@@ -2,8 +2,9 @@
 //!
 //! Owns: `RmGemm`, one row-major GEMM (or a strided batch) described as plain data,
 //! with a named constructor per product a layer needs (linear forward, weight and input
-//! gradients; convolution forward, weight and column gradients), the bounds check of its
-//! operands, and its translation to cuBLAS's column-major call. Being plain data, each
+//! gradients; convolution forward, weight and column gradients; attention's per-head
+//! products), the bounds check of its operands, and its translation to cuBLAS's
+//! column-major call. Being plain data, each
 //! product is tested on the host against a model of cuBLAS's contract; `gemm` is the
 //! one place that calls cuBLAS.
 
@@ -89,6 +90,24 @@ impl RmGemm {
     /// Convolution column gradient, per sample: dcol_n (CKK, P) = Wᵀ (CKK, O) · dy_n (O, P).
     pub(crate) fn conv_dcol(batch: usize, o: usize, ckk: usize, p: usize) -> Self {
         RmGemm { sa: 0, sb: o * p, sc: ckk * p, batch, ..RmGemm::single(true, false, (ckk, p, o), (ckk, p, p)) }
+    }
+
+    /// Attention scores, per (sample, head) b: S_b (T, T) = A_b (T, D) · B_bᵀ, the items
+    /// (T, D) blocks one after another: S = q·kᵀ, and the gradient dP = dy·vᵀ.
+    pub(crate) fn attention_scores(batch: usize, t: usize, d: usize) -> Self {
+        RmGemm { sa: t * d, sb: t * d, sc: t * t, batch, ..RmGemm::single(false, true, (t, t, d), (d, d, t)) }
+    }
+
+    /// Attention's mix, per (sample, head) b: Y_b (T, D) = A_b (T, T) · B_b (T, D): y = P'·v,
+    /// and the gradient dq = dS·k.
+    pub(crate) fn attention_mix(batch: usize, t: usize, d: usize) -> Self {
+        RmGemm { sa: t * t, sb: t * d, sc: t * d, batch, ..RmGemm::single(false, false, (t, d, t), (t, d, d)) }
+    }
+
+    /// The mix's other gradient, per (sample, head) b: Y_b (T, D) = A_bᵀ (T, T) · B_b (T, D):
+    /// dv = P'ᵀ·dy and dk = dSᵀ·q.
+    pub(crate) fn attention_mix_t(batch: usize, t: usize, d: usize) -> Self {
+        RmGemm { sa: t * t, sb: t * d, sc: t * d, batch, ..RmGemm::single(true, false, (t, d, t), (t, d, d)) }
     }
 
     /// Errors unless each operand holds what the GEMM reads or writes.
@@ -255,6 +274,21 @@ mod tests {
             assert_close("conv dW_n = dy_n·col_nᵀ", &dw[s * o * ckk..][..o * ckk], &want);
             let want = matmul(&transpose(&w, o, ckk), dy_s, ckk, o, p);
             assert_close("conv dcol_n = Wᵀ·dy_n", &dcol[s * ckk * p..][..ckk * p], &want);
+        }
+    }
+
+    #[test]
+    fn the_attention_gemms_compute_the_per_head_products() {
+        let (batch, t, d) = (3, 5, 4);
+        let (a, b, p) = (values(batch * t * d, 7), values(batch * t * d, 8), values(batch * t * t, 9));
+        let s = through_cublas(&RmGemm::attention_scores(batch, t, d), &a, &b, batch * t * t);
+        let y = through_cublas(&RmGemm::attention_mix(batch, t, d), &p, &b, batch * t * d);
+        let yt = through_cublas(&RmGemm::attention_mix_t(batch, t, d), &p, &b, batch * t * d);
+        for i in 0..batch {
+            let (a_i, b_i, p_i) = (&a[i * t * d..][..t * d], &b[i * t * d..][..t * d], &p[i * t * t..][..t * t]);
+            assert_close("S_b = A_b·B_bᵀ", &s[i * t * t..][..t * t], &matmul(a_i, &transpose(b_i, t, d), t, d, t));
+            assert_close("Y_b = P_b·B_b", &y[i * t * d..][..t * d], &matmul(p_i, b_i, t, t, d));
+            assert_close("Y_b = P_bᵀ·B_b", &yt[i * t * d..][..t * d], &matmul(&transpose(p_i, t, t), b_i, t, t, d));
         }
     }
 

@@ -204,6 +204,17 @@ super::declare::kernels! {
             bwd(dy: In, dx: Out, rate: F32, seed: U64, step: U64, shard: U64, layer: U64, first: U64, n: Size);
         }
     }
+    /// kernels/attention.cu: causal self-attention's head split and merge and its softmax.
+    attention = "attention.cu" {
+        attention_heads {
+            fwd(x: In, y: Out, n: I32, t: I32, parts: I32, heads: I32, hd: I32);
+            bwd(dy: In, dx: Out, n: I32, t: I32, parts: I32, heads: I32, hd: I32);
+        }
+        attention_softmax {
+            fwd(s: In, p: Out, rows: I32, t: I32, scale: F32);
+            bwd(p: In, dp: In, ds: Out, rows: I32, t: I32, scale: F32);
+        }
+    }
     /// kernels/codec.cu: the 16-bit wire codec (encode, sum of wires, decode).
     codec = "codec.cu" {
         wire_encode {

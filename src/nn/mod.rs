@@ -36,6 +36,7 @@
 //! to its C++ signature and runs it on the host against the CPU reference.
 
 pub mod activation;
+pub mod attention;
 pub mod batchnorm;
 pub mod conv2d;
 pub mod dropout;
@@ -58,6 +59,7 @@ pub mod window;
 use std::ops::Range;
 
 pub use activation::{Relu, Rescaling};
+pub use attention::CausalSelfAttention;
 pub use batchnorm::{convert_sync_batchnorm, BatchNorm2d, BatchStats};
 pub use conv2d::Conv2d;
 pub use dropout::Dropout;
@@ -93,6 +95,7 @@ pub const LAYER_TYPES: &[LayerType] = &[
     Residual::SPEC,
     Embedding::SPEC,
     PositionalEmbedding::SPEC,
+    CausalSelfAttention::SPEC,
 ];
 
 /// Bytes of an f32, for the layers' memory accounts.

@@ -8,7 +8,7 @@
 //! of one safe method per kernel: `elementwise`, `conv`, `batchnorm`, `layernorm` (whose
 //! parameter gradients, two kernels in a fixed order, are one method), `pooling`, `loss`
 //! (softmax_xent), `reduce`, `dropout`, `codec`, `embedding` (whose backward is one method
-//! over the four kernels of its sort and sums). A method checks the lengths of its
+//! over the four kernels of its sort and sums), `attention`. A method checks the lengths of its
 //! buffers against the shapes it is given (a wrong length is [`Error::Shape`], never an
 //! out-of-bounds write on the device), then queues the kernel's typed launch
 //! (`cuda::kernels`, declared once) on the compute stream, asynchronously. The optimiser's
@@ -31,6 +31,7 @@ use super::declare::{Dir, Kernel, Launcher};
 use super::probe::driver_available;
 use crate::{Error, Result};
 
+mod attention;
 mod batchnorm;
 mod codec;
 mod conv;
@@ -42,6 +43,7 @@ mod loss;
 mod pooling;
 mod reduce;
 
+pub use attention::{HeadsGeom, ATTENTION_BLOCK};
 pub use batchnorm::{BnGeom, BnGrads, BnMerged, BnParams, BnSaved, BnStats, BnSums, BnUpdate};
 pub use codec::{WireGeom, CODEC_THREADS};
 pub use dropout::DropoutKey;

@@ -1,0 +1,1397 @@
+//! Causal multi-head self-attention, exactly nanoGPT's `CausalSelfAttention`
+//! (karpathy/nanoGPT, model.py): a fused query-key-value projection `c_attn`, scaled dot
+//! product attention under the causal mask (the math of
+//! `F.scaled_dot_product_attention(q, k, v, is_causal=True)`, nanoGPT's flash path), its
+//! attention dropout, the heads merged back, the output projection `c_proj` and its
+//! residual dropout. Owns its forward and backward, its spec entry
+//! (`causal_self_attention`), its spec form, its memory account and, at the end of the
+//! file, its GPU form (cuBLAS for every product, kernels/attention.cu for the head split
+//! and merge and the causal softmax and its gradient, kernels/dropout.cu for the masks).
+//! The residual add around it, the LayerNorm before it and the GPT that stacks it are
+//! other modules' (`nn::residual`, the model).
+//!
+//! # Shapes
+//! N batch, T positions, C width, H heads, D = C/H the head width.
+//! - x, y: (N, T, C); `c_attn.weight` (3C, C), `c_attn.bias` (3C), `c_proj.weight` (C, C),
+//!   `c_proj.bias` (C), PyTorch's Linear layout: y = x·Wᵀ + b.
+//! - qkv = x·W_attnᵀ + b_attn: (N, T, 3C), q, k, v its thirds in that order; head h of q is
+//!   columns h·D..(h+1)·D (`view(B, T, H, D).transpose(1, 2)`).
+//! - S = q_h·k_hᵀ (T, T) per (sample, head); P = softmax(S/√D) over j ≤ i, 0 for j > i
+//!   (the causal mask, −∞ before the softmax); P' = dropout(P); y_h = P'·v_h (T, D),
+//!   written to columns h·D.. of `merged` (N, T, C); out = dropout(merged·W_projᵀ + b_proj).
+//!
+//! # Backward
+//! dz = dropout'(dout); dW_proj += dzᵀ·merged, db_proj += Σ dz; dmerged = dz·W_proj; per
+//! head dP' = dy_h·v_hᵀ, dv_h = P'ᵀ·dy_h, dP = dropout'(dP'),
+//! dS = P ⊙ (dP − rowsum(dP ⊙ P)) / √D, dq_h = dS·k_h, dk_h = dSᵀ·q_h; dqkv is (dq, dk, dv)
+//! side by side; dW_attn += dqkvᵀ·x, db_attn += Σ dqkv, dx = dqkv·W_attn.
+//!
+//! # Determinism
+//! Everything a sample's output or input gradient depends on is computed for that sample
+//! alone, on the CPU backend's GEMM (`backend::cpu::gemm_with`, the calling thread), in a
+//! layout that is a function of (T, C, H) alone: so a sample's result is bitwise the same
+//! whatever the thread count and whichever samples share its batch. Samples run in
+//! parallel on the device's pool. The parameter gradients are what `Linear`'s are: one
+//! GEMM over the N·T rows (split over output blocks only, never over the rows), the bias
+//! sums row after row, so their order is a function of the shape alone.
+//!
+//! # Dropout
+//! As `nn::Dropout`'s masks, from `rng::dropout_key(seed, step, logical replica, layer)`
+//! and `rng::hash64(key, index)` (so kernels/dropout.cu draws the same ones), in two
+//! streams: the attention probabilities' under the layer's own index, element
+//! ((offset + n)·H + h)·T² + i·T + j of its logical replica's shard (offset:
+//! `Ctx::sample_offset`), and the output's under the index with bit 63 set
+//! ([`RESIDUAL_STREAM`]; no layer index has it: a top-level index is small and a
+//! container's derived ones are below 2^62), element (offset + n)·T·C + i·C + c. A mask is
+//! never stored: the backward draws it again. Rate 0 draws nothing; evaluation never drops.
+
+use rayon::prelude::*;
+
+use serde_json::{json, Value};
+
+use cudarc::driver::{CudaSlice, CudaViewMut};
+
+use super::gpu::{Backward, Draw, Forward, GpuLayer, Node, Pass};
+use super::spec_entry::{Build, FieldResult, LayerType};
+use super::{Ctx, Init, InputGrad, Layer, LayerMemory, LayerShapes, Mode, ParamSpec, Params, ParamsMut, F32};
+use crate::backend::cpu::{gemm, gemm_with, Accumulate, Mat, Threads};
+use crate::cuda::gemm::{gemm as cublas_gemm, RmGemm};
+use crate::cuda::launch::HeadsGeom;
+use crate::cuda::{DropoutKey, Gpu};
+use crate::error::{Error, Result};
+use crate::rng::{dropout_key, hash64, unit_f32};
+use crate::tensor::{Shape, Tensor};
+
+/// Bit 63 of the layer index that keys the residual (output) dropout's stream, setting it
+/// apart from the attention dropout's, keyed by the layer's own index (module docs).
+pub const RESIDUAL_STREAM: u64 = 1 << 63;
+
+/// The attention scale 1/√D, rounded once from f64 (PyTorch's `1 / math.sqrt(D)`).
+pub fn attention_scale(head_width: usize) -> f32 {
+    (1.0 / (head_width as f64).sqrt()) as f32
+}
+
+/// Row `i` of the causal softmax, in place: the scores s (T) become
+/// p_j = exp(scale·s_j − m) / Σ_{k ≤ i} exp(scale·s_k − m) for j ≤ i, m = max_{j ≤ i} scale·s_j,
+/// and p_j = 0 for j > i (the mask's −∞). The sum runs in j order; the division is a
+/// multiplication by 1/Σ. The CPU reference of kernels/attention.cu's forward.
+pub fn causal_softmax_row(row: &mut [f32], i: usize, scale: f32) {
+    let (live, masked) = row.split_at_mut(i + 1);
+    let mut max = f32::NEG_INFINITY;
+    for v in live.iter_mut() {
+        *v *= scale;
+        max = max.max(*v);
+    }
+    let mut sum = 0.0f32;
+    for v in live.iter_mut() {
+        *v = (*v - max).exp();
+        sum += *v;
+    }
+    let inv = 1.0 / sum;
+    for v in live {
+        *v *= inv;
+    }
+    masked.fill(0.0);
+}
+
+/// The gradient of row `i` of [`causal_softmax_row`] by its scores, in place: dp (T), the
+/// gradient by the probabilities p (T), becomes
+/// ds_j = scale·p_j·(dp_j − Σ_{k ≤ i} dp_k·p_k) for j ≤ i, 0 for j > i. The sum runs in k
+/// order. The CPU reference of kernels/attention.cu's backward.
+pub fn causal_softmax_row_bwd(p: &[f32], dp: &mut [f32], i: usize, scale: f32) {
+    let (live, masked) = dp.split_at_mut(i + 1);
+    let mut dot = 0.0f32;
+    for (d, q) in live.iter().zip(p) {
+        dot += d * q;
+    }
+    for (d, q) in live.iter_mut().zip(p) {
+        *d = scale * (q * (*d - dot));
+    }
+    masked.fill(0.0);
+}
+
+/// The dropout factor of element `idx` of stream `key`: 0, or `keep` = 1/(1 − rate), as
+/// `nn::Dropout` and kernels/dropout.cu draw it.
+#[inline]
+fn drop_factor(key: u64, idx: u64, rate: f32, keep: f32) -> f32 {
+    if unit_f32(hash64(key, idx)) >= rate {
+        keep
+    } else {
+        0.0
+    }
+}
+
+/// The dropout of one training pass: its rate, the survivors' factor, both streams' keys
+/// and the pass's first sample within its logical replica's shard.
+#[derive(Clone, Copy, Debug)]
+struct Drops {
+    rate: f32,
+    keep: f32,
+    attn: u64,
+    resid: u64,
+    first: usize,
+}
+
+impl Drops {
+    /// The masks of a training pass in `ctx`, or None (evaluation, or rate 0).
+    fn of(rate: f32, ctx: &Ctx) -> Option<Drops> {
+        (ctx.mode == Mode::Train && rate > 0.0).then(|| {
+            let (seed, step, shard, layer) = (ctx.seed, ctx.step, ctx.shard as u64, ctx.layer_index as u64);
+            Drops {
+                rate,
+                keep: 1.0 / (1.0 - rate),
+                attn: dropout_key(seed, step, shard, layer),
+                resid: dropout_key(seed, step, shard, layer | RESIDUAL_STREAM),
+                first: ctx.sample_offset,
+            }
+        })
+    }
+}
+
+/// Columns `col..col + width` of a row-major matrix of `rows` rows, row stride `rs`.
+fn cols(data: &[f32], rows: usize, rs: usize, col: usize, width: usize) -> Mat<'_> {
+    Mat { data: &data[col..], rows, cols: width, rs, cs: 1 }
+}
+
+/// Causal multi-head self-attention over (N, T, C).
+#[derive(Clone, Debug)]
+pub struct CausalSelfAttention {
+    width: usize,
+    heads: usize,
+    dropout: f32,
+    proj_std: f32,
+    use_bias: bool,
+    /// What the training forward keeps for backward, beside `bufs`.
+    saved: Option<Saved>,
+    /// Buffers kept from step to step (their contents are overwritten in every pass).
+    bufs: Buffers,
+    wt: Transposed,
+}
+
+/// The training forward's input and shape, and its masks.
+#[derive(Clone, Debug)]
+struct Saved {
+    /// x: (N, T, C), for dW_attn.
+    x: Tensor,
+    n: usize,
+    t: usize,
+    drops: Option<Drops>,
+}
+
+/// The training pass's buffers: the forward's (kept for backward) and the backward's.
+#[derive(Clone, Debug, Default)]
+struct Buffers {
+    /// qkv: (N, T, 3C)
+    qkv: Vec<f32>,
+    /// P: (N, H, T, T), after the softmax, before dropout.
+    probs: Vec<f32>,
+    /// The heads' outputs side by side, c_proj's input: (N, T, C)
+    merged: Vec<f32>,
+    /// dqkv: (N, T, 3C)
+    dqkv: Vec<f32>,
+    /// dmerged: (N, T, C)
+    dmerged: Vec<f32>,
+    /// Per sample one (T, T) product at a time: dP then dS in backward.
+    dp: Vec<f32>,
+    /// Per sample one head's dropped probabilities P' (T, T), with dropout only.
+    dropped: Vec<f32>,
+}
+
+/// Resizes `v` to `len` values (new ones 0; the old ones are about to be overwritten).
+fn sized(v: &mut Vec<f32>, len: usize) -> &mut [f32] {
+    v.resize(len, 0.0);
+    &mut v[..]
+}
+
+/// `buf` as `n` consecutive pieces of `len` values (`n` empty pieces for `len` 0).
+fn split(buf: &mut [f32], n: usize, len: usize) -> Vec<&mut [f32]> {
+    if len == 0 {
+        return (0..n).map(|_| &mut [][..]).collect();
+    }
+    buf.chunks_exact_mut(len).collect()
+}
+
+/// The transposes of the two weights, for the forward (`Job::wt_attn`), kept from step to
+/// step.
+#[derive(Clone, Debug, Default)]
+struct Transposed {
+    attn: Vec<f32>,
+    proj: Vec<f32>,
+}
+
+/// `w` (rows, cols) transposed into `out` (cols, rows).
+fn transpose_into(w: &[f32], rows: usize, cols: usize, out: &mut Vec<f32>) {
+    out.resize(rows * cols, 0.0);
+    for (r, row) in w.chunks_exact(cols).enumerate() {
+        for (k, &v) in row.iter().enumerate() {
+            out[k * rows + r] = v;
+        }
+    }
+}
+
+/// What every sample of one pass shares: the shapes, the parameters, the masks.
+struct Job<'a> {
+    t: usize,
+    c: usize,
+    heads: usize,
+    hd: usize,
+    scale: f32,
+    /// c_attn.weight (3C, C) and c_proj.weight (C, C), as the backward multiplies by them.
+    w_attn: &'a [f32],
+    w_proj: &'a [f32],
+    /// Their transposes, (C, 3C) and (C, C), as the forward multiplies by them (empty in
+    /// a backward): the CPU GEMM runs a per-sample product some 1.5 times faster with its
+    /// right-hand side stored by rows than as the transposed view of the weight.
+    wt_attn: &'a [f32],
+    wt_proj: &'a [f32],
+    b_attn: Option<&'a [f32]>,
+    b_proj: Option<&'a [f32]>,
+    drops: Option<Drops>,
+}
+
+/// One sample's forward buffers: qkv (T, 3C), P (H, T, T), merged (T, C), and P' (T, T)
+/// when dropping.
+struct SampleFwd<'s> {
+    qkv: &'s mut [f32],
+    probs: &'s mut [f32],
+    merged: &'s mut [f32],
+    dropped: &'s mut [f32],
+}
+
+impl Job<'_> {
+    /// Sample `s` of the pass (its index in the batch). x, y: (T, C)
+    fn forward(&self, s: usize, x: &[f32], y: &mut [f32], b: SampleFwd<'_>) {
+        let (t, c, hd) = (self.t, self.c, self.hd);
+        let SampleFwd { qkv, probs, merged, dropped } = b;
+        // qkv (T, 3C) = x·W_attnᵀ + b_attn
+        let acc = fill_rows(qkv, self.b_attn, 3 * c);
+        gemm_with(Mat::rows(x, t, c), Mat::rows(self.wt_attn, c, 3 * c), qkv, 3 * c, acc, Threads::Caller);
+        for (h, p) in probs.chunks_exact_mut(t * t).enumerate() {
+            let q = cols(qkv, t, 3 * c, h * hd, hd);
+            let k = cols(qkv, t, 3 * c, c + h * hd, hd);
+            let v = cols(qkv, t, 3 * c, 2 * c + h * hd, hd);
+            // S (T, T) = q_h·k_hᵀ, then P = causal softmax(S/√D) row by row
+            gemm_with(q, k.t(), p, t, Accumulate::Overwrite, Threads::Caller);
+            for (i, row) in p.chunks_exact_mut(t).enumerate() {
+                causal_softmax_row(row, i, self.scale);
+            }
+            // y_h (T, D) = P'·v_h, into columns h·D.. of merged (T, C)
+            let pd = self.dropped_probs(s, h, p, dropped);
+            gemm_with(Mat::rows(pd, t, t), v, &mut merged[h * hd..], c, Accumulate::Overwrite, Threads::Caller);
+        }
+        // y (T, C) = dropout(merged·W_projᵀ + b_proj)
+        let acc = fill_rows(y, self.b_proj, c);
+        gemm_with(Mat::rows(merged, t, c), Mat::rows(self.wt_proj, c, c), y, c, acc, Threads::Caller);
+        if let Some(d) = self.drops {
+            let first = ((d.first + s) * t * c) as u64;
+            for (i, v) in y.iter_mut().enumerate() {
+                *v *= drop_factor(d.resid, first + i as u64, d.rate, d.keep);
+            }
+        }
+    }
+
+    /// Head `h`'s probabilities as `y_h = P'·v_h` reads them: P itself without dropout,
+    /// else P' = P ⊙ mask written to `dropped` (T, T). Only j ≤ i is drawn: the rest of
+    /// P is 0, and 0 times either factor is 0.
+    fn dropped_probs<'p>(&self, s: usize, h: usize, p: &'p [f32], dropped: &'p mut [f32]) -> &'p [f32] {
+        let Some(d) = self.drops else { return p };
+        let t = self.t;
+        let first = (((d.first + s) * self.heads + h) * t * t) as u64;
+        for (i, (out, row)) in dropped.chunks_exact_mut(t).zip(p.chunks_exact(t)).enumerate() {
+            for j in 0..=i {
+                let idx = first + (i * t + j) as u64;
+                out[j] = row[j] * drop_factor(d.attn, idx, d.rate, d.keep);
+            }
+            out[i + 1..].fill(0.0);
+        }
+        dropped
+    }
+
+    /// Sample `s`'s backward. dz (T, C): the gradient by c_proj's output, dropout's
+    /// adjoint applied here in place; writes dqkv (T, 3C) and, when given, dx (T, C).
+    #[allow(clippy::too_many_arguments)]
+    fn backward(
+        &self,
+        s: usize,
+        dz: &mut [f32],
+        saved: (&[f32], &[f32]),
+        dqkv: &mut [f32],
+        dmerged: &mut [f32],
+        dp: &mut [f32],
+        dropped: &mut [f32],
+        dx: Option<&mut [f32]>,
+    ) {
+        let (t, c, hd) = (self.t, self.c, self.hd);
+        let (qkv, probs) = saved;
+        if let Some(d) = self.drops {
+            let first = ((d.first + s) * t * c) as u64;
+            for (i, v) in dz.iter_mut().enumerate() {
+                *v *= drop_factor(d.resid, first + i as u64, d.rate, d.keep);
+            }
+        }
+        // dmerged (T, C) = dz·W_proj
+        gemm_with(Mat::rows(dz, t, c), Mat::rows(self.w_proj, c, c), dmerged, c, Accumulate::Overwrite, Threads::Caller);
+        for (h, p) in probs.chunks_exact(t * t).enumerate() {
+            let q = cols(qkv, t, 3 * c, h * hd, hd);
+            let k = cols(qkv, t, 3 * c, c + h * hd, hd);
+            let v = cols(qkv, t, 3 * c, 2 * c + h * hd, hd);
+            let dy = cols(dmerged, t, c, h * hd, hd);
+            // dv_h (T, D) = P'ᵀ·dy_h
+            let pd = self.dropped_probs(s, h, p, dropped);
+            let dv = &mut dqkv[2 * c + h * hd..];
+            gemm_with(Mat::rows(pd, t, t).t(), dy, dv, 3 * c, Accumulate::Overwrite, Threads::Caller);
+            // dP' (T, T) = dy_h·v_hᵀ, dP = dropout'(dP'), dS = softmax'(dP)
+            gemm_with(dy, v.t(), dp, t, Accumulate::Overwrite, Threads::Caller);
+            if let Some(d) = self.drops {
+                let first = (((d.first + s) * self.heads + h) * t * t) as u64;
+                for (i, row) in dp.chunks_exact_mut(t).enumerate() {
+                    for (j, g) in row[..=i].iter_mut().enumerate() {
+                        *g *= drop_factor(d.attn, first + (i * t + j) as u64, d.rate, d.keep);
+                    }
+                }
+            }
+            for (i, (drow, prow)) in dp.chunks_exact_mut(t).zip(p.chunks_exact(t)).enumerate() {
+                causal_softmax_row_bwd(prow, drow, i, self.scale);
+            }
+            // dq_h (T, D) = dS·k_h, dk_h (T, D) = dSᵀ·q_h
+            let ds = Mat::rows(dp, t, t);
+            gemm_with(ds, k, &mut dqkv[h * hd..], 3 * c, Accumulate::Overwrite, Threads::Caller);
+            gemm_with(ds.t(), q, &mut dqkv[c + h * hd..], 3 * c, Accumulate::Overwrite, Threads::Caller);
+        }
+        if let Some(dx) = dx {
+            // dx (T, C) = dqkv·W_attn
+            let w = Mat::rows(self.w_attn, 3 * c, c);
+            gemm_with(Mat::rows(dqkv, t, 3 * c), w, dx, c, Accumulate::Overwrite, Threads::Caller);
+        }
+    }
+}
+
+/// Fills each row of `y` (rows of `width`) with the bias; says how GEMM must then treat `y`.
+fn fill_rows(y: &mut [f32], bias: Option<&[f32]>, width: usize) -> Accumulate {
+    match bias {
+        Some(b) => {
+            for row in y.chunks_exact_mut(width) {
+                row.copy_from_slice(b);
+            }
+            Accumulate::Add
+        }
+        None => Accumulate::Overwrite,
+    }
+}
+
+/// Adds the rows of `d` (rows of `width`) into `db`, row after row.
+fn add_rows(db: &mut [f32], d: &[f32], width: usize) {
+    for row in d.chunks_exact(width) {
+        for (g, v) in db.iter_mut().zip(row) {
+            *g += v;
+        }
+    }
+}
+
+/// The width of an input of sequences, (N, T, C), or the spec's words for another.
+fn expect_sequences(input: &Shape) -> FieldResult<usize> {
+    match input.dims() {
+        [_, _, c] => Ok(*c),
+        _ => Err(format!(
+            "expects sequences (T, C), got samples of shape {}",
+            Shape::new(&input.dims()[1.min(input.ndim())..])
+        )),
+    }
+}
+
+impl CausalSelfAttention {
+    /// Attention over a width of `width` split into `heads` heads, nanoGPT's defaults:
+    /// biases, no dropout, the output projection initialised with std 0.02.
+    pub fn new(width: usize, heads: usize) -> Result<CausalSelfAttention> {
+        if width == 0 || heads == 0 {
+            return Err(Error::config(
+                "causal self-attention",
+                format!("the width and the heads must be positive (got {width} and {heads})"),
+            ));
+        }
+        if width % heads != 0 {
+            return Err(Error::config(
+                "causal self-attention",
+                format!("{heads} heads do not divide the width {width}"),
+            ));
+        }
+        Ok(CausalSelfAttention {
+            width,
+            heads,
+            dropout: 0.0,
+            proj_std: 0.02,
+            use_bias: true,
+            saved: None,
+            bufs: Buffers::default(),
+            wt: Transposed::default(),
+        })
+    }
+
+    /// The same layer with attention and residual dropout `rate` in [0, 1) (nanoGPT's
+    /// `config.dropout`, both).
+    pub fn with_dropout(mut self, rate: f32) -> Result<CausalSelfAttention> {
+        if !(0.0..1.0).contains(&rate) {
+            return Err(Error::config("dropout rate", format!("{rate} is not in [0, 1)")));
+        }
+        self.dropout = rate;
+        Ok(self)
+    }
+
+    /// The same layer with the output projection's weight initialised N(0, std²) (the GPT
+    /// sets 0.02/√(2·layers)); std must be positive and finite.
+    pub fn with_proj_std(mut self, std: f32) -> Result<CausalSelfAttention> {
+        if !(std.is_finite() && std > 0.0) {
+            return Err(Error::config("causal self-attention", format!("proj_std {std} is not a positive number")));
+        }
+        self.proj_std = std;
+        Ok(self)
+    }
+
+    /// The same layer without the two biases (nanoGPT's `bias=False`).
+    pub fn without_bias(mut self) -> CausalSelfAttention {
+        self.use_bias = false;
+        self
+    }
+
+    /// The width C.
+    pub fn width(&self) -> usize {
+        self.width
+    }
+
+    /// The number of heads H.
+    pub fn heads(&self) -> usize {
+        self.heads
+    }
+
+    /// The spec entry: nanoGPT's `CausalSelfAttention(config)`, its width the running
+    /// shape's last dimension.
+    pub const SPEC: LayerType = LayerType {
+        name: "causal_self_attention",
+        fields: "`heads` (dividing the width), `dropout` (0; attention and residual), `proj_std` (0.02), `use_bias` (true)",
+        example: (
+            &[5, 8],
+            r#"{"type": "causal_self_attention", "heads": 2, "dropout": 0.25, "proj_std": 0.01, "use_bias": false}"#,
+        ),
+        parse: |f| {
+            let heads = f.size("heads", None)?;
+            let dropout = f.number("dropout", Some(0.0), (|x| (0.0..1.0).contains(&x), "a number in [0, 1)"))?;
+            let proj_std = f.number("proj_std", Some(0.02), (|x| x > 0.0, "a positive number"))?;
+            let use_bias = f.boolean("use_bias", true)?;
+            Ok(Build::layer(move |input| {
+                let width = expect_sequences(input)?;
+                let layer = CausalSelfAttention::new(width, heads)
+                    .and_then(|l| l.with_dropout(dropout))
+                    .and_then(|l| l.with_proj_std(proj_std))
+                    .map_err(|e| e.to_string())?;
+                Ok(if use_bias { layer } else { layer.without_bias() })
+            }))
+        },
+    };
+
+    /// (N, T) of an input (N, T, C) of this layer's width.
+    fn geometry(&self, input: &Shape, op: &'static str) -> Result<(usize, usize)> {
+        match input.dims() {
+            &[n, t, c] if c == self.width && t > 0 => Ok((n, t)),
+            _ => Err(Error::shape(op, format!("expected (N, T, {}) with T ≥ 1, got {input}", self.width))),
+        }
+    }
+
+    /// What the samples of a backward share (no transposed weights: the backward
+    /// multiplies by the weights as stored).
+    fn backward_job<'a>(&self, t: usize, params: &Params<'a>, drops: Option<Drops>) -> Job<'a> {
+        let (w_attn, b_attn, w_proj, b_proj) = self.tensors(params);
+        let (c, heads) = (self.width, self.heads);
+        let (hd, scale) = (c / heads, attention_scale(c / heads));
+        Job { t, c, heads, hd, scale, w_attn, w_proj, wt_attn: &[], wt_proj: &[], b_attn, b_proj, drops }
+    }
+
+    /// The parameters (c_attn.weight, c_attn.bias, c_proj.weight, c_proj.bias) of `params`.
+    fn tensors<'a>(&self, params: &Params<'a>) -> (&'a [f32], Option<&'a [f32]>, &'a [f32], Option<&'a [f32]>) {
+        if self.use_bias {
+            (params.get(0), Some(params.get(1)), params.get(2), Some(params.get(3)))
+        } else {
+            (params.get(0), None, params.get(1), None)
+        }
+    }
+}
+
+impl Layer for CausalSelfAttention {
+    fn gpu(&self) -> Option<Box<dyn GpuLayer>> {
+        Some(Box::new(AttentionGpu { heads: self.heads, dropout: self.dropout, use_bias: self.use_bias, kept: None }))
+    }
+
+    fn kind(&self) -> &'static str {
+        "attn"
+    }
+
+    fn spec(&self) -> Option<Value> {
+        Some(json!({
+            "type": "causal_self_attention",
+            "heads": self.heads,
+            "dropout": self.dropout,
+            "proj_std": self.proj_std,
+            "use_bias": self.use_bias,
+        }))
+    }
+
+    /// Per sample: kept for backward its input x (T·C), qkv (3·T·C), the probabilities
+    /// (H·T·T: the (N, H, T, T) scores, after the softmax) and the merged heads (T·C);
+    /// held from step to step for the backward dqkv (3·T·C), dmerged (T·C) and one head's
+    /// dP (T·T), and with dropout one head's P' (T·T). The masks are drawn again, never
+    /// kept.
+    fn memory(&self, shapes: &LayerShapes) -> Option<LayerMemory> {
+        let (t, c) = match shapes.input.dims() {
+            &[t, c] => (t as u64, c as u64),
+            _ => return None,
+        };
+        let tt = t.saturating_mul(t);
+        let tc = t.saturating_mul(c);
+        let dropped = if self.dropout > 0.0 { tt } else { 0 };
+        let values = tc
+            .saturating_mul(9)
+            .saturating_add(tt.saturating_mul(self.heads as u64 + 1))
+            .saturating_add(dropped);
+        Some(LayerMemory { kept_per_sample: values.saturating_mul(F32), ..LayerMemory::NONE })
+    }
+
+    fn output_shape(&self, input: &Shape) -> Result<Shape> {
+        self.geometry(input, "CausalSelfAttention")?;
+        Ok(input.clone())
+    }
+
+    fn params(&self) -> Vec<ParamSpec> {
+        let c = self.width;
+        let weight = |name: &'static str, rows: usize, std: f32| ParamSpec {
+            name: name.into(),
+            shape: Shape::new([rows, c]),
+            init: Init::Normal { std },
+        };
+        let bias = |name: &'static str, len: usize| ParamSpec { name: name.into(), shape: Shape::new([len]), init: Init::Zeros };
+        if self.use_bias {
+            vec![
+                weight("c_attn.weight", 3 * c, 0.02),
+                bias("c_attn.bias", 3 * c),
+                weight("c_proj.weight", c, self.proj_std),
+                bias("c_proj.bias", c),
+            ]
+        } else {
+            vec![weight("c_attn.weight", 3 * c, 0.02), weight("c_proj.weight", c, self.proj_std)]
+        }
+    }
+
+    // x: (N, T, C) → y: (N, T, C)
+    fn forward(&mut self, x: Tensor, params: Params<'_>, _buffers: ParamsMut<'_>, ctx: &Ctx) -> Result<Tensor> {
+        let (n, t) = self.geometry(x.shape(), "CausalSelfAttention")?;
+        let (c, heads) = (self.width, self.heads);
+        let drops = Drops::of(self.dropout, ctx);
+        let (w_attn, b_attn, w_proj, b_proj) = self.tensors(&params);
+        transpose_into(w_attn, 3 * c, c, &mut self.wt.attn);
+        transpose_into(w_proj, c, c, &mut self.wt.proj);
+        let (wt_attn, wt_proj) = (&self.wt.attn[..], &self.wt.proj[..]);
+        let (hd, scale) = (c / heads, attention_scale(c / heads));
+        let job = Job { t, c, heads, hd, scale, w_attn, w_proj, wt_attn, wt_proj, b_attn, b_proj, drops };
+        let mut y = vec![0.0f32; n * t * c];
+        let pairs = y.par_chunks_mut(t * c).zip(x.host().par_chunks(t * c)).enumerate();
+        if ctx.mode == Mode::Train {
+            let b = &mut self.bufs;
+            let dropped_len = if drops.is_some() { t * t } else { 0 };
+            let qkv = split(sized(&mut b.qkv, n * t * 3 * c), n, t * 3 * c);
+            let probs = split(sized(&mut b.probs, n * heads * t * t), n, heads * t * t);
+            let merged = split(sized(&mut b.merged, n * t * c), n, t * c);
+            let dropped = split(sized(&mut b.dropped, n * dropped_len), n, dropped_len);
+            let samples = qkv.into_iter().zip(probs).zip(merged).zip(dropped);
+            let bufs: Vec<SampleFwd<'_>> =
+                samples.map(|(((qkv, probs), merged), dropped)| SampleFwd { qkv, probs, merged, dropped }).collect();
+            pairs.zip(bufs).for_each(|((s, (yn, xn)), b)| job.forward(s, xn, yn, b));
+        } else {
+            // Nothing is kept: each task's samples share one sample's buffers.
+            let alloc = || [vec![0.0f32; t * 3 * c], vec![0.0; heads * t * t], vec![0.0; t * c]];
+            pairs.for_each_init(alloc, |[qkv, probs, merged], (s, (yn, xn))| {
+                job.forward(s, xn, yn, SampleFwd { qkv, probs, merged, dropped: &mut [] })
+            });
+        }
+        let y = Tensor::from_vec_on(y, x.shape().clone(), x.device())?;
+        self.saved = (ctx.mode == Mode::Train).then_some(Saved { x, n, t, drops });
+        Ok(y)
+    }
+
+    // dout: (N, T, C) → dx: (N, T, C); dW_proj += dzᵀ·merged, db_proj += Σ dz,
+    // dW_attn += dqkvᵀ·x, db_attn += Σ dqkv (the module's Backward)
+    fn backward(
+        &mut self,
+        mut dout: Tensor,
+        params: Params<'_>,
+        mut dparams: ParamsMut<'_>,
+        input_grad: InputGrad,
+        _ctx: &Ctx,
+    ) -> Result<Option<Tensor>> {
+        let Saved { x, n, t, drops } = self
+            .saved
+            .take()
+            .ok_or_else(|| Error::config("CausalSelfAttention backward", "no training forward to differentiate"))?;
+        x.same_device("CausalSelfAttention backward", &dout)?;
+        if dout.shape() != x.shape() {
+            return Err(Error::shape(
+                "CausalSelfAttention backward",
+                format!("dout {} for output {}", dout.shape(), x.shape()),
+            ));
+        }
+        let (c, heads) = (self.width, self.heads);
+        let job = self.backward_job(t, &params, drops);
+        let b = &mut self.bufs;
+        let dropped_len = if drops.is_some() { t * t } else { 0 };
+        let dqkv = split(sized(&mut b.dqkv, n * t * 3 * c), n, t * 3 * c);
+        let dmerged = split(sized(&mut b.dmerged, n * t * c), n, t * c);
+        let dp = split(sized(&mut b.dp, n * t * t), n, t * t);
+        let dropped = split(sized(&mut b.dropped, n * dropped_len), n, dropped_len);
+        let mut dx = match input_grad {
+            InputGrad::Needed => Some(vec![0.0f32; n * t * c]),
+            InputGrad::Skip => None,
+        };
+        let dxs = match dx.as_mut() {
+            Some(dx) => dx.chunks_exact_mut(t * c).map(Some).collect(),
+            None => (0..n).map(|_| None).collect::<Vec<_>>(),
+        };
+        let saved = b.qkv.chunks_exact(t * 3 * c).zip(b.probs.chunks_exact(heads * t * t));
+        let work: Vec<_> = dout
+            .host_mut()
+            .chunks_exact_mut(t * c)
+            .zip(saved)
+            .zip(dqkv.into_iter().zip(dmerged))
+            .zip(dp.into_iter().zip(dropped))
+            .zip(dxs)
+            .collect();
+        work.into_par_iter().enumerate().for_each(|(s, ((((dz, saved), (dqkv, dmerged)), (dp, dropped)), dx))| {
+            job.backward(s, dz, saved, dqkv, dmerged, dp, dropped, dx)
+        });
+        // The parameter gradients over the N·T rows, as Linear's: dz is c_proj's output
+        // gradient (its dropout undone above), dqkv c_attn's.
+        let (nt, dz) = (n * t, dout.host());
+        let (wa, wp) = if self.use_bias { (0, 2) } else { (0, 1) };
+        gemm(Mat::rows(dz, nt, c).t(), Mat::rows(&b.merged, nt, c), dparams.get(wp), c, Accumulate::Add);
+        gemm(Mat::rows(&b.dqkv, nt, 3 * c).t(), Mat::rows(x.host(), nt, c), dparams.get(wa), c, Accumulate::Add);
+        if self.use_bias {
+            add_rows(dparams.get(1), &b.dqkv, 3 * c);
+            add_rows(dparams.get(3), dz, c);
+        }
+        dx.map(|dx| Tensor::from_vec_on(dx, x.shape().clone(), x.device())).transpose()
+    }
+
+    fn boxed_clone(&self) -> Box<dyn Layer> {
+        Box::new(CausalSelfAttention {
+            saved: None,
+            bufs: Buffers::default(),
+            wt: Transposed::default(),
+            ..self.clone()
+        })
+    }
+
+    fn describe(&self) -> String {
+        let mut d = format!("Attention({}, {} heads", self.width, self.heads);
+        if self.dropout > 0.0 {
+            d += &format!(", dropout {}", self.dropout);
+        }
+        if !self.use_bias {
+            d += ", no bias";
+        }
+        d + ")"
+    }
+}
+
+// ---- on a GPU: cuBLAS, kernels/attention.cu and kernels/dropout.cu --------------------
+
+/// (T, C) of a node's per-sample input.
+fn node_tc(node: &Node) -> Result<(usize, usize)> {
+    match node.input.dims() {
+        &[t, c] => Ok((t, c)),
+        _ => Err(Error::shape("CausalSelfAttention", format!("{}: input {} is not (T, C)", node.name, node.input))),
+    }
+}
+
+/// The scratch of one pass, in values: seven areas one after another, each starting on
+/// a multiple of 64 values (256 bytes, as `Sequential` aligns every tensor), their order
+/// and sizes a function of the shape alone. Backward uses them all:
+/// [0] dqkv rows (N, T, 3C), [1] dqkv heads (3, N, H, T, D), [2] dz (N, T, C),
+/// [3] dmerged (N, T, C), [4] dy heads (N, H, T, D), [5] and [6] (N, H, T, T) each.
+/// Forward reuses [0] for the qkv rows, [2] for c_proj's output before dropout, [4] for
+/// the heads' outputs, [5] for the scores and [6] for P'.
+struct Areas {
+    lens: [usize; 7],
+}
+
+impl Areas {
+    fn new(n: usize, t: usize, c: usize, heads: usize) -> Areas {
+        let (ntc, nhtt) = (n * t * c, n * heads * t * t);
+        Areas { lens: [3 * ntc, 3 * ntc, ntc, ntc, ntc, nhtt, nhtt] }
+    }
+
+    /// A length rounded up to 64 values.
+    fn padded(len: usize) -> usize {
+        len.div_ceil(64) * 64
+    }
+
+    fn total(&self) -> usize {
+        self.lens.iter().map(|&l| Areas::padded(l)).sum()
+    }
+
+    /// Runs `f` on the seven areas of `scratch`, each exactly as long as its contents.
+    fn with<R>(
+        &self,
+        scratch: &mut CudaSlice<f32>,
+        f: impl for<'b> FnOnce([CudaViewMut<'b, f32>; 7]) -> Result<R>,
+    ) -> Result<R> {
+        if scratch.len() < self.total() {
+            return Err(Error::shape(
+                "CausalSelfAttention",
+                format!("scratch of {} values for the {} it needs", scratch.len(), self.total()),
+            ));
+        }
+        let [l0, l1, l2, l3, l4, l5, l6] = self.lens;
+        let pad = |l: usize| Areas::padded(l) - l;
+        // Each split borrows the rest before it, which stays alive (shadowed) in this scope.
+        let rest = &mut scratch.slice_mut(..);
+        let (a0, mut rest) = rest.split_at_mut(l0);
+        let (_, mut rest) = rest.split_at_mut(pad(l0));
+        let (a1, mut rest) = rest.split_at_mut(l1);
+        let (_, mut rest) = rest.split_at_mut(pad(l1));
+        let (a2, mut rest) = rest.split_at_mut(l2);
+        let (_, mut rest) = rest.split_at_mut(pad(l2));
+        let (a3, mut rest) = rest.split_at_mut(l3);
+        let (_, mut rest) = rest.split_at_mut(pad(l3));
+        let (a4, mut rest) = rest.split_at_mut(l4);
+        let (_, mut rest) = rest.split_at_mut(pad(l4));
+        let (a5, mut rest) = rest.split_at_mut(l5);
+        let (_, mut rest) = rest.split_at_mut(pad(l5));
+        let (a6, _) = rest.split_at_mut(l6);
+        f([a0, a1, a2, a3, a4, a5, a6])
+    }
+}
+
+/// What the forward keeps on the device for the backward, for a batch of N.
+struct Kept {
+    /// q, k, v by head: (3, N, H, T, D)
+    heads: CudaSlice<f32>,
+    /// P: (N, H, T, T), before dropout.
+    probs: CudaSlice<f32>,
+    /// The heads' outputs merged, c_proj's input: (N, T, C)
+    merged: CudaSlice<f32>,
+}
+
+/// Causal self-attention on a GPU: the CPU layer's products by cuBLAS (the projections
+/// as `Linear`'s, the per-head ones as strided batches over the N·H (sample, head)
+/// pairs of the head layout), the softmax by kernels/attention.cu, the masks by
+/// kernels/dropout.cu's kernels under the CPU layer's keys (so the two backends drop the
+/// same values).
+struct AttentionGpu {
+    heads: usize,
+    dropout: f32,
+    use_bias: bool,
+    kept: Option<Kept>,
+}
+
+impl AttentionGpu {
+    /// The parameter indices of (c_attn.weight, c_attn.bias, c_proj.weight, c_proj.bias).
+    fn indices(&self) -> (usize, Option<usize>, usize, Option<usize>) {
+        if self.use_bias {
+            (0, Some(1), 2, Some(3))
+        } else {
+            (0, None, 1, None)
+        }
+    }
+
+    /// The masks' keys of a training pass (module docs): the probabilities' and the output's.
+    fn keys(&self, draw: &Draw, node: &Node, t: usize, c: usize) -> Option<(DropoutKey, DropoutKey)> {
+        (self.dropout > 0.0).then(|| {
+            let attn = draw.dropout_key(node.index, self.heads * t * t);
+            let resid = DropoutKey { layer: attn.layer | RESIDUAL_STREAM, ..draw.dropout_key(node.index, t * c) };
+            (attn, resid)
+        })
+    }
+}
+
+impl GpuLayer for AttentionGpu {
+    fn reserve(&mut self, gpu: &Gpu, node: &Node, n: usize) -> Result<()> {
+        let (t, c) = node_tc(node)?;
+        self.kept = None;
+        let alloc = |len: usize| gpu.stream().alloc_zeros::<f32>(len.max(1));
+        self.kept =
+            Some(Kept { heads: alloc(3 * n * t * c)?, probs: alloc(n * self.heads * t * t)?, merged: alloc(n * t * c)? });
+        Ok(())
+    }
+
+    fn scratch(&self, node: &Node, n: usize) -> Result<usize> {
+        let (t, c) = node_tc(node)?;
+        Ok(Areas::new(n, t, c, self.heads).total())
+    }
+
+    // x: (N, T, C) → y: (N, T, C)
+    fn forward(&mut self, f: Forward<'_, '_, '_>) -> Result<()> {
+        let (t, c) = node_tc(f.node)?;
+        let (n, h, d) = (f.n, self.heads, c / self.heads);
+        let (nt, ntc, nh) = (n * t, n * t * c, n * h);
+        let keys = match &*f.pass {
+            Pass::Train { draw, .. } => self.keys(draw, f.node, t, c),
+            Pass::Eval { .. } => None,
+        };
+        let (wa, ba, wp, bp) = self.indices();
+        let Some(kept) = self.kept.as_mut() else { unreachable!("reserved before the pass") };
+        let Forward { gpu, blas, y, scratch, .. } = f;
+        let (rate, x) = (self.dropout, f.x);
+        let param = |j: usize| f.params.slice(f.node.params[j].clone());
+        Areas::new(n, t, c, h).with(scratch, |[mut rows, _, mut z, _, mut yh, mut s, mut pd]| {
+            // qkv rows (N·T, 3C) = x·W_attnᵀ + b_attn, then by head (3, N, H, T, D)
+            cublas_gemm(blas, &RmGemm::linear_fwd(nt, c, 3 * c), x, &param(wa), &mut rows)?;
+            if let Some(ba) = ba {
+                gpu.bias_cols_fwd(&mut rows, &param(ba), nt, 3 * c)?;
+            }
+            gpu.attention_heads_fwd(&rows, &mut kept.heads, HeadsGeom { n, t, parts: 3, heads: h, hd: d })?;
+            let (q, k, v) = (kept.heads.slice(..ntc), kept.heads.slice(ntc..2 * ntc), kept.heads.slice(2 * ntc..));
+            // S = q·kᵀ, P = causal softmax(S/√D), P' = dropout(P), y_h = P'·v
+            cublas_gemm(blas, &RmGemm::attention_scores(nh, t, d), &q, &k, &mut s)?;
+            gpu.attention_softmax_fwd(&s, &mut kept.probs, t, attention_scale(d))?;
+            let p = match keys {
+                Some((attn, _)) => {
+                    gpu.dropout_fwd(&kept.probs, &mut pd, rate, attn)?;
+                    pd.slice(..)
+                }
+                None => kept.probs.slice(..),
+            };
+            cublas_gemm(blas, &RmGemm::attention_mix(nh, t, d), &p, &v, &mut yh)?;
+            gpu.attention_heads_bwd(&yh, &mut kept.merged, HeadsGeom { n, t, parts: 1, heads: h, hd: d })?;
+            // y = dropout(merged·W_projᵀ + b_proj)
+            let proj = RmGemm::linear_fwd(nt, c, c);
+            match keys {
+                Some((_, resid)) => {
+                    cublas_gemm(blas, &proj, &kept.merged, &param(wp), &mut z)?;
+                    if let Some(bp) = bp {
+                        gpu.bias_cols_fwd(&mut z, &param(bp), nt, c)?;
+                    }
+                    gpu.dropout_fwd(&z, y, rate, resid)
+                }
+                None => {
+                    cublas_gemm(blas, &proj, &kept.merged, &param(wp), y)?;
+                    match bp {
+                        Some(bp) => gpu.bias_cols_fwd(y, &param(bp), nt, c),
+                        None => Ok(()),
+                    }
+                }
+            }
+        })
+    }
+
+    // dy: (N, T, C) → dx: (N, T, C), the parameter gradients written into the slot
+    fn backward(&mut self, b: Backward<'_, '_>) -> Result<()> {
+        let (t, c) = node_tc(b.node)?;
+        let (n, h, d) = (b.n, self.heads, c / self.heads);
+        let (nt, ntc, nh) = (n * t, n * t * c, n * h);
+        let keys = self.keys(&b.draw, b.node, t, c);
+        let (wa, ba, wp, bp) = self.indices();
+        let Some(kept) = self.kept.as_ref() else { unreachable!("reserved before the pass") };
+        let Backward { gpu, blas, node, params, x, dy, dx, grads, scratch, .. } = b;
+        let rate = self.dropout;
+        let param = |j: usize| params.slice(node.params[j].clone());
+        let scale = attention_scale(d);
+        Areas::new(n, t, c, h).with(scratch, |[mut rows, mut dheads, mut dz, mut dm, mut dyh, mut sa, mut sb]| {
+            // dz = dropout'(dy); dW_proj = dzᵀ·merged, db_proj += Σ dz; dmerged = dz·W_proj
+            let dz = match keys {
+                Some((_, resid)) => {
+                    gpu.dropout_bwd(&dy, &mut dz, rate, resid)?;
+                    dz.slice(..)
+                }
+                None => dy.slice(..),
+            };
+            cublas_gemm(blas, &RmGemm::linear_dw(nt, c, c), &dz, &kept.merged, &mut grads.slice_mut(node.params[wp].clone()))?;
+            if let Some(bp) = bp {
+                gpu.bias_cols_bwd(&dz, &mut grads.slice_mut(node.params[bp].clone()), nt, c)?;
+            }
+            cublas_gemm(blas, &RmGemm::linear_dx(nt, c, c), &dz, &param(wp), &mut dm)?;
+            gpu.attention_heads_fwd(&dm, &mut dyh, HeadsGeom { n, t, parts: 1, heads: h, hd: d })?;
+            let (q, k, v) = (kept.heads.slice(..ntc), kept.heads.slice(ntc..2 * ntc), kept.heads.slice(2 * ntc..));
+            // dv = P'ᵀ·dy_h (P' drawn again into sb), dP' = dy_h·vᵀ (into sa)
+            let p = match keys {
+                Some((attn, _)) => {
+                    gpu.dropout_fwd(&kept.probs, &mut sb, rate, attn)?;
+                    sb.slice(..)
+                }
+                None => kept.probs.slice(..),
+            };
+            cublas_gemm(blas, &RmGemm::attention_mix_t(nh, t, d), &p, &dyh, &mut dheads.slice_mut(2 * ntc..))?;
+            cublas_gemm(blas, &RmGemm::attention_scores(nh, t, d), &dyh, &v, &mut sa)?;
+            // dP = dropout'(dP'), dS = softmax'(dP)·scale: into sa with dropout (dP in sb),
+            // into sb without
+            let ds = match keys {
+                Some((attn, _)) => {
+                    gpu.dropout_bwd(&sa, &mut sb, rate, attn)?;
+                    gpu.attention_softmax_bwd(&kept.probs, &sb, &mut sa, t, scale)?;
+                    sa.slice(..)
+                }
+                None => {
+                    gpu.attention_softmax_bwd(&kept.probs, &sa, &mut sb, t, scale)?;
+                    sb.slice(..)
+                }
+            };
+            // dq = dS·k, dk = dSᵀ·q; dqkv rows (N·T, 3C) merged from the heads
+            cublas_gemm(blas, &RmGemm::attention_mix(nh, t, d), &ds, &k, &mut dheads.slice_mut(..ntc))?;
+            cublas_gemm(blas, &RmGemm::attention_mix_t(nh, t, d), &ds, &q, &mut dheads.slice_mut(ntc..2 * ntc))?;
+            gpu.attention_heads_bwd(&dheads, &mut rows, HeadsGeom { n, t, parts: 3, heads: h, hd: d })?;
+            // dW_attn = dqkvᵀ·x, db_attn += Σ dqkv, dx = dqkv·W_attn
+            cublas_gemm(blas, &RmGemm::linear_dw(nt, c, 3 * c), &rows, x, &mut grads.slice_mut(node.params[wa].clone()))?;
+            if let Some(ba) = ba {
+                gpu.bias_cols_bwd(&rows, &mut grads.slice_mut(node.params[ba].clone()), nt, 3 * c)?;
+            }
+            match dx {
+                Some(mut dx) => cublas_gemm(blas, &RmGemm::linear_dx(nt, c, 3 * c), &rows, &param(wa), &mut dx),
+                None => Ok(()),
+            }
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    use crate::nn::Dropout;
+    use crate::rng::SplitMix64;
+    use crate::tensor::Device;
+
+    /// A layer's parameters in one flat buffer, as `Sequential` would lay them out (without
+    /// its alignment gaps), drawn U(−a, a).
+    struct Flat {
+        values: Vec<f32>,
+        ranges: Vec<std::ops::Range<usize>>,
+    }
+
+    impl Flat {
+        fn random(layer: &CausalSelfAttention, a: f32, seed: u64) -> Flat {
+            let mut g = SplitMix64::new(seed);
+            let (mut values, mut ranges) = (Vec::new(), Vec::new());
+            for p in layer.params() {
+                let start = values.len();
+                values.extend((0..p.shape.numel()).map(|_| (g.next_f32() * 2.0 - 1.0) * a));
+                ranges.push(start..values.len());
+            }
+            Flat { values, ranges }
+        }
+
+        fn zeros_like(&self) -> Vec<f32> {
+            vec![0.0; self.values.len()]
+        }
+    }
+
+    fn uniform(len: usize, a: f32, seed: u64) -> Vec<f32> {
+        let mut g = SplitMix64::new(seed);
+        (0..len).map(|_| (g.next_f32() * 2.0 - 1.0) * a).collect()
+    }
+
+    fn train_ctx() -> Ctx<'static> {
+        Ctx { layer_index: 3, ..Ctx::train(11, 7, 1, Device::Cpu(0)) }
+    }
+
+    /// The layer's forward of x (N, T, C) under `ctx`.
+    fn forward(layer: &mut CausalSelfAttention, p: &Flat, x: &[f32], n: usize, ctx: &Ctx) -> Vec<f32> {
+        let (t, c) = (x.len() / n / layer.width, layer.width);
+        let x = Tensor::from_vec(x.to_vec(), [n, t, c]).unwrap();
+        let y = layer.forward(x, Params::new(&p.values, &p.ranges), ParamsMut::new(&mut [], &[]), ctx).unwrap();
+        y.into_vec()
+    }
+
+    /// A training forward of x, then the backward of dout: (y, dx, the parameter
+    /// gradients accumulated into `grads`).
+    fn forward_backward(
+        layer: &mut CausalSelfAttention,
+        p: &Flat,
+        x: &[f32],
+        n: usize,
+        dout: &[f32],
+        grads: &mut [f32],
+        ctx: &Ctx,
+    ) -> (Vec<f32>, Vec<f32>) {
+        let y = forward(layer, p, x, n, ctx);
+        let shape = Shape::new([n, x.len() / n / layer.width, layer.width]);
+        let d = Tensor::from_vec(dout.to_vec(), shape).unwrap();
+        let dx = layer
+            .backward(d, Params::new(&p.values, &p.ranges), ParamsMut::new(grads, &p.ranges), InputGrad::Needed, ctx)
+            .unwrap()
+            .unwrap();
+        (y, dx.into_vec())
+    }
+
+    /// nanoGPT's forward (p = 0) in f64, straight from model.py: qkv = x·Wᵀ + b, split in
+    /// q, k, v, heads as view(B, T, H, D).transpose(1, 2), softmax(q·kᵀ/√D) under the causal
+    /// mask, y = att·v, heads merged, c_proj.
+    fn reference(layer: &CausalSelfAttention, p: &Flat, x: &[f32], n: usize) -> Vec<f64> {
+        let (c, h) = (layer.width, layer.heads);
+        let (t, d) = (x.len() / n / c, c / h);
+        let get = |i: usize| &p.values[p.ranges[i].clone()];
+        let (wa, ba, wp, bp) = (get(0), get(1), get(2), get(3));
+        let mut out = vec![0.0f64; x.len()];
+        for s in 0..n {
+            let xs = &x[s * t * c..(s + 1) * t * c];
+            let qkv: Vec<f64> = (0..t * 3 * c)
+                .map(|e| {
+                    let (i, o) = (e / (3 * c), e % (3 * c));
+                    ba[o] as f64 + (0..c).map(|k| xs[i * c + k] as f64 * wa[o * c + k] as f64).sum::<f64>()
+                })
+                .collect();
+            let mut merged = vec![0.0f64; t * c];
+            for hh in 0..h {
+                let at = |part: usize, i: usize, dd: usize| qkv[i * 3 * c + part * c + hh * d + dd];
+                for i in 0..t {
+                    let scores: Vec<f64> = (0..=i)
+                        .map(|j| (0..d).map(|dd| at(0, i, dd) * at(1, j, dd)).sum::<f64>() / (d as f64).sqrt())
+                        .collect();
+                    let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                    let e: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
+                    let z: f64 = e.iter().sum();
+                    for dd in 0..d {
+                        merged[i * c + hh * d + dd] = (0..=i).map(|j| e[j] / z * at(2, j, dd)).sum();
+                    }
+                }
+            }
+            for i in 0..t {
+                for o in 0..c {
+                    out[s * t * c + i * c + o] =
+                        bp[o] as f64 + (0..c).map(|k| merged[i * c + k] * wp[o * c + k] as f64).sum::<f64>();
+                }
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn forward_is_nanogpts_attention() {
+        // Against the f64 restatement above; the f32 layer's error is a few ulp of sums of
+        // C = 12 and T = 6 terms of size ≤ 1: |Δ| ≤ 1e-5.
+        let (n, t, c, h) = (2, 6, 12, 3);
+        let mut layer = CausalSelfAttention::new(c, h).unwrap();
+        let p = Flat::random(&layer, 0.5, 1);
+        let x = uniform(n * t * c, 1.0, 2);
+        for ctx in [train_ctx(), Ctx::eval(Device::Cpu(0))] {
+            let y = forward(&mut layer, &p, &x, n, &ctx);
+            for (i, (got, want)) in y.iter().zip(reference(&layer, &p, &x, n)).enumerate() {
+                assert!((*got as f64 - want).abs() <= 1e-5, "y[{i}]: {got} vs {want} ({:?})", ctx.mode);
+            }
+        }
+    }
+
+    /// Central differences of L = Σ w·y(θ) in every input and parameter value against the
+    /// backward. L in f64 from the f32 forward; the step h = 1e-2 on values of size ≤ 1
+    /// leaves a truncation error h²/6·|L'''| ≈ 1e-5 and a rounding error of the forward of
+    /// about 2^-24·Σ|w·y|/2h ≈ 1e-5 (tests/gradcheck.rs's reasoning), inside
+    /// |Δ| ≤ 1e-3 + 1e-2·max(|analytic|, |numeric|). The backward also adds into
+    /// gradients that already hold values (the gradient contract).
+    fn gradcheck(mut layer: CausalSelfAttention, ctx: &Ctx) {
+        let (n, t, c) = (2, 5, layer.width);
+        let p = Flat::random(&layer, 0.5, 3);
+        let x = uniform(n * t * c, 1.0, 4);
+        let w = uniform(n * t * c, 1.0, 5);
+        let prior = uniform(p.values.len(), 1.0, 6);
+        let mut grads = prior.clone();
+        let (_, dx) = forward_backward(&mut layer, &p, &x, n, &w, &mut grads, ctx);
+        let loss = |layer: &mut CausalSelfAttention, p: &Flat, x: &[f32]| -> f64 {
+            forward(layer, p, x, n, ctx).iter().zip(&w).map(|(y, w)| *y as f64 * *w as f64).sum()
+        };
+        let h = 1e-2f32;
+        let check = |what: String, analytic: f32, plus: f64, minus: f64, step: f64| {
+            let numeric = (plus - minus) / step;
+            let bound = 1e-3 + 1e-2 * (analytic as f64).abs().max(numeric.abs());
+            assert!((analytic as f64 - numeric).abs() <= bound, "{what}: backward {analytic}, numeric {numeric}");
+        };
+        for i in 0..x.len() {
+            let (mut xp, mut xm) = (x.clone(), x.clone());
+            xp[i] += h;
+            xm[i] -= h;
+            let step = (xp[i] - xm[i]) as f64;
+            check(format!("dx[{i}]"), dx[i], loss(&mut layer, &p, &xp), loss(&mut layer, &p, &xm), step);
+        }
+        let names: Vec<String> = layer.params().iter().map(|s| s.name.to_string()).collect();
+        for (k, range) in p.ranges.iter().enumerate() {
+            for i in range.clone() {
+                let (mut pp, mut pm) = (Flat { values: p.values.clone(), ranges: p.ranges.clone() }, p.values.clone());
+                pp.values[i] += h;
+                pm[i] -= h;
+                let step = (pp.values[i] - pm[i]) as f64;
+                let plus = loss(&mut layer, &pp, &x);
+                let minus = loss(&mut layer, &Flat { values: pm, ranges: p.ranges.clone() }, &x);
+                let g = grads[i] - prior[i];
+                check(format!("d{}[{}]", names[k], i - range.start), g, plus, minus, step);
+            }
+        }
+        // Accumulation: into zeros, the same gradient, but for the roundings of adding to
+        // what the buffer held (the bias sums add row after row into it: N·T = 10
+        // roundings of values of size ≤ 10, so |Δ| ≤ 1e-5).
+        let mut fresh = p.zeros_like();
+        forward_backward(&mut layer, &p, &x, n, &w, &mut fresh, ctx);
+        for (i, ((g, f), p0)) in grads.iter().zip(&fresh).zip(&prior).enumerate() {
+            assert!((g - (p0 + f)).abs() <= 1e-5, "gradient {i}: {g} is not {p0} + {f}: not added to the buffer");
+        }
+    }
+
+    #[test]
+    fn every_gradient_matches_central_differences() {
+        gradcheck(CausalSelfAttention::new(8, 2).unwrap(), &train_ctx());
+    }
+
+    #[test]
+    fn every_gradient_matches_central_differences_without_bias_and_with_one_head() {
+        gradcheck(CausalSelfAttention::new(6, 1).unwrap().without_bias(), &train_ctx());
+    }
+
+    #[test]
+    fn every_gradient_matches_central_differences_with_dropout() {
+        // The masks are a function of the context alone, so each evaluation of the loss
+        // draws the same ones: the layer is a smooth function of its inputs for the check.
+        gradcheck(CausalSelfAttention::new(8, 2).unwrap().with_dropout(0.3).unwrap(), &train_ctx());
+    }
+
+    #[test]
+    fn an_output_depends_on_no_later_position() {
+        let (n, t, c) = (2, 7, 8);
+        let mut layer = CausalSelfAttention::new(c, 2).unwrap();
+        let p = Flat::random(&layer, 0.5, 7);
+        let x = uniform(n * t * c, 1.0, 8);
+        let y = forward(&mut layer, &p, &x, n, &train_ctx());
+        for pos in 0..t {
+            let mut x2 = x.clone();
+            for s in 0..n {
+                x2[(s * t + pos) * c..(s * t + pos + 1) * c].iter_mut().for_each(|v| *v = *v * -3.0 + 1.0);
+            }
+            let y2 = forward(&mut layer, &p, &x2, n, &train_ctx());
+            for s in 0..n {
+                let row = |y: &[f32], i: usize| y[(s * t + i) * c..(s * t + i + 1) * c].to_vec();
+                for i in 0..pos {
+                    assert_eq!(row(&y, i), row(&y2, i), "sample {s}: position {i} moved with position {pos}");
+                }
+                assert_ne!(row(&y, pos), row(&y2, pos), "sample {s}: position {pos} ignores itself");
+            }
+        }
+    }
+
+    #[test]
+    fn a_sample_is_bitwise_the_same_alone_in_a_batch_of_three_and_on_any_thread_count() {
+        let (t, c) = (9, 16);
+        let layer = CausalSelfAttention::new(c, 4).unwrap();
+        let p = Flat::random(&layer, 0.5, 9);
+        let (x, dout) = (uniform(3 * t * c, 1.0, 10), uniform(3 * t * c, 1.0, 11));
+        let run = |threads: usize, range: std::ops::Range<usize>| {
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+            let (a, b) = (range.start * t * c, range.end * t * c);
+            let mut grads = p.zeros_like();
+            let mut layer = layer.clone();
+            let ctx = train_ctx();
+            let (y, dx) = pool.install(|| {
+                forward_backward(&mut layer, &p, &x[a..b], range.len(), &dout[a..b], &mut grads, &ctx)
+            });
+            (y, dx, grads)
+        };
+        let (y1, dx1, _) = run(1, 1..2);
+        let (y3, dx3, g3) = run(1, 0..3);
+        assert_eq!(y1, y3[t * c..2 * t * c], "the output of sample 1 alone vs in the batch");
+        assert_eq!(dx1, dx3[t * c..2 * t * c], "the input gradient of sample 1 alone vs in the batch");
+        let (y3b, dx3b, g3b) = run(2, 0..3);
+        assert_eq!((y3, dx3, g3), (y3b, dx3b, g3b), "1 thread vs 2");
+    }
+
+    #[test]
+    fn dropout_draws_nn_dropouts_masks_in_two_streams_and_evaluation_never_drops() {
+        let (n, t, c, h) = (3, 6, 8, 2);
+        let rate = 0.4;
+        let mut plain = CausalSelfAttention::new(c, h).unwrap();
+        let mut dropping = plain.clone().with_dropout(rate).unwrap();
+        let p = Flat::random(&plain, 0.5, 12);
+        let x = uniform(n * t * c, 1.0, 13);
+        let ctx = train_ctx();
+        // Evaluation is the layer without dropout, bit for bit.
+        let eval = Ctx::eval(Device::Cpu(0));
+        assert_eq!(forward(&mut dropping, &p, &x, n, &eval), forward(&mut plain, &p, &x, n, &train_ctx()));
+        // The same context draws the same masks; another step others.
+        let y = forward(&mut dropping, &p, &x, n, &ctx);
+        assert_eq!(y, forward(&mut dropping, &p, &x, n, &ctx));
+        assert_ne!(y, forward(&mut dropping, &p, &x, n, &Ctx { step: 8, ..ctx }));
+        // The output's zeros are where nn::Dropout, at the layer's index with bit 63 set,
+        // drops a tensor of ones (the attention's own stream never zeroes a whole row).
+        let mut resid = Dropout::new(rate).unwrap();
+        let rctx = Ctx { layer_index: (ctx.layer_index as u64 | RESIDUAL_STREAM) as usize, ..ctx };
+        let ones = Tensor::from_vec(vec![1.0; n * t * c], [n, t, c]).unwrap();
+        let mask = resid.forward(ones, Params::new(&[], &[]), ParamsMut::new(&mut [], &[]), &rctx).unwrap();
+        let dropped: Vec<bool> = mask.host().iter().map(|&m| m == 0.0).collect();
+        assert_eq!(y.iter().map(|&v| v == 0.0).collect::<Vec<_>>(), dropped);
+        assert!(dropped.iter().any(|&d| d) && !dropped.iter().all(|&d| d));
+        // The probabilities' mask is nn::Dropout's at the layer's own index over the
+        // (N, H, T, T) probabilities, where j ≤ i (the rest is 0 either way).
+        let params = Params::new(&p.values, &p.ranges);
+        let job = dropping.backward_job(t, &params, Drops::of(rate, &ctx));
+        let probs = uniform(n * h * t * t, 1.0, 14);
+        let mut attn = Dropout::new(rate).unwrap();
+        let pt = Tensor::from_vec(probs.clone(), [n, h, t, t]).unwrap();
+        let want = attn.forward(pt, Params::new(&[], &[]), ParamsMut::new(&mut [], &[]), &ctx).unwrap();
+        let mut out = vec![0.0; t * t];
+        for (s, h_) in (0..n).flat_map(|s| (0..h).map(move |h_| (s, h_))) {
+            let at = (s * h + h_) * t * t;
+            let got = job.dropped_probs(s, h_, &probs[at..at + t * t], &mut out);
+            for i in 0..t {
+                for j in 0..=i {
+                    assert_eq!(got[i * t + j].to_bits(), want.host()[at + i * t + j].to_bits(), "({s}, {h_}, {i}, {j})");
+                }
+            }
+        }
+        // A later micro-batch (sample offset 1) draws what sample 1 of the whole pass drew.
+        let later = forward(&mut dropping, &p, &x[t * c..], n - 1, &Ctx { sample_offset: 1, ..ctx });
+        assert_eq!(later, y[t * c..]);
+    }
+
+    #[test]
+    fn heads_that_do_not_divide_the_width_are_refused_by_name() {
+        let e = CausalSelfAttention::new(130, 4).unwrap_err().to_string();
+        assert!(e.contains("4 heads do not divide the width 130"), "{e}");
+        let spec = r#"{"input_shape": [4, 130], "layers": [{"type": "causal_self_attention", "heads": 4}]}"#;
+        let e = crate::spec::model_from_spec_str(spec, "m.json").unwrap_err().to_string();
+        assert!(e.contains("4 heads do not divide the width 130"), "{e}");
+        let spec = r#"{"input_shape": [130], "layers": [{"type": "causal_self_attention", "heads": 2}]}"#;
+        let e = crate::spec::model_from_spec_str(spec, "m.json").unwrap_err().to_string();
+        assert!(e.contains("expects sequences (T, C), got samples of shape (130)"), "{e}");
+        assert!(CausalSelfAttention::new(8, 2).unwrap().with_dropout(1.0).is_err());
+        assert!(CausalSelfAttention::new(8, 2).unwrap().with_proj_std(0.0).is_err());
+    }
+
+    #[test]
+    fn the_parameters_are_nanogpts_and_the_memory_counts_the_scores() {
+        let layer = CausalSelfAttention::new(128, 4).unwrap().with_proj_std(0.01).unwrap();
+        let specs = layer.params();
+        let got: Vec<(String, Vec<usize>, Init)> =
+            specs.iter().map(|s| (s.name.to_string(), s.shape.dims().to_vec(), s.init)).collect();
+        let want = vec![
+            ("c_attn.weight".to_string(), vec![384, 128], Init::Normal { std: 0.02 }),
+            ("c_attn.bias".to_string(), vec![384], Init::Zeros),
+            ("c_proj.weight".to_string(), vec![128, 128], Init::Normal { std: 0.01 }),
+            ("c_proj.bias".to_string(), vec![128], Init::Zeros),
+        ];
+        assert_eq!(got, want);
+        assert_eq!(layer.describe(), "Attention(128, 4 heads)");
+        // (T, C) = (64, 128), H = 4: 9·T·C + (H + 1)·T² values a sample, 4 bytes each.
+        let shapes = LayerShapes { input: Shape::new([64, 128]), output: Shape::new([64, 128]) };
+        let m = layer.memory(&shapes).unwrap();
+        assert_eq!(m.kept_per_sample, (9 * 64 * 128 + 5 * 64 * 64) * 4);
+        assert!(m.kept_per_sample > 4 * 64 * 64 * 4, "the (H, T, T) scores are counted");
+    }
+
+    /// Times the forward and backward of nanoGPT's CPU recipe's attention (N = 12, T = 64,
+    /// C = 128, H = 4) on pools of 1 and 2 threads: the mean and the fastest of 100 passes
+    /// (on a loaded machine the mean measures the neighbours too; the fastest pass is the
+    /// one least disturbed). `cargo test --release --lib attention_timing -- --ignored
+    /// --nocapture`. A measurement, not a test: nothing is asserted.
+    #[test]
+    #[ignore]
+    fn attention_timing() {
+        let (n, t, c, h) = (12, 64, 128, 4);
+        let mut layer = CausalSelfAttention::new(c, h).unwrap();
+        let p = Flat::random(&layer, 0.1, 15);
+        let x = Tensor::from_vec(uniform(n * t * c, 1.0, 16), [n, t, c]).unwrap();
+        let dout = Tensor::from_vec(uniform(n * t * c, 1.0, 17), [n, t, c]).unwrap();
+        let mut grads = p.zeros_like();
+        let ctx = train_ctx();
+        for threads in [1, 2] {
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+            pool.install(|| {
+                // [forward, backward, both] × [sum, min], in seconds
+                let mut stats = [[0.0f64, f64::INFINITY]; 3];
+                let reps = 100;
+                for rep in 0..reps + 5 {
+                    let (x, d) = (x.clone(), dout.clone());
+                    let params = Params::new(&p.values, &p.ranges);
+                    let t0 = std::time::Instant::now();
+                    let y = layer.forward(x, params, ParamsMut::new(&mut [], &[]), &ctx).unwrap();
+                    let t1 = std::time::Instant::now();
+                    let g = ParamsMut::new(&mut grads, &p.ranges);
+                    let dx = layer.backward(d, params, g, InputGrad::Needed, &ctx).unwrap();
+                    let t2 = std::time::Instant::now();
+                    std::hint::black_box((y, dx));
+                    if rep >= 5 {
+                        for (st, dt) in stats.iter_mut().zip([t1 - t0, t2 - t1, t2 - t0]) {
+                            st[0] += dt.as_secs_f64();
+                            st[1] = st[1].min(dt.as_secs_f64());
+                        }
+                    }
+                }
+                let ms = |st: [f64; 2]| format!("{:.3} ms (fastest {:.3})", st[0] / reps as f64 * 1e3, st[1] * 1e3);
+                let [f, b, both] = stats;
+                eprintln!(
+                    "attention (N {n}, T {t}, C {c}, H {h}), {threads} thread(s): forward {}, backward {}, both {}",
+                    ms(f),
+                    ms(b),
+                    ms(both)
+                );
+            });
+        }
+    }
+}
+
+#[cfg(test)]
+mod gemm_probe {
+    use super::*;
+
+    fn cpu() -> f64 {
+        std::fs::read_to_string("/proc/thread-self/schedstat").unwrap().split_whitespace().next().unwrap().parse::<f64>().unwrap() * 1e-9
+    }
+
+    #[test]
+    #[ignore]
+    fn gemm_probe() {
+        let v = |len: usize| (0..len).map(|i| ((i * 7919) % 1000) as f32 * 1e-3).collect::<Vec<f32>>();
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
+        pool.install(|| {
+            let run = |name: &str, m: usize, n: usize, k: usize, f: &mut dyn FnMut()| {
+                for _ in 0..3 { f(); }
+                let reps = 200;
+                let s = cpu();
+                for _ in 0..reps { f(); }
+                let dt = (cpu() - s) / reps as f64;
+                eprintln!("{name}: {:.1} us, {:.1} GFLOP/s", dt * 1e6, 2.0 * (m * n * k) as f64 / dt * 1e-9);
+            };
+            let (x, w, mut y) = (v(768 * 128), v(384 * 128), vec![0.0f32; 768 * 384]);
+            run("qkv per sample x12 (64x384x128, B=W^T)", 768, 384, 128, &mut || {
+                for s in 0..12 {
+                    gemm_with(Mat::rows(&x[s * 64 * 128..], 64, 128), Mat::rows(&w, 384, 128).t(), &mut y[s * 64 * 384..], 384, Accumulate::Overwrite, Threads::Caller);
+                }
+            });
+            run("qkv batch (768x384x128, B=W^T)", 768, 384, 128, &mut || {
+                gemm_with(Mat::rows(&x, 768, 128), Mat::rows(&w, 384, 128).t(), &mut y, 384, Accumulate::Overwrite, Threads::Caller);
+            });
+            let wt: Vec<f32> = (0..128 * 384).map(|i| w[(i % 384) * 128 + i / 384]).collect();
+            run("qkv batch (768x384x128, B row-major)", 768, 384, 128, &mut || {
+                gemm_with(Mat::rows(&x, 768, 128), Mat::rows(&wt, 128, 384), &mut y, 384, Accumulate::Overwrite, Threads::Caller);
+            });
+            run("qkv per sample x12 (B row-major)", 768, 384, 128, &mut || {
+                for s in 0..12 {
+                    gemm_with(Mat::rows(&x[s * 64 * 128..], 64, 128), Mat::rows(&wt, 128, 384), &mut y[s * 64 * 384..], 384, Accumulate::Overwrite, Threads::Caller);
+                }
+            });
+            let mut sc = vec![0.0f32; 64 * 64];
+            run("scores x48 (64x64x32, strided)", 48 * 64, 64, 32, &mut || {
+                for s in 0..12 { for h in 0..4 {
+                    let q = cols(&y[s * 64 * 384..], 64, 384, h * 32, 32);
+                    let k = cols(&y[s * 64 * 384..], 64, 384, 128 + h * 32, 32);
+                    gemm_with(q, k.t(), &mut sc, 64, Accumulate::Overwrite, Threads::Caller);
+                }}
+            });
+            let mut out = vec![0.0f32; 768 * 128];
+            run("mix x48 (64x32x64)", 48 * 64, 32, 64, &mut || {
+                for s in 0..12 { for h in 0..4 {
+                    let vv = cols(&y[s * 64 * 384..], 64, 384, 256 + h * 32, 32);
+                    gemm_with(Mat::rows(&sc, 64, 64), vv, &mut out[s * 64 * 128 + h * 32..], 128, Accumulate::Overwrite, Threads::Caller);
+                }}
+            });
+            let mut dw = vec![0.0f32; 384 * 128];
+            run("dW (384x128x768, A^T)", 384, 128, 768, &mut || {
+                gemm_with(Mat::rows(&y, 768, 384).t(), Mat::rows(&x, 768, 128), &mut dw, 128, Accumulate::Add, Threads::Caller);
+            });
+            let mut dx = vec![0.0f32; 768 * 128];
+            run("dx per sample x12 (64x128x384)", 768, 128, 384, &mut || {
+                for s in 0..12 {
+                    gemm_with(Mat::rows(&y[s * 64 * 384..], 64, 384), Mat::rows(&w, 384, 128), &mut dx[s * 64 * 128..], 128, Accumulate::Overwrite, Threads::Caller);
+                }
+            });
+        });
+    }
+}
