@@ -10,6 +10,10 @@
 //!   BN, ReLU) → three stages of n basic blocks (16, 32, 64 channels; the first block of
 //!   the second and third stage strides 2, with a 1×1 conv + BN shortcut) → global mean →
 //!   Dense(10).
+//! * [`gpt`]: nanoGPT's `GPT` (karpathy/nanoGPT `model.py`, `bias=True`): token and
+//!   positional embeddings → dropout → n blocks of `x + attn(ln_1(x))`,
+//!   `x + mlp(ln_2(x))` (MLP: Dense 4C, GELU, Dense C, dropout) → LayerNorm → a head
+//!   tied to the token embedding, a logit per position and token.
 //!
 //! # Tensor names (the same as the PyTorch reference models' `state_dict`)
 //! | model | names |
@@ -17,12 +21,14 @@
 //! | toy | `dense0.weight` (30, 2), `dense0.bias`, `dense1.weight` (20, 30), `dense1.bias`, `dense2.weight` (2, 20), `dense2.bias` |
 //! | convnet | `conv0.weight` (12, 1, 3, 3), `bn0.beta`, `bn0.running_mean`, `bn0.running_var`, `conv1.weight` (24, 12, 6, 6), `bn1.*`, `conv2.weight` (32, 24, 6, 6), `conv2.bias`, `bn2.*`, `dense0.weight` (256, 32), `dense0.bias`, `dense1.weight` (10, 256), `dense1.bias` |
 //! | convnet-nobn | as convnet without the `bn*` tensors |
+//! | gpt | nanoGPT's `state_dict` keys: `transformer.wte.weight` (V, C), `transformer.wpe.weight` (T, C), `transformer.h.{i}.ln_1.{weight,bias}`, `transformer.h.{i}.attn.c_attn.{weight,bias}` (3C, C), `transformer.h.{i}.attn.c_proj.{weight,bias}`, `transformer.h.{i}.ln_2.*`, `transformer.h.{i}.mlp.c_fc.{weight,bias}` (4C, C), `transformer.h.{i}.mlp.c_proj.{weight,bias}` (C, 4C), `transformer.ln_f.{weight,bias}`, and `lm_head.weight`, an alias of `transformer.wte.weight` (tied) |
 //! | resnet8, resnet20 | the PyTorch module's of [`resnet`]'s docs: `stem.0.weight`, `stem.1.{weight,bias,running_mean,running_var,num_batches_tracked}`, `blocks.{k}.conv1.weight`, `blocks.{k}.bn1.*`, `blocks.{k}.conv2.weight`, `blocks.{k}.bn2.*`, `blocks.{k}.short.0.weight`, `blocks.{k}.short.1.*` (the blocks that change shape), `head.weight` (10, 64), `head.bias` |
 
+use crate::error::Error;
 use crate::error::Result;
 use crate::nn::{
-    Activation, BatchNorm2d, Conv2d, Dropout, GlobalAvgPool2d, Layer, Linear, Padding, Relu, Rescaling, Residual,
-    Sequential,
+    Activation, BatchNorm2d, CausalSelfAttention, Conv2d, Dropout, Embedding, Gelu, GlobalAvgPool2d, Init, Layer,
+    LayerNorm, Linear, Padding, PositionalEmbedding, Relu, Rescaling, Residual, Sequential,
 };
 
 /// Whether the convnet normalises after each convolution.
@@ -200,6 +206,79 @@ pub fn resnet(depth: ResnetDepth, classes: usize) -> Result<Sequential> {
     layers.push(named("pool", Box::new(GlobalAvgPool2d::new())));
     layers.push(named("head", Box::new(Linear::new(64, classes))));
     Sequential::named([1, 28, 28], layers)
+}
+
+/// nanoGPT's `GPTConfig` with `bias=True` (lockstep's `--model gpt` flags).
+#[derive(Clone, Copy, PartialEq, Debug)]
+pub struct GptConfig {
+    /// `block_size`: the context T, and the positional table's length.
+    pub context: usize,
+    /// `vocab_size`: 256 for bytes.
+    pub vocab: usize,
+    /// `n_layer`.
+    pub layers: usize,
+    /// `n_head`; must divide `width`.
+    pub heads: usize,
+    /// `n_embd`: C.
+    pub width: usize,
+    /// `dropout`: of the embeddings, the attention probabilities, and each block's two
+    /// residual branches.
+    pub dropout: f32,
+}
+
+impl Default for GptConfig {
+    /// nanoGPT's CPU recipe (its README): 4 layers, 4 heads, 128 wide, a context of 64,
+    /// bytes, no dropout.
+    fn default() -> Self {
+        GptConfig { context: 64, vocab: 256, layers: 4, heads: 4, width: 128, dropout: 0.0 }
+    }
+}
+
+/// nanoGPT's `GPT` for `config`, its tensors named as its `state_dict` and initialised as
+/// its `_init_weights`: N(0, 0.02) for every Linear and Embedding weight, the residual
+/// projections (`c_proj`) N(0, (0.02/√(2·layers))²), zero biases, LayerNorm ones and
+/// zeros. Input: (T) token ids; output: (T, V) logits.
+pub fn gpt(config: GptConfig) -> Result<Sequential> {
+    let GptConfig { context, vocab, layers, heads, width, dropout } = config;
+    if layers == 0 {
+        return Err(Error::config("layers", "a GPT needs at least one block"));
+    }
+    if heads == 0 || width % heads != 0 {
+        return Err(Error::config("heads", format!("{heads} heads do not divide the width {width}")));
+    }
+    let named = |name: &str, l: Box<dyn Layer>| (Some(name.to_string()), l);
+    let normal = |std: f64| Init::Normal { std: std as f32 };
+    let proj_std = 0.02 / (2.0 * layers as f64).sqrt();
+    let mut net = vec![
+        named("transformer.wte", Box::new(Embedding::new(vocab, width)?)),
+        named("transformer.wpe", Box::new(PositionalEmbedding::new(context, width)?)),
+        named("transformer.drop", Box::new(Dropout::new(dropout)?)),
+    ];
+    for i in 0..layers {
+        let block = format!("transformer.h.{i}");
+        let attn = vec![
+            named("ln_1", Box::new(LayerNorm::new(width))),
+            named(
+                "attn",
+                Box::new(
+                    CausalSelfAttention::new(width, heads)?.with_dropout(dropout)?.with_proj_std(proj_std as f32)?,
+                ),
+            ),
+        ];
+        let mlp = vec![
+            named("ln_2", Box::new(LayerNorm::new(width))),
+            named("mlp.c_fc", Box::new(Linear::new(width, 4 * width).with_init(normal(0.02)))),
+            named("mlp.gelu", Box::new(Gelu::new())),
+            named("mlp.c_proj", Box::new(Linear::new(4 * width, width).with_init(normal(proj_std)))),
+            named("mlp.dropout", Box::new(Dropout::new(dropout)?)),
+        ];
+        net.push(named(&block, Box::new(Residual::new([context, width], attn, vec![], Activation::Linear)?)));
+        net.push(named(&block, Box::new(Residual::new([context, width], mlp, vec![], Activation::Linear)?)));
+    }
+    net.push(named("transformer.ln_f", Box::new(LayerNorm::new(width))));
+    let head = Linear::new(width, vocab).without_bias().with_init(normal(0.02)).tied_to("transformer.wte.weight");
+    net.push(named("lm_head", Box::new(head)));
+    Sequential::named([context], net)
 }
 
 #[cfg(test)]

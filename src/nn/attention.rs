@@ -330,7 +330,14 @@ impl Job<'_> {
             }
         }
         // dmerged (T, C) = dz·W_proj
-        gemm_with(Mat::rows(dz, t, c), Mat::rows(self.w_proj, c, c), dmerged, c, Accumulate::Overwrite, Threads::Caller);
+        gemm_with(
+            Mat::rows(dz, t, c),
+            Mat::rows(self.w_proj, c, c),
+            dmerged,
+            c,
+            Accumulate::Overwrite,
+            Threads::Caller,
+        );
         for (h, p) in probs.chunks_exact(t * t).enumerate() {
             let q = cols(qkv, t, 3 * c, h * hd, hd);
             let k = cols(qkv, t, 3 * c, c + h * hd, hd);
@@ -467,7 +474,8 @@ impl CausalSelfAttention {
     /// shape's last dimension.
     pub const SPEC: LayerType = LayerType {
         name: "causal_self_attention",
-        fields: "`heads` (dividing the width), `dropout` (0; attention and residual), `proj_std` (0.02), `use_bias` (true)",
+        fields:
+            "`heads` (dividing the width), `dropout` (0; attention and residual), `proj_std` (0.02), `use_bias` (true)",
         example: (
             &[5, 8],
             r#"{"type": "causal_self_attention", "heads": 2, "dropout": 0.25, "proj_std": 0.01, "use_bias": false}"#,
@@ -547,10 +555,8 @@ impl Layer for CausalSelfAttention {
         let tt = t.saturating_mul(t);
         let tc = t.saturating_mul(c);
         let dropped = if self.dropout > 0.0 { tt } else { 0 };
-        let values = tc
-            .saturating_mul(9)
-            .saturating_add(tt.saturating_mul(self.heads as u64 + 1))
-            .saturating_add(dropped);
+        let values =
+            tc.saturating_mul(9).saturating_add(tt.saturating_mul(self.heads as u64 + 1)).saturating_add(dropped);
         Some(LayerMemory { kept_per_sample: values.saturating_mul(F32), ..LayerMemory::NONE })
     }
 
@@ -566,7 +572,11 @@ impl Layer for CausalSelfAttention {
             shape: Shape::new([rows, c]),
             init: Init::Normal { std },
         };
-        let bias = |name: &'static str, len: usize| ParamSpec { name: name.into(), shape: Shape::new([len]), init: Init::Zeros };
+        let bias = |name: &'static str, len: usize| ParamSpec {
+            name: name.into(),
+            shape: Shape::new([len]),
+            init: Init::Zeros,
+        };
         if self.use_bias {
             vec![
                 weight("c_attn.weight", 3 * c, 0.02),
@@ -814,8 +824,11 @@ impl GpuLayer for AttentionGpu {
         let (t, c) = node_tc(node)?;
         self.kept = None;
         let alloc = |len: usize| gpu.stream().alloc_zeros::<f32>(len.max(1));
-        self.kept =
-            Some(Kept { heads: alloc(3 * n * t * c)?, probs: alloc(n * self.heads * t * t)?, merged: alloc(n * t * c)? });
+        self.kept = Some(Kept {
+            heads: alloc(3 * n * t * c)?,
+            probs: alloc(n * self.heads * t * t)?,
+            merged: alloc(n * t * c)?,
+        });
         Ok(())
     }
 
@@ -900,7 +913,13 @@ impl GpuLayer for AttentionGpu {
                 }
                 None => dy.slice(..),
             };
-            cublas_gemm(blas, &RmGemm::linear_dw(nt, c, c), &dz, &kept.merged, &mut grads.slice_mut(node.params[wp].clone()))?;
+            cublas_gemm(
+                blas,
+                &RmGemm::linear_dw(nt, c, c),
+                &dz,
+                &kept.merged,
+                &mut grads.slice_mut(node.params[wp].clone()),
+            )?;
             if let Some(bp) = bp {
                 gpu.bias_cols_bwd(&dz, &mut grads.slice_mut(node.params[bp].clone()), nt, c)?;
             }
@@ -935,7 +954,13 @@ impl GpuLayer for AttentionGpu {
             cublas_gemm(blas, &RmGemm::attention_mix_t(nh, t, d), &ds, &q, &mut dheads.slice_mut(ntc..2 * ntc))?;
             gpu.attention_heads_bwd(&dheads, &mut rows, HeadsGeom { n, t, parts: 3, heads: h, hd: d })?;
             // dW_attn = dqkvᵀ·x, db_attn += Σ dqkv, dx = dqkv·W_attn
-            cublas_gemm(blas, &RmGemm::linear_dw(nt, c, 3 * c), &rows, x, &mut grads.slice_mut(node.params[wa].clone()))?;
+            cublas_gemm(
+                blas,
+                &RmGemm::linear_dw(nt, c, 3 * c),
+                &rows,
+                x,
+                &mut grads.slice_mut(node.params[wa].clone()),
+            )?;
             if let Some(ba) = ba {
                 gpu.bias_cols_bwd(&rows, &mut grads.slice_mut(node.params[ba].clone()), nt, 3 * c)?;
             }
@@ -1180,9 +1205,8 @@ mod tests {
             let mut grads = p.zeros_like();
             let mut layer = layer.clone();
             let ctx = train_ctx();
-            let (y, dx) = pool.install(|| {
-                forward_backward(&mut layer, &p, &x[a..b], range.len(), &dout[a..b], &mut grads, &ctx)
-            });
+            let (y, dx) =
+                pool.install(|| forward_backward(&mut layer, &p, &x[a..b], range.len(), &dout[a..b], &mut grads, &ctx));
             (y, dx, grads)
         };
         let (y1, dx1, _) = run(1, 1..2);
@@ -1232,7 +1256,11 @@ mod tests {
             let got = job.dropped_probs(s, h_, &probs[at..at + t * t], &mut out);
             for i in 0..t {
                 for j in 0..=i {
-                    assert_eq!(got[i * t + j].to_bits(), want.host()[at + i * t + j].to_bits(), "({s}, {h_}, {i}, {j})");
+                    assert_eq!(
+                        got[i * t + j].to_bits(),
+                        want.host()[at + i * t + j].to_bits(),
+                        "({s}, {h_}, {i}, {j})"
+                    );
                 }
             }
         }
@@ -1332,7 +1360,14 @@ mod gemm_probe {
     use super::*;
 
     fn cpu() -> f64 {
-        std::fs::read_to_string("/proc/thread-self/schedstat").unwrap().split_whitespace().next().unwrap().parse::<f64>().unwrap() * 1e-9
+        std::fs::read_to_string("/proc/thread-self/schedstat")
+            .unwrap()
+            .split_whitespace()
+            .next()
+            .unwrap()
+            .parse::<f64>()
+            .unwrap()
+            * 1e-9
     }
 
     #[test]
@@ -1342,54 +1377,111 @@ mod gemm_probe {
         let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
         pool.install(|| {
             let run = |name: &str, m: usize, n: usize, k: usize, f: &mut dyn FnMut()| {
-                for _ in 0..3 { f(); }
+                for _ in 0..3 {
+                    f();
+                }
                 let reps = 200;
                 let s = cpu();
-                for _ in 0..reps { f(); }
+                for _ in 0..reps {
+                    f();
+                }
                 let dt = (cpu() - s) / reps as f64;
                 eprintln!("{name}: {:.1} us, {:.1} GFLOP/s", dt * 1e6, 2.0 * (m * n * k) as f64 / dt * 1e-9);
             };
             let (x, w, mut y) = (v(768 * 128), v(384 * 128), vec![0.0f32; 768 * 384]);
             run("qkv per sample x12 (64x384x128, B=W^T)", 768, 384, 128, &mut || {
                 for s in 0..12 {
-                    gemm_with(Mat::rows(&x[s * 64 * 128..], 64, 128), Mat::rows(&w, 384, 128).t(), &mut y[s * 64 * 384..], 384, Accumulate::Overwrite, Threads::Caller);
+                    gemm_with(
+                        Mat::rows(&x[s * 64 * 128..], 64, 128),
+                        Mat::rows(&w, 384, 128).t(),
+                        &mut y[s * 64 * 384..],
+                        384,
+                        Accumulate::Overwrite,
+                        Threads::Caller,
+                    );
                 }
             });
             run("qkv batch (768x384x128, B=W^T)", 768, 384, 128, &mut || {
-                gemm_with(Mat::rows(&x, 768, 128), Mat::rows(&w, 384, 128).t(), &mut y, 384, Accumulate::Overwrite, Threads::Caller);
+                gemm_with(
+                    Mat::rows(&x, 768, 128),
+                    Mat::rows(&w, 384, 128).t(),
+                    &mut y,
+                    384,
+                    Accumulate::Overwrite,
+                    Threads::Caller,
+                );
             });
             let wt: Vec<f32> = (0..128 * 384).map(|i| w[(i % 384) * 128 + i / 384]).collect();
             run("qkv batch (768x384x128, B row-major)", 768, 384, 128, &mut || {
-                gemm_with(Mat::rows(&x, 768, 128), Mat::rows(&wt, 128, 384), &mut y, 384, Accumulate::Overwrite, Threads::Caller);
+                gemm_with(
+                    Mat::rows(&x, 768, 128),
+                    Mat::rows(&wt, 128, 384),
+                    &mut y,
+                    384,
+                    Accumulate::Overwrite,
+                    Threads::Caller,
+                );
             });
             run("qkv per sample x12 (B row-major)", 768, 384, 128, &mut || {
                 for s in 0..12 {
-                    gemm_with(Mat::rows(&x[s * 64 * 128..], 64, 128), Mat::rows(&wt, 128, 384), &mut y[s * 64 * 384..], 384, Accumulate::Overwrite, Threads::Caller);
+                    gemm_with(
+                        Mat::rows(&x[s * 64 * 128..], 64, 128),
+                        Mat::rows(&wt, 128, 384),
+                        &mut y[s * 64 * 384..],
+                        384,
+                        Accumulate::Overwrite,
+                        Threads::Caller,
+                    );
                 }
             });
             let mut sc = vec![0.0f32; 64 * 64];
             run("scores x48 (64x64x32, strided)", 48 * 64, 64, 32, &mut || {
-                for s in 0..12 { for h in 0..4 {
-                    let q = cols(&y[s * 64 * 384..], 64, 384, h * 32, 32);
-                    let k = cols(&y[s * 64 * 384..], 64, 384, 128 + h * 32, 32);
-                    gemm_with(q, k.t(), &mut sc, 64, Accumulate::Overwrite, Threads::Caller);
-                }}
+                for s in 0..12 {
+                    for h in 0..4 {
+                        let q = cols(&y[s * 64 * 384..], 64, 384, h * 32, 32);
+                        let k = cols(&y[s * 64 * 384..], 64, 384, 128 + h * 32, 32);
+                        gemm_with(q, k.t(), &mut sc, 64, Accumulate::Overwrite, Threads::Caller);
+                    }
+                }
             });
             let mut out = vec![0.0f32; 768 * 128];
             run("mix x48 (64x32x64)", 48 * 64, 32, 64, &mut || {
-                for s in 0..12 { for h in 0..4 {
-                    let vv = cols(&y[s * 64 * 384..], 64, 384, 256 + h * 32, 32);
-                    gemm_with(Mat::rows(&sc, 64, 64), vv, &mut out[s * 64 * 128 + h * 32..], 128, Accumulate::Overwrite, Threads::Caller);
-                }}
+                for s in 0..12 {
+                    for h in 0..4 {
+                        let vv = cols(&y[s * 64 * 384..], 64, 384, 256 + h * 32, 32);
+                        gemm_with(
+                            Mat::rows(&sc, 64, 64),
+                            vv,
+                            &mut out[s * 64 * 128 + h * 32..],
+                            128,
+                            Accumulate::Overwrite,
+                            Threads::Caller,
+                        );
+                    }
+                }
             });
             let mut dw = vec![0.0f32; 384 * 128];
             run("dW (384x128x768, A^T)", 384, 128, 768, &mut || {
-                gemm_with(Mat::rows(&y, 768, 384).t(), Mat::rows(&x, 768, 128), &mut dw, 128, Accumulate::Add, Threads::Caller);
+                gemm_with(
+                    Mat::rows(&y, 768, 384).t(),
+                    Mat::rows(&x, 768, 128),
+                    &mut dw,
+                    128,
+                    Accumulate::Add,
+                    Threads::Caller,
+                );
             });
             let mut dx = vec![0.0f32; 768 * 128];
             run("dx per sample x12 (64x128x384)", 768, 128, 384, &mut || {
                 for s in 0..12 {
-                    gemm_with(Mat::rows(&y[s * 64 * 384..], 64, 384), Mat::rows(&w, 384, 128), &mut dx[s * 64 * 128..], 128, Accumulate::Overwrite, Threads::Caller);
+                    gemm_with(
+                        Mat::rows(&y[s * 64 * 384..], 64, 384),
+                        Mat::rows(&w, 384, 128),
+                        &mut dx[s * 64 * 128..],
+                        128,
+                        Accumulate::Overwrite,
+                        Threads::Caller,
+                    );
                 }
             });
         });
