@@ -50,7 +50,9 @@ use std::sync::OnceLock;
 
 use lockstep::backend::cpu;
 use lockstep::cuda::kernels::{Kernel, Kind, KERNEL_FILES};
-use lockstep::cuda::launch::{DropoutKey, WindowGeom, WireGeom, CODEC_THREADS, LN_BLOCK, LN_LANES, REDUCE_BLOCK};
+use lockstep::cuda::launch::{
+    DropoutKey, WindowGeom, WireGeom, ATTENTION_BLOCK, CODEC_THREADS, LN_BLOCK, LN_LANES, REDUCE_BLOCK,
+};
 use lockstep::exchange::codec::{Codec, Compression};
 use lockstep::nn::batchnorm::RunningUpdate;
 use lockstep::nn::gelu::{gelu_grad, gelu_value};
@@ -608,6 +610,15 @@ const CHECKED: &[(&str, &[&str])] = &[
         &["positional_embedding_fwd_f32", "positional_embedding_bwd_f32"],
     ),
     (
+        "attention_kernels_match_the_cpu_layer",
+        &[
+            "attention_heads_fwd_f32",
+            "attention_heads_bwd_f32",
+            "attention_softmax_fwd_f32",
+            "attention_softmax_bwd_f32",
+        ],
+    ),
+    (
         "layernorm_kernels_equal_the_cpu_layer_bit_for_bit",
         &["layernorm_fwd_f32", "layernorm_bwd_f32", "layernorm_partial_bwd_f32", "layernorm_params_bwd_f32"],
     ),
@@ -681,8 +692,8 @@ fn every_declared_argument_list_is_the_kernels_signature() {
             checked += 1;
         }
     }
-    // 49 kernels, as kernels_nvrtc.rs counts them from the files.
-    assert_eq!(checked, 49);
+    // 53 kernels, as kernels_nvrtc.rs counts them from the files.
+    assert_eq!(checked, 53);
 }
 
 // ---- elementwise.cu ------------------------------------------------------------------
@@ -2240,6 +2251,105 @@ fn layernorm_kernels_equal_the_cpu_layer_bit_for_bit() {
             );
             assert_bits(&what(&format!("dweight {cfg_partial:?}")), &dw, &want_dw);
             assert_bits(&what(&format!("dbias {cfg_partial:?}")), &db, &want_db);
+        }
+    }
+}
+
+/// Causal self-attention's kernels (kernels/attention.cu) against nn::attention's CPU code:
+/// the head split and merge are permutations, equal bit for bit, each other's inverse;
+/// the causal softmax and its gradient against `causal_softmax_row` and
+/// `causal_softmax_row_bwd` within 2e-6 relative to the row's largest value (the kernel
+/// sums in a tree of 128 partial sums, the CPU in column order, and the host's expf is
+/// the C library's), their masked columns exactly 0. T = 5 (one partial sum a column) and
+/// T = 200 (two columns a thread), under the one-block-a-row launch and a grid too small
+/// to cover the rows once.
+#[test]
+fn attention_kernels_match_the_cpu_layer() {
+    use lockstep::nn::attention::{causal_softmax_row, causal_softmax_row_bwd};
+    let Some(k) = kernels_or_skip("attention_kernels_match_the_cpu_layer") else {
+        return;
+    };
+    let (n, t, parts, heads, hd) = (2usize, 5usize, 3usize, 2usize, 4usize);
+    let len = parts * n * heads * t * hd;
+    let x = Rng(0xa77e).vec(len);
+    let mut want = vec![0.0f32; len];
+    for p in 0..parts {
+        for s in 0..n {
+            for h in 0..heads {
+                for i in 0..t {
+                    for d in 0..hd {
+                        want[(((p * n + s) * heads + h) * t + i) * hd + d] =
+                            x[((s * t + i) * parts + p) * heads * hd + h * hd + d];
+                    }
+                }
+            }
+        }
+    }
+    let geom = |v: usize| I32(v as i32);
+    for cfg in elem_cfgs(len) {
+        let mut y = vec![f32::NAN; len];
+        // As Gpu::attention_heads_fwd pushes them: x, y, n, t, parts, heads, hd.
+        k.launch(
+            "attention_heads_fwd_f32",
+            cfg,
+            &mut [In(&x), Out(&mut y), geom(n), geom(t), geom(parts), geom(heads), geom(hd)],
+        );
+        assert_bits("attention heads split", &y, &want);
+        let mut back = vec![f32::NAN; len];
+        // As Gpu::attention_heads_bwd: dy, dx, n, t, parts, heads, hd.
+        k.launch(
+            "attention_heads_bwd_f32",
+            cfg,
+            &mut [In(&y), Out(&mut back), geom(n), geom(t), geom(parts), geom(heads), geom(hd)],
+        );
+        assert_bits("attention heads merge of the split", &back, &x);
+    }
+    let row_cfgs = |rows: usize| {
+        [
+            Cfg { grid: (rows.min(65_535) as u32, 1, 1), block: (ATTENTION_BLOCK, 1, 1) },
+            Cfg { grid: (3, 1, 1), block: (ATTENTION_BLOCK, 1, 1) },
+        ]
+    };
+    for t in [5usize, 200] {
+        let rows = 2 * t; // two (sample, head) pairs of T positions
+        let scale = 1.0 / (hd as f32).sqrt();
+        let mut rng = Rng(0x50f7 + t as u64);
+        let s: Vec<f32> = rng.vec(rows * t).iter().map(|v| 4.0 * v).collect();
+        let dp = rng.vec(rows * t);
+        let mut want_p = s.clone();
+        for (r, row) in want_p.chunks_exact_mut(t).enumerate() {
+            causal_softmax_row(row, r % t, scale);
+        }
+        let mut want_ds = dp.clone();
+        for (r, (row, p)) in want_ds.chunks_exact_mut(t).zip(want_p.chunks_exact(t)).enumerate() {
+            causal_softmax_row_bwd(p, row, r % t, scale);
+        }
+        let close = |what: &str, got: &[f32], want: &[f32]| {
+            for (r, (g, w)) in got.chunks_exact(t).zip(want.chunks_exact(t)).enumerate() {
+                let scale = w.iter().fold(1e-30f32, |m, v| m.max(v.abs()));
+                for (j, (a, b)) in g.iter().zip(w).enumerate() {
+                    if j > r % t {
+                        assert_eq!(a.to_bits(), 0, "{what} T = {t}: row {r}, masked column {j} is {a}");
+                    } else {
+                        assert!((a - b).abs() <= 2e-6 * scale, "{what} T = {t}: row {r}, column {j}: {a} vs {b}");
+                    }
+                }
+            }
+        };
+        for cfg in row_cfgs(rows) {
+            let mut p = vec![f32::NAN; rows * t];
+            // As Gpu::attention_softmax_fwd: s, p, rows, t, scale.
+            k.launch("attention_softmax_fwd_f32", cfg, &mut [In(&s), Out(&mut p), geom(rows), geom(t), F32(scale)]);
+            close("softmax", &p, &want_p);
+            let mut ds = vec![f32::NAN; rows * t];
+            // As Gpu::attention_softmax_bwd: p, dp, ds, rows, t, scale (from the CPU's p,
+            // so that the gradient is checked alone).
+            k.launch(
+                "attention_softmax_bwd_f32",
+                cfg,
+                &mut [In(&want_p), In(&dp), Out(&mut ds), geom(rows), geom(t), F32(scale)],
+            );
+            close("softmax gradient", &ds, &want_ds);
         }
     }
 }

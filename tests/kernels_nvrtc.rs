@@ -386,13 +386,14 @@ fn kernel_names_follow_the_rule_and_match_the_table() {
             }
         }
     }
-    // 49 = 13 elementwise (the residual add included) + 2 conv + 8 batchnorm (3 + 4
+    // 53 = 13 elementwise (the residual add included) + 2 conv + 8 batchnorm (3 + 4
     //      synchronized + the count) + 4 layernorm (forward, dx, the chunks' partial
     //      sums and their ordered total) + 4 pooling + 1 softmax_xent + 4 optim (2 steps,
     //      the gradient norm and its clip factor) + 1 reduce + 2 dropout + 3 codec
     //      + 7 embedding (the gather, the backward's count, offsets, sort and sums, the
-    //      positional add and its sum), counted from the files.
-    assert_eq!(all.len(), 49, "{all:?}");
+    //      positional add and its sum) + 4 attention (the head split and merge, the
+    //      causal softmax and its gradient), counted from the files.
+    assert_eq!(all.len(), 53, "{all:?}");
 }
 
 /// Every `kernels/*.cu` is in KERNEL_FILES and every entry is a file there, with the text
