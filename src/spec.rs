@@ -30,7 +30,7 @@
 //! | `conv2d` | `filters`, `kernel_size` (int or [kh, kw]), `strides` (1; int or [s, s]), `padding` ("valid", "same", or pads: int or [ph, pw]; "valid"), `use_bias` (true), `activation` ("linear") |
 //! | `batch_normalization` | `scale` (true), `center` (true), `epsilon` (0.001), `momentum` (0.99), `synchronized` (false), `names` ("keras": gamma, beta; or "pytorch": weight, bias, num_batches_tracked) |
 //! | `relu` | none |
-//! | `dense` | `units`, `use_bias` (true), `activation` ("linear") |
+//! | `dense` | `units`, `use_bias` (true), `activation` ("linear"), `init_std` (none: Glorot-uniform; else normal(0, std²)), `tied_to` (none; an earlier tensor's name: the weight is that tensor) |
 //! | `dropout` | `rate` in [0, 1) |
 //! | `flatten` | none |
 //! | `global_average_pooling2d` | none |
@@ -40,6 +40,7 @@
 //! | `residual` | `layers` (the body), `shortcut` (none: the identity), `activation` ("linear") |
 //! | `embedding` | `vocab` (ids are 0..vocab), `width`; samples of token ids (T) |
 //! | `positional_embedding` | `length` (the table's positions, at least the context T); samples (T, C) |
+//! | `causal_self_attention` | `heads` (dividing the width), `dropout` (0; attention and residual), `proj_std` (0.02), `use_bias` (true) |
 //!
 //! The defaults are Keras's. Input channels and features are inferred from the running
 //! shape; `"activation": "relu"` appends a ReLU layer (softmax belongs to the loss, so
@@ -456,7 +457,7 @@ mod tests {
     fn shape_errors_name_the_layer() {
         assert_eq!(
             err(&with_layers(r#"{"type": "dense", "units": 3}"#)),
-            "m.json: layer 0 (dense): expects flat samples (F,), got (1, 8, 8); add a flatten or global_average_pooling2d layer before it"
+            "m.json: layer 0 (dense): expects flat samples (F,) or sequences (T, F), got (1, 8, 8); add a flatten or global_average_pooling2d layer before it"
         );
         assert!(err(r#"{"input_shape": [5], "layers": [{"type": "conv2d", "filters": 1, "kernel_size": 1}]}"#)
             .contains("layer 0 (conv2d): expects images (C, H, W), got samples of shape (5)"));

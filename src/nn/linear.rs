@@ -67,7 +67,7 @@ impl Linear {
     /// features those of the running shape.
     pub const SPEC: LayerType = LayerType {
         name: "dense",
-        fields: "`units`, `use_bias` (true), `activation` (\"linear\"), `init_std` (none: Glorot-uniform; a number: normal(0, std²)), `tied_to` (none; the full name of an earlier tensor of shape (units, F) that is this weight)",
+        fields: "`units`, `use_bias` (true), `activation` (\"linear\"), `init_std` (none: Glorot-uniform; else normal(0, std²)), `tied_to` (none; an earlier tensor's name: the weight is that tensor)",
         example: (&[3, 5], r#"{"type": "dense", "units": 4, "use_bias": false, "activation": "relu", "init_std": 0.02}"#),
         parse: |f| {
             let units = f.size("units", None)?;
