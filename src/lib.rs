@@ -125,6 +125,8 @@ pub mod guide {
     pub struct DdpFeatures;
     #[doc = include_str!("../docs/residual-networks.md")]
     pub struct ResidualNetworks;
+    #[doc = include_str!("../docs/transformers.md")]
+    pub struct Transformers;
     #[doc = include_str!("../docs/limits.md")]
     pub struct Limits;
     #[doc = include_str!("../docs/performance.md")]
