@@ -229,7 +229,8 @@ fn the_gpt_is_bitwise_the_same_on_one_and_three_devices_with_the_replicas_fixed(
     let model = small_gpt();
     let data = reference_rows(&all, &tmp.0);
     let initial = model.init(3);
-    let variants: [(&str, fn(TrainConfig) -> TrainConfig); 4] = [
+    type Variant = fn(TrainConfig) -> TrainConfig;
+    let variants: [(&str, Variant); 4] = [
         ("plain", |c| c),
         ("accumulate 2", |c| TrainConfig { accumulate: 2, ..c }),
         ("bf16 gradients", |c| TrainConfig { grad_compression: lockstep::wire::Compression::Bf16, ..c }),

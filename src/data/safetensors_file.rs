@@ -122,7 +122,7 @@ fn load_tokens(path: &Path, t: &safetensors::tensor::TensorView<'_>, vocab: Opti
         Some(text) => text
             .parse::<usize>()
             .ok()
-            .filter(|&v| v >= 1 && v <= 1 << 24)
+            .filter(|v| (1..=1 << 24).contains(v))
             .ok_or_else(|| bad(format!("metadata {VOCAB_KEY} = '{text}' is not an integer in 1..=2^24")))?,
         None if t.dtype() == Dtype::U8 => 256,
         None => usize::try_from(max).map_or(usize::MAX, |m| m + 1),

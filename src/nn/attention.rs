@@ -406,6 +406,9 @@ fn expect_sequences(input: &Shape) -> FieldResult<usize> {
     }
 }
 
+/// The layer's tensors: the QKV weight, its bias, the output projection's weight, its bias.
+type Tensors<'a> = (&'a [f32], Option<&'a [f32]>, &'a [f32], Option<&'a [f32]>);
+
 impl CausalSelfAttention {
     /// Attention over a width of `width` split into `heads` heads, nanoGPT's defaults:
     /// biases, no dropout, the output projection initialised with std 0.02.
@@ -514,7 +517,7 @@ impl CausalSelfAttention {
     }
 
     /// The parameters (c_attn.weight, c_attn.bias, c_proj.weight, c_proj.bias) of `params`.
-    fn tensors<'a>(&self, params: &Params<'a>) -> (&'a [f32], Option<&'a [f32]>, &'a [f32], Option<&'a [f32]>) {
+    fn tensors<'a>(&self, params: &Params<'a>) -> Tensors<'a> {
         if self.use_bias {
             (params.get(0), Some(params.get(1)), params.get(2), Some(params.get(3)))
         } else {

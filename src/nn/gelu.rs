@@ -56,13 +56,7 @@ const ROUND: f32 = 12_582_912.0;
 /// Branch-free (selects), so a loop of it vectorises.
 #[inline(always)]
 pub fn exp_f32(x: f32) -> f32 {
-    let c = if x < -87.0 {
-        -87.0
-    } else if x > 88.0 {
-        88.0
-    } else {
-        x
-    };
+    let c = x.clamp(-87.0, 88.0);
     // n = round(c·log₂e) by the 1.5·2²³ trick (exact for |c·log₂e| < 2²²): no call to
     // floorf, which x86-64's baseline cannot inline, so the loop vectorises.
     // The integer n is then the low bits of the sum, read without a float-to-int cast

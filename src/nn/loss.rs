@@ -55,9 +55,9 @@ impl Metrics {
 /// (rows, classes) of logits (N, K), or (N, T, K) with a label per position (a sequence
 /// model's, every position a row), and the labels' count checked against the rows.
 fn check(logits: &Tensor, labels: &[u32]) -> Result<(usize, usize)> {
-    let (n, k) = match logits.shape().dims() {
-        &[n, k] => (n, k),
-        &[n, t, k] => (n * t, k),
+    let (n, k) = match *logits.shape().dims() {
+        [n, k] => (n, k),
+        [n, t, k] => (n * t, k),
         _ => {
             return Err(Error::shape(
                 "softmax_cross_entropy",

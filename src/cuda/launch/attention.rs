@@ -106,7 +106,7 @@ impl Gpu {
         let p = &mut p.view_mut();
         let op = "attention_softmax_fwd";
         check_len(op, "p", p, s.len())?;
-        if s.len() == 0 {
+        if s.is_empty() {
             return Ok(());
         }
         let rows = rows_of(op, s.len(), t)?;
@@ -132,7 +132,7 @@ impl Gpu {
         let op = "attention_softmax_bwd";
         check_len(op, "dp", dp, p.len())?;
         check_len(op, "ds", ds, p.len())?;
-        if p.len() == 0 {
+        if p.is_empty() {
             return Ok(());
         }
         let rows = rows_of(op, p.len(), t)?;
