@@ -1,6 +1,7 @@
 //! Observers of a training run: what a user sees and keeps while `train_data_parallel_with`
-//! runs. [`Progress`] draws a bar on a terminal, or prints one line per epoch (the text
-//! format of the CLI lives here and nowhere else); [`JsonLines`] writes one JSON object per
+//! runs. [`Progress`] draws a bar on a terminal, or, where there is none (a notebook, a log
+//! file, a pipe), prints a line every few seconds inside an epoch and one per epoch (the
+//! text format of the CLI lives here and nowhere else); [`JsonLines`] writes one JSON object per
 //! step and per epoch; [`CsvMetrics`] writes the metrics file that `lockstep plot` reads;
 //! [`Fanout`] runs several of them together.
 //!
@@ -121,9 +122,24 @@ pub enum StepLines {
 pub enum Drawing {
     /// A bar redrawn in place (step, epoch, loss, samples/s, ETA); epoch lines above it.
     Bar,
-    /// Plain lines only: what a log file or a pipe should get.
+    /// Plain lines only: what a notebook, a log file or a pipe should get. Inside an
+    /// epoch, a line as often as [`Progress::line_every`] says.
     Lines,
 }
+
+/// How often [`Progress`] prints a line inside an epoch when it draws no bar.
+#[derive(Clone, Copy, PartialEq, Debug)]
+pub enum Every {
+    /// At the first step past this much time since the last line (or the epoch's start).
+    Seconds(f64),
+    /// Every K steps of the run.
+    Steps(u64),
+    /// Never: the epoch lines only.
+    Never,
+}
+
+/// Seconds between the lines inside an epoch when there is no terminal.
+pub const LINE_EVERY_SECONDS: f64 = 10.0;
 
 /// Progress for a person: a bar on a terminal, the epoch lines always.
 pub struct Progress {
@@ -136,6 +152,9 @@ pub struct Progress {
     epoch_time: Duration,
     /// What the per-epoch evaluation runs on, for the epoch lines.
     held_out: &'static str,
+    /// Lines inside an epoch (`Drawing::Lines`), and when the last one was printed.
+    every: Every,
+    last_line: Option<Instant>,
 }
 
 impl Progress {
@@ -155,7 +174,51 @@ impl Progress {
             epoch: Metrics::default(),
             epoch_time: Duration::ZERO,
             held_out: "test",
+            every: Every::Seconds(LINE_EVERY_SECONDS),
+            last_line: None,
         }
+    }
+
+    /// How often a line is printed inside an epoch when no bar is drawn (default: every
+    /// [`LINE_EVERY_SECONDS`]).
+    pub fn line_every(mut self, every: Every) -> Progress {
+        self.every = every;
+        self
+    }
+
+    /// The line inside an epoch: `step 340/1800 (epoch 2/15) | loss 0.4321 | 5100 samples/s
+    /// | ETA 1m20s`, the loss and rate those of the epoch so far, the ETA the run's end at
+    /// that rate.
+    pub fn step_line(&self, e: &StepEvent<'_>) -> String {
+        let step = e.report.step + 1;
+        let rate = self.epoch.count as f64 / self.epoch_time.as_secs_f64().max(1e-12);
+        let per_step = self.epoch_time.as_secs_f64() / (e.step_in_epoch + 1) as f64;
+        let eta = per_step * e.total_steps.saturating_sub(step) as f64;
+        format!(
+            "step {step}/{} (epoch {}/{}) | loss {:.4} | {rate:.0} samples/s | ETA {}",
+            e.total_steps,
+            e.epoch + 1,
+            e.epochs,
+            self.epoch.mean_loss(),
+            crate::units::duration(Duration::from_secs_f64(eta.min(1e9)))
+        )
+    }
+
+    /// Whether the line of this step is due (`Drawing::Lines`); the epoch's last step
+    /// never prints one, its epoch line follows.
+    fn line_due(&mut self, e: &StepEvent<'_>) -> bool {
+        let now = Instant::now();
+        let last = *self.last_line.get_or_insert(now);
+        let due = match self.every {
+            Every::Never => false,
+            Every::Steps(k) => k > 0 && (e.report.step + 1) % k == 0,
+            Every::Seconds(s) => now.duration_since(last).as_secs_f64() >= s,
+        };
+        let due = due && e.step_in_epoch + 1 < e.steps_in_epoch;
+        if due {
+            self.last_line = Some(now);
+        }
+        due
     }
 
     /// Names the per-epoch evaluation set in the epoch lines ("test" by default).
@@ -212,15 +275,18 @@ impl Observer for Progress {
                 self.print(&line);
             }
         }
-        if self.drawing == Drawing::Lines {
-            return;
-        }
         if e.step_in_epoch == 0 {
             self.epoch = Metrics::default();
             self.epoch_time = Duration::ZERO;
         }
         self.epoch.add(&e.report.metrics);
         self.epoch_time += e.report.wall;
+        if self.drawing == Drawing::Lines {
+            if self.line_due(e) {
+                self.print(&self.step_line(e));
+            }
+            return;
+        }
         let msg = format!(
             "epoch {}/{} | loss {:.4} | {:.0} samples/s",
             e.epoch + 1,
@@ -234,6 +300,9 @@ impl Observer for Progress {
     }
 
     fn on_epoch(&mut self, e: &EpochReport) {
+        // The next epoch's first line comes a period after its start, not after this one's
+        // last line (evaluation took some of that time).
+        self.last_line = None;
         self.print(&epoch_line(e, self.held_out));
         if e.epoch + 1 == e.epochs {
             self.finish();
@@ -607,6 +676,37 @@ mod tests {
 
     fn close(a: &Value, b: f64) -> bool {
         (a.as_f64().unwrap() - b).abs() < 1e-9
+    }
+
+    #[test]
+    fn without_a_terminal_a_line_comes_as_often_as_asked_inside_an_epoch() {
+        let mut r = report();
+        let progress = |every| Progress::with_drawing(Stream::Stderr, StepLines::Off, Drawing::Lines).line_every(every);
+        // Every 2 steps of the run, never on an epoch's last step (its epoch line follows).
+        let mut p = progress(Every::Steps(2));
+        let mut due = Vec::new();
+        for (step, in_epoch) in [(3, 0), (4, 1), (5, 2), (6, 0)] {
+            r.step = step;
+            let e = StepEvent { step_in_epoch: in_epoch, ..event(&r) };
+            p.on_step(&e);
+            due.push(p.line_due(&e));
+        }
+        // Steps done 4, 5, 6 and 7: the 4th prints; the 6th, its epoch's last, does not.
+        assert_eq!(due, [true, false, false, false]);
+        // By time: nothing before the period has passed, then a line.
+        let mut p = progress(Every::Seconds(0.05));
+        let e = event(&r);
+        p.on_step(&e);
+        assert!(!p.line_due(&e));
+        std::thread::sleep(Duration::from_millis(60));
+        assert!(p.line_due(&e) && !p.line_due(&e));
+        assert!(!progress(Every::Never).line_due(&e));
+        // The epoch so far: one step of 32 samples in 10 ms; 9 - 7 steps to go at 10 ms.
+        let mut p = progress(Every::Never);
+        r.step = 6;
+        let e = StepEvent { step_in_epoch: 0, ..event(&r) };
+        p.on_step(&e);
+        assert_eq!(p.step_line(&e), "step 7/9 (epoch 2/3) | loss 0.5000 | 3200 samples/s | ETA 0.0s");
     }
 
     #[test]

@@ -1,5 +1,5 @@
-//! Quantities as people read them: bytes in decimal units ("52.6 GB") and counts with
-//! thousands separators ("98,442").
+//! Quantities as people read them: bytes in decimal units ("52.6 GB"), counts with
+//! thousands separators ("98,442"), and spans of time ("3h50m", read and written).
 //!
 //! Owns the formatting only, for every message that states a size: the library's errors
 //! (`Error::OutOfMemory`), the memory estimate's parts (`memory`), the command line's
@@ -30,6 +30,77 @@ pub fn count(n: u64) -> String {
     out
 }
 
+/// A span of time as a person or a batch scheduler writes it: a number of seconds
+/// ("5400", "0.5"), units in descending order ("90s", "45m", "3h50m", "1.5h", "2d"), or
+/// Slurm's `[D-]HH:MM:SS` and `MM:SS` ("1:30:00", "2-00:00:00"). The error quotes the text.
+pub fn parse_duration(text: &str) -> Result<std::time::Duration, String> {
+    let bad = |why: &str| format!("'{text}' is not a duration ({why}); write e.g. 90s, 45m, 3h50m or 1:30:00");
+    let t = text.trim();
+    if t.is_empty() {
+        return Err(bad("empty"));
+    }
+    if t.starts_with('-') {
+        return Err(bad("negative"));
+    }
+    let number = |s: &str| -> Result<f64, String> {
+        match s.parse::<f64>() {
+            Ok(x) if x.is_finite() && x >= 0.0 && !s.starts_with('+') => Ok(x),
+            Ok(_) => Err(bad("not a non-negative number")),
+            Err(_) => Err(bad(&format!("'{s}' is not a number"))),
+        }
+    };
+    let seconds = if t.contains(':') {
+        let (days, clock) = match t.split_once('-') {
+            Some((d, rest)) => (number(d)?, rest),
+            None => (0.0, t),
+        };
+        let parts: Vec<&str> = clock.split(':').collect();
+        if parts.len() > 3 || parts.iter().any(|p| p.is_empty()) {
+            return Err(bad("a clock is HH:MM:SS or MM:SS"));
+        }
+        let mut s = 0.0;
+        for p in &parts {
+            s = s * 60.0 + number(p)?;
+        }
+        days * 86_400.0 + s
+    } else if t.bytes().all(|b| b.is_ascii_digit() || b == b'.') {
+        number(t)?
+    } else {
+        const UNITS: [(char, f64); 4] = [('d', 86_400.0), ('h', 3_600.0), ('m', 60.0), ('s', 1.0)];
+        let (mut rest, mut total, mut next_unit) = (t, 0.0, 0);
+        while !rest.is_empty() {
+            let end = rest.find(|c: char| !(c.is_ascii_digit() || c == '.')).ok_or_else(|| bad("a number without a unit"))?;
+            let unit = rest[end..].chars().next().expect("found above");
+            let k = UNITS.iter().position(|(u, _)| *u == unit).ok_or_else(|| bad(&format!("unknown unit '{unit}'")))?;
+            if k < next_unit {
+                return Err(bad("units go from days to seconds, each once"));
+            }
+            total += number(&rest[..end])? * UNITS[k].1;
+            next_unit = k + 1;
+            rest = &rest[end + unit.len_utf8()..];
+        }
+        total
+    };
+    std::time::Duration::try_from_secs_f64(seconds).map_err(|_| bad("too long"))
+}
+
+/// A span of time in the units a person reads: "3h50m", "45m", "1m30s", "12.5s".
+pub fn duration(d: std::time::Duration) -> String {
+    let whole = d.as_secs();
+    if whole < 60 {
+        let s = d.as_secs_f64();
+        return if s.fract() == 0.0 { format!("{whole}s") } else { format!("{s:.1}s") };
+    }
+    let (h, m, s) = (whole / 3600, whole / 60 % 60, whole % 60);
+    let mut out = String::new();
+    for (value, unit) in [(h, 'h'), (m, 'm'), (s, 's')] {
+        if value > 0 {
+            out.push_str(&format!("{value}{unit}"));
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -41,5 +112,45 @@ mod tests {
         assert_eq!(human(52_600_000_000), "52.6 GB");
         assert_eq!(count(2_000_022_010), "2,000,022,010");
         assert_eq!(count(752), "752");
+    }
+
+    #[test]
+    fn durations_read_as_written_and_bad_ones_are_quoted() {
+        let secs = |t: &str| parse_duration(t).map(|d| d.as_secs_f64());
+        for (text, s) in [
+            ("5400", 5400.0),
+            ("0.5", 0.5),
+            ("90s", 90.0),
+            ("45m", 2700.0),
+            ("3h50m", 13_800.0),
+            ("1.5h", 5400.0),
+            ("2d", 172_800.0),
+            ("1h0m30s", 3630.0),
+            ("1:30:00", 5400.0),
+            ("05:00", 300.0),
+            ("2-00:00:00", 172_800.0),
+        ] {
+            assert_eq!(secs(text), Ok(s), "{text}");
+        }
+        for (text, why) in [
+            ("", "empty"),
+            ("-5", "negative"),
+            ("10x", "unknown unit 'x'"),
+            ("5m3h", "units go from days to seconds"),
+            ("5m5m", "units go from days to seconds"),
+            ("1:2:3:4", "HH:MM:SS"),
+            ("1::2", "HH:MM:SS"),
+            ("h", "'' is not a number"),
+            ("12", ""),
+        ] {
+            match parse_duration(text) {
+                Ok(d) => assert!(why.is_empty(), "{text} read as {d:?}"),
+                Err(e) => assert!(e.starts_with(&format!("'{text}' is not a duration")) && e.contains(why), "{text}: {e}"),
+            }
+        }
+        assert_eq!(duration(std::time::Duration::from_secs(13_800)), "3h50m");
+        assert_eq!(duration(std::time::Duration::from_secs(90)), "1m30s");
+        assert_eq!(duration(std::time::Duration::from_millis(12_500)), "12.5s");
+        assert_eq!(duration(std::time::Duration::from_secs(45)), "45s");
     }
 }

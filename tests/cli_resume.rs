@@ -147,6 +147,42 @@ fn ctrl_c_and_sigterm_finish_the_step_write_a_checkpoint_and_exit_128_plus_the_s
     }
 }
 
+/// `--time-limit`: the run stops at the step boundary past its time, writes its checkpoint,
+/// says how to go on and exits 75 (EX_TEMPFAIL); resumed, it ends with the weights of
+/// the run never stopped. A value that is no duration is refused, quoted.
+#[test]
+fn a_time_limit_checkpoints_exits_75_and_resumes_to_the_same_weights() {
+    let (_guard, dir) = tmp();
+    let (full, resumed, ck) = (dir.join("full.safetensors"), dir.join("resumed.safetensors"), dir.join("ck"));
+    let ck_s = ck.to_str().unwrap();
+    let out = bin().args(train_args(&["--devices", "cpu:2", "--save", full.to_str().unwrap()])).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+
+    // A limit of zero: past it after the first step.
+    let out =
+        bin().args(train_args(&["--devices", "cpu:2", "--checkpoint-dir", ck_s, "--time-limit", "0s"])).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(75), "{stderr}");
+    let first = ck.join("checkpoint-000000000001.safetensors");
+    let said = format!(
+        "lockstep: stopped at the time limit (0s) after step 1; checkpoint written to {}; go on with --resume {ck_s}",
+        first.display()
+    );
+    assert!(stderr.lines().any(|l| l == said), "{stderr}");
+    assert!(first.is_file());
+
+    // Resumed on one device with an hour to spare: it completes.
+    let resume = ["--devices", "cpu:1", "--resume", ck_s, "--time-limit", "1:00:00", "--save", resumed.to_str().unwrap()];
+    let out = bin().args(train_args(&resume)).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(tensors(&full) == tensors(&resumed), "resumed weights differ from the uninterrupted run's");
+
+    let out = bin().args(train_args(&["--time-limit", "5x"])).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("'5x' is not a duration (unknown unit 'x')"), "{stderr}");
+}
+
 #[test]
 fn without_a_checkpoint_directory_a_signal_still_writes_save() {
     let dir = tempfile::tempdir().unwrap();

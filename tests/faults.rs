@@ -112,7 +112,7 @@ fn run_with_fault(phase: Phase, how: How) -> (Error, Duration) {
     }
 }
 
-fn check(phase: Phase, how: How, cause: &str) {
+fn check(phase: Phase, how: How, cause: &str) -> String {
     let _one = ONE_AT_A_TIME.lock();
     let (err, took) = run_with_fault(phase, how);
     let text = err.to_string();
@@ -129,6 +129,7 @@ fn check(phase: Phase, how: How, cause: &str) {
         std::thread::sleep(Duration::from_millis(1));
     }
     assert_eq!(worker_threads(), 0, "worker threads left running");
+    text
 }
 
 #[test]
@@ -143,10 +144,48 @@ fn an_error_in_backward_on_device_2_at_step_5() {
 
 #[test]
 fn a_panic_in_forward_on_device_2_at_step_5() {
-    check(Phase::Forward, How::Panic, "panicked: injected panic");
+    let text = check(Phase::Forward, How::Panic, ": injected panic");
+    // Where it panicked, as the standard hook would have said it (which said nothing).
+    assert!(text.starts_with("cpu:2, step 5: panicked at tests/faults.rs:"), "{text}");
 }
 
 #[test]
 fn a_panic_in_backward_on_device_2_at_step_5() {
-    check(Phase::Backward, How::Panic, "panicked: injected panic");
+    let text = check(Phase::Backward, How::Panic, ": injected panic");
+    assert!(text.starts_with("cpu:2, step 5: panicked at tests/faults.rs:"), "{text}");
+}
+
+/// A worker's panic is said once, as the run's error: the standard hook's "thread '…'
+/// panicked" is not printed by any thread, and the backtrace comes only when
+/// `RUST_BACKTRACE` asks for it. Run in a child process (this test, again), whose stderr
+/// is all that it printed.
+#[test]
+fn a_panic_is_said_once_with_a_backtrace_only_when_asked() {
+    const CHILD: &str = "LOCKSTEP_TEST_PANIC_CHILD";
+    if std::env::var_os(CHILD).is_some() {
+        let (err, _) = run_with_fault(Phase::Forward, How::Panic);
+        eprintln!("error: {err}");
+        return;
+    }
+    let _one = ONE_AT_A_TIME.lock();
+    let child = |backtrace: &str| {
+        let exe = std::env::current_exe().unwrap();
+        let o = std::process::Command::new(exe)
+            .args(["--exact", "a_panic_is_said_once_with_a_backtrace_only_when_asked", "--nocapture"])
+            .env(CHILD, "1")
+            .env("RUST_BACKTRACE", backtrace)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{o:?}");
+        String::from_utf8_lossy(&o.stderr).into_owned()
+    };
+    let quiet = child("0");
+    assert_eq!(quiet.matches("injected panic").count(), 1, "{quiet}");
+    assert!(!quiet.contains("thread '"), "the standard hook printed: {quiet}");
+    assert!(quiet.contains("error: cpu:2, step 5: panicked at tests/faults.rs:"), "{quiet}");
+    assert!(!quiet.contains("backtrace"), "{quiet}");
+    let traced = child("1");
+    assert_eq!(traced.matches("injected panic").count(), 1, "{traced}");
+    assert!(!traced.contains("thread '"), "the standard hook printed: {traced}");
+    assert!(traced.contains("backtrace of the panic:\n"), "{traced}");
 }

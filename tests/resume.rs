@@ -191,6 +191,49 @@ fn a_stopped_run_writes_a_checkpoint_and_resumes_exactly() {
     assert!(rest.weights == reference.weights);
 }
 
+/// `max_duration`: a run past its time stops at the step boundary with a checkpoint and
+/// says so; a limit of zero stops after every step, so a run of 15 steps is trained here
+/// as 15 runs, on 1 and 2 devices in turn, each resumed from the last one's checkpoint,
+/// and ends with bitwise the weights of the run never stopped.
+#[test]
+fn a_run_stopped_at_its_time_limit_after_every_step_resumes_to_the_same_weights() {
+    let (model, data, cfg) = setup();
+    let reference = train_data_parallel(&model, &data, None, &Devices::cpu(2, 1).unwrap(), &cfg).unwrap();
+    let (_guard, dir) = tmp();
+    let fresh = Optimizer::new(cfg.optimizer, model.params_len());
+    let mut resume = None;
+    for run in 1..=15u64 {
+        let devices = Devices::cpu(1 + (run as usize % 2), 1).unwrap();
+        let limited = TrainConfig {
+            checkpoint: Some(policy(&dir, 1000)),
+            max_duration: Some(std::time::Duration::ZERO),
+            resume: resume.take(),
+            ..cfg.clone()
+        };
+        let r = train_data_parallel(&model, &data, None, &devices, &limited).unwrap();
+        assert_eq!(r.steps, run);
+        if run == 15 {
+            // The last step ends the run, time or not: it is complete.
+            assert_eq!(r.stopped, Stopped::Completed);
+            assert!(r.weights == reference.weights, "the weights differ from the run never stopped");
+            assert!(r.optimizer == reference.optimizer);
+            break;
+        }
+        let Stopped::TimeLimit { checkpoint: Some(path) } = &r.stopped else { panic!("run {run}: {:?}", r.stopped) };
+        assert!(path.ends_with(format!("checkpoint-{run:012}.safetensors")), "{}", path.display());
+        assert!(r.to_string().ends_with(&format!("; stopped at the time limit, checkpoint {}", path.display())));
+        let (state, found, _) =
+            checkpoint::load_latest(&model, &dir, &policy(&dir, 1000).config, &fresh, Fallback::Refuse).unwrap().unwrap();
+        assert_eq!(&found, path);
+        resume = Some(state);
+    }
+    // A limit not reached changes nothing.
+    let roomy = TrainConfig { max_duration: Some(std::time::Duration::from_secs(3600)), ..cfg.clone() };
+    let r = train_data_parallel(&model, &data, None, &Devices::cpu(2, 1).unwrap(), &roomy).unwrap();
+    assert_eq!(r.stopped, Stopped::Completed);
+    assert!(r.weights == reference.weights);
+}
+
 #[test]
 fn a_position_that_is_not_one_of_this_run_is_refused() {
     let (model, data, cfg) = setup();

@@ -15,6 +15,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::Write as _;
+use std::time::Duration;
 
 use lockstep::checkpoint;
 use lockstep::dirlock::DirLock;
@@ -127,6 +128,12 @@ pub(crate) struct TrainArgs {
     /// Stop after this many steps in all.
     #[arg(long, value_name = "K")]
     steps: Option<u64>,
+    /// Stop at the first step boundary past this wall time (90s, 45m, 3h50m, 1:30:00),
+    /// for a batch scheduler's limit: a checkpoint is written there with --checkpoint-dir
+    /// (else the weights go to --save), and the exit status is 75 (EX_TEMPFAIL), so that
+    /// a job script knows to go on with --resume. Not stored: each run gets its own.
+    #[arg(long, value_name = "DURATION", value_parser = lockstep::units::parse_duration)]
+    time_limit: Option<Duration>,
     /// auto, cpu, cpu:N, cpu:NxT, cuda, cuda:I[,J...]
     #[arg(long, default_value = "auto", value_name = "SPEC")]
     devices: String,
@@ -184,8 +191,9 @@ pub(crate) struct TrainArgs {
 }
 
 /// The flags that may differ from the stored ones on `--resume` (clap ids).
-pub(crate) const MAY_CHANGE: [&str; 18] = [
+pub(crate) const MAY_CHANGE: [&str; 19] = [
     "epochs",
+    "time_limit",
     // A sharded optimiser changes no number (its weights are bitwise the unsharded ones).
     "shard_optimizer",
     "save_dtype",
@@ -729,6 +737,7 @@ pub(crate) fn cmd_train(a: TrainArgs, given: &BTreeSet<String>) -> CliResult {
     let mut config = TrainConfig {
         epochs: s.epochs,
         max_steps: a.steps,
+        max_duration: a.time_limit,
         batch_size,
         optimizer: s.optimizer,
         schedule: s.schedule,
@@ -890,7 +899,7 @@ pub(crate) fn cmd_train(a: TrainArgs, given: &BTreeSet<String>) -> CliResult {
     let trained =
         train_data_parallel_with(&model, &splits.train, splits.test.as_ref(), &s.devices, &config, &mut observers);
     let tested = match (&trained, &final_test) {
-        (Ok(r), Some(t)) if !matches!(r.stopped, Stopped::Interrupted { .. }) => {
+        (Ok(r), Some(t)) if !matches!(r.stopped, Stopped::Interrupted { .. } | Stopped::TimeLimit { .. }) => {
             let m = evaluate(&model, &r.weights, t, &s.devices, config.label_smoothing).map_err(Failure::runtime)?;
             observers.on_evaluation(&EvaluationReport { set: HeldOut::Test, step: r.steps, metrics: m });
             Some(m)
@@ -915,6 +924,12 @@ pub(crate) fn cmd_train(a: TrainArgs, given: &BTreeSet<String>) -> CliResult {
         return match voice {
             true => interrupted(&model, &report, checkpoint.as_deref(), a.save.as_deref(), &signals),
             false => Err(Failure::silent(StopSignals::exit_code(signals.received().unwrap_or(SIGINT)))),
+        };
+    }
+    if let Stopped::TimeLimit { checkpoint } = &report.stopped {
+        return match voice {
+            true => timed_out(&model, &report, checkpoint.as_deref(), &a),
+            false => Err(Failure::silent(EX_TEMPFAIL)),
         };
     }
     if let Some(p) = a.save.as_ref().filter(|_| voice) {
@@ -959,6 +974,30 @@ fn interrupted(
     // Not eprintln!: after Ctrl-C on mpirun, stderr's reader may be gone.
     let _ = writeln!(std::io::stderr(), "{line}");
     Err(Failure::silent(StopSignals::exit_code(signal)))
+}
+
+/// The exit status of a run stopped by `--time-limit`: sysexits' EX_TEMPFAIL, "try
+/// again later" — with `--resume`.
+pub(crate) const EX_TEMPFAIL: u8 = 75;
+
+/// The end of a run `--time-limit` stopped: where its state went (the checkpoint, else the
+/// weights of its last step to `--save`), how to go on, and the exit status 75.
+fn timed_out(model: &Sequential, report: &TrainReport, checkpoint: Option<&Path>, a: &TrainArgs) -> CliResult {
+    let limit = a.time_limit.map_or_else(String::new, |d| format!(" ({})", lockstep::units::duration(d)));
+    let mut line = format!("lockstep: stopped at the time limit{limit} after step {}", report.steps);
+    match (checkpoint, a.save.as_deref()) {
+        (Some(p), _) => {
+            let dir = p.parent().unwrap_or(Path::new("."));
+            line.push_str(&format!("; checkpoint written to {}; go on with --resume {}", p.display(), dir.display()));
+        }
+        (None, Some(p)) => {
+            weights::save(model, &report.weights, p).map_err(Failure::runtime)?;
+            line.push_str(&format!("; the weights at that step saved to {} (no --checkpoint-dir: no resume)", p.display()));
+        }
+        (None, None) => line.push_str("; nothing saved (no --checkpoint-dir or --save)"),
+    }
+    let _ = writeln!(std::io::stderr(), "{line}");
+    Err(Failure::silent(EX_TEMPFAIL))
 }
 
 /// Whether a dataset is evaluated whole (gathered into one f32 batch) as well as held.

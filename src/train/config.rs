@@ -4,6 +4,7 @@
 use std::path::PathBuf;
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
+use std::time::Duration;
 
 use super::report::HeldOut;
 use super::scatter::{LastBatch, Shuffle};
@@ -48,6 +49,13 @@ pub struct TrainConfig {
     pub epochs: usize,
     /// Stop after this many steps in all, if fewer than the epochs hold.
     pub max_steps: Option<u64>,
+    /// Stop at the first step boundary past this much time since the run started
+    /// (`with_trainer` or `train_data_parallel` called; a resumed run's clock starts
+    /// again): a checkpoint is written if a policy is set, and the report says
+    /// `Stopped::TimeLimit`. With several processes, they stop at the same step, the
+    /// first at which any of them is past its limit. A batch scheduler's wall time, or a
+    /// notebook's cell, is the use.
+    pub max_duration: Option<Duration>,
     /// The GLOBAL batch size: samples per step whatever the number of devices.
     pub batch_size: usize,
     pub optimizer: OptimizerConfig,
@@ -133,6 +141,7 @@ impl Default for TrainConfig {
         TrainConfig {
             epochs: 1,
             max_steps: None,
+            max_duration: None,
             batch_size: 64,
             optimizer: OptimizerConfig::adam(1e-3),
             schedule: LrSchedule::Constant,

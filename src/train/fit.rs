@@ -16,8 +16,8 @@ use crossbeam_channel::{bounded, Receiver};
 
 use super::trainer::HeldBatch;
 use super::{
-    scatter, with_trainer, Batch, BestEpoch, EpochReport, HeldOut, NonFinite, Observer, Silent, StepEvent, Stopped,
-    TrainConfig, TrainReport, Trainer, DEFAULT_EVAL_BATCHES, DEFAULT_EVAL_EVERY,
+    scatter, with_trainer, Batch, BestEpoch, EpochReport, HeldOut, NonFinite, Observer, Silent, StepEvent, StopRequest,
+    Stopped, TrainConfig, TrainReport, Trainer, DEFAULT_EVAL_BATCHES, DEFAULT_EVAL_EVERY,
 };
 use crate::checkpoint::{self, CheckpointPolicy, Resume};
 use crate::data::Dataset;
@@ -37,7 +37,8 @@ use crate::nn::Sequential;
 /// `test` is the held-out set, named by `config.held_out` (the test split by default, or
 /// a validation split); early stopping and `save_best` monitor its loss. The run ends
 /// when its epochs (or `max_steps`) are done, when early stopping says so, or after the
-/// step in which `config.stop` is raised; the report says which (`Stopped`).
+/// step in which `config.stop` is raised, or in which `config.max_duration` runs out; the
+/// report says which (`Stopped`).
 ///
 /// ```
 /// use lockstep::{data::toy, devices::Devices, models, train::{train_data_parallel, TrainConfig}};
@@ -316,14 +317,17 @@ impl<'a, 'o> Fit<'a, 'o> {
             };
             let next = self.span.after(trainer.steps(), epoch, i);
             // With several processes, the stop they all agreed on at this step.
-            let interrupted = trainer.stop_requested();
+            let request = trainer.stop_request();
             let done = trainer.steps() == self.span.total_steps || early.is_some();
-            let written = self.checkpoint(trainer, next, interrupted || done)?;
+            let written = self.checkpoint(trainer, next, request.is_some() || done)?;
             if let Some(best_epoch) = early {
                 return Ok(Stopped::EarlyStopping { best_epoch });
             }
-            if interrupted && !done {
-                return Ok(Stopped::Interrupted { checkpoint: written });
+            match request {
+                _ if done => {}
+                Some(StopRequest::Interrupt) => return Ok(Stopped::Interrupted { checkpoint: written }),
+                Some(StopRequest::TimeLimit) => return Ok(Stopped::TimeLimit { checkpoint: written }),
+                None => {}
             }
         }
         Ok(Stopped::Completed)

@@ -10,6 +10,7 @@
 //! | `scatter.rs` | the sampler (seeded epoch order) and the scatter into logical shards |
 //! | `trainer.rs` | [`with_trainer`]: the run's exchange and worker threads; the coordinator's handle, [`Trainer`] |
 //! | `worker.rs` | a worker thread: its start (set-up gate), its command loop, its faults |
+//! | `panics.rs` | a worker's panic reported once, as the run's error (the panic hook) |
 //! | `step.rs` | the training step, written once for every device and transport; evaluation, prediction |
 //! | `replica.rs` | the `Replica` trait the step runs; the replica check |
 //! | `cpu.rs` | the CPU replica |
@@ -23,6 +24,7 @@ mod cpu;
 mod fit;
 mod gpu;
 pub mod memory;
+mod panics;
 mod processes;
 mod replica;
 mod report;
@@ -40,4 +42,4 @@ pub use report::{
     TrainReport,
 };
 pub use scatter::{LastBatch, Shuffle};
-pub use trainer::{with_trainer, Trainer};
+pub use trainer::{with_trainer, StopRequest, Trainer};

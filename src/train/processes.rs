@@ -17,6 +17,7 @@
 
 use std::ops::Range;
 
+use super::trainer::StopRequest;
 use super::replica::check_replicas;
 use super::scatter;
 use super::{ShardReport, StepReport, TrainConfig};
@@ -188,23 +189,23 @@ pub(super) fn gather_optimizer_parts(world: &World, parts: &[Optimizer]) -> Resu
 
 /// Words per shard in a step record: loss sum (f64 bits), correct, count.
 const SHARD_WORDS: usize = 3;
-/// Words after the shards: compute ns, reduce ns, the stop flag.
+/// Words after the shards: compute ns, reduce ns, the stop request (`StopRequest::word`).
 const TAIL_WORDS: usize = 3;
 
 /// Merges this process's part of a step (`local`: its shards' reports, in shard order)
 /// with every other process's: the whole step's report, the same on every process, and
-/// whether any process asked to stop.
+/// the strongest stop request any process made (an interrupt over a time limit).
 pub(super) fn merge_step(
     world: &World,
     local: StepReport,
-    stop: bool,
+    stop: Option<StopRequest>,
     devices: &[Device],
-) -> Result<(StepReport, bool)> {
+) -> Result<(StepReport, Option<StopRequest>)> {
     let mut mine = Vec::with_capacity(local.shards.len() * SHARD_WORDS + TAIL_WORDS);
     for s in &local.shards {
         mine.extend([s.metrics.loss_sum.to_bits(), s.metrics.correct, s.metrics.count]);
     }
-    mine.extend([local.compute.as_nanos() as u64, local.reduce.as_nanos() as u64, u64::from(stop)]);
+    mine.extend([local.compute.as_nanos() as u64, local.reduce.as_nanos() as u64, StopRequest::word(stop)]);
     let all = world.all_gather(&mine)?;
     let per = mine.len();
     let shards_per_process = local.shards.len();
@@ -217,7 +218,7 @@ pub(super) fn merge_step(
         reduce: local.reduce,
         wall: local.wall,
     };
-    let mut any_stop = false;
+    let mut any_stop = None;
     for q in 0..world.size() {
         let rec = &all[q * per..(q + 1) * per];
         for j in 0..shards_per_process {
@@ -230,7 +231,7 @@ pub(super) fn merge_step(
         let tail = &rec[shards_per_process * SHARD_WORDS..];
         report.compute = report.compute.max(std::time::Duration::from_nanos(tail[0]));
         report.reduce = report.reduce.max(std::time::Duration::from_nanos(tail[1]));
-        any_stop |= tail[2] != 0;
+        any_stop = any_stop.max(StopRequest::from_word(tail[2]));
     }
     Ok((report, any_stop))
 }
@@ -308,8 +309,9 @@ mod tests {
             reduce: std::time::Duration::from_millis(1),
             wall: std::time::Duration::from_millis(4),
         };
-        let (r, stop) = merge_step(world, local, true, &[Device::Cpu(0), Device::Cpu(1)]).unwrap();
-        assert!(stop);
+        let (r, stop) =
+            merge_step(world, local, Some(StopRequest::TimeLimit), &[Device::Cpu(0), Device::Cpu(1)]).unwrap();
+        assert_eq!(stop, Some(StopRequest::TimeLimit));
         assert_eq!((r.metrics.loss_sum, r.metrics.correct, r.metrics.count), (0.75, 3, 4));
         let who: Vec<_> = r.shards.iter().map(|s| (s.device, s.process, s.shard)).collect();
         assert_eq!(who, vec![(Device::Cpu(0), Some(0), 0), (Device::Cpu(1), Some(0), 1)]);

@@ -186,6 +186,9 @@ pub enum Stopped {
     /// The stop flag was raised (a signal): the run ended after the step it was in,
     /// and wrote a checkpoint there if it has a checkpoint policy.
     Interrupted { checkpoint: Option<PathBuf> },
+    /// The run reached `TrainConfig::max_duration`: it ended after the step in which the
+    /// time ran out, and wrote a checkpoint there if it has a checkpoint policy.
+    TimeLimit { checkpoint: Option<PathBuf> },
 }
 
 /// What a run returns. Its `Display` is the CLI's summary (an epoch line each, then the
@@ -222,6 +225,8 @@ impl std::fmt::Display for TrainReport {
             Stopped::EarlyStopping { best_epoch } => write!(f, "; stopped early, best epoch {}", best_epoch + 1),
             Stopped::Interrupted { checkpoint: Some(p) } => write!(f, "; interrupted, checkpoint {}", p.display()),
             Stopped::Interrupted { checkpoint: None } => write!(f, "; interrupted"),
+            Stopped::TimeLimit { checkpoint: Some(p) } => write!(f, "; stopped at the time limit, checkpoint {}", p.display()),
+            Stopped::TimeLimit { checkpoint: None } => write!(f, "; stopped at the time limit"),
         }
     }
 }

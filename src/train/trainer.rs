@@ -28,6 +28,7 @@ use crossbeam_channel::{bounded, Receiver, Sender};
 
 use super::cpu::CpuReplica;
 use super::gpu::GpuReplica;
+use super::panics;
 use super::processes::{self, Handshake, RowPlan};
 use super::replica::{check_replicas, decay_mask, Replica};
 use super::scatter;
@@ -74,7 +75,37 @@ pub struct Trainer<'s> {
     /// Raised to stop the run (Ctrl-C); with several processes, the stop every process
     /// agreed on at the last step is `stop_agreed`.
     stop: Option<Arc<AtomicBool>>,
-    stop_agreed: bool,
+    /// When `TrainConfig::max_duration` runs out (none: never).
+    deadline: Option<Instant>,
+    stop_agreed: Option<StopRequest>,
+}
+
+/// Why a run is asked to stop at the next step boundary ([`Trainer::stop_request`]).
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Debug)]
+pub enum StopRequest {
+    /// `TrainConfig::max_duration` has passed.
+    TimeLimit,
+    /// `TrainConfig::stop` was raised (a signal): it wins over the time limit.
+    Interrupt,
+}
+
+impl StopRequest {
+    /// The word a step record carries between processes (0: no request).
+    pub(super) fn word(request: Option<StopRequest>) -> u64 {
+        match request {
+            None => 0,
+            Some(StopRequest::TimeLimit) => 1,
+            Some(StopRequest::Interrupt) => 2,
+        }
+    }
+
+    pub(super) fn from_word(word: u64) -> Option<StopRequest> {
+        match word {
+            0 => None,
+            1 => Some(StopRequest::TimeLimit),
+            _ => Some(StopRequest::Interrupt),
+        }
+    }
 }
 
 /// The rows of one global batch that this process holds (all of them in a world of one):
@@ -108,14 +139,29 @@ impl Trainer<'_> {
         self.rows
     }
 
-    /// Whether the run was asked to stop (`TrainConfig::stop`): with several processes,
-    /// whether any process was, as they all agreed at the last step, so that they stop
-    /// at the same step.
+    /// Whether the run was asked to stop (`TrainConfig::stop`), or is past its
+    /// `TrainConfig::max_duration`: see [`Trainer::stop_request`].
     pub fn stop_requested(&self) -> bool {
+        self.stop_request().is_some()
+    }
+
+    /// Why the run should stop at this step boundary, if it should: the stop flag was
+    /// raised, or `TrainConfig::max_duration` has passed since the trainer started. With
+    /// several processes, the request they all agreed on at the last step (the strongest
+    /// any of them made), so that they stop at the same step.
+    pub fn stop_request(&self) -> Option<StopRequest> {
         match self.world.size() {
-            1 => self.stop.as_ref().is_some_and(|f| f.load(Ordering::SeqCst)),
+            1 => self.local_stop_request(),
             _ => self.stop_agreed,
         }
+    }
+
+    /// This process's own request, before any agreement.
+    fn local_stop_request(&self) -> Option<StopRequest> {
+        if self.stop.as_ref().is_some_and(|f| f.load(Ordering::SeqCst)) {
+            return Some(StopRequest::Interrupt);
+        }
+        self.deadline.filter(|d| Instant::now() >= *d).map(|_| StopRequest::TimeLimit)
     }
 
     /// The next worker reply. With several processes the coordinator looks at the world
@@ -297,7 +343,7 @@ impl Trainer<'_> {
             }
         }
         if self.world.size() > 1 {
-            let stop = self.stop.as_ref().is_some_and(|f| f.load(Ordering::SeqCst));
+            let stop = self.local_stop_request();
             match processes::merge_step(self.world, report, stop, &self.devices) {
                 Ok((merged, agreed)) => (report, self.stop_agreed) = (merged, agreed),
                 Err(e) => return Err(self.failing(e)),
@@ -672,6 +718,7 @@ impl WorkerSetup<'_> {
         R: Replica,
         X: Exchange<Mem = R::Mem>,
     {
+        let started = Instant::now();
         let n = self.devices.len();
         let k = self.rows.count / n;
         let threads = self.devices.threads_per_device();
@@ -700,6 +747,7 @@ impl WorkerSetup<'_> {
                 };
                 let (build, join) = (&build, &join);
                 let body = move || {
+                    panics::mark_this_thread();
                     on_device_thread(device, threads, seat, |seat| {
                         worker::start(seat, || build(d, device, start), |r| join(d, r))
                     })
@@ -728,7 +776,9 @@ impl WorkerSetup<'_> {
                 world: self.world,
                 rows: self.rows,
                 stop: self.config.stop.clone(),
-                stop_agreed: false,
+                // A limit too far to be an instant is no limit.
+                deadline: self.config.max_duration.and_then(|d| started.checked_add(d)),
+                stop_agreed: None,
             };
             let out = f(&mut trainer);
             if out.is_err() {
@@ -751,6 +801,7 @@ fn on_device_thread(device: Device, threads: usize, seat: Seat<'_>, body: impl F
                 .num_threads(threads)
                 .use_current_thread()
                 .thread_name(move |i| format!("lockstep-cpu{d}-{i}"))
+                .start_handler(|_| panics::mark_this_thread())
                 .build();
             match pool {
                 Ok(pool) => pool.install(|| body(seat)),

@@ -8,7 +8,8 @@
 //!
 //! Faults: an error or a panic while serving is sent back naming the device and the step,
 //! and aborts the exchange, which releases every other worker from its collective with
-//! `Error::Aborted`; the worker then leaves its loop. A worker released that way says only
+//! `Error::Aborted`; the worker then leaves its loop. A panic is described by `panics.rs`
+//! (where it happened, and a backtrace if `RUST_BACKTRACE` asks), and printed only there. A worker released that way says only
 //! that, so the coordinator reports the root cause.
 
 use std::ops::Range;
@@ -18,6 +19,7 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender};
 
+use super::panics;
 use super::replica::{Replica, StepOutcome};
 use super::step::{self, StepWork};
 use super::Batch;
@@ -98,7 +100,7 @@ where
     R: Replica,
     X: Exchange<Mem = R::Mem>,
 {
-    let caught = |p: Box<dyn std::any::Any + Send>| Error::config("worker", format!("panicked: {}", panic_message(&p)));
+    let caught = |p: Box<dyn std::any::Any + Send>| Error::config("worker", panics::describe(p.as_ref()));
     let built = catch_unwind(AssertUnwindSafe(build)).unwrap_or_else(|p| Err(caught(p)));
     let joined = match (seat.gate.arrive(built.is_ok()), built) {
         (true, Ok(mut replica)) => catch_unwind(AssertUnwindSafe(|| {
@@ -146,7 +148,7 @@ where
             Ok(Ok(r)) => Ok(r),
             Ok(Err(Error::Aborted)) => Err(Error::Aborted),
             Ok(Err(e)) => Err(failure(e.to_string())),
-            Err(panic) => Err(failure(format!("panicked: {}", panic_message(&panic)))),
+            Err(panic) => Err(failure(panics::describe(panic.as_ref()))),
         };
         let failed = result.is_err();
         if failed {
@@ -213,13 +215,6 @@ pub(crate) fn recv_waiting<T>(rx: &Receiver<T>, wait: Wait) -> Result<T, crossbe
             Err(crossbeam_channel::TryRecvError::Empty) => return rx.recv(),
         }
     }
-}
-
-fn panic_message(p: &Box<dyn std::any::Any + Send>) -> String {
-    p.downcast_ref::<&str>()
-        .map(|s| s.to_string())
-        .or_else(|| p.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "unknown panic".into())
 }
 
 #[cfg(test)]
