@@ -662,6 +662,7 @@ mod tests {
             val: None,
             best: false,
             steps: 3,
+            step_at_end: 6,
             seconds: 0.5,
             samples_per_sec: 200.0,
             steps_of_run: None,

@@ -1,10 +1,12 @@
-//! Training curves from a metrics CSV (`observe::CsvMetrics`, `lockstep train
-//! --metrics-out`): [`plot_metrics_csv`] reads the file and draws a PNG with two panels,
-//! loss and accuracy, train and validation.
+//! Training curves: a [`MetricsTable`], read from a metrics CSV (`observe::CsvMetrics`,
+//! `lockstep train --metrics-out`) or taken from a [`TrainReport`] in memory, drawn as a
+//! PNG with two panels, loss and accuracy, train and the held-out set (named for what it
+//! is: test or validation). [`png`] returns the image's bytes (a notebook shows them
+//! inline); [`plot_metrics_csv`] and [`plot_table`] write them to a file.
 //!
 //! Owns: reading the CSV back (with errors that name the line), the layout of the figure,
-//! and writing the PNG atomically (drawn into a temporary `.png` in the destination's
-//! directory, then renamed over it, so a reader never sees half an image).
+//! its encoding, and writing the file atomically (`fsutil::replace_with`: a reader never
+//! sees half an image).
 //!
 //! Text needs a font, and this crate must draw the same on every machine without asking
 //! the system for one: DejaVu Sans is embedded (`assets/fonts`, Bitstream Vera licence)
@@ -18,6 +20,7 @@ use plotters::prelude::*;
 use plotters::style::FontStyle;
 
 use crate::error::{Error, Result};
+use crate::train::{HeldOut, TrainReport};
 
 /// What the horizontal axis counts.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -48,17 +51,53 @@ pub struct EpochRow {
     pub val_accuracy: Option<f64>,
 }
 
-/// The rows of a metrics CSV.
+/// The rows of a metrics CSV, or of a run's report.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct MetricsTable {
     pub steps: Vec<StepRow>,
     pub epochs: Vec<EpochRow>,
+    /// What the epochs' held-out cells measured, which the legend names; None when no
+    /// epoch has any.
+    pub held_out: Option<HeldOut>,
+}
+
+/// A run's curves without a file: each step's loss (a report keeps no per-step accuracy,
+/// so that curve has no points) and each epoch's train and held-out metrics, at the step
+/// that ended it. Steps are numbered as in the CSV (steps done), resumed ones counted.
+impl From<&TrainReport> for MetricsTable {
+    fn from(r: &TrainReport) -> MetricsTable {
+        let before = r.steps.saturating_sub(r.losses.len() as u64);
+        let steps = r
+            .losses
+            .iter()
+            .enumerate()
+            .map(|(i, &loss)| StepRow { step: (before + i as u64 + 1) as f64, loss, accuracy: f64::NAN })
+            .collect();
+        let epochs = r
+            .epochs
+            .iter()
+            .map(|e| EpochRow {
+                step: e.step_at_end as f64,
+                epoch: (e.epoch + 1) as f64,
+                loss: e.train.mean_loss(),
+                accuracy: e.train.accuracy(),
+                val_loss: e.held_out().map(|m| m.mean_loss()),
+                val_accuracy: e.held_out().map(|m| m.accuracy()),
+            })
+            .collect();
+        let held_out = r.epochs.iter().find_map(|e| match (e.val, e.test) {
+            (Some(_), _) => Some(HeldOut::Validation),
+            (None, Some(_)) => Some(HeldOut::Test),
+            (None, None) => None,
+        });
+        MetricsTable { steps, epochs, held_out }
+    }
 }
 
 /// The columns `plot` reads (others are ignored, in any order). The first five must be
 /// there; the held-out ones may not be (`test_*` came with the test/validation naming, so
 /// older files have only `val_*`). An epoch's held-out curve is its `val_*` cells, else
-/// its `test_*` ones.
+/// its `test_*` ones; the table's `held_out` says which the file filled.
 const COLUMNS: [&str; 9] =
     ["kind", "step", "epoch", "loss", "accuracy", "val_loss", "val_accuracy", "test_loss", "test_accuracy"];
 const REQUIRED: usize = 5;
@@ -84,6 +123,7 @@ pub fn read_metrics_csv(path: &Path) -> Result<MetricsTable> {
         }
     }
     let mut table = MetricsTable::default();
+    let (mut val_cells, mut test_cells) = (false, false);
     for (i, line) in lines {
         let n = i + 1;
         if line.trim().is_empty() {
@@ -111,14 +151,19 @@ pub fn read_metrics_csv(path: &Path) -> Result<MetricsTable> {
         };
         match cells[col[0].expect("a required column")] {
             "step" => table.steps.push(StepRow { step: need(1)?, loss: need(3)?, accuracy: need(4)? }),
-            "epoch" => table.epochs.push(EpochRow {
-                step: need(1)?,
-                epoch: need(2)?,
-                loss: need(3)?,
-                accuracy: need(4)?,
-                val_loss: cell(5)?.or(cell(7)?),
-                val_accuracy: cell(6)?.or(cell(8)?),
-            }),
+            "epoch" => {
+                let (val, test) = (cell(5)?, cell(7)?);
+                val_cells |= val.is_some();
+                test_cells |= test.is_some();
+                table.epochs.push(EpochRow {
+                    step: need(1)?,
+                    epoch: need(2)?,
+                    loss: need(3)?,
+                    accuracy: need(4)?,
+                    val_loss: val.or(test),
+                    val_accuracy: cell(6)?.or(cell(8)?),
+                })
+            }
             // A held-out evaluation after the epochs: one point, not a curve.
             "test" | "val" => {}
             other => {
@@ -132,6 +177,11 @@ pub fn read_metrics_csv(path: &Path) -> Result<MetricsTable> {
     if table.steps.is_empty() && table.epochs.is_empty() {
         return Err(Error::format(path, "no data rows after the header"));
     }
+    table.held_out = match (val_cells, test_cells) {
+        (true, _) => Some(HeldOut::Validation),
+        (false, true) => Some(HeldOut::Test),
+        (false, false) => None,
+    };
     Ok(table)
 }
 
@@ -149,15 +199,34 @@ pub fn plot_metrics_csv(csv: &Path, out: &Path, x: XAxis) -> Result<()> {
 
 /// Draws `table` to `out` (PNG, atomically).
 pub fn plot_table(table: &MetricsTable, title: &str, out: &Path, x: XAxis) -> Result<()> {
-    register_font()?;
     if out.is_dir() {
         return Err(Error::format(out, "is a directory, not a file path"));
     }
-    // The temporary file keeps the `.png` ending, which picks the encoder.
-    crate::fsutil::replace_with(out, |tmp| {
-        std::fs::File::create(tmp).map_err(|e| Error::io(out, e))?;
-        draw(table, title, tmp, x).map_err(|e| Error::io(out, std::io::Error::other(e.to_string())))
-    })
+    let bytes = png(table, title, x)?;
+    crate::fsutil::replace_with(out, |tmp| std::fs::write(tmp, &bytes).map_err(|e| Error::io(out, e)))
+}
+
+/// The figure of `table` as PNG bytes, drawn in memory: what a notebook shows inline
+/// (`lockstep::plot::png(&(&report).into(), "…", XAxis::Step)`).
+pub fn png(table: &MetricsTable, title: &str, x: XAxis) -> Result<Vec<u8>> {
+    use plotters::prelude::IntoDrawingArea as _;
+    register_font()?;
+    let failed = |e: Box<dyn StdError>| Error::config("plot", format!("cannot draw the figure: {e}"));
+    let mut rgb = vec![0u8; WIDTH as usize * HEIGHT as usize * 3];
+    {
+        let root = BitMapBackend::with_buffer(&mut rgb, (WIDTH, HEIGHT)).into_drawing_area();
+        draw(table, title, root, x).map_err(failed)?;
+    }
+    let mut out = Vec::new();
+    image::ImageEncoder::write_image(
+        image::codecs::png::PngEncoder::new(&mut out),
+        &rgb,
+        WIDTH,
+        HEIGHT,
+        image::ColorType::Rgb8,
+    )
+    .map_err(|e| failed(Box::new(e)))?;
+    Ok(out)
 }
 
 /// The embedded font, registered once as "sans-serif".
@@ -194,7 +263,12 @@ fn finite(points: impl IntoIterator<Item = (f64, f64)>) -> Vec<(f64, f64)> {
 
 type DrawResult = std::result::Result<(), Box<dyn StdError>>;
 
-fn draw(table: &MetricsTable, title: &str, path: &Path, x: XAxis) -> DrawResult {
+fn draw(
+    table: &MetricsTable,
+    title: &str,
+    root: DrawingArea<BitMapBackend<'_>, plotters::coord::Shift>,
+    x: XAxis,
+) -> DrawResult {
     let epoch_x = |e: &EpochRow| if x == XAxis::Step { e.step } else { e.epoch };
     let mut loss = Vec::new();
     let mut acc = Vec::new();
@@ -227,14 +301,15 @@ fn draw(table: &MetricsTable, title: &str, path: &Path, x: XAxis) -> DrawResult 
         style: bold(TRAIN),
         markers: true,
     });
+    let held_out = table.held_out.map_or("held out", HeldOut::name);
     loss.push(Curve {
-        label: "validation",
+        label: held_out,
         points: finite(table.epochs.iter().filter_map(|e| Some((epoch_x(e), e.val_loss?)))),
         style: bold(VAL),
         markers: true,
     });
     acc.push(Curve {
-        label: "validation",
+        label: held_out,
         points: finite(table.epochs.iter().filter_map(|e| Some((epoch_x(e), e.val_accuracy?)))),
         style: bold(VAL),
         markers: true,
@@ -247,7 +322,6 @@ fn draw(table: &MetricsTable, title: &str, path: &Path, x: XAxis) -> DrawResult 
     };
     let x_desc = if x == XAxis::Step { "step" } else { "epoch" };
 
-    let root = BitMapBackend::new(path, (WIDTH, HEIGHT)).into_drawing_area();
     root.fill(&WHITE)?;
     let root = root.titled(title, ("sans-serif", 28))?;
     let panels = root.split_evenly((1, 2));
@@ -380,6 +454,38 @@ mod tests {
         assert_eq!((t.epochs[0].val_loss, t.epochs[0].val_accuracy), (Some(1.2), Some(0.6)));
         assert_eq!((t.epochs[1].val_loss, t.epochs[1].val_accuracy), (Some(0.9), Some(0.7)));
         assert_eq!(t.epochs.len(), 2);
+        assert_eq!(t.held_out, Some(HeldOut::Validation));
+        // A run measured on its test split: the legend says "test", not "validation".
+        let text = format!("{}\nepoch,1,1,2.3,0.1,,,1.2,0.6,1,1000\n", crate::observe::CSV_HEADER);
+        std::fs::write(&p, text).unwrap();
+        assert_eq!(read_metrics_csv(&p).unwrap().held_out, Some(HeldOut::Test));
+    }
+
+    /// A report's curves in memory: every step's loss numbered as the CSV numbers them,
+    /// each epoch at the step that ended it, the held-out set named, and PNG bytes of the
+    /// figure's size with no file written.
+    #[test]
+    fn a_reports_curves_are_a_png_in_memory() {
+        use crate::train::{train_data_parallel, TrainConfig};
+        let splits = crate::data::toy::toy_enlarged(40, 3).unwrap();
+        let model = crate::models::toy_mlp(2, 2).unwrap();
+        let config = TrainConfig { epochs: 3, batch_size: 16, ..TrainConfig::default() };
+        let devices = crate::devices::Devices::cpu(2, 1).unwrap();
+        let report = train_data_parallel(&model, &splits.train, splits.test.as_ref(), &devices, &config).unwrap();
+        let table = MetricsTable::from(&report);
+        assert_eq!(table.steps.len() as u64, report.steps);
+        assert_eq!(table.steps[0].step, 1.0);
+        assert_eq!(table.steps.iter().map(|s| s.loss).collect::<Vec<_>>(), report.losses);
+        let per_epoch = report.epochs[0].steps as f64;
+        let ends: Vec<f64> = table.epochs.iter().map(|e| e.step).collect();
+        assert_eq!(ends, [per_epoch, 2.0 * per_epoch, 3.0 * per_epoch]);
+        assert_eq!(table.epochs[2].val_loss, Some(report.epochs[2].test.unwrap().mean_loss()));
+        assert_eq!(table.held_out, Some(HeldOut::Test));
+        let bytes = png(&table, "toy", XAxis::Step).unwrap();
+        let image = image::load_from_memory_with_format(&bytes, image::ImageFormat::Png).unwrap();
+        assert_eq!((image.width(), image.height()), (WIDTH, HEIGHT));
+        // Not blank: the curves and the text drew something other than white.
+        assert!(image.to_rgb8().pixels().any(|p| p.0 != [255, 255, 255]));
     }
 
     #[test]

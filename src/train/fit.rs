@@ -396,6 +396,7 @@ impl<'a, 'o> Fit<'a, 'o> {
             val,
             best,
             steps: sums.steps,
+            step_at_end: trainer.steps(),
             seconds: sums.started.elapsed().as_secs_f64(),
             samples_per_sec: sums.metrics.count as f64 / sums.train_time.as_secs_f64().max(1e-12),
             steps_of_run: self.text.then(|| (trainer.steps(), self.span.total_steps)),

@@ -91,6 +91,9 @@ pub struct EpochReport {
     pub best: bool,
     /// Steps of this epoch, resumed ones included.
     pub steps: u64,
+    /// Steps of the run done at this epoch's end (1-based, as the metrics files number
+    /// them: the step that ended the epoch).
+    pub step_at_end: u64,
     pub seconds: f64,
     /// Labels trained per second: samples, or a text's tokens.
     pub samples_per_sec: f64,
@@ -266,6 +269,7 @@ mod tests {
             val: None,
             best: true,
             steps: steps as u64,
+            step_at_end: steps as u64,
             seconds: 0.5,
             samples_per_sec: 200.0,
             steps_of_run: None,
