@@ -41,7 +41,7 @@
 //! | [`checkpoint`] | checkpoints and exact resume |
 //! | [`dirlock`] | one run per checkpoint directory (an advisory lock) |
 //! | [`memory`] | memory estimated before any work, refused when it does not fit |
-//! | [`units`] | bytes and counts as people read them (a leaf) |
+//! | [`units`] | bytes, counts and spans of time as people read and write them (a leaf) |
 //! | [`digest`] | FNV-1a, the hash of every digest compared: checkpoints, datasets, processes, replicas (a leaf) |
 //! | [`wire`] | the 16-bit gradient codec's wire format, below both `exchange` and `cuda` (a leaf) |
 //! | [`weights`] | safetensors weights in PyTorch's names and layouts |
@@ -49,6 +49,9 @@
 //! | [`devices`] | `--devices` specifications |
 //! | [`world`] | the processes of a run under an MPI launcher: this one's index, their number, their collectives, failure notices |
 //! | [`cuda`] | run-time probing of the CUDA driver, NVRTC and NCCL; the CUDA kernels; the GPU replica |
+//! | [`observe`] | observers of a run: progress (a bar, or lines), JSON lines, the metrics CSV |
+//! | [`plot`] | training curves as a PNG, in memory or to a file |
+//! | `notebook` | with the `notebook` feature: what a Jupyter (evcxr) cell shows of a report |
 #![forbid(unsafe_op_in_unsafe_fn)]
 
 pub mod backend;
@@ -65,6 +68,8 @@ pub mod generate;
 pub mod memory;
 pub mod models;
 pub mod nn;
+#[cfg(feature = "notebook")]
+pub mod notebook;
 pub mod observe;
 pub mod optim;
 pub mod plot;
@@ -83,7 +88,7 @@ pub use tensor::{Device, Shape, Tensor};
 
 /// The names a notebook or a small program needs, in one `use lockstep::prelude::*;`:
 /// devices, the built-in models, the data loaders, the configurations, the two entry
-/// points and the observers.
+/// points, the observers and the curves.
 pub mod prelude {
     pub use crate::data::digits::{load_digits, DigitsLayout};
     pub use crate::data::fashion_mnist::load_fashion_mnist;
@@ -91,11 +96,12 @@ pub mod prelude {
     pub use crate::devices::Devices;
     pub use crate::models::{self, convnet, resnet, toy_mlp, ConvnetOptions, Norm, ResnetDepth};
     pub use crate::nn::{Layer, Sequential};
-    pub use crate::observe::{CsvMetrics, JsonLines, Progress};
+    pub use crate::observe::{CsvMetrics, Every, JsonLines, Progress, StepLines, Stream};
     pub use crate::optim::{LrSchedule, OptimizerConfig};
+    pub use crate::plot::{MetricsTable, XAxis};
     pub use crate::train::{
-        train_data_parallel, train_data_parallel_with, with_trainer, Batch, EpochReport, Observer, Silent, Stopped,
-        TrainConfig, TrainReport, Trainer,
+        train_data_parallel, train_data_parallel_with, with_trainer, Batch, EpochReport, HeldOut, Observer, Silent,
+        Stopped, TrainConfig, TrainReport, Trainer,
     };
     pub use crate::{Device, Error, Result, Shape, Tensor};
 }

@@ -69,7 +69,8 @@ pub fn parse_duration(text: &str) -> Result<std::time::Duration, String> {
         const UNITS: [(char, f64); 4] = [('d', 86_400.0), ('h', 3_600.0), ('m', 60.0), ('s', 1.0)];
         let (mut rest, mut total, mut next_unit) = (t, 0.0, 0);
         while !rest.is_empty() {
-            let end = rest.find(|c: char| !(c.is_ascii_digit() || c == '.')).ok_or_else(|| bad("a number without a unit"))?;
+            let end =
+                rest.find(|c: char| !(c.is_ascii_digit() || c == '.')).ok_or_else(|| bad("a number without a unit"))?;
             let unit = rest[end..].chars().next().expect("found above");
             let k = UNITS.iter().position(|(u, _)| *u == unit).ok_or_else(|| bad(&format!("unknown unit '{unit}'")))?;
             if k < next_unit {
@@ -145,7 +146,9 @@ mod tests {
         ] {
             match parse_duration(text) {
                 Ok(d) => assert!(why.is_empty(), "{text} read as {d:?}"),
-                Err(e) => assert!(e.starts_with(&format!("'{text}' is not a duration")) && e.contains(why), "{text}: {e}"),
+                Err(e) => {
+                    assert!(e.starts_with(&format!("'{text}' is not a duration")) && e.contains(why), "{text}: {e}")
+                }
             }
         }
         assert_eq!(duration(std::time::Duration::from_secs(13_800)), "3h50m");

@@ -159,8 +159,10 @@ fn a_time_limit_checkpoints_exits_75_and_resumes_to_the_same_weights() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
 
     // A limit of zero: past it after the first step.
-    let out =
-        bin().args(train_args(&["--devices", "cpu:2", "--checkpoint-dir", ck_s, "--time-limit", "0s"])).output().unwrap();
+    let out = bin()
+        .args(train_args(&["--devices", "cpu:2", "--checkpoint-dir", ck_s, "--time-limit", "0s"]))
+        .output()
+        .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(75), "{stderr}");
     let first = ck.join("checkpoint-000000000001.safetensors");
@@ -172,7 +174,8 @@ fn a_time_limit_checkpoints_exits_75_and_resumes_to_the_same_weights() {
     assert!(first.is_file());
 
     // Resumed on one device with an hour to spare: it completes.
-    let resume = ["--devices", "cpu:1", "--resume", ck_s, "--time-limit", "1:00:00", "--save", resumed.to_str().unwrap()];
+    let resume =
+        ["--devices", "cpu:1", "--resume", ck_s, "--time-limit", "1:00:00", "--save", resumed.to_str().unwrap()];
     let out = bin().args(train_args(&resume)).output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(tensors(&full) == tensors(&resumed), "resumed weights differ from the uninterrupted run's");

@@ -223,7 +223,9 @@ fn a_run_stopped_at_its_time_limit_after_every_step_resumes_to_the_same_weights(
         assert!(path.ends_with(format!("checkpoint-{run:012}.safetensors")), "{}", path.display());
         assert!(r.to_string().ends_with(&format!("; stopped at the time limit, checkpoint {}", path.display())));
         let (state, found, _) =
-            checkpoint::load_latest(&model, &dir, &policy(&dir, 1000).config, &fresh, Fallback::Refuse).unwrap().unwrap();
+            checkpoint::load_latest(&model, &dir, &policy(&dir, 1000).config, &fresh, Fallback::Refuse)
+                .unwrap()
+                .unwrap();
         assert_eq!(&found, path);
         resume = Some(state);
     }

@@ -992,7 +992,10 @@ fn timed_out(model: &Sequential, report: &TrainReport, checkpoint: Option<&Path>
         }
         (None, Some(p)) => {
             weights::save(model, &report.weights, p).map_err(Failure::runtime)?;
-            line.push_str(&format!("; the weights at that step saved to {} (no --checkpoint-dir: no resume)", p.display()));
+            line.push_str(&format!(
+                "; the weights at that step saved to {} (no --checkpoint-dir: no resume)",
+                p.display()
+            ));
         }
         (None, None) => line.push_str("; nothing saved (no --checkpoint-dir or --save)"),
     }

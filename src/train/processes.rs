@@ -17,9 +17,9 @@
 
 use std::ops::Range;
 
-use super::trainer::StopRequest;
 use super::replica::check_replicas;
 use super::scatter;
+use super::trainer::StopRequest;
 use super::{ShardReport, StepReport, TrainConfig};
 use crate::digest::Fnv1a;
 use crate::error::{Error, Result};

@@ -228,7 +228,9 @@ impl std::fmt::Display for TrainReport {
             Stopped::EarlyStopping { best_epoch } => write!(f, "; stopped early, best epoch {}", best_epoch + 1),
             Stopped::Interrupted { checkpoint: Some(p) } => write!(f, "; interrupted, checkpoint {}", p.display()),
             Stopped::Interrupted { checkpoint: None } => write!(f, "; interrupted"),
-            Stopped::TimeLimit { checkpoint: Some(p) } => write!(f, "; stopped at the time limit, checkpoint {}", p.display()),
+            Stopped::TimeLimit { checkpoint: Some(p) } => {
+                write!(f, "; stopped at the time limit, checkpoint {}", p.display())
+            }
             Stopped::TimeLimit { checkpoint: None } => write!(f, "; stopped at the time limit"),
         }
     }
