@@ -133,6 +133,8 @@ pub mod guide {
     pub struct ResidualNetworks;
     #[doc = include_str!("../docs/transformers.md")]
     pub struct Transformers;
+    #[doc = include_str!("../docs/notebooks.md")]
+    pub struct Notebooks;
     #[doc = include_str!("../docs/limits.md")]
     pub struct Limits;
     #[doc = include_str!("../docs/performance.md")]

@@ -420,6 +420,89 @@ fn copy_dir(from: &Path, to: &Path) {
     }
 }
 
+/// Issue 19, defect 5: every setting that changes a number is compared before any work,
+/// and the refusal names it in the words it was given with; each of these trained
+/// together before (with different weights per process, or a hang).
+#[test]
+fn every_setting_and_the_data_must_agree() {
+    if !mpi_ready("every_setting_and_the_data_must_agree") {
+        return;
+    }
+    let bin = env!("CARGO_BIN_EXE_lockstep");
+    let dir = Scratch::new();
+    // Two copies of one dataset but for one label.
+    let data = lockstep::data::toy::toy_enlarged(4, 0).unwrap().train;
+    let a = dir.path("a.safetensors");
+    let b = dir.path("b.safetensors");
+    lockstep::data::safetensors_file::save_safetensors_dataset(&data, &a).unwrap();
+    let mut labels = data.labels().to_vec();
+    labels[3] = 1 - labels[3];
+    let other = lockstep::data::Dataset::new("b", [2], data.features().clone(), labels, 2).unwrap();
+    lockstep::data::safetensors_file::save_safetensors_dataset(&other, &b).unwrap();
+    let (a, b) = (a.to_str().unwrap().to_string(), b.to_str().unwrap().to_string());
+    let convnet = ["--model", "convnet", "--steps", "2"];
+    let cases: [(&[&str], &[&str], &[&str], &str); 8] = [
+        (&convnet, &["--dropout", "0.5"], &["--dropout", "0.1"], "process 1 has --dropout 0.1, process 0 has 0.5"),
+        (&convnet, &[], &["--bn-momentum", "0.5"], "process 1 has --bn-momentum 0.5, process 0 has 0.9"),
+        (&["--model", "toy"], &[], &["--accumulate", "2"], "process 1 has --accumulate 2, process 0 has 1"),
+        (&["--model", "toy"], &[], &["--no-shuffle"], "process 1 has --no-shuffle true, process 0 has (not given)"),
+        (&["--model", "toy"], &[], &["--drop-last"], "process 1 has --drop-last true, process 0 has (not given)"),
+        (&["--model", "toy"], &["--lr", "0.01"], &["--lr", "0.1"], "process 1 has --lr 0.1, process 0 has 0.01"),
+        (&convnet, &[], &["--sync-batchnorm"], "process 1 has --sync-batchnorm true, process 0 has (not given)"),
+        (&["--model", "toy"], &["--data", &a], &["--data", &b], "process 1 has training data digest "),
+    ];
+    for (common, zero, one, said) in cases {
+        let base = ["train", "--devices", "cpu:1"];
+        let o = mpirun(1, &[])
+            .arg(bin)
+            .args(base)
+            .args(common)
+            .args(zero)
+            .args([":", "-np", "1", bin])
+            .args(base)
+            .args(common)
+            .args(one)
+            .output()
+            .unwrap();
+        let out = text(&o);
+        assert!(!o.status.success(), "{one:?}: {out}");
+        assert!(out.contains(&format!("error: the processes of this run disagree: {said}")), "{one:?}: {out}");
+    }
+}
+
+/// `--time-limit` across processes: the first process past its limit stops them all at the
+/// same step (here process 1, with no time at all, stops process 0, which has an hour);
+/// one checkpoint, of step 1, and both processes exit 75.
+#[test]
+fn a_time_limit_on_one_process_stops_every_process_at_the_same_step() {
+    if !mpi_ready("a_time_limit_on_one_process_stops_every_process_at_the_same_step") {
+        return;
+    }
+    let bin = env!("CARGO_BIN_EXE_lockstep");
+    let dir = Scratch::new();
+    let ck = dir.path("ck");
+    let base = ["train", "--model", "toy", "--devices", "cpu:1", "--checkpoint-dir", ck.to_str().unwrap()];
+    let o = mpirun(1, &["--mca", "orte_abort_on_non_zero_status", "0"])
+        .arg(bin)
+        .args(base)
+        .args(["--time-limit", "1h"])
+        .args([":", "-np", "1", bin])
+        .args(base)
+        .args(["--time-limit", "0s"])
+        .output()
+        .unwrap();
+    let out = text(&o);
+    assert!(out.contains("lockstep: stopped at the time limit (1h) after step 1; checkpoint written to "), "{out}");
+    let names: Vec<String> = std::fs::read_dir(&ck)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("checkpoint-"))
+        .collect();
+    assert_eq!(names, ["checkpoint-000000000001.safetensors"], "{out}");
+    // Neither process went on: a second step would have been reported by process 0.
+    assert!(!out.contains("epoch 1/"), "{out}");
+}
+
 #[test]
 fn arguments_that_disagree_are_refused_on_every_process() {
     if !mpi_ready("arguments_that_disagree_are_refused_on_every_process") {
@@ -436,9 +519,7 @@ fn arguments_that_disagree_are_refused_on_every_process() {
     let out = text(&o);
     assert!(!o.status.success(), "{out}");
     assert!(
-        out.contains(
-            "error: the processes of this run disagree: process 1 has batch size 4, process 0 has batch size 2"
-        ),
+        out.contains("error: the processes of this run disagree: process 1 has --batch-size 4, process 0 has 2"),
         "{out}"
     );
     assert!(out.contains("Exit code:    2"), "exits 2, as for any bad argument: {out}");
@@ -474,6 +555,37 @@ fn table_rows(out: &str) -> Vec<Vec<&str>> {
         .filter(|l| !l.starts_with('#') && l.contains('|'))
         .map(|l| l.split_whitespace().filter(|c| *c != "|").collect())
         .collect()
+}
+
+/// Issue 19, defect 6: `bench allreduce` with disagreeing arguments ended in Open MPI's
+/// MPI_ERR_TRUNCATE (other sizes) or a hang (other counts); it now refuses as `train`
+/// does, naming the argument.
+#[test]
+fn bench_allreduce_refuses_processes_that_disagree() {
+    if !mpi_ready("bench_allreduce_refuses_processes_that_disagree") {
+        return;
+    }
+    let bin = env!("CARGO_BIN_EXE_lockstep");
+    let base = ["bench", "allreduce", "--devices", "cpu:1", "--warmup", "1"];
+    for (zero, one, said) in [
+        (["--sizes", "4K"], ["--sizes", "8K"], "process 1 has --sizes 8192, process 0 has 4096"),
+        (["--iters", "3"], ["--iters", "4"], "process 1 has --iters 4, process 0 has 3"),
+    ] {
+        let t0 = Instant::now();
+        let o = mpirun(1, &[])
+            .arg(bin)
+            .args(base)
+            .args(zero)
+            .args([":", "-np", "1", bin])
+            .args(base)
+            .args(one)
+            .output()
+            .unwrap();
+        let out = text(&o);
+        assert!(!o.status.success(), "{out}");
+        assert!(out.contains(&format!("error: the processes of this run disagree: {said}")), "{out}");
+        assert!(t0.elapsed() < Duration::from_secs(20), "took {:?}", t0.elapsed());
+    }
 }
 
 #[test]

@@ -189,6 +189,17 @@ pub(crate) fn mpi_allreduce(
     compression: Compression,
 ) -> CliResult {
     let p = world.size();
+    // Processes given other sizes, counts or codecs would meet in collectives of other
+    // lengths (MPI_ERR_TRUNCATE) or wait for ever: every process refuses at once.
+    let sizes_words: Vec<String> = sizes.iter().map(usize::to_string).collect();
+    let settings = [
+        ("--sizes".to_string(), sizes_words.join(",")),
+        ("--iters".to_string(), iters.to_string()),
+        ("--warmup".to_string(), warmup.to_string()),
+        ("--grad-compression".to_string(), compression.name().to_string()),
+        ("--devices".to_string(), format!("cpu:{devices}")),
+    ];
+    world.agree(&settings).map_err(Failure::usage)?;
     let mut out = std::io::stdout();
     let voice = world.is_voice();
     let coded = compression != Compression::None;

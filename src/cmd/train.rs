@@ -369,52 +369,72 @@ fn with_stored_flags(a: TrainArgs, given: &BTreeSet<String>, dir: &Path) -> CliR
     }
 }
 
+/// Processes started with different flags refuse at once, every one of them, naming the
+/// first flag that differs: `process 1 has --dropout 0.1, process 0 has 0.5`. The flags
+/// compared are those a checkpoint stores (what the run is), once resolved, except those
+/// that name files or devices, which may differ from machine to machine: the trainer then
+/// compares what they hold (the data's bytes, the model's layers, the devices' number and
+/// kind).
+fn agree_flags(world: &lockstep::world::World, a: &TrainArgs) -> CliResult {
+    const PER_MACHINE: [&str; 5] = ["data", "test_data", "val_data", "save_best", "devices"];
+    let given = flag_values(a);
+    let spec_model = matches!(a.model, ModelChoice::Spec(_));
+    let ids = STORED_IDS.iter().chain(&regularize::STORED).chain(&text::STORED);
+    let settings: Vec<(String, String)> = ids
+        .filter(|id| !PER_MACHINE.contains(id) && !(spec_model && **id == "model"))
+        .map(|id| (flag(id), given.get(id).cloned().unwrap_or_else(|| "(not given)".into())))
+        .collect();
+    world.agree(&settings).map_err(Failure::usage)
+}
+
 /// The stored flags that are switches (stored as "true" when set).
 const SWITCHES: [&str; 6] =
     ["no_shuffle", "drop_last", "allow_nonfinite", "sync_batchnorm", "shard_optimizer", "nesterov"];
 
 /// Whether `id` is a flag this version stores (a newer lockstep's extra entries are left).
 fn here_known(id: &str) -> bool {
-    const STORED: [&str; 36] = [
-        "model",
-        "momentum",
-        "nesterov",
-        "weight_decay",
-        "weight_decay_on",
-        "warmup_steps",
-        "clip_grad_norm",
-        "adam_eps",
-        "dropout",
-        "bn_momentum",
-        "seed",
-        "devices",
-        "keep_checkpoints",
-        "data",
-        "test_data",
-        "val_data",
-        "validation_split",
-        "classes",
-        "epochs",
-        "batch_size",
-        "optimizer",
-        "lr",
-        "lr_schedule",
-        "steps",
-        "replicas",
-        "check_replicas_every",
-        "checkpoint_every",
-        "early_stopping",
-        "save_best",
-        "no_shuffle",
-        "drop_last",
-        "allow_nonfinite",
-        "accumulate",
-        "grad_compression",
-        "sync_batchnorm",
-        "shard_optimizer",
-    ];
-    STORED.contains(&id) || regularize::STORED.contains(&id) || text::STORED.contains(&id)
+    STORED_IDS.contains(&id) || regularize::STORED.contains(&id) || text::STORED.contains(&id)
 }
+
+/// The flags a checkpoint stores, by clap id (with `regularize::STORED`, `text::STORED`).
+const STORED_IDS: [&str; 36] = [
+    "model",
+    "momentum",
+    "nesterov",
+    "weight_decay",
+    "weight_decay_on",
+    "warmup_steps",
+    "clip_grad_norm",
+    "adam_eps",
+    "dropout",
+    "bn_momentum",
+    "seed",
+    "devices",
+    "keep_checkpoints",
+    "data",
+    "test_data",
+    "val_data",
+    "validation_split",
+    "classes",
+    "epochs",
+    "batch_size",
+    "optimizer",
+    "lr",
+    "lr_schedule",
+    "steps",
+    "replicas",
+    "check_replicas_every",
+    "checkpoint_every",
+    "early_stopping",
+    "save_best",
+    "no_shuffle",
+    "drop_last",
+    "allow_nonfinite",
+    "accumulate",
+    "grad_compression",
+    "sync_batchnorm",
+    "shard_optimizer",
+];
 
 /// `--resume DIR` names a directory, not a checkpoint file or nothing.
 fn check_resume_dir(dir: &Path) -> CliResult {
@@ -662,6 +682,7 @@ pub(crate) fn cmd_train(a: TrainArgs, given: &BTreeSet<String>) -> CliResult {
     let is_text = text::is_text(&data_spec) || source.is_gpt();
     let toy = source.flat() && !is_text;
     let s = settings(&mut a, toy, is_text)?;
+    agree_flags(world, &a)?;
     if voice {
         check_outputs(&a)?;
     }

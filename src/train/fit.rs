@@ -97,9 +97,12 @@ pub fn train_data_parallel_with(
         return Err(Error::config(what, "monitors the held-out loss, and this run has no held-out set"));
     }
     let span = RunSpan::new(train, config)?;
+    // Processes that would train on different data, or evaluate on it, refuse at once.
+    let world = crate::world::current()?;
+    world.agree(&super::processes::data_settings(train, test))?;
     // One run per checkpoint directory, held until this returns, whatever happens; with
     // several processes, process 0's (the one that writes there).
-    let voice = crate::world::current()?.is_voice();
+    let voice = world.is_voice();
     let _owner = match config.checkpoint.as_ref().filter(|_| voice) {
         Some(p) => Some(checkpoint::claim_dir(&p.dir)?.begin_run()?),
         None => None,

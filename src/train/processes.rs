@@ -21,13 +21,15 @@ use super::replica::check_replicas;
 use super::scatter;
 use super::trainer::StopRequest;
 use super::{ShardReport, StepReport, TrainConfig};
+use crate::data::Dataset;
 use crate::digest::Fnv1a;
 use crate::error::{Error, Result};
 use crate::exchange::gpu::{new_clique_id, Clique};
 use crate::nn::loss::Metrics;
-use crate::nn::ParamStore;
+use crate::nn::{ParamStore, Sequential};
 use crate::optim::Optimizer;
 use crate::tensor::Device;
+use crate::world::agree::Setting;
 use crate::world::World;
 
 /// Which process trains which logical replicas, and which rows of a batch it holds.
@@ -78,82 +80,87 @@ pub(super) fn clique(world: &World, local: usize) -> Result<Clique> {
     Ok(Clique { id, members: local * world.size(), first: world.process() * local })
 }
 
-/// FNV-1a over 64-bit words, each as its 8 little-endian bytes.
-fn fnv(words: impl IntoIterator<Item = u64>) -> u64 {
-    words.into_iter().fold(Fnv1a::new(), Fnv1a::u64_le).finish()
-}
-
-/// The optimiser and everything that shapes its steps (schedule, warm-up, weight decay's
-/// parameters, clipping), as words for the handshake's digest.
-fn optimizer_words(config: &TrainConfig) -> impl Iterator<Item = u64> {
-    let recipe =
-        (config.optimizer, config.schedule, config.warmup_steps, config.weight_decay_on, config.clip_grad_norm);
-    format!("{recipe:?}").into_bytes().into_iter().map(u64::from)
-}
-
-/// What every process of a run must agree on before the first step, by name.
+/// What every process of a run must agree on before the first step, in words
+/// (`World::agree` compares them): the devices, the whole configuration that changes a
+/// number, the model layer by layer, and the initial weights.
 pub(super) struct Handshake {
-    fields: Vec<(&'static str, u64)>,
+    settings: Vec<Setting>,
 }
 
 impl Handshake {
     /// The run this process was started with.
-    pub fn of(devices: &[Device], replicas: usize, width: usize, config: &TrainConfig, initial: &ParamStore) -> Self {
+    pub fn of(
+        devices: &[Device],
+        replicas: usize,
+        model: &Sequential,
+        config: &TrainConfig,
+        initial: &ParamStore,
+    ) -> Self {
         let kind = match devices.first() {
-            Some(Device::Cuda(_)) => 1,
-            _ => 0,
+            Some(Device::Cuda(_)) => "cuda",
+            _ => "cpu",
         };
-        let bits = initial.params.iter().chain(&initial.buffers).map(|v| v.to_bits() as u64);
-        let fields = vec![
-            ("devices", devices.len() as u64),
-            ("device kind (0 cpu, 1 cuda)", kind),
-            ("replicas", replicas as u64),
-            ("values per slot (the model)", width as u64),
-            ("batch size", config.batch_size as u64),
-            ("seed", config.seed),
-            ("epochs", config.epochs as u64),
-            ("step limit", config.max_steps.unwrap_or(u64::MAX)),
-            ("resumed step", config.resume.as_ref().map_or(u64::MAX, |r| r.step)),
-            ("optimizer", fnv(optimizer_words(config))),
-            (
-                "sharded optimiser (0 no, 1 yes)",
-                u64::from(config.optimizer_sharding == crate::optim::Sharding::Sharded),
-            ),
+        let bits = initial.params.iter().chain(&initial.buffers).map(|v| v.to_bits());
+        let weights = bits.fold(Fnv1a::new(), |h, b| h.bytes(&b.to_le_bytes())).finish();
+        let or_none = |v: Option<String>| v.unwrap_or_else(|| "none".into());
+        let c = config;
+        let mut settings: Vec<(&str, String)> = vec![
+            ("devices", devices.len().to_string()),
+            ("device kind", kind.into()),
+            ("logical replicas", replicas.to_string()),
+            ("batch size", c.batch_size.to_string()),
+            ("seed", c.seed.to_string()),
+            ("epochs", c.epochs.to_string()),
+            ("step limit", or_none(c.max_steps.map(|k| k.to_string()))),
+            ("resumed step", or_none(c.resume.as_ref().map(|r| r.step.to_string()))),
+            ("optimizer", format!("{:?}", c.optimizer)),
+            ("learning-rate schedule", format!("{:?}", c.schedule)),
+            ("warm-up steps", c.warmup_steps.to_string()),
+            ("weight decay on", format!("{:?}", c.weight_decay_on)),
+            ("gradient clipping", or_none(c.clip_grad_norm.map(|n| n.to_string()))),
+            ("shuffling", format!("{:?}", c.shuffle)),
+            ("last batch", format!("{:?}", c.last_batch)),
+            ("accumulation", c.accumulate.to_string()),
+            ("gradient compression", format!("{:?}", c.grad_compression)),
+            ("optimizer sharding", format!("{:?}", c.optimizer_sharding)),
             // A sharded optimiser's checkpoints gather every process's state: all must
             // checkpoint at the same steps.
-            ("checkpoint period (0 none)", config.checkpoint.as_ref().map_or(0, |p| p.every.max(1))),
-            ("initial weights (digest)", fnv(bits)),
-            (
-                "augmentation and label smoothing (digest)",
-                fnv(format!("{} {}", config.augment.name(), config.label_smoothing).bytes().map(u64::from)),
-            ),
+            ("checkpoint period", or_none(c.checkpoint.as_ref().map(|p| p.every.max(1).to_string()))),
+            ("augmentation", c.augment.name()),
+            ("label smoothing", c.label_smoothing.to_string()),
+            ("held-out set", c.held_out.name().into()),
+            ("early stopping", format!("{:?}", c.early_stopping)),
+            ("evaluation batch", c.eval_batch.to_string()),
+            ("evaluation period", or_none(c.eval_every.map(|k| k.to_string()))),
+            ("evaluation batches", or_none(c.eval_batches.map(|k| k.to_string()))),
+            ("non-finite losses", format!("{:?}", c.non_finite)),
+            ("model", format!("{} layers, {} values", model.layers().len(), model.params_len() + model.buffers_len())),
         ];
-        Handshake { fields }
+        let layers: Vec<(String, String)> =
+            model.layers().iter().enumerate().map(|(i, l)| (format!("layer {i}"), l.describe())).collect();
+        let mut out: Vec<Setting> = settings.drain(..).map(|(k, v)| (k.to_string(), v)).collect();
+        out.extend(layers);
+        out.push(("initial weights".into(), format!("digest {weights:016x}")));
+        Handshake { settings: out }
     }
 
     /// Every process's handshake compared with process 0's: the first difference, on
     /// every process alike.
     pub fn agree(&self, world: &World) -> Result<()> {
-        let mine: Vec<u64> = self.fields.iter().map(|f| f.1).collect();
-        let all = world.all_gather(&mine)?;
-        let n = mine.len();
-        for q in 1..world.size() {
-            for (i, (name, _)) in self.fields.iter().enumerate() {
-                let (theirs, first) = (all[q * n + i], all[i]);
-                if theirs != first {
-                    let show = |v: u64| if v == u64::MAX { "none".to_string() } else { v.to_string() };
-                    let (a, b) = match name.ends_with("(digest)") || *name == "optimizer" {
-                        true => (format!("{theirs:016x}"), format!("{first:016x}")),
-                        false => (show(theirs), show(first)),
-                    };
-                    return Err(Error::Processes {
-                        detail: format!("process {q} has {name} {a}, process 0 has {name} {b}"),
-                    });
-                }
-            }
-        }
-        Ok(())
+        world.agree(&self.settings)
     }
+}
+
+/// The data a run trains and evaluates on, in words for `World::agree`: each set's
+/// samples, their shape, and a digest of every value and label (a set that differs by
+/// one byte or one label differs here).
+pub(super) fn data_settings(train: &Dataset, held_out: Option<&Dataset>) -> Vec<Setting> {
+    let words =
+        |d: &Dataset| format!("{} samples of {:?}, digest {:016x}", d.len(), d.sample_shape().dims(), d.digest());
+    vec![
+        ("training data".into(), words(train)),
+        ("held-out data".into(), held_out.map_or_else(|| "none".into(), words)),
+    ]
 }
 
 /// Every process's parts of a sharded optimiser (`parts`: this process's, one per
@@ -334,15 +341,21 @@ mod tests {
 
     #[test]
     fn the_handshake_names_the_first_difference() {
-        let h = |batch: usize| {
+        let h = |batch: usize, dropout: f32| {
             let config = TrainConfig { batch_size: batch, ..TrainConfig::default() };
-            let store = ParamStore { params: vec![1.0, 2.0], buffers: vec![] };
-            Handshake::of(&[Device::Cpu(0)], 2, 2, &config, &store)
+            let model =
+                crate::models::convnet(crate::models::ConvnetOptions { dropout, ..Default::default() }).unwrap();
+            Handshake::of(&[Device::Cpu(0)], 2, &model, &config, &model.init(0))
         };
         // In a world of one there is nobody to disagree with.
-        assert!(h(8).agree(crate::world::current().unwrap()).is_ok());
-        let (a, b) = (h(8), h(16));
-        let first = a.fields.iter().zip(&b.fields).find(|(x, y)| x.1 != y.1).map(|(x, _)| x.0);
-        assert_eq!(first, Some("batch size"));
+        assert!(h(8, 0.5).agree(crate::world::current().unwrap()).is_ok());
+        let first = |a: Handshake, b: Handshake| {
+            a.settings.iter().zip(&b.settings).find(|(x, y)| x.1 != y.1).map(|(x, y)| (x.clone(), y.1.clone()))
+        };
+        let batch = first(h(8, 0.5), h(16, 0.5)).unwrap();
+        assert_eq!(batch, (("batch size".to_string(), "8".to_string()), "16".to_string()));
+        // Two models of one size that differ in a layer's setting: the layer is named.
+        let ((name, a), b) = first(h(8, 0.5), h(8, 0.1)).unwrap();
+        assert!(name.starts_with("layer ") && a == "Dropout(0.5)" && b == "Dropout(0.1)", "{name}: {a} vs {b}");
     }
 }

@@ -519,7 +519,7 @@ pub fn with_trainer<T>(
     };
     let width = model.params_len() + model.buffers_len();
     // A world of one agrees with itself.
-    Handshake::of(devices.list(), replicas, width, config, &initial).agree(world)?;
+    Handshake::of(devices.list(), replicas, model, config, &initial).agree(world)?;
     let k = replicas / in_world;
     let synchronized = crate::nn::batchnorm::has_synchronized_layers(model);
     let transport = RunTransport::of(devices.list(), world.size());

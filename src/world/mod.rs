@@ -16,6 +16,7 @@
 //! anything. MPI is a cargo feature (`mpi`, off by default): without it a launched
 //! process of a world of several is refused with how to build it ([`init`]).
 
+pub mod agree;
 pub mod launch;
 #[cfg(feature = "mpi")]
 pub(crate) mod mpi;
