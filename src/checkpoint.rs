@@ -126,6 +126,53 @@ pub fn list(dir: &Path) -> Result<Vec<(u64, PathBuf)>> {
     Ok(out)
 }
 
+/// The run a checkpoint's header says it belongs to: its compared configuration (the
+/// `config.` entries, `CheckpointPolicy::config`), which every checkpoint of one run
+/// carries alike.
+fn run_of(meta: &BTreeMap<String, String>) -> BTreeMap<String, String> {
+    meta.iter().filter_map(|(k, v)| k.strip_prefix(key::CONFIG).map(|k| (k.to_string(), v.clone()))).collect()
+}
+
+fn name_of(path: &Path) -> String {
+    path.file_name().map_or(String::new(), |n| n.to_string_lossy().into_owned())
+}
+
+/// Refuses a directory whose checkpoints belong to more than one run (a checkpoint
+/// copied in from another run, say): resuming would continue whichever is newest, and a
+/// run's pruning would delete the other's. The error names both runs, by a file of each
+/// and the first setting in which they differ. Checkpoints whose header does not read are
+/// left to [`load`], which says what is wrong with them.
+pub fn check_one_run(dir: &Path) -> Result<()> {
+    let mut runs: Vec<(BTreeMap<String, String>, Vec<PathBuf>)> = Vec::new();
+    for (_, path) in list(dir)? {
+        let Ok(meta) = read_file(&path).and_then(|f| f.metadata()) else { continue };
+        let run = run_of(&meta);
+        match runs.iter_mut().find(|(r, _)| *r == run) {
+            Some((_, files)) => files.push(path),
+            None => runs.push((run, vec![path])),
+        }
+    }
+    let [(a, fa), (b, fb), ..] = &runs[..] else { return Ok(()) };
+    let keys = a.keys().chain(b.keys());
+    let differs = keys.clone().find(|k| a.get(*k) != b.get(*k)).expect("two runs differ somewhere");
+    let value = |r: &BTreeMap<String, String>| r.get(differs).cloned().unwrap_or_else(|| "not set".into());
+    let files = |f: &[PathBuf]| match f.len() {
+        1 => name_of(&f[0]),
+        n => format!("{} and {} more", name_of(&f[n - 1]), n - 1),
+    };
+    Err(Error::format(
+        dir,
+        format!(
+            "holds the checkpoints of {} runs, which differ in {differs}: {} in {}, {} in {}; one directory holds one run (move the other's files out)",
+            runs.len(),
+            value(a),
+            files(fa),
+            value(b),
+            files(fb)
+        ),
+    ))
+}
+
 /// Makes `dir` this run's checkpoint directory: creates it (a file of that name is an
 /// error saying so), takes its lock (see `dirlock`: a directory another run holds is
 /// refused naming that run's pid), and only then clears what killed writes left — never
@@ -219,7 +266,10 @@ pub fn save(model: &Sequential, state: &Resume, policy: &CheckpointPolicy) -> Re
     }
     // Checkpoints past this step belong to a future this run abandoned (it resumed from
     // an earlier one); of the rest, the newest `keep` stay, this one always among them.
-    let (past, future): (Vec<_>, Vec<_>) = list(&policy.dir)?.into_iter().partition(|(s, _)| *s <= state.step);
+    // Only this run's are counted or removed: a file of another run is never touched.
+    let ours = |p: &Path| read_file(p).and_then(|f| f.metadata()).is_ok_and(|m| run_of(&m) == policy.config);
+    let (past, future): (Vec<_>, Vec<_>) =
+        list(&policy.dir)?.into_iter().filter(|(_, p)| ours(p)).partition(|(s, _)| *s <= state.step);
     let old = past.len().saturating_sub(policy.keep.max(1));
     for (_, p) in past.iter().take(old).chain(&future) {
         std::fs::remove_file(p).map_err(|e| Error::io(p, e))?;
@@ -282,6 +332,10 @@ pub fn load(
     // The checksum is no signature (FNV is public): a file forged with a matching one
     // must still describe a position that a run can reach.
     let step = num(key::STEP)?;
+    let named = name_of(path).strip_prefix(PREFIX).and_then(|n| n.strip_suffix(SUFFIX)).and_then(|n| n.parse().ok());
+    if let Some(named) = named.filter(|n: &u64| *n != step) {
+        return Err(Error::format(path, format!("is named for step {named} but holds step {step}")));
+    }
     let optimizer_steps = num(key::OPTIMIZER_STEPS)?;
     if optimizer_steps != step {
         return Err(Error::format(
@@ -350,6 +404,7 @@ pub fn load_latest(
     optimizer: &Optimizer,
     fallback: Fallback,
 ) -> Result<Option<(Resume, PathBuf, Vec<PathBuf>)>> {
+    check_one_run(dir)?;
     let mut skipped = Vec::new();
     let mut newest_problem = None;
     for (_, path) in list(dir)?.into_iter().rev() {
@@ -470,6 +525,46 @@ mod tests {
         std::fs::write(&newest, &bytes[..n / 2]).unwrap();
         let e = load_latest(&model, &dir, &p.config, &fresh, Fallback::Refuse).unwrap_err().to_string();
         assert!(e.contains("--resume-fallback"), "{e}");
+    }
+
+    /// Issue 19, defect 3: a checkpoint of another run copied into a directory (seed 7 among
+    /// seed 0's) made a resume continue it without a word, and that run's pruning then
+    /// deleted every checkpoint of the first; a file renamed to another step was accepted.
+    #[test]
+    fn a_directory_of_two_runs_is_refused_and_pruning_keeps_to_its_own_run() {
+        let model = models::toy_mlp(2, 2).unwrap();
+        let (_guard, dir) = tmp();
+        let p = policy(&dir, 2);
+        for step in [3, 6] {
+            save(&model, &state(&model, step), &p).unwrap();
+        }
+        let mut seven = p.clone();
+        seven.config.insert("seed".into(), "7".into());
+        let foreign = save(&model, &state(&model, 9), &seven).unwrap();
+        // The other run's pruning (keep 2, of 3 files) removed none of the first run's.
+        let steps: Vec<u64> = list(&dir).unwrap().into_iter().map(|(s, _)| s).collect();
+        assert_eq!(steps, [3, 6, 9]);
+        let fresh = Optimizer::new(OptimizerConfig::adam(1e-3), model.params_len());
+        for e in [
+            load_latest(&model, &dir, &p.config, &fresh, Fallback::NewestGood).unwrap_err().to_string(),
+            check_one_run(&dir).unwrap_err().to_string(),
+        ] {
+            assert!(e.contains("holds the checkpoints of 2 runs, which differ in seed"), "{e}");
+            assert!(e.contains("not set in checkpoint-000000000006.safetensors and 1 more"), "{e}");
+            assert!(e.contains("7 in checkpoint-000000000009.safetensors"), "{e}");
+        }
+        std::fs::remove_file(&foreign).unwrap();
+        // Saving again prunes this run's own: 3 goes, 6 and 12 stay.
+        save(&model, &state(&model, 12), &p).unwrap();
+        let steps: Vec<u64> = list(&dir).unwrap().into_iter().map(|(s, _)| s).collect();
+        assert_eq!(steps, [6, 12]);
+        // A file whose name and content disagree is refused.
+        std::fs::copy(dir.join(file_name(6)), dir.join(file_name(99))).unwrap();
+        let e = load_latest(&model, &dir, &p.config, &fresh, Fallback::Refuse).unwrap_err().to_string();
+        assert!(
+            e.contains("checkpoint-000000000099.safetensors") && e.contains("is named for step 99 but holds step 6"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -186,6 +186,37 @@ fn a_time_limit_checkpoints_exits_75_and_resumes_to_the_same_weights() {
     assert!(stderr.contains("'5x' is not a duration (unknown unit 'x')"), "{stderr}");
 }
 
+/// Issue 19, defect 3, as it was found: one checkpoint of a seed-7 run copied into the
+/// directory of a seed-0 run. `--resume` continued the seed-7 run without a word, and its
+/// pruning deleted the seed-0 run's checkpoints; now it refuses, naming both, and deletes
+/// nothing.
+#[test]
+fn a_foreign_checkpoint_in_the_directory_is_refused_naming_both_runs() {
+    let (_guard, dir) = tmp();
+    let (zero, seven) = (dir.join("zero"), dir.join("seven"));
+    for (ck, seed) in [(&zero, "0"), (&seven, "7")] {
+        let args =
+            ["train", "--model", "toy", "--epochs", "3", "--seed", seed, "--checkpoint-dir", ck.to_str().unwrap()];
+        let out = bin().args(args).output().unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    }
+    let newest = std::fs::read_dir(&seven)
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+        .max()
+        .unwrap();
+    std::fs::copy(&newest, zero.join(newest.file_name().unwrap())).unwrap();
+    let before = checkpoints(&zero);
+    let out = bin().args(["train", "--resume", zero.to_str().unwrap(), "--epochs", "6"]).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("holds the checkpoints of 2 runs, which differ in seed: 0 in checkpoint-"), "{stderr}");
+    assert!(stderr.contains("7 in checkpoint-"), "{stderr}");
+    assert_eq!(checkpoints(&zero), before, "nothing is deleted");
+}
+
 #[test]
 fn without_a_checkpoint_directory_a_signal_still_writes_save() {
     let dir = tempfile::tempdir().unwrap();

@@ -291,6 +291,8 @@ fn flag(id: &str) -> String {
 /// The newest checkpoint of `dir` whose header reads, and the flags it stores; older ones
 /// are tried only with `--resume-fallback` (the checksum is checked when it is loaded).
 fn stored_flags(dir: &Path, fallback: bool) -> CliResult<BTreeMap<String, String>> {
+    // The flags of one run: a directory holding two would resume whichever is newest.
+    checkpoint::check_one_run(dir).map_err(Failure::usage)?;
     let files = checkpoint::list(dir).map_err(Failure::usage)?;
     let mut first_error = None;
     for (_, path) in files.iter().rev() {
