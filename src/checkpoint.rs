@@ -242,7 +242,6 @@ pub fn save(model: &Sequential, state: &Resume, policy: &CheckpointPolicy) -> Re
         }
     }
     tensors.sort_by(|a, b| a.0.cmp(&b.0));
-    let le: Vec<Vec<u8>> = tensors.iter().map(|(_, _, v)| v.iter().flat_map(|x| x.to_le_bytes()).collect()).collect();
     let mut meta: BTreeMap<String, String> =
         policy.config.iter().map(|(k, v)| (format!("{}{k}", key::CONFIG), v.clone())).collect();
     meta.extend(policy.stored.iter().map(|(k, v)| (format!("{}{k}", key::STORED), v.clone())));
@@ -255,9 +254,14 @@ pub fn save(model: &Sequential, state: &Resume, policy: &CheckpointPolicy) -> Re
         meta.insert(key::BEST_EPOCH.into(), best.epoch.to_string());
         put_metrics(&mut meta, key::BEST_METRICS, &best.metrics);
     }
-    let described: Vec<String> = tensors.iter().map(|(n, shape, _)| format!("{n} F32 {shape:?}")).collect();
-    let sum = digest(&meta, described.iter().map(String::as_str).zip(le.iter().map(Vec::as_slice)));
-    meta.insert(key::CHECKSUM.into(), format!("{sum:016x}"));
+    // The checksum of `digest`, fed value by value: no copy of the tensors' bytes.
+    let entries = meta.iter().flat_map(|(k, v)| [k.as_bytes(), b"=", v.as_bytes(), b"\n"]);
+    let mut sum = entries.fold(Fnv1a::new(), Fnv1a::bytes);
+    for (name, shape, values) in &tensors {
+        sum = sum.bytes(format!("{name} F32 {shape:?}").as_bytes());
+        sum = values.iter().fold(sum, |h, v| h.bytes(&v.to_le_bytes()));
+    }
+    meta.insert(key::CHECKSUM.into(), format!("{:016x}", sum.finish()));
     let bytes = to_safetensors_bytes(&tensors, &meta)?;
     let path = policy.dir.join(file_name(state.step));
     write_atomic(&path, &bytes)?;

@@ -1072,7 +1072,7 @@ fn evaluate(
 
 /// The lines after the epochs: steps and rate, the last epoch, the best one, the test.
 fn final_lines(say: &dyn Fn(String), report: &TrainReport, held_out: HeldOut, tested: Option<&Metrics>, a: &TrainArgs) {
-    let taken = report.losses.len() as u64;
+    let taken = report.steps - report.first_step;
     let resumed = if taken < report.steps { format!(" (to step {})", report.steps) } else { String::new() };
     // Labels per second: a text run's are its tokens.
     let unit = if report.epochs.first().is_some_and(|e| e.steps_of_run.is_some()) { "tokens" } else { "samples" };

@@ -97,8 +97,30 @@ pub struct Conv2d {
     use_bias: bool,
     /// x: (N, C, H, W) of the training forward.
     x: Option<Tensor>,
-    /// Work buffers, one per group of samples, kept from step to step.
-    scratch: Vec<Scratch>,
+}
+
+/// Work buffers lent to the convolution that runs, one per group of samples, and given
+/// back when it ends: whatever the model's depth, the process holds as many as run at
+/// once (a group per core of each device), sized by the largest layer, not a set per
+/// layer (a spec of 3,000 convolutions kept 3,000 sets, ten times what was estimated).
+/// A run gives them back to the allocator when it ends ([`release_scratch`]).
+static SCRATCH: parking_lot::Mutex<Vec<Scratch>> = parking_lot::Mutex::new(Vec::new());
+
+fn borrow_scratch(n: usize) -> Vec<Scratch> {
+    let mut pool = SCRATCH.lock();
+    let keep = pool.len().saturating_sub(n);
+    let mut lent = pool.split_off(keep);
+    lent.resize_with(n, Scratch::default);
+    lent
+}
+
+fn give_back(lent: Vec<Scratch>) {
+    SCRATCH.lock().extend(lent);
+}
+
+/// Frees the convolutions' idle work buffers (those lent out stay with their borrower).
+pub fn release_scratch() {
+    drop(std::mem::take(&mut *SCRATCH.lock()));
 }
 
 /// One group's work buffers (contents are overwritten before every use).
@@ -276,7 +298,7 @@ impl Conv2d {
             ));
         }
         padding.check(kernel).map_err(|e| Error::config("Conv2d", e))?;
-        Ok(Conv2d { in_channels, filters, kernel, stride, padding, use_bias, x: None, scratch: Vec::new() })
+        Ok(Conv2d { in_channels, filters, kernel, stride, padding, use_bias, x: None })
     }
 
     /// The sliding window: kernel, stride (the same along H and W), padding.
@@ -360,9 +382,23 @@ impl Layer for Conv2d {
         let (kh, kw) = self.kernel;
         let weights = (self.in_channels as u64 * self.filters as u64).saturating_mul((kh * kw) as u64);
         let (input, output) = (shapes.input.numel() as u64, shapes.output.numel() as u64);
+        // The lent buffers (`Scratch`), the larger of the forward's and the backward's:
+        // Rows: a sample channels-last, and `chunk_samples` samples' rows and outputs;
+        // Columns: one sample's columns and (backward) their gradient.
+        let one: Vec<usize> = std::iter::once(1).chain(shapes.input.dims().iter().copied()).collect();
+        let (_, g) = self.geometry(&Shape::new(one)).ok()?;
+        let (kkc, p, o) = (g.col_rows() as u64, g.col_cols() as u64, self.filters as u64);
+        let lent = match unfold(&g) {
+            Unfold::Rows => {
+                let sub = chunk_samples(&g) as u64;
+                (self.in_channels * g.h * g.w) as u64 + sub * p * (kkc + o)
+            }
+            Unfold::Columns => 2 * kkc * p,
+        };
         Some(LayerMemory {
             kept_per_sample: input.saturating_add(output).saturating_mul(F32),
             per_group: weights.saturating_mul(F32),
+            lent_per_group: lent.saturating_mul(F32),
         })
     }
 
@@ -394,9 +430,10 @@ impl Layer for Conv2d {
         let bias = self.use_bias.then(|| params.get(1));
         let mut y = vec![0.0f32; n * o * p];
         let groups = batch_groups(n);
-        self.scratch.resize_with(groups.len().max(self.scratch.len()), Scratch::default);
-        let work = groups.into_par_iter().zip(split_by_groups(&mut y, n, o * p)).zip(&mut self.scratch[..]);
+        let mut scratch = borrow_scratch(groups.len());
+        let work = groups.into_par_iter().zip(split_by_groups(&mut y, n, o * p)).zip(&mut scratch[..]);
         work.for_each(|((range, y_group), scratch)| job.forward(range, y_group, bias, scratch));
+        give_back(scratch);
         let y = Tensor::from_vec_on(y, [n, o, g.oh, g.ow], x.device())?;
         self.x = (ctx.mode == Mode::Train).then_some(x);
         Ok(y)
@@ -431,16 +468,17 @@ impl Layer for Conv2d {
         let mut dx = vec![0.0f32; if need_dx { n * per_in } else { 0 }];
         let groups = batch_groups(n);
         let dx_parts = split_by_groups(&mut dx, n, if need_dx { per_in } else { 0 });
-        self.scratch.resize_with(groups.len().max(self.scratch.len()), Scratch::default);
+        let mut scratch = borrow_scratch(groups.len());
         let (ds, with_bias) = (dout.host(), self.use_bias);
         let partials: Vec<(Vec<f32>, Vec<f32>)> = groups
             .into_par_iter()
             .zip(dx_parts)
-            .zip(&mut self.scratch[..])
+            .zip(&mut scratch[..])
             .map(|((range, dx_group), scratch)| {
                 job.backward(range, ds, need_dx.then_some(dx_group), with_bias, scratch)
             })
             .collect();
+        give_back(scratch);
         let (dws, dbs): (Vec<_>, Vec<_>) = partials.into_iter().unzip();
         match how {
             Unfold::Columns => add_partials(dparams.get(0), &dws),
@@ -462,7 +500,7 @@ impl Layer for Conv2d {
     }
 
     fn boxed_clone(&self) -> Box<dyn Layer> {
-        Box::new(Conv2d { x: None, scratch: Vec::new(), ..self.clone() })
+        Box::new(Conv2d { x: None, ..self.clone() })
     }
 
     fn describe(&self) -> String {

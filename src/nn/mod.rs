@@ -111,11 +111,15 @@ pub struct LayerMemory {
     /// Bytes of workspace per group of samples that the CPU backend computes together
     /// (`backend::cpu::batch_groups`: at most 16 a batch).
     pub per_group: u64,
+    /// Bytes of work buffers per group of samples lent by a pool shared by the layers
+    /// (`conv2d`'s): a model needs its largest layer's, not their sum, in training and in
+    /// evaluation alike.
+    pub lent_per_group: u64,
 }
 
 impl LayerMemory {
     /// Nothing kept, no workspace.
-    pub const NONE: LayerMemory = LayerMemory { kept_per_sample: 0, per_group: 0 };
+    pub const NONE: LayerMemory = LayerMemory { kept_per_sample: 0, per_group: 0, lent_per_group: 0 };
 }
 
 /// Training or evaluation: decides BatchNorm's statistics and whether dropout drops.

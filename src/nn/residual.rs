@@ -331,6 +331,7 @@ impl Layer for Residual {
                 let inner = l.memory(sh)?;
                 m.kept_per_sample = m.kept_per_sample.saturating_add(inner.kept_per_sample);
                 m.per_group = m.per_group.saturating_add(inner.per_group);
+                m.lent_per_group = m.lent_per_group.max(inner.lent_per_group);
             }
         }
         let (i, o) = (shapes.input.numel() as u64, shapes.output.numel() as u64);

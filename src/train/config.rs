@@ -25,6 +25,35 @@ pub enum NonFinite {
     Allow,
 }
 
+/// Why a run is asked to stop at the next step boundary (`Trainer::stop_request`):
+/// `TrainConfig::stop` raised, or `TrainConfig::max_duration` passed.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Debug)]
+pub enum StopRequest {
+    /// `TrainConfig::max_duration` has passed.
+    TimeLimit,
+    /// `TrainConfig::stop` was raised (a signal): it wins over the time limit.
+    Interrupt,
+}
+
+impl StopRequest {
+    /// The word a step record carries between processes (0: no request).
+    pub(super) fn word(request: Option<StopRequest>) -> u64 {
+        match request {
+            None => 0,
+            Some(StopRequest::TimeLimit) => 1,
+            Some(StopRequest::Interrupt) => 2,
+        }
+    }
+
+    pub(super) fn from_word(word: u64) -> Option<StopRequest> {
+        match word {
+            0 => None,
+            1 => Some(StopRequest::TimeLimit),
+            _ => Some(StopRequest::Interrupt),
+        }
+    }
+}
+
 /// Keras's `EarlyStopping(monitor="val_loss")`: stop once the held-out loss has not
 /// improved on the best epoch's by more than `min_delta` for `patience` epochs.
 #[derive(Clone, Copy, PartialEq, Debug)]

@@ -17,7 +17,7 @@ use crossbeam_channel::{bounded, Receiver};
 use super::trainer::HeldBatch;
 use super::{
     scatter, with_trainer, Batch, BestEpoch, EpochReport, HeldOut, NonFinite, Observer, Silent, StepEvent, StopRequest,
-    Stopped, TrainConfig, TrainReport, Trainer, DEFAULT_EVAL_BATCHES, DEFAULT_EVAL_EVERY,
+    Stopped, TrainConfig, TrainReport, Trainer, DEFAULT_EVAL_BATCHES, DEFAULT_EVAL_EVERY, LOSSES_KEPT,
 };
 use crate::checkpoint::{self, CheckpointPolicy, Resume};
 use crate::data::Dataset;
@@ -200,12 +200,23 @@ struct Fit<'a, 'o> {
     observer: &'o mut dyn Observer,
     epochs: Vec<EpochReport>,
     losses: Vec<f64>,
+    first_step: u64,
     train_time: Duration,
     trained_samples: u64,
     epoch: EpochSums,
     best: Option<BestEpoch>,
     /// Training on a token stream: the epochs are evaluation periods.
     text: bool,
+}
+
+/// Appends a step's loss, bounded: past twice `kept`, the oldest `kept` go, so that a run
+/// of millions of steps holds at most 16 MiB of them (issue 19: a 5-million-step run grew
+/// by 8 bytes a step).
+fn keep_loss(losses: &mut Vec<f64>, loss: f64, kept: usize) {
+    if losses.len() >= 2 * kept {
+        losses.drain(..losses.len() - kept);
+    }
+    losses.push(loss);
 }
 
 impl<'a, 'o> Fit<'a, 'o> {
@@ -227,6 +238,7 @@ impl<'a, 'o> Fit<'a, 'o> {
             observer,
             epochs: Vec::new(),
             losses: Vec::with_capacity(to_go.min(1 << 16) as usize),
+            first_step: span.start.step,
             train_time: Duration::ZERO,
             trained_samples: 0,
             epoch: EpochSums::new(carried, span.start.step_in_epoch as u64),
@@ -296,6 +308,7 @@ impl<'a, 'o> Fit<'a, 'o> {
             optimizer,
             epochs: self.epochs,
             losses: self.losses,
+            first_step: self.first_step,
             steps: trainer.steps(),
             seconds: started.elapsed().as_secs_f64(),
             samples_per_sec: self.trained_samples as f64 / self.train_time.as_secs_f64().max(1e-12),
@@ -357,7 +370,7 @@ impl<'a, 'o> Fit<'a, 'o> {
         if !loss.is_finite() && self.config.non_finite == NonFinite::Error {
             return Err(Error::NonFiniteLoss { step: report.step, epoch, loss });
         }
-        self.losses.push(loss);
+        keep_loss(&mut self.losses, loss, LOSSES_KEPT);
         self.epoch.metrics.add(&report.metrics);
         self.epoch.steps += 1;
         self.observer.on_step(&StepEvent {
@@ -523,4 +536,22 @@ pub fn check_data(model: &Sequential, data: &Dataset) -> Result<()> {
         return Err(err(crate::data::label_outside(label.into(), i, classes, "model's ")));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::keep_loss;
+
+    #[test]
+    fn a_long_runs_losses_stay_bounded_and_the_last_ones_are_kept() {
+        let mut losses = Vec::new();
+        for step in 0..1_000 {
+            keep_loss(&mut losses, step as f64, 4);
+            assert!(losses.len() < 2 * 4 + 1, "{} losses kept", losses.len());
+            assert!(losses.len() >= 4.min(step + 1));
+            // The newest last, in order, with no gap.
+            assert_eq!(*losses.last().unwrap(), step as f64);
+            assert!(losses.windows(2).all(|w| w[1] == w[0] + 1.0));
+        }
+    }
 }

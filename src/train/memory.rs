@@ -63,6 +63,18 @@ pub fn training(model: &Sequential, devices: &Devices, config: &TrainConfig) -> 
             format!("{r} logical replica slots and the reduced chunks, {} values each", count(width)),
         );
     }
+    // At the end, and at every checkpoint, the weights and the optimiser's state are
+    // gathered once more: the report returns them; a checkpoint also lays them out as
+    // its file's bytes (once to encode them, once as the file), so three copies.
+    let state = width.saturating_add(copies.saturating_mul(p)).saturating_mul(F32);
+    match config.checkpoint {
+        Some(_) => e.add(
+            "final state",
+            state.saturating_mul(3),
+            "the weights and optimiser state gathered, and a checkpoint's bytes (2 copies)",
+        ),
+        None => e.add("final state", state, "the weights and optimiser state the report returns"),
+    };
     // What every run has whatever its model: measured as the peak of the toy lesson's run
     // (14 MB) and what the convnet on the digits keeps beyond its counted parts (~60 MB).
     e.add("process", PROCESS_BYTES, "the program, its threads' stacks, the allocator's caches");
@@ -166,6 +178,7 @@ mod tests {
         let e = training(&model, &devices, &config);
         let bytes: Vec<(&str, u64)> = e.parts().iter().map(|p| (p.name, p.bytes)).collect();
         // weights: 3 copies × 960 × 4; Adam: 2 replicas × 2 × 960 × 4; exchange: (2 + 1) × 960 × 4;
+        // the final state the report returns: the 960 values and Adam's 2 × 960, × 4;
         // batches: 6 × 2 samples × 2 values × 4; the process: PROCESS_BYTES.
         // Activations per sample: kept, the Dense inputs 2, 30, 20 as f32 (208 B) and the
         // ReLU masks 30, 20 (50 B); around the running layer, the widest pair 2·30·4 and
@@ -178,11 +191,12 @@ mod tests {
                 ("optimiser state", 15_360),
                 ("activations", 253_952),
                 ("gradient exchange", 11_520),
+                ("final state", 11_520),
                 ("process", 67_108_864),
                 ("batches", 96)
             ]
         );
-        assert_eq!(e.total(), 292_448 + 67_108_864);
+        assert_eq!(e.total(), 292_448 + 11_520 + 67_108_864);
     }
 
     #[test]
@@ -200,10 +214,12 @@ mod tests {
         // exchange (1 slot + the reduced chunks) are each 2 × 4 B × that = 16,000,177,152 B. Activations: the widest tensor is the input,
         // 10⁶ values, so an evaluation batch of 512 (512 × (2·10⁶·4 + 10⁶·4) =
         // 6,144,000,000 B) outweighs a training shard of 32. Batches: 6 × 32 × 10⁶ × 4 =
-        // 768,000,000; the process's 64 MiB. Total 54,979,640,320 B.
+        // 768,000,000; the process's 64 MiB; the report's final state, the values and Adam's
+        // two moments of the parameters, 24,000,265,728 B. Total 78,979,906,048 B.
         assert_eq!(
             e,
-            "training needs an estimated 55.0 GB but 24.0 GB available (MemAvailable): \
+            "training needs an estimated 79.0 GB but 24.0 GB available (MemAvailable): \
+             final state 24.0 GB (the weights and optimiser state the report returns), \
              weights 16.0 GB (2 copies of 2,000,022,144 values), \
              optimiser state 16.0 GB (Adam's m and v, 1 replica(s)), \
              gradient exchange 16.0 GB (1 logical replica slots and the reduced chunks, 2,000,022,144 values each), \
@@ -223,12 +239,14 @@ mod tests {
         // widest pair 2·9,408·4 and the sample 784·4: 78,400 B. 261,568 B a sample.
         let model = models::convnet(models::ConvnetOptions::default()).unwrap();
         let devices = Devices::cpu(1, 1).unwrap();
-        assert_eq!(shard_activations(&model, 1, 1), 261_568 + 4 * (108 + 10_368 + 27_648));
+        // And the convolutions' lent work buffers, 562,944 B per group (memory.rs's pinned test).
+        assert_eq!(shard_activations(&model, 1, 1), 261_568 + 4 * (108 + 10_368 + 27_648) + 562_944);
         let config = TrainConfig { batch_size: 100_000, ..TrainConfig::default() };
         let e = training(&model, &devices, &config);
         let acts = e.parts().iter().find(|p| p.name == "activations").unwrap();
-        // 100,000 × 261,568 + the conv weight-gradient partials of 16 groups: 16 × 38,124 × 4.
-        assert_eq!(acts.bytes, 26_156_800_000 + 16 * 38_124 * 4);
+        // 100,000 × 261,568 + the conv weight-gradient partials of 16 groups: 16 × 38,124 × 4,
+        // and their lent buffers, 16 × 562,944.
+        assert_eq!(acts.bytes, 26_156_800_000 + 16 * 38_124 * 4 + 16 * 562_944);
         assert_eq!(acts.detail, "1 device(s) × a shard of 100000 samples");
     }
 }

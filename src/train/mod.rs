@@ -34,12 +34,12 @@ mod trainer;
 mod worker;
 
 pub use batch::Batch;
-pub use config::{EarlyStopping, NonFinite, TrainConfig, DEFAULT_EVAL_BATCHES, DEFAULT_EVAL_EVERY};
+pub use config::{EarlyStopping, NonFinite, StopRequest, TrainConfig, DEFAULT_EVAL_BATCHES, DEFAULT_EVAL_EVERY};
 pub use fit::{check_data, train_data_parallel, train_data_parallel_with};
 pub use processes::RowPlan;
 pub use report::{
     BestEpoch, EpochReport, EvaluationReport, HeldOut, Observer, ShardReport, Silent, StepEvent, StepReport, Stopped,
-    TrainReport,
+    TrainReport, LOSSES_KEPT,
 };
 pub use scatter::{LastBatch, Shuffle};
-pub use trainer::{with_trainer, StopRequest, Trainer};
+pub use trainer::{with_trainer, Trainer};

@@ -19,8 +19,7 @@ use std::ops::Range;
 
 use super::replica::check_replicas;
 use super::scatter;
-use super::trainer::StopRequest;
-use super::{ShardReport, StepReport, TrainConfig};
+use super::{ShardReport, StepReport, StopRequest, TrainConfig};
 use crate::data::Dataset;
 use crate::digest::Fnv1a;
 use crate::error::{Error, Result};

@@ -178,6 +178,9 @@ pub trait Observer {
 pub struct Silent;
 impl Observer for Silent {}
 
+/// Step losses a report keeps at least (8 MiB of them): see [`TrainReport::losses`].
+pub const LOSSES_KEPT: usize = 1 << 20;
+
 /// Why a run ended.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Stopped {
@@ -205,9 +208,15 @@ pub struct TrainReport {
     /// Final optimiser state (identical on every replica).
     pub optimizer: Optimizer,
     pub epochs: Vec<EpochReport>,
-    /// Mean loss of every step, computed before its update.
+    /// Mean loss of each step, computed before its update: every step this call trained,
+    /// in a run of up to [`LOSSES_KEPT`] of them; of a longer one, the last `LOSSES_KEPT`
+    /// at least (and fewer than twice that), so that a run's memory stays flat however
+    /// long it is. The first one kept is that of step `steps - losses.len()` (0-based).
     pub losses: Vec<f64>,
+    /// Steps of the run done when it ended, resumed ones included.
     pub steps: u64,
+    /// Steps of the run done when this call started (0, or the step it resumed from).
+    pub first_step: u64,
     pub seconds: f64,
     /// Training samples per second over the whole run (evaluation excluded).
     pub samples_per_sec: f64,
@@ -248,6 +257,7 @@ impl std::fmt::Debug for TrainReport {
             .field("epochs", &self.epochs)
             .field("losses", &format_args!("{losses}"))
             .field("steps", &self.steps)
+            .field("first_step", &self.first_step)
             .field("seconds", &self.seconds)
             .field("samples_per_sec", &self.samples_per_sec)
             .field("stopped", &self.stopped)
@@ -282,6 +292,7 @@ mod tests {
             epochs: vec![epoch],
             losses: (0..steps).map(|k| 1.0 / (k + 1) as f64).collect(),
             steps: steps as u64,
+            first_step: 0,
             seconds: 0.5,
             samples_per_sec: 200.0,
             stopped: Stopped::Completed,

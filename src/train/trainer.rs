@@ -34,7 +34,7 @@ use super::replica::{check_replicas, decay_mask, Replica};
 use super::scatter;
 use super::step::StepWork;
 use super::worker::{self, recv_waiting, Command, Reply, Seat, SetupGate};
-use super::{Batch, ShardReport, StepReport, TrainConfig};
+use super::{Batch, ShardReport, StepReport, StopRequest, TrainConfig};
 use crate::data::Dataset;
 use crate::devices::Devices;
 use crate::error::{Error, Result};
@@ -78,34 +78,6 @@ pub struct Trainer<'s> {
     /// When `TrainConfig::max_duration` runs out (none: never).
     deadline: Option<Instant>,
     stop_agreed: Option<StopRequest>,
-}
-
-/// Why a run is asked to stop at the next step boundary ([`Trainer::stop_request`]).
-#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Debug)]
-pub enum StopRequest {
-    /// `TrainConfig::max_duration` has passed.
-    TimeLimit,
-    /// `TrainConfig::stop` was raised (a signal): it wins over the time limit.
-    Interrupt,
-}
-
-impl StopRequest {
-    /// The word a step record carries between processes (0: no request).
-    pub(super) fn word(request: Option<StopRequest>) -> u64 {
-        match request {
-            None => 0,
-            Some(StopRequest::TimeLimit) => 1,
-            Some(StopRequest::Interrupt) => 2,
-        }
-    }
-
-    pub(super) fn from_word(word: u64) -> Option<StopRequest> {
-        match word {
-            0 => None,
-            1 => Some(StopRequest::TimeLimit),
-            _ => Some(StopRequest::Interrupt),
-        }
-    }
 }
 
 /// The rows of one global batch that this process holds (all of them in a world of one):
@@ -724,7 +696,7 @@ impl WorkerSetup<'_> {
         let threads = self.devices.threads_per_device();
         let (reply_tx, reply_rx) = bounded(n * 2);
         let gate = SetupGate::new(n);
-        std::thread::scope(|s| {
+        let result = std::thread::scope(|s| {
             let mut commands = Vec::with_capacity(n);
             for (d, &device) in self.devices.list().iter().enumerate() {
                 let (tx, rx) = bounded::<Command>(2);
@@ -786,7 +758,10 @@ impl WorkerSetup<'_> {
             }
             drop(trainer); // closes the command channels: workers leave their loops
             out
-        })
+        });
+        // Every worker has ended: the convolutions' idle work buffers go back too.
+        crate::nn::conv2d::release_scratch();
+        result
     }
 }
 
