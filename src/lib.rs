@@ -53,6 +53,7 @@
 
 pub mod backend;
 pub mod checkpoint;
+#[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod data;
 pub mod devices;
@@ -67,6 +68,7 @@ pub mod models;
 pub mod nn;
 pub mod observe;
 pub mod optim;
+#[cfg(feature = "plot")]
 pub mod plot;
 pub mod rng;
 pub mod safetensors_io;

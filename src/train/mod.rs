@@ -21,6 +21,7 @@ mod batch;
 mod config;
 mod cpu;
 mod fit;
+#[cfg(feature = "cuda")]
 mod gpu;
 pub mod memory;
 mod processes;

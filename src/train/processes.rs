@@ -22,6 +22,7 @@ use super::scatter;
 use super::{ShardReport, StepReport, TrainConfig};
 use crate::digest::Fnv1a;
 use crate::error::{Error, Result};
+#[cfg(feature = "cuda")]
 use crate::exchange::gpu::{new_clique_id, Clique};
 use crate::nn::loss::Metrics;
 use crate::nn::ParamStore;
@@ -68,6 +69,7 @@ pub(super) fn settle(world: &World, e: Error) -> Error {
 
 /// The NCCL clique of every process's GPUs (`local` per process, in process order): the id
 /// made by process 0, broadcast to the others.
+#[cfg(feature = "cuda")]
 pub(super) fn clique(world: &World, local: usize) -> Result<Clique> {
     let mut id = match world.is_voice() {
         true => new_clique_id()?,
