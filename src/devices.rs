@@ -224,7 +224,7 @@ mod gpus {
     use crate::error::Result;
 
     pub(super) fn count(wanted: &dyn std::fmt::Display) -> Result<usize> {
-        Err(super::without_cuda(wanted))
+        Err(crate::devices::without_cuda(wanted))
     }
 
     pub(super) fn trainable() -> usize {

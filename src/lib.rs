@@ -48,7 +48,13 @@
 //! | [`safetensors_io`] | the container: headers checked before mapping, reproducible bytes |
 //! | [`devices`] | `--devices` specifications |
 //! | [`world`] | the processes of a run under an MPI launcher: this one's index, their number, their collectives, failure notices |
-//! | [`cuda`] | run-time probing of the CUDA driver, NVRTC and NCCL; the CUDA kernels; the GPU replica |
+//! | `cuda` | run-time probing of the CUDA driver, NVRTC and NCCL; the CUDA kernels; the GPU replica (the `cuda` feature) |
+//! | `plot` | the metrics as PNG charts (the `plot` feature) |
+//!
+//! # Features
+//! `cli` (the binary), `cuda` (GPUs) and `plot` (charts) are on by default; with
+//! `default-features = false` this is the CPU library alone, and naming a GPU is an
+//! error that names the missing feature (docs/library.md, "Features").
 #![forbid(unsafe_op_in_unsafe_fn)]
 
 pub mod backend;
