@@ -295,6 +295,23 @@ mod tests {
     }
 
     #[test]
+    #[cfg(not(feature = "cuda"))]
+    fn without_the_cuda_feature_no_gpu_is_found_and_naming_one_names_the_feature() {
+        for spec in ["cuda", "cuda:0", "cuda:0,1"] {
+            let e = spec.parse::<DeviceSpec>().unwrap().resolve().unwrap_err();
+            assert!(matches!(e, Error::CudaUnavailable(_)), "{spec}: {e:?}");
+            let e = e.to_string();
+            assert!(
+                e.starts_with(&format!("this lockstep was built without the `cuda` feature: {spec} cannot")),
+                "{e}"
+            );
+        }
+        assert!(Devices::cuda(&[0]).unwrap_err().to_string().contains("`cuda` feature: cuda:0 cannot be used"));
+        assert_eq!(DeviceSpec::Auto.resolve().unwrap().list(), &[Device::Cpu(0)]);
+        assert_eq!(Device::cuda_if_available(), Device::Cpu(0));
+    }
+
+    #[test]
     fn bad_specs_say_what_is_accepted() {
         for (spec, why) in [
             ("cpu:0", "device count must be at least 1"),
