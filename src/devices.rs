@@ -3,7 +3,8 @@
 //! `auto` (every GPU when a CUDA driver and GPUs are present, else one CPU device with
 //! every core), `cpu` (= `cpu:1`), `cpu:N` (N CPU devices, cores/N threads each, at
 //! least 1), `cpu:NxT` (N devices of T threads), `cuda` (every GPU), `cuda:0,1`
-//! (those ordinals). Parsing is pure; [`DeviceSpec::resolve`] asks the machine.
+//! (those ordinals). Parsing is pure; [`DeviceSpec::resolve`] asks the machine, and in a
+//! lockstep built without the `cuda` feature refuses every GPU, naming the feature.
 
 use std::fmt;
 use std::str::FromStr;
@@ -108,7 +109,7 @@ impl Devices {
         if ordinals.is_empty() {
             return Err(Error::config("devices", "no GPU named"));
         }
-        let n = crate::cuda::probe::gpu_count()?;
+        let n = gpus::count(&DeviceSpec::Cuda(ordinals.to_vec()))?;
         if let Some(bad) = ordinals.iter().find(|&&o| o >= n) {
             return Err(Error::CudaUnavailable(if n == 0 {
                 format!("GPU {bad} does not exist; the CUDA driver sees no GPU")
@@ -194,6 +195,65 @@ pub fn available_cores() -> usize {
     crate::world::launch::cores_for_this_process()
 }
 
+/// The GPUs this machine offers, as `cuda::probe` finds them. A lockstep built without
+/// the `cuda` feature has no GPU code: it finds none, and naming one is an error that says
+/// which feature is missing. The one place device discovery depends on the feature.
+#[cfg(feature = "cuda")]
+mod gpus {
+    use crate::cuda::probe;
+    use crate::error::Result;
+
+    /// Number of GPUs the CUDA driver sees, for `_wanted` (`cuda`, `cuda:0`, ...).
+    pub(super) fn count(_wanted: &dyn std::fmt::Display) -> Result<usize> {
+        probe::gpu_count()
+    }
+
+    /// The GPUs `auto` takes: every GPU, when the driver sees one and the libraries the
+    /// GPU replicas load (cuBLAS, NVRTC) are there; `lockstep devices` says which is
+    /// missing otherwise.
+    pub(super) fn trainable() -> usize {
+        match probe::gpu_count() {
+            Ok(n) if probe::cublas_available().is_ok() && probe::nvrtc_available().is_ok() => n,
+            _ => 0,
+        }
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+mod gpus {
+    use crate::error::Result;
+
+    pub(super) fn count(wanted: &dyn std::fmt::Display) -> Result<usize> {
+        Err(crate::devices::without_cuda(wanted))
+    }
+
+    pub(super) fn trainable() -> usize {
+        0
+    }
+}
+
+/// The refusal of GPUs `wanted` by a lockstep built without the `cuda` feature.
+#[cfg(not(feature = "cuda"))]
+pub(crate) fn without_cuda(wanted: &dyn fmt::Display) -> Error {
+    Error::CudaUnavailable(format!(
+        "this lockstep was built without the `cuda` feature: {wanted} cannot be used (build it with \
+         `--features cuda`, or name CPU devices: cpu:N)"
+    ))
+}
+
+/// Written here, beside the discovery it asks, so that `tensor` needs nothing of `cuda`.
+impl Device {
+    /// A GPU if there is one, else the CPU: the portable default ("cuda:0" when a CUDA
+    /// driver reports a GPU, "cpu:0" otherwise, including when no driver is installed or
+    /// lockstep was built without the `cuda` feature).
+    pub fn cuda_if_available() -> Device {
+        match gpus::count(&"cuda:0") {
+            Ok(n) if n > 0 => Device::Cuda(0),
+            _ => Device::Cpu(0),
+        }
+    }
+}
+
 impl DeviceSpec {
     /// The devices this spec names on this machine.
     pub fn resolve(&self) -> Result<Devices> {
@@ -203,18 +263,12 @@ impl DeviceSpec {
             // GPUs only when they can train: the driver sees one, and the libraries the
             // GPU replicas load (cuBLAS, NVRTC) are there; `lockstep devices` says which
             // is missing otherwise.
-            DeviceSpec::Auto => match crate::cuda::probe::gpu_count() {
-                Ok(n)
-                    if n > 0
-                        && crate::cuda::probe::cublas_available().is_ok()
-                        && crate::cuda::probe::nvrtc_available().is_ok() =>
-                {
-                    Devices::cuda(&(0..n).collect::<Vec<_>>())
-                }
-                _ => Devices::cpu_auto_threads(1),
+            DeviceSpec::Auto => match gpus::trainable() {
+                0 => Devices::cpu_auto_threads(1),
+                n => Devices::cuda(&(0..n).collect::<Vec<_>>()),
             },
             DeviceSpec::CudaAll => {
-                let n = crate::cuda::probe::gpu_count()?;
+                let n = gpus::count(self)?;
                 if n == 0 {
                     return Err(Error::CudaUnavailable("the CUDA driver sees no GPU; use --devices cpu:N".into()));
                 }
@@ -238,6 +292,23 @@ mod tests {
         assert_eq!("cuda".parse::<DeviceSpec>().unwrap(), DeviceSpec::CudaAll);
         assert_eq!("cuda:0,1".parse::<DeviceSpec>().unwrap(), DeviceSpec::Cuda(vec![0, 1]));
         assert_eq!(DeviceSpec::Cpu { count: 3, threads: Some(2) }.to_string(), "cpu:3x2");
+    }
+
+    #[test]
+    #[cfg(not(feature = "cuda"))]
+    fn without_the_cuda_feature_no_gpu_is_found_and_naming_one_names_the_feature() {
+        for spec in ["cuda", "cuda:0", "cuda:0,1"] {
+            let e = spec.parse::<DeviceSpec>().unwrap().resolve().unwrap_err();
+            assert!(matches!(e, Error::CudaUnavailable(_)), "{spec}: {e:?}");
+            let e = e.to_string();
+            assert!(
+                e.starts_with(&format!("this lockstep was built without the `cuda` feature: {spec} cannot")),
+                "{e}"
+            );
+        }
+        assert!(Devices::cuda(&[0]).unwrap_err().to_string().contains("`cuda` feature: cuda:0 cannot be used"));
+        assert_eq!(DeviceSpec::Auto.resolve().unwrap().list(), &[Device::Cpu(0)]);
+        assert_eq!(Device::cuda_if_available(), Device::Cpu(0));
     }
 
     #[test]

@@ -97,6 +97,7 @@ pub enum Error {
     CudaUnavailable(String),
 
     /// An error reported by the CUDA driver.
+    #[cfg(feature = "cuda")]
     #[error("CUDA driver: {0}")]
     Driver(#[from] cudarc::driver::DriverError),
 
@@ -105,12 +106,14 @@ pub enum Error {
     Nvrtc { file: String, log: String },
 
     /// An error reported by cuBLAS.
+    #[cfg(feature = "cuda")]
     #[error("cuBLAS: {0}")]
     Cublas(#[from] cudarc::cublas::result::CublasError),
 
     /// A kernel module the CUDA driver refused: the kernel file, what NVRTC made of it
     /// (cubin or PTX, for which architecture), the NVRTC version that made it and the CUDA
     /// version the driver reports (`cuDriverGetVersion`), the two that have to agree.
+    #[cfg(feature = "cuda")]
     #[error("loading {file} ({image}, made by NVRTC {nvrtc}) into a driver of CUDA {driver}: {source}")]
     KernelLoad {
         file: String,

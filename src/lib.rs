@@ -48,14 +48,21 @@
 //! | [`safetensors_io`] | the container: headers checked before mapping, reproducible bytes |
 //! | [`devices`] | `--devices` specifications |
 //! | [`world`] | the processes of a run under an MPI launcher: this one's index, their number, their collectives, failure notices |
-//! | [`cuda`] | run-time probing of the CUDA driver, NVRTC and NCCL; the CUDA kernels; the GPU replica |
+//! | `cuda` | run-time probing of the CUDA driver, NVRTC and NCCL; the CUDA kernels; the GPU replica (the `cuda` feature) |
 //! | [`observe`] | observers of a run: progress (a bar, or lines), JSON lines, the metrics CSV |
-//! | [`plot`] | training curves as a PNG, in memory or to a file |
-//! | `notebook` | with the `notebook` feature: what a Jupyter (evcxr) cell shows of a report |
+//! | `plot` | training curves as a PNG, in memory or to a file (the `plot` feature) |
+//! | `notebook` | what a Jupyter (evcxr) cell shows of a report (the `notebook` feature) |
+//!
+//! # Features
+//! `cli` (the binary), `cuda` (GPUs) and `plot` (charts) are on by default; with
+//! `default-features = false` this is the CPU library alone, and naming a GPU is an
+//! error that names the missing feature; `notebook` adds a report's display in Jupyter
+//! (docs/library.md, "Features").
 #![forbid(unsafe_op_in_unsafe_fn)]
 
 pub mod backend;
 pub mod checkpoint;
+#[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod data;
 pub mod devices;
@@ -72,6 +79,7 @@ pub mod nn;
 pub mod notebook;
 pub mod observe;
 pub mod optim;
+#[cfg(feature = "plot")]
 pub mod plot;
 pub mod rng;
 pub mod safetensors_io;
@@ -98,6 +106,7 @@ pub mod prelude {
     pub use crate::nn::{Layer, Sequential};
     pub use crate::observe::{CsvMetrics, Every, JsonLines, Progress, StepLines, Stream};
     pub use crate::optim::{LrSchedule, OptimizerConfig};
+    #[cfg(feature = "plot")]
     pub use crate::plot::{MetricsTable, XAxis};
     pub use crate::train::{
         train_data_parallel, train_data_parallel_with, with_trainer, Batch, EpochReport, HeldOut, Observer, Silent,

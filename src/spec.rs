@@ -251,6 +251,7 @@ mod tests {
                 assert!(l.memory(shapes).is_some(), "{what} does not state its memory (Layer::memory)");
                 // Without a GPU form the GPU replica would refuse it at start-up; here it
                 // fails on any machine.
+                #[cfg(feature = "cuda")]
                 assert!(l.gpu().is_some(), "{what} has no GPU form (Layer::gpu)");
             }
             let written = model_to_spec(&model).unwrap();

@@ -441,7 +441,9 @@ fn every_setting_and_the_data_must_agree() {
     lockstep::data::safetensors_file::save_safetensors_dataset(&other, &b).unwrap();
     let (a, b) = (a.to_str().unwrap().to_string(), b.to_str().unwrap().to_string());
     let convnet = ["--model", "convnet", "--steps", "2"];
-    let cases: [(&[&str], &[&str], &[&str], &str); 8] = [
+    // (flags both processes get, process 0's own, process 1's own, what is said)
+    type Case<'a> = (&'a [&'a str], &'a [&'a str], &'a [&'a str], &'a str);
+    let cases: [Case; 8] = [
         (&convnet, &["--dropout", "0.5"], &["--dropout", "0.1"], "process 1 has --dropout 0.1, process 0 has 0.5"),
         (&convnet, &[], &["--bn-momentum", "0.5"], "process 1 has --bn-momentum 0.5, process 0 has 0.9"),
         (&["--model", "toy"], &[], &["--accumulate", "2"], "process 1 has --accumulate 2, process 0 has 1"),

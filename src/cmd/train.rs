@@ -383,7 +383,7 @@ fn agree_flags(world: &lockstep::world::World, a: &TrainArgs) -> CliResult {
     let spec_model = matches!(a.model, ModelChoice::Spec(_));
     let ids = STORED_IDS.iter().chain(&regularize::STORED).chain(&text::STORED);
     let settings: Vec<(String, String)> = ids
-        .filter(|id| !PER_MACHINE.contains(id) && !(spec_model && **id == "model"))
+        .filter(|id| !(PER_MACHINE.contains(id) || spec_model && **id == "model"))
         .map(|id| (flag(id), given.get(id).cloned().unwrap_or_else(|| "(not given)".into())))
         .collect();
     world.agree(&settings).map_err(Failure::usage)

@@ -35,7 +35,6 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::tensor::Device;
 use crate::{Error, Result};
 
 /// The message when the CUDA driver library is not on this machine.
@@ -352,18 +351,6 @@ pub fn make_nccl_link(found: &Path, dir: &Path) -> Result<PathBuf> {
     #[cfg(not(unix))]
     std::fs::copy(found, &link).map_err(|e| Error::io(&link, e))?;
     Ok(link)
-}
-
-/// Written here, beside the probe it asks, so that `tensor` needs nothing of `cuda`.
-impl Device {
-    /// A GPU if there is one, else the CPU: the portable default ("cuda:0" when a CUDA
-    /// driver reports a GPU, "cpu:0" otherwise, including when no driver is installed).
-    pub fn cuda_if_available() -> Device {
-        match gpu_count() {
-            Ok(n) if n > 0 => Device::Cuda(0),
-            _ => Device::Cpu(0),
-        }
-    }
 }
 
 #[cfg(test)]

@@ -45,9 +45,11 @@
 //! forever for one that failed; a member whose own call fails aborts before returning.
 
 pub mod codec;
+#[cfg(feature = "cuda")]
 pub mod gpu;
 #[cfg(feature = "mpi")]
 pub mod mpi;
+#[cfg(feature = "cuda")]
 mod nccl;
 pub mod shm;
 pub mod transport;

@@ -7,6 +7,7 @@
 //! files' ([`super::shm`], `super::mpi`, [`super::gpu`]). A capability is stated here
 //! once, per transport, so that a transport that learns a feature changes one line.
 
+#[cfg(feature = "cuda")]
 use super::gpu::{self, transport_for};
 use crate::tensor::Device;
 
@@ -37,11 +38,16 @@ impl RunTransport {
             Device::Cpu(_) if processes > 1 => RunTransport::Mpi,
             Device::Cpu(_) => RunTransport::SharedMemory,
             Device::Cuda(_) if processes > 1 => RunTransport::NcclClique,
+            #[cfg(feature = "cuda")]
             Device::Cuda(_) => {
                 let ordinals: Vec<usize> =
                     devices.iter().filter_map(|d| if let Device::Cuda(o) = d { Some(*o) } else { None }).collect();
                 RunTransport::from(transport_for(&ordinals))
             }
+            // Without the `cuda` feature no run gets here with a GPU (`Devices` refuses to
+            // name one), and there is no NCCL to ask.
+            #[cfg(not(feature = "cuda"))]
+            Device::Cuda(_) => RunTransport::DeviceCopies,
         }
     }
 
@@ -77,6 +83,7 @@ impl RunTransport {
     }
 }
 
+#[cfg(feature = "cuda")]
 impl From<gpu::Transport> for RunTransport {
     /// The transport of one process's GPUs.
     fn from(t: gpu::Transport) -> RunTransport {
@@ -100,6 +107,7 @@ mod tests {
         assert_eq!(RunTransport::of(&[Device::Cuda(0)], 2), RunTransport::NcclClique);
         // One GPU has nothing to exchange with: device copies (NCCL is not even loaded).
         assert_eq!(RunTransport::of(&[Device::Cuda(0)], 1), RunTransport::DeviceCopies);
+        #[cfg(feature = "cuda")]
         assert_eq!(RunTransport::from(gpu::Transport::Nccl), RunTransport::Nccl);
     }
 

@@ -6,6 +6,7 @@ use rayon::prelude::*;
 
 use serde_json::{json, Value};
 
+#[cfg(feature = "cuda")]
 use super::gpu::{Backward, Forward, GpuLayer};
 use super::spec_entry::{Activation, Build, LayerType};
 use super::{Ctx, InputGrad, Layer, LayerMemory, LayerShapes, Mode, Params, ParamsMut};
@@ -48,6 +49,7 @@ impl Relu {
 }
 
 impl Layer for Relu {
+    #[cfg(feature = "cuda")]
     fn gpu(&self) -> Option<Box<dyn GpuLayer>> {
         Some(Box::new(ReluGpu))
     }
@@ -152,6 +154,7 @@ impl Rescaling {
 }
 
 impl Layer for Rescaling {
+    #[cfg(feature = "cuda")]
     fn gpu(&self) -> Option<Box<dyn GpuLayer>> {
         Some(Box::new(RescalingGpu { scale: self.scale, offset: self.offset }))
     }
@@ -211,8 +214,10 @@ impl Layer for Rescaling {
 // ---- on a GPU: kernels/elementwise.cu ------------------------------------------------
 
 /// ReLU on a GPU: `relu_fwd`, `relu_bwd` (the input decides the gradient's mask).
+#[cfg(feature = "cuda")]
 struct ReluGpu;
 
+#[cfg(feature = "cuda")]
 impl GpuLayer for ReluGpu {
     // x: (N, ...) → y: same shape
     fn forward(&mut self, f: Forward<'_, '_, '_>) -> Result<()> {
@@ -229,11 +234,13 @@ impl GpuLayer for ReluGpu {
 }
 
 /// Rescaling on a GPU: `rescale_fwd`, `rescale_bwd`.
+#[cfg(feature = "cuda")]
 struct RescalingGpu {
     scale: f32,
     offset: f32,
 }
 
+#[cfg(feature = "cuda")]
 impl GpuLayer for RescalingGpu {
     fn forward(&mut self, f: Forward<'_, '_, '_>) -> Result<()> {
         f.gpu.rescale_fwd(f.x, f.y, self.scale, self.offset)

@@ -49,14 +49,19 @@ use rayon::prelude::*;
 
 use serde_json::{json, Value};
 
+#[cfg(feature = "cuda")]
 use cudarc::driver::{CudaSlice, CudaViewMut};
 
+#[cfg(feature = "cuda")]
 use super::gpu::{Backward, Draw, Forward, GpuLayer, Node, Pass};
 use super::spec_entry::{Build, FieldResult, LayerType};
 use super::{Ctx, Init, InputGrad, Layer, LayerMemory, LayerShapes, Mode, ParamSpec, Params, ParamsMut, F32};
 use crate::backend::cpu::{gemm, gemm_with, Accumulate, Mat, Threads};
+#[cfg(feature = "cuda")]
 use crate::cuda::gemm::{gemm as cublas_gemm, RmGemm};
+#[cfg(feature = "cuda")]
 use crate::cuda::launch::HeadsGeom;
+#[cfg(feature = "cuda")]
 use crate::cuda::{DropoutKey, Gpu};
 use crate::error::{Error, Result};
 use crate::rng::{dropout_key, hash64, unit_f32};
@@ -527,6 +532,7 @@ impl CausalSelfAttention {
 }
 
 impl Layer for CausalSelfAttention {
+    #[cfg(feature = "cuda")]
     fn gpu(&self) -> Option<Box<dyn GpuLayer>> {
         Some(Box::new(AttentionGpu { heads: self.heads, dropout: self.dropout, use_bias: self.use_bias, kept: None }))
     }
@@ -714,6 +720,7 @@ impl Layer for CausalSelfAttention {
 // ---- on a GPU: cuBLAS, kernels/attention.cu and kernels/dropout.cu --------------------
 
 /// (T, C) of a node's per-sample input.
+#[cfg(feature = "cuda")]
 fn node_tc(node: &Node) -> Result<(usize, usize)> {
     match node.input.dims() {
         &[t, c] => Ok((t, c)),
@@ -728,10 +735,12 @@ fn node_tc(node: &Node) -> Result<(usize, usize)> {
 /// [3] dmerged (N, T, C), [4] dy heads (N, H, T, D), [5] and [6] (N, H, T, T) each.
 /// Forward reuses [0] for the qkv rows, [2] for c_proj's output before dropout, [4] for
 /// the heads' outputs, [5] for the scores and [6] for P'.
+#[cfg(feature = "cuda")]
 struct Areas {
     lens: [usize; 7],
 }
 
+#[cfg(feature = "cuda")]
 impl Areas {
     fn new(n: usize, t: usize, c: usize, heads: usize) -> Areas {
         let (ntc, nhtt) = (n * t * c, n * heads * t * t);
@@ -781,6 +790,7 @@ impl Areas {
 }
 
 /// What the forward keeps on the device for the backward, for a batch of N.
+#[cfg(feature = "cuda")]
 struct Kept {
     /// q, k, v by head: (3, N, H, T, D)
     heads: CudaSlice<f32>,
@@ -795,6 +805,7 @@ struct Kept {
 /// pairs of the head layout), the softmax by kernels/attention.cu, the masks by
 /// kernels/dropout.cu's kernels under the CPU layer's keys (so the two backends drop the
 /// same values).
+#[cfg(feature = "cuda")]
 struct AttentionGpu {
     heads: usize,
     dropout: f32,
@@ -802,6 +813,7 @@ struct AttentionGpu {
     kept: Option<Kept>,
 }
 
+#[cfg(feature = "cuda")]
 impl AttentionGpu {
     /// The parameter indices of (c_attn.weight, c_attn.bias, c_proj.weight, c_proj.bias).
     fn indices(&self) -> (usize, Option<usize>, usize, Option<usize>) {
@@ -822,6 +834,7 @@ impl AttentionGpu {
     }
 }
 
+#[cfg(feature = "cuda")]
 impl GpuLayer for AttentionGpu {
     fn reserve(&mut self, gpu: &Gpu, node: &Node, n: usize) -> Result<()> {
         let (t, c) = node_tc(node)?;

@@ -34,20 +34,25 @@
 //! backward, its synchronized twin ([`convert_sync_batchnorm`]) and the list of a model's
 //! synchronized layers, found through [`Layer::synchronized_channels`].
 
+#[cfg(feature = "cuda")]
 use std::sync::Arc;
 
+#[cfg(feature = "cuda")]
 use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, CudaView, PinnedHostSlice};
 use rayon::prelude::*;
 
 use serde_json::{json, Value};
 
+#[cfg(feature = "cuda")]
 use super::gpu::{poll, Backward, Forward, GpuLayer, Node, Pass, SyncWith};
 use super::spec_entry::{expect_images, Build, LayerType};
 use super::stats::StatsExchange;
 use super::{
     Ctx, Init, InputGrad, Layer, LayerMemory, LayerShapes, Mode, ParamSpec, Params, ParamsMut, Sequential, F32,
 };
+#[cfg(feature = "cuda")]
 use crate::cuda::launch::{BnGeom, BnGrads, BnMerged, BnParams, BnSaved, BnStats, BnSums, BnUpdate};
+#[cfg(feature = "cuda")]
 use crate::cuda::Gpu;
 use crate::error::{Error, Result};
 use crate::tensor::{Shape, Tensor};
@@ -295,6 +300,7 @@ impl BatchNorm2d {
 }
 
 impl Layer for BatchNorm2d {
+    #[cfg(feature = "cuda")]
     fn gpu(&self) -> Option<Box<dyn GpuLayer>> {
         Some(Box::new(BatchNorm2dGpu {
             channels: self.channels,
@@ -713,6 +719,7 @@ pub fn convert_sync_batchnorm(model: &Sequential) -> Result<Sequential> {
 /// BatchNorm on a GPU: the kernels compute this file's arithmetic (f64 statistics, the
 /// same `normaliser` and `RunningUpdate`); a synchronized layer's statistics meet the
 /// other logical replicas' on the host, merged by [`Synchronized`]'s functions above.
+#[cfg(feature = "cuda")]
 struct BatchNorm2dGpu {
     channels: usize,
     /// Whether it counts its training forwards (`num_batches_tracked`, its third buffer).
@@ -730,12 +737,14 @@ struct BatchNorm2dGpu {
 }
 
 /// The running update as the kernels take it: its three scalars.
+#[cfg(feature = "cuda")]
 impl From<RunningUpdate> for BnUpdate {
     fn from(u: RunningUpdate) -> BnUpdate {
         BnUpdate::new(u.keep, u.take, u.unbias)
     }
 }
 
+#[cfg(feature = "cuda")]
 impl BatchNorm2dGpu {
     /// gamma and beta among the layer's parameters, as present.
     fn params<'p>(&self, p: impl Fn(usize) -> CudaView<'p, f32>) -> BnParams<'p> {
@@ -755,6 +764,7 @@ impl BatchNorm2dGpu {
     }
 }
 
+#[cfg(feature = "cuda")]
 impl GpuLayer for BatchNorm2dGpu {
     fn reserve(&mut self, gpu: &Gpu, _node: &Node, _n: usize) -> Result<()> {
         if self.saved.is_none() {
@@ -861,6 +871,7 @@ impl GpuLayer for BatchNorm2dGpu {
 /// the device and the host: f64 on both sides, pinned on the host, each sized exactly for
 /// its copy. Each host buffer is rewritten only after the host has waited for a later
 /// copy on the same stream, so no copy still reads or writes it then.
+#[cfg(feature = "cuda")]
 struct SyncNode {
     /// The shard's partial statistics (C, 2): forward (mean, M2), backward (Σ dy, Σ dy·x̂).
     part: CudaSlice<f64>,
@@ -877,6 +888,7 @@ struct SyncNode {
     count: f64,
 }
 
+#[cfg(feature = "cuda")]
 impl SyncNode {
     /// The buffers of a synchronized BatchNorm of `c` channels on `gpu`.
     fn new(gpu: &Gpu, c: usize) -> Result<SyncNode> {
@@ -982,6 +994,7 @@ impl SyncNode {
 }
 
 /// `values` into `dev` through `host`, queued on `stream` (the host does not wait).
+#[cfg(feature = "cuda")]
 fn upload_pinned(
     stream: &Arc<CudaStream>,
     values: impl Iterator<Item = f64>,

@@ -19,8 +19,10 @@ use std::ops::Range;
 
 use rayon::prelude::*;
 
+#[cfg(feature = "cuda")]
 use cudarc::driver::CudaSlice;
 
+#[cfg(feature = "cuda")]
 use super::gpu::{window_geom, Backward, Forward, GpuLayer, Node};
 use super::window::{Geometry2d, Padding, Window2d};
 use serde_json::{json, Value};
@@ -31,7 +33,9 @@ use crate::backend::cpu::{
     add_partials, batch_groups, chw_to_hwc, col2im, gemm_with, hwc_to_chw, im2col, im2row, row2im, split_by_groups,
     sum_partials, Accumulate, Im2colGeom, Mat, Threads,
 };
+#[cfg(feature = "cuda")]
 use crate::cuda::gemm::{gemm as cublas_gemm, RmGemm};
+#[cfg(feature = "cuda")]
 use crate::cuda::Gpu;
 use crate::error::{Error, Result};
 use crate::tensor::{Shape, Tensor};
@@ -355,6 +359,7 @@ impl Conv2d {
 }
 
 impl Layer for Conv2d {
+    #[cfg(feature = "cuda")]
     fn gpu(&self) -> Option<Box<dyn GpuLayer>> {
         Some(Box::new(Conv2dGpu { filters: self.filters, window: self.window(), use_bias: self.use_bias, cols: None }))
     }
@@ -522,6 +527,7 @@ impl Layer for Conv2d {
 /// strided-batched GEMM per pass; its weight gradient is summed over the samples'
 /// per-sample products by `reduce_sum`, in sample order, so the sum's order is a function
 /// of the batch alone.
+#[cfg(feature = "cuda")]
 struct Conv2dGpu {
     filters: usize,
     window: Window2d,
@@ -530,6 +536,7 @@ struct Conv2dGpu {
     cols: Option<CudaSlice<f32>>,
 }
 
+#[cfg(feature = "cuda")]
 impl GpuLayer for Conv2dGpu {
     fn reserve(&mut self, gpu: &Gpu, node: &Node, n: usize) -> Result<()> {
         let g = window_geom(node, self.window, n)?;

@@ -11,6 +11,7 @@
 
 use serde_json::{json, Value};
 
+#[cfg(feature = "cuda")]
 use super::gpu::{Backward, Forward, GpuLayer, Pass};
 use super::spec_entry::{Build, LayerType};
 use super::{Ctx, InputGrad, Layer, LayerMemory, LayerShapes, Mode, Params, ParamsMut, F32};
@@ -53,6 +54,7 @@ impl Dropout {
 }
 
 impl Layer for Dropout {
+    #[cfg(feature = "cuda")]
     fn gpu(&self) -> Option<Box<dyn GpuLayer>> {
         Some(Box::new(DropoutGpu { rate: self.rate }))
     }
@@ -130,10 +132,12 @@ impl Layer for Dropout {
 
 /// Dropout on a GPU: `dropout_fwd` draws the masks from the pass's [`super::gpu::Draw`]
 /// and the layer's index, `dropout_bwd` replays them; evaluation (or rate 0) copies.
+#[cfg(feature = "cuda")]
 struct DropoutGpu {
     rate: f32,
 }
 
+#[cfg(feature = "cuda")]
 impl GpuLayer for DropoutGpu {
     // x: (N, ...) → y: same shape
     fn forward(&mut self, f: Forward<'_, '_, '_>) -> Result<()> {

@@ -23,12 +23,15 @@
 //!   ([`InputGrad::Needed`]: a trained layer before it) it is an error, as the gradient
 //!   would stop there silently.
 
+#[cfg(feature = "cuda")]
 use cudarc::driver::CudaSlice;
 use serde_json::{json, Value};
 
+#[cfg(feature = "cuda")]
 use super::gpu::{Backward, Forward, GpuLayer, Node};
 use super::spec_entry::{Build, FieldResult, LayerType};
 use super::{Ctx, Init, InputGrad, Layer, LayerMemory, LayerShapes, Mode, ParamSpec, Params, ParamsMut};
+#[cfg(feature = "cuda")]
 use crate::cuda::Gpu;
 use crate::error::{Error, Result};
 use crate::tensor::{Shape, Tensor};
@@ -141,6 +144,7 @@ impl Embedding {
 }
 
 impl Layer for Embedding {
+    #[cfg(feature = "cuda")]
     fn gpu(&self) -> Option<Box<dyn GpuLayer>> {
         Some(Box::new(EmbeddingGpu { vocab: self.vocab, width: self.width, offsets: None, order: None }))
     }
@@ -249,6 +253,7 @@ fn needs_input_grad() -> Error {
 /// The embedding on a GPU: `embedding_fwd` gathers the rows; the backward sorts the
 /// token positions by id (counting sort, stable) into `order`, with each id's span in
 /// `offsets`, then adds each row's tokens in token order, as the CPU layer does.
+#[cfg(feature = "cuda")]
 struct EmbeddingGpu {
     vocab: usize,
     width: usize,
@@ -258,6 +263,7 @@ struct EmbeddingGpu {
     order: Option<CudaSlice<u32>>,
 }
 
+#[cfg(feature = "cuda")]
 impl GpuLayer for EmbeddingGpu {
     fn reserve(&mut self, gpu: &Gpu, node: &Node, n: usize) -> Result<()> {
         self.order = None;

@@ -32,6 +32,7 @@ use rayon::prelude::*;
 
 use serde_json::{json, Value};
 
+#[cfg(feature = "cuda")]
 use super::gpu::{Backward, Forward, GpuLayer};
 use super::spec_entry::{Build, LayerType};
 use super::{Ctx, InputGrad, Layer, LayerMemory, LayerShapes, Mode, Params, ParamsMut, F32};
@@ -208,6 +209,7 @@ impl Gelu {
 }
 
 impl Layer for Gelu {
+    #[cfg(feature = "cuda")]
     fn gpu(&self) -> Option<Box<dyn GpuLayer>> {
         Some(Box::new(GeluGpu))
     }
@@ -278,8 +280,10 @@ impl Layer for Gelu {
 
 /// GELU on a GPU: `gelu_fwd`, `gelu_bwd` (the network keeps the forward's input, which
 /// the gradient is computed from).
+#[cfg(feature = "cuda")]
 struct GeluGpu;
 
+#[cfg(feature = "cuda")]
 impl GpuLayer for GeluGpu {
     // x: (N, ...) → y: same shape
     fn forward(&mut self, f: Forward<'_, '_, '_>) -> Result<()> {

@@ -39,14 +39,18 @@
 //! and the GPT's 768 rows of 128 take some 0.1 ms forward and 0.1 ms backward on one core
 //! (`time_forward_and_backward_at_768_rows_of_128`, below, run by hand).
 
+#[cfg(feature = "cuda")]
 use cudarc::driver::CudaSlice;
 use rayon::prelude::*;
 use serde_json::{json, Value};
 
+#[cfg(feature = "cuda")]
 use super::gpu::{Backward, Forward, GpuLayer, Node};
 use super::spec_entry::{Build, FieldResult, LayerType};
 use super::{Ctx, Init, InputGrad, Layer, LayerMemory, LayerShapes, Mode, ParamSpec, Params, ParamsMut, F32};
+#[cfg(feature = "cuda")]
 use crate::cuda::launch::{LnGrads, LnParams, LnSaved};
+#[cfg(feature = "cuda")]
 use crate::cuda::Gpu;
 use crate::error::{Error, Result};
 use crate::tensor::{Shape, Tensor};
@@ -335,6 +339,7 @@ fn expect_last_dim(input: &Shape) -> FieldResult<usize> {
 }
 
 impl Layer for LayerNorm {
+    #[cfg(feature = "cuda")]
     fn gpu(&self) -> Option<Box<dyn GpuLayer>> {
         Some(Box::new(LayerNormGpu { width: self.width, eps: self.eps, use_bias: self.use_bias, saved: None }))
     }
@@ -454,6 +459,7 @@ impl Layer for LayerNorm {
 /// mean and rstd in f64; `layernorm_bwd` writes dx from them and the forward's input, and
 /// `layernorm_partial_bwd` then `layernorm_params_bwd` sum dweight and dbias over the rows
 /// in this file's chunk order: the CPU layer's arithmetic, operation for operation.
+#[cfg(feature = "cuda")]
 struct LayerNormGpu {
     width: usize,
     eps: f32,
@@ -465,18 +471,21 @@ struct LayerNormGpu {
 
 /// What a GPU LayerNorm keeps on the device, in f64: mean and rstd (rows), partials
 /// (ceil(rows / ROW_CHUNK), 2, C).
+#[cfg(feature = "cuda")]
 struct Saved {
     mean: CudaSlice<f64>,
     rstd: CudaSlice<f64>,
     partials: CudaSlice<f64>,
 }
 
+#[cfg(feature = "cuda")]
 impl LayerNormGpu {
     fn rows(&self, node: &Node, n: usize) -> usize {
         n * node.input.numel() / self.width.max(1)
     }
 }
 
+#[cfg(feature = "cuda")]
 impl GpuLayer for LayerNormGpu {
     fn reserve(&mut self, gpu: &Gpu, node: &Node, n: usize) -> Result<()> {
         let rows = self.rows(node, n);

@@ -7,10 +7,12 @@
 
 use serde_json::{json, Value};
 
+#[cfg(feature = "cuda")]
 use super::gpu::{Backward, Forward, GpuLayer};
 use super::spec_entry::{expect_features, Build, LayerType};
 use super::{InputGrad, Layer, LayerMemory, LayerShapes, ParamSpec, Params, ParamsMut, F32};
 use crate::backend::cpu::{gemm, Accumulate, Mat};
+#[cfg(feature = "cuda")]
 use crate::cuda::gemm::{gemm as cublas_gemm, RmGemm};
 use crate::error::{Error, Result};
 use crate::nn::{Ctx, Init, Mode};
@@ -90,6 +92,7 @@ impl Linear {
 }
 
 impl Layer for Linear {
+    #[cfg(feature = "cuda")]
     fn gpu(&self) -> Option<Box<dyn GpuLayer>> {
         Some(Box::new(LinearGpu { f: self.in_features, o: self.out_features, use_bias: self.use_bias }))
     }
@@ -211,12 +214,14 @@ impl Layer for Linear {
 // ---- on a GPU: cuBLAS and kernels/elementwise.cu's bias ------------------------------
 
 /// Linear on a GPU: the three GEMMs of the CPU layer, by cuBLAS, and the bias kernels.
+#[cfg(feature = "cuda")]
 struct LinearGpu {
     f: usize,
     o: usize,
     use_bias: bool,
 }
 
+#[cfg(feature = "cuda")]
 impl GpuLayer for LinearGpu {
     // x: (n, F) rows (every position of every sample), weight: (O, F) → y: (n, O)
     fn forward(&mut self, fw: Forward<'_, '_, '_>) -> Result<()> {

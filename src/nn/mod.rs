@@ -42,7 +42,9 @@ pub mod conv2d;
 pub mod dropout;
 pub mod embedding;
 pub mod gelu;
+#[cfg(feature = "cuda")]
 pub mod gpu;
+#[cfg(feature = "cuda")]
 pub mod gpu_net;
 pub mod layernorm;
 pub mod linear;
@@ -364,7 +366,8 @@ pub trait Layer: Send {
 
     /// The layer's GPU form (its launches and what it keeps on the device), built for
     /// each GPU replica; the GPU network dispatches through it. Default: none (the layer
-    /// runs on CPU devices only, and a GPU run names it).
+    /// runs on CPU devices only, and a GPU run names it). Only with the `cuda` feature.
+    #[cfg(feature = "cuda")]
     fn gpu(&self) -> Option<Box<dyn gpu::GpuLayer>> {
         None
     }

@@ -27,14 +27,17 @@
 
 use rayon::prelude::*;
 
+#[cfg(feature = "cuda")]
 use cudarc::driver::CudaSlice;
 
+#[cfg(feature = "cuda")]
 use super::gpu::{window_geom, Backward, Forward, GpuLayer, Node};
 use super::window::{Geometry2d, Padding, Window2d};
 use serde_json::{json, Value};
 
 use super::spec_entry::{expect_images, Build, LayerType};
 use super::{Ctx, InputGrad, Layer, LayerMemory, LayerShapes, Mode, Params, ParamsMut};
+#[cfg(feature = "cuda")]
 use crate::cuda::Gpu;
 use crate::error::{Error, Result};
 use crate::tensor::{Shape, Tensor};
@@ -137,6 +140,7 @@ pub fn maxpool2d_plane_bwd(dout: &[f32], argmax: &[u32], dx: &mut [f32]) {
 }
 
 impl Layer for MaxPool2d {
+    #[cfg(feature = "cuda")]
     fn gpu(&self) -> Option<Box<dyn GpuLayer>> {
         Some(Box::new(MaxPool2dGpu { window: self.window, argmax: None }))
     }
@@ -235,12 +239,14 @@ impl Layer for MaxPool2d {
 
 /// Max pooling on a GPU: `maxpool2d_fwd` writes the winners' indices, which
 /// `maxpool2d_bwd` routes the gradient back through (ties and NaN as on the CPU, above).
+#[cfg(feature = "cuda")]
 struct MaxPool2dGpu {
     window: Window2d,
     /// The winner's index of each output, argmax: (N, C, OH, OW), from the last forward.
     argmax: Option<CudaSlice<u32>>,
 }
 
+#[cfg(feature = "cuda")]
 impl GpuLayer for MaxPool2dGpu {
     fn reserve(&mut self, gpu: &Gpu, node: &Node, n: usize) -> Result<()> {
         self.argmax = None;

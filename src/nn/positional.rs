@@ -18,6 +18,7 @@
 
 use serde_json::{json, Value};
 
+#[cfg(feature = "cuda")]
 use super::gpu::{Backward, Forward, GpuLayer};
 use super::spec_entry::{Build, LayerType};
 use super::{Ctx, Init, InputGrad, Layer, LayerMemory, LayerShapes, ParamSpec, Params, ParamsMut};
@@ -93,6 +94,7 @@ impl PositionalEmbedding {
 }
 
 impl Layer for PositionalEmbedding {
+    #[cfg(feature = "cuda")]
     fn gpu(&self) -> Option<Box<dyn GpuLayer>> {
         Some(Box::new(PositionalGpu { width: self.width }))
     }
@@ -168,10 +170,12 @@ impl Layer for PositionalEmbedding {
 /// The positional embedding on a GPU: `positional_embedding_fwd` adds the table's first
 /// T rows; `positional_embedding_bwd` sums dy over the batch into their gradient and
 /// copies dy to dx in the same pass.
+#[cfg(feature = "cuda")]
 struct PositionalGpu {
     width: usize,
 }
 
+#[cfg(feature = "cuda")]
 impl PositionalGpu {
     /// T·C, the values of one sequence of `node`'s input (T, C).
     fn tc(&self, node: &super::gpu::Node) -> usize {
@@ -179,6 +183,7 @@ impl PositionalGpu {
     }
 }
 
+#[cfg(feature = "cuda")]
 impl GpuLayer for PositionalGpu {
     // x: (N, T, C) → y = x + weight[0..T]
     fn forward(&mut self, f: Forward<'_, '_, '_>) -> Result<()> {

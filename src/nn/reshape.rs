@@ -4,6 +4,7 @@
 
 use serde_json::{json, Value};
 
+#[cfg(feature = "cuda")]
 use super::gpu::{Backward, Forward, GpuLayer};
 use super::spec_entry::{expect_images, Build, LayerType};
 use super::{Ctx, InputGrad, Layer, LayerMemory, LayerShapes, Params, ParamsMut};
@@ -32,6 +33,7 @@ impl Flatten {
 }
 
 impl Layer for Flatten {
+    #[cfg(feature = "cuda")]
     fn gpu(&self) -> Option<Box<dyn GpuLayer>> {
         Some(Box::new(FlattenGpu))
     }
@@ -110,6 +112,7 @@ impl GlobalAvgPool2d {
 }
 
 impl Layer for GlobalAvgPool2d {
+    #[cfg(feature = "cuda")]
     fn gpu(&self) -> Option<Box<dyn GpuLayer>> {
         Some(Box::new(GlobalAvgPool2dGpu))
     }
@@ -180,8 +183,10 @@ impl Layer for GlobalAvgPool2d {
 // ---- on a GPU: a copy, and kernels/pooling.cu's global average ------------------------
 
 /// Flatten on a GPU: the values do not move, so a copy each way.
+#[cfg(feature = "cuda")]
 struct FlattenGpu;
 
+#[cfg(feature = "cuda")]
 impl GpuLayer for FlattenGpu {
     fn forward(&mut self, f: Forward<'_, '_, '_>) -> Result<()> {
         Ok(f.gpu.stream().memcpy_dtod(f.x, f.y)?)
@@ -196,8 +201,10 @@ impl GpuLayer for FlattenGpu {
 }
 
 /// The spatial mean on a GPU: `global_avgpool_fwd`, `global_avgpool_bwd`.
+#[cfg(feature = "cuda")]
 struct GlobalAvgPool2dGpu;
 
+#[cfg(feature = "cuda")]
 impl GpuLayer for GlobalAvgPool2dGpu {
     // x: (N, C, H, W) → y: (N, C)
     fn forward(&mut self, f: Forward<'_, '_, '_>) -> Result<()> {

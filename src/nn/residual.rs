@@ -23,11 +23,14 @@
 //! Inner layers' indices (dropout's masks derive from them) are derived from the block's
 //! and the branch's (`nn::Place::Branch`: 0 the body, 1 the shortcut).
 
+#[cfg(feature = "cuda")]
 use std::ops::Range;
 
+#[cfg(feature = "cuda")]
 use cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
 use serde_json::{json, Value};
 
+#[cfg(feature = "cuda")]
 use super::gpu::{Backward, Forward, GpuLayer, Node};
 use super::sequential::batched;
 use super::spec_entry::{layers_to_spec, Activation, Build, LayerType};
@@ -35,6 +38,7 @@ use super::{
     Ctx, InputGrad, Layer, LayerMemory, LayerShapes, NamedLayer, ParamSpec, Params, ParamsMut, Place, Relu, Sequential,
     F32,
 };
+#[cfg(feature = "cuda")]
 use crate::cuda::Gpu;
 use crate::error::{Error, Result};
 use crate::tensor::{Shape, Tensor};
@@ -364,6 +368,7 @@ impl Layer for Residual {
         self.branches().flat_map(|(_, s)| s.layers().iter().flat_map(|l| l.synchronized_channels())).collect()
     }
 
+    #[cfg(feature = "cuda")]
     fn gpu(&self) -> Option<Box<dyn GpuLayer>> {
         let branch = |s: &Sequential| -> Option<Vec<Child>> {
             let mut children = Vec::new();
@@ -392,6 +397,7 @@ impl Layer for Residual {
 // ---- on a GPU: kernels/elementwise.cu's residual_add, the branches' own forms ---------
 
 /// One layer of a branch as the block's GPU form runs it.
+#[cfg(feature = "cuda")]
 struct Child {
     name: String,
     /// Its position in its branch.
@@ -406,6 +412,7 @@ struct Child {
 }
 
 /// The block's device buffers at one batch size.
+#[cfg(feature = "cuda")]
 struct Buffers {
     n: usize,
     /// Each body layer's output, then each shortcut layer's: (n, *its output).
@@ -425,6 +432,7 @@ struct Buffers {
 /// The residual block on a GPU: the branches' layers through their own GPU forms, the add
 /// (and the backward's fan-in) with `residual_add_fwd`, the ReLU with `relu_fwd`/`relu_bwd`
 /// on the pre-activation sum.
+#[cfg(feature = "cuda")]
 struct ResidualGpu {
     body: Vec<Child>,
     shortcut: Option<Vec<Child>>,
@@ -434,6 +442,7 @@ struct ResidualGpu {
 
 /// The nodes of a branch's layers, inside the block of node `block`: their ranges the
 /// block's, cut in order (the body's first, from `param_at`/`buffer_at` on).
+#[cfg(feature = "cuda")]
 fn place_children(children: &mut [Child], block: &Node, branch: u64, at: &mut (usize, usize)) {
     for c in children {
         c.node = Some(child_node(c, block, branch, at));
@@ -442,6 +451,7 @@ fn place_children(children: &mut [Child], block: &Node, branch: u64, at: &mut (u
 
 /// The node of `c`, branch `branch`'s next layer inside the block of node `block`, its
 /// tensors the block's from `at` on (which it moves past them).
+#[cfg(feature = "cuda")]
 fn child_node(c: &Child, block: &Node, branch: u64, at: &mut (usize, usize)) -> Node {
     let params: Vec<Range<usize>> = block.params[at.0..at.0 + c.params].to_vec();
     let buffers: Vec<Range<usize>> = block.buffers[at.1..at.1 + c.buffers].to_vec();
@@ -456,6 +466,7 @@ fn child_node(c: &Child, block: &Node, branch: u64, at: &mut (usize, usize)) -> 
     }
 }
 
+#[cfg(feature = "cuda")]
 impl ResidualGpu {
     fn children(&self) -> impl Iterator<Item = &Child> {
         self.body.iter().chain(self.shortcut.iter().flatten())
@@ -473,10 +484,12 @@ impl ResidualGpu {
     }
 }
 
+#[cfg(feature = "cuda")]
 fn alloc(gpu: &Gpu, len: usize) -> Result<CudaSlice<f32>> {
     Ok(gpu.stream().alloc_zeros::<f32>(len.max(1))?)
 }
 
+#[cfg(feature = "cuda")]
 impl GpuLayer for ResidualGpu {
     fn reserve(&mut self, gpu: &Gpu, node: &Node, n: usize) -> Result<()> {
         self.place(node);

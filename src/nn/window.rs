@@ -11,6 +11,7 @@
 
 use std::ops::Range;
 
+#[cfg(feature = "cuda")]
 use crate::cuda::launch::WindowGeom;
 
 /// How the input is padded.
@@ -163,6 +164,7 @@ impl Geometry2d {
 
     /// The GPU's launch geometry of this placement for a batch of `n` samples of `c`
     /// channels, with every pad of this one, so the two backends share them.
+    #[cfg(feature = "cuda")]
     pub fn launch_geom(&self, n: usize, c: usize) -> WindowGeom {
         let pads = [self.pad_top, self.pad_left, self.pad_bottom, self.pad_right];
         let geom = WindowGeom::new(n, c, (self.h, self.w), self.window.kernel, self.window.stride, pads);

@@ -26,6 +26,7 @@ use std::ops::Range;
 
 use crate::error::{Error, Result};
 
+#[cfg(feature = "cuda")]
 mod gpu;
 
 /// How SGD's momentum enters the step (PyTorch's `nesterov=`).

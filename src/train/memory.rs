@@ -8,7 +8,7 @@
 
 use crate::devices::Devices;
 use crate::error::Result;
-use crate::memory::{eval_activations, shard_activations, Available, Estimate, PROCESS_BYTES};
+use crate::memory::{eval_activations, shard_activations, Estimate, PROCESS_BYTES};
 use crate::nn::Sequential;
 use crate::optim::OptimizerConfig;
 use crate::tensor::Device;
@@ -93,6 +93,7 @@ pub fn training(model: &Sequential, devices: &Devices, config: &TrainConfig) -> 
 /// and with 16-bit gradients its exchange's wires: every one of the `r` logical
 /// replicas' (2 bytes per gradient value, 4 per buffer value), their encoded sum, and
 /// that sum decoded.
+#[cfg(feature = "cuda")]
 fn gpu_replica(model: &Sequential, config: &TrainConfig, shard: usize, r: usize) -> Estimate {
     let (p, b) = (model.params_len() as u64, model.buffers_len() as u64);
     let (copies, what) = optimizer_copies(&config.optimizer);
@@ -124,6 +125,16 @@ fn gpu_replica(model: &Sequential, config: &TrainConfig, shard: usize, r: usize)
 /// against the available memory, and each GPU's replicas against that GPU's memory.
 pub fn check_training(model: &Sequential, devices: &Devices, config: &TrainConfig) -> Result<()> {
     training(model, devices, config).check("training")?;
+    #[cfg(feature = "cuda")]
+    check_gpus(model, devices, config)?;
+    Ok(())
+}
+
+/// Each GPU's replicas against that GPU's memory (only with the `cuda` feature: without
+/// it `Devices` names no GPU).
+#[cfg(feature = "cuda")]
+fn check_gpus(model: &Sequential, devices: &Devices, config: &TrainConfig) -> Result<()> {
+    use crate::memory::Available;
     let ordinals: Vec<usize> =
         devices.list().iter().filter_map(|d| if let Device::Cuda(o) = d { Some(*o) } else { None }).collect();
     if ordinals.is_empty() {
@@ -151,9 +162,11 @@ pub fn check_training(model: &Sequential, devices: &Devices, config: &TrainConfi
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::memory::Available;
     use crate::models;
 
     #[test]
+    #[cfg(feature = "cuda")]
     fn a_gpu_replica_with_16_bit_gradients_counts_its_wires() {
         // Every one of the R = 4 logical replicas' wires (2 bytes per parameter, 4 per
         // buffer value), their sum's, and that sum decoded to f32.

@@ -22,6 +22,7 @@ mod batch;
 mod config;
 mod cpu;
 mod fit;
+#[cfg(feature = "cuda")]
 mod gpu;
 pub mod memory;
 mod panics;

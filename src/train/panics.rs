@@ -14,7 +14,7 @@
 
 use std::backtrace::{Backtrace, BacktraceStatus};
 use std::cell::Cell;
-use std::panic::PanicHookInfo;
+use std::panic::Location;
 use std::sync::{Mutex, Once};
 
 thread_local! {
@@ -35,15 +35,15 @@ pub(crate) fn mark_this_thread() {
     INSTALL.call_once(|| {
         let previous = std::panic::take_hook();
         std::panic::set_hook(Box::new(move |info| match WORKER_THREAD.with(Cell::get) {
-            true => keep(info),
+            true => keep(info.payload(), info.location()),
             false => previous(info),
         }));
     });
     WORKER_THREAD.with(|w| w.set(true));
 }
 
-fn keep(info: &PanicHookInfo<'_>) {
-    let mut detail = match info.location() {
+fn keep(payload: &(dyn std::any::Any + Send), location: Option<&Location<'_>>) {
+    let mut detail = match location {
         Some(l) => format!(" at {}:{}:{}", l.file(), l.line(), l.column()),
         None => String::new(),
     };
@@ -56,7 +56,7 @@ fn keep(info: &PanicHookInfo<'_>) {
     if caught.len() == KEPT {
         caught.remove(0);
     }
-    caught.push((message(info.payload()), detail));
+    caught.push((message(payload), detail));
 }
 
 /// The text of a panic's payload (a `&str` or a `String`, as `panic!` makes).

@@ -23,6 +23,7 @@ use super::{ShardReport, StepReport, StopRequest, TrainConfig};
 use crate::data::Dataset;
 use crate::digest::Fnv1a;
 use crate::error::{Error, Result};
+#[cfg(feature = "cuda")]
 use crate::exchange::gpu::{new_clique_id, Clique};
 use crate::nn::loss::Metrics;
 use crate::nn::{ParamStore, Sequential};
@@ -70,6 +71,7 @@ pub(super) fn settle(world: &World, e: Error) -> Error {
 
 /// The NCCL clique of every process's GPUs (`local` per process, in process order): the id
 /// made by process 0, broadcast to the others.
+#[cfg(feature = "cuda")]
 pub(super) fn clique(world: &World, local: usize) -> Result<Clique> {
     let mut id = match world.is_voice() {
         true => new_clique_id()?,

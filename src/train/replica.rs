@@ -62,6 +62,7 @@ pub enum Mark {
 }
 
 impl Mark {
+    #[cfg(feature = "cuda")]
     pub const ALL: [Mark; 4] = [Mark::Start, Mark::Computed, Mark::Summed, Mark::Updated];
 
     /// Index of the mark in [`Mark::ALL`].

@@ -27,6 +27,7 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{bounded, Receiver, Sender};
 
 use super::cpu::CpuReplica;
+#[cfg(feature = "cuda")]
 use super::gpu::GpuReplica;
 use super::panics;
 use super::processes::{self, Handshake, RowPlan};
@@ -39,9 +40,12 @@ use crate::data::Dataset;
 use crate::devices::Devices;
 use crate::error::{Error, Result};
 use crate::exchange::codec::{Codec, Compression};
+#[cfg(feature = "cuda")]
 use crate::exchange::gpu::{transport_for, GpuExchange, GpuGroup, NcclGroup, Transport};
 use crate::exchange::shm::{ShmGroup, ShmStats};
-use crate::exchange::{Abort, Aborts, Exchange, RunTransport, Wait};
+#[cfg(feature = "cuda")]
+use crate::exchange::Aborts;
+use crate::exchange::{Abort, Exchange, RunTransport, Wait};
 use crate::nn::loss::Metrics;
 use crate::nn::stats::StatsExchange;
 use crate::nn::{ParamStore, Sequential};
@@ -492,6 +496,7 @@ pub fn with_trainer<T>(
     let width = model.params_len() + model.buffers_len();
     // A world of one agrees with itself.
     Handshake::of(devices.list(), replicas, model, config, &initial).agree(world)?;
+    #[cfg(feature = "cuda")]
     let k = replicas / in_world;
     let synchronized = crate::nn::batchnorm::has_synchronized_layers(model);
     let transport = RunTransport::of(devices.list(), world.size());
@@ -546,6 +551,7 @@ pub fn with_trainer<T>(
                 |d, _| Ok(shm.member(d)),
             )
         }
+        #[cfg(feature = "cuda")]
         RunTransport::Nccl | RunTransport::NcclClique | RunTransport::DeviceCopies => {
             let ordinals = devices.cuda_ordinals();
             let codec = Codec::new(config.grad_compression, model.params_len());
@@ -580,6 +586,10 @@ pub fn with_trainer<T>(
                 )
             })
         }
+        #[cfg(not(feature = "cuda"))]
+        RunTransport::Nccl | RunTransport::NcclClique | RunTransport::DeviceCopies => {
+            Err(crate::devices::without_cuda(devices))
+        }
     };
     // In a world of one there is no other process to hear from or tell.
     out.map_err(|e| processes::settle(world, e))
@@ -602,6 +612,7 @@ fn cpu_replica<'s>(
 
 /// A GPU replica from `start`, meeting the other replicas' statistics through `stats`
 /// when its model has synchronized BatchNorm layers (waits released by `abort`).
+#[cfg(feature = "cuda")]
 fn gpu_replica<'s>(
     device: Device,
     start: (Sequential, ParamStore, Optimizer),
