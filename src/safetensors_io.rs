@@ -253,7 +253,7 @@ mod tests {
         let at = p.display().to_string();
         let err = |bytes: Vec<u8>| {
             std::fs::write(&p, bytes).unwrap();
-            map_file(&p).and_then(|f| f.parse().map(|_| ())).err().expect("refused").to_string()
+            map_file(&p).and_then(|f| f.parse().map(|_| ())).expect_err("refused").to_string()
         };
         let same = r#"{"x":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"x":{"dtype":"I32","shape":[1],"data_offsets":[0,4]}}"#;
         assert_eq!(
@@ -277,7 +277,7 @@ mod tests {
             format!("{at}: not a valid safetensors file: tensor 'x': field 'dtype' is given twice")
         );
         // The bytes of a parse in memory are checked alike.
-        let e = crate::weights::parse(&p, &raw_file(same, &[0; 4])).err().expect("refused").to_string();
+        let e = crate::weights::parse(&p, &raw_file(same, &[0; 4])).expect_err("refused").to_string();
         assert_eq!(e, format!("{at}: not a valid safetensors file: tensor 'x' is named twice in the header"));
     }
 
