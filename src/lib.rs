@@ -43,6 +43,7 @@
 //! | [`memory`] | memory estimated before any work, refused when it does not fit |
 //! | [`units`] | bytes, counts and spans of time as people read and write them (a leaf) |
 //! | [`digest`] | FNV-1a, the hash of every digest compared: checkpoints, datasets, processes, replicas (a leaf) |
+//! | [`json_keys`] | keys given twice in a JSON text, and where (a leaf) |
 //! | [`wire`] | the 16-bit gradient codec's wire format, below both `exchange` and `cuda` (a leaf) |
 //! | [`weights`] | safetensors weights in PyTorch's names and layouts |
 //! | [`safetensors_io`] | the container: headers checked before mapping, reproducible bytes |
@@ -72,6 +73,7 @@ pub mod error;
 pub mod exchange;
 pub mod fsutil;
 pub mod generate;
+pub mod json_keys;
 pub mod memory;
 pub mod models;
 pub mod nn;

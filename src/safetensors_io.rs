@@ -6,7 +6,8 @@
 //! length must fit the file and the format's 100 MB cap — and only then mapped
 //! (`memmap2`), never read whole: parsing the header touches its pages alone, and a
 //! tensor's bytes are paged in when the caller reads them. A 4 GB file whose header
-//! length is 0 is refused after reading 8 bytes.
+//! length is 0 is refused after reading 8 bytes. A header that gives a key twice (two
+//! tensors named alike) is refused ([`check_keys`]); the crate would keep the last.
 //!
 //! Writing: [`serialize`] lays the header out in ONE order — `__metadata__` first with
 //! its keys sorted, then the tensors in the order given — so that the same tensors and
@@ -106,7 +107,35 @@ pub fn map_file(path: &Path) -> Result<MappedFile> {
         };
         return Err(Error::format(path, format!("not a valid safetensors file: header length {n} is {why}")));
     }
-    map(path, &file)
+    let mapped = map(path, &file)?;
+    check_keys(path, &mapped)?;
+    Ok(mapped)
+}
+
+/// Refuses a header that gives a key twice: the `safetensors` crate reads the header
+/// into a map, so of two tensors named 'x' the last would silently win (two views of one
+/// region accepted as one tensor, or the first region reported as "invalid offset").
+/// `bytes` is the whole file; a header that is too short or not UTF-8 is left to the
+/// crate's parse to report.
+pub fn check_keys(path: &Path, bytes: &[u8]) -> Result<()> {
+    use crate::json_keys::Step;
+    let header = bytes
+        .get(..8)
+        .and_then(|b| usize::try_from(u64::from_le_bytes(b.try_into().expect("8 bytes"))).ok())
+        .and_then(|n| bytes.get(8..8usize.checked_add(n)?))
+        .and_then(|h| std::str::from_utf8(h).ok());
+    let Some(dup) = header.and_then(crate::json_keys::first_duplicate) else {
+        return Ok(());
+    };
+    let what = match dup.path.as_slice() {
+        [] if dup.key == "__metadata__" => "'__metadata__' is given twice".to_string(),
+        [] => format!("tensor '{}' is named twice in the header", dup.key),
+        [Step::Key(m), ..] if m == "__metadata__" => format!("metadata key '{}' is given twice", dup.key),
+        [Step::Key(t)] => format!("tensor '{t}': field '{}' is given twice", dup.key),
+        [Step::Key(t), ..] => format!("tensor '{t}': key '{}' is given twice", dup.key),
+        [Step::Index(_), ..] => format!("key '{}' is given twice", dup.key),
+    };
+    Err(Error::format(path, format!("not a valid safetensors file: {what}")))
 }
 
 /// Maps an opened file read-only.
@@ -203,6 +232,53 @@ mod tests {
         assert_eq!(st.tensor("labels").unwrap().data(), &b);
         let e = serialize(&[TensorData { name: "w", dtype: Dtype::F32, shape: &[3], data: &a }], &m).unwrap_err();
         assert_eq!(e.to_string(), "invalid tensor: w: 8 bytes do not hold a F32 tensor of shape [3]");
+    }
+
+    /// A safetensors file of `header` (padded to 8 bytes) and `data`.
+    fn raw_file(header: &str, data: &[u8]) -> Vec<u8> {
+        let mut header = header.to_string();
+        while header.len() % 8 != 0 {
+            header.push(' ');
+        }
+        [&(header.len() as u64).to_le_bytes()[..], header.as_bytes(), data].concat()
+    }
+
+    #[test]
+    fn a_tensor_named_twice_is_refused_naming_it() {
+        // Issue 19. The safetensors crate reads the header into a map, so of two tensors
+        // named 'x' the last wins: two views of the same 4 bytes (an F32, then an I32)
+        // were accepted as one I32 tensor.
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("twice.safetensors");
+        let at = p.display().to_string();
+        let err = |bytes: Vec<u8>| {
+            std::fs::write(&p, bytes).unwrap();
+            map_file(&p).and_then(|f| f.parse().map(|_| ())).expect_err("refused").to_string()
+        };
+        let same = r#"{"x":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"x":{"dtype":"I32","shape":[1],"data_offsets":[0,4]}}"#;
+        assert_eq!(
+            err(raw_file(same, &[0; 4])),
+            format!("{at}: not a valid safetensors file: tensor 'x' is named twice in the header")
+        );
+        // Two regions under one name: the crate said "invalid offset" for the survivor.
+        let two = r#"{"x":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"x":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}}"#;
+        assert_eq!(
+            err(raw_file(two, &[0; 8])),
+            format!("{at}: not a valid safetensors file: tensor 'x' is named twice in the header")
+        );
+        let meta = r#"{"__metadata__":{"num_classes":"3","num_classes":"10"},"x":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}"#;
+        assert_eq!(
+            err(raw_file(meta, &[0; 4])),
+            format!("{at}: not a valid safetensors file: metadata key 'num_classes' is given twice")
+        );
+        let field = r#"{"x":{"dtype":"F32","dtype":"I32","shape":[1],"data_offsets":[0,4]}}"#;
+        assert_eq!(
+            err(raw_file(field, &[0; 4])),
+            format!("{at}: not a valid safetensors file: tensor 'x': field 'dtype' is given twice")
+        );
+        // The bytes of a parse in memory are checked alike.
+        let e = crate::weights::parse(&p, &raw_file(same, &[0; 4])).expect_err("refused").to_string();
+        assert_eq!(e, format!("{at}: not a valid safetensors file: tensor 'x' is named twice in the header"));
     }
 
     #[test]

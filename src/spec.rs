@@ -142,7 +142,11 @@ impl ModelSpec {
     /// Parses and checks a spec: syntax, every field, and the shapes through the stack.
     pub fn parse(text: &str, origin: &str) -> Result<ModelSpec> {
         let bad = |detail: String| Error::format(origin, detail);
-        let file: SpecFile = serde_json::from_str(text).map_err(|e| bad(format!("not a valid model spec: {e}")))?;
+        let value: Value = serde_json::from_str(text).map_err(|e| bad(format!("not a valid model spec: {e}")))?;
+        if let Some(dup) = crate::json_keys::first_duplicate(text) {
+            return Err(bad(duplicate_words(&dup, &value)));
+        }
+        let file: SpecFile = serde_json::from_value(value).map_err(|e| bad(format!("not a valid model spec: {e}")))?;
         let input_shape = match &file.input_shape {
             Value::Array(dims) if !dims.is_empty() => dims
                 .iter()
@@ -214,6 +218,46 @@ impl ModelSpec {
         }
         Ok(out)
     }
+}
+
+/// A key given twice, named as the spec's other errors name its place: `layer 1
+/// (dense): field 'units' is given twice`, `layer 0 (residual): layers[1] (dense): ...`.
+/// `value` is the spec as serde_json read it (the last of the two values kept), which
+/// gives each layer object on the path its type.
+fn duplicate_words(dup: &crate::json_keys::Duplicate, value: &Value) -> String {
+    use crate::json_keys::Step;
+    let mut words = Vec::new();
+    let mut here = value;
+    let mut steps = dup.path.as_slice();
+    // Layer lists: the top level's `layers` (layer i), a container's (layers[j]).
+    let mut list: Option<String> = None;
+    loop {
+        match (steps, list.as_deref()) {
+            ([Step::Key(k), Step::Index(i), rest @ ..], at) if k == "layers" || (at.is_some() && k == "shortcut") => {
+                let object = &here[k.as_str()][*i];
+                let at = if at.is_none() { format!("layer {i}") } else { format!("{k}[{i}]") };
+                // The last step's object holds the duplicate: name its type unless the
+                // duplicate is the type itself.
+                let kind =
+                    object.get("type").and_then(Value::as_str).filter(|_| !(rest.is_empty() && dup.key == "type"));
+                words.push(match kind {
+                    Some(kind) => format!("{at} ({kind})"),
+                    None => at.clone(),
+                });
+                list = Some(at);
+                here = object;
+                steps = rest;
+            }
+            _ => break,
+        }
+    }
+    let key = match steps {
+        [] => format!("field '{}' is given twice", dup.key),
+        [Step::Key(field), ..] => format!("field '{field}': key '{}' is given twice", dup.key),
+        [Step::Index(_), ..] => format!("key '{}' is given twice", dup.key),
+    };
+    words.push(key);
+    words.join(": ")
 }
 
 fn parse_layer(i: usize, v: &Value) -> std::result::Result<LayerSpec, String> {
@@ -452,6 +496,38 @@ mod tests {
         assert!(err(r#"{"input_shape": [2], "layers": [], "name": "x"}"#).contains("unknown field `name`"));
         assert!(err(r#"{"layers": []}"#).contains("missing field `input_shape`"));
         assert!(err("{").contains("m.json: not a valid model spec: EOF while parsing"));
+    }
+
+    #[test]
+    fn a_key_given_twice_is_refused_naming_the_key_and_the_layer() {
+        // Issue 19: `"units":10,"units":5` silently kept the last value.
+        assert_eq!(
+            err(&with_layers(r#"{"type": "flatten"}, {"type": "dense","units":10,"units":5}"#)),
+            "m.json: layer 1 (dense): field 'units' is given twice"
+        );
+        // Inside a container, the nested object is named as its other errors name it.
+        assert_eq!(
+            err(
+                r#"{"input_shape": [4], "layers": [{"type": "residual", "layers": [{"type": "relu"}, {"type": "dense", "units": 4, "use_bias": true, "use_bias": false}]}]}"#
+            ),
+            "m.json: layer 0 (residual): layers[1] (dense): field 'use_bias' is given twice"
+        );
+        // Two types: neither is the layer's.
+        assert_eq!(
+            err(&with_layers(r#"{"type": "relu"}, {"type": "dense", "type": "relu"}"#)),
+            "m.json: layer 1: field 'type' is given twice"
+        );
+        // A key of a field's own object, and the top level's.
+        assert_eq!(
+            err(&with_layers(r#"{"type": "conv2d", "filters": 1, "kernel_size": 1, "padding": {"a": 1, "a": 2}}"#)),
+            "m.json: layer 0 (conv2d): field 'padding': key 'a' is given twice"
+        );
+        assert_eq!(
+            err(r#"{"input_shape": [2], "layers": [{"type": "relu"}], "input_shape": [3]}"#),
+            "m.json: field 'input_shape' is given twice"
+        );
+        // A syntax error after a duplicate is the syntax error.
+        assert!(err(r#"{"input_shape": [2], "input_shape": [3], "layers": ["#).contains("not a valid model spec: EOF"));
     }
 
     #[test]

@@ -125,6 +125,7 @@ pub fn read_file(path: &Path) -> Result<MappedFile> {
 
 /// Parses safetensors bytes, naming the file on error.
 pub fn parse<'a>(path: &Path, bytes: &'a [u8]) -> Result<SafeTensors<'a>> {
+    safetensors_io::check_keys(path, bytes)?;
     SafeTensors::deserialize(bytes).map_err(|e| Error::format(path, format!("not a valid safetensors file: {e}")))
 }
 

@@ -13,16 +13,20 @@
 //! byte. A header that claims 4 billion images allocates nothing: a short plain file is
 //! a "truncated data" error before its body is read. Gzip is
 //! recognised by its magic bytes `1f 8b` (whatever the file is called); a corrupt or
-//! truncated gzip stream is an error, never a panic.
+//! truncated gzip stream is an error, never a panic. A gzip file of several members
+//! (`pigz`, concatenated downloads) is read member after member, as `gunzip` does, under
+//! the same `take`: a trailing member past the header's values is refused after one value
+//! too many, never inflated whole; bytes after the last member that are not a member are
+//! an error, as trailing bytes of a plain file are.
 //!
 //! Only unsigned-byte data (dtype code 0x08) is accepted: MNIST, Fashion-MNIST and
 //! KMNIST all use it.
 
 use std::fs::File;
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{BufRead, BufReader, Read, Seek, Write};
 use std::path::{Path, PathBuf};
 
-use flate2::read::GzDecoder;
+use flate2::bufread::GzDecoder;
 use flate2::write::GzEncoder;
 
 use super::{Dataset, Features, Splits};
@@ -206,9 +210,66 @@ fn read_header(r: &mut impl Read, buf: &mut [u8], path: &Path, what: &str) -> Re
     Ok(())
 }
 
+/// The inflated bytes of a gzip file of one or more members, read one member after the
+/// other. flate2's `MultiGzDecoder` does the same but reads whatever follows a member as a
+/// gzip header, so trailing bytes would be a "corrupt gzip stream"; here they are
+/// [`TrailingBytes`], which names where they start.
+struct GzMembers {
+    /// The member being inflated; `None` once the file has ended (or failed).
+    member: Option<GzDecoder<BufReader<File>>>,
+}
+
+/// Bytes after the last gzip member that do not start another: `len` of them from byte
+/// `at` of the file.
+#[derive(Debug)]
+struct TrailingBytes {
+    at: u64,
+    len: u64,
+}
+
+impl std::fmt::Display for TrailingBytes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "unexpected bytes after the last gzip member: the {} bytes from byte {} are not a gzip member",
+            self.len, self.at
+        )
+    }
+}
+
+impl std::error::Error for TrailingBytes {}
+
+impl Read for GzMembers {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        while let Some(member) = self.member.as_mut() {
+            let n = member.read(buf)?;
+            if n > 0 || buf.is_empty() {
+                return Ok(n);
+            }
+            // This member has ended (its checksum and length checked): another follows,
+            // or the file ends, or what follows is not ours.
+            let mut rest = self.member.take().expect("a member is being read").into_inner();
+            let next = rest.fill_buf()?;
+            if next.is_empty() {
+                return Ok(0);
+            }
+            if !next.starts_with(&GZIP_MAGIC[..next.len().min(2)]) {
+                let at = rest.stream_position()?;
+                let len = rest.get_ref().metadata()?.len().saturating_sub(at);
+                return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, TrailingBytes { at, len }));
+            }
+            self.member = Some(GzDecoder::new(rest));
+        }
+        Ok(0)
+    }
+}
+
 /// A read failure: a decoding error of a gzip stream is a format problem, anything else
 /// an I/O one.
 fn stream_error(path: &Path, e: std::io::Error) -> Error {
+    if let Some(trailing) = e.get_ref().and_then(|inner| inner.downcast_ref::<TrailingBytes>()) {
+        return Error::format(path, trailing.to_string());
+    }
     match e.kind() {
         std::io::ErrorKind::InvalidInput | std::io::ErrorKind::InvalidData | std::io::ErrorKind::UnexpectedEof => {
             Error::format(path, format!("corrupt gzip stream: {e}"))
@@ -223,7 +284,8 @@ fn load(path: &Path, magic: u32, what: &str) -> Result<(Vec<u8>, Vec<usize>)> {
     let mut buffered = BufReader::new(file);
     let head = buffered.fill_buf().map_err(|e| Error::io(path, e))?;
     let gzipped = head.starts_with(&GZIP_MAGIC);
-    let mut reader: Box<dyn Read> = if gzipped { Box::new(GzDecoder::new(buffered)) } else { Box::new(buffered) };
+    let mut reader: Box<dyn Read> =
+        if gzipped { Box::new(GzMembers { member: Some(GzDecoder::new(buffered)) }) } else { Box::new(buffered) };
 
     let mut found = [0u8; 4];
     read_header(&mut reader, &mut found, path, "magic number")?;
@@ -459,6 +521,56 @@ mod tests {
         std::fs::write(&gz, &bytes[..bytes.len() - 10]).unwrap();
         let e = images_err(&gz);
         assert!(e.contains("corrupt gzip stream") || e.contains("truncated"), "{e}");
+    }
+
+    /// `bytes` as one gzip member.
+    fn gzip_member(bytes: &[u8]) -> Vec<u8> {
+        let mut gz = GzEncoder::new(Vec::new(), flate2::Compression::default());
+        gz.write_all(bytes).unwrap();
+        gz.finish().unwrap()
+    }
+
+    #[test]
+    fn a_multi_member_gzip_file_is_read_whole_within_the_size_bound() {
+        // Issue 19, defect 7: `gzip.compress(a) + gzip.compress(b)`, what pigz and
+        // concatenated downloads make (gunzip reads it whole). Only the first member was
+        // read: "truncated data: 5 values for dimensions 2×2×3 (12 expected)".
+        let (_guard, dir) = temp_dir();
+        let px: Vec<u8> = (0..12).collect();
+        let mut file = header(IDX3_U8_MAGIC, &[2, 2, 3]);
+        file.extend_from_slice(&px);
+        let p = dir.join("multi.gz");
+        // The header and 5 values, an empty member, then the other 7 values.
+        let whole = [gzip_member(&file[..21]), gzip_member(&[]), gzip_member(&file[21..])].concat();
+        std::fs::write(&p, &whole).unwrap();
+        assert_eq!(load_idx_images(&p).unwrap(), (px.clone(), [2, 2, 3]));
+        // A member split inside the header reads too.
+        std::fs::write(&p, [gzip_member(&file[..6]), gzip_member(&file[6..])].concat()).unwrap();
+        assert_eq!(load_idx_images(&p).unwrap(), (px.clone(), [2, 2, 3]));
+
+        // Bytes after the last member that are not a gzip member: an error, as trailing
+        // bytes of a plain file are (they used to be ignored).
+        std::fs::write(&p, [&whole[..], b"junk"].concat()).unwrap();
+        assert_eq!(
+            images_err(&p),
+            format!(
+                "{}: unexpected bytes after the last gzip member: the 4 bytes from byte {} are not a gzip member",
+                p.display(),
+                whole.len()
+            )
+        );
+        // A trailing member past the header's values: refused once one value too many has
+        // been inflated (the body is read through a `take` of the values plus one), never
+        // inflated whole: the issue's 8 GiB of trailing members, here 64 MiB of zeros.
+        let mut zeros = GzEncoder::new(Vec::new(), flate2::Compression::fast());
+        for _ in 0..64 {
+            zeros.write_all(&[0u8; 1 << 20]).unwrap();
+        }
+        std::fs::write(&p, [&whole[..], &zeros.finish().unwrap()[..]].concat()).unwrap();
+        assert_eq!(
+            images_err(&p),
+            format!("{}: unexpected bytes after the 12 values of dimensions 2×2×3", p.display())
+        );
     }
 
     #[test]
