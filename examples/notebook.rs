@@ -56,6 +56,7 @@ fn main() -> Result<()> {
     // :opt 3
     // :build_env CARGO_PROFILE_DEV_DEBUG_ASSERTIONS=false
     // :build_env CARGO_PROFILE_DEV_OVERFLOW_CHECKS=false
+    // :build_env CARGO_INCREMENTAL=0
     // use lockstep::prelude::*;
     // %%
     let splits = load_digits(DigitsLayout::Image28)?;
