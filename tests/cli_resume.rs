@@ -217,6 +217,24 @@ fn a_foreign_checkpoint_in_the_directory_is_refused_naming_both_runs() {
     assert_eq!(checkpoints(&zero), before, "nothing is deleted");
 }
 
+/// Issue 19: a run that took 10 steps, resumed with `--steps 5`, said "complete: step 10 of
+/// 5"; it says that it is already past step 5.
+#[test]
+fn a_run_resumed_with_fewer_steps_than_it_took_says_it_is_past_them() {
+    let (_guard, dir) = tmp();
+    let ck = dir.join("ck");
+    let out = bin()
+        .args(["train", "--model", "toy", "--epochs", "10", "--steps", "10", "--checkpoint-dir", ck.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = bin().args(["train", "--resume", ck.to_str().unwrap(), "--steps", "5"]).output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("is already past step 5: it is at step 10 (1 step into epoch 4)"), "{stdout}");
+    assert!(!stdout.contains("step 10 of 5"), "{stdout}");
+}
+
 #[test]
 fn without_a_checkpoint_directory_a_signal_still_writes_save() {
     let dir = tempfile::tempdir().unwrap();

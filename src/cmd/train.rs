@@ -1106,15 +1106,20 @@ fn final_lines(say: &dyn Fn(String), report: &TrainReport, held_out: HeldOut, te
 
 /// `--resume` of a run that has already taken every step asked for: nothing to train.
 fn finished_already(a: &TrainArgs, model: &Sequential, dir: &Path, r: &checkpoint::Resume, total: u64) -> CliResult {
+    let at = match (r.epoch, r.step_in_epoch) {
+        (1, 0) => "1 epoch".to_string(),
+        (e, 0) => format!("{e} epochs"),
+        (e, 1) => format!("1 step into epoch {}", e + 1),
+        (e, s) => format!("{s} steps into epoch {}", e + 1),
+    };
+    // A run resumed with fewer steps than it has taken is past them, not "step 10 of 5".
+    let state = match r.step > total {
+        true => format!("is already past step {total}: it is at step {} ({at})", r.step),
+        false => format!("is complete: step {} of {total} ({at})", r.step),
+    };
     outln!(
-        "lockstep: the run in {} is complete: step {} of {total} ({}); nothing to train. Give a larger --epochs or --steps to continue it.",
-        dir.display(),
-        r.step,
-        match (r.epoch, r.step_in_epoch) {
-            (1, 0) => "1 epoch".to_string(),
-            (e, 0) => format!("{e} epochs"),
-            (e, s) => format!("{s} steps into epoch {}", e + 1),
-        }
+        "lockstep: the run in {} {state}; nothing to train. Give a larger --epochs or --steps to continue it.",
+        dir.display()
     );
     if let Some(p) = &a.save {
         weights::save(model, &r.weights, p).map_err(Failure::runtime)?;
