@@ -16,7 +16,7 @@ use std::fmt::Write as _;
 use base64::Engine as _;
 
 use crate::plot::{self, MetricsTable, XAxis};
-use crate::train::{HeldOut, Stopped, TrainReport};
+use crate::train::{Stopped, TrainReport};
 
 /// One output of a cell, in evcxr's protocol.
 fn send(mime: &str, content: &str) {
@@ -33,11 +33,9 @@ fn escape(text: &str) -> String {
 /// `Display`, and the curves as an inline PNG (left out, with the reason, if they cannot
 /// be drawn).
 pub fn html(report: &TrainReport) -> String {
-    let held = report.epochs.iter().find_map(|e| match (e.val, e.test) {
-        (Some(_), _) => Some(HeldOut::Validation),
-        (None, Some(_)) => Some(HeldOut::Test),
-        (None, None) => None,
-    });
+    // The curves' table also says what the held-out set is.
+    let table = MetricsTable::from(report);
+    let held = table.held_out;
     let unit = if report.epochs.first().is_some_and(|e| e.steps_of_run.is_some()) { "tokens/s" } else { "samples/s" };
     let mut h = String::from("<div class=\"lockstep-report\">\n<table>\n<thead><tr><th>epoch</th><th>step</th>");
     h.push_str("<th>train loss</th><th>train accuracy</th>");
@@ -72,7 +70,7 @@ pub fn html(report: &TrainReport) -> String {
     if let Stopped::TimeLimit { .. } | Stopped::Interrupted { .. } = report.stopped {
         h.push_str("<p>The run stopped before its end: the last epoch row is the last one it finished.</p>\n");
     }
-    match plot::png(&MetricsTable::from(report), "Training curves", XAxis::Step) {
+    match plot::png(&table, "Training curves", XAxis::Step) {
         Ok(png) => {
             let data = base64::engine::general_purpose::STANDARD.encode(png);
             let _ = writeln!(

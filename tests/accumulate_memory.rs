@@ -10,8 +10,7 @@
 //! rows of one forward pass, so ÷ K, but for what a step holds whatever its size (the
 //! per-thread scratch of the convolutions' GEMMs, a few small vectors).
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicIsize, Ordering};
+use std::sync::atomic::Ordering;
 
 use lockstep::data::digits::{load_digits, DigitsLayout};
 use lockstep::devices::Devices;
@@ -19,31 +18,9 @@ use lockstep::models::{self, ConvnetOptions};
 use lockstep::optim::OptimizerConfig;
 use lockstep::train::{with_trainer, Batch, TrainConfig};
 
-/// The system allocator, counting live bytes and their peak since the last reset.
-struct Counting;
-
-static LIVE: AtomicIsize = AtomicIsize::new(0);
-static PEAK: AtomicIsize = AtomicIsize::new(0);
-
-// SAFETY: every call is forwarded to the system allocator with the same layout; the
-// counters are plain atomics.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        let now = LIVE.fetch_add(layout.size() as isize, Ordering::Relaxed) + layout.size() as isize;
-        PEAK.fetch_max(now, Ordering::Relaxed);
-        // SAFETY: the caller's contract is System's.
-        unsafe { System.alloc(layout) }
-    }
-
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        LIVE.fetch_sub(layout.size() as isize, Ordering::Relaxed);
-        // SAFETY: `ptr` came from `alloc` above with this layout.
-        unsafe { System.dealloc(ptr, layout) }
-    }
-}
-
-#[global_allocator]
-static GLOBAL: Counting = Counting;
+#[path = "common/counting_alloc.rs"]
+mod counting_alloc;
+use counting_alloc::{LIVE, PEAK};
 
 /// Peak bytes allocated above the live ones during one training step with K micro-batches
 /// (the second step of a run: the first one sizes the caches that persist).

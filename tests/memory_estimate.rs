@@ -6,9 +6,8 @@
 //! for the process itself (its code and stacks, which no allocator sees). The tests run
 //! one at a time (a lock), so that nothing else allocates meanwhile.
 
-use std::alloc::{GlobalAlloc, Layout, System};
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicIsize, Ordering};
+use std::sync::atomic::Ordering;
 
 use lockstep::checkpoint::CheckpointPolicy;
 use lockstep::data::digits::{load_digits, DigitsLayout};
@@ -18,38 +17,9 @@ use lockstep::models::{self, ConvnetOptions};
 use lockstep::nn::Sequential;
 use lockstep::train::{memory, train_data_parallel, TrainConfig};
 
-struct Counting;
-
-static LIVE: AtomicIsize = AtomicIsize::new(0);
-static PEAK: AtomicIsize = AtomicIsize::new(0);
-
-// SAFETY: every call is forwarded to the system allocator with the same layout; the
-// counters are plain atomics.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        let now = LIVE.fetch_add(layout.size() as isize, Ordering::Relaxed) + layout.size() as isize;
-        PEAK.fetch_max(now, Ordering::Relaxed);
-        // SAFETY: the caller's contract is System's.
-        unsafe { System.alloc(layout) }
-    }
-
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        LIVE.fetch_sub(layout.size() as isize, Ordering::Relaxed);
-        // SAFETY: `ptr` came from `alloc` above with this layout.
-        unsafe { System.dealloc(ptr, layout) }
-    }
-
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        let delta = new_size as isize - layout.size() as isize;
-        let now = LIVE.fetch_add(delta, Ordering::Relaxed) + delta;
-        PEAK.fetch_max(now, Ordering::Relaxed);
-        // SAFETY: as `alloc` and `dealloc`: the caller's contract is System's.
-        unsafe { System.realloc(ptr, layout, new_size) }
-    }
-}
-
-#[global_allocator]
-static GLOBAL: Counting = Counting;
+#[path = "common/counting_alloc.rs"]
+mod counting_alloc;
+use counting_alloc::{LIVE, PEAK};
 
 static ONE_AT_A_TIME: parking_lot::Mutex<()> = parking_lot::Mutex::new(());
 

@@ -97,9 +97,12 @@ pub fn train_data_parallel_with(
         return Err(Error::config(what, "monitors the held-out loss, and this run has no held-out set"));
     }
     let span = RunSpan::new(train, config)?;
-    // Processes that would train on different data, or evaluate on it, refuse at once.
+    // Processes that would train on different data, or evaluate on it, refuse at once
+    // (the digests read every byte: only where there is another process to compare with).
     let world = crate::world::current()?;
-    world.agree(&super::processes::data_settings(train, test))?;
+    if world.size() > 1 {
+        world.agree(&super::processes::data_settings(train, test))?;
+    }
     // One run per checkpoint directory, held until this returns, whatever happens; with
     // several processes, process 0's (the one that writes there).
     let voice = world.is_voice();

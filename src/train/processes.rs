@@ -105,7 +105,7 @@ impl Handshake {
         let weights = bits.fold(Fnv1a::new(), |h, b| h.bytes(&b.to_le_bytes())).finish();
         let or_none = |v: Option<String>| v.unwrap_or_else(|| "none".into());
         let c = config;
-        let mut settings: Vec<(&str, String)> = vec![
+        let named: Vec<(&str, String)> = vec![
             ("devices", devices.len().to_string()),
             ("device kind", kind.into()),
             ("logical replicas", replicas.to_string()),
@@ -137,12 +137,10 @@ impl Handshake {
             ("non-finite losses", format!("{:?}", c.non_finite)),
             ("model", format!("{} layers, {} values", model.layers().len(), model.params_len() + model.buffers_len())),
         ];
-        let layers: Vec<(String, String)> =
-            model.layers().iter().enumerate().map(|(i, l)| (format!("layer {i}"), l.describe())).collect();
-        let mut out: Vec<Setting> = settings.drain(..).map(|(k, v)| (k.to_string(), v)).collect();
-        out.extend(layers);
-        out.push(("initial weights".into(), format!("digest {weights:016x}")));
-        Handshake { settings: out }
+        let layers = model.layers().iter().enumerate().map(|(i, l)| (format!("layer {i}"), l.describe()));
+        let mut settings: Vec<Setting> = named.into_iter().map(|(k, v)| (k.to_string(), v)).chain(layers).collect();
+        settings.push(("initial weights".into(), format!("digest {weights:016x}")));
+        Handshake { settings }
     }
 
     /// Every process's handshake compared with process 0's: the first difference, on
