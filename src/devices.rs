@@ -257,9 +257,14 @@ impl Device {
 impl DeviceSpec {
     /// The devices this spec names on this machine.
     pub fn resolve(&self) -> Result<Devices> {
+        // A refusal names this spec (`cpu:100000`), not the one it resolved to.
+        let named = |e: Error| match e {
+            Error::DeviceSpec { detail, .. } => Error::DeviceSpec { spec: self.to_string(), detail },
+            e => e,
+        };
         match self {
-            DeviceSpec::Cpu { count, threads: Some(t) } => Devices::cpu(*count, *t),
-            DeviceSpec::Cpu { count, threads: None } => Devices::cpu_auto_threads(*count),
+            DeviceSpec::Cpu { count, threads: Some(t) } => Devices::cpu(*count, *t).map_err(named),
+            DeviceSpec::Cpu { count, threads: None } => Devices::cpu_auto_threads(*count).map_err(named),
             // GPUs only when they can train: the driver sees one, and the libraries the
             // GPU replicas load (cuBLAS, NVRTC) are there; `lockstep devices` says which
             // is missing otherwise.
@@ -292,6 +297,17 @@ mod tests {
         assert_eq!("cuda".parse::<DeviceSpec>().unwrap(), DeviceSpec::CudaAll);
         assert_eq!("cuda:0,1".parse::<DeviceSpec>().unwrap(), DeviceSpec::Cuda(vec![0, 1]));
         assert_eq!(DeviceSpec::Cpu { count: 3, threads: Some(2) }.to_string(), "cpu:3x2");
+    }
+
+    /// Too many threads in all: the refusal quotes the spec as typed, not `cpu:100000x1`
+    /// (the threads it resolved to).
+    #[test]
+    fn a_refused_spec_is_quoted_as_given() {
+        for spec in ["cpu:100000", "cpu:4x100000"] {
+            let e = spec.parse::<DeviceSpec>().unwrap().resolve().unwrap_err().to_string();
+            assert!(e.starts_with(&format!("invalid device spec '{spec}': ")), "{e}");
+            assert!(e.contains("threads in all is more than 64 per core"), "{e}");
+        }
     }
 
     #[test]

@@ -50,15 +50,19 @@ pub enum Error {
     #[error("dataset {name}: {detail}")]
     Data { name: String, detail: String },
 
-    /// A worker failed; names the device and the step.
-    #[error("{device}, step {step}: {cause}")]
+    /// A worker failed; names the device and the step. `step` is the 0-based index of
+    /// the step it was working on (or setting up for), printed 1-based as every line the
+    /// run prints numbers steps: the first step is "step 1".
+    #[error("{device}, step {}: {cause}", .step + 1)]
     Worker { device: String, step: u64, cause: String },
 
-    /// The loss became NaN or infinite.
-    #[error("non-finite loss {loss} at step {step} (epoch {epoch})")]
+    /// The loss became NaN or infinite. `step` (of the run) and `epoch` are 0-based, and
+    /// printed 1-based as the progress and epoch lines number them.
+    #[error("non-finite loss {loss} at step {} (epoch {})", .step + 1, .epoch + 1)]
     NonFiniteLoss { step: u64, epoch: usize, loss: f64 },
 
-    /// Replicas that must be bitwise identical are not.
+    /// Replicas that must be bitwise identical are not. `step` is the steps taken when
+    /// the check ran: the check follows a step, so it is that step's number.
     #[error("replica check failed at step {step}: replica {replica} differs from replica 0 in tensor '{tensor}'")]
     ReplicaMismatch { step: u64, replica: usize, tensor: String },
 

@@ -12,12 +12,49 @@
 //!   shell redirection would: renaming over it would replace the system's device with a
 //!   regular file.
 //! - Anything else (a directory, a socket, a block device) is refused, naming it.
+//!
+//! The temporary files being written are known ([`remove_unfinished`]), so that a process
+//! ended at once (a second Ctrl-C in the middle of a checkpoint) leaves none behind.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::error::{Error, Result};
+
+/// The temporary files [`replace_with`] is writing now.
+static UNFINISHED: parking_lot::Mutex<Vec<PathBuf>> = parking_lot::Mutex::new(Vec::new());
+
+/// One temporary file, known in [`UNFINISHED`] while it lives, removed from the disk
+/// unless it was renamed into place.
+struct Unfinished(PathBuf);
+
+impl Unfinished {
+    fn new(path: PathBuf) -> Unfinished {
+        UNFINISHED.lock().push(path.clone());
+        Unfinished(path)
+    }
+}
+
+impl Drop for Unfinished {
+    fn drop(&mut self) {
+        let mut known = UNFINISHED.lock();
+        if let Some(i) = known.iter().position(|p| *p == self.0) {
+            known.swap_remove(i);
+        }
+        // Gone already after a rename; an error here leaves nothing to undo.
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+/// Removes every temporary file a write of this process has not finished, for a process
+/// about to end without finishing them (the second of two signals). Their destinations
+/// keep their previous contents. Writes after this call are not affected.
+pub fn remove_unfinished() {
+    for path in UNFINISHED.lock().drain(..) {
+        let _ = std::fs::remove_file(path);
+    }
+}
 
 /// What a destination is, as [`replace_with`] treats it.
 enum Destination {
@@ -64,18 +101,16 @@ pub fn replace_with(path: &Path, fill: impl FnOnce(&Path) -> Result<()>) -> Resu
         Destination::Stream => {
             // The content is made first, beside nothing that could be mistaken for it.
             let dir = std::env::temp_dir();
-            let tmp = dir.join(format!(
+            let tmp = Unfinished::new(dir.join(format!(
                 ".lockstep-stream-{}-{}",
                 std::process::id(),
                 COUNTER.fetch_add(1, Ordering::Relaxed)
-            ));
-            let result = fill(&tmp).and_then(|()| {
-                let bytes = std::fs::read(&tmp).map_err(|e| Error::io(&tmp, e))?;
+            )));
+            return fill(&tmp.0).and_then(|()| {
+                let bytes = std::fs::read(&tmp.0).map_err(|e| Error::io(&tmp.0, e))?;
                 let mut out = std::fs::OpenOptions::new().write(true).open(path).map_err(|e| Error::io(path, e))?;
                 out.write_all(&bytes).and_then(|()| out.flush()).map_err(|e| Error::io(path, e))
             });
-            let _ = std::fs::remove_file(&tmp);
-            return result;
         }
     };
     let dir = match at.parent() {
@@ -91,12 +126,8 @@ pub fn replace_with(path: &Path, fill: impl FnOnce(&Path) -> Result<()>) -> Resu
         std::process::id(),
         COUNTER.fetch_add(1, Ordering::Relaxed)
     );
-    let tmp = dir.join(unique);
-    let result = fill(&tmp).and_then(|()| std::fs::rename(&tmp, &at).map_err(|e| Error::io(path, e)));
-    if result.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    result
+    let tmp = Unfinished::new(dir.join(unique));
+    fill(&tmp.0).and_then(|()| std::fs::rename(&tmp.0, &at).map_err(|e| Error::io(path, e)))
 }
 
 /// Writes `bytes` to `path` through [`replace_with`], flushed to disk before the rename.

@@ -103,6 +103,54 @@ struct Cli {
     command: Command,
 }
 
+impl Cli {
+    /// Parses `argv` (the program's name first) as the binary does, through
+    /// [`command_tree`], and returns the matches too (which flags were typed).
+    fn parse_args(argv: impl IntoIterator<Item = std::ffi::OsString>) -> Result<(Cli, clap::ArgMatches), clap::Error> {
+        let m = command_tree().try_get_matches_from(argv)?;
+        Cli::from_arg_matches(&m).map(|cli| (cli, m))
+    }
+}
+
+/// The command tree as the binary parses it. Every flag that takes a value also takes a
+/// negative number (`--seed -1`, `--validation-split -0.1`), which clap would otherwise
+/// read as a flag `-1` and refuse as "unexpected argument '-1' found": the flag's own
+/// check then says what is wrong with the value, and a flag of unsigned integers says
+/// that it takes none below 0.
+fn command_tree() -> clap::Command {
+    fn negatives_are_values(cmd: clap::Command) -> clap::Command {
+        cmd.mut_args(|a| {
+            if !a.get_action().takes_values() {
+                return a;
+            }
+            let a = a.allow_negative_numbers(true);
+            let t = a.get_value_parser().type_id();
+            if t == std::any::TypeId::of::<u64>() {
+                a.value_parser(unsigned::<u64>)
+            } else if t == std::any::TypeId::of::<usize>() {
+                a.value_parser(unsigned::<usize>)
+            } else if t == std::any::TypeId::of::<u32>() {
+                a.value_parser(unsigned::<u32>)
+            } else {
+                a
+            }
+        })
+        .mut_subcommands(negatives_are_values)
+    }
+    negatives_are_values(Cli::command())
+}
+
+/// An unsigned integer flag's value; a negative number is refused as one.
+fn unsigned<T: std::str::FromStr>(text: &str) -> Result<T, String>
+where
+    T::Err: std::fmt::Display,
+{
+    text.parse::<T>().map_err(|e| match text.trim().strip_prefix('-').map(str::parse::<f64>) {
+        Some(Ok(_)) => "a negative number: this flag takes a whole number, 0 or more".to_string(),
+        _ => e.to_string(),
+    })
+}
+
 #[derive(Subcommand, Debug)]
 enum Command {
     /// Train a model data-parallel on every device given (default: the convnet on the embedded digits).
@@ -391,7 +439,7 @@ fn one_line(e: &anyhow::Error) -> String {
 
 fn main() -> ExitCode {
     keep_freed_pages();
-    let parsed = Cli::command().try_get_matches().and_then(|m| Cli::from_arg_matches(&m).map(|cli| (cli, m)));
+    let parsed = Cli::parse_args(std::env::args_os());
     let (cli, matches) = match parsed {
         Ok(parsed) => parsed,
         Err(e) => {
@@ -421,7 +469,11 @@ fn main() -> ExitCode {
         (Ok(w), _) => Some(w),
         (Err(_), Command::Devices | Command::Inspect { .. } | Command::Plot(_)) => None,
         (Err(e), _) => {
-            eprintln!("error: {}", one_line(&e.into()));
+            if lockstep::world::init_reports(&e) {
+                // One write: mpirun does not interleave it with another process's line.
+                use std::io::Write as _;
+                let _ = std::io::stderr().write_all(format!("error: {}\n", one_line(&e.into())).as_bytes());
+            }
             return ExitCode::from(EXIT_USAGE);
         }
     };
@@ -643,6 +695,34 @@ fn check_classes(classes: Option<usize>) -> CliResult {
     Ok(())
 }
 
+/// Fails when the model's classes (the last dimension of its output: a vocabulary for a
+/// sequence model) disagree with what the user stated with `--classes`, or with the
+/// names `data` gives its classes (a file's `class_names`): a 10-class model would
+/// otherwise print a 3-name file's classes as if they were its own, or a run's first line
+/// say "7 classes" of a model of 4 outputs.
+fn check_model_classes(model: &Sequential, stated: Option<usize>, data: &[&Dataset]) -> CliResult {
+    let out = model.output_shape();
+    let classes = out.dims().last().copied().unwrap_or(1);
+    if let Some(k) = stated.filter(|&k| k != classes) {
+        return Err(Failure::usage(anyhow!(
+            "--classes {k} disagrees with the model, whose output {out} has {classes} classes"
+        )));
+    }
+    for d in data {
+        if let Some(names) = d.class_names().filter(|n| n.len() != classes) {
+            let shown: Vec<&str> = names.iter().take(4).map(String::as_str).collect();
+            let more = if names.len() > 4 { ", …" } else { "" };
+            return Err(Failure::usage(anyhow!(
+                "dataset {}: names {} classes ({}{more}: its class_names), but the model has {classes} outputs",
+                d.name(),
+                names.len(),
+                shown.join(", ")
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// The class count of a model that loads `weights`: `--classes` when given; for a
 /// built-in model, the first dimension of its last parameter in the file (the final
 /// Dense layer's bias), so that the weights, not the data at hand, size it; else
@@ -721,5 +801,43 @@ fn optimizer_text(o: &OptimizerConfig) -> String {
 impl Failure {
     fn with_context(self, what: &'static str) -> Failure {
         Failure { code: self.code, error: self.error.context(what), quiet: self.quiet }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every flag of every command that takes a value takes a negative number as one,
+    /// so that its own check (or the unsigned parser) says what is wrong with it.
+    #[test]
+    fn every_flag_that_takes_a_value_takes_a_negative_number() {
+        fn walk(cmd: &clap::Command, at: &str, refused: &mut Vec<String>) {
+            for a in cmd.get_arguments().filter(|a| a.get_action().takes_values()) {
+                if !a.is_allow_negative_numbers_set() {
+                    refused.push(format!("{at} --{}", a.get_long().unwrap_or(a.get_id().as_str())));
+                }
+            }
+            for sub in cmd.get_subcommands() {
+                walk(sub, &format!("{at} {}", sub.get_name()), refused);
+            }
+        }
+        let mut refused = Vec::new();
+        walk(&command_tree(), "lockstep", &mut refused);
+        assert!(refused.is_empty(), "these would read -1 as a flag: {refused:?}");
+    }
+
+    #[test]
+    fn a_negative_count_is_refused_as_negative_and_a_negative_fraction_by_its_own_check() {
+        let argv = |args: &[&str]| ["lockstep"].iter().chain(args).map(Into::into).collect::<Vec<std::ffi::OsString>>();
+        for args in [&["train", "--seed", "-1"][..], &["train", "--epochs", "-3"], &["bench", "step", "--steps", "-2"]]
+        {
+            let e = Cli::parse_args(argv(args)).unwrap_err().to_string();
+            assert!(e.contains(&format!("invalid value '{}'", args[args.len() - 1])), "{args:?}: {e}");
+            assert!(e.contains("a negative number: this flag takes a whole number, 0 or more"), "{args:?}: {e}");
+        }
+        // A negative fraction parses; `train`'s own check refuses it, naming the range
+        // (tests/cli_hostile.rs).
+        assert!(Cli::parse_args(argv(&["train", "--validation-split", "-0.1"])).is_ok());
     }
 }

@@ -456,6 +456,13 @@ mod tests {
         );
         assert!(err(&conv(r#""filters": 2, "kernel_size": [3, 2000000]"#))
             .contains("field 'kernel_size' is 2000000, above the limit of 1048576 (2^20) for a size"));
+        // Quoted as written: 2^64 − 1 went through f64 and printed as …616.
+        assert!(err(&conv(r#""filters": 18446744073709551615, "kernel_size": 3"#))
+            .contains("field 'filters' is 18446744073709551615, above the limit"));
+        // Past u64 serde reads an f64: its shortest form as JSON writes it, not
+        // 99999999999999991611392.
+        assert!(err(&conv(r#""filters": 99999999999999999999999, "kernel_size": 3"#))
+            .contains("field 'filters' is 1e+23, above the limit"));
         assert!(err(&conv(r#""filters": -2, "kernel_size": 3"#)).contains("field 'filters' must be a positive integer"));
         assert!(err(&conv(r#""filters": 2.5, "kernel_size": 3"#)).contains("(got 2.5)"));
         assert!(err(&conv(r#""kernel_size": 3"#)).contains("layer 1 (conv2d): missing field 'filters'"));

@@ -274,18 +274,24 @@ fn a_second_run_on_a_checkpoint_directory_is_refused_naming_the_first() {
 
 #[test]
 fn the_same_run_saves_byte_identical_files() {
+    // The same flags twice, the same --save path included (a checkpoint records it, for
+    // --resume); the first run's files are moved aside before the second.
     let dir = tempfile::tempdir().unwrap();
-    let (a, b) = (dir.path().join("a.safetensors"), dir.path().join("b.safetensors"));
-    let (ca, cb) = (dir.path().join("ca"), dir.path().join("cb"));
-    for (w, ck) in [(&a, &ca), (&b, &cb)] {
-        let o = lockstep(&["train", "--model", "toy", "--save", s(w), "--checkpoint-dir", s(ck)]);
+    let (w, first) = (dir.path().join("w.safetensors"), dir.path().join("first.safetensors"));
+    let (ck, ca) = (dir.path().join("ck"), dir.path().join("ca"));
+    let run = || {
+        let o = lockstep(&["train", "--model", "toy", "--save", s(&w), "--checkpoint-dir", s(&ck)]);
         assert!(o.status.success(), "{}", stderr(&o));
-    }
-    assert_eq!(std::fs::read(&a).unwrap(), std::fs::read(&b).unwrap());
+    };
+    run();
+    std::fs::rename(&w, &first).unwrap();
+    std::fs::rename(&ck, &ca).unwrap();
+    run();
+    assert_eq!(std::fs::read(&first).unwrap(), std::fs::read(&w).unwrap());
     // The lesson's 9 steps, one checkpoint per epoch of 3: the last three, 3, 6 and 9.
     for step in [3, 6, 9] {
         let name = format!("checkpoint-{step:012}.safetensors");
-        assert_eq!(std::fs::read(ca.join(&name)).unwrap(), std::fs::read(cb.join(&name)).unwrap(), "{name}");
+        assert_eq!(std::fs::read(ca.join(&name)).unwrap(), std::fs::read(ck.join(&name)).unwrap(), "{name}");
     }
 }
 
@@ -450,7 +456,7 @@ fn bad_optimizer_recipes_are_refused_in_one_line() {
     );
     assert_eq!(
         train(&["--warmup-steps", "-3"]),
-        "error: invalid value '-3' for '--warmup-steps <N>': invalid digit found in string"
+        "error: invalid value '-3' for '--warmup-steps <N>': a negative number: this flag takes a whole number, 0 or more"
     );
     assert_eq!(
         train(&["--weight-decay-on", "biases"]),
@@ -509,4 +515,141 @@ fn bad_augmentation_and_label_smoothing_are_refused_naming_the_problem() {
             .collect();
         assert_eq!(refused(&args), message, "{args:?}");
     }
+}
+
+// ---------------------------------------------------------------------------------------
+// Issue 19's minor items: each case failed (or said something untrue) before its fix.
+
+/// A spec whose output is not (N, classes), here a convolution's (4, 26, 26), is refused
+/// by the shapes before any step (it failed at step 0 with exit 1).
+#[test]
+fn a_spec_whose_output_is_not_one_row_of_classes_is_refused_before_training() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = dir.path().join("noflat.json");
+    std::fs::write(
+        &spec,
+        r#"{"input_shape": [1, 28, 28], "layers": [{"type": "conv2d", "filters": 4, "kernel_size": 3}]}"#,
+    )
+    .unwrap();
+    assert_eq!(
+        refused(&["train", "--model", s(&spec), "--data", "digits"]),
+        "error: dataset digits/train: samples with 1 label(s) each do not fit the model's output (4, 26, 26)"
+    );
+}
+
+/// `"filters": 18446744073709551615` was quoted as …616 (through f64).
+#[test]
+fn a_huge_integer_in_a_spec_is_quoted_as_written() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = dir.path().join("huge.json");
+    std::fs::write(
+        &spec,
+        r#"{"input_shape": [1, 8, 8], "layers": [{"type": "conv2d", "filters": 18446744073709551615, "kernel_size": 3},
+            {"type": "flatten"}, {"type": "dense", "units": 10}]}"#,
+    )
+    .unwrap();
+    assert_eq!(
+        refused(&["train", "--model", s(&spec), "--data", "digits"]),
+        format!(
+            "error: {}: layer 0 (conv2d): field 'filters' is 18446744073709551615, above the limit of 1048576 (2^20) for a size",
+            spec.display()
+        )
+    );
+}
+
+/// `--classes 7` with a model of 2 outputs was ignored while the first line said "7
+/// classes"; the same for eval and predict. A built-in model is sized by it and agrees.
+#[test]
+fn classes_that_disagree_with_the_model_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/toy_mlp.json");
+    let said = "error: --classes 7 disagrees with the model, whose output (2) has 2 classes";
+    assert_eq!(refused(&["train", "--model", spec, "--data", "toy", "--classes", "7"]), said);
+    let w = dir.path().join("w.safetensors");
+    let o = lockstep(&["train", "--model", spec, "--data", "toy", "--classes", "2", "--save", s(&w)]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).contains("2 classes"), "{}", stdout(&o));
+    for cmd in ["eval", "predict"] {
+        assert_eq!(refused(&[cmd, "--model", spec, "--data", "toy", "--weights", s(&w), "--classes", "7"]), said);
+    }
+    let o = lockstep(&["train", "--model", "toy", "--classes", "3", "--epochs", "1"]);
+    assert!(o.status.success() && stdout(&o).contains("3 classes"), "{}", stderr(&o));
+}
+
+/// `predict` and `eval` of a 2-class model on a file naming 3 classes (`class_names`)
+/// were accepted, and predict printed no names. Refused, naming the file's classes; a
+/// file whose names fit prints them.
+#[test]
+fn class_names_that_do_not_fit_the_model_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let w = dir.path().join("toy.safetensors");
+    let o = lockstep(&["train", "--model", "toy", "--save", s(&w)]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let named = |path: &Path, names: &[&str]| {
+        let ds = Dataset::new("d", [2], Features::F32(vec![0.5; 8]), vec![0, 1, 0, 1], names.len()).unwrap();
+        let ds = ds.with_class_names(names.iter().map(|n| n.to_string()).collect()).unwrap();
+        save_safetensors_dataset(&ds, path).unwrap();
+    };
+    let three = dir.path().join("three.safetensors");
+    named(&three, &["cat", "dog", "bird"]);
+    for cmd in ["eval", "predict"] {
+        assert_eq!(
+            refused(&[cmd, "--model", "toy", "--weights", s(&w), "--data", s(&three)]),
+            format!(
+                "error: dataset {}: names 3 classes (cat, dog, bird: its class_names), but the model has 2 outputs",
+                three.display()
+            )
+        );
+    }
+    let two = dir.path().join("two.safetensors");
+    named(&two, &["left", "right"]);
+    let o = lockstep(&["predict", "--model", "toy", "--weights", s(&w), "--data", s(&two)]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).contains("left") || stdout(&o).contains("right"), "{}", stdout(&o));
+}
+
+/// `--devices cpu:100000` was quoted as 'cpu:100000x1', a spec nobody typed.
+#[test]
+fn a_refused_device_spec_is_quoted_as_typed() {
+    let e = refused(&["train", "--model", "toy", "--devices", "cpu:100000"]);
+    assert!(e.starts_with("error: invalid device spec 'cpu:100000': 100000 threads in all"), "{e}");
+}
+
+/// Steps and epochs in the non-finite loss message are numbered as the progress and
+/// epoch lines number them, from 1: an overflow in the first step is "step 1 (epoch
+/// 1)" (it said "step 0 (epoch 0)"), and a rate of 1e30 diverges at the second.
+#[test]
+fn a_non_finite_loss_names_the_step_and_epoch_from_1() {
+    let dir = tempfile::tempdir().unwrap();
+    // 64 features of 3e38 overflow the first layer's sums to infinity in the first
+    // forward pass, whatever the weights; the softmax of infinities is NaN.
+    let (big, wide) = (dir.path().join("big.safetensors"), dir.path().join("wide.json"));
+    flat_dataset(&big, 64, vec![3e38; 4 * 64], vec![0, 1, 0, 1], 2);
+    std::fs::write(
+        &wide,
+        r#"{"input_shape": [64], "layers": [{"type": "dense", "units": 16}, {"type": "relu"}, {"type": "dense", "units": 2}]}"#,
+    )
+    .unwrap();
+    let o = lockstep(&["train", "--model", s(&wide), "--data", s(&big), "--epochs", "2"]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert!(stderr(&o).contains(" at step 1 (epoch 1)"), "{}", stderr(&o));
+    let o = lockstep(&["train", "--model", "toy", "--lr", "1e30", "--optimizer", "sgd", "--epochs", "3"]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert!(stderr(&o).contains(" at step 2 (epoch 1)"), "{}", stderr(&o));
+}
+
+/// `--validation-split -0.1` and `--seed -1` gave clap's "unexpected argument '-0'
+/// found": a negative number is taken as the flag's value, then refused for what it is.
+#[test]
+fn negative_values_are_refused_for_what_they_are() {
+    assert_eq!(
+        refused(&["train", "--model", "toy", "--validation-split", "-0.1"]),
+        "error: --validation-split must be strictly between 0 and 1, got -0.1"
+    );
+    assert_eq!(
+        refused(&["train", "--model", "toy", "--seed", "-1"]),
+        "error: invalid value '-1' for '--seed <SEED>': a negative number: this flag takes a whole number, 0 or more"
+    );
+    let e = refused(&["train", "--model", "toy", "--batch-size", "-8"]);
+    assert!(e.contains("'-8'") && e.contains("a negative number"), "{e}");
 }

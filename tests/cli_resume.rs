@@ -429,3 +429,101 @@ fn augmentation_and_label_smoothing_are_restored_by_resume() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(o.status.code() == Some(2) && err.contains("the run had no --augment"), "{err}");
 }
+
+/// Issue 19: a second SIGTERM during a large checkpoint write went on for seconds and
+/// wrote another checkpoint. It ends the process at once, from the signal thread: the
+/// checkpoint being written is abandoned, its temporary file removed, nothing renamed in.
+/// The model is 8.7 M parameters, so that the checkpoint (weights and Adam's two moments,
+/// about 105 MB, flushed to disk) takes long enough to be caught in the act; a write
+/// finished before the second signal is sent is retried, not counted.
+#[test]
+fn a_second_sigterm_during_a_checkpoint_write_ends_the_process_leaving_no_file() {
+    let (_guard, dir) = tmp();
+    let spec = dir.join("wide.json");
+    std::fs::write(
+        &spec,
+        r#"{"input_shape": [64], "layers": [{"type": "dense", "units": 4096, "activation": "relu"},
+            {"type": "dense", "units": 2048, "activation": "relu"}, {"type": "dense", "units": 10}]}"#,
+    )
+    .unwrap();
+    let unfinished = |ck: &Path| {
+        std::fs::read_dir(ck).is_ok_and(|d| d.flatten().any(|e| e.file_name().to_string_lossy().contains(".tmp-")))
+    };
+    for attempt in 1..=5 {
+        let ck = dir.join(format!("ck{attempt}"));
+        let mut child = bin()
+            .args(["train", "--model", spec.to_str().unwrap(), "--data", "digits", "--epochs", "1000"])
+            .args(["--devices", "cpu:1", "--checkpoint-dir", ck.to_str().unwrap(), "--checkpoint-every", "1000000"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut stdout = std::io::BufReader::new(child.stdout.take().unwrap());
+        let mut first = String::new();
+        std::io::BufRead::read_line(&mut stdout, &mut first).unwrap();
+        assert!(first.starts_with("lockstep:"), "{first}");
+        let drain = std::thread::spawn(move || std::io::Read::read_to_end(&mut stdout, &mut Vec::new()));
+        std::thread::sleep(Duration::from_millis(300));
+        let pid = child.id().to_string();
+        let kill = || assert!(Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
+        kill();
+        // The first signal's checkpoint begins as a temporary file beside the others.
+        let start = Instant::now();
+        let caught = loop {
+            if unfinished(&ck) {
+                break true;
+            }
+            if child.try_wait().unwrap().is_some() || start.elapsed() > Duration::from_secs(60) {
+                break false;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        };
+        if caught {
+            kill();
+        }
+        let out = child.wait_with_output().unwrap();
+        drain.join().unwrap().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(143), "{stderr}");
+        if !caught || stderr.contains("checkpoint written to") {
+            // The write ended before the second signal came: not the case under test.
+            continue;
+        }
+        assert!(!stderr.contains("error:"), "{stderr}");
+        assert!(!unfinished(&ck), "a temporary file was left in {}", ck.display());
+        assert_eq!(checkpoints(&ck), 0, "the abandoned checkpoint must not appear");
+        return;
+    }
+    panic!("in 5 runs no checkpoint write was caught in the act");
+}
+
+/// Issue 19: `--resume DIR` of a run started with `--save W` did not write W. `--save`
+/// and `--save-dtype` are stored like `--save-best`, and a resume may name another file.
+#[test]
+fn a_resumed_run_writes_save_where_the_run_was_started_to() {
+    let (_guard, dir) = tmp();
+    let (w, other, ck) = (dir.join("w.safetensors"), dir.join("other.safetensors"), dir.join("ck"));
+    let ck_s = ck.to_str().unwrap();
+    let out = bin()
+        .args(["train", "--model", "toy", "--epochs", "2", "--checkpoint-dir", ck_s])
+        .args(["--save", w.to_str().unwrap(), "--save-dtype", "bf16"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    std::fs::remove_file(&w).unwrap();
+    let out = bin().args(["train", "--resume", ck_s, "--epochs", "4"]).output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains(&format!("weights saved to {} (bf16)", w.display())), "{stdout}");
+    let dtypes: Vec<String> = {
+        let bytes = std::fs::read(&w).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        st.tensors().into_iter().map(|(_, t)| format!("{:?}", t.dtype())).collect()
+    };
+    assert!(dtypes.iter().all(|d| d == "BF16"), "{dtypes:?}");
+    // Another file may be named when resuming.
+    let out =
+        bin().args(["train", "--resume", ck_s, "--epochs", "5", "--save", other.to_str().unwrap()]).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(other.exists());
+}

@@ -205,7 +205,8 @@ fn a_nan_loss_stops_training_naming_the_step() {
         panic!("a NaN loss must stop training")
     };
     assert!(matches!(err, Error::NonFiniteLoss { step: 1, .. }), "{err}");
-    assert!(err.to_string().contains("at step 1"), "{err}");
+    // The second step of the first epoch, numbered as the progress and epoch lines do.
+    assert!(err.to_string().contains("at step 2 (epoch 1)"), "{err}");
     let allowed = lockstep::train::NonFinite::Allow;
     let r = train_data_parallel(
         &model,

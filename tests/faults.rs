@@ -117,7 +117,7 @@ fn check(phase: Phase, how: How, cause: &str) -> String {
     let (err, took) = run_with_fault(phase, how);
     let text = err.to_string();
     assert!(matches!(&err, Error::Worker { device, step: 5, .. } if device == "cpu:2"), "{text}");
-    assert!(text.starts_with("cpu:2, step 5: "), "{text}");
+    assert!(text.starts_with("cpu:2, step 6: "), "{text}");
     assert!(text.contains(cause), "{text}");
     // Not a timing target: a bound that only a hang exceeds (a run takes ~0.1 s; on a
     // machine busy with other builds a whole second was once seen).
@@ -146,13 +146,13 @@ fn an_error_in_backward_on_device_2_at_step_5() {
 fn a_panic_in_forward_on_device_2_at_step_5() {
     let text = check(Phase::Forward, How::Panic, ": injected panic");
     // Where it panicked, as the standard hook would have said it (which said nothing).
-    assert!(text.starts_with("cpu:2, step 5: panicked at tests/faults.rs:"), "{text}");
+    assert!(text.starts_with("cpu:2, step 6: panicked at tests/faults.rs:"), "{text}");
 }
 
 #[test]
 fn a_panic_in_backward_on_device_2_at_step_5() {
     let text = check(Phase::Backward, How::Panic, ": injected panic");
-    assert!(text.starts_with("cpu:2, step 5: panicked at tests/faults.rs:"), "{text}");
+    assert!(text.starts_with("cpu:2, step 6: panicked at tests/faults.rs:"), "{text}");
 }
 
 /// A worker's panic is said once, as the run's error: the standard hook's "thread '…'
@@ -182,7 +182,7 @@ fn a_panic_is_said_once_with_a_backtrace_only_when_asked() {
     let quiet = child("0");
     assert_eq!(quiet.matches("injected panic").count(), 1, "{quiet}");
     assert!(!quiet.contains("thread '"), "the standard hook printed: {quiet}");
-    assert!(quiet.contains("error: cpu:2, step 5: panicked at tests/faults.rs:"), "{quiet}");
+    assert!(quiet.contains("error: cpu:2, step 6: panicked at tests/faults.rs:"), "{quiet}");
     assert!(!quiet.contains("backtrace"), "{quiet}");
     let traced = child("1");
     assert_eq!(traced.matches("injected panic").count(), 1, "{traced}");

@@ -551,6 +551,29 @@ fn arguments_that_disagree_are_refused_on_every_process() {
     );
 }
 
+/// Issue 19: `LOCKSTEP_MPI_TIMEOUT_S=abc` (or `inf`, or empty) printed two processes'
+/// errors interleaved into "error: error: invalid…". Every process meets it, so process
+/// 0 alone says it, in one line naming the variable and the value.
+#[test]
+fn a_bad_timeout_setting_is_said_once() {
+    if !mpi_ready("a_bad_timeout_setting_is_said_once") {
+        return;
+    }
+    let bin = env!("CARGO_BIN_EXE_lockstep");
+    for value in ["abc", "inf", ""] {
+        let o = mpirun(2, &["-x", &format!("LOCKSTEP_MPI_TIMEOUT_S={value}")])
+            .args([bin, "train", "--model", "toy", "--devices", "cpu:1"])
+            .output()
+            .unwrap();
+        let out = text(&o);
+        assert!(!o.status.success(), "{out}");
+        let said = format!("error: invalid LOCKSTEP_MPI_TIMEOUT_S: '{value}' is not a number of seconds");
+        let lines: Vec<&str> = out.lines().filter(|l| l.contains("error:")).collect();
+        assert_eq!(lines, [said.as_str()], "{value:?}: {out}");
+        assert!(!out.contains("epoch 1/"), "{out}");
+    }
+}
+
 /// The rows of a bench table: its lines that are not comments, cut into cells.
 fn table_rows(out: &str) -> Vec<Vec<&str>> {
     out.lines()
@@ -778,8 +801,8 @@ fn fault(what: &str, cause: &str) {
     }
     // Process 1 names itself; process 0, told by process 1's notice (mpirun is not let
     // end the job for it here), names the same.
-    assert!(out.contains(&format!("process 1: error: process 1, cpu:0, step 5: {cause}")), "{out}");
-    assert!(out.contains(&format!("process 0: error: process 1, cpu:0, step 5: {cause}")), "{out}");
+    assert!(out.contains(&format!("process 1: error: process 1, cpu:0, step 6: {cause}")), "{out}");
+    assert!(out.contains(&format!("process 0: error: process 1, cpu:0, step 6: {cause}")), "{out}");
     assert!(pids.iter().all(|&p| gone(p)), "a process outlived mpirun: {pids:?}");
     // A panic is said once per process, as its error, never by the standard hook.
     assert!(!out.contains("thread '"), "{out}");

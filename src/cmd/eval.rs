@@ -74,6 +74,7 @@ pub(crate) fn cmd_eval(a: EvalArgs) -> CliResult {
     let data = splits.test.unwrap_or(splits.train);
     let classes = model_classes(&source, data.sample_shape().dims(), a.classes, &a.weights, data.num_classes())?;
     let model = build_model(&source, data.sample_shape().dims(), classes, 0.5, 0.99)?;
+    check_model_classes(&model, a.classes, &[&data])?;
     lockstep::train::check_data(&model, &data).map_err(Failure::usage)?;
     let store: ParamStore =
         weights::load(&model, &a.weights).map_err(Failure::usage).map_err(|f| f.with_context("--weights"))?;
@@ -165,6 +166,7 @@ pub(crate) fn cmd_predict(a: PredictArgs) -> CliResult {
     let data_classes = if labelled { data.num_classes() } else { lockstep::data::idx::MNIST_CLASSES };
     let classes = model_classes(&source, data.sample_shape().dims(), a.classes, &a.weights, data_classes)?;
     let model = build_model(&source, data.sample_shape().dims(), classes, 0.5, 0.99)?;
+    check_model_classes(&model, a.classes, &[&data])?;
     lockstep::train::check_data(&model, &data).map_err(Failure::usage)?;
     let store: ParamStore =
         weights::load(&model, &a.weights).map_err(Failure::usage).map_err(|f| f.with_context("--weights"))?;
@@ -183,7 +185,7 @@ pub(crate) fn cmd_predict(a: PredictArgs) -> CliResult {
         Ok(out)
     })
     .map_err(Failure::runtime)?;
-    let names = data.class_names().filter(|n| n.len() == k);
+    let names = data.class_names();
     if a.format == PredictFormat::Csv {
         let columns: Vec<String> = (0..k).map(|c| format!("p{c}")).collect();
         outln!("index,class,name,probability,{}", columns.join(","));

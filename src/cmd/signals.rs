@@ -2,7 +2,8 @@
 //! Slurm and Kubernetes send before they kill) both raise the library's stop flag, so
 //! that the run finishes its step, writes its checkpoint (or `--save`) and exits with
 //! the shell's code for the signal, 128 + its number: 130 for SIGINT, 143 for SIGTERM.
-//! A second signal ends the process at once, with the same code.
+//! A second signal ends the process at once, with the same code, even in the middle of a
+//! checkpoint: that write is abandoned and its temporary file removed.
 //!
 //! Under an MPI launcher, Ctrl-C on `mpirun` reaches every process as SIGTERM (mpirun
 //! cannot forward SIGINT, and exits at once), and SIGUSR1, which mpirun forwards and then
@@ -50,6 +51,10 @@ impl StopSignals {
             std::thread::Builder::new().name("lockstep-signals".into()).spawn(move || {
                 for signal in signals.forever() {
                     if stop.swap(true, Ordering::SeqCst) {
+                        // At once, from this thread (the run's may be inside a long
+                        // write): the checkpoint being written is abandoned, its
+                        // temporary file removed, and the last one written stays.
+                        lockstep::fsutil::remove_unfinished();
                         std::process::exit(128 + signal);
                     }
                     received.store(signal, Ordering::SeqCst);

@@ -229,9 +229,9 @@ fn enum_name<T: ValueEnum>(v: &T) -> String {
 }
 
 /// The run's flags as stored in a checkpoint: clap id → canonical value, for every flag
-/// that says what the run is (absent options and unset switches are left out). Flags
-/// that only say where output goes (`--save`, logging) or how it started (`--init`) are
-/// not stored.
+/// that says what the run is or where its weights go (`--save`, `--save-best`: a resumed
+/// run writes them where the run was started to), absent options and unset switches left
+/// out. Flags that only say how it logs or how it started (`--init`) are not stored.
 fn flag_values(a: &TrainArgs) -> BTreeMap<&'static str, String> {
     let model = match &a.model {
         ModelChoice::Builtin(n) => n.as_str().to_string(),
@@ -271,6 +271,8 @@ fn flag_values(a: &TrainArgs) -> BTreeMap<&'static str, String> {
         ("checkpoint_every", a.checkpoint_every.map(|k| k.to_string())),
         ("early_stopping", a.early_stopping.map(|p| p.to_string())),
         ("save_best", a.save_best.as_ref().map(|p| p.display().to_string())),
+        ("save", a.save.as_ref().map(|p| p.display().to_string())),
+        ("save_dtype", a.save.as_ref().map(|_| enum_name(&a.save_dtype))),
         ("no_shuffle", a.no_shuffle.then(|| "true".to_string())),
         ("drop_last", a.drop_last.then(|| "true".to_string())),
         ("allow_nonfinite", a.allow_nonfinite.then(|| "true".to_string())),
@@ -360,8 +362,8 @@ fn with_stored_flags(a: TrainArgs, given: &BTreeSet<String>, dir: &Path) -> CliR
             v => argv.push(format!("{}={v}", flag(id)).into()),
         }
     }
-    match Cli::try_parse_from(argv) {
-        Ok(Cli { command: Command::Train(merged) }) => Ok(*merged),
+    match Cli::parse_args(argv) {
+        Ok((Cli { command: Command::Train(merged) }, _)) => Ok(*merged),
         Ok(_) => unreachable!("the arguments are those of `train`"),
         Err(e) => Err(Failure::usage(anyhow!(
             "--resume '{}': the run's stored flags no longer parse: {}",
@@ -378,7 +380,8 @@ fn with_stored_flags(a: TrainArgs, given: &BTreeSet<String>, dir: &Path) -> CliR
 /// compares what they hold (the data's bytes, the model's layers, the devices' number and
 /// kind).
 fn agree_flags(world: &lockstep::world::World, a: &TrainArgs) -> CliResult {
-    const PER_MACHINE: [&str; 5] = ["data", "test_data", "val_data", "save_best", "devices"];
+    // What names a file or the devices, and what only process 0 writes.
+    const PER_MACHINE: [&str; 7] = ["data", "test_data", "val_data", "save_best", "save", "save_dtype", "devices"];
     let given = flag_values(a);
     let spec_model = matches!(a.model, ModelChoice::Spec(_));
     let ids = STORED_IDS.iter().chain(&regularize::STORED).chain(&text::STORED);
@@ -399,7 +402,7 @@ fn here_known(id: &str) -> bool {
 }
 
 /// The flags a checkpoint stores, by clap id (with `regularize::STORED`, `text::STORED`).
-const STORED_IDS: [&str; 36] = [
+const STORED_IDS: [&str; 38] = [
     "model",
     "momentum",
     "nesterov",
@@ -429,6 +432,8 @@ const STORED_IDS: [&str; 36] = [
     "checkpoint_every",
     "early_stopping",
     "save_best",
+    "save",
+    "save_dtype",
     "no_shuffle",
     "drop_last",
     "allow_nonfinite",
@@ -715,6 +720,7 @@ pub(crate) fn cmd_train(a: TrainArgs, given: &BTreeSet<String>) -> CliResult {
     // The training data sizes a built-in model, never the test data: a label only the
     // test split has is one the model was never trained to output.
     // The built-in GPT's vocabulary is nanoGPT's bytes, 256, unless --classes says more.
+    let stated_classes = a.classes;
     let classes = *a.classes.get_or_insert(match source.is_gpt() && matches!(source, ModelSource::Builtin(_)) {
         true => lockstep::data::text::BYTE_VOCAB,
         false => splits.train.num_classes(),
@@ -727,6 +733,8 @@ pub(crate) fn cmd_train(a: TrainArgs, given: &BTreeSet<String>) -> CliResult {
         _ => build_model(&source, splits.train.sample_shape().dims(), classes, dropout, a.bn_momentum)?,
     };
     let model = a.features.model(model)?;
+    let named: Vec<&Dataset> = std::iter::once(&splits.train).chain(&splits.test).chain(&final_test).collect();
+    check_model_classes(&model, stated_classes, &named)?;
     // Every process's devices, under mpirun.
     let in_world = s.devices.len() * world.size();
     if a.features.sync_batchnorm && s.replicas != in_world {
@@ -1253,7 +1261,7 @@ mod tests {
     /// `argv` after `lockstep train`, parsed as the binary parses it.
     fn parsed(argv: &[&str]) -> TrainArgs {
         let full = ["lockstep", "train"].iter().chain(argv).copied();
-        match Cli::try_parse_from(full).expect("valid flags").command {
+        match Cli::parse_args(full.map(Into::into)).expect("valid flags").0.command {
             Command::Train(a) => *a,
             _ => unreachable!("a train command"),
         }
@@ -1292,7 +1300,7 @@ mod tests {
                 "--augment=crop=4,flip",
                 "--label-smoothing=0.1",
             ]),
-            parsed(&["--val-data=v", "--early-stopping=2", "--save-best=b"]),
+            parsed(&["--val-data=v", "--early-stopping=2", "--save-best=b", "--save=w", "--save-dtype=bf16"]),
             parsed(&["--validation-split=0.2"]),
         ];
         for a in &runs {

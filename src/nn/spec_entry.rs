@@ -438,11 +438,20 @@ fn as_size(v: &Value) -> Option<usize> {
 }
 
 /// Why `v` is not a size, saying the limit: `1e9` is a whole number, only too large.
+/// The number is quoted as read, never with digits nobody wrote: an integer up to
+/// 2^64 − 1 digit for digit (through f64, 18446744073709551615 would print as …616), a
+/// whole f64 below 2^53 (`1e9`) as its integer, a larger one in the shortest form that
+/// reads back to it (`1e23`).
 fn size_problem(name: &str, v: &Value) -> String {
     let whole = v.as_f64().filter(|x| x.fract() == 0.0 && x.is_finite());
+    let quoted = match (v.as_u64(), whole) {
+        (Some(n), _) => n.to_string(),
+        (None, Some(x)) if x.abs() < 2f64.powi(53) => format!("{x:.0}"),
+        _ => v.to_string(),
+    };
     match whole {
         Some(x) if x > MAX_DIM as f64 => {
-            format!("field '{name}' is {x:.0}, above the limit of {MAX_DIM} (2^20) for a size")
+            format!("field '{name}' is {quoted}, above the limit of {MAX_DIM} (2^20) for a size")
         }
         _ => format!("field '{name}' must be a positive integer, at most {MAX_DIM} (got {v})"),
     }

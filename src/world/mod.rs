@@ -47,6 +47,19 @@ static WORLD: OnceLock<World> = OnceLock::new();
 static INIT: parking_lot::Mutex<()> = parking_lot::Mutex::new(());
 static SINGLE: World = World { kind: Kind::Single, launch: None };
 
+/// The environment variable of the processes' wait timeout, in seconds (0: none).
+pub(crate) const TIMEOUT_VAR: &str = "LOCKSTEP_MPI_TIMEOUT_S";
+
+/// Whether this process says `e`, an error of [`init`]. A launcher gives every process
+/// the same environment, so a bad `LOCKSTEP_MPI_TIMEOUT_S` is met by each of them, and
+/// their lines would interleave into one ("error: error: …"): the launch's process 0
+/// alone says it. Anything else (an MPI library that cannot serve, a binary without MPI)
+/// each process says of itself.
+pub fn init_reports(e: &Error) -> bool {
+    let met_by_all = matches!(e, Error::Config { what, .. } if *what == TIMEOUT_VAR);
+    !met_by_all || launch::detect().map_or(true, |l| l.process == 0)
+}
+
 /// Whether this binary was built with MPI (the `mpi` feature).
 pub const MPI_BUILT_IN: bool = cfg!(feature = "mpi");
 

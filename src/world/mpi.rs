@@ -39,6 +39,7 @@ use parking_lot::{Mutex, MutexGuard};
 
 use super::launch::Launch;
 use super::wait::Wait;
+use super::TIMEOUT_VAR;
 use crate::digest::fnv1a;
 use crate::error::{Error, Result};
 
@@ -52,8 +53,6 @@ const LIVENESS_EVERY: Duration = Duration::from_millis(50);
 /// did its part of a collective and exited (a refusal every process reached) leaves
 /// messages that complete it.
 const LOSS_GRACE: Duration = Duration::from_millis(100);
-/// The environment variable of the wait timeout, in seconds (0: none).
-pub(crate) const TIMEOUT_VAR: &str = "LOCKSTEP_MPI_TIMEOUT_S";
 /// The default wait timeout: longer than any step or data load of a sane run, short of
 /// forever.
 const DEFAULT_TIMEOUT: Duration = Duration::from_secs(600);
@@ -350,9 +349,7 @@ impl MpiWorld {
             Ok(v) => match v.trim().parse::<u64>() {
                 Ok(0) => None,
                 Ok(s) => Some(Duration::from_secs(s)),
-                Err(_) => {
-                    return Err(Error::config("LOCKSTEP_MPI_TIMEOUT_S", format!("'{v}' is not a number of seconds")))
-                }
+                Err(_) => return Err(Error::config(TIMEOUT_VAR, format!("'{v}' is not a number of seconds"))),
             },
         };
         let mut port =
