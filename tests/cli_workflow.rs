@@ -67,7 +67,7 @@ fn resume_alone_continues_from_the_stored_flags_and_extends_a_finished_run() {
     assert_eq!(
         err(&o).trim_end(),
         format!(
-            "error: --resume '{}': --batch-size 4 differs from the run's --batch-size 2; --lr 0.2 differs from the run's --lr 0.1 (only --epochs, --steps, --devices, --early-stopping, --save-best, checkpoint and logging flags may change when resuming)",
+            "error: --resume '{}': --batch-size 4 differs from the run's --batch-size 2; --lr 0.2 differs from the run's --lr 0.1 (only --epochs, --steps, --devices, --early-stopping, --save, --save-dtype, --save-best, checkpoint and logging flags may change when resuming)",
             ck.display()
         )
     );
@@ -75,7 +75,7 @@ fn resume_alone_continues_from_the_stored_flags_and_extends_a_finished_run() {
     assert_eq!(
         err(&o).trim_end(),
         format!(
-            "error: --resume '{}': --init starts a run; a resumed run continues from its checkpoint's weights; the run had no --validation-split (only --epochs, --steps, --devices, --early-stopping, --save-best, checkpoint and logging flags may change when resuming)",
+            "error: --resume '{}': --init starts a run; a resumed run continues from its checkpoint's weights; the run had no --validation-split (only --epochs, --steps, --devices, --early-stopping, --save, --save-dtype, --save-best, checkpoint and logging flags may change when resuming)",
             ck.display()
         )
     );

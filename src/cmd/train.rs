@@ -348,8 +348,17 @@ fn with_stored_flags(a: TrainArgs, given: &BTreeSet<String>, dir: &Path) -> CliR
             "--resume '{}': {} (only {} may change when resuming)",
             dir.display(),
             problems.join("; "),
-            ["--epochs", "--steps", "--devices", "--early-stopping", "--save-best", "checkpoint and logging flags"]
-                .join(", ")
+            [
+                "--epochs",
+                "--steps",
+                "--devices",
+                "--early-stopping",
+                "--save",
+                "--save-dtype",
+                "--save-best",
+                "checkpoint and logging flags"
+            ]
+            .join(", ")
         )));
     }
     let mut argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
