@@ -108,25 +108,26 @@ fn a_gpt_resumes_bitwise_after_sigkill() {
     sigkill_then_resume(&args);
 }
 
-/// Starts a long convnet run with `extra` flags, waits for its first line (printed once
-/// the signal handlers are in place) and a little training, sends `signal`, and returns
-/// its exit code and stderr.
-fn interrupt(signal: &str, extra: &[&str]) -> (Option<i32>, String) {
-    let mut child = bin()
-        .args(["train", "--epochs", "50", "--devices", "cpu:1"])
-        .args(extra)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+/// Spawns `command` with its output piped, waits for its first line (printed once the
+/// signal handlers are in place), and drains the rest of its stdout on a thread.
+fn started(command: &mut Command) -> (std::process::Child, std::thread::JoinHandle<std::io::Result<usize>>) {
+    let mut child = command.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
     let mut stdout = std::io::BufReader::new(child.stdout.take().unwrap());
     let mut first = String::new();
     std::io::BufRead::read_line(&mut stdout, &mut first).unwrap();
     assert!(first.starts_with("lockstep:"), "{first}");
+    let drain = std::thread::spawn(move || std::io::Read::read_to_end(&mut stdout, &mut Vec::new()));
+    (child, drain)
+}
+
+/// Starts a long convnet run with `extra` flags, waits for its first line (printed once
+/// the signal handlers are in place) and a little training, sends `signal`, and returns
+/// its exit code and stderr.
+fn interrupt(signal: &str, extra: &[&str]) -> (Option<i32>, String) {
+    let (child, drain) = started(bin().args(["train", "--epochs", "50", "--devices", "cpu:1"]).args(extra));
     std::thread::sleep(Duration::from_millis(300));
     let ok = Command::new("kill").args([signal, &child.id().to_string()]).status().unwrap();
     assert!(ok.success());
-    let drain = std::thread::spawn(move || std::io::Read::read_to_end(&mut stdout, &mut Vec::new()));
     let out = child.wait_with_output().unwrap();
     drain.join().unwrap().unwrap();
     (out.status.code(), String::from_utf8_lossy(&out.stderr).into_owned())
@@ -451,18 +452,12 @@ fn a_second_sigterm_during_a_checkpoint_write_ends_the_process_leaving_no_file()
     };
     for attempt in 1..=5 {
         let ck = dir.join(format!("ck{attempt}"));
-        let mut child = bin()
-            .args(["train", "--model", spec.to_str().unwrap(), "--data", "digits", "--epochs", "1000"])
-            .args(["--devices", "cpu:1", "--checkpoint-dir", ck.to_str().unwrap(), "--checkpoint-every", "1000000"])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let mut stdout = std::io::BufReader::new(child.stdout.take().unwrap());
-        let mut first = String::new();
-        std::io::BufRead::read_line(&mut stdout, &mut first).unwrap();
-        assert!(first.starts_with("lockstep:"), "{first}");
-        let drain = std::thread::spawn(move || std::io::Read::read_to_end(&mut stdout, &mut Vec::new()));
+        let (mut child, drain) =
+            started(
+                bin().args(["train", "--model", spec.to_str().unwrap(), "--data", "digits", "--epochs", "1000"]).args(
+                    ["--devices", "cpu:1", "--checkpoint-dir", ck.to_str().unwrap(), "--checkpoint-every", "1000000"],
+                ),
+            );
         std::thread::sleep(Duration::from_millis(300));
         let pid = child.id().to_string();
         let kill = || assert!(Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
