@@ -59,6 +59,8 @@ fn main() -> Result<()> {
     // :build_env CARGO_INCREMENTAL=0
     // use lockstep::prelude::*;
     // %%
+    // What each step frees stays for the next (the command line's allocator does the same).
+    lockstep::memory::keep_freed_pages();
     let splits = load_digits(DigitsLayout::Image28)?;
     let model = convnet(ConvnetOptions { bn_momentum: 0.9, ..ConvnetOptions::default() })?;
     let devices = Devices::cpu(2, 1)?;

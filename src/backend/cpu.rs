@@ -86,7 +86,7 @@ pub fn gemm_with(a: Mat<'_>, b: Mat<'_>, c: &mut [f32], c_rs: usize, acc: Accumu
         }
         return;
     }
-    let pool = rayon::current_num_threads();
+    let pool = super::par::threads();
     let par = if threads == Threads::Pool && pool > 1 && m * n * k >= PARALLEL_MIN_FLOPS {
         Parallelism::Rayon(pool)
     } else {

@@ -14,6 +14,7 @@ use super::{Ctx, InputGrad, Layer, LayerMemory, LayerShapes, Mode, Params, Param
 /// Elements per parallel task of the elementwise layers: large enough that a task costs
 /// more than handing it to another thread.
 const CHUNK: usize = 1 << 16;
+use crate::backend::par;
 use crate::error::{Error, Result};
 use crate::tensor::{Shape, Tensor};
 
@@ -78,14 +79,14 @@ impl Layer for Relu {
         let xs = x.host_mut();
         if ctx.mode == Mode::Train {
             self.positive.resize(xs.len(), 0);
-            xs.par_chunks_mut(CHUNK).zip(self.positive.par_chunks_mut(CHUNK)).for_each(|(xs, ms)| {
+            par::for_each(xs.par_chunks_mut(CHUNK).zip(self.positive.par_chunks_mut(CHUNK)), |(xs, ms)| {
                 for (v, m) in xs.iter_mut().zip(ms.iter_mut()) {
                     *m = u8::from(*v > 0.0);
                     *v = if *v < 0.0 { 0.0 } else { *v };
                 }
             });
         } else {
-            xs.par_chunks_mut(CHUNK).for_each(|xs| {
+            par::for_each(xs.par_chunks_mut(CHUNK), |xs| {
                 for v in xs.iter_mut() {
                     *v = if *v < 0.0 { 0.0 } else { *v };
                 }
@@ -111,7 +112,7 @@ impl Layer for Relu {
                 format!("dout {} for {} cached inputs", dout.shape(), self.positive.len()),
             ));
         }
-        dout.host_mut().par_chunks_mut(CHUNK).zip(self.positive.par_chunks(CHUNK)).for_each(|(ds, ms)| {
+        par::for_each(dout.host_mut().par_chunks_mut(CHUNK).zip(self.positive.par_chunks(CHUNK)), |(ds, ms)| {
             for (d, &p) in ds.iter_mut().zip(ms) {
                 *d = if p != 0 { *d } else { 0.0 };
             }

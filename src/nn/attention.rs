@@ -57,6 +57,7 @@ use super::gpu::{Backward, Draw, Forward, GpuLayer, Node, Pass};
 use super::spec_entry::{Build, FieldResult, LayerType};
 use super::{Ctx, Init, InputGrad, Layer, LayerMemory, LayerShapes, Mode, ParamSpec, Params, ParamsMut, F32};
 use crate::backend::cpu::{gemm, gemm_with, Accumulate, Mat, Threads};
+use crate::backend::par;
 #[cfg(feature = "cuda")]
 use crate::cuda::gemm::{gemm as cublas_gemm, RmGemm};
 #[cfg(feature = "cuda")]
@@ -621,11 +622,11 @@ impl Layer for CausalSelfAttention {
             let samples = qkv.into_iter().zip(probs).zip(merged).zip(dropped);
             let bufs: Vec<SampleFwd<'_>> =
                 samples.map(|(((qkv, probs), merged), dropped)| SampleFwd { qkv, probs, merged, dropped }).collect();
-            pairs.zip(bufs).for_each(|((s, (yn, xn)), b)| job.forward(s, xn, yn, b));
+            par::for_each(pairs.zip(bufs), |((s, (yn, xn)), b)| job.forward(s, xn, yn, b));
         } else {
             // Nothing is kept: each task's samples share one sample's buffers.
             let alloc = || [vec![0.0f32; t * 3 * c], vec![0.0; heads * t * t], vec![0.0; t * c]];
-            pairs.for_each_init(alloc, |[qkv, probs, merged], (s, (yn, xn))| {
+            par::for_each_init(pairs, alloc, |[qkv, probs, merged], (s, (yn, xn))| {
                 job.forward(s, xn, yn, SampleFwd { qkv, probs, merged, dropped: &mut [] })
             });
         }
@@ -680,7 +681,8 @@ impl Layer for CausalSelfAttention {
             .zip(dp.into_iter().zip(dropped))
             .zip(dxs)
             .collect();
-        work.into_par_iter().enumerate().for_each(|(s, ((((dz, saved), (dqkv, dmerged)), (dp, dropped)), dx))| {
+        let work = work.into_par_iter().enumerate();
+        par::for_each(work, |(s, ((((dz, saved), (dqkv, dmerged)), (dp, dropped)), dx))| {
             job.backward(s, dz, saved, dqkv, dmerged, dp, dropped, dx)
         });
         // The parameter gradients over the N·T rows, as Linear's: dz is c_proj's output

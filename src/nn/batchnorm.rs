@@ -50,6 +50,7 @@ use super::stats::StatsExchange;
 use super::{
     Ctx, Init, InputGrad, Layer, LayerMemory, LayerShapes, Mode, ParamSpec, Params, ParamsMut, Sequential, F32,
 };
+use crate::backend::par;
 #[cfg(feature = "cuda")]
 use crate::cuda::launch::{BnGeom, BnGrads, BnMerged, BnParams, BnSaved, BnStats, BnSums, BnUpdate};
 #[cfg(feature = "cuda")]
@@ -206,7 +207,7 @@ fn per_channel<F>(c: usize, f: F) -> Vec<(f64, f64)>
 where
     F: Fn(usize) -> (f64, f64) + Sync + Send,
 {
-    (0..c).into_par_iter().map(f).collect()
+    par::map_collect((0..c).into_par_iter(), f)
 }
 
 impl BatchNorm2d {
@@ -470,11 +471,11 @@ impl Layer for BatchNorm2d {
             }
         };
         if train {
-            x.host_mut().par_chunks_mut(per).zip(xhat.par_chunks_mut(per)).for_each(|(s, xh)| write(s, xh));
+            par::for_each(x.host_mut().par_chunks_mut(per).zip(xhat.par_chunks_mut(per)), |(s, xh)| write(s, xh));
             self.invstd = invstd;
             self.cached = Some(x.shape().clone());
         } else {
-            x.host_mut().par_chunks_mut(per).for_each(|s| write(s, &mut []));
+            par::for_each(x.host_mut().par_chunks_mut(per), |s| write(s, &mut []));
         }
         Ok(x)
     }
@@ -538,7 +539,7 @@ impl Layer for BatchNorm2d {
             .enumerate()
             .map(|(ch, &(sd, sdx))| (gamma.map_or(1.0, |g| g[ch]) * invstd[ch], (sd / m) as f32, (sdx / m) as f32))
             .collect();
-        dout.host_mut().par_chunks_mut(c * hw).zip(xs.par_chunks(c * hw)).for_each(|(dsample, xsample)| {
+        par::for_each(dout.host_mut().par_chunks_mut(c * hw).zip(xs.par_chunks(c * hw)), |(dsample, xsample)| {
             for (ch, (dplane, xplane)) in dsample.chunks_exact_mut(hw).zip(xsample.chunks_exact(hw)).enumerate() {
                 let (k, md, mdx) = coef[ch];
                 for (d, &xh) in dplane.iter_mut().zip(xplane) {

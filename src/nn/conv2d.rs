@@ -33,6 +33,7 @@ use crate::backend::cpu::{
     add_partials, batch_groups, chw_to_hwc, col2im, gemm_with, hwc_to_chw, im2col, im2row, row2im, split_by_groups,
     sum_partials, Accumulate, Im2colGeom, Mat, Threads,
 };
+use crate::backend::par;
 #[cfg(feature = "cuda")]
 use crate::cuda::gemm::{gemm as cublas_gemm, RmGemm};
 #[cfg(feature = "cuda")]
@@ -437,7 +438,7 @@ impl Layer for Conv2d {
         let groups = batch_groups(n);
         let mut scratch = borrow_scratch(groups.len());
         let work = groups.into_par_iter().zip(split_by_groups(&mut y, n, o * p)).zip(&mut scratch[..]);
-        work.for_each(|((range, y_group), scratch)| job.forward(range, y_group, bias, scratch));
+        par::for_each(work, |((range, y_group), scratch)| job.forward(range, y_group, bias, scratch));
         give_back(scratch);
         let y = Tensor::from_vec_on(y, [n, o, g.oh, g.ow], x.device())?;
         self.x = (ctx.mode == Mode::Train).then_some(x);
@@ -475,14 +476,10 @@ impl Layer for Conv2d {
         let dx_parts = split_by_groups(&mut dx, n, if need_dx { per_in } else { 0 });
         let mut scratch = borrow_scratch(groups.len());
         let (ds, with_bias) = (dout.host(), self.use_bias);
-        let partials: Vec<(Vec<f32>, Vec<f32>)> = groups
-            .into_par_iter()
-            .zip(dx_parts)
-            .zip(&mut scratch[..])
-            .map(|((range, dx_group), scratch)| {
-                job.backward(range, ds, need_dx.then_some(dx_group), with_bias, scratch)
-            })
-            .collect();
+        let work = groups.into_par_iter().zip(dx_parts).zip(&mut scratch[..]);
+        let partials: Vec<(Vec<f32>, Vec<f32>)> = par::map_collect(work, |((range, dx_group), scratch)| {
+            job.backward(range, ds, need_dx.then_some(dx_group), with_bias, scratch)
+        });
         give_back(scratch);
         let (dws, dbs): (Vec<_>, Vec<_>) = partials.into_iter().unzip();
         match how {

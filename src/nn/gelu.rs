@@ -36,6 +36,7 @@ use serde_json::{json, Value};
 use super::gpu::{Backward, Forward, GpuLayer};
 use super::spec_entry::{Build, LayerType};
 use super::{Ctx, InputGrad, Layer, LayerMemory, LayerShapes, Mode, Params, ParamsMut, F32};
+use crate::backend::par;
 use crate::error::{Error, Result};
 use crate::tensor::{Shape, Tensor};
 
@@ -238,7 +239,7 @@ impl Layer for Gelu {
             self.input.clear();
             self.input.extend_from_slice(xs);
         }
-        xs.par_chunks_mut(CHUNK).for_each(forward_values);
+        par::for_each(xs.par_chunks_mut(CHUNK), forward_values);
         Ok(x)
     }
 
@@ -260,10 +261,8 @@ impl Layer for Gelu {
                 format!("dout {} for {} cached inputs", dout.shape(), self.input.len()),
             ));
         }
-        dout.host_mut()
-            .par_chunks_mut(CHUNK)
-            .zip(self.input.par_chunks(CHUNK))
-            .for_each(|(ds, xs)| backward_values(ds, xs));
+        let work = dout.host_mut().par_chunks_mut(CHUNK).zip(self.input.par_chunks(CHUNK));
+        par::for_each(work, |(ds, xs)| backward_values(ds, xs));
         Ok(Some(dout))
     }
 

@@ -48,6 +48,7 @@ use serde_json::{json, Value};
 use super::gpu::{Backward, Forward, GpuLayer, Node};
 use super::spec_entry::{Build, FieldResult, LayerType};
 use super::{Ctx, Init, InputGrad, Layer, LayerMemory, LayerShapes, Mode, ParamSpec, Params, ParamsMut, F32};
+use crate::backend::par;
 #[cfg(feature = "cuda")]
 use crate::cuda::launch::{LnGrads, LnParams, LnSaved};
 #[cfg(feature = "cuda")]
@@ -387,12 +388,12 @@ impl Layer for LayerNorm {
             self.xhat.resize(rows * c, 0.0);
             self.rstd.resize(rows, 0.0);
             let chunks = x.host_mut().par_chunks_mut(span).zip(self.xhat.par_chunks_mut(span));
-            chunks.zip(self.rstd.par_chunks_mut(ROW_CHUNK)).for_each(|((xs, xh), rs)| {
+            par::for_each(chunks.zip(self.rstd.par_chunks_mut(ROW_CHUNK)), |((xs, xh), rs)| {
                 forward_rows(xs, Some((xh, rs)), affine, eps);
             });
             self.cached = Some(x.shape().clone());
         } else {
-            x.host_mut().par_chunks_mut(span).for_each(|xs| forward_rows(xs, None, affine, eps));
+            par::for_each(x.host_mut().par_chunks_mut(span), |xs| forward_rows(xs, None, affine, eps));
         }
         Ok(x)
     }
@@ -421,7 +422,7 @@ impl Layer for LayerNorm {
         let span = (ROW_CHUNK * c).max(1);
         let parts = dout.host_mut().par_chunks_mut(span).zip(self.xhat.par_chunks(span));
         let parts = parts.zip(self.rstd.par_chunks(ROW_CHUNK)).zip(self.partials.par_chunks_mut((2 * c).max(1)));
-        parts.for_each(|(((ds, xh), rs), part)| backward_rows(ds, xh, rs, w, part, input_grad));
+        par::for_each(parts, |(((ds, xh), rs), part)| backward_rows(ds, xh, rs, w, part, input_grad));
         // The chunks' sums, in chunk order, into the first chunk's.
         if c > 0 && !self.partials.is_empty() {
             let (first, rest) = self.partials.split_at_mut(2 * c);

@@ -37,6 +37,7 @@ use serde_json::{json, Value};
 
 use super::spec_entry::{expect_images, Build, LayerType};
 use super::{Ctx, InputGrad, Layer, LayerMemory, LayerShapes, Mode, Params, ParamsMut};
+use crate::backend::par;
 #[cfg(feature = "cuda")]
 use crate::cuda::Gpu;
 use crate::error::{Error, Result};
@@ -176,15 +177,12 @@ impl Layer for MaxPool2d {
         let planes = (TASK / hw).max(1);
         let mut y = vec![0.0f32; n * c * ohw];
         let mut argmax = vec![0u32; n * c * ohw];
-        x.host()
-            .par_chunks(planes * hw)
-            .zip(y.par_chunks_mut(planes * ohw))
-            .zip(argmax.par_chunks_mut(planes * ohw))
-            .for_each(|((xs, ys), is)| {
-                for ((xp, yp), ip) in xs.chunks_exact(hw).zip(ys.chunks_exact_mut(ohw)).zip(is.chunks_exact_mut(ohw)) {
-                    maxpool2d_plane_fwd(xp, &g, yp, ip);
-                }
-            });
+        let work = x.host().par_chunks(planes * hw).zip(y.par_chunks_mut(planes * ohw));
+        par::for_each(work.zip(argmax.par_chunks_mut(planes * ohw)), |((xs, ys), is)| {
+            for ((xp, yp), ip) in xs.chunks_exact(hw).zip(ys.chunks_exact_mut(ohw)).zip(is.chunks_exact_mut(ohw)) {
+                maxpool2d_plane_fwd(xp, &g, yp, ip);
+            }
+        });
         self.cache = (ctx.mode == Mode::Train).then(|| (x.shape().clone(), argmax));
         Tensor::from_vec_on(y, [n, c, g.oh, g.ow], x.device())
     }
@@ -215,14 +213,12 @@ impl Layer for MaxPool2d {
         let (hw, ohw) = (g.h * g.w, g.oh * g.ow);
         let planes = (TASK / hw).max(1);
         let mut dx = vec![0.0f32; n * c * hw];
-        dx.par_chunks_mut(planes * hw)
-            .zip(dout.host().par_chunks(planes * ohw))
-            .zip(argmax.par_chunks(planes * ohw))
-            .for_each(|((dxs, ds), is)| {
-                for ((dxp, dp), ip) in dxs.chunks_exact_mut(hw).zip(ds.chunks_exact(ohw)).zip(is.chunks_exact(ohw)) {
-                    maxpool2d_plane_bwd(dp, ip, dxp);
-                }
-            });
+        let work = dx.par_chunks_mut(planes * hw).zip(dout.host().par_chunks(planes * ohw));
+        par::for_each(work.zip(argmax.par_chunks(planes * ohw)), |((dxs, ds), is)| {
+            for ((dxp, dp), ip) in dxs.chunks_exact_mut(hw).zip(ds.chunks_exact(ohw)).zip(is.chunks_exact(ohw)) {
+                maxpool2d_plane_bwd(dp, ip, dxp);
+            }
+        });
         Tensor::from_vec_on(dx, shape, dout.device()).map(Some)
     }
 
