@@ -58,6 +58,7 @@ use super::spec_entry::{Build, FieldResult, LayerType};
 use super::{Ctx, Init, InputGrad, Layer, LayerMemory, LayerShapes, Mode, ParamSpec, Params, ParamsMut, F32};
 use crate::backend::cpu::{gemm, gemm_with, Accumulate, Mat, Threads};
 use crate::backend::par;
+use crate::backend::simd;
 #[cfg(feature = "cuda")]
 use crate::cuda::gemm::{gemm as cublas_gemm, RmGemm};
 #[cfg(feature = "cuda")]
@@ -79,21 +80,15 @@ pub fn attention_scale(head_width: usize) -> f32 {
 
 /// Row `i` of the causal softmax, in place: the scores s (T) become
 /// p_j = exp(scale·s_j − m) / Σ_{k ≤ i} exp(scale·s_k − m) for j ≤ i, m = max_{j ≤ i} scale·s_j,
-/// and p_j = 0 for j > i (the mask's −∞). The sum runs in j order; the division is a
-/// multiplication by 1/Σ. The CPU reference of kernels/attention.cu's forward.
+/// and p_j = 0 for j > i (the mask's −∞). The exponentials, the max and the sum are
+/// `backend::simd`'s (within 2 ulp; the sum in its fixed order of 16 lanes, a function
+/// of i alone); the division is a multiplication by 1/Σ. The CPU reference of
+/// kernels/attention.cu's forward.
 pub fn causal_softmax_row(row: &mut [f32], i: usize, scale: f32) {
     let (live, masked) = row.split_at_mut(i + 1);
-    let mut max = f32::NEG_INFINITY;
-    for v in live.iter_mut() {
-        *v *= scale;
-        max = max.max(*v);
-    }
-    let mut sum = 0.0f32;
-    for v in live.iter_mut() {
-        *v = (*v - max).exp();
-        sum += *v;
-    }
-    let inv = 1.0 / sum;
+    let max = simd::scale_max(live, scale);
+    simd::exp_shifted(live, max);
+    let inv = 1.0 / simd::sum(live);
     for v in live {
         *v *= inv;
     }
@@ -102,14 +97,11 @@ pub fn causal_softmax_row(row: &mut [f32], i: usize, scale: f32) {
 
 /// The gradient of row `i` of [`causal_softmax_row`] by its scores, in place: dp (T), the
 /// gradient by the probabilities p (T), becomes
-/// ds_j = scale·p_j·(dp_j − Σ_{k ≤ i} dp_k·p_k) for j ≤ i, 0 for j > i. The sum runs in k
-/// order. The CPU reference of kernels/attention.cu's backward.
+/// ds_j = scale·p_j·(dp_j − Σ_{k ≤ i} dp_k·p_k) for j ≤ i, 0 for j > i. The sum is
+/// `backend::simd::dot`'s. The CPU reference of kernels/attention.cu's backward.
 pub fn causal_softmax_row_bwd(p: &[f32], dp: &mut [f32], i: usize, scale: f32) {
     let (live, masked) = dp.split_at_mut(i + 1);
-    let mut dot = 0.0f32;
-    for (d, q) in live.iter().zip(p) {
-        dot += d * q;
-    }
+    let dot = simd::dot(live, p);
     for (d, q) in live.iter_mut().zip(p) {
         *d = scale * (q * (*d - dot));
     }
@@ -265,7 +257,8 @@ struct SampleFwd<'s> {
 }
 
 impl Job<'_> {
-    /// Sample `s` of the pass (its index in the batch). x, y: (T, C)
+    /// Sample `s` of the pass (its index in the batch). x, y: (T, C), y holding b_proj in
+    /// every row when there is one.
     fn forward(&self, s: usize, x: &[f32], y: &mut [f32], b: SampleFwd<'_>) {
         let (t, c, hd) = (self.t, self.c, self.hd);
         let SampleFwd { qkv, probs, merged, dropped } = b;
@@ -285,8 +278,8 @@ impl Job<'_> {
             let pd = self.dropped_probs(s, h, p, dropped);
             gemm_with(Mat::rows(pd, t, t), v, &mut merged[h * hd..], c, Accumulate::Overwrite, Threads::Caller);
         }
-        // y (T, C) = dropout(merged·W_projᵀ + b_proj)
-        let acc = fill_rows(y, self.b_proj, c);
+        // y (T, C) = dropout(merged·W_projᵀ + b_proj), y holding b_proj already
+        let acc = if self.b_proj.is_some() { Accumulate::Add } else { Accumulate::Overwrite };
         gemm_with(Mat::rows(merged, t, c), Mat::rows(self.wt_proj, c, c), y, c, acc, Threads::Caller);
         if let Some(d) = self.drops {
             let first = ((d.first + s) * t * c) as u64;
@@ -610,7 +603,11 @@ impl Layer for CausalSelfAttention {
         let (wt_attn, wt_proj) = (&self.wt.attn[..], &self.wt.proj[..]);
         let (hd, scale) = (c / heads, attention_scale(c / heads));
         let job = Job { t, c, heads, hd, scale, w_attn, w_proj, wt_attn, wt_proj, b_attn, b_proj, drops };
-        let mut y = vec![0.0f32; n * t * c];
+        // Each row of y starts as b_proj, which Job::forward's last GEMM adds to.
+        let mut y = match b_proj {
+            Some(b) => b.repeat(n * t),
+            None => vec![0.0f32; n * t * c],
+        };
         let pairs = y.par_chunks_mut(t * c).zip(x.host().par_chunks(t * c)).enumerate();
         if ctx.mode == Mode::Train {
             let b = &mut self.bufs;

@@ -37,6 +37,7 @@ use super::gpu::{Backward, Forward, GpuLayer};
 use super::spec_entry::{Build, LayerType};
 use super::{Ctx, InputGrad, Layer, LayerMemory, LayerShapes, Mode, Params, ParamsMut, F32};
 use crate::backend::par;
+use crate::backend::simd::{exp_f32, widest};
 use crate::error::{Error, Result};
 use crate::tensor::{Shape, Tensor};
 
@@ -48,40 +49,6 @@ const CHUNK: usize = 1 << 15;
 const FRAC_1_SQRT_2: f32 = std::f32::consts::FRAC_1_SQRT_2;
 /// 1/√(2π).
 const FRAC_1_SQRT_2PI: f32 = 0.398_942_3;
-
-/// 1.5·2²³: adding and subtracting it rounds an f32 below 2²² to an integer (to even).
-const ROUND: f32 = 12_582_912.0;
-
-/// e^x in f32, Cephes' `expf`: n = round(x·log₂e), r = x − n·ln 2 (ln 2 in two parts, so
-/// that r is exact), e^r by a degree-6 polynomial, then 2ⁿ by the exponent's bits. Within
-/// 2 ulp for x in [−87, 88]; 0 below −87 (e⁻⁸⁷ ≈ 1.6·10⁻³⁸), +∞ above 88; NaN stays NaN.
-/// Branch-free (selects), so a loop of it vectorises.
-#[inline(always)]
-pub fn exp_f32(x: f32) -> f32 {
-    let c = x.clamp(-87.0, 88.0);
-    // n = round(c·log₂e) by the 1.5·2²³ trick (exact for |c·log₂e| < 2²²): no call to
-    // floorf, which x86-64's baseline cannot inline, so the loop vectorises.
-    // The integer n is then the low bits of the sum, read without a float-to-int cast
-    // (whose saturation Rust's `as` would check value by value).
-    let k = c * std::f32::consts::LOG2_E + ROUND;
-    let n = k - ROUND;
-    let r = (c - n * 0.693_359_4) - n * -2.121_944_4e-4;
-    let p = (((((1.987_569_1e-4 * r + 0.001_398_199_9) * r + 0.008_333_452) * r + 0.041_665_796) * r + 0.166_666_66)
-        * r
-        + 0.5)
-        * (r * r)
-        + r
-        + 1.0;
-    let scale = f32::from_bits(k.to_bits().wrapping_sub(ROUND.to_bits()).wrapping_add(127) << 23);
-    let e = p * scale;
-    if x < -87.0 {
-        0.0
-    } else if x > 88.0 {
-        f32::INFINITY
-    } else {
-        e
-    }
-}
 
 /// (Φ(x), exp(−x²/2)) for the forward and the backward: Φ from Numerical Recipes'
 /// `erfcc` (the module's docs), in f32.
@@ -113,79 +80,47 @@ pub fn gelu_value(x: f32) -> f32 {
 /// dx = dy·(Φ(x) + x·φ(x)), in f32 (the module's docs).
 #[inline(always)]
 pub fn gelu_grad(x: f32, dy: f32) -> f32 {
+    grad_with_cdf(x, cdf(x), dy)
+}
+
+/// [`gelu_grad`] from Φ(x) kept by the forward: the same operations on the same values,
+/// so the same bits, without computing Φ twice.
+#[inline(always)]
+fn grad_with_cdf(x: f32, cdf: f32, dy: f32) -> f32 {
     let pdf = exp_f32(-0.5 * x * x) * FRAC_1_SQRT_2PI;
-    dy * (cdf(x) + x * pdf)
+    dy * (cdf + x * pdf)
 }
 
-/// y = x·Φ(x) of every value of `xs`, in place: with AVX-512 or AVX2 where the processor
-/// has them (16 or 8 lanes instead of SSE2's 4; the same IEEE operations, never
-/// contracted, so the same bits).
-fn forward_values(xs: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx512f") {
-        // SAFETY: the processor has AVX-512F, checked above.
-        return unsafe { forward_avx512(xs) };
-    }
-    #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") {
-        // SAFETY: the processor has AVX2, checked above.
-        return unsafe { forward_avx2(xs) };
-    }
-    forward_plain(xs)
-}
-
-#[inline(always)]
-fn forward_plain(xs: &mut [f32]) {
-    for v in xs.iter_mut() {
-        *v = gelu_value(*v);
+widest! {
+    /// y = x·Φ(x) of every value of `xs`, in place, at the processor's widest vectors
+    /// (`backend::simd`: the same bits at every width).
+    fn forward_values(xs: &mut [f32]) {
+        for v in xs.iter_mut() {
+            *v = gelu_value(*v);
+        }
     }
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-fn forward_avx2(xs: &mut [f32]) {
-    forward_plain(xs)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-fn forward_avx512(xs: &mut [f32]) {
-    forward_plain(xs)
-}
-
-/// dx = dy·(Φ(x) + x·φ(x)) of every value, `ds` holding dy and receiving dx; vectorised
-/// as [`forward_values`].
-fn backward_values(ds: &mut [f32], xs: &[f32]) {
-    #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx512f") {
-        // SAFETY: the processor has AVX-512F, checked above.
-        return unsafe { backward_avx512(ds, xs) };
-    }
-    #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") {
-        // SAFETY: the processor has AVX2, checked above.
-        return unsafe { backward_avx2(ds, xs) };
-    }
-    backward_plain(ds, xs)
-}
-
-#[inline(always)]
-fn backward_plain(ds: &mut [f32], xs: &[f32]) {
-    for (d, &x) in ds.iter_mut().zip(xs) {
-        *d = gelu_grad(x, *d);
+widest! {
+    /// The training forward: y = x·Φ(x) in place, x and Φ(x) kept for the backward.
+    fn forward_kept(xs: &mut [f32], kept_x: &mut [f32], kept_cdf: &mut [f32]) {
+        for ((v, kx), kc) in xs.iter_mut().zip(kept_x).zip(kept_cdf) {
+            let (x, c) = (*v, cdf(*v));
+            *kx = x;
+            *kc = c;
+            *v = x * c;
+        }
     }
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-fn backward_avx2(ds: &mut [f32], xs: &[f32]) {
-    backward_plain(ds, xs)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-fn backward_avx512(ds: &mut [f32], xs: &[f32]) {
-    backward_plain(ds, xs)
+widest! {
+    /// dx = dy·(Φ(x) + x·φ(x)) of every value from the forward's x and Φ(x), `ds`
+    /// holding dy and receiving dx.
+    fn backward_values(ds: &mut [f32], xs: &[f32], cdfs: &[f32]) {
+        for ((d, &x), &c) in ds.iter_mut().zip(xs).zip(cdfs) {
+            *d = grad_with_cdf(x, c, *d);
+        }
+    }
 }
 
 /// x·Φ(x), exact (erf-based) GELU.
@@ -193,6 +128,8 @@ fn backward_avx512(ds: &mut [f32], xs: &[f32]) {
 pub struct Gelu {
     /// The input of the training forward (any shape, flattened).
     input: Vec<f32>,
+    /// Φ of each input: the backward's most costly term, computed once.
+    cdf: Vec<f32>,
 }
 
 impl Gelu {
@@ -223,9 +160,9 @@ impl Layer for Gelu {
         Some(json!({"type": "gelu"}))
     }
 
-    /// Its input, an f32 per value.
+    /// Its input and Φ of it, two f32 per value.
     fn memory(&self, shapes: &LayerShapes) -> Option<LayerMemory> {
-        Some(LayerMemory { kept_per_sample: shapes.input.numel() as u64 * F32, ..LayerMemory::NONE })
+        Some(LayerMemory { kept_per_sample: 2 * shapes.input.numel() as u64 * F32, ..LayerMemory::NONE })
     }
 
     fn output_shape(&self, input: &Shape) -> Result<Shape> {
@@ -236,10 +173,13 @@ impl Layer for Gelu {
     fn forward(&mut self, mut x: Tensor, _p: Params<'_>, _b: ParamsMut<'_>, ctx: &Ctx) -> Result<Tensor> {
         let xs = x.host_mut();
         if ctx.mode == Mode::Train {
-            self.input.clear();
-            self.input.extend_from_slice(xs);
+            self.input.resize(xs.len(), 0.0);
+            self.cdf.resize(xs.len(), 0.0);
+            let kept = self.input.par_chunks_mut(CHUNK).zip(self.cdf.par_chunks_mut(CHUNK));
+            par::for_each(xs.par_chunks_mut(CHUNK).zip(kept), |(xs, (kx, kc))| forward_kept(xs, kx, kc));
+        } else {
+            par::for_each(xs.par_chunks_mut(CHUNK), forward_values);
         }
-        par::for_each(xs.par_chunks_mut(CHUNK), forward_values);
         Ok(x)
     }
 
@@ -261,8 +201,8 @@ impl Layer for Gelu {
                 format!("dout {} for {} cached inputs", dout.shape(), self.input.len()),
             ));
         }
-        let work = dout.host_mut().par_chunks_mut(CHUNK).zip(self.input.par_chunks(CHUNK));
-        par::for_each(work, |(ds, xs)| backward_values(ds, xs));
+        let kept = self.input.par_chunks(CHUNK).zip(self.cdf.par_chunks(CHUNK));
+        par::for_each(dout.host_mut().par_chunks_mut(CHUNK).zip(kept), |(ds, (xs, cs))| backward_values(ds, xs, cs));
         Ok(Some(dout))
     }
 

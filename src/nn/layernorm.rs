@@ -34,9 +34,9 @@
 //! The kernels compute the same expressions in the same order, in double, without
 //! contraction (`__dmul_rn`, `__dadd_rn`, ...; IEEE division and square root), so on the
 //! host they equal this file bit for bit (tests/kernels_host.rs), and on a GPU they would
-//! too: nothing here depends on a library function. f64 costs little: the 32 lanes are 8
-//! AVX2 registers (the row functions are compiled for AVX2 where the processor has it),
-//! and the GPT's 768 rows of 128 take some 0.1 ms forward and 0.1 ms backward on one core
+//! too: nothing here depends on a library function. f64 costs little: the 32 lanes are 4
+//! AVX-512 registers or 8 AVX2 ones (the row functions are compiled for both, by
+//! `backend::simd::widest!`), and the GPT's 768 rows of 128 take some 0.1 ms forward and 0.1 ms backward on one core
 //! (`time_forward_and_backward_at_768_rows_of_128`, below, run by hand).
 
 #[cfg(feature = "cuda")]
@@ -49,6 +49,7 @@ use super::gpu::{Backward, Forward, GpuLayer, Node};
 use super::spec_entry::{Build, FieldResult, LayerType};
 use super::{Ctx, Init, InputGrad, Layer, LayerMemory, LayerShapes, Mode, ParamSpec, Params, ParamsMut, F32};
 use crate::backend::par;
+use crate::backend::simd::widest;
 #[cfg(feature = "cuda")]
 use crate::cuda::launch::{LnGrads, LnParams, LnSaved};
 #[cfg(feature = "cuda")]
@@ -210,48 +211,19 @@ fn backward_rows_any(ds: &mut [f32], xhat: &[f32], rstd: &[f64], w: &[f32], part
     }
 }
 
-// The same two functions compiled for AVX2 where the processor has it: four f64 a vector
-// instead of two, the same IEEE operations in the same order (no FMA is enabled, and Rust
-// never contracts a multiply and an add), so the same bits on every processor.
-
-fn forward_rows(xs: &mut [f32], kept: Kept<'_>, a: Affine<'_>, eps: f32) {
-    #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") {
-        // SAFETY: the processor supports AVX2 (checked just above), the only requirement
-        // of a `target_feature(enable = "avx2")` function.
-        unsafe { forward_rows_avx2(xs, kept, a, eps) };
-        return;
+widest! {
+    /// [`forward_rows_any`] at the processor's widest vectors (`backend::simd`: 8 f64 a
+    /// vector with AVX-512, 4 with AVX2, 2 without; the same bits at every width).
+    fn forward_rows(xs: &mut [f32], kept: Kept<'_>, a: Affine<'_>, eps: f32) {
+        forward_rows_any(xs, kept, a, eps)
     }
-    forward_rows_any(xs, kept, a, eps)
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn forward_rows_avx2(xs: &mut [f32], kept: Kept<'_>, a: Affine<'_>, eps: f32) {
-    forward_rows_any(xs, kept, a, eps)
-}
-
-fn backward_rows(ds: &mut [f32], xhat: &[f32], rstd: &[f64], w: &[f32], part: &mut [f64], input_grad: InputGrad) {
-    #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") {
-        // SAFETY: as in `forward_rows`.
-        unsafe { backward_rows_avx2(ds, xhat, rstd, w, part, input_grad) };
-        return;
+widest! {
+    /// [`backward_rows_any`] at the processor's widest vectors.
+    fn backward_rows(ds: &mut [f32], xhat: &[f32], rstd: &[f64], w: &[f32], part: &mut [f64], input_grad: InputGrad) {
+        backward_rows_any(ds, xhat, rstd, w, part, input_grad)
     }
-    backward_rows_any(ds, xhat, rstd, w, part, input_grad)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn backward_rows_avx2(
-    ds: &mut [f32],
-    xhat: &[f32],
-    rstd: &[f64],
-    w: &[f32],
-    part: &mut [f64],
-    input_grad: InputGrad,
-) {
-    backward_rows_any(ds, xhat, rstd, w, part, input_grad)
 }
 
 /// Normalisation over the last dimension, with a learned scale and (optionally) shift.

@@ -148,14 +148,11 @@ impl Layer for Linear {
         let out_shape = self.output_shape(x.shape())?;
         let (n, f, o) = (self.rows(x.shape()), self.in_features, self.out_features);
         let w = params.get(0);
-        let mut y = vec![0.0f32; n * o];
-        if self.use_bias {
-            let b = params.get(1);
-            for row in y.chunks_exact_mut(o) {
-                row.copy_from_slice(b);
-            }
-        }
-        let acc = if self.use_bias { Accumulate::Add } else { Accumulate::Overwrite };
+        // y starts as the bias in every row (never zeroed first), which GEMM adds to.
+        let (mut y, acc) = match self.use_bias {
+            true => (params.get(1).repeat(n), Accumulate::Add),
+            false => (vec![0.0f32; n * o], Accumulate::Overwrite),
+        };
         gemm(Mat::rows(x.host(), n, f), Mat::rows(w, o, f).t(), &mut y, o, acc);
         let y = Tensor::from_vec_on(y, out_shape, x.device())?;
         self.x = (ctx.mode == Mode::Train).then_some(x);

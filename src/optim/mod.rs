@@ -24,6 +24,7 @@
 
 use std::ops::Range;
 
+use crate::backend::simd::widest;
 use crate::error::{Error, Result};
 
 #[cfg(feature = "cuda")]
@@ -363,9 +364,13 @@ impl GradNorm {
             let at = offset + i;
             let chunk_end = (at / NORM_CHUNK + 1) * NORM_CHUNK;
             let n = (chunk_end - at).min(grad_sum.len() - i);
-            for (j, &gs) in grad_sum[i..i + n].iter().enumerate() {
-                let g = (gs / grad_divisor) as f64;
-                self.lanes[(at + j) % NORM_LANES] += g * g;
+            // Row by row of the chunk's 256 lanes, so that each lane's run vectorises.
+            let mut j = 0;
+            while j < n {
+                let lane = (at + j) % NORM_LANES;
+                let m = (NORM_LANES - lane).min(n - j);
+                add_squares(&mut self.lanes[lane..lane + m], &grad_sum[i + j..i + j + m], grad_divisor);
+                j += m;
             }
             i += n;
             if at + n == chunk_end {
@@ -394,6 +399,16 @@ impl GradNorm {
             self.close_chunk();
         }
         self.total.sqrt() as f32
+    }
+}
+
+widest! {
+    /// lane_t += (g_t/divisor)², in f64, lane by lane: [`GradNorm`]'s inner loop.
+    fn add_squares(lanes: &mut [f64], grad_sum: &[f32], grad_divisor: f32) {
+        for (l, &gs) in lanes.iter_mut().zip(grad_sum) {
+            let g = (gs / grad_divisor) as f64;
+            *l += g * g;
+        }
     }
 }
 
@@ -672,34 +687,65 @@ impl Optimizer {
             self.range
         );
         let range = offset - self.range.start..offset - self.range.start + params.len();
-        let StepScalars { t, grad_divisor, step_size, bc2_sqrt, weight_decay, shrink, clip } = *s;
         match self.config {
             OptimizerConfig::Sgd { momentum, momentum_kind, .. } => {
                 if momentum > 0.0 {
                     let nesterov = momentum_kind == MomentumKind::Nesterov;
-                    for ((p, &gs), buf) in params.iter_mut().zip(grad_sum).zip(&mut self.m[range]) {
-                        let g = gs / grad_divisor * clip + weight_decay * *p;
-                        *buf = if t == 1 { g } else { momentum * *buf + g };
-                        let d = if nesterov { g + momentum * *buf } else { *buf };
-                        *p -= step_size * d;
-                    }
+                    sgd_momentum_values(params, grad_sum, &mut self.m[range], s, (momentum, nesterov))
                 } else {
-                    for (p, &gs) in params.iter_mut().zip(grad_sum) {
-                        let g = gs / grad_divisor * clip + weight_decay * *p;
-                        *p -= step_size * g;
-                    }
+                    sgd_values(params, grad_sum, s)
                 }
             }
             OptimizerConfig::Adam { beta1, beta2, eps, .. } | OptimizerConfig::AdamW { beta1, beta2, eps, .. } => {
                 let (m, v) = (&mut self.m[range.clone()], &mut self.v[range]);
-                for (((p, &gs), m), v) in params.iter_mut().zip(grad_sum).zip(m).zip(v) {
-                    let g = gs / grad_divisor * clip + weight_decay * *p;
-                    *m += (1.0 - beta1) * (g - *m);
-                    *v = beta2 * *v + (1.0 - beta2) * g * g;
-                    let denom = v.sqrt() / bc2_sqrt + eps;
-                    *p = *p * shrink - step_size * (*m / denom);
-                }
+                adam_values(params, grad_sum, m, v, s, (beta1, beta2, eps))
             }
+        }
+    }
+}
+
+// The update's loops, one per rule, at the processor's widest vectors (`backend::simd`:
+// each element's operations are the same IEEE ones at every width, so the same bits;
+// kernels/optim.cu computes the same expressions in the same order).
+
+widest! {
+    /// Plain SGD: p −= step_size·g, g = gs/divisor·clip + wd·p.
+    fn sgd_values(params: &mut [f32], grad_sum: &[f32], s: &StepScalars) {
+        let StepScalars { grad_divisor, step_size, weight_decay, clip, .. } = *s;
+        for (p, &gs) in params.iter_mut().zip(grad_sum) {
+            let g = gs / grad_divisor * clip + weight_decay * *p;
+            *p -= step_size * g;
+        }
+    }
+}
+
+widest! {
+    /// SGD with momentum μ (PyTorch's: buf = g at step 1, μ·buf + g after), classic or
+    /// Nesterov.
+    fn sgd_momentum_values(params: &mut [f32], grad_sum: &[f32], bufs: &mut [f32], s: &StepScalars, rule: (f32, bool)) {
+        let StepScalars { t, grad_divisor, step_size, weight_decay, clip, .. } = *s;
+        let (momentum, nesterov) = rule;
+        for ((p, &gs), buf) in params.iter_mut().zip(grad_sum).zip(bufs) {
+            let g = gs / grad_divisor * clip + weight_decay * *p;
+            *buf = if t == 1 { g } else { momentum * *buf + g };
+            let d = if nesterov { g + momentum * *buf } else { *buf };
+            *p -= step_size * d;
+        }
+    }
+}
+
+widest! {
+    /// Adam and AdamW (their difference is in the scalars: coupled `weight_decay`, or
+    /// the decoupled `shrink`), `hyper` = (β1, β2, ε).
+    fn adam_values(params: &mut [f32], grad_sum: &[f32], m: &mut [f32], v: &mut [f32], s: &StepScalars, hyper: (f32, f32, f32)) {
+        let StepScalars { grad_divisor, step_size, bc2_sqrt, weight_decay, shrink, clip, .. } = *s;
+        let (beta1, beta2, eps) = hyper;
+        for (((p, &gs), m), v) in params.iter_mut().zip(grad_sum).zip(m).zip(v) {
+            let g = gs / grad_divisor * clip + weight_decay * *p;
+            *m += (1.0 - beta1) * (g - *m);
+            *v = beta2 * *v + (1.0 - beta2) * g * g;
+            let denom = v.sqrt() / bc2_sqrt + eps;
+            *p = *p * shrink - step_size * (*m / denom);
         }
     }
 }
