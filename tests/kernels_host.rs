@@ -763,13 +763,11 @@ fn gelu_fwd_and_bwd_equal_the_cpu_layer_bit_for_bit() {
         k.launch("gelu_fwd_f32", cfg, &mut [In(&x), Out(&mut y), U64(n as u64)]);
         // As Gpu::gelu_bwd: x, dy, dx, n.
         k.launch("gelu_bwd_f32", cfg, &mut [In(&x), In(&dy), Out(&mut dx), U64(n as u64)]);
-        // Both sides evaluate the same f64 expressions in the same order, uncontracted, and
-        // round once to f32; erfc is msun's on both (libm's on the CPU, glibc's here, each
-        // FreeBSD's s_erf.c) and exp the C library's, so the f32 results are equal. On a GPU,
-        // CUDA's erfc and exp differ from these in the last f64 bits, which moves the f32
-        // result by an ulp only at an f64 distance from a rounding midpoint (tests/cuda_layers.rs
-        // bounds it at 1e-4 relative). A NaN's sign and payload are the compiler's choice of
-        // operand order (and the GPU's NaN is canonical), so NaNs compare as NaNs.
+        // Both sides evaluate the same f32 operations in the same order, uncontracted (erfcc's
+        // polynomial by Estrin's scheme, exp by Cephes' polynomial, no library function), so
+        // the results are equal bit for bit, here and on a GPU. A NaN's sign and payload are
+        // the compiler's choice of operand order (and the GPU's NaN is canonical), so NaNs
+        // compare as NaNs.
         let canonical = |v: &[f32]| v.iter().map(|&x| if x.is_nan() { f32::NAN } else { x }).collect::<Vec<_>>();
         assert_bits(&format!("gelu y {cfg:?}"), &canonical(&y), &canonical(&want_y));
         assert_bits(&format!("gelu dx {cfg:?}"), &canonical(&dx), &canonical(&want_dx));
@@ -2259,8 +2257,9 @@ fn layernorm_kernels_equal_the_cpu_layer_bit_for_bit() {
 /// the head split and merge are permutations, equal bit for bit, each other's inverse;
 /// the causal softmax and its gradient against `causal_softmax_row` and
 /// `causal_softmax_row_bwd` within 2e-6 relative to the row's largest value (the kernel
-/// sums in a tree of 128 partial sums, the CPU in column order, and the host's expf is
-/// the C library's), their masked columns exactly 0. T = 5 (one partial sum a column) and
+/// sums in a tree of 128 partial sums, the CPU in 16 lanes (`backend::simd::sum`), and
+/// the host's expf is the C library's, the CPU's `simd::exp_f32`), their masked columns
+/// exactly 0. T = 5 (one partial sum a column) and
 /// T = 200 (two columns a thread), under the one-block-a-row launch and a grid too small
 /// to cover the rows once.
 #[test]
