@@ -342,6 +342,24 @@ mod tests {
     }
 
     #[test]
+    fn the_memory_account_is_what_a_training_forward_keeps_and_the_kept_cdf_is_phi() {
+        // Two f32 a value (x and Φ(x)), as the account says, and Φ the one the value uses.
+        let shapes = LayerShapes { input: Shape::new([3, 4]), output: Shape::new([3, 4]) };
+        let kept = Gelu::new().memory(&shapes).unwrap().kept_per_sample;
+        assert_eq!(kept, 2 * 12 * F32);
+        let mut gelu = Gelu::new();
+        let ctx = Ctx::train(0, 0, 0, Device::Cpu(0));
+        let xs: Vec<f32> = (0..24).map(|i| i as f32 * 0.37 - 4.0).collect();
+        let x = Tensor::from_vec(xs.clone(), [2, 3, 4]).unwrap();
+        gelu.forward(x, Params::new(&[], &[]), ParamsMut::new(&mut [], &[]), &ctx).unwrap();
+        assert_eq!((gelu.input.len() + gelu.cdf.len()) as u64 * F32, 2 * kept);
+        assert_eq!(gelu.input, xs);
+        for (&x, &c) in xs.iter().zip(&gelu.cdf) {
+            assert_eq!((x * c).to_bits(), gelu_value(x).to_bits(), "Φ({x})");
+        }
+    }
+
+    #[test]
     fn the_gradient_is_the_derivative_of_the_value() {
         // Central differences in f64 of the f32 function are within its own rounding.
         for &x in &[-4.0f32, -1.5, -0.3, 0.0, 0.2, 1.0, 2.5, 6.0] {
