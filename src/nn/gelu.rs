@@ -99,15 +99,15 @@ pub fn gelu_value(x: f32) -> f32 {
 /// dx = dy·(Φ(x) + x·φ(x)), in f32 (the module's docs).
 #[inline(always)]
 pub fn gelu_grad(x: f32, dy: f32) -> f32 {
-    grad_with_cdf(x, cdf(x), dy)
+    dy * slope(x, cdf(x))
 }
 
-/// [`gelu_grad`] from Φ(x) kept by the forward: the same operations on the same values,
-/// so the same bits, without computing Φ twice.
+/// The derivative Φ(x) + x·φ(x) from Φ(x): what the training forward keeps, so that the
+/// backward is one multiplication, with the bits of [`gelu_grad`].
 #[inline(always)]
-fn grad_with_cdf(x: f32, cdf: f32, dy: f32) -> f32 {
+fn slope(x: f32, cdf: f32) -> f32 {
     let pdf = exp_f32(-0.5 * x * x) * FRAC_1_SQRT_2PI;
-    dy * (cdf + x * pdf)
+    cdf + x * pdf
 }
 
 widest! {
@@ -121,23 +121,23 @@ widest! {
 }
 
 widest! {
-    /// The training forward: y = x·Φ(x) in place, x and Φ(x) kept for the backward.
-    fn forward_kept(xs: &mut [f32], kept_x: &mut [f32], kept_cdf: &mut [f32]) {
-        for ((v, kx), kc) in xs.iter_mut().zip(kept_x).zip(kept_cdf) {
+    /// The training forward: y = x·Φ(x) in place, the slope Φ(x) + x·φ(x) kept for the
+    /// backward.
+    fn forward_kept(xs: &mut [f32], kept_slope: &mut [f32]) {
+        for (v, ks) in xs.iter_mut().zip(kept_slope) {
             let (x, c) = (*v, cdf(*v));
-            *kx = x;
-            *kc = c;
+            *ks = slope(x, c);
             *v = x * c;
         }
     }
 }
 
 widest! {
-    /// dx = dy·(Φ(x) + x·φ(x)) of every value from the forward's x and Φ(x), `ds`
-    /// holding dy and receiving dx.
-    fn backward_values(ds: &mut [f32], xs: &[f32], cdfs: &[f32]) {
-        for ((d, &x), &c) in ds.iter_mut().zip(xs).zip(cdfs) {
-            *d = grad_with_cdf(x, c, *d);
+    /// dx = dy·(Φ(x) + x·φ(x)) of every value from the forward's slopes, `ds` holding dy
+    /// and receiving dx.
+    fn backward_values(ds: &mut [f32], slopes: &[f32]) {
+        for (d, &s) in ds.iter_mut().zip(slopes) {
+            *d *= s;
         }
     }
 }
@@ -145,10 +145,9 @@ widest! {
 /// x·Φ(x), exact (erf-based) GELU.
 #[derive(Clone, Debug, Default)]
 pub struct Gelu {
-    /// The input of the training forward (any shape, flattened).
-    input: Vec<f32>,
-    /// Φ of each input: the backward's most costly term, computed once.
-    cdf: Vec<f32>,
+    /// The derivative at each input of the training forward (any shape, flattened):
+    /// all the backward needs of it, so neither the input nor Φ is kept.
+    slope: Vec<f32>,
 }
 
 impl Gelu {
@@ -179,9 +178,9 @@ impl Layer for Gelu {
         Some(json!({"type": "gelu"}))
     }
 
-    /// Its input and Φ of it, two f32 per value.
+    /// The slope at each input, one f32 per value.
     fn memory(&self, shapes: &LayerShapes) -> Option<LayerMemory> {
-        Some(LayerMemory { kept_per_sample: 2 * shapes.input.numel() as u64 * F32, ..LayerMemory::NONE })
+        Some(LayerMemory { kept_per_sample: shapes.input.numel() as u64 * F32, ..LayerMemory::NONE })
     }
 
     fn output_shape(&self, input: &Shape) -> Result<Shape> {
@@ -192,10 +191,9 @@ impl Layer for Gelu {
     fn forward(&mut self, mut x: Tensor, _p: Params<'_>, _b: ParamsMut<'_>, ctx: &Ctx) -> Result<Tensor> {
         let xs = x.host_mut();
         if ctx.mode == Mode::Train {
-            self.input.resize(xs.len(), 0.0);
-            self.cdf.resize(xs.len(), 0.0);
-            let kept = self.input.par_chunks_mut(CHUNK).zip(self.cdf.par_chunks_mut(CHUNK));
-            par::for_each(xs.par_chunks_mut(CHUNK).zip(kept), |(xs, (kx, kc))| forward_kept(xs, kx, kc));
+            self.slope.resize(xs.len(), 0.0);
+            let kept = self.slope.par_chunks_mut(CHUNK);
+            par::for_each(xs.par_chunks_mut(CHUNK).zip(kept), |(xs, ks)| forward_kept(xs, ks));
         } else {
             par::for_each(xs.par_chunks_mut(CHUNK), forward_values);
         }
@@ -214,14 +212,14 @@ impl Layer for Gelu {
         if input_grad == InputGrad::Skip {
             return Ok(None);
         }
-        if dout.numel() != self.input.len() {
+        if dout.numel() != self.slope.len() {
             return Err(Error::shape(
                 "GELU backward",
-                format!("dout {} for {} cached inputs", dout.shape(), self.input.len()),
+                format!("dout {} for {} cached inputs", dout.shape(), self.slope.len()),
             ));
         }
-        let kept = self.input.par_chunks(CHUNK).zip(self.cdf.par_chunks(CHUNK));
-        par::for_each(dout.host_mut().par_chunks_mut(CHUNK).zip(kept), |(ds, (xs, cs))| backward_values(ds, xs, cs));
+        let kept = self.slope.par_chunks(CHUNK);
+        par::for_each(dout.host_mut().par_chunks_mut(CHUNK).zip(kept), |(ds, ss)| backward_values(ds, ss));
         Ok(Some(dout))
     }
 
@@ -342,20 +340,26 @@ mod tests {
     }
 
     #[test]
-    fn the_memory_account_is_what_a_training_forward_keeps_and_the_kept_cdf_is_phi() {
-        // Two f32 a value (x and Φ(x)), as the account says, and Φ the one the value uses.
+    fn the_memory_account_is_what_a_training_forward_keeps_and_the_kept_slope_gives_the_gradient() {
+        // One f32 a value, as the account says, and the backward's dy·slope is
+        // `gelu_grad`'s value bit for bit (the kernels are held to `gelu_grad`).
         let shapes = LayerShapes { input: Shape::new([3, 4]), output: Shape::new([3, 4]) };
         let kept = Gelu::new().memory(&shapes).unwrap().kept_per_sample;
-        assert_eq!(kept, 2 * 12 * F32);
+        assert_eq!(kept, 12 * F32);
+        let xs: Vec<f32> = (0..24).map(|i| i as f32 * 0.37 - 4.0).collect();
+        let dys: Vec<f32> = (0..24).map(|i| 1.5 - i as f32 * 0.11).collect();
         let mut gelu = Gelu::new();
         let ctx = Ctx::train(0, 0, 0, Device::Cpu(0));
-        let xs: Vec<f32> = (0..24).map(|i| i as f32 * 0.37 - 4.0).collect();
         let x = Tensor::from_vec(xs.clone(), [2, 3, 4]).unwrap();
-        gelu.forward(x, Params::new(&[], &[]), ParamsMut::new(&mut [], &[]), &ctx).unwrap();
-        assert_eq!((gelu.input.len() + gelu.cdf.len()) as u64 * F32, 2 * kept);
-        assert_eq!(gelu.input, xs);
-        for (&x, &c) in xs.iter().zip(&gelu.cdf) {
-            assert_eq!((x * c).to_bits(), gelu_value(x).to_bits(), "Φ({x})");
+        let y = gelu.forward(x, Params::new(&[], &[]), ParamsMut::new(&mut [], &[]), &ctx).unwrap();
+        assert_eq!(gelu.slope.len() as u64 * F32, 2 * kept);
+        for (&x, &y) in xs.iter().zip(y.host()) {
+            assert_eq!(y.to_bits(), gelu_value(x).to_bits(), "GELU({x})");
+        }
+        let d = Tensor::from_vec(dys.clone(), [2, 3, 4]).unwrap();
+        let dx = gelu.backward(d, Params::new(&[], &[]), ParamsMut::new(&mut [], &[]), InputGrad::Needed, &ctx);
+        for ((&x, &dy), &dx) in xs.iter().zip(&dys).zip(dx.unwrap().unwrap().host()) {
+            assert_eq!(dx.to_bits(), gelu_grad(x, dy).to_bits(), "GELU'({x})·{dy}");
         }
     }
 
