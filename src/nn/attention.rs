@@ -89,23 +89,24 @@ pub fn attention_scale(head_width: usize) -> f32 {
 /// of `simd::LANES`, those set to −∞ first (so to 0 after the exponential), instead of
 /// ending each pass in a scalar remainder of up to 15 values (rows average T/2 long):
 /// with the backward's like change, the softmax's share of a GPT step (perf) went from
-/// 3.7% to 2.8%. The bits are
-/// those of the live values alone: −∞ moves no max, and adding +0 to a lane of the sum
-/// (value j's lane is j mod LANES either way) leaves it as it was.
+/// 3.7% to 2.8%. The bits are those of the live values alone: −∞ moves no max, and
+/// adding +0 to a lane of the sum (value j's lane is j mod LANES either way) leaves it
+/// as it was (the tests hold both to the passes over j ≤ i alone).
 pub fn causal_softmax_row(row: &mut [f32], i: usize, scale: f32) {
-    let (live, masked) = row.split_at_mut(whole_lanes(i + 1, row.len()));
-    live[i + 1..].fill(f32::NEG_INFINITY);
-    let max = simd::scale_max(live, scale);
-    simd::exp_shifted(live, max);
-    let inv = 1.0 / simd::sum(live);
-    for v in live.iter_mut() {
+    let end = whole_lanes(i + 1, row.len());
+    let passes = &mut row[..end];
+    passes[i + 1..].fill(f32::NEG_INFINITY);
+    let max = simd::scale_max(passes, scale);
+    simd::exp_shifted(passes, max);
+    let inv = 1.0 / simd::sum(passes);
+    for v in passes.iter_mut() {
         *v *= inv;
     }
-    live[i + 1..].fill(0.0);
-    masked.fill(0.0);
+    row[i + 1..].fill(0.0);
 }
 
-/// `live` rounded up to a whole number of `simd::LANES`, at most `len`.
+/// The values a pass over the first `live` of a row of `len` covers: `live` rounded up to
+/// a whole number of `simd::LANES`, at most `len`.
 fn whole_lanes(live: usize, len: usize) -> usize {
     live.next_multiple_of(simd::LANES).min(len)
 }
@@ -118,14 +119,14 @@ fn whole_lanes(live: usize, len: usize) -> usize {
 /// As the forward, the passes run to the next whole vector, dp zeroed past i first: each
 /// such term of the sum is 0·0 = +0, which leaves the live values' bits.
 pub fn causal_softmax_row_bwd(p: &[f32], dp: &mut [f32], i: usize, scale: f32) {
-    let (live, masked) = dp.split_at_mut(whole_lanes(i + 1, dp.len()));
-    live[i + 1..].fill(0.0);
-    let dot = simd::dot(live, p);
-    for (d, q) in live.iter_mut().zip(p) {
+    let passes = whole_lanes(i + 1, dp.len());
+    dp[i + 1..passes].fill(0.0);
+    let dot = simd::dot(&dp[..passes], p);
+    for (d, q) in dp[..passes].iter_mut().zip(p) {
         *d = scale * (q * (*d - dot));
     }
-    live[i + 1..].fill(0.0);
-    masked.fill(0.0);
+    // Past i that gave scale·(0·(0 − dot)), a zero of either sign: the mask's is +0.
+    dp[i + 1..].fill(0.0);
 }
 
 /// The dropout factor of element `idx` of stream `key`: 0, or `keep` = 1/(1 − rate), as
@@ -1030,6 +1031,42 @@ mod tests {
     use crate::nn::Dropout;
     use crate::rng::SplitMix64;
     use crate::tensor::Device;
+
+    #[test]
+    fn the_softmaxes_whole_vector_passes_give_the_bits_of_passes_over_the_live_values() {
+        // The reference: the same `simd` passes over j ≤ i alone, the masked values never
+        // read. Rows shorter than a vector, of one, across two and four; every i; scores
+        // and gradients below, at and above the masked values' magnitudes.
+        let mut g = SplitMix64::new(11);
+        let scale = attention_scale(32);
+        for t in [5, 16, 20, 40, 64] {
+            for i in 0..t {
+                let scores: Vec<f32> = (0..t).map(|_| (g.next_f32() - 0.5) * 40.0).collect();
+                let mut want = scores.clone();
+                let live = &mut want[..=i];
+                let max = simd::scale_max(live, scale);
+                simd::exp_shifted(live, max);
+                let inv = 1.0 / simd::sum(live);
+                live.iter_mut().for_each(|v| *v *= inv);
+                want[i + 1..].fill(0.0);
+                let mut got = scores;
+                causal_softmax_row(&mut got, i, scale);
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&got), bits(&want), "forward, T {t}, row {i}");
+
+                let dp: Vec<f32> = (0..t).map(|_| (g.next_f32() - 0.5) * 3.0).collect();
+                let mut want_d = dp.clone();
+                let dot = simd::dot(&want_d[..=i], &want);
+                for (d, q) in want_d[..=i].iter_mut().zip(&want) {
+                    *d = scale * (q * (*d - dot));
+                }
+                want_d[i + 1..].fill(0.0);
+                let mut got_d = dp;
+                causal_softmax_row_bwd(&want, &mut got_d, i, scale);
+                assert_eq!(bits(&got_d), bits(&want_d), "backward, T {t}, row {i}");
+            }
+        }
+    }
 
     #[test]
     fn the_tiled_transpose_is_the_transpose_at_every_edge() {

@@ -215,7 +215,7 @@ impl Layer for Gelu {
         if dout.numel() != self.slope.len() {
             return Err(Error::shape(
                 "GELU backward",
-                format!("dout {} for {} cached inputs", dout.shape(), self.slope.len()),
+                format!("dout {} for {} values kept by the forward", dout.shape(), self.slope.len()),
             ));
         }
         let kept = self.slope.par_chunks(CHUNK);
