@@ -56,7 +56,7 @@ use cudarc::driver::{CudaSlice, CudaViewMut};
 use super::gpu::{Backward, Draw, Forward, GpuLayer, Node, Pass};
 use super::spec_entry::{Build, FieldResult, LayerType};
 use super::{Ctx, Init, InputGrad, Layer, LayerMemory, LayerShapes, Mode, ParamSpec, Params, ParamsMut, F32};
-use crate::backend::cpu::{gemm, gemm_with, Accumulate, Mat, Threads};
+use crate::backend::cpu::{gemm, gemm_with, transpose, Accumulate, Mat, Threads};
 use crate::backend::par;
 use crate::backend::simd;
 #[cfg(feature = "cuda")]
@@ -238,30 +238,11 @@ struct Transposed {
     proj: Vec<f32>,
 }
 
-/// `w` (rows, cols) transposed into `out` (cols, rows), a tile of 16 × 16 at a time
-/// through a local copy. Value by value, the writes' stride (3C values: 24 cache lines
-/// for C = 128) lands in 8 of L1's 64 sets, which thrash: the transposes took 3% of a GPT
-/// pass, 4 ns a value.
+/// `w` (rows, cols) transposed into `out` (cols, rows), which keeps its capacity from
+/// step to step.
 fn transpose_into(w: &[f32], rows: usize, cols: usize, out: &mut Vec<f32>) {
-    const TILE: usize = 16;
-    assert_eq!(w.len(), rows * cols, "a {rows}×{cols} transpose of {} values", w.len());
     out.resize(rows * cols, 0.0);
-    let mut tile = [[0.0f32; TILE]; TILE];
-    for r0 in (0..rows).step_by(TILE) {
-        let h = TILE.min(rows - r0);
-        for c0 in (0..cols).step_by(TILE) {
-            let wd = TILE.min(cols - c0);
-            for (i, t) in tile.iter_mut().enumerate().take(h) {
-                t[..wd].copy_from_slice(&w[(r0 + i) * cols + c0..][..wd]);
-            }
-            for j in 0..wd {
-                let dst = &mut out[(c0 + j) * rows + r0..][..h];
-                for (i, d) in dst.iter_mut().enumerate() {
-                    *d = tile[i][j];
-                }
-            }
-        }
-    }
+    transpose(w, rows, cols, out);
 }
 
 /// What every sample of one pass shares: the shapes, the parameters, the masks.
@@ -1064,21 +1045,6 @@ mod tests {
                 let mut got_d = dp;
                 causal_softmax_row_bwd(&want, &mut got_d, i, scale);
                 assert_eq!(bits(&got_d), bits(&want_d), "backward, T {t}, row {i}");
-            }
-        }
-    }
-
-    #[test]
-    fn the_tiled_transpose_is_the_transpose_at_every_edge() {
-        // Shapes that are and are not multiples of the tile, and narrower than one.
-        for (rows, cols) in [(384, 128), (17, 33), (1, 5), (40, 16)] {
-            let w: Vec<f32> = (0..rows * cols).map(|i| i as f32).collect();
-            let mut out = vec![-1.0; 3];
-            transpose_into(&w, rows, cols, &mut out);
-            for r in 0..rows {
-                for c in 0..cols {
-                    assert_eq!(out[c * rows + r], w[r * cols + c], "{rows}×{cols} at ({r}, {c})");
-                }
             }
         }
     }
