@@ -10,6 +10,8 @@
 
 use gemm::Parallelism;
 
+use super::simd::widest;
+
 /// A read-only matrix view: `rows × cols`, element (i, j) at `data[i*rs + j*cs]`.
 #[derive(Clone, Copy)]
 pub struct Mat<'a> {
@@ -391,27 +393,32 @@ pub fn im2row(xt: &[f32], g: &Im2colGeom, rows: &mut [f32]) {
     }
 }
 
-/// The adjoint of [`im2row`]: adds every row entry back to the input value it came from.
-/// drows: (OH·OW, KH·KW·C) → dxt: (H, W, C), accumulated (zero it first).
-pub fn row2im(drows: &[f32], g: &Im2colGeom, dxt: &mut [f32]) {
-    let (c, kwc) = (g.c, g.kw * g.c);
-    let kkc = g.kh * kwc;
-    for (p, row) in drows.chunks_exact(kkc).enumerate() {
-        let (oy, ox) = (p / g.ow, p % g.ow);
-        let ix0 = (ox * g.stride) as isize - g.pad_left as isize;
-        let j_lo = (-ix0).clamp(0, g.kw as isize) as usize;
-        let j_hi = (g.w as isize - ix0).clamp(j_lo as isize, g.kw as isize) as usize;
-        if j_lo == j_hi {
-            continue;
-        }
-        for (i, seg) in row.chunks_exact(kwc).enumerate() {
-            let iy = (oy * g.stride + i) as isize - g.pad_top as isize;
-            if iy < 0 || iy >= g.h as isize {
+widest! {
+    /// The adjoint of [`im2row`]: adds every row entry back to the input value it came from.
+    /// drows: (OH·OW, KH·KW·C) → dxt: (H, W, C), accumulated (zero it first).
+    ///
+    /// At the processor's widest vectors (`backend::simd`): its adds are short runs of
+    /// KW·C values.
+    pub fn row2im(drows: &[f32], g: &Im2colGeom, dxt: &mut [f32]) {
+        let (c, kwc) = (g.c, g.kw * g.c);
+        let kkc = g.kh * kwc;
+        for (p, row) in drows.chunks_exact(kkc).enumerate() {
+            let (oy, ox) = (p / g.ow, p % g.ow);
+            let ix0 = (ox * g.stride) as isize - g.pad_left as isize;
+            let j_lo = (-ix0).clamp(0, g.kw as isize) as usize;
+            let j_hi = (g.w as isize - ix0).clamp(j_lo as isize, g.kw as isize) as usize;
+            if j_lo == j_hi {
                 continue;
             }
-            let start = (iy as usize * g.w + (ix0 + j_lo as isize) as usize) * c;
-            for (d, v) in dxt[start..start + (j_hi - j_lo) * c].iter_mut().zip(&seg[j_lo * c..j_hi * c]) {
-                *d += v;
+            for (i, seg) in row.chunks_exact(kwc).enumerate() {
+                let iy = (oy * g.stride + i) as isize - g.pad_top as isize;
+                if iy < 0 || iy >= g.h as isize {
+                    continue;
+                }
+                let start = (iy as usize * g.w + (ix0 + j_lo as isize) as usize) * c;
+                for (d, v) in dxt[start..start + (j_hi - j_lo) * c].iter_mut().zip(&seg[j_lo * c..j_hi * c]) {
+                    *d += v;
+                }
             }
         }
     }

@@ -51,6 +51,7 @@ use super::{
     Ctx, Init, InputGrad, Layer, LayerMemory, LayerShapes, Mode, ParamSpec, Params, ParamsMut, Sequential, F32,
 };
 use crate::backend::par;
+use crate::backend::simd::widest;
 #[cfg(feature = "cuda")]
 use crate::cuda::launch::{BnGeom, BnGrads, BnMerged, BnParams, BnSaved, BnStats, BnSums, BnUpdate};
 #[cfg(feature = "cuda")]
@@ -157,48 +158,84 @@ pub struct BatchNorm2d {
     cached: Option<Shape>,
 }
 
-/// Σ v in f64, with eight independent accumulators (vectorisable; the order is fixed by
-/// the length alone).
-fn sum_f64(v: &[f32]) -> f64 {
-    let mut acc = [0.0f64; 8];
-    let chunks = v.chunks_exact(8);
-    let tail: f64 = chunks.remainder().iter().map(|&x| x as f64).sum();
-    for c in chunks {
-        for (a, &x) in acc.iter_mut().zip(c) {
-            *a += x as f64;
+widest! {
+    /// Σ v in f64, with eight independent accumulators (vectorised at the processor's
+    /// widest vectors, `backend::simd`; the order is fixed by the length alone).
+    fn sum_f64(v: &[f32]) -> f64 {
+        let mut acc = [0.0f64; 8];
+        let chunks = v.chunks_exact(8);
+        let tail: f64 = chunks.remainder().iter().map(|&x| x as f64).sum();
+        for c in chunks {
+            for (a, &x) in acc.iter_mut().zip(c) {
+                *a += x as f64;
+            }
         }
+        acc.iter().sum::<f64>() + tail
     }
-    acc.iter().sum::<f64>() + tail
 }
 
-/// Σ (v − m)² in f64, as [`sum_f64`].
-fn sum_sq_dev_f64(v: &[f32], m: f64) -> f64 {
-    let mut acc = [0.0f64; 8];
-    let chunks = v.chunks_exact(8);
-    let tail: f64 = chunks.remainder().iter().map(|&x| (x as f64 - m) * (x as f64 - m)).sum();
-    for c in chunks {
-        for (a, &x) in acc.iter_mut().zip(c) {
-            let d = x as f64 - m;
-            *a += d * d;
+widest! {
+    /// Σ (v − m)² in f64, as [`sum_f64`].
+    fn sum_sq_dev_f64(v: &[f32], m: f64) -> f64 {
+        let mut acc = [0.0f64; 8];
+        let chunks = v.chunks_exact(8);
+        let tail: f64 = chunks.remainder().iter().map(|&x| (x as f64 - m) * (x as f64 - m)).sum();
+        for c in chunks {
+            for (a, &x) in acc.iter_mut().zip(c) {
+                let d = x as f64 - m;
+                *a += d * d;
+            }
         }
+        acc.iter().sum::<f64>() + tail
     }
-    acc.iter().sum::<f64>() + tail
 }
 
-/// (Σ d, Σ d·x̂) in f64, as [`sum_f64`].
-fn sums_dy_dyx(d: &[f32], xh: &[f32]) -> (f64, f64) {
-    let (mut a, mut b) = ([0.0f64; 8], [0.0f64; 8]);
-    let (dc, xc) = (d.chunks_exact(8), xh.chunks_exact(8));
-    let (dr, xr) = (dc.remainder(), xc.remainder());
-    for (dd, xx) in dc.zip(xc) {
-        for k in 0..8 {
-            a[k] += dd[k] as f64;
-            b[k] += dd[k] as f64 * xx[k] as f64;
+widest! {
+    /// (Σ d, Σ d·x̂) in f64, as [`sum_f64`].
+    fn sums_dy_dyx(d: &[f32], xh: &[f32]) -> (f64, f64) {
+        let (mut a, mut b) = ([0.0f64; 8], [0.0f64; 8]);
+        let (dc, xc) = (d.chunks_exact(8), xh.chunks_exact(8));
+        let (dr, xr) = (dc.remainder(), xc.remainder());
+        for (dd, xx) in dc.zip(xc) {
+            for k in 0..8 {
+                a[k] += dd[k] as f64;
+                b[k] += dd[k] as f64 * xx[k] as f64;
+            }
+        }
+        let ta: f64 = dr.iter().map(|&v| v as f64).sum();
+        let tb: f64 = dr.iter().zip(xr).map(|(&v, &w)| v as f64 * w as f64).sum();
+        (a.iter().sum::<f64>() + ta, b.iter().sum::<f64>() + tb)
+    }
+}
+
+widest! {
+    /// One plane of the evaluation forward: y = (x − mean)·invstd·γ + β, in place.
+    fn normalize(plane: &mut [f32], mu: f32, is: f32, g: f32, b: f32) {
+        for v in plane {
+            *v = (*v - mu) * is * g + b;
         }
     }
-    let ta: f64 = dr.iter().map(|&v| v as f64).sum();
-    let tb: f64 = dr.iter().zip(xr).map(|(&v, &w)| v as f64 * w as f64).sum();
-    (a.iter().sum::<f64>() + ta, b.iter().sum::<f64>() + tb)
+}
+
+widest! {
+    /// One plane of the training forward: x̂ = (x − mean)·invstd into `cache`, y = γ·x̂ + β
+    /// in place.
+    fn normalize_keep(plane: &mut [f32], cache: &mut [f32], mu: f32, is: f32, g: f32, b: f32) {
+        for (v, xh) in plane.iter_mut().zip(cache) {
+            *xh = (*v - mu) * is;
+            *v = *xh * g + b;
+        }
+    }
+}
+
+widest! {
+    /// One plane of the input gradient: dx = k·(dout − mean(dout) − x̂·mean(dout·x̂)), in
+    /// place of dout.
+    fn input_grad_plane(dplane: &mut [f32], xplane: &[f32], k: f32, md: f32, mdx: f32) {
+        for (d, &xh) in dplane.iter_mut().zip(xplane) {
+            *d = k * (*d - md - xh * mdx);
+        }
+    }
 }
 
 /// Per-channel folds over the planes of (N, C, H·W) values: for every channel ch,
@@ -472,14 +509,9 @@ impl Layer for BatchNorm2d {
                 let b = beta.map_or(0.0, |b| b[ch]);
                 let plane = &mut sample[ch * hw..(ch + 1) * hw];
                 if cache.is_empty() {
-                    for v in plane {
-                        *v = (*v - mu) * is * g + b;
-                    }
+                    normalize(plane, mu, is, g, b);
                 } else {
-                    for (v, xh) in plane.iter_mut().zip(&mut cache[ch * hw..(ch + 1) * hw]) {
-                        *xh = (*v - mu) * is;
-                        *v = *xh * g + b;
-                    }
+                    normalize_keep(plane, &mut cache[ch * hw..(ch + 1) * hw], mu, is, g, b);
                 }
             }
         };
@@ -551,9 +583,7 @@ impl Layer for BatchNorm2d {
         par::for_each(dout.host_mut().par_chunks_mut(c * hw).zip(xs.par_chunks(c * hw)), |(dsample, xsample)| {
             for (ch, (dplane, xplane)) in dsample.chunks_exact_mut(hw).zip(xsample.chunks_exact(hw)).enumerate() {
                 let (k, md, mdx) = coef[ch];
-                for (d, &xh) in dplane.iter_mut().zip(xplane) {
-                    *d = k * (*d - md - xh * mdx);
-                }
+                input_grad_plane(dplane, xplane, k, md, mdx);
             }
         });
         Ok(Some(dout))
