@@ -15,6 +15,7 @@ use super::{Ctx, InputGrad, Layer, LayerMemory, LayerShapes, Mode, Params, Param
 /// more than handing it to another thread.
 const CHUNK: usize = 1 << 16;
 use crate::backend::par;
+use crate::backend::simd::widest;
 use crate::error::{Error, Result};
 use crate::tensor::{Shape, Tensor};
 
@@ -49,6 +50,34 @@ impl Relu {
     };
 }
 
+widest! {
+    /// max(x, 0) in place (NaN stays NaN).
+    fn relu(xs: &mut [f32]) {
+        for v in xs.iter_mut() {
+            *v = if *v < 0.0 { 0.0 } else { *v };
+        }
+    }
+}
+
+widest! {
+    /// max(x, 0) in place, and the mask of positive inputs for the backward.
+    fn relu_keep(xs: &mut [f32], ms: &mut [u8]) {
+        for (v, m) in xs.iter_mut().zip(ms.iter_mut()) {
+            *m = u8::from(*v > 0.0);
+            *v = if *v < 0.0 { 0.0 } else { *v };
+        }
+    }
+}
+
+widest! {
+    /// dout where the input was positive, 0 elsewhere, in place.
+    fn relu_backward(ds: &mut [f32], ms: &[u8]) {
+        for (d, &p) in ds.iter_mut().zip(ms) {
+            *d = if p != 0 { *d } else { 0.0 };
+        }
+    }
+}
+
 impl Layer for Relu {
     #[cfg(feature = "cuda")]
     fn gpu(&self) -> Option<Box<dyn GpuLayer>> {
@@ -80,17 +109,10 @@ impl Layer for Relu {
         if ctx.mode == Mode::Train {
             self.positive.resize(xs.len(), 0);
             par::for_each(xs.par_chunks_mut(CHUNK).zip(self.positive.par_chunks_mut(CHUNK)), |(xs, ms)| {
-                for (v, m) in xs.iter_mut().zip(ms.iter_mut()) {
-                    *m = u8::from(*v > 0.0);
-                    *v = if *v < 0.0 { 0.0 } else { *v };
-                }
+                relu_keep(xs, ms)
             });
         } else {
-            par::for_each(xs.par_chunks_mut(CHUNK), |xs| {
-                for v in xs.iter_mut() {
-                    *v = if *v < 0.0 { 0.0 } else { *v };
-                }
-            });
+            par::for_each(xs.par_chunks_mut(CHUNK), relu);
         }
         Ok(x)
     }
@@ -113,9 +135,7 @@ impl Layer for Relu {
             ));
         }
         par::for_each(dout.host_mut().par_chunks_mut(CHUNK).zip(self.positive.par_chunks(CHUNK)), |(ds, ms)| {
-            for (d, &p) in ds.iter_mut().zip(ms) {
-                *d = if p != 0 { *d } else { 0.0 };
-            }
+            relu_backward(ds, ms)
         });
         Ok(Some(dout))
     }

@@ -40,6 +40,7 @@ use super::{
 };
 #[cfg(feature = "cuda")]
 use crate::cuda::Gpu;
+use crate::backend::simd::widest;
 use crate::error::{Error, Result};
 use crate::tensor::{Shape, Tensor};
 
@@ -216,11 +217,13 @@ fn branches_disagree(input: &Shape, body: &Shape, shortcut: Option<&Shape>) -> O
     (body != skip).then(|| format!("the body's output {body} differs from the {what} {skip}: they are added"))
 }
 
-/// `a += b`, elementwise: the add of the block's forward (body + shortcut) and of its
-/// backward's fan-in (dbody + dshortcut); `residual_add_fwd_f32` computes the same.
-pub fn add_in_place(a: &mut [f32], b: &[f32]) {
-    for (x, &y) in a.iter_mut().zip(b) {
-        *x += y;
+widest! {
+    /// `a += b`, elementwise: the add of the block's forward (body + shortcut) and of its
+    /// backward's fan-in (dbody + dshortcut); `residual_add_fwd_f32` computes the same.
+    pub fn add_in_place(a: &mut [f32], b: &[f32]) {
+        for (x, &y) in a.iter_mut().zip(b) {
+            *x += y;
+        }
     }
 }
 
