@@ -171,35 +171,41 @@ fn column_plan(g: &Im2colGeom) -> Vec<(std::ops::Range<usize>, usize)> {
         .collect()
 }
 
-/// Unfolds one sample. x: (C, H, W) → col: (C·KH·KW, OH·OW), row (c·KH + i)·KW + j holds
-/// x[c, oy·s + i − pad_top, ox·s + j − pad_left] (0 outside the image).
-pub fn im2col(x: &[f32], g: &Im2colGeom, col: &mut [f32]) {
-    let p = g.col_cols();
-    debug_assert_eq!(x.len(), g.c * g.h * g.w);
-    debug_assert_eq!(col.len(), g.col_rows() * p);
-    let (s, ow) = (g.stride, g.ow);
-    let plan = column_plan(g);
-    for c in 0..g.c {
-        let xc = &x[c * g.h * g.w..(c + 1) * g.h * g.w];
-        for i in 0..g.kh {
-            let rows = &mut col[(c * g.kh + i) * g.kw * p..(c * g.kh + i + 1) * g.kw * p];
-            for oy in 0..g.oh {
-                let iy = (oy * s + i) as isize - g.pad_top as isize;
-                let inside = iy >= 0 && iy < g.h as isize;
-                let xr = if inside { &xc[iy as usize * g.w..(iy as usize + 1) * g.w] } else { &xc[..0] };
-                for (j, (cols, first)) in plan.iter().enumerate() {
-                    let out = &mut rows[j * p + oy * ow..j * p + (oy + 1) * ow];
-                    if !inside || cols.is_empty() {
-                        out.fill(0.0);
-                        continue;
-                    }
-                    out[..cols.start].fill(0.0);
-                    out[cols.end..].fill(0.0);
-                    let dst = &mut out[cols.clone()];
-                    let n = dst.len();
-                    let src = &xr[*first..first + (n - 1) * s + 1];
-                    for k in 0..n {
-                        dst[k] = src[k * s];
+widest! {
+    /// Unfolds one sample. x: (C, H, W) → col: (C·KH·KW, OH·OW), row (c·KH + i)·KW + j holds
+    /// x[c, oy·s + i − pad_top, ox·s + j − pad_left] (0 outside the image).
+    pub fn im2col(x: &[f32], g: &Im2colGeom, col: &mut [f32]) {
+        let p = g.col_cols();
+        debug_assert_eq!(x.len(), g.c * g.h * g.w);
+        debug_assert_eq!(col.len(), g.col_rows() * p);
+        let (s, ow) = (g.stride, g.ow);
+        let plan = column_plan(g);
+        for c in 0..g.c {
+            let xc = &x[c * g.h * g.w..(c + 1) * g.h * g.w];
+            for i in 0..g.kh {
+                let rows = &mut col[(c * g.kh + i) * g.kw * p..(c * g.kh + i + 1) * g.kw * p];
+                for oy in 0..g.oh {
+                    let iy = (oy * s + i) as isize - g.pad_top as isize;
+                    let inside = iy >= 0 && iy < g.h as isize;
+                    let xr = if inside { &xc[iy as usize * g.w..(iy as usize + 1) * g.w] } else { &xc[..0] };
+                    for (j, (cols, first)) in plan.iter().enumerate() {
+                        let out = &mut rows[j * p + oy * ow..j * p + (oy + 1) * ow];
+                        if !inside || cols.is_empty() {
+                            out.fill(0.0);
+                            continue;
+                        }
+                        out[..cols.start].fill(0.0);
+                        out[cols.end..].fill(0.0);
+                        let dst = &mut out[cols.clone()];
+                        let n = dst.len();
+                        if s == 1 {
+                            dst.copy_from_slice(&xr[*first..first + n]);
+                        } else {
+                            let src = &xr[*first..first + (n - 1) * s + 1];
+                            for k in 0..n {
+                                dst[k] = src[k * s];
+                            }
+                        }
                     }
                 }
             }
@@ -207,31 +213,39 @@ pub fn im2col(x: &[f32], g: &Im2colGeom, col: &mut [f32]) {
     }
 }
 
-/// Folds a column matrix back, adding overlapping entries: the adjoint of [`im2col`].
-/// dcol: (C·KH·KW, OH·OW) → dx: (C, H, W), accumulated into `dx` (zero it first).
-pub fn col2im(dcol: &[f32], g: &Im2colGeom, dx: &mut [f32]) {
-    let p = g.col_cols();
-    let (s, ow) = (g.stride, g.ow);
-    let plan = column_plan(g);
-    for c in 0..g.c {
-        let dxc = &mut dx[c * g.h * g.w..(c + 1) * g.h * g.w];
-        for i in 0..g.kh {
-            let rows = &dcol[(c * g.kh + i) * g.kw * p..(c * g.kh + i + 1) * g.kw * p];
-            for oy in 0..g.oh {
-                let iy = (oy * s + i) as isize - g.pad_top as isize;
-                if iy < 0 || iy >= g.h as isize {
-                    continue;
-                }
-                let dr = &mut dxc[iy as usize * g.w..(iy as usize + 1) * g.w];
-                for (j, (cols, first)) in plan.iter().enumerate() {
-                    if cols.is_empty() {
+widest! {
+    /// Folds a column matrix back, adding overlapping entries: the adjoint of [`im2col`].
+    /// dcol: (C·KH·KW, OH·OW) → dx: (C, H, W), accumulated into `dx` (zero it first).
+    pub fn col2im(dcol: &[f32], g: &Im2colGeom, dx: &mut [f32]) {
+        let p = g.col_cols();
+        let (s, ow) = (g.stride, g.ow);
+        let plan = column_plan(g);
+        for c in 0..g.c {
+            let dxc = &mut dx[c * g.h * g.w..(c + 1) * g.h * g.w];
+            for i in 0..g.kh {
+                let rows = &dcol[(c * g.kh + i) * g.kw * p..(c * g.kh + i + 1) * g.kw * p];
+                for oy in 0..g.oh {
+                    let iy = (oy * s + i) as isize - g.pad_top as isize;
+                    if iy < 0 || iy >= g.h as isize {
                         continue;
                     }
-                    let src = &rows[j * p + oy * ow + cols.start..j * p + oy * ow + cols.end];
-                    let n = src.len();
-                    let dst = &mut dr[*first..first + (n - 1) * s + 1];
-                    for k in 0..n {
-                        dst[k * s] += src[k];
+                    let dr = &mut dxc[iy as usize * g.w..(iy as usize + 1) * g.w];
+                    for (j, (cols, first)) in plan.iter().enumerate() {
+                        if cols.is_empty() {
+                            continue;
+                        }
+                        let src = &rows[j * p + oy * ow + cols.start..j * p + oy * ow + cols.end];
+                        let n = src.len();
+                        if s == 1 {
+                            for (d, v) in dr[*first..first + n].iter_mut().zip(src) {
+                                *d += v;
+                            }
+                        } else {
+                            let dst = &mut dr[*first..first + (n - 1) * s + 1];
+                            for k in 0..n {
+                                dst[k * s] += src[k];
+                            }
+                        }
                     }
                 }
             }

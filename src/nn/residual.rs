@@ -38,9 +38,9 @@ use super::{
     Ctx, InputGrad, Layer, LayerMemory, LayerShapes, NamedLayer, ParamSpec, Params, ParamsMut, Place, Relu, Sequential,
     F32,
 };
+use crate::backend::simd::widest;
 #[cfg(feature = "cuda")]
 use crate::cuda::Gpu;
-use crate::backend::simd::widest;
 use crate::error::{Error, Result};
 use crate::tensor::{Shape, Tensor};
 
