@@ -293,12 +293,14 @@ mod tests {
         // Beside them, both in training and in evaluation, the convolutions' lent work
         // buffers (issue 19, defect 4), the largest layer's per group of samples (min(N, 16)
         // groups), in f32s. convnet: conv0 unfolds columns (C·KH·KW = 9 ≤ 32), 2·9·784;
-        // conv1 rows, 12·28·28 + 2·144·(432 + 24) (2 samples fit 512 KiB of rows); conv2
-        // rows, 24·12·12 + 4·36·(864 + 32): conv1's 140,736 the largest, 562,944 B. maxpool:
-        // conv0 columns 2·9·676, conv1 rows 32·13·13 + 3·121·(288 + 64) = 133,184, 532,736 B.
+        // conv1 rows, a sample and its gradient 2·12·28·28, a band of rows 72·432 (a
+        // sample's 144·432 exceed 128 KiB: two bands of 72 pixels) and a sample's outputs
+        // 144·24; conv2 rows, 2·24·12·12 + 36·864 + 36·32 (one sample fits): conv1's 53,376
+        // the largest, 213,504 B. maxpool: conv0 columns 2·9·676, conv1 rows 2·32·13·13 +
+        // 61·288 (two bands of 121 pixels) + 121·64 = 36,128, 144,512 B.
         let lent = |name: &str| match name {
-            "convnet" => 562_944,
-            "maxpool" => 532_736,
+            "convnet" => 213_504,
+            "maxpool" => 144_512,
             _ => 0,
         };
         for (name, batch, shard, eval) in pinned {

@@ -1,4 +1,5 @@
-//! CPU kernels: GEMM, im2col/col2im and the few reductions the layers need.
+//! CPU kernels: GEMM, the unfoldings (im2col/col2im, im2row/row2im), the transpose the
+//! layers move channels and weights with, and the few reductions the layers need.
 //!
 //! Determinism is a contract here, not a hope: the result of every kernel is bitwise the
 //! same whatever the number of threads in the device's pool. GEMM is split by the `gemm`
@@ -380,15 +381,17 @@ unsafe fn transpose_tile_avx512(src: *const f32, src_rs: usize, dst: *mut f32, d
     }
 }
 
-/// Unfolds one channels-last sample into rows, one per output pixel.
-/// xt: (H, W, C) → rows: (OH·OW, KH·KW·C), row (oy, ox) holding, for i, j, c in that
-/// order, xt[oy·s + i − pad_top, ox·s + j − pad_left, c] (0 outside the image). Each
-/// kernel row i is one contiguous copy of up to KW·C values: the reason for this layout.
-pub fn im2row(xt: &[f32], g: &Im2colGeom, rows: &mut [f32]) {
+/// Unfolds the output pixels `pixels` (of OH·OW, in row-major order) of one channels-last
+/// sample into rows, one a pixel. xt: (H, W, C) → rows: (pixels, KH·KW·C), row (oy, ox)
+/// holding, for i, j, c in that order, xt[oy·s + i − pad_top, ox·s + j − pad_left, c]
+/// (0 outside the image). Each kernel row i is one contiguous copy of up to KW·C values:
+/// the reason for this layout.
+pub fn im2row(xt: &[f32], g: &Im2colGeom, pixels: std::ops::Range<usize>, rows: &mut [f32]) {
     let (c, kwc) = (g.c, g.kw * g.c);
     let kkc = g.kh * kwc;
-    debug_assert_eq!(rows.len(), g.oh * g.ow * kkc);
-    for (p, row) in rows.chunks_exact_mut(kkc).enumerate() {
+    assert!(pixels.end <= g.oh * g.ow, "im2row: pixels {pixels:?} of {}", g.oh * g.ow);
+    assert_eq!(rows.len(), pixels.len() * kkc, "im2row: rows for another range");
+    for (p, row) in pixels.zip(rows.chunks_exact_mut(kkc)) {
         let (oy, ox) = (p / g.ow, p % g.ow);
         let ix0 = (ox * g.stride) as isize - g.pad_left as isize;
         let j_lo = (-ix0).clamp(0, g.kw as isize) as usize;
@@ -409,14 +412,16 @@ pub fn im2row(xt: &[f32], g: &Im2colGeom, rows: &mut [f32]) {
 
 widest! {
     /// The adjoint of [`im2row`]: adds every row entry back to the input value it came from.
-    /// drows: (OH·OW, KH·KW·C) → dxt: (H, W, C), accumulated (zero it first).
+    /// drows: (pixels, KH·KW·C) → dxt: (H, W, C), accumulated (zero it first).
     ///
     /// At the processor's widest vectors (`backend::simd`): its adds are short runs of
     /// KW·C values.
-    pub fn row2im(drows: &[f32], g: &Im2colGeom, dxt: &mut [f32]) {
+    pub fn row2im(drows: &[f32], g: &Im2colGeom, pixels: std::ops::Range<usize>, dxt: &mut [f32]) {
         let (c, kwc) = (g.c, g.kw * g.c);
         let kkc = g.kh * kwc;
-        for (p, row) in drows.chunks_exact(kkc).enumerate() {
+        assert!(pixels.end <= g.oh * g.ow, "row2im: pixels {pixels:?} of {}", g.oh * g.ow);
+        assert_eq!(drows.len(), pixels.len() * kkc, "row2im: rows for another range");
+        for (p, row) in pixels.zip(drows.chunks_exact(kkc)) {
             let (oy, ox) = (p / g.ow, p % g.ow);
             let ix0 = (ox * g.stride) as isize - g.pad_left as isize;
             let j_lo = (-ix0).clamp(0, g.kw as isize) as usize;
@@ -623,7 +628,7 @@ mod tests {
         let mut xt = vec![0.0; x.len()];
         chw_to_hwc(&x, g.c, &mut xt);
         let mut rows = vec![f32::NAN; g.col_rows() * g.col_cols()];
-        im2row(&xt, &g, &mut rows);
+        im2row(&xt, &g, 0..g.col_cols(), &mut rows);
         let col = im2col_naive(&x, &g);
         let p = g.col_cols();
         for pix in 0..p {
@@ -642,7 +647,7 @@ mod tests {
         // adjoint: <im2row(xt), y> == <xt, row2im(y)>
         let y = data(rows.len(), 11);
         let mut dxt = vec![0.0; xt.len()];
-        row2im(&y, &g, &mut dxt);
+        row2im(&y, &g, 0..g.col_cols(), &mut dxt);
         let lhs: f64 = rows.iter().zip(&y).map(|(a, b)| *a as f64 * *b as f64).sum();
         let rhs: f64 = xt.iter().zip(&dxt).map(|(a, b)| *a as f64 * *b as f64).sum();
         assert!((lhs - rhs).abs() < 1e-5, "{lhs} vs {rhs}");
