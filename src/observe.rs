@@ -211,7 +211,7 @@ impl Progress {
         let last = *self.last_line.get_or_insert(now);
         let due = match self.every {
             Every::Never => false,
-            Every::Steps(k) => k > 0 && (e.report.step + 1) % k == 0,
+            Every::Steps(k) => k > 0 && (e.report.step + 1).is_multiple_of(k),
             Every::Seconds(s) => now.duration_since(last).as_secs_f64() >= s,
         };
         let due = due && e.step_in_epoch + 1 < e.steps_in_epoch;

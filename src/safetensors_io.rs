@@ -237,7 +237,7 @@ mod tests {
     /// A safetensors file of `header` (padded to 8 bytes) and `data`.
     fn raw_file(header: &str, data: &[u8]) -> Vec<u8> {
         let mut header = header.to_string();
-        while header.len() % 8 != 0 {
+        while !header.len().is_multiple_of(8) {
             header.push(' ');
         }
         [&(header.len() as u64).to_le_bytes()[..], header.as_bytes(), data].concat()

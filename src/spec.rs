@@ -325,7 +325,7 @@ mod tests {
         for path in std::fs::read_dir(&nn).unwrap().map(|e| e.unwrap().path()) {
             let text = std::fs::read_to_string(&path).unwrap();
             let n = text.matches("pub const SPEC: LayerType = LayerType {").count();
-            written.extend(std::iter::repeat(path.display().to_string()).take(n));
+            written.extend(std::iter::repeat_n(path.display().to_string(), n));
         }
         written.sort();
         assert_eq!(

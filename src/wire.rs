@@ -123,7 +123,10 @@ impl Codec {
     /// An empty wire for `range` of a slot; `range.start` must be a multiple of
     /// [`BLOCK`] (or lie past the encoded part), so that its blocks are the slot's.
     pub fn wire(&self, range: Range<usize>) -> Wire {
-        assert!(range.start % BLOCK == 0 || range.start >= self.encoded_len, "a wire starts on a block: {range:?}");
+        assert!(
+            range.start.is_multiple_of(BLOCK) || range.start >= self.encoded_len,
+            "a wire starts on a block: {range:?}"
+        );
         let enc = self.encoded(&range);
         let blocks = if self.format == Format::Fp16 { enc.len().div_ceil(BLOCK) } else { 0 };
         Wire { half: vec![0; enc.len()], exps: vec![0; blocks], raw: vec![0.0; range.len() - enc.len()], range }
@@ -143,7 +146,7 @@ impl Codec {
             src.len(),
             wire.range
         );
-        assert!(range.start % BLOCK == 0 || range.start >= self.encoded_len, "encode from a block: {range:?}");
+        assert!(range.start.is_multiple_of(BLOCK) || range.start >= self.encoded_len, "encode from a block: {range:?}");
         let enc = self.encoded(&range);
         let (src_enc, src_raw) = src.split_at(enc.len());
         // Offsets within the wire's codes, which begin at its encoded part's start.

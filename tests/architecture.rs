@@ -114,7 +114,7 @@ fn strip(src: &str) -> String {
             let hashes = raw_string_start(b, from).unwrap();
             let body = from + hashes + 1;
             let mut closing = vec![b'"'];
-            closing.extend(std::iter::repeat(b'#').take(hashes));
+            closing.extend(std::iter::repeat_n(b'#', hashes));
             let end = b[body..]
                 .windows(closing.len())
                 .position(|w| w == closing.as_slice())

@@ -1095,7 +1095,7 @@ mod child {
     /// next (fp16's exponents differ).
     fn value(shard: usize, step: usize, i: usize) -> f32 {
         let scale = 10f32.powi(((i / 1024 + shard) % 7) as i32 - 3);
-        let sign = if (i + shard + step) % 3 == 0 { -1.0 } else { 1.0 };
+        let sign = if (i + shard + step).is_multiple_of(3) { -1.0 } else { 1.0 };
         sign * scale * (1.0 + 0.123_457 * (shard + 1) as f32 + 1.3e-4 * (i % 4099) as f32 + 0.01 * step as f32)
     }
 

@@ -60,7 +60,7 @@ impl TextArgs {
                 return Err(Failure::usage(anyhow!("{name} must be at least 1")));
             }
         }
-        if self.width % self.heads != 0 {
+        if !self.width.is_multiple_of(self.heads) {
             return Err(Failure::usage(anyhow!(
                 "--heads {} does not divide --width {}: each head takes width/heads channels",
                 self.heads,

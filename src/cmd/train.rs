@@ -649,7 +649,7 @@ fn settings(a: &mut TrainArgs, toy: bool, text: bool) -> CliResult<Settings> {
     let world = lockstep::world::current().map_err(Failure::usage)?;
     let in_world = devices.len() * world.size();
     let replicas = a.replicas.unwrap_or(in_world);
-    if replicas % in_world != 0 {
+    if !replicas.is_multiple_of(in_world) {
         let among = match world.size() {
             1 => String::new(),
             p => format!(" ({p} processes × {})", devices.len()),

@@ -115,7 +115,7 @@ impl Dataset {
     pub fn sequences(name: impl Into<String>, rows: &[u32], context: usize, vocab: usize) -> Result<Dataset> {
         let name = name.into();
         let err = |detail: String| Error::Data { name: name.clone(), detail };
-        if context == 0 || rows.len() % (context + 1) != 0 {
+        if context == 0 || !rows.len().is_multiple_of(context + 1) {
             return Err(err(format!(
                 "{} token ids are not rows of {} (a context of {context} and its next token)",
                 rows.len(),

@@ -303,7 +303,7 @@ impl<'w> MpiGroup<'w> {
         let mpi = world.mpi().ok_or_else(|| Error::Mpi("the exchange between processes needs an MPI world".into()))?;
         let (process, processes) = (world.process(), world.size());
         let in_world = processes * devices;
-        if devices == 0 || shards == 0 || shards % in_world != 0 {
+        if devices == 0 || shards == 0 || !shards.is_multiple_of(in_world) {
             return Err(Error::config(
                 "replicas",
                 format!(

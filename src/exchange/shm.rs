@@ -163,7 +163,7 @@ impl ShmGroup {
 
     /// [`ShmGroup::new`] whose slots travel encoded by `codec` (f32 when `None`).
     pub fn with_codec(members: usize, shards: usize, len: usize, wait: Wait, codec: Option<Codec>) -> Result<ShmGroup> {
-        if members == 0 || shards == 0 || shards % members != 0 {
+        if members == 0 || shards == 0 || !shards.is_multiple_of(members) {
             return Err(Error::config(
                 "replicas",
                 format!("{shards} logical replicas cannot be shared evenly by {members} devices"),

@@ -436,7 +436,7 @@ impl CausalSelfAttention {
                 format!("the width and the heads must be positive (got {width} and {heads})"),
             ));
         }
-        if width % heads != 0 {
+        if !width.is_multiple_of(heads) {
             return Err(Error::config(
                 "causal self-attention",
                 format!("{heads} heads do not divide the width {width}"),

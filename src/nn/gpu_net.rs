@@ -470,7 +470,7 @@ impl GpuNet {
     /// `optim::NORM_CHUNK` (a GPU exchange hands the sum over in one piece).
     pub fn add_grad_norm(&mut self, offset: usize, grad_sum: &CudaView<'_, f32>, grad_divisor: f32) -> Result<()> {
         let r = offset..offset + grad_sum.len();
-        if offset % crate::optim::NORM_CHUNK != 0 || r.end > self.np {
+        if !offset.is_multiple_of(crate::optim::NORM_CHUNK) || r.end > self.np {
             return Err(Error::shape(
                 "add_grad_norm",
                 format!(

@@ -166,7 +166,7 @@ impl Layer for GlobalAvgPool2d {
         let mut dx = Vec::with_capacity(shape.numel());
         for &d in dout.host() {
             // `repeat(..).take(..)`, not `repeat_n`: that is Rust 1.82 and the MSRV is 1.80.
-            dx.extend(std::iter::repeat(d * inv).take(h * w));
+            dx.extend(std::iter::repeat_n(d * inv, h * w));
         }
         Tensor::from_vec_on(dx, shape, dout.device()).map(Some)
     }

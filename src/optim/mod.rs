@@ -395,7 +395,7 @@ impl GradNorm {
 
     /// The norm of every value added, rounded to f32.
     pub fn norm(mut self) -> f32 {
-        if self.next % NORM_CHUNK != 0 {
+        if !self.next.is_multiple_of(NORM_CHUNK) {
             self.close_chunk();
         }
         self.total.sqrt() as f32

@@ -386,7 +386,7 @@ impl<'a, 'o> Fit<'a, 'o> {
             data_wait,
         });
         if let Some(k) = self.config.check_replicas_every {
-            if trainer.steps() % k == 0 {
+            if trainer.steps().is_multiple_of(k) {
                 trainer.check_replicas()?;
             }
         }
@@ -465,7 +465,7 @@ impl<'a, 'o> Fit<'a, 'o> {
         let Some(policy) = self.config.checkpoint.as_ref() else {
             return Ok(None);
         };
-        if !now && trainer.steps() % policy.every.max(1) != 0 {
+        if !now && !trainer.steps().is_multiple_of(policy.every.max(1)) {
             return Ok(None);
         }
         if !trainer.world().is_voice() {

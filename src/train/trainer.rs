@@ -474,7 +474,7 @@ pub fn with_trainer<T>(
     let n = devices.len();
     let in_world = n * world.size();
     let replicas = config.replicas.unwrap_or(in_world);
-    if replicas % in_world != 0 {
+    if !replicas.is_multiple_of(in_world) {
         let among = match world.size() {
             1 => format!("{n} devices"),
             p => format!("{in_world} devices ({p} processes × {n})"),

@@ -57,7 +57,7 @@ pub(crate) const TIMEOUT_VAR: &str = "LOCKSTEP_MPI_TIMEOUT_S";
 /// each process says of itself.
 pub fn init_reports(e: &Error) -> bool {
     let met_by_all = matches!(e, Error::Config { what, .. } if *what == TIMEOUT_VAR);
-    !met_by_all || launch::detect().map_or(true, |l| l.process == 0)
+    !met_by_all || launch::detect().is_none_or(|l| l.process == 0)
 }
 
 /// Whether this binary was built with MPI (the `mpi` feature).

@@ -447,7 +447,7 @@ impl MpiWorld {
                 return Err(Error::Aborted);
             }
             polls = polls.wrapping_add(1);
-            if polls % 32 == 0 {
+            if polls.is_multiple_of(32) {
                 let now = Instant::now();
                 if now >= next_look {
                     if let Some(lost) = self.loss(now - start) {

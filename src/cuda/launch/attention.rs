@@ -60,7 +60,7 @@ fn row_cfg(rows: usize) -> LaunchConfig {
 
 /// The rows of (rows, T) scores in a buffer of `len` values, checked.
 fn rows_of(op: &'static str, len: usize, t: usize) -> Result<i32> {
-    if t == 0 || len % t != 0 {
+    if t == 0 || !len.is_multiple_of(t) {
         return Err(Error::shape(op, format!("{len} values are not rows of T = {t}")));
     }
     dim(op, "rows", len / t)

@@ -199,8 +199,14 @@ mod tests {
             assert_eq!(g.payload(), codec.wire(0..p + b).bytes(), "{compression:?}");
             let exps = if compression == Compression::Fp16 { p.div_ceil(BLOCK) } else { 0 };
             assert_eq!((g.exps_at(), g.exponents()), (2 * p, exps));
-            assert!(g.raw_at() >= g.exps_at() + exps && g.raw_at() % 256 == 0 && g.raw_at() - (2 * p + exps) < 256);
-            assert!(g.bytes() >= g.raw_at() + 4 * b && g.bytes() % 256 == 0 && g.bytes() - (g.raw_at() + 4 * b) < 256);
+            assert!(
+                g.raw_at() >= g.exps_at() + exps && g.raw_at().is_multiple_of(256) && g.raw_at() - (2 * p + exps) < 256
+            );
+            assert!(
+                g.bytes() >= g.raw_at() + 4 * b
+                    && g.bytes().is_multiple_of(256)
+                    && g.bytes() - (g.raw_at() + 4 * b) < 256
+            );
             assert_eq!(g.blocks(), p.div_ceil(BLOCK) + b.div_ceil(BLOCK));
         }
         // A slot shorter than the encoded length is all codes; an empty one still spaces

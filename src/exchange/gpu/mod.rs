@@ -555,7 +555,7 @@ mod tests {
         // of 64 f32 are what every view a GPU replica hands to cuBLAS or a kernel needs:
         // slot j at j·stride, a parameter's gradient at its flat offset in the slot, a
         // buffer at np + its offset (the flat layout pads every tensor start: nn/sequential.rs).
-        let aligned = |floats: usize| (floats * std::mem::size_of::<f32>()) % 256 == 0;
+        let aligned = |floats: usize| (floats * std::mem::size_of::<f32>()).is_multiple_of(256);
         let models = [
             ("convnet", convnet(ConvnetOptions::default()).unwrap()),
             ("convnet without BN", convnet(ConvnetOptions { norm: Norm::None, ..ConvnetOptions::default() }).unwrap()),
