@@ -381,6 +381,36 @@ unsafe fn transpose_tile_avx512(src: *const f32, src_rs: usize, dst: *mut f32, d
     }
 }
 
+/// Where output pixel p's window lies in a channels-last input, for [`im2row`] and
+/// [`row2im`]: its output row, the input column of its kernel column 0 (negative in the
+/// left padding), and its kernel columns j_lo..j_hi that fall inside the image.
+struct PixelWindow {
+    oy: usize,
+    ix0: isize,
+    j_lo: usize,
+    j_hi: usize,
+}
+
+impl PixelWindow {
+    #[inline(always)]
+    fn of(g: &Im2colGeom, p: usize) -> PixelWindow {
+        let (oy, ox) = (p / g.ow, p % g.ow);
+        let ix0 = (ox * g.stride) as isize - g.pad_left as isize;
+        let j_lo = (-ix0).clamp(0, g.kw as isize) as usize;
+        let j_hi = (g.w as isize - ix0).clamp(j_lo as isize, g.kw as isize) as usize;
+        PixelWindow { oy, ix0, j_lo, j_hi }
+    }
+
+    /// The offset in the input of kernel row i's first value inside the image, or None
+    /// where the row lies in the padding (or no column is inside).
+    #[inline(always)]
+    fn row_start(&self, g: &Im2colGeom, i: usize) -> Option<usize> {
+        let iy = (self.oy * g.stride + i) as isize - g.pad_top as isize;
+        let inside = iy >= 0 && iy < g.h as isize && self.j_lo < self.j_hi;
+        inside.then(|| (iy as usize * g.w + (self.ix0 + self.j_lo as isize) as usize) * g.c)
+    }
+}
+
 /// Unfolds the output pixels `pixels` (of OH·OW, in row-major order) of one channels-last
 /// sample into rows, one a pixel. xt: (H, W, C) → rows: (pixels, KH·KW·C), row (oy, ox)
 /// holding, for i, j, c in that order, xt[oy·s + i − pad_top, ox·s + j − pad_left, c]
@@ -392,20 +422,15 @@ pub fn im2row(xt: &[f32], g: &Im2colGeom, pixels: std::ops::Range<usize>, rows: 
     assert!(pixels.end <= g.oh * g.ow, "im2row: pixels {pixels:?} of {}", g.oh * g.ow);
     assert_eq!(rows.len(), pixels.len() * kkc, "im2row: rows for another range");
     for (p, row) in pixels.zip(rows.chunks_exact_mut(kkc)) {
-        let (oy, ox) = (p / g.ow, p % g.ow);
-        let ix0 = (ox * g.stride) as isize - g.pad_left as isize;
-        let j_lo = (-ix0).clamp(0, g.kw as isize) as usize;
-        let j_hi = (g.w as isize - ix0).clamp(j_lo as isize, g.kw as isize) as usize;
+        let win = PixelWindow::of(g, p);
         for (i, seg) in row.chunks_exact_mut(kwc).enumerate() {
-            let iy = (oy * g.stride + i) as isize - g.pad_top as isize;
-            if iy < 0 || iy >= g.h as isize || j_lo == j_hi {
+            let Some(start) = win.row_start(g, i) else {
                 seg.fill(0.0);
                 continue;
-            }
-            seg[..j_lo * c].fill(0.0);
-            seg[j_hi * c..].fill(0.0);
-            let start = (iy as usize * g.w + (ix0 + j_lo as isize) as usize) * c;
-            seg[j_lo * c..j_hi * c].copy_from_slice(&xt[start..start + (j_hi - j_lo) * c]);
+            };
+            seg[..win.j_lo * c].fill(0.0);
+            seg[win.j_hi * c..].fill(0.0);
+            seg[win.j_lo * c..win.j_hi * c].copy_from_slice(&xt[start..start + (win.j_hi - win.j_lo) * c]);
         }
     }
 }
@@ -422,20 +447,11 @@ widest! {
         assert!(pixels.end <= g.oh * g.ow, "row2im: pixels {pixels:?} of {}", g.oh * g.ow);
         assert_eq!(drows.len(), pixels.len() * kkc, "row2im: rows for another range");
         for (p, row) in pixels.zip(drows.chunks_exact(kkc)) {
-            let (oy, ox) = (p / g.ow, p % g.ow);
-            let ix0 = (ox * g.stride) as isize - g.pad_left as isize;
-            let j_lo = (-ix0).clamp(0, g.kw as isize) as usize;
-            let j_hi = (g.w as isize - ix0).clamp(j_lo as isize, g.kw as isize) as usize;
-            if j_lo == j_hi {
-                continue;
-            }
+            let win = PixelWindow::of(g, p);
             for (i, seg) in row.chunks_exact(kwc).enumerate() {
-                let iy = (oy * g.stride + i) as isize - g.pad_top as isize;
-                if iy < 0 || iy >= g.h as isize {
-                    continue;
-                }
-                let start = (iy as usize * g.w + (ix0 + j_lo as isize) as usize) * c;
-                for (d, v) in dxt[start..start + (j_hi - j_lo) * c].iter_mut().zip(&seg[j_lo * c..j_hi * c]) {
+                let Some(start) = win.row_start(g, i) else { continue };
+                let n = (win.j_hi - win.j_lo) * c;
+                for (d, v) in dxt[start..start + n].iter_mut().zip(&seg[win.j_lo * c..win.j_hi * c]) {
                     *d += v;
                 }
             }

@@ -684,41 +684,49 @@ impl GpuLayer for Conv2dGpu {
 mod tests {
     use super::*;
 
+    /// The layer at geometry `g` with `o` filters on `n` samples drawn U(−0.5, 0.5) from
+    /// `seed`, run through columns and through rows: (y, dx, dweight) of each, dweight as
+    /// (O, C, KH·KW) (rows' through [`add_rows_dweight`], the conversion the layer uses).
+    #[allow(clippy::type_complexity)]
+    fn both_ways(g: Im2colGeom, n: usize, o: usize, seed: u64) -> [(&'static str, Vec<f32>, Vec<f32>); 3] {
+        let (kk, p) = (g.kh * g.kw, g.col_cols());
+        let mut r = crate::rng::SplitMix64::new(seed);
+        let mut rand = |len: usize| (0..len).map(|_| r.next_f32() - 0.5).collect::<Vec<f32>>();
+        let (x, w, dout) = (rand(n * g.c * g.h * g.w), rand(o * g.c * kk), rand(n * o * p));
+        let wt = oihw_to_hwio(&w, o, g.c, kk);
+        let run = |unfold, weight: &[f32]| {
+            let job = Job { g, o, weight, xs: &x, unfold };
+            let mut y = vec![0.0; n * o * p];
+            let mut dx = vec![0.0; x.len()];
+            job.forward(0..n, &mut y, None, &mut Scratch::default());
+            let (dw, _) = job.backward(0..n, &dout, Some(&mut dx), false, &mut Scratch::default());
+            (y, dx, dw)
+        };
+        let (y1, dx1, dw1) = run(Unfold::Columns, &w);
+        let (y2, dx2, dw2) = run(Unfold::Rows, &wt);
+        let mut dw2_oihw = vec![0.0; dw1.len()];
+        add_rows_dweight(&mut dw2_oihw, &dw2, &g, o);
+        [("y", y1, y2), ("dx", dx1, dx2), ("dweight", dw1, dw2_oihw)]
+    }
+
     #[test]
     fn rows_in_bands_compute_the_convolution_of_columns() {
         // resnet8's first stage: a sample's rows (784 × 144 f32, 441 KB) exceed the budget,
         // so rows run in bands of pixels, with the weight's gradient transposed at O = 16
         // and not at O = 64. Against columns, which unfold whole samples: equal up to
-        // summation order (sums of 144 products, and of 2·784 for the weight's gradient).
+        // summation order (sums of 144 products, and of 2·784 for the weight's gradient),
+        // within 1e-5 relative (absolute below 1).
         let g = Im2colGeom { c: 16, h: 28, w: 28, kh: 3, kw: 3, stride: 1, pad_top: 1, pad_left: 1, oh: 28, ow: 28 };
         let (t, p) = (rows_tiling(&g), g.col_cols());
         assert!(t.samples == 1 && t.band < p && bands(t, p).count() == 4, "{t:?}");
         assert_eq!(bands(t, p).map(|b| b.len()).sum::<usize>(), p);
         for o in [16, 64] {
             assert_eq!(dweight_transposed(&g, o), o == 16);
-            let n = 2;
-            let mut r = crate::rng::SplitMix64::new(7);
-            let mut rand = |len: usize| (0..len).map(|_| r.next_f32() - 0.5).collect::<Vec<f32>>();
-            let (x, w, dout) = (rand(n * 16 * 28 * 28), rand(o * 144), rand(n * o * p));
-            let wt = oihw_to_hwio(&w, o, 16, 9);
-            let run = |unfold, weight: &[f32]| {
-                let job = Job { g, o, weight, xs: &x, unfold };
-                let mut y = vec![0.0; n * o * p];
-                let mut dx = vec![0.0; x.len()];
-                job.forward(0..n, &mut y, None, &mut Scratch::default());
-                let (dw, _) = job.backward(0..n, &dout, Some(&mut dx), false, &mut Scratch::default());
-                (y, dx, dw)
-            };
-            let (y1, dx1, dw1) = run(Unfold::Columns, &w);
-            let (y2, dx2, dw2) = run(Unfold::Rows, &wt);
-            let mut dw2_oihw = vec![0.0; dw1.len()];
-            add_rows_dweight(&mut dw2_oihw, &dw2, &g, o);
-            let worst = |a: &[f32], b: &[f32]| {
-                assert_eq!(a.len(), b.len());
-                a.iter().zip(b).map(|(p, q)| (p - q).abs() / q.abs().max(1.0)).fold(0.0f32, f32::max)
-            };
-            for (what, e) in [("y", worst(&y1, &y2)), ("dx", worst(&dx1, &dx2)), ("dw", worst(&dw1, &dw2_oihw))] {
-                assert!(e <= 1e-5, "O {o}: {what} differs by {e:e}");
+            for (what, cols, rows) in both_ways(g, 2, o, 7) {
+                assert_eq!(cols.len(), rows.len(), "O {o}: {what}");
+                let worst =
+                    cols.iter().zip(&rows).map(|(p, q)| (p - q).abs() / q.abs().max(1.0)).fold(0.0f32, f32::max);
+                assert!(worst <= 1e-5, "O {o}: {what} differs by {worst:e}");
             }
         }
     }
@@ -731,27 +739,10 @@ mod tests {
         let g = Im2colGeom { c: 2, h: 7, w: 6, kh: 3, kw: 3, stride: 2, pad_top: 1, pad_left: 1, oh: 4, ow: 3 };
         assert!(dweight_transposed(&g, 4) && !dweight_transposed(&g, 20));
         for o in [4, 20] {
-            let n = 3;
-            let mut r = crate::rng::SplitMix64::new(5);
-            let mut rand = |len: usize| (0..len).map(|_| r.next_f32() - 0.5).collect::<Vec<f32>>();
-            let (x, w, dout) = (rand(n * 2 * 7 * 6), rand(o * 18), rand(n * o * 12));
-            let wt = oihw_to_hwio(&w, o, 2, 9);
-            let run = |unfold, weight: &[f32]| {
-                let job = Job { g, o, weight, xs: &x, unfold };
-                let mut y = vec![0.0; n * o * 12];
-                let mut dx = vec![0.0; x.len()];
-                job.forward(0..n, &mut y, None, &mut Scratch::default());
-                let (dw, _) = job.backward(0..n, &dout, Some(&mut dx), false, &mut Scratch::default());
-                (y, dx, dw)
-            };
-            let (y1, dx1, dw1) = run(Unfold::Columns, &w);
-            let (y2, dx2, dw2) = run(Unfold::Rows, &wt);
-            let mut dw2_oihw = vec![0.0; dw1.len()];
-            add_rows_dweight(&mut dw2_oihw, &dw2, &g, o);
-            let close =
-                |a: &[f32], b: &[f32]| a.len() == b.len() && a.iter().zip(b).all(|(p, q)| (p - q).abs() <= 1e-5);
-            assert!(close(&y1, &y2) && close(&dx1, &dx2), "O {o}");
-            assert!(close(&dw1, &dw2_oihw), "O {o}");
+            for (what, cols, rows) in both_ways(g, 3, o, 5) {
+                assert_eq!(cols.len(), rows.len(), "O {o}: {what}");
+                assert!(cols.iter().zip(&rows).all(|(p, q)| (p - q).abs() <= 1e-5), "O {o}: {what}");
+            }
         }
     }
 }
