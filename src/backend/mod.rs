@@ -10,3 +10,4 @@
 pub mod cpu;
 pub(crate) mod par;
 pub mod simd;
+pub mod winograd;

@@ -1,0 +1,837 @@
+//! Winograd's minimal filtering F(2×2, 3×3) (Lavin and Gray, 2016) for the CPU's 3×3
+//! stride-1 convolutions: every 2×2 block of outputs from a 4×4 tile of input in 16
+//! multiply-adds a channel pair instead of 36, so the three products of a training step
+//! (the output, the input's gradient, the weight's gradient) cost 2.25 times fewer. It
+//! owns the transforms, the products they feed, and the order of every sum; `nn::conv2d`
+//! decides where it runs ([`applies`]: the shape alone) and owns the layer.
+//!
+//! The legend: N samples, C input and O output channels, a sample's T tiles (one per 2×2
+//! block of outputs, row-major), ξ the 16 points of a transformed tile (ξ = 4·r + s).
+//! With the transforms Bᵀ (4×4), G (4×3) and Aᵀ (2×4) below, a tile d (4×4, one channel),
+//! a kernel g (3×3) and the output y (2×2):
+//!
+//! ```text
+//! forward        U = Bᵀ d B   V = G g Gᵀ        M[ξ] = U[ξ] · V[ξ]   (T, C)·(C, O)     y = Aᵀ M A
+//! input grad     dM = A dy Aᵀ                   dU[ξ] = dM[ξ] · V[ξ]ᵀ (T, O)·(O, C)    dd = B dU Bᵀ (added over tiles)
+//! weight grad    dV[ξ] += U[ξ]ᵀ · dM[ξ]  (C, T)·(T, O), over every tile    dg = Gᵀ dV G
+//! ```
+//!
+//! The backward is the adjoint of the forward as computed, so it is the exact gradient of
+//! what the forward returns (up to rounding), as PyTorch's is of its direct convolution.
+//!
+//! Determinism: every product value is one chain of fused multiply-adds over its inner
+//! index in order ([`chain_gemm`]), the weight gradient one chain over the group's tiles
+//! in sample-then-tile order, and the input gradient's tiles are added in tile order. No
+//! result depends on which rows are computed together, the vector width, the thread
+//! count or the batch: a sample's output is bitwise the same alone or in any batch.
+
+use std::ops::Range;
+
+use super::cpu::{transpose, Accumulate};
+use super::simd::widest;
+
+/// Points of a transformed tile (4×4).
+const XI: usize = 16;
+
+/// Whether a convolution runs by F(2×2, 3×3) on the CPU: a 3×3 kernel at stride 1 between
+/// at least 8 input and 8 output channels, where the products are wide enough for the
+/// transforms to pay (a 1-channel stem stays with im2col). A function of the shape alone.
+pub fn applies(c: usize, o: usize, kernel: (usize, usize), stride: usize) -> bool {
+    kernel == (3, 3) && stride == 1 && c >= 8 && o >= 8
+}
+
+/// One sample's geometry: C×H×W in, O×OH×OW out, the input's top and left padding (the
+/// bottom and right follow from OH, OW). OH = H + pads − 2, as for any 3×3 kernel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Geom {
+    pub c: usize,
+    pub h: usize,
+    pub w: usize,
+    pub o: usize,
+    pub oh: usize,
+    pub ow: usize,
+    pub pad_top: usize,
+    pub pad_left: usize,
+}
+
+impl Geom {
+    fn tiles_high(&self) -> usize {
+        self.oh.div_ceil(2)
+    }
+    fn tiles_wide(&self) -> usize {
+        self.ow.div_ceil(2)
+    }
+    /// T: a sample's tiles.
+    pub fn tiles(&self) -> usize {
+        self.tiles_high() * self.tiles_wide()
+    }
+    /// The padded channels-last sample the tiles read: (HP, WP, C), the image at
+    /// (pad_top, pad_left), zeros around it; tile (i, j) reads rows 2i..2i+4, columns
+    /// 2j..2j+4, all inside.
+    fn padded(&self) -> (usize, usize) {
+        (2 * self.tiles_high() + 2, 2 * self.tiles_wide() + 2)
+    }
+    fn padded_len(&self) -> usize {
+        let (hp, wp) = self.padded();
+        hp * wp * self.c
+    }
+}
+
+/// The most bytes of transformed tiles (U and M of a piece) held at a time, so that the
+/// products read them back from the core's L2 cache.
+const PIECE_BUDGET: usize = 256 << 10;
+
+/// How a group is cut into pieces: `samples` whole samples at a time, or, where one
+/// sample's tiles exceed the budget, one sample in bands of `band` tiles (the last band
+/// shorter). A function of the geometry alone; the bits do not depend on it anyway.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Tiling {
+    pub samples: usize,
+    pub band: usize,
+}
+
+pub fn tiling(g: &Geom) -> Tiling {
+    let per_tile = XI * (g.c + g.o) * 4;
+    let target = (PIECE_BUDGET / per_tile).max(16);
+    let t = g.tiles();
+    if t <= target {
+        Tiling { samples: (target / t).max(1), band: t }
+    } else {
+        Tiling { samples: 1, band: t.div_ceil(t.div_ceil(target)) }
+    }
+}
+
+fn bands(t: Tiling, tiles: usize) -> impl Iterator<Item = Range<usize>> {
+    (0..tiles).step_by(t.band.max(1)).map(move |b| b..(b + t.band).min(tiles))
+}
+
+/// One group's work buffers, resized for each layer (contents overwritten before use).
+#[derive(Clone, Debug, Default)]
+pub struct Scratch {
+    /// A piece's samples, padded channels-last: samples × (HP, WP, C).
+    xp: Vec<f32>,
+    /// Transformed input of a piece's tiles, [ξ][row][C]; in the backward, dU after dV.
+    u: Vec<f32>,
+    /// The products of a piece's tiles, [ξ][row][O]; in the backward, dM.
+    m: Vec<f32>,
+    /// A piece's outputs or output gradients channels-last: samples × (OH, OW, O).
+    yt: Vec<f32>,
+    /// One sample channels-last (H, W, C), on its way into or out of the padding.
+    hwc: Vec<f32>,
+    /// Backward: a piece's input gradients, padded channels-last: samples × (HP, WP, C).
+    dxp: Vec<f32>,
+}
+
+/// The f32s a group's [`Scratch`] holds at most (the larger of forward and backward: the
+/// backward's, which adds `dxp`).
+pub fn scratch_floats(g: &Geom) -> usize {
+    let t = tiling(g);
+    let rows = t.samples * t.band;
+    2 * t.samples * g.padded_len() + XI * rows * (g.c + g.o) + t.samples * g.oh * g.ow * g.o + g.c * g.h * g.w
+}
+
+/// The f32s the weight's transforms take beside the layer (V and Vᵀ, once a pass) and a
+/// group's transformed weight gradient dV.
+pub fn weight_floats(g: &Geom) -> usize {
+    3 * XI * g.c * g.o
+}
+
+/// The weight transformed for the products: V as [ξ][C][O] (forward) and as [ξ][O][C]
+/// (the input's gradient), each 4×4 block G g Gᵀ.
+pub struct Weights {
+    v: Vec<f32>,
+    vt: Vec<f32>,
+}
+
+/// G g Gᵀ for every (o, c) of weight (O, C, 3, 3), G = [[1, 0, 0], [½, ½, ½], [½, −½, ½], [0, 0, 1]].
+pub fn transform_weights(weight: &[f32], c: usize, o: usize) -> Weights {
+    assert_eq!(weight.len(), o * c * 9, "winograd: weight of {} values for ({o}, {c}, 3, 3)", weight.len());
+    let (mut v, mut vt) = (vec![0.0f32; XI * c * o], vec![0.0f32; XI * c * o]);
+    for oo in 0..o {
+        for ch in 0..c {
+            let g: &[f32] = &weight[(oo * c + ch) * 9..][..9];
+            // t = G g (4×3), then G tᵀ row by row: v = t Gᵀ (4×4)
+            let col = |a: f32, b: f32, d: f32| [a, (a + b + d) * 0.5, (a - b + d) * 0.5, d];
+            let t: [[f32; 3]; 4] = {
+                let (c0, c1, c2) = (col(g[0], g[3], g[6]), col(g[1], g[4], g[7]), col(g[2], g[5], g[8]));
+                std::array::from_fn(|r| [c0[r], c1[r], c2[r]])
+            };
+            for (r, tr) in t.iter().enumerate() {
+                for (s, val) in col(tr[0], tr[1], tr[2]).into_iter().enumerate() {
+                    let xi = 4 * r + s;
+                    v[(xi * c + ch) * o + oo] = val;
+                    vt[(xi * o + oo) * c + ch] = val;
+                }
+            }
+        }
+    }
+    Weights { v, vt }
+}
+
+/// The weight's gradient (O, C, 3, 3) from dV [ξ][C][O]: Gᵀ dV G for every (o, c), the
+/// adjoint of [`transform_weights`].
+pub fn weight_grad(dv: &[f32], c: usize, o: usize) -> Vec<f32> {
+    assert_eq!(dv.len(), XI * c * o, "winograd: dV of {} values for ({c}, {o}) channels", dv.len());
+    // Gᵀ applied to a column of 4: [a + ½b + ½c, ½b − ½c, ½b + ½c + d]
+    let adj = |a: f32, b: f32, cc: f32, d: f32| [a + b * 0.5 + cc * 0.5, (b - cc) * 0.5, (b + cc) * 0.5 + d];
+    let mut dw = vec![0.0f32; o * c * 9];
+    for oo in 0..o {
+        for ch in 0..c {
+            let m = |xi: usize| dv[(xi * c + ch) * o + oo];
+            // t = Gᵀ dV (3×4), columns s: then dg = t G (3×3), rows a
+            let t: [[f32; 4]; 3] = {
+                let cols: [[f32; 3]; 4] = std::array::from_fn(|s| adj(m(s), m(4 + s), m(8 + s), m(12 + s)));
+                std::array::from_fn(|a| [cols[0][a], cols[1][a], cols[2][a], cols[3][a]])
+            };
+            for (a, ta) in t.iter().enumerate() {
+                let row = adj(ta[0], ta[1], ta[2], ta[3]);
+                dw[(oo * c + ch) * 9 + 3 * a..][..3].copy_from_slice(&row);
+            }
+        }
+    }
+    dw
+}
+
+// ---- the transforms, channels innermost --------------------------------------------
+
+/// L lanes of f32 at once: the transforms' values, a channel per lane.
+type Lanes<const L: usize> = [f32; L];
+
+#[inline(always)]
+fn load<const L: usize>(s: &[f32], at: usize) -> Lanes<L> {
+    let mut v = [0.0; L];
+    v.copy_from_slice(&s[at..at + L]);
+    v
+}
+#[inline(always)]
+fn add<const L: usize>(mut a: Lanes<L>, b: Lanes<L>) -> Lanes<L> {
+    for l in 0..L {
+        a[l] += b[l];
+    }
+    a
+}
+#[inline(always)]
+fn sub<const L: usize>(mut a: Lanes<L>, b: Lanes<L>) -> Lanes<L> {
+    for l in 0..L {
+        a[l] -= b[l];
+    }
+    a
+}
+#[inline(always)]
+fn neg<const L: usize>(mut a: Lanes<L>) -> Lanes<L> {
+    for x in &mut a {
+        *x = -*x;
+    }
+    a
+}
+
+// The transforms below build their small arrays with loops, not `std::array::from_fn`:
+// its closure does not inherit the caller's vector features, so it was not inlined into
+// the AVX2 loops (8% of a resnet8 step in calls).
+
+/// Bᵀ d B of one tile for channels ch..ch+L: d(i, j) at `d[at + i·rs + j·cs + ch]`,
+/// point ξ written at `u[ξ·us + ch]`.
+/// Bᵀ = [[1, 0, −1, 0], [0, 1, 1, 0], [0, −1, 1, 0], [0, 1, 0, −1]].
+#[inline(always)]
+fn input_lanes<const L: usize>(d: &[f32], at: usize, rs: usize, cs: usize, u: &mut [f32], us: usize) {
+    let mut t = [[[0.0; L]; 4]; 4];
+    for (j, tj) in t.iter_mut().enumerate() {
+        let x = |i: usize| load::<L>(d, at + i * rs + j * cs);
+        let (d0, d1, d2, d3) = (x(0), x(1), x(2), x(3));
+        *tj = [sub(d0, d2), add(d1, d2), sub(d2, d1), sub(d1, d3)];
+    }
+    // t[j][r] is (Bᵀ d)(r, j); now the columns
+    for r in 0..4 {
+        let (t0, t1, t2, t3) = (t[0][r], t[1][r], t[2][r], t[3][r]);
+        for (s, val) in [sub(t0, t2), add(t1, t2), sub(t2, t1), sub(t1, t3)].into_iter().enumerate() {
+            u[(4 * r + s) * us..][..L].copy_from_slice(&val);
+        }
+    }
+}
+
+/// Aᵀ m A of one tile for channels ch..ch+L: m(ξ) at `m[ξ·ms]`, the 2×2 outputs returned
+/// row-major. Aᵀ = [[1, 1, 1, 0], [0, 1, −1, −1]].
+#[inline(always)]
+fn output_lanes<const L: usize>(m: &[f32], ms: usize) -> [Lanes<L>; 4] {
+    let mut s = [[[0.0; L]; 2]; 4];
+    for (j, sj) in s.iter_mut().enumerate() {
+        let x = |r: usize| load::<L>(m, (4 * r + j) * ms);
+        let (m0, m1, m2, m3) = (x(0), x(1), x(2), x(3));
+        *sj = [add(add(m0, m1), m2), sub(sub(m1, m2), m3)];
+    }
+    let row = |p: usize| {
+        let (s0, s1, s2, s3) = (s[0][p], s[1][p], s[2][p], s[3][p]);
+        [add(add(s0, s1), s2), sub(sub(s1, s2), s3)]
+    };
+    let (r0, r1) = (row(0), row(1));
+    [r0[0], r0[1], r1[0], r1[1]]
+}
+
+/// A dy Aᵀ of one tile (the adjoint of [`output_lanes`]): dy's 2×2 row-major, point ξ
+/// written at `dm[ξ·ms]`. A = [[1, 0], [1, 1], [1, −1], [0, −1]].
+#[inline(always)]
+fn output_grad_lanes<const L: usize>(dy: [Lanes<L>; 4], dm: &mut [f32], ms: usize) {
+    let col = |a: Lanes<L>, b: Lanes<L>| [a, add(a, b), sub(a, b), neg(b)];
+    let (c0, c1) = (col(dy[0], dy[2]), col(dy[1], dy[3]));
+    for r in 0..4 {
+        for (s, val) in col(c0[r], c1[r]).into_iter().enumerate() {
+            dm[(4 * r + s) * ms..][..L].copy_from_slice(&val);
+        }
+    }
+}
+
+/// B du Bᵀ of one tile (the adjoint of [`input_lanes`]), added into the 4×4 window of
+/// `dx` at `at` (rows `rs`, columns `cs` apart): du(ξ) at `du[ξ·us]`.
+#[inline(always)]
+fn input_grad_lanes<const L: usize>(du: &[f32], us: usize, dx: &mut [f32], at: usize, rs: usize, cs: usize) {
+    // B applied to a column of 4: [a, b − c + d, −a + b + c, −d]
+    let adj = |a: Lanes<L>, b: Lanes<L>, c: Lanes<L>, d: Lanes<L>| [a, add(sub(b, c), d), add(sub(b, a), c), neg(d)];
+    let mut t = [[[0.0; L]; 4]; 4];
+    for (s, ts) in t.iter_mut().enumerate() {
+        let x = |r: usize| load::<L>(du, (4 * r + s) * us);
+        *ts = adj(x(0), x(1), x(2), x(3));
+    }
+    for i in 0..4 {
+        let row = adj(t[0][i], t[1][i], t[2][i], t[3][i]);
+        for (j, val) in row.into_iter().enumerate() {
+            let dst = &mut dx[at + i * rs + j * cs..][..L];
+            let sum = add(load::<L>(dst, 0), val);
+            dst.copy_from_slice(&sum);
+        }
+    }
+}
+
+/// Calls `f::<8>` over the channels 8 at a time, then `f::<1>` over the rest.
+macro_rules! by_lanes {
+    ($c:expr, |$ch:ident, $l:ident| $body:expr) => {{
+        let mut $ch = 0;
+        while $ch + 8 <= $c {
+            {
+                const $l: usize = 8;
+                $body;
+            }
+            $ch += 8;
+        }
+        while $ch < $c {
+            {
+                const $l: usize = 1;
+                $body;
+            }
+            $ch += 1;
+        }
+    }};
+}
+
+widest! {
+    /// U's rows `row0..` for tiles `tiles` of one padded channels-last sample `xp`
+    /// (HP, WP, C): u [ξ][row][C], ξ `us` apart.
+    fn input_transform(xp: &[f32], wp: usize, tw: usize, c: usize, tiles: Range<usize>, u: &mut [f32], us: usize, row0: usize) {
+        for (row, t) in (row0..).zip(tiles) {
+            let at = (2 * (t / tw) * wp + 2 * (t % tw)) * c;
+            by_lanes!(c, |ch, L| input_lanes::<L>(xp, at + ch, wp * c, c, &mut u[row * c + ch..], us));
+        }
+    }
+}
+
+widest! {
+    /// Outputs of tiles `tiles` of one sample into yt (OH, OW, O) from M's rows `row0..`
+    /// ([ξ][row][O], ξ `ms` apart); the outputs past OH or OW (odd sizes) are dropped.
+    fn output_transform(m: &[f32], ms: usize, row0: usize, o: usize, tw: usize, oh: usize, ow: usize, tiles: Range<usize>, yt: &mut [f32]) {
+        for (row, t) in (row0..).zip(tiles) {
+            let (y0, x0) = (2 * (t / tw), 2 * (t % tw));
+            by_lanes!(o, |ch, L| {
+                let y = output_lanes::<L>(&m[row * o + ch..], ms);
+                for (k, val) in y.iter().enumerate() {
+                    let (yy, xx) = (y0 + k / 2, x0 + k % 2);
+                    if yy < oh && xx < ow {
+                        yt[(yy * ow + xx) * o + ch..][..L].copy_from_slice(val);
+                    }
+                }
+            });
+        }
+    }
+}
+
+widest! {
+    /// dM's rows `row0..` ([ξ][row][O], ξ `ms` apart) for tiles `tiles` of one sample's
+    /// output gradient dyt (OH, OW, O), zero past OH or OW.
+    fn output_grad_transform(dyt: &[f32], o: usize, tw: usize, oh: usize, ow: usize, tiles: Range<usize>, dm: &mut [f32], ms: usize, row0: usize) {
+        for (row, t) in (row0..).zip(tiles) {
+            let (y0, x0) = (2 * (t / tw), 2 * (t % tw));
+            by_lanes!(o, |ch, L| {
+                let mut dy = [[0.0; L]; 4];
+                for (k, v) in dy.iter_mut().enumerate() {
+                    let (yy, xx) = (y0 + k / 2, x0 + k % 2);
+                    if yy < oh && xx < ow {
+                        *v = load::<L>(dyt, (yy * ow + xx) * o + ch);
+                    }
+                }
+                output_grad_lanes::<L>(dy, &mut dm[row * o + ch..], ms);
+            });
+        }
+    }
+}
+
+widest! {
+    /// Adds the input gradients of tiles `tiles` of one sample, in tile order, into its
+    /// padded channels-last dxp (HP, WP, C), from dU's rows `row0..` ([ξ][row][C]).
+    fn input_grad_transform(du: &[f32], us: usize, row0: usize, c: usize, wp: usize, tw: usize, tiles: Range<usize>, dxp: &mut [f32]) {
+        for (row, t) in (row0..).zip(tiles) {
+            let at = (2 * (t / tw) * wp + 2 * (t % tw)) * c;
+            by_lanes!(c, |ch, L| input_grad_lanes::<L>(&du[row * c + ch..], us, dxp, at + ch, wp * c, c));
+        }
+    }
+}
+
+// ---- the products ------------------------------------------------------------------
+
+/// `c (m × n, row stride crs) (+)= a · b`, with a(i, k) at `a[i·ars + k·aks]` and b(k, j)
+/// at `b[k·bks + j]`: every c(i, j) is one chain of fused multiply-adds over k in order,
+/// from 0 ([`Accumulate::Overwrite`]) or from its value ([`Accumulate::Add`]). Its bits
+/// therefore depend on neither m nor n, nor on which values are computed together, nor on
+/// the vector width: the AVX2 kernel and the portable loop agree bit for bit.
+#[allow(clippy::too_many_arguments)]
+pub fn chain_gemm(
+    (m, n, k): (usize, usize, usize),
+    a: &[f32],
+    (ars, aks): (usize, usize),
+    b: &[f32],
+    bks: usize,
+    c: &mut [f32],
+    crs: usize,
+    acc: Accumulate,
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    assert!(n <= crs || m == 1, "chain_gemm: rows of {n} values {crs} apart overlap");
+    assert!((m - 1) * crs + n <= c.len(), "chain_gemm: destination out of bounds");
+    if k > 0 {
+        assert!((m - 1) * ars + (k - 1) * aks < a.len(), "chain_gemm: lhs out of bounds");
+        assert!((k - 1) * bks + n <= b.len(), "chain_gemm: rhs out of bounds");
+    }
+    let add = acc == Accumulate::Add;
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+        // SAFETY: the processor has AVX2 and FMA (checked just above), the requirement of
+        // `chain_avx2`'s target features; every index it reads or writes was bounds-checked
+        // above (the largest of a, b and c), and `c` is borrowed mutably, apart from both.
+        unsafe { avx2::chain(m, n, k, a.as_ptr(), ars, aks, b.as_ptr(), bks, c.as_mut_ptr(), crs, add) };
+        return;
+    }
+    chain_columns(0..n, m, k, a, (ars, aks), b, bks, c, crs, add);
+}
+
+/// The portable chain for columns `cols` (the AVX2 kernel's tail too): f32::mul_add is
+/// one fused multiply-add, as the vector FMA is.
+#[allow(clippy::too_many_arguments)]
+fn chain_columns(
+    cols: Range<usize>,
+    m: usize,
+    k: usize,
+    a: &[f32],
+    (ars, aks): (usize, usize),
+    b: &[f32],
+    bks: usize,
+    c: &mut [f32],
+    crs: usize,
+    add: bool,
+) {
+    for i in 0..m {
+        for j in cols.clone() {
+            let mut s = if add { c[i * crs + j] } else { 0.0 };
+            for kk in 0..k {
+                s = a[i * ars + kk * aks].mul_add(b[kk * bks + j], s);
+            }
+            c[i * crs + j] = s;
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    /// Rows a register tile holds: MR × 16 outputs in 2·MR of the 16 registers, with
+    /// two for b's row and one for a's broadcast value.
+    const MR: usize = 6;
+
+    /// [`super::chain_gemm`] on raw pointers: 16 columns at a time (then 8, then the
+    /// portable loop), MR rows at a time (then fewer).
+    ///
+    /// # Safety
+    /// The processor has AVX2 and FMA; a, b and c cover every index the product touches
+    /// (as `chain_gemm` checks), and c does not overlap a or b.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn chain(
+        m: usize,
+        n: usize,
+        k: usize,
+        a: *const f32,
+        ars: usize,
+        aks: usize,
+        b: *const f32,
+        bks: usize,
+        c: *mut f32,
+        crs: usize,
+        add: bool,
+    ) {
+        let mut j = 0;
+        while j + 8 <= n {
+            let wide = j + 16 <= n;
+            let mut i = 0;
+            while i < m {
+                let rows = (m - i).min(MR);
+                // SAFETY: rows i..i+rows and columns j..j+8 (or 16) lie inside the product
+                // (the contract), so do these offsets.
+                let (ai, bj, cij) = unsafe { (a.add(i * ars), b.add(j), c.add(i * crs + j)) };
+                let t = Tile { k, a: ai, ars, aks, b: bj, bks, c: cij, crs, add };
+                // SAFETY: the tile's rows and columns are inside the product (the contract).
+                unsafe {
+                    match (rows, wide) {
+                        (6, true) => t.run::<6, 2>(),
+                        (5, true) => t.run::<5, 2>(),
+                        (4, true) => t.run::<4, 2>(),
+                        (3, true) => t.run::<3, 2>(),
+                        (2, true) => t.run::<2, 2>(),
+                        (1, true) => t.run::<1, 2>(),
+                        (6, false) => t.run::<6, 1>(),
+                        (5, false) => t.run::<5, 1>(),
+                        (4, false) => t.run::<4, 1>(),
+                        (3, false) => t.run::<3, 1>(),
+                        (2, false) => t.run::<2, 1>(),
+                        _ => t.run::<1, 1>(),
+                    }
+                }
+                i += rows;
+            }
+            j += if wide { 16 } else { 8 };
+        }
+        for i in 0..m {
+            for jj in j..n {
+                // SAFETY: (i, jj) and every k are inside the product (the contract).
+                unsafe {
+                    let mut s = if add { *c.add(i * crs + jj) } else { 0.0 };
+                    for kk in 0..k {
+                        s = (*a.add(i * ars + kk * aks)).mul_add(*b.add(kk * bks + jj), s);
+                    }
+                    *c.add(i * crs + jj) = s;
+                }
+            }
+        }
+    }
+
+    /// One register tile of the product: its corner in a, b and c, and the strides.
+    struct Tile {
+        k: usize,
+        a: *const f32,
+        ars: usize,
+        aks: usize,
+        b: *const f32,
+        bks: usize,
+        c: *mut f32,
+        crs: usize,
+        add: bool,
+    }
+
+    impl Tile {
+        /// R rows × 8·V columns of c, each one FMA chain over k in order.
+        ///
+        /// # Safety
+        /// The processor has AVX2 and FMA; the R rows and 8·V columns from the corner, and
+        /// a's and b's values for them over k, are inside the product.
+        #[inline]
+        #[target_feature(enable = "avx2,fma")]
+        unsafe fn run<const R: usize, const V: usize>(&self) {
+            let mut acc = [[_mm256_setzero_ps(); V]; R];
+            if self.add {
+                for (r, row) in acc.iter_mut().enumerate() {
+                    for (v, x) in row.iter_mut().enumerate() {
+                        // SAFETY: c's row r, columns 8v..8v+8, are in the tile.
+                        *x = unsafe { _mm256_loadu_ps(self.c.add(r * self.crs + 8 * v)) };
+                    }
+                }
+            }
+            let mut bv = [_mm256_setzero_ps(); V];
+            for kk in 0..self.k {
+                for (v, x) in bv.iter_mut().enumerate() {
+                    // SAFETY: b's row kk, columns 8v..8v+8, are in the tile.
+                    *x = unsafe { _mm256_loadu_ps(self.b.add(kk * self.bks + 8 * v)) };
+                }
+                for (r, row) in acc.iter_mut().enumerate() {
+                    // SAFETY: a(r, kk) is in the tile.
+                    let ar = unsafe { _mm256_broadcast_ss(&*self.a.add(r * self.ars + kk * self.aks)) };
+                    for (x, &bb) in row.iter_mut().zip(&bv) {
+                        *x = _mm256_fmadd_ps(ar, bb, *x);
+                    }
+                }
+            }
+            for (r, row) in acc.iter().enumerate() {
+                for (v, x) in row.iter().enumerate() {
+                    // SAFETY: c's row r, columns 8v..8v+8, are in the tile.
+                    unsafe { _mm256_storeu_ps(self.c.add(r * self.crs + 8 * v), *x) };
+                }
+            }
+        }
+    }
+}
+
+// ---- a group of samples ------------------------------------------------------------
+
+/// Sample s of a group's NCHW buffer, into its padded channels-last place `xp`.
+fn pad_sample(x: &[f32], g: &Geom, hwc: &mut [f32], xp: &mut [f32]) {
+    let (_, wp) = g.padded();
+    let hw = &mut hwc[..g.c * g.h * g.w];
+    transpose(x, g.c, g.h * g.w, hw);
+    xp.fill(0.0);
+    for (yy, row) in hw.chunks_exact(g.w * g.c).enumerate() {
+        xp[((yy + g.pad_top) * wp + g.pad_left) * g.c..][..g.w * g.c].copy_from_slice(row);
+    }
+}
+
+/// y for a group: x (G, C, H, W) → y (G, O, OH, OW), by pieces of [`tiling`].
+pub fn forward_group(g: &Geom, wt: &Weights, x: &[f32], y: &mut [f32], s: &mut Scratch) {
+    let (per_in, per_out, tiles) = (g.c * g.h * g.w, g.o * g.oh * g.ow, g.tiles());
+    let n = x.len() / per_in;
+    assert_eq!(y.len(), n * per_out, "winograd: output of {} values for {n} samples", y.len());
+    let t = tiling(g);
+    let (pl, rows) = (g.padded_len(), t.samples * t.band);
+    s.xp.resize(t.samples * pl, 0.0);
+    s.u.resize(XI * rows * g.c, 0.0);
+    s.m.resize(XI * rows * g.o, 0.0);
+    s.yt.resize(t.samples * per_out, 0.0);
+    s.hwc.resize(per_in.max(per_out), 0.0);
+    let (_, wp) = g.padded();
+    for first in (0..n).step_by(t.samples) {
+        let chunk = first..(first + t.samples).min(n);
+        for band in bands(t, tiles) {
+            let r = chunk.len() * band.len();
+            let (us, ms) = (r * g.c, r * g.o);
+            for (k, sample) in chunk.clone().enumerate() {
+                let xp = &mut s.xp[k * pl..(k + 1) * pl];
+                if band.start == 0 {
+                    pad_sample(&x[sample * per_in..][..per_in], g, &mut s.hwc, xp);
+                }
+                input_transform(xp, wp, g.tiles_wide(), g.c, band.clone(), &mut s.u, us, k * band.len());
+            }
+            for xi in 0..XI {
+                let (u, v) = (&s.u[xi * us..], &wt.v[xi * g.c * g.o..]);
+                chain_gemm((r, g.o, g.c), u, (g.c, 1), v, g.o, &mut s.m[xi * ms..], g.o, Accumulate::Overwrite);
+            }
+            for k in 0..chunk.len() {
+                let yt = &mut s.yt[k * per_out..(k + 1) * per_out];
+                let tw = g.tiles_wide();
+                output_transform(&s.m, ms, k * band.len(), g.o, tw, g.oh, g.ow, band.clone(), yt);
+            }
+        }
+        for (k, sample) in chunk.enumerate() {
+            transpose(&s.yt[k * per_out..(k + 1) * per_out], g.oh * g.ow, g.o, &mut y[sample * per_out..][..per_out]);
+        }
+    }
+}
+
+/// The backward of a group: dy (G, O, OH, OW) with the forward's x (G, C, H, W) →
+/// the group's weight gradient (O, C, 3, 3), and dx (G, C, H, W) where asked (written).
+pub fn backward_group(
+    g: &Geom,
+    wt: &Weights,
+    x: &[f32],
+    dy: &[f32],
+    mut dx: Option<&mut [f32]>,
+    s: &mut Scratch,
+) -> Vec<f32> {
+    let (per_in, per_out, tiles) = (g.c * g.h * g.w, g.o * g.oh * g.ow, g.tiles());
+    let n = x.len() / per_in;
+    assert_eq!(dy.len(), n * per_out, "winograd: output gradient of {} values for {n} samples", dy.len());
+    let t = tiling(g);
+    let (pl, rows) = (g.padded_len(), t.samples * t.band);
+    s.xp.resize(t.samples * pl, 0.0);
+    s.dxp.resize(if dx.is_some() { t.samples * pl } else { 0 }, 0.0);
+    s.u.resize(XI * rows * g.c, 0.0);
+    s.m.resize(XI * rows * g.o, 0.0);
+    s.yt.resize(t.samples * per_out, 0.0);
+    s.hwc.resize(per_in.max(per_out), 0.0);
+    let (hp, wp) = g.padded();
+    let tw = g.tiles_wide();
+    let mut dv = vec![0.0f32; XI * g.c * g.o];
+    for first in (0..n).step_by(t.samples) {
+        let chunk = first..(first + t.samples).min(n);
+        for band in bands(t, tiles) {
+            let r = chunk.len() * band.len();
+            let (us, ms) = (r * g.c, r * g.o);
+            for (k, sample) in chunk.clone().enumerate() {
+                let (xp, yt) = (&mut s.xp[k * pl..(k + 1) * pl], &mut s.yt[k * per_out..(k + 1) * per_out]);
+                if band.start == 0 {
+                    pad_sample(&x[sample * per_in..][..per_in], g, &mut s.hwc, xp);
+                    transpose(&dy[sample * per_out..][..per_out], g.o, g.oh * g.ow, yt);
+                    if dx.is_some() {
+                        s.dxp[k * pl..(k + 1) * pl].fill(0.0);
+                    }
+                }
+                let row0 = k * band.len();
+                input_transform(xp, wp, tw, g.c, band.clone(), &mut s.u, us, row0);
+                output_grad_transform(yt, g.o, tw, g.oh, g.ow, band.clone(), &mut s.m, ms, row0);
+            }
+            for xi in 0..XI {
+                // dV[ξ] (C, O) += U[ξ]ᵀ (C, r) · dM[ξ] (r, O)
+                let (u, dm) = (&s.u[xi * us..], &s.m[xi * ms..]);
+                let dvx = &mut dv[xi * g.c * g.o..][..g.c * g.o];
+                chain_gemm((g.c, g.o, r), u, (1, g.c), dm, g.o, dvx, g.o, Accumulate::Add);
+            }
+            if dx.is_none() {
+                continue;
+            }
+            for xi in 0..XI {
+                // dU[ξ] (r, C) = dM[ξ] (r, O) · V[ξ]ᵀ (O, C), over U (no longer needed)
+                let (dm, vt) = (&s.m[xi * ms..], &wt.vt[xi * g.c * g.o..]);
+                chain_gemm((r, g.c, g.o), dm, (g.o, 1), vt, g.c, &mut s.u[xi * us..], g.c, Accumulate::Overwrite);
+            }
+            for k in 0..chunk.len() {
+                let dxp = &mut s.dxp[k * pl..(k + 1) * pl];
+                input_grad_transform(&s.u, us, k * band.len(), g.c, wp, tw, band.clone(), dxp);
+            }
+        }
+        if let Some(dx) = dx.as_deref_mut() {
+            for (k, sample) in chunk.enumerate() {
+                let (dxp, hw) = (&s.dxp[k * pl..(k + 1) * pl], &mut s.hwc[..per_in]);
+                debug_assert!(g.pad_top + g.h <= hp);
+                for (yy, row) in hw.chunks_exact_mut(g.w * g.c).enumerate() {
+                    row.copy_from_slice(&dxp[((yy + g.pad_top) * wp + g.pad_left) * g.c..][..g.w * g.c]);
+                }
+                transpose(hw, g.h * g.w, g.c, &mut dx[sample * per_in..][..per_in]);
+            }
+        }
+    }
+    weight_grad(&dv, g.c, g.o)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rand(seed: u64, len: usize) -> Vec<f32> {
+        let mut r = crate::rng::SplitMix64::new(seed);
+        (0..len).map(|_| r.next_f32() - 0.5).collect()
+    }
+
+    /// The direct convolution in f64: y, dx and dweight of (x, w, dy), the reference.
+    fn direct(g: &Geom, n: usize, x: &[f32], w: &[f32], dy: &[f32]) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+        let (c, o) = (g.c, g.o);
+        let mut y = vec![0.0f64; n * o * g.oh * g.ow];
+        let mut dx = vec![0.0f64; x.len()];
+        let mut dw = vec![0.0f64; w.len()];
+        for s in 0..n {
+            for oo in 0..o {
+                for yy in 0..g.oh {
+                    for xx in 0..g.ow {
+                        let yi = ((s * o + oo) * g.oh + yy) * g.ow + xx;
+                        for ch in 0..c {
+                            for i in 0..3 {
+                                for j in 0..3 {
+                                    let (iy, ix) = (
+                                        (yy + i) as isize - g.pad_top as isize,
+                                        (xx + j) as isize - g.pad_left as isize,
+                                    );
+                                    if iy < 0 || ix < 0 || iy >= g.h as isize || ix >= g.w as isize {
+                                        continue;
+                                    }
+                                    let xi = ((s * c + ch) * g.h + iy as usize) * g.w + ix as usize;
+                                    let wi = ((oo * c + ch) * 3 + i) * 3 + j;
+                                    y[yi] += x[xi] as f64 * w[wi] as f64;
+                                    dx[xi] += dy[yi] as f64 * w[wi] as f64;
+                                    dw[wi] += dy[yi] as f64 * x[xi] as f64;
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        (y, dx, dw)
+    }
+
+    fn run(g: &Geom, n: usize, x: &[f32], w: &[f32], dy: &[f32]) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+        let wt = transform_weights(w, g.c, g.o);
+        let mut y = vec![f32::NAN; n * g.o * g.oh * g.ow];
+        let mut s = Scratch::default();
+        forward_group(g, &wt, x, &mut y, &mut s);
+        let mut dx = vec![f32::NAN; x.len()];
+        let dw = backward_group(g, &wt, x, dy, Some(&mut dx), &mut s);
+        (y, dx, dw)
+    }
+
+    fn geom(c: usize, hw: (usize, usize), o: usize, pad: usize) -> Geom {
+        let (oh, ow) = (hw.0 + 2 * pad - 2, hw.1 + 2 * pad - 2);
+        Geom { c, h: hw.0, w: hw.1, o, oh, ow, pad_top: pad, pad_left: pad }
+    }
+
+    #[test]
+    fn the_three_products_are_the_direct_convolutions() {
+        // resnet8's three stride-1 shapes (a sample's tiles in bands at 28×28, several
+        // samples a piece at 7×7), odd and ragged sizes with "valid" and wider padding,
+        // channel counts off the 8 lanes. Against the direct convolution in f64: within
+        // 1e-5 of the largest magnitude of each result (sums of C·9 products of values
+        // in ±0.5, and of N·OH·OW for the weight's gradient).
+        let cases = [
+            (geom(16, (28, 28), 16, 1), 2),
+            (geom(32, (14, 14), 32, 1), 3),
+            (geom(64, (7, 7), 64, 1), 5),
+            (geom(8, (9, 6), 12, 0), 2),
+            (geom(11, (5, 7), 9, 2), 3),
+        ];
+        for (seed, (g, n)) in cases.into_iter().enumerate() {
+            let (x, w) = (rand(seed as u64, n * g.c * g.h * g.w), rand(100 + seed as u64, g.o * g.c * 9));
+            let dy = rand(200 + seed as u64, n * g.o * g.oh * g.ow);
+            let (y, dx, dw) = run(&g, n, &x, &w, &dy);
+            let (y0, dx0, dw0) = direct(&g, n, &x, &w, &dy);
+            for (what, got, want) in [("y", &y, &y0), ("dx", &dx, &dx0), ("dweight", &dw, &dw0)] {
+                let scale = want.iter().fold(1.0f64, |m, v| m.max(v.abs()));
+                let worst = got.iter().zip(want.iter()).map(|(a, b)| (*a as f64 - b).abs()).fold(0.0, f64::max);
+                assert!(worst <= 1e-5 * scale, "{g:?}: {what} off by {worst:e} (scale {scale})");
+            }
+        }
+    }
+
+    #[test]
+    fn a_sample_is_bitwise_the_same_alone_or_in_a_batch() {
+        // Each output and input gradient is a function of its own sample alone, whichever
+        // piece its tiles land in (7×7: two samples a piece; 28×28: bands of a sample).
+        for (g, n) in [(geom(64, (7, 7), 64, 1), 3), (geom(16, (28, 28), 16, 1), 2)] {
+            let (x, w) = (rand(1, n * g.c * g.h * g.w), rand(2, g.o * g.c * 9));
+            let dy = rand(3, n * g.o * g.oh * g.ow);
+            let (y, dx, _) = run(&g, n, &x, &w, &dy);
+            let (pi, po) = (g.c * g.h * g.w, g.o * g.oh * g.ow);
+            for s in 0..n {
+                let (y1, dx1, _) = run(&g, 1, &x[s * pi..][..pi], &w, &dy[s * po..][..po]);
+                assert!(y1.iter().zip(&y[s * po..]).all(|(a, b)| a.to_bits() == b.to_bits()), "{g:?} y of {s}");
+                assert!(dx1.iter().zip(&dx[s * pi..]).all(|(a, b)| a.to_bits() == b.to_bits()), "{g:?} dx of {s}");
+            }
+        }
+    }
+
+    #[test]
+    fn the_vector_kernel_and_the_portable_chain_agree_bit_for_bit() {
+        // Every row count 1..=13 (two register tiles and the shorter ones) and column counts
+        // around the 16- and 8-wide tiles, both accumulations, strided operands.
+        for (m, n, k) in [(13, 40, 37), (7, 16, 64), (6, 8, 1), (1, 7, 5), (12, 25, 16), (5, 3, 0)] {
+            for acc in [Accumulate::Overwrite, Accumulate::Add] {
+                let a = rand(m as u64, m * k * 2 + 1);
+                let b = rand(n as u64 + 50, k * (n + 3) + 1);
+                let c0 = rand(7, m * (n + 2));
+                let mut fast = c0.clone();
+                chain_gemm((m, n, k), &a, (1, 2 * m.max(1)), &b, n + 3, &mut fast, n + 2, acc);
+                let mut slow = c0.clone();
+                chain_columns(0..n, m, k, &a, (1, 2 * m.max(1)), &b, n + 3, &mut slow, n + 2, acc == Accumulate::Add);
+                assert!(fast.iter().zip(&slow).all(|(p, q)| p.to_bits() == q.to_bits()), "{m}×{n}×{k} {acc:?}");
+                // and the values between the rows are untouched
+                for i in 0..m {
+                    assert_eq!(
+                        fast[i * (n + 2) + n..][..2.min(fast.len() - i * (n + 2) - n)],
+                        c0[i * (n + 2) + n..][..2.min(fast.len() - i * (n + 2) - n)]
+                    );
+                }
+            }
+        }
+    }
+}
