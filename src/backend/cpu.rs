@@ -273,44 +273,149 @@ const TILE: usize = 16;
 /// a whole row, which for the convolutions' (C, H·W) planes and attention's weights lands
 /// in a few of L1's sets and thrashes (the transposes took 13% of a `resnet8` step and 3%
 /// of a GPT pass, 3–4 ns a value). Here 16 × 16 tiles are transposed in registers where
-/// the processor has AVX-512F (16 loads, 64 shuffles, 16 stores), and through a local
-/// tile elsewhere and on the edges.
+/// the processor has AVX-512F (16 loads, 64 shuffles, 16 stores), 8 × 8 tiles where it
+/// has AVX2, and the rest (other processors, the edges) through a local tile.
 pub fn transpose(src: &[f32], rows: usize, cols: usize, dst: &mut [f32]) {
     assert_eq!(src.len(), rows * cols, "transpose: {} values for a {rows}×{cols} source", src.len());
     assert_eq!(dst.len(), rows * cols, "transpose: {} values for a {cols}×{rows} destination", dst.len());
-    let (full_r, full_c) = (rows - rows % TILE, cols - cols % TILE);
-    let mut done = (0, 0);
-    #[cfg(target_arch = "x86_64")]
-    if full_r > 0 && full_c > 0 && std::arch::is_x86_feature_detected!("avx512f") {
-        for r0 in (0..full_r).step_by(TILE) {
-            for c0 in (0..full_c).step_by(TILE) {
-                // SAFETY: the processor has AVX-512F (checked above). The tile's 16 rows
-                // of 16 values start at src[(r0 + i)·cols + c0] and dst[(c0 + j)·rows + r0]
-                // for i, j < 16, with r0 + 16 ≤ rows and c0 + 16 ≤ cols: inside the two
-                // slices, whose lengths are rows·cols (asserted above); `dst` is borrowed
-                // mutably, so the two cannot overlap.
-                unsafe {
-                    transpose_tile_avx512(
-                        src.as_ptr().add(r0 * cols + c0),
-                        cols,
-                        dst.as_mut_ptr().add(c0 * rows + r0),
-                        rows,
-                    )
-                }
+    transpose_by(Registers::widest(), View { rows, cols, src_rs: cols, dst_rs: rows }, src, dst)
+}
+
+/// [`transpose`] between strided views: source row i at `src[i·src_rs..][..cols]`,
+/// destination row j (source column j) at `dst[j·dst_rs..][..rows]`; what lies between
+/// the destination's rows is left as it was. For a convolution's sample moved into or out
+/// of a padded channels-last buffer one image row at a time.
+pub fn transpose_strided(src: &[f32], src_rs: usize, rows: usize, cols: usize, dst: &mut [f32], dst_rs: usize) {
+    if rows == 0 || cols == 0 {
+        return;
+    }
+    assert!(cols <= src_rs && (rows - 1) * src_rs + cols <= src.len(), "transpose: source view out of bounds");
+    assert!(rows <= dst_rs && (cols - 1) * dst_rs + rows <= dst.len(), "transpose: destination view out of bounds");
+    transpose_by(Registers::widest(), View { rows, cols, src_rs, dst_rs }, src, dst)
+}
+
+/// The shape of a transpose: `rows × cols` read with rows `src_rs` apart, written as
+/// `cols × rows` with rows `dst_rs` apart (bounds checked by the callers).
+#[derive(Clone, Copy, Debug)]
+struct View {
+    rows: usize,
+    cols: usize,
+    src_rs: usize,
+    dst_rs: usize,
+}
+
+/// The register tiles a [`transpose`] moves its values through.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Registers {
+    /// 16 × 16 in AVX-512 registers.
+    Avx512,
+    /// 8 × 8 in AVX2 registers.
+    Avx2,
+    /// None: a local tile, value by value.
+    Local,
+}
+
+impl Registers {
+    fn widest() -> Registers {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                return Registers::Avx512;
+            }
+            if std::arch::is_x86_feature_detected!("avx2") {
+                return Registers::Avx2;
             }
         }
-        done = (full_r, full_c);
+        Registers::Local
+    }
+
+    /// The side of the register tile (the rest goes through the local one).
+    fn side(self) -> usize {
+        match self {
+            Registers::Avx512 => 16,
+            Registers::Avx2 => 8,
+            Registers::Local => 0,
+        }
+    }
+}
+
+/// A transpose of a bounds-checked view through the given registers, which the processor
+/// must have.
+fn transpose_by(regs: Registers, v: View, src: &[f32], dst: &mut [f32]) {
+    let View { rows, cols, src_rs, dst_rs } = v;
+    let side = regs.side();
+    let (full_r, full_c) = if side == 0 { (0, 0) } else { (rows - rows % side, cols - cols % side) };
+    #[cfg(target_arch = "x86_64")]
+    for r0 in (0..full_r).step_by(side.max(1)) {
+        for c0 in (0..full_c).step_by(side.max(1)) {
+            // The tile's rows start at src[(r0 + i)·src_rs + c0] and dst[(c0 + j)·dst_rs + r0]
+            // for i, j < side, with r0 + side ≤ rows and c0 + side ≤ cols: inside the two
+            // views, which the callers checked; `dst` is borrowed mutably, so the two cannot
+            // overlap.
+            let (s, d) = (src[r0 * src_rs + c0..].as_ptr(), dst[c0 * dst_rs + r0..].as_mut_ptr());
+            match regs {
+                // SAFETY: the tile is inside both views (above); the caller's choice of
+                // registers is one the processor has (`Registers::widest`, or the test's).
+                Registers::Avx512 => unsafe { transpose_tile_avx512(s, src_rs, d, dst_rs) },
+                // SAFETY: as above, for AVX2.
+                Registers::Avx2 => unsafe { transpose_tile_avx2(s, src_rs, d, dst_rs) },
+                Registers::Local => unreachable!("no register tile"),
+            }
+        }
     }
     // What the registers did not: everything, or the right strip and the bottom strip.
-    transpose_tiles(src, rows, cols, dst, 0..done.0, done.1..cols);
-    transpose_tiles(src, rows, cols, dst, done.0..rows, 0..cols);
+    transpose_tiles(v, src, dst, 0..full_r, full_c..cols);
+    transpose_tiles(v, src, dst, full_r..rows, 0..cols);
+}
+
+/// One 8 × 8 tile: row i of `src` (8 values, rows `src_rs` apart) becomes column i of
+/// `dst` (rows `dst_rs` apart). Each register is loaded as two 4-value halves, rows i and
+/// i + 4 (the lane crossing done by the loads, which cost AMD's Zen 1 nothing, where
+/// `vperm2f128` costs 8 µops), then each 128-bit lane is transposed as 4 × 4 (unpack,
+/// shuffle).
+///
+/// # Safety
+/// The processor has AVX2; `src + i·src_rs .. + 8` is readable and
+/// `dst + j·dst_rs .. + 8` writable for i, j < 8, and the two do not overlap.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn transpose_tile_avx2(src: *const f32, src_rs: usize, dst: *mut f32, dst_rs: usize) {
+    use std::arch::x86_64::*;
+    // r[h·4 + i]: lane 0 the half h of row i, lane 1 the half h of row i + 4.
+    let mut r = [_mm256_setzero_ps(); 8];
+    for h in 0..2 {
+        for i in 0..4 {
+            // SAFETY: rows i and i + 4, values 4h..4h+4, are readable (the contract).
+            r[4 * h + i] = unsafe {
+                let lo = _mm_loadu_ps(src.add(i * src_rs + 4 * h));
+                let hi = _mm_loadu_ps(src.add((i + 4) * src_rs + 4 * h));
+                _mm256_insertf128_ps::<1>(_mm256_castps128_ps256(lo), hi)
+            };
+        }
+    }
+    // Each 128-bit lane of r[4h..4h+4] is a 4 × 4 block: transposed, its row j is
+    // column 4h + j of the source, rows 0–3 in lane 0 and 4–7 in lane 1.
+    for h in 0..2 {
+        let (a, b, c, d) = (r[4 * h], r[4 * h + 1], r[4 * h + 2], r[4 * h + 3]);
+        let (ab_lo, ab_hi) = (_mm256_unpacklo_ps(a, b), _mm256_unpackhi_ps(a, b));
+        let (cd_lo, cd_hi) = (_mm256_unpacklo_ps(c, d), _mm256_unpackhi_ps(c, d));
+        let out = [
+            _mm256_shuffle_ps::<0x44>(ab_lo, cd_lo),
+            _mm256_shuffle_ps::<0xEE>(ab_lo, cd_lo),
+            _mm256_shuffle_ps::<0x44>(ab_hi, cd_hi),
+            _mm256_shuffle_ps::<0xEE>(ab_hi, cd_hi),
+        ];
+        for (j, v) in out.into_iter().enumerate() {
+            // SAFETY: row 4h + j of the destination tile is writable (the contract).
+            unsafe { _mm256_storeu_ps(dst.add((4 * h + j) * dst_rs), v) };
+        }
+    }
 }
 
 /// The part `r_range` × `c_range` of [`transpose`], a tile at a time through a local copy.
 fn transpose_tiles(
+    v: View,
     src: &[f32],
-    rows: usize,
-    cols: usize,
     dst: &mut [f32],
     r_range: std::ops::Range<usize>,
     c_range: std::ops::Range<usize>,
@@ -321,10 +426,10 @@ fn transpose_tiles(
         for c0 in c_range.clone().step_by(TILE) {
             let wd = TILE.min(c_range.end - c0);
             for (i, t) in tile.iter_mut().enumerate().take(h) {
-                t[..wd].copy_from_slice(&src[(r0 + i) * cols + c0..][..wd]);
+                t[..wd].copy_from_slice(&src[(r0 + i) * v.src_rs + c0..][..wd]);
             }
             for j in 0..wd {
-                let out = &mut dst[(c0 + j) * rows + r0..][..h];
+                let out = &mut dst[(c0 + j) * v.dst_rs + r0..][..h];
                 for (i, d) in out.iter_mut().enumerate() {
                     *d = tile[i][j];
                 }
@@ -510,9 +615,9 @@ mod tests {
     use super::*;
 
     /// Every shape the layers transpose (the convolutions' (C, H·W) planes both ways,
-    /// attention's weights) and ragged ones, through `transpose` and through the tiles
-    /// alone (the path of processors without AVX-512F, and of the edges), each written
-    /// between guard bands that must come out untouched.
+    /// attention's weights) and ragged ones, through every register tile this processor
+    /// has and through the local tile alone (the path of other processors, and of the
+    /// edges), each written between guard bands that must come out untouched.
     #[test]
     fn transpose_moves_every_value_and_nothing_else() {
         const GUARD: usize = 37;
@@ -520,22 +625,52 @@ mod tests {
         let more = [(384, 128), (128, 512), (17, 33), (33, 17), (1, 5), (40, 16), (16, 16), (31, 47), (0, 5)];
         for (rows, cols) in shapes.into_iter().chain(more) {
             let src: Vec<f32> = (0..rows * cols).map(|i| i as f32 + 0.5).collect();
-            for tiles_only in [false, true] {
+            let mut paths = vec![Registers::Local];
+            #[cfg(target_arch = "x86_64")]
+            {
+                if std::arch::is_x86_feature_detected!("avx2") {
+                    paths.push(Registers::Avx2);
+                }
+                if std::arch::is_x86_feature_detected!("avx512f") {
+                    paths.push(Registers::Avx512);
+                }
+            }
+            for regs in paths {
                 let mut buf = vec![f32::NAN; rows * cols + 2 * GUARD];
                 let dst = &mut buf[GUARD..GUARD + rows * cols];
-                if tiles_only {
-                    transpose_tiles(&src, rows, cols, dst, 0..rows, 0..cols);
-                } else {
-                    transpose(&src, rows, cols, dst);
-                }
+                transpose_by(regs, View { rows, cols, src_rs: cols, dst_rs: rows }, &src, dst);
                 for r in 0..rows {
                     for c in 0..cols {
                         let got = buf[GUARD + c * rows + r];
-                        assert_eq!(got, src[r * cols + c], "{rows}×{cols} ({tiles_only}) at ({r}, {c})");
+                        assert_eq!(got, src[r * cols + c], "{rows}×{cols} ({regs:?}) at ({r}, {c})");
                     }
                 }
                 let guards = buf[..GUARD].iter().chain(&buf[GUARD + rows * cols..]);
                 assert!(guards.into_iter().all(|v| v.is_nan()), "{rows}×{cols}: a write outside the destination");
+            }
+        }
+    }
+
+    /// Strided views, as the Winograd convolution takes an image row into its padded
+    /// channels-last sample ((C, W) out of (C, H·W) into (W, C) rows of a wider buffer)
+    /// and back: every value lands where it belongs, and the values between the
+    /// destination's rows and around the views are untouched.
+    #[test]
+    fn transpose_strided_moves_a_view_and_leaves_the_rest() {
+        for (rows, cols, src_rs, dst_rs) in
+            [(16, 28, 784, 16), (28, 16, 16, 784), (64, 7, 49, 70), (7, 64, 70, 49), (9, 9, 9, 9), (3, 5, 6, 4)]
+        {
+            let src: Vec<f32> = (0..(rows - 1) * src_rs + cols).map(|i| i as f32).collect();
+            let len = (cols - 1) * dst_rs + rows;
+            let mut dst = vec![f32::NAN; len + 5];
+            transpose_strided(&src, src_rs, rows, cols, &mut dst[..len], dst_rs);
+            for (at, v) in dst.iter().enumerate() {
+                let (j, i) = (at / dst_rs, at % dst_rs);
+                if at < len && i < rows {
+                    assert_eq!(*v, src[i * src_rs + j], "{rows}×{cols}: ({i}, {j})");
+                } else {
+                    assert!(v.is_nan(), "{rows}×{cols}: a write at {at}, outside the view");
+                }
             }
         }
     }

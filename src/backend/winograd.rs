@@ -27,7 +27,7 @@
 
 use std::ops::Range;
 
-use super::cpu::{transpose, Accumulate};
+use super::cpu::{transpose, transpose_strided, Accumulate};
 use super::simd::widest;
 
 /// Points of a transformed tile (4×4).
@@ -116,8 +116,6 @@ pub struct Scratch {
     m: Vec<f32>,
     /// A piece's outputs or output gradients channels-last: samples × (OH, OW, O).
     yt: Vec<f32>,
-    /// One sample channels-last (H, W, C), on its way into or out of the padding.
-    hwc: Vec<f32>,
     /// Backward: a piece's input gradients, padded channels-last: samples × (HP, WP, C).
     dxp: Vec<f32>,
 }
@@ -127,7 +125,7 @@ pub struct Scratch {
 pub fn scratch_floats(g: &Geom) -> usize {
     let t = tiling(g);
     let rows = t.samples * t.band;
-    2 * t.samples * g.padded_len() + XI * rows * (g.c + g.o) + t.samples * g.oh * g.ow * g.o + g.c * g.h * g.w
+    2 * t.samples * g.padded_len() + XI * rows * (g.c + g.o) + t.samples * g.oh * g.ow * g.o
 }
 
 /// The f32s the weight's transforms take beside the layer (V and Vᵀ, once a pass) and a
@@ -138,6 +136,7 @@ pub fn weight_floats(g: &Geom) -> usize {
 
 /// The weight transformed for the products: V as [ξ][C][O] (forward) and as [ξ][O][C]
 /// (the input's gradient), each 4×4 block G g Gᵀ.
+#[derive(Clone, Debug)]
 pub struct Weights {
     v: Vec<f32>,
     vt: Vec<f32>,
@@ -579,14 +578,29 @@ mod avx2 {
 
 // ---- a group of samples ------------------------------------------------------------
 
-/// Sample s of a group's NCHW buffer, into its padded channels-last place `xp`.
-fn pad_sample(x: &[f32], g: &Geom, hwc: &mut [f32], xp: &mut [f32]) {
-    let (_, wp) = g.padded();
-    let hw = &mut hwc[..g.c * g.h * g.w];
-    transpose(x, g.c, g.h * g.w, hw);
-    xp.fill(0.0);
-    for (yy, row) in hw.chunks_exact(g.w * g.c).enumerate() {
-        xp[((yy + g.pad_top) * wp + g.pad_left) * g.c..][..g.w * g.c].copy_from_slice(row);
+/// One sample x (C, H, W) into its padded channels-last place xp (HP, WP, C): the image
+/// rows moved in by strided transposes, the padding around them zeroed.
+fn pad_sample(x: &[f32], g: &Geom, xp: &mut [f32]) {
+    let (hp, wp) = g.padded();
+    let (c, row) = (g.c, wp * g.c);
+    xp[..g.pad_top * row].fill(0.0);
+    xp[(g.pad_top + g.h) * row..hp * row].fill(0.0);
+    for yy in 0..g.h {
+        let line = &mut xp[(g.pad_top + yy) * row..][..row];
+        line[..g.pad_left * c].fill(0.0);
+        line[(g.pad_left + g.w) * c..].fill(0.0);
+        transpose_strided(&x[yy * g.w..], g.h * g.w, c, g.w, &mut line[g.pad_left * c..][..g.w * c], c);
+    }
+    debug_assert_eq!(xp.len(), hp * wp * c);
+}
+
+/// The image of a padded channels-last dxp (HP, WP, C) into dx (C, H, W), by strided
+/// transposes (the padding's values dropped).
+fn crop_sample(dxp: &[f32], g: &Geom, dx: &mut [f32]) {
+    let (c, row) = (g.c, g.padded().1 * g.c);
+    for yy in 0..g.h {
+        let line = &dxp[(g.pad_top + yy) * row + g.pad_left * c..][..g.w * c];
+        transpose_strided(line, c, g.w, c, &mut dx[yy * g.w..], g.h * g.w);
     }
 }
 
@@ -601,7 +615,6 @@ pub fn forward_group(g: &Geom, wt: &Weights, x: &[f32], y: &mut [f32], s: &mut S
     s.u.resize(XI * rows * g.c, 0.0);
     s.m.resize(XI * rows * g.o, 0.0);
     s.yt.resize(t.samples * per_out, 0.0);
-    s.hwc.resize(per_in.max(per_out), 0.0);
     let (_, wp) = g.padded();
     for first in (0..n).step_by(t.samples) {
         let chunk = first..(first + t.samples).min(n);
@@ -611,7 +624,7 @@ pub fn forward_group(g: &Geom, wt: &Weights, x: &[f32], y: &mut [f32], s: &mut S
             for (k, sample) in chunk.clone().enumerate() {
                 let xp = &mut s.xp[k * pl..(k + 1) * pl];
                 if band.start == 0 {
-                    pad_sample(&x[sample * per_in..][..per_in], g, &mut s.hwc, xp);
+                    pad_sample(&x[sample * per_in..][..per_in], g, xp);
                 }
                 input_transform(xp, wp, g.tiles_wide(), g.c, band.clone(), &mut s.u, us, k * band.len());
             }
@@ -632,7 +645,8 @@ pub fn forward_group(g: &Geom, wt: &Weights, x: &[f32], y: &mut [f32], s: &mut S
 }
 
 /// The backward of a group: dy (G, O, OH, OW) with the forward's x (G, C, H, W) →
-/// the group's weight gradient (O, C, 3, 3), and dx (G, C, H, W) where asked (written).
+/// the group's transformed weight gradient dV [ξ][C][O] (its sum over the groups goes
+/// through [`weight_grad`] once), and dx (G, C, H, W) where asked (written).
 pub fn backward_group(
     g: &Geom,
     wt: &Weights,
@@ -651,8 +665,7 @@ pub fn backward_group(
     s.u.resize(XI * rows * g.c, 0.0);
     s.m.resize(XI * rows * g.o, 0.0);
     s.yt.resize(t.samples * per_out, 0.0);
-    s.hwc.resize(per_in.max(per_out), 0.0);
-    let (hp, wp) = g.padded();
+    let wp = g.padded().1;
     let tw = g.tiles_wide();
     let mut dv = vec![0.0f32; XI * g.c * g.o];
     for first in (0..n).step_by(t.samples) {
@@ -663,7 +676,7 @@ pub fn backward_group(
             for (k, sample) in chunk.clone().enumerate() {
                 let (xp, yt) = (&mut s.xp[k * pl..(k + 1) * pl], &mut s.yt[k * per_out..(k + 1) * per_out]);
                 if band.start == 0 {
-                    pad_sample(&x[sample * per_in..][..per_in], g, &mut s.hwc, xp);
+                    pad_sample(&x[sample * per_in..][..per_in], g, xp);
                     transpose(&dy[sample * per_out..][..per_out], g.o, g.oh * g.ow, yt);
                     if dx.is_some() {
                         s.dxp[k * pl..(k + 1) * pl].fill(0.0);
@@ -694,16 +707,11 @@ pub fn backward_group(
         }
         if let Some(dx) = dx.as_deref_mut() {
             for (k, sample) in chunk.enumerate() {
-                let (dxp, hw) = (&s.dxp[k * pl..(k + 1) * pl], &mut s.hwc[..per_in]);
-                debug_assert!(g.pad_top + g.h <= hp);
-                for (yy, row) in hw.chunks_exact_mut(g.w * g.c).enumerate() {
-                    row.copy_from_slice(&dxp[((yy + g.pad_top) * wp + g.pad_left) * g.c..][..g.w * g.c]);
-                }
-                transpose(hw, g.h * g.w, g.c, &mut dx[sample * per_in..][..per_in]);
+                crop_sample(&s.dxp[k * pl..(k + 1) * pl], g, &mut dx[sample * per_in..][..per_in]);
             }
         }
     }
-    weight_grad(&dv, g.c, g.o)
+    dv
 }
 
 #[cfg(test)]
@@ -757,8 +765,8 @@ mod tests {
         let mut s = Scratch::default();
         forward_group(g, &wt, x, &mut y, &mut s);
         let mut dx = vec![f32::NAN; x.len()];
-        let dw = backward_group(g, &wt, x, dy, Some(&mut dx), &mut s);
-        (y, dx, dw)
+        let dv = backward_group(g, &wt, x, dy, Some(&mut dx), &mut s);
+        (y, dx, weight_grad(&dv, g.c, g.o))
     }
 
     fn geom(c: usize, hw: (usize, usize), o: usize, pad: usize) -> Geom {

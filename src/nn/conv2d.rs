@@ -161,6 +161,8 @@ pub struct Conv2d {
     use_bias: bool,
     /// x: (N, C, H, W) of the training forward.
     x: Option<Tensor>,
+    /// The weight as [`Unfold::Winograd`] multiplies by, from the training forward.
+    transformed: Option<winograd::Weights>,
 }
 
 /// Work buffers lent to the convolution that runs, one per group of samples, and given
@@ -298,7 +300,8 @@ impl Job<'_> {
     }
 
     /// The group's (dweight, dbias): dweight in the layout of `weight`, or for rows its
-    /// transpose where [`dweight_transposed`], and (O, C, KH, KW) for Winograd. dout: (N, O, OH·OW);
+    /// transpose where [`dweight_transposed`], and for Winograd the transformed dV (the
+    /// groups' sum is transformed back once). dout: (N, O, OH·OW);
     /// dx_group, when given: (G, C, H, W), written (not accumulated).
     fn backward(
         &self,
@@ -437,7 +440,7 @@ impl Conv2d {
             ));
         }
         padding.check(kernel).map_err(|e| Error::config("Conv2d", e))?;
-        Ok(Conv2d { in_channels, filters, kernel, stride, padding, use_bias, x: None })
+        Ok(Conv2d { in_channels, filters, kernel, stride, padding, use_bias, x: None, transformed: None })
     }
 
     /// The sliding window: kernel, stride (the same along H and W), padding.
@@ -586,7 +589,9 @@ impl Layer for Conv2d {
         par::for_each(work, |((range, y_group), scratch)| job.forward(range, y_group, bias, scratch));
         give_back(scratch);
         let y = Tensor::from_vec_on(y, [n, o, g.oh, g.ow], x.device())?;
-        self.x = (ctx.mode == Mode::Train).then_some(x);
+        let train = ctx.mode == Mode::Train;
+        self.transformed = transformed.filter(|_| train);
+        self.x = train.then_some(x);
         Ok(y)
     }
 
@@ -613,7 +618,9 @@ impl Layer for Conv2d {
         }
         let how = unfold(&g, o);
         let weight = self.weight_for(params.get(0), &g, how);
-        let transformed = (how == Unfold::Winograd).then(|| winograd::transform_weights(params.get(0), g.c, o));
+        let kept = self.transformed.take();
+        let transformed = (how == Unfold::Winograd)
+            .then(|| kept.unwrap_or_else(|| winograd::transform_weights(params.get(0), g.c, o)));
         let job = Job { g, o, weight: &weight, xs: x.host(), unfold: how, winograd: transformed.as_ref() };
         let need_dx = input_grad == InputGrad::Needed;
         let per_in = job.per_in();
@@ -629,7 +636,11 @@ impl Layer for Conv2d {
         give_back(scratch);
         let (dws, dbs): (Vec<_>, Vec<_>) = partials.into_iter().unzip();
         match how {
-            Unfold::Columns | Unfold::Winograd => add_partials(dparams.get(0), &dws),
+            Unfold::Columns => add_partials(dparams.get(0), &dws),
+            Unfold::Winograd => {
+                let dweight = winograd::weight_grad(&sum_partials(&dws), g.c, o);
+                dparams.get(0).iter_mut().zip(&dweight).for_each(|(d, v)| *d += v);
+            }
             Unfold::Rows => {
                 add_rows_dweight(dparams.get(0), &sum_partials(&dws), &g, o);
             }
@@ -641,7 +652,7 @@ impl Layer for Conv2d {
     }
 
     fn boxed_clone(&self) -> Box<dyn Layer> {
-        Box::new(Conv2d { x: None, ..self.clone() })
+        Box::new(Conv2d { x: None, transformed: None, ..self.clone() })
     }
 
     fn describe(&self) -> String {
