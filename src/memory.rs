@@ -204,7 +204,8 @@ fn groups(batch: usize) -> u64 {
 /// which states nothing, is counted as keeping nothing); and what is alive around the
 /// layer running: its input and output (or gradient and input gradient), the widest pair
 /// of the network, and the shard's copy of its samples. Per layer and group of samples,
-/// its workspace (a convolution's weight-gradient partials).
+/// its workspace (a convolution's weight-gradient partials), and per layer what it holds
+/// whatever the batch (a Winograd convolution's transformed weight).
 pub fn shard_activations(model: &Sequential, batch: usize, threads: usize) -> u64 {
     let _ = threads; // the groups are a function of the batch alone (`backend::cpu::batch_groups`)
     let mut kept = 0u64;
@@ -213,7 +214,7 @@ pub fn shard_activations(model: &Sequential, batch: usize, threads: usize) -> u6
     for (layer, shapes) in model.layers().iter().zip(model.layer_shapes()) {
         let m = layer.memory(shapes).unwrap_or(LayerMemory::NONE);
         kept = kept.saturating_add(m.kept_per_sample);
-        workspace = workspace.saturating_add(m.per_group.saturating_mul(groups(batch)));
+        workspace = workspace.saturating_add(m.per_group.saturating_mul(groups(batch))).saturating_add(m.per_layer);
         widest = widest.max(shapes.output.numel() as u64);
     }
     let workspace = workspace.saturating_add(lent(model, batch));
@@ -222,12 +223,15 @@ pub fn shard_activations(model: &Sequential, batch: usize, threads: usize) -> u6
 }
 
 /// Bytes of an evaluation forward of `batch` samples: no caches, only the widest input
-/// and output pair, the chunk's copy of its samples, and the lent work buffers.
+/// and output pair, the chunk's copy of its samples, the lent work buffers, and the
+/// largest of what a layer holds during its own pass (`per_layer`, dropped after it).
 pub fn eval_activations(model: &Sequential, batch: usize) -> u64 {
     let widest = model.layer_shapes().iter().map(|s| s.output.numel() as u64).max().unwrap_or(0);
     let widest = widest.max(model.input_shape().numel() as u64);
     let per_sample = widest.saturating_mul(2 * F32).saturating_add(model.input_shape().numel() as u64 * F32);
-    per_sample.saturating_mul(batch as u64).saturating_add(lent(model, batch))
+    let memories = model.layers().iter().zip(model.layer_shapes()).filter_map(|(l, s)| l.memory(s));
+    let per_layer = memories.map(|m| m.per_layer).max().unwrap_or(0);
+    per_sample.saturating_mul(batch as u64).saturating_add(lent(model, batch)).saturating_add(per_layer)
 }
 
 /// The work buffers the layers borrow from a shared pool for a pass of `batch` samples:
@@ -261,7 +265,10 @@ mod tests {
         // maxpool spec: kept conv0 (784 + 21,632)·4, relu 21,632, pool 5,408·4, conv1
         // (5,408 + 7,744)·4, relu 7,744, pool 1,600·4, flatten 0, dropout 1,600·4, dense
         // 1,600·4 = 212,480; around, 2·21,632·4 + 784·4 = 176,192 (the eval figure);
-        // partials 32·9 + 64·32·9 = 18,720 weights: 463,552 B for one sample. toy: 506 and 248 B (the toy test).
+        // partials 32·9 (conv0) + 16·32·64 (conv1, 3×3 at stride 1 between 32 and 64
+        // channels: Winograd's transformed dV) = 33,056 f32 a group; conv1's transformed
+        // weight 2·16·32·64 f32 = 262,144 B once (in evaluation too): 783,040 B for one
+        // sample, 438,336 B to evaluate one. toy: 506 and 248 B (the toy test).
         let maxpool = crate::spec::model_from_spec_str(
             include_str!("../examples/mnist_convnet_maxpool.json"),
             "mnist_convnet_maxpool.json",
@@ -279,11 +286,11 @@ mod tests {
             ("convnet", 16, 6_625_024, 1_254_400),
             ("convnet", 17, 6_886_592, 1_332_800),
             ("convnet", 256, 69_401_344, 20_070_400),
-            ("maxpool", 1, 463_552, 176_192),
-            ("maxpool", 7, 3_244_864, 1_233_344),
-            ("maxpool", 16, 7_416_832, 2_819_072),
-            ("maxpool", 17, 7_805_504, 2_995_264),
-            ("maxpool", 256, 100_698_112, 45_105_152),
+            ("maxpool", 1, 783_040, 438_336),
+            ("maxpool", 7, 3_908_416, 1_495_488),
+            ("maxpool", 16, 8_596_480, 3_081_216),
+            ("maxpool", 17, 8_985_152, 3_257_408),
+            ("maxpool", 256, 101_877_760, 45_367_296),
             ("toy", 1, 506, 248),
             ("toy", 7, 3_542, 1_736),
             ("toy", 16, 8_096, 3_968),
@@ -296,11 +303,12 @@ mod tests {
         // conv1 rows, a sample and its gradient 2·12·28·28, a band of rows 72·432 (a
         // sample's 144·432 exceed 128 KiB: two bands of 72 pixels) and a sample's outputs
         // 144·24; conv2 rows, 2·24·12·12 + 36·864 + 36·32 (one sample fits): conv1's 53,376
-        // the largest, 213,504 B. maxpool: conv0 columns 2·9·676, conv1 rows 2·32·13·13 +
-        // 61·288 (two bands of 121 pixels) + 121·64 = 36,128, 144,512 B.
+        // the largest, 213,504 B. maxpool: conv0 columns 2·9·676; conv1 Winograd (6·6 = 36
+        // tiles a sample, one sample a piece, padded 14·14·32): twice the padded sample,
+        // 16·36·(32 + 64) transformed tiles and 11·11·64 outputs, 75,584 f32, 302,336 B.
         let lent = |name: &str| match name {
             "convnet" => 213_504,
-            "maxpool" => 144_512,
+            "maxpool" => 302_336,
             _ => 0,
         };
         for (name, batch, shard, eval) in pinned {

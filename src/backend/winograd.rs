@@ -128,10 +128,14 @@ pub fn scratch_floats(g: &Geom) -> usize {
     2 * t.samples * g.padded_len() + XI * rows * (g.c + g.o) + t.samples * g.oh * g.ow * g.o
 }
 
-/// The f32s the weight's transforms take beside the layer (V and Vᵀ, once a pass) and a
-/// group's transformed weight gradient dV.
+/// The f32s of the transformed weight, V and Vᵀ.
 pub fn weight_floats(g: &Geom) -> usize {
-    3 * XI * g.c * g.o
+    2 * XI * g.c * g.o
+}
+
+/// The f32s of a group's transformed weight gradient dV.
+pub fn dv_floats(g: &Geom) -> usize {
+    XI * g.c * g.o
 }
 
 /// The weight transformed for the products: V as [ξ][C][O] (forward) and as [ξ][O][C]

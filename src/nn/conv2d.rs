@@ -534,11 +534,11 @@ impl Layer for Conv2d {
         let (kkc, p, o) = (g.col_rows() as u64, g.col_cols() as u64, self.filters as u64);
         let wg = winograd_geom(&g, self.filters);
         let how = unfold(&g, self.filters);
-        // Winograd's transformed weight (V and Vᵀ, once a pass) and each group's dV are
-        // counted with the group's partial: at most what is held.
-        let per_group = match how {
-            Unfold::Winograd => weights.saturating_add(winograd::weight_floats(&wg) as u64),
-            _ => weights,
+        // Winograd: each group's partial is its transformed dV (16/9 of the weight), and
+        // the transformed weight (V and Vᵀ) is held once from the forward to the backward.
+        let (per_group, per_layer) = match how {
+            Unfold::Winograd => (winograd::dv_floats(&wg) as u64, winograd::weight_floats(&wg) as u64),
+            _ => (weights, 0),
         };
         let lent = match how {
             Unfold::Winograd => winograd::scratch_floats(&wg) as u64,
@@ -551,6 +551,7 @@ impl Layer for Conv2d {
         Some(LayerMemory {
             kept_per_sample: input.saturating_add(output).saturating_mul(F32),
             per_group: per_group.saturating_mul(F32),
+            per_layer: per_layer.saturating_mul(F32),
             lent_per_group: lent.saturating_mul(F32),
         })
     }

@@ -117,11 +117,14 @@ pub struct LayerMemory {
     /// (`conv2d`'s): a model needs its largest layer's, not their sum, in training and in
     /// evaluation alike.
     pub lent_per_group: u64,
+    /// Bytes the layer holds once a pass whatever the batch, kept from the training
+    /// forward to the backward (a Winograd convolution's transformed weight).
+    pub per_layer: u64,
 }
 
 impl LayerMemory {
     /// Nothing kept, no workspace.
-    pub const NONE: LayerMemory = LayerMemory { kept_per_sample: 0, per_group: 0, lent_per_group: 0 };
+    pub const NONE: LayerMemory = LayerMemory { kept_per_sample: 0, per_group: 0, lent_per_group: 0, per_layer: 0 };
 }
 
 /// Training or evaluation: decides BatchNorm's statistics and whether dropout drops.

@@ -338,6 +338,7 @@ impl Layer for Residual {
                 let inner = l.memory(sh)?;
                 m.kept_per_sample = m.kept_per_sample.saturating_add(inner.kept_per_sample);
                 m.per_group = m.per_group.saturating_add(inner.per_group);
+                m.per_layer = m.per_layer.saturating_add(inner.per_layer);
                 m.lent_per_group = m.lent_per_group.max(inner.lent_per_group);
             }
         }
