@@ -328,7 +328,8 @@ macro_rules! by_lanes {
 widest! {
     /// U's rows `row0..` for tiles `tiles` of one padded channels-last sample `xp`
     /// (HP, WP, C): u [ξ][row][C], ξ `us` apart.
-    fn input_transform(xp: &[f32], wp: usize, tw: usize, c: usize, tiles: Range<usize>, u: &mut [f32], us: usize, row0: usize) {
+    fn input_transform(xp: &[f32], g: Geom, tiles: Range<usize>, u: &mut [f32], us: usize, row0: usize) {
+        let (c, wp, tw) = (g.c, g.padded().1, g.tiles_wide());
         for (row, t) in (row0..).zip(tiles) {
             let at = (2 * (t / tw) * wp + 2 * (t % tw)) * c;
             by_lanes!(c, |ch, L| input_lanes::<L>(xp, at + ch, wp * c, c, &mut u[row * c + ch..], us));
@@ -339,7 +340,8 @@ widest! {
 widest! {
     /// Outputs of tiles `tiles` of one sample into yt (OH, OW, O) from M's rows `row0..`
     /// ([ξ][row][O], ξ `ms` apart); the outputs past OH or OW (odd sizes) are dropped.
-    fn output_transform(m: &[f32], ms: usize, row0: usize, o: usize, tw: usize, oh: usize, ow: usize, tiles: Range<usize>, yt: &mut [f32]) {
+    fn output_transform(m: &[f32], ms: usize, row0: usize, g: Geom, tiles: Range<usize>, yt: &mut [f32]) {
+        let (o, oh, ow, tw) = (g.o, g.oh, g.ow, g.tiles_wide());
         for (row, t) in (row0..).zip(tiles) {
             let (y0, x0) = (2 * (t / tw), 2 * (t % tw));
             by_lanes!(o, |ch, L| {
@@ -358,7 +360,8 @@ widest! {
 widest! {
     /// dM's rows `row0..` ([ξ][row][O], ξ `ms` apart) for tiles `tiles` of one sample's
     /// output gradient dyt (OH, OW, O), zero past OH or OW.
-    fn output_grad_transform(dyt: &[f32], o: usize, tw: usize, oh: usize, ow: usize, tiles: Range<usize>, dm: &mut [f32], ms: usize, row0: usize) {
+    fn output_grad_transform(dyt: &[f32], g: Geom, tiles: Range<usize>, dm: &mut [f32], ms: usize, row0: usize) {
+        let (o, oh, ow, tw) = (g.o, g.oh, g.ow, g.tiles_wide());
         for (row, t) in (row0..).zip(tiles) {
             let (y0, x0) = (2 * (t / tw), 2 * (t % tw));
             by_lanes!(o, |ch, L| {
@@ -378,7 +381,8 @@ widest! {
 widest! {
     /// Adds the input gradients of tiles `tiles` of one sample, in tile order, into its
     /// padded channels-last dxp (HP, WP, C), from dU's rows `row0..` ([ξ][row][C]).
-    fn input_grad_transform(du: &[f32], us: usize, row0: usize, c: usize, wp: usize, tw: usize, tiles: Range<usize>, dxp: &mut [f32]) {
+    fn input_grad_transform(du: &[f32], us: usize, row0: usize, g: Geom, tiles: Range<usize>, dxp: &mut [f32]) {
+        let (c, wp, tw) = (g.c, g.padded().1, g.tiles_wide());
         for (row, t) in (row0..).zip(tiles) {
             let at = (2 * (t / tw) * wp + 2 * (t % tw)) * c;
             by_lanes!(c, |ch, L| input_grad_lanes::<L>(&du[row * c + ch..], us, dxp, at + ch, wp * c, c));
@@ -619,7 +623,6 @@ pub fn forward_group(g: &Geom, wt: &Weights, x: &[f32], y: &mut [f32], s: &mut S
     s.u.resize(XI * rows * g.c, 0.0);
     s.m.resize(XI * rows * g.o, 0.0);
     s.yt.resize(t.samples * per_out, 0.0);
-    let (_, wp) = g.padded();
     for first in (0..n).step_by(t.samples) {
         let chunk = first..(first + t.samples).min(n);
         for band in bands(t, tiles) {
@@ -630,7 +633,7 @@ pub fn forward_group(g: &Geom, wt: &Weights, x: &[f32], y: &mut [f32], s: &mut S
                 if band.start == 0 {
                     pad_sample(&x[sample * per_in..][..per_in], g, xp);
                 }
-                input_transform(xp, wp, g.tiles_wide(), g.c, band.clone(), &mut s.u, us, k * band.len());
+                input_transform(xp, *g, band.clone(), &mut s.u, us, k * band.len());
             }
             for xi in 0..XI {
                 let (u, v) = (&s.u[xi * us..], &wt.v[xi * g.c * g.o..]);
@@ -638,8 +641,7 @@ pub fn forward_group(g: &Geom, wt: &Weights, x: &[f32], y: &mut [f32], s: &mut S
             }
             for k in 0..chunk.len() {
                 let yt = &mut s.yt[k * per_out..(k + 1) * per_out];
-                let tw = g.tiles_wide();
-                output_transform(&s.m, ms, k * band.len(), g.o, tw, g.oh, g.ow, band.clone(), yt);
+                output_transform(&s.m, ms, k * band.len(), *g, band.clone(), yt);
             }
         }
         for (k, sample) in chunk.enumerate() {
@@ -669,8 +671,6 @@ pub fn backward_group(
     s.u.resize(XI * rows * g.c, 0.0);
     s.m.resize(XI * rows * g.o, 0.0);
     s.yt.resize(t.samples * per_out, 0.0);
-    let wp = g.padded().1;
-    let tw = g.tiles_wide();
     let mut dv = vec![0.0f32; XI * g.c * g.o];
     for first in (0..n).step_by(t.samples) {
         let chunk = first..(first + t.samples).min(n);
@@ -687,8 +687,8 @@ pub fn backward_group(
                     }
                 }
                 let row0 = k * band.len();
-                input_transform(xp, wp, tw, g.c, band.clone(), &mut s.u, us, row0);
-                output_grad_transform(yt, g.o, tw, g.oh, g.ow, band.clone(), &mut s.m, ms, row0);
+                input_transform(xp, *g, band.clone(), &mut s.u, us, row0);
+                output_grad_transform(yt, *g, band.clone(), &mut s.m, ms, row0);
             }
             for xi in 0..XI {
                 // dV[ξ] (C, O) += U[ξ]ᵀ (C, r) · dM[ξ] (r, O)
@@ -706,7 +706,7 @@ pub fn backward_group(
             }
             for k in 0..chunk.len() {
                 let dxp = &mut s.dxp[k * pl..(k + 1) * pl];
-                input_grad_transform(&s.u, us, k * band.len(), g.c, wp, tw, band.clone(), dxp);
+                input_grad_transform(&s.u, us, k * band.len(), *g, band.clone(), dxp);
             }
         }
         if let Some(dx) = dx.as_deref_mut() {

@@ -3,13 +3,15 @@
 //! with pooling and the GPU).
 //!
 //! The batch is cut into the fixed groups of `backend::cpu::batch_groups`, which run in
-//! parallel on the device's pool; within a group, convolution is GEMM over unfolded
-//! inputs, in one of two layouts chosen from the layer's shape alone (`Unfold`):
-//! channels-first columns for a small C·KH·KW (the first layer of an image model), and
-//! channels-last rows otherwise (every kernel row of a pixel is one contiguous copy of
-//! KW·C values, and a whole group is one GEMM). Gradients of the weight and bias are
-//! summed per group and the groups added in group order, so the result is bitwise the
-//! same whatever the thread count.
+//! parallel on the device's pool; within a group, a 3×3 convolution at stride 1 between
+//! at least 8 channels runs by Winograd's F(2×2, 3×3) (`backend::winograd`, 2.25 times
+//! fewer multiply-adds), and any other is GEMM over unfolded inputs, in one of two
+//! layouts: channels-first columns for a small C·KH·KW (the first layer of an image
+//! model), and channels-last rows otherwise (every kernel row of a pixel is one contiguous
+//! copy of KW·C values, and a whole group is one GEMM). The choice (`Unfold`) is a
+//! function of the layer's shape alone. Gradients of the weight and bias are summed per
+//! group and the groups added in group order, so the result is bitwise the same whatever
+//! the thread count.
 //!
 //! Owns also its spec entry (`conv2d`), its spec form and its memory account: what it
 //! keeps for backward and the weight-gradient partials of its groups.
