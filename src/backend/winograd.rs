@@ -106,18 +106,20 @@ fn bands(t: Tiling, tiles: usize) -> impl Iterator<Item = Range<usize>> {
 }
 
 /// One group's work buffers, resized for each layer (contents overwritten before use).
-#[derive(Clone, Debug, Default)]
-pub struct Scratch {
+/// Borrowed: the convolution lends the same buffers its unfoldings use, so that a pool
+/// of them serving both kinds of layer holds the larger of each, not both.
+#[derive(Debug)]
+pub struct Scratch<'a> {
     /// A piece's samples, padded channels-last: samples × (HP, WP, C).
-    xp: Vec<f32>,
+    pub xp: &'a mut Vec<f32>,
     /// Transformed input of a piece's tiles, [ξ][row][C]; in the backward, dU after dV.
-    u: Vec<f32>,
+    pub u: &'a mut Vec<f32>,
     /// The products of a piece's tiles, [ξ][row][O]; in the backward, dM.
-    m: Vec<f32>,
+    pub m: &'a mut Vec<f32>,
     /// A piece's outputs or output gradients channels-last: samples × (OH, OW, O).
-    yt: Vec<f32>,
+    pub yt: &'a mut Vec<f32>,
     /// Backward: a piece's input gradients, padded channels-last: samples × (HP, WP, C).
-    dxp: Vec<f32>,
+    pub dxp: &'a mut Vec<f32>,
 }
 
 /// The f32s a group's [`Scratch`] holds at most (the larger of forward and backward: the
@@ -613,7 +615,7 @@ fn crop_sample(dxp: &[f32], g: &Geom, dx: &mut [f32]) {
 }
 
 /// y for a group: x (G, C, H, W) → y (G, O, OH, OW), by pieces of [`tiling`].
-pub fn forward_group(g: &Geom, wt: &Weights, x: &[f32], y: &mut [f32], s: &mut Scratch) {
+pub fn forward_group(g: &Geom, wt: &Weights, x: &[f32], y: &mut [f32], mut s: Scratch<'_>) {
     let (per_in, per_out, tiles) = (g.c * g.h * g.w, g.o * g.oh * g.ow, g.tiles());
     let n = x.len() / per_in;
     assert_eq!(y.len(), n * per_out, "winograd: output of {} values for {n} samples", y.len());
@@ -659,7 +661,7 @@ pub fn backward_group(
     x: &[f32],
     dy: &[f32],
     mut dx: Option<&mut [f32]>,
-    s: &mut Scratch,
+    mut s: Scratch<'_>,
 ) -> Vec<f32> {
     let (per_in, per_out, tiles) = (g.c * g.h * g.w, g.o * g.oh * g.ow, g.tiles());
     let n = x.len() / per_in;
@@ -766,10 +768,12 @@ mod tests {
     fn run(g: &Geom, n: usize, x: &[f32], w: &[f32], dy: &[f32]) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
         let wt = transform_weights(w, g.c, g.o);
         let mut y = vec![f32::NAN; n * g.o * g.oh * g.ow];
-        let mut s = Scratch::default();
-        forward_group(g, &wt, x, &mut y, &mut s);
+        let mut b: [Vec<f32>; 5] = Default::default();
+        let [xp, u, m, yt, dxp] = &mut b;
+        forward_group(g, &wt, x, &mut y, Scratch { xp, u, m, yt, dxp });
         let mut dx = vec![f32::NAN; x.len()];
-        let dv = backward_group(g, &wt, x, dy, Some(&mut dx), &mut s);
+        let [xp, u, m, yt, dxp] = &mut b;
+        let dv = backward_group(g, &wt, x, dy, Some(&mut dx), Scratch { xp, u, m, yt, dxp });
         (y, dx, weight_grad(&dv, g.c, g.o))
     }
 

@@ -204,8 +204,9 @@ struct Scratch {
     out: Vec<f32>,
     /// Rows, backward: one sample's input gradient, channels-last (H, W, C).
     dxt: Vec<f32>,
-    /// Winograd's buffers (the four above stay empty).
-    winograd: winograd::Scratch,
+    /// Winograd: a piece's outputs (or their gradients) channels-last; its other
+    /// buffers are the four above ([`Scratch::winograd`]).
+    yt: Vec<f32>,
 }
 
 /// The four buffers of a [`Scratch`], sized.
@@ -218,6 +219,13 @@ impl Scratch {
         self.out.resize(out, 0.0);
         self.dxt.resize(dxt, 0.0);
         (&mut self.xt, &mut self.unfolded, &mut self.out, &mut self.dxt)
+    }
+
+    /// The buffers lent to a Winograd group: the padded samples in `xt`, the transformed
+    /// tiles in `unfolded` and `out`, the padded input gradients in `dxt`.
+    fn winograd(&mut self) -> winograd::Scratch<'_> {
+        let Scratch { xt, unfolded, out, dxt, yt } = self;
+        winograd::Scratch { xp: xt, u: unfolded, m: out, yt, dxp: dxt }
     }
 }
 
@@ -251,7 +259,7 @@ impl Job<'_> {
             Unfold::Winograd => {
                 let (wg, wt) = self.winograd();
                 let xs = &self.xs[range.start * per_in..range.end * per_in];
-                winograd::forward_group(&wg, wt, xs, y_group, &mut scratch.winograd);
+                winograd::forward_group(&wg, wt, xs, y_group, scratch.winograd());
                 if let Some(b) = bias {
                     for yn in y_group.chunks_exact_mut(o * p) {
                         for (plane, &bo) in yn.chunks_exact_mut(p).zip(b) {
@@ -326,7 +334,7 @@ impl Job<'_> {
             let (wg, wt) = self.winograd();
             let xs = &self.xs[range.start * per_in..range.end * per_in];
             let dys = &ds[range.start * o * p..range.end * o * p];
-            let dw = winograd::backward_group(&wg, wt, xs, dys, dx_group, &mut scratch.winograd);
+            let dw = winograd::backward_group(&wg, wt, xs, dys, dx_group, scratch.winograd());
             return (dw, db);
         }
         let mut dw = vec![0.0f32; o * kkc];
