@@ -615,7 +615,7 @@ fn crop_sample(dxp: &[f32], g: &Geom, dx: &mut [f32]) {
 }
 
 /// y for a group: x (G, C, H, W) → y (G, O, OH, OW), by pieces of [`tiling`].
-pub fn forward_group(g: &Geom, wt: &Weights, x: &[f32], y: &mut [f32], mut s: Scratch<'_>) {
+pub fn forward_group(g: &Geom, wt: &Weights, x: &[f32], y: &mut [f32], s: Scratch<'_>) {
     let (per_in, per_out, tiles) = (g.c * g.h * g.w, g.o * g.oh * g.ow, g.tiles());
     let n = x.len() / per_in;
     assert_eq!(y.len(), n * per_out, "winograd: output of {} values for {n} samples", y.len());
@@ -635,7 +635,7 @@ pub fn forward_group(g: &Geom, wt: &Weights, x: &[f32], y: &mut [f32], mut s: Sc
                 if band.start == 0 {
                     pad_sample(&x[sample * per_in..][..per_in], g, xp);
                 }
-                input_transform(xp, *g, band.clone(), &mut s.u, us, k * band.len());
+                input_transform(xp, *g, band.clone(), s.u, us, k * band.len());
             }
             for xi in 0..XI {
                 let (u, v) = (&s.u[xi * us..], &wt.v[xi * g.c * g.o..]);
@@ -643,7 +643,7 @@ pub fn forward_group(g: &Geom, wt: &Weights, x: &[f32], y: &mut [f32], mut s: Sc
             }
             for k in 0..chunk.len() {
                 let yt = &mut s.yt[k * per_out..(k + 1) * per_out];
-                output_transform(&s.m, ms, k * band.len(), *g, band.clone(), yt);
+                output_transform(s.m, ms, k * band.len(), *g, band.clone(), yt);
             }
         }
         for (k, sample) in chunk.enumerate() {
@@ -661,7 +661,7 @@ pub fn backward_group(
     x: &[f32],
     dy: &[f32],
     mut dx: Option<&mut [f32]>,
-    mut s: Scratch<'_>,
+    s: Scratch<'_>,
 ) -> Vec<f32> {
     let (per_in, per_out, tiles) = (g.c * g.h * g.w, g.o * g.oh * g.ow, g.tiles());
     let n = x.len() / per_in;
@@ -689,8 +689,8 @@ pub fn backward_group(
                     }
                 }
                 let row0 = k * band.len();
-                input_transform(xp, *g, band.clone(), &mut s.u, us, row0);
-                output_grad_transform(yt, *g, band.clone(), &mut s.m, ms, row0);
+                input_transform(xp, *g, band.clone(), s.u, us, row0);
+                output_grad_transform(yt, *g, band.clone(), s.m, ms, row0);
             }
             for xi in 0..XI {
                 // dV[ξ] (C, O) += U[ξ]ᵀ (C, r) · dM[ξ] (r, O)
@@ -708,7 +708,7 @@ pub fn backward_group(
             }
             for k in 0..chunk.len() {
                 let dxp = &mut s.dxp[k * pl..(k + 1) * pl];
-                input_grad_transform(&s.u, us, k * band.len(), *g, band.clone(), dxp);
+                input_grad_transform(s.u, us, k * band.len(), *g, band.clone(), dxp);
             }
         }
         if let Some(dx) = dx.as_deref_mut() {
