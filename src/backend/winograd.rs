@@ -85,12 +85,12 @@ const PIECE_BUDGET: usize = 256 << 10;
 /// sample's tiles exceed the budget, one sample in bands of `band` tiles (the last band
 /// shorter). A function of the geometry alone; the bits do not depend on it anyway.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Tiling {
-    pub samples: usize,
-    pub band: usize,
+struct Tiling {
+    samples: usize,
+    band: usize,
 }
 
-pub fn tiling(g: &Geom) -> Tiling {
+fn tiling(g: &Geom) -> Tiling {
     let per_tile = XI * (g.c + g.o) * 4;
     let target = (PIECE_BUDGET / per_tile).max(16);
     let t = g.tiles();
@@ -420,15 +420,16 @@ pub fn chain_gemm(
         assert!((k - 1) * bks + n <= b.len(), "chain_gemm: rhs out of bounds");
     }
     let add = acc == Accumulate::Add;
+    let mut done = 0;
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+        let whole = avx2::Tile { k, a: a.as_ptr(), ars, aks, b: b.as_ptr(), bks, c: c.as_mut_ptr(), crs, add };
         // SAFETY: the processor has AVX2 and FMA (checked just above), the requirement of
-        // `chain_avx2`'s target features; every index it reads or writes was bounds-checked
+        // `avx2::chain`'s target features; every index it reads or writes was bounds-checked
         // above (the largest of a, b and c), and `c` is borrowed mutably, apart from both.
-        unsafe { avx2::chain(m, n, k, a.as_ptr(), ars, aks, b.as_ptr(), bks, c.as_mut_ptr(), crs, add) };
-        return;
+        done = unsafe { avx2::chain(m, n, &whole) };
     }
-    chain_columns(0..n, m, k, a, (ars, aks), b, bks, c, crs, add);
+    chain_columns(done..n, m, k, a, (ars, aks), b, bks, c, crs, add);
 }
 
 /// The portable chain for columns `cols` (the AVX2 kernel's tail too): f32::mul_add is
@@ -465,27 +466,15 @@ mod avx2 {
     /// two for b's row and one for a's broadcast value.
     const MR: usize = 6;
 
-    /// [`super::chain_gemm`] on raw pointers: 16 columns at a time (then 8, then the
-    /// portable loop), MR rows at a time (then fewer).
+    /// [`super::chain_gemm`] over the product `whole` (its corner at (0, 0)), 16 columns at
+    /// a time, then 8, MR rows at a time, then fewer; returns the first column it left to
+    /// the portable loop (the last n mod 8).
     ///
     /// # Safety
-    /// The processor has AVX2 and FMA; a, b and c cover every index the product touches
-    /// (as `chain_gemm` checks), and c does not overlap a or b.
-    #[allow(clippy::too_many_arguments)]
+    /// The processor has AVX2 and FMA; `whole`'s a, b and c cover every index of the m × n
+    /// product over its k (as `chain_gemm` checks), and c does not overlap a or b.
     #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn chain(
-        m: usize,
-        n: usize,
-        k: usize,
-        a: *const f32,
-        ars: usize,
-        aks: usize,
-        b: *const f32,
-        bks: usize,
-        c: *mut f32,
-        crs: usize,
-        add: bool,
-    ) {
+    pub(super) unsafe fn chain(m: usize, n: usize, whole: &Tile) -> usize {
         let mut j = 0;
         while j + 8 <= n {
             let wide = j + 16 <= n;
@@ -493,9 +482,8 @@ mod avx2 {
             while i < m {
                 let rows = (m - i).min(MR);
                 // SAFETY: rows i..i+rows and columns j..j+8 (or 16) lie inside the product
-                // (the contract), so do these offsets.
-                let (ai, bj, cij) = unsafe { (a.add(i * ars), b.add(j), c.add(i * crs + j)) };
-                let t = Tile { k, a: ai, ars, aks, b: bj, bks, c: cij, crs, add };
+                // (the contract), so does this corner.
+                let t = unsafe { whole.at(i, j) };
                 // SAFETY: the tile's rows and columns are inside the product (the contract).
                 unsafe {
                     match (rows, wide) {
@@ -517,34 +505,34 @@ mod avx2 {
             }
             j += if wide { 16 } else { 8 };
         }
-        for i in 0..m {
-            for jj in j..n {
-                // SAFETY: (i, jj) and every k are inside the product (the contract).
-                unsafe {
-                    let mut s = if add { *c.add(i * crs + jj) } else { 0.0 };
-                    for kk in 0..k {
-                        s = (*a.add(i * ars + kk * aks)).mul_add(*b.add(kk * bks + jj), s);
-                    }
-                    *c.add(i * crs + jj) = s;
-                }
-            }
-        }
+        j
     }
 
-    /// One register tile of the product: its corner in a, b and c, and the strides.
-    struct Tile {
-        k: usize,
-        a: *const f32,
-        ars: usize,
-        aks: usize,
-        b: *const f32,
-        bks: usize,
-        c: *mut f32,
-        crs: usize,
-        add: bool,
+    /// A product's operands from one corner on: a(i, k) at `a + i·ars + k·aks`, b(k, j) at
+    /// `b + k·bks + j`, c(i, j) at `c + i·crs + j`, over k values of the inner index.
+    pub(super) struct Tile {
+        pub(super) k: usize,
+        pub(super) a: *const f32,
+        pub(super) ars: usize,
+        pub(super) aks: usize,
+        pub(super) b: *const f32,
+        pub(super) bks: usize,
+        pub(super) c: *mut f32,
+        pub(super) crs: usize,
+        pub(super) add: bool,
     }
 
     impl Tile {
+        /// The same operands from the corner (i, j) on.
+        ///
+        /// # Safety
+        /// Row i of a and c, and column j of b and c, are inside the product.
+        unsafe fn at(&self, i: usize, j: usize) -> Tile {
+            // SAFETY: the offsets stay inside the product (the contract).
+            let (a, b, c) = unsafe { (self.a.add(i * self.ars), self.b.add(j), self.c.add(i * self.crs + j)) };
+            Tile { a, b, c, ..*self }
+        }
+
         /// R rows × 8·V columns of c, each one FMA chain over k in order.
         ///
         /// # Safety
@@ -827,6 +815,13 @@ mod tests {
     }
 
     #[test]
+    #[should_panic(expected = "chain_gemm: destination out of bounds")]
+    fn a_product_past_its_destination_is_refused() {
+        // 3 rows of 8, 8 apart, need 24 values: 23 are refused before any is written.
+        chain_gemm((3, 8, 2), &[0.0; 6], (2, 1), &[0.0; 16], 8, &mut [0.0; 23], 8, Accumulate::Overwrite);
+    }
+
+    #[test]
     fn the_vector_kernel_and_the_portable_chain_agree_bit_for_bit() {
         // Every row count 1..=13 (two register tiles and the shorter ones) and column counts
         // around the 16- and 8-wide tiles, both accumulations, strided operands.
@@ -840,12 +835,11 @@ mod tests {
                 let mut slow = c0.clone();
                 chain_columns(0..n, m, k, &a, (1, 2 * m.max(1)), &b, n + 3, &mut slow, n + 2, acc == Accumulate::Add);
                 assert!(fast.iter().zip(&slow).all(|(p, q)| p.to_bits() == q.to_bits()), "{m}×{n}×{k} {acc:?}");
-                // and the values between the rows are untouched
-                for i in 0..m {
-                    assert_eq!(
-                        fast[i * (n + 2) + n..][..2.min(fast.len() - i * (n + 2) - n)],
-                        c0[i * (n + 2) + n..][..2.min(fast.len() - i * (n + 2) - n)]
-                    );
+                // and the two values between the rows (the row stride is n + 2) are untouched
+                for (at, (f, c)) in fast.iter().zip(&c0).enumerate() {
+                    if at % (n + 2) >= n {
+                        assert_eq!(f.to_bits(), c.to_bits(), "{m}×{n}×{k}: a write at {at}, between rows");
+                    }
                 }
             }
         }

@@ -261,11 +261,7 @@ impl Job<'_> {
                 let xs = &self.xs[range.start * per_in..range.end * per_in];
                 winograd::forward_group(&wg, wt, xs, y_group, scratch.winograd());
                 if let Some(b) = bias {
-                    for yn in y_group.chunks_exact_mut(o * p) {
-                        for (plane, &bo) in yn.chunks_exact_mut(p).zip(b) {
-                            plane.iter_mut().for_each(|v| *v += bo);
-                        }
-                    }
+                    y_group.chunks_exact_mut(o * p).for_each(|yn| add_bias(yn, b, p));
                 }
             }
             Unfold::Columns => {
@@ -299,9 +295,7 @@ impl Job<'_> {
                     for (yn, on) in y_chunk.chunks_exact_mut(o * p).zip(out.chunks_exact(p * o)) {
                         hwc_to_chw(on, o, yn);
                         if let Some(b) = bias {
-                            for (plane, &bo) in yn.chunks_exact_mut(p).zip(b) {
-                                plane.iter_mut().for_each(|v| *v += bo);
-                            }
+                            add_bias(yn, b, p);
                         }
                     }
                 }
@@ -330,16 +324,14 @@ impl Job<'_> {
                 *b += plane.iter().sum::<f32>();
             }
         }
-        if self.unfold == Unfold::Winograd {
-            let (wg, wt) = self.winograd();
-            let xs = &self.xs[range.start * per_in..range.end * per_in];
-            let dys = &ds[range.start * o * p..range.end * o * p];
-            let dw = winograd::backward_group(&wg, wt, xs, dys, dx_group, scratch.winograd());
-            return (dw, db);
-        }
-        let mut dw = vec![0.0f32; o * kkc];
+        let mut dw = vec![0.0f32; if self.unfold == Unfold::Winograd { 0 } else { o * kkc }];
         match self.unfold {
-            Unfold::Winograd => unreachable!("handled above"),
+            Unfold::Winograd => {
+                let (wg, wt) = self.winograd();
+                let xs = &self.xs[range.start * per_in..range.end * per_in];
+                let dys = &ds[range.start * o * p..range.end * o * p];
+                dw = winograd::backward_group(&wg, wt, xs, dys, dx_group, scratch.winograd());
+            }
             Unfold::Columns => {
                 let need_dx = dx_group.is_some();
                 let (_, col, dcol, _) = scratch.sized(0, kkc * p, if need_dx { kkc * p } else { 0 }, 0);
@@ -417,6 +409,13 @@ impl Job<'_> {
             }
         }
         (dw, db)
+    }
+}
+
+/// Adds each output channel's bias to its plane of P values. yn: (O, P)
+fn add_bias(yn: &mut [f32], bias: &[f32], p: usize) {
+    for (plane, &bo) in yn.chunks_exact_mut(p).zip(bias) {
+        plane.iter_mut().for_each(|v| *v += bo);
     }
 }
 
