@@ -398,9 +398,30 @@ widest! {
 /// at `b[k·bks + j]`: every c(i, j) is one chain of fused multiply-adds over k in order,
 /// from 0 ([`Accumulate::Overwrite`]) or from its value ([`Accumulate::Add`]). Its bits
 /// therefore depend on neither m nor n, nor on which values are computed together, nor on
-/// the vector width: the AVX2 kernel and the portable loop agree bit for bit.
+/// the vector width: the AVX-512 and AVX2 kernels and the portable loop agree bit for bit.
 #[allow(clippy::too_many_arguments)]
 pub fn chain_gemm(
+    dims: (usize, usize, usize),
+    a: &[f32],
+    a_strides: (usize, usize),
+    b: &[f32],
+    bks: usize,
+    c: &mut [f32],
+    crs: usize,
+    acc: Accumulate,
+) {
+    // SAFETY: `detect` returns an instruction set this processor has, or none.
+    unsafe { chain_gemm_on(vector::Isa::detect(), dims, a, a_strides, b, bks, c, crs, acc == Accumulate::Add) }
+}
+
+/// [`chain_gemm`] by `isa`'s kernel (its last n mod 8 columns, or all of them without one,
+/// by the portable chain).
+///
+/// # Safety
+/// The processor has `isa`, if any.
+#[allow(clippy::too_many_arguments)]
+unsafe fn chain_gemm_on(
+    isa: Option<vector::Isa>,
     (m, n, k): (usize, usize, usize),
     a: &[f32],
     (ars, aks): (usize, usize),
@@ -408,7 +429,7 @@ pub fn chain_gemm(
     bks: usize,
     c: &mut [f32],
     crs: usize,
-    acc: Accumulate,
+    add: bool,
 ) {
     if m == 0 || n == 0 {
         return;
@@ -419,20 +440,21 @@ pub fn chain_gemm(
         assert!((m - 1) * ars + (k - 1) * aks < a.len(), "chain_gemm: lhs out of bounds");
         assert!((k - 1) * bks + n <= b.len(), "chain_gemm: rhs out of bounds");
     }
-    let add = acc == Accumulate::Add;
     let mut done = 0;
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = isa; // None: no vector kernel off x86-64
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
-        let whole = avx2::Tile { k, a: a.as_ptr(), ars, aks, b: b.as_ptr(), bks, c: c.as_mut_ptr(), crs, add };
-        // SAFETY: the processor has AVX2 and FMA (checked just above), the requirement of
-        // `avx2::chain`'s target features; every index it reads or writes was bounds-checked
-        // above (the largest of a, b and c), and `c` is borrowed mutably, apart from both.
-        done = unsafe { avx2::chain(m, n, &whole) };
+    if let Some(isa) = isa {
+        let whole = vector::Tile { k, a: a.as_ptr(), ars, aks, b: b.as_ptr(), bks, c: c.as_mut_ptr(), crs, add };
+        // SAFETY: the processor has `isa` (the contract), the requirement of its kernel's
+        // target features; every index it reads or writes was bounds-checked above (the
+        // largest of a, b and c), and `c` is borrowed mutably, apart from both.
+        done = unsafe { vector::chain(isa, m, n, &whole) };
     }
     chain_columns(done..n, m, k, a, (ars, aks), b, bks, c, crs, add);
 }
 
-/// The portable chain for columns `cols` (the AVX2 kernel's tail too): f32::mul_add is
+/// The portable chain for columns `cols` (the vector kernel's tail too): f32::mul_add is
 /// one fused multiply-add, as the vector FMA is.
 #[allow(clippy::too_many_arguments)]
 fn chain_columns(
@@ -458,55 +480,164 @@ fn chain_columns(
     }
 }
 
+/// The products' register kernel: one body over a [`vector::Register`] type, compiled
+/// for AVX-512F (zmm) and for AVX2 (ymm), each with FMA, the widest the processor has
+/// taken. A tile of R rows × NV registers of c stays in registers while k runs, and
+/// every value is one fused multiply-add per k, in order: the same chain as the portable
+/// loop's, so every width gives the same bits.
 #[cfg(target_arch = "x86_64")]
-mod avx2 {
+mod vector {
     use std::arch::x86_64::*;
 
-    /// Rows a register tile holds: MR × 16 outputs in 2·MR of the 16 registers, with
-    /// two for b's row and one for a's broadcast value.
-    const MR: usize = 6;
+    /// The vector instruction sets the kernel is compiled for.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub(super) enum Isa {
+        /// 32 zmm registers: tiles of up to 8 rows × 2 zmm (16 accumulators, two for b's
+        /// row and one for a's broadcast value), then narrower columns.
+        Avx512,
+        /// 16 ymm registers: tiles of up to 6 rows × 2 ymm (12 accumulators, two for b's
+        /// row and one for a's broadcast value).
+        Avx2,
+    }
 
-    /// [`super::chain_gemm`] over the product `whole` (its corner at (0, 0)), 16 columns at
-    /// a time, then 8, MR rows at a time, then fewer; returns the first column it left to
-    /// the portable loop (the last n mod 8).
+    impl Isa {
+        /// The widest this processor has, with FMA; None on an older one.
+        pub(super) fn detect() -> Option<Isa> {
+            use std::arch::is_x86_feature_detected as has;
+            if !has!("fma") {
+                None
+            } else if has!("avx512f") {
+                Some(Isa::Avx512)
+            } else if has!("avx2") {
+                Some(Isa::Avx2)
+            } else {
+                None
+            }
+        }
+
+        /// Every instruction set of the kernel this processor has (the tests run each).
+        #[cfg(test)]
+        pub(super) fn all_here() -> Vec<Isa> {
+            use std::arch::is_x86_feature_detected as has;
+            let fma = has!("fma");
+            [(Isa::Avx512, fma && has!("avx512f")), (Isa::Avx2, fma && has!("avx2"))]
+                .into_iter()
+                .filter_map(|(isa, here)| here.then_some(isa))
+                .collect()
+        }
+    }
+
+    /// [`super::chain_gemm`] over the product `whole` (its corner at (0, 0)) on `isa`;
+    /// returns the first column it left to the portable loop (the last n mod 8).
     ///
     /// # Safety
-    /// The processor has AVX2 and FMA; `whole`'s a, b and c cover every index of the m × n
-    /// product over its k (as `chain_gemm` checks), and c does not overlap a or b.
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn chain(m: usize, n: usize, whole: &Tile) -> usize {
-        let mut j = 0;
-        while j + 8 <= n {
-            let wide = j + 16 <= n;
-            let mut i = 0;
-            while i < m {
-                let rows = (m - i).min(MR);
-                // SAFETY: rows i..i+rows and columns j..j+8 (or 16) lie inside the product
-                // (the contract), so does this corner.
-                let t = unsafe { whole.at(i, j) };
-                // SAFETY: the tile's rows and columns are inside the product (the contract).
-                unsafe {
-                    match (rows, wide) {
-                        (6, true) => t.run::<6, 2>(),
-                        (5, true) => t.run::<5, 2>(),
-                        (4, true) => t.run::<4, 2>(),
-                        (3, true) => t.run::<3, 2>(),
-                        (2, true) => t.run::<2, 2>(),
-                        (1, true) => t.run::<1, 2>(),
-                        (6, false) => t.run::<6, 1>(),
-                        (5, false) => t.run::<5, 1>(),
-                        (4, false) => t.run::<4, 1>(),
-                        (3, false) => t.run::<3, 1>(),
-                        (2, false) => t.run::<2, 1>(),
-                        _ => t.run::<1, 1>(),
-                    }
-                }
-                i += rows;
+    /// The processor has `isa` and FMA; `whole`'s a, b and c cover every index of the
+    /// m × n product over its k (as `chain_gemm` checks), and c does not overlap a or b.
+    pub(super) unsafe fn chain(isa: Isa, m: usize, n: usize, whole: &Tile) -> usize {
+        // SAFETY: the contract, passed on.
+        unsafe {
+            match isa {
+                Isa::Avx512 => avx512(m, n, whole),
+                Isa::Avx2 => avx2(m, n, whole),
             }
-            j += if wide { 16 } else { 8 };
         }
-        j
     }
+
+    /// # Safety
+    /// As [`chain`], on a processor with AVX-512F and FMA.
+    #[target_feature(enable = "avx512f,fma")]
+    unsafe fn avx512(m: usize, n: usize, whole: &Tile) -> usize {
+        // SAFETY: the contract, passed on.
+        unsafe {
+            let j = whole.sweep::<__m512, 2, 8>(m, n, 0);
+            let j = whole.sweep::<__m512, 1, 8>(m, n, j);
+            whole.sweep::<__m256, 1, 8>(m, n, j)
+        }
+    }
+
+    /// # Safety
+    /// As [`chain`], on a processor with AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn avx2(m: usize, n: usize, whole: &Tile) -> usize {
+        // SAFETY: the contract, passed on.
+        unsafe {
+            let j = whole.sweep::<__m256, 2, 6>(m, n, 0);
+            whole.sweep::<__m256, 1, 6>(m, n, j)
+        }
+    }
+
+    /// A vector register of f32 lanes, and the operations the kernel needs of it.
+    ///
+    /// # Safety
+    /// Each method requires its type's instruction set (and FMA), and the pointers it
+    /// reads or writes to cover `LANES` values (one for `broadcast`).
+    trait Register: Copy {
+        const LANES: usize;
+        unsafe fn zero() -> Self;
+        unsafe fn load(p: *const f32) -> Self;
+        unsafe fn broadcast(p: *const f32) -> Self;
+        /// a·b + c, rounded once.
+        unsafe fn fma(a: Self, b: Self, c: Self) -> Self;
+        unsafe fn store(self, p: *mut f32);
+    }
+
+    /// `impl Register` for a register type from its intrinsics, under its target features.
+    macro_rules! register {
+        ($t:ty, $lanes:expr, $features:literal, $zero:ident, $load:ident, $set1:ident, $fma:ident, $store:ident) => {
+            impl Register for $t {
+                const LANES: usize = $lanes;
+                #[inline]
+                #[target_feature(enable = $features)]
+                unsafe fn zero() -> Self {
+                    $zero()
+                }
+                #[inline]
+                #[target_feature(enable = $features)]
+                unsafe fn load(p: *const f32) -> Self {
+                    // SAFETY: p covers LANES values (the trait's contract).
+                    unsafe { $load(p) }
+                }
+                #[inline]
+                #[target_feature(enable = $features)]
+                unsafe fn broadcast(p: *const f32) -> Self {
+                    // SAFETY: p points at a value (the trait's contract).
+                    $set1(unsafe { *p })
+                }
+                #[inline]
+                #[target_feature(enable = $features)]
+                unsafe fn fma(a: Self, b: Self, c: Self) -> Self {
+                    $fma(a, b, c)
+                }
+                #[inline]
+                #[target_feature(enable = $features)]
+                unsafe fn store(self, p: *mut f32) {
+                    // SAFETY: p covers LANES values (the trait's contract).
+                    unsafe { $store(p, self) }
+                }
+            }
+        };
+    }
+
+    register!(
+        __m256,
+        8,
+        "avx2,fma",
+        _mm256_setzero_ps,
+        _mm256_loadu_ps,
+        _mm256_set1_ps,
+        _mm256_fmadd_ps,
+        _mm256_storeu_ps
+    );
+    register!(
+        __m512,
+        16,
+        "avx512f,fma",
+        _mm512_setzero_ps,
+        _mm512_loadu_ps,
+        _mm512_set1_ps,
+        _mm512_fmadd_ps,
+        _mm512_storeu_ps
+    );
 
     /// A product's operands from one corner on: a(i, k) at `a + i·ars + k·aks`, b(k, j) at
     /// `b + k·bks + j`, c(i, j) at `c + i·crs + j`, over k values of the inner index.
@@ -527,49 +658,116 @@ mod avx2 {
         ///
         /// # Safety
         /// Row i of a and c, and column j of b and c, are inside the product.
+        #[inline(always)]
         unsafe fn at(&self, i: usize, j: usize) -> Tile {
             // SAFETY: the offsets stay inside the product (the contract).
             let (a, b, c) = unsafe { (self.a.add(i * self.ars), self.b.add(j), self.c.add(i * self.crs + j)) };
             Tile { a, b, c, ..*self }
         }
 
-        /// R rows × 8·V columns of c, each one FMA chain over k in order.
+        /// The columns from j on, NV·LANES at a time while they fit; returns the first
+        /// column left.
         ///
         /// # Safety
-        /// The processor has AVX2 and FMA; the R rows and 8·V columns from the corner, and
-        /// a's and b's values for them over k, are inside the product.
-        #[inline]
-        #[target_feature(enable = "avx2,fma")]
-        unsafe fn run<const R: usize, const V: usize>(&self) {
-            let mut acc = [[_mm256_setzero_ps(); V]; R];
-            if self.add {
-                for (r, row) in acc.iter_mut().enumerate() {
-                    for (v, x) in row.iter_mut().enumerate() {
-                        // SAFETY: c's row r, columns 8v..8v+8, are in the tile.
-                        *x = unsafe { _mm256_loadu_ps(self.c.add(r * self.crs + 8 * v)) };
+        /// The processor has V's instruction set; the product is m × n (the contract of
+        /// [`chain`]).
+        #[inline(always)]
+        unsafe fn sweep<V: Register, const NV: usize, const MR: usize>(
+            &self,
+            m: usize,
+            n: usize,
+            mut j: usize,
+        ) -> usize {
+            while j + NV * V::LANES <= n {
+                // SAFETY: columns j..j + NV·LANES are inside the product.
+                unsafe { self.columns::<V, NV, MR>(m, j) };
+                j += NV * V::LANES;
+            }
+            j
+        }
+
+        /// Columns j..j + NV·LANES of all m rows: MR rows a register tile, then the rows
+        /// left (MR ≤ 8).
+        ///
+        /// # Safety
+        /// The processor has V's instruction set; those columns are inside the product.
+        #[inline(always)]
+        unsafe fn columns<V: Register, const NV: usize, const MR: usize>(&self, m: usize, j: usize) {
+            let mut i = 0;
+            while i + MR <= m {
+                // SAFETY: rows i..i+MR and the columns lie inside the product.
+                unsafe { self.at(i, j).run::<V, MR, NV>() };
+                i += MR;
+            }
+            if i == m {
+                return;
+            }
+            // SAFETY: as above, for the 1 to MR − 1 rows left.
+            unsafe {
+                let t = self.at(i, j);
+                // (At most MR − 1 rows are left: saying so lets the compiler drop the
+                // arms a kernel with fewer rows never takes.)
+                match (m - i).min(MR - 1) {
+                    1 => t.run::<V, 1, NV>(),
+                    2 => t.run::<V, 2, NV>(),
+                    3 => t.run::<V, 3, NV>(),
+                    4 => t.run::<V, 4, NV>(),
+                    5 => t.run::<V, 5, NV>(),
+                    6 => t.run::<V, 6, NV>(),
+                    _ => t.run::<V, 7, NV>(),
+                }
+            }
+        }
+
+        /// R rows × NV registers of c, each value one FMA chain over k in order.
+        ///
+        /// # Safety
+        /// The processor has V's instruction set; the R rows and NV·LANES columns from the
+        /// corner, and a's and b's values for them over k, are inside the product.
+        #[inline(always)]
+        unsafe fn run<V: Register, const R: usize, const NV: usize>(&self) {
+            // SAFETY (the block): every pointer below stays in the tile (the contract), and
+            // the processor has V's instruction set.
+            unsafe {
+                let mut acc = [[V::zero(); NV]; R];
+                if self.add {
+                    for (r, row) in acc.iter_mut().enumerate() {
+                        for (v, x) in row.iter_mut().enumerate() {
+                            *x = V::load(self.c.add(r * self.crs + v * V::LANES));
+                        }
+                    }
+                }
+                let mut b = [V::zero(); NV];
+                for kk in 0..self.k {
+                    for (v, x) in b.iter_mut().enumerate() {
+                        *x = V::load(self.b.add(kk * self.bks + v * V::LANES));
+                    }
+                    for (r, row) in acc.iter_mut().enumerate() {
+                        let ar = V::broadcast(self.a.add(r * self.ars + kk * self.aks));
+                        for (x, &bb) in row.iter_mut().zip(&b) {
+                            *x = V::fma(ar, bb, *x);
+                        }
+                    }
+                }
+                for (r, row) in acc.iter().enumerate() {
+                    for (v, x) in row.iter().enumerate() {
+                        x.store(self.c.add(r * self.crs + v * V::LANES));
                     }
                 }
             }
-            let mut bv = [_mm256_setzero_ps(); V];
-            for kk in 0..self.k {
-                for (v, x) in bv.iter_mut().enumerate() {
-                    // SAFETY: b's row kk, columns 8v..8v+8, are in the tile.
-                    *x = unsafe { _mm256_loadu_ps(self.b.add(kk * self.bks + 8 * v)) };
-                }
-                for (r, row) in acc.iter_mut().enumerate() {
-                    // SAFETY: a(r, kk) is in the tile.
-                    let ar = unsafe { _mm256_broadcast_ss(&*self.a.add(r * self.ars + kk * self.aks)) };
-                    for (x, &bb) in row.iter_mut().zip(&bv) {
-                        *x = _mm256_fmadd_ps(ar, bb, *x);
-                    }
-                }
-            }
-            for (r, row) in acc.iter().enumerate() {
-                for (v, x) in row.iter().enumerate() {
-                    // SAFETY: c's row r, columns 8v..8v+8, are in the tile.
-                    unsafe { _mm256_storeu_ps(self.c.add(r * self.crs + 8 * v), *x) };
-                }
-            }
+        }
+    }
+}
+
+/// Off x86-64 there is no vector kernel: the portable chain computes every product.
+#[cfg(not(target_arch = "x86_64"))]
+mod vector {
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub(super) enum Isa {}
+
+    impl Isa {
+        pub(super) fn detect() -> Option<Isa> {
+            None
         }
     }
 }
@@ -822,23 +1020,28 @@ mod tests {
     }
 
     #[test]
-    fn the_vector_kernel_and_the_portable_chain_agree_bit_for_bit() {
-        // Every row count 1..=13 (two register tiles and the shorter ones) and column counts
-        // around the 16- and 8-wide tiles, both accumulations, strided operands.
-        for (m, n, k) in [(13, 40, 37), (7, 16, 64), (6, 8, 1), (1, 7, 5), (12, 25, 16), (5, 3, 0)] {
-            for acc in [Accumulate::Overwrite, Accumulate::Add] {
-                let a = rand(m as u64, m * k * 2 + 1);
-                let b = rand(n as u64 + 50, k * (n + 3) + 1);
-                let c0 = rand(7, m * (n + 2));
-                let mut fast = c0.clone();
-                chain_gemm((m, n, k), &a, (1, 2 * m.max(1)), &b, n + 3, &mut fast, n + 2, acc);
-                let mut slow = c0.clone();
-                chain_columns(0..n, m, k, &a, (1, 2 * m.max(1)), &b, n + 3, &mut slow, n + 2, acc == Accumulate::Add);
-                assert!(fast.iter().zip(&slow).all(|(p, q)| p.to_bits() == q.to_bits()), "{m}×{n}×{k} {acc:?}");
-                // and the two values between the rows (the row stride is n + 2) are untouched
-                for (at, (f, c)) in fast.iter().zip(&c0).enumerate() {
-                    if at % (n + 2) >= n {
-                        assert_eq!(f.to_bits(), c.to_bits(), "{m}×{n}×{k}: a write at {at}, between rows");
+    #[cfg(target_arch = "x86_64")]
+    fn every_vector_width_gives_the_portable_chains_bits() {
+        // Each kernel this processor has (AVX-512's 8-row tiles of 32, 16 and 8 columns,
+        // AVX2's 6-row tiles of 16 and 8), not only the widest that chain_gemm takes:
+        // every row count to 17, column counts around each tile width, both accumulations,
+        // strided operands; the values between c's rows untouched.
+        for isa in vector::Isa::all_here() {
+            for (m, n, k) in
+                [(17, 56, 9), (9, 40, 37), (8, 32, 3), (7, 24, 64), (6, 8, 1), (1, 15, 5), (12, 25, 16), (5, 3, 0)]
+            {
+                for add in [false, true] {
+                    let a = rand(m as u64, m * k * 2 + 1);
+                    let b = rand(n as u64 + 50, k * (n + 3) + 1);
+                    let c0 = rand(7, m * (n + 2));
+                    let mut fast = c0.clone();
+                    // SAFETY: `all_here` lists the instruction sets this processor has.
+                    unsafe { chain_gemm_on(Some(isa), (m, n, k), &a, (1, 2 * m), &b, n + 3, &mut fast, n + 2, add) };
+                    let mut slow = c0.clone();
+                    chain_columns(0..n, m, k, &a, (1, 2 * m), &b, n + 3, &mut slow, n + 2, add);
+                    for (at, ((f, s), c)) in fast.iter().zip(&slow).zip(&c0).enumerate() {
+                        let want = if at % (n + 2) >= n { c } else { s };
+                        assert_eq!(f.to_bits(), want.to_bits(), "{isa:?} {m}×{n}×{k} add {add}: value {at}");
                     }
                 }
             }
