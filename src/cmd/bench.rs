@@ -712,26 +712,54 @@ pub(crate) fn cmd_bench_layers(a: BenchLayersArgs) -> CliResult {
         a.model.as_str(),
         a.steps
     );
-    outln!("{:<12} {:<52} {:>10} {:>10} {:>7}", "layer", "", "fwd (ms)", "bwd (ms)", "share");
+    // A container's layers follow its row, indented a level deeper; its time includes
+    // theirs, so the shares of the network's own layers (depth 0) add up to the pass.
     let profile = model.profile();
-    for ((name, f, b), layer) in profile.iter().zip(model.layers()) {
+    let label = |r: &lockstep::nn::ProfileRow| format!("{}{}", "  ".repeat(r.depth), r.name);
+    let width = profile.iter().map(|r| label(r).chars().count()).max().unwrap_or(0).max(12);
+    outln!("{:<width$} {:<52} {:>10} {:>10} {:>7}", "layer", "", "fwd (ms)", "bwd (ms)", "share");
+    for r in &profile {
         outln!(
-            "{name:<12} {:<52} {:>10.3} {:>10.3} {:>6.1}%",
-            layer.describe(),
-            per(*f),
-            per(*b),
-            100.0 * (f.as_secs_f64() + b.as_secs_f64()) / total.as_secs_f64().max(1e-12)
+            "{:<width$} {:<52} {:>10.3} {:>10.3} {:>6.1}%",
+            label(r),
+            clipped(&r.description, 52),
+            per(r.forward),
+            per(r.backward),
+            100.0 * (r.forward + r.backward).as_secs_f64() / total.as_secs_f64().max(1e-12)
         );
     }
-    let layers: Duration = profile.iter().map(|(_, f, b)| *f + *b).sum();
-    outln!("{:<65} {:>10.3} ms (loss and the rest: {:.3} ms)", "pass", per(total), per(total.saturating_sub(layers)));
+    let layers: Duration = profile.iter().filter(|r| r.depth == 0).map(|r| r.forward + r.backward).sum();
+    outln!(
+        "{:<w$} {:>10.3} ms (loss and the rest: {:.3} ms)",
+        "pass",
+        per(total),
+        per(total.saturating_sub(layers)),
+        w = width + 53
+    );
     outln!("{:.0} samples/s on this pass alone", batch_size as f64 * a.steps as f64 / total.as_secs_f64().max(1e-12));
     Ok(())
+}
+
+/// `text` cut to `width` characters, its last one `…` where it was longer (a residual
+/// block describes all its layers; they have rows of their own).
+fn clipped(text: &str, width: usize) -> String {
+    match text.char_indices().nth(width.saturating_sub(1)) {
+        Some((at, _)) if text.chars().count() > width => format!("{}…", &text[..at]),
+        _ => text.to_string(),
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_long_description_is_clipped_to_its_column() {
+        assert_eq!(clipped("Conv2d(16, 3x3)", 52), "Conv2d(16, 3x3)");
+        assert_eq!(clipped("abcdef", 6), "abcdef");
+        assert_eq!(clipped("abcdefg", 6), "abcde…");
+        assert_eq!(clipped("ξξξξξξξ", 4).chars().count(), 4);
+    }
 
     /// Runs `python3 scripts/bench_tables.py KIND FILE` on `table`: Ok(its line of figures),
     /// Err(its message) when it refuses the table. None, after a loud line, when there is

@@ -367,6 +367,17 @@ pub trait Layer: Send {
         Vec::new()
     }
 
+    /// For a container: starts (or restarts) timing the layers inside it, as
+    /// [`Sequential::start_profile`] does its own. Default: nothing inside.
+    fn start_profile(&mut self) {}
+
+    /// For a container: the timings of the layers inside it since [`Layer::start_profile`],
+    /// named within the container (a residual block's `conv1`, `short.0`), each row's own
+    /// inner rows after it. Default: none.
+    fn profile(&self) -> Vec<ProfileRow> {
+        Vec::new()
+    }
+
     /// The layer's GPU form (its launches and what it keeps on the device), built for
     /// each GPU replica; the GPU network dispatches through it. Default: none (the layer
     /// runs on CPU devices only, and a GPU run names it). Only with the `cuda` feature.
@@ -374,6 +385,21 @@ pub trait Layer: Send {
     fn gpu(&self) -> Option<Box<dyn gpu::GpuLayer>> {
         None
     }
+}
+
+/// One layer's time in the passes since profiling started ([`Sequential::profile`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ProfileRow {
+    /// Its name in the network, dotted below a container (`blocks.0.conv1`).
+    pub name: String,
+    /// [`Layer::describe`].
+    pub description: String,
+    /// 0 for the network's own layers, 1 for a container's, and so on.
+    pub depth: usize,
+    /// Its forward's time, summed over the passes (a container's includes its layers').
+    pub forward: std::time::Duration,
+    /// Its backward's time, likewise.
+    pub backward: std::time::Duration,
 }
 
 /// For the crate's tests: a layer of a user's own, with a CPU implementation (the

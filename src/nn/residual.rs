@@ -35,8 +35,8 @@ use super::gpu::{Backward, Forward, GpuLayer, Node};
 use super::sequential::batched;
 use super::spec_entry::{layers_to_spec, Activation, Build, LayerType};
 use super::{
-    Ctx, InputGrad, Layer, LayerMemory, LayerShapes, NamedLayer, ParamSpec, Params, ParamsMut, Place, Relu, Sequential,
-    F32,
+    Ctx, InputGrad, Layer, LayerMemory, LayerShapes, NamedLayer, ParamSpec, Params, ParamsMut, Place, ProfileRow, Relu,
+    Sequential, F32,
 };
 use crate::backend::simd::widest;
 #[cfg(feature = "cuda")]
@@ -300,6 +300,15 @@ impl Layer for Residual {
             }
             _ => None,
         })
+    }
+
+    fn start_profile(&mut self) {
+        self.body.start_profile();
+        self.shortcut.iter_mut().for_each(Sequential::start_profile);
+    }
+
+    fn profile(&self) -> Vec<ProfileRow> {
+        self.branches().flat_map(|(_, s)| s.profile()).collect()
     }
 
     fn boxed_clone(&self) -> Box<dyn Layer> {
@@ -678,16 +687,23 @@ mod tests {
         );
     }
 
+    /// A model of `blocks` copies of the spec's example block (input (2, 6, 6)), its
+    /// initial tensors and a training context.
+    fn spec_example(blocks: usize) -> (Sequential, crate::nn::ParamStore, Ctx<'static>) {
+        let (input, layer) = Residual::SPEC.example;
+        let layers = vec![layer; blocks].join(", ");
+        let text = format!(r#"{{"input_shape": {input:?}, "layers": [{layers}]}}"#);
+        let model = crate::spec::model_from_spec_str(&text, "example").unwrap();
+        let store = model.init(1);
+        (model, store, Ctx::train(0, 0, 0, crate::tensor::Device::Cpu(0)))
+    }
+
     #[test]
     fn the_spec_example_runs_forward_and_backward() {
         // Its body's BatchNorm is followed by layers without tensors and its shortcut has
         // no buffers: their spans must index the block's shorter slices.
-        let (input, layer) = Residual::SPEC.example;
-        let text = format!(r#"{{"input_shape": {input:?}, "layers": [{layer}]}}"#);
-        let mut model = crate::spec::model_from_spec_str(&text, "example").unwrap();
-        let mut store = model.init(1);
+        let (mut model, mut store, ctx) = spec_example(1);
         let x = Tensor::from_vec((0..2 * 72).map(|i| (i % 7) as f32 - 3.0).collect(), [2, 2, 6, 6]).unwrap();
-        let ctx = Ctx::train(0, 0, 0, crate::tensor::Device::Cpu(0));
         let y = model.forward(x, &store.params, &mut store.buffers, &ctx).unwrap();
         assert_eq!(y.shape().dims(), &[2, 3, 3, 3]);
         let mut grads = vec![0.0; model.params_len()];
@@ -695,6 +711,35 @@ mod tests {
         let dx = model.backward_input(dy, &store.params, &mut grads, &ctx).unwrap();
         assert_eq!(dx.shape().dims(), &[2, 2, 6, 6]);
         assert!(grads.iter().any(|&g| g != 0.0) && dx.host().iter().all(|v| v.is_finite()));
+    }
+
+    #[test]
+    fn a_profile_lists_the_blocks_layers_under_it() {
+        let (mut model, mut store, ctx) = spec_example(2);
+        assert!(model.profile().is_empty(), "profiling is off until started");
+        model.start_profile();
+        for _ in 0..2 {
+            let x = Tensor::from_vec((0..2 * 72).map(|i| (i % 5) as f32).collect(), [2, 2, 6, 6]).unwrap();
+            let y = model.forward(x, &store.params, &mut store.buffers, &ctx).unwrap();
+            let dy = Tensor::from_vec(vec![1.0; y.numel()], y.shape().clone()).unwrap();
+            model.backward_input(dy, &store.params, &mut vec![0.0; model.params_len()], &ctx).unwrap();
+        }
+        let rows = model.profile();
+        let block = &model.layers()[0];
+        let inner: Vec<String> = block.profile().iter().map(|r| format!("residual0.{}", r.name)).collect();
+        let names: Vec<(&str, usize)> = rows.iter().map(|r| (r.name.as_str(), r.depth)).collect();
+        let mut want = vec![("residual0", 0)];
+        want.extend(inner.iter().map(|n| (n.as_str(), 1)));
+        assert_eq!(&names[..want.len()], &want[..]);
+        assert!(inner.iter().any(|n| n.contains(".shortcut.")), "the shortcut's layers too: {inner:?}");
+        assert_eq!(rows.iter().filter(|r| r.depth == 0).count(), 2, "{names:?}");
+        // A block's time encloses its layers' (nested intervals of one clock), and each
+        // layer ran in both passes.
+        let (top, below) = (&rows[0], &rows[1..want.len()]);
+        assert!(below.iter().all(|r| r.forward > std::time::Duration::ZERO && r.backward > std::time::Duration::ZERO));
+        assert!(top.forward >= below.iter().map(|r| r.forward).sum());
+        assert!(top.backward >= below.iter().map(|r| r.backward).sum());
+        assert_eq!(top.description, block.describe());
     }
 
     #[test]

@@ -26,7 +26,7 @@
 use std::collections::HashMap;
 use std::ops::Range;
 
-use super::{Ctx, Init, InputGrad, Layer, Mode, Params, ParamsMut};
+use super::{Ctx, Init, InputGrad, Layer, Mode, Params, ParamsMut, ProfileRow};
 use crate::error::{Error, Result};
 use crate::rng::{derive_key, purpose, SplitMix64};
 use crate::tensor::{Shape, Tensor};
@@ -468,15 +468,28 @@ impl Sequential {
         Ok(d)
     }
 
-    /// Starts (or restarts) timing every layer's forward and backward.
+    /// Starts (or restarts) timing every layer's forward and backward, inside containers
+    /// too.
     pub fn start_profile(&mut self) {
         self.profile = Some(vec![Default::default(); self.layers.len()]);
+        self.layers.iter_mut().for_each(|l| l.start_profile());
     }
 
-    /// Per layer: (name, forward time, backward time) accumulated since
-    /// [`Sequential::start_profile`]; empty when profiling is off.
-    pub fn profile(&self) -> Vec<(String, std::time::Duration, std::time::Duration)> {
-        self.profile.iter().flatten().zip(&self.names).map(|(&(f, b), n)| (n.clone(), f, b)).collect()
+    /// The time of every layer since [`Sequential::start_profile`], in forward order, each
+    /// container's layers after its own row (a level deeper, named below it); empty when
+    /// profiling is off.
+    pub fn profile(&self) -> Vec<ProfileRow> {
+        let mut rows = Vec::new();
+        let layers = self.layers.iter().zip(&self.names);
+        for (&(forward, backward), (layer, name)) in self.profile.iter().flatten().zip(layers) {
+            rows.push(ProfileRow { name: name.clone(), description: layer.describe(), depth: 0, forward, backward });
+            rows.extend(layer.profile().into_iter().map(|r| ProfileRow {
+                name: format!("{name}.{}", r.name),
+                depth: r.depth + 1,
+                ..r
+            }));
+        }
+        rows
     }
 
     /// A one-line-per-layer summary: name, description, output shape, parameter count.
