@@ -578,6 +578,34 @@ pub fn batch_groups(n: usize) -> Vec<std::ops::Range<usize>> {
     (0..g).map(|i| (i * n / g)..((i + 1) * n / g)).filter(|r| !r.is_empty()).collect()
 }
 
+/// How a group's samples are cut into pieces of at most `budget` bytes of work buffer, so
+/// that what a piece writes is still in the core's L2 cache when the next stage reads it:
+/// `samples` whole samples at a time, or, where one sample is larger than the budget, one
+/// sample in bands of `band` units (output pixels, tiles; the last band shorter). A
+/// function of the shapes alone, like everything that orders a sum here.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Pieces {
+    pub samples: usize,
+    pub band: usize,
+}
+
+impl Pieces {
+    /// For samples of `units` units of `unit_bytes` each, within `budget` bytes.
+    pub fn fit(units: usize, unit_bytes: usize, budget: usize) -> Pieces {
+        let per_sample = units * unit_bytes;
+        if per_sample <= budget {
+            Pieces { samples: budget / per_sample.max(1), band: units }
+        } else {
+            Pieces { samples: 1, band: units.div_ceil(per_sample.div_ceil(budget)) }
+        }
+    }
+
+    /// A sample's bands of its `units`: 0..band, band..2·band, …, up to `units`.
+    pub fn bands(self, units: usize) -> impl Iterator<Item = std::ops::Range<usize>> {
+        (0..units).step_by(self.band.max(1)).map(move |b| b..(b + self.band).min(units))
+    }
+}
+
 /// Splits `buf` ((n·per) values, sample after sample) into the slices of the
 /// [`batch_groups`] of `n`, so that each group can be written by its own task.
 pub fn split_by_groups(buf: &mut [f32], n: usize, per: usize) -> Vec<&mut [f32]> {

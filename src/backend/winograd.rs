@@ -27,7 +27,7 @@
 
 use std::ops::Range;
 
-use super::cpu::{transpose, transpose_strided, Accumulate};
+use super::cpu::{transpose, transpose_strided, Accumulate, Pieces};
 use super::simd::widest;
 
 /// Points of a transformed tile (4×4).
@@ -81,28 +81,11 @@ impl Geom {
 /// products read them back from the core's L2 cache.
 const PIECE_BUDGET: usize = 256 << 10;
 
-/// How a group is cut into pieces: `samples` whole samples at a time, or, where one
-/// sample's tiles exceed the budget, one sample in bands of `band` tiles (the last band
-/// shorter). A function of the geometry alone; the bits do not depend on it anyway.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct Tiling {
-    samples: usize,
-    band: usize,
-}
-
-fn tiling(g: &Geom) -> Tiling {
+/// How a group is cut into [`Pieces`] of tiles: within [`PIECE_BUDGET`], or 16 tiles where
+/// a tile's U and M alone exceed a 16th of it. The bits do not depend on it anyway.
+fn tiling(g: &Geom) -> Pieces {
     let per_tile = XI * (g.c + g.o) * 4;
-    let target = (PIECE_BUDGET / per_tile).max(16);
-    let t = g.tiles();
-    if t <= target {
-        Tiling { samples: (target / t).max(1), band: t }
-    } else {
-        Tiling { samples: 1, band: t.div_ceil(t.div_ceil(target)) }
-    }
-}
-
-fn bands(t: Tiling, tiles: usize) -> impl Iterator<Item = Range<usize>> {
-    (0..tiles).step_by(t.band.max(1)).map(move |b| b..(b + t.band).min(tiles))
+    Pieces::fit(g.tiles(), per_tile, PIECE_BUDGET.max(16 * per_tile))
 }
 
 /// One group's work buffers, resized for each layer (contents overwritten before use).
@@ -401,27 +384,6 @@ widest! {
 /// the vector width: the AVX-512 and AVX2 kernels and the portable loop agree bit for bit.
 #[allow(clippy::too_many_arguments)]
 pub fn chain_gemm(
-    dims: (usize, usize, usize),
-    a: &[f32],
-    a_strides: (usize, usize),
-    b: &[f32],
-    bks: usize,
-    c: &mut [f32],
-    crs: usize,
-    acc: Accumulate,
-) {
-    // SAFETY: `detect` returns an instruction set this processor has, or none.
-    unsafe { chain_gemm_on(vector::Isa::detect(), dims, a, a_strides, b, bks, c, crs, acc == Accumulate::Add) }
-}
-
-/// [`chain_gemm`] by `isa`'s kernel (its last n mod 8 columns, or all of them without one,
-/// by the portable chain).
-///
-/// # Safety
-/// The processor has `isa`, if any.
-#[allow(clippy::too_many_arguments)]
-unsafe fn chain_gemm_on(
-    isa: Option<vector::Isa>,
     (m, n, k): (usize, usize, usize),
     a: &[f32],
     (ars, aks): (usize, usize),
@@ -429,8 +391,36 @@ unsafe fn chain_gemm_on(
     bks: usize,
     c: &mut [f32],
     crs: usize,
-    add: bool,
+    acc: Accumulate,
 ) {
+    let p = Operands { m, n, k, a, ars, aks, b, bks, crs, add: acc == Accumulate::Add };
+    // SAFETY: `detect` returns an instruction set this processor has, or none.
+    unsafe { chain_gemm_on(vector::Isa::detect(), &p, c) }
+}
+
+/// The operands of a [`chain_gemm`] but its destination: m × n over k, a(i, k) at
+/// `a[i·ars + k·aks]`, b(k, j) at `b[k·bks + j]`, c's rows `crs` apart, added to or not.
+#[derive(Clone, Copy)]
+struct Operands<'a> {
+    m: usize,
+    n: usize,
+    k: usize,
+    a: &'a [f32],
+    ars: usize,
+    aks: usize,
+    b: &'a [f32],
+    bks: usize,
+    crs: usize,
+    add: bool,
+}
+
+/// [`chain_gemm`] by `isa`'s kernel (its last n mod 8 columns, or all of them without one,
+/// by the portable chain).
+///
+/// # Safety
+/// The processor has `isa`, if any.
+unsafe fn chain_gemm_on(isa: Option<vector::Isa>, p: &Operands, c: &mut [f32]) {
+    let Operands { m, n, k, a, ars, aks, b, bks, crs, add } = *p;
     if m == 0 || n == 0 {
         return;
     }
@@ -451,24 +441,13 @@ unsafe fn chain_gemm_on(
         // largest of a, b and c), and `c` is borrowed mutably, apart from both.
         done = unsafe { vector::chain(isa, m, n, &whole) };
     }
-    chain_columns(done..n, m, k, a, (ars, aks), b, bks, c, crs, add);
+    chain_columns(done..n, p, c);
 }
 
 /// The portable chain for columns `cols` (the vector kernel's tail too): f32::mul_add is
 /// one fused multiply-add, as the vector FMA is.
-#[allow(clippy::too_many_arguments)]
-fn chain_columns(
-    cols: Range<usize>,
-    m: usize,
-    k: usize,
-    a: &[f32],
-    (ars, aks): (usize, usize),
-    b: &[f32],
-    bks: usize,
-    c: &mut [f32],
-    crs: usize,
-    add: bool,
-) {
+fn chain_columns(cols: Range<usize>, p: &Operands, c: &mut [f32]) {
+    let Operands { m, k, a, ars, aks, b, bks, crs, add, .. } = *p;
     for i in 0..m {
         for j in cols.clone() {
             let mut s = if add { c[i * crs + j] } else { 0.0 };
@@ -813,7 +792,7 @@ pub fn forward_group(g: &Geom, wt: &Weights, x: &[f32], y: &mut [f32], s: Scratc
     s.yt.resize(t.samples * per_out, 0.0);
     for first in (0..n).step_by(t.samples) {
         let chunk = first..(first + t.samples).min(n);
-        for band in bands(t, tiles) {
+        for band in t.bands(tiles) {
             let r = chunk.len() * band.len();
             let (us, ms) = (r * g.c, r * g.o);
             for (k, sample) in chunk.clone().enumerate() {
@@ -862,7 +841,7 @@ pub fn backward_group(
     let mut dv = vec![0.0f32; XI * g.c * g.o];
     for first in (0..n).step_by(t.samples) {
         let chunk = first..(first + t.samples).min(n);
-        for band in bands(t, tiles) {
+        for band in t.bands(tiles) {
             let r = chunk.len() * band.len();
             let (us, ms) = (r * g.c, r * g.o);
             for (k, sample) in chunk.clone().enumerate() {
@@ -1035,10 +1014,11 @@ mod tests {
                     let b = rand(n as u64 + 50, k * (n + 3) + 1);
                     let c0 = rand(7, m * (n + 2));
                     let mut fast = c0.clone();
+                    let p = Operands { m, n, k, a: &a, ars: 1, aks: 2 * m, b: &b, bks: n + 3, crs: n + 2, add };
                     // SAFETY: `all_here` lists the instruction sets this processor has.
-                    unsafe { chain_gemm_on(Some(isa), (m, n, k), &a, (1, 2 * m), &b, n + 3, &mut fast, n + 2, add) };
+                    unsafe { chain_gemm_on(Some(isa), &p, &mut fast) };
                     let mut slow = c0.clone();
-                    chain_columns(0..n, m, k, &a, (1, 2 * m), &b, n + 3, &mut slow, n + 2, add);
+                    chain_columns(0..n, &p, &mut slow);
                     for (at, ((f, s), c)) in fast.iter().zip(&slow).zip(&c0).enumerate() {
                         let want = if at % (n + 2) >= n { c } else { s };
                         assert_eq!(f.to_bits(), want.to_bits(), "{isa:?} {m}×{n}×{k} add {add}: value {at}");

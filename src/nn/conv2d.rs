@@ -33,7 +33,7 @@ use super::spec_entry::{expect_images, Build, LayerType};
 use super::{Ctx, Init, InputGrad, Layer, LayerMemory, LayerShapes, Mode, ParamSpec, Params, ParamsMut, F32};
 use crate::backend::cpu::{
     add_partials, batch_groups, chw_to_hwc, col2im, gemm_with, hwc_to_chw, im2col, im2row, row2im, split_by_groups,
-    sum_partials, Accumulate, Im2colGeom, Mat, Threads,
+    sum_partials, Accumulate, Im2colGeom, Mat, Pieces, Threads,
 };
 use crate::backend::par;
 use crate::backend::winograd;
@@ -101,28 +101,11 @@ fn add_rows_dweight(dweight: &mut [f32], grad: &[f32], g: &Im2colGeom, o: usize)
 /// one Zen 5 core, im2row wrote a 441 KB sample at 38 GB/s and a 110 KB one at 86).
 const ROWS_BUDGET: usize = 128 << 10;
 
-/// How [`Unfold::Rows`] cuts a group: `samples` whole samples at a time, their rows stacked
-/// into one GEMM, or, where one sample's rows exceed [`ROWS_BUDGET`], one sample at a time
-/// in bands of `band` output pixels (the last band shorter). A function of the geometry
-/// alone, like everything that orders a sum here.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct RowsTiling {
-    samples: usize,
-    band: usize,
-}
-
-fn rows_tiling(g: &Im2colGeom) -> RowsTiling {
-    let (p, per_sample) = (g.col_cols(), g.col_rows() * g.col_cols() * 4);
-    if per_sample <= ROWS_BUDGET {
-        RowsTiling { samples: ROWS_BUDGET / per_sample.max(1), band: p }
-    } else {
-        RowsTiling { samples: 1, band: p.div_ceil(per_sample.div_ceil(ROWS_BUDGET)) }
-    }
-}
-
-/// The bands of output pixels of a tiling: 0..band, band..2·band, …, up to P.
-fn bands(t: RowsTiling, p: usize) -> impl Iterator<Item = Range<usize>> {
-    (0..p).step_by(t.band.max(1)).map(move |b| b..(b + t.band).min(p))
+/// How [`Unfold::Rows`] cuts a group ([`Pieces`] of [`ROWS_BUDGET`]): several samples'
+/// rows stacked into one GEMM, or one sample in bands of output pixels. The bands order
+/// the weight gradient's sums, so this is a function of the geometry alone.
+fn rows_tiling(g: &Im2colGeom) -> Pieces {
+    Pieces::fit(g.col_cols(), g.col_rows() * 4, ROWS_BUDGET)
 }
 
 /// The weight from (O, C, KH·KW) to channels-last (KH·KW, C, O), i.e. a
@@ -196,7 +179,7 @@ pub fn release_scratch() {
 struct Scratch {
     /// Rows: one sample, channels-last (H, W, C).
     xt: Vec<f32>,
-    /// Rows: a piece's rows ([`RowsTiling`]: samples × band pixels, KH·KW·C). Columns: one
+    /// Rows: a piece's rows ([`rows_tiling`]: samples × band pixels, KH·KW·C). Columns: one
     /// sample's columns.
     unfolded: Vec<f32>,
     /// Rows: the chunk's output or output gradient, channels-last (samples·OH·OW, O).
@@ -279,7 +262,7 @@ impl Job<'_> {
                 for (chunk, y_chunk) in samples.chunks(t.samples).zip(y_group.chunks_mut(t.samples * o * p)) {
                     let cs = chunk.len();
                     // Several samples: one band, all their pixels; one sample: its bands.
-                    for band in bands(t, p) {
+                    for band in t.bands(p) {
                         let bp = band.len();
                         for (k, &s) in chunk.iter().enumerate() {
                             if band.start == 0 {
@@ -368,7 +351,7 @@ impl Job<'_> {
                         chw_to_hwc(dout(s), o, &mut dout_t[k * p * o..(k + 1) * p * o]);
                     }
                     // As the forward: several samples in one band, or one sample in bands.
-                    for band in bands(t, p) {
+                    for band in t.bands(p) {
                         let bp = band.len();
                         for (k, &s) in chunk.iter().enumerate() {
                             let rows_k = &mut rows[k * bp * kkc..(k + 1) * bp * kkc];
@@ -536,7 +519,7 @@ impl Layer for Conv2d {
         let (input, output) = (shapes.input.numel() as u64, shapes.output.numel() as u64);
         // The lent buffers (`Scratch`), the larger of the forward's and the backward's:
         // Rows: a sample channels-last (and in the backward its gradient), a piece's rows
-        // and its chunk's outputs ([`RowsTiling`]);
+        // and its chunk's outputs ([`rows_tiling`]);
         // Columns: one sample's columns and (backward) their gradient.
         let one: Vec<usize> = std::iter::once(1).chain(shapes.input.dims().iter().copied()).collect();
         let (_, g) = self.geometry(&Shape::new(one)).ok()?;
@@ -790,8 +773,8 @@ mod tests {
         // within 1e-5 relative (absolute below 1).
         let g = Im2colGeom { c: 16, h: 28, w: 28, kh: 3, kw: 3, stride: 1, pad_top: 1, pad_left: 1, oh: 28, ow: 28 };
         let (t, p) = (rows_tiling(&g), g.col_cols());
-        assert!(t.samples == 1 && t.band < p && bands(t, p).count() == 4, "{t:?}");
-        assert_eq!(bands(t, p).map(|b| b.len()).sum::<usize>(), p);
+        assert!(t.samples == 1 && t.band < p && t.bands(p).count() == 4, "{t:?}");
+        assert_eq!(t.bands(p).map(|b| b.len()).sum::<usize>(), p);
         for o in [16, 64] {
             assert_eq!(dweight_transposed(&g, o), o == 16);
             for (what, cols, rows) in both_ways(g, 2, o, 7) {
