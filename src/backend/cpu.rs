@@ -274,34 +274,135 @@ const TILE: usize = 16;
 /// in a few of L1's sets and thrashes (the transposes took 13% of a `resnet8` step and 3%
 /// of a GPT pass, 3–4 ns a value). Here 16 × 16 tiles are transposed in registers where
 /// the processor has AVX-512F (16 loads, 64 shuffles, 16 stores), 8 × 8 tiles where it
-/// has AVX2, and the rest (other processors, the edges) through a local tile.
+/// has AVX2, and the rest (other processors, the edges) value by value, a 16 × 16 block
+/// at a time.
 pub fn transpose(src: &[f32], rows: usize, cols: usize, dst: &mut [f32]) {
     assert_eq!(src.len(), rows * cols, "transpose: {} values for a {rows}×{cols} source", src.len());
     assert_eq!(dst.len(), rows * cols, "transpose: {} values for a {cols}×{rows} destination", dst.len());
-    transpose_by(Registers::widest(), View { rows, cols, src_rs: cols, dst_rs: rows }, src, dst)
+    transpose_by(Registers::widest(), View { rows, cols, src: Rows::Every(cols), dst: Rows::Every(rows) }, src, dst)
 }
 
-/// [`transpose`] between strided views: source row i at `src[i·src_rs..][..cols]`,
-/// destination row j (source column j) at `dst[j·dst_rs..][..rows]`; what lies between
-/// the destination's rows is left as it was. For a convolution's sample moved into or out
-/// of a padded channels-last buffer one image row at a time.
-pub fn transpose_strided(src: &[f32], src_rs: usize, rows: usize, cols: usize, dst: &mut [f32], dst_rs: usize) {
-    if rows == 0 || cols == 0 {
-        return;
+/// An image's place in a padded channels-last buffer: pixel (y, x) of an image `w`
+/// pixels wide at row `top + y`, column `left + x` of rows `wp` pixels wide, its `c`
+/// values together.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Padded {
+    pub w: usize,
+    pub wp: usize,
+    pub top: usize,
+    pub left: usize,
+    pub c: usize,
+}
+
+impl Padded {
+    /// Where pixel p (row-major in the image) starts; increasing in p, as `left + w ≤ wp`.
+    #[inline(always)]
+    fn at(&self, p: usize) -> usize {
+        ((self.top + p / self.w) * self.wp + self.left + p % self.w) * self.c
     }
-    assert!(cols <= src_rs && (rows - 1) * src_rs + cols <= src.len(), "transpose: source view out of bounds");
-    assert!(rows <= dst_rs && (cols - 1) * dst_rs + rows <= dst.len(), "transpose: destination view out of bounds");
-    transpose_by(Registers::widest(), View { rows, cols, src_rs, dst_rs }, src, dst)
 }
 
-/// The shape of a transpose: `rows × cols` read with rows `src_rs` apart, written as
-/// `cols × rows` with rows `dst_rs` apart (bounds checked by the callers).
+/// A channels-first image x (C, H·W) moved into its place in a padded channels-last
+/// buffer: pixel p's C values at `xp[place.at(p)..]`, the padding left as it was. It is
+/// [`transpose`] with the destination's rows where the image puts them, so its register
+/// tiles run across the image's rows: a 7-pixel-wide image moves by whole tiles as a wide
+/// one does, not row by row through the edges.
+pub fn into_padded(x: &[f32], place: Padded, xp: &mut [f32]) {
+    into_padded_by(Registers::widest(), x, place, xp)
+}
+
+/// The inverse of [`into_padded`]: the image's pixels out of the padded channels-last
+/// buffer `xp` into x (C, H·W); the padding's values are not read.
+pub fn out_of_padded(xp: &[f32], place: Padded, x: &mut [f32]) {
+    out_of_padded_by(Registers::widest(), xp, place, x)
+}
+
+fn into_padded_by(regs: Registers, x: &[f32], place: Padded, xp: &mut [f32]) {
+    let pixels = image_pixels(x.len(), place);
+    let v = View { rows: place.c, cols: pixels, src: Rows::Every(pixels), dst: Rows::Image(place) };
+    transpose_by(regs, v.checked(x.len(), xp.len()), x, xp)
+}
+
+fn out_of_padded_by(regs: Registers, xp: &[f32], place: Padded, x: &mut [f32]) {
+    let pixels = image_pixels(x.len(), place);
+    let v = View { rows: pixels, cols: place.c, src: Rows::Image(place), dst: Rows::Every(pixels) };
+    transpose_by(regs, v.checked(xp.len(), x.len()), xp, x)
+}
+
+/// H·W of an image of `len` values in `place`, checked to be whole rows of a place that
+/// fits its padded rows.
+fn image_pixels(len: usize, place: Padded) -> usize {
+    let Padded { w, wp, left, c, .. } = place;
+    assert!(w > 0 && c > 0 && left + w <= wp, "transpose: an image {w} wide at column {left} of rows {wp} wide");
+    assert!(len.is_multiple_of(w * c), "transpose: {len} values are not whole rows of {w} pixels of {c} values");
+    len / c
+}
+
+/// Where a transpose's rows start in their buffer.
+#[derive(Clone, Copy, Debug)]
+enum Rows {
+    /// Row i at i·stride.
+    Every(usize),
+    /// Row p at pixel p's place in a padded image.
+    Image(Padded),
+}
+
+impl Rows {
+    #[inline(always)]
+    fn at(self, i: usize) -> usize {
+        match self {
+            Rows::Every(stride) => i * stride,
+            Rows::Image(place) => place.at(i),
+        }
+    }
+
+    /// Where rows `first..first + TILE` start (those past the view's last row are never
+    /// used): one division for a whole block of an image's pixels, not one a pixel.
+    #[inline(always)]
+    fn starts(self, first: usize) -> [usize; TILE] {
+        match self {
+            Rows::Every(stride) => std::array::from_fn(|k| (first + k) * stride),
+            Rows::Image(place) => {
+                let (mut y, mut x) = (first / place.w, first % place.w);
+                std::array::from_fn(|_| {
+                    let at = ((place.top + y) * place.wp + place.left + x) * place.c;
+                    x += 1;
+                    if x == place.w {
+                        (y, x) = (y + 1, 0);
+                    }
+                    at
+                })
+            }
+        }
+    }
+}
+
+/// The shape of a transpose: `rows × cols` read from the source's rows, written as
+/// `cols × rows` into the destination's.
 #[derive(Clone, Copy, Debug)]
 struct View {
     rows: usize,
     cols: usize,
-    src_rs: usize,
-    dst_rs: usize,
+    src: Rows,
+    dst: Rows,
+}
+
+impl View {
+    /// The view, checked to lie inside a source of `src_len` values and a destination of
+    /// `dst_len`, its rows apart: rows start at increasing places, so the last one bounds
+    /// them all.
+    fn checked(self, src_len: usize, dst_len: usize) -> View {
+        let apart = |r: Rows, len: usize| match r {
+            Rows::Every(stride) => len <= stride,
+            Rows::Image(place) => len <= place.c,
+        };
+        if self.rows > 0 && self.cols > 0 {
+            assert!(apart(self.src, self.cols) && apart(self.dst, self.rows), "transpose: rows of a view overlap");
+            assert!(self.src.at(self.rows - 1) + self.cols <= src_len, "transpose: source view out of bounds");
+            assert!(self.dst.at(self.cols - 1) + self.rows <= dst_len, "transpose: destination view out of bounds");
+        }
+        self
+    }
 }
 
 /// The register tiles a [`transpose`] moves its values through.
@@ -311,7 +412,7 @@ enum Registers {
     Avx512,
     /// 8 × 8 in AVX2 registers.
     Avx2,
-    /// None: a local tile, value by value.
+    /// None: value by value.
     Local,
 }
 
@@ -329,7 +430,7 @@ impl Registers {
         Registers::Local
     }
 
-    /// The side of the register tile (the rest goes through the local one).
+    /// The side of the register tile (the rest goes value by value).
     fn side(self) -> usize {
         match self {
             Registers::Avx512 => 16,
@@ -339,47 +440,75 @@ impl Registers {
     }
 }
 
-/// A transpose of a bounds-checked view through the given registers, which the processor
-/// must have.
+/// A transpose of a view checked against these buffers ([`View::checked`], or the
+/// lengths [`transpose`] asserts), through the given registers, which the processor must
+/// have.
 fn transpose_by(regs: Registers, v: View, src: &[f32], dst: &mut [f32]) {
-    let View { rows, cols, src_rs, dst_rs } = v;
+    let View { rows, cols, .. } = v;
     let side = regs.side();
     let (full_r, full_c) = if side == 0 { (0, 0) } else { (rows - rows % side, cols - cols % side) };
     #[cfg(target_arch = "x86_64")]
-    for r0 in (0..full_r).step_by(side.max(1)) {
-        for c0 in (0..full_c).step_by(side.max(1)) {
-            // The tile's rows start at src[(r0 + i)·src_rs + c0] and dst[(c0 + j)·dst_rs + r0]
-            // for i, j < side, with r0 + side ≤ rows and c0 + side ≤ cols: inside the two
-            // views, which the callers checked; `dst` is borrowed mutably, so the two cannot
-            // overlap.
-            let (s, d) = (src[r0 * src_rs + c0..].as_ptr(), dst[c0 * dst_rs + r0..].as_mut_ptr());
-            match regs {
-                // SAFETY: the tile is inside both views (above); the caller's choice of
-                // registers is one the processor has (`Registers::widest`, or the test's).
-                Registers::Avx512 => unsafe { transpose_tile_avx512(s, src_rs, d, dst_rs) },
-                // SAFETY: as above, for AVX2.
-                Registers::Avx2 => unsafe { transpose_tile_avx2(s, src_rs, d, dst_rs) },
-                Registers::Local => unreachable!("no register tile"),
-            }
+    {
+        let (s, d) = (src.as_ptr(), dst.as_mut_ptr());
+        match regs {
+            // SAFETY: every tile of rows 0..full_r and columns 0..full_c is inside the
+            // view, which lies inside both buffers (checked by the caller); `dst` is
+            // borrowed mutably, so the two cannot overlap; the caller's choice of registers
+            // is one the processor has (`Registers::widest`, or the test's).
+            Registers::Avx512 => unsafe { register_tiles_avx512(v, s, d, full_r, full_c) },
+            // SAFETY: as above, for AVX2.
+            Registers::Avx2 => unsafe { register_tiles_avx2(v, s, d, full_r, full_c) },
+            Registers::Local => {}
         }
     }
     // What the registers did not: everything, or the right strip and the bottom strip.
-    transpose_tiles(v, src, dst, 0..full_r, full_c..cols);
-    transpose_tiles(v, src, dst, full_r..rows, 0..cols);
+    transpose_values(v, src, dst, 0..full_r, full_c..cols);
+    transpose_values(v, src, dst, full_r..rows, 0..cols);
 }
 
-/// One 8 × 8 tile: row i of `src` (8 values, rows `src_rs` apart) becomes column i of
-/// `dst` (rows `dst_rs` apart). Each register is loaded as two 4-value halves, rows i and
-/// i + 4 (the lane crossing done by the loads, which cost AMD's Zen 1 nothing, where
+/// The register tiles of a transpose: `$name` moves the tiles of rows 0..full_r and
+/// columns 0..full_c (multiples of `$side`) through `$tile`, compiled with `$feature` so
+/// that the tile is inlined and its row addresses stay in registers.
+macro_rules! register_tiles {
+    ($name:ident, $feature:literal, $side:literal, $tile:ident) => {
+        /// # Safety
+        /// The processor has the feature; every tile of rows 0..full_r and columns
+        /// 0..full_c of `v` is inside the buffers at `src` and `dst`, which do not overlap.
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = $feature)]
+        unsafe fn $name(v: View, src: *const f32, dst: *mut f32, full_r: usize, full_c: usize) {
+            for r0 in (0..full_r).step_by($side) {
+                let from = v.src.starts(r0);
+                for c0 in (0..full_c).step_by($side) {
+                    let to = v.dst.starts(c0);
+                    let src_rows = std::array::from_fn(|i| src.wrapping_add(from[i] + c0));
+                    let dst_rows = std::array::from_fn(|j| dst.wrapping_add(to[j] + r0));
+                    // SAFETY: source row i of the tile starts at `from[i] + c0` and
+                    // destination row j at `to[j] + r0`, for i, j < side, inside the
+                    // buffers (the contract).
+                    unsafe { $tile(src_rows, dst_rows) };
+                }
+            }
+        }
+    };
+}
+
+register_tiles!(register_tiles_avx2, "avx2", 8, transpose_tile_avx2);
+register_tiles!(register_tiles_avx512, "avx512f", 16, transpose_tile_avx512);
+
+/// One 8 × 8 tile: row i of the source (8 values at `src[i]`) becomes column i of the
+/// destination (rows at `dst[j]`). Each register is loaded as two 4-value halves, rows i
+/// and i + 4 (the lane crossing done by the loads, which cost AMD's Zen 1 nothing, where
 /// `vperm2f128` costs 8 µops), then each 128-bit lane is transposed as 4 × 4 (unpack,
 /// shuffle).
 ///
 /// # Safety
-/// The processor has AVX2; `src + i·src_rs .. + 8` is readable and
-/// `dst + j·dst_rs .. + 8` writable for i, j < 8, and the two do not overlap.
+/// The processor has AVX2; `src[i] .. + 8` is readable and `dst[j] .. + 8` writable for
+/// i, j < 8, and the two do not overlap.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn transpose_tile_avx2(src: *const f32, src_rs: usize, dst: *mut f32, dst_rs: usize) {
+#[inline]
+unsafe fn transpose_tile_avx2(src: [*const f32; 8], dst: [*mut f32; 8]) {
     use std::arch::x86_64::*;
     // r[h·4 + i]: lane 0 the half h of row i, lane 1 the half h of row i + 4.
     let mut r = [_mm256_setzero_ps(); 8];
@@ -387,8 +516,8 @@ unsafe fn transpose_tile_avx2(src: *const f32, src_rs: usize, dst: *mut f32, dst
         for i in 0..4 {
             // SAFETY: rows i and i + 4, values 4h..4h+4, are readable (the contract).
             r[4 * h + i] = unsafe {
-                let lo = _mm_loadu_ps(src.add(i * src_rs + 4 * h));
-                let hi = _mm_loadu_ps(src.add((i + 4) * src_rs + 4 * h));
+                let lo = _mm_loadu_ps(src[i].add(4 * h));
+                let hi = _mm_loadu_ps(src[i + 4].add(4 * h));
                 _mm256_insertf128_ps::<1>(_mm256_castps128_ps256(lo), hi)
             };
         }
@@ -407,53 +536,52 @@ unsafe fn transpose_tile_avx2(src: *const f32, src_rs: usize, dst: *mut f32, dst
         ];
         for (j, v) in out.into_iter().enumerate() {
             // SAFETY: row 4h + j of the destination tile is writable (the contract).
-            unsafe { _mm256_storeu_ps(dst.add((4 * h + j) * dst_rs), v) };
+            unsafe { _mm256_storeu_ps(dst[4 * h + j], v) };
         }
     }
 }
 
-/// The part `r_range` × `c_range` of [`transpose`], a tile at a time through a local copy.
-fn transpose_tiles(
+/// The part `r_range` × `c_range` of a transpose, value by value, a [`TILE`] × [`TILE`]
+/// block at a time so that a block's source and destination lines stay in L1 together.
+fn transpose_values(
     v: View,
     src: &[f32],
     dst: &mut [f32],
     r_range: std::ops::Range<usize>,
     c_range: std::ops::Range<usize>,
 ) {
-    let mut tile = [[0.0f32; TILE]; TILE];
     for r0 in r_range.clone().step_by(TILE) {
-        let h = TILE.min(r_range.end - r0);
+        let block = r0..(r0 + TILE).min(r_range.end);
+        let from = v.src.starts(r0);
         for c0 in c_range.clone().step_by(TILE) {
-            let wd = TILE.min(c_range.end - c0);
-            for (i, t) in tile.iter_mut().enumerate().take(h) {
-                t[..wd].copy_from_slice(&src[(r0 + i) * v.src_rs + c0..][..wd]);
-            }
-            for j in 0..wd {
-                let out = &mut dst[(c0 + j) * v.dst_rs + r0..][..h];
-                for (i, d) in out.iter_mut().enumerate() {
-                    *d = tile[i][j];
+            let to = v.dst.starts(c0);
+            for j in c0..(c0 + TILE).min(c_range.end) {
+                let out = &mut dst[to[j - c0] + r0..][..block.len()];
+                for (d, &row) in out.iter_mut().zip(&from) {
+                    *d = src[row + j];
                 }
             }
         }
     }
 }
 
-/// One 16 × 16 tile: row i of `src` (16 values, rows `src_rs` apart) becomes column i of
-/// `dst` (rows `dst_rs` apart). Four rounds of shuffles: pairs of rows interleaved
+/// One 16 × 16 tile: row i of the source (16 values at `src[i]`) becomes column i of the
+/// destination (rows at `dst[j]`). Four rounds of shuffles: pairs of rows interleaved
 /// (unpack), 4 × 4 blocks within each 128-bit lane (shuffle), then the lanes themselves
 /// twice (shuffle_f32x4), the classic in-register transpose.
 ///
 /// # Safety
-/// The processor has AVX-512F; `src + i·src_rs .. + 16` is readable and
-/// `dst + j·dst_rs .. + 16` writable for i, j < 16, and the two do not overlap.
+/// The processor has AVX-512F; `src[i] .. + 16` is readable and `dst[j] .. + 16`
+/// writable for i, j < 16, and the two do not overlap.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn transpose_tile_avx512(src: *const f32, src_rs: usize, dst: *mut f32, dst_rs: usize) {
+#[inline]
+unsafe fn transpose_tile_avx512(src: [*const f32; TILE], dst: [*mut f32; TILE]) {
     use std::arch::x86_64::*;
     let mut r = [_mm512_setzero_ps(); TILE];
     for (i, v) in r.iter_mut().enumerate() {
         // SAFETY: row i of the tile is readable (the function's contract).
-        *v = unsafe { _mm512_loadu_ps(src.add(i * src_rs)) };
+        *v = unsafe { _mm512_loadu_ps(src[i]) };
     }
     // t[2i], t[2i+1]: rows 2i and 2i+1 interleaved, low and high halves of each lane.
     let mut t = [_mm512_setzero_ps(); TILE];
@@ -482,7 +610,7 @@ unsafe fn transpose_tile_avx512(src: *const f32, src_rs: usize, dst: *mut f32, d
     }
     for (j, v) in r.iter().enumerate() {
         // SAFETY: row j of the destination tile is writable (the function's contract).
-        unsafe { _mm512_storeu_ps(dst.add(j * dst_rs), *v) };
+        unsafe { _mm512_storeu_ps(dst[j], *v) };
     }
 }
 
@@ -644,7 +772,7 @@ mod tests {
 
     /// Every shape the layers transpose (the convolutions' (C, H·W) planes both ways,
     /// attention's weights) and ragged ones, through every register tile this processor
-    /// has and through the local tile alone (the path of other processors, and of the
+    /// has and value by value alone (the path of other processors, and of the
     /// edges), each written between guard bands that must come out untouched.
     #[test]
     fn transpose_moves_every_value_and_nothing_else() {
@@ -653,20 +781,10 @@ mod tests {
         let more = [(384, 128), (128, 512), (17, 33), (33, 17), (1, 5), (40, 16), (16, 16), (31, 47), (0, 5)];
         for (rows, cols) in shapes.into_iter().chain(more) {
             let src: Vec<f32> = (0..rows * cols).map(|i| i as f32 + 0.5).collect();
-            let mut paths = vec![Registers::Local];
-            #[cfg(target_arch = "x86_64")]
-            {
-                if std::arch::is_x86_feature_detected!("avx2") {
-                    paths.push(Registers::Avx2);
-                }
-                if std::arch::is_x86_feature_detected!("avx512f") {
-                    paths.push(Registers::Avx512);
-                }
-            }
-            for regs in paths {
+            for regs in register_paths() {
                 let mut buf = vec![f32::NAN; rows * cols + 2 * GUARD];
                 let dst = &mut buf[GUARD..GUARD + rows * cols];
-                transpose_by(regs, View { rows, cols, src_rs: cols, dst_rs: rows }, &src, dst);
+                transpose_by(regs, View { rows, cols, src: Rows::Every(cols), dst: Rows::Every(rows) }, &src, dst);
                 for r in 0..rows {
                     for c in 0..cols {
                         let got = buf[GUARD + c * rows + r];
@@ -679,28 +797,67 @@ mod tests {
         }
     }
 
-    /// Strided views, as the Winograd convolution takes an image row into its padded
-    /// channels-last sample ((C, W) out of (C, H·W) into (W, C) rows of a wider buffer)
-    /// and back: every value lands where it belongs, and the values between the
-    /// destination's rows and around the views are untouched.
-    #[test]
-    fn transpose_strided_moves_a_view_and_leaves_the_rest() {
-        for (rows, cols, src_rs, dst_rs) in
-            [(16, 28, 784, 16), (28, 16, 16, 784), (64, 7, 49, 70), (7, 64, 70, 49), (9, 9, 9, 9), (3, 5, 6, 4)]
+    /// The register paths this processor has, and the value-by-value one.
+    fn register_paths() -> Vec<Registers> {
+        let mut paths = vec![Registers::Local];
+        #[cfg(target_arch = "x86_64")]
         {
-            let src: Vec<f32> = (0..(rows - 1) * src_rs + cols).map(|i| i as f32).collect();
-            let len = (cols - 1) * dst_rs + rows;
-            let mut dst = vec![f32::NAN; len + 5];
-            transpose_strided(&src, src_rs, rows, cols, &mut dst[..len], dst_rs);
-            for (at, v) in dst.iter().enumerate() {
-                let (j, i) = (at / dst_rs, at % dst_rs);
-                if at < len && i < rows {
-                    assert_eq!(*v, src[i * src_rs + j], "{rows}×{cols}: ({i}, {j})");
-                } else {
-                    assert!(v.is_nan(), "{rows}×{cols}: a write at {at}, outside the view");
-                }
+            if std::arch::is_x86_feature_detected!("avx2") {
+                paths.push(Registers::Avx2);
+            }
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                paths.push(Registers::Avx512);
             }
         }
+        paths
+    }
+
+    /// An image into its padded channels-last place and back, as the Winograd convolution
+    /// moves its samples, for the three image sizes of the residual networks and ragged
+    /// ones, through every register path: each pixel's channels land at its place, the
+    /// padding (and the guard past the buffer) is untouched, and out_of_padded brings back
+    /// exactly the image without reading the padding.
+    #[test]
+    fn an_image_moves_into_its_padded_place_and_back() {
+        for (c, h, w, top, left, wp, hp) in [
+            (16, 28, 28, 1, 1, 30, 30),
+            (32, 14, 14, 1, 1, 16, 16),
+            (64, 7, 7, 1, 1, 10, 10),
+            (8, 5, 3, 0, 2, 6, 7),
+            (17, 9, 11, 2, 0, 12, 12),
+            (1, 1, 1, 0, 0, 1, 1),
+        ] {
+            let place = Padded { w, wp, top, left, c };
+            let x: Vec<f32> = (0..c * h * w).map(|i| i as f32 + 0.25).collect();
+            let len = hp * wp * c;
+            for regs in register_paths() {
+                let mut xp = vec![f32::NAN; len + 3];
+                into_padded_by(regs, &x, place, &mut xp[..len]);
+                for (at, v) in xp.iter().enumerate() {
+                    let (pix, ch) = (at / c, at % c);
+                    let (yy, xx) = (pix / wp, pix % wp);
+                    let inside = at < len && (top..top + h).contains(&yy) && (left..left + w).contains(&xx);
+                    if inside {
+                        let p = (yy - top) * w + xx - left;
+                        assert_eq!(*v, x[ch * h * w + p], "{c}×{h}×{w} ({regs:?}): channel {ch} of pixel {p}");
+                    } else {
+                        assert!(v.is_nan(), "{c}×{h}×{w} ({regs:?}): a write at {at}, outside the image");
+                    }
+                }
+                let mut back = vec![f32::INFINITY; x.len()];
+                out_of_padded_by(regs, &xp[..len], place, &mut back);
+                assert_eq!(back, x, "{c}×{h}×{w} ({regs:?}): the image did not come back");
+            }
+        }
+    }
+
+    /// A buffer too short for the image's place (4 rows from row 1, in 4 padded rows) is
+    /// refused before any value moves.
+    #[test]
+    #[should_panic(expected = "destination view out of bounds")]
+    fn a_padded_buffer_too_short_is_refused() {
+        let place = Padded { w: 4, wp: 6, top: 1, left: 1, c: 8 };
+        into_padded(&[0.0; 8 * 4 * 4], place, &mut vec![0.0; 6 * 4 * 8]);
     }
 
     fn naive(a: &[f32], b: &[f32], m: usize, k: usize, n: usize) -> Vec<f32> {

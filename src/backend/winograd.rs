@@ -27,7 +27,7 @@
 
 use std::ops::Range;
 
-use super::cpu::{transpose, transpose_strided, Accumulate, Pieces};
+use super::cpu::{into_padded, out_of_padded, transpose, Accumulate, Padded, Pieces};
 use super::simd::widest;
 
 /// Points of a transformed tile (4×4).
@@ -70,6 +70,10 @@ impl Geom {
     /// 2j..2j+4, all inside.
     fn padded(&self) -> (usize, usize) {
         (2 * self.tiles_high() + 2, 2 * self.tiles_wide() + 2)
+    }
+    /// Where the image lies in its padded sample.
+    fn place(&self) -> Padded {
+        Padded { w: self.w, wp: self.padded().1, top: self.pad_top, left: self.pad_left, c: self.c }
     }
     fn padded_len(&self) -> usize {
         let (hp, wp) = self.padded();
@@ -753,30 +757,25 @@ mod vector {
 
 // ---- a group of samples ------------------------------------------------------------
 
-/// One sample x (C, H, W) into its padded channels-last place xp (HP, WP, C): the image
-/// rows moved in by strided transposes, the padding around them zeroed.
+/// One sample x (C, H, W) into its padded channels-last place xp (HP, WP, C): the
+/// padding zeroed, the image moved in by one transpose ([`into_padded`]).
 fn pad_sample(x: &[f32], g: &Geom, xp: &mut [f32]) {
     let (hp, wp) = g.padded();
     let (c, row) = (g.c, wp * g.c);
     xp[..g.pad_top * row].fill(0.0);
     xp[(g.pad_top + g.h) * row..hp * row].fill(0.0);
-    for yy in 0..g.h {
-        let line = &mut xp[(g.pad_top + yy) * row..][..row];
+    for yy in g.pad_top..g.pad_top + g.h {
+        let line = &mut xp[yy * row..][..row];
         line[..g.pad_left * c].fill(0.0);
         line[(g.pad_left + g.w) * c..].fill(0.0);
-        transpose_strided(&x[yy * g.w..], g.h * g.w, c, g.w, &mut line[g.pad_left * c..][..g.w * c], c);
     }
-    debug_assert_eq!(xp.len(), hp * wp * c);
+    into_padded(x, g.place(), xp);
 }
 
-/// The image of a padded channels-last dxp (HP, WP, C) into dx (C, H, W), by strided
-/// transposes (the padding's values dropped).
+/// The image of a padded channels-last dxp (HP, WP, C) into dx (C, H, W) by one
+/// transpose ([`out_of_padded`]; the padding's values dropped).
 fn crop_sample(dxp: &[f32], g: &Geom, dx: &mut [f32]) {
-    let (c, row) = (g.c, g.padded().1 * g.c);
-    for yy in 0..g.h {
-        let line = &dxp[(g.pad_top + yy) * row + g.pad_left * c..][..g.w * c];
-        transpose_strided(line, c, g.w, c, &mut dx[yy * g.w..], g.h * g.w);
-    }
+    out_of_padded(dxp, g.place(), dx);
 }
 
 /// y for a group: x (G, C, H, W) → y (G, O, OH, OW), by pieces of [`tiling`].
