@@ -70,11 +70,53 @@ widest! {
 }
 
 widest! {
+    /// max(a + b, 0) into a: a residual block's add and ReLU in one pass, the same two
+    /// roundings as one after the other.
+    fn add_relu(a: &mut [f32], b: &[f32]) {
+        for (x, &y) in a.iter_mut().zip(b) {
+            let v = *x + y;
+            *x = if v < 0.0 { 0.0 } else { v };
+        }
+    }
+}
+
+widest! {
+    /// [`add_relu`], and the mask of positive sums for the backward.
+    fn add_relu_keep(a: &mut [f32], b: &[f32], ms: &mut [u8]) {
+        for ((x, &y), m) in a.iter_mut().zip(b).zip(ms.iter_mut()) {
+            let v = *x + y;
+            *m = u8::from(v > 0.0);
+            *x = if v < 0.0 { 0.0 } else { v };
+        }
+    }
+}
+
+widest! {
     /// dout where the input was positive, 0 elsewhere, in place.
     fn relu_backward(ds: &mut [f32], ms: &[u8]) {
         for (d, &p) in ds.iter_mut().zip(ms) {
             *d = if p != 0 { *d } else { 0.0 };
         }
+    }
+}
+
+impl Relu {
+    /// This layer's forward of `y + skip`, in one pass over the values instead of two: a
+    /// residual block's add and the ReLU after it, bit for bit what they compute one after
+    /// the other, the mask kept for [`Layer::backward`] as the forward keeps it.
+    pub fn forward_sum(&mut self, mut y: Tensor, skip: &Tensor, ctx: &Ctx) -> Result<Tensor> {
+        if y.shape() != skip.shape() {
+            return Err(Error::shape("ReLU of a sum", format!("{} + {}", y.shape(), skip.shape())));
+        }
+        let (ys, ss) = (y.host_mut(), skip.host());
+        if ctx.mode == Mode::Train {
+            self.positive.resize(ys.len(), 0);
+            let parts = ys.par_chunks_mut(CHUNK).zip(ss.par_chunks(CHUNK)).zip(self.positive.par_chunks_mut(CHUNK));
+            par::for_each(parts, |((ys, ss), ms)| add_relu_keep(ys, ss, ms));
+        } else {
+            par::for_each(ys.par_chunks_mut(CHUNK).zip(ss.par_chunks(CHUNK)), |(ys, ss)| add_relu(ys, ss));
+        }
+        Ok(y)
     }
 }
 

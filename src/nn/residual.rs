@@ -14,7 +14,8 @@
 //! PyTorch module's `state_dict` names them). What each inner layer computes is its own.
 //!
 //! # The order of everything, on every backend
-//! - forward: the body, then the shortcut, then the add (`body + shortcut`) and the ReLU;
+//! - forward: the body, then the shortcut, then the add (`body + shortcut`) and the ReLU
+//!   (on the CPU in one pass, `Relu::forward_sum`);
 //! - backward: the ReLU's mask, then the shortcut's backward, then the body's (the
 //!   reverse of the forward, which synchronized BatchNorm's exchanges follow:
 //!   `Layer::synchronized_channels` lists them in forward order), then
@@ -262,14 +263,19 @@ impl Layer for Residual {
     fn forward(&mut self, x: Tensor, params: Params<'_>, mut buffers: ParamsMut<'_>, ctx: &Ctx) -> Result<Tensor> {
         let (p_body, p_short) = Residual::split(params.flat(), self.body.params_len());
         let (b_body, b_short) = Residual::split_mut(buffers.flat_mut(), self.body.buffers_len());
+        // The body's first layer keeps its input for the backward: the identity reads the
+        // same values (a clone shares them).
         let mut y = self.body.forward_at(x.clone(), p_body, b_body, ctx, Place::Branch(BODY))?;
-        match &mut self.shortcut {
-            Some(s) => add_into(&mut y, &s.forward_at(x, p_short, b_short, ctx, Place::Branch(SHORTCUT))?),
-            None => add_into(&mut y, &x),
-        }
+        let skip = match &mut self.shortcut {
+            Some(s) => s.forward_at(x, p_short, b_short, ctx, Place::Branch(SHORTCUT))?,
+            None => x,
+        };
         match &mut self.relu {
-            Some(relu) => relu.forward(y, Params::new(&[], &[]), ParamsMut::new(&mut [], &[]), ctx),
-            None => Ok(y),
+            Some(relu) => relu.forward_sum(y, &skip, ctx),
+            None => {
+                add_into(&mut y, &skip);
+                Ok(y)
+            }
         }
     }
 

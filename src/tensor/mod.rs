@@ -11,8 +11,15 @@
 //! of its own (`nn::gpu_net`), and asking for a tensor on a GPU is an error naming that.
 //! The tensor does not own parameters: those live in the flat buffers of
 //! `nn::ParamStore`.
+//!
+//! Its values are shared, copied on write: a clone costs a reference count, and the
+//! values are copied only when one of the holders asks to change them
+//! ([`Tensor::host_mut`]) while another still holds them. A residual block hands the same
+//! input to its body (whose first layer keeps it for the backward) and to its identity
+//! shortcut without copying it.
 
 use std::fmt;
+use std::sync::Arc;
 
 use crate::error::{Error, Result};
 
@@ -123,12 +130,13 @@ impl fmt::Display for Device {
     }
 }
 
-/// An f32 tensor in host memory: shape, CPU device and values (row-major).
+/// An f32 tensor in host memory: shape, CPU device and values (row-major), shared by its
+/// clones until one of them writes.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Tensor {
     shape: Shape,
     device: Device,
-    data: Vec<f32>,
+    data: Arc<Vec<f32>>,
 }
 
 impl Tensor {
@@ -145,7 +153,7 @@ impl Tensor {
             return Err(Error::shape("Tensor::from_vec", format!("{} values do not fill shape {shape}", data.len())));
         }
         on_host(device)?;
-        Ok(Tensor { shape, device, data })
+        Ok(Tensor { shape, device, data: Arc::new(data) })
     }
 
     /// A tensor of zeros in the host memory of CPU device `device`.
@@ -157,7 +165,7 @@ impl Tensor {
         assert!(matches!(device, Device::Cpu(_)), "Tensor::zeros makes host tensors, not tensors on {device}");
         let shape = shape.into();
         let n = shape.numel();
-        Tensor { shape, device, data: vec![0.0; n] }
+        Tensor { shape, device, data: Arc::new(vec![0.0; n]) }
     }
 
     /// The shape.
@@ -180,19 +188,19 @@ impl Tensor {
         &self.data
     }
 
-    /// The values, mutably.
+    /// The values, mutably: this tensor's own, copied first if a clone still shares them.
     pub fn host_mut(&mut self) -> &mut [f32] {
-        &mut self.data
+        Arc::make_mut(&mut self.data).as_mut_slice()
     }
 
-    /// Consumes the tensor and returns its values.
+    /// Consumes the tensor and returns its values (a copy if a clone still shares them).
     pub fn into_vec(self) -> Vec<f32> {
-        self.data
+        Arc::unwrap_or_clone(self.data)
     }
 
     /// A copy of the values.
     pub fn to_vec(&self) -> Result<Vec<f32>> {
-        Ok(self.data.clone())
+        Ok(self.data.to_vec())
     }
 
     /// The same values seen with another shape of the same size.
@@ -204,8 +212,8 @@ impl Tensor {
         Ok(Tensor { shape, ..self })
     }
 
-    /// The tensor on CPU device `device` (a copy of the values, or itself when already
-    /// there); a GPU is an error: a model runs on a GPU as a GPU replica, whose values
+    /// The tensor on CPU device `device` (the same values, shared until either writes); a
+    /// GPU is an error: a model runs on a GPU as a GPU replica, whose values
     /// live in its own device buffers.
     pub fn to(&self, device: Device) -> Result<Tensor> {
         on_host(device)?;
