@@ -356,24 +356,29 @@ impl Rows {
         }
     }
 
-    /// Where rows `first..first + TILE` start (those past the view's last row are never
+    /// Where rows `first..first + N` start (those past the view's last row are never
     /// used): one division for a whole block of an image's pixels, not one a pixel.
     #[inline(always)]
-    fn starts(self, first: usize) -> [usize; TILE] {
+    fn starts<const N: usize>(self, first: usize) -> [usize; N] {
+        let mut out = [0; N];
         match self {
-            Rows::Every(stride) => std::array::from_fn(|k| (first + k) * stride),
+            Rows::Every(stride) => {
+                for (k, o) in out.iter_mut().enumerate() {
+                    *o = (first + k) * stride;
+                }
+            }
             Rows::Image(place) => {
                 let (mut y, mut x) = (first / place.w, first % place.w);
-                std::array::from_fn(|_| {
-                    let at = ((place.top + y) * place.wp + place.left + x) * place.c;
+                for o in out.iter_mut() {
+                    *o = ((place.top + y) * place.wp + place.left + x) * place.c;
                     x += 1;
                     if x == place.w {
                         (y, x) = (y + 1, 0);
                     }
-                    at
-                })
+                }
             }
         }
+        out
     }
 }
 
@@ -478,11 +483,14 @@ macro_rules! register_tiles {
         #[target_feature(enable = $feature)]
         unsafe fn $name(v: View, src: *const f32, dst: *mut f32, full_r: usize, full_c: usize) {
             for r0 in (0..full_r).step_by($side) {
-                let from = v.src.starts(r0);
+                let from: [usize; $side] = v.src.starts(r0);
                 for c0 in (0..full_c).step_by($side) {
-                    let to = v.dst.starts(c0);
-                    let src_rows = std::array::from_fn(|i| src.wrapping_add(from[i] + c0));
-                    let dst_rows = std::array::from_fn(|j| dst.wrapping_add(to[j] + r0));
+                    let to: [usize; $side] = v.dst.starts(c0);
+                    let (mut src_rows, mut dst_rows) = ([src; $side], [dst; $side]);
+                    for k in 0..$side {
+                        src_rows[k] = src.wrapping_add(from[k] + c0);
+                        dst_rows[k] = dst.wrapping_add(to[k] + r0);
+                    }
                     // SAFETY: source row i of the tile starts at `from[i] + c0` and
                     // destination row j at `to[j] + r0`, for i, j < side, inside the
                     // buffers (the contract).
@@ -552,9 +560,9 @@ fn transpose_values(
 ) {
     for r0 in r_range.clone().step_by(TILE) {
         let block = r0..(r0 + TILE).min(r_range.end);
-        let from = v.src.starts(r0);
+        let from: [usize; TILE] = v.src.starts(r0);
         for c0 in c_range.clone().step_by(TILE) {
-            let to = v.dst.starts(c0);
+            let to: [usize; TILE] = v.dst.starts(c0);
             for j in c0..(c0 + TILE).min(c_range.end) {
                 let out = &mut dst[to[j - c0] + r0..][..block.len()];
                 for (d, &row) in out.iter_mut().zip(&from) {

@@ -9,7 +9,7 @@ use serde_json::{json, Value};
 #[cfg(feature = "cuda")]
 use super::gpu::{Backward, Forward, GpuLayer};
 use super::spec_entry::{Activation, Build, LayerType};
-use super::{Ctx, InputGrad, Layer, LayerMemory, LayerShapes, Mode, Params, ParamsMut};
+use super::{Ctx, InputGrad, Layer, LayerMemory, LayerShapes, Mode, Params, ParamsMut, RELU_KIND};
 
 /// Elements per parallel task of the elementwise layers: large enough that a task costs
 /// more than handing it to another thread.
@@ -127,7 +127,7 @@ impl Layer for Relu {
     }
 
     fn kind(&self) -> &'static str {
-        "relu"
+        RELU_KIND
     }
 
     fn spec(&self) -> Option<Value> {

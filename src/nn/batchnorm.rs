@@ -156,6 +156,9 @@ pub struct BatchNorm2d {
     /// a synchronized layer).
     count: f64,
     cached: Option<Shape>,
+    /// Whether the ReLU after this layer runs in its passes (its Sequential says so:
+    /// [`Layer::take_following_relu`]).
+    relu: bool,
 }
 
 widest! {
@@ -191,21 +194,25 @@ widest! {
 }
 
 widest! {
-    /// (Σ d, Σ d·x̂) in f64, as [`sum_f64`].
-    fn sums_dy_dyx(d: &[f32], xh: &[f32]) -> (f64, f64) {
-        let (mut a, mut b) = ([0.0f64; 8], [0.0f64; 8]);
+    /// Σ d·x̂ in f64, as [`sum_f64`] (with Σ d, the two sums of the backward: two loops,
+    /// not one, so that each runs in vectors across its eight accumulators; the plane is
+    /// in L1 for the second).
+    fn sum_prod_f64(d: &[f32], xh: &[f32]) -> f64 {
+        let mut acc = [0.0f64; 8];
         let (dc, xc) = (d.chunks_exact(8), xh.chunks_exact(8));
-        let (dr, xr) = (dc.remainder(), xc.remainder());
+        let tail: f64 = dc.remainder().iter().zip(xc.remainder()).map(|(&v, &x)| v as f64 * x as f64).sum();
         for (dd, xx) in dc.zip(xc) {
             for k in 0..8 {
-                a[k] += dd[k] as f64;
-                b[k] += dd[k] as f64 * xx[k] as f64;
+                acc[k] += dd[k] as f64 * xx[k] as f64;
             }
         }
-        let ta: f64 = dr.iter().map(|&v| v as f64).sum();
-        let tb: f64 = dr.iter().zip(xr).map(|(&v, &w)| v as f64 * w as f64).sum();
-        (a.iter().sum::<f64>() + ta, b.iter().sum::<f64>() + tb)
+        acc.iter().sum::<f64>() + tail
     }
+}
+
+/// (Σ d, Σ d·x̂) in f64.
+fn sums_dy_dyx(d: &[f32], xh: &[f32]) -> (f64, f64) {
+    (sum_f64(d), sum_prod_f64(d, xh))
 }
 
 widest! {
@@ -224,6 +231,93 @@ widest! {
         for (v, xh) in plane.iter_mut().zip(cache) {
             *xh = (*v - mu) * is;
             *v = *xh * g + b;
+        }
+    }
+}
+
+// The ReLU after the layer, in its passes ([`Layer::take_following_relu`]): the forward
+// clamps y = γ·x̂ + β as the ReLU would (`y < 0` is false for NaN, which passes), and the
+// backward reads dout where y > 0 and 0 elsewhere, the ReLU's mask recomputed from x̂ by
+// the forward's own two roundings: the same bits as the two layers one after the other.
+
+/// y = γ·x̂ + β, clamped at 0 as the ReLU clamps.
+#[inline(always)]
+fn relu_of(y: f32) -> f32 {
+    if y < 0.0 {
+        0.0
+    } else {
+        y
+    }
+}
+
+/// dout where the ReLU's input y = γ·x̂ + β was positive, +0 elsewhere (the ReLU's
+/// backward), selected by a mask of bits so that the loops stay vectors.
+#[inline(always)]
+fn relu_masked(d: f32, xh: f32, g: f32, b: f32) -> f32 {
+    let keep = if xh * g + b > 0.0 { u32::MAX } else { 0 };
+    f32::from_bits(d.to_bits() & keep)
+}
+
+widest! {
+    /// [`normalize`], then the ReLU.
+    fn normalize_relu(plane: &mut [f32], mu: f32, is: f32, g: f32, b: f32) {
+        for v in plane {
+            *v = relu_of((*v - mu) * is * g + b);
+        }
+    }
+}
+
+widest! {
+    /// [`normalize_keep`], then the ReLU.
+    fn normalize_keep_relu(plane: &mut [f32], cache: &mut [f32], mu: f32, is: f32, g: f32, b: f32) {
+        for (v, xh) in plane.iter_mut().zip(cache) {
+            *xh = (*v - mu) * is;
+            *v = relu_of(*xh * g + b);
+        }
+    }
+}
+
+widest! {
+    /// [`sum_f64`] of the gradient the ReLU passes back.
+    fn sum_f64_relu(d: &[f32], xh: &[f32], g: f32, b: f32) -> f64 {
+        let mut acc = [0.0f64; 8];
+        let (dc, xc) = (d.chunks_exact(8), xh.chunks_exact(8));
+        let tail: f64 = dc.remainder().iter().zip(xc.remainder()).map(|(&v, &x)| relu_masked(v, x, g, b) as f64).sum();
+        for (dd, xx) in dc.zip(xc) {
+            for k in 0..8 {
+                acc[k] += relu_masked(dd[k], xx[k], g, b) as f64;
+            }
+        }
+        acc.iter().sum::<f64>() + tail
+    }
+}
+
+widest! {
+    /// [`sum_prod_f64`] of the gradient the ReLU passes back.
+    fn sum_prod_f64_relu(d: &[f32], xh: &[f32], g: f32, b: f32) -> f64 {
+        let mut acc = [0.0f64; 8];
+        let (dc, xc) = (d.chunks_exact(8), xh.chunks_exact(8));
+        let masked = |v: f32, x: f32| relu_masked(v, x, g, b) as f64 * x as f64;
+        let tail: f64 = dc.remainder().iter().zip(xc.remainder()).map(|(&v, &x)| masked(v, x)).sum();
+        for (dd, xx) in dc.zip(xc) {
+            for k in 0..8 {
+                acc[k] += masked(dd[k], xx[k]);
+            }
+        }
+        acc.iter().sum::<f64>() + tail
+    }
+}
+
+/// [`sums_dy_dyx`] of the gradient the ReLU passes back.
+fn sums_dy_dyx_relu(d: &[f32], xh: &[f32], g: f32, b: f32) -> (f64, f64) {
+    (sum_f64_relu(d, xh, g, b), sum_prod_f64_relu(d, xh, g, b))
+}
+
+widest! {
+    /// [`input_grad_plane`] of the gradient the ReLU passes back.
+    fn input_grad_plane_relu(dplane: &mut [f32], xplane: &[f32], k: f32, md: f32, mdx: f32, g: f32, b: f32) {
+        for (d, &xh) in dplane.iter_mut().zip(xplane) {
+            *d = k * (relu_masked(*d, xh, g, b) - md - xh * mdx);
         }
     }
 }
@@ -279,6 +373,7 @@ impl BatchNorm2d {
             invstd: Vec::new(),
             count: 0.0,
             cached: None,
+            relu: false,
         }
     }
 
@@ -508,10 +603,11 @@ impl Layer for BatchNorm2d {
                 let g = gamma.map_or(1.0, |g| g[ch]);
                 let b = beta.map_or(0.0, |b| b[ch]);
                 let plane = &mut sample[ch * hw..(ch + 1) * hw];
-                if cache.is_empty() {
-                    normalize(plane, mu, is, g, b);
-                } else {
-                    normalize_keep(plane, &mut cache[ch * hw..(ch + 1) * hw], mu, is, g, b);
+                match (cache.is_empty(), self.relu) {
+                    (true, false) => normalize(plane, mu, is, g, b),
+                    (true, true) => normalize_relu(plane, mu, is, g, b),
+                    (false, false) => normalize_keep(plane, &mut cache[ch * hw..(ch + 1) * hw], mu, is, g, b),
+                    (false, true) => normalize_keep_relu(plane, &mut cache[ch * hw..(ch + 1) * hw], mu, is, g, b),
                 }
             }
         };
@@ -547,13 +643,21 @@ impl Layer for BatchNorm2d {
         let hw = h * w;
         let m = self.count;
         let (xs, ds) = (self.xhat.as_slice(), dout.host());
+        let (gamma, beta) = self.gamma_beta(&params);
+        let affine = |ch: usize| (gamma.map_or(1.0, |g| g[ch]), beta.map_or(0.0, |b| b[ch]));
+        let relu = self.relu;
         let sums = per_channel(n, c, |(sd, sdx): &mut (f64, f64), s, ch| {
             let r = (s * c + ch) * hw..(s * c + ch + 1) * hw;
-            let (a, b) = sums_dy_dyx(&ds[r.clone()], &xs[r]);
+            let (a, b) = match relu {
+                false => sums_dy_dyx(&ds[r.clone()], &xs[r]),
+                true => {
+                    let (g, b) = affine(ch);
+                    sums_dy_dyx_relu(&ds[r.clone()], &xs[r], g, b)
+                }
+            };
             *sd += a;
             *sdx += b;
         });
-        let (gamma, _) = self.gamma_beta(&params);
         let mut i = 0;
         if self.scale {
             for (g, &(_, sdx)) in dparams.get(0).iter_mut().zip(&sums) {
@@ -583,10 +687,23 @@ impl Layer for BatchNorm2d {
         par::for_each(dout.host_mut().par_chunks_mut(c * hw).zip(xs.par_chunks(c * hw)), |(dsample, xsample)| {
             for (ch, (dplane, xplane)) in dsample.chunks_exact_mut(hw).zip(xsample.chunks_exact(hw)).enumerate() {
                 let (k, md, mdx) = coef[ch];
-                input_grad_plane(dplane, xplane, k, md, mdx);
+                match relu {
+                    false => input_grad_plane(dplane, xplane, k, md, mdx),
+                    true => {
+                        let (g, b) = affine(ch);
+                        input_grad_plane_relu(dplane, xplane, k, md, mdx, g, b)
+                    }
+                }
             }
         });
         Ok(Some(dout))
+    }
+
+    /// The ReLU after a BatchNorm runs in its passes: one pass of the training forward and
+    /// one of the backward fewer over the activations.
+    fn take_following_relu(&mut self, follows: bool) -> bool {
+        self.relu = follows;
+        follows
     }
 
     fn boxed_clone(&self) -> Box<dyn Layer> {
@@ -1064,5 +1181,56 @@ mod tests {
         assert!(e.to_string().contains("more than one value per channel"), "{e}");
         // Evaluation uses the running statistics: fine with one value.
         assert!(m.forward(x, &st.params, &mut st.buffers, &Ctx::eval(Device::Cpu(0))).is_ok());
+    }
+
+    /// A BatchNorm followed by a ReLU in one Sequential runs the ReLU in its own passes
+    /// (the ReLU layer is skipped): the output, the input gradient, the parameters'
+    /// gradients and the running statistics are bit for bit those of the two layers one
+    /// after the other, in training and in evaluation, with and without γ and β; a NaN
+    /// passes the fused ReLU as it passes the layer.
+    #[test]
+    fn a_relu_after_a_batchnorm_runs_in_its_passes_with_the_same_bits() {
+        use crate::nn::Relu;
+        let (c, h, w) = (4, 5, 3);
+        for (affine, n) in [(true, 3), (false, 3), (true, 1)] {
+            let bn = || Box::new(BatchNorm2d::pytorch(c).scale(affine).center(affine)) as Box<dyn Layer>;
+            let mut fused = Sequential::new([c, h, w], vec![bn(), Box::new(Relu::new())]).unwrap();
+            let mut alone = Sequential::new([c, h, w], vec![bn()]).unwrap();
+            let mut relu = Sequential::new([c, h, w], vec![Box::new(Relu::new())]).unwrap();
+            let mut g = crate::rng::SplitMix64::new(7);
+            let mut st = fused.init(0);
+            // γ and β drawn around 0, so that about half of each channel's outputs clamp.
+            st.params.iter_mut().for_each(|v| *v = g.next_f32() * 2.0 - 1.0);
+            let mut st_alone = st.clone();
+            let mut values = |len: usize| (0..len).map(|_| g.next_f32() * 4.0 - 2.0).collect::<Vec<f32>>();
+            let x = Tensor::from_vec(values(n * c * h * w), [n, c, h, w]).unwrap();
+            let dy = Tensor::from_vec(values(n * c * h * w), [n, c, h, w]).unwrap();
+            let train = Ctx::train(0, 0, 0, Device::Cpu(0));
+            fused.start_profile();
+
+            let y = fused.forward(x.clone(), &st.params, &mut st.buffers, &train).unwrap();
+            let y_alone = alone.forward(x.clone(), &st_alone.params, &mut st_alone.buffers, &train).unwrap();
+            let y_alone = relu.forward(y_alone, &[], &mut [], &train).unwrap();
+            assert_eq!(y.host(), y_alone.host(), "forward, affine {affine}, n {n}");
+            assert!(y.host().contains(&0.0) && y.host().iter().any(|&v| v > 0.0), "some outputs clamp");
+            assert_eq!(st.buffers, st_alone.buffers, "running statistics");
+
+            let mut grads = vec![0.0; fused.params_len()];
+            let dx = fused.backward_input(dy.clone(), &st.params, &mut grads, &train).unwrap();
+            let mut grads_alone = vec![0.0; alone.params_len()];
+            let d = relu.backward_input(dy, &[], &mut [], &train).unwrap();
+            let dx_alone = alone.backward_input(d, &st_alone.params, &mut grads_alone, &train).unwrap();
+            assert_eq!(dx.host(), dx_alone.host(), "input gradient, affine {affine}, n {n}");
+            assert_eq!(grads, grads_alone, "parameter gradients, affine {affine}, n {n}");
+
+            let eval = Ctx::eval(Device::Cpu(0));
+            let y = fused.forward(x.clone(), &st.params, &mut st.buffers, &eval).unwrap();
+            let y_alone = alone.forward(x, &st_alone.params, &mut st_alone.buffers, &eval).unwrap();
+            assert_eq!(y.host(), relu.forward(y_alone, &[], &mut [], &eval).unwrap().host(), "evaluation");
+            let rows = fused.profile();
+            assert!(rows[1].description.ends_with("(in the previous layer's passes)"), "{:?}", rows[1]);
+            assert_eq!(rows[1].forward + rows[1].backward, std::time::Duration::ZERO, "the ReLU layer itself ran");
+        }
+        assert!(relu_of(f32::NAN).is_nan() && relu_of(-0.5) == 0.0 && relu_of(0.5) == 0.5);
     }
 }

@@ -274,6 +274,10 @@ impl<'a> ParamsMut<'a> {
     }
 }
 
+/// The kind of the ReLU layer ([`Relu`]): what a [`Sequential`] looks for after a layer
+/// that may take the ReLU into its own passes ([`Layer::take_following_relu`]).
+pub const RELU_KIND: &str = "relu";
+
 /// One layer: forward and backward side by side.
 ///
 /// Shapes include the batch: `forward` takes `(N, ...)` and returns `(N, ...)`. A layer
@@ -365,6 +369,15 @@ pub trait Layer: Send {
     /// order (their backward exchanges run in the reverse order). Default: none.
     fn synchronized_channels(&self) -> Vec<usize> {
         Vec::new()
+    }
+
+    /// Told by its [`Sequential`] whether a ReLU layer follows this one; returns whether
+    /// this layer then computes that ReLU in its own passes on the CPU (its forward clamps
+    /// the values it writes, its backward masks the gradient it reads: bit for bit what
+    /// the two layers compute one after the other), and the Sequential skips the ReLU
+    /// layer. A GPU replica runs every layer as it is. Default: it does not.
+    fn take_following_relu(&mut self, _follows: bool) -> bool {
+        false
     }
 
     /// For a container: starts (or restarts) timing the layers inside it, as

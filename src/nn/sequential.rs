@@ -1,5 +1,7 @@
-//! [`Sequential`]: a stack of layers, their stable names, and the flat layout of their
-//! parameters and buffers ([`ParamStore`]).
+//! [`Sequential`]: a stack of layers, their stable names, the flat layout of their
+//! parameters and buffers ([`ParamStore`]), and which layer runs inside the passes of the
+//! one before it on the CPU (a ReLU after a BatchNorm, [`Layer::take_following_relu`]: one
+//! pass over the activations fewer each way, the same bits).
 //!
 //! Names are the layer's kind numbered per kind in order (`conv0`, `bn0`, `conv1`, ...,
 //! `dense0`), then the tensor (`conv0.weight`, `bn1.running_mean`): the names PyTorch's
@@ -26,7 +28,7 @@
 use std::collections::HashMap;
 use std::ops::Range;
 
-use super::{Ctx, Init, InputGrad, Layer, Mode, Params, ParamsMut, ProfileRow};
+use super::{Ctx, Init, InputGrad, Layer, Mode, Params, ParamsMut, ProfileRow, RELU_KIND};
 use crate::error::{Error, Result};
 use crate::rng::{derive_key, purpose, SplitMix64};
 use crate::tensor::{Shape, Tensor};
@@ -107,6 +109,9 @@ pub struct Sequential {
     output_shape: Shape,
     /// Per-layer (forward, backward) time, when profiling is on.
     profile: Option<Vec<(std::time::Duration, std::time::Duration)>>,
+    /// Per layer: whether the layer before it computes it in its own passes (a ReLU after
+    /// a BatchNorm: [`Layer::take_following_relu`]), so that it is skipped here.
+    taken: Vec<bool>,
 }
 
 impl Clone for Sequential {
@@ -157,7 +162,14 @@ impl Sequential {
             return Err(Error::config("model", "a Sequential needs at least one layer"));
         }
         let names = auto_names(layers.iter().map(|(name, l)| (name.as_deref(), l.kind())));
-        let layers: Vec<Box<dyn Layer>> = layers.into_iter().map(|(_, l)| l).collect();
+        let mut layers: Vec<Box<dyn Layer>> = layers.into_iter().map(|(_, l)| l).collect();
+        let mut taken = vec![false; layers.len()];
+        for i in 0..layers.len() {
+            let follows = layers.get(i + 1).is_some_and(|next| next.kind() == RELU_KIND);
+            if layers[i].take_following_relu(follows) && follows {
+                taken[i + 1] = true;
+            }
+        }
         // One name may be given to several layers whose tensors it prefixes differently:
         // nanoGPT's `Block` is two residual blocks, both `transformer.h.0` (`ln_1`,
         // `attn`; `ln_2`, `mlp.*`). The tensors' names must be unique, checked below.
@@ -271,6 +283,7 @@ impl Sequential {
             buffers_len,
             output_shape,
             profile: None,
+            taken,
         })
     }
 
@@ -414,6 +427,9 @@ impl Sequential {
     ) -> Result<Tensor> {
         let mut x = x;
         for (i, (layer, s)) in self.layers.iter_mut().zip(&self.slots).enumerate() {
+            if self.taken[i] {
+                continue;
+            }
             let ctx = Ctx { layer_index: place.index(ctx.layer_index, i), ..*ctx };
             let p = Params::new(&params[s.param_span.clone()], &s.param_ranges);
             let b = ParamsMut::new(&mut buffers[s.buffer_span.clone()], &s.buffer_ranges);
@@ -454,6 +470,9 @@ impl Sequential {
         let first = if input_grad == InputGrad::Skip { self.first_trained_layer() } else { 0 };
         let mut d = Some(dout);
         for (i, (layer, s)) in self.layers.iter_mut().zip(&self.slots).enumerate().skip(first).rev() {
+            if self.taken[i] {
+                continue;
+            }
             let ctx = Ctx { mode: Mode::Train, layer_index: place.index(ctx.layer_index, i), ..*ctx };
             let p = Params::new(&params[s.param_span.clone()], &s.param_ranges);
             let g = ParamsMut::new(&mut grads[s.param_span.clone()], &s.param_ranges);
@@ -481,8 +500,12 @@ impl Sequential {
     pub fn profile(&self) -> Vec<ProfileRow> {
         let mut rows = Vec::new();
         let layers = self.layers.iter().zip(&self.names);
-        for (&(forward, backward), (layer, name)) in self.profile.iter().flatten().zip(layers) {
-            rows.push(ProfileRow { name: name.clone(), description: layer.describe(), depth: 0, forward, backward });
+        for (i, (&(forward, backward), (layer, name))) in self.profile.iter().flatten().zip(layers).enumerate() {
+            let description = match self.taken[i] {
+                true => format!("{} (in the previous layer's passes)", layer.describe()),
+                false => layer.describe(),
+            };
+            rows.push(ProfileRow { name: name.clone(), description, depth: 0, forward, backward });
             rows.extend(layer.profile().into_iter().map(|r| ProfileRow {
                 name: format!("{name}.{}", r.name),
                 depth: r.depth + 1,
