@@ -294,16 +294,8 @@ pub struct Padded {
     pub c: usize,
 }
 
-impl Padded {
-    /// Where pixel p (row-major in the image) starts; increasing in p, as `left + w ≤ wp`.
-    #[inline(always)]
-    fn at(&self, p: usize) -> usize {
-        ((self.top + p / self.w) * self.wp + self.left + p % self.w) * self.c
-    }
-}
-
 /// A channels-first image x (C, H·W) moved into its place in a padded channels-last
-/// buffer: pixel p's C values at `xp[place.at(p)..]`, the padding left as it was. It is
+/// buffer: pixel p's C values together at its place, the padding left as it was. It is
 /// [`transpose`] with the destination's rows where the image puts them, so its register
 /// tiles run across the image's rows: a 7-pixel-wide image moves by whole tiles as a wide
 /// one does, not row by row through the edges.
@@ -348,12 +340,9 @@ enum Rows {
 }
 
 impl Rows {
-    #[inline(always)]
+    /// Where row i starts; increasing in i (an image's place has `left + w ≤ wp`).
     fn at(self, i: usize) -> usize {
-        match self {
-            Rows::Every(stride) => i * stride,
-            Rows::Image(place) => place.at(i),
-        }
+        self.starts::<1>(i)[0]
     }
 
     /// Where rows `first..first + N` start (those past the view's last row are never

@@ -275,7 +275,8 @@ impl<'a> ParamsMut<'a> {
 }
 
 /// The kind of the ReLU layer ([`Relu`]): what a [`Sequential`] looks for after a layer
-/// that may take the ReLU into its own passes ([`Layer::take_following_relu`]).
+/// that may take the ReLU into its own passes ([`Layer::take_following_relu`]), so a
+/// layer of one's own must not call itself this.
 pub const RELU_KIND: &str = "relu";
 
 /// One layer: forward and backward side by side.
