@@ -53,11 +53,12 @@
 //! `nn/conv2d.rs`): its `type` name, its fields as the table above lists them, an example,
 //! and a function that reads the fields with `nn::spec_entry::Fields` (each default and
 //! each error there) and builds the layers against the running shape. The layer writes
-//! itself back ([`Layer::spec`]). [`LAYER_TYPES`] (`nn::LAYER_TYPES`) is the one list of
+//! itself back ([`Layer::spec`](crate::nn::Layer::spec)). [`LAYER_TYPES`] (`nn::LAYER_TYPES`) is the one list of
 //! types: the parse dispatch, the names in errors and [`LayerSpec::type_name`] all read
 //! it, so a new type adds its module, one line to that list, and its row to the docs'
 //! tables. Its test parses every entry's example, builds it, requires each built layer to
-//! write itself back ([`Layer::spec`]), to state its memory ([`Layer::memory`]) and to
+//! write itself back ([`Layer::spec`](crate::nn::Layer::spec)), to state its memory
+//! ([`Layer::memory`](crate::nn::Layer::memory)) and to
 //! have a GPU form, writes the model back and parses that again, expecting the same
 //! layers (the same specs, descriptions and tensors); a table row missing from the docs
 //! above, or from both the README and the guide (`docs/`), fails a test.
@@ -85,7 +86,7 @@ pub const MAX_SPEC_BYTES: u64 = 16 << 20;
 pub use crate::nn::spec_entry::LayerObject as LayerSpec;
 
 /// A spec (`{"input_shape": ..., "layers": [...]}`) that builds `model` again, each layer
-/// written by its own [`Layer::spec`], or an error naming the first layer that has no spec
+/// written by its own [`Layer::spec`](crate::nn::Layer::spec), or an error naming the first layer that has no spec
 /// form (a layer of the user's own).
 pub fn model_to_spec(model: &Sequential) -> Result<Value> {
     let layers = layers_to_spec(model.layers(), model.layer_names(), "").map_err(|(name, describe)| {

@@ -1,5 +1,5 @@
 //! Loops compiled for the processor's widest vectors, with the same bits on every
-//! processor: the [`widest!`] macro, and the branch-free math those loops call
+//! processor: the `widest!` macro, and the branch-free math those loops call
 //! ([`exp_f32`]).
 //!
 //! The library is built for x86-64's baseline (SSE2: 4 f32 a vector), so that one binary

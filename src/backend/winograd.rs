@@ -99,9 +99,9 @@ fn tiling(g: &Geom) -> Pieces {
 pub struct Scratch<'a> {
     /// A piece's samples, padded channels-last: samples × (HP, WP, C).
     pub xp: &'a mut Vec<f32>,
-    /// Transformed input of a piece's tiles, [ξ][row][C]; in the backward, dU after dV.
+    /// Transformed input of a piece's tiles, `[ξ][row][C]`; in the backward, dU after dV.
     pub u: &'a mut Vec<f32>,
-    /// The products of a piece's tiles, [ξ][row][O]; in the backward, dM.
+    /// The products of a piece's tiles, `[ξ][row][O]`; in the backward, dM.
     pub m: &'a mut Vec<f32>,
     /// A piece's outputs or output gradients channels-last: samples × (OH, OW, O).
     pub yt: &'a mut Vec<f32>,
@@ -127,7 +127,7 @@ pub fn dv_floats(g: &Geom) -> usize {
     XI * g.c * g.o
 }
 
-/// The weight transformed for the products: V as [ξ][C][O] (forward) and as [ξ][O][C]
+/// The weight transformed for the products: V as `[ξ][C][O]` (forward) and as `[ξ][O][C]`
 /// (the input's gradient), each 4×4 block G g Gᵀ.
 #[derive(Clone, Debug)]
 pub struct Weights {
@@ -160,7 +160,7 @@ pub fn transform_weights(weight: &[f32], c: usize, o: usize) -> Weights {
     Weights { v, vt }
 }
 
-/// The weight's gradient (O, C, 3, 3) from dV [ξ][C][O]: Gᵀ dV G for every (o, c), the
+/// The weight's gradient (O, C, 3, 3) from dV `[ξ][C][O]`: Gᵀ dV G for every (o, c), the
 /// adjoint of [`transform_weights`].
 pub fn weight_grad(dv: &[f32], c: usize, o: usize) -> Vec<f32> {
     assert_eq!(dv.len(), XI * c * o, "winograd: dV of {} values for ({c}, {o}) channels", dv.len());
@@ -778,7 +778,7 @@ fn crop_sample(dxp: &[f32], g: &Geom, dx: &mut [f32]) {
     out_of_padded(dxp, g.place(), dx);
 }
 
-/// y for a group: x (G, C, H, W) → y (G, O, OH, OW), by pieces of [`tiling`].
+/// y for a group: x (G, C, H, W) → y (G, O, OH, OW), by pieces of `tiling`'s.
 pub fn forward_group(g: &Geom, wt: &Weights, x: &[f32], y: &mut [f32], s: Scratch<'_>) {
     let (per_in, per_out, tiles) = (g.c * g.h * g.w, g.o * g.oh * g.ow, g.tiles());
     let n = x.len() / per_in;
@@ -817,7 +817,7 @@ pub fn forward_group(g: &Geom, wt: &Weights, x: &[f32], y: &mut [f32], s: Scratc
 }
 
 /// The backward of a group: dy (G, O, OH, OW) with the forward's x (G, C, H, W) →
-/// the group's transformed weight gradient dV [ξ][C][O] (its sum over the groups goes
+/// the group's transformed weight gradient dV `[ξ][C][O]` (its sum over the groups goes
 /// through [`weight_grad`] once), and dx (G, C, H, W) where asked (written).
 pub fn backward_group(
     g: &Geom,

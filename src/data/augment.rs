@@ -160,7 +160,7 @@ impl Augment {
 }
 
 /// `out` = the image `x` augmented as `draw` says, with padding `padding` (0: no crop):
-/// out[c][i][j] = x[c][i + dy − P][j' + dx − P], 0 outside the image, where j' = W − 1 − j
+/// `out[c][i][j] = x[c][i + dy − P][j' + dx − P]`, 0 outside the image, where j' = W − 1 − j
 /// when mirrored and j otherwise (the crop first, then the flip, as torchvision's
 /// `Compose([RandomCrop, RandomHorizontalFlip])`).
 /// x: (C, H, W), out: (C, H, W)

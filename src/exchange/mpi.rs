@@ -72,7 +72,7 @@
 //! trainer gathers the state's parts from every process for a checkpoint.
 //!
 //! Faults: every wait polls the world's failure notices, the processes on this machine,
-//! the launcher and this group's abort flag ([`MpiWorld::wait`]). A failed wait leaves
+//! the launcher and this group's abort flag (`MpiWorld::wait`). A failed wait leaves
 //! MPI requests pending on this group's buffers, so the group is then *abandoned*: its
 //! buffers are leaked, never freed under MPI, and the process is on its way out.
 

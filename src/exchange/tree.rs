@@ -1,7 +1,7 @@
 //! The canonical summation tree over shard indices, cut where shards meet different
 //! owners: what makes a sum over several processes bitwise the sum of one.
 //!
-//! Owns the shape of the tree ([`split`]) and its one evaluation ([`node_block`]), which
+//! Owns the shape of the tree (`split`) and its one evaluation (`node_block`), which
 //! every f32 sum of the crate's exchanges runs: [`tree_sum`] over whole shards (the
 //! shared-memory exchange, the codec's reduce, each process's part under MPI) and
 //! [`sum_leaves`] over partial sums. The tree over shards `lo..hi` splits at `lo + p`,

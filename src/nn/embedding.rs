@@ -14,7 +14,7 @@
 //! position 5) is at or above the vocabulary 256`.
 //!
 //! # Gradients
-//! - dweight[id] += dout row, for every token in token order (n, t): the order of every
+//! - `dweight[id]` += dout row, for every token in token order (n, t): the order of every
 //!   addition is fixed, so the gradient is the same bits on any run, any thread count and
 //!   (kernels/embedding.cu adds in the same order) on a GPU. PyTorch adds the same values;
 //!   its order of additions for a repeated id may differ, within f32 rounding.

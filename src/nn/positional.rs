@@ -9,7 +9,7 @@
 //! layer of its own keeps the token embedding free of the context length.
 //!
 //! # Gradients
-//! dweight[t] += Σ_n dout[n, t], n ascending (each value added into the gradient in turn,
+//! `dweight[t] += Σ_n dout[n, t]`, n ascending (each value added into the gradient in turn,
 //! so the order is fixed and the GPU's is the same); rows T..P get nothing. dx = dout.
 //!
 //! A context longer than the table is an error that names both, at build (the spec's

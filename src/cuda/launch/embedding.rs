@@ -20,7 +20,7 @@ use crate::{Error, Result};
 const MAX_VOCAB: usize = 1 << 24;
 
 impl Gpu {
-    /// y = weight[ids]: row `ids[i]` of the table for each token (NaN for an id that is
+    /// y = `weight[ids]`: row `ids[i]` of the table for each token (NaN for an id that is
     /// not a row, which the host's check refuses first).
     /// ids: (m) as f32, weight: (vocab, c) -> y: (m, c)
     pub fn embedding_fwd(
@@ -49,7 +49,7 @@ impl Gpu {
         unsafe { embedding::embedding::fwd(self, elem_cfg(m * c), ids, weight, y, m, vi, ci) }
     }
 
-    /// dweight[ids[i]] += dy[i], for every token i in order: a counting sort of the token
+    /// `dweight[ids[i]] += dy[i]`, for every token i in order: a counting sort of the token
     /// positions by id into `order` (its offsets per id in `offsets`), then one thread per
     /// (row, column) adding its tokens' dy in token order into the gradient. Tokens whose
     /// id is not a row are skipped (the host's check refuses them first).
@@ -132,7 +132,7 @@ impl Gpu {
         unsafe { embedding::positional_embedding::fwd(self, elem_cfg(total), x, weight, y, tc, total) }
     }
 
-    /// dweight += Σ_n dy[n] (n ascending, into the gradient's value); dx = dy when given.
+    /// dweight += `Σ_n dy[n]` (n ascending, into the gradient's value); dx = dy when given.
     /// dy, dx: (n, T, C) with tc = T*C; dweight: (T, C), the table's first T rows
     pub fn positional_embedding_bwd(
         &self,

@@ -37,7 +37,7 @@
 //! a reduce-scatter of 16-bit codes that decodes before it adds is no NCCL collective.
 //!
 //! Every member must make the same calls, in the same order, as with NCCL or MPI. A group
-//! is shared by reference by the run's threads; [`Abort::abort`](super::Abort::abort) on it makes every
+//! is shared by reference by the run's threads; [`super::Abort::abort`] on it makes every
 //! pending and future call of every member return [`Error::Aborted`].
 
 mod copies;
