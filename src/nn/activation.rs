@@ -316,3 +316,42 @@ impl GpuLayer for RescalingGpu {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tensor::Device;
+
+    /// `forward_sum` is the add and then the layer's forward, bit for bit, in training
+    /// (with the same mask for the backward) and in evaluation: sums that land on +0, −0,
+    /// either side of it, and a NaN that passes. Shapes that differ are refused, naming both.
+    #[test]
+    fn the_relu_of_a_sum_is_the_add_then_the_relu() {
+        let y = [1.5, -2.0, 0.5, -0.0, f32::NAN, 3.0, -1.0, 2.0];
+        let skip = [-1.5, 1.0, 0.25, 0.0, 1.0, -4.0, 1.0, -0.0];
+        let t = |v: &[f32]| Tensor::from_vec(v.to_vec(), [2, 4]).unwrap();
+        let added = t(&y.iter().zip(&skip).map(|(a, b)| a + b).collect::<Vec<_>>());
+        let dy = t(&[1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0]);
+        for ctx in [Ctx::train(0, 0, 0, Device::Cpu(0)), Ctx::eval(Device::Cpu(0))] {
+            let (mut fused, mut alone) = (Relu::new(), Relu::new());
+            let got = fused.forward_sum(t(&y), &t(&skip), &ctx).unwrap();
+            let want = alone.forward(added.clone(), Params::new(&[], &[]), ParamsMut::new(&mut [], &[]), &ctx).unwrap();
+            let bits = |x: &Tensor| x.host().iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&got), bits(&want), "{:?}", ctx.mode);
+            assert!(got.host()[4].is_nan() && got.host()[0] == 0.0 && got.host()[5] == 0.0);
+            if ctx.mode == Mode::Train {
+                let back = |r: &mut Relu| {
+                    let none = ParamsMut::new(&mut [], &[]);
+                    r.backward(dy.clone(), Params::new(&[], &[]), none, InputGrad::Needed, &ctx).unwrap().unwrap()
+                };
+                let (d_fused, d_alone) = (back(&mut fused), back(&mut alone));
+                assert_eq!(d_fused.host(), d_alone.host());
+                assert_eq!(d_fused.host(), &[0.0, 0.0, 3.0, 0.0, 0.0, 0.0, 0.0, 8.0]);
+            }
+        }
+        let e =
+            Relu::new().forward_sum(t(&y), &Tensor::from_vec(vec![0.0; 8], [8]).unwrap(), &Ctx::eval(Device::Cpu(0)));
+        let e = e.unwrap_err().to_string();
+        assert!(e.contains("(2, 4)") && e.contains("(8)"), "{e}");
+    }
+}

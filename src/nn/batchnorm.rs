@@ -193,20 +193,27 @@ widest! {
     }
 }
 
-widest! {
-    /// Σ d·x̂ in f64, as [`sum_f64`] (with Σ d, the two sums of the backward: two loops,
-    /// not one, so that each runs in vectors across its eight accumulators; the plane is
-    /// in L1 for the second).
-    fn sum_prod_f64(d: &[f32], xh: &[f32]) -> f64 {
-        let mut acc = [0.0f64; 8];
-        let (dc, xc) = (d.chunks_exact(8), xh.chunks_exact(8));
-        let tail: f64 = dc.remainder().iter().zip(xc.remainder()).map(|(&v, &x)| v as f64 * x as f64).sum();
-        for (dd, xx) in dc.zip(xc) {
-            for k in 0..8 {
-                acc[k] += dd[k] as f64 * xx[k] as f64;
-            }
+/// Σ term(dᵢ, x̂ᵢ) in f64 in [`sum_f64`]'s order (eight accumulators, i mod 8, added in
+/// order, then the tail): the backward's sums, each its own loop over a plane, not one loop
+/// for two sums, so that each runs in vectors across its accumulators (the plane is in L1
+/// for the second). Inlined into `widest!` kernels, which compile it for their vectors.
+#[inline(always)]
+fn sum_pairs_f64(d: &[f32], xh: &[f32], term: impl Fn(f32, f32) -> f64) -> f64 {
+    let mut acc = [0.0f64; 8];
+    let (dc, xc) = (d.chunks_exact(8), xh.chunks_exact(8));
+    let tail: f64 = dc.remainder().iter().zip(xc.remainder()).map(|(&v, &x)| term(v, x)).sum();
+    for (dd, xx) in dc.zip(xc) {
+        for k in 0..8 {
+            acc[k] += term(dd[k], xx[k]);
         }
-        acc.iter().sum::<f64>() + tail
+    }
+    acc.iter().sum::<f64>() + tail
+}
+
+widest! {
+    /// Σ d·x̂ in f64.
+    fn sum_prod_f64(d: &[f32], xh: &[f32]) -> f64 {
+        sum_pairs_f64(d, xh, |v, x| v as f64 * x as f64)
     }
 }
 
@@ -278,33 +285,16 @@ widest! {
 }
 
 widest! {
-    /// [`sum_f64`] of the gradient the ReLU passes back.
+    /// Σ d in f64 of the gradient the ReLU passes back.
     fn sum_f64_relu(d: &[f32], xh: &[f32], g: f32, b: f32) -> f64 {
-        let mut acc = [0.0f64; 8];
-        let (dc, xc) = (d.chunks_exact(8), xh.chunks_exact(8));
-        let tail: f64 = dc.remainder().iter().zip(xc.remainder()).map(|(&v, &x)| relu_masked(v, x, g, b) as f64).sum();
-        for (dd, xx) in dc.zip(xc) {
-            for k in 0..8 {
-                acc[k] += relu_masked(dd[k], xx[k], g, b) as f64;
-            }
-        }
-        acc.iter().sum::<f64>() + tail
+        sum_pairs_f64(d, xh, |v, x| relu_masked(v, x, g, b) as f64)
     }
 }
 
 widest! {
-    /// [`sum_prod_f64`] of the gradient the ReLU passes back.
+    /// Σ d·x̂ in f64 of the gradient the ReLU passes back.
     fn sum_prod_f64_relu(d: &[f32], xh: &[f32], g: f32, b: f32) -> f64 {
-        let mut acc = [0.0f64; 8];
-        let (dc, xc) = (d.chunks_exact(8), xh.chunks_exact(8));
-        let masked = |v: f32, x: f32| relu_masked(v, x, g, b) as f64 * x as f64;
-        let tail: f64 = dc.remainder().iter().zip(xc.remainder()).map(|(&v, &x)| masked(v, x)).sum();
-        for (dd, xx) in dc.zip(xc) {
-            for k in 0..8 {
-                acc[k] += masked(dd[k], xx[k]);
-            }
-        }
-        acc.iter().sum::<f64>() + tail
+        sum_pairs_f64(d, xh, |v, x| relu_masked(v, x, g, b) as f64 * x as f64)
     }
 }
 
