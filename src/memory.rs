@@ -265,10 +265,11 @@ mod tests {
         // maxpool spec: kept conv0 (784 + 21,632)·4, relu 21,632, pool 5,408·4, conv1
         // (5,408 + 7,744)·4, relu 7,744, pool 1,600·4, flatten 0, dropout 1,600·4, dense
         // 1,600·4 = 212,480; around, 2·21,632·4 + 784·4 = 176,192 (the eval figure);
-        // partials 32·9 (conv0) + 16·32·64 (conv1, 3×3 at stride 1 between 32 and 64
-        // channels: Winograd's transformed dV) = 33,056 f32 a group; conv1's transformed
-        // weight 2·16·32·64 f32 = 262,144 B once (in evaluation too): 783,040 B for one
-        // sample, 438,336 B to evaluate one. toy: 506 and 248 B (the toy test).
+        // partials 32·9 (conv0) + 36·32·64 (conv1, 3×3 at stride 1 between 32 and 64
+        // channels: Winograd's transformed dV, 6·6 points) = 74,016 f32 a group; conv1's
+        // transformed weight 2·36·32·64 f32 = 589,824 B once (in evaluation too):
+        // 1,274,560 B for one sample, 766,016 B to evaluate one. toy: 506 and 248 B (the
+        // toy test).
         let maxpool = crate::spec::model_from_spec_str(
             include_str!("../examples/mnist_convnet_maxpool.json"),
             "mnist_convnet_maxpool.json",
@@ -286,11 +287,11 @@ mod tests {
             ("convnet", 16, 6_625_024, 1_254_400),
             ("convnet", 17, 6_886_592, 1_332_800),
             ("convnet", 256, 69_401_344, 20_070_400),
-            ("maxpool", 1, 783_040, 438_336),
-            ("maxpool", 7, 3_908_416, 1_495_488),
-            ("maxpool", 16, 8_596_480, 3_081_216),
-            ("maxpool", 17, 8_985_152, 3_257_408),
-            ("maxpool", 256, 101_877_760, 45_367_296),
+            ("maxpool", 1, 1_274_560, 766_016),
+            ("maxpool", 7, 5_382_976, 1_823_168),
+            ("maxpool", 16, 11_545_600, 3_408_896),
+            ("maxpool", 17, 11_934_272, 3_585_088),
+            ("maxpool", 256, 104_826_880, 45_694_976),
             ("toy", 1, 506, 248),
             ("toy", 7, 3_542, 1_736),
             ("toy", 16, 8_096, 3_968),
@@ -303,12 +304,13 @@ mod tests {
         // conv1 rows, a sample and its gradient 2·12·28·28, a band of rows 72·432 (a
         // sample's 144·432 exceed 128 KiB: two bands of 72 pixels) and a sample's outputs
         // 144·24; conv2 rows, 2·24·12·12 + 36·864 + 36·32 (one sample fits): conv1's 53,376
-        // the largest, 213,504 B. maxpool: conv0 columns 2·9·676; conv1 Winograd (6·6 = 36
-        // tiles a sample, one sample a piece, padded 14·14·32): twice the padded sample,
-        // 16·36·(32 + 64) transformed tiles and 11·11·64 outputs, 75,584 f32, 302,336 B.
+        // the largest, 213,504 B. maxpool: conv0 columns 2·9·676; conv1 Winograd (3·3 = 9
+        // tiles a sample of 13,824 B each, two samples a 256 KiB piece, padded 14·14·32):
+        // twice two padded samples, 36·18·(32 + 64) transformed tiles and two samples'
+        // 11·11·64 outputs, 102,784 f32, 411,136 B.
         let lent = |name: &str| match name {
             "convnet" => 213_504,
-            "maxpool" => 302_336,
+            "maxpool" => 411_136,
             _ => 0,
         };
         for (name, batch, shard, eval) in pinned {

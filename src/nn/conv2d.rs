@@ -4,7 +4,7 @@
 //!
 //! The batch is cut into the fixed groups of `backend::cpu::batch_groups`, which run in
 //! parallel on the device's pool; within a group, a 3×3 convolution at stride 1 between
-//! at least 8 channels runs by Winograd's F(2×2, 3×3) (`backend::winograd`, 2.25 times
+//! at least 8 channels runs by Winograd's F(4×4, 3×3) (`backend::winograd`, 4 times
 //! fewer multiply-adds), and any other is GEMM over unfolded inputs, in one of two
 //! layouts: channels-first columns for a small C·KH·KW (the first layer of an image
 //! model), and channels-last rows otherwise (every kernel row of a pixel is one contiguous
@@ -54,8 +54,8 @@ enum Unfold {
     /// Channels-last rows (OH·OW, KH·KW·C) per sample, stacked for the whole group, one
     /// GEMM per group with the weight as (KH·KW·C, O).
     Rows,
-    /// Winograd's F(2×2, 3×3) (`backend::winograd`): a 3×3 kernel at stride 1 between
-    /// at least 8 channels, in 2.25 times fewer multiply-adds than the unfoldings.
+    /// Winograd's F(4×4, 3×3) (`backend::winograd`): a 3×3 kernel at stride 1 between
+    /// at least 8 channels, in 4 times fewer multiply-adds than the unfoldings.
     Winograd,
 }
 
@@ -526,7 +526,7 @@ impl Layer for Conv2d {
         let (kkc, p, o) = (g.col_rows() as u64, g.col_cols() as u64, self.filters as u64);
         let wg = winograd_geom(&g, self.filters);
         let how = unfold(&g, self.filters);
-        // Winograd: each group's partial is its transformed dV (16/9 of the weight), and
+        // Winograd: each group's partial is its transformed dV (36/9 of the weight), and
         // the transformed weight (V and Vᵀ) is held once from the forward to the backward.
         let (per_group, per_layer) = match how {
             Unfold::Winograd => (winograd::dv_floats(&wg) as u64, winograd::weight_floats(&wg) as u64),
