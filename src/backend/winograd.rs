@@ -141,9 +141,10 @@ pub struct Weights {
 }
 
 /// 24·G applied to a column (a, b, c) of a kernel, in f64, where G = [[¼, 0, 0],
-/// [−⅙, −⅙, −⅙], [−⅙, ⅙, −⅙], [1/24, 1/12, ⅙], [1/24, −1/12, ⅙], [0, 0, 1]]: integer
-/// coefficients, so the f64 sums of f32 values are exact (short of 2²⁹ between a
-/// kernel's magnitudes), and G's fractions are one scaling at the end ([`SCALE`]).
+/// [−⅙, −⅙, −⅙], [−⅙, ⅙, −⅙], [1/24, 1/12, ⅙], [1/24, −1/12, ⅙], [0, 0, 1]]: small
+/// integer coefficients, so that both passes' f64 sums of a kernel's f32 values are exact
+/// unless those values span more than 2¹⁶ in magnitude (and then off by f64's rounding,
+/// far below f32's); G's fractions are one scaling at the end ([`SCALE`]).
 #[inline(always)]
 fn g24_col(a: f64, b: f64, c: f64) -> [f64; SIDE] {
     let (ac, b2) = (a + 4.0 * c, 2.0 * b);
@@ -157,10 +158,10 @@ fn g24t_col(m: [f64; SIDE]) -> [f64; 3] {
     [6.0 * m[0] - 4.0 * s12 + s34, 4.0 * (m[2] - m[1]) + 2.0 * (m[3] - m[4]), 4.0 * (s34 - s12) + 24.0 * m[5]]
 }
 
-/// G g Gᵀ = (24·G) g (24·G)ᵀ / 576: the one rounding of the weight's transforms.
+/// G g Gᵀ = (24·G) g (24·G)ᵀ / 576, and likewise Gᵀ dV G.
 const SCALE: f64 = 1.0 / 576.0;
 
-/// G g Gᵀ for every (o, c) of weight (O, C, 3, 3), computed in f64 and rounded once.
+/// G g Gᵀ for every (o, c) of weight (O, C, 3, 3), computed in f64, then rounded to f32.
 pub fn transform_weights(weight: &[f32], c: usize, o: usize) -> Weights {
     assert_eq!(weight.len(), o * c * 9, "winograd: weight of {} values for ({o}, {c}, 3, 3)", weight.len());
     let (mut v, mut vt) = (vec![0.0f32; XI * c * o], vec![0.0f32; XI * c * o]);
@@ -170,9 +171,9 @@ pub fn transform_weights(weight: &[f32], c: usize, o: usize) -> Weights {
         for oo in 0..o {
             let g = |i: usize| weight[(oo * c + ch) * 9 + i] as f64;
             // t = G g (6×3) by columns, then each row of t through G: v = t Gᵀ (6×6)
-            let cols = [g24_col(g(0), g(3), g(6)), g24_col(g(1), g(4), g(7)), g24_col(g(2), g(5), g(8))];
-            for r in 0..SIDE {
-                for (s, val) in g24_col(cols[0][r], cols[1][r], cols[2][r]).into_iter().enumerate() {
+            let [c0, c1, c2] = [g24_col(g(0), g(3), g(6)), g24_col(g(1), g(4), g(7)), g24_col(g(2), g(5), g(8))];
+            for (r, ((&a, &b), &d)) in c0.iter().zip(&c1).zip(&c2).enumerate() {
+                for (s, val) in g24_col(a, b, d).into_iter().enumerate() {
                     let (xi, val) = (SIDE * r + s, (val * SCALE) as f32);
                     v[(xi * c + ch) * o + oo] = val;
                     vt[(xi * o + oo) * c + ch] = val;
@@ -184,7 +185,7 @@ pub fn transform_weights(weight: &[f32], c: usize, o: usize) -> Weights {
 }
 
 /// The weight's gradient (O, C, 3, 3) from dV `[ξ][C][O]`: Gᵀ dV G for every (o, c), the
-/// adjoint of [`transform_weights`], computed in f64 and rounded once.
+/// adjoint of [`transform_weights`], computed in f64, then rounded to f32.
 pub fn weight_grad(dv: &[f32], c: usize, o: usize) -> Vec<f32> {
     assert_eq!(dv.len(), XI * c * o, "winograd: dV of {} values for ({c}, {o}) channels", dv.len());
     let mut dw = Vec::with_capacity(o * c * 9);
@@ -201,11 +202,7 @@ pub fn weight_grad(dv: &[f32], c: usize, o: usize) -> Vec<f32> {
                 *col = g24t_col(xs);
             }
             for a in 0..3 {
-                let mut row = [0.0f64; SIDE];
-                for (s, x) in row.iter_mut().enumerate() {
-                    *x = cols[s][a];
-                }
-                dw.extend(g24t_col(row).map(|val| (val * SCALE) as f32));
+                dw.extend(g24t_col(cols.map(|col| col[a])).map(|val| (val * SCALE) as f32));
             }
         }
     }
@@ -1032,7 +1029,7 @@ mod tests {
         // in ±0.5, and of N·OH·OW for the weight's gradient). Measured: at most 6.8·10⁻⁶
         // (the output at 28×28), against 3·10⁻⁷ by F(2×2, 3×3): F(4×4)'s transforms
         // weigh points by up to 8 and 5 before the sums cancel, the price of its 4 times
-        // fewer products that oneDNN and cuDNN pay for theirs too.
+        // fewer products.
         let cases = [
             (geom(16, (28, 28), 16, 1), 2),
             (geom(32, (14, 14), 32, 1), 3),
