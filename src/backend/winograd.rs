@@ -66,6 +66,12 @@ impl Geom {
     fn tiles_wide(&self) -> usize {
         self.ow.div_ceil(STEP)
     }
+    /// Where tile t's outputs start, (row, column); its input in the padded sample starts
+    /// there too.
+    #[inline(always)]
+    fn origin(&self, t: usize) -> (usize, usize) {
+        (STEP * (t / self.tiles_wide()), STEP * (t % self.tiles_wide()))
+    }
     /// T: a sample's tiles.
     pub fn tiles(&self) -> usize {
         self.tiles_high() * self.tiles_wide()
@@ -193,14 +199,7 @@ pub fn weight_grad(dv: &[f32], c: usize, o: usize) -> Vec<f32> {
         for ch in 0..c {
             let m = |xi: usize| dv[(xi * c + ch) * o + oo] as f64;
             // t = Gᵀ dV (3×6) by columns s, then each row of t through Gᵀ: dg = t G (3×3)
-            let mut cols = [[0.0f64; 3]; SIDE];
-            for (s, col) in cols.iter_mut().enumerate() {
-                let mut xs = [0.0f64; SIDE];
-                for (r, x) in xs.iter_mut().enumerate() {
-                    *x = m(SIDE * r + s);
-                }
-                *col = g24t_col(xs);
-            }
+            let cols: [[f64; 3]; SIDE] = std::array::from_fn(|s| g24t_col(std::array::from_fn(|r| m(SIDE * r + s))));
             for a in 0..3 {
                 dw.extend(g24t_col(cols.map(|col| col[a])).map(|val| (val * SCALE) as f32));
             }
@@ -393,9 +392,10 @@ widest! {
     /// U's rows `row0..` for tiles `tiles` of one padded channels-last sample `xp`
     /// (HP, WP, C): u [ξ][row][C], ξ `us` apart.
     fn input_transform(xp: &[f32], g: Geom, tiles: Range<usize>, u: &mut [f32], us: usize, row0: usize) {
-        let (c, wp, tw) = (g.c, g.padded().1, g.tiles_wide());
+        let (c, wp) = (g.c, g.padded().1);
         for (row, t) in (row0..).zip(tiles) {
-            let at = STEP * ((t / tw) * wp + t % tw) * c;
+            let (y0, x0) = g.origin(t);
+            let at = (y0 * wp + x0) * c;
             by_lanes!(c, |ch, L| input_lanes::<L>(xp, at + ch, wp * c, c, &mut u[row * c + ch..], us));
         }
     }
@@ -405,9 +405,9 @@ widest! {
     /// Outputs of tiles `tiles` of one sample into yt (OH, OW, O) from M's rows `row0..`
     /// ([ξ][row][O], ξ `ms` apart); the outputs past OH or OW (odd sizes) are dropped.
     fn output_transform(m: &[f32], ms: usize, row0: usize, g: Geom, tiles: Range<usize>, yt: &mut [f32]) {
-        let (o, oh, ow, tw) = (g.o, g.oh, g.ow, g.tiles_wide());
+        let (o, oh, ow) = (g.o, g.oh, g.ow);
         for (row, t) in (row0..).zip(tiles) {
-            let (y0, x0) = (STEP * (t / tw), STEP * (t % tw));
+            let (y0, x0) = g.origin(t);
             by_lanes!(o, |ch, L| {
                 let y = output_lanes::<L>(&m[row * o + ch..], ms);
                 for (p, y_p) in y.iter().enumerate() {
@@ -427,9 +427,9 @@ widest! {
     /// dM's rows `row0..` ([ξ][row][O], ξ `ms` apart) for tiles `tiles` of one sample's
     /// output gradient dyt (OH, OW, O), zero past OH or OW.
     fn output_grad_transform(dyt: &[f32], g: Geom, tiles: Range<usize>, dm: &mut [f32], ms: usize, row0: usize) {
-        let (o, oh, ow, tw) = (g.o, g.oh, g.ow, g.tiles_wide());
+        let (o, oh, ow) = (g.o, g.oh, g.ow);
         for (row, t) in (row0..).zip(tiles) {
-            let (y0, x0) = (STEP * (t / tw), STEP * (t % tw));
+            let (y0, x0) = g.origin(t);
             by_lanes!(o, |ch, L| {
                 let dy = each!(4, |P| each!(4, |Q| {
                     let (yy, xx) = (y0 + P, x0 + Q);
@@ -445,9 +445,10 @@ widest! {
     /// Adds the input gradients of tiles `tiles` of one sample, in tile order, into its
     /// padded channels-last dxp (HP, WP, C), from dU's rows `row0..` ([ξ][row][C]).
     fn input_grad_transform(du: &[f32], us: usize, row0: usize, g: Geom, tiles: Range<usize>, dxp: &mut [f32]) {
-        let (c, wp, tw) = (g.c, g.padded().1, g.tiles_wide());
+        let (c, wp) = (g.c, g.padded().1);
         for (row, t) in (row0..).zip(tiles) {
-            let at = STEP * ((t / tw) * wp + t % tw) * c;
+            let (y0, x0) = g.origin(t);
+            let at = (y0 * wp + x0) * c;
             by_lanes!(c, |ch, L| input_grad_lanes::<L>(&du[row * c + ch..], us, dxp, at + ch, wp * c, c));
         }
     }
@@ -1065,6 +1066,18 @@ mod tests {
                 assert!(dx1.iter().zip(&dx[s * pi..]).all(|(a, b)| a.to_bits() == b.to_bits()), "{g:?} dx of {s}");
             }
         }
+    }
+
+    #[test]
+    #[should_panic(expected = "winograd: weight of 17 values for (2, 1, 3, 3)")]
+    fn a_weight_of_the_wrong_length_is_refused() {
+        transform_weights(&[0.0; 17], 1, 2);
+    }
+
+    #[test]
+    #[should_panic(expected = "winograd: dV of 35 values for (1, 1) channels")]
+    fn a_weight_gradient_of_the_wrong_length_is_refused() {
+        weight_grad(&[0.0; 35], 1, 1);
     }
 
     #[test]
