@@ -198,6 +198,12 @@ impl Tensor {
         Arc::unwrap_or_clone(self.data)
     }
 
+    /// Consumes the tensor and returns its values if no clone shares them (None if one
+    /// does: nothing is copied). For a layer that reuses a buffer it would otherwise free.
+    pub fn into_unshared_vec(self) -> Option<Vec<f32>> {
+        Arc::try_unwrap(self.data).ok()
+    }
+
     /// A copy of the values.
     pub fn to_vec(&self) -> Result<Vec<f32>> {
         Ok(self.data.to_vec())
