@@ -744,6 +744,55 @@ pub fn split_by_groups(buf: &mut [f32], n: usize, per: usize) -> Vec<&mut [f32]>
     parts
 }
 
+/// A group's input samples for a backward, and where their gradients go: apart, or over
+/// the inputs themselves, when the layer holds the only reference to them (no new buffer,
+/// none to zero). Over the inputs, a layer must read all of a sample before it writes the
+/// sample's gradient: each sample is a slot that holds its input and then its gradient.
+pub enum Samples<'a> {
+    /// The inputs, and the gradients' own buffer if they are asked for.
+    Apart { x: &'a [f32], dx: Option<&'a mut [f32]> },
+    /// The inputs, each overwritten by its gradient.
+    Overwritten(&'a mut [f32]),
+}
+
+impl Samples<'_> {
+    /// Sample k's input (k counted within the group), of `per` values. Once its
+    /// gradient was written over it, this is the gradient.
+    pub fn input(&self, k: usize, per: usize) -> &[f32] {
+        let all = match self {
+            Samples::Apart { x, .. } => &x[..],
+            Samples::Overwritten(both) => &both[..],
+        };
+        &all[k * per..(k + 1) * per]
+    }
+
+    /// Where sample k's gradient goes, if the gradients are asked for.
+    pub fn grad(&mut self, k: usize, per: usize) -> Option<&mut [f32]> {
+        match self {
+            Samples::Apart { dx, .. } => dx.as_deref_mut().map(|d| &mut d[k * per..(k + 1) * per]),
+            Samples::Overwritten(both) => Some(&mut both[k * per..(k + 1) * per]),
+        }
+    }
+
+    /// Whether the gradients are asked for.
+    pub fn wants_grad(&self) -> bool {
+        matches!(self, Samples::Apart { dx: Some(_), .. } | Samples::Overwritten(_))
+    }
+
+    /// How many values the inputs hold.
+    pub fn len(&self) -> usize {
+        match self {
+            Samples::Apart { x, .. } => x.len(),
+            Samples::Overwritten(both) => both.len(),
+        }
+    }
+
+    /// Whether the group holds no values.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
 /// `((p0 + p1) + p2) + ...`, element-wise, in index order (empty for no part).
 pub fn sum_partials(parts: &[Vec<f32>]) -> Vec<f32> {
     let Some((first, rest)) = parts.split_first() else { return Vec::new() };

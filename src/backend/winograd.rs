@@ -29,7 +29,7 @@
 
 use std::ops::Range;
 
-use super::cpu::{into_padded, out_of_padded, transpose, Accumulate, Padded, Pieces};
+use super::cpu::{into_padded, out_of_padded, transpose, Accumulate, Padded, Pieces, Samples};
 use super::simd::widest;
 
 /// Outputs along a tile's side (4), and the input it reads (6 = 4 + 3 − 1).
@@ -893,22 +893,17 @@ pub fn forward_group(g: &Geom, wt: &Weights, x: &[f32], y: &mut [f32], s: Scratc
 
 /// The backward of a group: dy (G, O, OH, OW) with the forward's x (G, C, H, W) →
 /// the group's transformed weight gradient dV `[ξ][C][O]` (its sum over the groups goes
-/// through [`weight_grad`] once), and dx (G, C, H, W) where asked (written).
-pub fn backward_group(
-    g: &Geom,
-    wt: &Weights,
-    x: &[f32],
-    dy: &[f32],
-    mut dx: Option<&mut [f32]>,
-    s: Scratch<'_>,
-) -> Vec<f32> {
+/// through [`weight_grad`] once), and dx (G, C, H, W) where asked (written, apart or over
+/// x: a sample's input is padded into the scratch before its gradient is written).
+pub fn backward_group(g: &Geom, wt: &Weights, mut x: Samples<'_>, dy: &[f32], s: Scratch<'_>) -> Vec<f32> {
     let (per_in, per_out, tiles) = (g.c * g.h * g.w, g.o * g.oh * g.ow, g.tiles());
     let n = x.len() / per_in;
+    let wants_dx = x.wants_grad();
     assert_eq!(dy.len(), n * per_out, "winograd: output gradient of {} values for {n} samples", dy.len());
     let t = tiling(g);
     let (pl, rows) = (g.padded_len(), t.samples * t.band);
     s.xp.resize(t.samples * pl, 0.0);
-    s.dxp.resize(if dx.is_some() { t.samples * pl } else { 0 }, 0.0);
+    s.dxp.resize(if wants_dx { t.samples * pl } else { 0 }, 0.0);
     s.u.resize(XI * rows * g.c, 0.0);
     s.m.resize(XI * rows * g.o, 0.0);
     s.yt.resize(t.samples * per_out, 0.0);
@@ -921,9 +916,9 @@ pub fn backward_group(
             for (k, sample) in chunk.clone().enumerate() {
                 let (xp, yt) = (&mut s.xp[k * pl..(k + 1) * pl], &mut s.yt[k * per_out..(k + 1) * per_out]);
                 if band.start == 0 {
-                    pad_sample(&x[sample * per_in..][..per_in], g, xp);
+                    pad_sample(x.input(sample, per_in), g, xp);
                     transpose(&dy[sample * per_out..][..per_out], g.o, g.oh * g.ow, yt);
-                    if dx.is_some() {
+                    if wants_dx {
                         s.dxp[k * pl..(k + 1) * pl].fill(0.0);
                     }
                 }
@@ -937,7 +932,7 @@ pub fn backward_group(
                 let dvx = &mut dv[xi * g.c * g.o..][..g.c * g.o];
                 chain_gemm((g.c, g.o, r), u, (1, g.c), dm, g.o, dvx, g.o, Accumulate::Add);
             }
-            if dx.is_none() {
+            if !wants_dx {
                 continue;
             }
             for xi in 0..XI {
@@ -950,9 +945,9 @@ pub fn backward_group(
                 input_grad_transform(s.u, us, k * band.len(), *g, band.clone(), dxp);
             }
         }
-        if let Some(dx) = dx.as_deref_mut() {
-            for (k, sample) in chunk.enumerate() {
-                crop_sample(&s.dxp[k * pl..(k + 1) * pl], g, &mut dx[sample * per_in..][..per_in]);
+        for (k, sample) in chunk.enumerate() {
+            if let Some(dx) = x.grad(sample, per_in) {
+                crop_sample(&s.dxp[k * pl..(k + 1) * pl], g, dx);
             }
         }
     }
@@ -1012,8 +1007,17 @@ mod tests {
         forward_group(g, &wt, x, &mut y, Scratch { xp, u, m, yt, dxp });
         let mut dx = vec![f32::NAN; x.len()];
         let [xp, u, m, yt, dxp] = &mut b;
-        let dv = backward_group(g, &wt, x, dy, Some(&mut dx), Scratch { xp, u, m, yt, dxp });
+        let dv = backward_group(g, &wt, Samples::Apart { x, dx: Some(&mut dx) }, dy, Scratch { xp, u, m, yt, dxp });
+        // The gradient written over the input instead: the same bits.
+        let mut both = x.to_vec();
+        let [xp, u, m, yt, dxp] = &mut b;
+        let dv_over = backward_group(g, &wt, Samples::Overwritten(&mut both), dy, Scratch { xp, u, m, yt, dxp });
+        assert!(same_bits(&both, &dx) && same_bits(&dv_over, &dv), "{g:?}: dx written over x differs");
         (y, dx, weight_grad(&dv, g.c, g.o))
+    }
+
+    fn same_bits(a: &[f32], b: &[f32]) -> bool {
+        a.len() == b.len() && a.iter().zip(b).all(|(p, q)| p.to_bits() == q.to_bits())
     }
 
     fn geom(c: usize, hw: (usize, usize), o: usize, pad: usize) -> Geom {

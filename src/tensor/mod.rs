@@ -198,10 +198,12 @@ impl Tensor {
         Arc::unwrap_or_clone(self.data)
     }
 
-    /// Consumes the tensor and returns its values if no clone shares them (None if one
-    /// does: nothing is copied). For a layer that reuses a buffer it would otherwise free.
-    pub fn into_unshared_vec(self) -> Option<Vec<f32>> {
-        Arc::try_unwrap(self.data).ok()
+    /// Consumes the tensor and returns its values if no clone shares them, else gives
+    /// the tensor back (nothing is copied): for a layer that reuses a buffer it would
+    /// otherwise free.
+    pub fn into_unshared_vec(self) -> std::result::Result<Vec<f32>, Tensor> {
+        let Tensor { shape, device, data } = self;
+        Arc::try_unwrap(data).map_err(|data| Tensor { shape, device, data })
     }
 
     /// A copy of the values.
