@@ -844,6 +844,46 @@ mod tests {
     }
 
     #[test]
+    fn the_input_gradient_over_the_input_is_the_one_apart() {
+        // A backward writes dx over the input it kept when nothing else holds the input,
+        // else into memory of its own: the same bits, and a shared input left untouched.
+        // 20 samples make two groups of samples; rows at C = 24 and 28×28 run in bands.
+        use crate::tensor::Device;
+        let ctx = Ctx::train(0, 0, 0, Device::Cpu(0));
+        let cases =
+            [(1, 4, 3, 1, 9, Unfold::Columns), (24, 8, 3, 2, 28, Unfold::Rows), (8, 8, 3, 1, 9, Unfold::Winograd)];
+        for (c, o, k, stride, h, how) in cases {
+            let mut r = crate::rng::SplitMix64::new(5);
+            let mut rand = |len: usize| (0..len).map(|_| r.next_f32() - 0.5).collect::<Vec<f32>>();
+            let n = 20;
+            let conv = Conv2d::new(c, o, (k, k), stride, Padding::Same, false).unwrap();
+            let (_, g) = conv.geometry(&Shape::new([n, c, h, h])).unwrap();
+            assert_eq!(unfold(&g, o), how);
+            assert!(batch_groups(n).len() > 1);
+            assert!(how != Unfold::Rows || rows_tiling(&g).band < g.col_cols(), "{how:?}: in bands");
+            let w = rand(o * c * k * k);
+            let ranges = vec![0..w.len(); 1];
+            let (x, dout) = (rand(n * c * h * h), rand(n * o * g.oh * g.ow));
+            let run = |share: bool| {
+                let mut layer = conv.clone();
+                let x = Tensor::from_vec(x.clone(), [n, c, h, h]).unwrap();
+                let held = share.then(|| x.clone());
+                layer.forward(x, Params::new(&w, &ranges), ParamsMut::new(&mut [], &[]), &ctx).unwrap();
+                let d = Tensor::from_vec(dout.clone(), [n, o, g.oh, g.ow]).unwrap();
+                let mut dw = vec![0.0; w.len()];
+                let grads = ParamsMut::new(&mut dw, &ranges);
+                let dx = layer.backward(d, Params::new(&w, &ranges), grads, InputGrad::Needed, &ctx).unwrap();
+                (dx.unwrap().into_vec(), dw, held.map(Tensor::into_vec))
+            };
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+            let ((dx_over, dw_over, _), (dx_apart, dw_apart, held)) = (run(false), run(true));
+            assert_eq!(bits(&dx_over), bits(&dx_apart), "{how:?}: dx");
+            assert_eq!(bits(&dw_over), bits(&dw_apart), "{how:?}: dweight");
+            assert_eq!(held.as_deref(), Some(&x[..]), "{how:?}: the shared input was written");
+        }
+    }
+
+    #[test]
     fn both_unfoldings_compute_the_same_convolution() {
         // The same layer run through columns and rows: equal up to summation order
         // (|Δ| ≤ 1e-5 on values of order 1, sums of 2·3·3 = 18 products). O = 4 takes rows'
