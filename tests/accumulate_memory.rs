@@ -3,12 +3,14 @@
 //! test, so nothing else allocates meanwhile), for the convnet (BatchNorm, B = 256) on one
 //! CPU device with K = 1, 2, 4 micro-batches.
 //!
-//! What is counted: the live heap bytes above those live before the step (the model, the
-//! replica's flat buffers, the exchange's slot and the gathered batch already exist), at
-//! their highest during the step: the forward's activations and the layers' caches
-//! (unfolded inputs, x̂), the backward's gradients of activations. They scale with the
-//! rows of one forward pass, so ÷ K, but for what a step holds whatever its size (the
-//! per-thread scratch of the convolutions' GEMMs, a few small vectors).
+//! What is counted: the live heap bytes above those live before the first step (the model,
+//! the replica's flat buffers, the exchange's slot and the gathered batch already exist),
+//! at their highest during the second step. So both what a step allocates and frees (the
+//! forward's activations, the layers' caches, the backward's gradients) and what steps
+//! keep for the next one: the convolutions' outputs written into the last backward's
+//! gradients, held between steps, and the lent work buffers. Nearly all of it scales with
+//! the rows of one forward pass, so ÷ K, but for what a step holds whatever its size (the
+//! transformed weights, the optimiser's state, a few small vectors).
 
 use std::sync::atomic::Ordering;
 
@@ -22,8 +24,8 @@ use lockstep::train::{with_trainer, Batch, TrainConfig};
 mod counting_alloc;
 use counting_alloc::{LIVE, PEAK};
 
-/// Peak bytes allocated above the live ones during one training step with K micro-batches
-/// (the second step of a run: the first one sizes the caches that persist).
+/// Peak bytes allocated above the live ones before the first step, during the second
+/// training step with K micro-batches (the first one sizes the buffers that persist).
 fn step_peak(k: usize) -> isize {
     let model = models::convnet(ConvnetOptions { dropout: 0.0, ..Default::default() }).unwrap();
     let data = load_digits(DigitsLayout::Image28).unwrap().train;
@@ -35,10 +37,11 @@ fn step_peak(k: usize) -> isize {
         ..Default::default()
     };
     with_trainer(&model, &Devices::cpu(1, 2).unwrap(), &cfg, |t| {
-        t.step(Batch::gather(&data, &rows))?;
         let batch = Batch::gather(&data, &rows);
         let base = LIVE.load(Ordering::Relaxed);
-        PEAK.store(base, Ordering::Relaxed);
+        t.step(batch)?;
+        let batch = Batch::gather(&data, &rows);
+        PEAK.store(LIVE.load(Ordering::Relaxed), Ordering::Relaxed);
         t.step(batch)?;
         Ok(PEAK.load(Ordering::Relaxed) - base)
     })
@@ -55,10 +58,11 @@ fn accumulation_divides_the_activation_memory_by_k() {
         mib(peaks[1]),
         mib(peaks[2])
     );
-    // Measured: 23.2, 11.2, 5.6 MiB (1 : 2.07 : 4.16). A rule that kept the whole batch's
+    // Measured: 34.4, 20.3, 10.8 MiB (1 : 1.69 : 3.20); before the convolutions reused
+    // their gradients' memory, 41.3, 23.1, 12.1 MiB. A rule that kept the whole batch's
     // activations, or the batch's rows staged whole, would give ratios near 1; these
-    // bounds leave 10% to the part that does not scale.
+    // bounds leave 10% below the measured ratios to the part that does not scale.
     let (r2, r4) = (peaks[0] as f64 / peaks[1] as f64, peaks[0] as f64 / peaks[2] as f64);
-    assert!(r2 >= 1.8, "K = 2 divides the step's peak by {r2:.2}");
-    assert!(r4 >= 3.4, "K = 4 divides the step's peak by {r4:.2}");
+    assert!(r2 >= 1.5, "K = 2 divides the step's peak by {r2:.2}");
+    assert!(r4 >= 2.9, "K = 4 divides the step's peak by {r4:.2}");
 }

@@ -13,6 +13,13 @@
 //! group and the groups added in group order, so the result is bitwise the same whatever
 //! the thread count.
 //!
+//! A training step allocates no zeroed memory for a convolution's two big results: the
+//! forward writes its output into the values of the last backward's output gradient (the
+//! same shape), and the backward writes the input gradient over the input it kept, where
+//! nothing else holds it ([`Samples`]); every unfolding writes each value of both, and
+//! reads a sample whole before writing its gradient. The zeroing they replace took 1.6%
+//! of a `resnet8` step.
+//!
 //! Owns also its spec entry (`conv2d`), its spec form and its memory account: what it
 //! keeps for backward and the weight-gradient partials of its groups.
 
@@ -150,9 +157,9 @@ pub struct Conv2d {
     transformed: Option<winograd::Weights>,
     /// The values of the last backward's output gradient, which has the output's shape:
     /// the next forward writes its output there instead of into fresh zeroed memory
-    /// (every unfolding writes each output value; the zeroing of a fresh output was 1% of
-    /// a `resnet8` step). Held from the backward to the next forward, while the layer's
-    /// own activations are freed, so the peak (the end of a forward) never holds it.
+    /// (every unfolding writes each output value). Held from the backward to the next
+    /// forward, in place of the output that the backward has freed by then, so the peak
+    /// (the end of a forward) never holds it.
     spare: Option<Vec<f32>>,
 }
 
