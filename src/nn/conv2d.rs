@@ -630,17 +630,16 @@ impl Layer for Conv2d {
         let need_dx = input_grad == InputGrad::Needed;
         let (per_in, x_shape, device) = (job.per_in(), x.shape().clone(), x.device());
         // dx over x's own values where nothing else holds them (no new memory, none to
-        // zero); else into fresh memory.
-        let (mut over, shared) = match if need_dx { x.into_unshared_vec() } else { Err(x) } {
+        // zero); else into fresh memory, x shared.
+        let (mut dx, shared) = match if need_dx { x.into_unshared_vec() } else { Err(x) } {
             Ok(values) => (values, None),
-            Err(x) => (Vec::new(), Some(x)),
+            Err(x) => (vec![0.0f32; if need_dx { n * per_in } else { 0 }], Some(x)),
         };
-        let mut fresh = vec![0.0f32; if need_dx && shared.is_some() { n * per_in } else { 0 }];
         let groups = batch_groups(n);
         let xs: Vec<Samples<'_>> = match &shared {
-            None => split_by_groups(&mut over, n, per_in).into_iter().map(Samples::Overwritten).collect(),
+            None => split_by_groups(&mut dx, n, per_in).into_iter().map(Samples::Overwritten).collect(),
             Some(x) => {
-                let dxs = split_by_groups(&mut fresh, n, if need_dx { per_in } else { 0 });
+                let dxs = split_by_groups(&mut dx, n, if need_dx { per_in } else { 0 });
                 let xs = groups.iter().map(|r| &x.host()[r.start * per_in..r.end * per_in]);
                 xs.zip(dxs).map(|(x, dx)| Samples::Apart { x, dx: need_dx.then_some(dx) }).collect()
             }
@@ -666,7 +665,6 @@ impl Layer for Conv2d {
             add_partials(dparams.get(1), &dbs);
         }
         self.spare = dout.into_unshared_vec().ok();
-        let dx = if shared.is_none() { over } else { fresh };
         need_dx.then(|| Tensor::from_vec_on(dx, x_shape, device)).transpose()
     }
 
