@@ -338,7 +338,6 @@ impl Job<'_> {
                         // dcol (C·KH·KW, P) = Wᵀ · dout_n, folded back into dx_n
                         let wt = Mat::rows(self.weight, o, kkc).t();
                         gemm_with(wt, dn, dcol, p, Accumulate::Overwrite, Threads::Caller);
-                        dx.fill(0.0);
                         col2im(dcol, g, dx);
                     }
                 }
