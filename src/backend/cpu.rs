@@ -886,12 +886,13 @@ impl Samples<'_> {
     }
 }
 
-/// `((p0 + p1) + p2) + ...`, element-wise, in index order (empty for no part).
-pub fn sum_partials(parts: &[Vec<f32>]) -> Vec<f32> {
-    let Some((first, rest)) = parts.split_first() else { return Vec::new() };
-    let mut total = first.clone();
-    for p in rest {
-        for (t, v) in total.iter_mut().zip(p) {
+/// `((p0 + p1) + p2) + ...`, element-wise, in index order, summed into the first part
+/// (no copy of it; empty for no part).
+pub fn sum_partials(parts: Vec<Vec<f32>>) -> Vec<f32> {
+    let mut parts = parts.into_iter();
+    let Some(mut total) = parts.next() else { return Vec::new() };
+    for p in parts {
+        for (t, v) in total.iter_mut().zip(&p) {
             *t += v;
         }
     }
@@ -899,7 +900,7 @@ pub fn sum_partials(parts: &[Vec<f32>]) -> Vec<f32> {
 }
 
 /// Adds `parts` into `out` in index order: `out += ((p0 + p1) + p2) + ...`.
-pub fn add_partials(out: &mut [f32], parts: &[Vec<f32>]) {
+pub fn add_partials(out: &mut [f32], parts: Vec<Vec<f32>>) {
     for (o, t) in out.iter_mut().zip(&sum_partials(parts)) {
         *o += t;
     }

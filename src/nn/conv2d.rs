@@ -651,17 +651,17 @@ impl Layer for Conv2d {
         give_back(scratch);
         let (dws, dbs): (Vec<_>, Vec<_>) = partials.into_iter().unzip();
         match how {
-            Unfold::Columns => add_partials(dparams.get(0), &dws),
+            Unfold::Columns => add_partials(dparams.get(0), dws),
             Unfold::Winograd => {
-                let dweight = winograd::weight_grad(&sum_partials(&dws), g.c, o);
+                let dweight = winograd::weight_grad(&sum_partials(dws), g.c, o);
                 dparams.get(0).iter_mut().zip(&dweight).for_each(|(d, v)| *d += v);
             }
             Unfold::Rows => {
-                add_rows_dweight(dparams.get(0), &sum_partials(&dws), &g, o);
+                add_rows_dweight(dparams.get(0), &sum_partials(dws), &g, o);
             }
         }
         if with_bias {
-            add_partials(dparams.get(1), &dbs);
+            add_partials(dparams.get(1), dbs);
         }
         self.spare = dout.into_unshared_vec().ok();
         need_dx.then(|| Tensor::from_vec_on(dx, x_shape, device)).transpose()
