@@ -122,10 +122,10 @@ pub struct Scratch<'a> {
 
 /// The distance between two points' planes of U or M (ξ to ξ + 1) holding `rows` rows of
 /// `width` values: at least their values, rounded up to an odd number of 64-byte lines.
-/// The transforms write (or read) all 36 planes of a tile at once, and planes a multiple
-/// of 4 KiB apart share one set of L1 lines: 2,048 values apart (`resnet8`'s 32 channels at
-/// 14 × 14), 18 planes to each 8-way set. An odd number of lines spreads them over all
-/// 64 sets. Only where the values lie changes, not one operation.
+/// The transforms write (or read) all 36 planes of a tile at once, and lines 4 KiB apart
+/// share one of L1's 8-way sets: at 512 values (2 KiB) apart (`resnet8`'s 32 channels at
+/// 14 × 14) the 36 planes fell on 2 places, 18 to a set. An odd number of lines spreads
+/// them over all 64 sets. Only where the values lie changes, not one operation.
 fn plane_stride(rows: usize, width: usize) -> usize {
     const LINE: usize = 16;
     (rows * width).div_ceil(LINE) / 2 * 2 * LINE + LINE
