@@ -185,7 +185,7 @@ pub fn transform_weights(weight: &[f32], c: usize, o: usize) -> Weights {
     assert_eq!(weight.len(), o * c * 9, "winograd: weight of {} values for ({o}, {c}, 3, 3)", weight.len());
     // Each kernel's 36 values together, in the weight's order (in `v`, for now); then the
     // transposes move them into their planes: Vᵀ `[ξ][O][C]` at once, V plane by plane.
-    // (Writing each value straight into its plane took 2.5–4 times as long from 32 × 32
+    // (Writing each value straight into its plane took 2–3 times as long from 32 × 32
     // channels on: 36 streams whose planes lie a multiple of 4 KiB apart share one set of
     // L1 lines.)
     let (mut v, mut vt) = (vec![0.0f32; XI * c * o], vec![0.0f32; XI * c * o]);
@@ -973,6 +973,20 @@ pub fn backward_group(g: &Geom, wt: &Weights, mut x: Samples<'_>, dy: &[f32], s:
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn planes_hold_their_rows_and_lie_an_odd_number_of_lines_apart() {
+        for (rows, width) in [(0, 16), (1, 1), (16, 32), (12, 64), (49, 16), (63, 16), (18, 64), (7, 9)] {
+            let stride = plane_stride(rows, width);
+            assert!(stride >= rows * width, "{rows} × {width}: {stride}");
+            assert!(stride < rows * width + 32, "{rows} × {width}: {stride}, more than two lines over");
+            assert_eq!(stride % 16, 0, "{rows} × {width}: {stride} is not whole 64-byte lines");
+            assert_eq!(stride / 16 % 2, 1, "{rows} × {width}: {stride} is an even number of lines");
+            // 36 planes of a tile fall on 36 different places in L1's 64 sets.
+            let places: std::collections::HashSet<usize> = (0..XI).map(|xi| xi * stride / 16 % 64).collect();
+            assert_eq!(places.len(), XI, "{rows} × {width}");
+        }
+    }
 
     fn rand(seed: u64, len: usize) -> Vec<f32> {
         let mut r = crate::rng::SplitMix64::new(seed);
