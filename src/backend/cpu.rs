@@ -383,34 +383,17 @@ impl Rows {
     /// used): one division for a whole block of an image's pixels, not one a pixel.
     #[inline(always)]
     fn starts<const N: usize>(self, first: usize) -> [usize; N] {
-        let mut out = [0; N];
-        match self {
-            Rows::Every(stride) => {
-                for (k, o) in out.iter_mut().enumerate() {
-                    *o = (first + k) * stride;
-                }
-            }
-            Rows::Image(place) => {
-                let (mut y, mut x) = (first / place.w, first % place.w);
-                for o in out.iter_mut() {
-                    *o = ((place.top + y) * place.wp + place.left + x) * place.c;
-                    x += 1;
-                    if x == place.w {
-                        (y, x) = (y + 1, 0);
-                    }
-                }
-            }
-        }
-        out
+        Cursor::at(self, first).take()
     }
 }
 
-/// Where a view's rows start, block after block from row 0, for the register tiles: as
-/// [`Rows::starts`], but a block inside one row of an image is N starts c values apart,
-/// taken at once. Walking pixel by pixel (a chain of compares and branches) and dividing
-/// for every block placed each tile's rows in about the time the tile took to move: an
-/// image's padded transposes ran at 0.55–0.65 of a plain transpose's speed, and run at
-/// 0.9–1.0 of it now (Zen 1, in cache).
+/// Where a view's rows start, block after block: a block inside one row of an image is N
+/// starts c values apart, taken at once, and only a block that crosses a row's end walks
+/// pixel by pixel. The register tiles take their blocks in order from row 0, with no
+/// division. Walking every block (a chain of compares and branches) and dividing for each
+/// placed a tile's rows in about the time the tile took to move: an image's padded
+/// transposes ran at 0.55–0.65 of a plain transpose's speed, and run at 0.9–1.0 of it now
+/// (Zen 1, in cache).
 struct Cursor {
     rows: Rows,
     /// The next row, and its pixel (y, x) where the rows are an image's.
@@ -420,8 +403,14 @@ struct Cursor {
 }
 
 impl Cursor {
-    fn new(rows: Rows) -> Cursor {
-        Cursor { rows, next: 0, y: 0, x: 0 }
+    /// At row `first` (one division where the rows are an image's).
+    #[inline(always)]
+    fn at(rows: Rows, first: usize) -> Cursor {
+        let (y, x) = match rows {
+            Rows::Every(_) => (0, 0),
+            Rows::Image(place) => (first / place.w, first % place.w),
+        };
+        Cursor { rows, next: first, y, x }
     }
 
     /// The starts of the next N rows (as `starts(next)`); moves past them.
@@ -557,10 +546,10 @@ macro_rules! register_tiles {
         #[cfg(target_arch = "x86_64")]
         #[target_feature(enable = $feature)]
         unsafe fn $name(v: View, src: *const f32, dst: *mut f32, full_r: usize, full_c: usize) {
-            let mut rows = Cursor::new(v.src);
+            let mut rows = Cursor::at(v.src, 0);
             for r0 in (0..full_r).step_by($side) {
                 let from: [usize; $side] = rows.take();
-                let mut cols = Cursor::new(v.dst);
+                let mut cols = Cursor::at(v.dst, 0);
                 for c0 in (0..full_c).step_by($side) {
                     let to: [usize; $side] = cols.take();
                     let (mut src_rows, mut dst_rows) = ([src; $side], [dst; $side]);
