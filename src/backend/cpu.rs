@@ -62,6 +62,16 @@ pub fn gemm(a: Mat<'_>, b: Mat<'_>, c: &mut [f32], c_rs: usize, acc: Accumulate)
     gemm_with(a, b, c, c_rs, acc, Threads::Pool)
 }
 
+/// Bytes of packing buffer that each thread running a GEMM keeps for the rest of its
+/// life: the `gemm` crate packs the left-hand side's blocks into a thread-local slab as
+/// large as the processor's L2 cache per core, made on a thread's first GEMM and freed
+/// when the thread ends. It is a fact of the processor, not of the model or the batch:
+/// 512 KiB on an AMD EPYC of Zen 2 or 3, 1 MiB on Zen 4, 2 MiB on a recent Intel Xeon.
+/// The training estimate counts it per device thread (`train::memory`).
+pub fn gemm_thread_workspace() -> usize {
+    gemm_common::cache::CACHE_INFO[1].cache_bytes
+}
+
 /// Who runs a GEMM.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub enum Threads {

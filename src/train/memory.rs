@@ -13,7 +13,7 @@ use crate::nn::Sequential;
 use crate::optim::OptimizerConfig;
 use crate::tensor::Device;
 use crate::train::TrainConfig;
-use crate::units::count;
+use crate::units::{count, human};
 
 const F32: u64 = 4;
 
@@ -75,6 +75,17 @@ pub fn training(model: &Sequential, devices: &Devices, config: &TrainConfig) -> 
         ),
         None => e.add("final state", state, "the weights and optimiser state the report returns"),
     };
+    // Each CPU device thread that runs a GEMM keeps the GEMM's packing slab for its life,
+    // as large as this processor's L2 cache per core (backend::cpu::gemm_thread_workspace).
+    let threads = cpus.saturating_mul(devices.threads_per_device() as u64);
+    if threads > 0 {
+        let slab = crate::backend::cpu::gemm_thread_workspace() as u64;
+        e.add(
+            "GEMM packing",
+            threads.saturating_mul(slab),
+            format!("{threads} CPU thread(s) × {} (this processor's L2 cache per core)", human(slab)),
+        );
+    }
     // What every run has whatever its model: measured as the peak of the toy lesson's run
     // (14 MB) and what the convnet on the digits keeps beyond its counted parts (~60 MB).
     e.add("process", PROCESS_BYTES, "the program, its threads' stacks, the allocator's caches");
@@ -190,6 +201,8 @@ mod tests {
         let config = TrainConfig { batch_size: 2, ..TrainConfig::default() };
         let e = training(&model, &devices, &config);
         let bytes: Vec<(&str, u64)> = e.parts().iter().map(|p| (p.name, p.bytes)).collect();
+        // And each of the 2 device threads' GEMM packing slab, this processor's L2 per core.
+        let slab = crate::backend::cpu::gemm_thread_workspace() as u64;
         // weights: 3 copies × 960 × 4; Adam: 2 replicas × 2 × 960 × 4; exchange: (2 + 1) × 960 × 4;
         // the final state the report returns: the 960 values and Adam's 2 × 960, × 4;
         // batches: 6 × 2 samples × 2 values × 4; the process: PROCESS_BYTES.
@@ -205,11 +218,12 @@ mod tests {
                 ("activations", 253_952),
                 ("gradient exchange", 11_520),
                 ("final state", 11_520),
+                ("GEMM packing", 2 * slab),
                 ("process", 67_108_864),
                 ("batches", 96)
             ]
         );
-        assert_eq!(e.total(), 292_448 + 11_520 + 67_108_864);
+        assert_eq!(e.total(), 292_448 + 11_520 + 2 * slab + 67_108_864);
     }
 
     #[test]
@@ -228,17 +242,23 @@ mod tests {
         // 10⁶ values, so an evaluation batch of 512 (512 × (2·10⁶·4 + 10⁶·4) =
         // 6,144,000,000 B) outweighs a training shard of 32. Batches: 6 × 32 × 10⁶ × 4 =
         // 768,000,000; the process's 64 MiB; the report's final state, the values and Adam's
-        // two moments of the parameters, 24,000,265,728 B. Total 78,979,906,048 B.
+        // two moments of the parameters, 24,000,265,728 B. Total 78,979,906,048 B, and the
+        // one device thread's GEMM packing slab (this processor's L2 per core, a few MB,
+        // which rounds to the same 79.0 GB).
+        let slab = human(crate::backend::cpu::gemm_thread_workspace() as u64);
         assert_eq!(
             e,
-            "training needs an estimated 79.0 GB but 24.0 GB available (MemAvailable): \
-             final state 24.0 GB (the weights and optimiser state the report returns), \
-             weights 16.0 GB (2 copies of 2,000,022,144 values), \
-             optimiser state 16.0 GB (Adam's m and v, 1 replica(s)), \
-             gradient exchange 16.0 GB (1 logical replica slots and the reduced chunks, 2,000,022,144 values each), \
-             activations 6.1 GB (1 device(s) × an evaluation batch of 512), \
-             batches 768.0 MB (6 global batches of 32 samples in flight), \
-             process 67.1 MB (the program, its threads' stacks, the allocator's caches)"
+            format!(
+                "training needs an estimated 79.0 GB but 24.0 GB available (MemAvailable): \
+                 final state 24.0 GB (the weights and optimiser state the report returns), \
+                 weights 16.0 GB (2 copies of 2,000,022,144 values), \
+                 optimiser state 16.0 GB (Adam's m and v, 1 replica(s)), \
+                 gradient exchange 16.0 GB (1 logical replica slots and the reduced chunks, 2,000,022,144 values each), \
+                 activations 6.1 GB (1 device(s) × an evaluation batch of 512), \
+                 batches 768.0 MB (6 global batches of 32 samples in flight), \
+                 process 67.1 MB (the program, its threads' stacks, the allocator's caches), \
+                 GEMM packing {slab} (1 CPU thread(s) × {slab} (this processor's L2 cache per core))"
+            )
         );
     }
 
