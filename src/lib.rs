@@ -75,11 +75,13 @@ pub mod fsutil;
 pub mod generate;
 pub mod json_keys;
 pub mod memory;
+pub mod model;
 pub mod models;
 pub mod nn;
 #[cfg(feature = "notebook")]
 pub mod notebook;
 pub mod observe;
+pub mod ops;
 pub mod optim;
 #[cfg(feature = "plot")]
 pub mod plot;

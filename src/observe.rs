@@ -27,7 +27,7 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde_json::{json, Value};
 
 use crate::error::{Error, Result};
-use crate::nn::loss::Metrics;
+use crate::ops::cross_entropy::Metrics;
 use crate::train::{EpochReport, EvaluationReport, Observer, StepEvent};
 
 /// A number for JSON: `null` when not finite (JSON has no NaN or infinity).
@@ -352,7 +352,7 @@ impl<W: Write> JsonLines<W> {
     /// the test split), the other pair null; `best` is true for an epoch whose held-out
     /// loss is the lowest so far. `step` is the steps done by the end of the epoch.
     pub fn epoch_object(e: &EpochReport, steps_done: u64) -> Value {
-        let pair = |m: &Option<crate::nn::loss::Metrics>| match m {
+        let pair = |m: &Option<crate::ops::cross_entropy::Metrics>| match m {
             Some(t) => (number(t.mean_loss()), number(t.accuracy())),
             None => (Value::Null, Value::Null),
         };
@@ -506,7 +506,7 @@ impl<W: Write> CsvMetrics<W> {
 }
 
 /// Loss and accuracy cells, empty without metrics.
-fn cells(m: &Option<crate::nn::loss::Metrics>) -> (String, String) {
+fn cells(m: &Option<crate::ops::cross_entropy::Metrics>) -> (String, String) {
     match m {
         Some(t) => (t.mean_loss().to_string(), t.accuracy().to_string()),
         None => (String::new(), String::new()),

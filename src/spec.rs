@@ -69,12 +69,12 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use crate::error::{Error, Result};
-use crate::nn::spec_entry::{layers_to_spec, read_layer};
-use crate::nn::{NamedLayer, Sequential};
+use crate::model::spec_objects::{layers_to_spec, read_layer};
+use crate::model::{NamedLayer, Sequential};
 use crate::tensor::Shape;
 
-pub use crate::nn::spec_entry::{Activation, MAX_DIM};
-pub use crate::nn::{LayerType, LAYER_TYPES};
+pub use crate::model::LAYER_TYPES;
+pub use crate::ops::spec::{Activation, LayerType, MAX_DIM};
 /// The most values a sample may have at any layer, and the most parameters in all.
 pub const MAX_ELEMENTS: usize = 1 << 31;
 /// The largest spec file read (a spec of a thousand layers is some 100 kB).
@@ -83,7 +83,7 @@ pub const MAX_SPEC_BYTES: u64 = 16 << 20;
 /// One entry of `layers`, validated: its type (an entry of [`LAYER_TYPES`]), its name if
 /// it gives one, what each of its fields resolved to (its default where absent), and how
 /// it builds.
-pub use crate::nn::spec_entry::LayerObject as LayerSpec;
+pub use crate::model::spec_objects::LayerObject as LayerSpec;
 
 /// A spec (`{"input_shape": ..., "layers": [...]}`) that builds `model` again, each layer
 /// written by its own [`Layer::spec`](crate::nn::Layer::spec), or an error naming the first layer that has no spec
@@ -268,7 +268,7 @@ fn parse_layer(i: usize, v: &Value) -> std::result::Result<LayerSpec, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::nn::spec_entry::type_list;
+    use crate::model::spec_objects::type_list;
 
     fn err(text: &str) -> String {
         ModelSpec::parse(text, "m.json").expect_err("expected an error").to_string()
@@ -318,21 +318,30 @@ mod tests {
     }
 
     #[test]
-    fn every_spec_entry_written_in_nn_is_registered() {
+    fn every_spec_entry_written_is_registered() {
         // An op's entry that is written but missing from the one list would never be
-        // parsed: count the entries in src/nn's modules against nn::LAYER_TYPES.
-        let nn = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/nn");
-        let mut written = Vec::new();
-        for path in std::fs::read_dir(&nn).unwrap().map(|e| e.unwrap().path()) {
-            let text = std::fs::read_to_string(&path).unwrap();
-            let n = text.matches("pub const SPEC: LayerType = LayerType {").count();
-            written.extend(std::iter::repeat_n(path.display().to_string(), n));
+        // parsed: count the entries written under src/ops and src/model against
+        // model::LAYER_TYPES.
+        fn walk(dir: &Path, written: &mut Vec<String>) {
+            for path in std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().path()) {
+                if path.is_dir() {
+                    walk(&path, written);
+                } else if path.extension().is_some_and(|e| e == "rs") {
+                    let text = std::fs::read_to_string(&path).unwrap();
+                    let n = text.matches("pub const SPEC: LayerType = LayerType {").count();
+                    written.extend(std::iter::repeat_n(path.display().to_string(), n));
+                }
+            }
         }
+        let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+        let mut written = Vec::new();
+        walk(&root.join("src/ops"), &mut written);
+        walk(&root.join("src/model"), &mut written);
         written.sort();
         assert_eq!(
             written.len(),
             LAYER_TYPES.len(),
-            "entries written in {written:?}, nn::LAYER_TYPES lists {}",
+            "entries written in {written:?}, model::LAYER_TYPES lists {}",
             type_list()
         );
     }
@@ -416,7 +425,7 @@ mod tests {
     fn a_layer_of_the_users_own_has_no_spec_form() {
         let model = Sequential::new(
             [3],
-            vec![Box::new(crate::nn::Linear::new(3, 2)) as Box<dyn crate::nn::Layer>, Box::new(crate::nn::CpuOnly)],
+            vec![Box::new(crate::nn::Linear::new(3, 2)) as Box<dyn crate::nn::Layer>, Box::new(crate::ops::CpuOnly)],
         )
         .unwrap();
         let e = model_to_spec(&model).unwrap_err().to_string();

@@ -26,8 +26,8 @@
 
 mod common;
 
-use lockstep::nn::gpu::Draw;
-use lockstep::nn::gpu_net::{GpuNet, OptimizerState, SlotUse};
+use lockstep::ops::gpu::Draw;
+use lockstep::model::gpu::{GpuNet, OptimizerState, SlotUse};
 use lockstep::nn::{loss, Ctx, Sequential};
 use lockstep::optim::OptimizerConfig;
 use lockstep::spec::{model_from_spec_str, LAYER_TYPES};

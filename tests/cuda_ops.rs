@@ -17,7 +17,7 @@ use lockstep::cuda::launch::{
 };
 use lockstep::cuda::probe::{self, NcclStatus, NO_DRIVER};
 use lockstep::exchange::codec::{Codec, Compression};
-use lockstep::nn::batchnorm::RunningUpdate;
+use lockstep::ops::batchnorm::RunningUpdate;
 use lockstep::optim::{MomentumKind, OptimizerConfig};
 use lockstep::rng::mix64;
 use lockstep::Error;

@@ -54,10 +54,10 @@ use lockstep::cuda::launch::{
     DropoutKey, WindowGeom, WireGeom, ATTENTION_BLOCK, CODEC_THREADS, LN_BLOCK, LN_LANES, REDUCE_BLOCK,
 };
 use lockstep::exchange::codec::{Codec, Compression};
-use lockstep::nn::batchnorm::RunningUpdate;
-use lockstep::nn::gelu::{gelu_grad, gelu_value};
-use lockstep::nn::layernorm::{row_stats, ROW_CHUNK};
-use lockstep::nn::pool::{maxpool2d_plane_bwd, maxpool2d_plane_fwd};
+use lockstep::ops::batchnorm::RunningUpdate;
+use lockstep::ops::gelu::{gelu_grad, gelu_value};
+use lockstep::ops::layernorm::{row_stats, ROW_CHUNK};
+use lockstep::ops::maxpool2d::{maxpool2d_plane_bwd, maxpool2d_plane_fwd};
 use lockstep::nn::{
     loss, BatchNorm2d, Ctx, Dropout, Embedding, Layer, LayerNorm, MaxPool2d, Padding, PositionalEmbedding, Sequential,
     Window2d,
@@ -709,7 +709,7 @@ fn residual_add_equals_the_cpu_block_bit_for_bit() {
     // Signed zeros, an infinity against its opposite (NaN), a NaN passing through.
     (a[0], b[0], a[1], b[1], a[2], b[2], a[3]) = (0.0, -0.0, -0.0, -0.0, f32::INFINITY, f32::NEG_INFINITY, f32::NAN);
     let mut want = a.clone();
-    lockstep::nn::residual::add_in_place(&mut want, &b);
+    lockstep::model::residual::add_in_place(&mut want, &b);
     for cfg in elem_cfgs(n) {
         let mut y = vec![f32::NAN; n];
         // As Gpu::residual_add pushes them: a, b, y, n.
@@ -2135,7 +2135,7 @@ fn batchnorm_count_equals_the_cpu_count_bit_for_bit() {
         let mut count = vec![v];
         // As Gpu::batchnorm_count pushes them: count, n = 1.
         k.launch("batchnorm_count_fwd_f32", elem_cfg(1), &mut [Out(&mut count), U64(1)]);
-        assert_bits(&format!("count of {v}"), &count, &[lockstep::nn::batchnorm::count_up(v)]);
+        assert_bits(&format!("count of {v}"), &count, &[lockstep::ops::batchnorm::count_up(v)]);
     }
 }
 
@@ -2264,7 +2264,7 @@ fn layernorm_kernels_equal_the_cpu_layer_bit_for_bit() {
 /// to cover the rows once.
 #[test]
 fn attention_kernels_match_the_cpu_layer() {
-    use lockstep::nn::attention::{causal_softmax_row, causal_softmax_row_bwd};
+    use lockstep::ops::attention::{causal_softmax_row, causal_softmax_row_bwd};
     let Some(k) = kernels_or_skip("attention_kernels_match_the_cpu_layer") else {
         return;
     };

@@ -88,7 +88,7 @@ use super::shm::SpinBarrier;
 use super::tree::{self, tree_sum};
 use super::{Abort, Exchange, Host, Wait};
 use crate::error::{Error, Result};
-use crate::nn::stats::StatsExchange;
+use crate::ops::batchnorm::stats::StatsExchange;
 use crate::world::mpi::{MpiWorld, Port, Scalar};
 use crate::world::World;
 

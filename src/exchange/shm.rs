@@ -35,7 +35,7 @@ use super::codec::{Codec, Wire, BLOCK};
 use super::tree::tree_sum;
 use super::{Abort, Exchange, Host, Wait};
 use crate::error::{Error, Result};
-use crate::nn::stats::StatsExchange;
+use crate::ops::batchnorm::stats::StatsExchange;
 
 /// A reusable barrier for `n` threads that gives up when the abort flag is raised. With
 /// [`Wait::Spin`] a waiter spins a few µs, then yields, then sleeps in short naps: the

@@ -12,7 +12,7 @@ use crate::checkpoint::{CheckpointPolicy, Resume};
 use crate::data::augment::Augment;
 use crate::error::{Error, Result};
 use crate::exchange::codec::Compression;
-use crate::nn::loss::CrossEntropy;
+use crate::ops::cross_entropy::CrossEntropy;
 use crate::nn::ParamStore;
 use crate::optim::{DecayOn, LrSchedule, OptimizerConfig, Sharding};
 

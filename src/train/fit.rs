@@ -23,7 +23,7 @@ use crate::checkpoint::{self, CheckpointPolicy, Resume};
 use crate::data::Dataset;
 use crate::devices::Devices;
 use crate::error::{Error, Result};
-use crate::nn::loss::Metrics;
+use crate::ops::cross_entropy::Metrics;
 use crate::nn::Sequential;
 
 /// Trains `model` on `train` (evaluating on `test` after every epoch, if given) on

@@ -25,7 +25,7 @@ use crate::digest::Fnv1a;
 use crate::error::{Error, Result};
 #[cfg(feature = "cuda")]
 use crate::exchange::gpu::{new_clique_id, Clique};
-use crate::nn::loss::Metrics;
+use crate::ops::cross_entropy::Metrics;
 use crate::nn::{ParamStore, Sequential};
 use crate::optim::Optimizer;
 use crate::tensor::Device;

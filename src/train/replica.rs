@@ -16,8 +16,8 @@ use super::Batch;
 use crate::digest::Fnv1a;
 use crate::error::{Error, Result};
 use crate::exchange::Memory;
-use crate::nn::loss::Metrics;
-use crate::nn::stats::StatsExchange;
+use crate::ops::cross_entropy::Metrics;
+use crate::ops::batchnorm::stats::StatsExchange;
 use crate::nn::{ParamStore, Sequential};
 use crate::optim::{DecayMask, DecayOn, Optimizer};
 

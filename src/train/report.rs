@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 pub use crate::checkpoint::BestEpoch;
-use crate::nn::loss::Metrics;
+use crate::ops::cross_entropy::Metrics;
 use crate::nn::ParamStore;
 use crate::optim::Optimizer;
 use crate::tensor::Device;

@@ -54,8 +54,8 @@ use super::replica::{Fill, Mark, Replica, Shard, StepOutcome};
 use super::{scatter, Batch};
 use crate::error::Result;
 use crate::exchange::Exchange;
-use crate::nn::batchnorm::Synchronized;
-use crate::nn::loss::Metrics;
+use crate::ops::batchnorm::Synchronized;
+use crate::ops::cross_entropy::Metrics;
 use crate::optim::Sharding;
 
 /// One step's work, shared by every device.
@@ -151,10 +151,10 @@ where
 
 /// A pass without rows still makes its calls to synchronized BatchNorm's statistics
 /// exchange, with nothing in them, so that the other logical replicas' calls meet theirs
-/// (`nn::batchnorm::Synchronized::without_data`); without that exchange, nothing.
+/// (`model::sync_batchnorm::join_without_rows`); without that exchange, nothing.
 fn join_without_data<R: Replica>(replica: &R, shard: &Shard) -> Result<()> {
     match replica.synchronized() {
-        (model, Some(stats)) => Synchronized { stats, shard: shard.index }.without_data(model),
+        (model, Some(stats)) => crate::model::sync_batchnorm::join_without_rows(&Synchronized { stats, shard: shard.index }, model),
         (_, None) => Ok(()),
     }
 }

@@ -46,8 +46,8 @@ use crate::exchange::shm::{ShmGroup, ShmStats};
 #[cfg(feature = "cuda")]
 use crate::exchange::Aborts;
 use crate::exchange::{Abort, Exchange, RunTransport, Wait};
-use crate::nn::loss::Metrics;
-use crate::nn::stats::StatsExchange;
+use crate::ops::cross_entropy::Metrics;
+use crate::ops::batchnorm::stats::StatsExchange;
 use crate::nn::{ParamStore, Sequential};
 use crate::optim::{Optimizer, Sharding};
 use crate::tensor::Device;
@@ -498,7 +498,7 @@ pub fn with_trainer<T>(
     Handshake::of(devices.list(), replicas, model, config, &initial).agree(world)?;
     #[cfg(feature = "cuda")]
     let k = replicas / in_world;
-    let synchronized = crate::nn::batchnorm::has_synchronized_layers(model);
+    let synchronized = crate::model::sync_batchnorm::has_synchronized_layers(model);
     let transport = RunTransport::of(devices.list(), world.size());
     check_features(transport, config, replicas, in_world, synchronized)?;
     let setup = WorkerSetup {
@@ -771,7 +771,7 @@ impl WorkerSetup<'_> {
             out
         });
         // Every worker has ended: the convolutions' idle work buffers go back too.
-        crate::nn::conv2d::release_scratch();
+        crate::ops::conv2d::release_scratch();
         result
     }
 }

@@ -24,7 +24,7 @@ use lockstep::cuda::launch::{DropoutKey, WindowGeom, WireGeom};
 use lockstep::exchange::codec::{Codec, Compression, Wire};
 use lockstep::exchange::shm::ShmGroup;
 use lockstep::exchange::{Exchange, Wait};
-use lockstep::nn::batchnorm::RunningUpdate;
+use lockstep::ops::batchnorm::RunningUpdate;
 use lockstep::rng::mix64;
 
 // ---- skipping without a GPU ----------------------------------------------------------
@@ -521,7 +521,7 @@ pub struct Recorder {
     pub sent: std::sync::Mutex<Vec<Vec<f64>>>,
 }
 
-impl lockstep::nn::stats::StatsExchange for Recorder {
+impl lockstep::ops::batchnorm::stats::StatsExchange for Recorder {
     fn replicas(&self) -> usize {
         2
     }
@@ -564,7 +564,8 @@ pub struct SyncBnCpu {
 /// Runs the CPU layer ([`SyncBnCpu`]): behind an [`InputProbe`], so that its input
 /// gradient is computed and handed over exactly.
 pub fn sync_bn_cpu(inputs: &BnInputs, with_gamma: bool, with_beta: bool, momentum: f32, eps: f32) -> SyncBnCpu {
-    use lockstep::nn::{BatchNorm2d, BatchStats, Ctx, Layer, Sequential};
+    use lockstep::nn::{BatchNorm2d, Ctx, Layer, Sequential};
+    use lockstep::ops::BatchStats;
     let (n, c, hw) = inputs.shape;
     let total = n * c * hw;
     let bn = BatchNorm2d::new(c)
@@ -626,7 +627,7 @@ pub fn sync_bn_cpu(inputs: &BnInputs, with_gamma: bool, with_beta: bool, momentu
 /// and the running update — by the functions src/cuda/net.rs calls
 /// (`Synchronized::moments`, `normaliser`, `RunningUpdate`).
 pub fn sync_bn_merge(moments: &[f64], here: usize, momentum: f32, eps: f32) -> (f64, Vec<f64>, RunningUpdate) {
-    use lockstep::nn::batchnorm::{normaliser, Synchronized};
+    use lockstep::ops::batchnorm::{normaliser, Synchronized};
     let recorder = Recorder::default();
     let with = Synchronized { stats: &recorder, shard: 1 };
     let local: Vec<(f64, f64)> = moments.chunks_exact(2).map(|p| (p[0], p[1])).collect();
@@ -646,7 +647,7 @@ pub fn sync_bn_merge(moments: &[f64], here: usize, momentum: f32, eps: f32) -> (
 /// [`Recorder`] as logical replica 1 (`Synchronized::sums`), flat (C, 2).
 pub fn sync_bn_global_sums(sums: &[f64]) -> Vec<f64> {
     let recorder = Recorder::default();
-    let with = lockstep::nn::batchnorm::Synchronized { stats: &recorder, shard: 1 };
+    let with = lockstep::ops::batchnorm::Synchronized { stats: &recorder, shard: 1 };
     let local: Vec<(f64, f64)> = sums.chunks_exact(2).map(|p| (p[0], p[1])).collect();
     with.sums(&local).unwrap().iter().flat_map(|&(a, b)| [a, b]).collect()
 }

@@ -35,7 +35,7 @@ use super::gpu::{window_geom, Backward, Forward, GpuLayer, Node};
 use super::window::{Geometry2d, Padding, Window2d};
 use serde_json::{json, Value};
 
-use super::spec_entry::{expect_images, Build, LayerType};
+use super::spec::{expect_images, Build, LayerType};
 use super::{Ctx, InputGrad, Layer, LayerMemory, LayerShapes, Mode, Params, ParamsMut};
 use crate::backend::par;
 #[cfg(feature = "cuda")]

@@ -36,10 +36,11 @@ use std::time::Duration;
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, PinnedHostSlice};
 
-use super::batchnorm::Synchronized;
-use super::gpu::{poll, Backward, Draw, Forward, GpuLayer, Node, Pass, SyncWith};
-use super::loss::{check_labels, CrossEntropy};
-use super::{LayerShapes, ParamStore, Sequential};
+use crate::ops::batchnorm::Synchronized;
+use crate::ops::gpu::{poll, Backward, Draw, Forward, GpuLayer, Node, Pass, SyncWith};
+use crate::ops::cross_entropy::{check_labels, CrossEntropy};
+use super::{ParamStore, Sequential};
+use crate::ops::LayerShapes;
 use crate::cuda::Gpu;
 use crate::optim::{OptimizerConfig, StepScalars};
 use crate::{Error, Result};
@@ -736,7 +737,7 @@ mod tests {
     #[test]
     fn a_layer_without_a_cuda_form_is_refused_by_name() {
         let layers: Vec<Box<dyn crate::nn::Layer>> =
-            vec![Box::new(crate::nn::Linear::new(2, 3)), Box::new(crate::nn::CpuOnly)];
+            vec![Box::new(crate::nn::Linear::new(2, 3)), Box::new(crate::ops::CpuOnly)];
         let model = Sequential::new([2], layers).unwrap();
         let e = plan(&model).err().expect("a layer without a GPU form cannot run on a GPU").to_string();
         assert!(e.contains("cpuonly0") && e.contains("CpuOnly") && e.contains("no CUDA implementation"), "{e}");

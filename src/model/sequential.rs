@@ -28,7 +28,7 @@
 use std::collections::HashMap;
 use std::ops::Range;
 
-use super::{Ctx, Init, InputGrad, Layer, Mode, Params, ParamsMut, ProfileRow, RELU_KIND};
+use crate::ops::{Ctx, Init, InputGrad, Layer, LayerShapes, Mode, ParamSpec, Params, ParamsMut, ProfileRow, RELU_KIND};
 use crate::error::{Error, Result};
 use crate::rng::{derive_key, purpose, SplitMix64};
 use crate::tensor::{Shape, Tensor};
@@ -49,15 +49,6 @@ pub struct TensorInfo {
     /// Where it lives in the flat buffer.
     pub range: Range<usize>,
     pub init: Init,
-}
-
-/// The per-sample shapes at one layer's boundaries (no batch dimension), as
-/// [`Sequential::new`] inferred them: what a backend that runs the layers its own way
-/// (the GPU replica) sizes its buffers from, instead of inferring them again.
-#[derive(Clone, Debug, PartialEq)]
-pub struct LayerShapes {
-    pub input: Shape,
-    pub output: Shape,
 }
 
 /// A replica's state: every parameter in one flat buffer, every buffer in another.
@@ -184,7 +175,7 @@ impl Sequential {
             let input = Shape::new(&shape.dims()[1..]);
             shape = layer.output_shape(&shape).map_err(|e| Error::config("model", format!("layer {name}: {e}")))?;
             shapes.push(LayerShapes { input, output: Shape::new(&shape.dims()[1..]) });
-            let lay = |specs: Vec<super::ParamSpec>, off: &mut usize, infos: &mut Vec<TensorInfo>| {
+            let lay = |specs: Vec<ParamSpec>, off: &mut usize, infos: &mut Vec<TensorInfo>| {
                 if specs.is_empty() {
                     // No tensors: an empty span, which indexes a container's shorter
                     // slice (`nn::residual`) as well as the whole buffer.

@@ -45,10 +45,12 @@ use serde_json::{json, Value};
 
 #[cfg(feature = "cuda")]
 use super::gpu::{poll, Backward, Forward, GpuLayer, Node, Pass, SyncWith};
-use super::spec_entry::{expect_images, Build, LayerType};
-use super::stats::StatsExchange;
+use super::spec::{expect_images, Build, LayerType};
+pub mod stats;
+
+use stats::StatsExchange;
 use super::{
-    Ctx, Init, InputGrad, Layer, LayerMemory, LayerShapes, Mode, ParamSpec, Params, ParamsMut, Sequential, F32,
+    Ctx, Init, InputGrad, Layer, LayerMemory, LayerShapes, Mode, ParamSpec, Params, ParamsMut, F32,
 };
 use crate::backend::par;
 use crate::backend::simd::widest;
@@ -785,19 +787,6 @@ pub fn global_sums(ex: &dyn StatsExchange, shard: usize, local: &[(f64, f64)]) -
     Ok(sums)
 }
 
-/// The synchronized BatchNorm layers of `model` in forward order: (index of the model's
-/// layer that holds it, channels); a container's several share its index.
-fn synchronized_layers(model: &Sequential) -> Vec<(usize, usize)> {
-    let layers = model.layers().iter().enumerate();
-    layers.flat_map(|(i, l)| l.synchronized_channels().into_iter().map(move |c| (i, c))).collect()
-}
-
-/// True when `model` has a synchronized BatchNorm layer (its run needs a statistics
-/// exchange).
-pub fn has_synchronized_layers(model: &Sequential) -> bool {
-    !synchronized_layers(model).is_empty()
-}
-
 /// Where a logical replica's synchronized BatchNorm layers meet the others', for a
 /// backend that computes its shard's partial statistics itself (a GPU replica): the
 /// statistics exchange and the logical replica. Its methods are this layer's own merges.
@@ -819,46 +808,6 @@ impl Synchronized<'_> {
     pub fn sums(&self, local: &[(f64, f64)]) -> Result<Vec<(f64, f64)>> {
         global_sums(self.stats, self.shard, local)
     }
-
-    /// The calls a pass without rows owes: a count of 0 per synchronized layer in forward
-    /// order, then zero sums in backward order for the layers the backward reaches (those
-    /// from the first trained layer on). When no replica has a row (every one of them is
-    /// then here), the first call shows it and all stop.
-    pub fn without_data(&self, model: &Sequential) -> Result<()> {
-        let (ex, shard) = (self.stats, self.shard);
-        let layers = synchronized_layers(model);
-        let mut all = Vec::new();
-        for &(_, c) in &layers {
-            ex.all_gather(shard, &vec![0.0; 1 + 2 * c], &mut all)?;
-            let count: f64 = all.chunks_exact(1 + 2 * c).map(|p| p[0]).sum();
-            if count == 0.0 {
-                // No replica has a row (an accumulated step's last micro-batches, when the
-                // shards are smaller than K): every one of them is here, and stops here.
-                return Ok(());
-            }
-            if count < 2.0 {
-                // Every replica fails alike on a global batch too small to normalise.
-                return Err(Error::shape(
-                    "BatchNorm2d",
-                    "training needs more than one value per channel in the global batch",
-                ));
-            }
-        }
-        let first = model.first_trained_layer();
-        for &(_, c) in layers.iter().rev().filter(|(i, _)| *i >= first) {
-            ex.all_gather(shard, &vec![0.0; 2 * c], &mut all)?;
-        }
-        Ok(())
-    }
-}
-
-/// `model` with every BatchNorm layer synchronized (PyTorch's
-/// `SyncBatchNorm.convert_sync_batchnorm`; `--sync-batchnorm`): the same layers, names and
-/// flat layout, so weights move between the two unchanged.
-pub fn convert_sync_batchnorm(model: &Sequential) -> Result<Sequential> {
-    let layers = model.layers().iter().zip(model.layer_names());
-    let layers = layers.map(|(l, n)| (Some(n.clone()), l.synchronized().unwrap_or_else(|| l.boxed_clone()))).collect();
-    Sequential::named(model.input_shape().clone(), layers)
 }
 
 // ---- on a GPU: kernels/batchnorm.cu ------------------------------------------------

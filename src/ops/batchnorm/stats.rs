@@ -18,7 +18,7 @@
 //!
 //! Every device makes the same calls in the same order (2 per synchronized layer per
 //! forward and backward pass, a device whose shard is empty included: it sends a payload
-//! of zeros, `nn::batchnorm::Synchronized::without_data`, from `train::step`). One logical replica per device: a device
+//! of zeros, `model::sync_batchnorm::join_without_rows`, from `train::step`). One logical replica per device: a device
 //! that ran two shards one after another could never hand both payloads to one call.
 
 use crate::error::Result;

@@ -35,70 +35,47 @@
 //! must list the entry; tests/kernels_host.rs holds every declared kernel's argument list
 //! to its C++ signature and runs it on the host against the CPU reference.
 
-pub mod activation;
 pub mod attention;
 pub mod batchnorm;
 pub mod conv2d;
+pub mod cross_entropy;
 pub mod dropout;
 pub mod embedding;
+pub mod flatten;
 pub mod gelu;
+pub mod global_avg_pool;
 #[cfg(feature = "cuda")]
 pub mod gpu;
-#[cfg(feature = "cuda")]
-pub mod gpu_net;
 pub mod layernorm;
 pub mod linear;
-pub mod loss;
-pub mod pool;
+pub mod maxpool2d;
 pub mod positional;
-pub mod reshape;
-pub mod residual;
-mod sequential;
-pub mod spec_entry;
-pub mod stats;
+pub mod relu;
+pub mod rescaling;
+pub mod spec;
 pub mod window;
 
 use std::ops::Range;
 
-pub use activation::{Relu, Rescaling};
 pub use attention::CausalSelfAttention;
-pub use batchnorm::{convert_sync_batchnorm, BatchNorm2d, BatchStats};
+pub use batchnorm::{BatchNorm2d, BatchStats};
 pub use conv2d::Conv2d;
 pub use dropout::Dropout;
 pub use embedding::{check_ids, Embedding};
+pub use flatten::Flatten;
 pub use gelu::Gelu;
+pub use global_avg_pool::GlobalAvgPool2d;
 pub use layernorm::LayerNorm;
 pub use linear::Linear;
-pub use pool::MaxPool2d;
+pub use maxpool2d::MaxPool2d;
 pub use positional::PositionalEmbedding;
-pub use reshape::{Flatten, GlobalAvgPool2d};
-pub use residual::Residual;
-pub use sequential::{auto_names, LayerShapes, NamedLayer, ParamStore, Place, Sequential, TensorInfo, TENSOR_ALIGN};
-pub use spec_entry::{Activation, LayerType};
+pub use relu::Relu;
+pub use rescaling::Rescaling;
+pub use spec::{Activation, LayerType};
 pub use window::{Geometry2d, Padding, Window2d};
 
 use crate::error::Result;
 use crate::tensor::{Device, Shape, Tensor};
-
-/// Every layer type of the spec format, in the order its errors list them: the one line a
-/// new layer type adds its entry to.
-pub const LAYER_TYPES: &[LayerType] = &[
-    Rescaling::SPEC,
-    Conv2d::SPEC,
-    BatchNorm2d::SPEC,
-    Relu::SPEC,
-    Linear::SPEC,
-    Dropout::SPEC,
-    Flatten::SPEC,
-    GlobalAvgPool2d::SPEC,
-    MaxPool2d::SPEC,
-    Gelu::SPEC,
-    LayerNorm::SPEC,
-    Residual::SPEC,
-    Embedding::SPEC,
-    PositionalEmbedding::SPEC,
-    CausalSelfAttention::SPEC,
-];
 
 /// Bytes of an f32, for the layers' memory accounts.
 pub(crate) const F32: u64 = 4;
@@ -125,6 +102,15 @@ pub struct LayerMemory {
 impl LayerMemory {
     /// Nothing kept, no workspace.
     pub const NONE: LayerMemory = LayerMemory { kept_per_sample: 0, per_group: 0, lent_per_group: 0, per_layer: 0 };
+}
+
+/// The per-sample shapes at one layer's boundaries (no batch dimension), as
+/// `model::Sequential` inferred them: what a backend that runs the layers its own way
+/// (the GPU replica) sizes its buffers from, instead of inferring them again.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LayerShapes {
+    pub input: Shape,
+    pub output: Shape,
 }
 
 /// Training or evaluation: decides BatchNorm's statistics and whether dropout drops.
@@ -194,7 +180,7 @@ pub struct Ctx<'a> {
     pub sample_offset: usize,
     /// Where synchronized BatchNorm layers meet the other logical replicas' statistics
     /// (`nn::stats`); None: a world of one, statistics of the shard alone.
-    pub stats: Option<&'a dyn stats::StatsExchange>,
+    pub stats: Option<&'a dyn batchnorm::stats::StatsExchange>,
 }
 
 impl<'a> Ctx<'a> {

@@ -32,13 +32,12 @@ use cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
 use serde_json::{json, Value};
 
 #[cfg(feature = "cuda")]
-use super::gpu::{Backward, Forward, GpuLayer, Node};
+use crate::ops::gpu::{Backward, Forward, GpuLayer, Node};
 use super::sequential::batched;
-use super::spec_entry::{layers_to_spec, Activation, Build, LayerType};
-use super::{
-    Ctx, InputGrad, Layer, LayerMemory, LayerShapes, NamedLayer, ParamSpec, Params, ParamsMut, Place, ProfileRow, Relu,
-    Sequential, F32,
-};
+use super::spec_objects::{layers_to_spec, read_layers, LayerObject};
+use super::{NamedLayer, Place, Sequential};
+use crate::ops::spec::{Activation, Build, LayerType};
+use crate::ops::{Ctx, InputGrad, Layer, LayerMemory, LayerShapes, ParamSpec, Params, ParamsMut, ProfileRow, Relu, F32};
 use crate::backend::simd::widest;
 #[cfg(feature = "cuda")]
 use crate::cuda::Gpu;
@@ -139,8 +138,8 @@ impl Residual {
             r#"{"type": "residual", "layers": [{"type": "conv2d", "filters": 3, "kernel_size": 3, "strides": 2, "padding": 1, "use_bias": false}, {"type": "batch_normalization"}, {"type": "relu"}, {"type": "conv2d", "filters": 3, "kernel_size": 3, "padding": "same"}], "shortcut": [{"type": "conv2d", "filters": 3, "kernel_size": 1, "strides": 2}], "activation": "relu"}"#,
         ),
         parse: |f| {
-            let body = f.layers("layers", true)?;
-            let shortcut = f.layers("shortcut", false)?;
+            let body = read_layers(f, "layers", true)?;
+            let shortcut = read_layers(f, "shortcut", false)?;
             let activation = f.activation()?;
             if body.is_empty() {
                 return Err("field 'layers' is empty: the body needs at least one layer".into());
@@ -148,7 +147,7 @@ impl Residual {
             Ok(Build::layer(move |input| {
                 // Each branch built against the running shape, its problems named by its
                 // place in the block (`layers[1] (conv2d): ...`).
-                let branch = |objects: &[super::spec_entry::LayerObject], what: &str| {
+                let branch = |objects: &[LayerObject], what: &str| {
                     let mut shape = input.clone();
                     let mut out = Vec::new();
                     for (j, o) in objects.iter().enumerate() {

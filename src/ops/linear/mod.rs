@@ -9,7 +9,7 @@ use serde_json::{json, Value};
 
 #[cfg(feature = "cuda")]
 use super::gpu::{Backward, Forward, GpuLayer};
-use super::spec_entry::{expect_features, Build, LayerType};
+use super::spec::{expect_features, Build, LayerType};
 use super::{InputGrad, Layer, LayerMemory, LayerShapes, ParamSpec, Params, ParamsMut, F32};
 use crate::backend::cpu::{gemm, Accumulate, Mat};
 #[cfg(feature = "cuda")]

@@ -29,7 +29,7 @@ use serde_json::{json, Value};
 
 #[cfg(feature = "cuda")]
 use super::gpu::{Backward, Forward, GpuLayer, Node};
-use super::spec_entry::{Build, FieldResult, LayerType};
+use super::spec::{Build, FieldResult, LayerType};
 use super::{Ctx, Init, InputGrad, Layer, LayerMemory, LayerShapes, Mode, ParamSpec, Params, ParamsMut};
 #[cfg(feature = "cuda")]
 use crate::cuda::Gpu;

@@ -20,7 +20,7 @@ use serde_json::{json, Value};
 
 #[cfg(feature = "cuda")]
 use super::gpu::{Backward, Forward, GpuLayer};
-use super::spec_entry::{Build, LayerType};
+use super::spec::{Build, LayerType};
 use super::{Ctx, Init, InputGrad, Layer, LayerMemory, LayerShapes, ParamSpec, Params, ParamsMut};
 use crate::error::{Error, Result};
 use crate::tensor::{Shape, Tensor};

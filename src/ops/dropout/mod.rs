@@ -13,7 +13,7 @@ use serde_json::{json, Value};
 
 #[cfg(feature = "cuda")]
 use super::gpu::{Backward, Forward, GpuLayer, Pass};
-use super::spec_entry::{Build, LayerType};
+use super::spec::{Build, LayerType};
 use super::{Ctx, InputGrad, Layer, LayerMemory, LayerShapes, Mode, Params, ParamsMut, F32};
 use crate::error::{Error, Result};
 use crate::rng::{dropout_key, hash64, unit_f32};

@@ -54,7 +54,7 @@ use cudarc::driver::{CudaSlice, CudaViewMut};
 
 #[cfg(feature = "cuda")]
 use super::gpu::{Backward, Draw, Forward, GpuLayer, Node, Pass};
-use super::spec_entry::{Build, FieldResult, LayerType};
+use super::spec::{Build, FieldResult, LayerType};
 use super::{Ctx, Init, InputGrad, Layer, LayerMemory, LayerShapes, Mode, ParamSpec, Params, ParamsMut, F32};
 use crate::backend::cpu::{gemm, gemm_with, transpose, Accumulate, Mat, Threads};
 use crate::backend::par;

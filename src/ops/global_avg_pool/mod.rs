@@ -1,90 +1,16 @@
-//! Layers that change the shape: Flatten and GlobalAveragePooling2d, each its forward and
-//! backward, its spec entry (`flatten`, `global_average_pooling2d`), its spec form and
-//! what it keeps for backward (only the input's shape).
+//! Global average pooling, Keras's `GlobalAveragePooling2D()`: the mean over H and W,
+//! (N, C, H, W) → (N, C). Its forward and backward, its spec entry
+//! (`global_average_pooling2d`), its spec form, what it keeps for backward (only the
+//! input's shape) and, at the end of the file, its GPU form (kernels/global_avg_pool.cu).
 
 use serde_json::{json, Value};
 
 #[cfg(feature = "cuda")]
 use super::gpu::{Backward, Forward, GpuLayer};
-use super::spec_entry::{expect_images, Build, LayerType};
+use super::spec::{expect_images, Build, LayerType};
 use super::{Ctx, InputGrad, Layer, LayerMemory, LayerShapes, Params, ParamsMut};
 use crate::error::{Error, Result};
 use crate::tensor::{Shape, Tensor};
-
-/// (N, ...) → (N, F): the values are already in that order, so it is a view.
-#[derive(Clone, Debug, Default)]
-pub struct Flatten {
-    /// Input shape of the last forward, to restore in backward.
-    input: Option<Shape>,
-}
-
-impl Flatten {
-    pub fn new() -> Flatten {
-        Flatten::default()
-    }
-
-    /// The spec entry: Keras's `Flatten()`, no fields.
-    pub const SPEC: LayerType = LayerType {
-        name: "flatten",
-        fields: "none",
-        example: (&[2, 3, 3], r#"{"type": "flatten"}"#),
-        parse: |_| Ok(Build::layer(|_| Ok(Flatten::new()))),
-    };
-}
-
-impl Layer for Flatten {
-    #[cfg(feature = "cuda")]
-    fn gpu(&self) -> Option<Box<dyn GpuLayer>> {
-        Some(Box::new(FlattenGpu))
-    }
-
-    fn kind(&self) -> &'static str {
-        "flatten"
-    }
-
-    fn spec(&self) -> Option<Value> {
-        Some(json!({"type": "flatten"}))
-    }
-
-    /// Nothing per sample: a view.
-    fn memory(&self, _shapes: &LayerShapes) -> Option<LayerMemory> {
-        Some(LayerMemory::NONE)
-    }
-
-    fn output_shape(&self, input: &Shape) -> Result<Shape> {
-        Ok(Shape::new([input.batch(), input.per_sample()]))
-    }
-
-    fn forward(&mut self, x: Tensor, _p: Params<'_>, _b: ParamsMut<'_>, _ctx: &Ctx) -> Result<Tensor> {
-        let out = self.output_shape(x.shape())?;
-        self.input = Some(x.shape().clone());
-        x.reshape(out)
-    }
-
-    fn backward(
-        &mut self,
-        dout: Tensor,
-        _p: Params<'_>,
-        _dp: ParamsMut<'_>,
-        input_grad: InputGrad,
-        _ctx: &Ctx,
-    ) -> Result<Option<Tensor>> {
-        let shape =
-            self.input.take().ok_or_else(|| Error::config("Flatten backward", "no forward to differentiate"))?;
-        if input_grad == InputGrad::Skip {
-            return Ok(None);
-        }
-        dout.reshape(shape).map(Some)
-    }
-
-    fn boxed_clone(&self) -> Box<dyn Layer> {
-        Box::new(Flatten::new())
-    }
-
-    fn describe(&self) -> String {
-        "Flatten".into()
-    }
-}
 
 /// Mean over H and W: (N, C, H, W) → (N, C).
 #[derive(Clone, Debug, Default)]
@@ -180,25 +106,7 @@ impl Layer for GlobalAvgPool2d {
     }
 }
 
-// ---- on a GPU: a copy, and kernels/pooling.cu's global average ------------------------
-
-/// Flatten on a GPU: the values do not move, so a copy each way.
-#[cfg(feature = "cuda")]
-struct FlattenGpu;
-
-#[cfg(feature = "cuda")]
-impl GpuLayer for FlattenGpu {
-    fn forward(&mut self, f: Forward<'_, '_, '_>) -> Result<()> {
-        Ok(f.gpu.stream().memcpy_dtod(f.x, f.y)?)
-    }
-
-    fn backward(&mut self, b: Backward<'_, '_>) -> Result<()> {
-        match b.dx {
-            Some(mut dx) => Ok(b.gpu.stream().memcpy_dtod(&b.dy, &mut dx)?),
-            None => Ok(()),
-        }
-    }
-}
+// ---- on a GPU: kernels/global_avg_pool.cu ---------------------------------------------
 
 /// The spatial mean on a GPU: `global_avgpool_fwd`, `global_avgpool_bwd`.
 #[cfg(feature = "cuda")]

@@ -24,7 +24,7 @@ use std::time::Duration;
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaEvent, CudaSlice, CudaView, CudaViewMut};
 
-use super::stats::StatsExchange;
+use super::batchnorm::stats::StatsExchange;
 use super::window::Window2d;
 use crate::cuda::{DropoutKey, Gpu, WindowGeom};
 use crate::error::{Error, Result};

@@ -4,17 +4,18 @@
 //! error alike and records which fields were asked for.
 //!
 //! Owns: the entry's shape and the field reader. Each op's entry lives in the op's own
-//! module, beside its forward and backward (`Conv2d::SPEC` in `conv2d.rs`), and
-//! [`super::LAYER_TYPES`] lists them. The file format around the entries — `input_shape`,
-//! the `layers` list, the running shape, and errors naming the spec, the layer's index and
-//! its type — is `crate::spec`'s, which reads that list; nothing here imports it, so that
-//! the layers stay below the format that describes them.
+//! folder, beside its forward and backward (`Conv2d::SPEC` in `ops/conv2d/`), and
+//! `model::LAYER_TYPES` lists them. Reading a layer object by its `type` (which needs that
+//! list), and the file format around the entries — `input_shape`, the `layers` list, the
+//! running shape, errors naming the spec, the layer's index and its type — are
+//! `model::spec_objects`' and `crate::spec`'s; nothing here imports them, so that the ops
+//! stay below the format that describes them.
 
 use std::sync::Arc;
 
 use serde_json::{json, Map, Value};
 
-use super::{Layer, NamedLayer, Padding, LAYER_TYPES};
+use super::{Layer, Padding};
 use crate::tensor::Shape;
 
 /// The largest integer a size field (filters, units, kernel, input dimension) may hold.
@@ -64,129 +65,6 @@ impl Build {
     pub fn build(&self, input: &Shape) -> FieldResult<Vec<Box<dyn Layer>>> {
         (self.0)(input)
     }
-}
-
-/// One layer object of a spec, read: its type (an entry of [`LAYER_TYPES`]), the name it
-/// gives its layer if any (`"name": "stem.0"`), what each of its fields resolved to (its
-/// default where absent), and how it builds. Containers hold lists of them.
-#[derive(Clone)]
-pub struct LayerObject {
-    type_name: &'static str,
-    name: Option<String>,
-    fields: Vec<(&'static str, Value)>,
-    build: Build,
-}
-
-impl LayerObject {
-    /// The spec's name of the layer type, from [`LAYER_TYPES`].
-    pub fn type_name(&self) -> &'static str {
-        self.type_name
-    }
-
-    /// The name the object gives the first layer it builds, if it gives one.
-    pub fn name(&self) -> Option<&str> {
-        self.name.as_deref()
-    }
-
-    /// The object as a spec writes it, every field resolved.
-    pub fn resolved(&self) -> Value {
-        let mut map = Map::new();
-        map.insert("type".into(), json!(self.type_name));
-        if let Some(n) = &self.name {
-            map.insert("name".into(), json!(n));
-        }
-        for (k, v) in &self.fields {
-            map.insert((*k).into(), v.clone());
-        }
-        Value::Object(map)
-    }
-
-    /// Fresh layers for inputs of `input` (batch included), the first one named as the
-    /// object says; the others (a `"activation": "relu"`'s ReLU) are named by kind.
-    pub fn build(&self, input: &Shape) -> FieldResult<Vec<NamedLayer>> {
-        let layers = self.build.build(input)?;
-        Ok(layers.into_iter().enumerate().map(|(i, l)| (if i == 0 { self.name.clone() } else { None }, l)).collect())
-    }
-}
-
-/// Two objects are equal when they are of one type, give one name and their fields
-/// resolve alike: they build the same layers.
-impl PartialEq for LayerObject {
-    fn eq(&self, other: &LayerObject) -> bool {
-        self.type_name == other.type_name && self.name == other.name && self.fields == other.fields
-    }
-}
-
-impl std::fmt::Debug for LayerObject {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("LayerObject")
-            .field("type_name", &self.type_name)
-            .field("name", &self.name)
-            .field("fields", &self.fields)
-            .finish()
-    }
-}
-
-/// The type names, for errors: `rescaling, conv2d, ...`.
-pub fn type_list() -> String {
-    LAYER_TYPES.iter().map(|t| t.name).collect::<Vec<_>>().join(", ")
-}
-
-/// Reads one layer object; `at` names it in errors (`layer 3`, `layers[1]`), followed by
-/// its type once known (`layer 3 (conv2d): field 'filters' ...`).
-pub fn read_layer(v: &Value, at: &str) -> FieldResult<LayerObject> {
-    let Value::Object(map) = v else {
-        return Err(format!("{at}: expected an object such as {{\"type\": \"dense\", \"units\": 10}} (got {v})"));
-    };
-    let kind = match map.get("type") {
-        Some(Value::String(s)) => s.as_str(),
-        Some(other) => return Err(format!("{at}: field 'type' must be a string (got {other})")),
-        None => return Err(format!("{at}: missing field 'type' (one of: {})", type_list())),
-    };
-    let at = |detail: String| format!("{at} ({kind}): {detail}");
-    let ty = LAYER_TYPES
-        .iter()
-        .find(|t| t.name == kind)
-        .ok_or_else(|| at(format!("unknown type '{kind}' (one of: {})", type_list())))?;
-    let name = match map.get("name") {
-        None | Some(Value::Null) => None,
-        Some(Value::String(s)) if !s.is_empty() && s.len() <= 256 && !s.chars().any(char::is_control) => {
-            Some(s.clone())
-        }
-        Some(v) => {
-            return Err(at(format!("field 'name' must be a non-empty string of at most 256 characters (got {v})")))
-        }
-    };
-    let mut f = Fields::new(map);
-    let build = (ty.parse)(&mut f).map_err(at)?;
-    let fields = f.finish().map_err(at)?;
-    Ok(LayerObject { type_name: ty.name, name, fields, build })
-}
-
-/// The layer objects that build `layers` (named `names`) again, each written by its own
-/// `Layer::spec` with its name where it is not the one it would be given by kind
-/// (`auto_prefix` before those: a shortcut's `shortcut.`), or the first layer without a
-/// spec form: (its name, its description).
-pub fn layers_to_spec(
-    layers: &[Box<dyn Layer>],
-    names: &[String],
-    auto_prefix: &str,
-) -> Result<Vec<Value>, (String, String)> {
-    let auto = super::sequential::auto_names(layers.iter().map(|l| (None, l.kind())));
-    layers
-        .iter()
-        .zip(names)
-        .zip(auto)
-        .map(|((l, name), auto)| {
-            let mut v = l.spec().ok_or_else(|| (name.clone(), l.describe()))?;
-            if *name != format!("{auto_prefix}{auto}") {
-                if let Value::Object(map) = &mut v {
-                    map.insert("name".into(), json!(name));
-                }
-            }
-            Ok(v)
-        })
-        .collect()
 }
 
 /// The channels of an input of images, (N, C, H, W), or the spec's words for another.
@@ -406,18 +284,17 @@ impl<'a> Fields<'a> {
         self.record("padding", r, |p| p.to_json())
     }
 
-    /// A list of layer objects (a container's `layers`, `shortcut`): required, or empty
-    /// when absent if `required` is false.
-    pub fn layers(&mut self, name: &'static str, required: bool) -> FieldResult<Vec<LayerObject>> {
-        let r = match self.get(name) {
-            None if required => Err(format!("missing field '{name}' (a list of layer objects)")),
-            None => Ok(Vec::new()),
-            Some(Value::Array(items)) => {
-                items.iter().enumerate().map(|(j, v)| read_layer(v, &format!("{name}[{j}]"))).collect()
-            }
-            Some(v) => Err(format!("field '{name}' must be a list of layer objects (got {v})")),
-        };
-        self.record(name, r, |objects| Value::Array(objects.iter().map(LayerObject::resolved).collect()))
+    /// A field read by the caller's own reader (a container's list of layer objects:
+    /// `model::spec_objects::read_layers`): `read` gets the field's value, or None when it
+    /// is absent, and `resolved` writes back what it resolved to.
+    pub fn custom<T>(
+        &mut self,
+        name: &'static str,
+        read: impl FnOnce(Option<&'a Value>) -> FieldResult<T>,
+        resolved: impl Fn(&T) -> Value,
+    ) -> FieldResult<T> {
+        let r = read(self.get(name));
+        self.record(name, r, resolved)
     }
 
     /// Fails on a field nobody asked for; else what each field resolved to, in the order

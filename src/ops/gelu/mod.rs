@@ -34,7 +34,7 @@ use serde_json::{json, Value};
 
 #[cfg(feature = "cuda")]
 use super::gpu::{Backward, Forward, GpuLayer};
-use super::spec_entry::{Build, LayerType};
+use super::spec::{Build, LayerType};
 use super::{Ctx, InputGrad, Layer, LayerMemory, LayerShapes, Mode, Params, ParamsMut, F32};
 use crate::backend::par;
 use crate::backend::simd::{exp_f32, widest};

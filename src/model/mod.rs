@@ -1,0 +1,43 @@
+//! A model: its layers in order ([`Sequential`]), the residual block that holds two
+//! branches ([`Residual`]), the layer types a spec may name ([`LAYER_TYPES`]) and how a
+//! spec's layer objects are read by type ([`spec_objects`]), synchronized BatchNorm across
+//! a model ([`sync_batchnorm`]), and the network run on one GPU ([`gpu`]).
+//!
+//! The ops a model is made of, each in its own folder, are `crate::ops`'; what a model is
+//! trained with (the step, the replicas, the exchange) is `crate::train`'s.
+
+#[cfg(feature = "cuda")]
+pub mod gpu;
+pub mod residual;
+mod sequential;
+pub mod spec_objects;
+pub mod sync_batchnorm;
+
+pub use residual::Residual;
+pub use sequential::{auto_names, NamedLayer, ParamStore, Place, Sequential, TensorInfo, TENSOR_ALIGN};
+pub use sync_batchnorm::convert_sync_batchnorm;
+
+use crate::ops::{
+    BatchNorm2d, CausalSelfAttention, Conv2d, Dropout, Embedding, Flatten, Gelu, GlobalAvgPool2d, LayerNorm,
+    LayerType, Linear, MaxPool2d, PositionalEmbedding, Relu, Rescaling,
+};
+
+/// Every layer type of the spec format, in the order its errors list them: the one line a
+/// new op adds its entry to.
+pub const LAYER_TYPES: &[LayerType] = &[
+    Rescaling::SPEC,
+    Conv2d::SPEC,
+    BatchNorm2d::SPEC,
+    Relu::SPEC,
+    Linear::SPEC,
+    Dropout::SPEC,
+    Flatten::SPEC,
+    GlobalAvgPool2d::SPEC,
+    MaxPool2d::SPEC,
+    Gelu::SPEC,
+    LayerNorm::SPEC,
+    Residual::SPEC,
+    Embedding::SPEC,
+    PositionalEmbedding::SPEC,
+    CausalSelfAttention::SPEC,
+];

@@ -1,0 +1,12 @@
+//! The layers a model is built from, and the model itself, as a program names them:
+//! `use lockstep::nn::{Conv2d, Linear, Relu, Sequential};` (PyTorch's `torch.nn`). Each
+//! op lives in its own folder of `crate::ops`; the model, its builders and the list of
+//! layer types in `crate::model`. This module only gathers their names.
+
+pub use crate::model::{convert_sync_batchnorm, ParamStore, Residual, Sequential, TensorInfo, LAYER_TYPES};
+pub use crate::ops::cross_entropy as loss;
+pub use crate::ops::{
+    Activation, BatchNorm2d, CausalSelfAttention, Conv2d, Ctx, Dropout, Embedding, Flatten, Gelu, GlobalAvgPool2d,
+    Init, InputGrad, Layer, LayerMemory, LayerNorm, LayerShapes, LayerType, Linear, MaxPool2d, Mode, Padding,
+    ParamSpec, Params, ParamsMut, PositionalEmbedding, ProfileRow, Relu, Rescaling, Window2d,
+};

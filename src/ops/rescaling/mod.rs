@@ -1,0 +1,118 @@
+//! Rescaling, Keras's `Rescaling(scale, offset)`: y = x·scale + offset, its forward and
+//! backward, its spec entry (`rescaling`), its spec form and, at the end of the file, its
+//! GPU form (kernels/rescaling.cu).
+
+use serde_json::{json, Value};
+
+#[cfg(feature = "cuda")]
+use super::gpu::{Backward, Forward, GpuLayer};
+use super::spec::{Build, LayerType};
+use super::{Ctx, InputGrad, Layer, LayerMemory, LayerShapes, Params, ParamsMut};
+use crate::error::Result;
+use crate::tensor::{Shape, Tensor};
+
+/// y = x·scale + offset (Keras `Rescaling`; the convnet divides pixels by 255).
+#[derive(Clone, Debug)]
+pub struct Rescaling {
+    scale: f32,
+    offset: f32,
+}
+
+impl Rescaling {
+    pub fn new(scale: f32, offset: f32) -> Rescaling {
+        Rescaling { scale, offset }
+    }
+
+    /// The spec entry: Keras's `Rescaling(scale, offset=0)`.
+    pub const SPEC: LayerType = LayerType {
+        name: "rescaling",
+        fields: "`scale` (required), `offset` (0)",
+        example: (&[1, 4, 4], r#"{"type": "rescaling", "scale": 0.00392156862745098, "offset": -0.5}"#),
+        parse: |f| {
+            let scale = f.number("scale", None, (|_| true, "a finite number"))?;
+            let offset = f.number("offset", Some(0.0), (|_| true, "a finite number"))?;
+            Ok(Build::layer(move |_| Ok(Rescaling::new(scale, offset))))
+        },
+    };
+}
+
+impl Layer for Rescaling {
+    #[cfg(feature = "cuda")]
+    fn gpu(&self) -> Option<Box<dyn GpuLayer>> {
+        Some(Box::new(RescalingGpu { scale: self.scale, offset: self.offset }))
+    }
+
+    fn kind(&self) -> &'static str {
+        "rescaling"
+    }
+
+    fn spec(&self) -> Option<Value> {
+        Some(json!({"type": "rescaling", "scale": self.scale, "offset": self.offset}))
+    }
+
+    /// Nothing: its gradient is a constant factor.
+    fn memory(&self, _shapes: &LayerShapes) -> Option<LayerMemory> {
+        Some(LayerMemory::NONE)
+    }
+
+    fn output_shape(&self, input: &Shape) -> Result<Shape> {
+        Ok(input.clone())
+    }
+
+    // x: any shape → y: same shape
+    fn forward(&mut self, mut x: Tensor, _p: Params<'_>, _b: ParamsMut<'_>, _ctx: &Ctx) -> Result<Tensor> {
+        let (s, o) = (self.scale, self.offset);
+        for v in x.host_mut() {
+            *v = *v * s + o;
+        }
+        Ok(x)
+    }
+
+    fn backward(
+        &mut self,
+        mut dout: Tensor,
+        _p: Params<'_>,
+        _dp: ParamsMut<'_>,
+        input_grad: InputGrad,
+        _ctx: &Ctx,
+    ) -> Result<Option<Tensor>> {
+        if input_grad == InputGrad::Skip {
+            return Ok(None);
+        }
+        for v in dout.host_mut() {
+            *v *= self.scale;
+        }
+        Ok(Some(dout))
+    }
+
+    fn boxed_clone(&self) -> Box<dyn Layer> {
+        Box::new(self.clone())
+    }
+
+    fn describe(&self) -> String {
+        format!("Rescaling(×{}, +{})", self.scale, self.offset)
+    }
+}
+
+// ---- on a GPU: kernels/rescaling.cu --------------------------------------------------
+
+/// Rescaling on a GPU: `rescale_fwd`, `rescale_bwd`.
+#[cfg(feature = "cuda")]
+struct RescalingGpu {
+    scale: f32,
+    offset: f32,
+}
+
+#[cfg(feature = "cuda")]
+impl GpuLayer for RescalingGpu {
+    fn forward(&mut self, f: Forward<'_, '_, '_>) -> Result<()> {
+        f.gpu.rescale_fwd(f.x, f.y, self.scale, self.offset)
+    }
+
+    fn backward(&mut self, b: Backward<'_, '_>) -> Result<()> {
+        match b.dx {
+            Some(mut dx) => b.gpu.rescale_bwd(&b.dy, &mut dx, self.scale),
+            None => Ok(()),
+        }
+    }
+}
