@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """PyTorch reference cases of lockstep's transformer (issue 21), written to tests/data/gpt/.
 
-The model is nanoGPT's own `model.py` (scripts/nanogpt/model.py, karpathy/nanoGPT at
-3adf61e1, unchanged), its optimiser its `configure_optimizers` (AdamW, weight decay on
-the tensors of 2 or more dimensions). Run from the repository root:
+The model is this project's PyTorch GPT (scripts/torch_gpt_model.py: nanoGPT's
+architecture and state_dict names), its optimiser that file's `configure_optimizers`
+(AdamW, weight decay on the tensors of 2 or more dimensions). Run from the repository root:
 
     python3 -m venv /tmp/venv && /tmp/venv/bin/pip install torch numpy safetensors
     /tmp/venv/bin/python scripts/torch_gpt.py
@@ -14,12 +14,18 @@ Cases (tests/gpt.rs reads them):
   computed in float64 from the float32 values (so the reference is exact to f32's
   rounding): layer_norm, embedding, positional, attention, dense over (N, T, C), and a
   tied head (an embedding and a head sharing its table);
-* gpt.safetensors: nanoGPT's GPT with block 16, vocab 256, 2 layers, 2 heads, 32 wide,
+* gpt.safetensors: the GPT with block 16, vocab 256, 2 layers, 2 heads, 32 wide,
   no dropout: its initial state_dict (`init.<key>`, both names of the tied tensor), the
   token rows (`tokens` (STEPS·B, 17), taken in order: step k trains rows k·B..(k+1)·B),
   the loss of every step (`losses`), and the weights after the last (`final.<key>`); 20
   steps of AdamW (lr 1e-3, betas (0.9, 0.99), weight decay 0.1, eps 1e-8), lockstep's
   schedule (5 linear warm-up steps, then cosine to a tenth), clipping at norm 1.0.
+
+The token rows are windows of README.md's bytes, so a README edited since the cases were
+made gives other tokens, losses and final weights (the other cases stay the same). The
+committed gpt.safetensors took them from README.md as of commit 3528bd2: with that file
+in place (`git show 3528bd2:README.md > README.md`), the script remakes every case
+byte for byte.
 """
 
 import math
@@ -29,8 +35,8 @@ import sys
 import torch
 from safetensors.torch import save_file
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "nanogpt"))
-from model import GPT, GPTConfig, CausalSelfAttention, LayerNorm  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from torch_gpt_model import GPT, GPTConfig, CausalSelfAttention, LayerNorm  # noqa: E402
 
 OUT = os.path.join(os.path.dirname(__file__), "..", "tests", "data", "gpt")
 os.makedirs(OUT, exist_ok=True)
@@ -66,7 +72,7 @@ def layer_case(name, module, x, dy, x_is_ids=False):
 
 N, T, C, V, P = 2, 5, 8, 11, 7
 
-# LayerNorm over the last dimension, affine, eps 1e-5 (nanoGPT's LayerNorm(bias=True)).
+# LayerNorm over the last dimension, affine, eps 1e-5 (the model's LayerNorm(bias=True)).
 ln = LayerNorm(C, bias=True)
 with torch.no_grad():
     ln.weight.copy_(f32(torch.randn(C) * 0.5 + 1))
@@ -82,7 +88,7 @@ layer_case("embedding", emb, ids, f32(torch.randn(N, T, C)), x_is_ids=True)
 
 
 class Positional(torch.nn.Module):
-    """nanoGPT's wpe as it is used: x + wpe(arange(T))."""
+    """The position table as the GPT uses it: x + wpe(arange(T))."""
 
     def __init__(self):
         super().__init__()
@@ -94,7 +100,7 @@ class Positional(torch.nn.Module):
 
 layer_case("positional", Positional(), f32(torch.randn(N, T, C)), f32(torch.randn(N, T, C)))
 
-# Causal self-attention, 2 heads, no dropout (nanoGPT's module as it is).
+# Causal self-attention, 2 heads, no dropout (the model's module as it is).
 attn = CausalSelfAttention(GPTConfig(block_size=T, vocab_size=V, n_layer=1, n_head=2, n_embd=C, dropout=0.0, bias=True))
 with torch.no_grad():
     for p in attn.parameters():

@@ -7,9 +7,10 @@ nanoGPT's README: `python train.py config/train_shakespeare_char.py --device=cpu
 --dropout=0.0`. This is that loop (train.py's get_batch, get_lr, estimate_loss,
 clipping, its AdamW from `configure_optimizers`), restated over lockstep's text: the
 bytes of Debian's fortunes (every file of /usr/share/games/fortunes but the .dat and .u8,
-in name order, the first 90% training), vocabulary 256, with nanoGPT's unchanged
-`model.py` (scripts/nanogpt). It prints the tokens per second of the training steps
-(evaluation excluded, as lockstep's figure excludes it) and the validation loss.
+in name order, the first 90% training), vocabulary 256, with this project's PyTorch GPT
+(scripts/torch_gpt_model.py, nanoGPT's architecture). It prints the tokens per second of
+the training steps (evaluation excluded, as lockstep's figure excludes it) and the
+validation loss.
 
     /tmp/venv/bin/python scripts/torch_gpt_bench.py --threads 2 --iters 2000
 """
@@ -22,8 +23,8 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "nanogpt"))
-from model import GPT, GPTConfig  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from torch_gpt_model import GPT, GPTConfig  # noqa: E402
 
 p = argparse.ArgumentParser()
 p.add_argument("--threads", type=int, default=2)

@@ -1,6 +1,7 @@
 //! The transformer against PyTorch and against itself: the reference cases of
-//! tests/data/gpt/, made by scripts/torch_gpt.py with nanoGPT's own `model.py` and
-//! `configure_optimizers` (see the script's docs for what each file holds).
+//! tests/data/gpt/, made by scripts/torch_gpt.py with this project's PyTorch GPT
+//! (scripts/torch_gpt_model.py, nanoGPT's architecture) and its `configure_optimizers`
+//! (see the script's docs for what each file holds).
 //!
 //! Tolerances (issue 21):
 //! - every new layer's output, input gradient and parameter gradients at step 0:
