@@ -21,11 +21,9 @@ Cases (tests/gpt.rs reads them):
   steps of AdamW (lr 1e-3, betas (0.9, 0.99), weight decay 0.1, eps 1e-8), lockstep's
   schedule (5 linear warm-up steps, then cosine to a tenth), clipping at norm 1.0.
 
-The token rows are windows of README.md's bytes, so a README edited since the cases were
-made gives other tokens, losses and final weights (the other cases stay the same). The
-committed gpt.safetensors took them from README.md as of commit 3528bd2: with that file
-in place (`git show 3528bd2:README.md > README.md`), the script remakes every case
-byte for byte.
+The token rows are windows of tests/data/gpt/text.md's bytes: this project's README as
+it was when the cases were first made (commit 3528bd2), kept as its own file so that the
+script remakes every case byte for byte whatever the README says today.
 """
 
 import math
@@ -139,7 +137,7 @@ torch.manual_seed(1)
 config = GPTConfig(block_size=BLOCK, vocab_size=256, n_layer=2, n_head=2, n_embd=32, dropout=0.0, bias=True)
 model = GPT(config)
 init = {"init." + k: v.clone() for k, v in model.state_dict().items()}
-text = open(os.path.join(os.path.dirname(__file__), "..", "README.md"), "rb").read()
+text = open(os.path.join(os.path.dirname(__file__), "..", "tests", "data", "gpt", "text.md"), "rb").read()
 data = torch.tensor(list(text), dtype=torch.long)
 starts = torch.randint(len(data) - BLOCK - 1, (STEPS * B,))
 tokens = torch.stack([data[s : s + BLOCK + 1] for s in starts])
