@@ -6,7 +6,7 @@
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use lockstep::backend::cpu::{gemm_with, Accumulate, Mat, Threads};
 
-/// (name, m, k, n): the products the convnet's layers issue (see `nn::conv2d`): conv0
+/// (name, m, k, n): the products the convnet's layers issue (see `ops::conv2d`): conv0
 /// unfolds into channels-first columns, one sample at a time; conv1 and conv2 into
 /// channels-last rows, 2 and 4 samples at a time (their `chunk_samples`).
 const SHAPES: &[(&str, usize, usize, usize)] = &[

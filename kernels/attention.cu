@@ -4,8 +4,8 @@
 // per-head layout the strided-batched GEMMs read), and the causal softmax over T with its
 // gradient. Leaves every product (the projections, q·kᵀ, P·v and their gradients) to
 // cuBLAS, the dropout of the probabilities and of the output to dropout.cu (the masks
-// nn::attention draws on the CPU, bit for bit), and the order of the launches to
-// src/nn/attention.rs's GPU form. The CPU reference is that file's
+// ops::attention draws on the CPU, bit for bit), and the order of the launches to
+// src/ops/attention/'s GPU form. The CPU reference is that file's
 // causal_softmax_row and causal_softmax_row_bwd; tests/kernels_host.rs runs these kernels
 // against it.
 //
@@ -17,7 +17,7 @@
          i += (size_t)blockDim.x * gridDim.x)
 
 // Threads per block of the row kernels; the host launches exactly this many
-// (src/cuda/launch/attention.rs ATTENTION_BLOCK). A power of two.
+// (src/ops/attention/gpu.rs ATTENTION_BLOCK). A power of two.
 #define ATTENTION_BLOCK 128
 
 // The head split: x (N, T, P*H*D) -> y (P, N, H, T, D), y[p, n, h, i, d] = x[n, i, (p*H + h)*D + d]:

@@ -1,14 +1,13 @@
-// embedding.cu — the token embedding (a gather of table rows by id) and the learned
-// positional embedding (a broadcast add of the table's first T rows), forward and backward.
+// embedding.cu — the token embedding, a gather of table rows by id, forward and backward.
 //
-// Owns: those kernels, and the deterministic embedding backward. The CPU layers
-// (src/nn/embedding.rs, src/nn/positional.rs) are the reference, and every sum here adds
+// Owns: those kernels, and the deterministic embedding backward. The CPU layer
+// (src/ops/embedding/) is the reference, and every sum here adds
 // the same f32 values in the same order as theirs, so the host-run kernel test compares
 // the two bit for bit:
 //   * token ids arrive as floats (the network's input, exact integers below 2^24); an id
 //     that is not an integer in [0, vocab) is never used as an index: the forward writes
 //     NaN for its row and the backward skips it. The host refuses such ids by name before
-//     they are copied (nn::embedding::check_ids), so on a run these guards never fire;
+//     they are copied (ops::embedding::check_ids), so on a run these guards never fire;
 //     they only keep a bad id from reading or writing outside the table;
 //   * the embedding backward adds each token's dy row into its id's gradient row in token
 //     order (n, t), starting from the gradient's value (it ACCUMULATES, as the CPU does
@@ -25,17 +24,16 @@
 //     Steps 1 and 3 read all M = N*T ids once per vocabulary row: O(V*M) reads (V = 256,
 //     M = 768 for nanoGPT's CPU recipe: 2·10^5, nothing), which a GPT-2 vocabulary of
 //     50257 at M = 8192 turns into 4·10^8 cached reads, a few milliseconds; a radix sort
-//     would be the next step there. Step 4 reads each dy value once;
-//   * the positional backward gives each (t, c) the sum over n of dy[n, t, c], n
-//     ascending, added into the gradient's value, and copies dy to dx (dx = dy) when dx
-//     is asked for, in the same pass.
+//     would be the next step there. Step 4 reads each dy value once.
+//
+// The contract every file of kernels/ keeps is kernels/README.md's.
 
 #define GRID_STRIDE(i, n) \
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < (n); \
          i += (size_t)blockDim.x * gridDim.x)
 
 // Threads of the one block embedding_offsets_bwd runs as; the host launches exactly this
-// many (src/cuda/launch/mod.rs REDUCE_BLOCK).
+// many (src/cuda/launch.rs REDUCE_BLOCK).
 #define REDUCE_BLOCK 256
 
 // The table row of token id `id`, or -1 for an id that is not an integer in [0, vocab).
@@ -130,28 +128,5 @@ extern "C" __global__ void embedding_bwd_f32(const float* dy, const unsigned int
             if (token < m) g += dy[token * c + j];
         }
         dweight[i] = g;
-    }
-}
-
-// y[n, t, c] = x[n, t, c] + weight[t, c]: the table's first T rows, broadcast over N.
-// x, y: (N, T, C) with tc = T*C, total = N*T*C; weight: (T, C) (its first T rows)
-extern "C" __global__ void positional_embedding_fwd_f32(const float* x, const float* weight,
-                                                        float* y, size_t tc, size_t total) {
-    GRID_STRIDE(i, total) { y[i] = x[i] + weight[i % tc]; }
-}
-
-// dweight[t, c] += dy[n, t, c] for n = 0, 1, ..., one add at a time into the gradient's
-// value; dx = dy (WRITTEN) when dx is not NULL.
-// dy, dx: (N, T, C) with tc = T*C; dweight: (T, C) (the table's first T rows)
-extern "C" __global__ void positional_embedding_bwd_f32(const float* dy, float* dweight, float* dx,
-                                                        int n, size_t tc) {
-    GRID_STRIDE(j, tc) {
-        float g = dweight[j];
-        for (int s = 0; s < n; ++s) {
-            const float d = dy[(size_t)s * tc + j];
-            g += d;
-            if (dx) dx[(size_t)s * tc + j] = d;
-        }
-        dweight[j] = g;
     }
 }

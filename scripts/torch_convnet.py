@@ -61,7 +61,7 @@ import torch.nn.functional as F
 
 
 def same_pads(size, k, s):
-    """Keras 'same' padding along one axis: (before, after), as src/nn/conv2d.rs `pads`."""
+    """Keras 'same' padding along one axis: (before, after), as src/ops/conv2d/ `pads`."""
     out = -(-size // s)  # ⌈size / s⌉
     total = max((out - 1) * s + k - size, 0)
     return total // 2, total - total // 2

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""torch_gelu.py — the reference values of src/nn/gelu.rs's PyTorch comparison test.
+"""torch_gelu.py — the reference values of src/ops/gelu/'s PyTorch comparison test.
 
     python3 scripts/torch_gelu.py        # needs torch and mpmath (pip install torch)
 

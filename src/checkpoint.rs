@@ -29,8 +29,8 @@ use crate::digest::Fnv1a;
 use crate::dirlock::DirLock;
 use crate::error::{Error, Result};
 use crate::fsutil::write_atomic;
-use crate::ops::cross_entropy::Metrics;
 use crate::nn::{ParamStore, Sequential};
+use crate::ops::cross_entropy::Metrics;
 use crate::optim::Optimizer;
 use crate::weights::{f32_values, read_file, to_safetensors_bytes};
 

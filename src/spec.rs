@@ -51,7 +51,7 @@
 //! # Adding a layer type
 //! A type's entry is a [`LayerType`] in the layer's own module (`Conv2d::SPEC` in
 //! `nn/conv2d.rs`): its `type` name, its fields as the table above lists them, an example,
-//! and a function that reads the fields with `nn::spec_entry::Fields` (each default and
+//! and a function that reads the fields with `ops::spec::Fields` (each default and
 //! each error there) and builds the layers against the running shape. The layer writes
 //! itself back ([`Layer::spec`](crate::nn::Layer::spec)). [`LAYER_TYPES`] (`nn::LAYER_TYPES`) is the one list of
 //! types: the parse dispatch, the names in errors and [`LayerSpec::type_name`] all read

@@ -26,9 +26,9 @@
 
 mod common;
 
-use lockstep::ops::gpu::Draw;
 use lockstep::model::gpu::{GpuNet, OptimizerState, SlotUse};
 use lockstep::nn::{loss, Ctx, Sequential};
+use lockstep::ops::gpu::Draw;
 use lockstep::optim::OptimizerConfig;
 use lockstep::spec::{model_from_spec_str, LAYER_TYPES};
 use lockstep::{Device, Shape, Tensor};

@@ -12,12 +12,14 @@ mod common;
 use std::io::Write;
 
 use cudarc::driver::CudaSlice;
-use lockstep::cuda::launch::{
-    BnGeom, BnGrads, BnMerged, BnParams, BnSaved, BnStats, BnSums, BnUpdate, DropoutKey, Gpu, WindowGeom, WireGeom,
-};
+use lockstep::cuda::launch::Gpu;
 use lockstep::cuda::probe::{self, NcclStatus, NO_DRIVER};
 use lockstep::exchange::codec::{Codec, Compression};
+use lockstep::exchange::gpu::codec::WireGeom;
+use lockstep::ops::batchnorm::gpu::{BnGeom, BnGrads, BnMerged, BnParams, BnSaved, BnStats, BnSums, BnUpdate};
 use lockstep::ops::batchnorm::RunningUpdate;
+use lockstep::ops::dropout::gpu::DropoutKey;
+use lockstep::ops::window::WindowGeom;
 use lockstep::optim::{MomentumKind, OptimizerConfig};
 use lockstep::rng::mix64;
 use lockstep::Error;

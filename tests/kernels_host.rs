@@ -10,9 +10,9 @@
 //! compiles, run the way the GPU runs it, minus the parallelism between blocks.
 //!
 //! What is checked:
-//!   * that every kernel of KERNEL_FILES is launched here, by the test that says it checks
+//!   * that every kernel of train::kernel_files() is launched here, by the test that says it checks
 //!     it (each test's launches are recorded and compared with its entry of `CHECKED` when
-//!     it ends, and the entries together must be KERNEL_FILES): a new kernel without a
+//!     it ends, and the entries together must be train::kernel_files()): a new kernel without a
 //!     host check fails `every_kernel_in_kernels_is_checked_here`;
 //!   * every kernel against a reference written here, in tests/common (the one
 //!     tests/cuda_ops.rs holds the GPU to) or the CPU backend's own code (the CPU is the
@@ -23,7 +23,7 @@
 //!     signature (kind, constness, width) and its parameter names the kernel's, so a
 //!     declaration out of step with its `.cu` fails here, not on a GPU;
 //!   * the argument list of every launch: each call below passes its values in the order
-//!     and with the types the matching `Gpu` method of src/cuda/launch/ pushes them, and
+//!     and with the types the matching `Gpu` method of the kernel owner's gpu.rs pushes them, and
 //!     the harness checks them against the kernel's declaration and its C++ signature;
 //!   * that no kernel writes outside its buffers or into a read-only one: every buffer is
 //!     staged between guard bands, checked after each launch.
@@ -49,23 +49,27 @@ use std::process::Command;
 use std::sync::OnceLock;
 
 use lockstep::backend::cpu;
-use lockstep::cuda::kernels::{Kernel, Kind, KERNEL_FILES};
-use lockstep::cuda::launch::{
-    DropoutKey, WindowGeom, WireGeom, ATTENTION_BLOCK, CODEC_THREADS, LN_BLOCK, LN_LANES, REDUCE_BLOCK,
-};
+use lockstep::cuda::kernels::{Kernel, Kind};
+use lockstep::cuda::launch::REDUCE_BLOCK;
 use lockstep::exchange::codec::{Codec, Compression};
-use lockstep::ops::batchnorm::RunningUpdate;
-use lockstep::ops::gelu::{gelu_grad, gelu_value};
-use lockstep::ops::layernorm::{row_stats, ROW_CHUNK};
-use lockstep::ops::maxpool2d::{maxpool2d_plane_bwd, maxpool2d_plane_fwd};
+use lockstep::exchange::gpu::codec::{WireGeom, CODEC_THREADS};
 use lockstep::nn::{
     loss, BatchNorm2d, Ctx, Dropout, Embedding, Layer, LayerNorm, MaxPool2d, Padding, PositionalEmbedding, Sequential,
     Window2d,
 };
+use lockstep::ops::attention::gpu::ATTENTION_BLOCK;
+use lockstep::ops::batchnorm::RunningUpdate;
+use lockstep::ops::dropout::gpu::DropoutKey;
+use lockstep::ops::gelu::{gelu_grad, gelu_value};
+use lockstep::ops::layernorm::gpu::{LN_BLOCK, LN_LANES};
+use lockstep::ops::layernorm::{row_stats, ROW_CHUNK};
+use lockstep::ops::maxpool2d::{maxpool2d_plane_bwd, maxpool2d_plane_fwd};
+use lockstep::ops::window::WindowGeom;
 use lockstep::optim::{
     clip_factor, norm_partials, DecayMask, DecayOn, GradNorm, MomentumKind, Optimizer, OptimizerConfig, NORM_CHUNK,
     NORM_LANES,
 };
+use lockstep::train::kernel_files;
 use lockstep::{Device, Tensor};
 
 use common::{
@@ -233,11 +237,11 @@ impl Checked {
     }
 }
 
-/// The declaration of kernel `name` in KERNEL_FILES, or a panic naming it.
+/// The declaration of kernel `name` in train::kernel_files(), or a panic naming it.
 #[track_caller]
 fn declared(name: &str) -> &'static Kernel {
-    KERNEL_FILES
-        .iter()
+    kernel_files()
+        .into_iter()
         .flat_map(|f| f.kernels)
         .find(|k| k.name() == name)
         .unwrap_or_else(|| panic!("{name} is not declared in src/cuda/kernels.rs"))
@@ -627,8 +631,8 @@ const CHECKED: &[(&str, &[&str])] = &[
 #[test]
 fn every_kernel_in_kernels_is_checked_here() {
     let found: BTreeSet<String> = kernel_sources().iter().flat_map(|(_, s)| kernel_names_in(s)).collect();
-    let table: BTreeSet<String> = KERNEL_FILES.iter().flat_map(|f| f.kernel_names("f32")).collect();
-    assert_eq!(found, table, "kernels/ scanned here vs the KERNEL_FILES table");
+    let table: BTreeSet<String> = kernel_files().iter().flat_map(|f| f.kernel_names("f32")).collect();
+    assert_eq!(found, table, "kernels/ scanned here vs the kernel file table (train::kernel_files)");
     let checked: BTreeSet<String> = CHECKED.iter().flat_map(|(_, ks)| ks.iter().map(|s| s.to_string())).collect();
     assert_eq!(found, checked, "a kernel without a host check here, or a check of a kernel that is gone");
 }
@@ -650,7 +654,7 @@ fn every_declared_kernel_is_in_its_file_with_the_kernels_parameter_names() {
     // Runs without a compiler: the declarations against the sources' text. A declared
     // order that swaps two parameters of one type (hw and total, both size_t) passes the
     // letters but not this.
-    for file in KERNEL_FILES {
+    for file in kernel_files() {
         let in_source = parameter_names_in(file.source);
         let declared: BTreeSet<String> = file.kernels.iter().map(Kernel::name).collect();
         assert_eq!(in_source.keys().cloned().collect::<BTreeSet<_>>(), declared, "{}: defined vs declared", file.name);
@@ -678,7 +682,7 @@ fn every_declared_argument_list_is_the_kernels_signature() {
         return;
     };
     let mut checked = 0;
-    for file in KERNEL_FILES {
+    for file in kernel_files() {
         for kernel in file.kernels {
             // The letters of the C++ types the compiled kernel takes (cuda_host.h's
             // type_code), against those the declared kinds push.
@@ -754,7 +758,7 @@ fn gelu_fwd_and_bwd_equal_the_cpu_layer_bit_for_bit() {
     let mut x: Vec<f32> = rng.vec(n).iter().map(|v| 10.0 * v).collect();
     let dy = rng.vec(n);
     x[..8].copy_from_slice(&[0.0, -0.0, -20.0, 1e-3, f32::INFINITY, f32::NEG_INFINITY, f32::NAN, -8.0]);
-    // The CPU layer's own arithmetic (nn::gelu), value by value.
+    // The CPU layer's own arithmetic (ops::gelu), value by value.
     let want_y: Vec<f32> = x.iter().map(|&v| gelu_value(v)).collect();
     let want_dx: Vec<f32> = x.iter().zip(&dy).map(|(&v, &g)| gelu_grad(v, g)).collect();
     for cfg in elem_cfgs(n) {
@@ -1254,7 +1258,7 @@ fn softmax_cross_entropy_matches_the_cpu_loss() {
     let mut logits: Vec<f32> = rng.vec(n * kk).iter().map(|v| 4.0 * v).collect();
     let mut labels: Vec<u32> = (0..n).map(|_| (rng.next_u64() % kk as u64) as u32).collect();
     // Ties: samples 0 and 1 have their maximum 3.0 at classes 2 and 7. The first maximum
-    // (2) is the prediction, as in nn::loss and torch.argmax: label 2 is correct, label 7
+    // (2) is the prediction, as in ops::cross_entropy and torch.argmax: label 2 is correct, label 7
     // is not.
     for s in [0, 1] {
         logits[s * kk + 2] = 3.0;
@@ -1263,7 +1267,7 @@ fn softmax_cross_entropy_matches_the_cpu_loss() {
     (labels[0], labels[1]) = (2, 7);
     // Large logits: the row maximum is subtracted before exp.
     logits[2 * kk + 4] = 1000.0;
-    // Plain cross-entropy, and PyTorch's label smoothing (nn::loss::CrossEntropy).
+    // Plain cross-entropy, and PyTorch's label smoothing (ops::cross_entropy::CrossEntropy).
     for eps in [0.0f32, 0.1, 0.5] {
         let ce = loss::CrossEntropy::new(eps).unwrap();
         // Each sample alone through the CPU loss: its loss, its correct flag, its dlogits.
@@ -1304,10 +1308,10 @@ fn softmax_cross_entropy_matches_the_cpu_loss() {
             assert_close(&what("dlogits"), &dlogits, &want_dl, 1e-5, 1e-6);
             let cpu_loss: Vec<f64> = cpu.iter().map(|c| c.0).collect();
             let cpu_dl: Vec<f64> = cpu.iter().flat_map(|c| f64s(&c.2)).collect();
-            assert_close(&what("loss vs nn::loss"), &loss, &cpu_loss, 1e-5, 1e-6);
-            assert_close(&what("dlogits vs nn::loss"), &dlogits, &cpu_dl, 1e-5, 1e-6);
+            assert_close(&what("loss vs ops::cross_entropy"), &loss, &cpu_loss, 1e-5, 1e-6);
+            assert_close(&what("dlogits vs ops::cross_entropy"), &dlogits, &cpu_dl, 1e-5, 1e-6);
             let cpu_correct: Vec<u32> = cpu.iter().map(|c| c.1 as u32).collect();
-            assert_eq!(correct, cpu_correct, "correct flags vs nn::loss, eps {eps}, {cfg:?}");
+            assert_eq!(correct, cpu_correct, "correct flags vs ops::cross_entropy, eps {eps}, {cfg:?}");
         }
     }
 
@@ -1998,7 +2002,7 @@ fn codec_kernels_equal_the_codec_bit_for_bit() {
 
 // ---- batchnorm.cu: synchronized BatchNorm ----------------------------------------------
 
-/// The synchronized BatchNorm kernels against the CPU layer (nn::batchnorm, as
+/// The synchronized BatchNorm kernels against the CPU layer (ops::batchnorm, as
 /// `--sync-batchnorm` runs it on CPU devices; tests/common's `sync_bn_cpu`), bit for bit:
 /// the shard's per-channel (mean, M2) a GPU replica hands the exchange is the CPU layer's
 /// very payload; merged by the same function (`Synchronized::moments`, tests/common's
@@ -2253,7 +2257,7 @@ fn layernorm_kernels_equal_the_cpu_layer_bit_for_bit() {
     }
 }
 
-/// Causal self-attention's kernels (kernels/attention.cu) against nn::attention's CPU code:
+/// Causal self-attention's kernels (kernels/attention.cu) against ops::attention's CPU code:
 /// the head split and merge are permutations, equal bit for bit, each other's inverse;
 /// the causal softmax and its gradient against `causal_softmax_row` and
 /// `causal_softmax_row_bwd` within 2e-6 relative to the row's largest value (the kernel

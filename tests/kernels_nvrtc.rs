@@ -20,10 +20,11 @@ use std::io::Write;
 use std::path::PathBuf;
 
 use lockstep::cuda::kernels::{
-    compile_with_log, kernel_name, nvrtc_version, supported_archs, Dir, Kernel, KernelImage, KERNEL_FILES,
+    compile_with_log, kernel_name, nvrtc_version, supported_archs, Dir, Kernel, KernelImage,
 };
 use lockstep::cuda::nvrtc_available;
 use lockstep::cuda::probe::{loaded_from, CudaLib};
+use lockstep::train::kernel_files;
 use lockstep::Error;
 
 /// The architectures every kernel file must compile for, as 10·major + minor.
@@ -167,7 +168,7 @@ fn every_kernel_file_compiles_to_a_cubin_without_warnings() {
     for &sm in SMS {
         assert!(supported.contains(&sm), "NVRTC {version} does not list sm_{sm}: {supported:?}");
     }
-    for file in KERNEL_FILES {
+    for file in kernel_files() {
         let want: BTreeSet<String> = file.kernel_names("f32").into_iter().collect();
         for &sm in SMS {
             match compile_with_log(file.name, file.source, &format!("sm_{sm}")) {
@@ -218,7 +219,7 @@ fn the_ptx_fallback_defines_every_kernel() {
     }
     // compute_80: what a GPU newer than this NVRTC would get (kernels::choose_target).
     let mut failures = Vec::new();
-    for file in KERNEL_FILES {
+    for file in kernel_files() {
         match compile_with_log(file.name, file.source, "compute_80") {
             Ok(c) => {
                 let KernelImage::Ptx { sm: 80, text } = &c.image else {
@@ -366,10 +367,14 @@ fn kernel_names_follow_the_rule_and_match_the_table() {
     assert_eq!(parse_name("Relu_fwd_f32"), None);
     assert_eq!(parse_name("relu_fwd_f64"), None);
     let mut all = BTreeSet::new();
-    for file in KERNEL_FILES {
+    for file in kernel_files() {
         let in_source: BTreeSet<String> = extern_c_kernels(file.source).into_iter().collect();
         let in_table: BTreeSet<String> = file.kernel_names("f32").into_iter().collect();
-        assert_eq!(in_source, in_table, "{}: extern \"C\" kernels vs the KERNEL_FILES table", file.name);
+        assert_eq!(
+            in_source, in_table,
+            "{}: extern \"C\" kernels vs the kernel file table (train::kernel_files)",
+            file.name
+        );
         for name in &in_source {
             let (op, dir, dtype) =
                 parse_name(name).unwrap_or_else(|| panic!("{}: '{name}' breaks the naming rule", file.name));
@@ -396,7 +401,7 @@ fn kernel_names_follow_the_rule_and_match_the_table() {
     assert_eq!(all.len(), 53, "{all:?}");
 }
 
-/// Every `kernels/*.cu` is in KERNEL_FILES and every entry is a file there, with the text
+/// Every `kernels/*.cu` is in train::kernel_files() and every entry is a file there, with the text
 /// on disk: a kernel file left out of the table would be compiled by no test and loaded
 /// by no GPU.
 #[test]
@@ -407,9 +412,9 @@ fn kernel_files_on_disk_are_the_kernel_files_table() {
         .map(|e| e.expect("kernels/ entry").file_name().to_string_lossy().into_owned())
         .filter(|name| name.ends_with(".cu") || name.ends_with(".cuh") || name.ends_with(".h"))
         .collect();
-    let table: BTreeSet<String> = KERNEL_FILES.iter().map(|f| f.name.to_string()).collect();
-    assert_eq!(on_disk, table, "kernels/ vs KERNEL_FILES (a file must be listed, a listed file must exist)");
-    for file in KERNEL_FILES {
+    let table: BTreeSet<String> = kernel_files().iter().map(|f| f.name.to_string()).collect();
+    assert_eq!(on_disk, table, "kernels/ vs train::kernel_files() (a file must be listed, a listed file must exist)");
+    for file in kernel_files() {
         let text = std::fs::read_to_string(dir.join(file.name)).unwrap();
         assert_eq!(text, file.source, "{}: the embedded source is the file's", file.name);
     }

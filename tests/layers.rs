@@ -227,7 +227,7 @@ fn flatten_and_global_avg_pool_shapes_and_values() {
 }
 
 // ---------------------------------------------------------------------------------------
-// MaxPool2d (its backward and NaN cases: src/nn/pool.rs's tests and tests/gradcheck.rs)
+// MaxPool2d (its backward and NaN cases: src/ops/maxpool2d/'s tests and tests/gradcheck.rs)
 
 #[test]
 fn maxpool2d_keeps_each_window_maximum_and_leaves_the_ragged_edge_out() {

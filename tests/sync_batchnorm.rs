@@ -1,4 +1,4 @@
-//! Synchronized BatchNorm (`BatchStats::Global`, `--sync-batchnorm`; src/nn/batchnorm.rs,
+//! Synchronized BatchNorm (`BatchStats::Global`, `--sync-batchnorm`; src/ops/batchnorm/,
 //! src/exchange/stats.rs) beyond the PyTorch cases of tests/oracle.rs: on one device it is
 //! the plain layer, bitwise; on several it equals one device with the whole batch within
 //! rounding, for ragged batches and shards without a sample too; the running statistics

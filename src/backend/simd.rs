@@ -71,7 +71,7 @@ const ROUND: f32 = 12_582_912.0;
 /// that r is exact), e^r by a degree-6 polynomial, then 2ⁿ by the exponent's bits. Within
 /// 2 ulp for x in [−87, 88]; 0 below −87 (e⁻⁸⁷ ≈ 1.6·10⁻³⁸), +∞ above 88; NaN stays NaN.
 /// Branch-free (selects), so a loop of it vectorises: a `widest!` loop of it runs 16
-/// values at a time where libm's `expf` runs one. kernels/elementwise.cu's `gelu_exp`
+/// values at a time where libm's `expf` runs one. kernels/relu.cu's `gelu_exp`
 /// computes the same operations in the same order.
 #[inline(always)]
 pub fn exp_f32(x: f32) -> f32 {

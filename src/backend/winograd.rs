@@ -2,7 +2,7 @@
 //! stride-1 convolutions: every 4×4 block of outputs from a 6×6 tile of input in 36
 //! multiply-adds a channel pair instead of 144, so the three products of a training step
 //! (the output, the input's gradient, the weight's gradient) cost 4 times fewer. It owns
-//! the transforms, the products they feed, and the order of every sum; `nn::conv2d`
+//! the transforms, the products they feed, and the order of every sum; `ops::conv2d`
 //! decides where it runs ([`applies`]: the shape alone) and owns the layer.
 //!
 //! The legend: N samples, C input and O output channels, a sample's T tiles (one per 4×4

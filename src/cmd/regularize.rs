@@ -2,7 +2,7 @@
 //! `--augment` (random crop after zero padding, horizontal flip) and `--label-smoothing` —
 //! their checks, and what they add to a configuration, to the flags a checkpoint stores
 //! and to the run's fingerprint. The arithmetic is the library's (`data::augment`,
-//! `nn::loss::CrossEntropy`); one file, so that `train.rs` names them in one line each.
+//! `ops::cross_entropy::CrossEntropy`); one file, so that `train.rs` names them in one line each.
 
 use lockstep::data::augment::Augment;
 

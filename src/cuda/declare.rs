@@ -100,11 +100,12 @@ impl Kind {
     }
 }
 
-/// One declared kernel: `<op>_<dir>_f32` of kernel file `file`, with its parameters
-/// (name, kind) in the kernel's order.
+/// One declared kernel: `<op>_<dir>_f32` of kernel file `file` (whose text is `source`),
+/// with its parameters (name, kind) in the kernel's order.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Kernel {
     pub file: &'static str,
+    pub source: &'static str,
     pub op: &'static str,
     pub dir: Dir,
     pub params: &'static [(&'static str, Kind)],
@@ -156,78 +157,71 @@ pub trait Launcher {
 /// NULL before use.
 pub static NULL: u64 = 0;
 
-/// Declares kernel files and their kernels, once:
+/// Declares one kernel file and its kernels, once, in the module of their owner (an op's
+/// `gpu.rs`, the optimiser's, the exchange's codec):
 ///
 /// ```text
 /// kernels! {
-///     elementwise = "elementwise.cu" {
+///     "relu.cu" {
 ///         relu {
 ///             fwd(x: In, y: Out, n: Size);
 ///             bwd(x: In, dy: In, dx: Out, n: Size);
 ///         }
-///         scale { plain(x: Out, s: F32, n: Size); }
 ///     }
 /// }
 /// ```
 ///
-/// A file is `family = "file.cu" { ... }`, an op `op { ... }` holding its directions side
-/// by side, each `fwd`, `bwd` or `plain` ([`Dir`]) with the kernel's parameters as
-/// `name: Kind`. It expands to `pub mod family { pub mod op { ... } }` with, per
-/// direction, a `const` [`Kernel`] (`FWD`, `BWD`, `PLAIN`) and a typed launch
-/// `unsafe fn fwd(gpu: &impl Launcher, cfg: LaunchConfig, x: &CudaView<'_, f32>, ...)`,
-/// and to `pub const KERNEL_FILES: &[KernelFile]`, every file with its source
-/// (`include_str!` of `kernels/<file>`, relative to the invoking file in `src/cuda/`) and
-/// its kernels, in declaration order.
+/// An op `op { ... }` holds its directions side by side, each `fwd`, `bwd` or `plain`
+/// ([`Dir`]) with the kernel's parameters as `name: Kind`. It expands, in the invoking
+/// module, to `pub mod op { ... }` with, per direction, a `const` [`Kernel`] (`FWD`, `BWD`,
+/// `PLAIN`) and a typed launch `unsafe fn fwd(gpu: &impl Launcher, cfg: LaunchConfig,
+/// x: &CudaView<'_, f32>, ...)`, and to `pub const KERNELS: KernelFile`, the file with its
+/// source (`include_str!` of `kernels/<file>`, so the binary needs no source tree at run
+/// time) and its kernels, in declaration order.
 macro_rules! kernels {
-    ($(
-        $(#[$doc:meta])*
-        $family:ident = $file:literal {
+    (
+        $file:literal {
             $( $op:ident { $( $dir:ident ( $( $param:ident : $kind:ident ),* $(,)? ) ; )+ } )+
         }
-    )+) => {
+    ) => {
+        /// The text of this module's kernel file.
+        const SOURCE: &str = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/kernels/", $file));
+
         $(
-            $(#[$doc])*
-            pub mod $family {
+            #[doc = concat!("The `", stringify!($op), "` kernels of kernels/", $file, ".")]
+            pub mod $op {
                 $(
-                    #[doc = concat!("The `", stringify!($op), "` kernels of kernels/", $file, ".")]
-                    pub mod $op {
-                        $(
-                            $crate::cuda::declare::kernel!($file, $op, $dir, ($($param: $kind),*));
-                        )+
-                    }
+                    $crate::cuda::declare::kernel!($file, super::SOURCE, $op, $dir, ($($param: $kind),*));
                 )+
             }
         )+
 
-        /// Every kernel file, one per family, with the kernels declared in it.
-        pub const KERNEL_FILES: &[$crate::cuda::declare::KernelFile] = &[
-            $(
-                $crate::cuda::declare::KernelFile {
-                    name: $file,
-                    source: include_str!(concat!("../../kernels/", $file)),
-                    kernels: &[$($($crate::cuda::declare::kernel_const!($family, $op, $dir)),+),+],
-                }
-            ),+
-        ];
+        #[doc = concat!("kernels/", $file, " with the kernels declared in it.")]
+        pub const KERNELS: $crate::cuda::declare::KernelFile = $crate::cuda::declare::KernelFile {
+            name: $file,
+            source: SOURCE,
+            kernels: &[$($($crate::cuda::declare::kernel_const!($op, $dir)),+),+],
+        };
     };
 }
 pub(crate) use kernels;
 
 /// One declared kernel's `const` and typed launch (see `kernels!`).
 macro_rules! kernel {
-    ($file:literal, $op:ident, fwd, $params:tt) => {
-        $crate::cuda::declare::kernel!(@item $file, $op, fwd, FWD, Fwd, $params);
+    ($file:literal, $source:path, $op:ident, fwd, $params:tt) => {
+        $crate::cuda::declare::kernel!(@item $file, $source, $op, fwd, FWD, Fwd, $params);
     };
-    ($file:literal, $op:ident, bwd, $params:tt) => {
-        $crate::cuda::declare::kernel!(@item $file, $op, bwd, BWD, Bwd, $params);
+    ($file:literal, $source:path, $op:ident, bwd, $params:tt) => {
+        $crate::cuda::declare::kernel!(@item $file, $source, $op, bwd, BWD, Bwd, $params);
     };
-    ($file:literal, $op:ident, plain, $params:tt) => {
-        $crate::cuda::declare::kernel!(@item $file, $op, plain, PLAIN, Plain, $params);
+    ($file:literal, $source:path, $op:ident, plain, $params:tt) => {
+        $crate::cuda::declare::kernel!(@item $file, $source, $op, plain, PLAIN, Plain, $params);
     };
-    (@item $file:literal, $op:ident, $fn:ident, $const:ident, $dir:ident, ($($param:ident: $kind:ident),*)) => {
+    (@item $file:literal, $source:path, $op:ident, $fn:ident, $const:ident, $dir:ident, ($($param:ident: $kind:ident),*)) => {
         #[doc = concat!("The declaration of `", stringify!($op), "`'s ", stringify!($fn), " kernel.")]
         pub const $const: $crate::cuda::declare::Kernel = $crate::cuda::declare::Kernel {
             file: $file,
+            source: $source,
             op: stringify!($op),
             dir: $crate::cuda::declare::Dir::$dir,
             params: &[$((stringify!($param), $crate::cuda::declare::Kind::$kind)),*],
@@ -265,16 +259,16 @@ macro_rules! kernel {
 }
 pub(crate) use kernel;
 
-/// The `const` of one declared direction: `family::op::FWD`, `BWD` or `PLAIN`.
+/// The `const` of one declared direction: `op::FWD`, `BWD` or `PLAIN`.
 macro_rules! kernel_const {
-    ($family:ident, $op:ident, fwd) => {
-        $family::$op::FWD
+    ($op:ident, fwd) => {
+        $op::FWD
     };
-    ($family:ident, $op:ident, bwd) => {
-        $family::$op::BWD
+    ($op:ident, bwd) => {
+        $op::BWD
     };
-    ($family:ident, $op:ident, plain) => {
-        $family::$op::PLAIN
+    ($op:ident, plain) => {
+        $op::PLAIN
     };
 }
 pub(crate) use kernel_const;

@@ -1,14 +1,11 @@
-//! The kernels of `kernels/`, declared, and their compilation by NVRTC.
+//! The compilation of kernel files by NVRTC, and their loading into a context.
 //!
-//! Owns: the declaration of every kernel (file, op, direction, typed parameters: the
-//! [`declare::kernels!`](super::declare) list below, the one place a kernel's name and
-//! argument list are written), the table of kernel files made from it ([`KERNEL_FILES`],
-//! sources embedded with `include_str!`, so the binary needs no source tree at run time),
-//! the choice of what NVRTC makes for a GPU ([`choose_target`]), a process-wide cache of
-//! compiled images keyed by (architecture, file) so each file is compiled once per GPU
-//! architecture, on first use, and [`load_module`], the one way a kernel file gets into a
-//! CUDA context. What a declaration expands to, and the naming helper [`kernel_name`], are
-//! [`super::declare`]'s; the checked launches are [`super::launch`]'s.
+//! Owns: the choice of what NVRTC makes for a GPU ([`choose_target`]), a process-wide
+//! cache of compiled images keyed by (architecture, file) so each file is compiled once
+//! per GPU architecture, on first use, and [`load_module`], the one way a kernel file gets
+//! into a CUDA context. Nothing here knows which files exist: each owner declares its
+//! file and kernels beside its launches ([`super::declare`]'s `kernels!`), and a launch
+//! hands its kernel's file and source to the loader.
 //!
 //! # Cubins, not PTX
 //!
@@ -27,8 +24,8 @@
 //! Naming rule, checked by tests/kernels_nvrtc.rs against the sources:
 //! kernels with a gradient partner are `<op>_<fwd|bwd>_<dtype>` ([`Dir::Fwd`], [`Dir::Bwd`]);
 //! kernels outside autograd (fills, reductions, optimizer steps) are `<op>_<dtype>`
-//! ([`Dir::Plain`]). Every `extern "C"` kernel appears in [`KERNEL_FILES`], and
-//! tests/kernels_host.rs holds every declared parameter list to the compiled kernel's.
+//! ([`Dir::Plain`]). Every `extern "C"` kernel is declared by its file's owner, and the
+//! host-run kernel test holds every declared parameter list to the compiled kernel's.
 
 use std::collections::HashMap;
 use std::sync::{Arc, OnceLock};
@@ -41,207 +38,6 @@ use super::probe::nvrtc_available;
 use crate::{Error, Result};
 
 pub use super::declare::{kernel_name, Dir, Kernel, KernelFile, Kind};
-
-// Every kernel, declared once: its file, its op and direction (the name comes from
-// [`kernel_name`]), and its parameters in the kernel's order (declare.rs's kinds). The
-// launches of `cuda::launch` call the typed `unsafe fn`s this makes
-// (`elementwise::relu::fwd`), tests/kernels_host.rs holds each declaration to the compiled
-// kernel's signature, and KERNEL_FILES below is made from this list alone.
-super::declare::kernels! {
-    /// kernels/elementwise.cu: activations, bias adds and their reductions, scale, fill.
-    elementwise = "elementwise.cu" {
-        residual_add {
-            fwd(a: In, b: In, y: Out, n: Size);
-        }
-        relu {
-            fwd(x: In, y: Out, n: Size);
-            bwd(x: In, dy: In, dx: Out, n: Size);
-        }
-        gelu {
-            fwd(x: In, y: Out, n: Size);
-            bwd(x: In, dy: In, dx: Out, n: Size);
-        }
-        rescale {
-            fwd(x: In, y: Out, scale: F32, offset: F32, n: Size);
-            bwd(dy: In, dx: Out, scale: F32, n: Size);
-        }
-        bias_nchw {
-            fwd(y: Out, bias: In, c: I32, hw: Size, total: Size);
-            bwd(dy: In, dbias: Out, n: I32, c: I32, hw: Size);
-        }
-        bias_cols {
-            fwd(y: Out, bias: In, o: I32, total: Size);
-            bwd(dy: In, dbias: Out, n: I32, o: I32);
-        }
-        scale { plain(x: Out, s: F32, n: Size); }
-        fill { plain(x: Out, v: F32, n: Size); }
-    }
-    /// kernels/embedding.cu: the token embedding (its deterministic backward a counting
-    /// sort of the tokens by id, then ordered sums) and the learned positional embedding.
-    embedding = "embedding.cu" {
-        embedding {
-            fwd(ids: In, weight: In, y: Out, m: Size, vocab: I32, c: I32);
-            bwd(dy: In, offsets: InU32, order: InU32, dweight: Out, m: Size, vocab: I32, c: I32);
-        }
-        embedding_count {
-            bwd(ids: In, offsets: OutU32, m: Size, vocab: I32);
-        }
-        embedding_offsets {
-            bwd(offsets: OutU32, vocab: I32);
-        }
-        embedding_sort {
-            bwd(ids: In, offsets: InU32, order: OutU32, m: Size, vocab: I32);
-        }
-        positional_embedding {
-            fwd(x: In, weight: In, y: Out, tc: Size, total: Size);
-            bwd(dy: In, dweight: Out, dx: OptOut, n: I32, tc: Size);
-        }
-    }
-    /// kernels/conv.cu: im2col and its adjoint col2im.
-    conv = "conv.cu" {
-        im2col {
-            fwd(x: In, col: Out, geom: Geom);
-            bwd(dcol: In, dx: Out, geom: Geom);
-        }
-    }
-    /// kernels/batchnorm.cu: BatchNorm2d, per-replica and synchronized.
-    batchnorm = "batchnorm.cu" {
-        batchnorm_train {
-            fwd(
-                x: In, y: Out, gamma: OptIn, beta: OptIn, running_mean: Out, running_var: Out, save_mean: Out,
-                save_invstd: Out, n: I32, c: I32, hw: Size, keep: F32, take: F32, unbias: F32, eps: F32,
-            );
-            bwd(
-                x: In, dy: In, dx: Out, gamma: OptIn, save_mean: In, save_invstd: In, dgamma: OptOut, dbeta: OptOut,
-                n: I32, c: I32, hw: Size,
-            );
-        }
-        batchnorm_eval {
-            fwd(
-                x: In, y: Out, gamma: OptIn, beta: OptIn, running_mean: In, running_var: In, c: I32, hw: Size,
-                total: Size, eps: F32,
-            );
-        }
-        batchnorm_moments {
-            fwd(x: In, moments: OutF64, n: I32, c: I32, hw: Size);
-        }
-        batchnorm_sync {
-            fwd(
-                x: In, y: Out, gamma: OptIn, beta: OptIn, stats: InF64, running_mean: Out, running_var: Out,
-                save_mean: Out, save_invstd: Out, c: I32, hw: Size, total: Size, keep: F64, take: F64, unbias: F64,
-            );
-            bwd(
-                x: In, dy: In, dx: Out, gamma: OptIn, save_mean: In, save_invstd: In, local: InF64, global: InF64,
-                dgamma: OptOut, dbeta: OptOut, c: I32, hw: Size, total: Size, count: F64,
-            );
-        }
-        batchnorm_count {
-            fwd(count: Out, n: Size);
-        }
-        batchnorm_sums {
-            bwd(x: In, dy: In, save_mean: In, save_invstd: In, sums: OutF64, n: I32, c: I32, hw: Size);
-        }
-    }
-    /// kernels/layernorm.cu: LayerNorm over the last dimension, its dx and its ordered
-    /// parameter sums.
-    layernorm = "layernorm.cu" {
-        layernorm {
-            fwd(x: In, y: Out, weight: In, bias: OptIn, mean: OutF64, rstd: OutF64, rows: Size, c: I32, eps: F32);
-            bwd(x: In, dy: In, dx: Out, weight: In, mean: InF64, rstd: InF64, rows: Size, c: I32);
-        }
-        layernorm_partial {
-            bwd(x: In, dy: In, mean: InF64, rstd: InF64, partials: OutF64, rows: Size, c: I32, chunk: I32);
-        }
-        layernorm_params {
-            bwd(partials: InF64, dweight: Out, dbias: OptOut, chunks: Size, c: I32);
-        }
-    }
-    /// kernels/pooling.cu: global average pooling and max pooling.
-    pooling = "pooling.cu" {
-        global_avgpool {
-            fwd(x: In, y: Out, nc: Size, hw: Size);
-            bwd(dy: In, dx: Out, nc: Size, hw: Size);
-        }
-        maxpool2d {
-            fwd(x: In, y: Out, argmax: OutU32, geom: Geom);
-            bwd(dy: In, argmax: InU32, dx: Out, geom: Geom);
-        }
-    }
-    /// kernels/softmax_xent.cu: the loss and its gradient in one pass.
-    softmax_xent = "softmax_xent.cu" {
-        softmax_xent {
-            fwd(
-                logits: In, labels: InU32, loss: Out, dlogits: Out, correct: OutU32, n: Size, k: I32,
-                label_smoothing: F32,
-            );
-        }
-    }
-    /// kernels/optim.cu: the optimiser steps and the gradient norm (launched by `optim::gpu`).
-    optim = "optim.cu" {
-        sgd_step {
-            plain(
-                p: Out, grad: In, buf: Out, clip: OptIn, step_size: F32, momentum: F32, weight_decay: F32,
-                grad_divisor: F32, first: I32, nesterov: I32, n: Size,
-            );
-        }
-        adam_step {
-            plain(
-                p: Out, grad: In, m: Out, v: Out, clip: OptIn, step_size: F32, beta1: F32, beta2: F32, eps: F32,
-                weight_decay: F32, shrink: F32, grad_divisor: F32, bc2_sqrt: F32, n: Size,
-            );
-        }
-        grad_norm { plain(grad: In, partials: OutF64, grad_divisor: F32, n: Size); }
-        clip_factor { plain(partials: InF64, factor: Out, max_norm: F32, parts: Size); }
-    }
-    /// kernels/reduce.cu: the ordered sum of K buffers.
-    reduce = "reduce.cu" {
-        reduce_sum { plain(src: In, dst: Out, k: I32, scale: F32, n: Size); }
-    }
-    /// kernels/dropout.cu: inverted dropout from a counter-based hash.
-    dropout = "dropout.cu" {
-        dropout {
-            fwd(x: In, y: Out, rate: F32, seed: U64, step: U64, shard: U64, layer: U64, first: U64, n: Size);
-            bwd(dy: In, dx: Out, rate: F32, seed: U64, step: U64, shard: U64, layer: U64, first: U64, n: Size);
-        }
-    }
-    /// kernels/attention.cu: causal self-attention's head split and merge and its softmax.
-    attention = "attention.cu" {
-        attention_heads {
-            fwd(x: In, y: Out, n: I32, t: I32, parts: I32, heads: I32, hd: I32);
-            bwd(dy: In, dx: Out, n: I32, t: I32, parts: I32, heads: I32, hd: I32);
-        }
-        attention_softmax {
-            fwd(s: In, p: Out, rows: I32, t: I32, scale: F32);
-            bwd(p: In, dp: In, ds: Out, rows: I32, t: I32, scale: F32);
-        }
-    }
-    /// kernels/codec.cu: the 16-bit wire codec (encode, sum of wires, decode).
-    codec = "codec.cu" {
-        wire_encode {
-            plain(
-                src: In, wires: OutU8, format: I32, encoded: Size, raw: Size, src_stride: Size, wire_bytes: Size,
-                exps_at: Size, raw_at: Size,
-            );
-        }
-        wire_reduce {
-            plain(
-                wires: InU8, out: OutU8, r: I32, format: I32, encoded: Size, raw: Size, wire_bytes: Size,
-                exps_at: Size, raw_at: Size,
-            );
-        }
-        wire_decode {
-            plain(wire: InU8, dst: Out, format: I32, encoded: Size, raw: Size, exps_at: Size, raw_at: Size);
-        }
-    }
-}
-
-/// The kernel file called `name`.
-pub fn kernel_file(name: &str) -> Result<&'static KernelFile> {
-    KERNEL_FILES
-        .iter()
-        .find(|f| f.name == name)
-        .ok_or_else(|| Error::config("kernel file", format!("no kernel file named '{name}'")))
-}
 
 /// What NVRTC is asked to make for one GPU architecture.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -436,32 +232,31 @@ fn c_chars_to_string(raw: &[std::ffi::c_char]) -> String {
 
 type ImageCache = Mutex<HashMap<(u32, &'static str), Arc<KernelImage>>>;
 
-/// The image of kernel file `file` for a GPU of architecture `sm` (10·major + minor),
+/// The image of kernel file `file` (whose text is `source`) for a GPU of architecture `sm` (10·major + minor),
 /// compiled on first use ([`choose_target`] says what) and shared by every device of
 /// that architecture (all threads of the process).
-pub fn cached_image(file: &str, sm: u32) -> Result<Arc<KernelImage>> {
+pub fn cached_image(file: &'static str, source: &str, sm: u32) -> Result<Arc<KernelImage>> {
     static CACHE: OnceLock<ImageCache> = OnceLock::new();
-    let kf = kernel_file(file)?;
     let cache = CACHE.get_or_init(Default::default);
-    let key = (sm, kf.name);
+    let key = (sm, file);
     if let Some(image) = cache.lock().get(&key) {
         return Ok(image.clone());
     }
     // Compile outside the lock: two threads may both compile the same file once, which
     // wastes a little time but never blocks one GPU's setup behind another's compile.
     let target = choose_target(sm, &supported_archs()?)?;
-    let image = Arc::new(compile_target(kf.name, kf.source, target)?.image);
+    let image = Arc::new(compile_target(file, source, target)?.image);
     Ok(cache.lock().entry(key).or_insert(image).clone())
 }
 
-/// Loads kernel file `file` into `ctx`, compiled for its GPU's architecture. A module the
+/// Loads kernel file `file` (whose text is `source`) into `ctx`, compiled for its GPU's architecture. A module the
 /// driver refuses is [`Error::KernelLoad`]: the image, the NVRTC version that made it and
 /// the CUDA version of the driver, the two that have to agree.
-pub fn load_module(ctx: &Arc<CudaContext>, file: &str) -> Result<Arc<CudaModule>> {
+pub fn load_module(ctx: &Arc<CudaContext>, file: &'static str, source: &str) -> Result<Arc<CudaModule>> {
     let (major, minor) = ctx.compute_capability()?;
     let sm = u32::try_from(major * 10 + minor)
         .map_err(|_| Error::config("compute capability", format!("{major}.{minor} of cuda:{}", ctx.ordinal())))?;
-    let image = cached_image(file, sm)?;
+    let image = cached_image(file, source, sm)?;
     ctx.load_module(image.to_module_source()).map_err(|source| Error::KernelLoad {
         file: file.to_string(),
         image: image.describe(),

@@ -37,7 +37,7 @@
 //! there is nothing to gather), and 16-bit values on the wire, which a transport carries
 //! with the one codec of [`codec`] (the GPU exchange with kernels that mirror it). Synchronized
 //! BatchNorm's small collective inside the passes is a second trait,
-//! `nn::stats::StatsExchange`; a GPU run's replicas meet in the shared-memory one, on the
+//! `ops::batchnorm::stats::StatsExchange`; a GPU run's replicas meet in the shared-memory one, on the
 //! host, and [`Aborts`] makes one abort stop both groups.
 //!
 //! Faults: [`Abort::abort`] makes every pending and future call of every member return

@@ -1,12 +1,12 @@
 //! A network on one GPU: parameters, BatchNorm buffers and optimiser state in flat
-//! device buffers, each layer run by its op's GPU form (`nn::gpu`'s [`GpuLayer`]).
+//! device buffers, each layer run by its op's GPU form (`ops::gpu`'s [`GpuLayer`]).
 //!
 //! Owns: [`GpuNet`], the device half of a GPU replica (DESIGN.md: one thread per device,
 //! each with its context, stream and full replica): the buffers — flat parameters and
 //! buffers, optimiser state, activations, staging — and the dispatch that walks the layers
 //! forward and backward. What a step is — which shards, which slots, when to sum — is the
 //! trainer's (`train::gpu` drives this through the one step of `train::step`); what each
-//! layer launches is its op's (`nn::conv2d`, `nn::batchnorm`, ...): nothing here names an
+//! layer launches is its op's (`ops::conv2d`, `ops::batchnorm`, ...): nothing here names an
 //! op. The network is the same [`Sequential`] the CPU replica runs. Flat buffers use the
 //! CPU layout exactly (`Sequential::layer_ranges`), so weights, checkpoints and replica
 //! fingerprints move between the backends unchanged. That layout starts every tensor, and
@@ -22,7 +22,7 @@
 //! host waits in [`GpuNet::wait`] (polling an abort flag, so an abort releases it) and in
 //! the reads (losses, evaluation, snapshots) — and, with synchronized BatchNorm, inside
 //! the passes, where that op's GPU form meets the other logical replicas' statistics on
-//! the host (`nn::batchnorm`).
+//! the host (`ops::batchnorm`).
 //!
 //! Activations are NCHW as on the CPU: `acts[0]` the input, `acts[i + 1]` layer i's
 //! output; backward alternates between two gradient buffers sized for the widest layer;
@@ -36,12 +36,12 @@ use std::time::Duration;
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, PinnedHostSlice};
 
-use crate::ops::batchnorm::Synchronized;
-use crate::ops::gpu::{poll, Backward, Draw, Forward, GpuLayer, Node, Pass, SyncWith};
-use crate::ops::cross_entropy::{check_labels, CrossEntropy};
 use super::{ParamStore, Sequential};
-use crate::ops::LayerShapes;
 use crate::cuda::Gpu;
+use crate::ops::batchnorm::Synchronized;
+use crate::ops::cross_entropy::{check_labels, CrossEntropy};
+use crate::ops::gpu::{poll, Backward, Draw, Forward, GpuLayer, Node, Pass, SyncWith};
+use crate::ops::LayerShapes;
 use crate::optim::{OptimizerConfig, StepScalars};
 use crate::{Error, Result};
 

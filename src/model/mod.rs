@@ -18,8 +18,8 @@ pub use sequential::{auto_names, NamedLayer, ParamStore, Place, Sequential, Tens
 pub use sync_batchnorm::convert_sync_batchnorm;
 
 use crate::ops::{
-    BatchNorm2d, CausalSelfAttention, Conv2d, Dropout, Embedding, Flatten, Gelu, GlobalAvgPool2d, LayerNorm,
-    LayerType, Linear, MaxPool2d, PositionalEmbedding, Relu, Rescaling,
+    BatchNorm2d, CausalSelfAttention, Conv2d, Dropout, Embedding, Flatten, Gelu, GlobalAvgPool2d, LayerNorm, LayerType,
+    Linear, MaxPool2d, PositionalEmbedding, Relu, Rescaling,
 };
 
 /// Every layer type of the spec format, in the order its errors list them: the one line a

@@ -28,8 +28,8 @@
 use std::collections::HashMap;
 use std::ops::Range;
 
-use crate::ops::{Ctx, Init, InputGrad, Layer, LayerShapes, Mode, ParamSpec, Params, ParamsMut, ProfileRow, RELU_KIND};
 use crate::error::{Error, Result};
+use crate::ops::{Ctx, Init, InputGrad, Layer, LayerShapes, Mode, ParamSpec, Params, ParamsMut, ProfileRow, RELU_KIND};
 use crate::rng::{derive_key, purpose, SplitMix64};
 use crate::tensor::{Shape, Tensor};
 
@@ -178,7 +178,7 @@ impl Sequential {
             let lay = |specs: Vec<ParamSpec>, off: &mut usize, infos: &mut Vec<TensorInfo>| {
                 if specs.is_empty() {
                     // No tensors: an empty span, which indexes a container's shorter
-                    // slice (`nn::residual`) as well as the whole buffer.
+                    // slice (`model::residual`) as well as the whole buffer.
                     return (0..0, Vec::new());
                 }
                 *off = off.next_multiple_of(TENSOR_ALIGN);

@@ -136,14 +136,15 @@ pub fn layers_to_spec(
         .collect()
 }
 
-
 /// A container's list of layer objects (`layers`, `shortcut`) read from field `name` of
 /// `f`: required, or empty when absent if `required` is false.
 pub fn read_layers(f: &mut Fields<'_>, name: &'static str, required: bool) -> FieldResult<Vec<LayerObject>> {
     let read = |v: Option<&Value>| match v {
         None if required => Err(format!("missing field '{name}' (a list of layer objects)")),
         None => Ok(Vec::new()),
-        Some(Value::Array(items)) => items.iter().enumerate().map(|(j, v)| read_layer(v, &format!("{name}[{j}]"))).collect(),
+        Some(Value::Array(items)) => {
+            items.iter().enumerate().map(|(j, v)| read_layer(v, &format!("{name}[{j}]"))).collect()
+        }
         Some(v) => Err(format!("field '{name}' must be a list of layer objects (got {v})")),
     };
     f.custom(name, read, |objects: &Vec<LayerObject>| Value::Array(objects.iter().map(LayerObject::resolved).collect()))

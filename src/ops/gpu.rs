@@ -1,9 +1,9 @@
 //! What an op sees when it runs on a GPU: the [`GpuLayer`] trait and the two passes'
 //! views of the network ([`Forward`], [`Backward`]).
 //!
-//! Owns the contract between the GPU network (`nn::gpu_net`, which holds the buffers and
+//! Owns the contract between the GPU network (`model::gpu`, which holds the buffers and
 //! walks the layers) and each op's GPU form, written beside the op's CPU forward and
-//! backward in the op's own module (`nn::activation`, `nn::conv2d`, ...): a layer that
+//! backward in the op's own module (`ops::relu`, `ops::conv2d`, ...): a layer that
 //! runs on GPUs returns its form from `Layer::gpu`, and the network dispatches through it.
 //! Nothing here is per op: the network never names an op, and an op never learns how the
 //! network lays out its activations beyond the views it is handed.
@@ -18,6 +18,7 @@
 //! into its parameter gradients in `grads` (the shard's slot, zeroed by the network before
 //! the first pass) and writes its input gradient `dx`, when one is asked for.
 
+use crate::ops::window::WindowGeom;
 use std::ops::Range;
 use std::time::Duration;
 
@@ -26,7 +27,7 @@ use cudarc::driver::{CudaEvent, CudaSlice, CudaView, CudaViewMut};
 
 use super::batchnorm::stats::StatsExchange;
 use super::window::Window2d;
-use crate::cuda::{DropoutKey, Gpu, WindowGeom};
+use crate::cuda::Gpu;
 use crate::error::{Error, Result};
 use crate::tensor::Shape;
 
@@ -80,19 +81,6 @@ pub struct Draw {
     /// The logical replica whose shard this is.
     pub shard: usize,
     pub sample_offset: usize,
-}
-
-impl Draw {
-    /// The key of layer `layer`'s masks, whose input has `per_sample` values per sample.
-    pub fn dropout_key(&self, layer: usize, per_sample: usize) -> DropoutKey {
-        DropoutKey {
-            seed: self.seed,
-            step: self.step,
-            shard: self.shard as u64,
-            layer: layer as u64,
-            first: (self.sample_offset * per_sample) as u64,
-        }
-    }
 }
 
 /// What a forward pass is for, with what that needs.
@@ -180,7 +168,7 @@ impl<'a> Backward<'a, '_> {
 }
 
 /// The launch geometry of `window` over `node`'s per-sample input (C, H, W), for a batch
-/// of `n`: the placement the CPU layers use (`nn::window`), so the backends share every pad.
+/// of `n`: the placement the CPU layers use (`ops::window`), so the backends share every pad.
 pub fn window_geom(node: &Node, window: Window2d, n: usize) -> Result<WindowGeom> {
     let (c, h, w) = match node.input.dims() {
         &[c, h, w] => (c, h, w),

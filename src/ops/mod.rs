@@ -179,7 +179,7 @@ pub struct Ctx<'a> {
     /// it, so that accumulation draws the masks of the unaccumulated step.
     pub sample_offset: usize,
     /// Where synchronized BatchNorm layers meet the other logical replicas' statistics
-    /// (`nn::stats`); None: a world of one, statistics of the shard alone.
+    /// (`ops::batchnorm::stats`); None: a world of one, statistics of the shard alone.
     pub stats: Option<&'a dyn batchnorm::stats::StatsExchange>,
 }
 

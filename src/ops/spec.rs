@@ -40,6 +40,10 @@ pub struct LayerType {
     /// field before any shape is what lets a spec report a bad field of any layer before
     /// the shapes are followed through the stack.
     pub(crate) parse: fn(&mut Fields<'_>) -> FieldResult<Build>,
+    /// Its kernel file (`kernels/<op>.cu`, declared in the op's `gpu.rs`), or None for an
+    /// op whose GPU form launches no kernel of its own (Flatten's copies).
+    #[cfg(feature = "cuda")]
+    pub kernels: Option<&'static crate::cuda::KernelFile>,
 }
 
 type BuildFn = dyn Fn(&Shape) -> FieldResult<Vec<Box<dyn Layer>>> + Send + Sync;
@@ -104,7 +108,7 @@ fn per_sample(input: &Shape) -> Shape {
 }
 
 /// What a conv2d or dense layer applies after itself (`Activation::after`, beside the
-/// activation layers in `nn::activation`).
+/// activation layers in `ops::relu`).
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub enum Activation {
     Linear,

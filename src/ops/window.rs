@@ -4,15 +4,17 @@
 //!
 //! Owns: [`Window2d`] (kernel, stride, padding: what a layer is given) and [`Geometry2d`]
 //! (the same window placed on one H×W plane: pads and output size). It is the one place
-//! this arithmetic is written: the CPU convolution (`nn::conv2d`), max pooling
-//! (`nn::pool`) and the GPU's launch geometry ([`Geometry2d::launch_geom`]) are all
+//! this arithmetic is written: the CPU convolution (`ops::conv2d`), max pooling
+//! (`ops::maxpool2d`) and the GPU's launch geometry ([`Geometry2d::launch_geom`]) are all
 //! built from a `Geometry2d`, so that the two backends cannot disagree on where a window
 //! starts. What a window computes is left to its layer.
 
 use std::ops::Range;
 
 #[cfg(feature = "cuda")]
-use crate::cuda::launch::WindowGeom;
+use crate::cuda::launch::dim;
+#[cfg(feature = "cuda")]
+use crate::error::{Error, Result};
 
 /// How the input is padded.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -177,6 +179,89 @@ impl Geometry2d {
 fn clipped(o: usize, s: usize, pad: usize, k: usize, size: usize) -> Range<usize> {
     let start = o * s;
     start.saturating_sub(pad).min(size)..(start + k).saturating_sub(pad).min(size)
+}
+
+/// Geometry of a 2-D window (a convolution's or a pooling's) on NCHW input, padding
+/// asymmetric, no dilation. The layers build it from their own placement
+/// ([`Geometry2d::launch_geom`], so the two backends share every pad); the fields stay
+/// public for tests that state a geometry outright.
+#[cfg(feature = "cuda")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WindowGeom {
+    pub n: usize,
+    pub c: usize,
+    pub h: usize,
+    pub w: usize,
+    pub kh: usize,
+    pub kw: usize,
+    pub stride_h: usize,
+    pub stride_w: usize,
+    pub pad_top: usize,
+    pub pad_left: usize,
+    pub pad_bottom: usize,
+    pub pad_right: usize,
+}
+
+#[cfg(feature = "cuda")]
+impl WindowGeom {
+    /// A batch of `n` samples of `c` channels of (H, W) = `hw` under a window of `kernel`
+    /// (KH, KW) moved by `stride` (SH, SW), with the plane padded by
+    /// `pads` = [top, left, bottom, right].
+    pub fn new(
+        n: usize,
+        c: usize,
+        (h, w): (usize, usize),
+        (kh, kw): (usize, usize),
+        (stride_h, stride_w): (usize, usize),
+        [pad_top, pad_left, pad_bottom, pad_right]: [usize; 4],
+    ) -> WindowGeom {
+        WindowGeom { n, c, h, w, kh, kw, stride_h, stride_w, pad_top, pad_left, pad_bottom, pad_right }
+    }
+
+    /// Output height: (H + PT + PB - KH) / SH + 1 (0 when the kernel does not fit).
+    pub fn oh(&self) -> usize {
+        (self.h + self.pad_top + self.pad_bottom).checked_sub(self.kh).map_or(0, |v| v / self.stride_h + 1)
+    }
+    /// Output width: (W + PL + PR - KW) / SW + 1 (0 when the kernel does not fit).
+    pub fn ow(&self) -> usize {
+        (self.w + self.pad_left + self.pad_right).checked_sub(self.kw).map_or(0, |v| v / self.stride_w + 1)
+    }
+    /// Elements of x: N*C*H*W.
+    pub fn x_len(&self) -> usize {
+        self.n * self.c * self.h * self.w
+    }
+    /// Elements of col: N * (C*KH*KW) * (OH*OW).
+    pub fn col_len(&self) -> usize {
+        self.n * self.c * self.kh * self.kw * self.oh() * self.ow()
+    }
+    /// Elements of a pooling's output (and its argmax): N*C*OH*OW.
+    pub fn pooled_len(&self) -> usize {
+        self.n * self.c * self.oh() * self.ow()
+    }
+
+    /// The 12 ints a window kernel takes (`cuda::declare::Kind::Geom`):
+    /// N, C, H, W, KH, KW, SH, SW, PT, PL, OH, OW; a zero stride or a dimension past i32
+    /// is [`Error::Shape`] of `op`.
+    pub(crate) fn launch_args(&self, op: &'static str) -> Result<[i32; 12]> {
+        let g = self;
+        if g.stride_h == 0 || g.stride_w == 0 {
+            return Err(Error::shape(op, format!("stride must be positive, got {g:?}")));
+        }
+        Ok([
+            dim(op, "N", g.n)?,
+            dim(op, "C", g.c)?,
+            dim(op, "H", g.h)?,
+            dim(op, "W", g.w)?,
+            dim(op, "KH", g.kh)?,
+            dim(op, "KW", g.kw)?,
+            dim(op, "SH", g.stride_h)?,
+            dim(op, "SW", g.stride_w)?,
+            dim(op, "PT", g.pad_top)?,
+            dim(op, "PL", g.pad_left)?,
+            dim(op, "OH", g.oh())?,
+            dim(op, "OW", g.ow())?,
+        ])
+    }
 }
 
 #[cfg(test)]

@@ -4,7 +4,7 @@
 //!
 //! Owns: [`Gpu::optimizer_step`], which checks its buffers and picks SGD's or Adam's
 //! kernel by the configuration (AdamW is Adam's kernel with the decoupled `shrink`), then
-//! queues its typed launch (`cuda::kernels::optim`, declared with every other kernel);
+//! queues its typed launch (declared below, beside them);
 //! [`Gpu::grad_norm`] and [`Gpu::clip_factor`], the norm in [`super::GradNorm`]'s
 //! association and `clip_grad_norm_`'s factor, left on the device for the update to read
 //! (no wait on the host). It lives here rather than in `cuda::launch` because it reads
@@ -15,9 +15,27 @@
 use cudarc::driver::{CudaView, CudaViewMut, LaunchConfig};
 
 use super::{norm_partials, MomentumKind, OptimizerConfig, StepScalars, NORM_LANES};
-use crate::cuda::kernels::optim;
 use crate::cuda::launch::{check_len, elem_cfg, DevIn, DevOut, Gpu};
 use crate::{Error, Result};
+
+crate::cuda::declare::kernels! {
+    "optim.cu" {
+        sgd_step {
+            plain(
+                p: Out, grad: In, buf: Out, clip: OptIn, step_size: F32, momentum: F32, weight_decay: F32,
+                grad_divisor: F32, first: I32, nesterov: I32, n: Size,
+            );
+        }
+        adam_step {
+            plain(
+                p: Out, grad: In, m: Out, v: Out, clip: OptIn, step_size: F32, beta1: F32, beta2: F32, eps: F32,
+                weight_decay: F32, shrink: F32, grad_divisor: F32, bc2_sqrt: F32, n: Size,
+            );
+        }
+        grad_norm { plain(grad: In, partials: OutF64, grad_divisor: F32, n: Size); }
+        clip_factor { plain(partials: InF64, factor: Out, max_norm: F32, parts: Size); }
+    }
+}
 
 /// Cap on the blocks of the norm's grid-stride loop over chunks.
 const MAX_NORM_BLOCKS: usize = 65_535;
@@ -64,7 +82,7 @@ impl Gpu {
                 // grad_divisor, int first, int nesterov, size_t n); p, grad and buf hold n
                 // floats and clip, when given, one (checked); NULL clip is tested before use.
                 unsafe {
-                    optim::sgd_step::plain(
+                    sgd_step::plain(
                         self,
                         elem_cfg(n),
                         p,
@@ -90,7 +108,7 @@ impl Gpu {
                 // size_t n); the four buffers hold n floats and clip, when given, one
                 // (checked); NULL clip is tested before use.
                 unsafe {
-                    optim::adam_step::plain(
+                    adam_step::plain(
                         self,
                         elem_cfg(n),
                         p,
@@ -134,7 +152,7 @@ impl Gpu {
         // size_t n); grad holds n floats and partials ceil(n / NORM_CHUNK) doubles
         // (checked); blocks of NORM_LANES = the kernel's NORM_THREADS threads, its shared
         // array's size.
-        unsafe { optim::grad_norm::plain(self, cfg, grad, partials, grad_divisor, n) }
+        unsafe { grad_norm::plain(self, cfg, grad, partials, grad_divisor, n) }
     }
 
     /// `clip_grad_norm_`'s factor min(1, max_norm / (norm + 1e-6)) from the chunks' sums
@@ -147,6 +165,6 @@ impl Gpu {
         // SAFETY: clip_factor_f32(const double* partials, float* factor, float max_norm,
         // size_t parts); partials holds `parts` doubles, factor one float (checked); one
         // thread does the work.
-        unsafe { optim::clip_factor::plain(self, elem_cfg(1), partials, factor, max_norm, parts) }
+        unsafe { clip_factor::plain(self, elem_cfg(1), partials, factor, max_norm, parts) }
     }
 }

@@ -28,7 +28,7 @@ use crate::backend::simd::widest;
 use crate::error::{Error, Result};
 
 #[cfg(feature = "cuda")]
-mod gpu;
+pub(crate) mod gpu;
 
 /// How SGD's momentum enters the step (PyTorch's `nesterov=`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -8,7 +8,7 @@
 //! F features.
 //!
 //! A tensor never lives on a GPU: a GPU replica keeps its values in flat device buffers
-//! of its own (`nn::gpu_net`), and asking for a tensor on a GPU is an error naming that.
+//! of its own (`model::gpu`), and asking for a tensor on a GPU is an error naming that.
 //! The tensor does not own parameters: those live in the flat buffers of
 //! `nn::ParamStore`.
 //!

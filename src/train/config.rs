@@ -12,8 +12,8 @@ use crate::checkpoint::{CheckpointPolicy, Resume};
 use crate::data::augment::Augment;
 use crate::error::{Error, Result};
 use crate::exchange::codec::Compression;
-use crate::ops::cross_entropy::CrossEntropy;
 use crate::nn::ParamStore;
+use crate::ops::cross_entropy::CrossEntropy;
 use crate::optim::{DecayOn, LrSchedule, OptimizerConfig, Sharding};
 
 /// What to do when the loss is NaN or infinite.

@@ -13,9 +13,9 @@ use super::replica::{fingerprints, Fill, Mark, Replica, Shard, StepOutcome};
 use super::Batch;
 use crate::error::Result;
 use crate::exchange::Host;
-use crate::ops::cross_entropy::{softmax_rows, CrossEntropy, Metrics};
-use crate::ops::batchnorm::stats::StatsExchange;
 use crate::nn::{Ctx, ParamStore, Sequential};
+use crate::ops::batchnorm::stats::StatsExchange;
+use crate::ops::cross_entropy::{softmax_rows, CrossEntropy, Metrics};
 use crate::optim::{clip_factor, DecayMask, GradNorm, Optimizer, StepScalars};
 use crate::tensor::{Device, Tensor};
 

@@ -23,8 +23,8 @@ use crate::checkpoint::{self, CheckpointPolicy, Resume};
 use crate::data::Dataset;
 use crate::devices::Devices;
 use crate::error::{Error, Result};
-use crate::ops::cross_entropy::Metrics;
 use crate::nn::Sequential;
+use crate::ops::cross_entropy::Metrics;
 
 /// Trains `model` on `train` (evaluating on `test` after every epoch, if given) on
 /// `devices`, synchronously data-parallel. One step on N devices equals one step on one

@@ -6,7 +6,7 @@
 //! synchronized BatchNorm layers (`with_stats`: they meet the other replicas' on the host,
 //! inside the passes), and the translation between the step's terms (batches, shards,
 //! pieces of the sum) and the network's (rows on the device, slots, views). The device
-//! side — buffers, kernels, cuBLAS — is `nn::gpu_net`'s.
+//! side — buffers, kernels, cuBLAS — is `model::gpu`'s.
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -18,14 +18,29 @@ use super::Batch;
 use crate::error::{Error, Result};
 use crate::exchange::gpu::DeviceMemory;
 use crate::exchange::Abort;
-use crate::ops::batchnorm::Synchronized;
-use crate::ops::gpu::Draw;
 use crate::model::gpu::{Clip, GpuNet, OptimizerState, SlotUse};
-use crate::ops::cross_entropy::{softmax_rows, CrossEntropy, Metrics};
-use crate::ops::batchnorm::stats::StatsExchange;
 use crate::nn::{ParamStore, Sequential};
+use crate::ops::batchnorm::stats::StatsExchange;
+use crate::ops::batchnorm::Synchronized;
+use crate::ops::cross_entropy::{softmax_rows, CrossEntropy, Metrics};
+use crate::ops::gpu::Draw;
 use crate::optim::{DecayMask, Optimizer, StepScalars};
 use crate::tensor::Device;
+
+/// Every kernel file a GPU run may load, each once: each layer type's
+/// ([`crate::model::LAYER_TYPES`], where it has one), the loss's, the optimiser's, the
+/// 16-bit codec's and the runtime's own buffer kernels. The NVRTC test compiles them all,
+/// and the host-run test runs every kernel of them.
+pub fn kernel_files() -> Vec<&'static crate::cuda::KernelFile> {
+    let ops = crate::model::LAYER_TYPES.iter().filter_map(|t| t.kernels);
+    let others = [
+        &crate::ops::cross_entropy::gpu::KERNELS,
+        &crate::optim::gpu::KERNELS,
+        &crate::exchange::gpu::codec::KERNELS,
+        &crate::cuda::buffers::KERNELS,
+    ];
+    ops.chain(others).collect()
+}
 
 /// A device's replica on a GPU; `'s` is the run's statistics exchange, which a model
 /// with synchronized BatchNorm meets the other replicas' statistics through.

@@ -14,7 +14,7 @@
 //! | `step.rs` | the training step, written once for every device and transport; evaluation, prediction |
 //! | `replica.rs` | the `Replica` trait the step runs; the replica check |
 //! | `cpu.rs` | the CPU replica |
-//! | `gpu.rs` | the GPU replica (its device half is `nn::gpu_net`) |
+//! | `gpu.rs` | the GPU replica (its device half is `model::gpu`) |
 //! | `fit.rs` | [`train_data_parallel`]: epochs, evaluation, checkpoints |
 //! | `processes.rs` | the trainer across the processes of an MPI world: handshake, merged step reports, replica check, rows per process |
 
@@ -37,6 +37,8 @@ mod worker;
 pub use batch::Batch;
 pub use config::{EarlyStopping, NonFinite, StopRequest, TrainConfig, DEFAULT_EVAL_BATCHES, DEFAULT_EVAL_EVERY};
 pub use fit::{check_data, train_data_parallel, train_data_parallel_with};
+#[cfg(feature = "cuda")]
+pub use gpu::kernel_files;
 pub use processes::RowPlan;
 pub use report::{
     BestEpoch, EpochReport, EvaluationReport, HeldOut, Observer, ShardReport, Silent, StepEvent, StepReport, Stopped,

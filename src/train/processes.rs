@@ -25,8 +25,8 @@ use crate::digest::Fnv1a;
 use crate::error::{Error, Result};
 #[cfg(feature = "cuda")]
 use crate::exchange::gpu::{new_clique_id, Clique};
-use crate::ops::cross_entropy::Metrics;
 use crate::nn::{ParamStore, Sequential};
+use crate::ops::cross_entropy::Metrics;
 use crate::optim::Optimizer;
 use crate::tensor::Device;
 use crate::world::agree::Setting;

@@ -16,9 +16,9 @@ use super::Batch;
 use crate::digest::Fnv1a;
 use crate::error::{Error, Result};
 use crate::exchange::Memory;
-use crate::ops::cross_entropy::Metrics;
-use crate::ops::batchnorm::stats::StatsExchange;
 use crate::nn::{ParamStore, Sequential};
+use crate::ops::batchnorm::stats::StatsExchange;
+use crate::ops::cross_entropy::Metrics;
 use crate::optim::{DecayMask, DecayOn, Optimizer};
 
 /// How one pass over a shard's rows meets the shard's slot.

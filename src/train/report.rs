@@ -6,8 +6,8 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 pub use crate::checkpoint::BestEpoch;
-use crate::ops::cross_entropy::Metrics;
 use crate::nn::ParamStore;
+use crate::ops::cross_entropy::Metrics;
 use crate::optim::Optimizer;
 use crate::tensor::Device;
 

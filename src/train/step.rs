@@ -154,7 +154,9 @@ where
 /// (`model::sync_batchnorm::join_without_rows`); without that exchange, nothing.
 fn join_without_data<R: Replica>(replica: &R, shard: &Shard) -> Result<()> {
     match replica.synchronized() {
-        (model, Some(stats)) => crate::model::sync_batchnorm::join_without_rows(&Synchronized { stats, shard: shard.index }, model),
+        (model, Some(stats)) => {
+            crate::model::sync_batchnorm::join_without_rows(&Synchronized { stats, shard: shard.index }, model)
+        }
         (_, None) => Ok(()),
     }
 }

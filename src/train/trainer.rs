@@ -46,9 +46,9 @@ use crate::exchange::shm::{ShmGroup, ShmStats};
 #[cfg(feature = "cuda")]
 use crate::exchange::Aborts;
 use crate::exchange::{Abort, Exchange, RunTransport, Wait};
-use crate::ops::cross_entropy::Metrics;
-use crate::ops::batchnorm::stats::StatsExchange;
 use crate::nn::{ParamStore, Sequential};
+use crate::ops::batchnorm::stats::StatsExchange;
+use crate::ops::cross_entropy::Metrics;
 use crate::optim::{Optimizer, Sharding};
 use crate::tensor::Device;
 use crate::world::World;

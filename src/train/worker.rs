@@ -25,8 +25,8 @@ use super::step::{self, StepWork};
 use super::Batch;
 use crate::error::{Error, Result};
 use crate::exchange::{Abort, Exchange, Wait};
-use crate::ops::cross_entropy::Metrics;
 use crate::nn::ParamStore;
+use crate::ops::cross_entropy::Metrics;
 use crate::optim::{Optimizer, Sharding};
 use crate::tensor::Device;
 

@@ -20,11 +20,13 @@
 
 use std::io::Write;
 
-use lockstep::cuda::launch::{DropoutKey, WindowGeom, WireGeom};
 use lockstep::exchange::codec::{Codec, Compression, Wire};
+use lockstep::exchange::gpu::codec::WireGeom;
 use lockstep::exchange::shm::ShmGroup;
 use lockstep::exchange::{Exchange, Wait};
 use lockstep::ops::batchnorm::RunningUpdate;
+use lockstep::ops::dropout::gpu::DropoutKey;
+use lockstep::ops::window::WindowGeom;
 use lockstep::rng::mix64;
 
 // ---- skipping without a GPU ----------------------------------------------------------
@@ -543,7 +545,7 @@ impl lockstep::ops::batchnorm::stats::StatsExchange for Recorder {
     }
 }
 
-/// What the CPU's synchronized BatchNorm (nn::batchnorm, as `--sync-batchnorm` runs it on
+/// What the CPU's synchronized BatchNorm (ops::batchnorm, as `--sync-batchnorm` runs it on
 /// CPU devices) does with `inputs` as logical replica 1 of 2 beside [`Recorder`]'s replica
 /// 0: the payloads it hands the exchange, its output, running statistics and gradients.
 pub struct SyncBnCpu {

@@ -4,7 +4,7 @@
 //! Owns: [`CopyGroup`] (shared by reference) and [`CopyMember`] (one worker's view). The
 //! scheme is the CPU exchange's reduce-scatter / all-gather ([`crate::exchange::shm`]): the
 //! buffer is cut into `members` chunks; member r copies chunk r of every member's buffer
-//! into a (members, chunk) staging buffer on its own GPU, sums it with kernels/reduce.cu
+//! into a (members, chunk) staging buffer on its own GPU, sums it with kernels/buffers.cu
 //! in member order (member 0 + member 1 + ..., left to right) into chunk r of its own
 //! buffer, then copies every other chunk from its owner. Each element is summed once, in
 //! one order, and copied everywhere: every member ends bitwise equal. The all-gather of
@@ -175,7 +175,7 @@ pub struct CopyMember<'g> {
     streams: Streams,
     /// (members, chunk) staging buffer, chunk being the largest chunk.
     staging: CudaSlice<f32>,
-    /// Launches of kernels/reduce.cu on the communication stream.
+    /// Launches of kernels/buffers.cu on the communication stream.
     gpu: Gpu,
     /// Peer access from this member's context to member q's was tried (once per peer).
     peer_tried: Vec<bool>,

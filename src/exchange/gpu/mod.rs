@@ -5,7 +5,7 @@
 //! logical replicas holds k slots in one device buffer, each starting on a 256-byte
 //! boundary ([`SLOT_ALIGN`]: cuBLAS picks its kernels, and so its summation order, by
 //! pointer alignment, so a slot must look the same whichever replica's it is). The sum is
-//! the device's slots added in shard order by kernels/reduce.cu, then the transport's
+//! the device's slots added in shard order by kernels/buffers.cu, then the transport's
 //! all-reduce across GPUs, in place. Everything is queued on the GPU (the compute stream,
 //! then the transport's stream, ordered by events): the replica's one wait per step sees
 //! it done.
@@ -40,9 +40,11 @@
 //! is shared by reference by the run's threads; [`super::Abort::abort`] on it makes every
 //! pending and future call of every member return [`Error::Aborted`].
 
+pub mod codec;
 mod copies;
 mod nccl_group;
 
+use crate::exchange::gpu::codec::WireGeom;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -53,7 +55,7 @@ pub use nccl_group::{new_clique_id, Clique, NcclGroup, NcclMember};
 
 use super::codec::Codec;
 use super::{Abort, Exchange, Memory};
-use crate::cuda::launch::WireGeom;
+
 use crate::cuda::probe::{driver_available, gpu_count};
 use crate::cuda::Gpu;
 use crate::error::{Error, Result};
@@ -222,7 +224,7 @@ pub struct GpuExchange<C> {
     /// Declared first, so dropped first: a departing member finishes (or aborts) its
     /// last collective before the slots it reads are freed.
     member: C,
-    /// Launches of kernels/reduce.cu on the compute stream.
+    /// Launches of kernels/buffers.cu on the compute stream.
     gpu: Gpu,
     /// k slots of `stride` values: slot j is `j·stride .. j·stride + width`.
     slots: CudaSlice<f32>,

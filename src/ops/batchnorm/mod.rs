@@ -13,7 +13,7 @@
 //! logical replica's shard together. Forward: each shard's per-channel (count, mean, M2)
 //! in f64 (the same Chan et al. merge of planes as the shard statistics), gathered from
 //! every logical replica through the context's statistics exchange
-//! (`nn::stats`) and merged in logical-replica order with the same pairwise
+//! (`ops::batchnorm::stats`) and merged in logical-replica order with the same pairwise
 //! update — as stable as two passes, and the same numbers on every replica, in the same
 //! order whoever computed which shard. The running statistics move with the global
 //! statistics (the variance unbiased by the global count), so every shard's slot holds
@@ -35,31 +35,21 @@
 //! synchronized layers, found through [`Layer::synchronized_channels`].
 
 #[cfg(feature = "cuda")]
-use std::sync::Arc;
+pub mod gpu;
 
-#[cfg(feature = "cuda")]
-use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, CudaView, PinnedHostSlice};
 use rayon::prelude::*;
 
 use serde_json::{json, Value};
 
-#[cfg(feature = "cuda")]
-use super::gpu::{poll, Backward, Forward, GpuLayer, Node, Pass, SyncWith};
 use super::spec::{expect_images, Build, LayerType};
 pub mod stats;
 
-use stats::StatsExchange;
-use super::{
-    Ctx, Init, InputGrad, Layer, LayerMemory, LayerShapes, Mode, ParamSpec, Params, ParamsMut, F32,
-};
+use super::{Ctx, Init, InputGrad, Layer, LayerMemory, LayerShapes, Mode, ParamSpec, Params, ParamsMut, F32};
 use crate::backend::par;
 use crate::backend::simd::widest;
-#[cfg(feature = "cuda")]
-use crate::cuda::launch::{BnGeom, BnGrads, BnMerged, BnParams, BnSaved, BnStats, BnSums, BnUpdate};
-#[cfg(feature = "cuda")]
-use crate::cuda::Gpu;
 use crate::error::{Error, Result};
 use crate::tensor::{Shape, Tensor};
+use stats::StatsExchange;
 
 /// Whose batch statistics normalise in training.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -432,6 +422,8 @@ impl BatchNorm2d {
                 Ok(bn.eps(epsilon).momentum(momentum).batch_stats(stats))
             }))
         },
+        #[cfg(feature = "cuda")]
+        kernels: Some(&gpu::KERNELS),
     };
 
     fn gamma_beta<'a>(&self, params: &Params<'a>) -> (Option<&'a [f32]>, Option<&'a [f32]>) {
@@ -443,18 +435,8 @@ impl BatchNorm2d {
 
 impl Layer for BatchNorm2d {
     #[cfg(feature = "cuda")]
-    fn gpu(&self) -> Option<Box<dyn GpuLayer>> {
-        Some(Box::new(BatchNorm2dGpu {
-            channels: self.channels,
-            count: self.names == BnNames::PyTorch,
-            eps: self.eps,
-            momentum: self.momentum,
-            scale: self.scale,
-            center: self.center,
-            stats: self.stats,
-            saved: None,
-            sync: None,
-        }))
+    fn gpu(&self) -> Option<Box<dyn crate::ops::gpu::GpuLayer>> {
+        gpu::form(self)
     }
 
     fn kind(&self) -> &'static str {
@@ -808,301 +790,6 @@ impl Synchronized<'_> {
     pub fn sums(&self, local: &[(f64, f64)]) -> Result<Vec<(f64, f64)>> {
         global_sums(self.stats, self.shard, local)
     }
-}
-
-// ---- on a GPU: kernels/batchnorm.cu ------------------------------------------------
-
-/// BatchNorm on a GPU: the kernels compute this file's arithmetic (f64 statistics, the
-/// same `normaliser` and `RunningUpdate`); a synchronized layer's statistics meet the
-/// other logical replicas' on the host, merged by [`Synchronized`]'s functions above.
-#[cfg(feature = "cuda")]
-struct BatchNorm2dGpu {
-    channels: usize,
-    /// Whether it counts its training forwards (`num_batches_tracked`, its third buffer).
-    count: bool,
-    eps: f32,
-    momentum: f32,
-    scale: bool,
-    center: bool,
-    stats: BatchStats,
-    /// The last training forward's batch mean and 1/sqrt(var + eps), (C) each.
-    saved: Option<(CudaSlice<f32>, CudaSlice<f32>)>,
-    /// A synchronized layer's statistics on their way to and from the host (made at its
-    /// first synchronized pass).
-    sync: Option<SyncNode>,
-}
-
-/// The running update as the kernels take it: its three scalars.
-#[cfg(feature = "cuda")]
-impl From<RunningUpdate> for BnUpdate {
-    fn from(u: RunningUpdate) -> BnUpdate {
-        BnUpdate::new(u.keep, u.take, u.unbias)
-    }
-}
-
-#[cfg(feature = "cuda")]
-impl BatchNorm2dGpu {
-    /// gamma and beta among the layer's parameters, as present.
-    fn params<'p>(&self, p: impl Fn(usize) -> CudaView<'p, f32>) -> BnParams<'p> {
-        BnParams { gamma: self.scale.then(|| p(0)), beta: self.center.then(|| p(usize::from(self.scale))) }
-    }
-
-    fn geom(&self, node: &Node, n: usize) -> BnGeom {
-        BnGeom { n, c: self.channels, hw: node.input.numel() / self.channels, eps: self.eps, momentum: self.momentum }
-    }
-
-    /// The synchronized layer's buffers, made on first use.
-    fn sync_node(&mut self, gpu: &Gpu) -> Result<&mut SyncNode> {
-        if self.sync.is_none() {
-            self.sync = Some(SyncNode::new(gpu, self.channels)?);
-        }
-        Ok(self.sync.as_mut().expect("made above"))
-    }
-}
-
-#[cfg(feature = "cuda")]
-impl GpuLayer for BatchNorm2dGpu {
-    fn reserve(&mut self, gpu: &Gpu, _node: &Node, _n: usize) -> Result<()> {
-        if self.saved.is_none() {
-            let stream = gpu.stream();
-            self.saved = Some((stream.alloc_zeros(self.channels.max(1))?, stream.alloc_zeros(self.channels.max(1))?));
-        }
-        Ok(())
-    }
-
-    // x: (N, C, H, W) → y: same shape; training: saved mean, invstd (C), running stats moved
-    fn forward(&mut self, f: Forward<'_, '_, '_>) -> Result<()> {
-        let Forward { gpu, node, n, params, x, y, pass, sync, .. } = f;
-        let geom = self.geom(node, n);
-        let bn = self.params(|j| params.slice(node.params[j].clone()));
-        let (rm, rv) = (&node.buffers[0], &node.buffers[1]);
-        match pass {
-            Pass::Train { stats, offset, .. } => {
-                if self.stats == BatchStats::Global && sync.is_some() {
-                    self.sync_node(gpu)?;
-                }
-                // Each statistic on its own aligned start: split below the variance.
-                let (mut below, mut above) = stats.split_at_mut(*offset + rv.start);
-                let running_mean = below.slice_mut(*offset + rm.start..*offset + rm.end);
-                let running_var = above.slice_mut(0..rv.len());
-                let (save_mean, save_invstd) = self.saved.as_mut().expect("reserved before the pass");
-                let out = BnStats {
-                    running_mean,
-                    running_var,
-                    save_mean: save_mean.as_view_mut(),
-                    save_invstd: save_invstd.as_view_mut(),
-                };
-                match (self.stats, sync) {
-                    (BatchStats::Global, Some(sync)) => {
-                        let node_sync = self.sync.as_mut().expect("made before the statistics' views");
-                        node_sync.forward(sync, gpu, &node.name, x, y, bn, out, geom)
-                    }
-                    _ => {
-                        if n * geom.hw < 2 {
-                            return Err(Error::shape(
-                                "batchnorm",
-                                format!(
-                                    "{}: training needs more than one value per channel, got {}",
-                                    node.name,
-                                    n * geom.hw
-                                ),
-                            ));
-                        }
-                        let update = RunningUpdate::new(self.momentum, n * geom.hw).into();
-                        gpu.batchnorm_train_fwd(x, y, bn, out, geom, update)
-                    }
-                }?;
-                if self.count {
-                    let r = &node.buffers[2];
-                    gpu.batchnorm_count(&mut stats.slice_mut(*offset + r.start..*offset + r.end))?;
-                }
-                Ok(())
-            }
-            Pass::Eval { stats } => {
-                gpu.batchnorm_eval_fwd(x, y, bn, (&stats.slice(rm.clone()), &stats.slice(rv.clone())), geom)
-            }
-        }
-    }
-
-    // dy: (N, C, H, W) → dx: same shape (written), dgamma, dbeta: (C) (accumulated)
-    fn backward(&mut self, b: Backward<'_, '_>) -> Result<()> {
-        let Backward { gpu, node, n, params, x, dy, dx, grads, sync, .. } = b;
-        let mut dx = dx.ok_or_else(|| {
-            Error::shape(
-                "batchnorm",
-                format!("{}: a BatchNorm's backward always computes its input gradient", node.name),
-            )
-        })?;
-        let geom = self.geom(node, n);
-        let bn = self.params(|j| params.slice(node.params[j].clone()));
-        if self.stats == BatchStats::Global && sync.is_some() {
-            self.sync_node(gpu)?;
-        }
-        let (save_mean, save_invstd) = self.saved.as_ref().expect("reserved before the pass");
-        let saved = BnSaved { mean: save_mean.as_view(), invstd: save_invstd.as_view() };
-        // The last parameter's gradient (beta, or the only one) starts `split` into the
-        // slot; gamma's, when there are both, lies below it on its own aligned start, not
-        // adjacent.
-        let split = node.params.last().map_or(0, |r| r.start);
-        let (mut below, mut above) = grads.split_at_mut(split);
-        let last = above.slice_mut(0..node.params.last().map_or(0, |r| r.len()));
-        let (dgamma, dbeta) = match (self.scale, self.center) {
-            (true, true) => (Some(below.slice_mut(node.params[0].clone())), Some(last)),
-            (true, false) => (Some(last), None),
-            (false, true) => (None, Some(last)),
-            (false, false) => (None, None),
-        };
-        let out = BnGrads { dx: dx.slice_mut(..), dgamma, dbeta };
-        match (self.stats, sync) {
-            (BatchStats::Global, Some(sync)) => {
-                let node = self.sync.as_mut().expect("made above");
-                node.backward(sync, gpu, x, &dy, bn, saved, out, geom)
-            }
-            _ => gpu.batchnorm_train_bwd(x, &dy, bn, saved, out, geom),
-        }
-    }
-}
-
-/// One synchronized BatchNorm's per-channel statistics (C channels) on their way between
-/// the device and the host: f64 on both sides, pinned on the host, each sized exactly for
-/// its copy. Each host buffer is rewritten only after the host has waited for a later
-/// copy on the same stream, so no copy still reads or writes it then.
-#[cfg(feature = "cuda")]
-struct SyncNode {
-    /// The shard's partial statistics (C, 2): forward (mean, M2), backward (Σ dy, Σ dy·x̂).
-    part: CudaSlice<f64>,
-    part_host: PinnedHostSlice<f64>,
-    /// The forward's merged statistics (C, 4): (mean, var, mean as f32, invstd as f32).
-    merged: CudaSlice<f64>,
-    merged_host: PinnedHostSlice<f64>,
-    /// The backward's global sums (C, 2).
-    sums: CudaSlice<f64>,
-    sums_host: PinnedHostSlice<f64>,
-    /// Recorded after the download of `part`: what the host waits for.
-    arrived: CudaEvent,
-    /// Values per channel in the global batch of the last forward (its backward's count).
-    count: f64,
-}
-
-#[cfg(feature = "cuda")]
-impl SyncNode {
-    /// The buffers of a synchronized BatchNorm of `c` channels on `gpu`.
-    fn new(gpu: &Gpu, c: usize) -> Result<SyncNode> {
-        let stream = gpu.stream();
-        let ctx = gpu.context();
-        // SAFETY: pinned memory without write-combining (the host reads what the device
-        // wrote); its contents are unset, and every host buffer is written (by the host,
-        // or by a copy the host waited for) before it is read.
-        let pinned = |len: usize| unsafe { ctx.alloc_pinned_with_flags::<f64>(len, 0) };
-        Ok(SyncNode {
-            part: stream.alloc_zeros(2 * c)?,
-            part_host: pinned(2 * c)?,
-            merged: stream.alloc_zeros(4 * c)?,
-            merged_host: pinned(4 * c)?,
-            sums: stream.alloc_zeros(2 * c)?,
-            sums_host: pinned(2 * c)?,
-            arrived: ctx.new_event(None)?,
-            count: 0.0,
-        })
-    }
-
-    /// `part` on the host, as (a, b) per channel: copied, then waited for (polling
-    /// `aborted`).
-    fn download(&mut self, stream: &Arc<CudaStream>, aborted: &dyn Fn() -> bool) -> Result<Vec<(f64, f64)>> {
-        stream.memcpy_dtoh(&self.part, &mut self.part_host)?;
-        self.arrived.record(stream)?;
-        poll(&self.arrived, aborted)?;
-        Ok(self.part_host.as_slice()?.chunks_exact(2).map(|p| (p[0], p[1])).collect())
-    }
-
-    /// A synchronized BatchNorm's training forward (layer `name`): this shard's
-    /// per-channel (mean, M2) on the device, merged with every logical replica's on the
-    /// host (the CPU layer's `global_moments`), the statistics the CPU layer derives from
-    /// them (biased variance, `normaliser`, `RunningUpdate` of the global count) back to
-    /// the device, which normalises and moves the running statistics.
-    #[allow(clippy::too_many_arguments)]
-    fn forward(
-        &mut self,
-        sync: SyncWith<'_>,
-        gpu: &Gpu,
-        name: &str,
-        x: &CudaSlice<f32>,
-        y: &mut CudaSlice<f32>,
-        params: BnParams<'_>,
-        out: BnStats<'_>,
-        g: BnGeom,
-    ) -> Result<()> {
-        let SyncWith { stats, shard, aborted } = sync;
-        let with = Synchronized { stats, shard };
-        let node = self;
-        let stream = gpu.stream();
-        gpu.batchnorm_moments_fwd(x, &mut node.part.as_view_mut(), g)?;
-        let local = node.download(stream, aborted)?;
-        let here = g.n * g.hw;
-        let (count, moments) = with.moments(here as f64, &local)?;
-        if count < 2.0 {
-            return Err(Error::shape(
-                "batchnorm",
-                format!(
-                    "{name}: training needs more than one value per channel, got {count} in the global batch ({here} here)"
-                ),
-            ));
-        }
-        let merged = moments.iter().flat_map(|&(mean, m2)| {
-            let var = m2 / count;
-            let (m, is) = normaliser(mean, var, g.eps);
-            [mean, var, m as f64, is as f64]
-        });
-        upload_pinned(stream, merged, &mut node.merged_host, &mut node.merged)?;
-        node.count = count;
-        let update = RunningUpdate::new(g.momentum, count as usize).into();
-        let merged = BnMerged { stats: node.merged.as_view(), update };
-        gpu.batchnorm_sync_fwd(x, y, params, merged, out, g)
-    }
-
-    /// A synchronized BatchNorm's training backward: this shard's per-channel
-    /// (Σ dy, Σ dy·x̂) on the device, summed over every logical replica on the host (the
-    /// CPU layer's `global_sums`), back to the device for dx; dγ and dβ take the shard's
-    /// own sums (the gradient exchange adds the shards').
-    #[allow(clippy::too_many_arguments)]
-    fn backward(
-        &mut self,
-        sync: SyncWith<'_>,
-        gpu: &Gpu,
-        x: &CudaSlice<f32>,
-        dy: &CudaView<'_, f32>,
-        params: BnParams<'_>,
-        saved: BnSaved<'_>,
-        grads: BnGrads<'_>,
-        g: BnGeom,
-    ) -> Result<()> {
-        let SyncWith { stats, shard, aborted } = sync;
-        let with = Synchronized { stats, shard };
-        let node = self;
-        let stream = gpu.stream();
-        gpu.batchnorm_sums_bwd(x, dy, &saved, &mut node.part.as_view_mut(), g)?;
-        let local = node.download(stream, aborted)?;
-        let global = with.sums(&local)?;
-        upload_pinned(stream, global.iter().flat_map(|&(a, b)| [a, b]), &mut node.sums_host, &mut node.sums)?;
-        let sums = BnSums { saved, local: node.part.as_view(), global: node.sums.as_view(), count: node.count };
-        gpu.batchnorm_sync_bwd(x, dy, params, sums, grads, g)
-    }
-}
-
-/// `values` into `dev` through `host`, queued on `stream` (the host does not wait).
-#[cfg(feature = "cuda")]
-fn upload_pinned(
-    stream: &Arc<CudaStream>,
-    values: impl Iterator<Item = f64>,
-    host: &mut PinnedHostSlice<f64>,
-    dev: &mut CudaSlice<f64>,
-) -> Result<()> {
-    // Waits for the buffer's last copy, which has run already (SyncNode's docs).
-    for (h, v) in host.as_mut_slice()?.iter_mut().zip(values) {
-        *h = v;
-    }
-    stream.memcpy_htod(&*host, dev)?;
-    Ok(())
 }
 
 #[cfg(test)]

@@ -5,7 +5,7 @@
 //! needs nothing of `exchange`, whose transports implement it; and nothing of the arithmetic: a layer hands its
 //! logical replica's payload (a few f64 per channel) and gets every logical replica's
 //! back, in logical-replica order, the same on every device; the layer then merges them in
-//! that order itself (`nn::batchnorm`), so every replica computes bitwise the same
+//! that order itself (`ops::batchnorm`), so every replica computes bitwise the same
 //! statistics whoever computed which shard. Gathering rather than summing is what lets
 //! the merge be Chan's pairwise update of (count, mean, M2) in a fixed order instead of a
 //! transport's sum in an unspecified one, and it is one call any transport has
@@ -14,7 +14,7 @@
 //! an MPI exchange implements the same trait. GPU replicas meet in the shared-memory one
 //! too, on the host (a group of their own, aborted with the GPU exchange: `Aborts`): each
 //! synchronized layer waits for its device's partial statistics, gathers, merges with the
-//! CPU layer's functions, and hands the result back to the device (`nn::gpu_net`).
+//! CPU layer's functions, and hands the result back to the device (`model::gpu`).
 //!
 //! Every device makes the same calls in the same order (2 per synchronized layer per
 //! forward and backward pass, a device whose shard is empty included: it sends a payload

@@ -1,5 +1,5 @@
 //! Conv2d: 2-D cross-correlation over NCHW, weight (O, C, KH, KW) as in PyTorch, with
-//! Keras's `valid` and `same` padding (where the window sits is `nn::window`'s, shared
+//! Keras's `valid` and `same` padding (where the window sits is `ops::window`'s, shared
 //! with pooling and the GPU).
 //!
 //! The batch is cut into the fixed groups of `backend::cpu::batch_groups`, which run in
@@ -23,16 +23,14 @@
 //! Owns also its spec entry (`conv2d`), its spec form and its memory account: what it
 //! keeps for backward and the weight-gradient partials of its groups.
 
+#[cfg(feature = "cuda")]
+pub mod gpu;
+
 use std::borrow::Cow;
 use std::ops::Range;
 
 use rayon::prelude::*;
 
-#[cfg(feature = "cuda")]
-use cudarc::driver::CudaSlice;
-
-#[cfg(feature = "cuda")]
-use super::gpu::{window_geom, Backward, Forward, GpuLayer, Node};
 use super::window::{Geometry2d, Padding, Window2d};
 use serde_json::{json, Value};
 
@@ -44,10 +42,6 @@ use crate::backend::cpu::{
 };
 use crate::backend::par;
 use crate::backend::winograd;
-#[cfg(feature = "cuda")]
-use crate::cuda::gemm::{gemm as cublas_gemm, RmGemm};
-#[cfg(feature = "cuda")]
-use crate::cuda::Gpu;
 use crate::error::{Error, Result};
 use crate::tensor::{Shape, Tensor};
 
@@ -475,6 +469,8 @@ impl Conv2d {
                 Ok(activation.after(Box::new(conv)))
             }))
         },
+        #[cfg(feature = "cuda")]
+        kernels: Some(&gpu::KERNELS),
     };
 
     fn geometry(&self, input: &Shape) -> Result<(usize, Im2colGeom)> {
@@ -500,8 +496,8 @@ impl Conv2d {
 
 impl Layer for Conv2d {
     #[cfg(feature = "cuda")]
-    fn gpu(&self) -> Option<Box<dyn GpuLayer>> {
-        Some(Box::new(Conv2dGpu { filters: self.filters, window: self.window(), use_bias: self.use_bias, cols: None }))
+    fn gpu(&self) -> Option<Box<dyn crate::ops::gpu::GpuLayer>> {
+        gpu::form(self)
     }
 
     fn kind(&self) -> &'static str {
@@ -681,80 +677,6 @@ impl Layer for Conv2d {
             self.padding.describe(),
             if self.use_bias { "" } else { ", no bias" }
         )
-    }
-}
-
-// ---- on a GPU: kernels/conv.cu's unfolding, cuBLAS -----------------------------------
-
-/// A convolution on a GPU. Its input unfolds to columns (N, C·KH·KW, OH·OW) and runs one
-/// strided-batched GEMM per pass; its weight gradient is summed over the samples'
-/// per-sample products by `reduce_sum`, in sample order, so the sum's order is a function
-/// of the batch alone.
-#[cfg(feature = "cuda")]
-struct Conv2dGpu {
-    filters: usize,
-    window: Window2d,
-    use_bias: bool,
-    /// The unfolded input of the last forward, col: (N, C·KH·KW, OH·OW).
-    cols: Option<CudaSlice<f32>>,
-}
-
-#[cfg(feature = "cuda")]
-impl GpuLayer for Conv2dGpu {
-    fn reserve(&mut self, gpu: &Gpu, node: &Node, n: usize) -> Result<()> {
-        let g = window_geom(node, self.window, n)?;
-        self.cols = None;
-        self.cols = Some(gpu.stream().alloc_zeros::<f32>(g.col_len().max(1))?);
-        Ok(())
-    }
-
-    /// The per-sample products of the weight gradient (N, O, C·KH·KW), then the column
-    /// gradient (N, C·KH·KW, OH·OW), side by side.
-    fn scratch(&self, node: &Node, n: usize) -> Result<usize> {
-        let g = window_geom(node, self.window, n)?;
-        Ok(n * self.filters * g.c * g.kh * g.kw + g.col_len())
-    }
-
-    // x: (N, C, H, W), weight: (O, C, KH, KW) → y: (N, O, OH, OW)
-    fn forward(&mut self, f: Forward<'_, '_, '_>) -> Result<()> {
-        let (n, o) = (f.n, self.filters);
-        let g = window_geom(f.node, self.window, n)?;
-        let (ckk, pp) = (g.c * g.kh * g.kw, g.oh() * g.ow());
-        let col = self.cols.as_mut().expect("reserved before the pass");
-        f.gpu.im2col_fwd(f.x, col, &g)?;
-        cublas_gemm(f.blas, &RmGemm::conv_fwd(n, o, ckk, pp), &f.param(0), &*col, f.y)?;
-        if self.use_bias {
-            f.gpu.bias_nchw_fwd(f.y, &f.param(1), n, o, pp)?;
-        }
-        Ok(())
-    }
-
-    // dy: (N, O, OH, OW) → dweight += Σ_n dy_n·col_nᵀ, dbias += Σ dy, dx = col2im(Wᵀ·dy)
-    fn backward(&mut self, b: Backward<'_, '_>) -> Result<()> {
-        let (n, o) = (b.n, self.filters);
-        let g = window_geom(b.node, self.window, n)?;
-        let (ckk, pp) = (g.c * g.kh * g.kw, g.oh() * g.ow());
-        let Backward { gpu, blas, node, params, dy, dx, grads, scratch, .. } = b;
-        let col = self.cols.as_ref().expect("reserved before the pass");
-        // dW = Σ_n dW_n in sample order
-        let mut part = scratch.slice_mut(0..n * o * ckk);
-        cublas_gemm(blas, &RmGemm::conv_dw(n, o, ckk, pp), &dy, col, &mut part)?;
-        gpu.reduce_sum(&part, &mut grads.slice_mut(node.params[0].clone()), n, 1.0)?;
-        if self.use_bias {
-            gpu.bias_nchw_bwd(&dy, &mut grads.slice_mut(node.params[1].clone()), n, o, pp)?;
-        }
-        if let Some(mut dx) = dx {
-            let mut dcol = scratch.slice_mut(n * o * ckk..n * o * ckk + g.col_len());
-            cublas_gemm(
-                blas,
-                &RmGemm::conv_dcol(n, o, ckk, pp),
-                &params.slice(node.params[0].clone()),
-                &dy,
-                &mut dcol,
-            )?;
-            gpu.im2col_bwd(&dcol, &mut dx, &g)?;
-        }
-        Ok(())
     }
 }
 

@@ -9,8 +9,11 @@
 //! summed over every token of the shard and the trainer divides by the global batch's
 //! token count (`train::step`), the mean over tokens PyTorch's `cross_entropy` takes.
 //! The exponentials and each row's sum are `backend::simd`'s (within 2 ulp, 16 at a
-//! time; the sum in its fixed order of 16 lanes). kernels/softmax_xent.cu computes the same expressions with the
+//! time; the sum in its fixed order of 16 lanes). kernels/cross_entropy.cu computes the same expressions with the
 //! GPU's `expf` (tests/kernels_host.rs holds the two within 1e-5).
+
+#[cfg(feature = "cuda")]
+pub mod gpu;
 
 use crate::backend::simd;
 use crate::error::{Error, Result};

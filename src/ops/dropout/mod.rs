@@ -9,10 +9,11 @@
 //!
 //! Owns also its spec entry (`dropout`), its spec form and what it keeps for backward.
 
+#[cfg(feature = "cuda")]
+pub mod gpu;
+
 use serde_json::{json, Value};
 
-#[cfg(feature = "cuda")]
-use super::gpu::{Backward, Forward, GpuLayer, Pass};
 use super::spec::{Build, LayerType};
 use super::{Ctx, InputGrad, Layer, LayerMemory, LayerShapes, Mode, Params, ParamsMut, F32};
 use crate::error::{Error, Result};
@@ -50,13 +51,15 @@ impl Dropout {
             let rate = f.number("rate", None, (|x| (0.0..1.0).contains(&x), "a number in [0, 1)"))?;
             Ok(Build::layer(move |_| Dropout::new(rate).map_err(|e| e.to_string())))
         },
+        #[cfg(feature = "cuda")]
+        kernels: Some(&gpu::KERNELS),
     };
 }
 
 impl Layer for Dropout {
     #[cfg(feature = "cuda")]
-    fn gpu(&self) -> Option<Box<dyn GpuLayer>> {
-        Some(Box::new(DropoutGpu { rate: self.rate }))
+    fn gpu(&self) -> Option<Box<dyn crate::ops::gpu::GpuLayer>> {
+        gpu::form(self)
     }
 
     fn kind(&self) -> &'static str {
@@ -125,36 +128,5 @@ impl Layer for Dropout {
 
     fn describe(&self) -> String {
         format!("Dropout({})", self.rate)
-    }
-}
-
-// ---- on a GPU: kernels/dropout.cu ----------------------------------------------------
-
-/// Dropout on a GPU: `dropout_fwd` draws the masks from the pass's [`super::gpu::Draw`]
-/// and the layer's index, `dropout_bwd` replays them; evaluation (or rate 0) copies.
-#[cfg(feature = "cuda")]
-struct DropoutGpu {
-    rate: f32,
-}
-
-#[cfg(feature = "cuda")]
-impl GpuLayer for DropoutGpu {
-    // x: (N, ...) → y: same shape
-    fn forward(&mut self, f: Forward<'_, '_, '_>) -> Result<()> {
-        match &*f.pass {
-            Pass::Train { draw, .. } if self.rate > 0.0 => {
-                f.gpu.dropout_fwd(f.x, f.y, self.rate, draw.dropout_key(f.node.index, f.node.input.numel()))
-            }
-            _ => Ok(f.gpu.stream().memcpy_dtod(f.x, f.y)?),
-        }
-    }
-
-    fn backward(&mut self, b: Backward<'_, '_>) -> Result<()> {
-        let Some(mut dx) = b.dx else { return Ok(()) };
-        if self.rate > 0.0 {
-            b.gpu.dropout_bwd(&b.dy, &mut dx, self.rate, b.draw.dropout_key(b.node.index, b.node.input.numel()))
-        } else {
-            Ok(b.gpu.stream().memcpy_dtod(&b.dy, &mut dx)?)
-        }
     }
 }

@@ -4,7 +4,7 @@
 //! spec entry (`embedding`), its spec form, what it keeps for backward and, at the end of
 //! the file, its GPU form (kernels/embedding.cu: a gather, and a deterministic backward).
 //!
-//! Leaves to others: the positional table (`nn::positional`), weight tying with the LM
+//! Leaves to others: the positional table (`ops::positional`), weight tying with the LM
 //! head (the model's), and where the ids come from (the text data).
 //!
 //! # Ids as values
@@ -24,15 +24,12 @@
 //!   would stop there silently.
 
 #[cfg(feature = "cuda")]
-use cudarc::driver::CudaSlice;
+pub mod gpu;
+
 use serde_json::{json, Value};
 
-#[cfg(feature = "cuda")]
-use super::gpu::{Backward, Forward, GpuLayer, Node};
 use super::spec::{Build, FieldResult, LayerType};
 use super::{Ctx, Init, InputGrad, Layer, LayerMemory, LayerShapes, Mode, ParamSpec, Params, ParamsMut};
-#[cfg(feature = "cuda")]
-use crate::cuda::Gpu;
 use crate::error::{Error, Result};
 use crate::tensor::{Shape, Tensor};
 
@@ -140,13 +137,15 @@ impl Embedding {
                 Embedding::new(vocab, width).map_err(|e| e.to_string())
             }))
         },
+        #[cfg(feature = "cuda")]
+        kernels: Some(&gpu::KERNELS),
     };
 }
 
 impl Layer for Embedding {
     #[cfg(feature = "cuda")]
-    fn gpu(&self) -> Option<Box<dyn GpuLayer>> {
-        Some(Box::new(EmbeddingGpu { vocab: self.vocab, width: self.width, offsets: None, order: None }))
+    fn gpu(&self) -> Option<Box<dyn crate::ops::gpu::GpuLayer>> {
+        gpu::form(self)
     }
 
     fn kind(&self) -> &'static str {
@@ -246,52 +245,6 @@ fn needs_input_grad() -> Error {
         "Embedding backward",
         "token ids have no gradient: an embedding must be the first trained layer of its network",
     )
-}
-
-// ---- on a GPU: kernels/embedding.cu --------------------------------------------------
-
-/// The embedding on a GPU: `embedding_fwd` gathers the rows; the backward sorts the
-/// token positions by id (counting sort, stable) into `order`, with each id's span in
-/// `offsets`, then adds each row's tokens in token order, as the CPU layer does.
-#[cfg(feature = "cuda")]
-struct EmbeddingGpu {
-    vocab: usize,
-    width: usize,
-    /// offsets: (V + 1) u32, each id's span in `order`.
-    offsets: Option<CudaSlice<u32>>,
-    /// order: (N·T) u32, the token positions sorted by id.
-    order: Option<CudaSlice<u32>>,
-}
-
-#[cfg(feature = "cuda")]
-impl GpuLayer for EmbeddingGpu {
-    fn reserve(&mut self, gpu: &Gpu, node: &Node, n: usize) -> Result<()> {
-        self.order = None;
-        self.order = Some(gpu.stream().alloc_zeros::<u32>((n * node.input.numel()).max(1))?);
-        if self.offsets.is_none() {
-            self.offsets = Some(gpu.stream().alloc_zeros::<u32>(self.vocab + 1)?);
-        }
-        Ok(())
-    }
-
-    // ids: (N, T) → y: (N, T, C)
-    fn forward(&mut self, f: Forward<'_, '_, '_>) -> Result<()> {
-        f.gpu.embedding_fwd(f.x, &f.param(0), f.y, self.vocab, self.width)
-    }
-
-    // dy: (N, T, C) → dweight (V, C) += dy at the ids, in token order; no dx
-    fn backward(&mut self, b: Backward<'_, '_>) -> Result<()> {
-        let Backward { gpu, node, n, x, dy, dx, grads, .. } = b;
-        if dx.is_some() {
-            return Err(needs_input_grad());
-        }
-        if n * node.input.numel() == 0 {
-            return Ok(());
-        }
-        let offsets = self.offsets.as_mut().expect("reserved before the pass");
-        let order = self.order.as_mut().expect("reserved before the pass");
-        gpu.embedding_bwd(x, &dy, &mut grads.slice_mut(node.params[0].clone()), offsets, order, self.vocab, self.width)
-    }
 }
 
 #[cfg(test)]

@@ -2,10 +2,11 @@
 //! spec form, what it keeps for backward (only the input's shape) and, at the end of the
 //! file, its GPU form (device copies: the values do not move, so it has no kernel).
 
+#[cfg(feature = "cuda")]
+pub mod gpu;
+
 use serde_json::{json, Value};
 
-#[cfg(feature = "cuda")]
-use super::gpu::{Backward, Forward, GpuLayer};
 use super::spec::{Build, LayerType};
 use super::{Ctx, InputGrad, Layer, LayerMemory, LayerShapes, Params, ParamsMut};
 use crate::error::{Error, Result};
@@ -29,13 +30,15 @@ impl Flatten {
         fields: "none",
         example: (&[2, 3, 3], r#"{"type": "flatten"}"#),
         parse: |_| Ok(Build::layer(|_| Ok(Flatten::new()))),
+        #[cfg(feature = "cuda")]
+        kernels: None,
     };
 }
 
 impl Layer for Flatten {
     #[cfg(feature = "cuda")]
-    fn gpu(&self) -> Option<Box<dyn GpuLayer>> {
-        Some(Box::new(FlattenGpu))
+    fn gpu(&self) -> Option<Box<dyn crate::ops::gpu::GpuLayer>> {
+        gpu::form(self)
     }
 
     fn kind(&self) -> &'static str {
@@ -83,25 +86,5 @@ impl Layer for Flatten {
 
     fn describe(&self) -> String {
         "Flatten".into()
-    }
-}
-
-// ---- on a GPU: a copy each way --------------------------------------------------------
-
-/// Flatten on a GPU: the values do not move, so a copy each way.
-#[cfg(feature = "cuda")]
-struct FlattenGpu;
-
-#[cfg(feature = "cuda")]
-impl GpuLayer for FlattenGpu {
-    fn forward(&mut self, f: Forward<'_, '_, '_>) -> Result<()> {
-        Ok(f.gpu.stream().memcpy_dtod(f.x, f.y)?)
-    }
-
-    fn backward(&mut self, b: Backward<'_, '_>) -> Result<()> {
-        match b.dx {
-            Some(mut dx) => Ok(b.gpu.stream().memcpy_dtod(&b.dy, &mut dx)?),
-            None => Ok(()),
-        }
     }
 }

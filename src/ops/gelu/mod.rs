@@ -1,7 +1,7 @@
 //! GELU, exact: y = x·Φ(x), Φ the standard normal CDF (PyTorch's `nn.GELU()`, its default
 //! `approximate='none'`): its forward and backward, its spec entry (`gelu`), its spec
 //! form, what it keeps for backward and, at the end of the file, its GPU form
-//! (`gelu_fwd_f32`, `gelu_bwd_f32` of kernels/elementwise.cu).
+//! (`gelu_fwd_f32`, `gelu_bwd_f32` of kernels/relu.cu).
 //!
 //! A module of its own rather than a third layer of `activation.rs`: it is the first op
 //! of the transformer issue (21), each of which is its own unit, and it shares nothing
@@ -28,12 +28,13 @@
 //!
 //! At ±∞ and NaN it is PyTorch's: y(+∞) = +∞, y(−∞) = −∞·0 = NaN, a NaN passes through.
 
+#[cfg(feature = "cuda")]
+pub mod gpu;
+
 use rayon::prelude::*;
 
 use serde_json::{json, Value};
 
-#[cfg(feature = "cuda")]
-use super::gpu::{Backward, Forward, GpuLayer};
 use super::spec::{Build, LayerType};
 use super::{Ctx, InputGrad, Layer, LayerMemory, LayerShapes, Mode, Params, ParamsMut, F32};
 use crate::backend::par;
@@ -161,13 +162,15 @@ impl Gelu {
         fields: "none",
         example: (&[5], r#"{"type": "gelu"}"#),
         parse: |_| Ok(Build::layer(|_| Ok(Gelu::new()))),
+        #[cfg(feature = "cuda")]
+        kernels: Some(&gpu::KERNELS),
     };
 }
 
 impl Layer for Gelu {
     #[cfg(feature = "cuda")]
-    fn gpu(&self) -> Option<Box<dyn GpuLayer>> {
-        Some(Box::new(GeluGpu))
+    fn gpu(&self) -> Option<Box<dyn crate::ops::gpu::GpuLayer>> {
+        gpu::form(self)
     }
 
     fn kind(&self) -> &'static str {
@@ -229,29 +232,6 @@ impl Layer for Gelu {
 
     fn describe(&self) -> String {
         "GELU".into()
-    }
-}
-
-// ---- on a GPU: kernels/elementwise.cu ------------------------------------------------
-
-/// GELU on a GPU: `gelu_fwd`, `gelu_bwd` (the network keeps the forward's input, which
-/// the gradient is computed from).
-#[cfg(feature = "cuda")]
-struct GeluGpu;
-
-#[cfg(feature = "cuda")]
-impl GpuLayer for GeluGpu {
-    // x: (N, ...) → y: same shape
-    fn forward(&mut self, f: Forward<'_, '_, '_>) -> Result<()> {
-        f.gpu.gelu_fwd(f.x, f.y)
-    }
-
-    // dy: (N, ...) → dx: same shape
-    fn backward(&mut self, b: Backward<'_, '_>) -> Result<()> {
-        match b.dx {
-            Some(mut dx) => b.gpu.gelu_bwd(b.x, &b.dy, &mut dx),
-            None => Ok(()),
-        }
     }
 }
 

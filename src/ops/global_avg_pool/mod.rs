@@ -3,10 +3,11 @@
 //! (`global_average_pooling2d`), its spec form, what it keeps for backward (only the
 //! input's shape) and, at the end of the file, its GPU form (kernels/global_avg_pool.cu).
 
+#[cfg(feature = "cuda")]
+pub mod gpu;
+
 use serde_json::{json, Value};
 
-#[cfg(feature = "cuda")]
-use super::gpu::{Backward, Forward, GpuLayer};
 use super::spec::{expect_images, Build, LayerType};
 use super::{Ctx, InputGrad, Layer, LayerMemory, LayerShapes, Params, ParamsMut};
 use crate::error::{Error, Result};
@@ -34,13 +35,15 @@ impl GlobalAvgPool2d {
                 Ok(GlobalAvgPool2d::new())
             }))
         },
+        #[cfg(feature = "cuda")]
+        kernels: Some(&gpu::KERNELS),
     };
 }
 
 impl Layer for GlobalAvgPool2d {
     #[cfg(feature = "cuda")]
-    fn gpu(&self) -> Option<Box<dyn GpuLayer>> {
-        Some(Box::new(GlobalAvgPool2dGpu))
+    fn gpu(&self) -> Option<Box<dyn crate::ops::gpu::GpuLayer>> {
+        gpu::form(self)
     }
 
     fn kind(&self) -> &'static str {
@@ -103,29 +106,5 @@ impl Layer for GlobalAvgPool2d {
 
     fn describe(&self) -> String {
         "GlobalAvgPool2d".into()
-    }
-}
-
-// ---- on a GPU: kernels/global_avg_pool.cu ---------------------------------------------
-
-/// The spatial mean on a GPU: `global_avgpool_fwd`, `global_avgpool_bwd`.
-#[cfg(feature = "cuda")]
-struct GlobalAvgPool2dGpu;
-
-#[cfg(feature = "cuda")]
-impl GpuLayer for GlobalAvgPool2dGpu {
-    // x: (N, C, H, W) → y: (N, C)
-    fn forward(&mut self, f: Forward<'_, '_, '_>) -> Result<()> {
-        let c = f.node.output.numel();
-        f.gpu.global_avgpool_fwd(f.x, f.y, f.n * c, f.node.input.numel() / c)
-    }
-
-    // dy: (N, C) → dx: (N, C, H, W)
-    fn backward(&mut self, b: Backward<'_, '_>) -> Result<()> {
-        let c = b.node.output.numel();
-        match b.dx {
-            Some(mut dx) => b.gpu.global_avgpool_bwd(&b.dy, &mut dx, b.n * c, b.node.input.numel() / c),
-            None => Ok(()),
-        }
     }
 }

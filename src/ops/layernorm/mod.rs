@@ -40,20 +40,15 @@
 //! (`time_forward_and_backward_at_768_rows_of_128`, below, run by hand).
 
 #[cfg(feature = "cuda")]
-use cudarc::driver::CudaSlice;
+pub mod gpu;
+
 use rayon::prelude::*;
 use serde_json::{json, Value};
 
-#[cfg(feature = "cuda")]
-use super::gpu::{Backward, Forward, GpuLayer, Node};
 use super::spec::{Build, FieldResult, LayerType};
 use super::{Ctx, Init, InputGrad, Layer, LayerMemory, LayerShapes, Mode, ParamSpec, Params, ParamsMut, F32};
 use crate::backend::par;
 use crate::backend::simd::widest;
-#[cfg(feature = "cuda")]
-use crate::cuda::launch::{LnGrads, LnParams, LnSaved};
-#[cfg(feature = "cuda")]
-use crate::cuda::Gpu;
 use crate::error::{Error, Result};
 use crate::tensor::{Shape, Tensor};
 
@@ -287,6 +282,8 @@ impl LayerNorm {
                 Ok(if use_bias { ln } else { ln.without_bias() })
             }))
         },
+        #[cfg(feature = "cuda")]
+        kernels: Some(&gpu::KERNELS),
     };
 
     /// The rows of an input of shape `shape` (batch included), or why it is not one.
@@ -313,8 +310,8 @@ fn expect_last_dim(input: &Shape) -> FieldResult<usize> {
 
 impl Layer for LayerNorm {
     #[cfg(feature = "cuda")]
-    fn gpu(&self) -> Option<Box<dyn GpuLayer>> {
-        Some(Box::new(LayerNormGpu { width: self.width, eps: self.eps, use_bias: self.use_bias, saved: None }))
+    fn gpu(&self) -> Option<Box<dyn crate::ops::gpu::GpuLayer>> {
+        gpu::form(self)
     }
 
     fn kind(&self) -> &'static str {
@@ -423,86 +420,6 @@ impl Layer for LayerNorm {
 
     fn describe(&self) -> String {
         format!("LayerNorm({}, eps {}{})", self.width, self.eps, if self.use_bias { "" } else { ", no bias" })
-    }
-}
-
-// ---- on a GPU: kernels/layernorm.cu --------------------------------------------------
-
-/// LayerNorm on a GPU: `layernorm_fwd` normalises each row (one warp a row) and saves its
-/// mean and rstd in f64; `layernorm_bwd` writes dx from them and the forward's input, and
-/// `layernorm_partial_bwd` then `layernorm_params_bwd` sum dweight and dbias over the rows
-/// in this file's chunk order: the CPU layer's arithmetic, operation for operation.
-#[cfg(feature = "cuda")]
-struct LayerNormGpu {
-    width: usize,
-    eps: f32,
-    use_bias: bool,
-    /// Each row's mean and rstd (rows each) from the last forward, and the chunks' column
-    /// sums (chunks, 2, C) of the backward, sized by `reserve` for the batch.
-    saved: Option<Saved>,
-}
-
-/// What a GPU LayerNorm keeps on the device, in f64: mean and rstd (rows), partials
-/// (ceil(rows / ROW_CHUNK), 2, C).
-#[cfg(feature = "cuda")]
-struct Saved {
-    mean: CudaSlice<f64>,
-    rstd: CudaSlice<f64>,
-    partials: CudaSlice<f64>,
-}
-
-#[cfg(feature = "cuda")]
-impl LayerNormGpu {
-    fn rows(&self, node: &Node, n: usize) -> usize {
-        n * node.input.numel() / self.width.max(1)
-    }
-}
-
-#[cfg(feature = "cuda")]
-impl GpuLayer for LayerNormGpu {
-    fn reserve(&mut self, gpu: &Gpu, node: &Node, n: usize) -> Result<()> {
-        let rows = self.rows(node, n);
-        let stream = gpu.stream();
-        self.saved = None;
-        self.saved = Some(Saved {
-            mean: stream.alloc_zeros(rows.max(1))?,
-            rstd: stream.alloc_zeros(rows.max(1))?,
-            partials: stream.alloc_zeros((rows.div_ceil(ROW_CHUNK) * 2 * self.width).max(1))?,
-        });
-        Ok(())
-    }
-
-    // x: (N, ..., C) → y: same shape; mean, rstd: (rows) saved (in evaluation too, where
-    // no backward reads them)
-    fn forward(&mut self, f: Forward<'_, '_, '_>) -> Result<()> {
-        let rows = self.rows(f.node, f.n);
-        let p = LnParams { weight: f.param(0), bias: self.use_bias.then(|| f.param(1)) };
-        let saved = self.saved.as_mut().expect("reserved before the pass");
-        let out = LnSaved { mean: saved.mean.slice_mut(0..rows), rstd: saved.rstd.slice_mut(0..rows) };
-        f.gpu.layernorm_fwd(f.x, f.y, p, out, rows, self.width, self.eps)
-    }
-
-    // dy: (N, ..., C) → dx: same shape (written); dweight, dbias: (C) (accumulated)
-    fn backward(&mut self, b: Backward<'_, '_>) -> Result<()> {
-        let rows = self.rows(b.node, b.n);
-        let Backward { gpu, node, params, x, dy, dx, grads, .. } = b;
-        let saved = self.saved.as_mut().expect("reserved before the pass");
-        let (mean, rstd) = (saved.mean.slice(0..rows), saved.rstd.slice(0..rows));
-        let weight = params.slice(node.params[0].clone());
-        if let Some(mut dx) = dx {
-            gpu.layernorm_bwd(x, &dy, &mut dx, &weight, (&mean, &rstd), rows, self.width)?;
-        }
-        // The last parameter's gradient (the bias, or the weight alone) starts `last.start`
-        // into the slot; the weight's, when there is a bias, lies below it on its own
-        // aligned start.
-        let last = node.params.last().cloned().unwrap_or_default();
-        let (mut below, mut above) = grads.split_at_mut(last.start);
-        let last = above.slice_mut(0..last.len());
-        let (dweight, dbias) =
-            if self.use_bias { (below.slice_mut(node.params[0].clone()), Some(last)) } else { (last, None) };
-        let out = LnGrads { dweight, dbias };
-        let partials = &mut saved.partials.slice_mut(0..rows.div_ceil(ROW_CHUNK) * 2 * self.width);
-        gpu.layernorm_params_bwd(x, &dy, (&mean, &rstd), partials, out, rows, self.width, ROW_CHUNK)
     }
 }
 
@@ -722,7 +639,7 @@ mod tests {
     }
 
     /// The benchmark's shape, nanoGPT's CPU recipe at B = 12, T = 64, C = 128: 768 rows
-    /// of 128. `cargo test --release --lib nn::layernorm -- --ignored --nocapture`.
+    /// of 128. `cargo test --release --lib ops::layernorm -- --ignored --nocapture`.
     #[test]
     #[ignore = "a timing, not a check: run by hand"]
     fn time_forward_and_backward_at_768_rows_of_128() {

@@ -5,15 +5,14 @@
 //! language model's head reusing the token embedding, as nanoGPT's `lm_head`), laid out
 //! once by `Sequential`, whose gradient both uses add to in the backward's order.
 
+#[cfg(feature = "cuda")]
+pub mod gpu;
+
 use serde_json::{json, Value};
 
-#[cfg(feature = "cuda")]
-use super::gpu::{Backward, Forward, GpuLayer};
 use super::spec::{expect_features, Build, LayerType};
 use super::{InputGrad, Layer, LayerMemory, LayerShapes, ParamSpec, Params, ParamsMut, F32};
 use crate::backend::cpu::{gemm, Accumulate, Mat};
-#[cfg(feature = "cuda")]
-use crate::cuda::gemm::{gemm as cublas_gemm, RmGemm};
 use crate::error::{Error, Result};
 use crate::nn::{Ctx, Init, Mode};
 use crate::tensor::{Shape, Tensor};
@@ -88,13 +87,15 @@ impl Linear {
                 Ok(activation.after(Box::new(if use_bias { dense } else { dense.without_bias() })))
             }))
         },
+        #[cfg(feature = "cuda")]
+        kernels: Some(&gpu::KERNELS),
     };
 }
 
 impl Layer for Linear {
     #[cfg(feature = "cuda")]
-    fn gpu(&self) -> Option<Box<dyn GpuLayer>> {
-        Some(Box::new(LinearGpu { f: self.in_features, o: self.out_features, use_bias: self.use_bias }))
+    fn gpu(&self) -> Option<Box<dyn crate::ops::gpu::GpuLayer>> {
+        gpu::form(self)
     }
 
     fn tied(&self) -> Vec<(usize, String)> {
@@ -205,42 +206,5 @@ impl Layer for Linear {
             self.out_features,
             if self.use_bias { "" } else { ", no bias" }
         )
-    }
-}
-
-// ---- on a GPU: cuBLAS and kernels/elementwise.cu's bias ------------------------------
-
-/// Linear on a GPU: the three GEMMs of the CPU layer, by cuBLAS, and the bias kernels.
-#[cfg(feature = "cuda")]
-struct LinearGpu {
-    f: usize,
-    o: usize,
-    use_bias: bool,
-}
-
-#[cfg(feature = "cuda")]
-impl GpuLayer for LinearGpu {
-    // x: (n, F) rows (every position of every sample), weight: (O, F) → y: (n, O)
-    fn forward(&mut self, fw: Forward<'_, '_, '_>) -> Result<()> {
-        let (n, f, o) = (fw.n * fw.node.input.numel() / self.f, self.f, self.o);
-        cublas_gemm(fw.blas, &RmGemm::linear_fwd(n, f, o), fw.x, &fw.param(0), fw.y)?;
-        if self.use_bias {
-            fw.gpu.bias_cols_fwd(fw.y, &fw.param(1), n, o)?;
-        }
-        Ok(())
-    }
-
-    // dy: (N, O) → dweight += dyᵀ·x (O, F), dbias += Σ_n dy (O), dx = dy·W (N, F)
-    fn backward(&mut self, b: Backward<'_, '_>) -> Result<()> {
-        let (n, f, o) = (b.n * b.node.input.numel() / self.f, self.f, self.o);
-        let Backward { gpu, blas, node, params, x, dy, dx, grads, .. } = b;
-        cublas_gemm(blas, &RmGemm::linear_dw(n, f, o), &dy, x, &mut grads.slice_mut(node.params[0].clone()))?;
-        if self.use_bias {
-            gpu.bias_cols_bwd(&dy, &mut grads.slice_mut(node.params[1].clone()), n, o)?;
-        }
-        if let Some(mut dx) = dx {
-            cublas_gemm(blas, &RmGemm::linear_dx(n, f, o), &dy, &params.slice(node.params[0].clone()), &mut dx)?;
-        }
-        Ok(())
     }
 }

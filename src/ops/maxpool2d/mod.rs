@@ -3,8 +3,8 @@
 //!
 //! Owns: the layer and its CPU arithmetic, forward and backward side by side, written per
 //! H×W plane ([`maxpool2d_plane_fwd`], [`maxpool2d_plane_bwd`]) so that the host-run
-//! kernel test holds `kernels/pooling.cu` to these very functions. Where a window sits is
-//! `nn::window`'s (shared with the convolution and the GPU); padded positions are not
+//! kernel test holds `kernels/maxpool2d.cu` to these very functions. Where a window sits is
+//! `ops::window`'s (shared with the convolution and the GPU); padded positions are not
 //! candidates at all, so they never win (TensorFlow's `SAME` max pooling, and PyTorch's
 //! −∞ padding, behave alike).
 //!
@@ -25,21 +25,17 @@
 //! Owns also its spec entry (`max_pooling2d`), its spec form and what it keeps for
 //! backward.
 
+#[cfg(feature = "cuda")]
+pub mod gpu;
+
 use rayon::prelude::*;
 
-#[cfg(feature = "cuda")]
-use cudarc::driver::CudaSlice;
-
-#[cfg(feature = "cuda")]
-use super::gpu::{window_geom, Backward, Forward, GpuLayer, Node};
 use super::window::{Geometry2d, Padding, Window2d};
 use serde_json::{json, Value};
 
 use super::spec::{expect_images, Build, LayerType};
 use super::{Ctx, InputGrad, Layer, LayerMemory, LayerShapes, Mode, Params, ParamsMut};
 use crate::backend::par;
-#[cfg(feature = "cuda")]
-use crate::cuda::Gpu;
 use crate::error::{Error, Result};
 use crate::tensor::{Shape, Tensor};
 
@@ -89,6 +85,8 @@ impl MaxPool2d {
                 MaxPool2d::new(pool_size, strides, padding).map_err(|e| e.to_string())
             }))
         },
+        #[cfg(feature = "cuda")]
+        kernels: Some(&gpu::KERNELS),
     };
 
     /// (N, C, the window on the H×W plane) for an input shape.
@@ -142,8 +140,8 @@ pub fn maxpool2d_plane_bwd(dout: &[f32], argmax: &[u32], dx: &mut [f32]) {
 
 impl Layer for MaxPool2d {
     #[cfg(feature = "cuda")]
-    fn gpu(&self) -> Option<Box<dyn GpuLayer>> {
-        Some(Box::new(MaxPool2dGpu { window: self.window, argmax: None }))
+    fn gpu(&self) -> Option<Box<dyn crate::ops::gpu::GpuLayer>> {
+        gpu::form(self)
     }
 
     fn kind(&self) -> &'static str {
@@ -228,41 +226,6 @@ impl Layer for MaxPool2d {
 
     fn describe(&self) -> String {
         format!("MaxPool2d({})", self.window.describe())
-    }
-}
-
-// ---- on a GPU: kernels/pooling.cu --------------------------------------------------
-
-/// Max pooling on a GPU: `maxpool2d_fwd` writes the winners' indices, which
-/// `maxpool2d_bwd` routes the gradient back through (ties and NaN as on the CPU, above).
-#[cfg(feature = "cuda")]
-struct MaxPool2dGpu {
-    window: Window2d,
-    /// The winner's index of each output, argmax: (N, C, OH, OW), from the last forward.
-    argmax: Option<CudaSlice<u32>>,
-}
-
-#[cfg(feature = "cuda")]
-impl GpuLayer for MaxPool2dGpu {
-    fn reserve(&mut self, gpu: &Gpu, node: &Node, n: usize) -> Result<()> {
-        self.argmax = None;
-        self.argmax = Some(gpu.stream().alloc_zeros::<u32>((n * node.output.numel()).max(1))?);
-        Ok(())
-    }
-
-    // x: (N, C, H, W) → y, argmax: (N, C, OH, OW)
-    fn forward(&mut self, f: Forward<'_, '_, '_>) -> Result<()> {
-        let g = window_geom(f.node, self.window, f.n)?;
-        let argmax = self.argmax.as_mut().expect("reserved before the pass");
-        f.gpu.maxpool2d_fwd(f.x, f.y, argmax, &g)
-    }
-
-    // dy, argmax: (N, C, OH, OW) → dx: (N, C, H, W)
-    fn backward(&mut self, b: Backward<'_, '_>) -> Result<()> {
-        let Some(mut dx) = b.dx else { return Ok(()) };
-        let g = window_geom(b.node, self.window, b.n)?;
-        let argmax = self.argmax.as_ref().expect("reserved before the pass");
-        b.gpu.maxpool2d_bwd(&b.dy, argmax, &mut dx, &g)
     }
 }
 

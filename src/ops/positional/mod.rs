@@ -16,10 +16,11 @@
 //! running shape, `output_shape`) and at every pass: `a context of 80 positions is above
 //! the positional table's 64`.
 
+#[cfg(feature = "cuda")]
+pub mod gpu;
+
 use serde_json::{json, Value};
 
-#[cfg(feature = "cuda")]
-use super::gpu::{Backward, Forward, GpuLayer};
 use super::spec::{Build, LayerType};
 use super::{Ctx, Init, InputGrad, Layer, LayerMemory, LayerShapes, ParamSpec, Params, ParamsMut};
 use crate::error::{Error, Result};
@@ -80,6 +81,8 @@ impl PositionalEmbedding {
                 _ => Err(format!("expects sequences (T, C), got samples of shape {}", Shape::new(&input.dims()[1..]))),
             }))
         },
+        #[cfg(feature = "cuda")]
+        kernels: Some(&gpu::KERNELS),
     };
 
     /// (N, T) of a (N, T, C) tensor this layer applies to, or an error of `op` naming why
@@ -95,8 +98,8 @@ impl PositionalEmbedding {
 
 impl Layer for PositionalEmbedding {
     #[cfg(feature = "cuda")]
-    fn gpu(&self) -> Option<Box<dyn GpuLayer>> {
-        Some(Box::new(PositionalGpu { width: self.width }))
+    fn gpu(&self) -> Option<Box<dyn crate::ops::gpu::GpuLayer>> {
+        gpu::form(self)
     }
 
     fn kind(&self) -> &'static str {
@@ -162,41 +165,6 @@ impl Layer for PositionalEmbedding {
 
     fn describe(&self) -> String {
         format!("PositionalEmbedding({}, {})", self.length, self.width)
-    }
-}
-
-// ---- on a GPU: kernels/embedding.cu --------------------------------------------------
-
-/// The positional embedding on a GPU: `positional_embedding_fwd` adds the table's first
-/// T rows; `positional_embedding_bwd` sums dy over the batch into their gradient and
-/// copies dy to dx in the same pass.
-#[cfg(feature = "cuda")]
-struct PositionalGpu {
-    width: usize,
-}
-
-#[cfg(feature = "cuda")]
-impl PositionalGpu {
-    /// T·C, the values of one sequence of `node`'s input (T, C).
-    fn tc(&self, node: &super::gpu::Node) -> usize {
-        node.input.dims().first().copied().unwrap_or(0) * self.width
-    }
-}
-
-#[cfg(feature = "cuda")]
-impl GpuLayer for PositionalGpu {
-    // x: (N, T, C) → y = x + weight[0..T]
-    fn forward(&mut self, f: Forward<'_, '_, '_>) -> Result<()> {
-        let tc = self.tc(f.node);
-        f.gpu.positional_embedding_fwd(f.x, &f.param(0).slice(0..tc), f.y, f.n, tc)
-    }
-
-    // dy: (N, T, C) → dweight[0..T] += Σ_n dy[n]; dx = dy
-    fn backward(&mut self, b: Backward<'_, '_>) -> Result<()> {
-        let tc = self.tc(b.node);
-        let Backward { gpu, node, n, dy, mut dx, grads, .. } = b;
-        let start = node.params[0].start;
-        gpu.positional_embedding_bwd(&dy, &mut grads.slice_mut(start..start + tc), dx.as_mut(), n, tc)
     }
 }
 

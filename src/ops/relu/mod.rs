@@ -3,12 +3,13 @@
 //! Also the `"activation": "relu"` a conv2d or dense layer appends ([`Activation::after`]),
 //! and the residual block's add fused with its ReLU ([`Relu::forward_sum`]).
 
+#[cfg(feature = "cuda")]
+pub mod gpu;
+
 use rayon::prelude::*;
 
 use serde_json::{json, Value};
 
-#[cfg(feature = "cuda")]
-use super::gpu::{Backward, Forward, GpuLayer};
 use super::spec::{Activation, Build, LayerType};
 use super::{Ctx, InputGrad, Layer, LayerMemory, LayerShapes, Mode, Params, ParamsMut, RELU_KIND};
 
@@ -48,6 +49,8 @@ impl Relu {
         fields: "none",
         example: (&[5], r#"{"type": "relu"}"#),
         parse: |_| Ok(Build::layer(|_| Ok(Relu::new()))),
+        #[cfg(feature = "cuda")]
+        kernels: Some(&gpu::KERNELS),
     };
 }
 
@@ -123,8 +126,8 @@ impl Relu {
 
 impl Layer for Relu {
     #[cfg(feature = "cuda")]
-    fn gpu(&self) -> Option<Box<dyn GpuLayer>> {
-        Some(Box::new(ReluGpu))
+    fn gpu(&self) -> Option<Box<dyn crate::ops::gpu::GpuLayer>> {
+        gpu::form(self)
     }
 
     fn kind(&self) -> &'static str {
@@ -189,28 +192,6 @@ impl Layer for Relu {
 
     fn describe(&self) -> String {
         "ReLU".into()
-    }
-}
-
-// ---- on a GPU: kernels/relu.cu ------------------------------------------------------
-
-/// ReLU on a GPU: `relu_fwd`, `relu_bwd` (the input decides the gradient's mask).
-#[cfg(feature = "cuda")]
-struct ReluGpu;
-
-#[cfg(feature = "cuda")]
-impl GpuLayer for ReluGpu {
-    // x: (N, ...) → y: same shape
-    fn forward(&mut self, f: Forward<'_, '_, '_>) -> Result<()> {
-        f.gpu.relu_fwd(f.x, f.y)
-    }
-
-    // dy: (N, ...) → dx: same shape
-    fn backward(&mut self, b: Backward<'_, '_>) -> Result<()> {
-        match b.dx {
-            Some(mut dx) => b.gpu.relu_bwd(b.x, &b.dy, &mut dx),
-            None => Ok(()),
-        }
     }
 }
 

@@ -2,10 +2,11 @@
 //! backward, its spec entry (`rescaling`), its spec form and, at the end of the file, its
 //! GPU form (kernels/rescaling.cu).
 
+#[cfg(feature = "cuda")]
+pub mod gpu;
+
 use serde_json::{json, Value};
 
-#[cfg(feature = "cuda")]
-use super::gpu::{Backward, Forward, GpuLayer};
 use super::spec::{Build, LayerType};
 use super::{Ctx, InputGrad, Layer, LayerMemory, LayerShapes, Params, ParamsMut};
 use crate::error::Result;
@@ -33,13 +34,15 @@ impl Rescaling {
             let offset = f.number("offset", Some(0.0), (|_| true, "a finite number"))?;
             Ok(Build::layer(move |_| Ok(Rescaling::new(scale, offset))))
         },
+        #[cfg(feature = "cuda")]
+        kernels: Some(&gpu::KERNELS),
     };
 }
 
 impl Layer for Rescaling {
     #[cfg(feature = "cuda")]
-    fn gpu(&self) -> Option<Box<dyn GpuLayer>> {
-        Some(Box::new(RescalingGpu { scale: self.scale, offset: self.offset }))
+    fn gpu(&self) -> Option<Box<dyn crate::ops::gpu::GpuLayer>> {
+        gpu::form(self)
     }
 
     fn kind(&self) -> &'static str {
@@ -91,28 +94,5 @@ impl Layer for Rescaling {
 
     fn describe(&self) -> String {
         format!("Rescaling(×{}, +{})", self.scale, self.offset)
-    }
-}
-
-// ---- on a GPU: kernels/rescaling.cu --------------------------------------------------
-
-/// Rescaling on a GPU: `rescale_fwd`, `rescale_bwd`.
-#[cfg(feature = "cuda")]
-struct RescalingGpu {
-    scale: f32,
-    offset: f32,
-}
-
-#[cfg(feature = "cuda")]
-impl GpuLayer for RescalingGpu {
-    fn forward(&mut self, f: Forward<'_, '_, '_>) -> Result<()> {
-        f.gpu.rescale_fwd(f.x, f.y, self.scale, self.offset)
-    }
-
-    fn backward(&mut self, b: Backward<'_, '_>) -> Result<()> {
-        match b.dx {
-            Some(mut dx) => b.gpu.rescale_bwd(&b.dy, &mut dx, self.scale),
-            None => Ok(()),
-        }
     }
 }

@@ -1,10 +1,7 @@
-// reduce.cu — the reduce step of the fallback all-reduce (used when NCCL is missing, or
-// for several replicas on one GPU).
-//
-// Owns: summing K equally long buffers, staged side by side on one device, into one, in
-// a fixed order (buffer 0, then 1, ..., K-1, left to right), then scaling. The copies
-// that stage the buffers and broadcast the result are the collective's job
-// (src/comm/), not a kernel's. Not part of autograd: the name is `<op>_f32`.
+// buffers.cu — what the runtime does to whole buffers, knowing no op: the ordered sum of K
+// buffers (the reduce step of the fallback all-reduce, and of gradient accumulation),
+// scaling in place, filling. Not part of autograd: the names are `<op>_f32`.
+// The contract every file of kernels/ keeps is kernels/README.md's.
 
 #define GRID_STRIDE(i, n) \
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < (n); \
@@ -19,4 +16,14 @@ extern "C" __global__ void reduce_sum_f32(const float* src, float* dst, int k, f
         for (int r = 0; r < k; ++r) acc += src[(size_t)r * n + i];
         dst[i] = acc * scale;
     }
+}
+
+// x *= s, in place. x: (n)
+extern "C" __global__ void scale_f32(float* x, float s, size_t n) {
+    GRID_STRIDE(i, n) { x[i] *= s; }
+}
+
+// x = v. x: (n)
+extern "C" __global__ void fill_f32(float* x, float v, size_t n) {
+    GRID_STRIDE(i, n) { x[i] = v; }
 }

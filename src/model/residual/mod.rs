@@ -3,7 +3,7 @@
 //! and an optional ReLU after the add. Its forward and backward side by side, its output
 //! shape (both branches must agree), its memory, its spec entry (`residual`), its spec
 //! form and, at the end of the file, its GPU form (`residual_add_fwd_f32` of
-//! kernels/elementwise.cu, and its branches' own GPU forms).
+//! kernels/relu.cu, and its branches' own GPU forms).
 //!
 //! Owns the block's arithmetic and how its branches see the model: the block's tensors
 //! are the body's, then the shortcut's, each branch laid out inside the block's slice of
@@ -25,23 +25,19 @@
 //! and the branch's (`nn::Place::Branch`: 0 the body, 1 the shortcut).
 
 #[cfg(feature = "cuda")]
-use std::ops::Range;
+pub mod gpu;
 
-#[cfg(feature = "cuda")]
-use cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
 use serde_json::{json, Value};
 
-#[cfg(feature = "cuda")]
-use crate::ops::gpu::{Backward, Forward, GpuLayer, Node};
 use super::sequential::batched;
 use super::spec_objects::{layers_to_spec, read_layers, LayerObject};
 use super::{NamedLayer, Place, Sequential};
-use crate::ops::spec::{Activation, Build, LayerType};
-use crate::ops::{Ctx, InputGrad, Layer, LayerMemory, LayerShapes, ParamSpec, Params, ParamsMut, ProfileRow, Relu, F32};
 use crate::backend::simd::widest;
-#[cfg(feature = "cuda")]
-use crate::cuda::Gpu;
 use crate::error::{Error, Result};
+use crate::ops::spec::{Activation, Build, LayerType};
+use crate::ops::{
+    Ctx, InputGrad, Layer, LayerMemory, LayerShapes, ParamSpec, Params, ParamsMut, ProfileRow, Relu, F32,
+};
 use crate::tensor::{Shape, Tensor};
 
 /// The branch index of the body and of the shortcut, for [`Place::Branch`].
@@ -172,6 +168,8 @@ impl Residual {
                 Residual::new(per_sample, body, shortcut, activation).map_err(|e| e.to_string())
             }))
         },
+        #[cfg(feature = "cuda")]
+        kernels: Some(&gpu::KERNELS),
     };
 
     /// The body.
@@ -387,260 +385,8 @@ impl Layer for Residual {
     }
 
     #[cfg(feature = "cuda")]
-    fn gpu(&self) -> Option<Box<dyn GpuLayer>> {
-        let branch = |s: &Sequential| -> Option<Vec<Child>> {
-            let mut children = Vec::new();
-            for (j, ((layer, name), shapes)) in s.layers().iter().zip(s.layer_names()).zip(s.layer_shapes()).enumerate()
-            {
-                children.push(Child {
-                    name: name.clone(),
-                    position: j,
-                    shapes: shapes.clone(),
-                    params: layer.params().len(),
-                    buffers: layer.buffers().len(),
-                    op: layer.gpu()?,
-                    node: None,
-                });
-            }
-            Some(children)
-        };
-        let shortcut = match &self.shortcut {
-            Some(s) => Some(branch(s)?),
-            None => None,
-        };
-        Some(Box::new(ResidualGpu { body: branch(&self.body)?, shortcut, relu: self.relu.is_some(), bufs: None }))
-    }
-}
-
-// ---- on a GPU: kernels/elementwise.cu's residual_add, the branches' own forms ---------
-
-/// One layer of a branch as the block's GPU form runs it.
-#[cfg(feature = "cuda")]
-struct Child {
-    name: String,
-    /// Its position in its branch.
-    position: usize,
-    shapes: LayerShapes,
-    /// How many of the block's parameter and buffer tensors are its.
-    params: usize,
-    buffers: usize,
-    op: Box<dyn GpuLayer>,
-    /// Its place in the network, made from the block's at the first reserve.
-    node: Option<Node>,
-}
-
-/// The block's device buffers at one batch size.
-#[cfg(feature = "cuda")]
-struct Buffers {
-    n: usize,
-    /// Each body layer's output, then each shortcut layer's: (n, *its output).
-    body: Vec<CudaSlice<f32>>,
-    short: Vec<CudaSlice<f32>>,
-    /// body + shortcut before the ReLU: (n, *output) (unused without one).
-    sum: CudaSlice<f32>,
-    /// The gradient after the ReLU's mask: (n, *output).
-    d: CudaSlice<f32>,
-    /// Two gradient buffers a branch's backward alternates between (its widest layer).
-    grads: [CudaSlice<f32>; 2],
-    /// The body's and the shortcut's input gradients: (n, *input).
-    dbody: CudaSlice<f32>,
-    dshort: CudaSlice<f32>,
-}
-
-/// The residual block on a GPU: the branches' layers through their own GPU forms, the add
-/// (and the backward's fan-in) with `residual_add_fwd`, the ReLU with `relu_fwd`/`relu_bwd`
-/// on the pre-activation sum.
-#[cfg(feature = "cuda")]
-struct ResidualGpu {
-    body: Vec<Child>,
-    shortcut: Option<Vec<Child>>,
-    relu: bool,
-    bufs: Option<Buffers>,
-}
-
-/// The nodes of a branch's layers, inside the block of node `block`: their ranges the
-/// block's, cut in order (the body's first, from `param_at`/`buffer_at` on).
-#[cfg(feature = "cuda")]
-fn place_children(children: &mut [Child], block: &Node, branch: u64, at: &mut (usize, usize)) {
-    for c in children {
-        c.node = Some(child_node(c, block, branch, at));
-    }
-}
-
-/// The node of `c`, branch `branch`'s next layer inside the block of node `block`, its
-/// tensors the block's from `at` on (which it moves past them).
-#[cfg(feature = "cuda")]
-fn child_node(c: &Child, block: &Node, branch: u64, at: &mut (usize, usize)) -> Node {
-    let params: Vec<Range<usize>> = block.params[at.0..at.0 + c.params].to_vec();
-    let buffers: Vec<Range<usize>> = block.buffers[at.1..at.1 + c.buffers].to_vec();
-    *at = (at.0 + c.params, at.1 + c.buffers);
-    Node {
-        name: format!("{}.{}", block.name, c.name),
-        index: Place::Branch(branch).index(block.index, c.position),
-        input: c.shapes.input.clone(),
-        output: c.shapes.output.clone(),
-        params,
-        buffers,
-    }
-}
-
-#[cfg(feature = "cuda")]
-impl ResidualGpu {
-    fn children(&self) -> impl Iterator<Item = &Child> {
-        self.body.iter().chain(self.shortcut.iter().flatten())
-    }
-
-    fn place(&mut self, node: &Node) {
-        if self.body.first().is_some_and(|c| c.node.is_some()) {
-            return;
-        }
-        let mut at = (0, 0);
-        place_children(&mut self.body, node, BODY, &mut at);
-        if let Some(s) = &mut self.shortcut {
-            place_children(s, node, SHORTCUT, &mut at);
-        }
-    }
-}
-
-#[cfg(feature = "cuda")]
-fn alloc(gpu: &Gpu, len: usize) -> Result<CudaSlice<f32>> {
-    Ok(gpu.stream().alloc_zeros::<f32>(len.max(1))?)
-}
-
-#[cfg(feature = "cuda")]
-impl GpuLayer for ResidualGpu {
-    fn reserve(&mut self, gpu: &Gpu, node: &Node, n: usize) -> Result<()> {
-        self.place(node);
-        for c in self.body.iter_mut().chain(self.shortcut.iter_mut().flatten()) {
-            let child = c.node.as_ref().expect("placed above");
-            c.op.reserve(gpu, child, n)?;
-        }
-        if self.bufs.as_ref().is_some_and(|b| b.n == n) {
-            return Ok(());
-        }
-        let outputs =
-            |cs: &[Child]| cs.iter().map(|c| alloc(gpu, n * c.shapes.output.numel())).collect::<Result<Vec<_>>>();
-        let widest = self.children().map(|c| c.shapes.output.numel()).max().unwrap_or(0).max(node.input.numel());
-        let (i, o) = (node.input.numel(), node.output.numel());
-        self.bufs = Some(Buffers {
-            n,
-            body: outputs(&self.body)?,
-            short: outputs(self.shortcut.as_deref().unwrap_or(&[]))?,
-            sum: alloc(gpu, if self.relu { n * o } else { 0 })?,
-            d: alloc(gpu, if self.relu { n * o } else { 0 })?,
-            grads: [alloc(gpu, n * widest)?, alloc(gpu, n * widest)?],
-            dbody: alloc(gpu, n * i)?,
-            dshort: alloc(gpu, if self.shortcut.is_some() { n * i } else { 0 })?,
-        });
-        Ok(())
-    }
-
-    fn scratch(&self, node: &Node, n: usize) -> Result<usize> {
-        let mut most = 0;
-        let mut at = (0, 0);
-        let mut probe = |cs: &[Child], branch: u64| -> Result<()> {
-            for c in cs {
-                most = most.max(c.op.scratch(&child_node(c, node, branch, &mut at), n)?);
-            }
-            Ok(())
-        };
-        probe(&self.body, BODY)?;
-        probe(self.shortcut.as_deref().unwrap_or(&[]), SHORTCUT)?;
-        Ok(most)
-    }
-
-    // x: (n, *input) → y: (n, *output) = act(body(x) + shortcut(x))
-    fn forward(&mut self, f: Forward<'_, '_, '_>) -> Result<()> {
-        let Forward { gpu, blas, n, params, x, y, scratch, pass, sync, .. } = f;
-        let bufs = self.bufs.as_mut().filter(|b| b.n == n).expect("the network reserves a block before its passes");
-        for (children, acts) in
-            [(&mut self.body, &mut bufs.body), (self.shortcut.as_mut().unwrap_or(&mut Vec::new()), &mut bufs.short)]
-        {
-            for j in 0..children.len() {
-                let (done, rest) = acts.split_at_mut(j);
-                let input = if j == 0 { x } else { &done[j - 1] };
-                let c = &mut children[j];
-                let node = c.node.as_ref().expect("placed at reserve");
-                c.op.forward(Forward {
-                    gpu,
-                    blas,
-                    node,
-                    n,
-                    params,
-                    x: input,
-                    y: &mut rest[0],
-                    scratch: &mut *scratch,
-                    pass: &mut *pass,
-                    sync,
-                })?;
-            }
-        }
-        let body = bufs.body.last().expect("a body has a layer");
-        let skip = bufs.short.last().unwrap_or(x);
-        if self.relu {
-            gpu.residual_add(body, skip, &mut bufs.sum)?;
-            gpu.relu_fwd(&bufs.sum, y)
-        } else {
-            gpu.residual_add(body, skip, y)
-        }
-    }
-
-    // dy: (n, *output) → dx: (n, *input) = dbody + dshortcut; the branches accumulate
-    // their parameters' gradients.
-    fn backward(&mut self, b: Backward<'_, '_>) -> Result<()> {
-        let Backward { gpu, blas, n, params, x, dy, dx, grads, draw, scratch, sync, .. } = b;
-        let bufs = self.bufs.as_mut().filter(|b| b.n == n).expect("the network reserves a block before its passes");
-        let Buffers { body: body_acts, short: short_acts, sum, d, grads: alternate, dbody, dshort, .. } = bufs;
-        let d: CudaView<'_, f32> = if self.relu {
-            gpu.relu_bwd(&*sum, &dy, d)?;
-            d.slice(0..dy.len())
-        } else {
-            dy
-        };
-        let needed = dx.is_some();
-        // One branch's backward from `d` down to its first layer, whose input gradient
-        // goes to `out` (when the block's is needed).
-        let mut branch =
-            |children: &mut [Child], acts: &[CudaSlice<f32>], out: Option<CudaViewMut<'_, f32>>| -> Result<()> {
-                let mut out = out;
-                let mut cur = 0;
-                let last = children.len() - 1;
-                for j in (0..=last).rev() {
-                    let Child { op, node, .. } = &mut children[j];
-                    let node = node.as_ref().expect("placed at reserve");
-                    let [g0, g1] = &mut *alternate;
-                    let (from, to) = if cur == 0 { (&*g0, g1) } else { (&*g1, g0) };
-                    let dy = if j == last { d.slice(0..d.len()) } else { from.slice(0..n * node.output.numel()) };
-                    let dx = if j == 0 { out.take() } else { Some(to.slice_mut(0..n * node.input.numel())) };
-                    let input = if j == 0 { x } else { &acts[j - 1] };
-                    op.backward(Backward {
-                        gpu,
-                        blas,
-                        node,
-                        n,
-                        params,
-                        x: input,
-                        dy,
-                        dx,
-                        grads: &mut *grads,
-                        draw,
-                        scratch: &mut *scratch,
-                        sync,
-                    })?;
-                    cur = 1 - cur;
-                }
-                Ok(())
-            };
-        let len = n * self.body.first().map_or(0, |c| c.shapes.input.numel());
-        if let Some(short) = &mut self.shortcut {
-            branch(short, short_acts, needed.then(|| dshort.slice_mut(0..len)))?;
-        }
-        branch(&mut self.body, body_acts, needed.then(|| dbody.slice_mut(0..len)))?;
-        match dx {
-            Some(mut dx) if self.shortcut.is_some() => gpu.residual_add(&*dbody, &*dshort, &mut dx),
-            Some(mut dx) => gpu.residual_add(&*dbody, &d, &mut dx),
-            None => Ok(()),
-        }
+    fn gpu(&self) -> Option<Box<dyn crate::ops::gpu::GpuLayer>> {
+        gpu::form(self)
     }
 }
 

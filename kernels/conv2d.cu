@@ -1,4 +1,6 @@
-// conv.cu — im2col and its adjoint (col2im) for NCHW convolutions.
+// conv2d.cu — a 2-D convolution's own kernels: im2col and its adjoint (col2im) for NCHW
+// tensors, and the bias add over channels with its reduction (src/ops/conv2d/, the CPU
+// reference). The contract every file of kernels/ keeps is kernels/README.md's.
 //
 // Owns: the data movement that turns a convolution into one matrix product per sample
 // (done by cuBLAS on the host side, not here). Layout is the CPU backend's, so the two
@@ -14,6 +16,10 @@
 #define GRID_STRIDE(i, n) \
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < (n); \
          i += (size_t)blockDim.x * gridDim.x)
+
+// Block size the block-per-channel reductions are written for; the host launches
+// exactly this many threads per block (`REDUCE_BLOCK` of src/cuda/launch.rs).
+#define REDUCE_BLOCK 256
 
 // x: (N, C, H, W) -> col: (N, C*KH*KW, OH*OW)
 extern "C" __global__ void im2col_fwd_f32(const float* x, float* col, int n, int c, int h, int w,
@@ -68,4 +74,34 @@ extern "C" __global__ void im2col_bwd_f32(const float* dcol, float* dx, int n, i
         }
         dx[i] = acc;
     }
+}
+
+// y[n, c, h, w] += bias[c], in place.
+// y: (N, C, H, W) with hw = H*W and total = N*C*H*W; bias: (C)
+extern "C" __global__ void bias_nchw_fwd_f32(float* y, const float* bias, int c, size_t hw,
+                                             size_t total) {
+    GRID_STRIDE(i, total) { y[i] += bias[(i / hw) % (size_t)c]; }
+}
+
+// dbias[c] += sum over (n, h, w) of dy[n, c, h, w].
+// One block of REDUCE_BLOCK threads per channel: grid = (C). Each thread sums a strided
+// subset in a fixed order, then a fixed tree combines the partial sums.
+// dy: (N, C, H, W) with hw = H*W; dbias: (C)
+extern "C" __global__ void bias_nchw_bwd_f32(const float* dy, float* dbias, int n, int c,
+                                             size_t hw) {
+    __shared__ float part[REDUCE_BLOCK];
+    const int ch = blockIdx.x;
+    const size_t m = (size_t)n * hw;
+    float acc = 0.0f;
+    for (size_t j = threadIdx.x; j < m; j += REDUCE_BLOCK) {
+        const size_t s = j / hw, p = j % hw;
+        acc += dy[(s * (size_t)c + ch) * hw + p];
+    }
+    part[threadIdx.x] = acc;
+    __syncthreads();
+    for (int stride = REDUCE_BLOCK / 2; stride > 0; stride >>= 1) {
+        if (threadIdx.x < stride) part[threadIdx.x] += part[threadIdx.x + stride];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) dbias[ch] += part[0];
 }

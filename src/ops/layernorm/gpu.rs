@@ -1,22 +1,37 @@
-//! The checked launches of kernels/layernorm.cu: LayerNorm's forward over rows of C
-//! values, its dx, and its dweight and dbias summed over the rows in a fixed order.
-//!
-//! Owns: the argument structs of those launches (parameters, saved statistics, parameter
-//! gradients), the row kernels' launch shape (one warp a row) and one safe method per
-//! step, each checking every buffer's length against the (rows, C) it is given before the
-//! typed launches of `cuda::kernels::layernorm`. The arithmetic, and the chunk size of the
-//! ordered sums, are `nn::layernorm`'s (the caller passes the chunk: nothing in `cuda`
-//! imports `nn`).
+//! LayerNorm on a GPU: the declaration of kernels/layernorm.cu, the argument structs and
+//! checked launches of its kernels (one warp a row; the parameter gradients, two kernels in
+//! a fixed order, one method), and the op's GPU form. The arithmetic and the chunk size of
+//! the ordered sums are `super`'s.
 
-use cudarc::driver::{CudaView, CudaViewMut, LaunchConfig};
-
-use super::{check_len, dim, elem_cfg, DevIn, DevOut, Gpu};
-use crate::cuda::kernels::layernorm;
+use crate::cuda::launch::{check_len, dim, elem_cfg, DevIn, DevOut};
+use crate::cuda::Gpu;
+use crate::ops::gpu::{Backward, Forward, GpuLayer, Node};
 use crate::{Error, Result};
+use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, LaunchConfig};
+
+use super::*;
+
+crate::cuda::declare::kernels! {
+    "layernorm.cu" {
+        layernorm {
+            fwd(x: In, y: Out, weight: In, bias: OptIn, mean: OutF64, rstd: OutF64, rows: Size, c: I32, eps: F32);
+            bwd(x: In, dy: In, dx: Out, weight: In, mean: InF64, rstd: InF64, rows: Size, c: I32);
+        }
+        layernorm_partial {
+            bwd(x: In, dy: In, mean: InF64, rstd: InF64, partials: OutF64, rows: Size, c: I32, chunk: I32);
+        }
+        layernorm_params {
+            bwd(partials: InF64, dweight: Out, dbias: OptOut, chunks: Size, c: I32);
+        }
+    }
+}
+
+// ---- checked launches ---------------------------------------------------------------
 
 /// Threads per block of the row kernels, and lanes (threads) per row: `LN_BLOCK` and
 /// `LN_LANES` of kernels/layernorm.cu, whose shared arrays are sized for them.
 pub const LN_BLOCK: u32 = 256;
+
 pub const LN_LANES: u32 = 32;
 
 /// The weight (C) and the bias (C), None without one.
@@ -86,19 +101,7 @@ impl Gpu {
         // absent bias is a 64-bit 0 the kernel tests for NULL; the grid covers the rows with
         // one warp each, LN_BLOCK threads a block as the kernel's shared array is sized.
         unsafe {
-            layernorm::layernorm::fwd(
-                self,
-                cfg,
-                x,
-                y,
-                &params.weight,
-                params.bias.as_ref(),
-                &mut mean,
-                &mut rstd,
-                rows,
-                ci,
-                eps,
-            )
+            layernorm::fwd(self, cfg, x, y, &params.weight, params.bias.as_ref(), &mut mean, &mut rstd, rows, ci, eps)
         }
     }
 
@@ -135,11 +138,11 @@ impl Gpu {
         // weight, const double* mean, const double* rstd, size_t rows, int c); x, dy and dx
         // hold rows·C floats, weight C, mean and rstd rows doubles (checked); one warp a
         // row, LN_BLOCK threads a block as the kernel's shared array is sized.
-        unsafe { layernorm::layernorm::bwd(self, cfg, x, dy, dx, weight, mean, rstd, rows, ci) }
+        unsafe { layernorm::bwd(self, cfg, x, dy, dx, weight, mean, rstd, rows, ci) }
     }
 
     /// Backward's parameter gradients: dweight += Σ_rows dy·x̂ and dbias += Σ_rows dy
-    /// (C each), the rows summed in chunks of `chunk` (`nn::layernorm::ROW_CHUNK`), the
+    /// (C each), the rows summed in chunks of `chunk` (`ops::layernorm::ROW_CHUNK`), the
     /// chunks' sums in chunk order (`partials`, (ceil(rows / chunk), 2, C) doubles, is
     /// their workspace). x, dy: (rows, C); mean, rstd: (rows)
     #[allow(clippy::too_many_arguments)]
@@ -179,27 +182,93 @@ impl Gpu {
         // mean, const double* rstd, double* partials, size_t rows, int c, int chunk); x and
         // dy hold rows·C floats, mean and rstd rows doubles, partials ceil(rows / chunk)·2·C
         // doubles (checked); a grid-stride loop over ceil(rows / chunk)·C, any grid.
-        unsafe {
-            layernorm::layernorm_partial::bwd(
-                self,
-                elem_cfg(chunks * c),
-                x,
-                dy,
-                mean,
-                rstd,
-                partials,
-                rows,
-                ci,
-                chunk_i,
-            )
-        }?;
+        unsafe { layernorm_partial::bwd(self, elem_cfg(chunks * c), x, dy, mean, rstd, partials, rows, ci, chunk_i) }?;
         // SAFETY: layernorm_params_bwd_f32(const double* partials, float* dweight, float*
         // dbias, size_t chunks, int c); partials holds chunks·2·C doubles (chunks ≥ 1, as
         // rows > 0), dweight and dbias C floats (checked); an absent dbias is a 64-bit 0 the
         // kernel tests for NULL; a grid-stride loop over C, any grid.
         let partials = &partials.as_view();
-        unsafe {
-            layernorm::layernorm_params::bwd(self, elem_cfg(c), partials, &mut dweight, dbias.as_mut(), chunks, ci)
+        unsafe { layernorm_params::bwd(self, elem_cfg(c), partials, &mut dweight, dbias.as_mut(), chunks, ci) }
+    }
+}
+
+// ---- the GPU form -------------------------------------------------------------------
+
+/// The GPU form of `layer` (its `Layer::gpu`).
+pub(super) fn form(layer: &LayerNorm) -> Option<Box<dyn GpuLayer>> {
+    Some(Box::new(LayerNormGpu { width: layer.width, eps: layer.eps, use_bias: layer.use_bias, saved: None }))
+}
+
+/// LayerNorm on a GPU: `layernorm_fwd` normalises each row (one warp a row) and saves its
+/// mean and rstd in f64; `layernorm_bwd` writes dx from them and the forward's input, and
+/// `layernorm_partial_bwd` then `layernorm_params_bwd` sum dweight and dbias over the rows
+/// in this file's chunk order: the CPU layer's arithmetic, operation for operation.
+pub(super) struct LayerNormGpu {
+    width: usize,
+    eps: f32,
+    use_bias: bool,
+    /// Each row's mean and rstd (rows each) from the last forward, and the chunks' column
+    /// sums (chunks, 2, C) of the backward, sized by `reserve` for the batch.
+    saved: Option<Saved>,
+}
+
+/// What a GPU LayerNorm keeps on the device, in f64: mean and rstd (rows), partials
+/// (ceil(rows / ROW_CHUNK), 2, C).
+struct Saved {
+    mean: CudaSlice<f64>,
+    rstd: CudaSlice<f64>,
+    partials: CudaSlice<f64>,
+}
+
+impl LayerNormGpu {
+    fn rows(&self, node: &Node, n: usize) -> usize {
+        n * node.input.numel() / self.width.max(1)
+    }
+}
+
+impl GpuLayer for LayerNormGpu {
+    fn reserve(&mut self, gpu: &Gpu, node: &Node, n: usize) -> Result<()> {
+        let rows = self.rows(node, n);
+        let stream = gpu.stream();
+        self.saved = None;
+        self.saved = Some(Saved {
+            mean: stream.alloc_zeros(rows.max(1))?,
+            rstd: stream.alloc_zeros(rows.max(1))?,
+            partials: stream.alloc_zeros((rows.div_ceil(ROW_CHUNK) * 2 * self.width).max(1))?,
+        });
+        Ok(())
+    }
+
+    // x: (N, ..., C) → y: same shape; mean, rstd: (rows) saved (in evaluation too, where
+    // no backward reads them)
+    fn forward(&mut self, f: Forward<'_, '_, '_>) -> Result<()> {
+        let rows = self.rows(f.node, f.n);
+        let p = LnParams { weight: f.param(0), bias: self.use_bias.then(|| f.param(1)) };
+        let saved = self.saved.as_mut().expect("reserved before the pass");
+        let out = LnSaved { mean: saved.mean.slice_mut(0..rows), rstd: saved.rstd.slice_mut(0..rows) };
+        f.gpu.layernorm_fwd(f.x, f.y, p, out, rows, self.width, self.eps)
+    }
+
+    // dy: (N, ..., C) → dx: same shape (written); dweight, dbias: (C) (accumulated)
+    fn backward(&mut self, b: Backward<'_, '_>) -> Result<()> {
+        let rows = self.rows(b.node, b.n);
+        let Backward { gpu, node, params, x, dy, dx, grads, .. } = b;
+        let saved = self.saved.as_mut().expect("reserved before the pass");
+        let (mean, rstd) = (saved.mean.slice(0..rows), saved.rstd.slice(0..rows));
+        let weight = params.slice(node.params[0].clone());
+        if let Some(mut dx) = dx {
+            gpu.layernorm_bwd(x, &dy, &mut dx, &weight, (&mean, &rstd), rows, self.width)?;
         }
+        // The last parameter's gradient (the bias, or the weight alone) starts `last.start`
+        // into the slot; the weight's, when there is a bias, lies below it on its own
+        // aligned start.
+        let last = node.params.last().cloned().unwrap_or_default();
+        let (mut below, mut above) = grads.split_at_mut(last.start);
+        let last = above.slice_mut(0..last.len());
+        let (dweight, dbias) =
+            if self.use_bias { (below.slice_mut(node.params[0].clone()), Some(last)) } else { (last, None) };
+        let out = LnGrads { dweight, dbias };
+        let partials = &mut saved.partials.slice_mut(0..rows.div_ceil(ROW_CHUNK) * 2 * self.width);
+        gpu.layernorm_params_bwd(x, &dy, (&mean, &rstd), partials, out, rows, self.width, ROW_CHUNK)
     }
 }

@@ -1,22 +1,39 @@
-//! The checked launches of kernels/embedding.cu: the token embedding's gather and its
-//! deterministic backward (a counting sort of the tokens by id, then sums in token
-//! order), the positional embedding's broadcast add and its sum over the batch.
-//!
-//! Owns: one safe method per pass, each checking its buffers' lengths before the typed
-//! launches of `cuda::kernels::embedding`. The embedding backward is one method over its
-//! four kernels, so that the sort the last one follows is always the one the first three
-//! made from the same ids. Which ids are valid is `nn::embedding::check_ids`, made on the
-//! host before the ids are copied; the kernels never index with an id outside the table
-//! whatever they are given.
+//! The token embedding on a GPU: the declaration of kernels/embedding.cu, its checked
+//! launches (the backward one method over its four kernels, so that the sort the last one
+//! follows is always the one the first three made from the same ids), and the op's GPU form.
+//! Which ids are valid is `super::check_ids`, made on the host before the ids are copied; the
+//! kernels never index with an id outside the table whatever they are given.
 
+use crate::cuda::launch::{check_len, dim, elem_cfg, DevIn, DevOut, REDUCE_BLOCK};
+use crate::cuda::Gpu;
+use crate::ops::gpu::{Backward, Forward, GpuLayer, Node};
+use crate::{Error, Result};
 use cudarc::driver::{CudaSlice, CudaViewMut, LaunchConfig};
 
-use super::{check_len, dim, elem_cfg, DevIn, DevOut, Gpu, REDUCE_BLOCK};
-use crate::cuda::kernels::embedding;
-use crate::{Error, Result};
+use super::*;
+
+crate::cuda::declare::kernels! {
+    "embedding.cu" {
+        embedding {
+            fwd(ids: In, weight: In, y: Out, m: Size, vocab: I32, c: I32);
+            bwd(dy: In, offsets: InU32, order: InU32, dweight: Out, m: Size, vocab: I32, c: I32);
+        }
+        embedding_count {
+            bwd(ids: In, offsets: OutU32, m: Size, vocab: I32);
+        }
+        embedding_offsets {
+            bwd(offsets: OutU32, vocab: I32);
+        }
+        embedding_sort {
+            bwd(ids: In, offsets: InU32, order: OutU32, m: Size, vocab: I32);
+        }
+    }
+}
+
+// ---- checked launches ---------------------------------------------------------------
 
 /// The largest vocabulary the kernels serve: ids arrive as f32, which holds every integer
-/// below 2^24 exactly (`nn::embedding::MAX_VOCAB`).
+/// below 2^24 exactly (`ops::embedding::MAX_VOCAB`).
 const MAX_VOCAB: usize = 1 << 24;
 
 impl Gpu {
@@ -46,7 +63,7 @@ impl Gpu {
         // SAFETY: embedding_fwd_f32(const float* ids, const float* weight, float* y, size_t m,
         // int vocab, int c); ids hold m floats, weight vocab*c, y m*c (checked); the kernel
         // reads weight only at rows of ids in [0, vocab) and writes y below m*c.
-        unsafe { embedding::embedding::fwd(self, elem_cfg(m * c), ids, weight, y, m, vi, ci) }
+        unsafe { embedding::fwd(self, elem_cfg(m * c), ids, weight, y, m, vi, ci) }
     }
 
     /// `dweight[ids[i]] += dy[i]`, for every token i in order: a counting sort of the token
@@ -90,72 +107,69 @@ impl Gpu {
         // SAFETY: embedding_count_bwd_f32(const float* ids, unsigned* offsets, size_t m, int
         // vocab); ids hold m floats and offsets vocab + 1 (checked); the kernel writes
         // offsets[v + 1] for v < vocab only.
-        unsafe { embedding::embedding_count::bwd(self, elem_cfg(vocab), ids, offsets, m, vi) }?;
+        unsafe { embedding_count::bwd(self, elem_cfg(vocab), ids, offsets, m, vi) }?;
         // SAFETY: embedding_offsets_bwd_f32(unsigned* offsets, int vocab); one block of
         // REDUCE_BLOCK threads as the kernel requires; offsets hold vocab + 1 (checked).
-        unsafe { embedding::embedding_offsets::bwd(self, one_block, offsets, vi) }?;
+        unsafe { embedding_offsets::bwd(self, one_block, offsets, vi) }?;
         let offsets = &offsets.as_view();
         // SAFETY: embedding_sort_bwd_f32(const float* ids, const unsigned* offsets, unsigned*
         // order, size_t m, int vocab); lengths checked; the kernel writes order below
         // min(offsets[v + 1], m) only.
-        unsafe { embedding::embedding_sort::bwd(self, elem_cfg(vocab), ids, offsets, order, m, vi) }?;
+        unsafe { embedding_sort::bwd(self, elem_cfg(vocab), ids, offsets, order, m, vi) }?;
         let order = &order.as_view();
         // SAFETY: embedding_bwd_f32(const float* dy, const unsigned* offsets, const unsigned*
         // order, float* dweight, size_t m, int vocab, int c); lengths checked; the kernel
         // reads order below min(offsets[v + 1], m), dy only at tokens below m, and writes
         // dweight below vocab*c.
-        unsafe { embedding::embedding::bwd(self, elem_cfg(vocab * c), dy, offsets, order, dweight, m, vi, ci) }
+        unsafe { embedding::bwd(self, elem_cfg(vocab * c), dy, offsets, order, dweight, m, vi, ci) }
+    }
+}
+
+// ---- the GPU form -------------------------------------------------------------------
+
+/// The GPU form of `layer` (its `Layer::gpu`).
+pub(super) fn form(layer: &Embedding) -> Option<Box<dyn GpuLayer>> {
+    Some(Box::new(EmbeddingGpu { vocab: layer.vocab, width: layer.width, offsets: None, order: None }))
+}
+
+/// The embedding on a GPU: `embedding_fwd` gathers the rows; the backward sorts the
+/// token positions by id (counting sort, stable) into `order`, with each id's span in
+/// `offsets`, then adds each row's tokens in token order, as the CPU layer does.
+pub(super) struct EmbeddingGpu {
+    vocab: usize,
+    width: usize,
+    /// offsets: (V + 1) u32, each id's span in `order`.
+    offsets: Option<CudaSlice<u32>>,
+    /// order: (N·T) u32, the token positions sorted by id.
+    order: Option<CudaSlice<u32>>,
+}
+
+impl GpuLayer for EmbeddingGpu {
+    fn reserve(&mut self, gpu: &Gpu, node: &Node, n: usize) -> Result<()> {
+        self.order = None;
+        self.order = Some(gpu.stream().alloc_zeros::<u32>((n * node.input.numel()).max(1))?);
+        if self.offsets.is_none() {
+            self.offsets = Some(gpu.stream().alloc_zeros::<u32>(self.vocab + 1)?);
+        }
+        Ok(())
     }
 
-    /// y = x + weight, the table's first T rows broadcast over the batch. `weight` is those
-    /// T rows (T*C values). x, y: (n, T, C) with tc = T*C; weight: (T, C)
-    pub fn positional_embedding_fwd(
-        &self,
-        x: &impl DevIn,
-        weight: &impl DevIn,
-        y: &mut impl DevOut,
-        n: usize,
-        tc: usize,
-    ) -> Result<()> {
-        let (x, weight, y) = (&x.view(), &weight.view(), &mut y.view_mut());
-        let op = "positional_embedding_fwd";
-        let total = n * tc;
-        check_len(op, "x", x, total)?;
-        check_len(op, "weight", weight, tc)?;
-        check_len(op, "y", y, total)?;
-        if total == 0 {
-            return Ok(());
-        }
-        // SAFETY: positional_embedding_fwd_f32(const float* x, const float* weight, float* y,
-        // size_t tc, size_t total); x and y hold total floats, weight tc (checked), and
-        // i % tc < tc.
-        unsafe { embedding::positional_embedding::fwd(self, elem_cfg(total), x, weight, y, tc, total) }
+    // ids: (N, T) → y: (N, T, C)
+    fn forward(&mut self, f: Forward<'_, '_, '_>) -> Result<()> {
+        f.gpu.embedding_fwd(f.x, &f.param(0), f.y, self.vocab, self.width)
     }
 
-    /// dweight += `Σ_n dy[n]` (n ascending, into the gradient's value); dx = dy when given.
-    /// dy, dx: (n, T, C) with tc = T*C; dweight: (T, C), the table's first T rows
-    pub fn positional_embedding_bwd(
-        &self,
-        dy: &impl DevIn,
-        dweight: &mut impl DevOut,
-        dx: Option<&mut CudaViewMut<'_, f32>>,
-        n: usize,
-        tc: usize,
-    ) -> Result<()> {
-        let (dy, dweight) = (&dy.view(), &mut dweight.view_mut());
-        let op = "positional_embedding_bwd";
-        check_len(op, "dy", dy, n * tc)?;
-        check_len(op, "dweight", dweight, tc)?;
-        if let Some(dx) = &dx {
-            check_len(op, "dx", &**dx, n * tc)?;
+    // dy: (N, T, C) → dweight (V, C) += dy at the ids, in token order; no dx
+    fn backward(&mut self, b: Backward<'_, '_>) -> Result<()> {
+        let Backward { gpu, node, n, x, dy, dx, grads, .. } = b;
+        if dx.is_some() {
+            return Err(needs_input_grad());
         }
-        if tc == 0 {
+        if n * node.input.numel() == 0 {
             return Ok(());
         }
-        let ni = dim(op, "N", n)?;
-        // SAFETY: positional_embedding_bwd_f32(const float* dy, float* dweight, float* dx, int
-        // n, size_t tc); dy holds n*tc floats, dweight tc, dx n*tc when present (checked); an
-        // absent dx is a 64-bit 0 the kernel tests for NULL before use.
-        unsafe { embedding::positional_embedding::bwd(self, elem_cfg(tc), dy, dweight, dx, ni, tc) }
+        let offsets = self.offsets.as_mut().expect("reserved before the pass");
+        let order = self.order.as_mut().expect("reserved before the pass");
+        gpu.embedding_bwd(x, &dy, &mut grads.slice_mut(node.params[0].clone()), offsets, order, self.vocab, self.width)
     }
 }

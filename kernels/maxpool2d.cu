@@ -1,9 +1,7 @@
-// pooling.cu — pooling over the spatial dimensions of NCHW tensors.
-//
-// Owns: GlobalAveragePooling2D and MaxPool2d (Keras MaxPooling2D), forward and backward.
-// The CPU layers (src/nn/reshape.rs, src/nn/pool.rs) are the reference; max pooling
-// follows them exactly, so the host-run kernel test compares the two bit for bit:
-//   * a window is the one src/nn/window.rs places: output (oy, ox) covers rows
+// maxpool2d.cu — max pooling (Keras MaxPooling2D) over NCHW tensors, forward and backward.
+// The CPU layer (src/ops/maxpool2d/) is the reference, followed exactly, so the host-run
+// kernel test compares the two bit for bit:
+//   * a window is the one src/ops/window.rs places: output (oy, ox) covers rows
 //     oy*SH - PT .. + KH and columns ox*SW - PL .. + KW, clipped to the plane, so a padded
 //     position is never a candidate;
 //   * ties and NaN as PyTorch's CPU kernel: scanning the window in row-major order, a
@@ -12,28 +10,12 @@
 //     plane;
 //   * backward gives each input the sum of dy over the outputs whose argmax it is, added
 //     in row-major output order from 0, by one thread per input: no atomics.
+//
+// The contract every file of kernels/ keeps is kernels/README.md's.
 
 #define GRID_STRIDE(i, n) \
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < (n); \
          i += (size_t)blockDim.x * gridDim.x)
-
-// y[n, c] = mean over (h, w) of x[n, c, h, w]; one thread per (n, c), summed in order.
-// x: (N, C, H, W) with nc = N*C, hw = H*W -> y: (N, C)
-extern "C" __global__ void global_avgpool_fwd_f32(const float* x, float* y, size_t nc, size_t hw) {
-    GRID_STRIDE(i, nc) {
-        const float* row = x + i * hw;
-        float acc = 0.0f;
-        for (size_t p = 0; p < hw; ++p) acc += row[p];
-        y[i] = acc / (float)hw;
-    }
-}
-
-// dx[n, c, h, w] = dy[n, c] / (H*W); dx is WRITTEN.
-// dy: (N, C) -> dx: (N, C, H, W) with nc = N*C, hw = H*W
-extern "C" __global__ void global_avgpool_bwd_f32(const float* dy, float* dx, size_t nc,
-                                                  size_t hw) {
-    GRID_STRIDE(i, nc * hw) { dx[i] = dy[i / hw] / (float)hw; }
-}
 
 // One thread per output element. `v != v` is isnan(v) (no fast-math here or on the host),
 // written so that the same line compiles for NVRTC and as host C++.

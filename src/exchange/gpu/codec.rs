@@ -1,18 +1,33 @@
-//! The checked launches of kernels/codec.cu: the 16-bit gradient wire on the device
-//! (encode slots into wires, sum wires in the canonical tree, decode a wire to f32), as
-//! the GPU exchanges (`exchange::gpu`) use them.
-//!
-//! Owns: [`WireGeom`], where one slot's wire lies in device memory, [`CODEC_THREADS`],
-//! and one safe method per kernel, each checking its buffers against the wire geometry
-//! before the typed launch of `cuda::kernels::codec`. What is encoded, and how, is the
-//! codec's (`wire`): the kernels equal it bit for bit.
+//! The 16-bit gradient codec on a GPU: the declaration of kernels/codec.cu (encode, the sum
+//! of wires, decode), [`WireGeom`] (where a wire's parts lie) and the checked launches. The
+//! codec's arithmetic is `exchange::codec`'s, mirrored bit for bit.
 
-use cudarc::driver::{CudaView, CudaViewMut, LaunchConfig};
-
-use super::{check_len, dim, elem_cfg, DevIn, DevOut, Gpu};
-use crate::cuda::kernels::codec;
+use crate::cuda::launch::{check_len, dim, elem_cfg, DevIn, DevOut, Gpu};
 use crate::wire::{Codec, Compression, BLOCK};
 use crate::{Error, Result};
+use cudarc::driver::{CudaView, CudaViewMut, LaunchConfig};
+
+crate::cuda::declare::kernels! {
+    "codec.cu" {
+        wire_encode {
+            plain(
+                src: In, wires: OutU8, format: I32, encoded: Size, raw: Size, src_stride: Size, wire_bytes: Size,
+                exps_at: Size, raw_at: Size,
+            );
+        }
+        wire_reduce {
+            plain(
+                wires: InU8, out: OutU8, r: I32, format: I32, encoded: Size, raw: Size, wire_bytes: Size,
+                exps_at: Size, raw_at: Size,
+            );
+        }
+        wire_decode {
+            plain(wire: InU8, dst: Out, format: I32, encoded: Size, raw: Size, exps_at: Size, raw_at: Size);
+        }
+    }
+}
+
+// ---- checked launches ---------------------------------------------------------------
 
 /// Threads per block of kernels/codec.cu (`CODEC_THREADS`), one block per codec block of
 /// 1,024 values.
@@ -89,6 +104,7 @@ impl WireGeom {
     }
 }
 
+
 impl Gpu {
     /// Encodes slots `0..k` of `src` (slot j at `j·stride`, `g.width()` values each) into
     /// wires `0..k` of `wires` (wire j at `j·g.bytes()`), as `wire` encodes.
@@ -126,9 +142,7 @@ impl Gpu {
         // + raw], inside src (checked), and writes wire j's codes, exponents and raw
         // values, all below (j + 1)·bytes (WireGeom's layout); CODEC_THREADS threads a
         // block as the kernel's shared array needs.
-        unsafe {
-            codec::wire_encode::plain(self, cfg, src, wires, format, g.encoded, g.raw, stride, bytes, exps_at, raw_at)
-        }
+        unsafe { wire_encode::plain(self, cfg, src, wires, format, g.encoded, g.raw, stride, bytes, exps_at, raw_at) }
     }
 
     /// The codec's sum of wires `0..r` of `wires` (in logical-replica order) into `out`:
@@ -158,9 +172,7 @@ impl Gpu {
         // format, size_t encoded, size_t raw, size_t wire_bytes, size_t exps_at, size_t
         // raw_at); wires holds r wires and out one (checked), and the kernel touches each
         // only inside WireGeom's layout.
-        unsafe {
-            codec::wire_reduce::plain(self, cfg, wires, out, ri, format, g.encoded, g.raw, bytes, exps_at, raw_at)
-        }
+        unsafe { wire_reduce::plain(self, cfg, wires, out, ri, format, g.encoded, g.raw, bytes, exps_at, raw_at) }
     }
 
     /// A wire decoded to f32 (`Codec::decode`). wire: (bytes) -> dst: (encoded + raw)
@@ -176,9 +188,7 @@ impl Gpu {
         // SAFETY: wire_decode_f32(const unsigned char* wire, float* dst, int format, size_t
         // encoded, size_t raw, size_t exps_at, size_t raw_at); dst holds encoded + raw
         // floats and wire one wire (checked).
-        unsafe {
-            codec::wire_decode::plain(self, elem_cfg(g.width()), wire, dst, format, g.encoded, g.raw, exps_at, raw_at)
-        }
+        unsafe { wire_decode::plain(self, elem_cfg(g.width()), wire, dst, format, g.encoded, g.raw, exps_at, raw_at) }
     }
 }
 

@@ -1,4 +1,4 @@
-// softmax_xent.cu — fused softmax + cross-entropy on logits, forward and gradient at once.
+// cross_entropy.cu — fused softmax + cross-entropy on logits, forward and gradient at once.
 //
 // Owns: the loss head of classifiers. The loss is the SUM over samples (DESIGN.md: the
 // replicas back-propagate sums and the trainer divides by the global batch size once,
@@ -6,7 +6,7 @@
 // with no 1/N. With label smoothing eps (PyTorch's cross_entropy(label_smoothing=eps)) the
 // target is (1 - eps)*onehot + eps/K and the loss (1 - eps)*(lse - z[label]) +
 // (eps/K)*sum_c (lse - z[c]); eps = 0 is the plain loss, bit for bit. The same
-// expressions, in the same order, as nn::loss::CrossEntropy (the CPU reference). It is one kernel named `_fwd` because the gradient costs nothing extra
+// expressions, in the same order, as ops::cross_entropy::CrossEntropy (the CPU reference). It is one kernel named `_fwd` because the gradient costs nothing extra
 // once the softmax is known; there is no separate `_bwd`.
 // Numerics: log-sum-exp with the row max subtracted, in float32.
 // Ties in the argmax go to the lowest index, as in the CPU backend and torch.argmax.

@@ -1,20 +1,30 @@
-//! The checked launch of kernels/softmax_xent.cu: the softmax cross-entropy loss of each
-//! sample, its gradient and whether the sample was classified right, in one pass.
-//!
-//! Owns: that one safe method, checking the buffers against (N, K) before the typed
-//! launch of `cuda::kernels::softmax_xent`. Which labels are valid is `nn::loss`'s check,
-//! made by the caller; the kernel never indexes with an out-of-range label.
+//! The loss on a GPU: the declaration of kernels/cross_entropy.cu and the checked launch of
+//! its one kernel, which makes each sample's softmax cross-entropy loss, its gradient and
+//! whether the sample was classified right in one pass. Which labels are valid is
+//! `super::check_labels`, made by the caller; the kernel never indexes with an out-of-range
+//! label.
 
+use crate::cuda::launch::{check_len, dim, elem_cfg, DevIn, DevOut, Gpu};
+use crate::{Error, Result};
 use cudarc::driver::CudaSlice;
 
-use super::{check_len, dim, elem_cfg, DevIn, DevOut, Gpu};
-use crate::cuda::kernels::softmax_xent;
-use crate::{Error, Result};
+crate::cuda::declare::kernels! {
+    "cross_entropy.cu" {
+        softmax_xent {
+            fwd(
+                logits: In, labels: InU32, loss: Out, dlogits: Out, correct: OutU32, n: Size, k: I32,
+                label_smoothing: F32,
+            );
+        }
+    }
+}
+
+// ---- checked launches ---------------------------------------------------------------
 
 impl Gpu {
     /// logits: (N, K), labels: (N) -> loss: (N), dlogits: (N, K) = softmax - target
     /// (gradient of the summed loss; the target is (1 - eps)·onehot + eps/K with label
-    /// smoothing eps, `nn::loss::CrossEntropy`), correct: (N) in {0, 1}.
+    /// smoothing eps, `ops::cross_entropy::CrossEntropy`), correct: (N) in {0, 1}.
     // The kernel's own argument list, buffer by buffer, as every checked launch takes it.
     #[allow(clippy::too_many_arguments)]
     pub fn softmax_xent_fwd(
@@ -51,19 +61,6 @@ impl Gpu {
         // SAFETY: softmax_xent_fwd_f32(const float*, const unsigned*, float*, float*,
         // unsigned*, size_t, int, float); lengths checked; out-of-range labels are never
         // used as an index by the kernel.
-        unsafe {
-            softmax_xent::softmax_xent::fwd(
-                self,
-                elem_cfg(n),
-                logits,
-                labels,
-                loss,
-                dlogits,
-                correct,
-                n,
-                ki,
-                label_smoothing,
-            )
-        }
+        unsafe { softmax_xent::fwd(self, elem_cfg(n), logits, labels, loss, dlogits, correct, n, ki, label_smoothing) }
     }
 }

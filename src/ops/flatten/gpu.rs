@@ -1,0 +1,27 @@
+//! Flatten on a GPU: the values do not move, so its GPU form is a device copy each way; it
+//! has no kernel file.
+
+use crate::ops::gpu::{Backward, Forward, GpuLayer};
+
+use super::*;
+
+/// The GPU form of `layer` (its `Layer::gpu`).
+pub(super) fn form(_layer: &Flatten) -> Option<Box<dyn GpuLayer>> {
+    Some(Box::new(FlattenGpu))
+}
+
+/// Flatten on a GPU: the values do not move, so a copy each way.
+pub(super) struct FlattenGpu;
+
+impl GpuLayer for FlattenGpu {
+    fn forward(&mut self, f: Forward<'_, '_, '_>) -> Result<()> {
+        Ok(f.gpu.stream().memcpy_dtod(f.x, f.y)?)
+    }
+
+    fn backward(&mut self, b: Backward<'_, '_>) -> Result<()> {
+        match b.dx {
+            Some(mut dx) => Ok(b.gpu.stream().memcpy_dtod(&b.dy, &mut dx)?),
+            None => Ok(()),
+        }
+    }
+}

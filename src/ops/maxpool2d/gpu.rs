@@ -1,0 +1,117 @@
+//! Max pooling on a GPU: the declaration of kernels/maxpool2d.cu, its checked launches
+//! (buffers checked against the window geometry), and the op's GPU form. Where a window
+//! lies is `ops::window`'s, which maximum wins a tie `super`'s.
+
+use crate::cuda::launch::{check_len, elem_cfg, DevIn, DevOut};
+use crate::cuda::Gpu;
+use crate::ops::gpu::{window_geom, Backward, Forward, GpuLayer, Node};
+use crate::ops::window::WindowGeom;
+use crate::Result;
+use cudarc::driver::CudaSlice;
+
+use super::*;
+
+crate::cuda::declare::kernels! {
+    "maxpool2d.cu" {
+        maxpool2d {
+            fwd(x: In, y: Out, argmax: OutU32, geom: Geom);
+            bwd(dy: In, argmax: InU32, dx: Out, geom: Geom);
+        }
+    }
+}
+
+// ---- checked launches ---------------------------------------------------------------
+
+impl Gpu {
+    /// Max pooling: y = the maximum of each window, argmax = its index h*W + w in the
+    /// plane (ties to the first in row-major order, NaN wins: `ops::maxpool2d`).
+    /// x: (N, C, H, W) -> y, argmax: (N, C, OH, OW)
+    pub fn maxpool2d_fwd(
+        &self,
+        x: &impl DevIn,
+        y: &mut impl DevOut,
+        argmax: &mut CudaSlice<u32>,
+        g: &WindowGeom,
+    ) -> Result<()> {
+        let x = &x.view();
+        let y = &mut y.view_mut();
+        let op = "maxpool2d_fwd";
+        let a = g.launch_args(op)?;
+        check_len(op, "x", x, g.x_len())?;
+        check_len(op, "y", y, g.pooled_len())?;
+        check_len(op, "argmax", argmax, g.pooled_len())?;
+        if g.pooled_len() == 0 {
+            return Ok(());
+        }
+        let argmax = &mut argmax.as_view_mut();
+        // SAFETY: maxpool2d_fwd_f32(const float*, float*, unsigned*, 12 x int); x, y and
+        // argmax have the lengths the geometry implies (checked), and the kernel reads x
+        // only inside the plane (the window clipped to 0..H, 0..W) and writes y and argmax
+        // below N*C*OH*OW.
+        unsafe { maxpool2d::fwd(self, elem_cfg(g.pooled_len()), x, y, argmax, &a) }
+    }
+
+    /// Backward of [`Gpu::maxpool2d_fwd`]: `dx[i]` = sum of dy over the outputs whose
+    /// argmax is i, in row-major output order; dx is written.
+    /// dy, argmax: (N, C, OH, OW) -> dx: (N, C, H, W)
+    pub fn maxpool2d_bwd(
+        &self,
+        dy: &impl DevIn,
+        argmax: &CudaSlice<u32>,
+        dx: &mut impl DevOut,
+        g: &WindowGeom,
+    ) -> Result<()> {
+        let dy = &dy.view();
+        let dx = &mut dx.view_mut();
+        let op = "maxpool2d_bwd";
+        let a = g.launch_args(op)?;
+        check_len(op, "dy", dy, g.pooled_len())?;
+        check_len(op, "argmax", argmax, g.pooled_len())?;
+        check_len(op, "dx", dx, g.x_len())?;
+        if g.x_len() == 0 {
+            return Ok(());
+        }
+        // SAFETY: maxpool2d_bwd_f32(const float*, const unsigned*, float*, 12 x int);
+        // lengths checked; the kernel reads dy and argmax only at oy < OH, ox < OW of its
+        // own plane and writes dx below N*C*H*W, one element per thread.
+        unsafe { maxpool2d::bwd(self, elem_cfg(g.x_len()), dy, &argmax.as_view(), dx, &a) }
+    }
+}
+
+// ---- the GPU form -------------------------------------------------------------------
+
+/// The GPU form of `layer` (its `Layer::gpu`).
+pub(super) fn form(layer: &MaxPool2d) -> Option<Box<dyn GpuLayer>> {
+    Some(Box::new(MaxPool2dGpu { window: layer.window, argmax: None }))
+}
+
+/// Max pooling on a GPU: `maxpool2d_fwd` writes the winners' indices, which
+/// `maxpool2d_bwd` routes the gradient back through (ties and NaN as on the CPU, above).
+pub(super) struct MaxPool2dGpu {
+    window: Window2d,
+    /// The winner's index of each output, argmax: (N, C, OH, OW), from the last forward.
+    argmax: Option<CudaSlice<u32>>,
+}
+
+impl GpuLayer for MaxPool2dGpu {
+    fn reserve(&mut self, gpu: &Gpu, node: &Node, n: usize) -> Result<()> {
+        self.argmax = None;
+        self.argmax = Some(gpu.stream().alloc_zeros::<u32>((n * node.output.numel()).max(1))?);
+        Ok(())
+    }
+
+    // x: (N, C, H, W) → y, argmax: (N, C, OH, OW)
+    fn forward(&mut self, f: Forward<'_, '_, '_>) -> Result<()> {
+        let g = window_geom(f.node, self.window, f.n)?;
+        let argmax = self.argmax.as_mut().expect("reserved before the pass");
+        f.gpu.maxpool2d_fwd(f.x, f.y, argmax, &g)
+    }
+
+    // dy, argmax: (N, C, OH, OW) → dx: (N, C, H, W)
+    fn backward(&mut self, b: Backward<'_, '_>) -> Result<()> {
+        let Some(mut dx) = b.dx else { return Ok(()) };
+        let g = window_geom(b.node, self.window, b.n)?;
+        let argmax = self.argmax.as_ref().expect("reserved before the pass");
+        b.gpu.maxpool2d_bwd(&b.dy, argmax, &mut dx, &g)
+    }
+}
