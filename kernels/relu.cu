@@ -5,10 +5,10 @@
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < (n); \
          i += (size_t)blockDim.x * gridDim.x)
 
-// y = max(x, 0)
+// y = max(x, 0), as the CPU compares: x < 0 gives +0, anything else (−0, NaN) itself.
 // x, y: (n)
 extern "C" __global__ void relu_fwd_f32(const float* x, float* y, size_t n) {
-    GRID_STRIDE(i, n) { y[i] = x[i] > 0.0f ? x[i] : 0.0f; }
+    GRID_STRIDE(i, n) { y[i] = x[i] < 0.0f ? 0.0f : x[i]; }
 }
 
 // dx = dy where x > 0, else 0 (the subgradient at 0 is 0, as in PyTorch).

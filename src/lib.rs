@@ -89,6 +89,8 @@ pub mod rng;
 pub mod safetensors_io;
 pub mod spec;
 pub mod tensor;
+#[cfg(test)]
+mod testing;
 pub mod train;
 pub mod units;
 pub mod weights;

@@ -235,11 +235,13 @@ pub fn eval_activations(model: &Sequential, batch: usize) -> u64 {
 }
 
 /// The work buffers the layers borrow from a shared pool for a pass of `batch` samples:
-/// a set per group of samples, as large as the largest layer needs.
+/// a set per group of samples, as large as the largest layer needs; and the packing of
+/// the largest product, which a device runs one at a time.
 fn lent(model: &Sequential, batch: usize) -> u64 {
-    let largest =
-        model.layers().iter().zip(model.layer_shapes()).filter_map(|(l, s)| l.memory(s)).map(|m| m.lent_per_group);
-    largest.max().unwrap_or(0).saturating_mul(groups(batch))
+    let memories = || model.layers().iter().zip(model.layer_shapes()).filter_map(|(l, s)| l.memory(s));
+    let largest = memories().map(|m| m.lent_per_group).max().unwrap_or(0);
+    let gemm = memories().map(|m| m.gemm).max().unwrap_or(0);
+    largest.saturating_mul(groups(batch)).saturating_add(gemm)
 }
 
 #[cfg(test)]
@@ -314,9 +316,19 @@ mod tests {
             "maxpool" => 415_744,
             _ => 0,
         };
+        // And once, the packing of the largest product (`backend::cpu::gemm_packing`:
+        // 512·(rows rounded to 48, at most 768, + columns rounded to 32)·4 B). convnet: conv2's
+        // weight gradient, 32 filters by 24·6·6 = 864 columns, 512·(48 + 864)·4 = 1,867,776 B;
+        // maxpool: the Dense 1600→10's, 512·(48 + 1,600)·4 = 3,375,104 B; toy: any of its
+        // Dense layers', 512·(48 + 32)·4 = 163,840 B.
+        let gemm = |name: &str| match name {
+            "convnet" => 1_867_776,
+            "maxpool" => 3_375_104,
+            _ => 163_840,
+        };
         for (name, batch, shard, eval) in pinned {
             let m = &models.iter().find(|(n, _)| *n == name).unwrap().1;
-            let lent = lent(name) * batch.clamp(1, 16) as u64;
+            let lent = lent(name) * batch.clamp(1, 16) as u64 + gemm(name);
             assert_eq!(shard_activations(m, batch, 2), shard + lent, "{name}, a shard of {batch}");
             assert_eq!(eval_activations(m, batch), eval + lent, "{name}, an evaluation batch of {batch}");
         }

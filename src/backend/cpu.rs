@@ -72,6 +72,20 @@ pub fn gemm_thread_workspace() -> usize {
     gemm_common::cache::CACHE_INFO[1].cache_bytes
 }
 
+/// Bytes of the packing buffers one product `(m × k) · (k × n)` takes while it runs, an
+/// upper bound on any x86 processor: the `gemm` crate packs the right-hand side's block of
+/// `kc × nc` values (`kc` at most 512 here: its rule takes 512 whenever `k` is larger, on
+/// every cache size it meets; `nc` at most `n` rounded up to its 8 or 32 columns) and, for a
+/// left-hand side of at most twice its `mc` rows (`mc` at most 8 of its `MR` = 48 rows on
+/// AVX-512), those rows, rounded up to 48, by `kc`. Beside the thread's slab
+/// ([`gemm_thread_workspace`]), which it keeps whatever the product.
+pub fn gemm_packing(m: usize, n: usize, k: usize) -> u64 {
+    let kc = k.min(512) as u64;
+    let lhs = m.next_multiple_of(48).min(2 * 8 * 48) as u64;
+    let rhs = n.next_multiple_of(32) as u64;
+    kc.saturating_mul(lhs.saturating_add(rhs)).saturating_mul(4)
+}
+
 /// Who runs a GEMM.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub enum Threads {

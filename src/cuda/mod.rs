@@ -22,6 +22,8 @@
 pub mod buffers;
 pub mod declare;
 pub mod gemm;
+#[cfg(test)]
+pub(crate) mod host;
 pub mod kernels;
 pub mod launch;
 pub mod probe;

@@ -37,6 +37,8 @@
 
 pub mod attention;
 pub mod batchnorm;
+#[cfg(test)]
+mod conformance;
 pub mod conv2d;
 pub mod cross_entropy;
 pub mod dropout;
@@ -97,11 +99,16 @@ pub struct LayerMemory {
     /// Bytes the layer holds once a pass whatever the batch, kept from the training
     /// forward to the backward (a Winograd convolution's transformed weight).
     pub per_layer: u64,
+    /// Bytes the GEMM packs the operands of the layer's largest product into, for the
+    /// length of one product (`backend::cpu::gemm_packing`): a model needs its largest
+    /// layer's, once a device, since a device runs one product at a time.
+    pub gemm: u64,
 }
 
 impl LayerMemory {
     /// Nothing kept, no workspace.
-    pub const NONE: LayerMemory = LayerMemory { kept_per_sample: 0, per_group: 0, lent_per_group: 0, per_layer: 0 };
+    pub const NONE: LayerMemory =
+        LayerMemory { kept_per_sample: 0, per_group: 0, lent_per_group: 0, per_layer: 0, gemm: 0 };
 }
 
 /// The per-sample shapes at one layer's boundaries (no batch dimension), as

@@ -44,6 +44,36 @@ pub struct LayerType {
     /// op whose GPU form launches no kernel of its own (Flatten's copies).
     #[cfg(feature = "cuda")]
     pub kernels: Option<&'static crate::cuda::KernelFile>,
+    /// What the conformance test needs of the op beyond this entry (`ops::conformance`).
+    #[cfg(test)]
+    pub(crate) conformance: Conformance,
+}
+
+/// What the conformance test (`ops::conformance`) needs of an op beyond its entry, written
+/// in the op's folder beside its checks.
+#[cfg(test)]
+pub(crate) struct Conformance {
+    /// What the gradient check feeds the example's layer.
+    pub input: TestInput,
+    /// Runs every kernel of the op's file on the host against the op's CPU functions: the
+    /// conformance test holds the kernels it launched to the file's. None exactly when the
+    /// op has no kernel file.
+    #[cfg(feature = "cuda")]
+    pub host: Option<fn(&crate::cuda::host::Checker)>,
+}
+
+/// The input the gradient check feeds an op.
+#[cfg(test)]
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum TestInput {
+    /// Real values in [−1, 1); the input gradient is checked too.
+    Values,
+    /// Real values no two of which are closer than the check's steps could bridge (a grid
+    /// of spacing 0.04, shuffled): for an op whose gradient jumps where two inputs tie (max
+    /// pooling); the input gradient is checked too.
+    Distinct,
+    /// Token ids below `vocab` (an embedding's input): only the parameters' gradients.
+    Ids { vocab: usize },
 }
 
 type BuildFn = dyn Fn(&Shape) -> FieldResult<Vec<Box<dyn Layer>>> + Send + Sync;

@@ -209,13 +209,15 @@ mod tests {
         // Activations per sample: kept, the Dense inputs 2, 30, 20 as f32 (208 B) and the
         // ReLU masks 30, 20 (50 B); around the running layer, the widest pair 2·30·4 and
         // the sample's copy 2·4 (248 B). A training shard of 1 sample: 506 B; an
-        // evaluation batch of 512 needs only the 248: 126,976 B, the larger, on 2 devices.
+        // evaluation batch of 512 needs only the 248: 126,976 B, the larger, on 2 devices;
+        // and once a device the packing of its largest product, 512·(48 + 32)·4 = 163,840 B
+        // (`backend::cpu::gemm_packing`).
         assert_eq!(
             bytes,
             vec![
                 ("weights", 11_520),
                 ("optimiser state", 15_360),
-                ("activations", 253_952),
+                ("activations", 253_952 + 2 * 163_840),
                 ("gradient exchange", 11_520),
                 ("final state", 11_520),
                 ("GEMM packing", 2 * slab),
@@ -223,7 +225,7 @@ mod tests {
                 ("batches", 96)
             ]
         );
-        assert_eq!(e.total(), 292_448 + 11_520 + 2 * slab + 67_108_864);
+        assert_eq!(e.total(), 292_448 + 2 * 163_840 + 11_520 + 2 * slab + 67_108_864);
     }
 
     #[test]
@@ -242,19 +244,21 @@ mod tests {
         // 10⁶ values, so an evaluation batch of 512 (512 × (2·10⁶·4 + 10⁶·4) =
         // 6,144,000,000 B) outweighs a training shard of 32. Batches: 6 × 32 × 10⁶ × 4 =
         // 768,000,000; the process's 64 MiB; the report's final state, the values and Adam's
-        // two moments of the parameters, 24,000,265,728 B. Total 78,979,906,048 B, and the
-        // one device thread's GEMM packing slab (this processor's L2 per core, a few MB,
-        // which rounds to the same 79.0 GB).
+        // two moments of the parameters, 24,000,265,728 B. Total 78,979,906,048 B; with the
+        // packing of the largest product (the weight gradient's 2,000 rows by 10⁶ columns:
+        // 512·(768 + 10⁶)·4 = 2,049,572,864 B, in the activations, 8.2 GB) 81,029,478,912 B,
+        // and the one device thread's GEMM slab (this processor's L2 per core, a few MB,
+        // which rounds to the same 81.0 GB).
         let slab = human(crate::backend::cpu::gemm_thread_workspace() as u64);
         assert_eq!(
             e,
             format!(
-                "training needs an estimated 79.0 GB but 24.0 GB available (MemAvailable): \
+                "training needs an estimated 81.0 GB but 24.0 GB available (MemAvailable): \
                  final state 24.0 GB (the weights and optimiser state the report returns), \
                  weights 16.0 GB (2 copies of 2,000,022,144 values), \
                  optimiser state 16.0 GB (Adam's m and v, 1 replica(s)), \
                  gradient exchange 16.0 GB (1 logical replica slots and the reduced chunks, 2,000,022,144 values each), \
-                 activations 6.1 GB (1 device(s) × an evaluation batch of 512), \
+                 activations 8.2 GB (1 device(s) × an evaluation batch of 512), \
                  batches 768.0 MB (6 global batches of 32 samples in flight), \
                  process 67.1 MB (the program, its threads' stacks, the allocator's caches), \
                  GEMM packing {slab} (1 CPU thread(s) × {slab} (this processor's L2 cache per core))"
@@ -273,13 +277,14 @@ mod tests {
         let model = models::convnet(models::ConvnetOptions::default()).unwrap();
         let devices = Devices::cpu(1, 1).unwrap();
         // And the convolutions' lent work buffers, 213,504 B per group (memory.rs's pinned test).
-        assert_eq!(shard_activations(&model, 1, 1), 261_568 + 4 * (108 + 10_368 + 27_648) + 213_504);
+        // And once, conv2's weight-gradient packing, 1,867,776 B (memory.rs's pinned test).
+        assert_eq!(shard_activations(&model, 1, 1), 261_568 + 4 * (108 + 10_368 + 27_648) + 213_504 + 1_867_776);
         let config = TrainConfig { batch_size: 100_000, ..TrainConfig::default() };
         let e = training(&model, &devices, &config);
         let acts = e.parts().iter().find(|p| p.name == "activations").unwrap();
         // 100,000 × 261,568 + the conv weight-gradient partials of 16 groups: 16 × 38,124 × 4,
         // and their lent buffers, 16 × 213,504.
-        assert_eq!(acts.bytes, 26_156_800_000 + 16 * 38_124 * 4 + 16 * 213_504);
+        assert_eq!(acts.bytes, 26_156_800_000 + 16 * 38_124 * 4 + 16 * 213_504 + 1_867_776);
         assert_eq!(acts.detail, "1 device(s) × a shard of 100000 samples");
     }
 }

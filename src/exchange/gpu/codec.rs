@@ -104,7 +104,6 @@ impl WireGeom {
     }
 }
 
-
 impl Gpu {
     /// Encodes slots `0..k` of `src` (slot j at `j·stride`, `g.width()` values each) into
     /// wires `0..k` of `wires` (wire j at `j·g.bytes()`), as `wire` encodes.

@@ -170,6 +170,12 @@ impl Residual {
         },
         #[cfg(feature = "cuda")]
         kernels: Some(&gpu::KERNELS),
+        #[cfg(test)]
+        conformance: crate::ops::spec::Conformance {
+            input: crate::ops::spec::TestInput::Values,
+            #[cfg(feature = "cuda")]
+            host: None,
+        },
     };
 
     /// The body.
@@ -352,6 +358,7 @@ impl Layer for Residual {
                 m.per_group = m.per_group.saturating_add(inner.per_group);
                 m.per_layer = m.per_layer.saturating_add(inner.per_layer);
                 m.lent_per_group = m.lent_per_group.max(inner.lent_per_group);
+                m.gemm = m.gemm.max(inner.gemm);
             }
         }
         let (i, o) = (shapes.input.numel() as u64, shapes.output.numel() as u64);

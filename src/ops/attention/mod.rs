@@ -54,7 +54,7 @@ use serde_json::{json, Value};
 
 use super::spec::{Build, FieldResult, LayerType};
 use super::{Ctx, Init, InputGrad, Layer, LayerMemory, LayerShapes, Mode, ParamSpec, Params, ParamsMut, F32};
-use crate::backend::cpu::{gemm, gemm_with, transpose, Accumulate, Mat, Threads};
+use crate::backend::cpu::{gemm, gemm_packing, gemm_with, transpose, Accumulate, Mat, Threads};
 use crate::backend::par;
 use crate::backend::simd;
 use crate::error::{Error, Result};
@@ -508,6 +508,12 @@ impl CausalSelfAttention {
         },
         #[cfg(feature = "cuda")]
         kernels: Some(&gpu::KERNELS),
+        #[cfg(test)]
+        conformance: crate::ops::spec::Conformance {
+            input: crate::ops::spec::TestInput::Values,
+            #[cfg(feature = "cuda")]
+            host: None,
+        },
     };
 
     /// (N, T) of an input (N, T, C) of this layer's width.
@@ -572,7 +578,24 @@ impl Layer for CausalSelfAttention {
         let dropped = if self.dropout > 0.0 { tt } else { 0 };
         let values =
             tc.saturating_mul(9).saturating_add(tt.saturating_mul(self.heads as u64 + 1)).saturating_add(dropped);
-        Some(LayerMemory { kept_per_sample: values.saturating_mul(F32), ..LayerMemory::NONE })
+        // The products' packing: the projections (any number of rows by C to 3C or C, and
+        // back) and each head's (T × D by D × T, T × T by T × D, and back).
+        let (t, c, d, any) = (t as usize, c as usize, c as usize / self.heads.max(1), usize::MAX);
+        let products = [
+            (any, 3 * c, c),
+            (3 * c, c, any),
+            (any, c, 3 * c),
+            (any, c, c),
+            (c, c, any),
+            (t, t, d),
+            (t, d, t),
+            (d, t, t),
+        ];
+        Some(LayerMemory {
+            kept_per_sample: values.saturating_mul(F32),
+            gemm: products.into_iter().map(|(m, n, k)| gemm_packing(m, n, k)).max().unwrap_or(0),
+            ..LayerMemory::NONE
+        })
     }
 
     fn output_shape(&self, input: &Shape) -> Result<Shape> {

@@ -424,6 +424,12 @@ impl BatchNorm2d {
         },
         #[cfg(feature = "cuda")]
         kernels: Some(&gpu::KERNELS),
+        #[cfg(test)]
+        conformance: crate::ops::spec::Conformance {
+            input: crate::ops::spec::TestInput::Values,
+            #[cfg(feature = "cuda")]
+            host: None,
+        },
     };
 
     fn gamma_beta<'a>(&self, params: &Params<'a>) -> (Option<&'a [f32]>, Option<&'a [f32]>) {

@@ -37,8 +37,8 @@ use serde_json::{json, Value};
 use super::spec::{expect_images, Build, LayerType};
 use super::{Ctx, Init, InputGrad, Layer, LayerMemory, LayerShapes, Mode, ParamSpec, Params, ParamsMut, F32};
 use crate::backend::cpu::{
-    add_partials, batch_groups, chw_to_hwc, col2im, gemm_with, hwc_to_chw, im2col, im2row, row2im, split_by_groups,
-    sum_partials, Accumulate, Im2colGeom, Mat, Pieces, Samples, Threads,
+    add_partials, batch_groups, chw_to_hwc, col2im, gemm_packing, gemm_with, hwc_to_chw, im2col, im2row, row2im,
+    split_by_groups, sum_partials, Accumulate, Im2colGeom, Mat, Pieces, Samples, Threads,
 };
 use crate::backend::par;
 use crate::backend::winograd;
@@ -471,6 +471,12 @@ impl Conv2d {
         },
         #[cfg(feature = "cuda")]
         kernels: Some(&gpu::KERNELS),
+        #[cfg(test)]
+        conformance: crate::ops::spec::Conformance {
+            input: crate::ops::spec::TestInput::Values,
+            #[cfg(feature = "cuda")]
+            host: None,
+        },
     };
 
     fn geometry(&self, input: &Shape) -> Result<(usize, Im2colGeom)> {
@@ -546,11 +552,28 @@ impl Layer for Conv2d {
             }
             Unfold::Columns => 2 * kkc * p,
         };
+        // The products' packing, whichever unfolding runs: columns (O × KKC by KKC × P, and
+        // the backward's two), rows and Winograd (any number of rows or tiles by KKC or C,
+        // to O, and back; `gemm_packing` bounds the count).
+        let (kkc, p, o, c, any) = (kkc as usize, p as usize, self.filters, self.in_channels, usize::MAX);
+        let products = [
+            (o, p, kkc),
+            (o, kkc, p),
+            (kkc, p, o),
+            (any, o, kkc),
+            (kkc, o, any),
+            (o, kkc, any),
+            (any, kkc, o),
+            (any, o, c),
+            (c, o, any),
+            (any, c, o),
+        ];
         Some(LayerMemory {
             kept_per_sample: input.saturating_add(output).saturating_mul(F32),
             per_group: per_group.saturating_mul(F32),
             per_layer: per_layer.saturating_mul(F32),
             lent_per_group: lent.saturating_mul(F32),
+            gemm: products.into_iter().map(|(m, n, k)| gemm_packing(m, n, k)).max().unwrap_or(0),
         })
     }
 

@@ -139,6 +139,12 @@ impl Embedding {
         },
         #[cfg(feature = "cuda")]
         kernels: Some(&gpu::KERNELS),
+        #[cfg(test)]
+        conformance: crate::ops::spec::Conformance {
+            input: crate::ops::spec::TestInput::Ids { vocab: 16 },
+            #[cfg(feature = "cuda")]
+            host: None,
+        },
     };
 }
 

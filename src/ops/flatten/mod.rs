@@ -32,6 +32,12 @@ impl Flatten {
         parse: |_| Ok(Build::layer(|_| Ok(Flatten::new()))),
         #[cfg(feature = "cuda")]
         kernels: None,
+        #[cfg(test)]
+        conformance: crate::ops::spec::Conformance {
+            input: crate::ops::spec::TestInput::Values,
+            #[cfg(feature = "cuda")]
+            host: None,
+        },
     };
 }
 

@@ -164,6 +164,12 @@ impl Gelu {
         parse: |_| Ok(Build::layer(|_| Ok(Gelu::new()))),
         #[cfg(feature = "cuda")]
         kernels: Some(&gpu::KERNELS),
+        #[cfg(test)]
+        conformance: crate::ops::spec::Conformance {
+            input: crate::ops::spec::TestInput::Values,
+            #[cfg(feature = "cuda")]
+            host: None,
+        },
     };
 }
 

@@ -12,7 +12,7 @@ use serde_json::{json, Value};
 
 use super::spec::{expect_features, Build, LayerType};
 use super::{InputGrad, Layer, LayerMemory, LayerShapes, ParamSpec, Params, ParamsMut, F32};
-use crate::backend::cpu::{gemm, Accumulate, Mat};
+use crate::backend::cpu::{gemm, gemm_packing, Accumulate, Mat};
 use crate::error::{Error, Result};
 use crate::nn::{Ctx, Init, Mode};
 use crate::tensor::{Shape, Tensor};
@@ -89,6 +89,12 @@ impl Linear {
         },
         #[cfg(feature = "cuda")]
         kernels: Some(&gpu::KERNELS),
+        #[cfg(test)]
+        conformance: crate::ops::spec::Conformance {
+            input: crate::ops::spec::TestInput::Values,
+            #[cfg(feature = "cuda")]
+            host: None,
+        },
     };
 }
 
@@ -117,9 +123,17 @@ impl Layer for Linear {
         Some(v)
     }
 
-    /// Its input, for dweight.
+    /// Its input, for dweight; and its products' packing: y = x·Wᵀ (rows × F by F × O),
+    /// dW = dyᵀ·x (O × rows by rows × F) and dx = dy·W (rows × O by O × F), the rows any
+    /// number (`gemm_packing` bounds them).
     fn memory(&self, shapes: &LayerShapes) -> Option<LayerMemory> {
-        Some(LayerMemory { kept_per_sample: (shapes.input.numel() as u64).saturating_mul(F32), ..LayerMemory::NONE })
+        let (f, o, rows) = (self.in_features, self.out_features, usize::MAX);
+        let gemm = [(rows, o, f), (o, f, rows), (rows, f, o)].map(|(m, n, k)| gemm_packing(m, n, k));
+        Some(LayerMemory {
+            kept_per_sample: (shapes.input.numel() as u64).saturating_mul(F32),
+            gemm: gemm.into_iter().max().unwrap_or(0),
+            ..LayerMemory::NONE
+        })
     }
 
     fn output_shape(&self, input: &Shape) -> Result<Shape> {

@@ -87,6 +87,12 @@ impl MaxPool2d {
         },
         #[cfg(feature = "cuda")]
         kernels: Some(&gpu::KERNELS),
+        #[cfg(test)]
+        conformance: crate::ops::spec::Conformance {
+            input: crate::ops::spec::TestInput::Distinct,
+            #[cfg(feature = "cuda")]
+            host: None,
+        },
     };
 
     /// (N, C, the window on the H×W plane) for an input shape.

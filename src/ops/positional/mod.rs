@@ -83,6 +83,12 @@ impl PositionalEmbedding {
         },
         #[cfg(feature = "cuda")]
         kernels: Some(&gpu::KERNELS),
+        #[cfg(test)]
+        conformance: crate::ops::spec::Conformance {
+            input: crate::ops::spec::TestInput::Values,
+            #[cfg(feature = "cuda")]
+            host: None,
+        },
     };
 
     /// (N, T) of a (N, T, C) tensor this layer applies to, or an error of `op` naming why

@@ -74,3 +74,29 @@ impl GpuLayer for ReluGpu {
         }
     }
 }
+
+// ---- on the host ------------------------------------------------------------------------
+
+/// The kernels of kernels/relu.cu run on the host against the CPU's [`super::cpu`], bit for
+/// bit: a comparison and a copy, with the values where the two could part (±0, NaN, ±∞),
+/// under the launch shape the launches use and under a grid too small to cover the data.
+#[cfg(test)]
+pub(crate) fn host_check(k: &crate::cuda::host::Checker) {
+    use crate::cuda::host::{elem_cfgs, In, Out, U64};
+    use crate::testing::{assert_bits, uniform};
+    let n = 3000;
+    let (mut x, dy) = (uniform(1, n), uniform(2, n));
+    x[..6].copy_from_slice(&[0.0, -0.0, f32::NAN, f32::INFINITY, f32::NEG_INFINITY, -1e-30]);
+    let (mut want_y, mut mask) = (x.clone(), vec![0u8; n]);
+    super::cpu::relu_forward(&mut want_y, Some(&mut mask));
+    let mut want_dx = dy.clone();
+    super::cpu::relu_backward(&mut want_dx, &mask);
+    for cfg in elem_cfgs(n) {
+        let (mut y, mut dx) = (vec![f32::NAN; n], vec![f32::NAN; n]);
+        // As Gpu::relu_fwd pushes them: x, y, n; Gpu::relu_bwd: x, dy, dx, n.
+        k.launch(&relu::FWD, cfg, &mut [In(&x), Out(&mut y), U64(n as u64)]);
+        k.launch(&relu::BWD, cfg, &mut [In(&x), In(&dy), Out(&mut dx), U64(n as u64)]);
+        assert_bits(&format!("relu y {cfg:?}"), &y, &want_y);
+        assert_bits(&format!("relu dx {cfg:?}"), &dx, &want_dx);
+    }
+}

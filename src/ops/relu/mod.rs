@@ -1,23 +1,18 @@
-//! ReLU, max(x, 0): its forward and backward, its spec entry (`relu`), its spec form,
-//! what it keeps for backward and, at the end of the file, its GPU form (kernels/relu.cu).
-//! Also the `"activation": "relu"` a conv2d or dense layer appends ([`Activation::after`]),
-//! and the residual block's add fused with its ReLU ([`Relu::forward_sum`]).
+//! ReLU, max(x, 0), PyTorch's `nn.ReLU()`: the layer (its spec entry `relu`, its spec
+//! form, what it keeps for backward: a byte per value), built on its CPU forward and
+//! backward ([`cpu`]); its GPU form is [`gpu`] (kernels/relu.cu). Also the
+//! `"activation": "relu"` a conv2d or dense layer appends ([`Activation::after`]), and the
+//! residual block's add fused with its ReLU ([`Relu::forward_sum`]).
 
+pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod gpu;
-
-use rayon::prelude::*;
 
 use serde_json::{json, Value};
 
 use super::spec::{Activation, Build, LayerType};
 use super::{Ctx, InputGrad, Layer, LayerMemory, LayerShapes, Mode, Params, ParamsMut, RELU_KIND};
 
-/// Elements per parallel task of the elementwise layers: large enough that a task costs
-/// more than handing it to another thread.
-const CHUNK: usize = 1 << 16;
-use crate::backend::par;
-use crate::backend::simd::widest;
 use crate::error::{Error, Result};
 use crate::tensor::{Shape, Tensor};
 
@@ -51,57 +46,13 @@ impl Relu {
         parse: |_| Ok(Build::layer(|_| Ok(Relu::new()))),
         #[cfg(feature = "cuda")]
         kernels: Some(&gpu::KERNELS),
+        #[cfg(test)]
+        conformance: crate::ops::spec::Conformance {
+            input: crate::ops::spec::TestInput::Values,
+            #[cfg(feature = "cuda")]
+            host: Some(gpu::host_check),
+        },
     };
-}
-
-widest! {
-    /// max(x, 0) in place (NaN stays NaN).
-    fn relu(xs: &mut [f32]) {
-        for v in xs.iter_mut() {
-            *v = if *v < 0.0 { 0.0 } else { *v };
-        }
-    }
-}
-
-widest! {
-    /// max(x, 0) in place, and the mask of positive inputs for the backward.
-    fn relu_keep(xs: &mut [f32], ms: &mut [u8]) {
-        for (v, m) in xs.iter_mut().zip(ms.iter_mut()) {
-            *m = u8::from(*v > 0.0);
-            *v = if *v < 0.0 { 0.0 } else { *v };
-        }
-    }
-}
-
-widest! {
-    /// max(a + b, 0) into a: a residual block's add and ReLU in one pass, the same two
-    /// roundings as one after the other.
-    fn add_relu(a: &mut [f32], b: &[f32]) {
-        for (x, &y) in a.iter_mut().zip(b) {
-            let v = *x + y;
-            *x = if v < 0.0 { 0.0 } else { v };
-        }
-    }
-}
-
-widest! {
-    /// [`add_relu`], and the mask of positive sums for the backward.
-    fn add_relu_keep(a: &mut [f32], b: &[f32], ms: &mut [u8]) {
-        for ((x, &y), m) in a.iter_mut().zip(b).zip(ms.iter_mut()) {
-            let v = *x + y;
-            *m = u8::from(v > 0.0);
-            *x = if v < 0.0 { 0.0 } else { v };
-        }
-    }
-}
-
-widest! {
-    /// dout where the input was positive, 0 elsewhere, in place.
-    fn relu_backward(ds: &mut [f32], ms: &[u8]) {
-        for (d, &p) in ds.iter_mut().zip(ms) {
-            *d = if p != 0 { *d } else { 0.0 };
-        }
-    }
 }
 
 impl Relu {
@@ -112,14 +63,12 @@ impl Relu {
         if y.shape() != skip.shape() {
             return Err(Error::shape("ReLU of a sum", format!("{} + {}", y.shape(), skip.shape())));
         }
-        let (ys, ss) = (y.host_mut(), skip.host());
-        if ctx.mode == Mode::Train {
+        let ys = y.host_mut();
+        let mask = (ctx.mode == Mode::Train).then(|| {
             self.positive.resize(ys.len(), 0);
-            let parts = ys.par_chunks_mut(CHUNK).zip(ss.par_chunks(CHUNK)).zip(self.positive.par_chunks_mut(CHUNK));
-            par::for_each(parts, |((ys, ss), ms)| add_relu_keep(ys, ss, ms));
-        } else {
-            par::for_each(ys.par_chunks_mut(CHUNK).zip(ss.par_chunks(CHUNK)), |(ys, ss)| add_relu(ys, ss));
-        }
+            self.positive.as_mut_slice()
+        });
+        cpu::add_relu_forward(ys, skip.host(), mask);
         Ok(y)
     }
 }
@@ -149,17 +98,12 @@ impl Layer for Relu {
 
     // x: any shape → y: same shape
     fn forward(&mut self, mut x: Tensor, _p: Params<'_>, _b: ParamsMut<'_>, ctx: &Ctx) -> Result<Tensor> {
-        // `v < 0` is false for NaN: a NaN passes through, as in PyTorch, so that a
-        // diverging run shows a NaN loss instead of silently training on zeros.
         let xs = x.host_mut();
-        if ctx.mode == Mode::Train {
+        let mask = (ctx.mode == Mode::Train).then(|| {
             self.positive.resize(xs.len(), 0);
-            par::for_each(xs.par_chunks_mut(CHUNK).zip(self.positive.par_chunks_mut(CHUNK)), |(xs, ms)| {
-                relu_keep(xs, ms)
-            });
-        } else {
-            par::for_each(xs.par_chunks_mut(CHUNK), relu);
-        }
+            self.positive.as_mut_slice()
+        });
+        cpu::relu_forward(xs, mask);
         Ok(x)
     }
 
@@ -180,9 +124,7 @@ impl Layer for Relu {
                 format!("dout {} for {} cached inputs", dout.shape(), self.positive.len()),
             ));
         }
-        par::for_each(dout.host_mut().par_chunks_mut(CHUNK).zip(self.positive.par_chunks(CHUNK)), |(ds, ms)| {
-            relu_backward(ds, ms)
-        });
+        cpu::relu_backward(dout.host_mut(), &self.positive);
         Ok(Some(dout))
     }
 

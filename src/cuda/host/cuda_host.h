@@ -3,7 +3,7 @@
 // Owns: the CUDA keywords, built-in index variables and intrinsics the kernels use, and an
 // emulated launch (lockstep_host::launch) that runs a grid block after block, each block on
 // blockDim.x*y*z real threads that meet at a std::barrier for __syncthreads(). Only
-// tests/kernels_host.rs uses it: it force-includes this header (-include) in front of an
+// src/cuda/host (the host-run kernel checks) uses it: it force-includes this header (-include) in front of an
 // unmodified copy of every kernel file, so the code that runs here is the code NVRTC
 // compiles for the GPU.
 //
