@@ -268,7 +268,6 @@ fn parse_layer(i: usize, v: &Value) -> std::result::Result<LayerSpec, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::spec_objects::type_list;
 
     fn err(text: &str) -> String {
         ModelSpec::parse(text, "m.json").expect_err("expected an error").to_string()

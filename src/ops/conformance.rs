@@ -330,7 +330,7 @@ fn every_layer_types_memory_account_holds_what_its_passes_take() {
         let groups = crate::backend::cpu::batch_groups(BATCH).len() as u64;
         let f32s = |s: &Shape| (s.numel() * BATCH * 4) as f64;
         let (x_bytes, y_bytes) = (f32s(model.input_shape()), f32s(model.output_shape()));
-        let mut pass = |model: &mut Sequential, buffers: &mut Vec<f32>| {
+        let pass = |model: &mut Sequential, buffers: &mut Vec<f32>| {
             let x = inputs(t, model, BATCH, 6);
             let mut grads = vec![0.0f32; params.len()];
             Counting::reset_peak();
