@@ -6,6 +6,9 @@
 use std::path::Path;
 use std::process::{Command, Output};
 
+#[path = "../src/testing/skip.rs"]
+mod skip;
+
 use lockstep::data::safetensors_file::save_safetensors_dataset;
 use lockstep::data::{Dataset, Features};
 use lockstep::rng::SplitMix64;
@@ -184,9 +187,8 @@ fn fashion_mnist_is_found_or_its_package_named() {
         "error: --data fashion-mnist: /nonexistent/fashion: not a directory (named by LOCKSTEP_FASHION_MNIST_DIR); unset it to use /usr/share/datasets/fashion-mnist from Debian's dataset-fashion-mnist package"
     );
     if !Path::new(lockstep::data::fashion_mnist::DEBIAN_DIR).is_dir() {
-        eprintln!(
-            "!!!!!!!! fashion_mnist_is_found_or_its_package_named: skipped the real data: apt-get install dataset-fashion-mnist"
-        );
+        let why = "the real data is not installed (apt-get install dataset-fashion-mnist)";
+        skip::skip("fashion_mnist_is_found_or_its_package_named", skip::Need::Data, why);
         return;
     }
     // The package's files: 60,000 training and 10,000 test images of 10 classes. Three

@@ -10,7 +10,6 @@
 //! Without a CUDA driver (CI, laptops) each GPU test writes "skipped: no CUDA driver" to
 //! stderr and returns: that is the expected outcome there.
 
-use std::io::Write;
 use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::Duration;
@@ -23,9 +22,12 @@ use lockstep::Error;
 
 // ---- harness ----------------------------------------------------------------------
 
+#[path = "../src/testing/skip.rs"]
+mod skip;
+
+/// The one skip helper: every test here needs GPUs (a failure under LOCKSTEP_REQUIRE_GPU=1).
 fn loud(test: &str, why: &str) {
-    // Written to the stderr handle, not eprintln!, so the harness does not swallow it.
-    let _ = writeln!(std::io::stderr(), "{test}: skipped: {why}");
+    skip::skip(test, skip::Need::Gpu, why);
 }
 
 /// The number of GPUs, or None after a loud skip line when there is no driver or no GPU.

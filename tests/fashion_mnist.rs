@@ -4,6 +4,9 @@
 
 use std::path::Path;
 
+#[path = "../src/testing/skip.rs"]
+mod skip;
+
 use lockstep::data::fashion_mnist::{load_fashion_mnist, CLASS_NAMES, DEBIAN_DIR};
 use lockstep::devices::Devices;
 use lockstep::models::{self, ConvnetOptions};
@@ -12,7 +15,8 @@ use lockstep::train::{train_data_parallel, TrainConfig};
 #[test]
 fn one_epoch_of_the_convnet_on_a_fashion_mnist_subset() {
     if !Path::new(DEBIAN_DIR).is_dir() {
-        eprintln!("!!!!!!!! one_epoch_of_the_convnet_on_a_fashion_mnist_subset: skipped: no {DEBIAN_DIR} (apt-get install dataset-fashion-mnist)");
+        let why = format!("no {DEBIAN_DIR} (apt-get install dataset-fashion-mnist)");
+        skip::skip("one_epoch_of_the_convnet_on_a_fashion_mnist_subset", skip::Need::Data, &why);
         return;
     }
     let splits = load_fashion_mnist().unwrap();

@@ -8,6 +8,9 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::process::Command;
 
+#[path = "../src/testing/skip.rs"]
+mod skip;
+
 use lockstep::checkpoint::{self, CheckpointPolicy, Fallback, Resume};
 use lockstep::models;
 use lockstep::optim::{Optimizer, OptimizerConfig};
@@ -30,7 +33,8 @@ fn mount_small_tmpfs(dir: &Path) -> Option<Mount> {
 fn a_full_disk_fails_the_write_and_keeps_the_previous_checkpoint() {
     let dir = std::env::temp_dir().join(format!("lockstep-full-disk-{}", std::process::id()));
     let Some(_mount) = mount_small_tmpfs(&dir) else {
-        eprintln!("!!!!!!!! a_full_disk_fails_the_write_and_keeps_the_previous_checkpoint: skipped: cannot mount a tmpfs (not root?)");
+        let test = "a_full_disk_fails_the_write_and_keeps_the_previous_checkpoint";
+        skip::skip(test, skip::Need::Tool, "cannot mount a tmpfs (not root?)");
         return;
     };
     let model = models::toy_mlp(2, 2).unwrap();

@@ -37,6 +37,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::Instant;
 
+#[path = "../src/testing/skip.rs"]
+mod skip;
+
 /// One command of a console block, with the lines the docs show under it.
 #[derive(Debug)]
 struct Shown {
@@ -233,7 +236,7 @@ fn run_block(block: &[Shown], machine: &Machine) -> usize {
             skipped_because.as_ref().map(|w| format!("an earlier command of its block was skipped ({w})"))
         });
         if let Some(why) = why {
-            eprintln!("skipped: {}: `lockstep {}`: {why}", cmd.at, cmd.args.join(" "));
+            skip::skip(&format!("{}: `lockstep {}`", cmd.at, cmd.args.join(" ")), skip::Need::Tool, &why);
             skipped_because.get_or_insert(why);
             continue;
         }

@@ -32,6 +32,9 @@ const SMS: &[u32] = &[80, 90];
 
 /// Prints a line the test harness does not capture (it captures the print macros of
 /// passing tests, and a skip must never be silent).
+#[path = "../src/testing/skip.rs"]
+mod skip;
+
 fn loud(line: &str) {
     let _ = writeln!(std::io::stderr(), "\n!!!!!!!! {line}\n");
 }
@@ -42,7 +45,7 @@ fn nvrtc_or_skip(test: &str) -> bool {
     match nvrtc_available() {
         Ok(()) => true,
         Err(e) if std::env::var("LOCKSTEP_ALLOW_NO_NVRTC").as_deref() == Ok("1") => {
-            loud(&format!("{test}: skipped: libnvrtc not found (LOCKSTEP_ALLOW_NO_NVRTC=1): {e}"));
+            skip::skip(test, skip::Need::Tool, &format!("libnvrtc not found (LOCKSTEP_ALLOW_NO_NVRTC=1): {e}"));
             false
         }
         Err(e) => panic!("{e}\n(set LOCKSTEP_ALLOW_NO_NVRTC=1 to skip this test on purpose)"),
@@ -246,7 +249,11 @@ fn the_ptx_fallback_defines_every_kernel() {
 #[test]
 fn every_kernel_file_compiles_with_every_listed_nvrtc() {
     let Some(dirs) = std::env::var("LOCKSTEP_NVRTC_EXTRA_DIRS").ok().filter(|d| !d.is_empty()) else {
-        loud("every_kernel_file_compiles_with_every_listed_nvrtc: skipped: LOCKSTEP_NVRTC_EXTRA_DIRS is not set (.ci/run sets it to NVRTC 13.0's directory)");
+        skip::skip(
+            "every_kernel_file_compiles_with_every_listed_nvrtc",
+            skip::Need::Tool,
+            "LOCKSTEP_NVRTC_EXTRA_DIRS is not set (.ci/run sets it to NVRTC 13.0's directory)",
+        );
         return;
     };
     if !nvrtc_or_skip("every_kernel_file_compiles_with_every_listed_nvrtc") {
@@ -316,7 +323,7 @@ fn the_devices_listing_names_the_nvrtc_file() {
     // check's .gpu/) has none there, and gpu-check.sh runs `lockstep devices` itself.
     let bin = PathBuf::from(env!("CARGO_BIN_EXE_lockstep"));
     if !bin.exists() {
-        loud(&format!("the_devices_listing_names_the_nvrtc_file: skipped: no binary at {}", bin.display()));
+        skip::skip("the_devices_listing_names_the_nvrtc_file", skip::Need::Tool, &format!("no binary at {}", bin.display()));
         return;
     }
     let (version, path) = which_nvrtc();

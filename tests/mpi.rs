@@ -27,9 +27,12 @@ fn text(o: &Output) -> String {
     format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
 }
 
-/// Says loudly that `test` is skipped and why (the stderr handle: the harness keeps it).
+#[path = "../src/testing/skip.rs"]
+mod skip;
+
+/// The one skip helper, for what these tests need of the machine (MPI, or the feature).
 fn skip(test: &str, why: &str) {
-    let _ = writeln!(std::io::stderr(), "{test}: skipped: {why}");
+    skip::skip(test, skip::Need::Tool, why);
 }
 
 /// True where MPI runs can be tested: the feature is built and mpirun is there.

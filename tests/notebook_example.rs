@@ -9,6 +9,9 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+#[path = "../src/testing/skip.rs"]
+mod skip;
+
 use serde_json::{json, Value};
 
 fn root() -> &'static Path {
@@ -188,11 +191,12 @@ fn the_notebook_runs_in_jupyter_where_the_kernel_is_installed() {
     match probe {
         Ok(o) if o.status.success() => {}
         _ => {
-            eprintln!(
-                "skipped: the notebook needs {python} with nbclient and the evcxr kernel (cargo install --locked \
+            let why = format!(
+                "the notebook needs {python} with nbclient and the evcxr kernel (cargo install --locked \
                  evcxr_jupyter && evcxr_jupyter --install; pip install nbclient ipykernel); LOCKSTEP_NOTEBOOK_PYTHON \
                  names another python"
             );
+            skip::skip("the_notebook_runs_in_jupyter_where_the_kernel_is_installed", skip::Need::Tool, &why);
             return;
         }
     }
