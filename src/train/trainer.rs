@@ -471,6 +471,51 @@ pub fn with_trainer<T>(
     // With several processes R counts them all, which overstates a process's slots: a
     // bound on the safe side.
     super::memory::check_training(model, devices, config)?;
+    let replicas = logical_replicas(world, devices, config)?;
+    let initial = initial_weights(model, config)?;
+    // A world of one agrees with itself.
+    Handshake::of(devices.list(), replicas, model, config, &initial).agree(world)?;
+    let synchronized = crate::model::sync_batchnorm::has_synchronized_layers(model);
+    let transport = RunTransport::of(devices.list(), world.size());
+    check_features(transport, config, replicas, devices.len() * world.size(), synchronized)?;
+    let n = devices.len();
+    let setup = WorkerSetup {
+        world,
+        rows: RowPlan::new(replicas, world.process(), world.size()),
+        devices,
+        replicas,
+        model,
+        initial: &initial,
+        config,
+        synchronized,
+        // Between steps the pools' helper threads are idle; the workers spin in the
+        // exchange where each has a core, and on messages where the coordinator has one
+        // too.
+        collective: Wait::for_threads(n),
+        messages: Wait::for_threads(n + 1),
+    };
+    let out = match transport {
+        RunTransport::SharedMemory => setup.on_shared_memory(f),
+        #[cfg(feature = "mpi")]
+        RunTransport::Mpi => setup.across_processes(f),
+        #[cfg(not(feature = "mpi"))]
+        RunTransport::Mpi => {
+            unreachable!("a world of several processes needs the mpi feature (world::init refuses it)")
+        }
+        #[cfg(feature = "cuda")]
+        RunTransport::Nccl | RunTransport::NcclClique | RunTransport::DeviceCopies => setup.on_gpus(transport, f),
+        #[cfg(not(feature = "cuda"))]
+        RunTransport::Nccl | RunTransport::NcclClique | RunTransport::DeviceCopies => {
+            Err(crate::devices::without_cuda(devices))
+        }
+    };
+    // In a world of one there is no other process to hear from or tell.
+    out.map_err(|e| processes::settle(world, e))
+}
+
+/// The run's logical replicas R (`TrainConfig::replicas`, else one per device of the
+/// world), refused unless every device of the world gets as many.
+fn logical_replicas(world: &World, devices: &Devices, config: &TrainConfig) -> Result<usize> {
     let n = devices.len();
     let in_world = n * world.size();
     let replicas = config.replicas.unwrap_or(in_world);
@@ -484,115 +529,21 @@ pub fn with_trainer<T>(
             format!("{replicas} logical replicas cannot be shared evenly by {among}"),
         ));
     }
-    let initial = match config.resume.as_ref().map(|r| &r.weights).or(config.initial.as_ref()) {
+    Ok(replicas)
+}
+
+/// The weights every replica starts from: a resumed run's, the caller's, or the model's
+/// initialisation from the seed, made once on the host.
+fn initial_weights(model: &Sequential, config: &TrainConfig) -> Result<ParamStore> {
+    match config.resume.as_ref().map(|r| &r.weights).or(config.initial.as_ref()) {
         Some(w) => {
             if w.params.len() != model.params_len() || w.buffers.len() != model.buffers_len() {
                 return Err(Error::config("initial weights", "they do not match the model's tensors"));
             }
-            w.clone()
+            Ok(w.clone())
         }
-        None => model.init(config.seed),
-    };
-    let width = model.params_len() + model.buffers_len();
-    // A world of one agrees with itself.
-    Handshake::of(devices.list(), replicas, model, config, &initial).agree(world)?;
-    #[cfg(feature = "cuda")]
-    let k = replicas / in_world;
-    let synchronized = crate::model::sync_batchnorm::has_synchronized_layers(model);
-    let transport = RunTransport::of(devices.list(), world.size());
-    check_features(transport, config, replicas, in_world, synchronized)?;
-    let setup = WorkerSetup {
-        world,
-        rows: RowPlan::new(replicas, world.process(), world.size()),
-        devices,
-        replicas,
-        model,
-        initial: &initial,
-        config,
-        // Between steps the pools' helper threads are idle; the workers spin in the
-        // exchange where each has a core, and on messages where the coordinator has one
-        // too.
-        collective: Wait::for_threads(n),
-        messages: Wait::for_threads(n + 1),
-    };
-    let (seed, loss) = (config.seed, config.loss());
-    let decay = &decay_mask(model, config.weight_decay_on);
-    let out = match transport {
-        #[cfg(feature = "mpi")]
-        RunTransport::Mpi => {
-            let codec = Codec::new(config.grad_compression, model.params_len());
-            let group = crate::exchange::mpi::MpiGroup::new(world, n, replicas, width, setup.collective, codec)?;
-            let stats: Vec<_> = (0..n).map(|r| group.stats(r)).collect();
-            let stats = |d| synchronized.then(|| &stats[d] as &dyn StatsExchange);
-            setup.run(
-                &group,
-                f,
-                |d, device, start| {
-                    Ok(cpu_replica(device, start, seed, stats(d)).with_decay(decay.clone()).with_loss(loss))
-                },
-                |d, _| Ok(group.member(d)),
-            )
-        }
-        #[cfg(not(feature = "mpi"))]
-        RunTransport::Mpi => {
-            unreachable!("a world of several processes needs the mpi feature (world::init refuses it)")
-        }
-        RunTransport::SharedMemory => {
-            let codec = Codec::new(config.grad_compression, model.params_len());
-            let shm = ShmGroup::with_codec(n, replicas, width, setup.collective, codec)?;
-            let stats: Vec<ShmStats<'_>> = (0..n).map(|r| shm.stats(r)).collect();
-            let stats = |d| synchronized.then(|| &stats[d] as &dyn StatsExchange);
-            setup.run(
-                &shm,
-                f,
-                |d, device, start| {
-                    Ok(cpu_replica(device, start, seed, stats(d)).with_decay(decay.clone()).with_loss(loss))
-                },
-                |d, _| Ok(shm.member(d)),
-            )
-        }
-        #[cfg(feature = "cuda")]
-        RunTransport::Nccl | RunTransport::NcclClique | RunTransport::DeviceCopies => {
-            let ordinals = devices.cuda_ordinals();
-            let codec = Codec::new(config.grad_compression, model.params_len());
-            // Synchronized BatchNorm's statistics meet on the host, in the shared-memory
-            // statistics exchange CPU devices use (a group of no gradient values).
-            let stats_group = if synchronized { Some(ShmGroup::new(n, replicas, 0, setup.collective)?) } else { None };
-            let stats: Vec<ShmStats<'_>> = stats_group.iter().flat_map(|g| (0..n).map(|r| g.stats(r))).collect();
-            let group = match transport {
-                RunTransport::NcclClique if transport_for(&ordinals) == Transport::Copies => Err(Error::CudaUnavailable(
-                    format!(
-                        "the GPUs of several processes meet through NCCL only, and it cannot serve here \
-                         (it must load, 2.18 or later, and each process must name distinct GPUs; this one names {devices})"
-                    ),
-                )),
-                RunTransport::NcclClique => {
-                    Ok(GpuGroup::Nccl(NcclGroup::in_clique(&ordinals, width, processes::clique(world, n)?)?))
-                }
-                RunTransport::Nccl => Ok(GpuGroup::new(Transport::Nccl, &ordinals, width)?),
-                _ => Ok(GpuGroup::new(Transport::Copies, &ordinals, width)?),
-            };
-            group.and_then(|group| {
-                let abort = Aborts::new(&group, stats_group.as_ref().map(|g| g as &dyn Abort));
-                setup.run(
-                    &abort,
-                    f,
-                    |d, device, start| {
-                        Ok(gpu_replica(device, start, seed, stats.get(d), &abort)?
-                            .with_decay(decay.clone())
-                            .with_loss(loss))
-                    },
-                    |d, replica| GpuExchange::new(group.join(d, replica.stream())?, width, k)?.with_codec(codec),
-                )
-            })
-        }
-        #[cfg(not(feature = "cuda"))]
-        RunTransport::Nccl | RunTransport::NcclClique | RunTransport::DeviceCopies => {
-            Err(crate::devices::without_cuda(devices))
-        }
-    };
-    // In a world of one there is no other process to hear from or tell.
-    out.map_err(|e| processes::settle(world, e))
+        None => Ok(model.init(config.seed)),
+    }
 }
 
 /// A CPU replica from `start`, meeting the other replicas' statistics through `stats`
@@ -678,6 +629,9 @@ struct WorkerSetup<'a> {
     model: &'a Sequential,
     initial: &'a ParamStore,
     config: &'a TrainConfig,
+    /// Whether the model has synchronized BatchNorm layers (its replicas then meet each
+    /// other's statistics).
+    synchronized: bool,
     /// How workers wait for each other in the exchange.
     collective: Wait,
     /// How the coordinator and the workers wait for messages.
@@ -685,6 +639,84 @@ struct WorkerSetup<'a> {
 }
 
 impl WorkerSetup<'_> {
+    /// The gradients' width: every parameter and buffer value, as a slot holds them.
+    fn width(&self) -> usize {
+        self.model.params_len() + self.model.buffers_len()
+    }
+
+    /// CPU devices of one process, meeting in shared memory.
+    fn on_shared_memory<T>(&self, f: impl FnOnce(&mut Trainer<'_>) -> Result<T>) -> Result<T> {
+        let (n, model, config) = (self.devices.len(), self.model, self.config);
+        let codec = Codec::new(config.grad_compression, model.params_len());
+        let shm = ShmGroup::with_codec(n, self.replicas, self.width(), self.collective, codec)?;
+        let stats: Vec<ShmStats<'_>> = (0..n).map(|r| shm.stats(r)).collect();
+        let synchronized = self.synchronized;
+        let stats = |d| synchronized.then(|| &stats[d] as &dyn StatsExchange);
+        let (seed, loss, decay) = (config.seed, config.loss(), &decay_mask(model, config.weight_decay_on));
+        self.run(
+            &shm,
+            f,
+            |d, device, start| Ok(cpu_replica(device, start, seed, stats(d)).with_decay(decay.clone()).with_loss(loss)),
+            |d, _| Ok(shm.member(d)),
+        )
+    }
+
+    /// CPU devices of several processes, meeting through MPI.
+    #[cfg(feature = "mpi")]
+    fn across_processes<T>(&self, f: impl FnOnce(&mut Trainer<'_>) -> Result<T>) -> Result<T> {
+        let (n, model, config) = (self.devices.len(), self.model, self.config);
+        let codec = Codec::new(config.grad_compression, model.params_len());
+        let group = crate::exchange::mpi::MpiGroup::new(self.world, n, self.replicas, self.width(), self.collective, codec)?;
+        let stats: Vec<_> = (0..n).map(|r| group.stats(r)).collect();
+        let synchronized = self.synchronized;
+        let stats = |d| synchronized.then(|| &stats[d] as &dyn StatsExchange);
+        let (seed, loss, decay) = (config.seed, config.loss(), &decay_mask(model, config.weight_decay_on));
+        self.run(
+            &group,
+            f,
+            |d, device, start| Ok(cpu_replica(device, start, seed, stats(d)).with_decay(decay.clone()).with_loss(loss)),
+            |d, _| Ok(group.member(d)),
+        )
+    }
+
+    /// GPUs, meeting through NCCL (in one process, or as one clique across processes) or
+    /// device copies; synchronized BatchNorm's statistics meet on the host, in the
+    /// shared-memory statistics exchange CPU devices use (a group of no gradient values).
+    #[cfg(feature = "cuda")]
+    fn on_gpus<T>(&self, transport: RunTransport, f: impl FnOnce(&mut Trainer<'_>) -> Result<T>) -> Result<T> {
+        let (n, model, config, devices) = (self.devices.len(), self.model, self.config, self.devices);
+        let k = self.replicas / (n * self.world.size());
+        let width = self.width();
+        let ordinals = devices.cuda_ordinals();
+        let codec = Codec::new(config.grad_compression, model.params_len());
+        let stats_group =
+            if self.synchronized { Some(ShmGroup::new(n, self.replicas, 0, self.collective)?) } else { None };
+        let stats: Vec<ShmStats<'_>> = stats_group.iter().flat_map(|g| (0..n).map(|r| g.stats(r))).collect();
+        let group = match transport {
+            RunTransport::NcclClique if transport_for(&ordinals) == Transport::Copies => {
+                return Err(Error::CudaUnavailable(format!(
+                    "the GPUs of several processes meet through NCCL only, and it cannot serve here \
+                     (it must load, 2.18 or later, and each process must name distinct GPUs; this one names {devices})"
+                )))
+            }
+            RunTransport::NcclClique => {
+                GpuGroup::Nccl(NcclGroup::in_clique(&ordinals, width, processes::clique(self.world, n)?)?)
+            }
+            RunTransport::Nccl => GpuGroup::new(Transport::Nccl, &ordinals, width)?,
+            _ => GpuGroup::new(Transport::Copies, &ordinals, width)?,
+        };
+        let abort = Aborts::new(&group, stats_group.as_ref().map(|g| g as &dyn Abort));
+        let (seed, loss, decay) = (config.seed, config.loss(), &decay_mask(model, config.weight_decay_on));
+        self.run(
+            &abort,
+            f,
+            |d, device, start| {
+                Ok(gpu_replica(device, start, seed, stats.get(d), &abort)?.with_decay(decay.clone()).with_loss(loss))
+            },
+            |d, replica| GpuExchange::new(group.join(d, replica.stream())?, width, k)?.with_codec(codec),
+        )
+    }
+
     /// Starts one worker thread per device under a scope — each builds its replica with
     /// `build`, then joins the exchange with `join` — calls `f` with the coordinator's
     /// handle, and returns when every thread has ended. `group` is the run's exchange,
