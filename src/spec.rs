@@ -24,23 +24,9 @@
 //!             {"type": "dense", "units": 10}]}
 //! ```
 //!
-//! | type | fields (default) |
-//! |---|---|
-//! | `rescaling` | `scale` (required), `offset` (0) |
-//! | `conv2d` | `filters`, `kernel_size` (int or [kh, kw]), `strides` (1; int or [s, s]), `padding` ("valid", "same", or pads: int or [ph, pw]; "valid"), `use_bias` (true), `activation` ("linear") |
-//! | `batch_normalization` | `scale` (true), `center` (true), `epsilon` (0.001), `momentum` (0.99), `synchronized` (false), `names` ("keras": gamma, beta; or "pytorch": weight, bias, num_batches_tracked) |
-//! | `relu` | none |
-//! | `dense` | `units`, `use_bias` (true), `activation` ("linear"), `init_std` (none: Glorot-uniform; else normal(0, std²)), `tied_to` (none; an earlier tensor's name: the weight is that tensor) |
-//! | `dropout` | `rate` in [0, 1) |
-//! | `flatten` | none |
-//! | `global_average_pooling2d` | none |
-//! | `max_pooling2d` | `pool_size` (2; int or [kh, kw]), `strides` (the pool size; int or [sh, sw]), `padding` ("valid", "same", or pads: int or [ph, pw]; "valid") |
-//! | `gelu` | none |
-//! | `layer_norm` | `eps` (1e-5), `use_bias` (true) |
-//! | `residual` | `layers` (the body), `shortcut` (none: the identity), `activation` ("linear") |
-//! | `embedding` | `vocab` (ids are 0..vocab), `width`; samples of token ids (T) |
-//! | `positional_embedding` | `length` (the table's positions, at least the context T); samples (T, C) |
-//! | `causal_self_attention` | `heads` (dividing the width), `dropout` (0; attention and residual), `proj_std` (0.02), `use_bias` (true) |
+//! Every layer type, with its fields and their defaults, is the table of the guide's
+//! command-line chapter (docs/command-line.md, "Models without Rust"), which a test keeps
+//! equal to [`LAYER_TYPES`].
 //!
 //! The defaults are Keras's. Input channels and features are inferred from the running
 //! shape; `"activation": "relu"` appends a ReLU layer (softmax belongs to the loss, so
@@ -49,19 +35,15 @@
 //! values per sample and parameters, so that no size arithmetic can overflow.
 //!
 //! # Adding a layer type
-//! A type's entry is a [`LayerType`] in the layer's own module (`Conv2d::SPEC` in
-//! `nn/conv2d.rs`): its `type` name, its fields as the table above lists them, an example,
-//! and a function that reads the fields with `ops::spec::Fields` (each default and
-//! each error there) and builds the layers against the running shape. The layer writes
-//! itself back ([`Layer::spec`](crate::nn::Layer::spec)). [`LAYER_TYPES`] (`nn::LAYER_TYPES`) is the one list of
-//! types: the parse dispatch, the names in errors and [`LayerSpec::type_name`] all read
-//! it, so a new type adds its module, one line to that list, and its row to the docs'
-//! tables. Its test parses every entry's example, builds it, requires each built layer to
-//! write itself back ([`Layer::spec`](crate::nn::Layer::spec)), to state its memory
-//! ([`Layer::memory`](crate::nn::Layer::memory)) and to
-//! have a GPU form, writes the model back and parses that again, expecting the same
-//! layers (the same specs, descriptions and tensors); a table row missing from the docs
-//! above, or from both the README and the guide (`docs/`), fails a test.
+//! A type's entry is the [`LayerType`] of its op's folder (`Conv2d::SPEC` in
+//! `ops/conv2d/`): its `type` name, its fields as the guide's table lists them, an example,
+//! and a function that reads the fields with `ops::spec::Fields` (each default and each
+//! error there) and builds the layers against the running shape; the layer writes itself
+//! back ([`Layer::spec`](crate::nn::Layer::spec)). [`LAYER_TYPES`] is the one list of types:
+//! the parse dispatch, the names in errors and [`LayerSpec::type_name`] all read it. What a
+//! new op owes is the architecture chapter's (docs/architecture.md, "Ops: one folder
+//! each"), and the conformance test holds it to all of it; a row missing from the guide's
+//! table fails the test below.
 
 use std::path::Path;
 
@@ -288,11 +270,7 @@ mod tests {
                 pages.push(entry);
             }
         }
-        let docs = include_str!("spec.rs");
         let rows: Vec<String> = LAYER_TYPES.iter().map(|t| format!("| `{}` | {} |", t.name, t.fields)).collect();
-        for row in &rows {
-            assert!(docs.contains(&format!("//! {row}\n")), "the table of src/spec.rs's docs lacks\n{row}");
-        }
         let listed = |text: &str| {
             LAYER_TYPES.iter().filter(|t| text.lines().any(|l| l.starts_with(&format!("| `{}` |", t.name)))).count()
         };
@@ -305,13 +283,15 @@ mod tests {
             for row in &rows {
                 assert!(
                     text.contains(&format!("\n{row}\n")),
-                    "{} lists layer types but not this row (or not as nn::LAYER_TYPES states it):\n{row}",
+                    "{} lists layer types but not this row (or not as model::LAYER_TYPES states it):\n{row}",
                     page.display()
                 );
             }
         }
-        let table = docs.lines().filter(|l| l.starts_with("//! | `")).count();
-        assert_eq!(table, LAYER_TYPES.len(), "the docs' table lists a type LAYER_TYPES does not have");
+        let guide = std::fs::read_to_string(root.join("docs/command-line.md")).unwrap();
+        let rows_after = guide.split("| type | fields (default) |\n|---|---|\n").nth(1).expect("the guide's table");
+        let table = rows_after.lines().take_while(|l| l.starts_with("| `")).count();
+        assert_eq!(table, LAYER_TYPES.len(), "the guide's table lists a type LAYER_TYPES does not have");
     }
 
     #[test]

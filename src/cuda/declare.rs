@@ -176,16 +176,20 @@ pub static NULL: u64 = 0;
 /// module, to `pub mod op { ... }` with, per direction, a `const` [`Kernel`] (`FWD`, `BWD`,
 /// `PLAIN`) and a typed launch `unsafe fn fwd(gpu: &impl Launcher, cfg: LaunchConfig,
 /// x: &CudaView<'_, f32>, ...)`, and to `pub const KERNELS: KernelFile`, the file with its
-/// source (`include_str!` of `kernels/<file>`, so the binary needs no source tree at run
-/// time) and its kernels, in declaration order.
+/// source (`include_str!` of `kernels/common.cuh` then of `kernels/<file>`, so the binary
+/// needs no source tree at run time) and its kernels, in declaration order.
 macro_rules! kernels {
     (
         $file:literal {
             $( $op:ident { $( $dir:ident ( $( $param:ident : $kind:ident ),* $(,)? ) ; )+ } )+
         }
     ) => {
-        /// The text of this module's kernel file.
-        const SOURCE: &str = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/kernels/", $file));
+        /// The text of this module's kernel file, behind what every kernel file is compiled
+        /// with (kernels/common.cuh).
+        const SOURCE: &str = concat!(
+            include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/kernels/common.cuh")),
+            include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/kernels/", $file))
+        );
 
         $(
             #[doc = concat!("The `", stringify!($op), "` kernels of kernels/", $file, ".")]

@@ -17,27 +17,25 @@ pub use residual::Residual;
 pub use sequential::{auto_names, NamedLayer, ParamStore, Place, Sequential, TensorInfo, TENSOR_ALIGN};
 pub use sync_batchnorm::convert_sync_batchnorm;
 
-use crate::ops::{
-    BatchNorm2d, CausalSelfAttention, Conv2d, Dropout, Embedding, Flatten, Gelu, GlobalAvgPool2d, LayerNorm, LayerType,
-    Linear, MaxPool2d, PositionalEmbedding, Relu, Rescaling,
-};
+use crate::ops::{self, LayerType};
 
 /// Every layer type of the spec format, in the order its errors list them: the one line a
 /// new op adds its entry to.
 pub const LAYER_TYPES: &[LayerType] = &[
-    Rescaling::SPEC,
-    Conv2d::SPEC,
-    BatchNorm2d::SPEC,
-    Relu::SPEC,
-    Linear::SPEC,
-    Dropout::SPEC,
-    Flatten::SPEC,
-    GlobalAvgPool2d::SPEC,
-    MaxPool2d::SPEC,
-    Gelu::SPEC,
-    LayerNorm::SPEC,
+    ops::Rescaling::SPEC,
+    ops::Conv2d::SPEC,
+    ops::BatchNorm2d::SPEC,
+    ops::Relu::SPEC,
+    ops::Linear::SPEC,
+    ops::Dropout::SPEC,
+    ops::Flatten::SPEC,
+    ops::GlobalAvgPool2d::SPEC,
+    ops::MaxPool2d::SPEC,
+    ops::Gelu::SPEC,
+    ops::LayerNorm::SPEC,
     Residual::SPEC,
-    Embedding::SPEC,
-    PositionalEmbedding::SPEC,
-    CausalSelfAttention::SPEC,
+    ops::Embedding::SPEC,
+    ops::PositionalEmbedding::SPEC,
+    ops::CausalSelfAttention::SPEC,
+    ops::Silu::SPEC,
 ];

@@ -54,6 +54,7 @@ pub mod maxpool2d;
 pub mod positional;
 pub mod relu;
 pub mod rescaling;
+pub mod silu;
 pub mod spec;
 pub mod window;
 
@@ -73,6 +74,7 @@ pub use maxpool2d::MaxPool2d;
 pub use positional::PositionalEmbedding;
 pub use relu::Relu;
 pub use rescaling::Rescaling;
+pub use silu::Silu;
 pub use spec::{Activation, LayerType};
 pub use window::{Geometry2d, Padding, Window2d};
 

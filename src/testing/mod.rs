@@ -93,6 +93,18 @@ pub(crate) fn assert_bits(what: &str, got: &[f32], want: &[f32]) {
     }
 }
 
+/// `got` and `want` equal bit for bit, but that a NaN matches any NaN: IEEE 754 leaves a
+/// NaN's sign and payload to the order of the operands, which a compiler may swap in a
+/// commutative product (so the CPU's vector loop and a kernel's scalar code may differ
+/// there, and only there).
+#[track_caller]
+pub(crate) fn assert_same(what: &str, got: &[f32], want: &[f32]) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!(g.to_bits() == w.to_bits() || (g.is_nan() && w.is_nan()), "{what}[{i}]: got {g}, want {w}");
+    }
+}
+
 /// |got − want| ≤ atol + rtol·|want| for every value (`want` in f64, a reference computed
 /// from the same f32 inputs).
 #[track_caller]

@@ -666,7 +666,8 @@ impl WorkerSetup<'_> {
     fn across_processes<T>(&self, f: impl FnOnce(&mut Trainer<'_>) -> Result<T>) -> Result<T> {
         let (n, model, config) = (self.devices.len(), self.model, self.config);
         let codec = Codec::new(config.grad_compression, model.params_len());
-        let group = crate::exchange::mpi::MpiGroup::new(self.world, n, self.replicas, self.width(), self.collective, codec)?;
+        let group =
+            crate::exchange::mpi::MpiGroup::new(self.world, n, self.replicas, self.width(), self.collective, codec)?;
         let stats: Vec<_> = (0..n).map(|r| group.stats(r)).collect();
         let synchronized = self.synchronized;
         let stats = |d| synchronized.then(|| &stats[d] as &dyn StatsExchange);
