@@ -9,7 +9,7 @@
 //   * mean and the variance used to normalise are the BIASED batch statistics (divide by M,
 //     M = N*H*W); the running variance is updated with the UNBIASED one (times `unbias`),
 //     as PyTorch and Keras do;
-//   * running = keep * running + take * batch, the host's numbers (ops::batchnorm's
+//   * running = keep * running + take * batch, the host's numbers (ops::batchnorm::cpu's
 //     RunningUpdate: keep = momentum, take = 1 - momentum, unbias = M/(M-1) or 1 at M = 1),
 //     blended here in float32 from float32 block sums where the CPU blends in float64;
 //   * gamma == NULL means no scale (Keras scale=False): gamma is 1 and dgamma is not written;
@@ -22,17 +22,17 @@
 // Synchronized BatchNorm (--sync-batchnorm: the statistics of the global batch, every
 // logical replica's shard together; src/ops/batchnorm/) is four more kernels around the
 // host's merge: batchnorm_moments_fwd (each channel's (mean, M2) of this shard, in f64),
-// then the host gathers every replica's and merges them (ops::batchnorm::global_moments,
-// the CPU layer's own function), then batchnorm_sync_fwd (normalise with the merged
-// statistics, move the running ones); in backward batchnorm_sums_bwd (each channel's
-// (sum dy, sum dy*xhat) of this shard, in f64), the host's sum over the replicas
-// (ops::batchnorm::global_sums), then batchnorm_sync_bwd (dx from the global sums,
-// dgamma and dbeta from the shard's own). Each mirrors the CPU layer's arithmetic
-// operation for operation (f64 per plane with eight accumulators, planes merged in sample
-// order), so that on the same x a GPU replica hands the exchange the CPU's very payload;
-// tests/kernels_host.rs checks them bit for bit against the layer. The _rn intrinsics
-// keep NVRTC from contracting a*b + c into one FMA (-fmad=true), which rounds once where
-// the CPU rounds twice. One block per channel, as above; within it thread t computes the
+// then the host gathers every replica's and merges them (global_moments of
+// src/ops/batchnorm/cpu.rs, the CPU layer's own function), then batchnorm_sync_fwd
+// (normalise with the merged statistics, move the running ones); in backward
+// batchnorm_sums_bwd (each channel's (sum dy, sum dy*xhat) of this shard, in f64), the
+// host's sum over the replicas (global_sums), then batchnorm_sync_bwd (dx from the global
+// sums, dgamma and dbeta from the shard's own). Each mirrors the CPU layer's arithmetic
+// (src/ops/batchnorm/cpu.rs) operation for operation (f64 per plane with eight
+// accumulators, planes merged in sample order), so that on the same x a GPU replica hands
+// the exchange the CPU's very payload; the op's host check (src/ops/batchnorm/gpu.rs)
+// holds them to it bit for bit. The _rn intrinsics keep NVRTC from contracting a*b + c
+// into one FMA (-fmad=true), which rounds once where the CPU rounds twice. One block per channel, as above; within it thread t computes the
 // planes of samples t, t + 256, ... and thread 0 merges each round of 256 in sample order.
 
 #define REDUCE_BLOCK 256
@@ -146,7 +146,7 @@ extern "C" __global__ void batchnorm_train_bwd_f32(const float* x, const float* 
 
 // ---- synchronized BatchNorm ---------------------------------------------------------
 
-// Sum of v[0..len] in f64 with eight accumulators, as ops::batchnorm's sum_f64 (the order
+// Sum of v[0..len] in f64 with eight accumulators, as ops::batchnorm::cpu's sum_f64 (the order
 // is fixed by the length alone). Iterator sums start from -0.0, Rust's identity of f64
 // addition (-0.0 + x is x for every x).
 __device__ double sum_f64(const float* v, size_t len) {
@@ -161,7 +161,7 @@ __device__ double sum_f64(const float* v, size_t len) {
     return __dadd_rn(total, tail);
 }
 
-// Sum of (v - m)^2 in f64, as ops::batchnorm's sum_sq_dev_f64.
+// Sum of (v - m)^2 in f64, as ops::batchnorm::cpu's sum_sq_dev_f64.
 __device__ double sum_sq_dev_f64(const float* v, size_t len, double m) {
     double acc[8] = {0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0};
     const size_t chunks = len / 8;
@@ -180,7 +180,7 @@ __device__ double sum_sq_dev_f64(const float* v, size_t len, double m) {
     return __dadd_rn(total, tail);
 }
 
-// ops::batchnorm's Moments::merge (Chan, Golub, LeVeque): (count, mean, m2) += b's values.
+// ops::batchnorm::cpu's Moments::merge (Chan, Golub, LeVeque): (count, mean, m2) += b's values.
 __device__ void merge_moments(double* count, double* mean, double* m2, double b_count, double b_mean,
                               double b_m2) {
     if (b_count == 0.0) return;
@@ -233,7 +233,7 @@ extern "C" __global__ void batchnorm_moments_fwd_f32(const float* x, double* mom
 //   y = ((x - mean_f32) * invstd_f32) * gamma + beta, in f32 as the CPU layer (its xhat
 //   times gamma plus beta; gamma 1 and beta 0 when absent);
 //   running = keep * running + take * mean (running_var: + (take * var) * unbias), in f64
-//   and rounded to f32: ops::batchnorm's RunningUpdate for the GLOBAL count;
+//   and rounded to f32: ops::batchnorm::cpu's RunningUpdate for the GLOBAL count;
 //   save_mean, save_invstd = mean_f32, invstd_f32, for the backward.
 // x, y: (N, C, H, W) with total = N*C*H*W, hw = H*W; gamma, beta: (C) or NULL;
 // running_mean, running_var, save_mean, save_invstd: (C). A grid-stride loop over the
@@ -262,7 +262,7 @@ extern "C" __global__ void batchnorm_sync_fwd_f32(const float* x, float* y, cons
     }
 }
 
-// Each plane's (sum dy, sum dy*xhat) in f64 with eight accumulators, as ops::batchnorm's
+// Each plane's (sum dy, sum dy*xhat) in f64 with eight accumulators, as ops::batchnorm::cpu's
 // sums_dy_dyx; xhat = (x - mean) * invstd in f32, the very xhat the forward made.
 __device__ void sums_dy_dyx(const float* x, const float* dy, size_t len, float mean, float invstd, double* sd,
                             double* sdx) {
@@ -356,7 +356,7 @@ extern "C" __global__ void batchnorm_sync_bwd_f32(const float* x, const float* d
 
 // num_batches_tracked of a training forward: rounded back to its integer (the average
 // over logical replicas multiplies by 1/R, off by an ulp for some R), plus one, as
-// src/ops/batchnorm/'s count_up. count: (n), n = 1
+// src/ops/batchnorm/cpu.rs's count_up. count: (n), n = 1
 extern "C" __global__ void batchnorm_count_fwd_f32(float* count, size_t n) {
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
         count[i] = __fadd_rn(rintf(count[i]), 1.0f);

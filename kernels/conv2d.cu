@@ -1,6 +1,7 @@
 // conv2d.cu — a 2-D convolution's own kernels: im2col and its adjoint (col2im) for NCHW
-// tensors, and the bias add over channels with its reduction (src/ops/conv2d/, the CPU
-// reference). The contract every file of kernels/ keeps is kernels/README.md's.
+// tensors, and the bias add over channels with its reduction (src/ops/conv2d/cpu.rs and
+// the CPU backend's unfolding, the reference). The contract every file of kernels/ keeps
+// is kernels/README.md's.
 //
 // Owns: the data movement that turns a convolution into one matrix product per sample
 // (done by cuBLAS on the host side, not here). Layout is the CPU backend's, so the two

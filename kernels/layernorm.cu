@@ -7,14 +7,14 @@
 // sums in chunk order (layernorm_params_bwd). No atomics, so every result is a function
 // of the inputs and the shape alone.
 //
-// The arithmetic is src/ops/layernorm/'s (the CPU reference; its docs state the order),
+// The arithmetic is src/ops/layernorm/cpu.rs's (the CPU reference; its docs state the order),
 // operation for operation, in double: a row's sums take LN_LANES lanes (lane j adds the
 // elements i = j, j + 32, ... from 0.0), which meet in the fixed tree of ln_lane_tree;
 // mean = sum / C, var = sum of squared deviations / C, rstd = 1 / sqrt(var + eps);
 // xhat = (x - mean) * rstd, rounded to float where the CPU layer keeps it as float. The
 // _rn intrinsics keep NVRTC from contracting a*b + c into an FMA (-fmad=true), which the
-// CPU does not do; double division and sqrt are IEEE round-to-nearest on both, so
-// tests/kernels_host.rs holds these kernels to the CPU layer bit for bit.
+// CPU does not do; double division and sqrt are IEEE round-to-nearest on both, so the
+// op's host check (src/ops/layernorm/gpu.rs) holds these kernels to the CPU bit for bit.
 //
 // Launch shapes (the op's gpu.rs): the row kernels run LN_BLOCK threads a
 // block, one warp of LN_LANES threads a row (LN_BLOCK / LN_LANES rows a block, grid =
@@ -31,7 +31,7 @@
 
 // The sum of one row's lane sums, v being this thread's; `part` is LN_BLOCK doubles, the
 // row's lanes at part[base .. base + LN_LANES). Lane t adds lane t + s for s = 16, 8, 4, 2,
-// 1 (src/ops/layernorm/'s lane_tree). Every thread of the block calls it (it meets at
+// 1 (src/ops/layernorm/cpu.rs's lane_tree). Every thread of the block calls it (it meets at
 // __syncthreads), live row or not; the sum is returned to every lane of the row.
 __device__ double ln_lane_tree(double v, double* part, unsigned lane, unsigned base) {
     part[base + lane] = v;

@@ -1,5 +1,5 @@
 // maxpool2d.cu — max pooling (Keras MaxPooling2D) over NCHW tensors, forward and backward.
-// The CPU layer (src/ops/maxpool2d/) is the reference, followed exactly, so the host-run
+// The CPU's (src/ops/maxpool2d/cpu.rs) is the reference, followed exactly, so the host-run
 // kernel test compares the two bit for bit:
 //   * a window is the one src/ops/window.rs places: output (oy, ox) covers rows
 //     oy*SH - PT .. + KH and columns ox*SW - PL .. + KW, clipped to the plane, so a padded

@@ -12,8 +12,9 @@
 //! What is checked:
 //!   * that every kernel of train::kernel_files() is launched here, by the test that says it checks
 //!     it (each test's launches are recorded and compared with its entry of `CHECKED` when
-//!     it ends, and the entries together must be train::kernel_files()): a new kernel without a
-//!     host check fails `every_kernel_in_kernels_is_checked_here`;
+//!     it ends, and the entries together must be train::kernel_files() less the files of
+//!     `CHECKED_IN_THE_CRATE`, checked beside their op): a new kernel without a host check
+//!     fails `every_kernel_in_kernels_is_checked_here`;
 //!   * every kernel against a reference written here, in tests/common (the one
 //!     tests/cuda_ops.rs holds the GPU to) or the CPU backend's own code (the CPU is the
 //!     oracle), on small random inputs, under the launch shape src/cuda/launch.rs
@@ -48,23 +49,14 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
 
-use lockstep::backend::cpu;
 use lockstep::cuda::kernels::{Kernel, Kind};
 use lockstep::cuda::launch::REDUCE_BLOCK;
 use lockstep::exchange::codec::{Codec, Compression};
 use lockstep::exchange::gpu::codec::{WireGeom, CODEC_THREADS};
-use lockstep::nn::{
-    loss, BatchNorm2d, Ctx, Dropout, Embedding, Layer, LayerNorm, MaxPool2d, Padding, PositionalEmbedding, Sequential,
-    Window2d,
-};
+use lockstep::nn::{loss, Ctx, Dropout, Embedding, Layer, PositionalEmbedding, Sequential};
 use lockstep::ops::attention::gpu::ATTENTION_BLOCK;
-use lockstep::ops::batchnorm::RunningUpdate;
 use lockstep::ops::dropout::gpu::DropoutKey;
 use lockstep::ops::gelu::{gelu_grad, gelu_value};
-use lockstep::ops::layernorm::gpu::{LN_BLOCK, LN_LANES};
-use lockstep::ops::layernorm::{row_stats, ROW_CHUNK};
-use lockstep::ops::maxpool2d::{maxpool2d_plane_bwd, maxpool2d_plane_fwd};
-use lockstep::ops::window::WindowGeom;
 use lockstep::optim::{
     clip_factor, norm_partials, DecayMask, DecayOn, GradNorm, MomentumKind, Optimizer, OptimizerConfig, NORM_CHUNK,
     NORM_LANES,
@@ -73,9 +65,8 @@ use lockstep::train::kernel_files;
 use lockstep::{Device, Tensor};
 
 use common::{
-    assert_close, bias_nchw_bwd_ref, code_is_nan, codec_inputs, col2im_ref, device_wire, dropout_keep, f64s,
-    im2col_ref, shm_exchange, softmax_xent_ref, sync_bn_cpu, sync_bn_global_sums, sync_bn_merge, wire_parts, BnInputs,
-    CodecInputs, Rng, ATOL_ELEM, ATOL_SUM, RTOL_ELEM, RTOL_SUM,
+    assert_close, code_is_nan, codec_inputs, device_wire, dropout_keep, f64s, shm_exchange, softmax_xent_ref,
+    wire_parts, CodecInputs, Rng, ATOL_ELEM, ATOL_SUM, RTOL_ELEM, RTOL_SUM,
 };
 
 // ---- building and loading the kernels ----------------------------------------------
@@ -182,7 +173,7 @@ fn build() -> Result<HostKernels, Unavailable> {
     let (unit, lib_path) = (dir.join("kernels_host.cpp"), dir.join("libkernels_host.so"));
     std::fs::write(&unit, translation_unit(&kernel_sources()))
         .map_err(|e| Unavailable::Failed(format!("{}: {e}", unit.display())))?;
-    let header = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/kernels_host/cuda_host.h");
+    let header = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/cuda/host/cuda_host.h");
     let out = Command::new(&cxx)
         .args(["-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-include"])
         .arg(&header)
@@ -319,12 +310,10 @@ enum Arg<'a> {
     I32(i32),
     /// `float`.
     F32(f32),
-    /// `double`.
-    F64(f64),
     /// `size_t` or `unsigned long long` (launch.rs's usize lengths and u64 dropout keys).
     U64(u64),
 }
-use Arg::{In, InF64, InU32, InU8, Null, Out, OutF64, OutU32, OutU8, F32, F64, I32, U64};
+use Arg::{In, InF64, InU32, InU8, Null, Out, OutF64, OutU32, OutU8, F32, I32, U64};
 
 impl Arg<'_> {
     /// Whether this value may fill a parameter of type `code` (cuda_host.h's letters).
@@ -341,7 +330,6 @@ impl Arg<'_> {
             Null => b"rwRWbBdD".contains(&code),
             I32(_) => code == b'i',
             F32(_) => code == b'f',
-            F64(_) => code == b'g',
             U64(_) => code == b'z',
         }
     }
@@ -359,7 +347,6 @@ impl Arg<'_> {
             Null => "Null (64-bit 0)",
             I32(_) => "I32 (int)",
             F32(_) => "F32 (float)",
-            F64(_) => "F64 (double)",
             U64(_) => "U64 (size_t / unsigned long long)",
         }
     }
@@ -416,11 +403,6 @@ const MAX_BLOCKS: usize = 65_535;
 fn elem_cfg(n: usize) -> Cfg {
     let blocks = n.div_ceil(ELEM_BLOCK as usize).clamp(1, MAX_BLOCKS) as u32;
     Cfg { grid: (blocks, 1, 1), block: (ELEM_BLOCK, 1, 1) }
-}
-
-/// launch.rs's `channel_cfg`: one block of REDUCE_BLOCK threads per channel.
-fn channel_cfg(c: i32) -> Cfg {
-    Cfg { grid: (c as u32, 1, 1), block: (REDUCE_BLOCK, 1, 1) }
 }
 
 /// 3 blocks of 32 threads: fewer threads than elements in every test that uses it, so
@@ -522,7 +504,6 @@ impl HostKernels {
                 (Null, None) => Cell::of(&0u64.to_ne_bytes()),
                 (I32(v), None) => Cell::of(&v.to_ne_bytes()),
                 (F32(v), None) => Cell::of(&v.to_ne_bytes()),
-                (F64(v), None) => Cell::of(&v.to_ne_bytes()),
                 (U64(v), None) => Cell::of(&v.to_ne_bytes()),
                 _ => unreachable!("every buffer is staged"),
             })
@@ -571,20 +552,8 @@ const CHECKED: &[(&str, &[&str])] = &[
     ("relu_fwd_and_bwd_match_the_reference", &["relu_fwd_f32", "relu_bwd_f32"]),
     ("gelu_fwd_and_bwd_equal_the_cpu_layer_bit_for_bit", &["gelu_fwd_f32", "gelu_bwd_f32"]),
     ("rescale_scale_and_fill_match_the_reference", &["rescale_fwd_f32", "rescale_bwd_f32", "scale_f32", "fill_f32"]),
-    (
-        "bias_adds_and_their_reductions_match_the_reference",
-        &["bias_nchw_fwd_f32", "bias_nchw_bwd_f32", "bias_cols_fwd_f32", "bias_cols_bwd_f32"],
-    ),
-    (
-        "im2col_and_col2im_match_the_cpu_backend_with_stride_and_asymmetric_padding",
-        &["im2col_fwd_f32", "im2col_bwd_f32"],
-    ),
-    (
-        "batchnorm_train_eval_and_backward_match_the_reference",
-        &["batchnorm_train_fwd_f32", "batchnorm_eval_fwd_f32", "batchnorm_train_bwd_f32"],
-    ),
+    ("bias_adds_and_their_reductions_match_the_reference", &["bias_cols_fwd_f32", "bias_cols_bwd_f32"]),
     ("global_average_pool_matches_the_reference", &["global_avgpool_fwd_f32", "global_avgpool_bwd_f32"]),
-    ("maxpool2d_matches_the_cpu_layer_bit_for_bit", &["maxpool2d_fwd_f32", "maxpool2d_bwd_f32"]),
     ("softmax_cross_entropy_matches_the_cpu_loss", &["softmax_xent_fwd_f32"]),
     (
         "sgd_adam_and_adamw_match_the_cpu_optimizer_over_several_steps",
@@ -594,11 +563,6 @@ const CHECKED: &[(&str, &[&str])] = &[
     ("reduce_sum_adds_the_buffers_left_to_right_and_scales", &["reduce_sum_f32"]),
     ("dropout_masks_equal_the_cpu_layer_bit_for_bit", &["dropout_fwd_f32", "dropout_bwd_f32"]),
     ("codec_kernels_equal_the_codec_bit_for_bit", &["wire_encode_f32", "wire_reduce_f32", "wire_decode_f32"]),
-    (
-        "synchronized_batchnorm_kernels_equal_the_cpu_layer_bit_for_bit",
-        &["batchnorm_moments_fwd_f32", "batchnorm_sync_fwd_f32", "batchnorm_sums_bwd_f32", "batchnorm_sync_bwd_f32"],
-    ),
-    ("batchnorm_count_equals_the_cpu_count_bit_for_bit", &["batchnorm_count_fwd_f32"]),
     (
         "embedding_kernels_equal_the_cpu_layer_bit_for_bit",
         &[
@@ -622,10 +586,16 @@ const CHECKED: &[(&str, &[&str])] = &[
             "attention_softmax_bwd_f32",
         ],
     ),
-    (
-        "layernorm_kernels_equal_the_cpu_layer_bit_for_bit",
-        &["layernorm_fwd_f32", "layernorm_bwd_f32", "layernorm_partial_bwd_f32", "layernorm_params_bwd_f32"],
-    ),
+];
+
+/// The kernel files whose host checks live with their op in the crate (its `gpu.rs`'s
+/// `host_check`, which `ops::conformance` holds to every kernel of the file).
+const CHECKED_IN_THE_CRATE: &[&str] = &[
+    // One a line, in name order.
+    "batchnorm.cu",
+    "conv2d.cu",
+    "layernorm.cu",
+    "maxpool2d.cu",
 ];
 
 #[test]
@@ -633,8 +603,11 @@ fn every_kernel_in_kernels_is_checked_here() {
     let found: BTreeSet<String> = kernel_sources().iter().flat_map(|(_, s)| kernel_names_in(s)).collect();
     let table: BTreeSet<String> = kernel_files().iter().flat_map(|f| f.kernel_names("f32")).collect();
     assert_eq!(found, table, "kernels/ scanned here vs the kernel file table (train::kernel_files)");
+    let in_the_crate = |p: &Path| CHECKED_IN_THE_CRATE.iter().any(|f| p.file_name().is_some_and(|n| n == *f));
+    let here: BTreeSet<String> =
+        kernel_sources().iter().filter(|(p, _)| !in_the_crate(p)).flat_map(|(_, s)| kernel_names_in(s)).collect();
     let checked: BTreeSet<String> = CHECKED.iter().flat_map(|(_, ks)| ks.iter().map(|s| s.to_string())).collect();
-    assert_eq!(found, checked, "a kernel without a host check here, or a check of a kernel that is gone");
+    assert_eq!(here, checked, "a kernel without a host check here, or a check of a kernel that is gone");
 }
 
 /// The 12 parameters a [`Kind::Geom`] stands for, as the window kernels name them.
@@ -817,36 +790,6 @@ fn bias_adds_and_their_reductions_match_the_reference() {
         return;
     };
     let mut rng = Rng(3);
-    // NCHW with M = N*H*W below one block (3*49 = 147 of 256 threads busy) and above it
-    // (4*100 = 400: threads 0..143 sum two terms each before the tree).
-    for (n, c, hw) in [(3, 5, 49), (4, 3, 100)] {
-        let (y0, bias, dy, dbias0) = (rng.vec(n * c * hw), rng.vec(c), rng.vec(n * c * hw), rng.vec(c));
-        let total = n * c * hw;
-        let want: Vec<f64> = (0..total).map(|i| y0[i] as f64 + bias[(i / hw) % c] as f64).collect();
-        for cfg in elem_cfgs(total) {
-            let mut y = y0.clone();
-            // As Gpu::bias_nchw_fwd: y, bias, C (int), hw, total.
-            k.launch(
-                "bias_nchw_fwd_f32",
-                cfg,
-                &mut [Out(&mut y), In(&bias), I32(c as i32), U64(hw as u64), U64(total as u64)],
-            );
-            // One f32 add: half an ulp.
-            assert_close(&format!("bias_nchw y {cfg:?}"), &y, &want, RTOL_ELEM, ATOL_ELEM);
-        }
-        let mut dbias = dbias0.clone();
-        // As Gpu::bias_nchw_bwd: dy, dbias, N (int), C (int), hw; grid = (C).
-        let cfg = channel_cfg(c as i32);
-        k.launch(
-            "bias_nchw_bwd_f32",
-            cfg,
-            &mut [In(&dy), Out(&mut dbias), I32(n as i32), I32(c as i32), U64(hw as u64)],
-        );
-        let want = bias_nchw_bwd_ref(&dy, &dbias0, (n, c, hw));
-        // Up to 400 terms of magnitude <= 1, in f32: 1e-5 relative plus 1e-5 absolute.
-        assert_close(&format!("bias_nchw dbias (accumulated), N={n} C={c} HW={hw}"), &dbias, &want, RTOL_SUM, ATOL_SUM);
-    }
-
     // (N, O) with O above one block (300 columns), so two blocks share the columns, and
     // the FEW grid with fewer threads than columns.
     let (n, o) = (7, 300);
@@ -865,288 +808,6 @@ fn bias_adds_and_their_reductions_match_the_reference() {
         k.launch("bias_cols_bwd_f32", cfg_bwd, &mut [In(&dy), Out(&mut dbias), I32(n as i32), I32(o as i32)]);
         // 7 rows summed in order, plus the old value.
         assert_close(&format!("bias_cols dbias (accumulated) {cfg_bwd:?}"), &dbias, &want_db, RTOL_SUM, ATOL_SUM);
-    }
-}
-
-// ---- conv.cu -------------------------------------------------------------------------
-
-/// The CPU backend's geometry for one sample, when both strides agree.
-fn cpu_geom(g: &WindowGeom) -> Option<cpu::Im2colGeom> {
-    (g.stride_h == g.stride_w).then(|| cpu::Im2colGeom {
-        c: g.c,
-        h: g.h,
-        w: g.w,
-        kh: g.kh,
-        kw: g.kw,
-        stride: g.stride_h,
-        pad_top: g.pad_top,
-        pad_left: g.pad_left,
-        oh: g.oh(),
-        ow: g.ow(),
-    })
-}
-
-/// launch.rs's `conv_args`: N, C, H, W, KH, KW, SH, SW, PT, PL, OH, OW as ints.
-fn conv_args(g: &WindowGeom) -> [i32; 12] {
-    [g.n, g.c, g.h, g.w, g.kh, g.kw, g.stride_h, g.stride_w, g.pad_top, g.pad_left, g.oh(), g.ow()]
-        .map(|v| i32::try_from(v).unwrap())
-}
-
-#[test]
-fn im2col_and_col2im_match_the_cpu_backend_with_stride_and_asymmetric_padding() {
-    let Some(k) = kernels_or_skip("im2col_and_col2im_match_the_cpu_backend_with_stride_and_asymmetric_padding") else {
-        return;
-    };
-    let mut rng = Rng(4);
-    let geom = |(n, c, h, w), (kh, kw), (stride_h, stride_w), (pad_top, pad_left, pad_bottom, pad_right)| WindowGeom {
-        n,
-        c,
-        h,
-        w,
-        kh,
-        kw,
-        stride_h,
-        stride_w,
-        pad_top,
-        pad_left,
-        pad_bottom,
-        pad_right,
-    };
-    let geoms = [
-        // The Keras convnet's first layer, smaller: 3x3, stride 1, no padding.
-        geom((2, 1, 12, 12), (3, 3), (1, 1), (0, 0, 0, 0)),
-        // TF "same" padding with stride 2 on an even size: 0 top/left, 1 bottom/right.
-        geom((2, 3, 8, 6), (3, 3), (2, 2), (0, 0, 1, 1)),
-        // Stride 2, every pad different (1/2/0/1), a 3x2 kernel: the CPU backend's case.
-        geom((2, 2, 7, 9), (3, 2), (2, 2), (1, 2, 0, 1)),
-        // Everything different: 2x4 kernel, strides 2/3, padding 1/2/0/1 (no CPU twin).
-        geom((3, 2, 7, 9), (2, 4), (2, 3), (1, 2, 0, 1)),
-    ];
-    for g in &geoms {
-        let x = rng.vec(g.x_len());
-        let dcol = rng.vec(g.col_len());
-        let want_col = im2col_ref(&x, g);
-        let want_dx = col2im_ref(&dcol, g);
-        for cfg in [elem_cfg(g.col_len()), FEW] {
-            let mut col = vec![f32::NAN; g.col_len()];
-            let mut args = vec![In(&x), Out(&mut col)];
-            args.extend(conv_args(g).map(I32));
-            // As Gpu::im2col_fwd: x, col, then conv_args.
-            k.launch("im2col_fwd_f32", cfg, &mut args);
-            // Copies and zeros: exact.
-            assert_bits(&format!("im2col {g:?} {cfg:?}"), &col, &want_col);
-        }
-        for cfg in [elem_cfg(g.x_len()), FEW] {
-            let mut dx = vec![f32::NAN; g.x_len()];
-            let mut args = vec![In(&dcol), Out(&mut dx)];
-            args.extend(conv_args(g).map(I32));
-            // As Gpu::im2col_bwd: dcol, dx, then conv_args.
-            k.launch("im2col_bwd_f32", cfg, &mut args);
-            // At most KH*KW = 9 terms per element, in f32.
-            assert_close(&format!("col2im {g:?} {cfg:?}"), &dx, &want_dx, RTOL_SUM, ATOL_SUM);
-            let Some(cg) = cpu_geom(g) else { continue };
-            let (per_x, per_col) = (g.c * g.h * g.w, cg.col_rows() * cg.col_cols());
-            let mut cpu_col = vec![0.0; g.col_len()];
-            let mut cpu_dx = vec![0.0; g.x_len()];
-            for s in 0..g.n {
-                cpu::im2col(&x[s * per_x..(s + 1) * per_x], &cg, &mut cpu_col[s * per_col..(s + 1) * per_col]);
-                cpu::col2im(&dcol[s * per_col..(s + 1) * per_col], &cg, &mut cpu_dx[s * per_x..(s + 1) * per_x]);
-            }
-            // One layout for both backends (conv.cu's promise): the CPU's col equals the
-            // reference, and its col2im adds each dx element's terms in the kernel's
-            // order, (kh, kw) ascending from 0, so the two agree bit for bit.
-            assert_bits(&format!("cpu im2col {g:?}"), &cpu_col, &want_col);
-            assert_bits(&format!("col2im vs cpu::col2im {g:?} {cfg:?}"), &dx, &cpu_dx);
-        }
-    }
-}
-
-// ---- batchnorm.cu --------------------------------------------------------------------
-
-/// An optional read-only parameter: the buffer, or the 64-bit 0 launch.rs passes for None.
-fn opt(present: bool, v: &[f32]) -> Arg<'_> {
-    if present {
-        In(v)
-    } else {
-        Null
-    }
-}
-
-/// An optional gradient buffer: the buffer, or the 64-bit 0 launch.rs passes for None.
-fn opt_mut(present: bool, v: &mut [f32]) -> Arg<'_> {
-    if present {
-        Out(v)
-    } else {
-        Null
-    }
-}
-
-/// The running statistics `nn::BatchNorm2d`'s training forward leaves for `inputs`.
-fn cpu_running_stats(
-    inputs: &BnInputs,
-    with_gamma: bool,
-    with_beta: bool,
-    momentum: f32,
-    eps: f32,
-) -> (Vec<f32>, Vec<f32>) {
-    let (n, c, hw) = inputs.shape;
-    let layer = BatchNorm2d::new(c).scale(with_gamma).center(with_beta).momentum(momentum).eps(eps);
-    let model = Sequential::new([c, hw, 1], vec![Box::new(layer)]).expect("one BatchNorm layer");
-    // Each tensor at its place in the flat layout (which pads every tensor start).
-    let mut params = vec![0.0f32; model.params_len()];
-    let given = [(with_gamma, &inputs.gamma), (with_beta, &inputs.beta)];
-    for (t, (_, v)) in model.param_infos().iter().zip(given.iter().filter(|(on, _)| *on)) {
-        params[t.range.clone()].copy_from_slice(v);
-    }
-    let mut buffers = vec![0.0f32; model.buffers_len()];
-    let (rm, rv) = (&model.buffer_infos()[0].range, &model.buffer_infos()[1].range);
-    buffers[rm.clone()].copy_from_slice(&inputs.running_mean);
-    buffers[rv.clone()].copy_from_slice(&inputs.running_var);
-    let x = lockstep::Tensor::from_vec(inputs.x.clone(), vec![n, c, hw, 1]).expect("x");
-    model.clone().forward(x, &params, &mut buffers, &Ctx::train(0, 0, 0, lockstep::Device::Cpu(0))).expect("forward");
-    (buffers[rm.clone()].to_vec(), buffers[rv.clone()].to_vec())
-}
-
-#[test]
-fn batchnorm_train_eval_and_backward_match_the_reference() {
-    let Some(k) = kernels_or_skip("batchnorm_train_eval_and_backward_match_the_reference") else {
-        return;
-    };
-    let mut rng = Rng(5);
-    let (momentum, eps) = (0.99f32, 1e-3f32);
-    // (N, C, HW, with gamma, with beta): every combination of the optional parameters at
-    // M = 100 (< REDUCE_BLOCK: idle threads add 0), then M = 400 (threads sum strided
-    // terms before the tree), M = 1 (the running variance takes the biased one) and
-    // M = 0 (nothing is written).
-    let cases = [
-        (4, 3, 25, true, true),
-        (4, 3, 25, false, true),
-        (4, 3, 25, true, false),
-        (4, 3, 25, false, false),
-        (4, 2, 100, true, true),
-        (1, 2, 1, true, true),
-        (0, 2, 9, true, true),
-    ];
-    for (n, c, hw, with_gamma, with_beta) in cases {
-        let case = format!("N={n} C={c} HW={hw}, gamma {with_gamma}, beta {with_beta}");
-        let total = n * c * hw;
-        let inputs = BnInputs::random(&mut rng, (n, c, hw));
-        let BnInputs {
-            x, dy, gamma, beta, running_mean: rm0, running_var: rv0, dgamma: dgamma0, dbeta: dbeta0, ..
-        } = &inputs;
-        let (sm0, si0) = (vec![-7.0f32; c], vec![-7.0f32; c]);
-
-        let mut y = vec![f32::NAN; total];
-        let (mut rm, mut rv, mut sm, mut si) = (rm0.clone(), rv0.clone(), sm0.clone(), si0.clone());
-        // As Gpu::batchnorm_train_fwd: x, y, gamma or 0, beta or 0, running_mean,
-        // running_var, save_mean, save_invstd, N (int), C (int), hw, keep, take, unbias
-        // (RunningUpdate's, rounded to f32), eps.
-        let u = RunningUpdate::new(momentum, n * hw);
-        k.launch(
-            "batchnorm_train_fwd_f32",
-            channel_cfg(c as i32),
-            &mut [
-                In(x),
-                Out(&mut y),
-                opt(with_gamma, gamma),
-                opt(with_beta, beta),
-                Out(&mut rm),
-                Out(&mut rv),
-                Out(&mut sm),
-                Out(&mut si),
-                I32(n as i32),
-                I32(c as i32),
-                U64(hw as u64),
-                F32(u.keep as f32),
-                F32(u.take as f32),
-                F32(u.unbias as f32),
-                F32(eps),
-            ],
-        );
-        let mut dx = vec![f32::NAN; total];
-        let (mut dgamma, mut dbeta) = (dgamma0.clone(), dbeta0.clone());
-        let (sm_fwd, si_fwd) = (sm.clone(), si.clone());
-        // As Gpu::batchnorm_train_bwd: x, dy, dx, gamma or 0, save_mean, save_invstd,
-        // dgamma or 0, dbeta or 0, N (int), C (int), hw; dgamma is given exactly when
-        // gamma is.
-        k.launch(
-            "batchnorm_train_bwd_f32",
-            channel_cfg(c as i32),
-            &mut [
-                In(x),
-                In(dy),
-                Out(&mut dx),
-                opt(with_gamma, gamma),
-                In(&sm_fwd),
-                In(&si_fwd),
-                opt_mut(with_gamma, &mut dgamma),
-                opt_mut(with_beta, &mut dbeta),
-                I32(n as i32),
-                I32(c as i32),
-                U64(hw as u64),
-            ],
-        );
-        if n == 0 {
-            // M = 0: every statistic and parameter gradient is left as it was.
-            assert_bits(&format!("bn running_mean ({case})"), &rm, rm0);
-            assert_bits(&format!("bn running_var ({case})"), &rv, rv0);
-            assert_bits(&format!("bn save_mean ({case})"), &sm, &sm0);
-            assert_bits(&format!("bn save_invstd ({case})"), &si, &si0);
-            assert_bits(&format!("bn dgamma ({case})"), &dgamma, dgamma0);
-            assert_bits(&format!("bn dbeta ({case})"), &dbeta, dbeta0);
-            continue;
-        }
-
-        // The reference tests/cuda_ops.rs holds the GPU to, in f64 (tests/common).
-        let want = inputs.train_ref(with_gamma, with_beta, momentum, eps);
-        // Tolerances of tests/cuda_ops.rs: up to 400 terms per channel through mean and
-        // variance, 1e-4 relative and 1e-5 absolute; the running stats, one blend of
-        // those, 1e-5 and 1e-6.
-        assert_close(&format!("bn y ({case})"), &y, &want.y, 1e-4, 1e-5);
-        assert_close(&format!("bn running_mean ({case})"), &rm, &want.running_mean, 1e-5, 1e-6);
-        assert_close(&format!("bn running_var ({case})"), &rv, &want.running_var, 1e-5, 1e-6);
-        // The CPU layer itself (f64 moments, RunningUpdate in f64) and the kernel (f32 block
-        // sums, the same RunningUpdate rounded to f32): the one place the backends differ,
-        // held to the same bound. (M = 1 is the kernel's edge alone: both replicas refuse
-        // to train on one value per channel before any launch.)
-        if n * hw > 1 {
-            let (cpu_rm, cpu_rv) = cpu_running_stats(&inputs, with_gamma, with_beta, momentum, eps);
-            assert_close(&format!("bn running_mean vs the CPU layer ({case})"), &rm, &f64s(&cpu_rm), 1e-5, 1e-6);
-            assert_close(&format!("bn running_var vs the CPU layer ({case})"), &rv, &f64s(&cpu_rv), 1e-5, 1e-6);
-        }
-        assert_close(&format!("bn save_mean ({case})"), &sm, &want.save_mean, 1e-5, 1e-6);
-        // invstd = 1/sqrt(var + eps) is up to 1/sqrt(eps) ~ 32 (at M = 1, var = 0).
-        assert_close(&format!("bn save_invstd ({case})"), &si, &want.save_invstd, 1e-4, 1e-5);
-        assert_close(&format!("bn dx ({case})"), &dx, &want.dx, 1e-4, 1e-5);
-        // Absent parameters leave their gradient buffers untouched.
-        assert_close(&format!("bn dgamma ({case})"), &dgamma, &want.dgamma, 1e-4, 1e-5);
-        assert_close(&format!("bn dbeta ({case})"), &dbeta, &want.dbeta, 1e-4, 1e-5);
-
-        // Eval with the running stats just updated.
-        let want = inputs.eval_ref(with_gamma, with_beta, &rm, &rv, eps);
-        for cfg in elem_cfgs(total) {
-            let mut y = vec![f32::NAN; total];
-            // As Gpu::batchnorm_eval_fwd: x, y, gamma or 0, beta or 0, running_mean,
-            // running_var, C (int), hw, total, eps.
-            k.launch(
-                "batchnorm_eval_fwd_f32",
-                cfg,
-                &mut [
-                    In(x),
-                    Out(&mut y),
-                    opt(with_gamma, gamma),
-                    opt(with_beta, beta),
-                    In(&rm),
-                    In(&rv),
-                    I32(c as i32),
-                    U64(hw as u64),
-                    U64(total as u64),
-                    F32(eps),
-                ],
-            );
-            // Four float ops per element: 1e-5 relative, 1e-6 absolute.
-            assert_close(&format!("bn eval y ({case}) {cfg:?}"), &y, &want, 1e-5, 1e-6);
-        }
     }
 }
 
@@ -1172,77 +833,6 @@ fn global_average_pool_matches_the_reference() {
         // 25 terms then a division; one division.
         assert_close(&format!("avgpool y {cfg_fwd:?}"), &y, &want_y, RTOL_SUM, ATOL_SUM);
         assert_close(&format!("avgpool dx {cfg_bwd:?}"), &dx, &want_dx, RTOL_ELEM, ATOL_ELEM);
-    }
-}
-
-#[test]
-fn maxpool2d_matches_the_cpu_layer_bit_for_bit() {
-    let Some(k) = kernels_or_skip("maxpool2d_matches_the_cpu_layer_bit_for_bit") else {
-        return;
-    };
-    let mut rng = Rng(11);
-    let cases = [
-        // Overlapping windows (stride < pool): inputs that win several windows sum them.
-        ((2, 3, 7, 7), Window2d::new((3, 3), (2, 2), Padding::Valid)),
-        // Same padding with a pad at the bottom (rows 0 / 1) and both sides (columns 1 / 1),
-        // unequal strides.
-        ((2, 2, 5, 6), Window2d::new((2, 3), (2, 1), Padding::Same)),
-        // The common 2×2 pool, with a ragged edge (row and column 6 unread).
-        ((1, 2, 7, 7), Window2d::new((2, 2), (2, 2), Padding::Valid)),
-        // Pads 1 / 2 on the rows: a window may hold a single row; every input in up to 12.
-        ((3, 1, 5, 4), Window2d::new((4, 3), (1, 1), Padding::Same)),
-    ];
-    for ((n, c, h, w), window) in cases {
-        let g = window.over(h, w).unwrap().launch_geom(n, c);
-        let case = format!("{window:?} on ({n}, {c}, {h}, {w})");
-        // Nine levels in [-1, 1] (so windows hold ties, and -0 beside 0), two NaNs and a -inf.
-        let mut x: Vec<f32> = rng.vec(g.x_len()).iter().map(|v| (v * 4.0).round() / 4.0).collect();
-        let len = x.len();
-        (x[5], x[len - 3], x[7]) = (f32::NAN, f32::NAN, f32::NEG_INFINITY);
-        let dy = rng.vec(g.pooled_len());
-
-        // The CPU: y through the layer, argmax and dx from the functions it runs per plane.
-        let mut net = Sequential::new(
-            [c, h, w],
-            vec![Box::new(MaxPool2d::new(window.kernel, window.stride, window.padding).unwrap()) as Box<dyn Layer>],
-        )
-        .unwrap();
-        let layer_y = net
-            .forward(Tensor::from_vec(x.clone(), [n, c, h, w]).unwrap(), &[], &mut [], &Ctx::eval(Device::Cpu(0)))
-            .unwrap();
-        let placed = window.over(h, w).unwrap();
-        let (hw, ohw) = (h * w, g.oh() * g.ow());
-        let (mut want_y, mut want_argmax, mut want_dx) =
-            (vec![0.0; g.pooled_len()], vec![0u32; g.pooled_len()], vec![0.0; len]);
-        for p in 0..n * c {
-            let (o, i) = (p * ohw..(p + 1) * ohw, p * hw..(p + 1) * hw);
-            maxpool2d_plane_fwd(&x[i.clone()], &placed, &mut want_y[o.clone()], &mut want_argmax[o.clone()]);
-            maxpool2d_plane_bwd(&dy[o.clone()], &want_argmax[o], &mut want_dx[i]);
-        }
-        assert_bits(&format!("the layer vs its plane function, {case}"), layer_y.host(), &want_y);
-        assert!(want_y.iter().any(|v| v.is_nan()) && want_dx.iter().any(|&v| v != 0.0), "{case}: the cases bite");
-
-        for cfg in [elem_cfg(g.pooled_len()), FEW] {
-            let (mut y, mut argmax) = (vec![f32::NAN; g.pooled_len()], vec![u32::MAX; g.pooled_len()]);
-            let mut args = vec![In(&x), Out(&mut y), OutU32(&mut argmax)];
-            args.extend(conv_args(&g).map(I32));
-            // As Gpu::maxpool2d_fwd: x, y, argmax, then conv_args.
-            k.launch("maxpool2d_fwd_f32", cfg, &mut args);
-            // A maximum is one of its inputs, and the scan order is the CPU's: exact, NaN
-            // payloads and the sign of a winning zero included.
-            assert_bits(&format!("maxpool y {case} {cfg:?}"), &y, &want_y);
-            assert_eq!(argmax, want_argmax, "maxpool argmax {case} {cfg:?}");
-        }
-        for cfg in [elem_cfg(g.x_len()), FEW] {
-            let mut dx = vec![f32::NAN; len];
-            let mut args = vec![In(&dy), InU32(&want_argmax), Out(&mut dx)];
-            args.extend(conv_args(&g).map(I32));
-            // As Gpu::maxpool2d_bwd: dy, argmax, dx, then conv_args.
-            k.launch("maxpool2d_bwd_f32", cfg, &mut args);
-            // Each input adds the dy of the windows it won in row-major output order, from
-            // 0, as maxpool2d_plane_bwd does: the same f32 additions, bit for bit.
-            assert_bits(&format!("maxpool dx {case} {cfg:?}"), &dx, &want_dx);
-        }
     }
 }
 
@@ -1996,263 +1586,6 @@ fn codec_kernels_equal_the_codec_bit_for_bit() {
                     }
                 }
             }
-        }
-    }
-}
-
-// ---- batchnorm.cu: synchronized BatchNorm ----------------------------------------------
-
-/// The synchronized BatchNorm kernels against the CPU layer (ops::batchnorm, as
-/// `--sync-batchnorm` runs it on CPU devices; tests/common's `sync_bn_cpu`), bit for bit:
-/// the shard's per-channel (mean, M2) a GPU replica hands the exchange is the CPU layer's
-/// very payload; merged by the same function (`Synchronized::moments`, tests/common's
-/// `sync_bn_merge`), the statistics normalise into the CPU layer's y and move the running
-/// statistics to its values; the backward's (Σ dy, Σ dy·x̂) is its payload again, and dx,
-/// dγ, dβ (accumulated onto earlier values) are its own. Bitwise because every kernel
-/// makes the layer's f32 and f64 operations in its order, and the host does not contract
-/// them (the GPU, with the _rn intrinsics, neither: tests/cuda_ops.rs holds it to the
-/// same). Cases: planes whose length is and is not a multiple of the eight accumulators
-/// (a tail, or only a tail), more samples than a block has threads (two rounds of planes
-/// merged in order), every combination of γ and β.
-#[test]
-fn synchronized_batchnorm_kernels_equal_the_cpu_layer_bit_for_bit() {
-    let Some(k) = kernels_or_skip("synchronized_batchnorm_kernels_equal_the_cpu_layer_bit_for_bit") else {
-        return;
-    };
-    let mut rng = Rng(12);
-    let (momentum, eps) = (0.9f32, 1e-3f32);
-    let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-    for (n, c, hw, with_gamma, with_beta) in SYNC_BN_CASES {
-        let case = format!("N={n} C={c} HW={hw}, gamma {with_gamma}, beta {with_beta}");
-        let total = n * c * hw;
-        let inputs = BnInputs::random(&mut rng, (n, c, hw));
-        let BnInputs {
-            x, dy, gamma, beta, running_mean: rm0, running_var: rv0, dgamma: dgamma0, dbeta: dbeta0, ..
-        } = &inputs;
-        let cpu = sync_bn_cpu(&inputs, with_gamma, with_beta, momentum, eps);
-
-        // As Gpu::batchnorm_moments_fwd: x, moments, N (int), C (int), hw.
-        let mut moments = vec![f64::NAN; 2 * c];
-        k.launch(
-            "batchnorm_moments_fwd_f32",
-            channel_cfg(c as i32),
-            &mut [In(x), OutF64(&mut moments), I32(n as i32), I32(c as i32), U64(hw as u64)],
-        );
-        assert_eq!(cpu.sent_fwd[0], (n * hw) as f64, "{case}: the payload's count");
-        assert_eq!(bits(&moments), bits(&cpu.sent_fwd[1..]), "{case}: the shard's moments vs the CPU layer's payload");
-        let (count, stats, u) = sync_bn_merge(&moments, n * hw, momentum, eps);
-        // Recorder's replica 0 has 37 values per channel.
-        assert_eq!(count, (37 + n * hw) as f64, "{case}");
-        let (want_sm, want_si): (Vec<f32>, Vec<f32>) =
-            stats.chunks_exact(4).map(|s| (s[2] as f32, s[3] as f32)).unzip();
-        for cfg in elem_cfgs(total) {
-            let (mut y, mut rm, mut rv) = (vec![f32::NAN; total], rm0.clone(), rv0.clone());
-            let (mut sm, mut si) = (vec![f32::NAN; c], vec![f32::NAN; c]);
-            // As Gpu::batchnorm_sync_fwd: x, y, gamma or 0, beta or 0, stats, running_mean,
-            // running_var, save_mean, save_invstd, C (int), hw, total, keep, take, unbias.
-            k.launch(
-                "batchnorm_sync_fwd_f32",
-                cfg,
-                &mut [
-                    In(x),
-                    Out(&mut y),
-                    opt(with_gamma, gamma),
-                    opt(with_beta, beta),
-                    InF64(&stats),
-                    Out(&mut rm),
-                    Out(&mut rv),
-                    Out(&mut sm),
-                    Out(&mut si),
-                    I32(c as i32),
-                    U64(hw as u64),
-                    U64(total as u64),
-                    F64(u.keep),
-                    F64(u.take),
-                    F64(u.unbias),
-                ],
-            );
-            assert_bits(&format!("sync bn y ({case}) {cfg:?}"), &y, &cpu.y);
-            assert_bits(&format!("sync bn running_mean ({case})"), &rm, &cpu.running_mean);
-            assert_bits(&format!("sync bn running_var ({case})"), &rv, &cpu.running_var);
-            assert_bits(&format!("sync bn save_mean ({case})"), &sm, &want_sm);
-            assert_bits(&format!("sync bn save_invstd ({case})"), &si, &want_si);
-
-            // As Gpu::batchnorm_sums_bwd: x, dy, save_mean, save_invstd, sums, N (int),
-            // C (int), hw.
-            let mut sums = vec![f64::NAN; 2 * c];
-            k.launch(
-                "batchnorm_sums_bwd_f32",
-                channel_cfg(c as i32),
-                &mut [In(x), In(dy), In(&sm), In(&si), OutF64(&mut sums), I32(n as i32), I32(c as i32), U64(hw as u64)],
-            );
-            assert_eq!(bits(&sums), bits(&cpu.sent_bwd), "{case}: the shard's sums vs the CPU layer's payload");
-            let global = sync_bn_global_sums(&sums);
-            let (mut dx, mut dgamma, mut dbeta) = (vec![f32::NAN; total], dgamma0.clone(), dbeta0.clone());
-            // As Gpu::batchnorm_sync_bwd: x, dy, dx, gamma or 0, save_mean, save_invstd,
-            // local, global, dgamma or 0, dbeta or 0, C (int), hw, total, count.
-            k.launch(
-                "batchnorm_sync_bwd_f32",
-                cfg,
-                &mut [
-                    In(x),
-                    In(dy),
-                    Out(&mut dx),
-                    opt(with_gamma, gamma),
-                    In(&sm),
-                    In(&si),
-                    InF64(&sums),
-                    InF64(&global),
-                    opt_mut(with_gamma, &mut dgamma),
-                    opt_mut(with_beta, &mut dbeta),
-                    I32(c as i32),
-                    U64(hw as u64),
-                    U64(total as u64),
-                    F64(count),
-                ],
-            );
-            assert_bits(&format!("sync bn dx ({case}) {cfg:?}"), &dx, &cpu.dx);
-            assert_bits(&format!("sync bn dgamma ({case})"), &dgamma, &cpu.dgamma);
-            assert_bits(&format!("sync bn dbeta ({case})"), &dbeta, &cpu.dbeta);
-        }
-    }
-}
-
-/// (N, C, HW, with gamma, with beta) of the synchronized BatchNorm checks: HW 37 (four
-/// chunks of eight and a tail), 64 (no tail), 5 (only a tail); N = 300, more samples than
-/// a block's 256 threads; N = 1.
-const SYNC_BN_CASES: [(usize, usize, usize, bool, bool); 5] = [
-    (5, 3, 37, true, true),
-    (3, 2, 64, false, true),
-    (2, 2, 5, true, false),
-    (300, 2, 9, false, false),
-    (1, 3, 16, true, true),
-];
-
-#[test]
-fn batchnorm_count_equals_the_cpu_count_bit_for_bit() {
-    let Some(k) = kernels_or_skip("batchnorm_count_equals_the_cpu_count_bit_for_bit") else {
-        return;
-    };
-    // Counts as the average over R logical replicas leaves them: whole, an ulp off either
-    // side (5 · 7 · (1/7) in f32), and large.
-    for v in [0.0f32, 1.0, 4.999_999_5, 5.000_000_5, 123_456.0, 16_777_215.0] {
-        let mut count = vec![v];
-        // As Gpu::batchnorm_count pushes them: count, n = 1.
-        k.launch("batchnorm_count_fwd_f32", elem_cfg(1), &mut [Out(&mut count), U64(1)]);
-        assert_bits(&format!("count of {v}"), &count, &[lockstep::ops::batchnorm::count_up(v)]);
-    }
-}
-
-/// launch.rs's `rows_cfg` of the LayerNorm row kernels: one warp of LN_LANES threads a
-/// row, LN_BLOCK threads a block.
-fn ln_rows_cfg(rows: usize) -> Cfg {
-    let blocks = rows.div_ceil((LN_BLOCK / LN_LANES) as usize) as u32;
-    Cfg { grid: (blocks, 1, 1), block: (LN_BLOCK, 1, 1) }
-}
-
-#[test]
-fn layernorm_kernels_equal_the_cpu_layer_bit_for_bit() {
-    let Some(k) = kernels_or_skip("layernorm_kernels_equal_the_cpu_layer_bit_for_bit") else {
-        return;
-    };
-    // (N, T, C, bias): 150 rows of 40 (three chunks of rows, 64, 64 and 22, and a lane
-    // tail of 8); 6 rows of 5 without a bias (rows shorter than the 32 lanes, one short
-    // chunk); 70 rows of the GPT's 128 (four whole lane rounds, two chunks).
-    for (n, t, c, use_bias) in [(3usize, 50usize, 40usize, true), (2, 3, 5, false), (1, 70, 128, true)] {
-        let rows = n * t;
-        let eps = 1e-5f32;
-        let mut rng = Rng(0x1a7e + c as u64);
-        // Rows off centre (mean 3, spread 2), so that the mean and the deviations matter.
-        let x: Vec<f32> = rng.vec(rows * c).iter().map(|v| 3.0 + 2.0 * v).collect();
-        let dy = rng.vec(rows * c);
-        let w: Vec<f32> = rng.vec(c).iter().map(|v| 1.0 + 0.5 * v).collect();
-        let b = rng.vec(c);
-        // The gradients start non-zero: the kernels, as the layer, accumulate into them.
-        let (dw0, db0) = (rng.vec(c), rng.vec(c));
-
-        // The CPU layer (the oracle), through a Sequential: its output, its input's
-        // gradient and its parameters' gradients accumulated onto dw0, db0.
-        let ln = if use_bias { LayerNorm::new(c) } else { LayerNorm::new(c).without_bias() };
-        let mut model = Sequential::new([t, c], vec![Box::new(ln) as Box<dyn Layer>]).unwrap();
-        let infos = model.param_infos().to_vec();
-        let (mut params, mut grads) = (vec![0.0f32; model.params_len()], vec![0.0f32; model.params_len()]);
-        params[infos[0].range.clone()].copy_from_slice(&w);
-        grads[infos[0].range.clone()].copy_from_slice(&dw0);
-        if use_bias {
-            params[infos[1].range.clone()].copy_from_slice(&b);
-            grads[infos[1].range.clone()].copy_from_slice(&db0);
-        }
-        let ctx = Ctx::train(0, 0, 0, Device::Cpu(0));
-        let want_y = model.forward(Tensor::from_vec(x.clone(), [n, t, c]).unwrap(), &params, &mut [], &ctx).unwrap();
-        let d = Tensor::from_vec(dy.clone(), [n, t, c]).unwrap();
-        let want_dx = model.backward_input(d, &params, &mut grads, &ctx).unwrap();
-        let want_dw = grads[infos[0].range.clone()].to_vec();
-        let want_db = if use_bias { grads[infos[1].range.clone()].to_vec() } else { db0.clone() };
-        let (want_mean, want_rstd): (Vec<f64>, Vec<f64>) = x.chunks_exact(c).map(|r| row_stats(r, eps)).unzip();
-
-        let what = |part: &str| format!("layernorm ({n}, {t}, {c}), bias {use_bias}: {part}");
-        let (mut y, mut mean, mut rstd) = (vec![f32::NAN; rows * c], vec![f64::NAN; rows], vec![f64::NAN; rows]);
-        let bias = if use_bias { In(&b) } else { Null };
-        // As Gpu::layernorm_fwd pushes them: x, y, weight, bias, mean, rstd, rows, c, eps.
-        k.launch(
-            "layernorm_fwd_f32",
-            ln_rows_cfg(rows),
-            &mut [
-                In(&x),
-                Out(&mut y),
-                In(&w),
-                bias,
-                OutF64(&mut mean),
-                OutF64(&mut rstd),
-                U64(rows as u64),
-                I32(c as i32),
-                F32(eps),
-            ],
-        );
-        // Every operation is the layer's, in its order, uncontracted, with IEEE division
-        // and square root: equal bit for bit.
-        assert_bits(&what("y"), &y, want_y.host());
-        let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-        assert_eq!(bits(&mean), bits(&want_mean), "{}", what("saved mean"));
-        assert_eq!(bits(&rstd), bits(&want_rstd), "{}", what("saved rstd"));
-
-        let mut dx = vec![f32::NAN; rows * c];
-        // As Gpu::layernorm_bwd: x, dy, dx, weight, mean, rstd, rows, c.
-        k.launch(
-            "layernorm_bwd_f32",
-            ln_rows_cfg(rows),
-            &mut [In(&x), In(&dy), Out(&mut dx), In(&w), InF64(&mean), InF64(&rstd), U64(rows as u64), I32(c as i32)],
-        );
-        assert_bits(&what("dx"), &dx, want_dx.host());
-
-        let chunks = rows.div_ceil(ROW_CHUNK);
-        for (cfg_partial, cfg_params) in elem_cfgs(chunks * c).into_iter().zip(elem_cfgs(c)) {
-            let mut partials = vec![f64::NAN; chunks * 2 * c];
-            let (mut dw, mut db) = (dw0.clone(), db0.clone());
-            // As Gpu::layernorm_params_bwd: first x, dy, mean, rstd, partials, rows, c,
-            // chunk; then partials, dweight, dbias, chunks, c.
-            k.launch(
-                "layernorm_partial_bwd_f32",
-                cfg_partial,
-                &mut [
-                    In(&x),
-                    In(&dy),
-                    InF64(&mean),
-                    InF64(&rstd),
-                    OutF64(&mut partials),
-                    U64(rows as u64),
-                    I32(c as i32),
-                    I32(ROW_CHUNK as i32),
-                ],
-            );
-            let dbias = if use_bias { Out(&mut db) } else { Null };
-            k.launch(
-                "layernorm_params_bwd_f32",
-                cfg_params,
-                &mut [InF64(&partials), Out(&mut dw), dbias, U64(chunks as u64), I32(c as i32)],
-            );
-            assert_bits(&what(&format!("dweight {cfg_partial:?}")), &dw, &want_dw);
-            assert_bits(&what(&format!("dbias {cfg_partial:?}")), &db, &want_db);
         }
     }
 }

@@ -1,7 +1,7 @@
 //! BatchNorm on a GPU: the declaration of kernels/batchnorm.cu, the argument structs and
-//! checked launches of its kernels, and the op's GPU form, per logical replica and
+//! checked launches of its kernels, the op's GPU form, per logical replica and
 //! synchronized (whose statistics meet the other logical replicas' on the host, merged by
-//! `super`'s functions).
+//! [`super::cpu`]'s functions), and the check of the kernels on the host against the CPU's.
 
 use crate::cuda::launch::{channel_cfg, check_len, dim, elem_cfg, DevIn, DevOut};
 use crate::cuda::Gpu;
@@ -10,6 +10,7 @@ use crate::{Error, Result};
 use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, CudaView, CudaViewMut, PinnedHostSlice};
 use std::sync::Arc;
 
+use super::cpu::{normaliser, RunningUpdate};
 use super::*;
 
 crate::cuda::declare::kernels! {
@@ -535,9 +536,9 @@ pub(super) fn form(layer: &BatchNorm2d) -> Option<Box<dyn GpuLayer>> {
     }))
 }
 
-/// BatchNorm on a GPU: the kernels compute this file's arithmetic (f64 statistics, the
-/// same `normaliser` and `RunningUpdate`); a synchronized layer's statistics meet the
-/// other logical replicas' on the host, merged by [`Synchronized`]'s functions above.
+/// BatchNorm on a GPU: the kernels compute [`super::cpu`]'s arithmetic (f64 statistics,
+/// the same `normaliser` and `RunningUpdate`); a synchronized layer's statistics meet the
+/// other logical replicas' on the host, merged by [`Synchronized`]'s functions.
 pub(super) struct BatchNorm2dGpu {
     channels: usize,
     /// Whether it counts its training forwards (`num_batches_tracked`, its third buffer).
@@ -765,12 +766,7 @@ impl SyncNode {
                 ),
             ));
         }
-        let merged = moments.iter().flat_map(|&(mean, m2)| {
-            let var = m2 / count;
-            let (m, is) = normaliser(mean, var, g.eps);
-            [mean, var, m as f64, is as f64]
-        });
-        upload_pinned(stream, merged, &mut node.merged_host, &mut node.merged)?;
+        upload_pinned(stream, merged_stats(&moments, count, g.eps), &mut node.merged_host, &mut node.merged)?;
         node.count = count;
         let update = RunningUpdate::new(g.momentum, count as usize).into();
         let merged = BnMerged { stats: node.merged.as_view(), update };
@@ -806,6 +802,18 @@ impl SyncNode {
     }
 }
 
+/// What `batchnorm_sync_fwd` normalises with, (C, 4) flat: per channel the global batch's
+/// mean and BIASED variance M2 / count, and what normalises ([`normaliser`]: the mean and
+/// 1/sqrt(var + eps) rounded to f32), from the merged per-channel (mean, M2) `moments` of
+/// `count` values per channel: the CPU layer's statistics, as f64.
+fn merged_stats(moments: &[(f64, f64)], count: f64, eps: f32) -> impl Iterator<Item = f64> + '_ {
+    moments.iter().flat_map(move |&(mean, m2)| {
+        let var = m2 / count;
+        let (m, is) = normaliser(mean, var, eps);
+        [mean, var, m as f64, is as f64]
+    })
+}
+
 /// `values` into `dev` through `host`, queued on `stream` (the host does not wait).
 fn upload_pinned(
     stream: &Arc<CudaStream>,
@@ -819,4 +827,571 @@ fn upload_pinned(
     }
     stream.memcpy_htod(&*host, dev)?;
     Ok(())
+}
+
+// ---- on the host ------------------------------------------------------------------------
+
+/// One BatchNorm training step's inputs, drawn at random: x, dy: (N, C, HW); γ, β, the
+/// running statistics before the step and the parameter gradients before it (backward
+/// accumulates into them): (C) each. Each check says which of γ and β the layer has.
+#[cfg(test)]
+struct Step {
+    n: usize,
+    c: usize,
+    hw: usize,
+    x: Vec<f32>,
+    dy: Vec<f32>,
+    gamma: Vec<f32>,
+    beta: Vec<f32>,
+    running_mean: Vec<f32>,
+    running_var: Vec<f32>,
+    dgamma: Vec<f32>,
+    dbeta: Vec<f32>,
+}
+
+/// What the CPU makes of a [`Step`] ([`Step::on_the_cpu`]).
+#[cfg(test)]
+struct Want {
+    /// (N, C, HW) each.
+    y: Vec<f32>,
+    dx: Vec<f32>,
+    /// (C) each: the running statistics after the step, what normalised, and the
+    /// gradients accumulated where the layer has γ and β (untouched where it has not).
+    running_mean: Vec<f32>,
+    running_var: Vec<f32>,
+    mean: Vec<f32>,
+    invstd: Vec<f32>,
+    dgamma: Vec<f32>,
+    dbeta: Vec<f32>,
+    /// The shard's per-channel (mean, M2) and (Σ dy, Σ dy·x̂), flat (C, 2): what a
+    /// synchronized layer hands the exchange; and the global batch's (Σ dy, Σ dy·x̂).
+    moments: Vec<f64>,
+    sums: Vec<f64>,
+    global_sums: Vec<f64>,
+    /// The global batch's values per channel (the shard's own, per replica), and the
+    /// (C, 4) statistics `batchnorm_sync_fwd` takes ([`merged_stats`]).
+    count: f64,
+    merged: Vec<f64>,
+}
+
+/// A statistics exchange of two logical replicas in which the caller is replica 1 and
+/// replica 0's payload is fixed: in forward 37 values per channel of mean 0.3 + ch/10 and
+/// M2 11 + ch, in backward (Σ dy, Σ dy·x̂) = (1.5 − ch/4, −0.7 + ch/8), told apart by
+/// their lengths (1 + 2C is odd).
+#[cfg(test)]
+#[derive(Debug)]
+struct ReplicaZero;
+
+#[cfg(test)]
+impl StatsExchange for ReplicaZero {
+    fn replicas(&self) -> usize {
+        2
+    }
+
+    fn all_gather(&self, shard: usize, mine: &[f64], all: &mut Vec<f64>) -> Result<()> {
+        assert_eq!(shard, 1, "the layer under test is logical replica 1");
+        all.clear();
+        let c = mine.len() / 2;
+        if mine.len() % 2 == 1 {
+            all.push(37.0);
+            all.extend((0..c).flat_map(|ch| [0.3 + ch as f64 / 10.0, 11.0 + ch as f64]));
+        } else {
+            all.extend((0..c).flat_map(|ch| [1.5 - ch as f64 / 4.0, -0.7 + ch as f64 / 8.0]));
+        }
+        all.extend_from_slice(mine);
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+impl Step {
+    /// x in [−1.5, 2.5), γ and the running variance in [0.5, 1.5), the rest in [−1, 1).
+    fn random(seed: u64, (n, c, hw): (usize, usize, usize)) -> Step {
+        use crate::testing::uniform;
+        let around = |s: u64, len: usize, mid: f32, half: f32| -> Vec<f32> {
+            uniform(s, len).iter().map(|v| mid + half * v).collect()
+        };
+        Step {
+            n,
+            c,
+            hw,
+            x: around(seed, n * c * hw, 0.5, 2.0),
+            dy: uniform(seed + 1, n * c * hw),
+            gamma: around(seed + 2, c, 1.0, 0.5),
+            beta: uniform(seed + 3, c),
+            running_mean: uniform(seed + 4, c),
+            running_var: around(seed + 5, c, 1.0, 0.5),
+            dgamma: uniform(seed + 6, c),
+            dbeta: uniform(seed + 7, c),
+        }
+    }
+
+    /// The training step on the CPU ([`super::cpu`], the functions the layer calls), the
+    /// layer having γ and β where `with` says: per logical replica, or synchronized as
+    /// logical replica 1 beside [`ReplicaZero`] (`BatchStats::Global`).
+    fn on_the_cpu(&self, (with_gamma, with_beta): (bool, bool), stats: BatchStats, momentum: f32, eps: f32) -> Want {
+        use super::cpu::*;
+        let (n, c, hw) = (self.n, self.c, self.hw);
+        let (gamma, beta) = (with_gamma.then_some(&self.gamma[..]), with_beta.then_some(&self.beta[..]));
+        let after = Activation::Linear;
+        let local = batchnorm_moments(&self.x, n, c, hw);
+        let (count, moments) = match stats {
+            BatchStats::Global => global_moments(&ReplicaZero, 1, (n * hw) as f64, &local).unwrap(),
+            BatchStats::Shard => ((n * hw) as f64, local.clone()),
+        };
+        let merged: Vec<f64> = merged_stats(&moments, count, eps).collect();
+        let (mut running_mean, mut running_var) = (self.running_mean.clone(), self.running_var.clone());
+        let (mean, invstd) = batchnorm_train_stats(count, &moments, eps, momentum, &mut running_mean, &mut running_var);
+        let (mut y, mut xhat) = (self.x.clone(), vec![0.0; self.x.len()]);
+        batchnorm_forward(&mut y, Some(&mut xhat), &mean, &invstd, gamma, beta, after, c, hw);
+        let sums = batchnorm_backward_sums(&self.dy, &xhat, gamma, beta, after, n, c, hw);
+        let (mut dgamma, mut dbeta) = (self.dgamma.clone(), self.dbeta.clone());
+        batchnorm_param_grads(&sums, with_gamma.then_some(&mut dgamma[..]), with_beta.then_some(&mut dbeta[..]));
+        let global = match stats {
+            BatchStats::Global => global_sums(&ReplicaZero, 1, &sums).unwrap(),
+            BatchStats::Shard => sums.clone(),
+        };
+        let mut dx = self.dy.clone();
+        batchnorm_input_grad(&mut dx, &xhat, &global, &invstd, count, gamma, beta, after, c, hw);
+        let flat = |v: &[(f64, f64)]| v.iter().flat_map(|&(a, b)| [a, b]).collect::<Vec<f64>>();
+        Want {
+            y,
+            dx,
+            running_mean,
+            running_var,
+            mean,
+            invstd,
+            dgamma,
+            dbeta,
+            moments: flat(&local),
+            sums: flat(&sums),
+            global_sums: flat(&global),
+            count,
+            merged,
+        }
+    }
+
+    /// The evaluation forward on the CPU with the running statistics `rm`, `rv`: (C).
+    fn eval_on_the_cpu(&self, (with_gamma, with_beta): (bool, bool), rm: &[f32], rv: &[f32], eps: f32) -> Vec<f32> {
+        let (gamma, beta) = (with_gamma.then_some(&self.gamma[..]), with_beta.then_some(&self.beta[..]));
+        let (mean, invstd) = super::cpu::batchnorm_eval_stats(rm, rv, eps);
+        let mut y = self.x.clone();
+        super::cpu::batchnorm_forward(&mut y, None, &mean, &invstd, gamma, beta, Activation::Linear, self.c, self.hw);
+        y
+    }
+}
+
+/// (N, C, HW, with γ, with β) of the per-replica checks on the host: every combination of
+/// the optional parameters at M = N·HW = 100 (< REDUCE_BLOCK: idle threads add 0), then
+/// M = 400 (threads sum strided terms before the tree), M = 1 (the running variance takes
+/// the biased one; the layer refuses to train on it, the kernel's edge alone) and M = 0
+/// (nothing is written).
+#[cfg(test)]
+const SHARD_CASES: [(usize, usize, usize, bool, bool); 7] = [
+    (4, 3, 25, true, true),
+    (4, 3, 25, false, true),
+    (4, 3, 25, true, false),
+    (4, 3, 25, false, false),
+    (4, 2, 100, true, true),
+    (1, 2, 1, true, true),
+    (0, 2, 9, true, true),
+];
+
+/// (N, C, HW, with γ, with β) of the synchronized checks: HW 37 (four chunks of eight and
+/// a tail), 64 (no tail), 5 (only a tail); N = 300, more samples than a block's 256
+/// threads (two rounds of planes merged in order); N = 1.
+#[cfg(test)]
+const SYNC_CASES: [(usize, usize, usize, bool, bool); 5] = [
+    (5, 3, 37, true, true),
+    (3, 2, 64, false, true),
+    (2, 2, 5, true, false),
+    (300, 2, 9, false, false),
+    (1, 3, 16, true, true),
+];
+
+/// The per-replica kernel's results against the CPU's: the kernel sums in f32 blocks and
+/// blends the running statistics in f32 where the CPU works in f64 ([`RunningUpdate`]'s
+/// docs), so within 1e-4 relative and 1e-5 absolute through the statistics (up to 400
+/// terms per channel through mean and variance), and 1e-5 and 1e-6 for the running
+/// statistics (one blend of those) and the saved mean; invstd = 1/sqrt(var + eps) is up
+/// to 1/sqrt(eps) ≈ 32 (at M = 1, var = 0), within 1e-4 and 1e-5.
+#[cfg(test)]
+#[track_caller]
+#[allow(clippy::too_many_arguments)]
+fn assert_shard_step(case: &str, want: &Want, y: &[f32], rm: &[f32], rv: &[f32], dx: &[f32], dg: &[f32], db: &[f32]) {
+    use crate::testing::assert_close;
+    let f64s = |v: &[f32]| v.iter().map(|&x| x as f64).collect::<Vec<f64>>();
+    assert_close(&format!("bn y ({case})"), y, &f64s(&want.y), 1e-4, 1e-5);
+    assert_close(&format!("bn running_mean ({case})"), rm, &f64s(&want.running_mean), 1e-5, 1e-6);
+    assert_close(&format!("bn running_var ({case})"), rv, &f64s(&want.running_var), 1e-5, 1e-6);
+    assert_close(&format!("bn dx ({case})"), dx, &f64s(&want.dx), 1e-4, 1e-5);
+    // Absent parameters leave their gradient buffers untouched.
+    assert_close(&format!("bn dgamma ({case})"), dg, &f64s(&want.dgamma), 1e-4, 1e-5);
+    assert_close(&format!("bn dbeta ({case})"), db, &f64s(&want.dbeta), 1e-4, 1e-5);
+}
+
+/// The kernels of kernels/batchnorm.cu run on the host against the CPU's [`super::cpu`]:
+/// the per-replica training forward and backward within the tolerances of
+/// [`assert_shard_step`] (and, at M = 0, nothing written), the evaluation forward within
+/// 1e-5 relative and 1e-6 absolute (four f32 operations, the device's 1/sqrt); the
+/// synchronized kernels and the count bit for bit, every one of them making the CPU's f32
+/// and f64 operations in its order (the host contracts nothing; on a GPU the _rn
+/// intrinsics keep NVRTC from it): the shard's (mean, M2) a GPU replica hands the
+/// exchange is the CPU's very payload, the statistics merged by the same functions
+/// normalise into the CPU's y and move the running statistics to its values, the
+/// backward's (Σ dy, Σ dy·x̂) is its payload again, and dx, dγ, dβ are its own. The
+/// grid-stride kernels under the launch shape the launches use and under a grid too small
+/// to cover the data; the reductions under their one block a channel.
+#[cfg(test)]
+pub(crate) fn host_check(k: &crate::cuda::host::Checker) {
+    use crate::cuda::host::{channel_cfg, elem_cfg, elem_cfgs, Arg, In, InF64, Null, Out, OutF64, F32, F64, FEW};
+    use crate::cuda::host::{I32, U64};
+    use crate::testing::{assert_bits, assert_close};
+    /// An optional parameter: the buffer, or the 64-bit 0 a launch passes for None.
+    fn opt(on: bool, v: &[f32]) -> Arg<'_> {
+        if on {
+            In(v)
+        } else {
+            Null
+        }
+    }
+    /// An optional gradient, likewise.
+    fn opt_mut(on: bool, v: &mut [f32]) -> Arg<'_> {
+        if on {
+            Out(v)
+        } else {
+            Null
+        }
+    }
+    let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+
+    // ---- per logical replica
+    let (momentum, eps) = (0.99f32, 1e-3f32);
+    for (seed, (n, c, hw, with_gamma, with_beta)) in (0..).map(|i| 500 + 10 * i).zip(SHARD_CASES) {
+        let case = format!("N={n} C={c} HW={hw}, gamma {with_gamma}, beta {with_beta}");
+        let total = n * c * hw;
+        let step = Step::random(seed, (n, c, hw));
+        let Step { x, dy, gamma, beta, running_mean: rm0, running_var: rv0, dgamma: dg0, dbeta: db0, .. } = &step;
+        let (sm0, si0) = (vec![-7.0f32; c], vec![-7.0f32; c]);
+        let mut y = vec![f32::NAN; total];
+        let (mut rm, mut rv, mut sm, mut si) = (rm0.clone(), rv0.clone(), sm0.clone(), si0.clone());
+        // As Gpu::batchnorm_train_fwd pushes them: x, y, gamma or 0, beta or 0,
+        // running_mean, running_var, save_mean, save_invstd, N (int), C (int), hw, keep,
+        // take, unbias (RunningUpdate's, rounded to f32), eps.
+        let u = RunningUpdate::new(momentum, n * hw);
+        k.launch(
+            &batchnorm_train::FWD,
+            channel_cfg(c as i32),
+            &mut [
+                In(x),
+                Out(&mut y),
+                opt(with_gamma, gamma),
+                opt(with_beta, beta),
+                Out(&mut rm),
+                Out(&mut rv),
+                Out(&mut sm),
+                Out(&mut si),
+                I32(n as i32),
+                I32(c as i32),
+                U64(hw as u64),
+                F32(u.keep as f32),
+                F32(u.take as f32),
+                F32(u.unbias as f32),
+                F32(eps),
+            ],
+        );
+        let mut dx = vec![f32::NAN; total];
+        let (mut dgamma, mut dbeta) = (dg0.clone(), db0.clone());
+        // As Gpu::batchnorm_train_bwd: x, dy, dx, gamma or 0, save_mean, save_invstd,
+        // dgamma or 0, dbeta or 0, N (int), C (int), hw; dgamma is given exactly when
+        // gamma is.
+        k.launch(
+            &batchnorm_train::BWD,
+            channel_cfg(c as i32),
+            &mut [
+                In(x),
+                In(dy),
+                Out(&mut dx),
+                opt(with_gamma, gamma),
+                In(&sm),
+                In(&si),
+                opt_mut(with_gamma, &mut dgamma),
+                opt_mut(with_beta, &mut dbeta),
+                I32(n as i32),
+                I32(c as i32),
+                U64(hw as u64),
+            ],
+        );
+        if n == 0 {
+            // M = 0: every statistic and parameter gradient is left as it was.
+            for (what, got, before) in [("running_mean", &rm, rm0), ("running_var", &rv, rv0), ("save_mean", &sm, &sm0)]
+                .into_iter()
+                .chain([("save_invstd", &si, &si0), ("dgamma", &dgamma, dg0), ("dbeta", &dbeta, db0)])
+            {
+                assert_bits(&format!("bn {what} ({case})"), got, before);
+            }
+            continue;
+        }
+        let want = step.on_the_cpu((with_gamma, with_beta), BatchStats::Shard, momentum, eps);
+        assert_shard_step(&case, &want, &y, &rm, &rv, &dx, &dgamma, &dbeta);
+        let f64s = |v: &[f32]| v.iter().map(|&x| x as f64).collect::<Vec<f64>>();
+        assert_close(&format!("bn save_mean ({case})"), &sm, &f64s(&want.mean), 1e-5, 1e-6);
+        assert_close(&format!("bn save_invstd ({case})"), &si, &f64s(&want.invstd), 1e-4, 1e-5);
+
+        // Evaluation with the running statistics just moved.
+        let want = f64s(&step.eval_on_the_cpu((with_gamma, with_beta), &rm, &rv, eps));
+        for cfg in elem_cfgs(total) {
+            let mut y = vec![f32::NAN; total];
+            // As Gpu::batchnorm_eval_fwd: x, y, gamma or 0, beta or 0, running_mean,
+            // running_var, C (int), hw, total, eps.
+            k.launch(
+                &batchnorm_eval::FWD,
+                cfg,
+                &mut [
+                    In(x),
+                    Out(&mut y),
+                    opt(with_gamma, gamma),
+                    opt(with_beta, beta),
+                    In(&rm),
+                    In(&rv),
+                    I32(c as i32),
+                    U64(hw as u64),
+                    U64(total as u64),
+                    F32(eps),
+                ],
+            );
+            assert_close(&format!("bn eval y ({case}) {cfg:?}"), &y, &want, 1e-5, 1e-6);
+        }
+    }
+
+    // ---- synchronized
+    let (momentum, eps) = (0.9f32, 1e-3f32);
+    for (seed, (n, c, hw, with_gamma, with_beta)) in (0..).map(|i| 600 + 10 * i).zip(SYNC_CASES) {
+        let case = format!("N={n} C={c} HW={hw}, gamma {with_gamma}, beta {with_beta}");
+        let total = n * c * hw;
+        let step = Step::random(seed, (n, c, hw));
+        let Step { x, dy, gamma, beta, running_mean: rm0, running_var: rv0, dgamma: dg0, dbeta: db0, .. } = &step;
+        let want = step.on_the_cpu((with_gamma, with_beta), BatchStats::Global, momentum, eps);
+        assert_eq!(want.count, (37 + n * hw) as f64, "{case}: the global count");
+
+        // As Gpu::batchnorm_moments_fwd: x, moments, N (int), C (int), hw.
+        let mut moments = vec![f64::NAN; 2 * c];
+        k.launch(
+            &batchnorm_moments::FWD,
+            channel_cfg(c as i32),
+            &mut [In(x), OutF64(&mut moments), I32(n as i32), I32(c as i32), U64(hw as u64)],
+        );
+        assert_eq!(bits(&moments), bits(&want.moments), "{case}: the shard's moments vs the CPU's payload");
+        let u = RunningUpdate::new(momentum, want.count as usize);
+        for cfg in [elem_cfg(total.max(c)), FEW] {
+            let (mut y, mut rm, mut rv) = (vec![f32::NAN; total], rm0.clone(), rv0.clone());
+            let (mut sm, mut si) = (vec![f32::NAN; c], vec![f32::NAN; c]);
+            // As Gpu::batchnorm_sync_fwd: x, y, gamma or 0, beta or 0, stats, running_mean,
+            // running_var, save_mean, save_invstd, C (int), hw, total, keep, take, unbias.
+            k.launch(
+                &batchnorm_sync::FWD,
+                cfg,
+                &mut [
+                    In(x),
+                    Out(&mut y),
+                    opt(with_gamma, gamma),
+                    opt(with_beta, beta),
+                    InF64(&want.merged),
+                    Out(&mut rm),
+                    Out(&mut rv),
+                    Out(&mut sm),
+                    Out(&mut si),
+                    I32(c as i32),
+                    U64(hw as u64),
+                    U64(total as u64),
+                    F64(u.keep),
+                    F64(u.take),
+                    F64(u.unbias),
+                ],
+            );
+            assert_bits(&format!("sync bn y ({case}) {cfg:?}"), &y, &want.y);
+            assert_bits(&format!("sync bn running_mean ({case})"), &rm, &want.running_mean);
+            assert_bits(&format!("sync bn running_var ({case})"), &rv, &want.running_var);
+            assert_bits(&format!("sync bn save_mean ({case})"), &sm, &want.mean);
+            assert_bits(&format!("sync bn save_invstd ({case})"), &si, &want.invstd);
+
+            // As Gpu::batchnorm_sums_bwd: x, dy, save_mean, save_invstd, sums, N (int),
+            // C (int), hw.
+            let mut sums = vec![f64::NAN; 2 * c];
+            k.launch(
+                &batchnorm_sums::BWD,
+                channel_cfg(c as i32),
+                &mut [In(x), In(dy), In(&sm), In(&si), OutF64(&mut sums), I32(n as i32), I32(c as i32), U64(hw as u64)],
+            );
+            assert_eq!(bits(&sums), bits(&want.sums), "{case}: the shard's sums vs the CPU's payload");
+            let (mut dx, mut dgamma, mut dbeta) = (vec![f32::NAN; total], dg0.clone(), db0.clone());
+            // As Gpu::batchnorm_sync_bwd: x, dy, dx, gamma or 0, save_mean, save_invstd,
+            // local, global, dgamma or 0, dbeta or 0, C (int), hw, total, count.
+            k.launch(
+                &batchnorm_sync::BWD,
+                cfg,
+                &mut [
+                    In(x),
+                    In(dy),
+                    Out(&mut dx),
+                    opt(with_gamma, gamma),
+                    In(&sm),
+                    In(&si),
+                    InF64(&sums),
+                    InF64(&want.global_sums),
+                    opt_mut(with_gamma, &mut dgamma),
+                    opt_mut(with_beta, &mut dbeta),
+                    I32(c as i32),
+                    U64(hw as u64),
+                    U64(total as u64),
+                    F64(want.count),
+                ],
+            );
+            assert_bits(&format!("sync bn dx ({case}) {cfg:?}"), &dx, &want.dx);
+            assert_bits(&format!("sync bn dgamma ({case})"), &dgamma, &want.dgamma);
+            assert_bits(&format!("sync bn dbeta ({case})"), &dbeta, &want.dbeta);
+        }
+    }
+
+    // ---- num_batches_tracked: counts as the average over R logical replicas leaves them:
+    // whole, an ulp off either side (5 · 7 · (1/7) in f32), and large.
+    for v in [0.0f32, 1.0, 4.999_999_5, 5.000_000_5, 123_456.0, 16_777_215.0] {
+        let mut count = vec![v];
+        // As Gpu::batchnorm_count pushes them: count, n = 1.
+        k.launch(&batchnorm_count::FWD, elem_cfg(1), &mut [Out(&mut count), U64(1)]);
+        assert_bits(&format!("count of {v}"), &count, &[super::cpu::count_up(v)]);
+    }
+}
+
+// ---- on a GPU -----------------------------------------------------------------------------
+
+#[cfg(all(test, feature = "cuda"))]
+mod tests {
+    use super::*;
+    use crate::ops::conformance::gpu_or_skip;
+
+    fn up<T: cudarc::driver::DeviceRepr>(gpu: &Gpu, v: &[T]) -> CudaSlice<T> {
+        gpu.stream().clone_htod(v).expect("host to device copy")
+    }
+
+    fn down<T: cudarc::driver::DeviceRepr + Default + Clone>(gpu: &Gpu, d: &CudaSlice<T>) -> Vec<T> {
+        gpu.stream().clone_dtoh(d).expect("device to host copy")
+    }
+
+    /// The per-replica kernels on a GPU against the CPU, within the host check's
+    /// tolerances ([`assert_shard_step`]; the evaluation within 1e-5 relative, 1e-6
+    /// absolute), for every combination of γ and β.
+    #[test]
+    fn batchnorm_train_eval_and_backward_match_the_cpu() {
+        if !gpu_or_skip("batchnorm_train_eval_and_backward_match_the_cpu") {
+            return;
+        }
+        let gpu = Gpu::new(0).unwrap();
+        let (n, c, hw) = (4, 3, 25);
+        let (momentum, eps) = (0.99f32, 1e-3f32);
+        for (seed, with) in (700..).zip([(true, true), (false, true), (true, false), (false, false)]) {
+            let (with_gamma, with_beta) = with;
+            let step = Step::random(seed, (n, c, hw));
+            let want = step.on_the_cpu(with, BatchStats::Shard, momentum, eps);
+            let (g_d, b_d) = (up(&gpu, &step.gamma), up(&gpu, &step.beta));
+            let params =
+                || BnParams { gamma: with_gamma.then(|| g_d.as_view()), beta: with_beta.then(|| b_d.as_view()) };
+            let x_d = up(&gpu, &step.x);
+            let mut y_d = up(&gpu, &vec![0.0f32; step.x.len()]);
+            let (mut rm_d, mut rv_d) = (up(&gpu, &step.running_mean), up(&gpu, &step.running_var));
+            let (mut sm_d, mut si_d) = (up(&gpu, &vec![0.0f32; c]), up(&gpu, &vec![0.0f32; c]));
+            let geom = BnGeom { n, c, hw, eps, momentum };
+            let stats = BnStats {
+                running_mean: rm_d.as_view_mut(),
+                running_var: rv_d.as_view_mut(),
+                save_mean: sm_d.as_view_mut(),
+                save_invstd: si_d.as_view_mut(),
+            };
+            let update = RunningUpdate::new(momentum, n * hw).into();
+            gpu.batchnorm_train_fwd(&x_d, &mut y_d, params(), stats, geom, update).unwrap();
+            let mut dx_d = up(&gpu, &vec![0.0f32; step.x.len()]);
+            let (mut dg_d, mut db_d) = (up(&gpu, &step.dgamma), up(&gpu, &step.dbeta));
+            let saved = BnSaved { mean: sm_d.as_view(), invstd: si_d.as_view() };
+            let grads = BnGrads {
+                dx: dx_d.as_view_mut(),
+                dgamma: with_gamma.then(|| dg_d.as_view_mut()),
+                dbeta: with_beta.then(|| db_d.as_view_mut()),
+            };
+            gpu.batchnorm_train_bwd(&x_d, &up(&gpu, &step.dy), params(), saved, grads, geom).unwrap();
+            let case = format!("gamma {with_gamma}, beta {with_beta}");
+            let (rm, rv) = (down(&gpu, &rm_d), down(&gpu, &rv_d));
+            let (y, dx, dg, db) = (down(&gpu, &y_d), down(&gpu, &dx_d), down(&gpu, &dg_d), down(&gpu, &db_d));
+            assert_shard_step(&case, &want, &y, &rm, &rv, &dx, &dg, &db);
+
+            // Evaluation with the running statistics just moved.
+            gpu.batchnorm_eval_fwd(&x_d, &mut y_d, params(), (&rm_d, &rv_d), geom).unwrap();
+            let want: Vec<f64> = step.eval_on_the_cpu(with, &rm, &rv, eps).iter().map(|&v| v as f64).collect();
+            crate::testing::assert_close(&format!("bn eval y ({case})"), &down(&gpu, &y_d), &want, 1e-5, 1e-6);
+        }
+    }
+
+    /// The synchronized kernels on a GPU against the CPU, through the launches a GPU
+    /// replica makes, bit for bit as on the host: the kernels' f64 and f32 arithmetic is
+    /// the CPU's, operation for operation, with the _rn intrinsics where NVRTC would fuse
+    /// a multiply and an add, and CUDA's f64 division, conversions and additions are
+    /// IEEE's, as the CPU's.
+    #[test]
+    fn synchronized_batchnorm_kernels_equal_the_cpu_bit_for_bit() {
+        if !gpu_or_skip("synchronized_batchnorm_kernels_equal_the_cpu_bit_for_bit") {
+            return;
+        }
+        use crate::testing::assert_bits;
+        let gpu = Gpu::new(0).unwrap();
+        let (momentum, eps) = (0.9f32, 1e-3f32);
+        let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        for (seed, (n, c, hw, with_gamma, with_beta)) in (800..).zip(SYNC_CASES) {
+            let case = format!("N={n} C={c} HW={hw}, gamma {with_gamma}, beta {with_beta}");
+            let step = Step::random(seed, (n, c, hw));
+            let want = step.on_the_cpu((with_gamma, with_beta), BatchStats::Global, momentum, eps);
+            let geom = BnGeom { n, c, hw, eps, momentum };
+            let (x_d, dy_d) = (up(&gpu, &step.x), up(&gpu, &step.dy));
+            let (g_d, b_d) = (up(&gpu, &step.gamma), up(&gpu, &step.beta));
+            let params =
+                || BnParams { gamma: with_gamma.then(|| g_d.as_view()), beta: with_beta.then(|| b_d.as_view()) };
+
+            let mut moments_d = up(&gpu, &vec![f64::NAN; 2 * c]);
+            gpu.batchnorm_moments_fwd(&x_d, &mut moments_d.as_view_mut(), geom).unwrap();
+            assert_eq!(bits(&down(&gpu, &moments_d)), bits(&want.moments), "{case}: the shard's moments");
+            let stats_d = up(&gpu, &want.merged);
+            let mut y_d = up(&gpu, &vec![f32::NAN; step.x.len()]);
+            let (mut rm_d, mut rv_d) = (up(&gpu, &step.running_mean), up(&gpu, &step.running_var));
+            let (mut sm_d, mut si_d) = (up(&gpu, &vec![f32::NAN; c]), up(&gpu, &vec![f32::NAN; c]));
+            let out = BnStats {
+                running_mean: rm_d.as_view_mut(),
+                running_var: rv_d.as_view_mut(),
+                save_mean: sm_d.as_view_mut(),
+                save_invstd: si_d.as_view_mut(),
+            };
+            let update = RunningUpdate::new(momentum, want.count as usize).into();
+            let merged = BnMerged { stats: stats_d.as_view(), update };
+            gpu.batchnorm_sync_fwd(&x_d, &mut y_d, params(), merged, out, geom).unwrap();
+            assert_bits(&format!("{case}: y"), &down(&gpu, &y_d), &want.y);
+            assert_bits(&format!("{case}: running_mean"), &down(&gpu, &rm_d), &want.running_mean);
+            assert_bits(&format!("{case}: running_var"), &down(&gpu, &rv_d), &want.running_var);
+
+            let mut sums_d = up(&gpu, &vec![f64::NAN; 2 * c]);
+            let saved = || BnSaved { mean: sm_d.as_view(), invstd: si_d.as_view() };
+            gpu.batchnorm_sums_bwd(&x_d, &dy_d, &saved(), &mut sums_d.as_view_mut(), geom).unwrap();
+            assert_eq!(bits(&down(&gpu, &sums_d)), bits(&want.sums), "{case}: the shard's sums");
+            let global_d = up(&gpu, &want.global_sums);
+            let mut dx_d = up(&gpu, &vec![f32::NAN; step.x.len()]);
+            let (mut dg_d, mut db_d) = (up(&gpu, &step.dgamma), up(&gpu, &step.dbeta));
+            let grads = BnGrads {
+                dx: dx_d.as_view_mut(),
+                dgamma: with_gamma.then(|| dg_d.as_view_mut()),
+                dbeta: with_beta.then(|| db_d.as_view_mut()),
+            };
+            let sums =
+                BnSums { saved: saved(), local: sums_d.as_view(), global: global_d.as_view(), count: want.count };
+            gpu.batchnorm_sync_bwd(&x_d, &dy_d, params(), sums, grads, geom).unwrap();
+            assert_bits(&format!("{case}: dx"), &down(&gpu, &dx_d), &want.dx);
+            assert_bits(&format!("{case}: dgamma"), &down(&gpu, &dg_d), &want.dgamma);
+            assert_bits(&format!("{case}: dbeta"), &down(&gpu, &db_d), &want.dbeta);
+        }
+    }
 }

@@ -1,7 +1,8 @@
 //! A 2-D convolution on a GPU: the declaration of kernels/conv2d.cu (im2col and its adjoint,
-//! the bias over channels and its reduction), their checked launches, and the op's GPU form,
-//! whose products are cuBLAS's (`cuda::gemm`). The unfolding's layout is the CPU's, so the
-//! two backends share one weight layout.
+//! the bias over channels and its reduction), their checked launches, the op's GPU form,
+//! whose products are cuBLAS's (`cuda::gemm`), and the check of the kernels on the host
+//! against the CPU's ([`super::cpu`], `backend::cpu`'s unfolding). The unfolding's layout is
+//! the CPU's, so the two backends share one weight layout.
 
 use crate::cuda::gemm::{gemm as cublas_gemm, RmGemm};
 use crate::cuda::launch::{channel_cfg, check_len, dim, elem_cfg, DevIn, DevOut};
@@ -167,5 +168,253 @@ impl GpuLayer for Conv2dGpu {
             gpu.im2col_bwd(&dcol, &mut dx, &g)?;
         }
         Ok(())
+    }
+}
+
+// ---- on the host ------------------------------------------------------------------------
+
+/// Every (col index, x index) pair of im2col in the CPU's layout, with strides that may
+/// differ per axis (the CPU backend has one stride):
+///   col[n][(c*KH + kh)*KW + kw][oh*OW + ow] = x[n, c, oh*SH - PT + kh, ow*SW - PL + kw],
+/// in the order (n, row, oh, ow); a position in the padding has no pair.
+/// x: (N, C, H, W); col: (N, C*KH*KW, OH*OW).
+#[cfg(test)]
+fn im2col_pairs(g: &WindowGeom) -> Vec<(usize, usize)> {
+    let (oh, ow) = (g.oh(), g.ow());
+    let rows = g.c * g.kh * g.kw;
+    let mut pairs = Vec::with_capacity(g.col_len());
+    for s in 0..g.n {
+        for row in 0..rows {
+            let (ch, ky, kx) = (row / (g.kh * g.kw), (row / g.kw) % g.kh, row % g.kw);
+            for oy in 0..oh {
+                for ox in 0..ow {
+                    let y = (oy * g.stride_h + ky) as isize - g.pad_top as isize;
+                    let xx = (ox * g.stride_w + kx) as isize - g.pad_left as isize;
+                    if y >= 0 && (y as usize) < g.h && xx >= 0 && (xx as usize) < g.w {
+                        pairs.push((
+                            (s * rows + row) * oh * ow + oy * ow + ox,
+                            ((s * g.c + ch) * g.h + y as usize) * g.w + xx as usize,
+                        ));
+                    }
+                }
+            }
+        }
+    }
+    pairs
+}
+
+/// im2col of a geometry the CPU backend has no twin of (unequal strides): copies and
+/// zeros, so in f32 and exact. x: (N, C, H, W) → col: (N, C*KH*KW, OH*OW).
+#[cfg(test)]
+fn im2col_ref(x: &[f32], g: &WindowGeom) -> Vec<f32> {
+    let mut col = vec![0.0; g.col_len()];
+    for (ci, xi) in im2col_pairs(g) {
+        col[ci] = x[xi];
+    }
+    col
+}
+
+/// col2im by scatter-add in f64: the transpose of [`im2col_ref`], element by element.
+/// dcol: (N, C*KH*KW, OH*OW) → dx: (N, C, H, W).
+#[cfg(test)]
+fn col2im_ref(dcol: &[f32], g: &WindowGeom) -> Vec<f64> {
+    let mut dx = vec![0.0; g.x_len()];
+    for (ci, xi) in im2col_pairs(g) {
+        dx[xi] += dcol[ci] as f64;
+    }
+    dx
+}
+
+/// The CPU backend's geometry of one sample of `g`, where it has one (equal strides).
+#[cfg(test)]
+fn cpu_twin(g: &WindowGeom) -> Option<Im2colGeom> {
+    let (c, h, w, kh, kw, pad_top, pad_left, oh, ow) =
+        (g.c, g.h, g.w, g.kh, g.kw, g.pad_top, g.pad_left, g.oh(), g.ow());
+    (g.stride_h == g.stride_w).then_some(Im2colGeom { c, h, w, kh, kw, stride: g.stride_h, pad_top, pad_left, oh, ow })
+}
+
+/// The geometries of the unfolding's checks, host and GPU: the Keras convnet's first
+/// layer, smaller (3x3, stride 1, no padding); TF "same" padding with stride 2 on an even
+/// size (0 top/left, 1 bottom/right); stride 2 with every pad different (1/2/0/1) and a
+/// 3x2 kernel; and everything different, a 2x4 kernel at strides 2/3 (no CPU twin).
+#[cfg(test)]
+fn unfold_geoms() -> [WindowGeom; 4] {
+    let geom = |(n, c, h, w), (kh, kw), (stride_h, stride_w), (pad_top, pad_left, pad_bottom, pad_right)| WindowGeom {
+        n,
+        c,
+        h,
+        w,
+        kh,
+        kw,
+        stride_h,
+        stride_w,
+        pad_top,
+        pad_left,
+        pad_bottom,
+        pad_right,
+    };
+    [
+        geom((2, 1, 12, 12), (3, 3), (1, 1), (0, 0, 0, 0)),
+        geom((2, 3, 8, 6), (3, 3), (2, 2), (0, 0, 1, 1)),
+        geom((2, 2, 7, 9), (3, 2), (2, 2), (1, 2, 0, 1)),
+        geom((3, 2, 7, 9), (2, 4), (2, 3), (1, 2, 0, 1)),
+    ]
+}
+
+/// What the unfolding's kernels must give for x and dcol at `g`: col (exact) and dx, as
+/// the CPU backend computes them per sample where it has a twin of `g` (its col2im adds
+/// each dx element's terms in the kernel's order, (kh, kw) ascending from 0, so the two
+/// agree bit for bit: `Exact`), else the f64 reference (`Near`: at most KH·KW terms per
+/// element in f32, within 1e-5 relative and absolute).
+#[cfg(test)]
+fn unfold_want(x: &[f32], dcol: &[f32], g: &WindowGeom) -> (Vec<f32>, UnfoldDx) {
+    let Some(cg) = cpu_twin(g) else { return (im2col_ref(x, g), UnfoldDx::Near(col2im_ref(dcol, g))) };
+    let (per_x, per_col) = (g.c * g.h * g.w, cg.col_rows() * cg.col_cols());
+    let (mut col, mut dx) = (vec![0.0; g.col_len()], vec![0.0; g.x_len()]);
+    for s in 0..g.n {
+        crate::backend::cpu::im2col(&x[s * per_x..(s + 1) * per_x], &cg, &mut col[s * per_col..(s + 1) * per_col]);
+        crate::backend::cpu::col2im(&dcol[s * per_col..(s + 1) * per_col], &cg, &mut dx[s * per_x..(s + 1) * per_x]);
+    }
+    (col, UnfoldDx::Exact(dx))
+}
+
+/// The dx an unfolding check expects ([`unfold_want`]).
+#[cfg(test)]
+enum UnfoldDx {
+    Exact(Vec<f32>),
+    Near(Vec<f64>),
+}
+
+#[cfg(test)]
+impl UnfoldDx {
+    #[track_caller]
+    fn check(&self, what: &str, got: &[f32]) {
+        match self {
+            UnfoldDx::Exact(want) => crate::testing::assert_bits(what, got, want),
+            UnfoldDx::Near(want) => crate::testing::assert_close(what, got, want, 1e-5, 1e-5),
+        }
+    }
+}
+
+/// The kernels of kernels/conv2d.cu run on the host against the CPU: im2col and col2im
+/// against `backend::cpu`'s unfolding, which the layer's columns run ([`unfold_want`]),
+/// with stride and asymmetric padding; the bias add against [`super::cpu::add_bias`], bit
+/// for bit (one f32 add); its reduction against [`super::cpu::bias_grad`], within 1e-5
+/// relative and absolute (up to 400 terms of magnitude ≤ 1, summed in f32 in two orders:
+/// the kernel's strided partial sums and tree, the CPU's plane by plane). The grid-stride
+/// kernels under the launch shape the launches use and under a grid too small to cover
+/// the data; the reduction under its one block a channel.
+#[cfg(test)]
+pub(crate) fn host_check(k: &crate::cuda::host::Checker) {
+    use crate::cuda::host::{channel_cfg, elem_cfg, elem_cfgs, In, Out, FEW, I32, U64};
+    use crate::testing::{assert_bits, assert_close, uniform};
+    for (seed, g) in (40..).zip(unfold_geoms()) {
+        let (x, dcol) = (uniform(seed, g.x_len()), uniform(seed + 100, g.col_len()));
+        let (want_col, want_dx) = unfold_want(&x, &dcol, &g);
+        let geom = g.launch_args("im2col host check").unwrap();
+        for cfg in [elem_cfg(g.col_len()), FEW] {
+            let mut col = vec![f32::NAN; g.col_len()];
+            // As Gpu::im2col_fwd pushes them: x, col, then the geometry's 12 ints.
+            let mut args = vec![In(&x), Out(&mut col)];
+            args.extend(geom.map(I32));
+            k.launch(&im2col::FWD, cfg, &mut args);
+            assert_bits(&format!("im2col {g:?} {cfg:?}"), &col, &want_col);
+        }
+        for cfg in [elem_cfg(g.x_len()), FEW] {
+            let mut dx = vec![f32::NAN; g.x_len()];
+            // As Gpu::im2col_bwd: dcol, dx, then the geometry's 12 ints.
+            let mut args = vec![In(&dcol), Out(&mut dx)];
+            args.extend(geom.map(I32));
+            k.launch(&im2col::BWD, cfg, &mut args);
+            want_dx.check(&format!("col2im {g:?} {cfg:?}"), &dx);
+        }
+    }
+
+    // NCHW with M = N*H*W below one block (3*49 = 147 of 256 threads busy) and above it
+    // (4*100 = 400: threads 0..143 sum two terms each before the tree).
+    for (seed, (n, c, hw)) in (50..).zip([(3, 5, 49), (4, 3, 100)]) {
+        let total = n * c * hw;
+        let (y0, bias, dy, dbias0) =
+            (uniform(seed, total), uniform(seed + 1, c), uniform(seed + 2, total), uniform(seed + 3, c));
+        let mut want_y = y0.clone();
+        want_y.chunks_exact_mut(c * hw).for_each(|yn| super::cpu::add_bias(yn, &bias, hw));
+        for cfg in elem_cfgs(total) {
+            let mut y = y0.clone();
+            // As Gpu::bias_nchw_fwd: y, bias, C (int), hw, total.
+            let mut args = [Out(&mut y), In(&bias), I32(c as i32), U64(hw as u64), U64(total as u64)];
+            k.launch(&bias_nchw::FWD, cfg, &mut args);
+            assert_bits(&format!("bias_nchw y {cfg:?}"), &y, &want_y);
+        }
+        let mut want_dbias = dbias0.clone();
+        super::cpu::bias_grad(&dy, hw, &mut want_dbias);
+        let mut dbias = dbias0.clone();
+        // As Gpu::bias_nchw_bwd: dy, dbias, N (int), C (int), hw; grid = (C).
+        let mut args = [In(&dy), Out(&mut dbias), I32(n as i32), I32(c as i32), U64(hw as u64)];
+        k.launch(&bias_nchw::BWD, channel_cfg(c as i32), &mut args);
+        let want: Vec<f64> = want_dbias.iter().map(|&v| v as f64).collect();
+        assert_close(&format!("bias_nchw dbias (accumulated), N={n} C={c} HW={hw}"), &dbias, &want, 1e-5, 1e-5);
+    }
+}
+
+// ---- on a GPU -----------------------------------------------------------------------------
+
+#[cfg(all(test, feature = "cuda"))]
+mod tests {
+    use super::*;
+    use crate::ops::conformance::gpu_or_skip;
+    use crate::testing::{assert_bits, assert_close, uniform};
+
+    fn up<T: cudarc::driver::DeviceRepr>(gpu: &Gpu, v: &[T]) -> CudaSlice<T> {
+        gpu.stream().clone_htod(v).expect("host to device copy")
+    }
+
+    fn down<T: cudarc::driver::DeviceRepr + Default + Clone>(gpu: &Gpu, d: &CudaSlice<T>) -> Vec<T> {
+        gpu.stream().clone_dtoh(d).expect("device to host copy")
+    }
+
+    /// The unfolding's kernels on a GPU, against the CPU's unfolding where it has a twin
+    /// of the geometry (bit for bit: copies, and the same additions in the same order),
+    /// else the f64 reference ([`unfold_want`]).
+    #[test]
+    fn im2col_and_col2im_match_the_cpu_with_stride_and_asymmetric_padding() {
+        if !gpu_or_skip("im2col_and_col2im_match_the_cpu_with_stride_and_asymmetric_padding") {
+            return;
+        }
+        let gpu = Gpu::new(0).unwrap();
+        for (seed, g) in (60..).zip(unfold_geoms()) {
+            let (x, dcol) = (uniform(seed, g.x_len()), uniform(seed + 100, g.col_len()));
+            let (want_col, want_dx) = unfold_want(&x, &dcol, &g);
+            let mut col_d = up(&gpu, &vec![f32::NAN; g.col_len()]);
+            gpu.im2col_fwd(&up(&gpu, &x), &mut col_d, &g).unwrap();
+            assert_bits(&format!("im2col {g:?}"), &down(&gpu, &col_d), &want_col);
+            let mut dx_d = up(&gpu, &vec![f32::NAN; g.x_len()]);
+            gpu.im2col_bwd(&up(&gpu, &dcol), &mut dx_d, &g).unwrap();
+            want_dx.check(&format!("col2im {g:?}"), &down(&gpu, &dx_d));
+        }
+    }
+
+    /// The bias add and its reduction on a GPU against the CPU's: the add bit for bit,
+    /// the reduction (147 terms a channel, in two orders) within 1e-5 relative and
+    /// absolute.
+    #[test]
+    fn the_bias_add_and_its_reduction_match_the_cpu() {
+        if !gpu_or_skip("the_bias_add_and_its_reduction_match_the_cpu") {
+            return;
+        }
+        let gpu = Gpu::new(0).unwrap();
+        // N=3, C=5, H=W=7 (hw = 49, so a block of 256 threads covers 147 terms).
+        let (n, c, hw) = (3, 5, 49);
+        let (y0, bias, dy, dbias0) = (uniform(70, n * c * hw), uniform(71, c), uniform(72, n * c * hw), uniform(73, c));
+        let mut y_d = up(&gpu, &y0);
+        gpu.bias_nchw_fwd(&mut y_d, &up(&gpu, &bias), n, c, hw).unwrap();
+        let mut want_y = y0.clone();
+        want_y.chunks_exact_mut(c * hw).for_each(|yn| super::super::cpu::add_bias(yn, &bias, hw));
+        assert_bits("bias_nchw y", &down(&gpu, &y_d), &want_y);
+        let mut db_d = up(&gpu, &dbias0);
+        gpu.bias_nchw_bwd(&up(&gpu, &dy), &mut db_d, n, c, hw).unwrap();
+        let mut want = dbias0.clone();
+        super::super::cpu::bias_grad(&dy, hw, &mut want);
+        let want: Vec<f64> = want.iter().map(|&v| v as f64).collect();
+        assert_close("bias_nchw dbias (accumulated)", &down(&gpu, &db_d), &want, 1e-5, 1e-5);
     }
 }

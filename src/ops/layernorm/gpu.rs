@@ -1,7 +1,8 @@
 //! LayerNorm on a GPU: the declaration of kernels/layernorm.cu, the argument structs and
 //! checked launches of its kernels (one warp a row; the parameter gradients, two kernels in
-//! a fixed order, one method), and the op's GPU form. The arithmetic and the chunk size of
-//! the ordered sums are `super`'s.
+//! a fixed order, one method), the op's GPU form, and the check of the kernels on the host
+//! against the CPU's. The arithmetic and the chunk size of the ordered sums are
+//! [`super::cpu`]'s.
 
 use crate::cuda::launch::{check_len, dim, elem_cfg, DevIn, DevOut};
 use crate::cuda::Gpu;
@@ -9,6 +10,7 @@ use crate::ops::gpu::{Backward, Forward, GpuLayer, Node};
 use crate::{Error, Result};
 use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, LaunchConfig};
 
+use super::cpu::ROW_CHUNK;
 use super::*;
 
 crate::cuda::declare::kernels! {
@@ -142,7 +144,7 @@ impl Gpu {
     }
 
     /// Backward's parameter gradients: dweight += Σ_rows dy·x̂ and dbias += Σ_rows dy
-    /// (C each), the rows summed in chunks of `chunk` (`ops::layernorm::ROW_CHUNK`), the
+    /// (C each), the rows summed in chunks of `chunk` (`ops::layernorm::cpu::ROW_CHUNK`), the
     /// chunks' sums in chunk order (`partials`, (ceil(rows / chunk), 2, C) doubles, is
     /// their workspace). x, dy: (rows, C); mean, rstd: (rows)
     #[allow(clippy::too_many_arguments)]
@@ -202,7 +204,7 @@ pub(super) fn form(layer: &LayerNorm) -> Option<Box<dyn GpuLayer>> {
 /// LayerNorm on a GPU: `layernorm_fwd` normalises each row (one warp a row) and saves its
 /// mean and rstd in f64; `layernorm_bwd` writes dx from them and the forward's input, and
 /// `layernorm_partial_bwd` then `layernorm_params_bwd` sum dweight and dbias over the rows
-/// in this file's chunk order: the CPU layer's arithmetic, operation for operation.
+/// in the CPU's chunk order: [`super::cpu`]'s arithmetic, operation for operation.
 pub(super) struct LayerNormGpu {
     width: usize,
     eps: f32,
@@ -270,5 +272,96 @@ impl GpuLayer for LayerNormGpu {
         let out = LnGrads { dweight, dbias };
         let partials = &mut saved.partials.slice_mut(0..rows.div_ceil(ROW_CHUNK) * 2 * self.width);
         gpu.layernorm_params_bwd(x, &dy, (&mean, &rstd), partials, out, rows, self.width, ROW_CHUNK)
+    }
+}
+
+// ---- on the host ------------------------------------------------------------------------
+
+/// The kernels of kernels/layernorm.cu run on the host against the CPU's [`super::cpu`], bit
+/// for bit: every operation is the CPU's, in its order, uncontracted, with IEEE division
+/// and square root. The row kernels under their own launch shape (one warp a row), the
+/// column kernels under the launch's and under a grid too small to cover the columns.
+/// (N, T, C, bias): 150 rows of 40 (three chunks of rows, 64, 64 and 22, and a lane tail
+/// of 8); 6 rows of 5 without a bias (rows shorter than the 32 lanes, one short chunk);
+/// 70 rows of the GPT's 128 (four whole lane rounds, two chunks).
+#[cfg(test)]
+pub(crate) fn host_check(k: &crate::cuda::host::Checker) {
+    use super::cpu::{layernorm_backward, layernorm_forward, row_stats};
+    use crate::cuda::host::{elem_cfgs, Cfg, In, InF64, Null, Out, OutF64, F32, I32, U64};
+    use crate::testing::{assert_bits, uniform};
+    for (n, t, c, use_bias) in [(3usize, 50usize, 40usize, true), (2, 3, 5, false), (1, 70, 128, true)] {
+        let rows = n * t;
+        let eps = 1e-5f32;
+        let seed = 0x1a7e + c as u64;
+        // Rows off centre (mean 3, spread 2), so that the mean and the deviations matter.
+        let x: Vec<f32> = uniform(seed, rows * c).iter().map(|v| 3.0 + 2.0 * v).collect();
+        let dy = uniform(seed + 1, rows * c);
+        let w: Vec<f32> = uniform(seed + 2, c).iter().map(|v| 1.0 + 0.5 * v).collect();
+        let b = uniform(seed + 3, c);
+        // The gradients start non-zero: the kernels, as the CPU, accumulate into them.
+        let (dw0, db0) = (uniform(seed + 4, c), uniform(seed + 5, c));
+
+        // The CPU: its output and kept x̂ and rstd, each row's mean, its input's gradient
+        // and its parameters' gradients accumulated onto dw0, db0.
+        let bias = use_bias.then_some(&b[..]);
+        let (mut want_y, mut xhat, mut want_rstd) = (x.clone(), vec![0.0; rows * c], vec![0.0; rows]);
+        layernorm_forward(&mut want_y, Some((&mut xhat, &mut want_rstd)), &w, bias, eps);
+        let want_mean: Vec<f64> = x.chunks_exact(c).map(|r| row_stats(r, eps).0).collect();
+        let (mut want_dx, mut want_dw, mut want_db) = (dy.clone(), dw0.clone(), db0.clone());
+        let dbias = use_bias.then_some(&mut want_db[..]);
+        let needed = crate::ops::InputGrad::Needed;
+        layernorm_backward(&mut want_dx, &xhat, &want_rstd, &w, &mut want_dw, dbias, &mut Vec::new(), needed);
+
+        let what = |part: &str| format!("layernorm ({n}, {t}, {c}), bias {use_bias}: {part}");
+        let row_launch: Cfg = rows_cfg("layernorm host check", rows).unwrap().into();
+        let (mut y, mut mean, mut rstd) = (vec![f32::NAN; rows * c], vec![f64::NAN; rows], vec![f64::NAN; rows]);
+        let bias = if use_bias { In(&b) } else { Null };
+        // As Gpu::layernorm_fwd pushes them: x, y, weight, bias, mean, rstd, rows, c, eps.
+        let (rows_u, ci) = (U64(rows as u64), I32(c as i32));
+        let mut args = [In(&x), Out(&mut y), In(&w), bias, OutF64(&mut mean), OutF64(&mut rstd), rows_u, ci, F32(eps)];
+        k.launch(&layernorm::FWD, row_launch, &mut args);
+        assert_bits(&what("y"), &y, &want_y);
+        let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&mean), bits(&want_mean), "{}", what("saved mean"));
+        assert_eq!(bits(&rstd), bits(&want_rstd), "{}", what("saved rstd"));
+
+        let mut dx = vec![f32::NAN; rows * c];
+        // As Gpu::layernorm_bwd: x, dy, dx, weight, mean, rstd, rows, c.
+        k.launch(
+            &layernorm::BWD,
+            row_launch,
+            &mut [In(&x), In(&dy), Out(&mut dx), In(&w), InF64(&mean), InF64(&rstd), U64(rows as u64), I32(c as i32)],
+        );
+        assert_bits(&what("dx"), &dx, &want_dx);
+
+        let chunks = rows.div_ceil(ROW_CHUNK);
+        for (cfg_partial, cfg_params) in elem_cfgs(chunks * c).into_iter().zip(elem_cfgs(c)) {
+            let mut partials = vec![f64::NAN; chunks * 2 * c];
+            let (mut dw, mut db) = (dw0.clone(), db0.clone());
+            // As Gpu::layernorm_params_bwd: first x, dy, mean, rstd, partials, rows, c,
+            // chunk; then partials, dweight, dbias, chunks, c.
+            k.launch(
+                &layernorm_partial::BWD,
+                cfg_partial,
+                &mut [
+                    In(&x),
+                    In(&dy),
+                    InF64(&mean),
+                    InF64(&rstd),
+                    OutF64(&mut partials),
+                    U64(rows as u64),
+                    I32(c as i32),
+                    I32(ROW_CHUNK as i32),
+                ],
+            );
+            let dbias = if use_bias { Out(&mut db) } else { Null };
+            k.launch(
+                &layernorm_params::BWD,
+                cfg_params,
+                &mut [InF64(&partials), Out(&mut dw), dbias, U64(chunks as u64), I32(c as i32)],
+            );
+            assert_bits(&what(&format!("dweight {cfg_partial:?}")), &dw, &want_dw);
+            assert_bits(&what(&format!("dbias {cfg_partial:?}")), &db, &want_db);
+        }
     }
 }

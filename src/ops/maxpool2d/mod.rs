@@ -1,46 +1,22 @@
 //! MaxPool2d: the maximum of each window of an NCHW tensor, Keras's `MaxPooling2D`
-//! (pool size, strides, `valid`/`same` padding) with PyTorch's `MaxPool2d` semantics.
+//! (pool size, strides, `valid`/`same` padding) with PyTorch's `MaxPool2d` semantics
+//! (ties, NaN and the backward's sums: [`cpu`]'s docs).
 //!
-//! Owns: the layer and its CPU arithmetic, forward and backward side by side, written per
-//! H×W plane ([`maxpool2d_plane_fwd`], [`maxpool2d_plane_bwd`]) so that the host-run
-//! kernel test holds `kernels/maxpool2d.cu` to these very functions. Where a window sits is
-//! `ops::window`'s (shared with the convolution and the GPU); padded positions are not
-//! candidates at all, so they never win (TensorFlow's `SAME` max pooling, and PyTorch's
-//! −∞ padding, behave alike).
-//!
-//! # Ties and NaN, as PyTorch's CPU kernel
-//! Each window is scanned in row-major order and a value replaces the running maximum when
-//! `v > max || isnan(v)`: among equal maxima the first wins, a NaN beats every number (so
-//! it propagates), and of several NaNs the last wins. The winner's index in its plane
-//! (`h·W + w`) is kept, as PyTorch's `return_indices` gives it.
-//!
-//! # Backward
-//! `dout` is routed to each window's winner; where windows overlap (stride < pool size)
-//! one input may win several, and its gradient is the sum of their `dout`, added in
-//! row-major order of the outputs, starting from 0. The kernel sums in that same order
-//! (one thread per input element, no atomics), so the two backends agree bit for bit.
-//! Planes run in parallel on the device's pool; each plane is computed alone, so nothing
-//! depends on the thread count.
-//!
-//! Owns also its spec entry (`max_pooling2d`), its spec form and what it keeps for
-//! backward.
+//! Owns the layer, built on its CPU forward and backward ([`cpu`]): its spec entry
+//! (`max_pooling2d`), its spec form and what it keeps for backward (the winners'
+//! indices). Its GPU form is [`gpu`] (kernels/maxpool2d.cu).
 
+pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod gpu;
-
-use rayon::prelude::*;
 
 use super::window::{Geometry2d, Padding, Window2d};
 use serde_json::{json, Value};
 
 use super::spec::{expect_images, Build, LayerType};
 use super::{Ctx, InputGrad, Layer, LayerMemory, LayerShapes, Mode, Params, ParamsMut};
-use crate::backend::par;
 use crate::error::{Error, Result};
 use crate::tensor::{Shape, Tensor};
-
-/// Input values per parallel task, at least one plane: enough work to be worth a hand-off.
-const TASK: usize = 1 << 16;
 
 /// Max pooling over the spatial dimensions.
 #[derive(Clone, Debug)]
@@ -91,7 +67,7 @@ impl MaxPool2d {
         conformance: crate::ops::spec::Conformance {
             input: crate::ops::spec::TestInput::Distinct,
             #[cfg(feature = "cuda")]
-            host: None,
+            host: Some(gpu::host_check),
         },
     };
 
@@ -106,41 +82,6 @@ impl MaxPool2d {
             return Err(Error::shape("MaxPool2d", format!("input {input}: a plane's indices must fit in u32")));
         }
         Ok((n, c, g))
-    }
-}
-
-/// Forward of one plane. x: (H, W) → y: (OH, OW), argmax: (OH, OW), each the index
-/// `h·W + w` of the value y took.
-pub fn maxpool2d_plane_fwd(x: &[f32], g: &Geometry2d, y: &mut [f32], argmax: &mut [u32]) {
-    for oy in 0..g.oh {
-        let rows = g.rows(oy);
-        for ox in 0..g.ow {
-            let cols = g.cols(ox);
-            // Starting from the first candidate gives what PyTorch's start from −∞ does:
-            // a first −∞ stays the winner of an all −∞ window, a first NaN wins at once.
-            let first = rows.start * g.w + cols.start;
-            let (mut best, mut at) = (x[first], first);
-            for iy in rows.clone() {
-                for ix in cols.clone() {
-                    let i = iy * g.w + ix;
-                    let v = x[i];
-                    if v > best || v.is_nan() {
-                        (best, at) = (v, i);
-                    }
-                }
-            }
-            y[oy * g.ow + ox] = best;
-            argmax[oy * g.ow + ox] = at as u32;
-        }
-    }
-}
-
-/// Backward of one plane: `dx[i] = Σ dout[o]` over the outputs o whose winner is i, in
-/// ascending o from 0. dout, argmax: (OH, OW) → dx: (H, W), written.
-pub fn maxpool2d_plane_bwd(dout: &[f32], argmax: &[u32], dx: &mut [f32]) {
-    dx.fill(0.0);
-    for (&d, &i) in dout.iter().zip(argmax) {
-        dx[i as usize] += d;
     }
 }
 
@@ -177,16 +118,10 @@ impl Layer for MaxPool2d {
     // x: (N, C, H, W) → y: (N, C, OH, OW)
     fn forward(&mut self, x: Tensor, _p: Params<'_>, _b: ParamsMut<'_>, ctx: &Ctx) -> Result<Tensor> {
         let (n, c, g) = self.geometry(x.shape())?;
-        let (hw, ohw) = (g.h * g.w, g.oh * g.ow);
-        let planes = (TASK / hw).max(1);
+        let ohw = g.oh * g.ow;
         let mut y = vec![0.0f32; n * c * ohw];
         let mut argmax = vec![0u32; n * c * ohw];
-        let work = x.host().par_chunks(planes * hw).zip(y.par_chunks_mut(planes * ohw));
-        par::for_each(work.zip(argmax.par_chunks_mut(planes * ohw)), |((xs, ys), is)| {
-            for ((xp, yp), ip) in xs.chunks_exact(hw).zip(ys.chunks_exact_mut(ohw)).zip(is.chunks_exact_mut(ohw)) {
-                maxpool2d_plane_fwd(xp, &g, yp, ip);
-            }
-        });
+        cpu::maxpool2d_forward(x.host(), &g, &mut y, &mut argmax);
         self.cache = (ctx.mode == Mode::Train).then(|| (x.shape().clone(), argmax));
         Tensor::from_vec_on(y, [n, c, g.oh, g.ow], x.device())
     }
@@ -214,15 +149,8 @@ impl Layer for MaxPool2d {
         if input_grad == InputGrad::Skip {
             return Ok(None);
         }
-        let (hw, ohw) = (g.h * g.w, g.oh * g.ow);
-        let planes = (TASK / hw).max(1);
-        let mut dx = vec![0.0f32; n * c * hw];
-        let work = dx.par_chunks_mut(planes * hw).zip(dout.host().par_chunks(planes * ohw));
-        par::for_each(work.zip(argmax.par_chunks(planes * ohw)), |((dxs, ds), is)| {
-            for ((dxp, dp), ip) in dxs.chunks_exact_mut(hw).zip(ds.chunks_exact(ohw)).zip(is.chunks_exact(ohw)) {
-                maxpool2d_plane_bwd(dp, ip, dxp);
-            }
-        });
+        let mut dx = vec![0.0f32; n * c * g.h * g.w];
+        cpu::maxpool2d_backward(dout.host(), &argmax, &g, &mut dx);
         Tensor::from_vec_on(dx, shape, dout.device()).map(Some)
     }
 
@@ -332,21 +260,5 @@ mod tests {
         assert!(e.unwrap_err().to_string().contains("no training forward"));
         assert!(MaxPool2d::new((0, 2), (1, 1), Padding::Valid).is_err());
         assert!(MaxPool2d::new((2, 2), (1, 0), Padding::Same).is_err());
-    }
-
-    #[test]
-    fn the_first_maximum_wins_a_tie_and_a_nan_wins_everything() {
-        // One 2×3 window (valid, the whole plane): values in row-major order
-        // [1, 3, 3, 0, 3, 2]: the maximum 3 first appears at index 1.
-        let g = Window2d::new((2, 3), (1, 1), Padding::Valid).over(2, 3).unwrap();
-        let (mut y, mut at) = ([0.0f32], [0u32]);
-        maxpool2d_plane_fwd(&[1.0, 3.0, 3.0, 0.0, 3.0, 2.0], &g, &mut y, &mut at);
-        assert_eq!((y[0], at[0]), (3.0, 1));
-        // NaNs at 2 and 4: the last NaN wins (`isnan(v)` replaces an earlier NaN too).
-        maxpool2d_plane_fwd(&[1.0, 3.0, f32::NAN, 0.0, f32::NAN, 2.0], &g, &mut y, &mut at);
-        assert!(y[0].is_nan() && at[0] == 4, "{y:?} {at:?}");
-        // All −∞: the first candidate keeps it.
-        maxpool2d_plane_fwd(&[f32::NEG_INFINITY; 6], &g, &mut y, &mut at);
-        assert_eq!((y[0], at[0]), (f32::NEG_INFINITY, 0));
     }
 }
