@@ -6,7 +6,7 @@
 //   * a micro-batch of an accumulated step draws the whole shard's masks: element i of
 //     its buffer is element idx = first + i of the logical replica's shard;
 //   * the CPU backend gets bit-identical masks by running the same few integer lines
-//     (tests/cuda_ops.rs holds the Rust copy the GPU masks are checked against);
+//     (src/ops/dropout/cpu.rs, which these kernels are held to on the host and on a GPU);
 //   * the mask does not depend on which device computes a logical replica (DESIGN.md).
 //
 // The hash is the SplitMix64 finaliser (Steele, Lea, Flood 2014; the mixer of Java's
@@ -19,7 +19,7 @@
 //   keep = (z >> 40) / 2^24 >= rate      (24 uniform bits; exact in float32)
 // Each element is multiplied by its factor: 1 / (1 - rate) (computed in float32) where
 // kept, 0 where dropped. A dropped element is therefore x * 0, not a literal 0: -0 for a
-// negative x and NaN for a NaN, bit for bit what the CPU layer (nn::Dropout) computes, so
+// negative x and NaN for a NaN, bit for bit what the CPU layer (src/ops/dropout/) computes, so
 // a non-finite value is not hidden on one backend and seen on the other.
 // All arithmetic is modulo 2^64.
 

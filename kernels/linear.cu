@@ -12,13 +12,14 @@ extern "C" __global__ void bias_cols_fwd_f32(float* y, const float* bias, int o,
     GRID_STRIDE(i, total) { y[i] += bias[i % (size_t)o]; }
 }
 
-// dbias[o] += sum over n of dy[n, o]; one thread per column, rows summed in order
-// (neighbouring threads read neighbouring columns, so the loads coalesce).
+// dbias[o] += sum over n of dy[n, o]; one thread per column, the rows added into the
+// gradient's value one after the other, n ascending, as the CPU adds them (neighbouring
+// threads read neighbouring columns, so the loads coalesce).
 // dy: (N, O); dbias: (O)
 extern "C" __global__ void bias_cols_bwd_f32(const float* dy, float* dbias, int n, int o) {
     GRID_STRIDE(j, (size_t)o) {
-        float acc = 0.0f;
+        float acc = dbias[j];
         for (int s = 0; s < n; ++s) acc += dy[(size_t)s * o + j];
-        dbias[j] += acc;
+        dbias[j] = acc;
     }
 }

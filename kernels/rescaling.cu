@@ -6,11 +6,12 @@
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < (n); \
          i += (size_t)blockDim.x * gridDim.x)
 
-// y = x * scale + offset (Keras Rescaling)
+// y = x * scale + offset (Keras Rescaling): the multiply rounded, then the add, as the CPU
+// computes them (the _rn intrinsics keep NVRTC from contracting the two into an FMA).
 // x, y: (n)
 extern "C" __global__ void rescale_fwd_f32(const float* x, float* y, float scale, float offset,
                                            size_t n) {
-    GRID_STRIDE(i, n) { y[i] = x[i] * scale + offset; }
+    GRID_STRIDE(i, n) { y[i] = __fadd_rn(__fmul_rn(x[i], scale), offset); }
 }
 
 // dx = dy * scale

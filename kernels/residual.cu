@@ -1,5 +1,5 @@
 // residual.cu — a residual block's add, body + shortcut, which is also its backward's
-// fan-in (dx = dbody + dshortcut), as src/model/residual.rs adds on the CPU.
+// fan-in (dx = dbody + dshortcut), as src/model/residual/cpu.rs adds on the CPU.
 // The contract every file of kernels/ keeps is kernels/README.md's.
 
 #define GRID_STRIDE(i, n) \

@@ -16,14 +16,16 @@ use lockstep::cuda::launch::Gpu;
 use lockstep::cuda::probe::{self, NcclStatus, NO_DRIVER};
 use lockstep::exchange::codec::{Codec, Compression};
 use lockstep::exchange::gpu::codec::WireGeom;
-use lockstep::ops::dropout::gpu::DropoutKey;
+use lockstep::ops::batchnorm::gpu::{BnGeom, BnGrads, BnMerged, BnParams, BnSaved, BnStats, BnSums, BnUpdate};
+use lockstep::ops::batchnorm::RunningUpdate;
+use lockstep::ops::window::WindowGeom;
 use lockstep::optim::{MomentumKind, OptimizerConfig};
-use lockstep::rng::mix64;
 use lockstep::Error;
 
 use common::{
-    assert_close, code_is_nan, codec_inputs, device_wire, dropout_keep, f64s, softmax_xent_ref, wire_parts,
-    CodecInputs, Rng, ATOL_ELEM, ATOL_SUM, RTOL_ELEM, RTOL_SUM,
+    assert_close, bias_nchw_bwd_ref, code_is_nan, codec_inputs, col2im_ref, device_wire, f64s, im2col_ref,
+    softmax_xent_ref, sync_bn_cpu, sync_bn_global_sums, sync_bn_merge, wire_parts, BnInputs, CodecInputs, Rng,
+    ATOL_ELEM, ATOL_SUM, RTOL_ELEM, RTOL_SUM,
 };
 
 // ---- harness ----------------------------------------------------------------------
@@ -122,8 +124,8 @@ fn needs_link_says_exactly_what_to_run_and_make_nccl_link_does_it() {
 // ---- elementwise.cu ------------------------------------------------------------------
 
 #[test]
-fn relu_and_rescale_match_the_reference() {
-    let Some(gpu) = gpu_or_skip("relu_and_rescale_match_the_reference") else {
+fn relu_scale_and_fill_match_the_reference() {
+    let Some(gpu) = gpu_or_skip("relu_scale_and_fill_match_the_reference") else {
         return;
     };
     let mut rng = Rng(1);
@@ -138,14 +140,6 @@ fn relu_and_rescale_match_the_reference() {
     let want_dx: Vec<f64> = x.iter().zip(&dy).map(|(&v, &g)| if v > 0.0 { g as f64 } else { 0.0 }).collect();
     assert_close("relu y", &down(&gpu, &y_d), &want_y, 0.0, 0.0);
     assert_close("relu dx", &down(&gpu, &dx_out), &want_dx, 0.0, 0.0);
-
-    let (scale, offset) = (1.0 / 255.0, -0.5);
-    gpu.rescale_fwd(&dx_d, &mut y_d, scale, offset).unwrap();
-    gpu.rescale_bwd(&dy_d, &mut dx_out, scale).unwrap();
-    let want_y: Vec<f64> = x.iter().map(|&v| v as f64 * scale as f64 + offset as f64).collect();
-    let want_dx: Vec<f64> = dy.iter().map(|&g| g as f64 * scale as f64).collect();
-    assert_close("rescale y", &down(&gpu, &y_d), &want_y, RTOL_ELEM, ATOL_ELEM);
-    assert_close("rescale dx", &down(&gpu, &dx_out), &want_dx, RTOL_ELEM, ATOL_ELEM);
 
     gpu.scale(&mut y_d, 0.25).unwrap();
     let want: Vec<f64> = want_y.iter().map(|v| v * 0.25).collect();
@@ -163,39 +157,27 @@ fn bias_add_and_its_reduction_match_the_reference() {
         return;
     };
     let mut rng = Rng(2);
-    // (N, O): N=6, O=10.
-    let (n, o) = (6, 10);
-    let (y0, bias, dy, dbias0) = (rng.vec(n * o), rng.vec(o), rng.vec(n * o), rng.vec(o));
+    // NCHW: N=3, C=5, H=W=7 (hw = 49, so a block of 256 threads covers 147 terms).
+    let (n, c, hw) = (3, 5, 49);
+    let (y0, bias, dy, dbias0) = (rng.vec(n * c * hw), rng.vec(c), rng.vec(n * c * hw), rng.vec(c));
     let mut y_d = up(&gpu, &y0);
-    gpu.bias_cols_fwd(&mut y_d, &up(&gpu, &bias), n, o).unwrap();
-    let want: Vec<f64> = (0..n * o).map(|i| y0[i] as f64 + bias[i % o] as f64).collect();
-    assert_close("bias_cols y", &down(&gpu, &y_d), &want, RTOL_ELEM, ATOL_ELEM);
+    gpu.bias_nchw_fwd(&mut y_d, &up(&gpu, &bias), n, c, hw).unwrap();
+    let want: Vec<f64> = (0..n * c * hw).map(|i| y0[i] as f64 + bias[(i / hw) % c] as f64).collect();
+    assert_close("bias_nchw y", &down(&gpu, &y_d), &want, RTOL_ELEM, ATOL_ELEM);
     let mut db_d = up(&gpu, &dbias0);
-    gpu.bias_cols_bwd(&up(&gpu, &dy), &mut db_d, n, o).unwrap();
-    let want: Vec<f64> = (0..o).map(|j| dbias0[j] as f64 + (0..n).map(|s| dy[s * o + j] as f64).sum::<f64>()).collect();
-    assert_close("bias_cols dbias (accumulated)", &down(&gpu, &db_d), &want, RTOL_SUM, ATOL_SUM);
+    gpu.bias_nchw_bwd(&up(&gpu, &dy), &mut db_d, n, c, hw).unwrap();
+    let want = bias_nchw_bwd_ref(&dy, &dbias0, (n, c, hw));
+    assert_close("bias_nchw dbias (accumulated)", &down(&gpu, &db_d), &want, RTOL_SUM, ATOL_SUM);
 }
 
-// ---- pooling.cu, softmax_xent.cu -----------------------------------------------------
+// ---- conv.cu -----------------------------------------------------------------------
 
-#[test]
-fn global_average_pool_matches_the_reference() {
-    let Some(gpu) = gpu_or_skip("global_average_pool_matches_the_reference") else {
-        return;
-    };
-    let mut rng = Rng(5);
-    let (nc, hw) = (2 * 64, 5 * 5);
-    let (x, dy) = (rng.vec(nc * hw), rng.vec(nc));
-    let mut y_d = up(&gpu, &vec![0.0f32; nc]);
-    gpu.global_avgpool_fwd(&up(&gpu, &x), &mut y_d, nc, hw).unwrap();
-    let want: Vec<f64> =
-        (0..nc).map(|i| x[i * hw..(i + 1) * hw].iter().map(|&v| v as f64).sum::<f64>() / hw as f64).collect();
-    assert_close("avgpool y", &down(&gpu, &y_d), &want, RTOL_SUM, ATOL_SUM);
-    let mut dx_d = up(&gpu, &vec![0.0f32; nc * hw]);
-    gpu.global_avgpool_bwd(&up(&gpu, &dy), &mut dx_d, nc, hw).unwrap();
-    let want: Vec<f64> = (0..nc * hw).map(|i| dy[i / hw] as f64 / hw as f64).collect();
-    assert_close("avgpool dx", &down(&gpu, &dx_d), &want, RTOL_ELEM, ATOL_ELEM);
-}
+
+// ---- batchnorm.cu -------------------------------------------------------------------
+
+
+
+// ---- softmax_xent.cu -----------------------------------------------------------------
 
 #[test]
 fn softmax_cross_entropy_matches_the_reference() {
@@ -361,56 +343,6 @@ fn reduce_sum_adds_the_buffers_in_order_and_scales() {
         }
         assert_eq!(got[i].to_bits(), (acc * 0.125).to_bits(), "element {i}");
     }
-}
-
-// ---- dropout.cu ----------------------------------------------------------------------
-
-#[test]
-fn dropout_mask_is_the_documented_hash_and_backward_reuses_it() {
-    let Some(gpu) = gpu_or_skip("dropout_mask_is_the_documented_hash_and_backward_reuses_it") else {
-        return;
-    };
-    let mut rng = Rng(9);
-    let n = 10_000;
-    let rate = 0.3f32;
-    let key = DropoutKey { seed: 42, step: 7, shard: 1, layer: 3, first: 0 };
-    let x: Vec<f32> = rng.vec(n).iter().map(|v| v + 2.0).collect(); // never 0, so drops are visible
-    let dy = rng.vec(n);
-    let mut y_d = up(&gpu, &vec![0.0f32; n]);
-    let mut dx_d = up(&gpu, &vec![0.0f32; n]);
-    gpu.dropout_fwd(&up(&gpu, &x), &mut y_d, rate, key).unwrap();
-    gpu.dropout_bwd(&up(&gpu, &dy), &mut dx_d, rate, key).unwrap();
-    let (y, dx) = (down(&gpu, &y_d), down(&gpu, &dx_d));
-    let scale = 1.0f32 / (1.0 - rate);
-    let mut kept = 0;
-    for i in 0..n {
-        let keep = dropout_keep(key, i as u64, rate);
-        kept += keep as usize;
-        // Bitwise: one f32 multiply by the same f32 factor, 0 where dropped (so -0 for a
-        // negative dy), as the CPU layer computes it.
-        let factor = if keep { scale } else { 0.0 };
-        assert_eq!(y[i].to_bits(), (x[i] * factor).to_bits(), "y[{i}]");
-        assert_eq!(dx[i].to_bits(), (dy[i] * factor).to_bits(), "dx[{i}]");
-    }
-    // Binomial(10000, 0.7): sd = 46, so +-4 sd is 0.7 +- 0.0184.
-    let frac = kept as f64 / n as f64;
-    assert!((frac - 0.7).abs() < 0.0184, "kept fraction {frac}");
-    // Another replica gets another mask.
-    gpu.dropout_fwd(&up(&gpu, &x), &mut y_d, rate, DropoutKey { shard: 2, ..key }).unwrap();
-    assert_ne!(down(&gpu, &y_d), y);
-}
-
-/// Runs everywhere: the library's mix64, under both the dropout reference's hash and the
-/// test inputs, against values worked out by hand from the SplitMix64 definition
-/// (mix64(0x9E3779B97F4A7C15) = 0xE220A8397B1DCDAF is the first output of SplitMix64
-/// seeded with 0, Vigna's reference splitmix64.c).
-#[test]
-fn dropout_hash_reference_is_splitmix64() {
-    assert_eq!(mix64(0x9E37_79B9_7F4A_7C15), 0xE220_A839_7B1D_CDAF);
-    let key = DropoutKey { seed: 0, step: 0, shard: 0, layer: 0, first: 0 };
-    // rate 0 keeps everything; rate 1 drops everything.
-    assert!((0..1000).all(|i| dropout_keep(key, i, 0.0)));
-    assert!((0..1000).all(|i| !dropout_keep(key, i, 1.0)));
 }
 
 // ---- codec.cu ------------------------------------------------------------------------

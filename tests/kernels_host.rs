@@ -12,9 +12,9 @@
 //! What is checked:
 //!   * that every kernel of train::kernel_files() is launched here, by the test that says it checks
 //!     it (each test's launches are recorded and compared with its entry of `CHECKED` when
-//!     it ends, and the entries together must be train::kernel_files() less the files of
-//!     `CHECKED_IN_THE_CRATE`, checked beside their op): a new kernel without a host check
-//!     fails `every_kernel_in_kernels_is_checked_here`;
+//!     it ends, and the entries together, with the kernels of the ops whose host check is
+//!     in their own folder (`ops::conformance` runs those), must be train::kernel_files()):
+//!     a new kernel without a host check fails `every_kernel_in_kernels_is_checked_here`;
 //!   * every kernel against a reference written here, in tests/common (the one
 //!     tests/cuda_ops.rs holds the GPU to) or the CPU backend's own code (the CPU is the
 //!     oracle), on small random inputs, under the launch shape src/cuda/launch.rs
@@ -49,14 +49,18 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
 
+use lockstep::backend::cpu;
 use lockstep::cuda::kernels::{Kernel, Kind};
 use lockstep::cuda::launch::REDUCE_BLOCK;
 use lockstep::exchange::codec::{Codec, Compression};
 use lockstep::exchange::gpu::codec::{WireGeom, CODEC_THREADS};
-use lockstep::nn::{loss, Ctx, Dropout, Embedding, Layer, PositionalEmbedding, Sequential};
+use lockstep::nn::{loss, BatchNorm2d, Ctx, Embedding, Layer, LayerNorm, MaxPool2d, Padding, Sequential, Window2d};
 use lockstep::ops::attention::gpu::ATTENTION_BLOCK;
-use lockstep::ops::dropout::gpu::DropoutKey;
-use lockstep::ops::gelu::{gelu_grad, gelu_value};
+use lockstep::ops::batchnorm::RunningUpdate;
+use lockstep::ops::layernorm::gpu::{LN_BLOCK, LN_LANES};
+use lockstep::ops::layernorm::{row_stats, ROW_CHUNK};
+use lockstep::ops::maxpool2d::{maxpool2d_plane_bwd, maxpool2d_plane_fwd};
+use lockstep::ops::window::WindowGeom;
 use lockstep::optim::{
     clip_factor, norm_partials, DecayMask, DecayOn, GradNorm, MomentumKind, Optimizer, OptimizerConfig, NORM_CHUNK,
     NORM_LANES,
@@ -65,8 +69,9 @@ use lockstep::train::kernel_files;
 use lockstep::{Device, Tensor};
 
 use common::{
-    assert_close, code_is_nan, codec_inputs, device_wire, dropout_keep, f64s, shm_exchange, softmax_xent_ref,
-    wire_parts, CodecInputs, Rng, ATOL_ELEM, ATOL_SUM, RTOL_ELEM, RTOL_SUM,
+    assert_close, bias_nchw_bwd_ref, code_is_nan, codec_inputs, col2im_ref, device_wire, f64s, im2col_ref,
+    shm_exchange, softmax_xent_ref, sync_bn_cpu, sync_bn_global_sums, sync_bn_merge, wire_parts, BnInputs, CodecInputs,
+    Rng, ATOL_ELEM, ATOL_SUM, RTOL_ELEM, RTOL_SUM,
 };
 
 // ---- building and loading the kernels ----------------------------------------------
@@ -310,10 +315,12 @@ enum Arg<'a> {
     I32(i32),
     /// `float`.
     F32(f32),
+    /// `double`.
+    F64(f64),
     /// `size_t` or `unsigned long long` (launch.rs's usize lengths and u64 dropout keys).
     U64(u64),
 }
-use Arg::{In, InF64, InU32, InU8, Null, Out, OutF64, OutU32, OutU8, F32, I32, U64};
+use Arg::{In, InF64, InU32, InU8, Null, Out, OutF64, OutU32, OutU8, F32, F64, I32, U64};
 
 impl Arg<'_> {
     /// Whether this value may fill a parameter of type `code` (cuda_host.h's letters).
@@ -330,6 +337,7 @@ impl Arg<'_> {
             Null => b"rwRWbBdD".contains(&code),
             I32(_) => code == b'i',
             F32(_) => code == b'f',
+            F64(_) => code == b'g',
             U64(_) => code == b'z',
         }
     }
@@ -347,6 +355,7 @@ impl Arg<'_> {
             Null => "Null (64-bit 0)",
             I32(_) => "I32 (int)",
             F32(_) => "F32 (float)",
+            F64(_) => "F64 (double)",
             U64(_) => "U64 (size_t / unsigned long long)",
         }
     }
@@ -403,6 +412,11 @@ const MAX_BLOCKS: usize = 65_535;
 fn elem_cfg(n: usize) -> Cfg {
     let blocks = n.div_ceil(ELEM_BLOCK as usize).clamp(1, MAX_BLOCKS) as u32;
     Cfg { grid: (blocks, 1, 1), block: (ELEM_BLOCK, 1, 1) }
+}
+
+/// launch.rs's `channel_cfg`: one block of REDUCE_BLOCK threads per channel.
+fn channel_cfg(c: i32) -> Cfg {
+    Cfg { grid: (c as u32, 1, 1), block: (REDUCE_BLOCK, 1, 1) }
 }
 
 /// 3 blocks of 32 threads: fewer threads than elements in every test that uses it, so
@@ -504,6 +518,7 @@ impl HostKernels {
                 (Null, None) => Cell::of(&0u64.to_ne_bytes()),
                 (I32(v), None) => Cell::of(&v.to_ne_bytes()),
                 (F32(v), None) => Cell::of(&v.to_ne_bytes()),
+                (F64(v), None) => Cell::of(&v.to_ne_bytes()),
                 (U64(v), None) => Cell::of(&v.to_ne_bytes()),
                 _ => unreachable!("every buffer is staged"),
             })
@@ -548,12 +563,18 @@ fn assert_bits(what: &str, got: &[f32], want: &[f32]) {
 /// held to its entry: [`Checked`]).
 const CHECKED: &[(&str, &[&str])] = &[
     ("every_declared_argument_list_is_the_kernels_signature", &[]),
-    ("residual_add_equals_the_cpu_block_bit_for_bit", &["residual_add_fwd_f32"]),
     ("relu_fwd_and_bwd_match_the_reference", &["relu_fwd_f32", "relu_bwd_f32"]),
-    ("gelu_fwd_and_bwd_equal_the_cpu_layer_bit_for_bit", &["gelu_fwd_f32", "gelu_bwd_f32"]),
-    ("rescale_scale_and_fill_match_the_reference", &["rescale_fwd_f32", "rescale_bwd_f32", "scale_f32", "fill_f32"]),
-    ("bias_adds_and_their_reductions_match_the_reference", &["bias_cols_fwd_f32", "bias_cols_bwd_f32"]),
-    ("global_average_pool_matches_the_reference", &["global_avgpool_fwd_f32", "global_avgpool_bwd_f32"]),
+    ("scale_and_fill_match_the_reference", &["scale_f32", "fill_f32"]),
+    ("bias_adds_and_their_reductions_match_the_reference", &["bias_nchw_fwd_f32", "bias_nchw_bwd_f32"]),
+    (
+        "im2col_and_col2im_match_the_cpu_backend_with_stride_and_asymmetric_padding",
+        &["im2col_fwd_f32", "im2col_bwd_f32"],
+    ),
+    (
+        "batchnorm_train_eval_and_backward_match_the_reference",
+        &["batchnorm_train_fwd_f32", "batchnorm_eval_fwd_f32", "batchnorm_train_bwd_f32"],
+    ),
+    ("maxpool2d_matches_the_cpu_layer_bit_for_bit", &["maxpool2d_fwd_f32", "maxpool2d_bwd_f32"]),
     ("softmax_cross_entropy_matches_the_cpu_loss", &["softmax_xent_fwd_f32"]),
     (
         "sgd_adam_and_adamw_match_the_cpu_optimizer_over_several_steps",
@@ -561,8 +582,12 @@ const CHECKED: &[(&str, &[&str])] = &[
     ),
     ("the_gradient_norm_kernels_equal_the_cpu_norm_bit_for_bit", &["grad_norm_f32", "clip_factor_f32"]),
     ("reduce_sum_adds_the_buffers_left_to_right_and_scales", &["reduce_sum_f32"]),
-    ("dropout_masks_equal_the_cpu_layer_bit_for_bit", &["dropout_fwd_f32", "dropout_bwd_f32"]),
     ("codec_kernels_equal_the_codec_bit_for_bit", &["wire_encode_f32", "wire_reduce_f32", "wire_decode_f32"]),
+    (
+        "synchronized_batchnorm_kernels_equal_the_cpu_layer_bit_for_bit",
+        &["batchnorm_moments_fwd_f32", "batchnorm_sync_fwd_f32", "batchnorm_sums_bwd_f32", "batchnorm_sync_bwd_f32"],
+    ),
+    ("batchnorm_count_equals_the_cpu_count_bit_for_bit", &["batchnorm_count_fwd_f32"]),
     (
         "embedding_kernels_equal_the_cpu_layer_bit_for_bit",
         &[
@@ -574,10 +599,6 @@ const CHECKED: &[(&str, &[&str])] = &[
         ],
     ),
     (
-        "positional_embedding_kernels_equal_the_cpu_layer_bit_for_bit",
-        &["positional_embedding_fwd_f32", "positional_embedding_bwd_f32"],
-    ),
-    (
         "attention_kernels_match_the_cpu_layer",
         &[
             "attention_heads_fwd_f32",
@@ -586,16 +607,10 @@ const CHECKED: &[(&str, &[&str])] = &[
             "attention_softmax_bwd_f32",
         ],
     ),
-];
-
-/// The kernel files whose host checks live with their op in the crate (its `gpu.rs`'s
-/// `host_check`, which `ops::conformance` holds to every kernel of the file).
-const CHECKED_IN_THE_CRATE: &[&str] = &[
-    // One a line, in name order.
-    "batchnorm.cu",
-    "conv2d.cu",
-    "layernorm.cu",
-    "maxpool2d.cu",
+    (
+        "layernorm_kernels_equal_the_cpu_layer_bit_for_bit",
+        &["layernorm_fwd_f32", "layernorm_bwd_f32", "layernorm_partial_bwd_f32", "layernorm_params_bwd_f32"],
+    ),
 ];
 
 #[test]
@@ -603,11 +618,15 @@ fn every_kernel_in_kernels_is_checked_here() {
     let found: BTreeSet<String> = kernel_sources().iter().flat_map(|(_, s)| kernel_names_in(s)).collect();
     let table: BTreeSet<String> = kernel_files().iter().flat_map(|f| f.kernel_names("f32")).collect();
     assert_eq!(found, table, "kernels/ scanned here vs the kernel file table (train::kernel_files)");
-    let in_the_crate = |p: &Path| CHECKED_IN_THE_CRATE.iter().any(|f| p.file_name().is_some_and(|n| n == *f));
-    let here: BTreeSet<String> =
-        kernel_sources().iter().filter(|(p, _)| !in_the_crate(p)).flat_map(|(_, s)| kernel_names_in(s)).collect();
     let checked: BTreeSet<String> = CHECKED.iter().flat_map(|(_, ks)| ks.iter().map(|s| s.to_string())).collect();
-    assert_eq!(here, checked, "a kernel without a host check here, or a check of a kernel that is gone");
+    // An op's kernel file may have its host check in its own folder instead (its gpu.rs),
+    // which the crate's conformance test holds to every kernel of the file.
+    let ops: BTreeSet<String> =
+        lockstep::model::LAYER_TYPES.iter().filter_map(|t| t.kernels).flat_map(|f| f.kernel_names("f32")).collect();
+    let unchecked: Vec<&String> = found.iter().filter(|k| !checked.contains(*k) && !ops.contains(*k)).collect();
+    assert!(unchecked.is_empty(), "kernels without a host check here or in their op's folder: {unchecked:?}");
+    let gone: Vec<&String> = checked.difference(&found).collect();
+    assert!(gone.is_empty(), "checks here of kernels that are gone: {gone:?}");
 }
 
 /// The 12 parameters a [`Kind::Geom`] stands for, as the window kernels name them.
@@ -676,26 +695,6 @@ fn every_declared_argument_list_is_the_kernels_signature() {
 // ---- elementwise.cu ------------------------------------------------------------------
 
 #[test]
-fn residual_add_equals_the_cpu_block_bit_for_bit() {
-    let Some(k) = kernels_or_skip("residual_add_equals_the_cpu_block_bit_for_bit") else {
-        return;
-    };
-    let mut rng = Rng(31);
-    let n = 3000;
-    let (mut a, mut b) = (rng.vec(n), rng.vec(n));
-    // Signed zeros, an infinity against its opposite (NaN), a NaN passing through.
-    (a[0], b[0], a[1], b[1], a[2], b[2], a[3]) = (0.0, -0.0, -0.0, -0.0, f32::INFINITY, f32::NEG_INFINITY, f32::NAN);
-    let mut want = a.clone();
-    lockstep::model::residual::add_in_place(&mut want, &b);
-    for cfg in elem_cfgs(n) {
-        let mut y = vec![f32::NAN; n];
-        // As Gpu::residual_add pushes them: a, b, y, n.
-        k.launch("residual_add_fwd_f32", cfg, &mut [In(&a), In(&b), Out(&mut y), U64(n as u64)]);
-        assert_bits(&format!("residual add {cfg:?}"), &y, &want);
-    }
-}
-
-#[test]
 fn relu_fwd_and_bwd_match_the_reference() {
     let Some(k) = kernels_or_skip("relu_fwd_and_bwd_match_the_reference") else {
         return;
@@ -720,121 +719,100 @@ fn relu_fwd_and_bwd_match_the_reference() {
 }
 
 #[test]
-fn gelu_fwd_and_bwd_equal_the_cpu_layer_bit_for_bit() {
-    let Some(k) = kernels_or_skip("gelu_fwd_and_bwd_equal_the_cpu_layer_bit_for_bit") else {
-        return;
-    };
-    let mut rng = Rng(21);
-    let n = 3000;
-    // Over [-10, 10): both tails and the middle; then the signed zeros, the far tail (y and
-    // dx round to -0), the infinities and a NaN.
-    let mut x: Vec<f32> = rng.vec(n).iter().map(|v| 10.0 * v).collect();
-    let dy = rng.vec(n);
-    x[..8].copy_from_slice(&[0.0, -0.0, -20.0, 1e-3, f32::INFINITY, f32::NEG_INFINITY, f32::NAN, -8.0]);
-    // The CPU layer's own arithmetic (ops::gelu), value by value.
-    let want_y: Vec<f32> = x.iter().map(|&v| gelu_value(v)).collect();
-    let want_dx: Vec<f32> = x.iter().zip(&dy).map(|(&v, &g)| gelu_grad(v, g)).collect();
-    for cfg in elem_cfgs(n) {
-        let (mut y, mut dx) = (vec![f32::NAN; n], vec![f32::NAN; n]);
-        // As Gpu::gelu_fwd pushes them: x, y, n.
-        k.launch("gelu_fwd_f32", cfg, &mut [In(&x), Out(&mut y), U64(n as u64)]);
-        // As Gpu::gelu_bwd: x, dy, dx, n.
-        k.launch("gelu_bwd_f32", cfg, &mut [In(&x), In(&dy), Out(&mut dx), U64(n as u64)]);
-        // Both sides evaluate the same f32 operations in the same order, uncontracted (erfcc's
-        // polynomial by Estrin's scheme, exp by Cephes' polynomial, no library function), so
-        // the results are equal bit for bit, here and on a GPU. A NaN's sign and payload are
-        // the compiler's choice of operand order (and the GPU's NaN is canonical), so NaNs
-        // compare as NaNs.
-        let canonical = |v: &[f32]| v.iter().map(|&x| if x.is_nan() { f32::NAN } else { x }).collect::<Vec<_>>();
-        assert_bits(&format!("gelu y {cfg:?}"), &canonical(&y), &canonical(&want_y));
-        assert_bits(&format!("gelu dx {cfg:?}"), &canonical(&dx), &canonical(&want_dx));
-    }
-}
-
-#[test]
-fn rescale_scale_and_fill_match_the_reference() {
-    let Some(k) = kernels_or_skip("rescale_scale_and_fill_match_the_reference") else {
+fn scale_and_fill_match_the_reference() {
+    let Some(k) = kernels_or_skip("scale_and_fill_match_the_reference") else {
         return;
     };
     let mut rng = Rng(2);
     let n = 2500;
-    let x: Vec<f32> = rng.vec(n).iter().map(|v| 255.0 * v).collect();
-    let dy = rng.vec(n);
-    let (scale, offset) = (1.0f32 / 255.0, -0.5f32);
-    let want_y: Vec<f64> = x.iter().map(|&v| v as f64 * scale as f64 + offset as f64).collect();
-    let want_dx: Vec<f64> = dy.iter().map(|&g| g as f64 * scale as f64).collect();
+    let x = rng.vec(n);
     for cfg in elem_cfgs(n) {
-        let (mut y, mut dx) = (vec![f32::NAN; n], vec![f32::NAN; n]);
-        // As Gpu::rescale_fwd: x, y, scale, offset, n.
-        k.launch("rescale_fwd_f32", cfg, &mut [In(&x), Out(&mut y), F32(scale), F32(offset), U64(n as u64)]);
-        // As Gpu::rescale_bwd: dy, dx, scale, n.
-        k.launch("rescale_bwd_f32", cfg, &mut [In(&dy), Out(&mut dx), F32(scale), U64(n as u64)]);
-        // x*scale rounds once and + offset once, each within half an ulp of a value of
-        // magnitude <= 1.5: 1e-6 relative plus 1e-7 absolute.
-        assert_close(&format!("rescale y {cfg:?}"), &y, &want_y, RTOL_ELEM, ATOL_ELEM);
-        assert_close(&format!("rescale dx {cfg:?}"), &dx, &want_dx, RTOL_ELEM, ATOL_ELEM);
-
         // As Gpu::scale: x, s, n. One multiply by 0.25 (a power of two): exact.
-        k.launch("scale_f32", cfg, &mut [Out(&mut dx), F32(0.25), U64(n as u64)]);
-        let want: Vec<f32> = dy.iter().map(|&g| g * scale * 0.25).collect();
-        assert_bits(&format!("scale {cfg:?}"), &dx, &want);
+        let mut y = x.clone();
+        k.launch("scale_f32", cfg, &mut [Out(&mut y), F32(0.25), U64(n as u64)]);
+        let want: Vec<f32> = x.iter().map(|&v| v * 0.25).collect();
+        assert_bits(&format!("scale {cfg:?}"), &y, &want);
         // As Gpu::fill: x, v, n.
         k.launch("fill_f32", cfg, &mut [Out(&mut y), F32(3.5), U64(n as u64)]);
         assert_bits(&format!("fill {cfg:?}"), &y, &vec![3.5; n]);
     }
 }
 
-#[test]
-fn bias_adds_and_their_reductions_match_the_reference() {
-    let Some(k) = kernels_or_skip("bias_adds_and_their_reductions_match_the_reference") else {
-        return;
-    };
-    let mut rng = Rng(3);
-    // (N, O) with O above one block (300 columns), so two blocks share the columns, and
-    // the FEW grid with fewer threads than columns.
-    let (n, o) = (7, 300);
-    let (y0, bias, dy, dbias0) = (rng.vec(n * o), rng.vec(o), rng.vec(n * o), rng.vec(o));
-    let total = n * o;
-    let want_y: Vec<f64> = (0..total).map(|i| y0[i] as f64 + bias[i % o] as f64).collect();
-    let want_db: Vec<f64> =
-        (0..o).map(|j| dbias0[j] as f64 + (0..n).map(|s| dy[s * o + j] as f64).sum::<f64>()).collect();
-    for (cfg_fwd, cfg_bwd) in [(elem_cfg(total), elem_cfg(o)), (FEW, FEW)] {
-        let mut y = y0.clone();
-        // As Gpu::bias_cols_fwd: y, bias, O (int), total.
-        k.launch("bias_cols_fwd_f32", cfg_fwd, &mut [Out(&mut y), In(&bias), I32(o as i32), U64(total as u64)]);
-        assert_close(&format!("bias_cols y {cfg_fwd:?}"), &y, &want_y, RTOL_ELEM, ATOL_ELEM);
-        let mut dbias = dbias0.clone();
-        // As Gpu::bias_cols_bwd: dy, dbias, N (int), O (int); one thread per column.
-        k.launch("bias_cols_bwd_f32", cfg_bwd, &mut [In(&dy), Out(&mut dbias), I32(n as i32), I32(o as i32)]);
-        // 7 rows summed in order, plus the old value.
-        assert_close(&format!("bias_cols dbias (accumulated) {cfg_bwd:?}"), &dbias, &want_db, RTOL_SUM, ATOL_SUM);
+
+// ---- conv.cu -------------------------------------------------------------------------
+
+/// The CPU backend's geometry for one sample, when both strides agree.
+fn cpu_geom(g: &WindowGeom) -> Option<cpu::Im2colGeom> {
+    (g.stride_h == g.stride_w).then(|| cpu::Im2colGeom {
+        c: g.c,
+        h: g.h,
+        w: g.w,
+        kh: g.kh,
+        kw: g.kw,
+        stride: g.stride_h,
+        pad_top: g.pad_top,
+        pad_left: g.pad_left,
+        oh: g.oh(),
+        ow: g.ow(),
+    })
+}
+
+/// launch.rs's `conv_args`: N, C, H, W, KH, KW, SH, SW, PT, PL, OH, OW as ints.
+fn conv_args(g: &WindowGeom) -> [i32; 12] {
+    [g.n, g.c, g.h, g.w, g.kh, g.kw, g.stride_h, g.stride_w, g.pad_top, g.pad_left, g.oh(), g.ow()]
+        .map(|v| i32::try_from(v).unwrap())
+}
+
+
+// ---- batchnorm.cu --------------------------------------------------------------------
+
+/// An optional read-only parameter: the buffer, or the 64-bit 0 launch.rs passes for None.
+fn opt(present: bool, v: &[f32]) -> Arg<'_> {
+    if present {
+        In(v)
+    } else {
+        Null
     }
 }
+
+/// An optional gradient buffer: the buffer, or the 64-bit 0 launch.rs passes for None.
+fn opt_mut(present: bool, v: &mut [f32]) -> Arg<'_> {
+    if present {
+        Out(v)
+    } else {
+        Null
+    }
+}
+
+/// The running statistics `nn::BatchNorm2d`'s training forward leaves for `inputs`.
+fn cpu_running_stats(
+    inputs: &BnInputs,
+    with_gamma: bool,
+    with_beta: bool,
+    momentum: f32,
+    eps: f32,
+) -> (Vec<f32>, Vec<f32>) {
+    let (n, c, hw) = inputs.shape;
+    let layer = BatchNorm2d::new(c).scale(with_gamma).center(with_beta).momentum(momentum).eps(eps);
+    let model = Sequential::new([c, hw, 1], vec![Box::new(layer)]).expect("one BatchNorm layer");
+    // Each tensor at its place in the flat layout (which pads every tensor start).
+    let mut params = vec![0.0f32; model.params_len()];
+    let given = [(with_gamma, &inputs.gamma), (with_beta, &inputs.beta)];
+    for (t, (_, v)) in model.param_infos().iter().zip(given.iter().filter(|(on, _)| *on)) {
+        params[t.range.clone()].copy_from_slice(v);
+    }
+    let mut buffers = vec![0.0f32; model.buffers_len()];
+    let (rm, rv) = (&model.buffer_infos()[0].range, &model.buffer_infos()[1].range);
+    buffers[rm.clone()].copy_from_slice(&inputs.running_mean);
+    buffers[rv.clone()].copy_from_slice(&inputs.running_var);
+    let x = lockstep::Tensor::from_vec(inputs.x.clone(), vec![n, c, hw, 1]).expect("x");
+    model.clone().forward(x, &params, &mut buffers, &Ctx::train(0, 0, 0, lockstep::Device::Cpu(0))).expect("forward");
+    (buffers[rm.clone()].to_vec(), buffers[rv.clone()].to_vec())
+}
+
 
 // ---- pooling.cu ----------------------------------------------------------------------
 
-#[test]
-fn global_average_pool_matches_the_reference() {
-    let Some(k) = kernels_or_skip("global_average_pool_matches_the_reference") else {
-        return;
-    };
-    let mut rng = Rng(6);
-    let (nc, hw) = (2 * 64, 5 * 5);
-    let (x, dy) = (rng.vec(nc * hw), rng.vec(nc));
-    let want_y: Vec<f64> =
-        (0..nc).map(|i| x[i * hw..(i + 1) * hw].iter().map(|&v| v as f64).sum::<f64>() / hw as f64).collect();
-    let want_dx: Vec<f64> = (0..nc * hw).map(|i| dy[i / hw] as f64 / hw as f64).collect();
-    for (cfg_fwd, cfg_bwd) in [(elem_cfg(nc), elem_cfg(nc * hw)), (FEW, FEW)] {
-        let (mut y, mut dx) = (vec![f32::NAN; nc], vec![f32::NAN; nc * hw]);
-        // As Gpu::global_avgpool_fwd: x, y, nc, hw.
-        k.launch("global_avgpool_fwd_f32", cfg_fwd, &mut [In(&x), Out(&mut y), U64(nc as u64), U64(hw as u64)]);
-        // As Gpu::global_avgpool_bwd: dy, dx, nc, hw.
-        k.launch("global_avgpool_bwd_f32", cfg_bwd, &mut [In(&dy), Out(&mut dx), U64(nc as u64), U64(hw as u64)]);
-        // 25 terms then a division; one division.
-        assert_close(&format!("avgpool y {cfg_fwd:?}"), &y, &want_y, RTOL_SUM, ATOL_SUM);
-        assert_close(&format!("avgpool dx {cfg_bwd:?}"), &dx, &want_dx, RTOL_ELEM, ATOL_ELEM);
-    }
-}
 
 // ---- softmax_xent.cu -----------------------------------------------------------------
 
@@ -1246,59 +1224,6 @@ fn embedding_kernels_equal_the_cpu_layer_bit_for_bit() {
     assert_bits("embedding dweight with bad ids", &dweight, &want_grads[w]);
 }
 
-#[test]
-fn positional_embedding_kernels_equal_the_cpu_layer_bit_for_bit() {
-    let Some(k) = kernels_or_skip("positional_embedding_kernels_equal_the_cpu_layer_bit_for_bit") else {
-        return;
-    };
-    let mut rng = Rng(22);
-    // A table of P = 9 positions used for T = 5: rows 5..9 take no part.
-    let (p, n, t, c) = (9, 3, 5, 4);
-    let (tc, total) = (t * c, n * t * c);
-    let (x, dy) = (rng.vec(total), rng.vec(total));
-    let (mut net, params, grads) = one_layer(&[t, c], Box::new(PositionalEmbedding::new(p, c).unwrap()), &mut rng);
-    let w = net.param_infos()[0].range.clone();
-    let ctx = Ctx::train(0, 0, 0, Device::Cpu(0));
-    let want_y = net.forward(Tensor::from_vec(x.clone(), [n, t, c]).unwrap(), &params, &mut [], &ctx).unwrap();
-    let mut want_grads = grads.clone();
-    let want_dx =
-        net.backward_input(Tensor::from_vec(dy.clone(), [n, t, c]).unwrap(), &params, &mut want_grads, &ctx).unwrap();
-    assert_eq!(want_grads[w.start + tc..w.end], grads[w.start + tc..w.end], "rows past T get nothing");
-    let first_rows = w.start..w.start + tc;
-    for cfg in elem_cfgs(total) {
-        let mut y = vec![f32::NAN; total];
-        // As Gpu::positional_embedding_fwd: x, weight (its first T rows), y, tc, total.
-        k.launch(
-            "positional_embedding_fwd_f32",
-            cfg,
-            &mut [In(&x), In(&params[first_rows.clone()]), Out(&mut y), U64(tc as u64), U64(total as u64)],
-        );
-        // One f32 add per value, as the CPU's: exact.
-        assert_bits(&format!("positional y {cfg:?}"), &y, want_y.host());
-    }
-    for cfg in elem_cfgs(tc) {
-        for with_dx in [true, false] {
-            let mut dweight = grads[first_rows.clone()].to_vec();
-            let mut dx = vec![f32::NAN; total];
-            // As Gpu::positional_embedding_bwd: dy, dweight (its first T rows), dx or NULL, n, tc.
-            let dx_arg = if with_dx { Out(&mut dx) } else { Null };
-            k.launch(
-                "positional_embedding_bwd_f32",
-                cfg,
-                &mut [In(&dy), Out(&mut dweight), dx_arg, I32(n as i32), U64(tc as u64)],
-            );
-            // dy added over n in order into the gradient's value, as the CPU's loop: the
-            // same f32 adds; dx a copy.
-            assert_bits(&format!("positional dweight {cfg:?} dx {with_dx}"), &dweight, &want_grads[first_rows.clone()]);
-            if with_dx {
-                assert_bits(&format!("positional dx {cfg:?}"), &dx, want_dx.host());
-            } else {
-                assert!(dx.iter().all(|v| v.is_nan()), "no dx written without one");
-            }
-        }
-    }
-}
-
 // ---- reduce.cu -----------------------------------------------------------------------
 
 #[test]
@@ -1319,106 +1244,6 @@ fn reduce_sum_adds_the_buffers_left_to_right_and_scales() {
             assert_bits(&format!("reduce_sum K={kk} {cfg:?}"), &dst, &want);
         }
     }
-}
-
-// ---- dropout.cu ----------------------------------------------------------------------
-
-/// What the CPU `Dropout` layer outputs for `x` (N, F) at layer index `layer` of a model,
-/// in training step `step` of logical replica `shard`: the layer runs inside a
-/// `Sequential` behind `layer` dropouts of rate 0 (the identity), which only move it to
-/// that index. Its backward multiplies dout by the very per-element factors its forward
-/// used, so the forward of dy is also what its backward returns for dy.
-fn cpu_dropout(x: &[f32], f: usize, rate: f32, seed: u64, step: u64, shard: usize, layer: usize) -> Vec<f32> {
-    cpu_dropout_at(x, f, rate, (seed, step, shard, layer), 0)
-}
-
-/// [`cpu_dropout`] of a micro-batch whose first sample is sample `offset` of its shard.
-fn cpu_dropout_at(x: &[f32], f: usize, rate: f32, key: (u64, u64, usize, usize), offset: usize) -> Vec<f32> {
-    let (seed, step, shard, layer) = key;
-    let mut layers: Vec<Box<dyn Layer>> = (0..layer).map(|_| Box::new(Dropout::new(0.0).unwrap()) as _).collect();
-    layers.push(Box::new(Dropout::new(rate).unwrap()));
-    let mut net = Sequential::new([f], layers).unwrap();
-    let ctx = Ctx { sample_offset: offset, ..Ctx::train(seed, step, shard, Device::Cpu(0)) };
-    let x = Tensor::from_vec(x.to_vec(), [x.len() / f, f]).unwrap();
-    net.forward(x, &[], &mut [], &ctx).unwrap().into_vec()
-}
-
-#[test]
-fn dropout_masks_equal_the_cpu_layer_bit_for_bit() {
-    let Some(k) = kernels_or_skip("dropout_masks_equal_the_cpu_layer_bit_for_bit") else {
-        return;
-    };
-    let mut rng = Rng(10);
-    let (n, f) = (4000, 100);
-    let x: Vec<f32> = rng.vec(n).iter().map(|v| v + 2.0).collect(); // never 0, so drops are visible
-    let dy = rng.vec(n);
-    let (seed, step, shard, layer) = (42u64, 7u64, 1usize, 3usize);
-    let rate = 0.3f32;
-    let want_y = cpu_dropout(&x, f, rate, seed, step, shard, layer);
-    let want_dx = cpu_dropout(&dy, f, rate, seed, step, shard, layer);
-    let scale = 1.0f32 / (1.0 - rate);
-    for cfg in elem_cfgs(n) {
-        let (mut y, mut dx) = (vec![f32::NAN; n], vec![f32::NAN; n]);
-        let key = [U64(seed), U64(step), U64(shard as u64), U64(layer as u64), U64(0)];
-        let mut args = vec![In(&x), Out(&mut y), F32(rate)];
-        args.extend(key);
-        args.push(U64(n as u64));
-        // As Gpu::dropout (fwd): x, y, rate, seed, step, shard, layer, first, n.
-        k.launch("dropout_fwd_f32", cfg, &mut args);
-        let key = [U64(seed), U64(step), U64(shard as u64), U64(layer as u64), U64(0)];
-        let mut args = vec![In(&dy), Out(&mut dx), F32(rate)];
-        args.extend(key);
-        args.push(U64(n as u64));
-        // As Gpu::dropout (bwd): dy, dx, rate, seed, step, shard, layer, first, n.
-        k.launch("dropout_bwd_f32", cfg, &mut args);
-        // Bitwise: one mask, from the same integer hash, and one f32 multiply by the same
-        // f32 1/(1 - rate) on both sides.
-        assert_bits(&format!("dropout y vs nn::Dropout {cfg:?}"), &y, &want_y);
-        assert_bits(&format!("dropout dx vs nn::Dropout {cfg:?}"), &dx, &want_dx);
-        // And the mask is the documented function of rng (what cuda_ops.rs checks on a GPU).
-        let dkey = DropoutKey { seed, step, shard: shard as u64, layer: layer as u64, first: 0 };
-        let mut kept = 0;
-        for i in 0..n {
-            let keep = dropout_keep(dkey, i as u64, rate);
-            kept += keep as usize;
-            assert_eq!(y[i].to_bits(), (x[i] * if keep { scale } else { 0.0 }).to_bits(), "y[{i}]");
-        }
-        // Binomial(4000, 0.7): sd = 29, so +-4 sd is 0.7 +- 0.029.
-        let frac = kept as f64 / n as f64;
-        assert!((frac - 0.7).abs() < 0.029, "kept fraction {frac}");
-    }
-
-    // Another shard, step or layer: another mask.
-    for (s, r, l) in [(step + 1, shard, layer), (step, shard + 1, layer), (step, shard, layer + 1)] {
-        let mut y = vec![0.0f32; n];
-        let mut args = vec![In(&x), Out(&mut y), F32(rate), U64(seed), U64(s), U64(r as u64), U64(l as u64)];
-        args.extend([U64(0), U64(n as u64)]);
-        k.launch("dropout_fwd_f32", elem_cfg(n), &mut args);
-        assert_bits(&format!("dropout y, step {s} shard {r} layer {l}"), &y, &cpu_dropout(&x, f, rate, seed, s, r, l));
-        assert_ne!(y, want_y);
-    }
-    // launch.rs accepts rate 0 and 1 (the CPU layer refuses 1): all kept, unscaled; all
-    // dropped, to dy * 0 (so -0 for a negative dy) and never NaN although 1/(1 - rate) is
-    // infinite.
-    for (rate, want) in [(0.0f32, dy.clone()), (1.0, dy.iter().map(|v| v * 0.0).collect())] {
-        let mut dx = vec![f32::NAN; n];
-        let mut args = vec![In(&dy), Out(&mut dx), F32(rate), U64(seed), U64(step), U64(shard as u64)];
-        args.extend([U64(layer as u64), U64(0), U64(n as u64)]);
-        k.launch("dropout_bwd_f32", elem_cfg(n), &mut args);
-        assert_bits(&format!("dropout dx at rate {rate}"), &dx, &want);
-    }
-    // A later micro-batch of an accumulated step: rows 25..40 of the shard (first = 25·F)
-    // get the masks the CPU layer draws at sample_offset 25, which are the whole shard's
-    // rows 25..40 (gradient accumulation draws the unaccumulated step's masks).
-    let (from, rows) = (25usize, 15usize);
-    let part = &x[from * f..(from + rows) * f];
-    let mut y = vec![f32::NAN; rows * f];
-    let mut args = vec![In(part), Out(&mut y), F32(rate), U64(seed), U64(step), U64(shard as u64)];
-    args.extend([U64(layer as u64), U64((from * f) as u64), U64((rows * f) as u64)]);
-    k.launch("dropout_fwd_f32", elem_cfg(rows * f), &mut args);
-    let cpu_part = cpu_dropout_at(part, f, rate, (seed, step, shard, layer), from);
-    assert_bits("dropout of a later micro-batch vs nn::Dropout at its offset", &y, &cpu_part);
-    assert_bits("dropout of a later micro-batch vs the whole shard's rows", &y, &want_y[from * f..(from + rows) * f]);
 }
 
 // ---- codec.cu ------------------------------------------------------------------------
@@ -1589,6 +1414,29 @@ fn codec_kernels_equal_the_codec_bit_for_bit() {
         }
     }
 }
+
+// ---- batchnorm.cu: synchronized BatchNorm ----------------------------------------------
+
+
+/// (N, C, HW, with gamma, with beta) of the synchronized BatchNorm checks: HW 37 (four
+/// chunks of eight and a tail), 64 (no tail), 5 (only a tail); N = 300, more samples than
+/// a block's 256 threads; N = 1.
+const SYNC_BN_CASES: [(usize, usize, usize, bool, bool); 5] = [
+    (5, 3, 37, true, true),
+    (3, 2, 64, false, true),
+    (2, 2, 5, true, false),
+    (300, 2, 9, false, false),
+    (1, 3, 16, true, true),
+];
+
+
+/// launch.rs's `rows_cfg` of the LayerNorm row kernels: one warp of LN_LANES threads a
+/// row, LN_BLOCK threads a block.
+fn ln_rows_cfg(rows: usize) -> Cfg {
+    let blocks = rows.div_ceil((LN_BLOCK / LN_LANES) as usize) as u32;
+    Cfg { grid: (blocks, 1, 1), block: (LN_BLOCK, 1, 1) }
+}
+
 
 /// Causal self-attention's kernels (kernels/attention.cu) against ops::attention's CPU code:
 /// the head split and merge are permutations, equal bit for bit, each other's inverse;

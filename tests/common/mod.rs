@@ -2,8 +2,8 @@
 //! host-run kernel tests (kernels_host.rs) and the 16-bit exchange tests
 //! (grad_compression.rs): the skip check for a missing GPU, the input generator, the f64
 //! comparison, and the host references that both kernel tests hold the CUDA kernels to
-//! (softmax cross-entropy, the dropout mask; the 16-bit codec's inputs, wires and
-//! exchange, which the codec kernels must equal bit for bit).
+//! (softmax cross-entropy; the 16-bit codec's inputs, wires and exchange, which the codec
+//! kernels must equal bit for bit).
 //!
 //! One copy of each, so that the kernels meet the same reference whether they run on a
 //! GPU or on the host. What only one test file needs stays in that file: the GPU and
@@ -22,7 +22,6 @@ use lockstep::exchange::codec::{Codec, Compression, Wire};
 use lockstep::exchange::gpu::codec::WireGeom;
 use lockstep::exchange::shm::ShmGroup;
 use lockstep::exchange::{Exchange, Wait};
-use lockstep::ops::dropout::gpu::DropoutKey;
 use lockstep::rng::mix64;
 
 // ---- skipping without a GPU ----------------------------------------------------------
@@ -104,16 +103,6 @@ pub fn softmax_xent_ref(logits: &[f32], labels: &[u32], k: usize, eps: f32) -> (
         }
     }
     (want_loss, want_dl)
-}
-
-// ---- dropout.cu ----------------------------------------------------------------------
-
-/// dropout.cu's keep decision for element `idx` of a buffer whose first element is
-/// `key.first` of its shard, as the CPU layer (`nn::Dropout`) computes it: the two must
-/// agree bit for bit, so the tests ask the library rather than a copy.
-pub fn dropout_keep(key: DropoutKey, idx: u64, rate: f32) -> bool {
-    use lockstep::rng::{dropout_key, hash64, unit_f32};
-    unit_f32(hash64(dropout_key(key.seed, key.step, key.shard, key.layer), key.first + idx)) >= rate
 }
 
 // ---- codec.cu: the CPU's own code as the reference -----------------------------------

@@ -287,3 +287,28 @@ impl GpuLayer for ResidualGpu {
         }
     }
 }
+
+// ---- on the host ------------------------------------------------------------------------
+
+/// The kernel of kernels/residual.cu run on the host against the CPU's [`super::cpu`], bit
+/// for bit (one f32 addition a value), as the forward's add and as the backward's fan-in:
+/// with signed zeros, an infinity against its opposite (NaN) and a NaN passing through,
+/// under the launch shape the launch uses and under a grid too small to cover the data.
+#[cfg(test)]
+pub(crate) fn host_check(k: &crate::cuda::host::Checker) {
+    use crate::cuda::host::{elem_cfgs, In, Out, U64};
+    use crate::testing::{assert_bits, uniform};
+    let n = 3000;
+    let (mut a, mut b) = (uniform(31, n), uniform(32, n));
+    (a[0], b[0], a[1], b[1], a[2], b[2], a[3]) = (0.0, -0.0, -0.0, -0.0, f32::INFINITY, f32::NEG_INFINITY, f32::NAN);
+    let (mut want_forward, mut want_fan_in) = (a.clone(), a.clone());
+    super::cpu::residual_forward(&mut want_forward, &b);
+    super::cpu::residual_backward(&mut want_fan_in, &b);
+    assert_bits("the forward's add vs the backward's fan-in", &want_forward, &want_fan_in);
+    for cfg in elem_cfgs(n) {
+        let mut y = vec![f32::NAN; n];
+        // As Gpu::residual_add pushes them: a, b, y, n.
+        k.launch(&residual_add::FWD, cfg, &mut [In(&a), In(&b), Out(&mut y), U64(n as u64)]);
+        assert_bits(&format!("residual add {cfg:?}"), &y, &want_forward);
+    }
+}

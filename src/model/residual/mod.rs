@@ -1,15 +1,16 @@
 //! The residual block, `y = act(body(x) + shortcut(x))` (He et al. 2016): a container of
 //! two branches, each a [`Sequential`], the shortcut the identity when it has no layers,
 //! and an optional ReLU after the add. Its forward and backward side by side, its output
-//! shape (both branches must agree), its memory, its spec entry (`residual`), its spec
-//! form and, at the end of the file, its GPU form (`residual_add_fwd_f32` of
-//! kernels/relu.cu, and its branches' own GPU forms).
+//! shape (both branches must agree), its memory, its spec entry (`residual`) and its spec
+//! form; its own arithmetic, the add and the backward's fan-in, is [`cpu`]'s, and its GPU
+//! form is [`gpu`] (kernels/residual.cu's `residual_add_fwd_f32`, and its branches' own
+//! GPU forms).
 //!
-//! Owns the block's arithmetic and how its branches see the model: the block's tensors
-//! are the body's, then the shortcut's, each branch laid out inside the block's slice of
-//! the flat buffers exactly as the outer [`Sequential`] lays any layer's tensors (every
-//! tensor on a multiple of `TENSOR_ALIGN`, so a branch's own layout is the block's at an
-//! offset; a test holds the two to each other). Names are the branches' layer names, the
+//! Owns how its branches see the model: the block's tensors are the body's, then the
+//! shortcut's, each branch laid out inside the block's slice of the flat buffers exactly
+//! as the outer [`Sequential`] lays any layer's tensors (every tensor on a multiple of
+//! `TENSOR_ALIGN`, so a branch's own layout is the block's at an offset; a test holds the
+//! two to each other). Names are the branches' layer names, the
 //! shortcut's layers named `shortcut.<kind><n>` unless given names (`short.0`, as a
 //! PyTorch module's `state_dict` names them). What each inner layer computes is its own.
 //!
@@ -24,6 +25,7 @@
 //! Inner layers' indices (dropout's masks derive from them) are derived from the block's
 //! and the branch's (`nn::Place::Branch`: 0 the body, 1 the shortcut).
 
+pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod gpu;
 
@@ -32,7 +34,6 @@ use serde_json::{json, Value};
 use super::sequential::batched;
 use super::spec_objects::{layers_to_spec, read_layers, LayerObject};
 use super::{NamedLayer, Place, Sequential};
-use crate::backend::simd::widest;
 use crate::error::{Error, Result};
 use crate::ops::spec::{Activation, Build, LayerType};
 use crate::ops::{
@@ -174,7 +175,7 @@ impl Residual {
         conformance: crate::ops::spec::Conformance {
             input: crate::ops::spec::TestInput::Values,
             #[cfg(feature = "cuda")]
-            host: None,
+            host: Some(gpu::host_check),
         },
     };
 
@@ -221,20 +222,6 @@ fn branches_disagree(input: &Shape, body: &Shape, shortcut: Option<&Shape>) -> O
     (body != skip).then(|| format!("the body's output {body} differs from the {what} {skip}: they are added"))
 }
 
-widest! {
-    /// `a += b`, elementwise: the add of the block's forward (body + shortcut) and of its
-    /// backward's fan-in (dbody + dshortcut); `residual_add_fwd_f32` computes the same.
-    pub fn add_in_place(a: &mut [f32], b: &[f32]) {
-        for (x, &y) in a.iter_mut().zip(b) {
-            *x += y;
-        }
-    }
-}
-
-fn add_into(a: &mut Tensor, b: &Tensor) {
-    add_in_place(a.host_mut(), b.host());
-}
-
 impl Layer for Residual {
     fn kind(&self) -> &'static str {
         "residual"
@@ -276,7 +263,7 @@ impl Layer for Residual {
         match &mut self.relu {
             Some(relu) => relu.forward_sum(y, &skip, ctx),
             None => {
-                add_into(&mut y, &skip);
+                cpu::residual_forward(y.host_mut(), skip.host());
                 Ok(y)
             }
         }
@@ -304,7 +291,7 @@ impl Layer for Residual {
         let d_body = self.body.backward_at(dout, p_body, g_body, ctx, Place::Branch(BODY), input_grad)?;
         Ok(match (d_body, d_short) {
             (Some(mut dx), Some(ds)) => {
-                add_into(&mut dx, &ds);
+                cpu::residual_backward(dx.host_mut(), ds.host());
                 Some(dx)
             }
             _ => None,

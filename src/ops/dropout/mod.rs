@@ -5,10 +5,13 @@
 //! within the logical replica's shard — a later micro-batch of an accumulated step starts
 //! at `Ctx::sample_offset`) through `rng::hash64`, so it does not depend on the device count, the thread count or
 //! the order in which elements are visited (the CUDA kernel computes the same function:
-//! kernels/dropout.cu, launched by the GPU form at the end of this file).
+//! kernels/dropout.cu, launched by the GPU form, [`gpu`]).
 //!
-//! Owns also its spec entry (`dropout`), its spec form and what it keeps for backward.
+//! The layer (its spec entry `dropout`, its spec form, what it keeps for backward: the
+//! mask's factors, and where in the shard a pass starts) is built on its CPU mask, forward
+//! and backward ([`cpu`]).
 
+pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod gpu;
 
@@ -17,7 +20,7 @@ use serde_json::{json, Value};
 use super::spec::{Build, LayerType};
 use super::{Ctx, InputGrad, Layer, LayerMemory, LayerShapes, Mode, Params, ParamsMut, F32};
 use crate::error::{Error, Result};
-use crate::rng::{dropout_key, hash64, unit_f32};
+use crate::rng::dropout_key;
 use crate::tensor::{Shape, Tensor};
 
 #[derive(Clone, Debug)]
@@ -57,7 +60,7 @@ impl Dropout {
         conformance: crate::ops::spec::Conformance {
             input: crate::ops::spec::TestInput::Values,
             #[cfg(feature = "cuda")]
-            host: None,
+            host: Some(gpu::host_check),
         },
     };
 }
@@ -92,23 +95,16 @@ impl Layer for Dropout {
             return Ok(x);
         }
         let key = dropout_key(ctx.seed, ctx.step, ctx.shard as u64, ctx.layer_index as u64);
-        let keep = 1.0 / (1.0 - self.rate);
         // Element i of this pass is element first + i of the logical replica's shard.
         let per_sample = x.numel() / x.shape().batch().max(1);
         let first = (ctx.sample_offset * per_sample) as u64;
-        self.scale.extend((first..first + x.numel() as u64).map(|i| {
-            if unit_f32(hash64(key, i)) >= self.rate {
-                keep
-            } else {
-                0.0
-            }
-        }));
-        for (v, s) in x.host_mut().iter_mut().zip(&self.scale) {
-            *v *= s;
-        }
+        self.scale.resize(x.numel(), 0.0);
+        cpu::dropout_mask(&mut self.scale, self.rate, key, first);
+        cpu::dropout_forward(x.host_mut(), &self.scale);
         Ok(x)
     }
 
+    // dout: any shape → dx: same shape
     fn backward(
         &mut self,
         mut dout: Tensor,
@@ -121,9 +117,7 @@ impl Layer for Dropout {
             return Ok(None);
         }
         if !self.scale.is_empty() {
-            for (d, s) in dout.host_mut().iter_mut().zip(&self.scale) {
-                *d *= s;
-            }
+            cpu::dropout_backward(dout.host_mut(), &self.scale);
         }
         Ok(Some(dout))
     }

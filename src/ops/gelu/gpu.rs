@@ -1,5 +1,5 @@
 //! GELU on a GPU: the declaration of kernels/gelu.cu, its checked launches, and the op's GPU
-//! form. The kernels follow the CPU's expressions in its order (`super`'s docs say why).
+//! form. The kernels follow the CPU's expressions in its order (`super::cpu`'s docs say why).
 
 use crate::cuda::launch::{check_len, elem_cfg, DevIn, DevOut, Gpu};
 use crate::ops::gpu::{Backward, Forward, GpuLayer};
@@ -73,5 +73,40 @@ impl GpuLayer for GeluGpu {
             Some(mut dx) => b.gpu.gelu_bwd(b.x, &b.dy, &mut dx),
             None => Ok(()),
         }
+    }
+}
+
+// ---- on the host ------------------------------------------------------------------------
+
+/// The kernels of kernels/gelu.cu run on the host against the CPU's [`super::cpu`], value by
+/// value: over [−10, 10) (both tails and the middle), then the signed zeros, the far tail
+/// (y and dx round to −0), the infinities and a NaN, under the launch shape the launches
+/// use and under a grid too small to cover the data.
+#[cfg(test)]
+pub(crate) fn host_check(k: &crate::cuda::host::Checker) {
+    use crate::cuda::host::{elem_cfgs, In, Out, U64};
+    use crate::testing::{assert_bits, uniform};
+    let n = 3000;
+    let mut x: Vec<f32> = uniform(21, n).iter().map(|v| 10.0 * v).collect();
+    let dy = uniform(22, n);
+    x[..8].copy_from_slice(&[0.0, -0.0, -20.0, 1e-3, f32::INFINITY, f32::NEG_INFINITY, f32::NAN, -8.0]);
+    // The CPU's forward as a training step runs it (keeping the slopes), then its backward.
+    let (mut want_y, mut slope) = (x.clone(), vec![0.0; n]);
+    super::cpu::gelu_forward(&mut want_y, Some(&mut slope));
+    let mut want_dx = dy.clone();
+    super::cpu::gelu_backward(&mut want_dx, &slope);
+    // Both sides evaluate the same f32 operations in the same order, uncontracted (erfcc's
+    // polynomial by Estrin's scheme, exp by Cephes' polynomial, no library function), so
+    // the results are equal bit for bit, here and on a GPU. A NaN's sign and payload are
+    // the compiler's choice of operand order (and the GPU's NaN is canonical), so NaNs
+    // compare as NaNs.
+    let canonical = |v: &[f32]| v.iter().map(|&x| if x.is_nan() { f32::NAN } else { x }).collect::<Vec<_>>();
+    for cfg in elem_cfgs(n) {
+        let (mut y, mut dx) = (vec![f32::NAN; n], vec![f32::NAN; n]);
+        // As Gpu::gelu_fwd pushes them: x, y, n; Gpu::gelu_bwd: x, dy, dx, n.
+        k.launch(&gelu::FWD, cfg, &mut [In(&x), Out(&mut y), U64(n as u64)]);
+        k.launch(&gelu::BWD, cfg, &mut [In(&x), In(&dy), Out(&mut dx), U64(n as u64)]);
+        assert_bits(&format!("gelu y {cfg:?}"), &canonical(&y), &canonical(&want_y));
+        assert_bits(&format!("gelu dx {cfg:?}"), &canonical(&dx), &canonical(&want_dx));
     }
 }

@@ -1,147 +1,23 @@
 //! GELU, exact: y = x·Φ(x), Φ the standard normal CDF (PyTorch's `nn.GELU()`, its default
-//! `approximate='none'`): its forward and backward, its spec entry (`gelu`), its spec
-//! form, what it keeps for backward and, at the end of the file, its GPU form
-//! (`gelu_fwd_f32`, `gelu_bwd_f32` of kernels/relu.cu).
+//! `approximate='none'`): the layer (its spec entry `gelu`, its spec form, what it keeps
+//! for backward: the slope at each input), built on its CPU forward and backward ([`cpu`],
+//! whose docs say how it is computed, in f32, and how closely); its GPU form is [`gpu`]
+//! (kernels/gelu.cu, the CPU's expressions in its order).
 //!
 //! A module of its own rather than a third layer of `activation.rs`: it is the first op
 //! of the transformer issue (21), each of which is its own unit, and it shares nothing
 //! with ReLU and Rescaling but being elementwise.
-//!
-//! # Numerics: f32, within PyTorch's own error, ten times faster than erfc
-//! Each value is computed in f32 by branch-free code (so the loops vectorise), the same
-//! expressions in the same order as the kernels:
-//! - erfc(z) for z = |x|/√2 by Numerical Recipes' `erfcc` (Press et al., §6.2): with
-//!   t = 1/(1 + z/2), erfc(z) = t·exp(−z² + q(t)), q a degree-9 polynomial (evaluated by
-//!   Estrin's scheme); its relative error is below 1.2·10⁻⁷ for every z ≥ 0;
-//! - Φ(x) = 1 − erfc(z)/2 for x ≥ 0, erfc(z)/2 below: the tail from erfc, never from a
-//!   cancelling 1 + erf;
-//! - y = x·Φ(x), dx = dy·(Φ(x) + x·φ(x)), φ(x) = exp(−x²/2)/√(2π);
-//! - exp by [`exp_f32`] (Cephes' `expf`: a degree-6 polynomial after reduction by ln 2,
-//!   within 2 ulp), 0 below e⁻⁸⁷.
-//!
-//! Against 60-digit values (scripts/torch_gelu.py) the result is within 10⁻⁶
-//! relative plus 10⁻³⁷ (the rounding of x²/2 in the exponent: 6·10⁻⁷ at x = −8); PyTorch's own f32 GELU, whose 1 + erf(x/√2) cancels for x < 0, is
-//! 4·10⁻⁵ off at x = −3 and 0 at x = −8. The exact f64 evaluation this replaced (libm's
-//! erfc and exp per value, about 30 ns) was most of a transformer's MLP time on a CPU.
-//! The kernels compute the same f32 operations without contraction (`__fmul_rn`,
-//! `__fadd_rn`): tests/kernels_host.rs holds them to these bit for bit.
-//!
-//! At ±∞ and NaN it is PyTorch's: y(+∞) = +∞, y(−∞) = −∞·0 = NaN, a NaN passes through.
 
+pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod gpu;
-
-use rayon::prelude::*;
 
 use serde_json::{json, Value};
 
 use super::spec::{Build, LayerType};
 use super::{Ctx, InputGrad, Layer, LayerMemory, LayerShapes, Mode, Params, ParamsMut, F32};
-use crate::backend::par;
-use crate::backend::simd::{exp_f32, widest};
 use crate::error::{Error, Result};
 use crate::tensor::{Shape, Tensor};
-
-/// Elements per parallel task: about 3 ns a value, so 2^15 values (0.1 ms) amortise
-/// handing a task to another thread.
-const CHUNK: usize = 1 << 15;
-
-/// 1/√2.
-const FRAC_1_SQRT_2: f32 = std::f32::consts::FRAC_1_SQRT_2;
-/// 1/√(2π).
-const FRAC_1_SQRT_2PI: f32 = 0.398_942_3;
-
-/// The coefficients c0, …, c9 of `erfcc`'s polynomial q(t) (Press et al., §6.2).
-const ERFC_Q: [f32; 10] = [
-    -1.265_512_2,
-    1.000_023_7,
-    0.374_091_95,
-    0.096_784_18,
-    -0.186_288_06,
-    0.278_868_08,
-    -1.135_204,
-    1.488_515_9,
-    -0.822_152_26,
-    0.170_872_76,
-];
-
-/// (Φ(x), exp(−x²/2)) for the forward and the backward: Φ from Numerical Recipes'
-/// `erfcc` (the module's docs), in f32.
-#[inline(always)]
-fn cdf(x: f32) -> f32 {
-    let z = x.abs() * FRAC_1_SQRT_2;
-    let t = 1.0 / (1.0 + 0.5 * z);
-    // q(t) = c0 + c1·t + … + c9·t⁹ by Estrin's scheme: pairs c_2i + c_2i+1·t, then
-    // combined by t², t⁴, t⁸, so that the chain of dependent operations is 8 long instead
-    // of Horner's 18 (the loop waited on it).
-    let (t2, c) = (t * t, &ERFC_Q);
-    let t4 = t2 * t2;
-    let t8 = t4 * t4;
-    let p01 = c[0] + c[1] * t;
-    let p23 = c[2] + c[3] * t;
-    let p45 = c[4] + c[5] * t;
-    let p67 = c[6] + c[7] * t;
-    let p89 = c[8] + c[9] * t;
-    let q = ((p01 + p23 * t2) + (p45 + p67 * t2) * t4) + p89 * t8;
-    let erfc = t * exp_f32(q - 0.5 * x * x);
-    if x >= 0.0 {
-        1.0 - 0.5 * erfc
-    } else {
-        0.5 * erfc
-    }
-}
-
-/// y = x·Φ(x), in f32 (the module's docs).
-#[inline(always)]
-pub fn gelu_value(x: f32) -> f32 {
-    x * cdf(x)
-}
-
-/// dx = dy·(Φ(x) + x·φ(x)), in f32 (the module's docs).
-#[inline(always)]
-pub fn gelu_grad(x: f32, dy: f32) -> f32 {
-    dy * slope(x, cdf(x))
-}
-
-/// The derivative Φ(x) + x·φ(x) from Φ(x): what the training forward keeps, so that the
-/// backward is one multiplication, with the bits of [`gelu_grad`].
-#[inline(always)]
-fn slope(x: f32, cdf: f32) -> f32 {
-    let pdf = exp_f32(-0.5 * x * x) * FRAC_1_SQRT_2PI;
-    cdf + x * pdf
-}
-
-widest! {
-    /// y = x·Φ(x) of every value of `xs`, in place, at the processor's widest vectors
-    /// (`backend::simd`: the same bits at every width).
-    fn forward_values(xs: &mut [f32]) {
-        for v in xs.iter_mut() {
-            *v = gelu_value(*v);
-        }
-    }
-}
-
-widest! {
-    /// The training forward: y = x·Φ(x) in place, the slope Φ(x) + x·φ(x) kept for the
-    /// backward.
-    fn forward_kept(xs: &mut [f32], kept_slope: &mut [f32]) {
-        for (v, ks) in xs.iter_mut().zip(kept_slope) {
-            let (x, c) = (*v, cdf(*v));
-            *ks = slope(x, c);
-            *v = x * c;
-        }
-    }
-}
-
-widest! {
-    /// dx = dy·(Φ(x) + x·φ(x)) of every value from the forward's slopes, `ds` holding dy
-    /// and receiving dx.
-    fn backward_values(ds: &mut [f32], slopes: &[f32]) {
-        for (d, &s) in ds.iter_mut().zip(slopes) {
-            *d *= s;
-        }
-    }
-}
 
 /// x·Φ(x), exact (erf-based) GELU.
 #[derive(Clone, Debug, Default)]
@@ -168,7 +44,7 @@ impl Gelu {
         conformance: crate::ops::spec::Conformance {
             input: crate::ops::spec::TestInput::Values,
             #[cfg(feature = "cuda")]
-            host: None,
+            host: Some(gpu::host_check),
         },
     };
 }
@@ -201,10 +77,9 @@ impl Layer for Gelu {
         let xs = x.host_mut();
         if ctx.mode == Mode::Train {
             self.slope.resize(xs.len(), 0.0);
-            let kept = self.slope.par_chunks_mut(CHUNK);
-            par::for_each(xs.par_chunks_mut(CHUNK).zip(kept), |(xs, ks)| forward_kept(xs, ks));
+            cpu::gelu_forward(xs, Some(&mut self.slope));
         } else {
-            par::for_each(xs.par_chunks_mut(CHUNK), forward_values);
+            cpu::gelu_forward(xs, None);
         }
         Ok(x)
     }
@@ -227,8 +102,7 @@ impl Layer for Gelu {
                 format!("dout {} for {} values kept by the forward", dout.shape(), self.slope.len()),
             ));
         }
-        let kept = self.slope.par_chunks(CHUNK);
-        par::for_each(dout.host_mut().par_chunks_mut(CHUNK).zip(kept), |(ds, ss)| backward_values(ds, ss));
+        cpu::gelu_backward(dout.host_mut(), &self.slope);
         Ok(Some(dout))
     }
 
@@ -243,6 +117,7 @@ impl Layer for Gelu {
 
 #[cfg(test)]
 mod tests {
+    use super::cpu::{gelu_grad, gelu_value};
     use super::*;
 
     use crate::tensor::Device;
@@ -284,7 +159,7 @@ mod tests {
         let (y, dx) = run(&xs, &vec![1.0; xs.len()]);
         let (mut worst_abs, mut worst_rel) = (0.0f64, 0.0f64);
         for (i, &(x, ty, tdx, ey, edx)) in TORCH.iter().enumerate() {
-            // Against the 60-digit values: within 1e-6 relative plus 1e-37 (module docs).
+            // Against the 60-digit values: within 1e-6 relative plus 1e-37 (`cpu`'s docs).
             for (what, got, exact) in [("y", y[i], ey), ("dx", dx[i], edx)] {
                 let err = (got as f64 - exact as f64).abs();
                 assert!(
@@ -309,23 +184,6 @@ mod tests {
     }
 
     #[test]
-    fn exp_f32_is_within_2_ulp_over_its_range_and_clamps_outside() {
-        let mut worst = 0.0f64;
-        let mut x = -87.0f32;
-        while x <= 88.0 {
-            let (got, want) = (exp_f32(x) as f64, (x as f64).exp());
-            let ulp = (want as f32).abs().max(f32::MIN_POSITIVE) as f64 * f32::EPSILON as f64;
-            worst = worst.max((got - want).abs() / ulp);
-            x += 0.0137;
-        }
-        assert!(worst <= 2.0, "exp_f32 is {worst} ulp off");
-        assert_eq!(exp_f32(-100.0), 0.0);
-        assert_eq!(exp_f32(100.0), f32::INFINITY);
-        assert!(exp_f32(f32::NAN).is_nan());
-        assert_eq!(exp_f32(0.0), 1.0);
-    }
-
-    #[test]
     fn the_memory_account_is_what_a_training_forward_keeps_and_the_kept_slope_gives_the_gradient() {
         // One f32 a value, as the account says, and the backward's dy·slope is
         // `gelu_grad`'s value bit for bit (the kernels are held to `gelu_grad`).
@@ -346,17 +204,6 @@ mod tests {
         let dx = gelu.backward(d, Params::new(&[], &[]), ParamsMut::new(&mut [], &[]), InputGrad::Needed, &ctx);
         for ((&x, &dy), &dx) in xs.iter().zip(&dys).zip(dx.unwrap().unwrap().host()) {
             assert_eq!(dx.to_bits(), gelu_grad(x, dy).to_bits(), "GELU'({x})·{dy}");
-        }
-    }
-
-    #[test]
-    fn the_gradient_is_the_derivative_of_the_value() {
-        // Central differences in f64 of the f32 function are within its own rounding.
-        for &x in &[-4.0f32, -1.5, -0.3, 0.0, 0.2, 1.0, 2.5, 6.0] {
-            let h = 1e-2f32;
-            let fd = (gelu_value(x + h) as f64 - gelu_value(x - h) as f64) / (2.0 * h as f64);
-            let g = gelu_grad(x, 1.0) as f64;
-            assert!((fd - g).abs() <= 2e-4 * g.abs().max(1.0), "x {x}: {g} vs {fd}");
         }
     }
 

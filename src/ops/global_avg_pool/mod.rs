@@ -1,8 +1,9 @@
 //! Global average pooling, Keras's `GlobalAveragePooling2D()`: the mean over H and W,
-//! (N, C, H, W) → (N, C). Its forward and backward, its spec entry
-//! (`global_average_pooling2d`), its spec form, what it keeps for backward (only the
-//! input's shape) and, at the end of the file, its GPU form (kernels/global_avg_pool.cu).
+//! (N, C, H, W) → (N, C). The layer (its spec entry `global_average_pooling2d`, its spec
+//! form, what it keeps for backward: only the input's shape), built on its CPU forward and
+//! backward ([`cpu`]); its GPU form is [`gpu`] (kernels/global_avg_pool.cu).
 
+pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod gpu;
 
@@ -41,7 +42,7 @@ impl GlobalAvgPool2d {
         conformance: crate::ops::spec::Conformance {
             input: crate::ops::spec::TestInput::Values,
             #[cfg(feature = "cuda")]
-            host: None,
+            host: Some(gpu::host_check),
         },
     };
 }
@@ -73,9 +74,8 @@ impl Layer for GlobalAvgPool2d {
     // x: (N, C, H, W) → y: (N, C)
     fn forward(&mut self, x: Tensor, _p: Params<'_>, _b: ParamsMut<'_>, _ctx: &Ctx) -> Result<Tensor> {
         let (n, c, h, w) = x.shape().nchw("GlobalAvgPool2d")?;
-        let hw = h * w;
-        let inv = 1.0 / hw as f32;
-        let y: Vec<f32> = x.host().chunks_exact(hw).map(|plane| plane.iter().sum::<f32>() * inv).collect();
+        let mut y = vec![0.0f32; n * c];
+        cpu::global_avg_pool_forward(x.host(), &mut y, h * w);
         self.input = Some(x.shape().clone());
         Tensor::from_vec_on(y, [n, c], x.device())
     }
@@ -97,12 +97,8 @@ impl Layer for GlobalAvgPool2d {
             return Ok(None);
         }
         let (_, _, h, w) = shape.nchw("GlobalAvgPool2d backward")?;
-        let inv = 1.0 / (h * w) as f32;
-        let mut dx = Vec::with_capacity(shape.numel());
-        for &d in dout.host() {
-            // `repeat(..).take(..)`, not `repeat_n`: that is Rust 1.82 and the MSRV is 1.80.
-            dx.extend(std::iter::repeat_n(d * inv, h * w));
-        }
+        let mut dx = vec![0.0f32; shape.numel()];
+        cpu::global_avg_pool_backward(dout.host(), &mut dx, h * w);
         Tensor::from_vec_on(dx, shape, dout.device()).map(Some)
     }
 

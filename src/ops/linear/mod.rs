@@ -1,10 +1,13 @@
 //! Linear (Keras Dense): y = x·Wᵀ + b, weight (O, F) as in PyTorch, over the last
 //! dimension of flat samples (F) or of sequences (T, F) (every position one row of the
-//! same GEMM): its forward and backward, its spec entry (`dense`), its spec form and what
-//! it keeps for backward. Its weight may be another layer's tensor (`tied_to`: a
-//! language model's head reusing the token embedding, as nanoGPT's `lm_head`), laid out
-//! once by `Sequential`, whose gradient both uses add to in the backward's order.
+//! same GEMM). The layer (its spec entry `dense`, its spec form, what it keeps for
+//! backward: its input), built on its CPU forward and backward ([`cpu`]); its GPU form is
+//! [`gpu`] (cuBLAS's products and kernels/linear.cu's bias). Its weight may be another
+//! layer's tensor (`tied_to`: a language model's head reusing the token embedding, as
+//! nanoGPT's `lm_head`), laid out once by `Sequential`, whose gradient both uses add to in
+//! the backward's order.
 
+pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod gpu;
 
@@ -12,7 +15,7 @@ use serde_json::{json, Value};
 
 use super::spec::{expect_features, Build, LayerType};
 use super::{InputGrad, Layer, LayerMemory, LayerShapes, ParamSpec, Params, ParamsMut, F32};
-use crate::backend::cpu::{gemm, gemm_packing, Accumulate, Mat};
+use crate::backend::cpu::gemm_packing;
 use crate::error::{Error, Result};
 use crate::nn::{Ctx, Init, Mode};
 use crate::tensor::{Shape, Tensor};
@@ -93,7 +96,7 @@ impl Linear {
         conformance: crate::ops::spec::Conformance {
             input: crate::ops::spec::TestInput::Values,
             #[cfg(feature = "cuda")]
-            host: None,
+            host: Some(gpu::host_check),
         },
     };
 }
@@ -162,13 +165,9 @@ impl Layer for Linear {
     fn forward(&mut self, x: Tensor, params: Params<'_>, _buffers: ParamsMut<'_>, ctx: &Ctx) -> Result<Tensor> {
         let out_shape = self.output_shape(x.shape())?;
         let (n, f, o) = (self.rows(x.shape()), self.in_features, self.out_features);
-        let w = params.get(0);
-        // y starts as the bias in every row (never zeroed first), which GEMM adds to.
-        let (mut y, acc) = match self.use_bias {
-            true => (params.get(1).repeat(n), Accumulate::Add),
-            false => (vec![0.0f32; n * o], Accumulate::Overwrite),
-        };
-        gemm(Mat::rows(x.host(), n, f), Mat::rows(w, o, f).t(), &mut y, o, acc);
+        let bias = self.use_bias.then(|| params.get(1));
+        let mut y = vec![0.0f32; n * o];
+        cpu::linear_forward(x.host(), params.get(0), bias, &mut y, n, f, o);
         let y = Tensor::from_vec_on(y, out_shape, x.device())?;
         self.x = (ctx.mode == Mode::Train).then_some(x);
         Ok(y)
@@ -190,22 +189,19 @@ impl Layer for Linear {
         if dout.shape() != &self.output_shape(x.shape())? {
             return Err(Error::shape("Linear backward", format!("dout {} for input {}", dout.shape(), x.shape())));
         }
-        let d = dout.host();
-        gemm(Mat::rows(d, n, o).t(), Mat::rows(x.host(), n, f), dparams.get(0), f, Accumulate::Add);
-        if self.use_bias {
-            let db = dparams.get(1);
-            for row in d.chunks_exact(o) {
-                for (g, v) in db.iter_mut().zip(row) {
-                    *g += v;
-                }
+        let (dweight, dbias) = match self.use_bias {
+            true => {
+                let (dw, db) = dparams.pair(0, 1);
+                (dw, Some(db))
             }
+            false => (dparams.get(0), None),
+        };
+        let mut dx = (input_grad == InputGrad::Needed).then(|| vec![0.0f32; n * f]);
+        cpu::linear_backward(dout.host(), x.host(), params.get(0), dweight, dbias, dx.as_deref_mut(), n, f, o);
+        match dx {
+            Some(dx) => Ok(Some(Tensor::from_vec_on(dx, x.shape().clone(), x.device())?)),
+            None => Ok(None),
         }
-        if input_grad == InputGrad::Skip {
-            return Ok(None);
-        }
-        let mut dx = vec![0.0f32; n * f];
-        gemm(Mat::rows(d, n, o), Mat::rows(params.get(0), o, f), &mut dx, f, Accumulate::Overwrite);
-        Ok(Some(Tensor::from_vec_on(dx, x.shape().clone(), x.device())?))
     }
 
     fn boxed_clone(&self) -> Box<dyn Layer> {

@@ -109,3 +109,52 @@ impl GpuLayer for PositionalGpu {
         gpu.positional_embedding_bwd(&dy, &mut grads.slice_mut(start..start + tc), dx.as_mut(), n, tc)
     }
 }
+
+// ---- on the host ------------------------------------------------------------------------
+
+/// The kernels of kernels/positional.cu run on the host against the CPU's [`super::cpu`],
+/// bit for bit (one f32 add a value forward; the same adds in the same order into the
+/// gradient's value backward, dx a copy), with and without dx, under the launch shape the
+/// launches use and under a grid too small to cover the data.
+#[cfg(test)]
+pub(crate) fn host_check(k: &crate::cuda::host::Checker) {
+    use crate::cuda::host::{elem_cfgs, In, Null, Out, I32, U64};
+    use crate::testing::{assert_bits, uniform};
+    let (n, t, c) = (3, 5, 4);
+    let (tc, total) = (t * c, n * t * c);
+    // x, dy: (N, T, C); weight, dweight: the table's first T rows (T, C).
+    let (x, dy, weight, dweight0) = (uniform(22, total), uniform(23, total), uniform(24, tc), uniform(25, tc));
+    let (mut want_y, mut want_dweight) = (x.clone(), dweight0.clone());
+    super::cpu::positional_forward(&mut want_y, &weight);
+    super::cpu::positional_backward(&dy, &mut want_dweight);
+    for cfg in elem_cfgs(total) {
+        let mut y = vec![f32::NAN; total];
+        // As Gpu::positional_embedding_fwd pushes them: x, weight (its first T rows), y, tc,
+        // total.
+        k.launch(
+            &positional_embedding::FWD,
+            cfg,
+            &mut [In(&x), In(&weight), Out(&mut y), U64(tc as u64), U64(total as u64)],
+        );
+        assert_bits(&format!("positional y {cfg:?}"), &y, &want_y);
+    }
+    for cfg in elem_cfgs(tc) {
+        for with_dx in [true, false] {
+            let (mut dweight, mut dx) = (dweight0.clone(), vec![f32::NAN; total]);
+            // As Gpu::positional_embedding_bwd pushes them: dy, dweight (its first T rows), dx
+            // or NULL, n, tc.
+            let dx_arg = if with_dx { Out(&mut dx) } else { Null };
+            k.launch(
+                &positional_embedding::BWD,
+                cfg,
+                &mut [In(&dy), Out(&mut dweight), dx_arg, I32(n as i32), U64(tc as u64)],
+            );
+            assert_bits(&format!("positional dweight {cfg:?} dx {with_dx}"), &dweight, &want_dweight);
+            if with_dx {
+                assert_bits(&format!("positional dx {cfg:?}"), &dx, &dy);
+            } else {
+                assert!(dx.iter().all(|v| v.is_nan()), "no dx written without one");
+            }
+        }
+    }
+}

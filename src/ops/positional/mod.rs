@@ -1,8 +1,8 @@
 //! The learned positional embedding, nanoGPT's `wpe`: a table of P positions (its
 //! `block_size`) by C values, whose first T rows are added to every sequence of the
-//! batch, `x + wpe(arange(T))`. Its forward and backward, its spec entry
-//! (`positional_embedding`), its spec form, what it keeps (nothing) and, at the end of the
-//! file, its GPU form (kernels/embedding.cu's `positional_embedding` kernels).
+//! batch, `x + wpe(arange(T))`. The layer (its spec entry `positional_embedding`, its
+//! spec form, what it keeps: nothing), built on its CPU forward and backward ([`cpu`]);
+//! its GPU form is [`gpu`] (kernels/positional.cu).
 //!
 //! nanoGPT computes `tok_emb + pos_emb` with the positions as an `nn.Embedding` of the
 //! ids 0..T; adding the table's rows in place of looking them up is the same sum, and a
@@ -16,6 +16,7 @@
 //! running shape, `output_shape`) and at every pass: `a context of 80 positions is above
 //! the positional table's 64`.
 
+pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod gpu;
 
@@ -87,7 +88,7 @@ impl PositionalEmbedding {
         conformance: crate::ops::spec::Conformance {
             input: crate::ops::spec::TestInput::Values,
             #[cfg(feature = "cuda")]
-            host: None,
+            host: Some(gpu::host_check),
         },
     };
 
@@ -137,12 +138,7 @@ impl Layer for PositionalEmbedding {
     // x: (N, T, C) → y = x + weight[0..T], broadcast over N
     fn forward(&mut self, mut x: Tensor, params: Params<'_>, _b: ParamsMut<'_>, _ctx: &Ctx) -> Result<Tensor> {
         let (_, t) = self.check("PositionalEmbedding", x.shape())?;
-        let w = &params.get(0)[..t * self.width];
-        for seq in x.host_mut().chunks_exact_mut(t * self.width) {
-            for (v, p) in seq.iter_mut().zip(w) {
-                *v += p;
-            }
-        }
+        cpu::positional_forward(x.host_mut(), &params.get(0)[..t * self.width]);
         Ok(x)
     }
 
@@ -156,12 +152,7 @@ impl Layer for PositionalEmbedding {
         _ctx: &Ctx,
     ) -> Result<Option<Tensor>> {
         let (_, t) = self.check("PositionalEmbedding backward", dout.shape())?;
-        let dw = &mut dparams.get(0)[..t * self.width];
-        for seq in dout.host().chunks_exact(t * self.width) {
-            for (g, d) in dw.iter_mut().zip(seq) {
-                *g += d;
-            }
-        }
+        cpu::positional_backward(dout.host(), &mut dparams.get(0)[..t * self.width]);
         Ok((input_grad == InputGrad::Needed).then_some(dout))
     }
 

@@ -1,7 +1,8 @@
-//! Rescaling, Keras's `Rescaling(scale, offset)`: y = x·scale + offset, its forward and
-//! backward, its spec entry (`rescaling`), its spec form and, at the end of the file, its
-//! GPU form (kernels/rescaling.cu).
+//! Rescaling, Keras's `Rescaling(scale, offset)`: y = x·scale + offset. The layer (its
+//! spec entry `rescaling`, its spec form, what it keeps for backward: nothing), built on
+//! its CPU forward and backward ([`cpu`]); its GPU form is [`gpu`] (kernels/rescaling.cu).
 
+pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod gpu;
 
@@ -40,7 +41,7 @@ impl Rescaling {
         conformance: crate::ops::spec::Conformance {
             input: crate::ops::spec::TestInput::Values,
             #[cfg(feature = "cuda")]
-            host: None,
+            host: Some(gpu::host_check),
         },
     };
 }
@@ -70,13 +71,11 @@ impl Layer for Rescaling {
 
     // x: any shape → y: same shape
     fn forward(&mut self, mut x: Tensor, _p: Params<'_>, _b: ParamsMut<'_>, _ctx: &Ctx) -> Result<Tensor> {
-        let (s, o) = (self.scale, self.offset);
-        for v in x.host_mut() {
-            *v = *v * s + o;
-        }
+        cpu::rescaling_forward(x.host_mut(), self.scale, self.offset);
         Ok(x)
     }
 
+    // dout: any shape → dx: same shape
     fn backward(
         &mut self,
         mut dout: Tensor,
@@ -88,9 +87,7 @@ impl Layer for Rescaling {
         if input_grad == InputGrad::Skip {
             return Ok(None);
         }
-        for v in dout.host_mut() {
-            *v *= self.scale;
-        }
+        cpu::rescaling_backward(dout.host_mut(), self.scale);
         Ok(Some(dout))
     }
 
