@@ -33,6 +33,8 @@ use super::declare::{Kernel, KernelFile};
 use super::launch;
 use crate::testing::skip::{skip, Need};
 
+mod declarations;
+
 /// The header that makes the kernels host C++ (its own opening says how).
 const CUDA_HOST_H: &str = include_str!("cuda_host.h");
 
