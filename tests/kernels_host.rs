@@ -51,13 +51,9 @@ use std::sync::OnceLock;
 use lockstep::backend::cpu;
 use lockstep::cuda::kernels::{Kernel, Kind};
 use lockstep::cuda::launch::REDUCE_BLOCK;
-use lockstep::exchange::codec::{Codec, Compression};
-use lockstep::exchange::gpu::codec::{WireGeom, CODEC_THREADS};
 use lockstep::nn::{
-    loss, BatchNorm2d, Ctx, Dropout, Embedding, Layer, LayerNorm, MaxPool2d, Padding, PositionalEmbedding, Sequential,
-    Window2d,
+    BatchNorm2d, Ctx, Dropout, Layer, LayerNorm, MaxPool2d, Padding, PositionalEmbedding, Sequential, Window2d,
 };
-use lockstep::ops::attention::gpu::ATTENTION_BLOCK;
 use lockstep::ops::batchnorm::RunningUpdate;
 use lockstep::ops::dropout::gpu::DropoutKey;
 use lockstep::ops::gelu::{gelu_grad, gelu_value};
@@ -65,17 +61,12 @@ use lockstep::ops::layernorm::gpu::{LN_BLOCK, LN_LANES};
 use lockstep::ops::layernorm::{row_stats, ROW_CHUNK};
 use lockstep::ops::maxpool2d::{maxpool2d_plane_bwd, maxpool2d_plane_fwd};
 use lockstep::ops::window::WindowGeom;
-use lockstep::optim::{
-    clip_factor, norm_partials, DecayMask, DecayOn, GradNorm, MomentumKind, Optimizer, OptimizerConfig, NORM_CHUNK,
-    NORM_LANES,
-};
 use lockstep::train::kernel_files;
 use lockstep::{Device, Tensor};
 
 use common::{
-    assert_close, bias_nchw_bwd_ref, code_is_nan, codec_inputs, col2im_ref, device_wire, dropout_keep, f64s,
-    im2col_ref, shm_exchange, softmax_xent_ref, sync_bn_cpu, sync_bn_global_sums, sync_bn_merge, wire_parts, BnInputs,
-    CodecInputs, Rng, ATOL_ELEM, ATOL_SUM, RTOL_ELEM, RTOL_SUM,
+    assert_close, bias_nchw_bwd_ref, col2im_ref, dropout_keep, f64s, im2col_ref, sync_bn_cpu, sync_bn_global_sums,
+    sync_bn_merge, BnInputs, Rng, ATOL_ELEM, ATOL_SUM, RTOL_ELEM, RTOL_SUM,
 };
 
 // ---- building and loading the kernels ----------------------------------------------
@@ -305,10 +296,6 @@ enum Arg<'a> {
     InU32(&'a [u32]),
     /// `unsigned*` (the correct flags).
     OutU32(&'a mut [u32]),
-    /// `const unsigned char*` (16-bit wires, as bytes).
-    InU8(&'a [u8]),
-    /// `unsigned char*`.
-    OutU8(&'a mut [u8]),
     /// `const double*` (synchronized BatchNorm's statistics).
     InF64(&'a [f64]),
     /// `double*`.
@@ -324,7 +311,7 @@ enum Arg<'a> {
     /// `size_t` or `unsigned long long` (launch.rs's usize lengths and u64 dropout keys).
     U64(u64),
 }
-use Arg::{In, InF64, InU32, InU8, Null, Out, OutF64, OutU32, OutU8, F32, F64, I32, U64};
+use Arg::{In, InF64, InU32, Null, Out, OutF64, OutU32, F32, F64, I32, U64};
 
 impl Arg<'_> {
     /// Whether this value may fill a parameter of type `code` (cuda_host.h's letters).
@@ -334,8 +321,6 @@ impl Arg<'_> {
             Out(_) => code == b'w',
             InU32(_) => code == b'R',
             OutU32(_) => code == b'W',
-            InU8(_) => code == b'b',
-            OutU8(_) => code == b'B',
             InF64(_) => code == b'd',
             OutF64(_) => code == b'D',
             Null => b"rwRWbBdD".contains(&code),
@@ -352,8 +337,6 @@ impl Arg<'_> {
             Out(_) => "Out (float*)",
             InU32(_) => "InU32 (const unsigned*)",
             OutU32(_) => "OutU32 (unsigned*)",
-            InU8(_) => "InU8 (const unsigned char*)",
-            OutU8(_) => "OutU8 (unsigned char*)",
             InF64(_) => "InF64 (const double*)",
             OutF64(_) => "OutF64 (double*)",
             Null => "Null (64-bit 0)",
@@ -371,8 +354,6 @@ impl Arg<'_> {
             Out(v) => v.iter().flat_map(|x| x.to_ne_bytes()).collect(),
             InU32(v) => v.iter().flat_map(|x| x.to_ne_bytes()).collect(),
             OutU32(v) => v.iter().flat_map(|x| x.to_ne_bytes()).collect(),
-            InU8(v) => v.to_vec(),
-            OutU8(v) => v.to_vec(),
             InF64(v) => v.iter().flat_map(|x| x.to_ne_bytes()).collect(),
             OutF64(v) => v.iter().flat_map(|x| x.to_ne_bytes()).collect(),
             _ => return None,
@@ -388,7 +369,6 @@ impl Arg<'_> {
             OutU32(v) => {
                 v.iter_mut().zip(b.chunks_exact(4)).for_each(|(x, c)| *x = u32::from_ne_bytes(c.try_into().unwrap()))
             }
-            OutU8(v) => v.copy_from_slice(b),
             OutF64(v) => {
                 v.iter_mut().zip(b.chunks_exact(8)).for_each(|(x, c)| *x = f64::from_ne_bytes(c.try_into().unwrap()))
             }
@@ -397,7 +377,7 @@ impl Arg<'_> {
     }
 
     fn read_only(&self) -> bool {
-        matches!(self, In(_) | InU32(_) | InU8(_) | InF64(_))
+        matches!(self, In(_) | InU32(_) | InF64(_))
     }
 }
 
@@ -585,42 +565,15 @@ const CHECKED: &[(&str, &[&str])] = &[
     ),
     ("global_average_pool_matches_the_reference", &["global_avgpool_fwd_f32", "global_avgpool_bwd_f32"]),
     ("maxpool2d_matches_the_cpu_layer_bit_for_bit", &["maxpool2d_fwd_f32", "maxpool2d_bwd_f32"]),
-    ("softmax_cross_entropy_matches_the_cpu_loss", &["softmax_xent_fwd_f32"]),
-    (
-        "sgd_adam_and_adamw_match_the_cpu_optimizer_over_several_steps",
-        &["sgd_step_f32", "adam_step_f32", "grad_norm_f32", "clip_factor_f32"],
-    ),
-    ("the_gradient_norm_kernels_equal_the_cpu_norm_bit_for_bit", &["grad_norm_f32", "clip_factor_f32"]),
-    ("reduce_sum_adds_the_buffers_left_to_right_and_scales", &["reduce_sum_f32"]),
     ("dropout_masks_equal_the_cpu_layer_bit_for_bit", &["dropout_fwd_f32", "dropout_bwd_f32"]),
-    ("codec_kernels_equal_the_codec_bit_for_bit", &["wire_encode_f32", "wire_reduce_f32", "wire_decode_f32"]),
     (
         "synchronized_batchnorm_kernels_equal_the_cpu_layer_bit_for_bit",
         &["batchnorm_moments_fwd_f32", "batchnorm_sync_fwd_f32", "batchnorm_sums_bwd_f32", "batchnorm_sync_bwd_f32"],
     ),
     ("batchnorm_count_equals_the_cpu_count_bit_for_bit", &["batchnorm_count_fwd_f32"]),
     (
-        "embedding_kernels_equal_the_cpu_layer_bit_for_bit",
-        &[
-            "embedding_fwd_f32",
-            "embedding_count_bwd_f32",
-            "embedding_offsets_bwd_f32",
-            "embedding_sort_bwd_f32",
-            "embedding_bwd_f32",
-        ],
-    ),
-    (
         "positional_embedding_kernels_equal_the_cpu_layer_bit_for_bit",
         &["positional_embedding_fwd_f32", "positional_embedding_bwd_f32"],
-    ),
-    (
-        "attention_kernels_match_the_cpu_layer",
-        &[
-            "attention_heads_fwd_f32",
-            "attention_heads_bwd_f32",
-            "attention_softmax_fwd_f32",
-            "attention_softmax_bwd_f32",
-        ],
     ),
     (
         "layernorm_kernels_equal_the_cpu_layer_bit_for_bit",
@@ -1246,284 +1199,6 @@ fn maxpool2d_matches_the_cpu_layer_bit_for_bit() {
     }
 }
 
-// ---- softmax_xent.cu -----------------------------------------------------------------
-
-#[test]
-fn softmax_cross_entropy_matches_the_cpu_loss() {
-    let Some(k) = kernels_or_skip("softmax_cross_entropy_matches_the_cpu_loss") else {
-        return;
-    };
-    let mut rng = Rng(7);
-    let (n, kk) = (300, 10);
-    let mut logits: Vec<f32> = rng.vec(n * kk).iter().map(|v| 4.0 * v).collect();
-    let mut labels: Vec<u32> = (0..n).map(|_| (rng.next_u64() % kk as u64) as u32).collect();
-    // Ties: samples 0 and 1 have their maximum 3.0 at classes 2 and 7. The first maximum
-    // (2) is the prediction, as in ops::cross_entropy and torch.argmax: label 2 is correct, label 7
-    // is not.
-    for s in [0, 1] {
-        logits[s * kk + 2] = 3.0;
-        logits[s * kk + 7] = 3.0;
-    }
-    (labels[0], labels[1]) = (2, 7);
-    // Large logits: the row maximum is subtracted before exp.
-    logits[2 * kk + 4] = 1000.0;
-    // Plain cross-entropy, and PyTorch's label smoothing (ops::cross_entropy::CrossEntropy).
-    for eps in [0.0f32, 0.1, 0.5] {
-        let ce = loss::CrossEntropy::new(eps).unwrap();
-        // Each sample alone through the CPU loss: its loss, its correct flag, its dlogits.
-        let cpu: Vec<(f64, u64, Vec<f32>)> = (0..n)
-            .map(|s| {
-                let row = Tensor::from_vec(logits[s * kk..(s + 1) * kk].to_vec(), [1, kk]).unwrap();
-                let (m, d) = ce.with_grad(&row, &labels[s..s + 1]).unwrap();
-                (m.loss_sum, m.correct, d.host().to_vec())
-            })
-            .collect();
-        assert_eq!((cpu[0].1, cpu[1].1), (1, 0), "the CPU loss breaks ties to the first maximum");
-        let (want_loss, want_dl) = softmax_xent_ref(&logits, &labels, kk, eps);
-
-        for cfg in elem_cfgs(n) {
-            let mut loss = vec![f32::NAN; n];
-            let mut dlogits = vec![f32::NAN; n * kk];
-            let mut correct = vec![7u32; n];
-            // As Gpu::softmax_xent_fwd: logits, labels, loss, dlogits, correct, n, K (int),
-            // label smoothing (float).
-            k.launch(
-                "softmax_xent_fwd_f32",
-                cfg,
-                &mut [
-                    In(&logits),
-                    InU32(&labels),
-                    Out(&mut loss),
-                    Out(&mut dlogits),
-                    OutU32(&mut correct),
-                    U64(n as u64),
-                    I32(kk as i32),
-                    F32(eps),
-                ],
-            );
-            // tests/cuda_ops.rs's tolerance (expf/logf within 2 ulp on the GPU): 1e-5
-            // relative plus 1e-6 absolute, against the f64 reference and the CPU loss alike.
-            let what = |x: &str| format!("xent {x}, eps {eps}, {cfg:?}");
-            assert_close(&what("loss"), &loss, &want_loss, 1e-5, 1e-6);
-            assert_close(&what("dlogits"), &dlogits, &want_dl, 1e-5, 1e-6);
-            let cpu_loss: Vec<f64> = cpu.iter().map(|c| c.0).collect();
-            let cpu_dl: Vec<f64> = cpu.iter().flat_map(|c| f64s(&c.2)).collect();
-            assert_close(&what("loss vs ops::cross_entropy"), &loss, &cpu_loss, 1e-5, 1e-6);
-            assert_close(&what("dlogits vs ops::cross_entropy"), &dlogits, &cpu_dl, 1e-5, 1e-6);
-            let cpu_correct: Vec<u32> = cpu.iter().map(|c| c.1 as u32).collect();
-            assert_eq!(correct, cpu_correct, "correct flags vs ops::cross_entropy, eps {eps}, {cfg:?}");
-        }
-    }
-
-    // A label >= K: loss NaN, not correct, and dlogits the softmax (no one-hot to
-    // subtract). The CPU loss refuses such a label before computing anything.
-    let (logits, labels) = (vec![1.0f32, 2.0, 3.0], vec![3u32]);
-    let (mut loss, mut dlogits, mut correct) = (vec![0.0f32], vec![0.0f32; 3], vec![7u32]);
-    k.launch(
-        "softmax_xent_fwd_f32",
-        elem_cfg(1),
-        &mut [
-            In(&logits),
-            InU32(&labels),
-            Out(&mut loss),
-            Out(&mut dlogits),
-            OutU32(&mut correct),
-            U64(1),
-            I32(3),
-            F32(0.0),
-        ],
-    );
-    assert!(loss[0].is_nan() && correct[0] == 0, "loss {loss:?}, correct {correct:?}");
-    // softmax([1, 2, 3]) = e^[1,2,3] / (e + e² + e³) = [0.09003057, 0.24472847, 0.66524096]
-    assert_close("xent dlogits, bad label", &dlogits, &[0.090_030_57, 0.244_728_47, 0.665_240_96], 1e-5, 1e-6);
-}
-
-// ---- optim.cu ------------------------------------------------------------------------
-
-/// The launch shape of `Gpu::grad_norm` for `n` values (one block of NORM_LANES threads
-/// per chunk), then a grid of one block, which strides over every chunk.
-fn norm_cfgs(n: usize) -> [Cfg; 2] {
-    let block = (NORM_LANES as u32, 1, 1);
-    [Cfg { grid: (norm_partials(n) as u32, 1, 1), block }, Cfg { grid: (1, 1, 1), block }]
-}
-
-/// As `Gpu::grad_norm` then `Gpu::clip_factor`: the factor of the gradient sum `g` (÷ B)
-/// for `max_norm`, left on the "device".
-fn clip_factor_on_device(k: &Checked, cfg: Cfg, g: &[f32], batch: f32, max_norm: f32) -> f32 {
-    let n = g.len();
-    let mut partials = vec![0.0f64; norm_partials(n)];
-    // As Gpu::grad_norm: grad, partials, grad_divisor, n.
-    k.launch("grad_norm_f32", cfg, &mut [In(g), OutF64(&mut partials), F32(batch), U64(n as u64)]);
-    let mut factor = [0.0f32];
-    // As Gpu::clip_factor: partials, factor, max_norm, parts (one thread works).
-    let parts = partials.len() as u64;
-    k.launch("clip_factor_f32", elem_cfg(1), &mut [InF64(&partials), Out(&mut factor), F32(max_norm), U64(parts)]);
-    factor[0]
-}
-
-#[test]
-fn sgd_adam_and_adamw_match_the_cpu_optimizer_over_several_steps() {
-    let Some(k) = kernels_or_skip("sgd_adam_and_adamw_match_the_cpu_optimizer_over_several_steps") else {
-        return;
-    };
-    let mut rng = Rng(8);
-    let n = 1000;
-    let steps = 5;
-    let p0 = rng.vec(n);
-    // A weight (2-D) at 0..600 that decays, a bias at 600..1000 that does not (--weight-decay-on
-    // weights): the replicas cut each piece into runs, the kernel takes each run's scalars.
-    let decay = DecayMask::of_tensors([(0..600, 2), (600..1000, 1)], DecayOn::Weights);
-    let classic = MomentumKind::Classic;
-    // B = 32 and B = 3: the kernel divides the raw gradient by B as the CPU does, so no
-    // batch size is special.
-    for batch in [32.0f32, 3.0] {
-        let grads: Vec<Vec<f32>> = (0..steps).map(|_| rng.vec(n).iter().map(|v| batch * v).collect()).collect();
-        let configs = [
-            OptimizerConfig::Sgd { lr: 0.1, momentum: 0.9, momentum_kind: classic, weight_decay: 1e-4 },
-            OptimizerConfig::Sgd { lr: 0.1, momentum: 0.9, momentum_kind: MomentumKind::Nesterov, weight_decay: 5e-4 },
-            OptimizerConfig::Sgd { lr: 0.05, momentum: 0.0, momentum_kind: classic, weight_decay: 0.0 },
-            OptimizerConfig::Adam { lr: 1e-3, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 1e-2 },
-            OptimizerConfig::Adam { lr: 1e-2, beta1: 0.8, beta2: 0.99, eps: 1e-6, weight_decay: 0.0 },
-            OptimizerConfig::AdamW { lr: 1e-2, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.1 },
-        ];
-        // Without clipping, and clipped to a norm (about 0.3·sqrt(1000/3) ≈ 5.5 here) that
-        // cuts every step.
-        for max_norm in [None, Some(1.5f32)] {
-            for config in configs {
-                let mut cpu = Optimizer::new(config, n);
-                let mut cpu_p = p0.clone();
-                let mut p = p0.clone();
-                let (mut m, mut v) = (vec![0.0f32; n], vec![0.0f32; n]);
-                for (t, g) in grads.iter().enumerate() {
-                    // The very scalars the GPU replica hands the kernel (Gpu::optimizer_step).
-                    let mut s = cpu.begin_step(0.7, batch);
-                    let cfg = if t % 2 == 0 { elem_cfg(n) } else { FEW };
-                    let factor = max_norm.map(|c| {
-                        let mut norm = GradNorm::default();
-                        norm.add(0, &g[..300], batch);
-                        norm.add(300, &g[300..], batch);
-                        s.clip = clip_factor(norm.norm(), c);
-                        assert!(s.clip < 1.0, "the test clips");
-                        let on_device = clip_factor_on_device(&k, norm_cfgs(n)[t % 2], g, batch, c);
-                        assert_eq!(on_device.to_bits(), s.clip.to_bits(), "clip factor, step {t}");
-                        [on_device]
-                    });
-                    let clip = || match &factor {
-                        Some(f) => In(f),
-                        None => Null,
-                    };
-                    for (run, rs) in decay.split(0..n, &s) {
-                        cpu.update(run.start, &mut cpu_p[run.clone()], &g[run.clone()], &rs);
-                        let (p, g, m, v) =
-                            (&mut p[run.clone()], &g[run.clone()], &mut m[run.clone()], &mut v[run.clone()]);
-                        let len = U64(run.len() as u64);
-                        match config {
-                            OptimizerConfig::Sgd { momentum, momentum_kind, .. } => {
-                                // As Gpu::optimizer_step: p, grad, buf, clip, step_size,
-                                // momentum, weight_decay, grad_divisor, first, nesterov, n.
-                                let nesterov = I32(i32::from(momentum_kind == MomentumKind::Nesterov));
-                                k.launch(
-                                    "sgd_step_f32",
-                                    cfg,
-                                    &mut [
-                                        Out(p),
-                                        In(g),
-                                        Out(m),
-                                        clip(),
-                                        F32(rs.step_size),
-                                        F32(momentum),
-                                        F32(rs.weight_decay),
-                                        F32(rs.grad_divisor),
-                                        I32(i32::from(rs.t == 1)),
-                                        nesterov,
-                                        len,
-                                    ],
-                                );
-                            }
-                            OptimizerConfig::Adam { beta1, beta2, eps, .. }
-                            | OptimizerConfig::AdamW { beta1, beta2, eps, .. } => {
-                                // As Gpu::optimizer_step: p, grad, m, v, clip, step_size,
-                                // beta1, beta2, eps, weight_decay, shrink, grad_divisor,
-                                // bc2_sqrt, n.
-                                k.launch(
-                                    "adam_step_f32",
-                                    cfg,
-                                    &mut [
-                                        Out(p),
-                                        In(g),
-                                        Out(m),
-                                        Out(v),
-                                        clip(),
-                                        F32(rs.step_size),
-                                        F32(beta1),
-                                        F32(beta2),
-                                        F32(eps),
-                                        F32(rs.weight_decay),
-                                        F32(rs.shrink),
-                                        F32(rs.grad_divisor),
-                                        F32(rs.bc2_sqrt),
-                                        len,
-                                    ],
-                                );
-                            }
-                        }
-                    }
-                }
-                let what = format!("{config:?}, B = {batch}, clip {max_norm:?}, after {steps} steps");
-                // Bitwise: the kernel (here without FMA contraction, as the CPU loop runs)
-                // and the CPU do the same f32 operations in the same order on the same
-                // scalars (optim::StepScalars, made once on the host). On a GPU, contracted
-                // multiply-adds round once where this rounds twice; tests/cuda_ops.rs
-                // bounds it.
-                assert_bits(&format!("p: {what}"), &p, &cpu_p);
-                let state = cpu.state();
-                for (name, values) in &state {
-                    let got = if *name == "m" { &m } else { &v };
-                    assert_bits(&format!("{name}: {what}"), got, values);
-                }
-                if matches!(config, OptimizerConfig::Sgd { momentum, .. } if momentum == 0.0) {
-                    assert!(state.is_empty(), "plain SGD keeps no state on the CPU");
-                }
-            }
-        }
-    }
-}
-
-#[test]
-fn the_gradient_norm_kernels_equal_the_cpu_norm_bit_for_bit() {
-    let Some(k) = kernels_or_skip("the_gradient_norm_kernels_equal_the_cpu_norm_bit_for_bit") else {
-        return;
-    };
-    let mut rng = Rng(9);
-    // Two whole chunks and part of a third, as a resnet's sum is cut.
-    let n = 2 * NORM_CHUNK + 300;
-    let batch = 24.0f32;
-    let g: Vec<f32> = rng.vec(n).iter().map(|v| batch * v).collect();
-    let mut cpu = GradNorm::default();
-    cpu.add(0, &g[..5000], batch);
-    cpu.add(5000, &g[5000..], batch);
-    let norm = cpu.norm();
-    // The exact norm, in f64 from the f32 mean gradient, to f32 rounding.
-    let exact = g.iter().map(|&x| ((x / batch) as f64).powi(2)).sum::<f64>().sqrt();
-    assert!((norm as f64 - exact).abs() <= 1e-6 * exact, "{norm} against {exact}");
-    for cfg in norm_cfgs(n) {
-        // Clipped (C below the norm) and not (above it): the factor is the CPU's, bitwise.
-        for max_norm in [norm / 3.0, norm * 2.0] {
-            let factor = clip_factor_on_device(&k, cfg, &g, batch, max_norm);
-            assert_eq!(factor.to_bits(), clip_factor(norm, max_norm).to_bits(), "{cfg:?}, C = {max_norm}");
-        }
-        // A piece that starts on a chunk writes the partials from that chunk on: the
-        // partials of two pieces are those of the whole.
-        let mut whole = vec![0.0f64; norm_partials(n)];
-        k.launch("grad_norm_f32", cfg, &mut [In(&g), OutF64(&mut whole), F32(batch), U64(n as u64)]);
-        let mut second = vec![0.0f64; norm_partials(n - NORM_CHUNK)];
-        let rest = &g[NORM_CHUNK..];
-        k.launch("grad_norm_f32", cfg, &mut [In(rest), OutF64(&mut second), F32(batch), U64(rest.len() as u64)]);
-        let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-        assert_eq!(bits(&whole[1..]), bits(&second), "{cfg:?}");
-    }
-}
-
 // ---- embedding.cu --------------------------------------------------------------------
 
 /// A one-layer network of `layer` over per-sample inputs `input`, its weights from seed 5,
@@ -1533,127 +1208,6 @@ fn one_layer(input: &[usize], layer: Box<dyn Layer>, rng: &mut Rng) -> (Sequenti
     let params = net.init(5).params;
     let grads = rng.vec(net.params_len());
     (net, params, grads)
-}
-
-/// As Gpu::embedding_bwd runs its four kernels on `cfg` (the offsets kernel on its one
-/// block always): the counting sort's offsets and order, and dweight accumulated.
-fn embedding_bwd_on_host(
-    k: &Checked,
-    cfg: Option<Cfg>,
-    ids: &[f32],
-    dy: &[f32],
-    dweight: &mut [f32],
-    vocab: usize,
-    c: usize,
-) -> (Vec<u32>, Vec<u32>) {
-    let m = ids.len();
-    let (mut offsets, mut order) = (vec![u32::MAX; vocab + 1], vec![u32::MAX; m]);
-    let (vi, ci) = (vocab as i32, c as i32);
-    let one_block = Cfg { grid: (1, 1, 1), block: (REDUCE_BLOCK, 1, 1) };
-    // As Gpu::embedding_bwd pushes them: ids, offsets, m, vocab; offsets, vocab; ids,
-    // offsets, order, m, vocab; dy, offsets, order, dweight, m, vocab, c.
-    let over_rows = cfg.unwrap_or(elem_cfg(vocab));
-    k.launch("embedding_count_bwd_f32", over_rows, &mut [In(ids), OutU32(&mut offsets), U64(m as u64), I32(vi)]);
-    k.launch("embedding_offsets_bwd_f32", one_block, &mut [OutU32(&mut offsets), I32(vi)]);
-    k.launch(
-        "embedding_sort_bwd_f32",
-        over_rows,
-        &mut [In(ids), InU32(&offsets), OutU32(&mut order), U64(m as u64), I32(vi)],
-    );
-    k.launch(
-        "embedding_bwd_f32",
-        cfg.unwrap_or(elem_cfg(vocab * c)),
-        &mut [In(dy), InU32(&offsets), InU32(&order), Out(dweight), U64(m as u64), I32(vi), I32(ci)],
-    );
-    (offsets, order)
-}
-
-#[test]
-fn embedding_kernels_equal_the_cpu_layer_bit_for_bit() {
-    let Some(k) = kernels_or_skip("embedding_kernels_equal_the_cpu_layer_bit_for_bit") else {
-        return;
-    };
-    let mut rng = Rng(21);
-    // (V, C, N, T): ids repeating many times over a small vocabulary; and a vocabulary of
-    // 600, over 256, so the offsets kernel's threads scan chunks of 3 counts, with rows
-    // that no token uses.
-    for (vocab, c, n, t) in [(7, 5, 3, 11), (600, 3, 4, 50)] {
-        let m = n * t;
-        let ids: Vec<f32> = (0..m).map(|_| (rng.next_u64() % vocab as u64) as f32).collect();
-        let dy = rng.vec(m * c);
-        let (mut net, params, grads) = one_layer(&[t], Box::new(Embedding::new(vocab, c).unwrap()), &mut rng);
-        let w = net.param_infos()[0].range.clone();
-        let ctx = Ctx::train(0, 0, 0, Device::Cpu(0));
-        let want_y = net.forward(Tensor::from_vec(ids.clone(), [n, t]).unwrap(), &params, &mut [], &ctx).unwrap();
-        let mut want_grads = grads.clone();
-        net.backward(Tensor::from_vec(dy.clone(), [n, t, c]).unwrap(), &params, &mut want_grads, &ctx).unwrap();
-        // The sort, from its definition: each row's offset is the tokens of the rows
-        // before it, and its tokens are listed in token order.
-        let mut want_order: Vec<u32> = (0..m as u32).collect();
-        want_order.sort_by_key(|&i| ids[i as usize] as u32);
-        let mut want_offsets = vec![0u32; vocab + 1];
-        for &id in &ids {
-            want_offsets[id as usize + 1] += 1;
-        }
-        for v in 0..vocab {
-            want_offsets[v + 1] += want_offsets[v];
-        }
-        let case = format!("(V, C, N, T) = ({vocab}, {c}, {n}, {t})");
-        for cfg in [None, Some(FEW)] {
-            let mut y = vec![f32::NAN; m * c];
-            // As Gpu::embedding_fwd: ids, weight, y, m, vocab, c.
-            k.launch(
-                "embedding_fwd_f32",
-                cfg.unwrap_or(elem_cfg(m * c)),
-                &mut [In(&ids), In(&params[w.clone()]), Out(&mut y), U64(m as u64), I32(vocab as i32), I32(c as i32)],
-            );
-            // A copy of the rows: exact.
-            assert_bits(&format!("embedding y {case} {cfg:?}"), &y, want_y.host());
-            let mut dweight = grads[w.clone()].to_vec();
-            let (offsets, order) = embedding_bwd_on_host(&k, cfg, &ids, &dy, &mut dweight, vocab, c);
-            assert_eq!(offsets, want_offsets, "offsets {case} {cfg:?}");
-            assert_eq!(order, want_order, "order {case} {cfg:?}");
-            // Each (row, column) adds its tokens' dy in token order into the gradient's
-            // value, as the CPU layer's `dweight[id] += dy` loop does: the same f32 adds.
-            assert_bits(&format!("embedding dweight {case} {cfg:?}"), &dweight, &want_grads[w.clone()]);
-        }
-    }
-
-    // Ids the host refuses (check_ids) never index the table on the device: the forward
-    // writes NaN rows for them, the backward skips them. Reference: the CPU layer on the
-    // good tokens alone, in their order.
-    let (vocab, c, m) = (7, 4, 20);
-    let mut ids: Vec<f32> = (0..m).map(|_| (rng.next_u64() % vocab as u64) as f32).collect();
-    let bad = [(0, 7.0), (5, -1.0), (9, 2.5), (12, f32::NAN), (13, 1e30), (19, f32::NEG_INFINITY)];
-    for &(i, v) in &bad {
-        ids[i] = v;
-    }
-    let good: Vec<usize> = (0..m).filter(|i| bad.iter().all(|&(b, _)| b != *i)).collect();
-    let dy = rng.vec(m * c);
-    let (mut net, params, grads) = one_layer(&[good.len()], Box::new(Embedding::new(vocab, c).unwrap()), &mut rng);
-    let w = net.param_infos()[0].range.clone();
-    let ctx = Ctx::train(0, 0, 0, Device::Cpu(0));
-    let good_ids: Vec<f32> = good.iter().map(|&i| ids[i]).collect();
-    let good_dy: Vec<f32> = good.iter().flat_map(|&i| dy[i * c..(i + 1) * c].to_vec()).collect();
-    let y_good = net.forward(Tensor::from_vec(good_ids, [1, good.len()]).unwrap(), &params, &mut [], &ctx).unwrap();
-    let mut want_grads = grads.clone();
-    net.backward(Tensor::from_vec(good_dy, [1, good.len(), c]).unwrap(), &params, &mut want_grads, &ctx).unwrap();
-    let mut want_y = vec![f32::NAN; m * c];
-    for (j, &i) in good.iter().enumerate() {
-        want_y[i * c..(i + 1) * c].copy_from_slice(&y_good.host()[j * c..(j + 1) * c]);
-    }
-    let mut y = vec![0.0; m * c];
-    k.launch(
-        "embedding_fwd_f32",
-        elem_cfg(m * c),
-        &mut [In(&ids), In(&params[w.clone()]), Out(&mut y), U64(m as u64), I32(vocab as i32), I32(c as i32)],
-    );
-    let canonical = |v: &[f32]| v.iter().map(|&x| if x.is_nan() { f32::NAN } else { x }).collect::<Vec<_>>();
-    assert_bits("embedding y with bad ids", &canonical(&y), &want_y);
-    let mut dweight = grads[w.clone()].to_vec();
-    let (offsets, _) = embedding_bwd_on_host(&k, None, &ids, &dy, &mut dweight, vocab, c);
-    assert_eq!(offsets[vocab] as usize, good.len(), "bad ids are counted in no row");
-    assert_bits("embedding dweight with bad ids", &dweight, &want_grads[w]);
 }
 
 #[test]
@@ -1705,28 +1259,6 @@ fn positional_embedding_kernels_equal_the_cpu_layer_bit_for_bit() {
             } else {
                 assert!(dx.iter().all(|v| v.is_nan()), "no dx written without one");
             }
-        }
-    }
-}
-
-// ---- reduce.cu -----------------------------------------------------------------------
-
-#[test]
-fn reduce_sum_adds_the_buffers_left_to_right_and_scales() {
-    let Some(k) = kernels_or_skip("reduce_sum_adds_the_buffers_left_to_right_and_scales") else {
-        return;
-    };
-    let mut rng = Rng(9);
-    let n = 1001;
-    for (kk, scale) in [(4, 0.125f32), (1, 1.0), (3, 1.0 / 3.0)] {
-        let src = rng.vec(kk * n);
-        // Bitwise: the kernel's order is buffer 0, 1, ..., K-1 in f32, then the scale.
-        let want: Vec<f32> = (0..n).map(|i| (0..kk).fold(0.0f32, |acc, r| acc + src[r * n + i]) * scale).collect();
-        for cfg in elem_cfgs(n) {
-            let mut dst = vec![f32::NAN; n];
-            // As Gpu::reduce_sum: src, dst, K (int), scale, n.
-            k.launch("reduce_sum_f32", cfg, &mut [In(&src), Out(&mut dst), I32(kk as i32), F32(scale), U64(n as u64)]);
-            assert_bits(&format!("reduce_sum K={kk} {cfg:?}"), &dst, &want);
         }
     }
 }
@@ -1829,175 +1361,6 @@ fn dropout_masks_equal_the_cpu_layer_bit_for_bit() {
     let cpu_part = cpu_dropout_at(part, f, rate, (seed, step, shard, layer), from);
     assert_bits("dropout of a later micro-batch vs nn::Dropout at its offset", &y, &cpu_part);
     assert_bits("dropout of a later micro-batch vs the whole shard's rows", &y, &want_y[from * f..(from + rows) * f]);
-}
-
-// ---- codec.cu ------------------------------------------------------------------------
-
-/// codec.cu against src/exchange/codec.rs: each kernel bit for bit on the same wires. The
-/// encode kernel's wire is the codec's; the decode kernel's values are the codec's (NaN
-/// payloads included: a block holding a NaN is unscaled, and the kernel skips the scale
-/// of 2^0 there); the reduce kernel's sum is `Codec::reduce`'s, the canonical tree over
-/// the wires — except which NaN a sum holding a NaN gives: CUDA returns its canonical NaN
-/// for arithmetic on a NaN, x86 one of the operands' (which one depending on the order a
-/// compiler gave the operands: even here, 3 of the fp16 sums' NaN codes differ in sign or
-/// payload), so there a NaN must match a NaN (bf16 turns every NaN into 0x7FC0, so it
-/// matches bit for bit anyway).
-/// Then the whole GPU exchange (encode each slot, the wires side by side, reduce, decode)
-/// against the shared-memory exchange on the same slots, on 1 and 2 members.
-#[test]
-fn codec_kernels_equal_the_codec_bit_for_bit() {
-    let Some(k) = kernels_or_skip("codec_kernels_equal_the_codec_bit_for_bit") else {
-        return;
-    };
-    let (encoded, raw) = (6 * 1024 + 300, 700);
-    let len = encoded + raw;
-    for compression in [Compression::Bf16, Compression::Fp16] {
-        let codec = Codec::new(compression, encoded).unwrap();
-        let g = WireGeom::new(&codec, len);
-        assert_eq!(g.payload(), codec.wire(0..len).bytes(), "{compression:?}: the bytes a wire carries");
-        let mut rng = Rng(40 + compression as u64);
-        for r in [1usize, 2, 3, 5] {
-            let case = format!("{compression:?}, {r} wires");
-            let CodecInputs { slots, wires: cpu_wires, stride, src } = codec_inputs(&codec, &mut rng, r, encoded, raw);
-            // Encode: all r slots in one launch (grid.y = r), slot j at j·stride, as
-            // Gpu::wire_encode pushes it: src, wires, format, encoded, raw, stride,
-            // wire bytes, exps_at, raw_at.
-            let mut wires = vec![0u8; r * g.bytes()];
-            let cfg = Cfg { grid: (g.blocks() as u32, r as u32, 1), block: (CODEC_THREADS, 1, 1) };
-            k.launch(
-                "wire_encode_f32",
-                cfg,
-                &mut [
-                    In(&src),
-                    OutU8(&mut wires),
-                    I32(g.format()),
-                    U64(encoded as u64),
-                    U64(raw as u64),
-                    U64(stride as u64),
-                    U64(g.bytes() as u64),
-                    U64(g.exps_at() as u64),
-                    U64(g.raw_at() as u64),
-                ],
-            );
-            for (j, w) in cpu_wires.iter().enumerate() {
-                let got = &wires[j * g.bytes()..(j + 1) * g.bytes()];
-                let bad = got.iter().zip(device_wire(&g, w)).position(|(a, b)| *a != b);
-                assert_eq!(bad, None, "{case}: wire {j}, first byte off the codec's");
-            }
-
-            // Reduce: the codec's own wires, side by side, as Gpu::wire_reduce pushes them:
-            // wires, out, R, format, encoded, raw, wire bytes, exps_at, raw_at.
-            let side_by_side: Vec<u8> = cpu_wires.iter().flat_map(|w| device_wire(&g, w)).collect();
-            let mut out = vec![0u8; g.bytes()];
-            let cfg = Cfg { grid: (g.blocks() as u32, 1, 1), block: (CODEC_THREADS, 1, 1) };
-            k.launch(
-                "wire_reduce_f32",
-                cfg,
-                &mut [
-                    InU8(&side_by_side),
-                    OutU8(&mut out),
-                    I32(r as i32),
-                    I32(g.format()),
-                    U64(encoded as u64),
-                    U64(raw as u64),
-                    U64(g.bytes() as u64),
-                    U64(g.exps_at() as u64),
-                    U64(g.raw_at() as u64),
-                ],
-            );
-            let mut cpu_sum = codec.wire(0..len);
-            codec.reduce(&cpu_wires.iter().collect::<Vec<_>>(), 0..len, &mut cpu_sum);
-            let (codes, exps, raw_sum) = wire_parts(&g, &out);
-            let (want_codes, want_exps, want_raw) = cpu_sum.parts();
-            assert_eq!(exps, want_exps, "{case}: the sum's block exponents");
-            let mut nans = 0;
-            for (i, (&a, &b)) in codes.iter().zip(want_codes).enumerate() {
-                if code_is_nan(compression, b) {
-                    assert!(code_is_nan(compression, a), "{case}: sum code {i} is {a:#06x}, the codec's NaN {b:#06x}");
-                    nans += 1;
-                } else {
-                    assert_eq!(a, b, "{case}: sum code {i}");
-                }
-            }
-            assert!(nans > 0, "{case}: the specials reach the sum");
-            for (i, (a, b)) in raw_sum.iter().zip(want_raw).enumerate() {
-                assert!(a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()), "{case}: raw sum {i}: {a} vs {b}");
-            }
-            if r == 5 {
-                // The order the kernel must follow shows: left to right, raw value 0 sums
-                // to 1, in the canonical tree to 1 + 2^-23 (codec_slot).
-                let sequential = (0..r).fold(0.0f32, |acc, s| acc + slots[s][encoded]);
-                assert_eq!((sequential, want_raw[0]), (1.0, 1.0 + 2f32.powi(-23)), "{case}");
-            }
-
-            // Decode: the codec's sum, as Gpu::wire_decode pushes it: wire, dst, format,
-            // encoded, raw, exps_at, raw_at.
-            let mut want = vec![0.0f32; len];
-            codec.decode(&cpu_sum, 0..len, &mut want);
-            for cfg in elem_cfgs(len) {
-                let mut dst = vec![f32::NAN; len];
-                k.launch(
-                    "wire_decode_f32",
-                    cfg,
-                    &mut [
-                        InU8(&device_wire(&g, &cpu_sum)),
-                        Out(&mut dst),
-                        I32(g.format()),
-                        U64(encoded as u64),
-                        U64(raw as u64),
-                        U64(g.exps_at() as u64),
-                        U64(g.raw_at() as u64),
-                    ],
-                );
-                assert_bits(&format!("{case}: decoded sum {cfg:?}"), &dst, &want);
-            }
-
-            // The GPU exchange's chain on the kernels' own wires, against the shared-memory
-            // exchange on the same slots (r logical replicas on 1 member, and on r
-            // members when r is 1 or 5 — any device count with R fixed reads the same
-            // sum).
-            let mut reduced = vec![0u8; g.bytes()];
-            k.launch(
-                "wire_reduce_f32",
-                cfg,
-                &mut [
-                    InU8(&wires),
-                    OutU8(&mut reduced),
-                    I32(r as i32),
-                    I32(g.format()),
-                    U64(encoded as u64),
-                    U64(raw as u64),
-                    U64(g.bytes() as u64),
-                    U64(g.exps_at() as u64),
-                    U64(g.raw_at() as u64),
-                ],
-            );
-            let mut gpu_sum = vec![f32::NAN; len];
-            k.launch(
-                "wire_decode_f32",
-                elem_cfg(len),
-                &mut [
-                    InU8(&reduced),
-                    Out(&mut gpu_sum),
-                    I32(g.format()),
-                    U64(encoded as u64),
-                    U64(raw as u64),
-                    U64(g.exps_at() as u64),
-                    U64(g.raw_at() as u64),
-                ],
-            );
-            for members in [1, r] {
-                for (member, cpu) in shm_exchange(members, codec, &slots).iter().enumerate() {
-                    for (i, (a, b)) in gpu_sum.iter().zip(cpu).enumerate() {
-                        assert!(
-                            a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()),
-                            "{case}: value {i} of the GPU chain {a} vs the CPU exchange's {b} ({members} members, member {member})"
-                        );
-                    }
-                }
-            }
-        }
-    }
 }
 
 // ---- batchnorm.cu: synchronized BatchNorm ----------------------------------------------
@@ -2253,106 +1616,6 @@ fn layernorm_kernels_equal_the_cpu_layer_bit_for_bit() {
             );
             assert_bits(&what(&format!("dweight {cfg_partial:?}")), &dw, &want_dw);
             assert_bits(&what(&format!("dbias {cfg_partial:?}")), &db, &want_db);
-        }
-    }
-}
-
-/// Causal self-attention's kernels (kernels/attention.cu) against ops::attention's CPU code:
-/// the head split and merge are permutations, equal bit for bit, each other's inverse;
-/// the causal softmax and its gradient against `causal_softmax_row` and
-/// `causal_softmax_row_bwd` within 2e-6 relative to the row's largest value (the kernel
-/// sums in a tree of 128 partial sums, the CPU in 16 lanes (`backend::simd::sum`), and
-/// the host's expf is the C library's, the CPU's `simd::exp_f32`), their masked columns
-/// exactly 0. T = 5 (one partial sum a column) and
-/// T = 200 (two columns a thread), under the one-block-a-row launch and a grid too small
-/// to cover the rows once.
-#[test]
-fn attention_kernels_match_the_cpu_layer() {
-    use lockstep::ops::attention::{causal_softmax_row, causal_softmax_row_bwd};
-    let Some(k) = kernels_or_skip("attention_kernels_match_the_cpu_layer") else {
-        return;
-    };
-    let (n, t, parts, heads, hd) = (2usize, 5usize, 3usize, 2usize, 4usize);
-    let len = parts * n * heads * t * hd;
-    let x = Rng(0xa77e).vec(len);
-    let mut want = vec![0.0f32; len];
-    for p in 0..parts {
-        for s in 0..n {
-            for h in 0..heads {
-                for i in 0..t {
-                    for d in 0..hd {
-                        want[(((p * n + s) * heads + h) * t + i) * hd + d] =
-                            x[((s * t + i) * parts + p) * heads * hd + h * hd + d];
-                    }
-                }
-            }
-        }
-    }
-    let geom = |v: usize| I32(v as i32);
-    for cfg in elem_cfgs(len) {
-        let mut y = vec![f32::NAN; len];
-        // As Gpu::attention_heads_fwd pushes them: x, y, n, t, parts, heads, hd.
-        k.launch(
-            "attention_heads_fwd_f32",
-            cfg,
-            &mut [In(&x), Out(&mut y), geom(n), geom(t), geom(parts), geom(heads), geom(hd)],
-        );
-        assert_bits("attention heads split", &y, &want);
-        let mut back = vec![f32::NAN; len];
-        // As Gpu::attention_heads_bwd: dy, dx, n, t, parts, heads, hd.
-        k.launch(
-            "attention_heads_bwd_f32",
-            cfg,
-            &mut [In(&y), Out(&mut back), geom(n), geom(t), geom(parts), geom(heads), geom(hd)],
-        );
-        assert_bits("attention heads merge of the split", &back, &x);
-    }
-    let row_cfgs = |rows: usize| {
-        [
-            Cfg { grid: (rows.min(65_535) as u32, 1, 1), block: (ATTENTION_BLOCK, 1, 1) },
-            Cfg { grid: (3, 1, 1), block: (ATTENTION_BLOCK, 1, 1) },
-        ]
-    };
-    for t in [5usize, 200] {
-        let rows = 2 * t; // two (sample, head) pairs of T positions
-        let scale = 1.0 / (hd as f32).sqrt();
-        let mut rng = Rng(0x50f7 + t as u64);
-        let s: Vec<f32> = rng.vec(rows * t).iter().map(|v| 4.0 * v).collect();
-        let dp = rng.vec(rows * t);
-        let mut want_p = s.clone();
-        for (r, row) in want_p.chunks_exact_mut(t).enumerate() {
-            causal_softmax_row(row, r % t, scale);
-        }
-        let mut want_ds = dp.clone();
-        for (r, (row, p)) in want_ds.chunks_exact_mut(t).zip(want_p.chunks_exact(t)).enumerate() {
-            causal_softmax_row_bwd(p, row, r % t, scale);
-        }
-        let close = |what: &str, got: &[f32], want: &[f32]| {
-            for (r, (g, w)) in got.chunks_exact(t).zip(want.chunks_exact(t)).enumerate() {
-                let scale = w.iter().fold(1e-30f32, |m, v| m.max(v.abs()));
-                for (j, (a, b)) in g.iter().zip(w).enumerate() {
-                    if j > r % t {
-                        assert_eq!(a.to_bits(), 0, "{what} T = {t}: row {r}, masked column {j} is {a}");
-                    } else {
-                        assert!((a - b).abs() <= 2e-6 * scale, "{what} T = {t}: row {r}, column {j}: {a} vs {b}");
-                    }
-                }
-            }
-        };
-        for cfg in row_cfgs(rows) {
-            let mut p = vec![f32::NAN; rows * t];
-            // As Gpu::attention_softmax_fwd: s, p, rows, t, scale.
-            k.launch("attention_softmax_fwd_f32", cfg, &mut [In(&s), Out(&mut p), geom(rows), geom(t), F32(scale)]);
-            close("softmax", &p, &want_p);
-            let mut ds = vec![f32::NAN; rows * t];
-            // As Gpu::attention_softmax_bwd: p, dp, ds, rows, t, scale (from the CPU's p,
-            // so that the gradient is checked alone).
-            k.launch(
-                "attention_softmax_bwd_f32",
-                cfg,
-                &mut [In(&want_p), In(&dp), Out(&mut ds), geom(rows), geom(t), F32(scale)],
-            );
-            close("softmax gradient", &ds, &want_ds);
         }
     }
 }

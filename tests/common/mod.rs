@@ -2,10 +2,10 @@
 //! host-run kernel tests (kernels_host.rs) and the 16-bit exchange tests
 //! (grad_compression.rs): the skip check for a missing GPU, the input generator, the f64
 //! comparison, and the host references that both kernel tests hold the CUDA kernels to
-//! (the bias gradient, im2col/col2im, BatchNorm with its inputs, softmax cross-entropy,
-//! the dropout mask; the 16-bit codec's inputs, wires and exchange, and the synchronized
-//! BatchNorm layer run on the CPU, which the codec and synchronized BatchNorm kernels
-//! must equal bit for bit).
+//! (the bias gradient, im2col/col2im, BatchNorm with its inputs, the dropout mask; the
+//! 16-bit codec's slots and exchange for the GPU training tests, and the synchronized
+//! BatchNorm layer run on the CPU, which the GPU exchange and the synchronized BatchNorm
+//! kernels must equal bit for bit).
 //!
 //! One copy of each, so that the kernels meet the same reference whether they run on a
 //! GPU or on the host. What only one test file needs stays in that file: the GPU and
@@ -20,8 +20,7 @@
 
 use std::io::Write;
 
-use lockstep::exchange::codec::{Codec, Compression, Wire};
-use lockstep::exchange::gpu::codec::WireGeom;
+use lockstep::exchange::codec::Codec;
 use lockstep::exchange::shm::ShmGroup;
 use lockstep::exchange::{Exchange, Wait};
 use lockstep::ops::batchnorm::RunningUpdate;
@@ -273,31 +272,6 @@ impl BnInputs {
     }
 }
 
-// ---- softmax_xent.cu -----------------------------------------------------------------
-
-/// Softmax cross-entropy per sample with label smoothing `eps` (0: none), in f64: the
-/// loss (1 - eps)·(lse(z) - z[label]) + (eps/K)·Σ_c (lse(z) - z[c]) and dlogits
-/// softmax(z) - ((1 - eps)·onehot(label) + eps/K), the row maximum subtracted before exp
-/// (PyTorch's `cross_entropy(label_smoothing=eps)`, written out).
-/// logits: (N, K); labels: (N); returns loss: (N) and dlogits: (N, K).
-pub fn softmax_xent_ref(logits: &[f32], labels: &[u32], k: usize, eps: f32) -> (Vec<f64>, Vec<f64>) {
-    let n = labels.len();
-    let eps = eps as f64;
-    let (mut want_loss, mut want_dl) = (vec![0.0; n], vec![0.0; n * k]);
-    for s in 0..n {
-        let z = f64s(&logits[s * k..(s + 1) * k]);
-        let mx = z.iter().cloned().fold(f64::MIN, f64::max);
-        let lse = z.iter().map(|v| (v - mx).exp()).sum::<f64>().ln() + mx;
-        let smooth: f64 = z.iter().map(|v| lse - v).sum();
-        want_loss[s] = (1.0 - eps) * (lse - z[labels[s] as usize]) + eps / k as f64 * smooth;
-        for j in 0..k {
-            let target = if j == labels[s] as usize { 1.0 - eps } else { 0.0 } + eps / k as f64;
-            want_dl[s * k + j] = (z[j] - lse).exp() - target;
-        }
-    }
-    (want_loss, want_dl)
-}
-
 // ---- dropout.cu ----------------------------------------------------------------------
 
 /// dropout.cu's keep decision for element `idx` of a buffer whose first element is
@@ -310,41 +284,7 @@ pub fn dropout_keep(key: DropoutKey, idx: u64, rate: f32) -> bool {
 
 // ---- codec.cu and synchronized BatchNorm: the CPU's own code as the reference ----------
 
-/// A wire of the codec in the device layout of `g` (launch.rs's WireGeom: codes at 0, the
-/// fp16 exponents after them, the raw floats on 256 bytes; padding zero).
-pub fn device_wire(g: &WireGeom, w: &Wire) -> Vec<u8> {
-    let (half, exps, raw) = w.parts();
-    let mut b = vec![0u8; g.bytes()];
-    for (i, h) in half.iter().enumerate() {
-        b[2 * i..2 * i + 2].copy_from_slice(&h.to_ne_bytes());
-    }
-    for (i, &e) in exps.iter().enumerate() {
-        b[g.exps_at() + i] = e as u8;
-    }
-    for (i, r) in raw.iter().enumerate() {
-        b[g.raw_at() + 4 * i..g.raw_at() + 4 * i + 4].copy_from_slice(&r.to_ne_bytes());
-    }
-    b
-}
-
-/// The three parts of a device wire: codes, exponents, raw values.
-pub fn wire_parts(g: &WireGeom, b: &[u8]) -> (Vec<u16>, Vec<i8>, Vec<f32>) {
-    let codes = (0..g.encoded).map(|i| u16::from_ne_bytes([b[2 * i], b[2 * i + 1]])).collect();
-    let exps = (0..g.exponents()).map(|i| b[g.exps_at() + i] as i8).collect();
-    let at = |i: usize| g.raw_at() + 4 * i;
-    let raw = (0..g.raw).map(|i| f32::from_ne_bytes(b[at(i)..at(i) + 4].try_into().unwrap())).collect();
-    (codes, exps, raw)
-}
-
-/// Whether a 16-bit code of `c` is a NaN.
-pub fn code_is_nan(c: Compression, h: u16) -> bool {
-    match c {
-        Compression::Fp16 => h & 0x7C00 == 0x7C00 && h & 0x03FF != 0,
-        _ => h & 0x7F80 == 0x7F80 && h & 0x007F != 0,
-    }
-}
-
-/// One slot of the codec test: `encoded` values in blocks of 1,024 of their own
+/// One slot of a codec check: `encoded` values in blocks of 1,024 of their own
 /// magnitude (2^-140, subnormal all through, up to 2^127, near f32's largest), specials in
 /// two of them — NaNs of either sign with quiet and signalling payloads, ±∞, ±0, f32
 /// subnormals, f32::MAX, exact bf16 ties (low half 0x8000) — then `raw` f32 values (slot
@@ -391,35 +331,6 @@ pub fn codec_slot(rng: &mut Rng, s: usize, encoded: usize, raw: usize) -> Vec<f3
     tail[11] = f32::from_bits(3 + s as u32);
     v.extend(tail);
     v
-}
-
-/// The inputs of a codec kernel check: `r` slots made by [`codec_slot`], the codec's own
-/// wire of each, and the slots packed as the GPU exchange lays them out (`src`: slot j at
-/// j·`stride`, a whole number of 64-value rows apart).
-pub struct CodecInputs {
-    pub slots: Vec<Vec<f32>>,
-    pub wires: Vec<Wire>,
-    pub stride: usize,
-    pub src: Vec<f32>,
-}
-
-pub fn codec_inputs(codec: &Codec, rng: &mut Rng, r: usize, encoded: usize, raw: usize) -> CodecInputs {
-    let len = encoded + raw;
-    let slots: Vec<Vec<f32>> = (0..r).map(|s| codec_slot(rng, s, encoded, raw)).collect();
-    let wires = slots
-        .iter()
-        .map(|v| {
-            let mut w = codec.wire(0..len);
-            codec.encode(v, &mut w, 0..len);
-            w
-        })
-        .collect();
-    let stride = len.div_ceil(64) * 64;
-    let mut src = vec![0.0f32; r * stride];
-    for (j, v) in slots.iter().enumerate() {
-        src[j * stride..j * stride + len].copy_from_slice(v);
-    }
-    CodecInputs { slots, wires, stride, src }
 }
 
 /// Every member's sum of `slots` through the shared-memory exchange with `codec`, on
