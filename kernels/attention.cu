@@ -5,9 +5,9 @@
 // gradient. Leaves every product (the projections, q·kᵀ, P·v and their gradients) to
 // cuBLAS, the dropout of the probabilities and of the output to dropout.cu (the masks
 // ops::attention draws on the CPU, bit for bit), and the order of the launches to
-// src/ops/attention/'s GPU form. The CPU reference is that file's
-// causal_softmax_row and causal_softmax_row_bwd; tests/kernels_host.rs runs these kernels
-// against it.
+// src/ops/attention/'s GPU form. The CPU reference is causal_softmax_row and
+// causal_softmax_row_bwd (src/ops/attention/cpu.rs); the host check in
+// src/ops/attention/gpu.rs runs these kernels against them.
 //
 // Shapes: N batch, T positions, H heads, D the head width, C = H*D; P parts (3 for the
 // fused q, k, v; 1 for a single tensor).

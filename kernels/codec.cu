@@ -4,8 +4,8 @@
 // Owns: encoding slots into their wires, the sum of R wires (each decoded, added in f32
 // in the canonical tree over wire indices, the sum encoded into one wire), and decoding a
 // wire back to f32. What is encoded, the formats and the tree are codec.rs's and
-// shm.rs's (`tree_sum`); this file only mirrors them, and tests/kernels_host.rs holds
-// every kernel to them bit for bit. Which wires meet where is the GPU exchange's
+// shm.rs's (`tree_sum`); this file only mirrors them, and the host check of its owner
+// (src/exchange/gpu/codec.rs) holds every kernel to them bit for bit. Which wires meet where is the GPU exchange's
 // (src/exchange/gpu/mod.rs). Not part of autograd: the names are `<op>_f32`.
 //
 // A wire, as bytes from its start (src/cuda/launch.rs's WireGeom computes the offsets):

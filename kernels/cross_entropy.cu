@@ -6,8 +6,11 @@
 // with no 1/N. With label smoothing eps (PyTorch's cross_entropy(label_smoothing=eps)) the
 // target is (1 - eps)*onehot + eps/K and the loss (1 - eps)*(lse - z[label]) +
 // (eps/K)*sum_c (lse - z[c]); eps = 0 is the plain loss, bit for bit. The same
-// expressions, in the same order, as ops::cross_entropy::CrossEntropy (the CPU reference). It is one kernel named `_fwd` because the gradient costs nothing extra
-// once the softmax is known; there is no separate `_bwd`.
+// expressions as ops::cross_entropy::cpu (the CPU reference), but for the order of the
+// row's sum (one after another here, in 16 lanes there) and the gradient's softmax
+// (exp(z - lse) here, e^(z - max) / sum there), which its host check allows. It is one
+// kernel named `_fwd` because the gradient costs nothing extra once the softmax is known;
+// there is no separate `_bwd`.
 // Numerics: log-sum-exp with the row max subtracted, in float32.
 // Ties in the argmax go to the lowest index, as in the CPU backend and torch.argmax.
 
@@ -29,9 +32,11 @@ extern "C" __global__ void softmax_xent_fwd_f32(const float* logits, const unsig
     GRID_STRIDE(s, n) {
         const float* z = logits + s * (size_t)k;
         float* dz = dlogits + s * (size_t)k;
+        // The first maximum, from -inf as the CPU's fold: a NaN logit is never the maximum,
+        // not even the first one.
         int arg = 0;
-        float mx = z[0];
-        for (int j = 1; j < k; ++j) {
+        float mx = __int_as_float((int)0xff800000);  // -inf
+        for (int j = 0; j < k; ++j) {
             if (z[j] > mx) { mx = z[j]; arg = j; }
         }
         float sum = 0.0f;

@@ -1,7 +1,7 @@
 //! The codec's wire format: 16-bit gradients on the wire (`--grad-compression bf16|fp16`),
 //! what travels and how each value is encoded and decoded. GPUs run it as kernels
 //! (kernels/codec.cu, launched from `cuda`) that mirror this file operation for
-//! operation; tests/kernels_host.rs and tests/cuda_ops.rs hold them to it bit for bit, so
+//! operation; the tests of `exchange::gpu::codec` hold them to it bit for bit, so
 //! this file stays the one definition.
 //!
 //! Owns: [`Compression`] (what travels), [`Codec`] (how a run's slot is encoded) and

@@ -356,6 +356,7 @@ pub fn make_nccl_link(found: &Path, dir: &Path) -> Result<PathBuf> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::Error;
 
     #[test]
     fn the_mapping_that_holds_an_address_names_its_file() {
@@ -380,5 +381,66 @@ mod tests {
         let addr = the_mapping_that_holds_an_address_names_its_file as fn() as usize;
         let path = mapping_path(&maps, addr).expect("the test's code is file-backed");
         assert_eq!(path, std::env::current_exe().unwrap().canonicalize().unwrap());
+    }
+
+    #[test]
+    fn without_a_driver_probes_give_one_clear_error_and_no_panic() {
+        if driver_available().is_ok() {
+            // A driver here: the probes must agree with each other instead.
+            let count = gpu_count().expect("gpu_count with a driver");
+            let gpus = gpus().expect("gpus with a driver");
+            assert_eq!(gpus.len(), count);
+            for (i, g) in gpus.iter().enumerate() {
+                assert_eq!(g.ordinal, i);
+                assert!(g.total_memory_bytes > 0 && g.compute_capability.0 >= 5, "{g:?}");
+            }
+            return;
+        }
+        let msg = "no CUDA driver found (libcuda.so.1); use --devices cpu:N";
+        assert_eq!(NO_DRIVER, msg);
+        match driver_available() {
+            Err(Error::CudaUnavailable(m)) => assert_eq!(m, msg),
+            other => panic!("expected CudaUnavailable, got {other:?}"),
+        }
+        assert_eq!(driver_available().unwrap_err().to_string(), msg, "Display is the one line");
+        assert!(matches!(gpu_count(), Err(Error::CudaUnavailable(m)) if m == msg));
+        assert!(matches!(gpus(), Err(Error::CudaUnavailable(m)) if m == msg));
+        assert!(matches!(crate::cuda::Gpu::new(0), Err(Error::CudaUnavailable(m)) if m == msg));
+    }
+
+    #[test]
+    fn nccl_status_never_panics_and_names_what_it_tried() {
+        match nccl_status() {
+            NcclStatus::Available => {}
+            NcclStatus::NeedsLink { found } => {
+                assert!(found.exists(), "{found:?}");
+                assert!(nccl_status().fix().contains("ln -sf"));
+            }
+            NcclStatus::Missing { tried } => {
+                // cudarc's own names, then the SONAME pip's wheels ship, which cudarc never tries.
+                assert!(tried.iter().any(|t| t == "libnccl.so"), "{tried:?}");
+                assert_eq!(tried.last().map(String::as_str), Some("libnccl.so.2"), "{tried:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn needs_link_says_exactly_what_to_run_and_make_nccl_link_does_it() {
+        let dir = std::env::temp_dir().join(format!("lockstep-nccl-link-{}", std::process::id()));
+        let fake = dir.join("wheel/libnccl.so.2");
+        std::fs::create_dir_all(fake.parent().unwrap()).unwrap();
+        std::fs::write(&fake, b"not really a library").unwrap();
+        let status = NcclStatus::NeedsLink { found: fake.clone() };
+        let fix = status.fix();
+        assert!(fix.contains(&format!("ln -sf {} ", fake.display())), "{fix}");
+        assert!(fix.contains("/libnccl.so && export LD_LIBRARY_PATH="), "{fix}");
+        let link_dir = dir.join("links");
+        let link = make_nccl_link(&fake, &link_dir).unwrap();
+        assert_eq!(link, link_dir.join("libnccl.so"));
+        assert_eq!(std::fs::read(&link).unwrap(), b"not really a library");
+        // Idempotent: a second call replaces the link.
+        make_nccl_link(&fake, &link_dir).unwrap();
+        assert_eq!(std::fs::read_link(&link).unwrap(), fake);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -38,7 +38,7 @@
 pub mod attention;
 pub mod batchnorm;
 #[cfg(test)]
-mod conformance;
+pub(crate) mod conformance;
 pub mod conv2d;
 pub mod cross_entropy;
 pub mod dropout;

@@ -272,3 +272,50 @@ fn metrics(loss: &[f32], correct: &[u32]) -> Metrics {
         count: loss.len() as u64,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeSet;
+    use std::path::Path;
+
+    use super::kernel_files;
+    use crate::model::LAYER_TYPES;
+
+    /// The kernel files of [`kernel_files`] that belong to no layer type, in its order,
+    /// each with the test, in the file that declares it, that runs every kernel of it on
+    /// the host against its CPU code (a layer type's file is held to its host check by the
+    /// conformance test, `ops::conformance`).
+    const OTHER_FILES: [(&str, &str); 4] = [
+        ("cross_entropy.cu", "ops::cross_entropy::gpu::tests::the_kernel_runs_on_the_host_as_the_cpu_loss"),
+        ("optim.cu", "optim::gpu::tests::the_kernels_run_on_the_host_as_the_cpu_optimizer"),
+        ("codec.cu", "exchange::gpu::codec::tests::the_kernels_run_on_the_host_as_the_codec"),
+        ("buffers.cu", "cuda::buffers::tests::the_kernels_run_on_the_host_as_their_definitions"),
+    ];
+
+    #[test]
+    fn every_kernel_file_is_a_layer_types_or_names_its_host_check() {
+        let files: Vec<&str> = kernel_files().iter().map(|f| f.name).collect();
+        let unique: BTreeSet<&str> = files.iter().copied().collect();
+        assert_eq!(unique.len(), files.len(), "a kernel file listed twice: {files:?}");
+        let of_layers: BTreeSet<&str> = LAYER_TYPES.iter().filter_map(|t| t.kernels).map(|f| f.name).collect();
+        let others: Vec<&str> = files.iter().copied().filter(|f| !of_layers.contains(f)).collect();
+        assert_eq!(others, OTHER_FILES.map(|(file, _)| file), "the kernel files of no layer type");
+        // Each named test is where its path says: in the module that declares the file, a
+        // test function of that name running on the host kernels under that name.
+        for (file, test) in OTHER_FILES {
+            let (module, name) = test.rsplit_once("::tests::").expect("a path to a test of a `tests` module");
+            let base = Path::new(env!("CARGO_MANIFEST_DIR")).join("src").join(module.replace("::", "/"));
+            let source = std::fs::read_to_string(base.with_extension("rs"))
+                .or_else(|_| std::fs::read_to_string(base.join("mod.rs")))
+                .unwrap_or_else(|e| panic!("{test}: no source for {module}: {e}"));
+            for needle in [
+                format!("\"{file}\" {{"),
+                format!("fn {name}() {{"),
+                format!("const TEST: &str = \"{name}\";"),
+                "checker_or_skip(TEST, crate::train::kernel_files)".to_string(),
+            ] {
+                assert!(source.contains(&needle), "{file}: {module} has no `{needle}`");
+            }
+        }
+    }
+}

@@ -1,40 +1,31 @@
-//! Test support shared by the GPU tests (cuda_ops.rs, cuda_train.rs, oracle.rs), the
-//! host-run kernel tests (kernels_host.rs) and the 16-bit exchange tests
-//! (grad_compression.rs): the skip check for a missing GPU, the input generator, the f64
-//! comparison, and the host references that both kernel tests hold the CUDA kernels to
-//! (softmax cross-entropy; the 16-bit codec's inputs, wires and exchange, which the codec
-//! kernels must equal bit for bit).
-//!
-//! One copy of each, so that the kernels meet the same reference whether they run on a
-//! GPU or on the host. What only one test file needs stays in that file: the GPU and
-//! host launch harnesses, the bitwise comparison, the optimiser references (cuda_ops.rs
-//! writes its own, kernels_host.rs asks the CPU optimiser). References are computed in
-//! f64 from the same f32 inputs; tolerances stay with the tests that state them.
-//!
-//! Each test file uses only part of this module (the training tests just `gpu_present`),
-//! hence the `dead_code` allowance, as usual for tests/common.
+//! Test support shared by the integration tests: the skip check for a missing GPU (through
+//! the one skip helper, src/testing/skip.rs), the input generator and the f64 comparison,
+//! the 16-bit codec's slots and its shared-memory exchange (the CPU's own code, which the
+//! GPU training tests hold the GPU exchange to), and a layer that hands a BatchNorm's
+//! input gradient over exactly. Each test file uses only part of it, hence the
+//! `dead_code` allowance, as usual for tests/common.
 
 #![allow(dead_code)]
 
-use std::io::Write;
-
-use lockstep::exchange::codec::{Codec, Compression, Wire};
-use lockstep::exchange::gpu::codec::WireGeom;
+use lockstep::exchange::codec::Codec;
 use lockstep::exchange::shm::ShmGroup;
 use lockstep::exchange::{Exchange, Wait};
 use lockstep::rng::mix64;
 
+#[path = "../../src/testing/skip.rs"]
+pub mod skip;
+
 // ---- skipping without a GPU ----------------------------------------------------------
 
-/// True where a CUDA GPU can be used; otherwise says loudly that `test` is skipped.
+/// True where a CUDA GPU can be used; otherwise the one skip helper says that `test` did
+/// not run (a failure under LOCKSTEP_REQUIRE_GPU=1).
 pub fn gpu_present(test: &str) -> bool {
     let why = match lockstep::cuda::probe::gpu_count() {
         Ok(n) if n > 0 => return true,
         Ok(_) => "no CUDA GPU".to_string(),
         Err(e) => format!("no CUDA driver ({e})"),
     };
-    // Written to the stderr handle, not eprintln!, so the harness does not swallow it.
-    let _ = writeln!(std::io::stderr(), "{test}: skipped: {why}");
+    skip::skip(test, skip::Need::Gpu, &why);
     false
 }
 
@@ -75,73 +66,10 @@ pub fn f64s(v: &[f32]) -> Vec<f64> {
 
 // Elementwise results are one or two float ops: 1e-6 relative covers f32 rounding of
 // the reference's f64 result; sums of up to a few hundred terms get 1e-5.
-pub const RTOL_ELEM: f64 = 1e-6;
-pub const ATOL_ELEM: f64 = 1e-7;
-pub const RTOL_SUM: f64 = 1e-5;
-pub const ATOL_SUM: f64 = 1e-5;
 
-// ---- softmax_xent.cu -----------------------------------------------------------------
+// ---- the 16-bit codec: the CPU's own code as the reference ------------------------
 
-/// Softmax cross-entropy per sample with label smoothing `eps` (0: none), in f64: the
-/// loss (1 - eps)·(lse(z) - z[label]) + (eps/K)·Σ_c (lse(z) - z[c]) and dlogits
-/// softmax(z) - ((1 - eps)·onehot(label) + eps/K), the row maximum subtracted before exp
-/// (PyTorch's `cross_entropy(label_smoothing=eps)`, written out).
-/// logits: (N, K); labels: (N); returns loss: (N) and dlogits: (N, K).
-pub fn softmax_xent_ref(logits: &[f32], labels: &[u32], k: usize, eps: f32) -> (Vec<f64>, Vec<f64>) {
-    let n = labels.len();
-    let eps = eps as f64;
-    let (mut want_loss, mut want_dl) = (vec![0.0; n], vec![0.0; n * k]);
-    for s in 0..n {
-        let z = f64s(&logits[s * k..(s + 1) * k]);
-        let mx = z.iter().cloned().fold(f64::MIN, f64::max);
-        let lse = z.iter().map(|v| (v - mx).exp()).sum::<f64>().ln() + mx;
-        let smooth: f64 = z.iter().map(|v| lse - v).sum();
-        want_loss[s] = (1.0 - eps) * (lse - z[labels[s] as usize]) + eps / k as f64 * smooth;
-        for j in 0..k {
-            let target = if j == labels[s] as usize { 1.0 - eps } else { 0.0 } + eps / k as f64;
-            want_dl[s * k + j] = (z[j] - lse).exp() - target;
-        }
-    }
-    (want_loss, want_dl)
-}
-
-// ---- codec.cu: the CPU's own code as the reference -----------------------------------
-
-/// A wire of the codec in the device layout of `g` (launch.rs's WireGeom: codes at 0, the
-/// fp16 exponents after them, the raw floats on 256 bytes; padding zero).
-pub fn device_wire(g: &WireGeom, w: &Wire) -> Vec<u8> {
-    let (half, exps, raw) = w.parts();
-    let mut b = vec![0u8; g.bytes()];
-    for (i, h) in half.iter().enumerate() {
-        b[2 * i..2 * i + 2].copy_from_slice(&h.to_ne_bytes());
-    }
-    for (i, &e) in exps.iter().enumerate() {
-        b[g.exps_at() + i] = e as u8;
-    }
-    for (i, r) in raw.iter().enumerate() {
-        b[g.raw_at() + 4 * i..g.raw_at() + 4 * i + 4].copy_from_slice(&r.to_ne_bytes());
-    }
-    b
-}
-
-/// The three parts of a device wire: codes, exponents, raw values.
-pub fn wire_parts(g: &WireGeom, b: &[u8]) -> (Vec<u16>, Vec<i8>, Vec<f32>) {
-    let codes = (0..g.encoded).map(|i| u16::from_ne_bytes([b[2 * i], b[2 * i + 1]])).collect();
-    let exps = (0..g.exponents()).map(|i| b[g.exps_at() + i] as i8).collect();
-    let at = |i: usize| g.raw_at() + 4 * i;
-    let raw = (0..g.raw).map(|i| f32::from_ne_bytes(b[at(i)..at(i) + 4].try_into().unwrap())).collect();
-    (codes, exps, raw)
-}
-
-/// Whether a 16-bit code of `c` is a NaN.
-pub fn code_is_nan(c: Compression, h: u16) -> bool {
-    match c {
-        Compression::Fp16 => h & 0x7C00 == 0x7C00 && h & 0x03FF != 0,
-        _ => h & 0x7F80 == 0x7F80 && h & 0x007F != 0,
-    }
-}
-
-/// One slot of the codec test: `encoded` values in blocks of 1,024 of their own
+/// One slot of a codec check: `encoded` values in blocks of 1,024 of their own
 /// magnitude (2^-140, subnormal all through, up to 2^127, near f32's largest), specials in
 /// two of them — NaNs of either sign with quiet and signalling payloads, ±∞, ±0, f32
 /// subnormals, f32::MAX, exact bf16 ties (low half 0x8000) — then `raw` f32 values (slot
@@ -190,35 +118,6 @@ pub fn codec_slot(rng: &mut Rng, s: usize, encoded: usize, raw: usize) -> Vec<f3
     v
 }
 
-/// The inputs of a codec kernel check: `r` slots made by [`codec_slot`], the codec's own
-/// wire of each, and the slots packed as the GPU exchange lays them out (`src`: slot j at
-/// j·`stride`, a whole number of 64-value rows apart).
-pub struct CodecInputs {
-    pub slots: Vec<Vec<f32>>,
-    pub wires: Vec<Wire>,
-    pub stride: usize,
-    pub src: Vec<f32>,
-}
-
-pub fn codec_inputs(codec: &Codec, rng: &mut Rng, r: usize, encoded: usize, raw: usize) -> CodecInputs {
-    let len = encoded + raw;
-    let slots: Vec<Vec<f32>> = (0..r).map(|s| codec_slot(rng, s, encoded, raw)).collect();
-    let wires = slots
-        .iter()
-        .map(|v| {
-            let mut w = codec.wire(0..len);
-            codec.encode(v, &mut w, 0..len);
-            w
-        })
-        .collect();
-    let stride = len.div_ceil(64) * 64;
-    let mut src = vec![0.0f32; r * stride];
-    for (j, v) in slots.iter().enumerate() {
-        src[j * stride..j * stride + len].copy_from_slice(v);
-    }
-    CodecInputs { slots, wires, stride, src }
-}
-
 /// Every member's sum of `slots` through the shared-memory exchange with `codec`, on
 /// `members` members (each running its share of the logical replicas).
 pub fn shm_exchange(members: usize, codec: Codec, slots: &[Vec<f32>]) -> Vec<Vec<f32>> {
@@ -247,4 +146,66 @@ pub fn shm_exchange(members: usize, codec: Codec, slots: &[Vec<f32>]) -> Vec<Vec
             .collect();
         hs.into_iter().map(|h| h.join().unwrap()).collect()
     })
+}
+
+/// A layer that adds its parameter (−0.0, the exact identity of addition) to its input
+/// and whose gradient is dout: in front of a BatchNorm it makes the BatchNorm compute
+/// its input gradient (a Sequential's first trained layer skips it) and hands it over
+/// exactly (−0.0 + d = d).
+#[derive(Clone)]
+pub struct InputProbe {
+    pub numel: usize,
+}
+
+impl lockstep::nn::Layer for InputProbe {
+    fn kind(&self) -> &'static str {
+        "probe"
+    }
+
+    fn output_shape(&self, input: &lockstep::Shape) -> lockstep::Result<lockstep::Shape> {
+        Ok(input.clone())
+    }
+
+    fn params(&self) -> Vec<lockstep::nn::ParamSpec> {
+        vec![lockstep::nn::ParamSpec {
+            name: "x".into(),
+            shape: lockstep::Shape::new([self.numel]),
+            init: lockstep::nn::Init::Zeros,
+        }]
+    }
+
+    fn forward(
+        &mut self,
+        mut x: lockstep::Tensor,
+        params: lockstep::nn::Params<'_>,
+        _: lockstep::nn::ParamsMut<'_>,
+        _: &lockstep::nn::Ctx,
+    ) -> lockstep::Result<lockstep::Tensor> {
+        for (v, p) in x.host_mut().iter_mut().zip(params.get(0)) {
+            *v += p;
+        }
+        Ok(x)
+    }
+
+    fn backward(
+        &mut self,
+        dout: lockstep::Tensor,
+        _: lockstep::nn::Params<'_>,
+        mut dparams: lockstep::nn::ParamsMut<'_>,
+        _: lockstep::nn::InputGrad,
+        _: &lockstep::nn::Ctx,
+    ) -> lockstep::Result<Option<lockstep::Tensor>> {
+        for (g, d) in dparams.get(0).iter_mut().zip(dout.host()) {
+            *g += d;
+        }
+        Ok(None)
+    }
+
+    fn boxed_clone(&self) -> Box<dyn lockstep::nn::Layer> {
+        Box::new(self.clone())
+    }
+
+    fn describe(&self) -> String {
+        format!("InputProbe({})", self.numel)
+    }
 }

@@ -41,7 +41,13 @@ fn every_declared_kernel_is_in_its_file_with_the_kernels_parameter_names() {
                 .iter()
                 .flat_map(|&(name, kind)| if kind == Kind::Geom { GEOM_PARAMS.to_vec() } else { vec![name] })
                 .collect();
-            assert_eq!(names, in_source[&k.name()], "{}: declared names (left) vs {}'s (right)", k.describe(), file.name);
+            assert_eq!(
+                names,
+                in_source[&k.name()],
+                "{}: declared names (left) vs {}'s (right)",
+                k.describe(),
+                file.name
+            );
         }
     }
 }

@@ -426,3 +426,105 @@ impl GpuLayer for AttentionGpu {
         })
     }
 }
+
+// ---- on the host ------------------------------------------------------------------------
+
+/// The kernels of kernels/attention.cu run on the host against the CPU's [`super::cpu`]:
+/// the head split and merge are permutations (PyTorch's split, `view(N, T, H, D)` and
+/// `transpose(1, 2)`, written out below: the CPU reads the heads in place, through strided
+/// views, and has no split of its own), equal bit for bit and each other's inverse; the
+/// causal softmax and its gradient against `causal_softmax_row` and
+/// `causal_softmax_row_bwd` within 2e-6 relative to the row's largest value (the kernel
+/// sums in a tree of 128 partial sums, the CPU in 16 lanes (`backend::simd::sum`), and the
+/// host's expf is the C library's, the CPU's `simd::exp_f32`), their masked columns
+/// exactly +0. T = 5 (one partial sum a column) and T = 200 (two columns a thread), under
+/// the one-block-a-row launch and a grid too small to cover the rows once; and a row whose
+/// live scores are all −∞, NaN on both (the CPU's max is −∞, and −∞ − (−∞) is NaN).
+#[cfg(test)]
+pub(crate) fn host_check(k: &crate::cuda::host::Checker) {
+    use crate::cuda::host::{elem_cfgs, Cfg, In, Out, F32, I32};
+    use crate::testing::{assert_bits, uniform};
+    let (n, t, parts, heads, hd) = (2usize, 5usize, 3usize, 2usize, 4usize);
+    let len = parts * n * heads * t * hd;
+    let x = uniform(1, len);
+    let mut want = vec![0.0f32; len];
+    for p in 0..parts {
+        for s in 0..n {
+            for h in 0..heads {
+                for i in 0..t {
+                    for d in 0..hd {
+                        want[(((p * n + s) * heads + h) * t + i) * hd + d] =
+                            x[((s * t + i) * parts + p) * heads * hd + h * hd + d];
+                    }
+                }
+            }
+        }
+    }
+    let geom = |v: usize| I32(v as i32);
+    for cfg in elem_cfgs(len) {
+        let mut y = vec![f32::NAN; len];
+        // As Gpu::attention_heads_fwd pushes them: x, y, n, t, parts, heads, hd.
+        k.launch(
+            &attention_heads::FWD,
+            cfg,
+            &mut [In(&x), Out(&mut y), geom(n), geom(t), geom(parts), geom(heads), geom(hd)],
+        );
+        assert_bits("attention heads split", &y, &want);
+        let mut back = vec![f32::NAN; len];
+        // As Gpu::attention_heads_bwd: dy, dx, n, t, parts, heads, hd.
+        k.launch(
+            &attention_heads::BWD,
+            cfg,
+            &mut [In(&y), Out(&mut back), geom(n), geom(t), geom(parts), geom(heads), geom(hd)],
+        );
+        assert_bits("attention heads merge of the split", &back, &x);
+    }
+
+    let row_cfgs = |rows: usize| [Cfg::from(row_cfg(rows)), Cfg { grid: (3, 1, 1), block: (ATTENTION_BLOCK, 1, 1) }];
+    for t in [5usize, 200] {
+        let rows = 2 * t; // two (sample, head) pairs of T positions
+        let scale = attention_scale(hd);
+        let mut s: Vec<f32> = uniform(2 + t as u64, rows * t).iter().map(|v| 4.0 * v).collect();
+        // Row t + 2 (position 2 of the second pair): every live score −∞.
+        s[(t + 2) * t..(t + 2) * t + 3].fill(f32::NEG_INFINITY);
+        let dp = uniform(3 + t as u64, rows * t);
+        let mut want_p = s.clone();
+        for (r, row) in want_p.chunks_exact_mut(t).enumerate() {
+            super::cpu::causal_softmax_row(row, r % t, scale);
+        }
+        let mut want_ds = dp.clone();
+        for (r, (row, p)) in want_ds.chunks_exact_mut(t).zip(want_p.chunks_exact(t)).enumerate() {
+            super::cpu::causal_softmax_row_bwd(p, row, r % t, scale);
+        }
+        let close = |what: &str, got: &[f32], want: &[f32]| {
+            for (r, (g, w)) in got.chunks_exact(t).zip(want.chunks_exact(t)).enumerate() {
+                let scale = w.iter().fold(1e-30f32, |m, v| m.max(v.abs()));
+                for (j, (a, b)) in g.iter().zip(w).enumerate() {
+                    if j > r % t {
+                        assert_eq!(a.to_bits(), 0, "{what} T = {t}: row {r}, masked column {j} is {a}");
+                    } else if b.is_nan() {
+                        assert!(a.is_nan(), "{what} T = {t}: row {r}, column {j}: {a} where the CPU has NaN");
+                    } else {
+                        assert!((a - b).abs() <= 2e-6 * scale, "{what} T = {t}: row {r}, column {j}: {a} vs {b}");
+                    }
+                }
+            }
+        };
+        assert!(want_p[(t + 2) * t].is_nan(), "the CPU's row of −∞ scores");
+        for cfg in row_cfgs(rows) {
+            let mut p = vec![f32::NAN; rows * t];
+            // As Gpu::attention_softmax_fwd: s, p, rows, t, scale.
+            k.launch(&attention_softmax::FWD, cfg, &mut [In(&s), Out(&mut p), geom(rows), geom(t), F32(scale)]);
+            close("softmax", &p, &want_p);
+            let mut ds = vec![f32::NAN; rows * t];
+            // As Gpu::attention_softmax_bwd: p, dp, ds, rows, t, scale (from the CPU's p,
+            // so that the gradient is checked alone).
+            k.launch(
+                &attention_softmax::BWD,
+                cfg,
+                &mut [In(&want_p), In(&dp), Out(&mut ds), geom(rows), geom(t), F32(scale)],
+            );
+            close("softmax gradient", &ds, &want_ds);
+        }
+    }
+}

@@ -8,14 +8,15 @@
 //! logits (N, T, K) carry a label per position: each position is a row, so the loss is
 //! summed over every token of the shard and the trainer divides by the global batch's
 //! token count (`train::step`), the mean over tokens PyTorch's `cross_entropy` takes.
-//! The exponentials and each row's sum are `backend::simd`'s (within 2 ulp, 16 at a
-//! time; the sum in its fixed order of 16 lanes). kernels/cross_entropy.cu computes the same expressions with the
-//! GPU's `expf` (tests/kernels_host.rs holds the two within 1e-5).
+//! The arithmetic is [`cpu`]'s (each row's loss, gradient and hit, in one pass);
+//! kernels/cross_entropy.cu computes the same expressions with the GPU's `expf` ([`gpu`]'s
+//! host check holds the two within 1e-5). Here: the metrics, the labels' check, the
+//! shapes.
 
+pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod gpu;
 
-use crate::backend::simd;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
@@ -112,13 +113,6 @@ impl CrossEntropy {
         Ok(CrossEntropy { label_smoothing })
     }
 
-    /// The target probability of the label's class and of every other class, for K
-    /// classes: ((1 − ε) + ε/K, ε/K); (1, 0) exactly for ε = 0.
-    fn targets(&self, k: usize) -> (f32, f32) {
-        let off = self.label_smoothing / k as f32;
-        ((1.0 - self.label_smoothing) + off, off)
-    }
-
     /// Metrics and the gradient of the SUMMED loss. logits: (N, K) → dlogits: (N, K)
     pub fn with_grad(&self, logits: &Tensor, labels: &[u32]) -> Result<(Metrics, Tensor)> {
         let mut d = vec![0.0f32; logits.numel()];
@@ -133,51 +127,16 @@ impl CrossEntropy {
 
     /// Loss, accuracy and, when `dlogits` is given, softmax − target written into it.
     /// logits: (N, K); labels: (N) with values < K; dlogits: (N·K)
-    fn run(&self, logits: &Tensor, labels: &[u32], mut dlogits: Option<&mut [f32]>) -> Result<Metrics> {
+    fn run(&self, logits: &Tensor, labels: &[u32], dlogits: Option<&mut [f32]>) -> Result<Metrics> {
         let (n, k) = check(logits, labels)?;
-        let eps = self.label_smoothing;
-        let (on, off) = self.targets(k);
-        let mut m = Metrics { count: n as u64, ..Metrics::default() };
-        // Each row's e^(z − max): in its gradient's row when there is one, else here.
-        let mut scratch = if dlogits.is_some() { Vec::new() } else { vec![0.0f32; k] };
-        for (i, (row, &y)) in logits.host().chunks_exact(k).zip(labels).enumerate() {
-            let (arg, max) = row.iter().enumerate().fold(
-                (0, f32::NEG_INFINITY),
-                |(a, mx), (j, &v)| {
-                    if v > mx {
-                        (j, v)
-                    } else {
-                        (a, mx)
-                    }
-                },
-            );
-            let exps = match dlogits.as_deref_mut() {
-                Some(d) => &mut d[i * k..(i + 1) * k],
-                None => &mut scratch[..],
-            };
-            exps.copy_from_slice(row);
-            simd::exp_shifted(exps, max);
-            let sum = simd::sum(exps);
-            let lse = max + sum.ln();
-            let nll = lse - row[y as usize];
-            let loss = match eps == 0.0 {
-                true => nll,
-                false => {
-                    // Σ_c −log p_c, class by class.
-                    let smooth: f32 = row.iter().map(|&v| lse - v).sum();
-                    (1.0 - eps) * nll + smooth * off
-                }
-            };
-            m.loss_sum += loss as f64;
-            m.correct += u64::from(arg == y as usize);
-            if let Some(d) = dlogits.as_deref_mut() {
-                let inv = 1.0 / sum;
-                for (j, dv) in d[i * k..(i + 1) * k].iter_mut().enumerate() {
-                    *dv = *dv * inv - if j == y as usize { on } else { off };
-                }
-            }
-        }
-        Ok(m)
+        let (mut loss, mut correct) = (vec![0.0f32; n], vec![0u32; n]);
+        cpu::softmax_xent_forward(logits.host(), labels, k, self.label_smoothing, &mut loss, &mut correct, dlogits);
+        // The losses summed in f64 row after row, from +0.
+        Ok(Metrics {
+            loss_sum: loss.iter().fold(0.0, |sum, &l| sum + l as f64),
+            correct: correct.iter().map(|&c| u64::from(c)).sum(),
+            count: n as u64,
+        })
     }
 }
 

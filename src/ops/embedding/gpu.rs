@@ -173,3 +173,125 @@ impl GpuLayer for EmbeddingGpu {
         gpu.embedding_bwd(x, &dy, &mut grads.slice_mut(node.params[0].clone()), offsets, order, self.vocab, self.width)
     }
 }
+
+// ---- on the host ------------------------------------------------------------------------
+
+/// As `Gpu::embedding_bwd` runs its four kernels, on `cfg` (None: the launch's own shapes;
+/// the offsets kernel on its one block always): the counting sort's offsets (V + 1) and
+/// order (m), and dweight accumulated.
+#[cfg(test)]
+fn embedding_bwd_on_host(
+    k: &crate::cuda::host::Checker,
+    cfg: Option<crate::cuda::host::Cfg>,
+    ids: &[f32],
+    dy: &[f32],
+    dweight: &mut [f32],
+    vocab: usize,
+    c: usize,
+) -> (Vec<u32>, Vec<u32>) {
+    use crate::cuda::host::{elem_cfg, Cfg, In, InU32, Out, OutU32, I32, U64};
+    let m = ids.len();
+    let (mut offsets, mut order) = (vec![u32::MAX; vocab + 1], vec![u32::MAX; m]);
+    let (vi, ci) = (vocab as i32, c as i32);
+    let one_block = Cfg { grid: (1, 1, 1), block: (REDUCE_BLOCK, 1, 1) };
+    // As Gpu::embedding_bwd pushes them: ids, offsets, m, vocab; offsets, vocab; ids,
+    // offsets, order, m, vocab; dy, offsets, order, dweight, m, vocab, c.
+    let over_rows = cfg.unwrap_or(elem_cfg(vocab));
+    k.launch(&embedding_count::BWD, over_rows, &mut [In(ids), OutU32(&mut offsets), U64(m as u64), I32(vi)]);
+    k.launch(&embedding_offsets::BWD, one_block, &mut [OutU32(&mut offsets), I32(vi)]);
+    k.launch(
+        &embedding_sort::BWD,
+        over_rows,
+        &mut [In(ids), InU32(&offsets), OutU32(&mut order), U64(m as u64), I32(vi)],
+    );
+    k.launch(
+        &embedding::BWD,
+        cfg.unwrap_or(elem_cfg(vocab * c)),
+        &mut [In(dy), InU32(&offsets), InU32(&order), Out(dweight), U64(m as u64), I32(vi), I32(ci)],
+    );
+    (offsets, order)
+}
+
+/// The kernels of kernels/embedding.cu run on the host against the CPU's [`super::cpu`],
+/// bit for bit: the forward is a copy of rows, and each (row, column) of the backward adds
+/// its tokens' dy in token order into the gradient's value, the CPU's very f32 additions.
+/// The counting sort against its definition (each row's offset is the tokens of the rows
+/// before it, its tokens listed in token order). Ids repeating many times over a small
+/// vocabulary, and a vocabulary of 600, over the offsets kernel's 256 threads, so that they
+/// scan chunks of 3 counts, with rows no token uses; under the launches' own shapes and a
+/// grid too small to cover the data. Then ids the host refuses (`super::check_ids`), which
+/// never index the table on the device: the forward writes NaN rows for them, the backward
+/// skips them (the CPU on the good tokens alone, in their order, is the reference).
+#[cfg(test)]
+pub(crate) fn host_check(k: &crate::cuda::host::Checker) {
+    use crate::cuda::host::{elem_cfg, In, Out, FEW, I32, U64};
+    use crate::testing::{assert_bits, uniform};
+    let mut g = crate::rng::SplitMix64::new(21);
+    for (vocab, c, m) in [(7usize, 5usize, 33usize), (600, 3, 200)] {
+        let ids: Vec<f32> = (0..m).map(|_| (g.next_u64() % vocab as u64) as f32).collect();
+        let rows: Vec<u32> = ids.iter().map(|&id| id as u32).collect();
+        let (weight, dy, dweight0) = (uniform(vocab as u64, vocab * c), uniform(2, m * c), uniform(3, vocab * c));
+        let mut want_y = vec![f32::NAN; m * c];
+        super::cpu::embedding_forward(&ids, &weight, c, &mut want_y);
+        let mut want_dweight = dweight0.clone();
+        super::cpu::embedding_backward(&rows, &dy, c, &mut want_dweight);
+        let mut want_order: Vec<u32> = (0..m as u32).collect();
+        want_order.sort_by_key(|&i| rows[i as usize]);
+        let mut want_offsets = vec![0u32; vocab + 1];
+        for &r in &rows {
+            want_offsets[r as usize + 1] += 1;
+        }
+        for v in 0..vocab {
+            want_offsets[v + 1] += want_offsets[v];
+        }
+        let case = format!("(V, C, m) = ({vocab}, {c}, {m})");
+        for cfg in [None, Some(FEW)] {
+            let mut y = vec![f32::NAN; m * c];
+            // As Gpu::embedding_fwd pushes them: ids, weight, y, m, vocab, c.
+            k.launch(
+                &embedding::FWD,
+                cfg.unwrap_or(elem_cfg(m * c)),
+                &mut [In(&ids), In(&weight), Out(&mut y), U64(m as u64), I32(vocab as i32), I32(c as i32)],
+            );
+            assert_bits(&format!("embedding y {case} {cfg:?}"), &y, &want_y);
+            let mut dweight = dweight0.clone();
+            let (offsets, order) = embedding_bwd_on_host(k, cfg, &ids, &dy, &mut dweight, vocab, c);
+            assert_eq!(offsets, want_offsets, "offsets {case} {cfg:?}");
+            assert_eq!(order, want_order, "order {case} {cfg:?}");
+            assert_bits(&format!("embedding dweight {case} {cfg:?}"), &dweight, &want_dweight);
+        }
+    }
+
+    let (vocab, c, m) = (7, 4, 20);
+    let mut ids: Vec<f32> = (0..m).map(|_| (g.next_u64() % vocab as u64) as f32).collect();
+    let bad = [(0, 7.0), (5, -1.0), (9, 2.5), (12, f32::NAN), (13, 1e30), (19, f32::NEG_INFINITY)];
+    for &(i, v) in &bad {
+        ids[i] = v;
+    }
+    assert!(super::check_ids(&ids, m, vocab).is_err(), "the host refuses them");
+    let good: Vec<usize> = (0..m).filter(|i| bad.iter().all(|&(b, _)| b != *i)).collect();
+    let (weight, dy, dweight0) = (uniform(4, vocab * c), uniform(5, m * c), uniform(6, vocab * c));
+    let good_ids: Vec<f32> = good.iter().map(|&i| ids[i]).collect();
+    let good_rows: Vec<u32> = good_ids.iter().map(|&id| id as u32).collect();
+    let good_dy: Vec<f32> = good.iter().flat_map(|&i| dy[i * c..(i + 1) * c].to_vec()).collect();
+    let mut y_good = vec![0.0; good.len() * c];
+    super::cpu::embedding_forward(&good_ids, &weight, c, &mut y_good);
+    // A refused id's row is the kernel's NaN, CUDA's canonical quiet one.
+    let mut want_y = vec![f32::from_bits(0x7FC0_0000); m * c];
+    for (j, &i) in good.iter().enumerate() {
+        want_y[i * c..(i + 1) * c].copy_from_slice(&y_good[j * c..(j + 1) * c]);
+    }
+    let mut want_dweight = dweight0.clone();
+    super::cpu::embedding_backward(&good_rows, &good_dy, c, &mut want_dweight);
+    let mut y = vec![0.0; m * c];
+    k.launch(
+        &embedding::FWD,
+        elem_cfg(m * c),
+        &mut [In(&ids), In(&weight), Out(&mut y), U64(m as u64), I32(vocab as i32), I32(c as i32)],
+    );
+    assert_bits("embedding y with bad ids", &y, &want_y);
+    let mut dweight = dweight0;
+    let (offsets, _) = embedding_bwd_on_host(k, None, &ids, &dy, &mut dweight, vocab, c);
+    assert_eq!(offsets[vocab] as usize, good.len(), "bad ids are counted in no row");
+    assert_bits("embedding dweight with bad ids", &dweight, &want_dweight);
+}

@@ -1,8 +1,9 @@
 //! The token embedding, PyTorch's `nn.Embedding(V, C)` (nanoGPT's `wte`): token ids in,
-//! the rows of a learned table out. Its forward and backward, the check of the ids
-//! ([`check_ids`], which the data loaders and the GPU replica's staging call too), its
-//! spec entry (`embedding`), its spec form, what it keeps for backward and, at the end of
-//! the file, its GPU form (kernels/embedding.cu: a gather, and a deterministic backward).
+//! the rows of a learned table out. The layer: the check of the ids ([`check_ids`], which
+//! the data loaders and the GPU replica's staging call too), its spec entry (`embedding`),
+//! its spec form and what it keeps for backward, built on its CPU forward and backward
+//! ([`cpu`]); its GPU form is [`gpu`] (kernels/embedding.cu: a gather, and a deterministic
+//! backward).
 //!
 //! Leaves to others: the positional table (`ops::positional`), weight tying with the LM
 //! head (the model's), and where the ids come from (the text data).
@@ -23,6 +24,7 @@
 //!   ([`InputGrad::Needed`]: a trained layer before it) it is an error, as the gradient
 //!   would stop there silently.
 
+pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod gpu;
 
@@ -143,7 +145,7 @@ impl Embedding {
         conformance: crate::ops::spec::Conformance {
             input: crate::ops::spec::TestInput::Ids { vocab: 16 },
             #[cfg(feature = "cuda")]
-            host: None,
+            host: Some(gpu::host_check),
         },
     };
 }
@@ -193,12 +195,8 @@ impl Layer for Embedding {
         let out_shape = self.output_shape(x.shape())?;
         let (ids, t, c) = (x.host(), x.shape().dims()[1], self.width);
         check_ids(ids, t, self.vocab)?;
-        let w = params.get(0);
-        let mut y = Vec::with_capacity(ids.len() * c);
-        for &id in ids {
-            let r = id as usize;
-            y.extend_from_slice(&w[r * c..(r + 1) * c]);
-        }
+        let mut y = vec![0.0; ids.len() * c];
+        cpu::embedding_forward(ids, params.get(0), c, &mut y);
         self.ids = (ctx.mode == Mode::Train).then(|| ids.iter().map(|&id| id as u32).collect());
         Tensor::from_vec_on(y, out_shape, x.device())
     }
@@ -226,13 +224,7 @@ impl Layer for Embedding {
                 format!("dout {} for {} cached tokens of width {c}", dout.shape(), ids.len()),
             ));
         }
-        let dw = dparams.get(0);
-        for (&id, d) in ids.iter().zip(dout.host().chunks_exact(c)) {
-            let r = id as usize;
-            for (g, v) in dw[r * c..(r + 1) * c].iter_mut().zip(d) {
-                *g += v;
-            }
-        }
+        cpu::embedding_backward(&ids, dout.host(), c, dparams.get(0));
         Ok(None)
     }
 

@@ -1,0 +1,324 @@
+//! Causal self-attention on the CPU: the arithmetic of one sample's forward and backward
+//! ([`attention_forward`], [`attention_backward`]: the products on the CPU backend's GEMM,
+//! on the calling thread), the causal softmax row by row and its gradient (the reference
+//! kernels/attention.cu is held to), the dropout factors of both streams, and the
+//! projections' parameter gradients over the whole batch ([`projection_backward`]). The
+//! layer in `mod.rs` owns the rest: the buffers kept from the forward for the backward,
+//! the masks' keys from the context, the samples' parallel loop, shapes and memory.
+//!
+//! Shapes (the module's legend): T positions, C width, H heads, D = C/H; one sample's x
+//! and y are (T, C), its qkv (T, 3C), its probabilities (H, T, T).
+
+use crate::backend::cpu::{gemm, gemm_with, Accumulate, Mat, Threads};
+use crate::backend::simd;
+use crate::rng::{hash64, unit_f32};
+
+/// The attention scale 1/√D, rounded once from f64 (PyTorch's `1 / math.sqrt(D)`).
+pub fn attention_scale(head_width: usize) -> f32 {
+    (1.0 / (head_width as f64).sqrt()) as f32
+}
+
+/// Row `i` of the causal softmax, in place: the scores s (T) become
+/// p_j = exp(scale·s_j − m) / Σ_{k ≤ i} exp(scale·s_k − m) for j ≤ i, m = max_{j ≤ i} scale·s_j,
+/// and p_j = 0 for j > i (the mask's −∞). The exponentials, the max and the sum are
+/// `backend::simd`'s (within 2 ulp; the sum in its fixed order of 16 lanes, a function
+/// of i alone); the division is a multiplication by 1/Σ. The CPU reference of
+/// kernels/attention.cu's forward.
+///
+/// The passes run over the live values and the masked ones up to the next whole vector
+/// of `simd::LANES`, those set to −∞ first (so to 0 after the exponential), instead of
+/// ending each pass in a scalar remainder of up to 15 values (rows average T/2 long):
+/// with the backward's like change, the softmax's share of a GPT step (perf) went from
+/// 3.7% to 2.8%. The bits are those of the live values alone: −∞ moves no max, and
+/// adding +0 to a lane of the sum (value j's lane is j mod LANES either way) leaves it
+/// as it was (the tests hold both to the passes over j ≤ i alone).
+pub fn causal_softmax_row(row: &mut [f32], i: usize, scale: f32) {
+    let end = whole_lanes(i + 1, row.len());
+    let passes = &mut row[..end];
+    passes[i + 1..].fill(f32::NEG_INFINITY);
+    let max = simd::scale_max(passes, scale);
+    simd::exp_shifted(passes, max);
+    let inv = 1.0 / simd::sum(passes);
+    for v in passes.iter_mut() {
+        *v *= inv;
+    }
+    row[i + 1..].fill(0.0);
+}
+
+/// The values a pass over the first `live` of a row of `len` covers: `live` rounded up to
+/// a whole number of `simd::LANES`, at most `len`.
+fn whole_lanes(live: usize, len: usize) -> usize {
+    live.next_multiple_of(simd::LANES).min(len)
+}
+
+/// The gradient of row `i` of [`causal_softmax_row`] by its scores, in place: dp (T), the
+/// gradient by the probabilities p (T), becomes
+/// ds_j = scale·p_j·(dp_j − Σ_{k ≤ i} dp_k·p_k) for j ≤ i, 0 for j > i. The sum is
+/// `backend::simd::dot`'s. The CPU reference of kernels/attention.cu's backward.
+///
+/// As the forward, the passes run to the next whole vector, dp zeroed past i first: each
+/// such term of the sum is 0·0 = +0, which leaves the live values' bits.
+pub fn causal_softmax_row_bwd(p: &[f32], dp: &mut [f32], i: usize, scale: f32) {
+    let passes = whole_lanes(i + 1, dp.len());
+    dp[i + 1..passes].fill(0.0);
+    let dot = simd::dot(&dp[..passes], p);
+    for (d, q) in dp[..passes].iter_mut().zip(p) {
+        *d = scale * (q * (*d - dot));
+    }
+    // Past i that gave scale·(0·(0 − dot)), a zero of either sign: the mask's is +0.
+    dp[i + 1..].fill(0.0);
+}
+
+/// The dropout factor of element `idx` of stream `key`: 0, or `keep` = 1/(1 − rate), as
+/// `nn::Dropout` and kernels/dropout.cu draw it.
+#[inline]
+fn drop_factor(key: u64, idx: u64, rate: f32, keep: f32) -> f32 {
+    if unit_f32(hash64(key, idx)) >= rate {
+        keep
+    } else {
+        0.0
+    }
+}
+
+/// The dropout of one training pass: its rate, the survivors' factor, both streams' keys
+/// and the pass's first sample within its logical replica's shard.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Drops {
+    pub(super) rate: f32,
+    pub(super) keep: f32,
+    pub(super) attn: u64,
+    pub(super) resid: u64,
+    pub(super) first: usize,
+}
+
+/// What every sample of one pass shares: the shapes, the parameters, the masks.
+pub(crate) struct Job<'a> {
+    pub(super) t: usize,
+    pub(super) c: usize,
+    pub(super) heads: usize,
+    pub(super) hd: usize,
+    pub(super) scale: f32,
+    /// c_attn.weight (3C, C) and c_proj.weight (C, C), as the backward multiplies by them.
+    pub(super) w_attn: &'a [f32],
+    pub(super) w_proj: &'a [f32],
+    /// Their transposes, (C, 3C) and (C, C), as the forward multiplies by them (empty in
+    /// a backward): the CPU GEMM runs a per-sample product some 1.5 times faster with its
+    /// right-hand side stored by rows than as the transposed view of the weight.
+    pub(super) wt_attn: &'a [f32],
+    pub(super) wt_proj: &'a [f32],
+    pub(super) b_attn: Option<&'a [f32]>,
+    pub(super) b_proj: Option<&'a [f32]>,
+    pub(super) drops: Option<Drops>,
+}
+
+/// One sample's forward buffers: qkv (T, 3C), P (H, T, T), merged (T, C), and P' (T, T)
+/// when dropping.
+pub(crate) struct SampleFwd<'s> {
+    pub(super) qkv: &'s mut [f32],
+    pub(super) probs: &'s mut [f32],
+    pub(super) merged: &'s mut [f32],
+    pub(super) dropped: &'s mut [f32],
+}
+
+impl Job<'_> {
+    /// Head `h`'s probabilities as `y_h = P'·v_h` reads them: P itself without dropout,
+    /// else P' = P ⊙ mask written to `dropped` (T, T). Only j ≤ i is drawn: the rest of
+    /// P is 0, and 0 times either factor is 0.
+    pub(super) fn dropped_probs<'p>(&self, s: usize, h: usize, p: &'p [f32], dropped: &'p mut [f32]) -> &'p [f32] {
+        let Some(d) = self.drops else { return p };
+        let t = self.t;
+        let first = (((d.first + s) * self.heads + h) * t * t) as u64;
+        for (i, (out, row)) in dropped.chunks_exact_mut(t).zip(p.chunks_exact(t)).enumerate() {
+            for j in 0..=i {
+                let idx = first + (i * t + j) as u64;
+                out[j] = row[j] * drop_factor(d.attn, idx, d.rate, d.keep);
+            }
+            out[i + 1..].fill(0.0);
+        }
+        dropped
+    }
+}
+
+/// One sample's forward (the module docs of `ops::attention`, p = 0 or not): sample `s`
+/// of the pass (its index in the batch, which places its dropout masks).
+/// x: (T, C) → y: (T, C), WRITTEN, y holding b_proj in every row on entry when there is
+/// one; `b`'s qkv (T, 3C), P (H, T, T) and merged (T, C) written (the backward reads
+/// them), P' (T, T) too when dropping.
+pub(crate) fn attention_forward(job: &Job<'_>, s: usize, x: &[f32], y: &mut [f32], b: SampleFwd<'_>) {
+    let (t, c, hd) = (job.t, job.c, job.hd);
+    let SampleFwd { qkv, probs, merged, dropped } = b;
+    // qkv (T, 3C) = x·W_attnᵀ + b_attn
+    let acc = fill_rows(qkv, job.b_attn, 3 * c);
+    gemm_with(Mat::rows(x, t, c), Mat::rows(job.wt_attn, c, 3 * c), qkv, 3 * c, acc, Threads::Caller);
+    for (h, p) in probs.chunks_exact_mut(t * t).enumerate() {
+        let q = cols(qkv, t, 3 * c, h * hd, hd);
+        let k = cols(qkv, t, 3 * c, c + h * hd, hd);
+        let v = cols(qkv, t, 3 * c, 2 * c + h * hd, hd);
+        // S (T, T) = q_h·k_hᵀ, then P = causal softmax(S/√D) row by row
+        gemm_with(q, k.t(), p, t, Accumulate::Overwrite, Threads::Caller);
+        for (i, row) in p.chunks_exact_mut(t).enumerate() {
+            causal_softmax_row(row, i, job.scale);
+        }
+        // y_h (T, D) = P'·v_h, into columns h·D.. of merged (T, C)
+        let pd = job.dropped_probs(s, h, p, dropped);
+        gemm_with(Mat::rows(pd, t, t), v, &mut merged[h * hd..], c, Accumulate::Overwrite, Threads::Caller);
+    }
+    // y (T, C) = dropout(merged·W_projᵀ + b_proj), y holding b_proj already
+    let acc = if job.b_proj.is_some() { Accumulate::Add } else { Accumulate::Overwrite };
+    gemm_with(Mat::rows(merged, t, c), Mat::rows(job.wt_proj, c, c), y, c, acc, Threads::Caller);
+    if let Some(d) = job.drops {
+        let first = ((d.first + s) * t * c) as u64;
+        for (i, v) in y.iter_mut().enumerate() {
+            *v *= drop_factor(d.resid, first + i as u64, d.rate, d.keep);
+        }
+    }
+}
+
+/// One sample's backward, sample `s` of the pass. dz: (T, C), the gradient by c_proj's
+/// output, dropout's adjoint applied to it here in place (the parameter gradients read it
+/// after: [`projection_backward`]); saved: its forward's qkv (T, 3C) and P (H, T, T).
+/// WRITES dqkv (T, 3C), dmerged (T, C) and, when given, dx (T, C); dp (T, T) and dropped
+/// (T, T, with dropout) are scratch.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn attention_backward(
+    job: &Job<'_>,
+    s: usize,
+    dz: &mut [f32],
+    saved: (&[f32], &[f32]),
+    dqkv: &mut [f32],
+    dmerged: &mut [f32],
+    dp: &mut [f32],
+    dropped: &mut [f32],
+    dx: Option<&mut [f32]>,
+) {
+    let (t, c, hd) = (job.t, job.c, job.hd);
+    let (qkv, probs) = saved;
+    if let Some(d) = job.drops {
+        let first = ((d.first + s) * t * c) as u64;
+        for (i, v) in dz.iter_mut().enumerate() {
+            *v *= drop_factor(d.resid, first + i as u64, d.rate, d.keep);
+        }
+    }
+    // dmerged (T, C) = dz·W_proj
+    gemm_with(Mat::rows(dz, t, c), Mat::rows(job.w_proj, c, c), dmerged, c, Accumulate::Overwrite, Threads::Caller);
+    for (h, p) in probs.chunks_exact(t * t).enumerate() {
+        let q = cols(qkv, t, 3 * c, h * hd, hd);
+        let k = cols(qkv, t, 3 * c, c + h * hd, hd);
+        let v = cols(qkv, t, 3 * c, 2 * c + h * hd, hd);
+        let dy = cols(dmerged, t, c, h * hd, hd);
+        // dv_h (T, D) = P'ᵀ·dy_h
+        let pd = job.dropped_probs(s, h, p, dropped);
+        let dv = &mut dqkv[2 * c + h * hd..];
+        gemm_with(Mat::rows(pd, t, t).t(), dy, dv, 3 * c, Accumulate::Overwrite, Threads::Caller);
+        // dP' (T, T) = dy_h·v_hᵀ, dP = dropout'(dP'), dS = softmax'(dP)
+        gemm_with(dy, v.t(), dp, t, Accumulate::Overwrite, Threads::Caller);
+        if let Some(d) = job.drops {
+            let first = (((d.first + s) * job.heads + h) * t * t) as u64;
+            for (i, row) in dp.chunks_exact_mut(t).enumerate() {
+                for (j, g) in row[..=i].iter_mut().enumerate() {
+                    *g *= drop_factor(d.attn, first + (i * t + j) as u64, d.rate, d.keep);
+                }
+            }
+        }
+        for (i, (drow, prow)) in dp.chunks_exact_mut(t).zip(p.chunks_exact(t)).enumerate() {
+            causal_softmax_row_bwd(prow, drow, i, job.scale);
+        }
+        // dq_h (T, D) = dS·k_h, dk_h (T, D) = dSᵀ·q_h
+        let ds = Mat::rows(dp, t, t);
+        gemm_with(ds, k, &mut dqkv[h * hd..], 3 * c, Accumulate::Overwrite, Threads::Caller);
+        gemm_with(ds.t(), q, &mut dqkv[c + h * hd..], 3 * c, Accumulate::Overwrite, Threads::Caller);
+    }
+    if let Some(dx) = dx {
+        // dx (T, C) = dqkv·W_attn
+        let w = Mat::rows(job.w_attn, 3 * c, c);
+        gemm_with(Mat::rows(dqkv, t, 3 * c), w, dx, c, Accumulate::Overwrite, Threads::Caller);
+    }
+}
+
+/// The parameter gradients of a projection y = x·Wᵀ + b over `rows` rows of `inputs`
+/// values to `outputs`, as `Linear`'s: one GEMM over all the rows (split over output
+/// blocks only, never over the rows) and the bias summed row after row, so their order is
+/// a function of the shape alone. dy: (rows, outputs), x: (rows, inputs); dweight:
+/// (outputs, inputs) and dbias: (outputs) ACCUMULATED (+=).
+pub(crate) fn projection_backward(
+    dy: &[f32],
+    x: &[f32],
+    (rows, inputs, outputs): (usize, usize, usize),
+    dweight: &mut [f32],
+    dbias: Option<&mut [f32]>,
+) {
+    gemm(Mat::rows(dy, rows, outputs).t(), Mat::rows(x, rows, inputs), dweight, inputs, Accumulate::Add);
+    if let Some(db) = dbias {
+        add_rows(db, dy, outputs);
+    }
+}
+
+/// Columns `col..col + width` of a row-major matrix of `rows` rows, row stride `rs`.
+fn cols(data: &[f32], rows: usize, rs: usize, col: usize, width: usize) -> Mat<'_> {
+    Mat { data: &data[col..], rows, cols: width, rs, cs: 1 }
+}
+
+/// Fills each row of `y` (rows of `width`) with the bias; says how GEMM must then treat `y`.
+fn fill_rows(y: &mut [f32], bias: Option<&[f32]>, width: usize) -> Accumulate {
+    match bias {
+        Some(b) => {
+            for row in y.chunks_exact_mut(width) {
+                row.copy_from_slice(b);
+            }
+            Accumulate::Add
+        }
+        None => Accumulate::Overwrite,
+    }
+}
+
+/// Adds the rows of `d` (rows of `width`) into `db`, row after row.
+fn add_rows(db: &mut [f32], d: &[f32], width: usize) {
+    for row in d.chunks_exact(width) {
+        for (g, v) in db.iter_mut().zip(row) {
+            *g += v;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    use crate::rng::SplitMix64;
+
+    #[test]
+    fn the_softmaxes_whole_vector_passes_give_the_bits_of_passes_over_the_live_values() {
+        // The reference: the same `simd` passes over j ≤ i alone, the masked values never
+        // read. Rows shorter than a vector, of one, across two and four; every i; scores
+        // and gradients below, at and above the masked values' magnitudes.
+        let mut g = SplitMix64::new(11);
+        let scale = attention_scale(32);
+        for t in [5, 16, 20, 40, 64] {
+            for i in 0..t {
+                let scores: Vec<f32> = (0..t).map(|_| (g.next_f32() - 0.5) * 40.0).collect();
+                let mut want = scores.clone();
+                let live = &mut want[..=i];
+                let max = simd::scale_max(live, scale);
+                simd::exp_shifted(live, max);
+                let inv = 1.0 / simd::sum(live);
+                live.iter_mut().for_each(|v| *v *= inv);
+                want[i + 1..].fill(0.0);
+                let mut got = scores;
+                causal_softmax_row(&mut got, i, scale);
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&got), bits(&want), "forward, T {t}, row {i}");
+
+                let dp: Vec<f32> = (0..t).map(|_| (g.next_f32() - 0.5) * 3.0).collect();
+                let mut want_d = dp.clone();
+                let dot = simd::dot(&want_d[..=i], &want);
+                for (d, q) in want_d[..=i].iter_mut().zip(&want) {
+                    *d = scale * (q * (*d - dot));
+                }
+                want_d[i + 1..].fill(0.0);
+                let mut got_d = dp;
+                causal_softmax_row_bwd(&want, &mut got_d, i, scale);
+                assert_eq!(bits(&got_d), bits(&want_d), "backward, T {t}, row {i}");
+            }
+        }
+    }
+}
