@@ -290,12 +290,14 @@ impl Graph {
         let mut queue = VecDeque::new();
         for (root, krate) in [("lib.rs", Crate::Lib), ("main.rs", Crate::Bin)] {
             if files.contains_key(root) {
-                queue.push_back((root.to_string(), krate, Vec::<String>::new(), None::<usize>));
+                queue.push_back((root.to_string(), krate, Vec::<String>::new(), None::<usize>, false));
             }
         }
-        while let Some((file, krate, path, parent)) = queue.pop_front() {
+        while let Some((file, krate, path, parent, test_only)) = queue.pop_front() {
             let stripped = strip(&files[&file]);
-            let text = drop_test_items(&stripped);
+            // A module declared under `#[cfg(test)]` is test code through and through: its
+            // file, and the files it declares, name what they like.
+            let text = if test_only { " ".repeat(stripped.len()) } else { drop_test_items(&stripped) };
             let me = modules.len();
             if let Some(p) = parent {
                 modules[p].children.insert(path.last().unwrap().clone(), me);
@@ -316,7 +318,9 @@ impl Graph {
                     });
                 let mut child_path = path.clone();
                 child_path.push(name);
-                queue.push_back((child, krate, child_path, Some(me)));
+                // Blanked by drop_test_items: the declaration is a test item.
+                let declared_for_tests = test_only || text[c.get(4).unwrap().range()].trim().is_empty();
+                queue.push_back((child, krate, child_path, Some(me), declared_for_tests));
             }
             let defines = item.captures_iter(&text).map(|c| c[2].to_string()).collect();
             modules.push(Module {

@@ -33,6 +33,9 @@ use super::declare::{Kernel, KernelFile};
 use super::launch;
 use crate::testing::skip::{skip, Need};
 
+// A test module of a test-only module: `cfg(test)` says so to the architecture test
+// (tests/architecture.rs), which leaves test code out of the import graph.
+#[cfg(test)]
 mod declarations;
 
 /// The header that makes the kernels host C++ (its own opening says how).

@@ -117,6 +117,7 @@ mod tests {
     /// once to float32. Made by scripts/torch_silu.py, whose output this is:
     /// // torch 2.15.0+cu132
     #[rustfmt::skip]
+    #[allow(clippy::excessive_precision)] // the values as the script prints them, f32's in f64 digits
     const TORCH: &[(f32, f32, f32, f32, f32)] = &[
         (0.0, 0.0, 0.5, 0.0, 0.5),
         (0.0010000000474974513, 0.000500250025652349, 0.500499963760376, 0.000500250025652349, 0.5005000233650208),
