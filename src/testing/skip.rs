@@ -26,6 +26,9 @@ pub enum Need {
     Tool,
     /// Data a package installs (Debian's Fashion-MNIST, fortunes).
     Data,
+    /// A processor of the kind that printed what a page shows: the last digits of a loss
+    /// differ between vector widths (tests/guide.rs compares them only on the page's).
+    Processor,
 }
 
 impl Need {
@@ -34,6 +37,7 @@ impl Need {
             Need::Gpu => "gpu",
             Need::Tool => "tool",
             Need::Data => "data",
+            Need::Processor => "processor",
         }
     }
 }
