@@ -2,12 +2,13 @@
 # build-gpu-check.sh — run HERE (a machine with Rust): builds the release binary and the
 # CUDA test executables and copies them into .gpu/ (git-ignored), which the device tool
 # carries to the GPU machine, where scripts/gpu-check.sh runs them. Both machines are
-# x86-64 Linux; the GPU machine has no Rust toolchain. The test executables are
-# kernels_nvrtc, oracle (as oracle_tests, with the cases in .gpu/oracle), data_parallel
-# (its equivalence tests take cuda:0 and cuda:0,0 where a GPU is present), label_smoothing
-# (its PyTorch training cases likewise, reading .gpu/oracle too) and every
-# tests/cuda_*.rs (cuda_ops, cuda_collectives, cuda_train, ...: a new one is picked up by
-# its file name). The Python scripts gpu-check.sh runs (scripts/torch_convnet.py,
+# x86-64 Linux; the GPU machine has no Rust toolchain. The test executables are the
+# library's own tests (as lib_tests: the conformance test's GPU half, every op's GPU
+# tests beside its code, the optimiser's, the codec's and the buffers'), kernels_nvrtc,
+# oracle (as oracle_tests, with the cases in .gpu/oracle), data_parallel (its equivalence
+# tests take cuda:0 and cuda:0,0 where a GPU is present), label_smoothing (its PyTorch
+# training cases likewise, reading .gpu/oracle too) and every tests/cuda_*.rs
+# (cuda_collectives, cuda_train, ...: a new one is picked up by its file name). The Python scripts gpu-check.sh runs (scripts/torch_convnet.py,
 # scripts/compare_losses.py, scripts/bench_tables.py) travel with the working tree.
 #
 # glibc: a binary linked here asks for the symbol versions of THIS machine's glibc (2.36
@@ -55,7 +56,7 @@ rm -rf .gpu
 mkdir -p .gpu
 "${build[@]}" --release "${target_args[@]}" --bin lockstep
 cp "$target_dir/lockstep" .gpu/
-tests=(--test kernels_nvrtc --test oracle --test data_parallel --test label_smoothing)
+tests=(--lib --test kernels_nvrtc --test oracle --test data_parallel --test label_smoothing)
 shopt -s nullglob
 for f in tests/cuda_*.rs; do
     tests+=(--test "$(basename "$f" .rs)")
@@ -72,9 +73,10 @@ for line in sys.stdin:
     m = json.loads(line)
     if m.get("reason") == "compiler-message" and m["message"].get("level") == "error":
         print(m["message"].get("rendered") or m["message"].get("message"), file=sys.stderr)
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["test"]:
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["profile"]["test"]:
         name = m["target"]["name"]
         name = "oracle_tests" if name == "oracle" else name  # .gpu/oracle holds the cases
+        name = "lib_tests" if m["target"]["kind"] == ["lib"] else name
         shutil.copy(m["executable"], ".gpu/" + name)
         print(".gpu/" + name)
 '

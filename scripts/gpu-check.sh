@@ -9,10 +9,13 @@
 # It finds CUDA 13's NVRTC and NCCL in the site-packages of the machine's python3
 # (PyTorch's wheels), makes the libnccl.so link cudarc needs (the wheels ship only
 # libnccl.so.2), then runs, each section under `timeout` and counted PASS or FAIL:
-#   1. the devices; every kernel compiled with NVRTC for the GPU (kernels_nvrtc); every
-#      CUDA test executable in .gpu/ (cuda_ops: every kernel against the CPU reference;
-#      cuda_collectives, cuda_train, ...: whatever tests/cuda_*.rs build-gpu-check.sh found;
-#      the oracle cases, data_parallel and label_smoothing with their GPU variants);
+#   1. the devices; every kernel compiled with NVRTC for the GPU (kernels_nvrtc); the
+#      library's GPU tests (lib_tests: every layer type on the GPU against the CPU, every
+#      op's kernels against its CPU code, the optimiser's, the codec's, the buffers');
+#      every CUDA test executable in .gpu/ (cuda_collectives, cuda_train, ...: whatever
+#      tests/cuda_*.rs build-gpu-check.sh found; the oracle cases, data_parallel and
+#      label_smoothing with their GPU variants). LOCKSTEP_REQUIRE_GPU=1 is set for all of
+#      them: a test that would skip for want of a GPU fails instead.
 #   2. the CPU all-reduce on the machine's cores (bench allreduce --devices cpu:4);
 #   3. `lockstep train` (the default: convnet, digits, 15 epochs, seed 0) on cpu:1 and on
 #      cuda:0 (1 logical replica each), compared step by step by scripts/compare_losses.py
@@ -73,6 +76,8 @@ if [[ -n "$nccl" ]]; then
 fi
 export LD_LIBRARY_PATH="$linkdir${libs}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export PYTHONUNBUFFERED=1
+# Here a GPU must be found: the one skip helper turns a skip for want of one into a failure.
+export LOCKSTEP_REQUIRE_GPU=1
 
 results=()  # one line per section: verdict, title, seconds
 figures=()  # one line per figure
@@ -179,40 +184,30 @@ echo "== LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
 # --- 1. devices, kernels, CUDA tests ----------------------------------------------------
 section "lockstep devices" 30 .gpu/lockstep devices
 section "kernels compile (NVRTC): kernels_nvrtc" 90 .gpu/kernels_nvrtc --test-threads 1
+# The library's tests of GPU code: every test whose path names a GPU or CUDA module (the
+# host-run kernel checks among them, which need no GPU).
+section "the library's GPU tests: lib_tests" 150 .gpu/lib_tests --test-threads 1 gpu cuda
 for t in .gpu/cuda_*; do
     [[ -x $t ]] || continue
-    if section "CUDA tests: $(basename "$t")" 120 "$t" --test-threads 1 --nocapture &&
-        grep -q 'skipped: no CUDA' "$work/last.out"; then
-        # Without a driver each GPU test passes with "skipped: ..."; here that is a failure.
-        record "CUDA tests: $(basename "$t") ran on a GPU" "FAIL (tests skipped: no CUDA driver seen)" 0
-    fi
+    section "CUDA tests: $(basename "$t")" 120 "$t" --test-threads 1 --nocapture
 done
 
 if [[ -x .gpu/oracle_tests ]]; then
     # The PyTorch reference cases on cuda:0 and on two replicas sharing it.
-    if section "PyTorch reference cases on the GPU: oracle" 120 \
-        env LOCKSTEP_ORACLE_DIR=.gpu/oracle .gpu/oracle_tests --test-threads 1 --nocapture gpu &&
-        grep -q 'skipped: no CUDA' "$work/last.out"; then
-        record "PyTorch reference cases ran on a GPU" "FAIL (tests skipped: no CUDA driver seen)" 0
-    fi
+    section "PyTorch reference cases on the GPU: oracle" 120 \
+        env LOCKSTEP_ORACLE_DIR=.gpu/oracle .gpu/oracle_tests --test-threads 1 --nocapture gpu
 fi
 
 if [[ -x .gpu/data_parallel ]]; then
     # The data-parallel contract's equivalence tests, their GPU variants included.
-    if section "data-parallel contract on CPU devices and GPUs: data_parallel" 120 \
-        .gpu/data_parallel --test-threads 2 --nocapture &&
-        grep -q 'GPU variants): skipped' "$work/last.out"; then
-        record "data-parallel GPU variants ran" "FAIL (skipped: no CUDA driver seen)" 0
-    fi
+    section "data-parallel contract on CPU devices and GPUs: data_parallel" 120 \
+        .gpu/data_parallel --test-threads 2 --nocapture
 fi
 
 if [[ -x .gpu/label_smoothing ]]; then
     # Label smoothing against PyTorch (the loss kernel's eps) on CPU devices, cuda:0 and cuda:0,0.
-    if section "label smoothing against PyTorch on CPU devices and GPUs: label_smoothing" 120 \
-        env LOCKSTEP_ORACLE_DIR=.gpu/oracle .gpu/label_smoothing --test-threads 1 --nocapture &&
-        grep -q 'GPU variants): skipped' "$work/last.out"; then
-        record "label smoothing GPU variants ran" "FAIL (skipped: no CUDA driver seen)" 0
-    fi
+    section "label smoothing against PyTorch on CPU devices and GPUs: label_smoothing" 120 \
+        env LOCKSTEP_ORACLE_DIR=.gpu/oracle .gpu/label_smoothing --test-threads 1 --nocapture
 fi
 
 # --- 2. CPU all-reduce ------------------------------------------------------------------
