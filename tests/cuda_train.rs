@@ -477,7 +477,7 @@ fn sgd_config(steps: u64, batch: usize, replicas: usize) -> TrainConfig {
 
 /// Synchronized BatchNorm on GPUs. (1) cuda:0,0 against cpu:2, R = 2 each: the GPU's
 /// statistics are the CPU layer's arithmetic on the GPU's activations (bit for bit on
-/// equal activations: tests/kernels_host.rs, tests/cuda_ops.rs), which differ by the
+/// equal activations: the host checks and GPU tests of src/ops/batchnorm/gpu.rs), which differ by the
 /// convolutions' rounding only: the tolerances of a_gpu_trains_like_the_cpu (losses 1e-3,
 /// weights and running statistics 2e-3 after 30 Adam steps). (2) cuda:0,0 against one
 /// replica with the whole batch (cuda:0, R = 1): the same statistics merged in another

@@ -8,14 +8,15 @@
 //! - a typed `unsafe fn` per kernel, whose Rust parameters come from the declared kinds
 //!   and which pushes them in the declared order, so the compiler checks every call
 //!   site's order and types against the declaration; and
-//! - a [`Kernel`] entry per kernel (file, name, parameter letters), gathered into the
-//!   table of kernel files that NVRTC compiles and that tests/kernels_host.rs holds to
-//!   each compiled kernel's C++ signature, so a declaration that disagrees with its
-//!   `.cu` fails a test on a machine without a GPU.
+//! - a [`Kernel`] entry per kernel (file, name, parameter letters), gathered into its
+//!   file's [`KernelFile`], which NVRTC compiles and the host-run tests hold to each
+//!   compiled kernel's C++ signature (`cuda::host`), so a declaration that disagrees with
+//!   its `.cu` fails a test on a machine without a GPU.
 //!
-//! The declarations themselves are in [`super::kernels`]; the checked wrappers that call
-//! the typed launches (lengths first) are [`super::launch`]'s. This file imports nothing
-//! of the crate but its `Result`, so every other part of `cuda` may build on it.
+//! The declarations themselves live with their owners (an op's `gpu.rs`, the optimiser's,
+//! the codec's, [`super::buffers`]), beside the checked wrappers that call the typed
+//! launches (lengths first). This file imports nothing of the crate but its `Result`, so
+//! every other part of `cuda` may build on it.
 
 use cudarc::driver::{CudaFunction, CudaStream};
 
@@ -41,7 +42,7 @@ pub fn kernel_name(op: &str, dir: Dir, dtype: &str) -> String {
 }
 
 /// What one declared parameter is: the Rust type its launch takes and the C++ type of
-/// the kernel's parameter, as tests/kernels_host/cuda_host.h's `type_code` letters it.
+/// the kernel's parameter, as src/cuda/host/cuda_host.h's `type_code` letters it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Kind {
     /// `&CudaView<f32>` → `const float*` (r).
@@ -254,8 +255,8 @@ macro_rules! kernel {
             let mut b = gpu.stream().launch_builder(&f);
             $($crate::cuda::declare::push_arg!(b, $kind, $param);)*
             // SAFETY: the arguments are pushed in the declared order with the declared
-            // types (tests/kernels_host.rs holds the declaration to the kernel's C++
-            // signature); the caller guarantees the rest (# Safety above).
+            // types (the host-run tests hold the declaration to the kernel's C++ signature:
+            // cuda::host); the caller guarantees the rest (# Safety above).
             unsafe { b.launch(cfg) }?;
             Ok(())
         }

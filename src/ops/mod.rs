@@ -1,39 +1,29 @@
-//! Layers, the Sequential container, parameters and their names.
+//! The ops, one folder each, and the contract every op keeps: the [`Layer`] trait (a
+//! layer's forward and backward, its shape, its tensors, its memory account, its spec and
+//! GPU forms), the context it runs in ([`Ctx`]), the views of its tensors ([`Params`],
+//! [`ParamsMut`]), its spec entry ([`spec::LayerType`]) and its GPU form's contract
+//! ([`gpu`]).
 //!
-//! A layer owns its hyper-parameters and the activations it caches between forward and
-//! backward, and nothing else: its parameters, their gradients and its buffers
-//! (BatchNorm running statistics) live in flat `Vec<f32>`s owned by the replica
-//! ([`ParamStore`]), laid out by [`Sequential`]. Flat storage is what makes the rest
-//! cheap: the all-reduce moves one buffer, the optimiser is one elementwise loop, the
-//! replica check hashes one slice, and safetensors I/O maps names to ranges.
+//! A layer owns its hyper-parameters and what it keeps between forward and backward, and
+//! nothing else: its parameters, their gradients and its buffers (BatchNorm's running
+//! statistics) live in flat `Vec<f32>`s owned by the replica (`model::ParamStore`), laid
+//! out by the model. Flat storage is what makes the rest cheap: the all-reduce moves one
+//! buffer, the optimiser is one elementwise loop, the replica check hashes one slice, and
+//! safetensors I/O maps names to ranges.
 //!
 //! # The gradient contract
-//! `backward` ACCUMULATES (`+=`) into parameter gradients; it never overwrites them.
-//! The trainer zeroes a gradient buffer once per logical replica and step, so a shard's
-//! gradient is the sum over its samples of the per-sample loss gradients.
+//! `backward` ACCUMULATES (`+=`) into parameter gradients; it never overwrites them, and
+//! WRITES its input gradient. The trainer zeroes a gradient buffer once per logical
+//! replica and step, so a shard's gradient is the sum over its samples of the per-sample
+//! loss gradients.
 //!
-//! # An op is one unit
-//! Each layer type's module holds everything about it: its forward and backward side by
-//! side (the CPU reference), its output shape, its memory account ([`Layer::memory`]:
-//! what it keeps from forward to backward and its workspace), its spec entry (`SPEC`, a
-//! [`LayerType`]: the `type` name, the fields with their defaults and the error for each
-//! bad one, an example, the build against the running shape), its spec form
-//! ([`Layer::spec`], the object that builds it again) and, at the end of the file, its
-//! GPU form ([`Layer::gpu`], a [`gpu::GpuLayer`]: its launches of the kernels it
-//! declares in `cuda::declare` and what it keeps on the device), which the GPU network
-//! ([`gpu_net`]) dispatches through: nothing outside the module names the op.
-//!
-//! # Adding a layer type
-//! Write the module (the layer, its `impl Layer` with `spec`, `memory` and `gpu`, its
-//! `SPEC`, its GPU form), its kernel file in `kernels/` with its kernels declared in
-//! `cuda::declare`, and add `<Layer>::SPEC` to [`LAYER_TYPES`], the one list of layer
-//! types: the spec format's parse dispatch, the type names in its errors, its docs-table
-//! test and the GPU test over every layer type (tests/cuda_layers.rs) all read it.
-//! Forgetting a piece fails a test on any machine: `crate::spec`'s table test builds every
-//! entry's example and requires each built layer to write itself back as a spec that
-//! builds the same layers, to state its memory and to have a GPU form; the docs' tables
-//! must list the entry; tests/kernels_host.rs holds every declared kernel's argument list
-//! to its C++ signature and runs it on the host against the CPU reference.
+//! # One op, one folder
+//! `<op>/mod.rs` is the layer, `<op>/cpu.rs` its forward and backward as plain functions
+//! (the reference), `<op>/gpu.rs` its kernels' declaration, checked launches, GPU form and
+//! host check; its CUDA source is `kernels/<op>.cu`. What an op owes, and how adding one
+//! goes, is the architecture chapter's (docs/architecture.md, "Ops: one folder each"); the
+//! conformance test ([`conformance`], test builds only) holds every entry of
+//! `model::LAYER_TYPES` to all of it.
 
 pub mod attention;
 pub mod batchnorm;
