@@ -6,9 +6,10 @@
 //! within the epoch, optimiser step count), the epoch's running training metrics (so
 //! that a resumed epoch reports all of its steps), the best held-out epoch so far (for
 //! early stopping and `save_best`), the run's configuration (compared on resume), the
-//! caller's stored settings (not compared: the CLI's flags, so that `--resume DIR` alone
-//! continues the run), and a checksum of every byte of all that. Nothing else is needed: every random number of a run is a function
-//! of (seed, epoch, step, logical replica), so the shuffle order, the dropout masks and
+//! caller's record of how the run is configured (one JSON value, not compared: the
+//! command line's, so that `--resume DIR` alone continues the run), and a checksum of
+//! every byte of all that. Nothing else is needed: every random number of a run is a
+//! function of (seed, epoch, step, logical replica), so the shuffle order, the dropout masks and
 //! the learning-rate schedule follow from the position. A run resumed from a checkpoint
 //! therefore ends with bitwise the weights of the run that was never interrupted, also
 //! on another number of devices as long as the logical replicas are the same (they are
@@ -80,9 +81,23 @@ pub struct CheckpointPolicy {
     pub keep: usize,
     /// The run's configuration, compared field by field on resume.
     pub config: BTreeMap<String, String>,
-    /// Settings stored with every checkpoint and handed back by [`read_stored`], never
-    /// compared (the CLI keeps its flags here).
-    pub stored: BTreeMap<String, String>,
+    /// The caller's record of how the run is configured: one JSON value stored with every
+    /// checkpoint (under `lockstep.run`) and handed back by [`read_record`], never
+    /// compared. The command line keeps its `TrainConfig` and its own choices here, in a
+    /// format it versions itself.
+    pub record: Option<serde_json::Value>,
+}
+
+/// What a checkpoint holds of its run's record ([`CheckpointPolicy::record`]).
+#[derive(Clone, Debug, PartialEq)]
+pub enum Record {
+    /// The record, as it was written.
+    Json(serde_json::Value),
+    /// None: the run kept no record (a caller of the library's).
+    Absent,
+    /// Flags as text, one `stored.<flag>` entry each: a checkpoint of a lockstep from
+    /// before the record, which this one does not read.
+    EarlierFlags,
 }
 
 /// What to do when the newest checkpoint is corrupt.
@@ -215,9 +230,12 @@ mod key {
     pub const EPOCH_METRICS: &str = "lockstep.epoch_metrics";
     pub const BEST_METRICS: &str = "lockstep.best_metrics";
     pub const BEST_EPOCH: &str = "lockstep.best_epoch";
-    /// Prefixes of the compared configuration and of the stored settings.
+    /// The prefix of the compared configuration's entries.
     pub const CONFIG: &str = "config.";
-    pub const STORED: &str = "stored.";
+    /// The caller's record, one JSON value.
+    pub const RECORD: &str = "lockstep.run";
+    /// The prefix under which a lockstep before the record stored its flags, as text.
+    pub const EARLIER_FLAGS: &str = "stored.";
 }
 
 fn put_metrics(meta: &mut BTreeMap<String, String>, prefix: &str, m: &Metrics) {
@@ -244,7 +262,9 @@ pub fn save(model: &Sequential, state: &Resume, policy: &CheckpointPolicy) -> Re
     tensors.sort_by(|a, b| a.0.cmp(&b.0));
     let mut meta: BTreeMap<String, String> =
         policy.config.iter().map(|(k, v)| (format!("{}{k}", key::CONFIG), v.clone())).collect();
-    meta.extend(policy.stored.iter().map(|(k, v)| (format!("{}{k}", key::STORED), v.clone())));
+    if let Some(record) = &policy.record {
+        meta.insert(key::RECORD.into(), record.to_string());
+    }
     meta.insert(key::STEP.into(), state.step.to_string());
     meta.insert(key::EPOCH.into(), state.epoch.to_string());
     meta.insert(key::STEP_IN_EPOCH.into(), state.step_in_epoch.to_string());
@@ -281,16 +301,23 @@ pub fn save(model: &Sequential, state: &Resume, policy: &CheckpointPolicy) -> Re
     Ok(path)
 }
 
-/// The settings a checkpoint stores (`CheckpointPolicy::stored`), read from its header
-/// alone, and its step.
-pub fn read_stored(path: &Path) -> Result<(u64, BTreeMap<String, String>)> {
+/// The record a checkpoint holds of its run (`CheckpointPolicy::record`), read from its
+/// header alone, and its step. A record that is not JSON is corrupt.
+pub fn read_record(path: &Path) -> Result<(u64, Record)> {
     let meta = read_file(path)?.metadata()?;
     let step = meta
         .get(key::STEP)
         .and_then(|s| s.parse().ok())
         .ok_or_else(|| Error::format(path, format!("not a lockstep checkpoint (no '{}')", key::STEP)))?;
-    let stored = meta.iter().filter_map(|(k, v)| k.strip_prefix(key::STORED).map(|k| (k.to_string(), v.clone())));
-    Ok((step, stored.collect()))
+    let record = match meta.get(key::RECORD) {
+        Some(text) => Record::Json(
+            serde_json::from_str(text)
+                .map_err(|e| Error::format(path, format!("'{}' is not JSON: {e}", key::RECORD)))?,
+        ),
+        None if meta.keys().any(|k| k.starts_with(key::EARLIER_FLAGS)) => Record::EarlierFlags,
+        None => Record::Absent,
+    };
+    Ok((step, record))
 }
 
 /// Reads and verifies one checkpoint for `model` against the run's `config`.
@@ -487,8 +514,8 @@ mod tests {
 
     fn policy(dir: &Path, keep: usize) -> CheckpointPolicy {
         let config = BTreeMap::from([("model".to_string(), "toy".to_string()), ("batch_size".into(), "8".into())]);
-        let stored = BTreeMap::from([("lr".to_string(), "0.5".to_string())]);
-        CheckpointPolicy { dir: dir.to_path_buf(), every: 1, keep, config, stored }
+        let record = Some(serde_json::json!({"format": 1, "lr": 0.5, "model": {"builtin": "toy"}}));
+        CheckpointPolicy { dir: dir.to_path_buf(), every: 1, keep, config, record }
     }
 
     #[test]
@@ -668,15 +695,38 @@ mod tests {
     }
 
     #[test]
-    fn the_same_state_makes_the_same_bytes_and_the_stored_settings_come_back() {
+    fn the_same_state_makes_the_same_bytes_and_the_record_comes_back() {
         let model = models::toy_mlp(2, 2).unwrap();
         let (_guard, dir) = tmp();
         let p = policy(&dir, 5);
         let first = std::fs::read(save(&model, &state(&model, 4), &p).unwrap()).unwrap();
         let again = std::fs::read(save(&model, &state(&model, 4), &p).unwrap()).unwrap();
         assert_eq!(first, again);
-        let (step, stored) = read_stored(&dir.join(file_name(4))).unwrap();
-        assert_eq!((step, stored), (4, p.stored.clone()));
+        let path = dir.join(file_name(4));
+        let (step, record) = read_record(&path).unwrap();
+        assert_eq!((step, record), (4, Record::Json(p.record.clone().unwrap())));
+        // One key, the record's JSON text as written (its keys in their order).
+        let meta = read_file(&path).unwrap().metadata().unwrap();
+        assert_eq!(meta[key::RECORD], r#"{"format":1,"lr":0.5,"model":{"builtin":"toy"}}"#);
+        assert!(!meta.keys().any(|k| k.starts_with(key::EARLIER_FLAGS)), "{meta:?}");
+        // A run that keeps no record has none.
+        save(&model, &state(&model, 5), &CheckpointPolicy { record: None, ..p.clone() }).unwrap();
+        assert_eq!(read_record(&dir.join(file_name(5))).unwrap(), (5, Record::Absent));
+    }
+
+    /// A checkpoint of a lockstep before the record stored the CLI's flags as text, one
+    /// `stored.<flag>` entry each: it is told apart from one with no record.
+    #[test]
+    fn a_checkpoint_of_flags_as_text_is_an_earlier_format() {
+        let (_guard, dir) = tmp();
+        let path = dir.join(file_name(3));
+        let meta = BTreeMap::from([
+            (key::STEP.to_string(), "3".to_string()),
+            ("stored.lr".to_string(), "0.5".to_string()),
+            ("stored.model".to_string(), "toy".to_string()),
+        ]);
+        std::fs::write(&path, to_safetensors_bytes(&[], &meta).unwrap()).unwrap();
+        assert_eq!(read_record(&path).unwrap(), (3, Record::EarlierFlags));
     }
 
     #[test]

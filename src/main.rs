@@ -186,7 +186,8 @@ enum BenchCommand {
     Layers(BenchLayersArgs),
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
 enum ModelName {
     /// The lesson's 2-30-20-2 MLP.
     Toy,
@@ -216,8 +217,10 @@ impl ModelName {
 }
 
 /// `--model`: a built-in name, or a model spec file (anything ending in `.json`, or an
-/// existing file; see `lockstep::spec`).
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// existing file; see `lockstep::spec`). As data (a checkpoint's record), which of the two
+/// it is says itself: `{"builtin": "convnet"}`, `{"spec": "model.json"}`.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 enum ModelChoice {
     Builtin(ModelName),
     Spec(PathBuf),
@@ -299,6 +302,25 @@ enum ScheduleName {
     Cosine,
 }
 
+impl ScheduleName {
+    /// The schedule of this name.
+    fn schedule(self) -> LrSchedule {
+        match self {
+            ScheduleName::Constant => LrSchedule::Constant,
+            ScheduleName::Cosine => LrSchedule::Cosine { floor: 0.1 },
+        }
+    }
+
+    /// The name of the library's `schedule` (a cosine to another floor than the command
+    /// line's is still a cosine: the run's fingerprint compares the floor).
+    fn of(schedule: LrSchedule) -> ScheduleName {
+        match schedule {
+            LrSchedule::Constant => ScheduleName::Constant,
+            LrSchedule::Cosine { .. } => ScheduleName::Cosine,
+        }
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum OptimizerName {
     /// torch.optim.SGD (--momentum, --nesterov; --weight-decay is the coupled L2).
@@ -307,6 +329,17 @@ enum OptimizerName {
     Adam,
     /// torch.optim.AdamW (--weight-decay is decoupled: p *= 1 - lr·wd before the step).
     Adamw,
+}
+
+impl OptimizerName {
+    /// The name of the library's `optimizer`.
+    fn of(optimizer: &OptimizerConfig) -> OptimizerName {
+        match optimizer {
+            OptimizerConfig::Sgd { .. } => OptimizerName::Sgd,
+            OptimizerConfig::Adam { .. } => OptimizerName::Adam,
+            OptimizerConfig::AdamW { .. } => OptimizerName::Adamw,
+        }
+    }
 }
 
 /// `--weight-decay-on`: which parameters weight decay applies to.
@@ -324,6 +357,14 @@ impl DecayOnName {
         match self {
             DecayOnName::Weights => lockstep::optim::DecayOn::Weights,
             DecayOnName::All => lockstep::optim::DecayOn::All,
+        }
+    }
+
+    /// The name of the library's `on`.
+    fn of(on: lockstep::optim::DecayOn) -> DecayOnName {
+        match on {
+            lockstep::optim::DecayOn::Weights => DecayOnName::Weights,
+            lockstep::optim::DecayOn::All => DecayOnName::All,
         }
     }
 }
@@ -348,10 +389,21 @@ impl CompressionName {
             CompressionName::Fp16 => Compression::Fp16,
         }
     }
+
+    /// The name of the library's `compression`.
+    fn of(compression: lockstep::exchange::codec::Compression) -> CompressionName {
+        use lockstep::exchange::codec::Compression;
+        match compression {
+            Compression::None => CompressionName::None,
+            Compression::Bf16 => CompressionName::Bf16,
+            Compression::Fp16 => CompressionName::Fp16,
+        }
+    }
 }
 
 /// `--save-dtype`: the dtype of a saved weights file.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
 enum SaveDtypeName {
     F32,
     /// bfloat16, rounded to nearest even (PyTorch's `.to(torch.bfloat16)`).

@@ -47,7 +47,8 @@ use half::{bf16, f16};
 pub const BLOCK: usize = 1024;
 
 /// How a run's gradients travel between its logical replicas.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum Compression {
     /// f32, as computed.
     None,

@@ -168,7 +168,7 @@ fn an_augmented_run_resumed_from_a_checkpoint_ends_bitwise_where_the_uninterrupt
     let guard = tempfile::tempdir().unwrap();
     let dir = guard.path().join("ck");
     let config = BTreeMap::from([("augment".to_string(), "crop=4,flip".to_string())]);
-    let policy = CheckpointPolicy { dir: dir.clone(), every: 1, keep: 100, config, stored: BTreeMap::new() };
+    let policy = CheckpointPolicy { dir: dir.clone(), every: 1, keep: 100, config, record: None };
     let full = run(
         &model,
         &data,

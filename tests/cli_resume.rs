@@ -2,8 +2,8 @@
 //! resumed (on another number of devices, the logical replicas fixed) saves bitwise the
 //! weights of the run that was never interrupted; Ctrl-C (SIGINT) finishes the step,
 //! writes a checkpoint, says where and exits non-zero; bad checkpoint input is refused; the
-//! stored settings (issue 12's features, issue 18's augmentation and label smoothing) are
-//! restored or compared.
+//! run's record (issue 12's features, issue 18's augmentation and label smoothing among
+//! it) is restored or compared, and is JSON of one format.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -521,4 +521,51 @@ fn a_resumed_run_writes_save_where_the_run_was_started_to() {
         bin().args(["train", "--resume", ck_s, "--epochs", "5", "--save", other.to_str().unwrap()]).output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(other.exists());
+}
+
+/// A checkpoint records how its run is configured as one JSON value (`lockstep.run`): the
+/// library's `TrainConfig` and the command line's own choices, of format 1, no flag stored
+/// as text. One of a lockstep from before the record (its flags as text, `stored.<flag>`)
+/// is refused, naming it and what to do.
+#[test]
+fn a_checkpoint_records_its_run_as_json_and_an_earlier_format_is_refused() {
+    let (_guard, dir) = tmp();
+    let ck = dir.join("ck");
+    let run = ["train", "--model", "toy", "--epochs", "1", "--lr", "0.1", "--devices", "cpu:2", "--checkpoint-dir"];
+    let out = bin().args(run).arg(&ck).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let files = std::fs::read_dir(&ck).unwrap().flatten().map(|e| e.path());
+    let newest = files.filter(|p| p.extension().is_some_and(|x| x == "safetensors")).max().unwrap();
+    let bytes = std::fs::read(&newest).unwrap();
+    let (_, header) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+    let meta = header.metadata().clone().unwrap();
+    assert!(!meta.keys().any(|k| k.starts_with("stored.")), "{meta:?}");
+    let record: serde_json::Value = serde_json::from_str(&meta["lockstep.run"]).unwrap();
+    assert_eq!(record["format"], 1);
+    assert_eq!(record["train"]["epochs"], 1);
+    assert_eq!(record["train"]["optimizer"]["sgd"]["lr"], 0.1);
+    assert_eq!(record["train"]["replicas"], 2);
+    assert_eq!(record["cli"]["model"], serde_json::json!({"builtin": "toy"}));
+    assert_eq!((&record["cli"]["data"], &record["cli"]["devices"]), (&"toy".into(), &"cpu:2".into()));
+
+    // The header of an earlier lockstep's checkpoint, as it was written.
+    let old = dir.join("old");
+    std::fs::create_dir_all(&old).unwrap();
+    let file = old.join("checkpoint-000000000003.safetensors");
+    let meta: std::collections::BTreeMap<String, String> =
+        [("lockstep.step", "3"), ("config.model", "toy"), ("stored.model", "toy"), ("stored.lr", "0.1")]
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+    std::fs::write(&file, lockstep::weights::to_safetensors_bytes(&[], &meta).unwrap()).unwrap();
+    let out = bin().args(["train", "--resume"]).arg(&old).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert_eq!(
+        stderr.trim_end(),
+        format!(
+            "error: {}: made by an earlier lockstep (the run's flags stored as text, before the run record of format 1); resume it with that version or start again",
+            file.display()
+        )
+    );
 }

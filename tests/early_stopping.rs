@@ -87,7 +87,7 @@ fn a_resumed_early_stopped_run_stops_again_and_a_checkpoint_keeps_the_best_epoch
         every: 1000,
         keep: 2,
         config: BTreeMap::from([("model".to_string(), "toy".to_string())]),
-        stored: BTreeMap::new(),
+        record: None,
     };
     let stopping = TrainConfig {
         early_stopping: Some(EarlyStopping::patience(2)),

@@ -40,8 +40,7 @@ fn a_full_disk_fails_the_write_and_keeps_the_previous_checkpoint() {
     let model = models::toy_mlp(2, 2).unwrap();
     let optimizer = Optimizer::new(OptimizerConfig::adam(1e-3), model.params_len());
     let config = BTreeMap::from([("model".to_string(), "toy".to_string())]);
-    let policy =
-        CheckpointPolicy { dir: dir.clone(), every: 1, keep: 5, config: config.clone(), stored: Default::default() };
+    let policy = CheckpointPolicy { dir: dir.clone(), every: 1, keep: 5, config: config.clone(), record: None };
     let state = |step| {
         // A run has taken one optimiser step per step: a checkpoint that says otherwise is refused.
         let mut stepped = optimizer.clone();

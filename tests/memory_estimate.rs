@@ -104,7 +104,7 @@ fn policy(dir: &std::path::Path, model: &str) -> CheckpointPolicy {
         every: 1,
         keep: 2,
         config: BTreeMap::from([("model".to_string(), model.to_string())]),
-        stored: BTreeMap::new(),
+        record: None,
     }
 }
 

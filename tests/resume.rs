@@ -43,7 +43,7 @@ fn setup() -> (Sequential, Dataset, TrainConfig) {
 
 fn policy(dir: &std::path::Path, every: u64) -> CheckpointPolicy {
     let config = BTreeMap::from([("model".to_string(), "convnet".to_string()), ("replicas".into(), "2".into())]);
-    CheckpointPolicy { dir: dir.to_path_buf(), every, keep: 100, config, stored: BTreeMap::new() }
+    CheckpointPolicy { dir: dir.to_path_buf(), every, keep: 100, config, record: None }
 }
 
 #[test]

@@ -129,13 +129,8 @@ fn a_sharded_checkpoint_resumes_on_another_device_count() {
     let data = digits(80);
     let dir = tempfile::tempdir().unwrap();
     let config = BTreeMap::from([("model".to_string(), "convnet".to_string())]);
-    let policy = CheckpointPolicy {
-        dir: dir.path().to_path_buf(),
-        every: 1,
-        keep: 100,
-        config: config.clone(),
-        stored: BTreeMap::new(),
-    };
+    let policy =
+        CheckpointPolicy { dir: dir.path().to_path_buf(), every: 1, keep: 100, config: config.clone(), record: None };
     let cfg = TrainConfig {
         epochs: 2,
         batch_size: 16,

@@ -7,6 +7,7 @@ pub mod bench_mpi;
 pub mod eval;
 pub mod features;
 pub mod files;
+pub mod record;
 pub mod regularize;
 pub mod signals;
 pub mod text;

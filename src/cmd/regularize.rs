@@ -1,7 +1,7 @@
 //! The flags of `train` that act on the data and the loss rather than on the step —
 //! `--augment` (random crop after zero padding, horizontal flip) and `--label-smoothing` —
-//! their checks, and what they add to a configuration, to the flags a checkpoint stores
-//! and to the run's fingerprint. The arithmetic is the library's (`data::augment`,
+//! their checks, and what they add to a configuration (which a checkpoint stores) and to
+//! the run's fingerprint. The arithmetic is the library's (`data::augment`,
 //! `ops::cross_entropy::CrossEntropy`); one file, so that `train.rs` names them in one line each.
 
 use lockstep::data::augment::Augment;
@@ -9,6 +9,7 @@ use lockstep::data::augment::Augment;
 use crate::*;
 
 #[derive(Args, Clone, Debug)]
+#[command(next_help_heading = "Augmentation and label smoothing")]
 pub(crate) struct RegularizeArgs {
     /// Augment the training images: crop=P pads P zero pixels on each side and takes a
     /// random window of the image's size (torchvision's RandomCrop(size, padding=P)), flip
@@ -31,9 +32,6 @@ fn parse_augment(text: &str) -> Result<Augment, String> {
         other => other.to_string(),
     })
 }
-
-/// The clap ids of these flags, as `train` stores them in checkpoints.
-pub(crate) const STORED: [&str; 2] = ["augment", "label_smoothing"];
 
 impl RegularizeArgs {
     /// The checks that need no data.
@@ -65,15 +63,6 @@ impl RegularizeArgs {
     /// `config` with these settings.
     pub(crate) fn config(&self, config: TrainConfig) -> TrainConfig {
         TrainConfig { augment: self.augment(), label_smoothing: self.label_smoothing, ..config }
-    }
-
-    /// The flags as a checkpoint stores them (`--augment` when given, the smoothing always).
-    pub(crate) fn stored(&self) -> Vec<(&'static str, String)> {
-        let mut out = vec![("label_smoothing", self.label_smoothing.to_string())];
-        if let Some(a) = self.augment {
-            out.push(("augment", a.name()));
-        }
-        out
     }
 
     /// Their part of the run's fingerprint: both change the arithmetic, so both are named

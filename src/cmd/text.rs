@@ -1,18 +1,24 @@
-//! The flags of `train` (and `generate`) for language models over text: the built-in
-//! GPT's shape (`--layers`, `--heads`, `--width`, `--context`), Adam's betas, and a text
-//! run's evaluation period (`--eval-every`, `--eval-batches`); which data is text
-//! (`text:FILE`, `fortunes`, a token file), and the defaults of a text run, nanoGPT's
-//! CPU recipe. The model is the library's (`models::gpt`), the data its
+//! The flags that `train` and `generate` share for language models over text: the
+//! built-in GPT's shape (`--layers`, `--heads`, `--width`, `--context`, which is also the
+//! windows of text data); which data is text (`text:FILE`, `fortunes`), and how it is
+//! loaded; and `generate` itself. A text run's evaluation period and Adam's betas are
+//! `train`'s own flags (its length and its optimiser), and nanoGPT's defaults of a text
+//! run are `train`'s settings. The model is the library's (`models::gpt`), the data its
 //! (`data::text`); one file, so that `train.rs` names them in one line each.
 
 use lockstep::data::text::{load_fortunes, load_text};
 use lockstep::data::Splits;
 use lockstep::models::GptConfig;
+use serde::{Deserialize, Serialize};
 
 use crate::*;
 
-#[derive(Args, Clone, Debug)]
-pub(crate) struct TextArgs {
+/// The built-in GPT's shape: a group of its own in the help (`train -h`, `generate -h`),
+/// stored as data in a training run's checkpoints.
+#[derive(Args, Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[command(next_help_heading = "The built-in GPT's shape")]
+#[serde(deny_unknown_fields)]
+pub(crate) struct GptArgs {
     /// The GPT's blocks (nanoGPT's n_layer).
     #[arg(long, value_name = "N", default_value_t = GptConfig::default().layers)]
     pub(crate) layers: usize,
@@ -25,32 +31,14 @@ pub(crate) struct TextArgs {
     /// Tokens per window of text data and the GPT's context (block_size).
     #[arg(long, value_name = "T", default_value_t = GptConfig::default().context)]
     pub(crate) context: usize,
-    /// A text run: steps between evaluations on the validation part (each one an eval
-    /// line, and where checkpoints fall by default) [default: 250].
-    #[arg(long, value_name = "N")]
-    pub(crate) eval_every: Option<usize>,
-    /// A text run: batches of --batch-size validation windows each evaluation scores,
-    /// drawn once from --seed [default: 20].
-    #[arg(long, value_name = "K")]
-    pub(crate) eval_batches: Option<usize>,
-    /// Adam's and AdamW's beta1.
-    #[arg(allow_negative_numbers = true, long, value_name = "B1", default_value_t = 0.9)]
-    pub(crate) adam_beta1: f32,
-    /// Adam's and AdamW's beta2 [default: 0.99 for text (nanoGPT's), else 0.999 (PyTorch's)].
-    #[arg(allow_negative_numbers = true, long, value_name = "B2")]
-    pub(crate) adam_beta2: Option<f32>,
 }
-
-/// The clap ids of these flags, as `train` stores them in checkpoints.
-pub(crate) const STORED: [&str; 8] =
-    ["layers", "heads", "width", "context", "eval_every", "eval_batches", "adam_beta1", "adam_beta2"];
 
 /// Whether `--data` names text: `fortunes`, `text:FILE`.
 pub(crate) fn is_text(spec: &str) -> bool {
     spec == "fortunes" || spec.starts_with("text:")
 }
 
-impl TextArgs {
+impl GptArgs {
     /// The checks that need no data.
     pub(crate) fn check(&self) -> CliResult {
         for (name, v) in
@@ -66,11 +54,6 @@ impl TextArgs {
                 self.heads,
                 self.width
             )));
-        }
-        for (name, v) in [("--eval-every", self.eval_every), ("--eval-batches", self.eval_batches)] {
-            if v == Some(0) {
-                return Err(Failure::usage(anyhow!("{name} must be at least 1")));
-            }
         }
         Ok(())
     }
@@ -94,29 +77,6 @@ impl TextArgs {
         };
         splits.map_err(|e| Failure::usage(anyhow!("--data {spec}: {e}")))
     }
-
-    /// `config` with these settings, for a run over text (`text`) or not.
-    pub(crate) fn config(&self, config: TrainConfig, text: bool) -> TrainConfig {
-        match text {
-            true => TrainConfig { eval_every: self.eval_every, eval_batches: self.eval_batches, ..config },
-            false => config,
-        }
-    }
-
-    /// The flags as a checkpoint stores them.
-    pub(crate) fn stored(&self) -> Vec<(&'static str, String)> {
-        let mut out = vec![
-            ("layers", self.layers.to_string()),
-            ("heads", self.heads.to_string()),
-            ("width", self.width.to_string()),
-            ("context", self.context.to_string()),
-            ("adam_beta1", self.adam_beta1.to_string()),
-        ];
-        out.extend(self.adam_beta2.map(|b| ("adam_beta2", b.to_string())));
-        out.extend(self.eval_every.map(|n| ("eval_every", n.to_string())));
-        out.extend(self.eval_batches.map(|n| ("eval_batches", n.to_string())));
-        out
-    }
 }
 
 // ---------------------------------------------------------------------------------------
@@ -130,8 +90,6 @@ pub(crate) struct GenerateArgs {
     /// gpt (with --layers, --heads, --width, --context as trained), or a model spec FILE.json.
     #[arg(long, default_value = "gpt", value_name = "NAME|FILE.json", value_parser = parse_model_choice)]
     model: ModelChoice,
-    #[command(flatten)]
-    shape: TextArgs,
     /// The text to continue (its bytes are the tokens); one longer than the context is
     /// cropped to its last --context bytes, as nanoGPT crops.
     #[arg(long, default_value = "\n")]
@@ -148,6 +106,9 @@ pub(crate) struct GenerateArgs {
     /// Seed of the draws: the same seed gives the same text.
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    // Last: its help heading goes on to the flags after it.
+    #[command(flatten)]
+    shape: GptArgs,
 }
 
 /// `lockstep generate`: prints the continuation of `--prompt`.

@@ -1,7 +1,8 @@
 //! Data augmentation of training images: torchvision's `RandomCrop(size, padding=P)` and
 //! `RandomHorizontalFlip()`, drawn from (seed, epoch, sample index).
 //!
-//! Owns: what an augmentation is ([`Augment`], parsed from and written as `crop=4,flip`),
+//! Owns: what an augmentation is ([`Augment`], parsed from and written as `crop=4,flip`,
+//! in a serialized `TrainConfig` too),
 //! the draw of one sample's crop offsets and flip ([`Augment::draw`]), and the pixels that
 //! draw makes of an image ([`augment_image`]). Where it runs is the loader's: the fit loop
 //! gathers each global batch with `train::Batch::gather_augmented`, on the host, once per
@@ -36,8 +37,10 @@ pub enum Flip {
 }
 
 /// The augmentation of the training images: a random crop after zero padding, a random
-/// horizontal flip, both or neither ([`Augment::NONE`]).
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+/// horizontal flip, both or neither ([`Augment::NONE`]). Serialized as its canonical text
+/// and read back through [`Augment::parse`], whose checks a stored one passes too.
+#[derive(Clone, Copy, PartialEq, Eq, Debug, serde::Serialize, serde::Deserialize)]
+#[serde(into = "String", try_from = "String")]
 pub struct Augment {
     /// The zero padding P on each side before a random H×W window is taken (offsets
     /// uniform in 0..=2P in each direction); None: no crop.
@@ -48,6 +51,20 @@ pub struct Augment {
 impl Default for Augment {
     fn default() -> Self {
         Augment::NONE
+    }
+}
+
+impl From<Augment> for String {
+    fn from(a: Augment) -> String {
+        a.name()
+    }
+}
+
+impl TryFrom<String> for Augment {
+    type Error = Error;
+
+    fn try_from(text: String) -> Result<Augment> {
+        Augment::parse(&text)
     }
 }
 

@@ -24,6 +24,8 @@
 
 use std::ops::Range;
 
+use serde::{Deserialize, Serialize};
+
 use crate::backend::simd::widest;
 use crate::error::{Error, Result};
 
@@ -31,7 +33,8 @@ use crate::error::{Error, Result};
 pub(crate) mod gpu;
 
 /// How SGD's momentum enters the step (PyTorch's `nesterov=`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum MomentumKind {
     /// p ← p − lr·buf (PyTorch's default).
     Classic,
@@ -40,7 +43,8 @@ pub enum MomentumKind {
 }
 
 /// Which optimiser, with its hyper-parameters.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum OptimizerConfig {
     /// `torch.optim.SGD(dampening=0)`: g = grad + wd·p (coupled L2, on the parameters that
     /// decay); buf = g at the first step, else momentum·buf + g; p ← p − lr·buf, or with
@@ -220,7 +224,8 @@ impl StepScalars {
 }
 
 /// Which parameters weight decay applies to (`--weight-decay-on`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum DecayOn {
     /// Tensors of 2 or more dimensions (the weights of linear and convolution layers);
     /// BatchNorm's scale and shift and every bias do not decay: the parameter groups
@@ -424,7 +429,8 @@ pub fn clip_factor(norm: f32, max_norm: f32) -> f32 {
 }
 
 /// Where a run's optimiser state lives.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum Sharding {
     /// Every device holds the whole state and updates every parameter.
     Replicated,
@@ -435,7 +441,8 @@ pub enum Sharding {
 }
 
 /// How the learning rate changes over a run.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum LrSchedule {
     /// The configured learning rate at every step.
     Constant,

@@ -1,10 +1,13 @@
 //! What a run is asked to do: [`TrainConfig`] (everything but the model, the data and the
-//! devices) and its checks that need neither data nor devices.
+//! devices) and its checks that need neither data nor devices. A configuration is data
+//! (serde): the command line stores the one a run trains with in its checkpoints.
 
 use std::path::PathBuf;
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
 
 use super::report::HeldOut;
 use super::scatter::{LastBatch, Shuffle};
@@ -17,7 +20,8 @@ use crate::ops::cross_entropy::CrossEntropy;
 use crate::optim::{DecayOn, LrSchedule, OptimizerConfig, Sharding};
 
 /// What to do when the loss is NaN or infinite.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum NonFinite {
     /// Stop with `Error::NonFiniteLoss`, naming the step.
     Error,
@@ -56,7 +60,8 @@ impl StopRequest {
 
 /// Keras's `EarlyStopping(monitor="val_loss")`: stop once the held-out loss has not
 /// improved on the best epoch's by more than `min_delta` for `patience` epochs.
-#[derive(Clone, Copy, PartialEq, Debug)]
+#[derive(Clone, Copy, PartialEq, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct EarlyStopping {
     /// Epochs without improvement tolerated after the best one (Keras's `patience`).
     pub patience: usize,
@@ -73,7 +78,12 @@ impl EarlyStopping {
 }
 
 /// Everything about a run but the model, the data and the devices.
-#[derive(Clone, Debug)]
+///
+/// Serialized (serde), it is what the run is configured by: the parts that are the run's
+/// state or its caller's handles — the initial weights, the state resumed, the checkpoint
+/// policy, the stop flag — are left out, and read back as `None`.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct TrainConfig {
     pub epochs: usize,
     /// Stop after this many steps in all, if fewer than the epochs hold.
@@ -111,14 +121,18 @@ pub struct TrainConfig {
     pub check_replicas_every: Option<u64>,
     pub non_finite: NonFinite,
     /// Weights to start from instead of a seeded initialisation.
+    #[serde(skip)]
     pub initial: Option<ParamStore>,
     /// Continue a run from this state (weights, optimiser, position) instead of starting.
+    #[serde(skip)]
     pub resume: Option<Resume>,
     /// Write checkpoints as this says.
+    #[serde(skip)]
     pub checkpoint: Option<CheckpointPolicy>,
     /// Raised (e.g. by a SIGINT handler) to stop after the current step; a checkpoint
     /// is written if a policy is set, and the run returns its report with
     /// `Stopped::Interrupted` (the weights of the last step taken).
+    #[serde(skip)]
     pub stop: Option<Arc<AtomicBool>>,
     /// What the held-out set given to the fit loop is (how reports name it).
     pub held_out: HeldOut,

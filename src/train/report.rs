@@ -54,7 +54,8 @@ pub struct StepEvent<'a> {
 
 /// What the held-out set given to the fit loop is: it is evaluated after every epoch
 /// either way, and named by this in reports, logs and files (`test_*` or `val_*`).
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+#[derive(Clone, Copy, PartialEq, Eq, Debug, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum HeldOut {
     /// The test split: a measure, never a choice (early stopping refuses it on the
     /// command line, as Keras monitors `val_loss`).

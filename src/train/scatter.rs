@@ -15,7 +15,8 @@ use std::ops::Range;
 use crate::rng::{derive_key, purpose, SplitMix64};
 
 /// Whether each epoch visits the samples in a fresh seeded order.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+#[derive(Clone, Copy, PartialEq, Eq, Debug, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum Shuffle {
     /// A permutation seeded by (seed, epoch).
     Seeded,
@@ -24,7 +25,8 @@ pub enum Shuffle {
 }
 
 /// Whether a short last batch of an epoch is trained on or dropped.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+#[derive(Clone, Copy, PartialEq, Eq, Debug, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum LastBatch {
     Keep,
     Drop,
