@@ -61,41 +61,43 @@
 //! (docs/library.md, "Features").
 #![forbid(unsafe_op_in_unsafe_fn)]
 
-pub mod backend;
+pub(crate) mod backend;
 pub mod checkpoint;
+#[cfg(feature = "cli")]
+pub mod cli;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod data;
 pub mod devices;
-pub mod digest;
-pub mod dirlock;
-pub mod error;
+pub(crate) mod digest;
+pub(crate) mod dirlock;
+pub(crate) mod error;
 pub mod exchange;
-pub mod fsutil;
-pub mod generate;
-pub mod json_keys;
+pub(crate) mod fsutil;
+pub(crate) mod generate;
+pub(crate) mod json_keys;
 pub mod memory;
-pub mod model;
+pub(crate) mod model;
 pub mod models;
 pub mod nn;
 #[cfg(feature = "notebook")]
 pub mod notebook;
 pub mod observe;
-pub mod ops;
+pub(crate) mod ops;
 pub mod optim;
 #[cfg(feature = "plot")]
 pub mod plot;
-pub mod rng;
-pub mod safetensors_io;
+pub(crate) mod rng;
+pub(crate) mod safetensors_io;
 pub mod spec;
-pub mod tensor;
+pub(crate) mod tensor;
 #[cfg(test)]
 mod testing;
 pub mod train;
-pub mod units;
+pub(crate) mod units;
 pub mod weights;
-pub mod wire;
-pub mod world;
+pub(crate) mod wire;
+pub(crate) mod world;
 
 pub use error::{Error, Result};
 pub use tensor::{Device, Shape, Tensor};

@@ -892,11 +892,6 @@ impl Samples<'_> {
             Samples::Overwritten(both) => both.len(),
         }
     }
-
-    /// Whether the group holds no values.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
 }
 
 /// `((p0 + p1) + p2) + ...`, element-wise, in index order, summed into the first part

@@ -202,6 +202,8 @@ macro_rules! kernels {
         )+
 
         #[doc = concat!("kernels/", $file, " with the kernels declared in it.")]
+        // What an op's entry names (`LayerType::kernels`); the other files' only the tests do.
+        #[cfg_attr(not(test), allow(dead_code))]
         pub const KERNELS: $crate::cuda::declare::KernelFile = $crate::cuda::declare::KernelFile {
             name: $file,
             source: SOURCE,

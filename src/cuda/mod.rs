@@ -19,15 +19,15 @@
 //! one GPU (`model::gpu`), the GPU exchanges (`exchange::gpu`) and the trainer's GPU
 //! replica (`train::gpu`) build on these.
 
-pub mod buffers;
-pub mod declare;
-pub mod gemm;
+pub(crate) mod buffers;
+pub(crate) mod declare;
+pub(crate) mod gemm;
 #[cfg(test)]
 pub(crate) mod host;
-pub mod kernels;
-pub mod launch;
+pub(crate) mod kernels;
+pub(crate) mod launch;
 pub mod probe;
 
-pub use declare::{kernel_name, Dir, Kernel, KernelFile};
-pub use launch::Gpu;
+pub(crate) use declare::KernelFile;
+pub(crate) use launch::Gpu;
 pub use probe::{driver_available, gpu_count, gpus, nccl_status, nvrtc_available, GpuInfo, NcclStatus};

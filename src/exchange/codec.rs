@@ -12,10 +12,9 @@
 use std::ops::Range;
 
 use super::tree::tree_sum;
+pub use crate::wire::Compression;
 use crate::wire::Format;
-pub use crate::wire::{
-    bf16_bits, bf16_value, encode_bf16, fp16_bits, fp16_exponent, fp16_value, Codec, Compression, Wire, BLOCK,
-};
+pub(crate) use crate::wire::{bf16_bits, Codec, Wire, BLOCK};
 
 impl Codec {
     /// The sum of `range` over every wire of `wires` (one per logical replica, in replica

@@ -46,21 +46,21 @@
 
 pub mod codec;
 #[cfg(feature = "cuda")]
-pub mod gpu;
+pub(crate) mod gpu;
 #[cfg(feature = "mpi")]
-pub mod mpi;
+pub(crate) mod mpi;
 #[cfg(feature = "cuda")]
 mod nccl;
-pub mod shm;
-pub mod transport;
-pub mod tree;
+pub(crate) mod shm;
+pub(crate) mod transport;
+pub(crate) mod tree;
 
 use crate::error::Result;
-pub use crate::world::wait::Wait;
-pub use transport::RunTransport;
+pub(crate) use crate::world::wait::Wait;
+pub(crate) use transport::RunTransport;
 
 /// Where an exchange's values live, and how the step sees a piece of them.
-pub trait Memory: 'static {
+pub(crate) trait Memory: 'static {
     /// A read-only run of f32.
     type View<'a>;
     /// A writable run of f32.
@@ -76,7 +76,7 @@ pub trait Memory: 'static {
 }
 
 /// Host memory: slices of f32.
-pub enum Host {}
+pub(crate) enum Host {}
 
 impl Memory for Host {
     type View<'a> = &'a [f32];
@@ -95,7 +95,7 @@ impl Memory for Host {
 }
 
 /// What every thread of a run may do to its exchange: stop it.
-pub trait Abort: Sync {
+pub(crate) trait Abort: Sync {
     /// Makes every pending and future call of every member fail with `Error::Aborted`.
     /// Callable from any thread, any number of times.
     fn abort(&self);
@@ -108,7 +108,7 @@ pub trait Abort: Sync {
 /// gradient exchange and, with synchronized BatchNorm, the statistics exchange its
 /// replicas meet in on the host (`stats`), whose waits would otherwise outlive a peer that
 /// failed. (On CPU devices one group is both.)
-pub struct Aborts<'a> {
+pub(crate) struct Aborts<'a> {
     first: &'a dyn Abort,
     second: Option<&'a dyn Abort>,
 }
@@ -137,7 +137,7 @@ impl Abort for Aborts<'_> {
 /// One device's side of a gradient exchange: its local slots, the sum, and the pieces of
 /// the sum. Every member makes the same calls in the same order (as with NCCL or MPI):
 /// each step, the slots are written, then [`Exchange::sum`], then the pieces are read.
-pub trait Exchange {
+pub(crate) trait Exchange {
     type Mem: Memory;
 
     /// Values per slot: `[gradient | buffers]` of one logical replica.
@@ -199,7 +199,7 @@ pub trait Exchange {
 /// The classic in-place all-reduce over any host exchange with one slot per member: copy
 /// `buf` into the slot, sum, copy the sum back. (The trainer skips both copies: it writes
 /// gradients into the slot and its update reads the pieces in place.)
-pub fn all_reduce_in_place<X: Exchange<Mem = Host>>(x: &mut X, buf: &mut [f32]) -> Result<()> {
+pub(crate) fn all_reduce_in_place<X: Exchange<Mem = Host>>(x: &mut X, buf: &mut [f32]) -> Result<()> {
     if buf.len() != x.width() {
         return Err(crate::Error::shape(
             "all_reduce_in_place",

@@ -14,7 +14,7 @@ pub mod spec_objects;
 pub mod sync_batchnorm;
 
 pub use residual::Residual;
-pub use sequential::{auto_names, NamedLayer, ParamStore, Place, Sequential, TensorInfo, TENSOR_ALIGN};
+pub use sequential::{auto_names, NamedLayer, ParamStore, Place, Sequential, TensorInfo};
 pub use sync_batchnorm::convert_sync_batchnorm;
 
 use crate::ops::{self, LayerType};

@@ -51,10 +51,10 @@ pub mod window;
 use std::ops::Range;
 
 pub use attention::CausalSelfAttention;
-pub use batchnorm::{BatchNorm2d, BatchStats};
+pub use batchnorm::BatchNorm2d;
 pub use conv2d::Conv2d;
 pub use dropout::Dropout;
-pub use embedding::{check_ids, Embedding};
+pub use embedding::Embedding;
 pub use flatten::Flatten;
 pub use gelu::Gelu;
 pub use global_avg_pool::GlobalAvgPool2d;
@@ -66,7 +66,7 @@ pub use relu::Relu;
 pub use rescaling::Rescaling;
 pub use silu::Silu;
 pub use spec::{Activation, LayerType};
-pub use window::{Geometry2d, Padding, Window2d};
+pub use window::{Padding, Window2d};
 
 use crate::error::Result;
 use crate::tensor::{Device, Shape, Tensor};

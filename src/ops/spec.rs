@@ -109,20 +109,9 @@ pub fn expect_images(input: &Shape) -> FieldResult<usize> {
     }
 }
 
-/// The features of an input of flat samples, (N, F), or the spec's words for another.
-pub fn expect_flat(input: &Shape) -> FieldResult<usize> {
-    match input.dims() {
-        [_, f] => Ok(*f),
-        _ => Err(format!(
-            "expects flat samples (F,), got {}; add a flatten or global_average_pooling2d layer before it",
-            per_sample(input)
-        )),
-    }
-}
-
 /// The features of a layer that applies to the last dimension of flat samples (F,) or of
 /// sequences (T, F), as `dense` does (Keras's Dense over the last axis); images are
-/// refused as [`expect_flat`] refuses them.
+/// refused, a flatten or global_average_pooling2d layer named as the way to flat samples.
 pub fn expect_features(input: &Shape) -> FieldResult<usize> {
     match input.dims() {
         [_, f] | [_, _, f] => Ok(*f),

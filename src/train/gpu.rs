@@ -31,7 +31,8 @@ use crate::tensor::Device;
 /// ([`crate::model::LAYER_TYPES`], where it has one), the loss's, the optimiser's, the
 /// 16-bit codec's and the runtime's own buffer kernels. The NVRTC test compiles them all,
 /// and the host-run test runs every kernel of them.
-pub fn kernel_files() -> Vec<&'static crate::cuda::KernelFile> {
+#[cfg(test)]
+pub(crate) fn kernel_files() -> Vec<&'static crate::cuda::KernelFile> {
     let ops = crate::model::LAYER_TYPES.iter().filter_map(|t| t.kernels);
     let others = [
         &crate::ops::cross_entropy::gpu::KERNELS,

@@ -24,12 +24,12 @@ mod cpu;
 mod fit;
 #[cfg(feature = "cuda")]
 mod gpu;
-pub mod memory;
+pub(crate) mod memory;
 mod panics;
 mod processes;
 mod replica;
 mod report;
-pub mod scatter;
+pub(crate) mod scatter;
 mod step;
 mod trainer;
 mod worker;
@@ -37,9 +37,11 @@ mod worker;
 pub use batch::Batch;
 pub use config::{EarlyStopping, NonFinite, StopRequest, TrainConfig, DEFAULT_EVAL_BATCHES, DEFAULT_EVAL_EVERY};
 pub use fit::{check_data, train_data_parallel, train_data_parallel_with};
+#[cfg(all(test, feature = "cuda"))]
+pub(crate) use gpu::kernel_files;
+/// What a run will allocate, estimated before it starts (every run checks it first).
+pub use memory::training as memory_estimate;
 #[cfg(feature = "cuda")]
-pub use gpu::kernel_files;
-pub use processes::RowPlan;
 pub use report::{
     BestEpoch, EpochReport, EvaluationReport, HeldOut, Observer, ShardReport, Silent, StepEvent, StepReport, Stopped,
     TrainReport, LOSSES_KEPT,

@@ -96,7 +96,7 @@ impl StepOutcome {
 
 /// A model replica on one device, as the step drives it. Every replica of a run makes
 /// the same calls with the same values, so they stay bitwise identical.
-pub trait Replica {
+pub(crate) trait Replica {
     /// Where the slots it writes and the sums it reads live.
     type Mem: Memory;
 

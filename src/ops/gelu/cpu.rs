@@ -108,6 +108,7 @@ pub fn gelu_value(x: f32) -> f32 {
 
 /// dx = dy·(Φ(x) + x·φ(x)) of one value, in f32 (the module's docs): what
 /// [`gelu_backward`] gives from [`gelu_forward`]'s slope, bit for bit.
+#[cfg(test)]
 #[inline(always)]
 pub fn gelu_grad(x: f32, dy: f32) -> f32 {
     dy * slope(x, cdf(x))

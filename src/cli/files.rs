@@ -1,7 +1,7 @@
 //! `lockstep inspect`, `lockstep devices` and `lockstep plot`: looking at files and at
 //! the machine.
 
-use crate::*;
+use super::*;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum PlotX {
@@ -40,7 +40,7 @@ pub(crate) fn cmd_inspect(file: &Path) -> CliResult {
 }
 
 pub(crate) fn cmd_devices() -> CliResult {
-    use lockstep::cuda::probe;
+    use crate::cuda::probe;
     outln!("cpu: {} cores available (cpu:N makes N devices sharing them)", available_cores());
     match probe::gpus() {
         Ok(gpus) if gpus.is_empty() => outln!("cuda: the driver reports no GPU"),
@@ -81,7 +81,7 @@ pub(crate) fn cmd_devices() -> CliResult {
     }
     // Whether MPI is built in, and the world this process sees (under mpirun, every
     // process prints its own listing).
-    match lockstep::world::current() {
+    match crate::world::current() {
         Ok(w) => {
             for line in w.summary() {
                 outln!("{line}");
@@ -89,7 +89,7 @@ pub(crate) fn cmd_devices() -> CliResult {
         }
         Err(e) => {
             let built =
-                if lockstep::world::MPI_BUILT_IN { "built in" } else { "not built in (build with --features mpi)" };
+                if crate::world::MPI_BUILT_IN { "built in" } else { "not built in (build with --features mpi)" };
             outln!("mpi: {built}");
             outln!("world: none: {e}");
         }
@@ -101,7 +101,7 @@ pub(crate) fn cmd_devices() -> CliResult {
 /// `libnvrtc.so` can shadow the CUDA 13 wheels; this shows which one won), with the
 /// version where it is cheap to ask, or what is missing and how to fix it.
 fn library_lines() -> Vec<String> {
-    use lockstep::cuda::probe::{self, CudaLib};
+    use crate::cuda::probe::{self, CudaLib};
     CudaLib::ALL
         .iter()
         .map(|&lib| {
@@ -120,7 +120,7 @@ fn library_lines() -> Vec<String> {
             }
             let version = match lib {
                 CudaLib::Driver => probe::driver_cuda_version().ok().map(|(a, b)| format!("CUDA {a}.{b}")),
-                CudaLib::Nvrtc => lockstep::cuda::kernels::nvrtc_version().ok().map(|(a, b)| {
+                CudaLib::Nvrtc => crate::cuda::kernels::nvrtc_version().ok().map(|(a, b)| {
                     let warn = if a == 13 { "" } else { "; not CUDA 13, the version lockstep is built for: put the CUDA 13 lib directory first on LD_LIBRARY_PATH" };
                     format!("NVRTC {a}.{b}{warn}")
                 }),
@@ -140,10 +140,10 @@ fn library_lines() -> Vec<String> {
 
 pub(crate) fn cmd_plot(a: PlotArgs) -> CliResult {
     let x = match a.x {
-        PlotX::Step => lockstep::plot::XAxis::Step,
-        PlotX::Epoch => lockstep::plot::XAxis::Epoch,
+        PlotX::Step => crate::plot::XAxis::Step,
+        PlotX::Epoch => crate::plot::XAxis::Epoch,
     };
-    lockstep::plot::plot_metrics_csv(&a.csv, &a.out, x).map_err(Failure::usage)?;
+    crate::plot::plot_metrics_csv(&a.csv, &a.out, x).map_err(Failure::usage)?;
     outln!("curves written to {}", a.out.display());
     Ok(())
 }

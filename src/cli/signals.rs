@@ -54,7 +54,7 @@ impl StopSignals {
                         // At once, from this thread (the run's may be inside a long
                         // write): the checkpoint being written is abandoned, its
                         // temporary file removed, and the last one written stays.
-                        lockstep::fsutil::remove_unfinished();
+                        crate::fsutil::remove_unfinished();
                         std::process::exit(128 + signal);
                     }
                     received.store(signal, Ordering::SeqCst);

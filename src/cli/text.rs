@@ -6,12 +6,12 @@
 //! run are `train`'s settings. The model is the library's (`models::gpt`), the data its
 //! (`data::text`); one file, so that `train.rs` names them in one line each.
 
-use lockstep::data::text::{load_fortunes, load_text};
-use lockstep::data::Splits;
-use lockstep::models::GptConfig;
+use crate::data::text::{load_fortunes, load_text};
+use crate::data::Splits;
+use crate::models::GptConfig;
 use serde::{Deserialize, Serialize};
 
-use crate::*;
+use super::*;
 
 /// The built-in GPT's shape: a group of its own in the help (`train -h`, `generate -h`),
 /// stored as data in a training run's checkpoints.
@@ -114,11 +114,9 @@ pub(crate) struct GenerateArgs {
 /// `lockstep generate`: prints the continuation of `--prompt`.
 pub(crate) fn cmd_generate(a: GenerateArgs) -> CliResult {
     a.shape.check()?;
-    let vocab = lockstep::data::text::BYTE_VOCAB;
+    let vocab = crate::data::text::BYTE_VOCAB;
     let mut model = match a.model.resolve()? {
-        ModelSource::Builtin(ModelName::Gpt) => {
-            lockstep::models::gpt(a.shape.gpt(vocab, 0.0)).map_err(Failure::usage)?
-        }
+        ModelSource::Builtin(ModelName::Gpt) => crate::models::gpt(a.shape.gpt(vocab, 0.0)).map_err(Failure::usage)?,
         ModelSource::Builtin(other) => {
             return Err(Failure::usage(anyhow!(
                 "--model {}: generate needs a language model (gpt or a spec FILE.json)",
@@ -137,7 +135,7 @@ pub(crate) fn cmd_generate(a: GenerateArgs) -> CliResult {
     }
     check_input_file("--weights", &a.weights)?;
     let weights =
-        lockstep::weights::load(&model, &a.weights).map_err(Failure::usage).map_err(|f| f.with_context("--weights"))?;
+        crate::weights::load(&model, &a.weights).map_err(Failure::usage).map_err(|f| f.with_context("--weights"))?;
     let mut prompt: Vec<u32> = a.prompt.bytes().map(u32::from).collect();
     if prompt.is_empty() {
         return Err(Failure::usage(anyhow!("--prompt is empty: give at least one byte (the default is a newline)")));
@@ -150,9 +148,8 @@ pub(crate) fn cmd_generate(a: GenerateArgs) -> CliResult {
         prompt.drain(..prompt.len() - context);
     }
     let sampling =
-        lockstep::generate::Sampling { tokens: a.tokens, temperature: a.temperature, top_k: a.top_k, seed: a.seed };
-    let out =
-        lockstep::generate::generate(&mut model, &weights, &prompt, context, &sampling).map_err(Failure::usage)?;
+        crate::generate::Sampling { tokens: a.tokens, temperature: a.temperature, top_k: a.top_k, seed: a.seed };
+    let out = crate::generate::generate(&mut model, &weights, &prompt, context, &sampling).map_err(Failure::usage)?;
     let bytes: Vec<u8> = out.iter().map(|&t| t as u8).collect();
     use std::io::Write as _;
     let mut stdout = std::io::stdout().lock();

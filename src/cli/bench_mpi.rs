@@ -12,13 +12,13 @@
 use std::io::Write;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use lockstep::exchange::codec::{Codec, Compression};
-use lockstep::exchange::mpi::{plain_all_reduce, MpiGroup, MpiMember};
-use lockstep::exchange::Exchange;
-use lockstep::world::World;
+use crate::exchange::codec::{Codec, Compression};
+use crate::exchange::mpi::{plain_all_reduce, MpiGroup, MpiMember};
+use crate::exchange::Exchange;
+use crate::world::World;
 
-use crate::cmd::timing::median;
-use crate::*;
+use super::timing::median;
+use super::*;
 
 /// Back-to-back sums per sample: about 1 MiB moved, between 1 and 100.
 fn reps(bytes: usize) -> usize {
@@ -61,7 +61,7 @@ fn coded_sum_of_two(codec: &Codec, count: usize) -> Vec<f32> {
 }
 
 /// Whether the sum `x` holds is bitwise `want`.
-fn sum_is(x: &MpiMember<'_, '_>, want: &[f32]) -> lockstep::Result<bool> {
+fn sum_is(x: &MpiMember<'_, '_>, want: &[f32]) -> crate::Result<bool> {
     let mut same = true;
     x.for_each_sum(|off, piece| {
         same &= piece.iter().zip(&want[off..]).all(|(a, b)| a.to_bits() == b.to_bits());
@@ -76,9 +76,9 @@ fn time_all(
     count: usize,
     (iters, warmup): (usize, usize),
     compression: Compression,
-) -> lockstep::Result<Timing> {
+) -> crate::Result<Timing> {
     let p = world.size();
-    let wait = lockstep::exchange::Wait::for_threads(devices);
+    let wait = crate::exchange::Wait::for_threads(devices);
     let codec = Codec::new(compression, count);
     let coded = codec.map(|c| MpiGroup::new(world, devices, p * devices, count, wait, Some(c))).transpose()?;
     let plain = MpiGroup::new(world, devices, p * devices, count, wait, None)?;
@@ -90,10 +90,10 @@ fn time_all(
         let handles: Vec<_> = (0..devices)
             .map(|d| {
                 let (coded, plain, failed) = (coded.as_ref(), &plain, &failed);
-                s.spawn(move || -> lockstep::Result<Out> {
+                s.spawn(move || -> crate::Result<Out> {
                     let mut me = plain.member(d);
                     let mut me_coded = coded.map(|g| g.member(d));
-                    let mut run = || -> lockstep::Result<Out> {
+                    let mut run = || -> crate::Result<Out> {
                         let fill = |slot: &mut [f32]| {
                             slot.iter_mut().enumerate().for_each(|(i, v)| *v = value(world.process(), d, i))
                         };
@@ -152,9 +152,9 @@ fn time_all(
                     let out = run();
                     if out.is_err() {
                         failed.store(true, Ordering::SeqCst);
-                        lockstep::exchange::Abort::abort(plain);
+                        crate::exchange::Abort::abort(plain);
                         if let Some(c) = coded {
-                            lockstep::exchange::Abort::abort(c);
+                            crate::exchange::Abort::abort(c);
                         }
                     }
                     out
@@ -163,7 +163,7 @@ fn time_all(
             .collect();
         let mut first = None;
         for h in handles {
-            let r = h.join().map_err(|_| lockstep::Error::Worker {
+            let r = h.join().map_err(|_| crate::Error::Worker {
                 device: format!("process {}", world.process()),
                 step: 0,
                 cause: "benchmark thread panicked".into(),

@@ -4,9 +4,9 @@
 //! the run's fingerprint. The arithmetic is the library's (`data::augment`,
 //! `ops::cross_entropy::CrossEntropy`); one file, so that `train.rs` names them in one line each.
 
-use lockstep::data::augment::Augment;
+use crate::data::augment::Augment;
 
-use crate::*;
+use super::*;
 
 #[derive(Args, Clone, Debug)]
 #[command(next_help_heading = "Augmentation and label smoothing")]
@@ -28,7 +28,7 @@ pub(crate) struct RegularizeArgs {
 /// `--augment`'s parser: the library's words, its message without the library's prefix.
 fn parse_augment(text: &str) -> Result<Augment, String> {
     Augment::parse(text).map_err(|e| match e {
-        lockstep::Error::Config { detail, .. } => detail,
+        crate::Error::Config { detail, .. } => detail,
         other => other.to_string(),
     })
 }

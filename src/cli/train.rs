@@ -1,6 +1,6 @@
 //! `lockstep train`: its arguments (in groups by topic, as `train -h` shows them), the
 //! checks that come before any work, the run's observers (progress, JSON lines, CSV),
-//! checkpoints, signals, and the final report. The training itself is `lockstep::train`'s;
+//! checkpoints, signals, and the final report. The training itself is `crate::train`'s;
 //! what a checkpoint records of the run, and how `--resume DIR` continues the run from
 //! that record, is `record.rs`'s.
 //!
@@ -19,20 +19,20 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::io::Write as _;
 use std::time::Duration;
 
-use lockstep::checkpoint;
-use lockstep::dirlock::DirLock;
-use lockstep::nn::loss::Metrics;
-use lockstep::train::{EarlyStopping, EvaluationReport, HeldOut, Observer, Stopped, TrainReport};
-use lockstep::world::World;
+use crate::checkpoint;
+use crate::dirlock::DirLock;
+use crate::nn::loss::Metrics;
+use crate::train::{EarlyStopping, EvaluationReport, HeldOut, Observer, Stopped, TrainReport};
+use crate::world::World;
 
 use signal_hook::consts::SIGINT;
 
-use crate::cmd::features::FeatureArgs;
-use crate::cmd::record::{self, RunRecord};
-use crate::cmd::regularize::RegularizeArgs;
-use crate::cmd::signals::{Launched, StopSignals};
-use crate::cmd::text::{self, GptArgs};
-use crate::*;
+use super::features::FeatureArgs;
+use super::record::{self, RunRecord};
+use super::regularize::RegularizeArgs;
+use super::signals::{Launched, StopSignals};
+use super::text::{self, GptArgs};
+use super::*;
 
 // ---------------------------------------------------------------------------------------
 // arguments
@@ -164,7 +164,7 @@ pub(crate) struct LengthArgs {
     /// for a batch scheduler's limit: a checkpoint is written there with --checkpoint-dir
     /// (else the weights go to --save), and the exit status is 75 (EX_TEMPFAIL), so that
     /// a job script knows to go on with --resume. Not stored: each run gets its own.
-    #[arg(long, value_name = "DURATION", value_parser = lockstep::units::parse_duration)]
+    #[arg(long, value_name = "DURATION", value_parser = crate::units::parse_duration)]
     pub(crate) time_limit: Option<Duration>,
     /// Stop once the validation loss has not improved for PATIENCE epochs since the best
     /// one (Keras's EarlyStopping on val_loss; needs --validation-split or --val-data).
@@ -343,7 +343,7 @@ enum Start {
 pub(crate) fn cmd_train(args: TrainArgs, given: &BTreeSet<String>) -> CliResult {
     // One voice: with several processes, process 0 prints, owns the checkpoint directory
     // and writes every output file; every process reads what it resumes from.
-    let world = lockstep::world::current().map_err(Failure::usage)?;
+    let world = crate::world::current().map_err(Failure::usage)?;
     let voice = world.is_voice();
     // Every check comes before any work.
     let (mut args, _resumed_lock) = with_the_runs_record(args, given, voice)?;
@@ -459,13 +459,13 @@ fn build(args: &mut TrainArgs, run: &Run, data: &RunData, world: &World) -> CliR
     let (m, train, source) = (&mut args.model_data, &data.splits.train, &run.source);
     let stated_classes = m.classes;
     let classes = *m.classes.get_or_insert(match source.is_gpt() && matches!(source, ModelSource::Builtin(_)) {
-        true => lockstep::data::text::BYTE_VOCAB,
+        true => crate::data::text::BYTE_VOCAB,
         false => train.num_classes(),
     });
     let dropout = m.dropout.expect("settings resolves it");
     let model = match source {
         ModelSource::Builtin(ModelName::Gpt) => {
-            lockstep::models::gpt(m.gpt.gpt(classes, dropout)).map_err(Failure::usage)?
+            crate::models::gpt(m.gpt.gpt(classes, dropout)).map_err(Failure::usage)?
         }
         _ => build_model(source, train.sample_shape().dims(), classes, dropout, m.bn_momentum)?,
     };
@@ -479,7 +479,7 @@ fn build(args: &mut TrainArgs, run: &Run, data: &RunData, world: &World) -> CliR
         )));
     }
     for d in data.all() {
-        lockstep::train::check_data(&model, d).map_err(Failure::usage)?;
+        crate::train::check_data(&model, d).map_err(Failure::usage)?;
     }
     args.regularize.check_data(train)?;
     Ok(model)
@@ -491,8 +491,8 @@ fn configure(args: &TrainArgs, run: &Run, data: &RunData) -> CliResult<(TrainCon
     let (s, l, o, train, stream) = (&run.settings, &args.length, &args.optim, &data.splits.train, data.stream());
     let last_batch = if l.drop_last { LastBatch::Drop } else { LastBatch::Keep };
     let steps_per_epoch = match stream {
-        true => l.eval_every.unwrap_or(lockstep::train::DEFAULT_EVAL_EVERY),
-        false => lockstep::train::scatter::steps_per_epoch(train.len(), s.batch_size, last_batch),
+        true => l.eval_every.unwrap_or(crate::train::DEFAULT_EVAL_EVERY),
+        false => crate::train::scatter::steps_per_epoch(train.len(), s.batch_size, last_batch),
     };
     if steps_per_epoch == 0 {
         return Err(Failure::usage(anyhow!(
@@ -542,7 +542,7 @@ fn configure(args: &TrainArgs, run: &Run, data: &RunData) -> CliResult<(TrainCon
 fn estimate_memory(model: &Sequential, s: &Settings, data: &RunData, config: &TrainConfig) -> CliResult<u64> {
     let largest_held_out = data.held().map(Dataset::len).max().unwrap_or(0);
     let sized = TrainConfig { eval_batch: config.eval_batch.min(largest_held_out.max(1)), ..config.clone() };
-    let mut estimate = lockstep::train::memory::training(model, &s.devices, &sized);
+    let mut estimate = crate::train::memory::training(model, &s.devices, &sized);
     let held: u64 = data.held().map(|d| dataset_bytes(d, Evaluated::Yes)).sum();
     let data_bytes = dataset_bytes(&data.splits.train, Evaluated::No).saturating_add(held);
     estimate.add("data", data_bytes, "the datasets as loaded, and the held-out sets gathered as f32 for evaluation");
@@ -656,11 +656,11 @@ fn announce(
         say(format!("lockstep: {features}"));
     }
     say(training_line(args, s, config, data.stream(), steps_per_epoch));
-    let available = lockstep::memory::available();
+    let available = crate::memory::available();
     say(format!(
         "lockstep: memory: an estimated {} of the {} {}",
-        lockstep::units::human(memory),
-        available.map_or("unknown".to_string(), |m| lockstep::units::human(m.bytes)),
+        crate::units::human(memory),
+        available.map_or("unknown".to_string(), |m| crate::units::human(m.bytes)),
         available.map_or("", |m| m.source),
     ));
 }
@@ -742,7 +742,7 @@ fn train_observed(
     let csv_done = csv.map(CsvMetrics::finish).transpose();
     // Processes started with disagreeing arguments were given bad input, as one is.
     let report = trained.map_err(|e| match e {
-        lockstep::Error::Processes { .. } => Failure::usage(e),
+        crate::Error::Processes { .. } => Failure::usage(e),
         e => Failure::runtime(e),
     })?;
     csv_done.map_err(Failure::runtime)?;
@@ -822,7 +822,7 @@ fn take_defaults(args: &mut TrainArgs, toy: bool, text: bool) -> CliResult<usize
                 )));
             }
             let steps = *l.steps.get_or_insert(2000);
-            let every = l.eval_every.unwrap_or(lockstep::train::DEFAULT_EVAL_EVERY) as u64;
+            let every = l.eval_every.unwrap_or(crate::train::DEFAULT_EVAL_EVERY) as u64;
             steps.div_ceil(every).max(1) as usize
         }
         false => *l.epochs.get_or_insert(if toy { 3 } else { 15 }),
@@ -942,7 +942,7 @@ fn optimizer(o: &OptimArgs) -> CliResult<OptimizerConfig> {
 /// gets a sample of the global batch of `batch_size`.
 fn devices_and_replicas(args: &mut TrainArgs, batch_size: usize) -> CliResult<(Devices, usize)> {
     let devices = resolve_devices(&args.ddp.devices)?;
-    let world = lockstep::world::current().map_err(Failure::usage)?;
+    let world = crate::world::current().map_err(Failure::usage)?;
     let in_world = devices.len() * world.size();
     let replicas = args.ddp.replicas.unwrap_or(in_world);
     if !replicas.is_multiple_of(in_world) {
@@ -1102,7 +1102,7 @@ pub(crate) const EX_TEMPFAIL: u8 = 75;
 /// The end of a run `--time-limit` stopped: where its state went (the checkpoint, else the
 /// weights of its last step to `--save`), how to go on, and the exit status 75.
 fn timed_out(model: &Sequential, report: &TrainReport, checkpoint: Option<&Path>, args: &TrainArgs) -> CliResult {
-    let limit = args.length.time_limit.map_or_else(String::new, |d| format!(" ({})", lockstep::units::duration(d)));
+    let limit = args.length.time_limit.map_or_else(String::new, |d| format!(" ({})", crate::units::duration(d)));
     let mut line = format!("lockstep: stopped at the time limit{limit} after step {}", report.steps);
     match (checkpoint, args.outputs.save.as_deref()) {
         (Some(p), _) => {
@@ -1155,7 +1155,7 @@ fn evaluate(
     data: &Dataset,
     devices: &Devices,
     label_smoothing: f32,
-) -> lockstep::Result<Metrics> {
+) -> crate::Result<Metrics> {
     let devices = devices.first(data.len());
     let config = TrainConfig {
         initial: Some(weights.clone()),
@@ -1236,8 +1236,8 @@ fn recipe_text(c: &TrainConfig) -> String {
     let mut parts = String::new();
     if c.optimizer.weight_decay() > 0.0 {
         parts.push_str(match c.weight_decay_on {
-            lockstep::optim::DecayOn::Weights => " (on the weights)",
-            lockstep::optim::DecayOn::All => " (on every parameter)",
+            crate::optim::DecayOn::Weights => " (on the weights)",
+            crate::optim::DecayOn::All => " (on every parameter)",
         });
     }
     if c.warmup_steps > 0 {
@@ -1376,7 +1376,7 @@ pub(crate) mod tests {
     /// `args` resolved as `cmd_train` resolves them before it trains (the settings, the
     /// data, the model, the configuration), and the record its checkpoints would carry.
     pub(crate) fn resolved(mut args: TrainArgs) -> (TrainArgs, RunRecord) {
-        let world = lockstep::world::current().unwrap();
+        let world = crate::world::current().unwrap();
         let run = resolve(&mut args, world).map_err(|f| f.error).unwrap();
         let data = load(&args, &run).map_err(|f| f.error).unwrap();
         build(&mut args, &run, &data, world).map_err(|f| f.error).unwrap();

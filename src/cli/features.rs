@@ -3,7 +3,7 @@
 //! what they make of a model and a configuration. One definition, so that a benchmark
 //! runs exactly the step a training run with the same flags would.
 
-use crate::*;
+use super::*;
 
 #[derive(Args, Clone, Debug)]
 pub(crate) struct FeatureArgs {
@@ -27,9 +27,9 @@ pub(crate) struct FeatureArgs {
 
 impl FeatureArgs {
     /// `model`, its BatchNorm layers synchronized when `--sync-batchnorm` asks.
-    pub(crate) fn model(&self, model: Sequential) -> lockstep::Result<Sequential> {
+    pub(crate) fn model(&self, model: Sequential) -> crate::Result<Sequential> {
         if self.sync_batchnorm {
-            lockstep::nn::convert_sync_batchnorm(&model)
+            crate::nn::convert_sync_batchnorm(&model)
         } else {
             Ok(model)
         }

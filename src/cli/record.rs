@@ -8,7 +8,7 @@
 //! flags of a resumed run from it and refuses those that disagree; and a flag's value in
 //! words ([`flag_words`]), as messages show it and as the processes of one run compare
 //! it. What a checkpoint file holds besides, and the configuration the library compares
-//! on loading, are `lockstep::checkpoint`'s; the flags themselves are `train.rs`'s.
+//! on loading, are `crate::checkpoint`'s; the flags themselves are `train.rs`'s.
 //!
 //! The rule of a resume, flag by flag: a flag not given takes the run's value; a flag
 //! given must equal it, as data (`--lr 1e-1` is the run's 0.1), unless it may change
@@ -22,13 +22,13 @@
 
 use std::collections::BTreeSet;
 
-use lockstep::checkpoint::{self, Record};
-use lockstep::data::augment::Augment;
+use crate::checkpoint::{self, Record};
+use crate::data::augment::Augment;
 use serde::{Deserialize, Serialize};
 
-use crate::cmd::text::GptArgs;
-use crate::cmd::train::TrainArgs;
-use crate::*;
+use super::text::GptArgs;
+use super::train::TrainArgs;
+use super::*;
 
 /// The format of the record this lockstep writes, and the only one it reads: a change to
 /// what [`RunRecord`] holds is a new format.
@@ -503,8 +503,8 @@ flag_always_set!(f32, u64, usize, String, ModelChoice, DecayOnName, CompressionN
 
 #[cfg(test)]
 mod tests {
+    use super::train::tests::{parsed, parsed_given, resolved};
     use super::*;
-    use crate::cmd::train::tests::{parsed, parsed_given, resolved};
 
     /// The flags a record does not hold: how one invocation starts (`--init`) and stops
     /// (`--time-limit`), what it says, and where it finds or writes its checkpoints.
@@ -532,9 +532,9 @@ mod tests {
     /// Runs that between them set every recorded flag to other than its default, in the
     /// sets that the conflicts and the kinds of run allow; `files` holds their data files.
     fn runs(files: &Path) -> Vec<Vec<String>> {
-        let splits = lockstep::data::toy::toy();
+        let splits = crate::data::toy::toy();
         let (train, test) = (files.join("train.safetensors"), files.join("test.safetensors"));
-        let save = lockstep::data::safetensors_file::save_safetensors_dataset;
+        let save = crate::data::safetensors_file::save_safetensors_dataset;
         save(&splits.train, &train).unwrap();
         save(splits.test.as_ref().unwrap(), &test).unwrap();
         let (train, test) = (train.display(), test.display());

@@ -1,7 +1,7 @@
 //! `lockstep eval` and `lockstep predict`: saved weights applied to a dataset, on every
 //! device given (the samples split across them).
 
-use crate::*;
+use super::*;
 
 #[derive(Args, Debug)]
 pub(crate) struct EvalArgs {
@@ -75,7 +75,7 @@ pub(crate) fn cmd_eval(a: EvalArgs) -> CliResult {
     let classes = model_classes(&source, data.sample_shape().dims(), a.classes, &a.weights, data.num_classes())?;
     let model = build_model(&source, data.sample_shape().dims(), classes, 0.5, 0.99)?;
     check_model_classes(&model, a.classes, &[&data])?;
-    lockstep::train::check_data(&model, &data).map_err(Failure::usage)?;
+    crate::train::check_data(&model, &data).map_err(Failure::usage)?;
     let store: ParamStore =
         weights::load(&model, &a.weights).map_err(Failure::usage).map_err(|f| f.with_context("--weights"))?;
     // No more devices than samples: a device with no sample has nothing to predict.
@@ -163,11 +163,11 @@ pub(crate) fn cmd_predict(a: PredictArgs) -> CliResult {
     let (data, labelled) = load_inputs(&a.data, source.flat(), a.classes)?;
     let n = a.limit.map_or(data.len(), |l| l.min(data.len()));
     // Unlabelled images give no class count: a built-in model then takes the weights'.
-    let data_classes = if labelled { data.num_classes() } else { lockstep::data::idx::MNIST_CLASSES };
+    let data_classes = if labelled { data.num_classes() } else { crate::data::idx::MNIST_CLASSES };
     let classes = model_classes(&source, data.sample_shape().dims(), a.classes, &a.weights, data_classes)?;
     let model = build_model(&source, data.sample_shape().dims(), classes, 0.5, 0.99)?;
     check_model_classes(&model, a.classes, &[&data])?;
-    lockstep::train::check_data(&model, &data).map_err(Failure::usage)?;
+    crate::train::check_data(&model, &data).map_err(Failure::usage)?;
     let store: ParamStore =
         weights::load(&model, &a.weights).map_err(Failure::usage).map_err(|f| f.with_context("--weights"))?;
     // No more devices than inputs: every device gets at least one sample of every chunk.

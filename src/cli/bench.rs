@@ -4,9 +4,9 @@
 
 use std::io::Write;
 
-use crate::cmd::features::FeatureArgs;
-use crate::cmd::timing::median;
-use crate::*;
+use super::features::FeatureArgs;
+use super::timing::median;
+use super::*;
 
 #[derive(Args, Debug)]
 pub(crate) struct BenchAllreduceArgs {
@@ -133,21 +133,21 @@ struct AllreduceRun {
     iters: usize,
     warmup: usize,
     path: AllreducePath,
-    codec: Option<lockstep::exchange::codec::Codec>,
+    codec: Option<crate::exchange::codec::Codec>,
 }
 
 /// Median time of one collective over `members` threads; member 0 times between barriers.
 fn time_allreduce(run: AllreduceRun) -> CliResult<Duration> {
     let AllreduceRun { members, count, iters, warmup, path, codec } = run;
-    let ex = ShmGroup::with_codec(members, members, count, lockstep::exchange::Wait::for_threads(members), codec)?;
+    let ex = ShmGroup::with_codec(members, members, count, crate::exchange::Wait::for_threads(members), codec)?;
     let warm = std::sync::atomic::AtomicBool::new(false);
-    let times = std::thread::scope(|s| -> lockstep::Result<Vec<Duration>> {
+    let times = std::thread::scope(|s| -> crate::Result<Vec<Duration>> {
         let handles: Vec<_> = (0..members)
             .map(|r| {
                 let (ex, warm) = (&ex, &warm);
-                s.spawn(move || -> lockstep::Result<Vec<Duration>> {
+                s.spawn(move || -> crate::Result<Vec<Duration>> {
                     let mut me = ex.member(r);
-                    let mut run = || -> lockstep::Result<Vec<Duration>> {
+                    let mut run = || -> crate::Result<Vec<Duration>> {
                         let mut buf = vec![(r + 1) as f32; count];
                         me.with_slot(0, |slot| slot.fill((r + 1) as f32));
                         let mut times = Vec::with_capacity(iters);
@@ -170,7 +170,7 @@ fn time_allreduce(run: AllreduceRun) -> CliResult<Duration> {
                             match path {
                                 AllreducePath::Trainer => me.sum()?,
                                 AllreducePath::Classic => {
-                                    lockstep::exchange::all_reduce_in_place(&mut me, &mut buf)?;
+                                    crate::exchange::all_reduce_in_place(&mut me, &mut buf)?;
                                     me.barrier()?;
                                 }
                             }
@@ -191,7 +191,7 @@ fn time_allreduce(run: AllreduceRun) -> CliResult<Duration> {
             .collect();
         let mut member0 = Vec::new();
         for (r, h) in handles.into_iter().enumerate() {
-            let t = h.join().map_err(|_| lockstep::Error::Worker {
+            let t = h.join().map_err(|_| crate::Error::Worker {
                 device: format!("cpu:{r}"),
                 step: 0,
                 cause: "benchmark member panicked".into(),
@@ -213,9 +213,9 @@ pub(crate) fn cmd_bench_allreduce(a: BenchAllreduceArgs) -> CliResult {
     check_count("--warmup", a.warmup as u64, true)?;
     let members = match spec {
         #[cfg(feature = "mpi")]
-        DeviceSpec::Cpu { count, .. } if lockstep::world::current().is_ok_and(|w| w.size() > 1) => {
-            let world = lockstep::world::current().map_err(Failure::usage)?;
-            return crate::cmd::bench_mpi::mpi_allreduce(
+        DeviceSpec::Cpu { count, .. } if crate::world::current().is_ok_and(|w| w.size() > 1) => {
+            let world = crate::world::current().map_err(Failure::usage)?;
+            return super::bench_mpi::mpi_allreduce(
                 world,
                 count,
                 &sizes,
@@ -229,7 +229,7 @@ pub(crate) fn cmd_bench_allreduce(a: BenchAllreduceArgs) -> CliResult {
             // Each member's slot and its own buffer, plus the reduced chunks.
             let largest = sizes.iter().copied().max().unwrap_or(0) as u64;
             let bytes = largest.saturating_mul(2 * count as u64 + 1);
-            lockstep::memory::check_bytes(
+            crate::memory::check_bytes(
                 &format!("bench allreduce of {largest} bytes on {count} members"),
                 bytes,
                 format!(
@@ -250,7 +250,7 @@ pub(crate) fn cmd_bench_allreduce(a: BenchAllreduceArgs) -> CliResult {
             let ordinals: Vec<usize> = devices
                 .list()
                 .iter()
-                .filter_map(|d| if let lockstep::Device::Cuda(o) = d { Some(*o) } else { None })
+                .filter_map(|d| if let crate::Device::Cuda(o) = d { Some(*o) } else { None })
                 .collect();
             return bench_gpu_allreduce(&ordinals, &sizes, (a.iters, a.warmup), a.grad_compression.compression());
         }
@@ -269,9 +269,9 @@ fn cpu_allreduce(
     members: usize,
     sizes: &[usize],
     (iters, warmup): (usize, usize),
-    compression: lockstep::exchange::codec::Compression,
+    compression: crate::exchange::codec::Compression,
 ) -> CliResult {
-    use lockstep::exchange::codec::{Codec, Compression};
+    use crate::exchange::codec::{Codec, Compression};
     cpu_table_header(out, members, iters, warmup);
     if compression != Compression::None {
         let _ = writeln!(
@@ -306,7 +306,7 @@ fn cpu_allreduce(
 }
 
 /// Median time of encoding one buffer of `count` values (one member's hand-over).
-fn time_encode(codec: &lockstep::exchange::codec::Codec, count: usize, iters: usize) -> Duration {
+fn time_encode(codec: &crate::exchange::codec::Codec, count: usize, iters: usize) -> Duration {
     let src: Vec<f32> = (0..count).map(|i| (i as f32 * 1e-3).sin()).collect();
     let mut wire = codec.wire(0..count);
     let times = (0..iters.max(3))
@@ -370,12 +370,12 @@ fn bench_gpu_allreduce(
     ordinals: &[usize],
     sizes: &[usize],
     (iters, warmup): (usize, usize),
-    compression: lockstep::exchange::codec::Compression,
+    compression: crate::exchange::codec::Compression,
 ) -> CliResult {
-    let transport = lockstep::exchange::RunTransport::from(lockstep::exchange::gpu::transport_for(ordinals)).name();
+    let transport = crate::exchange::RunTransport::from(crate::exchange::gpu::transport_for(ordinals)).name();
     let out = &mut std::io::stdout();
     let sum = match compression {
-        lockstep::exchange::codec::Compression::None => "f32 sum".to_string(),
+        crate::exchange::codec::Compression::None => "f32 sum".to_string(),
         c => format!("{} codec sum (16-bit wires all-gathered, decoded and summed on every member)", c.name()),
     };
     gpu_table_header(out, ordinals, transport, &sum, iters, warmup);
@@ -434,10 +434,10 @@ fn time_gpu_allreduce(
     ordinals: &[usize],
     count: usize,
     rounds: (usize, usize),
-    compression: lockstep::exchange::codec::Compression,
-) -> lockstep::Result<Duration> {
-    use lockstep::exchange::gpu::{transport_for, GpuGroup};
-    let codec = lockstep::exchange::codec::Codec::new(compression, count);
+    compression: crate::exchange::codec::Compression,
+) -> crate::Result<Duration> {
+    use crate::exchange::gpu::{transport_for, GpuGroup};
+    let codec = crate::exchange::codec::Codec::new(compression, count);
     let group = GpuGroup::new(transport_for(ordinals), ordinals, count)?;
     time_gpu_members(ordinals, count, rounds, codec, &group, |r, s| group.join(r, s))
 }
@@ -445,32 +445,32 @@ fn time_gpu_allreduce(
 /// One thread per member of `group` (joined by `join`): after the warm-up each queues
 /// `iters` all-reduces (with a codec, sums of the GPU exchange over one slot) and
 /// synchronises once; member 0's mean time per all-reduce.
-fn time_gpu_members<C: lockstep::exchange::gpu::DeviceAllReduce>(
+fn time_gpu_members<C: crate::exchange::gpu::DeviceAllReduce>(
     ordinals: &[usize],
     count: usize,
     (iters, warmup): (usize, usize),
-    codec: Option<lockstep::exchange::codec::Codec>,
-    group: &dyn lockstep::exchange::Abort,
-    join: impl Fn(usize, &std::sync::Arc<cudarc::driver::CudaStream>) -> lockstep::Result<C> + Sync,
-) -> lockstep::Result<Duration> {
+    codec: Option<crate::exchange::codec::Codec>,
+    group: &dyn crate::exchange::Abort,
+    join: impl Fn(usize, &std::sync::Arc<cudarc::driver::CudaStream>) -> crate::Result<C> + Sync,
+) -> crate::Result<Duration> {
     use cudarc::driver::CudaContext;
-    let time = std::thread::scope(|s| -> lockstep::Result<Duration> {
+    let time = std::thread::scope(|s| -> crate::Result<Duration> {
         let handles: Vec<_> = ordinals
             .iter()
             .enumerate()
             .map(|(r, &ordinal)| {
                 let join = &join;
-                s.spawn(move || -> lockstep::Result<Duration> {
+                s.spawn(move || -> crate::Result<Duration> {
                     // No host barrier: the collective itself paces the members, and an
                     // abort releases every one of them.
-                    let run = || -> lockstep::Result<Duration> {
+                    let run = || -> crate::Result<Duration> {
                         let ctx = CudaContext::new(ordinal)?;
                         let stream = ctx.new_stream()?;
                         let mut buf = stream.clone_htod(&vec![(r + 1) as f32; count])?;
                         let mut me = join(r, &stream)?;
                         if codec.is_some() {
-                            use lockstep::exchange::Exchange;
-                            let mut ex = lockstep::exchange::gpu::GpuExchange::new(me, count, 1)?.with_codec(codec)?;
+                            use crate::exchange::Exchange;
+                            let mut ex = crate::exchange::gpu::GpuExchange::new(me, count, 1)?.with_codec(codec)?;
                             ex.with_slot(0, |mut slot| stream.memcpy_dtod(&buf, &mut slot))?;
                             for _ in 0..warmup {
                                 ex.sum()?;
@@ -512,7 +512,7 @@ fn time_gpu_members<C: lockstep::exchange::gpu::DeviceAllReduce>(
                     first_error.get_or_insert(e);
                 }
                 Err(_) => {
-                    first_error.get_or_insert(lockstep::Error::Worker {
+                    first_error.get_or_insert(crate::Error::Worker {
                         device: format!("cuda:{}", ordinals[r]),
                         step: 0,
                         cause: "benchmark member panicked".into(),
@@ -526,7 +526,7 @@ fn time_gpu_members<C: lockstep::exchange::gpu::DeviceAllReduce>(
 }
 
 /// Mean time of one device-to-device copy of `count` f32 on GPU `ordinal`.
-fn time_gpu_copy(ordinal: usize, count: usize, iters: usize, warmup: usize) -> lockstep::Result<Duration> {
+fn time_gpu_copy(ordinal: usize, count: usize, iters: usize, warmup: usize) -> crate::Result<Duration> {
     let ctx = cudarc::driver::CudaContext::new(ordinal)?;
     let stream = ctx.new_stream()?;
     let src = stream.alloc_zeros::<f32>(count)?;
@@ -562,7 +562,7 @@ pub(crate) fn cmd_bench_step(a: BenchStepArgs) -> CliResult {
         a.features.config(TrainConfig { batch_size, optimizer, check_replicas_every: None, ..TrainConfig::default() });
     let total = a.warmup + a.steps;
     let kept = total.min(8);
-    let mut estimate = lockstep::train::memory::training(&model, &devices, &config);
+    let mut estimate = crate::train::memory::training(&model, &devices, &config);
     let per_batch = (batch_size as u64).saturating_mul(data.sample_shape().numel() as u64).saturating_mul(4);
     estimate.add("benchmark batches", kept.saturating_mul(per_batch), format!("{kept} batches of {batch_size}"));
     estimate.check("bench step").map_err(Failure::usage)?;
@@ -574,7 +574,7 @@ pub(crate) fn cmd_bench_step(a: BenchStepArgs) -> CliResult {
         .collect();
     // Under mpirun every process runs the steps; process 0 reports (the slowest
     // process's times are in every step's merged report).
-    let world = lockstep::world::current().map_err(Failure::usage)?;
+    let world = crate::world::current().map_err(Failure::usage)?;
     let shown = match world.size() {
         1 => devices.to_string(),
         p => format!("{p} processes × {devices}"),
@@ -654,7 +654,7 @@ pub(crate) fn cmd_bench_layers(a: BenchLayersArgs) -> CliResult {
     // The GPT of nanoGPT's CPU recipe reads windows of the fortunes.
     let data = match gpt {
         true => {
-            lockstep::data::text::load_fortunes(lockstep::models::GptConfig::default().context)
+            crate::data::text::load_fortunes(crate::models::GptConfig::default().context)
                 .map_err(|e| Failure::usage(anyhow!("--model gpt reads the fortunes: {e}")))?
                 .train
         }
@@ -663,12 +663,12 @@ pub(crate) fn cmd_bench_layers(a: BenchLayersArgs) -> CliResult {
     let source = ModelSource::Builtin(a.model);
     let mut model =
         build_model(&source, data.sample_shape().dims(), data.num_classes(), if gpt { 0.0 } else { 0.5 }, 0.99)?;
-    let mut estimate = lockstep::memory::Estimate::default();
+    let mut estimate = crate::memory::Estimate::default();
     let per_sample = data.sample_shape().numel() as u64 * 4;
     estimate
         .add(
             "activations",
-            lockstep::memory::shard_activations(&model, batch_size, threads),
+            crate::memory::shard_activations(&model, batch_size, threads),
             format!("a pass of {batch_size} samples"),
         )
         .add(
@@ -687,16 +687,16 @@ pub(crate) fn cmd_bench_layers(a: BenchLayersArgs) -> CliResult {
     let mut dims = vec![batch_size];
     dims.extend_from_slice(batch.sample_shape.dims());
     let mut total = Duration::ZERO;
-    pool.install(|| -> lockstep::Result<()> {
+    pool.install(|| -> crate::Result<()> {
         for pass in 0..=a.steps {
             if pass == 1 {
                 model.start_profile();
             }
             let t0 = Instant::now();
-            let x = lockstep::Tensor::from_vec(batch.x.clone(), dims.clone())?;
-            let ctx = lockstep::nn::Ctx::train(0, pass as u64, 0, lockstep::Device::Cpu(0));
+            let x = crate::Tensor::from_vec(batch.x.clone(), dims.clone())?;
+            let ctx = crate::nn::Ctx::train(0, pass as u64, 0, crate::Device::Cpu(0));
             let logits = model.forward(x, &store.params, &mut store.buffers, &ctx)?;
-            let (_, dlogits) = lockstep::nn::loss::softmax_cross_entropy(&logits, &batch.y)?;
+            let (_, dlogits) = crate::nn::loss::softmax_cross_entropy(&logits, &batch.y)?;
             grads.fill(0.0);
             model.backward(dlogits, &store.params, &mut grads, &ctx)?;
             if pass > 0 {
@@ -715,7 +715,7 @@ pub(crate) fn cmd_bench_layers(a: BenchLayersArgs) -> CliResult {
     // A container's layers follow its row, indented a level deeper; its time includes
     // theirs, so the shares of the network's own layers (depth 0) add up to the pass.
     let profile = model.profile();
-    let label = |r: &lockstep::nn::ProfileRow| format!("{}{}", "  ".repeat(r.depth), r.name);
+    let label = |r: &crate::nn::ProfileRow| format!("{}{}", "  ".repeat(r.depth), r.name);
     let width = profile.iter().map(|r| label(r).chars().count()).max().unwrap_or(0).max(12);
     outln!("{:<width$} {:<52} {:>10} {:>10} {:>7}", "layer", "", "fwd (ms)", "bwd (ms)", "share");
     for r in &profile {
@@ -836,7 +836,7 @@ mod tests {
     fn the_cpu_parser_reads_a_real_run() {
         // The whole CPU path as `bench allreduce --devices cpu:2 --sizes 4K,64K` runs it.
         let mut out = Vec::new();
-        cpu_allreduce(&mut out, 2, &[4 << 10, 64 << 10], (3, 1), lockstep::exchange::codec::Compression::None)
+        cpu_allreduce(&mut out, 2, &[4 << 10, 64 << 10], (3, 1), crate::exchange::codec::Compression::None)
             .map_err(|f| format!("{f:?}"))
             .unwrap();
         let table = String::from_utf8(out).unwrap();
@@ -851,7 +851,7 @@ mod tests {
         }
         // With bf16 on the wire the table keeps its columns (its extra lines are comments).
         let mut out = Vec::new();
-        cpu_allreduce(&mut out, 2, &[4 << 10, 64 << 10], (3, 1), lockstep::exchange::codec::Compression::Bf16)
+        cpu_allreduce(&mut out, 2, &[4 << 10, 64 << 10], (3, 1), crate::exchange::codec::Compression::Bf16)
             .map_err(|f| format!("{f:?}"))
             .unwrap();
         let table = String::from_utf8(out).unwrap();
