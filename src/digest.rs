@@ -61,6 +61,12 @@ impl Fnv1a {
     }
 }
 
+/// FNV-1a of `bytes` (the processes' agreement on a value, under MPI).
+#[cfg(any(test, feature = "mpi"))]
+pub fn fnv1a(bytes: &[u8]) -> u64 {
+    Fnv1a::new().bytes(bytes).finish()
+}
+
 /// FNV-1a of the bits of `values`, each as its 4 little-endian bytes: a short name for a
 /// tensor's exact contents, for summaries (`Debug` of weights and optimiser state).
 pub fn fnv1a_f32(values: &[f32]) -> u64 {
@@ -69,11 +75,6 @@ pub fn fnv1a_f32(values: &[f32]) -> u64 {
 
 #[cfg(test)]
 mod tests {
-
-    /// FNV-1a of `bytes`.
-    fn fnv1a(bytes: &[u8]) -> u64 {
-        Fnv1a::new().bytes(bytes).finish()
-    }
     use super::*;
 
     #[test]

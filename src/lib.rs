@@ -17,42 +17,32 @@
 //! assert_eq!(report.epochs.last().unwrap().test.unwrap().accuracy(), 1.0);
 //! ```
 //!
-//! # The contract
-//! - The batch size is GLOBAL: B samples per step whatever the number of devices.
-//! - Replicas back-propagate the SUM of their samples' losses, the all-reduce sums, and
-//!   the optimiser divides by the real size of the global batch: one step on N devices
-//!   is one step on one device with the whole batch, up to float summation order.
-//! - With a fixed number of logical replicas R (`TrainConfig::replicas`), the summation
-//!   order is fixed too: 1, 2 or 4 devices give bitwise the same weights.
-//! - Every random number is a function of (seed, epoch, step, logical replica), so a run
-//!   resumed from a checkpoint ends exactly where the uninterrupted run would.
+//! What a step guarantees (the global batch, exact averaging, bitwise-identical replicas,
+//! logical replicas, randomness, faults) is stated once, in the guide's architecture
+//! chapter (docs/architecture.md, "What a step guarantees"); the guide is `docs/`.
 //!
-//! # Where things are
-//! | module | owns |
+//! # What a program imports
+//! | module | what it gives |
 //! |---|---|
-//! | [`tensor`] | shapes, devices, tensors |
-//! | [`backend`] | the CPU kernels (GEMM, unfolding), the reference for every other backend |
-//! | [`nn`] | layers (forward and backward side by side), `Sequential`, the loss |
-//! | [`optim`] | SGD (momentum, Nesterov), Adam and AdamW over flat buffers; learning-rate schedules and warm-up, weight decay groups, clipping by the global norm |
-//! | [`models`] | the seed models and their tensor names |
-//! | [`data`] | datasets: the embedded digits, the lesson's toy set, safetensors files |
-//! | [`exchange`] | where gradients meet: the `Exchange` trait, shared memory between CPU threads, NCCL and device copies between GPUs, MPI between processes; the 16-bit gradient codec; synchronized BatchNorm's statistics exchange |
-//! | [`train`] | `train_data_parallel`, `with_trainer`, the workers, scatter and sampler |
+//! | [`nn`] | the layers a model is built from, [`nn::Sequential`], the [`nn::Layer`] trait for layers of one's own, the loss |
+//! | [`models`] | the built-in models (the lesson's MLP, the Keras convnet, ResNets, nanoGPT's GPT) and their tensor names |
+//! | [`spec`] | models written as JSON (`--model FILE.json`) |
+//! | [`data`] | datasets: the embedded digits, the lesson's toy set, MNIST-format directories, Fashion-MNIST, safetensors files, text; augmentation |
+//! | [`devices`] | the devices a run trains on (`--devices`) |
+//! | [`optim`] | SGD, Adam and AdamW, schedules, weight decay groups, clipping, the sharded optimiser |
+//! | [`train`] | [`train::train_data_parallel`], [`train::with_trainer`] (your own loop), configurations, reports, observers' events, the memory estimate |
+//! | [`observe`] | ready observers: progress, JSON lines, the metrics CSV |
 //! | [`checkpoint`] | checkpoints and exact resume |
-//! | [`dirlock`] | one run per checkpoint directory (an advisory lock) |
-//! | [`memory`] | memory estimated before any work, refused when it does not fit |
-//! | [`units`] | bytes, counts and spans of time as people read and write them (a leaf) |
-//! | [`digest`] | FNV-1a, the hash of every digest compared: checkpoints, datasets, processes, replicas (a leaf) |
-//! | [`json_keys`] | keys given twice in a JSON text, and where (a leaf) |
-//! | [`wire`] | the 16-bit gradient codec's wire format, below both `exchange` and `cuda` (a leaf) |
-//! | [`weights`] | safetensors weights in PyTorch's names and layouts |
-//! | [`safetensors_io`] | the container: headers checked before mapping, reproducible bytes |
-//! | [`devices`] | `--devices` specifications |
-//! | [`world`] | the processes of a run under an MPI launcher: this one's index, their number, their collectives, failure notices |
-//! | `cuda` | run-time probing of the CUDA driver, NVRTC and NCCL; the CUDA kernels; the GPU replica (the `cuda` feature) |
-//! | [`observe`] | observers of a run: progress (a bar, or lines), JSON lines, the metrics CSV |
-//! | `plot` | training curves as a PNG, in memory or to a file (the `plot` feature) |
-//! | `notebook` | what a Jupyter (evcxr) cell shows of a report (the `notebook` feature) |
+//! | [`weights`] | weights files in PyTorch's names and layouts |
+//! | [`memory`] | estimates by parts; keeping freed pages for the next step |
+//! | [`exchange`] | the 16-bit gradients' formats ([`exchange::codec::Compression`]) |
+//! | `cuda` | what the machine's CUDA offers ([`cuda::probe`]; the `cuda` feature) |
+//! | `plot`, `notebook` | training curves as PNG; a report in a Jupyter cell (their features) |
+//! | `cli` | the `lockstep` program itself (the `cli` feature) |
+//! | [`prelude`] | the names a notebook or a small program needs, at once |
+//!
+//! Everything else is the library's own: the map of the source, folder by folder, is the
+//! architecture chapter's ("Layout"), which a test holds to the tree.
 //!
 //! # Features
 //! `cli` (the binary), `cuda` (GPUs) and `plot` (charts) are on by default; with

@@ -54,7 +54,7 @@ pub enum Compression {
     None,
     /// bfloat16, rounded to nearest even.
     Bf16,
-    /// IEEE half precision, scaled by a power of two per block of [`BLOCK`] values.
+    /// IEEE half precision, scaled by a power of two per block of `BLOCK` values.
     Fp16,
 }
 

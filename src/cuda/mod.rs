@@ -5,13 +5,13 @@
 //! and runs on machines without a GPU; there, every function here returns
 //! [`crate::Error::CudaUnavailable`] and nothing panics. Submodules:
 //! - [`probe`]: is the driver / NVRTC / NCCL there, how many GPUs, what to do if not;
-//! - [`declare`]: how a kernel is declared (name, file, typed parameters) and what the
+//! - `declare`: how a kernel is declared (name, file, typed parameters) and what the
 //!   declaration expands to (a typed launch, the file's table entry), the naming helper;
-//! - [`kernels`]: NVRTC compilation, its cache, and loading a file into a context;
-//! - [`launch`]: [`launch::Gpu`], one device's context and stream, and what every checked
+//! - `kernels`: NVRTC compilation, its cache, and loading a file into a context;
+//! - `launch`: `launch::Gpu`, one device's context and stream, and what every checked
 //!   launch shares (buffer traits, length checks, launch shapes);
-//! - [`buffers`]: kernels on whole buffers (the ordered sum of K buffers, scale, fill);
-//! - [`gemm`]: GEMMs as row-major descriptions, handed to cuBLAS.
+//! - `buffers`: kernels on whole buffers (the ordered sum of K buffers, scale, fill);
+//! - `gemm`: GEMMs as row-major descriptions, handed to cuBLAS.
 //!
 //! Nothing here imports an op, the optimiser, the step or an exchange: each op's GPU form
 //! and its kernels' declarations and launches live in the op's folder (`ops::<op>::gpu`),

@@ -4,7 +4,7 @@
 //! labels 0..9; provenance, licence and sha256 in `data/digits/README.md`), its parser,
 //! the two layouts a model can ask for ([`DigitsLayout`]), the bilinear resize that
 //! turns 8×8 into MNIST-sized 28×28 images, and the fixed train/test split.
-//! The split draws from the crate's own [`crate::rng::SplitMix64`]: it must not depend
+//! The split draws from the crate's own `crate::rng::SplitMix64`: it must not depend
 //! on any other crate's RNG, whose streams may change between versions.
 //!
 //! It leaves to others: shuffling per epoch and sharding (the trainer's sampler), and

@@ -1,11 +1,11 @@
 //! The codec's sum: how an exchange adds the 16-bit wires of its logical replicas
-//! ([`Codec::reduce`]), decoded, in f32, in the canonical tree of [`super::tree`], the sum
+//! (`Codec::reduce`), decoded, in f32, in the canonical tree of `super::tree`, the sum
 //! encoded again — one piece that any exchange can carry (shared memory, MPI between
 //! processes), kept apart from every transport; the GPU exchange runs the same with
 //! kernels (kernels/codec.cu's `wire_reduce`).
 //!
 //! Owns the sum only. The wire format (what travels, how a value is encoded and decoded)
-//! is [`crate::wire`]'s, a leaf that `cuda` builds on too; its names are re-exported here,
+//! is `crate::wire`'s, a leaf that `cuda` builds on too; its names are re-exported here,
 //! so that `exchange::codec` stays the one path of the codec for the exchanges, the
 //! command line and the tests.
 

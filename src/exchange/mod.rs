@@ -1,15 +1,15 @@
 //! Gradient exchanges: where the gradients of a step's logical replicas meet.
 //!
-//! Owns the contract between the step (`train::step`) and every transport: [`Exchange`],
-//! one device's side of an exchange, and [`Abort`], the side every thread of a run shares.
+//! Owns the contract between the step (`train::step`) and every transport: `Exchange`,
+//! one device's side of an exchange, and `Abort`, the side every thread of a run shares.
 //!
 //! The words, used the same way in every file: a **group** is the state of one run's
-//! exchange that its threads share (by reference: [`shm::ShmGroup`], [`gpu::NcclGroup`],
-//! [`gpu::CopyGroup`]; each implements [`Abort`]); a **member** is one device thread's
-//! membership in a group ([`shm::ShmMember`], [`gpu::NcclMember`], [`gpu::CopyMember`]); a
+//! exchange that its threads share (by reference: `shm::ShmGroup`, `gpu::NcclGroup`,
+//! `gpu::CopyGroup`; each implements `Abort`); a **member** is one device thread's
+//! membership in a group (`shm::ShmMember`, `gpu::NcclMember`, `gpu::CopyMember`); a
 //! **slot** holds one logical replica's (shard's) `[gradient | buffers]`; the **exchange**
-//! of a device is what the step talks to ([`Exchange`]: the CPU's [`shm::ShmMember`], a
-//! GPU's [`gpu::GpuExchange`] over either GPU transport's member). A *replica* is the
+//! of a device is what the step talks to (`Exchange`: the CPU's `shm::ShmMember`, a
+//! GPU's `gpu::GpuExchange` over either GPU transport's member). A *replica* is the
 //! model on a device (`train::replica`), never a transport's member.
 //! The step writes each of its logical replicas' (shards') gradient into that shard's
 //! *slot*, asks for the sum, and reads the sum piece by piece; it never learns how the
@@ -18,14 +18,14 @@
 //!
 //! | transport | memory | sum order | file |
 //! |---|---|---|---|
-//! | shared memory between CPU threads | [`Host`] | one tree over all R shard indices | [`shm`] |
-//! | NCCL between GPUs | [`gpu::DeviceMemory`] | device's shards in shard order, then NCCL's | [`gpu`] |
-//! | device copies between GPUs | [`gpu::DeviceMemory`] | device's shards in shard order, then member order | [`gpu`] |
-//! | either GPU transport, with 16-bit gradients (one process) | [`gpu::DeviceMemory`] | the codec's: one tree over all R shard indices | [`gpu`] |
-//! | MPI between processes (CPU; the `mpi` feature) | [`Host`] | the same tree over all R shard indices, cut into per-process subtrees ([`tree`]) | `mpi` |
+//! | shared memory between CPU threads | `Host` | one tree over all R shard indices | `shm` |
+//! | NCCL between GPUs | `gpu::DeviceMemory` | device's shards in shard order, then NCCL's | `gpu` |
+//! | device copies between GPUs | `gpu::DeviceMemory` | device's shards in shard order, then member order | `gpu` |
+//! | either GPU transport, with 16-bit gradients (one process) | `gpu::DeviceMemory` | the codec's: one tree over all R shard indices | `gpu` |
+//! | MPI between processes (CPU; the `mpi` feature) | `Host` | the same tree over all R shard indices, cut into per-process subtrees (`tree`) | `mpi` |
 //!
-//! Which of them a run uses, and which features each carries, is [`RunTransport`]'s
-//! ([`transport`]): the one table a run is wired by.
+//! Which of them a run uses, and which features each carries, is `RunTransport`'s
+//! (`transport`): the one table a run is wired by.
 //!
 //! A slot holds `[gradient sum of the shard | the shard's updated BatchNorm buffers]`
 //! (`width` values); the sum of every slot is what the update reads: the gradient part
@@ -33,14 +33,14 @@
 //!
 //! Beside the sum, two things the features of issue 12 ask of an exchange, each with a
 //! default that any transport satisfies: a sharded optimiser's parameter all-gather
-//! ([`Exchange::owned`], [`Exchange::all_gather`]; by default a member owns everything and
+//! (`Exchange::owned`, `Exchange::all_gather`; by default a member owns everything and
 //! there is nothing to gather), and 16-bit values on the wire, which a transport carries
 //! with the one codec of [`codec`] (the GPU exchange with kernels that mirror it). Synchronized
 //! BatchNorm's small collective inside the passes is a second trait,
 //! `ops::batchnorm::stats::StatsExchange`; a GPU run's replicas meet in the shared-memory one, on the
-//! host, and [`Aborts`] makes one abort stop both groups.
+//! host, and `Aborts` makes one abort stop both groups.
 //!
-//! Faults: [`Abort::abort`] makes every pending and future call of every member return
+//! Faults: `Abort::abort` makes every pending and future call of every member return
 //! [`Error::Aborted`](crate::Error::Aborted), from any thread, so that no member waits
 //! forever for one that failed; a member whose own call fails aborts before returning.
 

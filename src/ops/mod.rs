@@ -75,7 +75,7 @@ use crate::tensor::{Device, Shape, Tensor};
 pub(crate) const F32: u64 = 4;
 
 /// What a layer holds for a training pass beyond its parameters and buffers (which
-/// [`Sequential`] lays out), as [`Layer::memory`] states it; `crate::memory` sums these
+/// `Sequential` lays out), as [`Layer::memory`] states it; `crate::memory` sums these
 /// over a network.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct LayerMemory {
@@ -289,9 +289,9 @@ pub trait Layer: Send {
 
     /// The parameters of [`Layer::params`] that are an earlier tensor of the model, by
     /// index and that tensor's full name (a language model's head whose weight is the
-    /// token embedding's): [`Sequential`] lays each out once, at the earlier tensor's
+    /// token embedding's): `Sequential` lays each out once, at the earlier tensor's
     /// place, after checking that the shapes agree, and names the layer's own name of it
-    /// an alias ([`Sequential::aliases`]). Default: none.
+    /// an alias (`Sequential::aliases`). Default: none.
     fn tied(&self) -> Vec<(usize, String)> {
         Vec::new()
     }
@@ -343,7 +343,7 @@ pub trait Layer: Send {
 
     /// This layer with its training statistics the global batch's, every logical
     /// replica's shard together (PyTorch's `SyncBatchNorm`), for a layer that normalises
-    /// by batch statistics: what [`convert_sync_batchnorm`] puts in its place. Default:
+    /// by batch statistics: what `convert_sync_batchnorm` puts in its place. Default:
     /// none, the layer has no statistics to synchronize.
     fn synchronized(&self) -> Option<Box<dyn Layer>> {
         None
@@ -357,7 +357,7 @@ pub trait Layer: Send {
         Vec::new()
     }
 
-    /// Told by its [`Sequential`] whether a ReLU layer follows this one; returns whether
+    /// Told by its `Sequential` whether a ReLU layer follows this one; returns whether
     /// this layer then computes that ReLU in its own passes on the CPU (its forward clamps
     /// the values it writes, its backward masks the gradient it reads: bit for bit what
     /// the two layers compute one after the other), and the Sequential skips the ReLU
@@ -367,7 +367,7 @@ pub trait Layer: Send {
     }
 
     /// For a container: starts (or restarts) timing the layers inside it, as
-    /// [`Sequential::start_profile`] does its own. Default: nothing inside.
+    /// `Sequential::start_profile` does its own. Default: nothing inside.
     fn start_profile(&mut self) {}
 
     /// For a container: the timings of the layers inside it since [`Layer::start_profile`],
@@ -386,7 +386,7 @@ pub trait Layer: Send {
     }
 }
 
-/// One layer's time in the passes since profiling started ([`Sequential::profile`]).
+/// One layer's time in the passes since profiling started (`Sequential::profile`).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ProfileRow {
     /// Its name in the network, dotted below a container (`blocks.0.conv1`).

@@ -23,7 +23,7 @@ fn optimizer_copies(o: &OptimizerConfig) -> (u64, &'static str) {
 }
 
 /// What a run of `model` on `devices` under `config` will allocate on the host. GPU
-/// devices add what their replicas hold on the GPU, checked by [`check_training`]
+/// devices add what their replicas hold on the GPU, checked by `check_training`
 /// against each GPU's memory.
 pub fn training(model: &Sequential, devices: &Devices, config: &TrainConfig) -> Estimate {
     let n = devices.len().max(1) as u64;

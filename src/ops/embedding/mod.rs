@@ -101,7 +101,7 @@ pub struct Embedding {
 }
 
 impl Embedding {
-    /// `nn.Embedding(vocab, width)`: ids in 0..vocab (at most [`MAX_VOCAB`]), rows of
+    /// `nn.Embedding(vocab, width)`: ids in 0..vocab (at most `MAX_VOCAB`), rows of
     /// `width` values, the table initialised N(0, 0.02²) as nanoGPT does.
     pub fn new(vocab: usize, width: usize) -> Result<Embedding> {
         if vocab == 0 || width == 0 {
