@@ -631,8 +631,9 @@ fn the_reader_sees_the_crates_known_edges() {
     assert!(has("exchange/shm.rs", "error.rs"), "use crate::error::{{...}}");
     assert!(has("exchange/shm.rs", "exchange/mod.rs"), "use super::{{Abort, ...}}");
     assert!(has("train/config.rs", "wire.rs"), "exchange::codec::Compression, followed through its re-export");
-    assert!(has("cmd/train.rs", "cmd/signals.rs"), "use crate::cmd::signals::...");
-    assert!(has("main.rs", "train/trainer.rs"), "lockstep::train::with_trainer, followed past the facade");
+    assert!(has("cli/train/mod.rs", "cli/signals.rs"), "use super::signals::...");
+    assert!(has("main.rs", "cli/mod.rs"), "lockstep::cli::main, from the binary");
+    assert!(has("cli/mod.rs", "train/trainer.rs"), "crate::train::with_trainer, followed past the facade");
 }
 
 fn graph_of(files: &[(&str, &str)]) -> Graph {
@@ -668,4 +669,34 @@ fn test_modules_and_facades_are_not_edges() {
     assert!(e["x/mod.rs"].is_empty(), "a module's re-export of its own child is its facade");
     assert_eq!(e["y.rs"], BTreeSet::from(["x/inner.rs".to_string()]), "followed through the re-export");
     assert!(cycles(&e).is_empty() && cycles(&g.folder_edges()).is_empty());
+}
+
+// ---------------------------------------------------------------------------------------
+// The layout map of the guide
+
+#[test]
+fn the_layout_map_names_every_entry_of_src_and_only_what_exists() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let doc = std::fs::read_to_string(root.join("docs/architecture.md")).unwrap();
+    let after = doc.split("## Layout").nth(1).expect("the chapter's Layout section");
+    let block = after.split("```text\n").nth(1).and_then(|b| b.split("```").next()).expect("its map");
+    // The names the map writes: `src/<dir>/`, `<file>.rs` (bare, on a line of src's files,
+    // or `src/<file>.rs`).
+    let named: BTreeSet<String> = Regex::new(r"(?:src/)?[a-z_]+(?:/|\.rs)\b?")
+        .unwrap()
+        .find_iter(block)
+        .map(|m| m.as_str().trim_start_matches("src/").to_string())
+        .collect();
+    let mut missing = Vec::new();
+    for entry in std::fs::read_dir(root.join("src")).unwrap().map(|e| e.unwrap()) {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let written = if entry.path().is_dir() { format!("{name}/") } else { name };
+        if !named.contains(&written) {
+            missing.push(written);
+        }
+    }
+    assert!(missing.is_empty(), "src/ holds {missing:?}, which the layout map of docs/architecture.md does not name");
+    for path in Regex::new(r"src/[a-z_/]+(?:\.rs)?").unwrap().find_iter(block).map(|m| m.as_str()) {
+        assert!(root.join(path).exists(), "the layout map names {path}, which does not exist");
+    }
 }

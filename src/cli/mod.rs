@@ -60,7 +60,6 @@ mod bench_mpi;
 mod eval;
 mod features;
 mod files;
-mod record;
 mod regularize;
 mod signals;
 mod text;

@@ -28,11 +28,13 @@ use crate::world::World;
 use signal_hook::consts::SIGINT;
 
 use super::features::FeatureArgs;
-use super::record::{self, RunRecord};
+mod record;
+
 use super::regularize::RegularizeArgs;
 use super::signals::{Launched, StopSignals};
 use super::text::{self, GptArgs};
 use super::*;
+use record::RunRecord;
 
 // ---------------------------------------------------------------------------------------
 // arguments

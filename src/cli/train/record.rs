@@ -26,9 +26,9 @@ use crate::checkpoint::{self, Record};
 use crate::data::augment::Augment;
 use serde::{Deserialize, Serialize};
 
-use super::text::GptArgs;
-use super::train::TrainArgs;
-use super::*;
+use super::TrainArgs;
+use crate::cli::text::GptArgs;
+use crate::cli::*;
 
 /// The format of the record this lockstep writes, and the only one it reads: a change to
 /// what [`RunRecord`] holds is a new format.
@@ -503,7 +503,7 @@ flag_always_set!(f32, u64, usize, String, ModelChoice, DecayOnName, CompressionN
 
 #[cfg(test)]
 mod tests {
-    use super::train::tests::{parsed, parsed_given, resolved};
+    use super::super::tests::{parsed, parsed_given, resolved};
     use super::*;
 
     /// The flags a record does not hold: how one invocation starts (`--init`) and stops
