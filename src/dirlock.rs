@@ -33,14 +33,14 @@ use crate::error::{Error, Result};
 /// The lock file's name inside a checkpoint directory.
 pub const LOCK_FILE: &str = "lockstep.lock";
 
-struct Held {
+struct HeldLock {
     /// Open for as long as the lock is held: closing it releases the `flock`.
     file: File,
     path: PathBuf,
     running: AtomicBool,
 }
 
-impl Drop for Held {
+impl Drop for HeldLock {
     /// A lock released in order leaves an empty file: only a holder that died leaves
     /// its pid behind, which is what "stale" means.
     fn drop(&mut self) {
@@ -49,15 +49,15 @@ impl Drop for Held {
 }
 
 /// The locks this process holds, by canonical directory.
-fn held() -> &'static Mutex<HashMap<PathBuf, Weak<Held>>> {
-    static HELD: OnceLock<Mutex<HashMap<PathBuf, Weak<Held>>>> = OnceLock::new();
+fn held() -> &'static Mutex<HashMap<PathBuf, Weak<HeldLock>>> {
+    static HELD: OnceLock<Mutex<HashMap<PathBuf, Weak<HeldLock>>>> = OnceLock::new();
     HELD.get_or_init(Default::default)
 }
 
 /// This process's hold on a checkpoint directory; released when the last clone drops.
 #[derive(Clone)]
 pub struct DirLock {
-    held: Arc<Held>,
+    held: Arc<HeldLock>,
     stale: Option<u32>,
 }
 
@@ -116,7 +116,7 @@ impl DirLock {
             file.sync_all()
         })();
         write.map_err(|e| Error::io(&path, e))?;
-        let h = Arc::new(Held { file, path, running: AtomicBool::new(false) });
+        let h = Arc::new(HeldLock { file, path, running: AtomicBool::new(false) });
         table.retain(|_, w| w.strong_count() > 0);
         table.insert(canonical, Arc::downgrade(&h));
         // Whatever pid the file named no longer holds the lock. It is reported as a dead
@@ -143,7 +143,7 @@ impl DirLock {
 
 /// While alive, the directory's run is in progress (see [`DirLock::begin_run`]).
 pub struct RunGuard {
-    held: Arc<Held>,
+    held: Arc<HeldLock>,
 }
 
 impl Drop for RunGuard {

@@ -145,7 +145,7 @@ fn node_block<'v>(
 mod tests {
     use super::*;
 
-    /// Shard i's values: magnitudes from 1e-3 to 1e5 and both signs, so that another
+    /// ShardPass i's values: magnitudes from 1e-3 to 1e5 and both signs, so that another
     /// association of the same additions rounds differently.
     fn shards(n: usize, len: usize) -> Vec<Vec<f32>> {
         (0..n)

@@ -9,7 +9,7 @@
 use std::ops::Range;
 use std::time::{Duration, Instant};
 
-use super::replica::{fingerprints, Fill, Mark, Replica, Shard, StepOutcome};
+use super::replica::{fingerprints, Fill, Mark, Replica, ShardPass, StepOutcome};
 use super::Batch;
 use crate::error::Result;
 use crate::exchange::Host;
@@ -134,7 +134,7 @@ impl Replica for CpuReplica<'_> {
         Ok(())
     }
 
-    fn train_shard(&mut self, batch: &Batch, shard: &Shard, slot: &mut &mut [f32]) -> Result<()> {
+    fn train_shard(&mut self, batch: &Batch, shard: &ShardPass, slot: &mut &mut [f32]) -> Result<()> {
         let ctx = Ctx {
             sample_offset: shard.offset,
             stats: self.stats,
@@ -153,7 +153,7 @@ impl Replica for CpuReplica<'_> {
         Ok(())
     }
 
-    fn skip_shard(&mut self, shard: &Shard) {
+    fn skip_shard(&mut self, shard: &ShardPass) {
         if shard.fill == Fill::Write {
             self.shards.push(Metrics::default());
         }

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{bounded, Receiver};
 
-use super::trainer::HeldBatch;
+use super::trainer::ProcessRows;
 use super::{
     scatter, with_trainer, Batch, BestEpoch, EpochReport, HeldOut, NonFinite, Observer, Silent, StepEvent, StopRequest,
     Stopped, TrainConfig, TrainReport, Trainer, DEFAULT_EVAL_BATCHES, DEFAULT_EVAL_EVERY, LOSSES_KEPT,
@@ -253,7 +253,7 @@ impl<'a, 'o> Fit<'a, 'o> {
     fn run(mut self, trainer: &mut Trainer<'_>, train: &Dataset) -> Result<TrainReport> {
         let started = Instant::now();
         let stopped = std::thread::scope(|s| -> Result<Stopped> {
-            let (batch_tx, batch_rx) = bounded::<(usize, usize, HeldBatch)>(self.config.prefetch.max(1));
+            let (batch_tx, batch_rx) = bounded::<(usize, usize, ProcessRows)>(self.config.prefetch.max(1));
             let (span, config, rows) = (self.span, self.config, trainer.row_plan());
             s.spawn(move || {
                 let mut step = span.start.step;
@@ -284,7 +284,7 @@ impl<'a, 'o> Fit<'a, 'o> {
                         // Augmented by (seed, epoch, sample index): whoever trains the row.
                         let batch =
                             Batch::gather_augmented(train, &idx[mine.clone()], &config.augment, config.seed, epoch);
-                        let held = HeldBatch { batch, first_row: mine.start, global_len: idx.len() };
+                        let held = ProcessRows { batch, first_row: mine.start, global_len: idx.len() };
                         if step >= span.total_steps || batch_tx.send((epoch, i, held)).is_err() {
                             return;
                         }
@@ -321,7 +321,7 @@ impl<'a, 'o> Fit<'a, 'o> {
     }
 
     /// Every step up to the end of the run, or until it stops.
-    fn steps(&mut self, trainer: &mut Trainer<'_>, batches: &Receiver<(usize, usize, HeldBatch)>) -> Result<Stopped> {
+    fn steps(&mut self, trainer: &mut Trainer<'_>, batches: &Receiver<(usize, usize, ProcessRows)>) -> Result<Stopped> {
         if let Some(best_epoch) = self.stopped_early_before(self.span.start) {
             return Ok(Stopped::EarlyStopping { best_epoch });
         }
@@ -358,7 +358,7 @@ impl<'a, 'o> Fit<'a, 'o> {
         trainer: &mut Trainer<'_>,
         epoch: usize,
         i: usize,
-        batch: HeldBatch,
+        batch: ProcessRows,
         data_wait: Duration,
     ) -> Result<()> {
         let t_step = Instant::now();

@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaStream, CudaView, CudaViewMut};
 
-use super::replica::{fingerprints, Fill, Mark, Replica, Shard, StepOutcome};
+use super::replica::{fingerprints, Fill, Mark, Replica, ShardPass, StepOutcome};
 use super::Batch;
 use crate::error::{Error, Result};
 use crate::exchange::gpu::DeviceMemory;
@@ -124,7 +124,7 @@ impl<'s> GpuReplica<'s> {
 
     /// Where `shard`'s rows lie among the staged rows, noted for its metrics: a shard's
     /// micro-batches are consecutive rows, and its metrics cover their union.
-    fn note_shard(&mut self, shard: &Shard) -> Range<usize> {
+    fn note_shard(&mut self, shard: &ShardPass) -> Range<usize> {
         let s = &shard.rows;
         // The staged rows span this device's shards, so each shard lies inside them.
         let rows = s.start - self.staged.start..s.end - self.staged.start;
@@ -165,7 +165,7 @@ impl Replica for GpuReplica<'_> {
         self.net.start_slot(slot)
     }
 
-    fn train_shard(&mut self, _batch: &Batch, shard: &Shard, slot: &mut CudaViewMut<'_, f32>) -> Result<()> {
+    fn train_shard(&mut self, _batch: &Batch, shard: &ShardPass, slot: &mut CudaViewMut<'_, f32>) -> Result<()> {
         let rows = self.note_shard(shard);
         let draw = Draw { seed: self.seed, step: shard.step, shard: shard.index, sample_offset: shard.offset };
         let fill = match shard.fill {
@@ -178,7 +178,7 @@ impl Replica for GpuReplica<'_> {
         self.net.train_shard(rows, draw, slot, fill, sync, &aborted)
     }
 
-    fn skip_shard(&mut self, shard: &Shard) {
+    fn skip_shard(&mut self, shard: &ShardPass) {
         self.note_shard(shard);
     }
 

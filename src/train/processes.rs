@@ -52,7 +52,7 @@ impl RowPlan {
     /// The rows of a global batch of `len` this process's shards hold (all of them in a
     /// world of one); possibly empty.
     pub fn rows(&self, len: usize) -> Range<usize> {
-        let shards = scatter::shards(len, self.replicas);
+        let shards = scatter::even_runs(len, self.replicas);
         let mine = &shards[self.first..self.first + self.count];
         mine[0].start..mine[mine.len() - 1].end
     }

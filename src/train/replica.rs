@@ -33,7 +33,7 @@ pub enum Fill {
 
 /// One logical replica's share of a step, or one micro-batch of it.
 #[derive(Clone, Debug)]
-pub struct Shard {
+pub struct ShardPass {
     /// The shard's index, its logical replica's: BatchNorm statistics and dropout
     /// streams belong to it.
     pub index: usize,
@@ -124,14 +124,14 @@ pub(crate) trait Replica {
     fn train_shard(
         &mut self,
         batch: &Batch,
-        shard: &Shard,
+        shard: &ShardPass,
         slot: &mut <Self::Mem as Memory>::ViewMut<'_>,
     ) -> Result<()>;
 
     /// A pass without rows: on [`Fill::Write`], the shard's metrics start empty. (Its slot
     /// keeps what [`Replica::start_slot`] wrote; the step makes its calls to synchronized
     /// BatchNorm's statistics exchange.)
-    fn skip_shard(&mut self, shard: &Shard);
+    fn skip_shard(&mut self, shard: &ShardPass);
 
     /// The model, and where its synchronized BatchNorm layers meet the other logical
     /// replicas' (None: statistics per shard, nothing to meet).

@@ -72,8 +72,9 @@ pub fn steps_per_epoch(len: usize, batch: usize, last: LastBatch) -> usize {
     }
 }
 
-/// Row ranges of the R logical shards of a batch of `b` rows.
-pub fn shards(b: usize, r: usize) -> Vec<Range<usize>> {
+/// `b` rows cut into `r` contiguous runs whose sizes differ by at most one, in order: a
+/// global batch's R shards, a shard's K micro-batches, a process's share of the devices.
+pub fn even_runs(b: usize, r: usize) -> Vec<Range<usize>> {
     let (base, extra) = (b / r, b % r);
     let mut start = 0;
     (0..r)
@@ -92,12 +93,12 @@ mod tests {
 
     #[test]
     fn shards_differ_by_at_most_one_and_cover_the_batch() {
-        assert_eq!(shards(7, 3), vec![0..3, 3..5, 5..7]);
-        assert_eq!(shards(3, 3), vec![0..1, 1..2, 2..3]);
-        assert_eq!(shards(1, 3), vec![0..1, 1..1, 1..1]);
+        assert_eq!(even_runs(7, 3), vec![0..3, 3..5, 5..7]);
+        assert_eq!(even_runs(3, 3), vec![0..1, 1..2, 2..3]);
+        assert_eq!(even_runs(1, 3), vec![0..1, 1..1, 1..1]);
         for b in 0..40 {
             for r in 1..9 {
-                let s = shards(b, r);
+                let s = even_runs(b, r);
                 assert_eq!(s.len(), r);
                 assert_eq!(s.iter().map(|x| x.len()).sum::<usize>(), b);
                 let (mn, mx) = (s.iter().map(|x| x.len()).min().unwrap(), s.iter().map(|x| x.len()).max().unwrap());

@@ -27,12 +27,12 @@
 //! # Gradient accumulation (`TrainConfig::accumulate` = K, PyTorch's `no_sync`)
 //! The global batch of a step is processed as K micro-batches one after another:
 //! micro-batch m is the m-th part of every logical shard (each shard's rows cut into K
-//! contiguous runs whose sizes differ by at most one, `scatter::shards`), each backward
+//! contiguous runs whose sizes differ by at most one, `scatter::even_runs`), each backward
 //! adding into its shard's one slot; then ONE exchange and one update. So every forward
 //! pass holds about a K-th of a shard's rows (activation memory ÷ K), and no gradient
 //! memory is added. The cut is a function of B, R and K alone, so with R fixed, 1, 2 or 4
 //! devices still give bitwise-equal weights. Dropout masks are indexed by the row's place
-//! in its shard ([`Shard::offset`]): the unaccumulated step's masks. BatchNorm normalises
+//! in its shard ([`ShardPass::offset`]): the unaccumulated step's masks. BatchNorm normalises
 //! each micro-batch with its own statistics and moves the running statistics once per
 //! micro-batch, as PyTorch does under `no_sync`.
 //!
@@ -50,7 +50,7 @@
 use std::ops::Range;
 use std::sync::Arc;
 
-use super::replica::{Fill, Mark, Replica, Shard, StepOutcome};
+use super::replica::{Fill, Mark, Replica, ShardPass, StepOutcome};
 use super::{scatter, Batch};
 use crate::error::Result;
 use crate::exchange::Exchange;
@@ -68,7 +68,7 @@ pub struct StepWork {
     pub batch: Arc<Batch>,
     /// The row of the global batch that is `batch`'s row 0.
     pub first_row: usize,
-    /// Rows of each logical replica in the global batch (R ranges, from `scatter::shards`).
+    /// Rows of each logical replica in the global batch (R ranges, from `scatter::even_runs`).
     pub shards: Vec<Range<usize>>,
     /// Learning-rate multiplier of this step (the schedule's value).
     pub lr_scale: f32,
@@ -97,8 +97,8 @@ where
         exchange.with_slot(local, |mut slot| -> Result<()> {
             // Every slot is written whole, a shard without rows too: it joins the sum.
             replica.start_slot(&mut slot)?;
-            for (m, part) in scatter::shards(rows.len(), micro).into_iter().enumerate() {
-                let shard = Shard {
+            for (m, part) in scatter::even_runs(rows.len(), micro).into_iter().enumerate() {
+                let shard = ShardPass {
                     index: mine.start + local,
                     rows: rows.start + part.start..rows.start + part.end,
                     offset: part.start,
@@ -152,7 +152,7 @@ where
 /// A pass without rows still makes its calls to synchronized BatchNorm's statistics
 /// exchange, with nothing in them, so that the other logical replicas' calls meet theirs
 /// (`model::sync_batchnorm::join_without_rows`); without that exchange, nothing.
-fn join_without_data<R: Replica>(replica: &R, shard: &Shard) -> Result<()> {
+fn join_without_data<R: Replica>(replica: &R, shard: &ShardPass) -> Result<()> {
     match replica.synchronized() {
         (model, Some(stats)) => {
             crate::model::sync_batchnorm::join_without_rows(&Synchronized { stats, shard: shard.index }, model)

@@ -34,7 +34,7 @@ use super::processes::{self, Handshake, RowPlan};
 use super::replica::{check_replicas, decay_mask, Replica};
 use super::scatter;
 use super::step::StepWork;
-use super::worker::{self, recv_waiting, Command, Reply, Seat, SetupGate};
+use super::worker::{self, recv_waiting, Command, Reply, SetupGate, WorkerStart};
 use super::{Batch, ShardReport, StepReport, StopRequest, TrainConfig};
 use crate::data::Dataset;
 use crate::devices::Devices;
@@ -86,7 +86,7 @@ pub struct Trainer<'s> {
 
 /// The rows of one global batch that this process holds (all of them in a world of one):
 /// what the fit loop's loader gathers, each process only its own shards' rows.
-pub(super) struct HeldBatch {
+pub(super) struct ProcessRows {
     pub batch: Batch,
     /// The global batch's row at `batch`'s row 0.
     pub first_row: usize,
@@ -278,16 +278,16 @@ impl Trainer<'_> {
                 }
             }
         };
-        self.step_held(HeldBatch { batch, first_row: rows.start, global_len }, lr_scale)
+        self.step_held(ProcessRows { batch, first_row: rows.start, global_len }, lr_scale)
     }
 
     /// [`Trainer::step_scaled`] on the rows of the global batch this process holds.
-    pub(super) fn step_held(&mut self, held: HeldBatch, lr_scale: f32) -> Result<StepReport> {
+    pub(super) fn step_held(&mut self, held: ProcessRows, lr_scale: f32) -> Result<StepReport> {
         if held.global_len == 0 {
             return Err(Error::config("batch", "a training step needs at least one sample"));
         }
         let t0 = Instant::now();
-        let shards = scatter::shards(held.global_len, self.replicas);
+        let shards = scatter::even_runs(held.global_len, self.replicas);
         let work = Arc::new(StepWork {
             step: self.step,
             batch: Arc::new(held.batch),
@@ -334,7 +334,7 @@ impl Trainer<'_> {
     /// (every process's: each gathers and evaluates its devices' parts only).
     pub fn evaluate(&mut self, data: &Dataset, eval_batch: usize) -> Result<Metrics> {
         let n = self.devices.len();
-        let parts = scatter::shards(data.len(), n * self.world.size());
+        let parts = scatter::even_runs(data.len(), n * self.world.size());
         let mine = &parts[self.world.process() * n..(self.world.process() + 1) * n];
         let first = mine[0].start;
         let held: Vec<usize> = (first..mine[n - 1].end).collect();
@@ -356,7 +356,7 @@ impl Trainer<'_> {
     /// process's devices (every process's replicas are the same: no process needs
     /// another's answers).
     pub fn predict(&mut self, batch: Batch) -> Result<Vec<f32>> {
-        let parts = scatter::shards(batch.len(), self.devices.len());
+        let parts = scatter::even_runs(batch.len(), self.devices.len());
         let batch = Arc::new(batch);
         let chunk = self.eval_batch;
         let replies = self.ask(|d| Command::Predict(Arc::clone(&batch), parts[d].clone(), chunk))?;
@@ -750,7 +750,7 @@ impl WorkerSetup<'_> {
                     None => Optimizer::new(self.config.optimizer, self.model.params_len()),
                 };
                 let start = (self.model.clone(), self.initial.clone(), optimizer);
-                let seat = Seat {
+                let seat = WorkerStart {
                     index: d,
                     device,
                     shards: self.rows.first + d * k..self.rows.first + (d + 1) * k,
@@ -812,7 +812,7 @@ impl WorkerSetup<'_> {
 /// Runs `body` on a device's worker thread: a CPU device inside its own thread pool of
 /// `threads` (the worker thread is one of them), a GPU directly. A pool that cannot start
 /// is reported as the worker's failure.
-fn on_device_thread(device: Device, threads: usize, seat: Seat<'_>, body: impl FnOnce(Seat<'_>) + Send) {
+fn on_device_thread(device: Device, threads: usize, seat: WorkerStart<'_>, body: impl FnOnce(WorkerStart<'_>) + Send) {
     match device {
         Device::Cpu(_) => {
             let d = seat.index;

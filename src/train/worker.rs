@@ -75,7 +75,7 @@ impl<R: Replica, X: Exchange<Mem = R::Mem>> Worker<R, X> {
 
 /// Where a worker starts: its device (and that device's index in the process), its
 /// shards, and its channels.
-pub(crate) struct Seat<'a> {
+pub(crate) struct WorkerStart<'a> {
     /// The device's index among the process's devices; its replies carry it.
     pub index: usize,
     pub device: Device,
@@ -95,7 +95,7 @@ pub(crate) struct Seat<'a> {
 /// join — NCCL's waits for every member — while another has failed), joins the exchange
 /// with `join`, then serves commands. A failure (or panic) before serving is sent as the
 /// reply to the first command, as a worker's failure always is.
-pub(crate) fn start<R, X>(seat: Seat<'_>, build: impl FnOnce() -> Result<R>, join: impl FnOnce(&R) -> Result<X>)
+pub(crate) fn start<R, X>(seat: WorkerStart<'_>, build: impl FnOnce() -> Result<R>, join: impl FnOnce(&R) -> Result<X>)
 where
     R: Replica,
     X: Exchange<Mem = R::Mem>,
@@ -130,7 +130,7 @@ where
     }
 }
 
-fn serve<R, X>(mut worker: Worker<R, X>, seat: Seat<'_>)
+fn serve<R, X>(mut worker: Worker<R, X>, seat: WorkerStart<'_>)
 where
     R: Replica,
     X: Exchange<Mem = R::Mem>,

@@ -92,7 +92,7 @@ pub(crate) struct Drops {
 }
 
 /// What every sample of one pass shares: the shapes, the parameters, the masks.
-pub(crate) struct Job<'a> {
+pub(crate) struct PassContext<'a> {
     pub(super) t: usize,
     pub(super) c: usize,
     pub(super) heads: usize,
@@ -120,7 +120,7 @@ pub(crate) struct SampleFwd<'s> {
     pub(super) dropped: &'s mut [f32],
 }
 
-impl Job<'_> {
+impl PassContext<'_> {
     /// Head `h`'s probabilities as `y_h = P'·v_h` reads them: P itself without dropout,
     /// else P' = P ⊙ mask written to `dropped` (T, T). Only j ≤ i is drawn: the rest of
     /// P is 0, and 0 times either factor is 0.
@@ -144,7 +144,7 @@ impl Job<'_> {
 /// x: (T, C) → y: (T, C), WRITTEN, y holding b_proj in every row on entry when there is
 /// one; `b`'s qkv (T, 3C), P (H, T, T) and merged (T, C) written (the backward reads
 /// them), P' (T, T) too when dropping.
-pub(crate) fn attention_forward(job: &Job<'_>, s: usize, x: &[f32], y: &mut [f32], b: SampleFwd<'_>) {
+pub(crate) fn attention_forward(job: &PassContext<'_>, s: usize, x: &[f32], y: &mut [f32], b: SampleFwd<'_>) {
     let (t, c, hd) = (job.t, job.c, job.hd);
     let SampleFwd { qkv, probs, merged, dropped } = b;
     // qkv (T, 3C) = x·W_attnᵀ + b_attn
@@ -181,7 +181,7 @@ pub(crate) fn attention_forward(job: &Job<'_>, s: usize, x: &[f32], y: &mut [f32
 /// (T, T, with dropout) are scratch.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn attention_backward(
-    job: &Job<'_>,
+    job: &PassContext<'_>,
     s: usize,
     dz: &mut [f32],
     saved: (&[f32], &[f32]),

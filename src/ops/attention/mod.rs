@@ -62,7 +62,7 @@ use crate::backend::par;
 use crate::error::{Error, Result};
 use crate::rng::dropout_key;
 use crate::tensor::{Shape, Tensor};
-use cpu::{attention_scale, Drops, Job, SampleFwd};
+use cpu::{attention_scale, Drops, PassContext, SampleFwd};
 
 /// Bit 63 of the layer index that keys the residual (output) dropout's stream, setting it
 /// apart from the attention dropout's, keyed by the layer's own index (module docs).
@@ -142,7 +142,7 @@ fn split(buf: &mut [f32], n: usize, len: usize) -> Vec<&mut [f32]> {
     buf.chunks_exact_mut(len).collect()
 }
 
-/// The transposes of the two weights, for the forward (`Job::wt_attn`), kept from step to
+/// The transposes of the two weights, for the forward (`PassContext::wt_attn`), kept from step to
 /// step.
 #[derive(Clone, Debug, Default)]
 struct Transposed {
@@ -279,11 +279,11 @@ impl CausalSelfAttention {
 
     /// What the samples of a backward share (no transposed weights: the backward
     /// multiplies by the weights as stored).
-    fn backward_job<'a>(&self, t: usize, params: &Params<'a>, drops: Option<Drops>) -> Job<'a> {
+    fn backward_job<'a>(&self, t: usize, params: &Params<'a>, drops: Option<Drops>) -> PassContext<'a> {
         let (w_attn, b_attn, w_proj, b_proj) = self.tensors(params);
         let (c, heads) = (self.width, self.heads);
         let (hd, scale) = (c / heads, attention_scale(c / heads));
-        Job { t, c, heads, hd, scale, w_attn, w_proj, wt_attn: &[], wt_proj: &[], b_attn, b_proj, drops }
+        PassContext { t, c, heads, hd, scale, w_attn, w_proj, wt_attn: &[], wt_proj: &[], b_attn, b_proj, drops }
     }
 
     /// The parameters (c_attn.weight, c_attn.bias, c_proj.weight, c_proj.bias) of `params`.
@@ -390,8 +390,8 @@ impl Layer for CausalSelfAttention {
         transpose_into(w_proj, c, c, &mut self.wt.proj);
         let (wt_attn, wt_proj) = (&self.wt.attn[..], &self.wt.proj[..]);
         let (hd, scale) = (c / heads, attention_scale(c / heads));
-        let job = Job { t, c, heads, hd, scale, w_attn, w_proj, wt_attn, wt_proj, b_attn, b_proj, drops };
-        // Each row of y starts as b_proj, which Job::forward's last GEMM adds to.
+        let job = PassContext { t, c, heads, hd, scale, w_attn, w_proj, wt_attn, wt_proj, b_attn, b_proj, drops };
+        // Each row of y starts as b_proj, which PassContext::forward's last GEMM adds to.
         let mut y = match b_proj {
             Some(b) => b.repeat(n * t),
             None => vec![0.0f32; n * t * c],

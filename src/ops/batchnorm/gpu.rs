@@ -937,7 +937,7 @@ impl Step {
         let local = batchnorm_moments(&self.x, n, c, hw);
         let (count, moments) = match stats {
             BatchStats::Global => global_moments(&ReplicaZero, 1, (n * hw) as f64, &local).unwrap(),
-            BatchStats::Shard => ((n * hw) as f64, local.clone()),
+            BatchStats::ShardPass => ((n * hw) as f64, local.clone()),
         };
         let merged: Vec<f64> = merged_stats(&moments, count, eps).collect();
         let (mut running_mean, mut running_var) = (self.running_mean.clone(), self.running_var.clone());
@@ -949,7 +949,7 @@ impl Step {
         batchnorm_param_grads(&sums, with_gamma.then_some(&mut dgamma[..]), with_beta.then_some(&mut dbeta[..]));
         let global = match stats {
             BatchStats::Global => global_sums(&ReplicaZero, 1, &sums).unwrap(),
-            BatchStats::Shard => sums.clone(),
+            BatchStats::ShardPass => sums.clone(),
         };
         let mut dx = self.dy.clone();
         batchnorm_input_grad(&mut dx, &xhat, &global, &invstd, count, gamma, beta, after, c, hw);
@@ -1132,7 +1132,7 @@ pub(crate) fn host_check(k: &crate::cuda::host::Checker) {
             }
             continue;
         }
-        let want = step.on_the_cpu((with_gamma, with_beta), BatchStats::Shard, momentum, eps);
+        let want = step.on_the_cpu((with_gamma, with_beta), BatchStats::ShardPass, momentum, eps);
         assert_shard_step(&case, &want, &y, &rm, &rv, &dx, &dgamma, &dbeta);
         let f64s = |v: &[f32]| v.iter().map(|&x| x as f64).collect::<Vec<f64>>();
         assert_close(&format!("bn save_mean ({case})"), &sm, &f64s(&want.mean), 1e-5, 1e-6);
@@ -1292,7 +1292,7 @@ mod tests {
         for (seed, with) in (700..).zip([(true, true), (false, true), (true, false), (false, false)]) {
             let (with_gamma, with_beta) = with;
             let step = Step::random(seed, (n, c, hw));
-            let want = step.on_the_cpu(with, BatchStats::Shard, momentum, eps);
+            let want = step.on_the_cpu(with, BatchStats::ShardPass, momentum, eps);
             let (g_d, b_d) = (up(&gpu, &step.gamma), up(&gpu, &step.beta));
             let params =
                 || BnParams { gamma: with_gamma.then(|| g_d.as_view()), beta: with_beta.then(|| b_d.as_view()) };

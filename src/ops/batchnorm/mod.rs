@@ -54,7 +54,7 @@ use stats::StatsExchange;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum BatchStats {
     /// The logical replica's shard (DDP's BatchNorm).
-    Shard,
+    ShardPass,
     /// The step's global batch, across every logical replica (SyncBatchNorm).
     Global,
 }
@@ -114,7 +114,7 @@ impl BatchNorm2d {
             momentum: 0.99,
             scale: true,
             center: true,
-            stats: BatchStats::Shard,
+            stats: BatchStats::ShardPass,
             xhat: Vec::new(),
             invstd: Vec::new(),
             count: 0.0,
@@ -179,7 +179,7 @@ impl BatchNorm2d {
             let center = f.boolean("center", true)?;
             let epsilon = f.number("epsilon", Some(1e-3), (|x| x > 0.0, "a positive number"))?;
             let momentum = f.number("momentum", Some(0.99), (|x| (0.0..=1.0).contains(&x), "a number in [0, 1]"))?;
-            let stats = if f.boolean("synchronized", false)? { BatchStats::Global } else { BatchStats::Shard };
+            let stats = if f.boolean("synchronized", false)? { BatchStats::Global } else { BatchStats::ShardPass };
             let names = f.choice("names", &[BnNames::Keras, BnNames::PyTorch], BnNames::name)?;
             Ok(Build::layer(move |input| {
                 let bn = BatchNorm2d::new(expect_images(input)?).scale(scale).center(center).names(names);

@@ -51,7 +51,7 @@ pub fn conv2d_forward(
     let (n, p) = (x.len() / per_in, g.col_cols());
     assert_eq!(y.len(), n * o * p, "conv2d_forward: y for {n} samples of ({o}, {}, {})", g.oh, g.ow);
     let weight = weight_for(weight, g, o, how);
-    let job = Job { g: *g, o, weight: &weight, unfold: how, winograd: transformed };
+    let job = PassContext { g: *g, o, weight: &weight, unfold: how, winograd: transformed };
     let groups = batch_groups(n);
     let mut scratch = borrow_scratch(groups.len());
     let work = groups.into_par_iter().zip(split_by_groups(y, n, o * p)).zip(&mut scratch[..]);
@@ -80,7 +80,7 @@ pub fn conv2d_backward(
     let n = xs.len() / per_in;
     assert_eq!(dout.len(), n * o * g.col_cols(), "conv2d_backward: dout for {n} samples of ({o}, {}, {})", g.oh, g.ow);
     let weight = weight_for(weight, g, o, how);
-    let job = Job { g: *g, o, weight: &weight, unfold: how, winograd: transformed };
+    let job = PassContext { g: *g, o, weight: &weight, unfold: how, winograd: transformed };
     let groups = batch_groups(n);
     let xs: Vec<Samples<'_>> = match xs {
         Samples::Overwritten(both) => split_by_groups(both, n, per_in).into_iter().map(Samples::Overwritten).collect(),
@@ -268,7 +268,7 @@ impl Scratch {
 }
 
 /// What every group of one forward or backward shares.
-struct Job<'a> {
+struct PassContext<'a> {
     g: Im2colGeom,
     o: usize,
     /// The weight in the layout of `unfold`: (O, C·KH·KW) for columns, (KH·KW·C, O) for rows.
@@ -278,7 +278,7 @@ struct Job<'a> {
     winograd: Option<&'a winograd::Weights>,
 }
 
-impl Job<'_> {
+impl PassContext<'_> {
     fn per_in(&self) -> usize {
         self.g.c * self.g.h * self.g.w
     }
@@ -502,7 +502,7 @@ mod tests {
         let (x, w, dout) = (rand(n * g.c * g.h * g.w), rand(o * g.c * kk), rand(n * o * p));
         let wt = oihw_to_hwio(&w, o, g.c, kk);
         let run = |unfold, weight: &[f32]| {
-            let job = Job { g, o, weight, unfold, winograd: None };
+            let job = PassContext { g, o, weight, unfold, winograd: None };
             let mut y = vec![0.0; n * o * p];
             let mut dx = vec![0.0; x.len()];
             job.forward(&x, &mut y, None, &mut Scratch::default());
