@@ -4,12 +4,13 @@
 # carries to the GPU machine, where scripts/gpu-check.sh runs them. Both machines are
 # x86-64 Linux; the GPU machine has no Rust toolchain. The test executables are the
 # library's own tests (as lib_tests: the conformance test's GPU half, every op's GPU
-# tests beside its code, the optimiser's, the codec's and the buffers'), kernels_nvrtc,
-# oracle (as oracle_tests, with the cases in .gpu/oracle), data_parallel (its equivalence
-# tests take cuda:0 and cuda:0,0 where a GPU is present), label_smoothing (its PyTorch
-# training cases likewise, reading .gpu/oracle too) and every tests/cuda_*.rs
-# (cuda_collectives, cuda_train, ...: a new one is picked up by its file name). The Python scripts gpu-check.sh runs (scripts/torch_convnet.py,
-# scripts/compare_losses.py, scripts/bench_tables.py) travel with the working tree.
+# tests beside its code, the optimiser's, the codec's and the buffers', the GPU exchanges',
+# the NVRTC tests), oracle (as oracle_tests, with the cases in .gpu/oracle), data_parallel
+# (its equivalence tests take cuda:0 and cuda:0,0 where a GPU is present), label_smoothing
+# (its PyTorch training cases likewise, reading .gpu/oracle too) and every tests/cuda_*.rs
+# (cuda_train, ...: a new one is picked up by its file name). The Python scripts
+# gpu-check.sh runs (scripts/torch_convnet.py, scripts/compare_losses.py,
+# scripts/bench_tables.py) travel with the working tree.
 #
 # glibc: a binary linked here asks for the symbol versions of THIS machine's glibc (2.36
 # on Debian 12; the plain build needs GLIBC_2.34), so it would not start on an older GPU
@@ -56,7 +57,7 @@ rm -rf .gpu
 mkdir -p .gpu
 "${build[@]}" --release "${target_args[@]}" --bin lockstep
 cp "$target_dir/lockstep" .gpu/
-tests=(--lib --test kernels_nvrtc --test oracle --test data_parallel --test label_smoothing)
+tests=(--lib --test oracle --test data_parallel --test label_smoothing)
 shopt -s nullglob
 for f in tests/cuda_*.rs; do
     tests+=(--test "$(basename "$f" .rs)")

@@ -9,10 +9,10 @@
 # It finds CUDA 13's NVRTC and NCCL in the site-packages of the machine's python3
 # (PyTorch's wheels), makes the libnccl.so link cudarc needs (the wheels ship only
 # libnccl.so.2), then runs, each section under `timeout` and counted PASS or FAIL:
-#   1. the devices; every kernel compiled with NVRTC for the GPU (kernels_nvrtc); the
-#      library's GPU tests (lib_tests: every layer type on the GPU against the CPU, every
-#      op's kernels against its CPU code, the optimiser's, the codec's, the buffers');
-#      every CUDA test executable in .gpu/ (cuda_collectives, cuda_train, ...: whatever
+#   1. the devices; the library's GPU tests (lib_tests: every layer type on the GPU
+#      against the CPU, every op's kernels against its CPU code, the optimiser's, the
+#      codec's, the buffers', the GPU exchanges' on both transports, every kernel compiled
+#      with NVRTC); every CUDA test executable in .gpu/ (cuda_train, ...: whatever
 #      tests/cuda_*.rs build-gpu-check.sh found; the oracle cases, data_parallel and
 #      label_smoothing with their GPU variants). LOCKSTEP_REQUIRE_GPU=1 is set for all of
 #      them: a test that would skip for want of a GPU fails instead.
@@ -183,10 +183,12 @@ echo "== LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
 
 # --- 1. devices, kernels, CUDA tests ----------------------------------------------------
 section "lockstep devices" 30 .gpu/lockstep devices
-section "kernels compile (NVRTC): kernels_nvrtc" 90 .gpu/kernels_nvrtc --test-threads 1
 # The library's tests of GPU code: every test whose path names a GPU or CUDA module (the
-# host-run kernel checks among them, which need no GPU).
-section "the library's GPU tests: lib_tests" 150 .gpu/lib_tests --test-threads 1 gpu cuda
+# host-run kernel checks among them, which need no GPU; the GPU exchanges', under
+# exchange::gpu; every kernel file compiled by NVRTC, under cuda::nvrtc_tests). Its
+# limit: 150 s for the ops', optimiser's, codec's and buffers' tests, 90 s for NVRTC's,
+# 120 s for the GPU exchanges'.
+section "the library's GPU tests: lib_tests" 360 .gpu/lib_tests --test-threads 1 gpu cuda
 for t in .gpu/cuda_*; do
     [[ -x $t ]] || continue
     section "CUDA tests: $(basename "$t")" 120 "$t" --test-threads 1 --nocapture

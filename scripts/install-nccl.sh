@@ -3,9 +3,10 @@
 # cached folder, links it as libnccl.so (the one name cudarc loads; src/cuda/probe.rs says
 # why) and prints the directory holding the link as the LAST line of stdout.
 #
-# Making an NCCL clique's rendezvous id needs only the library, no GPU: tests/mpi.rs has
-# process 0 of an MPI world make one and broadcast it (what a run across processes' GPUs
-# does), and skips, saying so, where NCCL does not load. Idempotent.
+# Making an NCCL clique's rendezvous id needs only the library, no GPU: a test of the
+# library (src/exchange/gpu/tests.rs, with the mpi feature) has process 0 of an MPI world
+# make one and broadcast it (what a run across processes' GPUs does), and skips, saying so,
+# where NCCL does not load. Idempotent.
 #
 #   export LD_LIBRARY_PATH="$(scripts/install-nccl.sh | tail -1):$LD_LIBRARY_PATH"
 #

@@ -2,9 +2,9 @@
 # install-nvrtc.sh — puts NVRTC (CUDA 13's run-time compiler, libnvrtc.so.13) in a cached
 # folder and prints the directory holding the library as the LAST line of stdout.
 #
-# lockstep compiles kernels/ with NVRTC at run time; tests/kernels_nvrtc.rs needs it even
-# on machines without a GPU or driver. NVIDIA ships it as the pip wheel
-# `nvidia-cuda-nvrtc` (13.x), whose files land in nvidia/cu13/lib/.
+# lockstep compiles kernels/ with NVRTC at run time; the NVRTC tests
+# (src/cuda/nvrtc_tests.rs) need it even on machines without a GPU or driver. NVIDIA ships
+# it as the pip wheel `nvidia-cuda-nvrtc` (13.x), whose files land in nvidia/cu13/lib/.
 # Idempotent: a second run finds the library and installs nothing.
 #
 #   export LD_LIBRARY_PATH="$(scripts/install-nvrtc.sh | tail -1):$LD_LIBRARY_PATH"

@@ -50,6 +50,7 @@ impl Drop for Unfinished {
 /// Removes every temporary file a write of this process has not finished, for a process
 /// about to end without finishing them (the second of two signals). Their destinations
 /// keep their previous contents. Writes after this call are not affected.
+#[cfg(feature = "cli")]
 pub fn remove_unfinished() {
     for path in UNFINISHED.lock().drain(..) {
         let _ = std::fs::remove_file(path);

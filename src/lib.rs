@@ -64,6 +64,7 @@ pub(crate) mod dirlock;
 pub(crate) mod error;
 pub mod exchange;
 pub(crate) mod fsutil;
+#[cfg(feature = "cli")]
 pub(crate) mod generate;
 pub(crate) mod json_keys;
 pub mod memory;

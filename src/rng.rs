@@ -60,6 +60,7 @@ pub mod purpose {
     /// The held-out windows of a token stream, drawn once per run.
     pub const EVAL_WINDOWS: u64 = 7;
     /// The tokens `generate` draws, keyed by their index.
+    #[cfg(feature = "cli")]
     pub const GENERATE: u64 = 8;
 }
 

@@ -33,6 +33,7 @@ pub fn count(n: u64) -> String {
 /// A span of time as a person or a batch scheduler writes it: a number of seconds
 /// ("5400", "0.5"), units in descending order ("90s", "45m", "3h50m", "1.5h", "2d"), or
 /// Slurm's `[D-]HH:MM:SS` and `MM:SS` ("1:30:00", "2-00:00:00"). The error quotes the text.
+#[cfg(any(test, feature = "cli"))]
 pub fn parse_duration(text: &str) -> Result<std::time::Duration, String> {
     let bad = |why: &str| format!("'{text}' is not a duration ({why}); write e.g. 90s, 45m, 3h50m or 1:30:00");
     let t = text.trim();

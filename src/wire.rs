@@ -109,6 +109,7 @@ impl Codec {
     }
 
     /// The format.
+    #[cfg(any(test, feature = "cuda", feature = "mpi"))]
     pub fn compression(&self) -> Compression {
         match self.format {
             Format::Bf16 => Compression::Bf16,
@@ -235,18 +236,21 @@ impl Wire {
     }
 
     /// Bytes the wire carries: 2 per encoded value, 1 per fp16 block, 4 per raw value.
+    #[cfg(any(test, feature = "cli"))]
     pub fn bytes(&self) -> usize {
         2 * self.half.len() + self.exps.len() + 4 * self.raw.len()
     }
 
     /// What a transport moves: the 16-bit codes, the fp16 block exponents (empty for
-    /// bf16) and the f32 tail, as they lie (an MPI exchange sends these three buffers).
+    /// bf16) and the f32 tail, as they lie.
+    #[cfg(test)]
     pub fn parts(&self) -> (&[u16], &[i8], &[f32]) {
         (&self.half, &self.exps, &self.raw)
     }
 
     /// The three buffers of [`Wire::parts`], to receive a peer's wire of the same range
     /// into (made by [`Codec::wire`] for that range, so the lengths agree).
+    #[cfg(test)]
     pub fn parts_mut(&mut self) -> (&mut [u16], &mut [i8], &mut [f32]) {
         (&mut self.half, &mut self.exps, &mut self.raw)
     }

@@ -5,16 +5,16 @@
 //!
 //! Without a CUDA driver or GPU (CI, laptops) each test writes "skipped: ..." to stderr
 //! and returns: visibly skipped, never a silent pass. `scripts/gpu-check.sh` runs them
-//! on a GPU machine. The PyTorch reference cases run on the GPU in tests/oracle.rs.
+//! on a GPU machine. The PyTorch reference cases run on the GPU in tests/oracle.rs; the GPU
+//! exchanges themselves (both transports, and 16-bit gradients through them against the
+//! CPU exchange's sum) are checked beside their code, in src/exchange/gpu/tests.rs.
 
 mod common;
 
 use lockstep::data::digits::{load_digits, DigitsLayout};
 use lockstep::data::Dataset;
 use lockstep::devices::Devices;
-use lockstep::exchange::codec::{Codec, Compression};
-use lockstep::exchange::gpu::{transport_for, CopyGroup, DeviceAllReduce, GpuExchange, NcclGroup, Transport};
-use lockstep::exchange::Exchange;
+use lockstep::exchange::codec::Compression;
 use lockstep::models::{self, ConvnetOptions, Norm};
 use lockstep::nn::Sequential;
 use lockstep::optim::{MomentumKind, OptimizerConfig};
@@ -340,92 +340,11 @@ fn issue_12_features_on_gpus() {
     }
 }
 
-/// Every member's sum of `slots` (R logical replicas, `k` a member) through the GPU
-/// exchange with `codec` over `group`'s transport, member r on GPU `ordinals[r]`.
-fn gpu_codec_exchange<C, J>(ordinals: &[usize], join: J, codec: Codec, slots: &[Vec<f32>]) -> Vec<Vec<f32>>
-where
-    C: DeviceAllReduce,
-    J: Fn(usize, &std::sync::Arc<cudarc::driver::CudaStream>) -> lockstep::Result<C> + Sync,
-{
-    let (members, len) = (ordinals.len(), slots[0].len());
-    let k = slots.len() / members;
-    std::thread::scope(|s| {
-        let hs: Vec<_> = (0..members)
-            .map(|r| {
-                let join = &join;
-                s.spawn(move || {
-                    let stream = cudarc::driver::CudaContext::new(ordinals[r]).unwrap().new_stream().unwrap();
-                    let member = join(r, &stream).expect("join");
-                    let mut ex = GpuExchange::new(member, len, k).unwrap().with_codec(Some(codec)).unwrap();
-                    for j in 0..k {
-                        ex.with_slot(j, |mut slot| stream.memcpy_htod(&slots[r * k + j], &mut slot)).unwrap();
-                    }
-                    ex.sum().unwrap();
-                    let mut out = vec![f32::NAN; len];
-                    ex.for_each_sum(|off, piece| {
-                        out[off..off + piece.len()].copy_from_slice(&stream.clone_dtoh(&piece).unwrap());
-                        Ok(())
-                    })
-                    .unwrap();
-                    out
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
-    })
-}
-
-/// 16-bit gradients through the GPU exchange are the CPU exchange's sum: the same slots
-/// (tests/common's codec inputs: blocks from 2^-140 to 2^126, NaNs, infinities, f32
-/// subnormals, exact bf16 ties) give, on every member and on cuda:0 (R = 4 on one GPU),
-/// cuda:0,0 (device copies) and, with two GPUs, cuda:0,1 (NCCL's all-gather), bitwise
-/// the shared-memory exchange's decoded sum — the codec's canonical tree over the R wires
-/// — but for which NaN a sum holding a NaN gives (CUDA's canonical NaN; x86 keeps an
-/// operand's). Every GPU member holds bitwise the same values, NaNs included: they ran one
-/// kernel on the same bytes.
-#[test]
-fn sixteen_bit_gradients_through_the_gpu_exchange_are_the_cpu_exchanges_sum() {
-    if !gpu_present("sixteen_bit_gradients_through_the_gpu_exchange_are_the_cpu_exchanges_sum") {
-        return;
-    }
-    let (encoded, raw, shards) = (6 * 1024 + 300, 700, 4);
-    for compression in [Compression::Bf16, Compression::Fp16] {
-        let codec = Codec::new(compression, encoded).unwrap();
-        let mut rng = common::Rng(70 + compression as u64);
-        let slots: Vec<Vec<f32>> = (0..shards).map(|s| common::codec_slot(&mut rng, s, encoded, raw)).collect();
-        let cpu = &common::shm_exchange(1, codec, &slots)[0];
-        let mut runs = Vec::new();
-        for ordinals in [vec![0], vec![0, 0]] {
-            let group = CopyGroup::new(&ordinals, encoded + raw).unwrap();
-            runs.push((
-                format!("cuda:{ordinals:?}"),
-                gpu_codec_exchange(&ordinals, |r, s| group.join(r, s), codec, &slots),
-            ));
-        }
-        if lockstep::cuda::probe::gpu_count().unwrap_or(0) >= 2 && transport_for(&[0, 1]) == Transport::Nccl {
-            let group = NcclGroup::new(&[0, 1], encoded + raw).unwrap();
-            runs.push(("NCCL on cuda:0,1".into(), gpu_codec_exchange(&[0, 1], |r, s| group.join(r, s), codec, &slots)));
-        }
-        for (what, members) in &runs {
-            for (r, got) in members.iter().enumerate() {
-                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                assert_eq!(bits(got), bits(&members[0]), "{compression:?}, {what}: member {r} vs member 0");
-                for (i, (a, b)) in got.iter().zip(cpu).enumerate() {
-                    assert!(
-                        a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()),
-                        "{compression:?}, {what}, member {r}: value {i} is {a}, the CPU exchange's {b}"
-                    );
-                }
-            }
-        }
-    }
-}
-
 /// Training with 16-bit gradients on a GPU. With R fixed, cuda:0 and cuda:0,0 give
 /// bitwise the same weights and losses (the codec's sum is a function of the R wires
 /// alone), and the replica check passes every step. Against the CPU with the same codec,
 /// the sums are the same function of slots that differ by the GPU's rounding (bitwise
-/// the same sum for the same slots: the exchange test above); a slot value that rounds
+/// the same sum for the same slots: src/exchange/gpu/tests.rs); a slot value that rounds
 /// to a neighbouring 16-bit code moves an Adam step by at most its size either way, and
 /// an Adam step of β1 = 0.9, β2 = 0.999 is at most 1.2·lr in the first 6 steps
 /// (|m̂|/sqrt(v̂) ≤ (1 − β1)/sqrt(1 − β2)·sqrt(1/(1 − β1²/β2))·sqrt(1 − β2^t)/(1 − β1^t)

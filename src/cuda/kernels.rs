@@ -21,7 +21,7 @@
 //! that fails to load is [`Error::KernelLoad`], which names the image, the NVRTC version
 //! that made it and the CUDA version the driver reports.
 //!
-//! Naming rule, checked by tests/kernels_nvrtc.rs against the sources:
+//! Naming rule, checked by the NVRTC tests (`super::nvrtc_tests`) against the sources:
 //! kernels with a gradient partner are `<op>_<fwd|bwd>_<dtype>` ([`Dir::Fwd`], [`Dir::Bwd`]);
 //! kernels outside autograd (fills, reductions, optimizer steps) are `<op>_<dtype>`
 //! ([`Dir::Plain`]). Every `extern "C"` kernel is declared by its file's owner, and the
@@ -37,8 +37,6 @@ use parking_lot::Mutex;
 use super::probe::nvrtc_available;
 use crate::{Error, Result};
 
-pub use super::declare::{kernel_name, Dir, Kernel, KernelFile, Kind};
-
 /// What NVRTC is asked to make for one GPU architecture.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Target {
@@ -50,6 +48,7 @@ pub enum Target {
 
 impl Target {
     /// Parses `sm_80` (a cubin) or `compute_80` (PTX).
+    #[cfg(test)]
     pub fn parse(arch: &str) -> Result<Target> {
         let bad = || Error::config("GPU architecture", format!("'{arch}' is neither sm_XY nor compute_XY"));
         let (make, digits): (fn(u32) -> Target, &str) = if let Some(d) = arch.strip_prefix("sm_") {
@@ -119,7 +118,8 @@ impl KernelImage {
     }
 }
 
-/// The output of one NVRTC compilation.
+/// The output of one NVRTC compilation, with its log (what the NVRTC tests read).
+#[cfg(test)]
 #[derive(Debug, Clone)]
 pub struct Compiled {
     pub image: KernelImage,
@@ -166,11 +166,15 @@ fn nvrtc_options(target: Target) -> Vec<String> {
 /// Compiles one kernel file for `arch` (`sm_80`: a cubin; `compute_80`: PTX) and returns
 /// the image with NVRTC's log (warnings). A compile error is [`Error::Nvrtc`] carrying
 /// the file and the log.
+#[cfg(test)]
 pub fn compile_with_log(file: &str, src: &str, arch: &str) -> Result<Compiled> {
-    compile_target(file, src, Target::parse(arch)?)
+    let (image, log) = compile_target(file, src, Target::parse(arch)?)?;
+    Ok(Compiled { image, log })
 }
 
-fn compile_target(file: &str, src: &str, target: Target) -> Result<Compiled> {
+/// Compiles one kernel file for `target`: the image and NVRTC's log (warnings, which only
+/// the tests read: a warning fails them).
+fn compile_target(file: &str, src: &str, target: Target) -> Result<(KernelImage, String)> {
     nvrtc_available()?;
     let nvrtc_err = |log: String| Error::Nvrtc { file: file.to_string(), log };
     let src_c = std::ffi::CString::new(src).map_err(|_| nvrtc_err("source contains a NUL byte".to_string()))?;
@@ -216,12 +220,7 @@ fn compile_target(file: &str, src: &str, target: Target) -> Result<Compiled> {
             KernelImage::Ptx { sm, text: c_chars_to_string(&ptx) }
         }
     };
-    Ok(Compiled { image, log })
-}
-
-/// Compiles one kernel file for `arch`; warnings are dropped here (the test fails on them).
-pub fn compile(file: &str, src: &str, arch: &str) -> Result<KernelImage> {
-    compile_with_log(file, src, arch).map(|c| c.image)
+    Ok((image, log))
 }
 
 /// NVRTC returns NUL-terminated C strings; trims at the first NUL.
@@ -245,7 +244,7 @@ pub fn cached_image(file: &'static str, source: &str, sm: u32) -> Result<Arc<Ker
     // Compile outside the lock: two threads may both compile the same file once, which
     // wastes a little time but never blocks one GPU's setup behind another's compile.
     let target = choose_target(sm, &supported_archs()?)?;
-    let image = Arc::new(compile_target(file, source, target)?.image);
+    let image = Arc::new(compile_target(file, source, target)?.0);
     Ok(cache.lock().entry(key).or_insert(image).clone())
 }
 
@@ -273,7 +272,7 @@ mod tests {
 
     #[test]
     fn a_known_architecture_gets_a_cubin() {
-        // NVRTC 13.0's list (nvrtcGetSupportedArchs), as printed by tests/kernels_nvrtc.rs.
+        // NVRTC 13.0's list (nvrtcGetSupportedArchs), as printed by the cubin test (nvrtc_tests.rs).
         let known = [75, 80, 86, 87, 88, 89, 90, 100, 103, 110, 120, 121];
         assert_eq!(choose_target(80, &known).unwrap(), Target::Cubin(80));
         assert_eq!(choose_target(90, &known).unwrap(), Target::Cubin(90));

@@ -26,6 +26,8 @@ pub(crate) mod gemm;
 pub(crate) mod host;
 pub(crate) mod kernels;
 pub(crate) mod launch;
+#[cfg(test)]
+mod nvrtc_tests;
 pub mod probe;
 
 pub(crate) use declare::KernelFile;

@@ -100,7 +100,8 @@ pub(crate) trait Abort: Sync {
     /// Callable from any thread, any number of times.
     fn abort(&self);
 
-    /// True once [`Abort::abort`] was called.
+    /// True once [`Abort::abort`] was called. (What reads it: a GPU replica's waits.)
+    #[cfg(any(test, feature = "cuda"))]
     fn is_aborted(&self) -> bool;
 }
 
@@ -108,11 +109,13 @@ pub(crate) trait Abort: Sync {
 /// gradient exchange and, with synchronized BatchNorm, the statistics exchange its
 /// replicas meet in on the host (`stats`), whose waits would otherwise outlive a peer that
 /// failed. (On CPU devices one group is both.)
+#[cfg(any(test, feature = "cuda"))]
 pub(crate) struct Aborts<'a> {
     first: &'a dyn Abort,
     second: Option<&'a dyn Abort>,
 }
 
+#[cfg(any(test, feature = "cuda"))]
 impl<'a> Aborts<'a> {
     /// `first`, and `second` when there is one.
     pub fn new(first: &'a dyn Abort, second: Option<&'a dyn Abort>) -> Aborts<'a> {
@@ -120,6 +123,7 @@ impl<'a> Aborts<'a> {
     }
 }
 
+#[cfg(any(test, feature = "cuda"))]
 impl Abort for Aborts<'_> {
     fn abort(&self) {
         self.first.abort();
@@ -198,7 +202,9 @@ pub(crate) trait Exchange {
 
 /// The classic in-place all-reduce over any host exchange with one slot per member: copy
 /// `buf` into the slot, sum, copy the sum back. (The trainer skips both copies: it writes
-/// gradients into the slot and its update reads the pieces in place.)
+/// gradients into the slot and its update reads the pieces in place; `bench allreduce`
+/// times it.)
+#[cfg(any(test, feature = "cli"))]
 pub(crate) fn all_reduce_in_place<X: Exchange<Mem = Host>>(x: &mut X, buf: &mut [f32]) -> Result<()> {
     if buf.len() != x.width() {
         return Err(crate::Error::shape(

@@ -54,8 +54,9 @@
 //!   in every phase, as in the codec.
 //!
 //! So between 2 processes of one slot each a sum hands MPI 2 bytes per gradient value in
-//! each phase, against 4 (the test `sixteen_bit_gradients_cross_between_processes_as_16_bit_values`
-//! checks the bytes counted, [`MpiGroup::bytes_sent`], against the buffers' sizes).
+//! each phase, against 4 (the test `sixteen_bit_gradients_cross_between_processes_as_16_bit_values`,
+//! in `under_mpirun.rs`, checks the bytes counted, [`MpiGroup::bytes_sent`], against the
+//! buffers' sizes).
 //! Device 0 decodes what came as codes, sums and re-encodes codec block by codec block,
 //! in the cache; what it costs against the bytes saved is `bench allreduce
 //! --grad-compression`'s (README, "Several machines").
@@ -437,16 +438,6 @@ impl<'w> MpiGroup<'w> {
     pub fn stats(&self, device: usize) -> MpiStats<'_, 'w> {
         assert!(device < self.devices, "device {device} of {}", self.devices);
         MpiStats { group: self, device, calls: std::sync::atomic::AtomicUsize::new(0) }
-    }
-
-    /// Number of values per slot.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    /// True for empty slots.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
     }
 
     /// Bytes of the sum's messages this process has handed MPI to send so far (the
@@ -941,6 +932,7 @@ impl Abort for MpiGroup<'_> {
         self.barrier.wake();
     }
 
+    #[cfg(any(test, feature = "cuda"))]
     fn is_aborted(&self) -> bool {
         self.aborted.load(Ordering::SeqCst)
     }
@@ -1133,6 +1125,9 @@ pub fn plain_all_reduce(world: &World, send: &[f32], recv: &mut [f32]) -> Result
     mpi::topology::SimpleCommunicator::world().all_reduce_into(send, recv, SystemOperation::sum());
     Ok(())
 }
+
+#[cfg(test)]
+mod under_mpirun;
 
 #[cfg(test)]
 mod tests {

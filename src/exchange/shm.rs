@@ -157,6 +157,8 @@ const DECODED_PIECE: usize = 16 * BLOCK;
 impl ShmGroup {
     /// A collective of `members` members, each running `shards / members` logical replicas,
     /// over buffers of `len` values, whose members wait for each other as `wait` says.
+    /// (Without a codec: synchronized BatchNorm's statistics exchange of a GPU run.)
+    #[cfg(any(test, feature = "cuda"))]
     pub fn new(members: usize, shards: usize, len: usize, wait: Wait) -> Result<ShmGroup> {
         ShmGroup::with_codec(members, shards, len, wait, None)
     }
@@ -213,22 +215,6 @@ impl ShmGroup {
         ShmStats { ex: self, index: member, calls: AtomicUsize::new(0) }
     }
 
-    /// Number of values per buffer.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    /// True for empty buffers.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// The chunk of the buffers that member `member` reduces (and, with a sharded
-    /// optimiser, updates).
-    pub fn chunk(&self, member: usize) -> Range<usize> {
-        self.chunks[member].clone()
-    }
-
     fn shards_per_member(&self) -> usize {
         self.shards.len() / self.members
     }
@@ -267,6 +253,7 @@ impl ShmMember<'_> {
     }
 
     /// Returns when every member has called it (for benchmarks that time between barriers).
+    #[cfg(any(test, feature = "cli"))]
     pub fn barrier(&self) -> Result<()> {
         self.ex.barrier.wait(&self.ex.aborted)
     }
@@ -441,14 +428,40 @@ impl Abort for ShmGroup {
         self.barrier.wake();
     }
 
+    #[cfg(any(test, feature = "cuda"))]
     fn is_aborted(&self) -> bool {
         self.aborted.load(Ordering::SeqCst)
     }
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
+
+    /// Every member's sum of `slots` through the shared-memory exchange with `codec`, on
+    /// `members` members (each running its share of the logical replicas): the CPU's own
+    /// code, the reference the codec's and the GPU exchange's tests hold their sums to.
+    pub(crate) fn shm_exchange(members: usize, codec: Codec, slots: &[Vec<f32>]) -> Vec<Vec<f32>> {
+        let (shards, len) = (slots.len(), slots[0].len());
+        let group = ShmGroup::with_codec(members, shards, len, Wait::Park, Some(codec)).unwrap();
+        std::thread::scope(|s| {
+            let hs: Vec<_> = (0..members)
+                .map(|d| {
+                    let group = &group;
+                    s.spawn(move || {
+                        let mut me = group.member(d);
+                        let per = shards / members;
+                        for j in 0..per {
+                            me.with_slot(j, |slot| slot.copy_from_slice(&slots[d * per + j]));
+                        }
+                        me.sum().unwrap();
+                        gathered(&me)
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    }
 
     /// Every member's copy of the sum, gathered from its pieces.
     fn gathered(me: &ShmMember<'_>) -> Vec<f32> {

@@ -19,7 +19,8 @@ pub enum RunTransport {
     /// CPU devices of several processes: MPI between the processes (`exchange::mpi`, the
     /// `mpi` feature), shared memory within each.
     Mpi,
-    /// The GPUs of one process through NCCL.
+    /// The GPUs of one process through NCCL (which only the `cuda` feature can find).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     Nccl,
     /// The GPUs of several processes as one NCCL clique (the only way GPUs of several
     /// processes meet).
@@ -52,6 +53,7 @@ impl RunTransport {
     }
 
     /// In words, as `bench allreduce` heads its tables: "nccl", "device copies", ...
+    #[cfg(any(test, feature = "cli"))]
     pub fn name(self) -> &'static str {
         match self {
             RunTransport::SharedMemory => "shared memory",

@@ -29,7 +29,9 @@ fn split(lo: usize, hi: usize) -> usize {
 
 /// The maximal nodes of the canonical tree over `0..n` that lie wholly inside one of
 /// `owners` (a partition of `0..n` into consecutive ranges, in order), in shard order.
-/// Each owner's range is covered by its own leaves.
+/// Each owner's range is covered by its own leaves. (Only the exchange between processes
+/// cuts the tree, hence the `mpi` feature.)
+#[cfg(any(test, feature = "mpi"))]
 pub fn leaves(n: usize, owners: &[Range<usize>]) -> Vec<Range<usize>> {
     assert!(
         owners.first().is_some_and(|r| r.start == 0)
@@ -44,6 +46,7 @@ pub fn leaves(n: usize, owners: &[Range<usize>]) -> Vec<Range<usize>> {
     out
 }
 
+#[cfg(any(test, feature = "mpi"))]
 fn collect(node: Range<usize>, owners: &[Range<usize>], out: &mut Vec<Range<usize>>) {
     let owner = owners.iter().find(|o| o.contains(&node.start)).expect("owners cover the node");
     if node.end <= owner.end {
@@ -85,6 +88,7 @@ pub fn tree_sum(bufs: &[&[f32]], out: &mut [f32]) {
 /// Sums the leaves' partial sums into `out` in the canonical tree over `0..n`: `leaves`
 /// are the ranges [`leaves`] returned, in order, each with its values (as long as `out`),
 /// and the result is bitwise `tree_sum` over the `n` shards the leaves summed.
+#[cfg(any(test, feature = "mpi"))]
 pub fn sum_leaves(n: usize, leaves: &[(Range<usize>, &[f32])], out: &mut [f32]) {
     assert!(
         leaves.first().is_some_and(|l| l.0.start == 0)

@@ -1,7 +1,10 @@
-//! What the crate's own tests share: the one skip helper ([`skip`]), and the count of the
+//! What the crate's own tests share: the one skip helper ([`skip`]), the count of the
 //! heap bytes a thread allocates ([`Counting`], the test build's global allocator), by
-//! which the conformance test holds each op's memory account to what it really takes.
+//! which the conformance test holds each op's memory account to what it really takes, and
+//! (the `mpi` feature) processes of this test executable under `mpirun` ([`mpirun`]).
 
+#[cfg(feature = "mpi")]
+pub(crate) mod mpirun;
 pub(crate) mod skip;
 
 use std::alloc::{GlobalAlloc, Layout, System};
@@ -77,6 +80,18 @@ unsafe impl GlobalAlloc for Counting {
 
 #[global_allocator]
 static COUNTING: Counting = Counting;
+
+/// The path by which the test harness names test `name` of the module `module` (a
+/// `module_path!()`): the module path without the crate's name, as `--exact` wants it when
+/// a test runs its own executable again.
+pub(crate) fn test_path(module: &str, name: &str) -> String {
+    let inside = module.split_once("::").map_or("", |(_, rest)| rest);
+    if inside.is_empty() {
+        name.to_string()
+    } else {
+        format!("{inside}::{name}")
+    }
+}
 
 /// `n` values uniform in [−1, 1), from the stream of `seed` (`rng::SplitMix64`).
 pub(crate) fn uniform(seed: u64, n: usize) -> Vec<f32> {

@@ -41,7 +41,6 @@ pub use fit::{check_data, train_data_parallel, train_data_parallel_with};
 pub(crate) use gpu::kernel_files;
 /// What a run will allocate, estimated before it starts (every run checks it first).
 pub use memory::training as memory_estimate;
-#[cfg(feature = "cuda")]
 pub use report::{
     BestEpoch, EpochReport, EvaluationReport, HeldOut, Observer, ShardReport, Silent, StepEvent, StepReport, Stopped,
     TrainReport, LOSSES_KEPT,

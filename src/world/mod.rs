@@ -44,10 +44,12 @@ enum Kind {
 }
 
 static WORLD: OnceLock<World> = OnceLock::new();
+#[cfg(any(test, feature = "cli"))]
 static INIT: parking_lot::Mutex<()> = parking_lot::Mutex::new(());
 static SINGLE: World = World { kind: Kind::Single, launch: None };
 
 /// The environment variable of the processes' wait timeout, in seconds (0: none).
+#[cfg(any(test, feature = "cli", feature = "mpi"))]
 pub(crate) const TIMEOUT_VAR: &str = "LOCKSTEP_MPI_TIMEOUT_S";
 
 /// Whether this process says `e`, an error of [`init`]. A launcher gives every process
@@ -55,6 +57,7 @@ pub(crate) const TIMEOUT_VAR: &str = "LOCKSTEP_MPI_TIMEOUT_S";
 /// their lines would interleave into one ("error: error: …"): the launch's process 0
 /// alone says it. Anything else (an MPI library that cannot serve, a binary without MPI)
 /// each process says of itself.
+#[cfg(feature = "cli")]
 pub fn init_reports(e: &Error) -> bool {
     let met_by_all = matches!(e, Error::Config { what, .. } if *what == TIMEOUT_VAR);
     !met_by_all || launch::detect().is_none_or(|l| l.process == 0)
@@ -78,6 +81,7 @@ fn not_built_in(l: &Launch) -> Error {
 /// otherwise. Call it first, before any thread of your own uses MPI; the binary calls it
 /// before any command. Fails, saying how to build with MPI, for a launched process of a
 /// binary built without it.
+#[cfg(any(test, feature = "cli"))]
 pub fn init() -> Result<&'static World> {
     let _held = INIT.lock();
     if let Some(w) = WORLD.get() {
@@ -91,12 +95,12 @@ pub fn init() -> Result<&'static World> {
     Ok(WORLD.get_or_init(|| World { kind, launch }))
 }
 
-#[cfg(feature = "mpi")]
+#[cfg(all(feature = "mpi", any(test, feature = "cli")))]
 fn start(l: &Launch) -> Result<Kind> {
     Ok(Kind::Mpi(Box::new(mpi::MpiWorld::init(l)?)))
 }
 
-#[cfg(not(feature = "mpi"))]
+#[cfg(all(not(feature = "mpi"), any(test, feature = "cli")))]
 fn start(l: &Launch) -> Result<Kind> {
     Err(not_built_in(l))
 }

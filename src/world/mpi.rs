@@ -40,7 +40,7 @@ use parking_lot::{Mutex, MutexGuard};
 use super::launch::Launch;
 use super::wait::Wait;
 use super::TIMEOUT_VAR;
-use crate::digest::fnv1a;
+use crate::digest::Fnv1a;
 use crate::error::{Error, Result};
 
 /// The tag of failure notices.
@@ -372,7 +372,7 @@ impl MpiWorld {
             library,
             host,
         };
-        let me = [std::process::id() as u64, fnv1a(world.host.as_bytes())];
+        let me = [std::process::id() as u64, Fnv1a::new().bytes(world.host.as_bytes()).finish()];
         let all = world.all_gather(&me)?;
         world.peers = (0..size)
             .filter(|&q| q != process)
@@ -701,6 +701,9 @@ pub(crate) fn stop_on_signals(flag: &Arc<AtomicBool>) -> Result<()> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod under_mpirun;
 
 #[cfg(test)]
 mod tests {

@@ -3,7 +3,7 @@
 //! text (no compiler needed), and their C++ types against the compiled kernel's signature
 //! (the host library), so that a declaration out of step with its `.cu` fails here, not
 //! on a GPU. Which kernels each file defines is held to its declaration by the NVRTC test
-//! too (tests/kernels_nvrtc.rs); that every kernel is also RUN on the host is the
+//! too (`cuda::nvrtc_tests`); that every kernel is also RUN on the host is the
 //! conformance test's (an op's file) and its owner's test (the other files).
 
 use std::collections::{BTreeMap, BTreeSet};

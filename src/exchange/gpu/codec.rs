@@ -192,7 +192,7 @@ impl Gpu {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
 
     #[test]
@@ -229,8 +229,7 @@ mod tests {
     // ---- the kernels, on the host and on a GPU ----------------------------------------------
 
     use crate::cuda::host::{checker_or_skip, elem_cfg, elem_cfgs, Arg, Cfg, In, InU8, Out, OutU8, I32, U64};
-    use crate::exchange::shm::ShmGroup;
-    use crate::exchange::{Exchange, Wait};
+    use crate::exchange::shm::tests::shm_exchange;
     use crate::rng::SplitMix64;
     use crate::testing::assert_bits;
     use crate::wire::Wire;
@@ -274,9 +273,9 @@ mod tests {
     /// specials in two of them — NaNs of either sign with quiet and signalling payloads,
     /// ±∞, ±0, f32 subnormals, f32::MAX, exact bf16 ties (low half 0x8000) — then `raw` f32
     /// values (slot s scaled by 2^(8s), so that the order of their sum shows) with a NaN,
-    /// an ∞ and subnormals among them. (tests/common's `codec_slot`, which the GPU
-    /// training tests draw from, makes the same kind of slot from its own generator.)
-    fn codec_slot(g: &mut SplitMix64, s: usize, encoded: usize, raw: usize) -> Vec<f32> {
+    /// an ∞ and subnormals among them. (The GPU exchange's test of 16-bit gradients,
+    /// `super::super::tests`, draws its slots here too.)
+    pub(in crate::exchange::gpu) fn codec_slot(g: &mut SplitMix64, s: usize, encoded: usize, raw: usize) -> Vec<f32> {
         let mut uniform = || g.next_f32() * 2.0 - 1.0;
         let magnitudes = [-140, -60, -10, 0, 20, 100, 126];
         let mut v: Vec<f32> = (0..encoded)
@@ -347,36 +346,6 @@ mod tests {
             src[j * stride..j * stride + len].copy_from_slice(v);
         }
         CodecInputs { slots, wires, stride, src }
-    }
-
-    /// Every member's sum of `slots` through the shared-memory exchange with `codec`, on
-    /// `members` members (each running its share of the logical replicas).
-    fn shm_exchange(members: usize, codec: Codec, slots: &[Vec<f32>]) -> Vec<Vec<f32>> {
-        let (shards, len) = (slots.len(), slots[0].len());
-        let group = ShmGroup::with_codec(members, shards, len, Wait::Park, Some(codec)).unwrap();
-        std::thread::scope(|s| {
-            let hs: Vec<_> = (0..members)
-                .map(|d| {
-                    let group = &group;
-                    s.spawn(move || {
-                        let mut me = group.member(d);
-                        let per = shards / members;
-                        for j in 0..per {
-                            me.with_slot(j, |slot| slot.copy_from_slice(&slots[d * per + j]));
-                        }
-                        me.sum().unwrap();
-                        let mut out = vec![f32::NAN; len];
-                        me.for_each_sum(|off, piece| {
-                            out[off..off + piece.len()].copy_from_slice(piece);
-                            Ok(())
-                        })
-                        .unwrap();
-                        out
-                    })
-                })
-                .collect();
-            hs.into_iter().map(|h| h.join().unwrap()).collect()
-        })
     }
 
     /// As `Gpu::wire_reduce` pushes them: wires, out, R, format, encoded, raw, wire bytes,

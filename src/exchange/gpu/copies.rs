@@ -183,6 +183,7 @@ pub struct CopyMember<'g> {
 
 impl CopyMember<'_> {
     /// This member's index in its group.
+    #[cfg(test)]
     pub fn index(&self) -> usize {
         self.index
     }
@@ -203,6 +204,7 @@ impl CopyMember<'_> {
 
     /// Copies `root`'s `buf` into every member's `buf` (same ordering rules as
     /// [`CopyMember::all_reduce_sum`]).
+    #[cfg(test)]
     pub fn broadcast(&mut self, buf: &mut impl DevOut, root: usize) -> Result<()> {
         let mut buf = buf.view_mut();
         check_buffer("CopyMember::broadcast", &buf, self.group.len, &self.streams.ctx, self.index)?;
@@ -377,6 +379,7 @@ impl CopyMember<'_> {
         Ok(())
     }
 
+    #[cfg(test)]
     fn broadcast_from(&mut self, buf: &mut CudaViewMut<'_, f32>, root: usize) -> Result<()> {
         let g = self.group;
         let member = self.index;

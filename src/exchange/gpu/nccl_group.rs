@@ -288,6 +288,7 @@ pub struct NcclMember<'g> {
 
 impl NcclMember<'_> {
     /// This member's index in its group.
+    #[cfg(test)]
     pub fn index(&self) -> usize {
         self.index
     }
@@ -302,6 +303,7 @@ impl NcclMember<'_> {
 
     /// Copies `root`'s `buf` into every member's `buf` (same ordering rules as
     /// [`NcclMember::all_reduce_sum`]).
+    #[cfg(test)]
     pub fn broadcast(&mut self, buf: &mut impl DevOut, root: usize) -> Result<()> {
         if root >= self.group.members() {
             return Err(Error::config(

@@ -428,12 +428,14 @@ pub struct Synchronized<'a> {
 
 impl Synchronized<'_> {
     /// [`global_moments`] of this shard's `count` values per channel and per-channel
-    /// (mean, M2) `local`.
+    /// (mean, M2) `local`. (The GPU layer's: the CPU layer calls the exchange itself.)
+    #[cfg(feature = "cuda")]
     pub fn moments(&self, count: f64, local: &[(f64, f64)]) -> Result<(f64, Vec<(f64, f64)>)> {
         global_moments(self.stats, self.shard, count, local)
     }
 
     /// [`global_sums`] of this shard's per-channel (Σ dy, Σ dy·x̂) `local`.
+    #[cfg(feature = "cuda")]
     pub fn sums(&self, local: &[(f64, f64)]) -> Result<Vec<(f64, f64)>> {
         global_sums(self.stats, self.shard, local)
     }

@@ -1,40 +1,37 @@
-//! Every file of kernels/ compiles with NVRTC, without a single warning, to a cubin for
-//! the GPU generations lockstep targets (sm_80: A100, sm_90: H100/H200), whose ELF header
-//! says EM_CUDA and that architecture and whose symbol table defines exactly the file's
-//! kernels; the PTX fallback names every kernel too; and every kernel name follows the
-//! naming rule of src/cuda/kernels.rs.
+//! Every kernel file compiles with NVRTC, without a single warning, to a cubin for the GPU
+//! generations lockstep targets (sm_80: A100, sm_90: H100/H200), whose ELF header says
+//! EM_CUDA and that architecture and whose symbol table defines exactly the file's kernels;
+//! the PTX fallback names every kernel too; every kernel name follows the naming rule of
+//! [`super::kernels`]; and the kernel file table (`train::kernel_files`) is kernels/ on disk.
 //!
 //! Needs libnvrtc (no GPU, no driver): `scripts/install-nvrtc.sh` prints the directory to
 //! put on LD_LIBRARY_PATH. Without it the compile tests FAIL, unless
-//! LOCKSTEP_ALLOW_NO_NVRTC=1, in which case they print a loud "skipped" line instead.
+//! LOCKSTEP_ALLOW_NO_NVRTC=1, in which case the one skip helper says they did not run.
 //!
 //! More NVRTC versions: LOCKSTEP_NVRTC_EXTRA_DIRS lists further library directories
 //! (`:`-separated, e.g. NVRTC 13.0's beside the newest 13.x on LD_LIBRARY_PATH, as .ci/run
-//! sets it). The cubin test then runs again in a child process per directory, with that
-//! directory first on LD_LIBRARY_PATH (the loader reads it once, at process start), and
-//! checks that the child really loaded its NVRTC from there and that every version
-//! differs. Unset, that test prints a loud "skipped" line.
+//! sets it). The cubin test then runs again in a child process per directory (this test
+//! executable, the cubin test alone), with that directory first on LD_LIBRARY_PATH (the
+//! loader reads it once, at process start), and checks that the child really loaded its
+//! NVRTC from there and that every version differs. Unset, that test is skipped, saying so.
 
 use std::collections::BTreeSet;
 use std::io::Write;
 use std::path::PathBuf;
 
-use lockstep::cuda::kernels::{
-    compile_with_log, kernel_name, nvrtc_version, supported_archs, Dir, Kernel, KernelImage,
-};
-use lockstep::cuda::nvrtc_available;
-use lockstep::cuda::probe::{loaded_from, CudaLib};
-use lockstep::train::kernel_files;
-use lockstep::Error;
+use super::declare::{kernel_name, Dir, Kernel};
+use super::kernels::{compile_with_log, nvrtc_version, supported_archs, KernelImage};
+use super::probe::{loaded_from, nvrtc_available, CudaLib};
+use crate::testing::skip::{skip, Need};
+use crate::testing::test_path;
+use crate::train::kernel_files;
+use crate::Error;
 
 /// The architectures every kernel file must compile for, as 10·major + minor.
 const SMS: &[u32] = &[80, 90];
 
 /// Prints a line the test harness does not capture (it captures the print macros of
-/// passing tests, and a skip must never be silent).
-#[path = "../src/testing/skip.rs"]
-mod skip;
-
+/// passing tests): what each child run of another NVRTC found.
 fn loud(line: &str) {
     let _ = writeln!(std::io::stderr(), "\n!!!!!!!! {line}\n");
 }
@@ -45,7 +42,7 @@ fn nvrtc_or_skip(test: &str) -> bool {
     match nvrtc_available() {
         Ok(()) => true,
         Err(e) if std::env::var("LOCKSTEP_ALLOW_NO_NVRTC").as_deref() == Ok("1") => {
-            skip::skip(test, skip::Need::Tool, &format!("libnvrtc not found (LOCKSTEP_ALLOW_NO_NVRTC=1): {e}"));
+            skip(test, Need::Tool, &format!("libnvrtc not found (LOCKSTEP_ALLOW_NO_NVRTC=1): {e}"));
             false
         }
         Err(e) => panic!("{e}\n(set LOCKSTEP_ALLOW_NO_NVRTC=1 to skip this test on purpose)"),
@@ -160,7 +157,7 @@ fn every_kernel_file_compiles_to_a_cubin_without_warnings() {
     }
     let (version, path) = which_nvrtc();
     // One line the parent of a child run (below) reads back.
-    println!("kernels_nvrtc: NVRTC {version} from {}", path.display());
+    println!("cubin test: NVRTC {version} from {}", path.display());
     if let Ok(dir) = std::env::var("LOCKSTEP_NVRTC_EXPECT_DIR") {
         let dir = PathBuf::from(dir).canonicalize().expect("LOCKSTEP_NVRTC_EXPECT_DIR exists");
         assert!(path.starts_with(&dir), "NVRTC was loaded from {}, not from {}", path.display(), dir.display());
@@ -249,9 +246,9 @@ fn the_ptx_fallback_defines_every_kernel() {
 #[test]
 fn every_kernel_file_compiles_with_every_listed_nvrtc() {
     let Some(dirs) = std::env::var("LOCKSTEP_NVRTC_EXTRA_DIRS").ok().filter(|d| !d.is_empty()) else {
-        skip::skip(
+        skip(
             "every_kernel_file_compiles_with_every_listed_nvrtc",
-            skip::Need::Tool,
+            Need::Tool,
             "LOCKSTEP_NVRTC_EXTRA_DIRS is not set (.ci/run sets it to NVRTC 13.0's directory)",
         );
         return;
@@ -265,7 +262,11 @@ fn every_kernel_file_compiles_with_every_listed_nvrtc() {
     let inherited = std::env::var("LD_LIBRARY_PATH").unwrap_or_default();
     for dir in dirs.split(':').filter(|d| !d.is_empty()) {
         let out = std::process::Command::new(&exe)
-            .args(["--exact", "every_kernel_file_compiles_to_a_cubin_without_warnings", "--nocapture"])
+            .args([
+                "--exact",
+                &test_path(module_path!(), "every_kernel_file_compiles_to_a_cubin_without_warnings"),
+                "--nocapture",
+            ])
             .env("LD_LIBRARY_PATH", format!("{dir}:{inherited}"))
             .env("LOCKSTEP_NVRTC_EXPECT_DIR", dir)
             .env_remove("LOCKSTEP_ALLOW_NO_NVRTC")
@@ -277,7 +278,7 @@ fn every_kernel_file_compiles_with_every_listed_nvrtc() {
         assert!(out.status.success() && stdout.contains("1 passed"), "with {dir}:\n{stdout}\n{stderr}");
         let line = stdout
             .lines()
-            .find_map(|l| l.strip_prefix("kernels_nvrtc: NVRTC "))
+            .find_map(|l| Some(&l[l.find("cubin test: NVRTC ")? + "cubin test: NVRTC ".len()..]))
             .unwrap_or_else(|| panic!("with {dir}: the child named no NVRTC:\n{stdout}"));
         let (version, path) = line.split_once(" from ").unwrap();
         loud(&format!("every_kernel_file_compiles_with_every_listed_nvrtc: NVRTC {version} from {path}: passed"));
@@ -319,17 +320,21 @@ fn the_devices_listing_names_the_nvrtc_file() {
     if !nvrtc_or_skip("the_devices_listing_names_the_nvrtc_file") {
         return;
     }
-    // The binary is where cargo built it; a copy of this test carried elsewhere (the GPU
-    // check's .gpu/) has none there, and gpu-check.sh runs `lockstep devices` itself.
-    let bin = PathBuf::from(env!("CARGO_BIN_EXE_lockstep"));
-    if !bin.exists() {
-        skip::skip(
+    // The binary is where cargo builds it beside this test executable (target/release/deps/
+    // holds the test, target/release/ the binary), when the same `cargo test` built it (it
+    // does for the integration tests; `--lib` alone does not). A copy of this executable
+    // carried elsewhere (the GPU check's .gpu/lib_tests) has none there, and gpu-check.sh
+    // runs `lockstep devices` itself.
+    let exe = std::env::current_exe().unwrap();
+    let bin = exe.parent().and_then(|deps| deps.parent()).map(|dir| dir.join("lockstep"));
+    let Some(bin) = bin.filter(|b| b.is_file()) else {
+        skip(
             "the_devices_listing_names_the_nvrtc_file",
-            skip::Need::Tool,
-            &format!("no binary at {}", bin.display()),
+            Need::Tool,
+            &format!("no lockstep binary beside the directory of {}", exe.display()),
         );
         return;
-    }
+    };
     let (version, path) = which_nvrtc();
     let out = std::process::Command::new(&bin).arg("devices").output().unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -408,12 +413,15 @@ fn kernel_names_follow_the_rule_and_match_the_table() {
     assert_eq!(all, declared, "the kernels defined in kernels/ vs those declared");
 }
 
-/// Every `kernels/*.cu` is in train::kernel_files() and every entry is a file there, with the text
-/// on disk: a kernel file left out of the table would be compiled by no test and loaded
+/// Every `kernels/*.cu` is in train::kernel_files() and every entry is a file there, with the
+/// text on disk: a kernel file left out of the table would be compiled by no test and loaded
 /// by no GPU.
 #[test]
 fn kernel_files_on_disk_are_the_kernel_files_table() {
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels");
+    // Where it was built, or (the GPU machine runs the test executables from a copy of the
+    // repository) the working directory's copy.
+    let built = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels");
+    let dir = if built.is_dir() { built } else { PathBuf::from("kernels") };
     let on_disk: BTreeSet<String> = std::fs::read_dir(&dir)
         .expect("kernels/ is readable")
         .map(|e| e.expect("kernels/ entry").file_name().to_string_lossy().into_owned())
