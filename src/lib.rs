@@ -38,6 +38,7 @@
 //! | [`exchange`] | the 16-bit gradients' formats ([`exchange::codec::Compression`]) |
 //! | `cuda` | what the machine's CUDA offers ([`cuda::probe`]; the `cuda` feature) |
 //! | `plot`, `notebook` | training curves as PNG; a report in a Jupyter cell (their features) |
+//! | [`world`] | the processes of a run under an MPI launcher: start it ([`world::init`]), this process's index, their number |
 //! | `cli` | the `lockstep` program itself (the `cli` feature) |
 //! | [`prelude`] | the names a notebook or a small program needs, at once |
 //!
@@ -88,7 +89,7 @@ pub mod train;
 pub(crate) mod units;
 pub mod weights;
 pub(crate) mod wire;
-pub(crate) mod world;
+pub mod world;
 
 pub use error::{Error, Result};
 pub use tensor::{Device, Shape, Tensor};

@@ -16,16 +16,16 @@
 //! anything. MPI is a cargo feature (`mpi`, off by default): without it a launched
 //! process of a world of several is refused with how to build it ([`init`]).
 
-pub mod agree;
-pub mod launch;
+pub(crate) mod agree;
+pub(crate) mod launch;
 #[cfg(feature = "mpi")]
 pub(crate) mod mpi;
-pub mod wait;
+pub(crate) mod wait;
 
 use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, OnceLock};
 
-pub use launch::Launch;
+pub(crate) use launch::Launch;
 
 use crate::error::{Error, Result};
 
@@ -58,13 +58,13 @@ pub(crate) const TIMEOUT_VAR: &str = "LOCKSTEP_MPI_TIMEOUT_S";
 /// alone says it. Anything else (an MPI library that cannot serve, a binary without MPI)
 /// each process says of itself.
 #[cfg(feature = "cli")]
-pub fn init_reports(e: &Error) -> bool {
+pub(crate) fn init_reports(e: &Error) -> bool {
     let met_by_all = matches!(e, Error::Config { what, .. } if *what == TIMEOUT_VAR);
     !met_by_all || launch::detect().is_none_or(|l| l.process == 0)
 }
 
 /// Whether this binary was built with MPI (the `mpi` feature).
-pub const MPI_BUILT_IN: bool = cfg!(feature = "mpi");
+pub(crate) const MPI_BUILT_IN: bool = cfg!(feature = "mpi");
 
 /// The refusal of a launched process in a binary without MPI.
 fn not_built_in(l: &Launch) -> Error {
@@ -124,7 +124,8 @@ pub fn current() -> Result<&'static World> {
 /// Errors every process of a run reaches by the same decision on the same gathered
 /// values (a non-finite loss, a replica check, disagreeing arguments):
 /// nobody is left waiting, so no process needs telling, and only process 0 reports them.
-pub fn agreed(e: &Error) -> bool {
+#[cfg_attr(not(any(feature = "cli", feature = "cuda")), allow(dead_code))] // the command line's, the GPU clique's
+pub(crate) fn agreed(e: &Error) -> bool {
     matches!(
         e,
         Error::NonFiniteLoss { .. }
@@ -159,11 +160,6 @@ impl World {
         self.process() == 0
     }
 
-    /// What the launcher said, if one started this process.
-    pub fn launch(&self) -> Option<&Launch> {
-        self.launch.as_ref()
-    }
-
     /// Lines for `lockstep devices`: whether MPI is built in, and the world it sees.
     pub fn summary(&self) -> Vec<String> {
         let built = if MPI_BUILT_IN { "built in" } else { "not built in (build with --features mpi)" };
@@ -194,7 +190,7 @@ impl World {
 
     /// Every process's `mine` (all of the same length), in process order. The identity in
     /// a world of one.
-    pub fn all_gather(&self, mine: &[u64]) -> Result<Vec<u64>> {
+    pub(crate) fn all_gather(&self, mine: &[u64]) -> Result<Vec<u64>> {
         match &self.kind {
             Kind::Single => Ok(mine.to_vec()),
             #[cfg(feature = "mpi")]
@@ -203,7 +199,8 @@ impl World {
     }
 
     /// Copies process `root`'s `buf` into every process's `buf`.
-    pub fn broadcast(&self, root: usize, buf: &mut [u8]) -> Result<()> {
+    #[cfg_attr(not(any(feature = "cli", feature = "cuda")), allow(dead_code))] // the command line's, the GPU clique's
+    pub(crate) fn broadcast(&self, root: usize, buf: &mut [u8]) -> Result<()> {
         match &self.kind {
             // Process 0's buffer is already everyone's.
             Kind::Single => {
@@ -216,7 +213,8 @@ impl World {
     }
 
     /// Returns when every process has called it.
-    pub fn barrier(&self) -> Result<()> {
+    #[cfg(feature = "mpi")]
+    pub(crate) fn barrier(&self) -> Result<()> {
         match &self.kind {
             Kind::Single => Ok(()),
             #[cfg(feature = "mpi")]
@@ -228,7 +226,7 @@ impl World {
     /// collective it waits in; it then fails with `e`'s text) unless `e` is [`agreed`] or
     /// is itself another process's failure, and stops this process's use of MPI. Called
     /// once the run's threads have ended.
-    pub fn fail(&self, e: &Error) {
+    pub(crate) fn fail(&self, e: &Error) {
         match &self.kind {
             // Nobody to tell.
             Kind::Single => {
@@ -242,7 +240,8 @@ impl World {
     /// [`World::fail`] for a failure that is not the library's (the binary's own input
     /// checks): tells the others `process N: text`, once, unless a failure was told or heard
     /// of already. So that no process waits in a collective for one that never comes.
-    pub fn fail_with(&self, text: &str) {
+    #[cfg_attr(not(any(feature = "cli", feature = "cuda")), allow(dead_code))] // the command line's, the GPU clique's
+    pub(crate) fn fail_with(&self, text: &str) {
         match &self.kind {
             Kind::Single => {
                 let _ = text;
@@ -253,7 +252,7 @@ impl World {
     }
 
     /// The failure another process reported, or the loss of one, if any.
-    pub fn peer_failure(&self) -> Option<Error> {
+    pub(crate) fn peer_failure(&self) -> Option<Error> {
         match &self.kind {
             Kind::Single => None,
             #[cfg(feature = "mpi")]
@@ -264,7 +263,7 @@ impl World {
     /// Fails, with the cause, once another process reported a failure or a process on
     /// this machine (or the launcher) is gone; for a thread that waits on something other
     /// than MPI (the coordinator, while GPUs sum through NCCL) to look every so often.
-    pub fn watch(&self) -> Result<()> {
+    pub(crate) fn watch(&self) -> Result<()> {
         match &self.kind {
             Kind::Single => Ok(()),
             #[cfg(feature = "mpi")]
@@ -275,7 +274,8 @@ impl World {
     /// Whether this process should print `e`: process 0 prints every failure; the others
     /// only their own (the root cause, which process 0 may not live to print once the
     /// launcher takes the job down), never one they were told of or one every process met.
-    pub fn reports(&self, e: &Error) -> bool {
+    #[cfg_attr(not(any(feature = "cli", feature = "cuda")), allow(dead_code))] // the command line's, the GPU clique's
+    pub(crate) fn reports(&self, e: &Error) -> bool {
         self.is_voice() || !(agreed(e) || matches!(e, Error::Peer { .. } | Error::PeerLost { .. }))
     }
 
