@@ -1,10 +1,42 @@
-//! GEMM GFLOP/s at the convnet's shapes: the `gemm` crate (what lockstep uses, through
-//! `backend::cpu::gemm`) against `matrixmultiply`, single-threaded (how the layers call
-//! it: one group of samples per thread) and on the machine's cores. Criterion's
-//! "elements" are FLOPs (2·m·k·n per product), so its Gelem/s read as GFLOP/s.
+//! GEMM GFLOP/s at the convnet's shapes: the `gemm` crate (what lockstep's CPU backend
+//! calls, with these arguments: row-major, overwrite) against `matrixmultiply`,
+//! single-threaded (how the layers call it: one lot of samples per thread) and on the
+//! machine's cores. Criterion's "elements" are FLOPs (2·m·k·n per product), so its
+//! Gelem/s read as GFLOP/s.
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use lockstep::backend::cpu::{gemm_with, Accumulate, Mat, Threads};
+use gemm::Parallelism;
+
+/// out (m × n) = a (m × k) · b (k × n), all row-major, as `backend::cpu::gemm` calls the
+/// crate.
+fn gemm_rows(a: &[f32], b: &[f32], out: &mut [f32], (m, k, n): (usize, usize, usize), par: Parallelism) {
+    assert!(a.len() >= m * k && b.len() >= k * n && out.len() >= m * n);
+    // SAFETY: a, b and out hold m×k, k×n and m×n values (asserted above), row-major with
+    // the strides given; out is borrowed mutably, so it aliases neither input.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            out.as_mut_ptr(),
+            1,
+            n as isize,
+            false,
+            a.as_ptr(),
+            1,
+            k as isize,
+            b.as_ptr(),
+            1,
+            n as isize,
+            1.0,
+            1.0,
+            false,
+            false,
+            false,
+            par,
+        )
+    }
+}
 
 /// (name, m, k, n): the products the convnet's layers issue (see `ops::conv2d`): conv0
 /// unfolds into channels-first columns, one sample at a time; conv1 and conv2 into
@@ -21,9 +53,18 @@ const SHAPES: &[(&str, usize, usize, usize)] = &[
     ("square 512 (reference)", 512, 512, 512),
 ];
 
+/// `len` values in [−0.5, 0.5), from a SplitMix64 stream seeded by `len`.
 fn data(len: usize) -> Vec<f32> {
-    let mut g = lockstep::rng::SplitMix64::new(len as u64);
-    (0..len).map(|_| g.next_f32() - 0.5).collect()
+    let mut state = len as u64;
+    (0..len)
+        .map(|_| {
+            state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = state;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            ((z ^ (z >> 31)) >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+        })
+        .collect()
 }
 
 fn bench(c: &mut Criterion) {
@@ -33,9 +74,7 @@ fn bench(c: &mut Criterion) {
         let mut out = vec![0.0f32; m * n];
         group.throughput(Throughput::Elements((2 * m * k * n) as u64));
         group.bench_with_input(BenchmarkId::new("gemm-crate/1-thread", name), &(), |bench, _| {
-            bench.iter(|| {
-                gemm_with(Mat::rows(&a, m, k), Mat::rows(&b, k, n), &mut out, n, Accumulate::Overwrite, Threads::Caller)
-            })
+            bench.iter(|| gemm_rows(&a, &b, &mut out, (m, k, n), Parallelism::None))
         });
         group.bench_with_input(BenchmarkId::new("matrixmultiply/1-thread", name), &(), |bench, _| {
             bench.iter(|| {
@@ -62,16 +101,7 @@ fn bench(c: &mut Criterion) {
         });
         if m * k * n >= 1 << 20 {
             group.bench_with_input(BenchmarkId::new("gemm-crate/all-cores", name), &(), |bench, _| {
-                bench.iter(|| {
-                    gemm_with(
-                        Mat::rows(&a, m, k),
-                        Mat::rows(&b, k, n),
-                        &mut out,
-                        n,
-                        Accumulate::Overwrite,
-                        Threads::Pool,
-                    )
-                })
+                bench.iter(|| gemm_rows(&a, &b, &mut out, (m, k, n), Parallelism::Rayon(0)))
             });
         }
     }
