@@ -12,8 +12,8 @@ use lockstep::models::{self, ConvnetOptions, Norm};
 use lockstep::nn::loss::{softmax_cross_entropy, Metrics};
 use lockstep::nn::{Ctx, Sequential};
 use lockstep::optim::{MomentumKind, OptimizerConfig};
-use lockstep::tensor::{Device, Tensor};
 use lockstep::train::{train_data_parallel, with_trainer, Batch, Shuffle, TrainConfig, TrainReport};
+use lockstep::{Device, Tensor};
 
 fn cpu(n: usize) -> Devices {
     Devices::cpu(n, 1).unwrap()

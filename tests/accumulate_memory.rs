@@ -12,20 +12,21 @@
 //! the rows of one forward pass, so ÷ K, but for what a step holds whatever its size (the
 //! transformed weights, the optimiser's state, a few small vectors), and for the GEMM's
 //! packing slabs: each of the device's threads keeps one for its life, made at its first
-//! GEMM in the first step, as large as the processor's L2 cache per core
-//! (`backend::cpu::gemm_thread_workspace`). That last part is a fact of the processor:
-//! 2 × 1 MiB on the AMD EPYC (Zen 4) these bounds were first set on, 2 × 2 MiB on an Intel
-//! Xeon with 2 MiB of L2 a core, where it alone took K = 4's ratio from 3.2 to 2.7. So the
-//! ratios are those of the step's own memory: each peak less the slabs the code says its
-//! threads keep, the same on every processor.
+//! GEMM in the first step, as large as the processor's L2 cache per core (the "GEMM
+//! packing" part of `train::memory_estimate`, which counts them). That last part is a
+//! fact of the processor: 2 × 1 MiB on the AMD EPYC (Zen 4) these bounds were first set
+//! on, 2 × 2 MiB on an Intel Xeon with 2 MiB of L2 a core, where it alone took K = 4's
+//! ratio from 3.2 to 2.7. So the ratios are those of the step's own memory: each peak
+//! less the slabs the code says its threads keep, the same on every processor.
 
 use std::sync::atomic::Ordering;
 
 use lockstep::data::digits::{load_digits, DigitsLayout};
 use lockstep::devices::Devices;
 use lockstep::models::{self, ConvnetOptions};
+use lockstep::nn::Sequential;
 use lockstep::optim::OptimizerConfig;
-use lockstep::train::{with_trainer, Batch, TrainConfig};
+use lockstep::train::{memory_estimate, with_trainer, Batch, TrainConfig};
 
 #[path = "common/counting_alloc.rs"]
 mod counting_alloc;
@@ -47,8 +48,9 @@ fn step_peak(k: usize) -> isize {
         check_replicas_every: None,
         ..Default::default()
     };
-    let slabs = (THREADS * lockstep::backend::cpu::gemm_thread_workspace()) as isize;
-    with_trainer(&model, &Devices::cpu(1, THREADS).unwrap(), &cfg, |t| {
+    let devices = Devices::cpu(1, THREADS).unwrap();
+    let slabs = gemm_slabs(&model, &devices, &cfg);
+    with_trainer(&model, &devices, &cfg, |t| {
         let batch = Batch::gather(&data, &rows);
         let base = LIVE.load(Ordering::Relaxed);
         t.step(batch)?;
@@ -58,6 +60,14 @@ fn step_peak(k: usize) -> isize {
         Ok(PEAK.load(Ordering::Relaxed) - base - slabs)
     })
     .unwrap()
+}
+
+/// The GEMM packing slabs of the devices' threads, as the memory estimate counts them:
+/// THREADS × this processor's L2 cache per core.
+fn gemm_slabs(model: &Sequential, devices: &Devices, cfg: &TrainConfig) -> isize {
+    let estimate = memory_estimate(model, devices, cfg);
+    let part = estimate.parts().iter().find(|p| p.name == "GEMM packing").expect("a CPU device's GEMM packing part");
+    part.bytes as isize
 }
 
 #[test]

@@ -6,12 +6,12 @@
 use std::path::Path;
 use std::process::{Command, Output};
 
-#[path = "../src/testing/skip.rs"]
-mod skip;
+mod common;
 
 use lockstep::data::safetensors_file::save_safetensors_dataset;
 use lockstep::data::{Dataset, Features};
-use lockstep::rng::SplitMix64;
+
+use common::{skip, Rng};
 
 fn lockstep(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_lockstep")).args(args).output().expect("the binary runs")
@@ -90,7 +90,7 @@ fn resume_alone_continues_from_the_stored_flags_and_extends_a_finished_run() {
 /// 2-D points with random labels (see tests/early_stopping.rs: the validation loss turns
 /// once the model memorises), as a safetensors file.
 fn noise_file(path: &Path, n: usize) {
-    let mut g = SplitMix64::new(11);
+    let mut g = Rng(11);
     let x: Vec<f32> = (0..2 * n).map(|_| g.next_f32() * 2.0 - 1.0).collect();
     let y: Vec<u32> = (0..n).map(|_| (g.next_u64() % 2) as u32).collect();
     save_safetensors_dataset(&Dataset::new("noise", [2], Features::F32(x), y, 2).unwrap(), path).unwrap();

@@ -6,6 +6,8 @@
 //! ln 2 ≈ 0.69) rises once it does. No expected epoch is hard-coded: the test reads the
 //! best epoch off the run and checks every statement about it.
 
+mod common;
+
 use std::collections::BTreeMap;
 
 use lockstep::checkpoint::{self, CheckpointPolicy, Fallback};
@@ -13,12 +15,13 @@ use lockstep::data::{Dataset, Features};
 use lockstep::devices::Devices;
 use lockstep::models;
 use lockstep::optim::{Optimizer, OptimizerConfig};
-use lockstep::rng::SplitMix64;
 use lockstep::train::{train_data_parallel, EarlyStopping, HeldOut, Stopped, TrainConfig};
+
+use common::Rng;
 
 /// `n` points uniform in [−1, 1]², labels 0/1 drawn independently of them.
 fn noise(name: &str, n: usize, seed: u64) -> Dataset {
-    let mut g = SplitMix64::new(seed);
+    let mut g = Rng(seed);
     let x: Vec<f32> = (0..2 * n).map(|_| g.next_f32() * 2.0 - 1.0).collect();
     let y: Vec<u32> = (0..n).map(|_| (g.next_u64() % 2) as u32).collect();
     Dataset::new(name, [2], Features::F32(x), y, 2).unwrap()

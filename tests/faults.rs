@@ -10,11 +10,10 @@ use std::time::{Duration, Instant};
 
 use lockstep::data::toy;
 use lockstep::devices::Devices;
-use lockstep::error::{Error, Result};
 use lockstep::nn::{Ctx, InputGrad, Layer, Linear, Params, ParamsMut, Relu, Sequential};
 use lockstep::optim::OptimizerConfig;
-use lockstep::tensor::{Device, Shape, Tensor};
 use lockstep::train::{train_data_parallel, TrainConfig};
+use lockstep::{Device, Error, Result, Shape, Tensor};
 
 static ONE_AT_A_TIME: parking_lot::Mutex<()> = parking_lot::Mutex::new(());
 

@@ -23,9 +23,9 @@ use lockstep::models::{gpt, GptConfig};
 use lockstep::nn::{Ctx, ParamStore, Sequential};
 use lockstep::optim::{LrSchedule, OptimizerConfig, Sharding};
 use lockstep::spec::ModelSpec;
-use lockstep::tensor::{Device, Tensor};
 use lockstep::train::{train_data_parallel, Shuffle, TrainConfig};
 use lockstep::weights;
+use lockstep::{Device, Tensor};
 
 fn dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/gpt")
@@ -234,7 +234,7 @@ fn the_gpt_is_bitwise_the_same_on_one_and_three_devices_with_the_replicas_fixed(
     let variants: [(&str, Variant); 4] = [
         ("plain", |c| c),
         ("accumulate 2", |c| TrainConfig { accumulate: 2, ..c }),
-        ("bf16 gradients", |c| TrainConfig { grad_compression: lockstep::wire::Compression::Bf16, ..c }),
+        ("bf16 gradients", |c| TrainConfig { grad_compression: lockstep::exchange::codec::Compression::Bf16, ..c }),
         ("sharded optimiser", |c| TrainConfig { optimizer_sharding: Sharding::Sharded, ..c }),
     ];
     for (what, variant) in variants {

@@ -37,13 +37,16 @@
 //! and asserts the result is that buffer plus the gradient from a zeroed one (within
 //! one f32 rounding), i.e. backward adds (`+=`) and never overwrites.
 
+mod common;
+
 use lockstep::models::{self, ConvnetOptions, Norm};
 use lockstep::nn::{
     BatchNorm2d, Conv2d, Ctx, Dropout, Flatten, Gelu, GlobalAvgPool2d, Init, InputGrad, Layer, LayerNorm, Linear,
     MaxPool2d, Padding, ParamSpec, Params, ParamsMut, Relu, Rescaling, Sequential,
 };
-use lockstep::rng::SplitMix64;
 use lockstep::{Device, Error, Result, Shape, Tensor};
+
+use common::Rng;
 
 /// y = x + p, p the whole input batch (N·sample values, flattened): its gradient is the
 /// gradient of the following layer's input. Fed with x = 0.
@@ -98,13 +101,30 @@ impl Layer for InputProbe {
     }
 }
 
+/// The inputs' generator (tests/common) is SplitMix64, the stream the library's own
+/// generator gives for the same seed: the first outputs of the C reference implementation
+/// (Vigna's splitmix64.c) seeded with 0, and with 1234567 from this Python transcription:
+///   s = (s + 0x9E3779B97F4A7C15) % 2**64; z = s
+///   z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+///   z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % 2**64; out = z ^ (z >> 31)
+#[test]
+fn the_input_generator_is_splitmix64() {
+    let mut g = Rng(0);
+    assert_eq!([g.next_u64(), g.next_u64()], [0xE220_A839_7B1D_CDAF, 0x6E78_9E6A_A1B9_65F4]);
+    let mut g = Rng(1234567);
+    assert_eq!(
+        [g.next_u64(), g.next_u64(), g.next_u64()],
+        [6457827717110365317, 3203168211198807973, 9817491932198370423]
+    );
+}
+
 /// Uniform in [lo, hi).
-fn uniform(g: &mut SplitMix64, n: usize, lo: f32, hi: f32) -> Vec<f32> {
+fn uniform(g: &mut Rng, n: usize, lo: f32, hi: f32) -> Vec<f32> {
     (0..n).map(|_| lo + (hi - lo) * g.next_f32()).collect()
 }
 
 /// Values with |v| in [0.1, 1] and a random sign: at least 10·h away from ReLU's kink.
-fn away_from_zero(g: &mut SplitMix64, n: usize) -> Vec<f32> {
+fn away_from_zero(g: &mut Rng, n: usize) -> Vec<f32> {
     (0..n).map(|_| (0.1 + 0.9 * g.next_f32()) * if g.next_u64() & 1 == 0 { 1.0 } else { -1.0 }).collect()
 }
 
@@ -174,7 +194,7 @@ fn build(
     let mut all: Vec<Box<dyn Layer>> = vec![Box::new(InputProbe { numel: n_in })];
     all.extend(layers);
     let mut net = Sequential::new(sample.to_vec(), all).unwrap();
-    let mut g = SplitMix64::new(seed);
+    let mut g = Rng(seed);
     let store = net.init(seed);
     let (probe, model) = net.param_infos().split_first().expect("the probe's tensor comes first");
     let n_model: usize = model.iter().map(|t| t.range.len()).sum();
@@ -213,7 +233,7 @@ fn check(name: &str, m: &mut Model, tol: Tol, indices: Option<Vec<usize>>) -> Ve
 
     // Accumulation: backward into random g0 gives g0 + analytic (one f32 rounding: the
     // sum of two values ≤ 2^-24 relative, 2e-6 with margin for BatchNorm's f64→f32 sums).
-    let g0 = uniform(&mut SplitMix64::new(99), m.params.len(), -1.0, 1.0);
+    let g0 = uniform(&mut Rng(99), m.params.len(), -1.0, 1.0);
     let accumulated = m.analytic(&g0);
     for (i, ((&acc, &a), &s)) in accumulated.iter().zip(&analytic).zip(&g0).enumerate() {
         let want = s + a;
@@ -285,7 +305,7 @@ fn train_ctx() -> Ctx<'static> {
 
 /// A one-layer check on random inputs in [−1, 1) and random parameters.
 fn check_layer(name: &str, dims: &[usize], layer: Box<dyn Layer>, seed: u64) -> Vec<f32> {
-    let mut g = SplitMix64::new(seed);
+    let mut g = Rng(seed);
     let x = uniform(&mut g, dims.iter().product(), -1.0, 1.0);
     let mut m = build(&dims[1..], x, vec![layer], None, train_ctx(), seed + 1);
     check(name, &mut m, LAYER_TOL, None)
@@ -345,7 +365,7 @@ fn batchnorm_train_every_scale_center_combination() {
     // x: (3, 2, 3, 2): 18 values per channel. Inputs get a per-channel offset and spread
     // so the statistics are not those of U(−1, 1) in both channels.
     for (k, (scale, center)) in [(true, true), (true, false), (false, true), (false, false)].into_iter().enumerate() {
-        let mut g = SplitMix64::new(10 + k as u64);
+        let mut g = Rng(10 + k as u64);
         let mut x = uniform(&mut g, 3 * 2 * 3 * 2, -1.0, 1.0);
         for (i, v) in x.iter_mut().enumerate() {
             let ch = (i / 6) % 2;
@@ -374,7 +394,7 @@ fn batchnorm_train_every_scale_center_combination() {
 #[test]
 fn relu_away_from_the_kink() {
     for (k, dims) in [vec![3usize, 7], vec![2, 2, 3, 2]].into_iter().enumerate() {
-        let mut g = SplitMix64::new(30 + k as u64);
+        let mut g = Rng(30 + k as u64);
         let x = away_from_zero(&mut g, dims.iter().product());
         let mut m = build(&dims[1..], x.clone(), vec![Box::new(Relu::new())], None, train_ctx(), 40 + k as u64);
         let grad = check(&format!("ReLU {dims:?}"), &mut m, LAYER_TOL, None);
@@ -391,7 +411,7 @@ fn gelu_over_both_tails_and_the_middle() {
     // the central difference's truncation error h²/6·|w·GELU‴| ≤ 1.3e-5, inside LAYER_TOL's
     // atol of 1e-3; on a flat (3, 7) and an image-shaped (2, 2, 3, 2) input.
     for (k, dims) in [vec![3usize, 7], vec![2, 2, 3, 2]].into_iter().enumerate() {
-        let mut g = SplitMix64::new(60 + k as u64);
+        let mut g = Rng(60 + k as u64);
         let x = uniform(&mut g, dims.iter().product(), -4.0, 4.0);
         let mut m = build(&dims[1..], x, vec![Box::new(Gelu::new())], None, train_ctx(), 70 + k as u64);
         check(&format!("GELU {dims:?}"), &mut m, LAYER_TOL, None);
@@ -424,7 +444,7 @@ fn global_avg_pool() {
 /// `n` distinct values 0.1 apart, in a random order, centred on 0: no ±h step (h = 1e-2)
 /// can make two of them change places, so every window of a max pooling keeps its winner
 /// while its finite differences are taken.
-fn distinct(g: &mut SplitMix64, n: usize) -> Vec<f32> {
+fn distinct(g: &mut Rng, n: usize) -> Vec<f32> {
     let mut v: Vec<f32> = (0..n).map(|i| (i as f32 - n as f32 / 2.0) * 0.1).collect();
     for i in (1..n).rev() {
         v.swap(i, g.below(i + 1));
@@ -444,7 +464,7 @@ fn max_pool_overlapping_windows_and_same_padding() {
         ("MaxPool2d 2x3 s2x1 same", [2, 2, 5, 6], MaxPool2d::new((2, 3), (2, 1), Padding::Same).unwrap()),
     ];
     for (k, (name, dims, pool)) in cases.into_iter().enumerate() {
-        let mut g = SplitMix64::new(90 + k as u64);
+        let mut g = Rng(90 + k as u64);
         let x = distinct(&mut g, dims.iter().product());
         let mut m = build(&dims[1..], x, vec![Box::new(pool)], None, train_ctx(), 92 + k as u64);
         let grad = check(name, &mut m, LAYER_TOL, None);
@@ -460,7 +480,7 @@ fn conv_then_max_pool_gradients_reach_the_weights() {
     // The conv's outputs are not spaced apart, so a step can swap a window's winner, a
     // kink as ReLU's: found by one-sided slopes that disagree and skipped, at most 8 of
     // the 92 points (72 inputs, 18 weights, 2 biases).
-    let mut g = SplitMix64::new(95);
+    let mut g = Rng(95);
     let x = uniform(&mut g, 72, -1.0, 1.0);
     let layers: Vec<Box<dyn Layer>> = vec![
         Box::new(Conv2d::new(1, 2, (3, 3), 1, Padding::Same, true).unwrap()),
@@ -491,7 +511,7 @@ fn toy_mlp_gradients_match_finite_differences() {
     // The lesson's MLP 2-30-20-2, x: (4, 2). Glorot weights, biases set to random values.
     let net = models::toy_mlp(2, 2).unwrap();
     let store = net.init(60);
-    let mut g = SplitMix64::new(61);
+    let mut g = Rng(61);
     let mut params = store.params.clone();
     for t in net.param_infos().iter().filter(|t| t.name.ends_with("bias")) {
         params[t.range.clone()].copy_from_slice(&uniform(&mut g, t.range.len(), -0.2, 0.2));
@@ -513,7 +533,7 @@ fn convnet_gradients_match_finite_differences() {
         ConvnetOptions { norm: Norm::BatchNorm, dropout: 0.5, input: (1, 12, 12), classes: 10, bn_momentum: 0.99 };
     let net = models::convnet(opts).unwrap();
     let store = net.init(70);
-    let mut g = SplitMix64::new(71);
+    let mut g = Rng(71);
     let mut params = store.params.clone();
     // Non-zero biases and betas, so their paths are exercised with realistic values.
     for t in net.param_infos().iter().filter(|t| t.name.ends_with("bias") || t.name.ends_with("beta")) {
@@ -523,7 +543,7 @@ fn convnet_gradients_match_finite_differences() {
     let layers = net.layers().iter().map(|l| l.boxed_clone()).collect();
     let mut m = build(&[1, 12, 12], x, layers, Some(packed(&net, &params)), train_ctx(), 72);
     // A sample of every tensor: 24 input values and up to 16 values per parameter tensor.
-    let mut pick = SplitMix64::new(73);
+    let mut pick = Rng(73);
     let mut indices = Vec::new();
     for t in m.net.param_infos() {
         let k = if t.name == "probe0.x" { 24 } else { 16 };
@@ -552,7 +572,7 @@ fn convnet_without_batchnorm_gradients_match_finite_differences() {
     let opts = ConvnetOptions { norm: Norm::None, dropout: 0.0, input: (1, 12, 12), classes: 10, bn_momentum: 0.99 };
     let net = models::convnet(opts).unwrap();
     let store = net.init(80);
-    let mut g = SplitMix64::new(81);
+    let mut g = Rng(81);
     let mut params = store.params.clone();
     for t in net.param_infos().iter().filter(|t| t.name.ends_with("bias")) {
         params[t.range.clone()].copy_from_slice(&uniform(&mut g, t.range.len(), -0.1, 0.1));
@@ -560,7 +580,7 @@ fn convnet_without_batchnorm_gradients_match_finite_differences() {
     let x = uniform(&mut g, 2 * 144, 0.0, 255.0);
     let layers = net.layers().iter().map(|l| l.boxed_clone()).collect();
     let mut m = build(&[1, 12, 12], x, layers, Some(packed(&net, &params)), train_ctx(), 82);
-    let mut pick = SplitMix64::new(83);
+    let mut pick = Rng(83);
     let mut indices = Vec::new();
     for t in m.net.param_infos() {
         let k = if t.name == "probe0.x" { 24 } else { 16 };

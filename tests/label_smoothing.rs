@@ -27,9 +27,9 @@ use lockstep::models::{self, ConvnetOptions, Norm};
 use lockstep::nn::loss::CrossEntropy;
 use lockstep::nn::{Ctx, Sequential};
 use lockstep::optim::OptimizerConfig;
-use lockstep::tensor::{Device, Tensor};
 use lockstep::train::{train_data_parallel, with_trainer, LastBatch, Shuffle, TrainConfig};
 use lockstep::weights;
+use lockstep::{Device, Tensor};
 
 use common::{assert_close, f64s, gpu_present};
 

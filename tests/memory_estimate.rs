@@ -15,7 +15,7 @@ use lockstep::data::Dataset;
 use lockstep::devices::Devices;
 use lockstep::models::{self, ConvnetOptions};
 use lockstep::nn::Sequential;
-use lockstep::train::{memory, train_data_parallel, TrainConfig};
+use lockstep::train::{memory_estimate, train_data_parallel, TrainConfig};
 
 #[path = "common/counting_alloc.rs"]
 mod counting_alloc;
@@ -32,7 +32,7 @@ fn measured(
     devices: &Devices,
     config: &TrainConfig,
 ) -> (f64, f64) {
-    let estimate = memory::training(model, devices, config);
+    let estimate = memory_estimate(model, devices, config);
     let counted: u64 = estimate.parts().iter().filter(|p| p.name != "process").map(|p| p.bytes).sum();
     let base = LIVE.load(Ordering::Relaxed);
     PEAK.store(base, Ordering::Relaxed);

@@ -32,9 +32,9 @@ use lockstep::devices::Devices;
 use lockstep::models::{self, ConvnetOptions, Norm};
 use lockstep::nn::{Ctx, Sequential};
 use lockstep::optim::OptimizerConfig;
-use lockstep::tensor::{Device, Tensor};
 use lockstep::train::{train_data_parallel, Batch, LastBatch, Shuffle, TrainConfig};
 use lockstep::weights;
+use lockstep::{Device, Tensor};
 
 use common::gpu_present;
 

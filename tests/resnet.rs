@@ -19,9 +19,9 @@ use lockstep::devices::Devices;
 use lockstep::models::{resnet, ResnetDepth};
 use lockstep::nn::{Activation, BatchNorm2d, Conv2d, Ctx, Layer, Padding, Relu, Residual, Sequential};
 use lockstep::optim::{MomentumKind, OptimizerConfig};
-use lockstep::tensor::{Device, Tensor};
 use lockstep::train::{train_data_parallel, Batch, LastBatch, Shuffle, TrainConfig};
 use lockstep::weights;
+use lockstep::{Device, Tensor};
 
 fn dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/resnet")

@@ -7,6 +7,8 @@
 //! devices, its loss falling. Every built-in model also writes itself back as a spec
 //! (`spec::model_to_spec`) that builds it again.
 
+mod common;
+
 use std::path::Path;
 
 use lockstep::data::digits::{load_digits, DigitsLayout};
@@ -14,10 +16,11 @@ use lockstep::devices::Devices;
 use lockstep::models::{self, ConvnetOptions, Norm};
 use lockstep::nn::{Ctx, Mode, Sequential};
 use lockstep::optim::OptimizerConfig;
-use lockstep::rng::SplitMix64;
 use lockstep::spec::{model_from_spec_file, model_from_spec_str, model_to_spec};
 use lockstep::train::{train_data_parallel, TrainConfig};
 use lockstep::{Device, Tensor};
+
+use common::Rng;
 
 fn example(name: &str) -> Sequential {
     model_from_spec_file(&Path::new(env!("CARGO_MANIFEST_DIR")).join("examples").join(name)).unwrap()
@@ -36,7 +39,7 @@ fn assert_same(a: &mut Sequential, b: &mut Sequential, n: usize) {
     for seed in [0, 7] {
         let (sa, sb) = (a.init(seed), b.init(seed));
         assert_eq!(sa, sb, "initial weights for seed {seed}");
-        let mut g = SplitMix64::new(seed + 100);
+        let mut g = Rng(seed + 100);
         let x: Vec<f32> = (0..n * a.input_shape().numel()).map(|_| g.next_f32() * 255.0).collect();
         // x: (N, *input_shape)
         let shape: Vec<usize> = std::iter::once(n).chain(a.input_shape().dims().iter().copied()).collect();
