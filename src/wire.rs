@@ -109,7 +109,7 @@ impl Codec {
     }
 
     /// The format.
-    #[cfg(any(test, feature = "cuda", feature = "mpi"))]
+    #[cfg(any(feature = "cuda", feature = "mpi"))]
     pub fn compression(&self) -> Compression {
         match self.format {
             Format::Bf16 => Compression::Bf16,

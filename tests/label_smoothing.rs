@@ -19,8 +19,6 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
-
 use lockstep::data::safetensors_file::load_safetensors_dataset;
 use lockstep::devices::Devices;
 use lockstep::models::{self, ConvnetOptions, Norm};
@@ -31,6 +29,7 @@ use lockstep::train::{train_data_parallel, with_trainer, LastBatch, Shuffle, Tra
 use lockstep::weights;
 use lockstep::{Device, Tensor};
 
+use common::oracle::oracle_case;
 use common::{assert_close, f64s, gpu_present};
 
 /// The reference values, built into the test (scripts/gpu-check.sh runs it where the
@@ -41,13 +40,6 @@ fn reference() -> serde_json::Value {
 
 fn f32s(v: &serde_json::Value) -> Vec<f32> {
     v.as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect()
-}
-
-fn case_dir(name: &str) -> PathBuf {
-    match std::env::var_os("LOCKSTEP_ORACLE_DIR") {
-        Some(dir) => PathBuf::from(dir).join(name),
-        None => Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/oracle").join(name),
-    }
 }
 
 #[test]
@@ -121,7 +113,7 @@ fn model_for(case: &str) -> Sequential {
 fn check_training(case: &serde_json::Value, devices: &Devices) {
     let name = case["case"].as_str().unwrap();
     let model = model_for(name);
-    let dir = case_dir(name);
+    let dir = oracle_case(name);
     let init = weights::load(&model, &dir.join("init.safetensors")).unwrap();
     let data = load_safetensors_dataset(&dir.join("data.safetensors")).unwrap();
     let want_losses = f32s(&case["losses"]);
@@ -194,7 +186,7 @@ fn convnet_nobn_20_steps_with_label_smoothing_match_pytorch() {
 #[test]
 fn evaluation_reports_the_smoothed_loss() {
     let mut model = model_for("toy");
-    let data = load_safetensors_dataset(&case_dir("toy_s0_k50_b64_w1").join("data.safetensors")).unwrap();
+    let data = load_safetensors_dataset(&oracle_case("toy_s0_k50_b64_w1").join("data.safetensors")).unwrap();
     let held = data.subset("held", &(0..100).collect::<Vec<_>>());
     let store = model.init(4);
     let x = Tensor::from_vec(lockstep::train::Batch::gather(&held, &(0..100).collect::<Vec<_>>()).x, [100, 2]).unwrap();

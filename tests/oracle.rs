@@ -25,7 +25,7 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use lockstep::data::safetensors_file::load_safetensors_dataset;
 use lockstep::devices::Devices;
@@ -37,13 +37,7 @@ use lockstep::weights;
 use lockstep::{Device, Tensor};
 
 use common::gpu_present;
-
-fn case_dir(name: &str) -> PathBuf {
-    match std::env::var_os("LOCKSTEP_ORACLE_DIR") {
-        Some(dir) => PathBuf::from(dir).join(name),
-        None => Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/oracle").join(name),
-    }
-}
+use common::oracle::oracle_case;
 
 fn model_for(case: &str) -> Sequential {
     if case.starts_with("toy") {
@@ -55,7 +49,7 @@ fn model_for(case: &str) -> Sequential {
 }
 
 fn losses(case: &str) -> Vec<f64> {
-    let text = std::fs::read_to_string(case_dir(case).join("losses.json")).unwrap();
+    let text = std::fs::read_to_string(oracle_case(case).join("losses.json")).unwrap();
     let v: serde_json::Value = serde_json::from_str(&text).unwrap();
     v["losses"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect()
 }
@@ -101,7 +95,7 @@ fn config(case: &str, steps: u64) -> TrainConfig {
 
 /// The gradient of the mean loss of step 0 (rows 0..64), computed by the layers alone.
 fn check_grads_step0(case: &str) {
-    let dir = case_dir(case);
+    let dir = oracle_case(case);
     let mut model = model_for(case);
     let mut store = weights::load(&model, &dir.join("init.safetensors")).unwrap();
     let data = load_safetensors_dataset(&dir.join("data.safetensors")).unwrap();
@@ -136,7 +130,7 @@ fn check_training(case: &str, devices: Devices, replicas: usize, final_tol: f32)
 /// [`check_training`] of `model` (the case's model, or a variant of it with the same
 /// tensors: its BatchNorm synchronized).
 fn check_training_of(case: &str, model: &Sequential, devices: Devices, replicas: usize, final_tol: f32) {
-    let dir = case_dir(case);
+    let dir = oracle_case(case);
     let want_losses = losses(case);
     let init = weights::load(model, &dir.join("init.safetensors")).unwrap();
     let data = load_safetensors_dataset(&dir.join("data.safetensors")).unwrap();
@@ -239,7 +233,7 @@ fn convnet_with_batchnorm_20_steps() {
 /// case's initial weights moves each parameter by exactly −g up to the rounding of p − g
 /// (an ulp of |p| < 1, under 1e-7: far inside the 1e-5 compared), so p₀ − p₁ is g.
 fn applied_gradient(model: &Sequential, case: &str, devices: &Devices) -> (Vec<f32>, f64) {
-    let dir = case_dir(case);
+    let dir = oracle_case(case);
     let init = weights::load(model, &dir.join("init.safetensors")).unwrap();
     let data = load_safetensors_dataset(&dir.join("data.safetensors")).unwrap();
     let batch = Batch::gather(&data, &(0..64).collect::<Vec<_>>());
@@ -262,7 +256,7 @@ fn applied_gradient(model: &Sequential, case: &str, devices: &Devices) -> (Vec<f
 fn sync_batchnorm_gradient_of_step_0_on_2_3_4_devices() {
     let case = "convnet_s0_k20_b64_w1";
     let model = lockstep::nn::convert_sync_batchnorm(&model_for(case)).unwrap();
-    let expected = tensors(&case_dir(case).join("grads_step0.safetensors"));
+    let expected = tensors(&oracle_case(case).join("grads_step0.safetensors"));
     for n in 2..=4 {
         let devices = Devices::cpu(n, 1).unwrap();
         let (grads, loss) = applied_gradient(&model, case, &devices);
@@ -300,7 +294,7 @@ fn sync_batchnorm_on_gpus_reproduces_the_single_device_case() {
     }
     let case = "convnet_s0_k20_b64_w1";
     let model = lockstep::nn::convert_sync_batchnorm(&model_for(case)).unwrap();
-    let expected = tensors(&case_dir(case).join("grads_step0.safetensors"));
+    let expected = tensors(&oracle_case(case).join("grads_step0.safetensors"));
     for gpus in [&[0, 0][..], &[0, 0, 0]] {
         let devices = Devices::cuda(gpus).unwrap();
         let (grads, loss) = applied_gradient(&model, case, &devices);

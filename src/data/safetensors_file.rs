@@ -591,15 +591,14 @@ mod tests {
     fn loads_the_pytorch_oracle_data() {
         // Shapes and dtypes as documented in shared/oracle/README.md: toy f32 (N, 2),
         // convnet u8 (N, 1, 28, 28), y i64; N = K·B (toy 50·64, convnet 20·64).
-        let oracle = concat!(env!("CARGO_MANIFEST_DIR"), "/../shared/oracle");
-        let toy = load_safetensors_dataset(Path::new(&format!("{oracle}/toy_s0_k50_b64_w1/data.safetensors"))).unwrap();
+        use crate::testing::oracle::oracle_case;
+        let toy = load_safetensors_dataset(&oracle_case("toy_s0_k50_b64_w1").join("data.safetensors")).unwrap();
         assert_eq!(toy.len(), 3200);
         assert_eq!(toy.sample_shape().dims(), &[2]);
         assert!(matches!(toy.features(), Features::F32(_)));
         assert_eq!(toy.num_classes(), 2);
 
-        let conv =
-            load_safetensors_dataset(Path::new(&format!("{oracle}/convnet_s0_k20_b64_w1/data.safetensors"))).unwrap();
+        let conv = load_safetensors_dataset(&oracle_case("convnet_s0_k20_b64_w1").join("data.safetensors")).unwrap();
         assert_eq!(conv.len(), 1280);
         assert_eq!(conv.sample_shape().dims(), &[1, 28, 28]);
         assert!(matches!(conv.features(), Features::U8(v) if v.len() == 1280 * 28 * 28));

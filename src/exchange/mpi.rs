@@ -946,6 +946,7 @@ pub struct MpiMember<'g, 'w> {
 
 impl MpiMember<'_, '_> {
     /// Returns when every local device thread has called it (benchmarks).
+    #[cfg(feature = "cli")]
     pub fn barrier(&self) -> Result<()> {
         self.group.barrier.wait(&self.group.aborted)
     }
@@ -1115,6 +1116,7 @@ impl MpiStats<'_, '_> {
 /// with MPI's own algorithms for it (its non-blocking `MPI_Iallreduce` is a slower, other
 /// code path). Never used to train: the order of its additions is MPI's, and it blocks
 /// (a benchmark is ended by the launcher if a process dies).
+#[cfg(feature = "cli")]
 pub fn plain_all_reduce(world: &World, send: &[f32], recv: &mut [f32]) -> Result<()> {
     use mpi::collective::{CommunicatorCollectives, SystemOperation};
     let mpi = world.mpi().ok_or_else(|| Error::Mpi("MPI_Allreduce needs an MPI world".into()))?;

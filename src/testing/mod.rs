@@ -1,10 +1,12 @@
 //! What the crate's own tests share: the one skip helper ([`skip`]), the count of the
 //! heap bytes a thread allocates ([`Counting`], the test build's global allocator), by
 //! which the conformance test holds each op's memory account to what it really takes, and
-//! (the `mpi` feature) processes of this test executable under `mpirun` ([`mpirun`]).
+//! (the `mpi` feature) processes of this test executable under `mpirun` ([`mpirun`]), and
+//! where the PyTorch reference cases are ([`oracle`]).
 
 #[cfg(feature = "mpi")]
 pub(crate) mod mpirun;
+pub(crate) mod oracle;
 pub(crate) mod skip;
 
 use std::alloc::{GlobalAlloc, Layout, System};
@@ -84,6 +86,7 @@ static COUNTING: Counting = Counting;
 /// The path by which the test harness names test `name` of the module `module` (a
 /// `module_path!()`): the module path without the crate's name, as `--exact` wants it when
 /// a test runs its own executable again.
+#[cfg(any(feature = "cuda", feature = "mpi"))]
 pub(crate) fn test_path(module: &str, name: &str) -> String {
     let inside = module.split_once("::").map_or("", |(_, rest)| rest);
     if inside.is_empty() {
@@ -94,6 +97,7 @@ pub(crate) fn test_path(module: &str, name: &str) -> String {
 }
 
 /// `n` values uniform in [−1, 1), from the stream of `seed` (`rng::SplitMix64`).
+#[cfg(feature = "cuda")]
 pub(crate) fn uniform(seed: u64, n: usize) -> Vec<f32> {
     let mut g = crate::rng::SplitMix64::new(seed);
     (0..n).map(|_| g.next_f32() * 2.0 - 1.0).collect()
@@ -101,6 +105,7 @@ pub(crate) fn uniform(seed: u64, n: usize) -> Vec<f32> {
 
 /// `got` and `want` equal bit for bit (so −0 is not 0, and a NaN matches only its own bits).
 #[track_caller]
+#[cfg(feature = "cuda")]
 pub(crate) fn assert_bits(what: &str, got: &[f32], want: &[f32]) {
     assert_eq!(got.len(), want.len(), "{what}: length");
     for (i, (g, w)) in got.iter().zip(want).enumerate() {
@@ -113,6 +118,7 @@ pub(crate) fn assert_bits(what: &str, got: &[f32], want: &[f32]) {
 /// commutative product (so the CPU's vector loop and a kernel's scalar code may differ
 /// there, and only there).
 #[track_caller]
+#[cfg(feature = "cuda")]
 pub(crate) fn assert_same(what: &str, got: &[f32], want: &[f32]) {
     assert_eq!(got.len(), want.len(), "{what}: length");
     for (i, (g, w)) in got.iter().zip(want).enumerate() {
@@ -123,6 +129,7 @@ pub(crate) fn assert_same(what: &str, got: &[f32], want: &[f32]) {
 /// |got − want| ≤ atol + rtol·|want| for every value (`want` in f64, a reference computed
 /// from the same f32 inputs).
 #[track_caller]
+#[cfg(feature = "cuda")]
 pub(crate) fn assert_close(what: &str, got: &[f32], want: &[f64], rtol: f64, atol: f64) {
     assert_eq!(got.len(), want.len(), "{what}: length");
     for (i, (&g, &w)) in got.iter().zip(want).enumerate() {

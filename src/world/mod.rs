@@ -6,8 +6,8 @@
 //! form a world. This module owns the process level: which process this is
 //! ([`World::process`]) among how many ([`World::size`]), the few collectives the
 //! coordinator needs (gathering step metrics and fingerprints, broadcasting an NCCL id),
-//! how a failure in one process reaches the others ([`World::fail`]), and the refusal to
-//! train as one of P silent copies when MPI is not built in. The gradients themselves
+//! how a failure in one process reaches the others (at once, whatever collective they
+//! wait in), and the refusal to train as one of P silent copies when MPI is not built in. The gradients themselves
 //! cross processes in the exchange (`exchange::mpi`, or one NCCL clique); the trainer's
 //! use of the world (handshake, merged step reports, the replica check across processes)
 //! is `train::processes`.
@@ -49,7 +49,7 @@ static INIT: parking_lot::Mutex<()> = parking_lot::Mutex::new(());
 static SINGLE: World = World { kind: Kind::Single, launch: None };
 
 /// The environment variable of the processes' wait timeout, in seconds (0: none).
-#[cfg(any(test, feature = "cli", feature = "mpi"))]
+#[cfg(any(feature = "cli", feature = "mpi"))]
 pub(crate) const TIMEOUT_VAR: &str = "LOCKSTEP_MPI_TIMEOUT_S";
 
 /// Whether this process says `e`, an error of [`init`]. A launcher gives every process
@@ -212,8 +212,8 @@ impl World {
         }
     }
 
-    /// Returns when every process has called it.
-    #[cfg(feature = "mpi")]
+    /// Returns when every process has called it (benchmarks).
+    #[cfg(all(feature = "mpi", feature = "cli"))]
     pub(crate) fn barrier(&self) -> Result<()> {
         match &self.kind {
             Kind::Single => Ok(()),

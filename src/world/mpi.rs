@@ -218,6 +218,7 @@ impl Port {
         check(code, "MPI_Ibcast").map(|()| req)
     }
 
+    #[cfg(feature = "cli")]
     fn ibarrier(&mut self) -> Result<ffi::MPI_Request> {
         let mut req = null_request();
         // SAFETY: no buffer; `req` is ours.
@@ -633,6 +634,7 @@ impl MpiWorld {
         }
     }
 
+    #[cfg(feature = "cli")]
     pub(crate) fn barrier(&self) -> Result<()> {
         let mut port = self.port()?;
         let mut req = port.ibarrier()?;

@@ -10,6 +10,9 @@
 #[path = "../../src/testing/skip.rs"]
 pub mod skip;
 
+#[path = "../../src/testing/oracle.rs"]
+pub mod oracle;
+
 // ---- skipping without a GPU ----------------------------------------------------------
 
 /// True where a CUDA GPU can be used; otherwise the one skip helper says that `test` did
