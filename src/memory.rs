@@ -191,10 +191,10 @@ const F32: u64 = 4;
 /// The part of a run that no shape predicts (see [`crate::train::memory::training`]).
 pub const PROCESS_BYTES: u64 = 64 << 20;
 
-/// The sample groups whose workspace a shard of `batch` samples is counted with: one a
-/// sample up to 16 (`backend::cpu::batch_groups` makes at most 16, and fewer: it wants 8
-/// samples a group, so this is meant to be a little above).
-fn groups(batch: usize) -> u64 {
+/// The chunks of samples whose workspace a shard of `batch` samples is counted with: one a
+/// sample up to 16 (`backend::cpu::batch_chunks` makes at most 16, and fewer: it wants 8
+/// samples a chunk, so this is meant to be a little above).
+fn chunks(batch: usize) -> u64 {
     batch.clamp(1, 16) as u64
 }
 
@@ -203,18 +203,18 @@ fn groups(batch: usize) -> u64 {
 /// own [`Layer::memory`](crate::nn::Layer::memory) states (a layer of the user's own,
 /// which states nothing, is counted as keeping nothing); and what is alive around the
 /// layer running: its input and output (or gradient and input gradient), the widest pair
-/// of the network, and the shard's copy of its samples. Per layer and group of samples,
+/// of the network, and the shard's copy of its samples. Per layer and chunk of samples,
 /// its workspace (a convolution's weight-gradient partials), and per layer what it holds
 /// whatever the batch (a Winograd convolution's transformed weight).
 pub fn shard_activations(model: &Sequential, batch: usize, threads: usize) -> u64 {
-    let _ = threads; // the groups are a function of the batch alone (`backend::cpu::batch_groups`)
+    let _ = threads; // the chunks are a function of the batch alone (`backend::cpu::batch_chunks`)
     let mut kept = 0u64;
     let mut widest = model.input_shape().numel() as u64;
     let mut workspace = 0u64;
     for (layer, shapes) in model.layers().iter().zip(model.layer_shapes()) {
         let m = layer.memory(shapes).unwrap_or(LayerMemory::NONE);
         kept = kept.saturating_add(m.kept_per_sample);
-        workspace = workspace.saturating_add(m.per_group.saturating_mul(groups(batch))).saturating_add(m.per_layer);
+        workspace = workspace.saturating_add(m.per_chunk.saturating_mul(chunks(batch))).saturating_add(m.per_layer);
         widest = widest.max(shapes.output.numel() as u64);
     }
     let workspace = workspace.saturating_add(lent(model, batch));
@@ -235,13 +235,13 @@ pub fn eval_activations(model: &Sequential, batch: usize) -> u64 {
 }
 
 /// The work buffers the layers borrow from a shared pool for a pass of `batch` samples:
-/// a set per group of samples, as large as the largest layer needs; and the packing of
+/// a set per chunk of samples, as large as the largest layer needs; and the packing of
 /// the largest product, which a device runs one at a time.
 fn lent(model: &Sequential, batch: usize) -> u64 {
     let memories = || model.layers().iter().zip(model.layer_shapes()).filter_map(|(l, s)| l.memory(s));
-    let largest = memories().map(|m| m.lent_per_group).max().unwrap_or(0);
+    let largest = memories().map(|m| m.lent_per_chunk).max().unwrap_or(0);
     let gemm = memories().map(|m| m.gemm).max().unwrap_or(0);
-    largest.saturating_mul(groups(batch)).saturating_add(gemm)
+    largest.saturating_mul(chunks(batch)).saturating_add(gemm)
 }
 
 #[cfg(test)]
@@ -263,12 +263,12 @@ mod tests {
         // Computed by this module before each op stated its own memory (issue 17), and
         // held since: the sum over the ops must give the central match's numbers.
         // convnet: 261,568 B a sample kept and around the running layer, plus partials of
-        // 38,124 weights per group of samples (at most 16), as the test above derives.
+        // 38,124 weights per chunk of samples (at most 16), as the test above derives.
         // maxpool spec: kept conv0 (784 + 21,632)·4, relu 21,632, pool 5,408·4, conv1
         // (5,408 + 7,744)·4, relu 7,744, pool 1,600·4, flatten 0, dropout 1,600·4, dense
         // 1,600·4 = 212,480; around, 2·21,632·4 + 784·4 = 176,192 (the eval figure);
         // partials 32·9 (conv0) + 36·32·64 (conv1, 3×3 at stride 1 between 32 and 64
-        // channels: Winograd's transformed dV, 6·6 points) = 74,016 f32 a group; conv1's
+        // channels: Winograd's transformed dV, 6·6 points) = 74,016 f32 a chunk; conv1's
         // transformed weight 2·36·32·64 f32 = 589,824 B once (in evaluation too):
         // 1,274,560 B for one sample, 766,016 B to evaluate one. toy: 506 and 248 B (the
         // toy test).
@@ -301,8 +301,8 @@ mod tests {
             ("toy", 256, 129_536, 63_488),
         ];
         // Beside them, both in training and in evaluation, the convolutions' lent work
-        // buffers (issue 19, defect 4), the largest layer's per group of samples (min(N, 16)
-        // groups), in f32s. convnet: conv0 unfolds columns (C·KH·KW = 9 ≤ 32), 2·9·784;
+        // buffers (issue 19, defect 4), the largest layer's per chunk of samples (min(N, 16)
+        // chunks), in f32s. convnet: conv0 unfolds columns (C·KH·KW = 9 ≤ 32), 2·9·784;
         // conv1 rows, a sample and its gradient 2·12·28·28, a band of rows 72·432 (a
         // sample's 144·432 exceed 128 KiB: two bands of 72 pixels) and a sample's outputs
         // 144·24; conv2 rows, 2·24·12·12 + 36·864 + 36·32 (one sample fits): conv1's 53,376

@@ -795,21 +795,21 @@ widest! {
     }
 }
 
-/// The fixed partition of `n` batch rows into groups for reductions over the batch.
+/// The fixed partition of `n` batch rows into chunks for reductions over the batch.
 /// It depends on `n` alone, never on the thread count, so partial sums are formed and
-/// combined in the same order on every machine. At most 16 groups (work for 16 threads),
-/// of at least 8 rows each: a group's weight-gradient GEMM and its partial sum cost about
+/// combined in the same order on every machine. At most 16 chunks (work for 16 threads),
+/// of at least 8 rows each: a chunk's weight-gradient GEMM and its partial sum cost about
 /// as much for 1 row as for 8, so the small passes of an accumulated step (micro-batches
 /// of 32 rows or fewer) would otherwise pay 16 of them (measured: conv2's pass 19% slower
-/// per sample at 32 rows than at 128 with groups of 2; at most 5% with groups of 8).
-pub fn batch_groups(n: usize) -> Vec<std::ops::Range<usize>> {
-    const GROUPS: usize = 16;
+/// per sample at 32 rows than at 128 with chunks of 2; at most 5% with chunks of 8).
+pub fn batch_chunks(n: usize) -> Vec<std::ops::Range<usize>> {
+    const CHUNKS: usize = 16;
     const MIN_ROWS: usize = 8;
-    let g = GROUPS.min(n / MIN_ROWS).max(1);
+    let g = CHUNKS.min(n / MIN_ROWS).max(1);
     (0..g).map(|i| (i * n / g)..((i + 1) * n / g)).filter(|r| !r.is_empty()).collect()
 }
 
-/// How a group's samples are cut into pieces of at most `budget` bytes of work buffer, so
+/// How a chunk's samples are cut into pieces of at most `budget` bytes of work buffer, so
 /// that what a piece writes is still in the core's L2 cache when the next stage reads it:
 /// `samples` whole samples at a time, or, where one sample is larger than the budget, one
 /// sample in bands of `band` units (output pixels, tiles; the last band shorter). A
@@ -838,11 +838,11 @@ impl Pieces {
 }
 
 /// Splits `buf` ((n·per) values, sample after sample) into the slices of the
-/// [`batch_groups`] of `n`, so that each group can be written by its own task.
-pub fn split_by_groups(buf: &mut [f32], n: usize, per: usize) -> Vec<&mut [f32]> {
+/// [`batch_chunks`] of `n`, so that each chunk can be written by its own task.
+pub fn split_by_chunks(buf: &mut [f32], n: usize, per: usize) -> Vec<&mut [f32]> {
     let mut parts = Vec::new();
     let mut rest = buf;
-    for r in batch_groups(n) {
+    for r in batch_chunks(n) {
         let (head, tail) = rest.split_at_mut(r.len() * per);
         parts.push(head);
         rest = tail;
@@ -850,7 +850,7 @@ pub fn split_by_groups(buf: &mut [f32], n: usize, per: usize) -> Vec<&mut [f32]>
     parts
 }
 
-/// A group's input samples for a backward, and where their gradients go: apart, or over
+/// A chunk's input samples for a backward, and where their gradients go: apart, or over
 /// the inputs themselves, when the layer holds the only reference to them (no new buffer,
 /// none to zero). Over the inputs, a layer must read all of a sample before it writes the
 /// sample's gradient: each sample is a slot that holds its input and then its gradient.
@@ -862,7 +862,7 @@ pub enum Samples<'a> {
 }
 
 impl Samples<'_> {
-    /// Sample k's input (k counted within the group), of `per` values. Once its
+    /// Sample k's input (k counted within the chunk), of `per` values. Once its
     /// gradient was written over it, this is the gradient.
     pub fn input(&self, k: usize, per: usize) -> &[f32] {
         let all = match self {
@@ -1198,14 +1198,14 @@ mod tests {
     }
 
     #[test]
-    fn batch_groups_cover_the_batch_in_order() {
+    fn batch_chunks_cover_the_batch_in_order() {
         for n in [0, 1, 5, 16, 17, 256] {
-            let g = batch_groups(n);
+            let g = batch_chunks(n);
             let flat: Vec<usize> = g.iter().flat_map(|r| r.clone()).collect();
             assert_eq!(flat, (0..n).collect::<Vec<_>>());
         }
-        // At most 16 groups of at least 8 rows (one group below 16 rows).
-        let counts: Vec<usize> = [5, 16, 32, 64, 127, 128, 256].iter().map(|&n| batch_groups(n).len()).collect();
+        // At most 16 chunks of at least 8 rows (one chunk below 16 rows).
+        let counts: Vec<usize> = [5, 16, 32, 64, 127, 128, 256].iter().map(|&n| batch_chunks(n).len()).collect();
         assert_eq!(counts, vec![1, 2, 4, 8, 15, 16, 16]);
     }
 }

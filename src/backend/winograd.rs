@@ -22,7 +22,7 @@
 //! its gradient's run in f64 with 24·G's integers, then scale by 1/576 and round to f32.
 //!
 //! Determinism: every product value is one chain of fused multiply-adds over its inner
-//! index in order ([`chain_gemm`]), the weight gradient one chain over the group's tiles
+//! index in order ([`chain_gemm`]), the weight gradient one chain over the chunk's tiles
 //! in sample-then-tile order, and the input gradient's tiles are added in tile order. No
 //! result depends on which rows are computed together, the vector width, the thread
 //! count or the batch: a sample's output is bitwise the same alone or in any batch.
@@ -96,14 +96,14 @@ impl Geom {
 /// products read them back from the core's L2 cache.
 const PIECE_BUDGET: usize = 256 << 10;
 
-/// How a group is cut into [`Pieces`] of tiles: within [`PIECE_BUDGET`], or 16 tiles where
+/// How a chunk is cut into [`Pieces`] of tiles: within [`PIECE_BUDGET`], or 16 tiles where
 /// a tile's U and M alone exceed a 16th of it. The bits do not depend on it anyway.
 fn tiling(g: &Geom) -> Pieces {
     let per_tile = XI * (g.c + g.o) * 4;
     Pieces::fit(g.tiles(), per_tile, PIECE_BUDGET.max(16 * per_tile))
 }
 
-/// One group's work buffers, resized for each layer (contents overwritten before use).
+/// One chunk's work buffers, resized for each layer (contents overwritten before use).
 /// Borrowed: the convolution lends the same buffers its unfoldings use, so that a pool
 /// of them serving both kinds of layer holds the larger of each, not both.
 #[derive(Debug)]
@@ -131,7 +131,7 @@ fn plane_stride(rows: usize, width: usize) -> usize {
     (rows * width).div_ceil(LINE) / 2 * 2 * LINE + LINE
 }
 
-/// The f32s a group's [`Scratch`] holds at most (the larger of forward and backward: the
+/// The f32s a chunk's [`Scratch`] holds at most (the larger of forward and backward: the
 /// backward's, which adds `dxp`).
 pub fn scratch_floats(g: &Geom) -> usize {
     let t = tiling(g);
@@ -146,7 +146,7 @@ pub fn weight_floats(g: &Geom) -> usize {
     2 * XI * g.c * g.o
 }
 
-/// The f32s of a group's transformed weight gradient dV.
+/// The f32s of a chunk's transformed weight gradient dV.
 pub fn dv_floats(g: &Geom) -> usize {
     XI * g.c * g.o
 }
@@ -846,7 +846,7 @@ mod vector {
     }
 }
 
-// ---- a group of samples ------------------------------------------------------------
+// ---- a chunk of samples ------------------------------------------------------------
 
 /// One sample x (C, H, W) into its padded channels-last place xp (HP, WP, C): the
 /// padding zeroed, the image moved in by one transpose ([`into_padded`]).
@@ -869,8 +869,8 @@ fn crop_sample(dxp: &[f32], g: &Geom, dx: &mut [f32]) {
     out_of_padded(dxp, g.place(), dx);
 }
 
-/// y for a group: x (G, C, H, W) → y (G, O, OH, OW), by pieces of `tiling`'s.
-pub fn forward_group(g: &Geom, wt: &Weights, x: &[f32], y: &mut [f32], s: Scratch<'_>) {
+/// y for a chunk: x (G, C, H, W) → y (G, O, OH, OW), by pieces of `tiling`'s.
+pub fn forward_chunk(g: &Geom, wt: &Weights, x: &[f32], y: &mut [f32], s: Scratch<'_>) {
     let (per_in, per_out, tiles) = (g.c * g.h * g.w, g.o * g.oh * g.ow, g.tiles());
     let n = x.len() / per_in;
     assert_eq!(y.len(), n * per_out, "winograd: output of {} values for {n} samples", y.len());
@@ -907,11 +907,11 @@ pub fn forward_group(g: &Geom, wt: &Weights, x: &[f32], y: &mut [f32], s: Scratc
     }
 }
 
-/// The backward of a group: dy (G, O, OH, OW) with the forward's x (G, C, H, W) →
-/// the group's transformed weight gradient dV `[ξ][C][O]` (its sum over the groups goes
+/// The backward of a chunk: dy (G, O, OH, OW) with the forward's x (G, C, H, W) →
+/// the chunk's transformed weight gradient dV `[ξ][C][O]` (its sum over the chunks goes
 /// through [`weight_grad`] once), and dx (G, C, H, W) where asked (written, apart or over
 /// x: a sample's input is padded into the scratch before its gradient is written).
-pub fn backward_group(g: &Geom, wt: &Weights, mut x: Samples<'_>, dy: &[f32], s: Scratch<'_>) -> Vec<f32> {
+pub fn backward_chunk(g: &Geom, wt: &Weights, mut x: Samples<'_>, dy: &[f32], s: Scratch<'_>) -> Vec<f32> {
     let (per_in, per_out, tiles) = (g.c * g.h * g.w, g.o * g.oh * g.ow, g.tiles());
     let n = x.len() / per_in;
     let wants_dx = x.wants_grad();
@@ -1034,14 +1034,14 @@ mod tests {
         let mut y = vec![f32::NAN; n * g.o * g.oh * g.ow];
         let mut b: [Vec<f32>; 5] = Default::default();
         let [xp, u, m, yt, dxp] = &mut b;
-        forward_group(g, &wt, x, &mut y, Scratch { xp, u, m, yt, dxp });
+        forward_chunk(g, &wt, x, &mut y, Scratch { xp, u, m, yt, dxp });
         let mut dx = vec![f32::NAN; x.len()];
         let [xp, u, m, yt, dxp] = &mut b;
-        let dv = backward_group(g, &wt, Samples::Apart { x, dx: Some(&mut dx) }, dy, Scratch { xp, u, m, yt, dxp });
+        let dv = backward_chunk(g, &wt, Samples::Apart { x, dx: Some(&mut dx) }, dy, Scratch { xp, u, m, yt, dxp });
         // The gradient written over the input instead: the same bits.
         let mut both = x.to_vec();
         let [xp, u, m, yt, dxp] = &mut b;
-        let dv_over = backward_group(g, &wt, Samples::Overwritten(&mut both), dy, Scratch { xp, u, m, yt, dxp });
+        let dv_over = backward_chunk(g, &wt, Samples::Overwritten(&mut both), dy, Scratch { xp, u, m, yt, dxp });
         assert!(same_bits(&both, &dx) && same_bits(&dv_over, &dv), "{g:?}: dx written over x differs");
         (y, dx, weight_grad(&dv, g.c, g.o))
     }

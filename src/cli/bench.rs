@@ -139,7 +139,7 @@ struct AllreduceRun {
 /// Median time of one collective over `members` threads; member 0 times between barriers.
 fn time_allreduce(run: AllreduceRun) -> CliResult<Duration> {
     let AllreduceRun { members, count, iters, warmup, path, codec } = run;
-    let ex = ShmGroup::with_codec(members, members, count, crate::exchange::Wait::for_threads(members), codec)?;
+    let ex = ShmGroup::with_codec(members, members, count, crate::exchange::WaitPolicy::for_threads(members), codec)?;
     let warm = std::sync::atomic::AtomicBool::new(false);
     let times = std::thread::scope(|s| -> crate::Result<Vec<Duration>> {
         let handles: Vec<_> = (0..members)

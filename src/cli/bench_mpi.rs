@@ -78,7 +78,7 @@ fn time_all(
     compression: Compression,
 ) -> crate::Result<Timing> {
     let p = world.size();
-    let wait = crate::exchange::Wait::for_threads(devices);
+    let wait = crate::exchange::WaitPolicy::for_threads(devices);
     let codec = Codec::new(compression, count);
     let coded = codec.map(|c| MpiGroup::new(world, devices, p * devices, count, wait, Some(c))).transpose()?;
     let plain = MpiGroup::new(world, devices, p * devices, count, wait, None)?;

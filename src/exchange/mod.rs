@@ -56,7 +56,7 @@ pub(crate) mod transport;
 pub(crate) mod tree;
 
 use crate::error::Result;
-pub(crate) use crate::world::wait::Wait;
+pub(crate) use crate::world::wait::WaitPolicy;
 pub(crate) use transport::RunTransport;
 
 /// Where an exchange's values live, and how the step sees a piece of them.
@@ -227,17 +227,19 @@ mod tests {
 
     #[test]
     fn aborting_a_pair_of_groups_aborts_both_and_either_shows() {
-        let (a, b) = (ShmGroup::new(1, 1, 4, Wait::Spin).unwrap(), ShmGroup::new(1, 1, 0, Wait::Spin).unwrap());
+        let (a, b) =
+            (ShmGroup::new(1, 1, 4, WaitPolicy::Spin).unwrap(), ShmGroup::new(1, 1, 0, WaitPolicy::Spin).unwrap());
         let both = Aborts::new(&a, Some(&b));
         assert!(!both.is_aborted());
         // One of its own members aborted the second group: the pair shows it.
         b.abort();
         assert!(both.is_aborted() && !a.is_aborted());
-        let (a, b) = (ShmGroup::new(1, 1, 4, Wait::Spin).unwrap(), ShmGroup::new(1, 1, 0, Wait::Spin).unwrap());
+        let (a, b) =
+            (ShmGroup::new(1, 1, 4, WaitPolicy::Spin).unwrap(), ShmGroup::new(1, 1, 0, WaitPolicy::Spin).unwrap());
         let both = Aborts::new(&a, Some(&b));
         both.abort();
         assert!(a.is_aborted() && b.is_aborted());
-        let alone = ShmGroup::new(1, 1, 4, Wait::Spin).unwrap();
+        let alone = ShmGroup::new(1, 1, 4, WaitPolicy::Spin).unwrap();
         Aborts::new(&alone, None).abort();
         assert!(alone.is_aborted());
     }

@@ -87,7 +87,7 @@ use parking_lot::{Mutex, RwLock};
 use super::codec::{Codec, Compression, BLOCK};
 use super::shm::SpinBarrier;
 use super::tree::{self, tree_sum};
-use super::{Abort, Exchange, Host, Wait};
+use super::{Abort, Exchange, Host, WaitPolicy};
 use crate::error::{Error, Result};
 use crate::ops::batchnorm::stats::StatsExchange;
 use crate::world::mpi::{MpiWorld, Port, Scalar};
@@ -253,7 +253,7 @@ pub struct MpiGroup<'w> {
     stats_mine: [Vec<RwLock<Vec<f64>>>; 2],
     stats_all: [RwLock<Vec<f64>>; 2],
     barrier: SpinBarrier,
-    wait: Wait,
+    wait: WaitPolicy,
     aborted: AtomicBool,
     /// A wait gave up with requests pending on the buffers: they are never freed.
     abandoned: AtomicBool,
@@ -298,7 +298,7 @@ impl<'w> MpiGroup<'w> {
         devices: usize,
         shards: usize,
         len: usize,
-        wait: Wait,
+        wait: WaitPolicy,
         codec: Option<Codec>,
     ) -> Result<MpiGroup<'w>> {
         let mpi = world.mpi().ok_or_else(|| Error::Mpi("the exchange between processes needs an MPI world".into()))?;

@@ -20,7 +20,7 @@
 //! statistics exchange of synchronized BatchNorm ([`ShmStats`]).
 //!
 //! Synchronisation: a barrier that spins a few µs where every member has a core, and sleeps
-//! at once where the members outnumber the cores ([`Wait`]), and per-buffer
+//! at once where the members outnumber the cores ([`WaitPolicy`]), and per-buffer
 //! read/write locks that are never contended in a correct run (the barriers order the
 //! phases) but make the sharing safe without `unsafe`. An abort flag, checked while
 //! waiting, turns any wait into `Error::Aborted`.
@@ -33,18 +33,18 @@ use parking_lot::{Condvar, Mutex, RwLock};
 
 use super::codec::{Codec, Wire, BLOCK};
 use super::tree::tree_sum;
-use super::{Abort, Exchange, Host, Wait};
+use super::{Abort, Exchange, Host, WaitPolicy};
 use crate::error::{Error, Result};
 use crate::ops::batchnorm::stats::StatsExchange;
 
 /// A reusable barrier for `n` threads that gives up when the abort flag is raised. With
-/// [`Wait::Spin`] a waiter spins a few µs, then yields, then sleeps in short naps: the
+/// [`WaitPolicy::Spin`] a waiter spins a few µs, then yields, then sleeps in short naps: the
 /// hand-offs of a small model's step cost microseconds, less than waking a sleeping core.
-/// With [`Wait::Park`] (more threads than cores) it sleeps at once on a condition
+/// With [`WaitPolicy::Park`] (more threads than cores) it sleeps at once on a condition
 /// variable: a spinning waiter would take the core from the very thread it waits for.
 pub struct SpinBarrier {
     n: usize,
-    wait: Wait,
+    wait: WaitPolicy,
     count: AtomicUsize,
     generation: AtomicUsize,
     /// Where parked waiters sleep; the last arriver wakes them under the lock.
@@ -57,7 +57,7 @@ pub struct SpinBarrier {
 const PARK_RECHECK: Duration = Duration::from_millis(10);
 
 impl SpinBarrier {
-    pub fn new(n: usize, wait: Wait) -> Self {
+    pub fn new(n: usize, wait: WaitPolicy) -> Self {
         SpinBarrier {
             n,
             wait,
@@ -77,14 +77,14 @@ impl SpinBarrier {
         if self.count.fetch_add(1, Ordering::AcqRel) + 1 == self.n {
             self.count.store(0, Ordering::Relaxed);
             self.generation.fetch_add(1, Ordering::Release);
-            if self.wait == Wait::Park {
+            if self.wait == WaitPolicy::Park {
                 self.wake();
             }
             return Ok(());
         }
         match self.wait {
-            Wait::Spin => self.spin(gen, abort),
-            Wait::Park => self.park(gen, abort),
+            WaitPolicy::Spin => self.spin(gen, abort),
+            WaitPolicy::Park => self.park(gen, abort),
         }
     }
 
@@ -159,12 +159,18 @@ impl ShmGroup {
     /// over buffers of `len` values, whose members wait for each other as `wait` says.
     /// (Without a codec: synchronized BatchNorm's statistics exchange of a GPU run.)
     #[cfg(any(test, feature = "cuda"))]
-    pub fn new(members: usize, shards: usize, len: usize, wait: Wait) -> Result<ShmGroup> {
+    pub fn new(members: usize, shards: usize, len: usize, wait: WaitPolicy) -> Result<ShmGroup> {
         ShmGroup::with_codec(members, shards, len, wait, None)
     }
 
     /// [`ShmGroup::new`] whose slots travel encoded by `codec` (f32 when `None`).
-    pub fn with_codec(members: usize, shards: usize, len: usize, wait: Wait, codec: Option<Codec>) -> Result<ShmGroup> {
+    pub fn with_codec(
+        members: usize,
+        shards: usize,
+        len: usize,
+        wait: WaitPolicy,
+        codec: Option<Codec>,
+    ) -> Result<ShmGroup> {
         if members == 0 || shards == 0 || !shards.is_multiple_of(members) {
             return Err(Error::config(
                 "replicas",
@@ -443,7 +449,7 @@ pub(crate) mod tests {
     /// code, the reference the codec's and the GPU exchange's tests hold their sums to.
     pub(crate) fn shm_exchange(members: usize, codec: Codec, slots: &[Vec<f32>]) -> Vec<Vec<f32>> {
         let (shards, len) = (slots.len(), slots[0].len());
-        let group = ShmGroup::with_codec(members, shards, len, Wait::Park, Some(codec)).unwrap();
+        let group = ShmGroup::with_codec(members, shards, len, WaitPolicy::Park, Some(codec)).unwrap();
         std::thread::scope(|s| {
             let hs: Vec<_> = (0..members)
                 .map(|d| {
@@ -477,7 +483,8 @@ pub(crate) mod tests {
     #[test]
     fn reduce_scatter_sums_every_shard_on_every_member() {
         let cases = [(1, 1), (1, 4), (2, 2), (2, 4), (3, 3), (4, 4)];
-        for ((members, shards), wait) in cases.into_iter().flat_map(|c| [(c, Wait::Spin), (c, Wait::Park)]) {
+        for ((members, shards), wait) in cases.into_iter().flat_map(|c| [(c, WaitPolicy::Spin), (c, WaitPolicy::Park)])
+        {
             let len = 1000;
             let ex = ShmGroup::new(members, shards, len, wait).unwrap();
             let results: Vec<Vec<f32>> = std::thread::scope(|s| {
@@ -511,7 +518,7 @@ pub(crate) mod tests {
     #[test]
     fn classic_all_reduce_gives_every_member_the_same_values() {
         let (members, len) = (3, 100);
-        let ex = ShmGroup::new(members, members, len, Wait::Park).unwrap();
+        let ex = ShmGroup::new(members, members, len, WaitPolicy::Park).unwrap();
         let out: Vec<Vec<f32>> = std::thread::scope(|s| {
             let hs: Vec<_> = (0..members)
                 .map(|r| {
@@ -531,7 +538,7 @@ pub(crate) mod tests {
             assert!(sum.iter().enumerate().all(|(i, &v)| v == (3000 + 3 * i) as f32));
         }
         // One member: nothing to do, nothing changes.
-        let one = ShmGroup::new(1, 1, 4, Wait::Spin).unwrap();
+        let one = ShmGroup::new(1, 1, 4, WaitPolicy::Spin).unwrap();
         let mut v = vec![1.0, 2.0, 3.0, 4.0];
         crate::exchange::all_reduce_in_place(&mut one.member(0), &mut v).unwrap();
         assert_eq!(v, vec![1.0, 2.0, 3.0, 4.0]);
@@ -542,7 +549,7 @@ pub(crate) mod tests {
 
     #[test]
     fn abort_releases_a_waiting_member() {
-        for wait in [Wait::Spin, Wait::Park] {
+        for wait in [WaitPolicy::Spin, WaitPolicy::Park] {
             let ex = ShmGroup::new(2, 2, 4, wait).unwrap();
             std::thread::scope(|s| {
                 let h = s.spawn(|| ex.member(0).barrier());
@@ -557,7 +564,7 @@ pub(crate) mod tests {
     fn the_statistics_exchange_gathers_every_payload_in_replica_order() {
         // Three members, five calls in a row (both generations of buffers, reused): every
         // member gets [member 0's, member 1's, member 2's] payloads of each call.
-        let ex = ShmGroup::new(3, 3, 8, Wait::Park).unwrap();
+        let ex = ShmGroup::new(3, 3, 8, WaitPolicy::Park).unwrap();
         let got: Vec<Vec<Vec<f64>>> = std::thread::scope(|s| {
             let hs: Vec<_> = (0..3)
                 .map(|r| {
@@ -586,13 +593,13 @@ pub(crate) mod tests {
         // Another replica than the member's, or two shards a member, is refused by name.
         let e = ex.stats(1).all_gather(0, &[1.0], &mut Vec::new()).unwrap_err().to_string();
         assert!(e.contains("one logical replica per device"), "{e}");
-        let two = ShmGroup::new(1, 2, 8, Wait::Spin).unwrap();
+        let two = ShmGroup::new(1, 2, 8, WaitPolicy::Spin).unwrap();
         assert!(two.stats(0).all_gather(0, &[1.0], &mut Vec::new()).is_err());
     }
 
     #[test]
     fn an_abort_releases_a_member_waiting_in_the_statistics_exchange() {
-        let ex = ShmGroup::new(2, 2, 4, Wait::Park).unwrap();
+        let ex = ShmGroup::new(2, 2, 4, WaitPolicy::Park).unwrap();
         std::thread::scope(|s| {
             let h = s.spawn(|| ex.stats(0).all_gather(0, &[1.0], &mut Vec::new()));
             std::thread::sleep(Duration::from_millis(20));
@@ -607,7 +614,7 @@ pub(crate) mod tests {
         // + i into its owned chunk of the parameters only; afterwards every member holds
         // them all.
         let (members, np, nb) = (3, 100, 20);
-        let ex = ShmGroup::new(members, members, np + nb, Wait::Park).unwrap();
+        let ex = ShmGroup::new(members, members, np + nb, WaitPolicy::Park).unwrap();
         let owned: Vec<Range<usize>> = (0..members).map(|d| ex.member(d).owned()).collect();
         assert_eq!(owned, vec![0..48, 48..96, 96..120], "chunks of 16-value multiples");
         let got: Vec<Vec<f32>> = std::thread::scope(|s| {
@@ -635,7 +642,7 @@ pub(crate) mod tests {
 
     #[test]
     fn uneven_replicas_are_refused() {
-        let e = ShmGroup::new(2, 3, 10, Wait::Spin).err().unwrap().to_string();
+        let e = ShmGroup::new(2, 3, 10, WaitPolicy::Spin).err().unwrap().to_string();
         assert!(e.contains("3 logical replicas cannot be shared evenly by 2 devices"), "{e}");
     }
 }

@@ -40,14 +40,14 @@ use super::{ParamStore, Sequential};
 use crate::cuda::Gpu;
 use crate::ops::batchnorm::Synchronized;
 use crate::ops::cross_entropy::{check_labels, CrossEntropy};
-use crate::ops::gpu::{poll, Backward, Draw, Forward, GpuLayer, Node, Pass, SyncWith};
+use crate::ops::gpu::{poll, Backward, Draw, Forward, GpuLayer, Pass, Placement, SyncWith};
 use crate::ops::LayerShapes;
 use crate::optim::{OptimizerConfig, StepScalars};
 use crate::{Error, Result};
 
 /// One layer as the GPU runs it: where it lies, and its op's GPU form.
 struct Layer {
-    node: Node,
+    place: Placement,
     op: Box<dyn GpuLayer>,
 }
 
@@ -585,7 +585,7 @@ impl GpuNet {
             // Free the old ones first: both at once may not fit.
             self.acts = None;
             for l in &mut self.layers {
-                l.op.reserve(&self.gpu, &l.node, n)?;
+                l.op.reserve(&self.gpu, &l.place, n)?;
             }
             let targets = self.targets_and_classes().0;
             self.acts = Some(Activations::new(&self.gpu, &self.layers, n, targets)?);
@@ -645,7 +645,7 @@ fn plan(model: &Sequential) -> Result<Vec<Layer>> {
         })?;
         let LayerShapes { input, output } = shapes.clone();
         let (params, buffers) = model.layer_ranges(index);
-        layers.push(Layer { node: Node { name, index, input, output, params, buffers }, op });
+        layers.push(Layer { place: Placement { name, index, input, output, params, buffers }, op });
     }
     Ok(layers)
 }
@@ -655,13 +655,13 @@ impl Activations {
     fn new(gpu: &Gpu, layers: &[Layer], n: usize, targets: usize) -> Result<Activations> {
         let stream = gpu.stream();
         let alloc = |len: usize| -> Result<CudaSlice<f32>> { Ok(stream.alloc_zeros::<f32>(len.max(1))?) };
-        let first = &layers.first().expect("a model has a layer").node;
+        let first = &layers.first().expect("a model has a layer").place;
         let mut acts = vec![alloc(n * first.input.numel())?];
         let (mut widest, mut scratch) = (n * first.input.numel(), 0);
-        for Layer { node, op } in layers {
-            acts.push(alloc(n * node.output.numel())?);
-            widest = widest.max(n * node.output.numel());
-            scratch = scratch.max(op.scratch(node, n)?);
+        for Layer { place, op } in layers {
+            acts.push(alloc(n * place.output.numel())?);
+            widest = widest.max(n * place.output.numel());
+            scratch = scratch.max(op.scratch(place, n)?);
         }
         Ok(Activations {
             n,
@@ -680,10 +680,10 @@ impl Net<'_> {
     /// BatchNorm layers of a training pass meet the other replicas' through `sync`.
     fn forward(&mut self, a: &mut Activations, mut pass: Pass<'_, '_>, sync: Option<SyncWith<'_>>) -> Result<()> {
         let (gpu, blas, params, n) = (self.gpu, self.blas, self.params, a.n);
-        for (i, Layer { node, op }) in self.layers.iter_mut().enumerate() {
+        for (i, Layer { place, op }) in self.layers.iter_mut().enumerate() {
             let (before, after) = a.acts.split_at_mut(i + 1);
             let (x, y) = (&before[i], &mut after[0]);
-            op.forward(Forward { gpu, blas, node, n, params, x, y, scratch: &mut a.scratch, pass: &mut pass, sync })?;
+            op.forward(Forward { gpu, blas, place, n, params, x, y, scratch: &mut a.scratch, pass: &mut pass, sync })?;
         }
         Ok(())
     }
@@ -704,16 +704,16 @@ impl Net<'_> {
         let (gpu, blas, params, n) = (self.gpu, self.blas, self.params, a.n);
         let mut cur = 0;
         for i in (first..self.layers.len()).rev() {
-            let Layer { node, op } = &mut self.layers[i];
+            let Layer { place, op } = &mut self.layers[i];
             let [g0, g1] = &mut a.grads;
             let (dy_buf, dx_buf) = if cur == 0 { (&*g0, g1) } else { (&*g1, g0) };
-            let dy = dy_buf.slice(0..n * node.output.numel());
-            let dx = (i > first).then(|| dx_buf.slice_mut(0..n * node.input.numel()));
+            let dy = dy_buf.slice(0..n * place.output.numel());
+            let dx = (i > first).then(|| dx_buf.slice_mut(0..n * place.input.numel()));
             let x = &a.acts[i];
             op.backward(Backward {
                 gpu,
                 blas,
-                node,
+                place,
                 n,
                 params,
                 x,
@@ -749,9 +749,9 @@ mod tests {
         let convnet = convnet(ConvnetOptions { dropout: 0.25, ..ConvnetOptions::default() }).unwrap();
         let layers = plan(&convnet).unwrap();
         assert_eq!(layers.len(), convnet.layers().len());
-        let names: Vec<&str> = layers.iter().map(|l| l.node.name.as_str()).collect();
+        let names: Vec<&str> = layers.iter().map(|l| l.place.name.as_str()).collect();
         assert_eq!(names, convnet.layer_names().iter().map(String::as_str).collect::<Vec<_>>());
         let toy = plan(&crate::models::toy_mlp(2, 2).unwrap()).unwrap();
-        assert_eq!(toy.last().unwrap().node.output.numel(), 2);
+        assert_eq!(toy.last().unwrap().place.output.numel(), 2);
     }
 }

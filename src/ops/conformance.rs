@@ -322,12 +322,12 @@ fn every_layer_types_memory_account_holds_what_its_passes_take() {
             .map(|(l, s)| l.memory(s).unwrap_or_else(|| panic!("{}: {} states no memory", t.name, l.describe())))
             .fold(LayerMemory::NONE, |a, m| LayerMemory {
                 kept_per_sample: a.kept_per_sample + m.kept_per_sample,
-                per_group: a.per_group + m.per_group,
-                lent_per_group: a.lent_per_group.max(m.lent_per_group),
+                per_chunk: a.per_chunk + m.per_chunk,
+                lent_per_chunk: a.lent_per_chunk.max(m.lent_per_chunk),
                 per_layer: a.per_layer + m.per_layer,
                 gemm: a.gemm.max(m.gemm),
             });
-        let groups = crate::backend::cpu::batch_groups(BATCH).len() as u64;
+        let chunks = crate::backend::cpu::batch_chunks(BATCH).len() as u64;
         let f32s = |s: &Shape| (s.numel() * BATCH * 4) as f64;
         let (x_bytes, y_bytes) = (f32s(model.input_shape()), f32s(model.output_shape()));
         let pass = |model: &mut Sequential, buffers: &mut Vec<f32>| {
@@ -360,7 +360,7 @@ fn every_layer_types_memory_account_holds_what_its_passes_take() {
         pass(&mut model.clone(), &mut buffers.clone());
         let (kept, peak) = pass(&mut model, &mut buffers);
         let stated_kept = (stated.kept_per_sample * BATCH as u64 + stated.per_layer) as f64;
-        let workspace = ((stated.per_group + stated.lent_per_group) * groups + stated.gemm) as f64;
+        let workspace = ((stated.per_chunk + stated.lent_per_chunk) * chunks + stated.gemm) as f64;
         let account = x_bytes + 2.0 * y_bytes + x_bytes + stated_kept + workspace;
         eprintln!("{}: kept {kept:.0} B (stated {stated_kept:.0}), peak {peak:.0} B (account {account:.0})", t.name);
         assert!(

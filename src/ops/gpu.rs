@@ -34,7 +34,7 @@ use crate::tensor::Shape;
 /// One layer of a GPU network, as its op sees it: its place, its per-sample shapes and
 /// where its tensors lie in the flat parameter and buffer arrays.
 #[derive(Clone, Debug)]
-pub struct Node {
+pub struct Placement {
     /// The layer's name in the model (`conv0`, `bn1`), for errors.
     pub name: String,
     /// Its index in the Sequential: dropout's masks derive from it.
@@ -52,13 +52,13 @@ pub struct Node {
 pub trait GpuLayer: Send {
     /// Makes what this op keeps from a forward to its backward fit a batch of `n`
     /// samples (called before the first pass at each new batch size).
-    fn reserve(&mut self, _gpu: &Gpu, _node: &Node, _n: usize) -> Result<()> {
+    fn reserve(&mut self, _gpu: &Gpu, _place: &Placement, _n: usize) -> Result<()> {
         Ok(())
     }
 
     /// f32 values of scratch this op needs inside one pass at a batch of `n`: the network
     /// allocates the widest request once and hands it to every op.
-    fn scratch(&self, _node: &Node, _n: usize) -> Result<usize> {
+    fn scratch(&self, _place: &Placement, _n: usize) -> Result<usize> {
         Ok(0)
     }
 
@@ -108,14 +108,14 @@ pub struct SyncWith<'p> {
 pub struct Forward<'a, 'b, 'v> {
     pub gpu: &'a Gpu,
     pub blas: &'a CudaBlas,
-    pub node: &'a Node,
+    pub place: &'a Placement,
     /// Samples in the batch.
     pub n: usize,
-    /// The flat parameters (the op's lie at `node.params`).
+    /// The flat parameters (the op's lie at `place.params`).
     pub params: &'a CudaSlice<f32>,
-    /// x: (n, *node.input)
+    /// x: (n, *place.input)
     pub x: &'a CudaSlice<f32>,
-    /// y: (n, *node.output)
+    /// y: (n, *place.output)
     pub y: &'a mut CudaSlice<f32>,
     pub scratch: &'a mut CudaSlice<f32>,
     pub pass: &'a mut Pass<'b, 'v>,
@@ -128,17 +128,17 @@ pub struct Forward<'a, 'b, 'v> {
 pub struct Backward<'a, 'v> {
     pub gpu: &'a Gpu,
     pub blas: &'a CudaBlas,
-    pub node: &'a Node,
+    pub place: &'a Placement,
     pub n: usize,
     pub params: &'a CudaSlice<f32>,
-    /// The forward's input, x: (n, *node.input)
+    /// The forward's input, x: (n, *place.input)
     pub x: &'a CudaSlice<f32>,
-    /// dy: (n, *node.output), the gradient of the summed loss by the op's output.
+    /// dy: (n, *place.output), the gradient of the summed loss by the op's output.
     pub dy: CudaView<'a, f32>,
-    /// dx: (n, *node.input); None where nobody reads it (the first trained layer).
+    /// dx: (n, *place.input); None where nobody reads it (the first trained layer).
     pub dx: Option<CudaViewMut<'a, f32>>,
     /// The slot's gradient part, laid out as the flat parameters: the op accumulates into
-    /// `node.params` of it.
+    /// `place.params` of it.
     pub grads: &'a mut CudaViewMut<'v, f32>,
     pub draw: Draw,
     pub scratch: &'a mut CudaSlice<f32>,
@@ -149,7 +149,7 @@ impl<'a> Forward<'a, '_, '_> {
     /// The op's `j`-th parameter tensor.
     pub fn param(&self, j: usize) -> CudaView<'a, f32> {
         let params: &'a CudaSlice<f32> = self.params;
-        params.slice(self.node.params[j].clone())
+        params.slice(self.place.params[j].clone())
     }
 }
 
@@ -157,25 +157,25 @@ impl<'a> Backward<'a, '_> {
     /// The op's `j`-th parameter tensor.
     pub fn param(&self, j: usize) -> CudaView<'a, f32> {
         let params: &'a CudaSlice<f32> = self.params;
-        params.slice(self.node.params[j].clone())
+        params.slice(self.place.params[j].clone())
     }
 
     /// The gradient of the op's `j`-th parameter, inside the slot.
     pub fn grad(&mut self, j: usize) -> CudaViewMut<'_, f32> {
-        let r = self.node.params[j].clone();
+        let r = self.place.params[j].clone();
         self.grads.slice_mut(r)
     }
 }
 
-/// The launch geometry of `window` over `node`'s per-sample input (C, H, W), for a batch
+/// The launch geometry of `window` over `place`'s per-sample input (C, H, W), for a batch
 /// of `n`: the placement the CPU layers use (`ops::window`), so the backends share every pad.
-pub fn window_geom(node: &Node, window: Window2d, n: usize) -> Result<WindowGeom> {
-    let (c, h, w) = match node.input.dims() {
+pub fn window_geom(place: &Placement, window: Window2d, n: usize) -> Result<WindowGeom> {
+    let (c, h, w) = match place.input.dims() {
         &[c, h, w] => (c, h, w),
-        _ => return Err(Error::shape("window", format!("{}: input {} is not (C, H, W)", node.name, node.input))),
+        _ => return Err(Error::shape("window", format!("{}: input {} is not (C, H, W)", place.name, place.input))),
     };
     let g = window.over(h, w).ok_or_else(|| {
-        Error::shape("window", format!("{}: input {h}x{w} is smaller than the {:?} window", node.name, window.kernel))
+        Error::shape("window", format!("{}: input {h}x{w} is smaller than the {:?} window", place.name, window.kernel))
     })?;
     Ok(g.launch_geom(n, c))
 }

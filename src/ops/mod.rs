@@ -81,13 +81,13 @@ pub(crate) const F32: u64 = 4;
 pub struct LayerMemory {
     /// Bytes kept per sample from the training forward to the backward.
     pub kept_per_sample: u64,
-    /// Bytes of workspace per group of samples that the CPU backend computes together
-    /// (`backend::cpu::batch_groups`: at most 16 a batch).
-    pub per_group: u64,
-    /// Bytes of work buffers per group of samples lent by a pool shared by the layers
+    /// Bytes of workspace per chunk of samples that the CPU backend computes together
+    /// (`backend::cpu::batch_chunks`: at most 16 a batch).
+    pub per_chunk: u64,
+    /// Bytes of work buffers per chunk of samples lent by a pool shared by the layers
     /// (`conv2d`'s): a model needs its largest layer's, not their sum, in training and in
     /// evaluation alike.
-    pub lent_per_group: u64,
+    pub lent_per_chunk: u64,
     /// Bytes the layer holds once a pass whatever the batch, kept from the training
     /// forward to the backward (a Winograd convolution's transformed weight).
     pub per_layer: u64,
@@ -100,7 +100,7 @@ pub struct LayerMemory {
 impl LayerMemory {
     /// Nothing kept, no workspace.
     pub const NONE: LayerMemory =
-        LayerMemory { kept_per_sample: 0, per_group: 0, lent_per_group: 0, per_layer: 0, gemm: 0 };
+        LayerMemory { kept_per_sample: 0, per_chunk: 0, lent_per_chunk: 0, per_layer: 0, gemm: 0 };
 }
 
 /// The per-sample shapes at one layer's boundaries (no batch dimension), as

@@ -276,13 +276,13 @@ mod tests {
         // widest pair 2·9,408·4 and the sample 784·4: 78,400 B. 261,568 B a sample.
         let model = models::convnet(models::ConvnetOptions::default()).unwrap();
         let devices = Devices::cpu(1, 1).unwrap();
-        // And the convolutions' lent work buffers, 213,504 B per group (memory.rs's pinned test).
+        // And the convolutions' lent work buffers, 213,504 B per chunk (memory.rs's pinned test).
         // And once, conv2's weight-gradient packing, 1,867,776 B (memory.rs's pinned test).
         assert_eq!(shard_activations(&model, 1, 1), 261_568 + 4 * (108 + 10_368 + 27_648) + 213_504 + 1_867_776);
         let config = TrainConfig { batch_size: 100_000, ..TrainConfig::default() };
         let e = training(&model, &devices, &config);
         let acts = e.parts().iter().find(|p| p.name == "activations").unwrap();
-        // 100,000 × 261,568 + the conv weight-gradient partials of 16 groups: 16 × 38,124 × 4,
+        // 100,000 × 261,568 + the conv weight-gradient partials of 16 chunks: 16 × 38,124 × 4,
         // and their lent buffers, 16 × 213,504.
         assert_eq!(acts.bytes, 26_156_800_000 + 16 * 38_124 * 4 + 16 * 213_504 + 1_867_776);
         assert_eq!(acts.detail, "1 device(s) × a shard of 100000 samples");

@@ -7,7 +7,7 @@
 //! d·R/N .. (d+1)·R/N. Nothing is padded, duplicated or dropped.
 //!
 //! Gradient accumulation (`TrainConfig::accumulate` = K) cuts each logical shard further
-//! into K micro-batches by the same rule ([`shards`] of the shard's rows): micro-batch m of
+//! into K micro-batches by the same rule ([`even_runs`] of the shard's rows): micro-batch m of
 //! the global batch is the m-th part of every shard, a function of B, R and K alone.
 
 use std::ops::Range;

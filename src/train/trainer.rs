@@ -45,7 +45,7 @@ use crate::exchange::gpu::{transport_for, GpuExchange, GpuGroup, NcclGroup, Tran
 use crate::exchange::shm::{ShmGroup, ShmStats};
 #[cfg(feature = "cuda")]
 use crate::exchange::Aborts;
-use crate::exchange::{Abort, Exchange, RunTransport, Wait};
+use crate::exchange::{Abort, Exchange, RunTransport, WaitPolicy};
 use crate::nn::{ParamStore, Sequential};
 use crate::ops::batchnorm::stats::StatsExchange;
 use crate::ops::cross_entropy::Metrics;
@@ -65,7 +65,7 @@ pub struct Trainer<'s> {
     replicas: usize,
     step: u64,
     failed: Option<String>,
-    wait: Wait,
+    wait: WaitPolicy,
     /// Samples per forward pass of [`Trainer::predict`].
     eval_batch: usize,
     /// Gradient accumulation, optimiser sharding and clipping of every step (`TrainConfig`).
@@ -152,7 +152,7 @@ impl Trainer<'_> {
         // A short step's reply comes within microseconds: spin for it as `recv_waiting`
         // does where a core is free, before sleeping between looks at the world.
         let start = Instant::now();
-        while self.wait == Wait::Spin && start.elapsed() < Duration::from_micros(100) {
+        while self.wait == WaitPolicy::Spin && start.elapsed() < Duration::from_micros(100) {
             match self.replies.try_recv() {
                 Ok(reply) => return Ok(reply),
                 Err(crossbeam_channel::TryRecvError::Disconnected) => return Err(crossbeam_channel::RecvError),
@@ -491,8 +491,8 @@ pub fn with_trainer<T>(
         // Between steps the pools' helper threads are idle; the workers spin in the
         // exchange where each has a core, and on messages where the coordinator has one
         // too.
-        collective: Wait::for_threads(n),
-        messages: Wait::for_threads(n + 1),
+        collective: WaitPolicy::for_threads(n),
+        messages: WaitPolicy::for_threads(n + 1),
     };
     let out = match transport {
         RunTransport::SharedMemory => setup.on_shared_memory(f),
@@ -633,9 +633,9 @@ struct WorkerSetup<'a> {
     /// other's statistics).
     synchronized: bool,
     /// How workers wait for each other in the exchange.
-    collective: Wait,
+    collective: WaitPolicy,
     /// How the coordinator and the workers wait for messages.
-    messages: Wait,
+    messages: WaitPolicy,
 }
 
 impl WorkerSetup<'_> {

@@ -24,7 +24,7 @@ use super::replica::{Replica, StepOutcome};
 use super::step::{self, StepWork};
 use super::Batch;
 use crate::error::{Error, Result};
-use crate::exchange::{Abort, Exchange, Wait};
+use crate::exchange::{Abort, Exchange, WaitPolicy};
 use crate::nn::ParamStore;
 use crate::ops::cross_entropy::Metrics;
 use crate::optim::{Optimizer, Sharding};
@@ -80,7 +80,7 @@ pub(crate) struct WorkerStart<'a> {
     pub index: usize,
     pub device: Device,
     pub shards: Range<usize>,
-    pub wait: Wait,
+    pub wait: WaitPolicy,
     /// With [`Sharding::Sharded`], the replica keeps the optimiser state of its
     /// exchange's owned parameters only, once joined.
     pub sharding: Sharding,
@@ -201,9 +201,9 @@ impl SetupGate {
 /// small model last tens of microseconds; a thread that parks between them pays the
 /// wake-up of a sleeping core every step (measured: ~40 µs on a virtual machine, more
 /// than the step itself). Past `SPIN`, it sleeps like `recv`.
-pub(crate) fn recv_waiting<T>(rx: &Receiver<T>, wait: Wait) -> Result<T, crossbeam_channel::RecvError> {
+pub(crate) fn recv_waiting<T>(rx: &Receiver<T>, wait: WaitPolicy) -> Result<T, crossbeam_channel::RecvError> {
     const SPIN: Duration = Duration::from_micros(100);
-    if wait == Wait::Park {
+    if wait == WaitPolicy::Park {
         return rx.recv();
     }
     let start = Instant::now();

@@ -38,7 +38,7 @@ use mpi::traits::Communicator;
 use parking_lot::{Mutex, MutexGuard};
 
 use super::launch::Launch;
-use super::wait::Wait;
+use super::wait::WaitPolicy;
 use super::TIMEOUT_VAR;
 use crate::digest::Fnv1a;
 use crate::error::{Error, Result};
@@ -431,7 +431,7 @@ impl MpiWorld {
         &self,
         port: &mut Port,
         reqs: &mut [ffi::MPI_Request],
-        how: Wait,
+        how: WaitPolicy,
         aborted: &dyn Fn() -> bool,
     ) -> Result<()> {
         let start = Instant::now();
@@ -470,9 +470,9 @@ impl MpiWorld {
                 // yield, then nap: longer once the wait is long (another process is still
                 // computing its step), so that a waiting thread costs its core nothing.
                 match how {
-                    Wait::Spin if waited < Duration::from_micros(200) => std::hint::spin_loop(),
-                    Wait::Spin if waited < Duration::from_millis(2) => std::thread::yield_now(),
-                    Wait::Park if waited < Duration::from_micros(50) => std::thread::yield_now(),
+                    WaitPolicy::Spin if waited < Duration::from_micros(200) => std::hint::spin_loop(),
+                    WaitPolicy::Spin if waited < Duration::from_millis(2) => std::thread::yield_now(),
+                    WaitPolicy::Park if waited < Duration::from_micros(50) => std::thread::yield_now(),
                     _ if waited < Duration::from_millis(100) => std::thread::sleep(Duration::from_micros(20)),
                     _ => std::thread::sleep(Duration::from_micros(200)),
                 }
@@ -598,11 +598,16 @@ impl MpiWorld {
 
     /// Every process's `mine`, in process order.
     pub(crate) fn all_gather(&self, mine: &[u64]) -> Result<Vec<u64>> {
-        self.all_gather_waiting(mine, Wait::Spin, &|| false)
+        self.all_gather_waiting(mine, WaitPolicy::Spin, &|| false)
     }
 
     /// [`MpiWorld::all_gather`] waiting as `how` says, and leaving early once `aborted`.
-    pub(crate) fn all_gather_waiting(&self, mine: &[u64], how: Wait, aborted: &dyn Fn() -> bool) -> Result<Vec<u64>> {
+    pub(crate) fn all_gather_waiting(
+        &self,
+        mine: &[u64],
+        how: WaitPolicy,
+        aborted: &dyn Fn() -> bool,
+    ) -> Result<Vec<u64>> {
         let mut port = self.port()?;
         let send = mine.to_vec();
         let mut recv = vec![0u64; mine.len() * self.size];
@@ -622,7 +627,7 @@ impl MpiWorld {
         let mut own = buf.to_vec();
         // SAFETY: `own` is owned here and leaked below if the wait gives up.
         let mut req = unsafe { port.ibcast(&mut own, root)? };
-        match self.wait(&mut port, std::slice::from_mut(&mut req), Wait::Spin, &|| false) {
+        match self.wait(&mut port, std::slice::from_mut(&mut req), WaitPolicy::Spin, &|| false) {
             Ok(()) => {
                 buf.copy_from_slice(&own);
                 Ok(())
@@ -638,7 +643,7 @@ impl MpiWorld {
     pub(crate) fn barrier(&self) -> Result<()> {
         let mut port = self.port()?;
         let mut req = port.ibarrier()?;
-        self.wait(&mut port, std::slice::from_mut(&mut req), Wait::Spin, &|| false)
+        self.wait(&mut port, std::slice::from_mut(&mut req), WaitPolicy::Spin, &|| false)
     }
 
     /// `MPI_Finalize`, unless this process failed or heard of a failure.

@@ -33,7 +33,7 @@ use crate::cuda::launch::DevOut;
 use crate::cuda::Gpu;
 use crate::error::{Error, Result};
 use crate::exchange::shm::SpinBarrier;
-use crate::exchange::{Abort, Wait};
+use crate::exchange::{Abort, WaitPolicy};
 
 /// Chunks are multiples of this many f32 (256 bytes), so every peer copy starts on an
 /// aligned address.
@@ -89,7 +89,7 @@ impl CopyGroup {
             buffers: (0..members).map(|_| Mutex::new(None)).collect(),
             chunks: chunk_ranges(len, members),
             // One thread per GPU member, each mostly waiting on its GPU: spinning pays.
-            barrier: SpinBarrier::new(members, Wait::Spin),
+            barrier: SpinBarrier::new(members, WaitPolicy::Spin),
             inside: AtomicUsize::new(0),
             aborted: AtomicBool::new(false),
         })

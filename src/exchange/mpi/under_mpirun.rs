@@ -12,7 +12,7 @@ use std::time::Instant;
 use super::MpiGroup;
 use crate::exchange::codec::{Codec, Compression};
 use crate::exchange::shm::ShmGroup;
-use crate::exchange::{Exchange, Host, Wait};
+use crate::exchange::{Exchange, Host, WaitPolicy};
 use crate::testing::mpirun::{self, Scratch};
 use crate::testing::test_path;
 use crate::world::World;
@@ -126,8 +126,8 @@ fn exchange(world: &World, devices: usize) {
     for (len, encoded) in [(300_000, 299_000), (3000, 2500), (1500, 1200)] {
         for compression in [Compression::None, Compression::Bf16, Compression::Fp16] {
             let codec = Codec::new(compression, encoded);
-            let group = MpiGroup::new(world, devices, shards, len, Wait::Park, codec).unwrap();
-            let one = ShmGroup::with_codec(1, shards, len, Wait::Park, codec).unwrap();
+            let group = MpiGroup::new(world, devices, shards, len, WaitPolicy::Park, codec).unwrap();
+            let one = ShmGroup::with_codec(1, shards, len, WaitPolicy::Park, codec).unwrap();
             let mut bitwise = true;
             for step in 0..3 {
                 let mut whole = one.member(0);

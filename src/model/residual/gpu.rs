@@ -4,7 +4,7 @@
 
 use crate::cuda::launch::{check_len, elem_cfg, DevIn, DevOut};
 use crate::cuda::Gpu;
-use crate::ops::gpu::{Backward, Forward, GpuLayer, Node};
+use crate::ops::gpu::{Backward, Forward, GpuLayer, Placement};
 use crate::Result;
 use cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
 use std::ops::Range;
@@ -54,7 +54,7 @@ pub(super) fn form(layer: &Residual) -> Option<Box<dyn GpuLayer>> {
                 params: layer.params().len(),
                 buffers: layer.buffers().len(),
                 op: layer.gpu()?,
-                node: None,
+                place: None,
             });
         }
         Some(children)
@@ -77,7 +77,7 @@ struct Child {
     buffers: usize,
     op: Box<dyn GpuLayer>,
     /// Its place in the network, made from the block's at the first reserve.
-    node: Option<Node>,
+    place: Option<Placement>,
 }
 
 /// The block's device buffers at one batch size.
@@ -107,21 +107,21 @@ pub(super) struct ResidualGpu {
     bufs: Option<Buffers>,
 }
 
-/// The nodes of a branch's layers, inside the block of node `block`: their ranges the
+/// The places of a branch's layers, inside block `block`: their ranges the
 /// block's, cut in order (the body's first, from `param_at`/`buffer_at` on).
-fn place_children(children: &mut [Child], block: &Node, branch: u64, at: &mut (usize, usize)) {
+fn place_children(children: &mut [Child], block: &Placement, branch: u64, at: &mut (usize, usize)) {
     for c in children {
-        c.node = Some(child_node(c, block, branch, at));
+        c.place = Some(child_place(c, block, branch, at));
     }
 }
 
-/// The node of `c`, branch `branch`'s next layer inside the block of node `block`, its
+/// The place of `c`, branch `branch`'s next layer inside block `block`, its
 /// tensors the block's from `at` on (which it moves past them).
-fn child_node(c: &Child, block: &Node, branch: u64, at: &mut (usize, usize)) -> Node {
+fn child_place(c: &Child, block: &Placement, branch: u64, at: &mut (usize, usize)) -> Placement {
     let params: Vec<Range<usize>> = block.params[at.0..at.0 + c.params].to_vec();
     let buffers: Vec<Range<usize>> = block.buffers[at.1..at.1 + c.buffers].to_vec();
     *at = (at.0 + c.params, at.1 + c.buffers);
-    Node {
+    Placement {
         name: format!("{}.{}", block.name, c.name),
         index: Place::Branch(branch).index(block.index, c.position),
         input: c.shapes.input.clone(),
@@ -136,14 +136,14 @@ impl ResidualGpu {
         self.body.iter().chain(self.shortcut.iter().flatten())
     }
 
-    fn place(&mut self, node: &Node) {
-        if self.body.first().is_some_and(|c| c.node.is_some()) {
+    fn place(&mut self, place: &Placement) {
+        if self.body.first().is_some_and(|c| c.place.is_some()) {
             return;
         }
         let mut at = (0, 0);
-        place_children(&mut self.body, node, BODY, &mut at);
+        place_children(&mut self.body, place, BODY, &mut at);
         if let Some(s) = &mut self.shortcut {
-            place_children(s, node, SHORTCUT, &mut at);
+            place_children(s, place, SHORTCUT, &mut at);
         }
     }
 }
@@ -153,10 +153,10 @@ fn alloc(gpu: &Gpu, len: usize) -> Result<CudaSlice<f32>> {
 }
 
 impl GpuLayer for ResidualGpu {
-    fn reserve(&mut self, gpu: &Gpu, node: &Node, n: usize) -> Result<()> {
-        self.place(node);
+    fn reserve(&mut self, gpu: &Gpu, place: &Placement, n: usize) -> Result<()> {
+        self.place(place);
         for c in self.body.iter_mut().chain(self.shortcut.iter_mut().flatten()) {
-            let child = c.node.as_ref().expect("placed above");
+            let child = c.place.as_ref().expect("placed above");
             c.op.reserve(gpu, child, n)?;
         }
         if self.bufs.as_ref().is_some_and(|b| b.n == n) {
@@ -164,8 +164,8 @@ impl GpuLayer for ResidualGpu {
         }
         let outputs =
             |cs: &[Child]| cs.iter().map(|c| alloc(gpu, n * c.shapes.output.numel())).collect::<Result<Vec<_>>>();
-        let widest = self.children().map(|c| c.shapes.output.numel()).max().unwrap_or(0).max(node.input.numel());
-        let (i, o) = (node.input.numel(), node.output.numel());
+        let widest = self.children().map(|c| c.shapes.output.numel()).max().unwrap_or(0).max(place.input.numel());
+        let (i, o) = (place.input.numel(), place.output.numel());
         self.bufs = Some(Buffers {
             n,
             body: outputs(&self.body)?,
@@ -179,12 +179,12 @@ impl GpuLayer for ResidualGpu {
         Ok(())
     }
 
-    fn scratch(&self, node: &Node, n: usize) -> Result<usize> {
+    fn scratch(&self, place: &Placement, n: usize) -> Result<usize> {
         let mut most = 0;
         let mut at = (0, 0);
         let mut probe = |cs: &[Child], branch: u64| -> Result<()> {
             for c in cs {
-                most = most.max(c.op.scratch(&child_node(c, node, branch, &mut at), n)?);
+                most = most.max(c.op.scratch(&child_place(c, place, branch, &mut at), n)?);
             }
             Ok(())
         };
@@ -204,11 +204,11 @@ impl GpuLayer for ResidualGpu {
                 let (done, rest) = acts.split_at_mut(j);
                 let input = if j == 0 { x } else { &done[j - 1] };
                 let c = &mut children[j];
-                let node = c.node.as_ref().expect("placed at reserve");
+                let place = c.place.as_ref().expect("placed at reserve");
                 c.op.forward(Forward {
                     gpu,
                     blas,
-                    node,
+                    place,
                     n,
                     params,
                     x: input,
@@ -250,17 +250,17 @@ impl GpuLayer for ResidualGpu {
                 let mut cur = 0;
                 let last = children.len() - 1;
                 for j in (0..=last).rev() {
-                    let Child { op, node, .. } = &mut children[j];
-                    let node = node.as_ref().expect("placed at reserve");
+                    let Child { op, place, .. } = &mut children[j];
+                    let place = place.as_ref().expect("placed at reserve");
                     let [g0, g1] = &mut *alternate;
                     let (from, to) = if cur == 0 { (&*g0, g1) } else { (&*g1, g0) };
-                    let dy = if j == last { d.slice(0..d.len()) } else { from.slice(0..n * node.output.numel()) };
-                    let dx = if j == 0 { out.take() } else { Some(to.slice_mut(0..n * node.input.numel())) };
+                    let dy = if j == last { d.slice(0..d.len()) } else { from.slice(0..n * place.output.numel()) };
+                    let dx = if j == 0 { out.take() } else { Some(to.slice_mut(0..n * place.input.numel())) };
                     let input = if j == 0 { x } else { &acts[j - 1] };
                     op.backward(Backward {
                         gpu,
                         blas,
-                        node,
+                        place,
                         n,
                         params,
                         x: input,

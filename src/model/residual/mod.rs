@@ -342,9 +342,9 @@ impl Layer for Residual {
             for (l, sh) in s.layers().iter().zip(s.layer_shapes()) {
                 let inner = l.memory(sh)?;
                 m.kept_per_sample = m.kept_per_sample.saturating_add(inner.kept_per_sample);
-                m.per_group = m.per_group.saturating_add(inner.per_group);
+                m.per_chunk = m.per_chunk.saturating_add(inner.per_chunk);
                 m.per_layer = m.per_layer.saturating_add(inner.per_layer);
-                m.lent_per_group = m.lent_per_group.max(inner.lent_per_group);
+                m.lent_per_chunk = m.lent_per_chunk.max(inner.lent_per_chunk);
                 m.gemm = m.gemm.max(inner.gemm);
             }
         }

@@ -6,7 +6,7 @@ use crate::cuda::gemm::{gemm as cublas_gemm, RmGemm};
 use crate::cuda::launch::{check_len, dim, elem_cfg, DevIn, DevOut, MAX_BLOCKS};
 use crate::cuda::Gpu;
 use crate::ops::dropout::gpu::DropoutKey;
-use crate::ops::gpu::{Backward, Draw, Forward, GpuLayer, Node, Pass};
+use crate::ops::gpu::{Backward, Draw, Forward, GpuLayer, Pass, Placement};
 use crate::{Error, Result};
 use cudarc::driver::{CudaSlice, CudaViewMut, LaunchConfig};
 
@@ -165,11 +165,11 @@ pub(super) fn form(layer: &CausalSelfAttention) -> Option<Box<dyn GpuLayer>> {
     Some(Box::new(AttentionGpu { heads: layer.heads, dropout: layer.dropout, use_bias: layer.use_bias, kept: None }))
 }
 
-/// (T, C) of a node's per-sample input.
-fn node_tc(node: &Node) -> Result<(usize, usize)> {
-    match node.input.dims() {
+/// (T, C) of a place's per-sample input.
+fn place_tc(place: &Placement) -> Result<(usize, usize)> {
+    match place.input.dims() {
         &[t, c] => Ok((t, c)),
-        _ => Err(Error::shape("CausalSelfAttention", format!("{}: input {} is not (T, C)", node.name, node.input))),
+        _ => Err(Error::shape("CausalSelfAttention", format!("{}: input {} is not (T, C)", place.name, place.input))),
     }
 }
 
@@ -265,18 +265,18 @@ impl AttentionGpu {
     }
 
     /// The masks' keys of a training pass (module docs): the probabilities' and the output's.
-    fn keys(&self, draw: &Draw, node: &Node, t: usize, c: usize) -> Option<(DropoutKey, DropoutKey)> {
+    fn keys(&self, draw: &Draw, place: &Placement, t: usize, c: usize) -> Option<(DropoutKey, DropoutKey)> {
         (self.dropout > 0.0).then(|| {
-            let attn = DropoutKey::new(draw, node.index, self.heads * t * t);
-            let resid = DropoutKey { layer: attn.layer | RESIDUAL_STREAM, ..DropoutKey::new(draw, node.index, t * c) };
+            let attn = DropoutKey::new(draw, place.index, self.heads * t * t);
+            let resid = DropoutKey { layer: attn.layer | RESIDUAL_STREAM, ..DropoutKey::new(draw, place.index, t * c) };
             (attn, resid)
         })
     }
 }
 
 impl GpuLayer for AttentionGpu {
-    fn reserve(&mut self, gpu: &Gpu, node: &Node, n: usize) -> Result<()> {
-        let (t, c) = node_tc(node)?;
+    fn reserve(&mut self, gpu: &Gpu, place: &Placement, n: usize) -> Result<()> {
+        let (t, c) = place_tc(place)?;
         self.kept = None;
         let alloc = |len: usize| gpu.stream().alloc_zeros::<f32>(len.max(1));
         self.kept = Some(Kept {
@@ -287,25 +287,25 @@ impl GpuLayer for AttentionGpu {
         Ok(())
     }
 
-    fn scratch(&self, node: &Node, n: usize) -> Result<usize> {
-        let (t, c) = node_tc(node)?;
+    fn scratch(&self, place: &Placement, n: usize) -> Result<usize> {
+        let (t, c) = place_tc(place)?;
         Ok(Areas::new(n, t, c, self.heads).total())
     }
 
     // x: (N, T, C) → y: (N, T, C)
     fn forward(&mut self, f: Forward<'_, '_, '_>) -> Result<()> {
-        let (t, c) = node_tc(f.node)?;
+        let (t, c) = place_tc(f.place)?;
         let (n, h, d) = (f.n, self.heads, c / self.heads);
         let (nt, ntc, nh) = (n * t, n * t * c, n * h);
         let keys = match &*f.pass {
-            Pass::Train { draw, .. } => self.keys(draw, f.node, t, c),
+            Pass::Train { draw, .. } => self.keys(draw, f.place, t, c),
             Pass::Eval { .. } => None,
         };
         let (wa, ba, wp, bp) = self.indices();
         let Some(kept) = self.kept.as_mut() else { unreachable!("reserved before the pass") };
         let Forward { gpu, blas, y, scratch, .. } = f;
         let (rate, x) = (self.dropout, f.x);
-        let param = |j: usize| f.params.slice(f.node.params[j].clone());
+        let param = |j: usize| f.params.slice(f.place.params[j].clone());
         Areas::new(n, t, c, h).with(scratch, |[mut rows, _, mut z, _, mut yh, mut s, mut pd]| {
             // qkv rows (N·T, 3C) = x·W_attnᵀ + b_attn, then by head (3, N, H, T, D)
             cublas_gemm(blas, &RmGemm::linear_fwd(nt, c, 3 * c), x, &param(wa), &mut rows)?;
@@ -349,15 +349,15 @@ impl GpuLayer for AttentionGpu {
 
     // dy: (N, T, C) → dx: (N, T, C), the parameter gradients written into the slot
     fn backward(&mut self, b: Backward<'_, '_>) -> Result<()> {
-        let (t, c) = node_tc(b.node)?;
+        let (t, c) = place_tc(b.place)?;
         let (n, h, d) = (b.n, self.heads, c / self.heads);
         let (nt, ntc, nh) = (n * t, n * t * c, n * h);
-        let keys = self.keys(&b.draw, b.node, t, c);
+        let keys = self.keys(&b.draw, b.place, t, c);
         let (wa, ba, wp, bp) = self.indices();
         let Some(kept) = self.kept.as_ref() else { unreachable!("reserved before the pass") };
-        let Backward { gpu, blas, node, params, x, dy, dx, grads, scratch, .. } = b;
+        let Backward { gpu, blas, place, params, x, dy, dx, grads, scratch, .. } = b;
         let rate = self.dropout;
-        let param = |j: usize| params.slice(node.params[j].clone());
+        let param = |j: usize| params.slice(place.params[j].clone());
         let scale = attention_scale(d);
         Areas::new(n, t, c, h).with(scratch, |[mut rows, mut dheads, mut dz, mut dm, mut dyh, mut sa, mut sb]| {
             // dz = dropout'(dy); dW_proj = dzᵀ·merged, db_proj += Σ dz; dmerged = dz·W_proj
@@ -373,10 +373,10 @@ impl GpuLayer for AttentionGpu {
                 &RmGemm::linear_dw(nt, c, c),
                 &dz,
                 &kept.merged,
-                &mut grads.slice_mut(node.params[wp].clone()),
+                &mut grads.slice_mut(place.params[wp].clone()),
             )?;
             if let Some(bp) = bp {
-                gpu.bias_cols_bwd(&dz, &mut grads.slice_mut(node.params[bp].clone()), nt, c)?;
+                gpu.bias_cols_bwd(&dz, &mut grads.slice_mut(place.params[bp].clone()), nt, c)?;
             }
             cublas_gemm(blas, &RmGemm::linear_dx(nt, c, c), &dz, &param(wp), &mut dm)?;
             gpu.attention_heads_fwd(&dm, &mut dyh, HeadsGeom { n, t, parts: 1, heads: h, hd: d })?;
@@ -414,10 +414,10 @@ impl GpuLayer for AttentionGpu {
                 &RmGemm::linear_dw(nt, c, 3 * c),
                 &rows,
                 x,
-                &mut grads.slice_mut(node.params[wa].clone()),
+                &mut grads.slice_mut(place.params[wa].clone()),
             )?;
             if let Some(ba) = ba {
-                gpu.bias_cols_bwd(&rows, &mut grads.slice_mut(node.params[ba].clone()), nt, 3 * c)?;
+                gpu.bias_cols_bwd(&rows, &mut grads.slice_mut(place.params[ba].clone()), nt, 3 * c)?;
             }
             match dx {
                 Some(mut dx) => cublas_gemm(blas, &RmGemm::linear_dx(nt, c, 3 * c), &rows, &param(wa), &mut dx),

@@ -5,7 +5,7 @@
 
 use crate::cuda::launch::{channel_cfg, check_len, dim, elem_cfg, DevIn, DevOut};
 use crate::cuda::Gpu;
-use crate::ops::gpu::{poll, Backward, Forward, GpuLayer, Node, Pass, SyncWith};
+use crate::ops::gpu::{poll, Backward, Forward, GpuLayer, Pass, Placement, SyncWith};
 use crate::{Error, Result};
 use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, CudaView, CudaViewMut, PinnedHostSlice};
 use std::sync::Arc;
@@ -552,7 +552,7 @@ pub(super) struct BatchNorm2dGpu {
     saved: Option<(CudaSlice<f32>, CudaSlice<f32>)>,
     /// A synchronized layer's statistics on their way to and from the host (made at its
     /// first synchronized pass).
-    sync: Option<SyncNode>,
+    sync: Option<SyncBuffers>,
 }
 
 /// The running update as the kernels take it: its three scalars.
@@ -568,21 +568,21 @@ impl BatchNorm2dGpu {
         BnParams { gamma: self.scale.then(|| p(0)), beta: self.center.then(|| p(usize::from(self.scale))) }
     }
 
-    fn geom(&self, node: &Node, n: usize) -> BnGeom {
-        BnGeom { n, c: self.channels, hw: node.input.numel() / self.channels, eps: self.eps, momentum: self.momentum }
+    fn geom(&self, place: &Placement, n: usize) -> BnGeom {
+        BnGeom { n, c: self.channels, hw: place.input.numel() / self.channels, eps: self.eps, momentum: self.momentum }
     }
 
     /// The synchronized layer's buffers, made on first use.
-    fn sync_node(&mut self, gpu: &Gpu) -> Result<&mut SyncNode> {
+    fn sync_buffers(&mut self, gpu: &Gpu) -> Result<&mut SyncBuffers> {
         if self.sync.is_none() {
-            self.sync = Some(SyncNode::new(gpu, self.channels)?);
+            self.sync = Some(SyncBuffers::new(gpu, self.channels)?);
         }
         Ok(self.sync.as_mut().expect("made above"))
     }
 }
 
 impl GpuLayer for BatchNorm2dGpu {
-    fn reserve(&mut self, gpu: &Gpu, _node: &Node, _n: usize) -> Result<()> {
+    fn reserve(&mut self, gpu: &Gpu, _place: &Placement, _n: usize) -> Result<()> {
         if self.saved.is_none() {
             let stream = gpu.stream();
             self.saved = Some((stream.alloc_zeros(self.channels.max(1))?, stream.alloc_zeros(self.channels.max(1))?));
@@ -592,14 +592,14 @@ impl GpuLayer for BatchNorm2dGpu {
 
     // x: (N, C, H, W) → y: same shape; training: saved mean, invstd (C), running stats moved
     fn forward(&mut self, f: Forward<'_, '_, '_>) -> Result<()> {
-        let Forward { gpu, node, n, params, x, y, pass, sync, .. } = f;
-        let geom = self.geom(node, n);
-        let bn = self.params(|j| params.slice(node.params[j].clone()));
-        let (rm, rv) = (&node.buffers[0], &node.buffers[1]);
+        let Forward { gpu, place, n, params, x, y, pass, sync, .. } = f;
+        let geom = self.geom(place, n);
+        let bn = self.params(|j| params.slice(place.params[j].clone()));
+        let (rm, rv) = (&place.buffers[0], &place.buffers[1]);
         match pass {
             Pass::Train { stats, offset, .. } => {
                 if self.stats == BatchStats::Global && sync.is_some() {
-                    self.sync_node(gpu)?;
+                    self.sync_buffers(gpu)?;
                 }
                 // Each statistic on its own aligned start: split below the variance.
                 let (mut below, mut above) = stats.split_at_mut(*offset + rv.start);
@@ -614,8 +614,8 @@ impl GpuLayer for BatchNorm2dGpu {
                 };
                 match (self.stats, sync) {
                     (BatchStats::Global, Some(sync)) => {
-                        let node_sync = self.sync.as_mut().expect("made before the statistics' views");
-                        node_sync.forward(sync, gpu, &node.name, x, y, bn, out, geom)
+                        let bufs = self.sync.as_mut().expect("made before the statistics' views");
+                        bufs.forward(sync, gpu, &place.name, x, y, bn, out, geom)
                     }
                     _ => {
                         if n * geom.hw < 2 {
@@ -623,7 +623,7 @@ impl GpuLayer for BatchNorm2dGpu {
                                 "batchnorm",
                                 format!(
                                     "{}: training needs more than one value per channel, got {}",
-                                    node.name,
+                                    place.name,
                                     n * geom.hw
                                 ),
                             ));
@@ -633,7 +633,7 @@ impl GpuLayer for BatchNorm2dGpu {
                     }
                 }?;
                 if self.count {
-                    let r = &node.buffers[2];
+                    let r = &place.buffers[2];
                     gpu.batchnorm_count(&mut stats.slice_mut(*offset + r.start..*offset + r.end))?;
                 }
                 Ok(())
@@ -646,28 +646,28 @@ impl GpuLayer for BatchNorm2dGpu {
 
     // dy: (N, C, H, W) → dx: same shape (written), dgamma, dbeta: (C) (accumulated)
     fn backward(&mut self, b: Backward<'_, '_>) -> Result<()> {
-        let Backward { gpu, node, n, params, x, dy, dx, grads, sync, .. } = b;
+        let Backward { gpu, place, n, params, x, dy, dx, grads, sync, .. } = b;
         let mut dx = dx.ok_or_else(|| {
             Error::shape(
                 "batchnorm",
-                format!("{}: a BatchNorm's backward always computes its input gradient", node.name),
+                format!("{}: a BatchNorm's backward always computes its input gradient", place.name),
             )
         })?;
-        let geom = self.geom(node, n);
-        let bn = self.params(|j| params.slice(node.params[j].clone()));
+        let geom = self.geom(place, n);
+        let bn = self.params(|j| params.slice(place.params[j].clone()));
         if self.stats == BatchStats::Global && sync.is_some() {
-            self.sync_node(gpu)?;
+            self.sync_buffers(gpu)?;
         }
         let (save_mean, save_invstd) = self.saved.as_ref().expect("reserved before the pass");
         let saved = BnSaved { mean: save_mean.as_view(), invstd: save_invstd.as_view() };
         // The last parameter's gradient (beta, or the only one) starts `split` into the
         // slot; gamma's, when there are both, lies below it on its own aligned start, not
         // adjacent.
-        let split = node.params.last().map_or(0, |r| r.start);
+        let split = place.params.last().map_or(0, |r| r.start);
         let (mut below, mut above) = grads.split_at_mut(split);
-        let last = above.slice_mut(0..node.params.last().map_or(0, |r| r.len()));
+        let last = above.slice_mut(0..place.params.last().map_or(0, |r| r.len()));
         let (dgamma, dbeta) = match (self.scale, self.center) {
-            (true, true) => (Some(below.slice_mut(node.params[0].clone())), Some(last)),
+            (true, true) => (Some(below.slice_mut(place.params[0].clone())), Some(last)),
             (true, false) => (Some(last), None),
             (false, true) => (None, Some(last)),
             (false, false) => (None, None),
@@ -675,8 +675,8 @@ impl GpuLayer for BatchNorm2dGpu {
         let out = BnGrads { dx: dx.slice_mut(..), dgamma, dbeta };
         match (self.stats, sync) {
             (BatchStats::Global, Some(sync)) => {
-                let node = self.sync.as_mut().expect("made above");
-                node.backward(sync, gpu, x, &dy, bn, saved, out, geom)
+                let bufs = self.sync.as_mut().expect("made above");
+                bufs.backward(sync, gpu, x, &dy, bn, saved, out, geom)
             }
             _ => gpu.batchnorm_train_bwd(x, &dy, bn, saved, out, geom),
         }
@@ -687,7 +687,7 @@ impl GpuLayer for BatchNorm2dGpu {
 /// the device and the host: f64 on both sides, pinned on the host, each sized exactly for
 /// its copy. Each host buffer is rewritten only after the host has waited for a later
 /// copy on the same stream, so no copy still reads or writes it then.
-struct SyncNode {
+struct SyncBuffers {
     /// The shard's partial statistics (C, 2): forward (mean, M2), backward (Σ dy, Σ dy·x̂).
     part: CudaSlice<f64>,
     part_host: PinnedHostSlice<f64>,
@@ -703,16 +703,16 @@ struct SyncNode {
     count: f64,
 }
 
-impl SyncNode {
+impl SyncBuffers {
     /// The buffers of a synchronized BatchNorm of `c` channels on `gpu`.
-    fn new(gpu: &Gpu, c: usize) -> Result<SyncNode> {
+    fn new(gpu: &Gpu, c: usize) -> Result<SyncBuffers> {
         let stream = gpu.stream();
         let ctx = gpu.context();
         // SAFETY: pinned memory without write-combining (the host reads what the device
         // wrote); its contents are unset, and every host buffer is written (by the host,
         // or by a copy the host waited for) before it is read.
         let pinned = |len: usize| unsafe { ctx.alloc_pinned_with_flags::<f64>(len, 0) };
-        Ok(SyncNode {
+        Ok(SyncBuffers {
             part: stream.alloc_zeros(2 * c)?,
             part_host: pinned(2 * c)?,
             merged: stream.alloc_zeros(4 * c)?,
@@ -752,10 +752,10 @@ impl SyncNode {
     ) -> Result<()> {
         let SyncWith { stats, shard, aborted } = sync;
         let with = Synchronized { stats, shard };
-        let node = self;
+        let bufs = self;
         let stream = gpu.stream();
-        gpu.batchnorm_moments_fwd(x, &mut node.part.as_view_mut(), g)?;
-        let local = node.download(stream, aborted)?;
+        gpu.batchnorm_moments_fwd(x, &mut bufs.part.as_view_mut(), g)?;
+        let local = bufs.download(stream, aborted)?;
         let here = g.n * g.hw;
         let (count, moments) = with.moments(here as f64, &local)?;
         if count < 2.0 {
@@ -766,10 +766,10 @@ impl SyncNode {
                 ),
             ));
         }
-        upload_pinned(stream, merged_stats(&moments, count, g.eps), &mut node.merged_host, &mut node.merged)?;
-        node.count = count;
+        upload_pinned(stream, merged_stats(&moments, count, g.eps), &mut bufs.merged_host, &mut bufs.merged)?;
+        bufs.count = count;
         let update = RunningUpdate::new(g.momentum, count as usize).into();
-        let merged = BnMerged { stats: node.merged.as_view(), update };
+        let merged = BnMerged { stats: bufs.merged.as_view(), update };
         gpu.batchnorm_sync_fwd(x, y, params, merged, out, g)
     }
 
@@ -791,13 +791,13 @@ impl SyncNode {
     ) -> Result<()> {
         let SyncWith { stats, shard, aborted } = sync;
         let with = Synchronized { stats, shard };
-        let node = self;
+        let bufs = self;
         let stream = gpu.stream();
-        gpu.batchnorm_sums_bwd(x, dy, &saved, &mut node.part.as_view_mut(), g)?;
-        let local = node.download(stream, aborted)?;
+        gpu.batchnorm_sums_bwd(x, dy, &saved, &mut bufs.part.as_view_mut(), g)?;
+        let local = bufs.download(stream, aborted)?;
         let global = with.sums(&local)?;
-        upload_pinned(stream, global.iter().flat_map(|&(a, b)| [a, b]), &mut node.sums_host, &mut node.sums)?;
-        let sums = BnSums { saved, local: node.part.as_view(), global: node.sums.as_view(), count: node.count };
+        upload_pinned(stream, global.iter().flat_map(|&(a, b)| [a, b]), &mut bufs.sums_host, &mut bufs.sums)?;
+        let sums = BnSums { saved, local: bufs.part.as_view(), global: bufs.sums.as_view(), count: bufs.count };
         gpu.batchnorm_sync_bwd(x, dy, params, sums, grads, g)
     }
 }
@@ -821,7 +821,7 @@ fn upload_pinned(
     host: &mut PinnedHostSlice<f64>,
     dev: &mut CudaSlice<f64>,
 ) -> Result<()> {
-    // Waits for the buffer's last copy, which has run already (SyncNode's docs).
+    // Waits for the buffer's last copy, which has run already (SyncBuffers's docs).
     for (h, v) in host.as_mut_slice()?.iter_mut().zip(values) {
         *h = v;
     }

@@ -5,15 +5,15 @@
 //! kernels' CPU twins. The reference kernels/conv2d.cu is checked against
 //! (`super::gpu::host_check`).
 //!
-//! The batch is cut into the fixed groups of `backend::cpu::batch_groups`, which run in
-//! parallel on the device's pool; within a group, a 3×3 convolution at stride 1 between
+//! The batch is cut into the fixed chunks of `backend::cpu::batch_chunks`, which run in
+//! parallel on the device's pool; within a chunk, a 3×3 convolution at stride 1 between
 //! at least 8 channels runs by Winograd's F(4×4, 3×3) (`backend::winograd`, 4 times
 //! fewer multiply-adds), and any other is GEMM over unfolded inputs, in one of two
 //! layouts: channels-first columns for a small C·KH·KW (the first layer of an image
 //! model), and channels-last rows otherwise (every kernel row of a pixel is one contiguous
-//! copy of KW·C values, and a whole group is one GEMM). The choice (`Unfold`) is a
+//! copy of KW·C values, and a whole chunk is one GEMM). The choice (`Unfold`) is a
 //! function of the layer's shape alone. Gradients of the weight and bias are summed per
-//! group and the groups added in group order, so the result is bitwise the same whatever
+//! chunk and the chunks added in chunk order, so the result is bitwise the same whatever
 //! the thread count.
 //!
 //! Every unfolding writes each value of the output and of the input gradient (none is
@@ -27,7 +27,7 @@ use std::ops::Range;
 use rayon::prelude::*;
 
 use crate::backend::cpu::{
-    add_partials, batch_groups, chw_to_hwc, col2im, gemm_with, hwc_to_chw, im2col, im2row, row2im, split_by_groups,
+    add_partials, batch_chunks, chw_to_hwc, col2im, gemm_with, hwc_to_chw, im2col, im2row, row2im, split_by_chunks,
     sum_partials, Accumulate, Im2colGeom, Mat, Pieces, Samples, Threads,
 };
 use crate::backend::par;
@@ -52,11 +52,11 @@ pub fn conv2d_forward(
     assert_eq!(y.len(), n * o * p, "conv2d_forward: y for {n} samples of ({o}, {}, {})", g.oh, g.ow);
     let weight = weight_for(weight, g, o, how);
     let job = PassContext { g: *g, o, weight: &weight, unfold: how, winograd: transformed };
-    let groups = batch_groups(n);
-    let mut scratch = borrow_scratch(groups.len());
-    let work = groups.into_par_iter().zip(split_by_groups(y, n, o * p)).zip(&mut scratch[..]);
+    let chunks = batch_chunks(n);
+    let mut scratch = borrow_scratch(chunks.len());
+    let work = chunks.into_par_iter().zip(split_by_chunks(y, n, o * p)).zip(&mut scratch[..]);
     let xs = |r: Range<usize>| &x[r.start * per_in..r.end * per_in];
-    par::for_each(work, |((range, y_group), scratch)| job.forward(xs(range), y_group, bias, scratch));
+    par::for_each(work, |((range, y_chunk), scratch)| job.forward(xs(range), y_chunk, bias, scratch));
     give_back(scratch);
 }
 
@@ -81,21 +81,21 @@ pub fn conv2d_backward(
     assert_eq!(dout.len(), n * o * g.col_cols(), "conv2d_backward: dout for {n} samples of ({o}, {}, {})", g.oh, g.ow);
     let weight = weight_for(weight, g, o, how);
     let job = PassContext { g: *g, o, weight: &weight, unfold: how, winograd: transformed };
-    let groups = batch_groups(n);
+    let chunks = batch_chunks(n);
     let xs: Vec<Samples<'_>> = match xs {
-        Samples::Overwritten(both) => split_by_groups(both, n, per_in).into_iter().map(Samples::Overwritten).collect(),
+        Samples::Overwritten(both) => split_by_chunks(both, n, per_in).into_iter().map(Samples::Overwritten).collect(),
         Samples::Apart { x, dx } => {
             let dxs: Vec<Option<&mut [f32]>> = match dx {
-                Some(dx) => split_by_groups(dx, n, per_in).into_iter().map(Some).collect(),
-                None => groups.iter().map(|_| None).collect(),
+                Some(dx) => split_by_chunks(dx, n, per_in).into_iter().map(Some).collect(),
+                None => chunks.iter().map(|_| None).collect(),
             };
-            let xs = groups.iter().map(|r| &x[r.start * per_in..r.end * per_in]);
+            let xs = chunks.iter().map(|r| &x[r.start * per_in..r.end * per_in]);
             xs.zip(dxs).map(|(x, dx)| Samples::Apart { x, dx }).collect()
         }
     };
-    let mut scratch = borrow_scratch(groups.len());
+    let mut scratch = borrow_scratch(chunks.len());
     let with_bias = dbias.is_some();
-    let work = groups.into_par_iter().zip(xs).zip(&mut scratch[..]);
+    let work = chunks.into_par_iter().zip(xs).zip(&mut scratch[..]);
     let partials: Vec<(Vec<f32>, Vec<f32>)> =
         par::map_collect(work, |((range, xs), scratch)| job.backward(range, xs, dout, with_bias, scratch));
     give_back(scratch);
@@ -128,8 +128,8 @@ pub(super) enum Unfold {
     /// weight as (O, C·KH·KW), written straight into NCHW: for a small C·KH·KW, where
     /// stacked rows would make GEMMs with a tiny inner dimension.
     Columns,
-    /// Channels-last rows (OH·OW, KH·KW·C) per sample, stacked for the whole group, one
-    /// GEMM per group with the weight as (KH·KW·C, O).
+    /// Channels-last rows (OH·OW, KH·KW·C) per sample, stacked for the whole chunk, one
+    /// GEMM per chunk with the weight as (KH·KW·C, O).
     Rows,
     /// Winograd's F(4×4, 3×3) (`backend::winograd`): a 3×3 kernel at stride 1 between
     /// at least 8 channels, in 4 times fewer multiply-adds than the unfoldings.
@@ -178,7 +178,7 @@ fn add_rows_dweight(dweight: &mut [f32], grad: &[f32], g: &Im2colGeom, o: usize)
 /// one Zen 5 core, im2row wrote a 441 KB sample at 38 GB/s and a 110 KB one at 86).
 const ROWS_BUDGET: usize = 128 << 10;
 
-/// How [`Unfold::Rows`] cuts a group ([`Pieces`] of [`ROWS_BUDGET`]): several samples'
+/// How [`Unfold::Rows`] cuts a chunk ([`Pieces`] of [`ROWS_BUDGET`]): several samples'
 /// rows stacked into one GEMM, or one sample in bands of output pixels. The bands order
 /// the weight gradient's sums, so this is a function of the geometry alone.
 pub(super) fn rows_tiling(g: &Im2colGeom) -> Pieces {
@@ -205,9 +205,9 @@ pub(super) fn winograd_geom(g: &Im2colGeom, o: usize) -> winograd::Geom {
     winograd::Geom { c, h, w, o, oh, ow, pad_top, pad_left }
 }
 
-/// Work buffers lent to the convolution that runs, one per group of samples, and given
+/// Work buffers lent to the convolution that runs, one per chunk of samples, and given
 /// back when it ends: whatever the model's depth, the process holds as many as run at
-/// once (a group per core of each device), sized by the largest layer, not a set per
+/// once (a chunk per core of each device), sized by the largest layer, not a set per
 /// layer (a spec of 3,000 convolutions kept 3,000 sets, ten times what was estimated).
 /// A run gives them back to the allocator when it ends ([`release_scratch`]).
 static SCRATCH: parking_lot::Mutex<Vec<Scratch>> = parking_lot::Mutex::new(Vec::new());
@@ -229,7 +229,7 @@ pub fn release_scratch() {
     drop(std::mem::take(&mut *SCRATCH.lock()));
 }
 
-/// One group's work buffers (contents are overwritten before every use).
+/// One chunk's work buffers (contents are overwritten before every use).
 #[derive(Clone, Debug, Default)]
 struct Scratch {
     /// Rows: one sample, channels-last (H, W, C).
@@ -259,7 +259,7 @@ impl Scratch {
         (&mut self.xt, &mut self.unfolded, &mut self.out, &mut self.dxt)
     }
 
-    /// The buffers lent to a Winograd group: the padded samples in `xt`, the transformed
+    /// The buffers lent to a Winograd chunk: the padded samples in `xt`, the transformed
     /// tiles in `unfolded` and `out`, the padded input gradients in `dxt`.
     fn winograd(&mut self) -> winograd::Scratch<'_> {
         let Scratch { xt, unfolded, out, dxt, yt } = self;
@@ -267,7 +267,7 @@ impl Scratch {
     }
 }
 
-/// What every group of one forward or backward shares.
+/// What every chunk of one forward or backward shares.
 struct PassContext<'a> {
     g: Im2colGeom,
     o: usize,
@@ -287,22 +287,22 @@ impl PassContext<'_> {
         (winograd_geom(&self.g, self.o), self.winograd.expect("the weight transformed for Winograd"))
     }
 
-    // xs: (G, C, H, W), a group's samples → y_group: (G, O, OH·OW)
-    fn forward(&self, xs: &[f32], y_group: &mut [f32], bias: Option<&[f32]>, scratch: &mut Scratch) {
+    // xs: (G, C, H, W), a chunk's samples → y_chunk: (G, O, OH·OW)
+    fn forward(&self, xs: &[f32], y_chunk: &mut [f32], bias: Option<&[f32]>, scratch: &mut Scratch) {
         let (g, o, per_in) = (&self.g, self.o, self.per_in());
         let (kkc, p) = (g.col_rows(), g.col_cols());
         let x = |k: usize| &xs[k * per_in..(k + 1) * per_in];
         match self.unfold {
             Unfold::Winograd => {
                 let (wg, wt) = self.winograd();
-                winograd::forward_group(&wg, wt, xs, y_group, scratch.winograd());
+                winograd::forward_chunk(&wg, wt, xs, y_chunk, scratch.winograd());
                 if let Some(b) = bias {
-                    y_group.chunks_exact_mut(o * p).for_each(|yn| add_bias(yn, b, p));
+                    y_chunk.chunks_exact_mut(o * p).for_each(|yn| add_bias(yn, b, p));
                 }
             }
             Unfold::Columns => {
                 let (_, col, _, _) = scratch.sized(0, kkc * p, 0, 0);
-                for (k, yn) in y_group.chunks_exact_mut(o * p).enumerate() {
+                for (k, yn) in y_chunk.chunks_exact_mut(o * p).enumerate() {
                     im2col(x(k), g, col);
                     let acc = fill_bias(yn, bias, p);
                     gemm_with(Mat::rows(self.weight, o, kkc), Mat::rows(col, kkc, p), yn, p, acc, Threads::Caller);
@@ -312,7 +312,7 @@ impl PassContext<'_> {
                 let t = rows_tiling(g);
                 let (xt, rows, out, _) = scratch.sized(per_in, t.samples * t.band * kkc, t.samples * p * o, 0);
                 let samples: Vec<usize> = (0..xs.len() / per_in).collect();
-                for (chunk, y_chunk) in samples.chunks(t.samples).zip(y_group.chunks_mut(t.samples * o * p)) {
+                for (chunk, y_chunk) in samples.chunks(t.samples).zip(y_chunk.chunks_mut(t.samples * o * p)) {
                     let cs = chunk.len();
                     // Several samples: one band, all their pixels; one sample: its bands.
                     for band in t.bands(p) {
@@ -339,9 +339,9 @@ impl PassContext<'_> {
         }
     }
 
-    /// The group's (dweight, dbias): dweight in the layout of `weight`, or for rows its
+    /// The chunk's (dweight, dbias): dweight in the layout of `weight`, or for rows its
     /// transpose where [`dweight_transposed`], and for Winograd the transformed dV (the
-    /// groups' sum is transformed back once). dout: (N, O, OH·OW); the group's samples
+    /// chunks' sum is transformed back once). dout: (N, O, OH·OW); the chunk's samples
     /// (G, C, H, W) are read from `xs`, not from the job, and their gradients where asked
     /// written (not accumulated) apart or over them, each sample after its last read.
     fn backward(
@@ -362,7 +362,7 @@ impl PassContext<'_> {
             Unfold::Winograd => {
                 let (wg, wt) = self.winograd();
                 let dys = &ds[range.start * o * p..range.end * o * p];
-                dw = winograd::backward_group(&wg, wt, xs, dys, scratch.winograd());
+                dw = winograd::backward_chunk(&wg, wt, xs, dys, scratch.winograd());
             }
             Unfold::Columns => {
                 let need_dx = xs.wants_grad();

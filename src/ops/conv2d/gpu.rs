@@ -7,7 +7,7 @@
 use crate::cuda::gemm::{gemm as cublas_gemm, RmGemm};
 use crate::cuda::launch::{channel_cfg, check_len, dim, elem_cfg, DevIn, DevOut};
 use crate::cuda::Gpu;
-use crate::ops::gpu::{window_geom, Backward, Forward, GpuLayer, Node};
+use crate::ops::gpu::{window_geom, Backward, Forward, GpuLayer, Placement};
 use crate::ops::window::WindowGeom;
 use crate::Result;
 use cudarc::driver::CudaSlice;
@@ -114,8 +114,8 @@ pub(super) struct Conv2dGpu {
 }
 
 impl GpuLayer for Conv2dGpu {
-    fn reserve(&mut self, gpu: &Gpu, node: &Node, n: usize) -> Result<()> {
-        let g = window_geom(node, self.window, n)?;
+    fn reserve(&mut self, gpu: &Gpu, place: &Placement, n: usize) -> Result<()> {
+        let g = window_geom(place, self.window, n)?;
         self.cols = None;
         self.cols = Some(gpu.stream().alloc_zeros::<f32>(g.col_len().max(1))?);
         Ok(())
@@ -123,15 +123,15 @@ impl GpuLayer for Conv2dGpu {
 
     /// The per-sample products of the weight gradient (N, O, C·KH·KW), then the column
     /// gradient (N, C·KH·KW, OH·OW), side by side.
-    fn scratch(&self, node: &Node, n: usize) -> Result<usize> {
-        let g = window_geom(node, self.window, n)?;
+    fn scratch(&self, place: &Placement, n: usize) -> Result<usize> {
+        let g = window_geom(place, self.window, n)?;
         Ok(n * self.filters * g.c * g.kh * g.kw + g.col_len())
     }
 
     // x: (N, C, H, W), weight: (O, C, KH, KW) → y: (N, O, OH, OW)
     fn forward(&mut self, f: Forward<'_, '_, '_>) -> Result<()> {
         let (n, o) = (f.n, self.filters);
-        let g = window_geom(f.node, self.window, n)?;
+        let g = window_geom(f.place, self.window, n)?;
         let (ckk, pp) = (g.c * g.kh * g.kw, g.oh() * g.ow());
         let col = self.cols.as_mut().expect("reserved before the pass");
         f.gpu.im2col_fwd(f.x, col, &g)?;
@@ -145,23 +145,23 @@ impl GpuLayer for Conv2dGpu {
     // dy: (N, O, OH, OW) → dweight += Σ_n dy_n·col_nᵀ, dbias += Σ dy, dx = col2im(Wᵀ·dy)
     fn backward(&mut self, b: Backward<'_, '_>) -> Result<()> {
         let (n, o) = (b.n, self.filters);
-        let g = window_geom(b.node, self.window, n)?;
+        let g = window_geom(b.place, self.window, n)?;
         let (ckk, pp) = (g.c * g.kh * g.kw, g.oh() * g.ow());
-        let Backward { gpu, blas, node, params, dy, dx, grads, scratch, .. } = b;
+        let Backward { gpu, blas, place, params, dy, dx, grads, scratch, .. } = b;
         let col = self.cols.as_ref().expect("reserved before the pass");
         // dW = Σ_n dW_n in sample order
         let mut part = scratch.slice_mut(0..n * o * ckk);
         cublas_gemm(blas, &RmGemm::conv_dw(n, o, ckk, pp), &dy, col, &mut part)?;
-        gpu.reduce_sum(&part, &mut grads.slice_mut(node.params[0].clone()), n, 1.0)?;
+        gpu.reduce_sum(&part, &mut grads.slice_mut(place.params[0].clone()), n, 1.0)?;
         if self.use_bias {
-            gpu.bias_nchw_bwd(&dy, &mut grads.slice_mut(node.params[1].clone()), n, o, pp)?;
+            gpu.bias_nchw_bwd(&dy, &mut grads.slice_mut(place.params[1].clone()), n, o, pp)?;
         }
         if let Some(mut dx) = dx {
             let mut dcol = scratch.slice_mut(n * o * ckk..n * o * ckk + g.col_len());
             cublas_gemm(
                 blas,
                 &RmGemm::conv_dcol(n, o, ckk, pp),
-                &params.slice(node.params[0].clone()),
+                &params.slice(place.params[0].clone()),
                 &dy,
                 &mut dcol,
             )?;

@@ -3,7 +3,7 @@
 //! with pooling and the GPU).
 //!
 //! The layer, built on its CPU forward and backward ([`cpu`]: the unfoldings, Winograd,
-//! the groups of samples and the order of every sum); its GPU form is [`gpu`]
+//! the chunks of samples and the order of every sum); its GPU form is [`gpu`]
 //! (kernels/conv2d.cu and cuBLAS).
 //!
 //! A training step allocates no zeroed memory for a convolution's two big results: the
@@ -14,7 +14,7 @@
 //! took 1.6–1.8% of a `resnet8` step (`perf`: `memset` from 4.96–5.18% to 3.40%).
 //!
 //! Owns also its spec entry (`conv2d`), its spec form and its memory account: what it
-//! keeps for backward and the weight-gradient partials of its groups.
+//! keeps for backward and the weight-gradient partials of its chunks.
 
 pub mod cpu;
 #[cfg(feature = "cuda")]
@@ -156,9 +156,9 @@ impl Layer for Conv2d {
         }))
     }
 
-    /// Per sample its input (for dweight) and its channels-last output scratch; per group
-    /// of samples the partial weight gradient (O, C, KH, KW) that the groups' sum adds in
-    /// group order (the bias partials are too small to count).
+    /// Per sample its input (for dweight) and its channels-last output scratch; per chunk
+    /// of samples the partial weight gradient (O, C, KH, KW) that the chunks' sum adds in
+    /// chunk order (the bias partials are too small to count).
     fn memory(&self, shapes: &LayerShapes) -> Option<LayerMemory> {
         let (kh, kw) = self.kernel;
         let weights = (self.in_channels as u64 * self.filters as u64).saturating_mul((kh * kw) as u64);
@@ -172,9 +172,9 @@ impl Layer for Conv2d {
         let (kkc, p, o) = (g.col_rows() as u64, g.col_cols() as u64, self.filters as u64);
         let wg = winograd_geom(&g, self.filters);
         let how = unfold(&g, self.filters);
-        // Winograd: each group's partial is its transformed dV (36/9 of the weight), and
+        // Winograd: each chunk's partial is its transformed dV (36/9 of the weight), and
         // the transformed weight (V and Vᵀ) is held once from the forward to the backward.
-        let (per_group, per_layer) = match how {
+        let (per_chunk, per_layer) = match how {
             Unfold::Winograd => (winograd::dv_floats(&wg) as u64, winograd::weight_floats(&wg) as u64),
             _ => (weights, 0),
         };
@@ -204,9 +204,9 @@ impl Layer for Conv2d {
         ];
         Some(LayerMemory {
             kept_per_sample: input.saturating_add(output).saturating_mul(F32),
-            per_group: per_group.saturating_mul(F32),
+            per_chunk: per_chunk.saturating_mul(F32),
             per_layer: per_layer.saturating_mul(F32),
-            lent_per_group: lent.saturating_mul(F32),
+            lent_per_chunk: lent.saturating_mul(F32),
             gemm: products.into_iter().map(|(m, n, k)| gemm_packing(m, n, k)).max().unwrap_or(0),
         })
     }
@@ -310,7 +310,7 @@ impl Layer for Conv2d {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::cpu::batch_groups;
+    use crate::backend::cpu::batch_chunks;
 
     #[test]
     fn a_forward_into_the_last_backwards_gradient_is_a_fresh_layers() {
@@ -353,7 +353,7 @@ mod tests {
     fn the_input_gradient_over_the_input_is_the_one_apart() {
         // A backward writes dx over the input it kept when nothing else holds the input,
         // else into memory of its own: the same bits, and a shared input left untouched.
-        // 20 samples make two groups of samples; rows at C = 24 and 28×28 run in bands.
+        // 20 samples make two chunks of samples; rows at C = 24 and 28×28 run in bands.
         use crate::tensor::Device;
         let ctx = Ctx::train(0, 0, 0, Device::Cpu(0));
         let cases =
@@ -365,7 +365,7 @@ mod tests {
             let conv = Conv2d::new(c, o, (k, k), stride, Padding::Same, false).unwrap();
             let (_, g) = conv.geometry(&Shape::new([n, c, h, h])).unwrap();
             assert_eq!(unfold(&g, o), how);
-            assert!(batch_groups(n).len() > 1);
+            assert!(batch_chunks(n).len() > 1);
             assert!(how != Unfold::Rows || rows_tiling(&g).band < g.col_cols(), "{how:?}: in bands");
             let w = rand(o * c * k * k);
             let ranges = vec![0..w.len(); 1];

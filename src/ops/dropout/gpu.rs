@@ -107,7 +107,7 @@ impl GpuLayer for DropoutGpu {
     fn forward(&mut self, f: Forward<'_, '_, '_>) -> Result<()> {
         match &*f.pass {
             Pass::Train { draw, .. } if self.rate > 0.0 => {
-                f.gpu.dropout_fwd(f.x, f.y, self.rate, DropoutKey::new(draw, f.node.index, f.node.input.numel()))
+                f.gpu.dropout_fwd(f.x, f.y, self.rate, DropoutKey::new(draw, f.place.index, f.place.input.numel()))
             }
             _ => Ok(f.gpu.stream().memcpy_dtod(f.x, f.y)?),
         }
@@ -116,7 +116,7 @@ impl GpuLayer for DropoutGpu {
     fn backward(&mut self, b: Backward<'_, '_>) -> Result<()> {
         let Some(mut dx) = b.dx else { return Ok(()) };
         if self.rate > 0.0 {
-            b.gpu.dropout_bwd(&b.dy, &mut dx, self.rate, DropoutKey::new(&b.draw, b.node.index, b.node.input.numel()))
+            b.gpu.dropout_bwd(&b.dy, &mut dx, self.rate, DropoutKey::new(&b.draw, b.place.index, b.place.input.numel()))
         } else {
             Ok(b.gpu.stream().memcpy_dtod(&b.dy, &mut dx)?)
         }

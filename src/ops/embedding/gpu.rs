@@ -6,7 +6,7 @@
 
 use crate::cuda::launch::{check_len, dim, elem_cfg, DevIn, DevOut, REDUCE_BLOCK};
 use crate::cuda::Gpu;
-use crate::ops::gpu::{Backward, Forward, GpuLayer, Node};
+use crate::ops::gpu::{Backward, Forward, GpuLayer, Placement};
 use crate::{Error, Result};
 use cudarc::driver::{CudaSlice, CudaViewMut, LaunchConfig};
 
@@ -145,9 +145,9 @@ pub(super) struct EmbeddingGpu {
 }
 
 impl GpuLayer for EmbeddingGpu {
-    fn reserve(&mut self, gpu: &Gpu, node: &Node, n: usize) -> Result<()> {
+    fn reserve(&mut self, gpu: &Gpu, place: &Placement, n: usize) -> Result<()> {
         self.order = None;
-        self.order = Some(gpu.stream().alloc_zeros::<u32>((n * node.input.numel()).max(1))?);
+        self.order = Some(gpu.stream().alloc_zeros::<u32>((n * place.input.numel()).max(1))?);
         if self.offsets.is_none() {
             self.offsets = Some(gpu.stream().alloc_zeros::<u32>(self.vocab + 1)?);
         }
@@ -161,16 +161,16 @@ impl GpuLayer for EmbeddingGpu {
 
     // dy: (N, T, C) → dweight (V, C) += dy at the ids, in token order; no dx
     fn backward(&mut self, b: Backward<'_, '_>) -> Result<()> {
-        let Backward { gpu, node, n, x, dy, dx, grads, .. } = b;
+        let Backward { gpu, place, n, x, dy, dx, grads, .. } = b;
         if dx.is_some() {
             return Err(needs_input_grad());
         }
-        if n * node.input.numel() == 0 {
+        if n * place.input.numel() == 0 {
             return Ok(());
         }
         let offsets = self.offsets.as_mut().expect("reserved before the pass");
         let order = self.order.as_mut().expect("reserved before the pass");
-        gpu.embedding_bwd(x, &dy, &mut grads.slice_mut(node.params[0].clone()), offsets, order, self.vocab, self.width)
+        gpu.embedding_bwd(x, &dy, &mut grads.slice_mut(place.params[0].clone()), offsets, order, self.vocab, self.width)
     }
 }
 

@@ -61,15 +61,15 @@ pub(super) struct GlobalAvgPool2dGpu;
 impl GpuLayer for GlobalAvgPool2dGpu {
     // x: (N, C, H, W) → y: (N, C)
     fn forward(&mut self, f: Forward<'_, '_, '_>) -> Result<()> {
-        let c = f.node.output.numel();
-        f.gpu.global_avgpool_fwd(f.x, f.y, f.n * c, f.node.input.numel() / c)
+        let c = f.place.output.numel();
+        f.gpu.global_avgpool_fwd(f.x, f.y, f.n * c, f.place.input.numel() / c)
     }
 
     // dy: (N, C) → dx: (N, C, H, W)
     fn backward(&mut self, b: Backward<'_, '_>) -> Result<()> {
-        let c = b.node.output.numel();
+        let c = b.place.output.numel();
         match b.dx {
-            Some(mut dx) => b.gpu.global_avgpool_bwd(&b.dy, &mut dx, b.n * c, b.node.input.numel() / c),
+            Some(mut dx) => b.gpu.global_avgpool_bwd(&b.dy, &mut dx, b.n * c, b.place.input.numel() / c),
             None => Ok(()),
         }
     }

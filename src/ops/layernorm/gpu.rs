@@ -6,7 +6,7 @@
 
 use crate::cuda::launch::{check_len, dim, elem_cfg, DevIn, DevOut};
 use crate::cuda::Gpu;
-use crate::ops::gpu::{Backward, Forward, GpuLayer, Node};
+use crate::ops::gpu::{Backward, Forward, GpuLayer, Placement};
 use crate::{Error, Result};
 use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, LaunchConfig};
 
@@ -223,14 +223,14 @@ struct Saved {
 }
 
 impl LayerNormGpu {
-    fn rows(&self, node: &Node, n: usize) -> usize {
-        n * node.input.numel() / self.width.max(1)
+    fn rows(&self, place: &Placement, n: usize) -> usize {
+        n * place.input.numel() / self.width.max(1)
     }
 }
 
 impl GpuLayer for LayerNormGpu {
-    fn reserve(&mut self, gpu: &Gpu, node: &Node, n: usize) -> Result<()> {
-        let rows = self.rows(node, n);
+    fn reserve(&mut self, gpu: &Gpu, place: &Placement, n: usize) -> Result<()> {
+        let rows = self.rows(place, n);
         let stream = gpu.stream();
         self.saved = None;
         self.saved = Some(Saved {
@@ -244,7 +244,7 @@ impl GpuLayer for LayerNormGpu {
     // x: (N, ..., C) → y: same shape; mean, rstd: (rows) saved (in evaluation too, where
     // no backward reads them)
     fn forward(&mut self, f: Forward<'_, '_, '_>) -> Result<()> {
-        let rows = self.rows(f.node, f.n);
+        let rows = self.rows(f.place, f.n);
         let p = LnParams { weight: f.param(0), bias: self.use_bias.then(|| f.param(1)) };
         let saved = self.saved.as_mut().expect("reserved before the pass");
         let out = LnSaved { mean: saved.mean.slice_mut(0..rows), rstd: saved.rstd.slice_mut(0..rows) };
@@ -253,22 +253,22 @@ impl GpuLayer for LayerNormGpu {
 
     // dy: (N, ..., C) → dx: same shape (written); dweight, dbias: (C) (accumulated)
     fn backward(&mut self, b: Backward<'_, '_>) -> Result<()> {
-        let rows = self.rows(b.node, b.n);
-        let Backward { gpu, node, params, x, dy, dx, grads, .. } = b;
+        let rows = self.rows(b.place, b.n);
+        let Backward { gpu, place, params, x, dy, dx, grads, .. } = b;
         let saved = self.saved.as_mut().expect("reserved before the pass");
         let (mean, rstd) = (saved.mean.slice(0..rows), saved.rstd.slice(0..rows));
-        let weight = params.slice(node.params[0].clone());
+        let weight = params.slice(place.params[0].clone());
         if let Some(mut dx) = dx {
             gpu.layernorm_bwd(x, &dy, &mut dx, &weight, (&mean, &rstd), rows, self.width)?;
         }
         // The last parameter's gradient (the bias, or the weight alone) starts `last.start`
         // into the slot; the weight's, when there is a bias, lies below it on its own
         // aligned start.
-        let last = node.params.last().cloned().unwrap_or_default();
+        let last = place.params.last().cloned().unwrap_or_default();
         let (mut below, mut above) = grads.split_at_mut(last.start);
         let last = above.slice_mut(0..last.len());
         let (dweight, dbias) =
-            if self.use_bias { (below.slice_mut(node.params[0].clone()), Some(last)) } else { (last, None) };
+            if self.use_bias { (below.slice_mut(place.params[0].clone()), Some(last)) } else { (last, None) };
         let out = LnGrads { dweight, dbias };
         let partials = &mut saved.partials.slice_mut(0..rows.div_ceil(ROW_CHUNK) * 2 * self.width);
         gpu.layernorm_params_bwd(x, &dy, (&mean, &rstd), partials, out, rows, self.width, ROW_CHUNK)

@@ -70,7 +70,7 @@ pub(super) struct LinearGpu {
 impl GpuLayer for LinearGpu {
     // x: (n, F) rows (every position of every sample), weight: (O, F) → y: (n, O)
     fn forward(&mut self, fw: Forward<'_, '_, '_>) -> Result<()> {
-        let (n, f, o) = (fw.n * fw.node.input.numel() / self.f, self.f, self.o);
+        let (n, f, o) = (fw.n * fw.place.input.numel() / self.f, self.f, self.o);
         cublas_gemm(fw.blas, &RmGemm::linear_fwd(n, f, o), fw.x, &fw.param(0), fw.y)?;
         if self.use_bias {
             fw.gpu.bias_cols_fwd(fw.y, &fw.param(1), n, o)?;
@@ -80,14 +80,14 @@ impl GpuLayer for LinearGpu {
 
     // dy: (N, O) → dweight += dyᵀ·x (O, F), dbias += Σ_n dy (O), dx = dy·W (N, F)
     fn backward(&mut self, b: Backward<'_, '_>) -> Result<()> {
-        let (n, f, o) = (b.n * b.node.input.numel() / self.f, self.f, self.o);
-        let Backward { gpu, blas, node, params, x, dy, dx, grads, .. } = b;
-        cublas_gemm(blas, &RmGemm::linear_dw(n, f, o), &dy, x, &mut grads.slice_mut(node.params[0].clone()))?;
+        let (n, f, o) = (b.n * b.place.input.numel() / self.f, self.f, self.o);
+        let Backward { gpu, blas, place, params, x, dy, dx, grads, .. } = b;
+        cublas_gemm(blas, &RmGemm::linear_dw(n, f, o), &dy, x, &mut grads.slice_mut(place.params[0].clone()))?;
         if self.use_bias {
-            gpu.bias_cols_bwd(&dy, &mut grads.slice_mut(node.params[1].clone()), n, o)?;
+            gpu.bias_cols_bwd(&dy, &mut grads.slice_mut(place.params[1].clone()), n, o)?;
         }
         if let Some(mut dx) = dx {
-            cublas_gemm(blas, &RmGemm::linear_dx(n, f, o), &dy, &params.slice(node.params[0].clone()), &mut dx)?;
+            cublas_gemm(blas, &RmGemm::linear_dx(n, f, o), &dy, &params.slice(place.params[0].clone()), &mut dx)?;
         }
         Ok(())
     }

@@ -5,7 +5,7 @@
 
 use crate::cuda::launch::{check_len, elem_cfg, DevIn, DevOut};
 use crate::cuda::Gpu;
-use crate::ops::gpu::{window_geom, Backward, Forward, GpuLayer, Node};
+use crate::ops::gpu::{window_geom, Backward, Forward, GpuLayer, Placement};
 use crate::ops::window::WindowGeom;
 use crate::Result;
 use cudarc::driver::CudaSlice;
@@ -95,15 +95,15 @@ pub(super) struct MaxPool2dGpu {
 }
 
 impl GpuLayer for MaxPool2dGpu {
-    fn reserve(&mut self, gpu: &Gpu, node: &Node, n: usize) -> Result<()> {
+    fn reserve(&mut self, gpu: &Gpu, place: &Placement, n: usize) -> Result<()> {
         self.argmax = None;
-        self.argmax = Some(gpu.stream().alloc_zeros::<u32>((n * node.output.numel()).max(1))?);
+        self.argmax = Some(gpu.stream().alloc_zeros::<u32>((n * place.output.numel()).max(1))?);
         Ok(())
     }
 
     // x: (N, C, H, W) → y, argmax: (N, C, OH, OW)
     fn forward(&mut self, f: Forward<'_, '_, '_>) -> Result<()> {
-        let g = window_geom(f.node, self.window, f.n)?;
+        let g = window_geom(f.place, self.window, f.n)?;
         let argmax = self.argmax.as_mut().expect("reserved before the pass");
         f.gpu.maxpool2d_fwd(f.x, f.y, argmax, &g)
     }
@@ -111,7 +111,7 @@ impl GpuLayer for MaxPool2dGpu {
     // dy, argmax: (N, C, OH, OW) → dx: (N, C, H, W)
     fn backward(&mut self, b: Backward<'_, '_>) -> Result<()> {
         let Some(mut dx) = b.dx else { return Ok(()) };
-        let g = window_geom(b.node, self.window, b.n)?;
+        let g = window_geom(b.place, self.window, b.n)?;
         let argmax = self.argmax.as_ref().expect("reserved before the pass");
         b.gpu.maxpool2d_bwd(&b.dy, argmax, &mut dx, &g)
     }

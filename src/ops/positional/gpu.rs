@@ -88,24 +88,24 @@ pub(super) struct PositionalGpu {
 }
 
 impl PositionalGpu {
-    /// T·C, the values of one sequence of `node`'s input (T, C).
-    fn tc(&self, node: &crate::ops::gpu::Node) -> usize {
-        node.input.dims().first().copied().unwrap_or(0) * self.width
+    /// T·C, the values of one sequence of `place`'s input (T, C).
+    fn tc(&self, place: &crate::ops::gpu::Placement) -> usize {
+        place.input.dims().first().copied().unwrap_or(0) * self.width
     }
 }
 
 impl GpuLayer for PositionalGpu {
     // x: (N, T, C) → y = x + weight[0..T]
     fn forward(&mut self, f: Forward<'_, '_, '_>) -> Result<()> {
-        let tc = self.tc(f.node);
+        let tc = self.tc(f.place);
         f.gpu.positional_embedding_fwd(f.x, &f.param(0).slice(0..tc), f.y, f.n, tc)
     }
 
     // dy: (N, T, C) → dweight[0..T] += Σ_n dy[n]; dx = dy
     fn backward(&mut self, b: Backward<'_, '_>) -> Result<()> {
-        let tc = self.tc(b.node);
-        let Backward { gpu, node, n, dy, mut dx, grads, .. } = b;
-        let start = node.params[0].start;
+        let tc = self.tc(b.place);
+        let Backward { gpu, place, n, dy, mut dx, grads, .. } = b;
+        let start = place.params[0].start;
         gpu.positional_embedding_bwd(&dy, &mut grads.slice_mut(start..start + tc), dx.as_mut(), n, tc)
     }
 }
