@@ -158,7 +158,14 @@ fn load(path: &Path, num_classes: Option<usize>) -> Result<Dataset> {
             bad(format!("no tensor '{name}' (the file holds: [{}]); a dataset needs 'x' and 'y'", found.join(", ")))
         })
     };
-    if st.names().contains(&"tokens") && !st.names().contains(&"x") {
+    let names = st.names();
+    if names.contains(&"tokens") {
+        // Two layouts in one file: which one the user meant is not the reader's guess.
+        if let Some(other) = ["x", "y"].into_iter().find(|n| names.contains(n)) {
+            return Err(bad(format!(
+                "holds both 'tokens' (a token file: rows of ids, each its next-token labels) and '{other}' (a dataset of samples 'x' and labels 'y'); keep the tensors of one layout"
+            )));
+        }
         let t = st.tensor("tokens").expect("listed");
         return load_tokens(path, &t, metadata.get(VOCAB_KEY).map(String::as_str));
     }
@@ -539,6 +546,26 @@ mod tests {
         // (0xBF80_0000), -4.5 (0xC090_0000) and 6.25 (0x40C8_0000) sets every exponent
         // bit (byte 2's top bit is 1), making -inf, NaN and NaN, which are refused: 69 load.
         assert!(loaded >= 69, "only {loaded} corrupted files loaded");
+    }
+
+    #[test]
+    fn a_file_of_tokens_and_samples_is_refused_naming_both_layouts() {
+        let tokens = ("tokens", Dtype::U8, vec![2, 3], (0..6).collect::<Vec<u8>>());
+        let (x, y) = (good_x(), ("y", Dtype::I64, vec![3], i64s(&[0, 1, 0])));
+        for (tag, tensors) in [
+            ("tokens_x_y", vec![tokens.clone(), x.clone(), y.clone()]),
+            ("tokens_x", vec![tokens.clone(), x]),
+            ("tokens_y", vec![tokens.clone(), y]),
+        ] {
+            let e = load_err(&write(tag, &tensors));
+            let other = if tag == "tokens_y" { "'y'" } else { "'x'" };
+            assert!(
+                e.ends_with(&format!(": holds both 'tokens' (a token file: rows of ids, each its next-token labels) and {other} (a dataset of samples 'x' and labels 'y'); keep the tensors of one layout")),
+                "{e}"
+            );
+        }
+        // Alone, each layout reads.
+        assert_eq!(load_safetensors_dataset(&write("tokens_alone", &[tokens])).unwrap().len(), 2);
     }
 
     #[test]

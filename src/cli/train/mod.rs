@@ -399,7 +399,7 @@ fn with_the_runs_record(
     let Some(dir) = args.checkpoints.resume.clone() else { return Ok((args, None)) };
     check_resume_dir(&dir)?;
     let lock = voice.then(|| claim_checkpoint_dir(&dir, true)).transpose()?;
-    record::restore(&mut args, given, &dir)?;
+    record::restore(&mut args, given, &dir, voice)?;
     Ok((args, lock))
 }
 
@@ -548,6 +548,20 @@ fn estimate_memory(model: &Sequential, s: &Settings, data: &RunData, config: &Tr
     let held: u64 = data.held().map(|d| dataset_bytes(d, Evaluated::Yes)).sum();
     let data_bytes = dataset_bytes(&data.splits.train, Evaluated::No).saturating_add(held);
     estimate.add("data", data_bytes, "the datasets as loaded, and the held-out sets gathered as f32 for evaluation");
+    // A text's held-out part is scored on windows drawn from it: as many as asked for.
+    for held in data.held().filter(|d| d.stream().is_some()) {
+        let (windows, bytes) = crate::train::memory::held_out_windows(held, config);
+        let (k, b) = (config.eval_batches.unwrap_or(crate::train::DEFAULT_EVAL_BATCHES), config.batch_size);
+        estimate.add(
+            "held-out windows",
+            bytes,
+            format!(
+                "{} windows of {} tokens, --eval-batches {k} × --batch-size {b}, drawn once and gathered at each evaluation",
+                crate::units::count(windows),
+                held.sample_shape().numel()
+            ),
+        );
+    }
     estimate.check("training").map_err(Failure::usage)?;
     Ok(estimate.total())
 }
@@ -563,12 +577,13 @@ fn checkpoint_policy(
     steps_per_epoch: usize,
 ) -> CliResult<Option<CheckpointPolicy>> {
     let Some(dir) = dir else { return Ok(None) };
+    let record = RunRecord::new(args, config).written_in(&dir).to_json()?;
     Ok(Some(CheckpointPolicy {
         dir,
         every: args.checkpoints.checkpoint_every.unwrap_or(steps_per_epoch as u64),
         keep: args.checkpoints.keep_checkpoints,
         config: fingerprint.clone(),
-        record: Some(RunRecord::new(args, config).to_json()?),
+        record: Some(record),
     }))
 }
 
@@ -1016,24 +1031,99 @@ fn resolved(path: &Path) -> PathBuf {
     path.file_name().map_or(dir.clone(), |n| dir.join(n))
 }
 
-/// Every output file can be written, and no two flags name the same one (the second
-/// writer would destroy the first's file: `--save X --metrics-out X`).
+/// Every output file can be written, and none is a file the run reads or another output
+/// writes (the second writer would destroy the first's file: `--save X --metrics-out X`;
+/// an output over an input destroys the data: `--data text:t.txt --save t.txt`), through
+/// symbolic and hard links alike; nor a file of the checkpoint directory that the
+/// checkpoints write. One pair is allowed: `--init W --save W` continues the weights in
+/// place (read at the start, written at the end).
 fn check_output_files(args: &TrainArgs) -> CliResult {
     let o = &args.outputs;
     let outputs = [("--save", &o.save), ("--save-best", &o.save_best), ("--metrics-out", &o.metrics_out)];
-    let mut seen: Vec<(&str, PathBuf)> = Vec::new();
-    for (name, path) in outputs.iter().filter_map(|(n, p)| p.as_ref().map(|p| (*n, p))) {
+    let inputs = input_files(args);
+    let checkpoints = args.checkpoints.checkpoint_dir.as_deref().or(args.checkpoints.resume.as_deref());
+    let mut seen: Vec<(&str, &Path, PathBuf)> = Vec::new();
+    for (name, path) in outputs.iter().filter_map(|(n, p)| p.as_ref().map(|p| (*n, p.as_path()))) {
         check_writable(name, path)?;
         let at = resolved(path);
-        if let Some((other, _)) = seen.iter().find(|(_, p)| *p == at) {
+        if let Some((other, _, _)) = seen.iter().find(|(_, p, r)| *r == at || crate::fsutil::same_file(p, path)) {
             return Err(Failure::usage(anyhow!(
                 "{name} '{}' is the file {other} writes too: give each output its own file",
                 path.display()
             )));
         }
-        seen.push((name, at));
+        let read = inputs.iter().filter(|(flag, _)| !(name == "--save" && flag == "--init"));
+        if let Some((flag, input)) = read.into_iter().find(|(_, input)| crate::fsutil::same_file(input, path)) {
+            let link = if resolved(input) == at { "" } else { ", through a link" };
+            return Err(Failure::usage(anyhow!(
+                "{name} '{}' is the file {flag} reads ({}{link}): writing it would destroy the run's input; give {name} a file of its own",
+                path.display(),
+                input.display()
+            )));
+        }
+        seen.push((name, path, at));
+    }
+    // A checkpoint, or the directory's lock, under another flag's name: written over or
+    // pruned by the run's checkpoints.
+    let Some(dir) = checkpoints else { return Ok(()) };
+    let named = seen.iter().map(|(n, p, _)| (n.to_string(), p.to_path_buf())).chain(inputs);
+    for (flag, path) in named {
+        let parent = resolved(&path).parent().map(Path::to_path_buf).unwrap_or_default();
+        let in_dir = crate::fsutil::same_file(&parent, dir) || parent == resolved(dir);
+        if in_dir && path.file_name().is_some_and(crate::checkpoint::is_run_file) {
+            return Err(Failure::usage(anyhow!(
+                "{flag} '{}' is a file of the checkpoint directory '{}', which the run's checkpoints write and remove: give {flag} a file outside it, or another name",
+                path.display(),
+                dir.display()
+            )));
+        }
     }
     Ok(())
+}
+
+/// The files the run reads, each with the flag that names it: `--data` (a file,
+/// `text:FILE`, or every file of the directory of `mnist:DIR`, `fashion-mnist` or
+/// `fortunes`), `--test-data`, `--val-data`, `--init`, and the `--model` spec. A name
+/// that is no file is left out (nothing there to destroy; loading it says what is wrong).
+fn input_files(args: &TrainArgs) -> Vec<(String, PathBuf)> {
+    let m = &args.model_data;
+    let mut files: Vec<(String, PathBuf)> = Vec::new();
+    let mut data = |flag: &str, spec: &str| {
+        let dir = match spec {
+            // Made in memory: no file.
+            "toy" | "toy-enlarged" | "digits" => return,
+            "fashion-mnist" => crate::data::fashion_mnist::fashion_mnist_dir().ok(),
+            "fortunes" => Some(
+                std::env::var_os(crate::data::text::FORTUNES_DIR_VAR)
+                    .map_or_else(|| PathBuf::from(crate::data::text::FORTUNES_DIR), PathBuf::from),
+            ),
+            _ => spec.strip_prefix("mnist:").map(PathBuf::from),
+        };
+        match dir {
+            Some(dir) => {
+                let entries = std::fs::read_dir(dir).into_iter().flatten().flatten();
+                files.extend(entries.map(|e| (flag.to_string(), e.path())).filter(|(_, p)| p.is_file()));
+            }
+            None => files.push((flag.to_string(), PathBuf::from(spec.strip_prefix("text:").unwrap_or(spec)))),
+        }
+    };
+    if let Some(spec) = &m.data {
+        data("--data", spec);
+    }
+    if let Some(spec) = &m.val_data {
+        data("--val-data", spec);
+    }
+    if let Some(p) = &m.test_data {
+        files.push(("--test-data".into(), p.clone()));
+    }
+    if let Some(p) = &m.init {
+        files.push(("--init".into(), p.clone()));
+    }
+    if let ModelChoice::Spec(p) = &m.model {
+        files.push(("--model".into(), p.clone()));
+    }
+    files.retain(|(_, p)| p.is_file());
+    files
 }
 
 /// Claims the checkpoint directory for this run before anything is loaded: a file of that
