@@ -60,6 +60,7 @@ mod bench_mpi;
 mod eval;
 mod features;
 mod files;
+mod identify;
 mod regularize;
 mod signals;
 mod text;
@@ -215,6 +216,14 @@ enum ModelChoice {
     Spec(PathBuf),
 }
 
+/// The built-in models that `keep` keeps, by name, in `ModelName`'s order: "toy,
+/// convnet, …, gpt", for help and messages.
+fn model_names(keep: impl Fn(ModelName) -> bool) -> String {
+    let names: Vec<&str> =
+        ModelName::value_variants().iter().copied().filter(|&n| keep(n)).map(ModelName::as_str).collect();
+    names.join(", ")
+}
+
 fn parse_model_choice(text: &str) -> Result<ModelChoice, String> {
     if let Ok(name) = ModelName::from_str(text, false) {
         return Ok(ModelChoice::Builtin(name));
@@ -223,7 +232,7 @@ fn parse_model_choice(text: &str) -> Result<ModelChoice, String> {
     if text.ends_with(".json") || path.is_file() {
         return Ok(ModelChoice::Spec(path.to_path_buf()));
     }
-    Err("expected toy, convnet, convnet-nobn, resnet8, resnet20, gpt or a model spec FILE.json".into())
+    Err(format!("expected {} or a model spec FILE.json", model_names(|_| true)))
 }
 
 /// `--model` once its spec file, if any, has been read and checked.
@@ -882,5 +891,32 @@ mod tests {
         // A negative fraction parses; `train`'s own check refuses it, naming the range
         // (tests/cli_hostile.rs).
         assert!(Cli::parse_args(argv(&["train", "--validation-split", "-0.1"])).is_ok());
+    }
+
+    /// Issue 41: `help eval` and `help predict` listed three models of six. Every list of
+    /// models is `ModelName`'s: eval's and train's name all of them, predict's every
+    /// classifier (and points a language model to generate); generate takes none of
+    /// train's shape flags, which it reads from the weights.
+    #[test]
+    fn every_command_lists_every_model_it_takes() {
+        let tree = command_tree();
+        let help = |cmd: &str, arg: &str| {
+            let sub = tree.find_subcommand(cmd).unwrap();
+            let a = sub.get_arguments().find(|a| a.get_id() == arg).unwrap_or_else(|| panic!("{cmd} --{arg}"));
+            a.get_help().map(|h| h.to_string()).unwrap_or_default()
+        };
+        for name in ModelName::value_variants() {
+            for cmd in ["train", "eval"] {
+                assert!(help(cmd, "model").contains(name.as_str()), "{cmd} --model: {name:?}: {}", help(cmd, "model"));
+            }
+            let predict = help("predict", "model");
+            assert_eq!(predict.contains(&format!("{}, ", name.as_str())), *name != ModelName::Gpt, "{predict}");
+        }
+        assert!(help("predict", "model").contains("`generate`"));
+        let generate: Vec<String> =
+            tree.find_subcommand("generate").unwrap().get_arguments().map(|a| a.get_id().to_string()).collect();
+        for train_only in ["layers", "width", "context"] {
+            assert!(!generate.contains(&train_only.to_string()), "generate --{train_only}");
+        }
     }
 }

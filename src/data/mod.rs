@@ -148,12 +148,12 @@ impl Dataset {
     pub fn windows(name: impl Into<String>, tokens: Vec<u32>, context: usize, vocab: usize) -> Result<Dataset> {
         let name = name.into();
         if context == 0 || tokens.len() <= context {
+            // Said without `context + 1`, which a context of usize::MAX would wrap to 0.
             return Err(Error::Data {
                 name,
                 detail: format!(
-                    "{} tokens are too few for a context of {context}: a window needs {} (the context and its next token)",
-                    tokens.len(),
-                    context + 1
+                    "{} tokens are too few for a context of {context}: a window needs {context} tokens and the next one",
+                    tokens.len()
                 ),
             });
         }

@@ -114,7 +114,8 @@ pub fn split_text(name: &str, bytes: &[u8], context: usize) -> Result<Splits> {
     }
     let cut = (bytes.len() as f64 * TRAIN_SHARE).floor() as usize;
     let tokens = |b: &[u8]| b.iter().map(|&t| u32::from(t)).collect::<Vec<u32>>();
-    let need = context + 1;
+    // In u128: a context near usize::MAX must not wrap the sizes said to 0.
+    let need = context as u128 + 1;
     let short = |part: &str, len: usize| {
         Error::Data {
         name: name.into(),
@@ -125,10 +126,10 @@ pub fn split_text(name: &str, bytes: &[u8], context: usize) -> Result<Splits> {
         ),
     }
     };
-    if cut < need {
+    if (cut as u128) < need {
         return Err(short("training", cut));
     }
-    if bytes.len() - cut < need {
+    if ((bytes.len() - cut) as u128) < need {
         return Err(short("validation", bytes.len() - cut));
     }
     let train = Dataset::windows(format!("{name} (training part)"), tokens(&bytes[..cut]), context, BYTE_VOCAB)?;
@@ -140,6 +141,19 @@ pub fn split_text(name: &str, bytes: &[u8], context: usize) -> Result<Splits> {
 mod tests {
     use super::*;
     use crate::train::Batch;
+
+    /// Issue 41: `--context 18446744073709551615` said "a window needs 0", the sizes
+    /// wrapped; they are said as they are (2^64, and ten times it).
+    #[test]
+    fn a_context_near_the_largest_integer_is_said_without_wrapping() {
+        let e = split_text("t", &[7u8; 100], usize::MAX).unwrap_err().to_string();
+        assert!(
+            e.contains("fewer than a window of 18446744073709551616 (a context of 18446744073709551615 and its next token); the text needs at least 184467440737095516160 bytes"),
+            "{e}"
+        );
+        let e = Dataset::windows("w", vec![1; 10], usize::MAX, 256).unwrap_err().to_string();
+        assert!(e.ends_with("10 tokens are too few for a context of 18446744073709551615: a window needs 18446744073709551615 tokens and the next one"), "{e}");
+    }
 
     #[test]
     fn a_text_is_cut_at_nine_tenths_and_its_windows_predict_the_next_byte() {

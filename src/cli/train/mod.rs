@@ -357,7 +357,7 @@ pub(crate) fn cmd_train(args: TrainArgs, given: &BTreeSet<String>) -> CliResult 
     let memory = estimate_memory(&model, &run.settings, &data, &config)?;
     let fingerprint = run_fingerprint(&args, &run, &model, &data.splits.train, &config);
     config.checkpoint = checkpoint_policy(&args, &config, &fingerprint, checkpoint_dir, steps_per_epoch)?;
-    config.initial = initial_weights(&args, &model)?;
+    config.initial = initial_weights(&args, &run, &model)?;
     let total_steps =
         (steps_per_epoch as u64).saturating_mul(run.settings.epochs as u64).min(args.length.steps.unwrap_or(u64::MAX));
     let resuming = match start(&args, &model, &mut config, &fingerprint, total_steps, voice)? {
@@ -409,8 +409,16 @@ fn with_the_runs_record(
 fn resolve(args: &mut TrainArgs, world: &World) -> CliResult<Run> {
     let source = args.model_data.model.resolve()?;
     let data_spec = args.model_data.data.get_or_insert_with(|| source.default_data().to_string()).clone();
-    // A run over text: the GPT's data, or text data whoever's model.
-    let text = text::is_text(&data_spec) || source.is_gpt();
+    // Each model its kind of data, said by what the model reads rather than by the
+    // shapes that would not fit.
+    if source.is_gpt() && text::is_builtin_data(&data_spec) {
+        return Err(text::not_text(&source.name(), &data_spec));
+    }
+    if !source.is_gpt() && text::is_text(&data_spec) {
+        return Err(text::not_a_language_model(&source.name(), &data_spec));
+    }
+    // A run over text (or a token file): a language model's, whose data that is.
+    let text = source.is_gpt();
     let toy = source.flat() && !text;
     let settings = settings(args, toy, text)?;
     agree_flags(world, args)?;
@@ -588,10 +596,10 @@ fn checkpoint_policy(
 }
 
 /// `--init`'s weights, for the model.
-fn initial_weights(args: &TrainArgs, model: &Sequential) -> CliResult<Option<ParamStore>> {
+fn initial_weights(args: &TrainArgs, run: &Run, model: &Sequential) -> CliResult<Option<ParamStore>> {
     let Some(p) = &args.model_data.init else { return Ok(None) };
     check_input_file("--init", p)?;
-    let weights = weights::load(model, p).map_err(Failure::usage).map_err(|f| f.with_context("--init"))?;
+    let weights = super::identify::load_weights(model, &run.source, "--init", p, super::identify::WeightsFor::Train)?;
     Ok(Some(weights))
 }
 
