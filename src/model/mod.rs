@@ -38,4 +38,5 @@ pub const LAYER_TYPES: &[LayerType] = &[
     ops::PositionalEmbedding::SPEC,
     ops::CausalSelfAttention::SPEC,
     ops::Silu::SPEC,
+    ops::Sigmoid::SPEC,
 ];
