@@ -39,4 +39,5 @@ pub const LAYER_TYPES: &[LayerType] = &[
     ops::CausalSelfAttention::SPEC,
     ops::Silu::SPEC,
     ops::Sigmoid::SPEC,
+    ops::Tanh::SPEC,
 ];

@@ -47,6 +47,7 @@ pub mod rescaling;
 pub mod sigmoid;
 pub mod silu;
 pub mod spec;
+pub mod tanh;
 pub mod window;
 
 use std::ops::Range;
@@ -68,6 +69,7 @@ pub use rescaling::Rescaling;
 pub use sigmoid::Sigmoid;
 pub use silu::Silu;
 pub use spec::{Activation, LayerType};
+pub use tanh::Tanh;
 pub use window::{Padding, Window2d};
 
 use crate::error::Result;
