@@ -8,5 +8,6 @@ pub use crate::ops::cross_entropy as loss;
 pub use crate::ops::{
     Activation, BatchNorm2d, CausalSelfAttention, Conv2d, Ctx, Dropout, Embedding, Flatten, Gelu, GlobalAvgPool2d,
     Init, InputGrad, Layer, LayerMemory, LayerNorm, LayerShapes, LayerType, Linear, MaxPool2d, Mode, Padding,
-    ParamSpec, Params, ParamsMut, PositionalEmbedding, ProfileRow, Relu, Rescaling, Sigmoid, Silu, Tanh, Window2d,
+    ParamSpec, Params, ParamsMut, PositionalEmbedding, ProfileRow, Relu, Rescaling, RmsNorm, Sigmoid, Silu, Tanh,
+    Window2d,
 };

@@ -40,4 +40,5 @@ pub const LAYER_TYPES: &[LayerType] = &[
     ops::Silu::SPEC,
     ops::Sigmoid::SPEC,
     ops::Tanh::SPEC,
+    ops::RmsNorm::SPEC,
 ];
