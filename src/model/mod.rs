@@ -41,4 +41,5 @@ pub const LAYER_TYPES: &[LayerType] = &[
     ops::Sigmoid::SPEC,
     ops::Tanh::SPEC,
     ops::RmsNorm::SPEC,
+    ops::AvgPool2d::SPEC,
 ];

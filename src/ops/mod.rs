@@ -26,6 +26,7 @@
 //! `model::LAYER_TYPES` to all of it.
 
 pub mod attention;
+pub mod avgpool2d;
 pub mod batchnorm;
 #[cfg(test)]
 pub(crate) mod conformance;
@@ -54,6 +55,7 @@ pub mod window;
 use std::ops::Range;
 
 pub use attention::CausalSelfAttention;
+pub use avgpool2d::AvgPool2d;
 pub use batchnorm::BatchNorm2d;
 pub use conv2d::Conv2d;
 pub use dropout::Dropout;
