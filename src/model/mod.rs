@@ -42,4 +42,5 @@ pub const LAYER_TYPES: &[LayerType] = &[
     ops::Tanh::SPEC,
     ops::RmsNorm::SPEC,
     ops::AvgPool2d::SPEC,
+    ops::Upsample2d::SPEC,
 ];

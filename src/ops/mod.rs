@@ -50,6 +50,7 @@ pub mod sigmoid;
 pub mod silu;
 pub mod spec;
 pub mod tanh;
+pub mod upsample;
 pub mod window;
 
 use std::ops::Range;
@@ -74,6 +75,7 @@ pub use sigmoid::Sigmoid;
 pub use silu::Silu;
 pub use spec::{Activation, LayerType};
 pub use tanh::Tanh;
+pub use upsample::Upsample2d;
 pub use window::{Padding, Window2d};
 
 use crate::error::Result;
