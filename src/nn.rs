@@ -9,5 +9,5 @@ pub use crate::ops::{
     Activation, AvgPool2d, BatchNorm2d, CausalSelfAttention, Conv2d, Ctx, Dropout, Embedding, Flatten, Gelu,
     GlobalAvgPool2d, Init, InputGrad, Layer, LayerMemory, LayerNorm, LayerShapes, LayerType, Linear, MaxPool2d, Mode,
     Padding, ParamSpec, Params, ParamsMut, PositionalEmbedding, ProfileRow, Relu, Rescaling, RmsNorm, Sigmoid, Silu,
-    Tanh, Upsample2d, Window2d,
+    Softmax, Tanh, Upsample2d, Window2d,
 };

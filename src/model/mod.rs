@@ -43,4 +43,5 @@ pub const LAYER_TYPES: &[LayerType] = &[
     ops::RmsNorm::SPEC,
     ops::AvgPool2d::SPEC,
     ops::Upsample2d::SPEC,
+    ops::Softmax::SPEC,
 ];

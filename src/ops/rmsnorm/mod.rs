@@ -76,7 +76,7 @@ impl RmsNorm {
         example: (&[2, 3, 6], r#"{"type": "rms_normalization", "epsilon": 0.001}"#),
         parse: |f| {
             let eps = f.number("epsilon", Some(DEFAULT_EPSILON), (|x| x > 0.0, "a positive number"))?;
-            last_axis(f)?;
+            f.last_axis()?;
             Ok(Build::layer(move |input| Ok(RmsNorm::new(expect_last_dim(input)?).eps(eps))))
         },
         #[cfg(feature = "cuda")]
@@ -100,20 +100,6 @@ impl RmsNorm {
             _ => Err(Error::shape(op, format!("expects (N, ..., {}), got {shape}", self.width))),
         }
     }
-}
-
-/// Keras's `axis` field: -1 (the default), the last axis, the only one this layer
-/// normalises over.
-fn last_axis(f: &mut super::spec::Fields<'_>) -> FieldResult<i64> {
-    f.custom(
-        "axis",
-        |v| match v {
-            None => Ok(-1),
-            Some(v) if v.as_i64() == Some(-1) => Ok(-1),
-            Some(v) => Err(format!("field 'axis' must be -1, the last axis, the only one normalised over (got {v})")),
-        },
-        |&a| json!(a),
-    )
 }
 
 /// The width of the last dimension of the running shape (N, ..., C), or the spec's words
