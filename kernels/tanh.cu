@@ -8,10 +8,10 @@
 __device__ float tanh_value(float x) {
     const float z = fabsf(x);
     const float s = __fmul_rn(z, z);
-    float p = __fadd_rn(__fmul_rn(-5.7049887e-3f, s), 2.0639089e-2f);
+    float p = __fadd_rn(__fmul_rn(-5.7049887e-3f, s), 2.063909e-2f);
     p = __fsub_rn(__fmul_rn(p, s), 5.3739716e-2f);
     p = __fadd_rn(__fmul_rn(p, s), 1.3331442e-1f);
-    p = __fsub_rn(__fmul_rn(p, s), 3.3333282e-1f);
+    p = __fsub_rn(__fmul_rn(p, s), 3.333328e-1f);
     const float small = __fadd_rn(__fmul_rn(__fmul_rn(p, s), z), z);
     const float large = __fsub_rn(1.0f, __fdiv_rn(2.0f, __fadd_rn(lockstep_exp(__fadd_rn(z, z)), 1.0f)));
     return copysignf(z < 0.625f ? small : large, x);

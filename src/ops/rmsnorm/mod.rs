@@ -351,6 +351,7 @@ mod tests {
         assert_eq!(dx, [2.0 * rstd, -2.0 * rstd, rstd, 0.0]);
         let mut norm = RmsNorm::new(2);
         let (w, mut g) = ([1.0f32, 1.0], [0.0f32; 2]);
+        #[allow(clippy::single_range_in_vec_init)] // the one tensor's place, not a range of values
         let ranges = [0..2];
         let d = Tensor::from_vec(vec![1.0; 4], [2, 2]).unwrap();
         let ctx = Ctx::eval(Device::Cpu(0));

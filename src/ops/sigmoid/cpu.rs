@@ -65,9 +65,8 @@ widest! {
     /// y = σ(x) in place, each value's slope kept.
     fn forward_kept(xs: &mut [f32], slopes: &mut [f32]) {
         for (v, s) in xs.iter_mut().zip(slopes) {
-            let y = sigmoid_value(*v);
-            *s = y * (1.0 - y);
-            *v = y;
+            *s = sigmoid_slope(*v);
+            *v = sigmoid_value(*v);
         }
     }
 }

@@ -77,7 +77,7 @@ pub fn softmax_forward(x: &mut [f32], c: usize) {
     if c == 0 {
         return;
     }
-    assert_eq!(x.len() % c, 0, "softmax_forward: {} values in rows of {c}", x.len());
+    assert!(x.len().is_multiple_of(c), "softmax_forward: {} values in rows of {c}", x.len());
     par::for_each(x.par_chunks_mut(ROW_CHUNK * c), |xs| forward_rows(xs, c));
 }
 
@@ -88,7 +88,7 @@ pub fn softmax_backward(dout: &mut [f32], y: &[f32], c: usize) {
         return;
     }
     assert!(
-        dout.len() == y.len() && y.len() % c == 0,
+        dout.len() == y.len() && y.len().is_multiple_of(c),
         "softmax_backward: dout of {}, y of {} in rows of {c}",
         dout.len(),
         y.len()

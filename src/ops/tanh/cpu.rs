@@ -33,7 +33,7 @@ const SMALL: f32 = 0.625;
 pub fn tanh_value(x: f32) -> f32 {
     let z = x.abs();
     let s = z * z;
-    let p = (((-5.704_988_7e-3 * s + 2.063_908_9e-2) * s - 5.373_971_6e-2) * s + 1.333_144_2e-1) * s - 3.333_328_2e-1;
+    let p = (((-5.704_988_7e-3 * s + 2.063_909e-2) * s - 5.373_971_6e-2) * s + 1.333_144_2e-1) * s - 3.333_328e-1;
     let small = p * s * z + z;
     let large = 1.0 - 2.0 / (exp_f32(z + z) + 1.0);
     let t = if z < SMALL { small } else { large };
@@ -78,9 +78,8 @@ widest! {
     /// y = tanh(x) in place, each value's slope kept.
     fn forward_kept(xs: &mut [f32], slopes: &mut [f32]) {
         for (v, s) in xs.iter_mut().zip(slopes) {
-            let y = tanh_value(*v);
-            *s = 1.0 - y * y;
-            *v = y;
+            *s = tanh_slope(*v);
+            *v = tanh_value(*v);
         }
     }
 }

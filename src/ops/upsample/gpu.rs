@@ -42,7 +42,7 @@ impl Gpu {
         let n_in = planes * hw.0 * hw.1;
         check_len(op, "x", x, n_in)?;
         check_len(op, "y", y, n_in * size.0 * size.1)?;
-        if y.len() == 0 {
+        if n_in == 0 {
             return Ok(());
         }
         // SAFETY: upsample_fwd_f32(const float*, float*, size_t, int, int, int, int); x holds
