@@ -287,6 +287,19 @@ impl<'a> Fields<'a> {
         self.record("activation", r, |a| json!(a.name()))
     }
 
+    /// `axis` of a layer that works along the last axis alone (Keras's RMSNormalization
+    /// and Softmax): -1, the default; another axis is refused by name.
+    pub fn last_axis(&mut self) -> FieldResult<i64> {
+        let r = match self.get("axis") {
+            None => Ok(-1),
+            Some(v) if v.as_i64() == Some(-1) => Ok(-1),
+            Some(v) => {
+                Err(format!("field 'axis' must be -1, the last axis, the only one this layer works along (got {v})"))
+            }
+        };
+        self.record("axis", r, |&a| json!(a))
+    }
+
     /// `padding`: "valid" (the default), "same", or PyTorch's explicit pads: an integer
     /// or `[PH, PW]` (zero allowed).
     pub fn padding(&mut self) -> FieldResult<Padding> {
