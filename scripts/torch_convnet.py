@@ -19,8 +19,8 @@ Trains exactly the network of src/models.rs `convnet(ConvnetOptions::default())`
 
 BatchNorm is Keras's `BatchNormalization(scale=False, center=True)`, eps 1e-3: PyTorch's
 BatchNorm2d(eps=1e-3) with its weight (gamma) frozen at 1 and its bias (beta) trained.
-Keras momentum m (the weight of the OLD running value; 0.99 in ConvnetOptions::default()
-and in bench step, 0.9 in `lockstep train`'s default) is PyTorch momentum 1 − m (the
+Keras momentum m (the weight of the OLD running value; 0.9 in ConvnetOptions::default(),
+which is `lockstep train`'s default, 0.99 in bench step) is PyTorch momentum 1 − m (the
 weight of the NEW value); both update running_var with the unbiased batch variance. It
 changes no timing. Keras 'same' pads ⌊total/2⌋ before and the rest after; here every
 'same' padding is symmetric (28: 1/1, 12 with stride 2: 2/2), and an asymmetric one would
