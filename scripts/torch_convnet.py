@@ -23,8 +23,8 @@ shift `beta`, the computation of BatchNorm2d(eps=1e-3) with its weight frozen at
 module's state_dict is the weights file lockstep saves for the convnet, name for name
 (`conv0.weight`, `bn0.beta`, `bn0.running_mean`, ...), so that file loads into `Convnet`
 with load_state_dict(strict=True) (scripts/torch_models.py; docs/checkpoints.md). Keras
-momentum m (the weight of the OLD running value; 0.99 in ConvnetOptions::default()
-and in bench step, 0.9 in `lockstep train`'s default) is PyTorch momentum 1 − m (the
+momentum m (the weight of the OLD running value; 0.9 in ConvnetOptions::default(),
+which is `lockstep train`'s default, 0.99 in bench step) is PyTorch momentum 1 − m (the
 weight of the NEW value); both update running_var with the unbiased batch variance. It
 changes no timing. Keras 'same' pads ⌊total/2⌋ before and the rest after; here every
 'same' padding is symmetric (28: 1/1, 12 with stride 2: 2/2), and an asymmetric one would

@@ -421,8 +421,12 @@ mod tests {
         assert!(err(&with_layers(r#"{"type": "batch_normalization", "epsilon": 0}"#))
             .contains("field 'epsilon' must be a positive number"));
         assert!(err(&with_layers(r#"{"type": "rescaling"}"#)).contains("layer 0 (rescaling): missing field 'scale'"));
-        assert!(err(&with_layers(r#"{"type": "rescaling", "scale": 1e300}"#))
-            .contains("field 'scale' must be a finite number"));
+        // 1e300 is a finite f64 that no f32 holds: out of range, not "not finite".
+        assert!(err(&with_layers(r#"{"type": "rescaling", "scale": 1e300}"#)).contains(
+            "field 'scale' is out of range (got 1e+300): it overflows f32, whose largest magnitude is 3.4028235e38"
+        ));
+        assert!(err(&with_layers(r#"{"type": "dense", "units": 2, "init_std": 1e39}"#))
+            .contains("field 'init_std' is out of range (got 1e+39): it overflows f32"));
     }
 
     #[test]

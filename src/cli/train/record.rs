@@ -241,14 +241,14 @@ impl RunRecord {
         r.take("optimizer", &mut o.optimizer, Some(OptimizerName::of(&t.optimizer)));
         r.take("lr", &mut o.lr, Some(t.optimizer.lr()));
         r.take("lr_schedule", &mut o.lr_schedule, Some(ScheduleName::of(t.schedule)));
-        r.take_if("momentum", &mut o.momentum, sgd.map(|(momentum, _)| momentum));
+        r.take_if("momentum", &mut o.momentum, sgd.map(|(momentum, _)| Some(momentum)));
         r.take_if("nesterov", &mut o.nesterov, sgd.map(|(_, nesterov)| nesterov));
         r.take("weight_decay", &mut o.weight_decay, Some(t.optimizer.weight_decay()));
         r.take("weight_decay_on", &mut o.weight_decay_on, DecayOnName::of(t.weight_decay_on));
         r.take("warmup_steps", &mut o.warmup_steps, Some(t.warmup_steps));
         r.take("clip_grad_norm", &mut o.clip_grad_norm, t.clip_grad_norm);
-        r.take_if("adam_eps", &mut o.adam_eps, adam.map(|(_, _, eps)| eps));
-        r.take_if("adam_beta1", &mut o.adam_beta1, adam.map(|(beta1, _, _)| beta1));
+        r.take_if("adam_eps", &mut o.adam_eps, adam.map(|(_, _, eps)| Some(eps)));
+        r.take_if("adam_beta1", &mut o.adam_beta1, adam.map(|(beta1, _, _)| Some(beta1)));
         r.take_if("adam_beta2", &mut o.adam_beta2, adam.map(|(_, beta2, _)| Some(beta2)));
         let l = &mut args.length;
         r.take_if("epochs", &mut l.epochs, (c.counted_in == CountedIn::Epochs).then_some(Some(t.epochs)));
@@ -588,7 +588,7 @@ mod tests {
         let (train, test) = (train.display(), test.display());
         let text = concat!(env!("CARGO_MANIFEST_DIR"), "/README.md");
         let toy = "--model=toy --data=toy-enlarged --classes=2 --epochs=2 --steps=9 --batch-size=4 \
-            --optimizer=sgd --lr=0.1 --lr-schedule=cosine --momentum=0.9 --nesterov --weight-decay=5e-4 \
+            --optimizer=sgd --lr=0.1 --lr-schedule=constant --momentum=0.9 --nesterov --weight-decay=5e-4 \
             --weight-decay-on=all --warmup-steps=3 --clip-grad-norm=0.5 --seed=7 --devices=cpu:2 \
             --replicas=4 --check-replicas-every=3 --checkpoint-dir=ck --checkpoint-every=4 \
             --keep-checkpoints=5 --no-shuffle --drop-last --allow-nonfinite --accumulate=2 \
