@@ -127,6 +127,7 @@ fn file_name(step: u64) -> String {
 
 /// Whether a run with checkpoints in a directory writes, replaces or removes the file of
 /// that directory called `name`: a checkpoint (any step's), or the directory's lock.
+#[cfg(feature = "cli")]
 pub(crate) fn is_run_file(name: &std::ffi::OsStr) -> bool {
     let name = name.to_string_lossy();
     let step = name.strip_prefix(PREFIX).and_then(|s| s.strip_suffix(SUFFIX));

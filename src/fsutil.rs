@@ -148,6 +148,7 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
 /// Whether `a` and `b` name one file: both exist and have the same device and inode, so
 /// that a symbolic link, a hard link or another spelling of the path are all seen through.
 /// A path that does not exist is no file yet, and the same as none.
+#[cfg(any(feature = "cli", feature = "plot"))]
 pub fn same_file(a: &Path, b: &Path) -> bool {
     use std::os::unix::fs::MetadataExt as _;
     match (std::fs::metadata(a), std::fs::metadata(b)) {
@@ -192,6 +193,7 @@ mod tests {
     use super::*;
 
     #[test]
+    #[cfg(any(feature = "cli", feature = "plot"))]
     fn links_of_both_kinds_are_the_same_file_and_a_missing_path_is_none() {
         let dir = tempfile::tempdir().unwrap();
         let file = dir.path().join("a.csv");
