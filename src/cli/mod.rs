@@ -613,6 +613,12 @@ pub fn main() -> ExitCode {
                 // One write: mpirun does not interleave it with another process's line.
                 use std::io::Write as _;
                 let _ = std::io::stderr().write_all(format!("error: {}\n", one_line(&e.into())).as_bytes());
+            } else {
+                // The process that says it must be heard: a launcher ends every process
+                // of a launch as soon as one of them fails, and one that left first could
+                // cut process 0 off before its line reached the launcher (seen once in
+                // eight launches). The silent ones leave a moment later.
+                std::thread::sleep(std::time::Duration::from_millis(500));
             }
             return ExitCode::from(EXIT_USAGE);
         }
