@@ -48,6 +48,7 @@
 //! (K slots per device instead of one: the bitwise form costs gradient memory).
 
 use std::ops::Range;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use super::replica::{Fill, Mark, Replica, ShardPass, StepOutcome};
@@ -168,12 +169,23 @@ fn clip(range: Range<usize>, params: usize) -> Range<usize> {
 
 /// Loss and accuracy of `rows` of `batch` in evaluation mode, in chunks of at most
 /// `chunk` samples (so the activations of a chunk, not of the whole set, are held).
-pub fn evaluate<R: Replica>(replica: &mut R, batch: &Batch, rows: Range<usize>, chunk: usize) -> Result<Metrics> {
+/// `None` when `stop` is raised before the last chunk: a long evaluation (thousands of a
+/// GPT's windows) gives way to a signal within one chunk, not at its end.
+pub fn evaluate<R: Replica>(
+    replica: &mut R,
+    batch: &Batch,
+    rows: Range<usize>,
+    chunk: usize,
+    stop: Option<&AtomicBool>,
+) -> Result<Option<Metrics>> {
     let mut total = Metrics::default();
     for c in chunks(rows, chunk) {
+        if stop.is_some_and(|s| s.load(Ordering::Relaxed)) {
+            return Ok(None);
+        }
         total.add(&replica.evaluate_chunk(batch, c)?);
     }
-    Ok(total)
+    Ok(Some(total))
 }
 
 /// Class probabilities (rows, K) of `rows` of `batch`, in chunks of at most `chunk`.

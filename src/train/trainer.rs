@@ -333,15 +333,34 @@ impl Trainer<'_> {
     /// Loss and accuracy on `data` in evaluation mode, the samples split across devices
     /// (every process's: each gathers and evaluates its devices' parts only).
     pub fn evaluate(&mut self, data: &Dataset, eval_batch: usize) -> Result<Metrics> {
+        Ok(self.evaluate_until(data, eval_batch, None)?.expect("an evaluation without a stop flag ends"))
+    }
+
+    /// [`Trainer::evaluate`], given up between chunks once the run's stop flag is raised
+    /// (`None` then, on every process: a process stopped early stops all of them, at the
+    /// same point of the run). A signal during a long evaluation is answered within a
+    /// chunk, well inside the grace a scheduler gives between SIGTERM and SIGKILL.
+    pub(super) fn evaluate_or_stop(&mut self, data: &Dataset, eval_batch: usize) -> Result<Option<Metrics>> {
+        let stop = self.stop.clone();
+        self.evaluate_until(data, eval_batch, stop)
+    }
+
+    fn evaluate_until(
+        &mut self,
+        data: &Dataset,
+        eval_batch: usize,
+        stop: Option<Arc<AtomicBool>>,
+    ) -> Result<Option<Metrics>> {
         let n = self.devices.len();
         let parts = scatter::even_runs(data.len(), n * self.world.size());
         let mine = &parts[self.world.process() * n..(self.world.process() + 1) * n];
         let first = mine[0].start;
         let held: Vec<usize> = (first..mine[n - 1].end).collect();
         let batch = Arc::new(Batch::gather(data, &held));
-        let replies =
-            self.ask(|d| Command::Eval(Arc::clone(&batch), mine[d].start - first..mine[d].end - first, eval_batch))?;
-        let local: Vec<Metrics> = replies
+        let replies = self.ask(|d| {
+            Command::Eval(Arc::clone(&batch), mine[d].start - first..mine[d].end - first, eval_batch, stop.clone())
+        })?;
+        let local: Vec<Option<Metrics>> = replies
             .into_iter()
             .map(|r| {
                 let Reply::Eval(m) = r else { unreachable!("an eval command gets an eval reply") };

@@ -14,6 +14,7 @@
 
 use std::ops::Range;
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -33,8 +34,9 @@ use crate::tensor::Device;
 /// What the coordinator asks of every worker.
 pub(crate) enum Command {
     Step(Arc<StepWork>),
-    /// Evaluate these rows of the batch, in chunks of this many samples.
-    Eval(Arc<Batch>, Range<usize>, usize),
+    /// Evaluate these rows of the batch, in chunks of this many samples, giving up
+    /// between chunks once the flag is raised.
+    Eval(Arc<Batch>, Range<usize>, usize, Option<Arc<AtomicBool>>),
     /// Predict these rows of the batch, in chunks of this many samples.
     Predict(Arc<Batch>, Range<usize>, usize),
     Fingerprints,
@@ -44,7 +46,8 @@ pub(crate) enum Command {
 /// A worker's answer to a [`Command`].
 pub(crate) enum Reply {
     Step(StepOutcome),
-    Eval(Metrics),
+    /// `None`: stopped before the last chunk.
+    Eval(Option<Metrics>),
     Predict(Vec<f32>),
     Fingerprints(Vec<(String, u64)>),
     Snapshot(Box<(ParamStore, Optimizer)>),
@@ -65,7 +68,9 @@ impl<R: Replica, X: Exchange<Mem = R::Mem>> Worker<R, X> {
         let r = &mut self.replica;
         Ok(match cmd {
             Command::Step(work) => Reply::Step(step::train(r, &mut self.exchange, work, self.shards.clone())?),
-            Command::Eval(batch, rows, chunk) => Reply::Eval(step::evaluate(r, batch, rows.clone(), *chunk)?),
+            Command::Eval(batch, rows, chunk, stop) => {
+                Reply::Eval(step::evaluate(r, batch, rows.clone(), *chunk, stop.as_deref())?)
+            }
             Command::Predict(batch, rows, chunk) => Reply::Predict(step::predict(r, batch, rows.clone(), *chunk)?),
             Command::Fingerprints => Reply::Fingerprints(r.fingerprints()?),
             Command::Snapshot => Reply::Snapshot(Box::new(r.snapshot()?)),
