@@ -214,8 +214,7 @@ fn sigterm_during_a_long_evaluation_stops_it_checkpoints_and_resumes_bitwise() {
     assert!(took < evaluation / 3, "exited {took:?} after SIGTERM; the evaluation lasts {evaluation:?}");
 
     // Resumed: the evaluation of step 5 first, as the uninterrupted run reported it.
-    let mut child =
-        gpt(&["--resume", ck.to_str().unwrap(), "--save", resumed.to_str().unwrap()]).spawn().unwrap();
+    let mut child = gpt(&["--resume", ck.to_str().unwrap(), "--save", resumed.to_str().unwrap()]).spawn().unwrap();
     let mut out = lines(&mut child);
     let (epoch, _) = read_to(&mut out, r#"{"kind":"epoch","epoch":1,"#);
     let scores = |l: &str| l.split(r#""best""#).next().unwrap().to_string();
@@ -224,6 +223,36 @@ fn sigterm_during_a_long_evaluation_stops_it_checkpoints_and_resumes_bitwise() {
     let o = child.wait_with_output().unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     assert!(tensors(&full) == tensors(&resumed), "resumed weights differ from the uninterrupted run's");
+}
+
+/// Issue 41: SIGUSR1 prints the flight recorder (each device's state and last collective
+/// calls) to stderr and the run goes on to its end, exit 0, every step taken.
+#[test]
+fn sigusr1_prints_the_flight_recorder_and_the_run_goes_on() {
+    let mut child = bin()
+        .args(["train", "--steps", "150", "--devices", "cpu:2", "--log-format", "json"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = std::io::BufRead::lines(std::io::BufReader::new(child.stdout.take().unwrap())).map(|l| l.unwrap());
+    // Training has begun (the recorder is listed): the first step's line.
+    assert!(lines.any(|l| l.starts_with(r#"{"kind":"step","step":1,"#)), "no first step");
+    assert!(Command::new("kill").args(["-USR1", &child.id().to_string()]).status().unwrap().success());
+    let last = lines.filter(|l| l.starts_with(r#"{"kind":"step""#)).last().unwrap_or_default();
+    let o = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{stderr}");
+    assert!(last.starts_with(r#"{"kind":"step","step":150,"#), "{last}");
+    assert!(stderr.contains("trained 150 steps"), "{stderr}");
+    assert_eq!(stderr.matches("lockstep: flight recorder (SIGUSR1), ").count(), 1, "{stderr}");
+    for device in ["cpu:0", "cpu:1"] {
+        // In a sum, or between two: either way its state, then its calls (a sum a step).
+        let state = format!("lockstep: {device}: in ");
+        assert!(stderr.lines().any(|l| l.starts_with(&state)), "{stderr}");
+        assert!(stderr.contains(&format!("lockstep: {device}'s last ")), "{stderr}");
+    }
+    assert!(stderr.contains(" sum ") && stderr.contains(" kB at "), "{stderr}");
 }
 
 /// `--time-limit`: the run stops at the step boundary past its time, writes its checkpoint,

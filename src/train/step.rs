@@ -51,6 +51,7 @@ use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
+use super::flight::{Phase, Ring};
 use super::replica::{Fill, Mark, Replica, ShardPass, StepOutcome};
 use super::{scatter, Batch};
 use crate::error::Result;
@@ -82,12 +83,20 @@ pub struct StepWork {
 }
 
 /// Trains one step on the logical replicas `mine` of `work`, with this device's
-/// `replica` and its side of the `exchange`.
-pub fn train<R, X>(replica: &mut R, exchange: &mut X, work: &StepWork, mine: Range<usize>) -> Result<StepOutcome>
+/// `replica` and its side of the `exchange`; the collective calls are recorded in `ring`
+/// (the device's ring of the run's flight recorder).
+pub fn train<R, X>(
+    replica: &mut R,
+    exchange: &mut X,
+    work: &StepWork,
+    mine: Range<usize>,
+    ring: &Ring,
+) -> Result<StepOutcome>
 where
     R: Replica,
     X: Exchange<Mem = R::Mem>,
 {
+    ring.set_step(work.step);
     replica.mark(Mark::Start)?;
     let shards = &work.shards[mine.clone()];
     let held = |r: &Range<usize>| r.start - work.first_row..r.end - work.first_row;
@@ -117,7 +126,8 @@ where
         })?;
     }
     replica.mark(Mark::Computed)?;
-    exchange.sum()?;
+    // What this device puts in: its shards' slots.
+    ring.record(Phase::Sum, mine.len() * exchange.width() * 4, || exchange.sum())?;
     replica.mark(Mark::Summed)?;
 
     // The gradient part of the sum is over the whole global batch, every label of it (a
@@ -144,7 +154,9 @@ where
         replica.set_buffers(offset - params, piece, buffer_scale)
     })?;
     if work.sharding == Sharding::Sharded {
-        exchange.all_gather(replica.params_mut())?;
+        let bytes = replica.params_len() * 4;
+        let params = replica.params_mut();
+        ring.record(Phase::Gather, bytes, || exchange.all_gather(params))?;
     }
     replica.mark(Mark::Updated)?;
     replica.finish_step(&|| exchange.is_aborted())

@@ -20,6 +20,7 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender};
 
+use super::flight::Ring;
 use super::panics;
 use super::replica::{Replica, StepOutcome};
 use super::step::{self, StepWork};
@@ -64,10 +65,11 @@ struct Worker<R, X> {
 }
 
 impl<R: Replica, X: Exchange<Mem = R::Mem>> Worker<R, X> {
-    fn handle(&mut self, cmd: &Command) -> Result<Reply> {
+    /// Serves `cmd`; the step's collective calls are recorded in `ring`.
+    fn handle(&mut self, cmd: &Command, ring: &Ring) -> Result<Reply> {
         let r = &mut self.replica;
         Ok(match cmd {
-            Command::Step(work) => Reply::Step(step::train(r, &mut self.exchange, work, self.shards.clone())?),
+            Command::Step(work) => Reply::Step(step::train(r, &mut self.exchange, work, self.shards.clone(), ring)?),
             Command::Eval(batch, rows, chunk, stop) => {
                 Reply::Eval(step::evaluate(r, batch, rows.clone(), *chunk, stop.as_deref())?)
             }
@@ -91,6 +93,8 @@ pub(crate) struct WorkerStart<'a> {
     pub sharding: Sharding,
     pub abort: &'a dyn Abort,
     pub gate: &'a SetupGate,
+    /// This device's ring of the run's flight recorder.
+    pub ring: &'a Ring,
     pub commands: Receiver<Command>,
     pub replies: Sender<(usize, Result<Reply>)>,
 }
@@ -145,7 +149,7 @@ where
         if let Command::Step(work) = &cmd {
             step = work.step;
         }
-        let result = catch_unwind(AssertUnwindSafe(|| worker.handle(&cmd)));
+        let result = catch_unwind(AssertUnwindSafe(|| worker.handle(&cmd, seat.ring)));
         // A worker released from a collective by another's failure says only that
         // (`Error::Aborted`); the one that failed names itself, the step and the cause.
         let failure = |cause: String| Error::Worker { device: seat.device.to_string(), step, cause };
