@@ -803,9 +803,10 @@ mod tests {
         assert_eq!(lines[0], CSV_HEADER);
         // Values from `report` and `epoch`, see their docs.
         assert_eq!(lines[1], "step,5,2,0.5,0.75,,,,,,3200");
-        // The held-out set is the test split: its cells are test_*, and best is 0.
-        assert_eq!(lines[2], "epoch,5,2,0.4,0.9,,,0.3,0.9,0,200");
-        assert_eq!(lines[3], "epoch,5,2,0.4,0.9,,,,,,200");
+        // The held-out set is the test split: its cells are test_*, and best is 0; the
+        // step is the epoch's own `step_at_end`, 6.
+        assert_eq!(lines[2], "epoch,6,2,0.4,0.9,,,0.3,0.9,0,200");
+        assert_eq!(lines[3], "epoch,6,2,0.4,0.9,,,,,,200");
         assert_eq!(lines.len(), 4);
     }
 

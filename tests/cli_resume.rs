@@ -209,8 +209,8 @@ fn sigterm_during_a_long_evaluation_stops_it_checkpoints_and_resumes_bitwise() {
     let said = format!("lockstep: interrupted by SIGTERM after step 5; checkpoint written to {}", checkpoint.display());
     assert!(stderr.lines().any(|l| l == said), "{stderr}");
     assert!(rest.is_empty(), "the stopped evaluation reports nothing: {rest:?}");
-    // A chunk of 512 windows and a checkpoint of 0.3 MB: milliseconds, against the whole
-    // evaluation's seconds. A third of it leaves room for a loaded machine.
+    // A forward pass of 4 windows and a checkpoint of 0.3 MB: milliseconds, against the
+    // whole evaluation's seconds. A third of it leaves room for a loaded machine.
     assert!(took < evaluation / 3, "exited {took:?} after SIGTERM; the evaluation lasts {evaluation:?}");
 
     // Resumed: the evaluation of step 5 first, as the uninterrupted run reported it.

@@ -442,7 +442,7 @@ impl<'a, 'o> Fit<'a, 'o> {
     /// the checkpoint.
     fn end_epoch(&mut self, trainer: &mut Trainer<'_>, epoch: usize) -> Result<EpochEnd> {
         let held = match self.test {
-            Some(t) => match trainer.evaluate_or_stop(t, self.config.eval_batch)? {
+            Some(t) => match trainer.evaluate_or_stop(t, self.config.epoch_eval_chunk(trainer.replicas()))? {
                 Some(m) => Some(m),
                 None => return Ok(EpochEnd::EvaluationStopped),
             },
