@@ -17,10 +17,14 @@ Trains exactly the network of src/models.rs `convnet(ConvnetOptions::default())`
     eps 1e-8, no weight decay, constant lr (bench step's TrainConfig::default());
     torch.optim.Adam's default implementation (foreach), as an eager user gets it.
 
-BatchNorm is Keras's `BatchNormalization(scale=False, center=True)`, eps 1e-3: PyTorch's
-BatchNorm2d(eps=1e-3) with its weight (gamma) frozen at 1 and its bias (beta) trained.
-Keras momentum m (the weight of the OLD running value; 0.99 in ConvnetOptions::default()
-and in bench step, 0.9 in `lockstep train`'s default) is PyTorch momentum 1 − m (the
+BatchNorm is Keras's `BatchNormalization(scale=False, center=True)`, eps 1e-3
+(`KerasBatchNorm`): PyTorch's batch norm with a scale of 1, not trained, and a trained
+shift `beta`, the computation of BatchNorm2d(eps=1e-3) with its weight frozen at 1. The
+module's state_dict is the weights file lockstep saves for the convnet, name for name
+(`conv0.weight`, `bn0.beta`, `bn0.running_mean`, ...), so that file loads into `Convnet`
+with load_state_dict(strict=True) (scripts/torch_models.py; docs/checkpoints.md). Keras
+momentum m (the weight of the OLD running value; 0.9 in ConvnetOptions::default(),
+which is `lockstep train`'s default, 0.99 in bench step) is PyTorch momentum 1 − m (the
 weight of the NEW value); both update running_var with the unbiased batch variance. It
 changes no timing. Keras 'same' pads ⌊total/2⌋ before and the rest after; here every
 'same' padding is symmetric (28: 1/1, 12 with stride 2: 2/2), and an asymmetric one would
@@ -67,50 +71,77 @@ def same_pads(size, k, s):
     return total // 2, total - total // 2
 
 
-class KerasConv2d(nn.Module):
-    """Conv2d with Keras 'same' or 'valid' padding on a fixed input size."""
+class KerasConv2d(nn.Conv2d):
+    """nn.Conv2d with Keras 'same' or 'valid' padding on a fixed input size. Its tensors
+    are nn.Conv2d's own (`weight`, `bias`), named as lockstep names them (`conv0.weight`)."""
 
     def __init__(self, cin, cout, k, stride, padding, bias, in_hw):
-        super().__init__()
         h, w = in_hw
         if padding == "same":
             (top, bottom), (left, right) = same_pads(h, k, stride), same_pads(w, k, stride)
         else:
             top = bottom = left = right = 0
-        self.symmetric = top == bottom and left == right
-        self.pad = (left, right, top, bottom)  # F.pad's order: last dimension first
-        padding = (top, left) if self.symmetric else 0
-        self.conv = nn.Conv2d(cin, cout, k, stride=stride, padding=padding, bias=bias)
+        symmetric = top == bottom and left == right
+        super().__init__(cin, cout, k, stride=stride, padding=(top, left) if symmetric else 0, bias=bias)
+        self.symmetric = symmetric
+        self.keras_pad = (left, right, top, bottom)  # F.pad's order: last dimension first
         ph, pw = h + top + bottom, w + left + right
         self.out_hw = ((ph - k) // stride + 1, (pw - k) // stride + 1)
 
     def forward(self, x):
         if not self.symmetric:
-            x = F.pad(x, self.pad)
-        return self.conv(x)
+            x = F.pad(x, self.keras_pad)
+        return super().forward(x)
 
 
-def keras_bn(channels, keras_momentum):
-    bn = nn.BatchNorm2d(channels, eps=1e-3, momentum=1.0 - keras_momentum, affine=True)
-    bn.weight.requires_grad_(False)  # scale=False: gamma is 1 and not trained
-    return bn
+class KerasBatchNorm(nn.Module):
+    """Keras's BatchNormalization(scale=False, center=True) over channels: a trained shift
+    `beta`, no scale, and the running statistics. Its state_dict is what lockstep saves
+    for one (`bn0.beta`, `bn0.running_mean`, `bn0.running_var`; Keras keeps no
+    `num_batches_tracked`). Keras momentum m (the weight of the OLD running value) is
+    PyTorch momentum 1 − m; both update running_var with the unbiased batch variance.
+    The scale, 1, is passed as a tensor (a buffer that is not saved) so that PyTorch takes
+    the same kernel as for nn.BatchNorm2d with its weight frozen at 1."""
+
+    def __init__(self, channels, keras_momentum, eps=1e-3):
+        super().__init__()
+        self.beta = nn.Parameter(torch.zeros(channels))
+        self.register_buffer("running_mean", torch.zeros(channels))
+        self.register_buffer("running_var", torch.ones(channels))
+        self.register_buffer("gamma", torch.ones(channels), persistent=False)
+        self.momentum = 1.0 - keras_momentum
+        self.eps = eps
+
+    def forward(self, x):
+        # x: (N, C, H, W) -> (N, C, H, W)
+        return F.batch_norm(
+            x, self.running_mean, self.running_var, self.gamma, self.beta, self.training, self.momentum, self.eps
+        )
 
 
 class Convnet(nn.Module):
-    def __init__(self, input_chw=(1, 28, 28), classes=10, dropout=0.5, keras_bn_momentum=0.99):
+    """lockstep's `convnet` (`norm=True`) and `convnet-nobn` (`norm=False`), its state_dict
+    the tensors of the weights file lockstep saves for it, name for name."""
+
+    def __init__(self, input_chw=(1, 28, 28), classes=10, dropout=0.5, keras_bn_momentum=0.99, norm=True):
         super().__init__()
         c, h, w = input_chw
+
+        def bn(channels):
+            return KerasBatchNorm(channels, keras_bn_momentum) if norm else nn.Identity()
+
         self.conv0 = KerasConv2d(c, 12, 3, 1, "same", False, (h, w))
-        self.bn0 = keras_bn(12, keras_bn_momentum)
+        self.bn0 = bn(12)
         self.conv1 = KerasConv2d(12, 24, 6, 2, "valid", False, self.conv0.out_hw)
-        self.bn1 = keras_bn(24, keras_bn_momentum)
+        self.bn1 = bn(24)
         self.conv2 = KerasConv2d(24, 32, 6, 2, "same", True, self.conv1.out_hw)
-        self.bn2 = keras_bn(32, keras_bn_momentum)
+        self.bn2 = bn(32)
         self.dense0 = nn.Linear(32, 256)
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.dense1 = nn.Linear(256, classes)
 
     def forward(self, x):
+        # x: (N, C, H, W) pixel values 0..255 -> (N, classes) logits
         x = x * (1.0 / 255.0)  # Rescaling(1/255)
         x = F.relu(self.bn0(self.conv0(x)))
         x = F.relu(self.bn1(self.conv1(x)))

@@ -125,6 +125,15 @@ fn file_name(step: u64) -> String {
     format!("{PREFIX}{step:012}{SUFFIX}")
 }
 
+/// Whether a run with checkpoints in a directory writes, replaces or removes the file of
+/// that directory called `name`: a checkpoint (any step's), or the directory's lock.
+#[cfg(feature = "cli")]
+pub(crate) fn is_run_file(name: &std::ffi::OsStr) -> bool {
+    let name = name.to_string_lossy();
+    let step = name.strip_prefix(PREFIX).and_then(|s| s.strip_suffix(SUFFIX));
+    name == crate::dirlock::LOCK_FILE || step.is_some_and(|s| s.parse::<u64>().is_ok())
+}
+
 /// Checkpoint files in `dir`, oldest first.
 pub fn list(dir: &Path) -> Result<Vec<(u64, PathBuf)>> {
     let entries = std::fs::read_dir(dir).map_err(|e| Error::io(dir, e))?;

@@ -15,6 +15,12 @@
 //!
 //! The temporary files being written are known ([`remove_unfinished`]), so that a process
 //! ended at once (a second Ctrl-C in the middle of a checkpoint) leaves none behind.
+//!
+//! Also here, the two questions every writer asks of the files around it: whether two
+//! paths are one file ([`same_file`], through symbolic and hard links: an output must
+//! never be an input), and how a file read whole is read ([`read_whole`]: only a regular
+//! file, its kind asked before it is opened, so that a FIFO with no writer cannot block;
+//! only as much as it said it held; only once the memory it becomes has been checked).
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -139,9 +145,102 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     })
 }
 
+/// Whether `a` and `b` name one file: both exist and have the same device and inode, so
+/// that a symbolic link, a hard link or another spelling of the path are all seen through.
+/// A path that does not exist is no file yet, and the same as none.
+#[cfg(any(feature = "cli", feature = "plot"))]
+pub fn same_file(a: &Path, b: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt as _;
+    match (std::fs::metadata(a), std::fs::metadata(b)) {
+        (Ok(x), Ok(y)) => (x.dev(), x.ino()) == (y.dev(), y.ino()),
+        _ => false,
+    }
+}
+
+/// The bytes of the regular file `path`, read whole, once the memory they become is
+/// known to fit: `per_byte` bytes of memory for each byte of the file (the file's bytes
+/// and what they are turned into), `becomes` saying what, for the refusal. A FIFO, a
+/// device (`/dev/zero`), a socket or a directory is refused by its kind, asked of the
+/// file system before anything is opened (opening a FIFO with no writer waits forever);
+/// a file that grows while it is read is read to the size it had and refused.
+pub fn read_whole(path: &Path, per_byte: u64, becomes: &str) -> Result<Vec<u8>> {
+    use std::io::Read as _;
+    let meta = std::fs::metadata(path).map_err(|e| Error::io(path, e))?;
+    if let Some(what) = crate::safetensors_io::not_a_file(&meta) {
+        return Err(Error::format(
+            path,
+            format!("is {what}, not a regular file: lockstep reads only regular files whole"),
+        ));
+    }
+    let len = meta.len();
+    crate::memory::check_bytes(
+        &format!("reading {}", path.display()),
+        len.saturating_mul(per_byte),
+        format!("{} bytes of file, {becomes}", crate::units::count(len)),
+    )?;
+    let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+    let mut bytes = Vec::with_capacity(usize::try_from(len).unwrap_or(usize::MAX));
+    // One byte past the size stat gave tells a file that grew from one that did not.
+    file.take(len.saturating_add(1)).read_to_end(&mut bytes).map_err(|e| Error::io(path, e))?;
+    if bytes.len() as u64 > len {
+        return Err(Error::format(path, format!("grew while it was read (it held {len} bytes when it was opened)")));
+    }
+    Ok(bytes)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    #[cfg(any(feature = "cli", feature = "plot"))]
+    fn links_of_both_kinds_are_the_same_file_and_a_missing_path_is_none() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("a.csv");
+        std::fs::write(&file, b"x").unwrap();
+        let (soft, hard, other) = (dir.path().join("soft"), dir.path().join("hard"), dir.path().join("b"));
+        std::os::unix::fs::symlink(&file, &soft).unwrap();
+        std::fs::hard_link(&file, &hard).unwrap();
+        std::fs::write(&other, b"x").unwrap();
+        assert!(same_file(&file, &soft) && same_file(&hard, &file) && same_file(&soft, &hard));
+        assert!(same_file(&file, &dir.path().join(".").join("a.csv")));
+        assert!(!same_file(&file, &other));
+        assert!(
+            !same_file(&file, &dir.path().join("missing"))
+                && !same_file(&dir.path().join("missing"), &dir.path().join("missing"))
+        );
+    }
+
+    #[test]
+    fn only_a_regular_file_is_read_whole_and_a_fifo_is_refused_without_waiting() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("t.txt");
+        std::fs::write(&file, b"hello").unwrap();
+        assert_eq!(read_whole(&file, 5, "tokens").unwrap(), b"hello");
+        // A FIFO that nobody writes: opened, it would block this test forever.
+        let fifo = dir.path().join("pipe");
+        assert!(std::process::Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+        let e = read_whole(&fifo, 1, "text").unwrap_err().to_string();
+        assert!(e.ends_with("pipe: is a FIFO, not a regular file: lockstep reads only regular files whole"), "{e}");
+        let e = read_whole(Path::new("/dev/zero"), 1, "text").unwrap_err().to_string();
+        assert_eq!(e, "/dev/zero: is a device, not a regular file: lockstep reads only regular files whole");
+        let e = read_whole(dir.path(), 1, "text").unwrap_err().to_string();
+        assert!(e.contains("is a directory, not a regular file"), "{e}");
+    }
+
+    #[test]
+    fn a_sparse_file_larger_than_memory_is_refused_before_it_is_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("huge.txt");
+        // 2^40 bytes (1 TiB) of hole: nothing on disk (ext4 takes files up to 16 TiB), and
+        // at 5 bytes of memory a byte more than a machine has.
+        let f = std::fs::File::create(&file).unwrap();
+        f.set_len(1 << 40).unwrap();
+        let e = read_whole(&file, 5, "byte tokens").unwrap_err().to_string();
+        // 5 · 2^40 B = 5,497,558,138,880 B, 5.5 TB as units::human writes it.
+        assert!(e.starts_with(&format!("reading {} needs an estimated 5.5 TB but ", file.display())), "{e}");
+        assert!(e.contains("(1,099,511,627,776 bytes of file, byte tokens)"), "{e}");
+    }
 
     #[test]
     fn a_fifo_is_written_through_and_stays_a_fifo() {

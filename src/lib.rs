@@ -100,7 +100,7 @@ pub use tensor::{Device, Shape, Tensor};
 pub mod prelude {
     pub use crate::data::digits::{load_digits, DigitsLayout};
     pub use crate::data::fashion_mnist::load_fashion_mnist;
-    pub use crate::data::{Dataset, Splits};
+    pub use crate::data::{Dataset, Features, Splits};
     pub use crate::devices::Devices;
     pub use crate::models::{self, convnet, resnet, toy_mlp, ConvnetOptions, Norm, ResnetDepth};
     pub use crate::nn::{Layer, Sequential};

@@ -34,13 +34,16 @@ use crate::nn::{
 /// Whether the convnet normalises after each convolution.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub enum Norm {
-    /// Keras `BatchNormalization(scale=False, center=True)`, eps 1e-3, momentum 0.99.
+    /// Keras `BatchNormalization(scale=False, center=True)`, eps 1e-3, with the momentum of
+    /// [`ConvnetOptions::bn_momentum`].
     BatchNorm,
     /// No normalisation layers.
     None,
 }
 
-/// Options of the Keras guide's convnet.
+/// Options of the Keras guide's convnet. Their [`Default`] is `lockstep train`'s (the
+/// command line reads its defaults from it): the guide's layers on MNIST's 1×28×28 images of
+/// 10 classes, dropout 0.5, BatchNorm momentum 0.9.
 #[derive(Clone, Copy, PartialEq, Debug)]
 pub struct ConvnetOptions {
     pub norm: Norm,
@@ -50,13 +53,16 @@ pub struct ConvnetOptions {
     pub input: (usize, usize, usize),
     pub classes: usize,
     /// Keras momentum of the BatchNorm running statistics (the weight of the old value;
-    /// Keras's default 0.99 averages over ~100 steps).
+    /// PyTorch's momentum is 1 − this). The default 0.9 averages over ~10 steps, so that
+    /// the running statistics follow the weights on a small dataset such as the digits
+    /// (1,437 images: Keras's 0.99 averages over ~100 steps, and evaluates at chance for
+    /// the first epochs); set 0.99 for Keras's own.
     pub bn_momentum: f32,
 }
 
 impl Default for ConvnetOptions {
     fn default() -> Self {
-        ConvnetOptions { norm: Norm::BatchNorm, dropout: 0.5, input: (1, 28, 28), classes: 10, bn_momentum: 0.99 }
+        ConvnetOptions { norm: Norm::BatchNorm, dropout: 0.5, input: (1, 28, 28), classes: 10, bn_momentum: 0.9 }
     }
 }
 
@@ -133,7 +139,7 @@ impl ResnetDepth {
 
 /// The CIFAR ResNet of He et al. (2016, §4.2) for 1×28×28 images of `classes` classes, as
 /// this PyTorch module, whose `state_dict` names its tensors (weights move between the
-/// two by name: `lockstep export`/`--save` files load into it with
+/// two by name: `lockstep train --save` files load into it with
 /// `load_state_dict(strict=True)`, its saved safetensors load as `--init`):
 ///
 /// ```python

@@ -102,10 +102,18 @@ const COLUMNS: [&str; 9] =
     ["kind", "step", "epoch", "loss", "accuracy", "val_loss", "val_accuracy", "test_loss", "test_accuracy"];
 const REQUIRED: usize = 5;
 
-/// Reads a metrics CSV. Errors name the file and, for a malformed line, its number
-/// (1-based, the header being line 1).
+/// Memory per byte of a metrics CSV while it is read: the text, and its rows as numbers
+/// (a step row of three f64, 24 bytes, comes from a line of at least 12 bytes: two more).
+const BYTES_PER_CSV_BYTE: u64 = 1 + 2;
+
+/// Reads a metrics CSV: a regular file (never a FIFO or a device, which have no end to
+/// read to), whose text and rows fit in memory. Errors name the file and, for a malformed
+/// line, its number (1-based, the header being line 1).
 pub fn read_metrics_csv(path: &Path) -> Result<MetricsTable> {
-    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+    let bytes = crate::fsutil::read_whole(path, BYTES_PER_CSV_BYTE, "its text and its rows as numbers")?;
+    let text = String::from_utf8(bytes).map_err(|e| {
+        Error::format(path, format!("byte {} is not UTF-8 text: not a metrics CSV", e.utf8_error().valid_up_to()))
+    })?;
     let mut lines = text.lines().enumerate();
     let header = match lines.next() {
         Some((_, h)) => h,
@@ -189,6 +197,13 @@ pub fn read_metrics_csv(path: &Path) -> Result<MetricsTable> {
 /// atomically. Errors: a missing or malformed CSV (naming the line), no data rows, no
 /// epoch rows with [`XAxis::Epoch`], an output that cannot be written.
 pub fn plot_metrics_csv(csv: &Path, out: &Path, x: XAxis) -> Result<()> {
+    // The image would replace the metrics it is drawn from (through a link as well).
+    if crate::fsutil::same_file(csv, out) {
+        return Err(Error::format(
+            out,
+            format!("is the metrics CSV being plotted ({}): give the PNG a file of its own", csv.display()),
+        ));
+    }
     let table = read_metrics_csv(csv)?;
     if x == XAxis::Epoch && table.epochs.is_empty() {
         return Err(Error::format(csv, "no epoch rows to plot per epoch (the run ended inside its first epoch?)"));
@@ -506,6 +521,39 @@ mod tests {
             assert!(e.contains(needle) && e.contains("m.csv"), "{e} (expected '{needle}')");
         }
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn the_csv_is_never_its_own_png_and_only_a_regular_file_is_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("m.csv");
+        std::fs::write(&p, CSV).unwrap();
+        let (soft, hard) = (dir.path().join("soft.png"), dir.path().join("hard.png"));
+        std::os::unix::fs::symlink(&p, &soft).unwrap();
+        std::fs::hard_link(&p, &hard).unwrap();
+        for out in [&p, &soft, &hard] {
+            let e = plot_metrics_csv(&p, out, XAxis::Step).unwrap_err().to_string();
+            assert_eq!(
+                e,
+                format!(
+                    "{}: is the metrics CSV being plotted ({}): give the PNG a file of its own",
+                    out.display(),
+                    p.display()
+                )
+            );
+        }
+        assert_eq!(std::fs::read_to_string(&p).unwrap(), CSV, "the metrics are untouched");
+        // /dev/zero has no end and a FIFO with no writer would block: both refused unread.
+        let e = read_metrics_csv(Path::new("/dev/zero")).unwrap_err().to_string();
+        assert_eq!(e, "/dev/zero: is a device, not a regular file: lockstep reads only regular files whole");
+        let fifo = dir.path().join("pipe");
+        assert!(std::process::Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+        let e = read_metrics_csv(&fifo).unwrap_err().to_string();
+        assert!(e.ends_with("pipe: is a FIFO, not a regular file: lockstep reads only regular files whole"), "{e}");
+        // Bytes that are not text are named by their place.
+        std::fs::write(&p, b"kind,step\n\xff").unwrap();
+        let e = read_metrics_csv(&p).unwrap_err().to_string();
+        assert!(e.ends_with("m.csv: byte 10 is not UTF-8 text: not a metrics CSV"), "{e}");
     }
 
     #[test]

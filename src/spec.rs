@@ -180,6 +180,20 @@ impl ModelSpec {
         let mut total_params = 0usize;
         let mut out: Vec<NamedLayer> = Vec::new();
         for (i, l) in self.layers.iter().enumerate() {
+            // An embedding looks its input up as token ids, which only the model's input
+            // is: after any layer (a layer_norm, a dropout) they would be floats, and the
+            // first step would fail on them.
+            if l.type_name() == "embedding" && i > 0 {
+                return Err(bad(
+                    i,
+                    l,
+                    format!(
+                        "an embedding reads token ids, which only the model's input holds: it must be layer 0, not after layer {} ({})",
+                        i - 1,
+                        self.layers[i - 1].type_name()
+                    ),
+                ));
+            }
             let new = l.build(&shape).map_err(|e| bad(i, l, e))?;
             for (_, layer) in &new {
                 // Parameter counts first, with checked arithmetic: `Shape::numel` of an
@@ -407,8 +421,12 @@ mod tests {
         assert!(err(&with_layers(r#"{"type": "batch_normalization", "epsilon": 0}"#))
             .contains("field 'epsilon' must be a positive number"));
         assert!(err(&with_layers(r#"{"type": "rescaling"}"#)).contains("layer 0 (rescaling): missing field 'scale'"));
-        assert!(err(&with_layers(r#"{"type": "rescaling", "scale": 1e300}"#))
-            .contains("field 'scale' must be a finite number"));
+        // 1e300 is a finite f64 that no f32 holds: out of range, not "not finite".
+        assert!(err(&with_layers(r#"{"type": "rescaling", "scale": 1e300}"#)).contains(
+            "field 'scale' is out of range (got 1e+300): it overflows f32, whose largest magnitude is 3.4028235e38"
+        ));
+        assert!(err(&with_layers(r#"{"type": "dense", "units": 2, "init_std": 1e39}"#))
+            .contains("field 'init_std' is out of range (got 1e+39): it overflows f32"));
     }
 
     #[test]
@@ -424,6 +442,22 @@ mod tests {
         assert!(err(r#"{"input_shape": [2], "layers": [], "name": "x"}"#).contains("unknown field `name`"));
         assert!(err(r#"{"layers": []}"#).contains("missing field `input_shape`"));
         assert!(err("{").contains("m.json: not a valid model spec: EOF while parsing"));
+    }
+
+    /// Issue 41: a layer_norm before the embedding passed validation and failed at the
+    /// first step, on ids it had turned into floats.
+    #[test]
+    fn an_embedding_after_another_layer_is_refused_at_validation() {
+        let spec = |layers: &str| format!(r#"{{"input_shape": [16], "layers": [{layers}]}}"#);
+        let embedding = r#"{"type": "embedding", "vocab": 256, "width": 8}"#;
+        assert_eq!(
+            err(&spec(&format!(r#"{{"type": "layer_norm"}}, {embedding}, {{"type": "dense", "units": 256}}"#))),
+            "m.json: layer 1 (embedding): an embedding reads token ids, which only the model's input holds: it must be layer 0, not after layer 0 (layer_norm)"
+        );
+        // First, it builds.
+        assert!(
+            ModelSpec::parse(&spec(&format!(r#"{embedding}, {{"type": "dense", "units": 256}}"#)), "m.json").is_ok()
+        );
     }
 
     #[test]

@@ -31,8 +31,11 @@ pub fn count(n: u64) -> String {
 }
 
 /// A span of time as a person or a batch scheduler writes it: a number of seconds
-/// ("5400", "0.5"), units in descending order ("90s", "45m", "3h50m", "1.5h", "2d"), or
-/// Slurm's `[D-]HH:MM:SS` and `MM:SS` ("1:30:00", "2-00:00:00"). The error quotes the text.
+/// ("5400", "0.5"), units in descending order ("90s", "45m", "3h50m", "1.5h", "2d"; the
+/// units are d, h, m and s), or Slurm's clock: `MM:SS`, `HH:MM:SS` and, after a number
+/// of days, `D-HH`, `D-HH:MM`, `D-HH:MM:SS` ("1:30:00", "2-00:00:00"), whose minutes and
+/// seconds are below 60 and whose hours after days are below 24. The error quotes the
+/// text.
 #[cfg(any(test, feature = "cli"))]
 pub fn parse_duration(text: &str) -> Result<std::time::Duration, String> {
     let bad = |why: &str| format!("'{text}' is not a duration ({why}); write e.g. 90s, 45m, 3h50m or 1:30:00");
@@ -41,7 +44,7 @@ pub fn parse_duration(text: &str) -> Result<std::time::Duration, String> {
         return Err(bad("empty"));
     }
     if t.starts_with('-') {
-        return Err(bad("negative"));
+        return Err(bad("negative: a time limit is 0 or more"));
     }
     let number = |s: &str| -> Result<f64, String> {
         match s.parse::<f64>() {
@@ -50,36 +53,58 @@ pub fn parse_duration(text: &str) -> Result<std::time::Duration, String> {
             Err(_) => Err(bad(&format!("'{s}' is not a number"))),
         }
     };
-    let seconds = if t.contains(':') {
+    let seconds = if t.contains([':', '-']) {
+        // Slurm's forms: the parts' units from the left after days, from the right without.
         let (days, clock) = match t.split_once('-') {
-            Some((d, rest)) => (number(d)?, rest),
-            None => (0.0, t),
+            Some((d, rest)) => (Some(number(d)?), rest),
+            None => (None, t),
         };
         let parts: Vec<&str> = clock.split(':').collect();
         if parts.len() > 3 || parts.iter().any(|p| p.is_empty()) {
-            return Err(bad("a clock is HH:MM:SS or MM:SS"));
+            return Err(bad("a clock is MM:SS, HH:MM:SS or D-HH:MM:SS"));
         }
-        let mut s = 0.0;
-        for p in &parts {
-            s = s * 60.0 + number(p)?;
+        // Each part's unit, its seconds, and the bound it stays below unless it comes first.
+        const PARTS: [(&str, f64, f64); 3] =
+            [("hours", 3_600.0, 24.0), ("minutes", 60.0, 60.0), ("seconds", 1.0, 60.0)];
+        let units = match days {
+            Some(_) => &PARTS[..parts.len()],
+            None => &PARTS[3 - parts.len()..],
+        };
+        let mut s = days.unwrap_or(0.0) * 86_400.0;
+        for (i, (p, &(unit, seconds, limit))) in parts.iter().zip(units).enumerate() {
+            let x = number(p)?;
+            // The first part of a clock without days counts as far as it likes (90:00).
+            if (i > 0 || days.is_some()) && x >= limit {
+                return Err(bad(&format!("{p} {unit}: a clock's {unit} are below {limit}")));
+            }
+            s += x * seconds;
         }
-        days * 86_400.0 + s
+        s
     } else if t.bytes().all(|b| b.is_ascii_digit() || b == b'.') {
         number(t)?
     } else {
-        const UNITS: [(char, f64); 4] = [('d', 86_400.0), ('h', 3_600.0), ('m', 60.0), ('s', 1.0)];
+        const UNITS: [(&str, f64); 4] = [("d", 86_400.0), ("h", 3_600.0), ("m", 60.0), ("s", 1.0)];
         let (mut rest, mut total, mut next_unit) = (t, 0.0, 0);
         while !rest.is_empty() {
             let end =
                 rest.find(|c: char| !(c.is_ascii_digit() || c == '.')).ok_or_else(|| bad("a number without a unit"))?;
-            let unit = rest[end..].chars().next().expect("found above");
-            let k = UNITS.iter().position(|(u, _)| *u == unit).ok_or_else(|| bad(&format!("unknown unit '{unit}'")))?;
+            let (value, after) = rest.split_at(end);
+            // The unit: every letter up to the next number ("ms" is one unit, not m then s).
+            let unit_len = after.find(|c: char| c.is_ascii_digit() || c == '.').unwrap_or(after.len());
+            let unit = &after[..unit_len];
+            let k = UNITS
+                .iter()
+                .position(|(u, _)| *u == unit)
+                .ok_or_else(|| bad(&format!("unknown unit '{unit}': the units are d, h, m and s, as in 1d2h3m4.5s")))?;
+            if value.is_empty() {
+                return Err(bad(&format!("no number before '{unit}'")));
+            }
             if k < next_unit {
                 return Err(bad("units go from days to seconds, each once"));
             }
-            total += number(&rest[..end])? * UNITS[k].1;
+            total += number(value)? * UNITS[k].1;
             next_unit = k + 1;
-            rest = &rest[end + unit.len_utf8()..];
+            rest = &after[unit_len..];
         }
         total
     };
@@ -131,6 +156,11 @@ mod tests {
             ("1:30:00", 5400.0),
             ("05:00", 300.0),
             ("2-00:00:00", 172_800.0),
+            // Slurm's forms after days count hours first: 2 days 5 hours, not 5 seconds.
+            ("2-05", 190_800.0),
+            ("2-05:30", 192_600.0),
+            ("90:00", 5400.0),
+            ("1:59:59", 7199.0),
         ] {
             assert_eq!(secs(text), Ok(s), "{text}");
         }
@@ -142,7 +172,14 @@ mod tests {
             ("5m5m", "units go from days to seconds"),
             ("1:2:3:4", "HH:MM:SS"),
             ("1::2", "HH:MM:SS"),
-            ("h", "'' is not a number"),
+            ("h", "no number before 'h'"),
+            ("1ms", "unknown unit 'ms': the units are d, h, m and s"),
+            ("1m5x", "unknown unit 'x'"),
+            ("1:99:00", "99 minutes: a clock's minutes are below 60"),
+            ("1:00:60", "60 seconds: a clock's seconds are below 60"),
+            ("5:60", "60 seconds"),
+            ("1-24:00:00", "24 hours: a clock's hours are below 24"),
+            ("-1s", "negative: a time limit is 0 or more"),
             ("12", ""),
         ] {
             match parse_duration(text) {

@@ -8,6 +8,11 @@
 //! in f32 whatever was loaded. Saving writes f32, or bf16 / f16 rounded to nearest even as
 //! PyTorch's `tensor.to(torch.bfloat16)` / `.to(torch.float16)` round ([`SaveDtype`]; NaN
 //! becomes the quiet NaN, values past the format's range ±∞, as there).
+//!
+//! A file's metadata records what its shapes cannot say: the head count of every
+//! attention layer ([`HEADS_KEY`]; a width of 128 is 4 heads of 32 or 2 of 64, the same
+//! tensors either way). Loading into a model of other heads is refused where the file
+//! records them; a file without the entry (a nanoGPT `state_dict`) loads as before.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -19,6 +24,57 @@ use crate::fsutil::write_atomic;
 use crate::nn::{Init, ParamStore, Sequential, TensorInfo};
 use crate::safetensors_io::{self, MappedFile, TensorData};
 use crate::wire::{bf16_bits, bf16_value, fp16_bits, fp16_value};
+
+/// The metadata key of the attention layers' head counts, in the model's order, joined
+/// by commas (`"4,4,4,4"` for the built-in GPT's four blocks); absent when the model
+/// has no attention layer.
+pub const HEADS_KEY: &str = "attention_heads";
+
+/// The head count of every attention layer of `model`, in order (inside residual
+/// blocks too), as each layer writes itself back as a spec (`Layer::spec`); a layer of
+/// the user's own, which has no spec form, is not looked into.
+pub fn attention_heads(model: &Sequential) -> Vec<usize> {
+    fn walk(v: &serde_json::Value, out: &mut Vec<usize>) {
+        match v {
+            serde_json::Value::Object(m) => {
+                if m.get("type").and_then(|t| t.as_str()) == Some("causal_self_attention") {
+                    out.extend(m.get("heads").and_then(serde_json::Value::as_u64).map(|h| h as usize));
+                }
+                m.values().for_each(|v| walk(v, out));
+            }
+            serde_json::Value::Array(a) => a.iter().for_each(|v| walk(v, out)),
+            _ => {}
+        }
+    }
+    let mut heads = Vec::new();
+    for l in model.layers() {
+        if let Some(spec) = l.spec() {
+            walk(&spec, &mut heads);
+        }
+    }
+    heads
+}
+
+/// The head counts a file's metadata records ([`HEADS_KEY`]): None when it records
+/// none, an error when the entry is not a list of positive integers.
+pub fn recorded_heads(path: &Path, metadata: &BTreeMap<String, String>) -> Result<Option<Vec<usize>>> {
+    let Some(text) = metadata.get(HEADS_KEY) else { return Ok(None) };
+    let heads: Option<Vec<usize>> =
+        text.split(',').map(|h| h.trim().parse::<usize>().ok().filter(|&h| h > 0)).collect();
+    match heads {
+        Some(h) if !h.is_empty() => Ok(Some(h)),
+        _ => Err(Error::format(
+            path,
+            format!(
+                "metadata {HEADS_KEY} = '{text}' is not a list of head counts (positive integers joined by commas)"
+            ),
+        )),
+    }
+}
+
+fn heads_text(heads: &[usize]) -> String {
+    heads.iter().map(usize::to_string).collect::<Vec<_>>().join(",")
+}
 
 /// The dtype a weights file is written in (`--save-dtype`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -95,8 +151,12 @@ pub fn save_as(model: &Sequential, store: &ParamStore, path: &Path, dtype: SaveD
     }
     let tensors: Vec<TensorData<'_>> =
         named.iter().map(|(name, shape, dtype, data)| TensorData { name, dtype: *dtype, shape, data }).collect();
-    let meta =
+    let mut meta =
         BTreeMap::from([("format".to_string(), "pt".to_string()), ("producer".to_string(), "lockstep".to_string())]);
+    let heads = attention_heads(model);
+    if !heads.is_empty() {
+        meta.insert(HEADS_KEY.to_string(), heads_text(&heads));
+    }
     write_atomic(path, &safetensors_io::serialize(&tensors, &meta)?)
 }
 
@@ -154,11 +214,22 @@ pub fn float_values(view: &TensorView<'_>) -> Option<Vec<f32>> {
 /// Loads weights (F32, BF16 or F16) for `model` from `path`. Every problem is listed in
 /// one error: a missing, unexpected, mis-shaped or mis-typed tensor, and a tensor holding
 /// NaN or an infinity (named with the index of its first such value: weights like that
-/// train to NaN, and evaluate to a chance accuracy that looks like a result).
+/// train to NaN, and evaluate to a chance accuracy that looks like a result), and
+/// attention heads other than the file records ([`HEADS_KEY`]).
 pub fn load(model: &Sequential, path: &Path) -> Result<ParamStore> {
     let file = read_file(path)?;
     let st = file.parse()?;
     let mut problems = Vec::new();
+    if let Some(recorded) = recorded_heads(path, &file.metadata()?)? {
+        let heads = attention_heads(model);
+        if recorded != heads {
+            problems.push(format!(
+                "the file records attention heads {} ({HEADS_KEY}), the model has {}",
+                heads_text(&recorded),
+                if heads.is_empty() { "no attention layer".to_string() } else { heads_text(&heads) }
+            ));
+        }
+    }
     let mut store = ParamStore { params: vec![0.0; model.params_len()], buffers: vec![0.0; model.buffers_len()] };
     let expected: Vec<(&TensorInfo, bool)> =
         model.param_infos().iter().map(|t| (t, true)).chain(model.buffer_infos().iter().map(|t| (t, false))).collect();
@@ -332,5 +403,44 @@ mod tests {
                 "tensor 'dense1.bias' holds -inf at index 5".to_string()
             ]
         );
+    }
+
+    /// Issue 41: `generate --heads 4` on weights of 2 heads ran silently; the shapes are
+    /// the same. The file records the heads; another count is refused by name, and a file
+    /// without the record (a nanoGPT state_dict) loads into either.
+    #[test]
+    fn the_attention_heads_are_recorded_and_other_heads_refused() {
+        let gpt = |heads| {
+            models::gpt(models::GptConfig { context: 4, vocab: 8, layers: 2, heads, width: 8, dropout: 0.0 }).unwrap()
+        };
+        let (two, four) = (gpt(2), gpt(4));
+        assert_eq!((attention_heads(&two), attention_heads(&four)), (vec![2, 2], vec![4, 4]));
+        let store = two.init(1);
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("gpt.safetensors");
+        save(&two, &store, &path).unwrap();
+        let meta = read_file(&path).unwrap().metadata().unwrap();
+        assert_eq!(meta.get(HEADS_KEY).map(String::as_str), Some("2,2"));
+        assert_eq!(load(&two, &path).unwrap(), store);
+        let err = load(&four, &path).unwrap_err();
+        let Error::WeightsMismatch { problems, .. } = &err else { panic!("{err}") };
+        assert_eq!(
+            problems,
+            &vec!["the file records attention heads 2,2 (attention_heads), the model has 4,4".to_string()]
+        );
+        // The same tensors, no metadata.
+        let tensors: Vec<(String, Vec<usize>, &[f32])> = two
+            .param_infos()
+            .iter()
+            .map(|t| (t.name.clone(), t.shape.dims().to_vec(), &store.params[t.range.clone()]))
+            .collect();
+        let bare = dir.path().join("bare.safetensors");
+        std::fs::write(&bare, to_safetensors_bytes(&tensors, &BTreeMap::new()).unwrap()).unwrap();
+        assert!(load(&four, &bare).is_ok());
+        // A model without attention records nothing.
+        let toy = models::toy_mlp(2, 2).unwrap();
+        let toy_path = dir.path().join("toy.safetensors");
+        save(&toy, &toy.init(1), &toy_path).unwrap();
+        assert!(!read_file(&toy_path).unwrap().metadata().unwrap().contains_key(HEADS_KEY));
     }
 }

@@ -432,7 +432,9 @@ fn bad_optimizer_recipes_are_refused_in_one_line() {
         refused(&args)
     };
     let clip = "error: --clip-grad-norm must be a positive number (the largest gradient norm), got";
-    for (value, shown) in [("0", "0"), ("-1", "-1"), ("NaN", "NaN"), ("inf", "inf"), ("-0", "-0")] {
+    // A value that starts with '-' is the flag's, whatever clap makes of it as a number.
+    for (value, shown) in [("0", "0"), ("-1", "-1"), ("NaN", "NaN"), ("inf", "inf"), ("-0", "-0"), ("-1e-3", "-0.001")]
+    {
         assert_eq!(train(&["--clip-grad-norm", value]), format!("{clip} {shown}"));
     }
     assert_eq!(
@@ -446,14 +448,24 @@ fn bad_optimizer_recipes_are_refused_in_one_line() {
         );
     }
     assert_eq!(train(&["--nesterov"]), "error: --nesterov needs --momentum above 0 (Nesterov momentum)");
+    // Each optimiser's settings are refused with the other, whatever their value, naming it.
+    let adam_own = "its own are --adam-beta1, --adam-beta2 and --adam-eps";
     assert_eq!(
         train(&["--optimizer", "adamw", "--nesterov"]),
-        "error: --nesterov is an SGD setting (Nesterov momentum); Adam uses its betas"
+        format!("error: --nesterov is an SGD setting; --optimizer adamw has none ({adam_own})")
     );
-    assert_eq!(
-        train(&["--optimizer", "adamw", "--momentum", "0.9"]),
-        "error: --momentum is an SGD setting; Adam uses its betas"
-    );
+    for momentum in ["0.9", "0"] {
+        assert_eq!(
+            train(&["--optimizer", "adam", "--momentum", momentum]),
+            format!("error: --momentum is an SGD setting; --optimizer adam has none ({adam_own})")
+        );
+    }
+    for flag in ["--adam-beta1", "--adam-beta2", "--adam-eps"] {
+        assert_eq!(
+            train(&[flag, "0.5"]),
+            format!("error: {flag} is an Adam and AdamW setting; --optimizer sgd has none (its own are --momentum and --nesterov)")
+        );
+    }
     assert_eq!(
         train(&["--warmup-steps", "-3"]),
         "error: invalid value '-3' for '--warmup-steps <N>': a negative number: this flag takes a whole number, 0 or more"
@@ -462,6 +474,33 @@ fn bad_optimizer_recipes_are_refused_in_one_line() {
         train(&["--weight-decay-on", "biases"]),
         "error: invalid value 'biases' for '--weight-decay-on <WHICH>' [possible values: weights, all]"
     );
+}
+
+/// Issue 41, the command line as typed: a mistyped flag keeps clap's tip (on the one
+/// line of the error); a value that starts with '-' is its flag's, judged by the flag's
+/// own check (`--prompt -abc` is a prompt); a time limit names the units it takes and
+/// refuses a clock's 99 minutes.
+#[test]
+fn mistyped_flags_hyphen_values_and_time_limits_are_said_in_one_line() {
+    for (typed, meant) in [("--epoch", "--epochs"), ("--devcies", "--devices"), ("--batchsize", "--batch-size")] {
+        assert_eq!(
+            refused(&["train", typed, "3"]),
+            format!("error: unexpected argument '{typed}' found; tip: a similar argument exists: '{meant}'")
+        );
+    }
+    let limit = |v: &str, why: &str| {
+        format!("error: invalid value '{v}' for '--time-limit <DURATION>': '{v}' is not a duration ({why}); write e.g. 90s, 45m, 3h50m or 1:30:00")
+    };
+    for (v, why) in [
+        ("-1s", "negative: a time limit is 0 or more"),
+        ("1ms", "unknown unit 'ms': the units are d, h, m and s, as in 1d2h3m4.5s"),
+        ("1:99:00", "99 minutes: a clock's minutes are below 60"),
+    ] {
+        assert_eq!(refused(&["train", "--model", "toy", "--time-limit", v]), limit(v, why));
+    }
+    // The prompt parses: what is refused is the missing weights file.
+    let e = refused(&["generate", "--weights", "/nonexistent/w.safetensors", "--prompt", "-abc"]);
+    assert!(e.starts_with("error: --weights '/nonexistent/w.safetensors'"), "{e}");
 }
 
 /// Issue 18's `--augment` and `--label-smoothing`: a value out of range, a word the

@@ -291,7 +291,7 @@ fn a_time_limit_checkpoints_exits_75_and_resumes_to_the_same_weights() {
     let out = bin().args(train_args(&["--time-limit", "5x"])).output().unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{stderr}");
-    assert!(stderr.contains("'5x' is not a duration (unknown unit 'x')"), "{stderr}");
+    assert!(stderr.contains("'5x' is not a duration (unknown unit 'x': the units are d, h, m and s"), "{stderr}");
 }
 
 /// Issue 19, defect 3, as it was found: one checkpoint of a seed-7 run copied into the

@@ -102,7 +102,25 @@ fn early_stopping_marks_the_best_epoch_and_saves_its_weights() {
     let data = dir.path().join("noise.safetensors");
     noise_file(&data, 80);
     let best = dir.path().join("best.safetensors");
-    let args = ["train", "--model", "toy", "--data", s(&data), "--validation-split", "0.25", "--epochs", "200"];
+    // The lesson's recipe, which a file of one's own does not get by default: its constant
+    // learning rate makes a shorter run's epochs those of the longer one (below).
+    let args = [
+        "train",
+        "--model",
+        "toy",
+        "--data",
+        s(&data),
+        "--validation-split",
+        "0.25",
+        "--optimizer",
+        "sgd",
+        "--lr",
+        "0.5",
+        "--lr-schedule",
+        "constant",
+        "--epochs",
+        "200",
+    ];
     let text = ok(&[&args[..], &["--early-stopping", "3", "--save-best", s(&best), "--batch-size", "4"]].concat());
     let epochs: Vec<&str> = text.lines().filter(|l| l.starts_with("epoch ")).collect();
     let marked: Vec<usize> =
@@ -125,7 +143,7 @@ fn early_stopping_marks_the_best_epoch_and_saves_its_weights() {
     // many epochs saves (the toy's constant learning rate makes them the same epochs).
     let shorter = dir.path().join("shorter.safetensors");
     let epochs_flag = (best_epoch + 1).to_string();
-    ok(&[&args[..8], &[epochs_flag.as_str(), "--batch-size", "4", "--save", s(&shorter)]].concat());
+    ok(&[&args[..14], &[epochs_flag.as_str(), "--batch-size", "4", "--save", s(&shorter)]].concat());
     assert_eq!(std::fs::read(&best).unwrap(), std::fs::read(&shorter).unwrap());
 
     // Early stopping monitors a validation set, never the test split.
@@ -209,4 +227,35 @@ fn fashion_mnist_is_found_or_its_package_named() {
         "{first}"
     );
     assert!(text.contains("trained 3 steps in ") && text.contains("/10000)"), "{text}");
+}
+
+/// Issue 41: `predict` complained about labels it does not need. A file of inputs alone
+/// (`x`, no `y`) is predicted, as is one whose labels are past the model's classes.
+#[test]
+fn predict_needs_no_labels() {
+    let dir = tempfile::tempdir().unwrap();
+    let w = dir.path().join("toy.safetensors");
+    ok(&["train", "--model", "toy", "--save", s(&w)]);
+    let x: Vec<u8> = [0.1f32, 0.2, 0.9, 0.8].iter().flat_map(|v| v.to_le_bytes()).collect();
+    let y: Vec<u8> = [7i64, 9].iter().flat_map(|v| v.to_le_bytes()).collect();
+    let view = |dtype, shape: Vec<usize>, data| safetensors::tensor::TensorView::new(dtype, shape, data).unwrap();
+    let inputs = dir.path().join("inputs.safetensors");
+    safetensors::serialize_to_file([("x", view(safetensors::Dtype::F32, vec![2, 2], &x))], None, &inputs).unwrap();
+    let labelled = dir.path().join("labelled.safetensors");
+    let tensors =
+        [("x", view(safetensors::Dtype::F32, vec![2, 2], &x)), ("y", view(safetensors::Dtype::I64, vec![2], &y))];
+    safetensors::serialize_to_file(tensors, None, &labelled).unwrap();
+    let a = ok(&["predict", "--model", "toy", "--weights", s(&w), "--data", s(&inputs)]);
+    assert_eq!(a.lines().count(), 2, "{a}");
+    // The same inputs, the same lines, labels 7 and 9 of a 2-class model notwithstanding.
+    assert_eq!(ok(&["predict", "--model", "toy", "--weights", s(&w), "--data", s(&labelled)]), a);
+    // An MNIST directory holding its test images alone: no labels, no training images.
+    let conv = dir.path().join("convnet.safetensors");
+    ok(&["train", "--steps", "1", "--devices", "cpu:1", "--save", s(&conv)]);
+    let mnist = dir.path().join("mnist");
+    std::fs::create_dir(&mnist).unwrap();
+    lockstep::data::idx::save_idx_images(&mnist.join("t10k-images-idx3-ubyte"), &[128; 3 * 28 * 28], [3, 28, 28])
+        .unwrap();
+    let text = ok(&["predict", "--weights", s(&conv), "--data", &format!("mnist:{}", mnist.display())]);
+    assert_eq!(text.lines().count(), 3, "{text}");
 }

@@ -484,6 +484,84 @@ fn the_readme_points_at_the_one_table_of_layer_types() {
     assert!(chapter.contains("\n## Models without Rust\n"), "the anchor the README links to");
 }
 
+/// The Rust blocks of a markdown file (```` ```rust ````, alone or with rustdoc's
+/// attributes: `rust,no_run`), each with the `file:line` of its fence.
+fn rust_blocks(file: &str, text: &str) -> Vec<(String, String)> {
+    let mut blocks = Vec::new();
+    let mut open: Option<(String, String)> = None;
+    let mut other = false;
+    for (i, line) in text.lines().enumerate() {
+        let Some(info) = line.trim_start().strip_prefix("```") else {
+            if let Some((_, body)) = &mut open {
+                body.push_str(line);
+                body.push('\n');
+            }
+            continue;
+        };
+        if let Some(block) = open.take() {
+            blocks.push(block);
+        } else if other {
+            other = false;
+        } else if info.trim() == "rust" || info.trim().starts_with("rust,") {
+            open = Some((format!("{file}:{}", i + 1), String::new()));
+        } else {
+            other = true;
+        }
+    }
+    blocks
+}
+
+/// The names, as Rust writes them (`-` as `_`), of every crate this crate depends on in
+/// Cargo.toml (its dependencies, dev-dependencies and build-dependencies, for any target).
+fn dependency_names(manifest: &str) -> Vec<String> {
+    let mut names = Vec::new();
+    let mut in_dependencies = false;
+    for line in manifest.lines().map(str::trim) {
+        if line.starts_with('[') {
+            in_dependencies = line.trim_matches(['[', ']']).ends_with("dependencies");
+        } else if let Some((name, _)) = line.split_once('=').filter(|_| in_dependencies && !line.starts_with('#')) {
+            names.push(name.trim().replace('-', "_"));
+        }
+    }
+    names
+}
+
+/// Whether Rust code names the crate `name` (a path `name::...` not inside another path,
+/// or `extern crate name`).
+fn names_crate(code: &str, name: &str) -> bool {
+    let path = format!("{name}::");
+    code.match_indices(&path).any(|(i, _)| !code[..i].ends_with(|c: char| c.is_alphanumeric() || c == '_' || c == ':'))
+        || code.contains(&format!("extern crate {name}"))
+}
+
+#[test]
+fn every_rust_block_pastes_into_a_crate_that_depends_on_lockstep_alone() {
+    // rustdoc compiles the guide's blocks with this crate's dev-dependencies at hand
+    // (tempfile, regex, ...), which a reader's new crate, whose one dependency is
+    // lockstep, does not have; nor lockstep's own dependencies (safetensors, serde_json):
+    // a block names none of them.
+    let manifest = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("Cargo.toml")).unwrap();
+    let names = dependency_names(&manifest);
+    assert!(["tempfile", "safetensors", "serde_json"].iter().all(|n| names.iter().any(|m| m == n)), "{names:?}");
+    assert!(names_crate("let dir = tempfile::tempdir();", "tempfile"));
+    assert!(!names_crate("let x = lockstep::half::f16::ONE; std::fs::write(p, b)", "half"));
+    assert!(!names_crate("std::fs::write(p, b)", "fs"));
+    let mut blocks = 0;
+    for (name, text) in documents() {
+        for (at, code) in rust_blocks(&name, &text) {
+            blocks += 1;
+            for dependency in &names {
+                assert!(
+                    !names_crate(&code, dependency),
+                    "{at}: the block uses the crate `{dependency}`, which a crate whose only dependency is \
+                     lockstep does not have (the temporary folder: std::env::temp_dir())"
+                );
+            }
+        }
+    }
+    assert!(blocks >= 15, "only {blocks} Rust blocks found: the fences are not being read");
+}
+
 /// The first markdown table under the line `heading` of `text`: its column names, and its
 /// rows as cells in the columns' order.
 fn table_under(file: &str, text: &str, heading: &str) -> (Vec<String>, Vec<Vec<String>>) {

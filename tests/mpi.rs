@@ -532,6 +532,19 @@ fn arguments_that_disagree_are_refused_on_every_process() {
     );
     assert!(out.contains("Exit code:    2"), "exits 2, as for any bad argument: {out}");
     assert!(t0.elapsed() < Duration::from_secs(20), "took {:?}", t0.elapsed());
+    // Processes of other device counts are told so, not that their --replicas (counted
+    // from the devices when not given: 2 and 4 here) differ.
+    let o = mpirun(1, &[])
+        .args([bin, "train", "--model", "toy", "--devices", "cpu:1", "--batch-size", "8"])
+        .args([":", "-np", "1", bin, "train", "--model", "toy", "--devices", "cpu:2", "--batch-size", "8"])
+        .output()
+        .unwrap();
+    let out = text(&o);
+    assert!(!o.status.success(), "{out}");
+    assert!(
+        out.contains("error: the processes of this run disagree: process 1 has --devices 2 CPU devices per process, process 0 has 1 CPU device per process"),
+        "{out}"
+    );
     // Process 0 alone checks the files it writes: its refusal reaches process 1, which
     // would otherwise wait in the first collective (mpirun is not let end the job here).
     let t0 = Instant::now();

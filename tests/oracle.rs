@@ -44,7 +44,9 @@ fn model_for(case: &str) -> Sequential {
         models::toy_mlp(2, 2).unwrap()
     } else {
         let norm = if case.starts_with("convnet_nobn") { Norm::None } else { Norm::BatchNorm };
-        models::convnet(ConvnetOptions { norm, dropout: 0.0, ..ConvnetOptions::default() }).unwrap()
+        // The oracle's BatchNorm is Keras's, momentum 0.99 (shared/oracle/peer_models.py:
+        // BN_TORCH_MOMENTUM = 0.01), not the convnet's default 0.9.
+        models::convnet(ConvnetOptions { norm, dropout: 0.0, bn_momentum: 0.99, ..ConvnetOptions::default() }).unwrap()
     }
 }
 

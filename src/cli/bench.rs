@@ -34,7 +34,7 @@ pub(crate) struct BenchAllreduceArgs {
 pub(crate) struct BenchStepArgs {
     #[arg(long, value_enum, default_value = "convnet")]
     model: ModelName,
-    /// GLOBAL batch size [default: toy 64, convnet 128].
+    /// GLOBAL batch size [default: toy 64, gpt 12, the image models 128].
     #[arg(long)]
     batch_size: Option<usize>,
     #[arg(long, default_value = "auto", value_name = "SPEC")]
@@ -543,19 +543,36 @@ fn time_gpu_copy(ordinal: usize, count: usize, iters: usize, warmup: usize) -> c
     Ok(t0.elapsed() / iters as u32)
 }
 
+/// The data a benchmark of `model` steps through: the toy's points, the GPT's windows of
+/// the fortunes (nanoGPT's CPU recipe's context), the digits for the image models.
+fn bench_data(model: ModelName) -> CliResult<Dataset> {
+    match model {
+        ModelName::Gpt => Ok(crate::data::text::load_fortunes(crate::models::GptConfig::default().context)
+            .map_err(|e| Failure::usage(anyhow!("--model gpt reads the fortunes: {e}")))?
+            .train),
+        ModelName::Toy => Ok(load_data("toy-enlarged", true, 0, None, None)?.train),
+        _ => Ok(load_data("digits", false, 0, None, None)?.train),
+    }
+}
+
 pub(crate) fn cmd_bench_step(a: BenchStepArgs) -> CliResult {
     let toy = a.model == ModelName::Toy;
-    let batch_size = a.batch_size.unwrap_or(if toy { 64 } else { 128 });
+    let gpt = a.model == ModelName::Gpt;
+    let batch_size = a.batch_size.unwrap_or(match a.model {
+        ModelName::Toy => 64,
+        ModelName::Gpt => 12,
+        _ => 128,
+    });
     if batch_size == 0 {
         return Err(Failure::usage(anyhow!("--batch-size must be at least 1")));
     }
     check_count("--steps", a.steps, false)?;
     check_count("--warmup", a.warmup, true)?;
     let devices = resolve_devices(&a.devices)?;
-    let data_name = if toy { "toy-enlarged" } else { "digits" };
-    let splits = load_data(data_name, toy, 0, None, None)?;
-    let data = splits.train;
-    let model = build_model(&ModelSource::Builtin(a.model), data.sample_shape().dims(), data.num_classes(), 0.5, 0.99)?;
+    let data = bench_data(a.model)?;
+    let dropout = if gpt { 0.0 } else { 0.5 };
+    let model =
+        build_model(&ModelSource::Builtin(a.model), data.sample_shape().dims(), data.num_classes(), dropout, 0.99)?;
     let model = a.features.model(model)?;
     let optimizer = if toy { OptimizerConfig::sgd(0.05) } else { OptimizerConfig::adam(1e-3) };
     let config =
@@ -607,9 +624,14 @@ pub(crate) fn cmd_bench_step(a: BenchStepArgs) -> CliResult {
     if !world.is_voice() {
         return Ok(());
     }
+    let samples_per_s = (batch_size as u64 * a.steps) as f64 / sum.as_secs_f64().max(1e-12);
+    // A sequence's samples are windows of T tokens, each a prediction.
+    let tokens = match data.targets_per_sample() {
+        1 => String::new(),
+        t => format!(" ({:.0} tokens/s)", samples_per_s * t as f64),
+    };
     outln!(
-        "{:.0} samples/s | median step {:.3} ms (compute {:.3} ms, reduce {:.3} ms, slowest worker) | mean step {:.3} ms",
-        (batch_size as u64 * a.steps) as f64 / sum.as_secs_f64().max(1e-12),
+        "{samples_per_s:.0} samples/s{tokens} | median step {:.3} ms (compute {:.3} ms, reduce {:.3} ms, slowest worker) | mean step {:.3} ms",
         step.as_secs_f64() * 1e3,
         median(computes).as_secs_f64() * 1e3,
         median(reduces).as_secs_f64() * 1e3,
@@ -652,14 +674,7 @@ pub(crate) fn cmd_bench_layers(a: BenchLayersArgs) -> CliResult {
     }
     check_count("--steps", a.steps.into(), false)?;
     // The GPT of nanoGPT's CPU recipe reads windows of the fortunes.
-    let data = match gpt {
-        true => {
-            crate::data::text::load_fortunes(crate::models::GptConfig::default().context)
-                .map_err(|e| Failure::usage(anyhow!("--model gpt reads the fortunes: {e}")))?
-                .train
-        }
-        false => load_data(if toy { "toy-enlarged" } else { "digits" }, toy, 0, None, None)?.train,
-    };
+    let data = bench_data(a.model)?;
     let source = ModelSource::Builtin(a.model);
     let mut model =
         build_model(&source, data.sample_shape().dims(), data.num_classes(), if gpt { 0.0 } else { 0.5 }, 0.99)?;

@@ -1,22 +1,45 @@
 //! `lockstep eval` and `lockstep predict`: saved weights applied to a dataset, on every
-//! device given (the samples split across them).
+//! device given (the samples split across them). A classifier is scored by its loss,
+//! accuracy and confusion matrix; a language model (the GPT, or a spec that starts with an
+//! embedding) by its loss per token, perplexity and next-token accuracy over a text's
+//! validation part. `predict` is a classifier's: a language model is pointed to
+//! `generate`. The built-in GPT's sizes come from its weights (`identify`).
+
+use super::identify::{load_weights, Header, WeightsFor};
+use super::text::{is_builtin_data, is_text, load_text_data, not_a_language_model, not_text};
 
 use super::*;
+
+/// `eval --model`'s help: every built-in model, from the one list (`ModelName`).
+fn model_help() -> String {
+    format!("{}, or a model spec FILE.json", model_names(|_| true))
+}
+
+/// `predict --model`'s help: the built-in classifiers, from the same list.
+fn classifier_help() -> String {
+    format!(
+        "The classifier: {}, or a model spec FILE.json (a language model such as gpt continues text with `generate` instead)",
+        model_names(|n| n != ModelName::Gpt)
+    )
+}
 
 #[derive(Args, Debug)]
 pub(crate) struct EvalArgs {
     /// The weights to evaluate.
     #[arg(long, value_name = "FILE")]
     weights: PathBuf,
-    /// toy, convnet, convnet-nobn, or a model spec FILE.json.
-    #[arg(long, default_value = "convnet", value_name = "NAME|FILE.json", value_parser = parse_model_choice)]
+    #[arg(long, default_value = "convnet", value_name = "NAME|FILE.json", value_parser = parse_model_choice, help = model_help())]
     model: ModelChoice,
-    /// toy, toy-enlarged, digits, fashion-mnist, mnist:DIR (their test split), or a FILE.safetensors [default: the model's data]
+    /// toy, toy-enlarged, digits, fashion-mnist, mnist:DIR (their test split), or a FILE.safetensors; for a language model fortunes or text:FILE (their validation part, the last tenth, in consecutive windows of the context) or a token file [default: the model's data]
     #[arg(long)]
     data: Option<String>,
     /// The model's number of classes [default: what the weights hold].
     #[arg(long, value_name = "K")]
     classes: Option<usize>,
+    /// The gpt's attention heads, for weights that do not record them (a nanoGPT
+    /// state_dict) [default: the file's].
+    #[arg(long, value_name = "H")]
+    heads: Option<usize>,
     #[arg(long, default_value = "auto", value_name = "SPEC")]
     devices: String,
     /// Seed of toy-enlarged's noise.
@@ -29,11 +52,10 @@ pub(crate) struct PredictArgs {
     /// The trained weights.
     #[arg(long, value_name = "FILE")]
     weights: PathBuf,
-    /// toy, convnet, convnet-nobn, or a model spec FILE.json.
-    #[arg(long, default_value = "convnet", value_name = "NAME|FILE.json", value_parser = parse_model_choice)]
+    #[arg(long, default_value = "convnet", value_name = "NAME|FILE.json", value_parser = parse_model_choice, help = classifier_help())]
     model: ModelChoice,
-    /// The inputs: a FILE.safetensors (its x), an IDX images file (idx3, plain or .gz; no
-    /// labels needed), mnist:DIR (its t10k images), or toy, toy-enlarged, digits,
+    /// The inputs, no labels needed: a FILE.safetensors (its x), an IDX images file (idx3,
+    /// plain or .gz), mnist:DIR (its t10k images), or toy, toy-enlarged, digits,
     /// fashion-mnist (their test split).
     #[arg(long, value_name = "FILE|mnist:DIR")]
     data: String,
@@ -69,15 +91,32 @@ pub(crate) fn cmd_eval(a: EvalArgs) -> CliResult {
     check_classes(a.classes)?;
     let source = a.model.resolve()?;
     let data_spec = a.data.clone().unwrap_or_else(|| source.default_data().to_string());
+    if source.is_gpt() {
+        return eval_sequences(&a, &source, &data_spec, devices);
+    }
+    if a.heads.is_some() {
+        return Err(Failure::usage(anyhow!("--heads goes with --model gpt, a language model")));
+    }
+    if is_text(&data_spec) {
+        return Err(not_a_language_model(&source.name(), &data_spec));
+    }
     let splits = load_data(&data_spec, source.flat(), a.seed, None, a.classes)?;
     // Built-in data: its test split; a file: all of it.
     let data = splits.test.unwrap_or(splits.train);
     let classes = model_classes(&source, data.sample_shape().dims(), a.classes, &a.weights, data.num_classes())?;
     let model = build_model(&source, data.sample_shape().dims(), classes, 0.5, 0.99)?;
+    if model.output_shape().ndim() != 1 {
+        // A spec's sequence model that does not start with an embedding: its
+        // labels are per position, which the confusion matrix below is not.
+        return Err(Failure::usage(anyhow!(
+            "--model {}: its output {} is not a class per sample; eval scores a language model that starts with an embedding",
+            source.name(),
+            model.output_shape()
+        )));
+    }
     check_model_classes(&model, a.classes, &[&data])?;
     crate::train::check_data(&model, &data).map_err(Failure::usage)?;
-    let store: ParamStore =
-        weights::load(&model, &a.weights).map_err(Failure::usage).map_err(|f| f.with_context("--weights"))?;
+    let store = load_weights(&model, &source, "--weights", &a.weights, WeightsFor::Eval)?;
     // No more devices than samples: a device with no sample has nothing to predict.
     let devices = devices.first(data.len());
     let classes = model.output_shape().numel();
@@ -129,47 +168,160 @@ pub(crate) fn cmd_eval(a: EvalArgs) -> CliResult {
     Ok(())
 }
 
+/// Tokens a language model's evaluation takes per chunk of windows (each device's
+/// forward pass holds one chunk's activations): 512 windows of the built-in GPT's 64.
+const EVAL_TOKENS_PER_CHUNK: usize = 32_768;
+
+/// `eval` of a language model: loss per token, perplexity and next-token accuracy over a
+/// text's validation part (`fortunes`, `text:FILE`: the last tenth, as `train` held it
+/// out), cut into consecutive windows of the model's context so that every token but the
+/// last partial window's is predicted once; or over every row of a token file.
+fn eval_sequences(a: &EvalArgs, source: &ModelSource, spec: &str, devices: Devices) -> CliResult {
+    let (model, what) = match source {
+        ModelSource::Builtin(_) => {
+            let header = Header::read("--weights", &a.weights)?;
+            let g = header.gpt("--weights", &a.weights, a.heads, WeightsFor::Eval)?;
+            let what = format!(
+                "gpt: {} block{}, width {}, {} heads, vocabulary {}",
+                g.layers,
+                if g.layers == 1 { "" } else { "s" },
+                g.width,
+                g.heads,
+                g.vocab
+            );
+            (crate::models::gpt(g).map_err(Failure::usage)?, what)
+        }
+        ModelSource::Spec(p, s) => {
+            if a.heads.is_some() {
+                return Err(Failure::usage(anyhow!("--heads goes with --model gpt: a spec FILE.json states its own")));
+            }
+            (s.build().map_err(Failure::usage)?, p.display().to_string())
+        }
+    };
+    let context = model.input_shape().numel();
+    let data = if is_text(spec) {
+        let held = load_text_data(spec, context)?.test.expect("a text has a validation part");
+        // Window i starts at i·T; the last starts where a whole window and its next
+        // token still fit (held.len() windows start at 0..len).
+        let starts: Vec<usize> = (0..held.len()).step_by(context).collect();
+        held.subset(held.name(), &starts)
+    } else if is_builtin_data(spec) {
+        return Err(not_text(&source.name(), spec));
+    } else {
+        load_data(spec, false, a.seed, None, a.classes)?.train
+    };
+    check_model_classes(&model, a.classes, &[&data])?;
+    crate::train::check_data(&model, &data).map_err(Failure::usage)?;
+    let store = load_weights(&model, source, "--weights", &a.weights, WeightsFor::Eval)?;
+    let devices = devices.first(data.len());
+    let eval_batch = (EVAL_TOKENS_PER_CHUNK / context).max(1);
+    let config = TrainConfig { initial: Some(store), check_replicas_every: None, eval_batch, ..TrainConfig::default() };
+    let metrics =
+        with_trainer(&model, &devices, &config, |t| t.evaluate(&data, eval_batch)).map_err(Failure::runtime)?;
+    let loss = metrics.mean_loss();
+    if !loss.is_finite() {
+        return Err(Failure::runtime(anyhow!(
+            "--weights '{}': the loss on {} is {loss}: the weights or the data overflow, and no accuracy of them means anything",
+            a.weights.display(),
+            data.name()
+        )));
+    }
+    outln!(
+        "{} ({what}, context {context}) on {}: {} windows of {context} tokens on {devices}",
+        a.weights.display(),
+        data.name(),
+        data.len()
+    );
+    outln!(
+        "loss per token {loss:.4} | perplexity {:.4} | next-token accuracy {:.4} ({}/{})",
+        loss.exp(),
+        metrics.accuracy(),
+        metrics.correct,
+        metrics.count
+    );
+    Ok(())
+}
+
 // ---------------------------------------------------------------------------------------
 // predict
 
 /// Inputs per `Trainer::predict` call: bounds the activations held at once.
 const PREDICT_CHUNK: usize = 1024;
 
-/// The inputs of `predict` and whether they came with labels. An IDX images file has
-/// none: its samples get label 0 of 1 class, which nothing reads.
-fn load_inputs(spec: &str, flat: bool, classes: Option<usize>) -> CliResult<(Dataset, bool)> {
+/// The inputs of `predict`, their labels never read: a safetensors file's `x` (its
+/// `class_names` kept, for the names printed), an IDX images file, an MNIST directory's
+/// test images, or a built-in dataset's test split. Returns them and the classes they
+/// suggest where the weights do not say (the names' count, else MNIST's 10).
+fn load_inputs(spec: &str, flat: bool) -> CliResult<(Dataset, usize)> {
+    let unlabelled = |d: Dataset| {
+        let k = d.class_names().map_or(crate::data::idx::MNIST_CLASSES, <[String]>::len);
+        (d, k)
+    };
+    if let Some(dir) = spec.strip_prefix("mnist:") {
+        let images = crate::data::idx::mnist_test_images(Path::new(dir)).map_err(Failure::usage)?;
+        return Ok(unlabelled(idx_inputs(&images)?));
+    }
     let path = Path::new(spec);
-    if spec.starts_with("mnist:") || !path.exists() {
-        let splits = load_data(spec, flat, 0, None, classes)?;
-        return Ok((splits.test.unwrap_or(splits.train), true));
+    if !path.exists() {
+        let splits = load_data(spec, flat, 0, None, None)?;
+        let data = splits.test.unwrap_or(splits.train);
+        let k = data.num_classes();
+        return Ok((data, k));
     }
     check_input_file("--data", path)?;
     if path.extension().is_some_and(|e| e == "safetensors") {
-        return Ok((load_dataset_file(path, classes)?, true));
+        let data = crate::data::safetensors_file::load_safetensors_inputs(path).map_err(Failure::usage)?;
+        return Ok(unlabelled(data));
     }
+    Ok(unlabelled(idx_inputs(path)?))
+}
+
+/// An IDX images file as inputs: label 0 of one class, which nothing reads.
+fn idx_inputs(path: &Path) -> CliResult<Dataset> {
     let (pixels, [n, h, w]) = load_idx_images(path).map_err(Failure::usage)?;
-    let data = Dataset::new(spec, [1, h, w], Features::U8(pixels), vec![0; n], 1).map_err(Failure::usage)?;
-    Ok((data, false))
+    Dataset::new(path.display().to_string(), [1, h, w], Features::U8(pixels), vec![0; n], 1).map_err(Failure::usage)
+}
+
+/// The refusal of a language model by `predict`, pointing to what does its work.
+fn predict_refuses_sequences(model: &str, weights: &Path) -> Failure {
+    Failure::usage(anyhow!(
+        "--model {model} is a language model: its output is a next-token distribution at every position, not a class per input. Continue a text with `lockstep generate --weights {w} --prompt TEXT`; score one with `lockstep eval --weights {w} --model {model} --data text:FILE`",
+        w = weights.display()
+    ))
 }
 
 pub(crate) fn cmd_predict(a: PredictArgs) -> CliResult {
     if a.limit == Some(0) {
         return Err(Failure::usage(anyhow!("--limit must be at least 1")));
     }
+    let source = a.model.resolve()?;
+    if source.is_gpt() {
+        return Err(predict_refuses_sequences(&source.name(), &a.weights));
+    }
     let devices = resolve_devices(&a.devices)?;
     check_input_file("--weights", &a.weights)?;
     check_classes(a.classes)?;
-    let source = a.model.resolve()?;
-    let (data, labelled) = load_inputs(&a.data, source.flat(), a.classes)?;
+    if is_text(&a.data) {
+        return Err(not_a_language_model(&source.name(), &a.data));
+    }
+    let (data, data_classes) = load_inputs(&a.data, source.flat())?;
     let n = a.limit.map_or(data.len(), |l| l.min(data.len()));
-    // Unlabelled images give no class count: a built-in model then takes the weights'.
-    let data_classes = if labelled { data.num_classes() } else { crate::data::idx::MNIST_CLASSES };
     let classes = model_classes(&source, data.sample_shape().dims(), a.classes, &a.weights, data_classes)?;
     let model = build_model(&source, data.sample_shape().dims(), classes, 0.5, 0.99)?;
+    if model.output_shape().ndim() != 1 {
+        return Err(predict_refuses_sequences(&source.name(), &a.weights));
+    }
     check_model_classes(&model, a.classes, &[&data])?;
-    crate::train::check_data(&model, &data).map_err(Failure::usage)?;
-    let store: ParamStore =
-        weights::load(&model, &a.weights).map_err(Failure::usage).map_err(|f| f.with_context("--weights"))?;
+    // The inputs' shape only: their labels, where they have any, are not predict's.
+    if data.sample_shape() != model.input_shape() {
+        return Err(Failure::usage(anyhow!(
+            "--data {}: samples of shape {} do not fit the model's input {}",
+            a.data,
+            data.sample_shape(),
+            model.input_shape()
+        )));
+    }
+    let store = load_weights(&model, &source, "--weights", &a.weights, WeightsFor::Predict)?;
     // No more devices than inputs: every device gets at least one sample of every chunk.
     let devices = devices.first(n);
     let k = model.output_shape().numel();

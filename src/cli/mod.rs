@@ -60,6 +60,7 @@ mod bench_mpi;
 mod eval;
 mod features;
 mod files;
+mod identify;
 mod regularize;
 mod signals;
 mod text;
@@ -97,8 +98,78 @@ impl Cli {
     /// Parses `argv` (the program's name first) as the binary does, through
     /// [`command_tree`], and returns the matches too (which flags were typed).
     fn parse_args(argv: impl IntoIterator<Item = std::ffi::OsString>) -> Result<(Cli, clap::ArgMatches), clap::Error> {
-        let m = command_tree().try_get_matches_from(argv)?;
+        let mut tree = command_tree();
+        tree.build();
+        let argv = hyphen_values_joined(&tree, argv);
+        let m = tree.try_get_matches_from(argv)?;
         Cli::from_arg_matches(&m).map(|cli| (cli, m))
+    }
+}
+
+/// `argv` with every value that starts with '-' joined to its flag (`--clip-grad-norm
+/// -1e-3` → `--clip-grad-norm=-1e-3`, `--prompt -abc` → `--prompt=-abc`), which clap would
+/// otherwise read as a flag of its own (it takes `-1` as a number, not `-1e-3` or `-1s`):
+/// the flag's own check then says what is wrong with the value. A word after a flag that
+/// takes a value is that value unless it is a flag itself: it starts with `--` (a mistyped
+/// `--save --epoch` stays an error, not a file named `--epoch`) or it is one of the
+/// command's short flags (`-h`). Such a value is written with `=`: `--prompt=--help`.
+/// `tree` is built ([`clap::Command::build`]), so that its help flags are among its
+/// arguments; everything after `--` is left as it is.
+fn hyphen_values_joined(
+    tree: &clap::Command,
+    argv: impl IntoIterator<Item = std::ffi::OsString>,
+) -> Vec<std::ffi::OsString> {
+    let mut words = argv.into_iter().peekable();
+    let mut out: Vec<std::ffi::OsString> = words.next().into_iter().collect();
+    let mut cmd = tree;
+    while let Some(word) = words.next() {
+        let Some(text) = word.to_str() else {
+            out.push(word);
+            continue;
+        };
+        if text == "--" {
+            out.push(word);
+            out.extend(words);
+            break;
+        }
+        let flag = match (text.strip_prefix("--"), short_name(text)) {
+            (Some(long), _) => cmd.get_arguments().find(|a| a.get_long() == Some(long)),
+            (None, Some(c)) => cmd.get_arguments().find(|a| a.get_short() == Some(c)),
+            _ => None,
+        };
+        let Some(flag) = flag.filter(|a| a.get_action().takes_values()) else {
+            if let Some(sub) = cmd.find_subcommand(text).filter(|_| !text.starts_with('-')) {
+                cmd = sub;
+            }
+            out.push(word);
+            continue;
+        };
+        let is_flag = |w: &str| {
+            w.starts_with("--") || short_name(w).is_some_and(|c| cmd.get_arguments().any(|a| a.get_short() == Some(c)))
+        };
+        match words.peek().and_then(|w| w.to_str()) {
+            Some(value) if value.starts_with('-') && value != "-" && !is_flag(value) => {
+                let name = flag.get_long().map_or_else(|| text.to_string(), |l| format!("--{l}"));
+                out.push(format!("{name}={value}").into());
+                words.next();
+            }
+            // A value that is a subcommand's name (`--model toy`) is not one here.
+            Some(value) if !value.starts_with('-') => {
+                out.push(word);
+                out.extend(words.next());
+            }
+            _ => out.push(word),
+        }
+    }
+    out
+}
+
+/// The letter of a short flag as typed alone: `o` of `-o`; None for anything else.
+fn short_name(word: &str) -> Option<char> {
+    let mut letters = word.strip_prefix('-')?.chars();
+    match (letters.next(), letters.next()) {
+        (Some(c), None) if c != '-' => Some(c),
+        _ => None,
     }
 }
 
@@ -215,6 +286,14 @@ enum ModelChoice {
     Spec(PathBuf),
 }
 
+/// The built-in models that `keep` keeps, by name, in `ModelName`'s order: "toy,
+/// convnet, …, gpt", for help and messages.
+fn model_names(keep: impl Fn(ModelName) -> bool) -> String {
+    let names: Vec<&str> =
+        ModelName::value_variants().iter().copied().filter(|&n| keep(n)).map(ModelName::as_str).collect();
+    names.join(", ")
+}
+
 fn parse_model_choice(text: &str) -> Result<ModelChoice, String> {
     if let Ok(name) = ModelName::from_str(text, false) {
         return Ok(ModelChoice::Builtin(name));
@@ -223,7 +302,7 @@ fn parse_model_choice(text: &str) -> Result<ModelChoice, String> {
     if text.ends_with(".json") || path.is_file() {
         return Ok(ModelChoice::Spec(path.to_path_buf()));
     }
-    Err("expected toy, convnet, convnet-nobn, resnet8, resnet20, gpt or a model spec FILE.json".into())
+    Err(format!("expected {} or a model spec FILE.json", model_names(|_| true)))
 }
 
 /// `--model` once its spec file, if any, has been read and checked.
@@ -247,8 +326,8 @@ impl ModelChoice {
 
 impl ModelSource {
     /// Whether the model takes flat samples (F,): the toy MLP, or a spec whose input
-    /// shape has one dimension. Flat models get the toy's defaults (data, optimizer,
-    /// batch size, epochs), image models the convnet's.
+    /// shape has one dimension. Flat models get the toy data by default (and on it the
+    /// lesson's recipe: `train`'s `take_defaults`), image models the digits.
     fn flat(&self) -> bool {
         match self {
             ModelSource::Builtin(name) => *name == ModelName::Toy,
@@ -479,6 +558,31 @@ fn one_line(e: &anyhow::Error) -> String {
     lines.join("; ").replace(":; ", ": ")
 }
 
+/// clap's message of a bad command line as one line: its paragraphs — the error, then its
+/// tips (`tip: a similar argument exists: '--epochs'`) — each on one line, joined by "; ",
+/// without the usage and the pointer to `--help` that follow them.
+fn clap_error_line(rendered: &str) -> String {
+    let body = rendered.lines().map(str::trim);
+    let body = body.take_while(|l| !(l.starts_with("Usage:") || l.starts_with("For more information")));
+    let mut paragraphs = vec![String::new()];
+    for line in body {
+        let last = paragraphs.last_mut().expect("one at least");
+        match (line.is_empty(), last.is_empty()) {
+            (true, true) => {}
+            (true, false) => paragraphs.push(String::new()),
+            (false, empty) => {
+                if !empty {
+                    last.push(' ');
+                }
+                last.push_str(line);
+            }
+        }
+    }
+    paragraphs.retain(|p| !p.is_empty());
+    let line = paragraphs.join("; ");
+    line.strip_prefix("error: ").unwrap_or(&line).to_string()
+}
+
 /// The `lockstep` program: parses the command line, runs the command, and maps what
 /// happened to an exit code. The binary (src/main.rs) is this and its allocator.
 pub fn main() -> ExitCode {
@@ -495,14 +599,7 @@ pub fn main() -> ExitCode {
                 let _ = e.print();
                 return ExitCode::from(EXIT_USAGE);
             }
-            // clap's message up to its first blank line ("Usage:", "For more information"),
-            // as one line.
-            let text = e.render().to_string();
-            let msg: Vec<&str> =
-                text.lines().take_while(|l| !l.trim().is_empty()).map(str::trim).filter(|l| !l.is_empty()).collect();
-            let msg = msg.join(" ");
-            let msg = msg.strip_prefix("error: ").unwrap_or(&msg);
-            eprintln!("error: {msg}");
+            eprintln!("error: {}", clap_error_line(&e.render().to_string()));
             return ExitCode::from(EXIT_USAGE);
         }
     };
@@ -640,7 +737,8 @@ fn build_model(
 }
 
 /// What `--data` accepts, for messages.
-const DATA_CHOICES: &str = "toy, toy-enlarged, digits, fashion-mnist, mnist:DIR or a FILE.safetensors";
+const DATA_CHOICES: &str =
+    "toy, toy-enlarged, digits, fashion-mnist, mnist:DIR, fortunes, text:FILE or a FILE.safetensors";
 
 /// Loads `--data`: a built-in name, or a safetensors file (plus an optional test file).
 /// Built-in data takes the layout of a flat model (`flat`) or of an image model.
@@ -783,7 +881,8 @@ fn model_classes(
     if let ModelSource::Spec(..) = source {
         return Ok(fallback);
     }
-    let probe = build_model(source, sample, fallback, 0.5, 0.99)?;
+    let defaults = ConvnetOptions::default();
+    let probe = build_model(source, sample, fallback, defaults.dropout, defaults.bn_momentum)?;
     let Some(last) = probe.param_infos().last() else { return Ok(fallback) };
     let rows = weights::inspect(weights).map_err(Failure::usage).map_err(|f| f.with_context("--weights"))?;
     Ok(rows.into_iter().find(|(name, _, shape)| *name == last.name && shape.len() == 1).map_or(fallback, |r| r.2[0]))
@@ -882,5 +981,110 @@ mod tests {
         // A negative fraction parses; `train`'s own check refuses it, naming the range
         // (tests/cli_hostile.rs).
         assert!(Cli::parse_args(argv(&["train", "--validation-split", "-0.1"])).is_ok());
+    }
+
+    /// Issue 41: `help eval` and `help predict` listed three models of six. Every list of
+    /// models is `ModelName`'s: eval's and train's name all of them, predict's every
+    /// classifier (and points a language model to generate); generate takes none of
+    /// train's shape flags, which it reads from the weights.
+    #[test]
+    fn every_command_lists_every_model_it_takes() {
+        let tree = command_tree();
+        let help = |cmd: &str, arg: &str| {
+            let sub = tree.find_subcommand(cmd).unwrap();
+            let a = sub.get_arguments().find(|a| a.get_id() == arg).unwrap_or_else(|| panic!("{cmd} --{arg}"));
+            a.get_help().map(|h| h.to_string()).unwrap_or_default()
+        };
+        for name in ModelName::value_variants() {
+            for cmd in ["train", "eval"] {
+                assert!(help(cmd, "model").contains(name.as_str()), "{cmd} --model: {name:?}: {}", help(cmd, "model"));
+            }
+            let predict = help("predict", "model");
+            assert_eq!(predict.contains(&format!("{}, ", name.as_str())), *name != ModelName::Gpt, "{predict}");
+        }
+        assert!(help("predict", "model").contains("`generate`"));
+        let generate: Vec<String> =
+            tree.find_subcommand("generate").unwrap().get_arguments().map(|a| a.get_id().to_string()).collect();
+        for train_only in ["layers", "width", "context"] {
+            assert!(!generate.contains(&train_only.to_string()), "generate --{train_only}");
+        }
+    }
+
+    fn argv(args: &[&str]) -> Vec<std::ffi::OsString> {
+        ["lockstep"].iter().chain(args).map(Into::into).collect()
+    }
+
+    /// A value that starts with '-' but is no number clap knows (`-1e-3`, `-1s`, `-abc`)
+    /// is its flag's, short flags' too; a word that is a flag (`--epochs`, `-h`) is not a
+    /// value, and `=` gives it as one.
+    #[test]
+    fn a_value_that_starts_with_a_hyphen_is_its_flags() {
+        let train = |args: &[&str]| match Cli::parse_args(argv(&[&["train"], args].concat())) {
+            Ok((Cli { command: Command::Train(a) }, _)) => Ok(*a),
+            Ok(_) => unreachable!("a train command"),
+            Err(e) => Err(e),
+        };
+        let a = train(&["--clip-grad-norm", "-1e-3", "--lr", "-1E+2", "--model", "toy"]).unwrap();
+        assert_eq!((a.optim.clip_grad_norm, a.optim.lr), (Some(-1e-3), Some(-1e2)));
+        assert_eq!(a.model_data.model, ModelChoice::Builtin(ModelName::Toy));
+        let e = train(&["--time-limit", "-1s"]).unwrap_err().to_string();
+        assert!(
+            e.contains("invalid value '-1s' for '--time-limit <DURATION>': '-1s' is not a duration (negative"),
+            "{e}"
+        );
+        // A missing value stays one: the next flag is not taken for a file name.
+        let e = train(&["--save", "--epochs", "3"]).unwrap_err();
+        assert_eq!(e.kind(), clap::error::ErrorKind::InvalidValue, "{e}");
+        assert!(e.to_string().contains("a value is required for '--save <FILE>'"), "{e}");
+        assert_eq!(train(&["--save", "-h"]).unwrap_err().kind(), clap::error::ErrorKind::InvalidValue);
+        assert_eq!(train(&["--save=--epochs"]).unwrap().outputs.save, Some(PathBuf::from("--epochs")));
+        // After `--`, nothing is joined (train takes no word there).
+        assert!(train(&["--", "--save", "-x"]).is_err());
+        // The value as the subcommand's matches hold it (by clap id).
+        let value = |args: &[&str], id: &str| -> PathBuf {
+            let (_, m) = Cli::parse_args(argv(args)).unwrap_or_else(|e| panic!("{args:?}: {e}"));
+            let (_, sub) = m.subcommand().expect("a subcommand");
+            match sub.try_get_one::<String>(id) {
+                Ok(Some(s)) => PathBuf::from(s),
+                _ => sub.get_one::<PathBuf>(id).expect("the flag is given").clone(),
+            }
+        };
+        let generate = |prompt: &[&str]| value(&[&["generate", "--weights", "w"], prompt].concat(), "prompt");
+        assert_eq!(generate(&["--prompt", "-abc"]), Path::new("-abc"));
+        assert_eq!(generate(&["--prompt", "-"]), Path::new("-"));
+        assert_eq!(generate(&["--prompt=--help"]), Path::new("--help"));
+        assert_eq!(value(&["plot", "m.csv", "-o", "-x.png"], "out"), Path::new("-x.png"));
+    }
+
+    /// A mistyped flag keeps clap's tip, on the one line of the error.
+    #[test]
+    fn a_mistyped_flag_keeps_claps_tip() {
+        for (typed, meant) in [("--epoch", "--epochs"), ("--devcies", "--devices"), ("--batchsize", "--batch-size")] {
+            let e = Cli::parse_args(argv(&["train", typed, "3"])).unwrap_err();
+            assert_eq!(
+                clap_error_line(&e.render().to_string()),
+                format!("unexpected argument '{typed}' found; tip: a similar argument exists: '{meant}'")
+            );
+        }
+        let e = Cli::parse_args(argv(&["train", "--optimizer", "adamx"])).unwrap_err();
+        assert_eq!(
+            clap_error_line(&e.render().to_string()),
+            "invalid value 'adamx' for '--optimizer <OPTIMIZER>' [possible values: sgd, adam, adamw]; tip: a similar value exists: 'adam'"
+        );
+    }
+
+    /// `train -h` groups its flags under headings (clap's help_heading): none is left
+    /// under the bare "Options" but help itself.
+    #[test]
+    fn every_train_flag_has_a_heading() {
+        let mut tree = command_tree();
+        tree.build();
+        let train = tree.find_subcommand("train").expect("a train command");
+        let bare: Vec<&str> = train
+            .get_arguments()
+            .filter(|a| a.get_help_heading().is_none() && a.get_id() != "help")
+            .map(|a| a.get_id().as_str())
+            .collect();
+        assert!(bare.is_empty(), "flags without a heading in train -h: {bare:?}");
     }
 }

@@ -1,7 +1,8 @@
-//! The flags that `train` and `generate` share for language models over text: the
-//! built-in GPT's shape (`--layers`, `--heads`, `--width`, `--context`, which is also the
-//! windows of text data); which data is text (`text:FILE`, `fortunes`), and how it is
-//! loaded; and `generate` itself. A text run's evaluation period and Adam's betas are
+//! Language models over text on the command line: `train`'s flags of the built-in GPT's
+//! shape (`--layers`, `--heads`, `--width`, `--context`, which is also the windows of text
+//! data); which data is text (`text:FILE`, `fortunes`), how it is loaded, and what a
+//! language model given other data is told; and `generate`, which reads the GPT's shape
+//! from its weights (`identify`). A text run's evaluation period and Adam's betas are
 //! `train`'s own flags (its length and its optimiser), and nanoGPT's defaults of a text
 //! run are `train`'s settings. The model is the library's (`models::gpt`), the data its
 //! (`data::text`); one file, so that `train.rs` names them in one line each.
@@ -13,8 +14,8 @@ use serde::{Deserialize, Serialize};
 
 use super::*;
 
-/// The built-in GPT's shape: a group of its own in the help (`train -h`, `generate -h`),
-/// stored as data in a training run's checkpoints.
+/// The built-in GPT's shape: a group of its own in `train -h`, stored as data in a
+/// training run's checkpoints.
 #[derive(Args, Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[command(next_help_heading = "The built-in GPT's shape")]
 #[serde(deny_unknown_fields)]
@@ -39,13 +40,20 @@ pub(crate) fn is_text(spec: &str) -> bool {
 }
 
 impl GptArgs {
-    /// The checks that need no data.
+    /// The checks that need no data: every size in 1..=2^20 (a spec's bound on a size,
+    /// `spec::MAX_DIM`), the heads dividing the width.
     pub(crate) fn check(&self) -> CliResult {
         for (name, v) in
             [("--layers", self.layers), ("--heads", self.heads), ("--width", self.width), ("--context", self.context)]
         {
             if v == 0 {
                 return Err(Failure::usage(anyhow!("{name} must be at least 1")));
+            }
+            if v as u64 > crate::spec::MAX_DIM {
+                return Err(Failure::usage(anyhow!(
+                    "{name} {v} is more than {}, the largest size of a model (as in a model spec)",
+                    crate::spec::MAX_DIM
+                )));
             }
         }
         if !self.width.is_multiple_of(self.heads) {
@@ -65,18 +73,44 @@ impl GptArgs {
 
     /// Loads text `spec` (`fortunes`, `text:FILE`) as windows of `--context` tokens.
     pub(crate) fn load(&self, spec: &str) -> CliResult<Splits> {
-        let splits = match spec.strip_prefix("text:") {
-            Some(file) => {
-                let path = Path::new(file);
-                if !path.exists() {
-                    return Err(Failure::usage(anyhow!("--data '{spec}': no such file")));
-                }
-                load_text(path, self.context)
-            }
-            None => load_fortunes(self.context),
-        };
-        splits.map_err(|e| Failure::usage(anyhow!("--data {spec}: {e}")))
+        load_text_data(spec, self.context)
     }
+}
+
+/// Text `spec` (`fortunes`, `text:FILE`) as windows of `context` tokens, its training and
+/// validation parts (the first nine tenths by position, and the rest).
+pub(crate) fn load_text_data(spec: &str, context: usize) -> CliResult<Splits> {
+    let splits = match spec.strip_prefix("text:") {
+        Some(file) => {
+            let path = Path::new(file);
+            if !path.exists() {
+                return Err(Failure::usage(anyhow!("--data '{spec}': no such file")));
+            }
+            load_text(path, context)
+        }
+        None => load_fortunes(context),
+    };
+    splits.map_err(|e| Failure::usage(anyhow!("--data {spec}: {e}")))
+}
+
+/// Whether `--data` names one of the built-in datasets of images or points (or an
+/// MNIST directory): data no language model reads.
+pub(crate) fn is_builtin_data(spec: &str) -> bool {
+    matches!(spec, "toy" | "toy-enlarged" | "digits" | "fashion-mnist") || spec.starts_with("mnist:")
+}
+
+/// The refusal of data that is not a language model's: what such a model trains on.
+pub(crate) fn not_text(model: &str, spec: &str) -> Failure {
+    Failure::usage(anyhow!(
+        "--data {spec}: the {model} model is a language model, which reads text: --data fortunes, text:FILE, or a token file (FILE.safetensors holding 'tokens')"
+    ))
+}
+
+/// The refusal of text for a model that does not read it.
+pub(crate) fn not_a_language_model(model: &str, spec: &str) -> Failure {
+    Failure::usage(anyhow!(
+        "--data {spec} is text, which a language model reads (--model gpt, or a spec FILE.json that starts with an embedding); the {model} model does not"
+    ))
 }
 
 // ---------------------------------------------------------------------------------------
@@ -87,15 +121,18 @@ pub(crate) struct GenerateArgs {
     /// The trained weights (`train --save`, or a nanoGPT state_dict saved as safetensors).
     #[arg(long, value_name = "FILE")]
     weights: PathBuf,
-    /// gpt (with --layers, --heads, --width, --context as trained), or a model spec FILE.json.
+    /// gpt (its blocks, width, context and vocabulary read from --weights), or a model spec FILE.json.
     #[arg(long, default_value = "gpt", value_name = "NAME|FILE.json", value_parser = parse_model_choice)]
     model: ModelChoice,
-    /// The text to continue (its bytes are the tokens); one longer than the context is
-    /// cropped to its last --context bytes, as nanoGPT crops.
+    /// The gpt's attention heads, for weights that do not record them (a nanoGPT
+    /// state_dict); a file `train` saved records its own [default: the file's].
+    #[arg(long, value_name = "H")]
+    heads: Option<usize>,
+    /// The text to continue (its bytes are the tokens); one longer than the model's context
+    /// is cropped to its last context bytes, as nanoGPT crops.
     #[arg(long, default_value = "\n")]
     prompt: String,
-    /// Tokens (bytes) to generate.
-    #[arg(long, value_name = "N", default_value_t = 500)]
+    #[arg(long, value_name = "N", default_value_t = 500, help = tokens_help())]
     tokens: usize,
     /// Divides the logits: below 1 is more conservative, above 1 more varied.
     #[arg(long, value_name = "T", default_value_t = 0.8)]
@@ -106,17 +143,34 @@ pub(crate) struct GenerateArgs {
     /// Seed of the draws: the same seed gives the same text.
     #[arg(long, default_value_t = 0)]
     seed: u64,
-    // Last: its help heading goes on to the flags after it.
-    #[command(flatten)]
-    shape: GptArgs,
 }
 
-/// `lockstep generate`: prints the continuation of `--prompt`.
+/// `generate --tokens`'s help, its bound the library's.
+fn tokens_help() -> String {
+    format!("Tokens (bytes) to generate, each printed as it is drawn; at most {}", crate::generate::MAX_TOKENS)
+}
+
+/// `lockstep generate`: prints the continuation of `--prompt`, each byte as it is drawn.
 pub(crate) fn cmd_generate(a: GenerateArgs) -> CliResult {
-    a.shape.check()?;
-    let vocab = crate::data::text::BYTE_VOCAB;
-    let mut model = match a.model.resolve()? {
-        ModelSource::Builtin(ModelName::Gpt) => crate::models::gpt(a.shape.gpt(vocab, 0.0)).map_err(Failure::usage)?,
+    use super::identify::{load_weights, Header, WeightsFor};
+    use crate::generate::MAX_TOKENS;
+    if a.tokens > MAX_TOKENS {
+        return Err(Failure::usage(anyhow!(
+            "--tokens {} is more than {MAX_TOKENS}, the most one generate prints (each token is a forward pass over the window)",
+            a.tokens
+        )));
+    }
+    let source = a.model.resolve()?;
+    if a.heads.is_some() && !matches!(source, ModelSource::Builtin(ModelName::Gpt)) {
+        return Err(Failure::usage(anyhow!("--heads goes with --model gpt: a spec FILE.json states its own")));
+    }
+    check_input_file("--weights", &a.weights)?;
+    let mut model = match &source {
+        ModelSource::Builtin(ModelName::Gpt) => {
+            let header = Header::read("--weights", &a.weights)?;
+            let config = header.gpt("--weights", &a.weights, a.heads, WeightsFor::Generate)?;
+            crate::models::gpt(config).map_err(Failure::usage)?
+        }
         ModelSource::Builtin(other) => {
             return Err(Failure::usage(anyhow!(
                 "--model {}: generate needs a language model (gpt or a spec FILE.json)",
@@ -133,9 +187,7 @@ pub(crate) fn cmd_generate(a: GenerateArgs) -> CliResult {
             model.output_shape()
         )));
     }
-    check_input_file("--weights", &a.weights)?;
-    let weights =
-        crate::weights::load(&model, &a.weights).map_err(Failure::usage).map_err(|f| f.with_context("--weights"))?;
+    let weights = load_weights(&model, &source, "--weights", &a.weights, WeightsFor::Generate)?;
     let mut prompt: Vec<u32> = a.prompt.bytes().map(u32::from).collect();
     if prompt.is_empty() {
         return Err(Failure::usage(anyhow!("--prompt is empty: give at least one byte (the default is a newline)")));
@@ -149,13 +201,26 @@ pub(crate) fn cmd_generate(a: GenerateArgs) -> CliResult {
     }
     let sampling =
         crate::generate::Sampling { tokens: a.tokens, temperature: a.temperature, top_k: a.top_k, seed: a.seed };
-    let out = crate::generate::generate(&mut model, &weights, &prompt, context, &sampling).map_err(Failure::usage)?;
-    let bytes: Vec<u8> = out.iter().map(|&t| t as u8).collect();
+    // Each byte is written and flushed as it is drawn: a long generation shows itself
+    // going. A reader that has gone (`| head -c 100`) ends the generation, not the
+    // program's exit status.
     use std::io::Write as _;
     let mut stdout = std::io::stdout().lock();
-    stdout
-        .write_all(&bytes)
-        .and_then(|()| stdout.write_all(b"\n"))
-        .map_err(|e| Failure::runtime(anyhow!("stdout: {e}")))?;
-    Ok(())
+    let mut closed = false;
+    let mut write = |bytes: &[u8]| -> crate::Result<()> {
+        match stdout.write_all(bytes).and_then(|()| stdout.flush()) {
+            Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => {
+                closed = true;
+                Err(crate::Error::config("stdout", "closed"))
+            }
+            r => r.map_err(|e| crate::Error::io("stdout", e)),
+        }
+    };
+    let drawn = crate::generate::generate(&mut model, &weights, &prompt, context, &sampling, |t| write(&[t as u8]))
+        .and_then(|()| write(b"\n"));
+    match drawn {
+        Ok(()) => Ok(()),
+        Err(_) if closed => Ok(()),
+        Err(e) => Err(Failure::from(e)),
+    }
 }

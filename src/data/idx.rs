@@ -125,6 +125,15 @@ pub fn load_mnist_dir_with_classes(dir: &Path, classes: usize) -> Result<Splits>
     })
 }
 
+/// The test images file of an MNIST directory (`t10k-images-idx3-ubyte`, plain or
+/// `.gz`): what `predict` reads of `mnist:DIR`, no labels nor training images needed.
+pub fn mnist_test_images(dir: &Path) -> Result<PathBuf> {
+    if !dir.is_dir() {
+        return Err(Error::format(dir, "not a directory (expected the MNIST IDX files in it)"));
+    }
+    find(dir, MNIST_FILES[2])
+}
+
 /// Writes an images file (N, H, W) of u8 pixels; gzipped when `path` ends in `.gz`.
 /// Atomic: `path` never holds half a file.
 pub fn save_idx_images(path: &Path, pixels: &[u8], dims: [usize; 3]) -> Result<()> {

@@ -148,12 +148,12 @@ impl Dataset {
     pub fn windows(name: impl Into<String>, tokens: Vec<u32>, context: usize, vocab: usize) -> Result<Dataset> {
         let name = name.into();
         if context == 0 || tokens.len() <= context {
+            // Said without `context + 1`, which a context of usize::MAX would wrap to 0.
             return Err(Error::Data {
                 name,
                 detail: format!(
-                    "{} tokens are too few for a context of {context}: a window needs {} (the context and its next token)",
-                    tokens.len(),
-                    context + 1
+                    "{} tokens are too few for a context of {context}: a window needs {context} tokens and the next one",
+                    tokens.len()
                 ),
             });
         }
@@ -311,14 +311,20 @@ impl Dataset {
     /// stream's windows too).
     pub fn subset(&self, name: impl Into<String>, indices: &[usize]) -> Dataset {
         let per = self.sample_shape.numel();
-        if self.stream.is_some() {
-            let mut x = vec![0.0f32; indices.len() * per];
-            let mut labels = vec![0u32; indices.len() * per];
-            self.gather_into(indices, &mut x, &mut labels);
+        if let Some(t) = &self.stream {
+            // Each window and its labels (the window one token on) straight from the
+            // stream: a held-out set of many windows is made with no f32 copy on the way.
+            let n = indices.len() * per;
+            let ids = indices.iter().flat_map(|&i| t[i..i + per].iter().copied());
+            let features = token_features_of(n, ids, self.num_classes);
+            let mut labels = Vec::with_capacity(n);
+            for &i in indices {
+                labels.extend_from_slice(&t[i + 1..i + 1 + per]);
+            }
             return Dataset {
                 name: name.into(),
                 sample_shape: self.sample_shape.clone(),
-                features: token_features(x.iter().map(|&v| v as u32).collect(), self.num_classes),
+                features,
                 labels,
                 targets: self.targets,
                 stream: None,
@@ -401,10 +407,19 @@ fn check_tokens(name: &str, tokens: &[u32], vocab: usize) -> Result<()> {
 /// Token ids as features: bytes for a vocabulary of at most 256, else f32 (exact for
 /// every id below 2^24).
 fn token_features(ids: Vec<u32>, vocab: usize) -> Features {
+    token_features_of(ids.len(), ids.into_iter(), vocab)
+}
+
+/// [`token_features`] of `n` ids as they come, stored without an intermediate copy.
+fn token_features_of(n: usize, ids: impl Iterator<Item = u32>, vocab: usize) -> Features {
     if vocab <= 256 {
-        Features::U8(ids.into_iter().map(|t| t as u8).collect())
+        let mut v = Vec::with_capacity(n);
+        v.extend(ids.map(|t| t as u8));
+        Features::U8(v)
     } else {
-        Features::F32(ids.into_iter().map(|t| t as f32).collect())
+        let mut v = Vec::with_capacity(n);
+        v.extend(ids.map(|t| t as f32));
+        Features::F32(v)
     }
 }
 

@@ -17,6 +17,9 @@
 //!   so that a round trip keeps classes no sample happens to use, and `class_names`, a
 //!   JSON list of one name per class (what `predict` prints).
 //!
+//! Prediction reads `x` alone ([`load_safetensors_inputs`]): a file of inputs needs no
+//! labels, and what labels it has are not checked.
+//!
 //! The PyTorch oracle cases in `shared/oracle/*/data.safetensors` have this layout.
 //!
 //! A token file is the other layout: one tensor `tokens` (N, T+1) of ids, dtype U8,
@@ -54,6 +57,49 @@ pub fn load_safetensors_dataset_with_classes(path: &Path, num_classes: usize) ->
         return Err(Error::config("num_classes", format!("{num_classes} (a classifier needs at least 2)")));
     }
     load(path, Some(num_classes))
+}
+
+/// The inputs of a dataset file, for prediction: `x` alone (`y` is not read, and need not
+/// be there). The samples get label 0 of one class, or of as many as the header's
+/// `class_names` names, which are kept (what `predict` prints); `num_classes` is not read.
+pub fn load_safetensors_inputs(path: &Path) -> Result<Dataset> {
+    let file = safetensors_io::map_file(path)?;
+    let bad = |detail: String| Error::format(path, detail);
+    let metadata = file.metadata()?;
+    let st = file.parse()?;
+    let x = st.tensor("x").map_err(|_| {
+        let mut found: Vec<&str> = st.names();
+        found.sort_unstable();
+        bad(format!("no tensor 'x' (the file holds: [{}]); the inputs are a dataset's 'x'", found.join(", ")))
+    })?;
+    let (sample_shape, features) = read_x(path, &x)?;
+    let n = x.shape()[0];
+    if n == 0 {
+        return Err(bad("tensor 'x' has 0 samples".into()));
+    }
+    if sample_shape.contains(&0) {
+        return Err(bad(format!("tensor 'x' has shape {:?}: a sample has no elements", x.shape())));
+    }
+    let names = metadata.get(CLASS_NAMES_KEY).map(|text| read_class_names(path, text)).transpose()?;
+    let classes = names.as_ref().map_or(1, |n| n.len().max(1));
+    let ds = Dataset::new(path.display().to_string(), sample_shape, features, vec![0; n], classes)?;
+    match names {
+        Some(names) if !names.is_empty() => ds.with_class_names(names),
+        _ => Ok(ds),
+    }
+}
+
+/// The header's `class_names`: a JSON list of strings.
+fn read_class_names(path: &Path, text: &str) -> Result<Vec<String>> {
+    serde_json::from_str(text).map_err(|_| {
+        Error::format(
+            path,
+            format!(
+                "metadata {CLASS_NAMES_KEY} is not a JSON list of strings: {}",
+                text.chars().take(80).collect::<String>()
+            ),
+        )
+    })
 }
 
 /// Writes `ds` as `x` (its stored dtype, shape (N, sample shape...)) and `y` (I64, (N,)),
@@ -158,47 +204,21 @@ fn load(path: &Path, num_classes: Option<usize>) -> Result<Dataset> {
             bad(format!("no tensor '{name}' (the file holds: [{}]); a dataset needs 'x' and 'y'", found.join(", ")))
         })
     };
-    if st.names().contains(&"tokens") && !st.names().contains(&"x") {
+    let names = st.names();
+    if names.contains(&"tokens") {
+        // Two layouts in one file: which one the user meant is not the reader's guess.
+        if let Some(other) = ["x", "y"].into_iter().find(|n| names.contains(n)) {
+            return Err(bad(format!(
+                "holds both 'tokens' (a token file: rows of ids, each its next-token labels) and '{other}' (a dataset of samples 'x' and labels 'y'); keep the tensors of one layout"
+            )));
+        }
         let t = st.tensor("tokens").expect("listed");
         return load_tokens(path, &t, metadata.get(VOCAB_KEY).map(String::as_str));
     }
     let x = tensor("x")?;
     let y = tensor("y")?;
-
-    // x: (N, C, H, W) or (N, F)
-    let x_shape = x.shape();
-    if !matches!(x_shape.len(), 2 | 4) {
-        return Err(bad(format!(
-            "tensor 'x' is {}-dimensional (shape {x_shape:?}); expected (N, C, H, W) or (N, F)",
-            x_shape.len()
-        )));
-    }
-    let n = x_shape[0];
-    let sample_shape = &x_shape[1..];
-    let per_sample = sample_shape.iter().product::<usize>().max(1);
-    if matches!(x.dtype(), Dtype::F32 | Dtype::U8) {
-        crate::memory::check_bytes(
-            &format!("loading {}", path.display()),
-            x.data().len() as u64,
-            format!("tensor 'x' {x_shape:?}"),
-        )?;
-    }
-    let features = match x.dtype() {
-        Dtype::F32 => {
-            let values: Vec<f32> =
-                x.data().chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
-            if let Some((i, v)) = crate::weights::first_non_finite(&values) {
-                return Err(bad(format!(
-                    "tensor 'x' holds {v} at sample {}, value {} (flat index {i}): features must be finite",
-                    i / per_sample,
-                    i % per_sample
-                )));
-            }
-            Features::F32(values)
-        }
-        Dtype::U8 => Features::U8(x.data().to_vec()),
-        other => return Err(bad(format!("tensor 'x' has dtype {other}; expected F32 or U8"))),
-    };
+    let (sample_shape, features) = read_x(path, &x)?;
+    let n = x.shape()[0];
 
     // y: (N,)
     if y.shape().len() != 1 {
@@ -215,7 +235,7 @@ fn load(path: &Path, num_classes: Option<usize>) -> Result<Dataset> {
         return Err(bad("empty dataset: 'x' and 'y' have 0 samples".into()));
     }
     if sample_shape.contains(&0) {
-        return Err(bad(format!("tensor 'x' has shape {x_shape:?}: a sample has no elements")));
+        return Err(bad(format!("tensor 'x' has shape {:?}: a sample has no elements", x.shape())));
     }
     let labels: Vec<i64> = match y.dtype() {
         Dtype::I64 => y.data().chunks_exact(8).map(|b| i64::from_le_bytes(std::array::from_fn(|k| b[k]))).collect(),
@@ -261,12 +281,7 @@ fn load(path: &Path, num_classes: Option<usize>) -> Result<Dataset> {
     match metadata.get(CLASS_NAMES_KEY) {
         None => Ok(ds),
         Some(text) => {
-            let names: Vec<String> = serde_json::from_str(text).map_err(|_| {
-                bad(format!(
-                    "metadata {CLASS_NAMES_KEY} is not a JSON list of strings: {}",
-                    text.chars().take(80).collect::<String>()
-                ))
-            })?;
+            let names = read_class_names(path, text)?;
             if names.len() != num_classes {
                 return Err(bad(format!(
                     "metadata {CLASS_NAMES_KEY} names {} classes, the data has {num_classes}",
@@ -276,6 +291,46 @@ fn load(path: &Path, num_classes: Option<usize>) -> Result<Dataset> {
             ds.with_class_names(names)
         }
     }
+}
+
+/// Tensor `x` of a dataset file: (N, C, H, W) or (N, F), F32 (finite) or U8, its sample
+/// shape and its values (after the memory they need has been checked).
+fn read_x(path: &Path, x: &safetensors::tensor::TensorView<'_>) -> Result<(Vec<usize>, Features)> {
+    let bad = |detail: String| Error::format(path, detail);
+    // x: (N, C, H, W) or (N, F)
+    let x_shape = x.shape();
+    if !matches!(x_shape.len(), 2 | 4) {
+        return Err(bad(format!(
+            "tensor 'x' is {}-dimensional (shape {x_shape:?}); expected (N, C, H, W) or (N, F)",
+            x_shape.len()
+        )));
+    }
+    let sample_shape = &x_shape[1..];
+    let per_sample = sample_shape.iter().product::<usize>().max(1);
+    if matches!(x.dtype(), Dtype::F32 | Dtype::U8) {
+        crate::memory::check_bytes(
+            &format!("loading {}", path.display()),
+            x.data().len() as u64,
+            format!("tensor 'x' {x_shape:?}"),
+        )?;
+    }
+    let features = match x.dtype() {
+        Dtype::F32 => {
+            let values: Vec<f32> =
+                x.data().chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+            if let Some((i, v)) = crate::weights::first_non_finite(&values) {
+                return Err(bad(format!(
+                    "tensor 'x' holds {v} at sample {}, value {} (flat index {i}): features must be finite",
+                    i / per_sample,
+                    i % per_sample
+                )));
+            }
+            Features::F32(values)
+        }
+        Dtype::U8 => Features::U8(x.data().to_vec()),
+        other => return Err(bad(format!("tensor 'x' has dtype {other}; expected F32 or U8"))),
+    };
+    Ok((sample_shape.to_vec(), features))
 }
 
 #[cfg(test)]
@@ -362,6 +417,31 @@ mod tests {
         let ds = load_safetensors_dataset(&path).unwrap();
         assert_eq!(ds.labels(), &[2, 0, 255]);
         assert_eq!(ds.num_classes(), 256);
+    }
+
+    /// Issue 41: `predict` complained about labels it does not need. Its inputs are `x`
+    /// alone: no `y`, or a `y` of any labels, and the class names where the file has them.
+    #[test]
+    fn inputs_are_x_alone_with_the_class_names() {
+        let path = write("x_only", &[good_x()]);
+        assert!(load_err(&path).contains("no tensor 'y'"));
+        let ds = load_safetensors_inputs(&path).unwrap();
+        assert_eq!((ds.len(), ds.sample_shape().dims(), ds.num_classes()), (3, &[2usize][..], 1));
+        assert_eq!(ds.features(), &Features::F32(vec![0.5, -1.0, 2.0, 3.0, -4.5, 6.25]));
+        let bad_labels = write("bad_labels", &[good_x(), ("y", Dtype::I64, vec![3], i64s(&[-1, 0, 1]))]);
+        assert!(load_err(&bad_labels).contains("label -1 of sample 0 is negative"));
+        assert_eq!(load_safetensors_inputs(&bad_labels).unwrap().len(), 3);
+        let ds = Dataset::new("n", [2], Features::F32(vec![1.0; 6]), vec![0, 1, 2], 3)
+            .unwrap()
+            .with_class_names(vec!["a".into(), "b".into(), "c".into()])
+            .unwrap();
+        let named = temp_path("named");
+        save_safetensors_dataset(&ds, &named).unwrap();
+        let ds = load_safetensors_inputs(&named).unwrap();
+        assert_eq!(ds.class_names().unwrap(), &["a", "b", "c"]);
+        let tokens = write("tokens_only", &[("tokens", Dtype::U8, vec![1, 3], vec![1, 2, 3])]);
+        let e = load_safetensors_inputs(&tokens).unwrap_err().to_string();
+        assert!(e.contains("no tensor 'x' (the file holds: [tokens]); the inputs are a dataset's 'x'"), "{e}");
     }
 
     #[test]
@@ -539,6 +619,26 @@ mod tests {
         // (0xBF80_0000), -4.5 (0xC090_0000) and 6.25 (0x40C8_0000) sets every exponent
         // bit (byte 2's top bit is 1), making -inf, NaN and NaN, which are refused: 69 load.
         assert!(loaded >= 69, "only {loaded} corrupted files loaded");
+    }
+
+    #[test]
+    fn a_file_of_tokens_and_samples_is_refused_naming_both_layouts() {
+        let tokens = ("tokens", Dtype::U8, vec![2, 3], (0..6).collect::<Vec<u8>>());
+        let (x, y) = (good_x(), ("y", Dtype::I64, vec![3], i64s(&[0, 1, 0])));
+        for (tag, tensors) in [
+            ("tokens_x_y", vec![tokens.clone(), x.clone(), y.clone()]),
+            ("tokens_x", vec![tokens.clone(), x]),
+            ("tokens_y", vec![tokens.clone(), y]),
+        ] {
+            let e = load_err(&write(tag, &tensors));
+            let other = if tag == "tokens_y" { "'y'" } else { "'x'" };
+            assert!(
+                e.ends_with(&format!(": holds both 'tokens' (a token file: rows of ids, each its next-token labels) and {other} (a dataset of samples 'x' and labels 'y'); keep the tensors of one layout")),
+                "{e}"
+            );
+        }
+        // Alone, each layout reads.
+        assert_eq!(load_safetensors_dataset(&write("tokens_alone", &[tokens])).unwrap().len(), 2);
     }
 
     #[test]

@@ -32,25 +32,37 @@ pub const FORTUNES_PACKAGE: &str = "fortunes";
 /// The environment variable that points at another fortunes directory.
 pub const FORTUNES_DIR_VAR: &str = "LOCKSTEP_FORTUNES_DIR";
 
-/// A file's bytes as a training and a validation stream of windows of `context` tokens.
+/// Memory per byte of a text while it is cut: the byte, and its id as a u32 in the
+/// training or the validation stream (`split_text`).
+const BYTES_PER_TEXT_BYTE: u64 = 1 + 4;
+
+/// What a text's bytes become, for a refusal of its memory.
+const BECOMES: &str = "each byte and its u32 token id";
+
+/// A file's bytes as a training and a validation stream of windows of `context` tokens:
+/// a regular file only (a FIFO or a device such as `/dev/zero` never ends), read once the
+/// memory its tokens take is known to fit (`fsutil::read_whole`).
 pub fn load_text(path: &Path, context: usize) -> Result<Splits> {
-    let meta = std::fs::metadata(path).map_err(|e| Error::io(path, e))?;
-    if meta.is_dir() {
-        return Err(Error::format(path, "is a directory, not a text file"));
-    }
-    let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
+    let bytes = crate::fsutil::read_whole(path, BYTES_PER_TEXT_BYTE, BECOMES)?;
     split_text(&path.display().to_string(), &bytes, context)
 }
 
 /// The text files of the fortunes package (every regular file of [`FORTUNES_DIR`], or
 /// of `$LOCKSTEP_FORTUNES_DIR`, but the `.dat` indexes and `.u8` copies), concatenated
-/// in name order, as a training and a validation stream.
+/// in name order, as a training and a validation stream; their memory checked first, as
+/// one text's.
 pub fn load_fortunes(context: usize) -> Result<Splits> {
     let dir = std::env::var_os(FORTUNES_DIR_VAR).map_or_else(|| PathBuf::from(FORTUNES_DIR), PathBuf::from);
     let files = fortune_files(&dir)?;
+    let total = files.iter().map(|f| std::fs::metadata(f).map_or(0, |m| m.len())).fold(0u64, u64::saturating_add);
+    crate::memory::check_bytes(
+        &format!("reading {}", dir.display()),
+        total.saturating_mul(BYTES_PER_TEXT_BYTE),
+        format!("{} bytes of {} files, {BECOMES}", crate::units::count(total), files.len()),
+    )?;
     let mut text = Vec::new();
     for f in &files {
-        text.extend(std::fs::read(f).map_err(|e| Error::io(f, e))?);
+        text.extend(crate::fsutil::read_whole(f, 1, "the file's bytes")?);
     }
     split_text("fortunes", &text, context)
 }
@@ -65,7 +77,18 @@ pub fn fortune_files(dir: &Path) -> Result<Vec<PathBuf>> {
             ),
         )
     };
-    let entries = std::fs::read_dir(dir).map_err(|_| missing())?;
+    match std::fs::metadata(dir) {
+        Ok(m) if !m.is_dir() => {
+            let what = crate::safetensors_io::not_a_file(&m).unwrap_or("a file");
+            return Err(Error::format(
+                dir,
+                format!("is {what}, not a directory: point {FORTUNES_DIR_VAR} at a directory of fortune files"),
+            ));
+        }
+        Ok(_) => {}
+        Err(_) => return Err(missing()),
+    }
+    let entries = std::fs::read_dir(dir).map_err(|e| Error::io(dir, e))?;
     let mut files = Vec::new();
     for e in entries {
         let path = e.map_err(|e| Error::io(dir, e))?.path();
@@ -91,7 +114,8 @@ pub fn split_text(name: &str, bytes: &[u8], context: usize) -> Result<Splits> {
     }
     let cut = (bytes.len() as f64 * TRAIN_SHARE).floor() as usize;
     let tokens = |b: &[u8]| b.iter().map(|&t| u32::from(t)).collect::<Vec<u32>>();
-    let need = context + 1;
+    // In u128: a context near usize::MAX must not wrap the sizes said to 0.
+    let need = context as u128 + 1;
     let short = |part: &str, len: usize| {
         Error::Data {
         name: name.into(),
@@ -102,10 +126,10 @@ pub fn split_text(name: &str, bytes: &[u8], context: usize) -> Result<Splits> {
         ),
     }
     };
-    if cut < need {
+    if (cut as u128) < need {
         return Err(short("training", cut));
     }
-    if bytes.len() - cut < need {
+    if ((bytes.len() - cut) as u128) < need {
         return Err(short("validation", bytes.len() - cut));
     }
     let train = Dataset::windows(format!("{name} (training part)"), tokens(&bytes[..cut]), context, BYTE_VOCAB)?;
@@ -117,6 +141,19 @@ pub fn split_text(name: &str, bytes: &[u8], context: usize) -> Result<Splits> {
 mod tests {
     use super::*;
     use crate::train::Batch;
+
+    /// Issue 41: `--context 18446744073709551615` said "a window needs 0", the sizes
+    /// wrapped; they are said as they are (2^64, and ten times it).
+    #[test]
+    fn a_context_near_the_largest_integer_is_said_without_wrapping() {
+        let e = split_text("t", &[7u8; 100], usize::MAX).unwrap_err().to_string();
+        assert!(
+            e.contains("fewer than a window of 18446744073709551616 (a context of 18446744073709551615 and its next token); the text needs at least 184467440737095516160 bytes"),
+            "{e}"
+        );
+        let e = Dataset::windows("w", vec![1; 10], usize::MAX, 256).unwrap_err().to_string();
+        assert!(e.ends_with("10 tokens are too few for a context of 18446744073709551615: a window needs 18446744073709551615 tokens and the next one"), "{e}");
+    }
 
     #[test]
     fn a_text_is_cut_at_nine_tenths_and_its_windows_predict_the_next_byte() {
@@ -132,6 +169,11 @@ mod tests {
         let v = Batch::gather(val, &[5]);
         assert_eq!(v.x, [95.0, 96.0, 97.0, 98.0]);
         assert_eq!(v.y, [96, 97, 98, 99]);
+        // Drawn windows (held-out ones, `fit`) are the same windows, stored as bytes.
+        let drawn = val.subset("drawn", &[5, 0]);
+        assert_eq!(drawn.features(), &crate::data::Features::U8(vec![95, 96, 97, 98, 90, 91, 92, 93]));
+        let b = Batch::gather(&drawn, &[0, 1]);
+        assert_eq!(b.y, [96, 97, 98, 99, 91, 92, 93, 94]);
     }
 
     #[test]
@@ -146,10 +188,44 @@ mod tests {
     }
 
     #[test]
-    fn a_directory_is_not_a_text() {
-        let dir = std::env::temp_dir();
-        let e = load_text(&dir, 4).unwrap_err().to_string();
-        assert!(e.contains("is a directory"), "{e}");
+    fn a_directory_a_device_and_a_fifo_are_not_a_text() {
+        let dir = tempfile::tempdir().unwrap();
+        let e = load_text(dir.path(), 4).unwrap_err().to_string();
+        assert!(e.contains("is a directory, not a regular file"), "{e}");
+        // /dev/zero never ends: refused by its kind before a byte is read.
+        let e = load_text(Path::new("/dev/zero"), 4).unwrap_err().to_string();
+        assert_eq!(e, "/dev/zero: is a device, not a regular file: lockstep reads only regular files whole");
+        // A FIFO with no writer would block its opener forever: refused unopened.
+        let fifo = dir.path().join("pipe");
+        assert!(std::process::Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+        let e = load_text(&fifo, 4).unwrap_err().to_string();
+        assert!(e.ends_with("pipe: is a FIFO, not a regular file: lockstep reads only regular files whole"), "{e}");
+    }
+
+    #[test]
+    fn a_text_larger_than_memory_is_refused_before_it_is_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("sparse.txt");
+        // A 2^40-byte hole (1 TiB): each byte would become 5 bytes of memory, 5.5 TB.
+        std::fs::File::create(&file).unwrap().set_len(1 << 40).unwrap();
+        let e = load_text(&file, 4).unwrap_err().to_string();
+        assert!(e.contains(" needs an estimated 5.5 TB but "), "{e}");
+        assert!(e.contains("(1,099,511,627,776 bytes of file, each byte and its u32 token id)"), "{e}");
+    }
+
+    #[test]
+    fn a_fortunes_directory_that_is_a_file_is_said_so() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("fortunes.txt");
+        std::fs::write(&file, "a fortune").unwrap();
+        let e = fortune_files(&file).unwrap_err().to_string();
+        assert_eq!(
+            e,
+            format!(
+                "{}: is a file, not a directory: point LOCKSTEP_FORTUNES_DIR at a directory of fortune files",
+                file.display()
+            )
+        );
     }
 
     #[test]

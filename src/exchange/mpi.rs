@@ -82,7 +82,7 @@ use std::os::raw::c_int;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use mpi::ffi::MPI_Request;
-use parking_lot::{Mutex, RwLock};
+use parking_lot::{Mutex, RwLock, RwLockReadGuard};
 
 use super::codec::{Codec, Compression, BLOCK};
 use super::shm::SpinBarrier;
@@ -287,6 +287,122 @@ fn blocks(len: usize, chunks: &[Range<usize>], pieces: &[Range<usize>], max: usi
     out
 }
 
+impl Rounds {
+    /// One round when what it would bring each process — every other process's leaves
+    /// whole, `leaf_bytes` each — stays within [`GATHER_BELOW`], else two.
+    fn choose(leaves: &[Leaf], processes: usize, leaf_bytes: impl Fn(&Leaf) -> usize) -> Rounds {
+        let one_round = (0..processes)
+            .map(|p| leaves.iter().filter(|l| l.owner != p).map(&leaf_bytes).fold(0usize, usize::saturating_add))
+            .max()
+            .unwrap_or(0);
+        match one_round <= GATHER_BELOW {
+            true => Rounds::One,
+            false => Rounds::Two,
+        }
+    }
+}
+
+/// The leaves of the world's tree over `shards` logical replicas, `processes` owning
+/// consecutive equal runs of them; with a codec a leaf of one slot travels as its codes.
+fn world_leaves(shards: usize, processes: usize, coded: bool) -> Result<Vec<Leaf>> {
+    let per_process = shards / processes;
+    let owners: Vec<Range<usize>> = (0..processes).map(|q| q * per_process..(q + 1) * per_process).collect();
+    let leaves: Vec<Leaf> = tree::leaves(shards, &owners)
+        .into_iter()
+        .map(|r| Leaf {
+            owner: r.start / per_process,
+            travel: match coded && r.len() == 1 {
+                true => Travel::Codes,
+                false => Travel::F32,
+            },
+            shards: r,
+        })
+        .collect();
+    if leaves.len() > MAX_LEAVES {
+        return Err(Error::config(
+            "replicas",
+            format!("{shards} logical replicas make more partial sums than MPI tags"),
+        ));
+    }
+    Ok(leaves)
+}
+
+/// The most values a block carries for a slot of `len` values: [`EAGER_BLOCK`] for the
+/// smallest slots, else by transport; with a codec, whole codec blocks (at least one).
+fn block_len(len: usize, shared_memory: bool, coded: bool) -> usize {
+    let block = match (len <= EAGER_BELOW, shared_memory) {
+        (true, _) => EAGER_BLOCK,
+        (false, true) => BLOCK_SHARED,
+        (false, false) => BLOCK_NETWORK,
+    };
+    if coded {
+        (block / BLOCK).max(1) * BLOCK
+    } else {
+        block
+    }
+}
+
+impl Inbox {
+    /// Process `process`'s receive buffers over `range` of the slot (its chunk in two
+    /// rounds, all of it in one), of which the first `encoded` values are a codec's.
+    fn new(
+        leaves: &[Leaf],
+        process: usize,
+        range: Range<usize>,
+        codec: Option<Codec>,
+        encoded: usize,
+        rounds: Rounds,
+    ) -> Inbox {
+        let theirs = |l: &Leaf| l.owner != process;
+        Inbox {
+            values: leaves.iter().map(|l| if theirs(l) { vec![0.0; range.len()] } else { Vec::new() }).collect(),
+            codes: leaves
+                .iter()
+                .map(|l| match (codec, theirs(l) && l.travel == Travel::Codes) {
+                    (Some(c), true) => Codes::new(&c, clip(&range, encoded).len()),
+                    _ => Codes::default(),
+                })
+                .collect(),
+            sum: match (codec, rounds) {
+                (Some(c), Rounds::Two) => Codes::new(&c, encoded),
+                _ => Codes::default(),
+            },
+        }
+    }
+}
+
+/// Device 0's view of one sum's buffers while it runs the rounds: what it sends (read
+/// under their guards) and what it receives into and writes (cut block by block), each
+/// indexed by leaf `j` or block `i`; block `k` of `held` is the k-th this process sums.
+struct Views<'a> {
+    /// This process's slots, its leaves' partial sums (`MpiGroup::partial`), and the
+    /// codes of its slots that travel as codes.
+    slots: Vec<&'a [f32]>,
+    partial: Vec<Vec<&'a [f32]>>,
+    slot_codes: Vec<Option<&'a Codes>>,
+    /// The blocks this process sums, and the first element of the inbox's range.
+    held: Vec<usize>,
+    base: usize,
+    /// `inboxes[j][k]`: other process's leaf j over held block k (its f32 values).
+    inboxes: Vec<Vec<&'a mut [f32]>>,
+    /// `codes_in[j]`: for another process's leaf j that travels as codes, its codes
+    /// held block by held block, and its exponents.
+    codes_in: Vec<(Vec<&'a mut [u16]>, &'a mut [i8])>,
+    /// The whole sum block by block; with a codec in two rounds, its codes block by
+    /// block and (fp16) its exponents chunk by chunk.
+    sum_blocks: Vec<&'a mut [f32]>,
+    sum_codes: Vec<&'a mut [u16]>,
+    sum_exps: Vec<&'a mut [i8]>,
+    /// This process's leaves, the others', the others' that travel as codes, the other
+    /// processes.
+    mine: Vec<usize>,
+    theirs: Vec<usize>,
+    coded_theirs: Vec<usize>,
+    peers: Vec<usize>,
+    /// One codec block of each of `coded_theirs`, decoded.
+    scratch: Vec<Vec<f32>>,
+}
+
 impl<'w> MpiGroup<'w> {
     /// The exchange of this process of `world` for `devices` device threads, among
     /// `shards` logical replicas in the world, over slots of `len` values; its threads
@@ -313,39 +429,12 @@ impl<'w> MpiGroup<'w> {
                 ),
             ));
         }
-        let per_process = shards / processes;
-        let owners: Vec<Range<usize>> = (0..processes).map(|q| q * per_process..(q + 1) * per_process).collect();
         let encoded = codec.map_or(0, |c| c.encoded_len().min(len));
-        let leaves: Vec<Leaf> = tree::leaves(shards, &owners)
-            .into_iter()
-            .map(|r| Leaf {
-                owner: r.start / per_process,
-                travel: match codec.is_some() && r.len() == 1 {
-                    true => Travel::Codes,
-                    false => Travel::F32,
-                },
-                shards: r,
-            })
-            .collect();
-        if leaves.len() > MAX_LEAVES {
-            return Err(Error::config(
-                "replicas",
-                format!("{shards} logical replicas make more partial sums than MPI tags"),
-            ));
-        }
-        // What one round would bring each process: every other process's leaves whole.
-        let leaf_bytes = |l: &Leaf| match (l.travel, codec) {
+        let leaves = world_leaves(shards, processes, codec.is_some())?;
+        let rounds = Rounds::choose(&leaves, processes, |l| match (l.travel, codec) {
             (Travel::Codes, Some(c)) => coded_bytes(&c, encoded, 0..len),
             _ => 4 * len,
-        };
-        let one_round = (0..processes)
-            .map(|p| leaves.iter().filter(|l| l.owner != p).map(leaf_bytes).fold(0usize, usize::saturating_add))
-            .max()
-            .unwrap_or(0);
-        let rounds = match one_round <= GATHER_BELOW {
-            true => Rounds::One,
-            false => Rounds::Two,
-        };
+        });
         // With a codec, every chunk, piece and block begins on a codec block, so that a
         // chunk's or a block's sum is encoded as the whole sum's elements are (fp16's
         // exponents are per block) and each message's exponents are whole.
@@ -355,14 +444,7 @@ impl<'w> MpiGroup<'w> {
             Rounds::One => std::iter::once(0..len).collect(),
             Rounds::Two => cut(len, processes, align),
         };
-        let block = match (len <= EAGER_BELOW, mpi.shared_memory()) {
-            (true, _) => EAGER_BLOCK,
-            (false, true) => BLOCK_SHARED,
-            (false, false) => BLOCK_NETWORK,
-        };
-        let block = if codec.is_some() { (block / BLOCK).max(1) * BLOCK } else { block };
-        let blocks = blocks(len, &chunks, &pieces, block);
-        let mine = &owners[process];
+        let blocks = blocks(len, &chunks, &pieces, block_len(len, mpi.shared_memory(), codec.is_some()));
         let partial = leaves
             .iter()
             .map(|l| match l.owner == process && l.shards.len() > 1 {
@@ -374,25 +456,12 @@ impl<'w> MpiGroup<'w> {
             Rounds::One => 0..len,
             Rounds::Two => chunks[process].clone(),
         };
-        let theirs = |l: &Leaf| l.owner != process;
-        let inbox = Inbox {
-            values: leaves.iter().map(|l| if theirs(l) { vec![0.0; inbox_range.len()] } else { Vec::new() }).collect(),
-            codes: leaves
-                .iter()
-                .map(|l| match (codec, theirs(l) && l.travel == Travel::Codes) {
-                    (Some(c), true) => Codes::new(&c, clip(&inbox_range, encoded).len()),
-                    _ => Codes::default(),
-                })
-                .collect(),
-            sum: match (codec, rounds) {
-                (Some(c), Rounds::Two) => Codes::new(&c, encoded),
-                _ => Codes::default(),
-            },
-        };
+        let inbox = Inbox::new(&leaves, process, inbox_range, codec, encoded, rounds);
+        let mine = process * (shards / processes)..(process + 1) * (shards / processes);
         let slot_codes = mine
             .clone()
-            .map(|s| match (codec, leaves.iter().find(|l| l.shards.start == s && l.shards.len() == 1)) {
-                (Some(c), Some(_)) => Some(RwLock::new(Codes::new(&c, encoded))),
+            .map(|s| match (codec, leaves.iter().any(|l| l.shards == (s..s + 1))) {
+                (Some(c), true) => Some(RwLock::new(Codes::new(&c, encoded))),
                 _ => None,
             })
             .collect();
@@ -404,7 +473,7 @@ impl<'w> MpiGroup<'w> {
             per_device: shards / in_world,
             len,
             total: shards,
-            slots: mine.clone().map(|_| RwLock::new(vec![0.0; len])).collect(),
+            slots: mine.map(|_| RwLock::new(vec![0.0; len])).collect(),
             leaves,
             partial,
             pieces,
@@ -489,252 +558,328 @@ impl<'w> MpiGroup<'w> {
         result
     }
 
+    /// The sum's rounds between processes, device 0's part (the order below is the
+    /// order both sides post their messages in, which MPI matches in order for one
+    /// source and tag): every other process's leaves received, this process's sent,
+    /// the other chunks of the sum received (two rounds); then each block of this
+    /// process's chunk summed as soon as it is there and sent on; then every request
+    /// waited for and the others' chunks decoded.
+    ///
+    /// The buffers MPI is handed are this group's, held under the guards taken here
+    /// until every request has completed in a wait; if a wait gives up, the group is
+    /// abandoned and its buffers leaked (Drop), never freed under MPI. A buffer being
+    /// sent is not written until its send completes; a buffer being received into is
+    /// neither read nor written by anyone until its receive does.
     fn rounds_with(&self, port: &mut Port) -> Result<()> {
         let slot_guards: Vec<_> = self.slots.iter().map(|s| s.read()).collect();
         let partial_guards: Vec<Vec<_>> = self.partial.iter().map(|p| p.iter().map(|b| b.read()).collect()).collect();
         let code_guards: Vec<_> = self.slot_codes.iter().map(|c| c.as_ref().map(|c| c.read())).collect();
-        let slots: Vec<&[f32]> = slot_guards.iter().map(|g| g.as_slice()).collect();
-        let partial: Vec<Vec<&[f32]>> =
-            partial_guards.iter().map(|p| p.iter().map(|g| g.as_slice()).collect()).collect();
-        let slot_codes: Vec<Option<&Codes>> = code_guards.iter().map(|g| g.as_deref()).collect();
-        let mut guard = self.inbox.lock();
-        let inbox = &mut *guard;
+        let mut inbox = self.inbox.lock();
         let mut sum = self.sum.write();
-        let mut sum_blocks = split_blocks(&mut sum, &self.blocks);
+        let mut v = self.views(&slot_guards, &partial_guards, &code_guards, &mut inbox, &mut sum);
+        let mut arriving = self.receive_leaves(port, &mut v)?;
+        let mut rest = self.send_leaves(port, &v)?;
+        self.receive_sum(port, &mut v, &mut rest)?;
+        let aborted = || self.aborted.load(Ordering::Relaxed);
+        for (k, arriving) in arriving.iter_mut().enumerate() {
+            self.world.wait(port, arriving, self.wait, &aborted)?;
+            match &self.codec {
+                None => self.sum_block(port, &mut v, k, &mut rest)?,
+                Some(codec) => self.sum_block_coded(port, codec, &mut v, k, &mut rest)?,
+            }
+        }
+        if self.two_coded() && self.fp16() && !v.sum_exps[self.process].is_empty() {
+            for &q in &v.peers {
+                // SAFETY: this chunk's exponents are all written above, not again this step.
+                rest.push(unsafe { self.isend(port, &*v.sum_exps[self.process], q, TAG_SUM_EXPS)? });
+            }
+        }
+        self.world.wait(port, &mut rest, self.wait, &aborted)?;
+        self.decode_sum(&mut v);
+        Ok(())
+    }
+
+    /// True with a codec in two rounds: the sum's chunks travel as codes.
+    fn two_coded(&self) -> bool {
+        self.rounds == Rounds::Two && self.codec.is_some()
+    }
+
+    /// True with the fp16 codec, whose codes come with exponents.
+    fn fp16(&self) -> bool {
+        self.codec.is_some_and(|c| c.compression() == Compression::Fp16)
+    }
+
+    /// Device 0's views of the buffers under the guards of [`MpiGroup::rounds_with`].
+    fn views<'a>(
+        &self,
+        slot_guards: &'a [RwLockReadGuard<'_, Vec<f32>>],
+        partial_guards: &'a [Vec<RwLockReadGuard<'_, Vec<f32>>>],
+        code_guards: &'a [Option<RwLockReadGuard<'_, Codes>>],
+        inbox: &'a mut Inbox,
+        sum: &'a mut [f32],
+    ) -> Views<'a> {
         let e = self.encoded;
         let base = match self.rounds {
             Rounds::One => 0,
             Rounds::Two => self.chunks[self.process].start,
         };
         let held: Vec<usize> = (0..self.blocks.len()).filter(|&i| self.chunk_holds(&self.blocks[i])).collect();
-        let mut inboxes: Vec<Vec<&mut [f32]>> = (inbox.values.iter_mut().zip(&self.leaves))
+        let inboxes = (inbox.values.iter_mut().zip(&self.leaves))
             .map(|(v, leaf)| match leaf.owner == self.process {
                 true => Vec::new(),
                 false => split_from(v, base, &self.blocks, |b| self.chunk_holds(b)),
             })
             .collect();
-        // The codes of every other process's leaf that travels as codes, block by block
-        // of the held ones, and its exponents.
-        let mut codes_in: Vec<(Vec<&mut [u16]>, &mut [i8])> = (inbox.codes.iter_mut().zip(&self.leaves))
+        let codes_in = (inbox.codes.iter_mut().zip(&self.leaves))
             .map(|(c, leaf)| {
                 let coded = leaf.owner != self.process && leaf.travel == Travel::Codes;
                 let lens = held.iter().map(|&i| clip(&self.blocks[i].elems, e).len());
                 (split_lens(&mut c.half, coded.then_some(lens)), &mut c.exps[..])
             })
             .collect();
-        // The sum's codes (two rounds with a codec): block by block, exponents by chunk.
-        let two_coded = self.rounds == Rounds::Two && self.codec.is_some();
-        let fp16 = self.codec.is_some_and(|c| c.compression() == Compression::Fp16);
-        let (mut sum_codes, mut sum_exps) = {
+        let (sum_codes, sum_exps) = {
             let Codes { half, exps } = &mut inbox.sum;
             let lens = self.blocks.iter().map(|b| clip(&b.elems, e).len());
             let exp_lens = self.chunks.iter().map(|c| self.exps_of(c).len());
-            (split_lens(half, two_coded.then_some(lens)), split_lens(exps, (two_coded && fp16).then_some(exp_lens)))
+            let two_coded = self.two_coded();
+            (
+                split_lens(half, two_coded.then_some(lens)),
+                split_lens(exps, (two_coded && self.fp16()).then_some(exp_lens)),
+            )
         };
-        let mine: Vec<usize> = (0..self.leaves.len()).filter(|&j| self.leaves[j].owner == self.process).collect();
-        let theirs: Vec<usize> = (0..self.leaves.len()).filter(|&j| self.leaves[j].owner != self.process).collect();
+        let all = 0..self.leaves.len();
+        let theirs: Vec<usize> = all.clone().filter(|&j| self.leaves[j].owner != self.process).collect();
         let coded_theirs: Vec<usize> =
             theirs.iter().copied().filter(|&j| self.leaves[j].travel == Travel::Codes).collect();
-        // One codec block of each of them, decoded.
-        let mut scratch: Vec<Vec<f32>> = coded_theirs.iter().map(|_| vec![0.0; BLOCK]).collect();
-        let peers: Vec<usize> = (0..self.processes).filter(|&q| q != self.process).collect();
-        let tag = |j: usize| TAG_LEAF + j as c_int;
-        let tag_exps = |j: usize| TAG_LEAF_EXPS + j as c_int;
+        Views {
+            slots: slot_guards.iter().map(|g| g.as_slice()).collect(),
+            partial: partial_guards.iter().map(|p| p.iter().map(|g| g.as_slice()).collect()).collect(),
+            slot_codes: code_guards.iter().map(|g| g.as_deref()).collect(),
+            held,
+            base,
+            inboxes,
+            codes_in,
+            sum_blocks: split_blocks(sum, &self.blocks),
+            sum_codes,
+            sum_exps,
+            mine: all.filter(|&j| self.leaves[j].owner == self.process).collect(),
+            scratch: coded_theirs.iter().map(|_| vec![0.0; BLOCK]).collect(),
+            theirs,
+            coded_theirs,
+            peers: (0..self.processes).filter(|&q| q != self.process).collect(),
+        }
+    }
 
-        // The buffers MPI is handed below are this group's, held under the guards
-        // above until every request has completed in a wait; if a wait gives up, the
-        // group is abandoned and its buffers leaked (Drop), never freed under MPI. A
-        // buffer being sent is not written until its send completes; a buffer being
-        // received into is neither read nor written by anyone until its receive does.
-        // A leaf's messages, from its owner to each process, go in block order, each
-        // block's codes (if any) before its f32 values (if any): both sides post them in
-        // that order, which MPI matches in order (same source and tag).
-        // Every other process's leaves, block by block of this process's chunk.
-        let mut arriving: Vec<Vec<MPI_Request>> = (0..held.len()).map(|_| Vec::with_capacity(theirs.len())).collect();
-        for &j in &theirs {
+    /// Posts the receives of every other process's leaves, block by block of this
+    /// process's chunk (a block's codes, if any, before its f32 values, if any): the
+    /// requests of each held block, in `held` order (a leaf's fp16 exponents with the
+    /// first block, before any block is decoded).
+    fn receive_leaves(&self, port: &mut Port, v: &mut Views<'_>) -> Result<Vec<Vec<MPI_Request>>> {
+        let e = self.encoded;
+        let mut arriving: Vec<Vec<MPI_Request>> =
+            (0..v.held.len()).map(|_| Vec::with_capacity(v.theirs.len())).collect();
+        for &j in &v.theirs {
             let owner = self.leaves[j].owner;
-            let (codes, exps) = &mut codes_in[j];
+            let (codes, exps) = &mut v.codes_in[j];
             if self.leaves[j].travel == Travel::Codes && !exps.is_empty() {
                 // SAFETY: an inbox buffer, untouched until this receive completes (or leaked);
                 // waited for with the first block, before any block is decoded.
-                arriving[0].push(unsafe { port.irecv(exps, owner, tag_exps(j))? });
+                arriving[0].push(unsafe { port.irecv(exps, owner, TAG_LEAF_EXPS + j as c_int)? });
             }
-            for (k, (here, block)) in arriving.iter_mut().zip(inboxes[j].iter_mut()).enumerate() {
+            for (k, (here, block)) in arriving.iter_mut().zip(v.inboxes[j].iter_mut()).enumerate() {
                 let values = match self.leaves[j].travel {
                     Travel::F32 => &mut **block,
                     Travel::Codes => {
-                        let r = &self.blocks[held[k]].elems;
                         if !codes[k].is_empty() {
                             // SAFETY: as for the exponents.
-                            here.push(unsafe { port.irecv(&mut *codes[k], owner, tag(j))? });
+                            here.push(unsafe { port.irecv(&mut *codes[k], owner, TAG_LEAF + j as c_int)? });
                         }
-                        &mut block[clip(r, e).len()..]
+                        &mut block[clip(&self.blocks[v.held[k]].elems, e).len()..]
                     }
                 };
                 if !values.is_empty() {
                     // SAFETY: an inbox block, untouched until this receive completes (or leaked).
-                    here.push(unsafe { port.irecv(values, owner, tag(j))? });
+                    here.push(unsafe { port.irecv(values, owner, TAG_LEAF + j as c_int)? });
                 }
             }
         }
-        // This process's leaves, to every process that sums their blocks.
-        let mut rest = Vec::new();
-        for &q in &peers {
+        Ok(arriving)
+    }
+
+    /// Posts the sends of this process's leaves to every process that sums their
+    /// blocks (for each peer: its fp16 exponents, then block by block each leaf's codes
+    /// and f32 values); their requests.
+    fn send_leaves(&self, port: &mut Port, v: &Views<'_>) -> Result<Vec<MPI_Request>> {
+        let e = self.encoded;
+        let mut sent = Vec::new();
+        for &q in &v.peers {
             let sent_to_q = match self.rounds {
                 Rounds::One => 0..self.len,
                 Rounds::Two => self.chunks[q].clone(),
             };
-            for &j in mine.iter().filter(|&&j| fp16 && self.leaves[j].travel == Travel::Codes) {
-                let codes = self.codes_of(j, &slot_codes);
-                let exps = &codes.exps[self.exps_of(&sent_to_q)];
+            for &j in v.mine.iter().filter(|&&j| self.fp16() && self.leaves[j].travel == Travel::Codes) {
+                let exps = &self.codes_of(j, &v.slot_codes).exps[self.exps_of(&sent_to_q)];
                 if !exps.is_empty() {
                     // SAFETY: a slot's codes, only read (under its guard) this step.
-                    rest.push(unsafe { self.isend(port, exps, q, tag_exps(j))? });
+                    sent.push(unsafe { self.isend(port, exps, q, TAG_LEAF_EXPS + j as c_int)? });
                 }
             }
             for b in self.blocks.iter().filter(|b| self.rounds == Rounds::One || b.chunk == q) {
-                for &j in &mine {
+                for &j in &v.mine {
                     let values = match self.leaves[j].travel {
-                        Travel::F32 => self.own(j, b, &slots, &partial),
+                        Travel::F32 => self.own(j, b, &v.slots, &v.partial),
                         Travel::Codes => {
-                            let half = &self.codes_of(j, &slot_codes).half[clip(&b.elems, e)];
+                            let half = &self.codes_of(j, &v.slot_codes).half[clip(&b.elems, e)];
                             if !half.is_empty() {
                                 // SAFETY: a slot's codes, only read (under its guard) this step.
-                                rest.push(unsafe { self.isend(port, half, q, tag(j))? });
+                                sent.push(unsafe { self.isend(port, half, q, TAG_LEAF + j as c_int)? });
                             }
-                            &self.own(j, b, &slots, &partial)[half.len()..]
+                            &self.own(j, b, &v.slots, &v.partial)[half.len()..]
                         }
                     };
                     if !values.is_empty() {
                         // SAFETY: a slot or partial sum, only read (under its guard) this step.
-                        rest.push(unsafe { self.isend(port, values, q, tag(j))? });
+                        sent.push(unsafe { self.isend(port, values, q, TAG_LEAF + j as c_int)? });
                     }
                 }
             }
         }
-        // The other processes' summed chunks (two rounds).
-        if self.rounds == Rounds::Two {
-            for &q in &peers {
-                if two_coded && fp16 && !sum_exps[q].is_empty() {
-                    // SAFETY: process q's exponents, untouched until the receive completes.
-                    rest.push(unsafe { port.irecv(&mut *sum_exps[q], q, TAG_SUM_EXPS)? });
-                }
-                for i in (0..self.blocks.len()).filter(|&i| self.blocks[i].chunk == q) {
-                    let n = if two_coded { sum_codes[i].len() } else { 0 };
-                    if n > 0 {
-                        // SAFETY: as for the exponents.
-                        rest.push(unsafe { port.irecv(&mut *sum_codes[i], q, TAG_SUM)? });
-                    }
-                    if n < sum_blocks[i].len() {
-                        // SAFETY: a block of process q's chunk, which this process neither
-                        // reads nor writes until the receive completes (or leaks it).
-                        rest.push(unsafe { port.irecv(&mut sum_blocks[i][n..], q, TAG_SUM)? });
-                    }
-                }
-            }
+        Ok(sent)
+    }
+
+    /// In two rounds, posts the receives of the other processes' summed chunks (each
+    /// peer's fp16 exponents, then block by block its codes and f32 values) into `rest`.
+    fn receive_sum(&self, port: &mut Port, v: &mut Views<'_>, rest: &mut Vec<MPI_Request>) -> Result<()> {
+        if self.rounds != Rounds::Two {
+            return Ok(());
         }
-        // Each block of this process's chunk as soon as it is there: summed, sent on.
-        let aborted = || self.aborted.load(Ordering::Relaxed);
-        for (k, &i) in held.iter().enumerate() {
-            self.world.wait(port, &mut arriving[k], self.wait, &aborted)?;
-            let b = &self.blocks[i];
-            let Some(codec) = &self.codec else {
-                let values: Vec<(Range<usize>, &[f32])> = (0..self.leaves.len())
-                    .map(|j| {
-                        let v: &[f32] = match self.leaves[j].owner == self.process {
-                            true => self.own(j, b, &slots, &partial),
-                            false => &*inboxes[j][k],
-                        };
-                        (self.leaves[j].shards.clone(), v)
-                    })
-                    .collect();
-                tree::sum_leaves(self.total, &values, sum_blocks[i]);
-                if self.rounds == Rounds::Two {
-                    for &q in &peers {
-                        // SAFETY: this block is summed above and not written again this step.
-                        rest.push(unsafe { self.isend(port, &*sum_blocks[i], q, TAG_SUM)? });
-                    }
-                }
-                continue;
-            };
-            // With a codec, codec block by codec block, so that what is decoded, summed,
-            // encoded and decoded again stays in the cache: each leaf that came as codes
-            // decoded into scratch, the tree's top summed, the sum rounded to the codec
-            // (its codes kept, in two rounds, to be sent).
-            let n = clip(&b.elems, e).len();
-            let (mut one_half, mut one_exps) = ([0u16; BLOCK], [0i8; 1]);
-            for x in b.elems.clone().step_by(BLOCK) {
-                let sub = x..(x + BLOCK).min(b.elems.end);
-                let (at, enc) = (sub.start - b.elems.start, clip(&sub, e).len());
-                for (&j, scratch) in coded_theirs.iter().zip(scratch.iter_mut()) {
-                    let (codes, exps) = &codes_in[j];
-                    let exps = &exps[((sub.start - base) / BLOCK).min(exps.len())..];
-                    codec.decode_codes(&codes[k][at.min(n)..at.min(n) + enc], exps, 0, &mut scratch[..enc]);
-                    scratch[enc..sub.len()].copy_from_slice(&inboxes[j][k][at + enc..at + sub.len()]);
-                }
-                let values: Vec<(Range<usize>, &[f32])> = (0..self.leaves.len())
-                    .map(|j| {
-                        let v: &[f32] = match (self.leaves[j].owner == self.process, self.leaves[j].travel) {
-                            (true, _) => &self.own(j, b, &slots, &partial)[at..at + sub.len()],
-                            (false, Travel::F32) => &inboxes[j][k][at..at + sub.len()],
-                            (false, Travel::Codes) => {
-                                let slot = coded_theirs.iter().position(|&c| c == j).expect("a coded leaf");
-                                &scratch[slot][..sub.len()]
-                            }
-                        };
-                        (self.leaves[j].shards.clone(), v)
-                    })
-                    .collect();
-                let out = &mut sum_blocks[i][at..at + sub.len()];
-                tree::sum_leaves(self.total, &values, out);
-                if enc > 0 {
-                    let (half, exps): (&mut [u16], &mut [i8]) = match self.rounds {
-                        Rounds::Two => {
-                            let exps = match sum_exps.get_mut(self.process) {
-                                Some(exps) => {
-                                    let from = (self.block_exps(b) + at / BLOCK).min(exps.len());
-                                    &mut exps[from..]
-                                }
-                                None => &mut [][..], // bf16: no exponents
-                            };
-                            (&mut sum_codes[i][at..at + enc], exps)
-                        }
-                        Rounds::One => (&mut one_half[..enc], &mut one_exps[..]),
-                    };
-                    codec.encode_codes(&out[..enc], half, exps);
-                    codec.decode_codes(half, exps, 0, &mut out[..enc]);
-                }
+        for &q in &v.peers {
+            if self.two_coded() && self.fp16() && !v.sum_exps[q].is_empty() {
+                // SAFETY: process q's exponents, untouched until the receive completes.
+                rest.push(unsafe { port.irecv(&mut *v.sum_exps[q], q, TAG_SUM_EXPS)? });
             }
-            if self.rounds == Rounds::Two {
-                for &q in &peers {
-                    if n > 0 {
-                        // SAFETY: this block's codes are written above and not again this step.
-                        rest.push(unsafe { self.isend(port, &*sum_codes[i], q, TAG_SUM)? });
-                    }
-                    if n < sum_blocks[i].len() {
-                        // SAFETY: this block is summed above and not written again this step.
-                        rest.push(unsafe { self.isend(port, &sum_blocks[i][n..], q, TAG_SUM)? });
-                    }
+            for i in (0..self.blocks.len()).filter(|&i| self.blocks[i].chunk == q) {
+                let n = if self.two_coded() { v.sum_codes[i].len() } else { 0 };
+                if n > 0 {
+                    // SAFETY: as for the exponents.
+                    rest.push(unsafe { port.irecv(&mut *v.sum_codes[i], q, TAG_SUM)? });
                 }
-            }
-        }
-        if two_coded && fp16 && !sum_exps[self.process].is_empty() {
-            for &q in &peers {
-                // SAFETY: this chunk's exponents are all written above, not again this step.
-                rest.push(unsafe { self.isend(port, &*sum_exps[self.process], q, TAG_SUM_EXPS)? });
-            }
-        }
-        self.world.wait(port, &mut rest, self.wait, &aborted)?;
-        // The other processes' chunks of the sum, decoded (this process's own was rounded
-        // as it was summed, as were all of it in one round).
-        if let (Some(codec), Rounds::Two) = (&self.codec, self.rounds) {
-            for (i, b) in self.blocks.iter().enumerate().filter(|(_, b)| b.chunk != self.process) {
-                let exps = sum_exps.get(b.chunk).map_or(&[][..], |x| &x[self.block_exps(b).min(x.len())..]);
-                let n = sum_codes[i].len();
-                codec.decode_codes(sum_codes[i], exps, 0, &mut sum_blocks[i][..n]);
+                if n < v.sum_blocks[i].len() {
+                    // SAFETY: a block of process q's chunk, which this process neither
+                    // reads nor writes until the receive completes (or leaks it).
+                    rest.push(unsafe { port.irecv(&mut v.sum_blocks[i][n..], q, TAG_SUM)? });
+                }
             }
         }
         Ok(())
+    }
+
+    /// Held block `k`, every leaf of it there, summed in the tree's top and (two rounds)
+    /// sent on to every peer: without a codec.
+    fn sum_block(&self, port: &mut Port, v: &mut Views<'_>, k: usize, rest: &mut Vec<MPI_Request>) -> Result<()> {
+        let i = v.held[k];
+        let b = &self.blocks[i];
+        let values: Vec<(Range<usize>, &[f32])> = (0..self.leaves.len())
+            .map(|j| {
+                let x: &[f32] = match self.leaves[j].owner == self.process {
+                    true => self.own(j, b, &v.slots, &v.partial),
+                    false => &*v.inboxes[j][k],
+                };
+                (self.leaves[j].shards.clone(), x)
+            })
+            .collect();
+        tree::sum_leaves(self.total, &values, v.sum_blocks[i]);
+        if self.rounds == Rounds::Two {
+            for &q in &v.peers {
+                // SAFETY: this block is summed above and not written again this step.
+                rest.push(unsafe { self.isend(port, &*v.sum_blocks[i], q, TAG_SUM)? });
+            }
+        }
+        Ok(())
+    }
+
+    /// Held block `k` with a codec: codec block by codec block, so that what is decoded,
+    /// summed, encoded and decoded again stays in the cache — each leaf that came as
+    /// codes decoded into scratch, the tree's top summed, the sum rounded to the codec
+    /// (its codes kept, in two rounds, and sent on with its f32 tail).
+    fn sum_block_coded(
+        &self,
+        port: &mut Port,
+        codec: &Codec,
+        v: &mut Views<'_>,
+        k: usize,
+        rest: &mut Vec<MPI_Request>,
+    ) -> Result<()> {
+        let (e, i) = (self.encoded, v.held[k]);
+        let b = &self.blocks[i];
+        let n = clip(&b.elems, e).len();
+        let (mut one_half, mut one_exps) = ([0u16; BLOCK], [0i8; 1]);
+        for x in b.elems.clone().step_by(BLOCK) {
+            let sub = x..(x + BLOCK).min(b.elems.end);
+            let (at, enc) = (sub.start - b.elems.start, clip(&sub, e).len());
+            for (&j, scratch) in v.coded_theirs.iter().zip(v.scratch.iter_mut()) {
+                let (codes, exps) = &v.codes_in[j];
+                let exps = &exps[((sub.start - v.base) / BLOCK).min(exps.len())..];
+                codec.decode_codes(&codes[k][at.min(n)..at.min(n) + enc], exps, 0, &mut scratch[..enc]);
+                scratch[enc..sub.len()].copy_from_slice(&v.inboxes[j][k][at + enc..at + sub.len()]);
+            }
+            let values: Vec<(Range<usize>, &[f32])> = (0..self.leaves.len())
+                .map(|j| {
+                    let x: &[f32] = match (self.leaves[j].owner == self.process, self.leaves[j].travel) {
+                        (true, _) => &self.own(j, b, &v.slots, &v.partial)[at..at + sub.len()],
+                        (false, Travel::F32) => &v.inboxes[j][k][at..at + sub.len()],
+                        (false, Travel::Codes) => {
+                            let slot = v.coded_theirs.iter().position(|&c| c == j).expect("a coded leaf");
+                            &v.scratch[slot][..sub.len()]
+                        }
+                    };
+                    (self.leaves[j].shards.clone(), x)
+                })
+                .collect();
+            let out = &mut v.sum_blocks[i][at..at + sub.len()];
+            tree::sum_leaves(self.total, &values, out);
+            if enc > 0 {
+                let (half, exps): (&mut [u16], &mut [i8]) = match self.rounds {
+                    Rounds::Two => {
+                        let exps = match v.sum_exps.get_mut(self.process) {
+                            Some(exps) => {
+                                let from = (self.block_exps(b) + at / BLOCK).min(exps.len());
+                                &mut exps[from..]
+                            }
+                            None => &mut [][..], // bf16: no exponents
+                        };
+                        (&mut v.sum_codes[i][at..at + enc], exps)
+                    }
+                    Rounds::One => (&mut one_half[..enc], &mut one_exps[..]),
+                };
+                codec.encode_codes(&out[..enc], half, exps);
+                codec.decode_codes(half, exps, 0, &mut out[..enc]);
+            }
+        }
+        if self.rounds == Rounds::Two {
+            for &q in &v.peers {
+                if n > 0 {
+                    // SAFETY: this block's codes are written above and not again this step.
+                    rest.push(unsafe { self.isend(port, &*v.sum_codes[i], q, TAG_SUM)? });
+                }
+                if n < v.sum_blocks[i].len() {
+                    // SAFETY: this block is summed above and not written again this step.
+                    rest.push(unsafe { self.isend(port, &v.sum_blocks[i][n..], q, TAG_SUM)? });
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// With a codec in two rounds, the other processes' chunks of the sum decoded (this
+    /// process's own was rounded as it was summed, as was all of it in one round).
+    fn decode_sum(&self, v: &mut Views<'_>) {
+        let (Some(codec), Rounds::Two) = (&self.codec, self.rounds) else { return };
+        for (i, b) in self.blocks.iter().enumerate().filter(|(_, b)| b.chunk != self.process) {
+            let exps = v.sum_exps.get(b.chunk).map_or(&[][..], |x| &x[self.block_exps(b).min(x.len())..]);
+            let n = v.sum_codes[i].len();
+            codec.decode_codes(v.sum_codes[i], exps, 0, &mut v.sum_blocks[i][..n]);
+        }
     }
 
     /// The parameters (`0..np` of the slot) that process `q`'s devices own: their parts,

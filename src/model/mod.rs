@@ -38,4 +38,10 @@ pub const LAYER_TYPES: &[LayerType] = &[
     ops::PositionalEmbedding::SPEC,
     ops::CausalSelfAttention::SPEC,
     ops::Silu::SPEC,
+    ops::Sigmoid::SPEC,
+    ops::Tanh::SPEC,
+    ops::RmsNorm::SPEC,
+    ops::AvgPool2d::SPEC,
+    ops::Upsample2d::SPEC,
+    ops::Softmax::SPEC,
 ];

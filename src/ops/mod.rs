@@ -26,6 +26,7 @@
 //! `model::LAYER_TYPES` to all of it.
 
 pub mod attention;
+pub mod avgpool2d;
 pub mod batchnorm;
 #[cfg(test)]
 pub(crate) mod conformance;
@@ -44,13 +45,19 @@ pub mod maxpool2d;
 pub mod positional;
 pub mod relu;
 pub mod rescaling;
+pub mod rmsnorm;
+pub mod sigmoid;
 pub mod silu;
+pub mod softmax;
 pub mod spec;
+pub mod tanh;
+pub mod upsample;
 pub mod window;
 
 use std::ops::Range;
 
 pub use attention::CausalSelfAttention;
+pub use avgpool2d::AvgPool2d;
 pub use batchnorm::BatchNorm2d;
 pub use conv2d::Conv2d;
 pub use dropout::Dropout;
@@ -64,8 +71,13 @@ pub use maxpool2d::MaxPool2d;
 pub use positional::PositionalEmbedding;
 pub use relu::Relu;
 pub use rescaling::Rescaling;
+pub use rmsnorm::RmsNorm;
+pub use sigmoid::Sigmoid;
 pub use silu::Silu;
+pub use softmax::Softmax;
 pub use spec::{Activation, LayerType};
+pub use tanh::Tanh;
+pub use upsample::Upsample2d;
 pub use window::{Padding, Window2d};
 
 use crate::error::Result;

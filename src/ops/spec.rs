@@ -144,6 +144,12 @@ impl Activation {
     }
 }
 
+/// The refusal of a number that JSON holds but an f32 (what every layer computes in)
+/// cannot: finite as written, infinite once read.
+fn overflows_f32(name: &str, v: &Value) -> String {
+    format!("field '{name}' is out of range (got {v}): it overflows f32, whose largest magnitude is {:e}", f32::MAX)
+}
+
 /// The fields of one layer object, recording which ones were asked for so that the
 /// others can be reported as unknown, and what each resolved to (its default where
 /// absent) so that two objects that build the same layers compare equal.
@@ -215,7 +221,8 @@ impl<'a> Fields<'a> {
             (None, Some(d)) => Ok(d as f32),
             (None, None) => Err(format!("missing field '{name}' ({})", check.1)),
             (Some(v), _) => match v.as_f64() {
-                Some(x) if x.is_finite() && (x as f32).is_finite() && check.0(x) => Ok(x as f32),
+                Some(x) if x.is_finite() && !(x as f32).is_finite() => Err(overflows_f32(name, v)),
+                Some(x) if x.is_finite() && check.0(x) => Ok(x as f32),
                 _ => Err(format!("field '{name}' must be {} (got {v})", check.1)),
             },
         };
@@ -227,7 +234,8 @@ impl<'a> Fields<'a> {
         let r = match self.get(name) {
             None => Ok(None),
             Some(v) => match v.as_f64() {
-                Some(x) if x > 0.0 && x.is_finite() && (x as f32).is_finite() && x as f32 > 0.0 => Ok(Some(x as f32)),
+                Some(x) if x.is_finite() && !(x as f32).is_finite() => Err(overflows_f32(name, v)),
+                Some(x) if x > 0.0 && x.is_finite() && x as f32 > 0.0 => Ok(Some(x as f32)),
                 _ => Err(format!("field '{name}' must be a positive number (got {v})")),
             },
         };
@@ -285,6 +293,19 @@ impl<'a> Fields<'a> {
             )),
         };
         self.record("activation", r, |a| json!(a.name()))
+    }
+
+    /// `axis` of a layer that works along the last axis alone (Keras's RMSNormalization
+    /// and Softmax): -1, the default; another axis is refused by name.
+    pub fn last_axis(&mut self) -> FieldResult<i64> {
+        let r = match self.get("axis") {
+            None => Ok(-1),
+            Some(v) if v.as_i64() == Some(-1) => Ok(-1),
+            Some(v) => {
+                Err(format!("field 'axis' must be -1, the last axis, the only one this layer works along (got {v})"))
+            }
+        };
+        self.record("axis", r, |&a| json!(a))
     }
 
     /// `padding`: "valid" (the default), "same", or PyTorch's explicit pads: an integer

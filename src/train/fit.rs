@@ -87,6 +87,16 @@ pub fn train_data_parallel_with(
     let test = match test.filter(|t| t.stream().is_some()) {
         Some(t) => {
             let count = config.eval_batches.unwrap_or(DEFAULT_EVAL_BATCHES).saturating_mul(config.batch_size);
+            let (windows, bytes) = super::memory::held_out_windows(t, config);
+            crate::memory::check_bytes(
+                "drawing the held-out windows",
+                bytes,
+                format!(
+                    "{} windows of {} tokens (eval_batches × batch_size)",
+                    crate::units::count(windows),
+                    t.sample_shape().numel()
+                ),
+            )?;
             drawn = t.subset(t.name(), &scatter::eval_windows(t.len(), config.seed, count));
             Some(&drawn)
         }

@@ -99,6 +99,23 @@ pub fn training(model: &Sequential, devices: &Devices, config: &TrainConfig) -> 
     e
 }
 
+/// The windows a text run evaluates, drawn once from its held-out token stream `held`
+/// (`fit`: `eval_batches` × `batch_size` of them, each of `held`'s T tokens): their count
+/// and the bytes they take at the most. Drawn, each token is a stored id (one byte for a
+/// vocabulary up to 256, else an f32: `data::token_features`) and a u32 label
+/// (`Dataset::subset` copies them straight from the stream); at every evaluation the
+/// trainer gathers them all once more, as f32 inputs and u32 labels: 13 bytes a token for
+/// bytes, 16 past 256 ids. And each window's index, when it is drawn and when it is
+/// gathered, 8 bytes each time.
+pub(crate) fn held_out_windows(held: &crate::data::Dataset, config: &TrainConfig) -> (u64, u64) {
+    let windows = (config.eval_batches.unwrap_or(crate::train::DEFAULT_EVAL_BATCHES) as u64)
+        .saturating_mul(config.batch_size as u64);
+    let tokens = windows.saturating_mul(held.sample_shape().numel() as u64);
+    let stored = if held.num_classes() <= 256 { 1 } else { F32 };
+    let per_token = stored + 4 + (F32 + 4);
+    (windows, tokens.saturating_mul(per_token).saturating_add(windows.saturating_mul(16)))
+}
+
 /// What one GPU replica holds on its GPU: weights, gradients, optimiser state and one
 /// shard's activations (the CPU layers' count: the GPU's kernels keep the same tensors),
 /// and with 16-bit gradients its exchange's wires: every one of the `r` logical

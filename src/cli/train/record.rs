@@ -31,7 +31,9 @@ use crate::cli::text::GptArgs;
 use crate::cli::*;
 
 /// The format of the record this lockstep writes, and the only one it reads: a change to
-/// what [`RunRecord`] holds is a new format.
+/// what [`RunRecord`] holds is a new format, but for a field that only adds what older
+/// records lack and means nothing else when absent (`written_in`), which keeps the runs
+/// in progress resumable.
 pub(crate) const FORMAT: u64 = 1;
 
 /// How a run is configured, as its checkpoints record it (`lockstep.run`, JSON):
@@ -83,6 +85,13 @@ struct CliChoices {
     /// was started to.
     save: Option<PathBuf>,
     save_dtype: Option<SaveDtypeName>,
+    /// The checkpoint directory the record's checkpoints were written in, canonical: a
+    /// resume from anywhere else is of a copy (or a move), whose `--save` and
+    /// `--save-best` would replace the original run's files unless given anew. Absent from
+    /// the records written before it (the format is the same: a record without it reads,
+    /// and is not checked).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    written_in: Option<PathBuf>,
 }
 
 /// How a run's length is counted.
@@ -120,10 +129,17 @@ impl RunRecord {
             keep_checkpoints: args.checkpoints.keep_checkpoints,
             save_dtype: save.as_ref().map(|_| args.outputs.save_dtype),
             save,
+            written_in: None,
         };
         // The run's state and handles are not configuration (`TrainConfig` skips them).
         let train = TrainConfig { initial: None, resume: None, checkpoint: None, stop: None, ..config.clone() };
         RunRecord { format: FORMAT, train, cli }
+    }
+
+    /// The record of checkpoints written in `dir`.
+    pub(crate) fn written_in(mut self, dir: &Path) -> RunRecord {
+        self.cli.written_in = Some(std::fs::canonicalize(dir).unwrap_or_else(|_| dir.to_path_buf()));
+        self
     }
 
     /// The record as the checkpoint stores it. Through its text, so that an f32 is
@@ -153,6 +169,33 @@ impl RunRecord {
         }
         serde_json::from_value(value)
             .map_err(|e| Failure::usage(anyhow!("{}: its run record does not read: {e}", path.display())))
+    }
+
+    /// A resume of `dir`, which is not where the record's checkpoints were written (a
+    /// copy of the run's directory, or the directory moved), is refused while it would
+    /// write the run's `--save` or `--save-best` taken from the record: the original
+    /// run's files, which a copy must not replace (nor, after a move, can it tell whose
+    /// they are). Given on the command line, they are this run's own choice.
+    fn check_copy(&self, dir: &Path, given: &BTreeSet<String>) -> CliResult {
+        let Some(written_in) = &self.cli.written_in else { return Ok(()) };
+        let here = std::fs::canonicalize(dir).unwrap_or_else(|_| dir.to_path_buf());
+        if here == *written_in {
+            return Ok(());
+        }
+        let outputs = [("save", &self.cli.save), ("save_best", &self.train.save_best)];
+        let Some((id, path)) =
+            outputs.iter().find_map(|(id, p)| p.as_ref().filter(|_| !given.contains(*id)).map(|p| (*id, p)))
+        else {
+            return Ok(());
+        };
+        let f = flag(id);
+        Err(Failure::usage(anyhow!(
+            "--resume '{}': its checkpoints were written in '{}', so this is a copy of that run's directory (or it was moved), and the run's {f} '{}' is the original run's file: give {f} FILE for this run's own output (the same path, to replace that file), or resume '{}' itself",
+            dir.display(),
+            written_in.display(),
+            path.display(),
+            written_in.display()
+        )))
     }
 
     /// `args` completed with this record: the problems with the flags `given`, in the
@@ -198,14 +241,14 @@ impl RunRecord {
         r.take("optimizer", &mut o.optimizer, Some(OptimizerName::of(&t.optimizer)));
         r.take("lr", &mut o.lr, Some(t.optimizer.lr()));
         r.take("lr_schedule", &mut o.lr_schedule, Some(ScheduleName::of(t.schedule)));
-        r.take_if("momentum", &mut o.momentum, sgd.map(|(momentum, _)| momentum));
+        r.take_if("momentum", &mut o.momentum, sgd.map(|(momentum, _)| Some(momentum)));
         r.take_if("nesterov", &mut o.nesterov, sgd.map(|(_, nesterov)| nesterov));
         r.take("weight_decay", &mut o.weight_decay, Some(t.optimizer.weight_decay()));
         r.take("weight_decay_on", &mut o.weight_decay_on, DecayOnName::of(t.weight_decay_on));
         r.take("warmup_steps", &mut o.warmup_steps, Some(t.warmup_steps));
         r.take("clip_grad_norm", &mut o.clip_grad_norm, t.clip_grad_norm);
-        r.take_if("adam_eps", &mut o.adam_eps, adam.map(|(_, _, eps)| eps));
-        r.take_if("adam_beta1", &mut o.adam_beta1, adam.map(|(beta1, _, _)| beta1));
+        r.take_if("adam_eps", &mut o.adam_eps, adam.map(|(_, _, eps)| Some(eps)));
+        r.take_if("adam_beta1", &mut o.adam_beta1, adam.map(|(beta1, _, _)| Some(beta1)));
         r.take_if("adam_beta2", &mut o.adam_beta2, adam.map(|(_, beta2, _)| Some(beta2)));
         let l = &mut args.length;
         r.take_if("epochs", &mut l.epochs, (c.counted_in == CountedIn::Epochs).then_some(Some(t.epochs)));
@@ -322,11 +365,16 @@ pub(crate) const MAY_CHANGE: [&str; 19] = [
 
 /// `args` completed with the record of the run in `dir` (see the rule above): the flags
 /// `given` on the command line are compared with it, the others take its values.
-pub(crate) fn restore(args: &mut TrainArgs, given: &BTreeSet<String>, dir: &Path) -> CliResult {
+/// Process 0 (`voice`), which writes the outputs, also refuses to resume a copy of the
+/// run's directory onto the original run's output files ([`check_copy`]).
+pub(crate) fn restore(args: &mut TrainArgs, given: &BTreeSet<String>, dir: &Path, voice: bool) -> CliResult {
     // A checkpoint that keeps no record (one a program of its own wrote through the
     // library): the flags given decide, and the configuration check on loading compares
     // what it can.
     let Some(record) = newest_record(dir, args.checkpoints.resume_fallback)? else { return Ok(()) };
+    if voice {
+        record.check_copy(dir, given)?;
+    }
     let problems = record.restore_onto(args, given);
     if problems.is_empty() {
         return Ok(());
@@ -540,7 +588,7 @@ mod tests {
         let (train, test) = (train.display(), test.display());
         let text = concat!(env!("CARGO_MANIFEST_DIR"), "/README.md");
         let toy = "--model=toy --data=toy-enlarged --classes=2 --epochs=2 --steps=9 --batch-size=4 \
-            --optimizer=sgd --lr=0.1 --lr-schedule=cosine --momentum=0.9 --nesterov --weight-decay=5e-4 \
+            --optimizer=sgd --lr=0.1 --lr-schedule=constant --momentum=0.9 --nesterov --weight-decay=5e-4 \
             --weight-decay-on=all --warmup-steps=3 --clip-grad-norm=0.5 --seed=7 --devices=cpu:2 \
             --replicas=4 --check-replicas-every=3 --checkpoint-dir=ck --checkpoint-every=4 \
             --keep-checkpoints=5 --no-shuffle --drop-last --allow-nonfinite --accumulate=2 \

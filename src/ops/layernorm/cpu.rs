@@ -50,7 +50,7 @@ pub const ROW_CHUNK: usize = 64;
 
 /// The sum of 32 lane sums, by the fixed tree (module docs).
 #[inline(always)]
-fn lane_tree(mut acc: [f64; LANES]) -> f64 {
+pub fn lane_tree(mut acc: [f64; LANES]) -> f64 {
     let mut s = LANES / 2;
     while s > 0 {
         for t in 0..s {
@@ -63,7 +63,7 @@ fn lane_tree(mut acc: [f64; LANES]) -> f64 {
 
 /// Σ f(v) over a row in the lanes' order (module docs).
 #[inline(always)]
-fn lane_sum(row: &[f32], f: impl Fn(f32) -> f64) -> f64 {
+pub fn lane_sum(row: &[f32], f: impl Fn(f32) -> f64) -> f64 {
     let mut acc = [0.0f64; LANES];
     let mut chunks = row.chunks_exact(LANES);
     for chunk in &mut chunks {
