@@ -318,13 +318,12 @@ impl Observer for Progress {
 /// [`JsonLines::epoch_object`]). Each line is written whole with one `write_all`.
 pub struct JsonLines<W: Write> {
     out: W,
-    steps_done: u64,
     error: Option<std::io::Error>,
 }
 
 impl<W: Write> JsonLines<W> {
     pub fn new(out: W) -> JsonLines<W> {
-        JsonLines { out, steps_done: 0, error: None }
+        JsonLines { out, error: None }
     }
 
     /// `{"kind":"step","step","epoch","loss","accuracy","samples","samples_per_sec",
@@ -409,12 +408,13 @@ impl<W: Write> JsonLines<W> {
 
 impl<W: Write> Observer for JsonLines<W> {
     fn on_step(&mut self, e: &StepEvent<'_>) {
-        self.steps_done = e.report.step + 1;
         self.emit(&Self::step_object(e));
     }
 
     fn on_epoch(&mut self, e: &EpochReport) {
-        self.emit(&Self::epoch_object(e, self.steps_done));
+        // The report's own count: a run resumed at an epoch's evaluation ends that epoch
+        // before any step of its own.
+        self.emit(&Self::epoch_object(e, e.step_at_end));
     }
 
     fn on_evaluation(&mut self, e: &EvaluationReport) {
@@ -537,7 +537,7 @@ impl<W: Write> Observer for CsvMetrics<W> {
         let _ = writeln!(
             self.pending,
             "epoch,{},{},{},{},{vl},{va},{tl},{ta},{best},{}",
-            self.steps_done,
+            e.step_at_end,
             e.epoch + 1,
             e.train.mean_loss(),
             e.train.accuracy(),
@@ -732,7 +732,8 @@ mod tests {
         let e = &lines[1];
         assert_eq!(e["kind"], "epoch");
         assert_eq!(e["epoch"], 2);
-        assert_eq!(e["step"], 5);
+        // The epoch's own count of steps at its end (`epoch`'s `step_at_end`).
+        assert_eq!(e["step"], 6);
         assert!(close(&e["train_loss"], 0.4) && close(&e["train_accuracy"], 0.9));
         // The held-out set is the test split here: test_*, and no val_*.
         assert!(close(&e["test_loss"], 0.3) && close(&e["test_accuracy"], 0.9));
@@ -763,7 +764,8 @@ mod tests {
         c.on_evaluation(&EvaluationReport { set: crate::train::HeldOut::Test, step: 9, metrics: m });
         let text = String::from_utf8(c.finish().unwrap()).unwrap();
         let rows: Vec<&str> = text.lines().collect();
-        assert_eq!(rows[1], "epoch,0,2,0.4,0.9,0.3,0.9,,,1,200");
+        // Step 6: the epoch's `step_at_end`, with no step row before it.
+        assert_eq!(rows[1], "epoch,6,2,0.4,0.9,0.3,0.9,,,1,200");
         assert_eq!(rows[2], "test,9,,,,,,0.2,0.8,,");
         assert_eq!(
             epoch_line(&validated(), "validation"),
@@ -801,9 +803,10 @@ mod tests {
         assert_eq!(lines[0], CSV_HEADER);
         // Values from `report` and `epoch`, see their docs.
         assert_eq!(lines[1], "step,5,2,0.5,0.75,,,,,,3200");
-        // The held-out set is the test split: its cells are test_*, and best is 0.
-        assert_eq!(lines[2], "epoch,5,2,0.4,0.9,,,0.3,0.9,0,200");
-        assert_eq!(lines[3], "epoch,5,2,0.4,0.9,,,,,,200");
+        // The held-out set is the test split: its cells are test_*, and best is 0; the
+        // step is the epoch's own `step_at_end`, 6.
+        assert_eq!(lines[2], "epoch,6,2,0.4,0.9,,,0.3,0.9,0,200");
+        assert_eq!(lines[3], "epoch,6,2,0.4,0.9,,,,,,200");
         assert_eq!(lines.len(), 4);
     }
 

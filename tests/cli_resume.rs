@@ -148,6 +148,113 @@ fn ctrl_c_and_sigterm_finish_the_step_write_a_checkpoint_and_exit_128_plus_the_s
     }
 }
 
+/// Issue 41: SIGTERM during a long held-out evaluation waited for its end (24 s, near the
+/// 30 s a scheduler gives before SIGKILL). The evaluation gives way within a chunk: the run
+/// exits 143 at once with the checkpoint of its last step, and the resumed run does the
+/// evaluation first (its report is the uninterrupted run's, to the last digit), then ends
+/// with bitwise the uninterrupted run's weights. A small GPT evaluated on 3,000 batches
+/// of 8 windows after steps 5 and 10: each evaluation lasts about 1.5 s on this project's
+/// development machine, a step about a millisecond.
+#[test]
+fn sigterm_during_a_long_evaluation_stops_it_checkpoints_and_resumes_bitwise() {
+    let (_guard, dir) = tmp();
+    let (full, resumed, ck) = (dir.join("full.safetensors"), dir.join("resumed.safetensors"), dir.join("ck"));
+    let text = format!("text:{}", concat!(env!("CARGO_MANIFEST_DIR"), "/README.md"));
+    let gpt = |extra: &[&str]| {
+        let mut c = bin();
+        c.args(["train", "--model", "gpt", "--data", &text, "--batch-size", "8", "--layers", "1", "--width", "32"])
+            .args(["--heads", "2", "--context", "16", "--eval-every", "5", "--eval-batches", "3000", "--steps", "10"])
+            .args(["--devices", "cpu:2", "--log-format", "json"])
+            .args(extra)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        c
+    };
+    // Reads `child`'s JSON lines up to the one that starts with `prefix`, and when it came.
+    let read_to = |lines: &mut dyn Iterator<Item = String>, prefix: &str| -> (String, Instant) {
+        for line in lines {
+            if line.starts_with(prefix) {
+                return (line, Instant::now());
+            }
+        }
+        panic!("no line {prefix}")
+    };
+    let lines = |child: &mut std::process::Child| {
+        let out = std::io::BufReader::new(child.stdout.take().unwrap());
+        std::io::BufRead::lines(out).map(|l| l.unwrap())
+    };
+
+    // Uninterrupted: how long the first evaluation lasts, and what it reports.
+    let mut child = gpt(&["--save", full.to_str().unwrap()]).spawn().unwrap();
+    let mut out = lines(&mut child);
+    let (_, stepped) = read_to(&mut out, r#"{"kind":"step","step":5,"#);
+    let (first_epoch, evaluated) = read_to(&mut out, r#"{"kind":"epoch","epoch":1,"#);
+    let evaluation = evaluated - stepped;
+    out.for_each(drop);
+    let o = child.wait_with_output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+
+    // SIGTERM as step 5's evaluation begins.
+    let mut child = gpt(&["--checkpoint-dir", ck.to_str().unwrap(), "--checkpoint-every", "1000"]).spawn().unwrap();
+    let mut out = lines(&mut child);
+    read_to(&mut out, r#"{"kind":"step","step":5,"#);
+    let signalled = Instant::now();
+    assert!(Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap().success());
+    let rest: Vec<String> = out.collect();
+    let o = child.wait_with_output().unwrap();
+    let took = signalled.elapsed();
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(143), "{stderr}");
+    let checkpoint = ck.join("checkpoint-000000000005.safetensors");
+    let said = format!("lockstep: interrupted by SIGTERM after step 5; checkpoint written to {}", checkpoint.display());
+    assert!(stderr.lines().any(|l| l == said), "{stderr}");
+    assert!(rest.is_empty(), "the stopped evaluation reports nothing: {rest:?}");
+    // A forward pass of 4 windows and a checkpoint of 0.3 MB: milliseconds, against the
+    // whole evaluation's seconds. A third of it leaves room for a loaded machine.
+    assert!(took < evaluation / 3, "exited {took:?} after SIGTERM; the evaluation lasts {evaluation:?}");
+
+    // Resumed: the evaluation of step 5 first, as the uninterrupted run reported it.
+    let mut child = gpt(&["--resume", ck.to_str().unwrap(), "--save", resumed.to_str().unwrap()]).spawn().unwrap();
+    let mut out = lines(&mut child);
+    let (epoch, _) = read_to(&mut out, r#"{"kind":"epoch","epoch":1,"#);
+    let scores = |l: &str| l.split(r#""best""#).next().unwrap().to_string();
+    assert_eq!(scores(&epoch), scores(&first_epoch), "the resumed evaluation differs");
+    out.for_each(drop);
+    let o = child.wait_with_output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(tensors(&full) == tensors(&resumed), "resumed weights differ from the uninterrupted run's");
+}
+
+/// Issue 41: SIGUSR1 prints the flight recorder (each device's state and last collective
+/// calls) to stderr and the run goes on to its end, exit 0, every step taken.
+#[test]
+fn sigusr1_prints_the_flight_recorder_and_the_run_goes_on() {
+    let mut child = bin()
+        .args(["train", "--steps", "150", "--devices", "cpu:2", "--log-format", "json"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = std::io::BufRead::lines(std::io::BufReader::new(child.stdout.take().unwrap())).map(|l| l.unwrap());
+    // Training has begun (the recorder is listed): the first step's line.
+    assert!(lines.any(|l| l.starts_with(r#"{"kind":"step","step":1,"#)), "no first step");
+    assert!(Command::new("kill").args(["-USR1", &child.id().to_string()]).status().unwrap().success());
+    let last = lines.filter(|l| l.starts_with(r#"{"kind":"step""#)).last().unwrap_or_default();
+    let o = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{stderr}");
+    assert!(last.starts_with(r#"{"kind":"step","step":150,"#), "{last}");
+    assert!(stderr.contains("trained 150 steps"), "{stderr}");
+    assert_eq!(stderr.matches("lockstep: flight recorder (SIGUSR1), ").count(), 1, "{stderr}");
+    for device in ["cpu:0", "cpu:1"] {
+        // In a sum, or between two: either way its state, then its calls (a sum a step).
+        let state = format!("lockstep: {device}: in ");
+        assert!(stderr.lines().any(|l| l.starts_with(&state)), "{stderr}");
+        assert!(stderr.contains(&format!("lockstep: {device}'s last ")), "{stderr}");
+    }
+    assert!(stderr.contains(" sum ") && stderr.contains(" kB at "), "{stderr}");
+}
+
 /// `--time-limit`: the run stops at the step boundary past its time, writes its checkpoint,
 /// says how to go on and exits 75 (EX_TEMPFAIL); resumed, it ends with the weights of
 /// the run never stopped. A value that is no duration is refused, quoted.

@@ -188,3 +188,41 @@ fn a_panic_is_said_once_with_a_backtrace_only_when_asked() {
     assert!(!traced.contains("thread '"), "the standard hook printed: {traced}");
     assert!(traced.contains("backtrace of the panic:\n"), "{traced}");
 }
+
+/// Issue 41: a fault prints the flight recorder, every device's last collective calls, so
+/// that which device never came, and where the others waited, is plain. Device 2 fails in
+/// the forward pass of step 6 (0-based 5): its last call is step 5's sum, which ended;
+/// devices 0, 1 and 3 were in step 6's sum, which the abort made fail. Run in a child
+/// process (this test, again), whose stderr is all that it printed.
+#[test]
+fn a_fault_prints_every_devices_last_collective_calls() {
+    const CHILD: &str = "LOCKSTEP_TEST_RECORDER_CHILD";
+    if std::env::var_os(CHILD).is_some() {
+        let (err, _) = run_with_fault(Phase::Forward, How::Error);
+        eprintln!("error: {err}");
+        return;
+    }
+    let _one = ONE_AT_A_TIME.lock();
+    let exe = std::env::current_exe().unwrap();
+    let o = std::process::Command::new(exe)
+        .args(["--exact", "a_fault_prints_every_devices_last_collective_calls", "--nocapture"])
+        .env(CHILD, "1")
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{o:?}");
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(stderr.matches("lockstep: flight recorder (the run failed), ").count(), 1, "{stderr}");
+    let state = |device: &str| {
+        let start = format!("lockstep: {device}: ");
+        stderr.lines().find_map(|l| l.strip_prefix(start.as_str())).unwrap_or_else(|| panic!("{stderr}")).to_string()
+    };
+    assert!(state("cpu:2").starts_with("in no collective call; its last, the sum of step 5, ended "), "{stderr}");
+    for device in ["cpu:0", "cpu:1", "cpu:3"] {
+        assert!(state(device).starts_with("in no collective call; its last, the sum of step 6, failed "), "{stderr}");
+        // Its calls, oldest first: steps 1 to 6 (a sum each), the last failed.
+        assert!(stderr.contains(&format!("lockstep: {device}'s last 6 collective calls, oldest first:")), "{stderr}");
+    }
+    assert!(stderr.contains("lockstep: cpu:2's last 5 collective calls, oldest first:"), "{stderr}");
+    // The recorder comes before the error the run returns.
+    assert!(stderr.find("flight recorder") < stderr.find("error: cpu:2, step 6: "), "{stderr}");
+}

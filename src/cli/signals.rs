@@ -6,8 +6,12 @@
 //! checkpoint: that write is abandoned and its temporary file removed.
 //!
 //! Under an MPI launcher, Ctrl-C on `mpirun` reaches every process as SIGTERM (mpirun
-//! cannot forward SIGINT, and exits at once), and SIGUSR1, which mpirun forwards and then
-//! waits for, is caught too (exit 138): the processes stop at a step they agree on.
+//! cannot forward SIGINT, and exits at once), and SIGUSR2, which mpirun forwards and then
+//! waits for, is caught too (exit 140): the processes stop at a step they agree on.
+//!
+//! SIGUSR1 stops nothing: it prints the flight recorder of the run in progress (each
+//! device's last collective calls, `train::flight`) to stderr, and the run goes on. Under
+//! `mpirun`, which forwards it, every process prints its own.
 //!
 //! Why `signal-hook` and not `ctrlc`: ctrlc runs one handler for every signal it
 //! catches without saying which arrived, and the two exit codes differ. The signals are
@@ -19,7 +23,7 @@ use std::sync::Arc;
 
 use std::io::Write as _;
 
-use signal_hook::consts::{SIGINT, SIGTERM, SIGUSR1};
+use signal_hook::consts::{SIGINT, SIGTERM, SIGUSR1, SIGUSR2};
 use signal_hook::iterator::Signals;
 
 /// Whether this process is one of several started by an MPI launcher.
@@ -36,20 +40,24 @@ pub(crate) struct StopSignals {
 }
 
 impl StopSignals {
-    /// Catches SIGINT and SIGTERM from now on (and SIGUSR1 for a process launched with
-    /// others). Where the handlers cannot be installed the run goes on with the default
-    /// behaviour (the signal kills it), said once.
+    /// Catches SIGINT and SIGTERM from now on (and SIGUSR2 for a process launched with
+    /// others), and SIGUSR1, which prints the flight recorder. Where the handlers cannot be
+    /// installed the run goes on with the default behaviour (the signal kills it), said once.
     pub(crate) fn install(launched: Launched) -> StopSignals {
         let stop = Arc::new(AtomicBool::new(false));
         let received = Arc::new(AtomicI32::new(0));
         let caught: &[i32] = match launched {
-            Launched::Alone => &[SIGINT, SIGTERM],
-            Launched::Together => &[SIGINT, SIGTERM, SIGUSR1],
+            Launched::Alone => &[SIGINT, SIGTERM, SIGUSR1],
+            Launched::Together => &[SIGINT, SIGTERM, SIGUSR1, SIGUSR2],
         };
         let watch = Signals::new(caught).and_then(|mut signals| {
             let (stop, received) = (Arc::clone(&stop), Arc::clone(&received));
             std::thread::Builder::new().name("lockstep-signals".into()).spawn(move || {
                 for signal in signals.forever() {
+                    if signal == SIGUSR1 {
+                        crate::train::flight::dump_live("SIGUSR1");
+                        continue;
+                    }
                     if stop.swap(true, Ordering::SeqCst) {
                         // At once, from this thread (the run's may be inside a long
                         // write): the checkpoint being written is abandoned, its
@@ -79,7 +87,7 @@ impl StopSignals {
         StopSignals { stop, received }
     }
 
-    /// The signal that stopped the run (SIGINT or SIGTERM), if one did.
+    /// The signal that stopped the run (SIGINT, SIGTERM or SIGUSR2), if one did.
     pub(crate) fn received(&self) -> Option<i32> {
         Some(self.received.load(Ordering::SeqCst)).filter(|&s| s != 0)
     }
@@ -94,7 +102,7 @@ impl StopSignals {
         match signal {
             SIGINT => "SIGINT",
             SIGTERM => "SIGTERM",
-            SIGUSR1 => "SIGUSR1",
+            SIGUSR2 => "SIGUSR2",
             _ => "a signal",
         }
     }

@@ -141,7 +141,11 @@ pub struct TrainConfig {
     /// Write the weights of every epoch whose held-out loss is the best so far here
     /// (atomically; Keras's `ModelCheckpoint(save_best_only=True)`). Needs a held-out set.
     pub save_best: Option<PathBuf>,
-    /// Samples per forward pass in evaluation.
+    /// Samples per forward pass in evaluation, at most (the memory estimate counts a pass
+    /// of this many). The evaluation after each epoch of
+    /// [`train_data_parallel`](crate::train::train_data_parallel) takes no more than the
+    /// rows of one training forward pass ([`TrainConfig::epoch_eval_chunk`]), so that it
+    /// reuses the memory the steps allocate and adds none of its own.
     pub eval_batch: usize,
     /// Global batches the loader may gather ahead of the step being trained.
     pub prefetch: usize,
@@ -178,6 +182,20 @@ pub struct TrainConfig {
 pub const DEFAULT_EVAL_EVERY: usize = 250;
 /// Batches of held-out windows per evaluation: nanoGPT's CPU recipe's `eval_iters`.
 pub const DEFAULT_EVAL_BATCHES: usize = 20;
+
+impl TrainConfig {
+    /// Samples per forward pass of the evaluation after each epoch, with `replicas` logical
+    /// replicas: `eval_batch`, but no more than one training forward pass's rows (a
+    /// logical replica's shard of the batch, ÷ `accumulate`). Tensors of the sizes the
+    /// steps allocate are what the allocator holds for them already; passes of 512 windows
+    /// made the GPT's resident memory grow at each of the first evaluations (the
+    /// allocator keeping each pass's attention scores and MLP), to 1.7× the run's
+    /// estimate with 600 windows a device (issue 41).
+    pub fn epoch_eval_chunk(&self, replicas: usize) -> usize {
+        let shard = self.batch_size.div_ceil(replicas.max(1));
+        self.eval_batch.min(shard.div_ceil(self.accumulate.max(1))).max(1)
+    }
+}
 
 impl Default for TrainConfig {
     fn default() -> Self {

@@ -126,7 +126,8 @@ pub fn train_data_parallel_with(
     })
 }
 
-/// Where the next step of a run starts.
+/// Where the next step of a run starts. After a signal stopped an epoch's evaluation,
+/// `step_in_epoch` is the epoch's length: the evaluation is what comes next.
 #[derive(Clone, Copy, Debug)]
 struct Position {
     /// Global steps taken.
@@ -165,7 +166,9 @@ impl RunSpan {
             Some(r) => Position { step: r.step, epoch: r.epoch, step_in_epoch: r.step_in_epoch },
             None => Position { step: 0, epoch: 0, step_in_epoch: 0 },
         };
-        if start.step_in_epoch >= steps_per_epoch
+        // `step_in_epoch` = `steps_per_epoch`: the epoch's steps are taken and its
+        // evaluation is not (a signal stopped it), what the resumed run does first.
+        if start.step_in_epoch > steps_per_epoch
             || start.step != (start.epoch as u64).saturating_mul(steps_per_epoch as u64) + start.step_in_epoch as u64
         {
             return Err(Error::config(
@@ -187,6 +190,18 @@ impl RunSpan {
             Position { step, epoch, step_in_epoch: i + 1 }
         }
     }
+}
+
+/// How an epoch's end went.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum EpochEnd {
+    GoOn,
+    /// Early stopping ends the run; the best epoch.
+    StopEarly {
+        best_epoch: usize,
+    },
+    /// The stop flag was raised during the held-out evaluation, which was given up.
+    EvaluationStopped,
 }
 
 /// The running sums of the epoch in progress.
@@ -335,31 +350,59 @@ impl<'a, 'o> Fit<'a, 'o> {
         if let Some(best_epoch) = self.stopped_early_before(self.span.start) {
             return Ok(Stopped::EarlyStopping { best_epoch });
         }
+        let start = self.span.start;
+        if start.step_in_epoch == self.span.steps_per_epoch {
+            // Stopped during this epoch's evaluation: it is done first, as it would have been.
+            if let Some(stopped) = self.after_step(trainer, start.epoch, start.step_in_epoch - 1)? {
+                return Ok(stopped);
+            }
+        }
         while trainer.steps() < self.span.total_steps {
             let t_wait = Instant::now();
             let Ok((epoch, i, batch)) = batches.recv() else { break };
             self.step(trainer, epoch, i, batch, t_wait.elapsed())?;
-            let end_of_epoch = i + 1 == self.span.steps_per_epoch || trainer.steps() == self.span.total_steps;
-            let early = match end_of_epoch {
-                true => self.end_epoch(trainer, epoch)?,
-                false => None,
-            };
-            let next = self.span.after(trainer.steps(), epoch, i);
-            // With several processes, the stop they all agreed on at this step.
-            let request = trainer.stop_request();
-            let done = trainer.steps() == self.span.total_steps || early.is_some();
-            let written = self.checkpoint(trainer, next, request.is_some() || done)?;
-            if let Some(best_epoch) = early {
-                return Ok(Stopped::EarlyStopping { best_epoch });
-            }
-            match request {
-                _ if done => {}
-                Some(StopRequest::Interrupt) => return Ok(Stopped::Interrupted { checkpoint: written }),
-                Some(StopRequest::TimeLimit) => return Ok(Stopped::TimeLimit { checkpoint: written }),
-                None => {}
+            if let Some(stopped) = self.after_step(trainer, epoch, i)? {
+                return Ok(stopped);
             }
         }
         Ok(Stopped::Completed)
+    }
+
+    /// What follows the step `i` (0-based) of `epoch`: the epoch's end where it is one,
+    /// the checkpoint, and the stop if the run stops here.
+    fn after_step(&mut self, trainer: &mut Trainer<'_>, epoch: usize, i: usize) -> Result<Option<Stopped>> {
+        let last = trainer.steps() == self.span.total_steps;
+        let end_of_epoch = i + 1 == self.span.steps_per_epoch || last;
+        let ended = match end_of_epoch {
+            true => self.end_epoch(trainer, epoch)?,
+            false => EpochEnd::GoOn,
+        };
+        let next = match ended {
+            // The evaluation is redone on resuming, unless the run's steps are all taken.
+            EpochEnd::EvaluationStopped if !last => Position { step: trainer.steps(), epoch, step_in_epoch: i + 1 },
+            _ => self.span.after(trainer.steps(), epoch, i),
+        };
+        // With several processes, the stop they all agreed on at this step.
+        let request = match ended {
+            EpochEnd::EvaluationStopped => Some(StopRequest::Interrupt),
+            _ => trainer.stop_request(),
+        };
+        let early = match ended {
+            EpochEnd::StopEarly { best_epoch } => Some(best_epoch),
+            _ => None,
+        };
+        let done = last || early.is_some();
+        let written = self.checkpoint(trainer, next, request.is_some() || done)?;
+        if let Some(best_epoch) = early {
+            return Ok(Some(Stopped::EarlyStopping { best_epoch }));
+        }
+        Ok(match request {
+            // An evaluation stopped at the run's last step still stops it: its report is lost.
+            _ if done && ended != EpochEnd::EvaluationStopped => None,
+            Some(StopRequest::Interrupt) => Some(Stopped::Interrupted { checkpoint: written }),
+            Some(StopRequest::TimeLimit) => Some(Stopped::TimeLimit { checkpoint: written }),
+            None => None,
+        })
     }
 
     /// One training step of `batch`, the `i`-th (0-based) of `epoch`, reported.
@@ -404,10 +447,17 @@ impl<'a, 'o> Fit<'a, 'o> {
     }
 
     /// Evaluates the held-out set, keeps the best epoch (writing `save_best`), reports
-    /// the epoch and starts the next. Returns the best epoch when early stopping ends
-    /// the run here.
-    fn end_epoch(&mut self, trainer: &mut Trainer<'_>, epoch: usize) -> Result<Option<usize>> {
-        let held = self.test.map(|t| trainer.evaluate(t, self.config.eval_batch)).transpose()?;
+    /// the epoch and starts the next; says whether early stopping ends the run here. An
+    /// evaluation the stop flag cut short leaves the epoch unreported, its sums kept for
+    /// the checkpoint.
+    fn end_epoch(&mut self, trainer: &mut Trainer<'_>, epoch: usize) -> Result<EpochEnd> {
+        let held = match self.test {
+            Some(t) => match trainer.evaluate_or_stop(t, self.config.epoch_eval_chunk(trainer.replicas()))? {
+                Some(m) => Some(m),
+                None => return Ok(EpochEnd::EvaluationStopped),
+            },
+            None => None,
+        };
         let best = match held {
             Some(m) => self.note_best(trainer, epoch, m)?,
             None => false,
@@ -427,12 +477,19 @@ impl<'a, 'o> Fit<'a, 'o> {
             steps: sums.steps,
             step_at_end: trainer.steps(),
             seconds: sums.started.elapsed().as_secs_f64(),
-            samples_per_sec: sums.metrics.count as f64 / sums.train_time.as_secs_f64().max(1e-12),
+            // None of its steps timed here (a run resumed at its evaluation): no rate.
+            samples_per_sec: match sums.train_time.is_zero() {
+                true => 0.0,
+                false => sums.metrics.count as f64 / sums.train_time.as_secs_f64(),
+            },
             steps_of_run: self.text.then(|| (trainer.steps(), self.span.total_steps)),
         };
         self.observer.on_epoch(&e);
         self.epochs.push(e);
-        Ok(self.stopped_early_after(epoch))
+        Ok(match self.stopped_early_after(epoch) {
+            Some(best_epoch) => EpochEnd::StopEarly { best_epoch },
+            None => EpochEnd::GoOn,
+        })
     }
 
     /// Keeps `metrics` as the best epoch's when its loss improves on the best so far by

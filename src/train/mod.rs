@@ -10,6 +10,7 @@
 //! | `scatter.rs` | the sampler (seeded epoch order) and the scatter into logical shards |
 //! | `trainer.rs` | [`with_trainer`]: the run's exchange and worker threads; the coordinator's handle, [`Trainer`] |
 //! | `worker.rs` | a worker thread: its start (set-up gate), its command loop, its faults |
+//! | `flight.rs` | the flight recorder: each device's last collective calls, printed on a fault or SIGUSR1 |
 //! | `panics.rs` | a worker's panic reported once, as the run's error (the panic hook) |
 //! | `step.rs` | the training step, written once for every device and transport; evaluation, prediction |
 //! | `replica.rs` | the `Replica` trait the step runs; the replica check |
@@ -22,6 +23,7 @@ mod batch;
 mod config;
 mod cpu;
 mod fit;
+pub(crate) mod flight;
 #[cfg(feature = "cuda")]
 mod gpu;
 pub(crate) mod memory;

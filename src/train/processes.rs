@@ -243,15 +243,24 @@ pub(super) fn merge_step(
 }
 
 /// The evaluation's metrics of every device of the world (`local`: this process's, in
-/// device order), summed in global device order.
-pub(super) fn merge_metrics(world: &World, local: &[Metrics]) -> Result<Metrics> {
-    let mine: Vec<u64> = local.iter().flat_map(|m| [m.loss_sum.to_bits(), m.correct, m.count]).collect();
+/// device order), summed in global device order; `None` on every process when any device
+/// of any process stopped before its end (a flag word travels with each device's sums).
+pub(super) fn merge_metrics(world: &World, local: &[Option<Metrics>]) -> Result<Option<Metrics>> {
+    const STOPPED: u64 = u64::MAX;
+    let words = |m: &Option<Metrics>| match m {
+        Some(m) => [0, m.loss_sum.to_bits(), m.correct, m.count],
+        None => [STOPPED, 0, 0, 0],
+    };
+    let mine: Vec<u64> = local.iter().flat_map(words).collect();
     let all = world.all_gather(&mine)?;
     let mut total = Metrics::default();
-    for w in all.chunks(3) {
-        total.add(&Metrics { loss_sum: f64::from_bits(w[0]), correct: w[1], count: w[2] });
+    for w in all.chunks(4) {
+        if w[0] == STOPPED {
+            return Ok(None);
+        }
+        total.add(&Metrics { loss_sum: f64::from_bits(w[1]), correct: w[2], count: w[3] });
     }
-    Ok(total)
+    Ok(Some(total))
 }
 
 /// The replica check across processes: this process's devices against each other, then

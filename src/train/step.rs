@@ -48,8 +48,10 @@
 //! (K slots per device instead of one: the bitwise form costs gradient memory).
 
 use std::ops::Range;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
+use super::flight::{Phase, Ring};
 use super::replica::{Fill, Mark, Replica, ShardPass, StepOutcome};
 use super::{scatter, Batch};
 use crate::error::Result;
@@ -81,12 +83,20 @@ pub struct StepWork {
 }
 
 /// Trains one step on the logical replicas `mine` of `work`, with this device's
-/// `replica` and its side of the `exchange`.
-pub fn train<R, X>(replica: &mut R, exchange: &mut X, work: &StepWork, mine: Range<usize>) -> Result<StepOutcome>
+/// `replica` and its side of the `exchange`; the collective calls are recorded in `ring`
+/// (the device's ring of the run's flight recorder).
+pub fn train<R, X>(
+    replica: &mut R,
+    exchange: &mut X,
+    work: &StepWork,
+    mine: Range<usize>,
+    ring: &Ring,
+) -> Result<StepOutcome>
 where
     R: Replica,
     X: Exchange<Mem = R::Mem>,
 {
+    ring.set_step(work.step);
     replica.mark(Mark::Start)?;
     let shards = &work.shards[mine.clone()];
     let held = |r: &Range<usize>| r.start - work.first_row..r.end - work.first_row;
@@ -116,7 +126,8 @@ where
         })?;
     }
     replica.mark(Mark::Computed)?;
-    exchange.sum()?;
+    // What this device puts in: its shards' slots.
+    ring.record(Phase::Sum, mine.len() * exchange.width() * 4, || exchange.sum())?;
     replica.mark(Mark::Summed)?;
 
     // The gradient part of the sum is over the whole global batch, every label of it (a
@@ -143,7 +154,9 @@ where
         replica.set_buffers(offset - params, piece, buffer_scale)
     })?;
     if work.sharding == Sharding::Sharded {
-        exchange.all_gather(replica.params_mut())?;
+        let bytes = replica.params_len() * 4;
+        let params = replica.params_mut();
+        ring.record(Phase::Gather, bytes, || exchange.all_gather(params))?;
     }
     replica.mark(Mark::Updated)?;
     replica.finish_step(&|| exchange.is_aborted())
@@ -168,12 +181,23 @@ fn clip(range: Range<usize>, params: usize) -> Range<usize> {
 
 /// Loss and accuracy of `rows` of `batch` in evaluation mode, in chunks of at most
 /// `chunk` samples (so the activations of a chunk, not of the whole set, are held).
-pub fn evaluate<R: Replica>(replica: &mut R, batch: &Batch, rows: Range<usize>, chunk: usize) -> Result<Metrics> {
+/// `None` when `stop` is raised before the last chunk: a long evaluation (thousands of a
+/// GPT's windows) gives way to a signal within one chunk, not at its end.
+pub fn evaluate<R: Replica>(
+    replica: &mut R,
+    batch: &Batch,
+    rows: Range<usize>,
+    chunk: usize,
+    stop: Option<&AtomicBool>,
+) -> Result<Option<Metrics>> {
     let mut total = Metrics::default();
     for c in chunks(rows, chunk) {
+        if stop.is_some_and(|s| s.load(Ordering::Relaxed)) {
+            return Ok(None);
+        }
         total.add(&replica.evaluate_chunk(batch, c)?);
     }
-    Ok(total)
+    Ok(Some(total))
 }
 
 /// Class probabilities (rows, K) of `rows` of `batch`, in chunks of at most `chunk`.

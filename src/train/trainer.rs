@@ -27,6 +27,7 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{bounded, Receiver, Sender};
 
 use super::cpu::CpuReplica;
+use super::flight::{self, FlightRecorder, Phase, RecordedStats};
 #[cfg(feature = "cuda")]
 use super::gpu::GpuReplica;
 use super::panics;
@@ -82,6 +83,8 @@ pub struct Trainer<'s> {
     /// When `TrainConfig::max_duration` runs out (none: never).
     deadline: Option<Instant>,
     stop_agreed: Option<StopRequest>,
+    /// Every device's and the coordinator's last collective calls, printed on a fault.
+    recorder: &'s FlightRecorder,
 }
 
 /// The rows of one global batch that this process holds (all of them in a world of one):
@@ -186,7 +189,21 @@ impl Trainer<'_> {
     fn failing(&mut self, e: Error) -> Error {
         self.exchange.abort();
         self.failed = Some(e.to_string());
+        self.recorder.print_fault();
         e
+    }
+
+    /// Runs the coordinators' collective `f` across processes, recorded as `phase` in the
+    /// coordinator's ring (in a world of one there is nothing to record: `f` is local).
+    fn across<T>(&self, phase: Phase, bytes: usize, f: impl FnOnce() -> Result<T>) -> Result<T> {
+        match self.world.size() {
+            1 => f(),
+            _ => {
+                let ring = self.recorder.coordinator();
+                ring.set_step(self.step);
+                ring.record(phase, bytes, f)
+            }
+        }
     }
 
     /// Steps taken.
@@ -320,7 +337,10 @@ impl Trainer<'_> {
         }
         if self.world.size() > 1 {
             let stop = self.local_stop_request();
-            match processes::merge_step(self.world, report, stop, &self.devices) {
+            let bytes = report.shards.len() * 24 + 24;
+            let merged = self
+                .across(Phase::StepReport, bytes, || processes::merge_step(self.world, report, stop, &self.devices));
+            match merged {
                 Ok((merged, agreed)) => (report, self.stop_agreed) = (merged, agreed),
                 Err(e) => return Err(self.failing(e)),
             }
@@ -333,15 +353,34 @@ impl Trainer<'_> {
     /// Loss and accuracy on `data` in evaluation mode, the samples split across devices
     /// (every process's: each gathers and evaluates its devices' parts only).
     pub fn evaluate(&mut self, data: &Dataset, eval_batch: usize) -> Result<Metrics> {
+        Ok(self.evaluate_until(data, eval_batch, None)?.expect("an evaluation without a stop flag ends"))
+    }
+
+    /// [`Trainer::evaluate`], given up between chunks once the run's stop flag is raised
+    /// (`None` then, on every process: a process stopped early stops all of them, at the
+    /// same point of the run). A signal during a long evaluation is answered within a
+    /// chunk, well inside the grace a scheduler gives between SIGTERM and SIGKILL.
+    pub(super) fn evaluate_or_stop(&mut self, data: &Dataset, eval_batch: usize) -> Result<Option<Metrics>> {
+        let stop = self.stop.clone();
+        self.evaluate_until(data, eval_batch, stop)
+    }
+
+    fn evaluate_until(
+        &mut self,
+        data: &Dataset,
+        eval_batch: usize,
+        stop: Option<Arc<AtomicBool>>,
+    ) -> Result<Option<Metrics>> {
         let n = self.devices.len();
         let parts = scatter::even_runs(data.len(), n * self.world.size());
         let mine = &parts[self.world.process() * n..(self.world.process() + 1) * n];
         let first = mine[0].start;
         let held: Vec<usize> = (first..mine[n - 1].end).collect();
         let batch = Arc::new(Batch::gather(data, &held));
-        let replies =
-            self.ask(|d| Command::Eval(Arc::clone(&batch), mine[d].start - first..mine[d].end - first, eval_batch))?;
-        let local: Vec<Metrics> = replies
+        let replies = self.ask(|d| {
+            Command::Eval(Arc::clone(&batch), mine[d].start - first..mine[d].end - first, eval_batch, stop.clone())
+        })?;
+        let local: Vec<Option<Metrics>> = replies
             .into_iter()
             .map(|r| {
                 let Reply::Eval(m) = r else { unreachable!("an eval command gets an eval reply") };
@@ -349,7 +388,8 @@ impl Trainer<'_> {
             })
             .collect();
         // Summed in global device order (in a world of one, this process's).
-        processes::merge_metrics(self.world, &local).map_err(|e| self.failing(e))
+        let merged = self.across(Phase::EvalMetrics, local.len() * 32, || processes::merge_metrics(self.world, &local));
+        merged.map_err(|e| self.failing(e))
     }
 
     /// Class probabilities (N, K) for every sample of `batch`, split across this
@@ -382,7 +422,10 @@ impl Trainer<'_> {
             })
             .collect();
         if self.world.size() > 1 {
-            return processes::check_across(self.world, self.step, &self.devices, &prints);
+            let bytes = prints.iter().map(|p| p.len() * 8).sum();
+            return self.across(Phase::ReplicaCheck, bytes, || {
+                processes::check_across(self.world, self.step, &self.devices, &prints)
+            });
         }
         check_replicas(self.step, &prints)
     }
@@ -408,7 +451,10 @@ impl Trainer<'_> {
             // (each calls this at the same points of the run). Decided by the world, which
             // every process sees alike, never by the parts a process holds: with a small
             // model one process's parts may hold every parameter and another's none.
-            parts = processes::gather_optimizer_parts(self.world, &parts).map_err(|e| self.failing(e))?;
+            let bytes = parts.iter().map(Optimizer::state_bytes).sum();
+            let gathered =
+                self.across(Phase::OptimizerState, bytes, || processes::gather_optimizer_parts(self.world, &parts));
+            parts = gathered.map_err(|e| self.failing(e))?;
         }
         Ok((weights, Optimizer::merge(&parts)?))
     }
@@ -479,6 +525,10 @@ pub fn with_trainer<T>(
     let transport = RunTransport::of(devices.list(), world.size());
     check_features(transport, config, replicas, devices.len() * world.size(), synchronized)?;
     let n = devices.len();
+    let process = (world.size() > 1).then(|| world.process());
+    let recorder = Arc::new(FlightRecorder::new(devices.list().iter().map(Device::to_string), process));
+    // Listed while the run lasts, for SIGUSR1.
+    let _listed = flight::list(&recorder);
     let setup = WorkerSetup {
         world,
         rows: RowPlan::new(replicas, world.process(), world.size()),
@@ -493,6 +543,7 @@ pub fn with_trainer<T>(
         // too.
         collective: WaitPolicy::for_threads(n),
         messages: WaitPolicy::for_threads(n + 1),
+        recorder: &recorder,
     };
     let out = match transport {
         RunTransport::SharedMemory => setup.on_shared_memory(f),
@@ -568,7 +619,7 @@ fn gpu_replica<'s>(
     device: Device,
     start: (Sequential, ParamStore, Optimizer),
     seed: u64,
-    stats: Option<&'s ShmStats<'_>>,
+    stats: Option<&'s RecordedStats<'_>>,
     abort: &'s dyn Abort,
 ) -> Result<GpuReplica<'s>> {
     let replica = GpuReplica::new(device, start, seed)?;
@@ -636,9 +687,16 @@ struct WorkerSetup<'a> {
     collective: WaitPolicy,
     /// How the coordinator and the workers wait for messages.
     messages: WaitPolicy,
+    /// The run's flight recorder: a ring per device, and the coordinator's.
+    recorder: &'a FlightRecorder,
 }
 
 impl WorkerSetup<'_> {
+    /// Each device's statistics exchange (`stats[d]`), its calls recorded in the device's ring.
+    fn recorded<'s, S: StatsExchange>(&'s self, stats: &'s [S]) -> Vec<RecordedStats<'s>> {
+        stats.iter().enumerate().map(|(d, s)| RecordedStats { inner: s, ring: self.recorder.device(d) }).collect()
+    }
+
     /// The gradients' width: every parameter and buffer value, as a slot holds them.
     fn width(&self) -> usize {
         self.model.params_len() + self.model.buffers_len()
@@ -650,6 +708,7 @@ impl WorkerSetup<'_> {
         let codec = Codec::new(config.grad_compression, model.params_len());
         let shm = ShmGroup::with_codec(n, self.replicas, self.width(), self.collective, codec)?;
         let stats: Vec<ShmStats<'_>> = (0..n).map(|r| shm.stats(r)).collect();
+        let stats = self.recorded(&stats);
         let synchronized = self.synchronized;
         let stats = |d| synchronized.then(|| &stats[d] as &dyn StatsExchange);
         let (seed, loss, decay) = (config.seed, config.loss(), &decay_mask(model, config.weight_decay_on));
@@ -669,6 +728,7 @@ impl WorkerSetup<'_> {
         let group =
             crate::exchange::mpi::MpiGroup::new(self.world, n, self.replicas, self.width(), self.collective, codec)?;
         let stats: Vec<_> = (0..n).map(|r| group.stats(r)).collect();
+        let stats = self.recorded(&stats);
         let synchronized = self.synchronized;
         let stats = |d| synchronized.then(|| &stats[d] as &dyn StatsExchange);
         let (seed, loss, decay) = (config.seed, config.loss(), &decay_mask(model, config.weight_decay_on));
@@ -693,6 +753,7 @@ impl WorkerSetup<'_> {
         let stats_group =
             if self.synchronized { Some(ShmGroup::new(n, self.replicas, 0, self.collective)?) } else { None };
         let stats: Vec<ShmStats<'_>> = stats_group.iter().flat_map(|g| (0..n).map(|r| g.stats(r))).collect();
+        let stats = self.recorded(&stats);
         let group = match transport {
             RunTransport::NcclClique if transport_for(&ordinals) == Transport::Copies => {
                 return Err(Error::CudaUnavailable(format!(
@@ -758,6 +819,7 @@ impl WorkerSetup<'_> {
                     sharding: self.config.optimizer_sharding,
                     abort: group,
                     gate: &gate,
+                    ring: self.recorder.device(d),
                     commands: rx,
                     replies: reply_tx.clone(),
                 };
@@ -795,6 +857,7 @@ impl WorkerSetup<'_> {
                 // A limit too far to be an instant is no limit.
                 deadline: self.config.max_duration.and_then(|d| started.checked_add(d)),
                 stop_agreed: None,
+                recorder: self.recorder,
             };
             let out = f(&mut trainer);
             if out.is_err() {

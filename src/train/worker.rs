@@ -14,11 +14,13 @@
 
 use std::ops::Range;
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender};
 
+use super::flight::Ring;
 use super::panics;
 use super::replica::{Replica, StepOutcome};
 use super::step::{self, StepWork};
@@ -33,8 +35,9 @@ use crate::tensor::Device;
 /// What the coordinator asks of every worker.
 pub(crate) enum Command {
     Step(Arc<StepWork>),
-    /// Evaluate these rows of the batch, in chunks of this many samples.
-    Eval(Arc<Batch>, Range<usize>, usize),
+    /// Evaluate these rows of the batch, in chunks of this many samples, giving up
+    /// between chunks once the flag is raised.
+    Eval(Arc<Batch>, Range<usize>, usize, Option<Arc<AtomicBool>>),
     /// Predict these rows of the batch, in chunks of this many samples.
     Predict(Arc<Batch>, Range<usize>, usize),
     Fingerprints,
@@ -44,7 +47,8 @@ pub(crate) enum Command {
 /// A worker's answer to a [`Command`].
 pub(crate) enum Reply {
     Step(StepOutcome),
-    Eval(Metrics),
+    /// `None`: stopped before the last chunk.
+    Eval(Option<Metrics>),
     Predict(Vec<f32>),
     Fingerprints(Vec<(String, u64)>),
     Snapshot(Box<(ParamStore, Optimizer)>),
@@ -61,11 +65,14 @@ struct Worker<R, X> {
 }
 
 impl<R: Replica, X: Exchange<Mem = R::Mem>> Worker<R, X> {
-    fn handle(&mut self, cmd: &Command) -> Result<Reply> {
+    /// Serves `cmd`; the step's collective calls are recorded in `ring`.
+    fn handle(&mut self, cmd: &Command, ring: &Ring) -> Result<Reply> {
         let r = &mut self.replica;
         Ok(match cmd {
-            Command::Step(work) => Reply::Step(step::train(r, &mut self.exchange, work, self.shards.clone())?),
-            Command::Eval(batch, rows, chunk) => Reply::Eval(step::evaluate(r, batch, rows.clone(), *chunk)?),
+            Command::Step(work) => Reply::Step(step::train(r, &mut self.exchange, work, self.shards.clone(), ring)?),
+            Command::Eval(batch, rows, chunk, stop) => {
+                Reply::Eval(step::evaluate(r, batch, rows.clone(), *chunk, stop.as_deref())?)
+            }
             Command::Predict(batch, rows, chunk) => Reply::Predict(step::predict(r, batch, rows.clone(), *chunk)?),
             Command::Fingerprints => Reply::Fingerprints(r.fingerprints()?),
             Command::Snapshot => Reply::Snapshot(Box::new(r.snapshot()?)),
@@ -86,6 +93,8 @@ pub(crate) struct WorkerStart<'a> {
     pub sharding: Sharding,
     pub abort: &'a dyn Abort,
     pub gate: &'a SetupGate,
+    /// This device's ring of the run's flight recorder.
+    pub ring: &'a Ring,
     pub commands: Receiver<Command>,
     pub replies: Sender<(usize, Result<Reply>)>,
 }
@@ -140,7 +149,7 @@ where
         if let Command::Step(work) = &cmd {
             step = work.step;
         }
-        let result = catch_unwind(AssertUnwindSafe(|| worker.handle(&cmd)));
+        let result = catch_unwind(AssertUnwindSafe(|| worker.handle(&cmd, seat.ring)));
         // A worker released from a collective by another's failure says only that
         // (`Error::Aborted`); the one that failed names itself, the step and the cause.
         let failure = |cause: String| Error::Worker { device: seat.device.to_string(), step, cause };

@@ -291,7 +291,7 @@ impl World {
 
     /// Makes the signals by which a launcher stops a job set `flag`, as Ctrl-C does in a
     /// world of one: `mpirun` answers Ctrl-C with SIGTERM to every process (SIGKILL a
-    /// second later, `--mca odls_base_sigkill_timeout`) and forwards SIGUSR1; `srun`
+    /// second later, `--mca odls_base_sigkill_timeout`) and forwards SIGUSR2; `srun`
     /// sends SIGTERM. Nothing in a world of one.
     pub fn stop_on_signals(&self, flag: &Arc<AtomicBool>) -> Result<()> {
         match &self.kind {

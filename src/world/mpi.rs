@@ -700,9 +700,9 @@ fn alive(pid: u32) -> bool {
     }
 }
 
-/// SIGTERM and SIGUSR1 raise `flag` (see `World::stop_on_signals`).
+/// SIGTERM and SIGUSR2 raise `flag` (see `World::stop_on_signals`).
 pub(crate) fn stop_on_signals(flag: &Arc<AtomicBool>) -> Result<()> {
-    for sig in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGUSR1] {
+    for sig in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGUSR2] {
         signal_hook::flag::register(sig, Arc::clone(flag))
             .map_err(|e| Error::config("signals", format!("cannot handle signal {sig}: {e}")))?;
     }

@@ -369,8 +369,9 @@ pub(crate) fn cmd_train(args: TrainArgs, given: &BTreeSet<String>) -> CliResult 
         Start::Resumed(line) => Some(line),
     };
     // SIGINT or SIGTERM: finish the step, write a checkpoint (or --save), exit 128 + N.
-    // Under mpirun, Ctrl-C reaches the processes as SIGTERM (and SIGUSR1, which mpirun
-    // forwards, is caught too): they stop at a step they all agree on.
+    // Under mpirun, Ctrl-C reaches the processes as SIGTERM (and SIGUSR2, which mpirun
+    // forwards, is caught too): they stop at a step they all agree on. SIGUSR1 prints
+    // the flight recorder and the run goes on.
     let signals = StopSignals::install(match world.size() {
         1 => Launched::Alone,
         _ => Launched::Together,
