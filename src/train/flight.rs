@@ -309,6 +309,7 @@ impl Drop for Listed {
 
 /// Prints the recorder of every run in progress (SIGUSR1); says so when there is none.
 /// Returns how many were printed.
+#[cfg(any(test, feature = "cli"))]
 pub(crate) fn dump_live(why: &str) -> usize {
     let live: Vec<Arc<FlightRecorder>> = LIVE.lock().clone();
     if live.is_empty() {
