@@ -48,6 +48,7 @@ pub mod rescaling;
 pub mod rmsnorm;
 pub mod sigmoid;
 pub mod silu;
+pub(crate) mod slopes;
 pub mod softmax;
 pub mod spec;
 pub mod tanh;

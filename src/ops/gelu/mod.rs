@@ -14,9 +14,10 @@ pub mod gpu;
 
 use serde_json::{json, Value};
 
+use super::slopes::Slopes;
 use super::spec::{Build, LayerType};
-use super::{Ctx, InputGrad, Layer, LayerMemory, LayerShapes, Mode, Params, ParamsMut, F32};
-use crate::error::{Error, Result};
+use super::{Ctx, InputGrad, Layer, LayerMemory, LayerShapes, Params, ParamsMut};
+use crate::error::Result;
 use crate::tensor::{Shape, Tensor};
 
 /// x·Φ(x), exact (erf-based) GELU.
@@ -24,7 +25,7 @@ use crate::tensor::{Shape, Tensor};
 pub struct Gelu {
     /// The derivative at each input of the training forward (any shape, flattened):
     /// all the backward needs of it, so neither the input nor Φ is kept.
-    slope: Vec<f32>,
+    slope: Slopes,
 }
 
 impl Gelu {
@@ -65,7 +66,7 @@ impl Layer for Gelu {
 
     /// The slope at each input, one f32 per value.
     fn memory(&self, shapes: &LayerShapes) -> Option<LayerMemory> {
-        Some(LayerMemory { kept_per_sample: shapes.input.numel() as u64 * F32, ..LayerMemory::NONE })
+        Some(Slopes::memory(shapes))
     }
 
     fn output_shape(&self, input: &Shape) -> Result<Shape> {
@@ -73,37 +74,20 @@ impl Layer for Gelu {
     }
 
     // x: any shape → y: same shape
-    fn forward(&mut self, mut x: Tensor, _p: Params<'_>, _b: ParamsMut<'_>, ctx: &Ctx) -> Result<Tensor> {
-        let xs = x.host_mut();
-        if ctx.mode == Mode::Train {
-            self.slope.resize(xs.len(), 0.0);
-            cpu::gelu_forward(xs, Some(&mut self.slope));
-        } else {
-            cpu::gelu_forward(xs, None);
-        }
-        Ok(x)
+    fn forward(&mut self, x: Tensor, _p: Params<'_>, _b: ParamsMut<'_>, ctx: &Ctx) -> Result<Tensor> {
+        self.slope.forward(x, ctx, cpu::gelu_forward)
     }
 
     // dout: (N, ...) → dx: same shape
     fn backward(
         &mut self,
-        mut dout: Tensor,
+        dout: Tensor,
         _p: Params<'_>,
         _dp: ParamsMut<'_>,
         input_grad: InputGrad,
         _ctx: &Ctx,
     ) -> Result<Option<Tensor>> {
-        if input_grad == InputGrad::Skip {
-            return Ok(None);
-        }
-        if dout.numel() != self.slope.len() {
-            return Err(Error::shape(
-                "GELU backward",
-                format!("dout {} for {} values kept by the forward", dout.shape(), self.slope.len()),
-            ));
-        }
-        cpu::gelu_backward(dout.host_mut(), &self.slope);
-        Ok(Some(dout))
+        self.slope.backward("GELU backward", dout, input_grad, cpu::gelu_backward)
     }
 
     fn boxed_clone(&self) -> Box<dyn Layer> {
@@ -119,6 +103,7 @@ impl Layer for Gelu {
 mod tests {
     use super::cpu::{gelu_grad, gelu_value};
     use super::*;
+    use crate::ops::F32;
 
     use crate::tensor::Device;
 

@@ -9,16 +9,17 @@ pub mod gpu;
 
 use serde_json::{json, Value};
 
+use super::slopes::Slopes;
 use super::spec::{Build, LayerType};
-use super::{Ctx, InputGrad, Layer, LayerMemory, LayerShapes, Mode, Params, ParamsMut, F32};
-use crate::error::{Error, Result};
+use super::{Ctx, InputGrad, Layer, LayerMemory, LayerShapes, Params, ParamsMut};
+use crate::error::Result;
 use crate::tensor::{Shape, Tensor};
 
 /// x·σ(x).
 #[derive(Clone, Debug, Default)]
 pub struct Silu {
     /// The derivative at each input of the training forward (any shape, flattened).
-    slope: Vec<f32>,
+    slope: Slopes,
 }
 
 impl Silu {
@@ -59,7 +60,7 @@ impl Layer for Silu {
 
     /// The slope at each input, one f32 per value.
     fn memory(&self, shapes: &LayerShapes) -> Option<LayerMemory> {
-        Some(LayerMemory { kept_per_sample: shapes.input.numel() as u64 * F32, ..LayerMemory::NONE })
+        Some(Slopes::memory(shapes))
     }
 
     fn output_shape(&self, input: &Shape) -> Result<Shape> {
@@ -67,36 +68,20 @@ impl Layer for Silu {
     }
 
     // x: any shape → y: same shape
-    fn forward(&mut self, mut x: Tensor, _p: Params<'_>, _b: ParamsMut<'_>, ctx: &Ctx) -> Result<Tensor> {
-        let xs = x.host_mut();
-        let slope = (ctx.mode == Mode::Train).then(|| {
-            self.slope.resize(xs.len(), 0.0);
-            self.slope.as_mut_slice()
-        });
-        cpu::silu_forward(xs, slope);
-        Ok(x)
+    fn forward(&mut self, x: Tensor, _p: Params<'_>, _b: ParamsMut<'_>, ctx: &Ctx) -> Result<Tensor> {
+        self.slope.forward(x, ctx, cpu::silu_forward)
     }
 
     // dout: any shape → dx: same shape
     fn backward(
         &mut self,
-        mut dout: Tensor,
+        dout: Tensor,
         _p: Params<'_>,
         _dp: ParamsMut<'_>,
         input_grad: InputGrad,
         _ctx: &Ctx,
     ) -> Result<Option<Tensor>> {
-        if input_grad == InputGrad::Skip {
-            return Ok(None);
-        }
-        if dout.numel() != self.slope.len() {
-            return Err(Error::shape(
-                "SiLU backward",
-                format!("dout {} for {} values kept by the forward", dout.shape(), self.slope.len()),
-            ));
-        }
-        cpu::silu_backward(dout.host_mut(), &self.slope);
-        Ok(Some(dout))
+        self.slope.backward("SiLU backward", dout, input_grad, cpu::silu_backward)
     }
 
     fn boxed_clone(&self) -> Box<dyn Layer> {
