@@ -264,7 +264,7 @@ fn sequential_records_each_layer_s_per_sample_shapes() {
         Box::new(Linear::new(16, 3)),
     ];
     let net = Sequential::new([1, 6, 6], layers).unwrap();
-    let io = |i: &[usize], o: &[usize]| LayerShapes { input: Shape::new(i), output: Shape::new(o) };
+    let io = |i: &[usize], o: &[usize]| LayerShapes::one(Shape::new(i), Shape::new(o));
     assert_eq!(
         net.layer_shapes(),
         [io(&[1, 6, 6], &[2, 4, 4]), io(&[2, 4, 4], &[2, 4, 2]), io(&[2, 4, 2], &[16]), io(&[16], &[3])]

@@ -643,9 +643,9 @@ fn plan(model: &Sequential) -> Result<Vec<Layer>> {
         let op = layer.gpu().ok_or_else(|| {
             Error::config("model", format!("layer {name} ({}) has no CUDA implementation", layer.describe()))
         })?;
-        let LayerShapes { input, output } = shapes.clone();
+        let LayerShapes { input, output, other_inputs } = shapes.clone();
         let (params, buffers) = model.layer_ranges(index);
-        layers.push(Layer { place: Placement { name, index, input, output, params, buffers }, op });
+        layers.push(Layer { place: Placement { name, index, input, output, other_inputs, params, buffers }, op });
     }
     Ok(layers)
 }
@@ -683,7 +683,19 @@ impl Net<'_> {
         for (i, Layer { place, op }) in self.layers.iter_mut().enumerate() {
             let (before, after) = a.acts.split_at_mut(i + 1);
             let (x, y) = (&before[i], &mut after[0]);
-            op.forward(Forward { gpu, blas, place, n, params, x, y, scratch: &mut a.scratch, pass: &mut pass, sync })?;
+            op.forward(Forward {
+                gpu,
+                blas,
+                place,
+                n,
+                params,
+                x,
+                others: &[],
+                y,
+                scratch: &mut a.scratch,
+                pass: &mut pass,
+                sync,
+            })?;
         }
         Ok(())
     }
@@ -717,8 +729,10 @@ impl Net<'_> {
                 n,
                 params,
                 x,
+                others: &[],
                 dy,
                 dx,
+                d_others: Vec::new(),
                 grads,
                 draw,
                 scratch: &mut a.scratch,

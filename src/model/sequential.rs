@@ -174,7 +174,7 @@ impl Sequential {
         for (layer, name) in layers.iter().zip(&names) {
             let input = Shape::new(&shape.dims()[1..]);
             shape = layer.output_shape(&shape).map_err(|e| Error::config("model", format!("layer {name}: {e}")))?;
-            shapes.push(LayerShapes { input, output: Shape::new(&shape.dims()[1..]) });
+            shapes.push(LayerShapes::one(input, Shape::new(&shape.dims()[1..])));
             let lay = |specs: Vec<ParamSpec>, off: &mut usize, infos: &mut Vec<TensorInfo>| {
                 if specs.is_empty() {
                     // No tensors: an empty span, which indexes a container's shorter

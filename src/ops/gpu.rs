@@ -42,6 +42,9 @@ pub struct Placement {
     /// Per-sample input and output shapes.
     pub input: Shape,
     pub output: Shape,
+    /// A merge's per-sample inputs after the first, in its node's order; empty for an op
+    /// of one input.
+    pub other_inputs: Vec<Shape>,
     /// Its parameters' ranges in the flat parameters (and in a slot's gradient part).
     pub params: Vec<Range<usize>>,
     /// Its buffers' ranges in the flat buffers (and in a slot's buffer part).
@@ -115,6 +118,9 @@ pub struct Forward<'a, 'b, 'v> {
     pub params: &'a CudaSlice<f32>,
     /// x: (n, *place.input)
     pub x: &'a CudaSlice<f32>,
+    /// A merge's inputs after the first, each (n, *place.other_inputs[j]); empty for an
+    /// op of one input.
+    pub others: &'a [&'a CudaSlice<f32>],
     /// y: (n, *place.output)
     pub y: &'a mut CudaSlice<f32>,
     pub scratch: &'a mut CudaSlice<f32>,
@@ -133,10 +139,15 @@ pub struct Backward<'a, 'v> {
     pub params: &'a CudaSlice<f32>,
     /// The forward's input, x: (n, *place.input)
     pub x: &'a CudaSlice<f32>,
+    /// A merge's inputs after the first, as in [`Forward::others`].
+    pub others: &'a [&'a CudaSlice<f32>],
     /// dy: (n, *place.output), the gradient of the summed loss by the op's output.
     pub dy: CudaView<'a, f32>,
     /// dx: (n, *place.input); None where nobody reads it (the first trained layer).
     pub dx: Option<CudaViewMut<'a, f32>>,
+    /// The gradients of a merge's other inputs, written like `dx`, each None where nobody
+    /// reads it; empty for an op of one input.
+    pub d_others: Vec<Option<CudaViewMut<'a, f32>>>,
     /// The slot's gradient part, laid out as the flat parameters: the op accumulates into
     /// `place.params` of it.
     pub grads: &'a mut CudaViewMut<'v, f32>,

@@ -81,8 +81,15 @@ pub use tanh::Tanh;
 pub use upsample::Upsample2d;
 pub use window::{Padding, Window2d};
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::tensor::{Device, Shape, Tensor};
+
+/// What a merge's one-input forms return: a graph calls only the `_many` forms of a layer
+/// whose [`Layer::arity`] is not [`Arity::One`], so reaching one of these is a caller's
+/// mistake, named.
+pub fn merge_takes_several<T>(layer: &str, arity: Arity) -> Result<T> {
+    Err(Error::config("model", format!("{layer} takes {arity}: it is a merge, called through a graph's node")))
+}
 
 /// Bytes of an f32, for the layers' memory accounts.
 pub(crate) const F32: u64 = 4;
@@ -121,8 +128,54 @@ impl LayerMemory {
 /// (the GPU replica) sizes its buffers from, instead of inferring them again.
 #[derive(Clone, Debug, PartialEq)]
 pub struct LayerShapes {
+    /// The (first) input's.
     pub input: Shape,
     pub output: Shape,
+    /// A merge's inputs after the first, in the order its node names them; empty for a
+    /// layer of one input.
+    pub other_inputs: Vec<Shape>,
+}
+
+impl LayerShapes {
+    /// The shapes of a layer of one input.
+    pub fn one(input: Shape, output: Shape) -> LayerShapes {
+        LayerShapes { input, output, other_inputs: Vec::new() }
+    }
+
+    /// Every input's shape, the first one first.
+    pub fn inputs(&self) -> impl Iterator<Item = &Shape> {
+        std::iter::once(&self.input).chain(&self.other_inputs)
+    }
+}
+
+/// How many inputs a layer takes: one for most; a merge (add, concatenate, matmul,
+/// attention of q, k and v) several, in the order its node names them.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Arity {
+    One,
+    Exactly(usize),
+    AtLeast(usize),
+}
+
+impl Arity {
+    /// Whether `n` inputs are what this arity takes.
+    pub fn admits(self, n: usize) -> bool {
+        match self {
+            Arity::One => n == 1,
+            Arity::Exactly(k) => n == k,
+            Arity::AtLeast(k) => n >= k,
+        }
+    }
+}
+
+impl std::fmt::Display for Arity {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Arity::One => write!(f, "one input"),
+            Arity::Exactly(k) => write!(f, "{k} inputs"),
+            Arity::AtLeast(k) => write!(f, "{k} or more inputs"),
+        }
+    }
 }
 
 /// Training or evaluation: decides BatchNorm's statistics and whether dropout drops.
@@ -336,6 +389,57 @@ pub trait Layer: Send {
 
     /// A short description for summaries, e.g. `Conv2d(12, 3x3, same)`.
     fn describe(&self) -> String;
+
+    /// How many inputs the layer takes. Default: one. A merge returns its arity and
+    /// implements the `_many` forms below; its one-input forms then refuse
+    /// ([`merge_takes_several`]), since a graph only ever calls the `_many` forms of a
+    /// layer whose arity is not [`Arity::One`].
+    fn arity(&self) -> Arity {
+        Arity::One
+    }
+
+    /// The output shape for the shapes of its inputs (batch included), in the order its
+    /// node names them. Default: the one-input form.
+    fn output_shape_many(&self, inputs: &[Shape]) -> Result<Shape> {
+        match inputs {
+            [x] => self.output_shape(x),
+            _ => Err(Error::config("model", format!("{} takes one input, given {}", self.describe(), inputs.len()))),
+        }
+    }
+
+    /// The forward of several inputs (each `(N, ...)`), in the order of
+    /// [`Layer::output_shape_many`]. Default: the one-input form.
+    fn forward_many(
+        &mut self,
+        mut xs: Vec<Tensor>,
+        params: Params<'_>,
+        buffers: ParamsMut<'_>,
+        ctx: &Ctx,
+    ) -> Result<Tensor> {
+        match xs.len() {
+            1 => self.forward(xs.pop().expect("one input"), params, buffers, ctx),
+            n => Err(Error::config("model", format!("{} takes one input, given {n}", self.describe()))),
+        }
+    }
+
+    /// The backward of several inputs: accumulates parameter gradients into `dparams` and
+    /// returns each input's gradient, in the forward's order (None where `input_grads`
+    /// says `Skip`). Default: the one-input form.
+    fn backward_many(
+        &mut self,
+        dout: Tensor,
+        params: Params<'_>,
+        dparams: ParamsMut<'_>,
+        input_grads: &[InputGrad],
+        ctx: &Ctx,
+    ) -> Result<Vec<Option<Tensor>>> {
+        match input_grads {
+            [g] => Ok(vec![self.backward(dout, params, dparams, *g, ctx)?]),
+            _ => {
+                Err(Error::config("model", format!("{} takes one input, given {}", self.describe(), input_grads.len())))
+            }
+        }
+    }
 
     /// The computation as plain data, for backends other than the CPU's. Default: none
     /// (the layer runs on CPU devices only).

@@ -76,28 +76,47 @@ pub(crate) enum TestInput {
     Ids { vocab: usize },
 }
 
-type BuildFn = dyn Fn(&Shape) -> FieldResult<Vec<Box<dyn Layer>>> + Send + Sync;
+type BuildFn = dyn Fn(&[Shape]) -> FieldResult<Vec<Box<dyn Layer>>> + Send + Sync;
 
-/// How a layer object, its fields read, becomes layers: given the running input shape
-/// (batch included: (2, ...) as `Sequential` checks), fresh layers, or why that shape does
-/// not suit it. Several layers for one object: `"activation": "relu"` appends a ReLU.
+/// How a layer object, its fields read, becomes layers: given the running input shapes
+/// (batch included: (2, ...) as a graph checks them; one for most layers, a merge's
+/// several in its `inbound` order), fresh layers, or why those shapes do not suit it.
+/// Several layers for one object: `"activation": "relu"` appends a ReLU.
 #[derive(Clone)]
 pub struct Build(Arc<BuildFn>);
 
 impl Build {
-    /// A build of one layer.
+    /// A build of one layer of one input.
     pub fn layer<L: Layer + 'static>(f: impl Fn(&Shape) -> FieldResult<L> + Send + Sync + 'static) -> Build {
-        Build(Arc::new(move |input| Ok(vec![Box::new(f(input)?) as Box<dyn Layer>])))
+        Build(Arc::new(move |inputs| Ok(vec![Box::new(f(one(inputs)?)?) as Box<dyn Layer>])))
     }
 
-    /// A build of any number of layers.
+    /// A build of any number of layers of one input.
     pub fn layers(f: impl Fn(&Shape) -> FieldResult<Vec<Box<dyn Layer>>> + Send + Sync + 'static) -> Build {
-        Build(Arc::new(f))
+        Build(Arc::new(move |inputs| f(one(inputs)?)))
+    }
+
+    /// A build of one merge, a layer of several inputs (their shapes in `inbound` order).
+    pub fn merge<L: Layer + 'static>(f: impl Fn(&[Shape]) -> FieldResult<L> + Send + Sync + 'static) -> Build {
+        Build(Arc::new(move |inputs| Ok(vec![Box::new(f(inputs)?) as Box<dyn Layer>])))
     }
 
     /// Fresh layers for inputs of `input` (batch included).
     pub fn build(&self, input: &Shape) -> FieldResult<Vec<Box<dyn Layer>>> {
-        (self.0)(input)
+        (self.0)(std::slice::from_ref(input))
+    }
+
+    /// Fresh layers for inputs of these shapes (batch included), in `inbound` order.
+    pub fn build_many(&self, inputs: &[Shape]) -> FieldResult<Vec<Box<dyn Layer>>> {
+        (self.0)(inputs)
+    }
+}
+
+/// The one input of a layer that takes one.
+fn one(inputs: &[Shape]) -> FieldResult<&Shape> {
+    match inputs {
+        [x] => Ok(x),
+        _ => Err(format!("takes one input, given {} (its inbound names {} layers)", inputs.len(), inputs.len())),
     }
 }
 

@@ -833,7 +833,7 @@ mod tests {
         assert_eq!(got, want);
         assert_eq!(layer.describe(), "Attention(128, 4 heads)");
         // (T, C) = (64, 128), H = 4: 9·T·C + (H + 1)·T² values a sample, 4 bytes each.
-        let shapes = LayerShapes { input: Shape::new([64, 128]), output: Shape::new([64, 128]) };
+        let shapes = LayerShapes::one(Shape::new([64, 128]), Shape::new([64, 128]));
         let m = layer.memory(&shapes).unwrap();
         assert_eq!(m.kept_per_sample, (9 * 64 * 128 + 5 * 64 * 64) * 4);
         assert!(m.kept_per_sample > 4 * 64 * 64 * 4, "the (H, T, T) scores are counted");

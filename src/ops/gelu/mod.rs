@@ -172,7 +172,7 @@ mod tests {
     fn the_memory_account_is_what_a_training_forward_keeps_and_the_kept_slope_gives_the_gradient() {
         // One f32 a value, as the account says, and the backward's dy·slope is
         // `gelu_grad`'s value bit for bit (the kernels are held to `gelu_grad`).
-        let shapes = LayerShapes { input: Shape::new([3, 4]), output: Shape::new([3, 4]) };
+        let shapes = LayerShapes::one(Shape::new([3, 4]), Shape::new([3, 4]));
         let kept = Gelu::new().memory(&shapes).unwrap().kept_per_sample;
         assert_eq!(kept, 12 * F32);
         let xs: Vec<f32> = (0..24).map(|i| i as f32 * 0.37 - 4.0).collect();
