@@ -29,7 +29,7 @@
 //! step frees for the next step, as the command line's allocator is told to.
 
 use crate::error::{Error, Result};
-use crate::nn::{LayerMemory, Sequential};
+use crate::nn::{Graph, LayerMemory};
 use crate::units::human;
 
 /// Asks the C library's allocator to keep the memory each step frees for the next one,
@@ -206,7 +206,7 @@ fn chunks(batch: usize) -> u64 {
 /// of the network, and the shard's copy of its samples. Per layer and chunk of samples,
 /// its workspace (a convolution's weight-gradient partials), and per layer what it holds
 /// whatever the batch (a Winograd convolution's transformed weight).
-pub fn shard_activations(model: &Sequential, batch: usize, threads: usize) -> u64 {
+pub fn shard_activations(model: &Graph, batch: usize, threads: usize) -> u64 {
     let _ = threads; // the chunks are a function of the batch alone (`backend::cpu::batch_chunks`)
     let mut kept = 0u64;
     let mut widest = model.input_shape().numel() as u64;
@@ -225,7 +225,7 @@ pub fn shard_activations(model: &Sequential, batch: usize, threads: usize) -> u6
 /// Bytes of an evaluation forward of `batch` samples: no caches, only the widest input
 /// and output pair, the chunk's copy of its samples, the lent work buffers, and the
 /// largest of what a layer holds during its own pass (`per_layer`, dropped after it).
-pub fn eval_activations(model: &Sequential, batch: usize) -> u64 {
+pub fn eval_activations(model: &Graph, batch: usize) -> u64 {
     let widest = model.layer_shapes().iter().map(|s| s.output.numel() as u64).max().unwrap_or(0);
     let widest = widest.max(model.input_shape().numel() as u64);
     let per_sample = widest.saturating_mul(2 * F32).saturating_add(model.input_shape().numel() as u64 * F32);
@@ -237,7 +237,7 @@ pub fn eval_activations(model: &Sequential, batch: usize) -> u64 {
 /// The work buffers the layers borrow from a shared pool for a pass of `batch` samples:
 /// a set per chunk of samples, as large as the largest layer needs; and the packing of
 /// the largest product, which a device runs one at a time.
-fn lent(model: &Sequential, batch: usize) -> u64 {
+fn lent(model: &Graph, batch: usize) -> u64 {
     let memories = || model.layers().iter().zip(model.layer_shapes()).filter_map(|(l, s)| l.memory(s));
     let largest = memories().map(|m| m.lent_per_chunk).max().unwrap_or(0);
     let gemm = memories().map(|m| m.gemm).max().unwrap_or(0);

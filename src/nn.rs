@@ -3,7 +3,10 @@
 //! op lives in its own folder of `crate::ops`; the model, its builders and the list of
 //! layer types in `crate::model`. This module only gathers their names.
 
-pub use crate::model::{convert_sync_batchnorm, ParamStore, Residual, Sequential, TensorInfo, LAYER_TYPES};
+pub use crate::model::{
+    convert_sync_batchnorm, Call, Graph, GraphNode, Named, NamedLayer, ParamStore, Residual, Sequential, Source,
+    TensorInfo, Value, INPUT_NAME, LAYER_TYPES,
+};
 pub use crate::ops::cross_entropy as loss;
 pub use crate::ops::{
     merge_takes_several, Activation, Arity, AvgPool2d, BatchNorm2d, CausalSelfAttention, Conv2d, Ctx, Dropout,

@@ -36,7 +36,7 @@ use std::time::Duration;
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, PinnedHostSlice};
 
-use super::{ParamStore, Sequential};
+use super::{Graph, ParamStore};
 use crate::cuda::Gpu;
 use crate::ops::batchnorm::Synchronized;
 use crate::ops::cross_entropy::{check_labels, CrossEntropy};
@@ -75,7 +75,7 @@ pub struct GpuNet {
     blas: std::mem::ManuallyDrop<CudaBlas>,
     /// cuBLAS's workspace, set on `blas`.
     _workspace: CudaSlice<u8>,
-    model: Sequential,
+    model: Graph,
     layers: Vec<Layer>,
     np: usize,
     nb: usize,
@@ -149,7 +149,7 @@ impl GpuNet {
     /// uploads `store` and the optimiser `state`, and makes `marks` timing events.
     pub fn new(
         ordinal: usize,
-        model: Sequential,
+        model: Graph,
         store: &ParamStore,
         state: OptimizerState<'_>,
         marks: usize,
@@ -242,7 +242,7 @@ impl GpuNet {
     }
 
     /// The model this network runs.
-    pub fn model(&self) -> &Sequential {
+    pub fn model(&self) -> &Graph {
         &self.model
     }
 
@@ -636,7 +636,7 @@ fn upload<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
 }
 
 /// The network as the GPU runs it, or an error naming the first layer without a GPU form.
-fn plan(model: &Sequential) -> Result<Vec<Layer>> {
+fn plan(model: &Graph) -> Result<Vec<Layer>> {
     let mut layers = Vec::with_capacity(model.layers().len());
     for (index, (layer, shapes)) in model.layers().iter().zip(model.layer_shapes()).enumerate() {
         let name = model.layer_names()[index].clone();
@@ -747,6 +747,7 @@ impl Net<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::Sequential;
 
     #[test]
     fn a_layer_without_a_cuda_form_is_refused_by_name() {
