@@ -278,11 +278,14 @@ impl ModelSpec {
                 Some(n) => format!("layer {i} ('{n}')"),
                 None => format!("layer {i}"),
             };
-            let mut cycle: Vec<String> = path[start..].iter().rev().map(|&i| name(i)).collect();
+            let mut cycle: Vec<String> = path[start..].iter().map(|&i| name(i)).collect();
             cycle.push(name(at));
             return Err(Error::format(
                 &self.origin,
-                format!("the layers' inbound names make a cycle: {} (a layer may only read layers that do not read it back)", cycle.join(" → ")),
+                format!(
+                    "the layers' inbound names make a cycle: {} (a layer may only read layers that do not read it back)",
+                    cycle.join(", which reads ")
+                ),
             ));
         }
         Ok(order)
@@ -513,6 +516,54 @@ mod tests {
     }
 
     #[test]
+    fn a_spec_is_a_graph_when_its_layers_name_their_inbound() {
+        // Layer 0 reads layer 1, which comes after it in the list: they run 1, 0, 2.
+        let text = r#"{"input_shape": [3], "layers": [
+            {"type": "dense", "units": 4, "name": "a", "inbound": ["c"]},
+            {"type": "relu", "name": "c", "inbound": ["input"]},
+            {"type": "dense", "units": 2, "inbound": ["a"]}]}"#;
+        let m = model_from_spec_str(text, "g.json").unwrap();
+        assert_eq!(m.layer_names(), ["c", "a", "dense0"]);
+        assert_eq!(m.output_shape().dims(), &[2]);
+        // Written back, it builds the same model (a chain now, so no inbound is written).
+        let again = model_from_spec_str(&model_to_spec(&m).unwrap().to_string(), "again").unwrap();
+        assert_eq!(again.layer_names(), m.layer_names());
+        assert_eq!(again.param_infos(), m.param_infos());
+    }
+
+    #[test]
+    fn bad_graph_specs_are_refused_naming_the_layers() {
+        let graph = |layers: &str| format!(r#"{{"input_shape": [3], "layers": [{layers}]}}"#);
+        // An inbound name that no layer has.
+        let e = err(&graph(r#"{"type": "relu", "name": "a"}, {"type": "dense", "units": 2, "inbound": ["b"]}"#));
+        assert!(e.contains("layer 1 (dense): inbound names 'b', which no layer of the spec is named (the named layers: a; the model's input: 'input')"), "{e}");
+        // A cycle, through a name that refers forward.
+        let e = err(&graph(
+            r#"{"type": "relu", "name": "a", "inbound": ["b"]}, {"type": "relu", "name": "b", "inbound": ["a"]},
+               {"type": "dense", "units": 2, "inbound": ["b"]}"#,
+        ));
+        assert!(e.contains("make a cycle: layer 0 ('a'), which reads layer 1 ('b'), which reads layer 0 ('a')"), "{e}");
+        // Two layers of one name; the input's name taken.
+        let e = err(&graph(r#"{"type": "relu", "name": "a"}, {"type": "dense", "units": 2, "name": "a"}"#));
+        assert!(e.contains("layer 1 (dense): layer 0 is named 'a' too"), "{e}");
+        let e = err(&graph(r#"{"type": "relu", "name": "input"}"#));
+        assert!(e.contains("the name 'input' is the model input's"), "{e}");
+        // A layer whose output nothing reads.
+        let e = err(&graph(
+            r#"{"type": "relu", "name": "a"}, {"type": "dense", "units": 4}, {"type": "dense", "units": 2, "inbound": ["a"]}"#,
+        ));
+        assert!(
+            e.contains(
+                "layer 1 (dense): its output is read by no layer, and only the last layer's (layer 2) is the model's"
+            ),
+            "{e}"
+        );
+        // An inbound that is not a list of names.
+        let e = err(&graph(r#"{"type": "relu", "inbound": "input"}"#));
+        assert!(e.contains("layer 0: field 'inbound' must be a non-empty list of at most 64 layer names"), "{e}");
+    }
+
+    #[test]
     fn max_pooling2d_defaults_are_keras_and_errors_name_the_field() {
         // Keras MaxPooling2D(): pool_size (2, 2), strides = pool_size, "valid".
         let m = model_from_spec_str(&with_layers(r#"{"type": "max_pooling2d"}"#), "m.json").unwrap();
@@ -656,7 +707,7 @@ mod tests {
         let embedding = r#"{"type": "embedding", "vocab": 256, "width": 8}"#;
         assert_eq!(
             err(&spec(&format!(r#"{{"type": "layer_norm"}}, {embedding}, {{"type": "dense", "units": 256}}"#))),
-            "m.json: layer 1 (embedding): an embedding reads token ids, which only the model's input holds: it must be layer 0, not after layer 0 (layer_norm)"
+            "m.json: layer 1 (embedding): an embedding reads token ids, which only the model's input holds: it must read the input (be layer 0, or name 'input' as its inbound)"
         );
         // First, it builds.
         assert!(

@@ -213,6 +213,7 @@ impl Graph {
             sources.push(n.inputs);
         }
         let value_name = |s: Source| match s {
+            Source::Input(k) if inputs.len() == 1 => format!("the model's input {}", inputs[k].0),
             Source::Input(k) => format!("model input {}", inputs[k].0),
             Source::Node(j) => format!("node {}", names[j]),
         };
@@ -1014,7 +1015,7 @@ mod tests {
         // Shapes that do not meet at a merge: both inputs and their shapes named.
         let e =
             err(vec![node(Linear::new(3, 4), &[Source::Input(0)]), node(Sum2, &[Source::Node(0), Source::Input(0)])]);
-        assert!(e.contains("layer sum0 (its inputs: node dense0 [4], model input input [3])"), "{e}");
+        assert!(e.contains("layer sum0 (its inputs: node dense0 (4), the model's input input (3))"), "{e}");
         // A model input nobody reads.
         let two = vec![(INPUT_NAME.to_string(), Shape::new([3])), ("positions".to_string(), Shape::new([3]))];
         let e = Graph::build(two, vec![node(Relu::new(), &[Source::Input(0)])]).err().unwrap().to_string();
@@ -1034,7 +1035,7 @@ mod tests {
         let a = Tensor::from_vec(vec![1.0, 2.0], [1, 2]).unwrap();
         let b = Tensor::from_vec(vec![3.0, 4.0], [1, 2]).unwrap();
         let e = g.forward(a.clone(), &params, &mut [], &ctx).err().unwrap().to_string();
-        assert!(e.contains("the model takes 2 inputs (a [2], b [2]), given 1"), "{e}");
+        assert!(e.contains("the model takes 2 inputs (a (2), b (2)), given 1"), "{e}");
         let y = g.forward_many(vec![a, b], &params, &mut [], &ctx).unwrap();
         let mut grads = vec![0.0; params.len()];
         let d = g.backward_inputs(Tensor::from_vec(vec![1.0], y.shape().clone()).unwrap(), &params, &mut grads, &ctx);
