@@ -15,7 +15,8 @@ What it owns: the table from name to module, and the toy MLP's module. The other
 are the ones this project's PyTorch references already train, kept here by import so that
 each is written once: the convnet's is scripts/torch_convnet.py's (the benchmark's), the
 ResNets' scripts/torch_resnet.py's (the residual networks' reference cases), the GPT's
-scripts/torch_gpt_model.py's (the transformer's reference cases).
+scripts/torch_gpt_model.py's (the transformer's reference cases), the Llama's
+scripts/torch_llama_model.py's (its reference case).
 
 A module is built for the sizes of the run that saved the file; the defaults below are
 the command line's for the built-in data (`--data toy`, `digits`, `fashion-mnist`,
@@ -32,9 +33,10 @@ from torch.nn import functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from torch_convnet import Convnet  # noqa: E402
 from torch_gpt_model import GPT, GPTConfig  # noqa: E402
+from torch_llama_model import Llama, LlamaConfig  # noqa: E402
 from torch_resnet import ResNet  # noqa: E402
 
-NAMES = ("toy", "convnet", "convnet-nobn", "resnet8", "resnet20", "gpt")
+NAMES = ("toy", "convnet", "convnet-nobn", "resnet8", "resnet20", "gpt", "llama")
 
 
 class ToyMLP(nn.Module):
@@ -56,10 +58,12 @@ def build(name, classes=None, inputs=2, input_chw=(1, 28, 28), context=64, layer
     """The PyTorch module of lockstep's built-in model `name` (one of NAMES).
 
     classes: the output count (`--classes`, else the data's): 2 for the toy, 10 for the
-             convnets and ResNets, the vocabulary (256, bytes) for the GPT.
+             convnets and ResNets, the vocabulary (256, bytes) for the GPT and the Llama.
     inputs:  the toy's features per sample (2 for `--data toy`).
     input_chw: the convnets' image (channels, height, width); the ResNets take 1×28×28.
-    context, layers, heads, width: the GPT's `--context`, `--layers`, `--heads`, `--width`.
+    context, layers, heads, width: the GPT's and the Llama's `--context`, `--layers`,
+             `--heads`, `--width` (the Llama's feed-forward width follows from `width`
+             by Meta's rule, multiple_of 256, as `--model llama` builds it).
     """
     if name == "toy":
         return ToyMLP(inputs, classes or 2)
@@ -70,4 +74,7 @@ def build(name, classes=None, inputs=2, input_chw=(1, 28, 28), context=64, layer
     if name == "gpt":
         config = GPTConfig(block_size=context, vocab_size=classes or 256, n_layer=layers, n_head=heads, n_embd=width)
         return GPT(config)
+    if name == "llama":
+        config = LlamaConfig(max_seq_len=context, vocab_size=classes or 256, n_layers=layers, n_heads=heads, dim=width)
+        return Llama(config)
     raise ValueError(f"{name!r} is not a built-in model: expected one of {', '.join(NAMES)}")

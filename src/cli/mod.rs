@@ -220,7 +220,7 @@ enum Command {
     Eval(EvalArgs),
     /// The top class and its probability for every input, one line each: `index  class  probability`.
     Predict(PredictArgs),
-    /// Continue a prompt with a trained language model (the GPT), byte by byte.
+    /// Continue a prompt with a trained language model (the GPT, the Llama), byte by byte.
     Generate(Box<GenerateArgs>),
     /// List the tensors of a safetensors file: name, dtype, shape.
     Inspect {
@@ -261,6 +261,8 @@ enum ModelName {
     Resnet20,
     /// nanoGPT's GPT over bytes (--layers, --heads, --width, --context; its tensor names).
     Gpt,
+    /// Meta's Llama over bytes: RMSNorm, RoPE, SwiGLU, no biases (--layers, --heads, --width, --context; Meta's tensor names).
+    Llama,
 }
 
 impl ModelName {
@@ -272,7 +274,13 @@ impl ModelName {
             ModelName::Resnet8 => "resnet8",
             ModelName::Resnet20 => "resnet20",
             ModelName::Gpt => "gpt",
+            ModelName::Llama => "llama",
         }
+    }
+
+    /// Whether it is a language model over text: the GPT, the Llama.
+    fn is_language_model(self) -> bool {
+        matches!(self, ModelName::Gpt | ModelName::Llama)
     }
 }
 
@@ -335,11 +343,11 @@ impl ModelSource {
         }
     }
 
-    /// Whether the model is the built-in GPT, or a spec that starts with an embedding:
-    /// a language model, whose data is text.
-    fn is_gpt(&self) -> bool {
+    /// Whether the model is a built-in language model (the GPT, the Llama), or a spec
+    /// that starts with an embedding: a language model, whose data is text.
+    fn is_language_model(&self) -> bool {
         match self {
-            ModelSource::Builtin(name) => *name == ModelName::Gpt,
+            ModelSource::Builtin(name) => name.is_language_model(),
             ModelSource::Spec(_, spec) => spec.layers.first().is_some_and(|l| l.type_name() == "embedding"),
         }
     }
@@ -352,7 +360,7 @@ impl ModelSource {
     }
 
     fn default_data(&self) -> &'static str {
-        if self.is_gpt() {
+        if self.is_language_model() {
             "fortunes"
         } else if self.flat() {
             "toy"
@@ -739,6 +747,16 @@ fn build_model(
                 "the gpt model takes sequences of token ids (T,), the data has samples of shape {sample:?}"
             ))),
         },
+        // The flags' shape but for the window, which the data's give; no dropout.
+        ModelName::Llama => match sample {
+            [context] => {
+                let d = models::LlamaConfig::default();
+                Ok(models::llama(models::LlamaConfig::new(*context, classes, d.layers, d.heads, d.width))?)
+            }
+            _ => Err(Failure::usage(anyhow!(
+                "the llama model takes sequences of token ids (T,), the data has samples of shape {sample:?}"
+            ))),
+        },
     }
 }
 
@@ -1006,7 +1024,7 @@ mod tests {
                 assert!(help(cmd, "model").contains(name.as_str()), "{cmd} --model: {name:?}: {}", help(cmd, "model"));
             }
             let predict = help("predict", "model");
-            assert_eq!(predict.contains(&format!("{}, ", name.as_str())), *name != ModelName::Gpt, "{predict}");
+            assert_eq!(predict.contains(&format!("{}, ", name.as_str())), !name.is_language_model(), "{predict}");
         }
         assert!(help("predict", "model").contains("`generate`"));
         let generate: Vec<String> =
