@@ -6,8 +6,8 @@
 pub use crate::model::{convert_sync_batchnorm, ParamStore, Residual, Sequential, TensorInfo, LAYER_TYPES};
 pub use crate::ops::cross_entropy as loss;
 pub use crate::ops::{
-    merge_takes_several, Activation, Arity, AvgPool2d, BatchNorm2d, CausalSelfAttention, Conv2d, Ctx, Dropout,
+    merge_takes_several, Activation, Arity, AttentionMask, AvgPool2d, BatchNorm2d, CausalSelfAttention, Conv2d, Ctx, Dropout,
     Embedding, Flatten, Gelu, GlobalAvgPool2d, Init, InputGrad, Layer, LayerMemory, LayerNorm, LayerShapes, LayerType,
     Linear, MaxPool2d, Mode, Padding, ParamSpec, Params, ParamsMut, PositionalEmbedding, ProfileRow, Relu, Rescaling,
-    RmsNorm, Sigmoid, Silu, Softmax, Tanh, Upsample2d, Window2d,
+    RmsNorm, RotaryEmbedding, ScaledDotProductAttention, Sigmoid, Silu, Softmax, Tanh, Upsample2d, Window2d,
 };

@@ -44,4 +44,5 @@ pub const LAYER_TYPES: &[LayerType] = &[
     ops::AvgPool2d::SPEC,
     ops::Upsample2d::SPEC,
     ops::Softmax::SPEC,
+    ops::RotaryEmbedding::SPEC,
 ];

@@ -46,6 +46,8 @@ pub mod positional;
 pub mod relu;
 pub mod rescaling;
 pub mod rmsnorm;
+pub mod rotary_embedding;
+pub mod sdpa;
 pub mod sigmoid;
 pub mod silu;
 pub(crate) mod slopes;
@@ -57,6 +59,7 @@ pub mod window;
 
 use std::ops::Range;
 
+pub use attention::cpu::Mask as AttentionMask;
 pub use attention::CausalSelfAttention;
 pub use avgpool2d::AvgPool2d;
 pub use batchnorm::BatchNorm2d;
@@ -73,6 +76,8 @@ pub use positional::PositionalEmbedding;
 pub use relu::Relu;
 pub use rescaling::Rescaling;
 pub use rmsnorm::RmsNorm;
+pub use rotary_embedding::RotaryEmbedding;
+pub use sdpa::ScaledDotProductAttention;
 pub use sigmoid::Sigmoid;
 pub use silu::Silu;
 pub use softmax::Softmax;
