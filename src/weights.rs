@@ -57,23 +57,31 @@ pub fn attention_heads(model: &Graph) -> Vec<usize> {
     }
     let mut heads = Vec::new();
     for (l, shapes) in model.layers().iter().zip(model.layer_shapes()) {
-        if l.kind() == SDPA_KIND {
-            heads.extend(shapes.input.dims().first());
-        } else if let Some(spec) = l.spec() {
-            walk(&spec, &mut heads);
+        match l.spec() {
+            Some(spec) if spec_type(&spec) == Some(SDPA_TYPE) => heads.extend(shapes.input.dims().first()),
+            Some(spec) => walk(&spec, &mut heads),
+            None => {}
         }
     }
     heads
 }
 
-/// The kind of a scaled dot-product attention layer, whose samples are (H, T, D).
-const SDPA_KIND: &str = crate::nn::ScaledDotProductAttention::KIND;
+/// The spec type of a scaled dot-product attention, whose samples are (H, T, D).
+const SDPA_TYPE: &str = "scaled_dot_product_attention";
+
+/// The spec type of a rotary embedding, whose samples are (T, H, D).
+const ROTARY_TYPE: &str = "rotary_embedding";
+
+/// The `type` of a layer's spec form.
+fn spec_type(spec: &serde_json::Value) -> Option<&str> {
+    spec.get("type").and_then(serde_json::Value::as_str)
+}
 
 /// The window [`CONTEXT_KEY`] records for `model`: the positions its rotary embeddings
 /// turn (per-sample (T, H, D); the largest T where they differ); None without one.
 pub fn rotary_context(model: &Graph) -> Option<usize> {
-    let rotary = crate::nn::RotaryEmbedding::KIND;
-    let windows = model.layers().iter().zip(model.layer_shapes()).filter(|(l, _)| l.kind() == rotary);
+    let rotary = |l: &Box<dyn crate::nn::Layer>| l.spec().is_some_and(|s| spec_type(&s) == Some(ROTARY_TYPE));
+    let windows = model.layers().iter().zip(model.layer_shapes()).filter(|(l, _)| rotary(l));
     windows.filter_map(|(_, s)| s.input.dims().first().copied()).max()
 }
 

@@ -8,7 +8,7 @@
 //! - its final weights: max |Δ| ≤ 2e-3 (AdamW divides by √v, so an ulp of a small
 //!   gradient moves a weight by up to lr).
 //!
-//! And bitwise identity with the logical replicas fixed (R = 3 on 1, 2 and 3 CPU devices);
+//! And bitwise identity with the logical replicas fixed (R = 6 on 1, 2 and 3 CPU devices);
 //! the names and sizes of the built-in Llama; the metadata its files carry.
 
 use std::path::{Path, PathBuf};
@@ -118,9 +118,11 @@ fn the_llama_trains_as_the_pytorch_module_on_one_two_and_three_replicas() {
         let config = reference_config(initial.clone(), w);
         let report = train_data_parallel(&model, &data, None, &Devices::cpu(w, 1).unwrap(), &config).unwrap();
         assert_eq!(report.losses.len(), 20);
+        let mut worst = (0.0f64, 0.0f32);
         for (step, (&got, &want)) in report.losses.iter().zip(want_losses).enumerate() {
             let d = (got - want as f64).abs();
             assert!(d <= 1e-5 * (want as f64).abs().max(1.0), "W = {w}, step {step}: loss {got} vs PyTorch's {want}");
+            worst.0 = worst.0.max(d);
         }
         let path = tmp.path().join(format!("final-{w}.safetensors"));
         weights::save(&model, &report.weights, &path).unwrap();
@@ -130,7 +132,9 @@ fn the_llama_trains_as_the_pytorch_module_on_one_two_and_three_replicas() {
         for (name, want) in finals {
             let d = get(&ours, name).iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
             assert!(d <= 2e-3, "W = {w}: {name} differs from PyTorch's by {d:e}");
+            worst.1 = worst.1.max(d);
         }
+        eprintln!("W = {w}: losses within {:.1e} of PyTorch's, weights within {:.1e}", worst.0, worst.1);
     }
 }
 
@@ -140,14 +144,15 @@ fn the_llama_is_bitwise_the_same_on_one_two_and_three_devices_with_the_replicas_
     let all = tensors(&case());
     let model = small_llama();
     let data = reference_rows(&all, tmp.path());
-    let config = TrainConfig { shuffle: Shuffle::Seeded, ..reference_config(model.init(3), 3) };
+    // R = 6 (one window each of the batch of 6), which 1, 2 and 3 devices share evenly.
+    let config = TrainConfig { shuffle: Shuffle::Seeded, ..reference_config(model.init(3), 6) };
     let run =
         |devices: usize| train_data_parallel(&model, &data, None, &Devices::cpu(devices, 1).unwrap(), &config).unwrap();
     let one = run(1);
     for devices in [2, 3] {
         let other = run(devices);
         assert_eq!(one.losses, other.losses, "losses on cpu:1 and cpu:{devices}");
-        assert!(one.weights == other.weights, "the weights differ between cpu:1 and cpu:{devices} with R = 3");
+        assert!(one.weights == other.weights, "the weights differ between cpu:1 and cpu:{devices} with R = 6");
     }
 }
 

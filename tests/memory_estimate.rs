@@ -113,3 +113,26 @@ fn the_convnet_holds_its_estimate_with_and_without_checkpoints() {
     let with = TrainConfig { checkpoint: Some(policy(dir.path(), "convnet")), ..config(64) };
     check("the convnet with checkpoints", measured(&model, &train, &test, &devices, &with));
 }
+
+/// `lines` lines of one sentence, about 55 bytes each: text for the language models.
+fn text(lines: usize) -> String {
+    (0..lines).map(|i| format!("line {i}: the quick brown fox jumps over {} lazy dogs.\n", i % 7)).collect()
+}
+
+#[test]
+fn the_llama_holds_its_estimate() {
+    let _one = ONE_AT_A_TIME.lock();
+    // The built-in Llama at nanoGPT's CPU recipe's sizes (4 layers, 4 heads, 128 wide, a
+    // window of 64) and batch (12), two evaluations of two batches each.
+    let splits = lockstep::data::text::split_text("text", text(700).as_bytes(), 64).unwrap();
+    let model = models::llama(models::LlamaConfig::default()).unwrap();
+    let config = TrainConfig {
+        max_steps: Some(4),
+        batch_size: 12,
+        eval_every: Some(2),
+        eval_batches: Some(2),
+        ..TrainConfig::default()
+    };
+    let test = splits.test.as_ref().unwrap();
+    check("the llama", measured(&model, &splits.train, test, &Devices::cpu(2, 1).unwrap(), &config));
+}
