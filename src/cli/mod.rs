@@ -1027,11 +1027,14 @@ mod tests {
             assert_eq!(predict.contains(&format!("{}, ", name.as_str())), !name.is_language_model(), "{predict}");
         }
         assert!(help("predict", "model").contains("`generate`"));
+        // generate reads a built-in model's sizes from its weights: it takes only what no
+        // shape tells, the heads and (a Llama's) window, for files that do not record them.
         let generate: Vec<String> =
             tree.find_subcommand("generate").unwrap().get_arguments().map(|a| a.get_id().to_string()).collect();
-        for train_only in ["layers", "width", "context"] {
+        for train_only in ["layers", "width"] {
             assert!(!generate.contains(&train_only.to_string()), "generate --{train_only}");
         }
+        assert!(help("generate", "context").contains("do not record it"), "{}", help("generate", "context"));
     }
 
     fn argv(args: &[&str]) -> Vec<std::ffi::OsString> {

@@ -603,7 +603,9 @@ mod tests {
         assert_eq!(layers[0].arity(), Arity::Exactly(3));
         let want = json!({"type": "scaled_dot_product_attention", "causal": false, "scale": null});
         assert_eq!(layers[0].spec().unwrap(), want);
-        let text = ScaledDotProductAttention::SPEC.example.1;
+        // The example's fields (its `inbound` is the graph's, not the layer's).
+        let text = r#"{"type": "scaled_dot_product_attention", "causal": true, "scale": 0.25}"#;
+        assert!(ScaledDotProductAttention::SPEC.example.1.starts_with(&text[..text.len() - 1]));
         let layers = read(text).unwrap().build_many(&shapes).unwrap();
         assert_eq!(layers[0].describe(), "ScaledDotProductAttention(causal, scale 0.25)");
         let again = read(&layers[0].spec().unwrap().to_string()).unwrap().build_many(&shapes).unwrap();
