@@ -11,6 +11,6 @@ pub use crate::ops::cross_entropy as loss;
 pub use crate::ops::{
     merge_takes_several, Activation, Arity, AvgPool2d, BatchNorm2d, CausalSelfAttention, Conv2d, Ctx, Dropout,
     Embedding, Flatten, Gelu, GlobalAvgPool2d, Init, InputGrad, Layer, LayerMemory, LayerNorm, LayerShapes, LayerType,
-    Linear, MaxPool2d, Mode, Padding, ParamSpec, Params, ParamsMut, PositionalEmbedding, ProfileRow, Relu, Rescaling,
-    RmsNorm, Sigmoid, Silu, Softmax, Tanh, Upsample2d, Window2d,
+    Linear, MaxPool2d, Mode, Padding, ParamSpec, Params, ParamsMut, Permute, PositionalEmbedding, ProfileRow, Relu,
+    Rescaling, Reshape, RmsNorm, Sigmoid, Silu, Softmax, Split, Tanh, Upsample2d, Window2d,
 };

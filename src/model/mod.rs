@@ -49,4 +49,7 @@ pub const LAYER_TYPES: &[LayerType] = &[
     ops::AvgPool2d::SPEC,
     ops::Upsample2d::SPEC,
     ops::Softmax::SPEC,
+    ops::Reshape::SPEC,
+    ops::Permute::SPEC,
+    ops::Split::SPEC,
 ];
