@@ -52,4 +52,8 @@ pub const LAYER_TYPES: &[LayerType] = &[
     ops::Reshape::SPEC,
     ops::Permute::SPEC,
     ops::Split::SPEC,
+    ops::Add::SPEC,
+    ops::Multiply::SPEC,
+    ops::Concatenate::SPEC,
+    ops::MatMul::SPEC,
 ];
