@@ -1000,7 +1000,7 @@ mod tests {
     #[test]
     fn bad_graphs_are_refused_naming_the_node() {
         let input = || vec![(INPUT_NAME.to_string(), Shape::new([3]))];
-        let err = |nodes: Vec<GraphNode>| Graph::build(input(), nodes).err().expect("refused").to_string();
+        let err = |nodes: Vec<GraphNode>| Graph::build(input(), nodes).expect_err("refused").to_string();
         // A node whose output nothing reads.
         let e = err(vec![node(Linear::new(3, 4), &[Source::Input(0)]), node(Linear::new(3, 2), &[Source::Input(0)])]);
         assert!(e.contains("node dense0's output is read by no node") && e.contains("dense1"), "{e}");
