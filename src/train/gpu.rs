@@ -19,7 +19,7 @@ use crate::error::{Error, Result};
 use crate::exchange::gpu::DeviceMemory;
 use crate::exchange::Abort;
 use crate::model::gpu::{Clip, GpuNet, OptimizerState, SlotUse};
-use crate::nn::{ParamStore, Sequential};
+use crate::nn::{Graph, ParamStore};
 use crate::ops::batchnorm::stats::StatsExchange;
 use crate::ops::batchnorm::Synchronized;
 use crate::ops::cross_entropy::{softmax_rows, CrossEntropy, Metrics};
@@ -39,10 +39,6 @@ pub(crate) fn kernel_files() -> Vec<&'static crate::cuda::KernelFile> {
         &crate::optim::gpu::KERNELS,
         &crate::exchange::gpu::codec::KERNELS,
         &crate::cuda::buffers::KERNELS,
-        // The merges' files, until the graph lists them among the layer types.
-        &crate::ops::add::gpu::KERNELS,
-        &crate::ops::multiply::gpu::KERNELS,
-        &crate::ops::concatenate::gpu::KERNELS,
     ];
     ops.chain(others).collect()
 }
@@ -73,7 +69,7 @@ pub struct GpuReplica<'s> {
 impl<'s> GpuReplica<'s> {
     /// Builds the replica on `device` (a GPU) from the model, its weights and the
     /// optimiser state to start from.
-    pub fn new(device: Device, start: (Sequential, ParamStore, Optimizer), seed: u64) -> Result<GpuReplica<'s>> {
+    pub fn new(device: Device, start: (Graph, ParamStore, Optimizer), seed: u64) -> Result<GpuReplica<'s>> {
         let Device::Cuda(ordinal) = device else {
             return Err(Error::config("devices", format!("{device} is not a GPU")));
         };
@@ -186,7 +182,7 @@ impl Replica for GpuReplica<'_> {
         self.note_shard(shard);
     }
 
-    fn synchronized(&self) -> (&Sequential, Option<&dyn StatsExchange>) {
+    fn synchronized(&self) -> (&Graph, Option<&dyn StatsExchange>) {
         (self.net.model(), self.stats.map(|(stats, _)| stats))
     }
 
@@ -290,14 +286,11 @@ mod tests {
     /// each with the test, in the file that declares it, that runs every kernel of it on
     /// the host against its CPU code (a layer type's file is held to its host check by the
     /// conformance test, `ops::conformance`).
-    const OTHER_FILES: [(&str, &str); 7] = [
+    const OTHER_FILES: [(&str, &str); 4] = [
         ("cross_entropy.cu", "ops::cross_entropy::gpu::tests::the_kernel_runs_on_the_host_as_the_cpu_loss"),
         ("optim.cu", "optim::gpu::tests::the_kernels_run_on_the_host_as_the_cpu_optimizer"),
         ("codec.cu", "exchange::gpu::codec::tests::the_kernels_run_on_the_host_as_the_codec"),
         ("buffers.cu", "cuda::buffers::tests::the_kernels_run_on_the_host_as_their_definitions"),
-        ("add.cu", "ops::add::gpu::tests::the_kernels_run_on_the_host_as_the_cpu"),
-        ("multiply.cu", "ops::multiply::gpu::tests::the_kernels_run_on_the_host_as_the_cpu"),
-        ("concatenate.cu", "ops::concatenate::gpu::tests::the_kernels_run_on_the_host_as_the_cpu"),
     ];
 
     #[test]

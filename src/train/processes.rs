@@ -25,7 +25,7 @@ use crate::digest::Fnv1a;
 use crate::error::{Error, Result};
 #[cfg(feature = "cuda")]
 use crate::exchange::gpu::{new_clique_id, Clique};
-use crate::nn::{ParamStore, Sequential};
+use crate::nn::{Graph, ParamStore};
 use crate::ops::cross_entropy::Metrics;
 use crate::optim::Optimizer;
 use crate::tensor::Device;
@@ -90,13 +90,7 @@ pub(super) struct Handshake {
 
 impl Handshake {
     /// The run this process was started with.
-    pub fn of(
-        devices: &[Device],
-        replicas: usize,
-        model: &Sequential,
-        config: &TrainConfig,
-        initial: &ParamStore,
-    ) -> Self {
+    pub fn of(devices: &[Device], replicas: usize, model: &Graph, config: &TrainConfig, initial: &ParamStore) -> Self {
         let kind = match devices.first() {
             Some(Device::Cuda(_)) => "cuda",
             _ => "cpu",
@@ -137,7 +131,23 @@ impl Handshake {
             ("non-finite losses", format!("{:?}", c.non_finite)),
             ("model", format!("{} layers, {} values", model.layers().len(), model.params_len() + model.buffers_len())),
         ];
-        let layers = model.layers().iter().enumerate().map(|(i, l)| (format!("layer {i}"), l.describe()));
+        // Each node with the values it reads: processes agree on the graph, not only on
+        // its layers.
+        let reads = |i: usize| {
+            let names: Vec<String> = model.sources()[i]
+                .iter()
+                .map(|&s| match s {
+                    crate::model::Source::Input(k) => model.inputs()[k].0.clone(),
+                    crate::model::Source::Node(j) => model.layer_names()[j].clone(),
+                })
+                .collect();
+            names.join(", ")
+        };
+        let layers = model
+            .layers()
+            .iter()
+            .enumerate()
+            .map(move |(i, l)| (format!("layer {i}"), format!("{} reading {}", l.describe(), reads(i))));
         let mut settings: Vec<Setting> = named.into_iter().map(|(k, v)| (k.to_string(), v)).chain(layers).collect();
         settings.push(("initial weights".into(), format!("digest {weights:016x}")));
         Handshake { settings }
