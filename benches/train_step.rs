@@ -8,7 +8,7 @@ use lockstep::data::digits::{load_digits, DigitsLayout};
 use lockstep::data::{toy, Dataset};
 use lockstep::devices::Devices;
 use lockstep::models::{self, ConvnetOptions};
-use lockstep::nn::Sequential;
+use lockstep::nn::Graph;
 use lockstep::optim::OptimizerConfig;
 use lockstep::train::{with_trainer, Batch, TrainConfig};
 
@@ -18,7 +18,7 @@ use lockstep::train::{with_trainer, Batch, TrainConfig};
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
-fn bench_model(c: &mut Criterion, name: &str, model: &Sequential, data: &Dataset, batch: usize, opt: OptimizerConfig) {
+fn bench_model(c: &mut Criterion, name: &str, model: &Graph, data: &Dataset, batch: usize, opt: OptimizerConfig) {
     let cores = lockstep::devices::available_cores();
     let mut group = c.benchmark_group(format!("step/{name}/B{batch}"));
     group.throughput(Throughput::Elements(batch as u64));

@@ -30,7 +30,7 @@ use crate::digest::Fnv1a;
 use crate::dirlock::DirLock;
 use crate::error::{Error, Result};
 use crate::fsutil::write_atomic;
-use crate::nn::{ParamStore, Sequential};
+use crate::nn::{Graph, ParamStore};
 use crate::ops::cross_entropy::Metrics;
 use crate::optim::Optimizer;
 use crate::weights::{f32_values, read_file, to_safetensors_bytes};
@@ -255,7 +255,7 @@ fn put_metrics(meta: &mut BTreeMap<String, String>, prefix: &str, m: &Metrics) {
 
 /// Writes a checkpoint of `state` and removes all but the newest `policy.keep`.
 /// Returns the file written.
-pub fn save(model: &Sequential, state: &Resume, policy: &CheckpointPolicy) -> Result<PathBuf> {
+pub fn save(model: &Graph, state: &Resume, policy: &CheckpointPolicy) -> Result<PathBuf> {
     let mut tensors: Vec<(String, Vec<usize>, &[f32])> = Vec::new();
     for t in model.param_infos() {
         tensors.push((format!("param.{}", t.name), t.shape.dims().to_vec(), &state.weights.params[t.range.clone()]));
@@ -330,12 +330,7 @@ pub fn read_record(path: &Path) -> Result<(u64, Record)> {
 }
 
 /// Reads and verifies one checkpoint for `model` against the run's `config`.
-pub fn load(
-    model: &Sequential,
-    path: &Path,
-    config: &BTreeMap<String, String>,
-    optimizer: &Optimizer,
-) -> Result<Resume> {
+pub fn load(model: &Graph, path: &Path, config: &BTreeMap<String, String>, optimizer: &Optimizer) -> Result<Resume> {
     let file = read_file(path)?;
     let st = file.parse()?;
     let meta = file.metadata()?;
@@ -438,7 +433,7 @@ pub fn load(
 /// every checkpoint is corrupt. Returns the checkpoint, its file, and the corrupt files
 /// skipped.
 pub fn load_latest(
-    model: &Sequential,
+    model: &Graph,
     dir: &Path,
     config: &BTreeMap<String, String>,
     optimizer: &Optimizer,
@@ -502,7 +497,7 @@ mod tests {
         (guard, d)
     }
 
-    fn state(model: &Sequential, step: u64) -> Resume {
+    fn state(model: &Graph, step: u64) -> Resume {
         let mut optimizer = Optimizer::new(OptimizerConfig::adam(1e-3), model.params_len());
         let scalars = optimizer.begin_step(1.0, 1.0);
         // A gradient in every tensor, none in the gaps between them (no layer writes there;

@@ -10,7 +10,7 @@
 //! long generation holds what a short one holds; a run is at most [`MAX_TOKENS`].
 
 use crate::error::{Error, Result};
-use crate::nn::{Ctx, ParamStore, Sequential};
+use crate::nn::{Ctx, Graph, ParamStore};
 use crate::rng::{derive_key, purpose, SplitMix64};
 use crate::tensor::{Device, Tensor};
 
@@ -36,7 +36,7 @@ pub const MAX_TOKENS: usize = 1_000_000;
 /// as soon as it is drawn (an error from `each` stops the generation and is returned).
 /// `prompt` must not be empty and every id must be below the vocabulary V.
 pub fn generate(
-    model: &mut Sequential,
+    model: &mut Graph,
     weights: &ParamStore,
     prompt: &[u32],
     context: usize,
@@ -124,7 +124,7 @@ mod tests {
         assert_eq!(draw(&logits, 1.0, None, 0.999_999_9), 3);
     }
 
-    fn tiny_gpt() -> (Sequential, ParamStore) {
+    fn tiny_gpt() -> (Graph, ParamStore) {
         let config = crate::models::GptConfig { context: 4, vocab: 16, layers: 1, heads: 2, width: 8, dropout: 0.0 };
         let model = crate::models::gpt(config).unwrap();
         let weights = model.init(7);

@@ -103,7 +103,7 @@ pub mod prelude {
     pub use crate::data::{Dataset, Features, Splits};
     pub use crate::devices::Devices;
     pub use crate::models::{self, convnet, resnet, toy_mlp, ConvnetOptions, Norm, ResnetDepth};
-    pub use crate::nn::{Layer, Sequential};
+    pub use crate::nn::{Call, Graph, Layer, Sequential, Value};
     pub use crate::observe::{CsvMetrics, Every, JsonLines, Progress, StepLines, Stream};
     pub use crate::optim::{LrSchedule, OptimizerConfig};
     #[cfg(feature = "plot")]

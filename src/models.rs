@@ -26,6 +26,7 @@
 
 use crate::error::Error;
 use crate::error::Result;
+use crate::nn::Graph;
 use crate::nn::{
     Activation, BatchNorm2d, CausalSelfAttention, Conv2d, Dropout, Embedding, Gelu, GlobalAvgPool2d, Init, Layer,
     LayerNorm, Linear, Padding, PositionalEmbedding, Relu, Rescaling, Residual, Sequential,
@@ -67,7 +68,7 @@ impl Default for ConvnetOptions {
 }
 
 /// The lesson's MLP: `inputs` → 30 → 20 → `classes` with ReLUs (2 → 2 in the lesson).
-pub fn toy_mlp(inputs: usize, classes: usize) -> Result<Sequential> {
+pub fn toy_mlp(inputs: usize, classes: usize) -> Result<Graph> {
     Sequential::new(
         [inputs],
         vec![
@@ -81,7 +82,7 @@ pub fn toy_mlp(inputs: usize, classes: usize) -> Result<Sequential> {
 }
 
 /// The Keras guide's convnet.
-pub fn convnet(opts: ConvnetOptions) -> Result<Sequential> {
+pub fn convnet(opts: ConvnetOptions) -> Result<Graph> {
     let (c, h, w) = opts.input;
     let bn = |ch| -> Vec<Box<dyn Layer>> {
         match opts.norm {
@@ -173,7 +174,7 @@ impl ResnetDepth {
 /// `(x/255 − mean)/std` with Fashion-MNIST's training-set [`FASHION_MNIST_MEAN`] and
 /// [`FASHION_MNIST_STD`], as `x·(1/(255·std)) + (−mean/std)` in f32. BatchNorm is
 /// PyTorch's (eps 1e-5, momentum 0.1, `num_batches_tracked`).
-pub fn resnet(depth: ResnetDepth, classes: usize) -> Result<Sequential> {
+pub fn resnet(depth: ResnetDepth, classes: usize) -> Result<Graph> {
     let conv = |cin, cout, k, stride, pad| -> Result<Box<dyn Layer>> {
         Ok(Box::new(Conv2d::new(cin, cout, (k, k), stride, Padding::Explicit(pad, pad), false)?))
     };
@@ -244,7 +245,7 @@ impl Default for GptConfig {
 /// its `_init_weights`: N(0, 0.02) for every Linear and Embedding weight, the residual
 /// projections (`c_proj`) N(0, (0.02/√(2·layers))²), zero biases, LayerNorm ones and
 /// zeros. Input: (T) token ids; output: (T, V) logits.
-pub fn gpt(config: GptConfig) -> Result<Sequential> {
+pub fn gpt(config: GptConfig) -> Result<Graph> {
     let GptConfig { context, vocab, layers, heads, width, dropout } = config;
     if layers == 0 {
         return Err(Error::config("layers", "a GPT needs at least one block"));

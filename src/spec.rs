@@ -52,7 +52,7 @@ use serde_json::{json, Value};
 
 use crate::error::{Error, Result};
 use crate::model::spec_objects::{layers_to_spec, read_layer};
-use crate::model::{NamedLayer, Sequential};
+use crate::model::{Graph, GraphNode, Source, INPUT_NAME};
 use crate::tensor::Shape;
 
 pub use crate::model::LAYER_TYPES;
@@ -68,12 +68,35 @@ pub const MAX_SPEC_BYTES: u64 = 16 << 20;
 pub use crate::model::spec_objects::LayerObject as LayerSpec;
 
 /// A spec (`{"input_shape": ..., "layers": [...]}`) that builds `model` again, each layer
-/// written by its own [`Layer::spec`](crate::nn::Layer::spec), or an error naming the first layer that has no spec
-/// form (a layer of the user's own).
-pub fn model_to_spec(model: &Sequential) -> Result<Value> {
-    let layers = layers_to_spec(model.layers(), model.layer_names(), "").map_err(|(name, describe)| {
+/// written by its own [`Layer::spec`](crate::nn::Layer::spec), or an error naming the
+/// first layer that has no spec form (a layer of the user's own). A graph that is not a
+/// chain names every layer and writes each one's `inbound`.
+pub fn model_to_spec(model: &Graph) -> Result<Value> {
+    if model.inputs().len() != 1 {
+        return Err(Error::config(
+            "model spec",
+            format!("the model has {} inputs; a spec describes a model of one input", model.inputs().len()),
+        ));
+    }
+    let mut layers = layers_to_spec(model.layers(), model.layer_names(), "").map_err(|(name, describe)| {
         Error::config("model spec", format!("layer {name} ({describe}) has no spec form"))
     })?;
+    if !model.is_chain() {
+        let names = model.layer_names();
+        for (j, (v, sources)) in layers.iter_mut().zip(model.sources()).enumerate() {
+            let inbound: Vec<&str> = sources
+                .iter()
+                .map(|&s| match s {
+                    Source::Input(_) => INPUT_NAME,
+                    Source::Node(i) => names[i].as_str(),
+                })
+                .collect();
+            if let Value::Object(map) = v {
+                map.insert("name".into(), json!(names[j]));
+                map.insert("inbound".into(), json!(inbound));
+            }
+        }
+    }
     Ok(json!({"input_shape": model.input_shape().dims(), "layers": layers}))
 }
 
@@ -83,6 +106,10 @@ pub struct ModelSpec {
     /// Shape of one input sample, e.g. `[1, 28, 28]` or `[2]`.
     pub input_shape: Vec<usize>,
     pub layers: Vec<LayerSpec>,
+    /// Each layer's `inbound`: the names of the layers (or `input`, the model's input)
+    /// whose outputs it reads, in the order it takes them; None: the layer before it in
+    /// `layers` (the input for the first).
+    pub inbound: Vec<Option<Vec<String>>>,
     /// Where the spec came from (a path, or a name given by the caller), for messages.
     pub origin: String,
 }
@@ -96,12 +123,12 @@ struct SpecFile {
 }
 
 /// Builds the network a spec describes; `origin` names the spec in errors.
-pub fn model_from_spec_str(text: &str, origin: &str) -> Result<Sequential> {
+pub fn model_from_spec_str(text: &str, origin: &str) -> Result<Graph> {
     ModelSpec::parse(text, origin)?.build()
 }
 
 /// Reads and builds a spec file.
-pub fn model_from_spec_file(path: &Path) -> Result<Sequential> {
+pub fn model_from_spec_file(path: &Path) -> Result<Graph> {
     ModelSpec::from_file(path)?.build()
 }
 
@@ -146,25 +173,130 @@ impl ModelSpec {
         if file.layers.is_empty() {
             return Err(bad("field 'layers' is empty: a model needs at least one layer".into()));
         }
-        let layers =
-            file.layers.iter().enumerate().map(|(i, v)| parse_layer(i, v).map_err(bad)).collect::<Result<Vec<_>>>()?;
-        let spec = ModelSpec { input_shape, layers, origin: origin.to_string() };
-        spec.layers_checked()?;
+        let (layers, inbound) = file
+            .layers
+            .iter()
+            .enumerate()
+            .map(|(i, v)| parse_layer(i, v).map_err(bad))
+            .collect::<Result<(Vec<_>, Vec<_>)>>()?;
+        let spec = ModelSpec { input_shape, layers, inbound, origin: origin.to_string() };
+        spec.nodes_checked()?;
         Ok(spec)
     }
 
     /// The network, with fresh layers.
-    pub fn build(&self) -> Result<Sequential> {
-        let layers = self.layers_checked()?;
-        Sequential::named(self.input_shape.clone(), layers)
+    pub fn build(&self) -> Result<Graph> {
+        let nodes = self.nodes_checked()?;
+        Graph::build(vec![(INPUT_NAME.to_string(), Shape::new(self.input_shape.clone()))], nodes)
             .map_err(|e| Error::format(&self.origin, format!("cannot build the model: {e}")))
     }
 
-    /// The layers, built one at a time against the running shape (batch of 2, as
-    /// `Sequential` checks), each problem named by its spec index.
-    fn layers_checked(&self) -> Result<Vec<NamedLayer>> {
-        let bad = |i: usize, l: &LayerSpec, detail: String| {
-            Error::format(&self.origin, format!("layer {i} ({}): {detail}", l.type_name()))
+    /// Each layer's inputs, by index into `layers` (None: the model's input), from its
+    /// `inbound` or the layer before it; every problem named by the spec's index.
+    fn wiring(&self) -> Result<Vec<Vec<Option<usize>>>> {
+        let bad = |i: usize, detail: String| {
+            Error::format(&self.origin, format!("layer {i} ({}): {detail}", self.layers[i].type_name()))
+        };
+        let mut named: std::collections::HashMap<&str, usize> = std::collections::HashMap::new();
+        for (i, l) in self.layers.iter().enumerate() {
+            if let Some(name) = l.name() {
+                if name == INPUT_NAME {
+                    return Err(bad(
+                        i,
+                        format!("the name '{INPUT_NAME}' is the model input's: give the layer another"),
+                    ));
+                }
+                if let Some(j) = named.insert(name, i) {
+                    return Err(bad(i, format!("layer {j} is named '{name}' too: each layer's name must be its own")));
+                }
+            }
+        }
+        self.inbound
+            .iter()
+            .enumerate()
+            .map(|(i, inbound)| match inbound {
+                None => Ok(vec![i.checked_sub(1)]),
+                Some(names) => names
+                    .iter()
+                    .map(|n| match (n.as_str(), named.get(n.as_str())) {
+                        (INPUT_NAME, _) => Ok(None),
+                        (_, Some(&j)) => Ok(Some(j)),
+                        (_, None) => Err(bad(
+                            i,
+                            format!(
+                                "inbound names '{n}', which no layer of the spec is named (the named layers: {}; the model's input: '{INPUT_NAME}')",
+                                if named.is_empty() {
+                                    "none".to_string()
+                                } else {
+                                    let mut all: Vec<_> = named.keys().copied().collect();
+                                    all.sort_unstable();
+                                    all.join(", ")
+                                }
+                            ),
+                        )),
+                    })
+                    .collect(),
+            })
+            .collect()
+    }
+
+    /// The order the layers run in: the spec's own, but that a layer runs after every
+    /// layer it reads (an `inbound` may name a later layer); a cycle is refused, naming its
+    /// layers.
+    fn order(&self, wiring: &[Vec<Option<usize>>]) -> Result<Vec<usize>> {
+        let n = self.layers.len();
+        let mut waiting: Vec<usize> = wiring.iter().map(|w| w.iter().flatten().count()).collect();
+        let mut readers: Vec<Vec<usize>> = vec![Vec::new(); n];
+        for (i, w) in wiring.iter().enumerate() {
+            for &j in w.iter().flatten() {
+                readers[j].push(i);
+            }
+        }
+        // The ready layer of the lowest index first: a spec in order runs in its order.
+        let mut ready: std::collections::BTreeSet<usize> = (0..n).filter(|&i| waiting[i] == 0).collect();
+        let mut order = Vec::with_capacity(n);
+        while let Some(i) = ready.pop_first() {
+            order.push(i);
+            for &r in &readers[i] {
+                waiting[r] -= 1;
+                if waiting[r] == 0 {
+                    ready.insert(r);
+                }
+            }
+        }
+        if order.len() < n {
+            // Follow inbound links among the layers left until one repeats: a cycle.
+            let left: Vec<bool> = (0..n).map(|i| waiting[i] > 0).collect();
+            let mut at = (0..n).find(|&i| left[i]).expect("a layer is left");
+            let mut path = Vec::new();
+            while !path.contains(&at) {
+                path.push(at);
+                at = wiring[at].iter().flatten().copied().find(|&j| left[j]).expect("a left layer reads a left layer");
+            }
+            let start = path.iter().position(|&p| p == at).expect("the repeat is on the path");
+            let name = |i: usize| match self.layers[i].name() {
+                Some(n) => format!("layer {i} ('{n}')"),
+                None => format!("layer {i}"),
+            };
+            let mut cycle: Vec<String> = path[start..].iter().map(|&i| name(i)).collect();
+            cycle.push(name(at));
+            return Err(Error::format(
+                &self.origin,
+                format!(
+                    "the layers' inbound names make a cycle: {} (a layer may only read layers that do not read it back)",
+                    cycle.join(", which reads ")
+                ),
+            ));
+        }
+        Ok(order)
+    }
+
+    /// The graph's nodes, built one layer object at a time against its inputs' shapes
+    /// (batch of 2, as `Graph` checks them), in the order they run, each problem named by
+    /// its spec index.
+    fn nodes_checked(&self) -> Result<Vec<GraphNode>> {
+        let bad = |i: usize, detail: String| {
+            Error::format(&self.origin, format!("layer {i} ({}): {detail}", self.layers[i].type_name()))
         };
         let per_sample: usize =
             self.input_shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d)).unwrap_or(usize::MAX);
@@ -174,46 +306,103 @@ impl ModelSpec {
                 format!("field 'input_shape' {:?} has more than {MAX_ELEMENTS} values", self.input_shape),
             ));
         }
+        let wiring = self.wiring()?;
+        let order = self.order(&wiring)?;
+        let mut read = vec![false; self.layers.len()];
+        for &j in wiring.iter().flatten().flatten() {
+            read[j] = true;
+        }
+        let last = self.layers.len() - 1;
+        if let Some(i) = (0..last).find(|&i| !read[i]) {
+            return Err(bad(
+                i,
+                format!(
+                    "its output is read by no layer, and only the last layer's (layer {last}) is the model's: remove it, or name it in a later layer's inbound"
+                ),
+            ));
+        }
+        if order.last() != Some(&last) {
+            return Err(bad(last, "the last layer is the model's output, so no layer may read it".into()));
+        }
         let mut dims = vec![2];
         dims.extend_from_slice(&self.input_shape);
-        let mut shape = Shape::new(dims);
+        let input = Shape::new(dims);
         let mut total_params = 0usize;
-        let mut out: Vec<NamedLayer> = Vec::new();
-        for (i, l) in self.layers.iter().enumerate() {
+        // Per layer object: its last node (what a reader of it reads) and that node's
+        // output shape (batch of 2).
+        let mut ends: Vec<Option<(usize, Shape)>> = vec![None; self.layers.len()];
+        let mut nodes: Vec<GraphNode> = Vec::new();
+        for &i in &order {
+            let l = &self.layers[i];
             // An embedding looks its input up as token ids, which only the model's input
             // is: after any layer (a layer_norm, a dropout) they would be floats, and the
             // first step would fail on them.
-            if l.type_name() == "embedding" && i > 0 {
+            if l.type_name() == "embedding" && wiring[i] != [None] {
                 return Err(bad(
                     i,
-                    l,
-                    format!(
-                        "an embedding reads token ids, which only the model's input holds: it must be layer 0, not after layer {} ({})",
-                        i - 1,
-                        self.layers[i - 1].type_name()
-                    ),
+                    "an embedding reads token ids, which only the model's input holds: it must read the input (be layer 0, or name 'input' as its inbound)".into(),
                 ));
             }
-            let new = l.build(&shape).map_err(|e| bad(i, l, e))?;
-            for (_, layer) in &new {
+            let (mut sources, mut shapes) = (Vec::new(), Vec::new());
+            for w in &wiring[i] {
+                match w {
+                    None => {
+                        sources.push(Source::Input(0));
+                        shapes.push(input.clone());
+                    }
+                    Some(j) => {
+                        let (node, shape) = ends[*j].clone().expect("the order runs a layer after those it reads");
+                        sources.push(Source::Node(node));
+                        shapes.push(shape);
+                    }
+                }
+            }
+            let built = l.build_many(&shapes).map_err(|e| {
+                let ins = match wiring[i].as_slice() {
+                    [_] => String::new(),
+                    w => format!(
+                        " (its inputs: {})",
+                        w.iter()
+                            .zip(&shapes)
+                            .map(|(w, s)| {
+                                let from = match w {
+                                    None => INPUT_NAME.to_string(),
+                                    Some(j) => match self.layers[*j].name() {
+                                        Some(n) => format!("'{n}'"),
+                                        None => format!("layer {j}"),
+                                    },
+                                };
+                                format!("{from} {}", Shape::new(&s.dims()[1..]))
+                            })
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    ),
+                };
+                bad(i, format!("{e}{ins}"))
+            })?;
+            let mut shape = shapes;
+            for (name, layer) in built {
                 // Parameter counts first, with checked arithmetic: `Shape::numel` of an
                 // absurd kernel would overflow.
                 for p in layer.params().iter().chain(&layer.buffers()) {
                     let n = p.shape.dims().iter().try_fold(1usize, |a, &d| a.checked_mul(d));
                     total_params = n.and_then(|n| total_params.checked_add(n)).unwrap_or(usize::MAX);
                     if total_params > MAX_ELEMENTS {
-                        return Err(bad(i, l, format!("the model would have more than {MAX_ELEMENTS} parameters")));
+                        return Err(bad(i, format!("the model would have more than {MAX_ELEMENTS} parameters")));
                     }
                 }
-                shape = layer.output_shape(&shape).map_err(|e| bad(i, l, e.to_string()))?;
-                let per: Option<usize> = shape.dims()[1..].iter().try_fold(1usize, |a, &d| a.checked_mul(d));
+                let out = layer.output_shape_many(&shape).map_err(|e| bad(i, e.to_string()))?;
+                let per: Option<usize> = out.dims()[1..].iter().try_fold(1usize, |a, &d| a.checked_mul(d));
                 if !matches!(per, Some(p) if p <= MAX_ELEMENTS) {
-                    return Err(bad(i, l, format!("its output has more than {MAX_ELEMENTS} values per sample")));
+                    return Err(bad(i, format!("its output has more than {MAX_ELEMENTS} values per sample")));
                 }
+                nodes.push(GraphNode { name, layer, inputs: sources });
+                sources = vec![Source::Node(nodes.len() - 1)];
+                shape = vec![out];
             }
-            out.extend(new);
+            ends[i] = Some((nodes.len() - 1, shape.pop().expect("one output")));
         }
-        Ok(out)
+        Ok(nodes)
     }
 }
 
@@ -257,13 +446,31 @@ fn duplicate_words(dup: &crate::json_keys::Duplicate, value: &Value) -> String {
     words.join(": ")
 }
 
-fn parse_layer(i: usize, v: &Value) -> std::result::Result<LayerSpec, String> {
-    read_layer(v, &format!("layer {i}"))
+/// Reads layer `i`'s object: the layer, and its `inbound` (the names it reads) if given.
+fn parse_layer(i: usize, v: &Value) -> std::result::Result<(LayerSpec, Option<Vec<String>>), String> {
+    let mut v = v.clone();
+    let inbound = match v.as_object_mut().and_then(|m| m.remove("inbound")) {
+        None | Some(Value::Null) => None,
+        Some(Value::Array(names)) if !names.is_empty() && names.len() <= 64 => Some(
+            names
+                .iter()
+                .map(|n| n.as_str().map(str::to_string))
+                .collect::<Option<Vec<String>>>()
+                .ok_or_else(|| format!("layer {i}: field 'inbound' must be a list of layer names (got {names:?})"))?,
+        ),
+        Some(other) => {
+            return Err(format!(
+                "layer {i}: field 'inbound' must be a non-empty list of at most 64 layer names, e.g. [\"conv0\", \"input\"] (got {other})"
+            ))
+        }
+    };
+    Ok((read_layer(&v, &format!("layer {i}"))?, inbound))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::Sequential;
 
     fn err(text: &str) -> String {
         ModelSpec::parse(text, "m.json").expect_err("expected an error").to_string()
@@ -306,6 +513,54 @@ mod tests {
         let rows_after = guide.split("| type | fields (default) |\n|---|---|\n").nth(1).expect("the guide's table");
         let table = rows_after.lines().take_while(|l| l.starts_with("| `")).count();
         assert_eq!(table, LAYER_TYPES.len(), "the guide's table lists a type LAYER_TYPES does not have");
+    }
+
+    #[test]
+    fn a_spec_is_a_graph_when_its_layers_name_their_inbound() {
+        // Layer 0 reads layer 1, which comes after it in the list: they run 1, 0, 2.
+        let text = r#"{"input_shape": [3], "layers": [
+            {"type": "dense", "units": 4, "name": "a", "inbound": ["c"]},
+            {"type": "relu", "name": "c", "inbound": ["input"]},
+            {"type": "dense", "units": 2, "inbound": ["a"]}]}"#;
+        let m = model_from_spec_str(text, "g.json").unwrap();
+        assert_eq!(m.layer_names(), ["c", "a", "dense0"]);
+        assert_eq!(m.output_shape().dims(), &[2]);
+        // Written back, it builds the same model (a chain now, so no inbound is written).
+        let again = model_from_spec_str(&model_to_spec(&m).unwrap().to_string(), "again").unwrap();
+        assert_eq!(again.layer_names(), m.layer_names());
+        assert_eq!(again.param_infos(), m.param_infos());
+    }
+
+    #[test]
+    fn bad_graph_specs_are_refused_naming_the_layers() {
+        let graph = |layers: &str| format!(r#"{{"input_shape": [3], "layers": [{layers}]}}"#);
+        // An inbound name that no layer has.
+        let e = err(&graph(r#"{"type": "relu", "name": "a"}, {"type": "dense", "units": 2, "inbound": ["b"]}"#));
+        assert!(e.contains("layer 1 (dense): inbound names 'b', which no layer of the spec is named (the named layers: a; the model's input: 'input')"), "{e}");
+        // A cycle, through a name that refers forward.
+        let e = err(&graph(
+            r#"{"type": "relu", "name": "a", "inbound": ["b"]}, {"type": "relu", "name": "b", "inbound": ["a"]},
+               {"type": "dense", "units": 2, "inbound": ["b"]}"#,
+        ));
+        assert!(e.contains("make a cycle: layer 0 ('a'), which reads layer 1 ('b'), which reads layer 0 ('a')"), "{e}");
+        // Two layers of one name; the input's name taken.
+        let e = err(&graph(r#"{"type": "relu", "name": "a"}, {"type": "dense", "units": 2, "name": "a"}"#));
+        assert!(e.contains("layer 1 (dense): layer 0 is named 'a' too"), "{e}");
+        let e = err(&graph(r#"{"type": "relu", "name": "input"}"#));
+        assert!(e.contains("the name 'input' is the model input's"), "{e}");
+        // A layer whose output nothing reads.
+        let e = err(&graph(
+            r#"{"type": "relu", "name": "a"}, {"type": "dense", "units": 4}, {"type": "dense", "units": 2, "inbound": ["a"]}"#,
+        ));
+        assert!(
+            e.contains(
+                "layer 1 (dense): its output is read by no layer, and only the last layer's (layer 2) is the model's"
+            ),
+            "{e}"
+        );
+        // An inbound that is not a list of names.
+        let e = err(&graph(r#"{"type": "relu", "inbound": "input"}"#));
+        assert!(e.contains("layer 0: field 'inbound' must be a non-empty list of at most 64 layer names"), "{e}");
     }
 
     #[test]
@@ -452,7 +707,7 @@ mod tests {
         let embedding = r#"{"type": "embedding", "vocab": 256, "width": 8}"#;
         assert_eq!(
             err(&spec(&format!(r#"{{"type": "layer_norm"}}, {embedding}, {{"type": "dense", "units": 256}}"#))),
-            "m.json: layer 1 (embedding): an embedding reads token ids, which only the model's input holds: it must be layer 0, not after layer 0 (layer_norm)"
+            "m.json: layer 1 (embedding): an embedding reads token ids, which only the model's input holds: it must read the input (be layer 0, or name 'input' as its inbound)"
         );
         // First, it builds.
         assert!(

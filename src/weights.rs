@@ -21,7 +21,7 @@ use safetensors::tensor::{Dtype, SafeTensors, TensorView};
 
 use crate::error::{Error, Result};
 use crate::fsutil::write_atomic;
-use crate::nn::{Init, ParamStore, Sequential, TensorInfo};
+use crate::nn::{Graph, Init, ParamStore, TensorInfo};
 use crate::safetensors_io::{self, MappedFile, TensorData};
 use crate::wire::{bf16_bits, bf16_value, fp16_bits, fp16_value};
 
@@ -33,7 +33,7 @@ pub const HEADS_KEY: &str = "attention_heads";
 /// The head count of every attention layer of `model`, in order (inside residual
 /// blocks too), as each layer writes itself back as a spec (`Layer::spec`); a layer of
 /// the user's own, which has no spec form, is not looked into.
-pub fn attention_heads(model: &Sequential) -> Vec<usize> {
+pub fn attention_heads(model: &Graph) -> Vec<usize> {
     fn walk(v: &serde_json::Value, out: &mut Vec<usize>) {
         match v {
             serde_json::Value::Object(m) => {
@@ -127,12 +127,12 @@ pub fn to_safetensors_bytes(
 
 /// Saves every parameter and buffer of `model` from `store` to `path` (atomically), f32,
 /// in the model's order: the same weights always make the same file.
-pub fn save(model: &Sequential, store: &ParamStore, path: &Path) -> Result<()> {
+pub fn save(model: &Graph, store: &ParamStore, path: &Path) -> Result<()> {
     save_as(model, store, path, SaveDtype::F32)
 }
 
 /// [`save`] in `dtype` (bf16 and f16 rounded to nearest even, as PyTorch rounds).
-pub fn save_as(model: &Sequential, store: &ParamStore, path: &Path, dtype: SaveDtype) -> Result<()> {
+pub fn save_as(model: &Graph, store: &ParamStore, path: &Path, dtype: SaveDtype) -> Result<()> {
     let mut named = Vec::new();
     for (infos, flat) in [(model.param_infos(), &store.params), (model.buffer_infos(), &store.buffers)] {
         for t in infos {
@@ -216,7 +216,7 @@ pub fn float_values(view: &TensorView<'_>) -> Option<Vec<f32>> {
 /// NaN or an infinity (named with the index of its first such value: weights like that
 /// train to NaN, and evaluate to a chance accuracy that looks like a result), and
 /// attention heads other than the file records ([`HEADS_KEY`]).
-pub fn load(model: &Sequential, path: &Path) -> Result<ParamStore> {
+pub fn load(model: &Graph, path: &Path) -> Result<ParamStore> {
     let file = read_file(path)?;
     let st = file.parse()?;
     let mut problems = Vec::new();

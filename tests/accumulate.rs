@@ -10,7 +10,7 @@ use lockstep::data::{toy, Dataset};
 use lockstep::devices::Devices;
 use lockstep::models::{self, ConvnetOptions, Norm};
 use lockstep::nn::loss::{softmax_cross_entropy, Metrics};
-use lockstep::nn::{Ctx, Sequential};
+use lockstep::nn::{Ctx, Graph};
 use lockstep::optim::{MomentumKind, OptimizerConfig};
 use lockstep::train::{train_data_parallel, with_trainer, Batch, Shuffle, TrainConfig, TrainReport};
 use lockstep::{Device, Tensor};
@@ -24,7 +24,7 @@ fn digits(n: usize) -> Dataset {
     d.subset("digits-subset", &(0..n).collect::<Vec<_>>())
 }
 
-fn run(model: &Sequential, data: &Dataset, devices: &Devices, cfg: &TrainConfig) -> TrainReport {
+fn run(model: &Graph, data: &Dataset, devices: &Devices, cfg: &TrainConfig) -> TrainReport {
     train_data_parallel(model, data, None, devices, cfg).unwrap()
 }
 

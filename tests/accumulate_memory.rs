@@ -24,7 +24,7 @@ use std::sync::atomic::Ordering;
 use lockstep::data::digits::{load_digits, DigitsLayout};
 use lockstep::devices::Devices;
 use lockstep::models::{self, ConvnetOptions};
-use lockstep::nn::Sequential;
+use lockstep::nn::Graph;
 use lockstep::optim::OptimizerConfig;
 use lockstep::train::{memory_estimate, with_trainer, Batch, TrainConfig};
 
@@ -64,7 +64,7 @@ fn step_peak(k: usize) -> isize {
 
 /// The GEMM packing slabs of the devices' threads, as the memory estimate counts them:
 /// THREADS × this processor's L2 cache per core.
-fn gemm_slabs(model: &Sequential, devices: &Devices, cfg: &TrainConfig) -> isize {
+fn gemm_slabs(model: &Graph, devices: &Devices, cfg: &TrainConfig) -> isize {
     let estimate = memory_estimate(model, devices, cfg);
     let part = estimate.parts().iter().find(|p| p.name == "GEMM packing").expect("a CPU device's GEMM packing part");
     part.bytes as isize

@@ -13,7 +13,7 @@ use lockstep::data::digits::{load_digits, DigitsLayout};
 use lockstep::data::{Dataset, Features};
 use lockstep::devices::Devices;
 use lockstep::models::{self, ConvnetOptions};
-use lockstep::nn::Sequential;
+use lockstep::nn::Graph;
 use lockstep::optim::{LrSchedule, Optimizer};
 use lockstep::train::{train_data_parallel, Batch, TrainConfig, TrainReport};
 
@@ -125,7 +125,7 @@ fn digits(n: usize) -> Dataset {
 }
 
 /// The convnet with BatchNorm and dropout 0.5, with crops, flips and label smoothing.
-fn recipe() -> (Sequential, TrainConfig) {
+fn recipe() -> (Graph, TrainConfig) {
     let model = models::convnet(ConvnetOptions::default()).unwrap();
     let cfg = TrainConfig {
         epochs: 2,
@@ -140,7 +140,7 @@ fn recipe() -> (Sequential, TrainConfig) {
     (model, cfg)
 }
 
-fn run(model: &Sequential, data: &Dataset, devices: Devices, cfg: &TrainConfig) -> TrainReport {
+fn run(model: &Graph, data: &Dataset, devices: Devices, cfg: &TrainConfig) -> TrainReport {
     train_data_parallel(model, data, None, &devices, cfg).unwrap()
 }
 

@@ -16,7 +16,7 @@ use lockstep::data::Dataset;
 use lockstep::devices::Devices;
 use lockstep::exchange::codec::Compression;
 use lockstep::models::{self, ConvnetOptions, Norm};
-use lockstep::nn::Sequential;
+use lockstep::nn::Graph;
 use lockstep::optim::{MomentumKind, OptimizerConfig};
 use lockstep::train::{train_data_parallel, with_trainer, Batch, LastBatch, Shuffle, TrainConfig, TrainReport};
 
@@ -27,7 +27,7 @@ fn digits_subset(n: usize) -> Dataset {
     d.subset("digits-subset", &(0..n).collect::<Vec<_>>())
 }
 
-fn convnet(norm: Norm, dropout: f32) -> Sequential {
+fn convnet(norm: Norm, dropout: f32) -> Graph {
     models::convnet(ConvnetOptions { norm, dropout, ..ConvnetOptions::default() }).unwrap()
 }
 
@@ -46,7 +46,7 @@ fn config(steps: u64, replicas: usize) -> TrainConfig {
     }
 }
 
-fn run(model: &Sequential, data: &Dataset, devices: Devices, cfg: &TrainConfig) -> TrainReport {
+fn run(model: &Graph, data: &Dataset, devices: Devices, cfg: &TrainConfig) -> TrainReport {
     train_data_parallel(model, data, None, &devices, cfg).unwrap_or_else(|e| panic!("on {devices}: {e}"))
 }
 

@@ -10,7 +10,7 @@ use lockstep::data::digits::{load_digits, DigitsLayout};
 use lockstep::data::{toy, Dataset, Features};
 use lockstep::devices::Devices;
 use lockstep::models::{self, ConvnetOptions, Norm};
-use lockstep::nn::Sequential;
+use lockstep::nn::Graph;
 use lockstep::optim::{MomentumKind, OptimizerConfig};
 use lockstep::train::{train_data_parallel, with_trainer, Batch, LastBatch, Shuffle, TrainConfig, TrainReport};
 use lockstep::Error;
@@ -39,7 +39,7 @@ fn toy_points() -> Dataset {
     toy::toy_enlarged(40, 3).unwrap().train
 }
 
-fn run(model: &Sequential, data: &Dataset, devices: Devices, cfg: &TrainConfig) -> TrainReport {
+fn run(model: &Graph, data: &Dataset, devices: Devices, cfg: &TrainConfig) -> TrainReport {
     train_data_parallel(model, data, None, &devices, cfg).unwrap()
 }
 

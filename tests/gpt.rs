@@ -20,7 +20,7 @@ use lockstep::data::safetensors_file::load_safetensors_dataset;
 use lockstep::data::Dataset;
 use lockstep::devices::Devices;
 use lockstep::models::{gpt, GptConfig};
-use lockstep::nn::{Ctx, ParamStore, Sequential};
+use lockstep::nn::{Ctx, Graph, ParamStore};
 use lockstep::optim::{LrSchedule, OptimizerConfig, Sharding};
 use lockstep::spec::ModelSpec;
 use lockstep::train::{train_data_parallel, Shuffle, TrainConfig};
@@ -126,7 +126,7 @@ fn a_tied_head_sums_both_uses_of_its_table() {
 }
 
 /// The reference GPT: block 16, vocab 256, 2 layers, 2 heads, 32 wide, no dropout.
-fn small_gpt() -> Sequential {
+fn small_gpt() -> Graph {
     gpt(GptConfig { context: 16, vocab: 256, layers: 2, heads: 2, width: 32, dropout: 0.0 }).unwrap()
 }
 
@@ -271,7 +271,7 @@ fn examples_gpt_json_builds_the_built_in_gpt() {
     let spec = ModelSpec::from_file(&path).unwrap().build().unwrap();
     let builtin = gpt(GptConfig::default()).unwrap();
     let infos =
-        |m: &Sequential| m.param_infos().iter().map(|t| (t.name.clone(), t.shape.clone(), t.init)).collect::<Vec<_>>();
+        |m: &Graph| m.param_infos().iter().map(|t| (t.name.clone(), t.shape.clone(), t.init)).collect::<Vec<_>>();
     assert_eq!(infos(&spec), infos(&builtin));
     assert_eq!(spec.aliases(), builtin.aliases());
     assert_eq!(spec.init(5), builtin.init(5), "the same initial weights from one seed");

@@ -41,8 +41,8 @@ mod common;
 
 use lockstep::models::{self, ConvnetOptions, Norm};
 use lockstep::nn::{
-    BatchNorm2d, Conv2d, Ctx, Dropout, Flatten, Gelu, GlobalAvgPool2d, Init, InputGrad, Layer, LayerNorm, Linear,
-    MaxPool2d, Padding, ParamSpec, Params, ParamsMut, Relu, Rescaling, Sequential,
+    BatchNorm2d, Conv2d, Ctx, Dropout, Flatten, Gelu, GlobalAvgPool2d, Graph, Init, InputGrad, Layer, LayerNorm,
+    Linear, MaxPool2d, Padding, ParamSpec, Params, ParamsMut, Relu, Rescaling, Sequential,
 };
 use lockstep::{Device, Error, Result, Shape, Tensor};
 
@@ -145,7 +145,7 @@ struct Tol {
 const LAYER_TOL: Tol = Tol { h_input: 1e-2, h_param: 1e-2, rtol: 1e-2, atol: 1e-3, max_kinks: 0 };
 
 struct Model {
-    net: Sequential,
+    net: Graph,
     /// Flat parameters: the probe's (the input batch) first, then the model's.
     params: Vec<f32>,
     buffers: Vec<f32>,
@@ -219,7 +219,7 @@ fn build(
 
 /// The values of `net`'s parameter tensors in `flat`, one tensor after another (without
 /// the gaps of the flat layout): what [`build`] takes as `model_params`.
-fn packed(net: &Sequential, flat: &[f32]) -> Vec<f32> {
+fn packed(net: &Graph, flat: &[f32]) -> Vec<f32> {
     net.param_infos().iter().flat_map(|t| flat[t.range.clone()].iter().copied()).collect()
 }
 

@@ -23,7 +23,7 @@ use lockstep::data::safetensors_file::load_safetensors_dataset;
 use lockstep::devices::Devices;
 use lockstep::models::{self, ConvnetOptions, Norm};
 use lockstep::nn::loss::CrossEntropy;
-use lockstep::nn::{Ctx, Sequential};
+use lockstep::nn::{Ctx, Graph};
 use lockstep::optim::OptimizerConfig;
 use lockstep::train::{train_data_parallel, with_trainer, LastBatch, Shuffle, TrainConfig};
 use lockstep::weights;
@@ -99,7 +99,7 @@ fn no_smoothing_is_the_plain_loss_bit_for_bit_and_the_range_is_checked() {
     }
 }
 
-fn model_for(case: &str) -> Sequential {
+fn model_for(case: &str) -> Graph {
     match case.starts_with("toy") {
         true => models::toy_mlp(2, 2).unwrap(),
         false => {

@@ -9,8 +9,8 @@
 
 use lockstep::models::{self, ConvnetOptions, Norm};
 use lockstep::nn::{
-    BatchNorm2d, Conv2d, Ctx, Dropout, Flatten, GlobalAvgPool2d, Init, Layer, LayerShapes, Linear, MaxPool2d, Padding,
-    ParamStore, Sequential,
+    BatchNorm2d, Conv2d, Ctx, Dropout, Flatten, GlobalAvgPool2d, Graph, Init, Layer, LayerShapes, Linear, MaxPool2d,
+    Padding, ParamStore, Sequential,
 };
 use lockstep::Shape;
 use lockstep::{Device, Error, Tensor};
@@ -18,12 +18,12 @@ use lockstep::{Device, Error, Tensor};
 const CPU: Device = Device::Cpu(0);
 
 /// A one-layer model for per-sample inputs of shape `sample`.
-fn one(sample: &[usize], layer: impl Layer + 'static) -> Sequential {
+fn one(sample: &[usize], layer: impl Layer + 'static) -> Graph {
     Sequential::new(sample.to_vec(), vec![Box::new(layer) as Box<dyn Layer>]).unwrap()
 }
 
 /// Writes `values` into the parameter or buffer called `name`.
-fn set(net: &Sequential, store: &mut ParamStore, name: &str, values: &[f32]) {
+fn set(net: &Graph, store: &mut ParamStore, name: &str, values: &[f32]) {
     if let Some(t) = net.param_infos().iter().find(|t| t.name == name) {
         store.params[t.range.clone()].copy_from_slice(values);
     } else {
@@ -32,7 +32,7 @@ fn set(net: &Sequential, store: &mut ParamStore, name: &str, values: &[f32]) {
     }
 }
 
-fn get<'a>(net: &Sequential, store: &'a ParamStore, name: &str) -> &'a [f32] {
+fn get<'a>(net: &Graph, store: &'a ParamStore, name: &str) -> &'a [f32] {
     if let Some(t) = net.param_infos().iter().find(|t| t.name == name) {
         &store.params[t.range.clone()]
     } else {
@@ -353,7 +353,7 @@ fn a_model_given_an_input_from_another_device_names_both() {
     let ctx = Ctx::train(0, 0, 0, Device::Cpu(0));
     let err = net.forward(Tensor::zeros([2, 3], Device::Cpu(1)), &store.params, &mut store.buffers, &ctx).unwrap_err();
     assert!(
-        matches!(&err, Error::DeviceMismatch { op: "Sequential forward", lhs, rhs } if lhs == "cpu:1" && rhs.starts_with("cpu:0")),
+        matches!(&err, Error::DeviceMismatch { op: "Graph forward", lhs, rhs } if lhs == "cpu:1" && rhs.starts_with("cpu:0")),
         "{err}"
     );
 }
@@ -390,7 +390,7 @@ fn backward_with_dout_on_another_device_is_an_error_naming_both() {
 // ---------------------------------------------------------------------------------------
 // Initialisation
 
-fn seed_models() -> Vec<(&'static str, Sequential)> {
+fn seed_models() -> Vec<(&'static str, Graph)> {
     vec![
         ("toy", models::toy_mlp(2, 2).unwrap()),
         ("convnet", models::convnet(ConvnetOptions::default()).unwrap()),

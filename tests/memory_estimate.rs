@@ -14,7 +14,7 @@ use lockstep::data::digits::{load_digits, DigitsLayout};
 use lockstep::data::Dataset;
 use lockstep::devices::Devices;
 use lockstep::models::{self, ConvnetOptions};
-use lockstep::nn::Sequential;
+use lockstep::nn::Graph;
 use lockstep::train::{memory_estimate, train_data_parallel, TrainConfig};
 
 #[path = "common/counting_alloc.rs"]
@@ -25,13 +25,7 @@ static ONE_AT_A_TIME: parking_lot::Mutex<()> = parking_lot::Mutex::new(());
 
 /// The run's peak heap bytes above those live before it, and its estimate without the
 /// process's own part.
-fn measured(
-    model: &Sequential,
-    train: &Dataset,
-    test: &Dataset,
-    devices: &Devices,
-    config: &TrainConfig,
-) -> (f64, f64) {
+fn measured(model: &Graph, train: &Dataset, test: &Dataset, devices: &Devices, config: &TrainConfig) -> (f64, f64) {
     let estimate = memory_estimate(model, devices, config);
     let counted: u64 = estimate.parts().iter().filter(|p| p.name != "process").map(|p| p.bytes).sum();
     let base = LIVE.load(Ordering::Relaxed);

@@ -30,7 +30,7 @@ use std::path::Path;
 use lockstep::data::safetensors_file::load_safetensors_dataset;
 use lockstep::devices::Devices;
 use lockstep::models::{self, ConvnetOptions, Norm};
-use lockstep::nn::{Ctx, Sequential};
+use lockstep::nn::{Ctx, Graph};
 use lockstep::optim::OptimizerConfig;
 use lockstep::train::{train_data_parallel, Batch, LastBatch, Shuffle, TrainConfig};
 use lockstep::weights;
@@ -39,7 +39,7 @@ use lockstep::{Device, Tensor};
 use common::gpu_present;
 use common::oracle::oracle_case;
 
-fn model_for(case: &str) -> Sequential {
+fn model_for(case: &str) -> Graph {
     if case.starts_with("toy") {
         models::toy_mlp(2, 2).unwrap()
     } else {
@@ -131,7 +131,7 @@ fn check_training(case: &str, devices: Devices, replicas: usize, final_tol: f32)
 
 /// [`check_training`] of `model` (the case's model, or a variant of it with the same
 /// tensors: its BatchNorm synchronized).
-fn check_training_of(case: &str, model: &Sequential, devices: Devices, replicas: usize, final_tol: f32) {
+fn check_training_of(case: &str, model: &Graph, devices: Devices, replicas: usize, final_tol: f32) {
     let dir = oracle_case(case);
     let want_losses = losses(case);
     let init = weights::load(model, &dir.join("init.safetensors")).unwrap();
@@ -234,7 +234,7 @@ fn convnet_with_batchnorm_20_steps() {
 /// The gradient of step 0 as a run on `devices` applies it: one SGD step of lr 1 from the
 /// case's initial weights moves each parameter by exactly −g up to the rounding of p − g
 /// (an ulp of |p| < 1, under 1e-7: far inside the 1e-5 compared), so p₀ − p₁ is g.
-fn applied_gradient(model: &Sequential, case: &str, devices: &Devices) -> (Vec<f32>, f64) {
+fn applied_gradient(model: &Graph, case: &str, devices: &Devices) -> (Vec<f32>, f64) {
     let dir = oracle_case(case);
     let init = weights::load(model, &dir.join("init.safetensors")).unwrap();
     let data = load_safetensors_dataset(&dir.join("data.safetensors")).unwrap();

@@ -16,7 +16,7 @@ use lockstep::data::Dataset;
 use lockstep::devices::Devices;
 use lockstep::exchange::codec::Compression;
 use lockstep::models::{self, ConvnetOptions};
-use lockstep::nn::Sequential;
+use lockstep::nn::Graph;
 use lockstep::optim::{DecayOn, LrSchedule, MomentumKind, OptimizerConfig, Sharding};
 use lockstep::train::{train_data_parallel, TrainConfig, TrainReport};
 
@@ -31,17 +31,17 @@ fn digits(n: usize) -> Dataset {
 
 /// The convnet: convolutions without bias, BatchNorm's shift, a convolution and two
 /// linear layers with biases, dropout 0.5.
-fn convnet() -> Sequential {
+fn convnet() -> Graph {
     models::convnet(ConvnetOptions::default()).unwrap()
 }
 
-fn run(model: &Sequential, data: &Dataset, devices: &Devices, cfg: &TrainConfig) -> TrainReport {
+fn run(model: &Graph, data: &Dataset, devices: &Devices, cfg: &TrainConfig) -> TrainReport {
     train_data_parallel(model, data, None, devices, cfg).unwrap()
 }
 
 /// One step of plain SGD at lr 0.5 on 32 digits, from the seed's weights, with `cfg`'s
 /// changes: the weights before and after.
-fn one_step(model: &Sequential, data: &Dataset, change: impl FnOnce(TrainConfig) -> TrainConfig) -> Vec<f32> {
+fn one_step(model: &Graph, data: &Dataset, change: impl FnOnce(TrainConfig) -> TrainConfig) -> Vec<f32> {
     let cfg = TrainConfig {
         epochs: 1,
         max_steps: Some(1),

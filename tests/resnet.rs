@@ -17,7 +17,7 @@ use std::path::{Path, PathBuf};
 use lockstep::data::safetensors_file::load_safetensors_dataset;
 use lockstep::devices::Devices;
 use lockstep::models::{resnet, ResnetDepth};
-use lockstep::nn::{Activation, BatchNorm2d, Conv2d, Ctx, Layer, Padding, Relu, Residual, Sequential};
+use lockstep::nn::{Activation, BatchNorm2d, Conv2d, Ctx, Graph, Layer, Padding, Relu, Residual, Sequential};
 use lockstep::optim::{MomentumKind, OptimizerConfig};
 use lockstep::train::{train_data_parallel, Batch, LastBatch, Shuffle, TrainConfig};
 use lockstep::weights;
@@ -157,7 +157,7 @@ fn sgd() -> OptimizerConfig {
 
 /// The gradient of step 0 as a run on `devices` applies it: one SGD step of lr 1 from the
 /// initial weights moves each parameter by −g up to the rounding of p − g.
-fn step0(model: &Sequential, devices: &Devices, replicas: usize) -> Vec<f32> {
+fn step0(model: &Graph, devices: &Devices, replicas: usize) -> Vec<f32> {
     let init = weights::load(model, &dir().join("init.safetensors")).unwrap();
     let data = load_safetensors_dataset(&dir().join("data.safetensors")).unwrap();
     let batch = Batch::gather(&data, &(0..BATCH).collect::<Vec<_>>());
@@ -173,7 +173,7 @@ fn step0(model: &Sequential, devices: &Devices, replicas: usize) -> Vec<f32> {
 
 /// Step 0's gradient, the 20 losses and the final tensors of the case of `world`
 /// replicas, run as `model` on `devices`.
-fn check_case(model: &Sequential, devices: Devices, world: usize, replicas: usize) {
+fn check_case(model: &Graph, devices: Devices, world: usize, replicas: usize) {
     let want = tensors(&dir().join(format!("w{world}.safetensors")));
     let grads = step0(model, &devices, replicas);
     for t in model.param_infos() {

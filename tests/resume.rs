@@ -13,7 +13,7 @@ use lockstep::data::digits::{load_digits, DigitsLayout};
 use lockstep::data::Dataset;
 use lockstep::devices::Devices;
 use lockstep::models::{self, ConvnetOptions};
-use lockstep::nn::Sequential;
+use lockstep::nn::Graph;
 use lockstep::optim::{LrSchedule, Optimizer};
 use lockstep::train::{train_data_parallel, train_data_parallel_with, Observer, StepEvent, Stopped, TrainConfig};
 
@@ -24,7 +24,7 @@ fn tmp() -> (tempfile::TempDir, PathBuf) {
     (guard, d)
 }
 
-fn setup() -> (Sequential, Dataset, TrainConfig) {
+fn setup() -> (Graph, Dataset, TrainConfig) {
     let model = models::convnet(ConvnetOptions::default()).unwrap(); // BatchNorm and dropout 0.5
     let data = load_digits(DigitsLayout::Image28).unwrap().train;
     let data = data.subset("digits-100", &(0..100).collect::<Vec<_>>());

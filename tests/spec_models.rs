@@ -14,7 +14,7 @@ use std::path::Path;
 use lockstep::data::digits::{load_digits, DigitsLayout};
 use lockstep::devices::Devices;
 use lockstep::models::{self, ConvnetOptions, Norm};
-use lockstep::nn::{Ctx, Mode, Sequential};
+use lockstep::nn::{Ctx, Graph, Mode};
 use lockstep::optim::OptimizerConfig;
 use lockstep::spec::{model_from_spec_file, model_from_spec_str, model_to_spec};
 use lockstep::train::{train_data_parallel, TrainConfig};
@@ -22,15 +22,15 @@ use lockstep::{Device, Tensor};
 
 use common::Rng;
 
-fn example(name: &str) -> Sequential {
+fn example(name: &str) -> Graph {
     model_from_spec_file(&Path::new(env!("CARGO_MANIFEST_DIR")).join("examples").join(name)).unwrap()
 }
 
 /// Asserts that `a` and `b` are the same network, down to the bits of a forward pass in
 /// both modes on a random input of `n` samples.
-fn assert_same(a: &mut Sequential, b: &mut Sequential, n: usize) {
+fn assert_same(a: &mut Graph, b: &mut Graph, n: usize) {
     assert_eq!(a.layer_names(), b.layer_names());
-    let describe = |m: &Sequential| m.layers().iter().map(|l| l.describe()).collect::<Vec<_>>();
+    let describe = |m: &Graph| m.layers().iter().map(|l| l.describe()).collect::<Vec<_>>();
     assert_eq!(describe(a), describe(b), "hyper-parameters");
     assert_eq!(a.input_shape(), b.input_shape());
     assert_eq!(a.output_shape(), b.output_shape());

@@ -8,7 +8,7 @@ use lockstep::data::digits::{load_digits, DigitsLayout};
 use lockstep::data::Dataset;
 use lockstep::devices::Devices;
 use lockstep::models::{self, ConvnetOptions, Norm};
-use lockstep::nn::{convert_sync_batchnorm, Sequential};
+use lockstep::nn::{convert_sync_batchnorm, Graph};
 use lockstep::optim::{MomentumKind, OptimizerConfig};
 use lockstep::spec::ModelSpec;
 use lockstep::train::{train_data_parallel, TrainConfig, TrainReport};
@@ -22,11 +22,11 @@ fn digits(n: usize) -> Dataset {
     d.subset("digits-subset", &(0..n).collect::<Vec<_>>())
 }
 
-fn convnet(dropout: f32) -> Sequential {
+fn convnet(dropout: f32) -> Graph {
     models::convnet(ConvnetOptions { norm: Norm::BatchNorm, dropout, ..Default::default() }).unwrap()
 }
 
-fn run(model: &Sequential, data: &Dataset, devices: &Devices, cfg: &TrainConfig) -> TrainReport {
+fn run(model: &Graph, data: &Dataset, devices: &Devices, cfg: &TrainConfig) -> TrainReport {
     train_data_parallel(model, data, None, devices, cfg).unwrap()
 }
 

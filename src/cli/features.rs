@@ -27,7 +27,7 @@ pub(crate) struct FeatureArgs {
 
 impl FeatureArgs {
     /// `model`, its BatchNorm layers synchronized when `--sync-batchnorm` asks.
-    pub(crate) fn model(&self, model: Sequential) -> crate::Result<Sequential> {
+    pub(crate) fn model(&self, model: Graph) -> crate::Result<Graph> {
         if self.sync_batchnorm {
             crate::nn::convert_sync_batchnorm(&model)
         } else {

@@ -49,7 +49,7 @@ impl Header {
 
     /// The model that `name` is with this file's sizes where they change the tensors'
     /// names (the GPT's blocks), and small sizes elsewhere: a probe of names only.
-    fn probe(&self, name: ModelName) -> Option<Sequential> {
+    fn probe(&self, name: ModelName) -> Option<Graph> {
         match name {
             ModelName::Toy => models::toy_mlp(2, 2).ok(),
             ModelName::Convnet | ModelName::ConvnetNobn => models::convnet(ConvnetOptions {
@@ -72,7 +72,7 @@ impl Header {
 
     /// Whether the file holds exactly `model`'s tensors by name: every parameter and
     /// buffer, a tied tensor under any of its names, nothing else.
-    fn names_match(&self, model: &Sequential) -> bool {
+    fn names_match(&self, model: &Graph) -> bool {
         let infos = model.param_infos();
         let own = |n: &str| {
             model.aliases().iter().find(|(a, _)| a == n).map_or(n.to_string(), |(_, t)| infos[*t].name.clone())
@@ -216,7 +216,7 @@ fn wrong_model(flag: &str, path: &Path, name: &ModelName, sizes: &str, asked: &s
 /// of other sizes than `train`'s flags, by the flags that build it; anything else by the
 /// library's list of every problem.
 pub(crate) fn load_weights(
-    model: &Sequential,
+    model: &Graph,
     source: &ModelSource,
     flag: &'static str,
     path: &Path,

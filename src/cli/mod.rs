@@ -39,7 +39,7 @@ use crate::devices::{available_cores, DeviceSpec, Devices};
 use crate::exchange::shm::ShmGroup;
 use crate::exchange::{Abort, Exchange};
 use crate::models::{self, ConvnetOptions, Norm, ResnetDepth};
-use crate::nn::{ParamStore, Sequential};
+use crate::nn::{Graph, ParamStore};
 use crate::observe::{CsvMetrics, Drawing, Fanout, JsonLines, Progress, StepLines, Stream};
 use crate::optim::{LrSchedule, MomentumKind, Optimizer, OptimizerConfig, Sharding};
 use crate::spec::ModelSpec;
@@ -691,7 +691,7 @@ fn build_model(
     classes: usize,
     dropout: f32,
     bn_momentum: f32,
-) -> CliResult<Sequential> {
+) -> CliResult<Graph> {
     let name = match source {
         ModelSource::Builtin(name) => *name,
         // A spec fixes its own shapes; check_data compares them with the data's.
@@ -847,7 +847,7 @@ fn check_classes(classes: Option<usize>) -> CliResult {
 /// names `data` gives its classes (a file's `class_names`): a 10-class model would
 /// otherwise print a 3-name file's classes as if they were its own, or a run's first line
 /// say "7 classes" of a model of 4 outputs.
-fn check_model_classes(model: &Sequential, stated: Option<usize>, data: &[&Dataset]) -> CliResult {
+fn check_model_classes(model: &Graph, stated: Option<usize>, data: &[&Dataset]) -> CliResult {
     let out = model.output_shape();
     let classes = out.dims().last().copied().unwrap_or(1);
     if let Some(k) = stated.filter(|&k| k != classes) {

@@ -51,7 +51,13 @@ impl LayerObject {
     /// Fresh layers for inputs of `input` (batch included), the first one named as the
     /// object says; the others (a `"activation": "relu"`'s ReLU) are named by kind.
     pub fn build(&self, input: &Shape) -> FieldResult<Vec<NamedLayer>> {
-        let layers = self.build.build(input)?;
+        self.build_many(std::slice::from_ref(input))
+    }
+
+    /// [`LayerObject::build`] for the inputs of these shapes (a merge's several, in its
+    /// `inbound` order).
+    pub fn build_many(&self, inputs: &[Shape]) -> FieldResult<Vec<NamedLayer>> {
+        let layers = self.build.build_many(inputs)?;
         Ok(layers.into_iter().enumerate().map(|(i, l)| (if i == 0 { self.name.clone() } else { None }, l)).collect())
     }
 }
@@ -119,7 +125,7 @@ pub fn layers_to_spec(
     names: &[String],
     auto_prefix: &str,
 ) -> Result<Vec<Value>, (String, String)> {
-    let auto = super::sequential::auto_names(layers.iter().map(|l| (None, l.kind())));
+    let auto = super::auto_names(layers.iter().map(|l| (None, l.kind())));
     layers
         .iter()
         .zip(names)

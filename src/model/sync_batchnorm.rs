@@ -5,28 +5,28 @@
 //! owes ([`join_without_rows`]). The statistics' arithmetic and their merge are the op's
 //! (`ops::batchnorm`); this file only walks a model's layers.
 
-use super::Sequential;
+use super::{Graph, GraphNode};
 use crate::error::{Error, Result};
 use crate::ops::batchnorm::Synchronized;
 
 /// The synchronized BatchNorm layers of `model` in forward order: (index of the model's
 /// layer that holds it, channels); a container's several share its index.
-fn synchronized_layers(model: &Sequential) -> Vec<(usize, usize)> {
+fn synchronized_layers(model: &Graph) -> Vec<(usize, usize)> {
     let layers = model.layers().iter().enumerate();
     layers.flat_map(|(i, l)| l.synchronized_channels().into_iter().map(move |c| (i, c))).collect()
 }
 
 /// True when `model` has a synchronized BatchNorm layer (its run needs a statistics
 /// exchange).
-pub fn has_synchronized_layers(model: &Sequential) -> bool {
+pub fn has_synchronized_layers(model: &Graph) -> bool {
     !synchronized_layers(model).is_empty()
 }
 
 /// The calls a pass without rows owes: a count of 0 per synchronized layer in forward
 /// order, then zero sums in backward order for the layers the backward reaches (those
-/// from the first trained layer on). When no replica has a row (every one of them is
+/// that train: `Graph::trains`). When no replica has a row (every one of them is
 /// then here), the first call shows it and all stop.
-pub fn join_without_rows(sync: &Synchronized<'_>, model: &Sequential) -> Result<()> {
+pub fn join_without_rows(sync: &Synchronized<'_>, model: &Graph) -> Result<()> {
     let (ex, shard) = (sync.stats, sync.shard);
     let layers = synchronized_layers(model);
     let mut all = Vec::new();
@@ -46,8 +46,7 @@ pub fn join_without_rows(sync: &Synchronized<'_>, model: &Sequential) -> Result<
             ));
         }
     }
-    let first = model.first_trained_layer();
-    for &(_, c) in layers.iter().rev().filter(|(i, _)| *i >= first) {
+    for &(_, c) in layers.iter().rev().filter(|&&(i, _)| model.trains(i)) {
         ex.all_gather(shard, &vec![0.0; 2 * c], &mut all)?;
     }
     Ok(())
@@ -55,9 +54,15 @@ pub fn join_without_rows(sync: &Synchronized<'_>, model: &Sequential) -> Result<
 
 /// `model` with every BatchNorm layer synchronized (PyTorch's
 /// `SyncBatchNorm.convert_sync_batchnorm`; `--sync-batchnorm`): the same layers, names and
-/// flat layout, so weights move between the two unchanged.
-pub fn convert_sync_batchnorm(model: &Sequential) -> Result<Sequential> {
-    let layers = model.layers().iter().zip(model.layer_names());
-    let layers = layers.map(|(l, n)| (Some(n.clone()), l.synchronized().unwrap_or_else(|| l.boxed_clone()))).collect();
-    Sequential::named(model.input_shape().clone(), layers)
+/// flat layout and the same graph, so weights move between the two unchanged.
+pub fn convert_sync_batchnorm(model: &Graph) -> Result<Graph> {
+    let nodes = model.layers().iter().zip(model.layer_names()).zip(model.sources());
+    let nodes = nodes
+        .map(|((l, n), s)| GraphNode {
+            name: Some(n.clone()),
+            layer: l.synchronized().unwrap_or_else(|| l.boxed_clone()),
+            inputs: s.clone(),
+        })
+        .collect();
+    Graph::build(model.inputs().to_vec(), nodes)
 }

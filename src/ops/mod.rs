@@ -25,9 +25,11 @@
 //! conformance test ([`conformance`], test builds only) holds every entry of
 //! `model::LAYER_TYPES` to all of it.
 
+pub mod add;
 pub mod attention;
 pub mod avgpool2d;
 pub mod batchnorm;
+pub mod concatenate;
 #[cfg(test)]
 pub(crate) mod conformance;
 pub mod conv2d;
@@ -41,10 +43,15 @@ pub mod global_avg_pool;
 pub mod gpu;
 pub mod layernorm;
 pub mod linear;
+pub mod matmul;
 pub mod maxpool2d;
+pub(crate) mod merge;
+pub mod multiply;
+pub mod permute;
 pub mod positional;
 pub mod relu;
 pub mod rescaling;
+pub mod reshape;
 pub mod rmsnorm;
 pub mod rotary_embedding;
 pub mod sdpa;
@@ -53,16 +60,19 @@ pub mod silu;
 pub(crate) mod slopes;
 pub mod softmax;
 pub mod spec;
+pub mod split;
 pub mod tanh;
 pub mod upsample;
 pub mod window;
 
 use std::ops::Range;
 
+pub use add::Add;
 pub use attention::cpu::Mask as AttentionMask;
 pub use attention::CausalSelfAttention;
 pub use avgpool2d::AvgPool2d;
 pub use batchnorm::BatchNorm2d;
+pub use concatenate::Concatenate;
 pub use conv2d::Conv2d;
 pub use dropout::Dropout;
 pub use embedding::Embedding;
@@ -71,10 +81,14 @@ pub use gelu::Gelu;
 pub use global_avg_pool::GlobalAvgPool2d;
 pub use layernorm::LayerNorm;
 pub use linear::Linear;
+pub use matmul::MatMul;
 pub use maxpool2d::MaxPool2d;
+pub use multiply::Multiply;
+pub use permute::Permute;
 pub use positional::PositionalEmbedding;
 pub use relu::Relu;
 pub use rescaling::Rescaling;
+pub use reshape::Reshape;
 pub use rmsnorm::RmsNorm;
 pub use rotary_embedding::RotaryEmbedding;
 pub use sdpa::ScaledDotProductAttention;
@@ -82,6 +96,7 @@ pub use sigmoid::Sigmoid;
 pub use silu::Silu;
 pub use softmax::Softmax;
 pub use spec::{Activation, LayerType};
+pub use split::Split;
 pub use tanh::Tanh;
 pub use upsample::Upsample2d;
 pub use window::{Padding, Window2d};

@@ -101,11 +101,6 @@ impl Build {
         Build(Arc::new(move |inputs| Ok(vec![Box::new(f(inputs)?) as Box<dyn Layer>])))
     }
 
-    /// Fresh layers for inputs of `input` (batch included).
-    pub fn build(&self, input: &Shape) -> FieldResult<Vec<Box<dyn Layer>>> {
-        (self.0)(std::slice::from_ref(input))
-    }
-
     /// Fresh layers for inputs of these shapes (batch included), in `inbound` order.
     pub fn build_many(&self, inputs: &[Shape]) -> FieldResult<Vec<Box<dyn Layer>>> {
         (self.0)(inputs)

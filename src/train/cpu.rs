@@ -13,7 +13,7 @@ use super::replica::{fingerprints, Fill, Mark, Replica, ShardPass, StepOutcome};
 use super::Batch;
 use crate::error::Result;
 use crate::exchange::Host;
-use crate::nn::{Ctx, ParamStore, Sequential};
+use crate::nn::{Ctx, Graph, ParamStore};
 use crate::ops::batchnorm::stats::StatsExchange;
 use crate::ops::cross_entropy::{softmax_rows, CrossEntropy, Metrics};
 use crate::optim::{clip_factor, DecayMask, GradNorm, Optimizer, StepScalars};
@@ -23,7 +23,7 @@ use crate::tensor::{Device, Tensor};
 /// with synchronized BatchNorm reaches through its layers' context.
 pub struct CpuReplica<'s> {
     device: Device,
-    model: Sequential,
+    model: Graph,
     store: ParamStore,
     optimizer: Optimizer,
     /// Base seed of the run (dropout streams derive from it).
@@ -45,13 +45,7 @@ pub struct CpuReplica<'s> {
 }
 
 impl<'s> CpuReplica<'s> {
-    pub fn new(
-        device: Device,
-        model: Sequential,
-        store: ParamStore,
-        optimizer: Optimizer,
-        seed: u64,
-    ) -> CpuReplica<'s> {
+    pub fn new(device: Device, model: Graph, store: ParamStore, optimizer: Optimizer, seed: u64) -> CpuReplica<'s> {
         CpuReplica {
             device,
             model,
@@ -159,7 +153,7 @@ impl Replica for CpuReplica<'_> {
         }
     }
 
-    fn synchronized(&self) -> (&Sequential, Option<&dyn StatsExchange>) {
+    fn synchronized(&self) -> (&Graph, Option<&dyn StatsExchange>) {
         (&self.model, self.stats)
     }
 

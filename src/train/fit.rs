@@ -23,7 +23,7 @@ use crate::checkpoint::{self, CheckpointPolicy, Resume};
 use crate::data::Dataset;
 use crate::devices::Devices;
 use crate::error::{Error, Result};
-use crate::nn::Sequential;
+use crate::nn::Graph;
 use crate::ops::cross_entropy::Metrics;
 
 /// Trains `model` on `train` (evaluating on `test` after every epoch, if given) on
@@ -51,7 +51,7 @@ use crate::ops::cross_entropy::Metrics;
 /// assert_eq!(report.steps, 9);
 /// ```
 pub fn train_data_parallel(
-    model: &Sequential,
+    model: &Graph,
     train: &Dataset,
     test: Option<&Dataset>,
     devices: &Devices,
@@ -62,7 +62,7 @@ pub fn train_data_parallel(
 
 /// [`train_data_parallel`] reporting progress to `observer`.
 pub fn train_data_parallel_with(
-    model: &Sequential,
+    model: &Graph,
     train: &Dataset,
     test: Option<&Dataset>,
     devices: &Devices,
@@ -221,7 +221,7 @@ impl EpochSums {
 
 /// A run in progress, on the coordinator's thread.
 struct Fit<'a, 'o> {
-    model: &'a Sequential,
+    model: &'a Graph,
     test: Option<&'a Dataset>,
     config: &'a TrainConfig,
     span: RunSpan,
@@ -249,7 +249,7 @@ fn keep_loss(losses: &mut Vec<f64>, loss: f64, kept: usize) {
 
 impl<'a, 'o> Fit<'a, 'o> {
     fn new(
-        model: &'a Sequential,
+        model: &'a Graph,
         test: Option<&'a Dataset>,
         config: &'a TrainConfig,
         span: RunSpan,
@@ -552,7 +552,7 @@ impl<'a, 'o> Fit<'a, 'o> {
 
 fn save_checkpoint(
     trainer: &mut Trainer<'_>,
-    model: &Sequential,
+    model: &Graph,
     policy: &CheckpointPolicy,
     at: Position,
     epoch_metrics: Metrics,
@@ -573,7 +573,7 @@ fn save_checkpoint(
 
 /// The dataset must be non-empty and shaped like the model's input, with labels the
 /// model can output (the first that it cannot is named, with its sample).
-pub fn check_data(model: &Sequential, data: &Dataset) -> Result<()> {
+pub fn check_data(model: &Graph, data: &Dataset) -> Result<()> {
     let err = |detail: String| Error::Data { name: data.name().into(), detail };
     if data.is_empty() {
         return Err(err("has no samples".into()));

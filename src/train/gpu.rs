@@ -19,7 +19,7 @@ use crate::error::{Error, Result};
 use crate::exchange::gpu::DeviceMemory;
 use crate::exchange::Abort;
 use crate::model::gpu::{Clip, GpuNet, OptimizerState, SlotUse};
-use crate::nn::{ParamStore, Sequential};
+use crate::nn::{Graph, ParamStore};
 use crate::ops::batchnorm::stats::StatsExchange;
 use crate::ops::batchnorm::Synchronized;
 use crate::ops::cross_entropy::{softmax_rows, CrossEntropy, Metrics};
@@ -69,7 +69,7 @@ pub struct GpuReplica<'s> {
 impl<'s> GpuReplica<'s> {
     /// Builds the replica on `device` (a GPU) from the model, its weights and the
     /// optimiser state to start from.
-    pub fn new(device: Device, start: (Sequential, ParamStore, Optimizer), seed: u64) -> Result<GpuReplica<'s>> {
+    pub fn new(device: Device, start: (Graph, ParamStore, Optimizer), seed: u64) -> Result<GpuReplica<'s>> {
         let Device::Cuda(ordinal) = device else {
             return Err(Error::config("devices", format!("{device} is not a GPU")));
         };
@@ -182,7 +182,7 @@ impl Replica for GpuReplica<'_> {
         self.note_shard(shard);
     }
 
-    fn synchronized(&self) -> (&Sequential, Option<&dyn StatsExchange>) {
+    fn synchronized(&self) -> (&Graph, Option<&dyn StatsExchange>) {
         (self.net.model(), self.stats.map(|(stats, _)| stats))
     }
 

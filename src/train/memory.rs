@@ -9,7 +9,7 @@
 use crate::devices::Devices;
 use crate::error::Result;
 use crate::memory::{eval_activations, shard_activations, Estimate, PROCESS_BYTES};
-use crate::nn::Sequential;
+use crate::nn::Graph;
 use crate::optim::OptimizerConfig;
 use crate::tensor::Device;
 use crate::train::TrainConfig;
@@ -25,7 +25,7 @@ fn optimizer_copies(o: &OptimizerConfig) -> (u64, &'static str) {
 /// What a run of `model` on `devices` under `config` will allocate on the host. GPU
 /// devices add what their replicas hold on the GPU, checked by `check_training`
 /// against each GPU's memory.
-pub fn training(model: &Sequential, devices: &Devices, config: &TrainConfig) -> Estimate {
+pub fn training(model: &Graph, devices: &Devices, config: &TrainConfig) -> Estimate {
     let n = devices.len().max(1) as u64;
     let r = config.replicas.unwrap_or(devices.len()).max(1) as u64;
     let (p, b) = (model.params_len() as u64, model.buffers_len() as u64);
@@ -122,7 +122,7 @@ pub(crate) fn held_out_windows(held: &crate::data::Dataset, config: &TrainConfig
 /// replicas' (2 bytes per gradient value, 4 per buffer value), their encoded sum, and
 /// that sum decoded.
 #[cfg(feature = "cuda")]
-fn gpu_replica(model: &Sequential, config: &TrainConfig, shard: usize, r: usize) -> Estimate {
+fn gpu_replica(model: &Graph, config: &TrainConfig, shard: usize, r: usize) -> Estimate {
     let (p, b) = (model.params_len() as u64, model.buffers_len() as u64);
     let (copies, what) = optimizer_copies(&config.optimizer);
     let mut e = Estimate::default();
@@ -151,7 +151,7 @@ fn gpu_replica(model: &Sequential, config: &TrainConfig, shard: usize, r: usize)
 
 /// The check `with_trainer` makes before it allocates anything: the host estimate
 /// against the available memory, and each GPU's replicas against that GPU's memory.
-pub fn check_training(model: &Sequential, devices: &Devices, config: &TrainConfig) -> Result<()> {
+pub fn check_training(model: &Graph, devices: &Devices, config: &TrainConfig) -> Result<()> {
     training(model, devices, config).check("training")?;
     #[cfg(feature = "cuda")]
     check_gpus(model, devices, config)?;
@@ -161,7 +161,7 @@ pub fn check_training(model: &Sequential, devices: &Devices, config: &TrainConfi
 /// Each GPU's replicas against that GPU's memory (only with the `cuda` feature: without
 /// it `Devices` names no GPU).
 #[cfg(feature = "cuda")]
-fn check_gpus(model: &Sequential, devices: &Devices, config: &TrainConfig) -> Result<()> {
+fn check_gpus(model: &Graph, devices: &Devices, config: &TrainConfig) -> Result<()> {
     use crate::memory::Available;
     let ordinals: Vec<usize> =
         devices.list().iter().filter_map(|d| if let Device::Cuda(o) = d { Some(*o) } else { None }).collect();

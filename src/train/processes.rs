@@ -25,7 +25,7 @@ use crate::digest::Fnv1a;
 use crate::error::{Error, Result};
 #[cfg(feature = "cuda")]
 use crate::exchange::gpu::{new_clique_id, Clique};
-use crate::nn::{ParamStore, Sequential};
+use crate::nn::{Graph, ParamStore};
 use crate::ops::cross_entropy::Metrics;
 use crate::optim::Optimizer;
 use crate::tensor::Device;
@@ -90,13 +90,7 @@ pub(super) struct Handshake {
 
 impl Handshake {
     /// The run this process was started with.
-    pub fn of(
-        devices: &[Device],
-        replicas: usize,
-        model: &Sequential,
-        config: &TrainConfig,
-        initial: &ParamStore,
-    ) -> Self {
+    pub fn of(devices: &[Device], replicas: usize, model: &Graph, config: &TrainConfig, initial: &ParamStore) -> Self {
         let kind = match devices.first() {
             Some(Device::Cuda(_)) => "cuda",
             _ => "cpu",

@@ -16,7 +16,7 @@ use super::Batch;
 use crate::digest::Fnv1a;
 use crate::error::{Error, Result};
 use crate::exchange::Memory;
-use crate::nn::{ParamStore, Sequential};
+use crate::nn::{Graph, ParamStore};
 use crate::ops::batchnorm::stats::StatsExchange;
 use crate::ops::cross_entropy::Metrics;
 use crate::optim::{DecayMask, DecayOn, Optimizer};
@@ -135,7 +135,7 @@ pub(crate) trait Replica {
 
     /// The model, and where its synchronized BatchNorm layers meet the other logical
     /// replicas' (None: statistics per shard, nothing to meet).
-    fn synchronized(&self) -> (&Sequential, Option<&dyn StatsExchange>);
+    fn synchronized(&self) -> (&Graph, Option<&dyn StatsExchange>);
 
     /// Starts the update of a step at `lr_scale` times the learning rate, for gradients
     /// summed over `grad_divisor` samples.
@@ -186,7 +186,7 @@ pub(crate) trait Replica {
 
 /// The parameters of `model` that weight decay applies to under `on`, by their tensors'
 /// dimensions (`optim::DecayOn::decays`).
-pub fn decay_mask(model: &Sequential, on: DecayOn) -> DecayMask {
+pub fn decay_mask(model: &Graph, on: DecayOn) -> DecayMask {
     DecayMask::of_tensors(model.param_infos().iter().map(|t| (t.range.clone(), t.shape.dims().len())), on)
 }
 
@@ -194,7 +194,7 @@ pub fn decay_mask(model: &Sequential, on: DecayOn) -> DecayMask {
 /// over the bit patterns: equal bits, equal hash), named as the checkpoints name them. A
 /// sharded optimiser's state differs from device to device by design: only its step
 /// count is compared.
-pub fn fingerprints(model: &Sequential, store: &ParamStore, optimizer: &Optimizer) -> Vec<(String, u64)> {
+pub fn fingerprints(model: &Graph, store: &ParamStore, optimizer: &Optimizer) -> Vec<(String, u64)> {
     let fnv = |v: &[f32]| v.iter().fold(Fnv1a::new(), |h, x| h.word(x.to_bits() as u64)).finish();
     let mut out = Vec::new();
     for t in model.param_infos() {

@@ -47,7 +47,7 @@ use crate::exchange::shm::{ShmGroup, ShmStats};
 #[cfg(feature = "cuda")]
 use crate::exchange::Aborts;
 use crate::exchange::{Abort, Exchange, RunTransport, WaitPolicy};
-use crate::nn::{ParamStore, Sequential};
+use crate::nn::{Graph, ParamStore};
 use crate::ops::batchnorm::stats::StatsExchange;
 use crate::ops::cross_entropy::Metrics;
 use crate::optim::{Optimizer, Sharding};
@@ -507,7 +507,7 @@ impl Trainer<'_> {
 /// assert_eq!(accuracy, 1.0);
 /// ```
 pub fn with_trainer<T>(
-    model: &Sequential,
+    model: &Graph,
     devices: &Devices,
     config: &TrainConfig,
     f: impl FnOnce(&mut Trainer<'_>) -> Result<T>,
@@ -585,7 +585,7 @@ fn logical_replicas(world: &World, devices: &Devices, config: &TrainConfig) -> R
 
 /// The weights every replica starts from: a resumed run's, the caller's, or the model's
 /// initialisation from the seed, made once on the host.
-fn initial_weights(model: &Sequential, config: &TrainConfig) -> Result<ParamStore> {
+fn initial_weights(model: &Graph, config: &TrainConfig) -> Result<ParamStore> {
     match config.resume.as_ref().map(|r| &r.weights).or(config.initial.as_ref()) {
         Some(w) => {
             if w.params.len() != model.params_len() || w.buffers.len() != model.buffers_len() {
@@ -601,7 +601,7 @@ fn initial_weights(model: &Sequential, config: &TrainConfig) -> Result<ParamStor
 /// when its model has synchronized BatchNorm layers.
 fn cpu_replica<'s>(
     device: Device,
-    (model, store, optimizer): (Sequential, ParamStore, Optimizer),
+    (model, store, optimizer): (Graph, ParamStore, Optimizer),
     seed: u64,
     stats: Option<&'s dyn StatsExchange>,
 ) -> CpuReplica<'s> {
@@ -617,7 +617,7 @@ fn cpu_replica<'s>(
 #[cfg(feature = "cuda")]
 fn gpu_replica<'s>(
     device: Device,
-    start: (Sequential, ParamStore, Optimizer),
+    start: (Graph, ParamStore, Optimizer),
     seed: u64,
     stats: Option<&'s RecordedStats<'_>>,
     abort: &'s dyn Abort,
@@ -677,7 +677,7 @@ struct WorkerSetup<'a> {
     rows: RowPlan,
     devices: &'a Devices,
     replicas: usize,
-    model: &'a Sequential,
+    model: &'a Graph,
     initial: &'a ParamStore,
     config: &'a TrainConfig,
     /// Whether the model has synchronized BatchNorm layers (its replicas then meet each
@@ -787,7 +787,7 @@ impl WorkerSetup<'_> {
         &self,
         group: &G,
         f: impl FnOnce(&mut Trainer<'_>) -> Result<T>,
-        build: impl Fn(usize, Device, (Sequential, ParamStore, Optimizer)) -> Result<R> + Sync,
+        build: impl Fn(usize, Device, (Graph, ParamStore, Optimizer)) -> Result<R> + Sync,
         join: impl Fn(usize, &R) -> Result<X> + Sync,
     ) -> Result<T>
     where

@@ -472,7 +472,7 @@ fn load(args: &TrainArgs, run: &Run) -> CliResult<RunData> {
 /// test data's: a label only the test split has is one the model was never trained to
 /// output — or the built-in GPT's vocabulary, nanoGPT's bytes), its features
 /// (synchronized BatchNorm), checked against every dataset.
-fn build(args: &mut TrainArgs, run: &Run, data: &RunData, world: &World) -> CliResult<Sequential> {
+fn build(args: &mut TrainArgs, run: &Run, data: &RunData, world: &World) -> CliResult<Graph> {
     let (m, train, source) = (&mut args.model_data, &data.splits.train, &run.source);
     let stated_classes = m.classes;
     let classes = *m.classes.get_or_insert(match source.is_gpt() && matches!(source, ModelSource::Builtin(_)) {
@@ -556,7 +556,7 @@ fn configure(args: &TrainArgs, run: &Run, data: &RunData) -> CliResult<(TrainCon
 
 /// The memory the run takes, estimated before the weights, the checkpoint or any replica
 /// is allocated (the datasets as loaded included), refused if it does not fit; its total.
-fn estimate_memory(model: &Sequential, s: &Settings, data: &RunData, config: &TrainConfig) -> CliResult<u64> {
+fn estimate_memory(model: &Graph, s: &Settings, data: &RunData, config: &TrainConfig) -> CliResult<u64> {
     let largest_held_out = data.held().map(Dataset::len).max().unwrap_or(0);
     let sized = TrainConfig { eval_batch: config.eval_batch.min(largest_held_out.max(1)), ..config.clone() };
     let mut estimate = crate::train::memory::training(model, &s.devices, &sized);
@@ -603,7 +603,7 @@ fn checkpoint_policy(
 }
 
 /// `--init`'s weights, for the model.
-fn initial_weights(args: &TrainArgs, run: &Run, model: &Sequential) -> CliResult<Option<ParamStore>> {
+fn initial_weights(args: &TrainArgs, run: &Run, model: &Graph) -> CliResult<Option<ParamStore>> {
     let Some(p) = &args.model_data.init else { return Ok(None) };
     check_input_file("--init", p)?;
     let weights = super::identify::load_weights(model, &run.source, "--init", p, super::identify::WeightsFor::Train)?;
@@ -615,7 +615,7 @@ fn initial_weights(args: &TrainArgs, run: &Run, model: &Sequential) -> CliResult
 /// taken every step asked for trains nothing: process 0 says so (and writes `--save`).
 fn start(
     args: &TrainArgs,
-    model: &Sequential,
+    model: &Graph,
     config: &mut TrainConfig,
     fingerprint: &BTreeMap<String, String>,
     total_steps: u64,
@@ -651,7 +651,7 @@ fn announce(
     say: &dyn Fn(String),
     args: &TrainArgs,
     run: &Run,
-    model: &Sequential,
+    model: &Graph,
     data: &RunData,
     config: &TrainConfig,
     memory: u64,
@@ -725,7 +725,7 @@ fn training_line(args: &TrainArgs, s: &Settings, config: &TrainConfig, stream: b
 /// run are kept too; a closed stdout does not fail the run.
 fn train_observed(
     args: &TrainArgs,
-    model: &Sequential,
+    model: &Graph,
     data: &RunData,
     s: &Settings,
     config: &TrainConfig,
@@ -788,7 +788,7 @@ fn train_observed(
 fn ended(
     say: &dyn Fn(String),
     args: &TrainArgs,
-    model: &Sequential,
+    model: &Graph,
     report: &TrainReport,
     held_out: HeldOut,
     tested: Option<&Metrics>,
@@ -1245,7 +1245,7 @@ fn check_monitors(args: &TrainArgs) -> CliResult {
 /// The end of a run a signal stopped: where its state went (the checkpoint, else the
 /// weights of its last step to `--save`), said on stderr, and the exit code 128 + N.
 fn interrupted(
-    model: &Sequential,
+    model: &Graph,
     report: &TrainReport,
     checkpoint: Option<&Path>,
     save: Option<&Path>,
@@ -1272,7 +1272,7 @@ pub(crate) const EX_TEMPFAIL: u8 = 75;
 
 /// The end of a run `--time-limit` stopped: where its state went (the checkpoint, else the
 /// weights of its last step to `--save`), how to go on, and the exit status 75.
-fn timed_out(model: &Sequential, report: &TrainReport, checkpoint: Option<&Path>, args: &TrainArgs) -> CliResult {
+fn timed_out(model: &Graph, report: &TrainReport, checkpoint: Option<&Path>, args: &TrainArgs) -> CliResult {
     let limit = args.length.time_limit.map_or_else(String::new, |d| format!(" ({})", crate::units::duration(d)));
     let mut line = format!("lockstep: stopped at the time limit{limit} after step {}", report.steps);
     match (checkpoint, args.outputs.save.as_deref()) {
@@ -1321,7 +1321,7 @@ fn dataset_bytes(d: &Dataset, evaluated: Evaluated) -> u64 {
 /// test split of a run that chose its epochs on a validation split, evaluated once at the
 /// end.
 fn evaluate(
-    model: &Sequential,
+    model: &Graph,
     weights: &ParamStore,
     data: &Dataset,
     devices: &Devices,
@@ -1378,7 +1378,7 @@ fn final_lines(
 }
 
 /// `--resume` of a run that has already taken every step asked for: nothing to train.
-fn finished_already(args: &TrainArgs, model: &Sequential, dir: &Path, r: &checkpoint::Resume, total: u64) -> CliResult {
+fn finished_already(args: &TrainArgs, model: &Graph, dir: &Path, r: &checkpoint::Resume, total: u64) -> CliResult {
     let at = match (r.epoch, r.step_in_epoch) {
         (1, 0) => "1 epoch".to_string(),
         (e, 0) => format!("{e} epochs"),
@@ -1434,7 +1434,7 @@ fn features_text(args: &TrainArgs) -> Option<String> {
 fn run_fingerprint(
     args: &TrainArgs,
     run: &Run,
-    model: &Sequential,
+    model: &Graph,
     train: &Dataset,
     c: &TrainConfig,
 ) -> BTreeMap<String, String> {

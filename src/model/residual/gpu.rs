@@ -44,7 +44,7 @@ impl Gpu {
 
 /// The GPU form of `layer` (its `Layer::gpu`).
 pub(super) fn form(layer: &Residual) -> Option<Box<dyn GpuLayer>> {
-    let branch = |s: &Sequential| -> Option<Vec<Child>> {
+    let branch = |s: &Graph| -> Option<Vec<Child>> {
         let mut children = Vec::new();
         for (j, ((layer, name), shapes)) in s.layers().iter().zip(s.layer_names()).zip(s.layer_shapes()).enumerate() {
             children.push(Child {

@@ -31,9 +31,9 @@ pub mod gpu;
 
 use serde_json::{json, Value};
 
-use super::sequential::batched;
+use super::graph::batched;
 use super::spec_objects::{layers_to_spec, read_layers, LayerObject};
-use super::{NamedLayer, Place, Sequential};
+use super::{Graph, NamedLayer, Place, Sequential};
 use crate::error::{Error, Result};
 use crate::ops::spec::{Activation, Build, LayerType};
 use crate::ops::{
@@ -47,9 +47,9 @@ const SHORTCUT: u64 = 1;
 
 /// `y = act(body(x) + shortcut(x))`.
 pub struct Residual {
-    body: Sequential,
+    body: Graph,
     /// None: the identity.
-    shortcut: Option<Sequential>,
+    shortcut: Option<Graph>,
     activation: Activation,
     /// The ReLU after the add, when `activation` says so: the ReLU layer itself (its
     /// forward, its mask, its backward), so that the block's is no other ReLU.
@@ -180,17 +180,17 @@ impl Residual {
     };
 
     /// The body.
-    pub fn body(&self) -> &Sequential {
+    pub fn body(&self) -> &Graph {
         &self.body
     }
 
     /// The shortcut's layers; None: the identity.
-    pub fn shortcut(&self) -> Option<&Sequential> {
+    pub fn shortcut(&self) -> Option<&Graph> {
         self.shortcut.as_ref()
     }
 
     /// (branch index, branch) of the body, then of the shortcut when it has layers.
-    fn branches(&self) -> impl Iterator<Item = (u64, &Sequential)> {
+    fn branches(&self) -> impl Iterator<Item = (u64, &Graph)> {
         std::iter::once((BODY, &self.body)).chain(self.shortcut.iter().map(|s| (SHORTCUT, s)))
     }
 
@@ -255,9 +255,9 @@ impl Layer for Residual {
         let (b_body, b_short) = Residual::split_mut(buffers.flat_mut(), self.body.buffers_len());
         // The body's first layer keeps its input for the backward: the identity reads the
         // same values (a clone shares them).
-        let mut y = self.body.forward_at(x.clone(), p_body, b_body, ctx, Place::Branch(BODY))?;
+        let mut y = self.body.forward_at(vec![x.clone()], p_body, b_body, ctx, Place::Branch(BODY))?;
         let skip = match &mut self.shortcut {
-            Some(s) => s.forward_at(x, p_short, b_short, ctx, Place::Branch(SHORTCUT))?,
+            Some(s) => s.forward_at(vec![x], p_short, b_short, ctx, Place::Branch(SHORTCUT))?,
             None => x,
         };
         match &mut self.relu {
@@ -285,10 +285,12 @@ impl Layer for Residual {
         let (p_body, p_short) = Residual::split(params.flat(), self.body.params_len());
         let (g_body, g_short) = Residual::split_mut(dparams.flat_mut(), self.body.params_len());
         let d_short = match &mut self.shortcut {
-            Some(s) => s.backward_at(dout.clone(), p_short, g_short, ctx, Place::Branch(SHORTCUT), input_grad)?,
+            Some(s) => {
+                s.backward_at(dout.clone(), p_short, g_short, ctx, Place::Branch(SHORTCUT), input_grad)?.pop().flatten()
+            }
             None => (input_grad == InputGrad::Needed).then(|| dout.clone()),
         };
-        let d_body = self.body.backward_at(dout, p_body, g_body, ctx, Place::Branch(BODY), input_grad)?;
+        let d_body = self.body.backward_at(dout, p_body, g_body, ctx, Place::Branch(BODY), input_grad)?.pop().flatten();
         Ok(match (d_body, d_short) {
             (Some(mut dx), Some(ds)) => {
                 cpu::residual_backward(dx.host_mut(), ds.host());
@@ -300,7 +302,7 @@ impl Layer for Residual {
 
     fn start_profile(&mut self) {
         self.body.start_profile();
-        self.shortcut.iter_mut().for_each(Sequential::start_profile);
+        self.shortcut.iter_mut().for_each(Graph::start_profile);
     }
 
     fn profile(&self) -> Vec<ProfileRow> {
@@ -364,7 +366,7 @@ impl Layer for Residual {
         if !any {
             return None;
         }
-        let convert = |s: &Sequential| {
+        let convert = |s: &Graph| {
             let layers = s.layers().iter().zip(s.layer_names());
             layers.map(|(l, n)| (Some(n.clone()), l.synchronized().unwrap_or_else(|| l.boxed_clone()))).collect()
         };
@@ -434,7 +436,7 @@ mod tests {
 
     /// A model of `blocks` copies of the spec's example block (input (2, 6, 6)), its
     /// initial tensors and a training context.
-    fn spec_example(blocks: usize) -> (Sequential, crate::nn::ParamStore, Ctx<'static>) {
+    fn spec_example(blocks: usize) -> (Graph, crate::nn::ParamStore, Ctx<'static>) {
         let (input, layer) = Residual::SPEC.example;
         let layers = vec![layer; blocks].join(", ");
         let text = format!(r#"{{"input_shape": {input:?}, "layers": [{layers}]}}"#);

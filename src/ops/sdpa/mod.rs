@@ -87,7 +87,10 @@ impl ScaledDotProductAttention {
     pub const SPEC: LayerType = LayerType {
         name: "scaled_dot_product_attention",
         fields: "`causal` (false; ATen's `is_causal`), `scale` (1/√D); three inputs q, k, v of one shape (H, T, D)",
-        example: (&[2, 5, 4], r#"{"type": "scaled_dot_product_attention", "causal": true, "scale": 0.25}"#),
+        example: (
+            &[2, 5, 4],
+            r#"{"type": "scaled_dot_product_attention", "inbound": ["input", "input", "input"], "causal": true, "scale": 0.25}"#,
+        ),
         parse: |f| {
             let mask = if f.boolean("causal", false)? { Mask::Causal } else { Mask::Full };
             let scale = f.optional_positive("scale")?;
@@ -589,40 +592,42 @@ mod tests {
 
     #[test]
     fn the_spec_entry_reads_its_fields_and_builds_a_merge() {
-        use crate::ops::spec::Fields;
-        let read = |text: &str| {
-            let map: serde_json::Map<String, Value> = serde_json::from_str(text).unwrap();
-            let mut f = Fields::new(&map);
-            let build = (ScaledDotProductAttention::SPEC.parse)(&mut f);
-            build.and_then(|b| f.finish().map(|_| b))
+        use crate::spec::model_from_spec_str;
+        let spec = |fields: &str| {
+            format!(
+                r#"{{"input_shape": [4, 8, 16], "layers": [{{"type": "scaled_dot_product_attention",
+                    "inbound": ["input", "input", "input"]{fields}}}]}}"#
+            )
         };
-        let shape = Shape::new([2, 4, 8, 16]);
-        let shapes = [shape.clone(), shape.clone(), shape];
-        let layers = read(r#"{"type": "scaled_dot_product_attention"}"#).unwrap().build_many(&shapes).unwrap();
-        assert_eq!(layers[0].describe(), "ScaledDotProductAttention(full, scale 1/√D)");
-        assert_eq!(layers[0].arity(), Arity::Exactly(3));
+        let m = model_from_spec_str(&spec(""), "m.json").unwrap();
+        let layer = &m.layers()[0];
+        assert_eq!(layer.describe(), "ScaledDotProductAttention(full, scale 1/√D)");
+        assert_eq!(layer.arity(), Arity::Exactly(3));
         let want = json!({"type": "scaled_dot_product_attention", "causal": false, "scale": null});
-        assert_eq!(layers[0].spec().unwrap(), want);
-        let text = ScaledDotProductAttention::SPEC.example.1;
-        let layers = read(text).unwrap().build_many(&shapes).unwrap();
-        assert_eq!(layers[0].describe(), "ScaledDotProductAttention(causal, scale 0.25)");
-        let again = read(&layers[0].spec().unwrap().to_string()).unwrap().build_many(&shapes).unwrap();
-        assert_eq!(again[0].describe(), layers[0].describe(), "written back");
-        let e = read(text).unwrap().build_many(&shapes[..2]).err().unwrap();
-        assert!(e.contains("takes three inputs"), "{e}");
+        assert_eq!(layer.spec().unwrap(), want);
+        let m = model_from_spec_str(&spec(r#", "causal": true, "scale": 0.25"#), "m.json").unwrap();
+        assert_eq!(m.layers()[0].describe(), "ScaledDotProductAttention(causal, scale 0.25)");
+        // The memory account: q, k, v (3·H·T·D), P (H·T·T) and one (T, T), 4 bytes each.
+        let mem = m.layers()[0].memory(&m.layer_shapes()[0]).unwrap();
+        assert_eq!(mem.kept_per_sample, (3 * 4 * 8 * 16 + 4 * 8 * 8 + 8 * 8) * 4);
         for (fields, want) in [
-            (r#""scale": 0"#, "field 'scale' must be a positive number"),
-            (r#""causal": 1"#, "field 'causal' must be true or false"),
-            (r#""is_causal": true"#, "unknown field 'is_causal'"),
+            (r#", "scale": 0"#, "field 'scale' must be a positive number"),
+            (r#", "causal": 1"#, "field 'causal' must be true or false"),
+            (r#", "is_causal": true"#, "unknown field 'is_causal'"),
         ] {
-            let e = read(&format!(r#"{{"type": "scaled_dot_product_attention", {fields}}}"#)).err().unwrap();
+            let e = model_from_spec_str(&spec(fields), "m.json").unwrap_err().to_string();
             assert!(e.contains(want), "{fields}: {e}");
         }
-        // The memory account: q, k, v (3·H·T·D), P (H·T·T) and one (T, T), 4 bytes each.
-        let per = Shape::new([4, 8, 16]);
-        let shapes = LayerShapes { input: per.clone(), output: per.clone(), other_inputs: vec![per; 2] };
-        let m = layers[0].memory(&shapes).unwrap();
-        assert_eq!(m.kept_per_sample, (3 * 4 * 8 * 16 + 4 * 8 * 8 + 8 * 8) * 4);
+        // Two inputs, and three that do not meet: the keys transposed to (4, 16, 8).
+        let two = r#"{"input_shape": [4, 8, 16], "layers": [
+            {"type": "scaled_dot_product_attention", "inbound": ["input", "input"]}]}"#;
+        let e = model_from_spec_str(two, "m.json").unwrap_err().to_string();
+        assert!(e.contains("takes three inputs, q, k and v, given 2"), "{e}");
+        let apart = r#"{"input_shape": [4, 8, 16], "layers": [
+            {"type": "permute", "name": "kt", "dims": [1, 3, 2]},
+            {"type": "scaled_dot_product_attention", "inbound": ["input", "kt", "input"]}]}"#;
+        let e = model_from_spec_str(apart, "m.json").unwrap_err().to_string();
+        assert!(e.contains("q (2, 4, 8, 16), k (2, 4, 16, 8), v (2, 4, 8, 16)"), "{e}");
     }
 
     /// Tokens per second of a forward and backward, on a pool of 2 threads, of: this op
