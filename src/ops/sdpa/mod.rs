@@ -35,7 +35,9 @@ use serde_json::{json, Value};
 
 use super::attention::cpu::{attention_scale, Mask};
 use super::spec::{Build, FieldResult, LayerType};
-use super::{merge_takes_several, Arity, Ctx, InputGrad, Layer, LayerMemory, LayerShapes, Mode, Params, ParamsMut, F32};
+use super::{
+    merge_takes_several, Arity, Ctx, InputGrad, Layer, LayerMemory, LayerShapes, Mode, Params, ParamsMut, F32,
+};
 use crate::backend::cpu::gemm_packing;
 use crate::backend::par;
 use crate::error::{Error, Result};
@@ -77,7 +79,10 @@ impl ScaledDotProductAttention {
     /// be positive and finite.
     pub fn with_scale(mut self, scale: f32) -> Result<ScaledDotProductAttention> {
         if !(scale.is_finite() && scale > 0.0) {
-            return Err(Error::config("scaled dot-product attention", format!("scale {scale} is not a positive number")));
+            return Err(Error::config(
+                "scaled dot-product attention",
+                format!("scale {scale} is not a positive number"),
+            ));
         }
         self.scale = Some(scale);
         Ok(self)
@@ -227,7 +232,11 @@ impl Layer for ScaledDotProductAttention {
             par::for_each(samples.zip(probs), |((y, ((q, k), v)), p)| cpu::sdpa_forward(&g, q, k, v, y, p));
         } else {
             // Nothing is kept: each task's samples share one head's probabilities.
-            par::for_each_init(samples, || vec![0.0f32; tt], |p, (y, ((q, k), v))| cpu::sdpa_forward(&g, q, k, v, y, p));
+            par::for_each_init(
+                samples,
+                || vec![0.0f32; tt],
+                |p, (y, ((q, k), v))| cpu::sdpa_forward(&g, q, k, v, y, p),
+            );
         }
         let y = Tensor::from_vec_on(y, q.shape().clone(), q.device())?;
         self.saved = (ctx.mode == Mode::Train).then_some(Saved { q, k, v, heads: g });
@@ -254,10 +263,9 @@ impl Layer for ScaledDotProductAttention {
         input_grads: &[InputGrad],
         _ctx: &Ctx,
     ) -> Result<Vec<Option<Tensor>>> {
-        let Saved { q, k, v, heads: g } = self
-            .saved
-            .take()
-            .ok_or_else(|| Error::config("ScaledDotProductAttention backward", "no training forward to differentiate"))?;
+        let Saved { q, k, v, heads: g } = self.saved.take().ok_or_else(|| {
+            Error::config("ScaledDotProductAttention backward", "no training forward to differentiate")
+        })?;
         q.same_device("ScaledDotProductAttention backward", &dout)?;
         if dout.shape() != q.shape() {
             return Err(Error::shape(
@@ -295,7 +303,11 @@ impl Layer for ScaledDotProductAttention {
     }
 
     fn boxed_clone(&self) -> Box<dyn Layer> {
-        Box::new(ScaledDotProductAttention { mask: self.mask, scale: self.scale, ..ScaledDotProductAttention::new(self.mask) })
+        Box::new(ScaledDotProductAttention {
+            mask: self.mask,
+            scale: self.scale,
+            ..ScaledDotProductAttention::new(self.mask)
+        })
     }
 
     fn describe(&self) -> String {
@@ -498,7 +510,8 @@ mod tests {
     fn a_gradient_nobody_asks_for_is_not_made_and_the_others_do_not_move() {
         let dims = [2, 3, 6, 4];
         let len = dims.iter().product();
-        let (q, k, v, dy) = (uniform(len, 1.0, 20), uniform(len, 1.0, 21), uniform(len, 1.0, 22), uniform(len, 1.0, 23));
+        let (q, k, v, dy) =
+            (uniform(len, 1.0, 20), uniform(len, 1.0, 21), uniform(len, 1.0, 22), uniform(len, 1.0, 23));
         let mut layer = ScaledDotProductAttention::new(Mask::Causal);
         let (_, all) = forward_backward(&mut layer, [&q, &k, &v], dims, &dy, ALL);
         let (n, s) = (InputGrad::Needed, InputGrad::Skip);
