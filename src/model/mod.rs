@@ -56,4 +56,6 @@ pub const LAYER_TYPES: &[LayerType] = &[
     ops::Multiply::SPEC,
     ops::Concatenate::SPEC,
     ops::MatMul::SPEC,
+    ops::RotaryEmbedding::SPEC,
+    ops::ScaledDotProductAttention::SPEC,
 ];
