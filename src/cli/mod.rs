@@ -222,9 +222,10 @@ enum Command {
     Predict(PredictArgs),
     /// Continue a prompt with a trained language model (the GPT, the Llama), byte by byte.
     Generate(Box<GenerateArgs>),
-    /// List the tensors of a safetensors file: name, dtype, shape.
+    /// List the tensors of a safetensors file (name, dtype, shape), or a model spec's graph.
     Inspect {
-        /// The safetensors file (weights or a dataset).
+        /// The safetensors file (weights or a dataset), or a model spec (`.json`: its graph,
+        /// node by node).
         file: PathBuf,
     },
     /// The CPU cores and GPUs this machine offers.

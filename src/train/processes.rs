@@ -131,7 +131,23 @@ impl Handshake {
             ("non-finite losses", format!("{:?}", c.non_finite)),
             ("model", format!("{} layers, {} values", model.layers().len(), model.params_len() + model.buffers_len())),
         ];
-        let layers = model.layers().iter().enumerate().map(|(i, l)| (format!("layer {i}"), l.describe()));
+        // Each node with the values it reads: processes agree on the graph, not only on
+        // its layers.
+        let reads = |i: usize| {
+            let names: Vec<String> = model.sources()[i]
+                .iter()
+                .map(|&s| match s {
+                    crate::model::Source::Input(k) => model.inputs()[k].0.clone(),
+                    crate::model::Source::Node(j) => model.layer_names()[j].clone(),
+                })
+                .collect();
+            names.join(", ")
+        };
+        let layers = model
+            .layers()
+            .iter()
+            .enumerate()
+            .map(move |(i, l)| (format!("layer {i}"), format!("{} reading {}", l.describe(), reads(i))));
         let mut settings: Vec<Setting> = named.into_iter().map(|(k, v)| (k.to_string(), v)).chain(layers).collect();
         settings.push(("initial weights".into(), format!("digest {weights:016x}")));
         Handshake { settings }

@@ -92,6 +92,7 @@ impl Plan {
     }
 
     /// Whether the tensor has no values (never: sizes are positive).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
@@ -104,6 +105,7 @@ impl Plan {
 
     /// The plan of the inverse permutation (the backward's: the output's axes back in the
     /// input's order), over the output's dimensions.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub fn inverse(&self) -> Plan {
         let mut inv = vec![0; self.perm.len()];
         for (j, &p) in self.perm.iter().enumerate() {

@@ -44,7 +44,8 @@ impl Permute {
         &self.dims
     }
 
-    /// The permutation of a sample's axes, 0-based.
+    /// The permutation of a sample's axes, 0-based (the GPU form's).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     fn sample_perm(&self) -> Vec<usize> {
         self.dims.iter().map(|d| d - 1).collect()
     }

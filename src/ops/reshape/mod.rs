@@ -87,7 +87,7 @@ impl Reshape {
             )
         };
         if self.target.contains(&INFERRED) {
-            if size % known != 0 {
+            if !size.is_multiple_of(known) {
                 return Err(differ());
             }
             Ok(self.target.iter().map(|&d| if d == INFERRED { size / known } else { d as usize }).collect())

@@ -64,7 +64,11 @@ pub fn rope_table(t: usize, d: usize, base: f32, start: usize) -> (Vec<f32>, Vec
 fn check(op: &str, x: &[f32], cos: &[f32], sin: &[f32], (t, h, d): (usize, usize, usize)) -> usize {
     let per_position = h * d;
     assert!(d % 2 == 0 && per_position > 0, "{op}: (H, D) = ({h}, {d})");
-    assert!(x.len() % (t * per_position) == 0, "{op}: {} values are not samples of (T, H, D) = ({t}, {h}, {d})", x.len());
+    assert!(
+        x.len().is_multiple_of(t * per_position),
+        "{op}: {} values are not samples of (T, H, D) = ({t}, {h}, {d})",
+        x.len()
+    );
     assert!(cos.len() == t * d / 2 && sin.len() == cos.len(), "{op}: a table of {} for (T, D) = ({t}, {d})", cos.len());
     (CHUNK / per_position).max(1)
 }

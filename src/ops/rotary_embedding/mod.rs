@@ -79,7 +79,8 @@ impl RotaryEmbedding {
     /// own, on (T, H, D) samples, its pairs Llama's (the module docs).
     pub const SPEC: LayerType = LayerType {
         name: "rotary_embedding",
-        fields: "`base` (10000; Keras-hub's `max_wavelength`, Llama's `theta`), `start` (0: the first position's index)",
+        fields:
+            "`base` (10000; Keras-hub's `max_wavelength`, Llama's `theta`), `start` (0: the first position's index)",
         example: (&[4, 2, 6], r#"{"type": "rotary_embedding", "base": 500, "start": 3}"#),
         parse: |f| {
             let base = f.number("base", Some(DEFAULT_BASE), (|x| x > 0.0, "a positive number"))?;
@@ -126,8 +127,8 @@ impl RotaryEmbedding {
 /// (T, H, D) of an input (N, T, H, D) whose head width D is even, or the words for another.
 fn heads_of(input: &Shape) -> FieldResult<(usize, usize, usize)> {
     match input.dims() {
-        &[_, t, h, d] if d % 2 == 0 => Ok((t, h, d)),
-        &[_, _, _, d] => Err(format!(
+        [_, t, h, d] if d % 2 == 0 => Ok((*t, *h, *d)),
+        [_, _, _, d] => Err(format!(
             "rotates pairs (x[2i], x[2i+1]) of each head, but the head width D = {d} is odd (input {})",
             Shape::new(&input.dims()[1..])
         )),
@@ -376,9 +377,9 @@ mod tests {
     }
 
     /// The table is within 1 ulp of PyTorch's (the libraries' powers and cosines on either
-    /// side: cpu.rs's "The table"), and equal to it but for the entry of angle 1001 in case
-    /// B, whose cosine and sine (−0.39194041, 0.9199906) are 1 ulp from PyTorch's each:
-    /// this op's are the correctly rounded ones (mpmath at 200 bits gives them). The
+    /// side: cpu.rs's "The table"), and equal to it but for one value: case B's cosine of
+    /// the angle 1001, −0.39194041 here, 1 ulp from PyTorch's −0.39194044; this op's is the
+    /// correctly rounded one (mpmath at 200 bits gives it). The
     /// rotation and its
     /// gradient are within 1 ulp of PyTorch's: its vectorised complex product (AVX2,
     /// AVX-512) rounds one of its two products inside a fused multiply-add, which this op
@@ -386,14 +387,18 @@ mod tests {
     #[test]
     fn rotary_embedding_matches_pytorchs_llama_rotation() {
         let ulps = |a: f32, b: f32| (a.to_bits() as i64 - b.to_bits() as i64).abs();
-        for (name, (t, h, d, start, base), table, torch, differ) in [
-            ("A", (4, 2, 8, 0, 10_000.0), TABLE_A, TORCH_A, 0),
-            ("B", (3, 1, 8, 1000, 500.0), TABLE_B, TORCH_B, 2),
-        ] {
+        for (name, (t, h, d, start, base), table, torch, differ) in
+            [("A", (4, 2, 8, 0, 10_000.0), TABLE_A, TORCH_A, 0), ("B", (3, 1, 8, 1000, 500.0), TABLE_B, TORCH_B, 1)]
+        {
             let (cos, sin) = cpu::rope_table(t, d, base, start);
             let mut off = 0;
             for (i, &(c, s)) in table.iter().enumerate() {
-                assert!(ulps(cos[i], c) <= 1 && ulps(sin[i], s) <= 1, "{name}: table ({i}): ({}, {}) vs PyTorch ({c}, {s})", cos[i], sin[i]);
+                assert!(
+                    ulps(cos[i], c) <= 1 && ulps(sin[i], s) <= 1,
+                    "{name}: table ({i}): ({}, {}) vs PyTorch ({c}, {s})",
+                    cos[i],
+                    sin[i]
+                );
                 off += usize::from(cos[i] != c) + usize::from(sin[i] != s);
             }
             assert_eq!(off, differ, "{name}: table values 1 ulp from PyTorch's");
@@ -463,8 +468,9 @@ mod tests {
     #[test]
     fn the_spec_entry_reads_its_defaults_and_the_memory_counts_the_table() {
         use crate::spec::model_from_spec_str;
-        let m = model_from_spec_str(r#"{"input_shape": [16, 4, 32], "layers": [{"type": "rotary_embedding"}]}"#, "m.json")
-            .unwrap();
+        let m =
+            model_from_spec_str(r#"{"input_shape": [16, 4, 32], "layers": [{"type": "rotary_embedding"}]}"#, "m.json")
+                .unwrap();
         assert_eq!(m.layer_names(), ["rope0"]);
         assert_eq!(m.layers()[0].describe(), "RotaryEmbedding(base 10000, start 0)");
         assert!(m.param_infos().is_empty());

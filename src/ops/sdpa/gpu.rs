@@ -26,7 +26,10 @@ fn place_htd(place: &Placement) -> Result<(usize, usize, usize)> {
         &[h, t, d] if same => Ok((h, t, d)),
         _ => Err(Error::shape(
             OP,
-            format!("{}: inputs {} and {:?} are not three of one shape (H, T, D)", place.name, place.input, place.other_inputs),
+            format!(
+                "{}: inputs {} and {:?} are not three of one shape (H, T, D)",
+                place.name, place.input, place.other_inputs
+            ),
         )),
     }
 }

@@ -35,7 +35,9 @@ use serde_json::{json, Value};
 
 use super::attention::cpu::{attention_scale, Mask};
 use super::spec::{Build, FieldResult, LayerType};
-use super::{merge_takes_several, Arity, Ctx, InputGrad, Layer, LayerMemory, LayerShapes, Mode, Params, ParamsMut, F32};
+use super::{
+    merge_takes_several, Arity, Ctx, InputGrad, Layer, LayerMemory, LayerShapes, Mode, Params, ParamsMut, F32,
+};
 use crate::backend::cpu::gemm_packing;
 use crate::backend::par;
 use crate::error::{Error, Result};
@@ -77,7 +79,10 @@ impl ScaledDotProductAttention {
     /// be positive and finite.
     pub fn with_scale(mut self, scale: f32) -> Result<ScaledDotProductAttention> {
         if !(scale.is_finite() && scale > 0.0) {
-            return Err(Error::config("scaled dot-product attention", format!("scale {scale} is not a positive number")));
+            return Err(Error::config(
+                "scaled dot-product attention",
+                format!("scale {scale} is not a positive number"),
+            ));
         }
         self.scale = Some(scale);
         Ok(self)
@@ -87,7 +92,10 @@ impl ScaledDotProductAttention {
     pub const SPEC: LayerType = LayerType {
         name: "scaled_dot_product_attention",
         fields: "`causal` (false; ATen's `is_causal`), `scale` (1/√D); three inputs q, k, v of one shape (H, T, D)",
-        example: (&[2, 5, 4], r#"{"type": "scaled_dot_product_attention", "causal": true, "scale": 0.25, "inbound": ["input", "input", "input"]}"#),
+        example: (
+            &[2, 5, 4],
+            r#"{"type": "scaled_dot_product_attention", "inbound": ["input", "input", "input"], "causal": true, "scale": 0.25}"#,
+        ),
         parse: |f| {
             let mask = if f.boolean("causal", false)? { Mask::Causal } else { Mask::Full };
             let scale = f.optional_positive("scale")?;
@@ -224,7 +232,11 @@ impl Layer for ScaledDotProductAttention {
             par::for_each(samples.zip(probs), |((y, ((q, k), v)), p)| cpu::sdpa_forward(&g, q, k, v, y, p));
         } else {
             // Nothing is kept: each task's samples share one head's probabilities.
-            par::for_each_init(samples, || vec![0.0f32; tt], |p, (y, ((q, k), v))| cpu::sdpa_forward(&g, q, k, v, y, p));
+            par::for_each_init(
+                samples,
+                || vec![0.0f32; tt],
+                |p, (y, ((q, k), v))| cpu::sdpa_forward(&g, q, k, v, y, p),
+            );
         }
         let y = Tensor::from_vec_on(y, q.shape().clone(), q.device())?;
         self.saved = (ctx.mode == Mode::Train).then_some(Saved { q, k, v, heads: g });
@@ -251,10 +263,9 @@ impl Layer for ScaledDotProductAttention {
         input_grads: &[InputGrad],
         _ctx: &Ctx,
     ) -> Result<Vec<Option<Tensor>>> {
-        let Saved { q, k, v, heads: g } = self
-            .saved
-            .take()
-            .ok_or_else(|| Error::config("ScaledDotProductAttention backward", "no training forward to differentiate"))?;
+        let Saved { q, k, v, heads: g } = self.saved.take().ok_or_else(|| {
+            Error::config("ScaledDotProductAttention backward", "no training forward to differentiate")
+        })?;
         q.same_device("ScaledDotProductAttention backward", &dout)?;
         if dout.shape() != q.shape() {
             return Err(Error::shape(
@@ -292,7 +303,11 @@ impl Layer for ScaledDotProductAttention {
     }
 
     fn boxed_clone(&self) -> Box<dyn Layer> {
-        Box::new(ScaledDotProductAttention { mask: self.mask, scale: self.scale, ..ScaledDotProductAttention::new(self.mask) })
+        Box::new(ScaledDotProductAttention {
+            mask: self.mask,
+            scale: self.scale,
+            ..ScaledDotProductAttention::new(self.mask)
+        })
     }
 
     fn describe(&self) -> String {
@@ -495,7 +510,8 @@ mod tests {
     fn a_gradient_nobody_asks_for_is_not_made_and_the_others_do_not_move() {
         let dims = [2, 3, 6, 4];
         let len = dims.iter().product();
-        let (q, k, v, dy) = (uniform(len, 1.0, 20), uniform(len, 1.0, 21), uniform(len, 1.0, 22), uniform(len, 1.0, 23));
+        let (q, k, v, dy) =
+            (uniform(len, 1.0, 20), uniform(len, 1.0, 21), uniform(len, 1.0, 22), uniform(len, 1.0, 23));
         let mut layer = ScaledDotProductAttention::new(Mask::Causal);
         let (_, all) = forward_backward(&mut layer, [&q, &k, &v], dims, &dy, ALL);
         let (n, s) = (InputGrad::Needed, InputGrad::Skip);
@@ -589,42 +605,42 @@ mod tests {
 
     #[test]
     fn the_spec_entry_reads_its_fields_and_builds_a_merge() {
-        use crate::ops::spec::Fields;
-        let read = |text: &str| {
-            let map: serde_json::Map<String, Value> = serde_json::from_str(text).unwrap();
-            let mut f = Fields::new(&map);
-            let build = (ScaledDotProductAttention::SPEC.parse)(&mut f);
-            build.and_then(|b| f.finish().map(|_| b))
+        use crate::spec::model_from_spec_str;
+        let spec = |fields: &str| {
+            format!(
+                r#"{{"input_shape": [4, 8, 16], "layers": [{{"type": "scaled_dot_product_attention",
+                    "inbound": ["input", "input", "input"]{fields}}}]}}"#
+            )
         };
-        let shape = Shape::new([2, 4, 8, 16]);
-        let shapes = [shape.clone(), shape.clone(), shape];
-        let layers = read(r#"{"type": "scaled_dot_product_attention"}"#).unwrap().build_many(&shapes).unwrap();
-        assert_eq!(layers[0].describe(), "ScaledDotProductAttention(full, scale 1/√D)");
-        assert_eq!(layers[0].arity(), Arity::Exactly(3));
+        let m = model_from_spec_str(&spec(""), "m.json").unwrap();
+        let layer = &m.layers()[0];
+        assert_eq!(layer.describe(), "ScaledDotProductAttention(full, scale 1/√D)");
+        assert_eq!(layer.arity(), Arity::Exactly(3));
         let want = json!({"type": "scaled_dot_product_attention", "causal": false, "scale": null});
-        assert_eq!(layers[0].spec().unwrap(), want);
-        // The example's fields (its `inbound` is the graph's, not the layer's).
-        let text = r#"{"type": "scaled_dot_product_attention", "causal": true, "scale": 0.25}"#;
-        assert!(ScaledDotProductAttention::SPEC.example.1.starts_with(&text[..text.len() - 1]));
-        let layers = read(text).unwrap().build_many(&shapes).unwrap();
-        assert_eq!(layers[0].describe(), "ScaledDotProductAttention(causal, scale 0.25)");
-        let again = read(&layers[0].spec().unwrap().to_string()).unwrap().build_many(&shapes).unwrap();
-        assert_eq!(again[0].describe(), layers[0].describe(), "written back");
-        let e = read(text).unwrap().build_many(&shapes[..2]).err().unwrap();
-        assert!(e.contains("takes three inputs"), "{e}");
+        assert_eq!(layer.spec().unwrap(), want);
+        let m = model_from_spec_str(&spec(r#", "causal": true, "scale": 0.25"#), "m.json").unwrap();
+        assert_eq!(m.layers()[0].describe(), "ScaledDotProductAttention(causal, scale 0.25)");
+        // The memory account: q, k, v (3·H·T·D), P (H·T·T) and one (T, T), 4 bytes each.
+        let mem = m.layers()[0].memory(&m.layer_shapes()[0]).unwrap();
+        assert_eq!(mem.kept_per_sample, (3 * 4 * 8 * 16 + 4 * 8 * 8 + 8 * 8) * 4);
         for (fields, want) in [
-            (r#""scale": 0"#, "field 'scale' must be a positive number"),
-            (r#""causal": 1"#, "field 'causal' must be true or false"),
-            (r#""is_causal": true"#, "unknown field 'is_causal'"),
+            (r#", "scale": 0"#, "field 'scale' must be a positive number"),
+            (r#", "causal": 1"#, "field 'causal' must be true or false"),
+            (r#", "is_causal": true"#, "unknown field 'is_causal'"),
         ] {
-            let e = read(&format!(r#"{{"type": "scaled_dot_product_attention", {fields}}}"#)).err().unwrap();
+            let e = model_from_spec_str(&spec(fields), "m.json").unwrap_err().to_string();
             assert!(e.contains(want), "{fields}: {e}");
         }
-        // The memory account: q, k, v (3·H·T·D), P (H·T·T) and one (T, T), 4 bytes each.
-        let per = Shape::new([4, 8, 16]);
-        let shapes = LayerShapes { input: per.clone(), output: per.clone(), other_inputs: vec![per; 2] };
-        let m = layers[0].memory(&shapes).unwrap();
-        assert_eq!(m.kept_per_sample, (3 * 4 * 8 * 16 + 4 * 8 * 8 + 8 * 8) * 4);
+        // Two inputs, and three that do not meet: the keys transposed to (4, 16, 8).
+        let two = r#"{"input_shape": [4, 8, 16], "layers": [
+            {"type": "scaled_dot_product_attention", "inbound": ["input", "input"]}]}"#;
+        let e = model_from_spec_str(two, "m.json").unwrap_err().to_string();
+        assert!(e.contains("takes three inputs, q, k and v, given 2"), "{e}");
+        let apart = r#"{"input_shape": [4, 8, 16], "layers": [
+            {"type": "permute", "name": "kt", "dims": [1, 3, 2]},
+            {"type": "scaled_dot_product_attention", "inbound": ["input", "kt", "input"]}]}"#;
+        let e = model_from_spec_str(apart, "m.json").unwrap_err().to_string();
+        assert!(e.contains("q (2, 4, 8, 16), k (2, 4, 16, 8), v (2, 4, 8, 16)"), "{e}");
     }
 
     /// Tokens per second of a forward and backward, on a pool of 2 threads, of: this op

@@ -31,7 +31,7 @@ impl Gpu {
         check_part(op, axis, &part)?;
         check_len(op, "x", x, outer * axis * inner)?;
         check_len(op, "y", y, outer * part.len() * inner)?;
-        if y.len() == 0 {
+        if y.is_empty() {
             return Ok(());
         }
         // SAFETY: split_fwd_f32(const float*, float*, 5 × size_t); x holds outer·axis·inner
@@ -50,7 +50,7 @@ impl Gpu {
         check_part(op, axis, &part)?;
         check_len(op, "dy", dy, outer * part.len() * inner)?;
         check_len(op, "dx", dx, outer * axis * inner)?;
-        if dx.len() == 0 {
+        if dx.is_empty() {
             return Ok(());
         }
         // SAFETY: split_bwd_f32(const float*, float*, 5 × size_t); lengths and the part

@@ -299,7 +299,9 @@ mod tests {
     #[test]
     fn split_matches_pytorch() {
         let x: Vec<f32> = (0..36).map(|i| ((i * 7 % 19) as f32 - 9.0) / 4.0).collect();
-        let cases: [(i64, &[usize], &[&[f32]], &[&[f32]]); 2] =
+        // (axis, sizes, each part's y, each part's dx), as PyTorch printed them.
+        type Case<'a> = (i64, &'a [usize], &'a [&'a [f32]], &'a [&'a [f32]]);
+        let cases: [Case; 2] =
             [(-1, &[1, 3, 2], torch::LAST_Y, torch::LAST_DX), (0, &[2, 1], torch::FIRST_Y, torch::FIRST_DX)];
         for (axis, sizes, ys, dxs) in cases {
             for index in 0..sizes.len() {
