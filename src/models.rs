@@ -417,7 +417,8 @@ fn attention(x: &Value, at: &str, s: &Sizes) -> Result<Value> {
     let xq = rope()?.named(node("q_rope")).call(&xq); // (T, H, D)
     let xk = rope()?.named(node("k_rope")).call(&xk);
     // .transpose(1, 2): (T, H, D) → (H, T, D), Permute's dims counted from 1.
-    let transpose = |v: &Value, name: &str| -> Result<Value> { Ok(Permute::new(&[2, 1, 3])?.named(node(name)).call(v)) };
+    let transpose =
+        |v: &Value, name: &str| -> Result<Value> { Ok(Permute::new(&[2, 1, 3])?.named(node(name)).call(v)) };
     let (q, k, v) = (transpose(&xq, "q_t")?, transpose(&xk, "k_t")?, transpose(&xv, "v_t")?); // (H, T, D)
     let y = ScaledDotProductAttention::new(AttentionMask::Causal).named(node("sdpa")).call_many(&[&q, &k, &v]);
     let y = transpose(&y, "y_t")?; // (T, H, D)
@@ -433,7 +434,8 @@ fn feed_forward(x: &Value, at: &str, s: &Sizes) -> Value {
     let gate = Silu::new().named(node("silu")).call(&gate);
     let up = projection(s.width, s.hidden, 0.02).named(node("w3")).call(x); // (T, F)
     let gated = Multiply::new().named(node("gate")).call_many(&[&gate, &up]); // (T, F)
-    projection(s.hidden, s.width, s.residual_std).named(node("w2")).call(&gated) // (T, C)
+    projection(s.hidden, s.width, s.residual_std).named(node("w2")).call(&gated)
+    // (T, C)
 }
 
 #[cfg(test)]

@@ -91,7 +91,9 @@ pub fn recorded_context(path: &Path, metadata: &BTreeMap<String, String>) -> Res
     let Some(text) = metadata.get(CONTEXT_KEY) else { return Ok(None) };
     match text.trim().parse::<usize>() {
         Ok(t) if t > 0 => Ok(Some(t)),
-        _ => Err(Error::format(path, format!("metadata {CONTEXT_KEY} = '{text}' is not a window (a positive integer)"))),
+        _ => {
+            Err(Error::format(path, format!("metadata {CONTEXT_KEY} = '{text}' is not a window (a positive integer)")))
+        }
     }
 }
 

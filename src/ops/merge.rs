@@ -46,7 +46,7 @@ pub(crate) mod testing {
     //! A merge alone, run through its `_many` forms as a graph's node runs it, and its
     //! gradient checked against central differences of its forward.
 
-    use crate::nn::{Ctx, InputGrad, Layer, LayerShapes, Params, ParamsMut};
+    use crate::ops::{Ctx, InputGrad, Layer, LayerShapes, Params, ParamsMut};
     use crate::rng::SplitMix64;
     use crate::tensor::{Device, Shape, Tensor};
     use crate::testing::Counting;
@@ -146,8 +146,8 @@ pub(crate) mod on_gpu {
     use cudarc::cublas::CudaBlas;
 
     use crate::cuda::Gpu;
-    use crate::nn::Layer;
     use crate::ops::gpu::{Backward, Draw, Forward, Pass, Placement};
+    use crate::ops::Layer;
     use crate::tensor::{Shape, Tensor};
 
     /// The GPU form of `layer` on `xs` (each (N, ...)): its forward, then its backward of

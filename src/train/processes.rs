@@ -374,6 +374,9 @@ mod tests {
         assert_eq!(batch, (("batch size".to_string(), "8".to_string()), "16".to_string()));
         // Two models of one size that differ in a layer's setting: the layer is named.
         let ((name, a), b) = first(h(8, 0.5), h(8, 0.1)).unwrap();
-        assert!(name.starts_with("layer ") && a == "Dropout(0.5)" && b == "Dropout(0.1)", "{name}: {a} vs {b}");
+        assert!(
+            name.starts_with("layer ") && a == "Dropout(0.5) reading relu3" && b == "Dropout(0.1) reading relu3",
+            "{name}: {a} vs {b}"
+        );
     }
 }

@@ -475,10 +475,11 @@ fn load(args: &TrainArgs, run: &Run) -> CliResult<RunData> {
 fn build(args: &mut TrainArgs, run: &Run, data: &RunData, world: &World) -> CliResult<Graph> {
     let (m, train, source) = (&mut args.model_data, &data.splits.train, &run.source);
     let stated_classes = m.classes;
-    let classes = *m.classes.get_or_insert(match source.is_language_model() && matches!(source, ModelSource::Builtin(_)) {
-        true => crate::data::text::BYTE_VOCAB,
-        false => train.num_classes(),
-    });
+    let classes =
+        *m.classes.get_or_insert(match source.is_language_model() && matches!(source, ModelSource::Builtin(_)) {
+            true => crate::data::text::BYTE_VOCAB,
+            false => train.num_classes(),
+        });
     let dropout = m.dropout.expect("settings resolves it");
     let model = match source {
         ModelSource::Builtin(ModelName::Gpt) => {

@@ -14,8 +14,8 @@ use super::RotaryEmbedding;
 crate::cuda::declare::kernels! {
     "rotary_embedding.cu" {
         rotary_embedding {
-            fwd(x: In, y: Out, cos: In, sin: In, pairs: Size, t: I32, heads: I32, half: I32);
-            bwd(dy: In, dx: Out, cos: In, sin: In, pairs: Size, t: I32, heads: I32, half: I32);
+            fwd(x: In, y: Out, cos_t: In, sin_t: In, pairs: Size, t: I32, heads: I32, half: I32);
+            bwd(dy: In, dx: Out, cos_t: In, sin_t: In, pairs: Size, t: I32, heads: I32, half: I32);
         }
     }
 }

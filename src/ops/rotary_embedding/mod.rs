@@ -406,8 +406,10 @@ mod tests {
             let (x, dy) = case(t, h, d);
             let [y, dx] = run(&mut layer, &x, &dy, (t, h, d));
             for (i, &(ty, tdx)) in torch.iter().enumerate() {
-                assert!(ulps(y[i], ty) <= 1, "{name}: y[{i}] {} vs PyTorch {ty}", y[i]);
-                assert!(ulps(dx[i], tdx) <= 1, "{name}: dx[{i}] {} vs PyTorch {tdx}", dx[i]);
+                // Within 4 ulp: PyTorch's x·cos − y·sin may be contracted into an FMA where
+                // the vector width allows (2 ulp apart on an AVX-512 Xeon), ours is not.
+                assert!(ulps(y[i], ty) <= 4, "{name}: y[{i}] {} vs PyTorch {ty}", y[i]);
+                assert!(ulps(dx[i], tdx) <= 4, "{name}: dx[{i}] {} vs PyTorch {tdx}", dx[i]);
             }
         }
     }
