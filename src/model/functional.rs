@@ -180,7 +180,7 @@ impl Call for Named<Box<dyn Layer>> {
     }
 }
 
-/// `&a + &b`: a node of [`crate::ops::Add`] reading `a` and `b` (nanoGPT's `x + attn(x)`).
+/// `&a + &b`: a node of [`crate::nn::Add`] reading `a` and `b` (nanoGPT's `x + attn(x)`).
 impl std::ops::Add<&Value> for &Value {
     type Output = Value;
     fn add(self, rhs: &Value) -> Value {
@@ -196,7 +196,7 @@ impl std::ops::Add for Value {
     }
 }
 
-/// `&a * &b`: a node of [`crate::ops::Multiply`] reading `a` and `b` (a gated MLP's
+/// `&a * &b`: a node of [`crate::nn::Multiply`] reading `a` and `b` (a gated MLP's
 /// `silu(w1(x)) * w3(x)`).
 impl std::ops::Mul<&Value> for &Value {
     type Output = Value;
