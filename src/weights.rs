@@ -80,8 +80,8 @@ fn spec_type(spec: &serde_json::Value) -> Option<&str> {
 /// The window [`CONTEXT_KEY`] records for `model`: the positions its rotary embeddings
 /// turn (per-sample (T, H, D); the largest T where they differ); None without one.
 pub fn rotary_context(model: &Graph) -> Option<usize> {
-    let rotary = |l: &Box<dyn crate::nn::Layer>| l.spec().is_some_and(|s| spec_type(&s) == Some(ROTARY_TYPE));
-    let windows = model.layers().iter().zip(model.layer_shapes()).filter(|(l, _)| rotary(l));
+    let rotary = |l: &dyn crate::nn::Layer| l.spec().is_some_and(|s| spec_type(&s) == Some(ROTARY_TYPE));
+    let windows = model.layers().iter().zip(model.layer_shapes()).filter(|(l, _)| rotary(&***l));
     windows.filter_map(|(_, s)| s.input.dims().first().copied()).max()
 }
 

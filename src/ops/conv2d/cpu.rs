@@ -829,8 +829,8 @@ impl Direct {
         // dx's gather reads dout's row (y + PT − i)/S and column (x + PL − j)/S: from
         // −(KH − 1)/S and −(KW − 1)/S up to past the last row (column) of x by a block.
         let (a0, b0) = ((kh - 1) / s, (kw - 1) / s);
-        let drows = a0 + g.oh.max(g.h.div_ceil(s) + (s - 1 + g.pad_top) / s) + ROWS;
-        let dcols = b0 + g.ow.max(g.w.div_ceil(s) + (s - 1 + g.pad_left) / s) + COLS;
+        let drows = a0 + g.oh.max(g.h.div_ceil(s) + g.pad_top.div_ceil(s)) + ROWS;
+        let dcols = b0 + g.ow.max(g.w.div_ceil(s) + g.pad_left.div_ceil(s)) + COLS;
         let (h, w, pt, pl, oh, ow) = (g.h, g.w, g.pad_top, g.pad_left, g.oh, g.ow);
         let (cpg, opg, groups) = (gr.cpg(), gr.opg(), gr.groups);
         Direct { h, w, kh, kw, s, pt, pl, oh, ow, cpg, opg, groups, xrows, xcols, a0, b0, drows, dcols }
@@ -1050,7 +1050,7 @@ widest! {
         // (S·size added before the division and size taken after keep it in usize.)
         let taps = |phase: usize, pad: usize, size: usize, zero: usize| -> Vec<(usize, usize)> {
             (0..size)
-                .filter(|&i| (phase + pad + s * size - i) % s == 0)
+                .filter(|&i| (phase + pad + s * size - i).is_multiple_of(s))
                 .map(|i| (i, (phase + pad + s * size - i) / s + zero - size))
                 .collect()
         };

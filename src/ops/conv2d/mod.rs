@@ -599,7 +599,19 @@ mod tests {
         // the path it takes, y, dx, dweight, dbias). Every value is exact in f32 and every
         // sum of products of them too, so the layer must give each to the bit.
         use torch::*;
-        let cases: [(usize, [usize; 4], usize, usize, (usize, usize), usize, Padding, bool, Grouped, [&[f32]; 4]); 5] = [
+        #[allow(clippy::type_complexity)]
+        let cases: [(
+            usize,
+            [usize; 4],
+            usize,
+            usize,
+            (usize, usize),
+            usize,
+            Padding,
+            bool,
+            Grouped,
+            [&[f32]; 4],
+        ); 5] = [
             (0, [2, 4, 3, 4], 4, 2, (2, 3), 1, Padding::Valid, true, Grouped::Direct, [G2_Y, G2_DX, G2_DW, G2_DB]),
             (
                 1,
