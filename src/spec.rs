@@ -1,5 +1,6 @@
-//! Model specs: a [`Sequential`] stack described in JSON with Keras's layer names, so a
-//! user can train their own network from the command line (`--model FILE.json`).
+//! Model specs: a model's [`Graph`] described in JSON with Keras's layer names (a stack,
+//! or layers naming their `inbound` ones), so a user can train their own network from the
+//! command line (`--model FILE.json`).
 //!
 //! Owns: the file format — `input_shape`, the `layers` list, the shapes followed through
 //! the stack, every problem an error naming the spec, the layer's index (0-based, its
