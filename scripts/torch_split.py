@@ -3,7 +3,7 @@
 getitem of one part) and its input gradient, for src/ops/split's reference test.
 
 x: (2, 3, 6) by a formula the test writes too (every value exact in float32), split along
-the last axis into [1, 3, 2] and along the first axis of a sample (dim=1) into [2, 1]; for
+the last axis into [1, 3, 2] and along a sample's first axis (dim=1) into [2, 1]; for
 each part alone, y and the gradient of a dy (shaped as the part, by a formula the test
 writes too), in float32, exact (values move, none is computed). Prints the Rust tables the
 test pastes. Run: python3 scripts/torch_split.py

@@ -9,8 +9,10 @@
 //! elsewhere, and the graph sums the gradients of a tensor's readers, which puts every
 //! part's gradient in its place.
 //!
-//! `axis` is per sample (0 the first axis after the batch), negative counting from the end
-//! (-1 the last); `sizes` are the parts' lengths along it, which must sum to its length.
+//! `axis` counts as Keras counts it, and as PyTorch's `dim`: the batch is axis 0, the
+//! samples' axes 1, 2, ...; a negative axis counts from the last (-1, the default, the
+//! last). The batch cannot be split. `sizes` are the parts' lengths along the axis, which
+//! must sum to its length.
 
 pub mod cpu;
 #[cfg(feature = "cuda")]
@@ -29,7 +31,7 @@ use cpu::Around;
 /// Part `index` of a sample split along `axis` into parts of `sizes`.
 #[derive(Clone, Debug)]
 pub struct Split {
-    /// Per sample; negative counts from the end.
+    /// As written: the batch is 0, the samples' axes from 1; negative from the last.
     axis: i64,
     /// The parts' lengths along the axis, each positive.
     sizes: Vec<usize>,
@@ -40,8 +42,9 @@ pub struct Split {
 }
 
 impl Split {
-    /// Part `index` (from 0) of each sample split along `axis` (per sample, negative from
-    /// the end) into parts of lengths `sizes`: `torch.split(x, sizes, dim)[index]`.
+    /// Part `index` (from 0) of each sample split along `axis` (counted as PyTorch's `dim`
+    /// and Keras's axes: the batch 0, negative from the last) into parts of lengths `sizes`:
+    /// `torch.split(x, sizes, dim)[index]`.
     pub fn new(axis: i64, sizes: &[usize], index: usize) -> Result<Split> {
         check_sizes(sizes).and_then(|_| check_index(index, sizes)).map_err(|e| Error::config("Split", e))?;
         Ok(Split { axis, sizes: sizes.to_vec(), index, cached: None })
@@ -50,7 +53,8 @@ impl Split {
     /// The spec entry: `torch.split(x, sizes, dim)[index]`, as ATen writes it.
     pub const SPEC: LayerType = LayerType {
         name: "split",
-        fields: "`axis` (-1; per sample, negative from the end), `sizes` (the parts' lengths, summing to the axis's), \
+        fields: "`axis` (-1; counting the batch as axis 0, as Keras does; negative from the last), `sizes` (the \
+                 parts' lengths, summing to the axis's), \
                  `index` (the part this layer gives, from 0)",
         example: (&[4, 6], r#"{"type": "split", "axis": -1, "sizes": [1, 3, 2], "index": 1}"#),
         parse: |f| {
@@ -73,26 +77,34 @@ impl Split {
         },
     };
 
-    /// The axis of a sample of shape `sample` (from 0), the sample seen around it (its
-    /// outer without the batch), and the part's rows along it; or, in the spec's words, why
-    /// the axis or the sizes do not fit the sample.
+    /// The axis of a sample of shape `sample` (its own axes from 0), the sample seen around
+    /// it (its outer without the batch), and the part's rows along it; or, in the spec's
+    /// words, why the axis or the sizes do not fit the sample.
     fn around(&self, sample: &[usize]) -> FieldResult<(usize, Around, Range<usize>)> {
         let rank = sample.len() as i64;
         let shape = Shape::new(sample);
-        let a = if self.axis < 0 { rank + self.axis } else { self.axis };
-        if !(0..rank).contains(&a) {
+        // The axis in a batch of rank + 1 dimensions, the batch's 0.
+        let at = if self.axis < 0 { rank + 1 + self.axis } else { self.axis };
+        if at == 0 {
             return Err(format!(
-                "axis {} is outside samples of shape {shape}: their axes are 0..={}, or {}..=-1 from the end",
-                self.axis,
-                rank - 1,
-                -rank
+                "axis {} is the batch's (axis 0, as Keras counts them) in samples of shape {shape}: a split takes \
+                 a part of each sample",
+                self.axis
             ));
         }
-        let a = a as usize;
+        if !(1..=rank).contains(&at) {
+            return Err(format!(
+                "axis {} is outside samples of shape {shape}: their axes are 1..={rank} (the batch is 0), or \
+                 {}..=-1 from the last",
+                self.axis, -rank
+            ));
+        }
+        let a = at as usize - 1;
         let sum: usize = self.sizes.iter().sum();
         if sum != sample[a] {
             return Err(format!(
-                "the sizes {:?} sum to {sum}, but axis {} of samples of shape {shape} has length {}",
+                "the sizes {:?} sum to {sum}, but axis {} has length {} in samples of shape {shape} (the batch \
+                 is axis 0)",
                 self.sizes, self.axis, sample[a]
             ));
         }
@@ -127,14 +139,15 @@ fn check_index(index: usize, sizes: &[usize]) -> FieldResult<()> {
     Err(format!("the part {index} of a split into {} parts {sizes:?} (parts 0..={})", sizes.len(), sizes.len() - 1))
 }
 
-/// `axis`: an integer, -1 when absent.
+/// `axis`: an integer, -1 when absent; 0, the batch, refused.
 fn read_axis(v: Option<&Value>) -> FieldResult<i64> {
-    match v {
-        None => Ok(-1),
-        Some(v) => v
-            .as_i64()
-            .filter(|a| a.unsigned_abs() <= MAX_DIM)
-            .ok_or_else(|| format!("field 'axis' must be an integer, a sample's axis (got {v})")),
+    let Some(v) = v else { return Ok(-1) };
+    match v.as_i64() {
+        Some(0) => Err("field 'axis' is 0, the batch: split takes a part of each sample along one of its axes, \
+                        counted as Keras counts them (the batch 0, the samples' axes from 1; negative from the last)"
+            .into()),
+        Some(a) if a.unsigned_abs() <= MAX_DIM => Ok(a),
+        _ => Err(format!("field 'axis' must be an integer, negative counting from the last (got {v})")),
     }
 }
 
@@ -239,7 +252,7 @@ mod tests {
 
     /// The output of scripts/torch_split.py: x (2, 3, 6) by the script's formula, each
     /// part of `torch.split(x, [1, 3, 2], dim=-1)` and of `torch.split(x, [2, 1], dim=1)`
-    /// (axis 0 of a sample), with the gradient of each part's dy (by its formula) alone.
+    /// (a sample's first axis), with the gradient of each part's dy (by its formula) alone.
     /// Moves and zeros, so exact.
     #[rustfmt::skip]
     mod torch {
@@ -302,7 +315,7 @@ mod tests {
         // (axis, sizes, each part's y, each part's dx), as PyTorch printed them.
         type Case<'a> = (i64, &'a [usize], &'a [&'a [f32]], &'a [&'a [f32]]);
         let cases: [Case; 2] =
-            [(-1, &[1, 3, 2], torch::LAST_Y, torch::LAST_DX), (0, &[2, 1], torch::FIRST_Y, torch::FIRST_DX)];
+            [(-1, &[1, 3, 2], torch::LAST_Y, torch::LAST_DX), (1, &[2, 1], torch::FIRST_Y, torch::FIRST_DX)];
         for (axis, sizes, ys, dxs) in cases {
             for index in 0..sizes.len() {
                 let mut s = Split::new(axis, sizes, index).unwrap();
@@ -320,15 +333,46 @@ mod tests {
         }
     }
 
+    /// A tensor split in three parts by three nodes of a graph, joined again in another
+    /// order: the output is the input's columns in that order, and the input's gradient, the
+    /// graph's sum of the three parts' (each zero outside its part), is the upstream
+    /// gradient's columns put back: every value in its place, once.
     #[test]
-    fn the_spec_entry_reads_the_fields_and_counts_the_axis_per_sample() {
+    fn the_parts_gradients_sum_to_the_whole_in_a_graph() {
+        let mut m = model_from_spec_str(
+            r#"{"input_shape": [2, 6], "layers": [
+                {"type": "split", "sizes": [1, 3, 2], "index": 0, "name": "a", "inbound": ["input"]},
+                {"type": "split", "sizes": [1, 3, 2], "index": 1, "name": "b", "inbound": ["input"]},
+                {"type": "split", "sizes": [1, 3, 2], "index": 2, "name": "c", "inbound": ["input"]},
+                {"type": "concatenate", "axis": -1, "inbound": ["c", "a", "b"]}]}"#,
+            "m.json",
+        )
+        .unwrap();
+        // Column j of the output is column ORDER[j] of the input: c's 4, 5, a's 0, b's 1, 2, 3.
+        const ORDER: [usize; 6] = [4, 5, 0, 1, 2, 3];
+        let x: Vec<f32> = (0..36).map(|i| i as f32).collect();
+        let dy: Vec<f32> = (0..36).map(|i| 100.0 + i as f32).collect();
+        let y = m.forward(Tensor::from_vec(x.clone(), [3, 2, 6]).unwrap(), &[], &mut [], &ctx()).unwrap();
+        let dx = m.backward_input(Tensor::from_vec(dy.clone(), [3, 2, 6]).unwrap(), &[], &mut [], &ctx()).unwrap();
+        for (row, (ys, (xs, (ds, dxs)))) in
+            y.host().chunks(6).zip(x.chunks(6).zip(dy.chunks(6).zip(dx.host().chunks(6)))).enumerate()
+        {
+            for (j, &from) in ORDER.iter().enumerate() {
+                assert_eq!(ys[j], xs[from], "row {row}: y[{j}]");
+                assert_eq!(dxs[from], ds[j], "row {row}: dx[{from}]");
+            }
+        }
+    }
+
+    #[test]
+    fn the_spec_entry_reads_the_fields_and_counts_the_axis_as_keras() {
         let m = model_from_spec_str(
-            r#"{"input_shape": [4, 6], "layers": [{"type": "split", "sizes": [3, 1], "index": 1, "axis": 0}]}"#,
+            r#"{"input_shape": [4, 6], "layers": [{"type": "split", "sizes": [3, 1], "index": 1, "axis": 1}]}"#,
             "m.json",
         )
         .unwrap();
         assert_eq!(m.layer_names(), ["split0"]);
-        assert_eq!(m.layers()[0].describe(), "Split(axis 0, sizes [3, 1], part 1)");
+        assert_eq!(m.layers()[0].describe(), "Split(axis 1, sizes [3, 1], part 1)");
         assert_eq!(m.output_shape().dims(), [1, 6]);
         let m = model_from_spec_str(
             r#"{"input_shape": [4, 6], "layers": [{"type": "split", "sizes": [2, 4], "index": 1}]}"#,
@@ -341,23 +385,30 @@ mod tests {
     }
 
     /// Each bad field is refused by name: sizes that do not sum to the axis's length name
-    /// both, an axis outside the sample names the sample's axes.
+    /// both, an axis outside the sample (or the batch's) names the sample's axes.
     #[test]
     fn bad_fields_are_refused_naming_the_axis_and_the_sizes() {
         for (fields, want) in [
             (
                 r#""sizes": [1, 3, 3], "index": 0"#,
-                "layer 0 (split): the sizes [1, 3, 3] sum to 7, but axis -1 of samples of shape (4, 6) has length 6",
+                "layer 0 (split): the sizes [1, 3, 3] sum to 7, but axis -1 has length 6 in samples of shape (4, 6) \
+                 (the batch is axis 0)",
             ),
             (
-                r#""axis": 0, "sizes": [2, 3], "index": 0"#,
-                "the sizes [2, 3] sum to 5, but axis 0 of samples of shape (4, 6) has length 4",
+                r#""axis": 1, "sizes": [2, 3], "index": 0"#,
+                "the sizes [2, 3] sum to 5, but axis 1 has length 4 in samples of shape (4, 6)",
             ),
             (
-                r#""axis": 2, "sizes": [6], "index": 0"#,
-                "axis 2 is outside samples of shape (4, 6): their axes are 0..=1, or -2..=-1 from the end",
+                r#""axis": 3, "sizes": [6], "index": 0"#,
+                "axis 3 is outside samples of shape (4, 6): their axes are 1..=2 (the batch is 0), or -2..=-1 from \
+                 the last",
             ),
-            (r#""axis": -3, "sizes": [6], "index": 0"#, "axis -3 is outside samples of shape (4, 6)"),
+            (r#""axis": -4, "sizes": [6], "index": 0"#, "axis -4 is outside samples of shape (4, 6)"),
+            (
+                r#""axis": -3, "sizes": [6], "index": 0"#,
+                "axis -3 is the batch's (axis 0, as Keras counts them) in samples of shape (4, 6)",
+            ),
+            (r#""axis": 0, "sizes": [6], "index": 0"#, "field 'axis' is 0, the batch: split takes a part"),
             (
                 r#""sizes": [2, 4], "index": 2"#,
                 "field 'index': the part 2 of a split into 2 parts [2, 4] (parts 0..=1)",
@@ -377,6 +428,6 @@ mod tests {
         let e = Split::new(-1, &[2, 2], 5).unwrap_err().to_string();
         assert!(e.contains("the part 5 of a split into 2 parts"), "{e}");
         let e = Split::new(-1, &[2, 2], 0).unwrap().output_shape(&Shape::new([3, 5])).unwrap_err().to_string();
-        assert!(e.contains("the sizes [2, 2] sum to 4, but axis -1 of samples of shape (5) has length 5"), "{e}");
+        assert!(e.contains("the sizes [2, 2] sum to 4, but axis -1 has length 5 in samples of shape (5)"), "{e}");
     }
 }
