@@ -47,7 +47,12 @@ impl PlanOnDevice {
     /// `plan` copied to the device, or an error where a sample's size does not fit the
     /// kernels' unsigned.
     pub fn new(gpu: &Gpu, plan: &Plan) -> Result<PlanOnDevice> {
-        let host = geometry(plan)?;
+        let mut host = geometry(plan)?;
+        if host.is_empty() {
+            // A plan of no axes (a sample of one value) is copied, never gathered; the
+            // device buffer holds one unread value rather than none.
+            host.push(0);
+        }
         Ok(PlanOnDevice { plan: plan.clone(), geom: gpu.stream().clone_htod(&host)? })
     }
 }
