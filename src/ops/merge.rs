@@ -1,6 +1,7 @@
 //! What the merges (`add`, `multiply`, `concatenate`, `matmul`: the ops of several inputs)
 //! share: how an error names their inputs' shapes, the check of how many inputs a node
-//! gave one, and, for their tests, a finite-difference check of every input's gradient
+//! gave one, the one shape of an elementwise merge's inputs, their refusing one-input
+//! forms, and, for their tests, a finite-difference check of every input's gradient
 //! through `forward_many` / `backward_many`.
 //!
 //! Each merge's arithmetic, shapes rule and memory account are its own folder's; the graph
@@ -27,6 +28,16 @@ pub(crate) fn listed(inputs: &[Shape]) -> String {
     }
 }
 
+/// The output shape of an elementwise merge (`add`, `multiply`) of at least two inputs of
+/// shapes `inputs` (batch included): their one shape, or why they do not meet.
+pub(crate) fn one_shape(inputs: &[Shape]) -> Result<Shape, String> {
+    check_arity(Arity::AtLeast(2), inputs.len())?;
+    match inputs.iter().all(|s| s == &inputs[0]) {
+        true => Ok(inputs[0].clone()),
+        false => Err(format!("takes inputs of one shape, got {}", listed(inputs))),
+    }
+}
+
 /// Errors unless `n` inputs are what a merge of `arity` takes.
 pub(crate) fn check_arity(arity: Arity, n: usize) -> Result<(), String> {
     if arity.admits(n) {
@@ -35,6 +46,39 @@ pub(crate) fn check_arity(arity: Arity, n: usize) -> Result<(), String> {
         Err(format!("takes {arity}, given {n}"))
     }
 }
+
+/// The one-input forms of a merge's `impl Layer` (`output_shape`, `forward`, `backward`),
+/// each refusing by [`super::merge_takes_several`] with the op's name: a graph calls only
+/// a merge's `_many` forms.
+macro_rules! one_input_forms_refused {
+    ($op:expr) => {
+        fn output_shape(&self, _input: &$crate::tensor::Shape) -> $crate::error::Result<$crate::tensor::Shape> {
+            $crate::ops::merge_takes_several($op, self.arity())
+        }
+
+        fn forward(
+            &mut self,
+            _x: $crate::tensor::Tensor,
+            _p: $crate::ops::Params<'_>,
+            _b: $crate::ops::ParamsMut<'_>,
+            _ctx: &$crate::ops::Ctx,
+        ) -> $crate::error::Result<$crate::tensor::Tensor> {
+            $crate::ops::merge_takes_several($op, self.arity())
+        }
+
+        fn backward(
+            &mut self,
+            _dout: $crate::tensor::Tensor,
+            _p: $crate::ops::Params<'_>,
+            _dp: $crate::ops::ParamsMut<'_>,
+            _input_grad: $crate::ops::InputGrad,
+            _ctx: &$crate::ops::Ctx,
+        ) -> $crate::error::Result<Option<$crate::tensor::Tensor>> {
+            $crate::ops::merge_takes_several($op, self.arity())
+        }
+    };
+}
+pub(crate) use one_input_forms_refused;
 
 /// The tensors' shapes, in order.
 pub(crate) fn shapes_of(xs: &[Tensor]) -> Vec<Shape> {

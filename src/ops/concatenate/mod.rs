@@ -22,7 +22,7 @@ use serde_json::{json, Value};
 
 use super::merge::{check_arity, listed, shapes_of};
 use super::spec::{Build, FieldResult, LayerType, MAX_DIM};
-use super::{merge_takes_several, Arity, Ctx, InputGrad, Layer, LayerMemory, LayerShapes, Mode, Params, ParamsMut};
+use super::{Arity, Ctx, InputGrad, Layer, LayerMemory, LayerShapes, Mode, Params, ParamsMut};
 use crate::error::{Error, Result};
 use crate::tensor::{Shape, Tensor};
 
@@ -149,16 +149,10 @@ impl Layer for Concatenate {
         Arity::AtLeast(2)
     }
 
-    fn output_shape(&self, _input: &Shape) -> Result<Shape> {
-        merge_takes_several("Concatenate", self.arity())
-    }
+    super::merge::one_input_forms_refused!("Concatenate");
 
     fn output_shape_many(&self, inputs: &[Shape]) -> Result<Shape> {
         meet(self.axis, inputs).map(|(s, _)| s).map_err(|e| Error::shape("Concatenate", e))
-    }
-
-    fn forward(&mut self, _x: Tensor, _p: Params<'_>, _b: ParamsMut<'_>, _ctx: &Ctx) -> Result<Tensor> {
-        merge_takes_several("Concatenate", self.arity())
     }
 
     // xs: K tensors (N, ..., A_i, ...) → y: (N, ..., Σ A_i, ...), A the axis
@@ -173,17 +167,6 @@ impl Layer for Concatenate {
         cpu::concat_forward(&parts, &inners(&shapes, at), &mut y);
         self.cached = (ctx.mode == Mode::Train).then_some(shapes);
         Tensor::from_vec_on(y, shape, xs[0].device())
-    }
-
-    fn backward(
-        &mut self,
-        _dout: Tensor,
-        _p: Params<'_>,
-        _dp: ParamsMut<'_>,
-        _input_grad: InputGrad,
-        _ctx: &Ctx,
-    ) -> Result<Option<Tensor>> {
-        merge_takes_several("Concatenate", self.arity())
     }
 
     // dout: (N, ..., Σ A_i, ...) → dx_i: (N, ..., A_i, ...), the part input i filled

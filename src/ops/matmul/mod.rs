@@ -22,9 +22,7 @@ use serde_json::{json, Value};
 
 use super::merge::{check_arity, listed, shapes_of};
 use super::spec::{Build, FieldResult, LayerType};
-use super::{
-    merge_takes_several, Arity, Ctx, InputGrad, Layer, LayerMemory, LayerShapes, Mode, Params, ParamsMut, F32,
-};
+use super::{Arity, Ctx, InputGrad, Layer, LayerMemory, LayerShapes, Mode, Params, ParamsMut, F32};
 use crate::backend::cpu::gemm_packing;
 use crate::error::{Error, Result};
 use crate::tensor::{Shape, Tensor};
@@ -125,16 +123,10 @@ impl Layer for MatMul {
         Arity::Exactly(2)
     }
 
-    fn output_shape(&self, _input: &Shape) -> Result<Shape> {
-        merge_takes_several("MatMul", self.arity())
-    }
+    super::merge::one_input_forms_refused!("MatMul");
 
     fn output_shape_many(&self, inputs: &[Shape]) -> Result<Shape> {
         meet(inputs).map(|(s, _)| s).map_err(|e| Error::shape("MatMul", e))
-    }
-
-    fn forward(&mut self, _x: Tensor, _p: Params<'_>, _b: ParamsMut<'_>, _ctx: &Ctx) -> Result<Tensor> {
-        merge_takes_several("MatMul", self.arity())
     }
 
     // a: (N, ..., M, K), b: (N, ..., K, P) → y: (N, ..., M, P); training keeps a and b
@@ -148,17 +140,6 @@ impl Layer for MatMul {
         let device = a.device();
         self.kept = (ctx.mode == Mode::Train).then_some((a, b));
         Tensor::from_vec_on(y, shape, device)
-    }
-
-    fn backward(
-        &mut self,
-        _dout: Tensor,
-        _p: Params<'_>,
-        _dp: ParamsMut<'_>,
-        _input_grad: InputGrad,
-        _ctx: &Ctx,
-    ) -> Result<Option<Tensor>> {
-        merge_takes_several("MatMul", self.arity())
     }
 
     // dout: (N, ..., M, P) → da = dout·bᵀ: (N, ..., M, K), db = aᵀ·dout: (N, ..., K, P)

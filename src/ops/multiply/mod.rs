@@ -17,11 +17,9 @@ pub mod gpu;
 
 use serde_json::{json, Value};
 
-use super::merge::{check_arity, listed, shapes_of};
-use super::spec::{Build, FieldResult, LayerType};
-use super::{
-    merge_takes_several, Arity, Ctx, InputGrad, Layer, LayerMemory, LayerShapes, Mode, Params, ParamsMut, F32,
-};
+use super::merge::{one_shape, shapes_of};
+use super::spec::{Build, LayerType};
+use super::{Arity, Ctx, InputGrad, Layer, LayerMemory, LayerShapes, Mode, Params, ParamsMut, F32};
 use crate::error::{Error, Result};
 use crate::tensor::{Shape, Tensor};
 
@@ -43,7 +41,7 @@ impl Multiply {
         example: (&[2, 3], r#"{"type": "multiply", "inbound": ["input", "input"]}"#),
         parse: |_| {
             Ok(Build::merge(|inputs| {
-                meet(inputs)?;
+                one_shape(inputs)?;
                 Ok(Multiply::new())
             }))
         },
@@ -56,16 +54,6 @@ impl Multiply {
             host: Some(gpu::host_check),
         },
     };
-}
-
-/// The output shape of inputs of shapes `inputs` (batch included): their one shape, or why
-/// they do not meet.
-fn meet(inputs: &[Shape]) -> FieldResult<Shape> {
-    check_arity(Arity::AtLeast(2), inputs.len())?;
-    match inputs.iter().all(|s| s == &inputs[0]) {
-        true => Ok(inputs[0].clone()),
-        false => Err(format!("takes inputs of one shape, got {}", listed(inputs))),
-    }
 }
 
 impl Layer for Multiply {
@@ -92,16 +80,10 @@ impl Layer for Multiply {
         Arity::AtLeast(2)
     }
 
-    fn output_shape(&self, _input: &Shape) -> Result<Shape> {
-        merge_takes_several("Multiply", self.arity())
-    }
+    super::merge::one_input_forms_refused!("Multiply");
 
     fn output_shape_many(&self, inputs: &[Shape]) -> Result<Shape> {
-        meet(inputs).map_err(|e| Error::shape("Multiply", e))
-    }
-
-    fn forward(&mut self, _x: Tensor, _p: Params<'_>, _b: ParamsMut<'_>, _ctx: &Ctx) -> Result<Tensor> {
-        merge_takes_several("Multiply", self.arity())
+        one_shape(inputs).map_err(|e| Error::shape("Multiply", e))
     }
 
     // xs: K tensors of one shape (N, ...) → y: (N, ...), ((x0 · x1) · x2) · ...; training
@@ -138,17 +120,6 @@ impl Layer for Multiply {
             }
         };
         Tensor::from_vec_on(y, shape, device)
-    }
-
-    fn backward(
-        &mut self,
-        _dout: Tensor,
-        _p: Params<'_>,
-        _dp: ParamsMut<'_>,
-        _input_grad: InputGrad,
-        _ctx: &Ctx,
-    ) -> Result<Option<Tensor>> {
-        merge_takes_several("Multiply", self.arity())
     }
 
     // dout: (N, ...) → dx_i = ((dout · x_a) · x_b) · ..., a < b < ... ≠ i: (N, ...) each
