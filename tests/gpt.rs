@@ -16,41 +16,21 @@
 
 use std::path::{Path, PathBuf};
 
-use lockstep::data::safetensors_file::load_safetensors_dataset;
-use lockstep::data::Dataset;
 use lockstep::devices::Devices;
 use lockstep::models::{gpt, GptConfig};
-use lockstep::nn::{Ctx, Graph, ParamStore};
-use lockstep::optim::{LrSchedule, OptimizerConfig, Sharding};
+use lockstep::nn::{Ctx, Graph};
+use lockstep::optim::Sharding;
 use lockstep::spec::ModelSpec;
 use lockstep::train::{train_data_parallel, Shuffle, TrainConfig};
 use lockstep::weights;
 use lockstep::{Device, Tensor};
 
+#[path = "common/reference_case.rs"]
+mod reference_case;
+use reference_case::{get, reference_config, reference_rows, state_dict, tensors};
+
 fn dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/gpt")
-}
-
-/// name → (shape, values) of every tensor of a safetensors file (floats, int64 as f32).
-fn tensors(path: &Path) -> Vec<(String, Vec<usize>, Vec<f32>)> {
-    let bytes = std::fs::read(path).unwrap();
-    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    st.tensors()
-        .into_iter()
-        .map(|(n, v)| {
-            let values = match v.dtype() {
-                safetensors::Dtype::I64 => {
-                    v.data().chunks_exact(8).map(|b| i64::from_le_bytes(b.try_into().unwrap()) as f32).collect()
-                }
-                _ => weights::f32_values(&v),
-            };
-            (n, v.shape().to_vec(), values)
-        })
-        .collect()
-}
-
-fn get<'a>(all: &'a [(String, Vec<usize>, Vec<f32>)], name: &str) -> &'a [f32] {
-    &all.iter().find(|(n, ..)| n == name).unwrap_or_else(|| panic!("no tensor {name}")).2
 }
 
 fn assert_within(what: &str, got: &[f32], want: &[f32], rtol: f32) {
@@ -128,52 +108,6 @@ fn a_tied_head_sums_both_uses_of_its_table() {
 /// The reference GPT: block 16, vocab 256, 2 layers, 2 heads, 32 wide, no dropout.
 fn small_gpt() -> Graph {
     gpt(GptConfig { context: 16, vocab: 256, layers: 2, heads: 2, width: 32, dropout: 0.0 }).unwrap()
-}
-
-/// The case's token rows as a token-file dataset, written and read back as a user's would be.
-fn reference_rows(all: &[(String, Vec<usize>, Vec<f32>)], tmp: &Path) -> Dataset {
-    let (_, shape, rows) = all.iter().find(|(n, ..)| n == "tokens").unwrap();
-    let ids: Vec<u8> = rows.iter().flat_map(|&v| (v as i64).to_le_bytes()).collect();
-    let view = safetensors::tensor::TensorView::new(safetensors::Dtype::I64, shape.clone(), &ids).unwrap();
-    let path = tmp.join("tokens.safetensors");
-    safetensors::serialize_to_file([("tokens", view)], None, &path).unwrap();
-    load_safetensors_dataset(&path).unwrap()
-}
-
-/// The weights under `prefix` (`init.`, `final.`), written without it: a nanoGPT
-/// state_dict saved as safetensors, both names of the tied tensor in it.
-fn state_dict(all: &[(String, Vec<usize>, Vec<f32>)], prefix: &str, path: &Path) -> PathBuf {
-    let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = all
-        .iter()
-        .filter_map(|(n, s, v)| {
-            n.strip_prefix(prefix).map(|k| (k.to_string(), s.clone(), v.iter().flat_map(|x| x.to_le_bytes()).collect()))
-        })
-        .collect();
-    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = bytes
-        .iter()
-        .map(|(n, s, b)| {
-            (n.clone(), safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b).unwrap())
-        })
-        .collect();
-    safetensors::serialize_to_file(views, None, path).unwrap();
-    path.to_path_buf()
-}
-
-/// nanoGPT's `configure_optimizers` and the case's schedule.
-fn reference_config(initial: ParamStore, replicas: usize) -> TrainConfig {
-    TrainConfig {
-        epochs: 1,
-        batch_size: 6,
-        optimizer: OptimizerConfig::AdamW { lr: 1e-3, beta1: 0.9, beta2: 0.99, eps: 1e-8, weight_decay: 0.1 },
-        schedule: LrSchedule::Cosine { floor: 0.1 },
-        warmup_steps: 5,
-        clip_grad_norm: Some(1.0),
-        shuffle: Shuffle::None,
-        replicas: Some(replicas),
-        check_replicas_every: Some(1),
-        initial: Some(initial),
-        ..TrainConfig::default()
-    }
 }
 
 struct Tmp(PathBuf);

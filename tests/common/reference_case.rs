@@ -1,0 +1,94 @@
+//! The PyTorch reference cases of the language models (tests/data/gpt, tests/data/llama),
+//! read the one way both tests read them: a case is a safetensors file of the module's
+//! weights before (`init.*`) and after (`final.*`) its training, its token rows (`tokens`)
+//! and its losses; and the one training recipe both cases ran (the module's
+//! `configure_optimizers` and schedule). Included by tests/gpt.rs and tests/llama.rs with
+//! `#[path]`; each uses all of it.
+
+use std::path::{Path, PathBuf};
+
+use lockstep::data::safetensors_file::load_safetensors_dataset;
+use lockstep::data::Dataset;
+use lockstep::nn::ParamStore;
+use lockstep::optim::{LrSchedule, OptimizerConfig};
+use lockstep::train::{Shuffle, TrainConfig};
+use lockstep::weights;
+
+/// Every tensor of a case: (name, shape, values).
+pub type Tensors = Vec<(String, Vec<usize>, Vec<f32>)>;
+
+/// name → (shape, values) of every tensor of a safetensors file (floats; int64 and
+/// float64 as f32).
+pub fn tensors(path: &Path) -> Tensors {
+    let bytes = std::fs::read(path).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    st.tensors()
+        .into_iter()
+        .map(|(n, v)| {
+            let values = match v.dtype() {
+                safetensors::Dtype::I64 => {
+                    v.data().chunks_exact(8).map(|b| i64::from_le_bytes(b.try_into().unwrap()) as f32).collect()
+                }
+                safetensors::Dtype::F64 => {
+                    v.data().chunks_exact(8).map(|b| f64::from_le_bytes(b.try_into().unwrap()) as f32).collect()
+                }
+                _ => weights::f32_values(&v),
+            };
+            (n, v.shape().to_vec(), values)
+        })
+        .collect()
+}
+
+/// The values of the tensor `name`.
+pub fn get<'a>(all: &'a Tensors, name: &str) -> &'a [f32] {
+    &all.iter().find(|(n, ..)| n == name).unwrap_or_else(|| panic!("no tensor {name}")).2
+}
+
+/// The case's token rows as a token-file dataset, written under `tmp` and read back as a
+/// user's would be.
+pub fn reference_rows(all: &Tensors, tmp: &Path) -> Dataset {
+    let (_, shape, rows) = all.iter().find(|(n, ..)| n == "tokens").unwrap();
+    let ids: Vec<u8> = rows.iter().flat_map(|&v| (v as i64).to_le_bytes()).collect();
+    let view = safetensors::tensor::TensorView::new(safetensors::Dtype::I64, shape.clone(), &ids).unwrap();
+    let path = tmp.join("tokens.safetensors");
+    safetensors::serialize_to_file([("tokens", view)], None, &path).unwrap();
+    load_safetensors_dataset(&path).unwrap()
+}
+
+/// The weights under `prefix` (`init.`, `final.`), written to `path` without it: the
+/// PyTorch module's state_dict saved as safetensors (a tied tensor under both its names).
+pub fn state_dict(all: &Tensors, prefix: &str, path: &Path) -> PathBuf {
+    let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = all
+        .iter()
+        .filter_map(|(n, s, v)| {
+            n.strip_prefix(prefix).map(|k| (k.to_string(), s.clone(), v.iter().flat_map(|x| x.to_le_bytes()).collect()))
+        })
+        .collect();
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = bytes
+        .iter()
+        .map(|(n, s, b)| {
+            (n.clone(), safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b).unwrap())
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, path).unwrap();
+    path.to_path_buf()
+}
+
+/// The cases' recipe on `replicas` logical replicas from `initial`: nanoGPT's
+/// `configure_optimizers` (AdamW, lr 1e-3, betas (0.9, 0.99), weight decay 0.1), 5 steps
+/// of warm-up, a cosine to a tenth, clipping at 1, batches of 6 rows in file order.
+pub fn reference_config(initial: ParamStore, replicas: usize) -> TrainConfig {
+    TrainConfig {
+        epochs: 1,
+        batch_size: 6,
+        optimizer: OptimizerConfig::AdamW { lr: 1e-3, beta1: 0.9, beta2: 0.99, eps: 1e-8, weight_decay: 0.1 },
+        schedule: LrSchedule::Cosine { floor: 0.1 },
+        warmup_steps: 5,
+        clip_grad_norm: Some(1.0),
+        shuffle: Shuffle::None,
+        replicas: Some(replicas),
+        check_replicas_every: Some(1),
+        initial: Some(initial),
+        ..TrainConfig::default()
+    }
+}
