@@ -16,8 +16,8 @@ use crossbeam_channel::{bounded, Receiver};
 
 use super::trainer::{with_trainer_evaluating, ProcessRows};
 use super::{
-    scatter, Batch, BestEpoch, EpochReport, HeldOut, NonFinite, Observer, Silent, StepEvent, StopRequest,
-    Stopped, TrainConfig, TrainReport, Trainer, DEFAULT_EVAL_BATCHES, DEFAULT_EVAL_EVERY, LOSSES_KEPT,
+    scatter, Batch, BestEpoch, EpochReport, HeldOut, NonFinite, Observer, Silent, StepEvent, StopRequest, Stopped,
+    TrainConfig, TrainReport, Trainer, DEFAULT_EVAL_BATCHES, DEFAULT_EVAL_EVERY, LOSSES_KEPT,
 };
 use crate::checkpoint::{self, CheckpointPolicy, Resume};
 use crate::data::Dataset;
