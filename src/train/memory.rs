@@ -4,7 +4,8 @@
 //! batches in flight; and on a GPU, what each replica holds there.
 //!
 //! Owns [`training`] (a run of `with_trainer`), [`fitting`] (one of `train_data_parallel`)
-//! and [`check_training`], which `with_trainer` calls before it builds anything. The estimate's parts and the machine's memory are `crate::memory`'s.
+//! and [`check_training`], which `with_trainer` calls before it builds anything. The
+//! estimate's parts and the machine's memory are `crate::memory`'s.
 
 use crate::devices::Devices;
 use crate::error::Result;
