@@ -44,12 +44,10 @@ fn check(what: &str, (peak, estimate): (f64, f64)) {
         mb(peak),
         mb(estimate)
     );
-    // Nor so far over the truth that it would refuse runs that fit: 3× (the convnet with
-    // checkpoints measured 2.6× on an AVX-512 Xeon at issue 42's stop, its estimate
-    // unchanged and its peak 15.9 MB; 2.5× before).
+    // Nor so far over the truth that it would refuse runs that fit.
     assert!(
-        3.0 * peak >= estimate,
-        "{what}: the estimate {:.1} MB is over 3 × the peak {:.1} MB",
+        2.5 * peak >= estimate,
+        "{what}: the estimate {:.1} MB is over 2.5 × the peak {:.1} MB",
         mb(estimate),
         mb(peak)
     );
@@ -122,7 +120,6 @@ fn text(lines: usize) -> String {
 }
 
 #[test]
-#[ignore = "the estimate is 5.3x the measured peak (501.4 MB against 94.3 MB on an AVX-512 Xeon): the new attention ops' accounts over-count; open in issue 42"]
 fn the_llama_holds_its_estimate() {
     let _one = ONE_AT_A_TIME.lock();
     // The built-in Llama at nanoGPT's CPU recipe's sizes (4 layers, 4 heads, 128 wide, a
@@ -137,5 +134,9 @@ fn the_llama_holds_its_estimate() {
         ..TrainConfig::default()
     };
     let test = splits.test.as_ref().unwrap();
-    check("the llama", measured(&model, &splits.train, test, &Devices::cpu(2, 1).unwrap(), &config));
+    let (peak, estimate) = measured(&model, &splits.train, test, &Devices::cpu(2, 1).unwrap(), &config);
+    check("the llama", (peak, estimate));
+    // Issue 42: within 1.5× of the peak for the graph families (measured on an AVX-512
+    // Xeon: 117.4 MB estimated for a 93.6 MB peak, 1.25×).
+    assert!(estimate <= 1.5 * peak, "the llama: the estimate {estimate:.0} B is over 1.5 × the peak {peak:.0} B");
 }

@@ -14,10 +14,10 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{bounded, Receiver};
 
-use super::trainer::ProcessRows;
+use super::trainer::{with_trainer_evaluating, ProcessRows};
 use super::{
-    scatter, with_trainer, Batch, BestEpoch, EpochReport, HeldOut, NonFinite, Observer, Silent, StepEvent, StopRequest,
-    Stopped, TrainConfig, TrainReport, Trainer, DEFAULT_EVAL_BATCHES, DEFAULT_EVAL_EVERY, LOSSES_KEPT,
+    scatter, Batch, BestEpoch, EpochReport, HeldOut, NonFinite, Observer, Silent, StepEvent, StopRequest, Stopped,
+    TrainConfig, TrainReport, Trainer, DEFAULT_EVAL_BATCHES, DEFAULT_EVAL_EVERY, LOSSES_KEPT,
 };
 use crate::checkpoint::{self, CheckpointPolicy, Resume};
 use crate::data::Dataset;
@@ -120,7 +120,10 @@ pub fn train_data_parallel_with(
         Some(p) => Some(checkpoint::claim_dir(&p.dir)?.begin_run()?),
         None => None,
     };
-    with_trainer(model, devices, config, |trainer| {
+    // Its evaluations pass no more than a training pass's rows (`end_epoch`), and the
+    // memory check counts no more.
+    let eval_rows = super::memory::fit_eval_rows(devices, config);
+    with_trainer_evaluating(model, devices, config, eval_rows, |trainer| {
         let fit = Fit { text: train.stream().is_some(), ..Fit::new(model, test, config, span, observer) };
         fit.run(trainer, train)
     })

@@ -3,8 +3,9 @@
 //! layer's own account, summed by `crate::memory`), the gradient exchange's slots, the
 //! batches in flight; and on a GPU, what each replica holds there.
 //!
-//! Owns [`training`] and [`check_training`], which `with_trainer` calls before it builds
-//! anything. The estimate's parts and the machine's memory are `crate::memory`'s.
+//! Owns [`training`] (a run of `with_trainer`), [`fitting`] (one of `train_data_parallel`)
+//! and [`check_training`], which `with_trainer` calls before it builds anything. The
+//! estimate's parts and the machine's memory are `crate::memory`'s.
 
 use crate::devices::Devices;
 use crate::error::Result;
@@ -22,10 +23,31 @@ fn optimizer_copies(o: &OptimizerConfig) -> (u64, &'static str) {
     (o.state_names().len() as u64, o.state_description())
 }
 
-/// What a run of `model` on `devices` under `config` will allocate on the host. GPU
-/// devices add what their replicas hold on the GPU, checked by `check_training`
-/// against each GPU's memory.
+/// What a run of `model` on `devices` under `config` will allocate on the host, with
+/// evaluation passes of `config.eval_batch` samples (what a loop of the user's own inside
+/// `with_trainer` may run). GPU devices add what their replicas hold on the GPU, checked
+/// by `check_training` against each GPU's memory.
 pub fn training(model: &Graph, devices: &Devices, config: &TrainConfig) -> Estimate {
+    estimate(model, devices, config, config.eval_batch)
+}
+
+/// What a run of `train_data_parallel` allocates: [`training`], but its evaluations pass
+/// no more than a training pass's rows ([`TrainConfig::epoch_eval_chunk`]), as the fit
+/// loop runs them. Counting `eval_batch` there put the Llama's 512-window evaluation in
+/// its estimate, 5.3× the run's peak, where the run evaluates 6 windows at a time.
+pub fn fitting(model: &Graph, devices: &Devices, config: &TrainConfig) -> Estimate {
+    estimate(model, devices, config, fit_eval_rows(devices, config))
+}
+
+/// The rows of the fit loop's evaluation passes: the epoch's chunk for the run's logical
+/// replicas (with several processes the trainer's R is larger and its chunk smaller, so
+/// this is on the safe side).
+pub(crate) fn fit_eval_rows(devices: &Devices, config: &TrainConfig) -> usize {
+    config.epoch_eval_chunk(config.replicas.unwrap_or(devices.len()))
+}
+
+/// [`training`] with evaluation passes of `eval_rows` samples.
+fn estimate(model: &Graph, devices: &Devices, config: &TrainConfig, eval_rows: usize) -> Estimate {
     let n = devices.len().max(1) as u64;
     let r = config.replicas.unwrap_or(devices.len()).max(1) as u64;
     let (p, b) = (model.params_len() as u64, model.buffers_len() as u64);
@@ -49,11 +71,11 @@ pub fn training(model: &Graph, devices: &Devices, config: &TrainConfig) -> Estim
     if cpus > 0 {
         let shard = config.batch_size.div_ceil(r as usize);
         let train = shard_activations(model, shard, devices.threads_per_device());
-        let eval = eval_activations(model, config.eval_batch);
+        let eval = eval_activations(model, eval_rows);
         let (bytes, detail) = if train >= eval {
             (train, format!("{cpus} device(s) × a shard of {shard} samples"))
         } else {
-            (eval, format!("{cpus} device(s) × an evaluation batch of {}", config.eval_batch))
+            (eval, format!("{cpus} device(s) × an evaluation batch of {eval_rows}"))
         };
         e.add("activations", cpus.saturating_mul(bytes), detail);
         // One [params | buffers] slot per logical replica, plus the reduced chunks.
@@ -149,10 +171,11 @@ fn gpu_replica(model: &Graph, config: &TrainConfig, shard: usize, r: usize) -> E
     e
 }
 
-/// The check `with_trainer` makes before it allocates anything: the host estimate
-/// against the available memory, and each GPU's replicas against that GPU's memory.
-pub fn check_training(model: &Graph, devices: &Devices, config: &TrainConfig) -> Result<()> {
-    training(model, devices, config).check("training")?;
+/// The check `with_trainer` makes before it allocates anything: the host estimate, with
+/// evaluation passes of `eval_rows` samples, against the available memory, and each GPU's
+/// replicas against that GPU's memory.
+pub fn check_training(model: &Graph, devices: &Devices, config: &TrainConfig, eval_rows: usize) -> Result<()> {
+    estimate(model, devices, config, eval_rows).check("training")?;
     #[cfg(feature = "cuda")]
     check_gpus(model, devices, config)?;
     Ok(())

@@ -42,7 +42,7 @@ pub use fit::{check_data, train_data_parallel, train_data_parallel_with};
 #[cfg(all(test, feature = "cuda"))]
 pub(crate) use gpu::kernel_files;
 /// What a run will allocate, estimated before it starts (every run checks it first).
-pub use memory::training as memory_estimate;
+pub use memory::fitting as memory_estimate;
 pub use report::{
     BestEpoch, EpochReport, EvaluationReport, HeldOut, Observer, ShardReport, Silent, StepEvent, StepReport, Stopped,
     TrainReport, LOSSES_KEPT,

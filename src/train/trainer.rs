@@ -512,11 +512,23 @@ pub fn with_trainer<T>(
     config: &TrainConfig,
     f: impl FnOnce(&mut Trainer<'_>) -> Result<T>,
 ) -> Result<T> {
+    with_trainer_evaluating(model, devices, config, config.eval_batch, f)
+}
+
+/// [`with_trainer`] for a loop whose evaluations pass at most `eval_rows` samples (the fit
+/// loop's, `train::memory::fit_eval_rows`): the memory check counts passes of that many.
+pub(super) fn with_trainer_evaluating<T>(
+    model: &Graph,
+    devices: &Devices,
+    config: &TrainConfig,
+    eval_rows: usize,
+    f: impl FnOnce(&mut Trainer<'_>) -> Result<T>,
+) -> Result<T> {
     config.validate()?;
     let world = crate::world::current()?;
     // With several processes R counts them all, which overstates a process's slots: a
     // bound on the safe side.
-    super::memory::check_training(model, devices, config)?;
+    super::memory::check_training(model, devices, config, eval_rows)?;
     let replicas = logical_replicas(world, devices, config)?;
     let initial = initial_weights(model, config)?;
     // A world of one agrees with itself.

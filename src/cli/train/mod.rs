@@ -566,7 +566,7 @@ fn configure(args: &TrainArgs, run: &Run, data: &RunData) -> CliResult<(TrainCon
 fn estimate_memory(model: &Graph, s: &Settings, data: &RunData, config: &TrainConfig) -> CliResult<u64> {
     let largest_held_out = data.held().map(Dataset::len).max().unwrap_or(0);
     let sized = TrainConfig { eval_batch: config.eval_batch.min(largest_held_out.max(1)), ..config.clone() };
-    let mut estimate = crate::train::memory::training(model, &s.devices, &sized);
+    let mut estimate = crate::train::memory::fitting(model, &s.devices, &sized);
     let held: u64 = data.held().map(|d| dataset_bytes(d, Evaluated::Yes)).sum();
     let data_bytes = dataset_bytes(&data.splits.train, Evaluated::No).saturating_add(held);
     estimate.add("data", data_bytes, "the datasets as loaded, and the held-out sets gathered as f32 for evaluation");
