@@ -27,7 +27,15 @@ use std::rc::Rc;
 use super::graph::{Graph, GraphNode, Source, INPUT_NAME};
 use crate::error::{Error, Result};
 use crate::ops::Layer;
+use crate::rng::{derive_key, purpose};
 use crate::tensor::Shape;
+
+/// The index a residual block's node carries (`model::residual`): position `i` of branch
+/// `branch` of the block of index `block`. 62 bits: far from any index a model's own
+/// nodes reach, and a usize on every 64-bit target.
+pub fn branch_index(block: usize, branch: u64, i: usize) -> usize {
+    (derive_key(block as u64, &[purpose::LAYER, branch, i as u64]) >> 2) as usize
+}
 
 /// The graph a model's values are written into, shared by its values.
 #[derive(Default)]
@@ -52,7 +60,7 @@ impl Draft {
         match self.branches.last_mut() {
             Some((block, branch, at)) => {
                 *at += 1;
-                super::residual::branch_index(*block, *branch, *at - 1)
+                branch_index(*block, *branch, *at - 1)
             }
             None => {
                 self.next_index += 1;

@@ -24,24 +24,17 @@
 //!   with dropout as before (a spec written back by `spec::model_to_spec` lists the
 //!   nodes one by one, and its nodes take their positions).
 
+pub use super::functional::branch_index;
 use super::functional::Value;
 use super::spec_objects::{read_layers, LayerObject};
 use crate::error::Result;
 use crate::ops::spec::{Activation, Build, Built, LayerType, Part, PartInput};
 use crate::ops::{Add, Relu, RELU_KIND};
-use crate::rng::{derive_key, purpose};
 use crate::tensor::Shape;
 
 /// The branch of the body, and of the shortcut, for [`branch_index`].
 pub const BODY: u64 = 0;
 pub const SHORTCUT: u64 = 1;
-
-/// The index a block's node carries: position `i` of branch `branch` of the block of
-/// index `block`. 62 bits: far from any index a model's own nodes reach, and a usize on
-/// every 64-bit target.
-pub fn branch_index(block: usize, branch: u64, i: usize) -> usize {
-    (derive_key(block as u64, &[purpose::LAYER, branch, i as u64]) >> 2) as usize
-}
 
 /// The identity, a block's shortcut without layers.
 pub fn identity(x: &Value) -> Result<Value> {
