@@ -55,7 +55,6 @@ use crate::error::{Error, Result};
 use crate::model::spec_objects::{layers_to_spec, read_layer};
 use crate::model::{residual, Graph, GraphNode, Source, INPUT_NAME};
 use crate::ops::spec::{Built, PartInput};
-use crate::ops::Layer;
 use crate::tensor::Shape;
 
 pub use crate::model::LAYER_TYPES;
@@ -397,14 +396,14 @@ impl ModelSpec {
                 };
                 bad(i, format!("{e}{ins}"))
             })?;
-            // Each node to write: its name, layer, inputs and context index.
-            let written: Vec<(Option<String>, Box<dyn Layer>, Vec<Source>, usize)> = match built {
+            // The nodes to write.
+            let written: Vec<GraphNode> = match built {
                 Built::Layers(layers) => {
                     let mut out = Vec::with_capacity(layers.len());
                     for (k, layer) in layers.into_iter().enumerate() {
                         let name = if k == 0 { l.name().map(str::to_string) } else { None };
                         let reads = if k == 0 { sources.clone() } else { vec![Source::Node(nodes.len() + k - 1)] };
-                        out.push((name, layer, reads, next_index));
+                        out.push(GraphNode { name, layer, inputs: reads, layer_index: Some(next_index) });
                         next_index += 1;
                     }
                     out
@@ -420,7 +419,7 @@ impl ModelSpec {
                     };
                     let (index, base) = (next_index, nodes.len());
                     next_index += 1;
-                    let mut out: Vec<(Option<String>, Box<dyn Layer>, Vec<Source>, usize)> = Vec::new();
+                    let mut out: Vec<GraphNode> = Vec::new();
                     for p in parts {
                         // A node without tensors (a block's add, its ReLU) is numbered on
                         // past an earlier node's name (nanoGPT's two blocks, both
@@ -428,7 +427,7 @@ impl ModelSpec {
                         // tensors keeps its name, and two tensors of one name are refused.
                         let taken = |n: &str| {
                             nodes.iter().any(|m| m.name.as_deref() == Some(n))
-                                || out.iter().any(|(m, ..)| m.as_deref() == Some(n))
+                                || out.iter().any(|m| m.name.as_deref() == Some(n))
                         };
                         let name = format!("{block}.{}", p.name);
                         let name = match p.layer.params().is_empty() && p.layer.buffers().is_empty() {
@@ -443,12 +442,14 @@ impl ModelSpec {
                                 PartInput::Part(k) => Source::Node(base + k),
                             })
                             .collect();
-                        out.push((Some(name), p.layer, reads, residual::part_index(index, &p.path)));
+                        let layer_index = Some(residual::part_index(index, &p.path));
+                        out.push(GraphNode { name: Some(name), layer: p.layer, inputs: reads, layer_index });
                     }
                     out
                 }
             };
-            for (name, layer, reads, layer_index) in written {
+            for node in written {
+                let GraphNode { layer, inputs: reads, .. } = &node;
                 // Parameter counts first, with checked arithmetic: `Shape::numel` of an
                 // absurd kernel would overflow.
                 for p in layer.params().iter().chain(&layer.buffers()) {
@@ -470,7 +471,7 @@ impl ModelSpec {
                 if !matches!(per, Some(p) if p <= MAX_ELEMENTS) {
                     return Err(bad(i, format!("its output has more than {MAX_ELEMENTS} values per sample")));
                 }
-                nodes.push(GraphNode { name, layer, inputs: reads, layer_index: Some(layer_index) });
+                nodes.push(node);
                 outputs.push(out);
             }
             ends[i] = Some((nodes.len() - 1, outputs.last().expect("an object builds a node").clone()));
