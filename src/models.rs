@@ -34,9 +34,9 @@ use crate::error::Error;
 use crate::error::Result;
 use crate::nn::Graph;
 use crate::nn::{
-    Activation, Add, AttentionMask, BatchNorm2d, Call, CausalSelfAttention, Conv2d, Dropout, Embedding, Gelu,
-    GlobalAvgPool2d, Init, Layer, LayerNorm, Linear, Multiply, Padding, Permute, PositionalEmbedding, Relu, Rescaling,
-    Reshape, Residual, RmsNorm, RotaryEmbedding, ScaledDotProductAttention, Sequential, Silu, Value,
+    identity, residual, Activation, Add, AttentionMask, BatchNorm2d, Call, CausalSelfAttention, Conv2d, Dropout,
+    Embedding, Gelu, GlobalAvgPool2d, Init, Layer, LayerNorm, Linear, Multiply, Padding, Permute, PositionalEmbedding,
+    Relu, Rescaling, Reshape, RmsNorm, RotaryEmbedding, ScaledDotProductAttention, Sequential, Silu, Value,
 };
 
 /// Whether the convnet normalises after each convolution.
@@ -182,44 +182,40 @@ impl ResnetDepth {
 /// [`FASHION_MNIST_STD`], as `x·(1/(255·std)) + (−mean/std)` in f32. BatchNorm is
 /// PyTorch's (eps 1e-5, momentum 0.1, `num_batches_tracked`).
 pub fn resnet(depth: ResnetDepth, classes: usize) -> Result<Graph> {
-    let conv = |cin, cout, k, stride, pad| -> Result<Box<dyn Layer>> {
-        Ok(Box::new(Conv2d::new(cin, cout, (k, k), stride, Padding::Explicit(pad, pad), false)?))
-    };
-    let bn = |c| -> Box<dyn Layer> { Box::new(BatchNorm2d::pytorch(c)) };
-    let named = |name: &str, l: Box<dyn Layer>| (Some(name.to_string()), l);
+    let conv = |cin, cout, k, stride, pad| Conv2d::new(cin, cout, (k, k), stride, Padding::Explicit(pad, pad), false);
     let scale = 1.0 / (255.0 * FASHION_MNIST_STD);
     let offset = -FASHION_MNIST_MEAN / FASHION_MNIST_STD;
-    let mut layers = vec![
-        named("normalize", Box::new(Rescaling::new(scale as f32, offset as f32))),
-        named("stem.0", conv(1, 16, 3, 1, 1)?),
-        named("stem.1", bn(16)),
-        named("stem.2", Box::new(Relu::new())),
-    ];
-    let (mut cin, mut hw, mut k) = (16, 28, 0);
+    let x = Value::input([1, 28, 28]);
+    let x = Rescaling::new(scale as f32, offset as f32).named("normalize").call(&x);
+    let x = conv(1, 16, 3, 1, 1)?.named("stem.0").call(&x);
+    let x = BatchNorm2d::pytorch(16).named("stem.1").call(&x);
+    let mut x = Relu::new().named("stem.2").call(&x); // (16, 28, 28)
+    let (mut cin, mut k) = (16, 0);
     for (stage, c) in [16, 32, 64].into_iter().enumerate() {
         for b in 0..depth.blocks() {
             let stride = if b == 0 && stage > 0 { 2 } else { 1 };
-            let body = vec![
-                named("conv1", conv(cin, c, 3, stride, 1)?),
-                named("bn1", bn(c)),
-                named("relu", Box::new(Relu::new())),
-                named("conv2", conv(c, c, 3, 1, 1)?),
-                named("bn2", bn(c)),
-            ];
-            let shortcut = if stride != 1 || cin != c {
-                vec![named("short.0", conv(cin, c, 1, stride, 0)?), named("short.1", bn(c))]
-            } else {
-                vec![]
+            let at = |part: &str| format!("blocks.{k}.{part}");
+            // y = bn2(conv2(relu(bn1(conv1(x))))); out = relu(y + (x or short(x)))
+            let body = |x: &Value| -> Result<Value> {
+                let y = conv(cin, c, 3, stride, 1)?.named(at("conv1")).call(x);
+                let y = BatchNorm2d::pytorch(c).named(at("bn1")).call(&y);
+                let y = Relu::new().named(at("relu")).call(&y);
+                let y = conv(c, c, 3, 1, 1)?.named(at("conv2")).call(&y);
+                Ok(BatchNorm2d::pytorch(c).named(at("bn2")).call(&y))
             };
-            let block = Residual::new([cin, hw, hw], body, shortcut, Activation::Relu)?;
-            layers.push(named(&format!("blocks.{k}"), Box::new(block)));
-            hw = (hw + 2 - 3) / stride + 1;
+            let projection = |x: &Value| -> Result<Value> {
+                let s = conv(cin, c, 1, stride, 0)?.named(at("short.0")).call(x);
+                Ok(BatchNorm2d::pytorch(c).named(at("short.1")).call(&s))
+            };
+            x = match stride != 1 || cin != c {
+                true => residual(&x, &format!("blocks.{k}"), body, projection, Activation::Relu)?,
+                false => residual(&x, &format!("blocks.{k}"), body, identity, Activation::Relu)?,
+            }; // (c, h, w)
             (cin, k) = (c, k + 1);
         }
     }
-    layers.push(named("pool", Box::new(GlobalAvgPool2d::new())));
-    layers.push(named("head", Box::new(Linear::new(64, classes))));
-    Sequential::named([1, 28, 28], layers)
+    let x = GlobalAvgPool2d::new().named("pool").call(&x); // (64)
+    Linear::new(64, classes).named("head").call(&x).model() // (classes)
 }
 
 /// nanoGPT's `GPTConfig` with `bias=True` (lockstep's `--model gpt` flags).
@@ -260,39 +256,35 @@ pub fn gpt(config: GptConfig) -> Result<Graph> {
     if heads == 0 || width % heads != 0 {
         return Err(Error::config("heads", format!("{heads} heads do not divide the width {width}")));
     }
-    let named = |name: &str, l: Box<dyn Layer>| (Some(name.to_string()), l);
     let normal = |std: f64| Init::Normal { std: std as f32 };
     let proj_std = 0.02 / (2.0 * layers as f64).sqrt();
-    let mut net = vec![
-        named("transformer.wte", Box::new(Embedding::new(vocab, width)?)),
-        named("transformer.wpe", Box::new(PositionalEmbedding::new(context, width)?)),
-        named("transformer.drop", Box::new(Dropout::new(dropout)?)),
-    ];
+    let tokens = Value::input([context]);
+    let x = Embedding::new(vocab, width)?.named("transformer.wte").call(&tokens);
+    let x = PositionalEmbedding::new(context, width)?.named("transformer.wpe").call(&x);
+    let mut x = Dropout::new(dropout)?.named("transformer.drop").call(&x); // (T, C)
     for i in 0..layers {
         let block = format!("transformer.h.{i}");
-        let attn = vec![
-            named("ln_1", Box::new(LayerNorm::new(width))),
-            named(
-                "attn",
-                Box::new(
-                    CausalSelfAttention::new(width, heads)?.with_dropout(dropout)?.with_proj_std(proj_std as f32)?,
-                ),
-            ),
-        ];
-        let mlp = vec![
-            named("ln_2", Box::new(LayerNorm::new(width))),
-            named("mlp.c_fc", Box::new(Linear::new(width, 4 * width).with_init(normal(0.02)))),
-            named("mlp.gelu", Box::new(Gelu::new())),
-            named("mlp.c_proj", Box::new(Linear::new(4 * width, width).with_init(normal(proj_std)))),
-            named("mlp.dropout", Box::new(Dropout::new(dropout)?)),
-        ];
-        net.push(named(&block, Box::new(Residual::new([context, width], attn, vec![], Activation::Linear)?)));
-        net.push(named(&block, Box::new(Residual::new([context, width], mlp, vec![], Activation::Linear)?)));
+        let at = |part: &str| format!("{block}.{part}");
+        // x = x + attn(ln_1(x))
+        let attn = |x: &Value| -> Result<Value> {
+            let a = LayerNorm::new(width).named(at("ln_1")).call(x);
+            let attn = CausalSelfAttention::new(width, heads)?.with_dropout(dropout)?.with_proj_std(proj_std as f32)?;
+            Ok(attn.named(at("attn")).call(&a))
+        };
+        x = residual(&x, &block, attn, identity, Activation::Linear)?;
+        // x = x + mlp(ln_2(x))
+        let mlp = |x: &Value| -> Result<Value> {
+            let m = LayerNorm::new(width).named(at("ln_2")).call(x);
+            let m = Linear::new(width, 4 * width).with_init(normal(0.02)).named(at("mlp.c_fc")).call(&m);
+            let m = Gelu::new().named(at("mlp.gelu")).call(&m);
+            let m = Linear::new(4 * width, width).with_init(normal(proj_std)).named(at("mlp.c_proj")).call(&m);
+            Ok(Dropout::new(dropout)?.named(at("mlp.dropout")).call(&m))
+        };
+        x = residual(&x, &block, mlp, identity, Activation::Linear)?; // (T, C)
     }
-    net.push(named("transformer.ln_f", Box::new(LayerNorm::new(width))));
+    let x = LayerNorm::new(width).named("transformer.ln_f").call(&x);
     let head = Linear::new(width, vocab).without_bias().with_init(normal(0.02)).tied_to("transformer.wte.weight");
-    net.push(named("lm_head", Box::new(head)));
-    Sequential::named([context], net)
+    head.named("lm_head").call(&x).model() // (T, V)
 }
 
 /// The rounding of Meta's feed-forward width (`ModelArgs.multiple_of`, 256 by default).

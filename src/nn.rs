@@ -4,8 +4,8 @@
 //! layer types in `crate::model`. This module only gathers their names.
 
 pub use crate::model::{
-    convert_sync_batchnorm, Call, Graph, GraphNode, Named, NamedLayer, ParamStore, Residual, Sequential, Source,
-    TensorInfo, Value, INPUT_NAME, LAYER_TYPES,
+    convert_sync_batchnorm, identity, residual, Call, Graph, GraphNode, Named, NamedLayer, ParamStore, Sequential,
+    Source, TensorInfo, Value, INPUT_NAME, LAYER_TYPES,
 };
 pub use crate::ops::cross_entropy as loss;
 pub use crate::ops::{

@@ -47,7 +47,7 @@ pub fn unit_f32(bits: u64) -> f32 {
 
 /// Purposes, so that streams for different uses never coincide.
 pub mod purpose {
-    /// The index of a layer inside a container (`model::sequential::Place`).
+    /// The index of a residual block's node (`model::functional::branch_index`).
     pub const LAYER: u64 = 64;
     pub const INIT: u64 = 1;
     pub const SHUFFLE: u64 = 2;

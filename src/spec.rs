@@ -53,7 +53,8 @@ use serde_json::{json, Value};
 
 use crate::error::{Error, Result};
 use crate::model::spec_objects::{layers_to_spec, read_layer};
-use crate::model::{Graph, GraphNode, Source, INPUT_NAME};
+use crate::model::{residual, Graph, GraphNode, Source, INPUT_NAME};
+use crate::ops::spec::{Built, PartInput};
 use crate::tensor::Shape;
 
 pub use crate::model::LAYER_TYPES;
@@ -79,7 +80,7 @@ pub fn model_to_spec(model: &Graph) -> Result<Value> {
             format!("the model has {} inputs; a spec describes a model of one input", model.inputs().len()),
         ));
     }
-    let mut layers = layers_to_spec(model.layers(), model.layer_names(), "").map_err(|(name, describe)| {
+    let mut layers = layers_to_spec(model.layers(), model.layer_names()).map_err(|(name, describe)| {
         Error::config("model spec", format!("layer {name} ({describe}) has no spec form"))
     })?;
     if !model.is_chain() {
@@ -341,6 +342,12 @@ impl ModelSpec {
         // output shape (batch of 2).
         let mut ends: Vec<Option<(usize, Shape)>> = vec![None; self.layers.len()];
         let mut nodes: Vec<GraphNode> = Vec::new();
+        // Each node's output shape (batch of 2).
+        let mut outputs: Vec<Shape> = Vec::new();
+        // The context index of the next node, a residual block counting as one
+        // (`model::residual`), and the blocks named by kind so far, per type.
+        let mut next_index = 0;
+        let mut unnamed_blocks: std::collections::HashMap<&str, usize> = std::collections::HashMap::new();
         for &i in &order {
             let l = &self.layers[i];
             // An embedding looks its input up as token ids, which only the model's input
@@ -366,7 +373,7 @@ impl ModelSpec {
                     }
                 }
             }
-            let built = l.build_many(&shapes).map_err(|e| {
+            let built = l.built(&shapes).map_err(|e| {
                 let ins = match wiring[i].as_slice() {
                     [_] => String::new(),
                     w => format!(
@@ -389,8 +396,60 @@ impl ModelSpec {
                 };
                 bad(i, format!("{e}{ins}"))
             })?;
-            let mut shape = shapes;
-            for (name, layer) in built {
+            // The nodes to write.
+            let written: Vec<GraphNode> = match built {
+                Built::Layers(layers) => {
+                    let mut out = Vec::with_capacity(layers.len());
+                    for (k, layer) in layers.into_iter().enumerate() {
+                        let name = if k == 0 { l.name().map(str::to_string) } else { None };
+                        let reads = if k == 0 { sources.clone() } else { vec![Source::Node(nodes.len() + k - 1)] };
+                        out.push(GraphNode { name, layer, inputs: reads, layer_index: Some(next_index) });
+                        next_index += 1;
+                    }
+                    out
+                }
+                Built::Parts(parts) => {
+                    let block = match l.name() {
+                        Some(n) => n.to_string(),
+                        None => {
+                            let n = unnamed_blocks.entry(l.type_name()).or_insert(0);
+                            *n += 1;
+                            format!("{}{}", l.type_name(), *n - 1)
+                        }
+                    };
+                    let (index, base) = (next_index, nodes.len());
+                    next_index += 1;
+                    let mut out: Vec<GraphNode> = Vec::new();
+                    for p in parts {
+                        // A node without tensors (a block's add, its ReLU) is numbered on
+                        // past an earlier node's name (nanoGPT's two blocks, both
+                        // `transformer.h.0`), so that each node's name is its own; one with
+                        // tensors keeps its name, and two tensors of one name are refused.
+                        let taken = |n: &str| {
+                            nodes.iter().any(|m| m.name.as_deref() == Some(n))
+                                || out.iter().any(|m| m.name.as_deref() == Some(n))
+                        };
+                        let name = format!("{block}.{}", p.name);
+                        let name = match p.layer.params().is_empty() && p.layer.buffers().is_empty() {
+                            true => residual::numbered(name, taken),
+                            false => name,
+                        };
+                        let reads = p
+                            .inputs
+                            .iter()
+                            .map(|r| match r {
+                                PartInput::Input => sources[0],
+                                PartInput::Part(k) => Source::Node(base + k),
+                            })
+                            .collect();
+                        let layer_index = Some(residual::part_index(index, &p.path));
+                        out.push(GraphNode { name: Some(name), layer: p.layer, inputs: reads, layer_index });
+                    }
+                    out
+                }
+            };
+            for node in written {
+                let GraphNode { layer, inputs: reads, .. } = &node;
                 // Parameter counts first, with checked arithmetic: `Shape::numel` of an
                 // absurd kernel would overflow.
                 for p in layer.params().iter().chain(&layer.buffers()) {
@@ -400,16 +459,22 @@ impl ModelSpec {
                         return Err(bad(i, format!("the model would have more than {MAX_ELEMENTS} parameters")));
                     }
                 }
-                let out = layer.output_shape_many(&shape).map_err(|e| bad(i, e.to_string()))?;
+                let ins: Vec<Shape> = reads
+                    .iter()
+                    .map(|&r| match r {
+                        Source::Input(_) => input.clone(),
+                        Source::Node(j) => outputs[j].clone(),
+                    })
+                    .collect();
+                let out = layer.output_shape_many(&ins).map_err(|e| bad(i, e.to_string()))?;
                 let per: Option<usize> = out.dims()[1..].iter().try_fold(1usize, |a, &d| a.checked_mul(d));
                 if !matches!(per, Some(p) if p <= MAX_ELEMENTS) {
                     return Err(bad(i, format!("its output has more than {MAX_ELEMENTS} values per sample")));
                 }
-                nodes.push(GraphNode { name, layer, inputs: sources });
-                sources = vec![Source::Node(nodes.len() - 1)];
-                shape = vec![out];
+                nodes.push(node);
+                outputs.push(out);
             }
-            ends[i] = Some((nodes.len() - 1, shape.pop().expect("one output")));
+            ends[i] = Some((nodes.len() - 1, outputs.last().expect("an object builds a node").clone()));
         }
         Ok(nodes)
     }

@@ -17,7 +17,7 @@ use std::path::{Path, PathBuf};
 use lockstep::data::safetensors_file::load_safetensors_dataset;
 use lockstep::devices::Devices;
 use lockstep::models::{resnet, ResnetDepth};
-use lockstep::nn::{Activation, BatchNorm2d, Conv2d, Ctx, Graph, Layer, Padding, Relu, Residual, Sequential};
+use lockstep::nn::{identity, residual, Activation, BatchNorm2d, Call, Conv2d, Ctx, Graph, Padding, Relu, Value};
 use lockstep::optim::{MomentumKind, OptimizerConfig};
 use lockstep::train::{train_data_parallel, Batch, LastBatch, Shuffle, TrainConfig};
 use lockstep::weights;
@@ -63,33 +63,34 @@ fn assert_within(what: &str, got: &[f32], want: &[f32]) {
     assert!(d <= 1e-5 * scale, "{what} differs by {d:e} (allowed {:e})", 1e-5 * scale);
 }
 
-/// The issue's `Basic(cin, cout, stride)` as a lockstep block, named as PyTorch names it.
-fn basic(cin: usize, cout: usize, stride: usize, hw: usize) -> Residual {
-    let conv = |c, o, k, s, p| {
-        Box::new(Conv2d::new(c, o, (k, k), s, Padding::Explicit(p, p), false).unwrap()) as Box<dyn Layer>
+/// The issue's `Basic(cin, cout, stride)` as a model of one lockstep block, `b`, its nodes
+/// named as PyTorch names the module's (`b.conv1`, `b.short.0`).
+fn basic(cin: usize, cout: usize, stride: usize, hw: usize) -> Graph {
+    let conv = |c, o, k, s, p| Conv2d::new(c, o, (k, k), s, Padding::Explicit(p, p), false).unwrap();
+    let x = Value::input([cin, hw, hw]);
+    let body = |x: &Value| {
+        let y = conv(cin, cout, 3, stride, 1).named("b.conv1").call(x);
+        let y = BatchNorm2d::pytorch(cout).named("b.bn1").call(&y);
+        let y = Relu::new().call(&y);
+        let y = conv(cout, cout, 3, 1, 1).named("b.conv2").call(&y);
+        Ok(BatchNorm2d::pytorch(cout).named("b.bn2").call(&y))
     };
-    let bn = |c| Box::new(BatchNorm2d::pytorch(c)) as Box<dyn Layer>;
-    let n = |s: &str| Some(s.to_string());
-    let body = vec![
-        (n("conv1"), conv(cin, cout, 3, stride, 1)),
-        (n("bn1"), bn(cout)),
-        (None, Box::new(Relu::new()) as Box<dyn Layer>),
-        (n("conv2"), conv(cout, cout, 3, 1, 1)),
-        (n("bn2"), bn(cout)),
-    ];
-    let short = if stride != 1 || cin != cout {
-        vec![(n("short.0"), conv(cin, cout, 1, stride, 0)), (n("short.1"), bn(cout))]
+    let y = if stride != 1 || cin != cout {
+        let short = |x: &Value| {
+            let s = conv(cin, cout, 1, stride, 0).named("b.short.0").call(x);
+            Ok(BatchNorm2d::pytorch(cout).named("b.short.1").call(&s))
+        };
+        residual(&x, "b", body, short, Activation::Relu)
     } else {
-        vec![]
+        residual(&x, "b", body, identity, Activation::Relu)
     };
-    Residual::new([cin, hw, hw], body, short, Activation::Relu).unwrap()
+    y.unwrap().model().unwrap()
 }
 
 #[test]
 fn residual_blocks_match_pytorch_forward_and_backward() {
     let all = tensors(&dir().join("blocks.safetensors"));
-    for (case, block) in [("identity", basic(16, 16, 1, 8)), ("projection", basic(16, 32, 2, 8))] {
-        let mut model = Sequential::named([16, 8, 8], vec![(Some("b".into()), Box::new(block))]).unwrap();
+    for (case, mut model) in [("identity", basic(16, 16, 1, 8)), ("projection", basic(16, 32, 2, 8))] {
         let mut store = model.init(0);
         for t in model.param_infos().iter() {
             let name = t.name.strip_prefix("b.").unwrap();

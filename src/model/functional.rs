@@ -27,7 +27,15 @@ use std::rc::Rc;
 use super::graph::{Graph, GraphNode, Source, INPUT_NAME};
 use crate::error::{Error, Result};
 use crate::ops::Layer;
+use crate::rng::{derive_key, purpose};
 use crate::tensor::Shape;
+
+/// The index a residual block's node carries (`model::residual`): position `i` of branch
+/// `branch` of the block of index `block`. 62 bits: far from any index a model's own
+/// nodes reach, and a usize on every 64-bit target.
+pub fn branch_index(block: usize, branch: u64, i: usize) -> usize {
+    (derive_key(block as u64, &[purpose::LAYER, branch, i as u64]) >> 2) as usize
+}
 
 /// The graph a model's values are written into, shared by its values.
 #[derive(Default)]
@@ -37,6 +45,29 @@ struct Draft {
     /// The first misuse (a value of another draft given to a node), reported by
     /// [`Value::model`].
     problem: Option<String>,
+    /// The context index the next node written outside every residual block takes: the
+    /// model's own nodes are numbered 0, 1, ..., a residual block counting as one
+    /// (`model::residual` says why).
+    next_index: usize,
+    /// The residual branches being written, innermost last: (the block's index, the
+    /// branch, the next position in it).
+    branches: Vec<(usize, u64, usize)>,
+}
+
+impl Draft {
+    /// The context index of the next node (or block) written, taken.
+    fn take_index(&mut self) -> usize {
+        match self.branches.last_mut() {
+            Some((block, branch, at)) => {
+                *at += 1;
+                branch_index(*block, *branch, *at - 1)
+            }
+            None => {
+                self.next_index += 1;
+                self.next_index - 1
+            }
+        }
+    }
 }
 
 /// A value of a model being written: one of its inputs, or the output of a node.
@@ -93,7 +124,12 @@ impl Value {
         };
         let nodes = d.nodes[..=last]
             .iter()
-            .map(|n| GraphNode { name: n.name.clone(), layer: n.layer.boxed_clone(), inputs: n.inputs.clone() })
+            .map(|n| GraphNode {
+                name: n.name.clone(),
+                layer: n.layer.boxed_clone(),
+                inputs: n.inputs.clone(),
+                layer_index: n.layer_index,
+            })
             .collect();
         if last + 1 < d.nodes.len() {
             let after = &d.nodes[last + 1];
@@ -110,8 +146,19 @@ impl Value {
 
     /// Writes a node of `layer` (named `name`, or by kind) reading `inputs`.
     fn node(name: Option<String>, layer: Box<dyn Layer>, inputs: &[&Value]) -> Value {
+        Value::node_at(name, layer, inputs, None)
+    }
+
+    /// [`Value::node`] whose context carries the index `index` (None: the next one).
+    pub(crate) fn node_at(
+        name: Option<String>,
+        layer: Box<dyn Layer>,
+        inputs: &[&Value],
+        index: Option<usize>,
+    ) -> Value {
         let draft = inputs.first().expect("a node reads at least one value").draft.clone();
         let mut d = draft.borrow_mut();
+        let index = index.unwrap_or_else(|| d.take_index());
         if d.problem.is_none() {
             if let Some(other) = inputs.iter().find(|v| !Rc::ptr_eq(&v.draft, &draft)) {
                 d.problem = Some(format!(
@@ -120,10 +167,33 @@ impl Value {
                 ));
             }
         }
-        d.nodes.push(GraphNode { name, layer, inputs: inputs.iter().map(|v| v.source).collect() });
+        let inputs = inputs.iter().map(|v| v.source).collect();
+        d.nodes.push(GraphNode { name, layer, inputs, layer_index: Some(index) });
         let source = Source::Node(d.nodes.len() - 1);
         drop(d);
         Value { draft, source }
+    }
+}
+
+/// What a residual block's builder (`model::residual`) asks of the draft.
+impl Value {
+    /// The context index of a block written here, taken (as a node's would be).
+    pub(crate) fn take_index(&self) -> usize {
+        self.draft.borrow_mut().take_index()
+    }
+
+    /// Runs `write` with the nodes it writes numbered as branch `branch` of the block of
+    /// index `block`.
+    pub(crate) fn in_branch<T>(&self, block: usize, branch: u64, write: impl FnOnce() -> T) -> T {
+        self.draft.borrow_mut().branches.push((block, branch, 0));
+        let out = write();
+        self.draft.borrow_mut().branches.pop();
+        out
+    }
+
+    /// Whether a node of this value's model is named `name`.
+    pub(crate) fn name_taken(&self, name: &str) -> bool {
+        self.draft.borrow().nodes.iter().any(|n| n.name.as_deref() == Some(name))
     }
 }
 

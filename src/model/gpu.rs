@@ -674,8 +674,10 @@ fn plan(model: &Graph) -> Result<Vec<Layer>> {
                 Source::Node(i) => Some(i),
             })
             .collect();
+        let trains = model.trains(index);
+        let index = model.layer_index(index);
         let place = Placement { name, index, input, output, other_inputs, params, buffers };
-        layers.push(Layer { place, op, reads, trains: model.trains(index) });
+        layers.push(Layer { place, op, reads, trains });
     }
     Ok(layers)
 }

@@ -109,11 +109,22 @@ pub enum Source {
 }
 
 /// One node of a graph to build: its layer, the name it is given (None: named by kind),
-/// and where it reads its inputs, in the order its layer takes them.
+/// where it reads its inputs, in the order its layer takes them, and the index its
+/// context carries (`Ctx::layer_index`, which dropout's masks derive from; None: its
+/// position among the nodes).
 pub struct GraphNode {
     pub name: Option<String>,
     pub layer: Box<dyn Layer>,
     pub inputs: Vec<Source>,
+    pub layer_index: Option<usize>,
+}
+
+impl GraphNode {
+    /// A node of `layer` named `name` (None: by kind) reading `inputs`, its context's
+    /// index its position.
+    pub fn new(name: Option<String>, layer: Box<dyn Layer>, inputs: Vec<Source>) -> GraphNode {
+        GraphNode { name, layer, inputs, layer_index: None }
+    }
 }
 
 /// A model: named nodes applied in an order that reads only what is computed (see the
@@ -125,6 +136,10 @@ pub struct Graph {
     names: Vec<String>,
     /// Where each node reads its inputs.
     sources: Vec<Vec<Source>>,
+    /// The index each node's context carries (`Ctx::layer_index`: dropout's masks derive
+    /// from it): its position, unless its builder gave another (a residual block's nodes:
+    /// `model::residual`).
+    indices: Vec<usize>,
     /// How many times each node's output is read (by nodes; the last node's is also the
     /// model's output).
     readers: Vec<usize>,
@@ -159,7 +174,13 @@ impl Clone for Graph {
             .iter()
             .zip(&self.names)
             .zip(&self.sources)
-            .map(|((l, n), s)| GraphNode { name: Some(n.clone()), layer: l.boxed_clone(), inputs: s.clone() })
+            .zip(&self.indices)
+            .map(|(((l, n), s), &k)| GraphNode {
+                name: Some(n.clone()),
+                layer: l.boxed_clone(),
+                inputs: s.clone(),
+                layer_index: Some(k),
+            })
             .collect();
         Graph::build(self.inputs.clone(), nodes).expect("a graph that was valid once stays valid")
     }
@@ -208,9 +229,11 @@ impl Graph {
         let names = auto_names(nodes.iter().map(|n| (n.name.as_deref(), n.layer.kind())));
         let mut layers = Vec::with_capacity(nodes.len());
         let mut sources = Vec::with_capacity(nodes.len());
-        for n in nodes {
+        let mut indices = Vec::with_capacity(nodes.len());
+        for (j, n) in nodes.into_iter().enumerate() {
             layers.push(n.layer);
             sources.push(n.inputs);
+            indices.push(n.layer_index.unwrap_or(j));
         }
         let value_name = |s: Source| match s {
             Source::Input(k) if inputs.len() == 1 => format!("the model's input {}", inputs[k].0),
@@ -319,6 +342,7 @@ impl Graph {
             layers,
             names,
             sources,
+            indices,
             readers,
             input_readers,
             trains,
@@ -385,6 +409,12 @@ impl Graph {
                 0 => s == &[Source::Input(0)],
                 _ => s == &[Source::Node(j - 1)],
             })
+    }
+
+    /// The index node `j`'s context carries (`Ctx::layer_index`; a GPU replica's
+    /// `Placement::index`): dropout's masks derive from it.
+    pub fn layer_index(&self, j: usize) -> usize {
+        self.indices[j]
     }
 
     /// How many nodes read node `j`'s output.
@@ -502,22 +532,15 @@ impl Graph {
                 rhs: format!("{} (the model's)", ctx.device),
             });
         }
-        self.forward_at(xs, params, buffers, ctx, Place::Top)
+        self.forward_nodes(xs, params, buffers, ctx)
     }
 
     fn input_list(&self) -> String {
         self.inputs.iter().map(|(n, s)| format!("{n} {s}")).collect::<Vec<_>>().join(", ")
     }
 
-    /// The forward of the nodes at `place`: a model's own, or a container's branch.
-    pub(crate) fn forward_at(
-        &mut self,
-        xs: Vec<Tensor>,
-        params: &[f32],
-        buffers: &mut [f32],
-        ctx: &Ctx,
-        place: Place,
-    ) -> Result<Tensor> {
+    /// The forward of every node, in node order.
+    fn forward_nodes(&mut self, xs: Vec<Tensor>, params: &[f32], buffers: &mut [f32], ctx: &Ctx) -> Result<Tensor> {
         let mut inputs: Vec<Option<Tensor>> = xs.into_iter().map(Some).collect();
         let mut input_left = self.input_readers.clone();
         let mut values: Vec<Option<Tensor>> = (0..self.layers.len()).map(|_| None).collect();
@@ -539,7 +562,7 @@ impl Graph {
                 let v = if *left == 0 { slot.take() } else { slot.clone() };
                 args.push(v.expect("a value is kept until its last reader"));
             }
-            let ctx = Ctx { layer_index: place.index(ctx.layer_index, j), ..*ctx };
+            let ctx = Ctx { layer_index: self.indices[j], ..*ctx };
             let p = Params::new(&params[s.param_span.clone()], &s.param_ranges);
             let b = ParamsMut::new(&mut buffers[s.buffer_span.clone()], &s.buffer_ranges);
             let t = self.profile.is_some().then(std::time::Instant::now);
@@ -558,7 +581,7 @@ impl Graph {
     /// Back-propagates `dout` (the gradient of the loss with respect to the output of the
     /// last forward, which must have run in `Mode::Train`), accumulating into `grads`.
     pub fn backward(&mut self, dout: Tensor, params: &[f32], grads: &mut [f32], ctx: &Ctx) -> Result<()> {
-        self.backward_at(dout, params, grads, ctx, Place::Top, InputGrad::Skip).map(drop)
+        self.backward_nodes(dout, params, grads, ctx, InputGrad::Skip).map(drop)
     }
 
     /// [`Graph::backward`] that also returns the gradient of the model's one input, dx:
@@ -580,21 +603,20 @@ impl Graph {
         grads: &mut [f32],
         ctx: &Ctx,
     ) -> Result<Vec<Tensor>> {
-        let d = self.backward_at(dout, params, grads, ctx, Place::Top, InputGrad::Needed)?;
+        let d = self.backward_nodes(dout, params, grads, ctx, InputGrad::Needed)?;
         Ok(d.into_iter().map(|d| d.expect("a backward asked for its inputs' gradients returns them")).collect())
     }
 
-    /// The backward of the nodes at `place`, returning the gradient of each model input
-    /// when `input_grad` asks for them (None otherwise). Without them, a node runs its
-    /// backward only where it or a node before it has parameters, and is asked for the
-    /// gradient of no value that needs none.
-    pub(crate) fn backward_at(
+    /// The backward of every node, in reverse node order, returning the gradient of each
+    /// model input when `input_grad` asks for them (None otherwise). Without them, a node
+    /// runs its backward only where it or a node before it has parameters, and is asked
+    /// for the gradient of no value that needs none.
+    fn backward_nodes(
         &mut self,
         dout: Tensor,
         params: &[f32],
         grads: &mut [f32],
         ctx: &Ctx,
-        place: Place,
         input_grad: InputGrad,
     ) -> Result<Vec<Option<Tensor>>> {
         let all = input_grad == InputGrad::Needed;
@@ -620,7 +642,7 @@ impl Graph {
                     Source::Node(_) => InputGrad::Skip,
                 })
                 .collect();
-            let ctx = Ctx { mode: Mode::Train, layer_index: place.index(ctx.layer_index, j), ..*ctx };
+            let ctx = Ctx { mode: Mode::Train, layer_index: self.indices[j], ..*ctx };
             let p = Params::new(&params[s.param_span.clone()], &s.param_ranges);
             let g = ParamsMut::new(&mut grads[s.param_span.clone()], &s.param_ranges);
             let dy = d[j].take().expect("every reader of a node that trains comes after it and trains");
@@ -719,8 +741,7 @@ fn lay_out(layers: &[Box<dyn Layer>], names: &[String]) -> Result<Layout> {
     for (layer, name) in layers.iter().zip(names) {
         let lay = |specs: Vec<ParamSpec>, off: &mut usize, infos: &mut Vec<TensorInfo>| {
             if specs.is_empty() {
-                // No tensors: an empty span, which indexes a container's shorter
-                // slice (`model::residual`) as well as the whole buffer.
+                // No tensors: an empty span.
                 return (0..0, Vec::new());
             }
             *off = off.next_multiple_of(TENSOR_ALIGN);
@@ -797,29 +818,6 @@ fn lay_out(layers: &[Box<dyn Layer>], names: &[String]) -> Result<Layout> {
         return Err(Error::config("model", format!("two tensors are named {dup}")));
     }
     Ok((slots, params, buffers, aliases, p_off, b_off))
-}
-
-/// Where a graph's nodes sit, which decides the index each node's context carries
-/// (dropout's masks derive from it): a model's own nodes are numbered 0, 1, ...; the
-/// nodes of a container's branch take indices derived from the container's index, the
-/// branch and their position, so that no two layers of a model share one.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub enum Place {
-    Top,
-    /// Branch `b` of the container whose context is being run (its `layer_index`).
-    Branch(u64),
-}
-
-impl Place {
-    /// The index of layer `i` at this place, inside a container of index `parent`.
-    pub fn index(self, parent: usize, i: usize) -> usize {
-        match self {
-            Place::Top => i,
-            // 62 bits: far from any index a model's own layers reach, and a usize on
-            // every 64-bit target.
-            Place::Branch(b) => (derive_key(parent as u64, &[purpose::LAYER, b, i as u64]) >> 2) as usize,
-        }
-    }
 }
 
 /// Adds the gradient `dx` of a value into what its later readers gave it (`slot`): the
@@ -917,7 +915,7 @@ mod tests {
     }
 
     fn node(layer: impl Layer + 'static, inputs: &[Source]) -> GraphNode {
-        GraphNode { name: None, layer: Box::new(layer), inputs: inputs.to_vec() }
+        GraphNode::new(None, Box::new(layer), inputs.to_vec())
     }
 
     /// x → dense0 → relu0 ─┬─ dense1 ─┐

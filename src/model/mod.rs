@@ -1,8 +1,9 @@
 //! A model: a graph of named nodes ([`Graph`]: the engine every model runs on), the
 //! builders that write one (a chain of layers, [`Sequential`]; node by node,
-//! [`functional`]), the residual block that holds two branches ([`Residual`]), the layer types a spec may name ([`LAYER_TYPES`]) and how a
-//! spec's layer objects are read by type ([`spec_objects`]), synchronized BatchNorm across
-//! a model ([`sync_batchnorm`]), and the network run on one GPU ([`gpu`]).
+//! [`functional`]; a residual block's nodes, [`residual()`]), the layer types a spec may
+//! name ([`LAYER_TYPES`]) and how a spec's layer objects are read by type
+//! ([`spec_objects`]), synchronized BatchNorm across a model ([`sync_batchnorm`]), and the
+//! network run on one GPU ([`gpu`]).
 //!
 //! The ops a model is made of, each in its own folder, are `crate::ops`'; what a model is
 //! trained with (the step, the replicas, the exchange) is `crate::train`'s.
@@ -17,8 +18,8 @@ pub mod spec_objects;
 pub mod sync_batchnorm;
 
 pub use functional::{Call, Named, Value};
-pub use graph::{auto_names, Graph, GraphNode, ParamStore, Place, Source, TensorInfo, INPUT_NAME};
-pub use residual::Residual;
+pub use graph::{auto_names, Graph, GraphNode, ParamStore, Source, TensorInfo, INPUT_NAME};
+pub use residual::{identity, residual, Residual};
 pub use sequential::{NamedLayer, Sequential};
 pub use sync_batchnorm::convert_sync_batchnorm;
 

@@ -28,8 +28,7 @@ impl Sequential {
     /// [`Sequential::new`] with names of the caller's where given (`stem.0`,
     /// `blocks.3`: the names of a PyTorch module's `state_dict`), the others named by
     /// kind as `new` names them, numbered per kind among themselves. Two tensors of one
-    /// name are refused (two layers may share a name that prefixes different tensors:
-    /// nanoGPT's `Block` is two residual blocks, both `transformer.h.0`).
+    /// name are refused (two layers may share a name that prefixes different tensors).
     pub fn named(input_shape: impl Into<Shape>, layers: Vec<NamedLayer>) -> Result<Graph> {
         if layers.is_empty() {
             return Err(Error::config("model", "a Sequential needs at least one layer"));
@@ -37,10 +36,8 @@ impl Sequential {
         let nodes = layers
             .into_iter()
             .enumerate()
-            .map(|(j, (name, layer))| GraphNode {
-                name,
-                layer,
-                inputs: vec![if j == 0 { Source::Input(0) } else { Source::Node(j - 1) }],
+            .map(|(j, (name, layer))| {
+                GraphNode::new(name, layer, vec![if j == 0 { Source::Input(0) } else { Source::Node(j - 1) }])
             })
             .collect();
         Graph::build(vec![(INPUT_NAME.to_string(), input_shape.into())], nodes)

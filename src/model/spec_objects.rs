@@ -1,6 +1,6 @@
 //! The layer objects of a spec, read by their `type` ([`read_layer`], which looks the type
-//! up in [`super::LAYER_TYPES`] and hands the object's fields to its entry), a container's
-//! list of them ([`read_layers`]), and the way back: the objects that build given layers
+//! up in [`super::LAYER_TYPES`] and hands the object's fields to its entry), a residual
+//! block's lists of them ([`read_layers`]), and the way back: the objects that build given layers
 //! again ([`layers_to_spec`]).
 //!
 //! Owns what needs the list of layer types; the entry every op writes and the field reader
@@ -9,13 +9,13 @@
 use serde_json::{json, Map, Value};
 
 use super::{NamedLayer, LAYER_TYPES};
-use crate::ops::spec::{Build, FieldResult, Fields};
+use crate::ops::spec::{Build, Built, FieldResult, Fields};
 use crate::ops::Layer;
 use crate::tensor::Shape;
 
 /// One layer object of a spec, read: its type (an entry of [`LAYER_TYPES`]), the name it
 /// gives its layer if any (`"name": "stem.0"`), what each of its fields resolved to (its
-/// default where absent), and how it builds. Containers hold lists of them.
+/// default where absent), and how it builds. A residual block holds lists of them.
 #[derive(Clone)]
 pub struct LayerObject {
     type_name: &'static str,
@@ -59,6 +59,13 @@ impl LayerObject {
     pub fn build_many(&self, inputs: &[Shape]) -> FieldResult<Vec<NamedLayer>> {
         let layers = self.build.build_many(inputs)?;
         Ok(layers.into_iter().enumerate().map(|(i, l)| (if i == 0 { self.name.clone() } else { None }, l)).collect())
+    }
+
+    /// What the object builds for inputs of these shapes: a chain of layers, or the nodes
+    /// of a small graph (a residual block's), unnamed by the object (its name is the
+    /// caller's to give).
+    pub fn built(&self, inputs: &[Shape]) -> FieldResult<Built> {
+        self.build.build(inputs)
     }
 }
 
@@ -117,14 +124,9 @@ pub fn read_layer(v: &Value, at: &str) -> FieldResult<LayerObject> {
 }
 
 /// The layer objects that build `layers` (named `names`) again, each written by its own
-/// `Layer::spec` with its name where it is not the one it would be given by kind
-/// (`auto_prefix` before those: a shortcut's `shortcut.`), or the first layer without a
-/// spec form: (its name, its description).
-pub fn layers_to_spec(
-    layers: &[Box<dyn Layer>],
-    names: &[String],
-    auto_prefix: &str,
-) -> Result<Vec<Value>, (String, String)> {
+/// `Layer::spec` with its name where it is not the one it would be given by kind, or the
+/// first layer without a spec form: (its name, its description).
+pub fn layers_to_spec(layers: &[Box<dyn Layer>], names: &[String]) -> Result<Vec<Value>, (String, String)> {
     let auto = super::auto_names(layers.iter().map(|l| (None, l.kind())));
     layers
         .iter()
@@ -132,7 +134,7 @@ pub fn layers_to_spec(
         .zip(auto)
         .map(|((l, name), auto)| {
             let mut v = l.spec().ok_or_else(|| (name.clone(), l.describe()))?;
-            if *name != format!("{auto_prefix}{auto}") {
+            if *name != auto {
                 if let Value::Object(map) = &mut v {
                     map.insert("name".into(), json!(name));
                 }
@@ -142,7 +144,7 @@ pub fn layers_to_spec(
         .collect()
 }
 
-/// A container's list of layer objects (`layers`, `shortcut`) read from field `name` of
+/// A residual block's list of layer objects (`layers`, `shortcut`) read from field `name` of
 /// `f`: required, or empty when absent if `required` is false.
 pub fn read_layers(f: &mut Fields<'_>, name: &'static str, required: bool) -> FieldResult<Vec<LayerObject>> {
     let read = |v: Option<&Value>| match v {

@@ -54,14 +54,15 @@ pub fn join_without_rows(sync: &Synchronized<'_>, model: &Graph) -> Result<()> {
 
 /// `model` with every BatchNorm layer synchronized (PyTorch's
 /// `SyncBatchNorm.convert_sync_batchnorm`; `--sync-batchnorm`): the same layers, names and
-/// flat layout and the same graph, so weights move between the two unchanged.
+/// flat layout and the same graph (its nodes' context indices too), so weights move between the two unchanged.
 pub fn convert_sync_batchnorm(model: &Graph) -> Result<Graph> {
-    let nodes = model.layers().iter().zip(model.layer_names()).zip(model.sources());
+    let nodes = model.layers().iter().zip(model.layer_names()).zip(model.sources()).enumerate();
     let nodes = nodes
-        .map(|((l, n), s)| GraphNode {
+        .map(|(j, ((l, n), s))| GraphNode {
             name: Some(n.clone()),
             layer: l.synchronized().unwrap_or_else(|| l.boxed_clone()),
             inputs: s.clone(),
+            layer_index: Some(model.layer_index(j)),
         })
         .collect();
     Graph::build(model.inputs().to_vec(), nodes)

@@ -37,7 +37,8 @@ use crate::tensor::Shape;
 pub struct Placement {
     /// The layer's name in the model (`conv0`, `bn1`), for errors.
     pub name: String,
-    /// Its index in the Sequential: dropout's masks derive from it.
+    /// The index its node's context carries (`Graph::layer_index`): dropout's masks
+    /// derive from it.
     pub index: usize,
     /// Per-sample input and output shapes.
     pub input: Shape,

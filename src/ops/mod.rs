@@ -297,12 +297,6 @@ impl<'a> Params<'a> {
     pub fn get(&self, i: usize) -> &'a [f32] {
         &self.flat[self.ranges[i].clone()]
     }
-
-    /// The layer's whole slice, its tensors where [`Sequential`] laid them: what a
-    /// container hands its branches, which lay their tensors out alike.
-    pub(crate) fn flat(&self) -> &'a [f32] {
-        self.flat
-    }
 }
 
 /// Mutable view of one layer's tensors inside a flat buffer.
@@ -327,11 +321,6 @@ impl<'a> ParamsMut<'a> {
         let (ri, rj) = (self.ranges[i].clone(), self.ranges[j].clone());
         let (lo, hi) = self.flat.split_at_mut(rj.start);
         (&mut lo[ri], &mut hi[..rj.len()])
-    }
-
-    /// The layer's whole slice, mutably (as [`Params::flat`]).
-    pub(crate) fn flat_mut(&mut self) -> &mut [f32] {
-        self.flat
     }
 
     /// The number of tensors.

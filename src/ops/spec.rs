@@ -76,34 +76,83 @@ pub(crate) enum TestInput {
     Ids { vocab: usize },
 }
 
-type BuildFn = dyn Fn(&[Shape]) -> FieldResult<Vec<Box<dyn Layer>>> + Send + Sync;
+type BuildFn = dyn Fn(&[Shape]) -> FieldResult<Built> + Send + Sync;
+
+/// What a layer object builds: a chain of layers (most objects: one layer, or a layer
+/// and the ReLU of its `"activation": "relu"`), or the nodes of a small graph (a residual
+/// block, `model::residual`).
+pub enum Built {
+    Layers(Vec<Box<dyn Layer>>),
+    Parts(Vec<Part>),
+}
+
+/// One node of the small graph a layer object builds (a residual block's).
+pub struct Part {
+    /// Its name under the object's (`conv1`, `shortcut.conv0`, `add`): the node is
+    /// named `<object's name>.<this>`.
+    pub name: String,
+    pub layer: Box<dyn Layer>,
+    /// What it reads, in the order its layer takes them.
+    pub inputs: Vec<PartInput>,
+    /// Where the index its context carries (`Ctx::layer_index`: dropout's masks) comes
+    /// from: the object's own index, then for each (branch, position) of the path the
+    /// index of that position in that branch (`model::residual::branch_index`). Empty:
+    /// the object's own index.
+    pub path: Vec<(u64, usize)>,
+}
+
+/// Where a [`Part`] reads one of its inputs.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum PartInput {
+    /// The object's input.
+    Input,
+    /// The output of the object's part `j` (an earlier one).
+    Part(usize),
+}
 
 /// How a layer object, its fields read, becomes layers: given the running input shapes
 /// (batch included: (2, ...) as a graph checks them; one for most layers, a merge's
 /// several in its `inbound` order), fresh layers, or why those shapes do not suit it.
-/// Several layers for one object: `"activation": "relu"` appends a ReLU.
+/// Several layers for one object: `"activation": "relu"` appends a ReLU; a residual
+/// block builds the nodes of a small graph ([`Built::Parts`]).
 #[derive(Clone)]
 pub struct Build(Arc<BuildFn>);
 
 impl Build {
     /// A build of one layer of one input.
     pub fn layer<L: Layer + 'static>(f: impl Fn(&Shape) -> FieldResult<L> + Send + Sync + 'static) -> Build {
-        Build(Arc::new(move |inputs| Ok(vec![Box::new(f(one(inputs)?)?) as Box<dyn Layer>])))
+        Build(Arc::new(move |inputs| Ok(Built::Layers(vec![Box::new(f(one(inputs)?)?) as Box<dyn Layer>]))))
     }
 
     /// A build of any number of layers of one input.
     pub fn layers(f: impl Fn(&Shape) -> FieldResult<Vec<Box<dyn Layer>>> + Send + Sync + 'static) -> Build {
-        Build(Arc::new(move |inputs| f(one(inputs)?)))
+        Build(Arc::new(move |inputs| f(one(inputs)?).map(Built::Layers)))
     }
 
     /// A build of one merge, a layer of several inputs (their shapes in `inbound` order).
     pub fn merge<L: Layer + 'static>(f: impl Fn(&[Shape]) -> FieldResult<L> + Send + Sync + 'static) -> Build {
-        Build(Arc::new(move |inputs| Ok(vec![Box::new(f(inputs)?) as Box<dyn Layer>])))
+        Build(Arc::new(move |inputs| Ok(Built::Layers(vec![Box::new(f(inputs)?) as Box<dyn Layer>]))))
     }
 
-    /// Fresh layers for inputs of these shapes (batch included), in `inbound` order.
-    pub fn build_many(&self, inputs: &[Shape]) -> FieldResult<Vec<Box<dyn Layer>>> {
+    /// A build of the nodes of a small graph of one input.
+    pub fn parts(f: impl Fn(&Shape) -> FieldResult<Vec<Part>> + Send + Sync + 'static) -> Build {
+        Build(Arc::new(move |inputs| f(one(inputs)?).map(Built::Parts)))
+    }
+
+    /// What the object builds for inputs of these shapes (batch included), in `inbound`
+    /// order.
+    pub fn build(&self, inputs: &[Shape]) -> FieldResult<Built> {
         (self.0)(inputs)
+    }
+
+    /// Fresh layers for inputs of these shapes (batch included), in `inbound` order: the
+    /// chain the object builds (the layers of its parts, for an object that builds a
+    /// graph).
+    pub fn build_many(&self, inputs: &[Shape]) -> FieldResult<Vec<Box<dyn Layer>>> {
+        Ok(match self.build(inputs)? {
+            Built::Layers(layers) => layers,
+            Built::Parts(parts) => parts.into_iter().map(|p| p.layer).collect(),
+        })
     }
 }
 

@@ -13,6 +13,12 @@
 //! The backward is free: every input's gradient is the output's, handed on as the same
 //! values (a [`Tensor`] clone shares them until someone writes; the last input asked for
 //! gets `dout` itself).
+//!
+//! A ReLU after the add (a residual block's, `model::residual`) runs in its passes on the
+//! CPU where the graph hands it over ([`Layer::take_following_relu`]): the sum of two
+//! inputs and the clamp in one pass over the values (`Relu::forward_sum`), the ReLU's mask
+//! applied to the gradient before it is handed on; bit for bit what the two nodes compute
+//! one after the other.
 
 pub mod cpu;
 #[cfg(feature = "cuda")]
@@ -22,15 +28,17 @@ use serde_json::{json, Value};
 
 use super::merge::{one_shape, shapes_of};
 use super::spec::{Build, LayerType};
-use super::{Arity, Ctx, InputGrad, Layer, LayerMemory, LayerShapes, Mode, Params, ParamsMut};
+use super::{Arity, Ctx, InputGrad, Layer, LayerMemory, LayerShapes, Mode, Params, ParamsMut, Relu};
 use crate::error::{Error, Result};
 use crate::tensor::{Shape, Tensor};
 
 /// The sum of its inputs; holds the output's shape and the number of inputs from the
-/// training forward, for the backward's checks.
+/// training forward, for the backward's checks, and the ReLU after it when it runs in
+/// its passes.
 #[derive(Clone, Debug, Default)]
 pub struct Add {
     cached: Option<(Shape, usize)>,
+    relu: Option<Relu>,
 }
 
 impl Add {
@@ -100,6 +108,12 @@ impl Layer for Add {
         let mut xs = xs.into_iter();
         let first = xs.next().expect("two or more inputs");
         let rest: Vec<Tensor> = xs.collect();
+        self.cached = (ctx.mode == Mode::Train).then_some((shape.clone(), k));
+        if let (Some(relu), [second]) = (&mut self.relu, rest.as_slice()) {
+            // x0 + x1 and the ReLU in one pass, over x0's values (copied first only where
+            // someone else holds them).
+            return relu.forward_sum(first, second, ctx);
+        }
         let terms: Vec<&[f32]> = rest.iter().map(Tensor::host).collect();
         // The first input's values become the sum where nobody else holds them; else the
         // sum goes to a buffer of its own, in the same one pass over the values.
@@ -114,8 +128,11 @@ impl Layer for Add {
                 y
             }
         };
-        self.cached = (ctx.mode == Mode::Train).then_some((shape.clone(), k));
-        Tensor::from_vec_on(y, shape, device)
+        let y = Tensor::from_vec_on(y, shape, device)?;
+        match &mut self.relu {
+            Some(relu) => relu.forward(y, Params::new(&[], &[]), ParamsMut::new(&mut [], &[]), ctx),
+            None => Ok(y),
+        }
     }
 
     // dout: (N, ...) → each input's gradient: dout itself (shared, not copied)
@@ -125,7 +142,7 @@ impl Layer for Add {
         _p: Params<'_>,
         _dp: ParamsMut<'_>,
         input_grads: &[InputGrad],
-        _ctx: &Ctx,
+        ctx: &Ctx,
     ) -> Result<Vec<Option<Tensor>>> {
         let (shape, k) =
             self.cached.take().ok_or_else(|| Error::config("Add backward", "no training forward to differentiate"))?;
@@ -136,6 +153,13 @@ impl Layer for Add {
             ));
         }
         let last = input_grads.iter().rposition(|&g| g == InputGrad::Needed);
+        let dout = match (&mut self.relu, last) {
+            (Some(relu), Some(_)) => {
+                let none = ParamsMut::new(&mut [], &[]);
+                relu.backward(dout, Params::new(&[], &[]), none, InputGrad::Needed, ctx)?.expect("asked for")
+            }
+            _ => dout,
+        };
         let mut dout = Some(dout);
         Ok(input_grads
             .iter()
@@ -148,8 +172,15 @@ impl Layer for Add {
             .collect())
     }
 
+    /// The ReLU after an add runs in its passes: one pass of the training forward and one
+    /// of the backward fewer over the activations.
+    fn take_following_relu(&mut self, follows: bool) -> bool {
+        self.relu = follows.then(Relu::new);
+        follows
+    }
+
     fn boxed_clone(&self) -> Box<dyn Layer> {
-        Box::new(Add::new())
+        Box::new(Add { cached: None, relu: self.relu.as_ref().map(|_| Relu::new()) })
     }
 
     fn describe(&self) -> String {
