@@ -9,8 +9,8 @@ pub use crate::model::{
 };
 pub use crate::ops::cross_entropy as loss;
 pub use crate::ops::{
-    merge_takes_several, Activation, Arity, AvgPool2d, BatchNorm2d, CausalSelfAttention, Conv2d, Ctx, Dropout,
-    Embedding, Flatten, Gelu, GlobalAvgPool2d, Init, InputGrad, Layer, LayerMemory, LayerNorm, LayerShapes, LayerType,
-    Linear, MaxPool2d, Mode, Padding, ParamSpec, Params, ParamsMut, PositionalEmbedding, ProfileRow, Relu, Rescaling,
-    RmsNorm, Sigmoid, Silu, Softmax, Tanh, Upsample2d, Window2d,
+    merge_takes_several, Activation, Add, Arity, AvgPool2d, BatchNorm2d, CausalSelfAttention, Concatenate, Conv2d, Ctx,
+    Dropout, Embedding, Flatten, Gelu, GlobalAvgPool2d, Init, InputGrad, Layer, LayerMemory, LayerNorm, LayerShapes,
+    LayerType, Linear, MatMul, MaxPool2d, Mode, Multiply, Padding, ParamSpec, Params, ParamsMut, PositionalEmbedding,
+    ProfileRow, Relu, Rescaling, RmsNorm, Sigmoid, Silu, Softmax, Tanh, Upsample2d, Window2d,
 };

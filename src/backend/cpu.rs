@@ -53,7 +53,7 @@ pub enum Accumulate {
 
 /// Below this many multiply-adds a GEMM runs on the calling thread: waking the pool
 /// costs more than it saves.
-const PARALLEL_MIN_FLOPS: usize = 1 << 18;
+pub(crate) const PARALLEL_MIN_FLOPS: usize = 1 << 18;
 
 /// `c (m × n, row-major, row stride c_rs) (+)= a (m × k) · b (k × n)`.
 ///

@@ -3,9 +3,9 @@
 //! Owns: `RmGemm`, one row-major GEMM (or a strided batch) described as plain data,
 //! with a named constructor per product a layer needs (linear forward, weight and input
 //! gradients; convolution forward, weight and column gradients; attention's per-head
-//! products), the bounds check of its operands, and its translation to cuBLAS's
-//! column-major call. Being plain data, each
-//! product is tested on the host against a model of cuBLAS's contract; `gemm` is the
+//! products; the matmul op's batch of products and their two gradients), the bounds check
+//! of its operands, and its translation to cuBLAS's column-major call. Being plain data,
+//! each product is tested on the host against a model of cuBLAS's contract; `gemm` is the
 //! one place that calls cuBLAS.
 
 use cudarc::cublas::sys::cublasOperation_t;
@@ -108,6 +108,23 @@ impl RmGemm {
     /// dv = P'ᵀ·dy and dk = dSᵀ·q.
     pub(crate) fn attention_mix_t(batch: usize, t: usize, d: usize) -> Self {
         RmGemm { sa: t * t, sb: t * d, sc: t * d, batch, ..RmGemm::single(true, false, (t, d, t), (t, d, d)) }
+    }
+
+    /// A batch of matrix products (the `matmul` op), per item b:
+    /// Y_b (M, N) = A_b (M, K) · B_b (K, N), the items (M, K), (K, N), (M, N) blocks one
+    /// after another.
+    pub(crate) fn matmul(batch: usize, m: usize, k: usize, n: usize) -> Self {
+        RmGemm { sa: m * k, sb: k * n, sc: m * n, batch, ..RmGemm::single(false, false, (m, n, k), (k, n, n)) }
+    }
+
+    /// The matmul's first gradient, per item b: dA_b (M, K) = dY_b (M, N) · B_bᵀ.
+    pub(crate) fn matmul_da(batch: usize, m: usize, k: usize, n: usize) -> Self {
+        RmGemm { sa: m * n, sb: k * n, sc: m * k, batch, ..RmGemm::single(false, true, (m, k, n), (n, n, k)) }
+    }
+
+    /// The matmul's second gradient, per item b: dB_b (K, N) = A_bᵀ · dY_b (M, N).
+    pub(crate) fn matmul_db(batch: usize, m: usize, k: usize, n: usize) -> Self {
+        RmGemm { sa: m * k, sb: m * n, sc: k * n, batch, ..RmGemm::single(true, false, (k, n, m), (k, n, n)) }
     }
 
     /// Errors unless each operand holds what the GEMM reads or writes.
@@ -289,6 +306,23 @@ mod tests {
             assert_close("S_b = A_b·B_bᵀ", &s[i * t * t..][..t * t], &matmul(a_i, &transpose(b_i, t, d), t, d, t));
             assert_close("Y_b = P_b·B_b", &y[i * t * d..][..t * d], &matmul(p_i, b_i, t, t, d));
             assert_close("Y_b = P_bᵀ·B_b", &yt[i * t * d..][..t * d], &matmul(&transpose(p_i, t, t), b_i, t, t, d));
+        }
+    }
+
+    #[test]
+    fn the_matmul_gemms_compute_the_per_item_products() {
+        let (batch, m, k, n) = (3, 2, 5, 4);
+        let (a, b, dy) = (values(batch * m * k, 10), values(batch * k * n, 11), values(batch * m * n, 12));
+        let y = through_cublas(&RmGemm::matmul(batch, m, k, n), &a, &b, batch * m * n);
+        let da = through_cublas(&RmGemm::matmul_da(batch, m, k, n), &dy, &b, batch * m * k);
+        let db = through_cublas(&RmGemm::matmul_db(batch, m, k, n), &a, &dy, batch * k * n);
+        for i in 0..batch {
+            let (a_i, b_i, dy_i) = (&a[i * m * k..][..m * k], &b[i * k * n..][..k * n], &dy[i * m * n..][..m * n]);
+            assert_close("Y_b = A_b·B_b", &y[i * m * n..][..m * n], &matmul(a_i, b_i, m, k, n));
+            let want = matmul(dy_i, &transpose(b_i, k, n), m, n, k);
+            assert_close("dA_b = dY_b·B_bᵀ", &da[i * m * k..][..m * k], &want);
+            let want = matmul(&transpose(a_i, m, k), dy_i, k, m, n);
+            assert_close("dB_b = A_bᵀ·dY_b", &db[i * k * n..][..k * n], &want);
         }
     }
 

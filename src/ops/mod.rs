@@ -25,9 +25,11 @@
 //! conformance test ([`conformance`], test builds only) holds every entry of
 //! `model::LAYER_TYPES` to all of it.
 
+pub mod add;
 pub mod attention;
 pub mod avgpool2d;
 pub mod batchnorm;
+pub mod concatenate;
 #[cfg(test)]
 pub(crate) mod conformance;
 pub mod conv2d;
@@ -41,7 +43,10 @@ pub mod global_avg_pool;
 pub mod gpu;
 pub mod layernorm;
 pub mod linear;
+pub mod matmul;
 pub mod maxpool2d;
+pub(crate) mod merge;
+pub mod multiply;
 pub mod positional;
 pub mod relu;
 pub mod rescaling;
@@ -57,9 +62,11 @@ pub mod window;
 
 use std::ops::Range;
 
+pub use add::Add;
 pub use attention::CausalSelfAttention;
 pub use avgpool2d::AvgPool2d;
 pub use batchnorm::BatchNorm2d;
+pub use concatenate::Concatenate;
 pub use conv2d::Conv2d;
 pub use dropout::Dropout;
 pub use embedding::Embedding;
@@ -68,7 +75,9 @@ pub use gelu::Gelu;
 pub use global_avg_pool::GlobalAvgPool2d;
 pub use layernorm::LayerNorm;
 pub use linear::Linear;
+pub use matmul::MatMul;
 pub use maxpool2d::MaxPool2d;
+pub use multiply::Multiply;
 pub use positional::PositionalEmbedding;
 pub use relu::Relu;
 pub use rescaling::Rescaling;
