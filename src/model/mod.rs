@@ -49,4 +49,8 @@ pub const LAYER_TYPES: &[LayerType] = &[
     ops::AvgPool2d::SPEC,
     ops::Upsample2d::SPEC,
     ops::Softmax::SPEC,
+    ops::Add::SPEC,
+    ops::Multiply::SPEC,
+    ops::Concatenate::SPEC,
+    ops::MatMul::SPEC,
 ];

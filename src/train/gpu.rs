@@ -39,10 +39,6 @@ pub(crate) fn kernel_files() -> Vec<&'static crate::cuda::KernelFile> {
         &crate::optim::gpu::KERNELS,
         &crate::exchange::gpu::codec::KERNELS,
         &crate::cuda::buffers::KERNELS,
-        // The merges' files, until the graph lists them among the layer types.
-        &crate::ops::add::gpu::KERNELS,
-        &crate::ops::multiply::gpu::KERNELS,
-        &crate::ops::concatenate::gpu::KERNELS,
     ];
     ops.chain(others).collect()
 }
@@ -290,14 +286,11 @@ mod tests {
     /// each with the test, in the file that declares it, that runs every kernel of it on
     /// the host against its CPU code (a layer type's file is held to its host check by the
     /// conformance test, `ops::conformance`).
-    const OTHER_FILES: [(&str, &str); 7] = [
+    const OTHER_FILES: [(&str, &str); 4] = [
         ("cross_entropy.cu", "ops::cross_entropy::gpu::tests::the_kernel_runs_on_the_host_as_the_cpu_loss"),
         ("optim.cu", "optim::gpu::tests::the_kernels_run_on_the_host_as_the_cpu_optimizer"),
         ("codec.cu", "exchange::gpu::codec::tests::the_kernels_run_on_the_host_as_the_codec"),
         ("buffers.cu", "cuda::buffers::tests::the_kernels_run_on_the_host_as_their_definitions"),
-        ("add.cu", "ops::add::gpu::tests::the_kernels_run_on_the_host_as_the_cpu"),
-        ("multiply.cu", "ops::multiply::gpu::tests::the_kernels_run_on_the_host_as_the_cpu"),
-        ("concatenate.cu", "ops::concatenate::gpu::tests::the_kernels_run_on_the_host_as_the_cpu"),
     ];
 
     #[test]

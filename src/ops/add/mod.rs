@@ -42,7 +42,7 @@ impl Add {
     pub const SPEC: LayerType = LayerType {
         name: "add",
         fields: "none (2 or more inputs of one shape)",
-        example: (&[2, 3], r#"{"type": "add"}"#),
+        example: (&[2, 3], r#"{"type": "add", "inbound": ["input", "input"]}"#),
         parse: |_| {
             Ok(Build::merge(|inputs| {
                 meet(inputs)?;

@@ -177,17 +177,3 @@ pub(crate) fn host_check(k: &crate::cuda::host::Checker) {
         }
     }
 }
-
-#[cfg(test)]
-mod tests {
-    /// The host check, run here until the graph lists this op among the layer types (whose
-    /// conformance test runs every op's host check, held to every kernel of its file).
-    #[test]
-    fn the_kernels_run_on_the_host_as_the_cpu() {
-        const TEST: &str = "the_kernels_run_on_the_host_as_the_cpu";
-        let Some(k) = crate::cuda::host::checker_or_skip(TEST, crate::train::kernel_files) else { return };
-        super::host_check(&k);
-        let declared: std::collections::BTreeSet<String> = super::KERNELS.kernels.iter().map(|k| k.name()).collect();
-        assert_eq!(k.ran(), declared, "the kernels the host check ran vs those of {}", super::KERNELS.name);
-    }
-}

@@ -53,7 +53,7 @@ impl Concatenate {
     pub const SPEC: LayerType = LayerType {
         name: "concatenate",
         fields: "`axis` (-1; counting the batch as axis 0, as Keras does; negative from the last)",
-        example: (&[2, 3], r#"{"type": "concatenate", "axis": -1}"#),
+        example: (&[2, 3], r#"{"type": "concatenate", "axis": -1, "inbound": ["input", "input"]}"#),
         parse: |f| {
             let axis = f.custom("axis", read_axis, |&a| json!(a))?;
             Ok(Build::merge(move |inputs| {

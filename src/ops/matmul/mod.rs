@@ -46,7 +46,7 @@ impl MatMul {
     pub const SPEC: LayerType = LayerType {
         name: "matmul",
         fields: "none (2 inputs, (..., M, K) and (..., K, N))",
-        example: (&[2, 3, 3], r#"{"type": "matmul"}"#),
+        example: (&[2, 3, 3], r#"{"type": "matmul", "inbound": ["input", "input"]}"#),
         parse: |_| {
             Ok(Build::merge(|inputs| {
                 meet(inputs)?;

@@ -40,7 +40,7 @@ impl Multiply {
     pub const SPEC: LayerType = LayerType {
         name: "multiply",
         fields: "none (2 or more inputs of one shape)",
-        example: (&[2, 3], r#"{"type": "multiply"}"#),
+        example: (&[2, 3], r#"{"type": "multiply", "inbound": ["input", "input"]}"#),
         parse: |_| {
             Ok(Build::merge(|inputs| {
                 meet(inputs)?;
