@@ -113,3 +113,13 @@ fn the_convnet_holds_its_estimate_with_and_without_checkpoints() {
     let with = TrainConfig { checkpoint: Some(policy(dir.path(), "convnet")), ..config(64) };
     check("the convnet with checkpoints", measured(&model, &train, &test, &devices, &with));
 }
+
+#[test]
+fn the_densenet_holds_its_estimate() {
+    // A graph whose concatenations keep every feature map of a block alive until the
+    // block's last layer has read it (issue 42: within 1.5× of the peak).
+    let _one = ONE_AT_A_TIME.lock();
+    let model = models::densenet(&models::DensenetConfig::default()).unwrap();
+    let (train, test) = digits(128);
+    check("the densenet", measured(&model, &train, &test, &Devices::cpu(2, 1).unwrap(), &config(64)));
+}

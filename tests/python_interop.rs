@@ -117,12 +117,13 @@ struct Case {
 
 /// Every built-in model (src/cli/mod.rs's ModelName), the GPT smaller than its defaults
 /// so that its sizes are read from the flags on both sides.
-const CASES: [Case; 6] = [
+const CASES: [Case; 7] = [
     Case { name: "toy", flags: &["--data", "toy"], sizes: "" },
     Case { name: "convnet", flags: &["--data", "images.safetensors"], sizes: "" },
     Case { name: "convnet-nobn", flags: &["--data", "images.safetensors"], sizes: "" },
     Case { name: "resnet8", flags: &["--data", "images.safetensors"], sizes: "" },
     Case { name: "resnet20", flags: &["--data", "images.safetensors"], sizes: "" },
+    Case { name: "densenet", flags: &["--data", "images.safetensors"], sizes: "" },
     Case {
         name: "gpt",
         flags: &["--data", "text:text.txt", "--context", "32", "--layers", "2", "--heads", "2", "--width", "64"],
