@@ -1,13 +1,15 @@
-// attention.cu — what causal self-attention needs besides its matrix products.
+// attention.cu — what attention needs besides its matrix products (causal self-attention, and
+// scaled_dot_product_attention of q, k and v).
 //
 // Owns: the head split and merge (a permutation between the projections' rows and the
-// per-head layout the strided-batched GEMMs read), and the causal softmax over T with its
-// gradient. Leaves every product (the projections, q·kᵀ, P·v and their gradients) to
-// cuBLAS, the dropout of the probabilities and of the output to dropout.cu (the masks
-// ops::attention draws on the CPU, bit for bit), and the order of the launches to
-// src/ops/attention/'s GPU form. The CPU reference is causal_softmax_row and
-// causal_softmax_row_bwd (src/ops/attention/cpu.rs); the host check in
-// src/ops/attention/gpu.rs runs these kernels against them.
+// per-head layout the strided-batched GEMMs read), and the softmax over T, causal or not,
+// with its gradient. Leaves every product (the projections, q·kᵀ, P·v and their
+// gradients) to cuBLAS, the dropout of the probabilities and of the output to dropout.cu
+// (the masks ops::attention draws on the CPU, bit for bit), and the order of the launches
+// to the GPU forms of src/ops/attention/ and src/ops/sdpa/ (scaled_dot_product_attention,
+// which launches the softmax on its own q, k and v). The CPU reference is softmax_row and
+// softmax_row_bwd (src/ops/attention/cpu.rs); the host check in src/ops/attention/gpu.rs
+// runs these kernels against them.
 //
 // Shapes: N batch, T positions, H heads, D the head width, C = H*D; P parts (3 for the
 // fused q, k, v; 1 for a single tensor).
@@ -70,20 +72,22 @@ __device__ void attention_block_sum(float* v) {
     __syncthreads();
 }
 
-// The causal softmax of the scores, one block per row (a grid-stride loop over rows):
-// row r of (N*H*T, T) is position i = r % T, whose live columns are j <= i:
-//   z_j = scale * s_j, m = max_{j<=i} z_j, e_j = exp(z_j - m), p_j = e_j * (1 / sum_{j<=i} e_j),
-//   p_j = 0 for j > i (the mask's -inf).
+// The softmax of the scores, one block per row (a grid-stride loop over rows): row r of
+// (N*H*T, T) is position i = r % T, whose live columns are j <= last, last = i when
+// `causal` is nonzero, T - 1 otherwise:
+//   z_j = scale * s_j, m = max_{j<=last} z_j, e_j = exp(z_j - m),
+//   p_j = e_j * (1 / sum_{j<=last} e_j), p_j = 0 for j > last (the mask's -inf).
 // Thread k handles columns k, k + ATTENTION_BLOCK, ...; its partial sums run in that order and
 // the tree above joins them, so a row's result is a function of T alone. The _rn
 // intrinsics keep NVRTC from contracting scale*s - m into an FMA, which the CPU does not do.
 // s, p: (rows, T); may not alias.
-extern "C" __global__ void attention_softmax_fwd_f32(const float* s, float* p, int rows, int t, float scale) {
+extern "C" __global__ void attention_softmax_fwd_f32(const float* s, float* p, int rows, int t, float scale,
+                                                     int causal) {
     __shared__ float red[ATTENTION_BLOCK];
     for (size_t r = blockIdx.x; r < (size_t)rows; r += gridDim.x) {
         const float* sr = s + r * t;
         float* pr = p + r * t;
-        const int live = (int)(r % t) + 1;
+        const int live = causal ? (int)(r % t) + 1 : t;
         float mx = __int_as_float((int)0xff800000);  // -inf
         for (int j = threadIdx.x; j < live; j += ATTENTION_BLOCK) mx = fmaxf(mx, __fmul_rn(sr[j], scale));
         red[threadIdx.x] = mx;
@@ -104,18 +108,18 @@ extern "C" __global__ void attention_softmax_fwd_f32(const float* s, float* p, i
     }
 }
 
-// The gradient of the causal softmax by the scores (scaled), one block per row:
-//   dot = sum_{j<=i} dp_j * p_j, ds_j = scale * (p_j * (dp_j - dot)) for j <= i, ds_j = 0 beyond,
-// the partial sums and their tree as in the forward.
+// The gradient of the softmax by the scores (scaled), one block per row, `last` as in the
+// forward: dot = sum_{j<=last} dp_j * p_j, ds_j = scale * (p_j * (dp_j - dot)) for
+// j <= last, ds_j = 0 beyond, the partial sums and their tree as in the forward.
 // p, dp, ds: (rows, T); ds may not alias the others.
 extern "C" __global__ void attention_softmax_bwd_f32(const float* p, const float* dp, float* ds, int rows, int t,
-                                                     float scale) {
+                                                     float scale, int causal) {
     __shared__ float red[ATTENTION_BLOCK];
     for (size_t r = blockIdx.x; r < (size_t)rows; r += gridDim.x) {
         const float* pr = p + r * t;
         const float* dr = dp + r * t;
         float* sr = ds + r * t;
-        const int live = (int)(r % t) + 1;
+        const int live = causal ? (int)(r % t) + 1 : t;
         float dot = 0.0f;
         for (int j = threadIdx.x; j < live; j += ATTENTION_BLOCK) dot = __fadd_rn(dot, __fmul_rn(dr[j], pr[j]));
         red[threadIdx.x] = dot;

@@ -12,7 +12,12 @@
 // Padding is asymmetric (top/left/bottom/right); only top and left appear here because
 // bottom and right are already folded into OH = (H + PT + PB - KH)/SH + 1 (and OW alike)
 // by the host, and reads past the bottom/right edge fall in the zero padding.
-// No dilation, no groups.
+// No dilation.
+//
+// Groups (G > 1): the weight is (O, C/G, KH, KW), group k mapping channels k*C/G.. to
+// filters k*O/G... A group of a few channels (a depthwise convolution) runs by the direct
+// kernels below (conv2d_direct_*), a wider one by im2col and one GEMM a group on the host
+// side; both sum their weight gradient per sample, then conv2d_params_sum adds the samples.
 
 #define GRID_STRIDE(i, n) \
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < (n); \
@@ -105,4 +110,124 @@ extern "C" __global__ void bias_nchw_bwd_f32(const float* dy, float* dbias, int 
         __syncthreads();
     }
     if (threadIdx.x == 0) dbias[ch] += part[0];
+}
+
+// ---- groups: the direct path ----------------------------------------------------------------
+// src/ops/conv2d/cpu.rs's `Direct` is the reference: every sum below is its sum, term for
+// term in its order, from 0, uncontracted. Where the CPU adds w*0 for a padded position,
+// these skip it: the same sum, since a sum from +0 is never -0 and adding +-0 to anything
+// else leaves it. The geometry is the window's 12 ints, then O and G.
+
+// y[n, f, oy, ox] = sum over ci, i, j (in that order) of
+//   w[f, ci, i, j] * x[n, k*C/G + ci, oy*SH - PT + i, ox*SW - PL + j],  k = f / (O/G).
+// x: (N, C, H, W), weight: (O, C/G, KH, KW) -> y: (N, O, OH, OW), WRITTEN
+extern "C" __global__ void conv2d_direct_fwd_f32(const float* x, const float* weight, float* y,
+                                                 int n, int c, int h, int w, int kh, int kw,
+                                                 int sh, int sw, int pt, int pl, int oh, int ow,
+                                                 int o, int groups) {
+    const int cpg = c / groups, opg = o / groups;
+    const size_t total = (size_t)n * o * oh * ow;
+    GRID_STRIDE(idx, total) {
+        const int ox = (int)(idx % ow), oy = (int)((idx / ow) % oh);
+        const int f = (int)((idx / ((size_t)ow * oh)) % o);
+        const size_t s = idx / ((size_t)ow * oh * o);
+        const int k = f / opg;
+        float acc = 0.0f;
+        for (int ci = 0; ci < cpg; ++ci) {
+            const float* xc = x + (s * c + (size_t)k * cpg + ci) * h * w;
+            const float* wf = weight + ((size_t)f * cpg + ci) * kh * kw;
+            for (int i = 0; i < kh; ++i) {
+                const int yy = oy * sh - pt + i;
+                if (yy < 0 || yy >= h) continue;
+                for (int j = 0; j < kw; ++j) {
+                    const int xx = ox * sw - pl + j;
+                    if (xx < 0 || xx >= w) continue;
+                    acc = __fadd_rn(acc, __fmul_rn(wf[i * kw + j], xc[(size_t)yy * w + xx]));
+                }
+            }
+        }
+        y[idx] = acc;
+    }
+}
+
+// dx[n, ch, y, x] = sum over the group's filters f = k*O/G + fl, then i, then j (each
+// ascending) of w[f, ch - k*C/G, i, j] * dy[n, f, oy, ox] for the taps with
+// oy*SH = y + PT - i and ox*SW = x + PL - j inside dy; k = ch / (C/G). One thread per
+// element of dx, no atomics.
+// dy: (N, O, OH, OW), weight: (O, C/G, KH, KW) -> dx: (N, C, H, W), WRITTEN
+extern "C" __global__ void conv2d_direct_bwd_f32(const float* dy, const float* weight, float* dx,
+                                                 int n, int c, int h, int w, int kh, int kw,
+                                                 int sh, int sw, int pt, int pl, int oh, int ow,
+                                                 int o, int groups) {
+    const int cpg = c / groups, opg = o / groups;
+    const size_t total = (size_t)n * c * h * w;
+    GRID_STRIDE(idx, total) {
+        const int xx = (int)(idx % w), yy = (int)((idx / w) % h);
+        const int ch = (int)((idx / ((size_t)w * h)) % c);
+        const size_t s = idx / ((size_t)w * h * c);
+        const int k = ch / cpg, ci = ch % cpg;
+        float acc = 0.0f;
+        for (int fl = 0; fl < opg; ++fl) {
+            const int f = k * opg + fl;
+            const float* wf = weight + ((size_t)f * cpg + ci) * kh * kw;
+            const float* dyf = dy + (s * o + f) * oh * ow;
+            for (int i = 0; i < kh; ++i) {
+                const int ty = yy + pt - i;  // = oy * sh
+                if (ty < 0 || ty % sh != 0 || ty / sh >= oh) continue;
+                const int oy = ty / sh;
+                for (int j = 0; j < kw; ++j) {
+                    const int tx = xx + pl - j;  // = ox * sw
+                    if (tx < 0 || tx % sw != 0 || tx / sw >= ow) continue;
+                    acc = __fadd_rn(acc, __fmul_rn(wf[i * kw + j], dyf[(size_t)oy * ow + tx / sw]));
+                }
+            }
+        }
+        dx[idx] = acc;
+    }
+}
+
+// One sample's weight gradient, per sample (the samples are added by conv2d_params_sum):
+// part[n, f, ci, i, j] = sum over ox of (sum over oy of dy[n, f, oy, ox] * x[n, k*C/G + ci,
+// oy*SH - PT + i, ox*SW - PL + j]), each column's sum over the rows first, k = f / (O/G).
+// x: (N, C, H, W), dy: (N, O, OH, OW) -> part: (N, O, C/G, KH, KW), WRITTEN
+extern "C" __global__ void conv2d_direct_params_bwd_f32(const float* x, const float* dy,
+                                                        float* part, int n, int c, int h, int w,
+                                                        int kh, int kw, int sh, int sw, int pt,
+                                                        int pl, int oh, int ow, int o,
+                                                        int groups) {
+    const int cpg = c / groups, opg = o / groups;
+    const size_t total = (size_t)n * o * cpg * kh * kw;
+    GRID_STRIDE(idx, total) {
+        const int j = (int)(idx % kw), i = (int)((idx / kw) % kh);
+        const int ci = (int)((idx / ((size_t)kw * kh)) % cpg);
+        const int f = (int)((idx / ((size_t)kw * kh * cpg)) % o);
+        const size_t s = idx / ((size_t)kw * kh * cpg * o);
+        const float* xc = x + (s * c + (size_t)(f / opg) * cpg + ci) * h * w;
+        const float* dyf = dy + (s * o + f) * oh * ow;
+        float tot = 0.0f;
+        for (int ox = 0; ox < ow; ++ox) {
+            const int xx = ox * sw - pl + j;
+            if (xx < 0 || xx >= w) continue;
+            float col = 0.0f;
+            for (int oy = 0; oy < oh; ++oy) {
+                const int yy = oy * sh - pt + i;
+                if (yy < 0 || yy >= h) continue;
+                col = __fadd_rn(col, __fmul_rn(dyf[(size_t)oy * ow + ox], xc[(size_t)yy * w + xx]));
+            }
+            tot = __fadd_rn(tot, col);
+        }
+        part[idx] = tot;
+    }
+}
+
+// dweight[i] += (part[0, i] + part[1, i] + ... + part[N-1, i]): the samples' weight
+// gradients summed in sample order from 0, then ACCUMULATED.
+// part: (N, len) -> dweight: (len)
+extern "C" __global__ void conv2d_params_sum_bwd_f32(const float* part, float* dweight, int n,
+                                                     size_t len) {
+    GRID_STRIDE(i, len) {
+        float acc = 0.0f;
+        for (int s = 0; s < n; ++s) acc = __fadd_rn(acc, part[(size_t)s * len + i]);
+        dweight[i] = __fadd_rn(dweight[i], acc);
+    }
 }

@@ -16,7 +16,8 @@ are the ones this project's PyTorch references already train, kept here by impor
 each is written once: the convnet's is scripts/torch_convnet.py's (the benchmark's), the
 ResNets' scripts/torch_resnet.py's (the residual networks' reference cases), the
 DenseNet's scripts/torch_densenet_model.py's (its reference cases' and benchmark's), the GPT's
-scripts/torch_gpt_model.py's (the transformer's reference cases).
+scripts/torch_gpt_model.py's (the transformer's reference cases), the Llama's
+scripts/torch_llama_model.py's (its reference case).
 
 A module is built for the sizes of the run that saved the file; the defaults below are
 the command line's for the built-in data (`--data toy`, `digits`, `fashion-mnist`,
@@ -34,9 +35,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from torch_convnet import Convnet  # noqa: E402
 from torch_densenet_model import DenseNet  # noqa: E402
 from torch_gpt_model import GPT, GPTConfig  # noqa: E402
+from torch_llama_model import Llama, LlamaConfig  # noqa: E402
 from torch_resnet import ResNet  # noqa: E402
 
-NAMES = ("toy", "convnet", "convnet-nobn", "resnet8", "resnet20", "densenet", "gpt")
+NAMES = ("toy", "convnet", "convnet-nobn", "resnet8", "resnet20", "densenet", "gpt", "llama")
 
 
 class ToyMLP(nn.Module):
@@ -58,10 +60,13 @@ def build(name, classes=None, inputs=2, input_chw=(1, 28, 28), context=64, layer
     """The PyTorch module of lockstep's built-in model `name` (one of NAMES).
 
     classes: the output count (`--classes`, else the data's): 2 for the toy, 10 for the
-             convnets, ResNets and the DenseNet, the vocabulary (256, bytes) for the GPT.
+             convnets, ResNets and the DenseNet, the vocabulary (256, bytes) for the GPT and
+             the Llama.
     inputs:  the toy's features per sample (2 for `--data toy`).
     input_chw: the convnets' image (channels, height, width); the ResNets and the DenseNet take 1×28×28.
-    context, layers, heads, width: the GPT's `--context`, `--layers`, `--heads`, `--width`.
+    context, layers, heads, width: the GPT's and the Llama's `--context`, `--layers`,
+             `--heads`, `--width` (the Llama's feed-forward width follows from `width`
+             by Meta's rule, multiple_of 256, as `--model llama` builds it).
     """
     if name == "toy":
         return ToyMLP(inputs, classes or 2)
@@ -74,4 +79,7 @@ def build(name, classes=None, inputs=2, input_chw=(1, 28, 28), context=64, layer
     if name == "gpt":
         config = GPTConfig(block_size=context, vocab_size=classes or 256, n_layer=layers, n_head=heads, n_embd=width)
         return GPT(config)
+    if name == "llama":
+        config = LlamaConfig(max_seq_len=context, vocab_size=classes or 256, n_layers=layers, n_heads=heads, dim=width)
+        return Llama(config)
     raise ValueError(f"{name!r} is not a built-in model: expected one of {', '.join(NAMES)}")

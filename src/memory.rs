@@ -29,7 +29,7 @@
 //! step frees for the next step, as the command line's allocator is told to.
 
 use crate::error::{Error, Result};
-use crate::nn::{Graph, LayerMemory};
+use crate::nn::{Graph, LayerMemory, Source};
 use crate::units::human;
 
 /// Asks the C library's allocator to keep the memory each step frees for the next one,
@@ -218,8 +218,44 @@ pub fn shard_activations(model: &Graph, batch: usize, threads: usize) -> u64 {
         widest = widest.max(shapes.output.numel() as u64);
     }
     let workspace = workspace.saturating_add(lent(model, batch));
-    let around = widest.saturating_mul(2 * F32).saturating_add(model.input_shape().numel() as u64 * F32);
+    // Around the running node: its input and output in a chain, every value still to be
+    // read in a graph (and, in the backward, their gradients, as many).
+    let around = (2 * widest).max(live_peak(model));
+    let around = around.saturating_mul(F32).saturating_add(model.input_shape().numel() as u64 * F32);
     kept.saturating_add(around).saturating_mul(batch as u64).saturating_add(workspace)
+}
+
+/// The most values a sample has alive at once around a node of `model`: the output of the
+/// node running, and every value (the model's inputs, earlier nodes' outputs) that it or a
+/// later node still reads — the graph's liveness, as `Graph::forward` frees each value
+/// after its last reader. For a chain, the running node's input and output.
+pub fn live_peak(model: &Graph) -> u64 {
+    let sources = model.sources();
+    let n = sources.len();
+    // The last node that reads each value (every value is read: `Graph::build` checks).
+    let mut last_input = vec![0usize; model.inputs().len()];
+    let mut last_node = vec![0usize; n];
+    for (j, srcs) in sources.iter().enumerate() {
+        for &s in srcs {
+            match s {
+                Source::Input(k) => last_input[k] = last_input[k].max(j),
+                Source::Node(i) => last_node[i] = last_node[i].max(j),
+            }
+        }
+    }
+    let shapes = model.layer_shapes();
+    let size = |s: Source| match s {
+        Source::Input(k) => model.inputs()[k].1.numel() as u64,
+        Source::Node(i) => shapes[i].output.numel() as u64,
+    };
+    (0..n)
+        .map(|j| {
+            let inputs = (0..last_input.len()).filter(|&k| last_input[k] >= j).map(|k| size(Source::Input(k)));
+            let nodes = (0..j).filter(|&i| last_node[i] >= j).map(|i| size(Source::Node(i)));
+            inputs.chain(nodes).sum::<u64>() + size(Source::Node(j))
+        })
+        .max()
+        .unwrap_or(0)
 }
 
 /// Bytes of an evaluation forward of `batch` samples: no caches, only the widest input
@@ -228,7 +264,8 @@ pub fn shard_activations(model: &Graph, batch: usize, threads: usize) -> u64 {
 pub fn eval_activations(model: &Graph, batch: usize) -> u64 {
     let widest = model.layer_shapes().iter().map(|s| s.output.numel() as u64).max().unwrap_or(0);
     let widest = widest.max(model.input_shape().numel() as u64);
-    let per_sample = widest.saturating_mul(2 * F32).saturating_add(model.input_shape().numel() as u64 * F32);
+    let per_sample =
+        (2 * widest).max(live_peak(model)).saturating_mul(F32).saturating_add(model.input_shape().numel() as u64 * F32);
     let memories = model.layers().iter().zip(model.layer_shapes()).filter_map(|(l, s)| l.memory(s));
     let per_layer = memories.map(|m| m.per_layer).max().unwrap_or(0);
     per_sample.saturating_mul(batch as u64).saturating_add(lent(model, batch)).saturating_add(per_layer)

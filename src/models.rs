@@ -19,6 +19,11 @@
 //!   positional embeddings → dropout → n blocks of `x + attn(ln_1(x))`,
 //!   `x + mlp(ln_2(x))` (MLP: Dense 4C, GELU, Dense C, dropout) → LayerNorm → a head
 //!   tied to the token embedding, a logit per position and token.
+//! * [`llama`]: Meta's Llama (`llama/model.py`'s `Transformer`): a token embedding (no
+//!   position table) → n blocks of `h = x + attention(attention_norm(x))`,
+//!   `out = h + feed_forward(ffn_norm(h))` (RMSNorm; attention with RoPE on q and k, no
+//!   biases; the SwiGLU feed-forward `w2(silu(w1(x)) · w3(x))`) → RMSNorm → an untied
+//!   head. Written node by node with the functional API (`nn::Value`).
 //!
 //! # Tensor names (the same as the PyTorch reference models' `state_dict`)
 //! | model | names |
@@ -28,15 +33,16 @@
 //! | convnet-nobn | as convnet without the `bn*` tensors |
 //! | gpt | nanoGPT's `state_dict` keys: `transformer.wte.weight` (V, C), `transformer.wpe.weight` (T, C), `transformer.h.{i}.ln_1.{weight,bias}`, `transformer.h.{i}.attn.c_attn.{weight,bias}` (3C, C), `transformer.h.{i}.attn.c_proj.{weight,bias}`, `transformer.h.{i}.ln_2.*`, `transformer.h.{i}.mlp.c_fc.{weight,bias}` (4C, C), `transformer.h.{i}.mlp.c_proj.{weight,bias}` (C, 4C), `transformer.ln_f.{weight,bias}`, and `lm_head.weight`, an alias of `transformer.wte.weight` (tied) |
 //! | densenet | the PyTorch module's of [`densenet`]'s docs: `features.conv0.weight` (24, 1, 3, 3), `features.denseblock{b}.denselayer{i}.norm1.{weight,bias,running_mean,running_var,num_batches_tracked}`, `….conv1.weight` (48, C, 1, 1), `….norm2.*`, `….conv2.weight` (12, 48, 3, 3), `features.transition{b}.norm.*`, `features.transition{b}.conv.weight` (C/2, C, 1, 1), `features.norm_final.*`, `classifier.weight` (10, 90), `classifier.bias` |
+//! | llama | Meta's `state_dict` keys: `tok_embeddings.weight` (V, C), `layers.{i}.attention_norm.weight` (C), `layers.{i}.attention.{wq,wk,wv,wo}.weight` (C, C), `layers.{i}.ffn_norm.weight`, `layers.{i}.feed_forward.{w1,w3}.weight` (F, C), `layers.{i}.feed_forward.w2.weight` (C, F), `norm.weight`, `output.weight` (V, C) |
 //! | resnet8, resnet20 | the PyTorch module's of [`resnet`]'s docs: `stem.0.weight`, `stem.1.{weight,bias,running_mean,running_var,num_batches_tracked}`, `blocks.{k}.conv1.weight`, `blocks.{k}.bn1.*`, `blocks.{k}.conv2.weight`, `blocks.{k}.bn2.*`, `blocks.{k}.short.0.weight`, `blocks.{k}.short.1.*` (the blocks that change shape), `head.weight` (10, 64), `head.bias` |
 
 use crate::error::Error;
 use crate::error::Result;
 use crate::nn::Graph;
 use crate::nn::{
-    Activation, AvgPool2d, BatchNorm2d, Call, CausalSelfAttention, Concatenate, Conv2d, Dropout, Embedding, Gelu,
-    GlobalAvgPool2d, Init, Layer, LayerNorm, Linear, Padding, PositionalEmbedding, Relu, Rescaling, Residual,
-    Sequential, Value,
+    Activation, Add, AttentionMask, AvgPool2d, BatchNorm2d, Call, CausalSelfAttention, Concatenate, Conv2d, Dropout,
+    Embedding, Gelu, GlobalAvgPool2d, Init, Layer, LayerNorm, Linear, Multiply, Padding, Permute, PositionalEmbedding,
+    Relu, Rescaling, Reshape, Residual, RmsNorm, RotaryEmbedding, ScaledDotProductAttention, Sequential, Silu, Value,
 };
 
 /// Whether the convnet normalises after each convolution.
@@ -431,6 +437,149 @@ pub fn gpt(config: GptConfig) -> Result<Graph> {
     let head = Linear::new(width, vocab).without_bias().with_init(normal(0.02)).tied_to("transformer.wte.weight");
     net.push(named("lm_head", Box::new(head)));
     Sequential::named([context], net)
+}
+
+/// The rounding of Meta's feed-forward width (`ModelArgs.multiple_of`, 256 by default).
+pub const LLAMA_MULTIPLE_OF: usize = 256;
+
+/// Meta's hidden width F of the SwiGLU feed-forward for a model `width` C wide (its
+/// `FeedForward.__init__`, given 4C): two thirds of 4C, so that its three matrices hold
+/// about the weights of a 4C MLP's two, rounded up to a multiple of `multiple_of`:
+/// F = multiple_of · ⌈⌊8C/3⌋ / multiple_of⌉. C = 128, 256: ⌊1024/3⌋ = 341 → 512;
+/// C = 32, 32: 85 → 96; C = 4096 (Llama 2's 7B), 256: 10922 → 11008.
+pub fn llama_hidden(width: usize, multiple_of: usize) -> usize {
+    let hidden = 2 * (4 * width) / 3;
+    multiple_of * hidden.div_ceil(multiple_of)
+}
+
+/// Meta's Llama `ModelArgs` at a small size (lockstep's `--model llama` flags).
+#[derive(Clone, Copy, PartialEq, Debug)]
+pub struct LlamaConfig {
+    /// `max_seq_len`: the window T of the model's input. No tensor depends on it (the
+    /// positions enter through RoPE's angles), so a weights file records it
+    /// (`weights::CONTEXT_KEY`).
+    pub context: usize,
+    /// `vocab_size`: 256 for bytes.
+    pub vocab: usize,
+    /// `n_layers`.
+    pub layers: usize,
+    /// `n_heads`; the width must be heads of an even width D (RoPE turns pairs).
+    pub heads: usize,
+    /// `dim`: C.
+    pub width: usize,
+    /// The feed-forward's hidden width F: [`llama_hidden`] of the width, as Meta computes it.
+    pub hidden: usize,
+    /// `norm_eps` of every RMSNorm: 1e-5.
+    pub norm_eps: f32,
+    /// `rope_theta`: RoPE's base, 10000.
+    pub rope_base: f32,
+}
+
+impl LlamaConfig {
+    /// A Llama of these sizes, its feed-forward width Meta's rule with `multiple_of` 256,
+    /// its eps and RoPE base Meta's defaults.
+    pub fn new(context: usize, vocab: usize, layers: usize, heads: usize, width: usize) -> LlamaConfig {
+        let hidden = llama_hidden(width, LLAMA_MULTIPLE_OF);
+        LlamaConfig { context, vocab, layers, heads, width, hidden, norm_eps: 1e-5, rope_base: 10_000.0 }
+    }
+}
+
+impl Default for LlamaConfig {
+    /// The GPT's CPU recipe's sizes (nanoGPT's README): 4 layers, 4 heads, 128 wide, a
+    /// window of 64, bytes; the feed-forward 512 wide.
+    fn default() -> Self {
+        let g = GptConfig::default();
+        LlamaConfig::new(g.context, g.vocab, g.layers, g.heads, g.width)
+    }
+}
+
+/// Meta's Llama for `config`, its tensors named as Meta's `state_dict` (the module's
+/// table) and initialised as scripts/torch_llama_model.py initialises: N(0, 0.02) for
+/// every projection and the token table, the residual projections (`attention.wo`,
+/// `feed_forward.w2`) N(0, (0.02/√(2·layers))²), the RMSNorm weights ones. No dropout
+/// (Meta's has none), no biases. Input: (T) token ids; output: (T, V) logits.
+pub fn llama(config: LlamaConfig) -> Result<Graph> {
+    let LlamaConfig { context, vocab, layers, heads, width, hidden, norm_eps, rope_base } = config;
+    if layers == 0 {
+        return Err(Error::config("layers", "a Llama needs at least one layer"));
+    }
+    if heads == 0 || width % heads != 0 || (width / heads) % 2 != 0 {
+        return Err(Error::config(
+            "heads",
+            format!("{heads} heads do not cut the width {width} into heads of an even width (RoPE turns pairs)"),
+        ));
+    }
+    let residual_std = (0.02 / (2.0 * layers as f64).sqrt()) as f32;
+    let sizes = Sizes { heads, width, hidden, residual_std, rope_base };
+    let tokens = Value::input([context]);
+    let mut x = Embedding::new(vocab, width)?.named("tok_embeddings").call(&tokens); // (T, C)
+    for i in 0..layers {
+        let at = |part: &str| format!("layers.{i}.{part}");
+        // h = x + attention(attention_norm(x))
+        let a = RmsNorm::new(width).eps(norm_eps).named(at("attention_norm")).call(&x);
+        let a = attention(&a, &at("attention"), &sizes)?;
+        let h = Add::new().named(at("attention_residual")).call_many(&[&x, &a]);
+        // out = h + feed_forward(ffn_norm(h))
+        let f = RmsNorm::new(width).eps(norm_eps).named(at("ffn_norm")).call(&h);
+        let f = feed_forward(&f, &at("feed_forward"), &sizes);
+        x = Add::new().named(at("ffn_residual")).call_many(&[&h, &f]);
+    }
+    let x = RmsNorm::new(width).eps(norm_eps).named("norm").call(&x);
+    let head = Linear::new(width, vocab).without_bias().with_init(Init::Normal { std: 0.02 });
+    head.named("output").call(&x).model() // (T, V)
+}
+
+/// The sizes one Llama block is built of.
+struct Sizes {
+    heads: usize,
+    width: usize,
+    hidden: usize,
+    residual_std: f32,
+    rope_base: f32,
+}
+
+/// A bias-free projection from `from` to `to` features, N(0, std²).
+fn projection(from: usize, to: usize, std: f32) -> Linear {
+    Linear::new(from, to).without_bias().with_init(Init::Normal { std })
+}
+
+/// Meta's `Attention.forward` (no cache) on x: (T, C), its nodes named under `at`.
+fn attention(x: &Value, at: &str, s: &Sizes) -> Result<Value> {
+    let (h, c) = (s.heads, s.width);
+    let d = (c / h) as i64;
+    let node = |name: &str| format!("{at}.{name}");
+    let xq = projection(c, c, 0.02).named(node("wq")).call(x); // (T, C)
+    let xk = projection(c, c, 0.02).named(node("wk")).call(x);
+    let xv = projection(c, c, 0.02).named(node("wv")).call(x);
+    // .view(T, H, D): the window is read from the input, so that a shorter one (a
+    // prompt's first tokens) runs too.
+    let by_heads = |v: &Value, name: &str| -> Result<Value> {
+        Ok(Reshape::new(&[-1, h as i64, d])?.named(node(name)).call(v)) // (T, H, D)
+    };
+    let (xq, xk, xv) = (by_heads(&xq, "q_heads")?, by_heads(&xk, "k_heads")?, by_heads(&xv, "v_heads")?);
+    let rope = || RotaryEmbedding::new().with_base(s.rope_base);
+    let xq = rope()?.named(node("q_rope")).call(&xq); // (T, H, D)
+    let xk = rope()?.named(node("k_rope")).call(&xk);
+    // .transpose(1, 2): (T, H, D) → (H, T, D), Permute's dims counted from 1.
+    let transpose =
+        |v: &Value, name: &str| -> Result<Value> { Ok(Permute::new(&[2, 1, 3])?.named(node(name)).call(v)) };
+    let (q, k, v) = (transpose(&xq, "q_t")?, transpose(&xk, "k_t")?, transpose(&xv, "v_t")?); // (H, T, D)
+    let y = ScaledDotProductAttention::new(AttentionMask::Causal).named(node("sdpa")).call_many(&[&q, &k, &v]);
+    let y = transpose(&y, "y_t")?; // (T, H, D)
+    let y = Reshape::new(&[-1, c as i64])?.named(node("y_merged")).call(&y); // (T, C)
+    Ok(projection(c, c, s.residual_std).named(node("wo")).call(&y))
+}
+
+/// Meta's `FeedForward.forward`, SwiGLU, on x: (T, C), its nodes named under `at`:
+/// w2(silu(w1(x)) · w3(x)).
+fn feed_forward(x: &Value, at: &str, s: &Sizes) -> Value {
+    let node = |name: &str| format!("{at}.{name}");
+    let gate = projection(s.width, s.hidden, 0.02).named(node("w1")).call(x); // (T, F)
+    let gate = Silu::new().named(node("silu")).call(&gate);
+    let up = projection(s.width, s.hidden, 0.02).named(node("w3")).call(x); // (T, F)
+    let gated = Multiply::new().named(node("gate")).call_many(&[&gate, &up]); // (T, F)
+    projection(s.hidden, s.width, s.residual_std).named(node("w2")).call(&gated)
+    // (T, C)
 }
 
 #[cfg(test)]

@@ -9,8 +9,9 @@ pub use crate::model::{
 };
 pub use crate::ops::cross_entropy as loss;
 pub use crate::ops::{
-    merge_takes_several, Activation, Add, Arity, AvgPool2d, BatchNorm2d, CausalSelfAttention, Concatenate, Conv2d, Ctx,
-    Dropout, Embedding, Flatten, Gelu, GlobalAvgPool2d, Init, InputGrad, Layer, LayerMemory, LayerNorm, LayerShapes,
-    LayerType, Linear, MatMul, MaxPool2d, Mode, Multiply, Padding, ParamSpec, Params, ParamsMut, PositionalEmbedding,
-    ProfileRow, Relu, Rescaling, RmsNorm, Sigmoid, Silu, Softmax, Tanh, Upsample2d, Window2d,
+    merge_takes_several, Activation, Add, Arity, AttentionMask, AvgPool2d, BatchNorm2d, CausalSelfAttention,
+    Concatenate, Conv2d, Ctx, Dropout, Embedding, Flatten, Gelu, GlobalAvgPool2d, Init, InputGrad, Layer, LayerMemory,
+    LayerNorm, LayerShapes, LayerType, Linear, MatMul, MaxPool2d, Mode, Multiply, Padding, ParamSpec, Params,
+    ParamsMut, Permute, PositionalEmbedding, ProfileRow, Relu, Rescaling, Reshape, RmsNorm, RotaryEmbedding,
+    ScaledDotProductAttention, Sigmoid, Silu, Softmax, Split, Tanh, Upsample2d, Window2d,
 };

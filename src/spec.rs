@@ -1,5 +1,6 @@
-//! Model specs: a [`Sequential`] stack described in JSON with Keras's layer names, so a
-//! user can train their own network from the command line (`--model FILE.json`).
+//! Model specs: a model's [`Graph`] described in JSON with Keras's layer names (a stack,
+//! or layers naming their `inbound` ones), so a user can train their own network from the
+//! command line (`--model FILE.json`).
 //!
 //! Owns: the file format — `input_shape`, the `layers` list, the shapes followed through
 //! the stack, every problem an error naming the spec, the layer's index (0-based, its
@@ -198,6 +199,7 @@ impl ModelSpec {
             Error::format(&self.origin, format!("layer {i} ({}): {detail}", self.layers[i].type_name()))
         };
         let mut named: std::collections::HashMap<&str, usize> = std::collections::HashMap::new();
+        let mut shared: Vec<(&str, usize, usize)> = Vec::new();
         for (i, l) in self.layers.iter().enumerate() {
             if let Some(name) = l.name() {
                 if name == INPUT_NAME {
@@ -206,8 +208,11 @@ impl ModelSpec {
                         format!("the name '{INPUT_NAME}' is the model input's: give the layer another"),
                     ));
                 }
+                // Two layers may share a name that prefixes different tensors (nanoGPT's
+                // block is two residual blocks, both `transformer.h.0`); an inbound that
+                // names it is refused below, as it could mean either.
                 if let Some(j) = named.insert(name, i) {
-                    return Err(bad(i, format!("layer {j} is named '{name}' too: each layer's name must be its own")));
+                    shared.push((name, j, i));
                 }
             }
         }
@@ -220,6 +225,10 @@ impl ModelSpec {
                     .iter()
                     .map(|n| match (n.as_str(), named.get(n.as_str())) {
                         (INPUT_NAME, _) => Ok(None),
+                        (_, Some(_)) if shared.iter().any(|(s, _, _)| s == n) => {
+                            let (_, j, k) = shared.iter().find(|(s, _, _)| s == n).expect("found");
+                            Err(bad(i, format!("inbound names '{n}', which layers {j} and {k} are both named: give each its own name")))
+                        }
                         (_, Some(&j)) => Ok(Some(j)),
                         (_, None) => Err(bad(
                             i,
@@ -543,9 +552,11 @@ mod tests {
                {"type": "dense", "units": 2, "inbound": ["b"]}"#,
         ));
         assert!(e.contains("make a cycle: layer 0 ('a'), which reads layer 1 ('b'), which reads layer 0 ('a')"), "{e}");
-        // Two layers of one name; the input's name taken.
-        let e = err(&graph(r#"{"type": "relu", "name": "a"}, {"type": "dense", "units": 2, "name": "a"}"#));
-        assert!(e.contains("layer 1 (dense): layer 0 is named 'a' too"), "{e}");
+        // Two layers of one name that an inbound names; the input's name taken.
+        let e = err(&graph(
+            r#"{"type": "relu", "name": "a"}, {"type": "relu", "name": "a"}, {"type": "dense", "units": 2, "inbound": ["a"]}"#,
+        ));
+        assert!(e.contains("layer 2 (dense): inbound names 'a', which layers 0 and 1 are both named"), "{e}");
         let e = err(&graph(r#"{"type": "relu", "name": "input"}"#));
         assert!(e.contains("the name 'input' is the model input's"), "{e}");
         // A layer whose output nothing reads.
@@ -667,7 +678,7 @@ mod tests {
             .contains("field 'use_bias' must be true or false (got 1)"));
         assert_eq!(
             err(&conv(r#""filters": 2, "kernel_size": 3, "filter": 3"#)),
-            "m.json: layer 1 (conv2d): unknown field 'filter' (expected one of: type, filters, kernel_size, strides, padding, use_bias, activation)"
+            "m.json: layer 1 (conv2d): unknown field 'filter' (expected one of: type, filters, kernel_size, strides, padding, use_bias, activation, groups)"
         );
         assert!(err(&with_layers(r#"{"type": "relu", "alpha": 0.1}"#))
             .contains("layer 0 (relu): unknown field 'alpha' (this layer takes none)"));

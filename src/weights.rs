@@ -11,8 +11,11 @@
 //!
 //! A file's metadata records what its shapes cannot say: the head count of every
 //! attention layer ([`HEADS_KEY`]; a width of 128 is 4 heads of 32 or 2 of 64, the same
-//! tensors either way). Loading into a model of other heads is refused where the file
-//! records them; a file without the entry (a nanoGPT `state_dict`) loads as before.
+//! tensors either way), and the window a model of rotary positions was trained over
+//! ([`CONTEXT_KEY`]; no tensor of a Llama depends on it). Loading into a model of other
+//! heads is refused where the file records them; a file without the entry (a nanoGPT
+//! `state_dict`) loads as before. The window is a record for the loader's builder (the
+//! command line builds the Llama at it), not a condition: rotations of any window load.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -30,9 +33,15 @@ use crate::wire::{bf16_bits, bf16_value, fp16_bits, fp16_value};
 /// has no attention layer.
 pub const HEADS_KEY: &str = "attention_heads";
 
+/// The metadata key of the window (T positions) a model with rotary position
+/// embeddings was trained over, a decimal count; absent when the model has no rotary
+/// embedding (a position table's length is a shape, and a shape is in the file already).
+pub const CONTEXT_KEY: &str = "context";
+
 /// The head count of every attention layer of `model`, in order (inside residual
-/// blocks too), as each layer writes itself back as a spec (`Layer::spec`); a layer of
-/// the user's own, which has no spec form, is not looked into.
+/// blocks too), as each layer writes itself back as a spec (`Layer::spec`), and a
+/// scaled dot-product attention's from its input (H, T, D); a layer of the user's own,
+/// which has no spec form, is not looked into.
 pub fn attention_heads(model: &Graph) -> Vec<usize> {
     fn walk(v: &serde_json::Value, out: &mut Vec<usize>) {
         match v {
@@ -47,12 +56,45 @@ pub fn attention_heads(model: &Graph) -> Vec<usize> {
         }
     }
     let mut heads = Vec::new();
-    for l in model.layers() {
-        if let Some(spec) = l.spec() {
-            walk(&spec, &mut heads);
+    for (l, shapes) in model.layers().iter().zip(model.layer_shapes()) {
+        match l.spec() {
+            Some(spec) if spec_type(&spec) == Some(SDPA_TYPE) => heads.extend(shapes.input.dims().first()),
+            Some(spec) => walk(&spec, &mut heads),
+            None => {}
         }
     }
     heads
+}
+
+/// The spec type of a scaled dot-product attention, whose samples are (H, T, D).
+const SDPA_TYPE: &str = "scaled_dot_product_attention";
+
+/// The spec type of a rotary embedding, whose samples are (T, H, D).
+const ROTARY_TYPE: &str = "rotary_embedding";
+
+/// The `type` of a layer's spec form.
+fn spec_type(spec: &serde_json::Value) -> Option<&str> {
+    spec.get("type").and_then(serde_json::Value::as_str)
+}
+
+/// The window [`CONTEXT_KEY`] records for `model`: the positions its rotary embeddings
+/// turn (per-sample (T, H, D); the largest T where they differ); None without one.
+pub fn rotary_context(model: &Graph) -> Option<usize> {
+    let rotary = |l: &dyn crate::nn::Layer| l.spec().is_some_and(|s| spec_type(&s) == Some(ROTARY_TYPE));
+    let windows = model.layers().iter().zip(model.layer_shapes()).filter(|(l, _)| rotary(&***l));
+    windows.filter_map(|(_, s)| s.input.dims().first().copied()).max()
+}
+
+/// The window a file's metadata records ([`CONTEXT_KEY`]): None when it records none, an
+/// error when the entry is not a positive integer.
+pub fn recorded_context(path: &Path, metadata: &BTreeMap<String, String>) -> Result<Option<usize>> {
+    let Some(text) = metadata.get(CONTEXT_KEY) else { return Ok(None) };
+    match text.trim().parse::<usize>() {
+        Ok(t) if t > 0 => Ok(Some(t)),
+        _ => {
+            Err(Error::format(path, format!("metadata {CONTEXT_KEY} = '{text}' is not a window (a positive integer)")))
+        }
+    }
 }
 
 /// The head counts a file's metadata records ([`HEADS_KEY`]): None when it records
@@ -156,6 +198,9 @@ pub fn save_as(model: &Graph, store: &ParamStore, path: &Path, dtype: SaveDtype)
     let heads = attention_heads(model);
     if !heads.is_empty() {
         meta.insert(HEADS_KEY.to_string(), heads_text(&heads));
+    }
+    if let Some(t) = rotary_context(model) {
+        meta.insert(CONTEXT_KEY.to_string(), t.to_string());
     }
     write_atomic(path, &safetensors_io::serialize(&tensors, &meta)?)
 }

@@ -238,7 +238,7 @@ fn the_wrong_model_or_data_for_a_gpt_is_named_and_its_sizes_read_from_the_file()
     refused(
         &run(&["predict", "--weights", s(&w), "--data", "digits"]),
         &[&format!(
-            "{is_a}, not a convnet: predict classifies; a gpt continues text: lockstep generate --weights {}",
+            "{is_a}, not a convnet: predict classifies; a gpt continues text: lockstep generate --model gpt --weights {}",
             w.display()
         )],
     );

@@ -115,9 +115,9 @@ struct Case {
     sizes: &'static str,
 }
 
-/// Every built-in model (src/cli/mod.rs's ModelName), the GPT smaller than its defaults
-/// so that its sizes are read from the flags on both sides.
-const CASES: [Case; 7] = [
+/// Every built-in model (src/cli/mod.rs's ModelName), the GPT and the Llama smaller than
+/// their defaults so that their sizes are read from the flags on both sides.
+const CASES: [Case; 8] = [
     Case { name: "toy", flags: &["--data", "toy"], sizes: "" },
     Case { name: "convnet", flags: &["--data", "images.safetensors"], sizes: "" },
     Case { name: "convnet-nobn", flags: &["--data", "images.safetensors"], sizes: "" },
@@ -126,6 +126,11 @@ const CASES: [Case; 7] = [
     Case { name: "densenet", flags: &["--data", "images.safetensors"], sizes: "" },
     Case {
         name: "gpt",
+        flags: &["--data", "text:text.txt", "--context", "32", "--layers", "2", "--heads", "2", "--width", "64"],
+        sizes: "context=32, layers=2, heads=2, width=64",
+    },
+    Case {
+        name: "llama",
         flags: &["--data", "text:text.txt", "--context", "32", "--layers", "2", "--heads", "2", "--width", "64"],
         sizes: "context=32, layers=2, heads=2, width=64",
     },

@@ -340,6 +340,16 @@ pub fn transpose(src: &[f32], rows: usize, cols: usize, dst: &mut [f32]) {
     transpose_by(Registers::widest(), View { rows, cols, src: Rows::Every(cols), dst: Rows::Every(rows) }, src, dst)
 }
 
+/// A [`transpose`] of a view inside larger buffers: `rows` × `cols` values of `src`, row i
+/// at i·`src_stride`, written as `cols` × `rows` into `dst`, row j at j·`dst_stride`
+/// (`dst[j·dst_stride + i] = src[i·src_stride + j]`); what lies between the rows is left
+/// as it was. A permutation's two moving axes, the other axes' strides around them
+/// (`ops::permute`). Panics unless the view lies inside both buffers, its rows apart.
+pub fn transpose_strided(src: &[f32], rows: usize, cols: usize, src_stride: usize, dst: &mut [f32], dst_stride: usize) {
+    let v = View { rows, cols, src: Rows::Every(src_stride), dst: Rows::Every(dst_stride) };
+    transpose_by(Registers::widest(), v.checked(src.len(), dst.len()), src, dst)
+}
+
 /// An image's place in a padded channels-last buffer: pixel (y, x) of an image `w`
 /// pixels wide at row `top + y`, column `left + x` of rows `wp` pixels wide, its `c`
 /// values together.
@@ -942,6 +952,34 @@ mod tests {
                 let guards = buf[..GUARD].iter().chain(&buf[GUARD + rows * cols..]);
                 assert!(guards.into_iter().all(|v| v.is_nan()), "{rows}×{cols}: a write outside the destination");
             }
+        }
+    }
+
+    /// A strided view (rows apart by more than a row's length on both sides, as a
+    /// permutation's moving axes are) moves every value of the view and leaves the gaps
+    /// between its rows as they were, through every register path.
+    #[test]
+    fn a_strided_transpose_moves_the_view_and_leaves_the_gaps() {
+        for (rows, cols, src_stride, dst_stride) in [(17, 33, 40, 20), (16, 16, 16, 16), (40, 24, 96, 43), (3, 5, 7, 3)]
+        {
+            let src: Vec<f32> = (0..(rows - 1) * src_stride + cols).map(|i| i as f32 + 0.5).collect();
+            let len = (cols - 1) * dst_stride + rows;
+            for regs in register_paths() {
+                let mut dst = vec![f32::NAN; len];
+                let v = View { rows, cols, src: Rows::Every(src_stride), dst: Rows::Every(dst_stride) };
+                transpose_by(regs, v.checked(src.len(), dst.len()), &src, &mut dst);
+                for (at, &got) in dst.iter().enumerate() {
+                    let (j, i) = (at / dst_stride, at % dst_stride);
+                    if i < rows {
+                        assert_eq!(got, src[i * src_stride + j], "{rows}×{cols} ({regs:?}) at ({i}, {j})");
+                    } else {
+                        assert!(got.is_nan(), "{rows}×{cols} ({regs:?}): a write at {at}, between rows");
+                    }
+                }
+            }
+            let mut dst = vec![f32::NAN; len];
+            transpose_strided(&src, rows, cols, src_stride, &mut dst, dst_stride);
+            assert_eq!(dst[(cols - 1) * dst_stride + rows - 1], src[(rows - 1) * src_stride + cols - 1]);
         }
     }
 

@@ -34,7 +34,7 @@ pub(crate) struct BenchAllreduceArgs {
 pub(crate) struct BenchStepArgs {
     #[arg(long, value_enum, default_value = "convnet")]
     model: ModelName,
-    /// GLOBAL batch size [default: toy 64, gpt 12, the image models 128].
+    /// GLOBAL batch size [default: toy 64, gpt and llama 12, the image models 128].
     #[arg(long)]
     batch_size: Option<usize>,
     #[arg(long, default_value = "auto", value_name = "SPEC")]
@@ -54,7 +54,7 @@ pub(crate) struct BenchStepArgs {
 pub(crate) struct BenchLayersArgs {
     #[arg(long, value_enum, default_value = "convnet")]
     model: ModelName,
-    /// Samples per forward/backward (one device's share of a step) [default: toy 64, gpt 12, convnet 256].
+    /// Samples per forward/backward (one device's share of a step) [default: toy 64, gpt and llama 12, convnet 256].
     #[arg(long)]
     batch_size: Option<usize>,
     /// Threads of the device's pool [default: every core].
@@ -543,13 +543,16 @@ fn time_gpu_copy(ordinal: usize, count: usize, iters: usize, warmup: usize) -> c
     Ok(t0.elapsed() / iters as u32)
 }
 
-/// The data a benchmark of `model` steps through: the toy's points, the GPT's windows of
-/// the fortunes (nanoGPT's CPU recipe's context), the digits for the image models.
+/// The data a benchmark of `model` steps through: the toy's points, the language
+/// models' windows of the fortunes (nanoGPT's CPU recipe's context), the digits for the
+/// image models.
 fn bench_data(model: ModelName) -> CliResult<Dataset> {
     match model {
-        ModelName::Gpt => Ok(crate::data::text::load_fortunes(crate::models::GptConfig::default().context)
-            .map_err(|e| Failure::usage(anyhow!("--model gpt reads the fortunes: {e}")))?
-            .train),
+        ModelName::Gpt | ModelName::Llama => {
+            Ok(crate::data::text::load_fortunes(crate::models::GptConfig::default().context)
+                .map_err(|e| Failure::usage(anyhow!("--model {} reads the fortunes: {e}", model.as_str())))?
+                .train)
+        }
         ModelName::Toy => Ok(load_data("toy-enlarged", true, 0, None, None)?.train),
         _ => Ok(load_data("digits", false, 0, None, None)?.train),
     }
@@ -557,10 +560,10 @@ fn bench_data(model: ModelName) -> CliResult<Dataset> {
 
 pub(crate) fn cmd_bench_step(a: BenchStepArgs) -> CliResult {
     let toy = a.model == ModelName::Toy;
-    let gpt = a.model == ModelName::Gpt;
+    let text = a.model.is_language_model();
     let batch_size = a.batch_size.unwrap_or(match a.model {
         ModelName::Toy => 64,
-        ModelName::Gpt => 12,
+        ModelName::Gpt | ModelName::Llama => 12,
         _ => 128,
     });
     if batch_size == 0 {
@@ -570,7 +573,7 @@ pub(crate) fn cmd_bench_step(a: BenchStepArgs) -> CliResult {
     check_count("--warmup", a.warmup, true)?;
     let devices = resolve_devices(&a.devices)?;
     let data = bench_data(a.model)?;
-    let dropout = if gpt { 0.0 } else { 0.5 };
+    let dropout = if text { 0.0 } else { 0.5 };
     let model =
         build_model(&ModelSource::Builtin(a.model), data.sample_shape().dims(), data.num_classes(), dropout, 0.99)?;
     let model = a.features.model(model)?;
@@ -654,10 +657,10 @@ fn bench_features(a: &BenchStepArgs) -> String {
 /// a pool of `--threads` threads (the optimiser and the all-reduce are `bench step`'s).
 pub(crate) fn cmd_bench_layers(a: BenchLayersArgs) -> CliResult {
     let toy = a.model == ModelName::Toy;
-    let gpt = a.model == ModelName::Gpt;
+    let text = a.model.is_language_model();
     let batch_size = a.batch_size.unwrap_or(if toy {
         64
-    } else if gpt {
+    } else if text {
         12
     } else {
         256
@@ -673,11 +676,11 @@ pub(crate) fn cmd_bench_layers(a: BenchLayersArgs) -> CliResult {
         )));
     }
     check_count("--steps", a.steps.into(), false)?;
-    // The GPT of nanoGPT's CPU recipe reads windows of the fortunes.
+    // The language models of nanoGPT's CPU recipe read windows of the fortunes.
     let data = bench_data(a.model)?;
     let source = ModelSource::Builtin(a.model);
     let mut model =
-        build_model(&source, data.sample_shape().dims(), data.num_classes(), if gpt { 0.0 } else { 0.5 }, 0.99)?;
+        build_model(&source, data.sample_shape().dims(), data.num_classes(), if text { 0.0 } else { 0.5 }, 0.99)?;
     let mut estimate = crate::memory::Estimate::default();
     let per_sample = data.sample_shape().numel() as u64 * 4;
     estimate

@@ -19,7 +19,7 @@ fn model_help() -> String {
 fn classifier_help() -> String {
     format!(
         "The classifier: {}, or a model spec FILE.json (a language model such as gpt continues text with `generate` instead)",
-        model_names(|n| n != ModelName::Gpt)
+        model_names(|n| !n.is_language_model())
     )
 }
 
@@ -36,10 +36,14 @@ pub(crate) struct EvalArgs {
     /// The model's number of classes [default: what the weights hold].
     #[arg(long, value_name = "K")]
     classes: Option<usize>,
-    /// The gpt's attention heads, for weights that do not record them (a nanoGPT
-    /// state_dict) [default: the file's].
+    /// The gpt's or llama's attention heads, for weights that do not record them (a
+    /// PyTorch state_dict) [default: the file's].
     #[arg(long, value_name = "H")]
     heads: Option<usize>,
+    /// The llama's window, for weights that do not record it (a PyTorch state_dict)
+    /// [default: the file's].
+    #[arg(long, value_name = "T")]
+    context: Option<usize>,
     #[arg(long, default_value = "auto", value_name = "SPEC")]
     devices: String,
     /// Seed of toy-enlarged's noise.
@@ -91,11 +95,11 @@ pub(crate) fn cmd_eval(a: EvalArgs) -> CliResult {
     check_classes(a.classes)?;
     let source = a.model.resolve()?;
     let data_spec = a.data.clone().unwrap_or_else(|| source.default_data().to_string());
-    if source.is_gpt() {
+    if source.is_language_model() {
         return eval_sequences(&a, &source, &data_spec, devices);
     }
-    if a.heads.is_some() {
-        return Err(Failure::usage(anyhow!("--heads goes with --model gpt, a language model")));
+    if a.heads.is_some() || a.context.is_some() {
+        return Err(Failure::usage(anyhow!("--heads and --context go with --model gpt or llama, a language model")));
     }
     if is_text(&data_spec) {
         return Err(not_a_language_model(&source.name(), &data_spec));
@@ -178,22 +182,15 @@ const EVAL_TOKENS_PER_CHUNK: usize = 32_768;
 /// last partial window's is predicted once; or over every row of a token file.
 fn eval_sequences(a: &EvalArgs, source: &ModelSource, spec: &str, devices: Devices) -> CliResult {
     let (model, what) = match source {
-        ModelSource::Builtin(_) => {
+        ModelSource::Builtin(name) => {
             let header = Header::read("--weights", &a.weights)?;
-            let g = header.gpt("--weights", &a.weights, a.heads, WeightsFor::Eval)?;
-            let what = format!(
-                "gpt: {} block{}, width {}, {} heads, vocabulary {}",
-                g.layers,
-                if g.layers == 1 { "" } else { "s" },
-                g.width,
-                g.heads,
-                g.vocab
-            );
-            (crate::models::gpt(g).map_err(Failure::usage)?, what)
+            header.language_model(*name, "--weights", &a.weights, a.heads, a.context, WeightsFor::Eval)?
         }
         ModelSource::Spec(p, s) => {
-            if a.heads.is_some() {
-                return Err(Failure::usage(anyhow!("--heads goes with --model gpt: a spec FILE.json states its own")));
+            if a.heads.is_some() || a.context.is_some() {
+                return Err(Failure::usage(anyhow!(
+                    "--heads and --context go with --model gpt or llama: a spec FILE.json states its own"
+                )));
             }
             (s.build().map_err(Failure::usage)?, p.display().to_string())
         }
@@ -295,7 +292,7 @@ pub(crate) fn cmd_predict(a: PredictArgs) -> CliResult {
         return Err(Failure::usage(anyhow!("--limit must be at least 1")));
     }
     let source = a.model.resolve()?;
-    if source.is_gpt() {
+    if source.is_language_model() {
         return Err(predict_refuses_sequences(&source.name(), &a.weights));
     }
     let devices = resolve_devices(&a.devices)?;

@@ -26,6 +26,14 @@ pub(crate) struct PlotArgs {
 
 pub(crate) fn cmd_inspect(file: &Path) -> CliResult {
     check_input_file("inspect", file)?;
+    if file.extension().is_some_and(|e| e == "json") {
+        // A model spec: its graph, node by node.
+        let model = crate::spec::model_from_spec_file(file).map_err(Failure::usage)?;
+        for line in model.summary().lines() {
+            outln!("{line}");
+        }
+        return Ok(());
+    }
     let rows = weights::inspect(file).map_err(Failure::usage)?;
     let name_w = rows.iter().map(|r| r.0.len()).max().unwrap_or(4).max(4);
     outln!("{:<name_w$}  {:<5}  shape", "name", "dtype");

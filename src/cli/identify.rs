@@ -1,17 +1,18 @@
 //! What a weights file is, read from its header alone (no tensor's values): which built-in
 //! model its tensor names make and the sizes its shapes give, so that a file given to the
 //! wrong model is answered "these weights are a gpt (…); pass --model gpt" instead of by a
-//! list of every tensor that differs; and the built-in GPT's shape, which `eval`,
-//! `predict` and `generate` read from the file rather than ask for. Heads are the one size
-//! that shapes cannot tell (a width of 128 is 4 heads of 32 or 2 of 64): a file `train`
-//! saved records them in its metadata (`weights::HEADS_KEY`); a nanoGPT `state_dict` needs
-//! `--heads`.
+//! list of every tensor that differs; and the built-in language models' shapes (the GPT's,
+//! the Llama's), which `eval`, `predict` and `generate` read from the file rather than ask
+//! for. Heads are a size that shapes cannot tell (a width of 128 is 4 heads of 32 or 2 of
+//! 64): a file `train` saved records them in its metadata (`weights::HEADS_KEY`); a nanoGPT
+//! `state_dict` needs `--heads`. A Llama's window is another (no tensor of it depends on
+//! the window): its file records it (`weights::CONTEXT_KEY`), or `--context` gives it.
 //!
 //! Loading itself, and its list of every problem, is the library's (`weights::load`).
 
 use std::collections::BTreeMap;
 
-use crate::models::GptConfig;
+use crate::models::{GptConfig, LlamaConfig};
 
 use super::*;
 
@@ -38,10 +39,20 @@ impl Header {
 
     /// The GPT's blocks: how many distinct N its `transformer.h.N.` names number.
     fn gpt_blocks(&self) -> usize {
+        self.blocks("transformer.h.")
+    }
+
+    /// The Llama's layers: how many distinct N its `layers.N.` names number.
+    fn llama_layers(&self) -> usize {
+        self.blocks("layers.")
+    }
+
+    /// How many distinct N the names `<prefix>N.…` number.
+    fn blocks(&self, prefix: &str) -> usize {
         let blocks: BTreeSet<&str> = self
             .shapes
             .keys()
-            .filter_map(|n| n.strip_prefix("transformer.h.")?.split('.').next())
+            .filter_map(|n| n.strip_prefix(prefix)?.split('.').next())
             .filter(|i| i.parse::<usize>().is_ok())
             .collect();
         blocks.len()
@@ -67,6 +78,13 @@ impl Header {
                 }
                 let probe = GptConfig { context: 1, vocab: 2, layers, heads: 1, width: 1, dropout: 0.0 };
                 models::gpt(probe).ok()
+            }
+            ModelName::Llama => {
+                let layers = self.llama_layers();
+                if layers == 0 || layers > MAX_PROBED_BLOCKS {
+                    return None;
+                }
+                models::llama(LlamaConfig { hidden: 1, ..LlamaConfig::new(1, 2, layers, 1, 2) }).ok()
             }
         }
     }
@@ -95,6 +113,7 @@ impl Header {
         let last = probe.param_infos().last().and_then(|t| self.shapes.get(&t.name));
         let sizes = match name {
             ModelName::Gpt => self.gpt_words(),
+            ModelName::Llama => self.llama_words(),
             ModelName::Toy => {
                 let features = self.shapes.get(&probe.param_infos()[0].name).and_then(|s| s.get(1));
                 format!("{} features, {} classes", show(features), show(last.and_then(|s| s.first())))
@@ -143,13 +162,29 @@ impl Header {
             }));
         };
         let (vocab, width, context, layers) = (wte[0], wte[1], wpe[0], self.gpt_blocks());
+        let heads = self.heads(flag, path, heads, ModelName::Gpt, layers, width)?;
+        Ok(GptConfig { context, vocab, layers, heads, width, dropout: 0.0 })
+    }
+
+    /// The heads of every one of a built-in model's `layers` blocks (`model`'s, one count
+    /// for all), `width` wide: the file's record, or `--heads` (`given`) where it has none.
+    fn heads(
+        &self,
+        flag: &'static str,
+        path: &Path,
+        given: Option<usize>,
+        model: ModelName,
+        layers: usize,
+        width: usize,
+    ) -> CliResult<usize> {
+        let (shown, name) = (path.display(), model.as_str());
         let recorded = weights::recorded_heads(path, &self.metadata).map_err(Failure::usage)?;
-        let heads = match (recorded, heads) {
+        let heads = match (recorded, given) {
             (Some(r), given) => {
                 let h = r[0];
                 if r.iter().any(|&x| x != h) || r.len() != layers {
                     return Err(Failure::usage(anyhow!(
-                        "{flag} '{shown}': the file records attention heads {r:?} for {layers} blocks: the built-in gpt has one head count for every block; give its spec as --model FILE.json"
+                        "{flag} '{shown}': the file records attention heads {r:?} for {layers} blocks: the built-in {name} has one head count for every block; give its spec as --model FILE.json"
                     )));
                 }
                 if let Some(g) = given.filter(|&g| g != h) {
@@ -162,7 +197,7 @@ impl Header {
             (None, Some(g)) => g,
             (None, None) => {
                 return Err(Failure::usage(anyhow!(
-                    "{flag} '{shown}' does not record its attention heads (a file lockstep did not save, such as a nanoGPT state_dict), and shapes cannot tell them: pass --heads H as it was trained"
+                    "{flag} '{shown}' does not record its attention heads (a file lockstep did not save, such as a PyTorch state_dict), and shapes cannot tell them: pass --heads H as it was trained"
                 )))
             }
         };
@@ -171,7 +206,123 @@ impl Header {
                 "--heads {heads} does not divide the width {width} of {flag} '{shown}': each head takes width/heads channels"
             )));
         }
-        Ok(GptConfig { context, vocab, layers, heads, width, dropout: 0.0 })
+        Ok(heads)
+    }
+
+    /// The Llama's sizes in words.
+    fn llama_words(&self) -> String {
+        let dims = |n: &str| self.shapes.get(n).filter(|s| s.len() == 2);
+        let (tok, w1) = (dims("tok_embeddings.weight"), dims("layers.0.feed_forward.w1.weight"));
+        let heads = match weights::recorded_heads(Path::new(""), &self.metadata) {
+            Ok(Some(h)) => format!("{} heads", h[0]),
+            _ => "heads not recorded".to_string(),
+        };
+        let context = match weights::recorded_context(Path::new(""), &self.metadata) {
+            Ok(Some(t)) => format!("context {t}"),
+            _ => "context not recorded".to_string(),
+        };
+        let layers = self.llama_layers();
+        format!(
+            "{layers} layer{}, width {}, feed-forward {}, {context}, vocabulary {}, {heads}",
+            if layers == 1 { "" } else { "s" },
+            show(tok.map(|s| &s[1])),
+            show(w1.map(|s| &s[0])),
+            show(tok.map(|s| &s[0]))
+        )
+    }
+
+    /// The built-in Llama these weights are: its sizes from the shapes (the feed-forward's
+    /// width from `w1`'s, whatever rule made it), its heads and window from the metadata,
+    /// or from `--heads` and `--context` (`heads`, `context`) where the file records none.
+    pub(crate) fn llama(
+        &self,
+        flag: &'static str,
+        path: &Path,
+        heads: Option<usize>,
+        context: Option<usize>,
+        command: WeightsFor,
+    ) -> CliResult<LlamaConfig> {
+        let shown = path.display();
+        let dims = |n: &str| self.shapes.get(n).filter(|s| s.len() == 2);
+        let (Some(tok), Some(w1)) = (dims("tok_embeddings.weight"), dims("layers.0.feed_forward.w1.weight")) else {
+            return Err(self.not_a(flag, path, ModelName::Llama, command).unwrap_or_else(|| {
+                Failure::usage(anyhow!(
+                    "{flag} '{shown}': not a llama's weights: no tensors 'tok_embeddings.weight' (V, C) and 'layers.0.feed_forward.w1.weight' (F, C)"
+                ))
+            }));
+        };
+        let (vocab, width, hidden, layers) = (tok[0], tok[1], w1[0], self.llama_layers());
+        let heads = self.heads(flag, path, heads, ModelName::Llama, layers, width)?;
+        let recorded = weights::recorded_context(path, &self.metadata).map_err(Failure::usage)?;
+        let context = match (recorded, context) {
+            (Some(t), Some(g)) if g != t => {
+                return Err(Failure::usage(anyhow!(
+                    "--context {g} disagrees with {flag} '{shown}', trained over windows of {t} (its metadata records them): leave --context out"
+                )))
+            }
+            (Some(t), _) => t,
+            (None, Some(g)) => g,
+            (None, None) => {
+                return Err(Failure::usage(anyhow!(
+                    "{flag} '{shown}' does not record its window (a file lockstep did not save, such as a PyTorch state_dict), and no tensor's shape holds it: pass --context T as it was trained"
+                )))
+            }
+        };
+        if context == 0 {
+            return Err(Failure::usage(anyhow!("--context must be at least 1")));
+        }
+        Ok(LlamaConfig { hidden, ..LlamaConfig::new(context, vocab, layers, heads, width) })
+    }
+
+    /// The built-in language model `name` (the gpt or the llama) these weights are, and
+    /// its sizes in words: `heads` and `context` are `--heads` and `--context`, for a file
+    /// that does not record them.
+    pub(crate) fn language_model(
+        &self,
+        name: ModelName,
+        flag: &'static str,
+        path: &Path,
+        heads: Option<usize>,
+        context: Option<usize>,
+        command: WeightsFor,
+    ) -> CliResult<(Graph, String)> {
+        let plural = |n: usize| if n == 1 { "" } else { "s" };
+        match name {
+            ModelName::Gpt => {
+                if context.is_some() {
+                    return Err(Failure::usage(anyhow!(
+                        "--context goes with --model llama: a gpt's window is its position table's length, read from the file"
+                    )));
+                }
+                let g = self.gpt(flag, path, heads, command)?;
+                let what = format!(
+                    "gpt: {} block{}, width {}, {} heads, vocabulary {}",
+                    g.layers,
+                    plural(g.layers),
+                    g.width,
+                    g.heads,
+                    g.vocab
+                );
+                Ok((models::gpt(g).map_err(Failure::usage)?, what))
+            }
+            ModelName::Llama => {
+                let l = self.llama(flag, path, heads, context, command)?;
+                let what = format!(
+                    "llama: {} layer{}, width {}, feed-forward {}, {} heads, vocabulary {}",
+                    l.layers,
+                    plural(l.layers),
+                    l.width,
+                    l.hidden,
+                    l.heads,
+                    l.vocab
+                );
+                Ok((models::llama(l).map_err(Failure::usage)?, what))
+            }
+            other => Err(Failure::usage(anyhow!(
+                "--model {}: not a language model (gpt, llama, or a spec FILE.json)",
+                other.as_str()
+            ))),
+        }
     }
 
     /// The refusal of weights that are another built-in model than `asked` (for
@@ -198,11 +349,16 @@ fn show(v: Option<&usize>) -> String {
 fn wrong_model(flag: &str, path: &Path, name: &ModelName, sizes: &str, asked: &str, command: WeightsFor) -> Failure {
     let shown = path.display();
     let advice = match (command, name) {
-        (WeightsFor::Generate, n) if *n != ModelName::Gpt => {
-            "generate continues text with a language model's weights (a gpt's)".to_string()
+        (WeightsFor::Generate, n) if !n.is_language_model() => {
+            "generate continues text with a language model's weights (a gpt's or a llama's)".to_string()
         }
-        (WeightsFor::Predict, ModelName::Gpt) => {
-            format!("predict classifies; a gpt continues text: lockstep generate --weights {}", path.display())
+        (WeightsFor::Predict, n) if n.is_language_model() => {
+            format!(
+                "predict classifies; a {} continues text: lockstep generate --model {} --weights {}",
+                n.as_str(),
+                n.as_str(),
+                path.display()
+            )
         }
         _ => format!("pass --model {}", name.as_str()),
     };
@@ -233,18 +389,27 @@ pub(crate) fn load_weights(
     let Some((name, sizes)) = header.identify() else { return Err(fallback()) };
     let asked = match source {
         ModelSource::Builtin(n) if *n == name => {
-            // The same model of other sizes: only train's GPT takes its sizes from flags.
-            if name != ModelName::Gpt || command != WeightsFor::Train {
+            // The same model of other sizes: only train's language models take their
+            // sizes from flags.
+            if !name.is_language_model() || command != WeightsFor::Train {
                 return Err(fallback());
             }
-            let Ok(g) = header.gpt(flag, path, None, command) else { return Err(fallback()) };
+            let flags = match name {
+                ModelName::Gpt => {
+                    let Ok(g) = header.gpt(flag, path, None, command) else { return Err(fallback()) };
+                    format!("--layers {} --width {} --context {} --heads {}", g.layers, g.width, g.context, g.heads)
+                }
+                _ => {
+                    // A Llama's weights fit any window: the flags that change its tensors.
+                    let context = weights::recorded_context(path, &header.metadata).ok().flatten().or(Some(1));
+                    let Ok(l) = header.llama(flag, path, None, context, command) else { return Err(fallback()) };
+                    format!("--layers {} --width {} --heads {}", l.layers, l.width, l.heads)
+                }
+            };
             return Err(Failure::usage(anyhow!(
-                "{flag} '{}': these weights are a gpt ({sizes}; read from the file), not the one the flags build: pass --layers {} --width {} --context {} --heads {}",
+                "{flag} '{}': these weights are a {} ({sizes}; read from the file), not the one the flags build: pass {flags}",
                 path.display(),
-                g.layers,
-                g.width,
-                g.context,
-                g.heads
+                name.as_str()
             )));
         }
         // A model of the file's very names (a spec of the built-in GPT) is the right one

@@ -220,11 +220,12 @@ enum Command {
     Eval(EvalArgs),
     /// The top class and its probability for every input, one line each: `index  class  probability`.
     Predict(PredictArgs),
-    /// Continue a prompt with a trained language model (the GPT), byte by byte.
+    /// Continue a prompt with a trained language model (the GPT, the Llama), byte by byte.
     Generate(Box<GenerateArgs>),
-    /// List the tensors of a safetensors file: name, dtype, shape.
+    /// List the tensors of a safetensors file (name, dtype, shape), or a model spec's graph.
     Inspect {
-        /// The safetensors file (weights or a dataset).
+        /// The safetensors file (weights or a dataset), or a model spec (`.json`: its graph,
+        /// node by node).
         file: PathBuf,
     },
     /// The CPU cores and GPUs this machine offers.
@@ -263,6 +264,8 @@ enum ModelName {
     Densenet,
     /// nanoGPT's GPT over bytes (--layers, --heads, --width, --context; its tensor names).
     Gpt,
+    /// Meta's Llama over bytes: RMSNorm, RoPE, SwiGLU, no biases (--layers, --heads, --width, --context; Meta's tensor names).
+    Llama,
 }
 
 impl ModelName {
@@ -275,7 +278,13 @@ impl ModelName {
             ModelName::Resnet20 => "resnet20",
             ModelName::Densenet => "densenet",
             ModelName::Gpt => "gpt",
+            ModelName::Llama => "llama",
         }
+    }
+
+    /// Whether it is a language model over text: the GPT, the Llama.
+    fn is_language_model(self) -> bool {
+        matches!(self, ModelName::Gpt | ModelName::Llama)
     }
 }
 
@@ -338,11 +347,11 @@ impl ModelSource {
         }
     }
 
-    /// Whether the model is the built-in GPT, or a spec that starts with an embedding:
-    /// a language model, whose data is text.
-    fn is_gpt(&self) -> bool {
+    /// Whether the model is a built-in language model (the GPT, the Llama), or a spec
+    /// that starts with an embedding: a language model, whose data is text.
+    fn is_language_model(&self) -> bool {
         match self {
-            ModelSource::Builtin(name) => *name == ModelName::Gpt,
+            ModelSource::Builtin(name) => name.is_language_model(),
             ModelSource::Spec(_, spec) => spec.layers.first().is_some_and(|l| l.type_name() == "embedding"),
         }
     }
@@ -355,7 +364,7 @@ impl ModelSource {
     }
 
     fn default_data(&self) -> &'static str {
-        if self.is_gpt() {
+        if self.is_language_model() {
             "fortunes"
         } else if self.flat() {
             "toy"
@@ -748,6 +757,16 @@ fn build_model(
                 "the gpt model takes sequences of token ids (T,), the data has samples of shape {sample:?}"
             ))),
         },
+        // The flags' shape but for the window, which the data's give; no dropout.
+        ModelName::Llama => match sample {
+            [context] => {
+                let d = models::LlamaConfig::default();
+                Ok(models::llama(models::LlamaConfig::new(*context, classes, d.layers, d.heads, d.width))?)
+            }
+            _ => Err(Failure::usage(anyhow!(
+                "the llama model takes sequences of token ids (T,), the data has samples of shape {sample:?}"
+            ))),
+        },
     }
 }
 
@@ -1015,14 +1034,17 @@ mod tests {
                 assert!(help(cmd, "model").contains(name.as_str()), "{cmd} --model: {name:?}: {}", help(cmd, "model"));
             }
             let predict = help("predict", "model");
-            assert_eq!(predict.contains(&format!("{}, ", name.as_str())), *name != ModelName::Gpt, "{predict}");
+            assert_eq!(predict.contains(&format!("{}, ", name.as_str())), !name.is_language_model(), "{predict}");
         }
         assert!(help("predict", "model").contains("`generate`"));
+        // generate reads a built-in model's sizes from its weights: it takes only what no
+        // shape tells, the heads and (a Llama's) window, for files that do not record them.
         let generate: Vec<String> =
             tree.find_subcommand("generate").unwrap().get_arguments().map(|a| a.get_id().to_string()).collect();
-        for train_only in ["layers", "width", "context"] {
+        for train_only in ["layers", "width"] {
             assert!(!generate.contains(&train_only.to_string()), "generate --{train_only}");
         }
+        assert!(help("generate", "context").contains("do not record it"), "{}", help("generate", "context"));
     }
 
     fn argv(args: &[&str]) -> Vec<std::ffi::OsString> {

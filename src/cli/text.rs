@@ -1,35 +1,36 @@
 //! Language models over text on the command line: `train`'s flags of the built-in GPT's
-//! shape (`--layers`, `--heads`, `--width`, `--context`, which is also the windows of text
-//! data); which data is text (`text:FILE`, `fortunes`), how it is loaded, and what a
-//! language model given other data is told; and `generate`, which reads the GPT's shape
-//! from its weights (`identify`). A text run's evaluation period and Adam's betas are
-//! `train`'s own flags (its length and its optimiser), and nanoGPT's defaults of a text
-//! run are `train`'s settings. The model is the library's (`models::gpt`), the data its
-//! (`data::text`); one file, so that `train.rs` names them in one line each.
+//! and Llama's shape (`--layers`, `--heads`, `--width`, `--context`, which is also the
+//! windows of text data); which data is text (`text:FILE`, `fortunes`), how it is loaded,
+//! and what a language model given other data is told; and `generate`, which reads the
+//! model's shape from its weights (`identify`). A text run's evaluation period and Adam's
+//! betas are `train`'s own flags (its length and its optimiser), and nanoGPT's defaults of
+//! a text run are `train`'s settings. The models are the library's (`models::gpt`,
+//! `models::llama`), the data its (`data::text`); one file, so that `train.rs` names them
+//! in one line each.
 
 use crate::data::text::{load_fortunes, load_text};
 use crate::data::Splits;
-use crate::models::GptConfig;
+use crate::models::{GptConfig, LlamaConfig};
 use serde::{Deserialize, Serialize};
 
 use super::*;
 
-/// The built-in GPT's shape: a group of its own in `train -h`, stored as data in a
-/// training run's checkpoints.
+/// The built-in GPT's and Llama's shape: a group of its own in `train -h`, stored as
+/// data in a training run's checkpoints.
 #[derive(Args, Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[command(next_help_heading = "The built-in GPT's shape")]
+#[command(next_help_heading = "The built-in GPT's and Llama's shape")]
 #[serde(deny_unknown_fields)]
 pub(crate) struct GptArgs {
-    /// The GPT's blocks (nanoGPT's n_layer).
+    /// The GPT's blocks (nanoGPT's n_layer), the Llama's layers (n_layers).
     #[arg(long, value_name = "N", default_value_t = GptConfig::default().layers)]
     pub(crate) layers: usize,
-    /// The GPT's attention heads (n_head); they must divide --width.
+    /// The attention heads (n_head); they must divide --width (the Llama's into heads of an even width).
     #[arg(long, value_name = "H", default_value_t = GptConfig::default().heads)]
     pub(crate) heads: usize,
-    /// The GPT's width (n_embd).
+    /// The width (n_embd; the Llama's dim, its feed-forward Meta's 8/3 of it rounded up to a multiple of 256).
     #[arg(long, value_name = "C", default_value_t = GptConfig::default().width)]
     pub(crate) width: usize,
-    /// Tokens per window of text data and the GPT's context (block_size).
+    /// Tokens per window of text data and the model's context (block_size, max_seq_len).
     #[arg(long, value_name = "T", default_value_t = GptConfig::default().context)]
     pub(crate) context: usize,
 }
@@ -71,6 +72,11 @@ impl GptArgs {
         GptConfig { context: self.context, vocab, layers: self.layers, heads: self.heads, width: self.width, dropout }
     }
 
+    /// The built-in Llama of these flags (no dropout: Meta's has none).
+    pub(crate) fn llama(&self, vocab: usize) -> LlamaConfig {
+        LlamaConfig::new(self.context, vocab, self.layers, self.heads, self.width)
+    }
+
     /// Loads text `spec` (`fortunes`, `text:FILE`) as windows of `--context` tokens.
     pub(crate) fn load(&self, spec: &str) -> CliResult<Splits> {
         load_text_data(spec, self.context)
@@ -109,7 +115,7 @@ pub(crate) fn not_text(model: &str, spec: &str) -> Failure {
 /// The refusal of text for a model that does not read it.
 pub(crate) fn not_a_language_model(model: &str, spec: &str) -> Failure {
     Failure::usage(anyhow!(
-        "--data {spec} is text, which a language model reads (--model gpt, or a spec FILE.json that starts with an embedding); the {model} model does not"
+        "--data {spec} is text, which a language model reads (--model gpt, llama, or a spec FILE.json that starts with an embedding); the {model} model does not"
     ))
 }
 
@@ -118,16 +124,20 @@ pub(crate) fn not_a_language_model(model: &str, spec: &str) -> Failure {
 
 #[derive(Args, Clone, Debug)]
 pub(crate) struct GenerateArgs {
-    /// The trained weights (`train --save`, or a nanoGPT state_dict saved as safetensors).
+    /// The trained weights (`train --save`, or a PyTorch state_dict saved as safetensors).
     #[arg(long, value_name = "FILE")]
     weights: PathBuf,
-    /// gpt (its blocks, width, context and vocabulary read from --weights), or a model spec FILE.json.
+    /// gpt or llama (its sizes read from --weights), or a model spec FILE.json.
     #[arg(long, default_value = "gpt", value_name = "NAME|FILE.json", value_parser = parse_model_choice)]
     model: ModelChoice,
-    /// The gpt's attention heads, for weights that do not record them (a nanoGPT
-    /// state_dict); a file `train` saved records its own [default: the file's].
+    /// The gpt's or llama's attention heads, for weights that do not record them (a
+    /// PyTorch state_dict); a file `train` saved records its own [default: the file's].
     #[arg(long, value_name = "H")]
     heads: Option<usize>,
+    /// The llama's window, for weights that do not record it (a PyTorch state_dict); a
+    /// file `train` saved records its own [default: the file's].
+    #[arg(long, value_name = "T")]
+    context: Option<usize>,
     /// The text to continue (its bytes are the tokens); one longer than the model's context
     /// is cropped to its last context bytes, as nanoGPT crops.
     #[arg(long, default_value = "\n")]
@@ -161,19 +171,20 @@ pub(crate) fn cmd_generate(a: GenerateArgs) -> CliResult {
         )));
     }
     let source = a.model.resolve()?;
-    if a.heads.is_some() && !matches!(source, ModelSource::Builtin(ModelName::Gpt)) {
-        return Err(Failure::usage(anyhow!("--heads goes with --model gpt: a spec FILE.json states its own")));
+    if (a.heads.is_some() || a.context.is_some()) && matches!(source, ModelSource::Spec(..)) {
+        return Err(Failure::usage(anyhow!(
+            "--heads and --context go with --model gpt or llama: a spec FILE.json states its own"
+        )));
     }
     check_input_file("--weights", &a.weights)?;
     let mut model = match &source {
-        ModelSource::Builtin(ModelName::Gpt) => {
+        ModelSource::Builtin(name) if name.is_language_model() => {
             let header = Header::read("--weights", &a.weights)?;
-            let config = header.gpt("--weights", &a.weights, a.heads, WeightsFor::Generate)?;
-            crate::models::gpt(config).map_err(Failure::usage)?
+            header.language_model(*name, "--weights", &a.weights, a.heads, a.context, WeightsFor::Generate)?.0
         }
         ModelSource::Builtin(other) => {
             return Err(Failure::usage(anyhow!(
-                "--model {}: generate needs a language model (gpt or a spec FILE.json)",
+                "--model {}: generate needs a language model (gpt, llama or a spec FILE.json)",
                 other.as_str()
             )))
         }

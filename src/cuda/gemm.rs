@@ -92,6 +92,30 @@ impl RmGemm {
         RmGemm { sa: 0, sb: o * p, sc: ckk * p, batch, ..RmGemm::single(true, false, (ckk, p, o), (ckk, p, p)) }
     }
 
+    /// A grouped convolution's forward, one group k of G a call, per sample:
+    /// y_n[k] (O/G, P) = W_k (O/G, CKK/G) · col_n[k] (CKK/G, P), where the operands are
+    /// views from group k's first value on (W's rows k·O/G.., col_n's rows k·CKK/G..,
+    /// y_n's rows k·O/G..), the samples a whole col_n (CKK·P) and y_n (O·P) apart.
+    pub(crate) fn grouped_conv_fwd(batch: usize, groups: usize, o: usize, ckk: usize, p: usize) -> Self {
+        let (og, kg) = (o / groups, ckk / groups);
+        RmGemm { sa: 0, sb: ckk * p, sc: o * p, batch, ..RmGemm::single(false, false, (og, p, kg), (kg, p, p)) }
+    }
+
+    /// A grouped convolution's weight gradient, group k, per sample: dW_n,k (O/G, CKK/G) =
+    /// dy_n[k] (O/G, P) · col_n[k]ᵀ, dy and col viewed from group k's rows on as in
+    /// [`RmGemm::grouped_conv_fwd`], the products one after another (N, O/G, CKK/G).
+    pub(crate) fn grouped_conv_dw(batch: usize, groups: usize, o: usize, ckk: usize, p: usize) -> Self {
+        let (og, kg) = (o / groups, ckk / groups);
+        RmGemm { sa: o * p, sb: ckk * p, sc: og * kg, batch, ..RmGemm::single(false, true, (og, kg, p), (p, p, kg)) }
+    }
+
+    /// A grouped convolution's column gradient, group k, per sample: dcol_n[k] (CKK/G, P)
+    /// = W_kᵀ (CKK/G, O/G) · dy_n[k] (O/G, P), views as in [`RmGemm::grouped_conv_fwd`].
+    pub(crate) fn grouped_conv_dcol(batch: usize, groups: usize, o: usize, ckk: usize, p: usize) -> Self {
+        let (og, kg) = (o / groups, ckk / groups);
+        RmGemm { sa: 0, sb: o * p, sc: ckk * p, batch, ..RmGemm::single(true, false, (kg, p, og), (kg, p, p)) }
+    }
+
     /// Attention scores, per (sample, head) b: S_b (T, T) = A_b (T, D) · B_bᵀ, the items
     /// (T, D) blocks one after another: S = q·kᵀ, and the gradient dP = dy·vᵀ.
     pub(crate) fn attention_scores(batch: usize, t: usize, d: usize) -> Self {
@@ -291,6 +315,47 @@ mod tests {
             assert_close("conv dW_n = dy_n·col_nᵀ", &dw[s * o * ckk..][..o * ckk], &want);
             let want = matmul(&transpose(&w, o, ckk), dy_s, ckk, o, p);
             assert_close("conv dcol_n = Wᵀ·dy_n", &dcol[s * ckk * p..][..ckk * p], &want);
+        }
+    }
+
+    #[test]
+    fn the_grouped_convolution_gemms_compute_each_groups_per_sample_products() {
+        // Two groups of O/G = 2 filters over CKK/G = 3 rows of columns; each group's call
+        // on views from its first value on writes its rows of every sample and no other.
+        let (batch, groups, o, ckk, p) = (3, 2, 4, 6, 5);
+        let (og, kg) = (o / groups, ckk / groups);
+        let (w, col, dy) = (values(o * kg, 10), values(batch * ckk * p, 11), values(batch * o * p, 12));
+        // As `gemm` hands the operands to cuBLAS, C written in place (beta 0).
+        let into = |g: &RmGemm, a: &[f32], b: &[f32], c: &mut [f32]| {
+            g.check(a.len(), b.len(), c.len()).unwrap();
+            cublas_reference(&g.cublas().unwrap(), b, a, c);
+        };
+        let (mut y, mut dcol) = (vec![0.0; batch * o * p], vec![0.0; batch * ckk * p]);
+        for k in 0..groups {
+            let w_k = &w[k * og * kg..(k + 1) * og * kg];
+            into(&RmGemm::grouped_conv_fwd(batch, groups, o, ckk, p), w_k, &col[k * kg * p..], &mut y[k * og * p..]);
+            let dw = RmGemm::grouped_conv_dw(batch, groups, o, ckk, p);
+            let dw = through_cublas(&dw, &dy[k * og * p..], &col[k * kg * p..], batch * og * kg);
+            let dc = RmGemm::grouped_conv_dcol(batch, groups, o, ckk, p);
+            into(&dc, w_k, &dy[k * og * p..], &mut dcol[k * kg * p..]);
+            for s in 0..batch {
+                let col_k = &col[s * ckk * p + k * kg * p..][..kg * p];
+                let dy_k = &dy[s * o * p + k * og * p..][..og * p];
+                let want = matmul(dy_k, &transpose(col_k, kg, p), og, p, kg);
+                assert_close("grouped dW_n,k = dy_n[k]·col_n[k]ᵀ", &dw[s * og * kg..][..og * kg], &want);
+            }
+        }
+        for s in 0..batch {
+            for k in 0..groups {
+                let w_k = &w[k * og * kg..(k + 1) * og * kg];
+                let col_k = &col[s * ckk * p + k * kg * p..][..kg * p];
+                let dy_k = &dy[s * o * p + k * og * p..][..og * p];
+                let y_k = &y[s * o * p + k * og * p..][..og * p];
+                assert_close("grouped y_n[k] = W_k·col_n[k]", y_k, &matmul(w_k, col_k, og, kg, p));
+                let dcol_k = &dcol[s * ckk * p + k * kg * p..][..kg * p];
+                let want = matmul(&transpose(w_k, og, kg), dy_k, kg, og, p);
+                assert_close("grouped dcol_n[k] = W_kᵀ·dy_n[k]", dcol_k, &want);
+            }
         }
     }
 

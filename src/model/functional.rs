@@ -179,3 +179,76 @@ impl Call for Named<Box<dyn Layer>> {
         Value::node(Some(self.name), self.layer, xs)
     }
 }
+
+/// `&a + &b`: a node of [`crate::nn::Add`] reading `a` and `b` (nanoGPT's `x + attn(x)`).
+impl std::ops::Add<&Value> for &Value {
+    type Output = Value;
+    fn add(self, rhs: &Value) -> Value {
+        crate::ops::Add::new().call_many(&[self, rhs])
+    }
+}
+
+/// `a + b` on values by value: as `&a + &b`.
+impl std::ops::Add for Value {
+    type Output = Value;
+    fn add(self, rhs: Value) -> Value {
+        &self + &rhs
+    }
+}
+
+/// `&a * &b`: a node of [`crate::nn::Multiply`] reading `a` and `b` (a gated MLP's
+/// `silu(w1(x)) * w3(x)`).
+impl std::ops::Mul<&Value> for &Value {
+    type Output = Value;
+    fn mul(self, rhs: &Value) -> Value {
+        crate::ops::Multiply::new().call_many(&[self, rhs])
+    }
+}
+
+/// `a * b` on values by value: as `&a * &b`.
+impl std::ops::Mul for Value {
+    type Output = Value;
+    fn mul(self, rhs: Value) -> Value {
+        &self * &rhs
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ops::{LayerNorm, Linear};
+
+    /// nanoGPT's block, `x = x + attn(ln_1(x)); x = x + mlp(ln_2(x))`, with a dense layer
+    /// standing in for each of the two: the residual adds are nodes of their own, and the
+    /// tensor names are the module's.
+    #[test]
+    fn a_transformer_block_reads_as_nanogpt_writes_it() {
+        let x = Value::input([4, 8]);
+        let attn = |x: &Value| Linear::new(8, 8).named("h.0.attn.c_proj").call(x);
+        let mlp = |x: &Value| Linear::new(8, 8).named("h.0.mlp.c_proj").call(x);
+        let x = &x + &attn(&LayerNorm::new(8).named("h.0.ln_1").call(&x));
+        let x = &x + &mlp(&LayerNorm::new(8).named("h.0.ln_2").call(&x));
+        let model = x.model().unwrap();
+        assert_eq!(model.layer_names(), ["h.0.ln_1", "h.0.attn.c_proj", "add0", "h.0.ln_2", "h.0.mlp.c_proj", "add1"]);
+        assert_eq!(model.output_shape().dims(), &[4, 8]);
+        assert!(!model.is_chain());
+        assert!(model.param_infos().iter().any(|t| t.name == "h.0.ln_2.weight"));
+    }
+
+    #[test]
+    fn misuses_are_named_when_the_model_is_built() {
+        // Values of two models given to one node.
+        let (a, b) = (Value::input([3]), Value::input([3]));
+        let e = (&a + &b).model().err().unwrap().to_string();
+        assert!(e.contains("values of two models"), "{e}");
+        // A node written after the output that the output does not read.
+        let x = Value::input([3]);
+        let y = Linear::new(3, 2).call(&x);
+        let _dangling = Linear::new(3, 4).named("dangling").call(&x);
+        let e = y.model().err().unwrap().to_string();
+        assert!(e.contains("a node (dangling) was written after the model's output"), "{e}");
+        // The input as the output.
+        let e = x.model().err().unwrap().to_string();
+        assert!(e.contains("the model's output is its input"), "{e}");
+    }
+}

@@ -7,11 +7,11 @@
 //! forward and backward. What a step is — which shards, which slots, when to sum — is the
 //! trainer's (`train::gpu` drives this through the one step of `train::step`); what each
 //! layer launches is its op's (`ops::conv2d`, `ops::batchnorm`, ...): nothing here names an
-//! op. The network is the same [`Sequential`] the CPU replica runs. Flat buffers use the
-//! CPU layout exactly (`Sequential::layer_ranges`), so weights, checkpoints and replica
+//! op. The network is the same [`Graph`] the CPU replica runs. Flat buffers use the
+//! CPU layout exactly (`Graph::layer_ranges`), so weights, checkpoints and replica
 //! fingerprints move between the backends unchanged. That layout starts every tensor, and
-//! sizes every flat buffer, on a multiple of 64 f32 (`nn::TENSOR_ALIGN`; nn/sequential.rs
-//! says why there): device allocations and the exchange's slots are 256-byte aligned, so
+//! sizes every flat buffer, on a multiple of 64 f32 (`model::graph`'s `TENSOR_ALIGN`,
+//! which says why): device allocations and the exchange's slots are 256-byte aligned, so
 //! every tensor view handed to cuBLAS or a kernel starts on a 256-byte boundary, on
 //! `cuda:0` with several slots as on `cuda:0,0`. Two tensors of one layer are therefore
 //! not adjacent (BatchNorm's gamma and beta, its running mean and variance).
@@ -24,8 +24,11 @@
 //! the passes, where that op's GPU form meets the other logical replicas' statistics on
 //! the host (`ops::batchnorm`).
 //!
-//! Activations are NCHW as on the CPU: `acts[0]` the input, `acts[i + 1]` layer i's
-//! output; backward alternates between two gradient buffers sized for the widest layer;
+//! Activations are NCHW as on the CPU: `acts[0]` the input, `acts[i + 1]` node i's
+//! output (a graph's node reads the values of its inputs there); a chain's backward
+//! alternates between two gradient buffers sized for the widest layer, a graph's gives
+//! each value a gradient buffer and sums a value's several readers' gradients in the
+//! CPU's order (`Net::backward_graph`);
 //! one scratch buffer, the widest op's request, serves every op inside its passes. Parameter
 //! gradients of a shard are written once per step into its zeroed slot.
 
@@ -38,6 +41,7 @@ use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, CudaView, CudaViewMut, De
 
 use super::{Graph, ParamStore};
 use crate::cuda::Gpu;
+use crate::model::Source;
 use crate::ops::batchnorm::Synchronized;
 use crate::ops::cross_entropy::{check_labels, CrossEntropy};
 use crate::ops::gpu::{poll, Backward, Draw, Forward, GpuLayer, Pass, Placement, SyncWith};
@@ -45,10 +49,14 @@ use crate::ops::LayerShapes;
 use crate::optim::{OptimizerConfig, StepScalars};
 use crate::{Error, Result};
 
-/// One layer as the GPU runs it: where it lies, and its op's GPU form.
+/// One node as the GPU runs it: where it lies, its op's GPU form, where it reads its
+/// inputs (`Some(i)`: node i's output; None: the model's input) and whether it trains
+/// (its backward has a gradient to produce: `Graph::trains`).
 struct Layer {
     place: Placement,
     op: Box<dyn GpuLayer>,
+    reads: Vec<Option<usize>>,
+    trains: bool,
 }
 
 /// The network's device memory of one forward/backward at one batch size (what each op
@@ -58,8 +66,15 @@ struct Activations {
     n: usize,
     /// acts[0] = the input, acts[i + 1] = layer i's output.
     acts: Vec<CudaSlice<f32>>,
-    /// Two gradient buffers that backward alternates between.
+    /// Two gradient buffers that a chain's backward alternates between; `grads[0]`
+    /// holds the loss's gradient, the last node's output gradient, in a graph too.
     grads: [CudaSlice<f32>; 2],
+    /// A graph that is not a chain: each node's output gradient (`values[j]`, the last
+    /// node's unused: it is `grads[0]`), and, for a value read by several nodes, buffers
+    /// its later readers' gradients are written into before they are added to it (as
+    /// many as a node has inputs). Empty for a chain.
+    values: Vec<CudaSlice<f32>>,
+    spare: Vec<CudaSlice<f32>>,
     /// Scratch every op may use inside one of its passes (the widest op's request).
     scratch: CudaSlice<f32>,
     labels: CudaSlice<u32>,
@@ -635,8 +650,15 @@ fn upload<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
     Ok(stream.clone_htod(host)?)
 }
 
-/// The network as the GPU runs it, or an error naming the first layer without a GPU form.
+/// The network as the GPU runs it, or an error naming the first layer without a GPU form
+/// (or a model of several inputs, which the GPU replica's staging does not feed).
 fn plan(model: &Graph) -> Result<Vec<Layer>> {
+    if model.inputs().len() != 1 {
+        return Err(Error::config(
+            "model",
+            format!("the model has {} inputs; a GPU replica feeds a model of one input", model.inputs().len()),
+        ));
+    }
     let mut layers = Vec::with_capacity(model.layers().len());
     for (index, (layer, shapes)) in model.layers().iter().zip(model.layer_shapes()).enumerate() {
         let name = model.layer_names()[index].clone();
@@ -645,9 +667,33 @@ fn plan(model: &Graph) -> Result<Vec<Layer>> {
         })?;
         let LayerShapes { input, output, other_inputs } = shapes.clone();
         let (params, buffers) = model.layer_ranges(index);
-        layers.push(Layer { place: Placement { name, index, input, output, other_inputs, params, buffers }, op });
+        let reads = model.sources()[index]
+            .iter()
+            .map(|&s| match s {
+                Source::Input(_) => None,
+                Source::Node(i) => Some(i),
+            })
+            .collect();
+        let place = Placement { name, index, input, output, other_inputs, params, buffers };
+        layers.push(Layer { place, op, reads, trains: model.trains(index) });
     }
     Ok(layers)
+}
+
+/// Whether the nodes are a chain: each reads the one before it (the first the input).
+fn is_chain(layers: &[Layer]) -> bool {
+    layers.iter().enumerate().all(|(j, l)| l.reads == [j.checked_sub(1)])
+}
+
+/// Where a node's backward writes the gradient of one of its inputs, in a graph: the
+/// value's own gradient buffer (its first writer, in the backward's order), a spare
+/// buffer to be added to it afterwards (a later writer), or nowhere (a value that needs
+/// no gradient).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum GradTarget {
+    Own(usize),
+    Spare(usize),
+    Nowhere,
 }
 
 impl Activations {
@@ -658,14 +704,26 @@ impl Activations {
         let first = &layers.first().expect("a model has a layer").place;
         let mut acts = vec![alloc(n * first.input.numel())?];
         let (mut widest, mut scratch) = (n * first.input.numel(), 0);
-        for Layer { place, op } in layers {
+        for Layer { place, op, .. } in layers {
             acts.push(alloc(n * place.output.numel())?);
             widest = widest.max(n * place.output.numel());
             scratch = scratch.max(op.scratch(place, n)?);
         }
+        let (mut values, mut spare) = (Vec::new(), Vec::new());
+        if !is_chain(layers) {
+            for Layer { place, .. } in &layers[..layers.len() - 1] {
+                values.push(alloc(n * place.output.numel())?);
+            }
+            let most = layers.iter().map(|l| l.reads.len()).max().unwrap_or(1);
+            for _ in 0..most {
+                spare.push(alloc(widest)?);
+            }
+        }
         Ok(Activations {
             n,
             acts,
+            values,
+            spare,
             grads: [alloc(widest)?, alloc(widest)?],
             scratch: alloc(scratch)?,
             labels: stream.alloc_zeros::<u32>(n * targets)?,
@@ -680,9 +738,13 @@ impl Net<'_> {
     /// BatchNorm layers of a training pass meet the other replicas' through `sync`.
     fn forward(&mut self, a: &mut Activations, mut pass: Pass<'_, '_>, sync: Option<SyncWith<'_>>) -> Result<()> {
         let (gpu, blas, params, n) = (self.gpu, self.blas, self.params, a.n);
-        for (i, Layer { place, op }) in self.layers.iter_mut().enumerate() {
+        for (i, Layer { place, op, reads, .. }) in self.layers.iter_mut().enumerate() {
+            // acts[0] is the model's input, acts[i + 1] node i's output: every value a node
+            // reads lies before its own output.
             let (before, after) = a.acts.split_at_mut(i + 1);
-            let (x, y) = (&before[i], &mut after[0]);
+            let value = |r: &Option<usize>| &before[r.map_or(0, |i| i + 1)];
+            let (x, y) = (value(&reads[0]), &mut after[0]);
+            let others: Vec<&CudaSlice<f32>> = reads[1..].iter().map(value).collect();
             op.forward(Forward {
                 gpu,
                 blas,
@@ -690,7 +752,7 @@ impl Net<'_> {
                 n,
                 params,
                 x,
-                others: &[],
+                others: &others,
                 y,
                 scratch: &mut a.scratch,
                 pass: &mut pass,
@@ -713,10 +775,13 @@ impl Net<'_> {
         first: usize,
         sync: Option<SyncWith<'_>>,
     ) -> Result<()> {
+        if !a.values.is_empty() {
+            return self.backward_graph(a, grads, draw, sync);
+        }
         let (gpu, blas, params, n) = (self.gpu, self.blas, self.params, a.n);
         let mut cur = 0;
         for i in (first..self.layers.len()).rev() {
-            let Layer { place, op } = &mut self.layers[i];
+            let Layer { place, op, .. } = &mut self.layers[i];
             let [g0, g1] = &mut a.grads;
             let (dy_buf, dx_buf) = if cur == 0 { (&*g0, g1) } else { (&*g1, g0) };
             let dy = dy_buf.slice(0..n * place.output.numel());
@@ -739,6 +804,102 @@ impl Net<'_> {
                 sync,
             })?;
             cur = 1 - cur;
+        }
+        Ok(())
+    }
+}
+
+impl Net<'_> {
+    /// The backward of a graph that is not a chain, from the loss's gradient in
+    /// `a.grads[0]`: nodes in reverse order, each that trains writing its inputs'
+    /// gradients (those that need one) into the values' buffers; a value read by several
+    /// nodes gets its first writer's gradient in its own buffer and each later one's added
+    /// to it (`Gpu::add_into`), in the order the backward meets them, as on the CPU.
+    fn backward_graph(
+        &mut self,
+        a: &mut Activations,
+        grads: &mut CudaViewMut<'_, f32>,
+        draw: Draw,
+        sync: Option<SyncWith<'_>>,
+    ) -> Result<()> {
+        let (gpu, blas, params, n) = (self.gpu, self.blas, self.params, a.n);
+        let last = self.layers.len() - 1;
+        let trains: Vec<bool> = self.layers.iter().map(|l| l.trains).collect();
+        let outputs: Vec<usize> = self.layers.iter().map(|l| n * l.place.output.numel()).collect();
+        let mut written = vec![false; last];
+        let Activations { acts, grads: loss_grads, values, spare, scratch, .. } = a;
+        for j in (0..=last).rev() {
+            if !trains[j] {
+                continue;
+            }
+            let Layer { place, op, reads, .. } = &mut self.layers[j];
+            // Where each input's gradient goes.
+            let mut spares = 0;
+            let targets: Vec<GradTarget> = reads
+                .iter()
+                .map(|r| match *r {
+                    Some(i) if trains[i] && !written[i] => {
+                        written[i] = true;
+                        GradTarget::Own(i)
+                    }
+                    Some(i) if trains[i] => {
+                        spares += 1;
+                        GradTarget::Spare(spares - 1)
+                    }
+                    _ => GradTarget::Nowhere,
+                })
+                .collect();
+            // Lend each target's buffer once: distinct values, distinct spares.
+            let at = j.min(values.len());
+            let (own, rest) = values.split_at_mut(at);
+            let (dy_buf, _) = rest.split_first_mut().map_or((None, ()), |(d, _)| (Some(d), ()));
+            let dy = match dy_buf {
+                Some(d) if j < last => d.slice(0..n * place.output.numel()),
+                _ => loss_grads[0].slice(0..n * place.output.numel()),
+            };
+            let mut own: Vec<Option<&mut CudaSlice<f32>>> = own.iter_mut().map(Some).collect();
+            let mut spare_bufs: Vec<Option<&mut CudaSlice<f32>>> = spare.iter_mut().map(Some).collect();
+            let inputs = std::iter::once(&place.input).chain(&place.other_inputs);
+            let mut views: Vec<Option<CudaViewMut<'_, f32>>> = targets
+                .iter()
+                .zip(inputs)
+                .map(|(t, shape)| {
+                    let len = n * shape.numel();
+                    match *t {
+                        GradTarget::Own(i) => Some(own[i].take().expect("one writer a value").slice_mut(0..len)),
+                        GradTarget::Spare(k) => {
+                            Some(spare_bufs[k].take().expect("one spare a writer").slice_mut(0..len))
+                        }
+                        GradTarget::Nowhere => None,
+                    }
+                })
+                .collect();
+            let dx = views.remove(0);
+            let value = |r: &Option<usize>| &acts[r.map_or(0, |i| i + 1)];
+            let others: Vec<&CudaSlice<f32>> = reads[1..].iter().map(value).collect();
+            op.backward(Backward {
+                gpu,
+                blas,
+                place,
+                n,
+                params,
+                x: value(&reads[0]),
+                others: &others,
+                dy,
+                dx,
+                d_others: views,
+                grads,
+                draw,
+                scratch: &mut *scratch,
+                sync,
+            })?;
+            // The later writers' gradients, added to their values' in input order.
+            for (t, r) in targets.iter().zip(reads.iter()) {
+                if let (GradTarget::Spare(k), Some(i)) = (*t, *r) {
+                    let len = outputs[i];
+                    gpu.add_into(&spare[k].slice(0..len), &mut values[i].slice_mut(0..len))?;
+                }
+            }
         }
         Ok(())
     }

@@ -672,12 +672,13 @@ impl Graph {
         rows
     }
 
-    /// A one-line-per-node summary: name, description, output shape, parameter count;
-    /// for a graph that is not a chain, each node's inputs too (the values it reads, by
-    /// node name, or the model input's).
+    /// A one-line-per-node summary under a header: name, description, output shape,
+    /// parameter count; for a graph that is not a chain, each node's inputs too (the values
+    /// it reads, by node name, or the model input's).
     pub fn summary(&self) -> String {
         let chain = self.is_chain();
-        let mut out = String::new();
+        let inputs_head = if chain { String::new() } else { format!("{:<24} ", "inputs") };
+        let mut out = format!("{:<12} {:<36} {inputs_head}{:<16} {:>8}\n", "node", "op", "output", "params");
         for (j, (layer, name)) in self.layers.iter().zip(&self.names).enumerate() {
             let inputs = match chain {
                 true => String::new(),
@@ -990,9 +991,11 @@ mod tests {
             crate::model::Sequential::new([3], vec![Box::new(Linear::new(3, 4)), Box::new(Relu::new())]).unwrap();
         assert!(chain.is_chain());
         assert_eq!(chain.sources(), &[vec![Source::Input(0)], vec![Source::Node(0)]]);
-        assert!(chain.summary().starts_with("dense0"));
+        assert!(chain.summary().lines().nth(1).unwrap().starts_with("dense0"));
+        assert!(!chain.summary().contains("inputs"));
         // The diamond's summary names each node's inputs.
         let summary = diamond().summary();
+        assert!(summary.starts_with("node") && summary.lines().next().unwrap().contains("inputs"), "{summary}");
         let line = summary.lines().find(|l| l.starts_with("sum0")).unwrap();
         assert!(line.contains("dense1, relu0"), "{summary}");
     }
@@ -1000,7 +1003,7 @@ mod tests {
     #[test]
     fn bad_graphs_are_refused_naming_the_node() {
         let input = || vec![(INPUT_NAME.to_string(), Shape::new([3]))];
-        let err = |nodes: Vec<GraphNode>| Graph::build(input(), nodes).err().expect("refused").to_string();
+        let err = |nodes: Vec<GraphNode>| Graph::build(input(), nodes).expect_err("refused").to_string();
         // A node whose output nothing reads.
         let e = err(vec![node(Linear::new(3, 4), &[Source::Input(0)]), node(Linear::new(3, 2), &[Source::Input(0)])]);
         assert!(e.contains("node dense0's output is read by no node") && e.contains("dense1"), "{e}");

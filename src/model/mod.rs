@@ -49,8 +49,13 @@ pub const LAYER_TYPES: &[LayerType] = &[
     ops::AvgPool2d::SPEC,
     ops::Upsample2d::SPEC,
     ops::Softmax::SPEC,
+    ops::Reshape::SPEC,
+    ops::Permute::SPEC,
+    ops::Split::SPEC,
     ops::Add::SPEC,
     ops::Multiply::SPEC,
     ops::Concatenate::SPEC,
     ops::MatMul::SPEC,
+    ops::RotaryEmbedding::SPEC,
+    ops::ScaledDotProductAttention::SPEC,
 ];

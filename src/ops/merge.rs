@@ -46,9 +46,10 @@ pub(crate) mod testing {
     //! A merge alone, run through its `_many` forms as a graph's node runs it, and its
     //! gradient checked against central differences of its forward.
 
-    use crate::nn::{Ctx, InputGrad, Layer, Params, ParamsMut};
+    use crate::ops::{Ctx, InputGrad, Layer, LayerShapes, Params, ParamsMut};
     use crate::rng::SplitMix64;
-    use crate::tensor::{Device, Tensor};
+    use crate::tensor::{Device, Shape, Tensor};
+    use crate::testing::Counting;
 
     /// `n` values uniform in [−1, 1), from the stream of `seed`.
     pub(crate) fn values(seed: u64, n: usize) -> Vec<f32> {
@@ -66,6 +67,27 @@ pub(crate) mod testing {
         let needed = vec![InputGrad::Needed; xs.len()];
         let grads = layer.backward_many(dy, Params::new(&[], &[]), none(), &needed, &ctx).unwrap();
         (y, grads.into_iter().map(|g| g.expect("asked for")).collect())
+    }
+
+    /// Bytes a training forward of `layer` on `xs` (handed over, as a graph hands them)
+    /// leaves allocated beside its output, counted on this thread (`testing::Counting`),
+    /// against what its memory account states for the batch: (measured, stated).
+    pub(crate) fn kept_bytes(layer: &mut dyn Layer, xs: Vec<Tensor>) -> (i64, i64) {
+        let shapes: Vec<Shape> = xs.iter().map(|x| x.shape().clone()).collect();
+        let out = layer.output_shape_many(&shapes).unwrap();
+        let per_sample = |s: &Shape| Shape::new(&s.dims()[1..]);
+        let account = LayerShapes {
+            input: per_sample(&shapes[0]),
+            output: per_sample(&out),
+            other_inputs: shapes[1..].iter().map(per_sample).collect(),
+        };
+        let stated = layer.memory(&account).expect("a memory account").kept_per_sample * shapes[0].batch() as u64;
+        let inputs: usize = xs.iter().map(|x| x.numel() * 4).sum();
+        let ctx = Ctx::train(0, 0, 0, Device::Cpu(0));
+        let before = Counting::live() - inputs as isize;
+        let y = layer.forward_many(xs, Params::new(&[], &[]), ParamsMut::new(&mut [], &[]), &ctx).unwrap();
+        let kept = Counting::live() - before - (y.numel() * 4) as isize;
+        (kept as i64, stated as i64)
     }
 
     /// Finite-difference step, and the tolerance |analytic − numeric| ≤ ATOL + RTOL·max,
@@ -124,8 +146,8 @@ pub(crate) mod on_gpu {
     use cudarc::cublas::CudaBlas;
 
     use crate::cuda::Gpu;
-    use crate::nn::Layer;
     use crate::ops::gpu::{Backward, Draw, Forward, Pass, Placement};
+    use crate::ops::Layer;
     use crate::tensor::{Shape, Tensor};
 
     /// The GPU form of `layer` on `xs` (each (N, ...)): its forward, then its backward of

@@ -131,7 +131,23 @@ impl Handshake {
             ("non-finite losses", format!("{:?}", c.non_finite)),
             ("model", format!("{} layers, {} values", model.layers().len(), model.params_len() + model.buffers_len())),
         ];
-        let layers = model.layers().iter().enumerate().map(|(i, l)| (format!("layer {i}"), l.describe()));
+        // Each node with the values it reads: processes agree on the graph, not only on
+        // its layers.
+        let reads = |i: usize| {
+            let names: Vec<String> = model.sources()[i]
+                .iter()
+                .map(|&s| match s {
+                    crate::model::Source::Input(k) => model.inputs()[k].0.clone(),
+                    crate::model::Source::Node(j) => model.layer_names()[j].clone(),
+                })
+                .collect();
+            names.join(", ")
+        };
+        let layers = model
+            .layers()
+            .iter()
+            .enumerate()
+            .map(move |(i, l)| (format!("layer {i}"), format!("{} reading {}", l.describe(), reads(i))));
         let mut settings: Vec<Setting> = named.into_iter().map(|(k, v)| (k.to_string(), v)).chain(layers).collect();
         settings.push(("initial weights".into(), format!("digest {weights:016x}")));
         Handshake { settings }
@@ -358,6 +374,9 @@ mod tests {
         assert_eq!(batch, (("batch size".to_string(), "8".to_string()), "16".to_string()));
         // Two models of one size that differ in a layer's setting: the layer is named.
         let ((name, a), b) = first(h(8, 0.5), h(8, 0.1)).unwrap();
-        assert!(name.starts_with("layer ") && a == "Dropout(0.5)" && b == "Dropout(0.1)", "{name}: {a} vs {b}");
+        assert!(
+            name.starts_with("layer ") && a == "Dropout(0.5) reading relu3" && b == "Dropout(0.1) reading relu3",
+            "{name}: {a} vs {b}"
+        );
     }
 }

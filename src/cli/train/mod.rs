@@ -64,10 +64,10 @@ pub(crate) struct TrainArgs {
 #[derive(Args, Clone, Debug)]
 #[command(next_help_heading = "Model and data")]
 pub(crate) struct ModelDataArgs {
-    /// toy, convnet, convnet-nobn, resnet8, resnet20, densenet, gpt, or a model spec FILE.json (see examples/*.json).
+    /// toy, convnet, convnet-nobn, resnet8, resnet20, densenet, gpt, llama, or a model spec FILE.json (see examples/*.json).
     #[arg(long, default_value = "convnet", value_name = "NAME|FILE.json", value_parser = parse_model_choice)]
     pub(crate) model: ModelChoice,
-    /// toy, toy-enlarged, digits, fashion-mnist (Debian's dataset-fashion-mnist), mnist:DIR (IDX files, plain or .gz), fortunes (Debian's fortunes, as text), text:FILE (a file's bytes as tokens), or a FILE.safetensors (tensors x and y, or a token file's tokens) [default: toy for flat models, fortunes for gpt, digits otherwise]
+    /// toy, toy-enlarged, digits, fashion-mnist (Debian's dataset-fashion-mnist), mnist:DIR (IDX files, plain or .gz), fortunes (Debian's fortunes, as text), text:FILE (a file's bytes as tokens), or a FILE.safetensors (tensors x and y, or a token file's tokens) [default: toy for flat models, fortunes for gpt and llama, digits otherwise]
     #[arg(long)]
     pub(crate) data: Option<String>,
     /// The model's number of classes (its outputs) [default: the training data's: 10 for
@@ -88,7 +88,7 @@ pub(crate) struct ModelDataArgs {
     #[arg(long, value_name = "FILE|mnist:DIR", conflicts_with = "test_data")]
     pub(crate) val_data: Option<String>,
     /// Dropout rate of the built-in convnet and gpt, in [0, 1) (0 removes the convnet's
-    /// layer); a spec file sets its own [default: convnet 0.5, gpt 0].
+    /// layer); a spec file sets its own [default: convnet 0.5, gpt 0; the llama has none].
     #[arg(allow_negative_numbers = true, long)]
     pub(crate) dropout: Option<f32>,
     /// Momentum of the convnet's BatchNorm running statistics, in [0, 1): the library's
@@ -415,14 +415,14 @@ fn resolve(args: &mut TrainArgs, world: &World) -> CliResult<Run> {
     let data_spec = args.model_data.data.get_or_insert_with(|| source.default_data().to_string()).clone();
     // Each model its kind of data, said by what the model reads rather than by the
     // shapes that would not fit.
-    if source.is_gpt() && text::is_builtin_data(&data_spec) {
+    if source.is_language_model() && text::is_builtin_data(&data_spec) {
         return Err(text::not_text(&source.name(), &data_spec));
     }
-    if !source.is_gpt() && text::is_text(&data_spec) {
+    if !source.is_language_model() && text::is_text(&data_spec) {
         return Err(text::not_a_language_model(&source.name(), &data_spec));
     }
     // A run over text (or a token file): a language model's, whose data that is.
-    let text = source.is_gpt();
+    let text = source.is_language_model();
     let flat = source.flat() && !text;
     // The lesson's recipe (SGD 0.5, batch 2) is for the lesson's few points: a flat model
     // on data of its own (a file, the digits) trains as the convnet does.
@@ -475,14 +475,21 @@ fn load(args: &TrainArgs, run: &Run) -> CliResult<RunData> {
 fn build(args: &mut TrainArgs, run: &Run, data: &RunData, world: &World) -> CliResult<Graph> {
     let (m, train, source) = (&mut args.model_data, &data.splits.train, &run.source);
     let stated_classes = m.classes;
-    let classes = *m.classes.get_or_insert(match source.is_gpt() && matches!(source, ModelSource::Builtin(_)) {
-        true => crate::data::text::BYTE_VOCAB,
-        false => train.num_classes(),
-    });
+    let classes =
+        *m.classes.get_or_insert(match source.is_language_model() && matches!(source, ModelSource::Builtin(_)) {
+            true => crate::data::text::BYTE_VOCAB,
+            false => train.num_classes(),
+        });
     let dropout = m.dropout.expect("settings resolves it");
     let model = match source {
         ModelSource::Builtin(ModelName::Gpt) => {
             crate::models::gpt(m.gpt.gpt(classes, dropout)).map_err(Failure::usage)?
+        }
+        ModelSource::Builtin(ModelName::Llama) => {
+            if dropout != 0.0 {
+                return Err(Failure::usage(anyhow!("--dropout {dropout}: the llama has no dropout (Meta's has none)")));
+            }
+            crate::models::llama(m.gpt.llama(classes)).map_err(Failure::usage)?
         }
         _ => build_model(source, train.sample_shape().dims(), classes, dropout, m.bn_momentum)?,
     };

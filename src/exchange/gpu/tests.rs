@@ -81,7 +81,7 @@ fn every_slot_and_tensor_view_starts_on_256_bytes() {
     // Device allocations start 256-byte aligned (cuMemAlloc), so offsets of a multiple
     // of 64 f32 are what every view a GPU replica hands to cuBLAS or a kernel needs:
     // slot j at j·stride, a parameter's gradient at its flat offset in the slot, a
-    // buffer at np + its offset (the flat layout pads every tensor start: nn/sequential.rs).
+    // buffer at np + its offset (the flat layout pads every tensor start: model/graph.rs).
     let aligned = |floats: usize| (floats * std::mem::size_of::<f32>()).is_multiple_of(256);
     let models = [
         ("convnet", convnet(ConvnetOptions::default()).unwrap()),

@@ -298,6 +298,15 @@ mod tests {
         assert_eq!(Add::new().memory(&LayerShapes::one(s(&[3]), s(&[3]))), Some(LayerMemory::NONE));
     }
 
+    /// What a training forward keeps for its backward is what its account states, to the
+    /// small vectors of its shapes (under 256 bytes).
+    #[test]
+    fn the_memory_account_is_what_a_forward_keeps() {
+        let xs: Vec<Tensor> = (0..3).map(|s| t(&values(s, 16 * 50), &[16, 5, 10])).collect();
+        let (kept, stated) = crate::ops::merge::testing::kept_bytes(&mut Add::new(), xs);
+        assert!((kept - stated).abs() < 256, "kept {kept} B, stated {stated} B");
+    }
+
     /// The GPU form against the CPU's, bit for bit (the same roundings in the same order).
     #[cfg(feature = "cuda")]
     #[test]

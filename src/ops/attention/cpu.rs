@@ -1,13 +1,21 @@
-//! Causal self-attention on the CPU: the arithmetic of one sample's forward and backward
-//! ([`attention_forward`], [`attention_backward`]: the products on the CPU backend's GEMM,
-//! on the calling thread), the causal softmax row by row and its gradient (the reference
-//! kernels/attention.cu is held to), the dropout factors of both streams, and the
-//! projections' parameter gradients over the whole batch ([`projection_backward`]). The
-//! layer in `mod.rs` owns the rest: the buffers kept from the forward for the backward,
-//! the masks' keys from the context, the samples' parallel loop, shapes and memory.
+//! Scaled dot-product attention on the CPU: the arithmetic of one (sample, head) — the
+//! scores, the softmax under the mask and the mix of the values, and their gradients
+//! ([`head_probs`], [`head_mix`] and the backward's [`head_mix_backward`],
+//! [`head_scores_backward`], [`head_query_grad`], [`head_key_grad`]: the products on the
+//! CPU backend's GEMM, on the calling thread) over (T, D) views of q, k
+//! and v wherever they lie — shared by causal self-attention (its heads are columns of
+//! the fused qkv rows) and the scaled_dot_product_attention op (`ops::sdpa`, whose heads
+//! are (T, D) blocks of separate tensors); the softmax row by row and its gradient (the
+//! reference kernels/attention.cu is held to); and causal self-attention's own: one
+//! sample's forward and backward ([`attention_forward`], [`attention_backward`]), the
+//! dropout factors of both streams, and the projections' parameter gradients over the
+//! whole batch ([`projection_backward`]). The layer in `mod.rs` owns the rest: the
+//! buffers kept from the forward for the backward, the masks' keys from the context, the
+//! samples' parallel loop, shapes and memory.
 //!
 //! Shapes (the module's legend): T positions, C width, H heads, D = C/H; one sample's x
-//! and y are (T, C), its qkv (T, 3C), its probabilities (H, T, T).
+//! and y are (T, C), its qkv (T, 3C), its probabilities (H, T, T); one head's q, k, v and
+//! output (T, D), its scores and probabilities (T, T).
 
 use crate::backend::cpu::{gemm, gemm_with, Accumulate, Mat, Threads};
 use crate::backend::simd;
@@ -18,31 +26,53 @@ pub fn attention_scale(head_width: usize) -> f32 {
     (1.0 / (head_width as f64).sqrt()) as f32
 }
 
-/// Row `i` of the causal softmax, in place: the scores s (T) become
-/// p_j = exp(scale·s_j − m) / Σ_{k ≤ i} exp(scale·s_k − m) for j ≤ i, m = max_{j ≤ i} scale·s_j,
-/// and p_j = 0 for j > i (the mask's −∞). The exponentials, the max and the sum are
-/// `backend::simd`'s (within 2 ulp; the sum in its fixed order of 16 lanes, a function
-/// of i alone); the division is a multiplication by 1/Σ. The CPU reference of
-/// kernels/attention.cu's forward.
+/// Which keys a query sees: every one, or (causal) those at its position or before.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mask {
+    /// Query i sees every key.
+    Full,
+    /// Query i sees keys j ≤ i; the rest are masked (−∞ before the softmax, as PyTorch's
+    /// `is_causal=True`).
+    Causal,
+}
+
+impl Mask {
+    /// The last key row `i` of a (T, T) score matrix sees.
+    #[inline]
+    pub fn last(self, i: usize, t: usize) -> usize {
+        match self {
+            Mask::Full => t - 1,
+            Mask::Causal => i,
+        }
+    }
+}
+
+/// A row of the softmax, in place, its values past `last` masked: the scores s (T) become
+/// p_j = exp(scale·s_j − m) / Σ_{k ≤ last} exp(scale·s_k − m) for j ≤ last,
+/// m = max_{j ≤ last} scale·s_j, and p_j = 0 for j > last (the mask's −∞): row i of the
+/// causal softmax for last = i, a row of the full one for last = T − 1. The exponentials,
+/// the max and the sum are `backend::simd`'s (within 2 ulp; the sum in its fixed order of
+/// 16 lanes, a function of `last` alone); the division is a multiplication by 1/Σ. The
+/// CPU reference of kernels/attention.cu's forward.
 ///
 /// The passes run over the live values and the masked ones up to the next whole vector
 /// of `simd::LANES`, those set to −∞ first (so to 0 after the exponential), instead of
-/// ending each pass in a scalar remainder of up to 15 values (rows average T/2 long):
-/// with the backward's like change, the softmax's share of a GPT step (perf) went from
-/// 3.7% to 2.8%. The bits are those of the live values alone: −∞ moves no max, and
+/// ending each pass in a scalar remainder of up to 15 values (causal rows average T/2
+/// long): with the backward's like change, the softmax's share of a GPT step (perf) went
+/// from 3.7% to 2.8%. The bits are those of the live values alone: −∞ moves no max, and
 /// adding +0 to a lane of the sum (value j's lane is j mod LANES either way) leaves it
-/// as it was (the tests hold both to the passes over j ≤ i alone).
-pub fn causal_softmax_row(row: &mut [f32], i: usize, scale: f32) {
-    let end = whole_lanes(i + 1, row.len());
+/// as it was (the tests hold both to the passes over j ≤ last alone).
+pub fn softmax_row(row: &mut [f32], last: usize, scale: f32) {
+    let end = whole_lanes(last + 1, row.len());
     let passes = &mut row[..end];
-    passes[i + 1..].fill(f32::NEG_INFINITY);
+    passes[last + 1..].fill(f32::NEG_INFINITY);
     let max = simd::scale_max(passes, scale);
     simd::exp_shifted(passes, max);
     let inv = 1.0 / simd::sum(passes);
     for v in passes.iter_mut() {
         *v *= inv;
     }
-    row[i + 1..].fill(0.0);
+    row[last + 1..].fill(0.0);
 }
 
 /// The values a pass over the first `live` of a row of `len` covers: `live` rounded up to
@@ -51,22 +81,75 @@ fn whole_lanes(live: usize, len: usize) -> usize {
     live.next_multiple_of(simd::LANES).min(len)
 }
 
-/// The gradient of row `i` of [`causal_softmax_row`] by its scores, in place: dp (T), the
-/// gradient by the probabilities p (T), becomes
-/// ds_j = scale·p_j·(dp_j − Σ_{k ≤ i} dp_k·p_k) for j ≤ i, 0 for j > i. The sum is
-/// `backend::simd::dot`'s. The CPU reference of kernels/attention.cu's backward.
+/// The gradient of a row of [`softmax_row`] by its scores, in place: dp (T), the gradient
+/// by the probabilities p (T), becomes
+/// ds_j = scale·p_j·(dp_j − Σ_{k ≤ last} dp_k·p_k) for j ≤ last, 0 for j > last. The sum
+/// is `backend::simd::dot`'s. The CPU reference of kernels/attention.cu's backward.
 ///
-/// As the forward, the passes run to the next whole vector, dp zeroed past i first: each
-/// such term of the sum is 0·0 = +0, which leaves the live values' bits.
-pub fn causal_softmax_row_bwd(p: &[f32], dp: &mut [f32], i: usize, scale: f32) {
-    let passes = whole_lanes(i + 1, dp.len());
-    dp[i + 1..passes].fill(0.0);
+/// As the forward, the passes run to the next whole vector, dp zeroed past `last` first:
+/// each such term of the sum is 0·0 = +0, which leaves the live values' bits.
+pub fn softmax_row_bwd(p: &[f32], dp: &mut [f32], last: usize, scale: f32) {
+    let passes = whole_lanes(last + 1, dp.len());
+    dp[last + 1..passes].fill(0.0);
     let dot = simd::dot(&dp[..passes], p);
     for (d, q) in dp[..passes].iter_mut().zip(p) {
         *d = scale * (q * (*d - dot));
     }
-    // Past i that gave scale·(0·(0 − dot)), a zero of either sign: the mask's is +0.
-    dp[i + 1..].fill(0.0);
+    // Past `last` that gave scale·(0·(0 − dot)), a zero of either sign: the mask's is +0.
+    dp[last + 1..].fill(0.0);
+}
+
+/// One head's probabilities: S (T, T) = q·kᵀ, then P = softmax(scale·S) row by row under
+/// `mask` ([`softmax_row`]), into p (T, T). q, k: (T, D) views.
+pub(crate) fn head_probs(q: Mat<'_>, k: Mat<'_>, p: &mut [f32], mask: Mask, scale: f32) {
+    let t = q.rows;
+    gemm_with(q, k.t(), p, t, Accumulate::Overwrite, Threads::Caller);
+    for (i, row) in p.chunks_exact_mut(t).enumerate() {
+        softmax_row(row, mask.last(i, t), scale);
+    }
+}
+
+/// One head's output: y (T, D) = P·v, written into `y` with row stride `ys`. p: (T, T)
+/// (the probabilities, or their dropped form); v: (T, D) view.
+pub(crate) fn head_mix(p: &[f32], v: Mat<'_>, y: &mut [f32], ys: usize) {
+    let t = v.rows;
+    gemm_with(Mat::rows(p, t, t), v, y, ys, Accumulate::Overwrite, Threads::Caller);
+}
+
+/// A (T, D) destination: the values and their row stride.
+pub(crate) type Out<'a> = (&'a mut [f32], usize);
+
+/// The backward of [`head_mix`]: dv (T, D) = Pᵀ·dy, written into `dv` when given, and
+/// dP (T, T) = dy·vᵀ into `dp`. p: (T, T) as the mix read it; v, dy: (T, D) views.
+pub(crate) fn head_mix_backward(p: &[f32], v: Mat<'_>, dy: Mat<'_>, dv: Option<Out<'_>>, dp: &mut [f32]) {
+    let t = v.rows;
+    if let Some((dv, rs)) = dv {
+        gemm_with(Mat::rows(p, t, t).t(), dy, dv, rs, Accumulate::Overwrite, Threads::Caller);
+    }
+    gemm_with(dy, v.t(), dp, t, Accumulate::Overwrite, Threads::Caller);
+}
+
+/// The backward of [`head_probs`]'s softmax: dp (T, T), the gradient by P, becomes dS, the
+/// gradient by the scores S, in place, row by row ([`softmax_row_bwd`], the scale
+/// included). p: (T, T), the forward's P.
+pub(crate) fn head_scores_backward(p: &[f32], dp: &mut [f32], t: usize, mask: Mask, scale: f32) {
+    for (i, (drow, prow)) in dp.chunks_exact_mut(t).zip(p.chunks_exact(t)).enumerate() {
+        softmax_row_bwd(prow, drow, mask.last(i, t), scale);
+    }
+}
+
+/// The query's gradient from the scores': dq (T, D) = dS·k, written into `dq`. ds: (T, T);
+/// k: (T, D) view.
+pub(crate) fn head_query_grad(ds: &[f32], k: Mat<'_>, (dq, rs): Out<'_>) {
+    let t = k.rows;
+    gemm_with(Mat::rows(ds, t, t), k, dq, rs, Accumulate::Overwrite, Threads::Caller);
+}
+
+/// The key's gradient from the scores': dk (T, D) = dSᵀ·q, written into `dk`. ds: (T, T);
+/// q: (T, D) view.
+pub(crate) fn head_key_grad(ds: &[f32], q: Mat<'_>, (dk, rs): Out<'_>) {
+    let t = q.rows;
+    gemm_with(Mat::rows(ds, t, t).t(), q, dk, rs, Accumulate::Overwrite, Threads::Caller);
 }
 
 /// The dropout factor of element `idx` of stream `key`: 0, or `keep` = 1/(1 − rate), as
@@ -155,13 +238,10 @@ pub(crate) fn attention_forward(job: &PassContext<'_>, s: usize, x: &[f32], y: &
         let k = cols(qkv, t, 3 * c, c + h * hd, hd);
         let v = cols(qkv, t, 3 * c, 2 * c + h * hd, hd);
         // S (T, T) = q_h·k_hᵀ, then P = causal softmax(S/√D) row by row
-        gemm_with(q, k.t(), p, t, Accumulate::Overwrite, Threads::Caller);
-        for (i, row) in p.chunks_exact_mut(t).enumerate() {
-            causal_softmax_row(row, i, job.scale);
-        }
+        head_probs(q, k, p, Mask::Causal, job.scale);
         // y_h (T, D) = P'·v_h, into columns h·D.. of merged (T, C)
         let pd = job.dropped_probs(s, h, p, dropped);
-        gemm_with(Mat::rows(pd, t, t), v, &mut merged[h * hd..], c, Accumulate::Overwrite, Threads::Caller);
+        head_mix(pd, v, &mut merged[h * hd..], c);
     }
     // y (T, C) = dropout(merged·W_projᵀ + b_proj), y holding b_proj already
     let acc = if job.b_proj.is_some() { Accumulate::Add } else { Accumulate::Overwrite };
@@ -206,12 +286,10 @@ pub(crate) fn attention_backward(
         let k = cols(qkv, t, 3 * c, c + h * hd, hd);
         let v = cols(qkv, t, 3 * c, 2 * c + h * hd, hd);
         let dy = cols(dmerged, t, c, h * hd, hd);
-        // dv_h (T, D) = P'ᵀ·dy_h
+        // dv_h (T, D) = P'ᵀ·dy_h, dP' (T, T) = dy_h·v_hᵀ
         let pd = job.dropped_probs(s, h, p, dropped);
-        let dv = &mut dqkv[2 * c + h * hd..];
-        gemm_with(Mat::rows(pd, t, t).t(), dy, dv, 3 * c, Accumulate::Overwrite, Threads::Caller);
-        // dP' (T, T) = dy_h·v_hᵀ, dP = dropout'(dP'), dS = softmax'(dP)
-        gemm_with(dy, v.t(), dp, t, Accumulate::Overwrite, Threads::Caller);
+        head_mix_backward(pd, v, dy, Some((&mut dqkv[2 * c + h * hd..], 3 * c)), dp);
+        // dP = dropout'(dP')
         if let Some(d) = job.drops {
             let first = (((d.first + s) * job.heads + h) * t * t) as u64;
             for (i, row) in dp.chunks_exact_mut(t).enumerate() {
@@ -220,13 +298,10 @@ pub(crate) fn attention_backward(
                 }
             }
         }
-        for (i, (drow, prow)) in dp.chunks_exact_mut(t).zip(p.chunks_exact(t)).enumerate() {
-            causal_softmax_row_bwd(prow, drow, i, job.scale);
-        }
-        // dq_h (T, D) = dS·k_h, dk_h (T, D) = dSᵀ·q_h
-        let ds = Mat::rows(dp, t, t);
-        gemm_with(ds, k, &mut dqkv[h * hd..], 3 * c, Accumulate::Overwrite, Threads::Caller);
-        gemm_with(ds.t(), q, &mut dqkv[c + h * hd..], 3 * c, Accumulate::Overwrite, Threads::Caller);
+        // dS = softmax'(dP); dq_h (T, D) = dS·k_h, dk_h (T, D) = dSᵀ·q_h
+        head_scores_backward(p, dp, t, Mask::Causal, job.scale);
+        head_query_grad(dp, k, (&mut dqkv[h * hd..], 3 * c));
+        head_key_grad(dp, q, (&mut dqkv[c + h * hd..], 3 * c));
     }
     if let Some(dx) = dx {
         // dx (T, C) = dqkv·W_attn
@@ -304,7 +379,7 @@ mod tests {
                 live.iter_mut().for_each(|v| *v *= inv);
                 want[i + 1..].fill(0.0);
                 let mut got = scores;
-                causal_softmax_row(&mut got, i, scale);
+                softmax_row(&mut got, i, scale);
                 let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                 assert_eq!(bits(&got), bits(&want), "forward, T {t}, row {i}");
 
@@ -316,7 +391,7 @@ mod tests {
                 }
                 want_d[i + 1..].fill(0.0);
                 let mut got_d = dp;
-                causal_softmax_row_bwd(&want, &mut got_d, i, scale);
+                softmax_row_bwd(&want, &mut got_d, i, scale);
                 assert_eq!(bits(&got_d), bits(&want_d), "backward, T {t}, row {i}");
             }
         }

@@ -10,6 +10,7 @@ use crate::ops::gpu::{Backward, Draw, Forward, GpuLayer, Pass, Placement};
 use crate::{Error, Result};
 use cudarc::driver::{CudaSlice, CudaViewMut, LaunchConfig};
 
+use super::cpu::Mask;
 use super::*;
 
 crate::cuda::declare::kernels! {
@@ -19,8 +20,8 @@ crate::cuda::declare::kernels! {
             bwd(dy: In, dx: Out, n: I32, t: I32, parts: I32, heads: I32, hd: I32);
         }
         attention_softmax {
-            fwd(s: In, p: Out, rows: I32, t: I32, scale: F32);
-            bwd(p: In, dp: In, ds: Out, rows: I32, t: I32, scale: F32);
+            fwd(s: In, p: Out, rows: I32, t: I32, scale: F32, causal: I32);
+            bwd(p: In, dp: In, ds: Out, rows: I32, t: I32, scale: F32, causal: I32);
         }
     }
 }
@@ -73,6 +74,11 @@ fn row_cfg(rows: usize) -> LaunchConfig {
     LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (ATTENTION_BLOCK, 1, 1), shared_mem_bytes: 0 }
 }
 
+/// The softmax kernels' `causal` argument for `mask`.
+fn causal(mask: Mask) -> i32 {
+    i32::from(mask == Mask::Causal)
+}
+
 /// The rows of (rows, T) scores in a buffer of `len` values, checked.
 fn rows_of(op: &'static str, len: usize, t: usize) -> Result<i32> {
     if t == 0 || !len.is_multiple_of(t) {
@@ -114,9 +120,16 @@ impl Gpu {
         unsafe { attention_heads::bwd(self, elem_cfg(g.len()), dy, dx, n, t, parts, heads, hd) }
     }
 
-    /// The causal softmax of scale·s over each row of T, row r at position r mod T.
+    /// The softmax of scale·s over each row of T under `mask`, row r at position r mod T.
     /// s, p: (rows, T), rows = N·H·T.
-    pub fn attention_softmax_fwd(&self, s: &impl DevIn, p: &mut impl DevOut, t: usize, scale: f32) -> Result<()> {
+    pub fn attention_softmax_fwd(
+        &self,
+        s: &impl DevIn,
+        p: &mut impl DevOut,
+        t: usize,
+        scale: f32,
+        mask: Mask,
+    ) -> Result<()> {
         let s = &s.view();
         let p = &mut p.view_mut();
         let op = "attention_softmax_fwd";
@@ -126,13 +139,14 @@ impl Gpu {
         }
         let rows = rows_of(op, s.len(), t)?;
         let ti = dim(op, "T", t)?;
-        // SAFETY: attention_softmax_fwd_f32(const float*, float*, int, int, float); s and p
-        // hold rows·T floats (checked); the launch is ATTENTION_BLOCK threads a block, the
-        // size of the kernel's shared array.
-        unsafe { attention_softmax::fwd(self, row_cfg(rows as usize), s, p, rows, ti, scale) }
+        // SAFETY: attention_softmax_fwd_f32(const float*, float*, int, int, float, int); s
+        // and p hold rows·T floats (checked); the launch is ATTENTION_BLOCK threads a block,
+        // the size of the kernel's shared array.
+        unsafe { attention_softmax::fwd(self, row_cfg(rows as usize), s, p, rows, ti, scale, causal(mask)) }
     }
 
-    /// The softmax's gradient by the scores, scaled. p, dp, ds: (rows, T).
+    /// The softmax's gradient by the scores, scaled, under `mask`. p, dp, ds: (rows, T).
+    #[allow(clippy::too_many_arguments)]
     pub fn attention_softmax_bwd(
         &self,
         p: &impl DevIn,
@@ -140,6 +154,7 @@ impl Gpu {
         ds: &mut impl DevOut,
         t: usize,
         scale: f32,
+        mask: Mask,
     ) -> Result<()> {
         let p = &p.view();
         let dp = &dp.view();
@@ -153,8 +168,9 @@ impl Gpu {
         let rows = rows_of(op, p.len(), t)?;
         let ti = dim(op, "T", t)?;
         // SAFETY: attention_softmax_bwd_f32(const float*, const float*, float*, int, int,
-        // float); all three hold rows·T floats (checked); ATTENTION_BLOCK threads a block.
-        unsafe { attention_softmax::bwd(self, row_cfg(rows as usize), p, dp, ds, rows, ti, scale) }
+        // float, int); all three hold rows·T floats (checked); ATTENTION_BLOCK threads a
+        // block.
+        unsafe { attention_softmax::bwd(self, row_cfg(rows as usize), p, dp, ds, rows, ti, scale, causal(mask)) }
     }
 }
 
@@ -316,7 +332,7 @@ impl GpuLayer for AttentionGpu {
             let (q, k, v) = (kept.heads.slice(..ntc), kept.heads.slice(ntc..2 * ntc), kept.heads.slice(2 * ntc..));
             // S = q·kᵀ, P = causal softmax(S/√D), P' = dropout(P), y_h = P'·v
             cublas_gemm(blas, &RmGemm::attention_scores(nh, t, d), &q, &k, &mut s)?;
-            gpu.attention_softmax_fwd(&s, &mut kept.probs, t, attention_scale(d))?;
+            gpu.attention_softmax_fwd(&s, &mut kept.probs, t, attention_scale(d), Mask::Causal)?;
             let p = match keys {
                 Some((attn, _)) => {
                     gpu.dropout_fwd(&kept.probs, &mut pd, rate, attn)?;
@@ -396,11 +412,11 @@ impl GpuLayer for AttentionGpu {
             let ds = match keys {
                 Some((attn, _)) => {
                     gpu.dropout_bwd(&sa, &mut sb, rate, attn)?;
-                    gpu.attention_softmax_bwd(&kept.probs, &sb, &mut sa, t, scale)?;
+                    gpu.attention_softmax_bwd(&kept.probs, &sb, &mut sa, t, scale, Mask::Causal)?;
                     sa.slice(..)
                 }
                 None => {
-                    gpu.attention_softmax_bwd(&kept.probs, &sa, &mut sb, t, scale)?;
+                    gpu.attention_softmax_bwd(&kept.probs, &sa, &mut sb, t, scale, Mask::Causal)?;
                     sb.slice(..)
                 }
             };
@@ -433,13 +449,13 @@ impl GpuLayer for AttentionGpu {
 /// the head split and merge are permutations (PyTorch's split, `view(N, T, H, D)` and
 /// `transpose(1, 2)`, written out below: the CPU reads the heads in place, through strided
 /// views, and has no split of its own), equal bit for bit and each other's inverse; the
-/// causal softmax and its gradient against `causal_softmax_row` and
-/// `causal_softmax_row_bwd` within 2e-6 relative to the row's largest value (the kernel
-/// sums in a tree of 128 partial sums, the CPU in 16 lanes (`backend::simd::sum`), and the
-/// host's expf is the C library's, the CPU's `simd::exp_f32`), their masked columns
-/// exactly +0. T = 5 (one partial sum a column) and T = 200 (two columns a thread), under
-/// the one-block-a-row launch and a grid too small to cover the rows once; and a row whose
-/// live scores are all −∞, NaN on both (the CPU's max is −∞, and −∞ − (−∞) is NaN).
+/// softmax and its gradient, causal and full, against `softmax_row` and `softmax_row_bwd`
+/// within 2e-6 relative to the row's largest value (the kernel sums in a tree of 128
+/// partial sums, the CPU in 16 lanes (`backend::simd::sum`), and the host's expf is the C
+/// library's, the CPU's `simd::exp_f32`), their masked columns exactly +0. T = 5 (one
+/// partial sum a column) and T = 200 (two columns a thread), under the one-block-a-row
+/// launch and a grid too small to cover the rows once; and a row whose live scores are all
+/// −∞, NaN on both (the CPU's max is −∞, and −∞ − (−∞) is NaN).
 #[cfg(test)]
 pub(crate) fn host_check(k: &crate::cuda::host::Checker) {
     use crate::cuda::host::{elem_cfgs, Cfg, In, Out, F32, I32};
@@ -481,48 +497,57 @@ pub(crate) fn host_check(k: &crate::cuda::host::Checker) {
     }
 
     let row_cfgs = |rows: usize| [Cfg::from(row_cfg(rows)), Cfg { grid: (3, 1, 1), block: (ATTENTION_BLOCK, 1, 1) }];
-    for t in [5usize, 200] {
+    for (t, mask) in [(5usize, Mask::Causal), (200, Mask::Causal), (5, Mask::Full), (200, Mask::Full)] {
         let rows = 2 * t; // two (sample, head) pairs of T positions
         let scale = attention_scale(hd);
         let mut s: Vec<f32> = uniform(2 + t as u64, rows * t).iter().map(|v| 4.0 * v).collect();
         // Row t + 2 (position 2 of the second pair): every live score −∞.
-        s[(t + 2) * t..(t + 2) * t + 3].fill(f32::NEG_INFINITY);
+        let live = mask.last(2, t) + 1;
+        s[(t + 2) * t..(t + 2) * t + live].fill(f32::NEG_INFINITY);
         let dp = uniform(3 + t as u64, rows * t);
         let mut want_p = s.clone();
         for (r, row) in want_p.chunks_exact_mut(t).enumerate() {
-            super::cpu::causal_softmax_row(row, r % t, scale);
+            super::cpu::softmax_row(row, mask.last(r % t, t), scale);
         }
         let mut want_ds = dp.clone();
         for (r, (row, p)) in want_ds.chunks_exact_mut(t).zip(want_p.chunks_exact(t)).enumerate() {
-            super::cpu::causal_softmax_row_bwd(p, row, r % t, scale);
+            super::cpu::softmax_row_bwd(p, row, mask.last(r % t, t), scale);
         }
         let close = |what: &str, got: &[f32], want: &[f32]| {
             for (r, (g, w)) in got.chunks_exact(t).zip(want.chunks_exact(t)).enumerate() {
                 let scale = w.iter().fold(1e-30f32, |m, v| m.max(v.abs()));
                 for (j, (a, b)) in g.iter().zip(w).enumerate() {
-                    if j > r % t {
-                        assert_eq!(a.to_bits(), 0, "{what} T = {t}: row {r}, masked column {j} is {a}");
+                    if j > mask.last(r % t, t) {
+                        assert_eq!(a.to_bits(), 0, "{what} {mask:?} T = {t}: row {r}, masked column {j} is {a}");
                     } else if b.is_nan() {
-                        assert!(a.is_nan(), "{what} T = {t}: row {r}, column {j}: {a} where the CPU has NaN");
+                        assert!(a.is_nan(), "{what} {mask:?} T = {t}: row {r}, column {j}: {a} where the CPU has NaN");
                     } else {
-                        assert!((a - b).abs() <= 2e-6 * scale, "{what} T = {t}: row {r}, column {j}: {a} vs {b}");
+                        assert!(
+                            (a - b).abs() <= 2e-6 * scale,
+                            "{what} {mask:?} T = {t}: row {r}, column {j}: {a} vs {b}"
+                        );
                     }
                 }
             }
         };
         assert!(want_p[(t + 2) * t].is_nan(), "the CPU's row of −∞ scores");
+        let flag = causal(mask);
         for cfg in row_cfgs(rows) {
             let mut p = vec![f32::NAN; rows * t];
-            // As Gpu::attention_softmax_fwd: s, p, rows, t, scale.
-            k.launch(&attention_softmax::FWD, cfg, &mut [In(&s), Out(&mut p), geom(rows), geom(t), F32(scale)]);
+            // As Gpu::attention_softmax_fwd: s, p, rows, t, scale, causal.
+            k.launch(
+                &attention_softmax::FWD,
+                cfg,
+                &mut [In(&s), Out(&mut p), geom(rows), geom(t), F32(scale), I32(flag)],
+            );
             close("softmax", &p, &want_p);
             let mut ds = vec![f32::NAN; rows * t];
-            // As Gpu::attention_softmax_bwd: p, dp, ds, rows, t, scale (from the CPU's p,
-            // so that the gradient is checked alone).
+            // As Gpu::attention_softmax_bwd: p, dp, ds, rows, t, scale, causal (from the
+            // CPU's p, so that the gradient is checked alone).
             k.launch(
                 &attention_softmax::BWD,
                 cfg,
-                &mut [In(&want_p), In(&dp), Out(&mut ds), geom(rows), geom(t), F32(scale)],
+                &mut [In(&want_p), In(&dp), Out(&mut ds), geom(rows), geom(t), F32(scale), I32(flag)],
             );
             close("softmax gradient", &ds, &want_ds);
         }

@@ -688,6 +688,50 @@ mod tests {
         }
     }
 
+    /// The fused layer's heads are the scaled_dot_product_attention op's (`ops::sdpa`) on
+    /// the same q, k and v, bit for bit: both call the head functions of [`cpu`], here on
+    /// columns of the qkv rows, there on (T, D) blocks. The heads of the layer's qkv
+    /// (N, T, 3C) rearranged to (N, H, T, D), through the op causal at 1/√D, give the
+    /// layer's merged heads; the layer's dmerged rearranged likewise gives its dqkv.
+    #[test]
+    fn the_fused_heads_are_scaled_dot_product_attention_on_the_split_heads() {
+        use crate::ops::sdpa::ScaledDotProductAttention;
+        let (n, t, c, h) = (2, 7, 12, 3);
+        let d = c / h;
+        let mut layer = CausalSelfAttention::new(c, h).unwrap();
+        let p = Flat::random(&layer, 0.5, 21);
+        let (x, dout) = (uniform(n * t * c, 1.0, 22), uniform(n * t * c, 1.0, 23));
+        let mut grads = p.zeros_like();
+        forward_backward(&mut layer, &p, &x, n, &dout, &mut grads, &train_ctx());
+        // Element (s, hh, i, dd) of (N, H, T, D) from rows of `width` at column offset `at`.
+        let heads = |rows: &[f32], width: usize, at: usize| -> Vec<f32> {
+            let mut out = vec![0.0; n * h * t * d];
+            for (e, o) in out.iter_mut().enumerate() {
+                let (s, hh, i, dd) = (e / (h * t * d), e / (t * d) % h, e / d % t, e % d);
+                *o = rows[(s * t + i) * width + at + hh * d + dd];
+            }
+            out
+        };
+        let b = &layer.bufs;
+        let (q, k, v) = (heads(&b.qkv, 3 * c, 0), heads(&b.qkv, 3 * c, c), heads(&b.qkv, 3 * c, 2 * c));
+        let dims = [n, h, t, d];
+        let tensor = |v: &[f32]| Tensor::from_vec(v.to_vec(), dims).unwrap();
+        let mut sdpa = ScaledDotProductAttention::new(cpu::Mask::Causal);
+        let ctx = train_ctx();
+        let none = || (Params::new(&[], &[]), ParamsMut::new(&mut [], &[]));
+        let (pa, bu) = none();
+        let y = sdpa.forward_many(vec![tensor(&q), tensor(&k), tensor(&v)], pa, bu, &ctx).unwrap();
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(y.host()), bits(&heads(&b.merged, c, 0)), "the heads' outputs");
+        let (pa, dp) = none();
+        let dy = tensor(&heads(&b.dmerged, c, 0));
+        let g = sdpa.backward_many(dy, pa, dp, &[InputGrad::Needed; 3], &ctx).unwrap();
+        for (j, g) in g.into_iter().enumerate() {
+            let want = heads(&b.dqkv, 3 * c, j * c);
+            assert_eq!(bits(g.unwrap().host()), bits(&want), "the gradient of {}", ["q", "k", "v"][j]);
+        }
+    }
+
     #[test]
     fn every_gradient_matches_central_differences() {
         gradcheck(CausalSelfAttention::new(8, 2).unwrap(), &train_ctx());

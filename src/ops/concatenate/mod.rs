@@ -359,6 +359,15 @@ mod tests {
         assert_eq!(Concatenate::new(-1).spec().unwrap(), json!({"type": "concatenate", "axis": -1}));
     }
 
+    /// What a training forward keeps for its backward is what its account states, to the
+    /// small vectors of its shapes (under 256 bytes).
+    #[test]
+    fn the_memory_account_is_what_a_forward_keeps() {
+        let xs: Vec<Tensor> = vec![t(&values(1, 16 * 50), &[16, 5, 10]), t(&values(2, 16 * 20), &[16, 5, 4])];
+        let (kept, stated) = crate::ops::merge::testing::kept_bytes(&mut Concatenate::new(-1), xs);
+        assert!((kept - stated).abs() < 256, "kept {kept} B, stated {stated} B");
+    }
+
     /// The GPU form against the CPU's, bit for bit (the same roundings in the same order).
     #[cfg(feature = "cuda")]
     #[test]

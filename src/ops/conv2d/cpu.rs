@@ -16,10 +16,18 @@
 //! chunk and the chunks added in chunk order, so the result is bitwise the same whatever
 //! the thread count.
 //!
+//! A convolution of several groups (`groups` > 1: [`grouped_forward`],
+//! [`grouped_backward`]) runs by [`Grouping::path`], a function of the shape alone: a
+//! group of a few channels (a depthwise convolution's one) by direct sums over padded
+//! copies of its planes ([`Direct`], blocks of values in vector registers, no unfolding),
+//! a wider one as a convolution of its own per group and sample, through the unfoldings
+//! above.
+//!
 //! Every unfolding writes each value of the output and of the input gradient (none is
 //! read first), and reads a sample whole before writing its gradient, so the layer may
 //! hand the forward memory that holds anything and the backward the input's own values
-//! to write the gradient over ([`Samples`]).
+//! to write the gradient over ([`Samples`]); the grouped paths too, a group's channels
+//! read whole before the group's gradient is written.
 
 use std::borrow::Cow;
 use std::ops::Range;
@@ -31,6 +39,7 @@ use crate::backend::cpu::{
     sum_partials, Accumulate, Im2colGeom, Mat, Pieces, Samples, Threads,
 };
 use crate::backend::par;
+use crate::backend::simd::widest;
 use crate::backend::winograd;
 
 /// The forward of a batch: x: (N, C, H, W) → y: (N, O, OH, OW), WRITTEN (whatever y held);
@@ -82,17 +91,7 @@ pub fn conv2d_backward(
     let weight = weight_for(weight, g, o, how);
     let job = PassContext { g: *g, o, weight: &weight, unfold: how, winograd: transformed };
     let chunks = batch_chunks(n);
-    let xs: Vec<Samples<'_>> = match xs {
-        Samples::Overwritten(both) => split_by_chunks(both, n, per_in).into_iter().map(Samples::Overwritten).collect(),
-        Samples::Apart { x, dx } => {
-            let dxs: Vec<Option<&mut [f32]>> = match dx {
-                Some(dx) => split_by_chunks(dx, n, per_in).into_iter().map(Some).collect(),
-                None => chunks.iter().map(|_| None).collect(),
-            };
-            let xs = chunks.iter().map(|r| &x[r.start * per_in..r.end * per_in]);
-            xs.zip(dxs).map(|(x, dx)| Samples::Apart { x, dx }).collect()
-        }
-    };
+    let xs = samples_by_chunks(xs, &chunks, per_in);
     let mut scratch = borrow_scratch(chunks.len());
     let with_bias = dbias.is_some();
     let work = chunks.into_par_iter().zip(xs).zip(&mut scratch[..]);
@@ -484,6 +483,613 @@ fn weight_for<'a>(w: &'a [f32], g: &Im2colGeom, o: usize, unfold: Unfold) -> Cow
     match unfold {
         Unfold::Columns | Unfold::Winograd => Cow::Borrowed(w),
         Unfold::Rows => Cow::Owned(oihw_to_hwio(w, o, g.c, g.kh * g.kw)),
+    }
+}
+
+// ---- several groups ---------------------------------------------------------------------
+
+/// A convolution of `groups` groups (PyTorch's `groups`, Keras's): group k maps input
+/// channels k·C/G.. (C/G of them) to filters k·O/G.. (O/G), through those filters' rows of
+/// the weight (O, C/G, KH, KW). `g` is one sample's whole geometry (its C all the input's
+/// channels); G divides C and O (the layer checks).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Grouping {
+    pub g: Im2colGeom,
+    pub o: usize,
+    pub groups: usize,
+}
+
+impl Grouping {
+    /// Input channels of a group: C/G.
+    pub fn cpg(&self) -> usize {
+        self.g.c / self.groups
+    }
+
+    /// Filters of a group: O/G.
+    pub fn opg(&self) -> usize {
+        self.o / self.groups
+    }
+
+    /// The geometry of one group's convolution: the sample's, with C/G channels.
+    pub fn sub(&self) -> Im2colGeom {
+        Im2colGeom { c: self.cpg(), ..self.g }
+    }
+
+    /// How it runs ([`grouped_path`]).
+    pub(super) fn path(&self) -> Grouped {
+        grouped_path(self.cpg())
+    }
+}
+
+/// How a convolution of groups of `cpg` input channels runs: a function of the shape
+/// alone, as [`unfold`] is (and the GPU's choice too).
+pub(super) fn grouped_path(cpg: usize) -> Grouped {
+    if cpg <= DIRECT_CHANNELS {
+        Grouped::Direct
+    } else {
+        Grouped::PerGroup
+    }
+}
+
+/// How a convolution of several groups runs.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(super) enum Grouped {
+    /// Each value summed where it lies, over its group's few channels and the window
+    /// ([`Direct`]): depthwise convolutions (one channel a group), where a group's GEMM
+    /// would multiply by a matrix of O/G rows and KH·KW columns.
+    Direct,
+    /// Each group a convolution of its own (C/G channels to O/G filters), sample by
+    /// sample, through the unfoldings above (columns, rows or Winograd, [`unfold`]'s
+    /// choice for the group's shape).
+    PerGroup,
+}
+
+/// The most channels a group may have for [`Grouped::Direct`]: the direct sums cost a
+/// multiply-add a tap like GEMM's, but at a quarter of GEMM's rate or less once the group
+/// is wide enough for GEMM's tiles (measured in the module's tests' timing).
+pub(super) const DIRECT_CHANNELS: usize = 4;
+
+/// The forward of a batch of a grouped convolution: x: (N, C, H, W) → y: (N, O, OH, OW),
+/// WRITTEN; weight: (O, C/G, KH, KW); bias: (O), or none.
+pub fn grouped_forward(x: &[f32], weight: &[f32], bias: Option<&[f32]>, y: &mut [f32], gr: &Grouping) {
+    let (g, o) = (&gr.g, gr.o);
+    let (per_in, p) = (g.c * g.h * g.w, g.col_cols());
+    let n = x.len() / per_in;
+    assert_eq!(y.len(), n * o * p, "grouped_forward: y for {n} samples of ({o}, {}, {})", g.oh, g.ow);
+    match gr.path() {
+        Grouped::Direct => {
+            // Samples are independent and each value's sum is the same wherever it runs:
+            // any split of the batch gives the same bits.
+            let d = Direct::new(gr);
+            let work = x.par_chunks(per_in).zip(y.par_chunks_mut(o * p));
+            par::for_each_init(
+                work,
+                || vec![0.0f32; d.x_len()],
+                |xp, (xn, yn)| direct_forward_sample(&d, xn, weight, bias, yn, xp),
+            );
+        }
+        Grouped::PerGroup => {
+            let jobs = PerGroup::new(gr, weight);
+            let chunks = batch_chunks(n);
+            let mut scratch = borrow_scratch(chunks.len());
+            let work = chunks.into_par_iter().zip(split_by_chunks(y, n, o * p)).zip(&mut scratch[..]);
+            par::for_each(work, |((range, y_chunk), scratch)| {
+                for (s, yn) in range.zip(y_chunk.chunks_exact_mut(o * p)) {
+                    jobs.forward(&x[s * per_in..(s + 1) * per_in], bias, yn, scratch);
+                }
+            });
+            give_back(scratch);
+        }
+    }
+}
+
+/// The backward of a batch of a grouped convolution: dweight (O, C/G, KH, KW) and dbias
+/// (O, where given) ACCUMULATED, the input gradient WRITTEN where `xs` asks for it, as
+/// [`conv2d_backward`]'s: summed per chunk of samples ([`batch_chunks`]) and the chunks
+/// added in chunk order, so bitwise the same on any thread count. dout: (N, O, OH, OW).
+pub fn grouped_backward(
+    xs: Samples<'_>,
+    dout: &[f32],
+    weight: &[f32],
+    dweight: &mut [f32],
+    dbias: Option<&mut [f32]>,
+    gr: &Grouping,
+) {
+    let (g, o) = (&gr.g, gr.o);
+    let (per_in, p) = (g.c * g.h * g.w, g.col_cols());
+    let n = xs.len() / per_in;
+    assert_eq!(dout.len(), n * o * p, "grouped_backward: dout for {n} samples of ({o}, {}, {})", g.oh, g.ow);
+    let chunks = batch_chunks(n);
+    let xs = samples_by_chunks(xs, &chunks, per_in);
+    let with_bias = dbias.is_some();
+    let dn = |s: usize| &dout[s * o * p..(s + 1) * o * p];
+    let partials: Vec<(Vec<f32>, Vec<f32>)> = match gr.path() {
+        Grouped::Direct => {
+            let d = Direct::new(gr);
+            let work = chunks.into_par_iter().zip(xs);
+            par::map_collect(work, |(range, mut xs)| {
+                let mut db = vec![0.0f32; if with_bias { o } else { 0 }];
+                bias_grad(&dout[range.start * o * p..range.end * o * p], p, &mut db);
+                let mut dw = vec![0.0f32; weight.len()];
+                let (mut xp, mut dp) = (vec![0.0f32; d.x_len()], vec![0.0f32; d.dout_len()]);
+                for (k, s) in range.enumerate() {
+                    direct_backward_sample(&d, &mut xs, k, dn(s), weight, &mut dw, &mut xp, &mut dp);
+                }
+                (dw, db)
+            })
+        }
+        Grouped::PerGroup => {
+            let jobs = PerGroup::new(gr, weight);
+            let mut scratch = borrow_scratch(chunks.len());
+            let work = chunks.into_par_iter().zip(xs).zip(&mut scratch[..]);
+            let partials = par::map_collect(work, |((range, mut xs), scratch)| {
+                let mut db = vec![0.0f32; if with_bias { o } else { 0 }];
+                bias_grad(&dout[range.start * o * p..range.end * o * p], p, &mut db);
+                let mut dw = vec![0.0f32; jobs.partial_len()];
+                for (k, s) in range.enumerate() {
+                    jobs.backward(&mut xs, k, dn(s), &mut dw, scratch);
+                }
+                (dw, db)
+            });
+            give_back(scratch);
+            partials
+        }
+    };
+    let (dws, dbs): (Vec<_>, Vec<_>) = partials.into_iter().unzip();
+    match gr.path() {
+        Grouped::Direct => add_partials(dweight, dws),
+        Grouped::PerGroup => PerGroup::add_dweight(gr, dweight, &sum_partials(dws)),
+    }
+    if let Some(dbias) = dbias {
+        add_partials(dbias, dbs);
+    }
+}
+
+/// A backward's samples cut at the chunks `chunks` of samples of `per` values each: the
+/// inputs, and their gradients apart or over them ([`Samples`]).
+fn samples_by_chunks<'a>(xs: Samples<'a>, chunks: &[Range<usize>], per: usize) -> Vec<Samples<'a>> {
+    let n = chunks.last().map_or(0, |r| r.end);
+    match xs {
+        Samples::Overwritten(both) => split_by_chunks(both, n, per).into_iter().map(Samples::Overwritten).collect(),
+        Samples::Apart { x, dx } => {
+            let dxs: Vec<Option<&mut [f32]>> = match dx {
+                Some(dx) => split_by_chunks(dx, n, per).into_iter().map(Some).collect(),
+                None => chunks.iter().map(|_| None).collect(),
+            };
+            let xs = chunks.iter().map(|r| &x[r.start * per..r.end * per]);
+            xs.zip(dxs).map(|(x, dx)| Samples::Apart { x, dx }).collect()
+        }
+    }
+}
+
+/// Values `range` of sample k of `xs` (k counted within the chunk, `per` values a
+/// sample), as samples of their own: one group's channels of one sample.
+fn sample_part<'b>(xs: &'b mut Samples<'_>, k: usize, per: usize, range: Range<usize>) -> Samples<'b> {
+    let at = k * per + range.start..k * per + range.end;
+    match xs {
+        Samples::Apart { x, dx } => Samples::Apart { x: &x[at.clone()], dx: dx.as_deref_mut().map(|d| &mut d[at]) },
+        Samples::Overwritten(both) => Samples::Overwritten(&mut both[at]),
+    }
+}
+
+/// [`Grouped::PerGroup`]: each group's convolution, whose weight is its filters' rows of
+/// the layer's (O/G, C/G, KH, KW), contiguous.
+struct PerGroup<'w> {
+    gr: Grouping,
+    /// Each group's weight in the layout of the group's unfolding ([`weight_for`]).
+    weights: Vec<Cow<'w, [f32]>>,
+    /// Each group's weight transformed, where the group's shape runs by Winograd.
+    transformed: Vec<Option<winograd::Weights>>,
+}
+
+impl<'w> PerGroup<'w> {
+    fn new(gr: &Grouping, weight: &'w [f32]) -> PerGroup<'w> {
+        let (sub, og) = (gr.sub(), gr.opg());
+        let per_group = og * sub.col_rows();
+        let how = unfold(&sub, og);
+        let groups = weight.chunks_exact(per_group);
+        let weights = groups.clone().map(|w| weight_for(w, &sub, og, how)).collect();
+        let transformed = groups.map(|w| winograd_weights(w, &sub, og)).collect();
+        PerGroup { gr: *gr, weights, transformed }
+    }
+
+    fn job(&self, k: usize) -> PassContext<'_> {
+        let (sub, og) = (self.gr.sub(), self.gr.opg());
+        PassContext {
+            g: sub,
+            o: og,
+            weight: &self.weights[k],
+            unfold: unfold(&sub, og),
+            winograd: self.transformed[k].as_ref(),
+        }
+    }
+
+    /// Floats of one group's weight gradient as its unfolding sums it (the transformed
+    /// dV for Winograd).
+    fn group_partial_len(&self) -> usize {
+        let (sub, og) = (self.gr.sub(), self.gr.opg());
+        match unfold(&sub, og) {
+            Unfold::Winograd => winograd::dv_floats(&winograd_geom(&sub, og)),
+            _ => og * sub.col_rows(),
+        }
+    }
+
+    /// Floats of a chunk's partial weight gradient: every group's, one after another.
+    fn partial_len(&self) -> usize {
+        self.gr.groups * self.group_partial_len()
+    }
+
+    // xn: (C, H, W), one sample → yn: (O, OH·OW), WRITTEN
+    fn forward(&self, xn: &[f32], bias: Option<&[f32]>, yn: &mut [f32], scratch: &mut Scratch) {
+        let (sub, og) = (self.gr.sub(), self.gr.opg());
+        let (per_in, per_out) = (sub.c * sub.h * sub.w, og * sub.col_cols());
+        for k in 0..self.gr.groups {
+            let b = bias.map(|b| &b[k * og..(k + 1) * og]);
+            let (xk, yk) = (&xn[k * per_in..(k + 1) * per_in], &mut yn[k * per_out..(k + 1) * per_out]);
+            self.job(k).forward(xk, yk, b, scratch);
+        }
+    }
+
+    /// Sample k of the chunk's `xs`: each group's weight gradient added into its part of
+    /// `dw` ([`PerGroup::partial_len`]), its input gradient written where asked, each
+    /// group's channels read before they are written. dn: (O, OH·OW)
+    fn backward(&self, xs: &mut Samples<'_>, k: usize, dn: &[f32], dw: &mut [f32], scratch: &mut Scratch) {
+        let (sub, og) = (self.gr.sub(), self.gr.opg());
+        let (per_in, per_out, len) = (sub.c * sub.h * sub.w, og * sub.col_cols(), self.group_partial_len());
+        let per_sample = self.gr.groups * per_in;
+        for (grp, dwk) in dw.chunks_exact_mut(len).enumerate() {
+            let part = sample_part(xs, k, per_sample, grp * per_in..(grp + 1) * per_in);
+            let dk = &dn[grp * per_out..(grp + 1) * per_out];
+            let (sample_dw, _) = self.job(grp).backward(0..1, part, dk, false, scratch);
+            dwk.iter_mut().zip(&sample_dw).for_each(|(a, v)| *a += v);
+        }
+    }
+
+    /// Adds the groups' summed weight gradients (each in its unfolding's layout, one
+    /// after another) into dweight (O, C/G, KH, KW), each group into its filters' rows.
+    fn add_dweight(gr: &Grouping, dweight: &mut [f32], sums: &[f32]) {
+        let (sub, og) = (gr.sub(), gr.opg());
+        let per_group = og * sub.col_rows();
+        let len = sums.len() / gr.groups;
+        for (dwk, sum) in dweight.chunks_exact_mut(per_group).zip(sums.chunks_exact(len)) {
+            match unfold(&sub, og) {
+                Unfold::Columns => dwk.iter_mut().zip(sum).for_each(|(d, v)| *d += v),
+                Unfold::Winograd => {
+                    let dv = winograd::weight_grad(sum, sub.c, og);
+                    dwk.iter_mut().zip(&dv).for_each(|(d, v)| *d += v);
+                }
+                Unfold::Rows => add_rows_dweight(dwk, sum, &sub, og),
+            }
+        }
+    }
+}
+
+/// Rows and columns of the block of outputs (or input gradients) that [`Grouped::Direct`]
+/// sums at once: 4 × 16 values, four AVX-512 registers (eight AVX2 ones) of independent
+/// sums, so that each tap's multiply-add does not wait on the last one's.
+const ROWS: usize = 4;
+const COLS: usize = 16;
+/// Taps whose weight gradients one pass over a plane sums side by side.
+const TAPS: usize = 3;
+/// Floats past the last plane of a padded buffer, so that a block's 16 columns may be
+/// read whole at the right edge (the values past the plane's width are never kept).
+const SLACK: usize = 2 * COLS + TAPS;
+
+/// [`Grouped::Direct`]: every value of a group's output, input gradient and weight
+/// gradient summed where it lies, over zero-padded copies of one sample's planes laid out
+/// so that a block's columns are contiguous at any stride.
+///
+/// x's plane of a channel is padded to the rows and columns the windows read and split
+/// into its S column phases: `xp[ph][r][q] = x[r − PT][q·S + ph − PL]` (0 outside x),
+/// S × XROWS × XCOLS, so that the input of output column ox at tap j is column
+/// ox + j/S of phase j mod S. dout's plane of a filter lies at (A0, B0) in a plane of
+/// zeros, DROWS × DCOLS, so that the input gradient's gather reads whole columns too.
+///
+/// The order of every sum (the GPU kernels' too: kernels/conv2d.cu's `conv2d_direct_*`):
+/// - y[f, oy, ox] = (Σ_ci Σ_i Σ_j w[f, ci, i, j]·x[...]) + b[f], the taps in that order,
+///   from 0;
+/// - dx[c, y, x] = Σ_f Σ_i Σ_j w[f, c − kC/G, i, j]·dout[f, oy, ox], over c's group's
+///   filters and the taps that reach (y, x), in that order, from 0;
+/// - a sample's dweight[f, ci, i, j] = Σ_ox (Σ_oy dout[f, oy, ox]·x[...]), each column's
+///   sum over the rows first, from 0; the samples are then added as [`grouped_backward`]
+///   says.
+///
+/// A padded position adds w·0 (or dout·0) where the GPU skips it: the same sum, since a
+/// sum from +0 is never −0 and adding ±0 to anything else leaves it.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Direct {
+    h: usize,
+    w: usize,
+    kh: usize,
+    kw: usize,
+    s: usize,
+    pt: usize,
+    pl: usize,
+    oh: usize,
+    ow: usize,
+    cpg: usize,
+    opg: usize,
+    groups: usize,
+    xrows: usize,
+    xcols: usize,
+    a0: usize,
+    b0: usize,
+    drows: usize,
+    dcols: usize,
+}
+
+impl Direct {
+    pub(super) fn new(gr: &Grouping) -> Direct {
+        let g = &gr.g;
+        let (s, kh, kw) = (g.stride, g.kh, g.kw);
+        // The rows and columns the windows read: HP = (OH − 1)·S + KH, and WP alike.
+        let (hp, wp) = ((g.oh - 1) * s + kh, (g.ow - 1) * s + kw);
+        // A block's last row reads (ROWS − 1)·S rows below its first.
+        let (xrows, xcols) = (hp + (ROWS - 1) * s, wp.div_ceil(s));
+        // dx's gather reads dout's row (y + PT − i)/S and column (x + PL − j)/S: from
+        // −(KH − 1)/S and −(KW − 1)/S up to past the last row (column) of x by a block.
+        let (a0, b0) = ((kh - 1) / s, (kw - 1) / s);
+        let drows = a0 + g.oh.max(g.h.div_ceil(s) + g.pad_top.div_ceil(s)) + ROWS;
+        let dcols = b0 + g.ow.max(g.w.div_ceil(s) + g.pad_left.div_ceil(s)) + COLS;
+        let (h, w, pt, pl, oh, ow) = (g.h, g.w, g.pad_top, g.pad_left, g.oh, g.ow);
+        let (cpg, opg, groups) = (gr.cpg(), gr.opg(), gr.groups);
+        Direct { h, w, kh, kw, s, pt, pl, oh, ow, cpg, opg, groups, xrows, xcols, a0, b0, drows, dcols }
+    }
+
+    /// Floats of one channel's padded, phase-split plane.
+    fn x_plane(&self) -> usize {
+        self.s * self.xrows * self.xcols
+    }
+
+    /// Floats of the buffer of a group's padded x planes.
+    pub(super) fn x_len(&self) -> usize {
+        self.cpg * self.x_plane() + SLACK
+    }
+
+    fn dout_plane(&self) -> usize {
+        self.drows * self.dcols
+    }
+
+    /// Floats of the buffer of a group's padded dout planes.
+    pub(super) fn dout_len(&self) -> usize {
+        self.opg * self.dout_plane() + SLACK
+    }
+
+    /// x's plane of a channel, xc: (H, W), into its padded, phase-split form (every value
+    /// of `out` written).
+    fn pad_x(&self, xc: &[f32], out: &mut [f32]) {
+        let (s, h, w, pt, pl) = (self.s, self.h, self.w, self.pt, self.pl);
+        for (ph, phase) in out.chunks_exact_mut(self.xrows * self.xcols).enumerate() {
+            for (r, row) in phase.chunks_exact_mut(self.xcols).enumerate() {
+                let Some(src) = r.checked_sub(pt).filter(|&y| y < h).map(|y| &xc[y * w..(y + 1) * w]) else {
+                    row.fill(0.0);
+                    continue;
+                };
+                if s == 1 {
+                    // Columns q = x + PL: zeros, the row, zeros.
+                    let (left, rest) = row.split_at_mut(pl.min(self.xcols));
+                    left.fill(0.0);
+                    let n = w.min(rest.len());
+                    rest[..n].copy_from_slice(&src[..n]);
+                    rest[n..].fill(0.0);
+                } else {
+                    for (q, v) in row.iter_mut().enumerate() {
+                        *v = (q * s + ph).checked_sub(pl).filter(|&x| x < w).map_or(0.0, |x| src[x]);
+                    }
+                }
+            }
+        }
+    }
+
+    /// dout's plane of a filter, dc: (OH, OW), at (A0, B0) in a plane of zeros.
+    fn pad_dout(&self, dc: &[f32], out: &mut [f32]) {
+        for (a, row) in out.chunks_exact_mut(self.dcols).enumerate() {
+            match a.checked_sub(self.a0).filter(|&oy| oy < self.oh) {
+                Some(oy) => {
+                    let (left, rest) = row.split_at_mut(self.b0);
+                    left.fill(0.0);
+                    rest[..self.ow].copy_from_slice(&dc[oy * self.ow..(oy + 1) * self.ow]);
+                    rest[self.ow..].fill(0.0);
+                }
+                None => row.fill(0.0),
+            }
+        }
+    }
+}
+
+/// One sample of [`Grouped::Direct`]'s forward: xn: (C, H, W) → yn: (O, OH·OW), WRITTEN;
+/// weight: (O, C/G, KH, KW); bias: (O) or none; `xp` of [`Direct::x_len`] floats.
+pub(super) fn direct_forward_sample(
+    d: &Direct,
+    xn: &[f32],
+    weight: &[f32],
+    bias: Option<&[f32]>,
+    yn: &mut [f32],
+    xp: &mut [f32],
+) {
+    let (plane, kk, p) = (d.h * d.w, d.kh * d.kw, d.oh * d.ow);
+    let xplane = d.x_plane();
+    for k in 0..d.groups {
+        for ci in 0..d.cpg {
+            let c = k * d.cpg + ci;
+            d.pad_x(&xn[c * plane..(c + 1) * plane], &mut xp[ci * xplane..(ci + 1) * xplane]);
+        }
+        for f in k * d.opg..(k + 1) * d.opg {
+            let wf = &weight[f * d.cpg * kk..(f + 1) * d.cpg * kk];
+            // No bias adds 0, which leaves every sum as it is (a sum from +0 is never −0).
+            let b = bias.map_or(0.0, |b| b[f]);
+            direct_forward_plane(d, xp, wf, b, &mut yn[f * p..(f + 1) * p]);
+        }
+    }
+}
+
+/// Sample k of a chunk's `xs` through [`Grouped::Direct`]'s backward: its weight gradient
+/// added into `dw` (O, C/G, KH, KW), its input gradient written where asked, each
+/// group's channels copied out before they are written. dn: (O, OH·OW); `xp` and `dp` of
+/// [`Direct::x_len`] and [`Direct::dout_len`] floats.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn direct_backward_sample(
+    d: &Direct,
+    xs: &mut Samples<'_>,
+    k: usize,
+    dn: &[f32],
+    weight: &[f32],
+    dw: &mut [f32],
+    xp: &mut [f32],
+    dp: &mut [f32],
+) {
+    let (plane, kk, p) = (d.h * d.w, d.kh * d.kw, d.oh * d.ow);
+    let (xplane, dplane) = (d.x_plane(), d.dout_plane());
+    let per_in = d.groups * d.cpg * plane;
+    for grp in 0..d.groups {
+        let channels = grp * d.cpg..(grp + 1) * d.cpg;
+        let xn = xs.input(k, per_in);
+        for (ci, c) in channels.clone().enumerate() {
+            d.pad_x(&xn[c * plane..(c + 1) * plane], &mut xp[ci * xplane..(ci + 1) * xplane]);
+        }
+        for (fl, f) in (grp * d.opg..(grp + 1) * d.opg).enumerate() {
+            d.pad_dout(&dn[f * p..(f + 1) * p], &mut dp[fl * dplane..(fl + 1) * dplane]);
+            for ci in 0..d.cpg {
+                let dwt = &mut dw[(f * d.cpg + ci) * kk..(f * d.cpg + ci + 1) * kk];
+                direct_dweight_plane(d, &xp[ci * xplane..], &dp[fl * dplane..], dwt);
+            }
+        }
+        if let Some(dxn) = xs.grad(k, per_in) {
+            let wg = &weight[grp * d.opg * d.cpg * kk..(grp + 1) * d.opg * d.cpg * kk];
+            for (ci, c) in channels.enumerate() {
+                direct_dx_plane(d, dp, wg, ci, &mut dxn[c * plane..(c + 1) * plane]);
+            }
+        }
+    }
+}
+
+widest! {
+    /// One output plane of [`Direct`]: y (OH, OW) WRITTEN, in blocks of ROWS × COLS.
+    /// xp: the group's padded x planes; wf: the filter's (C/G, KH, KW).
+    fn direct_forward_plane(d: &Direct, xp: &[f32], wf: &[f32], bias: f32, y: &mut [f32]) {
+        let (s, xplane, xcols) = (d.s, d.x_plane(), d.xcols);
+        for oy0 in (0..d.oh).step_by(ROWS) {
+            for ox0 in (0..d.ow).step_by(COLS) {
+                let mut acc = [[0.0f32; COLS]; ROWS];
+                for ci in 0..d.cpg {
+                    for i in 0..d.kh {
+                        for j in 0..d.kw {
+                            let wv = wf[(ci * d.kh + i) * d.kw + j];
+                            let base = ci * xplane + ((j % s) * d.xrows + oy0 * s + i) * xcols + ox0 + j / s;
+                            for (t, acc) in acc.iter_mut().enumerate() {
+                                let src = &xp[base + t * s * xcols..][..COLS];
+                                for (a, &v) in acc.iter_mut().zip(src) {
+                                    *a += wv * v;
+                                }
+                            }
+                        }
+                    }
+                }
+                let cols = COLS.min(d.ow - ox0);
+                for (t, acc) in acc.iter().enumerate().take(d.oh - oy0) {
+                    let out = &mut y[(oy0 + t) * d.ow + ox0..][..cols];
+                    for (o, &a) in out.iter_mut().zip(acc) {
+                        *o = a + bias;
+                    }
+                }
+            }
+        }
+    }
+}
+
+widest! {
+    /// One (filter, channel) pair's weight gradient of one sample, added into dwt
+    /// (KH, KW): per tap Σ_ox (Σ_oy dout·x), TAPS taps a pass over the planes (the last
+    /// pass's spare taps read inside the slack and are dropped). xc: the channel's padded
+    /// planes; dp: the filter's padded dout plane.
+    fn direct_dweight_plane(d: &Direct, xc: &[f32], dp: &[f32], dwt: &mut [f32]) {
+        let (s, xcols, kk) = (d.s, d.xcols, d.kh * d.kw);
+        for t0 in (0..kk).step_by(TAPS) {
+            // Where tap t's first input lies in xc: row i, column phase j mod S, j/S on.
+            let mut at = [0usize; TAPS];
+            for (u, at) in at.iter_mut().enumerate() {
+                let t = (t0 + u).min(kk - 1);
+                let (i, j) = (t / d.kw, t % d.kw);
+                *at = ((j % s) * d.xrows + i) * xcols + j / s;
+            }
+            let mut tot = [0.0f32; TAPS];
+            for ox0 in (0..d.ow).step_by(COLS) {
+                let mut acc = [[0.0f32; COLS]; TAPS];
+                for oy in 0..d.oh {
+                    let drow = &dp[(oy + d.a0) * d.dcols + d.b0 + ox0..][..COLS];
+                    for (acc, &at) in acc.iter_mut().zip(&at) {
+                        let xrow = &xc[at + oy * s * xcols + ox0..][..COLS];
+                        for ((a, &dv), &xv) in acc.iter_mut().zip(drow).zip(xrow) {
+                            *a += dv * xv;
+                        }
+                    }
+                }
+                for (tot, acc) in tot.iter_mut().zip(&acc) {
+                    for &a in &acc[..COLS.min(d.ow - ox0)] {
+                        *tot += a;
+                    }
+                }
+            }
+            for (u, &v) in tot.iter().enumerate().take(kk - t0) {
+                dwt[t0 + u] += v;
+            }
+        }
+    }
+}
+
+widest! {
+    /// One channel's input gradient, dx (H, W) WRITTEN, gathered from the group's padded
+    /// dout planes `dp` through the group's weight wg (O/G, C/G, KH, KW) at channel ci.
+    /// Rows y of one phase mod S meet the same taps i (those with S | y + PT − i), and
+    /// columns x of one phase the same taps j: dx is summed a row phase and a column phase
+    /// at a time, ROWS rows S apart and COLS columns S apart in a block.
+    fn direct_dx_plane(d: &Direct, dp: &[f32], wg: &[f32], ci: usize, dx: &mut [f32]) {
+        let (s, kh, kw, dcols, dplane) = (d.s, d.kh, d.kw, d.dcols, d.dout_plane());
+        // Tap i reaches row y = ρ + kS from dout's row k + (ρ + PT − i)/S: its padded row
+        // k + that + A0 (the division exact, A0 keeping it at 0 or more). Columns alike.
+        // (S·size added before the division and size taken after keep it in usize.)
+        let taps = |phase: usize, pad: usize, size: usize, zero: usize| -> Vec<(usize, usize)> {
+            (0..size)
+                .filter(|&i| (phase + pad + s * size - i).is_multiple_of(s))
+                .map(|i| (i, (phase + pad + s * size - i) / s + zero - size))
+                .collect()
+        };
+        for rho in 0..s.min(d.h) {
+            let rows = (d.h - rho).div_ceil(s);
+            let row_taps = taps(rho, d.pt, kh, d.a0);
+            for r in 0..s.min(d.w) {
+                let cols = (d.w - r).div_ceil(s);
+                let col_taps = taps(r, d.pl, kw, d.b0);
+                for k0 in (0..rows).step_by(ROWS) {
+                    for q0 in (0..cols).step_by(COLS) {
+                        let mut acc = [[0.0f32; COLS]; ROWS];
+                        for fl in 0..d.opg {
+                            let wf = &wg[(fl * d.cpg + ci) * kh * kw..][..kh * kw];
+                            for &(i, ai) in &row_taps {
+                                for &(j, bj) in &col_taps {
+                                    let wv = wf[i * kw + j];
+                                    let base = fl * dplane + (k0 + ai) * dcols + q0 + bj;
+                                    for (t, acc) in acc.iter_mut().enumerate() {
+                                        let src = &dp[base + t * dcols..][..COLS];
+                                        for (a, &v) in acc.iter_mut().zip(src) {
+                                            *a += wv * v;
+                                        }
+                                    }
+                                }
+                            }
+                        }
+                        let n = COLS.min(cols - q0);
+                        for (t, acc) in acc.iter().enumerate().take(rows - k0) {
+                            let y = rho + (k0 + t) * s;
+                            let row = &mut dx[y * d.w..(y + 1) * d.w];
+                            for (l, &a) in acc[..n].iter().enumerate() {
+                                row[(q0 + l) * s + r] = a;
+                            }
+                        }
+                    }
+                }
+            }
+        }
     }
 }
 

@@ -1,8 +1,10 @@
 //! A 2-D convolution on a GPU: the declaration of kernels/conv2d.cu (im2col and its adjoint,
-//! the bias over channels and its reduction), their checked launches, the op's GPU form,
-//! whose products are cuBLAS's (`cuda::gemm`), and the check of the kernels on the host
-//! against the CPU's ([`super::cpu`], `backend::cpu`'s unfolding). The unfolding's layout is
-//! the CPU's, so the two backends share one weight layout.
+//! the bias over channels and its reduction, the direct sums of a convolution of several
+//! groups of few channels and the sum of its samples' weight gradients), their checked
+//! launches, the op's GPU form, whose products are cuBLAS's (`cuda::gemm`), and the check
+//! of the kernels on the host against the CPU's ([`super::cpu`], `backend::cpu`'s
+//! unfolding). The unfolding's layout is the CPU's, so the two backends share one weight
+//! layout; the groups run by the CPU's choice ([`super::cpu::grouped_path`]).
 
 use crate::cuda::gemm::{gemm as cublas_gemm, RmGemm};
 use crate::cuda::launch::{channel_cfg, check_len, dim, elem_cfg, DevIn, DevOut};
@@ -24,7 +26,26 @@ crate::cuda::declare::kernels! {
             fwd(y: Out, bias: In, c: I32, hw: Size, total: Size);
             bwd(dy: In, dbias: Out, n: I32, c: I32, hw: Size);
         }
+        conv2d_direct {
+            fwd(x: In, weight: In, y: Out, geom: Geom, o: I32, groups: I32);
+            bwd(dy: In, weight: In, dx: Out, geom: Geom, o: I32, groups: I32);
+        }
+        conv2d_direct_params {
+            bwd(x: In, dy: In, part: Out, geom: Geom, o: I32, groups: I32);
+        }
+        conv2d_params_sum {
+            bwd(part: In, dweight: Out, n: I32, len: Size);
+        }
     }
+}
+
+/// The lengths of a grouped convolution's tensors at `g` with `o` filters in `groups`
+/// groups, (x, weight, y), or why the groups do not divide the channels and filters.
+fn grouped_lens(op: &'static str, g: &WindowGeom, o: usize, groups: usize) -> Result<(usize, usize, usize)> {
+    if groups == 0 || !g.c.is_multiple_of(groups) || !o.is_multiple_of(groups) {
+        return Err(crate::Error::shape(op, format!("{} channels and {o} filters in {groups} groups", g.c)));
+    }
+    Ok((g.x_len(), o * (g.c / groups) * g.kh * g.kw, g.n * o * g.oh() * g.ow()))
 }
 
 // ---- checked launches ---------------------------------------------------------------
@@ -92,46 +113,170 @@ impl Gpu {
         // kernel reads dcol only at oy < OH, ox < OW, and writes dx below N*C*H*W.
         unsafe { im2col::bwd(self, elem_cfg(g.x_len()), dcol, dx, &a) }
     }
+
+    /// The direct forward of a grouped convolution (`super::cpu::Direct`'s sums), y
+    /// written, no bias. x: (N, C, H, W), weight: (O, C/G, KH, KW) → y: (N, O, OH, OW)
+    #[allow(clippy::too_many_arguments)]
+    pub fn conv2d_direct_fwd(
+        &self,
+        x: &impl DevIn,
+        weight: &impl DevIn,
+        y: &mut impl DevOut,
+        g: &WindowGeom,
+        o: usize,
+        groups: usize,
+    ) -> Result<()> {
+        let op = "conv2d_direct_fwd";
+        let (x, weight, y) = (&x.view(), &weight.view(), &mut y.view_mut());
+        let (x_len, w_len, y_len) = grouped_lens(op, g, o, groups)?;
+        check_len(op, "x", x, x_len)?;
+        check_len(op, "weight", weight, w_len)?;
+        check_len(op, "y", y, y_len)?;
+        if y_len == 0 {
+            return Ok(());
+        }
+        let (a, oi, gi) = (g.launch_args(op)?, dim(op, "O", o)?, dim(op, "groups", groups)?);
+        // SAFETY: conv2d_direct_fwd_f32(const float*, const float*, float*, 12 x int, int,
+        // int); x, weight and y have the lengths the geometry, O and G imply (checked, G
+        // dividing C and O), and the kernel reads x only at in-bounds (y, x) of its
+        // sample's group and writes y below N*O*OH*OW.
+        unsafe { conv2d_direct::fwd(self, elem_cfg(y_len), x, weight, y, &a, oi, gi) }
+    }
+
+    /// The direct input gradient of a grouped convolution, dx written.
+    /// dy: (N, O, OH, OW), weight: (O, C/G, KH, KW) → dx: (N, C, H, W)
+    #[allow(clippy::too_many_arguments)]
+    pub fn conv2d_direct_bwd(
+        &self,
+        dy: &impl DevIn,
+        weight: &impl DevIn,
+        dx: &mut impl DevOut,
+        g: &WindowGeom,
+        o: usize,
+        groups: usize,
+    ) -> Result<()> {
+        let op = "conv2d_direct_bwd";
+        let (dy, weight, dx) = (&dy.view(), &weight.view(), &mut dx.view_mut());
+        let (x_len, w_len, y_len) = grouped_lens(op, g, o, groups)?;
+        check_len(op, "dy", dy, y_len)?;
+        check_len(op, "weight", weight, w_len)?;
+        check_len(op, "dx", dx, x_len)?;
+        if x_len == 0 {
+            return Ok(());
+        }
+        let (a, oi, gi) = (g.launch_args(op)?, dim(op, "O", o)?, dim(op, "groups", groups)?);
+        // SAFETY: conv2d_direct_bwd_f32(const float*, const float*, float*, 12 x int, int,
+        // int); lengths checked as above; the kernel reads dy only at oy < OH, ox < OW of
+        // the group's filters, and writes dx below N*C*H*W.
+        unsafe { conv2d_direct::bwd(self, elem_cfg(x_len), dy, weight, dx, &a, oi, gi) }
+    }
+
+    /// Each sample's weight gradient of a grouped convolution by direct sums, written.
+    /// x: (N, C, H, W), dy: (N, O, OH, OW) → part: (N, O, C/G, KH, KW)
+    #[allow(clippy::too_many_arguments)]
+    pub fn conv2d_direct_params_bwd(
+        &self,
+        x: &impl DevIn,
+        dy: &impl DevIn,
+        part: &mut impl DevOut,
+        g: &WindowGeom,
+        o: usize,
+        groups: usize,
+    ) -> Result<()> {
+        let op = "conv2d_direct_params_bwd";
+        let (x, dy, part) = (&x.view(), &dy.view(), &mut part.view_mut());
+        let (x_len, w_len, y_len) = grouped_lens(op, g, o, groups)?;
+        check_len(op, "x", x, x_len)?;
+        check_len(op, "dy", dy, y_len)?;
+        check_len(op, "part", part, g.n * w_len)?;
+        if g.n * w_len == 0 {
+            return Ok(());
+        }
+        let (a, oi, gi) = (g.launch_args(op)?, dim(op, "O", o)?, dim(op, "groups", groups)?);
+        // SAFETY: conv2d_direct_params_bwd_f32(const float*, const float*, float*, 12 x
+        // int, int, int); x, dy and part (N weights) have the lengths checked above; the
+        // kernel reads x only at in-bounds (y, x) and writes part below N*O*(C/G)*KH*KW.
+        unsafe { conv2d_direct_params::bwd(self, elem_cfg(g.n * w_len), x, dy, part, &a, oi, gi) }
+    }
+
+    /// `dweight += part[0] + ... + part[N-1]`, the samples summed in order first.
+    /// part: (N, len) → dweight: (len)
+    pub fn conv2d_params_sum_bwd(&self, part: &impl DevIn, dweight: &mut impl DevOut, n: usize) -> Result<()> {
+        let op = "conv2d_params_sum_bwd";
+        let (part, dweight) = (&part.view(), &mut dweight.view_mut());
+        let len = dweight.len();
+        check_len(op, "part", part, n * len)?;
+        if len == 0 {
+            return Ok(());
+        }
+        let ni = dim(op, "N", n)?;
+        // SAFETY: conv2d_params_sum_bwd_f32(const float*, float*, int, size_t); part holds
+        // N*len floats (checked) and dweight len; a grid-stride loop over len.
+        unsafe { conv2d_params_sum::bwd(self, elem_cfg(len), part, dweight, ni, len) }
+    }
 }
 
 // ---- the GPU form -------------------------------------------------------------------
 
 /// The GPU form of `layer` (its `Layer::gpu`).
 pub(super) fn form(layer: &Conv2d) -> Option<Box<dyn GpuLayer>> {
-    Some(Box::new(Conv2dGpu { filters: layer.filters, window: layer.window(), use_bias: layer.use_bias, cols: None }))
+    let (filters, window, use_bias, groups) = (layer.filters, layer.window(), layer.use_bias, layer.groups);
+    Some(Box::new(Conv2dGpu { filters, window, use_bias, groups, cols: None }))
 }
 
 /// A convolution on a GPU. Its input unfolds to columns (N, C·KH·KW, OH·OW) and runs one
 /// strided-batched GEMM per pass; its weight gradient is summed over the samples'
 /// per-sample products by `reduce_sum`, in sample order, so the sum's order is a function
-/// of the batch alone.
+/// of the batch alone. In several groups, the groups of a few channels run by the direct
+/// kernels, wider ones by the same columns and a strided-batched GEMM a group; their
+/// samples' weight gradients are added by `conv2d_params_sum`, in sample order.
 pub(super) struct Conv2dGpu {
     filters: usize,
     window: Window2d,
     use_bias: bool,
-    /// The unfolded input of the last forward, col: (N, C·KH·KW, OH·OW).
+    groups: usize,
+    /// The unfolded input of the last forward, col: (N, C·KH·KW, OH·OW) (a placeholder
+    /// where the direct kernels run).
     cols: Option<CudaSlice<f32>>,
+}
+
+impl Conv2dGpu {
+    /// How the convolution runs at `g`: None for one group.
+    fn grouped(&self, g: &WindowGeom) -> Option<Grouped> {
+        (self.groups > 1).then(|| super::cpu::grouped_path(g.c / self.groups))
+    }
 }
 
 impl GpuLayer for Conv2dGpu {
     fn reserve(&mut self, gpu: &Gpu, place: &Placement, n: usize) -> Result<()> {
         let g = window_geom(place, self.window, n)?;
+        let len = if self.grouped(&g) == Some(Grouped::Direct) { 1 } else { g.col_len().max(1) };
         self.cols = None;
-        self.cols = Some(gpu.stream().alloc_zeros::<f32>(g.col_len().max(1))?);
+        self.cols = Some(gpu.stream().alloc_zeros::<f32>(len)?);
         Ok(())
     }
 
     /// The per-sample products of the weight gradient (N, O, C·KH·KW), then the column
-    /// gradient (N, C·KH·KW, OH·OW), side by side.
+    /// gradient (N, C·KH·KW, OH·OW), side by side. In groups: the direct path's
+    /// per-sample weight gradients (N, O, C/G·KH·KW); or one group's products
+    /// (N, O/G, C/G·KH·KW) and the column gradient.
     fn scratch(&self, place: &Placement, n: usize) -> Result<usize> {
         let g = window_geom(place, self.window, n)?;
-        Ok(n * self.filters * g.c * g.kh * g.kw + g.col_len())
+        let (o, kk, groups) = (self.filters, g.kh * g.kw, self.groups);
+        Ok(match self.grouped(&g) {
+            None => n * self.filters * g.c * g.kh * g.kw + g.col_len(),
+            Some(Grouped::Direct) => n * o * (g.c / groups) * kk,
+            Some(Grouped::PerGroup) => n * (o / groups) * (g.c / groups) * kk + g.col_len(),
+        })
     }
 
-    // x: (N, C, H, W), weight: (O, C, KH, KW) → y: (N, O, OH, OW)
+    // x: (N, C, H, W), weight: (O, C/G, KH, KW) → y: (N, O, OH, OW)
     fn forward(&mut self, f: Forward<'_, '_, '_>) -> Result<()> {
         let (n, o) = (f.n, self.filters);
         let g = window_geom(f.place, self.window, n)?;
+        if let Some(how) = self.grouped(&g) {
+            return self.grouped_forward(f, &g, how);
+        }
         let (ckk, pp) = (g.c * g.kh * g.kw, g.oh() * g.ow());
         let col = self.cols.as_mut().expect("reserved before the pass");
         f.gpu.im2col_fwd(f.x, col, &g)?;
@@ -146,6 +291,9 @@ impl GpuLayer for Conv2dGpu {
     fn backward(&mut self, b: Backward<'_, '_>) -> Result<()> {
         let (n, o) = (b.n, self.filters);
         let g = window_geom(b.place, self.window, n)?;
+        if let Some(how) = self.grouped(&g) {
+            return self.grouped_backward(b, &g, how);
+        }
         let (ckk, pp) = (g.c * g.kh * g.kw, g.oh() * g.ow());
         let Backward { gpu, blas, place, params, dy, dx, grads, scratch, .. } = b;
         let col = self.cols.as_ref().expect("reserved before the pass");
@@ -166,6 +314,81 @@ impl GpuLayer for Conv2dGpu {
                 &mut dcol,
             )?;
             gpu.im2col_bwd(&dcol, &mut dx, &g)?;
+        }
+        Ok(())
+    }
+}
+
+impl Conv2dGpu {
+    // x: (N, C, H, W), weight: (O, C/G, KH, KW) → y: (N, O, OH, OW), in G groups
+    fn grouped_forward(&mut self, f: Forward<'_, '_, '_>, g: &WindowGeom, how: Grouped) -> Result<()> {
+        let (n, o, groups) = (f.n, self.filters, self.groups);
+        let pp = g.oh() * g.ow();
+        match how {
+            Grouped::Direct => f.gpu.conv2d_direct_fwd(f.x, &f.param(0), f.y, g, o, groups)?,
+            Grouped::PerGroup => {
+                let (og, kg, ckk) = (o / groups, g.c / groups * g.kh * g.kw, g.c * g.kh * g.kw);
+                let col = self.cols.as_mut().expect("reserved before the pass");
+                f.gpu.im2col_fwd(f.x, col, g)?;
+                let weight = f.param(0);
+                for k in 0..groups {
+                    // y_n[k] (O/G, P) = W_k (O/G, C/G·KH·KW) · col_n[k] (C/G·KH·KW, P)
+                    let w_k = weight.slice(k * og * kg..(k + 1) * og * kg);
+                    let col_k = col.slice(k * kg * pp..);
+                    let mut y_k = f.y.slice_mut(k * og * pp..);
+                    cublas_gemm(f.blas, &RmGemm::grouped_conv_fwd(n, groups, o, ckk, pp), &w_k, &col_k, &mut y_k)?;
+                }
+            }
+        }
+        if self.use_bias {
+            f.gpu.bias_nchw_fwd(f.y, &f.param(1), n, o, pp)?;
+        }
+        Ok(())
+    }
+
+    // dy: (N, O, OH, OW) → dweight (O, C/G, KH, KW) += Σ_n of the samples', dbias += Σ dy,
+    // dx: (N, C, H, W) written, in G groups
+    fn grouped_backward(&mut self, b: Backward<'_, '_>, g: &WindowGeom, how: Grouped) -> Result<()> {
+        let (n, o, groups) = (b.n, self.filters, self.groups);
+        let (pp, kk) = (g.oh() * g.ow(), g.kh * g.kw);
+        let (og, kg, ckk) = (o / groups, g.c / groups * kk, g.c * kk);
+        let Backward { gpu, blas, place, params, x, dy, dx, grads, scratch, .. } = b;
+        let weight = params.slice(place.params[0].clone());
+        let mut dweight = grads.slice_mut(place.params[0].clone());
+        match how {
+            Grouped::Direct => {
+                let mut part = scratch.slice_mut(0..n * o * kg);
+                gpu.conv2d_direct_params_bwd(x, &dy, &mut part, g, o, groups)?;
+                gpu.conv2d_params_sum_bwd(&part, &mut dweight, n)?;
+                if let Some(mut dx) = dx {
+                    gpu.conv2d_direct_bwd(&dy, &weight, &mut dx, g, o, groups)?;
+                }
+            }
+            Grouped::PerGroup => {
+                let col = self.cols.as_ref().expect("reserved before the pass");
+                let (mut parts, mut dcol) = scratch.split_at_mut(n * og * kg);
+                for k in 0..groups {
+                    // dW_k += Σ_n dy_n[k] (O/G, P) · col_n[k]ᵀ (P, C/G·KH·KW)
+                    let mut part = parts.slice_mut(0..n * og * kg);
+                    let (dy_k, col_k) = (dy.slice(k * og * pp..), col.slice(k * kg * pp..));
+                    cublas_gemm(blas, &RmGemm::grouped_conv_dw(n, groups, o, ckk, pp), &dy_k, &col_k, &mut part)?;
+                    let mut dw_k = dweight.slice_mut(k * og * kg..(k + 1) * og * kg);
+                    gpu.conv2d_params_sum_bwd(&part, &mut dw_k, n)?;
+                }
+                if let Some(mut dx) = dx {
+                    let mut dcol = dcol.slice_mut(0..g.col_len());
+                    for k in 0..groups {
+                        // dcol_n[k] (C/G·KH·KW, P) = W_kᵀ · dy_n[k] (O/G, P)
+                        let w_k = weight.slice(k * og * kg..(k + 1) * og * kg);
+                        let (dy_k, mut dcol_k) = (dy.slice(k * og * pp..), dcol.slice_mut(k * kg * pp..));
+                        cublas_gemm(blas, &RmGemm::grouped_conv_dcol(n, groups, o, ckk, pp), &w_k, &dy_k, &mut dcol_k)?;
+                    }
+                    gpu.im2col_bwd(&dcol, &mut dx, g)?;
+                }
+            }
+        }
+        if self.use_bias {
+            gpu.bias_nchw_bwd(&dy, &mut grads.slice_mut(place.params[1].clone()), n, o, pp)?;
         }
         Ok(())
     }
@@ -296,12 +519,54 @@ impl UnfoldDx {
     }
 }
 
+/// The geometries of the grouped checks, (window, O, G), host and GPU: depthwise 3x3 at
+/// stride 1, "same" (1 each side); depthwise at stride 2 with Keras's "same" on an even
+/// size (0 top/left, 1 bottom/right); two filters a channel (O = 2C), a 3x2 kernel at
+/// stride 2 with every pad different (1/2/0/1); groups of 2 channels to 3 filters, 2x4
+/// at stride 1, valid; ConvNeXt's depthwise 7x7, padding 3, on one sample.
+#[cfg(test)]
+fn grouped_geoms() -> [(WindowGeom, usize, usize); 5] {
+    let geom = |(n, c, h, w), k, s, pads| WindowGeom::new(n, c, (h, w), k, (s, s), pads);
+    [
+        (geom((2, 3, 7, 9), (3, 3), 1, [1, 1, 1, 1]), 3, 3),
+        (geom((2, 4, 8, 6), (3, 3), 2, [0, 0, 1, 1]), 4, 4),
+        (geom((2, 2, 7, 9), (3, 2), 2, [1, 2, 0, 1]), 4, 2),
+        (geom((2, 4, 5, 6), (2, 4), 1, [0, 0, 0, 0]), 6, 2),
+        (geom((1, 2, 10, 12), (7, 7), 1, [3, 3, 3, 3]), 2, 2),
+    ]
+}
+
+/// What the direct kernels must give at `g` with `o` filters in `groups` groups, by the
+/// CPU's [`super::cpu::Direct`] sample by sample: y (no bias), each sample's weight
+/// gradient (N, O, C/G, KH, KW) and dx, for x, weight and dy.
+#[cfg(test)]
+fn direct_want(g: &WindowGeom, o: usize, groups: usize, x: &[f32], w: &[f32], dy: &[f32]) -> [Vec<f32>; 3] {
+    use super::cpu::{direct_backward_sample, direct_forward_sample, Direct, Grouping};
+    let gr = Grouping { g: cpu_twin(g).expect("equal strides"), o, groups };
+    assert_eq!(gr.path(), Grouped::Direct, "{g:?}: a geometry of the direct path");
+    let d = Direct::new(&gr);
+    let (per_x, per_y, per_w) = (g.c * g.h * g.w, o * g.oh() * g.ow(), w.len());
+    let (mut y, mut part, mut dx) = (vec![0.0; g.n * per_y], vec![0.0; g.n * per_w], vec![0.0; g.n * per_x]);
+    let (mut xp, mut dp) = (vec![0.0; d.x_len()], vec![0.0; d.dout_len()]);
+    for s in 0..g.n {
+        let xn = &x[s * per_x..(s + 1) * per_x];
+        direct_forward_sample(&d, xn, w, None, &mut y[s * per_y..(s + 1) * per_y], &mut xp);
+        let mut xs = Samples::Apart { x: xn, dx: Some(&mut dx[s * per_x..(s + 1) * per_x]) };
+        let (dy_n, part_n) = (&dy[s * per_y..(s + 1) * per_y], &mut part[s * per_w..(s + 1) * per_w]);
+        direct_backward_sample(&d, &mut xs, 0, dy_n, w, part_n, &mut xp, &mut dp);
+    }
+    [y, part, dx]
+}
+
 /// The kernels of kernels/conv2d.cu run on the host against the CPU: im2col and col2im
 /// against `backend::cpu`'s unfolding, which the layer's columns run ([`unfold_want`]),
 /// with stride and asymmetric padding; the bias add against [`super::cpu::add_bias`], bit
 /// for bit (one f32 add); its reduction against [`super::cpu::bias_grad`], within 1e-5
 /// relative and absolute (up to 400 terms of magnitude ≤ 1, summed in f32 in two orders:
-/// the kernel's strided partial sums and tree, the CPU's plane by plane). The grid-stride
+/// the kernel's strided partial sums and tree, the CPU's plane by plane); the direct
+/// kernels of several groups against the CPU's direct path ([`direct_want`]), bit for bit
+/// (the same sums in the same order, uncontracted), at [`grouped_geoms`]; the sum of the
+/// samples' weight gradients against its definition, bit for bit. The grid-stride
 /// kernels under the launch shape the launches use and under a grid too small to cover
 /// the data; the reduction under its one block a channel.
 #[cfg(test)]
@@ -354,6 +619,54 @@ pub(crate) fn host_check(k: &crate::cuda::host::Checker) {
         let want: Vec<f64> = want_dbias.iter().map(|&v| v as f64).collect();
         assert_close(&format!("bias_nchw dbias (accumulated), N={n} C={c} HW={hw}"), &dbias, &want, 1e-5, 1e-5);
     }
+
+    for (seed, (g, o, groups)) in (80..).zip(grouped_geoms()) {
+        let (y_len, w_len) = (g.n * o * g.oh() * g.ow(), o * g.c / groups * g.kh * g.kw);
+        let (x, w, dy) = (uniform(seed, g.x_len()), uniform(seed + 1, w_len), uniform(seed + 2, y_len));
+        let [want_y, want_part, want_dx] = direct_want(&g, o, groups, &x, &w, &dy);
+        let geom = g.launch_args("direct host check").unwrap();
+        let og = || [I32(o as i32), I32(groups as i32)];
+        let what = |part: &str, cfg: &crate::cuda::host::Cfg| format!("{part}, {g:?}, O {o}, G {groups}, {cfg:?}");
+        for cfg in [elem_cfg(y_len), FEW] {
+            let mut y = vec![f32::NAN; y_len];
+            // As Gpu::conv2d_direct_fwd pushes them: x, weight, y, the 12 ints, O, G.
+            let mut args = vec![In(&x), In(&w), Out(&mut y)];
+            args.extend(geom.map(I32));
+            args.extend(og());
+            k.launch(&conv2d_direct::FWD, cfg, &mut args);
+            assert_bits(&what("direct y", &cfg), &y, &want_y);
+        }
+        for cfg in [elem_cfg(g.x_len()), FEW] {
+            let mut dx = vec![f32::NAN; g.x_len()];
+            // As Gpu::conv2d_direct_bwd: dy, weight, dx, the 12 ints, O, G.
+            let mut args = vec![In(&dy), In(&w), Out(&mut dx)];
+            args.extend(geom.map(I32));
+            args.extend(og());
+            k.launch(&conv2d_direct::BWD, cfg, &mut args);
+            assert_bits(&what("direct dx", &cfg), &dx, &want_dx);
+        }
+        for cfg in [elem_cfg(g.n * w_len), FEW] {
+            let mut part = vec![f32::NAN; g.n * w_len];
+            // As Gpu::conv2d_direct_params_bwd: x, dy, part, the 12 ints, O, G.
+            let mut args = vec![In(&x), In(&dy), Out(&mut part)];
+            args.extend(geom.map(I32));
+            args.extend(og());
+            k.launch(&conv2d_direct_params::BWD, cfg, &mut args);
+            assert_bits(&what("direct per-sample dweight", &cfg), &part, &want_part);
+        }
+    }
+
+    // The samples' sum, accumulated: 5 samples of 1001 values onto a gradient that holds
+    // values already, each sample added from 0 in order and the sum then added (f32).
+    let (n, len) = (5, 1001);
+    let (part, dw0) = (uniform(90, n * len), uniform(91, len));
+    let want: Vec<f32> = (0..len).map(|i| dw0[i] + (0..n).fold(0.0f32, |acc, s| acc + part[s * len + i])).collect();
+    for cfg in elem_cfgs(len) {
+        let mut dw = dw0.clone();
+        // As Gpu::conv2d_params_sum_bwd: part, dweight, N (int), len.
+        k.launch(&conv2d_params_sum::BWD, cfg, &mut [In(&part), Out(&mut dw), I32(n as i32), U64(len as u64)]);
+        assert_bits(&format!("conv2d_params_sum {cfg:?}"), &dw, &want);
+    }
 }
 
 // ---- on a GPU -----------------------------------------------------------------------------
@@ -393,9 +706,38 @@ mod tests {
         }
     }
 
-    /// The bias add and its reduction on a GPU against the CPU's: the add bit for bit,
-    /// the reduction (147 terms a channel, in two orders) within 1e-5 relative and
-    /// absolute.
+    /// The direct kernels of several groups on a GPU against the CPU's direct path: y, dx
+    /// and the per-sample weight gradients within 1e-5 relative and absolute (the same
+    /// sums in the same order, but NVRTC may contract them into FMAs).
+    #[test]
+    fn the_direct_kernels_match_the_cpu_on_a_gpu() {
+        if !gpu_or_skip("the_direct_kernels_match_the_cpu_on_a_gpu") {
+            return;
+        }
+        let gpu = Gpu::new(0).unwrap();
+        let f64s = |v: &[f32]| v.iter().map(|&x| x as f64).collect::<Vec<f64>>();
+        for (seed, (g, o, groups)) in (100..).zip(grouped_geoms()) {
+            let (y_len, w_len) = (g.n * o * g.oh() * g.ow(), o * g.c / groups * g.kh * g.kw);
+            let (x, w, dy) = (uniform(seed, g.x_len()), uniform(seed + 1, w_len), uniform(seed + 2, y_len));
+            let [want_y, want_part, want_dx] = direct_want(&g, o, groups, &x, &w, &dy);
+            let (x_d, w_d, dy_d) = (up(&gpu, &x), up(&gpu, &w), up(&gpu, &dy));
+            let mut y_d = up(&gpu, &vec![f32::NAN; y_len]);
+            gpu.conv2d_direct_fwd(&x_d, &w_d, &mut y_d, &g, o, groups).unwrap();
+            assert_close(&format!("direct y {g:?}"), &down(&gpu, &y_d), &f64s(&want_y), 1e-5, 1e-5);
+            let mut dx_d = up(&gpu, &vec![f32::NAN; g.x_len()]);
+            gpu.conv2d_direct_bwd(&dy_d, &w_d, &mut dx_d, &g, o, groups).unwrap();
+            assert_close(&format!("direct dx {g:?}"), &down(&gpu, &dx_d), &f64s(&want_dx), 1e-5, 1e-5);
+            let mut part_d = up(&gpu, &vec![f32::NAN; g.n * w_len]);
+            gpu.conv2d_direct_params_bwd(&x_d, &dy_d, &mut part_d, &g, o, groups).unwrap();
+            assert_close(&format!("direct part {g:?}"), &down(&gpu, &part_d), &f64s(&want_part), 1e-5, 1e-5);
+        }
+    }
+
+    /// A network of grouped convolutions on a GPU against the CPU: one depthwise (the
+    /// direct kernels, two filters a channel), one of two groups of 8 channels (a GEMM a
+    /// group), each with bias, trained one pass; the parameters' gradients and an
+    /// evaluation's logits within 1e-4 relative and 1e-5 absolute (cuBLAS and the CPU sum
+    /// in other orders), as the conformance test holds every layer type's.
     #[test]
     fn the_bias_add_and_its_reduction_match_the_cpu() {
         if !gpu_or_skip("the_bias_add_and_its_reduction_match_the_cpu") {

@@ -323,6 +323,15 @@ mod tests {
         assert!(e.contains("samples of shapes (3, 5), (4, 1)"), "{e}");
     }
 
+    /// What a training forward keeps for its backward is what its account states, to the
+    /// small vectors of its shapes (under 256 bytes).
+    #[test]
+    fn the_memory_account_is_what_a_forward_keeps() {
+        let xs: Vec<Tensor> = vec![t(&values(1, 16 * 50), &[16, 5, 10]), t(&values(2, 16 * 40), &[16, 10, 4])];
+        let (kept, stated) = crate::ops::merge::testing::kept_bytes(&mut MatMul::new(), xs);
+        assert!((kept - stated).abs() < 256, "kept {kept} B, stated {stated} B");
+    }
+
     /// The GPU form (cuBLAS's products) against the CPU's.
     #[cfg(feature = "cuda")]
     #[test]
