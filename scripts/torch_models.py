@@ -14,7 +14,8 @@ tests/python_interop.rs runs them for every built-in model.
 What it owns: the table from name to module, and the toy MLP's module. The other modules
 are the ones this project's PyTorch references already train, kept here by import so that
 each is written once: the convnet's is scripts/torch_convnet.py's (the benchmark's), the
-ResNets' scripts/torch_resnet.py's (the residual networks' reference cases), the GPT's
+ResNets' scripts/torch_resnet.py's (the residual networks' reference cases), the
+DenseNet's scripts/torch_densenet_model.py's (its reference cases' and benchmark's), the GPT's
 scripts/torch_gpt_model.py's (the transformer's reference cases), the Llama's
 scripts/torch_llama_model.py's (its reference case).
 
@@ -32,11 +33,12 @@ from torch.nn import functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from torch_convnet import Convnet  # noqa: E402
+from torch_densenet_model import DenseNet  # noqa: E402
 from torch_gpt_model import GPT, GPTConfig  # noqa: E402
 from torch_llama_model import Llama, LlamaConfig  # noqa: E402
 from torch_resnet import ResNet  # noqa: E402
 
-NAMES = ("toy", "convnet", "convnet-nobn", "resnet8", "resnet20", "gpt", "llama")
+NAMES = ("toy", "convnet", "convnet-nobn", "resnet8", "resnet20", "densenet", "gpt", "llama")
 
 
 class ToyMLP(nn.Module):
@@ -58,9 +60,10 @@ def build(name, classes=None, inputs=2, input_chw=(1, 28, 28), context=64, layer
     """The PyTorch module of lockstep's built-in model `name` (one of NAMES).
 
     classes: the output count (`--classes`, else the data's): 2 for the toy, 10 for the
-             convnets and ResNets, the vocabulary (256, bytes) for the GPT and the Llama.
+             convnets, ResNets and the DenseNet, the vocabulary (256, bytes) for the GPT and
+             the Llama.
     inputs:  the toy's features per sample (2 for `--data toy`).
-    input_chw: the convnets' image (channels, height, width); the ResNets take 1×28×28.
+    input_chw: the convnets' image (channels, height, width); the ResNets and the DenseNet take 1×28×28.
     context, layers, heads, width: the GPT's and the Llama's `--context`, `--layers`,
              `--heads`, `--width` (the Llama's feed-forward width follows from `width`
              by Meta's rule, multiple_of 256, as `--model llama` builds it).
@@ -71,6 +74,8 @@ def build(name, classes=None, inputs=2, input_chw=(1, 28, 28), context=64, layer
         return Convnet(tuple(input_chw), classes or 10, norm=name == "convnet")
     if name in ("resnet8", "resnet20"):
         return ResNet(1 if name == "resnet8" else 3, classes or 10)
+    if name == "densenet":
+        return DenseNet(classes=classes or 10)
     if name == "gpt":
         config = GPTConfig(block_size=context, vocab_size=classes or 256, n_layer=layers, n_head=heads, n_embd=width)
         return GPT(config)

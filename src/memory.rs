@@ -212,8 +212,13 @@ pub fn shard_activations(model: &Graph, batch: usize, threads: usize) -> u64 {
     let mut kept = 0u64;
     let mut widest = model.input_shape().numel() as u64;
     let mut workspace = 0u64;
-    for (layer, shapes) in model.layers().iter().zip(model.layer_shapes()) {
-        let m = layer.memory(shapes).unwrap_or(LayerMemory::NONE);
+    for (j, (layer, shapes)) in model.layers().iter().zip(model.layer_shapes()).enumerate() {
+        // A ReLU run inside the node before it keeps nothing of its own (that node's
+        // account holds what the pair keeps).
+        let m = match model.runs_in_previous(j) {
+            true => LayerMemory::NONE,
+            false => layer.memory(shapes).unwrap_or(LayerMemory::NONE),
+        };
         kept = kept.saturating_add(m.kept_per_sample);
         workspace = workspace.saturating_add(m.per_chunk.saturating_mul(chunks(batch))).saturating_add(m.per_layer);
         widest = widest.max(shapes.output.numel() as u64);
@@ -300,15 +305,16 @@ mod tests {
     fn the_activation_figures_of_three_models_are_pinned() {
         // Computed by this module before each op stated its own memory (issue 17), and
         // held since: the sum over the ops must give the central match's numbers.
-        // convnet: 261,568 B a sample kept and around the running layer, plus partials of
-        // 38,124 weights per chunk of samples (at most 16), as the test above derives.
-        // maxpool spec: kept conv0 (784 + 21,632)·4, relu 21,632, pool 5,408·4, conv1
-        // (5,408 + 7,744)·4, relu 7,744, pool 1,600·4, flatten 0, dropout 1,600·4, dense
-        // 1,600·4 = 212,480; around, 2·21,632·4 + 784·4 = 176,192 (the eval figure);
+        // convnet: 225,984 B a sample kept and around the running layer, plus partials of
+        // 38,124 weights per chunk of samples (at most 16), as train::memory's test derives.
+        // maxpool spec: kept conv0 max(784, 21,632)·4, relu 21,632, pool 5,408·4, conv1
+        // max(5,408, 7,744)·4, relu 7,744, pool 1,600·4, flatten 0, dropout 1,600·4, dense
+        // 1,600·4 = 187,712 (a convolution counts the larger of its input and output since
+        // issue 42's DenseNet: conv2d's memory account says why); around, 2·21,632·4 + 784·4 = 176,192 (the eval figure);
         // partials 32·9 (conv0) + 36·32·64 (conv1, 3×3 at stride 1 between 32 and 64
         // channels: Winograd's transformed dV, 6·6 points) = 74,016 f32 a chunk; conv1's
         // transformed weight 2·36·32·64 f32 = 589,824 B once (in evaluation too):
-        // 1,274,560 B for one sample, 766,016 B to evaluate one. toy: 506 and 248 B (the
+        // 1,249,792 B for one sample, 766,016 B to evaluate one. toy: 506 and 248 B (the
         // toy test).
         let maxpool = crate::spec::model_from_spec_str(
             include_str!("../examples/mnist_convnet_maxpool.json"),
@@ -325,16 +331,16 @@ mod tests {
         // chunk for up to 15 samples, 2 for 16 and 17, 16 for 256): convnet's 38,124 f32
         // and maxpool's 74,016.
         let pinned: [(&str, usize, u64, u64); 15] = [
-            ("convnet", 1, 414_064, 78_400),
-            ("convnet", 7, 1_983_472, 548_800),
-            ("convnet", 16, 4_490_080, 1_254_400),
-            ("convnet", 17, 4_751_648, 1_332_800),
-            ("convnet", 256, 69_401_344, 20_070_400),
-            ("maxpool", 1, 1_274_560, 766_016),
-            ("maxpool", 7, 3_606_592, 1_823_168),
-            ("maxpool", 16, 7_400_704, 3_408_896),
-            ("maxpool", 17, 7_789_376, 3_585_088),
-            ("maxpool", 256, 104_826_880, 45_694_976),
+            ("convnet", 1, 378_480, 78_400),
+            ("convnet", 7, 1_734_384, 548_800),
+            ("convnet", 16, 3_920_736, 1_254_400),
+            ("convnet", 17, 4_146_720, 1_332_800),
+            ("convnet", 256, 60_291_840, 20_070_400),
+            ("maxpool", 1, 1_249_792, 766_016),
+            ("maxpool", 7, 3_433_216, 1_823_168),
+            ("maxpool", 16, 7_004_416, 3_408_896),
+            ("maxpool", 17, 7_368_320, 3_585_088),
+            ("maxpool", 256, 98_486_272, 45_694_976),
             ("toy", 1, 506, 248),
             ("toy", 7, 3_542, 1_736),
             ("toy", 16, 8_096, 3_968),

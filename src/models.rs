@@ -10,6 +10,11 @@
 //!   BN, ReLU) → three stages of n basic blocks (16, 32, 64 channels; the first block of
 //!   the second and third stage strides 2, with a 1×1 conv + BN shortcut) → global mean →
 //!   Dense(10).
+//! * [`densenet`]: a DenseNet-BC (Huang et al. 2017) for 1×28×28 inputs, a graph: input
+//!   normalisation → stem (3×3 conv, 2k channels) → dense blocks, each layer
+//!   BN-ReLU-Conv1×1(4k)-BN-ReLU-Conv3×3(k) concatenated onto everything before it, with
+//!   transitions BN-ReLU-Conv1×1(half)-AvgPool2d(2) between blocks → BN → ReLU → global
+//!   mean → Dense(10); k = 12, blocks of (4, 4, 4) layers.
 //! * [`gpt`]: nanoGPT's `GPT` (karpathy/nanoGPT `model.py`, `bias=True`): token and
 //!   positional embeddings → dropout → n blocks of `x + attn(ln_1(x))`,
 //!   `x + mlp(ln_2(x))` (MLP: Dense 4C, GELU, Dense C, dropout) → LayerNorm → a head
@@ -27,6 +32,7 @@
 //! | convnet | `conv0.weight` (12, 1, 3, 3), `bn0.beta`, `bn0.running_mean`, `bn0.running_var`, `conv1.weight` (24, 12, 6, 6), `bn1.*`, `conv2.weight` (32, 24, 6, 6), `conv2.bias`, `bn2.*`, `dense0.weight` (256, 32), `dense0.bias`, `dense1.weight` (10, 256), `dense1.bias` |
 //! | convnet-nobn | as convnet without the `bn*` tensors |
 //! | gpt | nanoGPT's `state_dict` keys: `transformer.wte.weight` (V, C), `transformer.wpe.weight` (T, C), `transformer.h.{i}.ln_1.{weight,bias}`, `transformer.h.{i}.attn.c_attn.{weight,bias}` (3C, C), `transformer.h.{i}.attn.c_proj.{weight,bias}`, `transformer.h.{i}.ln_2.*`, `transformer.h.{i}.mlp.c_fc.{weight,bias}` (4C, C), `transformer.h.{i}.mlp.c_proj.{weight,bias}` (C, 4C), `transformer.ln_f.{weight,bias}`, and `lm_head.weight`, an alias of `transformer.wte.weight` (tied) |
+//! | densenet | the PyTorch module's of [`densenet`]'s docs: `features.conv0.weight` (24, 1, 3, 3), `features.denseblock{b}.denselayer{i}.norm1.{weight,bias,running_mean,running_var,num_batches_tracked}`, `….conv1.weight` (48, C, 1, 1), `….norm2.*`, `….conv2.weight` (12, 48, 3, 3), `features.transition{b}.norm.*`, `features.transition{b}.conv.weight` (C/2, C, 1, 1), `features.norm_final.*`, `classifier.weight` (10, 90), `classifier.bias` |
 //! | llama | Meta's `state_dict` keys: `tok_embeddings.weight` (V, C), `layers.{i}.attention_norm.weight` (C), `layers.{i}.attention.{wq,wk,wv,wo}.weight` (C, C), `layers.{i}.ffn_norm.weight`, `layers.{i}.feed_forward.{w1,w3}.weight` (F, C), `layers.{i}.feed_forward.w2.weight` (C, F), `norm.weight`, `output.weight` (V, C) |
 //! | resnet8, resnet20 | the PyTorch module's of [`resnet`]'s docs: `stem.0.weight`, `stem.1.{weight,bias,running_mean,running_var,num_batches_tracked}`, `blocks.{k}.conv1.weight`, `blocks.{k}.bn1.*`, `blocks.{k}.conv2.weight`, `blocks.{k}.bn2.*`, `blocks.{k}.short.0.weight`, `blocks.{k}.short.1.*` (the blocks that change shape), `head.weight` (10, 64), `head.bias` |
 
@@ -34,9 +40,10 @@ use crate::error::Error;
 use crate::error::Result;
 use crate::nn::Graph;
 use crate::nn::{
-    identity, residual, Activation, Add, AttentionMask, BatchNorm2d, Call, CausalSelfAttention, Conv2d, Dropout,
-    Embedding, Gelu, GlobalAvgPool2d, Init, Layer, LayerNorm, Linear, Multiply, Padding, Permute, PositionalEmbedding,
-    Relu, Rescaling, Reshape, RmsNorm, RotaryEmbedding, ScaledDotProductAttention, Sequential, Silu, Value,
+    identity, residual, Activation, Add, AttentionMask, AvgPool2d, BatchNorm2d, Call, CausalSelfAttention, Concatenate,
+    Conv2d, Dropout, Embedding, Gelu, GlobalAvgPool2d, Init, Layer, LayerNorm, Linear, Multiply, Padding, Permute,
+    PositionalEmbedding, Relu, Rescaling, Reshape, RmsNorm, RotaryEmbedding, ScaledDotProductAttention, Sequential,
+    Silu, Value,
 };
 
 /// Whether the convnet normalises after each convolution.
@@ -216,6 +223,144 @@ pub fn resnet(depth: ResnetDepth, classes: usize) -> Result<Graph> {
     }
     let x = GlobalAvgPool2d::new().named("pool").call(&x); // (64)
     Linear::new(64, classes).named("head").call(&x).model() // (classes)
+}
+
+/// The sizes of the built-in DenseNet; its [`Default`] is `--model densenet`'s.
+#[derive(Clone, PartialEq, Eq, Debug)]
+pub struct DensenetConfig {
+    /// k: the channels each dense layer adds (the stem makes 2k, a bottleneck 4k).
+    pub growth: usize,
+    /// The dense layers of each block, one entry a block; a transition follows each block
+    /// but the last, and halves the image (28 → 14 → 7 for three blocks).
+    pub blocks: Vec<usize>,
+    pub classes: usize,
+}
+
+impl Default for DensenetConfig {
+    /// k = 12 and three blocks of 4 layers, 10 classes: 102,298 parameters, small enough
+    /// to train on Fashion-MNIST on two cores.
+    fn default() -> Self {
+        DensenetConfig { growth: 12, blocks: vec![4, 4, 4], classes: 10 }
+    }
+}
+
+/// A bottleneck's width, in growths (DenseNet-B's 4k).
+const DENSENET_BOTTLENECK: usize = 4;
+
+/// A DenseNet-BC (Huang et al. 2017, with bottlenecks and a compression of 0.5) for
+/// 1×28×28 images, written node by node ([`Value`]): every dense layer reads all the
+/// feature maps before it, and its output is concatenated onto them (a `concatenate` node
+/// along the channels). Its tensors carry the names of this PyTorch module's `state_dict`
+/// (scripts/torch_densenet_model.py; `lockstep train --save` files load into it with
+/// `load_state_dict(strict=True)`, its saved safetensors load as `--init`):
+///
+/// ```python
+/// class DenseLayer(nn.Module):
+///     def __init__(s, cin, growth):
+///         super().__init__()
+///         s.norm1 = nn.BatchNorm2d(cin);        s.conv1 = nn.Conv2d(cin, 4 * growth, 1, bias=False)
+///         s.norm2 = nn.BatchNorm2d(4 * growth); s.conv2 = nn.Conv2d(4 * growth, growth, 3, padding=1, bias=False)
+///     def forward(s, x):              # (N, cin, H, W) -> (N, cin + growth, H, W)
+///         h = s.conv2(F.relu(s.norm2(s.conv1(F.relu(s.norm1(x))))))
+///         return torch.cat([x, h], 1)
+///
+/// class Transition(nn.Module):
+///     def __init__(s, cin, cout):
+///         super().__init__()
+///         s.norm = nn.BatchNorm2d(cin); s.conv = nn.Conv2d(cin, cout, 1, bias=False)
+///     def forward(s, x):              # (N, cin, H, W) -> (N, cout, H/2, W/2)
+///         return F.avg_pool2d(s.conv(F.relu(s.norm(x))), 2)
+///
+/// class DenseNet(nn.Module):
+///     def __init__(s, growth=12, blocks=(4, 4, 4), classes=10):
+///         super().__init__()
+///         c = 2 * growth
+///         features = OrderedDict(conv0=nn.Conv2d(1, c, 3, padding=1, bias=False))
+///         for b, layers in enumerate(blocks, start=1):
+///             block = OrderedDict()
+///             for i in range(1, layers + 1):
+///                 block[f"denselayer{i}"] = DenseLayer(c, growth); c += growth
+///             features[f"denseblock{b}"] = nn.Sequential(block)
+///             if b < len(blocks):
+///                 features[f"transition{b}"] = Transition(c, c // 2); c = c // 2
+///         features["norm_final"] = nn.BatchNorm2d(c)
+///         s.features = nn.Sequential(features)
+///         s.classifier = nn.Linear(c, classes)
+///     def forward(s, x):              # x: (N, 1, 28, 28), already (x/255 - mean) / std
+///         return s.classifier(F.relu(s.features(x)).mean((2, 3)))
+/// ```
+///
+/// Its first node, `normalize`, is the ResNets' (Fashion-MNIST's mean and standard
+/// deviation: see [`resnet`]); BatchNorm is PyTorch's. The nodes without tensors are
+/// named after the module's functions: `….relu1`, `….relu2` and `….concat` in a dense
+/// layer ([`dense_layer`]), `….relu` and `….pool` in a transition ([`transition`]),
+/// `features.relu_final` and `pool` at the end.
+pub fn densenet(config: &DensenetConfig) -> Result<Graph> {
+    let DensenetConfig { growth: k, ref blocks, classes } = *config;
+    if k == 0 || blocks.is_empty() || blocks.contains(&0) {
+        return Err(Error::config(
+            "densenet",
+            format!(
+                "a DenseNet needs a growth of at least 1 and blocks of at least one layer, got growth {k} and blocks {blocks:?}"
+            ),
+        ));
+    }
+    let scale = 1.0 / (255.0 * FASHION_MNIST_STD);
+    let offset = -FASHION_MNIST_MEAN / FASHION_MNIST_STD;
+    let inputs = Value::input([1, 28, 28]);
+    let x = Rescaling::new(scale as f32, offset as f32).named("normalize").call(&inputs);
+    // x: (N, 2k, 28, 28)
+    let mut c = 2 * k;
+    let mut x = densenet_conv(1, c, 3)?.named("features.conv0").call(&x);
+    for (b, &layers) in blocks.iter().enumerate() {
+        for i in 1..=layers {
+            x = dense_layer(&x, c, k, &format!("features.denseblock{}.denselayer{i}", b + 1))?;
+            c += k;
+        }
+        if b + 1 < blocks.len() {
+            x = transition(&x, c, &format!("features.transition{}", b + 1))?;
+            c /= 2;
+        }
+    }
+    // x: (N, c, H, W) → (N, c) → (N, classes)
+    let x = BatchNorm2d::pytorch(c).named("features.norm_final").call(&x);
+    let x = Relu::new().named("features.relu_final").call(&x);
+    let x = GlobalAvgPool2d::new().named("pool").call(&x);
+    Linear::new(c, classes).named("classifier").call(&x).model()
+}
+
+/// A bias-free `size`×`size` convolution of stride 1 that keeps the image's size.
+fn densenet_conv(cin: usize, cout: usize, size: usize) -> Result<Conv2d> {
+    let pad = size / 2;
+    Conv2d::new(cin, cout, (size, size), 1, Padding::Explicit(pad, pad), false)
+}
+
+/// A DenseNet-B layer on `x` (its `channels` feature maps so far), its nodes named
+/// `{name}.norm1`, `.relu1`, `.conv1`, `.norm2`, `.relu2`, `.conv2` and `.concat`:
+/// BN-ReLU-Conv1×1(4·growth)-BN-ReLU-Conv3×3(growth), its output concatenated after `x`
+/// along the channels. x: (N, channels, H, W) → (N, channels + growth, H, W).
+pub fn dense_layer(x: &Value, channels: usize, growth: usize, name: &str) -> Result<Value> {
+    let at = |part: &str| format!("{name}.{part}");
+    let wide = DENSENET_BOTTLENECK * growth;
+    // h: (N, channels, H, W) → (N, 4·growth, H, W) → (N, growth, H, W)
+    let h = BatchNorm2d::pytorch(channels).named(at("norm1")).call(x);
+    let h = Relu::new().named(at("relu1")).call(&h);
+    let h = densenet_conv(channels, wide, 1)?.named(at("conv1")).call(&h);
+    let h = BatchNorm2d::pytorch(wide).named(at("norm2")).call(&h);
+    let h = Relu::new().named(at("relu2")).call(&h);
+    let h = densenet_conv(wide, growth, 3)?.named(at("conv2")).call(&h);
+    Ok(Concatenate::new(1).named(at("concat")).call_many(&[x, &h]))
+}
+
+/// A DenseNet-C transition on `x`, its nodes named `{name}.norm`, `.relu`, `.conv` and
+/// `.pool`: BN-ReLU-Conv1×1 to half the channels (rounded down), AvgPool2d(2).
+/// x: (N, channels, H, W) → (N, channels/2, H/2, W/2).
+pub fn transition(x: &Value, channels: usize, name: &str) -> Result<Value> {
+    let at = |part: &str| format!("{name}.{part}");
+    let t = BatchNorm2d::pytorch(channels).named(at("norm")).call(x);
+    let t = Relu::new().named(at("relu")).call(&t);
+    let t = densenet_conv(channels, channels / 2, 1)?.named(at("conv")).call(&t);
+    Ok(AvgPool2d::new((2, 2), (2, 2), Padding::Valid)?.named(at("pool")).call(&t))
 }
 
 /// nanoGPT's `GPTConfig` with `bias=True` (lockstep's `--model gpt` flags).
@@ -450,5 +595,43 @@ mod tests {
         let buffers: Vec<&str> = r8.buffer_infos().iter().map(|t| t.name.as_str()).collect();
         assert_eq!(&buffers[..3], ["stem.1.running_mean", "stem.1.running_var", "stem.1.num_batches_tracked"]);
         assert_eq!(r8.output_shape().dims(), &[10]);
+    }
+
+    #[test]
+    fn the_densenet_has_the_pytorch_modules_tensors() {
+        // PyTorch: sum(p.numel() for p in DenseNet().parameters()) = 102,298, and its
+        // state_dict's first and last keys (scripts/torch_densenet.py prints the count).
+        let m = densenet(&DensenetConfig::default()).unwrap();
+        assert_eq!(m.num_params(), 102_298);
+        let names: Vec<&str> = m.param_infos().iter().map(|t| t.name.as_str()).collect();
+        assert_eq!(
+            &names[..4],
+            [
+                "features.conv0.weight",
+                "features.denseblock1.denselayer1.norm1.weight",
+                "features.denseblock1.denselayer1.norm1.bias",
+                "features.denseblock1.denselayer1.conv1.weight"
+            ]
+        );
+        assert!(names.contains(&"features.transition2.conv.weight"), "{names:?}");
+        assert!(!names.iter().any(|n| n.contains("transition3")), "{names:?}");
+        assert_eq!(
+            &names[names.len() - 4..],
+            ["features.norm_final.weight", "features.norm_final.bias", "classifier.weight", "classifier.bias"]
+        );
+        let buffers: Vec<&str> = m.buffer_infos().iter().map(|t| t.name.as_str()).collect();
+        assert_eq!(buffers.len(), 3 * 27, "27 BatchNorms: 2 in each of 12 dense layers, 2 transitions, the last");
+        // The feature maps: 24 + 4·12 = 72 channels at 28×28, halved to 36, + 48 = 84 at
+        // 14×14, halved to 42, + 48 = 90 at 7×7.
+        let shape = |name: &str| {
+            let j = m.layer_names().iter().position(|n| n == name).unwrap();
+            m.layer_shapes()[j].output.dims().to_vec()
+        };
+        assert_eq!(shape("features.denseblock1.denselayer4.concat"), [72, 28, 28]);
+        assert_eq!(shape("features.transition1.pool"), [36, 14, 14]);
+        assert_eq!(shape("features.denseblock3.denselayer4.concat"), [90, 7, 7]);
+        assert_eq!(m.output_shape().dims(), &[10]);
+        let bad = DensenetConfig { blocks: vec![4, 0], ..DensenetConfig::default() };
+        assert!(densenet(&bad).unwrap_err().to_string().contains("blocks [4, 0]"));
     }
 }

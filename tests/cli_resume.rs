@@ -97,6 +97,13 @@ fn resnet8_resumes_bitwise_after_sigkill() {
     sigkill_then_resume(&["--model", "resnet8", "--batch-size", "24"]);
 }
 
+/// The same of the DenseNet (a graph: its concatenations, its 27 BatchNorms' counters),
+/// with the batch of its reference cases (24).
+#[test]
+fn densenet_resumes_bitwise_after_sigkill() {
+    sigkill_then_resume(&["--model", "densenet", "--batch-size", "24"]);
+}
+
 /// The same of a small GPT on text (its windows drawn by step and row, its tied head,
 /// AdamW with warm-up, cosine and clipping: nanoGPT's recipe, shrunk).
 #[test]

@@ -140,3 +140,13 @@ fn the_llama_holds_its_estimate() {
     // Xeon: 117.4 MB estimated for a 93.6 MB peak, 1.25×).
     assert!(estimate <= 1.5 * peak, "the llama: the estimate {estimate:.0} B is over 1.5 × the peak {peak:.0} B");
 }
+
+#[test]
+fn the_densenet_holds_its_estimate() {
+    // A graph whose concatenations keep every feature map of a block alive until the
+    // block's last layer has read it (issue 42: within 1.5× of the peak).
+    let _one = ONE_AT_A_TIME.lock();
+    let model = models::densenet(&models::DensenetConfig::default()).unwrap();
+    let (train, test) = digits(128);
+    check("the densenet", measured(&model, &train, &test, &Devices::cpu(2, 1).unwrap(), &config(64)));
+}

@@ -117,12 +117,13 @@ struct Case {
 
 /// Every built-in model (src/cli/mod.rs's ModelName), the GPT and the Llama smaller than
 /// their defaults so that their sizes are read from the flags on both sides.
-const CASES: [Case; 7] = [
+const CASES: [Case; 8] = [
     Case { name: "toy", flags: &["--data", "toy"], sizes: "" },
     Case { name: "convnet", flags: &["--data", "images.safetensors"], sizes: "" },
     Case { name: "convnet-nobn", flags: &["--data", "images.safetensors"], sizes: "" },
     Case { name: "resnet8", flags: &["--data", "images.safetensors"], sizes: "" },
     Case { name: "resnet20", flags: &["--data", "images.safetensors"], sizes: "" },
+    Case { name: "densenet", flags: &["--data", "images.safetensors"], sizes: "" },
     Case {
         name: "gpt",
         flags: &["--data", "text:text.txt", "--context", "32", "--layers", "2", "--heads", "2", "--width", "64"],

@@ -190,6 +190,7 @@ fn built_in_models_write_themselves_back_as_specs() {
         ("maxpool", example("mnist_convnet_maxpool.json")),
         ("resnet8", models::resnet(models::ResnetDepth::Resnet8, 10).unwrap()),
         ("resnet20", models::resnet(models::ResnetDepth::Resnet20, 10).unwrap()),
+        ("densenet", models::densenet(&models::DensenetConfig::default()).unwrap()),
     ];
     for (name, mut model) in built {
         let text = model_to_spec(&model).unwrap().to_string();

@@ -70,6 +70,7 @@ impl Header {
             .ok(),
             ModelName::Resnet8 => models::resnet(ResnetDepth::Resnet8, 10).ok(),
             ModelName::Resnet20 => models::resnet(ResnetDepth::Resnet20, 10).ok(),
+            ModelName::Densenet => models::densenet(&models::DensenetConfig::default()).ok(),
             ModelName::Gpt => {
                 let layers = self.gpt_blocks();
                 if layers == 0 || layers > MAX_PROBED_BLOCKS {

@@ -38,7 +38,7 @@ use crate::data::{toy, Dataset, Features, Splits};
 use crate::devices::{available_cores, DeviceSpec, Devices};
 use crate::exchange::shm::ShmGroup;
 use crate::exchange::{Abort, Exchange};
-use crate::models::{self, ConvnetOptions, Norm, ResnetDepth};
+use crate::models::{self, ConvnetOptions, DensenetConfig, Norm, ResnetDepth};
 use crate::nn::{Graph, ParamStore};
 use crate::observe::{CsvMetrics, Drawing, Fanout, JsonLines, Progress, StepLines, Stream};
 use crate::optim::{LrSchedule, MomentumKind, Optimizer, OptimizerConfig, Sharding};
@@ -260,6 +260,8 @@ enum ModelName {
     Resnet8,
     /// He et al.'s CIFAR ResNet-20 for 1×28×28 images (PyTorch's tensor names).
     Resnet20,
+    /// A DenseNet-BC for 1×28×28 images, growth 12, blocks of 4, 4, 4 (PyTorch's tensor names).
+    Densenet,
     /// nanoGPT's GPT over bytes (--layers, --heads, --width, --context; its tensor names).
     Gpt,
     /// Meta's Llama over bytes: RMSNorm, RoPE, SwiGLU, no biases (--layers, --heads, --width, --context; Meta's tensor names).
@@ -274,6 +276,7 @@ impl ModelName {
             ModelName::ConvnetNobn => "convnet-nobn",
             ModelName::Resnet8 => "resnet8",
             ModelName::Resnet20 => "resnet20",
+            ModelName::Densenet => "densenet",
             ModelName::Gpt => "gpt",
             ModelName::Llama => "llama",
         }
@@ -734,6 +737,12 @@ fn build_model(
             _ => Err(Failure::usage(anyhow!(
                 "the {} model takes 1x28x28 images (as Fashion-MNIST's), the data has samples of shape {sample:?}",
                 name.as_str()
+            ))),
+        },
+        ModelName::Densenet => match sample {
+            [1, 28, 28] => Ok(models::densenet(&DensenetConfig { classes, ..DensenetConfig::default() })?),
+            _ => Err(Failure::usage(anyhow!(
+                "the densenet model takes 1x28x28 images (as Fashion-MNIST's), the data has samples of shape {sample:?}"
             ))),
         },
         // The flags' shape but for the context, which the data's windows give.

@@ -417,6 +417,13 @@ impl Graph {
         self.indices[j]
     }
 
+    /// Whether node `j` runs inside node `j − 1`'s passes (a ReLU taken over by the
+    /// BatchNorm or the add before it: [`Layer::take_following_relu`]), so that what it
+    /// keeps is that node's to count, not its own.
+    pub fn runs_in_previous(&self, j: usize) -> bool {
+        self.taken[j]
+    }
+
     /// How many nodes read node `j`'s output.
     pub fn readers(&self, j: usize) -> usize {
         self.readers[j]

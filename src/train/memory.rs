@@ -309,22 +309,23 @@ mod tests {
     #[test]
     fn a_batch_of_a_hundred_thousand_convnet_samples_is_counted() {
         // The issue: --batch-size 100000 exhausted memory. The convnet keeps per sample
-        // (f32 unless said): conv0 its input 784 and output 9,408; bn0 x̂ 9,408; relu0 a
-        // byte per 9,408; conv1 9,408 and 3,456; bn1 3,456; relu1 3,456 bytes; conv2 3,456
-        // and 1,152; bn2 1,152; relu2 1,152 bytes; dense0 its input 32; relu 256 bytes;
-        // dropout 256; dense1 its input 256: 183,168 B. Around the running layer: the
-        // widest pair 2·9,408·4 and the sample 784·4: 78,400 B. 261,568 B a sample.
+        // (f32 unless said): conv0 the larger of its input 784 and output 9,408; bn0 x̂
+        // 9,408 (the ReLU after it runs in its passes, its mask x̂'s sign: nothing of its
+        // own); conv1 the larger of 9,408 and 3,456; bn1 3,456; conv2 the larger of 3,456
+        // and 1,152; bn2 1,152; dense0 its input 32; relu 256 bytes; dropout 256; dense1
+        // its input 256: 147,584 B. Around the running layer: the widest pair 2·9,408·4
+        // and the sample 784·4: 78,400 B. 225,984 B a sample.
         let model = models::convnet(models::ConvnetOptions::default()).unwrap();
         let devices = Devices::cpu(1, 1).unwrap();
         // And the convolutions' lent work buffers, 213,504 B per chunk (memory.rs's pinned test).
         // And once, conv2's weight-gradient packing, 1,867,776 B (memory.rs's pinned test).
-        assert_eq!(shard_activations(&model, 1, 1), 261_568 + 4 * (108 + 10_368 + 27_648) + 213_504 + 1_867_776);
+        assert_eq!(shard_activations(&model, 1, 1), 225_984 + 4 * (108 + 10_368 + 27_648) + 213_504 + 1_867_776);
         let config = TrainConfig { batch_size: 100_000, ..TrainConfig::default() };
         let e = training(&model, &devices, &config);
         let acts = e.parts().iter().find(|p| p.name == "activations").unwrap();
-        // 100,000 × 261,568 + the conv weight-gradient partials of 16 chunks: 16 × 38,124 × 4,
+        // 100,000 × 225,984 + the conv weight-gradient partials of 16 chunks: 16 × 38,124 × 4,
         // and their lent buffers, 16 × 213,504.
-        assert_eq!(acts.bytes, 26_156_800_000 + 16 * 38_124 * 4 + 16 * 213_504 + 1_867_776);
+        assert_eq!(acts.bytes, 22_598_400_000 + 16 * 38_124 * 4 + 16 * 213_504 + 1_867_776);
         assert_eq!(acts.detail, "1 device(s) × a shard of 100000 samples");
     }
 }

@@ -64,7 +64,7 @@ pub(crate) struct TrainArgs {
 #[derive(Args, Clone, Debug)]
 #[command(next_help_heading = "Model and data")]
 pub(crate) struct ModelDataArgs {
-    /// toy, convnet, convnet-nobn, resnet8, resnet20, gpt, llama, or a model spec FILE.json (see examples/*.json).
+    /// toy, convnet, convnet-nobn, resnet8, resnet20, densenet, gpt, llama, or a model spec FILE.json (see examples/*.json).
     #[arg(long, default_value = "convnet", value_name = "NAME|FILE.json", value_parser = parse_model_choice)]
     pub(crate) model: ModelChoice,
     /// toy, toy-enlarged, digits, fashion-mnist (Debian's dataset-fashion-mnist), mnist:DIR (IDX files, plain or .gz), fortunes (Debian's fortunes, as text), text:FILE (a file's bytes as tokens), or a FILE.safetensors (tensors x and y, or a token file's tokens) [default: toy for flat models, fortunes for gpt and llama, digits otherwise]

@@ -82,9 +82,12 @@ impl Layer for Add {
         Some(json!({"type": "add"}))
     }
 
-    /// Nothing kept: the backward hands the output's gradient on.
-    fn memory(&self, _shapes: &LayerShapes) -> Option<LayerMemory> {
-        Some(LayerMemory::NONE)
+    /// Nothing kept of its own: the backward hands the output's gradient on. With the
+    /// following ReLU taken over, that ReLU's mask (a byte a value), which the graph then
+    /// does not count for the ReLU's node.
+    fn memory(&self, shapes: &LayerShapes) -> Option<LayerMemory> {
+        let mask = if self.relu.is_some() { shapes.output.numel() as u64 } else { 0 };
+        Some(LayerMemory { kept_per_sample: mask, ..LayerMemory::NONE })
     }
 
     fn arity(&self) -> Arity {
