@@ -191,10 +191,10 @@ fn what_cannot_fit_in_memory_is_refused_before_any_allocation() {
         refused(&["bench", "layers", "--threads", "100000"]),
         format!("error: --threads 100000 is more than 64 per core ({} here)", 64 * cores)
     );
-    // 10 million convnet samples at 240,000 B each (see `memory::shard_activations`) and
-    // the gathered batch of 784 f32 each: 2.43 TB.
+    // 10 million convnet samples at 225,984 B each (see `memory::shard_activations`) and
+    // the gathered batch of 784 f32 each: 2.29 TB.
     let e = refused(&["bench", "layers", "--batch-size", "10000000", "--threads", "1"]);
-    assert!(e.starts_with("error: bench layers needs an estimated 2.4 TB but "), "{e}");
+    assert!(e.starts_with("error: bench layers needs an estimated 2.3 TB but "), "{e}");
     let e = refused(&["bench", "allreduce", "--devices", "cpu:100000"]);
     assert!(e.contains("threads in all is more than 64 per core"), "{e}");
 }
