@@ -188,7 +188,7 @@ pub fn check_bytes(what: &str, bytes: u64, detail: impl Into<String>) -> Result<
 
 const F32: u64 = 4;
 
-/// The part of a run that no shape predicts (see [`crate::train::memory::training`]).
+/// The part of a run that no shape predicts (see `train::memory::training`).
 pub const PROCESS_BYTES: u64 = 64 << 20;
 
 /// The chunks of samples whose workspace a shard of `batch` samples is counted with: the

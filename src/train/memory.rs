@@ -27,13 +27,14 @@ fn optimizer_copies(o: &OptimizerConfig) -> (u64, &'static str) {
 /// evaluation passes of `config.eval_batch` samples (what a loop of the user's own inside
 /// `with_trainer` may run). GPU devices add what their replicas hold on the GPU, checked
 /// by `check_training` against each GPU's memory.
+#[cfg(any(test, feature = "cli"))]
 pub fn training(model: &Graph, devices: &Devices, config: &TrainConfig) -> Estimate {
     estimate(model, devices, config, config.eval_batch)
 }
 
-/// What a run of `train_data_parallel` allocates: [`training`], but its evaluations pass
-/// no more than a training pass's rows ([`TrainConfig::epoch_eval_chunk`]), as the fit
-/// loop runs them. Counting `eval_batch` there put the Llama's 512-window evaluation in
+/// What a run of `train_data_parallel` allocates: `training`'s estimate, but its
+/// evaluations pass no more than a training pass's rows
+/// ([`TrainConfig::epoch_eval_chunk`]), as the fit loop runs them. Counting `eval_batch` there put the Llama's 512-window evaluation in
 /// its estimate, 5.3× the run's peak, where the run evaluates 6 windows at a time.
 pub fn fitting(model: &Graph, devices: &Devices, config: &TrainConfig) -> Estimate {
     estimate(model, devices, config, fit_eval_rows(devices, config))
