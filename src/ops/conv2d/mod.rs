@@ -738,7 +738,7 @@ mod tests {
             (3, 3, 3, 7, 1, Padding::Explicit(3, 3), 7, 6, Grouped::Direct, None),
             (10, 4, 2, 2, 1, Padding::Valid, 6, 5, Grouped::PerGroup, Some(Unfold::Columns)),
             (12, 6, 2, 3, 2, Padding::Same, 9, 9, Grouped::PerGroup, Some(Unfold::Rows)),
-            (16, 16, 2, 3, 1, Padding::Same, 8, 8, Grouped::PerGroup, Some(Unfold::Winograd)),
+            (32, 32, 2, 3, 1, Padding::Same, 8, 8, Grouped::PerGroup, Some(Unfold::Winograd)),
         ];
         for (c, o, groups, k, stride, padding, h, w, path, how) in cases {
             let what = format!("C {c}, O {o}, G {groups}, {k}x{k} stride {stride}, {padding:?}");
@@ -921,7 +921,7 @@ mod tests {
         // each unfolding: every output value is written, none read.
         use crate::tensor::Device;
         let ctx = Ctx::train(0, 0, 0, Device::Cpu(0));
-        let cases = [(1, 4, 3, 1, Unfold::Columns), (8, 8, 3, 2, Unfold::Rows), (8, 8, 3, 1, Unfold::Winograd)];
+        let cases = [(1, 4, 3, 1, Unfold::Columns), (8, 8, 3, 2, Unfold::Rows), (8, 16, 3, 1, Unfold::Winograd)];
         for (c, o, k, stride, how) in cases {
             let mut r = crate::rng::SplitMix64::new(3);
             let mut rand = |len: usize| (0..len).map(|_| r.next_f32() - 0.5).collect::<Vec<f32>>();
@@ -959,7 +959,7 @@ mod tests {
         use crate::tensor::Device;
         let ctx = Ctx::train(0, 0, 0, Device::Cpu(0));
         let cases =
-            [(1, 4, 3, 1, 9, Unfold::Columns), (24, 8, 3, 2, 28, Unfold::Rows), (8, 8, 3, 1, 9, Unfold::Winograd)];
+            [(1, 4, 3, 1, 9, Unfold::Columns), (24, 8, 3, 2, 28, Unfold::Rows), (8, 16, 3, 1, 9, Unfold::Winograd)];
         for (c, o, k, stride, h, how) in cases {
             let mut r = crate::rng::SplitMix64::new(5);
             let mut rand = |len: usize| (0..len).map(|_| r.next_f32() - 0.5).collect::<Vec<f32>>();
