@@ -23,38 +23,12 @@ use lockstep::train::{train_data_parallel, Batch, LastBatch, Shuffle, TrainConfi
 use lockstep::weights;
 use lockstep::{Device, Tensor};
 
+#[path = "common/reference_case.rs"]
+mod reference_case;
+use reference_case::{get, max_abs, tensors};
+
 fn dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/resnet")
-}
-
-/// name → values of every tensor of a safetensors file (floats, or int64 as f32).
-fn tensors(path: &Path) -> Vec<(String, Vec<f32>)> {
-    let bytes = std::fs::read(path).unwrap();
-    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let mut out: Vec<_> = st
-        .tensors()
-        .into_iter()
-        .map(|(n, v)| {
-            let values = match v.dtype() {
-                safetensors::Dtype::I64 => {
-                    v.data().chunks_exact(8).map(|b| i64::from_le_bytes(b.try_into().unwrap()) as f32).collect()
-                }
-                _ => weights::f32_values(&v),
-            };
-            (n, values)
-        })
-        .collect();
-    out.sort_by(|a, b| a.0.cmp(&b.0));
-    out
-}
-
-fn get<'a>(all: &'a [(String, Vec<f32>)], name: &str) -> &'a [f32] {
-    &all.iter().find(|(n, _)| n == name).unwrap_or_else(|| panic!("no tensor {name}")).1
-}
-
-fn max_abs(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
 }
 
 fn assert_within(what: &str, got: &[f32], want: &[f32]) {

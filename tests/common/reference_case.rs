@@ -1,9 +1,13 @@
-//! The PyTorch reference cases of the language models (tests/data/gpt, tests/data/llama),
-//! read the one way both tests read them: a case is a safetensors file of the module's
-//! weights before (`init.*`) and after (`final.*`) its training, its token rows (`tokens`)
-//! and its losses; and the one training recipe both cases ran (the module's
-//! `configure_optimizers` and schedule). Included by tests/gpt.rs and tests/llama.rs with
-//! `#[path]`; each uses all of it.
+//! The PyTorch reference cases, read the one way every test reads them: a case is a
+//! safetensors file of named tensors, floats or int64 (`tensors`, `get`, `max_abs`). For
+//! the language models (tests/data/gpt, tests/data/llama) a case holds the module's weights
+//! before (`init.*`) and after (`final.*`) its training, its token rows (`tokens`) and its
+//! losses, and both ran one training recipe (`reference_rows`, `state_dict`,
+//! `reference_config`). Included with `#[path]` by tests/gpt.rs and tests/llama.rs (all of
+//! it) and by tests/resnet.rs and tests/densenet.rs (the reading), hence the `dead_code`
+//! allowance.
+
+#![allow(dead_code)]
 
 use std::path::{Path, PathBuf};
 
@@ -42,6 +46,12 @@ pub fn tensors(path: &Path) -> Tensors {
 /// The values of the tensor `name`.
 pub fn get<'a>(all: &'a Tensors, name: &str) -> &'a [f32] {
     &all.iter().find(|(n, ..)| n == name).unwrap_or_else(|| panic!("no tensor {name}")).2
+}
+
+/// The largest |a − b| over two tensors of one length.
+pub fn max_abs(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
 }
 
 /// The case's token rows as a token-file dataset, written under `tmp` and read back as a
