@@ -33,13 +33,13 @@ use lockstep::devices::Devices;
 use lockstep::models::{dense_layer, densenet, transition, DensenetConfig};
 use lockstep::nn::{Ctx, Graph, Value};
 use lockstep::optim::{MomentumKind, OptimizerConfig};
-use lockstep::train::{train_data_parallel, Batch, LastBatch, Shuffle, TrainConfig};
+use lockstep::train::{train_data_parallel, Batch, TrainConfig};
 use lockstep::weights;
 use lockstep::{Device, Tensor};
 
 #[path = "common/reference_case.rs"]
 mod reference_case;
-use reference_case::{get, max_abs, tensors};
+use reference_case::{get, image_config as config, max_abs, tensors, IMAGE_BATCH as BATCH};
 
 fn dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/densenet")
@@ -109,27 +109,10 @@ fn losses(world: usize) -> Vec<f64> {
     v["losses"][world.to_string()].as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect()
 }
 
-/// The reference's global batch; its data are tests/data/resnet/'s first Fashion-MNIST images.
-const BATCH: usize = 24;
-
+/// The reference's images: tests/data/resnet/'s first Fashion-MNIST images.
 fn data() -> lockstep::data::Dataset {
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/resnet/data.safetensors");
     load_safetensors_dataset(&path).unwrap()
-}
-
-fn config(steps: u64, replicas: usize, optimizer: OptimizerConfig) -> TrainConfig {
-    TrainConfig {
-        epochs: 1,
-        max_steps: Some(steps),
-        batch_size: BATCH,
-        optimizer,
-        seed: 0,
-        shuffle: Shuffle::None,
-        last_batch: LastBatch::Keep,
-        replicas: Some(replicas),
-        check_replicas_every: Some(1),
-        ..TrainConfig::default()
-    }
 }
 
 /// The reference's optimiser: PyTorch's SGD, momentum 0.9, lr 0.05.

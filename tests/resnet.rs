@@ -19,13 +19,13 @@ use lockstep::devices::Devices;
 use lockstep::models::{resnet, ResnetDepth};
 use lockstep::nn::{identity, residual, Activation, BatchNorm2d, Call, Conv2d, Ctx, Graph, Padding, Relu, Value};
 use lockstep::optim::{MomentumKind, OptimizerConfig};
-use lockstep::train::{train_data_parallel, Batch, LastBatch, Shuffle, TrainConfig};
+use lockstep::train::{train_data_parallel, Batch, TrainConfig};
 use lockstep::weights;
 use lockstep::{Device, Tensor};
 
 #[path = "common/reference_case.rs"]
 mod reference_case;
-use reference_case::{get, max_abs, tensors};
+use reference_case::{get, image_config as config, max_abs, tensors, IMAGE_BATCH as BATCH};
 
 fn dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/resnet")
@@ -106,23 +106,6 @@ fn losses(world: usize) -> Vec<f64> {
     let text = std::fs::read_to_string(dir().join("losses.json")).unwrap();
     let v: serde_json::Value = serde_json::from_str(&text).unwrap();
     v["losses"][world.to_string()].as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect()
-}
-
-const BATCH: usize = 24;
-
-fn config(steps: u64, replicas: usize, optimizer: OptimizerConfig) -> TrainConfig {
-    TrainConfig {
-        epochs: 1,
-        max_steps: Some(steps),
-        batch_size: BATCH,
-        optimizer,
-        seed: 0,
-        shuffle: Shuffle::None,
-        last_batch: LastBatch::Keep,
-        replicas: Some(replicas),
-        check_replicas_every: Some(1),
-        ..TrainConfig::default()
-    }
 }
 
 /// The reference's optimiser: PyTorch's SGD, momentum 0.9, lr 1e-4.

@@ -3,7 +3,7 @@
 //! the language models (tests/data/gpt, tests/data/llama) a case holds the module's weights
 //! before (`init.*`) and after (`final.*`) its training, its token rows (`tokens`) and its
 //! losses, and both ran one training recipe (`reference_rows`, `state_dict`,
-//! `reference_config`). Included with `#[path]` by tests/gpt.rs and tests/llama.rs (all of
+//! `reference_config`); the image models' cases one run (`image_config`). Included with `#[path]` by tests/gpt.rs and tests/llama.rs (all of
 //! it) and by tests/resnet.rs and tests/densenet.rs (the reading), hence the `dead_code`
 //! allowance.
 
@@ -15,7 +15,7 @@ use lockstep::data::safetensors_file::load_safetensors_dataset;
 use lockstep::data::Dataset;
 use lockstep::nn::ParamStore;
 use lockstep::optim::{LrSchedule, OptimizerConfig};
-use lockstep::train::{Shuffle, TrainConfig};
+use lockstep::train::{LastBatch, Shuffle, TrainConfig};
 use lockstep::weights;
 
 /// Every tensor of a case: (name, shape, values).
@@ -99,6 +99,26 @@ pub fn reference_config(initial: ParamStore, replicas: usize) -> TrainConfig {
         replicas: Some(replicas),
         check_replicas_every: Some(1),
         initial: Some(initial),
+        ..TrainConfig::default()
+    }
+}
+
+/// The image cases' global batch (tests/data/resnet's and tests/data/densenet's scripts).
+pub const IMAGE_BATCH: usize = 24;
+
+/// The image cases' run: `steps` steps of `optimizer` on `replicas` logical replicas,
+/// batches of [`IMAGE_BATCH`] in file order from seed 0, the replicas checked every step.
+pub fn image_config(steps: u64, replicas: usize, optimizer: OptimizerConfig) -> TrainConfig {
+    TrainConfig {
+        epochs: 1,
+        max_steps: Some(steps),
+        batch_size: IMAGE_BATCH,
+        optimizer,
+        seed: 0,
+        shuffle: Shuffle::None,
+        last_batch: LastBatch::Keep,
+        replicas: Some(replicas),
+        check_replicas_every: Some(1),
         ..TrainConfig::default()
     }
 }
