@@ -213,9 +213,9 @@ pub fn shard_activations(model: &Graph, batch: usize, threads: usize) -> u64 {
     let mut widest = model.input_shape().numel() as u64;
     let mut workspace = 0u64;
     for (j, (layer, shapes)) in model.layers().iter().zip(model.layer_shapes()).enumerate() {
-        // A ReLU run inside the node before it keeps nothing of its own (that node's
-        // account holds what the pair keeps).
-        let m = match model.runs_in_previous(j) {
+        // A ReLU run inside the node before it, or a SiLU inside its reader, keeps
+        // nothing of its own (that node's account holds what the pair keeps).
+        let m = match model.runs_inside_another(j) {
             true => LayerMemory::NONE,
             false => layer.memory(shapes).unwrap_or(LayerMemory::NONE),
         };

@@ -98,9 +98,7 @@ pub enum Threads {
 /// `gemm` with an explicit choice of threads.
 pub fn gemm_with(a: Mat<'_>, b: Mat<'_>, c: &mut [f32], c_rs: usize, acc: Accumulate, threads: Threads) {
     let (m, k, n) = (a.rows, a.cols, b.cols);
-    assert_eq!(b.rows, k, "gemm: inner dimensions {k} and {} differ", b.rows);
-    a.check("lhs");
-    b.check("rhs");
+    check_product(a, b);
     if m == 0 || n == 0 {
         return;
     }
@@ -113,21 +111,65 @@ pub fn gemm_with(a: Mat<'_>, b: Mat<'_>, c: &mut [f32], c_rs: usize, acc: Accumu
         }
         return;
     }
+    // SAFETY: the views were checked by `check_product`, and `c` holds the m rows of n
+    // values at stride c_rs just asserted; `c` is borrowed mutably, so it cannot alias `a`
+    // or `b`.
+    unsafe { product_into(a, b, c.as_mut_ptr(), c_rs, acc, threads) }
+}
+
+/// `a (m × k) · b (k × n)` as a new row-major `m × n` matrix, on the current rayon pool
+/// as [`gemm`]. Its storage is never zeroed first: the product writes every value and
+/// reads none (the `gemm` crate's `read_dst = false`), which saves a pass over the
+/// output that a zeroed vector would cost (a dense layer's output and input gradient).
+pub fn gemm_new(a: Mat<'_>, b: Mat<'_>) -> Vec<f32> {
+    let (m, k, n) = (a.rows, a.cols, b.cols);
+    check_product(a, b);
+    let len = m.checked_mul(n).expect("gemm: the product's size overflows");
+    if len == 0 || k == 0 {
+        return vec![0.0; len];
+    }
+    let mut c = Vec::with_capacity(len);
+    // SAFETY: `c` has room for m·n values, row stride n (its capacity, just reserved; a
+    // new vector aliases nothing); the views were checked by `check_product`. With
+    // `Overwrite` the kernel writes each of the m·n values through the pointer and reads
+    // none, so after it every value is initialised and the length may cover them.
+    unsafe {
+        product_into(a, b, c.as_mut_ptr(), n, Accumulate::Overwrite, Threads::Pool);
+        c.set_len(len);
+    }
+    c
+}
+
+/// Panics unless `a · b` is a product whose views lie within their slices.
+fn check_product(a: Mat<'_>, b: Mat<'_>) {
+    assert_eq!(b.rows, a.cols, "gemm: inner dimensions {} and {} differ", a.cols, b.rows);
+    a.check("lhs");
+    b.check("rhs");
+}
+
+/// `c (+)= a · b` through the `gemm` crate, for m, n, k all above zero.
+///
+/// # Safety
+/// `a` and `b` passed [`check_product`]; `c` points to m rows of n writable `f32` at row
+/// stride `c_rs`, aliasing neither `a` nor `b`, initialised if `acc` is `Add` (the only
+/// case in which the kernel reads them).
+unsafe fn product_into(a: Mat<'_>, b: Mat<'_>, c: *mut f32, c_rs: usize, acc: Accumulate, threads: Threads) {
+    let (m, k, n) = (a.rows, a.cols, b.cols);
     let pool = super::par::threads();
     let par = if threads == Threads::Pool && pool > 1 && m * n * k >= PARALLEL_MIN_FLOPS {
         Parallelism::Rayon(pool)
     } else {
         Parallelism::None
     };
-    // SAFETY: the three views were bounds-checked above against the largest index the
-    // kernel touches ((rows-1)*rs + (cols-1)*cs); `c` is borrowed mutably, so it cannot
-    // alias `a` or `b`; strides fit in isize because they index existing slices.
+    // SAFETY: the caller's contract: the views lie within their slices (the largest index
+    // the kernel touches is (rows-1)*rs + (cols-1)*cs), `c` is writable and aliases
+    // neither; strides fit in isize because they index existing allocations.
     unsafe {
         gemm::gemm(
             m,
             n,
             k,
-            c.as_mut_ptr(),
+            c,
             1,
             c_rs as isize,
             acc == Accumulate::Add,

@@ -2,9 +2,10 @@
 //! the model's inputs or to earlier nodes' outputs; its engine (the forward in node order,
 //! the backward in the reverse order, the gradient of a value read by several nodes summed
 //! in that fixed order), the stable names of its tensors, their flat layout
-//! ([`ParamStore`]), and which node runs inside the passes of the one before it on the CPU
-//! (a ReLU after a BatchNorm, [`Layer::take_following_relu`]: one pass over the
-//! activations fewer each way, the same bits).
+//! ([`ParamStore`]), and which node runs inside the passes of another on the CPU (a ReLU
+//! after a BatchNorm, [`Layer::take_following_relu`]; a SiLU before the multiplication
+//! that reads it, [`Layer::take_input_silu`]: one pass over the activations fewer each
+//! way, the same bits).
 //!
 //! How a graph is written is its builders': a chain of layers (`model::Sequential`), a
 //! graph node by node (`model::functional`), a spec's layer objects with their `inbound`
@@ -51,6 +52,7 @@ use std::ops::Range;
 use crate::error::{Error, Result};
 use crate::ops::{
     Arity, Ctx, Init, InputGrad, Layer, LayerShapes, Mode, ParamSpec, Params, ParamsMut, ProfileRow, RELU_KIND,
+    SILU_KIND,
 };
 use crate::rng::{derive_key, purpose, SplitMix64};
 use crate::tensor::{Shape, Tensor};
@@ -165,6 +167,10 @@ pub struct Graph {
     /// a BatchNorm whose output nothing else reads: [`Layer::take_following_relu`]), so
     /// that it is skipped here.
     taken: Vec<bool>,
+    /// Per node: the later node that computes it in its own passes (a SiLU whose one
+    /// reader is a multiplication: [`Layer::take_input_silu`]); such a node hands its
+    /// input on unchanged in the forward, and its output's gradient in the backward.
+    absorbed: Vec<Option<usize>>,
 }
 
 impl Clone for Graph {
@@ -297,6 +303,17 @@ impl Graph {
                 taken[i + 1] = true;
             }
         }
+        let mut absorbed = vec![None; layers.len()];
+        for s in 0..layers.len() {
+            if layers[s].kind() != SILU_KIND || readers[s] != 1 || taken[s] {
+                continue;
+            }
+            let Some(m) = (s + 1..layers.len()).find(|&m| sources[m].contains(&Source::Node(s))) else { continue };
+            let input = sources[m].iter().position(|&src| src == Source::Node(s)).expect("found just above");
+            if layers[m].take_input_silu(input, sources[m].len()) {
+                absorbed[s] = Some(m);
+            }
+        }
         // Shapes are checked with a batch of 2: BatchNorm needs more than one value.
         let mut out_shapes: Vec<Shape> = Vec::with_capacity(layers.len());
         let mut shapes = Vec::with_capacity(layers.len());
@@ -355,6 +372,7 @@ impl Graph {
             buffers_len,
             profile: None,
             taken,
+            absorbed,
         })
     }
 
@@ -417,11 +435,12 @@ impl Graph {
         self.indices[j]
     }
 
-    /// Whether node `j` runs inside node `j − 1`'s passes (a ReLU taken over by the
-    /// BatchNorm or the add before it: [`Layer::take_following_relu`]), so that what it
+    /// Whether node `j` runs inside another node's passes (a ReLU taken over by the
+    /// BatchNorm or the add before it, [`Layer::take_following_relu`]; a SiLU taken over
+    /// by the multiplication that reads it, [`Layer::take_input_silu`]), so that what it
     /// keeps is that node's to count, not its own.
-    pub fn runs_in_previous(&self, j: usize) -> bool {
-        self.taken[j]
+    pub fn runs_inside_another(&self, j: usize) -> bool {
+        self.taken[j] || self.absorbed[j].is_some()
     }
 
     /// How many nodes read node `j`'s output.
@@ -569,6 +588,11 @@ impl Graph {
                 let v = if *left == 0 { slot.take() } else { slot.clone() };
                 args.push(v.expect("a value is kept until its last reader"));
             }
+            if self.absorbed[j].is_some() {
+                // Its reader applies it: the value goes on as it came.
+                values[j] = args.pop();
+                continue;
+            }
             let ctx = Ctx { layer_index: self.indices[j], ..*ctx };
             let p = Params::new(&params[s.param_span.clone()], &s.param_ranges);
             let b = ParamsMut::new(&mut buffers[s.buffer_span.clone()], &s.buffer_ranges);
@@ -655,6 +679,8 @@ impl Graph {
             let dy = d[j].take().expect("every reader of a node that trains comes after it and trains");
             let t = self.profile.is_some().then(std::time::Instant::now);
             let dxs = match layer.arity() {
+                // Its reader's backward went through it: the gradient goes on as it came.
+                _ if self.absorbed[j].is_some() => vec![Some(dy)],
                 Arity::One => vec![layer.backward(dy, p, g, needs[0], &ctx)?],
                 _ => layer.backward_many(dy, p, g, &needs, &ctx)?,
             };
@@ -687,9 +713,10 @@ impl Graph {
         let mut rows = Vec::new();
         let layers = self.layers.iter().zip(&self.names);
         for (i, (&(forward, backward), (layer, name))) in self.profile.iter().flatten().zip(layers).enumerate() {
-            let description = match self.taken[i] {
-                true => format!("{} (in the previous layer's passes)", layer.describe()),
-                false => layer.describe(),
+            let description = match (self.taken[i], self.absorbed[i]) {
+                (true, _) => format!("{} (in the previous layer's passes)", layer.describe()),
+                (false, Some(m)) => format!("{} (in {}'s passes)", layer.describe(), self.names[m]),
+                (false, None) => layer.describe(),
             };
             rows.push(ProfileRow { name: name.clone(), description, depth: 0, forward, backward });
             rows.extend(layer.profile().into_iter().map(|r| ProfileRow {

@@ -339,6 +339,11 @@ impl<'a> ParamsMut<'a> {
 /// layer of one's own must not call itself this.
 pub const RELU_KIND: &str = "relu";
 
+/// The kind of the SiLU layer ([`silu::Silu`]): what a graph looks for before a node that
+/// may take the SiLU into its own passes ([`Layer::take_input_silu`]), so a layer of
+/// one's own must not call itself this.
+pub const SILU_KIND: &str = "silu";
+
 /// One layer: forward and backward side by side.
 ///
 /// Shapes include the batch: `forward` takes `(N, ...)` and returns `(N, ...)`. A layer
@@ -489,6 +494,16 @@ pub trait Layer: Send {
     /// the two layers compute one after the other), and the Sequential skips the ReLU
     /// layer. A GPU replica runs every layer as it is. Default: it does not.
     fn take_following_relu(&mut self, _follows: bool) -> bool {
+        false
+    }
+
+    /// Told by its graph that its input `input` (of `inputs`) is the output of a SiLU
+    /// that no other node reads; returns whether this layer then computes that SiLU in its
+    /// own passes on the CPU (it receives the SiLU's input in its place, and returns the
+    /// gradient of that input: bit for bit what the two layers compute one after the
+    /// other), and the graph passes the SiLU node's value through unchanged. A GPU
+    /// replica runs every layer as it is. Default: it does not.
+    fn take_input_silu(&mut self, _input: usize, _inputs: usize) -> bool {
         false
     }
 

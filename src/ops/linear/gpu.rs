@@ -112,9 +112,8 @@ pub(crate) fn host_check(k: &crate::cuda::host::Checker) {
     let total = n * o;
     // The GPU form's order: the product, then the bias; the CPU's: the bias, then the
     // product added to it.
-    let (mut product, mut want_y) = (vec![0.0; total], vec![0.0; total]);
-    super::cpu::linear_forward(&x, &weight, None, &mut product, n, f, o);
-    super::cpu::linear_forward(&x, &weight, Some(&bias), &mut want_y, n, f, o);
+    let product = super::cpu::linear_forward(&x, &weight, None, n, f, o);
+    let want_y = super::cpu::linear_forward(&x, &weight, Some(&bias), n, f, o);
     let want_y: Vec<f64> = want_y.iter().map(|&v| v as f64).collect();
     let mut want_dbias = dbias0.clone();
     super::cpu::bias_backward(&dy, &mut want_dbias, o);
@@ -153,9 +152,8 @@ mod tests {
         let (n, f, o) = (6, 5, 10);
         let (x, weight, bias, dy, dbias0) =
             (uniform(1, n * f), uniform(2, o * f), uniform(3, o), uniform(4, n * o), uniform(5, o));
-        let (mut product, mut want_y) = (vec![0.0; n * o], vec![0.0; n * o]);
-        cpu::linear_forward(&x, &weight, None, &mut product, n, f, o);
-        cpu::linear_forward(&x, &weight, Some(&bias), &mut want_y, n, f, o);
+        let product = cpu::linear_forward(&x, &weight, None, n, f, o);
+        let want_y = cpu::linear_forward(&x, &weight, Some(&bias), n, f, o);
         let mut y_d = s.clone_htod(&product).unwrap();
         gpu.bias_cols_fwd(&mut y_d, &s.clone_htod(&bias).unwrap(), n, o).unwrap();
         // As on the host: F = 5 terms of magnitude ≤ 1, 1e-6 absolute.

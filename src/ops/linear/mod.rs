@@ -166,8 +166,7 @@ impl Layer for Linear {
         let out_shape = self.output_shape(x.shape())?;
         let (n, f, o) = (self.rows(x.shape()), self.in_features, self.out_features);
         let bias = self.use_bias.then(|| params.get(1));
-        let mut y = vec![0.0f32; n * o];
-        cpu::linear_forward(x.host(), params.get(0), bias, &mut y, n, f, o);
+        let y = cpu::linear_forward(x.host(), params.get(0), bias, n, f, o);
         let y = Tensor::from_vec_on(y, out_shape, x.device())?;
         self.x = (ctx.mode == Mode::Train).then_some(x);
         Ok(y)
@@ -196,9 +195,8 @@ impl Layer for Linear {
             }
             false => (dparams.get(0), None),
         };
-        let mut dx = (input_grad == InputGrad::Needed).then(|| vec![0.0f32; n * f]);
-        cpu::linear_backward(dout.host(), x.host(), params.get(0), dweight, dbias, dx.as_deref_mut(), n, f, o);
-        match dx {
+        let want_dx = input_grad == InputGrad::Needed;
+        match cpu::linear_backward(dout.host(), x.host(), params.get(0), dweight, dbias, want_dx, n, f, o) {
             Some(dx) => Ok(Some(Tensor::from_vec_on(dx, x.shape().clone(), x.device())?)),
             None => Ok(None),
         }

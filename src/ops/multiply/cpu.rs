@@ -13,6 +13,7 @@ use rayon::prelude::*;
 
 use crate::backend::par;
 use crate::backend::simd::widest;
+use crate::ops::silu::cpu::{silu_slope, silu_value};
 
 /// Values per parallel task: 64 KiB per operand, so that a piece and its factors stay in
 /// L2 while each factor is applied.
@@ -72,6 +73,122 @@ widest! {
     fn mul_piece(x: &[f32], y: &mut [f32]) {
         for (o, &v) in y.iter_mut().zip(x) {
             *o *= v;
+        }
+    }
+}
+
+/// y = silu(g) · u, or u · silu(g) when `silu_first` is false: the product of two
+/// inputs one of which is a SiLU's input g (`Multiply` computing that SiLU in its own
+/// passes), bit for bit what the SiLU and the product give one after the other
+/// (`silu::cpu::silu_value`, then one multiplication in input order). g, u, y: (n)
+pub fn silu_product_to(g: &[f32], u: &[f32], silu_first: bool, y: &mut [f32]) {
+    let n = y.len();
+    assert!(g.len() == n && u.len() == n, "silu_product_to: inputs of {} and {} for {n} values", g.len(), u.len());
+    par::for_each(y.par_chunks_mut(CHUNK).enumerate(), |(c, ys)| {
+        let at = c * CHUNK..c * CHUNK + ys.len();
+        silu_mul(&g[at.clone()], &u[at], silu_first, ys)
+    });
+}
+
+/// y = silu(y) · u (or u · silu(y)) in place over y, which holds g: (n); u: (n).
+pub fn silu_product_into(y: &mut [f32], u: &[f32], silu_first: bool) {
+    assert_eq!(u.len(), y.len(), "silu_product_into: a factor of {} for {} values", u.len(), y.len());
+    par::for_each(y.par_chunks_mut(CHUNK).enumerate(), |(c, ys)| {
+        let at = c * CHUNK..c * CHUNK + ys.len();
+        silu_mul_in_place(ys, &u[at], silu_first)
+    });
+}
+
+/// The backward of [`silu_product_to`]: dg = (dy · u) · silu′(g) over `d`, which holds dy
+/// and receives dg; du = dy · silu(g) into `du` when asked for: the multiplication's
+/// gradients, then the SiLU's, each rounded as the two layers round them. g, u, d, du: (n)
+pub fn silu_product_backward(g: &[f32], u: &[f32], d: &mut [f32], du: Option<&mut [f32]>) {
+    let n = d.len();
+    assert!(
+        g.len() == n && u.len() == n,
+        "silu_product_backward: inputs of {} and {} for {n} values",
+        g.len(),
+        u.len()
+    );
+    match du {
+        Some(du) => {
+            assert_eq!(du.len(), n, "silu_product_backward: du of {} for {n} values", du.len());
+            par::for_each(d.par_chunks_mut(CHUNK).zip(du.par_chunks_mut(CHUNK)).enumerate(), |(c, (ds, dus))| {
+                let at = c * CHUNK..c * CHUNK + ds.len();
+                silu_mul_backward(&g[at.clone()], &u[at], ds, dus)
+            })
+        }
+        None => par::for_each(d.par_chunks_mut(CHUNK).enumerate(), |(c, ds)| {
+            let at = c * CHUNK..c * CHUNK + ds.len();
+            silu_mul_backward_g(&g[at.clone()], &u[at], ds)
+        }),
+    }
+}
+
+/// The gradient of u alone: du = dy · silu(g) over `d`, which holds dy. g, d: (n)
+pub fn silu_product_backward_u(g: &[f32], d: &mut [f32]) {
+    assert_eq!(g.len(), d.len(), "silu_product_backward_u: g of {} for {} values", g.len(), d.len());
+    par::for_each(d.par_chunks_mut(CHUNK).enumerate(), |(c, ds)| {
+        let at = c * CHUNK..c * CHUNK + ds.len();
+        silu_mul_backward_u(&g[at], ds)
+    });
+}
+
+widest! {
+    /// y = silu(g)·u, or u·silu(g).
+    fn silu_mul(g: &[f32], u: &[f32], silu_first: bool, y: &mut [f32]) {
+        if silu_first {
+            for ((o, &a), &b) in y.iter_mut().zip(g).zip(u) {
+                *o = silu_value(a) * b;
+            }
+        } else {
+            for ((o, &a), &b) in y.iter_mut().zip(g).zip(u) {
+                *o = b * silu_value(a);
+            }
+        }
+    }
+}
+
+widest! {
+    /// y ← silu(y)·u, or u·silu(y).
+    fn silu_mul_in_place(y: &mut [f32], u: &[f32], silu_first: bool) {
+        if silu_first {
+            for (o, &b) in y.iter_mut().zip(u) {
+                *o = silu_value(*o) * b;
+            }
+        } else {
+            for (o, &b) in y.iter_mut().zip(u) {
+                *o = b * silu_value(*o);
+            }
+        }
+    }
+}
+
+widest! {
+    /// d ← (d·u)·silu′(g); du = d·silu(g) (the incoming d).
+    fn silu_mul_backward(g: &[f32], u: &[f32], d: &mut [f32], du: &mut [f32]) {
+        for (((dg, du), &a), &b) in d.iter_mut().zip(du).zip(g).zip(u) {
+            let dy = *dg;
+            *du = dy * silu_value(a);
+            *dg = (dy * b) * silu_slope(a);
+        }
+    }
+}
+
+widest! {
+    /// d ← (d·u)·silu′(g).
+    fn silu_mul_backward_g(g: &[f32], u: &[f32], d: &mut [f32]) {
+        for ((dg, &a), &b) in d.iter_mut().zip(g).zip(u) {
+            *dg = (*dg * b) * silu_slope(a);
+        }
+    }
+}
+
+widest! {
+    /// d ← d·silu(g).
+    fn silu_mul_backward_u(g: &[f32], d: &mut [f32]) {
+        for (du, &a) in d.iter_mut().zip(g) {
+            *du *= silu_value(a);
         }
     }
 }

@@ -27,6 +27,10 @@ use crate::tensor::{Shape, Tensor};
 #[derive(Clone, Debug, Default)]
 pub struct Multiply {
     kept: Vec<Tensor>,
+    /// Which of its two inputs arrives before the SiLU whose output it is, the SiLU run
+    /// here on the CPU ([`Layer::take_input_silu`]): SwiGLU's silu(x·W1) ⊙ x·W3 in one
+    /// pass each way.
+    silu_at: Option<usize>,
 }
 
 impl Multiply {
@@ -54,6 +58,66 @@ impl Multiply {
             host: Some(gpu::host_check),
         },
     };
+}
+
+impl Multiply {
+    /// The forward with the SiLU of input `at` in it: y = silu(g)·u (or u·silu(g)), g the
+    /// SiLU's input. Training keeps g and u, evaluation nothing (g's storage becomes y where
+    /// nobody else holds it).
+    fn silu_forward(&mut self, xs: Vec<Tensor>, at: usize, shape: Shape, ctx: &Ctx) -> Result<Tensor> {
+        let device = xs[0].device();
+        let mut xs = xs.into_iter();
+        let (x0, x1) = (xs.next().expect("two inputs"), xs.next().expect("two inputs"));
+        let (g, u) = if at == 0 { (x0, x1) } else { (x1, x0) };
+        if ctx.mode == Mode::Train {
+            let mut y = vec![0.0; shape.numel()];
+            cpu::silu_product_to(g.host(), u.host(), at == 0, &mut y);
+            self.kept = vec![g, u];
+            return Tensor::from_vec_on(y, shape, device);
+        }
+        let y = match g.into_unshared_vec() {
+            Ok(mut y) => {
+                cpu::silu_product_into(&mut y, u.host(), at == 0);
+                y
+            }
+            Err(g) => {
+                let mut y = vec![0.0; g.numel()];
+                cpu::silu_product_to(g.host(), u.host(), at == 0, &mut y);
+                y
+            }
+        };
+        Tensor::from_vec_on(y, shape, device)
+    }
+}
+
+/// The backward of [`Multiply::silu_forward`] from its kept g and u: dg (through the
+/// SiLU) and du, each where asked for, in input order; dout's storage becomes one of them.
+fn silu_backward(
+    kept: Vec<Tensor>,
+    at: usize,
+    mut dout: Tensor,
+    input_grads: &[InputGrad],
+) -> Result<Vec<Option<Tensor>>> {
+    let (g, u) = (&kept[0], &kept[1]);
+    let (want_g, want_u) = (input_grads[at] == InputGrad::Needed, input_grads[1 - at] == InputGrad::Needed);
+    let (dg, du) = match (want_g, want_u) {
+        (false, false) => (None, None),
+        (true, false) => {
+            cpu::silu_product_backward(g.host(), u.host(), dout.host_mut(), None);
+            (Some(dout), None)
+        }
+        (false, true) => {
+            cpu::silu_product_backward_u(g.host(), dout.host_mut());
+            (None, Some(dout))
+        }
+        (true, true) => {
+            let mut du = vec![0.0; dout.numel()];
+            cpu::silu_product_backward(g.host(), u.host(), dout.host_mut(), Some(&mut du));
+            let du = Tensor::from_vec_on(du, dout.shape().clone(), dout.device())?;
+            (Some(dout), Some(du))
+        }
+    };
+    Ok(if at == 0 { vec![dg, du] } else { vec![du, dg] })
 }
 
 impl Layer for Multiply {
@@ -95,6 +159,9 @@ impl Layer for Multiply {
         }
         let device = xs[0].device();
         self.kept.clear();
+        if let Some(at) = self.silu_at {
+            return self.silu_forward(xs, at, shape, ctx);
+        }
         if ctx.mode == Mode::Train {
             let factors: Vec<&[f32]> = xs[1..].iter().map(Tensor::host).collect();
             let mut y = vec![0.0; shape.numel()];
@@ -147,6 +214,9 @@ impl Layer for Multiply {
                 ),
             ));
         }
+        if let Some(at) = self.silu_at {
+            return silu_backward(kept, at, dout, input_grads);
+        }
         let xs: Vec<&[f32]> = kept.iter().map(Tensor::host).collect();
         let last = input_grads.iter().rposition(|&g| g == InputGrad::Needed);
         let mut grads: Vec<Option<Tensor>> = Vec::with_capacity(kept.len());
@@ -167,6 +237,14 @@ impl Layer for Multiply {
             });
         }
         Ok(grads)
+    }
+
+    /// Two inputs, one of them a SiLU's output that nothing else reads: the product
+    /// applies that SiLU to the value it arrives as (its input), bit for bit the two
+    /// layers' results, without a pass over the SiLU's output either way.
+    fn take_input_silu(&mut self, input: usize, inputs: usize) -> bool {
+        self.silu_at = (inputs == 2 && input < 2).then_some(input);
+        self.silu_at.is_some()
     }
 
     fn boxed_clone(&self) -> Box<dyn Layer> {
@@ -308,6 +386,60 @@ mod tests {
         assert_eq!(bits(&y), bits(want_y.host()), "y");
         for (i, (g, w)) in grads.iter().zip(&want).enumerate() {
             assert_eq!(bits(g), bits(w.host()), "input {i}'s gradient");
+        }
+    }
+
+    /// With the SiLU of either input taken over (SwiGLU's gate), the forward in training
+    /// and evaluation and every choice of gradients are the SiLU layer then the product,
+    /// bit for bit; values past ±88 included, on more values than one piece.
+    #[test]
+    fn a_silu_taken_over_gives_the_two_layers_bits() {
+        use crate::ops::silu::Silu;
+        let n = 2 * cpu::CHUNK + 7;
+        let mut g = values(11, n);
+        g.iter_mut().step_by(97).for_each(|v| *v *= 120.0);
+        let (g, u, dy) = (t(&g, &[n]), t(&values(12, n), &[n]), values(13, n));
+        let none = || ParamsMut::new(&mut [], &[]);
+        let p = || Params::new(&[], &[]);
+        let train = Ctx::train(0, 0, 0, Device::Cpu(0));
+        for at in 0..2 {
+            let mut fused = Multiply::new();
+            assert!(fused.take_input_silu(at, 2));
+            assert!(!Multiply::new().take_input_silu(at, 3), "only a product of two takes a SiLU");
+            let inputs = |first: Tensor| if at == 0 { vec![first, u.clone()] } else { vec![u.clone(), first] };
+            for needs in
+                [[InputGrad::Needed; 2], [InputGrad::Needed, InputGrad::Skip], [InputGrad::Skip, InputGrad::Needed]]
+            {
+                // The two layers one after the other.
+                let mut silu = Silu::new();
+                let z = silu.forward(g.clone(), p(), none(), &train).unwrap();
+                let mut product = Multiply::new();
+                let want_y = product.forward_many(inputs(z), p(), none(), &train).unwrap();
+                let mut want = product.backward_many(t(&dy, &[n]), p(), none(), &needs, &train).unwrap();
+                if let Some(dz) = want[at].take() {
+                    want[at] = silu.backward(dz, p(), none(), InputGrad::Needed, &train).unwrap();
+                }
+                // The product with the SiLU in it.
+                let y = fused.forward_many(inputs(g.clone()), p(), none(), &train).unwrap();
+                let got = fused.backward_many(t(&dy, &[n]), p(), none(), &needs, &train).unwrap();
+                assert_eq!(
+                    y.host().iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                    want_y.host().iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                    "y, SiLU at {at}"
+                );
+                for (k, (got, want)) in got.iter().zip(&want).enumerate() {
+                    let bits = |d: &Option<Tensor>| {
+                        d.as_ref().map(|d| d.host().iter().map(|v| v.to_bits()).collect::<Vec<_>>())
+                    };
+                    assert_eq!(bits(got), bits(want), "dx{k}, SiLU at {at}, {needs:?}");
+                }
+                let eval = fused.forward_many(inputs(g.clone()), p(), none(), &Ctx::eval(Device::Cpu(0))).unwrap();
+                assert_eq!(
+                    eval.host().iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                    want_y.host().iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                    "evaluation, SiLU at {at}"
+                );
+            }
         }
     }
 }

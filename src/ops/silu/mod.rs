@@ -11,7 +11,7 @@ use serde_json::{json, Value};
 
 use super::slopes::Slopes;
 use super::spec::{Build, LayerType};
-use super::{Ctx, InputGrad, Layer, LayerMemory, LayerShapes, Params, ParamsMut};
+use super::{Ctx, InputGrad, Layer, LayerMemory, LayerShapes, Params, ParamsMut, SILU_KIND};
 use crate::error::Result;
 use crate::tensor::{Shape, Tensor};
 
@@ -51,7 +51,7 @@ impl Layer for Silu {
     }
 
     fn kind(&self) -> &'static str {
-        "silu"
+        SILU_KIND
     }
 
     fn spec(&self) -> Option<Value> {
