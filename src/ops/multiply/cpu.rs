@@ -77,25 +77,25 @@ widest! {
     }
 }
 
-/// y = silu(g) · u, or u · silu(g) when `silu_first` is false: the product of two
-/// inputs one of which is a SiLU's input g (`Multiply` computing that SiLU in its own
-/// passes), bit for bit what the SiLU and the product give one after the other
-/// (`silu::cpu::silu_value`, then one multiplication in input order). g, u, y: (n)
-pub fn silu_product_to(g: &[f32], u: &[f32], silu_first: bool, y: &mut [f32]) {
+/// y = silu(g) · u: the product of two inputs one of which is a SiLU's input g
+/// (`Multiply` computing that SiLU in its own passes), bit for bit what the SiLU and the
+/// product give one after the other (`silu::cpu::silu_value`, then one multiplication,
+/// which rounds the same in either order). g, u, y: (n)
+pub fn silu_product_to(g: &[f32], u: &[f32], y: &mut [f32]) {
     let n = y.len();
     assert!(g.len() == n && u.len() == n, "silu_product_to: inputs of {} and {} for {n} values", g.len(), u.len());
     par::for_each(y.par_chunks_mut(CHUNK).enumerate(), |(c, ys)| {
         let at = c * CHUNK..c * CHUNK + ys.len();
-        silu_mul(&g[at.clone()], &u[at], silu_first, ys)
+        silu_mul(&g[at.clone()], &u[at], ys)
     });
 }
 
-/// y = silu(y) · u (or u · silu(y)) in place over y, which holds g: (n); u: (n).
-pub fn silu_product_into(y: &mut [f32], u: &[f32], silu_first: bool) {
+/// y = silu(y) · u in place over y, which holds g: (n); u: (n).
+pub fn silu_product_into(y: &mut [f32], u: &[f32]) {
     assert_eq!(u.len(), y.len(), "silu_product_into: a factor of {} for {} values", u.len(), y.len());
     par::for_each(y.par_chunks_mut(CHUNK).enumerate(), |(c, ys)| {
         let at = c * CHUNK..c * CHUNK + ys.len();
-        silu_mul_in_place(ys, &u[at], silu_first)
+        silu_mul_in_place(ys, &u[at])
     });
 }
 
@@ -135,31 +135,19 @@ pub fn silu_product_backward_u(g: &[f32], d: &mut [f32]) {
 }
 
 widest! {
-    /// y = silu(g)·u, or u·silu(g).
-    fn silu_mul(g: &[f32], u: &[f32], silu_first: bool, y: &mut [f32]) {
-        if silu_first {
-            for ((o, &a), &b) in y.iter_mut().zip(g).zip(u) {
-                *o = silu_value(a) * b;
-            }
-        } else {
-            for ((o, &a), &b) in y.iter_mut().zip(g).zip(u) {
-                *o = b * silu_value(a);
-            }
+    /// y = silu(g)·u.
+    fn silu_mul(g: &[f32], u: &[f32], y: &mut [f32]) {
+        for ((o, &a), &b) in y.iter_mut().zip(g).zip(u) {
+            *o = silu_value(a) * b;
         }
     }
 }
 
 widest! {
-    /// y ← silu(y)·u, or u·silu(y).
-    fn silu_mul_in_place(y: &mut [f32], u: &[f32], silu_first: bool) {
-        if silu_first {
-            for (o, &b) in y.iter_mut().zip(u) {
-                *o = silu_value(*o) * b;
-            }
-        } else {
-            for (o, &b) in y.iter_mut().zip(u) {
-                *o = b * silu_value(*o);
-            }
+    /// y ← silu(y)·u.
+    fn silu_mul_in_place(y: &mut [f32], u: &[f32]) {
+        for (o, &b) in y.iter_mut().zip(u) {
+            *o = silu_value(*o) * b;
         }
     }
 }

@@ -61,8 +61,8 @@ impl Multiply {
 }
 
 impl Multiply {
-    /// The forward with the SiLU of input `at` in it: y = silu(g)·u (or u·silu(g)), g the
-    /// SiLU's input. Training keeps g and u, evaluation nothing (g's storage becomes y where
+    /// The forward with the SiLU of input `at` in it: y = silu(g)·u, g the SiLU's input, u
+    /// the other. Training keeps g and u, evaluation nothing (g's storage becomes y where
     /// nobody else holds it).
     fn silu_forward(&mut self, xs: Vec<Tensor>, at: usize, shape: Shape, ctx: &Ctx) -> Result<Tensor> {
         let device = xs[0].device();
@@ -71,18 +71,18 @@ impl Multiply {
         let (g, u) = if at == 0 { (x0, x1) } else { (x1, x0) };
         if ctx.mode == Mode::Train {
             let mut y = vec![0.0; shape.numel()];
-            cpu::silu_product_to(g.host(), u.host(), at == 0, &mut y);
+            cpu::silu_product_to(g.host(), u.host(), &mut y);
             self.kept = vec![g, u];
             return Tensor::from_vec_on(y, shape, device);
         }
         let y = match g.into_unshared_vec() {
             Ok(mut y) => {
-                cpu::silu_product_into(&mut y, u.host(), at == 0);
+                cpu::silu_product_into(&mut y, u.host());
                 y
             }
             Err(g) => {
                 let mut y = vec![0.0; g.numel()];
-                cpu::silu_product_to(g.host(), u.host(), at == 0, &mut y);
+                cpu::silu_product_to(g.host(), u.host(), &mut y);
                 y
             }
         };
