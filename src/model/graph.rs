@@ -4,8 +4,9 @@
 //! in that fixed order), the stable names of its tensors, their flat layout
 //! ([`ParamStore`]), and which node runs inside the passes of another on the CPU (a ReLU
 //! after a BatchNorm, [`Layer::take_following_relu`]; a SiLU before the multiplication
-//! that reads it, [`Layer::take_input_silu`]: one pass over the activations fewer each
-//! way, the same bits).
+//! that reads it, [`Layer::take_input_silu`]; the transposes around an attention,
+//! [`Layer::take_head_transposes`]: a pass over the activations fewer each way, the same
+//! bits).
 //!
 //! How a graph is written is its builders': a chain of layers (`model::Sequential`), a
 //! graph node by node (`model::functional`), a spec's layer objects with their `inbound`
@@ -167,9 +168,11 @@ pub struct Graph {
     /// a BatchNorm whose output nothing else reads: [`Layer::take_following_relu`]), so
     /// that it is skipped here.
     taken: Vec<bool>,
-    /// Per node: the later node that computes it in its own passes (a SiLU whose one
-    /// reader is a multiplication: [`Layer::take_input_silu`]); such a node hands its
-    /// input on unchanged in the forward, and its output's gradient in the backward.
+    /// Per node: the node that computes it in its own passes (a SiLU whose one reader is a
+    /// multiplication, [`Layer::take_input_silu`]; the Permutes that swap an attention's
+    /// heads and positions before and after it, [`Layer::take_head_transposes`]); such a
+    /// node hands its input on unchanged in the forward, and its output's gradient in the
+    /// backward.
     absorbed: Vec<Option<usize>>,
 }
 
@@ -314,6 +317,36 @@ impl Graph {
                 absorbed[s] = Some(m);
             }
         }
+        // Permutes that swap a sample's first two axes around a node that reads and writes
+        // that layout itself (an attention's heads): `take_head_transposes`.
+        let swap: Vec<bool> = layers.iter().map(|l| l.permutation() == Some(&[2, 1, 3][..])).collect();
+        let swaps = |i: usize, absorbed: &[Option<usize>]| swap[i] && !taken[i] && absorbed[i].is_none();
+        for m in 0..layers.len() {
+            if taken[m] || absorbed[m].is_some() || layers[m].permutation().is_some() {
+                continue;
+            }
+            let through: Vec<Option<usize>> = sources[m]
+                .iter()
+                .map(|&src| match src {
+                    Source::Node(p) if readers[p] == 1 && swaps(p, &absorbed) => Some(p),
+                    _ => None,
+                })
+                .collect();
+            let reader = match readers[m] {
+                1 => (m + 1..layers.len()).find(|&r| sources[r].contains(&Source::Node(m))),
+                _ => None,
+            };
+            let output = reader.filter(|&r| swaps(r, &absorbed));
+            if through.iter().all(Option::is_none) && output.is_none() {
+                continue;
+            }
+            let inputs: Vec<bool> = through.iter().map(Option::is_some).collect();
+            if layers[m].take_head_transposes(&inputs, output.is_some()) {
+                for p in through.into_iter().flatten().chain(output) {
+                    absorbed[p] = Some(m);
+                }
+            }
+        }
         // Shapes are checked with a batch of 2: BatchNorm needs more than one value.
         let mut out_shapes: Vec<Shape> = Vec::with_capacity(layers.len());
         let mut shapes = Vec::with_capacity(layers.len());
@@ -437,8 +470,9 @@ impl Graph {
 
     /// Whether node `j` runs inside another node's passes (a ReLU taken over by the
     /// BatchNorm or the add before it, [`Layer::take_following_relu`]; a SiLU taken over
-    /// by the multiplication that reads it, [`Layer::take_input_silu`]), so that what it
-    /// keeps is that node's to count, not its own.
+    /// by the multiplication that reads it, [`Layer::take_input_silu`]; a transpose taken
+    /// over by the attention it feeds or follows, [`Layer::take_head_transposes`]), so
+    /// that what it keeps is that node's to count, not its own.
     pub fn runs_inside_another(&self, j: usize) -> bool {
         self.taken[j] || self.absorbed[j].is_some()
     }
@@ -1079,5 +1113,33 @@ mod tests {
         let w = &params[g.param_infos()[0].range.clone()];
         assert_eq!(d[0].host(), w);
         assert_eq!(d[1].host(), &[2.0 * w[0], 2.0 * w[1]]);
+    }
+
+    /// The Llama's SwiGLU SiLUs run in their products, its attentions' transposes in the
+    /// attentions; a SiLU or a transpose that a second node reads runs as itself.
+    #[test]
+    fn nodes_run_inside_their_reader_or_attention_only_where_nothing_else_reads_them() {
+        use crate::model::functional::{Call, Value};
+        use crate::ops::{AttentionMask, Multiply, Permute, ScaledDotProductAttention, Silu};
+        let llama = crate::models::llama(crate::models::LlamaConfig::new(8, 16, 2, 2, 8)).unwrap();
+        let inside: Vec<&str> = (0..llama.layers().len())
+            .filter(|&j| llama.runs_inside_another(j))
+            .map(|j| llama.layer_names()[j].as_str())
+            .collect();
+        let per_layer = ["attention.q_t", "attention.k_t", "attention.v_t", "attention.y_t", "feed_forward.silu"];
+        let want: Vec<String> = (0..2).flat_map(|i| per_layer.map(|n| format!("layers.{i}.{n}"))).collect();
+        assert_eq!(inside, want);
+
+        // A SiLU also read by the product's other side, a transpose also read by the output.
+        let x = Value::input([4, 2, 3]);
+        let s = Silu::new().named("s").call(&x);
+        let gated = Multiply::new().named("gate").call_many(&[&s, &s]);
+        let swapped = Permute::new(&[2, 1, 3]).unwrap().named("t").call(&gated);
+        let y = ScaledDotProductAttention::new(AttentionMask::Causal)
+            .named("sdpa")
+            .call_many(&[&swapped, &swapped, &swapped]);
+        let y = Permute::new(&[2, 1, 3]).unwrap().named("back").call(&y);
+        let g = Multiply::new().named("out").call_many(&[&y, &x]).model().unwrap();
+        assert!((0..g.layers().len()).all(|j| !g.runs_inside_another(j)), "nothing runs inside another");
     }
 }

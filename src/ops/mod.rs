@@ -507,6 +507,24 @@ pub trait Layer: Send {
         false
     }
 
+    /// For a Permute, its permutation of a sample's axes, counted from 1 (Keras's `dims`);
+    /// None for every other layer. What a graph reads to find the transposes an attention
+    /// may take over ([`Layer::take_head_transposes`]).
+    fn permutation(&self) -> Option<&[usize]> {
+        None
+    }
+
+    /// Told by its graph which of its inputs arrive through a Permute that swaps a
+    /// sample's first two axes (`dims` [2, 1, 3]) and that no other node reads, and
+    /// whether its output's one reader is such a Permute; returns whether this layer then
+    /// reads those inputs, and writes its output, in the swapped layout on the CPU (bit
+    /// for bit what the Permutes and the layer give one after the other), and the graph
+    /// passes the Permutes' values and gradients through unchanged. A GPU replica runs
+    /// every layer as it is. Default: it does not.
+    fn take_head_transposes(&mut self, _inputs: &[bool], _output: bool) -> bool {
+        false
+    }
+
     /// For a container: starts (or restarts) timing the layers inside it, as
     /// `Sequential::start_profile` does its own. Default: nothing inside.
     fn start_profile(&mut self) {}

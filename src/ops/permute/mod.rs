@@ -129,6 +129,10 @@ impl Layer for Permute {
         Some(json!({"type": "permute", "dims": self.dims}))
     }
 
+    fn permutation(&self) -> Option<&[usize]> {
+        Some(&self.dims)
+    }
+
     /// Nothing kept: the backward needs only the shapes.
     fn memory(&self, _shapes: &LayerShapes) -> Option<LayerMemory> {
         Some(LayerMemory::NONE)

@@ -59,6 +59,9 @@ pub struct ScaledDotProductAttention {
     probs: Vec<f32>,
     /// One (T, T) product per sample in the backward: dP, then dS.
     dp: Vec<f32>,
+    /// Whether the graph handed it the transposes around it (`take_head_transposes`): q,
+    /// k, v arrive, and y leaves, as (N, T, H, D) on the CPU.
+    positions_first: bool,
 }
 
 #[derive(Clone, Debug)]
@@ -72,7 +75,14 @@ struct Saved {
 impl ScaledDotProductAttention {
     /// Attention under `mask` (ATen's `is_causal`: [`Mask::Causal`]), scale 1/√D.
     pub fn new(mask: Mask) -> ScaledDotProductAttention {
-        ScaledDotProductAttention { mask, scale: None, saved: None, probs: Vec::new(), dp: Vec::new() }
+        ScaledDotProductAttention {
+            mask,
+            scale: None,
+            saved: None,
+            probs: Vec::new(),
+            dp: Vec::new(),
+            positions_first: false,
+        }
     }
 
     /// The same attention with the scores scaled by `scale` (ATen's `scale`), which must
@@ -122,9 +132,10 @@ impl ScaledDotProductAttention {
     /// The shapes of a pass whose inputs have shapes `inputs` (batch included).
     fn heads(&self, inputs: &[&Shape]) -> Result<(usize, Heads)> {
         let shapes: Vec<Shape> = inputs.iter().map(|s| (*s).clone()).collect();
-        let (n, h, t, d) = heads_of(&shapes).map_err(|why| Error::shape(OP, why))?;
+        let (n, a, b, d) = heads_of(&shapes).map_err(|why| Error::shape(OP, why))?;
+        let (h, t) = if self.positions_first { (b, a) } else { (a, b) };
         let scale = self.scale.unwrap_or_else(|| attention_scale(d));
-        Ok((n, Heads { h, t, d, mask: self.mask, scale }))
+        Ok((n, Heads { h, t, d, mask: self.mask, scale, positions_first: self.positions_first }))
     }
 }
 
@@ -216,7 +227,8 @@ impl Layer for ScaledDotProductAttention {
         merge_takes_several(OP, self.arity())
     }
 
-    // q, k, v: (N, H, T, D) → y: (N, H, T, D); training keeps q, k, v and P (N, H, T, T)
+    // q, k, v: (N, H, T, D) → y: (N, H, T, D), or each (N, T, H, D) where it took the
+    // transposes around it; training keeps q, k, v and P (N, H, T, T)
     fn forward_many(&mut self, xs: Vec<Tensor>, _p: Params<'_>, _b: ParamsMut<'_>, ctx: &Ctx) -> Result<Tensor> {
         let shapes: Vec<&Shape> = xs.iter().map(|x| x.shape()).collect();
         let (n, g) = self.heads(&shapes)?;
@@ -300,6 +312,14 @@ impl Layer for ScaledDotProductAttention {
         });
         let tensor = |x: Option<Vec<f32>>| x.map(|x| Tensor::from_vec_on(x, q.shape().clone(), q.device())).transpose();
         Ok(vec![tensor(dq)?, tensor(dk)?, tensor(dv)?])
+    }
+
+    /// All of q, k and v through transposes (H, T, D) ← (T, H, D) and y through one back,
+    /// as a decoder's attention is written (`.transpose(1, 2)` on each side): the heads are
+    /// then read and written where they lie, (T, H, D), a row of D every H·D values.
+    fn take_head_transposes(&mut self, inputs: &[bool], output: bool) -> bool {
+        self.positions_first = output && inputs == [true; 3];
+        self.positions_first
     }
 
     fn boxed_clone(&self) -> Box<dyn Layer> {
@@ -551,6 +571,67 @@ mod tests {
             let mut layer = ScaledDotProductAttention::new(mask);
             let eval = forward(&mut layer, [&q, &k, &v], [3, h, t, d], &Ctx::eval(Device::Cpu(0)));
             assert_eq!(eval, y3, "{mask:?}: evaluation");
+        }
+    }
+
+    /// (N, A, B, D) → (N, B, A, D): the transpose of a sample's first two axes.
+    fn swap(x: &[f32], [n, a, b, d]: [usize; 4]) -> Vec<f32> {
+        let mut y = vec![0.0; x.len()];
+        for s in 0..n {
+            for i in 0..a {
+                for j in 0..b {
+                    let (from, to) = (((s * a + i) * b + j) * d, ((s * b + j) * a + i) * d);
+                    y[to..to + d].copy_from_slice(&x[from..from + d]);
+                }
+            }
+        }
+        y
+    }
+
+    /// With the transposes around it taken over, the layer reads (N, T, H, D) and writes
+    /// y and every gradient so: the values the transposes and the plain layer give, bit for
+    /// bit, in training (every choice of gradients) and evaluation; only all four
+    /// transposes are taken.
+    #[test]
+    fn the_transposes_taken_over_give_the_transposed_values_bit_for_bit() {
+        let (n, h, t, d) = (3, 4, 7, 6);
+        let per = n * h * t * d;
+        let (q, k, v, dy) =
+            (uniform(per, 1.0, 40), uniform(per, 1.0, 41), uniform(per, 1.0, 42), uniform(per, 1.0, 43));
+        let (heads, positions) = ([n, h, t, d], [n, t, h, d]);
+        for mask in [Mask::Full, Mask::Causal] {
+            let mut taking = ScaledDotProductAttention::new(mask);
+            assert!(!taking.take_head_transposes(&[true, true, false], true), "only all four");
+            assert!(!taking.take_head_transposes(&[true; 3], false), "only all four");
+            assert!(taking.take_head_transposes(&[true; 3], true));
+            for wants in [
+                ALL,
+                [InputGrad::Skip, InputGrad::Needed, InputGrad::Skip],
+                [InputGrad::Skip, InputGrad::Skip, InputGrad::Needed],
+            ] {
+                // The plain layer on (N, H, T, D) values, its results moved to (N, T, H, D).
+                let mut plain = ScaledDotProductAttention::new(mask);
+                let (y, grads) = forward_backward(&mut plain, [&q, &k, &v], heads, &dy, wants);
+                let (q_, k_, v_, dy_) = (swap(&q, heads), swap(&k, heads), swap(&v, heads), swap(&dy, heads));
+                let (y_, grads_) = forward_backward(&mut taking, [&q_, &k_, &v_], positions, &dy_, wants);
+                assert_eq!(y_, swap(&y, heads), "{mask:?}: y");
+                for j in 0..3 {
+                    assert_eq!(
+                        grads_[j],
+                        grads[j].as_ref().map(|g| swap(g, heads)),
+                        "{mask:?}: gradient {j}, {wants:?}"
+                    );
+                }
+            }
+            let eval = forward(
+                &mut taking,
+                [&swap(&q, heads), &swap(&k, heads), &swap(&v, heads)],
+                positions,
+                &Ctx::eval(Device::Cpu(0)),
+            );
+            let plain =
+                forward(&mut ScaledDotProductAttention::new(mask), [&q, &k, &v], heads, &Ctx::eval(Device::Cpu(0)));
+            assert_eq!(eval, swap(&plain, heads), "{mask:?}: evaluation");
         }
     }
 
