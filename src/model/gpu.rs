@@ -656,7 +656,13 @@ fn plan(model: &Graph) -> Result<Vec<Layer>> {
     if model.inputs().len() != 1 {
         return Err(Error::config(
             "model",
-            format!("the model has {} inputs; a GPU replica feeds a model of one input", model.inputs().len()),
+            format!(
+                "the model has {} inputs ({}); a GPU replica stages one input tensor a batch, so it trains a model of \
+                 one input: train this model on CPU devices, or write it with one input that Split nodes cut into \
+                 the parts (the data's parts concatenated per sample)",
+                model.inputs().len(),
+                model.inputs().iter().map(|(n, s)| format!("{n} {s}")).collect::<Vec<_>>().join(", ")
+            ),
         ));
     }
     let mut layers = Vec::with_capacity(model.layers().len());

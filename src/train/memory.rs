@@ -112,7 +112,8 @@ fn estimate(model: &Graph, devices: &Devices, config: &TrainConfig, eval_rows: u
     // What every run has whatever its model: measured as the peak of the toy lesson's run
     // (14 MB) and what the convnet on the digits keeps beyond its counted parts (~60 MB).
     e.add("process", PROCESS_BYTES, "the program, its threads' stacks, the allocator's caches");
-    let per_sample = model.input_shape().numel() as u64;
+    // A sample's row holds every model input's values (`data::Dataset::from_inputs`).
+    let per_sample = crate::memory::sample_values(model);
     let in_flight = config.prefetch as u64 + 2;
     e.add(
         "batches",
