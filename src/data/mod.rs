@@ -166,7 +166,7 @@ impl Dataset {
                     false => "not a whole number of samples".into(),
                 };
                 return Err(err(format!(
-                    "input part {k} of shape {shape} holds {} values ({held}), where the {} labels make {n} samples                      (expected {} values): every part holds the same samples",
+                    "input part {k} of shape {shape} holds {} values ({held}), where the {} labels make {n} samples (expected {} values): every part holds the same samples",
                     features.len(),
                     labels.len(),
                     per * n
