@@ -2,7 +2,8 @@
 //!
 //! A [`Dataset`] holds every sample of one split in host memory, features stored in the
 //! dtype they came in (u8 images stay u8: a quarter of the memory) and converted to f32
-//! only when a batch is gathered. Shuffling, sharding and device placement belong to the
+//! only when a batch is gathered. A sample of a model of several inputs is their parts'
+//! values one after another ([`Dataset::from_inputs`]). Shuffling, sharding and device placement belong to the
 //! trainer (`train::sampler`, `train::scatter`); this module only knows samples, and
 //! what augmenting a training image makes of it (`augment`).
 
