@@ -210,7 +210,7 @@ fn chunks(batch: usize) -> u64 {
 pub fn shard_activations(model: &Graph, batch: usize, threads: usize) -> u64 {
     let _ = threads; // the chunks are a function of the batch alone (`backend::cpu::batch_chunks`)
     let mut kept = 0u64;
-    let mut widest = model.input_shape().numel() as u64;
+    let mut widest = widest_input(model);
     let mut workspace = 0u64;
     for (j, (layer, shapes)) in model.layers().iter().zip(model.layer_shapes()).enumerate() {
         // A ReLU run inside the node before it, or a SiLU inside its reader, keeps
@@ -227,8 +227,19 @@ pub fn shard_activations(model: &Graph, batch: usize, threads: usize) -> u64 {
     // Around the running node: its input and output in a chain, every value still to be
     // read in a graph (and, in the backward, their gradients, as many).
     let around = (2 * widest).max(live_peak(model));
-    let around = around.saturating_mul(F32).saturating_add(model.input_shape().numel() as u64 * F32);
+    let around = around.saturating_mul(F32).saturating_add(sample_values(model) * F32);
     kept.saturating_add(around).saturating_mul(batch as u64).saturating_add(workspace)
+}
+
+/// Values of one sample: every model input's, which a pass's copy of its samples holds
+/// (one tensor (N, *shape_k) per input, cut from the batch: `train::Batch::input_rows`).
+pub fn sample_values(model: &Graph) -> u64 {
+    model.inputs().iter().map(|(_, s)| s.numel() as u64).sum()
+}
+
+/// The largest model input's values per sample.
+fn widest_input(model: &Graph) -> u64 {
+    model.inputs().iter().map(|(_, s)| s.numel() as u64).max().unwrap_or(0)
 }
 
 /// The most values a sample has alive at once around a node of `model`: the output of the
@@ -269,9 +280,8 @@ pub fn live_peak(model: &Graph) -> u64 {
 /// largest of what a layer holds during its own pass (`per_layer`, dropped after it).
 pub fn eval_activations(model: &Graph, batch: usize) -> u64 {
     let widest = model.layer_shapes().iter().map(|s| s.output.numel() as u64).max().unwrap_or(0);
-    let widest = widest.max(model.input_shape().numel() as u64);
-    let per_sample =
-        (2 * widest).max(live_peak(model)).saturating_mul(F32).saturating_add(model.input_shape().numel() as u64 * F32);
+    let widest = widest.max(widest_input(model));
+    let per_sample = (2 * widest).max(live_peak(model)).saturating_mul(F32).saturating_add(sample_values(model) * F32);
     let memories = model.layers().iter().zip(model.layer_shapes()).filter_map(|(l, s)| l.memory(s));
     let per_layer = memories.map(|m| m.per_layer).max().unwrap_or(0);
     per_sample.saturating_mul(batch as u64).saturating_add(lent(model, batch)).saturating_add(per_layer)

@@ -2,7 +2,8 @@
 //!
 //! A [`Dataset`] holds every sample of one split in host memory, features stored in the
 //! dtype they came in (u8 images stay u8: a quarter of the memory) and converted to f32
-//! only when a batch is gathered. Shuffling, sharding and device placement belong to the
+//! only when a batch is gathered. A sample of a model of several inputs is their parts'
+//! values one after another ([`Dataset::from_inputs`]). Shuffling, sharding and device placement belong to the
 //! trainer (`train::sampler`, `train::scatter`); this module only knows samples, and
 //! what augmenting a training image makes of it (`augment`).
 
@@ -60,8 +61,12 @@ impl Features {
 pub struct Dataset {
     name: String,
     /// Shape of ONE sample, e.g. `(1, 28, 28)` for an image, `(2,)` for the toy points,
-    /// `(T,)` for a sequence of T token ids.
+    /// `(T,)` for a sequence of T token ids. A sample of several model inputs is their
+    /// values one after another, in the model's input order: `(Σ numel_k,)`.
     sample_shape: Shape,
+    /// The shape of each model input's part of a sample, in the model's input order: one
+    /// part (the sample shape) for a model of one input ([`Dataset::from_inputs`]).
+    inputs: Vec<Shape>,
     features: Features,
     /// Class ids, `targets` per sample, each `< num_classes`. Empty for a token stream.
     labels: Vec<u32>,
@@ -106,7 +111,97 @@ impl Dataset {
         if let Some((i, &l)) = labels.iter().enumerate().find(|(_, &l)| l as usize >= num_classes) {
             return Err(err(label_outside(l.into(), i, num_classes, "")));
         }
-        Ok(Dataset { name, sample_shape, features, labels, targets: 1, stream: None, num_classes, class_names: None })
+        Ok(Dataset {
+            name,
+            inputs: vec![sample_shape.clone()],
+            sample_shape,
+            features,
+            labels,
+            targets: 1,
+            stream: None,
+            num_classes,
+            class_names: None,
+        })
+    }
+
+    /// Samples of a model of several inputs (Keras's `fit([x1, x2], y)`): one part per
+    /// model input, in the model's input order, each its per-sample shape and the values
+    /// of all N samples (N, *shape_k) row-major; and `labels`, `targets` per sample (1 for
+    /// a classifier, T for a sequence's next token at every position), each below
+    /// `num_classes`. Every part must hold the same N samples. A sample is stored as its
+    /// parts' values one after another (the sample shape is `(Σ numel_k,)`), which the
+    /// trainer cuts back into one tensor (N, *shape_k) per input (`Batch::input_rows`).
+    /// The parts are stored as bytes when all of them are bytes, else as f32 (a byte
+    /// converts exactly). One part is [`Dataset::new`]'s dataset (for `targets` 1).
+    pub fn from_inputs(
+        name: impl Into<String>,
+        parts: Vec<(Shape, Features)>,
+        labels: Vec<u32>,
+        targets: usize,
+        num_classes: usize,
+    ) -> Result<Dataset> {
+        let name = name.into();
+        let err = |detail: String| Error::Data { name: name.clone(), detail };
+        if parts.is_empty() {
+            return Err(err("no input parts: give one (shape, features) part per model input".into()));
+        }
+        if targets == 0 {
+            return Err(err("zero labels per sample".into()));
+        }
+        if num_classes == 0 {
+            return Err(err("zero classes".into()));
+        }
+        // N from the labels; every part must hold N samples of its shape.
+        if !labels.len().is_multiple_of(targets) {
+            return Err(err(format!("{} labels are not samples of {targets} label(s) each", labels.len())));
+        }
+        let n = labels.len() / targets;
+        for (k, (shape, features)) in parts.iter().enumerate() {
+            let per = shape.numel();
+            if per == 0 {
+                return Err(err(format!("input part {k} has shape {shape}, which has no elements")));
+            }
+            if features.len() != per * n {
+                let held = match features.len().is_multiple_of(per) {
+                    true => format!("{} samples", features.len() / per),
+                    false => "not a whole number of samples".into(),
+                };
+                return Err(err(format!(
+                    "input part {k} of shape {shape} holds {} values ({held}), where the {} labels make {n} samples (expected {} values): every part holds the same samples",
+                    features.len(),
+                    labels.len(),
+                    per * n
+                )));
+            }
+        }
+        if let Some((i, &l)) = labels.iter().enumerate().find(|(_, &l)| l as usize >= num_classes) {
+            return Err(err(label_outside(l.into(), i / targets, num_classes, "")));
+        }
+        let inputs: Vec<Shape> = parts.iter().map(|(s, _)| s.clone()).collect();
+        let (sample_shape, features) = match parts.len() {
+            1 => parts.into_iter().next().expect("one part"),
+            _ => {
+                let total: usize = inputs.iter().map(Shape::numel).sum();
+                (Shape::new([total]), interleave(&parts, n))
+            }
+        };
+        Ok(Dataset {
+            name,
+            sample_shape,
+            inputs,
+            features,
+            labels,
+            targets,
+            stream: None,
+            num_classes,
+            class_names: None,
+        })
+    }
+
+    /// The shape of each model input's part of a sample, in the model's input order (one
+    /// part, the sample shape, for data of one input).
+    pub fn input_shapes(&self) -> &[Shape] {
+        &self.inputs
     }
 
     /// Sequences of token ids as samples: `rows` holds N rows of T + 1 ids each (a token
@@ -132,6 +227,7 @@ impl Dataset {
         Ok(Dataset {
             name,
             sample_shape: Shape::new([context]),
+            inputs: vec![Shape::new([context])],
             features,
             labels,
             targets: context,
@@ -161,6 +257,7 @@ impl Dataset {
         Ok(Dataset {
             name,
             sample_shape: Shape::new([context]),
+            inputs: vec![Shape::new([context])],
             features: Features::U8(Vec::new()),
             labels: Vec::new(),
             targets: context,
@@ -214,7 +311,9 @@ impl Dataset {
         if let Some(t) = &self.stream {
             return t.iter().position(|&id| id as usize >= vocab).map(|i| (i, 0, t[i]));
         }
-        if self.targets == 1 {
+        // Several inputs' values (tokens beside positions, say) are not all token ids:
+        // the embedding that reads the tokens checks them.
+        if self.targets == 1 || self.inputs.len() > 1 {
             return None;
         }
         let per = self.sample_shape.numel();
@@ -267,7 +366,15 @@ impl Dataset {
     /// two datasets with the same digest hold, for all practical purposes, the same
     /// samples in the same order. Checkpoints use it to refuse resuming on other data.
     pub fn digest(&self) -> u64 {
-        let h = self.sample_shape.dims().iter().fold(Fnv1a::new(), |h, &d| h.u64_le(d as u64));
+        let mut h = self.sample_shape.dims().iter().fold(Fnv1a::new(), |h, &d| h.u64_le(d as u64));
+        // Data of several inputs says how its samples are cut (data of one input hashes as
+        // it always has: its checkpoints' digests stay valid).
+        if self.inputs.len() > 1 {
+            h = h.bytes(b"inputs");
+            for s in &self.inputs {
+                h = s.dims().iter().fold(h.u64_le(s.ndim() as u64), |h, &d| h.u64_le(d as u64));
+            }
+        }
         if let Some(t) = &self.stream {
             return t.iter().fold(h.bytes(b"windows"), |h, id| h.bytes(&id.to_le_bytes())).finish();
         }
@@ -324,6 +431,7 @@ impl Dataset {
             return Dataset {
                 name: name.into(),
                 sample_shape: self.sample_shape.clone(),
+                inputs: self.inputs.clone(),
                 features,
                 labels,
                 targets: self.targets,
@@ -344,6 +452,7 @@ impl Dataset {
         Dataset {
             name: name.into(),
             sample_shape: self.sample_shape.clone(),
+            inputs: self.inputs.clone(),
             features,
             labels: indices.iter().flat_map(|&i| &self.labels[i * l..(i + 1) * l]).copied().collect(),
             targets: l,
@@ -404,6 +513,33 @@ fn check_tokens(name: &str, tokens: &[u32], vocab: usize) -> Result<()> {
     }
 }
 
+/// The parts of `n` samples as one sample after another, each sample its parts' values
+/// one after another: bytes when every part is bytes, else f32.
+fn interleave(parts: &[(Shape, Features)], n: usize) -> Features {
+    let total: usize = parts.iter().map(|(s, _)| s.numel()).sum();
+    if parts.iter().all(|(_, f)| matches!(f, Features::U8(_))) {
+        let mut out = Vec::with_capacity(n * total);
+        for i in 0..n {
+            for (s, f) in parts {
+                let Features::U8(v) = f else { unreachable!("every part is bytes") };
+                out.extend_from_slice(&v[i * s.numel()..(i + 1) * s.numel()]);
+            }
+        }
+        return Features::U8(out);
+    }
+    let mut out = Vec::with_capacity(n * total);
+    for i in 0..n {
+        for (s, f) in parts {
+            let r = i * s.numel()..(i + 1) * s.numel();
+            match f {
+                Features::F32(v) => out.extend_from_slice(&v[r]),
+                Features::U8(v) => out.extend(v[r].iter().map(|&b| f32::from(b))),
+            }
+        }
+    }
+    Features::F32(out)
+}
+
 /// Token ids as features: bytes for a vocabulary of at most 256, else f32 (exact for
 /// every id below 2^24).
 fn token_features(ids: Vec<u32>, vocab: usize) -> Features {
@@ -453,5 +589,64 @@ mod tests {
         assert!(ds.split_validation(f64::NAN, 7).is_err());
         let e = ds.split_validation(0.01, 7).unwrap_err().to_string();
         assert!(e.contains("leaves 0 for validation"), "{e}");
+    }
+
+    #[test]
+    fn parts_of_several_inputs_are_stored_one_after_another_per_sample() {
+        // Two samples: part 0 is (2,) bytes, part 1 is (1, 2) f32; labels 2 per sample.
+        let parts = vec![
+            (Shape::new([2]), Features::U8(vec![1, 2, 3, 4])),
+            (Shape::new([1, 2]), Features::F32(vec![0.5, 0.25, -1.0, 8.0])),
+        ];
+        let ds = Dataset::from_inputs("d", parts, vec![0, 1, 1, 0], 2, 2).unwrap();
+        assert_eq!((ds.len(), ds.targets_per_sample()), (2, 2));
+        assert_eq!(ds.sample_shape(), &Shape::new([4]));
+        assert_eq!(ds.input_shapes(), &[Shape::new([2]), Shape::new([1, 2])]);
+        // A byte part beside an f32 part is stored as f32 (exactly).
+        assert_eq!(ds.features(), &Features::F32(vec![1.0, 2.0, 0.5, 0.25, 3.0, 4.0, -1.0, 8.0]));
+        let sub = ds.subset("s", &[1]);
+        assert_eq!(
+            (sub.input_shapes(), sub.features()),
+            (ds.input_shapes(), &Features::F32(vec![3.0, 4.0, -1.0, 8.0]))
+        );
+        // All bytes stay bytes.
+        let parts =
+            vec![(Shape::new([1]), Features::U8(vec![1, 2])), (Shape::new([2]), Features::U8(vec![3, 4, 5, 6]))];
+        let ds = Dataset::from_inputs("b", parts, vec![0, 1], 1, 2).unwrap();
+        assert_eq!(ds.features(), &Features::U8(vec![1, 3, 4, 2, 5, 6]));
+        // How a sample is cut is part of what the digest says.
+        let parts =
+            vec![(Shape::new([2]), Features::U8(vec![1, 3, 4, 2])), (Shape::new([1]), Features::U8(vec![5, 6]))];
+        assert_ne!(ds.digest(), Dataset::from_inputs("c", parts, vec![0, 1], 1, 2).unwrap().digest());
+    }
+
+    #[test]
+    fn one_part_is_the_dataset_of_one_input() {
+        let one = Dataset::new("d", [2], Features::U8(vec![1, 2, 3, 4]), vec![0, 1], 2).unwrap();
+        let part = vec![(Shape::new([2]), Features::U8(vec![1, 2, 3, 4]))];
+        let from = Dataset::from_inputs("d", part, vec![0, 1], 1, 2).unwrap();
+        assert_eq!(from, one);
+        assert_eq!(from.digest(), one.digest(), "the digest of data of one input is unchanged");
+        assert_eq!(one.input_shapes(), &[Shape::new([2])]);
+    }
+
+    #[test]
+    fn parts_that_disagree_are_refused_naming_the_part() {
+        let err = |parts: Vec<(Shape, Features)>, labels: Vec<u32>, targets| {
+            Dataset::from_inputs("d", parts, labels, targets, 3).unwrap_err().to_string()
+        };
+        let e = err(
+            vec![(Shape::new([2]), Features::U8(vec![0; 4])), (Shape::new([3]), Features::U8(vec![0; 5]))],
+            vec![0, 1],
+            1,
+        );
+        assert!(e.contains("input part 1 of shape (3) holds 5 values (not a whole number of samples)"), "{e}");
+        assert!(e.contains("make 2 samples (expected 6 values)"), "{e}");
+        let e = err(vec![(Shape::new([0]), Features::U8(vec![]))], vec![0], 1);
+        assert!(e.contains("input part 0 has shape (0)"), "{e}");
+        let e = err(vec![(Shape::new([1]), Features::U8(vec![0]))], vec![0, 1, 2], 2);
+        assert!(e.contains("3 labels are not samples of 2 label(s) each"), "{e}");
+        let e = err(vec![(Shape::new([1]), Features::U8(vec![0, 0]))], vec![0, 3, 1, 1], 2);
+        assert!(e.contains("label 3 of sample 0"), "{e}");
     }
 }

@@ -656,7 +656,13 @@ fn plan(model: &Graph) -> Result<Vec<Layer>> {
     if model.inputs().len() != 1 {
         return Err(Error::config(
             "model",
-            format!("the model has {} inputs; a GPU replica feeds a model of one input", model.inputs().len()),
+            format!(
+                "the model has {} inputs ({}); a GPU replica stages one input tensor a batch, so it trains a model of \
+                 one input: train this model on CPU devices, or write it with one input that Split nodes cut into \
+                 the parts (the data's parts concatenated per sample)",
+                model.inputs().len(),
+                model.inputs().iter().map(|(n, s)| format!("{n} {s}")).collect::<Vec<_>>().join(", ")
+            ),
         ));
     }
     let mut layers = Vec::with_capacity(model.layers().len());
@@ -919,6 +925,20 @@ mod tests {
         let model = Sequential::new([2], layers).unwrap();
         let e = plan(&model).err().expect("a layer without a GPU form cannot run on a GPU").to_string();
         assert!(e.contains("cpuonly0") && e.contains("CpuOnly") && e.contains("no CUDA implementation"), "{e}");
+    }
+
+    #[test]
+    fn a_model_of_several_inputs_is_refused_saying_what_to_do() {
+        use crate::nn::{Call, Embedding, Value};
+        let tokens = Value::input([4]);
+        let positions = tokens.another_input("positions", [4]);
+        let (tok, pos) = (Embedding::new(8, 2).unwrap().call(&tokens), Embedding::new(4, 2).unwrap().call(&positions));
+        let model = (&tok + &pos).model().unwrap();
+        let e = plan(&model).err().expect("a GPU replica stages one input").to_string();
+        assert!(
+            e.contains("2 inputs (input (4), positions (4))") && e.contains("CPU devices") && e.contains("Split"),
+            "{e}"
+        );
     }
 
     #[test]

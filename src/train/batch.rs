@@ -1,9 +1,14 @@
 //! The global batch: the samples of one optimiser step, gathered on the host by the
 //! loader thread (or by the caller of `Trainer::step`) before the scatter cuts it. The
 //! loader augments the training images here (`data::augment`), once per sample on the
-//! host, before any device sees them.
+//! host, before any device sees them. A sample of several model inputs is their values
+//! one after another (`Dataset::from_inputs`); [`Batch::input_rows`] is the one place
+//! that cuts rows of the batch back into each input's tensor, for training, evaluation
+//! and prediction alike.
 
 use crate::data::augment::{augment_image, Augment};
+use std::ops::Range;
+
 use crate::data::Dataset;
 use crate::tensor::Shape;
 
@@ -14,6 +19,10 @@ pub struct Batch {
     pub x: Vec<f32>,
     pub y: Vec<u32>,
     pub sample_shape: Shape,
+    /// Each model input's part of a sample, in the model's input order
+    /// (`Dataset::input_shapes`): `[sample_shape]` for a model of one input; for several,
+    /// their values lie one after another in each sample's row of `x`.
+    pub inputs: Vec<Shape>,
     /// Labels per sample (the dataset's `targets_per_sample`).
     pub targets: usize,
 }
@@ -26,7 +35,34 @@ impl Batch {
         let targets = data.targets_per_sample();
         let mut y = vec![0; indices.len() * targets];
         data.gather_into(indices, &mut x, &mut y);
-        Batch { x, y, sample_shape: data.sample_shape().clone(), targets }
+        Batch { x, y, sample_shape: data.sample_shape().clone(), inputs: data.input_shapes().to_vec(), targets }
+    }
+
+    /// The samples `rows` cut into the model's inputs: for each input k, in the model's
+    /// order, its values (rows, *shape_k) and those dims. The one cut of a batch into
+    /// inputs: every replica's training, evaluation and prediction take it.
+    pub fn input_rows(&self, rows: &Range<usize>) -> Vec<(Vec<f32>, Vec<usize>)> {
+        let per = self.sample_shape.numel();
+        // x: (B, per); the rows' part is (rows, per).
+        let x = &self.x[rows.start * per..rows.end * per];
+        let dims = |s: &Shape| [&[rows.len()][..], s.dims()].concat();
+        if let [one] = self.inputs.as_slice() {
+            return vec![(x.to_vec(), dims(one))];
+        }
+        let mut at = 0;
+        self.inputs
+            .iter()
+            .map(|s| {
+                // input k: (rows, *shape_k), its values at [at, at + numel_k) of each row.
+                let part = at..at + s.numel();
+                at = part.end;
+                let mut v = Vec::with_capacity(rows.len() * s.numel());
+                for row in x.chunks_exact(per) {
+                    v.extend_from_slice(&row[part.clone()]);
+                }
+                (v, dims(s))
+            })
+            .collect()
     }
 
     /// Gathers the training samples `indices` of `data` in that order, each image
@@ -65,5 +101,29 @@ impl Batch {
     /// The labels of the samples `rows`.
     pub fn labels(&self, rows: &std::ops::Range<usize>) -> &[u32] {
         &self.y[rows.start * self.targets..rows.end * self.targets]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::data::Features;
+
+    #[test]
+    fn rows_are_cut_into_each_inputs_tensor() {
+        // Three samples of (2,) then (1, 2): sample i holds 10i + 0..4.
+        let part = |k: usize, w: usize| {
+            Features::F32((0..3).flat_map(|i| (0..w).map(move |j| (10 * i + k + j) as f32)).collect())
+        };
+        let parts = vec![(Shape::new([2]), part(0, 2)), (Shape::new([1, 2]), part(2, 2))];
+        let data = Dataset::from_inputs("d", parts, vec![0, 1, 0], 1, 2).unwrap();
+        let batch = Batch::gather(&data, &[2, 0, 1]);
+        assert_eq!(batch.x, [20., 21., 22., 23., 0., 1., 2., 3., 10., 11., 12., 13.]);
+        let cut = batch.input_rows(&(1..3));
+        assert_eq!(cut[0], (vec![0., 1., 10., 11.], vec![2, 2]));
+        assert_eq!(cut[1], (vec![2., 3., 12., 13.], vec![2, 1, 2]));
+        // One input: the rows as they are.
+        let one = Dataset::new("o", [1, 2], Features::F32(vec![1., 2., 3., 4.]), vec![0, 1], 2).unwrap();
+        assert_eq!(Batch::gather(&one, &[1, 0]).input_rows(&(0..1)), [(vec![3., 4.], vec![1, 1, 2])]);
     }
 }

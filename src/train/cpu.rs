@@ -83,12 +83,10 @@ impl<'s> CpuReplica<'s> {
         self
     }
 
-    /// `rows` of `batch` as a tensor (rows, *sample_shape) on this device.
-    fn rows(&self, batch: &Batch, rows: Range<usize>) -> Result<Tensor> {
-        let per = batch.sample_shape.numel();
-        let mut dims = vec![rows.len()];
-        dims.extend_from_slice(batch.sample_shape.dims());
-        Tensor::from_vec_on(batch.x[rows.start * per..rows.end * per].to_vec(), dims, self.device)
+    /// `rows` of `batch` as the model's inputs on this device: one tensor (rows, *shape_k)
+    /// per input, in the model's order ([`Batch::input_rows`]).
+    fn rows(&self, batch: &Batch, rows: Range<usize>) -> Result<Vec<Tensor>> {
+        batch.input_rows(&rows).into_iter().map(|(v, dims)| Tensor::from_vec_on(v, dims, self.device)).collect()
     }
 
     /// The logits of `rows` in evaluation mode (the running statistics are read, not
@@ -96,7 +94,7 @@ impl<'s> CpuReplica<'s> {
     fn eval_logits(&mut self, batch: &Batch, rows: Range<usize>) -> Result<Tensor> {
         let x = self.rows(batch, rows)?;
         let mut scratch = self.store.buffers.clone();
-        self.model.forward(x, &self.store.params, &mut scratch, &Ctx::eval(self.device))
+        self.model.forward_many(x, &self.store.params, &mut scratch, &Ctx::eval(self.device))
     }
 }
 
@@ -137,7 +135,7 @@ impl Replica for CpuReplica<'_> {
         let np = self.store.params.len();
         let x = self.rows(batch, shard.rows.clone())?;
         let (grads, bufs) = slot.split_at_mut(np);
-        let logits = self.model.forward(x, &self.store.params, bufs, &ctx)?;
+        let logits = self.model.forward_many(x, &self.store.params, bufs, &ctx)?;
         let (metrics, dlogits) = self.loss.with_grad(&logits, batch.labels(&shard.rows))?;
         self.model.backward(dlogits, &self.store.params, grads, &ctx)?;
         match (shard.fill, self.shards.last_mut()) {

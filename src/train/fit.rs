@@ -71,6 +71,18 @@ pub fn train_data_parallel_with(
 ) -> Result<TrainReport> {
     config.validate()?;
     check_data(model, train)?;
+    if !config.augment.is_none() && train.input_shapes().len() > 1 {
+        return Err(Error::config(
+            "augment",
+            format!(
+                "{} augments the images of data of one input; {} has {} input parts: augment the images before \
+                 making the dataset",
+                config.augment.name(),
+                train.name(),
+                train.input_shapes().len()
+            ),
+        ));
+    }
     config.augment.check(train.sample_shape())?;
     if let Some(t) = test {
         check_data(model, t)?;
@@ -574,20 +586,54 @@ fn save_checkpoint(
     checkpoint::save(model, &state, policy)
 }
 
-/// The dataset must be non-empty and shaped like the model's input, with labels the
+/// The data's parts must be the model's inputs (`Dataset::from_inputs`): as many, in its
+/// order, each of the shape of the model's input it feeds. Errors name each input (its
+/// name and shape) and the part that does not fit it.
+fn check_inputs(model: &Graph, data: &Dataset) -> Result<()> {
+    let err = |detail: String| Error::Data { name: data.name().into(), detail };
+    let (inputs, parts) = (model.inputs(), data.input_shapes());
+    let listed = inputs.iter().map(|(n, s)| format!("{n} {s}")).collect::<Vec<_>>().join(", ");
+    if inputs.len() > 1 && data.stream().is_some() {
+        return Err(err(format!(
+            "a token stream's windows feed a model of one input, and this model takes {} ({listed}): \
+             give the inputs as parts (Dataset::from_inputs), one per input",
+            inputs.len()
+        )));
+    }
+    if let ([(_, shape)], [part]) = (inputs, parts) {
+        if part != shape {
+            return Err(err(format!("samples of shape {part} do not fit the model's input {shape}")));
+        }
+        return Ok(());
+    }
+    if inputs.len() != parts.len() {
+        let given = parts.iter().map(|s| s.to_string()).collect::<Vec<_>>().join(", ");
+        return Err(err(format!(
+            "{} input part(s) ({given}) for a model of {} inputs ({listed}): give one part per model input, \
+             in the model's order (Dataset::from_inputs)",
+            parts.len(),
+            inputs.len()
+        )));
+    }
+    for (k, ((name, shape), part)) in inputs.iter().zip(parts).enumerate() {
+        if part != shape {
+            return Err(err(format!(
+                "input part {k} has samples of shape {part}, which do not fit the model's input {k} ({name}) of shape \
+                 {shape} (the model's inputs: {listed})"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// The dataset must be non-empty and shaped like the model's inputs, with labels the
 /// model can output (the first that it cannot is named, with its sample).
 pub fn check_data(model: &Graph, data: &Dataset) -> Result<()> {
     let err = |detail: String| Error::Data { name: data.name().into(), detail };
     if data.is_empty() {
         return Err(err("has no samples".into()));
     }
-    if data.sample_shape() != model.input_shape() {
-        return Err(err(format!(
-            "samples of shape {} do not fit the model's input {}",
-            data.sample_shape(),
-            model.input_shape()
-        )));
-    }
+    check_inputs(model, data)?;
     // A classifier's output is its K classes; a sequence model's (T, K), a label per
     // position.
     let out = model.output_shape().dims();

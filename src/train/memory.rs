@@ -112,7 +112,8 @@ fn estimate(model: &Graph, devices: &Devices, config: &TrainConfig, eval_rows: u
     // What every run has whatever its model: measured as the peak of the toy lesson's run
     // (14 MB) and what the convnet on the digits keeps beyond its counted parts (~60 MB).
     e.add("process", PROCESS_BYTES, "the program, its threads' stacks, the allocator's caches");
-    let per_sample = model.input_shape().numel() as u64;
+    // A sample's row holds every model input's values (`data::Dataset::from_inputs`).
+    let per_sample = crate::memory::sample_values(model);
     let in_flight = config.prefetch as u64 + 2;
     e.add(
         "batches",
@@ -267,6 +268,31 @@ mod tests {
             ]
         );
         assert_eq!(e.total(), 292_448 + 2 * 163_840 + 11_520 + 2 * slab + 67_108_864);
+    }
+
+    #[test]
+    fn the_batches_and_a_passs_samples_count_every_model_input() {
+        use crate::nn::{Call, Embedding, Value};
+        // Tokens (6,) and positions (6,): a sample's row is 12 values, as its data's
+        // (`Dataset::from_inputs`); its one-input form, the same row as (12,).
+        let tokens = Value::input([6]);
+        let positions = tokens.another_input("positions", [6]);
+        let (tok, pos) = (Embedding::new(11, 8).unwrap().call(&tokens), Embedding::new(6, 8).unwrap().call(&positions));
+        let two = (&tok + &pos).model().unwrap();
+        assert_eq!(crate::memory::sample_values(&two), 12);
+        let config = TrainConfig { batch_size: 4, ..TrainConfig::default() };
+        let e = training(&two, &Devices::cpu(1, 1).unwrap(), &config);
+        let batches = e.parts().iter().find(|p| p.name == "batches").unwrap().bytes;
+        // 6 global batches in flight (prefetch 4 + 2) × 4 samples × 12 values × 4 B.
+        assert_eq!(batches, 6 * 4 * 12 * 4);
+        // A training shard holds its copy of both inputs: the same nodes reading one input
+        // of 6 values (the same values alive around each node: 144 at the add) count 6 × 4
+        // B a sample fewer, what counting the first input only would have counted.
+        let one = Value::input([6]);
+        let (tok, pos) = (Embedding::new(11, 8).unwrap().call(&one), Embedding::new(6, 8).unwrap().call(&one));
+        let only_tokens = (&tok + &pos).model().unwrap();
+        let shard = |m| crate::memory::shard_activations(m, 4, 1);
+        assert_eq!(shard(&two) - shard(&only_tokens), 4 * 6 * 4);
     }
 
     #[test]

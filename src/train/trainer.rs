@@ -291,6 +291,7 @@ impl Trainer<'_> {
                     x: batch.x[rows.start * per..rows.end * per].to_vec(),
                     y: batch.labels(&rows).to_vec(),
                     sample_shape: batch.sample_shape,
+                    inputs: batch.inputs,
                     targets: batch.targets,
                 }
             }
