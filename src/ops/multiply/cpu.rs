@@ -80,14 +80,21 @@ widest! {
 /// y = silu(g) · u: the product of two inputs one of which is a SiLU's input g
 /// (`Multiply` computing that SiLU in its own passes), bit for bit what the SiLU and the
 /// product give one after the other (`silu::cpu::silu_value`, then one multiplication,
-/// which rounds the same in either order). g, u, y: (n)
-pub fn silu_product_to(g: &[f32], u: &[f32], y: &mut [f32]) {
-    let n = y.len();
-    assert!(g.len() == n && u.len() == n, "silu_product_to: inputs of {} and {} for {n} values", g.len(), u.len());
-    par::for_each(y.par_chunks_mut(CHUNK).enumerate(), |(c, ys)| {
+/// which rounds the same in either order). g, u: (n) → y: (n), a new vector never zeroed
+/// first (each value is written once).
+pub fn silu_product(g: &[f32], u: &[f32]) -> Vec<f32> {
+    let n = g.len();
+    assert_eq!(u.len(), n, "silu_product: inputs of {n} and {} values", u.len());
+    let mut y = Vec::with_capacity(n);
+    par::for_each(y.spare_capacity_mut()[..n].par_chunks_mut(CHUNK).enumerate(), |(c, ys)| {
         let at = c * CHUNK..c * CHUNK + ys.len();
         silu_mul(&g[at.clone()], &u[at], ys)
     });
+    // SAFETY: the pieces cover the first n values of the capacity, and `silu_mul` writes
+    // every value of its piece (it zips the piece with g's and u's values of the same
+    // range, as many); so all n are initialised.
+    unsafe { y.set_len(n) };
+    y
 }
 
 /// y = silu(y) · u in place over y, which holds g: (n); u: (n).
@@ -99,30 +106,28 @@ pub fn silu_product_into(y: &mut [f32], u: &[f32]) {
     });
 }
 
-/// The backward of [`silu_product_to`]: dg = (dy · u) · silu′(g) over `d`, which holds dy
-/// and receives dg; du = dy · silu(g) into `du` when asked for: the multiplication's
-/// gradients, then the SiLU's, each rounded as the two layers round them. g, u, d, du: (n)
-pub fn silu_product_backward(g: &[f32], u: &[f32], d: &mut [f32], du: Option<&mut [f32]>) {
+/// The backward of [`silu_product`]: dg = (dy · u) · silu′(g) over `d`, which holds dy
+/// and receives dg: the multiplication's gradient, then the SiLU's, each rounded as the
+/// two layers round them. g, u, d: (n)
+pub fn silu_product_backward_g(g: &[f32], u: &[f32], d: &mut [f32]) {
     let n = d.len();
-    assert!(
-        g.len() == n && u.len() == n,
-        "silu_product_backward: inputs of {} and {} for {n} values",
-        g.len(),
-        u.len()
-    );
-    match du {
-        Some(du) => {
-            assert_eq!(du.len(), n, "silu_product_backward: du of {} for {n} values", du.len());
-            par::for_each(d.par_chunks_mut(CHUNK).zip(du.par_chunks_mut(CHUNK)).enumerate(), |(c, (ds, dus))| {
-                let at = c * CHUNK..c * CHUNK + ds.len();
-                silu_mul_backward(&g[at.clone()], &u[at], ds, dus)
-            })
-        }
-        None => par::for_each(d.par_chunks_mut(CHUNK).enumerate(), |(c, ds)| {
-            let at = c * CHUNK..c * CHUNK + ds.len();
-            silu_mul_backward_g(&g[at.clone()], &u[at], ds)
-        }),
-    }
+    assert!(g.len() == n && u.len() == n, "silu_product_backward_g: inputs of {} and {} for {n}", g.len(), u.len());
+    par::for_each(d.par_chunks_mut(CHUNK).enumerate(), |(c, ds)| {
+        let at = c * CHUNK..c * CHUNK + ds.len();
+        silu_mul_backward_g(&g[at.clone()], &u[at], ds)
+    });
+}
+
+/// Both gradients of [`silu_product`] in one pass, each over its own input's values: `d`
+/// holds dy and receives dg = (dy · u) · silu′(g); `g` holds g and receives du = dy ·
+/// silu(g) (the kept g is read for the last time here). g, u, d: (n)
+pub fn silu_product_backward_over(g: &mut [f32], u: &[f32], d: &mut [f32]) {
+    let n = d.len();
+    assert!(g.len() == n && u.len() == n, "silu_product_backward_over: inputs of {} and {} for {n}", g.len(), u.len());
+    par::for_each(d.par_chunks_mut(CHUNK).zip(g.par_chunks_mut(CHUNK)).enumerate(), |(c, (ds, gs))| {
+        let at = c * CHUNK..c * CHUNK + ds.len();
+        silu_mul_backward(gs, &u[at], ds)
+    });
 }
 
 /// The gradient of u alone: du = dy · silu(g) over `d`, which holds dy. g, d: (n)
@@ -135,10 +140,10 @@ pub fn silu_product_backward_u(g: &[f32], d: &mut [f32]) {
 }
 
 widest! {
-    /// y = silu(g)·u.
-    fn silu_mul(g: &[f32], u: &[f32], y: &mut [f32]) {
+    /// y = silu(g)·u, each value of y written.
+    fn silu_mul(g: &[f32], u: &[f32], y: &mut [std::mem::MaybeUninit<f32>]) {
         for ((o, &a), &b) in y.iter_mut().zip(g).zip(u) {
-            *o = silu_value(a) * b;
+            o.write(silu_value(a) * b);
         }
     }
 }
@@ -153,11 +158,11 @@ widest! {
 }
 
 widest! {
-    /// d ← (d·u)·silu′(g); du = d·silu(g) (the incoming d).
-    fn silu_mul_backward(g: &[f32], u: &[f32], d: &mut [f32], du: &mut [f32]) {
-        for (((dg, du), &a), &b) in d.iter_mut().zip(du).zip(g).zip(u) {
-            let dy = *dg;
-            *du = dy * silu_value(a);
+    /// d ← (d·u)·silu′(g) and g ← d·silu(g) (the incoming d and g).
+    fn silu_mul_backward(g: &mut [f32], u: &[f32], d: &mut [f32]) {
+        for ((dg, gu), &b) in d.iter_mut().zip(g).zip(u) {
+            let (dy, a) = (*dg, *gu);
+            *gu = dy * silu_value(a);
             *dg = (dy * b) * silu_slope(a);
         }
     }

@@ -70,8 +70,7 @@ impl Multiply {
         let (x0, x1) = (xs.next().expect("two inputs"), xs.next().expect("two inputs"));
         let (g, u) = if at == 0 { (x0, x1) } else { (x1, x0) };
         if ctx.mode == Mode::Train {
-            let mut y = vec![0.0; shape.numel()];
-            cpu::silu_product_to(g.host(), u.host(), &mut y);
+            let y = cpu::silu_product(g.host(), u.host());
             self.kept = vec![g, u];
             return Tensor::from_vec_on(y, shape, device);
         }
@@ -80,30 +79,27 @@ impl Multiply {
                 cpu::silu_product_into(&mut y, u.host());
                 y
             }
-            Err(g) => {
-                let mut y = vec![0.0; g.numel()];
-                cpu::silu_product_to(g.host(), u.host(), &mut y);
-                y
-            }
+            Err(g) => cpu::silu_product(g.host(), u.host()),
         };
         Tensor::from_vec_on(y, shape, device)
     }
 }
 
 /// The backward of [`Multiply::silu_forward`] from its kept g and u: dg (through the
-/// SiLU) and du, each where asked for, in input order; dout's storage becomes one of them.
+/// SiLU) and du, each where asked for, in input order. dout's storage becomes dg, or du
+/// alone; with both, du is written over g's where nobody else holds it.
 fn silu_backward(
     kept: Vec<Tensor>,
     at: usize,
     mut dout: Tensor,
     input_grads: &[InputGrad],
 ) -> Result<Vec<Option<Tensor>>> {
-    let (g, u) = (&kept[0], &kept[1]);
+    let [g, u]: [Tensor; 2] = kept.try_into().expect("the SiLU's product keeps two inputs");
     let (want_g, want_u) = (input_grads[at] == InputGrad::Needed, input_grads[1 - at] == InputGrad::Needed);
     let (dg, du) = match (want_g, want_u) {
         (false, false) => (None, None),
         (true, false) => {
-            cpu::silu_product_backward(g.host(), u.host(), dout.host_mut(), None);
+            cpu::silu_product_backward_g(g.host(), u.host(), dout.host_mut());
             (Some(dout), None)
         }
         (false, true) => {
@@ -111,9 +107,10 @@ fn silu_backward(
             (None, Some(dout))
         }
         (true, true) => {
-            let mut du = vec![0.0; dout.numel()];
-            cpu::silu_product_backward(g.host(), u.host(), dout.host_mut(), Some(&mut du));
-            let du = Tensor::from_vec_on(du, dout.shape().clone(), dout.device())?;
+            let shape = g.shape().clone();
+            let mut du = g.into_vec();
+            cpu::silu_product_backward_over(&mut du, u.host(), dout.host_mut());
+            let du = Tensor::from_vec_on(du, shape, dout.device())?;
             (Some(dout), Some(du))
         }
     };
