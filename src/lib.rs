@@ -110,7 +110,7 @@ pub mod prelude {
     pub use crate::plot::{MetricsTable, XAxis};
     pub use crate::train::{
         train_data_parallel, train_data_parallel_with, with_trainer, Batch, EpochReport, HeldOut, Observer, Silent,
-        Stopped, TrainConfig, TrainReport, Trainer,
+        Stopped, StoppedEvaluation, TrainConfig, TrainReport, Trainer,
     };
     pub use crate::{Device, Error, Result, Shape, Tensor};
 }

@@ -157,11 +157,18 @@ fn ctrl_c_and_sigterm_finish_the_step_write_a_checkpoint_and_exit_128_plus_the_s
 
 /// Issue 41: SIGTERM during a long held-out evaluation waited for its end (24 s, near the
 /// 30 s a scheduler gives before SIGKILL). The evaluation gives way within a chunk: the run
-/// exits 143 at once with the checkpoint of its last step, and the resumed run does the
-/// evaluation first (its report is the uninterrupted run's, to the last digit), then ends
-/// with bitwise the uninterrupted run's weights. A small GPT evaluated on 3,000 batches
-/// of 8 windows after steps 5 and 10: each evaluation lasts about 1.5 s on this project's
-/// development machine, a step about a millisecond.
+/// exits 143 with the checkpoint of its last step, says how far the evaluation got before
+/// it was given up, and the resumed run does the evaluation first (its report is the
+/// uninterrupted run's, to the last digit), then ends with bitwise the uninterrupted run's
+/// weights. A small GPT evaluated on 3,000 batches of 8 windows after steps 5 and 10
+/// (about 1.5 s an evaluation, a step about a millisecond, on this project's development
+/// machine): the signal is sent as soon as step 5's line is read, inside that evaluation.
+///
+/// Nothing here is timed (a loaded machine may run the child at any pace): that the
+/// evaluation stops within a chunk of the flag's rise is `train::step`'s unit test
+/// (`a_stop_raised_during_a_chunk_gives_the_evaluation_up_after_that_chunk`); this test
+/// shows that SIGTERM raises it during an evaluation and that the run, given up there,
+/// says so, reports nothing of it, and resumes to the same bits.
 #[test]
 fn sigterm_during_a_long_evaluation_stops_it_checkpoints_and_resumes_bitwise() {
     let (_guard, dir) = tmp();
@@ -177,11 +184,11 @@ fn sigterm_during_a_long_evaluation_stops_it_checkpoints_and_resumes_bitwise() {
             .stderr(Stdio::piped());
         c
     };
-    // Reads `child`'s JSON lines up to the one that starts with `prefix`, and when it came.
-    let read_to = |lines: &mut dyn Iterator<Item = String>, prefix: &str| -> (String, Instant) {
+    // Reads `child`'s JSON lines up to the one that starts with `prefix`.
+    let read_to = |lines: &mut dyn Iterator<Item = String>, prefix: &str| -> String {
         for line in lines {
             if line.starts_with(prefix) {
-                return (line, Instant::now());
+                return line;
             }
         }
         panic!("no line {prefix}")
@@ -191,12 +198,10 @@ fn sigterm_during_a_long_evaluation_stops_it_checkpoints_and_resumes_bitwise() {
         std::io::BufRead::lines(out).map(|l| l.unwrap())
     };
 
-    // Uninterrupted: how long the first evaluation lasts, and what it reports.
+    // Uninterrupted: what the first evaluation reports.
     let mut child = gpt(&["--save", full.to_str().unwrap()]).spawn().unwrap();
     let mut out = lines(&mut child);
-    let (_, stepped) = read_to(&mut out, r#"{"kind":"step","step":5,"#);
-    let (first_epoch, evaluated) = read_to(&mut out, r#"{"kind":"epoch","epoch":1,"#);
-    let evaluation = evaluated - stepped;
+    let first_epoch = read_to(&mut out, r#"{"kind":"epoch","epoch":1,"#);
     out.for_each(drop);
     let o = child.wait_with_output().unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
@@ -205,25 +210,27 @@ fn sigterm_during_a_long_evaluation_stops_it_checkpoints_and_resumes_bitwise() {
     let mut child = gpt(&["--checkpoint-dir", ck.to_str().unwrap(), "--checkpoint-every", "1000"]).spawn().unwrap();
     let mut out = lines(&mut child);
     read_to(&mut out, r#"{"kind":"step","step":5,"#);
-    let signalled = Instant::now();
     assert!(Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap().success());
     let rest: Vec<String> = out.collect();
     let o = child.wait_with_output().unwrap();
-    let took = signalled.elapsed();
     let stderr = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(143), "{stderr}");
-    let checkpoint = ck.join("checkpoint-000000000005.safetensors");
-    let said = format!("lockstep: interrupted by SIGTERM after step 5; checkpoint written to {}", checkpoint.display());
-    assert!(stderr.lines().any(|l| l == said), "{stderr}");
     assert!(rest.is_empty(), "the stopped evaluation reports nothing: {rest:?}");
-    // A forward pass of 4 windows and a checkpoint of 0.3 MB: milliseconds, against the
-    // whole evaluation's seconds. A third of it leaves room for a loaded machine.
-    assert!(took < evaluation / 3, "exited {took:?} after SIGTERM; the evaluation lasts {evaluation:?}");
+    // "... after step 5; its evaluation given up after E of 24000 samples, unreported;
+    // checkpoint written to ...": 24,000 = 3,000 batches of 8 windows (the flags above),
+    // and E below it, the samples the devices evaluated before each gave its part up.
+    let checkpoint = ck.join("checkpoint-000000000005.safetensors");
+    let line = stderr.lines().find(|l| l.starts_with("lockstep: interrupted by")).unwrap_or_else(|| panic!("{stderr}"));
+    let head = "lockstep: interrupted by SIGTERM after step 5; its evaluation given up after ";
+    let tail = format!(" of 24000 samples, unreported; checkpoint written to {}", checkpoint.display());
+    let evaluated = line.strip_prefix(head).and_then(|l| l.strip_suffix(&tail)).unwrap_or_else(|| panic!("{line}"));
+    let evaluated: u64 = evaluated.parse().unwrap_or_else(|_| panic!("{line}"));
+    assert!(evaluated < 24000, "{line}");
 
     // Resumed: the evaluation of step 5 first, as the uninterrupted run reported it.
     let mut child = gpt(&["--resume", ck.to_str().unwrap(), "--save", resumed.to_str().unwrap()]).spawn().unwrap();
     let mut out = lines(&mut child);
-    let (epoch, _) = read_to(&mut out, r#"{"kind":"epoch","epoch":1,"#);
+    let epoch = read_to(&mut out, r#"{"kind":"epoch","epoch":1,"#);
     let scores = |l: &str| l.split(r#""best""#).next().unwrap().to_string();
     assert_eq!(scores(&epoch), scores(&first_epoch), "the resumed evaluation differs");
     out.for_each(drop);

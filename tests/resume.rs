@@ -174,7 +174,7 @@ fn a_stopped_run_writes_a_checkpoint_and_resumes_exactly() {
             .unwrap();
     // The report of a stopped run: its weights at step 6, and where its checkpoint went.
     assert_eq!(stopped.steps, 6);
-    let Stopped::Interrupted { checkpoint: Some(path) } = &stopped.stopped else { panic!("{:?}", stopped.stopped) };
+    let Stopped::Interrupted { checkpoint: Some(path), .. } = &stopped.stopped else { panic!("{:?}", stopped.stopped) };
     assert!(path.ends_with("checkpoint-000000000006.safetensors"), "{}", path.display());
     let fresh = Optimizer::new(cfg.optimizer, model.params_len());
     let (resume, found, _) =

@@ -14,10 +14,11 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{bounded, Receiver};
 
+use super::step::Evaluated;
 use super::trainer::{with_trainer_evaluating, ProcessRows};
 use super::{
     scatter, Batch, BestEpoch, EpochReport, HeldOut, NonFinite, Observer, Silent, StepEvent, StopRequest, Stopped,
-    TrainConfig, TrainReport, Trainer, DEFAULT_EVAL_BATCHES, DEFAULT_EVAL_EVERY, LOSSES_KEPT,
+    StoppedEvaluation, TrainConfig, TrainReport, Trainer, DEFAULT_EVAL_BATCHES, DEFAULT_EVAL_EVERY, LOSSES_KEPT,
 };
 use crate::checkpoint::{self, CheckpointPolicy, Resume};
 use crate::data::Dataset;
@@ -216,7 +217,7 @@ enum EpochEnd {
         best_epoch: usize,
     },
     /// The stop flag was raised during the held-out evaluation, which was given up.
-    EvaluationStopped,
+    EvaluationStopped(StoppedEvaluation),
 }
 
 /// The running sums of the epoch in progress.
@@ -394,17 +395,18 @@ impl<'a, 'o> Fit<'a, 'o> {
         };
         let next = match ended {
             // The evaluation is redone on resuming, unless the run's steps are all taken.
-            EpochEnd::EvaluationStopped if !last => Position { step: trainer.steps(), epoch, step_in_epoch: i + 1 },
+            EpochEnd::EvaluationStopped(_) if !last => Position { step: trainer.steps(), epoch, step_in_epoch: i + 1 },
             _ => self.span.after(trainer.steps(), epoch, i),
         };
         // With several processes, the stop they all agreed on at this step.
         let request = match ended {
-            EpochEnd::EvaluationStopped => Some(StopRequest::Interrupt),
+            EpochEnd::EvaluationStopped(_) => Some(StopRequest::Interrupt),
             _ => trainer.stop_request(),
         };
-        let early = match ended {
-            EpochEnd::StopEarly { best_epoch } => Some(best_epoch),
-            _ => None,
+        let (early, evaluation) = match ended {
+            EpochEnd::StopEarly { best_epoch } => (Some(best_epoch), None),
+            EpochEnd::EvaluationStopped(stopped) => (None, Some(stopped)),
+            EpochEnd::GoOn => (None, None),
         };
         let done = last || early.is_some();
         let written = self.checkpoint(trainer, next, request.is_some() || done)?;
@@ -413,8 +415,8 @@ impl<'a, 'o> Fit<'a, 'o> {
         }
         Ok(match request {
             // An evaluation stopped at the run's last step still stops it: its report is lost.
-            _ if done && ended != EpochEnd::EvaluationStopped => None,
-            Some(StopRequest::Interrupt) => Some(Stopped::Interrupted { checkpoint: written }),
+            _ if done && evaluation.is_none() => None,
+            Some(StopRequest::Interrupt) => Some(Stopped::Interrupted { checkpoint: written, evaluation }),
             Some(StopRequest::TimeLimit) => Some(Stopped::TimeLimit { checkpoint: written }),
             None => None,
         })
@@ -468,8 +470,8 @@ impl<'a, 'o> Fit<'a, 'o> {
     fn end_epoch(&mut self, trainer: &mut Trainer<'_>, epoch: usize) -> Result<EpochEnd> {
         let held = match self.test {
             Some(t) => match trainer.evaluate_or_stop(t, self.config.epoch_eval_chunk(trainer.replicas()))? {
-                Some(m) => Some(m),
-                None => return Ok(EpochEnd::EvaluationStopped),
+                Evaluated::Whole(m) => Some(m),
+                Evaluated::Stopped(stopped) => return Ok(EpochEnd::EvaluationStopped(stopped)),
             },
             None => None,
         };

@@ -45,7 +45,7 @@ pub(crate) use gpu::kernel_files;
 pub use memory::fitting as memory_estimate;
 pub use report::{
     BestEpoch, EpochReport, EvaluationReport, HeldOut, Observer, ShardReport, Silent, StepEvent, StepReport, Stopped,
-    TrainReport, LOSSES_KEPT,
+    StoppedEvaluation, TrainReport, LOSSES_KEPT,
 };
 pub use scatter::{LastBatch, Shuffle};
 pub use trainer::{with_trainer, Trainer};

@@ -19,7 +19,8 @@ use std::ops::Range;
 
 use super::replica::check_replicas;
 use super::scatter;
-use super::{ShardReport, StepReport, StopRequest, TrainConfig};
+use super::step::Evaluated;
+use super::{ShardReport, StepReport, StopRequest, StoppedEvaluation, TrainConfig};
 use crate::data::Dataset;
 use crate::digest::Fnv1a;
 use crate::error::{Error, Result};
@@ -252,25 +253,30 @@ pub(super) fn merge_step(
     Ok((report, any_stop))
 }
 
-/// The evaluation's metrics of every device of the world (`local`: this process's, in
-/// device order), summed in global device order; `None` on every process when any device
-/// of any process stopped before its end (a flag word travels with each device's sums).
-pub(super) fn merge_metrics(world: &World, local: &[Option<Metrics>]) -> Result<Option<Metrics>> {
+/// The evaluation of every device of the world (`local`: this process's, in device order)
+/// of the `of` samples of the whole: their metrics summed in global device order, or,
+/// on every process, given up when any device of any process gave its part up (a flag
+/// word travels with each device's sums, and the samples it left unevaluated).
+pub(super) fn merge_evaluations(world: &World, local: &[Evaluated], of: usize) -> Result<Evaluated> {
     const STOPPED: u64 = u64::MAX;
-    let words = |m: &Option<Metrics>| match m {
-        Some(m) => [0, m.loss_sum.to_bits(), m.correct, m.count],
-        None => [STOPPED, 0, 0, 0],
+    let words = |e: &Evaluated| match e {
+        Evaluated::Whole(m) => [0, m.loss_sum.to_bits(), m.correct, m.count],
+        Evaluated::Stopped(s) => [STOPPED, s.of - s.evaluated, 0, 0],
     };
     let mine: Vec<u64> = local.iter().flat_map(words).collect();
     let all = world.all_gather(&mine)?;
-    let mut total = Metrics::default();
+    let (mut total, mut skipped, mut stopped) = (Metrics::default(), 0, false);
     for w in all.chunks(4) {
-        if w[0] == STOPPED {
-            return Ok(None);
+        match w[0] {
+            STOPPED => (stopped, skipped) = (true, skipped + w[1]),
+            _ => total.add(&Metrics { loss_sum: f64::from_bits(w[1]), correct: w[2], count: w[3] }),
         }
-        total.add(&Metrics { loss_sum: f64::from_bits(w[1]), correct: w[2], count: w[3] });
     }
-    Ok(Some(total))
+    let of = of as u64;
+    Ok(match stopped {
+        true => Evaluated::Stopped(StoppedEvaluation { evaluated: of - skipped, of }),
+        false => Evaluated::Whole(total),
+    })
 }
 
 /// The replica check across processes: this process's devices against each other, then
@@ -317,6 +323,19 @@ mod tests {
         // A batch of 1: the second process's shards are empty, at the batch's end.
         assert_eq!(RowPlan::new(4, 1, 2).rows(1), 1..1);
         assert_eq!(RowPlan::new(4, 3, 4).rows(3), 3..3);
+    }
+
+    #[test]
+    fn an_evaluation_one_device_gave_up_is_given_up_counting_every_device_s_samples() {
+        let world = crate::world::current().unwrap();
+        let whole = Evaluated::Whole(Metrics { loss_sum: 0.5, correct: 3, count: 4 });
+        let given_up = Evaluated::Stopped(StoppedEvaluation { evaluated: 2, of: 6 });
+        // 4 + 6 samples: the first device's 4 all evaluated, the second's 2 of 6.
+        let merged = merge_evaluations(world, &[whole, given_up], 10).unwrap();
+        assert_eq!(merged, Evaluated::Stopped(StoppedEvaluation { evaluated: 6, of: 10 }));
+        let both = Evaluated::Whole(Metrics { loss_sum: 0.25, correct: 1, count: 6 });
+        let merged = merge_evaluations(world, &[whole, both], 10).unwrap();
+        assert_eq!(merged, Evaluated::Whole(Metrics { loss_sum: 0.75, correct: 4, count: 10 }));
     }
 
     #[test]

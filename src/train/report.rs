@@ -191,11 +191,24 @@ pub enum Stopped {
     /// the best one, `best_epoch` (0-based).
     EarlyStopping { best_epoch: usize },
     /// The stop flag was raised (a signal): the run ended after the step it was in,
-    /// and wrote a checkpoint there if it has a checkpoint policy.
-    Interrupted { checkpoint: Option<PathBuf> },
+    /// and wrote a checkpoint there if it has a checkpoint policy. `evaluation`: the
+    /// held-out evaluation after that step, when the flag cut it short (it is not
+    /// reported; a run resumed from the checkpoint does it first, unless that step was
+    /// the run's last).
+    Interrupted { checkpoint: Option<PathBuf>, evaluation: Option<StoppedEvaluation> },
     /// The run reached `TrainConfig::max_duration`: it ended after the step in which the
     /// time ran out, and wrote a checkpoint there if it has a checkpoint policy.
     TimeLimit { checkpoint: Option<PathBuf> },
+}
+
+/// A held-out evaluation given up between chunks once the stop flag was raised: the
+/// samples evaluated before it stopped, of the `of` it had to evaluate. Over several
+/// devices (and processes), their sums: `evaluated < of` always, since an evaluation
+/// that finished every chunk on every device is not given up.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StoppedEvaluation {
+    pub evaluated: u64,
+    pub of: u64,
 }
 
 /// What a run returns. Its `Display` is the CLI's summary (an epoch line each, then the
@@ -236,8 +249,8 @@ impl std::fmt::Display for TrainReport {
         match &self.stopped {
             Stopped::Completed => Ok(()),
             Stopped::EarlyStopping { best_epoch } => write!(f, "; stopped early, best epoch {}", best_epoch + 1),
-            Stopped::Interrupted { checkpoint: Some(p) } => write!(f, "; interrupted, checkpoint {}", p.display()),
-            Stopped::Interrupted { checkpoint: None } => write!(f, "; interrupted"),
+            Stopped::Interrupted { checkpoint: Some(p), .. } => write!(f, "; interrupted, checkpoint {}", p.display()),
+            Stopped::Interrupted { checkpoint: None, .. } => write!(f, "; interrupted"),
             Stopped::TimeLimit { checkpoint: Some(p) } => {
                 write!(f, "; stopped at the time limit, checkpoint {}", p.display())
             }

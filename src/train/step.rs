@@ -53,7 +53,7 @@ use std::sync::Arc;
 
 use super::flight::{Phase, Ring};
 use super::replica::{Fill, Mark, Replica, ShardPass, StepOutcome};
-use super::{scatter, Batch};
+use super::{scatter, Batch, StoppedEvaluation};
 use crate::error::Result;
 use crate::exchange::Exchange;
 use crate::ops::batchnorm::Synchronized;
@@ -179,25 +179,47 @@ fn clip(range: Range<usize>, params: usize) -> Range<usize> {
     range.start.min(params)..range.end.min(params)
 }
 
+/// How a device's part of an evaluation ended.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) enum Evaluated {
+    /// Every chunk evaluated: the part's summed metrics.
+    Whole(Metrics),
+    /// Given up between chunks once the stop flag was raised.
+    Stopped(StoppedEvaluation),
+}
+
 /// Loss and accuracy of `rows` of `batch` in evaluation mode, in chunks of at most
 /// `chunk` samples (so the activations of a chunk, not of the whole set, are held).
-/// `None` when `stop` is raised before the last chunk: a long evaluation (thousands of a
-/// GPT's windows) gives way to a signal within one chunk, not at its end.
-pub fn evaluate<R: Replica>(
+/// Given up when `stop` is raised before the last chunk: a long evaluation (thousands of
+/// a GPT's windows) gives way to a signal within one chunk, not at its end.
+pub(crate) fn evaluate<R: Replica>(
     replica: &mut R,
     batch: &Batch,
     rows: Range<usize>,
     chunk: usize,
     stop: Option<&AtomicBool>,
-) -> Result<Option<Metrics>> {
-    let mut total = Metrics::default();
+) -> Result<Evaluated> {
+    evaluate_chunks(rows, chunk, stop, |c| replica.evaluate_chunk(batch, c))
+}
+
+/// [`evaluate`]'s loop, over any chunk's evaluation: the flag is read before each chunk,
+/// so once it is raised at most the chunk in progress is finished.
+fn evaluate_chunks(
+    rows: Range<usize>,
+    chunk: usize,
+    stop: Option<&AtomicBool>,
+    mut evaluate_chunk: impl FnMut(Range<usize>) -> Result<Metrics>,
+) -> Result<Evaluated> {
+    let of = rows.len() as u64;
+    let (mut total, mut evaluated) = (Metrics::default(), 0);
     for c in chunks(rows, chunk) {
         if stop.is_some_and(|s| s.load(Ordering::Relaxed)) {
-            return Ok(None);
+            return Ok(Evaluated::Stopped(StoppedEvaluation { evaluated, of }));
         }
-        total.add(&replica.evaluate_chunk(batch, c)?);
+        evaluated += c.len() as u64;
+        total.add(&evaluate_chunk(c)?);
     }
-    Ok(Some(total))
+    Ok(Evaluated::Whole(total))
 }
 
 /// Class probabilities (rows, K) of `rows` of `batch`, in chunks of at most `chunk`.
@@ -234,5 +256,51 @@ mod tests {
         assert_eq!(c, vec![3..6, 6..9, 9..11]);
         assert_eq!(chunks(4..4, 3).count(), 0);
         assert_eq!(chunks(0..2, 0).collect::<Vec<_>>(), vec![0..1, 1..2]);
+    }
+
+    /// The evaluation of rows 0..100 in chunks of 10, the stop flag raised while chunk
+    /// `raise_in` (0-based) is being evaluated, as a signal's handler raises it at some
+    /// point of a chunk: what was evaluated, and the chunks asked for.
+    fn stopped_in_chunk(raise_in: usize) -> (Evaluated, Vec<Range<usize>>) {
+        let stop = AtomicBool::new(false);
+        let mut asked = Vec::new();
+        let evaluated = evaluate_chunks(0..100, 10, Some(&stop), |c| {
+            if asked.len() == raise_in {
+                stop.store(true, Ordering::Relaxed);
+            }
+            asked.push(c.clone());
+            // One label a row, right when its row is even: the sums say which rows came.
+            let correct = c.clone().filter(|r| r % 2 == 0).count() as u64;
+            Ok(Metrics { loss_sum: c.len() as f64, correct, count: c.len() as u64 })
+        })
+        .unwrap();
+        (evaluated, asked)
+    }
+
+    #[test]
+    fn a_stop_raised_during_a_chunk_gives_the_evaluation_up_after_that_chunk() {
+        // Raised in the 3rd chunk of 10: 30 rows evaluated, the other 7 chunks never asked.
+        let (evaluated, asked) = stopped_in_chunk(2);
+        assert_eq!(evaluated, Evaluated::Stopped(StoppedEvaluation { evaluated: 30, of: 100 }));
+        assert_eq!(asked, vec![0..10, 10..20, 20..30]);
+        // Raised in the first: one chunk.
+        let (evaluated, asked) = stopped_in_chunk(0);
+        assert_eq!(evaluated, Evaluated::Stopped(StoppedEvaluation { evaluated: 10, of: 100 }));
+        assert_eq!(asked.len(), 1);
+        // Raised in the last: nothing is left to give up, the evaluation is whole.
+        let (evaluated, asked) = stopped_in_chunk(9);
+        assert_eq!(evaluated, Evaluated::Whole(Metrics { loss_sum: 100.0, correct: 50, count: 100 }));
+        assert_eq!(asked.len(), 10);
+    }
+
+    #[test]
+    fn a_stop_raised_before_the_evaluation_evaluates_nothing_and_none_evaluates_all() {
+        let raised = AtomicBool::new(true);
+        let never = |_: Range<usize>| -> Result<Metrics> { panic!("no chunk is evaluated once the flag is up") };
+        let stopped = evaluate_chunks(0..100, 10, Some(&raised), never).unwrap();
+        assert_eq!(stopped, Evaluated::Stopped(StoppedEvaluation { evaluated: 0, of: 100 }));
+        let one = |c: Range<usize>| Ok(Metrics { loss_sum: 1.0, correct: 1, count: c.len() as u64 });
+        let whole = evaluate_chunks(0..95, 10, None, one).unwrap();
+        assert_eq!(whole, Evaluated::Whole(Metrics { loss_sum: 10.0, correct: 10, count: 95 }));
     }
 }

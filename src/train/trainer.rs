@@ -34,7 +34,7 @@ use super::panics;
 use super::processes::{self, Handshake, RowPlan};
 use super::replica::{check_replicas, decay_mask, Replica};
 use super::scatter;
-use super::step::StepWork;
+use super::step::{Evaluated, StepWork};
 use super::worker::{self, recv_waiting, Command, Reply, SetupGate, WorkerStart};
 use super::{Batch, ShardReport, StepReport, StopRequest, TrainConfig};
 use crate::data::Dataset;
@@ -354,14 +354,18 @@ impl Trainer<'_> {
     /// Loss and accuracy on `data` in evaluation mode, the samples split across devices
     /// (every process's: each gathers and evaluates its devices' parts only).
     pub fn evaluate(&mut self, data: &Dataset, eval_batch: usize) -> Result<Metrics> {
-        Ok(self.evaluate_until(data, eval_batch, None)?.expect("an evaluation without a stop flag ends"))
+        match self.evaluate_until(data, eval_batch, None)? {
+            Evaluated::Whole(m) => Ok(m),
+            Evaluated::Stopped(_) => unreachable!("an evaluation without a stop flag ends"),
+        }
     }
 
     /// [`Trainer::evaluate`], given up between chunks once the run's stop flag is raised
-    /// (`None` then, on every process: a process stopped early stops all of them, at the
-    /// same point of the run). A signal during a long evaluation is answered within a
-    /// chunk, well inside the grace a scheduler gives between SIGTERM and SIGKILL.
-    pub(super) fn evaluate_or_stop(&mut self, data: &Dataset, eval_batch: usize) -> Result<Option<Metrics>> {
+    /// (on every process then: a process stopped early stops all of them, at the same
+    /// point of the run), saying how far it got. A signal during a long evaluation is
+    /// answered within a chunk, well inside the grace a scheduler gives between SIGTERM
+    /// and SIGKILL.
+    pub(super) fn evaluate_or_stop(&mut self, data: &Dataset, eval_batch: usize) -> Result<Evaluated> {
         let stop = self.stop.clone();
         self.evaluate_until(data, eval_batch, stop)
     }
@@ -371,7 +375,7 @@ impl Trainer<'_> {
         data: &Dataset,
         eval_batch: usize,
         stop: Option<Arc<AtomicBool>>,
-    ) -> Result<Option<Metrics>> {
+    ) -> Result<Evaluated> {
         let n = self.devices.len();
         let parts = scatter::even_runs(data.len(), n * self.world.size());
         let mine = &parts[self.world.process() * n..(self.world.process() + 1) * n];
@@ -381,15 +385,17 @@ impl Trainer<'_> {
         let replies = self.ask(|d| {
             Command::Eval(Arc::clone(&batch), mine[d].start - first..mine[d].end - first, eval_batch, stop.clone())
         })?;
-        let local: Vec<Option<Metrics>> = replies
+        let local: Vec<Evaluated> = replies
             .into_iter()
             .map(|r| {
-                let Reply::Eval(m) = r else { unreachable!("an eval command gets an eval reply") };
-                m
+                let Reply::Eval(e) = r else { unreachable!("an eval command gets an eval reply") };
+                e
             })
             .collect();
         // Summed in global device order (in a world of one, this process's).
-        let merged = self.across(Phase::EvalMetrics, local.len() * 32, || processes::merge_metrics(self.world, &local));
+        let merged = self.across(Phase::EvalMetrics, local.len() * 32, || {
+            processes::merge_evaluations(self.world, &local, data.len())
+        });
         merged.map_err(|e| self.failing(e))
     }
 

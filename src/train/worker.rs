@@ -23,12 +23,11 @@ use crossbeam_channel::{Receiver, Sender};
 use super::flight::Ring;
 use super::panics;
 use super::replica::{Replica, StepOutcome};
-use super::step::{self, StepWork};
+use super::step::{self, Evaluated, StepWork};
 use super::Batch;
 use crate::error::{Error, Result};
 use crate::exchange::{Abort, Exchange, WaitPolicy};
 use crate::nn::ParamStore;
-use crate::ops::cross_entropy::Metrics;
 use crate::optim::{Optimizer, Sharding};
 use crate::tensor::Device;
 
@@ -47,8 +46,7 @@ pub(crate) enum Command {
 /// A worker's answer to a [`Command`].
 pub(crate) enum Reply {
     Step(StepOutcome),
-    /// `None`: stopped before the last chunk.
-    Eval(Option<Metrics>),
+    Eval(Evaluated),
     Predict(Vec<f32>),
     Fingerprints(Vec<(String, u64)>),
     Snapshot(Box<(ParamStore, Optimizer)>),

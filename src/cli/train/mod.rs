@@ -22,7 +22,7 @@ use std::time::Duration;
 use crate::checkpoint;
 use crate::dirlock::DirLock;
 use crate::nn::loss::Metrics;
-use crate::train::{EarlyStopping, EvaluationReport, HeldOut, Observer, Stopped, TrainReport};
+use crate::train::{EarlyStopping, EvaluationReport, HeldOut, Observer, Stopped, StoppedEvaluation, TrainReport};
 use crate::world::World;
 
 use signal_hook::consts::SIGINT;
@@ -807,9 +807,9 @@ fn ended(
         say(format!("metrics written to {}", p.display()));
     }
     final_lines(say, report, held_out, tested, args);
-    if let Stopped::Interrupted { checkpoint } = &report.stopped {
+    if let Stopped::Interrupted { checkpoint, evaluation } = &report.stopped {
         return match voice {
-            true => interrupted(model, report, checkpoint.as_deref(), o.save.as_deref(), signals),
+            true => interrupted(model, report, checkpoint.as_deref(), *evaluation, o.save.as_deref(), signals),
             false => Err(Failure::silent(StopSignals::exit_code(signals.received().unwrap_or(SIGINT)))),
         };
     }
@@ -1249,17 +1249,23 @@ fn check_monitors(args: &TrainArgs) -> CliResult {
     Ok(())
 }
 
-/// The end of a run a signal stopped: where its state went (the checkpoint, else the
-/// weights of its last step to `--save`), said on stderr, and the exit code 128 + N.
+/// The end of a run a signal stopped: the held-out evaluation it gave up, if it gave one
+/// up (how far it got: the user sees that the signal did not wait for its end), where
+/// its state went (the checkpoint, else the weights of its last step to `--save`), said
+/// on stderr, and the exit code 128 + N.
 fn interrupted(
     model: &Graph,
     report: &TrainReport,
     checkpoint: Option<&Path>,
+    evaluation: Option<StoppedEvaluation>,
     save: Option<&Path>,
     signals: &StopSignals,
 ) -> CliResult {
     let signal = signals.received().unwrap_or(SIGINT);
     let mut line = format!("lockstep: interrupted by {} after step {}", StopSignals::name(signal), report.steps);
+    if let Some(e) = evaluation {
+        line.push_str(&format!("; its evaluation given up after {} of {} samples, unreported", e.evaluated, e.of));
+    }
     match (checkpoint, save) {
         (Some(p), _) => line.push_str(&format!("; checkpoint written to {}", p.display())),
         (None, Some(p)) => {
