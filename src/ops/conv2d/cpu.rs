@@ -1224,10 +1224,10 @@ mod tests {
         };
         let mut y = Vec::new();
         for s in 0..n {
-            for f in 0..o {
+            for (f, &bf) in b.iter().enumerate() {
                 for q in 0..p {
                     let terms = (0..c).map(|ch| w(f * c + ch) * x((s * c + ch) * p + q));
-                    y.push(sum(&mut std::iter::once(b[f] as f64).chain(terms)));
+                    y.push(sum(&mut std::iter::once(bf as f64).chain(terms)));
                 }
             }
         }
