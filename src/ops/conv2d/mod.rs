@@ -175,7 +175,8 @@ fn unfold_memory(g: &Im2colGeom, o: usize) -> (u64, u64, u64, u64) {
     // The lent buffers (`cpu::Scratch`), the larger of the forward's and the backward's:
     // Rows: a sample channels-last (and in the backward its gradient), a piece's rows
     // and its chunk's outputs ([`rows_tiling`]);
-    // Columns: one sample's columns and (backward) their gradient.
+    // Columns: one sample's columns and (backward) their gradient;
+    // Pointwise: none (its GEMMs read and write the samples' own values).
     let (kkc, p, o64) = (g.col_rows() as u64, g.col_cols() as u64, o as u64);
     let wg = winograd_geom(g, o);
     let how = unfold(g, o);
@@ -192,9 +193,10 @@ fn unfold_memory(g: &Im2colGeom, o: usize) -> (u64, u64, u64, u64) {
             2 * (g.c * g.h * g.w) as u64 + t.samples as u64 * (t.band as u64 * kkc + p * o64)
         }
         Unfold::Columns => 2 * kkc * p,
+        Unfold::Pointwise => 0,
     };
-    // The products' packing, whichever unfolding runs: columns (O × KKC by KKC × P, and
-    // the backward's two), rows and Winograd (any number of rows or tiles by KKC or C,
+    // The products' packing, whichever unfolding runs: columns and pointwise (O × KKC by
+    // KKC × P, and the backward's two), rows and Winograd (any number of rows or tiles by KKC or C,
     // to O, and back; `gemm_packing` bounds the count).
     let (kkc, p, c, any) = (kkc as usize, p as usize, g.c, usize::MAX);
     let products = [
@@ -727,7 +729,7 @@ mod tests {
         // products of values below 1/2 in f32, some through Winograd's transforms): the direct path at
         // strides 1 and 2 with Keras's "same" (asymmetric at stride 2) and explicit pads,
         // two filters a channel and 4-channel groups; a convolution a group by columns,
-        // rows and Winograd. 20 samples make two chunks of samples; 1, 2 and 3 threads and
+        // rows, Winograd and pointwise. 20 samples make two chunks of samples; 1, 2 and 3 threads and
         // an input gradient over the input or apart must give the same bits, and the
         // parameters' gradients accumulate.
         let cases = [
@@ -739,6 +741,7 @@ mod tests {
             (10, 4, 2, 2, 1, Padding::Valid, 6, 5, Grouped::PerGroup, Some(Unfold::Columns)),
             (12, 6, 2, 3, 2, Padding::Same, 9, 9, Grouped::PerGroup, Some(Unfold::Rows)),
             (32, 32, 2, 3, 1, Padding::Same, 8, 8, Grouped::PerGroup, Some(Unfold::Winograd)),
+            (12, 6, 2, 1, 1, Padding::Valid, 6, 5, Grouped::PerGroup, Some(Unfold::Pointwise)),
         ];
         for (c, o, groups, k, stride, padding, h, w, path, how) in cases {
             let what = format!("C {c}, O {o}, G {groups}, {k}x{k} stride {stride}, {padding:?}");
@@ -921,7 +924,12 @@ mod tests {
         // each unfolding: every output value is written, none read.
         use crate::tensor::Device;
         let ctx = Ctx::train(0, 0, 0, Device::Cpu(0));
-        let cases = [(1, 4, 3, 1, Unfold::Columns), (8, 8, 3, 2, Unfold::Rows), (8, 16, 3, 1, Unfold::Winograd)];
+        let cases = [
+            (1, 4, 3, 1, Unfold::Columns),
+            (8, 8, 3, 2, Unfold::Rows),
+            (8, 16, 3, 1, Unfold::Winograd),
+            (12, 7, 1, 1, Unfold::Pointwise),
+        ];
         for (c, o, k, stride, how) in cases {
             let mut r = crate::rng::SplitMix64::new(3);
             let mut rand = |len: usize| (0..len).map(|_| r.next_f32() - 0.5).collect::<Vec<f32>>();
@@ -958,8 +966,12 @@ mod tests {
         // 20 samples make two chunks of samples; rows at C = 24 and 28×28 run in bands.
         use crate::tensor::Device;
         let ctx = Ctx::train(0, 0, 0, Device::Cpu(0));
-        let cases =
-            [(1, 4, 3, 1, 9, Unfold::Columns), (24, 8, 3, 2, 28, Unfold::Rows), (8, 16, 3, 1, 9, Unfold::Winograd)];
+        let cases = [
+            (1, 4, 3, 1, 9, Unfold::Columns),
+            (24, 8, 3, 2, 28, Unfold::Rows),
+            (8, 16, 3, 1, 9, Unfold::Winograd),
+            (36, 20, 1, 1, 9, Unfold::Pointwise),
+        ];
         for (c, o, k, stride, h, how) in cases {
             let mut r = crate::rng::SplitMix64::new(5);
             let mut rand = |len: usize| (0..len).map(|_| r.next_f32() - 0.5).collect::<Vec<f32>>();
