@@ -6,15 +6,15 @@
 //! (`super::gpu::host_check`).
 //!
 //! The batch is cut into the fixed chunks of `backend::cpu::batch_chunks`, which run in
-//! parallel on the device's pool; within a chunk, a 3×3 convolution at stride 1 between
-//! at least 8 channels runs by Winograd's F(4×4, 3×3) (`backend::winograd`, 4 times
-//! fewer multiply-adds), a 1×1 one at stride 1 without padding (a DenseNet's bottlenecks
-//! and transitions) by GEMM on each sample's own (C, H·W) values, which are its columns
-//! already ([`Unfold::Pointwise`]: no copy, no transpose), and any other is GEMM over
-//! unfolded inputs, in one of two
-//! layouts: channels-first columns for a small C·KH·KW (the first layer of an image
-//! model), and channels-last rows otherwise (every kernel row of a pixel is one contiguous
-//! copy of KW·C values, and a whole chunk is one GEMM). The choice (`Unfold`) is a
+//! parallel on the device's pool; within a chunk, a 3×3 convolution at stride 1 from at
+//! least 8 input channels to at least 16 output channels runs by Winograd's F(4×4, 3×3)
+//! (`backend::winograd::applies`, 4 times fewer multiply-adds), a 1×1 one at stride 1
+//! without padding (a DenseNet's bottlenecks and transitions) by GEMM on each sample's own
+//! (C, H·W) values, which are its columns already ([`Unfold::Pointwise`]: no copy, no
+//! transpose), and any other by GEMM over unfolded inputs, in one of two layouts:
+//! channels-first columns for a small C·KH·KW (the first layer of an image model), and
+//! channels-last rows otherwise (every kernel row of a pixel is one contiguous copy of
+//! KW·C values, and a whole chunk is one GEMM). The choice (`Unfold`) is a
 //! function of the layer's shape alone. Gradients of the weight and bias are summed per
 //! chunk and the chunks added in chunk order, so the result is bitwise the same whatever
 //! the thread count.
