@@ -206,16 +206,34 @@ fn chunks(batch: usize) -> u64 {
 /// layer running: its input and output (or gradient and input gradient), the widest pair
 /// of the network, and the shard's copy of its samples. Per layer and chunk of samples,
 /// its workspace (a convolution's weight-gradient partials), and per layer what it holds
-/// whatever the batch (a Winograd convolution's transformed weight).
+/// whatever the batch (a Winograd convolution's transformed weight). A node that runs
+/// inside another's passes on the CPU keeps nothing of its own there.
 pub fn shard_activations(model: &Graph, batch: usize, threads: usize) -> u64 {
     let _ = threads; // the chunks are a function of the batch alone (`backend::cpu::batch_chunks`)
+    activations(model, batch, Runs::Cpu)
+}
+
+/// [`shard_activations`] on a GPU replica, which runs every node as it is (a node the CPU
+/// runs inside another's passes keeps there what it keeps alone).
+pub fn gpu_shard_activations(model: &Graph, batch: usize) -> u64 {
+    activations(model, batch, Runs::Gpu)
+}
+
+/// Where a shard runs: whether nodes run inside others' passes (the CPU) or each as it is.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Runs {
+    Cpu,
+    Gpu,
+}
+
+fn activations(model: &Graph, batch: usize, runs: Runs) -> u64 {
     let mut kept = 0u64;
     let mut widest = widest_input(model);
     let mut workspace = 0u64;
     for (j, (layer, shapes)) in model.layers().iter().zip(model.layer_shapes()).enumerate() {
         // A ReLU run inside the node before it, or a SiLU inside its reader, keeps
         // nothing of its own (that node's account holds what the pair keeps).
-        let m = match model.runs_inside_another(j) {
+        let m = match runs == Runs::Cpu && model.runs_inside_another(j) {
             true => LayerMemory::NONE,
             false => layer.memory(shapes).unwrap_or(LayerMemory::NONE),
         };
@@ -401,5 +419,17 @@ mod tests {
         // Linux (the project's machines) has /proc/meminfo; the figure is positive.
         let a = available().expect("MemAvailable");
         assert!(a.bytes > 0);
+    }
+
+    /// A GPU replica runs the Llama's SiLUs as themselves, each keeping its slope (T·F
+    /// values a sample), where the CPU runs them inside their products; the transposes
+    /// around its attentions keep nothing either way.
+    #[test]
+    fn a_gpu_shard_counts_the_nodes_the_cpu_runs_inside_others() {
+        let config = crate::models::LlamaConfig::new(16, 32, 2, 2, 16);
+        let model = crate::models::llama(config).unwrap();
+        let (t, f) = (config.context as u64, config.hidden as u64);
+        let slopes = config.layers as u64 * t * f * 4;
+        assert_eq!(gpu_shard_activations(&model, 3), shard_activations(&model, 3, 1) + 3 * slopes);
     }
 }
