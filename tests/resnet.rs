@@ -19,13 +19,13 @@ use lockstep::devices::Devices;
 use lockstep::models::{resnet, ResnetDepth};
 use lockstep::nn::{identity, residual, Activation, BatchNorm2d, Call, Conv2d, Ctx, Graph, Padding, Relu, Value};
 use lockstep::optim::{MomentumKind, OptimizerConfig};
-use lockstep::train::{train_data_parallel, Batch, TrainConfig};
+use lockstep::train::{train_data_parallel, TrainConfig};
 use lockstep::weights;
 use lockstep::{Device, Tensor};
 
 #[path = "common/reference_case.rs"]
 mod reference_case;
-use reference_case::{get, image_config as config, max_abs, tensors, IMAGE_BATCH as BATCH};
+use reference_case::{get, image_config as config, image_step0, max_abs, tensors};
 
 fn dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/resnet")
@@ -113,27 +113,17 @@ fn sgd() -> OptimizerConfig {
     OptimizerConfig::Sgd { lr: 1e-4, momentum: 0.9, momentum_kind: MomentumKind::Classic, weight_decay: 0.0 }
 }
 
-/// The gradient of step 0 as a run on `devices` applies it: one SGD step of lr 1 from the
-/// initial weights moves each parameter by −g up to the rounding of p − g.
-fn step0(model: &Graph, devices: &Devices, replicas: usize) -> Vec<f32> {
-    let init = weights::load(model, &dir().join("init.safetensors")).unwrap();
-    let data = load_safetensors_dataset(&dir().join("data.safetensors")).unwrap();
-    let batch = Batch::gather(&data, &(0..BATCH).collect::<Vec<_>>());
-    let cfg = TrainConfig { initial: Some(init.clone()), ..config(1, replicas, OptimizerConfig::sgd(1.0)) };
-    let after = lockstep::train::with_trainer(model, devices, &cfg, |t| {
-        t.step(batch)?;
-        t.check_replicas()?;
-        Ok(t.weights()?.0)
-    })
-    .unwrap();
-    init.params.iter().zip(&after.params).map(|(p0, p1)| p0 - p1).collect()
-}
-
 /// Step 0's gradient, the 20 losses and the final tensors of the case of `world`
 /// replicas, run as `model` on `devices`.
 fn check_case(model: &Graph, devices: Devices, world: usize, replicas: usize) {
     let want = tensors(&dir().join(format!("w{world}.safetensors")));
-    let grads = step0(model, &devices, replicas);
+    let grads = image_step0(
+        model,
+        &devices,
+        replicas,
+        &dir(),
+        &load_safetensors_dataset(&dir().join("data.safetensors")).unwrap(),
+    );
     for t in model.param_infos() {
         assert_within(
             &format!("{devices}: step-0 gradient of {}", t.name),

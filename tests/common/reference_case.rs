@@ -3,9 +3,10 @@
 //! the language models (tests/data/gpt, tests/data/llama) a case holds the module's weights
 //! before (`init.*`) and after (`final.*`) its training, its token rows (`tokens`) and its
 //! losses, and both ran one training recipe (`reference_rows`, `state_dict`,
-//! `reference_config`); the image models' cases one run (`image_config`). Included with `#[path]` by tests/gpt.rs and tests/llama.rs (all of
-//! it) and by tests/resnet.rs and tests/densenet.rs (the reading), hence the `dead_code`
-//! allowance.
+//! `reference_config`); the image models' cases one run (`image_config`, `image_step0`).
+//! Included with `#[path]` by tests/gpt.rs and tests/llama.rs (all of it) and by
+//! tests/resnet.rs and tests/densenet.rs (the reading and the image run), hence the
+//! `dead_code` allowance.
 
 #![allow(dead_code)]
 
@@ -13,9 +14,10 @@ use std::path::{Path, PathBuf};
 
 use lockstep::data::safetensors_file::load_safetensors_dataset;
 use lockstep::data::Dataset;
-use lockstep::nn::ParamStore;
+use lockstep::devices::Devices;
+use lockstep::nn::{Graph, ParamStore};
 use lockstep::optim::{LrSchedule, OptimizerConfig};
-use lockstep::train::{LastBatch, Shuffle, TrainConfig};
+use lockstep::train::{Batch, LastBatch, Shuffle, TrainConfig};
 use lockstep::weights;
 
 /// Every tensor of a case: (name, shape, values).
@@ -121,4 +123,21 @@ pub fn image_config(steps: u64, replicas: usize, optimizer: OptimizerConfig) -> 
         check_replicas_every: Some(1),
         ..TrainConfig::default()
     }
+}
+
+/// The gradient of an image case's step 0 as a run of `model` on `devices` applies it: one
+/// SGD step of lr 1 from the case's initial weights (`dir`/init.safetensors) on the first
+/// [`IMAGE_BATCH`] samples of `data` moves each parameter by −g, up to the rounding of
+/// p − g.
+pub fn image_step0(model: &Graph, devices: &Devices, replicas: usize, dir: &Path, data: &Dataset) -> Vec<f32> {
+    let init = weights::load(model, &dir.join("init.safetensors")).unwrap();
+    let batch = Batch::gather(data, &(0..IMAGE_BATCH).collect::<Vec<_>>());
+    let cfg = TrainConfig { initial: Some(init.clone()), ..image_config(1, replicas, OptimizerConfig::sgd(1.0)) };
+    let after = lockstep::train::with_trainer(model, devices, &cfg, |t| {
+        t.step(batch)?;
+        t.check_replicas()?;
+        Ok(t.weights()?.0)
+    })
+    .unwrap();
+    init.params.iter().zip(&after.params).map(|(p0, p1)| p0 - p1).collect()
 }
