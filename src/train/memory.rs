@@ -9,7 +9,7 @@
 
 use crate::devices::Devices;
 use crate::error::Result;
-use crate::memory::{eval_activations, gpu_shard_activations, shard_activations, Estimate, PROCESS_BYTES};
+use crate::memory::{eval_activations, shard_activations, Estimate, PROCESS_BYTES};
 use crate::nn::Graph;
 use crate::optim::OptimizerConfig;
 use crate::tensor::Device;
@@ -157,7 +157,7 @@ fn gpu_replica(model: &Graph, config: &TrainConfig, shard: usize, r: usize) -> E
         "parameters, their gradients, buffers",
     );
     e.add("optimiser state", copies.saturating_mul(p).saturating_mul(F32), what);
-    e.add("activations", gpu_shard_activations(model, shard), format!("a shard of {shard} samples"));
+    e.add("activations", crate::memory::gpu_shard_activations(model, shard), format!("a shard of {shard} samples"));
     if config.clip_grad_norm.is_some() {
         let partials = crate::optim::norm_partials(model.params_len()).max(1) as u64;
         e.add("gradient norm", partials.saturating_mul(8).saturating_add(F32), "clipping's partial sums and factor");
