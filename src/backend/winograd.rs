@@ -43,8 +43,8 @@ const XI: usize = SIDE * SIDE;
 /// enough for the transforms to pay (a 1-channel stem stays with im2col). Each of the 36
 /// points' products has O columns: at O = 12 (a DenseNet's growth) they are too narrow
 /// for the GEMM kernel's register tiles, and im2col's rows ran the DenseNet's 48→12
-/// convolutions 4.5× faster (`lockstep bench layers --model densenet`, an AVX-512 Xeon).
-/// A function of the shape alone.
+/// convolutions 4.5× faster (`lockstep bench layers --model densenet`, an AVX-512 Xeon);
+/// they now run by a GEMM per tap (`ops::conv2d`'s taps). A function of the shape alone.
 pub fn applies(c: usize, o: usize, kernel: (usize, usize), stride: usize) -> bool {
     kernel == (3, 3) && stride == 1 && c >= 8 && o >= 16
 }

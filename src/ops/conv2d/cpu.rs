@@ -11,7 +11,10 @@
 //! (`backend::winograd::applies`, 4 times fewer multiply-adds), a 1×1 one at stride 1
 //! without padding (a DenseNet's bottlenecks and transitions) by GEMM on each sample's own
 //! (C, H·W) values, which are its columns already ([`Unfold::Pointwise`]: no copy, no
-//! transpose), and any other by GEMM over unfolded inputs, in one of two layouts:
+//! transpose), one at stride 1 that keeps the input's size to under 16 filters (a
+//! DenseNet's growth) by a GEMM per tap over the sample's zero-padded planes
+//! ([`Unfold::Taps`]: nothing unfolded), and any other by GEMM over unfolded inputs, in
+//! one of two layouts:
 //! channels-first columns for a small C·KH·KW (the first layer of an image model), and
 //! channels-last rows otherwise (every kernel row of a pixel is one contiguous copy of
 //! KW·C values, and a whole chunk is one GEMM). The choice (`Unfold`) is a
@@ -112,6 +115,7 @@ pub fn conv2d_backward(
         Unfold::Rows => {
             add_rows_dweight(dweight, &sum_partials(dws), g, o);
         }
+        Unfold::Taps => add_taps_dweight(dweight, &sum_partials(dws), g.c, o, g.kh * g.kw),
     }
     if let Some(dbias) = dbias {
         add_partials(dbias, dbs);
@@ -142,6 +146,12 @@ pub(super) enum Unfold {
     /// and the weight as (O, C), as columns multiply but without unfolding anything; the
     /// weight's gradient is summed transposed, (C, O) ([`add_pointwise_dweight`]).
     Pointwise,
+    /// A kernel of several taps at stride 1 whose output keeps the input's size, to fewer
+    /// filters than Winograd takes ([`taps`]; a DenseNet's 48→12 3×3 convolutions): one
+    /// GEMM per tap, each reading the sample's zero-padded planes where that tap sees
+    /// them ([`Taps`]), summed tap after tap into the output. Nothing is unfolded: the
+    /// rows unfold KH·KW times the input, for products only O wide.
+    Taps,
 }
 
 /// The unfolding for a geometry and O filters: a function of the layer's shape alone, so
@@ -153,8 +163,109 @@ pub(super) fn unfold(g: &Im2colGeom, o: usize) -> Unfold {
         Unfold::Winograd
     } else if g.col_rows() <= 32 {
         Unfold::Columns
+    } else if taps(g, o) {
+        Unfold::Taps
     } else {
         Unfold::Rows
+    }
+}
+
+/// Whether a convolution that is not pointwise, Winograd's or columns' runs by
+/// [`Unfold::Taps`]: stride 1, the output the input's size ("same" padding), under 16
+/// filters. A function of the shape alone.
+fn taps(g: &Im2colGeom, o: usize) -> bool {
+    g.stride == 1 && (g.oh, g.ow) == (g.h, g.w) && g.kh * g.kw > 1 && o < 16
+}
+
+/// [`Unfold::Taps`]'s layout of one sample: each channel a plane of `plane` values, the
+/// H×W image at its padding offset in rows `wp` = W + KW − 1 wide, zeros around it. Output
+/// pixel (oh, ow) is row q = oh·wp + ow of an `m`-row product; tap (i, j) reads the plane
+/// at q + i·wp + j, so a tap's operand is the plane itself from that offset on, and each
+/// row's last KW − 1 values of q (past OW) are products of padding that nobody reads.
+/// `m` is rounded up to the GEMM kernel's 16 rows, which then reads the planes in place
+/// (no packing); `plane` holds the image and every row a tap reads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Taps {
+    pub(super) wp: usize,
+    pub(super) m: usize,
+    pub(super) plane: usize,
+}
+
+impl Taps {
+    pub(super) fn of(g: &Im2colGeom) -> Taps {
+        let wp = g.w + g.kw - 1;
+        let m = ((g.oh - 1) * wp + g.ow).next_multiple_of(16);
+        Taps { wp, m, plane: m + (g.kh - 1) * wp + g.kw - 1 }
+    }
+
+    /// Where tap t = i·KW + j reads a plane: i·wp + j.
+    fn offset(&self, g: &Im2colGeom, t: usize) -> usize {
+        (t / g.kw) * self.wp + t % g.kw
+    }
+
+    /// Writes the (ch, H, W) image `src` into `ch` planes (`dst`, zero outside every image,
+    /// as the chunk's first sample found it) at rows from `top` and columns from `left`.
+    fn pad_planes(&self, src: &[f32], (h, w): (usize, usize), (top, left): (usize, usize), dst: &mut [f32]) {
+        for (image, plane) in src.chunks_exact(h * w).zip(dst.chunks_exact_mut(self.plane)) {
+            for (row, image_row) in image.chunks_exact(w).enumerate() {
+                let at = (top + row) * self.wp + left;
+                plane[at..at + w].copy_from_slice(image_row);
+            }
+        }
+    }
+
+    /// As [`Taps::pad_planes`], channels last: the pixel at plane position r holds its
+    /// `ch` values at dst[r·ch..]. Zero elsewhere as there.
+    fn pad_pixels(&self, src: &[f32], ch: usize, (h, w): (usize, usize), (top, left): (usize, usize), dst: &mut [f32]) {
+        for (c, image) in src.chunks_exact(h * w).enumerate() {
+            for (row, image_row) in image.chunks_exact(w).enumerate() {
+                let at = (top + row) * self.wp + left;
+                for (x, &v) in image_row.iter().enumerate() {
+                    dst[(at + x) * ch + c] = v;
+                }
+            }
+        }
+    }
+
+    /// `out` (co, m) = Σ over the taps, in order, of weight(t) (co, ci) · the `ci` planes of
+    /// `src` from the tap's offset (ci, m): each tap's product added to the taps' before it.
+    fn product<'w>(&self, g: &Im2colGeom, src: &[f32], ci: usize, weight: impl Fn(usize) -> Mat<'w>, out: &mut [f32]) {
+        for t in 0..g.kh * g.kw {
+            let at = self.offset(g, t);
+            let planes = Mat { data: &src[at..], rows: ci, cols: self.m, rs: self.plane, cs: 1 };
+            let acc = if t == 0 { Accumulate::Overwrite } else { Accumulate::Add };
+            gemm_with(weight(t), planes, out, self.m, acc, Threads::Caller);
+        }
+    }
+
+    /// The valid rows of `m`-row planes `src` (ch, m) as images (ch, OH, OW) in `dst`.
+    fn crop(&self, src: &[f32], (oh, ow): (usize, usize), dst: &mut [f32]) {
+        for (plane, image) in src.chunks_exact(self.m).zip(dst.chunks_exact_mut(oh * ow)) {
+            for (row, image_row) in image.chunks_exact_mut(ow).enumerate() {
+                image_row.copy_from_slice(&plane[row * self.wp..row * self.wp + ow]);
+            }
+        }
+    }
+}
+
+/// Weight tap t of (O, C, KH·KW) as an (O, C) matrix: the forward's.
+fn tap_of(w: &[f32], o: usize, c: usize, kk: usize, t: usize) -> Mat<'_> {
+    Mat { data: &w[t..], rows: o, cols: c, rs: c * kk, cs: kk }
+}
+
+/// The flipped tap KH·KW − 1 − t of (O, C, KH·KW), transposed to (C, O): the input
+/// gradient of a stride-1 convolution is the convolution of the padded output gradient
+/// by the flipped kernel.
+fn flipped_tap_of(w: &[f32], o: usize, c: usize, kk: usize, t: usize) -> Mat<'_> {
+    Mat { data: &w[kk - 1 - t..], rows: c, cols: o, rs: kk, cs: c * kk }
+}
+
+/// Adds taps' weight gradient, summed as (KH·KW, O, C), into `dweight` (O, C, KH·KW).
+fn add_taps_dweight(dweight: &mut [f32], grad: &[f32], c: usize, o: usize, kk: usize) {
+    for (t, tap) in grad.chunks_exact(o * c).enumerate() {
+        for (i, &v) in tap.iter().enumerate() {
+            dweight[i * kk + t] += v;
+        }
     }
 }
 
@@ -337,6 +448,20 @@ impl PassContext<'_> {
                     gemm_with(Mat::rows(self.weight, o, kkc), Mat::rows(x(k), kkc, p), yn, p, acc, Threads::Caller);
                 }
             }
+            Unfold::Taps => {
+                // y_s (O, m) = Σ_t W_t (O, C) · x_s's planes from tap t's offset (C, m)
+                let (t, kk) = (Taps::of(g), g.kh * g.kw);
+                let (planes, _, out, _) = scratch.sized(g.c * t.plane, 0, o * t.m, 0);
+                planes.fill(0.0);
+                for (k, yn) in y_chunk.chunks_exact_mut(o * p).enumerate() {
+                    t.pad_planes(x(k), (g.h, g.w), (g.pad_top, g.pad_left), planes);
+                    t.product(g, planes, g.c, |tap| tap_of(self.weight, o, g.c, kk, tap), out);
+                    t.crop(out, (g.oh, g.ow), yn);
+                    if let Some(b) = bias {
+                        add_bias(yn, b, p);
+                    }
+                }
+            }
             Unfold::Columns => {
                 let (_, col, _, _) = scratch.sized(0, kkc * p, 0, 0);
                 for (k, yn) in y_chunk.chunks_exact_mut(o * p).enumerate() {
@@ -412,6 +537,35 @@ impl PassContext<'_> {
                     if let Some(dx) = xs.grad(k, per_in) {
                         // dx_s (C, P) = Wᵀ (C, O) · dout_s (O, P), WRITTEN (none of it read)
                         gemm_with(wt, dn, dx, p, Accumulate::Overwrite, Threads::Caller);
+                    }
+                }
+            }
+            Unfold::Taps => {
+                let (t, kk, c) = (Taps::of(g), g.kh * g.kw, g.c);
+                let need_dx = xs.wants_grad();
+                let (pixels, dplanes, dx_rows, _) =
+                    scratch.sized(t.plane * c, o * t.plane, if need_dx { c * t.m } else { 0 }, 0);
+                pixels.fill(0.0);
+                dplanes.fill(0.0);
+                // dout_s padded for the flipped kernel: its pixel (oh, ow) at row oh + KH − 1 −
+                // pad_top, column ow + KW − 1 − pad_left. From `d0` on, row q of its planes is
+                // output pixel q, and each row's columns past OW are zeros (padding).
+                let (top, left) = (g.kh - 1 - g.pad_top, g.kw - 1 - g.pad_left);
+                let d0 = top * t.wp + left;
+                for (k, s) in range.enumerate() {
+                    t.pad_pixels(xs.input(k, per_in), c, (g.h, g.w), (g.pad_top, g.pad_left), pixels);
+                    t.pad_planes(dout(s), (g.oh, g.ow), (top, left), dplanes);
+                    let dn = Mat { data: &dplanes[d0..], rows: o, cols: t.m, rs: t.plane, cs: 1 };
+                    for (tap, dw_t) in dw.chunks_exact_mut(o * c).enumerate() {
+                        // dW_t (O, C) += dout_s (O, m) · x_s's pixels from tap t's offset (m, C)
+                        let at = t.offset(g, tap) * c;
+                        let xn = Mat { data: &pixels[at..], rows: t.m, cols: c, rs: c, cs: 1 };
+                        gemm_with(dn, xn, dw_t, c, Accumulate::Add, Threads::Caller);
+                    }
+                    if let Some(dx) = xs.grad(k, per_in) {
+                        // dx_s (C, m) = Σ_t flipped W_t (C, O) · dout_s's planes from tap t's offset
+                        t.product(g, dplanes, o, |tap| flipped_tap_of(self.weight, o, c, kk, tap), dx_rows);
+                        t.crop(dx_rows, (g.h, g.w), dx);
                     }
                 }
             }
@@ -533,7 +687,7 @@ pub fn bias_grad(dout: &[f32], p: usize, dbias: &mut [f32]) {
 /// and Winograd, (KH·KW·C, O) for rows. w: (O, C, KH, KW)
 fn weight_for<'a>(w: &'a [f32], g: &Im2colGeom, o: usize, unfold: Unfold) -> Cow<'a, [f32]> {
     match unfold {
-        Unfold::Columns | Unfold::Pointwise | Unfold::Winograd => Cow::Borrowed(w),
+        Unfold::Columns | Unfold::Pointwise | Unfold::Winograd | Unfold::Taps => Cow::Borrowed(w),
         Unfold::Rows => Cow::Owned(oihw_to_hwio(w, o, g.c, g.kh * g.kw)),
     }
 }
@@ -812,6 +966,7 @@ impl<'w> PerGroup<'w> {
                     dwk.iter_mut().zip(&dv).for_each(|(d, v)| *d += v);
                 }
                 Unfold::Rows => add_rows_dweight(dwk, sum, &sub, og),
+                Unfold::Taps => add_taps_dweight(dwk, sum, sub.c, og, sub.kh * sub.kw),
             }
         }
     }
@@ -1198,10 +1353,11 @@ mod tests {
         }
     }
 
-    /// What a pointwise convolution's batch gives, run by the public functions in a pool of
-    /// `threads` threads: (y, dweight, dbias, dx), the gradients from dweight and dbias at 0.
-    /// x: (N, C, P); w: (O, C); b: (O); dout: (N, O, P).
-    fn pointwise_run(
+    /// What a convolution's batch gives, run by the public functions in a pool of `threads`
+    /// threads: (y, dweight, dbias, dx), the gradients from dweight and dbias at 0, the
+    /// output and input gradient from NaN (each value must be written). x: (N, C, H, W);
+    /// w: (O, C, KH, KW); b: (O); dout: (N, O, OH, OW).
+    fn run_batch(
         g: &Im2colGeom,
         o: usize,
         x: &[f32],
@@ -1221,91 +1377,143 @@ mod tests {
         })
     }
 
-    /// The f64 reference of [`pointwise_run`]'s four results, each value with the count
-    /// and the sum of magnitudes of the terms it adds: (value, terms, Σ|term|).
-    fn pointwise_reference(
-        c: usize,
+    /// The f64 reference of [`run_batch`]'s four results, from the definition of the
+    /// cross-correlation, each value with the count and the sum of magnitudes of the terms
+    /// it adds: (value, terms, Σ|term|).
+    fn reference(
+        g: &Im2colGeom,
         o: usize,
-        p: usize,
         x: &[f32],
         w: &[f32],
         b: &[f32],
         dout: &[f32],
     ) -> [Vec<(f64, usize, f64)>; 4] {
-        let n = x.len() / (c * p);
-        let (x, w, dout) = (|i: usize| x[i] as f64, |i: usize| w[i] as f64, |i: usize| dout[i] as f64);
-        let sum = |terms: &mut dyn Iterator<Item = f64>| {
-            terms.fold((0.0, 0, 0.0), |(v, k, m), t| (v + t, k + 1, m + t.abs()))
-        };
-        let mut y = Vec::new();
+        let (c, kk, p) = (g.c, g.kh * g.kw, g.oh * g.ow);
+        let n = x.len() / (c * g.h * g.w);
+        let add = |acc: &mut (f64, usize, f64), t: f64| *acc = (acc.0 + t, acc.1 + 1, acc.2 + t.abs());
+        let mut y: Vec<(f64, usize, f64)> =
+            (0..n * o * p).map(|i| (b[(i / p) % o] as f64, 1, b[(i / p) % o].abs() as f64)).collect();
+        let mut dw = vec![(0.0, 0, 0.0); o * c * kk];
+        let mut db = vec![(0.0, 0, 0.0); o];
+        let mut dx = vec![(0.0, 0, 0.0); x.len()];
         for s in 0..n {
-            for (f, &bf) in b.iter().enumerate() {
+            for f in 0..o {
                 for q in 0..p {
-                    let terms = (0..c).map(|ch| w(f * c + ch) * x((s * c + ch) * p + q));
-                    y.push(sum(&mut std::iter::once(bf as f64).chain(terms)));
-                }
-            }
-        }
-        let samples_pixels = || (0..n).flat_map(move |s| (0..p).map(move |q| (s, q)));
-        let dw = (0..o * c)
-            .map(|i| {
-                let (f, ch) = (i / c, i % c);
-                sum(&mut samples_pixels().map(|(s, q)| dout((s * o + f) * p + q) * x((s * c + ch) * p + q)))
-            })
-            .collect();
-        let db = (0..o).map(|f| sum(&mut samples_pixels().map(|(s, q)| dout((s * o + f) * p + q)))).collect();
-        let mut dx = Vec::new();
-        for s in 0..n {
-            for ch in 0..c {
-                for q in 0..p {
-                    dx.push(sum(&mut (0..o).map(|f| w(f * c + ch) * dout((s * o + f) * p + q))));
+                    let (oy, ox) = (q / g.ow, q % g.ow);
+                    let out = (s * o + f) * p + q;
+                    add(&mut db[f], dout[out] as f64);
+                    for ch in 0..c {
+                        for t in 0..kk {
+                            let (iy, ix) = (
+                                (oy * g.stride + t / g.kw) as isize - g.pad_top as isize,
+                                (ox * g.stride + t % g.kw) as isize - g.pad_left as isize,
+                            );
+                            if iy < 0 || ix < 0 || iy >= g.h as isize || ix >= g.w as isize {
+                                continue;
+                            }
+                            let xi = ((s * c + ch) * g.h + iy as usize) * g.w + ix as usize;
+                            let wi = (f * c + ch) * kk + t;
+                            add(&mut y[out], w[wi] as f64 * x[xi] as f64);
+                            add(&mut dw[wi], dout[out] as f64 * x[xi] as f64);
+                            add(&mut dx[xi], w[wi] as f64 * dout[out] as f64);
+                        }
+                    }
                 }
             }
         }
         [y, dw, db, dx]
     }
 
+    /// `got` against the f64 reference `want`: each value a sum of k terms in f32 in some
+    /// order, whose error is at most k·2⁻²⁴·Σ|term| (a sum's classical bound, fused
+    /// multiply-adds or not).
+    fn within_sum_bounds(what: &str, got: &[Vec<f32>; 4], want: &[Vec<(f64, usize, f64)>; 4]) {
+        for ((part, got), want) in ["y", "dweight", "dbias", "dx"].iter().zip(got).zip(want) {
+            assert_eq!(got.len(), want.len(), "{what}: {part}");
+            for (i, (&v, &(exact, k, mag))) in got.iter().zip(want).enumerate() {
+                let bound = k as f64 * 2f64.powi(-24) * mag;
+                assert!((v as f64 - exact).abs() <= bound, "{what}: {part}[{i}] {v} against {exact} (bound {bound:e})");
+            }
+        }
+    }
+
+    /// The same batch on 1 and 2 threads gives the same bits, and sample `s` alone the bits
+    /// of its output and input gradient in the batch.
+    #[allow(clippy::too_many_arguments)]
+    fn alike_on_threads_and_batch(
+        what: &str,
+        g: &Im2colGeom,
+        o: usize,
+        x: &[f32],
+        w: &[f32],
+        b: &[f32],
+        dout: &[f32],
+        got: &[Vec<f32>; 4],
+    ) {
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+        let two = run_batch(g, o, x, w, b, dout, 2);
+        for ((part, one), two) in ["y", "dweight", "dbias", "dx"].iter().zip(got).zip(&two) {
+            assert_eq!(bits(one), bits(two), "{what}: {part} on 1 and 2 threads");
+        }
+        let (per_in, per_out) = (g.c * g.h * g.w, o * g.oh * g.ow);
+        let s = x.len() / per_in / 2;
+        let (xs, ds) = (&x[s * per_in..(s + 1) * per_in], &dout[s * per_out..(s + 1) * per_out]);
+        let [y1, _, _, dx1] = run_batch(g, o, xs, w, b, ds, 2);
+        assert_eq!(bits(&y1), bits(&got[0][s * per_out..(s + 1) * per_out]), "{what}: y of sample {s} alone");
+        assert_eq!(bits(&dx1), bits(&got[3][s * per_in..(s + 1) * per_in]), "{what}: dx of sample {s} alone");
+    }
+
     #[test]
     fn pointwise_computes_the_convolution_alike_on_any_threads_and_batch() {
         // 1×1 at stride 1 without padding (C and O not multiples of 16; C = 3 where columns
         // ran before, C = 20 and 37 where rows did), batches of 3 to 5 chunks, values
-        // U(−0.5, 0.5). Against an f64 reference: each value is a sum of k terms in f32 (C
-        // products and the bias for y, O products for dx, N·P products for dweight and N·P
-        // values for dbias) in some order, whose error is at most k·2⁻²⁴·Σ|term| (a sum's
-        // classical bound, fused multiply-adds or not), the tolerance here. Then bitwise:
-        // 1 and 2 threads alike, and a sample alone gives the bits it has in the batch.
+        // U(−0.5, 0.5), against the f64 definition within each sum's bound; then bitwise
+        // on 1 and 2 threads, and a sample alone as in its batch.
         let shapes = [(3, 5, 4, 4, 24), (20, 36, 7, 7, 33), (37, 12, 5, 9, 40)]; // (C, O, H, W, N)
         for (c, o, h, w, n) in shapes {
             let g = Im2colGeom { c, h, w, kh: 1, kw: 1, stride: 1, pad_top: 0, pad_left: 0, oh: h, ow: w };
             assert_eq!(unfold(&g, o), Unfold::Pointwise);
             assert!(batch_chunks(n).len() >= 3, "N {n}: {:?}", batch_chunks(n));
-            let p = h * w;
             let mut r = crate::rng::SplitMix64::new((c * o) as u64);
             let mut rand = |len: usize| (0..len).map(|_| r.next_f32() - 0.5).collect::<Vec<f32>>();
-            let (x, wt, b, dout) = (rand(n * c * p), rand(o * c), rand(o), rand(n * o * p));
-            let got = pointwise_run(&g, o, &x, &wt, &b, &dout, 1);
-            let want = pointwise_reference(c, o, p, &x, &wt, &b, &dout);
-            for ((what, got), want) in ["y", "dweight", "dbias", "dx"].iter().zip(&got).zip(&want) {
-                assert_eq!(got.len(), want.len(), "C {c} O {o}: {what}");
-                for (i, (&v, &(exact, k, mag))) in got.iter().zip(want).enumerate() {
-                    let bound = k as f64 * 2f64.powi(-24) * mag;
-                    assert!(
-                        (v as f64 - exact).abs() <= bound,
-                        "C {c} O {o}: {what}[{i}] {v} against {exact} (bound {bound:e})"
-                    );
-                }
-            }
-            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
-            let two = pointwise_run(&g, o, &x, &wt, &b, &dout, 2);
-            for ((what, one), two) in ["y", "dweight", "dbias", "dx"].iter().zip(&got).zip(&two) {
-                assert_eq!(bits(one), bits(two), "C {c} O {o}: {what} on 1 and 2 threads");
-            }
-            let s = n / 2;
-            let (xs, ds) = (&x[s * c * p..(s + 1) * c * p], &dout[s * o * p..(s + 1) * o * p]);
-            let [y1, _, _, dx1] = pointwise_run(&g, o, xs, &wt, &b, ds, 2);
-            assert_eq!(bits(&y1), bits(&got[0][s * o * p..(s + 1) * o * p]), "C {c} O {o}: y of sample {s} alone");
-            assert_eq!(bits(&dx1), bits(&got[3][s * c * p..(s + 1) * c * p]), "C {c} O {o}: dx of sample {s} alone");
+            let (x, wt, b, dout) = (rand(n * c * h * w), rand(o * c), rand(o), rand(n * o * h * w));
+            let what = format!("C {c} O {o}");
+            let got = run_batch(&g, o, &x, &wt, &b, &dout, 1);
+            within_sum_bounds(&what, &got, &reference(&g, o, &x, &wt, &b, &dout));
+            alike_on_threads_and_batch(&what, &g, o, &x, &wt, &b, &dout, &got);
         }
+    }
+
+    #[test]
+    fn taps_compute_the_convolution_alike_on_any_threads_and_batch() {
+        // Stride 1, the input's size, under 16 filters: a DenseNet's 48→12 3×3 (C a multiple
+        // of 16, whose GEMMs read the pixels in place), 5×5 at C = 5, 2×3 (Keras's "same"
+        // for an even kernel: the extra row of padding at the bottom), 3×3 with one filter;
+        // batches of several chunks, values U(−0.5, 0.5), against the f64 definition within
+        // each sum's bound; then bitwise on 1 and 2 threads, and a sample alone as in its batch.
+        // (C, O, KH, KW, pad top, pad left, H, W, N)
+        let shapes = [
+            (48, 12, 3, 3, 1, 1, 9, 11, 24),
+            (5, 7, 5, 5, 2, 2, 6, 7, 17),
+            (9, 4, 2, 3, 0, 1, 5, 8, 20),
+            (16, 1, 3, 3, 1, 1, 4, 4, 16),
+        ];
+        for (c, o, kh, kw, pad_top, pad_left, h, w, n) in shapes {
+            let g = Im2colGeom { c, h, w, kh, kw, stride: 1, pad_top, pad_left, oh: h, ow: w };
+            assert_eq!(unfold(&g, o), Unfold::Taps, "C {c} O {o} {kh}x{kw}");
+            assert!(batch_chunks(n).len() >= 2, "N {n}: {:?}", batch_chunks(n));
+            let mut r = crate::rng::SplitMix64::new((c * o + kh) as u64);
+            let mut rand = |len: usize| (0..len).map(|_| r.next_f32() - 0.5).collect::<Vec<f32>>();
+            let (x, wt, b, dout) = (rand(n * c * h * w), rand(o * c * kh * kw), rand(o), rand(n * o * h * w));
+            let what = format!("C {c} O {o} {kh}x{kw}");
+            let got = run_batch(&g, o, &x, &wt, &b, &dout, 1);
+            within_sum_bounds(&what, &got, &reference(&g, o, &x, &wt, &b, &dout));
+            alike_on_threads_and_batch(&what, &g, o, &x, &wt, &b, &dout, &got);
+        }
+        // Where the output is not the input's size, or at stride 2, rows run.
+        let valid = Im2colGeom { c: 48, h: 9, w: 9, kh: 3, kw: 3, stride: 1, pad_top: 0, pad_left: 0, oh: 7, ow: 7 };
+        assert_eq!(unfold(&valid, 12), Unfold::Rows);
+        assert_eq!(unfold(&Im2colGeom { stride: 2, oh: 5, ow: 5, pad_top: 1, pad_left: 1, ..valid }, 12), Unfold::Rows);
     }
 
     #[test]

@@ -33,7 +33,7 @@ use crate::backend::winograd;
 use crate::error::{Error, Result};
 use crate::tensor::{Shape, Tensor};
 pub use cpu::release_scratch;
-use cpu::{rows_tiling, unfold, winograd_geom, Direct, Grouped, Grouping, Unfold};
+use cpu::{rows_tiling, unfold, winograd_geom, Direct, Grouped, Grouping, Taps, Unfold};
 
 /// The CPU backend's geometry of one sample of C channels, from the shared window
 /// placement (the backend takes one stride: Conv2d's are equal).
@@ -176,7 +176,9 @@ fn unfold_memory(g: &Im2colGeom, o: usize) -> (u64, u64, u64, u64) {
     // Rows: a sample channels-last (and in the backward its gradient), a piece's rows
     // and its chunk's outputs ([`rows_tiling`]);
     // Columns: one sample's columns and (backward) their gradient;
-    // Pointwise: none (its GEMMs read and write the samples' own values).
+    // Pointwise: none (its GEMMs read and write the samples' own values);
+    // Taps: a sample's padded planes (or pixels), in the backward its output gradient's
+    // too, and one sample's output (or input gradient) over the padded width.
     let (kkc, p, o64) = (g.col_rows() as u64, g.col_cols() as u64, o as u64);
     let wg = winograd_geom(g, o);
     let how = unfold(g, o);
@@ -194,6 +196,10 @@ fn unfold_memory(g: &Im2colGeom, o: usize) -> (u64, u64, u64, u64) {
         }
         Unfold::Columns => 2 * kkc * p,
         Unfold::Pointwise => 0,
+        Unfold::Taps => {
+            let t = Taps::of(g);
+            (g.c + o) as u64 * t.plane as u64 + g.c.max(o) as u64 * t.m as u64
+        }
     };
     // The products' packing, whichever unfolding runs: columns and pointwise (O × KKC by
     // KKC × P, and the backward's two), rows and Winograd (any number of rows or tiles by KKC or C,
@@ -210,6 +216,9 @@ fn unfold_memory(g: &Im2colGeom, o: usize) -> (u64, u64, u64, u64) {
         (any, o, c),
         (c, o, any),
         (any, c, o),
+        (o, any, c),
+        (o, c, any),
+        (c, any, o),
     ];
     let gemm = products.into_iter().map(|(m, n, k)| gemm_packing(m, n, k)).max().unwrap_or(0);
     (per_chunk, per_layer, lent, gemm)
@@ -729,7 +738,7 @@ mod tests {
         // products of values below 1/2 in f32, some through Winograd's transforms): the direct path at
         // strides 1 and 2 with Keras's "same" (asymmetric at stride 2) and explicit pads,
         // two filters a channel and 4-channel groups; a convolution a group by columns,
-        // rows, Winograd and pointwise. 20 samples make two chunks of samples; 1, 2 and 3 threads and
+        // rows, Winograd, pointwise and taps. 20 samples make two chunks of samples; 1, 2 and 3 threads and
         // an input gradient over the input or apart must give the same bits, and the
         // parameters' gradients accumulate.
         let cases = [
@@ -742,6 +751,7 @@ mod tests {
             (12, 6, 2, 3, 2, Padding::Same, 9, 9, Grouped::PerGroup, Some(Unfold::Rows)),
             (32, 32, 2, 3, 1, Padding::Same, 8, 8, Grouped::PerGroup, Some(Unfold::Winograd)),
             (12, 6, 2, 1, 1, Padding::Valid, 6, 5, Grouped::PerGroup, Some(Unfold::Pointwise)),
+            (24, 12, 2, 3, 1, Padding::Same, 9, 8, Grouped::PerGroup, Some(Unfold::Taps)),
         ];
         for (c, o, groups, k, stride, padding, h, w, path, how) in cases {
             let what = format!("C {c}, O {o}, G {groups}, {k}x{k} stride {stride}, {padding:?}");
@@ -929,6 +939,7 @@ mod tests {
             (8, 8, 3, 2, Unfold::Rows),
             (8, 16, 3, 1, Unfold::Winograd),
             (12, 7, 1, 1, Unfold::Pointwise),
+            (16, 12, 3, 1, Unfold::Taps),
         ];
         for (c, o, k, stride, how) in cases {
             let mut r = crate::rng::SplitMix64::new(3);
@@ -971,6 +982,7 @@ mod tests {
             (24, 8, 3, 2, 28, Unfold::Rows),
             (8, 16, 3, 1, 9, Unfold::Winograd),
             (36, 20, 1, 1, 9, Unfold::Pointwise),
+            (48, 12, 3, 1, 28, Unfold::Taps),
         ];
         for (c, o, k, stride, h, how) in cases {
             let mut r = crate::rng::SplitMix64::new(5);
