@@ -163,8 +163,7 @@ impl Layer for Concatenate {
             xs[0].same_device("Concatenate", x)?;
         }
         let parts: Vec<&[f32]> = xs.iter().map(Tensor::host).collect();
-        let mut y = vec![0.0; shape.numel()];
-        cpu::concat_forward(&parts, &inners(&shapes, at), &mut y);
+        let y = cpu::concat(&parts, &inners(&shapes, at));
         self.cached = (ctx.mode == Mode::Train).then_some(shapes);
         Tensor::from_vec_on(y, shape, xs[0].device())
     }
@@ -194,14 +193,9 @@ impl Layer for Concatenate {
                 ),
             ));
         }
-        let mut bufs: Vec<Option<Vec<f32>>> = shapes
-            .iter()
-            .zip(input_grads)
-            .map(|(s, &g)| (g == InputGrad::Needed).then(|| vec![0.0; s.numel()]))
-            .collect();
-        let mut dxs: Vec<Option<&mut [f32]>> = bufs.iter_mut().map(|b| b.as_deref_mut()).collect();
-        cpu::concat_backward(dout.host(), &inners(&shapes, at), &mut dxs);
-        bufs.into_iter()
+        let wanted: Vec<bool> = input_grads.iter().map(|&g| g == InputGrad::Needed).collect();
+        cpu::split(dout.host(), &inners(&shapes, at), &wanted)
+            .into_iter()
             .zip(shapes)
             .map(|(b, s)| b.map(|v| Tensor::from_vec_on(v, s, dout.device())).transpose())
             .collect()

@@ -41,8 +41,8 @@ use std::ops::Range;
 use rayon::prelude::*;
 
 use crate::backend::cpu::{
-    add_partials, batch_chunks, chw_to_hwc, col2im, gemm_with, hwc_to_chw, im2col, im2row, row2im, split_by_chunks,
-    sum_partials, Accumulate, Im2colGeom, Mat, Pieces, Samples, Threads,
+    add_partials, batch_chunks, chw_to_hwc, col2im, gemm_with, hwc_to_chw, im2col, im2row, into_padded, row2im,
+    split_by_chunks, sum_partials, Accumulate, Im2colGeom, Mat, Padded, Pieces, Samples, Threads,
 };
 use crate::backend::par;
 use crate::backend::simd::widest;
@@ -214,17 +214,10 @@ impl Taps {
         }
     }
 
-    /// As [`Taps::pad_planes`], channels last: the pixel at plane position r holds its
-    /// `ch` values at dst[r·ch..]. Zero elsewhere as there.
-    fn pad_pixels(&self, src: &[f32], ch: usize, (h, w): (usize, usize), (top, left): (usize, usize), dst: &mut [f32]) {
-        for (c, image) in src.chunks_exact(h * w).enumerate() {
-            for (row, image_row) in image.chunks_exact(w).enumerate() {
-                let at = (top + row) * self.wp + left;
-                for (x, &v) in image_row.iter().enumerate() {
-                    dst[(at + x) * ch + c] = v;
-                }
-            }
-        }
+    /// As [`Taps::pad_planes`], channels last (`backend::cpu::into_padded`): the pixel at
+    /// plane position r holds its `ch` values at dst[r·ch..]. Zero elsewhere as there.
+    fn pad_pixels(&self, src: &[f32], ch: usize, w: usize, (top, left): (usize, usize), dst: &mut [f32]) {
+        into_padded(src, Padded { w, wp: self.wp, top, left, c: ch }, dst);
     }
 
     /// `out` (co, m) = Σ over the taps, in order, of weight(t) (co, ci) · the `ci` planes of
@@ -553,7 +546,7 @@ impl PassContext<'_> {
                 let (top, left) = (g.kh - 1 - g.pad_top, g.kw - 1 - g.pad_left);
                 let d0 = top * t.wp + left;
                 for (k, s) in range.enumerate() {
-                    t.pad_pixels(xs.input(k, per_in), c, (g.h, g.w), (g.pad_top, g.pad_left), pixels);
+                    t.pad_pixels(xs.input(k, per_in), c, g.w, (g.pad_top, g.pad_left), pixels);
                     t.pad_planes(dout(s), (g.oh, g.ow), (top, left), dplanes);
                     let dn = Mat { data: &dplanes[d0..], rows: o, cols: t.m, rs: t.plane, cs: 1 };
                     for (tap, dw_t) in dw.chunks_exact_mut(o * c).enumerate() {
