@@ -67,14 +67,14 @@ pub fn batchnorm_eval_stats(running_mean: &[f32], running_var: &[f32], eps: f32)
     (running_mean.to_vec(), running_var.iter().map(|&v| 1.0 / (v + eps).sqrt()).collect())
 }
 
-/// The forward, in one pass over x: (N, C, HW), into a new y: (N, C, HW): y = γ·x̂ + β
-/// with x̂ = (x − mean)·invstd, clamped at 0 when `after` is [`Activation::Relu`]. x̂ is
-/// not kept: the backward recomputes it from x by the same two roundings. mean, invstd:
-/// (C); gamma, beta: (C), or none (γ = 1, β = 0). Samples run in parallel on the device's
-/// pool; y's storage is never zeroed first (every value is written).
+/// The forward, in one pass, in place over x: (N, C, HW): y = γ·x̂ + β with
+/// x̂ = (x − mean)·invstd, clamped at 0 when `after` is [`Activation::Relu`]; with `xhat`
+/// (training), x̂: (N, C, HW) written there for the backward. mean, invstd: (C); gamma,
+/// beta: (C), or none (γ = 1, β = 0). Samples run in parallel on the device's pool.
 #[allow(clippy::too_many_arguments)]
 pub fn batchnorm_forward(
-    x: &[f32],
+    x: &mut [f32],
+    xhat: Option<&mut [f32]>,
     mean: &[f32],
     invstd: &[f32],
     gamma: Option<&[f32]>,
@@ -82,39 +82,37 @@ pub fn batchnorm_forward(
     after: Activation,
     c: usize,
     hw: usize,
-) -> Vec<f32> {
+) {
     let relu = after == Activation::Relu;
-    let (len, per) = (x.len(), c * hw);
-    assert!(per > 0 && len.is_multiple_of(per), "batchnorm_forward: {len} values are no whole samples of ({c}, {hw})");
-    let mut y = Vec::with_capacity(len);
-    par::for_each(y.spare_capacity_mut()[..len].par_chunks_mut(per).zip(x.par_chunks(per)), |(ys, xs)| {
-        for (ch, (yp, xp)) in ys.chunks_exact_mut(hw).zip(xs.chunks_exact(hw)).enumerate() {
+    let per = c * hw;
+    let write = |sample: &mut [f32], cache: &mut [f32]| {
+        for ch in 0..c {
             let (mu, is) = (mean[ch], invstd[ch]);
             let g = gamma.map_or(1.0, |g| g[ch]);
             let b = beta.map_or(0.0, |b| b[ch]);
-            match relu {
-                false => normalize(xp, yp, mu, is, g, b),
-                true => normalize_relu(xp, yp, mu, is, g, b),
+            let plane = &mut sample[ch * hw..(ch + 1) * hw];
+            match (cache.is_empty(), relu) {
+                (true, false) => normalize(plane, mu, is, g, b),
+                (true, true) => normalize_relu(plane, mu, is, g, b),
+                (false, false) => normalize_keep(plane, &mut cache[ch * hw..(ch + 1) * hw], mu, is, g, b),
+                (false, true) => normalize_keep_relu(plane, &mut cache[ch * hw..(ch + 1) * hw], mu, is, g, b),
             }
         }
-    });
-    // SAFETY: the samples' pieces cover the first `len` values of the capacity (`len` a
-    // whole number of samples, asserted), each plane of each piece written whole by
-    // `normalize` or `normalize_relu` (they zip it with x's plane, as long).
-    unsafe { y.set_len(len) };
-    y
+    };
+    match xhat {
+        Some(xhat) => par::for_each(x.par_chunks_mut(per).zip(xhat.par_chunks_mut(per)), |(s, xh)| write(s, xh)),
+        None => par::for_each(x.par_chunks_mut(per), |s| write(s, &mut [])),
+    }
 }
 
-/// Each channel's (Σ dout, Σ dout·x̂) over dout, x: (N, C, HW), in f64, x̂ = (x − mean)·invstd
-/// recomputed as the forward computed it, the planes' sums added in sample order from 0:
-/// of the gradient the ReLU passes back when `after` is [`Activation::Relu`] (its mask
-/// recomputed from x̂, gamma and beta: (C) or none). What a synchronized layer hands the
-/// exchange in backward.
+/// Each channel's (Σ dout, Σ dout·x̂) over dout, xhat: (N, C, HW), in f64, the planes'
+/// sums added in sample order from 0: of the gradient the ReLU passes back when `after`
+/// is [`Activation::Relu`] (its mask recomputed from x̂, gamma and beta: (C) or none).
+/// What a synchronized layer hands the exchange in backward.
 #[allow(clippy::too_many_arguments)]
 pub fn batchnorm_backward_sums(
     dout: &[f32],
-    x: &[f32],
-    (mean, invstd): (&[f32], &[f32]),
+    xhat: &[f32],
     gamma: Option<&[f32]>,
     beta: Option<&[f32]>,
     after: Activation,
@@ -125,10 +123,12 @@ pub fn batchnorm_backward_sums(
     let affine = |ch: usize| (gamma.map_or(1.0, |g| g[ch]), beta.map_or(0.0, |b| b[ch]));
     per_channel(n, c, |(sd, sdx): &mut (f64, f64), s, ch| {
         let r = (s * c + ch) * hw..(s * c + ch + 1) * hw;
-        let norm = (mean[ch], invstd[ch]);
         let (a, b) = match after {
-            Activation::Linear => sums_dy_dyx(&dout[r.clone()], &x[r], norm),
-            Activation::Relu => sums_dy_dyx_relu(&dout[r.clone()], &x[r], norm, affine(ch)),
+            Activation::Linear => sums_dy_dyx(&dout[r.clone()], &xhat[r]),
+            Activation::Relu => {
+                let (g, b) = affine(ch);
+                sums_dy_dyx_relu(&dout[r.clone()], &xhat[r], g, b)
+            }
         };
         *sd += a;
         *sdx += b;
@@ -154,15 +154,14 @@ pub fn batchnorm_param_grads(sums: &[(f64, f64)], dgamma: Option<&mut [f32]>, db
 /// The input gradient, in place of dout: (N, C, HW) (WRITTEN):
 /// dx = γ·invstd·(dout − mean(dout) − x̂·mean(dout·x̂)), the means the per-channel `sums`
 /// (C) over `count` values per channel (a synchronized layer's: the global batch's), of
-/// the gradient the ReLU passes back when `after` is [`Activation::Relu`]. x: (N, C, HW),
-/// x̂ = (x − mean)·invstd recomputed as the forward computed it; mean, invstd: (C);
-/// gamma, beta: (C) or none.
+/// the gradient the ReLU passes back when `after` is [`Activation::Relu`]. xhat:
+/// (N, C, HW); invstd: (C); gamma, beta: (C) or none.
 #[allow(clippy::too_many_arguments)]
 pub fn batchnorm_input_grad(
     dout: &mut [f32],
-    x: &[f32],
+    xhat: &[f32],
     sums: &[(f64, f64)],
-    (mean, invstd): (&[f32], &[f32]),
+    invstd: &[f32],
     count: f64,
     gamma: Option<&[f32]>,
     beta: Option<&[f32]>,
@@ -177,13 +176,15 @@ pub fn batchnorm_input_grad(
         .enumerate()
         .map(|(ch, &(sd, sdx))| (gamma.map_or(1.0, |g| g[ch]) * invstd[ch], (sd / m) as f32, (sdx / m) as f32))
         .collect();
-    par::for_each(dout.par_chunks_mut(c * hw).zip(x.par_chunks(c * hw)), |(dsample, xsample)| {
+    par::for_each(dout.par_chunks_mut(c * hw).zip(xhat.par_chunks(c * hw)), |(dsample, xsample)| {
         for (ch, (dplane, xplane)) in dsample.chunks_exact_mut(hw).zip(xsample.chunks_exact(hw)).enumerate() {
             let (k, md, mdx) = coef[ch];
-            let norm = (mean[ch], invstd[ch]);
             match after {
-                Activation::Linear => input_grad_plane(dplane, xplane, norm, k, md, mdx),
-                Activation::Relu => input_grad_plane_relu(dplane, xplane, norm, k, md, mdx, affine(ch)),
+                Activation::Linear => input_grad_plane(dplane, xplane, k, md, mdx),
+                Activation::Relu => {
+                    let (g, b) = affine(ch);
+                    input_grad_plane_relu(dplane, xplane, k, md, mdx, g, b)
+                }
             }
         }
     });
@@ -269,26 +270,18 @@ widest! {
     }
 }
 
-/// x̂ = (x − mean)·invstd, rounded as the forward rounds it: the one definition the
-/// forward's y and every backward sum read.
-#[inline(always)]
-fn xhat_of(x: f32, (mu, is): (f32, f32)) -> f32 {
-    (x - mu) * is
-}
-
 /// Σ term(dᵢ, x̂ᵢ) in f64 in [`sum_f64`]'s order (eight accumulators, i mod 8, added in
-/// order, then the tail), x̂ᵢ recomputed from xᵢ ([`xhat_of`]): the backward's sums, each
-/// its own loop over a plane, not one loop for two sums, so that each runs in vectors
-/// across its accumulators (the plane is in L1 for the second). Inlined into `widest!`
-/// kernels, which compile it for their vectors.
+/// order, then the tail): the backward's sums, each its own loop over a plane, not one loop
+/// for two sums, so that each runs in vectors across its accumulators (the plane is in L1
+/// for the second). Inlined into `widest!` kernels, which compile it for their vectors.
 #[inline(always)]
-fn sum_pairs_f64(d: &[f32], x: &[f32], norm: (f32, f32), term: impl Fn(f32, f32) -> f64) -> f64 {
+fn sum_pairs_f64(d: &[f32], xh: &[f32], term: impl Fn(f32, f32) -> f64) -> f64 {
     let mut acc = [0.0f64; 8];
-    let (dc, xc) = (d.chunks_exact(8), x.chunks_exact(8));
-    let tail: f64 = dc.remainder().iter().zip(xc.remainder()).map(|(&v, &x)| term(v, xhat_of(x, norm))).sum();
+    let (dc, xc) = (d.chunks_exact(8), xh.chunks_exact(8));
+    let tail: f64 = dc.remainder().iter().zip(xc.remainder()).map(|(&v, &x)| term(v, x)).sum();
     for (dd, xx) in dc.zip(xc) {
         for k in 0..8 {
-            acc[k] += term(dd[k], xhat_of(xx[k], norm));
+            acc[k] += term(dd[k], xx[k]);
         }
     }
     acc.iter().sum::<f64>() + tail
@@ -296,21 +289,32 @@ fn sum_pairs_f64(d: &[f32], x: &[f32], norm: (f32, f32), term: impl Fn(f32, f32)
 
 widest! {
     /// Σ d·x̂ in f64.
-    fn sum_prod_f64(d: &[f32], x: &[f32], norm: (f32, f32)) -> f64 {
-        sum_pairs_f64(d, x, norm, |v, xh| v as f64 * xh as f64)
+    fn sum_prod_f64(d: &[f32], xh: &[f32]) -> f64 {
+        sum_pairs_f64(d, xh, |v, x| v as f64 * x as f64)
     }
 }
 
 /// (Σ d, Σ d·x̂) in f64.
-fn sums_dy_dyx(d: &[f32], x: &[f32], norm: (f32, f32)) -> (f64, f64) {
-    (sum_f64(d), sum_prod_f64(d, x, norm))
+fn sums_dy_dyx(d: &[f32], xh: &[f32]) -> (f64, f64) {
+    (sum_f64(d), sum_prod_f64(d, xh))
 }
 
 widest! {
-    /// One plane of the forward: y = (x − mean)·invstd·γ + β, into y.
-    fn normalize(x: &[f32], y: &mut [std::mem::MaybeUninit<f32>], mu: f32, is: f32, g: f32, b: f32) {
-        for (o, &v) in y.iter_mut().zip(x) {
-            o.write(xhat_of(v, (mu, is)) * g + b);
+    /// One plane of the evaluation forward: y = (x − mean)·invstd·γ + β, in place.
+    fn normalize(plane: &mut [f32], mu: f32, is: f32, g: f32, b: f32) {
+        for v in plane {
+            *v = (*v - mu) * is * g + b;
+        }
+    }
+}
+
+widest! {
+    /// One plane of the training forward: x̂ = (x − mean)·invstd into `cache`, y = γ·x̂ + β
+    /// in place.
+    fn normalize_keep(plane: &mut [f32], cache: &mut [f32], mu: f32, is: f32, g: f32, b: f32) {
+        for (v, xh) in plane.iter_mut().zip(cache) {
+            *xh = (*v - mu) * is;
+            *v = *xh * g + b;
         }
     }
 }
@@ -318,7 +322,7 @@ widest! {
 // The ReLU after the layer, in its passes (`Layer::take_following_relu`): the forward
 // clamps y = γ·x̂ + β as the ReLU would (`y < 0` is false for NaN, which passes), and the
 // backward reads dout where y > 0 and 0 elsewhere, the ReLU's mask recomputed from x̂ by
-// the forward's own roundings: the same bits as the two layers one after the other.
+// the forward's own two roundings: the same bits as the two layers one after the other.
 
 /// y = γ·x̂ + β, clamped at 0 as the ReLU clamps.
 #[inline(always)]
@@ -333,45 +337,54 @@ pub(super) fn relu_of(y: f32) -> f32 {
 /// dout where the ReLU's input y = γ·x̂ + β was positive, +0 elsewhere (the ReLU's
 /// backward), selected by a mask of bits so that the loops stay vectors.
 #[inline(always)]
-fn relu_masked(d: f32, xh: f32, (g, b): (f32, f32)) -> f32 {
+fn relu_masked(d: f32, xh: f32, g: f32, b: f32) -> f32 {
     let keep = if xh * g + b > 0.0 { u32::MAX } else { 0 };
     f32::from_bits(d.to_bits() & keep)
 }
 
 widest! {
     /// [`normalize`], then the ReLU.
-    fn normalize_relu(x: &[f32], y: &mut [std::mem::MaybeUninit<f32>], mu: f32, is: f32, g: f32, b: f32) {
-        for (o, &v) in y.iter_mut().zip(x) {
-            o.write(relu_of(xhat_of(v, (mu, is)) * g + b));
+    fn normalize_relu(plane: &mut [f32], mu: f32, is: f32, g: f32, b: f32) {
+        for v in plane {
+            *v = relu_of((*v - mu) * is * g + b);
+        }
+    }
+}
+
+widest! {
+    /// [`normalize_keep`], then the ReLU.
+    fn normalize_keep_relu(plane: &mut [f32], cache: &mut [f32], mu: f32, is: f32, g: f32, b: f32) {
+        for (v, xh) in plane.iter_mut().zip(cache) {
+            *xh = (*v - mu) * is;
+            *v = relu_of(*xh * g + b);
         }
     }
 }
 
 widest! {
     /// Σ d in f64 of the gradient the ReLU passes back.
-    fn sum_f64_relu(d: &[f32], x: &[f32], norm: (f32, f32), affine: (f32, f32)) -> f64 {
-        sum_pairs_f64(d, x, norm, |v, xh| relu_masked(v, xh, affine) as f64)
+    fn sum_f64_relu(d: &[f32], xh: &[f32], g: f32, b: f32) -> f64 {
+        sum_pairs_f64(d, xh, |v, x| relu_masked(v, x, g, b) as f64)
     }
 }
 
 widest! {
     /// Σ d·x̂ in f64 of the gradient the ReLU passes back.
-    fn sum_prod_f64_relu(d: &[f32], x: &[f32], norm: (f32, f32), affine: (f32, f32)) -> f64 {
-        sum_pairs_f64(d, x, norm, |v, xh| relu_masked(v, xh, affine) as f64 * xh as f64)
+    fn sum_prod_f64_relu(d: &[f32], xh: &[f32], g: f32, b: f32) -> f64 {
+        sum_pairs_f64(d, xh, |v, x| relu_masked(v, x, g, b) as f64 * x as f64)
     }
 }
 
 /// [`sums_dy_dyx`] of the gradient the ReLU passes back.
-fn sums_dy_dyx_relu(d: &[f32], x: &[f32], norm: (f32, f32), affine: (f32, f32)) -> (f64, f64) {
-    (sum_f64_relu(d, x, norm, affine), sum_prod_f64_relu(d, x, norm, affine))
+fn sums_dy_dyx_relu(d: &[f32], xh: &[f32], g: f32, b: f32) -> (f64, f64) {
+    (sum_f64_relu(d, xh, g, b), sum_prod_f64_relu(d, xh, g, b))
 }
 
 widest! {
     /// [`input_grad_plane`] of the gradient the ReLU passes back.
-    fn input_grad_plane_relu(dplane: &mut [f32], xplane: &[f32], norm: (f32, f32), k: f32, md: f32, mdx: f32, affine: (f32, f32)) {
-        for (d, &x) in dplane.iter_mut().zip(xplane) {
-            let xh = xhat_of(x, norm);
-            *d = k * (relu_masked(*d, xh, affine) - md - xh * mdx);
+    fn input_grad_plane_relu(dplane: &mut [f32], xplane: &[f32], k: f32, md: f32, mdx: f32, g: f32, b: f32) {
+        for (d, &xh) in dplane.iter_mut().zip(xplane) {
+            *d = k * (relu_masked(*d, xh, g, b) - md - xh * mdx);
         }
     }
 }
@@ -379,9 +392,9 @@ widest! {
 widest! {
     /// One plane of the input gradient: dx = k·(dout − mean(dout) − x̂·mean(dout·x̂)), in
     /// place of dout.
-    fn input_grad_plane(dplane: &mut [f32], xplane: &[f32], norm: (f32, f32), k: f32, md: f32, mdx: f32) {
-        for (d, &x) in dplane.iter_mut().zip(xplane) {
-            *d = k * (*d - md - xhat_of(x, norm) * mdx);
+    fn input_grad_plane(dplane: &mut [f32], xplane: &[f32], k: f32, md: f32, mdx: f32) {
+        for (d, &xh) in dplane.iter_mut().zip(xplane) {
+            *d = k * (*d - md - xh * mdx);
         }
     }
 }

@@ -942,8 +942,9 @@ impl Step {
         let merged: Vec<f64> = merged_stats(&moments, count, eps).collect();
         let (mut running_mean, mut running_var) = (self.running_mean.clone(), self.running_var.clone());
         let (mean, invstd) = batchnorm_train_stats(count, &moments, eps, momentum, &mut running_mean, &mut running_var);
-        let y = batchnorm_forward(&self.x, &mean, &invstd, gamma, beta, after, c, hw);
-        let sums = batchnorm_backward_sums(&self.dy, &self.x, (&mean, &invstd), gamma, beta, after, n, c, hw);
+        let (mut y, mut xhat) = (self.x.clone(), vec![0.0; self.x.len()]);
+        batchnorm_forward(&mut y, Some(&mut xhat), &mean, &invstd, gamma, beta, after, c, hw);
+        let sums = batchnorm_backward_sums(&self.dy, &xhat, gamma, beta, after, n, c, hw);
         let (mut dgamma, mut dbeta) = (self.dgamma.clone(), self.dbeta.clone());
         batchnorm_param_grads(&sums, with_gamma.then_some(&mut dgamma[..]), with_beta.then_some(&mut dbeta[..]));
         let global = match stats {
@@ -951,7 +952,7 @@ impl Step {
             BatchStats::ShardPass => sums.clone(),
         };
         let mut dx = self.dy.clone();
-        batchnorm_input_grad(&mut dx, &self.x, &global, (&mean, &invstd), count, gamma, beta, after, c, hw);
+        batchnorm_input_grad(&mut dx, &xhat, &global, &invstd, count, gamma, beta, after, c, hw);
         let flat = |v: &[(f64, f64)]| v.iter().flat_map(|&(a, b)| [a, b]).collect::<Vec<f64>>();
         Want {
             y,
@@ -974,7 +975,9 @@ impl Step {
     fn eval_on_the_cpu(&self, (with_gamma, with_beta): (bool, bool), rm: &[f32], rv: &[f32], eps: f32) -> Vec<f32> {
         let (gamma, beta) = (with_gamma.then_some(&self.gamma[..]), with_beta.then_some(&self.beta[..]));
         let (mean, invstd) = super::cpu::batchnorm_eval_stats(rm, rv, eps);
-        super::cpu::batchnorm_forward(&self.x, &mean, &invstd, gamma, beta, Activation::Linear, self.c, self.hw)
+        let mut y = self.x.clone();
+        super::cpu::batchnorm_forward(&mut y, None, &mean, &invstd, gamma, beta, Activation::Linear, self.c, self.hw);
+        y
     }
 }
 

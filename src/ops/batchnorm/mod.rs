@@ -91,11 +91,10 @@ pub struct BatchNorm2d {
     scale: bool,
     center: bool,
     stats: BatchStats,
-    /// From the training forward to the backward: its input x: (N, C, H, W), a reference
-    /// (no copy), and what normalised it, (mean, 1/sqrt(var + eps)): (C) each; the
-    /// backward recomputes x̂ from them, as the forward rounded it.
-    input: Option<Tensor>,
-    normaliser: (Vec<f32>, Vec<f32>),
+    /// x̂: (N, C, H, W) and 1/sqrt(var + eps): (C), from the training forward. The
+    /// vectors keep their capacity from step to step.
+    xhat: Vec<f32>,
+    invstd: Vec<f32>,
     /// Values per channel the training forward normalised over (the global batch's, for
     /// a synchronized layer).
     count: f64,
@@ -116,8 +115,8 @@ impl BatchNorm2d {
             scale: true,
             center: true,
             stats: BatchStats::ShardPass,
-            input: None,
-            normaliser: (Vec::new(), Vec::new()),
+            xhat: Vec::new(),
+            invstd: Vec::new(),
             count: 0.0,
             cached: None,
             relu: false,
@@ -233,7 +232,6 @@ impl Layer for BatchNorm2d {
 
     /// Its normalised input x̂, as f32 (the per-channel 1/σ is too small to count).
     fn memory(&self, shapes: &LayerShapes) -> Option<LayerMemory> {
-        // Its input, kept to the backward (the output's size).
         Some(LayerMemory { kept_per_sample: (shapes.output.numel() as u64).saturating_mul(F32), ..LayerMemory::NONE })
     }
 
@@ -288,7 +286,7 @@ impl Layer for BatchNorm2d {
     }
 
     // x: (N, C, H, W) → y: (N, C, H, W)
-    fn forward(&mut self, x: Tensor, params: Params<'_>, mut buffers: ParamsMut<'_>, ctx: &Ctx) -> Result<Tensor> {
+    fn forward(&mut self, mut x: Tensor, params: Params<'_>, mut buffers: ParamsMut<'_>, ctx: &Ctx) -> Result<Tensor> {
         let (n, c, h, w) = x.shape().nchw("BatchNorm2d")?;
         self.output_shape(x.shape())?;
         let hw = h * w;
@@ -332,16 +330,18 @@ impl Layer for BatchNorm2d {
                 cpu::batchnorm_eval_stats(rm, rv, self.eps)
             }
         };
-        // One pass: y = γ·(x − mean)·invstd + β into new memory; in training x is kept
-        // (a reference: the same values whoever else reads them) for the backward.
-        let y = cpu::batchnorm_forward(x.host(), &mean, &invstd, gamma, beta, self.after(), c, hw);
-        let y = Tensor::from_vec_on(y, x.shape().clone(), x.device())?;
+        // One pass: x̂ = (x − mean)·invstd (kept for backward in training), y = γ·x̂ + β.
+        let after = self.after();
         if ctx.mode == Mode::Train {
+            self.xhat.resize(x.numel(), 0.0);
+            let xhat = Some(&mut self.xhat[..]);
+            cpu::batchnorm_forward(x.host_mut(), xhat, &mean, &invstd, gamma, beta, after, c, hw);
+            self.invstd = invstd;
             self.cached = Some(x.shape().clone());
-            self.input = Some(x);
-            self.normaliser = (mean, invstd);
+        } else {
+            cpu::batchnorm_forward(x.host_mut(), None, &mean, &invstd, gamma, beta, after, c, hw);
         }
-        Ok(y)
+        Ok(x)
     }
 
     // dout: (N, C, H, W) → dx = γ·invstd·(dout − mean(dout) − x̂·mean(dout·x̂));
@@ -363,14 +363,10 @@ impl Layer for BatchNorm2d {
         }
         let (n, c, h, w) = shape.nchw("BatchNorm2d backward")?;
         let hw = h * w;
-        let x = self
-            .input
-            .take()
-            .ok_or_else(|| Error::config("BatchNorm2d backward", "no training forward to differentiate"))?;
-        let norm = (&self.normaliser.0[..], &self.normaliser.1[..]);
+        let (xhat, ds) = (self.xhat.as_slice(), dout.host());
         let (gamma, beta) = self.gamma_beta(&params);
         let after = self.after();
-        let sums = cpu::batchnorm_backward_sums(dout.host(), x.host(), norm, gamma, beta, after, n, c, hw);
+        let sums = cpu::batchnorm_backward_sums(ds, xhat, gamma, beta, after, n, c, hw);
         let (dgamma, dbeta) = match (self.scale, self.center) {
             (true, true) => {
                 let (dg, db) = dparams.pair(0, 1);
@@ -390,7 +386,8 @@ impl Layer for BatchNorm2d {
         if input_grad == InputGrad::Skip {
             return Ok(None);
         }
-        cpu::batchnorm_input_grad(dout.host_mut(), x.host(), &sums, norm, self.count, gamma, beta, after, c, hw);
+        let (invstd, count) = (&self.invstd, self.count);
+        cpu::batchnorm_input_grad(dout.host_mut(), xhat, &sums, invstd, count, gamma, beta, after, c, hw);
         Ok(Some(dout))
     }
 
@@ -402,13 +399,7 @@ impl Layer for BatchNorm2d {
     }
 
     fn boxed_clone(&self) -> Box<dyn Layer> {
-        Box::new(BatchNorm2d {
-            input: None,
-            normaliser: (Vec::new(), Vec::new()),
-            count: 0.0,
-            cached: None,
-            ..self.clone()
-        })
+        Box::new(BatchNorm2d { xhat: Vec::new(), invstd: Vec::new(), count: 0.0, cached: None, ..self.clone() })
     }
 
     fn describe(&self) -> String {
