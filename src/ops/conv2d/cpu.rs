@@ -1346,144 +1346,134 @@ mod tests {
         }
     }
 
-    /// What a convolution's batch gives, run by the public functions in a pool of `threads`
-    /// threads: (y, dweight, dbias, dx), the gradients from dweight and dbias at 0, the
-    /// output and input gradient from NaN (each value must be written). x: (N, C, H, W);
-    /// w: (O, C, KH, KW); b: (O); dout: (N, O, OH, OW).
-    fn run_batch(
-        g: &Im2colGeom,
+    /// A convolution's batch: the geometry of a sample, O filters, and x: (N, C, H, W),
+    /// w: (O, C, KH, KW), b: (O), dout: (N, O, OH, OW), drawn U(−0.5, 0.5) from `seed`.
+    struct Batch {
+        g: Im2colGeom,
         o: usize,
-        x: &[f32],
-        w: &[f32],
-        b: &[f32],
-        dout: &[f32],
-        threads: usize,
-    ) -> [Vec<f32>; 4] {
-        let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
-        pool.install(|| {
-            let mut y = vec![f32::NAN; dout.len()];
-            conv2d_forward(x, w, None, Some(b), &mut y, g, o);
-            let (mut dw, mut db, mut dx) = (vec![0.0; w.len()], vec![0.0; o], vec![f32::NAN; x.len()]);
-            let xs = Samples::Apart { x, dx: Some(&mut dx) };
-            conv2d_backward(xs, dout, w, None, &mut dw, Some(&mut db), g, o);
-            [y, dw, db, dx]
-        })
+        x: Vec<f32>,
+        w: Vec<f32>,
+        b: Vec<f32>,
+        dout: Vec<f32>,
     }
 
-    /// The f64 reference of [`run_batch`]'s four results, from the definition of the
-    /// cross-correlation, each value with the count and the sum of magnitudes of the terms
-    /// it adds: (value, terms, Σ|term|).
-    fn reference(
-        g: &Im2colGeom,
-        o: usize,
-        x: &[f32],
-        w: &[f32],
-        b: &[f32],
-        dout: &[f32],
-    ) -> [Vec<(f64, usize, f64)>; 4] {
-        let (c, kk, p) = (g.c, g.kh * g.kw, g.oh * g.ow);
-        let n = x.len() / (c * g.h * g.w);
-        let add = |acc: &mut (f64, usize, f64), t: f64| *acc = (acc.0 + t, acc.1 + 1, acc.2 + t.abs());
-        let mut y: Vec<(f64, usize, f64)> =
-            (0..n * o * p).map(|i| (b[(i / p) % o] as f64, 1, b[(i / p) % o].abs() as f64)).collect();
-        let mut dw = vec![(0.0, 0, 0.0); o * c * kk];
-        let mut db = vec![(0.0, 0, 0.0); o];
-        let mut dx = vec![(0.0, 0, 0.0); x.len()];
-        for s in 0..n {
-            for f in 0..o {
-                for q in 0..p {
-                    let (oy, ox) = (q / g.ow, q % g.ow);
-                    let out = (s * o + f) * p + q;
-                    add(&mut db[f], dout[out] as f64);
-                    for ch in 0..c {
+    impl Batch {
+        fn draw(g: Im2colGeom, o: usize, n: usize, seed: u64) -> Batch {
+            let mut r = crate::rng::SplitMix64::new(seed);
+            let mut rand = |len: usize| (0..len).map(|_| r.next_f32() - 0.5).collect::<Vec<f32>>();
+            let (x, w) = (rand(n * g.c * g.h * g.w), rand(o * g.c * g.kh * g.kw));
+            let (b, dout) = (rand(o), rand(n * o * g.oh * g.ow));
+            Batch { g, o, x, w, b, dout }
+        }
+
+        /// Sample s alone.
+        fn sample(&self, s: usize) -> Batch {
+            let (per_in, per_out) = (self.g.c * self.g.h * self.g.w, self.o * self.g.oh * self.g.ow);
+            let x = self.x[s * per_in..(s + 1) * per_in].to_vec();
+            let dout = self.dout[s * per_out..(s + 1) * per_out].to_vec();
+            Batch { x, dout, w: self.w.clone(), b: self.b.clone(), ..*self }
+        }
+
+        /// What the public functions give in a pool of `threads` threads: (y, dweight,
+        /// dbias, dx), the gradients from dweight and dbias at 0, the output and input
+        /// gradient from NaN (each value must be written).
+        fn run(&self, threads: usize) -> [Vec<f32>; 4] {
+            let Batch { g, o, x, w, b, dout } = self;
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+            pool.install(|| {
+                let mut y = vec![f32::NAN; dout.len()];
+                conv2d_forward(x, w, None, Some(b), &mut y, g, *o);
+                let (mut dw, mut db, mut dx) = (vec![0.0; w.len()], vec![0.0; *o], vec![f32::NAN; x.len()]);
+                let xs = Samples::Apart { x, dx: Some(&mut dx) };
+                conv2d_backward(xs, dout, w, None, &mut dw, Some(&mut db), g, *o);
+                [y, dw, db, dx]
+            })
+        }
+
+        /// The f64 reference of [`Batch::run`]'s four results, from the definition of the
+        /// cross-correlation, each value with the count and the sum of magnitudes of the
+        /// terms it adds: (value, terms, Σ|term|).
+        fn reference(&self) -> [Vec<(f64, usize, f64)>; 4] {
+            let Batch { g, o, x, w, b, dout } = self;
+            let (c, kk, p, o) = (g.c, g.kh * g.kw, g.oh * g.ow, *o);
+            let n = x.len() / (c * g.h * g.w);
+            let add = |acc: &mut (f64, usize, f64), t: f64| *acc = (acc.0 + t, acc.1 + 1, acc.2 + t.abs());
+            let mut y = vec![(0.0, 0, 0.0); n * o * p];
+            let (mut dw, mut db, mut dx) =
+                (vec![(0.0, 0, 0.0); w.len()], vec![(0.0, 0, 0.0); o], vec![(0.0, 0, 0.0); x.len()]);
+            for s in 0..n {
+                for (f, (&bf, dbf)) in b.iter().zip(db.iter_mut()).enumerate() {
+                    for q in 0..p {
+                        let out = (s * o + f) * p + q;
+                        add(&mut y[out], bf as f64);
+                        add(dbf, dout[out] as f64);
+                        let (oy, ox) = ((q / g.ow * g.stride) as isize, (q % g.ow * g.stride) as isize);
                         for t in 0..kk {
-                            let (iy, ix) = (
-                                (oy * g.stride + t / g.kw) as isize - g.pad_top as isize,
-                                (ox * g.stride + t % g.kw) as isize - g.pad_left as isize,
-                            );
+                            let iy = oy + (t / g.kw) as isize - g.pad_top as isize;
+                            let ix = ox + (t % g.kw) as isize - g.pad_left as isize;
                             if iy < 0 || ix < 0 || iy >= g.h as isize || ix >= g.w as isize {
                                 continue;
                             }
-                            let xi = ((s * c + ch) * g.h + iy as usize) * g.w + ix as usize;
-                            let wi = (f * c + ch) * kk + t;
-                            add(&mut y[out], w[wi] as f64 * x[xi] as f64);
-                            add(&mut dw[wi], dout[out] as f64 * x[xi] as f64);
-                            add(&mut dx[xi], w[wi] as f64 * dout[out] as f64);
+                            for ch in 0..c {
+                                let xi = ((s * c + ch) * g.h + iy as usize) * g.w + ix as usize;
+                                let wi = (f * c + ch) * kk + t;
+                                add(&mut y[out], w[wi] as f64 * x[xi] as f64);
+                                add(&mut dw[wi], dout[out] as f64 * x[xi] as f64);
+                                add(&mut dx[xi], w[wi] as f64 * dout[out] as f64);
+                            }
                         }
                     }
                 }
             }
+            [y, dw, db, dx]
         }
-        [y, dw, db, dx]
-    }
 
-    /// `got` against the f64 reference `want`: each value a sum of k terms in f32 in some
-    /// order, whose error is at most k·2⁻²⁴·Σ|term| (a sum's classical bound, fused
-    /// multiply-adds or not).
-    fn within_sum_bounds(what: &str, got: &[Vec<f32>; 4], want: &[Vec<(f64, usize, f64)>; 4]) {
-        for ((part, got), want) in ["y", "dweight", "dbias", "dx"].iter().zip(got).zip(want) {
-            assert_eq!(got.len(), want.len(), "{what}: {part}");
-            for (i, (&v, &(exact, k, mag))) in got.iter().zip(want).enumerate() {
-                let bound = k as f64 * 2f64.powi(-24) * mag;
-                assert!((v as f64 - exact).abs() <= bound, "{what}: {part}[{i}] {v} against {exact} (bound {bound:e})");
+        /// [`Batch::run`] on one thread against [`Batch::reference`], each value a sum of k
+        /// terms in f32 in some order, whose error is at most k·2⁻²⁴·Σ|term| (a sum's
+        /// classical bound, fused multiply-adds or not); then the same bits on 2 threads,
+        /// and sample s's output and input gradient alone the bits they have in the batch.
+        fn holds(&self, what: &str) {
+            let got = self.run(1);
+            for ((part, got), want) in ["y", "dweight", "dbias", "dx"].iter().zip(&got).zip(&self.reference()) {
+                assert_eq!(got.len(), want.len(), "{what}: {part}");
+                for (i, (&v, &(exact, k, mag))) in got.iter().zip(want).enumerate() {
+                    let bound = k as f64 * 2f64.powi(-24) * mag;
+                    let off = (v as f64 - exact).abs();
+                    assert!(off <= bound, "{what}: {part}[{i}] {v} against {exact} (bound {bound:e})");
+                }
             }
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+            for ((part, one), two) in ["y", "dweight", "dbias", "dx"].iter().zip(&got).zip(&self.run(2)) {
+                assert_eq!(bits(one), bits(two), "{what}: {part} on 1 and 2 threads");
+            }
+            let (per_in, per_out) = (self.g.c * self.g.h * self.g.w, self.o * self.g.oh * self.g.ow);
+            let s = self.x.len() / per_in / 2;
+            let [y1, _, _, dx1] = self.sample(s).run(2);
+            assert_eq!(bits(&y1), bits(&got[0][s * per_out..(s + 1) * per_out]), "{what}: y of sample {s} alone");
+            assert_eq!(bits(&dx1), bits(&got[3][s * per_in..(s + 1) * per_in]), "{what}: dx of sample {s} alone");
         }
-    }
-
-    /// The same batch on 1 and 2 threads gives the same bits, and sample `s` alone the bits
-    /// of its output and input gradient in the batch.
-    #[allow(clippy::too_many_arguments)]
-    fn alike_on_threads_and_batch(
-        what: &str,
-        g: &Im2colGeom,
-        o: usize,
-        x: &[f32],
-        w: &[f32],
-        b: &[f32],
-        dout: &[f32],
-        got: &[Vec<f32>; 4],
-    ) {
-        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
-        let two = run_batch(g, o, x, w, b, dout, 2);
-        for ((part, one), two) in ["y", "dweight", "dbias", "dx"].iter().zip(got).zip(&two) {
-            assert_eq!(bits(one), bits(two), "{what}: {part} on 1 and 2 threads");
-        }
-        let (per_in, per_out) = (g.c * g.h * g.w, o * g.oh * g.ow);
-        let s = x.len() / per_in / 2;
-        let (xs, ds) = (&x[s * per_in..(s + 1) * per_in], &dout[s * per_out..(s + 1) * per_out]);
-        let [y1, _, _, dx1] = run_batch(g, o, xs, w, b, ds, 2);
-        assert_eq!(bits(&y1), bits(&got[0][s * per_out..(s + 1) * per_out]), "{what}: y of sample {s} alone");
-        assert_eq!(bits(&dx1), bits(&got[3][s * per_in..(s + 1) * per_in]), "{what}: dx of sample {s} alone");
     }
 
     #[test]
     fn pointwise_computes_the_convolution_alike_on_any_threads_and_batch() {
         // 1×1 at stride 1 without padding (C and O not multiples of 16; C = 3 where columns
-        // ran before, C = 20 and 37 where rows did), batches of 3 to 5 chunks, values
-        // U(−0.5, 0.5), against the f64 definition within each sum's bound; then bitwise
-        // on 1 and 2 threads, and a sample alone as in its batch.
+        // ran before, C = 20 and 37 where rows did), batches of 3 to 5 chunks
+        // ([`Batch::holds`]).
         let shapes = [(3, 5, 4, 4, 24), (20, 36, 7, 7, 33), (37, 12, 5, 9, 40)]; // (C, O, H, W, N)
         for (c, o, h, w, n) in shapes {
             let g = Im2colGeom { c, h, w, kh: 1, kw: 1, stride: 1, pad_top: 0, pad_left: 0, oh: h, ow: w };
             assert_eq!(unfold(&g, o), Unfold::Pointwise);
             assert!(batch_chunks(n).len() >= 3, "N {n}: {:?}", batch_chunks(n));
-            let mut r = crate::rng::SplitMix64::new((c * o) as u64);
-            let mut rand = |len: usize| (0..len).map(|_| r.next_f32() - 0.5).collect::<Vec<f32>>();
-            let (x, wt, b, dout) = (rand(n * c * h * w), rand(o * c), rand(o), rand(n * o * h * w));
-            let what = format!("C {c} O {o}");
-            let got = run_batch(&g, o, &x, &wt, &b, &dout, 1);
-            within_sum_bounds(&what, &got, &reference(&g, o, &x, &wt, &b, &dout));
-            alike_on_threads_and_batch(&what, &g, o, &x, &wt, &b, &dout, &got);
+            Batch::draw(g, o, n, (c * o) as u64).holds(&format!("C {c} O {o}"));
         }
     }
 
     #[test]
     fn taps_compute_the_convolution_alike_on_any_threads_and_batch() {
         // Stride 1, the input's size, under 16 filters: a DenseNet's 48→12 3×3 (C a multiple
-        // of 16, whose GEMMs read the pixels in place), 5×5 at C = 5, 2×3 (Keras's "same"
+        // of 16, whose GEMMs read the planes in place), 5×5 at C = 5, 2×3 (Keras's "same"
         // for an even kernel: the extra row of padding at the bottom), 3×3 with one filter;
-        // batches of several chunks, values U(−0.5, 0.5), against the f64 definition within
-        // each sum's bound; then bitwise on 1 and 2 threads, and a sample alone as in its batch.
+        // batches of several chunks ([`Batch::holds`]).
         // (C, O, KH, KW, pad top, pad left, H, W, N)
         let shapes = [
             (48, 12, 3, 3, 1, 1, 9, 11, 24),
@@ -1495,13 +1485,7 @@ mod tests {
             let g = Im2colGeom { c, h, w, kh, kw, stride: 1, pad_top, pad_left, oh: h, ow: w };
             assert_eq!(unfold(&g, o), Unfold::Taps, "C {c} O {o} {kh}x{kw}");
             assert!(batch_chunks(n).len() >= 2, "N {n}: {:?}", batch_chunks(n));
-            let mut r = crate::rng::SplitMix64::new((c * o + kh) as u64);
-            let mut rand = |len: usize| (0..len).map(|_| r.next_f32() - 0.5).collect::<Vec<f32>>();
-            let (x, wt, b, dout) = (rand(n * c * h * w), rand(o * c * kh * kw), rand(o), rand(n * o * h * w));
-            let what = format!("C {c} O {o} {kh}x{kw}");
-            let got = run_batch(&g, o, &x, &wt, &b, &dout, 1);
-            within_sum_bounds(&what, &got, &reference(&g, o, &x, &wt, &b, &dout));
-            alike_on_threads_and_batch(&what, &g, o, &x, &wt, &b, &dout, &got);
+            Batch::draw(g, o, n, (c * o + kh) as u64).holds(&format!("C {c} O {o} {kh}x{kw}"));
         }
         // Where the output is not the input's size, or at stride 2, rows run.
         let valid = Im2colGeom { c: 48, h: 9, w: 9, kh: 3, kw: 3, stride: 1, pad_top: 0, pad_left: 0, oh: 7, ow: 7 };
