@@ -21,6 +21,8 @@
 //! row-major output order, which the kernel computes by gathering them in that order (one
 //! thread per input, no atomics). Planes run in parallel on the device's pool
 //! (`backend::par`); each plane is computed alone, so nothing depends on the thread count.
+//! Where the windows tile the plane ([`tiles`]: a DenseNet's 2×2 at stride 2), a plane
+//! runs by loops that clip nothing, the same sums in the same order.
 
 use rayon::prelude::*;
 
