@@ -149,8 +149,8 @@ pub(super) enum Unfold {
     /// A kernel of several taps at stride 1 whose output keeps the input's size, to fewer
     /// filters than Winograd takes ([`taps`]; a DenseNet's 48→12 3×3 convolutions): one
     /// GEMM per tap, each reading the sample's zero-padded planes where that tap sees
-    /// them ([`Taps`]), summed tap after tap into the output. Nothing is unfolded: the
-    /// rows unfold KH·KW times the input, for products only O wide.
+    /// them ([`Taps`]), summed tap after tap into the output. Nothing is unfolded, where
+    /// [`Unfold::Rows`] would copy the input KH·KW times over for products only O wide.
     Taps,
 }
 
