@@ -929,11 +929,7 @@ mod tests {
 
     #[test]
     fn a_model_of_several_inputs_is_refused_saying_what_to_do() {
-        use crate::nn::{Call, Embedding, Value};
-        let tokens = Value::input([4]);
-        let positions = tokens.another_input("positions", [4]);
-        let (tok, pos) = (Embedding::new(8, 2).unwrap().call(&tokens), Embedding::new(4, 2).unwrap().call(&positions));
-        let model = (&tok + &pos).model().unwrap();
+        let model = crate::testing::tokens_and_positions(4, 8, 2);
         let e = plan(&model).err().expect("a GPU replica stages one input").to_string();
         assert!(
             e.contains("2 inputs (input (4), positions (4))") && e.contains("CPU devices") && e.contains("Split"),

@@ -164,16 +164,13 @@ pub struct Graph {
     buffers_len: usize,
     /// Per-node (forward, backward) time, when profiling is on.
     profile: Option<Vec<(std::time::Duration, std::time::Duration)>>,
-    /// Per node: whether the node before it computes it in its own passes (a ReLU after
-    /// a BatchNorm whose output nothing else reads: [`Layer::take_following_relu`]), so
-    /// that it is skipped here.
-    taken: Vec<bool>,
-    /// Per node: the node that computes it in its own passes (a SiLU whose one reader is a
-    /// multiplication, [`Layer::take_input_silu`]; the Permutes that swap an attention's
-    /// heads and positions before and after it, [`Layer::take_head_transposes`]); such a
-    /// node hands its input on unchanged in the forward, and its output's gradient in the
-    /// backward.
-    absorbed: Vec<Option<usize>>,
+    /// Per node: the node that computes it in its own passes on the CPU (a ReLU after a
+    /// BatchNorm or an add whose output nothing else reads, [`Layer::take_following_relu`];
+    /// a SiLU whose one reader is a multiplication, [`Layer::take_input_silu`]; the Permutes
+    /// that swap an attention's heads and positions before and after it,
+    /// [`Layer::take_head_transposes`]). Such a node hands its input on unchanged in the
+    /// forward, and its output's gradient in the backward.
+    inside: Vec<Option<usize>>,
 }
 
 impl Clone for Graph {
@@ -297,38 +294,37 @@ impl Graph {
         if let Some(k) = input_readers.iter().position(|&r| r == 0) {
             return Err(Error::config("model", format!("model input {} is read by no node", inputs[k].0)));
         }
-        let mut taken = vec![false; layers.len()];
+        let mut inside = vec![None; layers.len()];
         for i in 0..layers.len() {
             let follows = layers.get(i + 1).is_some_and(|next| next.kind() == RELU_KIND)
                 && sources[i + 1] == [Source::Node(i)]
                 && readers[i] == 1;
             if layers[i].take_following_relu(follows) && follows {
-                taken[i + 1] = true;
+                inside[i + 1] = Some(i);
             }
         }
-        let mut absorbed = vec![None; layers.len()];
         for s in 0..layers.len() {
-            if layers[s].kind() != SILU_KIND || readers[s] != 1 || taken[s] {
+            if layers[s].kind() != SILU_KIND || readers[s] != 1 || inside[s].is_some() {
                 continue;
             }
             let Some(m) = (s + 1..layers.len()).find(|&m| sources[m].contains(&Source::Node(s))) else { continue };
             let input = sources[m].iter().position(|&src| src == Source::Node(s)).expect("found just above");
             if layers[m].take_input_silu(input, sources[m].len()) {
-                absorbed[s] = Some(m);
+                inside[s] = Some(m);
             }
         }
         // Permutes that swap a sample's first two axes around a node that reads and writes
         // that layout itself (an attention's heads): `take_head_transposes`.
         let swap: Vec<bool> = layers.iter().map(|l| l.permutation() == Some(&[2, 1, 3][..])).collect();
-        let swaps = |i: usize, absorbed: &[Option<usize>]| swap[i] && !taken[i] && absorbed[i].is_none();
+        let swaps = |i: usize, inside: &[Option<usize>]| swap[i] && inside[i].is_none();
         for m in 0..layers.len() {
-            if taken[m] || absorbed[m].is_some() || layers[m].permutation().is_some() {
+            if inside[m].is_some() || layers[m].permutation().is_some() {
                 continue;
             }
             let through: Vec<Option<usize>> = sources[m]
                 .iter()
                 .map(|&src| match src {
-                    Source::Node(p) if readers[p] == 1 && swaps(p, &absorbed) => Some(p),
+                    Source::Node(p) if readers[p] == 1 && swaps(p, &inside) => Some(p),
                     _ => None,
                 })
                 .collect();
@@ -336,14 +332,14 @@ impl Graph {
                 1 => (m + 1..layers.len()).find(|&r| sources[r].contains(&Source::Node(m))),
                 _ => None,
             };
-            let output = reader.filter(|&r| swaps(r, &absorbed));
+            let output = reader.filter(|&r| swaps(r, &inside));
             if through.iter().all(Option::is_none) && output.is_none() {
                 continue;
             }
             let inputs: Vec<bool> = through.iter().map(Option::is_some).collect();
             if layers[m].take_head_transposes(&inputs, output.is_some()) {
                 for p in through.into_iter().flatten().chain(output) {
-                    absorbed[p] = Some(m);
+                    inside[p] = Some(m);
                 }
             }
         }
@@ -404,8 +400,7 @@ impl Graph {
             params_len,
             buffers_len,
             profile: None,
-            taken,
-            absorbed,
+            inside,
         })
     }
 
@@ -474,7 +469,7 @@ impl Graph {
     /// over by the attention it feeds or follows, [`Layer::take_head_transposes`]), so
     /// that what it keeps is that node's to count, not its own.
     pub fn runs_inside_another(&self, j: usize) -> bool {
-        self.taken[j] || self.absorbed[j].is_some()
+        self.inside[j].is_some()
     }
 
     /// How many nodes read node `j`'s output.
@@ -606,11 +601,6 @@ impl Graph {
         let mut values: Vec<Option<Tensor>> = (0..self.layers.len()).map(|_| None).collect();
         let mut left = self.readers.clone();
         for (j, (layer, s)) in self.layers.iter_mut().zip(&self.slots).enumerate() {
-            if self.taken[j] {
-                // Computed by node j − 1 in its own forward; its only reader is this node.
-                values[j] = values[j - 1].take();
-                continue;
-            }
             // Each value moves into its last reader and is copied for the others.
             let mut args = Vec::with_capacity(self.sources[j].len());
             for &src in &self.sources[j] {
@@ -622,8 +612,8 @@ impl Graph {
                 let v = if *left == 0 { slot.take() } else { slot.clone() };
                 args.push(v.expect("a value is kept until its last reader"));
             }
-            if self.absorbed[j].is_some() {
-                // Its reader applies it: the value goes on as it came.
+            if self.inside[j].is_some() {
+                // Another node applies it: the value goes on as it came.
                 values[j] = args.pop();
                 continue;
             }
@@ -690,11 +680,6 @@ impl Graph {
         let mut d_inputs: Vec<Option<Tensor>> = (0..self.inputs.len()).map(|_| None).collect();
         d[n - 1] = Some(dout);
         for j in (0..n).rev() {
-            if self.taken[j] {
-                // Node j − 1's backward runs this one's too.
-                d[j - 1] = d[j].take();
-                continue;
-            }
             if !(all || self.trains[j]) {
                 continue;
             }
@@ -711,10 +696,11 @@ impl Graph {
             let p = Params::new(&params[s.param_span.clone()], &s.param_ranges);
             let g = ParamsMut::new(&mut grads[s.param_span.clone()], &s.param_ranges);
             let dy = d[j].take().expect("every reader of a node that trains comes after it and trains");
-            let t = self.profile.is_some().then(std::time::Instant::now);
+            // A node inside another's passes has no time of its own to profile.
+            let t = (self.profile.is_some() && self.inside[j].is_none()).then(std::time::Instant::now);
             let dxs = match layer.arity() {
-                // Its reader's backward went through it: the gradient goes on as it came.
-                _ if self.absorbed[j].is_some() => vec![Some(dy)],
+                // Another node's backward went through it: the gradient goes on as it came.
+                _ if self.inside[j].is_some() => vec![Some(dy)],
                 Arity::One => vec![layer.backward(dy, p, g, needs[0], &ctx)?],
                 _ => layer.backward_many(dy, p, g, &needs, &ctx)?,
             };
@@ -747,10 +733,10 @@ impl Graph {
         let mut rows = Vec::new();
         let layers = self.layers.iter().zip(&self.names);
         for (i, (&(forward, backward), (layer, name))) in self.profile.iter().flatten().zip(layers).enumerate() {
-            let description = match (self.taken[i], self.absorbed[i]) {
-                (true, _) => format!("{} (in the previous layer's passes)", layer.describe()),
-                (false, Some(m)) => format!("{} (in {}'s passes)", layer.describe(), self.names[m]),
-                (false, None) => layer.describe(),
+            let description = match self.inside[i] {
+                Some(m) if m + 1 == i => format!("{} (in the previous layer's passes)", layer.describe()),
+                Some(m) => format!("{} (in {}'s passes)", layer.describe(), self.names[m]),
+                None => layer.describe(),
             };
             rows.push(ProfileRow { name: name.clone(), description, depth: 0, forward, backward });
             rows.extend(layer.profile().into_iter().map(|r| ProfileRow {

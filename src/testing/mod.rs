@@ -140,3 +140,14 @@ pub(crate) fn assert_close(what: &str, got: &[f32], want: &[f64], rtol: f64, ato
         );
     }
 }
+
+/// A model of two inputs: tokens (t) embedded from `vocab` and positions (t) embedded from
+/// t, each `width` wide, added. What the tests of several model inputs share.
+pub(crate) fn tokens_and_positions(t: usize, vocab: usize, width: usize) -> crate::nn::Graph {
+    use crate::nn::{Call, Embedding, Value};
+    let tokens = Value::input([t]);
+    let positions = tokens.another_input("positions", [t]);
+    let tok = Embedding::new(vocab, width).unwrap().call(&tokens);
+    let pos = Embedding::new(t, width).unwrap().call(&positions);
+    (&tok + &pos).model().unwrap()
+}

@@ -273,13 +273,9 @@ mod tests {
 
     #[test]
     fn the_batches_and_a_passs_samples_count_every_model_input() {
-        use crate::nn::{Call, Embedding, Value};
         // Tokens (6,) and positions (6,): a sample's row is 12 values, as its data's
         // (`Dataset::from_inputs`); its one-input form, the same row as (12,).
-        let tokens = Value::input([6]);
-        let positions = tokens.another_input("positions", [6]);
-        let (tok, pos) = (Embedding::new(11, 8).unwrap().call(&tokens), Embedding::new(6, 8).unwrap().call(&positions));
-        let two = (&tok + &pos).model().unwrap();
+        let two = crate::testing::tokens_and_positions(6, 11, 8);
         assert_eq!(crate::memory::sample_values(&two), 12);
         let config = TrainConfig { batch_size: 4, ..TrainConfig::default() };
         let e = training(&two, &Devices::cpu(1, 1).unwrap(), &config);
@@ -289,6 +285,7 @@ mod tests {
         // A training shard holds its copy of both inputs: the same nodes reading one input
         // of 6 values (the same values alive around each node: 144 at the add) count 6 × 4
         // B a sample fewer, what counting the first input only would have counted.
+        use crate::nn::{Call, Embedding, Value};
         let one = Value::input([6]);
         let (tok, pos) = (Embedding::new(11, 8).unwrap().call(&one), Embedding::new(6, 8).unwrap().call(&one));
         let only_tokens = (&tok + &pos).model().unwrap();
