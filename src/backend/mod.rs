@@ -7,6 +7,7 @@
 //! of the device the calling thread works for, or on that thread alone. `simd` compiles
 //! the elementwise loops for the processor's widest vectors, with the same bits on each.
 
+pub mod chain;
 pub mod cpu;
 pub(crate) mod par;
 pub mod simd;

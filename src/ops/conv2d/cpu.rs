@@ -12,8 +12,8 @@
 //! without padding (a DenseNet's bottlenecks and transitions) by GEMM on each sample's own
 //! (C, H·W) values, which are its columns already ([`Unfold::Pointwise`]: no copy, no
 //! transpose), one at stride 1 that keeps the input's size to under 16 filters (a
-//! DenseNet's growth) by a GEMM per tap over the sample's zero-padded planes
-//! ([`Unfold::Taps`]: nothing unfolded), and any other by GEMM over unfolded inputs, in
+//! DenseNet's growth) by one product over the sample's zero-padded planes, each tap
+//! reading them where it sees them ([`Unfold::Taps`]: nothing unfolded), and any other by GEMM over unfolded inputs, in
 //! one of two layouts:
 //! channels-first columns for a small C·KH·KW (the first layer of an image model), and
 //! channels-last rows otherwise (every kernel row of a pixel is one contiguous copy of
@@ -40,6 +40,7 @@ use std::ops::Range;
 
 use rayon::prelude::*;
 
+use crate::backend::chain::{chain_product, B};
 use crate::backend::cpu::{
     add_partials, batch_chunks, chw_to_hwc, col2im, gemm_with, hwc_to_chw, im2col, im2row, into_padded, row2im,
     split_by_chunks, sum_partials, Accumulate, Im2colGeom, Mat, Padded, Pieces, Samples, Threads,
@@ -148,9 +149,10 @@ pub(super) enum Unfold {
     Pointwise,
     /// A kernel of several taps at stride 1 whose output keeps the input's size, to fewer
     /// filters than Winograd takes ([`taps`]; a DenseNet's 48→12 3×3 convolutions): one
-    /// GEMM per tap, each reading the sample's zero-padded planes where that tap sees
-    /// them ([`Taps`]), summed tap after tap into the output. Nothing is unfolded, where
-    /// [`Unfold::Rows`] would copy the input KH·KW times over for products only O wide.
+    /// product over every channel and tap ([`TapProduct`]), each tap reading the sample's
+    /// zero-padded planes where it sees them ([`Taps`]); the weight's gradient one GEMM a
+    /// tap. Nothing is unfolded, where [`Unfold::Rows`] would copy the input KH·KW times
+    /// over for products only O wide.
     Taps,
 }
 
@@ -182,8 +184,8 @@ fn taps(g: &Im2colGeom, o: usize) -> bool {
 /// pixel (oh, ow) is row q = oh·wp + ow of an `m`-row product; tap (i, j) reads the plane
 /// at q + i·wp + j, so a tap's operand is the plane itself from that offset on, and each
 /// row's last KW − 1 values of q (past OW) are products of padding that nobody reads.
-/// `m` is rounded up to the GEMM kernel's 16 rows, which then reads the planes in place
-/// (no packing); `plane` holds the image and every row a tap reads.
+/// `m` is rounded up to 16, so that the product's columns are whole AVX-512 registers
+/// (`backend::chain`); `plane` holds the image and every row a tap reads.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) struct Taps {
     pub(super) wp: usize,
@@ -220,15 +222,35 @@ impl Taps {
         into_padded(src, Padded { w, wp: self.wp, top, left, c: ch }, dst);
     }
 
-    /// `out` (co, m) = Σ over the taps, in order, of weight(t) (co, ci) · the `ci` planes of
-    /// `src` from the tap's offset (ci, m): each tap's product added to the taps' before it.
-    fn product<'w>(&self, g: &Im2colGeom, src: &[f32], ci: usize, weight: impl Fn(usize) -> Mat<'w>, out: &mut [f32]) {
-        for t in 0..g.kh * g.kw {
-            let at = self.offset(g, t);
-            let planes = Mat { data: &src[at..], rows: ci, cols: self.m, rs: self.plane, cs: 1 };
-            let acc = if t == 0 { Accumulate::Overwrite } else { Accumulate::Add };
-            gemm_with(weight(t), planes, out, self.m, acc, Threads::Caller);
+    /// The product of a forward ([`Taps::forward`]) or of an input gradient
+    /// ([`Taps::input_grad`]) over `ci` planes of `plane` values, to `co` rows of `m`;
+    /// `a(r, t, c)` is tap t's weight from channel c to row r.
+    fn product(&self, g: &Im2colGeom, ci: usize, co: usize, a: impl Fn(usize, usize, usize) -> f32) -> TapProduct {
+        let kk = g.kh * g.kw;
+        let mut weights = Vec::with_capacity(co * ci * kk);
+        for r in 0..co {
+            for c in 0..ci {
+                weights.extend((0..kk).map(|t| a(r, t, c)));
+            }
         }
+        let rows = (0..ci).flat_map(|c| (0..kk).map(move |t| c * self.plane + self.offset(g, t))).collect();
+        TapProduct { weights, rows, co, m: self.m }
+    }
+
+    /// The forward's product: y (O, m) from the C planes of x, W_t = weight[:, :, t]
+    /// (weight: (O, C, KH·KW)).
+    fn forward(&self, g: &Im2colGeom, weight: &[f32], o: usize) -> TapProduct {
+        let (c, kk) = (g.c, g.kh * g.kw);
+        self.product(g, c, o, |f, t, ci| weight[(f * c + ci) * kk + t])
+    }
+
+    /// The input gradient's product: dx (C, m) from the O planes of the output gradient
+    /// (padded for the flipped kernel), by the flipped taps transposed, W_t =
+    /// weight[:, :, KH·KW − 1 − t]ᵀ: the input gradient of a stride-1 convolution is the
+    /// convolution of the padded output gradient by the flipped kernel.
+    fn input_grad(&self, g: &Im2colGeom, weight: &[f32], o: usize) -> TapProduct {
+        let (c, kk) = (g.c, g.kh * g.kw);
+        self.product(g, o, c, |ch, t, f| weight[(f * c + ch) * kk + kk - 1 - t])
     }
 
     /// The valid rows of `m`-row planes `src` (ch, m) as images (ch, OH, OW) in `dst`.
@@ -241,16 +263,27 @@ impl Taps {
     }
 }
 
-/// Weight tap t of (O, C, KH·KW) as an (O, C) matrix: the forward's.
-fn tap_of(w: &[f32], o: usize, c: usize, kk: usize, t: usize) -> Mat<'_> {
-    Mat { data: &w[t..], rows: o, cols: c, rs: c * kk, cs: kk }
+/// One of [`Taps`]'s products, its operands laid out for [`chain_product`]: out(r, q) =
+/// Σ over the source's channels c and, within each, the taps t, of W_t(r, c) · plane c at
+/// q + tap t's offset, each value one chain of fused multiply-adds from 0 in that order.
+/// So a value's bits are its own pixel's, whatever the batch, the thread count or the
+/// vector width; no plane is copied per tap, the product's right-hand rows being listed
+/// where they lie ([`B::Listed`]).
+struct TapProduct {
+    /// a(r, k): row r's weights (co, ci·KH·KW), k = c·KH·KW + t.
+    weights: Vec<f32>,
+    /// Where b's row k = c·KH·KW + t begins in the source: plane c at tap t's offset.
+    rows: Vec<usize>,
+    co: usize,
+    m: usize,
 }
 
-/// The flipped tap KH·KW − 1 − t of (O, C, KH·KW), transposed to (C, O): the input
-/// gradient of a stride-1 convolution is the convolution of the padded output gradient
-/// by the flipped kernel.
-fn flipped_tap_of(w: &[f32], o: usize, c: usize, kk: usize, t: usize) -> Mat<'_> {
-    Mat { data: &w[kk - 1 - t..], rows: c, cols: o, rs: kk, cs: c * kk }
+impl TapProduct {
+    /// out (co, m), WRITTEN, from `src`'s padded planes.
+    fn run(&self, src: &[f32], out: &mut [f32]) {
+        let (k, rows) = (self.rows.len(), B::Listed(&self.rows));
+        chain_product((self.co, self.m, k), &self.weights, (k, 1), src, rows, out, self.m, Accumulate::Overwrite);
+    }
 }
 
 /// Adds taps' weight gradient, summed as (KH·KW, O, C), into `dweight` (O, C, KH·KW).
@@ -443,12 +476,13 @@ impl PassContext<'_> {
             }
             Unfold::Taps => {
                 // y_s (O, m) = Σ_t W_t (O, C) · x_s's planes from tap t's offset (C, m)
-                let (t, kk) = (Taps::of(g), g.kh * g.kw);
+                let t = Taps::of(g);
+                let product = t.forward(g, self.weight, o);
                 let (planes, _, out, _) = scratch.sized(g.c * t.plane, 0, o * t.m, 0);
                 planes.fill(0.0);
                 for (k, yn) in y_chunk.chunks_exact_mut(o * p).enumerate() {
                     t.pad_planes(x(k), (g.h, g.w), (g.pad_top, g.pad_left), planes);
-                    t.product(g, planes, g.c, |tap| tap_of(self.weight, o, g.c, kk, tap), out);
+                    product.run(planes, out);
                     t.crop(out, (g.oh, g.ow), yn);
                     if let Some(b) = bias {
                         add_bias(yn, b, p);
@@ -534,8 +568,9 @@ impl PassContext<'_> {
                 }
             }
             Unfold::Taps => {
-                let (t, kk, c) = (Taps::of(g), g.kh * g.kw, g.c);
+                let (t, c) = (Taps::of(g), g.c);
                 let need_dx = xs.wants_grad();
+                let product = need_dx.then(|| t.input_grad(g, self.weight, o));
                 let (pixels, dplanes, dx_rows, _) =
                     scratch.sized(t.plane * c, o * t.plane, if need_dx { c * t.m } else { 0 }, 0);
                 pixels.fill(0.0);
@@ -555,9 +590,9 @@ impl PassContext<'_> {
                         let xn = Mat { data: &pixels[at..], rows: t.m, cols: c, rs: c, cs: 1 };
                         gemm_with(dn, xn, dw_t, c, Accumulate::Add, Threads::Caller);
                     }
-                    if let Some(dx) = xs.grad(k, per_in) {
-                        // dx_s (C, m) = Σ_t flipped W_t (C, O) · dout_s's planes from tap t's offset
-                        t.product(g, dplanes, o, |tap| flipped_tap_of(self.weight, o, c, kk, tap), dx_rows);
+                    if let (Some(dx), Some(product)) = (xs.grad(k, per_in), &product) {
+                        // dx_s (C, m) = Σ_t flipped W_tᵀ (C, O) · dout_s's planes from tap t's offset
+                        product.run(dplanes, dx_rows);
                         t.crop(dx_rows, (g.h, g.w), dx);
                     }
                 }

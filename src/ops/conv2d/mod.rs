@@ -178,7 +178,8 @@ fn unfold_memory(g: &Im2colGeom, o: usize) -> (u64, u64, u64, u64) {
     // Columns: one sample's columns and (backward) their gradient;
     // Pointwise: none (its GEMMs read and write the samples' own values);
     // Taps: a sample's padded planes (or pixels), in the backward its output gradient's
-    // too, and one sample's output (or input gradient) over the padded width.
+    // too, one sample's output (or input gradient) over the padded width, and the
+    // product's weights and rows' offsets (`cpu::TapProduct`, an offset two floats).
     let (kkc, p, o64) = (g.col_rows() as u64, g.col_cols() as u64, o as u64);
     let wg = winograd_geom(g, o);
     let how = unfold(g, o);
@@ -197,8 +198,8 @@ fn unfold_memory(g: &Im2colGeom, o: usize) -> (u64, u64, u64, u64) {
         Unfold::Columns => 2 * kkc * p,
         Unfold::Pointwise => 0,
         Unfold::Taps => {
-            let t = Taps::of(g);
-            (g.c + o) as u64 * t.plane as u64 + g.c.max(o) as u64 * t.m as u64
+            let (t, kk) = (Taps::of(g), g.kh * g.kw);
+            (g.c + o) as u64 * t.plane as u64 + g.c.max(o) as u64 * (t.m + 2 * kk) as u64 + (g.c * o * kk) as u64
         }
     };
     // The products' packing, whichever unfolding runs: columns and pointwise (O × KKC by
