@@ -367,6 +367,28 @@ pub fn hwc_to_chw(xt: &[f32], c: usize, x: &mut [f32]) {
 /// The side of a transpose's square tile: 16 f32, one AVX-512 vector a row.
 const TILE: usize = 16;
 
+/// `dst` ← `src`, a short row (a plane's row of a few dozen values) copied eight values
+/// at a time in registers, where a call into memmove would cost as much as the copy.
+#[inline(always)]
+pub fn copy_row(dst: &mut [f32], src: &[f32]) {
+    assert_eq!(dst.len(), src.len(), "copy_row: {} values into {}", src.len(), dst.len());
+    let (mut d, mut s) = (dst.chunks_exact_mut(8), src.chunks_exact(8));
+    for (d, s) in (&mut d).zip(&mut s) {
+        let v: [f32; 8] = s.try_into().expect("chunks of 8");
+        d.copy_from_slice(&v);
+    }
+    // The last 0 to 7 values as 4, 2 and 1, without a loop (which would become a call).
+    let (mut d, mut s) = (d.into_remainder(), s.remainder());
+    for width in [4, 2, 1] {
+        if s.len() >= width {
+            let (dh, dt) = d.split_at_mut(width);
+            let (sh, st) = s.split_at(width);
+            dh.copy_from_slice(sh);
+            (d, s) = (dt, st);
+        }
+    }
+}
+
 /// `src` (rows, cols) transposed into `dst` (cols, rows), both row-major. A move of
 /// values, so the bits are those of the value-by-value loop; only the order of the
 /// memory traffic differs. Value by value, one side is read or written with a stride of

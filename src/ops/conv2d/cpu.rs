@@ -42,7 +42,7 @@ use rayon::prelude::*;
 
 use crate::backend::chain::{chain_product, B};
 use crate::backend::cpu::{
-    add_partials, batch_chunks, chw_to_hwc, col2im, gemm_with, hwc_to_chw, im2col, im2row, into_padded, row2im,
+    add_partials, batch_chunks, chw_to_hwc, copy_row, col2im, gemm_with, hwc_to_chw, im2col, im2row, into_padded, row2im,
     split_by_chunks, sum_partials, Accumulate, Im2colGeom, Mat, Padded, Pieces, Samples, Threads,
 };
 use crate::backend::par;
@@ -211,7 +211,7 @@ impl Taps {
         for (image, plane) in src.chunks_exact(h * w).zip(dst.chunks_exact_mut(self.plane)) {
             for (row, image_row) in image.chunks_exact(w).enumerate() {
                 let at = (top + row) * self.wp + left;
-                plane[at..at + w].copy_from_slice(image_row);
+                copy_row(&mut plane[at..at + w], image_row);
             }
         }
     }
@@ -257,7 +257,7 @@ impl Taps {
     fn crop(&self, src: &[f32], (oh, ow): (usize, usize), dst: &mut [f32]) {
         for (plane, image) in src.chunks_exact(self.m).zip(dst.chunks_exact_mut(oh * ow)) {
             for (row, image_row) in image.chunks_exact_mut(ow).enumerate() {
-                image_row.copy_from_slice(&plane[row * self.wp..row * self.wp + ow]);
+                copy_row(image_row, &plane[row * self.wp..row * self.wp + ow]);
             }
         }
     }
