@@ -7,7 +7,8 @@
 # tests beside its code, the optimiser's, the codec's and the buffers', the GPU exchanges',
 # the NVRTC tests), oracle (as oracle_tests, with the cases in .gpu/oracle), data_parallel
 # (its equivalence tests take cuda:0 and cuda:0,0 where a GPU is present), label_smoothing
-# (its PyTorch training cases likewise, reading .gpu/oracle too) and every tests/cuda_*.rs
+# (its PyTorch training cases likewise, reading .gpu/oracle too), model_inputs (a model of
+# two inputs on cuda:0 against its Split form) and every tests/cuda_*.rs
 # (cuda_train, ...: a new one is picked up by its file name). The Python scripts
 # gpu-check.sh runs (scripts/torch_convnet.py, scripts/compare_losses.py,
 # scripts/bench_tables.py) travel with the working tree.
@@ -57,7 +58,7 @@ rm -rf .gpu
 mkdir -p .gpu
 "${build[@]}" --release "${target_args[@]}" --bin lockstep
 cp "$target_dir/lockstep" .gpu/
-tests=(--lib --test oracle --test data_parallel --test label_smoothing)
+tests=(--lib --test oracle --test data_parallel --test label_smoothing --test model_inputs)
 shopt -s nullglob
 for f in tests/cuda_*.rs; do
     tests+=(--test "$(basename "$f" .rs)")

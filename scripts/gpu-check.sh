@@ -13,8 +13,8 @@
 #      against the CPU, every op's kernels against its CPU code, the optimiser's, the
 #      codec's, the buffers', the GPU exchanges' on both transports, every kernel compiled
 #      with NVRTC); every CUDA test executable in .gpu/ (cuda_train, ...: whatever
-#      tests/cuda_*.rs build-gpu-check.sh found; the oracle cases, data_parallel and
-#      label_smoothing with their GPU variants). LOCKSTEP_REQUIRE_GPU=1 is set for all of
+#      tests/cuda_*.rs build-gpu-check.sh found; the oracle cases, data_parallel,
+#      label_smoothing and model_inputs with their GPU variants). LOCKSTEP_REQUIRE_GPU=1 is set for all of
 #      them: a test that would skip for want of a GPU fails instead.
 #   2. the CPU all-reduce on the machine's cores (bench allreduce --devices cpu:4);
 #   3. `lockstep train` (the default: convnet, digits, 15 epochs, seed 0) on cpu:1 and on
@@ -210,6 +210,12 @@ if [[ -x .gpu/label_smoothing ]]; then
     # Label smoothing against PyTorch (the loss kernel's eps) on CPU devices, cuda:0 and cuda:0,0.
     section "label smoothing against PyTorch on CPU devices and GPUs: label_smoothing" 120 \
         env LOCKSTEP_ORACLE_DIR=.gpu/oracle .gpu/label_smoothing --test-threads 1 --nocapture
+fi
+
+if [[ -x .gpu/model_inputs ]]; then
+    # A model of two inputs on cuda:0 and cuda:0,0 against its one-input Split form there.
+    section "a model of two inputs on a GPU: model_inputs" 60 \
+        .gpu/model_inputs --test-threads 1 --nocapture gpu
 fi
 
 # --- 2. CPU all-reduce ------------------------------------------------------------------

@@ -11,9 +11,15 @@
 //! bitwise the same on 1, 2, 3 and 4 CPU devices with the logical replicas fixed (R = 12),
 //! as every model is. No tolerance anywhere: every comparison is `==`.
 //!
+//! On a GPU (`scripts/gpu-check.sh` runs this file where one is lent; elsewhere the test
+//! says it is skipped): the two-input model trains as its Split form does there, bitwise,
+//! and as on the CPU within rounding.
+//!
 //! And bad input, each a clear `Error::Data` naming the input and the shapes: one part for
 //! two inputs, a part of the wrong shape, parts of different lengths, a token stream for a
 //! model of two inputs, augmentation of data of several parts.
+
+mod common;
 
 use lockstep::data::augment::Augment;
 use lockstep::data::{Dataset, Features};
@@ -163,6 +169,31 @@ fn evaluation_and_predict_of_two_inputs_are_the_split_forms() {
     let held = fit(&two, &two_data);
     assert!(held.is_some());
     assert_eq!(held, fit(&one, &one_data));
+}
+
+/// A GPU replica stages each input's rows apart (`model::gpu`'s `inputs_apart`) where the
+/// Split form's nodes cut them from one: the same values reach the same kernels, so the
+/// two train the same bits on cuda:0 and on two replicas sharing it, and the CPU's within
+/// rounding (its products sum in other orders).
+#[test]
+fn two_inputs_on_a_gpu_train_as_the_split_form_there() {
+    if !common::gpu_present("two_inputs_on_a_gpu_train_as_the_split_form_there") {
+        return;
+    }
+    let (two, one) = (two_inputs(), one_input());
+    let (two_data, one_data) = (two_part_data(), one_part_data());
+    let cfg = TrainConfig { initial: Some(two.init(7)), ..config() };
+    let on = |m: &Graph, d: &Dataset, devices: Devices| train_data_parallel(m, d, None, &devices, &cfg).unwrap();
+    let cpu = on(&two, &two_data, Devices::cpu(1, 1).unwrap());
+    for gpus in [&[0][..], &[0, 0]] {
+        let got = on(&two, &two_data, Devices::cuda(gpus).unwrap());
+        let want = on(&one, &one_data, Devices::cuda(gpus).unwrap());
+        assert_eq!(got.losses, want.losses, "losses of two inputs on cuda {gpus:?} against the Split form's");
+        assert!(got.weights == want.weights, "weights of two inputs on cuda {gpus:?} differ from the Split form's");
+        for (k, (g, c)) in got.losses.iter().zip(&cpu.losses).enumerate() {
+            assert!((g - c).abs() <= 1e-5 * c.abs().max(1.0), "loss of step {k}: cuda {g} against cpu {c}");
+        }
+    }
 }
 
 /// The message of a run of `model` on `data` refused as bad data.

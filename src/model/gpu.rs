@@ -24,8 +24,9 @@
 //! the passes, where that op's GPU form meets the other logical replicas' statistics on
 //! the host (`ops::batchnorm`).
 //!
-//! Activations are NCHW as on the CPU: `acts[0]` the input, `acts[i + 1]` node i's
-//! output (a graph's node reads the values of its inputs there); a chain's backward
+//! Activations are NCHW as on the CPU: `acts[k]` the model's input k (one for a chain),
+//! `acts[I + i]` node i's output, I the model's inputs (a graph's node reads the values
+//! of its inputs there); a chain's backward
 //! alternates between two gradient buffers sized for the widest layer, a graph's gives
 //! each value a gradient buffer and sums a value's several readers' gradients in the
 //! CPU's order (`Net::backward_graph`);
@@ -50,12 +51,12 @@ use crate::optim::{OptimizerConfig, StepScalars};
 use crate::{Error, Result};
 
 /// One node as the GPU runs it: where it lies, its op's GPU form, where it reads its
-/// inputs (`Some(i)`: node i's output; None: the model's input) and whether it trains
-/// (its backward has a gradient to produce: `Graph::trains`).
+/// inputs (a model input or an earlier node's output) and whether it trains (its
+/// backward has a gradient to produce: `Graph::trains`).
 struct Layer {
     place: Placement,
     op: Box<dyn GpuLayer>,
-    reads: Vec<Option<usize>>,
+    reads: Vec<Source>,
     trains: bool,
 }
 
@@ -64,8 +65,11 @@ struct Layer {
 struct Activations {
     /// Batch size these buffers are sized for.
     n: usize,
-    /// acts[0] = the input, acts[i + 1] = layer i's output.
+    /// acts[k] = the model's input k (k < I, the model's inputs), acts[I + i] = layer i's
+    /// output.
     acts: Vec<CudaSlice<f32>>,
+    /// I: the model's inputs.
+    inputs: usize,
     /// Two gradient buffers that a chain's backward alternates between; `grads[0]`
     /// holds the loss's gradient, the last node's output gradient, in a graph too.
     grads: [CudaSlice<f32>; 2],
@@ -281,17 +285,17 @@ impl GpuNet {
         poll(&self.idle, aborted)
     }
 
-    /// Copies rows (x: (rows, *input), y: (rows)) to the GPU through pinned memory,
-    /// asynchronously, for the shards of a step or an evaluation chunk to read, after
-    /// checking the labels against the model's classes and the rows as the first layer
-    /// checks its input (`Layer::check_input`: an embedding's token ids, which its kernels
-    /// could not name).
+    /// Copies rows (x: the rows of every model input, input by input, as
+    /// `train::Batch::inputs_apart` lays them; y: (rows)) to the GPU through pinned
+    /// memory, asynchronously, for the shards of a step or an evaluation chunk to read,
+    /// after checking the labels against the model's classes and each input as the nodes
+    /// that read it first check it (`Layer::check_input`: an embedding's token ids, which
+    /// its kernels could not name).
     pub fn stage(&mut self, xs: &[f32], ys: &[u32]) -> Result<()> {
         let (t, k) = self.targets_and_classes();
         check_labels(ys, k)?;
-        if let (Some(first), Some(shapes)) = (self.model.layers().first(), self.model.layer_shapes().first()) {
-            first.check_input(xs, &shapes.input)?;
-        }
+        let per = self.input_sizes();
+        let rows = xs.len() / per.iter().sum::<usize>().max(1);
         let ctx = self.gpu.context().clone();
         let stream = self.gpu.stream().clone();
         if self.pinned_x.as_ref().map(|p| p.len()) != Some(xs.len().max(1)) {
@@ -304,7 +308,14 @@ impl GpuNet {
         let (px, py) = (self.pinned_x.as_mut().expect("set"), self.pinned_y.as_mut().expect("set"));
         // No copy reads the staging any more: every step and evaluation ends with a wait
         // for the GPU, and a network that failed mid-step is dropped (which waits too).
-        px.as_mut_slice()?[..xs.len()].copy_from_slice(xs);
+        let staged = &mut px.as_mut_slice()?[..xs.len()];
+        staged.copy_from_slice(xs);
+        // Each node that reads a model input checks it (`Layer::check_input`).
+        for (j, (layer, shapes)) in self.model.layers().iter().zip(self.model.layer_shapes()).enumerate() {
+            if let Some(&Source::Input(i)) = self.model.sources()[j].first() {
+                layer.check_input(&staged[input_span(&per, rows, i, 0..rows)], &shapes.input)?;
+            }
+        }
         py.as_mut_slice()?[..ys.len()].copy_from_slice(ys);
         stream.memcpy_htod(&*px, self.x_dev.as_mut().expect("set"))?;
         stream.memcpy_htod(&*py, self.y_dev.as_mut().expect("set"))?;
@@ -370,11 +381,13 @@ impl GpuNet {
         let stream = self.gpu.stream().clone();
         let n = rows.len();
         self.ensure_acts(n)?;
+        let per = self.input_sizes();
         let acts = self.acts.as_mut().expect("sized above");
-        let per = self.model.input_shape().numel();
         let x = self.x_dev.as_ref().expect("staged");
+        for (i, act) in acts.acts[..per.len()].iter_mut().enumerate() {
+            stream.memcpy_dtod(&x.slice(input_span(&per, self.staged, i, rows.clone())), act)?;
+        }
         let y = self.y_dev.as_ref().expect("staged");
-        stream.memcpy_dtod(&x.slice(rows.start * per..rows.end * per), &mut acts.acts[0])?;
         let labels = rows.start * t..rows.end * t;
         stream.memcpy_dtod(&y.slice(labels.clone()), &mut acts.labels)?;
         let mut net = Net { gpu: &self.gpu, blas: &self.blas, layers: &mut self.layers, params: &self.params };
@@ -548,9 +561,13 @@ impl GpuNet {
         }
         self.stage(xs, ys)?;
         self.ensure_acts(n)?;
+        let per = self.input_sizes();
         let acts = self.acts.as_mut().expect("sized above");
         let stream = self.gpu.stream().clone();
-        stream.memcpy_dtod(self.x_dev.as_ref().expect("staged"), &mut acts.acts[0])?;
+        let x = self.x_dev.as_ref().expect("staged");
+        for (i, act) in acts.acts[..per.len()].iter_mut().enumerate() {
+            stream.memcpy_dtod(&x.slice(input_span(&per, n, i, 0..n)), act)?;
+        }
         stream.memcpy_dtod(self.y_dev.as_ref().expect("staged"), &mut acts.labels)?;
         let mut net = Net { gpu: &self.gpu, blas: &self.blas, layers: &mut self.layers, params: &self.params };
         net.forward(acts, Pass::Eval { stats: &self.buffers }, None)?;
@@ -595,6 +612,11 @@ impl GpuNet {
         self.config.state_names().contains(&"v")
     }
 
+    /// Values per sample of each model input.
+    fn input_sizes(&self) -> Vec<usize> {
+        self.model.inputs().iter().map(|(_, shape)| shape.numel()).collect()
+    }
+
     fn ensure_acts(&mut self, n: usize) -> Result<()> {
         if self.acts.as_ref().map(|a| a.n) != Some(n) {
             // Free the old ones first: both at once may not fit.
@@ -603,7 +625,7 @@ impl GpuNet {
                 l.op.reserve(&self.gpu, &l.place, n)?;
             }
             let targets = self.targets_and_classes().0;
-            self.acts = Some(Activations::new(&self.gpu, &self.layers, n, targets)?);
+            self.acts = Some(Activations::new(&self.gpu, &self.layers, &self.input_sizes(), n, targets)?);
         }
         Ok(())
     }
@@ -650,21 +672,8 @@ fn upload<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
     Ok(stream.clone_htod(host)?)
 }
 
-/// The network as the GPU runs it, or an error naming the first layer without a GPU form
-/// (or a model of several inputs, which the GPU replica's staging does not feed).
+/// The network as the GPU runs it, or an error naming the first layer without a GPU form.
 fn plan(model: &Graph) -> Result<Vec<Layer>> {
-    if model.inputs().len() != 1 {
-        return Err(Error::config(
-            "model",
-            format!(
-                "the model has {} inputs ({}); a GPU replica stages one input tensor a batch, so it trains a model of \
-                 one input: train this model on CPU devices, or write it with one input that Split nodes cut into \
-                 the parts (the data's parts concatenated per sample)",
-                model.inputs().len(),
-                model.inputs().iter().map(|(n, s)| format!("{n} {s}")).collect::<Vec<_>>().join(", ")
-            ),
-        ));
-    }
     let mut layers = Vec::with_capacity(model.layers().len());
     for (index, (layer, shapes)) in model.layers().iter().zip(model.layer_shapes()).enumerate() {
         let name = model.layer_names()[index].clone();
@@ -673,13 +682,7 @@ fn plan(model: &Graph) -> Result<Vec<Layer>> {
         })?;
         let LayerShapes { input, output, other_inputs } = shapes.clone();
         let (params, buffers) = model.layer_ranges(index);
-        let reads = model.sources()[index]
-            .iter()
-            .map(|&s| match s {
-                Source::Input(_) => None,
-                Source::Node(i) => Some(i),
-            })
-            .collect();
+        let reads = model.sources()[index].clone();
         let trains = model.trains(index);
         let index = model.layer_index(index);
         let place = Placement { name, index, input, output, other_inputs, params, buffers };
@@ -688,9 +691,26 @@ fn plan(model: &Graph) -> Result<Vec<Layer>> {
     Ok(layers)
 }
 
-/// Whether the nodes are a chain: each reads the one before it (the first the input).
+/// Where a value lies in `Activations::acts`, of a model of `inputs` inputs.
+fn act_of(r: Source, inputs: usize) -> usize {
+    match r {
+        Source::Input(k) => k,
+        Source::Node(i) => inputs + i,
+    }
+}
+
+/// Whether the nodes are a chain: each reads the one before it (the first the model's
+/// one input).
 fn is_chain(layers: &[Layer]) -> bool {
-    layers.iter().enumerate().all(|(j, l)| l.reads == [j.checked_sub(1)])
+    let before = |j: usize| j.checked_sub(1).map_or(Source::Input(0), Source::Node);
+    layers.iter().enumerate().all(|(j, l)| l.reads == [before(j)])
+}
+
+/// Where rows `rows` of input i lie among `staged` rows laid out input by input
+/// (`train::Batch::inputs_apart`: every row's input 0, then every row's input 1, ...).
+fn input_span(per: &[usize], staged: usize, i: usize, rows: Range<usize>) -> Range<usize> {
+    let start = staged * per[..i].iter().sum::<usize>();
+    start + rows.start * per[i]..start + rows.end * per[i]
 }
 
 /// Where a node's backward writes the gradient of one of its inputs, in a graph: the
@@ -705,13 +725,12 @@ enum GradTarget {
 }
 
 impl Activations {
-    /// For `n` samples of `targets` labels each.
-    fn new(gpu: &Gpu, layers: &[Layer], n: usize, targets: usize) -> Result<Activations> {
+    /// For `n` samples of `targets` labels each, of the model's inputs of `per` values.
+    fn new(gpu: &Gpu, layers: &[Layer], per: &[usize], n: usize, targets: usize) -> Result<Activations> {
         let stream = gpu.stream();
         let alloc = |len: usize| -> Result<CudaSlice<f32>> { Ok(stream.alloc_zeros::<f32>(len.max(1))?) };
-        let first = &layers.first().expect("a model has a layer").place;
-        let mut acts = vec![alloc(n * first.input.numel())?];
-        let (mut widest, mut scratch) = (n * first.input.numel(), 0);
+        let mut acts = per.iter().map(|&p| alloc(n * p)).collect::<Result<Vec<_>>>()?;
+        let (mut widest, mut scratch) = (n * per.iter().copied().max().unwrap_or(0), 0);
         for Layer { place, op, .. } in layers {
             acts.push(alloc(n * place.output.numel())?);
             widest = widest.max(n * place.output.numel());
@@ -730,6 +749,7 @@ impl Activations {
         Ok(Activations {
             n,
             acts,
+            inputs: per.len(),
             values,
             spare,
             grads: [alloc(widest)?, alloc(widest)?],
@@ -745,12 +765,12 @@ impl Net<'_> {
     /// The forward pass of every layer on `a.acts[0]`, as `pass` says; synchronized
     /// BatchNorm layers of a training pass meet the other replicas' through `sync`.
     fn forward(&mut self, a: &mut Activations, mut pass: Pass<'_, '_>, sync: Option<SyncWith<'_>>) -> Result<()> {
-        let (gpu, blas, params, n) = (self.gpu, self.blas, self.params, a.n);
+        let (gpu, blas, params, n, inputs) = (self.gpu, self.blas, self.params, a.n, a.inputs);
         for (i, Layer { place, op, reads, .. }) in self.layers.iter_mut().enumerate() {
-            // acts[0] is the model's input, acts[i + 1] node i's output: every value a node
-            // reads lies before its own output.
-            let (before, after) = a.acts.split_at_mut(i + 1);
-            let value = |r: &Option<usize>| &before[r.map_or(0, |i| i + 1)];
+            // acts[..I] are the model's inputs, acts[I + i] node i's output: every value a
+            // node reads lies before its own output.
+            let (before, after) = a.acts.split_at_mut(inputs + i);
+            let value = |r: &Source| &before[act_of(*r, inputs)];
             let (x, y) = (value(&reads[0]), &mut after[0]);
             let others: Vec<&CudaSlice<f32>> = reads[1..].iter().map(value).collect();
             op.forward(Forward {
@@ -835,6 +855,7 @@ impl Net<'_> {
         let trains: Vec<bool> = self.layers.iter().map(|l| l.trains).collect();
         let outputs: Vec<usize> = self.layers.iter().map(|l| n * l.place.output.numel()).collect();
         let mut written = vec![false; last];
+        let model_inputs = a.inputs;
         let Activations { acts, grads: loss_grads, values, spare, scratch, .. } = a;
         for j in (0..=last).rev() {
             if !trains[j] {
@@ -846,11 +867,11 @@ impl Net<'_> {
             let targets: Vec<GradTarget> = reads
                 .iter()
                 .map(|r| match *r {
-                    Some(i) if trains[i] && !written[i] => {
+                    Source::Node(i) if trains[i] && !written[i] => {
                         written[i] = true;
                         GradTarget::Own(i)
                     }
-                    Some(i) if trains[i] => {
+                    Source::Node(i) if trains[i] => {
                         spares += 1;
                         GradTarget::Spare(spares - 1)
                     }
@@ -883,7 +904,7 @@ impl Net<'_> {
                 })
                 .collect();
             let dx = views.remove(0);
-            let value = |r: &Option<usize>| &acts[r.map_or(0, |i| i + 1)];
+            let value = |r: &Source| &acts[act_of(*r, model_inputs)];
             let others: Vec<&CudaSlice<f32>> = reads[1..].iter().map(value).collect();
             op.backward(Backward {
                 gpu,
@@ -903,7 +924,7 @@ impl Net<'_> {
             })?;
             // The later writers' gradients, added to their values' in input order.
             for (t, r) in targets.iter().zip(reads.iter()) {
-                if let (GradTarget::Spare(k), Some(i)) = (*t, *r) {
+                if let (GradTarget::Spare(k), Source::Node(i)) = (*t, *r) {
                     let len = outputs[i];
                     gpu.add_into(&spare[k].slice(0..len), &mut values[i].slice_mut(0..len))?;
                 }
@@ -927,14 +948,43 @@ mod tests {
         assert!(e.contains("cpuonly0") && e.contains("CpuOnly") && e.contains("no CUDA implementation"), "{e}");
     }
 
+    /// A model of two inputs is planned reading each where the staging puts it: its
+    /// embeddings read inputs 0 and 1, the add both embeddings; not a chain.
     #[test]
-    fn a_model_of_several_inputs_is_refused_saying_what_to_do() {
+    fn a_model_of_several_inputs_reads_each_input_where_it_is_staged() {
         let model = crate::testing::tokens_and_positions(4, 8, 2);
-        let e = plan(&model).err().expect("a GPU replica stages one input").to_string();
-        assert!(
-            e.contains("2 inputs (input (4), positions (4))") && e.contains("CPU devices") && e.contains("Split"),
-            "{e}"
-        );
+        let layers = plan(&model).unwrap();
+        let reads: Vec<Vec<Source>> = layers.iter().map(|l| l.reads.clone()).collect();
+        assert_eq!(reads, vec![vec![Source::Input(0)], vec![Source::Input(1)], vec![Source::Node(0), Source::Node(1)]]);
+        assert!(!is_chain(&layers));
+        assert_eq!(act_of(Source::Input(1), 2), 1);
+        assert_eq!(act_of(Source::Node(0), 2), 2, "node 0's output follows the two inputs");
+        assert!(is_chain(&plan(&crate::models::toy_mlp(2, 2).unwrap()).unwrap()));
+    }
+
+    /// Rows of two parts (2 and 3 values) laid out input by input as a GPU replica stages
+    /// them (`Batch::inputs_apart`): `input_span` finds any run of rows of either input;
+    /// one input's rows stay as they lie.
+    #[test]
+    fn each_inputs_rows_are_found_where_the_staging_lays_them() {
+        let (per, n) = ([2, 3], 4);
+        let batch = crate::train::Batch {
+            x: (0..n * 5).map(|v| v as f32).collect(),
+            y: vec![0; n],
+            sample_shape: crate::Shape::new([5]),
+            inputs: vec![crate::Shape::new([2]), crate::Shape::new([3])],
+            targets: 1,
+        };
+        let staged = batch.inputs_apart(&(0..n));
+        for (i, (whole, _)) in batch.input_rows(&(0..n)).into_iter().enumerate() {
+            for rows in [0..4, 1..3, 2..2] {
+                let want = &whole[rows.start * per[i]..rows.end * per[i]];
+                assert_eq!(&staged[input_span(&per, n, i, rows.clone())], want, "input {i}, rows {rows:?}");
+            }
+        }
+        let one = crate::train::Batch { inputs: vec![crate::Shape::new([5])], ..batch.clone() };
+        assert!(matches!(one.inputs_apart(&(1..3)), std::borrow::Cow::Borrowed(r) if r == &one.x[5..15]));
+        assert_eq!(input_span(&[5], n, 0, 1..3), 5..15);
     }
 
     #[test]

@@ -6,8 +6,10 @@
 //! that cuts rows of the batch back into each input's tensor, for training, evaluation
 //! and prediction alike.
 
-use crate::data::augment::{augment_image, Augment};
+use std::borrow::Cow;
 use std::ops::Range;
+
+use crate::data::augment::{augment_image, Augment};
 
 use crate::data::Dataset;
 use crate::tensor::Shape;
@@ -63,6 +65,18 @@ impl Batch {
                 (v, dims(s))
             })
             .collect()
+    }
+
+    /// The samples `rows` laid out input by input: every row's values of input 0, then of
+    /// input 1, and so on ([`Batch::input_rows`] one after another), so that any run of
+    /// rows of one input is contiguous: what a GPU replica stages. For a model of one
+    /// input, the rows as they lie, not copied.
+    pub fn inputs_apart(&self, rows: &Range<usize>) -> Cow<'_, [f32]> {
+        let per = self.sample_shape.numel();
+        match self.inputs.len() {
+            0 | 1 => Cow::Borrowed(&self.x[rows.start * per..rows.end * per]),
+            _ => Cow::Owned(self.input_rows(rows).into_iter().flat_map(|(values, _)| values).collect()),
+        }
     }
 
     /// Gathers the training samples `indices` of `data` in that order, each image

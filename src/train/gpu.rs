@@ -8,6 +8,7 @@
 //! pieces of the sum) and the network's (rows on the device, slots, views). The device
 //! side — buffers, kernels, cuBLAS — is `model::gpu`'s.
 
+use std::borrow::Cow;
 use std::ops::Range;
 use std::sync::Arc;
 
@@ -135,10 +136,9 @@ impl<'s> GpuReplica<'s> {
         rows
     }
 
-    /// The rows `rows` of `batch`, x and y.
-    fn rows<'b>(batch: &'b Batch, rows: &Range<usize>) -> (&'b [f32], &'b [u32]) {
-        let per = batch.sample_shape.numel();
-        (&batch.x[rows.start * per..rows.end * per], batch.labels(rows))
+    /// The rows `rows` of `batch`, x (input by input: `Batch::inputs_apart`) and y.
+    fn rows<'b>(batch: &'b Batch, rows: &Range<usize>) -> (Cow<'b, [f32]>, &'b [u32]) {
+        (batch.inputs_apart(rows), batch.labels(rows))
     }
 }
 
@@ -155,7 +155,7 @@ impl Replica for GpuReplica<'_> {
 
     fn stage(&mut self, batch: &Batch, rows: Range<usize>) -> Result<()> {
         let (x, y) = Self::rows(batch, &rows);
-        self.net.stage(x, y)?;
+        self.net.stage(&x, y)?;
         self.staged = rows;
         self.shards.clear();
         Ok(())
@@ -241,13 +241,13 @@ impl Replica for GpuReplica<'_> {
 
     fn evaluate_chunk(&mut self, batch: &Batch, rows: Range<usize>) -> Result<Metrics> {
         let (x, y) = Self::rows(batch, &rows);
-        let (loss, correct, _) = self.net.infer(x, y)?;
+        let (loss, correct, _) = self.net.infer(&x, y)?;
         Ok(metrics(&loss, &correct))
     }
 
     fn predict_chunk(&mut self, batch: &Batch, rows: Range<usize>) -> Result<Vec<f32>> {
         let (x, y) = Self::rows(batch, &rows);
-        let (_, _, logits) = self.net.infer(x, y)?;
+        let (_, _, logits) = self.net.infer(&x, y)?;
         Ok(softmax_rows(logits, self.net.targets_and_classes().1))
     }
 

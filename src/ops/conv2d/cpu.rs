@@ -42,8 +42,8 @@ use rayon::prelude::*;
 
 use crate::backend::chain::{chain_product, B};
 use crate::backend::cpu::{
-    add_partials, batch_chunks, chw_to_hwc, copy_row, col2im, gemm_with, hwc_to_chw, im2col, im2row, into_padded, row2im,
-    split_by_chunks, sum_partials, Accumulate, Im2colGeom, Mat, Padded, Pieces, Samples, Threads,
+    add_partials, batch_chunks, chw_to_hwc, col2im, copy_row, gemm_with, hwc_to_chw, im2col, im2row, into_padded,
+    row2im, split_by_chunks, sum_partials, Accumulate, Im2colGeom, Mat, Padded, Pieces, Samples, Threads,
 };
 use crate::backend::par;
 use crate::backend::simd::widest;
