@@ -5,7 +5,7 @@
 //! the portable loop agree bit for bit, and a convolution written over them gives a
 //! sample the same bits alone or in any batch. Winograd's products run here
 //! (`backend::winograd`), and the convolutions that multiply a sample's padded planes tap
-//! by tap (`ops::conv2d`'s taps), whose right-hand rows are [`B::Listed`]: each row k
+//! by tap (`ops::conv2d`'s taps), whose right-hand rows are [`RhsRows::Listed`]: each row k
 //! where its own offset says, not k rows apart.
 
 use std::ops::Range;
@@ -14,19 +14,19 @@ use super::cpu::Accumulate;
 
 /// Where row k of a product's right-hand side begins in its slice.
 #[derive(Clone, Copy, Debug)]
-pub enum B<'a> {
+pub enum RhsRows<'a> {
     /// At k·stride.
     Strided(usize),
     /// At `rows[k]`: one offset for every k (rows gathered from anywhere in the slice).
     Listed(&'a [usize]),
 }
 
-impl B<'_> {
+impl RhsRows<'_> {
     #[inline(always)]
     fn row(&self, k: usize) -> usize {
         match *self {
-            B::Strided(s) => k * s,
-            B::Listed(rows) => rows[k],
+            RhsRows::Strided(s) => k * s,
+            RhsRows::Listed(rows) => rows[k],
         }
     }
 }
@@ -45,7 +45,7 @@ pub fn chain_gemm(
     crs: usize,
     acc: Accumulate,
 ) {
-    chain_product((m, n, k), a, (ars, aks), b, B::Strided(bks), c, crs, acc)
+    chain_product((m, n, k), a, (ars, aks), b, RhsRows::Strided(bks), c, crs, acc)
 }
 
 /// [`chain_gemm`] with b's rows wherever `rows` says: b(k, j) at `b[rows.row(k) + j]`.
@@ -55,7 +55,7 @@ pub fn chain_product(
     a: &[f32],
     (ars, aks): (usize, usize),
     b: &[f32],
-    rows: B<'_>,
+    rows: RhsRows<'_>,
     c: &mut [f32],
     crs: usize,
     acc: Accumulate,
@@ -77,7 +77,7 @@ struct Operands<'a> {
     ars: usize,
     aks: usize,
     b: &'a [f32],
-    rows: B<'a>,
+    rows: RhsRows<'a>,
     crs: usize,
     add: bool,
 }
@@ -97,8 +97,8 @@ unsafe fn chain_gemm_on(isa: Option<vector::Isa>, p: &Operands, c: &mut [f32]) {
     if k > 0 {
         assert!((m - 1) * ars + (k - 1) * aks < a.len(), "chain_gemm: lhs out of bounds");
         let last = match rows {
-            B::Strided(s) => (k - 1) * s,
-            B::Listed(rows) => {
+            RhsRows::Strided(s) => (k - 1) * s,
+            RhsRows::Listed(rows) => {
                 assert_eq!(rows.len(), k, "chain_gemm: {} rows listed for an inner dimension of {k}", rows.len());
                 rows.iter().copied().max().unwrap_or(0)
             }
@@ -117,10 +117,10 @@ unsafe fn chain_gemm_on(isa: Option<vector::Isa>, p: &Operands, c: &mut [f32]) {
         // `c` is borrowed mutably, apart from both.
         done = unsafe {
             match rows {
-                B::Strided(s) => {
+                RhsRows::Strided(s) => {
                     vector::chain(isa, m, n, &vector::Tile { k, a, ars, aks, b, rows: vector::Stride(s), c, crs, add })
                 }
-                B::Listed(r) => vector::chain(
+                RhsRows::Listed(r) => vector::chain(
                     isa,
                     m,
                     n,
@@ -509,7 +509,7 @@ mod tests {
                         ars: 1,
                         aks: 2 * m,
                         b: &b,
-                        rows: B::Strided(n + 3),
+                        rows: RhsRows::Strided(n + 3),
                         crs: n + 2,
                         add,
                     };
@@ -536,8 +536,18 @@ mod tests {
                 let a = rand(m as u64 + 9, m * k);
                 let b = rand(n as u64 + 70, 5 * n + 40);
                 let listed: Vec<usize> = (0..k).map(|kk| (kk * 37 + kk / 3) % (4 * n + 40)).collect();
-                let p =
-                    Operands { m, n, k, a: &a, ars: k, aks: 1, b: &b, rows: B::Listed(&listed), crs: n, add: false };
+                let p = Operands {
+                    m,
+                    n,
+                    k,
+                    a: &a,
+                    ars: k,
+                    aks: 1,
+                    b: &b,
+                    rows: RhsRows::Listed(&listed),
+                    crs: n,
+                    add: false,
+                };
                 let mut fast = vec![f32::NAN; m * n];
                 // SAFETY: `all_here` lists the instruction sets this processor has.
                 unsafe { chain_gemm_on(Some(isa), &p, &mut fast) };
@@ -552,7 +562,7 @@ mod tests {
         let (mut strided, mut listed) = (vec![0.0; m * n], vec![0.0; m * n]);
         chain_gemm((m, n, k), &a, (k, 1), &b, 30, &mut strided, n, Accumulate::Overwrite);
         let rows: Vec<usize> = (0..k).map(|kk| kk * 30).collect();
-        chain_product((m, n, k), &a, (k, 1), &b, B::Listed(&rows), &mut listed, n, Accumulate::Overwrite);
+        chain_product((m, n, k), &a, (k, 1), &b, RhsRows::Listed(&rows), &mut listed, n, Accumulate::Overwrite);
         assert_eq!(strided, listed);
     }
 
@@ -561,7 +571,16 @@ mod tests {
     fn a_listed_row_past_the_rhs_is_refused() {
         // A row at 10 of 16 values needs 6 more for n = 8.
         let mut c = [0.0; 8];
-        chain_product((1, 8, 2), &[1.0; 2], (2, 1), &[0.0; 16], B::Listed(&[0, 10]), &mut c, 8, Accumulate::Overwrite);
+        chain_product(
+            (1, 8, 2),
+            &[1.0; 2],
+            (2, 1),
+            &[0.0; 16],
+            RhsRows::Listed(&[0, 10]),
+            &mut c,
+            8,
+            Accumulate::Overwrite,
+        );
     }
 
     fn rand(seed: u64, len: usize) -> Vec<f32> {

@@ -13,8 +13,8 @@
 //! (C, H·W) values, which are its columns already ([`Unfold::Pointwise`]: no copy, no
 //! transpose), one at stride 1 that keeps the input's size to under 16 filters (a
 //! DenseNet's growth) by one product over the sample's zero-padded planes, each tap
-//! reading them where it sees them ([`Unfold::Taps`]: nothing unfolded), and any other by GEMM over unfolded inputs, in
-//! one of two layouts:
+//! reading them where it sees them ([`Unfold::Taps`]: nothing unfolded), and any other
+//! by GEMM over unfolded inputs, in one of two layouts:
 //! channels-first columns for a small C·KH·KW (the first layer of an image model), and
 //! channels-last rows otherwise (every kernel row of a pixel is one contiguous copy of
 //! KW·C values, and a whole chunk is one GEMM). The choice (`Unfold`) is a
@@ -40,7 +40,7 @@ use std::ops::Range;
 
 use rayon::prelude::*;
 
-use crate::backend::chain::{chain_product, B};
+use crate::backend::chain::{chain_product, RhsRows};
 use crate::backend::cpu::{
     add_partials, batch_chunks, chw_to_hwc, col2im, copy_row, gemm_with, hwc_to_chw, im2col, im2row, into_padded,
     row2im, split_by_chunks, sum_partials, Accumulate, Im2colGeom, Mat, Padded, Pieces, Samples, Threads,
@@ -268,7 +268,7 @@ impl Taps {
 /// q + tap t's offset, each value one chain of fused multiply-adds from 0 in that order.
 /// So a value's bits are its own pixel's, whatever the batch, the thread count or the
 /// vector width; no plane is copied per tap, the product's right-hand rows being listed
-/// where they lie ([`B::Listed`]).
+/// where they lie ([`RhsRows::Listed`]).
 struct TapProduct {
     /// a(r, k): row r's weights (co, ci·KH·KW), k = c·KH·KW + t.
     weights: Vec<f32>,
@@ -281,7 +281,7 @@ struct TapProduct {
 impl TapProduct {
     /// out (co, m), WRITTEN, from `src`'s padded planes.
     fn run(&self, src: &[f32], out: &mut [f32]) {
-        let (k, rows) = (self.rows.len(), B::Listed(&self.rows));
+        let (k, rows) = (self.rows.len(), RhsRows::Listed(&self.rows));
         chain_product((self.co, self.m, k), &self.weights, (k, 1), src, rows, out, self.m, Accumulate::Overwrite);
     }
 }
