@@ -159,8 +159,9 @@ mod vector {
     /// The vector instruction sets the kernel is compiled for.
     #[derive(Clone, Copy, Debug, PartialEq, Eq)]
     pub(super) enum Isa {
-        /// 32 zmm registers: tiles of up to 8 rows × 2 zmm (16 accumulators, two for b's
-        /// row and one for a's broadcast value), then narrower columns.
+        /// 32 zmm registers: tiles of up to 12 rows × 2 zmm (24 accumulators, two for b's
+        /// row and one for a's broadcast value: a 12-filter convolution is one tile), then
+        /// narrower columns.
         Avx512,
         /// 16 ymm registers: tiles of up to 6 rows × 2 ymm (12 accumulators, two for b's
         /// row and one for a's broadcast value).
@@ -488,14 +489,28 @@ mod tests {
     #[test]
     #[cfg(target_arch = "x86_64")]
     fn every_vector_width_gives_the_portable_chains_bits() {
-        // Each kernel this processor has (AVX-512's 8-row tiles of 32, 16 and 8 columns,
+        // Each kernel this processor has (AVX-512's 12-row tiles of 32, 16 and 8 columns,
         // AVX2's 6-row tiles of 16 and 8), not only the widest that chain_gemm takes:
-        // every row count to 17, column counts around each tile width, both accumulations,
-        // strided operands; the values between c's rows untouched.
+        // row counts that leave every remainder of a tile (1 to 11 rows after whole tiles
+        // of 12, 1 to 5 after tiles of 6), column counts around each tile width, both
+        // accumulations, strided operands; the values between c's rows untouched.
+        let shapes = [
+            (17, 56, 9),
+            (9, 40, 37),
+            (8, 32, 3),
+            (7, 24, 64),
+            (6, 8, 1),
+            (1, 15, 5),
+            (12, 25, 16),
+            (5, 3, 0),
+            (23, 48, 7),
+            (22, 24, 5),
+            (4, 16, 3),
+            (3, 8, 2),
+            (2, 40, 6),
+        ];
         for isa in vector::Isa::all_here() {
-            for (m, n, k) in
-                [(17, 56, 9), (9, 40, 37), (8, 32, 3), (7, 24, 64), (6, 8, 1), (1, 15, 5), (12, 25, 16), (5, 3, 0)]
-            {
+            for (m, n, k) in shapes {
                 for add in [false, true] {
                     let a = rand(m as u64, m * k * 2 + 1);
                     let b = rand(n as u64 + 50, k * (n + 3) + 1);

@@ -222,35 +222,32 @@ impl Taps {
         into_padded(src, Padded { w, wp: self.wp, top, left, c: ch }, dst);
     }
 
-    /// The product of a forward ([`Taps::forward`]) or of an input gradient
-    /// ([`Taps::input_grad`]) over `ci` planes of `plane` values, to `co` rows of `m`;
-    /// `a(r, t, c)` is tap t's weight from channel c to row r.
-    fn product(&self, g: &Im2colGeom, ci: usize, co: usize, a: impl Fn(usize, usize, usize) -> f32) -> TapProduct {
+    /// The product over `ci` planes of `plane` values to `co` rows of `m`, by `weights`
+    /// (co, ci, KH·KW): a forward's ([`Taps::forward`]) or an input gradient's
+    /// ([`Taps::input_grad`]).
+    fn product<'w>(&self, g: &Im2colGeom, ci: usize, co: usize, weights: Cow<'w, [f32]>) -> TapProduct<'w> {
         let kk = g.kh * g.kw;
-        let mut weights = Vec::with_capacity(co * ci * kk);
-        for r in 0..co {
-            for c in 0..ci {
-                weights.extend((0..kk).map(|t| a(r, t, c)));
-            }
-        }
         let rows = (0..ci).flat_map(|c| (0..kk).map(move |t| c * self.plane + self.offset(g, t))).collect();
         TapProduct { weights, rows, co, m: self.m }
     }
 
-    /// The forward's product: y (O, m) from the C planes of x, W_t = weight[:, :, t]
-    /// (weight: (O, C, KH·KW)).
-    fn forward(&self, g: &Im2colGeom, weight: &[f32], o: usize) -> TapProduct {
-        let (c, kk) = (g.c, g.kh * g.kw);
-        self.product(g, c, o, |f, t, ci| weight[(f * c + ci) * kk + t])
+    /// The forward's product: y (O, m) from the C planes of x, by the weight (O, C, KH·KW)
+    /// as it lies.
+    fn forward<'w>(&self, g: &Im2colGeom, weight: &'w [f32], o: usize) -> TapProduct<'w> {
+        self.product(g, g.c, o, Cow::Borrowed(weight))
     }
 
     /// The input gradient's product: dx (C, m) from the O planes of the output gradient
-    /// (padded for the flipped kernel), by the flipped taps transposed, W_t =
-    /// weight[:, :, KH·KW − 1 − t]ᵀ: the input gradient of a stride-1 convolution is the
-    /// convolution of the padded output gradient by the flipped kernel.
-    fn input_grad(&self, g: &Im2colGeom, weight: &[f32], o: usize) -> TapProduct {
+    /// (padded for the flipped kernel), by the flipped taps transposed, weight[:, :,
+    /// KH·KW − 1 − t]ᵀ laid (C, O, KH·KW): the input gradient of a stride-1 convolution is
+    /// the convolution of the padded output gradient by the flipped kernel.
+    fn input_grad(&self, g: &Im2colGeom, weight: &[f32], o: usize) -> TapProduct<'static> {
         let (c, kk) = (g.c, g.kh * g.kw);
-        self.product(g, o, c, |ch, t, f| weight[(f * c + ch) * kk + kk - 1 - t])
+        let flipped = (0..c * o * kk).map(|i| {
+            let (ch, f, t) = (i / (o * kk), i / kk % o, i % kk);
+            weight[(f * c + ch) * kk + kk - 1 - t]
+        });
+        self.product(g, o, c, Cow::Owned(flipped.collect()))
     }
 
     /// The valid rows of `m`-row planes `src` (ch, m) as images (ch, OH, OW) in `dst`.
@@ -269,16 +266,16 @@ impl Taps {
 /// So a value's bits are its own pixel's, whatever the batch, the thread count or the
 /// vector width; no plane is copied per tap, the product's right-hand rows being listed
 /// where they lie ([`RhsRows::Listed`]).
-struct TapProduct {
+struct TapProduct<'w> {
     /// a(r, k): row r's weights (co, ci·KH·KW), k = c·KH·KW + t.
-    weights: Vec<f32>,
+    weights: Cow<'w, [f32]>,
     /// Where b's row k = c·KH·KW + t begins in the source: plane c at tap t's offset.
     rows: Vec<usize>,
     co: usize,
     m: usize,
 }
 
-impl TapProduct {
+impl TapProduct<'_> {
     /// out (co, m), WRITTEN, from `src`'s padded planes.
     fn run(&self, src: &[f32], out: &mut [f32]) {
         let (k, rows) = (self.rows.len(), RhsRows::Listed(&self.rows));
@@ -1505,10 +1502,10 @@ mod tests {
 
     #[test]
     fn taps_compute_the_convolution_alike_on_any_threads_and_batch() {
-        // Stride 1, the input's size, under 16 filters: a DenseNet's 48→12 3×3 (C a multiple
-        // of 16, whose GEMMs read the planes in place), 5×5 at C = 5, 2×3 (Keras's "same"
-        // for an even kernel: the extra row of padding at the bottom), 3×3 with one filter;
-        // batches of several chunks ([`Batch::holds`]).
+        // Stride 1, the input's size, under 16 filters: a DenseNet's 48→12 3×3 (one 12-row
+        // tile of the product on AVX-512), 5×5 at C = 5, 2×3 (Keras's "same" for an even
+        // kernel: the extra row of padding at the bottom), 3×3 with one filter; batches of
+        // several chunks ([`Batch::holds`]).
         // (C, O, KH, KW, pad top, pad left, H, W, N)
         let shapes = [
             (48, 12, 3, 3, 1, 1, 9, 11, 24),

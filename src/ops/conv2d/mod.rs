@@ -204,7 +204,8 @@ fn unfold_memory(g: &Im2colGeom, o: usize) -> (u64, u64, u64, u64) {
     };
     // The products' packing, whichever unfolding runs: columns and pointwise (O × KKC by
     // KKC × P, and the backward's two), rows and Winograd (any number of rows or tiles by KKC or C,
-    // to O, and back; `gemm_packing` bounds the count).
+    // to O, and back; `gemm_packing` bounds the count), the taps' weight gradient (O × C a
+    // tap, over any number of pixels; their forward and input gradient pack nothing).
     let (kkc, p, c, any) = (kkc as usize, p as usize, g.c, usize::MAX);
     let products = [
         (o, p, kkc),
@@ -217,9 +218,7 @@ fn unfold_memory(g: &Im2colGeom, o: usize) -> (u64, u64, u64, u64) {
         (any, o, c),
         (c, o, any),
         (any, c, o),
-        (o, any, c),
         (o, c, any),
-        (c, any, o),
     ];
     let gemm = products.into_iter().map(|(m, n, k)| gemm_packing(m, n, k)).max().unwrap_or(0);
     (per_chunk, per_layer, lent, gemm)
