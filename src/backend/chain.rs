@@ -582,6 +582,14 @@ mod tests {
     }
 
     #[test]
+    #[should_panic(expected = "chain_gemm: 3 rows listed for an inner dimension of 2")]
+    fn a_list_of_rows_not_one_for_each_k_is_refused() {
+        let mut c = [0.0; 8];
+        let rows = RhsRows::Listed(&[0, 1, 2]);
+        chain_product((1, 8, 2), &[1.0; 2], (2, 1), &[0.0; 16], rows, &mut c, 8, Accumulate::Overwrite);
+    }
+
+    #[test]
     #[should_panic(expected = "chain_gemm: rhs out of bounds")]
     fn a_listed_row_past_the_rhs_is_refused() {
         // A row at 10 of 16 values needs 6 more for n = 8.
