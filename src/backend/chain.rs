@@ -6,7 +6,8 @@
 //! sample the same bits alone or in any batch. Winograd's products run here
 //! (`backend::winograd`), and the convolutions that multiply a sample's padded planes tap
 //! by tap (`ops::conv2d`'s taps), whose right-hand rows are [`RhsRows::Listed`]: each row k
-//! where its own offset says, not k rows apart.
+//! where its own offset says, not k rows apart; and attention's per-head products
+//! (`ops::attention::cpu`), block by block over the keys the causal mask leaves.
 
 use std::ops::Range;
 

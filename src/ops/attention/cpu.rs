@@ -1,8 +1,9 @@
 //! Scaled dot-product attention on the CPU: the arithmetic of one (sample, head) — the
 //! scores, the softmax under the mask and the mix of the values, and their gradients
 //! ([`head_probs`], [`head_mix`] and the backward's [`head_mix_backward`],
-//! [`head_scores_backward`], [`head_query_grad`], [`head_key_grad`]: the products on the
-//! CPU backend's GEMM, on the calling thread) over (T, D) views of q, k
+//! [`head_scores_backward`], [`head_query_grad`], [`head_key_grad`]: the products
+//! `backend::chain`'s, on the calling thread, in blocks of query rows that skip what the
+//! causal mask hides: [`BLOCK_ROWS`]) over (T, D) views of q, k
 //! and v wherever they lie — shared by causal self-attention (its heads are columns of
 //! the fused qkv rows) and the scaled_dot_product_attention op (`ops::sdpa`, whose heads
 //! are (T, D) blocks of separate tensors); the softmax row by row and its gradient (the
@@ -17,7 +18,8 @@
 //! and y are (T, C), its qkv (T, 3C), its probabilities (H, T, T); one head's q, k, v and
 //! output (T, D), its scores and probabilities (T, T).
 
-use crate::backend::cpu::{gemm, gemm_with, Accumulate, Mat, Threads};
+use crate::backend::chain::chain_gemm;
+use crate::backend::cpu::{gemm, gemm_with, Accumulate, Accumulate::Overwrite, Mat, Threads};
 use crate::backend::simd;
 use crate::rng::{hash64, unit_f32};
 
@@ -99,57 +101,150 @@ pub fn softmax_row_bwd(p: &[f32], dp: &mut [f32], last: usize, scale: f32) {
     dp[last + 1..].fill(0.0);
 }
 
+/// Rows of a head's products taken at once: one tile of `backend::chain`'s kernel on
+/// AVX-512, two on AVX2. Under the causal mask a block of query rows i0..i1 meets only
+/// keys j < i1 (and key j only queries i ≥ j): each product runs block by block over the
+/// keys the block meets, about 60% of the full products at T = 64. Every value is one
+/// chain of fused multiply-adds over its inner index in order (`chain_gemm`), so its bits
+/// are a function of T, D and the mask alone, never of the batch or the device count;
+/// the terms a block leaves out are the mask's exact zeros (P's and dS's past the
+/// diagonal).
+const BLOCK_ROWS: usize = 12;
+
+/// The blocks of rows [i0, i1) of a head's T rows, [`BLOCK_ROWS`] at a time.
+fn blocks(t: usize) -> impl Iterator<Item = (usize, usize)> {
+    (0..t).step_by(BLOCK_ROWS).map(move |i0| (i0, (i0 + BLOCK_ROWS).min(t)))
+}
+
+/// The keys 0..end that query rows up to `i1` (exclusive) see under `mask`.
+fn keys_seen(mask: Mask, i1: usize, t: usize) -> usize {
+    match mask {
+        Mask::Full => t,
+        Mask::Causal => i1,
+    }
+}
+
+/// The first query that sees keys from `j0` on under `mask`: the first term of a key
+/// block's sums over the queries.
+fn first_query(mask: Mask, j0: usize) -> usize {
+    match mask {
+        Mask::Full => 0,
+        Mask::Causal => j0,
+    }
+}
+
+/// Columns of a (T, T) product a block computes to reach its keys 0..seen: `seen` rounded
+/// up to the chain kernel's narrowest vector (8), at most T. The values past the keys a
+/// row sees are the softmax's to mask (it overwrites them).
+fn score_cols(seen: usize, t: usize) -> usize {
+    seen.next_multiple_of(8).min(t)
+}
+
+/// (T, D) view `m` as a row-major (D, T) matrix: the right-hand side of the (T, T)
+/// products, whose columns are its rows.
+fn transposed(m: Mat<'_>) -> Vec<f32> {
+    let (t, d) = (m.rows, m.cols);
+    let mut out = vec![0.0; t * d];
+    for i in 0..t {
+        for (c, row) in out.chunks_exact_mut(t).enumerate() {
+            row[i] = m.data[i * m.rs + c * m.cs];
+        }
+    }
+    out
+}
+
+/// Panics unless view `m`'s columns lie side by side (the products' right-hand sides).
+fn check_rows(m: Mat<'_>, what: &str) {
+    assert_eq!(m.cs, 1, "attention: {what}'s values must lie side by side in its rows");
+}
+
 /// One head's probabilities: S (T, T) = q·kᵀ, then P = softmax(scale·S) row by row under
 /// `mask` ([`softmax_row`]), into p (T, T). q, k: (T, D) views.
 pub(crate) fn head_probs(q: Mat<'_>, k: Mat<'_>, p: &mut [f32], mask: Mask, scale: f32) {
-    let t = q.rows;
-    gemm_with(q, k.t(), p, t, Accumulate::Overwrite, Threads::Caller);
+    let (t, d) = (q.rows, q.cols);
+    let kt = transposed(k);
+    for (i0, i1) in blocks(t) {
+        let n = score_cols(keys_seen(mask, i1, t), t);
+        chain_gemm((i1 - i0, n, d), &q.data[i0 * q.rs..], (q.rs, q.cs), &kt, t, &mut p[i0 * t..], t, Overwrite);
+    }
     for (i, row) in p.chunks_exact_mut(t).enumerate() {
         softmax_row(row, mask.last(i, t), scale);
     }
 }
 
 /// One head's output: y (T, D) = P·v, written into `y` with row stride `ys`. p: (T, T)
-/// (the probabilities, or their dropped form); v: (T, D) view.
-pub(crate) fn head_mix(p: &[f32], v: Mat<'_>, y: &mut [f32], ys: usize) {
-    let t = v.rows;
-    gemm_with(Mat::rows(p, t, t), v, y, ys, Accumulate::Overwrite, Threads::Caller);
+/// (the probabilities, or their dropped form: zero wherever `mask` masks); v: (T, D) view.
+pub(crate) fn head_mix(p: &[f32], v: Mat<'_>, (y, ys): Out<'_>, mask: Mask) {
+    let (t, d) = (v.rows, v.cols);
+    check_rows(v, "v");
+    for (i0, i1) in blocks(t) {
+        let seen = keys_seen(mask, i1, t);
+        chain_gemm((i1 - i0, d, seen), &p[i0 * t..], (t, 1), v.data, v.rs, &mut y[i0 * ys..], ys, Overwrite);
+    }
 }
 
 /// A (T, D) destination: the values and their row stride.
 pub(crate) type Out<'a> = (&'a mut [f32], usize);
 
 /// The backward of [`head_mix`]: dv (T, D) = Pᵀ·dy, written into `dv` when given, and
-/// dP (T, T) = dy·vᵀ into `dp`. p: (T, T) as the mix read it; v, dy: (T, D) views.
-pub(crate) fn head_mix_backward(p: &[f32], v: Mat<'_>, dy: Mat<'_>, dv: Option<Out<'_>>, dp: &mut [f32]) {
-    let t = v.rows;
+/// dP (T, T) = dy·vᵀ into `dp` (its values past the keys a row sees left to the softmax's
+/// backward, which overwrites them). p: (T, T) as the mix read it; v, dy: (T, D) views.
+pub(crate) fn head_mix_backward(p: &[f32], v: Mat<'_>, dy: Mat<'_>, dv: Option<Out<'_>>, dp: &mut [f32], mask: Mask) {
+    let (t, d) = (v.rows, v.cols);
+    check_rows(dy, "dy");
     if let Some((dv, rs)) = dv {
-        gemm_with(Mat::rows(p, t, t).t(), dy, dv, rs, Accumulate::Overwrite, Threads::Caller);
+        for (j0, j1) in blocks(t) {
+            let i0 = first_query(mask, j0);
+            let a = &p[i0 * t + j0..];
+            chain_gemm(
+                (j1 - j0, d, t - i0),
+                a,
+                (1, t),
+                &dy.data[i0 * dy.rs..],
+                dy.rs,
+                &mut dv[j0 * rs..],
+                rs,
+                Overwrite,
+            );
+        }
     }
-    gemm_with(dy, v.t(), dp, t, Accumulate::Overwrite, Threads::Caller);
+    let vt = transposed(v);
+    for (i0, i1) in blocks(t) {
+        let n = score_cols(keys_seen(mask, i1, t), t);
+        chain_gemm((i1 - i0, n, d), &dy.data[i0 * dy.rs..], (dy.rs, dy.cs), &vt, t, &mut dp[i0 * t..], t, Overwrite);
+    }
 }
 
 /// The backward of [`head_probs`]'s softmax: dp (T, T), the gradient by P, becomes dS, the
 /// gradient by the scores S, in place, row by row ([`softmax_row_bwd`], the scale
-/// included). p: (T, T), the forward's P.
+/// included; zero wherever `mask` masks). p: (T, T), the forward's P.
 pub(crate) fn head_scores_backward(p: &[f32], dp: &mut [f32], t: usize, mask: Mask, scale: f32) {
     for (i, (drow, prow)) in dp.chunks_exact_mut(t).zip(p.chunks_exact(t)).enumerate() {
         softmax_row_bwd(prow, drow, mask.last(i, t), scale);
     }
 }
 
-/// The query's gradient from the scores': dq (T, D) = dS·k, written into `dq`. ds: (T, T);
-/// k: (T, D) view.
-pub(crate) fn head_query_grad(ds: &[f32], k: Mat<'_>, (dq, rs): Out<'_>) {
-    let t = k.rows;
-    gemm_with(Mat::rows(ds, t, t), k, dq, rs, Accumulate::Overwrite, Threads::Caller);
+/// The query's gradient from the scores': dq (T, D) = dS·k, written into `dq`. ds: (T, T),
+/// from [`head_scores_backward`] under the same `mask`; k: (T, D) view.
+pub(crate) fn head_query_grad(ds: &[f32], k: Mat<'_>, (dq, rs): Out<'_>, mask: Mask) {
+    let (t, d) = (k.rows, k.cols);
+    check_rows(k, "k");
+    for (i0, i1) in blocks(t) {
+        let seen = keys_seen(mask, i1, t);
+        chain_gemm((i1 - i0, d, seen), &ds[i0 * t..], (t, 1), k.data, k.rs, &mut dq[i0 * rs..], rs, Overwrite);
+    }
 }
 
-/// The key's gradient from the scores': dk (T, D) = dSᵀ·q, written into `dk`. ds: (T, T);
-/// q: (T, D) view.
-pub(crate) fn head_key_grad(ds: &[f32], q: Mat<'_>, (dk, rs): Out<'_>) {
-    let t = q.rows;
-    gemm_with(Mat::rows(ds, t, t).t(), q, dk, rs, Accumulate::Overwrite, Threads::Caller);
+/// The key's gradient from the scores': dk (T, D) = dSᵀ·q, written into `dk`. ds: (T, T),
+/// from [`head_scores_backward`] under the same `mask`; q: (T, D) view.
+pub(crate) fn head_key_grad(ds: &[f32], q: Mat<'_>, (dk, rs): Out<'_>, mask: Mask) {
+    let (t, d) = (q.rows, q.cols);
+    check_rows(q, "q");
+    for (j0, j1) in blocks(t) {
+        let i0 = first_query(mask, j0);
+        let a = &ds[i0 * t + j0..];
+        chain_gemm((j1 - j0, d, t - i0), a, (1, t), &q.data[i0 * q.rs..], q.rs, &mut dk[j0 * rs..], rs, Overwrite);
+    }
 }
 
 /// The dropout factor of element `idx` of stream `key`: 0, or `keep` = 1/(1 − rate), as
@@ -241,7 +336,7 @@ pub(crate) fn attention_forward(job: &PassContext<'_>, s: usize, x: &[f32], y: &
         head_probs(q, k, p, Mask::Causal, job.scale);
         // y_h (T, D) = P'·v_h, into columns h·D.. of merged (T, C)
         let pd = job.dropped_probs(s, h, p, dropped);
-        head_mix(pd, v, &mut merged[h * hd..], c);
+        head_mix(pd, v, (&mut merged[h * hd..], c), Mask::Causal);
     }
     // y (T, C) = dropout(merged·W_projᵀ + b_proj), y holding b_proj already
     let acc = if job.b_proj.is_some() { Accumulate::Add } else { Accumulate::Overwrite };
@@ -288,7 +383,7 @@ pub(crate) fn attention_backward(
         let dy = cols(dmerged, t, c, h * hd, hd);
         // dv_h (T, D) = P'ᵀ·dy_h, dP' (T, T) = dy_h·v_hᵀ
         let pd = job.dropped_probs(s, h, p, dropped);
-        head_mix_backward(pd, v, dy, Some((&mut dqkv[2 * c + h * hd..], 3 * c)), dp);
+        head_mix_backward(pd, v, dy, Some((&mut dqkv[2 * c + h * hd..], 3 * c)), dp, Mask::Causal);
         // dP = dropout'(dP')
         if let Some(d) = job.drops {
             let first = (((d.first + s) * job.heads + h) * t * t) as u64;
@@ -300,8 +395,8 @@ pub(crate) fn attention_backward(
         }
         // dS = softmax'(dP); dq_h (T, D) = dS·k_h, dk_h (T, D) = dSᵀ·q_h
         head_scores_backward(p, dp, t, Mask::Causal, job.scale);
-        head_query_grad(dp, k, (&mut dqkv[h * hd..], 3 * c));
-        head_key_grad(dp, q, (&mut dqkv[c + h * hd..], 3 * c));
+        head_query_grad(dp, k, (&mut dqkv[h * hd..], 3 * c), Mask::Causal);
+        head_key_grad(dp, q, (&mut dqkv[c + h * hd..], 3 * c), Mask::Causal);
     }
     if let Some(dx) = dx {
         // dx (T, C) = dqkv·W_attn

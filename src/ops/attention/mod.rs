@@ -320,7 +320,7 @@ impl Layer for CausalSelfAttention {
     /// (H·T·T: the (N, H, T, T) scores, after the softmax) and the merged heads (T·C);
     /// held from step to step for the backward dqkv (3·T·C), dmerged (T·C) and one head's
     /// dP (T·T), and with dropout one head's P' (T·T). The masks are drawn again, never
-    /// kept.
+    /// kept. Per sample in flight, one head's k or v transposed (T·D) for its products.
     fn memory(&self, shapes: &LayerShapes) -> Option<LayerMemory> {
         let (t, c) = match shapes.input.dims() {
             &[t, c] => (t as u64, c as u64),
@@ -331,21 +331,14 @@ impl Layer for CausalSelfAttention {
         let dropped = if self.dropout > 0.0 { tt } else { 0 };
         let values =
             tc.saturating_mul(9).saturating_add(tt.saturating_mul(self.heads as u64 + 1)).saturating_add(dropped);
-        // The products' packing: the projections (any number of rows by C to 3C or C, and
-        // back) and each head's (T × D by D × T, T × T by T × D, and back).
-        let (t, c, d, any) = (t as usize, c as usize, c as usize / self.heads.max(1), usize::MAX);
-        let products = [
-            (any, 3 * c, c),
-            (3 * c, c, any),
-            (any, c, 3 * c),
-            (any, c, c),
-            (c, c, any),
-            (t, t, d),
-            (t, d, t),
-            (d, t, t),
-        ];
+        let transposed = tc / (self.heads.max(1) as u64);
+        // The projections' packing (any number of rows by C to 3C or C, and back); the
+        // heads' products are `backend::chain`'s, which packs nothing.
+        let (c, any) = (c as usize, usize::MAX);
+        let products = [(any, 3 * c, c), (3 * c, c, any), (any, c, 3 * c), (any, c, c), (c, c, any)];
         Some(LayerMemory {
             kept_per_sample: values.saturating_mul(F32),
+            per_chunk: transposed.saturating_mul(F32),
             gemm: products.into_iter().map(|(m, n, k)| gemm_packing(m, n, k)).max().unwrap_or(0),
             ..LayerMemory::NONE
         })

@@ -1,6 +1,6 @@
 //! Scaled dot-product attention on the CPU: one sample's forward and backward over its
 //! heads ([`sdpa_forward`], [`sdpa_backward`]), each head by the arithmetic causal
-//! self-attention runs (`ops::attention::cpu`'s head functions: the same GEMMs on the
+//! self-attention runs (`ops::attention::cpu`'s head functions: the same products on the
 //! calling thread, the same softmax rows), here on (T, D) blocks of separate q, k and v
 //! tensors instead of columns of fused qkv rows. The layer in `mod.rs` owns the rest: the
 //! buffers kept from the forward, the samples' parallel loop, shapes and memory.
@@ -61,7 +61,7 @@ pub(crate) fn sdpa_forward(g: &Heads, q: &[f32], k: &[f32], v: &[f32], y: &mut [
         // P (T, T) = softmax(scale·q_h·k_hᵀ), y_h (T, D) = P·v_h
         head_probs(g.of(q, i), g.of(k, i), p, g.mask, g.scale);
         let (yh, rs) = g.out(y, i);
-        head_mix(p, g.of(v, i), yh, rs);
+        head_mix(p, g.of(v, i), (yh, rs), g.mask);
     }
 }
 
@@ -89,17 +89,17 @@ pub(crate) fn sdpa_backward(
     let Grads { mut dq, mut dk, mut dv } = grads;
     for (i, p) in probs.chunks_exact(t * t).enumerate() {
         // dv_h (T, D) = Pᵀ·dy_h, dP (T, T) = dy_h·v_hᵀ
-        head_mix_backward(p, g.of(v, i), g.of(dy, i), head_out(g, &mut dv, i), dp);
+        head_mix_backward(p, g.of(v, i), g.of(dy, i), head_out(g, &mut dv, i), dp, g.mask);
         if dq.is_none() && dk.is_none() {
             continue;
         }
         // dS = softmax'(dP); dq_h (T, D) = dS·k_h, dk_h (T, D) = dSᵀ·q_h
         head_scores_backward(p, dp, t, g.mask, g.scale);
         if let Some(out) = head_out(g, &mut dq, i) {
-            head_query_grad(dp, g.of(k, i), out);
+            head_query_grad(dp, g.of(k, i), out, g.mask);
         }
         if let Some(out) = head_out(g, &mut dk, i) {
-            head_key_grad(dp, g.of(q, i), out);
+            head_key_grad(dp, g.of(q, i), out, g.mask);
         }
     }
 }

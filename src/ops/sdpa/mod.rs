@@ -38,7 +38,6 @@ use super::spec::{Build, FieldResult, LayerType};
 use super::{
     merge_takes_several, Arity, Ctx, InputGrad, Layer, LayerMemory, LayerShapes, Mode, Params, ParamsMut, F32,
 };
-use crate::backend::cpu::gemm_packing;
 use crate::backend::par;
 use crate::error::{Error, Result};
 use crate::tensor::{Shape, Tensor};
@@ -196,8 +195,8 @@ impl Layer for ScaledDotProductAttention {
 
     /// Per sample: kept for backward q, k and v (3·H·T·D: a graph's node hands them over,
     /// and they stay until this backward) and the probabilities (H·T·T); held from step to
-    /// step for the backward one (T, T) product. The products' packing: each head's
-    /// (T × D by D × T, T × T by T × D, and back).
+    /// step for the backward one (T, T) product. Per sample in flight, one head's k or v
+    /// transposed (T·D) for its products (`backend::chain`'s, which pack nothing).
     fn memory(&self, shapes: &LayerShapes) -> Option<LayerMemory> {
         let (h, t, d) = match shapes.input.dims() {
             &[h, t, d] => (h as u64, t as u64, d as u64),
@@ -206,10 +205,9 @@ impl Layer for ScaledDotProductAttention {
         let htd = h.saturating_mul(t).saturating_mul(d);
         let htt = h.saturating_mul(t).saturating_mul(t);
         let values = htd.saturating_mul(3).saturating_add(htt).saturating_add(t.saturating_mul(t));
-        let (t, d) = (t as usize, d as usize);
         Some(LayerMemory {
             kept_per_sample: values.saturating_mul(F32),
-            gemm: gemm_packing(t, t, d).max(gemm_packing(t, d, t)),
+            per_chunk: t.saturating_mul(d).saturating_mul(F32),
             ..LayerMemory::NONE
         })
     }
