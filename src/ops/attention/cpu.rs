@@ -491,4 +491,79 @@ mod tests {
             }
         }
     }
+
+    #[test]
+    fn a_heads_products_are_chains_over_what_the_mask_leaves_on_any_shape() {
+        // The reference computes every value alone: one f32 fused multiply-add chain over
+        // the full inner index in order (the masked terms exact zeros), the softmax rows
+        // as the layer's. The blocks of 12 query rows, the columns rounded to 8 and the
+        // skipped keys must change no value (compared as numbers: a skipped zero term may
+        // only turn a −0 into +0). T below a block, at 8, across blocks and their
+        // rounding, D odd and even; both masks; q, k, v, dy as columns of wider rows (a
+        // GPT's qkv) and as (T, D) blocks; outputs into wider rows, the values between them
+        // untouched.
+        let mut g = SplitMix64::new(5);
+        let scale = 0.3;
+        let chain = |m: usize, n: usize, k: usize, a: &dyn Fn(usize, usize) -> f32, b: &dyn Fn(usize, usize) -> f32| {
+            let mut c = vec![0.0f32; m * n];
+            for i in 0..m {
+                for j in 0..n {
+                    c[i * n + j] = (0..k).fold(0.0f32, |s, kk| a(i, kk).mul_add(b(kk, j), s));
+                }
+            }
+            c
+        };
+        fn view(x: &[f32], (t, d, rs): (usize, usize, usize)) -> Mat<'_> {
+            Mat { data: x, rows: t, cols: d, rs, cs: 1 }
+        }
+        for (t, d) in [(5, 3), (8, 4), (13, 8), (24, 5), (40, 16), (64, 32)] {
+            for mask in [Mask::Causal, Mask::Full] {
+                for rs in [d, 3 * d + 1] {
+                    let rand = |g: &mut SplitMix64| -> Vec<f32> { (0..t * rs).map(|_| g.next_f32() - 0.5).collect() };
+                    let (q, k, v, dy) = (rand(&mut g), rand(&mut g), rand(&mut g), rand(&mut g));
+                    let at = |x: &[f32], i: usize, c: usize| x[i * rs + c];
+                    let shape = (t, d, rs);
+                    let what = format!("T {t}, D {d}, {mask:?}, rows {rs} apart");
+
+                    // P = softmax(scale·q·kᵀ), y = P·v
+                    let mut want_p = chain(t, t, d, &|i, c| at(&q, i, c), &|c, j| at(&k, j, c));
+                    for (i, row) in want_p.chunks_exact_mut(t).enumerate() {
+                        softmax_row(row, mask.last(i, t), scale);
+                    }
+                    let mut p = vec![f32::NAN; t * t];
+                    head_probs(view(&q, shape), view(&k, shape), &mut p, mask, scale);
+                    assert_eq!(p, want_p, "P, {what}");
+                    let want_y = chain(t, d, t, &|i, j| p[i * t + j], &|j, c| at(&v, j, c));
+                    let mut y = vec![f32::NAN; t * rs];
+                    head_mix(&p, view(&v, shape), (&mut y, rs), mask);
+                    for i in 0..t {
+                        assert_eq!(y[i * rs..i * rs + d], want_y[i * d..(i + 1) * d], "y, {what}");
+                    }
+
+                    // dv = Pᵀ·dy, dP = dy·vᵀ, dS = softmax'(dP), dq = dS·k, dk = dSᵀ·q
+                    let want_dv = chain(t, d, t, &|j, i| p[i * t + j], &|i, c| at(&dy, i, c));
+                    let mut want_ds = chain(t, t, d, &|i, c| at(&dy, i, c), &|c, j| at(&v, j, c));
+                    head_scores_backward(&p, &mut want_ds, t, mask, scale);
+                    let want_dq = chain(t, d, t, &|i, j| want_ds[i * t + j], &|j, c| at(&k, j, c));
+                    let want_dk = chain(t, d, t, &|j, i| want_ds[i * t + j], &|i, c| at(&q, i, c));
+                    let (mut dv, mut dp) = (vec![f32::NAN; t * rs], vec![f32::NAN; t * t]);
+                    head_mix_backward(&p, view(&v, shape), view(&dy, shape), Some((&mut dv, rs)), &mut dp, mask);
+                    head_scores_backward(&p, &mut dp, t, mask, scale);
+                    assert_eq!(dp, want_ds, "dS, {what}");
+                    let (mut dq, mut dk) = (vec![f32::NAN; t * rs], vec![f32::NAN; t * rs]);
+                    head_query_grad(&dp, view(&k, shape), (&mut dq, rs), mask);
+                    head_key_grad(&dp, view(&q, shape), (&mut dk, rs), mask);
+                    for i in 0..t {
+                        let row = i * rs..i * rs + d;
+                        let want = i * d..(i + 1) * d;
+                        assert_eq!(dv[row.clone()], want_dv[want.clone()], "dv, {what}");
+                        assert_eq!(dq[row.clone()], want_dq[want.clone()], "dq, {what}");
+                        assert_eq!(dk[row], want_dk[want], "dk, {what}");
+                    }
+                    let between = |x: &[f32]| (0..t * rs).filter(|i| i % rs >= d).all(|i| x[i].is_nan());
+                    assert!([&y, &dv, &dq, &dk].into_iter().all(|x| between(x)), "values between rows written, {what}");
+                }
+            }
+        }
+    }
 }
