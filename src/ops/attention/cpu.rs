@@ -145,9 +145,9 @@ fn score_cols(seen: usize, t: usize) -> usize {
 fn transposed(m: Mat<'_>) -> Vec<f32> {
     let (t, d) = (m.rows, m.cols);
     let mut out = vec![0.0; t * d];
-    for i in 0..t {
-        for (c, row) in out.chunks_exact_mut(t).enumerate() {
-            row[i] = m.data[i * m.rs + c * m.cs];
+    for (c, row) in out.chunks_exact_mut(t).enumerate() {
+        for (i, o) in row.iter_mut().enumerate() {
+            *o = m.data[i * m.rs + c * m.cs];
         }
     }
     out
