@@ -141,7 +141,7 @@ fn the_llama_holds_its_estimate() {
         ..TrainConfig::default()
     };
     let test = splits.test.as_ref().unwrap();
-    // Measured on an AVX-512 Xeon: 117.4 MB estimated for a 94.3 MB peak, 1.25×.
+    // Measured on an AVX-512 Xeon (2026-12-07): 111.2 MB estimated for an 87.8 MB peak, 1.27×.
     check_close("the llama", measured(&model, &splits.train, test, &Devices::cpu(2, 1).unwrap(), &config));
 }
 
@@ -152,6 +152,6 @@ fn the_densenet_holds_its_estimate() {
     let _one = ONE_AT_A_TIME.lock();
     let model = models::densenet(&models::DensenetConfig::default()).unwrap();
     let (train, test) = digits(128);
-    // Measured on an AVX-512 Xeon: 306.3 MB estimated for a 259.6 MB peak, 1.18×.
+    // Measured on an AVX-512 Xeon (2026-12-07): 304.1 MB estimated for a 255.7 MB peak, 1.19×.
     check_close("the densenet", measured(&model, &train, &test, &Devices::cpu(2, 1).unwrap(), &config(64)));
 }
