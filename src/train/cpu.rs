@@ -9,7 +9,7 @@
 use std::ops::Range;
 use std::time::{Duration, Instant};
 
-use super::replica::{fingerprints, Fill, Mark, Replica, ShardPass, StepOutcome};
+use super::replica::{fingerprints, Fill, Mark, Replica, ShardPass, Snapshot, StepOutcome, Take};
 use super::Batch;
 use crate::error::Result;
 use crate::exchange::Host;
@@ -214,8 +214,15 @@ impl Replica for CpuReplica<'_> {
         Ok(softmax_rows(logits.into_vec(), k))
     }
 
-    fn snapshot(&mut self) -> Result<(ParamStore, Optimizer)> {
-        Ok((self.store.clone(), self.optimizer.clone()))
+    fn snapshot(&mut self, take: Take) -> Result<Snapshot> {
+        Ok(Snapshot {
+            weights: take.weights.then(|| self.store.clone()),
+            optimizer: take.optimizer.then(|| self.optimizer.clone()),
+        })
+    }
+
+    fn optimizer_bytes(&self) -> usize {
+        self.optimizer.state_bytes()
     }
 
     fn fingerprints(&mut self) -> Result<Vec<(String, u64)>> {

@@ -14,7 +14,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaStream, CudaView, CudaViewMut};
 
-use super::replica::{fingerprints, Fill, Mark, Replica, ShardPass, StepOutcome};
+use super::replica::{fingerprints, Fill, Mark, Replica, ShardPass, Snapshot, StepOutcome, Take};
 use super::Batch;
 use crate::error::{Error, Result};
 use crate::exchange::gpu::DeviceMemory;
@@ -140,6 +140,16 @@ impl<'s> GpuReplica<'s> {
     fn rows<'b>(batch: &'b Batch, rows: &Range<usize>) -> (Cow<'b, [f32]>, &'b [u32]) {
         (batch.inputs_apart(rows), batch.labels(rows))
     }
+
+    /// Parameters, buffers and optimiser state (the part it holds, when sharded), copied
+    /// to the host.
+    fn download(&mut self) -> Result<(ParamStore, Optimizer)> {
+        let (store, state) = self.net.download()?;
+        let whole = Optimizer::new(*self.clock.config(), store.params.len());
+        let mut optimizer = if self.clock.is_part() { whole.part(self.net.state_range()) } else { whole };
+        optimizer.restore(self.clock.steps(), &state)?;
+        Ok((store, optimizer))
+    }
 }
 
 impl Replica for GpuReplica<'_> {
@@ -251,16 +261,22 @@ impl Replica for GpuReplica<'_> {
         Ok(softmax_rows(logits, self.net.targets_and_classes().1))
     }
 
-    fn snapshot(&mut self) -> Result<(ParamStore, Optimizer)> {
-        let (store, state) = self.net.download()?;
-        let whole = Optimizer::new(*self.clock.config(), store.params.len());
-        let mut optimizer = if self.clock.is_part() { whole.part(self.net.state_range()) } else { whole };
-        optimizer.restore(self.clock.steps(), &state)?;
-        Ok((store, optimizer))
+    fn snapshot(&mut self, take: Take) -> Result<Snapshot> {
+        if take == (Take { weights: false, optimizer: false }) {
+            return Ok(Snapshot { weights: None, optimizer: None });
+        }
+        let (store, optimizer) = self.download()?;
+        Ok(Snapshot { weights: take.weights.then_some(store), optimizer: take.optimizer.then_some(optimizer) })
+    }
+
+    fn optimizer_bytes(&self) -> usize {
+        // As `Optimizer::state_bytes` counts a host optimiser of its range: each of its
+        // state tensors, one f32 a parameter.
+        4 * self.clock.config().state_names().len() * self.net.state_range().len()
     }
 
     fn fingerprints(&mut self) -> Result<Vec<(String, u64)>> {
-        let (store, optimizer) = self.snapshot()?;
+        let (store, optimizer) = self.download()?;
         Ok(fingerprints(self.net.model(), &store, &optimizer))
     }
 }

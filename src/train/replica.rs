@@ -94,6 +94,23 @@ impl StepOutcome {
     }
 }
 
+/// What a [`Replica::snapshot`] copies to the host. The coordinator asks each replica
+/// for what it keeps, never more: replica 0's weights (every replica holds the same),
+/// and replica 0's optimiser state or, when sharded, every device's part. A snapshot of
+/// N replicas therefore holds one copy of the model and of its optimiser state, as the
+/// memory estimate's "final state" counts, not N.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Take {
+    pub weights: bool,
+    pub optimizer: bool,
+}
+
+/// A replica's state on the host, as much of it as its [`Take`] asked for.
+pub(crate) struct Snapshot {
+    pub weights: Option<ParamStore>,
+    pub optimizer: Option<Optimizer>,
+}
+
 /// A model replica on one device, as the step drives it. Every replica of a run makes
 /// the same calls with the same values, so they stay bitwise identical.
 pub(crate) trait Replica {
@@ -176,9 +193,12 @@ pub(crate) trait Replica {
     /// Class probabilities (rows, K) in evaluation mode on `rows` of `batch` (one chunk).
     fn predict_chunk(&mut self, batch: &Batch, rows: Range<usize>) -> Result<Vec<f32>>;
 
-    /// Parameters, buffers and optimiser state (the part it holds, when sharded), on the
-    /// host.
-    fn snapshot(&mut self) -> Result<(ParamStore, Optimizer)>;
+    /// What `take` asks of its state, on the host: parameters and buffers, optimiser state
+    /// (the part it holds, when sharded).
+    fn snapshot(&mut self, take: Take) -> Result<Snapshot>;
+
+    /// Bytes of optimiser state it holds (its part, when sharded), nothing copied.
+    fn optimizer_bytes(&self) -> usize;
 
     /// Per-tensor fingerprints for the replica check ([`fingerprints`]).
     fn fingerprints(&mut self) -> Result<Vec<(String, u64)>>;

@@ -32,7 +32,7 @@ use super::flight::{self, FlightRecorder, Phase, RecordedStats};
 use super::gpu::GpuReplica;
 use super::panics;
 use super::processes::{self, Handshake, RowPlan};
-use super::replica::{check_replicas, decay_mask, Replica};
+use super::replica::{check_replicas, decay_mask, Replica, Snapshot, Take};
 use super::scatter;
 use super::step::{Evaluated, StepWork};
 use super::worker::{self, recv_waiting, Command, Reply, SetupGate, WorkerStart};
@@ -441,18 +441,19 @@ impl Trainer<'_> {
     /// every device's part put together). Sharded across processes, the parts are
     /// gathered from every process: every process must call it at the same point of the
     /// run (as `fit` does at each checkpoint and at the end); [`Trainer::params`] is the
-    /// weights alone, on any one process.
+    /// weights alone, on any one process. Each device copies only what is kept (its
+    /// [`Take`]): one copy of the weights and of the optimiser state, whatever the number
+    /// of devices.
     pub fn weights(&mut self) -> Result<(ParamStore, Optimizer)> {
-        let replies = self.ask(|_| Command::Snapshot)?;
-        let mut snapshots = replies.into_iter().map(|r| {
-            let Reply::Snapshot(s) = r else { unreachable!("a snapshot command gets a snapshot") };
-            *s
-        });
-        let (weights, first) = snapshots.next().expect("a run has a device");
+        let sharded = self.sharding == Sharding::Sharded;
+        let mut snapshots = self.snapshots(|d| Take { weights: d == 0, optimizer: d == 0 || sharded })?.into_iter();
+        let first = snapshots.next().expect("a run has a device");
+        let (weights, first) = (first.weights.expect("replica 0's weights"), first.optimizer.expect("its optimiser"));
         if !first.is_part() {
             return Ok((weights, first));
         }
-        let mut parts: Vec<Optimizer> = std::iter::once(first).chain(snapshots.map(|(_, o)| o)).collect();
+        let mut parts: Vec<Optimizer> =
+            std::iter::once(first).chain(snapshots.map(|s| s.optimizer.expect("a sharded device's part"))).collect();
         if self.world.size() > 1 {
             // Sharded across processes: every process's parts, gathered by every process
             // (each calls this at the same points of the run). Decided by the world, which
@@ -469,21 +470,30 @@ impl Trainer<'_> {
     /// The weights of replica 0 alone: no optimiser state, nothing gathered (what
     /// `save_best` writes, on process 0 only).
     pub fn params(&mut self) -> Result<ParamStore> {
-        let replies = self.ask(|_| Command::Snapshot)?;
-        match replies.into_iter().next() {
-            Some(Reply::Snapshot(s)) => Ok(s.0),
-            _ => unreachable!("a snapshot command gets a snapshot"),
-        }
+        let first = self.snapshots(|d| Take { weights: d == 0, optimizer: false })?.into_iter().next();
+        Ok(first.and_then(|s| s.weights).expect("replica 0's weights"))
     }
 
     /// Bytes of optimiser state each device holds, in device order (÷ N when sharded).
     pub fn optimizer_bytes(&mut self) -> Result<Vec<usize>> {
-        let replies = self.ask(|_| Command::Snapshot)?;
+        let replies = self.ask(|_| Command::OptimizerBytes)?;
+        Ok(replies
+            .into_iter()
+            .map(|r| {
+                let Reply::OptimizerBytes(b) = r else { unreachable!("an optimiser-bytes command gets its bytes") };
+                b
+            })
+            .collect())
+    }
+
+    /// Each device's snapshot of what `take` asks of device d, in device order.
+    fn snapshots(&mut self, take: impl Fn(usize) -> Take) -> Result<Vec<Snapshot>> {
+        let replies = self.ask(|d| Command::Snapshot(take(d)))?;
         Ok(replies
             .into_iter()
             .map(|r| {
                 let Reply::Snapshot(s) = r else { unreachable!("a snapshot command gets a snapshot") };
-                s.1.state_bytes()
+                *s
             })
             .collect())
     }

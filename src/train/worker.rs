@@ -22,13 +22,12 @@ use crossbeam_channel::{Receiver, Sender};
 
 use super::flight::Ring;
 use super::panics;
-use super::replica::{Replica, StepOutcome};
+use super::replica::{Replica, Snapshot, StepOutcome, Take};
 use super::step::{self, Evaluated, StepWork};
 use super::Batch;
 use crate::error::{Error, Result};
 use crate::exchange::{Abort, Exchange, WaitPolicy};
-use crate::nn::ParamStore;
-use crate::optim::{Optimizer, Sharding};
+use crate::optim::Sharding;
 use crate::tensor::Device;
 
 /// What the coordinator asks of every worker.
@@ -40,7 +39,8 @@ pub(crate) enum Command {
     /// Predict these rows of the batch, in chunks of this many samples.
     Predict(Arc<Batch>, Range<usize>, usize),
     Fingerprints,
-    Snapshot,
+    Snapshot(Take),
+    OptimizerBytes,
 }
 
 /// A worker's answer to a [`Command`].
@@ -49,7 +49,8 @@ pub(crate) enum Reply {
     Eval(Evaluated),
     Predict(Vec<f32>),
     Fingerprints(Vec<(String, u64)>),
-    Snapshot(Box<(ParamStore, Optimizer)>),
+    Snapshot(Box<Snapshot>),
+    OptimizerBytes(usize),
 }
 
 /// A device's replica with its side of the exchange. The exchange is declared first so
@@ -73,7 +74,8 @@ impl<R: Replica, X: Exchange<Mem = R::Mem>> Worker<R, X> {
             }
             Command::Predict(batch, rows, chunk) => Reply::Predict(step::predict(r, batch, rows.clone(), *chunk)?),
             Command::Fingerprints => Reply::Fingerprints(r.fingerprints()?),
-            Command::Snapshot => Reply::Snapshot(Box::new(r.snapshot()?)),
+            Command::Snapshot(take) => Reply::Snapshot(Box::new(r.snapshot(*take)?)),
+            Command::OptimizerBytes => Reply::OptimizerBytes(r.optimizer_bytes()),
         })
     }
 }
