@@ -100,20 +100,14 @@ pub fn exp_f32(x: f32) -> f32 {
     }
 }
 
-widest! {
-    /// x ← e^(x − m) for every x of `xs`, by [`exp_f32`]: a softmax's exponentials.
-    pub fn exp_shifted(xs: &mut [f32], m: f32) {
-        for x in xs {
-            *x = exp_f32(*x - m);
-        }
-    }
-}
-
-/// The lanes of [`sum`] and [`dot`]: one AVX-512 vector of f32.
+/// The lanes of the sums here ([`dot`], [`exp_sum`]): one AVX-512 vector of f32. Their
+/// one fixed order, a function of the length alone: value i goes to lane i mod 16, each
+/// lane adds in index order, the lanes close pairwise ([`close_lanes`]). Vectorised at
+/// every width, where an in-order sum waits on each add.
 pub const LANES: usize = 16;
 
 /// Lane l of `acc` added with lane l + w for w = 8, 4, 2, 1: the fixed pairwise order in
-/// which [`sum`] and [`dot`] close their lanes.
+/// which the sums close their lanes ([`LANES`]).
 #[inline(always)]
 fn close_lanes(mut acc: [f32; LANES]) -> f32 {
     let mut w = LANES / 2;
@@ -127,26 +121,7 @@ fn close_lanes(mut acc: [f32; LANES]) -> f32 {
 }
 
 widest! {
-    /// Σ x in one fixed order, a function of the length alone: value i goes to lane
-    /// i mod 16, each lane adds in index order, the lanes close pairwise. Vectorised at
-    /// every width, where an in-order sum waits on each add.
-    pub fn sum(xs: &[f32]) -> f32 {
-        let mut acc = [0.0f32; LANES];
-        let mut rows = xs.chunks_exact(LANES);
-        for row in &mut rows {
-            for (a, &x) in acc.iter_mut().zip(row) {
-                *a += x;
-            }
-        }
-        for (a, &x) in acc.iter_mut().zip(rows.remainder()) {
-            *a += x;
-        }
-        close_lanes(acc)
-    }
-}
-
-widest! {
-    /// Σ a·b over the shorter of the two, in [`sum`]'s order.
+    /// Σ a·b over the shorter of the two, in the lanes' order ([`LANES`]).
     pub fn dot(a: &[f32], b: &[f32]) -> f32 {
         let n = a.len().min(b.len());
         let (a, b) = (&a[..n], &b[..n]);
@@ -165,22 +140,60 @@ widest! {
 }
 
 widest! {
-    /// x ← a·x for every x of `xs`; returns the largest result (−∞ for none; NaNs are
-    /// passed over, as `f32::max` does, so the order of the comparisons cannot matter).
-    pub fn scale_max(xs: &mut [f32], a: f32) -> f32 {
-        let mut acc = [f32::NEG_INFINITY; LANES];
-        let mut rows = xs.chunks_exact_mut(LANES);
-        for row in &mut rows {
-            for (m, x) in acc.iter_mut().zip(row) {
-                *x *= a;
-                *m = m.max(*x);
+    /// The largest a·x over `xs` (−∞ for none; NaNs are passed over, as `f32::max` does,
+    /// so the order of the comparisons cannot matter but for the sign of a zero
+    /// maximum), `xs` untouched: a softmax row's shift. Each comparison is x > m ? x : m,
+    /// one vector instruction a lane (`f32::max`'s own NaN test takes three), over the
+    /// [`LANES`], closed pairwise: on a row of a few vectors, the compiler's code
+    /// for `f32::max` and a written-back scale took a third of the softmax's time.
+    pub fn max_scaled(xs: &[f32], a: f32) -> f32 {
+        #[inline(always)]
+        fn larger(m: f32, x: f32) -> f32 {
+            if x > m {
+                x
+            } else {
+                m
             }
         }
-        for (m, x) in acc.iter_mut().zip(rows.into_remainder()) {
-            *x *= a;
-            *m = m.max(*x);
+        let mut acc = [f32::NEG_INFINITY; LANES];
+        let mut rows = xs.chunks_exact(LANES);
+        for row in &mut rows {
+            for (m, &x) in acc.iter_mut().zip(row) {
+                *m = larger(*m, x * a);
+            }
         }
-        acc.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x))
+        for (m, &x) in acc.iter_mut().zip(rows.remainder()) {
+            *m = larger(*m, x * a);
+        }
+        let mut w = LANES / 2;
+        while w > 0 {
+            for l in 0..w {
+                acc[l] = larger(acc[l], acc[l + w]);
+            }
+            w /= 2;
+        }
+        acc[0]
+    }
+}
+
+widest! {
+    /// x ← e^(a·x − m) for every x of `xs`, by [`exp_f32`], a·x rounded first; returns
+    /// their sum in the lanes' order ([`LANES`]): a softmax's exponentials and their total
+    /// in one pass (a = 1 where the values are scaled already: 1·x is x).
+    pub fn exp_sum(xs: &mut [f32], a: f32, m: f32) -> f32 {
+        let mut acc = [0.0f32; LANES];
+        let mut rows = xs.chunks_exact_mut(LANES);
+        for row in &mut rows {
+            for (s, x) in acc.iter_mut().zip(row) {
+                *x = exp_f32(*x * a - m);
+                *s += *x;
+            }
+        }
+        for (s, x) in acc.iter_mut().zip(rows.into_remainder()) {
+            *x = exp_f32(*x * a - m);
+            *s += *x;
+        }
+        close_lanes(acc)
     }
 }
 
@@ -209,13 +222,17 @@ mod tests {
             want += (x / y).sqrt();
         }
         assert_eq!(sum_of_quotients(&a, &b).to_bits(), want.to_bits());
-        let mut xs: Vec<f32> = (0..777).map(|i| i as f32 * 0.25 - 120.0).collect();
-        let want: Vec<u32> = xs.iter().map(|&x| exp_f32(x - 3.0).to_bits()).collect();
-        exp_shifted(&mut xs, 3.0);
-        assert_eq!(xs.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), want);
+        for a in [1.0, 0.5] {
+            let mut xs: Vec<f32> = (0..777).map(|i| i as f32 * 0.25 - 120.0).collect();
+            let exps: Vec<f32> = xs.iter().map(|&x| exp_f32(x * a - 3.0)).collect();
+            let total = exp_sum(&mut xs, a, 3.0);
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&xs), bits(&exps), "a = {a}");
+            assert_eq!(total.to_bits(), sum_by_hand(&exps).to_bits(), "a = {a}");
+        }
     }
 
-    /// `sum`'s order written out: lane by lane in index order, then pairwise.
+    /// The sums' order written out ([`LANES`]): lane by lane in index order, then pairwise.
     fn sum_by_hand(xs: &[f32]) -> f32 {
         let mut lanes = [0.0f32; LANES];
         for (i, &x) in xs.iter().enumerate() {
@@ -232,20 +249,17 @@ mod tests {
     }
 
     #[test]
-    fn sum_dot_and_max_follow_their_documented_order() {
+    fn sum_dot_exp_sum_and_max_follow_their_documented_order() {
         let xs: Vec<f32> = (0..203).map(|i| ((i * 7919) % 1000) as f32 * 1e-3 - 0.4).collect();
         let ys: Vec<f32> = (0..203).map(|i| ((i * 104_729) % 997) as f32 * 1e-2).collect();
         for n in [0, 1, 15, 16, 17, 64, 203] {
             let (x, y) = (&xs[..n], &ys[..n]);
-            assert_eq!(sum(x).to_bits(), sum_by_hand(x).to_bits(), "sum of {n}");
             let prods: Vec<f32> = x.iter().zip(y).map(|(a, b)| a * b).collect();
             assert_eq!(dot(x, y).to_bits(), sum_by_hand(&prods).to_bits(), "dot of {n}");
-            let mut scaled = x.to_vec();
-            let m = scale_max(&mut scaled, 0.5);
-            assert_eq!(scaled, x.iter().map(|v| v * 0.5).collect::<Vec<_>>());
-            assert_eq!(m, scaled.iter().copied().fold(f32::NEG_INFINITY, f32::max), "max of {n}");
+            let scaled: Vec<f32> = x.iter().map(|v| v * 0.5).collect();
+            assert_eq!(max_scaled(x, 0.5), scaled.iter().copied().fold(f32::NEG_INFINITY, f32::max), "max of {n}");
         }
-        let mut with_nan = [1.0, f32::NAN, 3.0, -2.0];
-        assert_eq!(scale_max(&mut with_nan, 1.0), 3.0);
+        assert_eq!(max_scaled(&[1.0, f32::NAN, 3.0, -2.0], 1.0), 3.0);
+        assert_eq!(max_scaled(&[f32::NAN; 20], 1.0), f32::NEG_INFINITY);
     }
 }

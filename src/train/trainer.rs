@@ -441,9 +441,8 @@ impl Trainer<'_> {
     /// every device's part put together). Sharded across processes, the parts are
     /// gathered from every process: every process must call it at the same point of the
     /// run (as `fit` does at each checkpoint and at the end); [`Trainer::params`] is the
-    /// weights alone, on any one process. Each device copies only what is kept (its
-    /// [`Take`]): one copy of the weights and of the optimiser state, whatever the number
-    /// of devices.
+    /// weights alone, on any one process. Each device copies only what is kept: one copy
+    /// of the weights and of the optimiser state, whatever the number of devices.
     pub fn weights(&mut self) -> Result<(ParamStore, Optimizer)> {
         let sharded = self.sharding == Sharding::Sharded;
         let mut snapshots = self.snapshots(|d| Take { weights: d == 0, optimizer: d == 0 || sharded })?.into_iter();

@@ -68,9 +68,8 @@ pub fn softmax_row(row: &mut [f32], last: usize, scale: f32) {
     let end = whole_lanes(last + 1, row.len());
     let passes = &mut row[..end];
     passes[last + 1..].fill(f32::NEG_INFINITY);
-    let max = simd::scale_max(passes, scale);
-    simd::exp_shifted(passes, max);
-    let inv = 1.0 / simd::sum(passes);
+    let max = simd::max_scaled(passes, scale);
+    let inv = 1.0 / simd::exp_sum(passes, scale, max);
     for v in passes.iter_mut() {
         *v *= inv;
     }
@@ -468,9 +467,8 @@ mod tests {
                 let scores: Vec<f32> = (0..t).map(|_| (g.next_f32() - 0.5) * 40.0).collect();
                 let mut want = scores.clone();
                 let live = &mut want[..=i];
-                let max = simd::scale_max(live, scale);
-                simd::exp_shifted(live, max);
-                let inv = 1.0 / simd::sum(live);
+                let max = simd::max_scaled(live, scale);
+                let inv = 1.0 / simd::exp_sum(live, scale, max);
                 live.iter_mut().for_each(|v| *v *= inv);
                 want[i + 1..].fill(0.0);
                 let mut got = scores;

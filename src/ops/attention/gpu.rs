@@ -451,7 +451,7 @@ impl GpuLayer for AttentionGpu {
 /// views, and has no split of its own), equal bit for bit and each other's inverse; the
 /// softmax and its gradient, causal and full, against `softmax_row` and `softmax_row_bwd`
 /// within 2e-6 relative to the row's largest value (the kernel sums in a tree of 128
-/// partial sums, the CPU in 16 lanes (`backend::simd::sum`), and the host's expf is the C
+/// partial sums, the CPU in 16 lanes (`backend::simd::exp_sum`), and the host's expf is the C
 /// library's, the CPU's `simd::exp_f32`), their masked columns exactly +0. T = 5 (one
 /// partial sum a column) and T = 200 (two columns a thread), under the one-block-a-row
 /// launch and a grid too small to cover the rows once; and a row whose live scores are all

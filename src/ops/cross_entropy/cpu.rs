@@ -55,8 +55,7 @@ pub fn softmax_xent_forward(
             None => &mut scratch[..],
         };
         exps.copy_from_slice(row);
-        simd::exp_shifted(exps, max);
-        let sum = simd::sum(exps);
+        let sum = simd::exp_sum(exps, 1.0, max);
         let lse = max + sum.ln();
         let nll = lse - row[y as usize];
         *l = match eps == 0.0 {
