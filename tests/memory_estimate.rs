@@ -85,12 +85,19 @@ fn a_deep_narrow_spec_holds_its_estimate_in_training_and_evaluation() {
     check("200 convolutions", measured(&model, &train, &test, &Devices::cpu(2, 1).unwrap(), &config(32)));
 }
 
+/// A spec's MLP on the digits: two hidden layers of `units`, ReLU, 10 classes.
+fn wide_mlp(units: usize) -> Graph {
+    let spec = format!(
+        r#"{{"input_shape": [1, 28, 28], "layers": [{{"type": "flatten"}}, {{"type": "dense", "units": {units}}},
+        {{"type": "relu"}}, {{"type": "dense", "units": {units}}}, {{"type": "relu"}}, {{"type": "dense", "units": 10}}]}}"#
+    );
+    lockstep::spec::model_from_spec_str(&spec, "wide.json").unwrap()
+}
+
 #[test]
 fn a_wide_spec_holds_its_estimate() {
     let _one = ONE_AT_A_TIME.lock();
-    let spec = r#"{"input_shape": [1, 28, 28], "layers": [{"type": "flatten"}, {"type": "dense", "units": 4096},
-        {"type": "relu"}, {"type": "dense", "units": 4096}, {"type": "relu"}, {"type": "dense", "units": 10}]}"#;
-    let model = lockstep::spec::model_from_spec_str(spec, "wide.json").unwrap();
+    let model = wide_mlp(4096);
     let (train, test) = digits(128);
     let devices = Devices::cpu(2, 1).unwrap();
     check("a wide MLP", measured(&model, &train, &test, &devices, &config(64)));
@@ -168,9 +175,7 @@ fn the_final_state_is_one_copy_of_the_model_whatever_the_device_count() {
     // estimate's "final state" counts, the weights and Adam's two moments (3 models);
     // sharded, 5: the parts and the whole they are put together into.
     let _one = ONE_AT_A_TIME.lock();
-    let spec = r#"{"input_shape": [1, 28, 28], "layers": [{"type": "flatten"}, {"type": "dense", "units": 2048},
-        {"type": "relu"}, {"type": "dense", "units": 2048}, {"type": "relu"}, {"type": "dense", "units": 10}]}"#;
-    let model = lockstep::spec::model_from_spec_str(spec, "wide.json").unwrap();
+    let model = wide_mlp(2048);
     let model_bytes = (model.params_len() + model.buffers_len()) as f64 * 4.0;
     let grown = |f: &mut dyn FnMut()| {
         let base = LIVE.load(Ordering::Relaxed);
