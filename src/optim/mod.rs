@@ -90,6 +90,12 @@ impl OptimizerConfig {
         }
     }
 
+    /// Bytes of the state it keeps for `params` parameters: each of its
+    /// [`state_names`](Self::state_names), one f32 a parameter.
+    pub fn state_bytes(&self, params: usize) -> usize {
+        4 * self.state_names().len() * params
+    }
+
     /// [`OptimizerConfig::state_names`] in words, for estimates: "Adam's m and v".
     pub fn state_description(&self) -> &'static str {
         match self.state_names() {
@@ -621,9 +627,9 @@ impl Optimizer {
         self.part
     }
 
-    /// Bytes of optimiser state it holds (m and v, f32).
+    /// Bytes of optimiser state it holds: its configuration's state for its range.
     pub fn state_bytes(&self) -> usize {
-        4 * (self.m.len() + self.v.len())
+        self.config.state_bytes(self.range.len())
     }
 
     /// The configuration.
@@ -771,6 +777,26 @@ mod tests {
         o.update(0, &mut p, &[0.5 * 4.0, -2.0 * 4.0], &s);
         assert!((p[0] - (1.0 - 1e-3)).abs() < 1e-7, "{}", p[0]);
         assert!((p[1] - (-1.0 + 1e-3)).abs() < 1e-7, "{}", p[1]);
+    }
+
+    #[test]
+    fn the_state_bytes_are_those_of_the_state_held() {
+        // The configuration's count (what the GPU replica and the estimate read) against
+        // the vectors a host optimiser holds: whole, a part, and parts merged.
+        let configs = [
+            OptimizerConfig::sgd(0.1),
+            OptimizerConfig::sgd_momentum(0.1, 0.9, MomentumKind::Classic),
+            OptimizerConfig::adam(1e-3),
+        ];
+        for config in configs {
+            let whole = Optimizer::new(config, 10);
+            let (a, b) = (whole.part(0..3), whole.part(3..10));
+            let merged = Optimizer::merge(&[b.clone(), a.clone()]).unwrap();
+            for (o, n) in [(&whole, 10), (&a, 3), (&b, 7), (&merged, 10)] {
+                assert_eq!(o.state_bytes(), 4 * (o.m.len() + o.v.len()), "{config:?}");
+                assert_eq!(o.state_bytes(), config.state_bytes(n), "{config:?}");
+            }
+        }
     }
 
     #[test]

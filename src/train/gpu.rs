@@ -270,9 +270,7 @@ impl Replica for GpuReplica<'_> {
     }
 
     fn optimizer_bytes(&self) -> usize {
-        // As `Optimizer::state_bytes` counts a host optimiser of its range: each of its
-        // state tensors, one f32 a parameter.
-        4 * self.clock.config().state_names().len() * self.net.state_range().len()
+        self.clock.config().state_bytes(self.net.state_range().len())
     }
 
     fn fingerprints(&mut self) -> Result<Vec<(String, u64)>> {
