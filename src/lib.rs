@@ -150,4 +150,6 @@ pub mod guide {
     pub struct Performance;
     #[doc = include_str!("../docs/architecture.md")]
     pub struct Architecture;
+    #[doc = include_str!("../docs/python.md")]
+    pub struct Python;
 }

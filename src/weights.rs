@@ -175,6 +175,17 @@ pub fn save(model: &Graph, store: &ParamStore, path: &Path) -> Result<()> {
 
 /// [`save`] in `dtype` (bf16 and f16 rounded to nearest even, as PyTorch rounds).
 pub fn save_as(model: &Graph, store: &ParamStore, path: &Path, dtype: SaveDtype) -> Result<()> {
+    write_atomic(path, &file_bytes(model, store, dtype)?)
+}
+
+/// The bytes [`save`] writes: what a host program (`cli::hosted`) is handed instead of a
+/// file.
+pub fn to_safetensors_file_bytes(model: &Graph, store: &ParamStore) -> Result<Vec<u8>> {
+    file_bytes(model, store, SaveDtype::F32)
+}
+
+/// The bytes of a weights file of `model`'s tensors from `store`, in `dtype`.
+fn file_bytes(model: &Graph, store: &ParamStore, dtype: SaveDtype) -> Result<Vec<u8>> {
     let mut named = Vec::new();
     for (infos, flat) in [(model.param_infos(), &store.params), (model.buffer_infos(), &store.buffers)] {
         for t in infos {
@@ -202,7 +213,7 @@ pub fn save_as(model: &Graph, store: &ParamStore, path: &Path, dtype: SaveDtype)
     if let Some(t) = rotary_context(model) {
         meta.insert(CONTEXT_KEY.to_string(), t.to_string());
     }
-    write_atomic(path, &safetensors_io::serialize(&tensors, &meta)?)
+    safetensors_io::serialize(&tensors, &meta)
 }
 
 /// A count's values as int64 little-endian bytes, each rounded to its integer.

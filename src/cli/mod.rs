@@ -60,6 +60,7 @@ mod bench_mpi;
 mod eval;
 mod features;
 mod files;
+pub mod hosted;
 mod identify;
 mod regularize;
 mod signals;

@@ -217,7 +217,63 @@ fn load(path: &Path, num_classes: Option<usize>) -> Result<Dataset> {
     }
     let x = tensor("x")?;
     let y = tensor("y")?;
-    let (sample_shape, features) = read_x(path, &x)?;
+    from_tensors(path, &x, &y, num_classes, &metadata)
+}
+
+/// An array in memory, as a host program hands it over (`cli::hosted`): its numpy dtype's
+/// name (`float32`, `uint8`, `int64`, `int32`), its shape and its values' bytes,
+/// C-contiguous and little-endian.
+pub struct Array<'a> {
+    pub dtype: &'a str,
+    pub shape: Vec<usize>,
+    pub bytes: &'a [u8],
+}
+
+/// The dataset of samples `x` and labels `y` given as arrays, checked and read exactly as
+/// a dataset file's tensors `x` and `y` are (the same dataset for the same values), its
+/// classes `num_classes` or inferred from the labels; errors name the arrays as `name`.
+pub fn dataset_from_arrays(name: &str, x: &Array<'_>, y: &Array<'_>, num_classes: Option<usize>) -> Result<Dataset> {
+    let origin = Path::new(name);
+    let (xv, yv) = (array_view(origin, "x", x)?, array_view(origin, "y", y)?);
+    from_tensors(origin, &xv, &yv, num_classes, &BTreeMap::new())
+}
+
+/// Array `which` of [`dataset_from_arrays`] as a tensor view, its bytes checked against
+/// its dtype and shape.
+fn array_view<'b>(origin: &Path, which: &str, a: &Array<'b>) -> Result<safetensors::tensor::TensorView<'b>> {
+    let dtype = match a.dtype {
+        "float32" => Dtype::F32,
+        "uint8" => Dtype::U8,
+        "int64" => Dtype::I64,
+        "int32" => Dtype::I32,
+        other => {
+            return Err(Error::format(
+                origin,
+                format!(
+                "array '{which}' has dtype {other}; expected float32 or uint8 samples, int64, int32 or uint8 labels"
+            ),
+            ))
+        }
+    };
+    safetensors::tensor::TensorView::new(dtype, a.shape.clone(), a.bytes).map_err(|e| {
+        Error::format(
+            origin,
+            format!("array '{which}' of shape {:?}: its {} bytes do not match it ({e})", a.shape, a.bytes.len()),
+        )
+    })
+}
+
+/// A dataset from its tensors `x` and `y` and its header's `metadata`, every check of the
+/// file format's; `path` names where they came from in errors and is the dataset's name.
+fn from_tensors(
+    path: &Path,
+    x: &safetensors::tensor::TensorView<'_>,
+    y: &safetensors::tensor::TensorView<'_>,
+    num_classes: Option<usize>,
+    metadata: &BTreeMap<String, String>,
+) -> Result<Dataset> {
+    let bad = |detail: String| Error::format(path, detail);
+    let (sample_shape, features) = read_x(path, x)?;
     let n = x.shape()[0];
 
     // y: (N,)

@@ -17,6 +17,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::Write as _;
+use std::sync::atomic::AtomicBool;
 use std::time::Duration;
 
 use crate::checkpoint;
@@ -346,15 +347,53 @@ enum Start {
 }
 
 pub(crate) fn cmd_train(args: TrainArgs, given: &BTreeSet<String>) -> CliResult {
+    run(args, given, None).map(drop)
+}
+
+/// A run hosted by another program in its own process (`cli::hosted`, the Python
+/// package), instead of the `lockstep` program's: its data given in memory, its lines and
+/// its events handed to the host, its stop raised by the host (no signal is caught), and
+/// its end returned instead of turned into an exit status.
+pub(crate) struct Hosting<'a> {
+    /// The training set and the per-epoch held-out set, in place of `--data`.
+    pub(crate) data: Option<(Dataset, Option<Dataset>)>,
+    /// Where the run's lines go, one at a time.
+    pub(crate) say: &'a dyn Fn(String),
+    /// The host's observer, in place of the progress lines.
+    pub(crate) observer: &'a mut dyn Observer,
+    /// Raised by the host: the run stops after the step it is in.
+    pub(crate) stop: Arc<AtomicBool>,
+}
+
+/// How a hosted run ended: its report (the weights of its last step), the model, and the
+/// final test split's metrics where it had one.
+pub(crate) struct Ended {
+    pub(crate) report: TrainReport,
+    pub(crate) model: Graph,
+    pub(crate) held_out: HeldOut,
+}
+
+/// The run, as [`cmd_train`]'s doc says, for the command line (`host` none: its lines on
+/// stdout, SIGINT and SIGTERM caught, how it ended an exit status) or for a host
+/// ([`Hosting`]: everything in memory, the end returned). A resumed run that had already
+/// finished returns none.
+pub(crate) fn run(args: TrainArgs, given: &BTreeSet<String>, host: Option<Hosting<'_>>) -> CliResult<Option<Ended>> {
     // One voice: with several processes, process 0 prints, owns the checkpoint directory
     // and writes every output file; every process reads what it resumes from.
     let world = crate::world::current().map_err(Failure::usage)?;
     let voice = world.is_voice();
+    let (mut host_data, host) = match host {
+        Some(Hosting { data, say, observer, stop }) => (data, Some((say, observer, stop))),
+        None => (None, None),
+    };
     // Every check comes before any work.
     let (mut args, _resumed_lock) = with_the_runs_record(args, given, voice)?;
-    let run = resolve(&mut args, world)?;
+    let run = resolve(&mut args, world, host_data.is_some())?;
     let (checkpoint_dir, _lock) = claim_outputs(&args, voice)?;
-    let data = load(&args, &run)?;
+    let data = match host_data.take() {
+        Some((train, held)) => hosted_data(&args, train, held)?,
+        None => load(&args, &run)?,
+    };
     let model = build(&mut args, &run, &data, world)?;
     let (mut config, steps_per_epoch) = configure(&args, &run, &data)?;
     let memory = estimate_memory(&model, &run.settings, &data, &config)?;
@@ -364,32 +403,49 @@ pub(crate) fn cmd_train(args: TrainArgs, given: &BTreeSet<String>) -> CliResult 
     let total_steps =
         (steps_per_epoch as u64).saturating_mul(run.settings.epochs as u64).min(args.length.steps.unwrap_or(u64::MAX));
     let resuming = match start(&args, &model, &mut config, &fingerprint, total_steps, voice)? {
-        Start::Finished => return Ok(()),
+        Start::Finished => return Ok(None),
         Start::Fresh => None,
         Start::Resumed(line) => Some(line),
     };
     // SIGINT or SIGTERM: finish the step, write a checkpoint (or --save), exit 128 + N.
     // Under mpirun, Ctrl-C reaches the processes as SIGTERM (and SIGUSR2, which mpirun
     // forwards, is caught too): they stop at a step they all agree on. SIGUSR1 prints
-    // the flight recorder and the run goes on.
-    let signals = StopSignals::install(match world.size() {
-        1 => Launched::Alone,
-        _ => Launched::Together,
-    });
-    config.stop = Some(Arc::clone(&signals.stop));
+    // the flight recorder and the run goes on. A host raises the stop itself.
+    let (signals, host_say, observer) = match host {
+        None => {
+            let signals = StopSignals::install(match world.size() {
+                1 => Launched::Alone,
+                _ => Launched::Together,
+            });
+            config.stop = Some(Arc::clone(&signals.stop));
+            (Some(signals), None, None)
+        }
+        Some((say, observer, stop)) => {
+            config.stop = Some(stop);
+            (None, Some(say), Some(observer))
+        }
+    };
     // With --log-format json, stdout carries only JSON; the human lines go to stderr.
     let human = if args.outputs.log_format == LogFormat::Json { Stream::Stderr } else { Stream::Stdout };
-    let say = |text: String| {
-        if voice {
-            human.line(&text)
-        }
+    let say = |text: String| match (voice, host_say) {
+        (false, _) => {}
+        (true, Some(host)) => host(text),
+        (true, None) => human.line(&text),
     };
     announce(&say, &args, &run, &model, &data, &config, memory, steps_per_epoch, world.size());
     if let Some(line) = resuming {
         say(line);
     }
-    let (report, tested) = train_observed(&args, &model, &data, &run.settings, &config, human, world)?;
-    ended(&say, &args, &model, &report, data.held_out, tested.as_ref(), &signals, voice)
+    let (report, tested) = train_observed(&args, &model, &data, &run.settings, &config, human, world, observer)?;
+    match signals {
+        Some(signals) => {
+            ended(&say, &args, &model, &report, data.held_out, tested.as_ref(), &signals, voice).map(|()| None)
+        }
+        None => {
+            hosted_end(&say, &args, &model, &report, data.held_out, tested.as_ref())?;
+            Ok(Some(Ended { report, model, held_out: data.held_out }))
+        }
+    }
 }
 
 /// `--resume DIR`: the directory claimed before its record is read (another run may be
@@ -410,15 +466,29 @@ fn with_the_runs_record(
 /// The run's settings before any data is read: `--model` resolved (a spec file read and
 /// checked), `--data` defaulted, the model's defaults taken, every flag checked that needs
 /// no file, and the processes of the run agreed on them.
-fn resolve(args: &mut TrainArgs, world: &World) -> CliResult<Run> {
+fn resolve(args: &mut TrainArgs, world: &World, in_memory: bool) -> CliResult<Run> {
     let source = args.model_data.model.resolve()?;
-    let data_spec = args.model_data.data.get_or_insert_with(|| source.default_data().to_string()).clone();
+    if in_memory {
+        if let Some(spec) = &args.model_data.data {
+            return Err(Failure::usage(anyhow!("--data {spec}: the data is given in memory; leave --data out")));
+        }
+        if source.is_language_model() {
+            return Err(Failure::usage(anyhow!(
+                "{}: a language model trains on a text (lockstep train --data FILE); samples and labels in memory are for classifiers",
+                source.name()
+            )));
+        }
+    }
+    let data_spec = match in_memory {
+        true => IN_MEMORY.to_string(),
+        false => args.model_data.data.get_or_insert_with(|| source.default_data().to_string()).clone(),
+    };
     // Each model its kind of data, said by what the model reads rather than by the
     // shapes that would not fit.
     if source.is_language_model() && text::is_builtin_data(&data_spec) {
         return Err(text::not_text(&source.name(), &data_spec));
     }
-    if !source.is_language_model() && text::is_text(&data_spec) {
+    if !in_memory && !source.is_language_model() && text::is_text(&data_spec) {
         return Err(text::not_a_language_model(&source.name(), &data_spec));
     }
     // A run over text (or a token file): a language model's, whose data that is.
@@ -464,6 +534,33 @@ fn load(args: &TrainArgs, run: &Run) -> CliResult<RunData> {
             let splits = load_data(spec, run.flat, seed, m.test_data.as_deref(), m.classes)?;
             with_validation(splits, m.validation_split, m.val_data.as_deref(), seed, m.classes)?
         }
+    };
+    Ok(RunData { splits, final_test, held_out })
+}
+
+/// What a run whose data is given in memory ([`Hosting`]) names its data.
+const IN_MEMORY: &str = "data in memory";
+
+/// A hosted run's data: the training set, and the held-out set evaluated after every
+/// epoch (Keras's `validation_data`), or `--validation-split`'s part of the training set.
+fn hosted_data(args: &TrainArgs, train: Dataset, held: Option<Dataset>) -> CliResult<RunData> {
+    let m = &args.model_data;
+    for (flag, given) in [("--val-data", m.val_data.is_some()), ("--test-data", m.test_data.is_some())] {
+        if given {
+            return Err(Failure::usage(anyhow!(
+                "{flag}: the data is given in memory; give its held-out set in memory too"
+            )));
+        }
+    }
+    if held.is_some() && m.validation_split.is_some() {
+        return Err(Failure::usage(anyhow!(
+            "--validation-split and a held-out set given in memory: choose one of the two"
+        )));
+    }
+    let splits = Splits { train, test: held };
+    let (splits, final_test, held_out) = match splits.test {
+        Some(_) => (splits, None, HeldOut::Validation),
+        None => with_validation(splits, m.validation_split, None, args.length.seed, m.classes)?,
     };
     Ok(RunData { splits, final_test, held_out })
 }
@@ -729,7 +826,9 @@ fn training_line(args: &TrainArgs, s: &Settings, config: &TrainConfig, stream: b
 
 /// Trains under the observers (process 0's progress lines or bar, JSON lines and CSV),
 /// then evaluates the final test split of a run that ran to its end. The rows of a failed
-/// run are kept too; a closed stdout does not fail the run.
+/// run are kept too; a closed stdout does not fail the run. A hosted run's observer
+/// (`host`) takes the progress lines' place.
+#[allow(clippy::too_many_arguments)]
 fn train_observed(
     args: &TrainArgs,
     model: &Graph,
@@ -738,6 +837,7 @@ fn train_observed(
     config: &TrainConfig,
     human: Stream,
     world: &World,
+    host: Option<&mut dyn Observer>,
 ) -> CliResult<(TrainReport, Option<Metrics>)> {
     let (o, voice) = (&args.outputs, world.is_voice());
     let step_lines = if o.log_every_step { StepLines::Lesson } else { StepLines::Off };
@@ -751,8 +851,15 @@ fn train_observed(
     let mut csv =
         o.metrics_out.as_deref().filter(|_| voice).map(CsvMetrics::create).transpose().map_err(Failure::usage)?;
     let mut observers = Fanout::new();
-    if voice {
-        observers.push(&mut progress);
+    let hosted = host.is_some();
+    match host {
+        Some(host) => {
+            observers.push(host);
+        }
+        None if voice => {
+            observers.push(&mut progress);
+        }
+        None => {}
     }
     if let Some(j) = &mut json {
         observers.push(j);
@@ -777,7 +884,9 @@ fn train_observed(
         _ => None,
     };
     drop(observers);
-    progress.finish();
+    if !hosted {
+        progress.finish();
+    }
     let csv_done = csv.map(CsvMetrics::finish).transpose();
     // Processes started with disagreeing arguments were given bad input, as one is.
     let report = trained.map_err(|e| match e {
@@ -820,6 +929,43 @@ fn ended(
         };
     }
     if let Some(p) = o.save.as_ref().filter(|_| voice) {
+        weights::save_as(model, &report.weights, p, o.save_dtype.dtype()).map_err(Failure::runtime)?;
+        say(format!("weights saved to {} ({})", p.display(), record::enum_name(&o.save_dtype)));
+    }
+    Ok(())
+}
+
+/// How a hosted run ended, said: the metrics file and the final lines, as the command
+/// line says them; `--save` written by one that ran to its end (or stopped early by its
+/// held-out loss). One the host stopped, or its time limit, says where it stopped and what
+/// its checkpoint holds; its weights are the report's, returned to the host.
+fn hosted_end(
+    say: &dyn Fn(String),
+    args: &TrainArgs,
+    model: &Graph,
+    report: &TrainReport,
+    held_out: HeldOut,
+    tested: Option<&Metrics>,
+) -> CliResult {
+    let o = &args.outputs;
+    if let Some(p) = &o.metrics_out {
+        say(format!("metrics written to {}", p.display()));
+    }
+    final_lines(say, report, held_out, tested, args);
+    let checkpoint = match &report.stopped {
+        Stopped::Interrupted { checkpoint, .. } => Some(("interrupted", checkpoint)),
+        Stopped::TimeLimit { checkpoint } => Some(("stopped at the time limit", checkpoint)),
+        _ => None,
+    };
+    if let Some((how, checkpoint)) = checkpoint {
+        let mut line = format!("lockstep: {how} after step {}", report.steps);
+        if let Some(p) = checkpoint {
+            line.push_str(&format!("; checkpoint written to {}", p.display()));
+        }
+        say(line);
+        return Ok(());
+    }
+    if let Some(p) = &o.save {
         weights::save_as(model, &report.weights, p, o.save_dtype.dtype()).map_err(Failure::runtime)?;
         say(format!("weights saved to {} ({})", p.display(), record::enum_name(&o.save_dtype)));
     }
@@ -1604,7 +1750,7 @@ pub(crate) mod tests {
     /// data, the model, the configuration), and the record its checkpoints would carry.
     pub(crate) fn resolved(mut args: TrainArgs) -> (TrainArgs, RunRecord) {
         let world = crate::world::current().unwrap();
-        let run = resolve(&mut args, world).map_err(|f| f.error).unwrap();
+        let run = resolve(&mut args, world, false).map_err(|f| f.error).unwrap();
         let data = load(&args, &run).map_err(|f| f.error).unwrap();
         build(&mut args, &run, &data, world).map_err(|f| f.error).unwrap();
         let (config, _) = configure(&args, &run, &data).map_err(|f| f.error).unwrap();

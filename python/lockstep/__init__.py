@@ -1,0 +1,324 @@
+"""lockstep for Python: synchronous data-parallel training in this one process, one thread
+per device, the replicas kept bitwise identical. No fork, no launcher: it runs in a
+notebook as it runs in a script.
+
+    import lockstep
+    history = lockstep.fit("convnet", x, y, epochs=3, devices="cpu:2")
+    history.history["loss"], history.weights["conv1.weight"]
+
+`fit`'s keyword arguments are `lockstep train`'s flags, `_` for `-`
+(`batch_size=64` is `--batch-size 64`, `no_shuffle=True` is `--no-shuffle`), with the
+same defaults: a keyword left out is a flag not given. The run is the command line's own
+(the same checks, the same model, the same bytes); this module turns arrays and keywords
+into its inputs and its results into Python's.
+
+Owns: the arrays' checks before they reach the library (dtype, rank, layout, length,
+contiguity), the keywords' translation, the progress display, `History`, and reading a
+weights file (`load`). The native module `_lockstep` owns nothing but the call.
+"""
+
+import json
+import os
+import struct
+import sys
+import tempfile
+
+import numpy as np
+
+from . import _lockstep
+
+__all__ = ["fit", "History", "load", "BUILTIN_MODELS"]
+
+#: The built-in models `fit` trains by name (`lockstep train --model NAME`); the language
+#: models ("gpt", "llama") train on a text, which `fit` does not take yet.
+BUILTIN_MODELS = ("toy", "convnet", "convnet-nobn", "resnet8", "resnet20", "densenet", "gpt", "llama")
+
+_SAMPLE_DTYPES = (np.dtype(np.float32), np.dtype(np.uint8))
+_LABEL_DTYPES = (np.dtype(np.int64), np.dtype(np.int32), np.dtype(np.uint8))
+
+
+class History:
+    """What `fit` returns, as Keras's `History`: `history` is a dict of per-epoch lists
+    ("loss", "accuracy", and "val_loss", "val_accuracy" with held-out data); `weights` the
+    trained tensors as numpy arrays, named and laid out as PyTorch's `state_dict` names
+    them (the file `save=` writes holds the same bytes); `stopped` why the run ended
+    ("completed", "early_stopping", "interrupted", "time_limit"); `report` the run's
+    summary as the command line prints it; `epochs` each epoch's row."""
+
+    def __init__(self, result):
+        self.epochs = list(result["epochs"])
+        keys = ["loss", "accuracy"]
+        if any("val_loss" in e for e in self.epochs):
+            keys += ["val_loss", "val_accuracy"]
+        self.history = {k: [e.get(k) for e in self.epochs] for k in keys}
+        self.weights = _tensors(result["weights"], "the trained weights")
+        self.stopped = result["stopped"]
+        self.steps = result["steps"]
+        self.seconds = result["seconds"]
+        self.samples_per_sec = result["samples_per_sec"]
+        self.report = result["report"]
+        self._html = result["html"]
+
+    def load_into(self, module, strict=True):
+        """Puts the trained weights into a PyTorch module (`load_state_dict`, `strict`
+        by default): the module whose names the model's tensors carry."""
+        import torch
+
+        state = {k: torch.from_numpy(v.copy()) for k, v in self.weights.items()}
+        return module.load_state_dict(state, strict=strict)
+
+    def __repr__(self):
+        return f"<lockstep.History: {len(self.epochs)} epochs, {self.steps} steps, {self.stopped}>"
+
+    def _repr_html_(self):
+        return self._html
+
+
+def fit(model, x, y, *, validation_data=None, layout=None, verbose=True, **flags):
+    """Trains `model` on samples `x` and labels `y` on every device found (or `devices=`),
+    and returns a `History`.
+
+    model: a built-in model's name (`BUILTIN_MODELS`), a model spec (the JSON spec of
+      `lockstep train --model FILE.json`) as a dict, or the path of such a file.
+    x: a numpy array of samples: (N, F), (N, H, W) (one channel), or (N, C, H, W) /
+      (N, H, W, C) with `layout="NCHW"` / `"NHWC"` said; uint8 or float32 (finite).
+      A C-contiguous NCHW array is read where it lies; any other is copied once.
+    y: (N,) integer class ids.
+    validation_data: (x_val, y_val), evaluated after every epoch ("val_loss").
+    verbose: the run's lines and a progress display (tqdm's bar where tqdm is installed).
+    **flags: `lockstep train`'s flags, `_` for `-`: `epochs=3`, `batch_size=64`,
+      `devices="cpu:2"`, `optimizer="adamw"`, `lr=1e-3`, `seed=0`, `save="w.safetensors"`,
+      `no_shuffle=True`, ... (`lockstep train -h` lists them; their defaults are its own).
+
+    Ctrl-C (or the notebook's stop button) ends the run after the step it is in: the
+    History holds the weights of that step, and `stopped` is "interrupted".
+    """
+    argv = []
+    with tempfile.TemporaryDirectory(prefix="lockstep-") as tmp:
+        argv += ["--model", _model_flag(model, tmp)]
+        argv += _flags(flags)
+        xs, ys = _samples(x, y, layout, "x", "y")
+        held = None
+        if validation_data is not None:
+            if not (isinstance(validation_data, (tuple, list)) and len(validation_data) == 2):
+                raise ValueError("validation_data: expected a pair (x_val, y_val)")
+            held = _samples(validation_data[0], validation_data[1], layout, "validation_data[0]", "validation_data[1]")
+        display = _Progress(verbose)
+        try:
+            result = _lockstep.train(
+                argv,
+                _raw(xs),
+                _raw(ys),
+                None if held is None else (_raw(held[0]), _raw(held[1])),
+                display.say,
+                display.event,
+            )
+        except ValueError as e:
+            raise _keyword_error(e, flags) from None
+        finally:
+            display.close()
+        # The arrays stay referenced (xs, ys, held) until the run has returned: the
+        # library reads them where they lie.
+        del xs, ys, held
+    return History(result)
+
+
+def load(path):
+    """The tensors of a weights file (`save=`, `lockstep train --save`) as a dict of numpy
+    arrays, by name."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"{path}: a directory, not a weights file")
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError(f"{path}: not a safetensors file (shorter than its header's length)")
+        (n,) = struct.unpack("<Q", head)
+        size = os.fstat(f.fileno()).st_size
+        if n > min(size - 8, 100 << 20):
+            raise ValueError(f"{path}: not a safetensors file (a header of {n} bytes in a file of {size})")
+        f.seek(0)
+        data = f.read()
+    return _tensors(data, path)
+
+
+# ---------------------------------------------------------------------------------------
+# keywords and arrays
+
+
+def _model_flag(model, tmp):
+    """`--model`'s value: a name or a path as given, a spec dict written into the run's
+    own temporary directory (removed when the run ends)."""
+    if isinstance(model, dict):
+        path = os.path.join(tmp, "model.json")
+        with open(path, "w") as f:
+            json.dump(model, f)
+        return path
+    if isinstance(model, os.PathLike):
+        model = os.fspath(model)
+    if not isinstance(model, str):
+        raise ValueError(
+            f"model: expected a built-in model's name ({', '.join(BUILTIN_MODELS)}), a spec dict or a path, got {type(model).__name__}"
+        )
+    if os.path.isdir(model):
+        raise IsADirectoryError(f"model: {model} is a directory, not a model spec file")
+    if model not in BUILTIN_MODELS and not os.path.exists(model):
+        raise FileNotFoundError(
+            f"model: {model!r} is neither a built-in model ({', '.join(BUILTIN_MODELS)}) nor a file"
+        )
+    return model
+
+
+def _flags(flags):
+    """`lockstep train`'s flags of keywords: `name=value` → `--name value` (`_` for `-`),
+    `name=True` → `--name`, `name=False` or None → left out (the flag's default)."""
+    argv = []
+    for key, value in flags.items():
+        flag = "--" + key.replace("_", "-")
+        if value is None or value is False:
+            continue
+        if value is True:
+            argv.append(flag)
+        elif isinstance(value, (list, tuple)):
+            argv.append(f"{flag}={','.join(str(v) for v in value)}")
+        else:
+            argv.append(f"{flag}={os.fspath(value) if isinstance(value, os.PathLike) else value}")
+    return argv
+
+
+def _keyword_error(e, flags):
+    """A flag the parser does not know, said of the keyword that made it."""
+    text = str(e)
+    for key in flags:
+        if f"'--{key.replace('_', '-')}'" in text and "unexpected argument" in text:
+            return ValueError(
+                f"fit(): unknown keyword {key}: lockstep train has no --{key.replace('_', '-')} (lockstep train -h lists its flags)"
+            )
+    return e
+
+
+def _samples(x, y, layout, xname, yname):
+    """x and y checked, as the library reads them: x (N, C, H, W) or (N, F) of float32 or
+    uint8, y (N,) of int64, int32 or uint8, both C-contiguous and little-endian. Copies
+    only what is not so already."""
+    if not isinstance(x, np.ndarray):
+        raise ValueError(f"{xname}: expected a numpy array, got {type(x).__name__}")
+    if not isinstance(y, np.ndarray):
+        raise ValueError(f"{yname}: expected a numpy array of integer labels, got {type(y).__name__}")
+    if x.dtype.newbyteorder("=") not in _SAMPLE_DTYPES:
+        raise ValueError(f"{xname}: dtype {x.dtype}; expected uint8 or float32 (for example {xname}.astype(np.float32))")
+    if x.ndim == 3:
+        x = x[:, None, :, :]
+    elif x.ndim == 4:
+        if layout not in ("NCHW", "NHWC"):
+            raise ValueError(f"{xname}: images of shape {x.shape}: say their layout, layout='NCHW' or layout='NHWC'")
+        if layout == "NHWC":
+            x = x.transpose(0, 3, 1, 2)
+    elif x.ndim != 2:
+        raise ValueError(f"{xname}: shape {x.shape}; expected (N, F), (N, H, W), or (N, C, H, W) / (N, H, W, C) with layout=")
+    if y.ndim != 1:
+        raise ValueError(f"{yname}: shape {y.shape}; expected (N,) class ids")
+    if not np.issubdtype(y.dtype, np.integer):
+        raise ValueError(f"{yname}: dtype {y.dtype}; expected integer class ids")
+    if len(x) != len(y):
+        raise ValueError(f"{xname} holds {len(x)} samples and {yname} {len(y)} labels: they must be as many")
+    if y.dtype.newbyteorder("=") not in _LABEL_DTYPES:
+        y = y.astype(np.int64)
+    return _native(x), _native(y)
+
+
+def _native(a):
+    """`a` C-contiguous and little-endian, copied only where it is not."""
+    if a.dtype.byteorder == ">" or (a.dtype.byteorder == "=" and sys.byteorder == "big"):
+        a = a.astype(a.dtype.newbyteorder("<"))
+    return np.ascontiguousarray(a)
+
+
+def _raw(a):
+    """(dtype name, shape, address, bytes) of a C-contiguous array, which the caller keeps."""
+    return (a.dtype.name, list(a.shape), a.ctypes.data, a.nbytes)
+
+
+_DTYPES = {"F32": np.float32, "I64": np.int64, "F16": np.float16, "U8": np.uint8, "I32": np.int32}
+
+
+def _tensors(data, origin):
+    """The tensors of safetensors bytes, by name, each its own array."""
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(bytes(data[8 : 8 + n]))
+    out = {}
+    for name, t in header.items():
+        if name == "__metadata__":
+            continue
+        if t["dtype"] not in _DTYPES:
+            raise ValueError(f"{origin}: tensor {name} has dtype {t['dtype']}, which this reader does not read")
+        start, end = t["data_offsets"]
+        out[name] = np.frombuffer(data, dtype=np.dtype(_DTYPES[t["dtype"]]).newbyteorder("<"), count=(end - start) // np.dtype(_DTYPES[t["dtype"]]).itemsize, offset=8 + n + start).reshape(t["shape"]).copy()
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# the progress display
+
+
+class _Progress:
+    """The run's lines printed, its steps on tqdm's bar (the notebook's where there is
+    one) or on one updating line of text; silent without `verbose`."""
+
+    def __init__(self, verbose):
+        self.verbose = verbose
+        self.bar = None
+        self.line = False
+
+    def say(self, text):
+        if self.verbose:
+            self._end_line()
+            print(text, flush=True)
+
+    def event(self, kind, fields):
+        if not self.verbose:
+            return
+        if kind == "step":
+            self._step(fields)
+        elif kind == "epoch":
+            self._close_bar()
+            self._end_line()
+            held = ""
+            if "val_loss" in fields:
+                held = f" | val loss {fields['val_loss']:.4f} acc {fields['val_accuracy']:.4f}"
+            print(
+                f"epoch {fields['epoch'] + 1}/{fields['epochs']} | loss {fields['loss']:.4f} acc {fields['accuracy']:.4f}{held}"
+                f" | {fields['samples_per_sec']:.0f} samples/s | {fields['seconds']:.2f}s",
+                flush=True,
+            )
+
+    def _step(self, f):
+        if self.bar is None and self.bar is not False:
+            try:
+                from tqdm.auto import tqdm
+
+                self.bar = tqdm(total=f["total_steps"], desc="lockstep", unit="step", leave=False)
+            except ImportError:
+                self.bar = False
+        if self.bar:
+            self.bar.n = f["step"]
+            self.bar.set_postfix(loss=f"{f['loss']:.4f}", refresh=False)
+            self.bar.refresh()
+        else:
+            sys.stdout.write(f"\rstep {f['step']}/{f['total_steps']} | loss {f['loss']:.4f}")
+            sys.stdout.flush()
+            self.line = True
+
+    def _close_bar(self):
+        if self.bar:
+            self.bar.close()
+        self.bar = None
+
+    def _end_line(self):
+        if self.line:
+            sys.stdout.write("\n")
+            self.line = False
+
+    def close(self):
+        self._close_bar()
+        self._end_line()

@@ -1,0 +1,121 @@
+//! `lockstep train` run by another program in its own process: what the Python package
+//! (python/) calls. The run is the command line's own (`train::run`): the same flags,
+//! parsed by the same parser with the same defaults and checks, the same data checks, the
+//! same model, the same steps and the same bytes. Only its edges differ:
+//!
+//! - the samples and labels come as arrays in memory ([`Array`]), checked as a dataset
+//!   file's tensors `x` and `y` are (`data::safetensors_file::dataset_from_arrays`), in
+//!   place of `--data`;
+//! - its lines go to the host's `say`, its events to the host's [`Observer`] (the command
+//!   line's progress is not drawn);
+//! - the host raises its stop flag (no signal is caught: the host's are its own);
+//! - its end is returned ([`Trained`]: the report, the weights as the `--save` file's
+//!   bytes), and a failure is a [`Refusal`] that says which kind it is, instead of an exit
+//!   status.
+//!
+//! Owns nothing else: the flags are `train`'s, the run `train::run`'s.
+
+use std::collections::BTreeSet;
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+
+use super::train::Hosting;
+use super::{one_line, Cli, Command, Failure, EXIT_USAGE};
+use crate::data::Dataset;
+use crate::train::{HeldOut, Observer, TrainReport};
+
+pub use crate::data::safetensors_file::Array;
+
+/// Samples `x`: (N, C, H, W) or (N, F), float32 (finite) or uint8; and their labels `y`:
+/// (N), integer class ids.
+pub struct Samples<'a> {
+    pub x: Array<'a>,
+    pub y: Array<'a>,
+}
+
+/// A hosted run: `train`'s flags (without the program's name and the subcommand), the
+/// training samples, the held-out ones, where its lines and events go, and the flag that
+/// stops it after the step it is in.
+pub struct HostedRun<'a> {
+    pub flags: Vec<String>,
+    pub train: Samples<'a>,
+    pub held_out: Option<Samples<'a>>,
+    pub say: &'a dyn Fn(String),
+    pub observer: &'a mut dyn Observer,
+    pub stop: Arc<AtomicBool>,
+}
+
+/// What a hosted run gives back.
+pub struct Trained {
+    /// The run's report: every epoch's metrics, why it ended, the weights of its last step.
+    pub report: TrainReport,
+    /// Those weights as the bytes of the safetensors file `--save` writes (f32): PyTorch's
+    /// names and layouts.
+    pub weights: Vec<u8>,
+    /// What the held-out set evaluated after every epoch was.
+    pub held_out: HeldOut,
+}
+
+/// Why a hosted run did not train, and the one line the command line would print after
+/// `error: `.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Refusal {
+    /// Bad flags or data: the command line's exit status 2.
+    Usage(String),
+    /// A file that cannot be read or written.
+    File(String),
+    /// The run failed while training (a device's error, a non-finite loss): exit 1.
+    Run(String),
+}
+
+impl Refusal {
+    /// The line.
+    pub fn message(&self) -> &str {
+        match self {
+            Refusal::Usage(m) | Refusal::File(m) | Refusal::Run(m) => m,
+        }
+    }
+
+    fn from_failure(f: Failure) -> Refusal {
+        let line = one_line(&f.error);
+        let file = f.error.chain().any(|c| c.is::<std::io::Error>())
+            || matches!(f.error.downcast_ref::<crate::Error>(), Some(crate::Error::Io { .. }));
+        match (file, f.code) {
+            (true, _) => Refusal::File(line),
+            (false, EXIT_USAGE) => Refusal::Usage(line),
+            (false, _) => Refusal::Run(line),
+        }
+    }
+}
+
+/// Runs `lockstep train` with `run.flags` on `run`'s samples, in this process and on the
+/// calling thread (the devices' threads are the run's own, and end with it).
+pub fn train(run: HostedRun<'_>) -> Result<Trained, Refusal> {
+    let argv = ["lockstep", "train"].into_iter().map(String::from).chain(run.flags.iter().cloned());
+    let (cli, matches) = Cli::parse_args(argv.map(Into::into))
+        .map_err(|e| Refusal::Usage(super::clap_error_line(&e.render().to_string())))?;
+    let Command::Train(args) = cli.command else { unreachable!("the subcommand is train") };
+    let given: BTreeSet<String> = matches
+        .subcommand_matches("train")
+        .map(|m| {
+            m.ids()
+                .filter(|id| m.value_source(id.as_str()) == Some(clap::parser::ValueSource::CommandLine))
+                .map(|id| id.to_string())
+                .collect()
+        })
+        .unwrap_or_default();
+    let classes = args.model_data.classes;
+    let dataset = |name: &str, s: &Samples<'_>, classes: Option<usize>| -> Result<Dataset, Refusal> {
+        crate::data::safetensors_file::dataset_from_arrays(name, &s.x, &s.y, classes)
+            .map_err(|e| Refusal::Usage(e.to_string()))
+    };
+    let train = dataset("the training samples", &run.train, classes)?;
+    // Each set's classes as a dataset file's: --classes, else its header's or its labels'.
+    let held = run.held_out.as_ref().map(|s| dataset("the held-out samples", s, classes)).transpose()?;
+    let hosting = Hosting { data: Some((train, held)), say: run.say, observer: run.observer, stop: run.stop };
+    let ended = super::train::run(*args, &given, Some(hosting)).map_err(Refusal::from_failure)?;
+    let ended = ended.ok_or_else(|| Refusal::Usage("the run had nothing left to train".into()))?;
+    let weights = crate::weights::to_safetensors_file_bytes(&ended.model, &ended.report.weights)
+        .map_err(|e| Refusal::Run(e.to_string()))?;
+    Ok(Trained { report: ended.report, weights, held_out: ended.held_out })
+}
