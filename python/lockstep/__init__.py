@@ -26,8 +26,9 @@ import tempfile
 import numpy as np
 
 from . import _lockstep
+from ._from_torch import Model, from_torch
 
-__all__ = ["fit", "History", "load", "BUILTIN_MODELS"]
+__all__ = ["fit", "from_torch", "History", "Model", "load", "BUILTIN_MODELS"]
 
 #: The built-in models `fit` trains by name (`lockstep train --model NAME`); the language
 #: models ("gpt", "llama") train on a text, which `fit` does not take yet.
@@ -95,7 +96,19 @@ def fit(model, x, y, *, validation_data=None, layout=None, verbose=True, **flags
     """
     argv = []
     with tempfile.TemporaryDirectory(prefix="lockstep-") as tmp:
-        argv += ["--model", _model_flag(model, tmp)]
+        if isinstance(model, Model):
+            # A converted model: its spec and its module's weights as the run's start.
+            if "init" in flags:
+                raise ValueError("init: a model from from_torch starts from its module's weights; give no init=")
+            spec = os.path.join(tmp, "model.json")
+            with open(spec, "w") as f:
+                json.dump(model.spec, f)
+            init = os.path.join(tmp, "init.safetensors")
+            _write_safetensors(init, model.weights)
+            argv += ["--model", spec, "--init", init]
+            layout = layout or model.layout
+        else:
+            argv += ["--model", _model_flag(model, tmp)]
         argv += _flags(flags)
         xs, ys = _samples(x, y, layout, "x", "y")
         held = None
@@ -237,6 +250,21 @@ def _native(a):
 def _raw(a):
     """(dtype name, shape, address, bytes) of a C-contiguous array, which the caller keeps."""
     return (a.dtype.name, list(a.shape), a.ctypes.data, a.nbytes)
+
+
+def _write_safetensors(path, tensors):
+    """A safetensors file of numpy arrays by name: float ones as F32, integer ones as I64."""
+    header, blobs, at = {}, [], 0
+    for name, a in tensors.items():
+        kind = "I64" if np.issubdtype(a.dtype, np.integer) else "F32"
+        data = np.ascontiguousarray(a, dtype="<i8" if kind == "I64" else "<f4").tobytes()
+        header[name] = {"dtype": kind, "shape": list(a.shape), "data_offsets": [at, at + len(data)]}
+        blobs.append(data)
+        at += len(data)
+    head = json.dumps(header).encode()
+    head += b" " * (-len(head) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(head)) + head + b"".join(blobs))
 
 
 _DTYPES = {"F32": np.float32, "I64": np.int64, "F16": np.float16, "U8": np.uint8, "I32": np.int32}

@@ -1,0 +1,74 @@
+"""`from_torch` on this project's PyTorch modules (scripts/torch_models.py: the lesson's
+MLP, the Keras guide's convnet written in torch, resnet8, the DenseNet): each module's
+graph captured, trained by `fit` from the module's own weights, the trained weights put
+back with `load_state_dict(strict=True)`, and PyTorch's accuracy on them equal to
+lockstep's on the same held-out samples. Skipped where torch is not installed."""
+
+import os
+import sys
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+import lockstep  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "scripts"))
+from torch_models import build  # noqa: E402
+
+
+def learnable_images(n, seed):
+    """n 1×28×28 uint8 images whose class (of 4) is which halves are brighter."""
+    rng = np.random.default_rng(seed)
+    x = rng.integers(0, 256, size=(n, 1, 28, 28), dtype=np.uint8)
+    top = x[:, 0, :14].mean((1, 2)) > x[:, 0, 14:].mean((1, 2))
+    left = x[:, 0, :, :14].mean((1, 2)) > x[:, 0, :, 14:].mean((1, 2))
+    return x, (top.astype(np.int64) + 2 * left)
+
+
+@pytest.mark.parametrize(
+    "name,devices,dtype", [("convnet", "cpu:2", np.uint8), ("convnet", "cpu:3", np.uint8), ("resnet8", "cpu:2", np.float32), ("densenet", "cpu:2", np.float32)]
+)
+def test_a_module_trains_and_its_weights_go_back(name, devices, dtype):
+    torch.manual_seed(0)
+    module = build(name, classes=10)
+    x, y = learnable_images(384, 1)
+    x = x.astype(dtype)
+    xv, yv = x[:96], y[:96]
+    model = lockstep.from_torch(module, torch.zeros(1, 1, 28, 28))
+    start = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    h = lockstep.fit(model, x, y, validation_data=(xv, yv), epochs=2, batch_size=48, devices=devices, verbose=False)
+    assert h.stopped == "completed" and len(h.history["val_accuracy"]) == 2
+    h.load_into(module)  # strict: every tensor of the module, none other
+    assert any(not torch.equal(start[k], v) for k, v in module.state_dict().items()), "nothing trained"
+    module.eval()
+    with torch.no_grad():
+        predicted = module(torch.from_numpy(xv).float()).argmax(1).numpy()
+    assert (predicted == yv).mean() == h.history["val_accuracy"][-1]
+
+
+def test_the_lessons_mlp():
+    module = build("toy")
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(200, 2)).astype(np.float32)
+    y = (x[:, 0] * x[:, 1] > 0).astype(np.int64)
+    model = lockstep.from_torch(module, torch.zeros(1, 2))
+    assert [l["type"] for l in model.spec["layers"]] == ["dense", "relu", "dense", "relu", "dense"]
+    h = lockstep.fit(model, x, y, validation_data=(x[:50], y[:50]), epochs=3, batch_size=20, devices="cpu:4", verbose=False)
+    h.load_into(module)
+    with torch.no_grad():
+        predicted = module(torch.from_numpy(x[:50])).argmax(1).numpy()
+    assert (predicted == y[:50]).mean() == h.history["val_accuracy"][-1]
+
+
+def test_a_node_without_a_layer_is_named():
+    class Odd(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 3)
+
+        def forward(self, x):
+            return self.fc(torch.cumsum(x, 1))
+
+    with pytest.raises(ValueError, match=r"node cumsum \(aten.cumsum.default\) has no lockstep layer.*lockstep maps: conv2d"):
+        lockstep.from_torch(Odd(), torch.zeros(1, 4))
