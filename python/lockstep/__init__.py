@@ -31,7 +31,7 @@ from ._from_torch import Model, from_torch
 __all__ = ["fit", "from_torch", "History", "Model", "load", "BUILTIN_MODELS"]
 
 #: The built-in models `fit` trains by name (`lockstep train --model NAME`); the language
-#: models ("gpt", "llama") train on a text, which `fit` does not take yet.
+#: models ("gpt", "llama") train on a text.
 BUILTIN_MODELS = ("toy", "convnet", "convnet-nobn", "resnet8", "resnet20", "densenet", "gpt", "llama")
 
 _SAMPLE_DTYPES = (np.dtype(np.float32), np.dtype(np.uint8))
@@ -75,7 +75,7 @@ class History:
         return self._html
 
 
-def fit(model, x, y, *, validation_data=None, layout=None, verbose=True, **flags):
+def fit(model, x, y=None, *, validation_data=None, layout=None, verbose=True, **flags):
     """Trains `model` on samples `x` and labels `y` on every device found (or `devices=`),
     and returns a `History`.
 
@@ -85,6 +85,9 @@ def fit(model, x, y, *, validation_data=None, layout=None, verbose=True, **flags
       (N, H, W, C) with `layout="NCHW"` / `"NHWC"` said; uint8 or float32 (finite).
       A C-contiguous NCHW array is read where it lies; any other is copied once.
     y: (N,) integer class ids.
+    A language model ("gpt", "llama") takes a text instead, as x: a str (its UTF-8 bytes)
+      or bytes, and no y; its last tenth by position is the validation part, as
+      `lockstep train --data text:FILE` reads a file of the same bytes.
     validation_data: (x_val, y_val), evaluated after every epoch ("val_loss").
     verbose: the run's lines and a progress display (tqdm's bar where tqdm is installed).
     **flags: `lockstep train`'s flags, `_` for `-`: `epochs=3`, `batch_size=64`,
@@ -110,8 +113,15 @@ def fit(model, x, y, *, validation_data=None, layout=None, verbose=True, **flags
         else:
             argv += ["--model", _model_flag(model, tmp)]
         argv += _flags(flags)
-        xs, ys = _samples(x, y, layout, "x", "y")
         held = None
+        if isinstance(x, (str, bytes, bytearray, memoryview)):
+            if y is not None or validation_data is not None:
+                raise ValueError("y, validation_data: a text is its own labels (each byte's next), and its last tenth validates")
+            xs, ys = (x.encode("utf-8") if isinstance(x, str) else bytes(x)), None
+        else:
+            if y is None:
+                raise ValueError("y: samples need their labels (a language model takes a str or bytes as x)")
+            xs, ys = _samples(x, y, layout, "x", "y")
         if validation_data is not None:
             if not (isinstance(validation_data, (tuple, list)) and len(validation_data) == 2):
                 raise ValueError("validation_data: expected a pair (x_val, y_val)")
@@ -120,8 +130,8 @@ def fit(model, x, y, *, validation_data=None, layout=None, verbose=True, **flags
         try:
             result = _lockstep.train(
                 argv,
-                _raw(xs),
-                _raw(ys),
+                xs if ys is None else _raw(xs),
+                None if ys is None else _raw(ys),
                 None if held is None else (_raw(held[0]), _raw(held[1])),
                 display.say,
                 display.event,

@@ -7,7 +7,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use lockstep::cli::hosted::{self, Array, HostedRun, Refusal, Samples};
+use lockstep::cli::hosted::{self, Array, Data, HostedRun, Refusal, Samples};
 use lockstep::train::{EpochReport, Observer, StepEvent, Stopped};
 use pyo3::exceptions::{PyOSError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
@@ -17,6 +17,24 @@ use pyo3::types::{PyBytes, PyDict, PyList};
 /// byte, its length in bytes). The Python side holds the array, C-contiguous, until
 /// `train` returns.
 type RawArray = (String, Vec<usize>, usize, usize);
+
+/// What a run reads: samples as an array, or a text's bytes.
+enum Input {
+    Text(Vec<u8>),
+    Array(RawArray),
+}
+
+impl<'a, 'py> FromPyObject<'a, 'py> for Input {
+    type Error = PyErr;
+
+    fn extract(x: Borrowed<'a, 'py, PyAny>) -> PyResult<Input> {
+        match x.cast::<PyBytes>() {
+            // One copy of the text, as a file's bytes are read.
+            Ok(b) => Ok(Input::Text(b.as_bytes().to_vec())),
+            Err(_) => Ok(Input::Array(x.extract()?)),
+        }
+    }
+}
 
 /// The bytes of a [`RawArray`].
 ///
@@ -109,21 +127,28 @@ fn raise(r: Refusal) -> PyErr {
 
 /// train(flags, x, y, held_out, say, callback) -> dict: `lockstep train` with `flags`
 /// on samples x and labels y (and the held-out (x, y) or None), each a (dtype, shape,
-/// address, length) of a C-contiguous array the caller keeps alive; `say(line)` gets the
-/// run's lines, `callback(kind, fields)` its steps and epochs. Returns the report's
-/// fields, the weights as safetensors bytes and the report's HTML.
+/// address, length) of a C-contiguous array the caller keeps alive, or on a text: x
+/// bytes, y and held_out None; `say(line)` gets the run's lines, `callback(kind, fields)`
+/// its steps and epochs. Returns the report's fields, the weights as safetensors bytes
+/// and the report's HTML.
 #[pyfunction]
 #[pyo3(signature = (flags, x, y, held_out, say, callback))]
 fn train(
     py: Python<'_>,
     flags: Vec<String>,
-    x: RawArray,
-    y: RawArray,
+    x: Input,
+    y: Option<RawArray>,
     held_out: Option<(RawArray, RawArray)>,
     say: Py<PyAny>,
     callback: Option<Py<PyAny>>,
 ) -> PyResult<Py<PyDict>> {
-    let (train_set, held) = (samples(&x, &y), held_out.as_ref().map(|(hx, hy)| samples(hx, hy)));
+    let data = match (&x, &y) {
+        (Input::Text(bytes), None) => Data::Text(bytes),
+        (Input::Array(x), Some(y)) => {
+            Data::Samples { train: samples(x, y), held_out: held_out.as_ref().map(|(hx, hy)| samples(hx, hy)) }
+        }
+        _ => return Err(PyValueError::new_err("train: samples come with labels, and a text without")),
+    };
     let stop = Arc::new(AtomicBool::new(false));
     let mut observer = PyObserver { callback, stop: Arc::clone(&stop), interrupt: None, failure: None };
     let say_line = |line: String| {
@@ -132,14 +157,7 @@ fn train(
         })
     };
     let trained = py.detach(|| {
-        hosted::train(HostedRun {
-            flags,
-            train: train_set,
-            held_out: held,
-            say: &say_line,
-            observer: &mut observer,
-            stop: Arc::clone(&stop),
-        })
+        hosted::train(HostedRun { flags, data, say: &say_line, observer: &mut observer, stop: Arc::clone(&stop) })
     });
     if let Some(e) = observer.failure.take() {
         return Err(e);

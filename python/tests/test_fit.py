@@ -69,6 +69,25 @@ def test_arrays_train_the_command_lines_bytes(tmp_path, devices):
     assert f"train loss {h.history['loss'][-1]:.4f}" in last
 
 
+@pytest.mark.parametrize("model,devices", [("gpt", "cpu:2"), ("llama", "cpu:3")])
+def test_a_text_trains_the_command_lines_bytes(tmp_path, model, devices):
+    if not os.path.exists(BIN):
+        pytest.skip(f"no lockstep binary at {BIN} (cargo build --release, or set LOCKSTEP_BIN)")
+    text = "Ünïcode and plain words, over and over, for a small language model to read. " * 40
+    (tmp_path / "t.txt").write_bytes(text.encode("utf-8"))
+    flags = dict(layers=1, heads=2, width=32, context=16, steps=12, batch_size=6, devices=devices)
+    cli = tmp_path / "cli.safetensors"
+    argv = [BIN, "train", "--model", model, "--data", f"text:{tmp_path / 't.txt'}", "--save", str(cli)]
+    argv += [f"--{k.replace('_', '-')}={v}" for k, v in flags.items()]
+    done = subprocess.run(argv, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    h = lockstep.fit(model, text, verbose=False, **flags)
+    saved = lockstep.load(cli)
+    assert saved.keys() == h.weights.keys()
+    assert all(saved[k].tobytes() == h.weights[k].tobytes() for k in saved)
+    assert h.steps == 12 and h.history["val_loss"][-1] > 0
+
+
 def test_layouts_and_copies_read_the_same_samples():
     x, y = images(48, 4)
     flags = dict(epochs=1, batch_size=16, devices="cpu:2", verbose=False)
@@ -104,7 +123,10 @@ def test_bad_input_is_an_exception_naming_it(tmp_path):
     bad(ValueError, "leave --data out", "convnet", x, y, layout="NCHW", data="digits")
     bad(IsADirectoryError, "is a directory", str(tmp_path), x, y, layout="NCHW")
     bad(FileNotFoundError, "neither a built-in model", "no-such-model", x, y, layout="NCHW")
-    bad(ValueError, "language model", "gpt", x, y, layout="NCHW")
+    bad(ValueError, "language model trains on a text", "gpt", x, y, layout="NCHW")
+    bad(ValueError, "the convnet model reads samples and labels", "convnet", "some text")
+    bad(ValueError, "a text is its own labels", "gpt", "some text", y)
+    bad(ValueError, "fewer than a window", "gpt", "too short", context=64)
     bad(ValueError, "unknown|invalid|field", {"layers": [{"type": "dense", "units": 10, "bogus": 1}]}, x, y, layout="NCHW")
     assert not any(tmp_path.iterdir())
 

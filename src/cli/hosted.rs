@@ -3,9 +3,10 @@
 //! parsed by the same parser with the same defaults and checks, the same data checks, the
 //! same model, the same steps and the same bytes. Only its edges differ:
 //!
-//! - the samples and labels come as arrays in memory ([`Array`]), checked as a dataset
-//!   file's tensors `x` and `y` are (`data::safetensors_file::dataset_from_arrays`), in
-//!   place of `--data`;
+//! - the data comes in memory ([`Data`]), in place of `--data`: samples and labels as
+//!   arrays ([`Array`]), checked as a dataset file's tensors `x` and `y` are
+//!   (`data::safetensors_file::dataset_from_arrays`), or a text's bytes, read as
+//!   `--data text:FILE` reads a file's;
 //! - its lines go to the host's `say`, its events to the host's [`Observer`] (the command
 //!   line's progress is not drawn);
 //! - the host raises its stop flag (no signal is caught: the host's are its own);
@@ -19,7 +20,7 @@ use std::collections::BTreeSet;
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
-use super::train::Hosting;
+use super::train::{Hosting, InMemory};
 use super::{one_line, Cli, Command, Failure, EXIT_USAGE};
 use crate::data::Dataset;
 use crate::train::{HeldOut, Observer, TrainReport};
@@ -33,13 +34,21 @@ pub struct Samples<'a> {
     pub y: Array<'a>,
 }
 
-/// A hosted run: `train`'s flags (without the program's name and the subcommand), the
-/// training samples, the held-out ones, where its lines and events go, and the flag that
-/// stops it after the step it is in.
+/// What a hosted run trains on.
+pub enum Data<'a> {
+    /// A classifier's samples, and the held-out ones evaluated after every epoch.
+    Samples { train: Samples<'a>, held_out: Option<Samples<'a>> },
+    /// A language model's text (UTF-8 or any bytes: the built-in models read bytes), as
+    /// `--data text:FILE` reads a file of it.
+    Text(&'a [u8]),
+}
+
+/// A hosted run: `train`'s flags (without the program's name and the subcommand), its
+/// data, where its lines and events go, and the flag that stops it after the step it is
+/// in.
 pub struct HostedRun<'a> {
     pub flags: Vec<String>,
-    pub train: Samples<'a>,
-    pub held_out: Option<Samples<'a>>,
+    pub data: Data<'a>,
     pub say: &'a dyn Fn(String),
     pub observer: &'a mut dyn Observer,
     pub stop: Arc<AtomicBool>,
@@ -109,10 +118,15 @@ pub fn train(run: HostedRun<'_>) -> Result<Trained, Refusal> {
         crate::data::safetensors_file::dataset_from_arrays(name, &s.x, &s.y, classes)
             .map_err(|e| Refusal::Usage(e.to_string()))
     };
-    let train = dataset("the training samples", &run.train, classes)?;
-    // Each set's classes as a dataset file's: --classes, else its header's or its labels'.
-    let held = run.held_out.as_ref().map(|s| dataset("the held-out samples", s, classes)).transpose()?;
-    let hosting = Hosting { data: Some((train, held)), say: run.say, observer: run.observer, stop: run.stop };
+    let data = match &run.data {
+        Data::Samples { train, held_out } => {
+            let train = dataset("the training samples", train, classes)?;
+            let held = held_out.as_ref().map(|s| dataset("the held-out samples", s, classes)).transpose()?;
+            InMemory::Samples(train, held)
+        }
+        Data::Text(bytes) => InMemory::Text(bytes),
+    };
+    let hosting = Hosting { data, say: run.say, observer: run.observer, stop: run.stop };
     let ended = super::train::run(*args, &given, Some(hosting)).map_err(Refusal::from_failure)?;
     let ended = ended.ok_or_else(|| Refusal::Usage("the run had nothing left to train".into()))?;
     let weights = crate::weights::to_safetensors_file_bytes(&ended.model, &ended.report.weights)

@@ -355,14 +355,22 @@ pub(crate) fn cmd_train(args: TrainArgs, given: &BTreeSet<String>) -> CliResult 
 /// its events handed to the host, its stop raised by the host (no signal is caught), and
 /// its end returned instead of turned into an exit status.
 pub(crate) struct Hosting<'a> {
-    /// The training set and the per-epoch held-out set, in place of `--data`.
-    pub(crate) data: Option<(Dataset, Option<Dataset>)>,
+    /// The data, in place of `--data`.
+    pub(crate) data: InMemory<'a>,
     /// Where the run's lines go, one at a time.
     pub(crate) say: &'a dyn Fn(String),
     /// The host's observer, in place of the progress lines.
     pub(crate) observer: &'a mut dyn Observer,
     /// Raised by the host: the run stops after the step it is in.
     pub(crate) stop: Arc<AtomicBool>,
+}
+
+/// A hosted run's data.
+pub(crate) enum InMemory<'a> {
+    /// Samples: the training set and the per-epoch held-out set (a classifier's).
+    Samples(Dataset, Option<Dataset>),
+    /// A text's bytes, which a language model reads as `--data text:FILE` reads a file's.
+    Text(&'a [u8]),
 }
 
 /// How a hosted run ended: its report (the weights of its last step), the model, and the
@@ -383,15 +391,17 @@ pub(crate) fn run(args: TrainArgs, given: &BTreeSet<String>, host: Option<Hostin
     let world = crate::world::current().map_err(Failure::usage)?;
     let voice = world.is_voice();
     let (mut host_data, host) = match host {
-        Some(Hosting { data, say, observer, stop }) => (data, Some((say, observer, stop))),
+        Some(Hosting { data, say, observer, stop }) => (Some(data), Some((say, observer, stop))),
         None => (None, None),
     };
     // Every check comes before any work.
     let (mut args, _resumed_lock) = with_the_runs_record(args, given, voice)?;
-    let run = resolve(&mut args, world, host_data.is_some())?;
+    let in_memory = host_data.as_ref().map(|d| matches!(d, InMemory::Text(_)));
+    let run = resolve(&mut args, world, in_memory)?;
     let (checkpoint_dir, _lock) = claim_outputs(&args, voice)?;
     let data = match host_data.take() {
-        Some((train, held)) => hosted_data(&args, train, held)?,
+        Some(InMemory::Samples(train, held)) => hosted_data(&args, train, held)?,
+        Some(InMemory::Text(bytes)) => hosted_text(&args, bytes)?,
         None => load(&args, &run)?,
     };
     let model = build(&mut args, &run, &data, world)?;
@@ -466,19 +476,29 @@ fn with_the_runs_record(
 /// The run's settings before any data is read: `--model` resolved (a spec file read and
 /// checked), `--data` defaulted, the model's defaults taken, every flag checked that needs
 /// no file, and the processes of the run agreed on them.
-fn resolve(args: &mut TrainArgs, world: &World, in_memory: bool) -> CliResult<Run> {
+fn resolve(args: &mut TrainArgs, world: &World, in_memory: Option<bool>) -> CliResult<Run> {
     let source = args.model_data.model.resolve()?;
-    if in_memory {
+    if let Some(text) = in_memory {
         if let Some(spec) = &args.model_data.data {
             return Err(Failure::usage(anyhow!("--data {spec}: the data is given in memory; leave --data out")));
         }
-        if source.is_language_model() {
-            return Err(Failure::usage(anyhow!(
-                "{}: a language model trains on a text (lockstep train --data FILE); samples and labels in memory are for classifiers",
-                source.name()
-            )));
+        match (source.is_language_model(), text) {
+            (true, false) => {
+                return Err(Failure::usage(anyhow!(
+                    "{}: a language model trains on a text; samples and labels are for classifiers",
+                    source.name()
+                )))
+            }
+            (false, true) => {
+                return Err(Failure::usage(anyhow!(
+                    "a text is what a language model reads (gpt, llama, or a spec that starts with an embedding); the {} model reads samples and labels",
+                    source.name()
+                )))
+            }
+            _ => {}
         }
     }
+    let in_memory = in_memory.is_some();
     let data_spec = match in_memory {
         true => IN_MEMORY.to_string(),
         false => args.model_data.data.get_or_insert_with(|| source.default_data().to_string()).clone(),
@@ -563,6 +583,19 @@ fn hosted_data(args: &TrainArgs, train: Dataset, held: Option<Dataset>) -> CliRe
         None => with_validation(splits, m.validation_split, None, args.length.seed, m.classes)?,
     };
     Ok(RunData { splits, final_test, held_out })
+}
+
+/// A hosted run's text, as `--data text:FILE` reads a file of these bytes: windows of
+/// `--context` bytes, its last tenth by position the validation part.
+fn hosted_text(args: &TrainArgs, bytes: &[u8]) -> CliResult<RunData> {
+    let m = &args.model_data;
+    if m.validation_split.is_some() || m.val_data.is_some() || m.test_data.is_some() {
+        return Err(Failure::usage(anyhow!(
+            "a text's validation part is its last tenth by position (no --validation-split, --val-data or --test-data)"
+        )));
+    }
+    let splits = crate::data::text::split_text("the text", bytes, m.gpt.context).map_err(Failure::usage)?;
+    Ok(RunData { splits, final_test: None, held_out: HeldOut::Validation })
 }
 
 /// The model for the data: its classes (`--classes`, else the training data's — never the
@@ -1750,7 +1783,7 @@ pub(crate) mod tests {
     /// data, the model, the configuration), and the record its checkpoints would carry.
     pub(crate) fn resolved(mut args: TrainArgs) -> (TrainArgs, RunRecord) {
         let world = crate::world::current().unwrap();
-        let run = resolve(&mut args, world, false).map_err(|f| f.error).unwrap();
+        let run = resolve(&mut args, world, None).map_err(|f| f.error).unwrap();
         let data = load(&args, &run).map_err(|f| f.error).unwrap();
         build(&mut args, &run, &data, world).map_err(|f| f.error).unwrap();
         let (config, _) = configure(&args, &run, &data).map_err(|f| f.error).unwrap();
