@@ -34,7 +34,8 @@ pub struct Samples<'a> {
     pub y: Array<'a>,
 }
 
-/// What a hosted run trains on.
+/// What a hosted run trains on. (One value a run: its variants' sizes do not matter.)
+#[allow(clippy::large_enum_variant)]
 pub enum Data<'a> {
     /// A classifier's samples, and the held-out ones evaluated after every epoch.
     Samples { train: Samples<'a>, held_out: Option<Samples<'a>> },

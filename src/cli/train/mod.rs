@@ -365,7 +365,8 @@ pub(crate) struct Hosting<'a> {
     pub(crate) stop: Arc<AtomicBool>,
 }
 
-/// A hosted run's data.
+/// A hosted run's data. (One value a run: its variants' sizes do not matter.)
+#[allow(clippy::large_enum_variant)]
 pub(crate) enum InMemory<'a> {
     /// Samples: the training set and the per-epoch held-out set (a classifier's).
     Samples(Dataset, Option<Dataset>),
