@@ -22,13 +22,15 @@ import os
 import struct
 import sys
 import tempfile
+import time
 
 import numpy as np
 
 from . import _lockstep
+from ._from_keras import from_keras
 from ._from_torch import Model, from_torch
 
-__all__ = ["fit", "from_torch", "History", "Model", "load", "BUILTIN_MODELS"]
+__all__ = ["fit", "from_keras", "from_torch", "History", "Model", "load", "BUILTIN_MODELS"]
 
 #: The built-in models `fit` trains by name (`lockstep train --model NAME`); the language
 #: models ("gpt", "llama") train on a text.
@@ -46,7 +48,8 @@ class History:
     ("completed", "early_stopping", "interrupted", "time_limit"); `report` the run's
     summary as the command line prints it; `epochs` each epoch's row."""
 
-    def __init__(self, result):
+    def __init__(self, result, model=None):
+        self._model = model
         self.epochs = list(result["epochs"])
         keys = ["loss", "accuracy"]
         if any("val_loss" in e for e in self.epochs):
@@ -60,13 +63,29 @@ class History:
         self.report = result["report"]
         self._html = result["html"]
 
-    def load_into(self, module, strict=True):
-        """Puts the trained weights into a PyTorch module (`load_state_dict`, `strict`
-        by default): the module whose names the model's tensors carry."""
+    def load_into(self, target, strict=True):
+        """Puts the trained weights into the model they came from: a Keras model of
+        `from_keras` (`set_weights`, each kernel back in Keras's layout), or a PyTorch
+        module (`load_state_dict`, `strict` by default: the module whose names the
+        model's tensors carry)."""
+        back = getattr(self._model, "keras_back", None)
+        if back is not None and hasattr(target, "get_weights") and hasattr(target, "set_weights"):
+            by_path = {var.path: (name, to_keras) for var, name, to_keras in back}
+            values = []
+            for v in target.weights:
+                if v.path in by_path:
+                    name, to_keras = by_path[v.path]
+                    values.append(np.ascontiguousarray(to_keras(self.weights[name])).astype(np.asarray(v).dtype))
+                elif strict:
+                    raise ValueError(f"load_into: the Keras model's {v.path} is no tensor of the trained model")
+                else:
+                    values.append(np.asarray(v))
+            target.set_weights(values)
+            return None
         import torch
 
         state = {k: torch.from_numpy(v.copy()) for k, v in self.weights.items()}
-        return module.load_state_dict(state, strict=strict)
+        return target.load_state_dict(state, strict=strict)
 
     def __repr__(self):
         return f"<lockstep.History: {len(self.epochs)} epochs, {self.steps} steps, {self.stopped}>"
@@ -98,6 +117,7 @@ def fit(model, x, y=None, *, validation_data=None, layout=None, verbose=True, **
     History holds the weights of that step, and `stopped` is "interrupted".
     """
     argv = []
+    name = None
     with tempfile.TemporaryDirectory(prefix="lockstep-") as tmp:
         if isinstance(model, Model):
             # A converted model: its spec and its module's weights as the run's start.
@@ -110,8 +130,11 @@ def fit(model, x, y=None, *, validation_data=None, layout=None, verbose=True, **
             _write_safetensors(init, model.weights)
             argv += ["--model", spec, "--init", init]
             layout = layout or model.layout
+            name = model.source
         else:
             argv += ["--model", _model_flag(model, tmp)]
+            if isinstance(model, dict):
+                name = "the spec given"
         argv += _flags(flags)
         held = None
         if isinstance(x, (str, bytes, bytearray, memoryview)):
@@ -135,6 +158,7 @@ def fit(model, x, y=None, *, validation_data=None, layout=None, verbose=True, **
                 None if held is None else (_raw(held[0]), _raw(held[1])),
                 display.say,
                 display.event,
+                name,
             )
         except ValueError as e:
             raise _keyword_error(e, flags) from None
@@ -143,7 +167,7 @@ def fit(model, x, y=None, *, validation_data=None, layout=None, verbose=True, **
         # The arrays stay referenced (xs, ys, held) until the run has returned: the
         # library reads them where they lie.
         del xs, ys, held
-    return History(result)
+    return History(result, model if isinstance(model, Model) else None)
 
 
 def load(path):
@@ -300,13 +324,16 @@ def _tensors(data, origin):
 
 
 class _Progress:
-    """The run's lines printed, its steps on tqdm's bar (the notebook's where there is
-    one) or on one updating line of text; silent without `verbose`."""
+    """The run's lines printed, its steps drawn: on tqdm's bar where tqdm is installed
+    (the notebook's bar in Jupyter), else on one line that updates in place (a display
+    that a notebook redraws, a terminal's carriage return); silent without `verbose`."""
 
     def __init__(self, verbose):
         self.verbose = verbose
-        self.bar = None
-        self.line = False
+        self.bar = None  # tqdm's bar; False once tqdm is known to be missing
+        self.handle = None  # a notebook's display
+        self.line = False  # a terminal line left open
+        self.shown = 0.0
 
     def say(self, text):
         if self.verbose:
@@ -319,8 +346,7 @@ class _Progress:
         if kind == "step":
             self._step(fields)
         elif kind == "epoch":
-            self._close_bar()
-            self._end_line()
+            self._close()
             held = ""
             if "val_loss" in fields:
                 held = f" | val loss {fields['val_loss']:.4f} acc {fields['val_accuracy']:.4f}"
@@ -331,7 +357,8 @@ class _Progress:
             )
 
     def _step(self, f):
-        if self.bar is None and self.bar is not False:
+        text = f"step {f['step']}/{f['total_steps']} | loss {f['loss']:.4f}"
+        if self.bar is None:
             try:
                 from tqdm.auto import tqdm
 
@@ -342,15 +369,30 @@ class _Progress:
             self.bar.n = f["step"]
             self.bar.set_postfix(loss=f"{f['loss']:.4f}", refresh=False)
             self.bar.refresh()
+            return
+        # At most ten redraws a second, and the last step's.
+        now = time.monotonic()
+        if now - self.shown < 0.1 and f["step"] != f["total_steps"]:
+            return
+        self.shown = now
+        if "ipykernel" in sys.modules:
+            from IPython.display import display
+
+            if self.handle is None:
+                self.handle = display({"text/plain": text}, raw=True, display_id=True)
+            else:
+                self.handle.update({"text/plain": text}, raw=True)
         else:
-            sys.stdout.write(f"\rstep {f['step']}/{f['total_steps']} | loss {f['loss']:.4f}")
+            sys.stdout.write("\r" + text)
             sys.stdout.flush()
             self.line = True
 
-    def _close_bar(self):
+    def _close(self):
         if self.bar:
             self.bar.close()
         self.bar = None
+        self.handle = None
+        self._end_line()
 
     def _end_line(self):
         if self.line:
@@ -358,5 +400,4 @@ class _Progress:
             self.line = False
 
     def close(self):
-        self._close_bar()
-        self._end_line()
+        self._close()

@@ -45,7 +45,7 @@ def from_torch(module, example_input):
     if example_input.dtype not in (torch.float32, torch.uint8):
         example_input = example_input.float()
     ep = torch.export.export(module, (example_input.float(),))
-    return _Converter(module, ep, example_input).model(type(module).__name__)
+    return _Converter(module, ep, example_input).model(f"{type(module).__name__} (from PyTorch)")
 
 
 _UNARY = {"relu": "relu", "silu": "silu", "sigmoid": "sigmoid", "tanh": "tanh"}

@@ -129,10 +129,11 @@ fn raise(r: Refusal) -> PyErr {
 /// on samples x and labels y (and the held-out (x, y) or None), each a (dtype, shape,
 /// address, length) of a C-contiguous array the caller keeps alive, or on a text: x
 /// bytes, y and held_out None; `say(line)` gets the run's lines, `callback(kind, fields)`
-/// its steps and epochs. Returns the report's fields, the weights as safetensors bytes
+/// its steps and epochs; `model_name` what the lines call the model. Returns the report's fields, the weights as safetensors bytes
 /// and the report's HTML.
 #[pyfunction]
-#[pyo3(signature = (flags, x, y, held_out, say, callback))]
+#[pyo3(signature = (flags, x, y, held_out, say, callback, model_name=None))]
+#[allow(clippy::too_many_arguments)]
 fn train(
     py: Python<'_>,
     flags: Vec<String>,
@@ -141,6 +142,7 @@ fn train(
     held_out: Option<(RawArray, RawArray)>,
     say: Py<PyAny>,
     callback: Option<Py<PyAny>>,
+    model_name: Option<String>,
 ) -> PyResult<Py<PyDict>> {
     let data = match (&x, &y) {
         (Input::Text(bytes), None) => Data::Text(bytes),
@@ -157,7 +159,14 @@ fn train(
         })
     };
     let trained = py.detach(|| {
-        hosted::train(HostedRun { flags, data, say: &say_line, observer: &mut observer, stop: Arc::clone(&stop) })
+        hosted::train(HostedRun {
+            flags,
+            model_name,
+            data,
+            say: &say_line,
+            observer: &mut observer,
+            stop: Arc::clone(&stop),
+        })
     });
     if let Some(e) = observer.failure.take() {
         return Err(e);

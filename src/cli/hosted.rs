@@ -49,6 +49,9 @@ pub enum Data<'a> {
 /// in.
 pub struct HostedRun<'a> {
     pub flags: Vec<String>,
+    /// What the run's lines call the model, in place of its `--model` (a converted
+    /// model's spec is a temporary file).
+    pub model_name: Option<String>,
     pub data: Data<'a>,
     pub say: &'a dyn Fn(String),
     pub observer: &'a mut dyn Observer,
@@ -127,7 +130,7 @@ pub fn train(run: HostedRun<'_>) -> Result<Trained, Refusal> {
         }
         Data::Text(bytes) => InMemory::Text(bytes),
     };
-    let hosting = Hosting { data, say: run.say, observer: run.observer, stop: run.stop };
+    let hosting = Hosting { data, say: run.say, observer: run.observer, stop: run.stop, model_name: run.model_name };
     let ended = super::train::run(*args, &given, Some(hosting)).map_err(Refusal::from_failure)?;
     let ended = ended.ok_or_else(|| Refusal::Usage("the run had nothing left to train".into()))?;
     let weights = crate::weights::to_safetensors_file_bytes(&ended.model, &ended.report.weights)

@@ -302,6 +302,9 @@ struct Settings {
 /// What the flags resolve to before any file but the model's spec is read.
 struct Run {
     source: ModelSource,
+    /// What the run calls its model: the source's name, or what a host calls it (a
+    /// model it converted, whose spec file is its own temporary one).
+    model_name: String,
     /// `--data`, the model's default when not given.
     data_spec: String,
     /// A flat model on data other than text: the digits' flat layout.
@@ -363,6 +366,8 @@ pub(crate) struct Hosting<'a> {
     pub(crate) observer: &'a mut dyn Observer,
     /// Raised by the host: the run stops after the step it is in.
     pub(crate) stop: Arc<AtomicBool>,
+    /// What the run's lines call the model, in place of its `--model`.
+    pub(crate) model_name: Option<String>,
 }
 
 /// A hosted run's data. (One value a run: its variants' sizes do not matter.)
@@ -392,13 +397,18 @@ pub(crate) fn run(args: TrainArgs, given: &BTreeSet<String>, host: Option<Hostin
     let world = crate::world::current().map_err(Failure::usage)?;
     let voice = world.is_voice();
     let (mut host_data, host) = match host {
-        Some(Hosting { data, say, observer, stop }) => (Some(data), Some((say, observer, stop))),
+        Some(Hosting { data, say, observer, stop, model_name }) => {
+            (Some(data), Some((say, observer, stop, model_name)))
+        }
         None => (None, None),
     };
     // Every check comes before any work.
     let (mut args, _resumed_lock) = with_the_runs_record(args, given, voice)?;
     let in_memory = host_data.as_ref().map(|d| matches!(d, InMemory::Text(_)));
-    let run = resolve(&mut args, world, in_memory)?;
+    let mut run = resolve(&mut args, world, in_memory)?;
+    if let Some(name) = host.as_ref().and_then(|h| h.3.clone()) {
+        run.model_name = name;
+    }
     let (checkpoint_dir, _lock) = claim_outputs(&args, voice)?;
     let data = match host_data.take() {
         Some(InMemory::Samples(train, held)) => hosted_data(&args, train, held)?,
@@ -431,7 +441,7 @@ pub(crate) fn run(args: TrainArgs, given: &BTreeSet<String>, host: Option<Hostin
             config.stop = Some(Arc::clone(&signals.stop));
             (Some(signals), None, None)
         }
-        Some((say, observer, stop)) => {
+        Some((say, observer, stop, _)) => {
             config.stop = Some(stop);
             (None, Some(say), Some(observer))
         }
@@ -520,7 +530,7 @@ fn resolve(args: &mut TrainArgs, world: &World, in_memory: Option<bool>) -> CliR
     let toy = flat && LESSON_DATA.contains(&data_spec.as_str());
     let settings = settings(args, toy, text)?;
     agree_flags(world, args, &settings.devices)?;
-    Ok(Run { source, data_spec, flat, settings })
+    Ok(Run { model_name: source.name(), source, data_spec, flat, settings })
 }
 
 /// The outputs checked before anything is loaded — process 0's files against each other
@@ -810,7 +820,7 @@ fn announce(
     let test_text = |t: &Dataset| format!(", {} {} {unit}", t.name(), t.len());
     say(format!(
         "lockstep: {} ({} parameters, {outputs}) | devices: {} | replicas: {} | data: {} {} {unit}{}{}",
-        run.source.name(),
+        run.model_name,
         model.num_params(),
         shown,
         s.replicas,
@@ -1638,7 +1648,7 @@ fn run_fingerprint(
         LrSchedule::Cosine { floor } => format!("cosine decay to {floor} of the rate"),
     };
     let entries = [
-        ("model", run.source.name()),
+        ("model", run.model_name.clone()),
         ("layers", layers.join(" → ")),
         ("data", run.data_spec.clone()),
         ("train_samples", train.len().to_string()),
