@@ -131,6 +131,9 @@ def fit(model, x, y=None, *, validation_data=None, layout=None, verbose=True, **
             argv += ["--model", spec, "--init", init]
             layout = layout or model.layout
             name = model.source
+            # A language model's windows are its input's length.
+            if model.spec["layers"][0]["type"] == "embedding" and "context" not in flags:
+                argv.append(f"--context={model.spec['input_shape'][0]}")
         else:
             argv += ["--model", _model_flag(model, tmp)]
             if isinstance(model, dict):
@@ -162,6 +165,8 @@ def fit(model, x, y=None, *, validation_data=None, layout=None, verbose=True, **
             )
         except ValueError as e:
             raise _keyword_error(e, flags) from None
+        except (OSError, RuntimeError) as e:
+            raise type(e)(_in_keywords(str(e), flags)) from None
         finally:
             display.close()
         # The arrays stay referenced (xs, ys, held) until the run has returned: the
@@ -234,14 +239,28 @@ def _flags(flags):
 
 
 def _keyword_error(e, flags):
-    """A flag the parser does not know, said of the keyword that made it."""
+    """A flag the parser does not know, said of the keyword that made it; any other
+    refusal in the keywords' words."""
     text = str(e)
     for key in flags:
         if f"'--{key.replace('_', '-')}'" in text and "unexpected argument" in text:
             return ValueError(
                 f"fit(): unknown keyword {key}: lockstep train has no --{key.replace('_', '-')} (lockstep train -h lists its flags)"
             )
-    return e
+    return ValueError(_in_keywords(text, flags))
+
+
+def _in_keywords(text, flags):
+    """A message of the command line's with each flag given as a keyword written as that
+    keyword (`--batch-size 0` → `batch_size=0`)."""
+    for key in sorted(flags, key=len, reverse=True):
+        flag = "--" + key.replace("_", "-")
+        value = flags[key]
+        value = os.fspath(value) if isinstance(value, os.PathLike) else value
+        for given in (f"{flag} '{value}'", f"{flag} {value}", f"{flag}={value}"):
+            text = text.replace(given, f"{key}={value!r}")
+        text = text.replace(flag, key)
+    return text
 
 
 def _samples(x, y, layout, xname, yname):

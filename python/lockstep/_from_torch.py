@@ -42,9 +42,10 @@ def from_torch(module, example_input):
         example_input = torch.as_tensor(np.asarray(example_input))
     if example_input.device.type != "cpu":
         raise ValueError(f"from_torch: example_input is on {example_input.device}: give it on the CPU")
-    if example_input.dtype not in (torch.float32, torch.uint8):
+    # Token ids stay integers (an embedding reads them); any other input is read as f32.
+    if not (example_input.dtype in (torch.int64, torch.int32) and not example_input.is_floating_point()):
         example_input = example_input.float()
-    ep = torch.export.export(module, (example_input.float(),))
+    ep = torch.export.export(module, (example_input,))
     return _Converter(module, ep, example_input).model(f"{type(module).__name__} (from PyTorch)")
 
 
@@ -96,18 +97,21 @@ class _Converter:
             raise self.refuse(node, "a tensor that is neither a parameter nor a buffer of the module")
         return self.tensors[node.name]
 
-    def prefix(self, key, suffix="weight"):
-        """The layer name whose tensors are `{name}.weight`..., the tensor `key`'s; a tied
-        tensor's next free name."""
-        candidates = [key]
+    def prefix(self, key, node=None, suffix="weight"):
+        """The layer name whose tensors are `{name}.weight`..., of the tensor `key` that
+        `node` reads, and the tensor it is tied to (or False): a tensor has one name a
+        module that holds it (several where it is tied, as a GPT's token table and its
+        head), and the node's own module, the innermost of its module stack, says which."""
         owner = self._param(key)
-        if owner is not None:
-            candidates += [n for n in self.aliases.get(id(owner), []) if n != key]
-        for k in candidates:
+        names = [key] + [n for n in self.aliases.get(id(owner), []) if n != key] if owner is not None else [key]
+        stack = list((node.meta.get("nn_module_stack") or {}).values()) if node is not None else []
+        own = stack[-1][0] if stack else None
+        ranked = sorted(names, key=lambda n: n.rpartition(".")[0] != own)
+        for k in ranked:
             name, _, last = k.rpartition(".")
             if last == suffix and name not in self.used:
-                return name, k != key and key
-        name = key.rpartition(".")[0] or key
+                taken = [n for n in names if n.rpartition(".")[0] in self.used]
+                return name, bool(taken) and taken[0]
         raise ValueError(f"from_torch: tensor {key} is read by two layers; lockstep ties only a dense layer's weight to an earlier tensor")
 
     def trained(self, node, t, constant):
@@ -161,6 +165,8 @@ class _Converter:
             if node.op != "call_function":
                 raise self.refuse(node, f"is a {node.op}")
             self.node(node)
+        if isinstance(out, (tuple, list)):
+            out = [o for o in out if o is not None]  # nanoGPT's (logits, None) without targets
         if not isinstance(out, (tuple, list)) or len(out) != 1:
             raise ValueError("from_torch: the module returns several tensors; lockstep's model has one output, the logits")
         last = self.names.get(out[0].name)
@@ -194,7 +200,7 @@ class _Converter:
             if dilation != [1, 1]:
                 raise self.refuse(node, f"is dilated ({dilation}); lockstep's conv2d is not")
             key = self.key(w)
-            name, _ = self.prefix(key)
+            name, _ = self.prefix(key, node)
             wv = w.meta["val"]
             layer = {"type": "conv2d", "filters": int(wv.shape[0]), "kernel_size": [int(wv.shape[2]), int(wv.shape[3])],
                      "strides": stride, "padding": padding if isinstance(padding, str) else list(padding),
@@ -204,7 +210,7 @@ class _Converter:
             x, w = a[0], a[1]
             b = a[2] if len(a) > 2 else None
             key = self.key(w)
-            name, tied = self.prefix(key)
+            name, tied = self.prefix(key, node)
             layer = {"type": "dense", "units": int(w.meta["val"].shape[0]), "use_bias": b is not None}
             if tied:
                 layer["tied_to"] = tied
@@ -228,7 +234,7 @@ class _Converter:
             eps = a[4] if len(a) > 4 else 1e-5
             if len(shape) != 1 or w is None:
                 raise self.refuse(node, "normalises more than the last dimension, or has no weight")
-            name, _ = self.prefix(self.key(w))
+            name, _ = self.prefix(self.key(w), node)
             return self.emit(node, {"type": "layer_norm", "eps": float(eps), "use_bias": b is not None}, [x], name)
         if op == "rms_norm":
             x, shape = a[0], a[1]
@@ -236,7 +242,7 @@ class _Converter:
             eps = a[3] if len(a) > 3 else None
             if len(shape) != 1 or w is None or eps is None:
                 raise self.refuse(node, "normalises more than the last dimension, or has no weight or epsilon")
-            name, _ = self.prefix(self.key(w))
+            name, _ = self.prefix(self.key(w), node)
             return self.emit(node, {"type": "rms_normalization", "epsilon": float(eps)}, [x], name)
         if op in _UNARY:
             return self.emit(node, {"type": _UNARY[op]}, [a[0]])
@@ -301,8 +307,8 @@ class _Converter:
             for p in (x, y):
                 if p.name in self.positions:
                     other = y if p is x else x
-                    key, length = self.positions[p.name]
-                    name, _ = self.prefix(key)
+                    key, length, table = self.positions[p.name]
+                    name, _ = self.prefix(key, table)
                     return self.emit(node, {"type": "positional_embedding", "length": length}, [other], name)
             kind = "add" if op == "add" else "multiply"
             if list(x.meta["val"].shape) != list(y.meta["val"].shape):
@@ -319,9 +325,11 @@ class _Converter:
             w, ids = a[0], a[1]
             key = self.key(w)
             if ids.op == "call_function" and getattr(ids.target, "_opname", "") == "arange":
-                self.positions[node.name] = (key, int(w.meta["val"].shape[0]))
+                self.positions[node.name] = (key, int(w.meta["val"].shape[0]), node)
                 return
-            name, _ = self.prefix(key)
+            name, tied = self.prefix(key, node)
+            if tied:
+                raise self.refuse(node, f"reads {key}, which an earlier layer holds; lockstep ties a dense layer's weight to an embedding, not the other way")
             wv = w.meta["val"]
             return self.emit(node, {"type": "embedding", "vocab": int(wv.shape[0]), "width": int(wv.shape[1])}, [ids], name)
         if op == "arange":
@@ -338,15 +346,17 @@ class _Converter:
             if scale is not None:
                 layer["scale"] = float(scale)
             return self.emit(node, layer, [q, k, v])
-        if op in ("split", "split_with_sizes"):
+        if op in ("split", "split_with_sizes", "chunk"):
             x, size = a[0], a[1]
             dim = a[2] if len(a) > 2 else 0
             n = x.meta["val"].shape[dim]
+            if op == "chunk":
+                size = -(-n // size)  # torch.chunk's parts: ceil(n / chunks) each
             sizes = list(size) if op == "split_with_sizes" else [min(size, n - i) for i in range(0, n, size)]
             self.splits = getattr(self, "splits", {})
             self.splits[node.name] = (x, int(dim), sizes)
             return
-        if op == "getitem" or str(t).endswith("getitem"):
+        if getattr(t, "__name__", "") == "getitem":
             src, index = a[0], a[1]
             if src.name not in getattr(self, "splits", {}):
                 raise self.refuse(node, "takes an item of what is not a split")

@@ -119,8 +119,11 @@ def test_bad_input_is_an_exception_naming_it(tmp_path):
     xf[3, 0, 2, 2] = np.nan
     bad(ValueError, "NaN at sample 3", "convnet", xf, y, layout="NCHW")
     bad(ValueError, "unknown keyword bogus_flag", "convnet", x, y, layout="NCHW", bogus_flag=3)
-    bad(ValueError, "--batch-size", "convnet", x, y, layout="NCHW", batch_size=0)
-    bad(ValueError, "leave --data out", "convnet", x, y, layout="NCHW", data="digits")
+    bad(ValueError, "batch_size must be at least 1", "convnet", x, y, layout="NCHW", batch_size=0)
+    bad(OSError, "save='/nonexistent/dir/w.safetensors': directory '/nonexistent/dir' does not exist", "convnet", x, y, layout="NCHW", save="/nonexistent/dir/w.safetensors")
+    bad(OSError, "init='.*': no such file", "convnet", x, y, layout="NCHW", init=str(tmp_path / "none.safetensors"))
+    bad(RuntimeError, "non-finite loss", "convnet", x, y, layout="NCHW", lr=1e12, epochs=3, devices="cpu:2")
+    bad(ValueError, "data='digits': the data is given in memory; give no data", "convnet", x, y, layout="NCHW", data="digits")
     bad(IsADirectoryError, "is a directory", str(tmp_path), x, y, layout="NCHW")
     bad(FileNotFoundError, "neither a built-in model", "no-such-model", x, y, layout="NCHW")
     bad(ValueError, "language model trains on a text", "gpt", x, y, layout="NCHW")

@@ -72,3 +72,26 @@ def test_a_node_without_a_layer_is_named():
 
     with pytest.raises(ValueError, match=r"node cumsum \(aten.cumsum.default\) has no lockstep layer.*lockstep maps: conv2d"):
         lockstep.from_torch(Odd(), torch.zeros(1, 4))
+
+
+def test_a_module_off_the_cpu_is_refused():
+    module = build("toy").to("meta")  # a device that is not the CPU, as a GPU would be
+    with pytest.raises(ValueError, match=r"the module's dense0.weight is on meta: lockstep reads the module's weights from the CPU \(module.cpu\(\)\)"):
+        lockstep.from_torch(module, torch.zeros(1, 2))
+
+
+def test_nanogpts_gpt_trains_on_a_text_bitwise_on_1_and_2_devices():
+    text = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "test_fit.py"), "rb").read() * 4
+    weights = []
+    for devices in ("cpu:1", "cpu:2"):
+        torch.manual_seed(0)
+        module = build("gpt", context=16, layers=1, heads=2, width=32)
+        model = lockstep.from_torch(module, torch.zeros(1, 16, dtype=torch.long))
+        kinds = [l["type"] for l in model.spec["layers"]]
+        assert kinds[:2] == ["embedding", "positional_embedding"] and "scaled_dot_product_attention" in kinds
+        assert model.spec["layers"][-1]["tied_to"] == "transformer.wte.weight"
+        h = lockstep.fit(model, text, steps=20, batch_size=8, replicas=2, devices=devices, verbose=False)
+        assert h.stopped == "completed" and np.isfinite(h.history["val_loss"][-1])
+        h.load_into(module)  # strict: the head's alias of the token table included
+        weights.append(h.weights)
+    assert all(weights[0][k].tobytes() == weights[1][k].tobytes() for k in weights[0])

@@ -92,7 +92,8 @@ impl Refusal {
     fn from_failure(f: Failure) -> Refusal {
         let line = one_line(&f.error);
         let file = f.error.chain().any(|c| c.is::<std::io::Error>())
-            || matches!(f.error.downcast_ref::<crate::Error>(), Some(crate::Error::Io { .. }));
+            || matches!(f.error.downcast_ref::<crate::Error>(), Some(crate::Error::Io { .. }))
+            || FILE_FLAGS.iter().any(|flag| line.starts_with(&format!("{flag} ")));
         match (file, f.code) {
             (true, _) => Refusal::File(line),
             (false, EXIT_USAGE) => Refusal::Usage(line),
@@ -100,6 +101,10 @@ impl Refusal {
         }
     }
 }
+
+/// The flags that name files: a refusal of one of their values is a file's.
+const FILE_FLAGS: [&str; 8] =
+    ["--save", "--save-best", "--init", "--metrics-out", "--checkpoint-dir", "--resume", "--model", "--test-data"];
 
 /// Runs `lockstep train` with `run.flags` on `run`'s samples, in this process and on the
 /// calling thread (the devices' threads are the run's own, and end with it).

@@ -491,7 +491,7 @@ fn resolve(args: &mut TrainArgs, world: &World, in_memory: Option<bool>) -> CliR
     let source = args.model_data.model.resolve()?;
     if let Some(text) = in_memory {
         if let Some(spec) = &args.model_data.data {
-            return Err(Failure::usage(anyhow!("--data {spec}: the data is given in memory; leave --data out")));
+            return Err(Failure::usage(anyhow!("--data {spec}: the data is given in memory; give no --data")));
         }
         match (source.is_language_model(), text) {
             (true, false) => {
