@@ -155,9 +155,17 @@ class _Converter:
 
     def model(self, source):
         graph = self.ep.graph
+        self.absorbed, self.patterns = set(), {}
+        for node in graph.nodes:
+            if node.op == "call_function":
+                self.find_rms_norm(node)
+                self.find_rotary(node)
         out = None
         for node in graph.nodes:
-            if node.op == "placeholder":
+            if node.op == "placeholder" or node.name in self.absorbed:
+                continue
+            if node.name in self.patterns:
+                self.patterns[node.name]()
                 continue
             if node.op == "output":
                 out = node.args[0]
@@ -363,6 +371,107 @@ class _Converter:
             x, dim, sizes = self.splits[src.name]
             return self.emit(node, {"type": "split", "axis": dim, "sizes": sizes, "index": int(index)}, [x])
         raise self.refuse(node, "has no lockstep layer")
+
+    # -- layers written out in elementwise ops
+
+    @staticmethod
+    def _op(node, *names):
+        return node is not None and hasattr(node, "target") and node.op == "call_function" and getattr(node.target, "_opname", None) in names
+
+    @staticmethod
+    def _only_user(node):
+        users = list(node.users)
+        return users[0] if len(users) == 1 else None
+
+    def find_rms_norm(self, r):
+        """Meta's RMSNorm, `x * rsqrt(mean(x²) + eps) * weight` over the last dimension,
+        ending at the product with the weight: one `rms_normalization`."""
+        if not self._op(r, "rsqrt"):
+            return
+        add = r.args[0]
+        if not (self._op(add, "add") and not hasattr(add.args[1], "meta") and self._op(add.args[0], "mean")):
+            return
+        mean = add.args[0]
+        if list(mean.args[1]) != [-1] or not (len(mean.args) > 2 and mean.args[2]) or not self._op(mean.args[0], "pow"):
+            return
+        pw = mean.args[0]
+        x = pw.args[0]
+        if pw.args[1] != 2:
+            return
+        m1 = self._only_user(r)
+        if not (self._op(m1, "mul") and set(a.name for a in m1.args if hasattr(a, "name")) == {x.name, r.name}):
+            return
+        m2 = self._only_user(m1)
+        if not self._op(m2, "mul"):
+            return
+        w = next((a for a in m2.args if hasattr(a, "name") and a.name in self.tensors), None)
+        if w is None or len(w.meta["val"].shape) != 1:
+            return
+        eps = float(add.args[1])
+        self.absorbed |= {pw.name, mean.name, add.name, r.name, m1.name}
+
+        def emit():
+            name, _ = self.prefix(self.key(w), m2)
+            self.emit(m2, {"type": "rms_normalization", "epsilon": eps}, [x], name)
+
+        self.patterns[m2.name] = emit
+
+    def find_rotary(self, st):
+        """Llama's rotary embedding in real arithmetic: x (N, T, H, D) as pairs
+        (x[2i], x[2i+1]), times cos + i·sin of position t's angle t·θ^(−2i/D), stacked and
+        reshaped back: one `rotary_embedding`, θ read off the module's tables."""
+        if not (self._op(st, "stack") and len(st.args[0]) == 2 and st.args[1] in (-1, 4)):
+            return
+        sub, add = st.args[0]
+        if not (self._op(sub, "sub") and self._op(add, "add")):
+            return
+        prods = [sub.args[0], sub.args[1], add.args[0], add.args[1]]
+        if not all(self._op(p, "mul") for p in prods):
+            return
+        (s0, c), (s1, s_) = prods[0].args, prods[1].args
+        if not (self._op(s0, "select") and self._op(s1, "select") and s0.args[0] is s1.args[0] and (s0.args[2], s1.args[2]) == (0, 1)):
+            return
+        pairs = s0.args[0]
+        if not self._op(pairs, "reshape", "view", "_unsafe_view"):
+            return
+        x = pairs.args[0]
+        out = self._only_user(st)
+        if not (self._op(out, "reshape", "view", "_unsafe_view") and list(out.meta["val"].shape) == list(x.meta["val"].shape)):
+            return
+        tables = []
+        for t in (c, s_):
+            while self._op(t, "unsqueeze", "slice", "view", "reshape"):
+                t = t.args[0]
+            if getattr(t, "name", None) not in self.tensors:
+                return
+            tables.append(self.module.get_buffer(self.key(t)).detach().double())
+        cos, sin = tables
+        d = 2 * cos.shape[-1]
+        theta = self.rotary_base(cos, sin, d, st)
+        self.absorbed |= {pairs.name, s0.name, s1.name, sub.name, add.name, st.name} | {p.name for p in prods}
+        for p in prods:
+            for a in p.args:
+                if hasattr(a, "name") and a.name not in self.tensors and a not in (s0, s1):
+                    self.absorbed.add(a.name)
+        self.patterns[out.name] = lambda: self.emit(out, {"type": "rotary_embedding", "base": theta}, [x])
+
+    def rotary_base(self, cos, sin, d, node):
+        """θ of a rotary table: the angle of pair 1 at position 1 is θ^(−2/D); every
+        angle of the table must then be t·θ^(−2i/D) (to f32's rounding)."""
+        import math
+
+        if cos.shape[0] < 2 or d < 4:
+            raise self.refuse(node, "has a rotary table too small to read its base from")
+        freq = math.atan2(float(sin[1, 1]), float(cos[1, 1]))
+        theta = freq ** (-d / 2)
+        if abs(theta - round(theta)) < 1e-3 * theta:
+            theta = float(round(theta))
+        t = self.torch.arange(cos.shape[0], dtype=self.torch.float64)[:, None]
+        i = self.torch.arange(d // 2, dtype=self.torch.float64)[None, :]
+        angles = t * theta ** (-2 * i / d)
+        if not (self.torch.allclose(angles.cos(), cos, atol=1e-4) and self.torch.allclose(angles.sin(), sin, atol=1e-4)):
+            raise self.refuse(node, "multiplies pairs by tables that are not a rotary embedding's (position t, pair i: t·θ^(−2i/D))")
+        return theta
 
     def reshape_to(self, node, x):
         """A reshape of x to the node's shape (the batch left first), or nothing where the

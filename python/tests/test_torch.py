@@ -95,3 +95,28 @@ def test_nanogpts_gpt_trains_on_a_text_bitwise_on_1_and_2_devices():
         h.load_into(module)  # strict: the head's alias of the token table included
         weights.append(h.weights)
     assert all(weights[0][k].tobytes() == weights[1][k].tobytes() for k in weights[0])
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama"])
+def test_a_language_models_graph_computes_pytorchs_loss(name):
+    # 170 bytes: the last tenth, 17 bytes, is exactly one window of 16 and its next
+    # tokens, so lockstep's held-out loss is that window's; lr 1e-30 leaves the weights
+    # as the module's.
+    import torch.nn.functional as F
+
+    text = bytes((i * 37 + 11) % 251 for i in range(170))
+    torch.manual_seed(0)
+    module = build(name, context=16, layers=1, heads=2, width=32)
+    model = lockstep.from_torch(module, torch.zeros(1, 16, dtype=torch.long))
+    if name == "llama":
+        kinds = [l["type"] for l in model.spec["layers"]]
+        assert "rms_normalization" in kinds and kinds.count("rotary_embedding") == 2
+        assert all(l["base"] == 10000.0 for l in model.spec["layers"] if l["type"] == "rotary_embedding")
+    h = lockstep.fit(model, text, steps=1, lr=1e-30, batch_size=2, devices="cpu:2", verbose=False)
+    window = torch.tensor(list(text[153:]))
+    with torch.no_grad():
+        out = module(window[None, :16])
+        logits = out[0] if isinstance(out, tuple) else out
+        reference = F.cross_entropy(logits[0], window[1:]).item()
+    assert abs(h.history["val_loss"][0] - reference) < 1e-5
+    h.load_into(module)  # strict
