@@ -30,7 +30,7 @@ from . import _lockstep
 from ._from_keras import from_keras
 from ._from_torch import Model, from_torch
 
-__all__ = ["fit", "from_keras", "from_torch", "History", "Model", "load", "BUILTIN_MODELS"]
+__all__ = ["fit", "evaluate", "predict", "from_keras", "from_torch", "History", "Model", "load", "BUILTIN_MODELS"]
 
 #: The built-in models `fit` trains by name (`lockstep train --model NAME`); the language
 #: models ("gpt", "llama") train on a text.
@@ -56,6 +56,7 @@ class History:
             keys += ["val_loss", "val_accuracy"]
         self.history = {k: [e.get(k) for e in self.epochs] for k in keys}
         self.weights = _tensors(result["weights"], "the trained weights")
+        self._bytes = result["weights"]
         self.stopped = result["stopped"]
         self.steps = result["steps"]
         self.seconds = result["seconds"]
@@ -173,6 +174,71 @@ def fit(model, x, y=None, *, validation_data=None, layout=None, verbose=True, **
         # library reads them where they lie.
         del xs, ys, held
     return History(result, model if isinstance(model, Model) else None)
+
+
+def evaluate(model, x, y, weights, *, layout=None, **flags):
+    """The loss and accuracy of `weights` (a History, a weights file, or a dict of arrays
+    by name) on samples x and labels y, as `lockstep eval` scores them: a dict of "loss",
+    "accuracy", "correct", "count" and "probabilities" (N × classes). `model`, x, y and
+    `layout` as `fit` takes them; the keywords are `lockstep eval`'s flags (`devices=`,
+    `classes=`)."""
+    with tempfile.TemporaryDirectory(prefix="lockstep-") as tmp:
+        argv, layout = _scoring_flags(model, weights, layout, flags, tmp)
+        xs, ys = _samples(x, y, layout, "x", "y")
+        said = {**flags, "weights": argv[argv.index("--weights") + 1]}
+        try:
+            r = _lockstep.evaluate(argv, _raw(xs), _raw(ys))
+        except ValueError as e:
+            raise _keyword_error(e, said) from None
+        except (OSError, RuntimeError) as e:
+            raise type(e)(_in_keywords(str(e), said)) from None
+        del xs, ys
+    r["probabilities"] = np.frombuffer(r["probabilities"], dtype="<f4").reshape(-1, r.pop("classes")).copy()
+    return r
+
+
+def predict(model, x, weights, *, layout=None, **flags):
+    """Each input's class probabilities (N × classes) under `weights`, as `lockstep
+    predict` computes them; the arguments as `evaluate`'s, without labels (`limit=` the
+    first inputs only)."""
+    with tempfile.TemporaryDirectory(prefix="lockstep-") as tmp:
+        argv, layout = _scoring_flags(model, weights, layout, flags, tmp)
+        xs, _ = _samples(x, np.zeros(len(x), dtype=np.int64) if hasattr(x, "__len__") else x, layout, "x", "y")
+        said = {**flags, "weights": argv[argv.index("--weights") + 1]}
+        try:
+            k, probs = _lockstep.predict(argv, _raw(xs))
+        except ValueError as e:
+            raise _keyword_error(e, said) from None
+        except (OSError, RuntimeError) as e:
+            raise type(e)(_in_keywords(str(e), said)) from None
+        del xs
+    return np.frombuffer(probs, dtype="<f4").reshape(-1, k).copy()
+
+
+def _scoring_flags(model, weights, layout, flags, tmp):
+    """`eval`'s and `predict`'s --model and --weights for `model` and `weights`, written
+    into `tmp` where they are in memory, and the samples' layout."""
+    argv = []
+    if isinstance(model, Model):
+        spec = os.path.join(tmp, "model.json")
+        with open(spec, "w") as f:
+            json.dump(model.spec, f)
+        argv += ["--model", spec]
+        layout = layout or model.layout
+    else:
+        argv += ["--model", _model_flag(model, tmp)]
+    path = os.path.join(tmp, "weights.safetensors")
+    if isinstance(weights, History):
+        with open(path, "wb") as f:
+            f.write(weights._bytes)
+    elif isinstance(weights, dict):
+        _write_safetensors(path, weights)
+    else:
+        path = os.fspath(weights)
+        if os.path.isdir(path):
+            raise IsADirectoryError(f"weights: {path} is a directory, not a weights file")
+    argv += ["--weights", path] + _flags(flags)
+    return argv, layout
 
 
 def load(path):

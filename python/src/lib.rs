@@ -209,8 +209,49 @@ fn samples<'a>(x: &'a RawArray, y: &'a RawArray) -> Samples<'a> {
     Samples { x: array(x), y: array(y) }
 }
 
+/// The `lockstep` binary's allocator (src/main.rs), for the allocations of this module's
+/// runs: the interpreter's own memory stays the interpreter's, and no allocation crosses
+/// between the two (what Python is handed it copies).
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+/// evaluate(flags, x, y) -> dict: `lockstep eval` with `flags` (no `--data`) on samples x
+/// and labels y (arrays as `train` takes them): loss, accuracy, correct, count, classes,
+/// and every sample's probabilities as f32 bytes.
+#[pyfunction]
+fn evaluate(py: Python<'_>, flags: Vec<String>, x: RawArray, y: RawArray) -> PyResult<Py<PyDict>> {
+    let data = samples(&x, &y);
+    let e = py.detach(|| hosted::evaluate(flags, &data)).map_err(raise)?;
+    let out = PyDict::new(py);
+    out.set_item("loss", e.loss)?;
+    out.set_item("accuracy", e.accuracy)?;
+    out.set_item("correct", e.correct)?;
+    out.set_item("count", e.count)?;
+    out.set_item("classes", e.classes)?;
+    out.set_item("probabilities", PyBytes::new(py, &f32_bytes(&e.probabilities)))?;
+    Ok(out.unbind())
+}
+
+/// predict(flags, x) -> (classes, bytes): `lockstep predict` with `flags` (no `--data`) on
+/// inputs x: the model's classes and every input's probabilities as f32 bytes.
+#[pyfunction]
+fn predict(py: Python<'_>, flags: Vec<String>, x: RawArray) -> PyResult<(usize, Py<PyBytes>)> {
+    let y = (String::from("int64"), vec![0], 0, 0);
+    let inputs = samples(&x, &y).x;
+    let (k, p) = py.detach(|| hosted::predict(flags, &inputs)).map_err(raise)?;
+    Ok((k, PyBytes::new(py, &f32_bytes(&p)).unbind()))
+}
+
+/// Little-endian bytes of f32 values.
+fn f32_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
 #[pymodule]
 fn _lockstep(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    lockstep::cli::allocator::keep_freed_pages();
     m.add_function(wrap_pyfunction!(train, m)?)?;
+    m.add_function(wrap_pyfunction!(evaluate, m)?)?;
+    m.add_function(wrap_pyfunction!(predict, m)?)?;
     Ok(())
 }

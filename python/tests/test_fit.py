@@ -165,3 +165,24 @@ def test_another_python_thread_runs_while_it_trains():
     step = h.seconds / h.steps
     # Held through a step, the lock would stop the thread for a whole step at least.
     assert state["gap"] < step / 2, f"the thread waited {state['gap']:.3f} s; a step takes {step:.3f} s"
+
+
+@pytest.mark.parametrize("devices", ["cpu:1", "cpu:2", "cpu:3"])
+def test_evaluate_and_predict_score_the_weights_as_the_run_did(tmp_path, devices):
+    x, y = images(96, 8)
+    xv, yv = images(40, 9)
+    h = lockstep.fit("convnet", x, y, layout="NCHW", validation_data=(xv, yv), epochs=1, batch_size=24, devices="cpu:2",
+                     save=tmp_path / "w.safetensors", verbose=False)
+    for weights in (h, tmp_path / "w.safetensors", h.weights):
+        e = lockstep.evaluate("convnet", xv, yv, weights, layout="NCHW", devices=devices)
+        # The loss is a sum over the devices' shares: its last bits follow their number.
+        assert e["loss"] == pytest.approx(h.history["val_loss"][-1], rel=1e-6)
+        assert e["accuracy"] == h.history["val_accuracy"][-1]
+        assert e["count"] == 40 and e["probabilities"].shape == (40, 10)
+        p = lockstep.predict("convnet", xv, weights, layout="NCHW", devices=devices)
+        assert p.tobytes() == e["probabilities"].tobytes()
+    assert lockstep.predict("convnet", xv, h, layout="NCHW", limit=5).shape == (5, 10)
+    with pytest.raises(ValueError, match="a language model is scored on a text"):
+        lockstep.evaluate("gpt", xv, yv, h, layout="NCHW")
+    with pytest.raises(OSError, match="weights='.*none.safetensors': no such file"):
+        lockstep.evaluate("convnet", xv, yv, tmp_path / "none.safetensors", layout="NCHW")

@@ -7,6 +7,7 @@
 
 use super::identify::{load_weights, Header, WeightsFor};
 use super::text::{is_builtin_data, is_text, load_text_data, not_a_language_model, not_text};
+use crate::nn::loss::Metrics;
 
 use super::*;
 
@@ -107,39 +108,7 @@ pub(crate) fn cmd_eval(a: EvalArgs) -> CliResult {
     let splits = load_data(&data_spec, source.flat(), a.seed, None, a.classes)?;
     // Built-in data: its test split; a file: all of it.
     let data = splits.test.unwrap_or(splits.train);
-    let classes = model_classes(&source, data.sample_shape().dims(), a.classes, &a.weights, data.num_classes())?;
-    let model = build_model(&source, data.sample_shape().dims(), classes, 0.5, 0.99)?;
-    if model.output_shape().ndim() != 1 {
-        // A spec's sequence model that does not start with an embedding: its
-        // labels are per position, which the confusion matrix below is not.
-        return Err(Failure::usage(anyhow!(
-            "--model {}: its output {} is not a class per sample; eval scores a language model that starts with an embedding",
-            source.name(),
-            model.output_shape()
-        )));
-    }
-    check_model_classes(&model, a.classes, &[&data])?;
-    crate::train::check_data(&model, &data).map_err(Failure::usage)?;
-    let store = load_weights(&model, &source, "--weights", &a.weights, WeightsFor::Eval)?;
-    // No more devices than samples: a device with no sample has nothing to predict.
-    let devices = devices.first(data.len());
-    let classes = model.output_shape().numel();
-    let config = TrainConfig { initial: Some(store), check_replicas_every: None, ..TrainConfig::default() };
-    let all: Vec<usize> = (0..data.len()).collect();
-    let (metrics, probs) = with_trainer(&model, &devices, &config, |t| {
-        let m = t.evaluate(&data, config.eval_batch)?;
-        let p = t.predict(Batch::gather(&data, &all))?;
-        Ok((m, p))
-    })
-    .map_err(Failure::runtime)?;
-    if !metrics.mean_loss().is_finite() {
-        return Err(Failure::runtime(anyhow!(
-            "--weights '{}': the loss on {} is {}: the weights or the data overflow, and no accuracy of them means anything",
-            a.weights.display(),
-            data.name(),
-            metrics.mean_loss()
-        )));
-    }
+    let Evaluated { devices, classes, metrics, probabilities: probs } = evaluated(&a, &source, devices, &data)?;
     outln!("{} ({classes} classes) on {} ({} samples) on {}", a.weights.display(), data.name(), data.len(), devices);
     outln!(
         "loss {:.4} | accuracy {:.4} ({}/{})",
@@ -170,6 +139,96 @@ pub(crate) fn cmd_eval(a: EvalArgs) -> CliResult {
         outln!("{line}");
     }
     Ok(())
+}
+
+/// `eval` on samples a host gives in memory (`cli::hosted::evaluate`): `cmd_eval`'s checks
+/// that read no `--data`, the samples made with `--classes` (`samples`), then
+/// [`evaluated`].
+pub(crate) fn evaluate_in_memory(
+    a: &EvalArgs,
+    samples: impl FnOnce(Option<usize>) -> crate::Result<Dataset>,
+) -> CliResult<Evaluated> {
+    if let Some(spec) = &a.data {
+        return Err(Failure::usage(anyhow!("--data {spec}: the samples are given in memory; give no --data")));
+    }
+    let devices = resolve_devices(&a.devices)?;
+    check_input_file("--weights", &a.weights)?;
+    check_classes(a.classes)?;
+    let source = a.model.resolve()?;
+    if source.is_language_model() {
+        return Err(Failure::usage(anyhow!(
+            "{}: a language model is scored on a text's windows (lockstep eval --data text:FILE), not on samples",
+            source.name()
+        )));
+    }
+    let data = samples(a.classes).map_err(Failure::usage)?;
+    evaluated(a, &source, devices, &data)
+}
+
+/// `predict` on inputs a host gives in memory (`cli::hosted::predict`): `cmd_predict`'s
+/// checks that read no `--data`, then [`predicted`] of the first `--limit` inputs.
+pub(crate) fn predict_in_memory(a: &PredictArgs, data: &Dataset) -> CliResult<(usize, Vec<f32>)> {
+    if a.limit == Some(0) {
+        return Err(Failure::usage(anyhow!("--limit must be at least 1")));
+    }
+    let source = a.model.resolve()?;
+    if source.is_language_model() {
+        return Err(predict_refuses_sequences(&source.name(), &a.weights));
+    }
+    let devices = resolve_devices(&a.devices)?;
+    check_input_file("--weights", &a.weights)?;
+    check_classes(a.classes)?;
+    let n = a.limit.map_or(data.len(), |l| l.min(data.len()));
+    predicted(a, &source, devices, data, data.num_classes(), n)
+}
+
+/// What [`evaluated`] gives: the devices it ran on, the model's classes, the metrics, and
+/// every sample's probabilities (N × classes).
+pub(crate) struct Evaluated {
+    pub(crate) devices: Devices,
+    pub(crate) classes: usize,
+    pub(crate) metrics: Metrics,
+    pub(crate) probabilities: Vec<f32>,
+}
+
+/// The weights of `a` scored on `data` (a classifier's samples): the model built for the
+/// data and the weights, checked against both, run on `devices` (no more than samples).
+/// `eval`'s work, and a host's (`cli::hosted::evaluate`).
+pub(crate) fn evaluated(a: &EvalArgs, source: &ModelSource, devices: Devices, data: &Dataset) -> CliResult<Evaluated> {
+    let classes = model_classes(source, data.sample_shape().dims(), a.classes, &a.weights, data.num_classes())?;
+    let model = build_model(source, data.sample_shape().dims(), classes, 0.5, 0.99)?;
+    if model.output_shape().ndim() != 1 {
+        // A spec's sequence model that does not start with an embedding: its
+        // labels are per position, which eval's confusion matrix is not.
+        return Err(Failure::usage(anyhow!(
+            "--model {}: its output {} is not a class per sample; eval scores a language model that starts with an embedding",
+            source.name(),
+            model.output_shape()
+        )));
+    }
+    check_model_classes(&model, a.classes, &[data])?;
+    crate::train::check_data(&model, data).map_err(Failure::usage)?;
+    let store = load_weights(&model, source, "--weights", &a.weights, WeightsFor::Eval)?;
+    // No more devices than samples: a device with no sample has nothing to predict.
+    let devices = devices.first(data.len());
+    let classes = model.output_shape().numel();
+    let config = TrainConfig { initial: Some(store), check_replicas_every: None, ..TrainConfig::default() };
+    let all: Vec<usize> = (0..data.len()).collect();
+    let (metrics, probs) = with_trainer(&model, &devices, &config, |t| {
+        let m = t.evaluate(data, config.eval_batch)?;
+        let p = t.predict(Batch::gather(data, &all))?;
+        Ok((m, p))
+    })
+    .map_err(Failure::runtime)?;
+    if !metrics.mean_loss().is_finite() {
+        return Err(Failure::runtime(anyhow!(
+            "--weights '{}': the loss on {} is {}: the weights or the data overflow, and no accuracy of them means anything",
+            a.weights.display(),
+            data.name(),
+            metrics.mean_loss()
+        )));
+    }
+    Ok(Evaluated { devices, classes, metrics, probabilities: probs })
 }
 
 /// Tokens a language model's evaluation takes per chunk of windows (each device's
@@ -303,37 +362,7 @@ pub(crate) fn cmd_predict(a: PredictArgs) -> CliResult {
     }
     let (data, data_classes) = load_inputs(&a.data, source.flat())?;
     let n = a.limit.map_or(data.len(), |l| l.min(data.len()));
-    let classes = model_classes(&source, data.sample_shape().dims(), a.classes, &a.weights, data_classes)?;
-    let model = build_model(&source, data.sample_shape().dims(), classes, 0.5, 0.99)?;
-    if model.output_shape().ndim() != 1 {
-        return Err(predict_refuses_sequences(&source.name(), &a.weights));
-    }
-    check_model_classes(&model, a.classes, &[&data])?;
-    // The inputs' shape only: their labels, where they have any, are not predict's.
-    if data.sample_shape() != model.input_shape() {
-        return Err(Failure::usage(anyhow!(
-            "--data {}: samples of shape {} do not fit the model's input {}",
-            a.data,
-            data.sample_shape(),
-            model.input_shape()
-        )));
-    }
-    let store = load_weights(&model, &source, "--weights", &a.weights, WeightsFor::Predict)?;
-    // No more devices than inputs: every device gets at least one sample of every chunk.
-    let devices = devices.first(n);
-    let k = model.output_shape().numel();
-    let config = TrainConfig { initial: Some(store), check_replicas_every: None, ..TrainConfig::default() };
-    // ceil(n / PREDICT_CHUNK) chunks of near-equal sizes, each ≥ n / chunks ≥ the devices.
-    let chunks = n.div_ceil(PREDICT_CHUNK);
-    let probs = with_trainer(&model, &devices, &config, |t| {
-        let mut out = Vec::with_capacity(n * k);
-        for c in 0..chunks {
-            let rows: Vec<usize> = (c * n / chunks..(c + 1) * n / chunks).collect();
-            out.extend(t.predict(Batch::gather(&data, &rows))?);
-        }
-        Ok(out)
-    })
-    .map_err(Failure::runtime)?;
+    let (k, probs) = predicted(&a, &source, devices, &data, data_classes, n)?;
     let names = data.class_names();
     if a.format == PredictFormat::Csv {
         let columns: Vec<String> = (0..k).map(|c| format!("p{c}")).collect();
@@ -364,6 +393,51 @@ pub(crate) fn cmd_predict(a: PredictArgs) -> CliResult {
         }
     }
     Ok(())
+}
+
+/// The probabilities (n × the model's k classes, and k) that the weights of `a` give the
+/// first `n` inputs of `data`, run on `devices` (no more than inputs) in chunks of
+/// [`PREDICT_CHUNK`]. `predict`'s work, and a host's (`cli::hosted::predict`).
+pub(crate) fn predicted(
+    a: &PredictArgs,
+    source: &ModelSource,
+    devices: Devices,
+    data: &Dataset,
+    data_classes: usize,
+    n: usize,
+) -> CliResult<(usize, Vec<f32>)> {
+    let classes = model_classes(source, data.sample_shape().dims(), a.classes, &a.weights, data_classes)?;
+    let model = build_model(source, data.sample_shape().dims(), classes, 0.5, 0.99)?;
+    if model.output_shape().ndim() != 1 {
+        return Err(predict_refuses_sequences(&source.name(), &a.weights));
+    }
+    check_model_classes(&model, a.classes, &[data])?;
+    // The inputs' shape only: their labels, where they have any, are not predict's.
+    if data.sample_shape() != model.input_shape() {
+        return Err(Failure::usage(anyhow!(
+            "{}: samples of shape {} do not fit the model's input {}",
+            data.name(),
+            data.sample_shape(),
+            model.input_shape()
+        )));
+    }
+    let store = load_weights(&model, source, "--weights", &a.weights, WeightsFor::Predict)?;
+    // No more devices than inputs: every device gets at least one sample of every chunk.
+    let devices = devices.first(n);
+    let k = model.output_shape().numel();
+    let config = TrainConfig { initial: Some(store), check_replicas_every: None, ..TrainConfig::default() };
+    // ceil(n / PREDICT_CHUNK) chunks of near-equal sizes, each ≥ n / chunks ≥ the devices.
+    let chunks = n.div_ceil(PREDICT_CHUNK);
+    let probs = with_trainer(&model, &devices, &config, |t| {
+        let mut out = Vec::with_capacity(n * k);
+        for c in 0..chunks {
+            let rows: Vec<usize> = (c * n / chunks..(c + 1) * n / chunks).collect();
+            out.extend(t.predict(Batch::gather(data, &rows))?);
+        }
+        Ok(out)
+    })
+    .map_err(Failure::runtime)?;
+    Ok((k, probs))
 }
 
 /// A CSV cell: quoted (quotes doubled) when it holds a comma, a quote or a line break.

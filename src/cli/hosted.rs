@@ -103,8 +103,17 @@ impl Refusal {
 }
 
 /// The flags that name files: a refusal of one of their values is a file's.
-const FILE_FLAGS: [&str; 8] =
-    ["--save", "--save-best", "--init", "--metrics-out", "--checkpoint-dir", "--resume", "--model", "--test-data"];
+const FILE_FLAGS: [&str; 9] = [
+    "--save",
+    "--save-best",
+    "--init",
+    "--metrics-out",
+    "--checkpoint-dir",
+    "--resume",
+    "--model",
+    "--test-data",
+    "--weights",
+];
 
 /// Runs `lockstep train` with `run.flags` on `run`'s samples, in this process and on the
 /// calling thread (the devices' threads are the run's own, and end with it).
@@ -141,4 +150,53 @@ pub fn train(run: HostedRun<'_>) -> Result<Trained, Refusal> {
     let weights = crate::weights::to_safetensors_file_bytes(&ended.model, &ended.report.weights)
         .map_err(|e| Refusal::Run(e.to_string()))?;
     Ok(Trained { report: ended.report, weights, held_out: ended.held_out })
+}
+
+/// What [`evaluate`] gives: the loss and accuracy over the samples, and each sample's
+/// probabilities (its row of `classes`).
+pub struct Evaluation {
+    pub loss: f64,
+    pub accuracy: f64,
+    pub correct: u64,
+    pub count: u64,
+    pub classes: usize,
+    pub probabilities: Vec<f32>,
+}
+
+/// `lockstep eval` with `flags` (its `--weights`, `--model`, `--classes`, `--devices`;
+/// no `--data`) on `samples`, checked as `train`'s are: the same model, weights and
+/// arithmetic as the command line's.
+pub fn evaluate(flags: Vec<String>, samples: &Samples<'_>) -> Result<Evaluation, Refusal> {
+    let super::Command::Eval(a) = parse("eval", flags)? else { unreachable!("the subcommand is eval") };
+    let data =
+        |classes| crate::data::safetensors_file::dataset_from_arrays("the samples", &samples.x, &samples.y, classes);
+    let e = super::eval::evaluate_in_memory(&a, data).map_err(Refusal::from_failure)?;
+    Ok(Evaluation {
+        loss: e.metrics.mean_loss(),
+        accuracy: e.metrics.accuracy(),
+        correct: e.metrics.correct,
+        count: e.metrics.count,
+        classes: e.classes,
+        probabilities: e.probabilities,
+    })
+}
+
+/// `lockstep predict` with `flags` (its `--weights`, `--model`, `--classes`, `--devices`,
+/// `--limit`; no `--data`) on inputs `x`: (the model's classes, each input's
+/// probabilities, a row of them an input).
+pub fn predict(flags: Vec<String>, x: &Array<'_>) -> Result<(usize, Vec<f32>), Refusal> {
+    // `--data` is predict's required flag; the inputs here are in memory.
+    let flags = std::iter::once(format!("--data={}", super::train::IN_MEMORY)).chain(flags).collect();
+    let super::Command::Predict(a) = parse("predict", flags)? else { unreachable!("the subcommand is predict") };
+    let data =
+        crate::data::safetensors_file::inputs_from_array("the inputs", x).map_err(|e| Refusal::Usage(e.to_string()))?;
+    super::eval::predict_in_memory(&a, &data).map_err(Refusal::from_failure)
+}
+
+/// `lockstep SUBCOMMAND FLAGS` parsed as the program parses it.
+fn parse(subcommand: &str, flags: Vec<String>) -> Result<super::Command, Refusal> {
+    let argv = ["lockstep", subcommand].into_iter().map(String::from).chain(flags);
+    let (cli, _) = Cli::parse_args(argv.map(Into::into))
+        .map_err(|e| Refusal::Usage(super::clap_error_line(&e.render().to_string())))?;
+    Ok(cli.command)
 }

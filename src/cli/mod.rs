@@ -54,6 +54,7 @@ macro_rules! outln {
     }};
 }
 
+pub mod allocator;
 mod bench;
 #[cfg(feature = "mpi")]
 mod bench_mpi;

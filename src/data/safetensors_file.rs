@@ -72,7 +72,25 @@ pub fn load_safetensors_inputs(path: &Path) -> Result<Dataset> {
         found.sort_unstable();
         bad(format!("no tensor 'x' (the file holds: [{}]); the inputs are a dataset's 'x'", found.join(", ")))
     })?;
-    let (sample_shape, features) = read_x(path, &x)?;
+    let names = metadata.get(CLASS_NAMES_KEY).map(|text| read_class_names(path, text)).transpose()?;
+    inputs_from_tensor(path, &x, names)
+}
+
+/// The inputs of [`load_safetensors_inputs`] given as an array `x` in memory (a host's
+/// `predict`), checked and read as a file's `x` is; errors name the array as `name`.
+pub fn inputs_from_array(name: &str, x: &Array<'_>) -> Result<Dataset> {
+    let origin = Path::new(name);
+    inputs_from_tensor(origin, &array_view(origin, "x", x)?, None)
+}
+
+/// Inputs from tensor `x`, with label 0 of one class, or of as many as `names` names.
+fn inputs_from_tensor(
+    path: &Path,
+    x: &safetensors::tensor::TensorView<'_>,
+    names: Option<Vec<String>>,
+) -> Result<Dataset> {
+    let bad = |detail: String| Error::format(path, detail);
+    let (sample_shape, features) = read_x(path, x)?;
     let n = x.shape()[0];
     if n == 0 {
         return Err(bad("tensor 'x' has 0 samples".into()));
@@ -80,7 +98,6 @@ pub fn load_safetensors_inputs(path: &Path) -> Result<Dataset> {
     if sample_shape.contains(&0) {
         return Err(bad(format!("tensor 'x' has shape {:?}: a sample has no elements", x.shape())));
     }
-    let names = metadata.get(CLASS_NAMES_KEY).map(|text| read_class_names(path, text)).transpose()?;
     let classes = names.as_ref().map_or(1, |n| n.len().max(1));
     let ds = Dataset::new(path.display().to_string(), sample_shape, features, vec![0; n], classes)?;
     match names {

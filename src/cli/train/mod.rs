@@ -570,7 +570,7 @@ fn load(args: &TrainArgs, run: &Run) -> CliResult<RunData> {
 }
 
 /// What a run whose data is given in memory ([`Hosting`]) names its data.
-const IN_MEMORY: &str = "data in memory";
+pub(crate) const IN_MEMORY: &str = "data in memory";
 
 /// A hosted run's data: the training set, and the held-out set evaluated after every
 /// epoch (Keras's `validation_data`), or `--validation-split`'s part of the training set.
