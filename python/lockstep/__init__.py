@@ -30,7 +30,7 @@ from . import _lockstep
 from ._from_keras import from_keras
 from ._from_torch import Model, from_torch
 
-__all__ = ["fit", "evaluate", "predict", "from_keras", "from_torch", "History", "Model", "load", "BUILTIN_MODELS"]
+__all__ = ["fit", "evaluate", "predict", "generate", "from_keras", "from_torch", "History", "Model", "load", "BUILTIN_MODELS"]
 
 #: The built-in models `fit` trains by name (`lockstep train --model NAME`); the language
 #: models ("gpt", "llama") train on a text.
@@ -213,6 +213,30 @@ def predict(model, x, weights, *, layout=None, **flags):
             raise type(e)(_in_keywords(str(e), said)) from None
         del xs
     return np.frombuffer(probs, dtype="<f4").reshape(-1, k).copy()
+
+
+def generate(model, weights, prompt="\n", **flags):
+    """Text a language model continues `prompt` with, as `lockstep generate` draws it
+    (`tokens=`, `temperature=`, `top_k=`, `seed=`: its flags and defaults): the bytes it
+    draws, decoded as UTF-8 where they are (a `str`; `bytes` otherwise). `model` a
+    language model's name ("gpt", "llama"), a from_torch model or a spec; `weights` a
+    History, a weights file or a dict of arrays."""
+    with tempfile.TemporaryDirectory(prefix="lockstep-") as tmp:
+        argv, _ = _scoring_flags(model, weights, None, flags, tmp)
+        if isinstance(prompt, bytes):
+            prompt = prompt.decode("utf-8", errors="surrogateescape")
+        argv.append(f"--prompt={prompt}")
+        said = {**flags, "weights": argv[argv.index("--weights") + 1]}
+        try:
+            text = _lockstep.generate(argv)
+        except ValueError as e:
+            raise _keyword_error(e, said) from None
+        except (OSError, RuntimeError) as e:
+            raise type(e)(_in_keywords(str(e), said)) from None
+    try:
+        return text.decode("utf-8")
+    except UnicodeDecodeError:
+        return text
 
 
 def _scoring_flags(model, weights, layout, flags, tmp):

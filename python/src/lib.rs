@@ -242,6 +242,13 @@ fn predict(py: Python<'_>, flags: Vec<String>, x: RawArray) -> PyResult<(usize, 
     Ok((k, PyBytes::new(py, &f32_bytes(&p)).unbind()))
 }
 
+/// generate(flags) -> bytes: `lockstep generate` with `flags`: the bytes it would print.
+#[pyfunction]
+fn generate(py: Python<'_>, flags: Vec<String>) -> PyResult<Py<PyBytes>> {
+    let text = py.detach(|| hosted::generate(flags)).map_err(raise)?;
+    Ok(PyBytes::new(py, &text).unbind())
+}
+
 /// Little-endian bytes of f32 values.
 fn f32_bytes(v: &[f32]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_le_bytes()).collect()
@@ -253,5 +260,6 @@ fn _lockstep(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(train, m)?)?;
     m.add_function(wrap_pyfunction!(evaluate, m)?)?;
     m.add_function(wrap_pyfunction!(predict, m)?)?;
+    m.add_function(wrap_pyfunction!(generate, m)?)?;
     Ok(())
 }

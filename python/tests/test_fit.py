@@ -29,10 +29,12 @@ def images(n, seed):
 
 
 def write_dataset(path, x, y):
-    """A dataset file (tensors x and y) of the arrays."""
-    y = y.astype("<i8")
+    """A dataset file (tensors x and y) of the arrays: x uint8 or float32, y integers."""
+    kind = "U8" if x.dtype == np.uint8 else "F32"
+    x = np.ascontiguousarray(x, dtype=np.uint8 if kind == "U8" else "<f4")
+    y = np.asarray(y).astype("<i8")
     header = {
-        "x": {"dtype": "U8", "shape": list(x.shape), "data_offsets": [0, x.nbytes]},
+        "x": {"dtype": kind, "shape": list(x.shape), "data_offsets": [0, x.nbytes]},
         "y": {"dtype": "I64", "shape": [len(y)], "data_offsets": [x.nbytes, x.nbytes + y.nbytes]},
     }
     h = json.dumps(header).encode()
@@ -86,6 +88,22 @@ def test_a_text_trains_the_command_lines_bytes(tmp_path, model, devices):
     assert saved.keys() == h.weights.keys()
     assert all(saved[k].tobytes() == h.weights[k].tobytes() for k in saved)
     assert h.steps == 12 and h.history["val_loss"][-1] > 0
+
+
+def test_generate_draws_the_command_lines_text(tmp_path):
+    if not os.path.exists(BIN):
+        pytest.skip(f"no lockstep binary at {BIN} (cargo build --release, or set LOCKSTEP_BIN)")
+    text = "the quick brown fox jumps over the lazy dog, again and again. " * 40
+    h = lockstep.fit("gpt", text, layers=1, heads=2, width=32, context=16, steps=30, batch_size=8,
+                     devices="cpu:2", save=tmp_path / "g.safetensors", verbose=False)
+    flags = dict(tokens=40, seed=3, temperature=0.8)
+    ours = lockstep.generate("gpt", h, prompt="the ", **flags)
+    argv = [BIN, "generate", "--weights", str(tmp_path / "g.safetensors"), "--prompt", "the "]
+    argv += [f"--{k}={v}" for k, v in flags.items()]
+    done = subprocess.run(argv, capture_output=True)
+    assert done.returncode == 0, done.stderr
+    raw = ours if isinstance(ours, bytes) else ours.encode("utf-8")  # bytes where not UTF-8
+    assert raw + b"\n" == done.stdout
 
 
 def test_layouts_and_copies_read_the_same_samples():

@@ -8,7 +8,6 @@ import os
 import re
 import subprocess
 
-import numpy as np
 import pytest
 
 os.environ.setdefault("KERAS_BACKEND", "torch")
@@ -47,7 +46,7 @@ def test_the_notebook_runs_and_its_numbers_are_the_command_lines(tmp_path):
     spec.write_text(__import__("json").dumps(model.spec))
     lockstep._write_safetensors(str(init), model.weights)
     for name, x, y in (("train", scope["X_train"], scope["y_train"]), ("test", scope["X_test"], scope["y_test"])):
-        write_float_dataset(tmp_path / f"{name}.safetensors", x.numpy(), y.numpy())
+        write_dataset(tmp_path / f"{name}.safetensors", x.numpy(), y.numpy())
     argv = [BIN, "train", "--model", str(spec), "--init", str(init), "--data", str(tmp_path / "train.safetensors")]
     argv += ["--val-data", str(tmp_path / "test.safetensors"), "--epochs=3", "--batch-size=2", "--optimizer=sgd"]
     argv += ["--lr=0.5", "--lr-schedule=constant", "--devices=cpu:2"]
@@ -56,19 +55,3 @@ def test_the_notebook_runs_and_its_numbers_are_the_command_lines(tmp_path):
     cli = float(re.search(r"final train loss ([\d.]+)", done.stdout).group(1))
     assert f"{loss:.4f}" == f"{cli:.4f}"
 
-
-def write_float_dataset(path, x, y):
-    """A dataset file of float32 samples x (N, F) and labels y."""
-    import json
-    import struct
-
-    x = np.ascontiguousarray(x, dtype="<f4")
-    y = np.asarray(y, dtype="<i8")
-    header = {
-        "x": {"dtype": "F32", "shape": list(x.shape), "data_offsets": [0, x.nbytes]},
-        "y": {"dtype": "I64", "shape": [len(y)], "data_offsets": [x.nbytes, x.nbytes + y.nbytes]},
-    }
-    h = json.dumps(header).encode()
-    h += b" " * (-len(h) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(h)) + h + x.tobytes() + y.tobytes())

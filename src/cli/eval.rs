@@ -168,16 +168,7 @@ pub(crate) fn evaluate_in_memory(
 /// `predict` on inputs a host gives in memory (`cli::hosted::predict`): `cmd_predict`'s
 /// checks that read no `--data`, then [`predicted`] of the first `--limit` inputs.
 pub(crate) fn predict_in_memory(a: &PredictArgs, data: &Dataset) -> CliResult<(usize, Vec<f32>)> {
-    if a.limit == Some(0) {
-        return Err(Failure::usage(anyhow!("--limit must be at least 1")));
-    }
-    let source = a.model.resolve()?;
-    if source.is_language_model() {
-        return Err(predict_refuses_sequences(&source.name(), &a.weights));
-    }
-    let devices = resolve_devices(&a.devices)?;
-    check_input_file("--weights", &a.weights)?;
-    check_classes(a.classes)?;
+    let (source, devices) = predict_checks(a)?;
     let n = a.limit.map_or(data.len(), |l| l.min(data.len()));
     predicted(a, &source, devices, data, data.num_classes(), n)
 }
@@ -346,7 +337,9 @@ fn predict_refuses_sequences(model: &str, weights: &Path) -> Failure {
     ))
 }
 
-pub(crate) fn cmd_predict(a: PredictArgs) -> CliResult {
+/// `predict`'s checks that read no input: `--limit`, the model (a classifier), the
+/// devices, the weights file, `--classes`.
+fn predict_checks(a: &PredictArgs) -> CliResult<(ModelSource, Devices)> {
     if a.limit == Some(0) {
         return Err(Failure::usage(anyhow!("--limit must be at least 1")));
     }
@@ -357,6 +350,11 @@ pub(crate) fn cmd_predict(a: PredictArgs) -> CliResult {
     let devices = resolve_devices(&a.devices)?;
     check_input_file("--weights", &a.weights)?;
     check_classes(a.classes)?;
+    Ok((source, devices))
+}
+
+pub(crate) fn cmd_predict(a: PredictArgs) -> CliResult {
+    let (source, devices) = predict_checks(&a)?;
     if is_text(&a.data) {
         return Err(not_a_language_model(&source.name(), &a.data));
     }

@@ -193,6 +193,21 @@ pub fn predict(flags: Vec<String>, x: &Array<'_>) -> Result<(usize, Vec<f32>), R
     super::eval::predict_in_memory(&a, &data).map_err(Refusal::from_failure)
 }
 
+/// `lockstep generate` with `flags` (its `--weights`, `--model`, `--prompt`, `--tokens`,
+/// `--temperature`, `--top-k`, `--seed`, ...): the bytes it would print, its final newline
+/// left out.
+pub fn generate(flags: Vec<String>) -> Result<Vec<u8>, Refusal> {
+    let super::Command::Generate(a) = parse("generate", flags)? else { unreachable!("the subcommand is generate") };
+    let mut text = Vec::new();
+    let mut write = |bytes: &[u8]| -> crate::Result<()> {
+        text.extend_from_slice(bytes);
+        Ok(())
+    };
+    super::text::generated(&a, &mut write).map_err(Refusal::from_failure)?;
+    text.pop();
+    Ok(text)
+}
+
 /// `lockstep SUBCOMMAND FLAGS` parsed as the program parses it.
 fn parse(subcommand: &str, flags: Vec<String>) -> Result<super::Command, Refusal> {
     let argv = ["lockstep", subcommand].into_iter().map(String::from).chain(flags);

@@ -162,6 +162,30 @@ fn tokens_help() -> String {
 
 /// `lockstep generate`: prints the continuation of `--prompt`, each byte as it is drawn.
 pub(crate) fn cmd_generate(a: GenerateArgs) -> CliResult {
+    // Each byte is written and flushed as it is drawn: a long generation shows itself
+    // going. A reader that has gone (`| head -c 100`) ends the generation, not the
+    // program's exit status.
+    use std::io::Write as _;
+    let mut stdout = std::io::stdout().lock();
+    let mut closed = false;
+    let mut write = |bytes: &[u8]| -> crate::Result<()> {
+        match stdout.write_all(bytes).and_then(|()| stdout.flush()) {
+            Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => {
+                closed = true;
+                Err(crate::Error::config("stdout", "closed"))
+            }
+            r => r.map_err(|e| crate::Error::io("stdout", e)),
+        }
+    };
+    match generated(&a, &mut write) {
+        Err(_) if closed => Ok(()),
+        r => r,
+    }
+}
+
+/// The text `a` asks for, each byte handed to `write` as it is drawn, then a newline:
+/// `generate`'s work, and a host's (`cli::hosted::generate`).
+pub(crate) fn generated(a: &GenerateArgs, write: &mut dyn FnMut(&[u8]) -> crate::Result<()>) -> CliResult {
     use super::identify::{load_weights, Header, WeightsFor};
     use crate::generate::MAX_TOKENS;
     if a.tokens > MAX_TOKENS {
@@ -212,26 +236,7 @@ pub(crate) fn cmd_generate(a: GenerateArgs) -> CliResult {
     }
     let sampling =
         crate::generate::Sampling { tokens: a.tokens, temperature: a.temperature, top_k: a.top_k, seed: a.seed };
-    // Each byte is written and flushed as it is drawn: a long generation shows itself
-    // going. A reader that has gone (`| head -c 100`) ends the generation, not the
-    // program's exit status.
-    use std::io::Write as _;
-    let mut stdout = std::io::stdout().lock();
-    let mut closed = false;
-    let mut write = |bytes: &[u8]| -> crate::Result<()> {
-        match stdout.write_all(bytes).and_then(|()| stdout.flush()) {
-            Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => {
-                closed = true;
-                Err(crate::Error::config("stdout", "closed"))
-            }
-            r => r.map_err(|e| crate::Error::io("stdout", e)),
-        }
-    };
     let drawn = crate::generate::generate(&mut model, &weights, &prompt, context, &sampling, |t| write(&[t as u8]))
         .and_then(|()| write(b"\n"));
-    match drawn {
-        Ok(()) => Ok(()),
-        Err(_) if closed => Ok(()),
-        Err(e) => Err(Failure::from(e)),
-    }
+    drawn.map_err(Failure::from)
 }

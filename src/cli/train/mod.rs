@@ -956,10 +956,7 @@ fn ended(
     voice: bool,
 ) -> CliResult {
     let o = &args.outputs;
-    if let Some(p) = &o.metrics_out {
-        say(format!("metrics written to {}", p.display()));
-    }
-    final_lines(say, report, held_out, tested, args);
+    said_at_the_end(say, args, report, held_out, tested);
     if let Stopped::Interrupted { checkpoint, evaluation } = &report.stopped {
         return match voice {
             true => interrupted(model, report, checkpoint.as_deref(), *evaluation, o.save.as_deref(), signals),
@@ -972,7 +969,30 @@ fn ended(
             false => Err(Failure::silent(EX_TEMPFAIL)),
         };
     }
-    if let Some(p) = o.save.as_ref().filter(|_| voice) {
+    match voice {
+        true => saved(say, args, model, report),
+        false => Ok(()),
+    }
+}
+
+/// The lines every run ends with: the metrics file, the final metrics.
+fn said_at_the_end(
+    say: &dyn Fn(String),
+    args: &TrainArgs,
+    report: &TrainReport,
+    held_out: HeldOut,
+    tested: Option<&Metrics>,
+) {
+    if let Some(p) = &args.outputs.metrics_out {
+        say(format!("metrics written to {}", p.display()));
+    }
+    final_lines(say, report, held_out, tested, args);
+}
+
+/// `--save` of a run that ended its training, said.
+fn saved(say: &dyn Fn(String), args: &TrainArgs, model: &Graph, report: &TrainReport) -> CliResult {
+    let o = &args.outputs;
+    if let Some(p) = &o.save {
         weights::save_as(model, &report.weights, p, o.save_dtype.dtype()).map_err(Failure::runtime)?;
         say(format!("weights saved to {} ({})", p.display(), record::enum_name(&o.save_dtype)));
     }
@@ -991,11 +1011,7 @@ fn hosted_end(
     held_out: HeldOut,
     tested: Option<&Metrics>,
 ) -> CliResult {
-    let o = &args.outputs;
-    if let Some(p) = &o.metrics_out {
-        say(format!("metrics written to {}", p.display()));
-    }
-    final_lines(say, report, held_out, tested, args);
+    said_at_the_end(say, args, report, held_out, tested);
     let checkpoint = match &report.stopped {
         Stopped::Interrupted { checkpoint, .. } => Some(("interrupted", checkpoint)),
         Stopped::TimeLimit { checkpoint } => Some(("stopped at the time limit", checkpoint)),
@@ -1009,11 +1025,7 @@ fn hosted_end(
         say(line);
         return Ok(());
     }
-    if let Some(p) = &o.save {
-        weights::save_as(model, &report.weights, p, o.save_dtype.dtype()).map_err(Failure::runtime)?;
-        say(format!("weights saved to {} ({})", p.display(), record::enum_name(&o.save_dtype)));
-    }
-    Ok(())
+    saved(say, args, model, report)
 }
 
 // ---------------------------------------------------------------------------------------
