@@ -105,9 +105,10 @@ def fit(model, x, y=None, *, validation_data=None, layout=None, verbose=True, **
       (N, H, W, C) with `layout="NCHW"` / `"NHWC"` said; uint8 or float32 (finite).
       A C-contiguous NCHW array is read where it lies; any other is copied once.
     y: (N,) integer class ids.
-    A language model ("gpt", "llama") takes a text instead, as x: a str (its UTF-8 bytes)
-      or bytes, and no y; its last tenth by position is the validation part, as
-      `lockstep train --data text:FILE` reads a file of the same bytes.
+    A language model ("gpt", "llama") takes a text instead, as x: a str (its UTF-8 bytes),
+      bytes, or a one-dimensional integer array of token ids, and no y; its last tenth by
+      position is the validation part, as `lockstep train --data text:FILE` reads a file
+      of the same bytes.
     validation_data: (x_val, y_val), evaluated after every epoch ("val_loss").
     verbose: the run's lines and a progress display (tqdm's bar where tqdm is installed).
     **flags: `lockstep train`'s flags, `_` for `-`: `epochs=3`, `batch_size=64`,
@@ -141,10 +142,16 @@ def fit(model, x, y=None, *, validation_data=None, layout=None, verbose=True, **
                 name = "the spec given"
         argv += _flags(flags)
         held = None
-        if isinstance(x, (str, bytes, bytearray, memoryview)):
+        tokens = isinstance(x, np.ndarray) and x.ndim == 1 and y is None and np.issubdtype(x.dtype, np.integer)
+        if isinstance(x, (str, bytes, bytearray, memoryview)) or tokens:
             if y is not None or validation_data is not None:
-                raise ValueError("y, validation_data: a text is its own labels (each byte's next), and its last tenth validates")
-            xs, ys = (x.encode("utf-8") if isinstance(x, str) else bytes(x)), None
+                raise ValueError("y, validation_data: a text is its own labels (each token's next), and its last tenth validates")
+            if tokens:
+                # Token ids: int64, int32 or uint8 as they are, other integers converted.
+                xs = _native(x if x.dtype.newbyteorder("=") in _LABEL_DTYPES else x.astype(np.int64))
+            else:
+                xs = x.encode("utf-8") if isinstance(x, str) else bytes(x)
+            ys = None
         else:
             if y is None:
                 raise ValueError("y: samples need their labels (a language model takes a str or bytes as x)")
@@ -157,7 +164,7 @@ def fit(model, x, y=None, *, validation_data=None, layout=None, verbose=True, **
         try:
             result = _lockstep.train(
                 argv,
-                xs if ys is None else _raw(xs),
+                _raw(xs) if isinstance(xs, np.ndarray) else xs,
                 None if ys is None else _raw(ys),
                 None if held is None else (_raw(held[0]), _raw(held[1])),
                 display.say,

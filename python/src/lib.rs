@@ -146,6 +146,7 @@ fn train(
 ) -> PyResult<Py<PyDict>> {
     let data = match (&x, &y) {
         (Input::Text(bytes), None) => Data::Text(bytes),
+        (Input::Array(ids), None) => Data::Tokens(samples(ids, ids).x),
         (Input::Array(x), Some(y)) => {
             Data::Samples { train: samples(x, y), held_out: held_out.as_ref().map(|(hx, hy)| samples(hx, hy)) }
         }

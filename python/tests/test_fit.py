@@ -84,6 +84,11 @@ def test_a_text_trains_the_command_lines_bytes(tmp_path, model, devices):
     done = subprocess.run(argv, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     h = lockstep.fit(model, text, verbose=False, **flags)
+    # The same text as token ids (its bytes, as int64 and as int32): the same weights.
+    ids = np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
+    for tokens in (ids.astype(np.int64), ids.astype(np.int32)):
+        t = lockstep.fit(model, tokens, verbose=False, **flags)
+        assert all(t.weights[k].tobytes() == h.weights[k].tobytes() for k in h.weights)
     saved = lockstep.load(cli)
     assert saved.keys() == h.weights.keys()
     assert all(saved[k].tobytes() == h.weights[k].tobytes() for k in saved)
@@ -148,6 +153,8 @@ def test_bad_input_is_an_exception_naming_it(tmp_path):
     bad(ValueError, "the convnet model reads samples and labels", "convnet", "some text")
     bad(ValueError, "a text is its own labels", "gpt", "some text", y)
     bad(ValueError, "fewer than a window", "gpt", "too short", context=64)
+    bad(ValueError, "token id -1 at position 1 is negative", "gpt", np.array([3, -1] * 500), context=8)
+    bad(ValueError, "token id 256 of sample 256, position 0 is at or above the model.s vocabulary of 256", "gpt", np.arange(1000) % 301, context=8)
     bad(ValueError, "unknown|invalid|field", {"layers": [{"type": "dense", "units": 10, "bogus": 1}]}, x, y, layout="NCHW")
     assert not any(tmp_path.iterdir())
 

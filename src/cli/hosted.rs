@@ -42,6 +42,9 @@ pub enum Data<'a> {
     /// A language model's text (UTF-8 or any bytes: the built-in models read bytes), as
     /// `--data text:FILE` reads a file of it.
     Text(&'a [u8]),
+    /// A language model's text as token ids: a one-dimensional array of integers (int64,
+    /// int32 or uint8), each below 2^24, split as a text's bytes are.
+    Tokens(Array<'a>),
 }
 
 /// A hosted run: `train`'s flags (without the program's name and the subcommand), its
@@ -143,6 +146,10 @@ pub fn train(run: HostedRun<'_>) -> Result<Trained, Refusal> {
             InMemory::Samples(train, held)
         }
         Data::Text(bytes) => InMemory::Text(bytes),
+        Data::Tokens(ids) => InMemory::Tokens(
+            crate::data::safetensors_file::tokens_from_array("the tokens", ids)
+                .map_err(|e| Refusal::Usage(e.to_string()))?,
+        ),
     };
     let hosting = Hosting { data, say: run.say, observer: run.observer, stop: run.stop, model_name: run.model_name };
     let ended = super::train::run(*args, &given, Some(hosting)).map_err(Refusal::from_failure)?;

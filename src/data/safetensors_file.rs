@@ -255,6 +255,29 @@ pub fn dataset_from_arrays(name: &str, x: &Array<'_>, y: &Array<'_>, num_classes
     from_tensors(origin, &xv, &yv, num_classes, &BTreeMap::new())
 }
 
+/// Token ids given as a one-dimensional array of integers (int64, int32 or uint8), each
+/// at least 0 and below 2^24 (exact in f32, as a token file's); errors name the array as
+/// `name`.
+pub fn tokens_from_array(name: &str, a: &Array<'_>) -> Result<Vec<u32>> {
+    let origin = Path::new(name);
+    let bad = |detail: String| Error::format(origin, detail);
+    let view = array_view(origin, "tokens", a)?;
+    if a.shape.len() != 1 {
+        return Err(bad(format!("token ids of shape {:?}; expected one dimension, the text's ids in order", a.shape)));
+    }
+    let d = view.data();
+    let ids: Vec<i64> = match view.dtype() {
+        Dtype::I64 => d.chunks_exact(8).map(|b| i64::from_le_bytes(std::array::from_fn(|k| b[k]))).collect(),
+        Dtype::I32 => d.chunks_exact(4).map(|b| i64::from(i32::from_le_bytes([b[0], b[1], b[2], b[3]]))).collect(),
+        Dtype::U8 => d.iter().map(|&b| i64::from(b)).collect(),
+        other => return Err(bad(format!("token ids of dtype {other}; expected integers (int64, int32 or uint8)"))),
+    };
+    if let Some(i) = ids.iter().position(|&v| !(0..1 << 24).contains(&v)) {
+        return Err(bad(format!("token id {} at position {i} is negative or not below 2^24", ids[i])));
+    }
+    Ok(ids.into_iter().map(|v| v as u32).collect())
+}
+
 /// Array `which` of [`dataset_from_arrays`] as a tensor view, its bytes checked against
 /// its dtype and shape.
 fn array_view<'b>(origin: &Path, which: &str, a: &Array<'b>) -> Result<safetensors::tensor::TensorView<'b>> {

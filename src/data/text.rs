@@ -109,19 +109,24 @@ pub fn fortune_files(dir: &Path) -> Result<Vec<PathBuf>> {
 /// validating, each cut into windows of `context`: both parts must hold one window
 /// and its next token.
 pub fn split_text(name: &str, bytes: &[u8], context: usize) -> Result<Splits> {
-    if bytes.is_empty() {
+    split_tokens(name, bytes.iter().map(|&t| u32::from(t)).collect(), context, BYTE_VOCAB, "bytes")
+}
+
+/// A stream of token ids below `vocab`, split as [`split_text`] splits a text's bytes;
+/// `unit` names a token in errors ("bytes", "tokens").
+pub fn split_tokens(name: &str, tokens: Vec<u32>, context: usize, vocab: usize, unit: &str) -> Result<Splits> {
+    if tokens.is_empty() {
         return Err(Error::Data { name: name.into(), detail: "is empty: a text needs at least one window".into() });
     }
-    let cut = (bytes.len() as f64 * TRAIN_SHARE).floor() as usize;
-    let tokens = |b: &[u8]| b.iter().map(|&t| u32::from(t)).collect::<Vec<u32>>();
+    let len = tokens.len();
+    let cut = (len as f64 * TRAIN_SHARE).floor() as usize;
     // In u128: a context near usize::MAX must not wrap the sizes said to 0.
     let need = context as u128 + 1;
-    let short = |part: &str, len: usize| {
+    let short = |part: &str, left: usize| {
         Error::Data {
         name: name.into(),
         detail: format!(
-            "{} bytes leave {len} for its {part} part, fewer than a window of {need} (a context of {context} and its next token); the text needs at least {} bytes",
-            bytes.len(),
+            "{len} {unit} leave {left} for its {part} part, fewer than a window of {need} (a context of {context} and its next token); the text needs at least {} {unit}",
             need * 10
         ),
     }
@@ -129,11 +134,13 @@ pub fn split_text(name: &str, bytes: &[u8], context: usize) -> Result<Splits> {
     if (cut as u128) < need {
         return Err(short("training", cut));
     }
-    if ((bytes.len() - cut) as u128) < need {
-        return Err(short("validation", bytes.len() - cut));
+    if ((len - cut) as u128) < need {
+        return Err(short("validation", len - cut));
     }
-    let train = Dataset::windows(format!("{name} (training part)"), tokens(&bytes[..cut]), context, BYTE_VOCAB)?;
-    let val = Dataset::windows(format!("{name} (validation part)"), tokens(&bytes[cut..]), context, BYTE_VOCAB)?;
+    let mut train = tokens;
+    let val = train.split_off(cut);
+    let train = Dataset::windows(format!("{name} (training part)"), train, context, vocab)?;
+    let val = Dataset::windows(format!("{name} (validation part)"), val, context, vocab)?;
     Ok(Splits { train, test: Some(val) })
 }
 

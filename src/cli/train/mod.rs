@@ -377,6 +377,8 @@ pub(crate) enum InMemory<'a> {
     Samples(Dataset, Option<Dataset>),
     /// A text's bytes, which a language model reads as `--data text:FILE` reads a file's.
     Text(&'a [u8]),
+    /// A text as token ids, split as a text's bytes are.
+    Tokens(Vec<u32>),
 }
 
 /// How a hosted run ended: its report (the weights of its last step), the model, and the
@@ -404,7 +406,7 @@ pub(crate) fn run(args: TrainArgs, given: &BTreeSet<String>, host: Option<Hostin
     };
     // Every check comes before any work.
     let (mut args, _resumed_lock) = with_the_runs_record(args, given, voice)?;
-    let in_memory = host_data.as_ref().map(|d| matches!(d, InMemory::Text(_)));
+    let in_memory = host_data.as_ref().map(|d| matches!(d, InMemory::Text(_) | InMemory::Tokens(_)));
     let mut run = resolve(&mut args, world, in_memory)?;
     if let Some(name) = host.as_ref().and_then(|h| h.3.clone()) {
         run.model_name = name;
@@ -412,7 +414,8 @@ pub(crate) fn run(args: TrainArgs, given: &BTreeSet<String>, host: Option<Hostin
     let (checkpoint_dir, _lock) = claim_outputs(&args, voice)?;
     let data = match host_data.take() {
         Some(InMemory::Samples(train, held)) => hosted_data(&args, train, held)?,
-        Some(InMemory::Text(bytes)) => hosted_text(&args, bytes)?,
+        Some(InMemory::Text(bytes)) => hosted_text(&args, TextIn::Bytes(bytes))?,
+        Some(InMemory::Tokens(ids)) => hosted_text(&args, TextIn::Tokens(ids))?,
         None => load(&args, &run)?,
     };
     let model = build(&mut args, &run, &data, world)?;
@@ -596,16 +599,30 @@ fn hosted_data(args: &TrainArgs, train: Dataset, held: Option<Dataset>) -> CliRe
     Ok(RunData { splits, final_test, held_out })
 }
 
+/// A hosted text: bytes, or token ids.
+enum TextIn<'a> {
+    Bytes(&'a [u8]),
+    Tokens(Vec<u32>),
+}
+
 /// A hosted run's text, as `--data text:FILE` reads a file of these bytes: windows of
 /// `--context` bytes, its last tenth by position the validation part.
-fn hosted_text(args: &TrainArgs, bytes: &[u8]) -> CliResult<RunData> {
+fn hosted_text(args: &TrainArgs, text: TextIn<'_>) -> CliResult<RunData> {
     let m = &args.model_data;
     if m.validation_split.is_some() || m.val_data.is_some() || m.test_data.is_some() {
         return Err(Failure::usage(anyhow!(
             "a text's validation part is its last tenth by position (no --validation-split, --val-data or --test-data)"
         )));
     }
-    let splits = crate::data::text::split_text("the text", bytes, m.gpt.context).map_err(Failure::usage)?;
+    let splits = match text {
+        TextIn::Bytes(bytes) => crate::data::text::split_text("the text", bytes, m.gpt.context),
+        TextIn::Tokens(ids) => {
+            // The vocabulary the ids need; the model's must hold it (checked with the model).
+            let vocab = ids.iter().max().map_or(1, |&m| m as usize + 1);
+            crate::data::text::split_tokens("the tokens", ids, m.gpt.context, vocab, "tokens")
+        }
+    }
+    .map_err(Failure::usage)?;
     Ok(RunData { splits, final_test: None, held_out: HeldOut::Validation })
 }
 
