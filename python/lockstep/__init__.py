@@ -19,6 +19,7 @@ weights file (`load`). The native module `_lockstep` owns nothing but the call.
 
 import json
 import os
+import re
 import struct
 import sys
 import tempfile
@@ -347,9 +348,17 @@ def _keyword_error(e, flags):
     return ValueError(_in_keywords(text, flags))
 
 
+# What the files a call writes into its own temporary directory are, in its messages.
+_OWN_FILES = {"model.json": "the model's spec", "init.safetensors": "the model's starting weights",
+              "weights.safetensors": "the weights given"}
+
+
 def _in_keywords(text, flags):
     """A message of the command line's with each flag given as a keyword written as that
-    keyword (`--batch-size 0` → `batch_size=0`)."""
+    keyword (`--batch-size 0` → `batch_size=0`), and the files the call wrote for the
+    run named by what they hold."""
+    own = re.escape(tempfile.gettempdir()) + r"/lockstep-[^/'\s]+/(" + "|".join(map(re.escape, _OWN_FILES)) + ")"
+    text = re.sub(own, lambda m: _OWN_FILES[m.group(1)], text)
     for key in sorted(flags, key=len, reverse=True):
         flag = "--" + key.replace("_", "-")
         value = flags[key]

@@ -155,7 +155,7 @@ def test_bad_input_is_an_exception_naming_it(tmp_path):
     bad(ValueError, "fewer than a window", "gpt", "too short", context=64)
     bad(ValueError, "token id -1 at position 1 is negative", "gpt", np.array([3, -1] * 500), context=8)
     bad(ValueError, "token id 256 of sample 256, position 0 is at or above the model.s vocabulary of 256", "gpt", np.arange(1000) % 301, context=8)
-    bad(ValueError, "unknown|invalid|field", {"layers": [{"type": "dense", "units": 10, "bogus": 1}]}, x, y, layout="NCHW")
+    bad(ValueError, r"^the model's spec: layer 0 \(dense\): unknown field 'bogus'", {"input_shape": [1, 28, 28], "layers": [{"type": "dense", "units": 10, "bogus": 1}]}, x, y, layout="NCHW")
     assert not any(tmp_path.iterdir())
 
 
