@@ -1,12 +1,13 @@
-//! `lockstep train` run by another program in its own process: what the Python package
-//! (python/) calls. The run is the command line's own (`train::run`): the same flags,
+//! `lockstep train`, `eval`, `predict` and `generate` run by another program in its own
+//! process: what the Python package (python/) calls. A run is the command line's own
+//! (`train::run`; `eval::evaluated`, `eval::predicted`, `text::generated`): the same flags,
 //! parsed by the same parser with the same defaults and checks, the same data checks, the
 //! same model, the same steps and the same bytes. Only its edges differ:
 //!
 //! - the data comes in memory ([`Data`]), in place of `--data`: samples and labels as
 //!   arrays ([`Array`]), checked as a dataset file's tensors `x` and `y` are
-//!   (`data::safetensors_file::dataset_from_arrays`), or a text's bytes, read as
-//!   `--data text:FILE` reads a file's;
+//!   (`data::safetensors_file::dataset_from_arrays`), or a text's bytes or token ids,
+//!   split as `--data text:FILE` splits a file's bytes;
 //! - its lines go to the host's `say`, its events to the host's [`Observer`] (the command
 //!   line's progress is not drawn);
 //! - the host raises its stop flag (no signal is caught: the host's are its own);
@@ -14,7 +15,7 @@
 //!   bytes), and a failure is a [`Refusal`] that says which kind it is, instead of an exit
 //!   status.
 //!
-//! Owns nothing else: the flags are `train`'s, the run `train::run`'s.
+//! Owns nothing else: the flags are the subcommands', the work theirs.
 
 use std::collections::BTreeSet;
 use std::sync::atomic::AtomicBool;
