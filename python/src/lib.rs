@@ -152,6 +152,8 @@ fn train(
         }
         _ => return Err(PyValueError::new_err("train: samples come with labels, and a text without")),
     };
+    // Under the lock: no Python thread can write the arrays while they are copied.
+    let prepared = hosted::prepare(flags, data).map_err(raise)?;
     let stop = Arc::new(AtomicBool::new(false));
     let mut observer = PyObserver { callback, stop: Arc::clone(&stop), interrupt: None, failure: None };
     let say_line = |line: String| {
@@ -161,9 +163,8 @@ fn train(
     };
     let trained = py.detach(|| {
         hosted::train(HostedRun {
-            flags,
+            prepared,
             model_name,
-            data,
             say: &say_line,
             observer: &mut observer,
             stop: Arc::clone(&stop),
@@ -197,14 +198,36 @@ fn train(
     Ok(out.unbind())
 }
 
+/// An array's copy, owned here.
+struct Owned {
+    dtype: String,
+    shape: Vec<usize>,
+    bytes: Vec<u8>,
+}
+
+impl Owned {
+    fn array(&self) -> Array<'_> {
+        Array { dtype: &self.dtype, shape: self.shape.clone(), bytes: &self.bytes }
+    }
+}
+
+/// A copy of the caller's array (taken while the interpreter's lock is held).
+fn owned(a: &RawArray) -> Owned {
+    // SAFETY: as in `samples`: the caller holds the array, C-contiguous, until the call
+    // returns; the lock is held, so no Python thread writes it meanwhile.
+    Owned { dtype: a.0.clone(), shape: a.1.clone(), bytes: unsafe { bytes(a.2, a.3) }.to_vec() }
+}
+
 /// Samples and labels from the caller's arrays.
 fn samples<'a>(x: &'a RawArray, y: &'a RawArray) -> Samples<'a> {
     let array = |a: &'a RawArray| Array {
         dtype: &a.0,
         shape: a.1.clone(),
         // SAFETY: `train`'s contract (its doc and lockstep/__init__.py): the caller holds
-        // each array, C-contiguous and unchanged, until `train` returns, and these
-        // slices live no longer than its arguments.
+        // each array, C-contiguous, until `train` returns, and these slices live no
+        // longer than its arguments; they are read (copied into the run's datasets,
+        // `hosted::prepare`) while the interpreter's lock is held, so no Python thread
+        // writes them meanwhile.
         bytes: unsafe { bytes(a.2, a.3) },
     };
     Samples { x: array(x), y: array(y) }
@@ -221,7 +244,9 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 /// and every sample's probabilities as f32 bytes.
 #[pyfunction]
 fn evaluate(py: Python<'_>, flags: Vec<String>, x: RawArray, y: RawArray) -> PyResult<Py<PyDict>> {
-    let data = samples(&x, &y);
+    // Copied while the lock is held, so that no Python thread writes them as they are read.
+    let (x, y) = (owned(&x), owned(&y));
+    let data = Samples { x: x.array(), y: y.array() };
     let e = py.detach(|| hosted::evaluate(flags, &data)).map_err(raise)?;
     let out = PyDict::new(py);
     out.set_item("loss", e.loss)?;
@@ -237,8 +262,9 @@ fn evaluate(py: Python<'_>, flags: Vec<String>, x: RawArray, y: RawArray) -> PyR
 /// inputs x: the model's classes and every input's probabilities as f32 bytes.
 #[pyfunction]
 fn predict(py: Python<'_>, flags: Vec<String>, x: RawArray) -> PyResult<(usize, Py<PyBytes>)> {
-    let y = (String::from("int64"), vec![0], 0, 0);
-    let inputs = samples(&x, &y).x;
+    // Copied while the lock is held, so that no Python thread writes them as they are read.
+    let x = owned(&x);
+    let inputs = x.array();
     let (k, p) = py.detach(|| hosted::predict(flags, &inputs)).map_err(raise)?;
     Ok((k, PyBytes::new(py, &f32_bytes(&p)).unbind()))
 }

@@ -48,15 +48,22 @@ pub enum Data<'a> {
     Tokens(Array<'a>),
 }
 
-/// A hosted run: `train`'s flags (without the program's name and the subcommand), its
-/// data, where its lines and events go, and the flag that stops it after the step it is
-/// in.
+/// A run's flags parsed and its data read, the arrays copied into its datasets ([`prepare`]):
+/// what a host does while nothing else can change the arrays (Python: under the
+/// interpreter's lock), before it lets go of them for the run.
+pub struct Prepared<'a> {
+    args: Box<super::train::TrainArgs>,
+    given: BTreeSet<String>,
+    data: InMemory<'a>,
+}
+
+/// A hosted run: its flags and data ([`prepare`]), what its lines call the model, where its
+/// lines and events go, and the flag that stops it after the step it is in.
 pub struct HostedRun<'a> {
-    pub flags: Vec<String>,
+    pub prepared: Prepared<'a>,
     /// What the run's lines call the model, in place of its `--model` (a converted
     /// model's spec is a temporary file).
     pub model_name: Option<String>,
-    pub data: Data<'a>,
     pub say: &'a dyn Fn(String),
     pub observer: &'a mut dyn Observer,
     pub stop: Arc<AtomicBool>,
@@ -119,10 +126,12 @@ const FILE_FLAGS: [&str; 9] = [
     "--weights",
 ];
 
-/// Runs `lockstep train` with `run.flags` on `run`'s samples, in this process and on the
-/// calling thread (the devices' threads are the run's own, and end with it).
-pub fn train(run: HostedRun<'_>) -> Result<Trained, Refusal> {
-    let argv = ["lockstep", "train"].into_iter().map(String::from).chain(run.flags.iter().cloned());
+/// `train`'s flags (without the program's name and the subcommand) parsed as the program
+/// parses them, and `data` read as `train` reads a file of it: the samples checked and
+/// copied into datasets (`--classes`, else their labels', the classes of each), a text's
+/// ids checked.
+pub fn prepare(flags: Vec<String>, data: Data<'_>) -> Result<Prepared<'_>, Refusal> {
+    let argv = ["lockstep", "train"].into_iter().map(String::from).chain(flags);
     let (cli, matches) = Cli::parse_args(argv.map(Into::into))
         .map_err(|e| Refusal::Usage(super::clap_error_line(&e.render().to_string())))?;
     let Command::Train(args) = cli.command else { unreachable!("the subcommand is train") };
@@ -140,18 +149,25 @@ pub fn train(run: HostedRun<'_>) -> Result<Trained, Refusal> {
         crate::data::safetensors_file::dataset_from_arrays(name, &s.x, &s.y, classes)
             .map_err(|e| Refusal::Usage(e.to_string()))
     };
-    let data = match &run.data {
+    let data = match data {
         Data::Samples { train, held_out } => {
-            let train = dataset("the training samples", train, classes)?;
+            let train = dataset("the training samples", &train, classes)?;
             let held = held_out.as_ref().map(|s| dataset("the held-out samples", s, classes)).transpose()?;
             InMemory::Samples(train, held)
         }
         Data::Text(bytes) => InMemory::Text(bytes),
         Data::Tokens(ids) => InMemory::Tokens(
-            crate::data::safetensors_file::tokens_from_array("the tokens", ids)
+            crate::data::safetensors_file::tokens_from_array("the tokens", &ids)
                 .map_err(|e| Refusal::Usage(e.to_string()))?,
         ),
     };
+    Ok(Prepared { args, given, data })
+}
+
+/// Runs `lockstep train` as [`prepare`] read it, in this process and on the calling thread
+/// (the devices' threads are the run's own, and end with it).
+pub fn train(run: HostedRun<'_>) -> Result<Trained, Refusal> {
+    let Prepared { args, given, data } = run.prepared;
     let hosting = Hosting { data, say: run.say, observer: run.observer, stop: run.stop, model_name: run.model_name };
     let ended = super::train::run(*args, &given, Some(hosting)).map_err(Refusal::from_failure)?;
     let ended = ended.ok_or_else(|| Refusal::Usage("the run had nothing left to train".into()))?;
