@@ -120,3 +120,21 @@ def test_a_language_models_graph_computes_pytorchs_loss(name):
         reference = F.cross_entropy(logits[0], window[1:]).item()
     assert abs(h.history["val_loss"][0] - reference) < 1e-5
     h.load_into(module)  # strict
+
+
+@pytest.mark.parametrize("name", ["toy", "convnet", "resnet8", "densenet"])
+def test_a_built_in_models_history_loads_strictly_into_its_pytorch_module(name):
+    x, y = learnable_images(64, 3)
+    if name == "toy":
+        x = np.random.default_rng(3).normal(size=(64, 2)).astype(np.float32)
+        y = (x[:, 0] > 0).astype(np.int64)
+    h = lockstep.fit(name, x, y, layout="NCHW", steps=2, batch_size=32, devices="cpu:2", classes=None if name == "toy" else 10, verbose=False)
+    module = build(name) if name == "toy" else build(name, classes=10)
+    h.load_into(module)  # strict: the names and shapes of its state_dict, every one
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama"])
+def test_a_built_in_language_models_history_loads_strictly_into_its_pytorch_module(name):
+    text = bytes(range(256)) * 8
+    h = lockstep.fit(name, text, layers=1, heads=2, width=32, context=16, steps=2, batch_size=4, devices="cpu:2", verbose=False)
+    h.load_into(build(name, context=16, layers=1, heads=2, width=32))
