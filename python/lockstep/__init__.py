@@ -13,8 +13,10 @@ same defaults: a keyword left out is a flag not given. The run is the command li
 into its inputs and its results into Python's.
 
 Owns: the arrays' checks before they reach the library (dtype, rank, layout, length,
-contiguity), the keywords' translation, the progress display, `History`, and reading a
-weights file (`load`). The native module `_lockstep` owns nothing but the call.
+contiguity), the keywords' translation, the progress display, `History`, the four calls
+(`fit`, `evaluate`, `predict`, `generate`: `lockstep train`, `eval`, `predict` and
+`generate` on data in memory) and reading a weights file (`load`). The native module
+`_lockstep` owns nothing but the calls; `_from_torch` and `_from_keras` the converters.
 """
 
 import json
