@@ -351,16 +351,22 @@ def _keyword_error(e, flags):
 
 
 # What the files a call writes into its own temporary directory are, in its messages.
-_OWN_FILES = {"model.json": "the model's spec", "init.safetensors": "the model's starting weights",
+_OWN_FILES = {"model.json": "the model's spec", "init.safetensors": "the model's own weights",
               "weights.safetensors": "the weights given"}
+
+
+def _own_files_named(text):
+    """`text` with the files a call wrote into its own temporary directory named by what
+    they hold."""
+    own = re.escape(tempfile.gettempdir()) + r"/lockstep-[^/'\s]+/(" + "|".join(map(re.escape, _OWN_FILES)) + ")"
+    return re.sub(own, lambda m: _OWN_FILES[m.group(1)], text)
 
 
 def _in_keywords(text, flags):
     """A message of the command line's with each flag given as a keyword written as that
     keyword (`--batch-size 0` → `batch_size=0`), and the files the call wrote for the
     run named by what they hold."""
-    own = re.escape(tempfile.gettempdir()) + r"/lockstep-[^/'\s]+/(" + "|".join(map(re.escape, _OWN_FILES)) + ")"
-    text = re.sub(own, lambda m: _OWN_FILES[m.group(1)], text)
+    text = _own_files_named(text)
     for key in sorted(flags, key=len, reverse=True):
         flag = "--" + key.replace("_", "-")
         value = flags[key]
@@ -465,7 +471,7 @@ class _Progress:
     def say(self, text):
         if self.verbose:
             self._end_line()
-            print(text, flush=True)
+            print(_own_files_named(text), flush=True)
 
     def event(self, kind, fields):
         if not self.verbose:
