@@ -113,8 +113,10 @@ impl Refusal {
     }
 }
 
-/// The flags that name files: a refusal of one of their values is a file's.
-const FILE_FLAGS: [&str; 9] = [
+/// The flags that name files, of the subcommands a host runs (every one whose value names a
+/// FILE or a DIR but `--data`, which a host gives in memory: a test keeps the list so): a
+/// refusal of one of their values is a file's.
+const FILE_FLAGS: [&str; 10] = [
     "--save",
     "--save-best",
     "--init",
@@ -122,6 +124,7 @@ const FILE_FLAGS: [&str; 9] = [
     "--checkpoint-dir",
     "--resume",
     "--model",
+    "--val-data",
     "--test-data",
     "--weights",
 ];
@@ -131,19 +134,7 @@ const FILE_FLAGS: [&str; 9] = [
 /// copied into datasets (`--classes`, else their labels', the classes of each), a text's
 /// ids checked.
 pub fn prepare(flags: Vec<String>, data: Data<'_>) -> Result<Prepared<'_>, Refusal> {
-    let argv = ["lockstep", "train"].into_iter().map(String::from).chain(flags);
-    let (cli, matches) = Cli::parse_args(argv.map(Into::into))
-        .map_err(|e| Refusal::Usage(super::clap_error_line(&e.render().to_string())))?;
-    let Command::Train(args) = cli.command else { unreachable!("the subcommand is train") };
-    let given: BTreeSet<String> = matches
-        .subcommand_matches("train")
-        .map(|m| {
-            m.ids()
-                .filter(|id| m.value_source(id.as_str()) == Some(clap::parser::ValueSource::CommandLine))
-                .map(|id| id.to_string())
-                .collect()
-        })
-        .unwrap_or_default();
+    let (Command::Train(args), given) = parse("train", flags)? else { unreachable!("the subcommand is train") };
     let classes = args.model_data.classes;
     let dataset = |name: &str, s: &Samples<'_>, classes: Option<usize>| -> Result<Dataset, Refusal> {
         crate::data::safetensors_file::dataset_from_arrays(name, &s.x, &s.y, classes)
@@ -191,7 +182,7 @@ pub struct Evaluation {
 /// no `--data`) on `samples`, checked as `train`'s are: the same model, weights and
 /// arithmetic as the command line's.
 pub fn evaluate(flags: Vec<String>, samples: &Samples<'_>) -> Result<Evaluation, Refusal> {
-    let super::Command::Eval(a) = parse("eval", flags)? else { unreachable!("the subcommand is eval") };
+    let (Command::Eval(a), _) = parse("eval", flags)? else { unreachable!("the subcommand is eval") };
     let data =
         |classes| crate::data::safetensors_file::dataset_from_arrays("the samples", &samples.x, &samples.y, classes);
     let e = super::eval::evaluate_in_memory(&a, data).map_err(Refusal::from_failure)?;
@@ -211,7 +202,7 @@ pub fn evaluate(flags: Vec<String>, samples: &Samples<'_>) -> Result<Evaluation,
 pub fn predict(flags: Vec<String>, x: &Array<'_>) -> Result<(usize, Vec<f32>), Refusal> {
     // `--data` is predict's required flag; the inputs here are in memory.
     let flags = std::iter::once(format!("--data={}", super::train::IN_MEMORY)).chain(flags).collect();
-    let super::Command::Predict(a) = parse("predict", flags)? else { unreachable!("the subcommand is predict") };
+    let (Command::Predict(a), _) = parse("predict", flags)? else { unreachable!("the subcommand is predict") };
     let data =
         crate::data::safetensors_file::inputs_from_array("the inputs", x).map_err(|e| Refusal::Usage(e.to_string()))?;
     super::eval::predict_in_memory(&a, &data).map_err(Refusal::from_failure)
@@ -221,7 +212,7 @@ pub fn predict(flags: Vec<String>, x: &Array<'_>) -> Result<(usize, Vec<f32>), R
 /// `--temperature`, `--top-k`, `--seed`, ...): the bytes it would print, its final newline
 /// left out.
 pub fn generate(flags: Vec<String>) -> Result<Vec<u8>, Refusal> {
-    let super::Command::Generate(a) = parse("generate", flags)? else { unreachable!("the subcommand is generate") };
+    let (Command::Generate(a), _) = parse("generate", flags)? else { unreachable!("the subcommand is generate") };
     let mut text = Vec::new();
     let mut write = |bytes: &[u8]| -> crate::Result<()> {
         text.extend_from_slice(bytes);
@@ -232,10 +223,54 @@ pub fn generate(flags: Vec<String>) -> Result<Vec<u8>, Refusal> {
     Ok(text)
 }
 
-/// `lockstep SUBCOMMAND FLAGS` parsed as the program parses it.
-fn parse(subcommand: &str, flags: Vec<String>) -> Result<super::Command, Refusal> {
+/// `lockstep SUBCOMMAND FLAGS` parsed as the program parses it, and the flags typed.
+fn parse(subcommand: &str, flags: Vec<String>) -> Result<(Command, BTreeSet<String>), Refusal> {
     let argv = ["lockstep", subcommand].into_iter().map(String::from).chain(flags);
-    let (cli, _) = Cli::parse_args(argv.map(Into::into))
+    let (cli, matches) = Cli::parse_args(argv.map(Into::into))
         .map_err(|e| Refusal::Usage(super::clap_error_line(&e.render().to_string())))?;
-    Ok(cli.command)
+    Ok((cli.command, super::typed(&matches, subcommand)))
+}
+
+/// The built-in models' names, as `--model` takes them.
+pub fn builtin_models() -> Vec<&'static str> {
+    use clap::ValueEnum as _;
+    super::ModelName::value_variants().iter().map(|n| n.as_str()).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// FILE_FLAGS is every flag of train, eval, predict and generate whose value names a
+    /// file or a directory, but `--data`.
+    #[test]
+    fn the_file_flags_are_the_subcommands_flags_that_name_files() {
+        let mut tree = super::super::command_tree();
+        tree.build();
+        let mut found = BTreeSet::new();
+        for sub in ["train", "eval", "predict", "generate"] {
+            let cmd = tree.find_subcommand(sub).expect("a subcommand");
+            for arg in cmd.get_arguments() {
+                let names_a_file = arg
+                    .get_value_names()
+                    .is_some_and(|v| v.iter().any(|n| n.as_str().contains("FILE") || n.as_str().contains("DIR")));
+                if let (true, Some(long)) = (names_a_file, arg.get_long()) {
+                    found.insert(format!("--{long}"));
+                }
+            }
+        }
+        found.remove("--data");
+        let listed: BTreeSet<String> = FILE_FLAGS.iter().map(|f| f.to_string()).collect();
+        assert_eq!(listed, found);
+    }
+
+    /// The built-in models' names are `--model`'s: each parses as a built-in model.
+    #[test]
+    fn the_built_in_names_are_the_models_the_command_line_builds() {
+        let names = builtin_models();
+        assert!(names.contains(&"convnet") && names.contains(&"llama"), "{names:?}");
+        for n in names {
+            assert!(matches!(super::super::parse_model_choice(n), Ok(super::super::ModelChoice::Builtin(_))), "{n}");
+        }
+    }
 }

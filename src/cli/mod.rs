@@ -108,6 +108,16 @@ impl Cli {
     }
 }
 
+/// The flags of subcommand `sub` typed on the command line (not defaulted), by clap id:
+/// what `train --resume` compares with the run's stored ones.
+fn typed(matches: &clap::ArgMatches, sub: &str) -> BTreeSet<String> {
+    let Some(m) = matches.subcommand_matches(sub) else { return BTreeSet::new() };
+    m.ids()
+        .filter(|id| m.value_source(id.as_str()) == Some(clap::parser::ValueSource::CommandLine))
+        .map(|id| id.to_string())
+        .collect()
+}
+
 /// `argv` with every value that starts with '-' joined to its flag (`--clip-grad-norm
 /// -1e-3` → `--clip-grad-norm=-1e-3`, `--prompt -abc` → `--prompt=-abc`), which clap would
 /// otherwise read as a flag of its own (it takes `-1` as a number, not `-1e-3` or `-1s`):
@@ -638,17 +648,8 @@ pub fn main() -> ExitCode {
         }
     };
     let across = world.is_some_and(|w| w.size() > 1);
-    // The flags typed on the command line (not defaulted): `train --resume` compares them
-    // with the run's stored ones.
-    let given = |sub: &str| -> BTreeSet<String> {
-        let Some(m) = matches.subcommand_matches(sub) else { return BTreeSet::new() };
-        m.ids()
-            .filter(|id| m.value_source(id.as_str()) == Some(clap::parser::ValueSource::CommandLine))
-            .map(|id| id.to_string())
-            .collect()
-    };
     let result = match cli.command {
-        Command::Train(a) => cmd_train(*a, &given("train")),
+        Command::Train(a) => cmd_train(*a, &typed(&matches, "train")),
         Command::Eval(_) | Command::Predict(_) if across => {
             Err(Failure::usage(anyhow!("eval and predict run in one process: start them without mpirun or srun")))
         }

@@ -1759,12 +1759,7 @@ pub(crate) mod tests {
     pub(crate) fn parsed_given(argv: &[&str]) -> (TrainArgs, BTreeSet<String>) {
         let full = ["lockstep", "train"].iter().chain(argv).copied();
         let (cli, matches) = Cli::parse_args(full.map(Into::into)).expect("valid flags");
-        let m = matches.subcommand_matches("train").expect("a train command");
-        let given = m
-            .ids()
-            .filter(|id| m.value_source(id.as_str()) == Some(clap::parser::ValueSource::CommandLine))
-            .map(|id| id.to_string())
-            .collect();
+        let given = typed(&matches, "train");
         match cli.command {
             Command::Train(args) => (*args, given),
             _ => unreachable!("a train command"),
