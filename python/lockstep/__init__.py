@@ -19,6 +19,7 @@ contiguity), the keywords' translation, the progress display, `History`, the fou
 `_lockstep` owns nothing but the calls; `_from_torch` and `_from_keras` the converters.
 """
 
+import contextlib
 import json
 import os
 import re
@@ -35,9 +36,9 @@ from ._from_torch import Model, from_torch
 
 __all__ = ["fit", "evaluate", "predict", "generate", "from_keras", "from_torch", "History", "Model", "load", "BUILTIN_MODELS"]
 
-#: The built-in models `fit` trains by name (`lockstep train --model NAME`); the language
-#: models ("gpt", "llama") train on a text.
-BUILTIN_MODELS = ("toy", "convnet", "convnet-nobn", "resnet8", "resnet20", "densenet", "gpt", "llama")
+#: The built-in models `fit` trains by name (`lockstep train --model NAME`), as the library
+#: lists them; the language models ("gpt", "llama") train on a text.
+BUILTIN_MODELS = tuple(_lockstep.builtin_models())
 
 _SAMPLE_DTYPES = (np.dtype(np.float32), np.dtype(np.uint8))
 _LABEL_DTYPES = (np.dtype(np.int64), np.dtype(np.int32), np.dtype(np.uint8))
@@ -106,7 +107,8 @@ def fit(model, x, y=None, *, validation_data=None, layout=None, verbose=True, **
       `lockstep train --model FILE.json`) as a dict, or the path of such a file.
     x: a numpy array of samples: (N, F), (N, H, W) (one channel), or (N, C, H, W) /
       (N, H, W, C) with `layout="NCHW"` / `"NHWC"` said; uint8 or float32 (finite).
-      A C-contiguous NCHW array is read where it lies; any other is copied once.
+      Copied once into the run's dataset (an NHWC, strided or big-endian array once
+      more before).
     y: (N,) integer class ids.
     A language model ("gpt", "llama") takes a text instead, as x: a str (its UTF-8 bytes),
       bytes, or a one-dimensional integer array of token ids, and no y; its last tenth by
@@ -121,28 +123,23 @@ def fit(model, x, y=None, *, validation_data=None, layout=None, verbose=True, **
     Ctrl-C (or the notebook's stop button) ends the run after the step it is in: the
     History holds the weights of that step, and `stopped` is "interrupted".
     """
-    argv = []
     name = None
     with tempfile.TemporaryDirectory(prefix="lockstep-") as tmp:
+        argv = ["--model", _model_flag(model, tmp)]
         if isinstance(model, Model):
-            # A converted model: its spec and its module's weights as the run's start.
+            # A converted model: its module's weights are the run's start.
             if "init" in flags:
-                raise ValueError("init: a model from from_torch starts from its module's weights; give no init=")
-            spec = os.path.join(tmp, "model.json")
-            with open(spec, "w") as f:
-                json.dump(model.spec, f)
+                raise ValueError("init: a converted model starts from its module's weights; give no init=")
             init = os.path.join(tmp, "init.safetensors")
             _write_safetensors(init, model.weights)
-            argv += ["--model", spec, "--init", init]
+            argv += ["--init", init]
             layout = layout or model.layout
             name = model.source
             # A language model's windows are its input's length.
             if model.spec["layers"][0]["type"] == "embedding" and "context" not in flags:
                 argv.append(f"--context={model.spec['input_shape'][0]}")
-        else:
-            argv += ["--model", _model_flag(model, tmp)]
-            if isinstance(model, dict):
-                name = "the spec given"
+        elif isinstance(model, dict):
+            name = "the spec given"
         argv += _flags(flags)
         held = None
         tokens = isinstance(x, np.ndarray) and x.ndim == 1 and y is None and np.issubdtype(x.dtype, np.integer)
@@ -164,25 +161,21 @@ def fit(model, x, y=None, *, validation_data=None, layout=None, verbose=True, **
                 raise ValueError("validation_data: expected a pair (x_val, y_val)")
             held = _samples(validation_data[0], validation_data[1], layout, "validation_data[0]", "validation_data[1]")
         display = _Progress(verbose)
+        # The arrays (xs, ys, held) stay referenced until the call returns: the library
+        # copies them into the run's datasets, under the interpreter's lock, before the run.
         try:
-            result = _lockstep.train(
-                argv,
-                _raw(xs) if isinstance(xs, np.ndarray) else xs,
-                None if ys is None else _raw(ys),
-                None if held is None else (_raw(held[0]), _raw(held[1])),
-                display.say,
-                display.event,
-                name,
-            )
-        except ValueError as e:
-            raise _keyword_error(e, flags) from None
-        except (OSError, RuntimeError) as e:
-            raise type(e)(_in_keywords(str(e), flags)) from None
+            with _refusals(flags):
+                result = _lockstep.train(
+                    argv,
+                    _raw(xs) if isinstance(xs, np.ndarray) else xs,
+                    None if ys is None else _raw(ys),
+                    None if held is None else (_raw(held[0]), _raw(held[1])),
+                    display.say,
+                    display.event if verbose else None,
+                    name,
+                )
         finally:
             display.close()
-        # The arrays stay referenced (xs, ys, held) until the run has returned: the
-        # library reads them where they lie.
-        del xs, ys, held
     return History(result, model if isinstance(model, Model) else None)
 
 
@@ -193,16 +186,10 @@ def evaluate(model, x, y, weights, *, layout=None, **flags):
     `layout` as `fit` takes them; the keywords are `lockstep eval`'s flags (`devices=`,
     `classes=`)."""
     with tempfile.TemporaryDirectory(prefix="lockstep-") as tmp:
-        argv, layout = _scoring_flags(model, weights, layout, flags, tmp)
+        argv, layout, said = _scoring_flags(model, weights, layout, flags, tmp)
         xs, ys = _samples(x, y, layout, "x", "y")
-        said = {**flags, "weights": argv[argv.index("--weights") + 1]}
-        try:
+        with _refusals(said):
             r = _lockstep.evaluate(argv, _raw(xs), _raw(ys))
-        except ValueError as e:
-            raise _keyword_error(e, said) from None
-        except (OSError, RuntimeError) as e:
-            raise type(e)(_in_keywords(str(e), said)) from None
-        del xs, ys
     r["probabilities"] = np.frombuffer(r["probabilities"], dtype="<f4").reshape(-1, r.pop("classes")).copy()
     return r
 
@@ -212,16 +199,10 @@ def predict(model, x, weights, *, layout=None, **flags):
     predict` computes them; the arguments as `evaluate`'s, without labels (`limit=` the
     first inputs only)."""
     with tempfile.TemporaryDirectory(prefix="lockstep-") as tmp:
-        argv, layout = _scoring_flags(model, weights, layout, flags, tmp)
+        argv, layout, said = _scoring_flags(model, weights, layout, flags, tmp)
         xs, _ = _samples(x, np.zeros(len(x), dtype=np.int64) if hasattr(x, "__len__") else x, layout, "x", "y")
-        said = {**flags, "weights": argv[argv.index("--weights") + 1]}
-        try:
+        with _refusals(said):
             k, probs = _lockstep.predict(argv, _raw(xs))
-        except ValueError as e:
-            raise _keyword_error(e, said) from None
-        except (OSError, RuntimeError) as e:
-            raise type(e)(_in_keywords(str(e), said)) from None
-        del xs
     return np.frombuffer(probs, dtype="<f4").reshape(-1, k).copy()
 
 
@@ -232,17 +213,12 @@ def generate(model, weights, prompt="\n", **flags):
     language model's name ("gpt", "llama"), a from_torch model or a spec; `weights` a
     History, a weights file or a dict of arrays."""
     with tempfile.TemporaryDirectory(prefix="lockstep-") as tmp:
-        argv, _ = _scoring_flags(model, weights, None, flags, tmp)
+        argv, _, said = _scoring_flags(model, weights, None, flags, tmp)
         if isinstance(prompt, bytes):
             prompt = prompt.decode("utf-8", errors="surrogateescape")
         argv.append(f"--prompt={prompt}")
-        said = {**flags, "weights": argv[argv.index("--weights") + 1]}
-        try:
+        with _refusals(said):
             text = _lockstep.generate(argv)
-        except ValueError as e:
-            raise _keyword_error(e, said) from None
-        except (OSError, RuntimeError) as e:
-            raise type(e)(_in_keywords(str(e), said)) from None
     try:
         return text.decode("utf-8")
     except UnicodeDecodeError:
@@ -250,17 +226,12 @@ def generate(model, weights, prompt="\n", **flags):
 
 
 def _scoring_flags(model, weights, layout, flags, tmp):
-    """`eval`'s and `predict`'s --model and --weights for `model` and `weights`, written
-    into `tmp` where they are in memory, and the samples' layout."""
-    argv = []
+    """`eval`'s, `predict`'s and `generate`'s flags: --model and --weights for `model` and
+    `weights` (written into `tmp` where they are in memory) and the keywords'; the samples'
+    layout; and what the refusals call each flag (the keywords, and `weights`)."""
+    argv = ["--model", _model_flag(model, tmp)]
     if isinstance(model, Model):
-        spec = os.path.join(tmp, "model.json")
-        with open(spec, "w") as f:
-            json.dump(model.spec, f)
-        argv += ["--model", spec]
         layout = layout or model.layout
-    else:
-        argv += ["--model", _model_flag(model, tmp)]
     path = os.path.join(tmp, "weights.safetensors")
     if isinstance(weights, History):
         with open(path, "wb") as f:
@@ -272,7 +243,7 @@ def _scoring_flags(model, weights, layout, flags, tmp):
         if os.path.isdir(path):
             raise IsADirectoryError(f"weights: {path} is a directory, not a weights file")
     argv += ["--weights", path] + _flags(flags)
-    return argv, layout
+    return argv, layout, {**flags, "weights": path}
 
 
 def load(path):
@@ -299,12 +270,12 @@ def load(path):
 
 
 def _model_flag(model, tmp):
-    """`--model`'s value: a name or a path as given, a spec dict written into the run's
-    own temporary directory (removed when the run ends)."""
-    if isinstance(model, dict):
+    """`--model`'s value: a name or a path as given, a spec (a dict, or a converted
+    model's) written into the call's own temporary directory (removed when it returns)."""
+    if isinstance(model, (dict, Model)):
         path = os.path.join(tmp, "model.json")
         with open(path, "w") as f:
-            json.dump(model, f)
+            json.dump(model.spec if isinstance(model, Model) else model, f)
         return path
     if isinstance(model, os.PathLike):
         model = os.fspath(model)
@@ -336,6 +307,17 @@ def _flags(flags):
         else:
             argv.append(f"{flag}={os.fspath(value) if isinstance(value, os.PathLike) else value}")
     return argv
+
+
+@contextlib.contextmanager
+def _refusals(flags):
+    """The library's refusals, raised as their own kind in the keywords' words."""
+    try:
+        yield
+    except ValueError as e:
+        raise _keyword_error(e, flags) from None
+    except (OSError, RuntimeError) as e:
+        raise type(e)(_in_keywords(str(e), flags)) from None
 
 
 def _keyword_error(e, flags):

@@ -80,6 +80,9 @@ impl Observer for PyObserver {
                 self.stop.store(true, Ordering::SeqCst);
                 self.interrupt.get_or_insert(err);
             }
+            if self.callback.is_none() {
+                return;
+            }
             let d = PyDict::new(py);
             // Steps counted from 1, as the command line's lines count them.
             let _ = d.set_item("step", e.report.step + 1);
@@ -146,7 +149,7 @@ fn train(
 ) -> PyResult<Py<PyDict>> {
     let data = match (&x, &y) {
         (Input::Text(bytes), None) => Data::Text(bytes),
-        (Input::Array(ids), None) => Data::Tokens(samples(ids, ids).x),
+        (Input::Array(ids), None) => Data::Tokens(array(ids)),
         (Input::Array(x), Some(y)) => {
             Data::Samples { train: samples(x, y), held_out: held_out.as_ref().map(|(hx, hy)| samples(hx, hy)) }
         }
@@ -213,14 +216,19 @@ impl Owned {
 
 /// A copy of the caller's array (taken while the interpreter's lock is held).
 fn owned(a: &RawArray) -> Owned {
-    // SAFETY: as in `samples`: the caller holds the array, C-contiguous, until the call
+    // SAFETY: as in `array`: the caller holds the array, C-contiguous, until the call
     // returns; the lock is held, so no Python thread writes it meanwhile.
     Owned { dtype: a.0.clone(), shape: a.1.clone(), bytes: unsafe { bytes(a.2, a.3) }.to_vec() }
 }
 
 /// Samples and labels from the caller's arrays.
 fn samples<'a>(x: &'a RawArray, y: &'a RawArray) -> Samples<'a> {
-    let array = |a: &'a RawArray| Array {
+    Samples { x: array(x), y: array(y) }
+}
+
+/// The caller's array.
+fn array(a: &RawArray) -> Array<'_> {
+    Array {
         dtype: &a.0,
         shape: a.1.clone(),
         // SAFETY: `train`'s contract (its doc and lockstep/__init__.py): the caller holds
@@ -229,8 +237,7 @@ fn samples<'a>(x: &'a RawArray, y: &'a RawArray) -> Samples<'a> {
         // `hosted::prepare`) while the interpreter's lock is held, so no Python thread
         // writes them meanwhile.
         bytes: unsafe { bytes(a.2, a.3) },
-    };
-    Samples { x: array(x), y: array(y) }
+    }
 }
 
 /// The `lockstep` binary's allocator (src/main.rs), for the allocations of this module's
@@ -281,6 +288,12 @@ fn f32_bytes(v: &[f32]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_le_bytes()).collect()
 }
 
+/// builtin_models() -> list: the built-in models' names, as `--model` takes them.
+#[pyfunction]
+fn builtin_models() -> Vec<&'static str> {
+    hosted::builtin_models()
+}
+
 #[pymodule]
 fn _lockstep(m: &Bound<'_, PyModule>) -> PyResult<()> {
     lockstep::cli::allocator::keep_freed_pages();
@@ -288,5 +301,6 @@ fn _lockstep(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(evaluate, m)?)?;
     m.add_function(wrap_pyfunction!(predict, m)?)?;
     m.add_function(wrap_pyfunction!(generate, m)?)?;
+    m.add_function(wrap_pyfunction!(builtin_models, m)?)?;
     Ok(())
 }

@@ -147,6 +147,10 @@ def test_bad_input_is_an_exception_naming_it(tmp_path):
     bad(OSError, "init='.*': no such file", "convnet", x, y, layout="NCHW", init=str(tmp_path / "none.safetensors"))
     bad(RuntimeError, "non-finite loss", "convnet", x, y, layout="NCHW", lr=1e12, epochs=3, devices="cpu:2")
     bad(ValueError, "data='digits': the data is given in memory; give no data", "convnet", x, y, layout="NCHW", data="digits")
+    bad(ValueError, "val_data: the data is given in memory; give its held-out set in memory too", "convnet", x, y, layout="NCHW", val_data="v.safetensors")
+    bad(ValueError, "validation_split and a held-out set given in memory: choose one", "convnet", x, y, layout="NCHW", validation_split=0.2, validation_data=(x, y))
+    bad(ValueError, "validation_data: expected a pair", "convnet", x, y, layout="NCHW", validation_data=x)
+    bad(ValueError, "y: samples need their labels", "convnet", x, layout="NCHW")
     bad(IsADirectoryError, "is a directory", str(tmp_path), x, y, layout="NCHW")
     bad(FileNotFoundError, "neither a built-in model", "no-such-model", x, y, layout="NCHW")
     bad(ValueError, "language model trains on a text", "gpt", x, y, layout="NCHW")
@@ -211,3 +215,7 @@ def test_evaluate_and_predict_score_the_weights_as_the_run_did(tmp_path, devices
         lockstep.evaluate("gpt", xv, yv, h, layout="NCHW")
     with pytest.raises(OSError, match="weights='.*none.safetensors': no such file"):
         lockstep.evaluate("convnet", xv, yv, tmp_path / "none.safetensors", layout="NCHW")
+    with pytest.raises(ValueError, match="data='digits': the samples are given in memory; give no data"):
+        lockstep.evaluate("convnet", xv, yv, h, layout="NCHW", data="digits")
+    with pytest.raises(ValueError, match="limit must be at least 1"):
+        lockstep.predict("convnet", xv, h, layout="NCHW", limit=0)
